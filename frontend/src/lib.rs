@@ -1,0 +1,36 @@
+//! autotp-frontend: model importers. Today: ONNX (opsets 13 to 23), memory-mapped, with
+//! external data, into a verified, fully static [`autotp_ir::Graph`].
+//!
+//! The importer binds symbolic dims from [`ImportOptions`] (batch at dim 0 and sequence at
+//! dim 1 of every input, or an explicit shape per input), converts node by node and folds
+//! everything computable at compile time, so the result has no shape arithmetic left.
+//! Weights are not copied: they are slices of the memory map.
+
+mod error;
+pub mod onnx;
+
+use std::collections::BTreeMap;
+
+use autotp_ir::{Graph, Tensor};
+
+pub use error::FrontendError;
+
+/// How to bind the model's symbolic dims.
+#[derive(Clone, Debug, Default)]
+pub struct ImportOptions {
+    /// Size of a symbolic dim 0 of any input.
+    pub batch: Option<usize>,
+    /// Size of a symbolic dim 1 of any input.
+    pub seq_len: Option<usize>,
+    /// Full shapes of named inputs; they override `batch` and `seq_len`.
+    pub input_shapes: BTreeMap<String, Vec<usize>>,
+}
+
+/// An imported model: the graph and the parameter tensors by name.
+#[derive(Debug)]
+pub struct Model {
+    pub graph: Graph,
+    pub weights: BTreeMap<String, Tensor>,
+}
+
+pub use onnx::import_file as import_onnx;

@@ -1,0 +1,322 @@
+//! ONNX import: memory-map the model, decode it with prost, bind symbolic dims, and convert
+//! node by node into the IR. Every node whose inputs are all constant is evaluated on the spot
+//! with the IR's reference evaluator, which folds the shape arithmetic PyTorch exports
+//! (Shape/Gather/Concat/Reshape chains, masks) so the resulting graph is fully static.
+
+mod ops;
+pub mod proto;
+mod tensor;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use autotp_ir::{Graph, Op, Tensor, TensorType, ValueId};
+use bytes::Bytes;
+use prost::Message;
+
+use crate::{FrontendError, ImportOptions, Model};
+use proto::{type_proto, ModelProto, NodeProto};
+pub use tensor::dtype_from_onnx;
+
+/// The opsets of the default domain this importer supports.
+pub const OPSETS: std::ops::RangeInclusive<i64> = 13..=23;
+
+/// A value during import: a constant known at compile time, or a graph value.
+#[derive(Clone, Debug)]
+enum Sym {
+    Const(Tensor),
+    Value(ValueId),
+}
+
+/// The node being converted, for error messages.
+struct NodeCx<'n> {
+    node: &'n NodeProto,
+    opset: i64,
+}
+
+impl NodeCx<'_> {
+    fn invalid(&self, message: impl Into<String>) -> FrontendError {
+        FrontendError::InvalidNode {
+            op_type: self.node.op_type.clone(),
+            node: self.node.name.clone(),
+            message: message.into(),
+        }
+    }
+}
+
+struct Importer {
+    graph: Graph,
+    env: BTreeMap<String, Sym>,
+    /// Constant graph values already materialised for a named ONNX tensor.
+    materialized: BTreeMap<String, ValueId>,
+}
+
+impl Importer {
+    fn ty(&self, sym: &Sym) -> TensorType {
+        match sym {
+            Sym::Const(t) => t.ty.clone(),
+            Sym::Value(v) => self.graph.ty(*v).clone(),
+        }
+    }
+
+    fn value_of(&mut self, sym: &Sym) -> ValueId {
+        match sym {
+            Sym::Value(v) => *v,
+            Sym::Const(t) => self
+                .graph
+                .add(Op::Constant { value: t.clone() }, vec![])
+                .expect("constants always type-check"),
+        }
+    }
+
+    /// Adds `op`, or evaluates it when every input is a constant.
+    fn emit(
+        &mut self,
+        cx: &NodeCx,
+        op: Op,
+        inputs: &[Sym],
+        num_outputs: usize,
+    ) -> Result<Vec<Sym>, FrontendError> {
+        let consts: Option<Vec<&Tensor>> = inputs
+            .iter()
+            .map(|s| if let Sym::Const(t) = s { Some(t) } else { None })
+            .collect();
+        if let Some(consts) = consts {
+            let outs = autotp_ir::eval::eval_op(&op, &consts, num_outputs)
+                .map_err(|e| cx.invalid(e.to_string()))?;
+            return Ok(outs.into_iter().map(Sym::Const).collect());
+        }
+        let ids: Vec<ValueId> = inputs.iter().map(|s| self.value_of(s)).collect();
+        let node = self
+            .graph
+            .add_node(op, ids, num_outputs)
+            .map_err(|m| cx.invalid(m))?;
+        Ok(self
+            .graph
+            .node(node)
+            .outputs
+            .iter()
+            .map(|&v| Sym::Value(v))
+            .collect())
+    }
+
+    fn emit1(&mut self, cx: &NodeCx, op: Op, inputs: &[Sym]) -> Result<Sym, FrontendError> {
+        Ok(self.emit(cx, op, inputs, 1)?.remove(0))
+    }
+
+    fn lookup(&self, cx: &NodeCx, name: &str) -> Result<Sym, FrontendError> {
+        self.env.get(name).cloned().ok_or_else(|| {
+            cx.invalid(format!(
+                "input '{name}' is not produced by any earlier node, input or initializer"
+            ))
+        })
+    }
+}
+
+/// Reads and imports an ONNX model file.
+pub fn import_file(path: &Path, options: &ImportOptions) -> Result<Model, FrontendError> {
+    let file = std::fs::File::open(path).map_err(|source| FrontendError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: read-only map; the model must not be truncated while it is imported.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| FrontendError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    import_bytes(Bytes::from_owner(map), path, options)
+}
+
+/// Imports a model from its serialized bytes; `path` names it in errors and locates external
+/// data.
+pub fn import_bytes(
+    bytes: Bytes,
+    path: &Path,
+    options: &ImportOptions,
+) -> Result<Model, FrontendError> {
+    let decode_error = |message: String| FrontendError::Decode {
+        path: path.to_path_buf(),
+        message,
+    };
+    if bytes.is_empty() {
+        return Err(decode_error("the file is empty".into()));
+    }
+    let model = ModelProto::decode(bytes).map_err(|e| decode_error(e.to_string()))?;
+    let graph = model
+        .graph
+        .as_ref()
+        .ok_or_else(|| decode_error("it has no graph".into()))?;
+    let mut opset = None;
+    for o in &model.opset_import {
+        match o.domain.as_str() {
+            "" | "ai.onnx" => opset = Some(o.version),
+            // Training-preview ops are not imported; other domains fail on their first node.
+            _ => {}
+        }
+    }
+    let opset =
+        opset.ok_or_else(|| decode_error("it imports no opset of the default domain".into()))?;
+    if !OPSETS.contains(&opset) {
+        return Err(FrontendError::UnsupportedOpset {
+            path: path.to_path_buf(),
+            domain: "ai.onnx".into(),
+            version: opset,
+        });
+    }
+
+    let name = if graph.name.is_empty() {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    } else {
+        graph.name.clone()
+    };
+    let mut imp = Importer {
+        graph: Graph::new(name),
+        env: BTreeMap::new(),
+        materialized: BTreeMap::new(),
+    };
+    let mut external = tensor::ExternalFiles::new(path);
+
+    let mut initializers = BTreeMap::new();
+    for t in &graph.initializer {
+        initializers.insert(t.name.clone(), tensor::decode(t, &t.name, &mut external)?);
+    }
+    for input in &graph.input {
+        if initializers.contains_key(&input.name) {
+            continue;
+        }
+        let ty = input_type(input, options)?;
+        let id = imp.graph.add_input(input.name.clone(), ty);
+        imp.env.insert(input.name.clone(), Sym::Value(id));
+    }
+    for name in options.input_shapes.keys() {
+        if !graph.input.iter().any(|i| &i.name == name) {
+            return Err(FrontendError::Input {
+                input: name.clone(),
+                message: "--input-shape names an input the model does not have".into(),
+            });
+        }
+    }
+    let mut weights = BTreeMap::new();
+    for t in &graph.initializer {
+        let tensor = initializers.remove(&t.name).expect("decoded above");
+        if tensor.dtype().is_float() {
+            let id = imp.graph.add_param(t.name.clone(), tensor.ty.clone());
+            imp.env.insert(t.name.clone(), Sym::Value(id));
+            weights.insert(t.name.clone(), tensor);
+        } else {
+            imp.env.insert(t.name.clone(), Sym::Const(tensor));
+        }
+    }
+
+    for node in &graph.node {
+        let cx = NodeCx { node, opset };
+        let outputs = ops::convert(&mut imp, &cx, &mut external)?;
+        for (name, sym) in node.output.iter().zip(outputs) {
+            if !name.is_empty() {
+                imp.env.insert(name.clone(), sym);
+            }
+        }
+    }
+    for out in &graph.output {
+        let sym = imp.env.get(&out.name).cloned().ok_or_else(|| {
+            decode_error(format!(
+                "graph output '{}' is not produced by any node",
+                out.name
+            ))
+        })?;
+        let id = match &sym {
+            Sym::Value(v) => *v,
+            Sym::Const(_) => match imp.materialized.get(&out.name) {
+                Some(v) => *v,
+                None => {
+                    let v = imp.value_of(&sym);
+                    imp.materialized.insert(out.name.clone(), v);
+                    v
+                }
+            },
+        };
+        imp.graph.add_output(out.name.clone(), id);
+    }
+    let graph = imp.graph.without_dead_code();
+    weights.retain(|name, _| {
+        graph
+            .params()
+            .iter()
+            .any(|&p| graph.name_of(p) == Some(name))
+    });
+    autotp_ir::verify(&graph)?;
+    Ok(Model { graph, weights })
+}
+
+/// The static type of a graph input: declared dims, bound symbolic dims, or `--input-shape`.
+fn input_type(
+    input: &proto::ValueInfoProto,
+    options: &ImportOptions,
+) -> Result<TensorType, FrontendError> {
+    let err = |message: String| FrontendError::Input {
+        input: input.name.clone(),
+        message,
+    };
+    let tensor = match input.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+        Some(type_proto::Value::TensorType(t)) => t,
+        _ => return Err(err("is not a tensor".into())),
+    };
+    let dtype = dtype_from_onnx(tensor.elem_type).ok_or_else(|| {
+        err(format!(
+            "has unsupported element type {}",
+            tensor::onnx_type_name(tensor.elem_type)
+        ))
+    })?;
+    let declared = tensor
+        .shape
+        .as_ref()
+        .map(|s| s.dim.as_slice())
+        .unwrap_or(&[]);
+    if let Some(shape) = options.input_shapes.get(&input.name) {
+        if shape.len() != declared.len() {
+            return Err(err(format!(
+                "--input-shape gives {} dims, the model declares {}",
+                shape.len(),
+                declared.len()
+            )));
+        }
+        for (i, (d, &given)) in declared.iter().zip(shape).enumerate() {
+            if let Some(proto::tensor_shape_proto::dimension::Value::DimValue(v)) = d.value {
+                if v as usize != given {
+                    return Err(err(format!(
+                        "--input-shape gives {given} for dim {i}, the model fixes it to {v}"
+                    )));
+                }
+            }
+        }
+        return Ok(TensorType::new(dtype, shape.clone()));
+    }
+    let mut shape = Vec::with_capacity(declared.len());
+    for (i, d) in declared.iter().enumerate() {
+        use proto::tensor_shape_proto::dimension::Value;
+        let size = match &d.value {
+            Some(Value::DimValue(v)) if *v >= 0 => *v as usize,
+            other => {
+                let symbol = match other {
+                    Some(Value::DimParam(p)) => format!("'{p}'"),
+                    _ => "an unnamed dim".to_string(),
+                };
+                let bound = match i {
+                    0 => options.batch,
+                    1 => options.seq_len,
+                    _ => None,
+                };
+                let flag = match i {
+                    0 => "--batch",
+                    1 => "--seq-len",
+                    _ => "--input-shape",
+                };
+                bound.ok_or_else(|| err(format!("dim {i} is symbolic ({symbol}); give it with {flag} or --input-shape {}=D0,D1,...", input.name)))?
+            }
+        };
+        shape.push(size);
+    }
+    Ok(TensorType::new(dtype, shape))
+}

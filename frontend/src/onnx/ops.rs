@@ -1,0 +1,818 @@
+//! Conversion of each supported ONNX op into IR ops, with ONNX's defaults and per-opset input
+//! conventions (attributes that became inputs: Split, Squeeze/Unsqueeze, Reduce*, Pad, Slice,
+//! Dropout).
+
+use autotp_ir::{
+    BinaryOp, DType, GeluApprox, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp,
+};
+
+use super::proto::AttributeProto;
+use super::tensor::{decode, ExternalFiles};
+use super::{Importer, NodeCx, Sym};
+use crate::FrontendError;
+
+fn attr<'n>(cx: &NodeCx<'n>, name: &str) -> Option<&'n AttributeProto> {
+    cx.node.attribute.iter().find(|a| a.name == name)
+}
+
+fn attr_int(cx: &NodeCx, name: &str, default: i64) -> i64 {
+    attr(cx, name).map(|a| a.i).unwrap_or(default)
+}
+
+fn attr_float(cx: &NodeCx, name: &str, default: f32) -> f32 {
+    attr(cx, name).map(|a| a.f).unwrap_or(default)
+}
+
+fn attr_ints(cx: &NodeCx, name: &str) -> Option<Vec<i64>> {
+    attr(cx, name).map(|a| a.ints.clone())
+}
+
+fn attr_string(cx: &NodeCx, name: &str) -> Option<String> {
+    attr(cx, name).map(|a| String::from_utf8_lossy(&a.s).into_owned())
+}
+
+/// Input `i`, or `None` when it is absent or the empty name (an omitted optional input).
+fn opt_input(imp: &Importer, cx: &NodeCx, i: usize) -> Result<Option<Sym>, FrontendError> {
+    match cx.node.input.get(i).map(String::as_str) {
+        None | Some("") => Ok(None),
+        Some(name) => imp.lookup(cx, name).map(Some),
+    }
+}
+
+fn input(imp: &Importer, cx: &NodeCx, i: usize) -> Result<Sym, FrontendError> {
+    opt_input(imp, cx, i)?.ok_or_else(|| cx.invalid(format!("required input {i} is missing")))
+}
+
+fn constant<'s>(cx: &NodeCx, sym: &'s Sym, i: usize) -> Result<&'s Tensor, FrontendError> {
+    match sym {
+        Sym::Const(t) => Ok(t),
+        Sym::Value(_) => Err(FrontendError::NotConstant {
+            op_type: cx.node.op_type.clone(),
+            node: cx.node.name.clone(),
+            input: cx.node.input.get(i).cloned().unwrap_or_default(),
+        }),
+    }
+}
+
+/// A constant integer input (`shape`, `axes`, `pads`...), or `None` when omitted.
+fn const_ints(imp: &Importer, cx: &NodeCx, i: usize) -> Result<Option<Vec<i64>>, FrontendError> {
+    match opt_input(imp, cx, i)? {
+        None => Ok(None),
+        Some(sym) => Ok(Some(constant(cx, &sym, i)?.to_i64_vec())),
+    }
+}
+
+fn norm_axis(cx: &NodeCx, axis: i64, rank: usize) -> Result<usize, FrontendError> {
+    let r = rank as i64;
+    if axis < -r || axis >= r.max(1) {
+        return Err(cx.invalid(format!("axis {axis} is out of range for rank {rank}")));
+    }
+    Ok(if axis < 0 {
+        (axis + r) as usize
+    } else {
+        axis as usize
+    })
+}
+
+fn norm_axes(cx: &NodeCx, axes: &[i64], rank: usize) -> Result<Vec<usize>, FrontendError> {
+    let mut out = axes
+        .iter()
+        .map(|&a| norm_axis(cx, a, rank))
+        .collect::<Result<Vec<_>, _>>()?;
+    out.sort_unstable();
+    if out.windows(2).any(|w| w[0] == w[1]) {
+        return Err(cx.invalid(format!("axes {axes:?} repeat an axis")));
+    }
+    Ok(out)
+}
+
+fn dims(values: &[i64], cx: &NodeCx, what: &str) -> Result<Vec<usize>, FrontendError> {
+    values
+        .iter()
+        .map(|&v| {
+            usize::try_from(v)
+                .map_err(|_| cx.invalid(format!("{what} {values:?} has a negative entry")))
+        })
+        .collect()
+}
+
+fn unary_op(op_type: &str) -> Option<UnaryOp> {
+    Some(match op_type {
+        "Neg" => UnaryOp::Neg,
+        "Abs" => UnaryOp::Abs,
+        "Exp" => UnaryOp::Exp,
+        "Log" => UnaryOp::Log,
+        "Sqrt" => UnaryOp::Sqrt,
+        "Reciprocal" => UnaryOp::Reciprocal,
+        "Tanh" => UnaryOp::Tanh,
+        "Erf" => UnaryOp::Erf,
+        "Sigmoid" => UnaryOp::Sigmoid,
+        "Relu" => UnaryOp::Relu,
+        "Sin" => UnaryOp::Sin,
+        "Cos" => UnaryOp::Cos,
+        "Floor" => UnaryOp::Floor,
+        "Ceil" => UnaryOp::Ceil,
+        "Round" => UnaryOp::Round,
+        "Sign" => UnaryOp::Sign,
+        "Not" => UnaryOp::Not,
+        _ => return None,
+    })
+}
+
+fn binary_op(op_type: &str) -> Option<BinaryOp> {
+    Some(match op_type {
+        "Add" => BinaryOp::Add,
+        "Sub" => BinaryOp::Sub,
+        "Mul" => BinaryOp::Mul,
+        "Div" => BinaryOp::Div,
+        "Pow" => BinaryOp::Pow,
+        "Equal" => BinaryOp::Equal,
+        "Less" => BinaryOp::Less,
+        "LessOrEqual" => BinaryOp::LessEqual,
+        "Greater" => BinaryOp::Greater,
+        "GreaterOrEqual" => BinaryOp::GreaterEqual,
+        "And" => BinaryOp::And,
+        "Or" => BinaryOp::Or,
+        "Xor" => BinaryOp::Xor,
+        _ => return None,
+    })
+}
+
+fn reduce_op(op_type: &str) -> Option<ReduceOp> {
+    Some(match op_type {
+        "ReduceSum" => ReduceOp::Sum,
+        "ReduceMean" => ReduceOp::Mean,
+        "ReduceMax" => ReduceOp::Max,
+        "ReduceMin" => ReduceOp::Min,
+        "ReduceProd" => ReduceOp::Prod,
+        _ => return None,
+    })
+}
+
+/// The shape of `x` with 1s inserted at `axes` (normalised against the output rank).
+fn unsqueezed_shape(
+    cx: &NodeCx,
+    shape: &[usize],
+    axes: &[i64],
+) -> Result<Vec<usize>, FrontendError> {
+    let rank = shape.len() + axes.len();
+    let axes = norm_axes(cx, axes, rank)?;
+    let mut rest = shape.iter();
+    Ok((0..rank)
+        .map(|d| {
+            if axes.contains(&d) {
+                1
+            } else {
+                *rest.next().expect("counted")
+            }
+        })
+        .collect())
+}
+
+/// Converts one node; returns one symbol per ONNX output.
+pub(super) fn convert(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    external: &mut ExternalFiles,
+) -> Result<Vec<Sym>, FrontendError> {
+    let op_type = cx.node.op_type.as_str();
+    if !cx.node.domain.is_empty() && cx.node.domain != "ai.onnx" {
+        return Err(FrontendError::UnsupportedOp {
+            op_type: format!("{}.{}", cx.node.domain, op_type),
+            node: cx.node.name.clone(),
+            opset: cx.opset,
+        });
+    }
+    let one = |s: Sym| Ok(vec![s]);
+    if let Some(op) = unary_op(op_type) {
+        let x = input(imp, cx, 0)?;
+        return one(imp.emit1(cx, Op::Unary(op), &[x])?);
+    }
+    if let Some(op) = binary_op(op_type) {
+        let a = input(imp, cx, 0)?;
+        let mut b = input(imp, cx, 1)?;
+        let (ta, tb) = (imp.ty(&a), imp.ty(&b));
+        if op == BinaryOp::Pow && ta.dtype != tb.dtype {
+            // ONNX allows an exponent of another type; compute in the base's type.
+            b = imp.emit1(cx, Op::Cast { to: ta.dtype }, &[b])?;
+        }
+        return one(imp.emit1(cx, Op::Binary(op), &[a, b])?);
+    }
+    if let Some(op) = reduce_op(op_type) {
+        return convert_reduce(imp, cx, op);
+    }
+    match op_type {
+        "Identity" => one(input(imp, cx, 0)?),
+        "Max" | "Min" => {
+            let op = if op_type == "Max" {
+                BinaryOp::Max
+            } else {
+                BinaryOp::Min
+            };
+            let mut acc = input(imp, cx, 0)?;
+            for i in 1..cx.node.input.len() {
+                let next = input(imp, cx, i)?;
+                acc = imp.emit1(cx, Op::Binary(op), &[acc, next])?;
+            }
+            one(acc)
+        }
+        "Mod" => {
+            let a = input(imp, cx, 0)?;
+            let b = input(imp, cx, 1)?;
+            let fmod = attr_int(cx, "fmod", 0);
+            if imp.ty(&a).dtype.is_float() != (fmod == 1) {
+                return Err(
+                    cx.invalid("fmod=1 is required for floats and supported only for floats")
+                );
+            }
+            one(imp.emit1(cx, Op::Binary(BinaryOp::Mod), &[a, b])?)
+        }
+        "Cast" => {
+            let code = attr_int(cx, "to", 0) as i32;
+            let to = super::dtype_from_onnx(code).ok_or_else(|| {
+                cx.invalid(format!(
+                    "cast to unsupported type {}",
+                    super::tensor::onnx_type_name(code)
+                ))
+            })?;
+            let x = input(imp, cx, 0)?;
+            if imp.ty(&x).dtype == to {
+                return one(x);
+            }
+            one(imp.emit1(cx, Op::Cast { to }, &[x])?)
+        }
+        "CastLike" => {
+            let x = input(imp, cx, 0)?;
+            let to = imp.ty(&input(imp, cx, 1)?).dtype;
+            one(imp.emit1(cx, Op::Cast { to }, &[x])?)
+        }
+        "Where" => {
+            let c = input(imp, cx, 0)?;
+            let x = input(imp, cx, 1)?;
+            let y = input(imp, cx, 2)?;
+            one(imp.emit1(cx, Op::Select, &[c, x, y])?)
+        }
+        "Constant" => {
+            let a = cx
+                .node
+                .attribute
+                .first()
+                .ok_or_else(|| cx.invalid("has no value attribute"))?;
+            let t = match a.name.as_str() {
+                "value" => decode(
+                    a.t.as_ref()
+                        .ok_or_else(|| cx.invalid("value has no tensor"))?,
+                    &cx.node.name,
+                    external,
+                )?,
+                "value_float" => Tensor::from_f32(vec![], &[a.f]),
+                "value_floats" => Tensor::from_f32(vec![a.floats.len()], &a.floats),
+                "value_int" => Tensor::from_i64(vec![], &[a.i]),
+                "value_ints" => Tensor::from_i64(vec![a.ints.len()], &a.ints),
+                other => return Err(cx.invalid(format!("unsupported value attribute '{other}'"))),
+            };
+            one(Sym::Const(t))
+        }
+        "ConstantOfShape" => {
+            let shape = dims(&const_ints(imp, cx, 0)?.unwrap_or_default(), cx, "shape")?;
+            let value = match attr(cx, "value").and_then(|a| a.t.as_ref()) {
+                Some(t) => decode(t, &cx.node.name, external)?,
+                None => Tensor::from_f32(vec![], &[0.0]),
+            };
+            if value.numel() != 1 {
+                return Err(cx.invalid("value must have exactly one element"));
+            }
+            one(Sym::Const(Tensor::full(
+                value.dtype(),
+                shape,
+                value.get_f64(0),
+            )))
+        }
+        "Shape" => {
+            let shape = imp.ty(&input(imp, cx, 0)?).shape;
+            let rank = shape.len() as i64;
+            let clamp = |v: i64| (if v < 0 { v + rank } else { v }).clamp(0, rank) as usize;
+            let start = clamp(attr_int(cx, "start", 0));
+            let end = clamp(attr_int(cx, "end", rank));
+            let dims: Vec<i64> = shape[start..end.max(start)]
+                .iter()
+                .map(|&d| d as i64)
+                .collect();
+            one(Sym::Const(Tensor::from_i64(vec![dims.len()], &dims)))
+        }
+        "Size" => {
+            let n = imp.ty(&input(imp, cx, 0)?).numel() as i64;
+            one(Sym::Const(Tensor::from_i64(vec![], &[n])))
+        }
+        "Range" => {
+            let vals: Vec<Tensor> = (0..3)
+                .map(|i| input(imp, cx, i).and_then(|s| constant(cx, &s, i).cloned()))
+                .collect::<Result<_, _>>()?;
+            let (start, limit, delta) =
+                (vals[0].get_f64(0), vals[1].get_f64(0), vals[2].get_f64(0));
+            if delta == 0.0 {
+                return Err(cx.invalid("delta is zero"));
+            }
+            let n = ((limit - start) / delta).ceil().max(0.0) as usize;
+            let dtype = vals[0].dtype();
+            let values: Vec<f64> = (0..n).map(|i| start + i as f64 * delta).collect();
+            let bytes: Vec<u8> = values
+                .iter()
+                .flat_map(|&v| autotp_ir::scalar_bytes(dtype, v))
+                .collect();
+            let t =
+                Tensor::from_bytes(TensorType::new(dtype, vec![n]), bytes.into()).expect("sized");
+            one(Sym::Const(t))
+        }
+        "Reshape" => {
+            let x = input(imp, cx, 0)?;
+            let in_shape = imp.ty(&x).shape;
+            let target = const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing shape"))?;
+            let allow_zero = attr_int(cx, "allowzero", 0) == 1;
+            let shape = reshape_target(cx, &in_shape, &target, allow_zero)?;
+            one(imp.emit1(cx, Op::Reshape { shape }, &[x])?)
+        }
+        "Flatten" => {
+            let x = input(imp, cx, 0)?;
+            let s = imp.ty(&x).shape;
+            let axis = norm_axis(cx, attr_int(cx, "axis", 1), s.len() + 1)?;
+            let shape = vec![s[..axis].iter().product(), s[axis..].iter().product()];
+            one(imp.emit1(cx, Op::Reshape { shape }, &[x])?)
+        }
+        "Unsqueeze" => {
+            let x = input(imp, cx, 0)?;
+            let axes = const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing axes"))?;
+            let shape = unsqueezed_shape(cx, &imp.ty(&x).shape, &axes)?;
+            one(imp.emit1(cx, Op::Reshape { shape }, &[x])?)
+        }
+        "Squeeze" => {
+            let x = input(imp, cx, 0)?;
+            let s = imp.ty(&x).shape;
+            let axes = match const_ints(imp, cx, 1)? {
+                Some(a) => norm_axes(cx, &a, s.len())?,
+                None => (0..s.len()).filter(|&d| s[d] == 1).collect(),
+            };
+            if let Some(&d) = axes.iter().find(|&&d| s[d] != 1) {
+                return Err(cx.invalid(format!("cannot squeeze dim {d} of size {}", s[d])));
+            }
+            let shape = (0..s.len())
+                .filter(|d| !axes.contains(d))
+                .map(|d| s[d])
+                .collect();
+            one(imp.emit1(cx, Op::Reshape { shape }, &[x])?)
+        }
+        "Transpose" => {
+            let x = input(imp, cx, 0)?;
+            let rank = imp.ty(&x).rank();
+            let perm = match attr_ints(cx, "perm") {
+                Some(p) => dims(&p, cx, "perm")?,
+                None => (0..rank).rev().collect(),
+            };
+            one(imp.emit1(cx, Op::Transpose { perm }, &[x])?)
+        }
+        "Concat" => {
+            let xs: Vec<Sym> = (0..cx.node.input.len())
+                .map(|i| input(imp, cx, i))
+                .collect::<Result<_, _>>()?;
+            let rank = imp
+                .ty(xs.first().ok_or_else(|| cx.invalid("has no inputs"))?)
+                .rank();
+            let axis = norm_axis(cx, attr_int(cx, "axis", 0), rank)?;
+            one(imp.emit1(cx, Op::Concat { axis }, &xs)?)
+        }
+        "Split" => {
+            let x = input(imp, cx, 0)?;
+            let s = imp.ty(&x).shape;
+            let axis = norm_axis(cx, attr_int(cx, "axis", 0), s.len())?;
+            let outputs = cx.node.output.len();
+            let sizes = match const_ints(imp, cx, 1)? {
+                Some(sizes) => dims(&sizes, cx, "split")?,
+                None => {
+                    let parts = if cx.opset >= 18 {
+                        attr_int(cx, "num_outputs", outputs as i64) as usize
+                    } else {
+                        outputs
+                    };
+                    if parts == 0 {
+                        return Err(cx.invalid("splits into zero parts"));
+                    }
+                    let chunk = s[axis].div_ceil(parts);
+                    (0..parts)
+                        .map(|i| chunk.min(s[axis].saturating_sub(i * chunk)))
+                        .collect()
+                }
+            };
+            imp.emit(cx, Op::Split { axis, sizes }, &[x], outputs)
+        }
+        "Slice" => convert_slice(imp, cx),
+        "Expand" => {
+            let x = input(imp, cx, 0)?;
+            let s = imp.ty(&x).shape;
+            let target = dims(
+                &const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing shape"))?,
+                cx,
+                "shape",
+            )?;
+            let shape = autotp_ir::broadcast_shapes(&s, &target)
+                .ok_or_else(|| cx.invalid(format!("cannot expand {s:?} to {target:?}")))?;
+            one(imp.emit1(cx, Op::Expand { shape }, &[x])?)
+        }
+        "Gather" | "GatherElements" => {
+            let data = input(imp, cx, 0)?;
+            let idx = input(imp, cx, 1)?;
+            let axis = norm_axis(cx, attr_int(cx, "axis", 0), imp.ty(&data).rank())?;
+            let op = if op_type == "Gather" {
+                Op::Gather { axis }
+            } else {
+                Op::GatherElements { axis }
+            };
+            one(imp.emit1(cx, op, &[data, idx])?)
+        }
+        "Trilu" => {
+            let x = input(imp, cx, 0)?;
+            let k = const_ints(imp, cx, 1)?
+                .and_then(|v| v.first().copied())
+                .unwrap_or(0);
+            one(imp.emit1(
+                cx,
+                Op::Triangle {
+                    upper: attr_int(cx, "upper", 1) == 1,
+                    k,
+                },
+                &[x],
+            )?)
+        }
+        "MatMul" => {
+            let a = input(imp, cx, 0)?;
+            let b = input(imp, cx, 1)?;
+            one(matmul(imp, cx, a, b, false, false)?)
+        }
+        "Gemm" => {
+            let a = input(imp, cx, 0)?;
+            let b = input(imp, cx, 1)?;
+            let (ta, tb) = (
+                attr_int(cx, "transA", 0) == 1,
+                attr_int(cx, "transB", 0) == 1,
+            );
+            let (alpha, beta) = (attr_float(cx, "alpha", 1.0), attr_float(cx, "beta", 1.0));
+            let dtype = imp.ty(&a).dtype;
+            let mut y = matmul(imp, cx, a, b, ta, tb)?;
+            if alpha != 1.0 {
+                let s = Sym::Const(Tensor::full(dtype, vec![], alpha as f64));
+                y = imp.emit1(cx, Op::Binary(BinaryOp::Mul), &[y, s])?;
+            }
+            if let Some(mut c) = opt_input(imp, cx, 2)? {
+                if beta != 1.0 {
+                    let s = Sym::Const(Tensor::full(dtype, vec![], beta as f64));
+                    c = imp.emit1(cx, Op::Binary(BinaryOp::Mul), &[c, s])?;
+                }
+                y = imp.emit1(cx, Op::Binary(BinaryOp::Add), &[y, c])?;
+            }
+            one(y)
+        }
+        "Softmax" | "LogSoftmax" => {
+            let x = input(imp, cx, 0)?;
+            let axis = norm_axis(cx, attr_int(cx, "axis", -1), imp.ty(&x).rank())?;
+            let op = if op_type == "Softmax" {
+                Op::Softmax { axis }
+            } else {
+                Op::LogSoftmax { axis }
+            };
+            one(imp.emit1(cx, op, &[x])?)
+        }
+        "LayerNormalization" => {
+            if let Some(extra) = cx.node.output.iter().skip(1).find(|o| !o.is_empty()) {
+                return Err(cx.invalid(format!("output '{extra}' (saved mean or inverse std-dev) is not supported; only the normalized output may be used")));
+            }
+            let x = input(imp, cx, 0)?;
+            let axis = norm_axis(cx, attr_int(cx, "axis", -1), imp.ty(&x).rank())?;
+            let eps = attr_float(cx, "epsilon", 1e-5) as f64;
+            let mut ins = vec![x, input(imp, cx, 1)?];
+            if let Some(bias) = opt_input(imp, cx, 2)? {
+                ins.push(bias);
+            }
+            one(imp.emit1(cx, Op::LayerNorm { axis, eps }, &ins)?)
+        }
+        "RMSNormalization" => {
+            let x = input(imp, cx, 0)?;
+            let axis = norm_axis(cx, attr_int(cx, "axis", -1), imp.ty(&x).rank())?;
+            let eps = attr_float(cx, "epsilon", 1e-5) as f64;
+            let scale = input(imp, cx, 1)?;
+            one(imp.emit1(cx, Op::RmsNorm { axis, eps }, &[x, scale])?)
+        }
+        "Gelu" => {
+            let x = input(imp, cx, 0)?;
+            let approx = match attr_string(cx, "approximate").as_deref() {
+                None | Some("none") => GeluApprox::None,
+                Some("tanh") => GeluApprox::Tanh,
+                Some(other) => return Err(cx.invalid(format!("unknown approximate '{other}'"))),
+            };
+            one(imp.emit1(cx, Op::Gelu { approx }, &[x])?)
+        }
+        "Dropout" => {
+            let x = input(imp, cx, 0)?;
+            let ratio = match opt_input(imp, cx, 1)? {
+                Some(r) => constant(cx, &r, 1)?.get_f64(0),
+                None => 0.5,
+            };
+            let training = match opt_input(imp, cx, 2)? {
+                Some(t) => constant(cx, &t, 2)?.get_f64(0) != 0.0,
+                None => false,
+            };
+            if training && ratio != 0.0 {
+                return Err(cx.invalid(format!("dropout with ratio {ratio} in training mode is not supported yet; export with dropout probability 0")));
+            }
+            let shape = imp.ty(&x).shape;
+            let mut outs = vec![x];
+            if cx.node.output.len() > 1 {
+                outs.push(Sym::Const(Tensor::full(DType::Bool, shape, 1.0)));
+            }
+            Ok(outs)
+        }
+        "Pad" => convert_pad(imp, cx),
+        "SoftmaxCrossEntropyLoss" => {
+            let scores = input(imp, cx, 0)?;
+            let labels = input(imp, cx, 1)?;
+            if opt_input(imp, cx, 2)?.is_some() {
+                return Err(cx.invalid("class weights are not supported"));
+            }
+            let reduction = match attr_string(cx, "reduction").as_deref() {
+                None | Some("mean") => Reduction::Mean,
+                Some("sum") => Reduction::Sum,
+                Some("none") => Reduction::None,
+                Some(other) => return Err(cx.invalid(format!("unknown reduction '{other}'"))),
+            };
+            let ignore_index = attr(cx, "ignore_index").map(|a| a.i);
+            let outputs = cx
+                .node
+                .output
+                .iter()
+                .filter(|o| !o.is_empty())
+                .count()
+                .max(1);
+            imp.emit(
+                cx,
+                Op::CrossEntropy {
+                    ignore_index,
+                    reduction,
+                },
+                &[scores, labels],
+                outputs,
+            )
+        }
+        _ => Err(FrontendError::UnsupportedOp {
+            op_type: op_type.to_string(),
+            node: cx.node.name.clone(),
+            opset: cx.opset,
+        }),
+    }
+}
+
+fn reshape_target(
+    cx: &NodeCx,
+    input: &[usize],
+    target: &[i64],
+    allow_zero: bool,
+) -> Result<Vec<usize>, FrontendError> {
+    let total: usize = input.iter().product();
+    let mut shape = Vec::with_capacity(target.len());
+    let mut infer = None;
+    for (i, &t) in target.iter().enumerate() {
+        match t {
+            -1 if infer.is_none() => {
+                infer = Some(i);
+                shape.push(1);
+            }
+            0 if !allow_zero => shape.push(*input.get(i).ok_or_else(|| {
+                cx.invalid(format!(
+                    "shape {target:?} copies dim {i}, the input has rank {}",
+                    input.len()
+                ))
+            })?),
+            t if t >= 0 => shape.push(t as usize),
+            _ => return Err(cx.invalid(format!("invalid target shape {target:?}"))),
+        }
+    }
+    if let Some(i) = infer {
+        let known: usize = shape.iter().product();
+        if known == 0 || total % known != 0 {
+            return Err(cx.invalid(format!("cannot reshape {input:?} to {target:?}")));
+        }
+        shape[i] = total / known;
+    }
+    Ok(shape)
+}
+
+fn convert_reduce(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    op: ReduceOp,
+) -> Result<Vec<Sym>, FrontendError> {
+    let x = input(imp, cx, 0)?;
+    let rank = imp.ty(&x).rank();
+    // ReduceSum takes axes as an input from opset 13, the others from opset 18.
+    let axes_as_input = cx.node.op_type == "ReduceSum" || cx.opset >= 18;
+    let axes = if axes_as_input {
+        const_ints(imp, cx, 1)?
+    } else {
+        attr_ints(cx, "axes")
+    };
+    let axes = match axes {
+        Some(a) if !a.is_empty() => norm_axes(cx, &a, rank)?,
+        _ if attr_int(cx, "noop_with_empty_axes", 0) == 1 => return Ok(vec![x]),
+        _ => (0..rank).collect(),
+    };
+    let keep_dims = attr_int(cx, "keepdims", 1) == 1;
+    Ok(vec![imp.emit1(
+        cx,
+        Op::Reduce {
+            op,
+            axes,
+            keep_dims,
+        },
+        &[x],
+    )?])
+}
+
+fn convert_slice(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
+    let x = input(imp, cx, 0)?;
+    let shape = imp.ty(&x).shape;
+    let rank = shape.len();
+    let starts_in = const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing starts"))?;
+    let ends_in = const_ints(imp, cx, 2)?.ok_or_else(|| cx.invalid("missing ends"))?;
+    let axes_in = const_ints(imp, cx, 3)?.unwrap_or_else(|| (0..starts_in.len() as i64).collect());
+    let steps_in = const_ints(imp, cx, 4)?.unwrap_or_else(|| vec![1; starts_in.len()]);
+    if ends_in.len() != starts_in.len()
+        || axes_in.len() != starts_in.len()
+        || steps_in.len() != starts_in.len()
+    {
+        return Err(cx.invalid("starts, ends, axes and steps differ in length"));
+    }
+    let mut starts = vec![0usize; rank];
+    let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    let mut steps = vec![1i64; rank];
+    for i in 0..starts_in.len() {
+        let axis = norm_axis(cx, axes_in[i], rank)?;
+        let dim = shape[axis] as i64;
+        let step = steps_in[i];
+        if step == 0 {
+            return Err(cx.invalid("a step is zero"));
+        }
+        let resolve = |v: i64| if v < 0 { v.saturating_add(dim) } else { v };
+        let (start, end) = if step > 0 {
+            (
+                resolve(starts_in[i]).clamp(0, dim),
+                resolve(ends_in[i]).clamp(0, dim),
+            )
+        } else {
+            (
+                resolve(starts_in[i]).clamp(0, dim - 1),
+                resolve(ends_in[i]).clamp(-1, dim - 1),
+            )
+        };
+        let empty = if step > 0 {
+            end <= start
+        } else {
+            end >= start || dim == 0
+        };
+        if empty {
+            starts[axis] = 0;
+            ends[axis] = 0;
+            steps[axis] = 1;
+        } else {
+            starts[axis] = start as usize;
+            ends[axis] = end;
+            steps[axis] = step;
+        }
+    }
+    Ok(vec![imp.emit1(
+        cx,
+        Op::Slice {
+            starts,
+            ends,
+            steps,
+        },
+        &[x],
+    )?])
+}
+
+fn convert_pad(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
+    let x = input(imp, cx, 0)?;
+    let ty = imp.ty(&x);
+    let rank = ty.rank();
+    if let Some(mode) = attr_string(cx, "mode") {
+        if mode != "constant" {
+            return Err(cx.invalid(format!(
+                "pad mode '{mode}' is not supported (only constant)"
+            )));
+        }
+    }
+    let pads = const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing pads"))?;
+    let value = match opt_input(imp, cx, 2)? {
+        Some(v) => constant(cx, &v, 2)?.get_f64(0),
+        None => 0.0,
+    };
+    let axes = match const_ints(imp, cx, 3)? {
+        Some(a) => a
+            .iter()
+            .map(|&v| norm_axis(cx, v, rank))
+            .collect::<Result<Vec<_>, _>>()?,
+        None => (0..rank).collect(),
+    };
+    if pads.len() != 2 * axes.len() {
+        return Err(cx.invalid(format!(
+            "pads {pads:?} must have 2 entries per padded axis ({})",
+            axes.len()
+        )));
+    }
+    let (mut begin, mut end) = (vec![0i64; rank], vec![0i64; rank]);
+    for (i, &axis) in axes.iter().enumerate() {
+        begin[axis] = pads[i];
+        end[axis] = pads[i + axes.len()];
+    }
+    // Negative pads crop: slice first, then pad what is left.
+    let mut x = x;
+    if begin.iter().chain(&end).any(|&p| p < 0) {
+        let starts = begin
+            .iter()
+            .map(|&b| (-b).max(0) as usize)
+            .collect::<Vec<_>>();
+        let ends = (0..rank)
+            .map(|d| ty.shape[d] as i64 + end[d].min(0))
+            .collect::<Vec<_>>();
+        let steps = vec![1; rank];
+        x = imp.emit1(
+            cx,
+            Op::Slice {
+                starts,
+                ends,
+                steps,
+            },
+            &[x],
+        )?;
+    }
+    let clamp = |v: &[i64]| v.iter().map(|&p| p.max(0) as usize).collect::<Vec<_>>();
+    Ok(vec![imp.emit1(
+        cx,
+        Op::Pad {
+            begin: clamp(&begin),
+            end: clamp(&end),
+            value,
+        },
+        &[x],
+    )?])
+}
+
+/// ONNX MatMul: numpy semantics including 1-D operands.
+fn matmul(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    a: Sym,
+    b: Sym,
+    ta: bool,
+    tb: bool,
+) -> Result<Sym, FrontendError> {
+    let (sa, sb) = (imp.ty(&a).shape, imp.ty(&b).shape);
+    let a = if sa.len() == 1 {
+        imp.emit1(
+            cx,
+            Op::Reshape {
+                shape: vec![1, sa[0]],
+            },
+            &[a],
+        )?
+    } else {
+        a
+    };
+    let b = if sb.len() == 1 {
+        imp.emit1(
+            cx,
+            Op::Reshape {
+                shape: vec![sb[0], 1],
+            },
+            &[b],
+        )?
+    } else {
+        b
+    };
+    let mut y = imp.emit1(
+        cx,
+        Op::MatMul {
+            transpose_lhs: ta,
+            transpose_rhs: tb,
+        },
+        &[a, b],
+    )?;
+    if sa.len() == 1 || sb.len() == 1 {
+        let mut shape = imp.ty(&y).shape;
+        let r = shape.len();
+        if sb.len() == 1 {
+            shape.remove(r - 1);
+        }
+        if sa.len() == 1 {
+            shape.remove(r - 2);
+        }
+        y = imp.emit1(cx, Op::Reshape { shape }, &[y])?;
+    }
+    Ok(y)
+}

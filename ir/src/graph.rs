@@ -1,0 +1,328 @@
+//! `Graph`: values and nodes in arenas with typed ids, in program order.
+//!
+//! Values are defined by exactly one of: a graph input, a parameter, or a node output. Nodes are
+//! stored in a valid execution order (every input defined before its use). A graph built by
+//! appending (the frontend, the parser, every pass) is canonical: its value arena is in
+//! definition order (inputs, parameters, node outputs), which is the order the printer numbers.
+
+use crate::{Mesh, Op, Placement, TensorType};
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ValueId(pub u32);
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub u32);
+
+impl ValueId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl NodeId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// Where a value comes from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Def {
+    /// The i-th graph input (fed data).
+    Input(usize),
+    /// The i-th parameter (a trainable weight, loaded from the model's weights).
+    Param(usize),
+    /// Output `index` of a node.
+    Node(NodeId, usize),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Value {
+    /// Inputs and parameters carry their model name; other values may be unnamed.
+    pub name: Option<String>,
+    pub ty: TensorType,
+    /// One placement per mesh axis.
+    pub placements: Vec<Placement>,
+    pub def: Def,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    pub op: Op,
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Graph {
+    pub name: String,
+    pub mesh: Mesh,
+    values: Vec<Value>,
+    nodes: Vec<Node>,
+    inputs: Vec<ValueId>,
+    params: Vec<ValueId>,
+    outputs: Vec<(String, ValueId)>,
+}
+
+impl Graph {
+    pub fn new(name: impl Into<String>) -> Graph {
+        Graph {
+            name: name.into(),
+            ..Graph::default()
+        }
+    }
+
+    fn push_value(&mut self, name: Option<String>, ty: TensorType, def: Def) -> ValueId {
+        let id = ValueId(self.values.len() as u32);
+        let placements = self.mesh.replicated();
+        self.values.push(Value {
+            name,
+            ty,
+            placements,
+            def,
+        });
+        id
+    }
+
+    pub fn add_input(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
+        let id = self.push_value(Some(name.into()), ty, Def::Input(self.inputs.len()));
+        self.inputs.push(id);
+        id
+    }
+
+    pub fn add_param(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
+        let id = self.push_value(Some(name.into()), ty, Def::Param(self.params.len()));
+        self.params.push(id);
+        id
+    }
+
+    /// Appends a node whose output types are already known (the parser, rewrites).
+    pub fn add_node_typed(
+        &mut self,
+        op: Op,
+        inputs: Vec<ValueId>,
+        output_types: Vec<TensorType>,
+    ) -> NodeId {
+        let node = NodeId(self.nodes.len() as u32);
+        let outputs = output_types
+            .into_iter()
+            .enumerate()
+            .map(|(i, ty)| self.push_value(None, ty, Def::Node(node, i)))
+            .collect();
+        self.nodes.push(Node {
+            op,
+            inputs,
+            outputs,
+        });
+        node
+    }
+
+    /// Appends a node, inferring its output types from the op's rule.
+    pub fn add_node(
+        &mut self,
+        op: Op,
+        inputs: Vec<ValueId>,
+        num_outputs: usize,
+    ) -> Result<NodeId, String> {
+        let types: Vec<&TensorType> = inputs.iter().map(|&v| &self.values[v.index()].ty).collect();
+        let out = op.infer(&types, num_outputs)?;
+        Ok(self.add_node_typed(op, inputs, out))
+    }
+
+    /// Appends a single-output node and returns its output.
+    pub fn add(&mut self, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, String> {
+        let node = self.add_node(op, inputs, 1)?;
+        Ok(self.nodes[node.index()].outputs[0])
+    }
+
+    pub fn add_output(&mut self, name: impl Into<String>, value: ValueId) {
+        self.outputs.push((name.into(), value));
+    }
+
+    pub fn value(&self, id: ValueId) -> &Value {
+        &self.values[id.index()]
+    }
+
+    pub fn value_mut(&mut self, id: ValueId) -> &mut Value {
+        &mut self.values[id.index()]
+    }
+
+    pub fn ty(&self, id: ValueId) -> &TensorType {
+        &self.values[id.index()].ty
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.index()]
+    }
+
+    pub fn nodes(&self) -> impl ExactSizeIterator<Item = (NodeId, &Node)> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (NodeId(i as u32), n))
+    }
+
+    pub fn values(&self) -> impl ExactSizeIterator<Item = (ValueId, &Value)> {
+        self.values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (ValueId(i as u32), v))
+    }
+
+    pub fn num_values(&self) -> usize {
+        self.values.len()
+    }
+
+    pub fn num_nodes(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn inputs(&self) -> &[ValueId] {
+        &self.inputs
+    }
+
+    pub fn params(&self) -> &[ValueId] {
+        &self.params
+    }
+
+    pub fn outputs(&self) -> &[(String, ValueId)] {
+        &self.outputs
+    }
+
+    /// The value's name if it has one.
+    pub fn name_of(&self, id: ValueId) -> Option<&str> {
+        self.values[id.index()].name.as_deref()
+    }
+
+    /// A copy with only the nodes that outputs depend on and only the parameters they read,
+    /// in canonical order. Inputs are all kept: they are the graph's calling convention.
+    pub fn without_dead_code(&self) -> Graph {
+        let mut live = vec![false; self.values.len()];
+        for (_, v) in &self.outputs {
+            live[v.index()] = true;
+        }
+        let mut node_live = vec![false; self.nodes.len()];
+        for (i, node) in self.nodes.iter().enumerate().rev() {
+            if node.outputs.iter().any(|o| live[o.index()]) {
+                node_live[i] = true;
+                for v in &node.inputs {
+                    live[v.index()] = true;
+                }
+            }
+        }
+        let mut rw = Rewriter::new(self, |p| live[p.index()]);
+        for (id, _) in self.nodes() {
+            if node_live[id.index()] {
+                rw.copy_node(id);
+            }
+        }
+        rw.finish()
+    }
+
+    /// Replaces every use of `from` (node inputs and graph outputs) by `to`.
+    pub fn replace_uses(&mut self, from: ValueId, to: ValueId) {
+        for node in &mut self.nodes {
+            for v in &mut node.inputs {
+                if *v == from {
+                    *v = to;
+                }
+            }
+        }
+        for (_, v) in &mut self.outputs {
+            if *v == from {
+                *v = to;
+            }
+        }
+    }
+
+    /// Number of uses of each value by nodes and graph outputs.
+    pub fn use_counts(&self) -> Vec<usize> {
+        let mut counts = vec![0; self.values.len()];
+        for node in &self.nodes {
+            for v in &node.inputs {
+                counts[v.index()] += 1;
+            }
+        }
+        for (_, v) in &self.outputs {
+            counts[v.index()] += 1;
+        }
+        counts
+    }
+}
+
+/// Builds a new canonical graph from an old one, node by node: copy a node, replace it by
+/// another op, or drop it. Values are mapped from old ids to new ones; names and placements
+/// travel with copied values.
+pub struct Rewriter<'g> {
+    old: &'g Graph,
+    new: Graph,
+    map: Vec<Option<ValueId>>,
+}
+
+impl<'g> Rewriter<'g> {
+    /// Starts a rewrite with all inputs and the parameters `keep_param` accepts.
+    pub fn new(old: &'g Graph, keep_param: impl Fn(ValueId) -> bool) -> Rewriter<'g> {
+        let mut new = Graph {
+            name: old.name.clone(),
+            mesh: old.mesh.clone(),
+            ..Graph::default()
+        };
+        let mut map = vec![None; old.values.len()];
+        for &i in &old.inputs {
+            let v = &old.values[i.index()];
+            let id = new.add_input(v.name.clone().unwrap_or_default(), v.ty.clone());
+            new.values[id.index()].placements = v.placements.clone();
+            map[i.index()] = Some(id);
+        }
+        for &p in old.params.iter().filter(|&&p| keep_param(p)) {
+            let v = &old.values[p.index()];
+            let id = new.add_param(v.name.clone().unwrap_or_default(), v.ty.clone());
+            new.values[id.index()].placements = v.placements.clone();
+            map[p.index()] = Some(id);
+        }
+        Rewriter { old, new, map }
+    }
+
+    /// The new id of an old value; it must have been copied or replaced already.
+    pub fn map(&self, old: ValueId) -> ValueId {
+        self.map[old.index()].expect("value mapped before its use")
+    }
+
+    /// The graph being built.
+    pub fn graph(&mut self) -> &mut Graph {
+        &mut self.new
+    }
+
+    /// Copies an old node unchanged.
+    pub fn copy_node(&mut self, id: NodeId) {
+        let node = &self.old.nodes[id.index()];
+        let inputs = node.inputs.iter().map(|&v| self.map(v)).collect();
+        let types = node
+            .outputs
+            .iter()
+            .map(|v| self.old.values[v.index()].ty.clone())
+            .collect();
+        let new = self.new.add_node_typed(node.op.clone(), inputs, types);
+        for (i, &old_out) in node.outputs.iter().enumerate() {
+            let new_out = self.new.nodes[new.index()].outputs[i];
+            let v = &self.old.values[old_out.index()];
+            self.new.values[new_out.index()].name = v.name.clone();
+            self.new.values[new_out.index()].placements = v.placements.clone();
+            self.map[old_out.index()] = Some(new_out);
+        }
+    }
+
+    /// Makes an old value stand for a new one (the output of a replacement).
+    pub fn set(&mut self, old: ValueId, new: ValueId) {
+        self.map[old.index()] = Some(new);
+    }
+
+    /// Finishes with the old graph's outputs, mapped.
+    pub fn finish(mut self) -> Graph {
+        for (name, v) in &self.old.outputs {
+            let id = self.map[v.index()].expect("outputs are mapped");
+            self.new.outputs.push((name.clone(), id));
+        }
+        self.new
+    }
+}

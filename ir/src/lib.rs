@@ -1,0 +1,32 @@
+//! autotp-ir: the intermediate representation every stage of autotp shares.
+//!
+//! - [`Graph`]: values and nodes in arenas with typed ids ([`ValueId`], [`NodeId`]), static
+//!   [`TensorType`]s, a device [`Mesh`] and one [`Placement`] per value and mesh axis.
+//! - [`Op`]: the closed set of operations, each with typed attributes and a type rule.
+//! - [`verify`]: checks every invariant and reports all violations.
+//! - [`text`]: the deterministic text format; `text::parse(&text::print(g)) == g`.
+//! - [`eval`]: the reference evaluator (constant folding, test oracles) over [`Tensor`]s.
+//! - [`lower::kernel_for`]: the builtin kernel that computes an op; codegen uses it too.
+//!
+//! Invariants: a verified graph defines every value exactly once, before its uses; every node's
+//! output types are what its op's rule infers from its inputs; parameters are floating point.
+//! The crate does no I/O and pulls in no protobuf, LLVM or CUDA.
+
+pub mod eval;
+mod graph;
+pub mod lower;
+mod op;
+mod tensor;
+pub mod text;
+mod types;
+mod verify;
+
+pub use autotp_kernels::shape::broadcast_shapes;
+pub use autotp_kernels::{
+    scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, UnaryOp,
+};
+pub use graph::{Def, Graph, Node, NodeId, Rewriter, Value, ValueId};
+pub use op::{slice_len, Op};
+pub use tensor::Tensor;
+pub use types::{Mesh, MeshAxis, Placement, TensorType};
+pub use verify::{verify, VerifyError, VerifyErrors};

@@ -1,0 +1,176 @@
+//! Lowering of one op, with its input and output types, to the builtin kernel that computes
+//! it. The reference evaluator and codegen both use this, so they run identical kernels.
+
+use autotp_kernels::{CrossEntropyDims, Kernel, MatMulDims};
+
+use crate::{Op, TensorType};
+
+fn product(dims: &[usize]) -> usize {
+    dims.iter().product()
+}
+
+/// The kernel for `op`, or `None` for ops that compute nothing at run time (constants).
+/// The types must satisfy the op's rule (the verifier's job).
+pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> Option<Kernel> {
+    let in0 = inputs.first();
+    let dtype = in0.map(|t| t.dtype).unwrap_or(outputs[0].dtype);
+    let shape = || in0.map(|t| t.shape.clone()).unwrap_or_default();
+    let out_shape = || outputs[0].shape.clone();
+    Some(match op {
+        Op::Constant { .. } => return None,
+        Op::Unary(op) => Kernel::Unary { op: *op, dtype },
+        Op::Binary(op) => Kernel::Binary {
+            op: *op,
+            dtype,
+            lhs: shape(),
+            rhs: inputs[1].shape.clone(),
+            out: out_shape(),
+        },
+        Op::Select => Kernel::Select {
+            dtype: inputs[1].dtype,
+            cond: shape(),
+            x: inputs[1].shape.clone(),
+            y: inputs[2].shape.clone(),
+            out: out_shape(),
+        },
+        Op::Cast { to } => Kernel::Cast {
+            from: dtype,
+            to: *to,
+        },
+        Op::Reduce { op, axes, .. } => Kernel::Reduce {
+            op: *op,
+            dtype,
+            shape: shape(),
+            axes: axes.clone(),
+        },
+        Op::MatMul {
+            transpose_lhs,
+            transpose_rhs,
+        } => {
+            let out = &outputs[0].shape;
+            let batch = out[..out.len() - 2].to_vec();
+            let pad = |s: &[usize]| {
+                let mut b = vec![1; batch.len() - (s.len() - 2)];
+                b.extend(&s[..s.len() - 2]);
+                b
+            };
+            let (lhs, rhs) = (&inputs[0].shape, &inputs[1].shape);
+            let k = if *transpose_lhs {
+                lhs[lhs.len() - 2]
+            } else {
+                lhs[lhs.len() - 1]
+            };
+            Kernel::MatMul {
+                dtype,
+                dims: MatMulDims {
+                    lhs_batch: pad(lhs),
+                    rhs_batch: pad(rhs),
+                    m: out[out.len() - 2],
+                    n: out[out.len() - 1],
+                    k,
+                    batch,
+                    transpose_lhs: *transpose_lhs,
+                    transpose_rhs: *transpose_rhs,
+                },
+            }
+        }
+        Op::Reshape { .. } => Kernel::Copy,
+        Op::Transpose { perm } => Kernel::Transpose {
+            dtype,
+            shape: shape(),
+            perm: perm.clone(),
+        },
+        Op::Slice { starts, steps, .. } => Kernel::Slice {
+            dtype,
+            shape: shape(),
+            starts: starts.clone(),
+            steps: steps.clone(),
+            out: out_shape(),
+        },
+        Op::Concat { axis } => Kernel::Concat {
+            dtype,
+            shapes: inputs.iter().map(|t| t.shape.clone()).collect(),
+            axis: *axis,
+        },
+        Op::Split { axis, sizes } => Kernel::Split {
+            dtype,
+            shape: shape(),
+            axis: *axis,
+            sizes: sizes.clone(),
+        },
+        Op::Expand { shape: to } => Kernel::Expand {
+            dtype,
+            shape: shape(),
+            out: to.clone(),
+        },
+        Op::Gather { axis } => Kernel::Gather {
+            dtype,
+            index_dtype: inputs[1].dtype,
+            data: shape(),
+            axis: *axis,
+        },
+        Op::GatherElements { axis } => Kernel::GatherElements {
+            dtype,
+            index_dtype: inputs[1].dtype,
+            data: shape(),
+            indices: inputs[1].shape.clone(),
+            axis: *axis,
+        },
+        Op::Pad { begin, value, .. } => Kernel::Pad {
+            dtype,
+            shape: shape(),
+            begin: begin.clone(),
+            out: out_shape(),
+            value: *value,
+        },
+        Op::Triangle { upper, k } => Kernel::Triangle {
+            dtype,
+            shape: shape(),
+            k: *k,
+            upper: *upper,
+        },
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            let s = shape();
+            Kernel::Softmax {
+                dtype,
+                outer: product(&s[..*axis]),
+                len: s[*axis],
+                inner: product(&s[axis + 1..]),
+                log: matches!(op, Op::LogSoftmax { .. }),
+            }
+        }
+        Op::LayerNorm { axis, eps } => Kernel::LayerNorm {
+            dtype,
+            cols: product(&shape()[*axis..]),
+            eps: *eps,
+            bias: inputs.len() == 3,
+        },
+        Op::RmsNorm { axis, eps } => Kernel::RmsNorm {
+            dtype,
+            cols: product(&shape()[*axis..]),
+            eps: *eps,
+        },
+        Op::Gelu { approx } => Kernel::Gelu {
+            dtype,
+            approx: *approx,
+        },
+        Op::CrossEntropy {
+            ignore_index,
+            reduction,
+        } => {
+            let s = shape();
+            Kernel::CrossEntropy {
+                dtype,
+                label_dtype: inputs[1].dtype,
+                dims: CrossEntropyDims {
+                    n: s[0],
+                    classes: s[1],
+                    inner: product(&s[2..]),
+                    ignore_index: *ignore_index,
+                    reduction: *reduction,
+                },
+                log_prob: outputs.len() == 2,
+            }
+        }
+    })
+}

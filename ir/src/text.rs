@@ -1,0 +1,1095 @@
+//! The IR text format: one op per line, deterministic, with a parser such that
+//! `parse(&print(g)) == g` for every canonical graph.
+//!
+//! ```text
+//! graph "tiny" mesh [tp=2] {
+//!   input %input_ids : i64[4,32]
+//!   param %wte : f32[1000,64] {tp = shard(0)}
+//!   %0 = gather %wte, %input_ids {axis = 0} : f32[4,32,64]
+//!   %1 = constant splat<0.5> : f32[]
+//!   %2 = mul %0, %1 : f32[4,32,64]
+//!   output "hidden" = %2
+//! }
+//! ```
+//!
+//! Unnamed values print as `%N`, numbered densely in definition order; named values (inputs,
+//! parameters) print their name, quoted when it is not an identifier. Attributes print in a
+//! fixed order per op; placements other than `replicate` print after a value's type.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use crate::{
+    BinaryOp, DType, GeluApprox, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ReduceOp, Reduction,
+    Tensor, TensorType, UnaryOp, ValueId,
+};
+
+/// Display names of a graph's values.
+pub(crate) struct ValueNames {
+    names: Vec<String>,
+}
+
+impl ValueNames {
+    pub fn new(graph: &Graph) -> ValueNames {
+        let mut next = 0;
+        let names = graph
+            .values()
+            .map(|(_, v)| match &v.name {
+                Some(name) => format!("%{}", quote_name(name)),
+                None => {
+                    next += 1;
+                    format!("%{}", next - 1)
+                }
+            })
+            .collect();
+        ValueNames { names }
+    }
+
+    pub fn get(&self, v: ValueId) -> String {
+        self.names
+            .get(v.index())
+            .cloned()
+            .unwrap_or_else(|| format!("%<invalid {}>", v.0))
+    }
+
+    /// `%3, %4 = split` — how a node is named in messages.
+    pub fn node(&self, graph: &Graph, id: NodeId) -> String {
+        let node = graph.node(id);
+        let outs: Vec<String> = node.outputs.iter().map(|&o| self.get(o)).collect();
+        format!("{} = {}", outs.join(", "), node.op.name())
+    }
+}
+
+fn is_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+}
+
+fn quote_name(name: &str) -> String {
+    if is_identifier(name) {
+        name.to_string()
+    } else {
+        quote(name)
+    }
+}
+
+fn quote(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// An attribute value in the text format.
+#[derive(Clone, Debug, PartialEq)]
+enum Attr {
+    Int(i64),
+    Float(f64),
+    Ints(Vec<i64>),
+    Word(String),
+}
+
+impl std::fmt::Display for Attr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Attr::Int(v) => write!(f, "{v}"),
+            Attr::Float(v) => f.write_str(&format_f64(*v)),
+            Attr::Ints(vs) => {
+                let parts: Vec<String> = vs.iter().map(|v| v.to_string()).collect();
+                write!(f, "[{}]", parts.join(", "))
+            }
+            Attr::Word(w) => f.write_str(w),
+        }
+    }
+}
+
+fn format_f64(v: f64) -> String {
+    if v.is_nan() {
+        "nan".into()
+    } else if v.is_infinite() {
+        if v > 0.0 {
+            "inf".into()
+        } else {
+            "-inf".into()
+        }
+    } else {
+        format!("{v:?}")
+    }
+}
+
+fn format_f32(v: f32) -> String {
+    if v.is_nan() || v.is_infinite() {
+        format_f64(v as f64)
+    } else {
+        format!("{v:?}")
+    }
+}
+
+fn ints(v: &[usize]) -> Attr {
+    Attr::Ints(v.iter().map(|&x| x as i64).collect())
+}
+
+fn bool_attr(b: bool) -> Attr {
+    Attr::Word(if b { "true" } else { "false" }.into())
+}
+
+/// The attributes of an op in print order (constants print their data separately).
+fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
+    match op {
+        Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Select
+        | Op::Gelu {
+            approx: GeluApprox::None,
+        } => vec![],
+        Op::Gelu { approx } => vec![("approx", Attr::Word(approx.name().into()))],
+        Op::Cast { to } => vec![("to", Attr::Word(to.name().into()))],
+        Op::Reduce {
+            axes, keep_dims, ..
+        } => vec![("axes", ints(axes)), ("keep_dims", bool_attr(*keep_dims))],
+        Op::MatMul {
+            transpose_lhs,
+            transpose_rhs,
+        } => {
+            let mut a = vec![];
+            if *transpose_lhs {
+                a.push(("transpose_lhs", bool_attr(true)));
+            }
+            if *transpose_rhs {
+                a.push(("transpose_rhs", bool_attr(true)));
+            }
+            a
+        }
+        Op::Reshape { shape } | Op::Expand { shape } => vec![("shape", ints(shape))],
+        Op::Transpose { perm } => vec![("perm", ints(perm))],
+        Op::Slice {
+            starts,
+            ends,
+            steps,
+        } => {
+            vec![
+                ("starts", ints(starts)),
+                ("ends", Attr::Ints(ends.clone())),
+                ("steps", Attr::Ints(steps.clone())),
+            ]
+        }
+        Op::Concat { axis }
+        | Op::Gather { axis }
+        | Op::GatherElements { axis }
+        | Op::Softmax { axis }
+        | Op::LogSoftmax { axis } => {
+            vec![("axis", Attr::Int(*axis as i64))]
+        }
+        Op::Split { axis, sizes } => {
+            vec![("axis", Attr::Int(*axis as i64)), ("sizes", ints(sizes))]
+        }
+        Op::Pad { begin, end, value } => vec![
+            ("begin", ints(begin)),
+            ("end", ints(end)),
+            ("value", Attr::Float(*value)),
+        ],
+        Op::Triangle { k, .. } => vec![("k", Attr::Int(*k))],
+        Op::LayerNorm { axis, eps } | Op::RmsNorm { axis, eps } => vec![
+            ("axis", Attr::Int(*axis as i64)),
+            ("eps", Attr::Float(*eps)),
+        ],
+        Op::CrossEntropy {
+            ignore_index,
+            reduction,
+        } => vec![
+            (
+                "ignore_index",
+                ignore_index
+                    .map(Attr::Int)
+                    .unwrap_or_else(|| Attr::Word("none".into())),
+            ),
+            ("reduction", Attr::Word(reduction.name().into())),
+        ],
+    }
+}
+
+fn format_constant(t: &Tensor) -> String {
+    let element = |i: usize| -> String {
+        match t.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => format_f32(t.get_f64(i) as f32),
+            DType::F64 => format_f64(t.get_f64(i)),
+            DType::Bool => (if t.get_f64(i) != 0.0 { "true" } else { "false" }).into(),
+            _ => t.get_i64(i).to_string(),
+        }
+    };
+    if t.numel() > 1 && t.is_splat() {
+        format!("splat<{}>", element(0))
+    } else {
+        let parts: Vec<String> = (0..t.numel()).map(element).collect();
+        format!("dense<[{}]>", parts.join(", "))
+    }
+}
+
+fn format_type_and_placement(graph: &Graph, v: ValueId) -> String {
+    let value = graph.value(v);
+    let mut s = value.ty.to_string();
+    let sharded: Vec<String> = graph
+        .mesh
+        .axes
+        .iter()
+        .zip(&value.placements)
+        .filter(|(_, p)| **p != Placement::Replicate)
+        .map(|(axis, p)| format!("{} = {p}", axis.name))
+        .collect();
+    if !sharded.is_empty() {
+        write!(s, " {{{}}}", sharded.join(", ")).unwrap();
+    }
+    s
+}
+
+/// Prints a graph in the text format.
+pub fn print(graph: &Graph) -> String {
+    let names = ValueNames::new(graph);
+    let mut out = format!("graph {}", quote(&graph.name));
+    if !graph.mesh.axes.is_empty() {
+        let axes: Vec<String> = graph
+            .mesh
+            .axes
+            .iter()
+            .map(|a| format!("{}={}", a.name, a.size))
+            .collect();
+        write!(out, " mesh [{}]", axes.join(", ")).unwrap();
+    }
+    out.push_str(" {\n");
+    for &v in graph.inputs() {
+        writeln!(
+            out,
+            "  input {} : {}",
+            names.get(v),
+            format_type_and_placement(graph, v)
+        )
+        .unwrap();
+    }
+    for &v in graph.params() {
+        writeln!(
+            out,
+            "  param {} : {}",
+            names.get(v),
+            format_type_and_placement(graph, v)
+        )
+        .unwrap();
+    }
+    for (_, node) in graph.nodes() {
+        let outs: Vec<String> = node.outputs.iter().map(|&o| names.get(o)).collect();
+        write!(out, "  {} = {}", outs.join(", "), node.op.name()).unwrap();
+        if let Op::Constant { value } = &node.op {
+            write!(out, " {}", format_constant(value)).unwrap();
+        }
+        let ins: Vec<String> = node.inputs.iter().map(|&v| names.get(v)).collect();
+        if !ins.is_empty() {
+            write!(out, " {}", ins.join(", ")).unwrap();
+        }
+        let attrs = attributes(&node.op);
+        if !attrs.is_empty() {
+            let parts: Vec<String> = attrs.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+            write!(out, " {{{}}}", parts.join(", ")).unwrap();
+        }
+        let types: Vec<String> = node
+            .outputs
+            .iter()
+            .map(|&o| format_type_and_placement(graph, o))
+            .collect();
+        writeln!(out, " : {}", types.join(", ")).unwrap();
+    }
+    for (name, v) in graph.outputs() {
+        writeln!(out, "  output {} = {}", quote(name), names.get(*v)).unwrap();
+    }
+    out.push_str("}\n");
+    out
+}
+
+/// A parse error with its 1-based line and column.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("line {line}, column {column}: {message}")]
+pub struct ParseError {
+    pub line: usize,
+    pub column: usize,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Tok {
+    /// `%name`, `%"quoted"` (named) or `%12` (anonymous).
+    Value {
+        name: String,
+        anonymous: bool,
+    },
+    Word(String),
+    Number(String),
+    Str(String),
+    Punct(char),
+    Eof,
+}
+
+struct Lexer<'a> {
+    src: &'a [u8],
+    pos: usize,
+    line: usize,
+    line_start: usize,
+}
+
+impl<'a> Lexer<'a> {
+    fn error(&self, message: impl Into<String>) -> ParseError {
+        ParseError {
+            line: self.line,
+            column: self.pos - self.line_start + 1,
+            message: message.into(),
+        }
+    }
+
+    fn skip_space(&mut self) {
+        while self.pos < self.src.len() {
+            match self.src[self.pos] {
+                b'\n' => {
+                    self.pos += 1;
+                    self.line += 1;
+                    self.line_start = self.pos;
+                }
+                b' ' | b'\t' | b'\r' => self.pos += 1,
+                b'#' => {
+                    while self.pos < self.src.len() && self.src[self.pos] != b'\n' {
+                        self.pos += 1;
+                    }
+                }
+                _ => break,
+            }
+        }
+    }
+
+    fn take_while(&mut self, f: impl Fn(u8) -> bool) -> String {
+        let start = self.pos;
+        while self.pos < self.src.len() && f(self.src[self.pos]) {
+            self.pos += 1;
+        }
+        String::from_utf8_lossy(&self.src[start..self.pos]).into_owned()
+    }
+
+    fn string(&mut self) -> Result<String, ParseError> {
+        self.pos += 1;
+        let mut bytes = Vec::new();
+        loop {
+            match self.src.get(self.pos) {
+                None | Some(b'\n') => return Err(self.error("unterminated string")),
+                Some(b'"') => {
+                    self.pos += 1;
+                    return String::from_utf8(bytes).map_err(|_| self.error("string is not UTF-8"));
+                }
+                Some(b'\\') => {
+                    let c = match self.src.get(self.pos + 1) {
+                        Some(b'n') => b'\n',
+                        Some(&c @ (b'"' | b'\\')) => c,
+                        _ => return Err(self.error("unknown escape in string")),
+                    };
+                    bytes.push(c);
+                    self.pos += 2;
+                }
+                Some(&c) => {
+                    bytes.push(c);
+                    self.pos += 1;
+                }
+            }
+        }
+    }
+
+    fn next(&mut self) -> Result<(Tok, (usize, usize)), ParseError> {
+        self.skip_space();
+        let at = (self.line, self.pos - self.line_start + 1);
+        let Some(&c) = self.src.get(self.pos) else {
+            return Ok((Tok::Eof, at));
+        };
+        let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'.';
+        let tok = match c {
+            b'%' => {
+                self.pos += 1;
+                if self.src.get(self.pos) == Some(&b'"') {
+                    Tok::Value {
+                        name: self.string()?,
+                        anonymous: false,
+                    }
+                } else {
+                    let name = self.take_while(ident);
+                    if name.is_empty() {
+                        return Err(self.error("expected a value name after '%'"));
+                    }
+                    let anonymous = name.bytes().all(|b| b.is_ascii_digit());
+                    Tok::Value { name, anonymous }
+                }
+            }
+            b'"' => Tok::Str(self.string()?),
+            b'0'..=b'9' | b'-' | b'+' => {
+                let start = self.pos;
+                self.pos += 1;
+                let rest = self.take_while(|c| c.is_ascii_alphanumeric() || c == b'.');
+                let mut text =
+                    String::from_utf8_lossy(&self.src[start..start + 1]).into_owned() + &rest;
+                // Exponent signs: `1e-5`.
+                while text.ends_with(['e', 'E'])
+                    && matches!(self.src.get(self.pos), Some(b'-' | b'+'))
+                {
+                    self.pos += 1;
+                    text.push(self.src[self.pos - 1] as char);
+                    text += &self.take_while(|c| c.is_ascii_digit());
+                }
+                Tok::Number(text)
+            }
+            c if c.is_ascii_alphabetic() || c == b'_' => Tok::Word(self.take_while(ident)),
+            b'=' | b',' | b':' | b'[' | b']' | b'{' | b'}' | b'(' | b')' | b'<' | b'>' => {
+                self.pos += 1;
+                Tok::Punct(c as char)
+            }
+            other => return Err(self.error(format!("unexpected character '{}'", other as char))),
+        };
+        Ok((tok, at))
+    }
+}
+
+struct Parser<'a> {
+    lexer: Lexer<'a>,
+    tok: Tok,
+    at: (usize, usize),
+    graph: Graph,
+    values: BTreeMap<(bool, String), ValueId>,
+}
+
+impl<'a> Parser<'a> {
+    fn error_at(&self, message: impl Into<String>) -> ParseError {
+        ParseError {
+            line: self.at.0,
+            column: self.at.1,
+            message: message.into(),
+        }
+    }
+
+    fn bump(&mut self) -> Result<Tok, ParseError> {
+        let (tok, at) = self.lexer.next()?;
+        self.at = at;
+        Ok(std::mem::replace(&mut self.tok, tok))
+    }
+
+    fn describe(tok: &Tok) -> String {
+        match tok {
+            Tok::Value { name, .. } => format!("value %{name}"),
+            Tok::Word(w) => format!("'{w}'"),
+            Tok::Number(n) => format!("number {n}"),
+            Tok::Str(s) => format!("string \"{s}\""),
+            Tok::Punct(c) => format!("'{c}'"),
+            Tok::Eof => "end of input".into(),
+        }
+    }
+
+    fn expect_punct(&mut self, c: char) -> Result<(), ParseError> {
+        if self.tok == Tok::Punct(c) {
+            self.bump()?;
+            Ok(())
+        } else {
+            Err(self.error_at(format!(
+                "expected '{c}', found {}",
+                Self::describe(&self.tok)
+            )))
+        }
+    }
+
+    fn eat_punct(&mut self, c: char) -> Result<bool, ParseError> {
+        if self.tok == Tok::Punct(c) {
+            self.bump()?;
+            Ok(true)
+        } else {
+            Ok(false)
+        }
+    }
+
+    fn word(&mut self) -> Result<String, ParseError> {
+        match self.bump()? {
+            Tok::Word(w) => Ok(w),
+            other => {
+                Err(self.error_at(format!("expected a word, found {}", Self::describe(&other))))
+            }
+        }
+    }
+
+    fn string(&mut self) -> Result<String, ParseError> {
+        match self.bump()? {
+            Tok::Str(s) => Ok(s),
+            other => Err(self.error_at(format!(
+                "expected a string, found {}",
+                Self::describe(&other)
+            ))),
+        }
+    }
+
+    fn integer(&mut self) -> Result<i64, ParseError> {
+        match self.bump()? {
+            Tok::Number(n) => n
+                .parse()
+                .map_err(|_| self.error_at(format!("expected an integer, found {n}"))),
+            other => Err(self.error_at(format!(
+                "expected an integer, found {}",
+                Self::describe(&other)
+            ))),
+        }
+    }
+
+    fn usize(&mut self) -> Result<usize, ParseError> {
+        let v = self.integer()?;
+        usize::try_from(v)
+            .map_err(|_| self.error_at(format!("expected a non-negative integer, found {v}")))
+    }
+
+    fn value_token(&mut self) -> Result<(bool, String), ParseError> {
+        match self.bump()? {
+            Tok::Value { name, anonymous } => Ok((anonymous, name)),
+            other => Err(self.error_at(format!(
+                "expected a value, found {}",
+                Self::describe(&other)
+            ))),
+        }
+    }
+
+    fn use_value(&mut self) -> Result<ValueId, ParseError> {
+        let key = self.value_token()?;
+        self.values
+            .get(&key)
+            .copied()
+            .ok_or_else(|| self.error_at(format!("value %{} is not defined", key.1)))
+    }
+
+    fn define(&mut self, key: (bool, String), id: ValueId) -> Result<(), ParseError> {
+        if !key.0 {
+            self.graph.value_mut(id).name = Some(key.1.clone());
+        }
+        if self.values.insert(key.clone(), id).is_some() {
+            return Err(self.error_at(format!("value %{} is defined twice", key.1)));
+        }
+        Ok(())
+    }
+
+    fn tensor_type(&mut self) -> Result<TensorType, ParseError> {
+        let name = self.word()?;
+        let dtype = DType::from_name(&name)
+            .ok_or_else(|| self.error_at(format!("unknown dtype '{name}'")))?;
+        self.expect_punct('[')?;
+        let mut shape = Vec::new();
+        if !self.eat_punct(']')? {
+            loop {
+                shape.push(self.usize()?);
+                if self.eat_punct(']')? {
+                    break;
+                }
+                self.expect_punct(',')?;
+            }
+        }
+        Ok(TensorType::new(dtype, shape))
+    }
+
+    /// `{tp = shard(1), dp = partial(sum)}` after a type, if present.
+    fn placements(&mut self) -> Result<Option<Vec<Placement>>, ParseError> {
+        if self.tok != Tok::Punct('{') {
+            return Ok(None);
+        }
+        self.bump()?;
+        let mut placements = self.graph.mesh.replicated();
+        loop {
+            let axis = self.word()?;
+            let index = self
+                .graph
+                .mesh
+                .axes
+                .iter()
+                .position(|a| a.name == axis)
+                .ok_or_else(|| self.error_at(format!("unknown mesh axis '{axis}'")))?;
+            self.expect_punct('=')?;
+            let kind = self.word()?;
+            placements[index] = match kind.as_str() {
+                "replicate" => Placement::Replicate,
+                "shard" => {
+                    self.expect_punct('(')?;
+                    let d = self.usize()?;
+                    self.expect_punct(')')?;
+                    Placement::Shard(d)
+                }
+                "partial" => {
+                    self.expect_punct('(')?;
+                    let r = self.word()?;
+                    if r != "sum" {
+                        return Err(self.error_at(format!("unknown partial reduction '{r}'")));
+                    }
+                    self.expect_punct(')')?;
+                    Placement::PartialSum
+                }
+                other => return Err(self.error_at(format!("unknown placement '{other}'"))),
+            };
+            if self.eat_punct('}')? {
+                return Ok(Some(placements));
+            }
+            self.expect_punct(',')?;
+        }
+    }
+
+    fn attr_value(&mut self) -> Result<Attr, ParseError> {
+        match self.bump()? {
+            Tok::Number(n) => {
+                if let Ok(i) = n.parse::<i64>() {
+                    Ok(Attr::Int(i))
+                } else {
+                    parse_float(&n)
+                        .map(Attr::Float)
+                        .ok_or_else(|| self.error_at(format!("bad number {n}")))
+                }
+            }
+            Tok::Word(w) if w == "inf" || w == "nan" => {
+                Ok(Attr::Float(parse_float(&w).expect("inf and nan parse")))
+            }
+            Tok::Word(w) => Ok(Attr::Word(w)),
+            Tok::Punct('[') => {
+                let mut vs = Vec::new();
+                if !self.eat_punct(']')? {
+                    loop {
+                        vs.push(self.integer()?);
+                        if self.eat_punct(']')? {
+                            break;
+                        }
+                        self.expect_punct(',')?;
+                    }
+                }
+                Ok(Attr::Ints(vs))
+            }
+            other => Err(self.error_at(format!(
+                "expected an attribute value, found {}",
+                Self::describe(&other)
+            ))),
+        }
+    }
+
+    /// `dense<[...]>` or `splat<v>`: the raw literals, converted once the type is known.
+    fn constant_literal(&mut self) -> Result<(bool, Vec<String>), ParseError> {
+        let kind = self.word()?;
+        let splat = match kind.as_str() {
+            "splat" => true,
+            "dense" => false,
+            other => {
+                return Err(self.error_at(format!(
+                    "expected dense<...> or splat<...>, found '{other}'"
+                )))
+            }
+        };
+        self.expect_punct('<')?;
+        let mut items = Vec::new();
+        let item = |p: &mut Self| -> Result<String, ParseError> {
+            match p.bump()? {
+                Tok::Number(n) | Tok::Word(n) => Ok(n),
+                other => Err(p.error_at(format!(
+                    "expected a literal, found {}",
+                    Self::describe(&other)
+                ))),
+            }
+        };
+        if splat {
+            items.push(item(self)?);
+        } else {
+            self.expect_punct('[')?;
+            if !self.eat_punct(']')? {
+                loop {
+                    items.push(item(self)?);
+                    if self.eat_punct(']')? {
+                        break;
+                    }
+                    self.expect_punct(',')?;
+                }
+            }
+        }
+        self.expect_punct('>')?;
+        Ok((splat, items))
+    }
+
+    fn node(&mut self, first: (bool, String)) -> Result<(), ParseError> {
+        let mut outs = vec![first];
+        while self.eat_punct(',')? {
+            outs.push(self.value_token()?);
+        }
+        self.expect_punct('=')?;
+        let op_name = self.word()?;
+        let literal = if op_name == "constant" {
+            Some(self.constant_literal()?)
+        } else {
+            None
+        };
+        let mut inputs = Vec::new();
+        if matches!(self.tok, Tok::Value { .. }) {
+            inputs.push(self.use_value()?);
+            while self.eat_punct(',')? {
+                inputs.push(self.use_value()?);
+            }
+        }
+        let mut attrs = BTreeMap::new();
+        if self.eat_punct('{')? {
+            loop {
+                let key = self.word()?;
+                self.expect_punct('=')?;
+                let v = self.attr_value()?;
+                attrs.insert(key, v);
+                if self.eat_punct('}')? {
+                    break;
+                }
+                self.expect_punct(',')?;
+            }
+        }
+        self.expect_punct(':')?;
+        let mut types = Vec::new();
+        let mut placements = Vec::new();
+        loop {
+            types.push(self.tensor_type()?);
+            placements.push(self.placements()?);
+            if !self.eat_punct(',')? {
+                break;
+            }
+        }
+        if types.len() != outs.len() {
+            return Err(self.error_at(format!("{} outputs but {} types", outs.len(), types.len())));
+        }
+        let op = match literal {
+            Some((splat, items)) => {
+                let value =
+                    constant_tensor(&types[0], splat, &items).map_err(|m| self.error_at(m))?;
+                Op::Constant { value }
+            }
+            None => build_op(&op_name, &mut attrs)
+                .map_err(|m| self.error_at(format!("{op_name}: {m}")))?,
+        };
+        if let Some(key) = attrs.keys().next() {
+            return Err(self.error_at(format!("{op_name}: unknown attribute '{key}'")));
+        }
+        let node = self.graph.add_node_typed(op, inputs, types);
+        let outputs = self.graph.node(node).outputs.clone();
+        for ((key, id), p) in outs.into_iter().zip(outputs).zip(placements) {
+            self.define(key, id)?;
+            if let Some(p) = p {
+                self.graph.value_mut(id).placements = p;
+            }
+        }
+        Ok(())
+    }
+
+    fn graph(&mut self) -> Result<(), ParseError> {
+        if self.word()? != "graph" {
+            return Err(self.error_at("expected 'graph'"));
+        }
+        self.graph.name = self.string()?;
+        if self.tok == Tok::Word("mesh".into()) {
+            self.bump()?;
+            self.expect_punct('[')?;
+            let mut axes = Vec::new();
+            loop {
+                let name = self.word()?;
+                self.expect_punct('=')?;
+                let size = self.usize()?;
+                axes.push(MeshAxis { name, size });
+                if self.eat_punct(']')? {
+                    break;
+                }
+                self.expect_punct(',')?;
+            }
+            self.graph.mesh = Mesh { axes };
+        }
+        self.expect_punct('{')?;
+        loop {
+            match self.bump()? {
+                Tok::Punct('}') => break,
+                Tok::Word(w) if w == "input" || w == "param" => {
+                    let key = self.value_token()?;
+                    self.expect_punct(':')?;
+                    let ty = self.tensor_type()?;
+                    let placements = self.placements()?;
+                    let id = if w == "input" {
+                        self.graph.add_input(key.1.clone(), ty)
+                    } else {
+                        self.graph.add_param(key.1.clone(), ty)
+                    };
+                    if key.0 {
+                        return Err(
+                            self.error_at(format!("{w} %{} needs a name, not a number", key.1))
+                        );
+                    }
+                    self.define(key, id)?;
+                    if let Some(p) = placements {
+                        self.graph.value_mut(id).placements = p;
+                    }
+                }
+                Tok::Word(w) if w == "output" => {
+                    let name = self.string()?;
+                    self.expect_punct('=')?;
+                    let v = self.use_value()?;
+                    self.graph.add_output(name, v);
+                }
+                Tok::Value { name, anonymous } => self.node((anonymous, name))?,
+                other => {
+                    return Err(self.error_at(format!(
+                        "expected a statement, found {}",
+                        Self::describe(&other)
+                    )))
+                }
+            }
+        }
+        if self.tok != Tok::Eof {
+            return Err(self.error_at(format!(
+                "unexpected {} after the graph",
+                Self::describe(&self.tok)
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn parse_float(s: &str) -> Option<f64> {
+    match s {
+        "inf" | "+inf" => Some(f64::INFINITY),
+        "-inf" => Some(f64::NEG_INFINITY),
+        "nan" => Some(f64::NAN),
+        _ => s.parse().ok(),
+    }
+}
+
+fn constant_tensor(ty: &TensorType, splat: bool, items: &[String]) -> Result<Tensor, String> {
+    let count = if splat { 1 } else { ty.numel() };
+    if items.len() != count {
+        return Err(format!(
+            "constant has {} elements, its type {ty} needs {count}",
+            items.len()
+        ));
+    }
+    let mut bytes = Vec::with_capacity(ty.size_bytes());
+    for i in 0..ty.numel() {
+        let item = &items[if splat { 0 } else { i }];
+        let chunk = match ty.dtype {
+            DType::Bool => match item.as_str() {
+                "true" => vec![1],
+                "false" => vec![0],
+                _ => return Err(format!("bad bool literal '{item}'")),
+            },
+            DType::I64 => item
+                .parse::<i64>()
+                .map_err(|_| format!("bad i64 literal '{item}'"))?
+                .to_le_bytes()
+                .to_vec(),
+            DType::F32 => parse_float(item)
+                .map(|v| (v as f32).to_le_bytes().to_vec())
+                .ok_or_else(|| format!("bad float literal '{item}'"))?,
+            dtype => {
+                let v = parse_float(item).ok_or_else(|| format!("bad {dtype} literal '{item}'"))?;
+                if dtype.is_float() {
+                    // f16/bf16 print as the f32 of their value: exact both ways.
+                    autotp_kernels::scalar_bytes(dtype, v as f32 as f64)
+                } else {
+                    autotp_kernels::scalar_bytes(dtype, v)
+                }
+            }
+        };
+        bytes.extend(chunk);
+    }
+    Ok(Tensor::from_aligned(
+        ty.clone(),
+        autotp_kernels::AlignedBuf::from_bytes(&bytes),
+    ))
+}
+
+fn take(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<Attr, String> {
+    attrs
+        .remove(key)
+        .ok_or_else(|| format!("missing attribute '{key}'"))
+}
+
+fn take_usizes(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<Vec<usize>, String> {
+    match take(attrs, key)? {
+        Attr::Ints(v) => v
+            .into_iter()
+            .map(|x| usize::try_from(x).map_err(|_| format!("'{key}' must be non-negative")))
+            .collect(),
+        other => Err(format!("'{key}' must be a list of integers, got {other}")),
+    }
+}
+
+fn take_ints(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<Vec<i64>, String> {
+    match take(attrs, key)? {
+        Attr::Ints(v) => Ok(v),
+        other => Err(format!("'{key}' must be a list of integers, got {other}")),
+    }
+}
+
+fn take_int(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<i64, String> {
+    match take(attrs, key)? {
+        Attr::Int(v) => Ok(v),
+        other => Err(format!("'{key}' must be an integer, got {other}")),
+    }
+}
+
+fn take_usize(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<usize, String> {
+    let v = take_int(attrs, key)?;
+    usize::try_from(v).map_err(|_| format!("'{key}' must be non-negative"))
+}
+
+fn take_float(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<f64, String> {
+    match take(attrs, key)? {
+        Attr::Float(v) => Ok(v),
+        Attr::Int(v) => Ok(v as f64),
+        other => Err(format!("'{key}' must be a number, got {other}")),
+    }
+}
+
+fn take_word(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<String, String> {
+    match take(attrs, key)? {
+        Attr::Word(w) => Ok(w),
+        other => Err(format!("'{key}' must be a word, got {other}")),
+    }
+}
+
+fn take_flag(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<bool, String> {
+    if !attrs.contains_key(key) {
+        return Ok(false);
+    }
+    match take_word(attrs, key)?.as_str() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        other => Err(format!("'{key}' must be true or false, got {other}")),
+    }
+}
+
+fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
+    if let Some(u) = UnaryOp::from_name(name) {
+        return Ok(Op::Unary(u));
+    }
+    if let Some(b) = BinaryOp::from_name(name) {
+        return Ok(Op::Binary(b));
+    }
+    if let Some(r) = name.strip_prefix("reduce_").and_then(ReduceOp::from_name) {
+        return Ok(Op::Reduce {
+            op: r,
+            axes: take_usizes(a, "axes")?,
+            keep_dims: take_flag(a, "keep_dims")?,
+        });
+    }
+    Ok(match name {
+        "select" => Op::Select,
+        "cast" => {
+            let to = take_word(a, "to")?;
+            Op::Cast {
+                to: DType::from_name(&to).ok_or_else(|| format!("unknown dtype '{to}'"))?,
+            }
+        }
+        "matmul" => Op::MatMul {
+            transpose_lhs: take_flag(a, "transpose_lhs")?,
+            transpose_rhs: take_flag(a, "transpose_rhs")?,
+        },
+        "reshape" => Op::Reshape {
+            shape: take_usizes(a, "shape")?,
+        },
+        "expand" => Op::Expand {
+            shape: take_usizes(a, "shape")?,
+        },
+        "transpose" => Op::Transpose {
+            perm: take_usizes(a, "perm")?,
+        },
+        "slice" => Op::Slice {
+            starts: take_usizes(a, "starts")?,
+            ends: take_ints(a, "ends")?,
+            steps: take_ints(a, "steps")?,
+        },
+        "concat" => Op::Concat {
+            axis: take_usize(a, "axis")?,
+        },
+        "split" => Op::Split {
+            axis: take_usize(a, "axis")?,
+            sizes: take_usizes(a, "sizes")?,
+        },
+        "gather" => Op::Gather {
+            axis: take_usize(a, "axis")?,
+        },
+        "gather_elements" => Op::GatherElements {
+            axis: take_usize(a, "axis")?,
+        },
+        "pad" => Op::Pad {
+            begin: take_usizes(a, "begin")?,
+            end: take_usizes(a, "end")?,
+            value: take_float(a, "value")?,
+        },
+        "triu" | "tril" => Op::Triangle {
+            upper: name == "triu",
+            k: take_int(a, "k")?,
+        },
+        "softmax" => Op::Softmax {
+            axis: take_usize(a, "axis")?,
+        },
+        "log_softmax" => Op::LogSoftmax {
+            axis: take_usize(a, "axis")?,
+        },
+        "layer_norm" => Op::LayerNorm {
+            axis: take_usize(a, "axis")?,
+            eps: take_float(a, "eps")?,
+        },
+        "rms_norm" => Op::RmsNorm {
+            axis: take_usize(a, "axis")?,
+            eps: take_float(a, "eps")?,
+        },
+        "gelu" => {
+            let approx = if a.contains_key("approx") {
+                take_word(a, "approx")?
+            } else {
+                "none".into()
+            };
+            Op::Gelu {
+                approx: GeluApprox::from_name(&approx)
+                    .ok_or_else(|| format!("unknown approximation '{approx}'"))?,
+            }
+        }
+        "cross_entropy" => {
+            let ignore_index = match take(a, "ignore_index")? {
+                Attr::Int(i) => Some(i),
+                Attr::Word(w) if w == "none" => None,
+                other => {
+                    return Err(format!(
+                        "'ignore_index' must be an integer or none, got {other}"
+                    ))
+                }
+            };
+            let r = take_word(a, "reduction")?;
+            Op::CrossEntropy {
+                ignore_index,
+                reduction: Reduction::from_name(&r)
+                    .ok_or_else(|| format!("unknown reduction '{r}'"))?,
+            }
+        }
+        other => return Err(format!("unknown op '{other}'")),
+    })
+}
+
+/// Parses the text format. The result is not verified; call [`crate::verify`] for that.
+pub fn parse(text: &str) -> Result<Graph, ParseError> {
+    let mut lexer = Lexer {
+        src: text.as_bytes(),
+        pos: 0,
+        line: 1,
+        line_start: 0,
+    };
+    let (tok, at) = lexer.next()?;
+    let mut parser = Parser {
+        lexer,
+        tok,
+        at,
+        graph: Graph::default(),
+        values: BTreeMap::new(),
+    };
+    parser.graph()?;
+    Ok(parser.graph)
+}

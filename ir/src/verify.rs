@@ -1,0 +1,178 @@
+//! The verifier: checks every structural invariant and every op's type rule, and reports all
+//! violations, each naming the node or value it is about.
+
+use crate::{Def, Graph, Placement};
+
+/// One violation. `at` is the printed form of the offending value or node (`%12 = matmul`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyError {
+    pub at: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.at, self.message)
+    }
+}
+
+/// All violations, one per line when displayed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct VerifyErrors(pub Vec<VerifyError>);
+
+impl std::fmt::Display for VerifyErrors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the graph is invalid ({} errors)", self.0.len())?;
+        for e in &self.0 {
+            write!(f, "\n  {e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks `graph`; `Ok` when it is well formed.
+pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
+    let names = crate::text::ValueNames::new(graph);
+    let mut errors = Vec::new();
+    let mut err = |at: String, message: String| errors.push(VerifyError { at, message });
+    let mut defined = vec![false; graph.num_values()];
+    let mut seen_names = std::collections::BTreeMap::new();
+
+    for (i, &v) in graph.inputs().iter().enumerate() {
+        if graph.value(v).def != Def::Input(i) {
+            err(
+                names.get(v),
+                format!("is listed as input {i} but is not defined as one"),
+            );
+        }
+        defined[v.index()] = true;
+    }
+    for (i, &v) in graph.params().iter().enumerate() {
+        if graph.value(v).def != Def::Param(i) {
+            err(
+                names.get(v),
+                format!("is listed as parameter {i} but is not defined as one"),
+            );
+        }
+        if !graph.ty(v).dtype.is_float() {
+            err(
+                names.get(v),
+                format!(
+                    "parameters must be floating point, got {}",
+                    graph.ty(v).dtype
+                ),
+            );
+        }
+        defined[v.index()] = true;
+    }
+    for (id, value) in graph.values() {
+        if let Some(name) = &value.name {
+            if let Some(prev) = seen_names.insert(name.clone(), id) {
+                err(
+                    names.get(id),
+                    format!("reuses the name of {}", names.get(prev)),
+                );
+            }
+        }
+        if value.placements.len() != graph.mesh.axes.len() {
+            err(
+                names.get(id),
+                format!(
+                    "has {} placements for a mesh of {} axes",
+                    value.placements.len(),
+                    graph.mesh.axes.len()
+                ),
+            );
+            continue;
+        }
+        for (p, axis) in value.placements.iter().zip(&graph.mesh.axes) {
+            if let Placement::Shard(d) = p {
+                match value.ty.shape.get(*d) {
+                    None => err(
+                        names.get(id),
+                        format!(
+                            "is sharded on dim {d} over {}, but has rank {}",
+                            axis.name,
+                            value.ty.rank()
+                        ),
+                    ),
+                    Some(size) if size % axis.size != 0 => err(
+                        names.get(id),
+                        format!(
+                            "dim {d} of size {size} is not divisible by mesh axis {} of size {}",
+                            axis.name, axis.size
+                        ),
+                    ),
+                    Some(_) => {}
+                }
+            }
+        }
+    }
+    for (id, node) in graph.nodes() {
+        let at = names.node(graph, id);
+        let mut inputs_ok = true;
+        for (i, v) in node.inputs.iter().enumerate() {
+            if v.index() >= graph.num_values() {
+                err(
+                    at.clone(),
+                    format!("input {i} refers to a value that does not exist"),
+                );
+                inputs_ok = false;
+            } else if !defined[v.index()] {
+                err(
+                    at.clone(),
+                    format!("input {i} ({}) is used before it is defined", names.get(*v)),
+                );
+                inputs_ok = false;
+            }
+        }
+        for (i, &o) in node.outputs.iter().enumerate() {
+            if graph.value(o).def != Def::Node(id, i) {
+                err(
+                    at.clone(),
+                    format!("output {i} ({}) is not defined by this node", names.get(o)),
+                );
+            }
+            if defined[o.index()] {
+                err(
+                    at.clone(),
+                    format!("output {i} ({}) is defined twice", names.get(o)),
+                );
+            }
+            defined[o.index()] = true;
+        }
+        if !inputs_ok {
+            continue;
+        }
+        let types: Vec<_> = node.inputs.iter().map(|&v| graph.ty(v)).collect();
+        match node.op.infer(&types, node.outputs.len()) {
+            Err(message) => err(at, message),
+            Ok(expected) => {
+                for (i, (want, &o)) in expected.iter().zip(&node.outputs).enumerate() {
+                    if graph.ty(o) != want {
+                        err(
+                            at.clone(),
+                            format!(
+                                "output {i} has type {} but the op produces {want}",
+                                graph.ty(o)
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    for (name, v) in graph.outputs() {
+        if v.index() >= graph.num_values() || !defined[v.index()] {
+            err(
+                format!("output \"{name}\""),
+                "refers to a value that is not defined".into(),
+            );
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(VerifyErrors(errors))
+    }
+}

@@ -1,0 +1,76 @@
+//! Aligned host byte buffers and typed views of byte slices.
+//!
+//! Kernels take and produce plain byte slices. Buffers we allocate are 64-byte aligned, so the
+//! typed view of an output is always a cast; an input may come from a memory-mapped file at any
+//! offset, so its view falls back to an aligned copy when the cast is not possible.
+
+use std::borrow::Cow;
+
+use bytemuck::Pod;
+
+use crate::KernelError;
+
+/// A zero-initialised, 64-byte aligned, fixed-size byte buffer.
+#[derive(Clone, Default)]
+pub struct AlignedBuf {
+    words: Vec<Align64>,
+    len: usize,
+}
+
+#[derive(Copy, Clone)]
+#[repr(C, align(64))]
+struct Align64([u8; 64]);
+
+// SAFETY: a plain array of bytes, no padding, every bit pattern valid.
+unsafe impl bytemuck::Zeroable for Align64 {}
+unsafe impl bytemuck::Pod for Align64 {}
+
+impl AlignedBuf {
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        AlignedBuf {
+            words: vec![Align64([0; 64]); len.div_ceil(64)],
+            len,
+        }
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> AlignedBuf {
+        let mut buf = AlignedBuf::zeroed(bytes.len());
+        buf.as_mut_slice().copy_from_slice(bytes);
+        buf
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBuf({} bytes)", self.len)
+    }
+}
+
+/// A typed view of an input: borrowed when aligned, copied otherwise.
+pub fn view<T: Pod>(bytes: &[u8]) -> Cow<'_, [T]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(slice) => Cow::Borrowed(slice),
+        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
+/// A typed view of an output buffer, which must be aligned for `T`.
+pub fn view_mut<T: Pod>(bytes: &mut [u8]) -> Result<&mut [T], KernelError> {
+    bytemuck::try_cast_slice_mut(bytes).map_err(|_| KernelError::Misaligned)
+}

@@ -1,0 +1,164 @@
+//! Batched matrix multiplication with numpy batch broadcasting and transpose flags. f32 and
+//! f64 go through the `gemm` crate; half types are widened to f32; integers use a plain loop.
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::scalar::{narrow, widen, with_num_type, Num};
+use crate::shape::{broadcast_strides, numel, strides};
+use crate::{view, view_mut, DType, KernelError};
+
+/// The geometry of one batched matmul: `out[b] = op(lhs[b]) x op(rhs[b])` where `op`
+/// transposes the last two dims when the flag is set.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MatMulDims {
+    /// Batch dims of the output.
+    pub batch: Vec<usize>,
+    /// Batch dims of each operand, padded with leading 1s to the output's batch rank.
+    pub lhs_batch: Vec<usize>,
+    pub rhs_batch: Vec<usize>,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub transpose_lhs: bool,
+    pub transpose_rhs: bool,
+}
+
+impl MatMulDims {
+    fn batch_offsets(&self) -> Vec<(usize, usize)> {
+        let count = numel(&self.batch);
+        let ls = broadcast_strides(&self.lhs_batch, &self.batch);
+        let rs = broadcast_strides(&self.rhs_batch, &self.batch);
+        let out_strides = strides(&self.batch);
+        (0..count)
+            .map(|b| {
+                let (mut l, mut r) = (0, 0);
+                for d in 0..self.batch.len() {
+                    let idx = (b / out_strides[d]) % self.batch[d];
+                    l += idx * ls[d];
+                    r += idx * rs[d];
+                }
+                (l * self.m * self.k, r * self.k * self.n)
+            })
+            .collect()
+    }
+
+    /// (row stride, column stride) of the lhs and rhs as `m x k` and `k x n` matrices.
+    fn operand_strides(&self) -> ((isize, isize), (isize, isize)) {
+        let (m, k, n) = (self.m as isize, self.k as isize, self.n as isize);
+        let lhs = if self.transpose_lhs { (1, m) } else { (k, 1) };
+        let rhs = if self.transpose_rhs { (1, k) } else { (n, 1) };
+        (lhs, rhs)
+    }
+}
+
+trait GemmElem: Num {
+    fn gemm(d: &MatMulDims, lhs: &[Self], rhs: &[Self], out: &mut [Self]);
+}
+
+fn gemm_crate<T: Num + Default>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut [T], one: T) {
+    let offsets = d.batch_offsets();
+    let ((lrs, lcs), (rrs, rcs)) = d.operand_strides();
+    let mn = d.m * d.n;
+    if mn == 0 {
+        return;
+    }
+    let run = |(l, r): (usize, usize), dst: &mut [T], parallelism: gemm::Parallelism| {
+        // SAFETY: the offsets and strides stay inside `lhs`, `rhs` and `dst`, whose lengths the
+        // caller checked against the dims.
+        unsafe {
+            gemm::gemm(
+                d.m,
+                d.n,
+                d.k,
+                dst.as_mut_ptr(),
+                1,
+                d.n as isize,
+                false,
+                lhs.as_ptr().add(l),
+                lcs,
+                lrs,
+                rhs.as_ptr().add(r),
+                rcs,
+                rrs,
+                T::default(),
+                one,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
+    };
+    let threads = rayon::current_num_threads();
+    if offsets.len() >= threads && offsets.len() > 1 {
+        out.par_chunks_mut(mn)
+            .zip(offsets.par_iter())
+            .for_each(|(dst, &o)| run(o, dst, gemm::Parallelism::None));
+    } else {
+        for (dst, &o) in out.chunks_mut(mn).zip(&offsets) {
+            run(o, dst, gemm::Parallelism::Rayon(threads));
+        }
+    }
+}
+
+impl GemmElem for f32 {
+    fn gemm(d: &MatMulDims, lhs: &[f32], rhs: &[f32], out: &mut [f32]) {
+        gemm_crate(d, lhs, rhs, out, 1.0)
+    }
+}
+
+impl GemmElem for f64 {
+    fn gemm(d: &MatMulDims, lhs: &[f64], rhs: &[f64], out: &mut [f64]) {
+        gemm_crate(d, lhs, rhs, out, 1.0)
+    }
+}
+
+fn naive<T: Num>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut [T]) {
+    let ((lrs, lcs), (rrs, rcs)) = d.operand_strides();
+    let (lrs, lcs, rrs, rcs) = (lrs as usize, lcs as usize, rrs as usize, rcs as usize);
+    for ((l, r), dst) in d
+        .batch_offsets()
+        .into_iter()
+        .zip(out.chunks_mut((d.m * d.n).max(1)))
+    {
+        for i in 0..d.m {
+            for j in 0..d.n {
+                let mut acc = T::zero();
+                for p in 0..d.k {
+                    acc = acc.add(lhs[l + i * lrs + p * lcs].mul(rhs[r + p * rrs + j * rcs]));
+                }
+                dst[i * d.n + j] = acc;
+            }
+        }
+    }
+}
+
+pub(crate) fn matmul(
+    dtype: DType,
+    d: &MatMulDims,
+    lhs: &[u8],
+    rhs: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let expect =
+        |batch: &[usize], rows: usize, cols: usize| numel(batch) * rows * cols * dtype.size();
+    if lhs.len() != expect(&d.lhs_batch, d.m, d.k)
+        || rhs.len() != expect(&d.rhs_batch, d.k, d.n)
+        || out.len() != expect(&d.batch, d.m, d.n)
+    {
+        return Err(KernelError::BufferSize { kernel: "matmul" });
+    }
+    match dtype {
+        DType::F32 => f32::gemm(d, &view(lhs), &view(rhs), view_mut(out)?),
+        DType::F64 => f64::gemm(d, &view(lhs), &view(rhs), view_mut(out)?),
+        DType::F16 | DType::BF16 => {
+            let mut result = vec![0f32; out.len() / 2];
+            f32::gemm(d, &widen(dtype, lhs), &widen(dtype, rhs), &mut result);
+            narrow(dtype, &result, out)?;
+        }
+        _ => with_num_type!(dtype, T => naive::<T>(d, &view(lhs), &view(rhs), view_mut(out)?),
+            _ => return Err(KernelError::Unsupported { kernel: "matmul", what: format!("{dtype}") })),
+    }
+    Ok(())
+}

@@ -1,0 +1,298 @@
+//! Kernels that move elements without arithmetic: transpose, slice, concat, split, expand,
+//! gather, gather-elements, pad and triangular masks. They work on the element's bits, so one
+//! implementation serves every dtype of the same size.
+
+use rayon::prelude::*;
+
+use crate::scalar::with_bits_type;
+use crate::shape::{numel, rows_per_task, strides};
+use crate::{view, view_mut, DType, KernelError};
+
+/// Fills `out` (shape `out_shape`) row by row, reading element `i` of each row from
+/// `input[base(row) + i * inner_stride]`.
+fn gather_rows<T: Copy + Send + Sync>(
+    input: &[T],
+    out: &mut [T],
+    out_shape: &[usize],
+    src_strides: &[usize],
+    base: usize,
+) {
+    let rank = out_shape.len();
+    if rank == 0 {
+        out[0] = input[base];
+        return;
+    }
+    let inner = out_shape[rank - 1];
+    if inner == 0 {
+        return;
+    }
+    let inner_stride = src_strides[rank - 1];
+    let outer = &out_shape[..rank - 1];
+    out.par_chunks_mut(inner)
+        .with_min_len(rows_per_task(inner))
+        .enumerate()
+        .for_each(|(mut row, o)| {
+            let mut off = base;
+            for d in (0..outer.len()).rev() {
+                off += (row % outer[d]) * src_strides[d];
+                row /= outer[d];
+            }
+            if inner_stride == 1 {
+                o.copy_from_slice(&input[off..off + inner]);
+            } else {
+                for (i, slot) in o.iter_mut().enumerate() {
+                    *slot = input[off + i * inner_stride];
+                }
+            }
+        });
+}
+
+pub(crate) fn transpose(
+    dtype: DType,
+    shape: &[usize],
+    perm: &[usize],
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let in_strides = strides(shape);
+    let out_shape: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+    let src: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+    with_bits_type!(dtype, T => gather_rows::<T>(&view(input), view_mut(out)?, &out_shape, &src, 0));
+    Ok(())
+}
+
+/// `out[i] = input[start + i * step]` along every axis; steps may be negative.
+pub(crate) fn slice(
+    dtype: DType,
+    shape: &[usize],
+    starts: &[usize],
+    steps: &[i64],
+    out_shape: &[usize],
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let in_strides = strides(shape);
+    let base: usize = starts.iter().zip(&in_strides).map(|(s, st)| s * st).sum();
+    // Negative strides are expressed by offsetting: we compute with isize then check bounds.
+    if steps.iter().all(|&s| s > 0) {
+        let src: Vec<usize> = steps
+            .iter()
+            .zip(&in_strides)
+            .map(|(&s, &st)| s as usize * st)
+            .collect();
+        with_bits_type!(dtype, T => gather_rows::<T>(&view(input), view_mut(out)?, out_shape, &src, base));
+        return Ok(());
+    }
+    with_bits_type!(dtype, T => {
+        let input = view::<T>(input);
+        let out = view_mut::<T>(out)?;
+        let out_strides = strides(out_shape);
+        for (i, slot) in out.iter_mut().enumerate() {
+            let mut off = base as isize;
+            for d in 0..out_shape.len() {
+                let idx = (i / out_strides[d]) % out_shape[d];
+                off += idx as isize * steps[d] as isize * in_strides[d] as isize;
+            }
+            *slot = input[off as usize];
+        }
+    });
+    Ok(())
+}
+
+/// Concatenates inputs along `axis`.
+pub(crate) fn concat(
+    dtype: DType,
+    shapes: &[Vec<usize>],
+    axis: usize,
+    inputs: &[&[u8]],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let size = dtype.size();
+    let outer: usize = shapes[0][..axis].iter().product();
+    let chunks: Vec<usize> = shapes.iter().map(|s| numel(&s[axis..]) * size).collect();
+    let row: usize = chunks.iter().sum();
+    for o in 0..outer {
+        let mut at = o * row;
+        for (input, &chunk) in inputs.iter().zip(&chunks) {
+            out[at..at + chunk].copy_from_slice(&input[o * chunk..(o + 1) * chunk]);
+            at += chunk;
+        }
+    }
+    Ok(())
+}
+
+/// Splits along `axis` into pieces of the given sizes.
+pub(crate) fn split(
+    dtype: DType,
+    shape: &[usize],
+    axis: usize,
+    sizes: &[usize],
+    input: &[u8],
+    outs: &mut [&mut [u8]],
+) -> Result<(), KernelError> {
+    let size = dtype.size();
+    let outer: usize = shape[..axis].iter().product();
+    let inner = numel(&shape[axis + 1..]) * size;
+    let row = shape[axis] * inner;
+    for o in 0..outer {
+        let mut at = o * row;
+        for (out, &len) in outs.iter_mut().zip(sizes) {
+            let chunk = len * inner;
+            out[o * chunk..(o + 1) * chunk].copy_from_slice(&input[at..at + chunk]);
+            at += chunk;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn expand(
+    dtype: DType,
+    in_shape: &[usize],
+    out_shape: &[usize],
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let src = crate::shape::broadcast_strides(in_shape, out_shape);
+    with_bits_type!(dtype, T => gather_rows::<T>(&view(input), view_mut(out)?, out_shape, &src, 0));
+    Ok(())
+}
+
+fn read_indices(index_dtype: DType, indices: &[u8]) -> Result<Vec<i64>, KernelError> {
+    match index_dtype {
+        DType::I64 => Ok(view::<i64>(indices).into_owned()),
+        DType::I32 => Ok(view::<i32>(indices).iter().map(|&v| v as i64).collect()),
+        other => Err(KernelError::Unsupported {
+            kernel: "gather",
+            what: format!("{other} indices"),
+        }),
+    }
+}
+
+fn resolve_index(index: i64, bound: usize, kernel: &'static str) -> Result<usize, KernelError> {
+    let resolved = if index < 0 {
+        index + bound as i64
+    } else {
+        index
+    };
+    if resolved < 0 || resolved as usize >= bound {
+        return Err(KernelError::IndexOutOfRange {
+            kernel,
+            index,
+            bound,
+        });
+    }
+    Ok(resolved as usize)
+}
+
+/// `out[o, i, r] = data[o, indices[i], r]` over `[outer, axis, inner]`.
+pub(crate) fn gather(
+    dtype: DType,
+    index_dtype: DType,
+    data_shape: &[usize],
+    axis: usize,
+    data: &[u8],
+    indices: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let indices = read_indices(index_dtype, indices)?;
+    let len = data_shape[axis];
+    let resolved: Vec<usize> = indices
+        .iter()
+        .map(|&i| resolve_index(i, len, "gather"))
+        .collect::<Result<_, _>>()?;
+    let inner = numel(&data_shape[axis + 1..]) * dtype.size();
+    if inner == 0 {
+        return Ok(());
+    }
+    out.par_chunks_mut(inner)
+        .with_min_len(rows_per_task(inner))
+        .enumerate()
+        .for_each(|(row, o)| {
+            let (outer_idx, i) = (row / resolved.len(), row % resolved.len());
+            let src = (outer_idx * len + resolved[i]) * inner;
+            o.copy_from_slice(&data[src..src + inner]);
+        });
+    Ok(())
+}
+
+/// `out[idx] = data[idx with idx[axis] replaced by indices[idx]]`; out has the indices' shape.
+pub(crate) fn gather_elements(
+    dtype: DType,
+    index_dtype: DType,
+    data_shape: &[usize],
+    index_shape: &[usize],
+    axis: usize,
+    data: &[u8],
+    indices: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let indices = read_indices(index_dtype, indices)?;
+    let data_strides = strides(data_shape);
+    let idx_strides = strides(index_shape);
+    with_bits_type!(dtype, T => {
+        let data = view::<T>(data);
+        let out = view_mut::<T>(out)?;
+        for (i, slot) in out.iter_mut().enumerate() {
+            let mut off = 0;
+            for d in 0..index_shape.len() {
+                let coord = (i / idx_strides[d]) % index_shape[d];
+                let coord = if d == axis { resolve_index(indices[i], data_shape[d], "gather_elements")? } else { coord };
+                off += coord * data_strides[d];
+            }
+            *slot = data[off];
+        }
+    });
+    Ok(())
+}
+
+/// Constant padding: `begin[d]` elements before and the rest after along each axis.
+pub(crate) fn pad(
+    dtype: DType,
+    shape: &[usize],
+    begin: &[usize],
+    out_shape: &[usize],
+    value: f64,
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let fill = crate::scalar_bytes(dtype, value);
+    for chunk in out.chunks_mut(dtype.size()) {
+        chunk.copy_from_slice(&fill);
+    }
+    let size = dtype.size();
+    let in_strides = strides(shape);
+    let out_strides = strides(out_shape);
+    let rank = shape.len();
+    let count = numel(shape);
+    for i in 0..count {
+        let mut off = 0;
+        for d in 0..rank {
+            off += ((i / in_strides[d]) % shape[d] + begin[d]) * out_strides[d];
+        }
+        out[off * size..(off + 1) * size].copy_from_slice(&input[i * size..(i + 1) * size]);
+    }
+    Ok(())
+}
+
+/// Keeps the upper (or lower) triangle of the last two dims relative to diagonal `k`.
+pub(crate) fn triangle(
+    dtype: DType,
+    shape: &[usize],
+    k: i64,
+    upper: bool,
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let rank = shape.len();
+    let (rows, cols) = (shape[rank - 2], shape[rank - 1]);
+    with_bits_type!(dtype, T => {
+        let input = view::<T>(input);
+        let out = view_mut::<T>(out)?;
+        for (i, (o, &v)) in out.iter_mut().zip(input.iter()).enumerate() {
+            let (r, c) = (((i / cols) % rows) as i64, (i % cols) as i64);
+            let keep = if upper { c - r >= k } else { c - r <= k };
+            *o = if keep { v } else { 0 as T };
+        }
+    });
+    Ok(())
+}

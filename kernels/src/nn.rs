@@ -1,0 +1,263 @@
+//! Composite neural-network kernels kept whole: softmax and log-softmax, layer norm, RMS norm,
+//! GELU and softmax cross-entropy. Statistics accumulate in f64; half types are widened to f32.
+
+use rayon::prelude::*;
+
+use crate::elementwise::num_float::Float;
+use crate::scalar::{narrow, widen, Num};
+use crate::shape::rows_per_task;
+use crate::{view, view_mut, DType, GeluApprox, KernelError, Reduction};
+
+/// Runs a float kernel body for f32, f64, or half types through f32. `$inputs` are byte slices
+/// viewed as the compute type; `$out` is the output byte slice.
+macro_rules! float_kernel {
+    ($kernel:literal, $dtype:expr, [$($input:ident),*], $out:ident, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $(let $input = view::<f32>($input);)*
+                let $out = view_mut::<f32>($out)?;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $(let $input = view::<f64>($input);)*
+                let $out = view_mut::<f64>($out)?;
+                $body
+            }
+            DType::F16 | DType::BF16 => {
+                type $t = f32;
+                $(let $input = std::borrow::Cow::<[f32]>::Owned(widen($dtype, $input));)*
+                let bytes_out = $out;
+                let mut wide = vec![0f32; bytes_out.len() / 2];
+                {
+                    let $out = &mut wide[..];
+                    $body
+                }
+                narrow($dtype, &wide, bytes_out)?;
+            }
+            other => return Err(KernelError::Unsupported { kernel: $kernel, what: format!("{other}") }),
+        }
+    };
+}
+
+fn softmax_line<F: Float>(input: &[F], out: &mut [F], len: usize, stride: usize, log: bool) {
+    let at = |i: usize| input[i * stride];
+    let max = (1..len).fold(at(0), |m, i| if at(i) > m { at(i) } else { m });
+    let sum: f64 = (0..len).map(|i| (at(i) - max).exp().to_f64()).sum();
+    if log {
+        let log_sum = F::from_f64(sum.ln());
+        for i in 0..len {
+            out[i * stride] = at(i) - max - log_sum;
+        }
+    } else {
+        let inv = F::from_f64(1.0 / sum);
+        for i in 0..len {
+            out[i * stride] = (at(i) - max).exp() * inv;
+        }
+    }
+}
+
+/// Softmax over the middle axis of `[outer, len, inner]`.
+pub(crate) fn softmax(
+    dtype: DType,
+    outer: usize,
+    len: usize,
+    inner: usize,
+    log: bool,
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    if len == 0 || outer * inner == 0 {
+        return Ok(());
+    }
+    float_kernel!("softmax", dtype, [input], out, |F| {
+        out.par_chunks_mut(len * inner)
+            .with_min_len(rows_per_task(len * inner))
+            .enumerate()
+            .for_each(|(o, block)| {
+                let src = &input[o * len * inner..(o + 1) * len * inner];
+                for i in 0..inner {
+                    softmax_line::<F>(&src[i..], &mut block[i..], len, inner, log);
+                }
+            });
+    });
+    Ok(())
+}
+
+/// `(x - mean) / sqrt(var + eps) * scale (+ bias)` over rows of `cols`.
+pub(crate) fn layer_norm(
+    dtype: DType,
+    cols: usize,
+    eps: f64,
+    x: &[u8],
+    scale: &[u8],
+    bias: Option<&[u8]>,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    if cols == 0 {
+        return Ok(());
+    }
+    let zeros = vec![0u8; scale.len()];
+    let bias = bias.unwrap_or(&zeros);
+    float_kernel!("layer_norm", dtype, [x, scale, bias], out, |F| {
+        out.par_chunks_mut(cols)
+            .with_min_len(rows_per_task(cols))
+            .zip(x.par_chunks(cols))
+            .for_each(|(o, row)| {
+                let mean = row.iter().map(|v| v.to_f64()).sum::<f64>() / cols as f64;
+                let var =
+                    row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / cols as f64;
+                let inv = F::from_f64(1.0 / (var + eps).sqrt());
+                let mean = F::from_f64(mean);
+                for i in 0..cols {
+                    o[i] = (row[i] - mean) * inv * scale[i] + bias[i];
+                }
+            });
+    });
+    Ok(())
+}
+
+/// `x / sqrt(mean(x^2) + eps) * scale` over rows of `cols`.
+pub(crate) fn rms_norm(
+    dtype: DType,
+    cols: usize,
+    eps: f64,
+    x: &[u8],
+    scale: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    if cols == 0 {
+        return Ok(());
+    }
+    float_kernel!("rms_norm", dtype, [x, scale], out, |F| {
+        out.par_chunks_mut(cols)
+            .with_min_len(rows_per_task(cols))
+            .zip(x.par_chunks(cols))
+            .for_each(|(o, row)| {
+                let mean_square = row.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / cols as f64;
+                let inv = F::from_f64(1.0 / (mean_square + eps).sqrt());
+                for i in 0..cols {
+                    o[i] = row[i] * inv * scale[i];
+                }
+            });
+    });
+    Ok(())
+}
+
+pub(crate) fn gelu(
+    dtype: DType,
+    approx: GeluApprox,
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    float_kernel!("gelu", dtype, [input], out, |F| {
+        let half = F::from_f64(0.5);
+        let one = F::one();
+        match approx {
+            GeluApprox::None => {
+                let inv_sqrt2 = F::from_f64(std::f64::consts::FRAC_1_SQRT_2);
+                out.par_iter_mut()
+                    .with_min_len(crate::shape::GRAIN)
+                    .zip(input.par_iter())
+                    .for_each(|(o, &x)| *o = half * x * (one + (x * inv_sqrt2).error_function()));
+            }
+            GeluApprox::Tanh => {
+                let c = F::from_f64((2.0 / std::f64::consts::PI).sqrt());
+                let a = F::from_f64(0.044715);
+                out.par_iter_mut()
+                    .with_min_len(crate::shape::GRAIN)
+                    .zip(input.par_iter())
+                    .for_each(|(o, &x)| *o = half * x * (one + (c * (x + a * x * x * x)).tanh()));
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Shapes and options of a softmax cross-entropy: scores `[n, classes, inner]`, labels
+/// `[n, inner]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct CrossEntropyDims {
+    pub n: usize,
+    pub classes: usize,
+    pub inner: usize,
+    pub ignore_index: Option<i64>,
+    pub reduction: Reduction,
+}
+
+/// Outputs the loss (a scalar, or `[n, inner]` with no reduction) and, when `log_prob` is
+/// given, the log-probabilities.
+pub(crate) fn cross_entropy(
+    dtype: DType,
+    label_dtype: DType,
+    d: &CrossEntropyDims,
+    scores: &[u8],
+    labels: &[u8],
+    loss: &mut [u8],
+    log_prob: Option<&mut [u8]>,
+) -> Result<(), KernelError> {
+    let labels: Vec<i64> = match label_dtype {
+        DType::I64 => view::<i64>(labels).into_owned(),
+        DType::I32 => view::<i32>(labels).iter().map(|&v| v as i64).collect(),
+        other => {
+            return Err(KernelError::Unsupported {
+                kernel: "cross_entropy",
+                what: format!("{other} labels"),
+            })
+        }
+    };
+    let mut lp_bytes = vec![0u8; scores.len()];
+    softmax(dtype, d.n, d.classes, d.inner, true, scores, &mut lp_bytes)?;
+    let lp: Vec<f64> = match dtype {
+        DType::F32 => view::<f32>(&lp_bytes).iter().map(|&v| v as f64).collect(),
+        DType::F64 => view::<f64>(&lp_bytes).into_owned(),
+        _ => widen(dtype, &lp_bytes)
+            .into_iter()
+            .map(|v| v as f64)
+            .collect(),
+    };
+    let mut per_position = vec![0f64; d.n * d.inner];
+    let mut counted = 0usize;
+    for (pos, (&label, slot)) in labels.iter().zip(per_position.iter_mut()).enumerate() {
+        if Some(label) == d.ignore_index {
+            continue;
+        }
+        if label < 0 || label as usize >= d.classes {
+            return Err(KernelError::IndexOutOfRange {
+                kernel: "cross_entropy",
+                index: label,
+                bound: d.classes,
+            });
+        }
+        let (n, i) = (pos / d.inner, pos % d.inner);
+        *slot = -lp[(n * d.classes + label as usize) * d.inner + i];
+        counted += 1;
+    }
+    let values: Vec<f64> = match d.reduction {
+        Reduction::None => per_position,
+        Reduction::Sum => vec![per_position.iter().sum()],
+        Reduction::Mean => vec![per_position.iter().sum::<f64>() / counted as f64],
+    };
+    write_f64(dtype, &values, loss)?;
+    if let Some(out) = log_prob {
+        out.copy_from_slice(&lp_bytes);
+    }
+    Ok(())
+}
+
+fn write_f64(dtype: DType, values: &[f64], out: &mut [u8]) -> Result<(), KernelError> {
+    match dtype {
+        DType::F32 => view_mut::<f32>(out)?
+            .iter_mut()
+            .zip(values)
+            .for_each(|(o, &v)| *o = v as f32),
+        DType::F64 => view_mut::<f64>(out)?.copy_from_slice(values),
+        _ => narrow(
+            dtype,
+            &values.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+            out,
+        )?,
+    }
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! Reductions over any set of axes. Sums and products accumulate in f64; max and min compare
+//! in the element type, so i64 extremes stay exact.
+
+use rayon::prelude::*;
+
+use crate::scalar::{narrow, widen, with_num_type, Num};
+use crate::shape::numel;
+use crate::{view, view_mut, DType, KernelError, ReduceOp};
+
+/// Reduces the middle axis of an `[outer, len, inner]` block.
+fn reduce_block<T: Num>(
+    op: ReduceOp,
+    input: &[T],
+    len: usize,
+    inner: usize,
+    count: f64,
+    out: &mut [T],
+) {
+    out.par_chunks_mut(inner.max(1))
+        .with_min_len(1)
+        .enumerate()
+        .for_each(|(o, row)| {
+            for (i, slot) in row.iter_mut().enumerate() {
+                let at = |r: usize| input[(o * len + r) * inner + i];
+                *slot = match op {
+                    ReduceOp::Max => (1..len).fold(at(0), |acc, r| acc.max_of(at(r))),
+                    ReduceOp::Min => (1..len).fold(at(0), |acc, r| acc.min_of(at(r))),
+                    ReduceOp::Sum => T::from_f64((0..len).map(|r| at(r).to_f64()).sum()),
+                    ReduceOp::Mean => {
+                        T::from_f64((0..len).map(|r| at(r).to_f64()).sum::<f64>() / count)
+                    }
+                    ReduceOp::Prod => T::from_f64((0..len).map(|r| at(r).to_f64()).product()),
+                };
+            }
+        });
+}
+
+fn reduce_typed<T: Num>(
+    op: ReduceOp,
+    shape: &[usize],
+    axes: &[usize],
+    input: &[T],
+) -> Result<Vec<T>, KernelError> {
+    let count: f64 = axes.iter().map(|&a| shape[a] as f64).product();
+    let mut current = input.to_vec();
+    let mut dims = shape.to_vec();
+    if axes.iter().any(|&a| dims[a] == 0) && matches!(op, ReduceOp::Max | ReduceOp::Min) {
+        return Err(KernelError::Unsupported {
+            kernel: "reduce",
+            what: "max/min over an empty axis".into(),
+        });
+    }
+    // Reduce one axis at a time, last first; a mean divides by the full count at the end.
+    for (step, &axis) in axes.iter().rev().enumerate() {
+        let outer: usize = dims[..axis].iter().product();
+        let inner: usize = dims[axis + 1..].iter().product();
+        let len = dims[axis];
+        let last = step + 1 == axes.len();
+        let step_op = match op {
+            ReduceOp::Mean if !last => ReduceOp::Sum,
+            other => other,
+        };
+        let mut next = vec![T::zero(); outer * inner];
+        if len == 0 {
+            let empty = if op == ReduceOp::Prod { 1.0 } else { 0.0 };
+            next.iter_mut().for_each(|v| *v = T::from_f64(empty));
+        } else {
+            reduce_block(step_op, &current, len, inner, count, &mut next);
+        }
+        current = next;
+        dims[axis] = 1;
+    }
+    Ok(current)
+}
+
+pub(crate) fn reduce(
+    op: ReduceOp,
+    dtype: DType,
+    shape: &[usize],
+    axes: &[usize],
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    debug_assert_eq!(input.len(), numel(shape) * dtype.size());
+    match dtype {
+        DType::F16 | DType::BF16 => {
+            let wide = widen(dtype, input);
+            let result = reduce_typed::<f32>(op, shape, axes, &wide)?;
+            narrow(dtype, &result, out)
+        }
+        _ => with_num_type!(dtype, T => {
+            let result = reduce_typed::<T>(op, shape, axes, &view::<T>(input))?;
+            view_mut::<T>(out)?.copy_from_slice(&result);
+            Ok(())
+        }, _ => Err(KernelError::Unsupported { kernel: "reduce", what: format!("{} on {dtype}", op.name()) })),
+    }
+}

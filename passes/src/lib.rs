@@ -1,0 +1,70 @@
+//! autotp-passes: the pass manager and every Graph -> Graph pass.
+//!
+//! A pass implements [`Pass`]; the [`PassManager`] runs a list of them, verifies the graph
+//! after each one, and times them. Passes do no I/O.
+//!
+//! | pass        | what it does                                                        |
+//! |-------------|---------------------------------------------------------------------|
+//! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
+//! | `recognize` | rewrites decomposed GELU / RMSNorm into composite ops ([`recognize`])|
+
+pub mod dce;
+pub mod recognize;
+
+use std::time::Instant;
+
+use autotp_ir::{verify, Graph, VerifyErrors};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error("the graph is invalid after pass '{pass}': {errors}")]
+    Verify {
+        pass: &'static str,
+        errors: VerifyErrors,
+    },
+}
+
+/// A Graph -> Graph transformation.
+pub trait Pass {
+    /// The kebab-case name used on the command line.
+    fn name(&self) -> &'static str;
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError>;
+}
+
+/// Runs passes in order, verifying after each.
+pub struct PassManager {
+    passes: Vec<Box<dyn Pass>>,
+}
+
+impl PassManager {
+    pub fn new(passes: Vec<Box<dyn Pass>>) -> PassManager {
+        PassManager { passes }
+    }
+
+    /// The post-import cleanup: recognise composite ops, then drop what became dead.
+    pub fn simplify_pipeline() -> PassManager {
+        PassManager::new(vec![Box::new(recognize::Recognize), Box::new(dce::Dce)])
+    }
+
+    pub fn names(&self) -> Vec<&'static str> {
+        self.passes.iter().map(|p| p.name()).collect()
+    }
+
+    pub fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        for pass in &self.passes {
+            let start = Instant::now();
+            pass.run(graph)?;
+            verify(graph).map_err(|errors| PassError::Verify {
+                pass: pass.name(),
+                errors,
+            })?;
+            tracing::debug!(
+                pass = pass.name(),
+                nodes = graph.num_nodes(),
+                seconds = start.elapsed().as_secs_f64(),
+                "ran pass"
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,112 @@
+//! The CPU executor: one arena per program, parameters and constants loaded once, then
+//! instructions run in order with the builtin kernels (multi-threaded with rayon inside).
+
+use autotp_kernels::AlignedBuf;
+
+use crate::{Instruction, Program, Region, RuntimeError};
+
+/// A host tensor handed to or returned by the executor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub dtype: autotp_kernels::DType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// A loaded program with its arena.
+pub struct Executor {
+    program: Program,
+    arena: AlignedBuf,
+}
+
+impl Executor {
+    /// Validates the program and allocates its arena; constants are written now.
+    pub fn new(program: Program) -> Result<Executor, RuntimeError> {
+        program.validate()?;
+        let mut arena = AlignedBuf::zeroed(program.memory.arena_bytes);
+        for c in &program.constants {
+            arena.as_mut_slice()[c.region.offset..c.region.end()].copy_from_slice(&c.bytes);
+        }
+        Ok(Executor { program, arena })
+    }
+
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    /// Loads one parameter's bytes (from a weights file or an initializer).
+    pub fn load_param(&mut self, name: &str, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let slot = self
+            .program
+            .params
+            .iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| RuntimeError::UnknownParam(name.to_string()))?;
+        if bytes.len() != slot.region.len {
+            return Err(RuntimeError::WrongSize {
+                what: format!("parameter '{name}'"),
+                expected: slot.region.len,
+                got: bytes.len(),
+            });
+        }
+        self.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Runs the program on `inputs` (in the program's input order) and returns its outputs.
+    pub fn run(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, RuntimeError> {
+        if inputs.len() != self.program.inputs.len() {
+            return Err(RuntimeError::InputCount {
+                expected: self.program.inputs.len(),
+                got: inputs.len(),
+            });
+        }
+        for (slot, t) in self.program.inputs.iter().zip(inputs) {
+            if t.dtype != slot.dtype || t.shape != slot.shape {
+                return Err(RuntimeError::InputType {
+                    name: slot.name.clone(),
+                    expected: format!("{}{:?}", slot.dtype, slot.shape),
+                    got: format!("{}{:?}", t.dtype, t.shape),
+                });
+            }
+            self.arena.as_mut_slice()[slot.region.offset..slot.region.end()]
+                .copy_from_slice(&t.data);
+        }
+        let base = self.arena.as_mut_slice().as_mut_ptr();
+        for Instruction::Kernel {
+            kernel,
+            inputs,
+            outputs,
+            label,
+        } in &self.program.instructions
+        {
+            // SAFETY: `Program::validate` checked every region is inside the arena and that an
+            // instruction's outputs overlap neither its inputs nor each other, so these slices
+            // are disjoint where one is mutable. Inputs may alias each other (shared reads).
+            let region =
+                |r: &Region| unsafe { std::slice::from_raw_parts(base.add(r.offset), r.len) };
+            let ins: Vec<&[u8]> = inputs.iter().map(region).collect();
+            let mut outs: Vec<&mut [u8]> = outputs
+                .iter()
+                .map(|r| unsafe { std::slice::from_raw_parts_mut(base.add(r.offset), r.len) })
+                .collect();
+            kernel
+                .run(&ins, &mut outs)
+                .map_err(|source| RuntimeError::Kernel {
+                    label: label.clone(),
+                    source,
+                })?;
+        }
+        let arena = self.arena.as_slice();
+        Ok(self
+            .program
+            .outputs
+            .iter()
+            .map(|s| HostTensor {
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+                data: arena[s.region.offset..s.region.end()].to_vec(),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,44 @@
+//! autotp-runtime: the Program format and its execution.
+//!
+//! - [`Program`]: slots (inputs, outputs, parameters), constants and instructions over one
+//!   arena at planned offsets, with its [`MemoryPlan`]. It never refers to the IR.
+//! - [`Executor`]: runs a program on the CPU with the builtin kernels.
+//! - [`npy`]: reading and writing `.npy` files for inputs and outputs.
+//!
+//! This is the only crate that allocates device memory or starts rank threads.
+
+mod executor;
+pub mod npy;
+mod program;
+
+pub use executor::{Executor, HostTensor};
+pub use program::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("invalid program: {0}")]
+    InvalidProgram(String),
+    #[error("the program has no parameter '{0}'")]
+    UnknownParam(String),
+    #[error("{what} has {got} bytes, expected {expected}")]
+    WrongSize {
+        what: String,
+        expected: usize,
+        got: usize,
+    },
+    #[error("the program takes {expected} inputs, got {got}")]
+    InputCount { expected: usize, got: usize },
+    #[error("input '{name}' must be {expected}, got {got}")]
+    InputType {
+        name: String,
+        expected: String,
+        got: String,
+    },
+    #[error("{label}: {source}")]
+    Kernel {
+        label: String,
+        source: autotp_kernels::KernelError,
+    },
+    #[error("{path}: {message}")]
+    Npy { path: String, message: String },
+}

@@ -1,0 +1,144 @@
+//! `Program`: what the runtime executes. One arena of bytes per rank; every tensor lives at a
+//! planned offset; instructions run builtin kernels over those regions. The runtime knows
+//! nothing of the IR: codegen produces Programs.
+
+use autotp_kernels::{DType, Kernel};
+use serde::{Deserialize, Serialize};
+
+use crate::RuntimeError;
+
+/// A region of the arena.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl Region {
+    pub fn end(&self) -> usize {
+        self.offset + self.len
+    }
+
+    fn overlaps(&self, other: &Region) -> bool {
+        self.len > 0 && other.len > 0 && self.offset < other.end() && other.offset < self.end()
+    }
+}
+
+/// A named tensor at a region: an input to feed, an output to read, or a parameter to load.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Slot {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub region: Region,
+}
+
+impl Slot {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Bytes written into the arena once, when the program is loaded.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ConstantData {
+    pub region: Region,
+    pub bytes: Vec<u8>,
+}
+
+/// One step of the program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Instruction {
+    /// Runs a builtin kernel. `label` names the IR op it came from, for profiles and errors.
+    Kernel {
+        kernel: Kernel,
+        inputs: Vec<Region>,
+        outputs: Vec<Region>,
+        label: String,
+    },
+}
+
+/// Byte counts of the memory plan, by category.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    pub params_bytes: usize,
+    pub inputs_bytes: usize,
+    pub constants_bytes: usize,
+    /// Peak bytes of intermediate values (activations) live at once.
+    pub activations_peak_bytes: usize,
+    /// The arena size: everything above, plus alignment padding.
+    pub arena_bytes: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Program {
+    pub name: String,
+    pub inputs: Vec<Slot>,
+    pub outputs: Vec<Slot>,
+    pub params: Vec<Slot>,
+    pub constants: Vec<ConstantData>,
+    pub instructions: Vec<Instruction>,
+    pub memory: MemoryPlan,
+}
+
+impl Program {
+    /// Checks that every region is inside the arena and that no instruction's outputs overlap
+    /// its inputs or each other; the executor relies on this to hand kernels disjoint slices.
+    pub fn validate(&self) -> Result<(), RuntimeError> {
+        let size = self.memory.arena_bytes;
+        let bad = |what: String| Err(RuntimeError::InvalidProgram(what));
+        let slots = self.inputs.iter().chain(&self.outputs).chain(&self.params);
+        for slot in slots {
+            if slot.region.end() > size {
+                return bad(format!(
+                    "slot '{}' ends at {} past the arena ({size} bytes)",
+                    slot.name,
+                    slot.region.end()
+                ));
+            }
+            if slot.region.len != slot.numel() * slot.dtype.size() {
+                return bad(format!(
+                    "slot '{}' has {} bytes for {} elements of {}",
+                    slot.name,
+                    slot.region.len,
+                    slot.numel(),
+                    slot.dtype
+                ));
+            }
+        }
+        for c in &self.constants {
+            if c.region.end() > size || c.bytes.len() != c.region.len {
+                return bad(format!(
+                    "a constant at offset {} does not fit its region",
+                    c.region.offset
+                ));
+            }
+        }
+        for (
+            i,
+            Instruction::Kernel {
+                inputs,
+                outputs,
+                label,
+                ..
+            },
+        ) in self.instructions.iter().enumerate()
+        {
+            for r in inputs.iter().chain(outputs) {
+                if r.end() > size {
+                    return bad(format!("instruction {i} ({label}) reaches past the arena"));
+                }
+            }
+            for (j, o) in outputs.iter().enumerate() {
+                if inputs.iter().any(|r| r.overlaps(o))
+                    || outputs[j + 1..].iter().any(|r| r.overlaps(o))
+                {
+                    return bad(format!(
+                        "instruction {i} ({label}) writes over one of its own operands"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

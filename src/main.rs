@@ -1,0 +1,256 @@
+//! The `autotp` command line: import models, print their IR, and run them on CPU.
+//!
+//!     autotp import MODEL.onnx --batch 4 --seq-len 32 [-o OUT.ir]
+//!     autotp infer MODEL.onnx --input input_ids=ids.npy --output-dir out/
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use autotp_frontend::{ImportOptions, Model};
+use autotp_runtime::{Executor, HostTensor};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "autotp",
+    version,
+    about = "A compiler for distributed training: ONNX in, parallel training programs out"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Import a model and print (or write) its IR.
+    Import {
+        /// The ONNX model.
+        model: PathBuf,
+        #[command(flatten)]
+        shapes: ShapeFlags,
+        /// Write the IR here instead of printing it.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Run the simplify passes (pattern recognition) after import.
+        #[arg(long)]
+        simplify: bool,
+    },
+    /// Run a model's forward pass on CPU and write every graph output as DIR/<name>.npy.
+    Infer {
+        /// The ONNX model.
+        model: PathBuf,
+        /// An input: NAME=FILE.npy (repeat for each input). Batch and sequence come from the
+        /// inputs' shapes.
+        #[arg(long = "input", value_name = "NAME=FILE.npy", required = true)]
+        inputs: Vec<String>,
+        /// Directory for the outputs.
+        #[arg(long, value_name = "DIR")]
+        output_dir: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct ShapeFlags {
+    /// Size of every input's symbolic dim 0.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Size of every input's symbolic dim 1.
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// The full shape of one input: NAME=D0,D1,... (repeatable).
+    #[arg(long = "input-shape", value_name = "NAME=D0,D1,...")]
+    input_shapes: Vec<String>,
+}
+
+impl ShapeFlags {
+    fn options(&self) -> Result<ImportOptions> {
+        let mut input_shapes = BTreeMap::new();
+        for spec in &self.input_shapes {
+            let (name, dims) = spec
+                .split_once('=')
+                .with_context(|| format!("--input-shape '{spec}' must be NAME=D0,D1,..."))?;
+            let dims = dims
+                .split(',')
+                .map(|d| {
+                    d.trim().parse::<usize>().with_context(|| {
+                        format!("--input-shape '{spec}': '{d}' is not a dimension")
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            input_shapes.insert(name.to_string(), dims);
+        }
+        Ok(ImportOptions {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            input_shapes,
+        })
+    }
+}
+
+fn import(path: &Path, options: &ImportOptions) -> Result<Model> {
+    let start = Instant::now();
+    let model = autotp_frontend::import_onnx(path, options)?;
+    tracing::info!(
+        nodes = model.graph.num_nodes(),
+        params = model.weights.len(),
+        seconds = start.elapsed().as_secs_f64(),
+        "imported {}",
+        path.display()
+    );
+    Ok(model)
+}
+
+fn run_import(
+    model: &Path,
+    shapes: &ShapeFlags,
+    output: Option<&Path>,
+    simplify: bool,
+) -> Result<()> {
+    let mut imported = import(model, &shapes.options()?)?;
+    if simplify {
+        autotp_passes::PassManager::simplify_pipeline().run(&mut imported.graph)?;
+    }
+    let text = autotp_ir::text::print(&imported.graph);
+    match output {
+        Some(path) => std::fs::write(path, text)
+            .with_context(|| format!("cannot write {}", path.display()))?,
+        None => print!("{text}"),
+    }
+    Ok(())
+}
+
+fn run_infer(model: &Path, inputs: &[String], output_dir: &Path) -> Result<()> {
+    let mut given = BTreeMap::new();
+    for spec in inputs {
+        let (name, file) = spec
+            .split_once('=')
+            .with_context(|| format!("--input '{spec}' must be NAME=FILE.npy"))?;
+        let tensor = autotp_runtime::npy::read(Path::new(file))?;
+        given.insert(name.to_string(), tensor);
+    }
+    let options = ImportOptions {
+        input_shapes: given
+            .iter()
+            .map(|(name, t)| (name.clone(), t.shape.clone()))
+            .collect(),
+        ..ImportOptions::default()
+    };
+    let mut imported = import(model, &options)?;
+    autotp_passes::PassManager::simplify_pipeline().run(&mut imported.graph)?;
+    let program = autotp_codegen::lower(&imported.graph)?;
+    let mut feed = Vec::new();
+    for slot in &program.inputs {
+        let t = given.remove(&slot.name).with_context(|| {
+            format!(
+                "the model needs input '{}': give it with --input {}=FILE.npy",
+                slot.name, slot.name
+            )
+        })?;
+        if t.dtype != slot.dtype {
+            bail!(
+                "input '{}': {} has dtype {}, the model takes {}",
+                slot.name,
+                "the file",
+                t.dtype,
+                slot.dtype
+            );
+        }
+        feed.push(t);
+    }
+    if let Some(extra) = given.keys().next() {
+        bail!("--input {extra}: the model has no such input");
+    }
+    let mut executor = Executor::new(program)?;
+    for (name, tensor) in &imported.weights {
+        executor.load_param(name, tensor.bytes())?;
+    }
+    let start = Instant::now();
+    let outputs = executor.run(&feed)?;
+    tracing::info!(seconds = start.elapsed().as_secs_f64(), "forward pass");
+    std::fs::create_dir_all(output_dir)
+        .with_context(|| format!("cannot create {}", output_dir.display()))?;
+    for (slot, tensor) in executor.program().outputs.iter().zip(&outputs) {
+        let path = output_dir.join(format!("{}.npy", sanitize(&slot.name)));
+        autotp_runtime::npy::write(&path, tensor)?;
+        println!(
+            "{}: {}{:?} {} -> {}",
+            slot.name,
+            tensor.dtype,
+            tensor.shape,
+            summary(tensor),
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Keeps an output name usable as a file name.
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// `mean=... max|x|=...` of a float tensor, for a one-line summary.
+fn summary(t: &HostTensor) -> String {
+    let values: Vec<f64> = match t.dtype {
+        autotp_ir::DType::F32 => t
+            .data
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        autotp_ir::DType::F64 => t
+            .data
+            .chunks(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        _ => return String::new(),
+    };
+    if values.is_empty() {
+        return String::new();
+    }
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    let max = values.iter().fold(0f64, |m, v| m.max(v.abs()));
+    format!("mean={mean:.6} max|x|={max:.6}")
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AUTOTP_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Import {
+            model,
+            shapes,
+            output,
+            simplify,
+        } => run_import(model, shapes, output.as_deref(), *simplify),
+        Command::Infer {
+            model,
+            inputs,
+            output_dir,
+        } => run_infer(model, inputs, output_dir),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
