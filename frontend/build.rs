@@ -11,16 +11,12 @@ use std::path::PathBuf;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/onnx.proto");
     let proto2 = std::fs::read_to_string("proto/onnx.proto")?;
-    let proto3 = proto2
-        .replace("syntax = \"proto2\";", "syntax = \"proto3\";")
-        .replace("optional ", "");
+    let proto3 = proto2.replace("syntax = \"proto2\";", "syntax = \"proto3\";").replace("optional ", "");
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     let proto_dir = out_dir.join("proto");
     std::fs::create_dir_all(&proto_dir)?;
     std::fs::write(proto_dir.join("onnx.proto"), proto3)?;
     let descriptors = protox::compile(["onnx.proto"], [&proto_dir])?;
-    prost_build::Config::new()
-        .bytes(["."])
-        .compile_fds(descriptors)?;
+    prost_build::Config::new().bytes(["."]).compile_fds(descriptors)?;
     Ok(())
 }

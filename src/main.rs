@@ -70,24 +70,19 @@ impl ShapeFlags {
     fn options(&self) -> Result<ImportOptions> {
         let mut input_shapes = BTreeMap::new();
         for spec in &self.input_shapes {
-            let (name, dims) = spec
-                .split_once('=')
-                .with_context(|| format!("--input-shape '{spec}' must be NAME=D0,D1,..."))?;
+            let (name, dims) =
+                spec.split_once('=').with_context(|| format!("--input-shape '{spec}' must be NAME=D0,D1,..."))?;
             let dims = dims
                 .split(',')
                 .map(|d| {
-                    d.trim().parse::<usize>().with_context(|| {
-                        format!("--input-shape '{spec}': '{d}' is not a dimension")
-                    })
+                    d.trim()
+                        .parse::<usize>()
+                        .with_context(|| format!("--input-shape '{spec}': '{d}' is not a dimension"))
                 })
                 .collect::<Result<Vec<_>>>()?;
             input_shapes.insert(name.to_string(), dims);
         }
-        Ok(ImportOptions {
-            batch: self.batch,
-            seq_len: self.seq_len,
-            input_shapes,
-        })
+        Ok(ImportOptions { batch: self.batch, seq_len: self.seq_len, input_shapes })
     }
 }
 
@@ -104,20 +99,14 @@ fn import(path: &Path, options: &ImportOptions) -> Result<Model> {
     Ok(model)
 }
 
-fn run_import(
-    model: &Path,
-    shapes: &ShapeFlags,
-    output: Option<&Path>,
-    simplify: bool,
-) -> Result<()> {
+fn run_import(model: &Path, shapes: &ShapeFlags, output: Option<&Path>, simplify: bool) -> Result<()> {
     let mut imported = import(model, &shapes.options()?)?;
     if simplify {
         autotp_passes::PassManager::simplify_pipeline().run(&mut imported.graph)?;
     }
     let text = autotp_ir::text::print(&imported.graph);
     match output {
-        Some(path) => std::fs::write(path, text)
-            .with_context(|| format!("cannot write {}", path.display()))?,
+        Some(path) => std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?,
         None => print!("{text}"),
     }
     Ok(())
@@ -126,17 +115,19 @@ fn run_import(
 fn run_infer(model: &Path, inputs: &[String], output_dir: &Path) -> Result<()> {
     let mut given = BTreeMap::new();
     for spec in inputs {
-        let (name, file) = spec
-            .split_once('=')
-            .with_context(|| format!("--input '{spec}' must be NAME=FILE.npy"))?;
+        let (name, file) = spec.split_once('=').with_context(|| format!("--input '{spec}' must be NAME=FILE.npy"))?;
         let tensor = autotp_runtime::npy::read(Path::new(file))?;
         given.insert(name.to_string(), tensor);
     }
+    let expected = autotp_frontend::onnx::input_names(model)?;
+    if let Some(missing) = expected.iter().find(|n| !given.contains_key(*n)) {
+        bail!("the model needs input '{missing}': give it with --input {missing}=FILE.npy");
+    }
+    if let Some(extra) = given.keys().find(|n| !expected.contains(n)) {
+        bail!("--input {extra}: the model has no such input (it takes {})", expected.join(", "));
+    }
     let options = ImportOptions {
-        input_shapes: given
-            .iter()
-            .map(|(name, t)| (name.clone(), t.shape.clone()))
-            .collect(),
+        input_shapes: given.iter().map(|(name, t)| (name.clone(), t.shape.clone())).collect(),
         ..ImportOptions::default()
     };
     let mut imported = import(model, &options)?;
@@ -144,25 +135,11 @@ fn run_infer(model: &Path, inputs: &[String], output_dir: &Path) -> Result<()> {
     let program = autotp_codegen::lower(&imported.graph)?;
     let mut feed = Vec::new();
     for slot in &program.inputs {
-        let t = given.remove(&slot.name).with_context(|| {
-            format!(
-                "the model needs input '{}': give it with --input {}=FILE.npy",
-                slot.name, slot.name
-            )
-        })?;
+        let t = given.remove(&slot.name).expect("every model input was checked to be given");
         if t.dtype != slot.dtype {
-            bail!(
-                "input '{}': {} has dtype {}, the model takes {}",
-                slot.name,
-                "the file",
-                t.dtype,
-                slot.dtype
-            );
+            bail!("input '{}': the file holds {}, the model takes {}", slot.name, t.dtype, slot.dtype);
         }
         feed.push(t);
-    }
-    if let Some(extra) = given.keys().next() {
-        bail!("--input {extra}: the model has no such input");
     }
     let mut executor = Executor::new(program)?;
     for (name, tensor) in &imported.weights {
@@ -171,49 +148,25 @@ fn run_infer(model: &Path, inputs: &[String], output_dir: &Path) -> Result<()> {
     let start = Instant::now();
     let outputs = executor.run(&feed)?;
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "forward pass");
-    std::fs::create_dir_all(output_dir)
-        .with_context(|| format!("cannot create {}", output_dir.display()))?;
+    std::fs::create_dir_all(output_dir).with_context(|| format!("cannot create {}", output_dir.display()))?;
     for (slot, tensor) in executor.program().outputs.iter().zip(&outputs) {
         let path = output_dir.join(format!("{}.npy", sanitize(&slot.name)));
         autotp_runtime::npy::write(&path, tensor)?;
-        println!(
-            "{}: {}{:?} {} -> {}",
-            slot.name,
-            tensor.dtype,
-            tensor.shape,
-            summary(tensor),
-            path.display()
-        );
+        println!("{}: {}{:?} {} -> {}", slot.name, tensor.dtype, tensor.shape, summary(tensor), path.display());
     }
     Ok(())
 }
 
 /// Keeps an output name usable as a file name.
 fn sanitize(name: &str) -> String {
-    name.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.' { c } else { '_' }).collect()
 }
 
 /// `mean=... max|x|=...` of a float tensor, for a one-line summary.
 fn summary(t: &HostTensor) -> String {
     let values: Vec<f64> = match t.dtype {
-        autotp_ir::DType::F32 => t
-            .data
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect(),
-        autotp_ir::DType::F64 => t
-            .data
-            .chunks(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
+        autotp_ir::DType::F32 => t.data.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
+        autotp_ir::DType::F64 => t.data.chunks(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
         _ => return String::new(),
     };
     if values.is_empty() {
@@ -226,25 +179,13 @@ fn summary(t: &HostTensor) -> String {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AUTOTP_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("AUTOTP_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match &cli.command {
-        Command::Import {
-            model,
-            shapes,
-            output,
-            simplify,
-        } => run_import(model, shapes, output.as_deref(), *simplify),
-        Command::Infer {
-            model,
-            inputs,
-            output_dir,
-        } => run_infer(model, inputs, output_dir),
+        Command::Import { model, shapes, output, simplify } => run_import(model, shapes, output.as_deref(), *simplify),
+        Command::Infer { model, inputs, output_dir } => run_infer(model, inputs, output_dir),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

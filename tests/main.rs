@@ -1,1 +1,12 @@
+//! autotp's end-to-end tests, in one binary (each test binary links everything again).
+//!
+//! - `fixtures`: the tiny Hugging Face exports against PyTorch's outputs, and IR round trips.
+//! - `golden`: golden IR files under tests/golden (input IR, pass list, expected IR).
+//! - `verifier`: hand-made broken graphs and the verifier's messages.
+//! - `cli`: the command line on bad input: one clear line, non-zero exit, no panic.
 
+mod cli;
+mod common;
+mod fixtures;
+mod golden;
+mod verifier;

@@ -24,12 +24,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
     let names = |v: autotp_ir::ValueId| graph.name_of(v).unwrap_or("").to_string();
     let slot = |v: autotp_ir::ValueId, name: String, region: Region| {
         let ty = graph.ty(v);
-        Slot {
-            name,
-            dtype: ty.dtype,
-            shape: ty.shape.clone(),
-            region,
-        }
+        Slot { name, dtype: ty.dtype, shape: ty.shape.clone(), region }
     };
     let mut regions: Vec<Option<Region>> = vec![None; graph.num_values()];
     let mut memory = MemoryPlan::default();
@@ -60,10 +55,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
             let region = dedicated(value.ty.size_bytes());
             memory.constants_bytes += region.len;
             regions[node.outputs[0].index()] = Some(region);
-            constants.push(ConstantData {
-                region,
-                bytes: value.bytes().to_vec(),
-            });
+            constants.push(ConstantData { region, bytes: value.bytes().to_vec() });
         }
     }
 
@@ -88,35 +80,19 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         }
         for &o in &node.outputs {
             let len = graph.ty(o).size_bytes();
-            regions[o.index()] = Some(Region {
-                offset: allocator.alloc(len),
-                len,
-            });
+            regions[o.index()] = Some(Region { offset: allocator.alloc(len), len });
             live_bytes += len;
-            let dies = if last_use[o.index()] > id.index() {
-                last_use[o.index()]
-            } else {
-                id.index()
-            };
+            let dies = if last_use[o.index()] > id.index() { last_use[o.index()] } else { id.index() };
             by_last_use[dies].push(o.index());
         }
         memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
         let types: Vec<_> = node.inputs.iter().map(|&v| graph.ty(v)).collect();
         let out_types: Vec<_> = node.outputs.iter().map(|&v| graph.ty(v)).collect();
-        let kernel = autotp_ir::lower::kernel_for(&node.op, &types, &out_types)
-            .expect("only constants have no kernel");
+        let kernel = autotp_ir::lower::kernel_for(&node.op, &types, &out_types).expect("only constants have no kernel");
         instructions.push(Instruction::Kernel {
             kernel,
-            inputs: node
-                .inputs
-                .iter()
-                .map(|v| regions[v.index()].expect("defined before use"))
-                .collect(),
-            outputs: node
-                .outputs
-                .iter()
-                .map(|v| regions[v.index()].expect("just placed"))
-                .collect(),
+            inputs: node.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect(),
+            outputs: node.outputs.iter().map(|v| regions[v.index()].expect("just placed")).collect(),
             label: format!("node {} ({})", id.index(), node.op.name()),
         });
         for v in std::mem::take(&mut by_last_use[id.index()]) {
@@ -136,16 +112,6 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
             slot(*v, name.clone(), region)
         })
         .collect();
-    debug_assert!(graph
-        .values()
-        .all(|(id, v)| !matches!(v.def, Def::Node(..)) || regions[id.index()].is_some()));
-    Ok(Program {
-        name: graph.name.clone(),
-        inputs,
-        outputs,
-        params,
-        constants,
-        instructions,
-        memory,
-    })
+    debug_assert!(graph.values().all(|(id, v)| !matches!(v.def, Def::Node(..)) || regions[id.index()].is_some()));
+    Ok(Program { name: graph.name.clone(), inputs, outputs, params, constants, instructions, memory })
 }

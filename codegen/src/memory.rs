@@ -21,11 +21,7 @@ pub struct FirstFit {
 impl FirstFit {
     /// An allocator over the arena from `base` on.
     pub fn new(base: usize) -> FirstFit {
-        FirstFit {
-            base,
-            live: Vec::new(),
-            high_water: base,
-        }
+        FirstFit { base, live: Vec::new(), high_water: base }
     }
 
     pub fn alloc(&mut self, len: usize) -> usize {

@@ -17,58 +17,31 @@ pub enum EvalError {
     #[error("no value given for {kind} '{name}'")]
     Missing { kind: &'static str, name: String },
     #[error("{kind} '{name}' should be {expected}, got {got}")]
-    WrongType {
-        kind: &'static str,
-        name: String,
-        expected: TensorType,
-        got: TensorType,
-    },
+    WrongType { kind: &'static str, name: String, expected: TensorType, got: TensorType },
 }
 
 /// Evaluates one op on concrete inputs.
 pub fn eval_op(op: &Op, inputs: &[&Tensor], num_outputs: usize) -> Result<Vec<Tensor>, EvalError> {
     let types: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
-    let out_types = op
-        .infer(&types, num_outputs)
-        .map_err(|message| EvalError::InvalidInputs {
-            op: op.name(),
-            message,
-        })?;
+    let out_types =
+        op.infer(&types, num_outputs).map_err(|message| EvalError::InvalidInputs { op: op.name(), message })?;
     run_kernel(op, inputs, &out_types)
 }
 
-fn run_kernel(
-    op: &Op,
-    inputs: &[&Tensor],
-    out_types: &[TensorType],
-) -> Result<Vec<Tensor>, EvalError> {
+fn run_kernel(op: &Op, inputs: &[&Tensor], out_types: &[TensorType]) -> Result<Vec<Tensor>, EvalError> {
     if let Op::Constant { value } = op {
         return Ok(vec![value.clone()]);
     }
     let types: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
     let out_refs: Vec<&TensorType> = out_types.iter().collect();
-    let kernel =
-        crate::lower::kernel_for(op, &types, &out_refs).expect("only constants have no kernel");
-    let mut bufs: Vec<AlignedBuf> = out_types
-        .iter()
-        .map(|t| AlignedBuf::zeroed(t.size_bytes()))
-        .collect();
+    let kernel = crate::lower::kernel_for(op, &types, &out_refs).expect("only constants have no kernel");
+    let mut bufs: Vec<AlignedBuf> = out_types.iter().map(|t| AlignedBuf::zeroed(t.size_bytes())).collect();
     {
         let ins: Vec<&[u8]> = inputs.iter().map(|t| t.bytes()).collect();
         let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-        kernel
-            .run(&ins, &mut outs)
-            .map_err(|source| EvalError::Kernel {
-                op: op.name(),
-                source,
-            })?;
+        kernel.run(&ins, &mut outs).map_err(|source| EvalError::Kernel { op: op.name(), source })?;
     }
-    Ok(out_types
-        .iter()
-        .cloned()
-        .zip(bufs)
-        .map(|(t, b)| Tensor::from_aligned(t, b))
-        .collect())
+    Ok(out_types.iter().cloned().zip(bufs).map(|(t, b)| Tensor::from_aligned(t, b)).collect())
 }
 
 /// Runs a whole graph. `params` maps parameter names to tensors; `inputs` are in graph-input
@@ -81,31 +54,20 @@ pub fn eval_graph(
     let mut values: Vec<Option<Tensor>> = vec![None; graph.num_values()];
     let check = |kind: &'static str, name: &str, expected: &TensorType, got: &Tensor| {
         if &got.ty != expected {
-            Err(EvalError::WrongType {
-                kind,
-                name: name.into(),
-                expected: expected.clone(),
-                got: got.ty.clone(),
-            })
+            Err(EvalError::WrongType { kind, name: name.into(), expected: expected.clone(), got: got.ty.clone() })
         } else {
             Ok(())
         }
     };
     for (i, &v) in graph.inputs().iter().enumerate() {
         let name = graph.name_of(v).unwrap_or("");
-        let t = inputs.get(i).ok_or_else(|| EvalError::Missing {
-            kind: "input",
-            name: name.into(),
-        })?;
+        let t = inputs.get(i).ok_or_else(|| EvalError::Missing { kind: "input", name: name.into() })?;
         check("input", name, graph.ty(v), t)?;
         values[v.index()] = Some(t.clone());
     }
     for &v in graph.params() {
         let name = graph.name_of(v).unwrap_or("");
-        let t = params.get(name).ok_or_else(|| EvalError::Missing {
-            kind: "parameter",
-            name: name.into(),
-        })?;
+        let t = params.get(name).ok_or_else(|| EvalError::Missing { kind: "parameter", name: name.into() })?;
         check("parameter", name, graph.ty(v), t)?;
         values[v.index()] = Some(t.clone());
     }
@@ -114,14 +76,9 @@ pub fn eval_graph(
         let ins: Vec<&Tensor> = node
             .inputs
             .iter()
-            .map(|v| {
-                values[v.index()]
-                    .as_ref()
-                    .expect("verified graphs define before use")
-            })
+            .map(|v| values[v.index()].as_ref().expect("verified graphs define before use"))
             .collect();
-        let out_types: Vec<TensorType> =
-            node.outputs.iter().map(|&o| graph.ty(o).clone()).collect();
+        let out_types: Vec<TensorType> = node.outputs.iter().map(|&o| graph.ty(o).clone()).collect();
         let outs = run_kernel(&node.op, &ins, &out_types)?;
         for v in &node.inputs {
             remaining[v.index()] -= 1;
@@ -133,9 +90,5 @@ pub fn eval_graph(
             values[o.index()] = Some(t);
         }
     }
-    Ok(graph
-        .outputs()
-        .iter()
-        .map(|(_, v)| values[v.index()].clone().expect("outputs are defined"))
-        .collect())
+    Ok(graph.outputs().iter().map(|(_, v)| values[v.index()].clone().expect("outputs are defined")).collect())
 }

@@ -66,21 +66,13 @@ pub struct Graph {
 
 impl Graph {
     pub fn new(name: impl Into<String>) -> Graph {
-        Graph {
-            name: name.into(),
-            ..Graph::default()
-        }
+        Graph { name: name.into(), ..Graph::default() }
     }
 
     fn push_value(&mut self, name: Option<String>, ty: TensorType, def: Def) -> ValueId {
         let id = ValueId(self.values.len() as u32);
         let placements = self.mesh.replicated();
-        self.values.push(Value {
-            name,
-            ty,
-            placements,
-            def,
-        });
+        self.values.push(Value { name, ty, placements, def });
         id
     }
 
@@ -97,33 +89,16 @@ impl Graph {
     }
 
     /// Appends a node whose output types are already known (the parser, rewrites).
-    pub fn add_node_typed(
-        &mut self,
-        op: Op,
-        inputs: Vec<ValueId>,
-        output_types: Vec<TensorType>,
-    ) -> NodeId {
+    pub fn add_node_typed(&mut self, op: Op, inputs: Vec<ValueId>, output_types: Vec<TensorType>) -> NodeId {
         let node = NodeId(self.nodes.len() as u32);
-        let outputs = output_types
-            .into_iter()
-            .enumerate()
-            .map(|(i, ty)| self.push_value(None, ty, Def::Node(node, i)))
-            .collect();
-        self.nodes.push(Node {
-            op,
-            inputs,
-            outputs,
-        });
+        let outputs =
+            output_types.into_iter().enumerate().map(|(i, ty)| self.push_value(None, ty, Def::Node(node, i))).collect();
+        self.nodes.push(Node { op, inputs, outputs });
         node
     }
 
     /// Appends a node, inferring its output types from the op's rule.
-    pub fn add_node(
-        &mut self,
-        op: Op,
-        inputs: Vec<ValueId>,
-        num_outputs: usize,
-    ) -> Result<NodeId, String> {
+    pub fn add_node(&mut self, op: Op, inputs: Vec<ValueId>, num_outputs: usize) -> Result<NodeId, String> {
         let types: Vec<&TensorType> = inputs.iter().map(|&v| &self.values[v.index()].ty).collect();
         let out = op.infer(&types, num_outputs)?;
         Ok(self.add_node_typed(op, inputs, out))
@@ -156,17 +131,11 @@ impl Graph {
     }
 
     pub fn nodes(&self) -> impl ExactSizeIterator<Item = (NodeId, &Node)> {
-        self.nodes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| (NodeId(i as u32), n))
+        self.nodes.iter().enumerate().map(|(i, n)| (NodeId(i as u32), n))
     }
 
     pub fn values(&self) -> impl ExactSizeIterator<Item = (ValueId, &Value)> {
-        self.values
-            .iter()
-            .enumerate()
-            .map(|(i, v)| (ValueId(i as u32), v))
+        self.values.iter().enumerate().map(|(i, v)| (ValueId(i as u32), v))
     }
 
     pub fn num_values(&self) -> usize {
@@ -262,11 +231,7 @@ pub struct Rewriter<'g> {
 impl<'g> Rewriter<'g> {
     /// Starts a rewrite with all inputs and the parameters `keep_param` accepts.
     pub fn new(old: &'g Graph, keep_param: impl Fn(ValueId) -> bool) -> Rewriter<'g> {
-        let mut new = Graph {
-            name: old.name.clone(),
-            mesh: old.mesh.clone(),
-            ..Graph::default()
-        };
+        let mut new = Graph { name: old.name.clone(), mesh: old.mesh.clone(), ..Graph::default() };
         let mut map = vec![None; old.values.len()];
         for &i in &old.inputs {
             let v = &old.values[i.index()];
@@ -297,11 +262,7 @@ impl<'g> Rewriter<'g> {
     pub fn copy_node(&mut self, id: NodeId) {
         let node = &self.old.nodes[id.index()];
         let inputs = node.inputs.iter().map(|&v| self.map(v)).collect();
-        let types = node
-            .outputs
-            .iter()
-            .map(|v| self.old.values[v.index()].ty.clone())
-            .collect();
+        let types = node.outputs.iter().map(|v| self.old.values[v.index()].ty.clone()).collect();
         let new = self.new.add_node_typed(node.op.clone(), inputs, types);
         for (i, &old_out) in node.outputs.iter().enumerate() {
             let new_out = self.new.nodes[new.index()].outputs[i];

@@ -22,9 +22,7 @@ mod types;
 mod verify;
 
 pub use autotp_kernels::shape::broadcast_shapes;
-pub use autotp_kernels::{
-    scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, UnaryOp,
-};
+pub use autotp_kernels::{scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, UnaryOp};
 pub use graph::{Def, Graph, Node, NodeId, Rewriter, Value, ValueId};
 pub use op::{slice_len, Op};
 pub use tensor::Tensor;

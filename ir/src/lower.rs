@@ -19,13 +19,9 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
     Some(match op {
         Op::Constant { .. } => return None,
         Op::Unary(op) => Kernel::Unary { op: *op, dtype },
-        Op::Binary(op) => Kernel::Binary {
-            op: *op,
-            dtype,
-            lhs: shape(),
-            rhs: inputs[1].shape.clone(),
-            out: out_shape(),
-        },
+        Op::Binary(op) => {
+            Kernel::Binary { op: *op, dtype, lhs: shape(), rhs: inputs[1].shape.clone(), out: out_shape() }
+        }
         Op::Select => Kernel::Select {
             dtype: inputs[1].dtype,
             cond: shape(),
@@ -33,20 +29,9 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             y: inputs[2].shape.clone(),
             out: out_shape(),
         },
-        Op::Cast { to } => Kernel::Cast {
-            from: dtype,
-            to: *to,
-        },
-        Op::Reduce { op, axes, .. } => Kernel::Reduce {
-            op: *op,
-            dtype,
-            shape: shape(),
-            axes: axes.clone(),
-        },
-        Op::MatMul {
-            transpose_lhs,
-            transpose_rhs,
-        } => {
+        Op::Cast { to } => Kernel::Cast { from: dtype, to: *to },
+        Op::Reduce { op, axes, .. } => Kernel::Reduce { op: *op, dtype, shape: shape(), axes: axes.clone() },
+        Op::MatMul { transpose_lhs, transpose_rhs } => {
             let out = &outputs[0].shape;
             let batch = out[..out.len() - 2].to_vec();
             let pad = |s: &[usize]| {
@@ -55,11 +40,7 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
                 b
             };
             let (lhs, rhs) = (&inputs[0].shape, &inputs[1].shape);
-            let k = if *transpose_lhs {
-                lhs[lhs.len() - 2]
-            } else {
-                lhs[lhs.len() - 1]
-            };
+            let k = if *transpose_lhs { lhs[lhs.len() - 2] } else { lhs[lhs.len() - 1] };
             Kernel::MatMul {
                 dtype,
                 dims: MatMulDims {
@@ -75,40 +56,16 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             }
         }
         Op::Reshape { .. } => Kernel::Copy,
-        Op::Transpose { perm } => Kernel::Transpose {
-            dtype,
-            shape: shape(),
-            perm: perm.clone(),
-        },
-        Op::Slice { starts, steps, .. } => Kernel::Slice {
-            dtype,
-            shape: shape(),
-            starts: starts.clone(),
-            steps: steps.clone(),
-            out: out_shape(),
-        },
-        Op::Concat { axis } => Kernel::Concat {
-            dtype,
-            shapes: inputs.iter().map(|t| t.shape.clone()).collect(),
-            axis: *axis,
-        },
-        Op::Split { axis, sizes } => Kernel::Split {
-            dtype,
-            shape: shape(),
-            axis: *axis,
-            sizes: sizes.clone(),
-        },
-        Op::Expand { shape: to } => Kernel::Expand {
-            dtype,
-            shape: shape(),
-            out: to.clone(),
-        },
-        Op::Gather { axis } => Kernel::Gather {
-            dtype,
-            index_dtype: inputs[1].dtype,
-            data: shape(),
-            axis: *axis,
-        },
+        Op::Transpose { perm } => Kernel::Transpose { dtype, shape: shape(), perm: perm.clone() },
+        Op::Slice { starts, steps, .. } => {
+            Kernel::Slice { dtype, shape: shape(), starts: starts.clone(), steps: steps.clone(), out: out_shape() }
+        }
+        Op::Concat { axis } => {
+            Kernel::Concat { dtype, shapes: inputs.iter().map(|t| t.shape.clone()).collect(), axis: *axis }
+        }
+        Op::Split { axis, sizes } => Kernel::Split { dtype, shape: shape(), axis: *axis, sizes: sizes.clone() },
+        Op::Expand { shape: to } => Kernel::Expand { dtype, shape: shape(), out: to.clone() },
+        Op::Gather { axis } => Kernel::Gather { dtype, index_dtype: inputs[1].dtype, data: shape(), axis: *axis },
         Op::GatherElements { axis } => Kernel::GatherElements {
             dtype,
             index_dtype: inputs[1].dtype,
@@ -116,19 +73,10 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             indices: inputs[1].shape.clone(),
             axis: *axis,
         },
-        Op::Pad { begin, value, .. } => Kernel::Pad {
-            dtype,
-            shape: shape(),
-            begin: begin.clone(),
-            out: out_shape(),
-            value: *value,
-        },
-        Op::Triangle { upper, k } => Kernel::Triangle {
-            dtype,
-            shape: shape(),
-            k: *k,
-            upper: *upper,
-        },
+        Op::Pad { begin, value, .. } => {
+            Kernel::Pad { dtype, shape: shape(), begin: begin.clone(), out: out_shape(), value: *value }
+        }
+        Op::Triangle { upper, k } => Kernel::Triangle { dtype, shape: shape(), k: *k, upper: *upper },
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             let s = shape();
             Kernel::Softmax {
@@ -139,25 +87,12 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
                 log: matches!(op, Op::LogSoftmax { .. }),
             }
         }
-        Op::LayerNorm { axis, eps } => Kernel::LayerNorm {
-            dtype,
-            cols: product(&shape()[*axis..]),
-            eps: *eps,
-            bias: inputs.len() == 3,
-        },
-        Op::RmsNorm { axis, eps } => Kernel::RmsNorm {
-            dtype,
-            cols: product(&shape()[*axis..]),
-            eps: *eps,
-        },
-        Op::Gelu { approx } => Kernel::Gelu {
-            dtype,
-            approx: *approx,
-        },
-        Op::CrossEntropy {
-            ignore_index,
-            reduction,
-        } => {
+        Op::LayerNorm { axis, eps } => {
+            Kernel::LayerNorm { dtype, cols: product(&shape()[*axis..]), eps: *eps, bias: inputs.len() == 3 }
+        }
+        Op::RmsNorm { axis, eps } => Kernel::RmsNorm { dtype, cols: product(&shape()[*axis..]), eps: *eps },
+        Op::Gelu { approx } => Kernel::Gelu { dtype, approx: *approx },
+        Op::CrossEntropy { ignore_index, reduction } => {
             let s = shape();
             Kernel::CrossEntropy {
                 dtype,

@@ -134,18 +134,10 @@ impl Op {
     }
 
     /// Output types for the given input types, or why the inputs are invalid.
-    pub fn infer(
-        &self,
-        inputs: &[&TensorType],
-        num_outputs: usize,
-    ) -> Result<Vec<TensorType>, String> {
+    pub fn infer(&self, inputs: &[&TensorType], num_outputs: usize) -> Result<Vec<TensorType>, String> {
         let expect_arity = |lo: usize, hi: usize| {
             if inputs.len() < lo || inputs.len() > hi {
-                let want = if lo == hi {
-                    format!("{lo}")
-                } else {
-                    format!("{lo} to {hi}")
-                };
+                let want = if lo == hi { format!("{lo}") } else { format!("{lo} to {hi}") };
                 Err(format!("expects {want} inputs, got {}", inputs.len()))
             } else {
                 Ok(())
@@ -174,11 +166,7 @@ impl Op {
                     return Err(format!("{} is not defined on {}", op.name(), t.dtype));
                 }
                 if op.needs_float() && !t.dtype.is_float() {
-                    return Err(format!(
-                        "{} needs a floating-point input, got {}",
-                        op.name(),
-                        t.dtype
-                    ));
+                    return Err(format!("{} needs a floating-point input, got {}", op.name(), t.dtype));
                 }
                 one(t.clone())
             }
@@ -186,29 +174,17 @@ impl Op {
                 expect_arity(2, 2)?;
                 let (a, b) = (inputs[0], inputs[1]);
                 if a.dtype != b.dtype {
-                    return Err(format!(
-                        "operand dtypes differ: {} and {}",
-                        a.dtype, b.dtype
-                    ));
+                    return Err(format!("operand dtypes differ: {} and {}", a.dtype, b.dtype));
                 }
                 if op.is_logical() && a.dtype != DType::Bool {
-                    return Err(format!(
-                        "{} needs bool operands, got {}",
-                        op.name(),
-                        a.dtype
-                    ));
+                    return Err(format!("{} needs bool operands, got {}", op.name(), a.dtype));
                 }
                 if a.dtype == DType::Bool && !op.is_logical() && *op != BinaryOp::Equal {
                     return Err(format!("{} is not defined on bool", op.name()));
                 }
-                let shape = broadcast_shapes(&a.shape, &b.shape).ok_or_else(|| {
-                    format!("shapes {:?} and {:?} do not broadcast", a.shape, b.shape)
-                })?;
-                let dtype = if op.is_comparison() {
-                    DType::Bool
-                } else {
-                    a.dtype
-                };
+                let shape = broadcast_shapes(&a.shape, &b.shape)
+                    .ok_or_else(|| format!("shapes {:?} and {:?} do not broadcast", a.shape, b.shape))?;
+                let dtype = if op.is_comparison() { DType::Bool } else { a.dtype };
                 one(TensorType::new(dtype, shape))
             }
             Op::Select => {
@@ -222,23 +198,14 @@ impl Op {
                 }
                 let shape = broadcast_shapes(&c.shape, &x.shape)
                     .and_then(|s| broadcast_shapes(&s, &y.shape))
-                    .ok_or_else(|| {
-                        format!(
-                            "shapes {:?}, {:?} and {:?} do not broadcast",
-                            c.shape, x.shape, y.shape
-                        )
-                    })?;
+                    .ok_or_else(|| format!("shapes {:?}, {:?} and {:?} do not broadcast", c.shape, x.shape, y.shape))?;
                 one(TensorType::new(x.dtype, shape))
             }
             Op::Cast { to } => {
                 expect_arity(1, 1)?;
                 one(TensorType::new(*to, inputs[0].shape.clone()))
             }
-            Op::Reduce {
-                op,
-                axes,
-                keep_dims,
-            } => {
+            Op::Reduce { op, axes, keep_dims } => {
                 expect_arity(1, 1)?;
                 let t = inputs[0];
                 if t.dtype == DType::Bool {
@@ -259,24 +226,14 @@ impl Op {
                     .collect::<Vec<_>>();
                 one(TensorType::new(t.dtype, shape))
             }
-            Op::MatMul {
-                transpose_lhs,
-                transpose_rhs,
-            } => {
+            Op::MatMul { transpose_lhs, transpose_rhs } => {
                 expect_arity(2, 2)?;
                 let (a, b) = (inputs[0], inputs[1]);
                 if a.dtype != b.dtype {
-                    return Err(format!(
-                        "operand dtypes differ: {} and {}",
-                        a.dtype, b.dtype
-                    ));
+                    return Err(format!("operand dtypes differ: {} and {}", a.dtype, b.dtype));
                 }
                 if a.rank() < 2 || b.rank() < 2 {
-                    return Err(format!(
-                        "operands must have rank >= 2, got {} and {}",
-                        a.rank(),
-                        b.rank()
-                    ));
+                    return Err(format!("operands must have rank >= 2, got {} and {}", a.rank(), b.rank()));
                 }
                 let (ar, br) = (a.rank(), b.rank());
                 let (m, ka) = if *transpose_lhs {
@@ -296,12 +253,7 @@ impl Op {
                     ));
                 }
                 let mut shape = broadcast_shapes(&a.shape[..ar - 2], &b.shape[..br - 2])
-                    .ok_or_else(|| {
-                        format!(
-                            "batch dims of {:?} and {:?} do not broadcast",
-                            a.shape, b.shape
-                        )
-                    })?;
+                    .ok_or_else(|| format!("batch dims of {:?} and {:?} do not broadcast", a.shape, b.shape))?;
                 shape.extend([m, n]);
                 one(TensorType::new(a.dtype, shape))
             }
@@ -309,11 +261,7 @@ impl Op {
                 expect_arity(1, 1)?;
                 let t = inputs[0];
                 if shape.iter().product::<usize>() != t.numel() {
-                    return Err(format!(
-                        "cannot reshape {:?} ({} elements) to {shape:?}",
-                        t.shape,
-                        t.numel()
-                    ));
+                    return Err(format!("cannot reshape {:?} ({} elements) to {shape:?}", t.shape, t.numel()));
                 }
                 one(TensorType::new(t.dtype, shape.clone()))
             }
@@ -323,39 +271,24 @@ impl Op {
                 let mut seen = perm.clone();
                 seen.sort_unstable();
                 if seen != (0..t.rank()).collect::<Vec<_>>() {
-                    return Err(format!(
-                        "perm {perm:?} is not a permutation of rank {}",
-                        t.rank()
-                    ));
+                    return Err(format!("perm {perm:?} is not a permutation of rank {}", t.rank()));
                 }
-                one(TensorType::new(
-                    t.dtype,
-                    perm.iter().map(|&p| t.shape[p]).collect::<Vec<_>>(),
-                ))
+                one(TensorType::new(t.dtype, perm.iter().map(|&p| t.shape[p]).collect::<Vec<_>>()))
             }
-            Op::Slice {
-                starts,
-                ends,
-                steps,
-            } => {
+            Op::Slice { starts, ends, steps } => {
                 expect_arity(1, 1)?;
                 let t = inputs[0];
                 if starts.len() != t.rank() || ends.len() != t.rank() || steps.len() != t.rank() {
-                    return Err(format!(
-                        "needs one start, end and step per dimension (rank {})",
-                        t.rank()
-                    ));
+                    return Err(format!("needs one start, end and step per dimension (rank {})", t.rank()));
                 }
                 let mut shape = Vec::with_capacity(t.rank());
                 for d in 0..t.rank() {
-                    shape.push(
-                        slice_len(starts[d], ends[d], steps[d], t.shape[d]).ok_or_else(|| {
-                            format!(
-                                "slice {}:{}:{} is invalid for dim {d} of size {}",
-                                starts[d], ends[d], steps[d], t.shape[d]
-                            )
-                        })?,
-                    );
+                    shape.push(slice_len(starts[d], ends[d], steps[d], t.shape[d]).ok_or_else(|| {
+                        format!(
+                            "slice {}:{}:{} is invalid for dim {d} of size {}",
+                            starts[d], ends[d], steps[d], t.shape[d]
+                        )
+                    })?);
                 }
                 one(TensorType::new(t.dtype, shape))
             }
@@ -368,12 +301,10 @@ impl Op {
                 let mut shape = first.shape.clone();
                 shape[*axis] = 0;
                 for t in inputs {
-                    let same_other = t.rank() == first.rank()
-                        && (0..t.rank()).all(|d| d == *axis || t.shape[d] == first.shape[d]);
+                    let same_other =
+                        t.rank() == first.rank() && (0..t.rank()).all(|d| d == *axis || t.shape[d] == first.shape[d]);
                     if t.dtype != first.dtype || !same_other {
-                        return Err(format!(
-                            "input {t} does not match {first} outside axis {axis}"
-                        ));
+                        return Err(format!("input {t} does not match {first} outside axis {axis}"));
                     }
                     shape[*axis] += t.shape[*axis];
                 }
@@ -384,7 +315,10 @@ impl Op {
                 let t = inputs[0];
                 axis_ok(*axis, t.rank())?;
                 if sizes.iter().sum::<usize>() != t.shape[*axis] || sizes.len() != num_outputs {
-                    return Err(format!("sizes {sizes:?} do not split dim {axis} of size {} into {num_outputs} outputs", t.shape[*axis]));
+                    return Err(format!(
+                        "sizes {sizes:?} do not split dim {axis} of size {} into {num_outputs} outputs",
+                        t.shape[*axis]
+                    ));
                 }
                 Ok(sizes
                     .iter()
@@ -419,11 +353,7 @@ impl Op {
                 axis_ok(*axis, data.rank())?;
                 check_index_dtype(idx.dtype)?;
                 if idx.rank() != data.rank() {
-                    return Err(format!(
-                        "indices rank {} differs from data rank {}",
-                        idx.rank(),
-                        data.rank()
-                    ));
+                    return Err(format!("indices rank {} differs from data rank {}", idx.rank(), data.rank()));
                 }
                 one(TensorType::new(data.dtype, idx.shape.clone()))
             }
@@ -431,14 +361,9 @@ impl Op {
                 expect_arity(1, 1)?;
                 let t = inputs[0];
                 if begin.len() != t.rank() || end.len() != t.rank() {
-                    return Err(format!(
-                        "needs one begin and end pad per dimension (rank {})",
-                        t.rank()
-                    ));
+                    return Err(format!("needs one begin and end pad per dimension (rank {})", t.rank()));
                 }
-                let shape = (0..t.rank())
-                    .map(|d| t.shape[d] + begin[d] + end[d])
-                    .collect::<Vec<_>>();
+                let shape = (0..t.rank()).map(|d| t.shape[d] + begin[d] + end[d]).collect::<Vec<_>>();
                 one(TensorType::new(t.dtype, shape))
             }
             Op::Triangle { .. } => {
@@ -456,22 +381,14 @@ impl Op {
                 one(t.clone())
             }
             Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => {
-                let max = if matches!(self, Op::LayerNorm { .. }) {
-                    3
-                } else {
-                    2
-                };
+                let max = if matches!(self, Op::LayerNorm { .. }) { 3 } else { 2 };
                 expect_arity(2, max)?;
                 let x = inputs[0];
                 axis_ok(*axis, x.rank())?;
                 float_only(x)?;
                 for p in &inputs[1..] {
                     if p.dtype != x.dtype || p.shape[..] != x.shape[*axis..] {
-                        return Err(format!(
-                            "scale/bias {p} must be {}{:?}",
-                            x.dtype,
-                            &x.shape[*axis..]
-                        ));
+                        return Err(format!("scale/bias {p} must be {}{:?}", x.dtype, &x.shape[*axis..]));
                     }
                 }
                 one(x.clone())
@@ -488,10 +405,7 @@ impl Op {
                 check_index_dtype(labels.dtype)?;
                 let mut expected = scores.shape.clone();
                 if expected.len() < 2 {
-                    return Err(format!(
-                        "scores must be [N, C, ...], got {:?}",
-                        scores.shape
-                    ));
+                    return Err(format!("scores must be [N, C, ...], got {:?}", scores.shape));
                 }
                 expected.remove(1);
                 if labels.shape != expected {
@@ -503,11 +417,7 @@ impl Op {
                 if !(1..=2).contains(&num_outputs) {
                     return Err(format!("has {num_outputs} outputs, expects 1 or 2"));
                 }
-                let loss_shape = if *reduction == Reduction::None {
-                    expected
-                } else {
-                    vec![]
-                };
+                let loss_shape = if *reduction == Reduction::None { expected } else { vec![] };
                 let mut out = vec![TensorType::new(scores.dtype, loss_shape)];
                 if num_outputs == 2 {
                     out.push(scores.clone());
@@ -577,21 +487,9 @@ mod tests {
     fn matmul_types() {
         let a = TensorType::new(DType::F32, vec![4, 1, 8, 16]);
         let b = TensorType::new(DType::F32, vec![3, 32, 16]);
-        let op = Op::MatMul {
-            transpose_lhs: false,
-            transpose_rhs: true,
-        };
-        assert_eq!(
-            op.infer(&[&a, &b], 1).unwrap(),
-            vec![TensorType::new(DType::F32, vec![4, 3, 8, 32])]
-        );
-        let bad = Op::MatMul {
-            transpose_lhs: false,
-            transpose_rhs: false,
-        };
-        assert!(bad
-            .infer(&[&a, &b], 1)
-            .unwrap_err()
-            .contains("contraction dims differ"));
+        let op = Op::MatMul { transpose_lhs: false, transpose_rhs: true };
+        assert_eq!(op.infer(&[&a, &b], 1).unwrap(), vec![TensorType::new(DType::F32, vec![4, 3, 8, 32])]);
+        let bad = Op::MatMul { transpose_lhs: false, transpose_rhs: false };
+        assert!(bad.infer(&[&a, &b], 1).unwrap_err().contains("contraction dims differ"));
     }
 }

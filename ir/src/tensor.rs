@@ -34,15 +34,8 @@ impl Tensor {
 
     /// A tensor owning an aligned buffer.
     pub fn from_aligned(ty: TensorType, buf: AlignedBuf) -> Tensor {
-        assert_eq!(
-            buf.len(),
-            ty.size_bytes(),
-            "buffer size must match the tensor type"
-        );
-        Tensor {
-            ty,
-            data: Bytes::from_owner(AlignedOwner(buf)),
-        }
+        assert_eq!(buf.len(), ty.size_bytes(), "buffer size must match the tensor type");
+        Tensor { ty, data: Bytes::from_owner(AlignedOwner(buf)) }
     }
 
     pub fn zeros(ty: TensorType) -> Tensor {
@@ -151,10 +144,6 @@ mod tests {
         let f = Tensor::full(DType::BF16, vec![2, 2], 0.5);
         assert!(f.is_splat());
         assert_eq!(f.get_f64(3), 0.5);
-        assert!(Tensor::from_bytes(
-            TensorType::new(DType::F32, vec![2]),
-            Bytes::from_static(&[0; 4])
-        )
-        .is_none());
+        assert!(Tensor::from_bytes(TensorType::new(DType::F32, vec![2]), Bytes::from_static(&[0; 4])).is_none());
     }
 }

@@ -20,8 +20,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use crate::{
-    BinaryOp, DType, GeluApprox, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ReduceOp, Reduction,
-    Tensor, TensorType, UnaryOp, ValueId,
+    BinaryOp, DType, GeluApprox, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ReduceOp, Reduction, Tensor, TensorType,
+    UnaryOp, ValueId,
 };
 
 /// Display names of a graph's values.
@@ -46,10 +46,7 @@ impl ValueNames {
     }
 
     pub fn get(&self, v: ValueId) -> String {
-        self.names
-            .get(v.index())
-            .cloned()
-            .unwrap_or_else(|| format!("%<invalid {}>", v.0))
+        self.names.get(v.index()).cloned().unwrap_or_else(|| format!("%<invalid {}>", v.0))
     }
 
     /// `%3, %4 = split` — how a node is named in messages.
@@ -144,22 +141,13 @@ fn bool_attr(b: bool) -> Attr {
 /// The attributes of an op in print order (constants print their data separately).
 fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
     match op {
-        Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Select
-        | Op::Gelu {
-            approx: GeluApprox::None,
-        } => vec![],
+        Op::Constant { .. } | Op::Unary(_) | Op::Binary(_) | Op::Select | Op::Gelu { approx: GeluApprox::None } => {
+            vec![]
+        }
         Op::Gelu { approx } => vec![("approx", Attr::Word(approx.name().into()))],
         Op::Cast { to } => vec![("to", Attr::Word(to.name().into()))],
-        Op::Reduce {
-            axes, keep_dims, ..
-        } => vec![("axes", ints(axes)), ("keep_dims", bool_attr(*keep_dims))],
-        Op::MatMul {
-            transpose_lhs,
-            transpose_rhs,
-        } => {
+        Op::Reduce { axes, keep_dims, .. } => vec![("axes", ints(axes)), ("keep_dims", bool_attr(*keep_dims))],
+        Op::MatMul { transpose_lhs, transpose_rhs } => {
             let mut a = vec![];
             if *transpose_lhs {
                 a.push(("transpose_lhs", bool_attr(true)));
@@ -171,16 +159,8 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         }
         Op::Reshape { shape } | Op::Expand { shape } => vec![("shape", ints(shape))],
         Op::Transpose { perm } => vec![("perm", ints(perm))],
-        Op::Slice {
-            starts,
-            ends,
-            steps,
-        } => {
-            vec![
-                ("starts", ints(starts)),
-                ("ends", Attr::Ints(ends.clone())),
-                ("steps", Attr::Ints(steps.clone())),
-            ]
+        Op::Slice { starts, ends, steps } => {
+            vec![("starts", ints(starts)), ("ends", Attr::Ints(ends.clone())), ("steps", Attr::Ints(steps.clone()))]
         }
         Op::Concat { axis }
         | Op::Gather { axis }
@@ -192,26 +172,15 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         Op::Split { axis, sizes } => {
             vec![("axis", Attr::Int(*axis as i64)), ("sizes", ints(sizes))]
         }
-        Op::Pad { begin, end, value } => vec![
-            ("begin", ints(begin)),
-            ("end", ints(end)),
-            ("value", Attr::Float(*value)),
-        ],
+        Op::Pad { begin, end, value } => {
+            vec![("begin", ints(begin)), ("end", ints(end)), ("value", Attr::Float(*value))]
+        }
         Op::Triangle { k, .. } => vec![("k", Attr::Int(*k))],
-        Op::LayerNorm { axis, eps } | Op::RmsNorm { axis, eps } => vec![
-            ("axis", Attr::Int(*axis as i64)),
-            ("eps", Attr::Float(*eps)),
-        ],
-        Op::CrossEntropy {
-            ignore_index,
-            reduction,
-        } => vec![
-            (
-                "ignore_index",
-                ignore_index
-                    .map(Attr::Int)
-                    .unwrap_or_else(|| Attr::Word("none".into())),
-            ),
+        Op::LayerNorm { axis, eps } | Op::RmsNorm { axis, eps } => {
+            vec![("axis", Attr::Int(*axis as i64)), ("eps", Attr::Float(*eps))]
+        }
+        Op::CrossEntropy { ignore_index, reduction } => vec![
+            ("ignore_index", ignore_index.map(Attr::Int).unwrap_or_else(|| Attr::Word("none".into()))),
             ("reduction", Attr::Word(reduction.name().into())),
         ],
     }
@@ -256,32 +225,15 @@ pub fn print(graph: &Graph) -> String {
     let names = ValueNames::new(graph);
     let mut out = format!("graph {}", quote(&graph.name));
     if !graph.mesh.axes.is_empty() {
-        let axes: Vec<String> = graph
-            .mesh
-            .axes
-            .iter()
-            .map(|a| format!("{}={}", a.name, a.size))
-            .collect();
+        let axes: Vec<String> = graph.mesh.axes.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
         write!(out, " mesh [{}]", axes.join(", ")).unwrap();
     }
     out.push_str(" {\n");
     for &v in graph.inputs() {
-        writeln!(
-            out,
-            "  input {} : {}",
-            names.get(v),
-            format_type_and_placement(graph, v)
-        )
-        .unwrap();
+        writeln!(out, "  input {} : {}", names.get(v), format_type_and_placement(graph, v)).unwrap();
     }
     for &v in graph.params() {
-        writeln!(
-            out,
-            "  param {} : {}",
-            names.get(v),
-            format_type_and_placement(graph, v)
-        )
-        .unwrap();
+        writeln!(out, "  param {} : {}", names.get(v), format_type_and_placement(graph, v)).unwrap();
     }
     for (_, node) in graph.nodes() {
         let outs: Vec<String> = node.outputs.iter().map(|&o| names.get(o)).collect();
@@ -298,11 +250,7 @@ pub fn print(graph: &Graph) -> String {
             let parts: Vec<String> = attrs.iter().map(|(k, v)| format!("{k} = {v}")).collect();
             write!(out, " {{{}}}", parts.join(", ")).unwrap();
         }
-        let types: Vec<String> = node
-            .outputs
-            .iter()
-            .map(|&o| format_type_and_placement(graph, o))
-            .collect();
+        let types: Vec<String> = node.outputs.iter().map(|&o| format_type_and_placement(graph, o)).collect();
         writeln!(out, " : {}", types.join(", ")).unwrap();
     }
     for (name, v) in graph.outputs() {
@@ -344,11 +292,7 @@ struct Lexer<'a> {
 
 impl<'a> Lexer<'a> {
     fn error(&self, message: impl Into<String>) -> ParseError {
-        ParseError {
-            line: self.line,
-            column: self.pos - self.line_start + 1,
-            message: message.into(),
-        }
+        ParseError { line: self.line, column: self.pos - self.line_start + 1, message: message.into() }
     }
 
     fn skip_space(&mut self) {
@@ -416,10 +360,7 @@ impl<'a> Lexer<'a> {
             b'%' => {
                 self.pos += 1;
                 if self.src.get(self.pos) == Some(&b'"') {
-                    Tok::Value {
-                        name: self.string()?,
-                        anonymous: false,
-                    }
+                    Tok::Value { name: self.string()?, anonymous: false }
                 } else {
                     let name = self.take_while(ident);
                     if name.is_empty() {
@@ -434,12 +375,9 @@ impl<'a> Lexer<'a> {
                 let start = self.pos;
                 self.pos += 1;
                 let rest = self.take_while(|c| c.is_ascii_alphanumeric() || c == b'.');
-                let mut text =
-                    String::from_utf8_lossy(&self.src[start..start + 1]).into_owned() + &rest;
+                let mut text = String::from_utf8_lossy(&self.src[start..start + 1]).into_owned() + &rest;
                 // Exponent signs: `1e-5`.
-                while text.ends_with(['e', 'E'])
-                    && matches!(self.src.get(self.pos), Some(b'-' | b'+'))
-                {
+                while text.ends_with(['e', 'E']) && matches!(self.src.get(self.pos), Some(b'-' | b'+')) {
                     self.pos += 1;
                     text.push(self.src[self.pos - 1] as char);
                     text += &self.take_while(|c| c.is_ascii_digit());
@@ -467,11 +405,7 @@ struct Parser<'a> {
 
 impl<'a> Parser<'a> {
     fn error_at(&self, message: impl Into<String>) -> ParseError {
-        ParseError {
-            line: self.at.0,
-            column: self.at.1,
-            message: message.into(),
-        }
+        ParseError { line: self.at.0, column: self.at.1, message: message.into() }
     }
 
     fn bump(&mut self) -> Result<Tok, ParseError> {
@@ -496,10 +430,7 @@ impl<'a> Parser<'a> {
             self.bump()?;
             Ok(())
         } else {
-            Err(self.error_at(format!(
-                "expected '{c}', found {}",
-                Self::describe(&self.tok)
-            )))
+            Err(self.error_at(format!("expected '{c}', found {}", Self::describe(&self.tok))))
         }
     }
 
@@ -515,56 +446,39 @@ impl<'a> Parser<'a> {
     fn word(&mut self) -> Result<String, ParseError> {
         match self.bump()? {
             Tok::Word(w) => Ok(w),
-            other => {
-                Err(self.error_at(format!("expected a word, found {}", Self::describe(&other))))
-            }
+            other => Err(self.error_at(format!("expected a word, found {}", Self::describe(&other)))),
         }
     }
 
     fn string(&mut self) -> Result<String, ParseError> {
         match self.bump()? {
             Tok::Str(s) => Ok(s),
-            other => Err(self.error_at(format!(
-                "expected a string, found {}",
-                Self::describe(&other)
-            ))),
+            other => Err(self.error_at(format!("expected a string, found {}", Self::describe(&other)))),
         }
     }
 
     fn integer(&mut self) -> Result<i64, ParseError> {
         match self.bump()? {
-            Tok::Number(n) => n
-                .parse()
-                .map_err(|_| self.error_at(format!("expected an integer, found {n}"))),
-            other => Err(self.error_at(format!(
-                "expected an integer, found {}",
-                Self::describe(&other)
-            ))),
+            Tok::Number(n) => n.parse().map_err(|_| self.error_at(format!("expected an integer, found {n}"))),
+            other => Err(self.error_at(format!("expected an integer, found {}", Self::describe(&other)))),
         }
     }
 
     fn usize(&mut self) -> Result<usize, ParseError> {
         let v = self.integer()?;
-        usize::try_from(v)
-            .map_err(|_| self.error_at(format!("expected a non-negative integer, found {v}")))
+        usize::try_from(v).map_err(|_| self.error_at(format!("expected a non-negative integer, found {v}")))
     }
 
     fn value_token(&mut self) -> Result<(bool, String), ParseError> {
         match self.bump()? {
             Tok::Value { name, anonymous } => Ok((anonymous, name)),
-            other => Err(self.error_at(format!(
-                "expected a value, found {}",
-                Self::describe(&other)
-            ))),
+            other => Err(self.error_at(format!("expected a value, found {}", Self::describe(&other)))),
         }
     }
 
     fn use_value(&mut self) -> Result<ValueId, ParseError> {
         let key = self.value_token()?;
-        self.values
-            .get(&key)
-            .copied()
-            .ok_or_else(|| self.error_at(format!("value %{} is not defined", key.1)))
+        self.values.get(&key).copied().ok_or_else(|| self.error_at(format!("value %{} is not defined", key.1)))
     }
 
     fn define(&mut self, key: (bool, String), id: ValueId) -> Result<(), ParseError> {
@@ -579,8 +493,7 @@ impl<'a> Parser<'a> {
 
     fn tensor_type(&mut self) -> Result<TensorType, ParseError> {
         let name = self.word()?;
-        let dtype = DType::from_name(&name)
-            .ok_or_else(|| self.error_at(format!("unknown dtype '{name}'")))?;
+        let dtype = DType::from_name(&name).ok_or_else(|| self.error_at(format!("unknown dtype '{name}'")))?;
         self.expect_punct('[')?;
         let mut shape = Vec::new();
         if !self.eat_punct(']')? {
@@ -645,14 +558,10 @@ impl<'a> Parser<'a> {
                 if let Ok(i) = n.parse::<i64>() {
                     Ok(Attr::Int(i))
                 } else {
-                    parse_float(&n)
-                        .map(Attr::Float)
-                        .ok_or_else(|| self.error_at(format!("bad number {n}")))
+                    parse_float(&n).map(Attr::Float).ok_or_else(|| self.error_at(format!("bad number {n}")))
                 }
             }
-            Tok::Word(w) if w == "inf" || w == "nan" => {
-                Ok(Attr::Float(parse_float(&w).expect("inf and nan parse")))
-            }
+            Tok::Word(w) if w == "inf" || w == "nan" => Ok(Attr::Float(parse_float(&w).expect("inf and nan parse"))),
             Tok::Word(w) => Ok(Attr::Word(w)),
             Tok::Punct('[') => {
                 let mut vs = Vec::new();
@@ -667,10 +576,7 @@ impl<'a> Parser<'a> {
                 }
                 Ok(Attr::Ints(vs))
             }
-            other => Err(self.error_at(format!(
-                "expected an attribute value, found {}",
-                Self::describe(&other)
-            ))),
+            other => Err(self.error_at(format!("expected an attribute value, found {}", Self::describe(&other)))),
         }
     }
 
@@ -680,21 +586,14 @@ impl<'a> Parser<'a> {
         let splat = match kind.as_str() {
             "splat" => true,
             "dense" => false,
-            other => {
-                return Err(self.error_at(format!(
-                    "expected dense<...> or splat<...>, found '{other}'"
-                )))
-            }
+            other => return Err(self.error_at(format!("expected dense<...> or splat<...>, found '{other}'"))),
         };
         self.expect_punct('<')?;
         let mut items = Vec::new();
         let item = |p: &mut Self| -> Result<String, ParseError> {
             match p.bump()? {
                 Tok::Number(n) | Tok::Word(n) => Ok(n),
-                other => Err(p.error_at(format!(
-                    "expected a literal, found {}",
-                    Self::describe(&other)
-                ))),
+                other => Err(p.error_at(format!("expected a literal, found {}", Self::describe(&other)))),
             }
         };
         if splat {
@@ -721,12 +620,9 @@ impl<'a> Parser<'a> {
             outs.push(self.value_token()?);
         }
         self.expect_punct('=')?;
+        let op_at = self.at;
         let op_name = self.word()?;
-        let literal = if op_name == "constant" {
-            Some(self.constant_literal()?)
-        } else {
-            None
-        };
+        let literal = if op_name == "constant" { Some(self.constant_literal()?) } else { None };
         let mut inputs = Vec::new();
         if matches!(self.tok, Tok::Value { .. }) {
             inputs.push(self.use_value()?);
@@ -762,15 +658,21 @@ impl<'a> Parser<'a> {
         }
         let op = match literal {
             Some((splat, items)) => {
-                let value =
-                    constant_tensor(&types[0], splat, &items).map_err(|m| self.error_at(m))?;
+                let value = constant_tensor(&types[0], splat, &items).map_err(|m| self.error_at(m))?;
                 Op::Constant { value }
             }
-            None => build_op(&op_name, &mut attrs)
-                .map_err(|m| self.error_at(format!("{op_name}: {m}")))?,
+            None => build_op(&op_name, &mut attrs).map_err(|m| ParseError {
+                line: op_at.0,
+                column: op_at.1,
+                message: format!("{op_name}: {m}"),
+            })?,
         };
         if let Some(key) = attrs.keys().next() {
-            return Err(self.error_at(format!("{op_name}: unknown attribute '{key}'")));
+            return Err(ParseError {
+                line: op_at.0,
+                column: op_at.1,
+                message: format!("{op_name}: unknown attribute '{key}'"),
+            });
         }
         let node = self.graph.add_node_typed(op, inputs, types);
         let outputs = self.graph.node(node).outputs.clone();
@@ -819,9 +721,7 @@ impl<'a> Parser<'a> {
                         self.graph.add_param(key.1.clone(), ty)
                     };
                     if key.0 {
-                        return Err(
-                            self.error_at(format!("{w} %{} needs a name, not a number", key.1))
-                        );
+                        return Err(self.error_at(format!("{w} %{} needs a name, not a number", key.1)));
                     }
                     self.define(key, id)?;
                     if let Some(p) = placements {
@@ -835,19 +735,11 @@ impl<'a> Parser<'a> {
                     self.graph.add_output(name, v);
                 }
                 Tok::Value { name, anonymous } => self.node((anonymous, name))?,
-                other => {
-                    return Err(self.error_at(format!(
-                        "expected a statement, found {}",
-                        Self::describe(&other)
-                    )))
-                }
+                other => return Err(self.error_at(format!("expected a statement, found {}", Self::describe(&other)))),
             }
         }
         if self.tok != Tok::Eof {
-            return Err(self.error_at(format!(
-                "unexpected {} after the graph",
-                Self::describe(&self.tok)
-            )));
+            return Err(self.error_at(format!("unexpected {} after the graph", Self::describe(&self.tok))));
         }
         Ok(())
     }
@@ -865,10 +757,7 @@ fn parse_float(s: &str) -> Option<f64> {
 fn constant_tensor(ty: &TensorType, splat: bool, items: &[String]) -> Result<Tensor, String> {
     let count = if splat { 1 } else { ty.numel() };
     if items.len() != count {
-        return Err(format!(
-            "constant has {} elements, its type {ty} needs {count}",
-            items.len()
-        ));
+        return Err(format!("constant has {} elements, its type {ty} needs {count}", items.len()));
     }
     let mut bytes = Vec::with_capacity(ty.size_bytes());
     for i in 0..ty.numel() {
@@ -879,11 +768,7 @@ fn constant_tensor(ty: &TensorType, splat: bool, items: &[String]) -> Result<Ten
                 "false" => vec![0],
                 _ => return Err(format!("bad bool literal '{item}'")),
             },
-            DType::I64 => item
-                .parse::<i64>()
-                .map_err(|_| format!("bad i64 literal '{item}'"))?
-                .to_le_bytes()
-                .to_vec(),
+            DType::I64 => item.parse::<i64>().map_err(|_| format!("bad i64 literal '{item}'"))?.to_le_bytes().to_vec(),
             DType::F32 => parse_float(item)
                 .map(|v| (v as f32).to_le_bytes().to_vec())
                 .ok_or_else(|| format!("bad float literal '{item}'"))?,
@@ -899,24 +784,18 @@ fn constant_tensor(ty: &TensorType, splat: bool, items: &[String]) -> Result<Ten
         };
         bytes.extend(chunk);
     }
-    Ok(Tensor::from_aligned(
-        ty.clone(),
-        autotp_kernels::AlignedBuf::from_bytes(&bytes),
-    ))
+    Ok(Tensor::from_aligned(ty.clone(), autotp_kernels::AlignedBuf::from_bytes(&bytes)))
 }
 
 fn take(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<Attr, String> {
-    attrs
-        .remove(key)
-        .ok_or_else(|| format!("missing attribute '{key}'"))
+    attrs.remove(key).ok_or_else(|| format!("missing attribute '{key}'"))
 }
 
 fn take_usizes(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<Vec<usize>, String> {
     match take(attrs, key)? {
-        Attr::Ints(v) => v
-            .into_iter()
-            .map(|x| usize::try_from(x).map_err(|_| format!("'{key}' must be non-negative")))
-            .collect(),
+        Attr::Ints(v) => {
+            v.into_iter().map(|x| usize::try_from(x).map_err(|_| format!("'{key}' must be non-negative"))).collect()
+        }
         other => Err(format!("'{key}' must be a list of integers, got {other}")),
     }
 }
@@ -974,100 +853,51 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         return Ok(Op::Binary(b));
     }
     if let Some(r) = name.strip_prefix("reduce_").and_then(ReduceOp::from_name) {
-        return Ok(Op::Reduce {
-            op: r,
-            axes: take_usizes(a, "axes")?,
-            keep_dims: take_flag(a, "keep_dims")?,
-        });
+        return Ok(Op::Reduce { op: r, axes: take_usizes(a, "axes")?, keep_dims: take_flag(a, "keep_dims")? });
     }
     Ok(match name {
         "select" => Op::Select,
         "cast" => {
             let to = take_word(a, "to")?;
-            Op::Cast {
-                to: DType::from_name(&to).ok_or_else(|| format!("unknown dtype '{to}'"))?,
-            }
+            Op::Cast { to: DType::from_name(&to).ok_or_else(|| format!("unknown dtype '{to}'"))? }
         }
-        "matmul" => Op::MatMul {
-            transpose_lhs: take_flag(a, "transpose_lhs")?,
-            transpose_rhs: take_flag(a, "transpose_rhs")?,
-        },
-        "reshape" => Op::Reshape {
-            shape: take_usizes(a, "shape")?,
-        },
-        "expand" => Op::Expand {
-            shape: take_usizes(a, "shape")?,
-        },
-        "transpose" => Op::Transpose {
-            perm: take_usizes(a, "perm")?,
-        },
-        "slice" => Op::Slice {
-            starts: take_usizes(a, "starts")?,
-            ends: take_ints(a, "ends")?,
-            steps: take_ints(a, "steps")?,
-        },
-        "concat" => Op::Concat {
-            axis: take_usize(a, "axis")?,
-        },
-        "split" => Op::Split {
-            axis: take_usize(a, "axis")?,
-            sizes: take_usizes(a, "sizes")?,
-        },
-        "gather" => Op::Gather {
-            axis: take_usize(a, "axis")?,
-        },
-        "gather_elements" => Op::GatherElements {
-            axis: take_usize(a, "axis")?,
-        },
-        "pad" => Op::Pad {
-            begin: take_usizes(a, "begin")?,
-            end: take_usizes(a, "end")?,
-            value: take_float(a, "value")?,
-        },
-        "triu" | "tril" => Op::Triangle {
-            upper: name == "triu",
-            k: take_int(a, "k")?,
-        },
-        "softmax" => Op::Softmax {
-            axis: take_usize(a, "axis")?,
-        },
-        "log_softmax" => Op::LogSoftmax {
-            axis: take_usize(a, "axis")?,
-        },
-        "layer_norm" => Op::LayerNorm {
-            axis: take_usize(a, "axis")?,
-            eps: take_float(a, "eps")?,
-        },
-        "rms_norm" => Op::RmsNorm {
-            axis: take_usize(a, "axis")?,
-            eps: take_float(a, "eps")?,
-        },
+        "matmul" => {
+            Op::MatMul { transpose_lhs: take_flag(a, "transpose_lhs")?, transpose_rhs: take_flag(a, "transpose_rhs")? }
+        }
+        "reshape" => Op::Reshape { shape: take_usizes(a, "shape")? },
+        "expand" => Op::Expand { shape: take_usizes(a, "shape")? },
+        "transpose" => Op::Transpose { perm: take_usizes(a, "perm")? },
+        "slice" => {
+            Op::Slice { starts: take_usizes(a, "starts")?, ends: take_ints(a, "ends")?, steps: take_ints(a, "steps")? }
+        }
+        "concat" => Op::Concat { axis: take_usize(a, "axis")? },
+        "split" => Op::Split { axis: take_usize(a, "axis")?, sizes: take_usizes(a, "sizes")? },
+        "gather" => Op::Gather { axis: take_usize(a, "axis")? },
+        "gather_elements" => Op::GatherElements { axis: take_usize(a, "axis")? },
+        "pad" => {
+            Op::Pad { begin: take_usizes(a, "begin")?, end: take_usizes(a, "end")?, value: take_float(a, "value")? }
+        }
+        "triu" | "tril" => Op::Triangle { upper: name == "triu", k: take_int(a, "k")? },
+        "softmax" => Op::Softmax { axis: take_usize(a, "axis")? },
+        "log_softmax" => Op::LogSoftmax { axis: take_usize(a, "axis")? },
+        "layer_norm" => Op::LayerNorm { axis: take_usize(a, "axis")?, eps: take_float(a, "eps")? },
+        "rms_norm" => Op::RmsNorm { axis: take_usize(a, "axis")?, eps: take_float(a, "eps")? },
         "gelu" => {
-            let approx = if a.contains_key("approx") {
-                take_word(a, "approx")?
-            } else {
-                "none".into()
-            };
+            let approx = if a.contains_key("approx") { take_word(a, "approx")? } else { "none".into() };
             Op::Gelu {
-                approx: GeluApprox::from_name(&approx)
-                    .ok_or_else(|| format!("unknown approximation '{approx}'"))?,
+                approx: GeluApprox::from_name(&approx).ok_or_else(|| format!("unknown approximation '{approx}'"))?,
             }
         }
         "cross_entropy" => {
             let ignore_index = match take(a, "ignore_index")? {
                 Attr::Int(i) => Some(i),
                 Attr::Word(w) if w == "none" => None,
-                other => {
-                    return Err(format!(
-                        "'ignore_index' must be an integer or none, got {other}"
-                    ))
-                }
+                other => return Err(format!("'ignore_index' must be an integer or none, got {other}")),
             };
             let r = take_word(a, "reduction")?;
             Op::CrossEntropy {
                 ignore_index,
-                reduction: Reduction::from_name(&r)
-                    .ok_or_else(|| format!("unknown reduction '{r}'"))?,
+                reduction: Reduction::from_name(&r).ok_or_else(|| format!("unknown reduction '{r}'"))?,
             }
         }
         other => return Err(format!("unknown op '{other}'")),
@@ -1076,20 +906,9 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
 
 /// Parses the text format. The result is not verified; call [`crate::verify`] for that.
 pub fn parse(text: &str) -> Result<Graph, ParseError> {
-    let mut lexer = Lexer {
-        src: text.as_bytes(),
-        pos: 0,
-        line: 1,
-        line_start: 0,
-    };
+    let mut lexer = Lexer { src: text.as_bytes(), pos: 0, line: 1, line_start: 0 };
     let (tok, at) = lexer.next()?;
-    let mut parser = Parser {
-        lexer,
-        tok,
-        at,
-        graph: Graph::default(),
-        values: BTreeMap::new(),
-    };
+    let mut parser = Parser { lexer, tok, at, graph: Graph::default(), values: BTreeMap::new() };
     parser.graph()?;
     Ok(parser.graph)
 }

@@ -11,17 +11,11 @@ pub struct TensorType {
 
 impl TensorType {
     pub fn new(dtype: DType, shape: impl Into<Vec<usize>>) -> TensorType {
-        TensorType {
-            dtype,
-            shape: shape.into(),
-        }
+        TensorType { dtype, shape: shape.into() }
     }
 
     pub fn scalar(dtype: DType) -> TensorType {
-        TensorType {
-            dtype,
-            shape: vec![],
-        }
+        TensorType { dtype, shape: vec![] }
     }
 
     pub fn rank(&self) -> usize {

@@ -40,48 +40,29 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
 
     for (i, &v) in graph.inputs().iter().enumerate() {
         if graph.value(v).def != Def::Input(i) {
-            err(
-                names.get(v),
-                format!("is listed as input {i} but is not defined as one"),
-            );
+            err(names.get(v), format!("is listed as input {i} but is not defined as one"));
         }
         defined[v.index()] = true;
     }
     for (i, &v) in graph.params().iter().enumerate() {
         if graph.value(v).def != Def::Param(i) {
-            err(
-                names.get(v),
-                format!("is listed as parameter {i} but is not defined as one"),
-            );
+            err(names.get(v), format!("is listed as parameter {i} but is not defined as one"));
         }
         if !graph.ty(v).dtype.is_float() {
-            err(
-                names.get(v),
-                format!(
-                    "parameters must be floating point, got {}",
-                    graph.ty(v).dtype
-                ),
-            );
+            err(names.get(v), format!("parameters must be floating point, got {}", graph.ty(v).dtype));
         }
         defined[v.index()] = true;
     }
     for (id, value) in graph.values() {
         if let Some(name) = &value.name {
             if let Some(prev) = seen_names.insert(name.clone(), id) {
-                err(
-                    names.get(id),
-                    format!("reuses the name of {}", names.get(prev)),
-                );
+                err(names.get(id), format!("reuses the name of {}", names.get(prev)));
             }
         }
         if value.placements.len() != graph.mesh.axes.len() {
             err(
                 names.get(id),
-                format!(
-                    "has {} placements for a mesh of {} axes",
-                    value.placements.len(),
-                    graph.mesh.axes.len()
-                ),
+                format!("has {} placements for a mesh of {} axes", value.placements.len(), graph.mesh.axes.len()),
             );
             continue;
         }
@@ -90,11 +71,7 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
                 match value.ty.shape.get(*d) {
                     None => err(
                         names.get(id),
-                        format!(
-                            "is sharded on dim {d} over {}, but has rank {}",
-                            axis.name,
-                            value.ty.rank()
-                        ),
+                        format!("is sharded on dim {d} over {}, but has rank {}", axis.name, value.ty.rank()),
                     ),
                     Some(size) if size % axis.size != 0 => err(
                         names.get(id),
@@ -113,31 +90,19 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
         let mut inputs_ok = true;
         for (i, v) in node.inputs.iter().enumerate() {
             if v.index() >= graph.num_values() {
-                err(
-                    at.clone(),
-                    format!("input {i} refers to a value that does not exist"),
-                );
+                err(at.clone(), format!("input {i} refers to a value that does not exist"));
                 inputs_ok = false;
             } else if !defined[v.index()] {
-                err(
-                    at.clone(),
-                    format!("input {i} ({}) is used before it is defined", names.get(*v)),
-                );
+                err(at.clone(), format!("input {i} ({}) is used before it is defined", names.get(*v)));
                 inputs_ok = false;
             }
         }
         for (i, &o) in node.outputs.iter().enumerate() {
             if graph.value(o).def != Def::Node(id, i) {
-                err(
-                    at.clone(),
-                    format!("output {i} ({}) is not defined by this node", names.get(o)),
-                );
+                err(at.clone(), format!("output {i} ({}) is not defined by this node", names.get(o)));
             }
             if defined[o.index()] {
-                err(
-                    at.clone(),
-                    format!("output {i} ({}) is defined twice", names.get(o)),
-                );
+                err(at.clone(), format!("output {i} ({}) is defined twice", names.get(o)));
             }
             defined[o.index()] = true;
         }
@@ -150,13 +115,7 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             Ok(expected) => {
                 for (i, (want, &o)) in expected.iter().zip(&node.outputs).enumerate() {
                     if graph.ty(o) != want {
-                        err(
-                            at.clone(),
-                            format!(
-                                "output {i} has type {} but the op produces {want}",
-                                graph.ty(o)
-                            ),
-                        );
+                        err(at.clone(), format!("output {i} has type {} but the op produces {want}", graph.ty(o)));
                     }
                 }
             }
@@ -164,10 +123,7 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
     }
     for (name, v) in graph.outputs() {
         if v.index() >= graph.num_values() || !defined[v.index()] {
-            err(
-                format!("output \"{name}\""),
-                "refers to a value that is not defined".into(),
-            );
+            err(format!("output \"{name}\""), "refers to a value that is not defined".into());
         }
     }
     if errors.is_empty() {

@@ -27,10 +27,7 @@ unsafe impl bytemuck::Pod for Align64 {}
 
 impl AlignedBuf {
     pub fn zeroed(len: usize) -> AlignedBuf {
-        AlignedBuf {
-            words: vec![Align64([0; 64]); len.div_ceil(64)],
-            len,
-        }
+        AlignedBuf { words: vec![Align64([0; 64]); len.div_ceil(64)], len }
     }
 
     pub fn from_bytes(bytes: &[u8]) -> AlignedBuf {

@@ -17,17 +17,8 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 9] = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I64,
-        DType::I32,
-        DType::I8,
-        DType::U8,
-        DType::Bool,
-    ];
+    pub const ALL: [DType; 9] =
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64, DType::I32, DType::I8, DType::U8, DType::Bool];
 
     /// Size of one element in bytes.
     pub fn size(self) -> usize {

@@ -7,15 +7,8 @@ use crate::scalar::{narrow, widen, with_num_type, Num};
 use crate::shape::{rows_per_task, Broadcast, GRAIN};
 use crate::{view, view_mut, BinaryOp, DType, KernelError, UnaryOp};
 
-fn map_unary<A: Copy + Sync, B: Copy + Send>(
-    input: &[A],
-    out: &mut [B],
-    f: impl Fn(A) -> B + Sync,
-) {
-    out.par_iter_mut()
-        .with_min_len(GRAIN)
-        .zip(input.par_iter())
-        .for_each(|(o, &a)| *o = f(a));
+fn map_unary<A: Copy + Sync, B: Copy + Send>(input: &[A], out: &mut [B], f: impl Fn(A) -> B + Sync) {
+    out.par_iter_mut().with_min_len(GRAIN).zip(input.par_iter()).for_each(|(o, &a)| *o = f(a));
 }
 
 fn unary_float<T: num_float::Float>(op: UnaryOp, input: &[T], out: &mut [T]) {
@@ -64,31 +57,18 @@ fn unary_int<T: Num>(op: UnaryOp, input: &[T], out: &mut [T]) -> Result<(), Kern
                 0.0
             })
         }),
-        _ => {
-            return Err(KernelError::Unsupported {
-                kernel: "unary",
-                what: format!("{} on integers", op.name()),
-            })
-        }
+        _ => return Err(KernelError::Unsupported { kernel: "unary", what: format!("{} on integers", op.name()) }),
     }
     Ok(())
 }
 
-pub(crate) fn unary(
-    op: UnaryOp,
-    dtype: DType,
-    input: &[u8],
-    out: &mut [u8],
-) -> Result<(), KernelError> {
+pub(crate) fn unary(op: UnaryOp, dtype: DType, input: &[u8], out: &mut [u8]) -> Result<(), KernelError> {
     match dtype {
         DType::Bool if op == UnaryOp::Not => {
             map_unary(input, out, |a: u8| (a == 0) as u8);
             Ok(())
         }
-        _ if op == UnaryOp::Not => Err(KernelError::Unsupported {
-            kernel: "unary",
-            what: format!("not on {dtype}"),
-        }),
+        _ if op == UnaryOp::Not => Err(KernelError::Unsupported { kernel: "unary", what: format!("not on {dtype}") }),
         DType::F32 => {
             unary_float::<f32>(op, &view(input), view_mut(out)?);
             Ok(())
@@ -131,16 +111,13 @@ pub(crate) fn broadcast_map<A: Copy + Sync, B: Copy + Send>(
         return;
     }
     let (sl, sr) = (bc.inner_stride(0), bc.inner_stride(1));
-    out.par_chunks_mut(inner)
-        .with_min_len(rows_per_task(inner))
-        .enumerate()
-        .for_each(|(row, o)| {
-            let mut offs = [0usize; 2];
-            bc.row_offsets(row, &mut offs);
-            for (i, slot) in o.iter_mut().enumerate() {
-                *slot = f(lhs[offs[0] + i * sl], rhs[offs[1] + i * sr]);
-            }
-        });
+    out.par_chunks_mut(inner).with_min_len(rows_per_task(inner)).enumerate().for_each(|(row, o)| {
+        let mut offs = [0usize; 2];
+        bc.row_offsets(row, &mut offs);
+        for (i, slot) in o.iter_mut().enumerate() {
+            *slot = f(lhs[offs[0] + i * sl], rhs[offs[1] + i * sr]);
+        }
+    });
 }
 
 pub(crate) struct BinaryShapes<'a> {
@@ -164,15 +141,7 @@ fn binary_num<T: Num>(
     }
     macro_rules! compare {
         ($f:expr) => {
-            broadcast_map(
-                &l,
-                s.lhs,
-                &r,
-                s.rhs,
-                view_mut::<u8>(out)?,
-                s.out,
-                |a: T, b: T| $f(a, b) as u8,
-            )
+            broadcast_map(&l, s.lhs, &r, s.rhs, view_mut::<u8>(out)?, s.out, |a: T, b: T| $f(a, b) as u8)
         };
     }
     match op {
@@ -190,33 +159,19 @@ fn binary_num<T: Num>(
         BinaryOp::Greater => compare!(|a, b| a > b),
         BinaryOp::GreaterEqual => compare!(|a, b| a >= b),
         BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
-            return Err(KernelError::Unsupported {
-                kernel: "binary",
-                what: format!("{} on numbers", op.name()),
-            })
+            return Err(KernelError::Unsupported { kernel: "binary", what: format!("{} on numbers", op.name()) })
         }
     }
     Ok(())
 }
 
-fn binary_bool(
-    op: BinaryOp,
-    s: &BinaryShapes,
-    lhs: &[u8],
-    rhs: &[u8],
-    out: &mut [u8],
-) -> Result<(), KernelError> {
+fn binary_bool(op: BinaryOp, s: &BinaryShapes, lhs: &[u8], rhs: &[u8], out: &mut [u8]) -> Result<(), KernelError> {
     let f: fn(u8, u8) -> u8 = match op {
         BinaryOp::And => |a, b| ((a != 0) && (b != 0)) as u8,
         BinaryOp::Or => |a, b| ((a != 0) || (b != 0)) as u8,
         BinaryOp::Xor => |a, b| ((a != 0) != (b != 0)) as u8,
         BinaryOp::Equal => |a, b| ((a != 0) == (b != 0)) as u8,
-        _ => {
-            return Err(KernelError::Unsupported {
-                kernel: "binary",
-                what: format!("{} on bool", op.name()),
-            })
-        }
+        _ => return Err(KernelError::Unsupported { kernel: "binary", what: format!("{} on bool", op.name()) }),
     };
     broadcast_map(lhs, s.lhs, rhs, s.rhs, out, s.out, f);
     Ok(())
@@ -235,13 +190,7 @@ pub(crate) fn binary(
         DType::F16 | DType::BF16 => {
             let (l, r) = (widen(dtype, lhs), widen(dtype, rhs));
             if op.is_comparison() {
-                binary_num::<f32>(
-                    op,
-                    s,
-                    bytemuck::cast_slice(&l),
-                    bytemuck::cast_slice(&r),
-                    out,
-                )
+                binary_num::<f32>(op, s, bytemuck::cast_slice(&l), bytemuck::cast_slice(&r), out)
             } else {
                 let mut result = vec![0f32; crate::numel(s.out)];
                 binary_num::<f32>(
@@ -296,26 +245,17 @@ fn cast_values<T: Num>(from: DType, input: &[u8], out: &mut [T]) {
     // Going through f64 is exact for every source type except i64 beyond 2^53, which is
     // handled separately when both sides are integers.
     match from {
-        DType::F16 | DType::BF16 => out
-            .iter_mut()
-            .zip(widen(from, input))
-            .for_each(|(o, v)| *o = T::from_f64(v as f64)),
-        DType::Bool => out
-            .iter_mut()
-            .zip(input)
-            .for_each(|(o, &v)| *o = T::from_f64((v != 0) as u8 as f64)),
+        DType::F16 | DType::BF16 => {
+            out.iter_mut().zip(widen(from, input)).for_each(|(o, v)| *o = T::from_f64(v as f64))
+        }
+        DType::Bool => out.iter_mut().zip(input).for_each(|(o, &v)| *o = T::from_f64((v != 0) as u8 as f64)),
         _ => with_num_type!(from, S => {
             out.par_iter_mut().with_min_len(GRAIN).zip(view::<S>(input).par_iter()).for_each(|(o, &v)| *o = T::from_f64(v.to_f64()));
         }, _ => unreachable!()),
     }
 }
 
-pub(crate) fn cast(
-    from: DType,
-    to: DType,
-    input: &[u8],
-    out: &mut [u8],
-) -> Result<(), KernelError> {
+pub(crate) fn cast(from: DType, to: DType, input: &[u8], out: &mut [u8]) -> Result<(), KernelError> {
     if from == to {
         out.copy_from_slice(input);
         return Ok(());
@@ -331,9 +271,7 @@ pub(crate) fn cast(
         DType::Bool => {
             let mut wide = vec![0f64; out.len()];
             cast_values::<f64>(from, input, &mut wide);
-            out.iter_mut()
-                .zip(wide)
-                .for_each(|(o, v)| *o = (v != 0.0) as u8);
+            out.iter_mut().zip(wide).for_each(|(o, v)| *o = (v != 0.0) as u8);
         }
         DType::F16 | DType::BF16 => {
             let mut wide = vec![0f64; out.len() / 2];

@@ -33,19 +33,11 @@ pub use shape::numel;
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum KernelError {
     #[error("{kernel}: index {index} is out of range for a dimension of size {bound}")]
-    IndexOutOfRange {
-        kernel: &'static str,
-        index: i64,
-        bound: usize,
-    },
+    IndexOutOfRange { kernel: &'static str, index: i64, bound: usize },
     #[error("{kernel}: not supported for {what}")]
     Unsupported { kernel: &'static str, what: String },
     #[error("{kernel}: got {inputs} inputs and {outputs} outputs")]
-    Arity {
-        kernel: &'static str,
-        inputs: usize,
-        outputs: usize,
-    },
+    Arity { kernel: &'static str, inputs: usize, outputs: usize },
     #[error("{kernel}: a buffer does not match the kernel's shapes")]
     BufferSize { kernel: &'static str },
     #[error("an output buffer is not aligned for its element type")]

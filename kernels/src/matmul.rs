@@ -92,9 +92,7 @@ fn gemm_crate<T: Num + Default>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut 
     };
     let threads = rayon::current_num_threads();
     if offsets.len() >= threads && offsets.len() > 1 {
-        out.par_chunks_mut(mn)
-            .zip(offsets.par_iter())
-            .for_each(|(dst, &o)| run(o, dst, gemm::Parallelism::None));
+        out.par_chunks_mut(mn).zip(offsets.par_iter()).for_each(|(dst, &o)| run(o, dst, gemm::Parallelism::None));
     } else {
         for (dst, &o) in out.chunks_mut(mn).zip(&offsets) {
             run(o, dst, gemm::Parallelism::Rayon(threads));
@@ -117,11 +115,7 @@ impl GemmElem for f64 {
 fn naive<T: Num>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut [T]) {
     let ((lrs, lcs), (rrs, rcs)) = d.operand_strides();
     let (lrs, lcs, rrs, rcs) = (lrs as usize, lcs as usize, rrs as usize, rcs as usize);
-    for ((l, r), dst) in d
-        .batch_offsets()
-        .into_iter()
-        .zip(out.chunks_mut((d.m * d.n).max(1)))
-    {
+    for ((l, r), dst) in d.batch_offsets().into_iter().zip(out.chunks_mut((d.m * d.n).max(1))) {
         for i in 0..d.m {
             for j in 0..d.n {
                 let mut acc = T::zero();
@@ -134,15 +128,8 @@ fn naive<T: Num>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut [T]) {
     }
 }
 
-pub(crate) fn matmul(
-    dtype: DType,
-    d: &MatMulDims,
-    lhs: &[u8],
-    rhs: &[u8],
-    out: &mut [u8],
-) -> Result<(), KernelError> {
-    let expect =
-        |batch: &[usize], rows: usize, cols: usize| numel(batch) * rows * cols * dtype.size();
+pub(crate) fn matmul(dtype: DType, d: &MatMulDims, lhs: &[u8], rhs: &[u8], out: &mut [u8]) -> Result<(), KernelError> {
+    let expect = |batch: &[usize], rows: usize, cols: usize| numel(batch) * rows * cols * dtype.size();
     if lhs.len() != expect(&d.lhs_batch, d.m, d.k)
         || rhs.len() != expect(&d.rhs_batch, d.k, d.n)
         || out.len() != expect(&d.batch, d.m, d.n)

@@ -28,23 +28,20 @@ fn gather_rows<T: Copy + Send + Sync>(
     }
     let inner_stride = src_strides[rank - 1];
     let outer = &out_shape[..rank - 1];
-    out.par_chunks_mut(inner)
-        .with_min_len(rows_per_task(inner))
-        .enumerate()
-        .for_each(|(mut row, o)| {
-            let mut off = base;
-            for d in (0..outer.len()).rev() {
-                off += (row % outer[d]) * src_strides[d];
-                row /= outer[d];
+    out.par_chunks_mut(inner).with_min_len(rows_per_task(inner)).enumerate().for_each(|(mut row, o)| {
+        let mut off = base;
+        for d in (0..outer.len()).rev() {
+            off += (row % outer[d]) * src_strides[d];
+            row /= outer[d];
+        }
+        if inner_stride == 1 {
+            o.copy_from_slice(&input[off..off + inner]);
+        } else {
+            for (i, slot) in o.iter_mut().enumerate() {
+                *slot = input[off + i * inner_stride];
             }
-            if inner_stride == 1 {
-                o.copy_from_slice(&input[off..off + inner]);
-            } else {
-                for (i, slot) in o.iter_mut().enumerate() {
-                    *slot = input[off + i * inner_stride];
-                }
-            }
-        });
+        }
+    });
 }
 
 pub(crate) fn transpose(
@@ -75,11 +72,7 @@ pub(crate) fn slice(
     let base: usize = starts.iter().zip(&in_strides).map(|(s, st)| s * st).sum();
     // Negative strides are expressed by offsetting: we compute with isize then check bounds.
     if steps.iter().all(|&s| s > 0) {
-        let src: Vec<usize> = steps
-            .iter()
-            .zip(&in_strides)
-            .map(|(&s, &st)| s as usize * st)
-            .collect();
+        let src: Vec<usize> = steps.iter().zip(&in_strides).map(|(&s, &st)| s as usize * st).collect();
         with_bits_type!(dtype, T => gather_rows::<T>(&view(input), view_mut(out)?, out_shape, &src, base));
         return Ok(());
     }
@@ -161,25 +154,14 @@ fn read_indices(index_dtype: DType, indices: &[u8]) -> Result<Vec<i64>, KernelEr
     match index_dtype {
         DType::I64 => Ok(view::<i64>(indices).into_owned()),
         DType::I32 => Ok(view::<i32>(indices).iter().map(|&v| v as i64).collect()),
-        other => Err(KernelError::Unsupported {
-            kernel: "gather",
-            what: format!("{other} indices"),
-        }),
+        other => Err(KernelError::Unsupported { kernel: "gather", what: format!("{other} indices") }),
     }
 }
 
 fn resolve_index(index: i64, bound: usize, kernel: &'static str) -> Result<usize, KernelError> {
-    let resolved = if index < 0 {
-        index + bound as i64
-    } else {
-        index
-    };
+    let resolved = if index < 0 { index + bound as i64 } else { index };
     if resolved < 0 || resolved as usize >= bound {
-        return Err(KernelError::IndexOutOfRange {
-            kernel,
-            index,
-            bound,
-        });
+        return Err(KernelError::IndexOutOfRange { kernel, index, bound });
     }
     Ok(resolved as usize)
 }
@@ -196,22 +178,16 @@ pub(crate) fn gather(
 ) -> Result<(), KernelError> {
     let indices = read_indices(index_dtype, indices)?;
     let len = data_shape[axis];
-    let resolved: Vec<usize> = indices
-        .iter()
-        .map(|&i| resolve_index(i, len, "gather"))
-        .collect::<Result<_, _>>()?;
+    let resolved: Vec<usize> = indices.iter().map(|&i| resolve_index(i, len, "gather")).collect::<Result<_, _>>()?;
     let inner = numel(&data_shape[axis + 1..]) * dtype.size();
     if inner == 0 {
         return Ok(());
     }
-    out.par_chunks_mut(inner)
-        .with_min_len(rows_per_task(inner))
-        .enumerate()
-        .for_each(|(row, o)| {
-            let (outer_idx, i) = (row / resolved.len(), row % resolved.len());
-            let src = (outer_idx * len + resolved[i]) * inner;
-            o.copy_from_slice(&data[src..src + inner]);
-        });
+    out.par_chunks_mut(inner).with_min_len(rows_per_task(inner)).enumerate().for_each(|(row, o)| {
+        let (outer_idx, i) = (row / resolved.len(), row % resolved.len());
+        let src = (outer_idx * len + resolved[i]) * inner;
+        o.copy_from_slice(&data[src..src + inner]);
+    });
     Ok(())
 }
 

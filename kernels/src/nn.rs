@@ -72,15 +72,12 @@ pub(crate) fn softmax(
         return Ok(());
     }
     float_kernel!("softmax", dtype, [input], out, |F| {
-        out.par_chunks_mut(len * inner)
-            .with_min_len(rows_per_task(len * inner))
-            .enumerate()
-            .for_each(|(o, block)| {
-                let src = &input[o * len * inner..(o + 1) * len * inner];
-                for i in 0..inner {
-                    softmax_line::<F>(&src[i..], &mut block[i..], len, inner, log);
-                }
-            });
+        out.par_chunks_mut(len * inner).with_min_len(rows_per_task(len * inner)).enumerate().for_each(|(o, block)| {
+            let src = &input[o * len * inner..(o + 1) * len * inner];
+            for i in 0..inner {
+                softmax_line::<F>(&src[i..], &mut block[i..], len, inner, log);
+            }
+        });
     });
     Ok(())
 }
@@ -101,19 +98,15 @@ pub(crate) fn layer_norm(
     let zeros = vec![0u8; scale.len()];
     let bias = bias.unwrap_or(&zeros);
     float_kernel!("layer_norm", dtype, [x, scale, bias], out, |F| {
-        out.par_chunks_mut(cols)
-            .with_min_len(rows_per_task(cols))
-            .zip(x.par_chunks(cols))
-            .for_each(|(o, row)| {
-                let mean = row.iter().map(|v| v.to_f64()).sum::<f64>() / cols as f64;
-                let var =
-                    row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / cols as f64;
-                let inv = F::from_f64(1.0 / (var + eps).sqrt());
-                let mean = F::from_f64(mean);
-                for i in 0..cols {
-                    o[i] = (row[i] - mean) * inv * scale[i] + bias[i];
-                }
-            });
+        out.par_chunks_mut(cols).with_min_len(rows_per_task(cols)).zip(x.par_chunks(cols)).for_each(|(o, row)| {
+            let mean = row.iter().map(|v| v.to_f64()).sum::<f64>() / cols as f64;
+            let var = row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / cols as f64;
+            let inv = F::from_f64(1.0 / (var + eps).sqrt());
+            let mean = F::from_f64(mean);
+            for i in 0..cols {
+                o[i] = (row[i] - mean) * inv * scale[i] + bias[i];
+            }
+        });
     });
     Ok(())
 }
@@ -131,26 +124,18 @@ pub(crate) fn rms_norm(
         return Ok(());
     }
     float_kernel!("rms_norm", dtype, [x, scale], out, |F| {
-        out.par_chunks_mut(cols)
-            .with_min_len(rows_per_task(cols))
-            .zip(x.par_chunks(cols))
-            .for_each(|(o, row)| {
-                let mean_square = row.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / cols as f64;
-                let inv = F::from_f64(1.0 / (mean_square + eps).sqrt());
-                for i in 0..cols {
-                    o[i] = row[i] * inv * scale[i];
-                }
-            });
+        out.par_chunks_mut(cols).with_min_len(rows_per_task(cols)).zip(x.par_chunks(cols)).for_each(|(o, row)| {
+            let mean_square = row.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / cols as f64;
+            let inv = F::from_f64(1.0 / (mean_square + eps).sqrt());
+            for i in 0..cols {
+                o[i] = row[i] * inv * scale[i];
+            }
+        });
     });
     Ok(())
 }
 
-pub(crate) fn gelu(
-    dtype: DType,
-    approx: GeluApprox,
-    input: &[u8],
-    out: &mut [u8],
-) -> Result<(), KernelError> {
+pub(crate) fn gelu(dtype: DType, approx: GeluApprox, input: &[u8], out: &mut [u8]) -> Result<(), KernelError> {
     float_kernel!("gelu", dtype, [input], out, |F| {
         let half = F::from_f64(0.5);
         let one = F::one();
@@ -200,22 +185,14 @@ pub(crate) fn cross_entropy(
     let labels: Vec<i64> = match label_dtype {
         DType::I64 => view::<i64>(labels).into_owned(),
         DType::I32 => view::<i32>(labels).iter().map(|&v| v as i64).collect(),
-        other => {
-            return Err(KernelError::Unsupported {
-                kernel: "cross_entropy",
-                what: format!("{other} labels"),
-            })
-        }
+        other => return Err(KernelError::Unsupported { kernel: "cross_entropy", what: format!("{other} labels") }),
     };
     let mut lp_bytes = vec![0u8; scores.len()];
     softmax(dtype, d.n, d.classes, d.inner, true, scores, &mut lp_bytes)?;
     let lp: Vec<f64> = match dtype {
         DType::F32 => view::<f32>(&lp_bytes).iter().map(|&v| v as f64).collect(),
         DType::F64 => view::<f64>(&lp_bytes).into_owned(),
-        _ => widen(dtype, &lp_bytes)
-            .into_iter()
-            .map(|v| v as f64)
-            .collect(),
+        _ => widen(dtype, &lp_bytes).into_iter().map(|v| v as f64).collect(),
     };
     let mut per_position = vec![0f64; d.n * d.inner];
     let mut counted = 0usize;
@@ -224,11 +201,7 @@ pub(crate) fn cross_entropy(
             continue;
         }
         if label < 0 || label as usize >= d.classes {
-            return Err(KernelError::IndexOutOfRange {
-                kernel: "cross_entropy",
-                index: label,
-                bound: d.classes,
-            });
+            return Err(KernelError::IndexOutOfRange { kernel: "cross_entropy", index: label, bound: d.classes });
         }
         let (n, i) = (pos / d.inner, pos % d.inner);
         *slot = -lp[(n * d.classes + label as usize) * d.inner + i];
@@ -248,16 +221,9 @@ pub(crate) fn cross_entropy(
 
 fn write_f64(dtype: DType, values: &[f64], out: &mut [u8]) -> Result<(), KernelError> {
     match dtype {
-        DType::F32 => view_mut::<f32>(out)?
-            .iter_mut()
-            .zip(values)
-            .for_each(|(o, &v)| *o = v as f32),
+        DType::F32 => view_mut::<f32>(out)?.iter_mut().zip(values).for_each(|(o, &v)| *o = v as f32),
         DType::F64 => view_mut::<f64>(out)?.copy_from_slice(values),
-        _ => narrow(
-            dtype,
-            &values.iter().map(|&v| v as f32).collect::<Vec<_>>(),
-            out,
-        )?,
+        _ => narrow(dtype, &values.iter().map(|&v| v as f32).collect::<Vec<_>>(), out)?,
     }
     Ok(())
 }

@@ -67,10 +67,7 @@ impl UnaryOp {
 
     /// True for ops whose result is only defined for floating-point inputs.
     pub fn needs_float(self) -> bool {
-        !matches!(
-            self,
-            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu | UnaryOp::Not
-        )
+        !matches!(self, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu | UnaryOp::Not)
     }
 }
 
@@ -79,11 +76,7 @@ impl BinaryOp {
     pub fn is_comparison(self) -> bool {
         matches!(
             self,
-            BinaryOp::Equal
-                | BinaryOp::Less
-                | BinaryOp::LessEqual
-                | BinaryOp::Greater
-                | BinaryOp::GreaterEqual
+            BinaryOp::Equal | BinaryOp::Less | BinaryOp::LessEqual | BinaryOp::Greater | BinaryOp::GreaterEqual
         )
     }
 

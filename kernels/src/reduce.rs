@@ -8,47 +8,27 @@ use crate::shape::numel;
 use crate::{view, view_mut, DType, KernelError, ReduceOp};
 
 /// Reduces the middle axis of an `[outer, len, inner]` block.
-fn reduce_block<T: Num>(
-    op: ReduceOp,
-    input: &[T],
-    len: usize,
-    inner: usize,
-    count: f64,
-    out: &mut [T],
-) {
-    out.par_chunks_mut(inner.max(1))
-        .with_min_len(1)
-        .enumerate()
-        .for_each(|(o, row)| {
-            for (i, slot) in row.iter_mut().enumerate() {
-                let at = |r: usize| input[(o * len + r) * inner + i];
-                *slot = match op {
-                    ReduceOp::Max => (1..len).fold(at(0), |acc, r| acc.max_of(at(r))),
-                    ReduceOp::Min => (1..len).fold(at(0), |acc, r| acc.min_of(at(r))),
-                    ReduceOp::Sum => T::from_f64((0..len).map(|r| at(r).to_f64()).sum()),
-                    ReduceOp::Mean => {
-                        T::from_f64((0..len).map(|r| at(r).to_f64()).sum::<f64>() / count)
-                    }
-                    ReduceOp::Prod => T::from_f64((0..len).map(|r| at(r).to_f64()).product()),
-                };
-            }
-        });
+fn reduce_block<T: Num>(op: ReduceOp, input: &[T], len: usize, inner: usize, count: f64, out: &mut [T]) {
+    out.par_chunks_mut(inner.max(1)).with_min_len(1).enumerate().for_each(|(o, row)| {
+        for (i, slot) in row.iter_mut().enumerate() {
+            let at = |r: usize| input[(o * len + r) * inner + i];
+            *slot = match op {
+                ReduceOp::Max => (1..len).fold(at(0), |acc, r| acc.max_of(at(r))),
+                ReduceOp::Min => (1..len).fold(at(0), |acc, r| acc.min_of(at(r))),
+                ReduceOp::Sum => T::from_f64((0..len).map(|r| at(r).to_f64()).sum()),
+                ReduceOp::Mean => T::from_f64((0..len).map(|r| at(r).to_f64()).sum::<f64>() / count),
+                ReduceOp::Prod => T::from_f64((0..len).map(|r| at(r).to_f64()).product()),
+            };
+        }
+    });
 }
 
-fn reduce_typed<T: Num>(
-    op: ReduceOp,
-    shape: &[usize],
-    axes: &[usize],
-    input: &[T],
-) -> Result<Vec<T>, KernelError> {
+fn reduce_typed<T: Num>(op: ReduceOp, shape: &[usize], axes: &[usize], input: &[T]) -> Result<Vec<T>, KernelError> {
     let count: f64 = axes.iter().map(|&a| shape[a] as f64).product();
     let mut current = input.to_vec();
     let mut dims = shape.to_vec();
     if axes.iter().any(|&a| dims[a] == 0) && matches!(op, ReduceOp::Max | ReduceOp::Min) {
-        return Err(KernelError::Unsupported {
-            kernel: "reduce",
-            what: "max/min over an empty axis".into(),
-        });
+        return Err(KernelError::Unsupported { kernel: "reduce", what: "max/min over an empty axis".into() });
     }
     // Reduce one axis at a time, last first; a mean divides by the full count at the end.
     for (step, &axis) in axes.iter().rev().enumerate() {

@@ -131,24 +131,14 @@ impl_int!(u8);
 /// Converts a half-precision buffer to f32.
 pub(crate) fn widen(dtype: crate::DType, bytes: &[u8]) -> Vec<f32> {
     match dtype {
-        crate::DType::F16 => crate::view::<f16>(bytes)
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        crate::DType::BF16 => crate::view::<bf16>(bytes)
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
+        crate::DType::F16 => crate::view::<f16>(bytes).iter().map(|v| v.to_f32()).collect(),
+        crate::DType::BF16 => crate::view::<bf16>(bytes).iter().map(|v| v.to_f32()).collect(),
         _ => unreachable!("widen is only called for f16 and bf16"),
     }
 }
 
 /// Writes f32 values into a half-precision buffer, rounding to nearest.
-pub(crate) fn narrow(
-    dtype: crate::DType,
-    values: &[f32],
-    out: &mut [u8],
-) -> Result<(), crate::KernelError> {
+pub(crate) fn narrow(dtype: crate::DType, values: &[f32], out: &mut [u8]) -> Result<(), crate::KernelError> {
     match dtype {
         crate::DType::F16 => {
             for (o, v) in crate::view_mut::<f16>(out)?.iter_mut().zip(values) {

@@ -45,15 +45,7 @@ fn dim_from_right(shape: &[usize], from_right: usize) -> usize {
 pub fn broadcast_strides(input: &[usize], out: &[usize]) -> Vec<usize> {
     let own = strides(input);
     let offset = out.len() - input.len();
-    (0..out.len())
-        .map(|d| {
-            if d < offset || input[d - offset] == 1 {
-                0
-            } else {
-                own[d - offset]
-            }
-        })
-        .collect()
+    (0..out.len()).map(|d| if d < offset || input[d - offset] == 1 { 0 } else { own[d - offset] }).collect()
 }
 
 /// Iterates an output shape row by row (a row is the last dimension) and gives, for each

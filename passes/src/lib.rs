@@ -18,10 +18,7 @@ use autotp_ir::{verify, Graph, VerifyErrors};
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
     #[error("the graph is invalid after pass '{pass}': {errors}")]
-    Verify {
-        pass: &'static str,
-        errors: VerifyErrors,
-    },
+    Verify { pass: &'static str, errors: VerifyErrors },
 }
 
 /// A Graph -> Graph transformation.
@@ -54,10 +51,7 @@ impl PassManager {
         for pass in &self.passes {
             let start = Instant::now();
             pass.run(graph)?;
-            verify(graph).map_err(|errors| PassError::Verify {
-                pass: pass.name(),
-                errors,
-            })?;
+            verify(graph).map_err(|errors| PassError::Verify { pass: pass.name(), errors })?;
             tracing::debug!(
                 pass = pass.name(),
                 nodes = graph.num_nodes(),

@@ -42,11 +42,7 @@ impl<'g> View<'g> {
                 users[i.index()].push(id);
             }
         }
-        View {
-            graph,
-            producer,
-            users,
-        }
+        View { graph, producer, users }
     }
 
     fn op(&self, v: ValueId) -> Option<(&'g Op, &'g [ValueId])> {
@@ -57,9 +53,7 @@ impl<'g> View<'g> {
     /// The value of a constant whose elements are all equal.
     fn scalar(&self, v: ValueId) -> Option<f64> {
         match self.op(v)? {
-            (Op::Constant { value }, _)
-                if value.numel() >= 1 && (value.numel() == 1 || value.is_splat()) =>
-            {
+            (Op::Constant { value }, _) if value.numel() >= 1 && (value.numel() == 1 || value.is_splat()) => {
                 Some(value.get_f64(0))
             }
             _ => None,
@@ -67,8 +61,7 @@ impl<'g> View<'g> {
     }
 
     fn is_scalar(&self, v: ValueId, expected: f64, tolerance: f64) -> bool {
-        self.scalar(v)
-            .is_some_and(|s| (s - expected).abs() <= tolerance * expected.abs().max(1.0))
+        self.scalar(v).is_some_and(|s| (s - expected).abs() <= tolerance * expected.abs().max(1.0))
     }
 
     /// For `v = a op b` (commutative ops in either order): the operand beside `known`.
@@ -140,17 +133,11 @@ impl<'g> View<'g> {
     fn gelu_erf(&self, erf_out: ValueId) -> Option<(ValueId, ValueId)> {
         let scaled = self.unary(erf_out, UnaryOp::Erf)?;
         let x = if let Some((x, c)) = self.binary(scaled, BinaryOp::Div) {
-            self.is_scalar(c, std::f64::consts::SQRT_2, 1e-6)
-                .then_some(x)?
+            self.is_scalar(c, std::f64::consts::SQRT_2, 1e-6).then_some(x)?
         } else {
             let (a, b) = self.binary(scaled, BinaryOp::Mul)?;
-            let (x, c) = if self.scalar(b).is_some() {
-                (a, b)
-            } else {
-                (b, a)
-            };
-            self.is_scalar(c, std::f64::consts::FRAC_1_SQRT_2, 1e-6)
-                .then_some(x)?
+            let (x, c) = if self.scalar(b).is_some() { (a, b) } else { (b, a) };
+            self.is_scalar(c, std::f64::consts::FRAC_1_SQRT_2, 1e-6).then_some(x)?
         };
         let gate = self.plus_one(erf_out)?;
         Some((x, self.half_x_times(gate, x)?))
@@ -159,11 +146,7 @@ impl<'g> View<'g> {
     fn gelu_tanh(&self, tanh_out: ValueId) -> Option<(ValueId, ValueId)> {
         let arg = self.unary(tanh_out, UnaryOp::Tanh)?;
         let (a, b) = self.binary(arg, BinaryOp::Mul)?;
-        let (inner, c) = if self.scalar(a).is_some() {
-            (b, a)
-        } else {
-            (a, b)
-        };
+        let (inner, c) = if self.scalar(a).is_some() { (b, a) } else { (a, b) };
         if !self.is_scalar(c, (2.0 / std::f64::consts::PI).sqrt(), 1e-5) {
             return None;
         }
@@ -173,15 +156,9 @@ impl<'g> View<'g> {
             let Some((m1, m2)) = self.binary(t, BinaryOp::Mul) else {
                 return false;
             };
-            let (cube, k) = if self.scalar(m1).is_some() {
-                (m2, m1)
-            } else {
-                (m1, m2)
-            };
+            let (cube, k) = if self.scalar(m1).is_some() { (m2, m1) } else { (m1, m2) };
             self.is_scalar(k, 0.044715, 1e-5)
-                && self
-                    .binary(cube, BinaryOp::Pow)
-                    .is_some_and(|(base, e)| base == x && self.is_scalar(e, 3.0, 0.0))
+                && self.binary(cube, BinaryOp::Pow).is_some_and(|(base, e)| base == x && self.is_scalar(e, 3.0, 0.0))
         };
         let x = if cubic_term(p, q) {
             p
@@ -197,20 +174,13 @@ impl<'g> View<'g> {
     /// From the `reduce_mean(x^2)` value: `(x, w, eps, result)`.
     fn rms_norm(&self, mean: ValueId) -> Option<(ValueId, ValueId, f64, ValueId)> {
         let (op, ins) = self.op(mean)?;
-        let Op::Reduce {
-            op: ReduceOp::Mean,
-            axes,
-            keep_dims: true,
-        } = op
-        else {
+        let Op::Reduce { op: ReduceOp::Mean, axes, keep_dims: true } = op else {
             return None;
         };
         let square = ins[0];
-        let (x, e) = self.binary(square, BinaryOp::Pow).or_else(|| {
-            self.binary(square, BinaryOp::Mul)
-                .filter(|(a, b)| a == b)
-                .map(|(a, _)| (a, a))
-        })?;
+        let (x, e) = self
+            .binary(square, BinaryOp::Pow)
+            .or_else(|| self.binary(square, BinaryOp::Mul).filter(|(a, b)| a == b).map(|(a, _)| (a, a)))?;
         if e != x && !self.is_scalar(e, 2.0, 0.0) {
             return None;
         }
@@ -238,15 +208,13 @@ impl<'g> View<'g> {
                 _ if self.unary(out, UnaryOp::Reciprocal) == Some(sqrt) => out,
                 _ => return None,
             };
-            self.mul_users(inv)
-                .find(|&m| self.other_operand(m, BinaryOp::Mul, inv) == Some(x))
+            self.mul_users(inv).find(|&m| self.other_operand(m, BinaryOp::Mul, inv) == Some(x))
         })?;
         let result = self.mul_users(normalized).find(|&m| {
-            self.other_operand(m, BinaryOp::Mul, normalized)
-                .is_some_and(|w| {
-                    self.graph.ty(w).shape[..] == self.graph.ty(x).shape[rank - 1..]
-                        && self.graph.ty(w).dtype == self.graph.ty(x).dtype
-                })
+            self.other_operand(m, BinaryOp::Mul, normalized).is_some_and(|w| {
+                self.graph.ty(w).shape[..] == self.graph.ty(x).shape[rank - 1..]
+                    && self.graph.ty(w).dtype == self.graph.ty(x).dtype
+            })
         })?;
         let w = self.other_operand(result, BinaryOp::Mul, normalized)?;
         Some((x, w, eps, result))
@@ -260,27 +228,13 @@ fn find_matches(graph: &Graph) -> Vec<Match> {
     for (_, node) in graph.nodes() {
         let out = node.outputs[0];
         let found = match &node.op {
-            Op::Unary(UnaryOp::Erf) => view.gelu_erf(out).map(|(x, r)| {
-                (
-                    Op::Gelu {
-                        approx: GeluApprox::None,
-                    },
-                    vec![x],
-                    r,
-                )
-            }),
-            Op::Unary(UnaryOp::Tanh) => view.gelu_tanh(out).map(|(x, r)| {
-                (
-                    Op::Gelu {
-                        approx: GeluApprox::Tanh,
-                    },
-                    vec![x],
-                    r,
-                )
-            }),
-            Op::Reduce {
-                op: ReduceOp::Mean, ..
-            } => view.rms_norm(out).map(|(x, w, eps, r)| {
+            Op::Unary(UnaryOp::Erf) => {
+                view.gelu_erf(out).map(|(x, r)| (Op::Gelu { approx: GeluApprox::None }, vec![x], r))
+            }
+            Op::Unary(UnaryOp::Tanh) => {
+                view.gelu_tanh(out).map(|(x, r)| (Op::Gelu { approx: GeluApprox::Tanh }, vec![x], r))
+            }
+            Op::Reduce { op: ReduceOp::Mean, .. } => view.rms_norm(out).map(|(x, w, eps, r)| {
                 let axis = graph.ty(x).rank() - 1;
                 (Op::RmsNorm { axis, eps }, vec![x, w], r)
             }),
@@ -288,11 +242,7 @@ fn find_matches(graph: &Graph) -> Vec<Match> {
         };
         if let Some((op, inputs, result)) = found {
             if graph.ty(inputs[0]).dtype.is_float() {
-                matches.push(Match {
-                    root: root_of(result),
-                    op,
-                    inputs,
-                });
+                matches.push(Match { root: root_of(result), op, inputs });
             }
         }
     }
@@ -315,10 +265,7 @@ impl Pass for Recognize {
             match matches.iter().find(|m| m.root == id) {
                 Some(m) => {
                     let inputs = m.inputs.iter().map(|&v| rw.map(v)).collect();
-                    let new = rw
-                        .graph()
-                        .add(m.op.clone(), inputs)
-                        .expect("the matched pattern type-checks");
+                    let new = rw.graph().add(m.op.clone(), inputs).expect("the matched pattern type-checks");
                     rw.set(node.outputs[0], new);
                 }
                 None => rw.copy_node(id),

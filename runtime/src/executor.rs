@@ -56,10 +56,7 @@ impl Executor {
     /// Runs the program on `inputs` (in the program's input order) and returns its outputs.
     pub fn run(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, RuntimeError> {
         if inputs.len() != self.program.inputs.len() {
-            return Err(RuntimeError::InputCount {
-                expected: self.program.inputs.len(),
-                got: inputs.len(),
-            });
+            return Err(RuntimeError::InputCount { expected: self.program.inputs.len(), got: inputs.len() });
         }
         for (slot, t) in self.program.inputs.iter().zip(inputs) {
             if t.dtype != slot.dtype || t.shape != slot.shape {
@@ -69,33 +66,18 @@ impl Executor {
                     got: format!("{}{:?}", t.dtype, t.shape),
                 });
             }
-            self.arena.as_mut_slice()[slot.region.offset..slot.region.end()]
-                .copy_from_slice(&t.data);
+            self.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
         }
         let base = self.arena.as_mut_slice().as_mut_ptr();
-        for Instruction::Kernel {
-            kernel,
-            inputs,
-            outputs,
-            label,
-        } in &self.program.instructions
-        {
+        for Instruction::Kernel { kernel, inputs, outputs, label } in &self.program.instructions {
             // SAFETY: `Program::validate` checked every region is inside the arena and that an
             // instruction's outputs overlap neither its inputs nor each other, so these slices
             // are disjoint where one is mutable. Inputs may alias each other (shared reads).
-            let region =
-                |r: &Region| unsafe { std::slice::from_raw_parts(base.add(r.offset), r.len) };
+            let region = |r: &Region| unsafe { std::slice::from_raw_parts(base.add(r.offset), r.len) };
             let ins: Vec<&[u8]> = inputs.iter().map(region).collect();
-            let mut outs: Vec<&mut [u8]> = outputs
-                .iter()
-                .map(|r| unsafe { std::slice::from_raw_parts_mut(base.add(r.offset), r.len) })
-                .collect();
-            kernel
-                .run(&ins, &mut outs)
-                .map_err(|source| RuntimeError::Kernel {
-                    label: label.clone(),
-                    source,
-                })?;
+            let mut outs: Vec<&mut [u8]> =
+                outputs.iter().map(|r| unsafe { std::slice::from_raw_parts_mut(base.add(r.offset), r.len) }).collect();
+            kernel.run(&ins, &mut outs).map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
         }
         let arena = self.arena.as_slice();
         Ok(self

@@ -21,24 +21,13 @@ pub enum RuntimeError {
     #[error("the program has no parameter '{0}'")]
     UnknownParam(String),
     #[error("{what} has {got} bytes, expected {expected}")]
-    WrongSize {
-        what: String,
-        expected: usize,
-        got: usize,
-    },
+    WrongSize { what: String, expected: usize, got: usize },
     #[error("the program takes {expected} inputs, got {got}")]
     InputCount { expected: usize, got: usize },
     #[error("input '{name}' must be {expected}, got {got}")]
-    InputType {
-        name: String,
-        expected: String,
-        got: String,
-    },
+    InputType { name: String, expected: String, got: String },
     #[error("{label}: {source}")]
-    Kernel {
-        label: String,
-        source: autotp_kernels::KernelError,
-    },
+    Kernel { label: String, source: autotp_kernels::KernelError },
     #[error("{path}: {message}")]
     Npy { path: String, message: String },
 }

@@ -50,12 +50,7 @@ pub struct ConstantData {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Instruction {
     /// Runs a builtin kernel. `label` names the IR op it came from, for profiles and errors.
-    Kernel {
-        kernel: Kernel,
-        inputs: Vec<Region>,
-        outputs: Vec<Region>,
-        label: String,
-    },
+    Kernel { kernel: Kernel, inputs: Vec<Region>, outputs: Vec<Region>, label: String },
 }
 
 /// Byte counts of the memory plan, by category.
@@ -108,34 +103,18 @@ impl Program {
         }
         for c in &self.constants {
             if c.region.end() > size || c.bytes.len() != c.region.len {
-                return bad(format!(
-                    "a constant at offset {} does not fit its region",
-                    c.region.offset
-                ));
+                return bad(format!("a constant at offset {} does not fit its region", c.region.offset));
             }
         }
-        for (
-            i,
-            Instruction::Kernel {
-                inputs,
-                outputs,
-                label,
-                ..
-            },
-        ) in self.instructions.iter().enumerate()
-        {
+        for (i, Instruction::Kernel { inputs, outputs, label, .. }) in self.instructions.iter().enumerate() {
             for r in inputs.iter().chain(outputs) {
                 if r.end() > size {
                     return bad(format!("instruction {i} ({label}) reaches past the arena"));
                 }
             }
             for (j, o) in outputs.iter().enumerate() {
-                if inputs.iter().any(|r| r.overlaps(o))
-                    || outputs[j + 1..].iter().any(|r| r.overlaps(o))
-                {
-                    return bad(format!(
-                        "instruction {i} ({label}) writes over one of its own operands"
-                    ));
+                if inputs.iter().any(|r| r.overlaps(o)) || outputs[j + 1..].iter().any(|r| r.overlaps(o)) {
+                    return bad(format!("instruction {i} ({label}) writes over one of its own operands"));
                 }
             }
         }

@@ -62,42 +62,23 @@ impl Importer {
     fn value_of(&mut self, sym: &Sym) -> ValueId {
         match sym {
             Sym::Value(v) => *v,
-            Sym::Const(t) => self
-                .graph
-                .add(Op::Constant { value: t.clone() }, vec![])
-                .expect("constants always type-check"),
+            Sym::Const(t) => {
+                self.graph.add(Op::Constant { value: t.clone() }, vec![]).expect("constants always type-check")
+            }
         }
     }
 
     /// Adds `op`, or evaluates it when every input is a constant.
-    fn emit(
-        &mut self,
-        cx: &NodeCx,
-        op: Op,
-        inputs: &[Sym],
-        num_outputs: usize,
-    ) -> Result<Vec<Sym>, FrontendError> {
-        let consts: Option<Vec<&Tensor>> = inputs
-            .iter()
-            .map(|s| if let Sym::Const(t) = s { Some(t) } else { None })
-            .collect();
+    fn emit(&mut self, cx: &NodeCx, op: Op, inputs: &[Sym], num_outputs: usize) -> Result<Vec<Sym>, FrontendError> {
+        let consts: Option<Vec<&Tensor>> =
+            inputs.iter().map(|s| if let Sym::Const(t) = s { Some(t) } else { None }).collect();
         if let Some(consts) = consts {
-            let outs = autotp_ir::eval::eval_op(&op, &consts, num_outputs)
-                .map_err(|e| cx.invalid(e.to_string()))?;
+            let outs = autotp_ir::eval::eval_op(&op, &consts, num_outputs).map_err(|e| cx.invalid(e.to_string()))?;
             return Ok(outs.into_iter().map(Sym::Const).collect());
         }
         let ids: Vec<ValueId> = inputs.iter().map(|s| self.value_of(s)).collect();
-        let node = self
-            .graph
-            .add_node(op, ids, num_outputs)
-            .map_err(|m| cx.invalid(m))?;
-        Ok(self
-            .graph
-            .node(node)
-            .outputs
-            .iter()
-            .map(|&v| Sym::Value(v))
-            .collect())
+        let node = self.graph.add_node(op, ids, num_outputs).map_err(|m| cx.invalid(m))?;
+        Ok(self.graph.node(node).outputs.iter().map(|&v| Sym::Value(v)).collect())
     }
 
     fn emit1(&mut self, cx: &NodeCx, op: Op, inputs: &[Sym]) -> Result<Sym, FrontendError> {
@@ -106,46 +87,42 @@ impl Importer {
 
     fn lookup(&self, cx: &NodeCx, name: &str) -> Result<Sym, FrontendError> {
         self.env.get(name).cloned().ok_or_else(|| {
-            cx.invalid(format!(
-                "input '{name}' is not produced by any earlier node, input or initializer"
-            ))
+            cx.invalid(format!("input '{name}' is not produced by any earlier node, input or initializer"))
         })
     }
 }
 
+/// The names of a model's graph inputs that are not initializers, in order.
+pub fn input_names(path: &Path) -> Result<Vec<String>, FrontendError> {
+    let model = ModelProto::decode(map_file(path)?)
+        .map_err(|e| FrontendError::Decode { path: path.to_path_buf(), message: e.to_string() })?;
+    let graph = model.graph.unwrap_or_default();
+    let initializers: std::collections::BTreeSet<&str> = graph.initializer.iter().map(|t| t.name.as_str()).collect();
+    Ok(graph.input.iter().filter(|i| !initializers.contains(i.name.as_str())).map(|i| i.name.clone()).collect())
+}
+
 /// Reads and imports an ONNX model file.
 pub fn import_file(path: &Path, options: &ImportOptions) -> Result<Model, FrontendError> {
-    let file = std::fs::File::open(path).map_err(|source| FrontendError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    import_bytes(map_file(path)?, path, options)
+}
+
+fn map_file(path: &Path) -> Result<Bytes, FrontendError> {
+    let io_error = |source| FrontendError::Io { path: path.to_path_buf(), source };
+    let file = std::fs::File::open(path).map_err(io_error)?;
     // SAFETY: read-only map; the model must not be truncated while it is imported.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| FrontendError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    import_bytes(Bytes::from_owner(map), path, options)
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_error)?;
+    Ok(Bytes::from_owner(map))
 }
 
 /// Imports a model from its serialized bytes; `path` names it in errors and locates external
 /// data.
-pub fn import_bytes(
-    bytes: Bytes,
-    path: &Path,
-    options: &ImportOptions,
-) -> Result<Model, FrontendError> {
-    let decode_error = |message: String| FrontendError::Decode {
-        path: path.to_path_buf(),
-        message,
-    };
+pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Result<Model, FrontendError> {
+    let decode_error = |message: String| FrontendError::Decode { path: path.to_path_buf(), message };
     if bytes.is_empty() {
         return Err(decode_error("the file is empty".into()));
     }
     let model = ModelProto::decode(bytes).map_err(|e| decode_error(e.to_string()))?;
-    let graph = model
-        .graph
-        .as_ref()
-        .ok_or_else(|| decode_error("it has no graph".into()))?;
+    let graph = model.graph.as_ref().ok_or_else(|| decode_error("it has no graph".into()))?;
     let mut opset = None;
     for o in &model.opset_import {
         match o.domain.as_str() {
@@ -154,8 +131,7 @@ pub fn import_bytes(
             _ => {}
         }
     }
-    let opset =
-        opset.ok_or_else(|| decode_error("it imports no opset of the default domain".into()))?;
+    let opset = opset.ok_or_else(|| decode_error("it imports no opset of the default domain".into()))?;
     if !OPSETS.contains(&opset) {
         return Err(FrontendError::UnsupportedOpset {
             path: path.to_path_buf(),
@@ -165,17 +141,11 @@ pub fn import_bytes(
     }
 
     let name = if graph.name.is_empty() {
-        path.file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default()
+        path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
     } else {
         graph.name.clone()
     };
-    let mut imp = Importer {
-        graph: Graph::new(name),
-        env: BTreeMap::new(),
-        materialized: BTreeMap::new(),
-    };
+    let mut imp = Importer { graph: Graph::new(name), env: BTreeMap::new(), materialized: BTreeMap::new() };
     let mut external = tensor::ExternalFiles::new(path);
 
     let mut initializers = BTreeMap::new();
@@ -194,7 +164,7 @@ pub fn import_bytes(
         if !graph.input.iter().any(|i| &i.name == name) {
             return Err(FrontendError::Input {
                 input: name.clone(),
-                message: "--input-shape names an input the model does not have".into(),
+                message: "is given a shape, but the model has no such input".into(),
             });
         }
     }
@@ -220,12 +190,11 @@ pub fn import_bytes(
         }
     }
     for out in &graph.output {
-        let sym = imp.env.get(&out.name).cloned().ok_or_else(|| {
-            decode_error(format!(
-                "graph output '{}' is not produced by any node",
-                out.name
-            ))
-        })?;
+        let sym = imp
+            .env
+            .get(&out.name)
+            .cloned()
+            .ok_or_else(|| decode_error(format!("graph output '{}' is not produced by any node", out.name)))?;
         let id = match &sym {
             Sym::Value(v) => *v,
             Sym::Const(_) => match imp.materialized.get(&out.name) {
@@ -240,44 +209,25 @@ pub fn import_bytes(
         imp.graph.add_output(out.name.clone(), id);
     }
     let graph = imp.graph.without_dead_code();
-    weights.retain(|name, _| {
-        graph
-            .params()
-            .iter()
-            .any(|&p| graph.name_of(p) == Some(name))
-    });
+    weights.retain(|name, _| graph.params().iter().any(|&p| graph.name_of(p) == Some(name)));
     autotp_ir::verify(&graph)?;
     Ok(Model { graph, weights })
 }
 
 /// The static type of a graph input: declared dims, bound symbolic dims, or `--input-shape`.
-fn input_type(
-    input: &proto::ValueInfoProto,
-    options: &ImportOptions,
-) -> Result<TensorType, FrontendError> {
-    let err = |message: String| FrontendError::Input {
-        input: input.name.clone(),
-        message,
-    };
+fn input_type(input: &proto::ValueInfoProto, options: &ImportOptions) -> Result<TensorType, FrontendError> {
+    let err = |message: String| FrontendError::Input { input: input.name.clone(), message };
     let tensor = match input.r#type.as_ref().and_then(|t| t.value.as_ref()) {
         Some(type_proto::Value::TensorType(t)) => t,
         _ => return Err(err("is not a tensor".into())),
     };
-    let dtype = dtype_from_onnx(tensor.elem_type).ok_or_else(|| {
-        err(format!(
-            "has unsupported element type {}",
-            tensor::onnx_type_name(tensor.elem_type)
-        ))
-    })?;
-    let declared = tensor
-        .shape
-        .as_ref()
-        .map(|s| s.dim.as_slice())
-        .unwrap_or(&[]);
+    let dtype = dtype_from_onnx(tensor.elem_type)
+        .ok_or_else(|| err(format!("has unsupported element type {}", tensor::onnx_type_name(tensor.elem_type))))?;
+    let declared = tensor.shape.as_ref().map(|s| s.dim.as_slice()).unwrap_or(&[]);
     if let Some(shape) = options.input_shapes.get(&input.name) {
         if shape.len() != declared.len() {
             return Err(err(format!(
-                "--input-shape gives {} dims, the model declares {}",
+                "is given with {} dims {shape:?}, the model declares {}",
                 shape.len(),
                 declared.len()
             )));
@@ -285,9 +235,7 @@ fn input_type(
         for (i, (d, &given)) in declared.iter().zip(shape).enumerate() {
             if let Some(proto::tensor_shape_proto::dimension::Value::DimValue(v)) = d.value {
                 if v as usize != given {
-                    return Err(err(format!(
-                        "--input-shape gives {given} for dim {i}, the model fixes it to {v}"
-                    )));
+                    return Err(err(format!("is given size {given} for dim {i}, the model fixes it to {v}")));
                 }
             }
         }
@@ -313,7 +261,12 @@ fn input_type(
                     1 => "--seq-len",
                     _ => "--input-shape",
                 };
-                bound.ok_or_else(|| err(format!("dim {i} is symbolic ({symbol}); give it with {flag} or --input-shape {}=D0,D1,...", input.name)))?
+                bound.ok_or_else(|| {
+                    err(format!(
+                        "dim {i} is symbolic ({symbol}); give it with {flag} or --input-shape {}=D0,D1,...",
+                        input.name
+                    ))
+                })?
             }
         };
         shape.push(size);

@@ -2,9 +2,7 @@
 //! conventions (attributes that became inputs: Split, Squeeze/Unsqueeze, Reduce*, Pad, Slice,
 //! Dropout).
 
-use autotp_ir::{
-    BinaryOp, DType, GeluApprox, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp,
-};
+use autotp_ir::{BinaryOp, DType, GeluApprox, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp};
 
 use super::proto::AttributeProto;
 use super::tensor::{decode, ExternalFiles};
@@ -67,18 +65,11 @@ fn norm_axis(cx: &NodeCx, axis: i64, rank: usize) -> Result<usize, FrontendError
     if axis < -r || axis >= r.max(1) {
         return Err(cx.invalid(format!("axis {axis} is out of range for rank {rank}")));
     }
-    Ok(if axis < 0 {
-        (axis + r) as usize
-    } else {
-        axis as usize
-    })
+    Ok(if axis < 0 { (axis + r) as usize } else { axis as usize })
 }
 
 fn norm_axes(cx: &NodeCx, axes: &[i64], rank: usize) -> Result<Vec<usize>, FrontendError> {
-    let mut out = axes
-        .iter()
-        .map(|&a| norm_axis(cx, a, rank))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut out = axes.iter().map(|&a| norm_axis(cx, a, rank)).collect::<Result<Vec<_>, _>>()?;
     out.sort_unstable();
     if out.windows(2).any(|w| w[0] == w[1]) {
         return Err(cx.invalid(format!("axes {axes:?} repeat an axis")));
@@ -89,10 +80,7 @@ fn norm_axes(cx: &NodeCx, axes: &[i64], rank: usize) -> Result<Vec<usize>, Front
 fn dims(values: &[i64], cx: &NodeCx, what: &str) -> Result<Vec<usize>, FrontendError> {
     values
         .iter()
-        .map(|&v| {
-            usize::try_from(v)
-                .map_err(|_| cx.invalid(format!("{what} {values:?} has a negative entry")))
-        })
+        .map(|&v| usize::try_from(v).map_err(|_| cx.invalid(format!("{what} {values:?} has a negative entry"))))
         .collect()
 }
 
@@ -150,23 +138,11 @@ fn reduce_op(op_type: &str) -> Option<ReduceOp> {
 }
 
 /// The shape of `x` with 1s inserted at `axes` (normalised against the output rank).
-fn unsqueezed_shape(
-    cx: &NodeCx,
-    shape: &[usize],
-    axes: &[i64],
-) -> Result<Vec<usize>, FrontendError> {
+fn unsqueezed_shape(cx: &NodeCx, shape: &[usize], axes: &[i64]) -> Result<Vec<usize>, FrontendError> {
     let rank = shape.len() + axes.len();
     let axes = norm_axes(cx, axes, rank)?;
     let mut rest = shape.iter();
-    Ok((0..rank)
-        .map(|d| {
-            if axes.contains(&d) {
-                1
-            } else {
-                *rest.next().expect("counted")
-            }
-        })
-        .collect())
+    Ok((0..rank).map(|d| if axes.contains(&d) { 1 } else { *rest.next().expect("counted") }).collect())
 }
 
 /// Converts one node; returns one symbol per ONNX output.
@@ -204,11 +180,7 @@ pub(super) fn convert(
     match op_type {
         "Identity" => one(input(imp, cx, 0)?),
         "Max" | "Min" => {
-            let op = if op_type == "Max" {
-                BinaryOp::Max
-            } else {
-                BinaryOp::Min
-            };
+            let op = if op_type == "Max" { BinaryOp::Max } else { BinaryOp::Min };
             let mut acc = input(imp, cx, 0)?;
             for i in 1..cx.node.input.len() {
                 let next = input(imp, cx, i)?;
@@ -221,19 +193,14 @@ pub(super) fn convert(
             let b = input(imp, cx, 1)?;
             let fmod = attr_int(cx, "fmod", 0);
             if imp.ty(&a).dtype.is_float() != (fmod == 1) {
-                return Err(
-                    cx.invalid("fmod=1 is required for floats and supported only for floats")
-                );
+                return Err(cx.invalid("fmod=1 is required for floats and supported only for floats"));
             }
             one(imp.emit1(cx, Op::Binary(BinaryOp::Mod), &[a, b])?)
         }
         "Cast" => {
             let code = attr_int(cx, "to", 0) as i32;
             let to = super::dtype_from_onnx(code).ok_or_else(|| {
-                cx.invalid(format!(
-                    "cast to unsupported type {}",
-                    super::tensor::onnx_type_name(code)
-                ))
+                cx.invalid(format!("cast to unsupported type {}", super::tensor::onnx_type_name(code)))
             })?;
             let x = input(imp, cx, 0)?;
             if imp.ty(&x).dtype == to {
@@ -253,18 +220,11 @@ pub(super) fn convert(
             one(imp.emit1(cx, Op::Select, &[c, x, y])?)
         }
         "Constant" => {
-            let a = cx
-                .node
-                .attribute
-                .first()
-                .ok_or_else(|| cx.invalid("has no value attribute"))?;
+            let a = cx.node.attribute.first().ok_or_else(|| cx.invalid("has no value attribute"))?;
             let t = match a.name.as_str() {
-                "value" => decode(
-                    a.t.as_ref()
-                        .ok_or_else(|| cx.invalid("value has no tensor"))?,
-                    &cx.node.name,
-                    external,
-                )?,
+                "value" => {
+                    decode(a.t.as_ref().ok_or_else(|| cx.invalid("value has no tensor"))?, &cx.node.name, external)?
+                }
                 "value_float" => Tensor::from_f32(vec![], &[a.f]),
                 "value_floats" => Tensor::from_f32(vec![a.floats.len()], &a.floats),
                 "value_int" => Tensor::from_i64(vec![], &[a.i]),
@@ -282,11 +242,7 @@ pub(super) fn convert(
             if value.numel() != 1 {
                 return Err(cx.invalid("value must have exactly one element"));
             }
-            one(Sym::Const(Tensor::full(
-                value.dtype(),
-                shape,
-                value.get_f64(0),
-            )))
+            one(Sym::Const(Tensor::full(value.dtype(), shape, value.get_f64(0))))
         }
         "Shape" => {
             let shape = imp.ty(&input(imp, cx, 0)?).shape;
@@ -294,10 +250,7 @@ pub(super) fn convert(
             let clamp = |v: i64| (if v < 0 { v + rank } else { v }).clamp(0, rank) as usize;
             let start = clamp(attr_int(cx, "start", 0));
             let end = clamp(attr_int(cx, "end", rank));
-            let dims: Vec<i64> = shape[start..end.max(start)]
-                .iter()
-                .map(|&d| d as i64)
-                .collect();
+            let dims: Vec<i64> = shape[start..end.max(start)].iter().map(|&d| d as i64).collect();
             one(Sym::Const(Tensor::from_i64(vec![dims.len()], &dims)))
         }
         "Size" => {
@@ -308,20 +261,15 @@ pub(super) fn convert(
             let vals: Vec<Tensor> = (0..3)
                 .map(|i| input(imp, cx, i).and_then(|s| constant(cx, &s, i).cloned()))
                 .collect::<Result<_, _>>()?;
-            let (start, limit, delta) =
-                (vals[0].get_f64(0), vals[1].get_f64(0), vals[2].get_f64(0));
+            let (start, limit, delta) = (vals[0].get_f64(0), vals[1].get_f64(0), vals[2].get_f64(0));
             if delta == 0.0 {
                 return Err(cx.invalid("delta is zero"));
             }
             let n = ((limit - start) / delta).ceil().max(0.0) as usize;
             let dtype = vals[0].dtype();
             let values: Vec<f64> = (0..n).map(|i| start + i as f64 * delta).collect();
-            let bytes: Vec<u8> = values
-                .iter()
-                .flat_map(|&v| autotp_ir::scalar_bytes(dtype, v))
-                .collect();
-            let t =
-                Tensor::from_bytes(TensorType::new(dtype, vec![n]), bytes.into()).expect("sized");
+            let bytes: Vec<u8> = values.iter().flat_map(|&v| autotp_ir::scalar_bytes(dtype, v)).collect();
+            let t = Tensor::from_bytes(TensorType::new(dtype, vec![n]), bytes.into()).expect("sized");
             one(Sym::Const(t))
         }
         "Reshape" => {
@@ -355,10 +303,7 @@ pub(super) fn convert(
             if let Some(&d) = axes.iter().find(|&&d| s[d] != 1) {
                 return Err(cx.invalid(format!("cannot squeeze dim {d} of size {}", s[d])));
             }
-            let shape = (0..s.len())
-                .filter(|d| !axes.contains(d))
-                .map(|d| s[d])
-                .collect();
+            let shape = (0..s.len()).filter(|d| !axes.contains(d)).map(|d| s[d]).collect();
             one(imp.emit1(cx, Op::Reshape { shape }, &[x])?)
         }
         "Transpose" => {
@@ -371,12 +316,8 @@ pub(super) fn convert(
             one(imp.emit1(cx, Op::Transpose { perm }, &[x])?)
         }
         "Concat" => {
-            let xs: Vec<Sym> = (0..cx.node.input.len())
-                .map(|i| input(imp, cx, i))
-                .collect::<Result<_, _>>()?;
-            let rank = imp
-                .ty(xs.first().ok_or_else(|| cx.invalid("has no inputs"))?)
-                .rank();
+            let xs: Vec<Sym> = (0..cx.node.input.len()).map(|i| input(imp, cx, i)).collect::<Result<_, _>>()?;
+            let rank = imp.ty(xs.first().ok_or_else(|| cx.invalid("has no inputs"))?).rank();
             let axis = norm_axis(cx, attr_int(cx, "axis", 0), rank)?;
             one(imp.emit1(cx, Op::Concat { axis }, &xs)?)
         }
@@ -388,18 +329,13 @@ pub(super) fn convert(
             let sizes = match const_ints(imp, cx, 1)? {
                 Some(sizes) => dims(&sizes, cx, "split")?,
                 None => {
-                    let parts = if cx.opset >= 18 {
-                        attr_int(cx, "num_outputs", outputs as i64) as usize
-                    } else {
-                        outputs
-                    };
+                    let parts =
+                        if cx.opset >= 18 { attr_int(cx, "num_outputs", outputs as i64) as usize } else { outputs };
                     if parts == 0 {
                         return Err(cx.invalid("splits into zero parts"));
                     }
                     let chunk = s[axis].div_ceil(parts);
-                    (0..parts)
-                        .map(|i| chunk.min(s[axis].saturating_sub(i * chunk)))
-                        .collect()
+                    (0..parts).map(|i| chunk.min(s[axis].saturating_sub(i * chunk))).collect()
                 }
             };
             imp.emit(cx, Op::Split { axis, sizes }, &[x], outputs)
@@ -408,11 +344,7 @@ pub(super) fn convert(
         "Expand" => {
             let x = input(imp, cx, 0)?;
             let s = imp.ty(&x).shape;
-            let target = dims(
-                &const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing shape"))?,
-                cx,
-                "shape",
-            )?;
+            let target = dims(&const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing shape"))?, cx, "shape")?;
             let shape = autotp_ir::broadcast_shapes(&s, &target)
                 .ok_or_else(|| cx.invalid(format!("cannot expand {s:?} to {target:?}")))?;
             one(imp.emit1(cx, Op::Expand { shape }, &[x])?)
@@ -421,26 +353,13 @@ pub(super) fn convert(
             let data = input(imp, cx, 0)?;
             let idx = input(imp, cx, 1)?;
             let axis = norm_axis(cx, attr_int(cx, "axis", 0), imp.ty(&data).rank())?;
-            let op = if op_type == "Gather" {
-                Op::Gather { axis }
-            } else {
-                Op::GatherElements { axis }
-            };
+            let op = if op_type == "Gather" { Op::Gather { axis } } else { Op::GatherElements { axis } };
             one(imp.emit1(cx, op, &[data, idx])?)
         }
         "Trilu" => {
             let x = input(imp, cx, 0)?;
-            let k = const_ints(imp, cx, 1)?
-                .and_then(|v| v.first().copied())
-                .unwrap_or(0);
-            one(imp.emit1(
-                cx,
-                Op::Triangle {
-                    upper: attr_int(cx, "upper", 1) == 1,
-                    k,
-                },
-                &[x],
-            )?)
+            let k = const_ints(imp, cx, 1)?.and_then(|v| v.first().copied()).unwrap_or(0);
+            one(imp.emit1(cx, Op::Triangle { upper: attr_int(cx, "upper", 1) == 1, k }, &[x])?)
         }
         "MatMul" => {
             let a = input(imp, cx, 0)?;
@@ -450,10 +369,7 @@ pub(super) fn convert(
         "Gemm" => {
             let a = input(imp, cx, 0)?;
             let b = input(imp, cx, 1)?;
-            let (ta, tb) = (
-                attr_int(cx, "transA", 0) == 1,
-                attr_int(cx, "transB", 0) == 1,
-            );
+            let (ta, tb) = (attr_int(cx, "transA", 0) == 1, attr_int(cx, "transB", 0) == 1);
             let (alpha, beta) = (attr_float(cx, "alpha", 1.0), attr_float(cx, "beta", 1.0));
             let dtype = imp.ty(&a).dtype;
             let mut y = matmul(imp, cx, a, b, ta, tb)?;
@@ -473,11 +389,7 @@ pub(super) fn convert(
         "Softmax" | "LogSoftmax" => {
             let x = input(imp, cx, 0)?;
             let axis = norm_axis(cx, attr_int(cx, "axis", -1), imp.ty(&x).rank())?;
-            let op = if op_type == "Softmax" {
-                Op::Softmax { axis }
-            } else {
-                Op::LogSoftmax { axis }
-            };
+            let op = if op_type == "Softmax" { Op::Softmax { axis } } else { Op::LogSoftmax { axis } };
             one(imp.emit1(cx, op, &[x])?)
         }
         "LayerNormalization" => {
@@ -543,22 +455,8 @@ pub(super) fn convert(
                 Some(other) => return Err(cx.invalid(format!("unknown reduction '{other}'"))),
             };
             let ignore_index = attr(cx, "ignore_index").map(|a| a.i);
-            let outputs = cx
-                .node
-                .output
-                .iter()
-                .filter(|o| !o.is_empty())
-                .count()
-                .max(1);
-            imp.emit(
-                cx,
-                Op::CrossEntropy {
-                    ignore_index,
-                    reduction,
-                },
-                &[scores, labels],
-                outputs,
-            )
+            let outputs = cx.node.output.iter().filter(|o| !o.is_empty()).count().max(1);
+            imp.emit(cx, Op::CrossEntropy { ignore_index, reduction }, &[scores, labels], outputs)
         }
         _ => Err(FrontendError::UnsupportedOp {
             op_type: op_type.to_string(),
@@ -568,12 +466,7 @@ pub(super) fn convert(
     }
 }
 
-fn reshape_target(
-    cx: &NodeCx,
-    input: &[usize],
-    target: &[i64],
-    allow_zero: bool,
-) -> Result<Vec<usize>, FrontendError> {
+fn reshape_target(cx: &NodeCx, input: &[usize], target: &[i64], allow_zero: bool) -> Result<Vec<usize>, FrontendError> {
     let total: usize = input.iter().product();
     let mut shape = Vec::with_capacity(target.len());
     let mut infer = None;
@@ -584,10 +477,7 @@ fn reshape_target(
                 shape.push(1);
             }
             0 if !allow_zero => shape.push(*input.get(i).ok_or_else(|| {
-                cx.invalid(format!(
-                    "shape {target:?} copies dim {i}, the input has rank {}",
-                    input.len()
-                ))
+                cx.invalid(format!("shape {target:?} copies dim {i}, the input has rank {}", input.len()))
             })?),
             t if t >= 0 => shape.push(t as usize),
             _ => return Err(cx.invalid(format!("invalid target shape {target:?}"))),
@@ -603,35 +493,19 @@ fn reshape_target(
     Ok(shape)
 }
 
-fn convert_reduce(
-    imp: &mut Importer,
-    cx: &NodeCx,
-    op: ReduceOp,
-) -> Result<Vec<Sym>, FrontendError> {
+fn convert_reduce(imp: &mut Importer, cx: &NodeCx, op: ReduceOp) -> Result<Vec<Sym>, FrontendError> {
     let x = input(imp, cx, 0)?;
     let rank = imp.ty(&x).rank();
     // ReduceSum takes axes as an input from opset 13, the others from opset 18.
     let axes_as_input = cx.node.op_type == "ReduceSum" || cx.opset >= 18;
-    let axes = if axes_as_input {
-        const_ints(imp, cx, 1)?
-    } else {
-        attr_ints(cx, "axes")
-    };
+    let axes = if axes_as_input { const_ints(imp, cx, 1)? } else { attr_ints(cx, "axes") };
     let axes = match axes {
         Some(a) if !a.is_empty() => norm_axes(cx, &a, rank)?,
         _ if attr_int(cx, "noop_with_empty_axes", 0) == 1 => return Ok(vec![x]),
         _ => (0..rank).collect(),
     };
     let keep_dims = attr_int(cx, "keepdims", 1) == 1;
-    Ok(vec![imp.emit1(
-        cx,
-        Op::Reduce {
-            op,
-            axes,
-            keep_dims,
-        },
-        &[x],
-    )?])
+    Ok(vec![imp.emit1(cx, Op::Reduce { op, axes, keep_dims }, &[x])?])
 }
 
 fn convert_slice(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
@@ -642,10 +516,7 @@ fn convert_slice(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendEr
     let ends_in = const_ints(imp, cx, 2)?.ok_or_else(|| cx.invalid("missing ends"))?;
     let axes_in = const_ints(imp, cx, 3)?.unwrap_or_else(|| (0..starts_in.len() as i64).collect());
     let steps_in = const_ints(imp, cx, 4)?.unwrap_or_else(|| vec![1; starts_in.len()]);
-    if ends_in.len() != starts_in.len()
-        || axes_in.len() != starts_in.len()
-        || steps_in.len() != starts_in.len()
-    {
+    if ends_in.len() != starts_in.len() || axes_in.len() != starts_in.len() || steps_in.len() != starts_in.len() {
         return Err(cx.invalid("starts, ends, axes and steps differ in length"));
     }
     let mut starts = vec![0usize; rank];
@@ -660,21 +531,11 @@ fn convert_slice(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendEr
         }
         let resolve = |v: i64| if v < 0 { v.saturating_add(dim) } else { v };
         let (start, end) = if step > 0 {
-            (
-                resolve(starts_in[i]).clamp(0, dim),
-                resolve(ends_in[i]).clamp(0, dim),
-            )
+            (resolve(starts_in[i]).clamp(0, dim), resolve(ends_in[i]).clamp(0, dim))
         } else {
-            (
-                resolve(starts_in[i]).clamp(0, dim - 1),
-                resolve(ends_in[i]).clamp(-1, dim - 1),
-            )
+            (resolve(starts_in[i]).clamp(0, dim - 1), resolve(ends_in[i]).clamp(-1, dim - 1))
         };
-        let empty = if step > 0 {
-            end <= start
-        } else {
-            end >= start || dim == 0
-        };
+        let empty = if step > 0 { end <= start } else { end >= start || dim == 0 };
         if empty {
             starts[axis] = 0;
             ends[axis] = 0;
@@ -685,15 +546,7 @@ fn convert_slice(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendEr
             steps[axis] = step;
         }
     }
-    Ok(vec![imp.emit1(
-        cx,
-        Op::Slice {
-            starts,
-            ends,
-            steps,
-        },
-        &[x],
-    )?])
+    Ok(vec![imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])?])
 }
 
 fn convert_pad(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
@@ -702,9 +555,7 @@ fn convert_pad(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendErro
     let rank = ty.rank();
     if let Some(mode) = attr_string(cx, "mode") {
         if mode != "constant" {
-            return Err(cx.invalid(format!(
-                "pad mode '{mode}' is not supported (only constant)"
-            )));
+            return Err(cx.invalid(format!("pad mode '{mode}' is not supported (only constant)")));
         }
     }
     let pads = const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing pads"))?;
@@ -713,17 +564,11 @@ fn convert_pad(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendErro
         None => 0.0,
     };
     let axes = match const_ints(imp, cx, 3)? {
-        Some(a) => a
-            .iter()
-            .map(|&v| norm_axis(cx, v, rank))
-            .collect::<Result<Vec<_>, _>>()?,
+        Some(a) => a.iter().map(|&v| norm_axis(cx, v, rank)).collect::<Result<Vec<_>, _>>()?,
         None => (0..rank).collect(),
     };
     if pads.len() != 2 * axes.len() {
-        return Err(cx.invalid(format!(
-            "pads {pads:?} must have 2 entries per padded axis ({})",
-            axes.len()
-        )));
+        return Err(cx.invalid(format!("pads {pads:?} must have 2 entries per padded axis ({})", axes.len())));
     }
     let (mut begin, mut end) = (vec![0i64; rank], vec![0i64; rank]);
     for (i, &axis) in axes.iter().enumerate() {
@@ -733,76 +578,21 @@ fn convert_pad(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendErro
     // Negative pads crop: slice first, then pad what is left.
     let mut x = x;
     if begin.iter().chain(&end).any(|&p| p < 0) {
-        let starts = begin
-            .iter()
-            .map(|&b| (-b).max(0) as usize)
-            .collect::<Vec<_>>();
-        let ends = (0..rank)
-            .map(|d| ty.shape[d] as i64 + end[d].min(0))
-            .collect::<Vec<_>>();
+        let starts = begin.iter().map(|&b| (-b).max(0) as usize).collect::<Vec<_>>();
+        let ends = (0..rank).map(|d| ty.shape[d] as i64 + end[d].min(0)).collect::<Vec<_>>();
         let steps = vec![1; rank];
-        x = imp.emit1(
-            cx,
-            Op::Slice {
-                starts,
-                ends,
-                steps,
-            },
-            &[x],
-        )?;
+        x = imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])?;
     }
     let clamp = |v: &[i64]| v.iter().map(|&p| p.max(0) as usize).collect::<Vec<_>>();
-    Ok(vec![imp.emit1(
-        cx,
-        Op::Pad {
-            begin: clamp(&begin),
-            end: clamp(&end),
-            value,
-        },
-        &[x],
-    )?])
+    Ok(vec![imp.emit1(cx, Op::Pad { begin: clamp(&begin), end: clamp(&end), value }, &[x])?])
 }
 
 /// ONNX MatMul: numpy semantics including 1-D operands.
-fn matmul(
-    imp: &mut Importer,
-    cx: &NodeCx,
-    a: Sym,
-    b: Sym,
-    ta: bool,
-    tb: bool,
-) -> Result<Sym, FrontendError> {
+fn matmul(imp: &mut Importer, cx: &NodeCx, a: Sym, b: Sym, ta: bool, tb: bool) -> Result<Sym, FrontendError> {
     let (sa, sb) = (imp.ty(&a).shape, imp.ty(&b).shape);
-    let a = if sa.len() == 1 {
-        imp.emit1(
-            cx,
-            Op::Reshape {
-                shape: vec![1, sa[0]],
-            },
-            &[a],
-        )?
-    } else {
-        a
-    };
-    let b = if sb.len() == 1 {
-        imp.emit1(
-            cx,
-            Op::Reshape {
-                shape: vec![sb[0], 1],
-            },
-            &[b],
-        )?
-    } else {
-        b
-    };
-    let mut y = imp.emit1(
-        cx,
-        Op::MatMul {
-            transpose_lhs: ta,
-            transpose_rhs: tb,
-        },
-        &[a, b],
-    )?;
+    let a = if sa.len() == 1 { imp.emit1(cx, Op::Reshape { shape: vec![1, sa[0]] }, &[a])? } else { a };
+    let b = if sb.len() == 1 { imp.emit1(cx, Op::Reshape { shape: vec![sb[0], 1] }, &[b])? } else { b };
+    let mut y = imp.emit1(cx, Op::MatMul { transpose_lhs: ta, transpose_rhs: tb }, &[a, b])?;
     if sa.len() == 1 || sb.len() == 1 {
         let mut shape = imp.ty(&y).shape;
         let r = shape.len();

@@ -42,13 +42,7 @@ pub struct ExternalFiles {
 
 impl ExternalFiles {
     pub fn new(model_path: &Path) -> ExternalFiles {
-        ExternalFiles {
-            dir: model_path
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default(),
-            maps: BTreeMap::new(),
-        }
+        ExternalFiles { dir: model_path.parent().map(Path::to_path_buf).unwrap_or_default(), maps: BTreeMap::new() }
     }
 
     fn file(&mut self, location: &str, tensor: &str) -> Result<Bytes, FrontendError> {
@@ -56,16 +50,11 @@ impl ExternalFiles {
             return Ok(b.clone());
         }
         let path = self.dir.join(location);
-        let file = std::fs::File::open(&path).map_err(|source| FrontendError::Io {
-            path: path.clone(),
-            source,
-        })?;
+        let file = std::fs::File::open(&path).map_err(|source| FrontendError::Io { path: path.clone(), source })?;
         // SAFETY: the file is mapped read-only; like every mmap user we assume nobody truncates
         // the model while it is being imported.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| FrontendError::Io {
-            path: path.clone(),
-            source,
-        })?;
+        let map =
+            unsafe { memmap2::Mmap::map(&file) }.map_err(|source| FrontendError::Io { path: path.clone(), source })?;
         let bytes = Bytes::from_owner(map);
         tracing::debug!(tensor, location, "mapped external data");
         self.maps.insert(location.to_string(), bytes.clone());
@@ -74,72 +63,47 @@ impl ExternalFiles {
 }
 
 fn tensor_error(name: &str, message: impl Into<String>) -> FrontendError {
-    FrontendError::Tensor {
-        name: name.to_string(),
-        message: message.into(),
-    }
+    FrontendError::Tensor { name: name.to_string(), message: message.into() }
 }
 
 /// Decodes a tensor, naming it `name` in errors.
-pub fn decode(
-    t: &TensorProto,
-    name: &str,
-    external: &mut ExternalFiles,
-) -> Result<Tensor, FrontendError> {
-    let dtype = dtype_from_onnx(t.data_type).ok_or_else(|| {
-        tensor_error(
-            name,
-            format!("unsupported element type {}", onnx_type_name(t.data_type)),
-        )
-    })?;
+pub fn decode(t: &TensorProto, name: &str, external: &mut ExternalFiles) -> Result<Tensor, FrontendError> {
+    let dtype = dtype_from_onnx(t.data_type)
+        .ok_or_else(|| tensor_error(name, format!("unsupported element type {}", onnx_type_name(t.data_type))))?;
     let shape = t
         .dims
         .iter()
-        .map(|&d| {
-            usize::try_from(d).map_err(|_| tensor_error(name, format!("negative dimension {d}")))
-        })
+        .map(|&d| usize::try_from(d).map_err(|_| tensor_error(name, format!("negative dimension {d}"))))
         .collect::<Result<Vec<_>, _>>()?;
     let ty = TensorType::new(dtype, shape);
     let expected = ty.size_bytes();
-    let wrong_size = |got: usize| {
-        tensor_error(
-            name,
-            format!("has {got} bytes of data, its type {ty} needs {expected}"),
-        )
-    };
+    let wrong_size =
+        |got: usize| tensor_error(name, format!("has {got} bytes of data, its type {ty} needs {expected}"));
 
     if t.data_location == tensor_proto::DataLocation::External as i32 {
-        let entry = |key: &str| {
-            t.external_data
-                .iter()
-                .find(|e| e.key == key)
-                .map(|e| e.value.clone())
-        };
-        let location = entry("location")
-            .ok_or_else(|| tensor_error(name, "external data without a location"))?;
+        let entry = |key: &str| t.external_data.iter().find(|e| e.key == key).map(|e| e.value.clone());
+        let location = entry("location").ok_or_else(|| tensor_error(name, "external data without a location"))?;
         let parse = |key: &str| -> Result<Option<usize>, FrontendError> {
             entry(key)
-                .map(|v| {
-                    v.parse::<usize>()
-                        .map_err(|_| tensor_error(name, format!("bad external-data {key} '{v}'")))
-                })
+                .map(|v| v.parse::<usize>().map_err(|_| tensor_error(name, format!("bad external-data {key} '{v}'"))))
                 .transpose()
         };
         let offset = parse("offset")?.unwrap_or(0);
         let file = external.file(&location, name)?;
         let length = parse("length")?.unwrap_or(file.len().saturating_sub(offset));
-        if offset
-            .checked_add(length)
-            .is_none_or(|end| end > file.len())
-        {
-            return Err(tensor_error(name, format!("external data {location} is {} bytes, the tensor needs offset {offset} + length {length}", file.len())));
+        if offset.checked_add(length).is_none_or(|end| end > file.len()) {
+            return Err(tensor_error(
+                name,
+                format!(
+                    "external data {location} is {} bytes, the tensor needs offset {offset} + length {length}",
+                    file.len()
+                ),
+            ));
         }
         if length != expected {
             return Err(wrong_size(length));
         }
-        return Ok(
-            Tensor::from_bytes(ty, file.slice(offset..offset + length)).expect("length checked")
-        );
+        return Ok(Tensor::from_bytes(ty, file.slice(offset..offset + length)).expect("length checked"));
     }
     if !t.raw_data.is_empty() || expected == 0 {
         if t.raw_data.len() != expected {
@@ -154,23 +118,13 @@ pub fn decode(
         DType::F64 if t.double_data.len() == n => bytemuck::cast_slice(&t.double_data).to_vec(),
         DType::I64 if t.int64_data.len() == n => bytemuck::cast_slice(&t.int64_data).to_vec(),
         DType::I32 if t.int32_data.len() == n => bytemuck::cast_slice(&t.int32_data).to_vec(),
-        DType::F16 | DType::BF16 if t.int32_data.len() == n => t
-            .int32_data
-            .iter()
-            .flat_map(|&v| (v as u16).to_le_bytes())
-            .collect(),
+        DType::F16 | DType::BF16 if t.int32_data.len() == n => {
+            t.int32_data.iter().flat_map(|&v| (v as u16).to_le_bytes()).collect()
+        }
         DType::I8 | DType::U8 | DType::Bool if t.int32_data.len() == n => {
             t.int32_data.iter().map(|&v| v as u8).collect()
         }
-        _ => {
-            return Err(tensor_error(
-                name,
-                format!("has no data for its {n} elements of type {dtype}"),
-            ))
-        }
+        _ => return Err(tensor_error(name, format!("has no data for its {n} elements of type {dtype}"))),
     };
-    Ok(Tensor::from_aligned(
-        ty,
-        autotp_ir::AlignedBuf::from_bytes(&bytes),
-    ))
+    Ok(Tensor::from_aligned(ty, autotp_ir::AlignedBuf::from_bytes(&bytes)))
 }

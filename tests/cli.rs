@@ -1,0 +1,162 @@
+//! The command line on bad input: a non-zero exit, one clear line naming the problem, and
+//! never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use autotp_frontend::onnx::proto;
+use prost::Message;
+
+use crate::common::fixture;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("autotp-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs the CLI; asserts it failed cleanly and returns its stderr.
+fn fails(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_autotp")).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "autotp {args:?} succeeded");
+    assert!(!stderr.contains("panicked"), "autotp {args:?} panicked:\n{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "expected one line of error, got:\n{stderr}");
+    stderr
+}
+
+fn tensor_type(elem: proto::tensor_proto::DataType, dims: &[i64]) -> Option<proto::TypeProto> {
+    use proto::tensor_shape_proto::{dimension::Value, Dimension};
+    let dim = dims.iter().map(|&d| Dimension { value: Some(Value::DimValue(d)), ..Default::default() }).collect();
+    Some(proto::TypeProto {
+        value: Some(proto::type_proto::Value::TensorType(proto::type_proto::Tensor {
+            elem_type: elem as i32,
+            shape: Some(proto::TensorShapeProto { dim }),
+        })),
+        ..Default::default()
+    })
+}
+
+/// A one-node model `y = op_type(a, b)` over f32 inputs of the given shapes.
+fn write_model(dir: &Path, op_type: &str, a: &[i64], b: &[i64]) -> PathBuf {
+    use proto::tensor_proto::DataType::Float;
+    let input = |name: &str, dims: &[i64]| proto::ValueInfoProto {
+        name: name.into(),
+        r#type: tensor_type(Float, dims),
+        ..Default::default()
+    };
+    let model = proto::ModelProto {
+        ir_version: 8,
+        opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 17 }],
+        graph: Some(proto::GraphProto {
+            name: "tiny".into(),
+            node: vec![proto::NodeProto {
+                op_type: op_type.into(),
+                name: format!("the_{op_type}"),
+                input: vec!["a".into(), "b".into()],
+                output: vec!["y".into()],
+                ..Default::default()
+            }],
+            input: vec![input("a", a), input("b", b)],
+            output: vec![proto::ValueInfoProto { name: "y".into(), ..Default::default() }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let path = dir.join(format!("{op_type}.onnx"));
+    std::fs::write(&path, model.encode_to_vec()).unwrap();
+    path
+}
+
+#[test]
+fn unsupported_op() {
+    let dir = temp_dir("unsupported");
+    let model = write_model(&dir, "Det", &[2, 2], &[2, 2]);
+    let err = fails(&["import", model.to_str().unwrap()]);
+    assert!(err.contains("unsupported op Det (node 'the_Det', opset 17)"), "{err}");
+}
+
+#[test]
+fn shape_mismatch_inside_the_graph() {
+    let dir = temp_dir("mismatch");
+    let model = write_model(&dir, "Add", &[2, 3], &[4]);
+    let err = fails(&["import", model.to_str().unwrap()]);
+    assert!(err.contains("Add node 'the_Add': shapes [2, 3] and [4] do not broadcast"), "{err}");
+}
+
+#[test]
+fn truncated_and_random_files() {
+    let dir = temp_dir("garbage");
+    let whole = std::fs::read(fixture("gpt2", "model.onnx")).unwrap();
+    let truncated = dir.join("truncated.onnx");
+    std::fs::write(&truncated, &whole[..whole.len() / 2]).unwrap();
+    let err = fails(&["import", truncated.to_str().unwrap(), "--batch", "4", "--seq-len", "32"]);
+    assert!(err.contains("truncated.onnx is not a valid ONNX model"), "{err}");
+
+    let random = dir.join("random.onnx");
+    let mut state = 12345u64;
+    let noise: Vec<u8> = (0..4096)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+            (state >> 56) as u8
+        })
+        .collect();
+    std::fs::write(&random, noise).unwrap();
+    let err = fails(&["import", random.to_str().unwrap()]);
+    assert!(err.contains("random.onnx is not a valid ONNX model"), "{err}");
+
+    let err = fails(&["import", dir.join("missing.onnx").to_str().unwrap()]);
+    assert!(err.contains("cannot read") && err.contains("missing.onnx"), "{err}");
+}
+
+#[test]
+fn unbound_symbolic_dims() {
+    let err = fails(&["import", fixture("gpt2", "model.onnx").to_str().unwrap()]);
+    assert!(err.contains("input 'input_ids': dim 0 is symbolic ('batch'); give it with --batch"), "{err}");
+}
+
+#[test]
+fn bad_infer_inputs() {
+    let dir = temp_dir("infer");
+    let model = fixture("gpt2", "model.onnx");
+    let model = model.to_str().unwrap();
+    let out = dir.join("out");
+    let out = out.to_str().unwrap();
+
+    let ids = fixture("gpt2", "input_ids.npy");
+    let err = fails(&["infer", model, "--input", &format!("tokens={}", ids.display()), "--output-dir", out]);
+    assert!(err.contains("the model needs input 'input_ids'"), "{err}");
+
+    let write = |name: &str, t: autotp_runtime::HostTensor| {
+        let path = dir.join(name);
+        autotp_runtime::npy::write(&path, &t).unwrap();
+        format!("input_ids={}", path.display())
+    };
+    let flat = write(
+        "flat.npy",
+        autotp_runtime::HostTensor { dtype: autotp_ir::DType::I64, shape: vec![8], data: vec![0; 64] },
+    );
+    let err = fails(&["infer", model, "--input", &flat, "--output-dir", out]);
+    assert!(err.contains("input 'input_ids': is given with 1 dims [8], the model declares 2"), "{err}");
+
+    let floats = write(
+        "floats.npy",
+        autotp_runtime::HostTensor { dtype: autotp_ir::DType::F32, shape: vec![2, 4], data: vec![0; 32] },
+    );
+    let err = fails(&["infer", model, "--input", &floats, "--output-dir", out]);
+    assert!(err.contains("input 'input_ids': the file holds f32, the model takes i64"), "{err}");
+
+    let too_big = write(
+        "big.npy",
+        autotp_runtime::HostTensor {
+            dtype: autotp_ir::DType::I64,
+            shape: vec![1, 2],
+            data: [5000i64, 1].iter().flat_map(|v| v.to_le_bytes()).collect(),
+        },
+    );
+    let err = fails(&["infer", model, "--input", &too_big, "--output-dir", out]);
+    assert!(err.contains("index 5000 is out of range for a dimension of size 1000"), "{err}");
+
+    let err = fails(&["infer", model, "--input", "input_ids=/nonexistent.npy", "--output-dir", out]);
+    assert!(err.contains("/nonexistent.npy"), "{err}");
+}

@@ -1,0 +1,61 @@
+//! Helpers shared by the end-to-end tests.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use autotp_ir::{DType, Graph, Tensor, TensorType};
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn fixture(arch: &str, file: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(arch).join(file)
+}
+
+pub const ARCHES: [&str; 5] = ["gpt2", "llama", "bert", "gpt_neox", "qwen2"];
+
+pub fn read_npy(path: &Path) -> Tensor {
+    let t = autotp_runtime::npy::read(path).unwrap_or_else(|e| panic!("{e}"));
+    Tensor::from_pod(t.dtype, t.shape, &t.data)
+}
+
+/// Deterministic pseudo-random values in [-1, 1) (floats) or {0, 1} (others).
+pub fn random_tensor(ty: &TensorType, seed: u64) -> Tensor {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let values: Vec<f64> = (0..ty.numel())
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let unit = (state >> 11) as f64 / (1u64 << 53) as f64;
+            if ty.dtype.is_float() {
+                unit * 2.0 - 1.0
+            } else {
+                (unit * 2.0).floor()
+            }
+        })
+        .collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|&v| autotp_ir::scalar_bytes(ty.dtype, v)).collect();
+    Tensor::from_pod(ty.dtype, ty.shape.clone(), &bytes)
+}
+
+/// Random inputs and parameters for a graph.
+pub fn random_feed(graph: &Graph, seed: u64) -> (Vec<Tensor>, BTreeMap<String, Tensor>) {
+    let inputs = graph.inputs().iter().enumerate().map(|(i, &v)| random_tensor(graph.ty(v), seed + i as u64)).collect();
+    let params = graph
+        .params()
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (graph.name_of(v).unwrap().to_string(), random_tensor(graph.ty(v), seed + 1000 + i as u64)))
+        .collect();
+    (inputs, params)
+}
+
+/// Largest |a - b| over all elements, and the largest |b|.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
+    assert_eq!(a.ty, b.ty, "compared tensors differ in type");
+    assert!(a.dtype() != DType::Bool || a == b);
+    let (va, vb) = (a.to_f64_vec(), b.to_f64_vec());
+    let diff = va.iter().zip(&vb).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    let scale = vb.iter().fold(0f64, |m, y| m.max(y.abs()));
+    (diff, scale)
+}

@@ -1,0 +1,101 @@
+//! The tiny Hugging Face exports (tests/fixtures/make_fixtures.py) against PyTorch.
+
+use autotp_frontend::ImportOptions;
+use autotp_runtime::{Executor, HostTensor};
+
+use crate::common::{fixture, max_abs_diff, read_npy, ARCHES};
+
+fn options() -> ImportOptions {
+    ImportOptions { batch: Some(4), seq_len: Some(32), ..ImportOptions::default() }
+}
+
+/// Imports, simplifies, lowers and runs a fixture model; returns its outputs.
+fn run(arch: &str, file: &str, inputs: &[&str]) -> Vec<autotp_ir::Tensor> {
+    let mut model = autotp_frontend::import_onnx(&fixture(arch, file), &options()).unwrap();
+    autotp_passes::PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
+    let program = autotp_codegen::lower(&model.graph).unwrap();
+    let mut exec = Executor::new(program).unwrap();
+    for (name, t) in &model.weights {
+        exec.load_param(name, t.bytes()).unwrap();
+    }
+    let feed: Vec<HostTensor> = inputs
+        .iter()
+        .map(|n| {
+            let t = read_npy(&fixture(arch, &format!("{n}.npy")));
+            HostTensor { dtype: t.dtype(), shape: t.shape().to_vec(), data: t.bytes().to_vec() }
+        })
+        .collect();
+    exec.run(&feed).unwrap().into_iter().map(|h| autotp_ir::Tensor::from_pod(h.dtype, h.shape, &h.data)).collect()
+}
+
+#[test]
+fn logits_match_pytorch() {
+    for arch in ARCHES {
+        let out = run(arch, "model.onnx", &["input_ids"]);
+        let reference = read_npy(&fixture(arch, "logits.npy"));
+        let (diff, scale) = max_abs_diff(&out[0], &reference);
+        assert!(diff <= 1e-4 * scale, "{arch}: max |autotp - torch| = {diff}, reference max {scale}");
+    }
+}
+
+#[test]
+fn loss_matches_pytorch() {
+    for arch in ARCHES {
+        // Hugging Face convention: labels = input_ids, the model shifts internally.
+        let mut model = autotp_frontend::import_onnx(&fixture(arch, "model_loss.onnx"), &options()).unwrap();
+        autotp_passes::PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
+        let ids = read_npy(&fixture(arch, "input_ids.npy"));
+        let out = autotp_ir::eval::eval_graph(&model.graph, &model.weights, &[ids.clone(), ids]).unwrap();
+        let reference = read_npy(&fixture(arch, "loss.npy"));
+        let (diff, scale) = max_abs_diff(&out[0], &reference);
+        assert!(diff <= 1e-5 * scale, "{arch}: loss differs by {diff} from {scale}");
+    }
+}
+
+#[test]
+fn composites_are_recognized() {
+    let expect = [
+        ("gpt2", "gelu", 2),
+        ("bert", "gelu", 2),
+        ("gpt_neox", "gelu", 2),
+        ("llama", "rms_norm", 5),
+        ("qwen2", "rms_norm", 5),
+    ];
+    for (arch, op, count) in expect {
+        let mut model = autotp_frontend::import_onnx(&fixture(arch, "model.onnx"), &options()).unwrap();
+        autotp_passes::PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
+        let found = model.graph.nodes().filter(|(_, n)| n.op.name() == op).count();
+        assert!(found >= count, "{arch}: {found} {op} ops, expected at least {count}");
+    }
+}
+
+#[test]
+fn text_round_trips() {
+    for arch in ARCHES {
+        for file in ["model.onnx", "model_loss.onnx"] {
+            let mut model = autotp_frontend::import_onnx(&fixture(arch, file), &options()).unwrap();
+            for stage in ["imported", "simplified"] {
+                let text = autotp_ir::text::print(&model.graph);
+                let parsed = autotp_ir::text::parse(&text).unwrap_or_else(|e| panic!("{arch}/{file} {stage}: {e}"));
+                assert!(parsed == model.graph, "{arch}/{file} {stage}: parse(print(g)) != g");
+                assert_eq!(autotp_ir::text::print(&parsed), text);
+                autotp_passes::PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn weights_are_not_copied() {
+    // Float initializers stored as raw_data stay slices of the model's bytes (in production
+    // a memory map): every weight's data lies inside the buffer the model was decoded from.
+    let path = fixture("gpt2", "model.onnx");
+    let bytes = bytes::Bytes::from(std::fs::read(&path).unwrap());
+    let range = bytes.as_ptr() as usize..bytes.as_ptr() as usize + bytes.len();
+    let model = autotp_frontend::onnx::import_bytes(bytes.clone(), &path, &options()).unwrap();
+    assert!(!model.weights.is_empty());
+    for (name, t) in &model.weights {
+        let at = t.bytes().as_ptr() as usize;
+        assert!(range.contains(&at), "{name} was copied out of the model's bytes");
+    }
+}
