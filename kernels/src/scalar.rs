@@ -16,16 +16,17 @@ pub(crate) trait Num: Pod + PartialOrd + Send + Sync + 'static {
     fn from_f64(v: f64) -> Self;
     fn neg(self) -> Self;
     fn zero() -> Self;
+    fn is_nan(self) -> bool;
     fn max_of(self, o: Self) -> Self {
         // NaN propagates, as in torch.maximum.
-        if self > o || self != self {
+        if self > o || self.is_nan() {
             self
         } else {
             o
         }
     }
     fn min_of(self, o: Self) -> Self {
-        if self < o || self != self {
+        if self < o || self.is_nan() {
             self
         } else {
             o
@@ -36,6 +37,9 @@ pub(crate) trait Num: Pod + PartialOrd + Send + Sync + 'static {
 macro_rules! impl_float {
     ($t:ty) => {
         impl Num for $t {
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
             fn add(self, o: Self) -> Self {
                 self + o
             }
@@ -79,6 +83,9 @@ impl_float!(f64);
 macro_rules! impl_int {
     ($t:ty) => {
         impl Num for $t {
+            fn is_nan(self) -> bool {
+                false
+            }
             fn add(self, o: Self) -> Self {
                 self.wrapping_add(o)
             }

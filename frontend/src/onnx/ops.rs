@@ -485,7 +485,7 @@ fn reshape_target(cx: &NodeCx, input: &[usize], target: &[i64], allow_zero: bool
     }
     if let Some(i) = infer {
         let known: usize = shape.iter().product();
-        if known == 0 || total % known != 0 {
+        if known == 0 || !total.is_multiple_of(known) {
             return Err(cx.invalid(format!("cannot reshape {input:?} to {target:?}")));
         }
         shape[i] = total / known;
