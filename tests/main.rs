@@ -7,6 +7,7 @@
 
 mod cli;
 mod common;
+mod conformance;
 mod fixtures;
 mod golden;
 mod verifier;

@@ -8,7 +8,7 @@ pub enum FrontendError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path} is not a valid ONNX model: {message}")]
     Decode { path: PathBuf, message: String },
-    #[error("{path}: unsupported opset {version} for domain '{domain}' (supported: ai.onnx 13 to 23)")]
+    #[error("{path}: unsupported opset {version} for domain '{domain}' (supported: ai.onnx 13 to 28)")]
     UnsupportedOpset { path: PathBuf, domain: String, version: i64 },
     #[error("unsupported op {op_type} (node '{node}', opset {opset})")]
     UnsupportedOp { op_type: String, node: String, opset: i64 },

@@ -1,4 +1,4 @@
-//! autotp-frontend: model importers. Today: ONNX (opsets 13 to 23), memory-mapped, with
+//! autotp-frontend: model importers. Today: ONNX (opsets 13 to 28), memory-mapped, with
 //! external data, into a verified, fully static [`autotp_ir::Graph`].
 //!
 //! The importer binds symbolic dims from [`ImportOptions`] (batch at dim 0 and sequence at

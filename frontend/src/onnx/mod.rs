@@ -5,7 +5,7 @@
 
 mod ops;
 pub mod proto;
-mod tensor;
+pub mod tensor;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,11 +15,12 @@ use bytes::Bytes;
 use prost::Message;
 
 use crate::{FrontendError, ImportOptions, Model};
+pub use ops::SUPPORTED_OPS;
 use proto::{type_proto, ModelProto, NodeProto};
 pub use tensor::dtype_from_onnx;
 
 /// The opsets of the default domain this importer supports.
-pub const OPSETS: std::ops::RangeInclusive<i64> = 13..=23;
+pub const OPSETS: std::ops::RangeInclusive<i64> = 13..=28;
 
 /// A value during import: a constant known at compile time, or a graph value.
 #[derive(Clone, Debug)]

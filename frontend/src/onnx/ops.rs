@@ -9,6 +9,80 @@ use super::tensor::{decode, ExternalFiles};
 use super::{Importer, NodeCx, Sym};
 use crate::FrontendError;
 
+/// Every ONNX op type (default domain) the importer converts, sorted. The conformance manifest
+/// lists the same set; a test keeps the two equal.
+pub const SUPPORTED_OPS: &[&str] = &[
+    "Abs",
+    "Add",
+    "And",
+    "Cast",
+    "CastLike",
+    "Ceil",
+    "Concat",
+    "Constant",
+    "ConstantOfShape",
+    "Cos",
+    "Div",
+    "Dropout",
+    "Equal",
+    "Erf",
+    "Exp",
+    "Expand",
+    "Flatten",
+    "Floor",
+    "Gather",
+    "GatherElements",
+    "Gelu",
+    "Gemm",
+    "Greater",
+    "GreaterOrEqual",
+    "Identity",
+    "LayerNormalization",
+    "Less",
+    "LessOrEqual",
+    "Log",
+    "LogSoftmax",
+    "MatMul",
+    "Max",
+    "Min",
+    "Mod",
+    "Mul",
+    "Neg",
+    "Not",
+    "Or",
+    "Pad",
+    "Pow",
+    "RMSNormalization",
+    "Range",
+    "Reciprocal",
+    "ReduceMax",
+    "ReduceMean",
+    "ReduceMin",
+    "ReduceProd",
+    "ReduceSum",
+    "Relu",
+    "Reshape",
+    "Round",
+    "Shape",
+    "Sigmoid",
+    "Sign",
+    "Sin",
+    "Size",
+    "Slice",
+    "Softmax",
+    "SoftmaxCrossEntropyLoss",
+    "Split",
+    "Sqrt",
+    "Squeeze",
+    "Sub",
+    "Tanh",
+    "Transpose",
+    "Trilu",
+    "Unsqueeze",
+    "Where",
+    "Xor",
+];
+
 fn attr<'n>(cx: &NodeCx<'n>, name: &str) -> Option<&'n AttributeProto> {
     cx.node.attribute.iter().find(|a| a.name == name)
 }
@@ -283,7 +357,13 @@ pub(super) fn convert(
         "Flatten" => {
             let x = input(imp, cx, 0)?;
             let s = imp.ty(&x).shape;
-            let axis = norm_axis(cx, attr_int(cx, "axis", 1), s.len() + 1)?;
+            // The axis is in [-rank, rank]; a negative one counts from the rank.
+            let rank = s.len() as i64;
+            let axis = attr_int(cx, "axis", 1);
+            if axis < -rank || axis > rank {
+                return Err(cx.invalid(format!("axis {axis} is out of range for rank {rank}")));
+            }
+            let axis = if axis < 0 { axis + rank } else { axis } as usize;
             let shape = vec![s[..axis].iter().product(), s[axis..].iter().product()];
             one(imp.emit1(cx, Op::Reshape { shape }, &[x])?)
         }
