@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs what building and testing autotp needs on a fresh Debian machine, when missing:
+# a C toolchain (some crates build C) and a Rust toolchain (cargo). Safe to run repeatedly.
+set -euo pipefail
+
+need_apt=()
+command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
+command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "ensure-deps: installing ${need_apt[*]}" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
+fi
+
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "ensure-deps: installing the Rust toolchain with rustup" >&2
+  curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+  echo "ensure-deps: open a new shell or run 'source \$HOME/.cargo/env' to put cargo on PATH" >&2
+fi
