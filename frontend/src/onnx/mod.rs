@@ -45,11 +45,34 @@ impl NodeCx<'_> {
     }
 }
 
+/// Results of an all-constant op are folded when no output has more elements than this; a
+/// bigger result (an attention mask at a long sequence) stays an op over its small inputs, so the
+/// IR stays readable and the model small.
+const FOLD_LIMIT: usize = 1 << 16;
+
+/// Identifies a constant: small ones by value (the same scalar in every layer is one node),
+/// large ones by the identity of their bytes.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+enum ConstKey {
+    Value(String, Vec<u8>),
+    Identity(String, usize, usize),
+}
+
+impl ConstKey {
+    fn of(t: &Tensor) -> ConstKey {
+        if t.bytes().len() <= 256 {
+            ConstKey::Value(t.ty.to_string(), t.bytes().to_vec())
+        } else {
+            ConstKey::Identity(t.ty.to_string(), t.bytes().as_ptr() as usize, t.bytes().len())
+        }
+    }
+}
+
 struct Importer {
     graph: Graph,
     env: BTreeMap<String, Sym>,
-    /// Constant graph values already materialised for a named ONNX tensor.
-    materialized: BTreeMap<String, ValueId>,
+    /// Constant nodes already in the graph, so a constant used in many places is one node.
+    materialized: BTreeMap<ConstKey, ValueId>,
 }
 
 impl Importer {
@@ -64,7 +87,13 @@ impl Importer {
         match sym {
             Sym::Value(v) => *v,
             Sym::Const(t) => {
-                self.graph.add(Op::Constant { value: t.clone() }, vec![]).expect("constants always type-check")
+                let key = ConstKey::of(t);
+                if let Some(&v) = self.materialized.get(&key) {
+                    return v;
+                }
+                let v = self.graph.add(Op::Constant { value: t.clone() }, vec![]).expect("constants always type-check");
+                self.materialized.insert(key, v);
+                v
             }
         }
     }
@@ -74,8 +103,13 @@ impl Importer {
         let consts: Option<Vec<&Tensor>> =
             inputs.iter().map(|s| if let Sym::Const(t) = s { Some(t) } else { None }).collect();
         if let Some(consts) = consts {
-            let outs = autotp_ir::eval::eval_op(&op, &consts, num_outputs).map_err(|e| cx.invalid(e.to_string()))?;
-            return Ok(outs.into_iter().map(Sym::Const).collect());
+            let types: Vec<&TensorType> = consts.iter().map(|t| &t.ty).collect();
+            let out_types = op.infer(&types, num_outputs).map_err(|m| cx.invalid(m))?;
+            if out_types.iter().all(|t| t.numel() <= FOLD_LIMIT) {
+                let outs =
+                    autotp_ir::eval::eval_op(&op, &consts, num_outputs).map_err(|e| cx.invalid(e.to_string()))?;
+                return Ok(outs.into_iter().map(Sym::Const).collect());
+            }
         }
         let ids: Vec<ValueId> = inputs.iter().map(|s| self.value_of(s)).collect();
         let node = self.graph.add_node(op, ids, num_outputs).map_err(|m| cx.invalid(m))?;
@@ -196,17 +230,7 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
             .get(&out.name)
             .cloned()
             .ok_or_else(|| decode_error(format!("graph output '{}' is not produced by any node", out.name)))?;
-        let id = match &sym {
-            Sym::Value(v) => *v,
-            Sym::Const(_) => match imp.materialized.get(&out.name) {
-                Some(v) => *v,
-                None => {
-                    let v = imp.value_of(&sym);
-                    imp.materialized.insert(out.name.clone(), v);
-                    v
-                }
-            },
-        };
+        let id = imp.value_of(&sym);
         imp.graph.add_output(out.name.clone(), id);
     }
     let graph = imp.graph.without_dead_code();

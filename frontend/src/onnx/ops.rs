@@ -316,7 +316,9 @@ pub(super) fn convert(
             if value.numel() != 1 {
                 return Err(cx.invalid("value must have exactly one element"));
             }
-            one(Sym::Const(Tensor::full(value.dtype(), shape, value.get_f64(0))))
+            // A broadcast of the scalar: folded when small, an op over the scalar when large.
+            let scalar = value.reshaped(vec![]).expect("one element");
+            one(imp.emit1(cx, Op::Expand { shape }, &[Sym::Const(scalar)])?)
         }
         "Shape" => {
             let shape = imp.ty(&input(imp, cx, 0)?).shape;
@@ -517,7 +519,8 @@ pub(super) fn convert(
             let shape = imp.ty(&x).shape;
             let mut outs = vec![x];
             if cx.node.output.len() > 1 {
-                outs.push(Sym::Const(Tensor::full(DType::Bool, shape, 1.0)));
+                let keep = Sym::Const(Tensor::full(DType::Bool, vec![], 1.0));
+                outs.push(imp.emit1(cx, Op::Expand { shape }, &[keep])?);
             }
             Ok(outs)
         }
