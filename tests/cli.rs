@@ -160,3 +160,29 @@ fn bad_infer_inputs() {
     let err = fails(&["infer", model, "--input", "input_ids=/nonexistent.npy", "--output-dir", out]);
     assert!(err.contains("/nonexistent.npy"), "{err}");
 }
+
+#[test]
+fn corrupted_models_never_panic() {
+    // Every prefix length and a sweep of flipped bytes of a real model: each import either
+    // succeeds or returns an error; none may panic.
+    let whole = std::fs::read(fixture("gpt2", "model.onnx")).unwrap();
+    let path = fixture("gpt2", "model.onnx");
+    let options = autotp_frontend::ImportOptions { batch: Some(2), seq_len: Some(8), ..Default::default() };
+    let mut variants: Vec<Vec<u8>> = (1..64).map(|i| whole[..whole.len() * i / 64].to_vec()).collect();
+    let mut state = 99u64;
+    for _ in 0..64 {
+        let mut flipped = whole.clone();
+        for _ in 0..8 {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let at = (state >> 33) as usize % flipped.len();
+            flipped[at] ^= (state >> 25) as u8 | 1;
+        }
+        variants.push(flipped);
+    }
+    for (i, bytes) in variants.into_iter().enumerate() {
+        let result = std::panic::catch_unwind(|| {
+            let _ = autotp_frontend::onnx::import_bytes(bytes::Bytes::from(bytes), &path, &options);
+        });
+        assert!(result.is_ok(), "variant {i} panicked");
+    }
+}

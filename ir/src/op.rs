@@ -355,6 +355,9 @@ impl Op {
                 if idx.rank() != data.rank() {
                     return Err(format!("indices rank {} differs from data rank {}", idx.rank(), data.rank()));
                 }
+                if (0..data.rank()).any(|d| d != *axis && idx.shape[d] > data.shape[d]) {
+                    return Err(format!("indices {:?} exceed data {:?} outside axis {axis}", idx.shape, data.shape));
+                }
                 one(TensorType::new(data.dtype, idx.shape.clone()))
             }
             Op::Pad { begin, end, .. } => {

@@ -136,7 +136,7 @@ fn const_ints(imp: &Importer, cx: &NodeCx, i: usize) -> Result<Option<Vec<i64>>,
 
 fn norm_axis(cx: &NodeCx, axis: i64, rank: usize) -> Result<usize, FrontendError> {
     let r = rank as i64;
-    if axis < -r || axis >= r.max(1) {
+    if axis < -r || axis >= r {
         return Err(cx.invalid(format!("axis {axis} is out of range for rank {rank}")));
     }
     Ok(if axis < 0 { (axis + r) as usize } else { axis as usize })
@@ -616,7 +616,8 @@ fn convert_slice(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendEr
         let (start, end) = if step > 0 {
             (resolve(starts_in[i]).clamp(0, dim), resolve(ends_in[i]).clamp(0, dim))
         } else {
-            (resolve(starts_in[i]).clamp(0, dim - 1), resolve(ends_in[i]).clamp(-1, dim - 1))
+            // For an empty dim `dim - 1` is -1: both clamp to -1 and the slice is empty.
+            (resolve(starts_in[i]).clamp(-1, (dim - 1).max(-1)), resolve(ends_in[i]).clamp(-1, (dim - 1).max(-1)))
         };
         let empty = if step > 0 { end <= start } else { end >= start || dim == 0 };
         if empty {
@@ -624,7 +625,7 @@ fn convert_slice(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendEr
             ends[axis] = 0;
             steps[axis] = 1;
         } else {
-            starts[axis] = start as usize;
+            starts[axis] = usize::try_from(start).expect("a non-empty slice starts inside the dim");
             ends[axis] = end;
             steps[axis] = step;
         }
