@@ -7,7 +7,7 @@
 
 pub mod memory;
 
-use autotp_ir::{Def, Graph, Op};
+use autotp_ir::{Def, Graph, Op, ValueId};
 use autotp_runtime::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot};
 
 use memory::{align, FirstFit};
@@ -18,41 +18,56 @@ pub enum CodegenError {
     Verify(#[from] autotp_ir::VerifyErrors),
 }
 
+fn slot(graph: &Graph, v: ValueId, name: String, region: Region) -> Slot {
+    let ty = graph.ty(v);
+    Slot { name, dtype: ty.dtype, shape: ty.shape.clone(), region }
+}
+
+/// Regions that live for the whole program (parameters, inputs, constants), packed from 0.
+#[derive(Default)]
+struct Dedicated {
+    next: usize,
+}
+
+impl Dedicated {
+    fn region(&mut self, len: usize) -> Region {
+        let offset = self.next;
+        self.next += align(len.max(1));
+        Region { offset, len }
+    }
+
+    /// Gives each value a region, adds their bytes to `total`, and returns their slots.
+    fn place(
+        &mut self,
+        graph: &Graph,
+        values: &[ValueId],
+        regions: &mut [Option<Region>],
+        total: &mut usize,
+    ) -> Vec<Slot> {
+        values
+            .iter()
+            .map(|&v| {
+                let region = self.region(graph.ty(v).size_bytes());
+                *total += region.len;
+                regions[v.index()] = Some(region);
+                slot(graph, v, graph.name_of(v).unwrap_or("").to_string(), region)
+            })
+            .collect()
+    }
+}
+
 /// Lowers `graph` to a single-device program.
 pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
     autotp_ir::verify(graph)?;
-    let names = |v: autotp_ir::ValueId| graph.name_of(v).unwrap_or("").to_string();
-    let slot = |v: autotp_ir::ValueId, name: String, region: Region| {
-        let ty = graph.ty(v);
-        Slot { name, dtype: ty.dtype, shape: ty.shape.clone(), region }
-    };
     let mut regions: Vec<Option<Region>> = vec![None; graph.num_values()];
     let mut memory = MemoryPlan::default();
-    let mut next = 0usize;
-    let mut dedicated = |len: usize| {
-        let offset = next;
-        next += align(len.max(1));
-        Region { offset, len }
-    };
-
-    let mut params = Vec::new();
-    for &p in graph.params() {
-        let region = dedicated(graph.ty(p).size_bytes());
-        memory.params_bytes += region.len;
-        regions[p.index()] = Some(region);
-        params.push(slot(p, names(p), region));
-    }
-    let mut inputs = Vec::new();
-    for &i in graph.inputs() {
-        let region = dedicated(graph.ty(i).size_bytes());
-        memory.inputs_bytes += region.len;
-        regions[i.index()] = Some(region);
-        inputs.push(slot(i, names(i), region));
-    }
+    let mut dedicated = Dedicated::default();
+    let params = dedicated.place(graph, graph.params(), &mut regions, &mut memory.params_bytes);
+    let inputs = dedicated.place(graph, graph.inputs(), &mut regions, &mut memory.inputs_bytes);
     let mut constants = Vec::new();
     for (_, node) in graph.nodes() {
         if let Op::Constant { value } = &node.op {
-            let region = dedicated(value.ty.size_bytes());
+            let region = dedicated.region(value.ty.size_bytes());
             memory.constants_bytes += region.len;
             regions[node.outputs[0].index()] = Some(region);
             constants.push(ConstantData { region, bytes: value.bytes().to_vec() });
@@ -71,7 +86,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         last_use[v.index()] = end;
     }
     let mut by_last_use: Vec<Vec<usize>> = vec![Vec::new(); end + 1];
-    let mut allocator = FirstFit::new(next);
+    let mut allocator = FirstFit::new(dedicated.next);
     let mut live_bytes = 0usize;
     let mut instructions = Vec::new();
     for (id, node) in graph.nodes() {
@@ -109,7 +124,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         .map(|(name, v)| {
             // An output that is an input or parameter directly still has a region.
             let region = regions[v.index()].expect("outputs are defined");
-            slot(*v, name.clone(), region)
+            slot(graph, *v, name.clone(), region)
         })
         .collect();
     debug_assert!(graph.values().all(|(id, v)| !matches!(v.def, Def::Node(..)) || regions[id.index()].is_some()));
