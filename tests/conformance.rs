@@ -1,6 +1,6 @@
 //! ONNX conformance: the backend node test cases of every supported op (vendored under
-//! tests/conformance/cases by tests/conformance/generate.py) run through import, codegen and
-//! the executor, and are compared with onnx's reference outputs (rtol 1e-3, atol 1e-7, as
+//! tests/conformance/cases by tests/conformance/generate.py) run through import, the simplify
+//! passes, codegen and the executor, and are compared with onnx's reference outputs (rtol 1e-3, atol 1e-7, as
 //! onnx's backend tests). `tests/conformance/manifest.txt` lists, with a reason, the cases
 //! that do not pass; a listed case that passes fails the test, so the list stays honest.
 //! `AUTOTP_BLESS=1` rewrites the manifest from the current failures.

@@ -7,6 +7,8 @@
 //!   {approx = tanh}`.
 //! - RMSNorm: `w * (x * 1 / sqrt(mean(x^2, last axis) + eps))` (rsqrt as `1 / sqrt`,
 //!   `reciprocal(sqrt)` or `x / sqrt(...)`) -> `rms_norm x, w`.
+//! - Softmax: `e / sum(e, axis)` with `e = exp(x)` or `e = exp(x - max(x, axis))` ->
+//!   `softmax x {axis}` (the max subtraction only guards against overflow).
 //!
 //! Input and output phase: imported. The replaced pattern nodes are left for `dce`.
 //! Tests: unit tests below and tests/golden/recognize*.ir.
@@ -221,6 +223,37 @@ impl<'g> View<'g> {
     }
 }
 
+impl View<'_> {
+    /// From the `exp` value: `(x, axis, result)` of `exp(..) / reduce_sum(exp(..), [axis])`.
+    fn softmax(&self, e: ValueId) -> Option<(ValueId, usize, ValueId)> {
+        let arg = self.unary(e, UnaryOp::Exp)?;
+        let sum = self.users[e.index()].iter().map(|&n| self.graph.node(n)).find_map(|node| match &node.op {
+            Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: true } if axes.len() == 1 => {
+                Some((node.outputs[0], axes[0]))
+            }
+            _ => None,
+        });
+        let (sum, axis) = sum?;
+        let result = self.users[e.index()]
+            .iter()
+            .map(|&n| self.graph.node(n).outputs[0])
+            .find(|&o| self.binary(o, BinaryOp::Div) == Some((e, sum)))?;
+        // exp(x - max(x)) or exp(x)
+        let x = match self.binary(arg, BinaryOp::Sub) {
+            Some((x, max)) => match self.op(max)? {
+                (Op::Reduce { op: ReduceOp::Max, axes, keep_dims: true }, [m])
+                    if *m == x && axes.as_slice() == [axis] =>
+                {
+                    x
+                }
+                _ => arg,
+            },
+            None => arg,
+        };
+        Some((x, axis, result))
+    }
+}
+
 fn find_matches(graph: &Graph) -> Vec<Match> {
     let view = View::new(graph);
     let root_of = |v: ValueId| view.producer[v.index()].expect("pattern roots are node outputs");
@@ -234,6 +267,7 @@ fn find_matches(graph: &Graph) -> Vec<Match> {
             Op::Unary(UnaryOp::Tanh) => {
                 view.gelu_tanh(out).map(|(x, r)| (Op::Gelu { approx: GeluApprox::Tanh }, vec![x], r))
             }
+            Op::Unary(UnaryOp::Exp) => view.softmax(out).map(|(x, axis, r)| (Op::Softmax { axis }, vec![x], r)),
             Op::Reduce { op: ReduceOp::Mean, .. } => view.rms_norm(out).map(|(x, w, eps, r)| {
                 let axis = graph.ty(x).rank() - 1;
                 (Op::RmsNorm { axis, eps }, vec![x, w], r)
