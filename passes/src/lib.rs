@@ -6,7 +6,7 @@
 //! | pass        | what it does                                                        |
 //! |-------------|---------------------------------------------------------------------|
 //! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
-//! | `recognize` | rewrites decomposed GELU / RMSNorm into composite ops ([`recognize`])|
+//! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
 
 pub mod dce;
 pub mod recognize;
