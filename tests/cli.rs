@@ -186,3 +186,24 @@ fn corrupted_models_never_panic() {
         assert!(result.is_ok(), "variant {i} panicked");
     }
 }
+
+#[test]
+fn infer_writes_pytorch_matching_logits() {
+    // The acceptance check, through the command line: `autotp infer` on each architecture's
+    // export writes DIR/logits.npy within 1e-4 (relative to the reference's max) of PyTorch.
+    for arch in crate::common::ARCHES {
+        let dir = temp_dir(&format!("infer-{arch}"));
+        let ids = fixture(arch, "input_ids.npy");
+        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args(["infer", fixture(arch, "model.onnx").to_str().unwrap()])
+            .args(["--input", &format!("input_ids={}", ids.display()), "--output-dir", dir.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{arch}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).starts_with("logits: f32[4, 32, 1000]"), "{arch}");
+        let got = crate::common::read_npy(&dir.join("logits.npy"));
+        let want = crate::common::read_npy(&fixture(arch, "logits.npy"));
+        let (diff, scale) = crate::common::max_abs_diff(&got, &want);
+        assert!(diff <= 1e-4 * scale, "{arch}: max |autotp - torch| = {diff}, reference max {scale}");
+    }
+}
