@@ -1,7 +1,7 @@
 //! Lowering of one op, with its input and output types, to the builtin kernel that computes
 //! it. The reference evaluator and codegen both use this, so they run identical kernels.
 
-use autotp_kernels::{CrossEntropyDims, Kernel, MatMulDims};
+use autotp_kernels::{ClassLossDims, Kernel, MatMulDims};
 
 use crate::{Op, TensorType};
 
@@ -92,19 +92,21 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
         }
         Op::RmsNorm { axis, eps } => Kernel::RmsNorm { dtype, cols: product(&shape()[*axis..]), eps: *eps },
         Op::Gelu { approx } => Kernel::Gelu { dtype, approx: *approx },
-        Op::CrossEntropy { ignore_index, reduction } => {
+        Op::CrossEntropy { ignore_index, reduction } | Op::NllLoss { ignore_index, reduction } => {
             let s = shape();
-            Kernel::CrossEntropy {
-                dtype,
-                label_dtype: inputs[1].dtype,
-                dims: CrossEntropyDims {
-                    n: s[0],
-                    classes: s[1],
-                    inner: product(&s[2..]),
-                    ignore_index: *ignore_index,
-                    reduction: *reduction,
-                },
-                log_prob: outputs.len() == 2,
+            let dims = ClassLossDims {
+                n: s[0],
+                classes: s[1],
+                inner: product(&s[2..]),
+                ignore_index: *ignore_index,
+                reduction: *reduction,
+            };
+            let (label_dtype, weighted) = (inputs[1].dtype, inputs.len() == 3);
+            match op {
+                Op::CrossEntropy { .. } => {
+                    Kernel::CrossEntropy { dtype, label_dtype, dims, weighted, log_prob: outputs.len() == 2 }
+                }
+                _ => Kernel::NllLoss { dtype, label_dtype, dims, weighted },
             }
         }
     })

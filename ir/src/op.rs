@@ -94,9 +94,14 @@ pub enum Op {
     Gelu {
         approx: GeluApprox,
     },
-    /// `cross_entropy scores[N, C, ...], labels[N, ...]` -> loss, and log-probabilities when
-    /// the node has a second output.
+    /// `cross_entropy scores[N, C, ...], labels[N, ...][, weights[C]]` -> loss, and
+    /// log-probabilities when the node has a second output.
     CrossEntropy {
+        ignore_index: Option<i64>,
+        reduction: Reduction,
+    },
+    /// `nll_loss log_probs[N, C, ...], labels[N, ...][, weights[C]]` -> loss.
+    NllLoss {
         ignore_index: Option<i64>,
         reduction: Reduction,
     },
@@ -130,6 +135,7 @@ impl Op {
             Op::RmsNorm { .. } => "rms_norm".into(),
             Op::Gelu { .. } => "gelu".into(),
             Op::CrossEntropy { .. } => "cross_entropy".into(),
+            Op::NllLoss { .. } => "nll_loss".into(),
         }
     }
 
@@ -151,7 +157,7 @@ impl Op {
                 Err(format!("axis {axis} is out of range for rank {rank}"))
             }
         };
-        if !matches!(self, Op::Split { .. } | Op::CrossEntropy { .. }) && num_outputs != 1 {
+        if !matches!(self, Op::Split { .. } | Op::CrossEntropy { .. } | Op::NllLoss { .. }) && num_outputs != 1 {
             return Err(format!("has {num_outputs} outputs, expects 1"));
         }
         match self {
@@ -401,8 +407,8 @@ impl Op {
                 float_only(inputs[0])?;
                 one(inputs[0].clone())
             }
-            Op::CrossEntropy { reduction, .. } => {
-                expect_arity(2, 2)?;
+            Op::CrossEntropy { reduction, .. } | Op::NllLoss { reduction, .. } => {
+                expect_arity(2, 3)?;
                 let (scores, labels) = (inputs[0], inputs[1]);
                 float_only(scores)?;
                 check_index_dtype(labels.dtype)?;
@@ -410,15 +416,21 @@ impl Op {
                 if expected.len() < 2 {
                     return Err(format!("scores must be [N, C, ...], got {:?}", scores.shape));
                 }
-                expected.remove(1);
+                let classes = expected.remove(1);
                 if labels.shape != expected {
                     return Err(format!(
                         "labels {:?} must be {expected:?} for scores {:?}",
                         labels.shape, scores.shape
                     ));
                 }
-                if !(1..=2).contains(&num_outputs) {
-                    return Err(format!("has {num_outputs} outputs, expects 1 or 2"));
+                if let Some(weights) = inputs.get(2) {
+                    if weights.dtype != scores.dtype || weights.shape != [classes] {
+                        return Err(format!("class weights {weights} must be {}[{classes}]", scores.dtype));
+                    }
+                }
+                let max_outputs = if matches!(self, Op::CrossEntropy { .. }) { 2 } else { 1 };
+                if !(1..=max_outputs).contains(&num_outputs) {
+                    return Err(format!("has {num_outputs} outputs, expects at most {max_outputs}"));
                 }
                 let loss_shape = if *reduction == Reduction::None { expected } else { vec![] };
                 let mut out = vec![TensorType::new(scores.dtype, loss_shape)];

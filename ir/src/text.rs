@@ -179,7 +179,7 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         Op::LayerNorm { axis, eps } | Op::RmsNorm { axis, eps } => {
             vec![("axis", Attr::Int(*axis as i64)), ("eps", Attr::Float(*eps))]
         }
-        Op::CrossEntropy { ignore_index, reduction } => vec![
+        Op::CrossEntropy { ignore_index, reduction } | Op::NllLoss { ignore_index, reduction } => vec![
             ("ignore_index", ignore_index.map(Attr::Int).unwrap_or_else(|| Attr::Word("none".into()))),
             ("reduction", Attr::Word(reduction.name().into())),
         ],
@@ -888,16 +888,18 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
                 approx: GeluApprox::from_name(&approx).ok_or_else(|| format!("unknown approximation '{approx}'"))?,
             }
         }
-        "cross_entropy" => {
+        "cross_entropy" | "nll_loss" => {
             let ignore_index = match take(a, "ignore_index")? {
                 Attr::Int(i) => Some(i),
                 Attr::Word(w) if w == "none" => None,
                 other => return Err(format!("'ignore_index' must be an integer or none, got {other}")),
             };
             let r = take_word(a, "reduction")?;
-            Op::CrossEntropy {
-                ignore_index,
-                reduction: Reduction::from_name(&r).ok_or_else(|| format!("unknown reduction '{r}'"))?,
+            let reduction = Reduction::from_name(&r).ok_or_else(|| format!("unknown reduction '{r}'"))?;
+            if name == "cross_entropy" {
+                Op::CrossEntropy { ignore_index, reduction }
+            } else {
+                Op::NllLoss { ignore_index, reduction }
             }
         }
         other => return Err(format!("unknown op '{other}'")),

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::elementwise::BinaryShapes;
-use crate::nn::CrossEntropyDims;
+use crate::nn::ClassLossDims;
 use crate::{BinaryOp, DType, GeluApprox, KernelError, MatMulDims, ReduceOp, UnaryOp};
 
 /// One builtin kernel, with static shapes. Inputs and outputs are listed in the order
@@ -51,8 +51,10 @@ pub enum Kernel {
     RmsNorm { dtype: DType, cols: usize, eps: f64 },
     /// `[x] -> [gelu(x)]`
     Gelu { dtype: DType, approx: GeluApprox },
-    /// `[scores, labels] -> [loss, log_prob?]`
-    CrossEntropy { dtype: DType, label_dtype: DType, dims: CrossEntropyDims, log_prob: bool },
+    /// `[scores, labels, weights?] -> [loss, log_prob?]`
+    CrossEntropy { dtype: DType, label_dtype: DType, dims: ClassLossDims, weighted: bool, log_prob: bool },
+    /// `[log_probs, labels, weights?] -> [loss]`
+    NllLoss { dtype: DType, label_dtype: DType, dims: ClassLossDims, weighted: bool },
 }
 
 impl Kernel {
@@ -80,6 +82,7 @@ impl Kernel {
             Kernel::RmsNorm { .. } => "rms_norm",
             Kernel::Gelu { .. } => "gelu",
             Kernel::CrossEntropy { .. } => "cross_entropy",
+            Kernel::NllLoss { .. } => "nll_loss",
         }
     }
 
@@ -187,11 +190,18 @@ impl Kernel {
                 arity(1, 1)?;
                 crate::nn::gelu(*dtype, *approx, inputs[0], outputs[0])
             }
-            Kernel::CrossEntropy { dtype, label_dtype, dims, log_prob } => {
-                arity(2, if *log_prob { 2 } else { 1 })?;
+            Kernel::CrossEntropy { dtype, label_dtype, dims, weighted, log_prob } => {
+                let n_in = if *weighted { 3 } else { 2 };
+                arity(n_in, if *log_prob { 2 } else { 1 })?;
                 let (loss, rest) = outputs.split_first_mut().expect("arity checked");
                 let log_prob = if *log_prob { rest.first_mut().map(|b| &mut **b) } else { None };
-                crate::nn::cross_entropy(*dtype, *label_dtype, dims, inputs[0], inputs[1], loss, log_prob)
+                let weights = weighted.then(|| inputs[2]);
+                crate::nn::cross_entropy(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, loss, log_prob)
+            }
+            Kernel::NllLoss { dtype, label_dtype, dims, weighted } => {
+                arity(if *weighted { 3 } else { 2 }, 1)?;
+                let weights = weighted.then(|| inputs[2]);
+                crate::nn::nll_loss(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, outputs[0])
             }
         }
     }

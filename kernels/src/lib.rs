@@ -25,7 +25,7 @@ pub use buffer::{view, view_mut, AlignedBuf};
 pub use dtype::DType;
 pub use kernel::Kernel;
 pub use matmul::MatMulDims;
-pub use nn::CrossEntropyDims;
+pub use nn::ClassLossDims;
 pub use ops::{BinaryOp, GeluApprox, ReduceOp, Reduction, UnaryOp};
 pub use shape::numel;
 

@@ -160,10 +160,10 @@ pub(crate) fn gelu(dtype: DType, approx: GeluApprox, input: &[u8], out: &mut [u8
     Ok(())
 }
 
-/// Shapes and options of a softmax cross-entropy: scores `[n, classes, inner]`, labels
-/// `[n, inner]`.
+/// Shapes and options of a classification loss: scores or log-probabilities `[n, classes,
+/// inner]`, labels `[n, inner]`, optional class weights `[classes]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct CrossEntropyDims {
+pub struct ClassLossDims {
     pub n: usize,
     pub classes: usize,
     pub inner: usize,
@@ -171,52 +171,88 @@ pub struct CrossEntropyDims {
     pub reduction: Reduction,
 }
 
-/// Outputs the loss (a scalar, or `[n, inner]` with no reduction) and, when `log_prob` is
-/// given, the log-probabilities.
-pub(crate) fn cross_entropy(
+fn to_f64(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    match dtype {
+        DType::F32 => view::<f32>(bytes).iter().map(|&v| v as f64).collect(),
+        DType::F64 => view::<f64>(bytes).into_owned(),
+        _ => widen(dtype, bytes).into_iter().map(|v| v as f64).collect(),
+    }
+}
+
+/// Negative log-likelihood over log-probabilities `lp`, as torch.nn.NLLLoss: position `i` with
+/// label `t` contributes `-w[t] * lp[i, t]` (w = 1 without weights); ignored labels contribute 0;
+/// the mean divides by the summed weights of the counted positions.
+fn nll(
     dtype: DType,
     label_dtype: DType,
-    d: &CrossEntropyDims,
-    scores: &[u8],
+    d: &ClassLossDims,
+    lp: &[f64],
     labels: &[u8],
+    weights: Option<&[u8]>,
     loss: &mut [u8],
-    log_prob: Option<&mut [u8]>,
 ) -> Result<(), KernelError> {
     let labels: Vec<i64> = match label_dtype {
         DType::I64 => view::<i64>(labels).into_owned(),
         DType::I32 => view::<i32>(labels).iter().map(|&v| v as i64).collect(),
-        other => return Err(KernelError::Unsupported { kernel: "cross_entropy", what: format!("{other} labels") }),
+        other => return Err(KernelError::Unsupported { kernel: "nll_loss", what: format!("{other} labels") }),
     };
-    let mut lp_bytes = vec![0u8; scores.len()];
-    softmax(dtype, d.n, d.classes, d.inner, true, scores, &mut lp_bytes)?;
-    let lp: Vec<f64> = match dtype {
-        DType::F32 => view::<f32>(&lp_bytes).iter().map(|&v| v as f64).collect(),
-        DType::F64 => view::<f64>(&lp_bytes).into_owned(),
-        _ => widen(dtype, &lp_bytes).into_iter().map(|v| v as f64).collect(),
-    };
+    let weights = weights.map(|w| to_f64(dtype, w));
     let mut per_position = vec![0f64; d.n * d.inner];
-    let mut counted = 0usize;
+    let mut total_weight = 0f64;
     for (pos, (&label, slot)) in labels.iter().zip(per_position.iter_mut()).enumerate() {
         if Some(label) == d.ignore_index {
             continue;
         }
         if label < 0 || label as usize >= d.classes {
-            return Err(KernelError::IndexOutOfRange { kernel: "cross_entropy", index: label, bound: d.classes });
+            return Err(KernelError::IndexOutOfRange { kernel: "nll_loss", index: label, bound: d.classes });
         }
         let (n, i) = (pos / d.inner, pos % d.inner);
-        *slot = -lp[(n * d.classes + label as usize) * d.inner + i];
-        counted += 1;
+        let w = weights.as_ref().map_or(1.0, |w| w[label as usize]);
+        *slot = -w * lp[(n * d.classes + label as usize) * d.inner + i];
+        total_weight += w;
     }
     let values: Vec<f64> = match d.reduction {
         Reduction::None => per_position,
         Reduction::Sum => vec![per_position.iter().sum()],
-        Reduction::Mean => vec![per_position.iter().sum::<f64>() / counted as f64],
+        Reduction::Mean => vec![per_position.iter().sum::<f64>() / total_weight],
     };
-    write_f64(dtype, &values, loss)?;
+    write_f64(dtype, &values, loss)
+}
+
+/// Softmax cross-entropy: the loss (a scalar, or `[n, inner]` with no reduction) and, when
+/// `log_prob` is given, the log-probabilities.
+// Scores, labels, weights and both outputs are distinct buffers of this kernel.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cross_entropy(
+    dtype: DType,
+    label_dtype: DType,
+    d: &ClassLossDims,
+    scores: &[u8],
+    labels: &[u8],
+    weights: Option<&[u8]>,
+    loss: &mut [u8],
+    log_prob: Option<&mut [u8]>,
+) -> Result<(), KernelError> {
+    let mut lp_bytes = vec![0u8; scores.len()];
+    softmax(dtype, d.n, d.classes, d.inner, true, scores, &mut lp_bytes)?;
+    nll(dtype, label_dtype, d, &to_f64(dtype, &lp_bytes), labels, weights, loss)?;
     if let Some(out) = log_prob {
         out.copy_from_slice(&lp_bytes);
     }
     Ok(())
+}
+
+/// Negative log-likelihood of log-probabilities.
+pub(crate) fn nll_loss(
+    dtype: DType,
+    label_dtype: DType,
+    d: &ClassLossDims,
+    log_probs: &[u8],
+    labels: &[u8],
+    weights: Option<&[u8]>,
+    loss: &mut [u8],
+) -> Result<(), KernelError> {
+    nll(dtype, label_dtype, d, &to_f64(dtype, log_probs), labels, weights, loss)
 }
 
 fn write_f64(dtype: DType, values: &[f64], out: &mut [u8]) -> Result<(), KernelError> {

@@ -37,6 +37,7 @@ def supported_ops():
 # ONNX's case names that are not the snake case of their op.
 ALIASES = {
     "SoftmaxCrossEntropyLoss": ["sce"],
+    "NegativeLogLikelihoodLoss": ["nllloss"],
     "ConstantOfShape": ["constantofshape"],
     "CastLike": ["castlike"],
     "LessOrEqual": ["less_equal"],

@@ -48,6 +48,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Mod",
     "Mul",
     "Neg",
+    "NegativeLogLikelihoodLoss",
     "Not",
     "Or",
     "Pad",
@@ -525,12 +526,9 @@ pub(super) fn convert(
             Ok(outs)
         }
         "Pad" => convert_pad(imp, cx),
-        "SoftmaxCrossEntropyLoss" => {
-            let scores = input(imp, cx, 0)?;
-            let labels = input(imp, cx, 1)?;
-            if opt_input(imp, cx, 2)?.is_some() {
-                return Err(cx.invalid("class weights are not supported"));
-            }
+        "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => {
+            let mut inputs = vec![input(imp, cx, 0)?, input(imp, cx, 1)?];
+            inputs.extend(opt_input(imp, cx, 2)?);
             let reduction = match attr_string(cx, "reduction").as_deref() {
                 None | Some("mean") => Reduction::Mean,
                 Some("sum") => Reduction::Sum,
@@ -538,8 +536,12 @@ pub(super) fn convert(
                 Some(other) => return Err(cx.invalid(format!("unknown reduction '{other}'"))),
             };
             let ignore_index = attr(cx, "ignore_index").map(|a| a.i);
-            let outputs = cx.node.output.iter().filter(|o| !o.is_empty()).count().max(1);
-            imp.emit(cx, Op::CrossEntropy { ignore_index, reduction }, &[scores, labels], outputs)
+            if op_type == "SoftmaxCrossEntropyLoss" {
+                let outputs = cx.node.output.iter().filter(|o| !o.is_empty()).count().max(1);
+                imp.emit(cx, Op::CrossEntropy { ignore_index, reduction }, &inputs, outputs)
+            } else {
+                Ok(vec![imp.emit1(cx, Op::NllLoss { ignore_index, reduction }, &inputs)?])
+            }
         }
         _ => Err(FrontendError::UnsupportedOp {
             op_type: op_type.to_string(),
