@@ -10,4 +10,5 @@ mod common;
 mod conformance;
 mod fixtures;
 mod golden;
+mod gradients;
 mod verifier;

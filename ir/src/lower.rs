@@ -66,6 +66,9 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
         Op::Split { axis, sizes } => Kernel::Split { dtype, shape: shape(), axis: *axis, sizes: sizes.clone() },
         Op::Expand { shape: to } => Kernel::Expand { dtype, shape: shape(), out: to.clone() },
         Op::Gather { axis } => Kernel::Gather { dtype, index_dtype: inputs[1].dtype, data: shape(), axis: *axis },
+        Op::ScatterAdd { axis, .. } => {
+            Kernel::ScatterAdd { dtype: inputs[1].dtype, index_dtype: inputs[0].dtype, out: out_shape(), axis: *axis }
+        }
         Op::GatherElements { axis } => Kernel::GatherElements {
             dtype,
             index_dtype: inputs[1].dtype,

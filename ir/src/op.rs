@@ -60,6 +60,12 @@ pub enum Op {
     Gather {
         axis: usize,
     },
+    /// `scatter_add indices, updates {axis, size}`: the gradient of `gather`. Zeros with dim
+    /// `axis` of length `size`, plus each update slice added at its index.
+    ScatterAdd {
+        axis: usize,
+        size: usize,
+    },
     /// `take_along_axis(data, indices, axis)`.
     GatherElements {
         axis: usize,
@@ -125,6 +131,7 @@ impl Op {
             Op::Split { .. } => "split".into(),
             Op::Expand { .. } => "expand".into(),
             Op::Gather { .. } => "gather".into(),
+            Op::ScatterAdd { .. } => "scatter_add".into(),
             Op::GatherElements { .. } => "gather_elements".into(),
             Op::Pad { .. } => "pad".into(),
             Op::Triangle { upper: true, .. } => "triu".into(),
@@ -352,6 +359,19 @@ impl Op {
                 shape.extend(&idx.shape);
                 shape.extend(&data.shape[axis + 1..]);
                 one(TensorType::new(data.dtype, shape))
+            }
+            Op::ScatterAdd { axis, size } => {
+                expect_arity(2, 2)?;
+                let (idx, updates) = (inputs[0], inputs[1]);
+                check_index_dtype(idx.dtype)?;
+                float_only(updates)?;
+                if updates.rank() < axis + idx.rank() || updates.shape[*axis..axis + idx.rank()] != idx.shape[..] {
+                    return Err(format!("updates {:?} must hold indices {:?} at dim {axis}", updates.shape, idx.shape));
+                }
+                let mut shape = updates.shape[..*axis].to_vec();
+                shape.push(*size);
+                shape.extend(&updates.shape[axis + idx.rank()..]);
+                one(TensorType::new(updates.dtype, shape))
             }
             Op::GatherElements { axis } => {
                 expect_arity(2, 2)?;

@@ -169,6 +169,7 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         | Op::LogSoftmax { axis } => {
             vec![("axis", Attr::Int(*axis as i64))]
         }
+        Op::ScatterAdd { axis, size } => vec![("axis", Attr::Int(*axis as i64)), ("size", Attr::Int(*size as i64))],
         Op::Split { axis, sizes } => {
             vec![("axis", Attr::Int(*axis as i64)), ("sizes", ints(sizes))]
         }
@@ -874,6 +875,7 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         "split" => Op::Split { axis: take_usize(a, "axis")?, sizes: take_usizes(a, "sizes")? },
         "gather" => Op::Gather { axis: take_usize(a, "axis")? },
         "gather_elements" => Op::GatherElements { axis: take_usize(a, "axis")? },
+        "scatter_add" => Op::ScatterAdd { axis: take_usize(a, "axis")?, size: take_usize(a, "size")? },
         "pad" => {
             Op::Pad { begin: take_usizes(a, "begin")?, end: take_usizes(a, "end")?, value: take_float(a, "value")? }
         }

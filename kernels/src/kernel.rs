@@ -37,6 +37,8 @@ pub enum Kernel {
     Expand { dtype: DType, shape: Vec<usize>, out: Vec<usize> },
     /// `[data, indices] -> [take(data, indices, axis)]`
     Gather { dtype: DType, index_dtype: DType, data: Vec<usize>, axis: usize },
+    /// `[indices, updates] -> [zeros(out) with updates added at indices along axis]`
+    ScatterAdd { dtype: DType, index_dtype: DType, out: Vec<usize>, axis: usize },
     /// `[data, indices] -> [take_along_axis(data, indices, axis)]`
     GatherElements { dtype: DType, index_dtype: DType, data: Vec<usize>, indices: Vec<usize>, axis: usize },
     /// `[x] -> [pad(x, value)]`
@@ -74,6 +76,7 @@ impl Kernel {
             Kernel::Split { .. } => "split",
             Kernel::Expand { .. } => "expand",
             Kernel::Gather { .. } => "gather",
+            Kernel::ScatterAdd { .. } => "scatter_add",
             Kernel::GatherElements { .. } => "gather_elements",
             Kernel::Pad { .. } => "pad",
             Kernel::Triangle { .. } => "triangle",
@@ -152,6 +155,10 @@ impl Kernel {
             Kernel::Gather { dtype, index_dtype, data, axis } => {
                 arity(2, 1)?;
                 crate::movement::gather(*dtype, *index_dtype, data, *axis, inputs[0], inputs[1], outputs[0])
+            }
+            Kernel::ScatterAdd { dtype, index_dtype, out, axis } => {
+                arity(2, 1)?;
+                crate::movement::scatter_add(*dtype, *index_dtype, out, *axis, inputs[0], inputs[1], outputs[0])
             }
             Kernel::GatherElements { dtype, index_dtype, data, indices, axis } => {
                 arity(2, 1)?;

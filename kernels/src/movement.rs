@@ -191,6 +191,43 @@ pub(crate) fn gather(
     Ok(())
 }
 
+/// The gradient of `gather`: `out[o, indices[i], r] += updates[o, i, r]` into zeros of shape
+/// `[outer, size, inner]` (`updates` is `[outer, indices, inner]`).
+pub(crate) fn scatter_add(
+    dtype: DType,
+    index_dtype: DType,
+    out_shape: &[usize],
+    axis: usize,
+    indices: &[u8],
+    updates: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let indices = read_indices(index_dtype, indices)?;
+    let size = out_shape[axis];
+    let resolved: Vec<usize> =
+        indices.iter().map(|&i| resolve_index(i, size, "scatter_add")).collect::<Result<_, _>>()?;
+    let outer: usize = out_shape[..axis].iter().product();
+    let inner = numel(&out_shape[axis + 1..]);
+    out.fill(0);
+    match dtype {
+        DType::F32 | DType::F64 => crate::scalar::with_num_type!(dtype, T => {
+            let updates = view::<T>(updates);
+            let out = view_mut::<T>(out)?;
+            // Rows of one outer index write disjoint output blocks: parallel over `outer`.
+            out.par_chunks_mut((size * inner).max(1)).with_min_len(1).enumerate().take(outer).for_each(|(o, block)| {
+                for (i, &target) in resolved.iter().enumerate() {
+                    let src = &updates[(o * resolved.len() + i) * inner..][..inner];
+                    for (d, s) in block[target * inner..][..inner].iter_mut().zip(src) {
+                        *d = crate::scalar::Num::add(*d, *s);
+                    }
+                }
+            });
+        }, _ => unreachable!()),
+        other => return Err(KernelError::Unsupported { kernel: "scatter_add", what: format!("{other}") }),
+    }
+    Ok(())
+}
+
 /// `out[idx] = data[idx with idx[axis] replaced by indices[idx]]`; out has the indices' shape.
 // The shapes, axis and buffers are all distinct inputs of this kernel.
 #[allow(clippy::too_many_arguments)]

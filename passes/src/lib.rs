@@ -5,9 +5,11 @@
 //!
 //! | pass        | what it does                                                        |
 //! |-------------|---------------------------------------------------------------------|
+//! | `autodiff`  | appends the reverse-mode gradients of the loss ([`autodiff`])        |
 //! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
 
+pub mod autodiff;
 pub mod dce;
 pub mod recognize;
 
@@ -19,6 +21,10 @@ use autotp_ir::{verify, Graph, VerifyErrors};
 pub enum PassError {
     #[error("the graph is invalid after pass '{pass}': {errors}")]
     Verify { pass: &'static str, errors: VerifyErrors },
+    #[error("pass '{pass}': {op} has no gradient rule{detail}")]
+    NoGradient { pass: &'static str, op: String, detail: String },
+    #[error("pass '{pass}': {message}")]
+    Invalid { pass: &'static str, message: String },
 }
 
 /// A Graph -> Graph transformation.

@@ -1,0 +1,759 @@
+//! `autodiff`: reverse-mode differentiation of a scalar loss with respect to every parameter.
+//!
+//! Input phase: imported (or simplified), with a scalar floating-point output named by
+//! [`Autodiff::loss`]. Output: the same graph, the forward nodes unchanged, followed by the
+//! backward nodes; after the original outputs come one output per parameter, in parameter order,
+//! named `grad.<parameter>` ([`GRAD_PREFIX`]). A parameter the loss does not depend on gets a
+//! zero gradient.
+//!
+//! Every op that can carry a gradient has a rule (its vector-Jacobian product, written with IR
+//! ops); composites keep their own rules (softmax, log_softmax, layer_norm, rms_norm, gelu,
+//! cross_entropy, nll_loss). Integer and boolean values carry none, and rounding ops (floor,
+//! ceil, round, sign) have zero gradient. Broadcasting is undone by summing (`sum_to`).
+//! Not yet differentiable, with a clear error when a parameter's gradient needs them: strided or
+//! reversed slices, `gather_elements` and `mod` with respect to their data or divisor.
+//!
+//! Tests: tests/gradients.rs checks every rule against f64 central differences on random inputs
+//! of random shapes.
+
+use autotp_ir::{
+    BinaryOp, DType, GeluApprox, Graph, Op, ReduceOp, Reduction, Rewriter, Tensor, TensorType, UnaryOp, ValueId,
+};
+
+use crate::{Pass, PassError};
+
+/// Output-name prefix of the gradients.
+pub const GRAD_PREFIX: &str = "grad.";
+
+pub struct Autodiff {
+    /// Name of the scalar loss output.
+    pub loss: String,
+}
+
+const PASS: &str = "autodiff";
+
+/// Builds backward ops into the new graph.
+struct B<'g> {
+    g: &'g mut Graph,
+    /// The op whose rule is being applied, for error messages.
+    op: String,
+}
+
+impl B<'_> {
+    fn op(&mut self, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
+        let name = op.name();
+        self.g
+            .add(op, inputs)
+            .map_err(|m| PassError::Invalid { pass: PASS, message: format!("gradient of {}: {name}: {m}", self.op) })
+    }
+
+    fn ty(&self, v: ValueId) -> TensorType {
+        self.g.ty(v).clone()
+    }
+
+    fn scalar(&mut self, dtype: DType, value: f64) -> Result<ValueId, PassError> {
+        self.op(Op::Constant { value: Tensor::full(dtype, vec![], value) }, vec![])
+    }
+
+    /// `value` broadcast to `shape`, without materialising a big constant.
+    fn full(&mut self, dtype: DType, shape: &[usize], value: f64) -> Result<ValueId, PassError> {
+        let s = self.scalar(dtype, value)?;
+        if shape.is_empty() {
+            return Ok(s);
+        }
+        self.op(Op::Expand { shape: shape.to_vec() }, vec![s])
+    }
+
+    fn un(&mut self, op: UnaryOp, x: ValueId) -> Result<ValueId, PassError> {
+        self.op(Op::Unary(op), vec![x])
+    }
+
+    fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> Result<ValueId, PassError> {
+        self.op(Op::Binary(op), vec![a, b])
+    }
+
+    fn add(&mut self, a: ValueId, b: ValueId) -> Result<ValueId, PassError> {
+        self.bin(BinaryOp::Add, a, b)
+    }
+
+    fn sub(&mut self, a: ValueId, b: ValueId) -> Result<ValueId, PassError> {
+        self.bin(BinaryOp::Sub, a, b)
+    }
+
+    fn mul(&mut self, a: ValueId, b: ValueId) -> Result<ValueId, PassError> {
+        self.bin(BinaryOp::Mul, a, b)
+    }
+
+    fn div(&mut self, a: ValueId, b: ValueId) -> Result<ValueId, PassError> {
+        self.bin(BinaryOp::Div, a, b)
+    }
+
+    /// `x * c` for a scalar constant `c`.
+    fn scale(&mut self, x: ValueId, c: f64) -> Result<ValueId, PassError> {
+        let c = self.scalar(self.ty(x).dtype, c)?;
+        self.mul(x, c)
+    }
+
+    fn reduce(&mut self, op: ReduceOp, x: ValueId, axes: Vec<usize>, keep_dims: bool) -> Result<ValueId, PassError> {
+        self.op(Op::Reduce { op, axes, keep_dims }, vec![x])
+    }
+
+    fn reshape(&mut self, x: ValueId, shape: &[usize]) -> Result<ValueId, PassError> {
+        if self.ty(x).shape == shape {
+            return Ok(x);
+        }
+        self.op(Op::Reshape { shape: shape.to_vec() }, vec![x])
+    }
+
+    fn expand(&mut self, x: ValueId, shape: &[usize]) -> Result<ValueId, PassError> {
+        if self.ty(x).shape == shape {
+            return Ok(x);
+        }
+        self.op(Op::Expand { shape: shape.to_vec() }, vec![x])
+    }
+
+    /// Sums `d` (a gradient of a broadcast result) down to `shape`: the inverse of broadcasting.
+    fn sum_to(&mut self, d: ValueId, shape: &[usize]) -> Result<ValueId, PassError> {
+        let from = self.ty(d).shape;
+        if from == shape {
+            return Ok(d);
+        }
+        let lead = from.len() - shape.len();
+        let axes: Vec<usize> =
+            (0..from.len()).filter(|&i| i < lead || (shape[i - lead] == 1 && from[i] != 1)).collect();
+        let summed = if axes.is_empty() { d } else { self.reduce(ReduceOp::Sum, d, axes, true)? };
+        self.reshape(summed, shape)
+    }
+
+    /// `select(cond, d, 0)` or, with `flip`, `select(cond, 0, d)`.
+    fn mask(&mut self, cond: ValueId, d: ValueId, flip: bool) -> Result<ValueId, PassError> {
+        let zero = self.scalar(self.ty(d).dtype, 0.0)?;
+        let (a, b) = if flip { (zero, d) } else { (d, zero) };
+        self.op(Op::Select, vec![cond, a, b])
+    }
+}
+
+fn no_gradient(op: &Op, detail: &str) -> PassError {
+    PassError::NoGradient { pass: PASS, op: op.name(), detail: format!(" {detail}") }
+}
+
+/// The gradients of a node's inputs, given its inputs `x`, outputs `y` and output gradients
+/// `dy` (`None` where an output gets none). Only inputs with `want[i]` need a result.
+fn vjp(
+    b: &mut B,
+    op: &Op,
+    x: &[ValueId],
+    y: &[ValueId],
+    dy: &[Option<ValueId>],
+    want: &[bool],
+) -> Result<Vec<Option<ValueId>>, PassError> {
+    let mut out = vec![None; x.len()];
+    // Multi-output ops handle missing output gradients themselves; the rest have one output.
+    let d = match op {
+        Op::Split { .. } | Op::CrossEntropy { .. } => None,
+        _ => Some(dy[0].expect("the caller skips nodes without output gradients")),
+    };
+    let d0 = || d.expect("single-output op");
+    let shape = |b: &B, v: ValueId| b.ty(v).shape;
+    match op {
+        Op::Constant { .. } => {}
+        Op::Unary(u) => {
+            let (x0, y0, d) = (x[0], y[0], d0());
+            let dtype = b.ty(x0).dtype;
+            out[0] = match u {
+                UnaryOp::Neg => Some(b.un(UnaryOp::Neg, d)?),
+                UnaryOp::Abs => {
+                    let s = b.un(UnaryOp::Sign, x0)?;
+                    Some(b.mul(d, s)?)
+                }
+                UnaryOp::Exp => Some(b.mul(d, y0)?),
+                UnaryOp::Log => Some(b.div(d, x0)?),
+                UnaryOp::Sqrt => {
+                    let half = b.scale(d, 0.5)?;
+                    Some(b.div(half, y0)?)
+                }
+                UnaryOp::Rsqrt => {
+                    let y2 = b.mul(y0, y0)?;
+                    let y3 = b.mul(y2, y0)?;
+                    let t = b.mul(d, y3)?;
+                    Some(b.scale(t, -0.5)?)
+                }
+                UnaryOp::Reciprocal => {
+                    let y2 = b.mul(y0, y0)?;
+                    let t = b.mul(d, y2)?;
+                    Some(b.un(UnaryOp::Neg, t)?)
+                }
+                UnaryOp::Tanh => {
+                    let y2 = b.mul(y0, y0)?;
+                    let one = b.scalar(dtype, 1.0)?;
+                    let g = b.sub(one, y2)?;
+                    Some(b.mul(d, g)?)
+                }
+                UnaryOp::Erf => {
+                    let x2 = b.mul(x0, x0)?;
+                    let nx2 = b.un(UnaryOp::Neg, x2)?;
+                    let e = b.un(UnaryOp::Exp, nx2)?;
+                    let g = b.scale(e, 2.0 / std::f64::consts::PI.sqrt())?;
+                    Some(b.mul(d, g)?)
+                }
+                UnaryOp::Sigmoid => {
+                    let one = b.scalar(dtype, 1.0)?;
+                    let om = b.sub(one, y0)?;
+                    let g = b.mul(y0, om)?;
+                    Some(b.mul(d, g)?)
+                }
+                UnaryOp::Relu => {
+                    let zero = b.scalar(dtype, 0.0)?;
+                    let pos = b.bin(BinaryOp::Greater, x0, zero)?;
+                    Some(b.mask(pos, d, false)?)
+                }
+                UnaryOp::Sin => {
+                    let c = b.un(UnaryOp::Cos, x0)?;
+                    Some(b.mul(d, c)?)
+                }
+                UnaryOp::Cos => {
+                    let s = b.un(UnaryOp::Sin, x0)?;
+                    let t = b.mul(d, s)?;
+                    Some(b.un(UnaryOp::Neg, t)?)
+                }
+                // Piecewise constant: zero gradient almost everywhere.
+                UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign => None,
+                UnaryOp::Not => None,
+            };
+        }
+        Op::Binary(op) => {
+            let (a, c, y0, d) = (x[0], x[1], y[0], d0());
+            let (sa, sc) = (shape(b, a), shape(b, c));
+            let (da, dc) = match op {
+                BinaryOp::Add => (Some(d), Some(d)),
+                BinaryOp::Sub => (Some(d), if want[1] { Some(b.un(UnaryOp::Neg, d)?) } else { None }),
+                BinaryOp::Mul => {
+                    let da = if want[0] { Some(b.mul(d, c)?) } else { None };
+                    let dc = if want[1] { Some(b.mul(d, a)?) } else { None };
+                    (da, dc)
+                }
+                BinaryOp::Div => {
+                    let da = if want[0] { Some(b.div(d, c)?) } else { None };
+                    let dc = if want[1] {
+                        let t = b.mul(d, y0)?;
+                        let t = b.div(t, c)?;
+                        Some(b.un(UnaryOp::Neg, t)?)
+                    } else {
+                        None
+                    };
+                    (da, dc)
+                }
+                BinaryOp::Pow => {
+                    let da = if want[0] {
+                        let one = b.scalar(b.ty(c).dtype, 1.0)?;
+                        let cm1 = b.sub(c, one)?;
+                        let p = b.bin(BinaryOp::Pow, a, cm1)?;
+                        let t = b.mul(p, c)?;
+                        Some(b.mul(d, t)?)
+                    } else {
+                        None
+                    };
+                    let dc = if want[1] {
+                        let l = b.un(UnaryOp::Log, a)?;
+                        let t = b.mul(y0, l)?;
+                        Some(b.mul(d, t)?)
+                    } else {
+                        None
+                    };
+                    (da, dc)
+                }
+                BinaryOp::Max | BinaryOp::Min => {
+                    let cmp = if *op == BinaryOp::Max { BinaryOp::GreaterEqual } else { BinaryOp::LessEqual };
+                    let pick_a = b.bin(cmp, a, c)?;
+                    let da = if want[0] { Some(b.mask(pick_a, d, false)?) } else { None };
+                    let dc = if want[1] { Some(b.mask(pick_a, d, true)?) } else { None };
+                    (da, dc)
+                }
+                BinaryOp::Mod => {
+                    if want[1] {
+                        return Err(no_gradient(&Op::Binary(*op), "with respect to the divisor"));
+                    }
+                    (Some(d), None)
+                }
+                _ => (None, None),
+            };
+            if want[0] {
+                out[0] = da.map(|g| b.sum_to(g, &sa)).transpose()?;
+            }
+            if want[1] {
+                out[1] = dc.map(|g| b.sum_to(g, &sc)).transpose()?;
+            }
+        }
+        Op::Select => {
+            let (cond, d) = (x[0], d0());
+            if want[1] {
+                let g = b.mask(cond, d, false)?;
+                out[1] = Some(b.sum_to(g, &shape(b, x[1]))?);
+            }
+            if want[2] {
+                let g = b.mask(cond, d, true)?;
+                out[2] = Some(b.sum_to(g, &shape(b, x[2]))?);
+            }
+        }
+        Op::Cast { .. } => {
+            let to = b.ty(x[0]).dtype;
+            out[0] = Some(b.op(Op::Cast { to }, vec![d0()])?);
+        }
+        Op::Reduce { op: r, axes, keep_dims } => {
+            let (x0, y0, d) = (x[0], y[0], d0());
+            let xs = shape(b, x0);
+            let kept: Vec<usize> = (0..xs.len()).map(|i| if axes.contains(&i) { 1 } else { xs[i] }).collect();
+            let dk = if *keep_dims { d } else { b.reshape(d, &kept)? };
+            let count: usize = axes.iter().map(|&a| xs[a]).product();
+            out[0] = Some(match r {
+                ReduceOp::Sum => b.expand(dk, &xs)?,
+                ReduceOp::Mean => {
+                    let e = b.expand(dk, &xs)?;
+                    b.scale(e, 1.0 / count as f64)?
+                }
+                ReduceOp::Max | ReduceOp::Min => {
+                    // Ties share the gradient equally, as torch.amax/amin.
+                    let yk = if *keep_dims { y0 } else { b.reshape(y0, &kept)? };
+                    let hit = b.bin(BinaryOp::Equal, x0, yk)?;
+                    let dtype = b.ty(x0).dtype;
+                    let hit = b.op(Op::Cast { to: dtype }, vec![hit])?;
+                    let n = b.reduce(ReduceOp::Sum, hit, axes.clone(), true)?;
+                    let share = b.div(dk, n)?;
+                    b.mul(hit, share)?
+                }
+                ReduceOp::Prod => {
+                    let yk = if *keep_dims { y0 } else { b.reshape(y0, &kept)? };
+                    let t = b.mul(dk, yk)?;
+                    b.div(t, x0)?
+                }
+            });
+        }
+        Op::MatMul { transpose_lhs: ta, transpose_rhs: tb } => {
+            let (a, c, d) = (x[0], x[1], d0());
+            let (ta, tb) = (*ta, *tb);
+            if want[0] {
+                // d op(A) = dY op(B)^T
+                let g = if ta {
+                    b.op(Op::MatMul { transpose_lhs: tb, transpose_rhs: true }, vec![c, d])?
+                } else {
+                    b.op(Op::MatMul { transpose_lhs: false, transpose_rhs: !tb }, vec![d, c])?
+                };
+                out[0] = Some(b.sum_to(g, &shape(b, a))?);
+            }
+            if want[1] {
+                // d op(B) = op(A)^T dY
+                let g = if tb {
+                    b.op(Op::MatMul { transpose_lhs: true, transpose_rhs: ta }, vec![d, a])?
+                } else {
+                    b.op(Op::MatMul { transpose_lhs: !ta, transpose_rhs: false }, vec![a, d])?
+                };
+                out[1] = Some(b.sum_to(g, &shape(b, c))?);
+            }
+        }
+        Op::Reshape { .. } => out[0] = Some(b.reshape(d0(), &shape(b, x[0]))?),
+        Op::Transpose { perm } => {
+            let mut inverse = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inverse[p] = i;
+            }
+            out[0] = Some(b.op(Op::Transpose { perm: inverse }, vec![d0()])?);
+        }
+        Op::Slice { starts, steps, .. } => {
+            if steps.iter().any(|&s| s != 1) {
+                return Err(no_gradient(op, "for strided or reversed slices"));
+            }
+            let (xs, ys) = (shape(b, x[0]), shape(b, y[0]));
+            let end: Vec<usize> = (0..xs.len()).map(|i| xs[i] - starts[i] - ys[i]).collect();
+            out[0] = Some(b.op(Op::Pad { begin: starts.clone(), end, value: 0.0 }, vec![d0()])?);
+        }
+        Op::Concat { axis } => {
+            let d = d0();
+            let ds = shape(b, d);
+            let mut at = 0;
+            for (i, &xi) in x.iter().enumerate() {
+                let len = shape(b, xi)[*axis];
+                if want[i] {
+                    let mut starts = vec![0; ds.len()];
+                    let mut ends: Vec<i64> = ds.iter().map(|&v| v as i64).collect();
+                    starts[*axis] = at;
+                    ends[*axis] = (at + len) as i64;
+                    out[i] = Some(b.op(Op::Slice { starts, ends, steps: vec![1; ds.len()] }, vec![d])?);
+                }
+                at += len;
+            }
+        }
+        Op::Split { axis, .. } => {
+            let mut parts = Vec::with_capacity(y.len());
+            for (yi, dyi) in y.iter().zip(dy) {
+                parts.push(match dyi {
+                    Some(g) => *g,
+                    None => {
+                        let t = b.ty(*yi);
+                        b.full(t.dtype, &t.shape, 0.0)?
+                    }
+                });
+            }
+            out[0] = Some(b.op(Op::Concat { axis: *axis }, parts)?);
+        }
+        Op::Expand { .. } => out[0] = Some(b.sum_to(d0(), &shape(b, x[0]))?),
+        Op::Gather { axis } => {
+            if want[0] {
+                let size = shape(b, x[0])[*axis];
+                out[0] = Some(b.op(Op::ScatterAdd { axis: *axis, size }, vec![x[1], d0()])?);
+            }
+        }
+        Op::ScatterAdd { axis, .. } => {
+            if want[1] {
+                out[1] = Some(b.op(Op::Gather { axis: *axis }, vec![d0(), x[0]])?);
+            }
+        }
+        Op::GatherElements { .. } => {
+            if want[0] {
+                return Err(no_gradient(op, "with respect to its data"));
+            }
+        }
+        Op::Pad { begin, .. } => {
+            let xs = shape(b, x[0]);
+            let ends = (0..xs.len()).map(|i| (begin[i] + xs[i]) as i64).collect();
+            out[0] = Some(b.op(Op::Slice { starts: begin.clone(), ends, steps: vec![1; xs.len()] }, vec![d0()])?);
+        }
+        Op::Triangle { upper, k } => out[0] = Some(b.op(Op::Triangle { upper: *upper, k: *k }, vec![d0()])?),
+        Op::Softmax { axis } => {
+            let (y0, d) = (y[0], d0());
+            let dyy = b.mul(d, y0)?;
+            let s = b.reduce(ReduceOp::Sum, dyy, vec![*axis], true)?;
+            let t = b.sub(d, s)?;
+            out[0] = Some(b.mul(y0, t)?);
+        }
+        Op::LogSoftmax { axis } => {
+            let (y0, d) = (y[0], d0());
+            let p = b.un(UnaryOp::Exp, y0)?;
+            let s = b.reduce(ReduceOp::Sum, d, vec![*axis], true)?;
+            let t = b.mul(p, s)?;
+            out[0] = Some(b.sub(d, t)?);
+        }
+        Op::LayerNorm { axis, eps } => layer_norm_vjp(b, x, d0(), *axis, *eps, want, &mut out)?,
+        Op::RmsNorm { axis, eps } => rms_norm_vjp(b, x, d0(), *axis, *eps, want, &mut out)?,
+        Op::Gelu { approx } => out[0] = Some(gelu_vjp(b, x[0], d0(), *approx)?),
+        Op::CrossEntropy { ignore_index, reduction } | Op::NllLoss { ignore_index, reduction } => {
+            if want[0] {
+                out[0] = Some(class_loss_vjp(b, op, x, y, dy, *ignore_index, *reduction)?);
+            }
+            if x.len() == 3 && want[2] {
+                return Err(no_gradient(op, "with respect to class weights"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn norm_axes(b: &B, x: ValueId, axis: usize) -> Vec<usize> {
+    (axis..b.ty(x).rank()).collect()
+}
+
+/// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` with `g = dy * scale`.
+fn layer_norm_vjp(
+    b: &mut B,
+    x: &[ValueId],
+    d: ValueId,
+    axis: usize,
+    eps: f64,
+    want: &[bool],
+    out: &mut [Option<ValueId>],
+) -> Result<(), PassError> {
+    let (x0, scale) = (x[0], x[1]);
+    let axes = norm_axes(b, x0, axis);
+    let dtype = b.ty(x0).dtype;
+    let mean = b.reduce(ReduceOp::Mean, x0, axes.clone(), true)?;
+    let xc = b.sub(x0, mean)?;
+    let sq = b.mul(xc, xc)?;
+    let var = b.reduce(ReduceOp::Mean, sq, axes.clone(), true)?;
+    let e = b.scalar(dtype, eps)?;
+    let ve = b.add(var, e)?;
+    let rstd = b.un(UnaryOp::Rsqrt, ve)?;
+    let xhat = b.mul(xc, rstd)?;
+    if want[0] {
+        let g = b.mul(d, scale)?;
+        let mg = b.reduce(ReduceOp::Mean, g, axes.clone(), true)?;
+        let gx = b.mul(g, xhat)?;
+        let mgx = b.reduce(ReduceOp::Mean, gx, axes.clone(), true)?;
+        let t = b.sub(g, mg)?;
+        let u = b.mul(xhat, mgx)?;
+        let t = b.sub(t, u)?;
+        out[0] = Some(b.mul(rstd, t)?);
+    }
+    if want[1] {
+        let t = b.mul(d, xhat)?;
+        out[1] = Some(b.sum_to(t, &b.ty(scale).shape)?);
+    }
+    if x.len() == 3 && want[2] {
+        out[2] = Some(b.sum_to(d, &b.ty(x[2]).shape)?);
+    }
+    Ok(())
+}
+
+/// `y = x * r * w` with `r = 1 / sqrt(mean(x^2) + eps)`:
+/// `dx = r * g - x * r^3 * mean(g * x)` with `g = dy * w`; `dw = sum(dy * x * r)`.
+fn rms_norm_vjp(
+    b: &mut B,
+    x: &[ValueId],
+    d: ValueId,
+    axis: usize,
+    eps: f64,
+    want: &[bool],
+    out: &mut [Option<ValueId>],
+) -> Result<(), PassError> {
+    let (x0, w) = (x[0], x[1]);
+    let axes = norm_axes(b, x0, axis);
+    let dtype = b.ty(x0).dtype;
+    let sq = b.mul(x0, x0)?;
+    let ms = b.reduce(ReduceOp::Mean, sq, axes.clone(), true)?;
+    let e = b.scalar(dtype, eps)?;
+    let mse = b.add(ms, e)?;
+    let r = b.un(UnaryOp::Rsqrt, mse)?;
+    if want[0] {
+        let g = b.mul(d, w)?;
+        let gx = b.mul(g, x0)?;
+        let mgx = b.reduce(ReduceOp::Mean, gx, axes.clone(), true)?;
+        let r2 = b.mul(r, r)?;
+        let r3 = b.mul(r2, r)?;
+        let t = b.mul(x0, r3)?;
+        let t = b.mul(t, mgx)?;
+        let rg = b.mul(r, g)?;
+        out[0] = Some(b.sub(rg, t)?);
+    }
+    if want[1] {
+        let xr = b.mul(x0, r)?;
+        let t = b.mul(d, xr)?;
+        out[1] = Some(b.sum_to(t, &b.ty(w).shape)?);
+    }
+    Ok(())
+}
+
+fn gelu_vjp(b: &mut B, x: ValueId, d: ValueId, approx: GeluApprox) -> Result<ValueId, PassError> {
+    let dtype = b.ty(x).dtype;
+    let one = b.scalar(dtype, 1.0)?;
+    let g = match approx {
+        GeluApprox::None => {
+            // Phi(x) + x * phi(x)
+            let xs = b.scale(x, std::f64::consts::FRAC_1_SQRT_2)?;
+            let erf = b.un(UnaryOp::Erf, xs)?;
+            let cdf = b.add(one, erf)?;
+            let cdf = b.scale(cdf, 0.5)?;
+            let x2 = b.mul(x, x)?;
+            let e = b.scale(x2, -0.5)?;
+            let e = b.un(UnaryOp::Exp, e)?;
+            let pdf = b.scale(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+            let xpdf = b.mul(x, pdf)?;
+            b.add(cdf, xpdf)?
+        }
+        GeluApprox::Tanh => {
+            // 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), t = tanh(c (x + a x^3))
+            let (c, a) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
+            let x2 = b.mul(x, x)?;
+            let x3 = b.mul(x2, x)?;
+            let ax3 = b.scale(x3, a)?;
+            let inner = b.add(x, ax3)?;
+            let u = b.scale(inner, c)?;
+            let t = b.un(UnaryOp::Tanh, u)?;
+            let opt = b.add(one, t)?;
+            let left = b.scale(opt, 0.5)?;
+            let t2 = b.mul(t, t)?;
+            let omt2 = b.sub(one, t2)?;
+            let ax2 = b.scale(x2, 3.0 * a)?;
+            let du = b.add(one, ax2)?;
+            let du = b.scale(du, c)?;
+            let right = b.mul(omt2, du)?;
+            let right = b.mul(x, right)?;
+            let right = b.scale(right, 0.5)?;
+            b.add(left, right)?
+        }
+    };
+    b.mul(d, g)
+}
+
+/// Gradient of cross-entropy (w.r.t. scores) or NLL (w.r.t. log-probabilities).
+/// Position `i` with label `t` and weight `w_t` (0 when ignored) contributes `coef_i =
+/// w_t * dy_i` (divided by the summed weights for a mean); then
+/// cross-entropy: `dscores = (softmax(scores) - onehot) * coef`, NLL: `dlp = -onehot * coef`.
+fn class_loss_vjp(
+    b: &mut B,
+    op: &Op,
+    x: &[ValueId],
+    y: &[ValueId],
+    dy: &[Option<ValueId>],
+    ignore_index: Option<i64>,
+    reduction: Reduction,
+) -> Result<ValueId, PassError> {
+    let (scores, labels) = (x[0], x[1]);
+    let st = b.ty(scores);
+    let (dtype, classes) = (st.dtype, st.shape[1]);
+    let lt = b.ty(labels);
+    let mut unsq = lt.shape.clone();
+    unsq.insert(1, 1);
+    // Valid positions, and labels made safe to gather with (ignored ones point at class 0).
+    let valid = match ignore_index {
+        Some(ii) => {
+            let ii = b.op(Op::Constant { value: Tensor::full(lt.dtype, vec![], ii as f64) }, vec![])?;
+            let eq = b.bin(BinaryOp::Equal, labels, ii)?;
+            Some(b.un(UnaryOp::Not, eq)?)
+        }
+        None => None,
+    };
+    let safe_labels = match valid {
+        Some(v) => {
+            let zero = b.op(Op::Constant { value: Tensor::full(lt.dtype, vec![], 0.0) }, vec![])?;
+            b.op(Op::Select, vec![v, labels, zero])?
+        }
+        None => labels,
+    };
+    let mut weight = match x.get(2) {
+        Some(&w) => b.op(Op::Gather { axis: 0 }, vec![w, safe_labels])?,
+        None => b.full(dtype, &lt.shape, 1.0)?,
+    };
+    if let Some(v) = valid {
+        weight = b.mask(v, weight, false)?;
+    }
+    let mut coef = match dy[0] {
+        Some(d) => b.mul(weight, d)?,
+        None => b.full(dtype, &lt.shape, 0.0)?,
+    };
+    if reduction == Reduction::Mean {
+        let all: Vec<usize> = (0..lt.shape.len()).collect();
+        let total = b.reduce(ReduceOp::Sum, weight, all, false)?;
+        coef = b.div(coef, total)?;
+    }
+    let coef = b.reshape(coef, &unsq)?;
+    let labels_u = b.reshape(safe_labels, &unsq)?;
+    let mut iota_shape = vec![1; unsq.len()];
+    iota_shape[1] = classes;
+    let iota: Vec<i64> = (0..classes as i64).collect();
+    let iota = Tensor::from_i64(iota_shape, &iota);
+    let iota = if lt.dtype == DType::I64 {
+        b.op(Op::Constant { value: iota }, vec![])?
+    } else {
+        let c = b.op(Op::Constant { value: iota }, vec![])?;
+        b.op(Op::Cast { to: lt.dtype }, vec![c])?
+    };
+    let hot = b.bin(BinaryOp::Equal, iota, labels_u)?;
+    let onehot = b.op(Op::Cast { to: dtype }, vec![hot])?;
+    let mut grad = match op {
+        Op::CrossEntropy { .. } => {
+            let p = b.op(Op::Softmax { axis: 1 }, vec![scores])?;
+            let diff = b.sub(p, onehot)?;
+            b.mul(diff, coef)?
+        }
+        _ => {
+            let t = b.mul(onehot, coef)?;
+            b.un(UnaryOp::Neg, t)?
+        }
+    };
+    // Cross-entropy's optional log-probability output: the log_softmax rule.
+    if let (Op::CrossEntropy { .. }, Some(Some(dlp))) = (op, dy.get(1)) {
+        let lp = y[1];
+        let p = b.un(UnaryOp::Exp, lp)?;
+        let s = b.reduce(ReduceOp::Sum, *dlp, vec![1], true)?;
+        let t = b.mul(p, s)?;
+        let g = b.sub(*dlp, t)?;
+        grad = b.add(grad, g)?;
+    }
+    Ok(grad)
+}
+
+impl Pass for Autodiff {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let invalid = |message: String| PassError::Invalid { pass: PASS, message };
+        let loss = graph
+            .outputs()
+            .iter()
+            .find(|(n, _)| *n == self.loss)
+            .map(|(_, v)| *v)
+            .ok_or_else(|| invalid(format!("the graph has no output named '{}'", self.loss)))?;
+        let lt = graph.ty(loss);
+        if !lt.dtype.is_float() || lt.numel() != 1 {
+            return Err(invalid(format!("the loss output '{}' must be a floating-point scalar, got {lt}", self.loss)));
+        }
+        let n = graph.num_values();
+        // Values that depend on a parameter through floating-point dataflow...
+        let mut depends = vec![false; n];
+        for &p in graph.params() {
+            depends[p.index()] = true;
+        }
+        for (_, node) in graph.nodes() {
+            if node.inputs.iter().any(|v| depends[v.index()]) {
+                for &o in &node.outputs {
+                    depends[o.index()] = graph.ty(o).dtype.is_float();
+                }
+            }
+        }
+        // ...and that the loss depends on.
+        let mut useful = vec![false; n];
+        useful[loss.index()] = true;
+        for (_, node) in graph.nodes().collect::<Vec<_>>().into_iter().rev() {
+            if node.outputs.iter().any(|o| useful[o.index()]) {
+                for v in &node.inputs {
+                    useful[v.index()] = true;
+                }
+            }
+        }
+
+        let old = &*graph;
+        let mut rw = Rewriter::new(old, |_| true);
+        for (id, _) in old.nodes() {
+            rw.copy_node(id);
+        }
+        let mut grads: Vec<Option<ValueId>> = vec![None; n];
+        let seed = rw
+            .graph()
+            .add(Op::Constant { value: Tensor::full(lt.dtype, lt.shape.clone(), 1.0) }, vec![])
+            .expect("constant");
+        grads[loss.index()] = Some(seed);
+        for (_, node) in old.nodes().collect::<Vec<_>>().into_iter().rev() {
+            let dy: Vec<Option<ValueId>> = node.outputs.iter().map(|o| grads[o.index()]).collect();
+            if dy.iter().all(Option::is_none) {
+                continue;
+            }
+            let want: Vec<bool> = node.inputs.iter().map(|v| depends[v.index()] && useful[v.index()]).collect();
+            if !want.iter().any(|&w| w) {
+                continue;
+            }
+            let xs: Vec<ValueId> = node.inputs.iter().map(|&v| rw.map(v)).collect();
+            let ys: Vec<ValueId> = node.outputs.iter().map(|&v| rw.map(v)).collect();
+            let mut b = B { g: rw.graph(), op: node.op.name() };
+            let dxs = vjp(&mut b, &node.op, &xs, &ys, &dy, &want)?;
+            for ((&v, dx), &w) in node.inputs.iter().zip(dxs).zip(&want) {
+                let (Some(dx), true) = (dx, w) else { continue };
+                grads[v.index()] = Some(match grads[v.index()] {
+                    Some(acc) => b.add(acc, dx)?,
+                    None => dx,
+                });
+            }
+        }
+        let param_grads: Vec<(String, ValueId)> = old
+            .params()
+            .iter()
+            .map(|&p| {
+                let name = format!("{GRAD_PREFIX}{}", old.name_of(p).unwrap_or(""));
+                let grad = match grads[p.index()] {
+                    Some(g) => Ok(g),
+                    None => {
+                        let t = old.ty(p).clone();
+                        let mut b = B { g: rw.graph(), op: "a parameter the loss does not use".into() };
+                        b.full(t.dtype, &t.shape, 0.0)
+                    }
+                }?;
+                Ok((name, grad))
+            })
+            .collect::<Result<_, PassError>>()?;
+        let mut result = rw.finish();
+        for (name, g) in param_grads {
+            result.add_output(name, g);
+        }
+        *graph = result;
+        Ok(())
+    }
+}

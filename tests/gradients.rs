@@ -1,0 +1,460 @@
+//! Every gradient rule of `autodiff` against f64 central differences, on random inputs of
+//! random shapes. Each case builds `y = f(params)`; the test appends `loss = sum(y * R)` with a
+//! fixed random `R` (so the upstream gradient is generic), differentiates, and compares each
+//! parameter's gradient element by element with `(loss(p + h) - loss(p - h)) / 2h`.
+
+use std::collections::BTreeMap;
+
+use autotp_ir::{BinaryOp, DType, GeluApprox, Graph, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp, ValueId};
+use autotp_passes::autodiff::{Autodiff, GRAD_PREFIX};
+use autotp_passes::Pass;
+
+/// A small deterministic generator for shapes and values.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn dim(&mut self) -> usize {
+        1 + (self.next() * 4.0) as usize
+    }
+
+    fn shape(&mut self, rank: usize) -> Vec<usize> {
+        (0..rank).map(|_| self.dim()).collect()
+    }
+
+    fn tensor(&mut self, shape: &[usize], lo: f64, hi: f64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let values: Vec<f64> = (0..n).map(|_| lo + (hi - lo) * self.next()).collect();
+        Tensor::from_pod(DType::F64, shape.to_vec(), &values)
+    }
+}
+
+/// A case: a graph with f64 parameters and one output `y`, and the parameters' values.
+struct Case {
+    graph: Graph,
+    params: BTreeMap<String, Tensor>,
+}
+
+impl Case {
+    fn new() -> Case {
+        Case { graph: Graph::new("case"), params: BTreeMap::new() }
+    }
+
+    fn param(&mut self, rng: &mut Rng, shape: &[usize], lo: f64, hi: f64) -> ValueId {
+        let name = format!("p{}", self.params.len());
+        self.params.insert(name.clone(), rng.tensor(shape, lo, hi));
+        self.graph.add_param(name, TensorType::new(DType::F64, shape.to_vec()))
+    }
+
+    fn constant(&mut self, t: Tensor) -> ValueId {
+        self.graph.add(Op::Constant { value: t }, vec![]).unwrap()
+    }
+
+    fn op(&mut self, op: Op, inputs: Vec<ValueId>) -> ValueId {
+        let name = op.name();
+        self.graph.add(op, inputs).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+}
+
+fn loss_of(graph: &Graph, params: &BTreeMap<String, Tensor>) -> f64 {
+    autotp_ir::eval::eval_graph(graph, params, &[]).unwrap()[0].get_f64(0)
+}
+
+/// Differentiates `case` (output `y`) and compares with central differences.
+fn check(label: &str, mut case: Case, rng: &mut Rng) {
+    let y = case.graph.outputs()[0].1;
+    let shape = case.graph.ty(y).shape.clone();
+    let r = case.constant(rng.tensor(&shape, -1.0, 1.0));
+    let weighted = case.op(Op::Binary(BinaryOp::Mul), vec![y, r]);
+    let all = (0..shape.len()).collect();
+    let loss = case.op(Op::Reduce { op: ReduceOp::Sum, axes: all, keep_dims: false }, vec![weighted]);
+    let mut forward = Graph::new("loss");
+    std::mem::swap(&mut forward, &mut case.graph);
+    // Keep only the loss as output so the finite differences evaluate just it.
+    let mut with_loss = forward.clone();
+    with_loss.add_output("loss", loss);
+    let loss_only = {
+        let mut g = with_loss.clone();
+        let text = autotp_ir::text::print(&g);
+        let text = text.lines().filter(|l| !l.trim_start().starts_with("output \"y\"")).collect::<Vec<_>>().join("\n");
+        g = autotp_ir::text::parse(&text).unwrap();
+        g
+    };
+    let mut grad_graph = with_loss.clone();
+    Autodiff { loss: "loss".into() }.run(&mut grad_graph).unwrap_or_else(|e| panic!("{label}: {e}"));
+    autotp_ir::verify(&grad_graph).unwrap_or_else(|e| panic!("{label}: {e}"));
+    let outputs =
+        autotp_ir::eval::eval_graph(&grad_graph, &case.params, &[]).unwrap_or_else(|e| panic!("{label}: {e}"));
+    let h = 1e-6;
+    for (name, value) in &case.params {
+        let index = grad_graph.outputs().iter().position(|(n, _)| *n == format!("{GRAD_PREFIX}{name}")).unwrap();
+        let analytic = &outputs[index];
+        assert_eq!(analytic.ty, value.ty, "{label}: gradient of {name} has the wrong type");
+        for i in 0..value.numel() {
+            let perturbed = |delta: f64| {
+                let mut values = value.to_f64_vec();
+                values[i] += delta;
+                let mut params = case.params.clone();
+                params.insert(name.clone(), Tensor::from_pod(DType::F64, value.shape().to_vec(), &values));
+                loss_of(&loss_only, &params)
+            };
+            let numeric = (perturbed(h) - perturbed(-h)) / (2.0 * h);
+            let a = analytic.get_f64(i);
+            let tolerance = 1e-6 + 1e-5 * a.abs().max(numeric.abs());
+            assert!(
+                (a - numeric).abs() <= tolerance,
+                "{label}: d loss / d {name}[{i}] is {a}, finite differences give {numeric}"
+            );
+        }
+    }
+}
+
+fn output(case: &mut Case, y: ValueId) {
+    case.graph.add_output("y", y);
+}
+
+const SEEDS: [u64; 3] = [1, 2, 3];
+
+#[test]
+fn unary_ops() {
+    use UnaryOp::*;
+    for seed in SEEDS {
+        for (op, lo, hi) in [
+            (Neg, -1.0, 1.0),
+            (Abs, 0.1, 1.0),
+            (Exp, -1.0, 1.0),
+            (Log, 0.5, 2.0),
+            (Sqrt, 0.5, 2.0),
+            (Rsqrt, 0.5, 2.0),
+            (Reciprocal, 0.5, 2.0),
+            (Tanh, -1.0, 1.0),
+            (Erf, -1.0, 1.0),
+            (Sigmoid, -2.0, 2.0),
+            (Relu, 0.1, 1.0),
+            (Sin, -2.0, 2.0),
+            (Cos, -2.0, 2.0),
+        ] {
+            let mut rng = Rng(seed);
+            let mut case = Case::new();
+            let rank = 1 + (rng.next() * 3.0) as usize;
+            let shape = rng.shape(rank);
+            let p = case.param(&mut rng, &shape, lo, hi);
+            // Relu and abs also on negative values: shift half the elements below zero.
+            let x = if matches!(op, Relu | Abs) {
+                let shift = case.param(&mut rng, &shape, -1.1, 0.0);
+                case.op(Op::Binary(BinaryOp::Add), vec![p, shift])
+            } else {
+                p
+            };
+            let y = case.op(Op::Unary(op), vec![x]);
+            output(&mut case, y);
+            check(&format!("{} seed {seed}", op.name()), case, &mut rng);
+        }
+    }
+}
+
+/// Two shapes that broadcast: random dims of the second set to 1 or dropped.
+fn broadcast_pair(rng: &mut Rng) -> (Vec<usize>, Vec<usize>) {
+    let rank = 1 + (rng.next() * 3.0) as usize;
+    let a = rng.shape(rank);
+    let mut b: Vec<usize> = a.iter().map(|&d| if rng.next() < 0.4 { 1 } else { d }).collect();
+    if rng.next() < 0.3 {
+        b.remove(0);
+    }
+    if rng.next() < 0.5 {
+        (a, b)
+    } else {
+        (b, a)
+    }
+}
+
+#[test]
+fn binary_ops_with_broadcasting() {
+    use BinaryOp::*;
+    for seed in SEEDS {
+        for op in [Add, Sub, Mul, Div, Pow, Max, Min] {
+            let mut rng = Rng(seed * 31 + op as u64);
+            let mut case = Case::new();
+            let (sa, sb) = broadcast_pair(&mut rng);
+            let (lo, hi) = if matches!(op, Div | Pow) { (0.5, 2.0) } else { (-1.0, 1.0) };
+            let a = case.param(&mut rng, &sa, lo, hi);
+            let b = case.param(&mut rng, &sb, lo, hi);
+            let y = case.op(Op::Binary(op), vec![a, b]);
+            output(&mut case, y);
+            check(&format!("{} {sa:?} {sb:?} seed {seed}", op.name()), case, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn select_cast_and_reductions() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed + 100);
+        let shape = rng.shape(3);
+        let mut case = Case::new();
+        let a = case.param(&mut rng, &shape, -1.0, 1.0);
+        let b = case.param(&mut rng, &shape[1..], -1.0, 1.0);
+        let zero = case.constant(Tensor::full(DType::F64, vec![], 0.0));
+        let cond = case.op(Op::Binary(BinaryOp::Greater), vec![a, zero]);
+        let s = case.op(Op::Select, vec![cond, a, b]);
+        let y = case.op(Op::Cast { to: DType::F64 }, vec![s]);
+        output(&mut case, y);
+        check(&format!("select/cast seed {seed}"), case, &mut rng);
+
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod] {
+            for keep_dims in [true, false] {
+                let mut case = Case::new();
+                let shape = rng.shape(3);
+                let x = case.param(&mut rng, &shape, 0.5, 1.5);
+                let axes: Vec<usize> = (0..3).filter(|_| rng.next() < 0.6).collect();
+                let axes = if axes.is_empty() { vec![1] } else { axes };
+                let y = case.op(Op::Reduce { op, axes: axes.clone(), keep_dims }, vec![x]);
+                output(&mut case, y);
+                check(&format!("reduce_{} {shape:?} axes {axes:?} keep {keep_dims}", op.name()), case, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_all_layouts() {
+    for seed in SEEDS {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut rng = Rng(seed * 7 + ta as u64 * 2 + tb as u64);
+            let (m, k, n) = (rng.dim(), rng.dim(), rng.dim());
+            let batch_rank = 1 + (rng.next() * 2.0) as usize;
+            let batch = rng.shape(batch_rank);
+            let mut a_shape = if rng.next() < 0.5 { batch.clone() } else { vec![] };
+            a_shape.extend(if ta { [k, m] } else { [m, k] });
+            let mut b_shape = if rng.next() < 0.5 {
+                batch.iter().map(|&d| if rng.next() < 0.5 { 1 } else { d }).collect()
+            } else {
+                vec![]
+            };
+            b_shape.extend(if tb { [n, k] } else { [k, n] });
+            let mut case = Case::new();
+            let a = case.param(&mut rng, &a_shape, -1.0, 1.0);
+            let b = case.param(&mut rng, &b_shape, -1.0, 1.0);
+            let y = case.op(Op::MatMul { transpose_lhs: ta, transpose_rhs: tb }, vec![a, b]);
+            output(&mut case, y);
+            check(
+                &format!(
+                    "matmul {a_shape:?}{} x {b_shape:?}{}",
+                    if ta { "^T" } else { "" },
+                    if tb { "^T" } else { "" }
+                ),
+                case,
+                &mut rng,
+            );
+        }
+    }
+}
+
+#[test]
+fn data_movement() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed + 500);
+        let shape = rng.shape(3);
+        let n: usize = shape.iter().product();
+        let cases: Vec<(&str, Box<dyn Fn(&mut Case, &mut Rng, ValueId) -> ValueId>)> = vec![
+            ("reshape", Box::new(move |c, _, x| c.op(Op::Reshape { shape: vec![n] }, vec![x]))),
+            ("transpose", Box::new(|c, _, x| c.op(Op::Transpose { perm: vec![2, 0, 1] }, vec![x]))),
+            (
+                "slice",
+                Box::new(|c, _, x| {
+                    let s = c.graph.ty(x).shape.clone();
+                    let starts: Vec<usize> = s.iter().map(|&d| d / 2).collect();
+                    let ends = s.iter().map(|&d| d as i64).collect();
+                    c.op(Op::Slice { starts, ends, steps: vec![1; 3] }, vec![x])
+                }),
+            ),
+            (
+                "concat",
+                Box::new(|c, r, x| {
+                    let mut s = c.graph.ty(x).shape.clone();
+                    s[1] = r.dim();
+                    let other = c.param(r, &s, -1.0, 1.0);
+                    c.op(Op::Concat { axis: 1 }, vec![x, other, x])
+                }),
+            ),
+            (
+                "expand",
+                Box::new(|c, r, x| {
+                    let mut s = vec![r.dim()];
+                    s.extend(c.graph.ty(x).shape.clone());
+                    c.op(Op::Expand { shape: s }, vec![x])
+                }),
+            ),
+            (
+                "pad",
+                Box::new(|c, _, x| c.op(Op::Pad { begin: vec![1, 0, 2], end: vec![0, 3, 1], value: 0.5 }, vec![x])),
+            ),
+            ("triu", Box::new(|c, _, x| c.op(Op::Triangle { upper: true, k: 0 }, vec![x]))),
+            ("tril", Box::new(|c, _, x| c.op(Op::Triangle { upper: false, k: 1 }, vec![x]))),
+            (
+                "gather",
+                Box::new(|c, r, x| {
+                    let len = c.graph.ty(x).shape[1];
+                    let idx: Vec<i64> = (0..5).map(|_| (r.next() * len as f64) as i64).collect();
+                    let idx = c.constant(Tensor::from_i64(vec![5], &idx));
+                    c.op(Op::Gather { axis: 1 }, vec![x, idx])
+                }),
+            ),
+            (
+                "scatter_add",
+                Box::new(|c, r, x| {
+                    let s = c.graph.ty(x).shape.clone();
+                    let idx: Vec<i64> = (0..s[1]).map(|_| (r.next() * 3.0) as i64).collect();
+                    let idx = c.constant(Tensor::from_i64(vec![s[1]], &idx));
+                    c.op(Op::ScatterAdd { axis: 1, size: 3 }, vec![idx, x])
+                }),
+            ),
+        ];
+        for (label, build) in cases {
+            let mut case = Case::new();
+            let x = case.param(&mut rng, &shape, -1.0, 1.0);
+            let y = build(&mut case, &mut rng, x);
+            output(&mut case, y);
+            check(&format!("{label} {shape:?} seed {seed}"), case, &mut rng);
+        }
+        let mut case = Case::new();
+        let mut wide = shape.clone();
+        wide[2] += 2;
+        let x = case.param(&mut rng, &wide, -1.0, 1.0);
+        let node = case.graph.add_node(Op::Split { axis: 2, sizes: vec![shape[2], 2] }, vec![x], 2).unwrap();
+        let outs = case.graph.node(node).outputs.clone();
+        // Only the second piece reaches the loss: the first gets a zero gradient.
+        output(&mut case, outs[1]);
+        check(&format!("split {wide:?} seed {seed}"), case, &mut rng);
+    }
+}
+
+#[test]
+fn composite_ops() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed + 900);
+        let shape = rng.shape(3);
+        for axis in 0..3 {
+            for log in [false, true] {
+                let mut case = Case::new();
+                let x = case.param(&mut rng, &shape, -2.0, 2.0);
+                let op = if log { Op::LogSoftmax { axis } } else { Op::Softmax { axis } };
+                let y = case.op(op, vec![x]);
+                output(&mut case, y);
+                check(&format!("softmax log={log} axis {axis} {shape:?}"), case, &mut rng);
+            }
+        }
+        for axis in 1..3 {
+            for bias in [false, true] {
+                let mut case = Case::new();
+                let x = case.param(&mut rng, &shape, -2.0, 2.0);
+                let w = case.param(&mut rng, &shape[axis..], 0.5, 1.5);
+                let mut ins = vec![x, w];
+                if bias {
+                    ins.push(case.param(&mut rng, &shape[axis..], -1.0, 1.0));
+                }
+                let y = case.op(Op::LayerNorm { axis, eps: 1e-5 }, ins);
+                output(&mut case, y);
+                check(&format!("layer_norm axis {axis} bias {bias} {shape:?}"), case, &mut rng);
+            }
+            let mut case = Case::new();
+            let x = case.param(&mut rng, &shape, -2.0, 2.0);
+            let w = case.param(&mut rng, &shape[axis..], 0.5, 1.5);
+            let y = case.op(Op::RmsNorm { axis, eps: 1e-6 }, vec![x, w]);
+            output(&mut case, y);
+            check(&format!("rms_norm axis {axis} {shape:?}"), case, &mut rng);
+        }
+        for approx in [GeluApprox::None, GeluApprox::Tanh] {
+            let mut case = Case::new();
+            let x = case.param(&mut rng, &shape, -3.0, 3.0);
+            let y = case.op(Op::Gelu { approx }, vec![x]);
+            output(&mut case, y);
+            check(&format!("gelu {approx:?} {shape:?}"), case, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn classification_losses() {
+    for seed in SEEDS {
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            for (ignore, weighted, log_prob, nll) in [
+                (false, false, false, false),
+                (true, false, false, false),
+                (true, true, false, false),
+                (false, false, true, false),
+                (true, true, false, true),
+                (false, false, false, true),
+            ] {
+                let mut rng = Rng(seed * 13 + reduction as u64);
+                let (n, classes, inner) = (rng.dim(), 1 + rng.dim(), rng.dim());
+                let mut case = Case::new();
+                let scores = case.param(&mut rng, &[n, classes, inner], -2.0, 2.0);
+                let mut labels: Vec<i64> = (0..n * inner).map(|_| (rng.next() * classes as f64) as i64).collect();
+                if ignore {
+                    labels[0] = -100;
+                }
+                let labels = case.constant(Tensor::from_i64(vec![n, inner], &labels));
+                let mut ins = vec![scores, labels];
+                if weighted {
+                    let w = rng.tensor(&[classes], 0.5, 2.0);
+                    ins.push(case.constant(w));
+                }
+                let ignore_index = ignore.then_some(-100);
+                let label = format!(
+                    "{} {reduction:?} ignore {ignore} weighted {weighted} log_prob {log_prob}",
+                    if nll { "nll" } else { "cross_entropy" }
+                );
+                if nll {
+                    let lp = case.op(Op::LogSoftmax { axis: 1 }, vec![scores]);
+                    ins[0] = lp;
+                    let y = case.op(Op::NllLoss { ignore_index, reduction }, ins);
+                    output(&mut case, y);
+                } else {
+                    let node = case
+                        .graph
+                        .add_node(Op::CrossEntropy { ignore_index, reduction }, ins, if log_prob { 2 } else { 1 })
+                        .unwrap();
+                    let outs = case.graph.node(node).outputs.clone();
+                    let y = if log_prob {
+                        // Use both outputs: the loss and the log-probabilities.
+                        let all = (0..3).collect();
+                        let s = case.op(Op::Reduce { op: ReduceOp::Sum, axes: all, keep_dims: false }, vec![outs[1]]);
+                        let total = case.op(
+                            Op::Reduce {
+                                op: ReduceOp::Sum,
+                                axes: (0..case.graph.ty(outs[0]).rank()).collect(),
+                                keep_dims: false,
+                            },
+                            vec![outs[0]],
+                        );
+                        case.op(Op::Binary(BinaryOp::Add), vec![s, total])
+                    } else {
+                        outs[0]
+                    };
+                    output(&mut case, y);
+                }
+                check(&format!("{label} seed {seed}"), case, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn refuses_what_it_cannot_differentiate() {
+    let mut case = Case::new();
+    let mut rng = Rng(5);
+    let x = case.param(&mut rng, &[4], -1.0, 1.0);
+    let y = case.op(Op::Slice { starts: vec![3], ends: vec![-1], steps: vec![-1] }, vec![x]);
+    let all = vec![0];
+    let loss = case.op(Op::Reduce { op: ReduceOp::Sum, axes: all, keep_dims: false }, vec![y]);
+    case.graph.add_output("loss", loss);
+    let err = Autodiff { loss: "loss".into() }.run(&mut case.graph).unwrap_err();
+    assert!(err.to_string().contains("slice has no gradient rule for strided or reversed slices"), "{err}");
+    let err = Autodiff { loss: "nope".into() }.run(&mut case.graph).unwrap_err();
+    assert!(err.to_string().contains("the graph has no output named 'nope'"), "{err}");
+}
