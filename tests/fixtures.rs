@@ -99,3 +99,32 @@ fn weights_are_not_copied() {
         assert!(range.contains(&at), "{name} was copied out of the model's bytes");
     }
 }
+
+#[test]
+fn gradients_match_pytorch() {
+    // autodiff over the imported loss graph against torch.autograd, parameter by parameter.
+    for arch in ARCHES {
+        let mut model = autotp_frontend::import_onnx(&fixture(arch, "model_loss.onnx"), &options()).unwrap();
+        autotp_passes::PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
+        let manager =
+            autotp_passes::PassManager::new(vec![Box::new(autotp_passes::autodiff::Autodiff { loss: "loss".into() })]);
+        manager.run(&mut model.graph).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let ids = read_npy(&fixture(arch, "input_ids.npy"));
+        let outputs = autotp_ir::eval::eval_graph(&model.graph, &model.weights, &[ids.clone(), ids]).unwrap();
+        let (mut compared, mut worst) = (0, 0f64);
+        for ((name, _), value) in model.graph.outputs().iter().zip(&outputs) {
+            let Some(param) = name.strip_prefix(autotp_passes::autodiff::GRAD_PREFIX) else { continue };
+            let reference = read_npy(&fixture(arch, &format!("grads/{param}.npy")));
+            let (diff, scale) = max_abs_diff(value, &reference);
+            assert!(
+                diff <= 1e-4 * scale.max(1e-6),
+                "{arch}: gradient of {param} differs by {diff} (reference max {scale})"
+            );
+            compared += 1;
+            worst = worst.max(diff / scale.max(1e-6));
+        }
+        println!("{arch}: {compared} parameter gradients, worst max|diff| / max|ref| = {worst:.2e}");
+        let expected = std::fs::read_dir(fixture(arch, "grads")).unwrap().count();
+        assert_eq!(compared, expected, "{arch}: compared {compared} gradients, PyTorch has {expected}");
+    }
+}

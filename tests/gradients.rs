@@ -254,13 +254,16 @@ fn matmul_all_layouts() {
     }
 }
 
+/// Builds `y` from the case's parameter `x`.
+type BuildFn = dyn Fn(&mut Case, &mut Rng, ValueId) -> ValueId;
+
 #[test]
 fn data_movement() {
     for seed in SEEDS {
         let mut rng = Rng(seed + 500);
         let shape = rng.shape(3);
         let n: usize = shape.iter().product();
-        let cases: Vec<(&str, Box<dyn Fn(&mut Case, &mut Rng, ValueId) -> ValueId>)> = vec![
+        let cases: Vec<(&str, Box<BuildFn>)> = vec![
             ("reshape", Box::new(move |c, _, x| c.op(Op::Reshape { shape: vec![n] }, vec![x]))),
             ("transpose", Box::new(|c, _, x| c.op(Op::Transpose { perm: vec![2, 0, 1] }, vec![x]))),
             (
