@@ -1,9 +1,8 @@
 //! Helpers shared by the end-to-end tests.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use autotp_ir::{DType, Graph, Tensor, TensorType};
+use autotp_ir::{DType, Tensor, TensorType};
 
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -36,18 +35,6 @@ pub fn random_tensor(ty: &TensorType, seed: u64) -> Tensor {
         .collect();
     let bytes: Vec<u8> = values.iter().flat_map(|&v| autotp_ir::scalar_bytes(ty.dtype, v)).collect();
     Tensor::from_pod(ty.dtype, ty.shape.clone(), &bytes)
-}
-
-/// Random inputs and parameters for a graph.
-pub fn random_feed(graph: &Graph, seed: u64) -> (Vec<Tensor>, BTreeMap<String, Tensor>) {
-    let inputs = graph.inputs().iter().enumerate().map(|(i, &v)| random_tensor(graph.ty(v), seed + i as u64)).collect();
-    let params = graph
-        .params()
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| (graph.name_of(v).unwrap().to_string(), random_tensor(graph.ty(v), seed + 1000 + i as u64)))
-        .collect();
-    (inputs, params)
 }
 
 /// Largest |a - b| over all elements, and the largest |b|.

@@ -278,6 +278,11 @@ impl<'g> Rewriter<'g> {
         self.map[old.index()] = Some(new);
     }
 
+    /// Finishes with no outputs; the caller adds its own.
+    pub fn finish_without_outputs(self) -> Graph {
+        self.new
+    }
+
     /// Finishes with the old graph's outputs, mapped.
     pub fn finish(mut self) -> Graph {
         for (name, v) in &self.old.outputs {

@@ -7,10 +7,12 @@
 //! |-------------|---------------------------------------------------------------------|
 //! | `autodiff`  | appends the reverse-mode gradients of the loss ([`autodiff`])        |
 //! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
+//! | `loss`      | one scalar `loss` output: the model's, or mean cross-entropy ([`loss`]) |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
 
 pub mod autodiff;
 pub mod dce;
+pub mod loss;
 pub mod recognize;
 
 use std::time::Instant;
