@@ -4,9 +4,11 @@
 //!   arena at planned offsets, with its [`MemoryPlan`]. It never refers to the IR.
 //! - [`Executor`]: runs a program on the CPU with the builtin kernels.
 //! - [`npy`]: reading and writing `.npy` files for inputs and outputs.
+//! - [`data`]: the training token stream and its windows (the data contract).
 //!
 //! This is the only crate that allocates device memory or starts rank threads.
 
+pub mod data;
 mod executor;
 pub mod npy;
 mod program;
