@@ -11,4 +11,5 @@ mod conformance;
 mod fixtures;
 mod golden;
 mod gradients;
+mod optimizers;
 mod verifier;

@@ -1,7 +1,7 @@
 //! Lowering of one op, with its input and output types, to the builtin kernel that computes
 //! it. The reference evaluator and codegen both use this, so they run identical kernels.
 
-use autotp_kernels::{ClassLossDims, Kernel, MatMulDims};
+use autotp_kernels::{AdamWConfig, ClassLossDims, Kernel, MatMulDims, SgdConfig};
 
 use crate::{Op, TensorType};
 
@@ -69,6 +69,14 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
         Op::ScatterAdd { axis, .. } => {
             Kernel::ScatterAdd { dtype: inputs[1].dtype, index_dtype: inputs[0].dtype, out: out_shape(), axis: *axis }
         }
+        Op::AdamW { beta1, beta2, eps, weight_decay } => Kernel::AdamW {
+            dtype,
+            config: AdamWConfig { beta1: *beta1, beta2: *beta2, eps: *eps, weight_decay: *weight_decay },
+        },
+        Op::Sgd { momentum, weight_decay, nesterov } => Kernel::Sgd {
+            dtype,
+            config: SgdConfig { momentum: *momentum, weight_decay: *weight_decay, nesterov: *nesterov },
+        },
         Op::GatherElements { axis } => Kernel::GatherElements {
             dtype,
             index_dtype: inputs[1].dtype,

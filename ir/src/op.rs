@@ -106,6 +106,20 @@ pub enum Op {
         ignore_index: Option<i64>,
         reduction: Reduction,
     },
+    /// `adamw param, grad, m, v, lr, step -> param', m', v'`: one torch.optim.AdamW step
+    /// (decoupled weight decay, bias correction); `lr` and `step` (1-based) are scalars.
+    AdamW {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+    /// `sgd param, grad, buffer, lr -> param', buffer'`: one torch.optim.SGD step (dampening 0).
+    Sgd {
+        momentum: f64,
+        weight_decay: f64,
+        nesterov: bool,
+    },
     /// `nll_loss log_probs[N, C, ...], labels[N, ...][, weights[C]]` -> loss.
     NllLoss {
         ignore_index: Option<i64>,
@@ -143,6 +157,8 @@ impl Op {
             Op::Gelu { .. } => "gelu".into(),
             Op::CrossEntropy { .. } => "cross_entropy".into(),
             Op::NllLoss { .. } => "nll_loss".into(),
+            Op::AdamW { .. } => "adamw".into(),
+            Op::Sgd { .. } => "sgd".into(),
         }
     }
 
@@ -164,7 +180,11 @@ impl Op {
                 Err(format!("axis {axis} is out of range for rank {rank}"))
             }
         };
-        if !matches!(self, Op::Split { .. } | Op::CrossEntropy { .. } | Op::NllLoss { .. }) && num_outputs != 1 {
+        if !matches!(
+            self,
+            Op::Split { .. } | Op::CrossEntropy { .. } | Op::NllLoss { .. } | Op::AdamW { .. } | Op::Sgd { .. }
+        ) && num_outputs != 1
+        {
             return Err(format!("has {num_outputs} outputs, expects 1"));
         }
         match self {
@@ -426,6 +446,23 @@ impl Op {
                 expect_arity(1, 1)?;
                 float_only(inputs[0])?;
                 one(inputs[0].clone())
+            }
+            Op::AdamW { .. } | Op::Sgd { .. } => {
+                // AdamW: param, grad, m, v + lr, step. SGD: param, grad, buffer + lr.
+                let (tensors, scalars, outputs) = if matches!(self, Op::AdamW { .. }) { (4, 2, 3) } else { (3, 1, 2) };
+                expect_arity(tensors + scalars, tensors + scalars)?;
+                let p = inputs[0];
+                float_only(p)?;
+                if let Some(t) = inputs[1..tensors].iter().find(|t| **t != p) {
+                    return Err(format!("gradient and state must match the parameter {p}, got {t}"));
+                }
+                if let Some(t) = inputs[tensors..].iter().find(|t| t.dtype != p.dtype || t.rank() != 0) {
+                    return Err(format!("learning rate and step must be {} scalars, got {t}", p.dtype));
+                }
+                if num_outputs != outputs {
+                    return Err(format!("has {num_outputs} outputs, expects {outputs}"));
+                }
+                Ok(vec![p.clone(); outputs])
             }
             Op::CrossEntropy { reduction, .. } | Op::NllLoss { reduction, .. } => {
                 expect_arity(2, 3)?;

@@ -169,6 +169,17 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         | Op::LogSoftmax { axis } => {
             vec![("axis", Attr::Int(*axis as i64))]
         }
+        Op::AdamW { beta1, beta2, eps, weight_decay } => vec![
+            ("beta1", Attr::Float(*beta1)),
+            ("beta2", Attr::Float(*beta2)),
+            ("eps", Attr::Float(*eps)),
+            ("weight_decay", Attr::Float(*weight_decay)),
+        ],
+        Op::Sgd { momentum, weight_decay, nesterov } => vec![
+            ("momentum", Attr::Float(*momentum)),
+            ("weight_decay", Attr::Float(*weight_decay)),
+            ("nesterov", bool_attr(*nesterov)),
+        ],
         Op::ScatterAdd { axis, size } => vec![("axis", Attr::Int(*axis as i64)), ("size", Attr::Int(*size as i64))],
         Op::Split { axis, sizes } => {
             vec![("axis", Attr::Int(*axis as i64)), ("sizes", ints(sizes))]
@@ -876,6 +887,17 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         "gather" => Op::Gather { axis: take_usize(a, "axis")? },
         "gather_elements" => Op::GatherElements { axis: take_usize(a, "axis")? },
         "scatter_add" => Op::ScatterAdd { axis: take_usize(a, "axis")?, size: take_usize(a, "size")? },
+        "adamw" => Op::AdamW {
+            beta1: take_float(a, "beta1")?,
+            beta2: take_float(a, "beta2")?,
+            eps: take_float(a, "eps")?,
+            weight_decay: take_float(a, "weight_decay")?,
+        },
+        "sgd" => Op::Sgd {
+            momentum: take_float(a, "momentum")?,
+            weight_decay: take_float(a, "weight_decay")?,
+            nesterov: take_flag(a, "nesterov")?,
+        },
         "pad" => {
             Op::Pad { begin: take_usizes(a, "begin")?, end: take_usizes(a, "end")?, value: take_float(a, "value")? }
         }

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::elementwise::BinaryShapes;
 use crate::nn::ClassLossDims;
+use crate::optim::{AdamWConfig, SgdConfig};
 use crate::{BinaryOp, DType, GeluApprox, KernelError, MatMulDims, ReduceOp, UnaryOp};
 
 /// One builtin kernel, with static shapes. Inputs and outputs are listed in the order
@@ -55,6 +56,10 @@ pub enum Kernel {
     Gelu { dtype: DType, approx: GeluApprox },
     /// `[scores, labels, weights?] -> [loss, log_prob?]`
     CrossEntropy { dtype: DType, label_dtype: DType, dims: ClassLossDims, weighted: bool, log_prob: bool },
+    /// `[param, grad, m, v, lr, step] -> [param', m', v']` (lr and step are scalars).
+    AdamW { dtype: DType, config: AdamWConfig },
+    /// `[param, grad, momentum_buffer, lr] -> [param', momentum_buffer']`
+    Sgd { dtype: DType, config: SgdConfig },
     /// `[log_probs, labels, weights?] -> [loss]`
     NllLoss { dtype: DType, label_dtype: DType, dims: ClassLossDims, weighted: bool },
 }
@@ -86,6 +91,8 @@ impl Kernel {
             Kernel::Gelu { .. } => "gelu",
             Kernel::CrossEntropy { .. } => "cross_entropy",
             Kernel::NllLoss { .. } => "nll_loss",
+            Kernel::AdamW { .. } => "adamw",
+            Kernel::Sgd { .. } => "sgd",
         }
     }
 
@@ -204,6 +211,14 @@ impl Kernel {
                 let log_prob = if *log_prob { rest.first_mut().map(|b| &mut **b) } else { None };
                 let weights = weighted.then(|| inputs[2]);
                 crate::nn::cross_entropy(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, loss, log_prob)
+            }
+            Kernel::AdamW { dtype, config } => {
+                arity(6, 3)?;
+                crate::optim::adamw(*dtype, config, inputs, outputs)
+            }
+            Kernel::Sgd { dtype, config } => {
+                arity(4, 2)?;
+                crate::optim::sgd(*dtype, config, inputs, outputs)
             }
             Kernel::NllLoss { dtype, label_dtype, dims, weighted } => {
                 arity(if *weighted { 3 } else { 2 }, 1)?;

@@ -17,6 +17,7 @@ mod matmul;
 mod movement;
 mod nn;
 mod ops;
+mod optim;
 mod reduce;
 mod scalar;
 pub mod shape;
@@ -27,6 +28,7 @@ pub use kernel::Kernel;
 pub use matmul::MatMulDims;
 pub use nn::ClassLossDims;
 pub use ops::{BinaryOp, GeluApprox, ReduceOp, Reduction, UnaryOp};
+pub use optim::{AdamWConfig, SgdConfig};
 pub use shape::numel;
 
 /// Why a kernel could not run.

@@ -417,6 +417,8 @@ fn vjp(
             let ends = (0..xs.len()).map(|i| (begin[i] + xs[i]) as i64).collect();
             out[0] = Some(b.op(Op::Slice { starts: begin.clone(), ends, steps: vec![1; xs.len()] }, vec![d0()])?);
         }
+        // Optimizer updates come after differentiation; nothing flows back through them.
+        Op::AdamW { .. } | Op::Sgd { .. } => return Err(no_gradient(op, "(optimizer updates are not differentiable)")),
         Op::Triangle { upper, k } => out[0] = Some(b.op(Op::Triangle { upper: *upper, k: *k }, vec![d0()])?),
         Op::Softmax { axis } => {
             let (y0, d) = (y[0], d0());
