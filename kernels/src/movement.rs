@@ -166,6 +166,16 @@ fn resolve_index(index: i64, bound: usize, kernel: &'static str) -> Result<usize
     Ok(resolved as usize)
 }
 
+/// Indices into a dimension of size `bound`, negatives counted from the end, all checked.
+fn resolved_indices(
+    index_dtype: DType,
+    indices: &[u8],
+    bound: usize,
+    kernel: &'static str,
+) -> Result<Vec<usize>, KernelError> {
+    read_indices(index_dtype, indices)?.into_iter().map(|i| resolve_index(i, bound, kernel)).collect()
+}
+
 /// `out[o, i, r] = data[o, indices[i], r]` over `[outer, axis, inner]`.
 pub(crate) fn gather(
     dtype: DType,
@@ -176,9 +186,8 @@ pub(crate) fn gather(
     indices: &[u8],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let indices = read_indices(index_dtype, indices)?;
     let len = data_shape[axis];
-    let resolved: Vec<usize> = indices.iter().map(|&i| resolve_index(i, len, "gather")).collect::<Result<_, _>>()?;
+    let resolved = resolved_indices(index_dtype, indices, len, "gather")?;
     let inner = numel(&data_shape[axis + 1..]) * dtype.size();
     if inner == 0 {
         return Ok(());
@@ -202,10 +211,8 @@ pub(crate) fn scatter_add(
     updates: &[u8],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let indices = read_indices(index_dtype, indices)?;
     let size = out_shape[axis];
-    let resolved: Vec<usize> =
-        indices.iter().map(|&i| resolve_index(i, size, "scatter_add")).collect::<Result<_, _>>()?;
+    let resolved = resolved_indices(index_dtype, indices, size, "scatter_add")?;
     let outer: usize = out_shape[..axis].iter().product();
     let inner = numel(&out_shape[axis + 1..]);
     out.fill(0);
