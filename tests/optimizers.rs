@@ -1,7 +1,7 @@
 //! The optimizer update ops against torch.optim trajectories (tests/fixtures/optim, made by
-//! tests/fixtures/make_optimizer_fixtures.py): each step runs the op through codegen and the
-//! executor, feeds the new parameter and state into the next step, and compares the parameter
-//! with torch's after every step.
+//! tests/fixtures/make_optimizer_fixtures.py). The parameter and moments are program state,
+//! updated in place by `update` lines; after every step the executor's parameter is compared
+//! with torch's, and with the reference evaluator's `eval_step` (bit for bit).
 
 use autotp_runtime::{Executor, HostTensor};
 use serde_json::Value;
@@ -24,10 +24,6 @@ fn scalar(v: f32) -> HostTensor {
     HostTensor { dtype: autotp_ir::DType::F32, shape: vec![], data: v.to_le_bytes().to_vec() }
 }
 
-fn to_f32(t: &HostTensor) -> Vec<f32> {
-    t.data.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
-}
-
 fn replay(name: &str) {
     let text = std::fs::read_to_string(repo().join(format!("tests/fixtures/optim/{name}.json"))).unwrap();
     let record: Value = serde_json::from_str(&text).unwrap();
@@ -36,13 +32,15 @@ fn replay(name: &str) {
     let initial = floats(&record["initial"]);
     let n = initial.len();
     let adam = name.starts_with("adamw");
+    // The parameter and the optimizer moments live in the program (param / state) and are
+    // updated in place by `update` lines; the host only feeds gradient, lr and step.
     let graph_text = if adam {
         let betas = config["betas"].as_array().unwrap();
         format!(
-            "graph \"{name}\" {{\n input %p : f32[{n}]\n input %g : f32[{n}]\n input %m : f32[{n}]\n input %v : f32[{n}]\n \
-             input %lr : f32[]\n input %step : f32[]\n %0, %1, %2 = adamw %p, %g, %m, %v, %lr, %step \
+            "graph \"{name}\" {{\n input %g : f32[{n}]\n input %lr : f32[]\n input %step : f32[]\n param %p : f32[{n}]\n \
+             state %m : f32[{n}]\n state %v : f32[{n}]\n %0, %1, %2 = adamw %p, %g, %m, %v, %lr, %step \
              {{beta1 = {:?}, beta2 = {:?}, eps = {:?}, weight_decay = {:?}}} : f32[{n}], f32[{n}], f32[{n}]\n \
-             output \"p\" = %0\n output \"m\" = %1\n output \"v\" = %2\n}}\n",
+             update %p = %0\n update %m = %1\n update %v = %2\n}}\n",
             betas[0].as_f64().unwrap(),
             betas[1].as_f64().unwrap(),
             get("eps", 1e-8),
@@ -50,9 +48,9 @@ fn replay(name: &str) {
         )
     } else {
         format!(
-            "graph \"{name}\" {{\n input %p : f32[{n}]\n input %g : f32[{n}]\n input %buf : f32[{n}]\n input %lr : f32[]\n \
+            "graph \"{name}\" {{\n input %g : f32[{n}]\n input %lr : f32[]\n param %p : f32[{n}]\n state %buf : f32[{n}]\n \
              %0, %1 = sgd %p, %g, %buf, %lr {{momentum = {:?}, weight_decay = {:?}, nesterov = {}}} : f32[{n}], f32[{n}]\n \
-             output \"p\" = %0\n output \"buf\" = %1\n}}\n",
+             update %p = %0\n update %buf = %1\n}}\n",
             get("momentum", 0.0),
             get("weight_decay", 0.0),
             config.get("nesterov").and_then(Value::as_bool).unwrap_or(false)
@@ -62,24 +60,31 @@ fn replay(name: &str) {
     autotp_ir::verify(&graph).unwrap();
     assert!(autotp_ir::text::parse(&autotp_ir::text::print(&graph)).unwrap() == graph);
     let mut exec = Executor::new(autotp_codegen::lower(&graph).unwrap()).unwrap();
-    let (mut p, mut state_a, mut state_b) = (initial, vec![0f32; n], vec![0f32; n]);
+    exec.load_param("p", &host(&initial).data).unwrap();
+    // The reference evaluator applies the same updates: it must agree with the executor.
+    let mut reference =
+        std::collections::BTreeMap::from([("p".to_string(), autotp_ir::Tensor::from_f32(vec![n], &initial))]);
     let grads = record["grads"].as_array().unwrap();
     for (step, ((g, lr), want)) in
         grads.iter().zip(record["lrs"].as_array().unwrap()).zip(record["params"].as_array().unwrap()).enumerate()
     {
         let lr = lr.as_f64().unwrap() as f32;
-        let mut feed = vec![host(&p), host(&floats(g)), host(&state_a)];
+        let mut feed = vec![host(&floats(g)), scalar(lr)];
         if adam {
-            feed.extend([host(&state_b), scalar(lr), scalar((step + 1) as f32)]);
-        } else {
-            feed.push(scalar(lr));
+            feed.push(scalar((step + 1) as f32));
         }
-        let out = exec.run(&feed).unwrap();
-        p = to_f32(&out[0]);
-        state_a = to_f32(&out[1]);
-        if adam {
-            state_b = to_f32(&out[2]);
-        }
+        exec.run(&feed).unwrap();
+        let inputs: Vec<autotp_ir::Tensor> =
+            feed.iter().map(|h| autotp_ir::Tensor::from_pod(h.dtype, h.shape.clone(), &h.data)).collect();
+        autotp_ir::eval::eval_step(&graph, &mut reference, &inputs).unwrap();
+        let p: Vec<f32> =
+            exec.read_slot("p").unwrap().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(
+            reference["p"].bytes(),
+            exec.read_slot("p").unwrap(),
+            "{name} step {}: evaluator and executor differ",
+            step + 1
+        );
         for (i, (&got, want)) in p.iter().zip(floats(want)).enumerate() {
             let tolerance = 1e-6 * want.abs().max(1.0);
             assert!((got - want).abs() <= tolerance, "{name} step {}: p[{i}] = {got}, torch has {want}", step + 1);

@@ -100,3 +100,16 @@ fn parse_errors_name_the_line() {
     let err = autotp_ir::text::parse("graph \"g\" {\n %0 = exp %nope : f32[2]\n}").unwrap_err();
     assert!(err.to_string().contains("value %nope is not defined"), "{err}");
 }
+
+#[test]
+fn bad_updates() {
+    assert_rejects(
+        "graph \"g\" {\n input %x : f32[2]\n param %w : f32[2]\n state %s : f32[3]\n %0 = exp %w : f32[2]\n \
+         update %x = %0\n update %s = %0\n update %w = %0\n update %w = %0\n}",
+        &[
+            "update %x: can only update a parameter or a state",
+            "update %s: takes %0 (f32[2]), which is not its type f32[3]",
+            "update %w: is updated twice",
+        ],
+    );
+}

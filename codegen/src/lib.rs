@@ -8,7 +8,7 @@
 pub mod memory;
 
 use autotp_ir::{Def, Graph, Op, ValueId};
-use autotp_runtime::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot};
+use autotp_runtime::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot, Update};
 
 use memory::{align, FirstFit};
 
@@ -64,6 +64,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
     let mut dedicated = Dedicated::default();
     let params = dedicated.place(graph, graph.params(), &mut regions, &mut memory.params_bytes);
     let inputs = dedicated.place(graph, graph.inputs(), &mut regions, &mut memory.inputs_bytes);
+    let states = dedicated.place(graph, graph.states(), &mut regions, &mut memory.states_bytes);
     let mut constants = Vec::new();
     for (_, node) in graph.nodes() {
         if let Op::Constant { value } = &node.op {
@@ -83,6 +84,9 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         }
     }
     for (_, v) in graph.outputs() {
+        last_use[v.index()] = end;
+    }
+    for (_, v) in graph.updates() {
         last_use[v.index()] = end;
     }
     let mut by_last_use: Vec<Vec<usize>> = vec![Vec::new(); end + 1];
@@ -128,5 +132,13 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         })
         .collect();
     debug_assert!(graph.values().all(|(id, v)| !matches!(v.def, Def::Node(..)) || regions[id.index()].is_some()));
-    Ok(Program { name: graph.name.clone(), inputs, outputs, params, constants, instructions, memory })
+    let updates = graph
+        .updates()
+        .iter()
+        .map(|(target, value)| Update {
+            from: regions[value.index()].expect("update values are defined"),
+            to: regions[target.index()].expect("targets are parameters or states"),
+        })
+        .collect();
+    Ok(Program { name: graph.name.clone(), inputs, outputs, params, states, constants, updates, instructions, memory })
 }

@@ -44,9 +44,21 @@ fn run_kernel(op: &Op, inputs: &[&Tensor], out_types: &[TensorType]) -> Result<V
     Ok(out_types.iter().cloned().zip(bufs).map(|(t, b)| Tensor::from_aligned(t, b)).collect())
 }
 
-/// Runs a whole graph. `params` maps parameter names to tensors; `inputs` are in graph-input
-/// order. Returns the outputs in graph-output order.
+/// Runs a whole graph. `params` maps parameter and state names to tensors (a state missing from
+/// it starts at zero); `inputs` are in graph-input order. Returns the outputs in graph-output
+/// order. Updates are not applied: see [`eval_step`].
 pub fn eval_graph(
+    graph: &Graph,
+    params: &BTreeMap<String, Tensor>,
+    inputs: &[Tensor],
+) -> Result<Vec<Tensor>, EvalError> {
+    let mut all = eval_graph_with_updates(graph, params, inputs)?;
+    all.truncate(graph.outputs().len());
+    Ok(all)
+}
+
+/// The outputs, then the updated values in update order.
+fn eval_graph_with_updates(
     graph: &Graph,
     params: &BTreeMap<String, Tensor>,
     inputs: &[Tensor],
@@ -71,6 +83,12 @@ pub fn eval_graph(
         check("parameter", name, graph.ty(v), t)?;
         values[v.index()] = Some(t.clone());
     }
+    for &v in graph.states() {
+        let name = graph.name_of(v).unwrap_or("");
+        let t = params.get(name).cloned().unwrap_or_else(|| Tensor::zeros(graph.ty(v).clone()));
+        check("state", name, graph.ty(v), &t)?;
+        values[v.index()] = Some(t);
+    }
     let mut remaining = graph.use_counts();
     for (_, node) in graph.nodes() {
         let ins: Vec<&Tensor> = node
@@ -90,5 +108,21 @@ pub fn eval_graph(
             values[o.index()] = Some(t);
         }
     }
-    Ok(graph.outputs().iter().map(|(_, v)| values[v.index()].clone().expect("outputs are defined")).collect())
+    let value = |v: &crate::ValueId| values[v.index()].clone().expect("outputs and updates are defined");
+    Ok(graph.outputs().iter().map(|(_, v)| value(v)).chain(graph.updates().iter().map(|(_, v)| value(v))).collect())
+}
+
+/// Runs one step of a graph with updates: returns its outputs and applies its updates to
+/// `params` (parameters and states by name).
+pub fn eval_step(
+    graph: &Graph,
+    params: &mut BTreeMap<String, Tensor>,
+    inputs: &[Tensor],
+) -> Result<Vec<Tensor>, EvalError> {
+    let mut all = eval_graph_with_updates(graph, params, inputs)?;
+    let updates = all.split_off(graph.outputs().len());
+    for ((target, _), t) in graph.updates().iter().zip(updates) {
+        params.insert(graph.name_of(*target).unwrap_or("").to_string(), t);
+    }
+    Ok(all)
 }

@@ -32,6 +32,8 @@ pub enum Def {
     Input(usize),
     /// The i-th parameter (a trainable weight, loaded from the model's weights).
     Param(usize),
+    /// The i-th state value: persistent across steps, zero at the start (optimizer moments).
+    State(usize),
     /// Output `index` of a node.
     Node(NodeId, usize),
 }
@@ -61,7 +63,11 @@ pub struct Graph {
     nodes: Vec<Node>,
     inputs: Vec<ValueId>,
     params: Vec<ValueId>,
+    states: Vec<ValueId>,
     outputs: Vec<(String, ValueId)>,
+    /// After a run, each target (a parameter or state) takes the value: a training step's
+    /// parameter and optimizer-state updates.
+    updates: Vec<(ValueId, ValueId)>,
 }
 
 impl Graph {
@@ -86,6 +92,17 @@ impl Graph {
         let id = self.push_value(Some(name.into()), ty, Def::Param(self.params.len()));
         self.params.push(id);
         id
+    }
+
+    pub fn add_state(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
+        let id = self.push_value(Some(name.into()), ty, Def::State(self.states.len()));
+        self.states.push(id);
+        id
+    }
+
+    /// Records that after a run `target` (a parameter or state) takes `value`.
+    pub fn add_update(&mut self, target: ValueId, value: ValueId) {
+        self.updates.push((target, value));
     }
 
     /// Appends a node whose output types are already known (the parser, rewrites).
@@ -158,6 +175,14 @@ impl Graph {
         &self.outputs
     }
 
+    pub fn states(&self) -> &[ValueId] {
+        &self.states
+    }
+
+    pub fn updates(&self) -> &[(ValueId, ValueId)] {
+        &self.updates
+    }
+
     /// The value's name if it has one.
     pub fn name_of(&self, id: ValueId) -> Option<&str> {
         self.values[id.index()].name.as_deref()
@@ -170,6 +195,10 @@ impl Graph {
         for (_, v) in &self.outputs {
             live[v.index()] = true;
         }
+        for (target, value) in &self.updates {
+            live[target.index()] = true;
+            live[value.index()] = true;
+        }
         let mut node_live = vec![false; self.nodes.len()];
         for (i, node) in self.nodes.iter().enumerate().rev() {
             if node.outputs.iter().any(|o| live[o.index()]) {
@@ -180,6 +209,7 @@ impl Graph {
             }
         }
         let mut rw = Rewriter::new(self, |p| live[p.index()]);
+        // States are kept even if unread: they are the step's persistent memory.
         for (id, _) in self.nodes() {
             if node_live[id.index()] {
                 rw.copy_node(id);
@@ -215,6 +245,9 @@ impl Graph {
         for (_, v) in &self.outputs {
             counts[v.index()] += 1;
         }
+        for (_, v) in &self.updates {
+            counts[v.index()] += 1;
+        }
         counts
     }
 }
@@ -244,6 +277,12 @@ impl<'g> Rewriter<'g> {
             let id = new.add_param(v.name.clone().unwrap_or_default(), v.ty.clone());
             new.values[id.index()].placements = v.placements.clone();
             map[p.index()] = Some(id);
+        }
+        for &st in &old.states {
+            let v = &old.values[st.index()];
+            let id = new.add_state(v.name.clone().unwrap_or_default(), v.ty.clone());
+            new.values[id.index()].placements = v.placements.clone();
+            map[st.index()] = Some(id);
         }
         Rewriter { old, new, map }
     }
@@ -278,17 +317,21 @@ impl<'g> Rewriter<'g> {
         self.map[old.index()] = Some(new);
     }
 
-    /// Finishes with no outputs; the caller adds its own.
-    pub fn finish_without_outputs(self) -> Graph {
+    /// Finishes with the old graph's updates (mapped) but no outputs; the caller adds its own.
+    pub fn finish_without_outputs(mut self) -> Graph {
+        for (target, value) in &self.old.updates {
+            let (t, v) = (self.map(*target), self.map(*value));
+            self.new.updates.push((t, v));
+        }
         self.new
     }
 
-    /// Finishes with the old graph's outputs, mapped.
-    pub fn finish(mut self) -> Graph {
-        for (name, v) in &self.old.outputs {
-            let id = self.map[v.index()].expect("outputs are mapped");
-            self.new.outputs.push((name.clone(), id));
-        }
-        self.new
+    /// Finishes with the old graph's outputs and updates, mapped.
+    pub fn finish(self) -> Graph {
+        let outputs: Vec<(String, ValueId)> =
+            self.old.outputs.iter().map(|(name, v)| (name.clone(), self.map(*v))).collect();
+        let mut graph = self.finish_without_outputs();
+        graph.outputs = outputs;
+        graph
     }
 }

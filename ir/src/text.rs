@@ -12,6 +12,15 @@
 //! }
 //! ```
 //!
+//! A training step also declares `state %name : type` values (persistent, zero at the start)
+//! and, after its outputs, `update %target = %value` lines (a parameter or state takes a new
+//! value after each run):
+//!
+//! ```text
+//!   state %adamw.m.wte : f32[1000,64]
+//!   update %wte = %41
+//! ```
+//!
 //! Unnamed values print as `%N`, numbered densely in definition order; named values (inputs,
 //! parameters) print their name, quoted when it is not an identifier. Attributes print in a
 //! fixed order per op; placements other than `replicate` print after a value's type.
@@ -247,6 +256,9 @@ pub fn print(graph: &Graph) -> String {
     for &v in graph.params() {
         writeln!(out, "  param {} : {}", names.get(v), format_type_and_placement(graph, v)).unwrap();
     }
+    for &v in graph.states() {
+        writeln!(out, "  state {} : {}", names.get(v), format_type_and_placement(graph, v)).unwrap();
+    }
     for (_, node) in graph.nodes() {
         let outs: Vec<String> = node.outputs.iter().map(|&o| names.get(o)).collect();
         write!(out, "  {} = {}", outs.join(", "), node.op.name()).unwrap();
@@ -267,6 +279,9 @@ pub fn print(graph: &Graph) -> String {
     }
     for (name, v) in graph.outputs() {
         writeln!(out, "  output {} = {}", quote(name), names.get(*v)).unwrap();
+    }
+    for (target, value) in graph.updates() {
+        writeln!(out, "  update {} = {}", names.get(*target), names.get(*value)).unwrap();
     }
     out.push_str("}\n");
     out
@@ -722,15 +737,15 @@ impl<'a> Parser<'a> {
         loop {
             match self.bump()? {
                 Tok::Punct('}') => break,
-                Tok::Word(w) if w == "input" || w == "param" => {
+                Tok::Word(w) if w == "input" || w == "param" || w == "state" => {
                     let key = self.value_token()?;
                     self.expect_punct(':')?;
                     let ty = self.tensor_type()?;
                     let placements = self.placements()?;
-                    let id = if w == "input" {
-                        self.graph.add_input(key.1.clone(), ty)
-                    } else {
-                        self.graph.add_param(key.1.clone(), ty)
+                    let id = match w.as_str() {
+                        "input" => self.graph.add_input(key.1.clone(), ty),
+                        "param" => self.graph.add_param(key.1.clone(), ty),
+                        _ => self.graph.add_state(key.1.clone(), ty),
                     };
                     if key.0 {
                         return Err(self.error_at(format!("{w} %{} needs a name, not a number", key.1)));
@@ -739,6 +754,12 @@ impl<'a> Parser<'a> {
                     if let Some(p) = placements {
                         self.graph.value_mut(id).placements = p;
                     }
+                }
+                Tok::Word(w) if w == "update" => {
+                    let target = self.use_value()?;
+                    self.expect_punct('=')?;
+                    let value = self.use_value()?;
+                    self.graph.add_update(target, value);
                 }
                 Tok::Word(w) if w == "output" => {
                     let name = self.string()?;

@@ -53,6 +53,12 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
         }
         defined[v.index()] = true;
     }
+    for (i, &v) in graph.states().iter().enumerate() {
+        if graph.value(v).def != Def::State(i) {
+            err(names.get(v), format!("is listed as state {i} but is not defined as one"));
+        }
+        defined[v.index()] = true;
+    }
     for (id, value) in graph.values() {
         if let Some(name) = &value.name {
             if let Some(prev) = seen_names.insert(name.clone(), id) {
@@ -124,6 +130,31 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
     for (name, v) in graph.outputs() {
         if v.index() >= graph.num_values() || !defined[v.index()] {
             err(format!("output \"{name}\""), "refers to a value that is not defined".into());
+        }
+    }
+    let mut updated = std::collections::BTreeSet::new();
+    for (target, value) in graph.updates() {
+        if target.index() >= graph.num_values() || value.index() >= graph.num_values() || !defined[value.index()] {
+            err("an update".into(), "refers to a value that is not defined".into());
+            continue;
+        }
+        let at = format!("update {}", names.get(*target));
+        if !matches!(graph.value(*target).def, Def::Param(_) | Def::State(_)) {
+            err(at.clone(), "can only update a parameter or a state".into());
+        }
+        if graph.ty(*target) != graph.ty(*value) {
+            err(
+                at.clone(),
+                format!(
+                    "takes {} ({}), which is not its type {}",
+                    names.get(*value),
+                    graph.ty(*value),
+                    graph.ty(*target)
+                ),
+            );
+        }
+        if !updated.insert(*target) {
+            err(at, "is updated twice".into());
         }
     }
     if errors.is_empty() {

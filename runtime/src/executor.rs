@@ -34,6 +34,12 @@ impl Executor {
         &self.program
     }
 
+    /// The current bytes of a parameter or state.
+    pub fn read_slot(&self, name: &str) -> Option<&[u8]> {
+        let slot = self.program.params.iter().chain(&self.program.states).find(|s| s.name == name)?;
+        Some(&self.arena.as_slice()[slot.region.offset..slot.region.end()])
+    }
+
     /// Loads one parameter's bytes (from a weights file or an initializer).
     pub fn load_param(&mut self, name: &str, bytes: &[u8]) -> Result<(), RuntimeError> {
         let slot = self
@@ -78,6 +84,10 @@ impl Executor {
             let mut outs: Vec<&mut [u8]> =
                 outputs.iter().map(|r| unsafe { std::slice::from_raw_parts_mut(base.add(r.offset), r.len) }).collect();
             kernel.run(&ins, &mut outs).map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
+        }
+        let arena = self.arena.as_mut_slice();
+        for u in &self.program.updates {
+            arena.copy_within(u.from.offset..u.from.end(), u.to.offset);
         }
         let arena = self.arena.as_slice();
         Ok(self

@@ -14,7 +14,7 @@ pub mod npy;
 mod program;
 
 pub use executor::{Executor, HostTensor};
-pub use program::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot};
+pub use program::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot, Update};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {

@@ -46,6 +46,13 @@ pub struct ConstantData {
     pub bytes: Vec<u8>,
 }
 
+/// After a run, the bytes at `from` replace those at `to` (a parameter or state).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Update {
+    pub from: Region,
+    pub to: Region,
+}
+
 /// One step of the program.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Instruction {
@@ -57,6 +64,8 @@ pub enum Instruction {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryPlan {
     pub params_bytes: usize,
+    /// Persistent state (optimizer moments), zero at load.
+    pub states_bytes: usize,
     pub inputs_bytes: usize,
     pub constants_bytes: usize,
     /// Peak bytes of intermediate values (activations) live at once.
@@ -71,7 +80,10 @@ pub struct Program {
     pub inputs: Vec<Slot>,
     pub outputs: Vec<Slot>,
     pub params: Vec<Slot>,
+    pub states: Vec<Slot>,
     pub constants: Vec<ConstantData>,
+    /// Copies applied after the instructions: a training step's new parameters and states.
+    pub updates: Vec<Update>,
     pub instructions: Vec<Instruction>,
     pub memory: MemoryPlan,
 }
@@ -82,7 +94,7 @@ impl Program {
     pub fn validate(&self) -> Result<(), RuntimeError> {
         let size = self.memory.arena_bytes;
         let bad = |what: String| Err(RuntimeError::InvalidProgram(what));
-        let slots = self.inputs.iter().chain(&self.outputs).chain(&self.params);
+        let slots = self.inputs.iter().chain(&self.outputs).chain(&self.params).chain(&self.states);
         for slot in slots {
             if slot.region.end() > size {
                 return bad(format!(
@@ -104,6 +116,15 @@ impl Program {
         for c in &self.constants {
             if c.region.end() > size || c.bytes.len() != c.region.len {
                 return bad(format!("a constant at offset {} does not fit its region", c.region.offset));
+            }
+        }
+        for u in &self.updates {
+            if u.from.end() > size
+                || u.to.end() > size
+                || u.from.len != u.to.len
+                || (u.from != u.to && u.from.overlaps(&u.to))
+            {
+                return bad(format!("an update from offset {} to {} is out of place", u.from.offset, u.to.offset));
             }
         }
         for (i, Instruction::Kernel { inputs, outputs, label, .. }) in self.instructions.iter().enumerate() {
