@@ -2,6 +2,7 @@
 //!
 //!     autotp import MODEL.onnx --batch 4 --seq-len 32 [-o OUT.ir]
 //!     autotp infer MODEL.onnx --input input_ids=ids.npy --output-dir out/
+//!     autotp train MODEL.onnx --seq-len 32 --micro-batch 8 --data tokens.bin --steps 30
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,6 +13,8 @@ use anyhow::{bail, Context, Result};
 use autotp_frontend::{ImportOptions, Model};
 use autotp_runtime::{Executor, HostTensor};
 use clap::{Args, Parser, Subcommand};
+
+mod train;
 
 #[derive(Parser)]
 #[command(
@@ -51,6 +54,8 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         output_dir: PathBuf,
     },
+    /// Compile a single-rank training step and train on CPU, printing the loss of every step.
+    Train(train::TrainArgs),
 }
 
 #[derive(Args)]
@@ -186,6 +191,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Import { model, shapes, output, simplify } => run_import(model, shapes, output.as_deref(), *simplify),
         Command::Infer { model, inputs, output_dir } => run_infer(model, inputs, output_dir),
+        Command::Train(args) => train::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -14,6 +14,7 @@
 
 use std::path::Path;
 
+use autotp_passes::optimize::{Optimize, Optimizer};
 use autotp_passes::{autodiff::Autodiff, dce::Dce, loss::AttachLoss, recognize::Recognize, Pass, PassManager};
 
 use crate::common::{max_abs_diff, random_tensor, repo};
@@ -24,6 +25,10 @@ fn pass_by_name(name: &str) -> Box<dyn Pass> {
         "recognize" => Box::new(Recognize),
         "loss" => Box::new(AttachLoss),
         "autodiff" => Box::new(Autodiff { loss: "loss".into() }),
+        "optimize" => Box::new(Optimize {
+            optimizer: Optimizer::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
+            grad_clip: Some(1.0),
+        }),
         other => panic!("unknown pass '{other}' in a golden file"),
     }
 }

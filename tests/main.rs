@@ -12,4 +12,5 @@ mod fixtures;
 mod golden;
 mod gradients;
 mod optimizers;
+mod train;
 mod verifier;

@@ -8,11 +8,13 @@
 //! | `autodiff`  | appends the reverse-mode gradients of the loss ([`autodiff`])        |
 //! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
 //! | `loss`      | one scalar `loss` output: the model's, or mean cross-entropy ([`loss`]) |
+//! | `optimize`  | AdamW/SGD updates of every parameter, optional grad clipping ([`optimize`]) |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
 
 pub mod autodiff;
 pub mod dce;
 pub mod loss;
+pub mod optimize;
 pub mod recognize;
 
 use std::time::Instant;

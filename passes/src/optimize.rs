@@ -1,0 +1,142 @@
+//! `optimize`: turns a differentiated graph into a training step. For every parameter `p` with
+//! a `grad.p` output (from `autodiff`) it adds the optimizer update, its moments as `state`
+//! values (`adamw.m.p`, `adamw.v.p`, or `sgd.momentum.p`), and `update` lines for the parameter
+//! and its moments. The gradients stop being outputs. New scalar inputs: `lr` and, for AdamW,
+//! `step` (1-based), so learning-rate schedules are computed by the host.
+//!
+//! With `grad_clip`, gradients are first scaled as torch.nn.utils.clip_grad_norm_ does
+//! (`min(1, clip / (norm + 1e-6))` over the global L2 norm), and the norm becomes an output,
+//! `grad_norm`.
+//!
+//! Input phase: differentiated. Output: a training step. Tests: tests/golden/optimize_*.ir and
+//! the training runs of tests/train.rs.
+
+use autotp_ir::{BinaryOp, Graph, Op, ReduceOp, Rewriter, Tensor, TensorType, UnaryOp, ValueId};
+
+use crate::autodiff::GRAD_PREFIX;
+use crate::{Pass, PassError};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Optimizer {
+    AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+    Sgd { momentum: f64, weight_decay: f64, nesterov: bool },
+}
+
+pub struct Optimize {
+    pub optimizer: Optimizer,
+    pub grad_clip: Option<f64>,
+}
+
+const PASS: &str = "optimize";
+
+fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
+    let name = op.name();
+    g.add(op, inputs).map_err(|m| PassError::Invalid { pass: PASS, message: format!("{name}: {m}") })
+}
+
+impl Pass for Optimize {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let invalid = |message: String| PassError::Invalid { pass: PASS, message };
+        let grad_of = |p: ValueId| {
+            let name = format!("{GRAD_PREFIX}{}", graph.name_of(p).unwrap_or(""));
+            graph.outputs().iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+        };
+        let pairs: Vec<(ValueId, ValueId)> = graph
+            .params()
+            .iter()
+            .map(|&p| {
+                grad_of(p).map(|g| (p, g)).ok_or_else(|| {
+                    invalid(format!(
+                        "parameter '{}' has no gradient output: run autodiff first",
+                        graph.name_of(p).unwrap_or("")
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let Some(&(first, _)) = pairs.first() else {
+            return Err(invalid("the model has no parameters to train".into()));
+        };
+        let dtype = graph.ty(first).dtype;
+        let mut rw = Rewriter::new(graph, |_| true);
+        let scalar = TensorType::scalar(dtype);
+        let lr = rw.graph().add_input("lr", scalar.clone());
+        let step =
+            matches!(self.optimizer, Optimizer::AdamW { .. }).then(|| rw.graph().add_input("step", scalar.clone()));
+        for (id, _) in graph.nodes() {
+            rw.copy_node(id);
+        }
+        let mut grads: Vec<ValueId> = pairs.iter().map(|&(_, g)| rw.map(g)).collect();
+        let mut outputs: Vec<(String, ValueId)> = graph
+            .outputs()
+            .iter()
+            .filter(|(n, _)| !n.starts_with(GRAD_PREFIX))
+            .map(|(n, v)| (n.clone(), rw.map(*v)))
+            .collect();
+        let g = rw.graph();
+        if let Some(clip) = self.grad_clip {
+            let mut total = None;
+            for &grad in &grads {
+                let sq = add(g, Op::Binary(BinaryOp::Mul), vec![grad, grad])?;
+                let axes = (0..g.ty(grad).rank()).collect();
+                let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![sq])?;
+                total = Some(match total {
+                    Some(t) => add(g, Op::Binary(BinaryOp::Add), vec![t, s])?,
+                    None => s,
+                });
+            }
+            let norm = add(g, Op::Unary(UnaryOp::Sqrt), vec![total.expect("at least one parameter")])?;
+            let constant =
+                |g: &mut Graph, v: f64| add(g, Op::Constant { value: Tensor::full(dtype, vec![], v) }, vec![]);
+            let eps = constant(g, 1e-6)?;
+            let max_norm = constant(g, clip)?;
+            let one = constant(g, 1.0)?;
+            let denom = add(g, Op::Binary(BinaryOp::Add), vec![norm, eps])?;
+            let coef = add(g, Op::Binary(BinaryOp::Div), vec![max_norm, denom])?;
+            let coef = add(g, Op::Binary(BinaryOp::Min), vec![coef, one])?;
+            for grad in &mut grads {
+                *grad = add(g, Op::Binary(BinaryOp::Mul), vec![*grad, coef])?;
+            }
+            outputs.push(("grad_norm".into(), norm));
+        }
+        let mut updates = Vec::new();
+        for (&(p, _), &grad) in pairs.iter().zip(&grads) {
+            let name = graph.name_of(p).unwrap_or("").to_string();
+            let ty = graph.ty(p).clone();
+            let param = rw.map(p);
+            let g = rw.graph();
+            match &self.optimizer {
+                &Optimizer::AdamW { beta1, beta2, eps, weight_decay } => {
+                    let m = g.add_state(format!("adamw.m.{name}"), ty.clone());
+                    let v = g.add_state(format!("adamw.v.{name}"), ty.clone());
+                    let inputs = vec![param, grad, m, v, lr, step.expect("adamw has a step input")];
+                    let node = g
+                        .add_node(Op::AdamW { beta1, beta2, eps, weight_decay }, inputs, 3)
+                        .map_err(|m| invalid(format!("adamw for '{name}': {m}")))?;
+                    let outs = g.node(node).outputs.clone();
+                    updates.extend([(param, outs[0]), (m, outs[1]), (v, outs[2])]);
+                }
+                &Optimizer::Sgd { momentum, weight_decay, nesterov } => {
+                    let buf = g.add_state(format!("sgd.momentum.{name}"), ty.clone());
+                    let node = g
+                        .add_node(Op::Sgd { momentum, weight_decay, nesterov }, vec![param, grad, buf, lr], 2)
+                        .map_err(|m| invalid(format!("sgd for '{name}': {m}")))?;
+                    let outs = g.node(node).outputs.clone();
+                    updates.extend([(param, outs[0]), (buf, outs[1])]);
+                }
+            }
+        }
+        let mut result = rw.finish_without_outputs();
+        for (name, v) in outputs {
+            result.add_output(name, v);
+        }
+        for (target, value) in updates {
+            result.add_update(target, value);
+        }
+        *graph = result.without_dead_code();
+        Ok(())
+    }
+}

@@ -1,0 +1,117 @@
+//! Single-rank training through `autotp train` against PyTorch's loss curves
+//! (tests/fixtures/make_training_fixtures.py): 30 AdamW steps (lr 2e-3, betas 0.9/0.95, eps 1e-8,
+//! weight decay 0.01), global batch 8, sequence 32, the contract's data windows and loss. The
+//! contract's tolerance: 1e-5 relative at step 1, 1e-3 at every step.
+
+use std::process::Command;
+
+use crate::common::{fixture, repo};
+
+fn train_matches_pytorch(arch: &str) {
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join(format!("tests/fixtures/train/{arch}_adamw.json"))).unwrap(),
+    )
+    .unwrap();
+    let want: Vec<f64> = reference["losses"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let metrics = std::env::temp_dir().join(format!("autotp-train-{}-{arch}.jsonl", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["train", fixture(arch, "model.onnx").to_str().unwrap()])
+        .args(["--seq-len", "32", "--micro-batch", "8", "--steps", "30"])
+        .args(["--data", repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap()])
+        .args(["--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"])
+        .args(["--metrics-out", metrics.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{arch}: {}", String::from_utf8_lossy(&out.stderr));
+    let got: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(got.len(), want.len(), "{arch}: {} metric lines", got.len());
+    let relative: Vec<f64> = got.iter().zip(&want).map(|(g, w)| (g - w).abs() / w.abs()).collect();
+    assert!(relative[0] <= 1e-5, "{arch}: step 1 loss {} vs torch {} ({:.2e} relative)", got[0], want[0], relative[0]);
+    let (worst_step, worst) =
+        relative.iter().enumerate().fold((0, 0f64), |acc, (i, &r)| if r > acc.1 { (i, r) } else { acc });
+    assert!(
+        worst <= 1e-3,
+        "{arch}: step {} loss {} vs torch {} ({worst:.2e} relative)",
+        worst_step + 1,
+        got[worst_step],
+        want[worst_step]
+    );
+    assert!(got[29] < got[0], "{arch}: the loss did not fall ({} -> {})", got[0], got[29]);
+    println!(
+        "{arch}: 30 steps, loss {:.6} -> {:.6}, step 1 {:.2e}, worst {worst:.2e} relative to torch",
+        got[0], got[29], relative[0]
+    );
+}
+
+#[test]
+fn gpt2_trains_like_pytorch() {
+    train_matches_pytorch("gpt2");
+}
+
+#[test]
+fn llama_trains_like_pytorch() {
+    train_matches_pytorch("llama");
+}
+
+#[test]
+fn bad_training_input() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_autotp")).args(args).output().unwrap();
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        stderr
+    };
+    let model = fixture("gpt2", "model.onnx");
+    let model = model.to_str().unwrap();
+    let short = std::env::temp_dir().join(format!("autotp-short-{}.bin", std::process::id()));
+    std::fs::write(&short, [1u8, 0, 2, 0, 3, 0]).unwrap();
+    let err = run(&[
+        "train",
+        model,
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "1",
+        "--data",
+        short.to_str().unwrap(),
+    ]);
+    assert!(err.contains("holds 3 tokens, fewer than one window of seq-len + 1 = 33"), "{err}");
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let err = run(&[
+        "train",
+        model,
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "1",
+        "--data",
+        tokens.to_str().unwrap(),
+        "--data-dtype",
+        "u8",
+    ]);
+    assert!(err.contains("unknown token dtype 'u8' (expected u16 or u32)"), "{err}");
+    let err = run(&[
+        "train",
+        model,
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "1",
+        "--data",
+        tokens.to_str().unwrap(),
+        "--optimizer",
+        "lion",
+    ]);
+    assert!(err.contains("--optimizer 'lion' is not one of adamw, sgd"), "{err}");
+}
