@@ -108,8 +108,8 @@ impl Pass for Optimize {
             let ty = graph.ty(p).clone();
             let param = rw.map(p);
             let g = rw.graph();
-            match &self.optimizer {
-                &Optimizer::AdamW { beta1, beta2, eps, weight_decay } => {
+            match self.optimizer {
+                Optimizer::AdamW { beta1, beta2, eps, weight_decay } => {
                     let m = g.add_state(format!("adamw.m.{name}"), ty.clone());
                     let v = g.add_state(format!("adamw.v.{name}"), ty.clone());
                     let inputs = vec![param, grad, m, v, lr, step.expect("adamw has a step input")];
@@ -119,7 +119,7 @@ impl Pass for Optimize {
                     let outs = g.node(node).outputs.clone();
                     updates.extend([(param, outs[0]), (m, outs[1]), (v, outs[2])]);
                 }
-                &Optimizer::Sgd { momentum, weight_decay, nesterov } => {
+                Optimizer::Sgd { momentum, weight_decay, nesterov } => {
                     let buf = g.add_state(format!("sgd.momentum.{name}"), ty.clone());
                     let node = g
                         .add_node(Op::Sgd { momentum, weight_decay, nesterov }, vec![param, grad, buf, lr], 2)
