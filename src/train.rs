@@ -15,6 +15,7 @@ use autotp_passes::loss::AttachLoss;
 use autotp_passes::optimize::{Optimize, Optimizer};
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::data::{TokenData, TokenDtype};
+use autotp_runtime::schedule::Schedule;
 use autotp_runtime::{Executor, HostTensor};
 use clap::Args;
 
@@ -38,8 +39,17 @@ pub struct TrainArgs {
     /// adamw or sgd.
     #[arg(long, default_value = "adamw")]
     optimizer: String,
+    /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
+    /// constant, or cosine (linear warmup over --warmup-steps, then cosine decay to --min-lr at
+    /// the last step, as Hugging Face's get_cosine_schedule_with_warmup).
+    #[arg(long, default_value = "constant")]
+    lr_schedule: String,
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_lr: f64,
     /// AdamW betas: B1,B2.
     #[arg(long, default_value = "0.9,0.999")]
     betas: String,
@@ -85,8 +95,22 @@ fn f32_value(t: &HostTensor) -> f64 {
     f32::from_le_bytes(t.data[..4].try_into().expect("a scalar f32")) as f64
 }
 
+fn schedule(args: &TrainArgs) -> Result<Schedule> {
+    Ok(match args.lr_schedule.as_str() {
+        "constant" => Schedule::Constant { lr: args.lr },
+        "cosine" => Schedule::WarmupCosine {
+            lr: args.lr,
+            warmup_steps: args.warmup_steps,
+            total_steps: args.steps,
+            min_lr: args.min_lr,
+        },
+        other => bail!("--lr-schedule '{other}' is not one of constant, cosine"),
+    })
+}
+
 pub fn run(args: &TrainArgs) -> Result<()> {
     let optimizer = optimizer(args)?;
+    let schedule = schedule(args)?;
     let dtype = TokenDtype::parse(&args.data_dtype)?;
     let data = TokenData::open(&args.data, dtype, args.seq_len)?;
     let options = ImportOptions { batch: Some(args.micro_batch), seq_len: Some(args.seq_len), ..Default::default() };
@@ -133,6 +157,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let start = Instant::now();
     for step in 0..args.steps {
         let batch = data.batch(step, args.micro_batch);
+        let lr = schedule.lr(step);
         let labels = if own_loss { &batch.input_ids } else { &batch.labels };
         let feed: Vec<HostTensor> = feeds
             .iter()
@@ -157,7 +182,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         for (name, t) in outputs.iter().zip(&result) {
             record.insert(name.clone(), f32_value(t).into());
         }
-        record.insert("lr".into(), args.lr.into());
+        record.insert("lr".into(), lr.into());
         let loss = f32_value(&result[0]);
         let tokens_per_s = ((step + 1) * args.micro_batch * args.seq_len) as f64 / start.elapsed().as_secs_f64();
         println!("step {:>5}/{} loss {loss:.6} ({tokens_per_s:.0} tokens/s)", step + 1, args.steps);

@@ -115,3 +115,74 @@ fn bad_training_input() {
     ]);
     assert!(err.contains("--optimizer 'lion' is not one of adamw, sgd"), "{err}");
 }
+
+#[test]
+fn cosine_schedule_follows_hugging_face() {
+    let metrics = std::env::temp_dir().join(format!("autotp-train-cosine-{}.jsonl", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args([
+            "train",
+            fixture("gpt2", "model.onnx").to_str().unwrap(),
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "6",
+        ])
+        .args(["--data", repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap()])
+        .args([
+            "--lr",
+            "1e-2",
+            "--lr-schedule",
+            "cosine",
+            "--warmup-steps",
+            "2",
+            "--metrics-out",
+            metrics.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lrs: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"].as_f64().unwrap())
+        .collect();
+    let expected: Vec<f64> = (0..6)
+        .map(|s| {
+            if s < 2 {
+                1e-2 * s as f64 / 2.0
+            } else {
+                1e-2 * 0.5 * (1.0 + (std::f64::consts::PI * (s - 2) as f64 / 4.0).cos())
+            }
+        })
+        .collect();
+    for (got, want) in lrs.iter().zip(&expected) {
+        assert!((got - want).abs() < 1e-12, "lr {got} != {want} ({lrs:?})");
+    }
+    let stderr = {
+        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args([
+                "train",
+                fixture("gpt2", "model.onnx").to_str().unwrap(),
+                "--seq-len",
+                "32",
+                "--micro-batch",
+                "2",
+                "--steps",
+                "1",
+            ])
+            .args([
+                "--data",
+                repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap(),
+                "--lr-schedule",
+                "linear",
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(stderr.contains("--lr-schedule 'linear' is not one of constant, cosine"), "{stderr}");
+}

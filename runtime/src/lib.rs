@@ -5,6 +5,7 @@
 //! - [`Executor`]: runs a program on the CPU with the builtin kernels.
 //! - [`npy`]: reading and writing `.npy` files for inputs and outputs.
 //! - [`data`]: the training token stream and its windows (the data contract).
+//! - [`schedule`]: learning-rate schedules (constant; linear warmup then cosine).
 //!
 //! This is the only crate that allocates device memory or starts rank threads.
 
@@ -12,6 +13,7 @@ pub mod data;
 mod executor;
 pub mod npy;
 mod program;
+pub mod schedule;
 
 pub use executor::{Executor, HostTensor};
 pub use program::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot, Update};
