@@ -7,6 +7,16 @@ use std::process::Command;
 
 use crate::common::{fixture, repo};
 
+/// Runs `autotp train` on an architecture's logits export over the committed token file.
+fn autotp_train(arch: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["train", fixture(arch, "model.onnx").to_str().unwrap(), "--seq-len", "32"])
+        .args(["--data", repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap()])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 fn train_matches_pytorch(arch: &str) {
     let reference: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(repo().join(format!("tests/fixtures/train/{arch}_adamw.json"))).unwrap(),
@@ -14,14 +24,13 @@ fn train_matches_pytorch(arch: &str) {
     .unwrap();
     let want: Vec<f64> = reference["losses"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     let metrics = std::env::temp_dir().join(format!("autotp-train-{}-{arch}.jsonl", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
-        .args(["train", fixture(arch, "model.onnx").to_str().unwrap()])
-        .args(["--seq-len", "32", "--micro-batch", "8", "--steps", "30"])
-        .args(["--data", repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap()])
-        .args(["--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"])
-        .args(["--metrics-out", metrics.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = autotp_train(
+        arch,
+        &["--micro-batch", "8", "--steps", "30", "--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8"]
+            .into_iter()
+            .chain(["--weight-decay", "0.01", "--metrics-out", metrics.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
     assert!(out.status.success(), "{arch}: {}", String::from_utf8_lossy(&out.stderr));
     let got: Vec<f64> = std::fs::read_to_string(&metrics)
         .unwrap()
@@ -119,30 +128,10 @@ fn bad_training_input() {
 #[test]
 fn cosine_schedule_follows_hugging_face() {
     let metrics = std::env::temp_dir().join(format!("autotp-train-cosine-{}.jsonl", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
-        .args([
-            "train",
-            fixture("gpt2", "model.onnx").to_str().unwrap(),
-            "--seq-len",
-            "32",
-            "--micro-batch",
-            "2",
-            "--steps",
-            "6",
-        ])
-        .args(["--data", repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap()])
-        .args([
-            "--lr",
-            "1e-2",
-            "--lr-schedule",
-            "cosine",
-            "--warmup-steps",
-            "2",
-            "--metrics-out",
-            metrics.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let metrics_path = metrics.to_str().unwrap();
+    let schedule =
+        ["--micro-batch", "2", "--steps", "6", "--lr", "1e-2", "--lr-schedule", "cosine", "--warmup-steps", "2"];
+    let out = autotp_train("gpt2", &[&schedule[..], &["--metrics-out", metrics_path]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let lrs: Vec<f64> = std::fs::read_to_string(&metrics)
         .unwrap()
@@ -161,28 +150,8 @@ fn cosine_schedule_follows_hugging_face() {
     for (got, want) in lrs.iter().zip(&expected) {
         assert!((got - want).abs() < 1e-12, "lr {got} != {want} ({lrs:?})");
     }
-    let stderr = {
-        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
-            .args([
-                "train",
-                fixture("gpt2", "model.onnx").to_str().unwrap(),
-                "--seq-len",
-                "32",
-                "--micro-batch",
-                "2",
-                "--steps",
-                "1",
-            ])
-            .args([
-                "--data",
-                repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap(),
-                "--lr-schedule",
-                "linear",
-            ])
-            .output()
-            .unwrap();
-        assert!(!out.status.success());
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
+    let out = autotp_train("gpt2", &["--micro-batch", "2", "--steps", "1", "--lr-schedule", "linear"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--lr-schedule 'linear' is not one of constant, cosine"), "{stderr}");
 }
