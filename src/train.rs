@@ -116,14 +116,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let options = ImportOptions { batch: Some(args.micro_batch), seq_len: Some(args.seq_len), ..Default::default() };
     let mut model = autotp_frontend::import_onnx(&args.model, &options)?;
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == autotp_passes::loss::LOSS);
-    let mut passes: Vec<Box<dyn Pass>> = vec![
+    let passes: Vec<Box<dyn Pass>> = vec![
         Box::new(autotp_passes::recognize::Recognize),
         Box::new(autotp_passes::dce::Dce),
         Box::new(AttachLoss),
         Box::new(Autodiff { loss: autotp_passes::loss::LOSS.into() }),
         Box::new(Optimize { optimizer, grad_clip: args.grad_clip }),
+        Box::new(autotp_passes::dce::Dce),
     ];
-    passes.push(Box::new(autotp_passes::dce::Dce));
     PassManager::new(passes).run(&mut model.graph)?;
     let program = autotp_codegen::lower(&model.graph)?;
     let mut feeds = Vec::new();
@@ -133,11 +133,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             other => bail!("the model input '{other}' cannot be fed by the trainer (it feeds input_ids and labels)"),
         }
     }
-    let memory = program.memory.clone();
     let mut exec = Executor::new(program)?;
     for (name, t) in &model.weights {
         exec.load_param(name, t.bytes())?;
     }
+    let memory = &exec.program().memory;
     eprintln!(
         "training {} on {} ({} tokens, {} windows): {} parameters bytes, {} optimizer-state bytes, {} activation peak bytes",
         args.model.display(),
@@ -153,6 +153,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         None => None,
     };
     let outputs: Vec<String> = exec.program().outputs.iter().map(|s| s.name.clone()).collect();
+    let loss_index =
+        outputs.iter().position(|n| n == autotp_passes::loss::LOSS).expect("the loss pass made a loss output");
     let shape = vec![args.micro_batch, args.seq_len];
     let start = Instant::now();
     for step in 0..args.steps {
@@ -183,7 +185,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             record.insert(name.clone(), f32_value(t).into());
         }
         record.insert("lr".into(), lr.into());
-        let loss = f32_value(&result[0]);
+        let loss = f32_value(&result[loss_index]);
         let tokens_per_s = ((step + 1) * args.micro_batch * args.seq_len) as f64 / start.elapsed().as_secs_f64();
         println!("step {:>5}/{} loss {loss:.6} ({tokens_per_s:.0} tokens/s)", step + 1, args.steps);
         if let Some(file) = &mut metrics {

@@ -66,62 +66,30 @@ fn llama_trains_like_pytorch() {
     train_matches_pytorch("llama");
 }
 
+/// Asserts that a run failed cleanly (no panic) and returns its stderr.
+fn failure(out: std::process::Output) -> String {
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
 #[test]
 fn bad_training_input() {
-    let run = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_autotp")).args(args).output().unwrap();
-        assert!(!out.status.success());
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(!stderr.contains("panicked"), "{stderr}");
-        stderr
-    };
     let model = fixture("gpt2", "model.onnx");
-    let model = model.to_str().unwrap();
     let short = std::env::temp_dir().join(format!("autotp-short-{}.bin", std::process::id()));
     std::fs::write(&short, [1u8, 0, 2, 0, 3, 0]).unwrap();
-    let err = run(&[
-        "train",
-        model,
-        "--seq-len",
-        "32",
-        "--micro-batch",
-        "2",
-        "--steps",
-        "1",
-        "--data",
-        short.to_str().unwrap(),
-    ]);
+    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["train", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "2", "--steps", "1"])
+        .args(["--data", short.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = failure(out);
     assert!(err.contains("holds 3 tokens, fewer than one window of seq-len + 1 = 33"), "{err}");
-    let tokens = repo().join("tests/fixtures/train/tokens.bin");
-    let err = run(&[
-        "train",
-        model,
-        "--seq-len",
-        "32",
-        "--micro-batch",
-        "2",
-        "--steps",
-        "1",
-        "--data",
-        tokens.to_str().unwrap(),
-        "--data-dtype",
-        "u8",
-    ]);
+    let one_step = ["--micro-batch", "2", "--steps", "1"];
+    let err = failure(autotp_train("gpt2", &[&one_step[..], &["--data-dtype", "u8"]].concat()));
     assert!(err.contains("unknown token dtype 'u8' (expected u16 or u32)"), "{err}");
-    let err = run(&[
-        "train",
-        model,
-        "--seq-len",
-        "32",
-        "--micro-batch",
-        "2",
-        "--steps",
-        "1",
-        "--data",
-        tokens.to_str().unwrap(),
-        "--optimizer",
-        "lion",
-    ]);
+    let err = failure(autotp_train("gpt2", &[&one_step[..], &["--optimizer", "lion"]].concat()));
     assert!(err.contains("--optimizer 'lion' is not one of adamw, sgd"), "{err}");
 }
 
@@ -150,8 +118,6 @@ fn cosine_schedule_follows_hugging_face() {
     for (got, want) in lrs.iter().zip(&expected) {
         assert!((got - want).abs() < 1e-12, "lr {got} != {want} ({lrs:?})");
     }
-    let out = autotp_train("gpt2", &["--micro-batch", "2", "--steps", "1", "--lr-schedule", "linear"]);
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = failure(autotp_train("gpt2", &["--micro-batch", "2", "--steps", "1", "--lr-schedule", "linear"]));
     assert!(stderr.contains("--lr-schedule 'linear' is not one of constant, cosine"), "{stderr}");
 }

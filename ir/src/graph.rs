@@ -218,22 +218,6 @@ impl Graph {
         rw.finish()
     }
 
-    /// Replaces every use of `from` (node inputs and graph outputs) by `to`.
-    pub fn replace_uses(&mut self, from: ValueId, to: ValueId) {
-        for node in &mut self.nodes {
-            for v in &mut node.inputs {
-                if *v == from {
-                    *v = to;
-                }
-            }
-        }
-        for (_, v) in &mut self.outputs {
-            if *v == from {
-                *v = to;
-            }
-        }
-    }
-
     /// Number of uses of each value by nodes and graph outputs.
     pub fn use_counts(&self) -> Vec<usize> {
         let mut counts = vec![0; self.values.len()];

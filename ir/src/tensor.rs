@@ -71,10 +71,6 @@ impl Tensor {
         &self.data
     }
 
-    pub fn data(&self) -> &Bytes {
-        &self.data
-    }
-
     pub fn dtype(&self) -> DType {
         self.ty.dtype
     }

@@ -79,10 +79,6 @@ pub struct Mesh {
 }
 
 impl Mesh {
-    pub fn is_single_device(&self) -> bool {
-        self.axes.iter().all(|a| a.size == 1)
-    }
-
     /// Placements of a value replicated on every axis.
     pub fn replicated(&self) -> Vec<Placement> {
         vec![Placement::Replicate; self.axes.len()]

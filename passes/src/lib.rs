@@ -53,10 +53,6 @@ impl PassManager {
         PassManager::new(vec![Box::new(recognize::Recognize), Box::new(dce::Dce)])
     }
 
-    pub fn names(&self) -> Vec<&'static str> {
-        self.passes.iter().map(|p| p.name()).collect()
-    }
-
     pub fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         for pass in &self.passes {
             let start = Instant::now();
