@@ -802,17 +802,11 @@ fn constant_tensor(ty: &TensorType, splat: bool, items: &[String]) -> Result<Ten
                 _ => return Err(format!("bad bool literal '{item}'")),
             },
             DType::I64 => item.parse::<i64>().map_err(|_| format!("bad i64 literal '{item}'"))?.to_le_bytes().to_vec(),
-            DType::F32 => parse_float(item)
-                .map(|v| (v as f32).to_le_bytes().to_vec())
-                .ok_or_else(|| format!("bad float literal '{item}'"))?,
             dtype => {
                 let v = parse_float(item).ok_or_else(|| format!("bad {dtype} literal '{item}'"))?;
-                if dtype.is_float() {
-                    // f16/bf16 print as the f32 of their value: exact both ways.
-                    autotp_kernels::scalar_bytes(dtype, v as f32 as f64)
-                } else {
-                    autotp_kernels::scalar_bytes(dtype, v)
-                }
+                // f16/bf16 print as the f32 of their value: exact both ways.
+                let v = if matches!(dtype, DType::F16 | DType::BF16) { v as f32 as f64 } else { v };
+                autotp_kernels::scalar_bytes(dtype, v)
             }
         };
         bytes.extend(chunk);
@@ -958,4 +952,23 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
     let mut parser = Parser { lexer, tok, at, graph: Graph::default(), values: BTreeMap::new() };
     parser.graph()?;
     Ok(parser.graph)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn float_constants_round_trip_exactly() {
+        let mut g = Graph::new("constants");
+        let values = [0.1f64, 1.0 / 3.0, -2.5e-300, f64::MAX];
+        g.add(Op::Constant { value: Tensor::from_pod(DType::F64, vec![4], &values) }, vec![]).unwrap();
+        g.add(Op::Constant { value: Tensor::from_pod(DType::F32, vec![2], &[0.1f32, 1.0e-38]) }, vec![]).unwrap();
+        let half = [half::bf16::from_f32(0.3), half::bf16::from_f32(-7.0)];
+        g.add(Op::Constant { value: Tensor::from_pod(DType::BF16, vec![2], &half) }, vec![]).unwrap();
+        let last = ValueId(g.num_values() as u32 - 1);
+        g.add_output("y", last);
+        let parsed = parse(&print(&g)).unwrap();
+        assert!(parsed == g, "constants changed:\n{}\n{}", print(&g), print(&parsed));
+    }
 }
