@@ -1,8 +1,12 @@
-//! The `autotp` command line: import models, print their IR, and run them on CPU.
+//! The `autotp` command line: import models, print their IR, run them, compile and run training
+//! plans, export trained weights.
 //!
 //!     autotp import MODEL.onnx --batch 4 --seq-len 32 [-o OUT.ir]
 //!     autotp infer MODEL.onnx --input input_ids=ids.npy --output-dir out/
-//!     autotp train MODEL.onnx --seq-len 32 --micro-batch 8 --data tokens.bin --steps 30
+//!     autotp compile MODEL.onnx --seq-len 32 --micro-batch 8 [optimizer flags] -o PLAN.atp
+//!     autotp run PLAN.atp --data tokens.bin --steps 30 [--save DIR] [--resume DIR]
+//!     autotp train MODEL.onnx [compile flags] [run flags]
+//!     autotp export CKPT_DIR -o OUT.onnx [--safetensors OUT.safetensors]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,6 +18,9 @@ use autotp_frontend::{ImportOptions, Model};
 use autotp_runtime::{Executor, HostTensor};
 use clap::{Args, Parser, Subcommand};
 
+mod compile;
+mod export;
+mod run;
 mod train;
 
 #[derive(Parser)]
@@ -54,8 +61,14 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         output_dir: PathBuf,
     },
-    /// Compile a single-rank training step and train on CPU, printing the loss of every step.
+    /// Compile a model into a training plan (.atp) and print its summary.
+    Compile(compile::CompileArgs),
+    /// Train a compiled plan on CPU over a token file.
+    Run(run::RunArgs),
+    /// Compile and run in one go.
     Train(train::TrainArgs),
+    /// Write a checkpoint's weights into the original ONNX model and/or a safetensors file.
+    Export(export::ExportArgs),
 }
 
 #[derive(Args)]
@@ -148,7 +161,7 @@ fn run_infer(model: &Path, inputs: &[String], output_dir: &Path) -> Result<()> {
     }
     let mut executor = Executor::new(program)?;
     for (name, tensor) in &imported.weights {
-        executor.load_param(name, tensor.bytes())?;
+        executor.load_slot(name, tensor.bytes())?;
     }
     let start = Instant::now();
     let outputs = executor.run(&feed)?;
@@ -191,7 +204,10 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Import { model, shapes, output, simplify } => run_import(model, shapes, output.as_deref(), *simplify),
         Command::Infer { model, inputs, output_dir } => run_infer(model, inputs, output_dir),
+        Command::Compile(args) => compile::run(args),
+        Command::Run(args) => run::run(args),
         Command::Train(args) => train::run(args),
+        Command::Export(args) => export::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

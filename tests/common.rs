@@ -12,6 +12,50 @@ pub fn fixture(arch: &str, file: &str) -> PathBuf {
     repo().join("tests/fixtures").join(arch).join(file)
 }
 
+/// Import options binding the fixtures' symbolic batch and sequence dims.
+pub fn bound() -> autotp_frontend::ImportOptions {
+    autotp_frontend::ImportOptions { batch: Some(8), seq_len: Some(32), ..Default::default() }
+}
+
+/// A fresh, empty scratch directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("autotp-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs the `autotp` binary with `args` (paths as strings).
+pub fn autotp<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_autotp")).args(args).output().unwrap()
+}
+
+/// Asserts that a run succeeded and returns its stdout.
+pub fn success(out: std::process::Output) -> String {
+    assert!(out.status.success(), "autotp failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Asserts that a run failed cleanly (no panic) and returns its stderr.
+pub fn failure(out: std::process::Output) -> String {
+    assert!(!out.status.success(), "autotp succeeded:\n{}", String::from_utf8_lossy(&out.stdout));
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+/// The `(step, loss)` of every line of a metrics file.
+pub fn losses(metrics: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
 pub const ARCHES: [&str; 5] = ["gpt2", "llama", "bert", "gpt_neox", "qwen2"];
 
 pub fn read_npy(path: &Path) -> Tensor {

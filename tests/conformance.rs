@@ -53,7 +53,7 @@ fn run_case(dir: &Path) -> Result<(), String> {
     let program = autotp_codegen::lower(&model.graph).map_err(|e| e.to_string())?;
     let mut exec = Executor::new(program).map_err(|e| e.to_string())?;
     for (name, t) in &model.weights {
-        exec.load_param(name, t.bytes()).map_err(|e| e.to_string())?;
+        exec.load_slot(name, t.bytes()).map_err(|e| e.to_string())?;
     }
     for ds in data_sets {
         let mut inputs = Vec::new();

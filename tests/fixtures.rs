@@ -16,7 +16,7 @@ fn run(arch: &str, file: &str, inputs: &[&str]) -> Vec<autotp_ir::Tensor> {
     let program = autotp_codegen::lower(&model.graph).unwrap();
     let mut exec = Executor::new(program).unwrap();
     for (name, t) in &model.weights {
-        exec.load_param(name, t.bytes()).unwrap();
+        exec.load_slot(name, t.bytes()).unwrap();
     }
     let feed: Vec<HostTensor> = inputs
         .iter()
@@ -106,8 +106,7 @@ fn gradients_match_pytorch() {
     for arch in ARCHES {
         let mut model = autotp_frontend::import_onnx(&fixture(arch, "model_loss.onnx"), &options()).unwrap();
         autotp_passes::PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
-        let manager =
-            autotp_passes::PassManager::new(vec![Box::new(autotp_passes::autodiff::Autodiff { loss: "loss".into() })]);
+        let manager = autotp_passes::PassManager::new(vec![Box::new(autotp_passes::autodiff::Autodiff::new("loss"))]);
         manager.run(&mut model.graph).unwrap_or_else(|e| panic!("{arch}: {e}"));
         let ids = read_npy(&fixture(arch, "input_ids.npy"));
         let outputs = autotp_ir::eval::eval_graph(&model.graph, &model.weights, &[ids.clone(), ids]).unwrap();

@@ -1,7 +1,7 @@
 //! Golden IR tests: each `tests/golden/*.ir` file holds
 //!
 //! ```text
-//! # passes: recognize dce
+//! # passes: recognize dce            (autodiff:freeze=P1,P2 freezes parameters)
 //! graph "..." { ... }        <- input
 //! # expect:
 //! graph "..." { ... }        <- expected output of the passes
@@ -19,12 +19,20 @@ use autotp_passes::{autodiff::Autodiff, dce::Dce, loss::AttachLoss, recognize::R
 
 use crate::common::{max_abs_diff, random_tensor, repo};
 
-fn pass_by_name(name: &str) -> Box<dyn Pass> {
+/// A pass from its spelling in a golden file: `name`, or `autodiff:freeze=P1,P2`.
+fn pass_by_name(spec: &str) -> Box<dyn Pass> {
+    let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
         "dce" => Box::new(Dce),
         "recognize" => Box::new(Recognize),
         "loss" => Box::new(AttachLoss),
-        "autodiff" => Box::new(Autodiff { loss: "loss".into() }),
+        "autodiff" => {
+            let mut pass = Autodiff::new("loss");
+            if let Some(frozen) = argument.strip_prefix("freeze=") {
+                pass.frozen = frozen.split(',').map(str::to_string).collect();
+            }
+            Box::new(pass)
+        }
         "optimize" => Box::new(Optimize {
             optimizer: Optimizer::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
             grad_clip: Some(1.0),

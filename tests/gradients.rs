@@ -85,7 +85,7 @@ fn check(label: &str, mut case: Case, rng: &mut Rng) {
         g
     };
     let mut grad_graph = with_loss.clone();
-    Autodiff { loss: "loss".into() }.run(&mut grad_graph).unwrap_or_else(|e| panic!("{label}: {e}"));
+    Autodiff::new("loss").run(&mut grad_graph).unwrap_or_else(|e| panic!("{label}: {e}"));
     autotp_ir::verify(&grad_graph).unwrap_or_else(|e| panic!("{label}: {e}"));
     let outputs =
         autotp_ir::eval::eval_graph(&grad_graph, &case.params, &[]).unwrap_or_else(|e| panic!("{label}: {e}"));
@@ -456,8 +456,8 @@ fn refuses_what_it_cannot_differentiate() {
     let all = vec![0];
     let loss = case.op(Op::Reduce { op: ReduceOp::Sum, axes: all, keep_dims: false }, vec![y]);
     case.graph.add_output("loss", loss);
-    let err = Autodiff { loss: "loss".into() }.run(&mut case.graph).unwrap_err();
+    let err = Autodiff::new("loss").run(&mut case.graph).unwrap_err();
     assert!(err.to_string().contains("slice has no gradient rule for strided or reversed slices"), "{err}");
-    let err = Autodiff { loss: "nope".into() }.run(&mut case.graph).unwrap_err();
+    let err = Autodiff::new("nope").run(&mut case.graph).unwrap_err();
     assert!(err.to_string().contains("the graph has no output named 'nope'"), "{err}");
 }

@@ -4,9 +4,15 @@
 //! - `golden`: golden IR files under tests/golden (input IR, pass list, expected IR).
 //! - `verifier`: hand-made broken graphs and the verifier's messages.
 //! - `cli`: the command line on bad input: one clear line, non-zero exit, no panic.
+//! - `compile`: `autotp compile`'s summary, IR dumps, `--freeze`, damaged plans.
+//! - `checkpoint`: save, resume (bit-identical), a save killed midway, refusal, export.
+//! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
+//!   `conformance`: rules, optimizers and ONNX node tests against references.
 
+mod checkpoint;
 mod cli;
 mod common;
+mod compile;
 mod conformance;
 mod fixtures;
 mod golden;

@@ -60,7 +60,7 @@ fn replay(name: &str) {
     autotp_ir::verify(&graph).unwrap();
     assert!(autotp_ir::text::parse(&autotp_ir::text::print(&graph)).unwrap() == graph);
     let mut exec = Executor::new(autotp_codegen::lower(&graph).unwrap()).unwrap();
-    exec.load_param("p", &host(&initial).data).unwrap();
+    exec.load_slot("p", &host(&initial).data).unwrap();
     // The reference evaluator applies the same updates: it must agree with the executor.
     let mut reference =
         std::collections::BTreeMap::from([("p".to_string(), autotp_ir::Tensor::from_f32(vec![n], &initial))]);

@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use crate::common::{fixture, repo};
+use crate::common::{failure, fixture, repo};
 
 /// Runs `autotp train` on an architecture's logits export over the committed token file.
 fn autotp_train(arch: &str, args: &[&str]) -> std::process::Output {
@@ -64,14 +64,6 @@ fn gpt2_trains_like_pytorch() {
 #[test]
 fn llama_trains_like_pytorch() {
     train_matches_pytorch("llama");
-}
-
-/// Asserts that a run failed cleanly (no panic) and returns its stderr.
-fn failure(out: std::process::Output) -> String {
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    stderr
 }
 
 #[test]

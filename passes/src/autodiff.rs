@@ -20,6 +20,8 @@ use autotp_ir::{
     BinaryOp, DType, GeluApprox, Graph, Op, ReduceOp, Reduction, Rewriter, Tensor, TensorType, UnaryOp, ValueId,
 };
 
+use std::collections::BTreeSet;
+
 use crate::{Pass, PassError};
 
 /// Output-name prefix of the gradients.
@@ -28,9 +30,19 @@ pub const GRAD_PREFIX: &str = "grad.";
 pub struct Autodiff {
     /// Name of the scalar loss output.
     pub loss: String,
+    /// Parameters that get no gradient (`--freeze`): they stay parameters, but nothing flows
+    /// back to them and they get no `grad.` output.
+    pub frozen: BTreeSet<String>,
 }
 
 const PASS: &str = "autodiff";
+
+impl Autodiff {
+    /// Differentiates the output `loss` with respect to every parameter.
+    pub fn new(loss: &str) -> Autodiff {
+        Autodiff { loss: loss.to_string(), frozen: BTreeSet::new() }
+    }
+}
 
 /// Builds backward ops into the new graph.
 struct B<'g> {
@@ -681,8 +693,10 @@ impl Pass for Autodiff {
         }
         let n = graph.num_values();
         // Values that depend on a parameter through floating-point dataflow...
+        let trainable: Vec<ValueId> =
+            graph.params().iter().copied().filter(|&p| !self.frozen.contains(graph.name_of(p).unwrap_or(""))).collect();
         let mut depends = vec![false; n];
-        for &p in graph.params() {
+        for &p in &trainable {
             depends[p.index()] = true;
         }
         for (_, node) in graph.nodes() {
@@ -735,8 +749,7 @@ impl Pass for Autodiff {
                 });
             }
         }
-        let param_grads: Vec<(String, ValueId)> = old
-            .params()
+        let param_grads: Vec<(String, ValueId)> = trainable
             .iter()
             .map(|&p| {
                 let name = format!("{GRAD_PREFIX}{}", old.name_of(p).unwrap_or(""));

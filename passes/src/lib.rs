@@ -53,8 +53,23 @@ impl PassManager {
         PassManager::new(vec![Box::new(recognize::Recognize), Box::new(dce::Dce)])
     }
 
+    /// The passes' names, in order (a pass may appear more than once).
+    pub fn pass_names(&self) -> Vec<&'static str> {
+        self.passes.iter().map(|p| p.name()).collect()
+    }
+
     pub fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
-        for pass in &self.passes {
+        self.run_observed(graph, &mut |_, _, _| {})
+    }
+
+    /// Runs the passes; `observe(i, name, graph)` sees the graph after the i-th pass (1-based),
+    /// once it verified. `--dump-ir` and `--print-after` are observers.
+    pub fn run_observed(
+        &self,
+        graph: &mut Graph,
+        observe: &mut dyn FnMut(usize, &'static str, &Graph),
+    ) -> Result<(), PassError> {
+        for (i, pass) in self.passes.iter().enumerate() {
             let start = Instant::now();
             pass.run(graph)?;
             verify(graph).map_err(|errors| PassError::Verify { pass: pass.name(), errors })?;
@@ -64,6 +79,7 @@ impl PassManager {
                 seconds = start.elapsed().as_secs_f64(),
                 "ran pass"
             );
+            observe(i + 1, pass.name(), graph);
         }
         Ok(())
     }

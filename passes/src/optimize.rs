@@ -45,20 +45,13 @@ impl Pass for Optimize {
             let name = format!("{GRAD_PREFIX}{}", graph.name_of(p).unwrap_or(""));
             graph.outputs().iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
         };
-        let pairs: Vec<(ValueId, ValueId)> = graph
-            .params()
-            .iter()
-            .map(|&p| {
-                grad_of(p).map(|g| (p, g)).ok_or_else(|| {
-                    invalid(format!(
-                        "parameter '{}' has no gradient output: run autodiff first",
-                        graph.name_of(p).unwrap_or("")
-                    ))
-                })
-            })
-            .collect::<Result<_, _>>()?;
+        // The trainable parameters are those autodiff gave a gradient (frozen ones have none).
+        let pairs: Vec<(ValueId, ValueId)> =
+            graph.params().iter().filter_map(|&p| grad_of(p).map(|g| (p, g))).collect();
         let Some(&(first, _)) = pairs.first() else {
-            return Err(invalid("the model has no parameters to train".into()));
+            return Err(invalid(
+                "no parameter has a gradient output: run autodiff first, and leave something unfrozen".into(),
+            ));
         };
         let dtype = graph.ty(first).dtype;
         let mut rw = Rewriter::new(graph, |_| true);

@@ -53,6 +53,7 @@ pub enum DataError {
 
 /// A memory-mapped token stream.
 pub struct TokenData {
+    path: PathBuf,
     map: memmap2::Mmap,
     dtype: TokenDtype,
     seq_len: usize,
@@ -81,7 +82,20 @@ impl TokenData {
         if windows == 0 {
             return Err(DataError::TooShort { path: path.to_path_buf(), tokens, window: seq_len + 1 });
         }
-        Ok(TokenData { map, dtype, seq_len, windows })
+        Ok(TokenData { path: path.to_path_buf(), map, dtype, seq_len, windows })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn dtype(&self) -> TokenDtype {
+        self.dtype
+    }
+
+    /// S, the tokens per sequence the windows were cut for.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
     }
 
     pub fn tokens(&self) -> usize {

@@ -40,17 +40,19 @@ impl Executor {
         Some(&self.arena.as_slice()[slot.region.offset..slot.region.end()])
     }
 
-    /// Loads one parameter's bytes (from a weights file or an initializer).
-    pub fn load_param(&mut self, name: &str, bytes: &[u8]) -> Result<(), RuntimeError> {
+    /// Loads the bytes of a parameter (from a weights file or an initializer) or of an optimizer
+    /// state (from a checkpoint).
+    pub fn load_slot(&mut self, name: &str, bytes: &[u8]) -> Result<(), RuntimeError> {
         let slot = self
             .program
             .params
             .iter()
+            .chain(&self.program.states)
             .find(|s| s.name == name)
             .ok_or_else(|| RuntimeError::UnknownParam(name.to_string()))?;
         if bytes.len() != slot.region.len {
             return Err(RuntimeError::WrongSize {
-                what: format!("parameter '{name}'"),
+                what: format!("'{name}'"),
                 expected: slot.region.len,
                 got: bytes.len(),
             });

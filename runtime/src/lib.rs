@@ -6,14 +6,24 @@
 //! - [`npy`]: reading and writing `.npy` files for inputs and outputs.
 //! - [`data`]: the training token stream and its windows (the data contract).
 //! - [`schedule`]: learning-rate schedules (constant; linear warmup then cosine).
+//! - [`plan`]: the compiled training plan and its `.atp` file.
+//! - [`trainer`]: one training step after another over the token data; checkpoints.
+//! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically).
+//! - [`tensor_file`]: reading and atomically writing safetensors files.
 //!
 //! This is the only crate that allocates device memory or starts rank threads.
 
+use std::path::PathBuf;
+
+pub mod checkpoint;
 pub mod data;
 mod executor;
 pub mod npy;
+pub mod plan;
 mod program;
 pub mod schedule;
+pub mod tensor_file;
+pub mod trainer;
 
 pub use executor::{Executor, HostTensor};
 pub use program::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot, Update};
@@ -22,7 +32,7 @@ pub use program::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot, 
 pub enum RuntimeError {
     #[error("invalid program: {0}")]
     InvalidProgram(String),
-    #[error("the program has no parameter '{0}'")]
+    #[error("the program has no parameter or state '{0}'")]
     UnknownParam(String),
     #[error("{what} has {got} bytes, expected {expected}")]
     WrongSize { what: String, expected: usize, got: usize },
@@ -34,4 +44,14 @@ pub enum RuntimeError {
     Kernel { label: String, source: autotp_kernels::KernelError },
     #[error("{path}: {message}")]
     Npy { path: String, message: String },
+    #[error("cannot {action} {path}: {source}")]
+    Io { action: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint { path: PathBuf, message: String },
+    #[error("the training plan {0}")]
+    Plan(String),
+    #[error(transparent)]
+    Data(#[from] data::DataError),
 }

@@ -89,6 +89,15 @@ pub struct Program {
 }
 
 impl Program {
+    /// A SHA-256 of the whole program (slots, kernels with their attributes, constants, memory
+    /// plan), in hex: two programs with the same fingerprint compute the same step on the same
+    /// layout. Checkpoints record it; `.atp` files carry it to detect corruption.
+    pub fn fingerprint(&self) -> String {
+        use sha2::Digest;
+        let json = serde_json::to_vec(self).expect("a Program always serializes");
+        sha2::Sha256::digest(&json).iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// Checks that every region is inside the arena and that no instruction's outputs overlap
     /// its inputs or each other; the executor relies on this to hand kernels disjoint slices.
     pub fn validate(&self) -> Result<(), RuntimeError> {

@@ -3,6 +3,7 @@
 //! with the IR's reference evaluator, which folds the shape arithmetic PyTorch exports
 //! (Shape/Gather/Concat/Reshape chains, masks) so the resulting graph is fully static.
 
+pub mod export;
 mod ops;
 pub mod proto;
 pub mod tensor;

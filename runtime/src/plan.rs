@@ -1,0 +1,228 @@
+//! The compiled training plan (`TrainingPlan`) and its file, `.atp`.
+//!
+//! A plan is everything `autotp run` needs besides the data: the [`Program`] of one training
+//! step, how to feed it ([`TrainingConfig`]: batch, labels, schedule) and where the model came
+//! from ([`ModelSource`], for `autotp export`).
+//!
+//! An `.atp` file is a safetensors file, so any safetensors reader can open it:
+//! - tensors: the initial weights, by parameter name (the ONNX initializer names), and the
+//!   program's constants as `u8` tensors named `autotp.constant.<index>`;
+//! - header metadata: `autotp.format` ([`FORMAT`]), `autotp.plan` (the plan as JSON, constants'
+//!   bytes left out) and `autotp.fingerprint` (the program's fingerprint, checked on load, so a
+//!   damaged file is refused rather than run).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use autotp_kernels::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::schedule::Schedule;
+use crate::tensor_file::{self, TensorFile, TensorRef};
+use crate::{Program, RuntimeError};
+
+/// The `.atp` format this build reads and writes.
+pub const FORMAT: &str = "autotp-plan/1";
+const CONSTANT_PREFIX: &str = "autotp.constant.";
+
+/// Where the model's weights came from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelSource {
+    /// The graph's name.
+    pub name: String,
+    /// The ONNX file, absolute; `autotp export` writes trained weights into a copy of it.
+    pub path: PathBuf,
+}
+
+/// What the step's `labels` input receives.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Labels {
+    /// The next tokens (window[1..S+1]); the compiler added the loss.
+    NextTokens,
+    /// The input ids themselves: the model has its own `loss` and shifts internally
+    /// (the Hugging Face convention).
+    InputIds,
+}
+
+/// How a plan is fed and scheduled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainingConfig {
+    pub seq_len: usize,
+    /// Sequences per rank per forward pass.
+    pub micro_batch: usize,
+    /// Sequences per optimizer step, all ranks and micro-batches together (G in the contract).
+    pub global_batch: usize,
+    pub labels: Labels,
+    /// The program output holding the step's mean loss.
+    pub loss_output: String,
+    /// The optimizer and its hyperparameters, for people (the program's kernels hold them).
+    pub optimizer: String,
+    pub schedule: Schedule,
+    pub grad_clip: Option<f64>,
+    /// Parameters excluded from training (`--freeze`).
+    pub frozen: Vec<String>,
+}
+
+/// One input of the step program and what feeds it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Feed {
+    InputIds,
+    Labels,
+    /// The learning rate of this step.
+    Lr,
+    /// The 1-based optimizer step (AdamW's bias correction).
+    Step,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainingPlan {
+    pub program: Program,
+    pub training: TrainingConfig,
+    pub model: ModelSource,
+}
+
+impl TrainingPlan {
+    /// What feeds each program input, in input order; an input the trainer cannot feed, or a
+    /// missing loss output, is an error naming it.
+    pub fn feeds(&self) -> Result<Vec<Feed>, RuntimeError> {
+        let t = &self.training;
+        let tokens = [t.micro_batch, t.seq_len];
+        let mut feeds = Vec::new();
+        for slot in &self.program.inputs {
+            let (feed, dtype, shape) = match slot.name.as_str() {
+                "input_ids" => (Feed::InputIds, DType::I64, &tokens[..]),
+                "labels" => (Feed::Labels, DType::I64, &tokens[..]),
+                "lr" => (Feed::Lr, DType::F32, &[][..]),
+                "step" => (Feed::Step, DType::F32, &[][..]),
+                other => {
+                    return Err(RuntimeError::Plan(format!(
+                        "has an input '{other}' the trainer cannot feed (it feeds input_ids, labels, lr and step)"
+                    )))
+                }
+            };
+            if slot.dtype != dtype || slot.shape != shape {
+                return Err(RuntimeError::Plan(format!(
+                    "input '{}' is {}{:?}; the trainer feeds it as {dtype}{shape:?}",
+                    slot.name, slot.dtype, slot.shape
+                )));
+            }
+            feeds.push(feed);
+        }
+        if !feeds.contains(&Feed::InputIds) {
+            return Err(RuntimeError::Plan("has no 'input_ids' input".into()));
+        }
+        self.loss_index()?;
+        Ok(feeds)
+    }
+
+    /// The position of the loss among the program's outputs.
+    pub fn loss_index(&self) -> Result<usize, RuntimeError> {
+        let name = &self.training.loss_output;
+        self.program
+            .outputs
+            .iter()
+            .position(|s| &s.name == name && s.dtype == DType::F32 && s.numel() == 1)
+            .ok_or_else(|| RuntimeError::Plan(format!("has no scalar f32 output '{name}' for the loss")))
+    }
+
+    /// Parameters plus states, in bytes: what a checkpoint holds.
+    pub fn model_state_bytes(&self) -> usize {
+        self.program.params.iter().chain(&self.program.states).map(|s| s.region.len).sum()
+    }
+}
+
+/// Writes `plan` and the initial `weights` (by parameter name) as an `.atp` file, atomically.
+pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>) -> Result<(), RuntimeError> {
+    plan.program.validate()?;
+    plan.feeds()?;
+    let fingerprint = plan.program.fingerprint();
+    let mut header = plan.clone();
+    let constants = std::mem::take(&mut header.program.constants);
+    let mut tensors = Vec::new();
+    for slot in &plan.program.params {
+        if slot.name.starts_with(CONSTANT_PREFIX) {
+            return Err(RuntimeError::Plan(format!("parameter '{}' uses a name reserved for constants", slot.name)));
+        }
+        let bytes = weights
+            .get(&slot.name)
+            .ok_or_else(|| RuntimeError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
+        if bytes.len() != slot.region.len {
+            return Err(RuntimeError::WrongSize {
+                what: format!("the weights of '{}'", slot.name),
+                expected: slot.region.len,
+                got: bytes.len(),
+            });
+        }
+        tensors.push(TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.shape.clone(), bytes });
+    }
+    // The header keeps each constant's region; its bytes become a tensor.
+    let mut regions = Vec::with_capacity(constants.len());
+    for (i, c) in constants.iter().enumerate() {
+        let name = format!("{CONSTANT_PREFIX}{i}");
+        tensors.push(TensorRef { name, dtype: DType::U8, shape: vec![c.bytes.len()], bytes: &c.bytes });
+        regions.push(c.region);
+    }
+    let plan_json = serde_json::json!({ "plan": header, "constant_regions": regions });
+    let metadata = BTreeMap::from([
+        ("autotp.format".to_string(), FORMAT.to_string()),
+        ("autotp.plan".to_string(), plan_json.to_string()),
+        ("autotp.fingerprint".to_string(), fingerprint),
+    ]);
+    tensor_file::write(path, &tensors, metadata)
+}
+
+/// An opened `.atp` file: the plan, and the initial weights still memory-mapped.
+pub struct PlanFile {
+    pub plan: TrainingPlan,
+    pub fingerprint: String,
+    file: TensorFile,
+}
+
+impl PlanFile {
+    pub fn open(path: &Path) -> Result<PlanFile, RuntimeError> {
+        let file = TensorFile::open(path)?;
+        let bad = |message: String| RuntimeError::File { path: path.to_path_buf(), message };
+        match file.metadata("autotp.format") {
+            Some(FORMAT) => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "is a plan of format '{other}'; this autotp reads '{FORMAT}': compile the model again"
+                )))
+            }
+            None => return Err(bad("is not an autotp plan (no autotp.format in its header)".into())),
+        }
+        #[derive(Deserialize)]
+        struct Header {
+            plan: TrainingPlan,
+            constant_regions: Vec<crate::Region>,
+        }
+        let json = file.metadata("autotp.plan").ok_or_else(|| bad("has no autotp.plan in its header".into()))?;
+        let Header { mut plan, constant_regions } =
+            serde_json::from_str(json).map_err(|e| bad(format!("its plan does not parse: {e}")))?;
+        for (i, region) in constant_regions.into_iter().enumerate() {
+            let bytes = file.expect(&format!("{CONSTANT_PREFIX}{i}"), DType::U8, &[region.len])?.to_vec();
+            plan.program.constants.push(crate::ConstantData { region, bytes });
+        }
+        let fingerprint = plan.program.fingerprint();
+        if file.metadata("autotp.fingerprint") != Some(fingerprint.as_str()) {
+            return Err(bad("is damaged: its program does not match the fingerprint it was written with".into()));
+        }
+        plan.program.validate()?;
+        plan.feeds()?;
+        for slot in &plan.program.params {
+            file.expect(&slot.name, slot.dtype, &slot.shape)?;
+        }
+        Ok(PlanFile { plan, fingerprint, file })
+    }
+
+    /// The initial weights, by parameter name, as slices of the file.
+    pub fn weights(&self) -> BTreeMap<String, &[u8]> {
+        self.plan
+            .program
+            .params
+            .iter()
+            .map(|slot| (slot.name.clone(), self.file.get(&slot.name).expect("checked at open").bytes))
+            .collect()
+    }
+}

@@ -1,0 +1,240 @@
+//! Safetensors files: the one on-disk tensor format of autotp (`.atp` plans, checkpoints,
+//! exported weights). Reading memory-maps the file and validates its header with the
+//! `safetensors` crate; tensors are byte slices of the map, never copied here. Writing is
+//! atomic: the file is written under a temporary name, fsynced, renamed over the final name,
+//! and the directory is fsynced, so a reader sees the old file or the new one, never a torn one.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use autotp_kernels::DType;
+
+use crate::RuntimeError;
+
+/// One tensor to write: a name, its type and its bytes (borrowed; nothing is copied).
+#[derive(Clone, Debug)]
+pub struct TensorRef<'a> {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub bytes: &'a [u8],
+}
+
+fn to_safetensors(dtype: DType) -> safetensors::Dtype {
+    use safetensors::Dtype as S;
+    match dtype {
+        DType::F32 => S::F32,
+        DType::F64 => S::F64,
+        DType::F16 => S::F16,
+        DType::BF16 => S::BF16,
+        DType::I64 => S::I64,
+        DType::I32 => S::I32,
+        DType::I8 => S::I8,
+        DType::U8 => S::U8,
+        DType::Bool => S::BOOL,
+    }
+}
+
+fn from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
+    use safetensors::Dtype as S;
+    Some(match dtype {
+        S::F32 => DType::F32,
+        S::F64 => DType::F64,
+        S::F16 => DType::F16,
+        S::BF16 => DType::BF16,
+        S::I64 => DType::I64,
+        S::I32 => DType::I32,
+        S::I8 => DType::I8,
+        S::U8 => DType::U8,
+        S::BOOL => DType::Bool,
+        _ => return None,
+    })
+}
+
+/// Maps an I/O error on `path` to [`RuntimeError::Io`] ("cannot {action} {path}: ...").
+pub(crate) fn io_error(path: &Path, action: &'static str) -> impl FnOnce(std::io::Error) -> RuntimeError {
+    let path = path.to_path_buf();
+    move |source| RuntimeError::Io { action, path, source }
+}
+
+fn file_error(path: &Path, message: impl Into<String>) -> RuntimeError {
+    RuntimeError::File { path: path.to_path_buf(), message: message.into() }
+}
+
+/// Flushes a directory entry (a rename or a new file in it) to disk.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), RuntimeError> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_error(dir, "sync"))
+}
+
+/// The temporary sibling a file is written under before it is renamed into place.
+pub(crate) fn temporary_path(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}
+
+/// Fsyncs `temporary`, renames it to `path` and fsyncs the directory.
+pub(crate) fn persist(temporary: &Path, path: &Path) -> Result<(), RuntimeError> {
+    std::fs::File::open(temporary).and_then(|f| f.sync_all()).map_err(io_error(temporary, "sync"))?;
+    std::fs::rename(temporary, path).map_err(io_error(path, "write"))?;
+    sync_dir(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))
+}
+
+/// Writes small bytes (a manifest, a pointer file) atomically.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), RuntimeError> {
+    let temporary = temporary_path(path);
+    std::fs::write(&temporary, bytes).map_err(io_error(&temporary, "write"))?;
+    persist(&temporary, path)
+}
+
+/// Writes `tensors` and string `metadata` as one safetensors file, atomically. The layout is
+/// the `safetensors` crate's (tensors by descending alignment, then name; header padded to 8
+/// bytes); the file is streamed, so nothing is copied, and created with the user's umask.
+pub fn write(path: &Path, tensors: &[TensorRef], metadata: BTreeMap<String, String>) -> Result<(), RuntimeError> {
+    let mut order: Vec<&TensorRef> = tensors.iter().collect();
+    order.sort_by(|a, b| to_safetensors(b.dtype).cmp(&to_safetensors(a.dtype)).then(a.name.cmp(&b.name)));
+    let mut header = serde_json::Map::new();
+    if !metadata.is_empty() {
+        header.insert("__metadata__".into(), serde_json::to_value(&metadata).expect("strings serialize"));
+    }
+    let mut offset = 0;
+    for t in &order {
+        if t.bytes.len() != t.shape.iter().product::<usize>() * t.dtype.size() {
+            return Err(file_error(
+                path,
+                format!("tensor '{}' has {} bytes for {}{:?}", t.name, t.bytes.len(), t.dtype, t.shape),
+            ));
+        }
+        if header.contains_key(&t.name) {
+            return Err(file_error(path, format!("two tensors are named '{}'", t.name)));
+        }
+        let dtype = format!("{:?}", to_safetensors(t.dtype));
+        let end = offset + t.bytes.len();
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({ "dtype": dtype, "shape": t.shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut header = serde_json::Value::Object(header).to_string().into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+
+    let temporary = temporary_path(path);
+    let write = || -> std::io::Result<()> {
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&temporary)?);
+        out.write_all(&(header.len() as u64).to_le_bytes())?;
+        out.write_all(&header)?;
+        for t in &order {
+            out.write_all(t.bytes)?;
+        }
+        out.flush()
+    };
+    write().map_err(io_error(&temporary, "write"))?;
+    persist(&temporary, path)
+}
+
+/// Where one tensor lies in a [`TensorFile`].
+#[derive(Clone, Debug)]
+struct Entry {
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: Range<usize>,
+}
+
+/// A memory-mapped safetensors file.
+pub struct TensorFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+    metadata: BTreeMap<String, String>,
+    tensors: BTreeMap<String, Entry>,
+}
+
+impl TensorFile {
+    pub fn open(path: &Path) -> Result<TensorFile, RuntimeError> {
+        let file = std::fs::File::open(path).map_err(io_error(path, "read"))?;
+        // SAFETY: read-only map; autotp only ever replaces these files by renaming a new one
+        // over them, which leaves this mapping's inode intact.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_error(path, "read"))?;
+        let parsed = safetensors::SafeTensors::deserialize(&map)
+            .map_err(|e| file_error(path, format!("not a valid safetensors file ({e})")))?;
+        let base = map.as_ptr() as usize;
+        let mut tensors = BTreeMap::new();
+        for (name, view) in parsed.iter() {
+            let dtype = from_safetensors(view.dtype())
+                .ok_or_else(|| file_error(path, format!("tensor '{name}' has unsupported dtype {:?}", view.dtype())))?;
+            let start = view.data().as_ptr() as usize - base;
+            let entry = Entry { dtype, shape: view.shape().to_vec(), bytes: start..start + view.data().len() };
+            tensors.insert(name.to_string(), entry);
+        }
+        let (_, header) = safetensors::SafeTensors::read_metadata(&map).expect("parsed above");
+        let metadata = header.metadata().clone().unwrap_or_default().into_iter().collect();
+        Ok(TensorFile { path: path.to_path_buf(), map, metadata, tensors })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The header's string metadata (`__metadata__`).
+    pub fn metadata(&self, key: &str) -> Option<&str> {
+        self.metadata.get(key).map(String::as_str)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    pub fn get(&self, name: &str) -> Option<TensorRef<'_>> {
+        let e = self.tensors.get(name)?;
+        Some(TensorRef {
+            name: name.to_string(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            bytes: &self.map[e.bytes.clone()],
+        })
+    }
+
+    /// The tensor `name`, which must have `dtype` and `shape`.
+    pub fn expect(&self, name: &str, dtype: DType, shape: &[usize]) -> Result<&[u8], RuntimeError> {
+        let t = self.get(name).ok_or_else(|| file_error(&self.path, format!("has no tensor '{name}'")))?;
+        if t.dtype != dtype || t.shape != shape {
+            return Err(file_error(
+                &self.path,
+                format!("tensor '{name}' is {}{:?}, expected {dtype}{shape:?}", t.dtype, t.shape),
+            ));
+        }
+        Ok(t.bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_with_metadata() {
+        let dir = std::env::temp_dir().join(format!("autotp-tensor-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.safetensors");
+        let a: Vec<u8> = [1f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let b: Vec<u8> = vec![1, 0, 1];
+        let tensors = [
+            TensorRef { name: "a".into(), dtype: DType::F32, shape: vec![2, 2], bytes: &a },
+            TensorRef { name: "b".into(), dtype: DType::Bool, shape: vec![3], bytes: &b },
+        ];
+        write(&path, &tensors, BTreeMap::from([("k".to_string(), "v".to_string())])).unwrap();
+        let file = TensorFile::open(&path).unwrap();
+        assert_eq!(file.names().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(file.expect("a", DType::F32, &[2, 2]).unwrap(), &a[..]);
+        assert_eq!(file.get("b").unwrap().bytes, &b[..]);
+        assert_eq!(file.metadata("k"), Some("v"));
+        let err = file.expect("a", DType::F32, &[4]).unwrap_err().to_string();
+        assert!(err.contains("tensor 'a' is f32[2, 2], expected f32[4]"), "{err}");
+        assert!(!temporary_path(&path).exists(), "the temporary was renamed into place");
+
+        std::fs::write(&path, b"not safetensors").unwrap();
+        let err = TensorFile::open(&path).err().unwrap().to_string();
+        assert!(err.contains("not a valid safetensors file"), "{err}");
+    }
+}

@@ -1,0 +1,313 @@
+//! `autotp compile`: ONNX model -> training plan (`.atp`).
+//!
+//! Imports the model with batch and sequence bound, runs the training pipeline (recognize, dce,
+//! loss, autodiff, optimize, dce), lowers it to a Program, writes the plan with the initial
+//! weights, and prints a summary: parameters, memory by category, kernels. `--dump-ir DIR`
+//! writes the IR before and after every pass; `--print-after PASS` prints it after one.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use autotp_frontend::{ImportOptions, Model};
+use autotp_ir::Graph;
+use autotp_passes::autodiff::Autodiff;
+use autotp_passes::loss::{AttachLoss, LOSS};
+use autotp_passes::optimize::{Optimize, Optimizer};
+use autotp_passes::{Pass, PassManager};
+use autotp_runtime::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
+use autotp_runtime::schedule::Schedule;
+use clap::Args;
+
+/// What to compile and how: shared by `compile` and `train`.
+#[derive(Args)]
+pub struct CompileFlags {
+    /// The ONNX model.
+    pub model: PathBuf,
+    /// Tokens per sequence (S).
+    #[arg(long)]
+    pub seq_len: usize,
+    /// Sequences per step (the global batch on one rank).
+    #[arg(long)]
+    pub micro_batch: usize,
+    /// adamw or sgd.
+    #[arg(long, default_value = "adamw")]
+    optimizer: String,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// constant, or cosine (linear warmup over --warmup-steps, then cosine decay to --min-lr,
+    /// as Hugging Face's get_cosine_schedule_with_warmup).
+    #[arg(long, default_value = "constant")]
+    lr_schedule: String,
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_lr: f64,
+    /// The step at which the cosine decay reaches --min-lr (default: the run's --steps).
+    #[arg(long)]
+    lr_decay_steps: Option<usize>,
+    /// AdamW betas: B1,B2.
+    #[arg(long, default_value = "0.9,0.999")]
+    betas: String,
+    #[arg(long, default_value_t = 1e-8)]
+    eps: f64,
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0)]
+    momentum: f64,
+    #[arg(long)]
+    nesterov: bool,
+    /// Clip gradients to this global L2 norm.
+    #[arg(long)]
+    grad_clip: Option<f64>,
+    /// Do not train the parameters whose (ONNX initializer) name this regular expression matches
+    /// anywhere; anchor it with ^...$ for whole names. Repeatable.
+    #[arg(long, value_name = "REGEX")]
+    freeze: Vec<String>,
+    /// Write the IR before the passes and after each one: DIR/00-import.ir, DIR/01-recognize.ir...
+    #[arg(long, value_name = "DIR")]
+    dump_ir: Option<PathBuf>,
+    /// Print the IR after this pass (every time it runs). Repeatable.
+    #[arg(long, value_name = "PASS")]
+    print_after: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct CompileArgs {
+    #[command(flatten)]
+    flags: CompileFlags,
+    /// The plan to write.
+    #[arg(short, long, value_name = "OUT.atp")]
+    output: PathBuf,
+}
+
+/// A compiled plan with the imported model, whose weights it starts from.
+pub struct Compiled {
+    pub plan: TrainingPlan,
+    pub model: Model,
+}
+
+impl Compiled {
+    /// The initial weights by parameter name (slices of the memory-mapped model).
+    pub fn weights(&self) -> BTreeMap<String, &[u8]> {
+        self.model.weights.iter().map(|(name, t)| (name.clone(), t.bytes())).collect()
+    }
+}
+
+fn optimizer(flags: &CompileFlags) -> Result<(Optimizer, String)> {
+    Ok(match flags.optimizer.as_str() {
+        "adamw" => {
+            let betas: Vec<f64> = flags
+                .betas
+                .split(',')
+                .map(|b| b.trim().parse::<f64>())
+                .collect::<Result<_, _>>()
+                .with_context(|| format!("--betas '{}' must be B1,B2", flags.betas))?;
+            let [beta1, beta2] = betas[..] else { bail!("--betas '{}' must be two numbers, B1,B2", flags.betas) };
+            let (eps, weight_decay) = (flags.eps, flags.weight_decay);
+            let description = format!("adamw(betas={beta1},{beta2} eps={eps:e} weight_decay={weight_decay})");
+            (Optimizer::AdamW { beta1, beta2, eps, weight_decay }, description)
+        }
+        "sgd" => {
+            let (momentum, weight_decay, nesterov) = (flags.momentum, flags.weight_decay, flags.nesterov);
+            let description = format!("sgd(momentum={momentum} nesterov={nesterov} weight_decay={weight_decay})");
+            (Optimizer::Sgd { momentum, weight_decay, nesterov }, description)
+        }
+        other => bail!("--optimizer '{other}' is not one of adamw, sgd"),
+    })
+}
+
+fn schedule(flags: &CompileFlags) -> Result<Schedule> {
+    Ok(match flags.lr_schedule.as_str() {
+        "constant" => Schedule::Constant { lr: flags.lr },
+        "cosine" => Schedule::WarmupCosine {
+            lr: flags.lr,
+            warmup_steps: flags.warmup_steps,
+            decay_steps: flags.lr_decay_steps,
+            min_lr: flags.min_lr,
+        },
+        other => bail!("--lr-schedule '{other}' is not one of constant, cosine"),
+    })
+}
+
+/// The parameters `--freeze` names; each expression must match at least one.
+fn frozen(flags: &CompileFlags, graph: &Graph) -> Result<BTreeSet<String>> {
+    let params: Vec<&str> = graph.params().iter().filter_map(|&p| graph.name_of(p)).collect();
+    let mut frozen = BTreeSet::new();
+    for pattern in &flags.freeze {
+        let regex = regex::Regex::new(pattern).with_context(|| format!("--freeze '{pattern}' is not a valid regex"))?;
+        let matched: Vec<&str> = params.iter().copied().filter(|p| regex.is_match(p)).collect();
+        if matched.is_empty() {
+            let some: Vec<&str> = params.iter().copied().take(6).collect();
+            bail!(
+                "--freeze '{pattern}' matches no parameter of the model (its {} parameters include {})",
+                params.len(),
+                some.join(", ")
+            );
+        }
+        frozen.extend(matched.into_iter().map(str::to_string));
+    }
+    if !params.is_empty() && frozen.len() == params.len() {
+        bail!("--freeze leaves nothing to train: it matches all {} parameters", params.len());
+    }
+    Ok(frozen)
+}
+
+/// Writes the graph to DIR/NN-name.ir and prints it after the `--print-after` passes.
+struct IrObserver<'a> {
+    dump_dir: Option<&'a Path>,
+    print_after: &'a [String],
+    error: Option<anyhow::Error>,
+}
+
+impl IrObserver<'_> {
+    fn observe(&mut self, index: usize, pass: &str, graph: &Graph) {
+        if self.print_after.iter().any(|p| p == pass) {
+            println!("# IR after pass {index} ({pass})");
+            print!("{}", autotp_ir::text::print(graph));
+        }
+        if let (Some(dir), None) = (self.dump_dir, &self.error) {
+            let path = dir.join(format!("{index:02}-{pass}.ir"));
+            if let Err(e) = std::fs::write(&path, autotp_ir::text::print(graph)) {
+                self.error = Some(anyhow::Error::new(e).context(format!("--dump-ir: cannot write {}", path.display())));
+            }
+        }
+    }
+}
+
+pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
+    let (optimizer, optimizer_description) = optimizer(flags)?;
+    let schedule = schedule(flags)?;
+    if flags.seq_len == 0 || flags.micro_batch == 0 {
+        bail!("--seq-len and --micro-batch must be at least 1");
+    }
+    let start = Instant::now();
+    let options = ImportOptions { batch: Some(flags.micro_batch), seq_len: Some(flags.seq_len), ..Default::default() };
+    let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
+    let frozen = frozen(flags, &model.graph)?;
+    let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
+    let mut autodiff = Autodiff::new(LOSS);
+    autodiff.frozen = frozen.clone();
+    let passes: Vec<Box<dyn Pass>> = vec![
+        Box::new(autotp_passes::recognize::Recognize),
+        Box::new(autotp_passes::dce::Dce),
+        Box::new(AttachLoss),
+        Box::new(autodiff),
+        Box::new(Optimize { optimizer, grad_clip: flags.grad_clip }),
+        Box::new(autotp_passes::dce::Dce),
+    ];
+    let manager = PassManager::new(passes);
+    let names = manager.pass_names();
+    if let Some(unknown) = flags.print_after.iter().find(|p| !names.contains(&p.as_str())) {
+        bail!("--print-after '{unknown}': no such pass (the pipeline runs {})", names.join(", "));
+    }
+    let mut observer = IrObserver { dump_dir: flags.dump_ir.as_deref(), print_after: &flags.print_after, error: None };
+    if let Some(dir) = observer.dump_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("--dump-ir: cannot create {}", dir.display()))?;
+    }
+    observer.observe(0, "import", &model.graph);
+    manager.run_observed(&mut model.graph, &mut |i, pass, graph| observer.observe(i, pass, graph))?;
+    if let Some(error) = observer.error {
+        return Err(error);
+    }
+    let program = autotp_codegen::lower(&model.graph)?;
+    let path = std::fs::canonicalize(&flags.model).unwrap_or_else(|_| flags.model.clone());
+    let plan = TrainingPlan {
+        program,
+        training: TrainingConfig {
+            seq_len: flags.seq_len,
+            micro_batch: flags.micro_batch,
+            global_batch: flags.micro_batch,
+            labels: if own_loss { Labels::InputIds } else { Labels::NextTokens },
+            loss_output: LOSS.to_string(),
+            optimizer: optimizer_description,
+            schedule,
+            grad_clip: flags.grad_clip,
+            frozen: frozen.into_iter().collect(),
+        },
+        model: ModelSource { name: model.graph.name.clone(), path },
+    };
+    plan.feeds()?;
+    tracing::info!(seconds = start.elapsed().as_secs_f64(), "compiled {}", flags.model.display());
+    Ok(Compiled { plan, model })
+}
+
+/// `1234567` -> `1,234,567`.
+fn grouped(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The plan in a few lines: step shape, parameters, memory by category, kernels.
+pub fn summary(plan: &TrainingPlan) -> String {
+    let p = &plan.program;
+    let t = &plan.training;
+    let numel = |slots: &[autotp_runtime::Slot]| slots.iter().map(|s| s.numel()).sum::<usize>();
+    let frozen_slots: Vec<autotp_runtime::Slot> =
+        p.params.iter().filter(|s| t.frozen.contains(&s.name)).cloned().collect();
+    let total = numel(&p.params);
+    let frozen = numel(&frozen_slots);
+    let trainable_bytes: usize = p.params.iter().filter(|s| !t.frozen.contains(&s.name)).map(|s| s.region.len).sum();
+    let mut lines = vec![
+        format!("plan: {} ({})", plan.model.name, plan.model.path.display()),
+        format!(
+            "  step: micro-batch {} x seq-len {} = {} tokens; {}; lr {}{}",
+            t.micro_batch,
+            t.seq_len,
+            t.global_batch * t.seq_len,
+            t.optimizer,
+            t.schedule,
+            t.grad_clip.map(|c| format!("; grad-clip {c}")).unwrap_or_default()
+        ),
+        format!(
+            "  parameters: {} in {} tensors ({} trainable, {} frozen in {} tensors)",
+            grouped(total),
+            p.params.len(),
+            grouped(total - frozen),
+            grouped(frozen),
+            frozen_slots.len()
+        ),
+    ];
+    let m = &p.memory;
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    lines.push(format!("  {:<40} {:>15} {:>10}", "memory (one rank)", "bytes", "MiB"));
+    for (what, bytes) in [
+        ("parameters", m.params_bytes),
+        ("optimizer state", m.states_bytes),
+        ("gradients (inside activations)", trainable_bytes),
+        ("activations peak (with gradients)", m.activations_peak_bytes),
+        ("inputs", m.inputs_bytes),
+        ("constants", m.constants_bytes),
+        ("total arena", m.arena_bytes),
+    ] {
+        lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
+    }
+    let mut kernels: BTreeMap<&str, usize> = BTreeMap::new();
+    for autotp_runtime::Instruction::Kernel { kernel, .. } in &p.instructions {
+        *kernels.entry(kernel.name()).or_default() += 1;
+    }
+    let mut by_count: Vec<(&str, usize)> = kernels.into_iter().collect();
+    by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    lines.push(format!("  kernels: {} ({})", p.instructions.len(), listed.join(", ")));
+    lines.push(format!("  fingerprint: {}", p.fingerprint()));
+    lines.join("\n") + "\n"
+}
+
+pub fn run(args: &CompileArgs) -> Result<()> {
+    let compiled = compile(&args.flags)?;
+    autotp_runtime::plan::write(&args.output, &compiled.plan, &compiled.weights())?;
+    print!("{}", summary(&compiled.plan));
+    println!("wrote {}", args.output.display());
+    Ok(())
+}

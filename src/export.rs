@@ -1,0 +1,77 @@
+//! `autotp export CKPT -o OUT.onnx [--safetensors OUT.safetensors]`: the trained weights of a
+//! checkpoint, written back into the original ONNX model (every other part of the model
+//! unchanged) and/or as one consolidated safetensors file named by ONNX initializer (for
+//! Hugging Face exports, the PyTorch state-dict names).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use autotp_frontend::onnx::export::{with_weights, Weight};
+use autotp_runtime::checkpoint::Checkpoint;
+use autotp_runtime::tensor_file;
+use clap::{ArgGroup, Args};
+
+#[derive(Args)]
+#[command(group(ArgGroup::new("destination").required(true).multiple(true).args(["output", "safetensors"])))]
+pub struct ExportArgs {
+    /// A checkpoint: a --save directory (its latest) or one step directory.
+    checkpoint: PathBuf,
+    /// The ONNX model to write: the original with the trained weights.
+    #[arg(short, long, value_name = "OUT.onnx")]
+    output: Option<PathBuf>,
+    /// Also (or only) write the trained weights as one safetensors file.
+    #[arg(long, value_name = "OUT.safetensors")]
+    safetensors: Option<PathBuf>,
+    /// The original model, when it is no longer where it was compiled from.
+    #[arg(long, value_name = "MODEL.onnx")]
+    model: Option<PathBuf>,
+    /// Store the weights in OUT.onnx.data beside the model (automatic above protobuf's 2 GiB).
+    #[arg(long)]
+    external_data: bool,
+}
+
+pub fn run(args: &ExportArgs) -> Result<()> {
+    let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    let manifest = &checkpoint.manifest;
+    let params = checkpoint.params();
+    if let Some(path) = &args.safetensors {
+        let metadata = BTreeMap::from([
+            ("format".to_string(), "pt".to_string()),
+            ("autotp.model".to_string(), manifest.model.name.clone()),
+            ("autotp.step".to_string(), manifest.step.to_string()),
+        ]);
+        tensor_file::write(path, &params, metadata)?;
+        println!("wrote {}: {} tensors from step {}", path.display(), params.len(), manifest.step);
+    }
+    if let Some(output) = &args.output {
+        let original = args.model.clone().unwrap_or_else(|| manifest.model.path.clone());
+        if !original.is_file() {
+            bail!(
+                "the checkpoint's model {} is not there any more: name the original with --model MODEL.onnx",
+                original.display()
+            );
+        }
+        let weights: BTreeMap<String, Weight> = params
+            .iter()
+            .map(|t| (t.name.clone(), Weight { dtype: t.dtype, shape: t.shape.clone(), bytes: t.bytes }))
+            .collect();
+        let file_name = output.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let external_name = format!("{file_name}.data");
+        let exported =
+            with_weights(&original, &weights, args.external_data.then_some(external_name.as_str()), &external_name)?;
+        if let Some(data) = &exported.external_data {
+            tensor_file::write_atomic(&output.with_file_name(&external_name), data)?;
+        }
+        tensor_file::write_atomic(output, &exported.model)?;
+        println!(
+            "wrote {}{}: {} initializers of {} replaced by the weights of step {}",
+            output.display(),
+            if exported.external_data.is_some() { format!(" (weights in {external_name})") } else { String::new() },
+            exported.replaced,
+            original.display(),
+            manifest.step
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,178 @@
+//! `autotp run PLAN.atp`: trains a compiled plan over a token file, with a progress bar (step,
+//! loss, tokens/s), a line per `--log-every` steps, metrics as JSON lines, checkpoints
+//! (`--save`, `--save-every`, `--keep-last`) and `--resume`. `--steps N` is the step the run
+//! ends at: a run resumed from step k does steps k+1..=N.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use autotp_runtime::checkpoint::Checkpoint;
+use autotp_runtime::data::{TokenData, TokenDtype};
+use autotp_runtime::plan::PlanFile;
+use autotp_runtime::trainer::{StepMetrics, Trainer};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// How to train: shared by `run` and `train`.
+#[derive(Args)]
+pub struct RunFlags {
+    /// Token stream: little-endian u16 (or --data-dtype u32).
+    #[arg(long)]
+    data: PathBuf,
+    #[arg(long, default_value = "u16")]
+    data_dtype: String,
+    /// Train until this optimizer step (counted from the start of training, resumed or not).
+    #[arg(long)]
+    steps: usize,
+    /// Append one JSON object per step (step, loss, lr, step_seconds, tokens_per_second[,
+    /// grad_norm]); a fresh run truncates the file, a resumed one appends.
+    #[arg(long, value_name = "FILE.jsonl")]
+    metrics_out: Option<PathBuf>,
+    /// Save checkpoints under this directory: at the end, and every --save-every steps.
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    #[arg(long, value_name = "K", requires = "save")]
+    save_every: Option<usize>,
+    /// Keep only the newest N checkpoints under --save.
+    #[arg(long, value_name = "N", requires = "save")]
+    keep_last: Option<usize>,
+    /// Resume from a checkpoint: a --save directory (its latest) or one step directory.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Seed of the run's random numbers (a resumed run keeps its checkpoint's).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print a line every N steps (the first and last step always print).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    log_every: usize,
+}
+
+impl RunFlags {
+    /// The seed for a fresh run (`--seed`, default 0).
+    pub fn seed(&self) -> u64 {
+        self.seed.unwrap_or(0)
+    }
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// The compiled plan (autotp compile -o PLAN.atp).
+    plan: PathBuf,
+    #[command(flatten)]
+    flags: RunFlags,
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    let file = PlanFile::open(&args.plan)?;
+    let mut trainer = Trainer::new(file.plan.clone(), &file.weights(), args.flags.seed())?;
+    drop(file);
+    train(&mut trainer, &args.flags)
+}
+
+fn open_metrics(path: &Path, append: bool) -> Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.create(true).write(true);
+    if append {
+        options.append(true);
+    } else {
+        options.truncate(true);
+    }
+    options.open(path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value {
+    let mut record = serde_json::Map::new();
+    record.insert("step".into(), m.step.into());
+    record.insert("loss".into(), m.loss.into());
+    for (name, value) in &m.scalars {
+        record.entry(name.clone()).or_insert((*value).into());
+    }
+    record.insert("lr".into(), m.lr.into());
+    record.insert("step_seconds".into(), m.seconds.into());
+    record.insert("tokens_per_second".into(), tokens_per_second.into());
+    serde_json::Value::Object(record)
+}
+
+/// Runs `trainer` to step `flags.steps` over the data, resuming and saving as asked.
+pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
+    if flags.save_every == Some(0) || flags.log_every == 0 {
+        bail!("--save-every and --log-every must be at least 1");
+    }
+    let dtype = TokenDtype::parse(&flags.data_dtype)?;
+    let data = TokenData::open(&flags.data, dtype, trainer.training().seq_len)?;
+    if let Some(dir) = &flags.resume {
+        let checkpoint = Checkpoint::open(dir)?;
+        trainer.resume(&checkpoint)?;
+        let saved = &checkpoint.manifest.data;
+        if saved.tokens != data.tokens() {
+            tracing::warn!(
+                "resuming on different data: the checkpoint was trained on {} ({} tokens), this run reads {} ({} tokens)",
+                saved.path.display(),
+                saved.tokens,
+                data.path().display(),
+                data.tokens()
+            );
+        }
+        if flags.seed.is_some_and(|s| s != trainer.seed()) {
+            tracing::warn!("--seed is ignored: the checkpoint's seed {} continues", trainer.seed());
+        }
+        eprintln!("resumed from {} at step {}", checkpoint.dir.display(), trainer.completed_steps());
+    }
+    let first = trainer.completed_steps();
+    if first >= flags.steps {
+        println!("already at step {first}, at or past --steps {}: nothing to train", flags.steps);
+        return Ok(());
+    }
+    let mut metrics = match &flags.metrics_out {
+        Some(path) => Some(open_metrics(path, flags.resume.is_some())?),
+        None => None,
+    };
+    let bar = ProgressBar::new(flags.steps as u64).with_position(first as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}, eta {eta}]")
+            .expect("a valid template"),
+    );
+    let tokens_per_step = trainer.tokens_per_step();
+    let start = Instant::now();
+    for _ in first..flags.steps {
+        let m = trainer.step(&data, flags.steps)?;
+        let tokens_per_second = ((m.step - first) * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
+        bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, tokens_per_second));
+        bar.inc(1);
+        if m.step == first + 1 || m.step == flags.steps || m.step % flags.log_every == 0 {
+            bar.suspend(|| {
+                println!(
+                    "step {:>6}/{} loss {:.6} lr {:.3e} {:>8.1} ms {:>9.0} tokens/s",
+                    m.step,
+                    flags.steps,
+                    m.loss,
+                    m.lr,
+                    m.seconds * 1e3,
+                    tokens_per_second
+                )
+            });
+        }
+        if let Some(file) = &mut metrics {
+            writeln!(file, "{}", metrics_record(&m, tokens_per_second)).context("cannot write metrics")?;
+        }
+        if let Some(dir) = &flags.save {
+            if m.step == flags.steps || flags.save_every.is_some_and(|k| m.step % k == 0) {
+                let saved = trainer.save(dir, &data, flags.steps, flags.keep_last)?;
+                bar.suspend(|| eprintln!("saved {}", saved.display()));
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let seconds = start.elapsed().as_secs_f64();
+    let steps = flags.steps - first;
+    eprintln!(
+        "trained steps {}..={} in {seconds:.2} s: {:.1} ms per step, {:.0} tokens/s",
+        first + 1,
+        flags.steps,
+        seconds * 1e3 / steps as f64,
+        (steps * tokens_per_step) as f64 / seconds
+    );
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! `autotp compile` / `run` / `export` with checkpoints: resuming is bit-identical, a process
+//! killed while saving leaves the previous checkpoint loadable, a checkpoint of another plan is
+//! refused, and the exported model holds the trained weights.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use autotp_runtime::checkpoint::Checkpoint;
+use autotp_runtime::tensor_file::TensorFile;
+
+use crate::common::{autotp, bound, failure, fixture, losses, repo, scratch, success};
+
+const CONTRACT: [&str; 10] =
+    ["--seq-len", "32", "--micro-batch", "8", "--lr", "2e-3", "--betas", "0.9,0.95", "--weight-decay", "0.01"];
+
+fn tokens() -> String {
+    repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap().to_string()
+}
+
+/// Compiles an architecture's logits export with the contract's settings (plus `extra`).
+fn compile(arch: &str, dir: &Path, extra: &[&str]) -> PathBuf {
+    let plan = dir.join(format!("{arch}.atp"));
+    let model = fixture(arch, "model.onnx");
+    let args: Vec<&str> =
+        [&["compile", model.to_str().unwrap()][..], &CONTRACT, extra, &["-o", plan.to_str().unwrap()]].concat();
+    success(autotp(&args));
+    plan
+}
+
+/// `autotp run PLAN --data tokens.bin` plus `args`.
+fn run(plan: &Path, args: &[&str]) -> std::process::Output {
+    let tokens = tokens();
+    autotp(&[&["run", plan.to_str().unwrap(), "--data", tokens.as_str()][..], args].concat())
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn resume_is_bit_identical() {
+    let dir = scratch("resume");
+    let plan = compile("gpt2", &dir, &[]);
+    let (straight, first, second) = (dir.join("straight.jsonl"), dir.join("first.jsonl"), dir.join("second.jsonl"));
+    let (straight_ckpt, ckpt) = (dir.join("straight-ckpt"), dir.join("ckpt"));
+    success(run(&plan, &["--steps", "30", "--metrics-out", s(&straight), "--save", s(&straight_ckpt)]));
+    success(run(&plan, &["--steps", "15", "--metrics-out", s(&first), "--save", s(&ckpt)]));
+    let stdout =
+        success(run(&plan, &["--steps", "30", "--metrics-out", s(&second), "--resume", s(&ckpt), "--save", s(&ckpt)]));
+    assert!(stdout.contains("step     16/30"), "the resumed run starts at step 16:\n{stdout}");
+
+    let straight = losses(&straight);
+    let resumed = losses(&second);
+    assert_eq!(resumed.iter().map(|(step, _)| *step).collect::<Vec<_>>(), (16..=30).collect::<Vec<_>>());
+    for ((step, want), (_, got)) in straight[15..].iter().zip(&resumed) {
+        assert_eq!(got.to_bits(), want.to_bits(), "step {step}: resumed loss {got} != straight {want}");
+    }
+    assert_eq!(&losses(&first)[..], &straight[..15]);
+    // The weights and optimizer state at step 30 are the same bytes too.
+    let a = Checkpoint::open(&straight_ckpt).unwrap();
+    let b = Checkpoint::open(&ckpt).unwrap();
+    assert_eq!((a.manifest.step, b.manifest.step), (30, 30));
+    for name in a.manifest.files.values().flatten() {
+        assert_eq!(a.tensor(name).unwrap().bytes, b.tensor(name).unwrap().bytes, "tensor {name}");
+    }
+    println!("gpt2: steps 16-30 resumed from step 15 are bit-identical; final loss {}", resumed[14].1);
+}
+
+#[test]
+fn a_save_killed_midway_leaves_the_previous_checkpoint() {
+    let dir = scratch("crash");
+    let plan = compile("gpt2", &dir, &[]);
+    let ckpt = dir.join("ckpt");
+    let crashed = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["run", s(&plan), "--data", &tokens(), "--steps", "10", "--save", s(&ckpt), "--save-every", "5"])
+        .env("AUTOTP_CRASH_DURING_CHECKPOINT", "10")
+        .output()
+        .unwrap();
+    assert!(!crashed.status.success(), "the fault injection should have aborted the run");
+    let stderr = String::from_utf8_lossy(&crashed.stderr);
+    assert!(stderr.contains("aborting while writing"), "{stderr}");
+    let leftovers: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp-"))
+        .collect();
+    assert_eq!(leftovers.len(), 1, "the half-written step 10 is a staging directory: {leftovers:?}");
+    assert_eq!(std::fs::read_to_string(ckpt.join("latest")).unwrap(), "step-00000005");
+    assert_eq!(Checkpoint::open(&ckpt).unwrap().manifest.step, 5);
+
+    // Resuming from what survived gives the uninterrupted run's losses, and the next save
+    // clears the leftovers.
+    let (straight, resumed) = (dir.join("straight.jsonl"), dir.join("resumed.jsonl"));
+    success(run(&plan, &["--steps", "10", "--metrics-out", s(&straight)]));
+    success(run(&plan, &["--steps", "10", "--resume", s(&ckpt), "--save", s(&ckpt), "--metrics-out", s(&resumed)]));
+    assert_eq!(losses(&resumed), losses(&straight)[5..]);
+    let names: Vec<String> =
+        std::fs::read_dir(&ckpt).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(!names.iter().any(|n| n.starts_with(".tmp-")), "leftovers removed: {names:?}");
+}
+
+#[test]
+fn sigkill_during_saves_leaves_a_loadable_checkpoint() {
+    let dir = scratch("sigkill");
+    let plan = compile("gpt2", &dir, &[]);
+    // Kill the process at three different moments while it saves after every step.
+    for (attempt, delay_ms) in [7u64, 23, 61].into_iter().enumerate() {
+        let ckpt = dir.join(format!("ckpt-{attempt}"));
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args(["run", s(&plan), "--data", &tokens(), "--steps", "100000", "--log-every", "100000"])
+            .args(["--save", s(&ckpt), "--save-every", "1", "--keep-last", "2"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while !ckpt.join("latest").exists() {
+            assert!(std::time::Instant::now() < deadline, "no checkpoint appeared");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let checkpoint = Checkpoint::open(&ckpt).unwrap_or_else(|e| panic!("attempt {attempt}: {e}"));
+        let step = checkpoint.manifest.step;
+        let next = (step + 1).to_string();
+        let out = success(run(&plan, &["--steps", &next, "--resume", s(&ckpt)]));
+        assert!(out.contains(&format!("step {next:>6}/{next}")), "{out}");
+    }
+}
+
+#[test]
+fn a_checkpoint_of_another_plan_is_refused() {
+    let dir = scratch("refuse");
+    let gpt2 = compile("gpt2", &dir, &[]);
+    let ckpt = dir.join("ckpt");
+    success(run(&gpt2, &["--steps", "1", "--save", s(&ckpt)]));
+
+    let llama = compile("llama", &dir, &[]);
+    let err = failure(run(&llama, &["--steps", "2", "--resume", s(&ckpt)]));
+    assert!(err.contains("was written by another compiled plan"), "{err}");
+    assert!(err.contains("the checkpoint has no tensor"), "names the first tensor that differs: {err}");
+
+    // Same model, other sequence length: the tensors match, the settings say why.
+    let short = dir.join("short");
+    std::fs::create_dir_all(&short).unwrap();
+    let model = fixture("gpt2", "model.onnx");
+    let short_plan = short.join("gpt2.atp");
+    let mut args = vec!["compile", s(&model)];
+    args.extend(CONTRACT.iter().map(|a| if *a == "32" { "16" } else { a }));
+    args.extend(["-o", s(&short_plan)]);
+    success(autotp(&args));
+    let err = failure(run(&short_plan, &["--steps", "2", "--resume", s(&ckpt)]));
+    assert!(err.contains("seq-len 32 vs 16"), "{err}");
+
+    let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&dir.join("nothing-here"))]));
+    assert!(err.contains("does not exist or is not a directory"), "{err}");
+}
+
+#[test]
+fn export_writes_the_trained_weights_into_the_model() {
+    let dir = scratch("export");
+    let plan = compile("gpt2", &dir, &[]);
+    let ckpt = dir.join("ckpt");
+    success(run(&plan, &["--steps", "3", "--save", s(&ckpt)]));
+    let (onnx, external, st) = (dir.join("trained.onnx"), dir.join("external.onnx"), dir.join("trained.safetensors"));
+    let out = success(autotp(&["export", s(&ckpt), "-o", s(&onnx), "--safetensors", s(&st)]));
+    assert!(out.contains("28 initializers"), "{out}");
+    success(autotp(&["export", s(&ckpt), "-o", s(&external), "--external-data"]));
+    assert!(dir.join("external.onnx.data").is_file());
+
+    let checkpoint = Checkpoint::open(&ckpt).unwrap();
+    let original = autotp_frontend::import_onnx(&fixture("gpt2", "model.onnx"), &bound()).unwrap();
+    let consolidated = TensorFile::open(&st).unwrap();
+    for path in [&onnx, &external] {
+        let trained = autotp_frontend::import_onnx(path, &bound()).unwrap();
+        assert_eq!(trained.weights.len(), checkpoint.params().len());
+        for t in checkpoint.params() {
+            assert_eq!(trained.weights[&t.name].bytes(), t.bytes, "{}: {}", path.display(), t.name);
+            assert_eq!(consolidated.get(&t.name).unwrap().bytes, t.bytes);
+        }
+        assert_eq!(autotp_ir::text::print(&trained.graph), autotp_ir::text::print(&original.graph), "same graph");
+    }
+    let changed = checkpoint.params().iter().filter(|t| original.weights[&t.name].bytes() != t.bytes).count();
+    assert_eq!(changed, checkpoint.params().len(), "three AdamW steps change every parameter");
+
+    let err = failure(autotp(&["export", s(&ckpt), "-o", s(&onnx), "--model", s(&fixture("llama", "model.onnx"))]));
+    assert!(err.contains("is not an initializer of") || err.contains("the trained weight"), "{err}");
+}
+
+/// The first step of a cosine schedule has learning rate 0: the weights must not move. (The
+/// step's `lr` input must carry the schedule, not the peak.)
+#[test]
+fn the_schedule_feeds_the_learning_rate() {
+    let dir = scratch("warmup");
+    let plan = compile("gpt2", &dir, &["--lr-schedule", "cosine", "--warmup-steps", "4"]);
+    let ckpt = dir.join("ckpt");
+    success(run(&plan, &["--steps", "1", "--save", s(&ckpt)]));
+    let original = autotp_frontend::import_onnx(&fixture("gpt2", "model.onnx"), &bound()).unwrap();
+    let checkpoint = Checkpoint::open(&ckpt).unwrap();
+    for t in checkpoint.params() {
+        assert_eq!(original.weights[&t.name].bytes(), t.bytes, "{} moved at lr 0", t.name);
+    }
+}

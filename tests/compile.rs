@@ -1,0 +1,118 @@
+//! `autotp compile`: the summary, `--dump-ir`, `--print-after`, `--freeze`, and `.atp` files
+//! that are damaged or of another kind.
+
+use std::path::Path;
+
+use autotp_runtime::checkpoint::Checkpoint;
+
+use crate::common::{autotp, bound, failure, fixture, repo, scratch, success};
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn compile_args<'a>(model: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    [&["compile", s(model), "--seq-len", "32", "--micro-batch", "4"][..], extra].concat()
+}
+
+#[test]
+fn summary_and_ir_dumps() {
+    let dir = scratch("compile-dump");
+    let model = fixture("gpt2", "model.onnx");
+    let (plan, dumps) = (dir.join("gpt2.atp"), dir.join("ir"));
+    let out =
+        success(autotp(&compile_args(&model, &["--dump-ir", s(&dumps), "--print-after", "loss", "-o", s(&plan)])));
+    for expected in [
+        "parameters: 172,288 in 28 tensors (172,288 trainable, 0 frozen in 0 tensors)",
+        "optimizer state",
+        "activations peak",
+        "kernels: ",
+        "matmul",
+        "adamw 28",
+        "fingerprint: ",
+        "# IR after pass 3 (loss)",
+        "output \"loss\" = ",
+    ] {
+        assert!(out.contains(expected), "summary lacks '{expected}':\n{out}");
+    }
+    let mut files: Vec<String> =
+        std::fs::read_dir(&dumps).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    files.sort();
+    assert_eq!(
+        files,
+        ["00-import.ir", "01-recognize.ir", "02-dce.ir", "03-loss.ir", "04-autodiff.ir", "05-optimize.ir", "06-dce.ir"]
+    );
+    // Every dump is valid IR.
+    for f in &files {
+        let text = std::fs::read_to_string(dumps.join(f)).unwrap();
+        let graph = autotp_ir::text::parse(&text).unwrap_or_else(|e| panic!("{f}: {e}"));
+        autotp_ir::verify(&graph).unwrap_or_else(|e| panic!("{f}: {e}"));
+    }
+    let err = failure(autotp(&compile_args(&model, &["--print-after", "zero", "-o", s(&plan)])));
+    assert!(err.contains("--print-after 'zero': no such pass (the pipeline runs recognize, dce, loss"), "{err}");
+}
+
+#[test]
+fn frozen_parameters_do_not_train() {
+    let dir = scratch("compile-freeze");
+    let model = fixture("gpt2", "model.onnx");
+    let plan = dir.join("gpt2.atp");
+    // Freeze the embeddings (wte is tied to the LM head) and the first block's layer norms.
+    let out =
+        success(autotp(&compile_args(&model, &["--freeze", "wte|wpe", "--freeze", r"h\.0\.ln_", "-o", s(&plan)])));
+    assert!(out.contains("frozen in 6 tensors"), "{out}");
+    let ckpt = dir.join("ckpt");
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    success(autotp(&["run", s(&plan), "--data", s(&tokens), "--steps", "3", "--save", s(&ckpt)]));
+    let original = autotp_frontend::import_onnx(&model, &bound()).unwrap();
+    let checkpoint = Checkpoint::open(&ckpt).unwrap();
+    let frozen = &checkpoint.manifest.training.frozen;
+    assert_eq!(frozen.len(), 6, "{frozen:?}");
+    for t in checkpoint.params() {
+        let moved = original.weights[&t.name].bytes() != t.bytes;
+        assert_eq!(moved, !frozen.contains(&t.name), "{}: moved={moved}", t.name);
+        let has_state = checkpoint.tensor(&format!("adamw.m.{}", t.name)).is_some();
+        assert_eq!(has_state, !frozen.contains(&t.name), "{}: optimizer state", t.name);
+    }
+
+    let err = failure(autotp(&compile_args(&model, &["--freeze", "no_such_weight", "-o", s(&plan)])));
+    assert!(err.contains("--freeze 'no_such_weight' matches no parameter of the model"), "{err}");
+    let err = failure(autotp(&compile_args(&model, &["--freeze", "(", "-o", s(&plan)])));
+    assert!(err.contains("--freeze '(' is not a valid regex"), "{err}");
+    let err = failure(autotp(&compile_args(&model, &["--freeze", ".", "-o", s(&plan)])));
+    assert!(err.contains("--freeze leaves nothing to train"), "{err}");
+}
+
+#[test]
+fn damaged_or_foreign_plans_are_refused() {
+    let dir = scratch("compile-damaged");
+    let model = fixture("gpt2", "model.onnx");
+    let plan = dir.join("gpt2.atp");
+    success(autotp(&compile_args(&model, &["-o", s(&plan)])));
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let run = |path: &Path| autotp(&["run", s(path), "--data", s(&tokens), "--steps", "1"]);
+
+    let bytes = std::fs::read(&plan).unwrap();
+    let truncated = dir.join("truncated.atp");
+    std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
+    let err = failure(run(&truncated));
+    assert!(err.contains("truncated.atp: not a valid safetensors file"), "{err}");
+
+    // Flip one byte of the last tensor's data (a constant of the program, written last).
+    let mut flipped = bytes.clone();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let constant = &header["autotp.constant.0"]["data_offsets"][0];
+    flipped[8 + header_len + constant.as_u64().unwrap() as usize] ^= 0x40;
+    let damaged = dir.join("damaged.atp");
+    std::fs::write(&damaged, flipped).unwrap();
+    let err = failure(run(&damaged));
+    assert!(err.contains("is damaged: its program does not match the fingerprint"), "{err}");
+
+    let err = failure(run(&fixture("gpt2", "model.onnx")));
+    assert!(err.contains("not a valid safetensors file"), "an ONNX file is not a plan: {err}");
+    let checkpoint_file = dir.join("weights.safetensors");
+    autotp_runtime::tensor_file::write(&checkpoint_file, &[], Default::default()).unwrap();
+    let err = failure(run(&checkpoint_file));
+    assert!(err.contains("is not an autotp plan"), "{err}");
+}
