@@ -96,6 +96,226 @@ impl Kernel {
         }
     }
 
+    /// Checks that buffers of these byte lengths are what the descriptor implies (arity and
+    /// sizes), and that its axes and permutations are in range. A program loaded from a file runs
+    /// this on every instruction before the first step, so `run` never indexes out of bounds.
+    pub fn check_buffers(&self, inputs: &[usize], outputs: &[usize]) -> Result<(), KernelError> {
+        let fail = Err(KernelError::BufferSize { kernel: self.name() });
+        let bytes = |dtype: DType, shape: &[usize]| crate::numel(shape) * dtype.size();
+        let exact = |want_in: &[usize], want_out: &[usize]| {
+            if inputs == want_in && outputs == want_out {
+                Ok(())
+            } else {
+                Err(KernelError::BufferSize { kernel: self.name() })
+            }
+        };
+        // Elementwise kernels without shapes: one input and one output of equal, whole size.
+        let same = |size: usize| match (inputs, outputs) {
+            ([i], [o]) if i == o && i % size == 0 => Ok(()),
+            _ => Err(KernelError::BufferSize { kernel: self.name() }),
+        };
+        let axis_ok = |axis: usize, rank: usize| axis < rank;
+        match self {
+            Kernel::Unary { dtype, .. } | Kernel::Gelu { dtype, .. } => same(dtype.size()),
+            Kernel::Copy => same(1),
+            Kernel::Cast { from, to } => match (inputs, outputs) {
+                ([i], [o]) if i % from.size() == 0 && i / from.size() * to.size() == *o => Ok(()),
+                _ => fail,
+            },
+            Kernel::Binary { op, dtype, lhs, rhs, out } => {
+                let out_dtype = if op.is_comparison() { DType::Bool } else { *dtype };
+                exact(&[bytes(*dtype, lhs), bytes(*dtype, rhs)], &[bytes(out_dtype, out)])
+            }
+            Kernel::Select { dtype, cond, x, y, out } => {
+                exact(&[bytes(DType::Bool, cond), bytes(*dtype, x), bytes(*dtype, y)], &[bytes(*dtype, out)])
+            }
+            Kernel::Reduce { dtype, shape, axes, .. } => {
+                if axes.iter().any(|&a| !axis_ok(a, shape.len())) {
+                    return fail;
+                }
+                let kept: usize = shape.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, d)| d).product();
+                exact(&[bytes(*dtype, shape)], &[kept * dtype.size()])
+            }
+            Kernel::MatMul { dtype, dims } => {
+                let batch = |b: &[usize]| b.iter().product::<usize>();
+                if dims.lhs_batch.len() != dims.batch.len() || dims.rhs_batch.len() != dims.batch.len() {
+                    return fail;
+                }
+                let size = dtype.size();
+                exact(
+                    &[batch(&dims.lhs_batch) * dims.m * dims.k * size, batch(&dims.rhs_batch) * dims.k * dims.n * size],
+                    &[batch(&dims.batch) * dims.m * dims.n * size],
+                )
+            }
+            Kernel::Transpose { dtype, shape, perm } => {
+                let mut sorted = perm.clone();
+                sorted.sort_unstable();
+                if sorted != (0..shape.len()).collect::<Vec<_>>() {
+                    return fail;
+                }
+                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, shape)])
+            }
+            Kernel::Slice { dtype, shape, starts, steps, out } => {
+                let in_range = starts.len() == shape.len()
+                    && steps.len() == shape.len()
+                    && out.len() == shape.len()
+                    && (0..shape.len()).all(|d| {
+                        out[d] == 0 || {
+                            let last = starts[d] as i64 + steps[d] * (out[d] as i64 - 1);
+                            starts[d] < shape[d] && last >= 0 && (last as usize) < shape[d]
+                        }
+                    });
+                if !in_range {
+                    return fail;
+                }
+                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
+            }
+            Kernel::Concat { dtype, shapes, axis } => {
+                let Some(first) = shapes.first() else { return fail };
+                let compatible = axis_ok(*axis, first.len())
+                    && shapes
+                        .iter()
+                        .all(|s| s.len() == first.len() && (0..s.len()).all(|d| d == *axis || s[d] == first[d]));
+                if !compatible {
+                    return fail;
+                }
+                let ins: Vec<usize> = shapes.iter().map(|s| bytes(*dtype, s)).collect();
+                exact(&ins, &[ins.iter().sum()])
+            }
+            Kernel::Split { dtype, shape, axis, sizes } => {
+                if !axis_ok(*axis, shape.len()) || sizes.iter().sum::<usize>() != shape[*axis] {
+                    return fail;
+                }
+                let outs: Vec<usize> = sizes
+                    .iter()
+                    .map(|&n| {
+                        let mut s = shape.clone();
+                        s[*axis] = n;
+                        bytes(*dtype, &s)
+                    })
+                    .collect();
+                exact(&[bytes(*dtype, shape)], &outs)
+            }
+            Kernel::Expand { dtype, shape, out } => {
+                if crate::shape::broadcast_shapes(shape, out).as_deref() != Some(&out[..]) {
+                    return fail;
+                }
+                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
+            }
+            Kernel::Gather { dtype, index_dtype, data, axis } => {
+                let ([data_len, index_len], [out_len]) = (inputs, outputs) else { return fail };
+                if !axis_ok(*axis, data.len()) || index_len % index_dtype.size() != 0 {
+                    return fail;
+                }
+                let rows = crate::numel(&data[..*axis]) * crate::numel(&data[axis + 1..]);
+                let want = rows * (index_len / index_dtype.size()) * dtype.size();
+                if *data_len == bytes(*dtype, data) && *out_len == want {
+                    Ok(())
+                } else {
+                    fail
+                }
+            }
+            Kernel::ScatterAdd { dtype, index_dtype, out, axis } => {
+                let ([index_len, updates_len], [out_len]) = (inputs, outputs) else { return fail };
+                if !axis_ok(*axis, out.len()) || index_len % index_dtype.size() != 0 {
+                    return fail;
+                }
+                let rows = crate::numel(&out[..*axis]) * crate::numel(&out[axis + 1..]);
+                let want = rows * (index_len / index_dtype.size()) * dtype.size();
+                if *updates_len == want && *out_len == bytes(*dtype, out) {
+                    Ok(())
+                } else {
+                    fail
+                }
+            }
+            Kernel::GatherElements { dtype, index_dtype, data, indices, axis } => {
+                if !axis_ok(*axis, data.len()) || data.len() != indices.len() {
+                    return fail;
+                }
+                exact(&[bytes(*dtype, data), bytes(*index_dtype, indices)], &[bytes(*dtype, indices)])
+            }
+            Kernel::Pad { dtype, shape, begin, out, .. } => {
+                let fits = shape.len() == out.len()
+                    && begin.len() == shape.len()
+                    && (0..shape.len()).all(|d| begin[d] + shape[d] <= out[d]);
+                if !fits {
+                    return fail;
+                }
+                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
+            }
+            Kernel::Triangle { dtype, shape, .. } => {
+                if shape.len() < 2 {
+                    return fail;
+                }
+                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, shape)])
+            }
+            Kernel::Softmax { dtype, outer, len, inner, .. } => {
+                let n = outer * len * inner * dtype.size();
+                exact(&[n], &[n])
+            }
+            Kernel::LayerNorm { dtype, cols, bias, .. } => {
+                let row = cols * dtype.size();
+                let params = if *bias { &inputs[1..] } else { inputs.get(1..2).unwrap_or_default() };
+                match (inputs.first(), outputs) {
+                    (Some(x), [y]) if x == y && row > 0 && x % row == 0 && params.iter().all(|&p| p == row) => {
+                        if inputs.len() == if *bias { 3 } else { 2 } {
+                            Ok(())
+                        } else {
+                            fail
+                        }
+                    }
+                    _ => fail,
+                }
+            }
+            Kernel::RmsNorm { dtype, cols, .. } => {
+                let row = cols * dtype.size();
+                match (inputs, outputs) {
+                    ([x, scale], [y]) if x == y && row > 0 && x % row == 0 && *scale == row => Ok(()),
+                    _ => fail,
+                }
+            }
+            Kernel::CrossEntropy { dtype, label_dtype, dims, weighted, log_prob } => {
+                let scores = dims.n * dims.classes * dims.inner * dtype.size();
+                let mut ins = vec![scores, dims.n * dims.inner * label_dtype.size()];
+                if *weighted {
+                    ins.push(dims.classes * dtype.size());
+                }
+                let mut outs = vec![self::loss_bytes(*dtype, dims)];
+                if *log_prob {
+                    outs.push(scores);
+                }
+                exact(&ins, &outs)
+            }
+            Kernel::NllLoss { dtype, label_dtype, dims, weighted } => {
+                let mut ins =
+                    vec![dims.n * dims.classes * dims.inner * dtype.size(), dims.n * dims.inner * label_dtype.size()];
+                if *weighted {
+                    ins.push(dims.classes * dtype.size());
+                }
+                exact(&ins, &[self::loss_bytes(*dtype, dims)])
+            }
+            Kernel::AdamW { dtype, .. } => match (inputs, outputs) {
+                ([p, g, m, v, lr, step], [p2, m2, v2])
+                    if [g, m, v, p2, m2, v2].iter().all(|&&x| x == *p)
+                        && *lr == dtype.size()
+                        && *step == dtype.size()
+                        && p % dtype.size() == 0 =>
+                {
+                    Ok(())
+                }
+                _ => fail,
+            },
+            Kernel::Sgd { dtype, .. } => match (inputs, outputs) {
+                ([p, g, buf, lr], [p2, buf2])
+                    if [g, buf, p2, buf2].iter().all(|&&x| x == *p) && *lr == dtype.size() && p % dtype.size() == 0 =>
+                {
+                    Ok(())
+                }
+                _ => fail,
+            },
+        }
+    }
+
     /// Runs the kernel. The slices must have the sizes the descriptor implies.
     pub fn run(&self, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<(), KernelError> {
         let arity = |n_in: usize, n_out: usize| {
@@ -226,5 +446,13 @@ impl Kernel {
                 crate::nn::nll_loss(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, outputs[0])
             }
         }
+    }
+}
+
+/// The loss output of a class loss: a scalar, or one value per position with no reduction.
+fn loss_bytes(dtype: DType, dims: &ClassLossDims) -> usize {
+    match dims.reduction {
+        crate::Reduction::None => dims.n * dims.inner * dtype.size(),
+        _ => dtype.size(),
     }
 }

@@ -98,8 +98,9 @@ impl Program {
         sha2::Sha256::digest(&json).iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// Checks that every region is inside the arena and that no instruction's outputs overlap
-    /// its inputs or each other; the executor relies on this to hand kernels disjoint slices.
+    /// Checks that every region is inside the arena, that each instruction's regions have the
+    /// sizes its kernel implies, and that no instruction's outputs overlap its inputs or each
+    /// other; the executor relies on this to hand kernels disjoint slices of the right length.
     pub fn validate(&self) -> Result<(), RuntimeError> {
         let size = self.memory.arena_bytes;
         let bad = |what: String| Err(RuntimeError::InvalidProgram(what));
@@ -136,11 +137,15 @@ impl Program {
                 return bad(format!("an update from offset {} to {} is out of place", u.from.offset, u.to.offset));
             }
         }
-        for (i, Instruction::Kernel { inputs, outputs, label, .. }) in self.instructions.iter().enumerate() {
+        for (i, Instruction::Kernel { kernel, inputs, outputs, label }) in self.instructions.iter().enumerate() {
             for r in inputs.iter().chain(outputs) {
                 if r.end() > size {
                     return bad(format!("instruction {i} ({label}) reaches past the arena"));
                 }
+            }
+            let lengths = |regions: &[Region]| regions.iter().map(|r| r.len).collect::<Vec<_>>();
+            if let Err(e) = kernel.check_buffers(&lengths(inputs), &lengths(outputs)) {
+                return bad(format!("instruction {i} ({label}): {e}"));
             }
             for (j, o) in outputs.iter().enumerate() {
                 if inputs.iter().any(|r| r.overlaps(o)) || outputs[j + 1..].iter().any(|r| r.overlaps(o)) {
@@ -149,5 +154,41 @@ impl Program {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn program(kernel: Kernel, output_len: usize) -> Program {
+        Program {
+            name: "p".into(),
+            inputs: vec![],
+            outputs: vec![],
+            params: vec![],
+            states: vec![],
+            constants: vec![],
+            updates: vec![],
+            instructions: vec![Instruction::Kernel {
+                kernel,
+                inputs: vec![Region { offset: 0, len: 24 }],
+                outputs: vec![Region { offset: 64, len: output_len }],
+                label: "%3 = transpose".into(),
+            }],
+            memory: MemoryPlan { arena_bytes: 128, ..Default::default() },
+        }
+    }
+
+    #[test]
+    fn regions_must_match_their_kernels() {
+        let transpose = Kernel::Transpose { dtype: DType::F32, shape: vec![2, 3], perm: vec![1, 0] };
+        program(transpose.clone(), 24).validate().unwrap();
+        let err = program(transpose, 20).validate().unwrap_err().to_string();
+        assert!(err.contains("instruction 0 (%3 = transpose): transpose: a buffer does not match"), "{err}");
+        let bad_perm = Kernel::Transpose { dtype: DType::F32, shape: vec![2, 3], perm: vec![1, 1] };
+        assert!(program(bad_perm, 24).validate().is_err());
+        assert!(program(Kernel::Cast { from: DType::F32, to: DType::I64 }, 48).validate().is_ok());
+        assert!(program(Kernel::Cast { from: DType::F32, to: DType::I64 }, 24).validate().is_err());
     }
 }

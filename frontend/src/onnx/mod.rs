@@ -2,6 +2,7 @@
 //! node by node into the IR. Every node whose inputs are all constant is evaluated on the spot
 //! with the IR's reference evaluator, which folds the shape arithmetic PyTorch exports
 //! (Shape/Gather/Concat/Reshape chains, masks) so the resulting graph is fully static.
+//! [`export`] goes the other way for weights: trained tensors written back into the model.
 
 pub mod export;
 mod ops;
