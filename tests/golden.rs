@@ -9,23 +9,53 @@
 //!
 //! The runner parses and verifies the input, runs the passes, and compares the printed result
 //! with the expectation (a mismatch prints both; `AUTOTP_BLESS=1` rewrites the expectation).
-//! It also runs input and output through the reference evaluator on random data: a pass must
-//! preserve what the graph computes.
+//! It also runs input and output through the reference evaluator on random data (the SPMD one
+//! for a graph on a mesh): a pass must preserve what the graph computes.
 
 use std::path::Path;
 
 use autotp_passes::optimize::{Optimize, Optimizer};
+use autotp_passes::shard::Shard;
 use autotp_passes::{autodiff::Autodiff, dce::Dce, loss::AttachLoss, recognize::Recognize, Pass, PassManager};
 
 use crate::common::{max_abs_diff, random_tensor, repo};
 
-/// A pass from its spelling in a golden file: `name`, or `autodiff:freeze=P1,P2`.
+/// `shard:dp=2,tp=2:x=shard(0)/replicate,w=replicate/shard(1)`: the mesh, then the seeds (one
+/// placement per mesh axis, `/`-separated).
+fn shard_spec(spec: &str) -> Shard {
+    use autotp_ir::{Mesh, MeshAxis, Placement};
+    let (mesh, seeds) = spec.split_once(':').unwrap_or((spec, ""));
+    let axes = mesh
+        .split(',')
+        .map(|a| {
+            let (name, size) = a.split_once('=').expect("mesh axes are NAME=SIZE");
+            MeshAxis { name: name.into(), size: size.parse().unwrap() }
+        })
+        .collect();
+    let placement = |p: &str| match p {
+        "replicate" => Placement::Replicate,
+        _ => Placement::Shard(p.trim_start_matches("shard(").trim_end_matches(')').parse().unwrap()),
+    };
+    let seeds = seeds
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            let (name, placements) = s.split_once('=').expect("seeds are NAME=PLACEMENT[/PLACEMENT...]");
+            (name.to_string(), placements.split('/').map(placement).collect())
+        })
+        .collect();
+    Shard { mesh: Mesh { axes }, seeds }
+}
+
+/// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`, or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]).
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
         "dce" => Box::new(Dce),
         "recognize" => Box::new(Recognize),
         "loss" => Box::new(AttachLoss),
+        "shard" => Box::new(shard_spec(argument)),
         "autodiff" => {
             let mut pass = Autodiff::new("loss");
             if let Some(frozen) = argument.strip_prefix("freeze=") {
@@ -86,8 +116,13 @@ fn run_named(graph: &autotp_ir::Graph) -> Result<std::collections::BTreeMap<Stri
         (name.to_string(), random_tensor(graph.ty(v), seed_of(name)))
     };
     let inputs: Vec<_> = graph.inputs().iter().map(|&v| feed(v).1).collect();
-    let params = graph.params().iter().map(|&v| feed(v)).collect();
-    let outputs = autotp_ir::eval::eval_graph(graph, &params, &inputs).map_err(|e| e.to_string())?;
+    let mut params = graph.params().iter().map(|&v| feed(v)).collect();
+    let outputs = if graph.mesh.axes.is_empty() {
+        autotp_ir::eval::eval_graph(graph, &params, &inputs)
+    } else {
+        autotp_ir::spmd::eval_spmd_step(graph, &mut params, &inputs)
+    }
+    .map_err(|e| e.to_string())?;
     Ok(graph.outputs().iter().map(|(n, _)| n.clone()).zip(outputs).collect())
 }
 

@@ -6,6 +6,8 @@
 //! - `cli`: the command line on bad input: one clear line, non-zero exit, no panic.
 //! - `compile`: `autotp compile`'s summary, IR dumps, `--freeze`, damaged plans.
 //! - `checkpoint`: save, resume (bit-identical), a save killed midway, refusal, export.
+//! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
+//!   against the single-device step.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
 //!   `conformance`: rules, optimizers and ONNX node tests against references.
 
@@ -18,5 +20,6 @@ mod fixtures;
 mod golden;
 mod gradients;
 mod optimizers;
+mod sharding;
 mod train;
 mod verifier;

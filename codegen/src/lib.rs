@@ -16,6 +16,8 @@ use memory::{align, FirstFit};
 pub enum CodegenError {
     #[error("cannot lower an invalid graph: {0}")]
     Verify(#[from] autotp_ir::VerifyErrors),
+    #[error("cannot lower a graph over a device mesh ({mesh}) yet: per-rank programs are not implemented")]
+    Sharded { mesh: String },
 }
 
 fn slot(graph: &Graph, v: ValueId, name: String, region: Region) -> Slot {
@@ -58,6 +60,10 @@ impl Dedicated {
 
 /// Lowers `graph` to a single-device program.
 pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
+    if !graph.mesh.axes.is_empty() {
+        let axes: Vec<String> = graph.mesh.axes.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
+        return Err(CodegenError::Sharded { mesh: axes.join(", ") });
+    }
     autotp_ir::verify(graph)?;
     let mut regions: Vec<Option<Region>> = vec![None; graph.num_values()];
     let mut memory = MemoryPlan::default();

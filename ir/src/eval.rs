@@ -28,9 +28,16 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], num_outputs: usize) -> Result<Vec<Te
     run_kernel(op, inputs, &out_types)
 }
 
-fn run_kernel(op: &Op, inputs: &[&Tensor], out_types: &[TensorType]) -> Result<Vec<Tensor>, EvalError> {
-    if let Op::Constant { value } = op {
-        return Ok(vec![value.clone()]);
+pub(crate) fn run_kernel(op: &Op, inputs: &[&Tensor], out_types: &[TensorType]) -> Result<Vec<Tensor>, EvalError> {
+    match op {
+        Op::Constant { value } => return Ok(vec![value.clone()]),
+        Op::Collective { .. } => {
+            return Err(EvalError::InvalidInputs {
+                op: op.name(),
+                message: "a collective needs ranks: evaluate the graph with eval_spmd".into(),
+            })
+        }
+        _ => {}
     }
     let types: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
     let out_refs: Vec<&TensorType> = out_types.iter().collect();

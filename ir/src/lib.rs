@@ -7,6 +7,8 @@
 //! - [`text`]: the deterministic text format; `text::parse(&text::print(g)) == g`.
 //! - [`eval`]: the reference evaluator (constant folding, test oracles) over [`Tensor`]s.
 //! - [`lower::kernel_for`]: the builtin kernel that computes an op; codegen uses it too.
+//! - [`sharding`]: local shapes, every op's sharding rule, resharding by collectives.
+//! - [`spmd`]: the reference evaluator over a mesh (every rank in one process).
 //!
 //! Invariants: a verified graph defines every value exactly once, before its uses; every node's
 //! output types are what its op's rule infers from its inputs; parameters are floating point.
@@ -16,6 +18,8 @@ pub mod eval;
 mod graph;
 pub mod lower;
 mod op;
+pub mod sharding;
+pub mod spmd;
 mod tensor;
 pub mod text;
 mod types;
@@ -24,7 +28,7 @@ mod verify;
 pub use autotp_kernels::shape::broadcast_shapes;
 pub use autotp_kernels::{scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, UnaryOp};
 pub use graph::{Def, Graph, Node, NodeId, Rewriter, Value, ValueId};
-pub use op::{slice_len, Op};
+pub use op::{slice_len, Collective, Op};
 pub use tensor::Tensor;
 pub use types::{Mesh, MeshAxis, Placement, TensorType};
 pub use verify::{verify, VerifyError, VerifyErrors};

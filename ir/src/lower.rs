@@ -9,15 +9,17 @@ fn product(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 
-/// The kernel for `op`, or `None` for ops that compute nothing at run time (constants).
-/// The types must satisfy the op's rule (the verifier's job).
+/// The kernel for `op`, or `None` for ops that are not kernels: constants (data written at load
+/// time) and collectives (communication, run by the runtime's comm). The kernel's shapes come
+/// from the types given, so passing a rank's local types gives the rank's local kernel. The
+/// types must satisfy the op's rule (the verifier's job).
 pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> Option<Kernel> {
     let in0 = inputs.first();
     let dtype = in0.map(|t| t.dtype).unwrap_or(outputs[0].dtype);
     let shape = || in0.map(|t| t.shape.clone()).unwrap_or_default();
     let out_shape = || outputs[0].shape.clone();
     Some(match op {
-        Op::Constant { .. } => return None,
+        Op::Constant { .. } | Op::Collective { .. } => return None,
         Op::Unary(op) => Kernel::Unary { op: *op, dtype },
         Op::Binary(op) => {
             Kernel::Binary { op: *op, dtype, lhs: shape(), rhs: inputs[1].shape.clone(), out: out_shape() }
@@ -63,8 +65,13 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
         Op::Concat { axis } => {
             Kernel::Concat { dtype, shapes: inputs.iter().map(|t| t.shape.clone()).collect(), axis: *axis }
         }
-        Op::Split { axis, sizes } => Kernel::Split { dtype, shape: shape(), axis: *axis, sizes: sizes.clone() },
-        Op::Expand { shape: to } => Kernel::Expand { dtype, shape: shape(), out: to.clone() },
+        Op::Split { axis, .. } => Kernel::Split {
+            dtype,
+            shape: shape(),
+            axis: *axis,
+            sizes: outputs.iter().map(|t| t.shape[*axis]).collect(),
+        },
+        Op::Expand { .. } => Kernel::Expand { dtype, shape: shape(), out: out_shape() },
         Op::Gather { axis } => Kernel::Gather { dtype, index_dtype: inputs[1].dtype, data: shape(), axis: *axis },
         Op::ScatterAdd { axis, .. } => {
             Kernel::ScatterAdd { dtype: inputs[1].dtype, index_dtype: inputs[0].dtype, out: out_shape(), axis: *axis }

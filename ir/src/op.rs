@@ -125,6 +125,57 @@ pub enum Op {
         ignore_index: Option<i64>,
         reduction: Reduction,
     },
+    /// A collective over the ranks of one mesh axis (named). Types are global and unchanged;
+    /// only the value's placement on `axis` changes, as [`Collective::transition`] says.
+    Collective {
+        kind: Collective,
+        axis: String,
+    },
+}
+
+/// The collectives, as resharding steps along one mesh axis.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Collective {
+    /// partial(sum) -> replicate: every rank gets the sum.
+    AllReduce,
+    /// shard(dim) -> replicate: every rank gets the concatenation.
+    AllGather { dim: usize },
+    /// partial(sum) -> shard(dim): each rank gets its slice of the sum.
+    ReduceScatter { dim: usize },
+    /// replicate -> shard(dim): each rank keeps its own slice; no communication.
+    ShardSlice { dim: usize },
+}
+
+impl Collective {
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather { .. } => "all_gather",
+            Collective::ReduceScatter { .. } => "reduce_scatter",
+            Collective::ShardSlice { .. } => "shard_slice",
+        }
+    }
+
+    /// The tensor dim it shards or gathers, if any.
+    pub fn dim(self) -> Option<usize> {
+        match self {
+            Collective::AllReduce => None,
+            Collective::AllGather { dim } | Collective::ReduceScatter { dim } | Collective::ShardSlice { dim } => {
+                Some(dim)
+            }
+        }
+    }
+
+    /// The placement on the axis it takes, and the one it gives.
+    pub fn transition(self) -> (crate::Placement, crate::Placement) {
+        use crate::Placement::{PartialSum, Replicate, Shard};
+        match self {
+            Collective::AllReduce => (PartialSum, Replicate),
+            Collective::AllGather { dim } => (Shard(dim), Replicate),
+            Collective::ReduceScatter { dim } => (PartialSum, Shard(dim)),
+            Collective::ShardSlice { dim } => (Replicate, Shard(dim)),
+        }
+    }
 }
 
 impl Op {
@@ -159,6 +210,7 @@ impl Op {
             Op::NllLoss { .. } => "nll_loss".into(),
             Op::AdamW { .. } => "adamw".into(),
             Op::Sgd { .. } => "sgd".into(),
+            Op::Collective { kind, .. } => kind.name().into(),
         }
     }
 
@@ -463,6 +515,13 @@ impl Op {
                     return Err(format!("has {num_outputs} outputs, expects {outputs}"));
                 }
                 Ok(vec![p.clone(); outputs])
+            }
+            Op::Collective { kind, .. } => {
+                expect_arity(1, 1)?;
+                if let Some(dim) = kind.dim() {
+                    axis_ok(dim, inputs[0].rank())?;
+                }
+                one(inputs[0].clone())
             }
             Op::CrossEntropy { reduction, .. } | Op::NllLoss { reduction, .. } => {
                 expect_arity(2, 3)?;

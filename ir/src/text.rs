@@ -29,8 +29,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use crate::{
-    BinaryOp, DType, GeluApprox, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ReduceOp, Reduction, Tensor, TensorType,
-    UnaryOp, ValueId,
+    BinaryOp, Collective, DType, GeluApprox, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ReduceOp, Reduction, Tensor,
+    TensorType, UnaryOp, ValueId,
 };
 
 /// Display names of a graph's values.
@@ -204,6 +204,13 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
             ("ignore_index", ignore_index.map(Attr::Int).unwrap_or_else(|| Attr::Word("none".into()))),
             ("reduction", Attr::Word(reduction.name().into())),
         ],
+        Op::Collective { kind, axis } => {
+            let mut a = vec![("axis", Attr::Word(axis.clone()))];
+            if let Some(dim) = kind.dim() {
+                a.push(("dim", Attr::Int(dim as i64)));
+            }
+            a
+        }
     }
 }
 
@@ -917,6 +924,16 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
             Op::Pad { begin: take_usizes(a, "begin")?, end: take_usizes(a, "end")?, value: take_float(a, "value")? }
         }
         "triu" | "tril" => Op::Triangle { upper: name == "triu", k: take_int(a, "k")? },
+        "all_reduce" => Op::Collective { kind: Collective::AllReduce, axis: take_word(a, "axis")? },
+        "all_gather" | "reduce_scatter" | "shard_slice" => {
+            let dim = take_usize(a, "dim")?;
+            let kind = match name {
+                "all_gather" => Collective::AllGather { dim },
+                "reduce_scatter" => Collective::ReduceScatter { dim },
+                _ => Collective::ShardSlice { dim },
+            };
+            Op::Collective { kind, axis: take_word(a, "axis")? }
+        }
         "softmax" => Op::Softmax { axis: take_usize(a, "axis")? },
         "log_softmax" => Op::LogSoftmax { axis: take_usize(a, "axis")? },
         "layer_norm" => Op::LayerNorm { axis: take_usize(a, "axis")?, eps: take_float(a, "eps")? },

@@ -45,7 +45,7 @@ impl std::fmt::Display for TensorType {
 }
 
 /// How a value is laid out along one mesh axis (the DTensor / GSPMD model).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Placement {
     /// Every rank of the axis holds the whole value.
     Replicate,

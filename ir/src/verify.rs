@@ -1,7 +1,7 @@
 //! The verifier: checks every structural invariant and every op's type rule, and reports all
 //! violations, each naming the node or value it is about.
 
-use crate::{Def, Graph, Placement};
+use crate::{Def, Graph, Op, Placement};
 
 /// One violation. `at` is the printed form of the offending value or node (`%12 = matmul`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,6 +91,7 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             }
         }
     }
+    let placements_ok = graph.values().all(|(_, v)| v.placements.len() == graph.mesh.axes.len());
     for (id, node) in graph.nodes() {
         let at = names.node(graph, id);
         let mut inputs_ok = true;
@@ -119,10 +120,15 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
         match node.op.infer(&types, node.outputs.len()) {
             Err(message) => err(at, message),
             Ok(expected) => {
+                let mut types_ok = true;
                 for (i, (want, &o)) in expected.iter().zip(&node.outputs).enumerate() {
                     if graph.ty(o) != want {
                         err(at.clone(), format!("output {i} has type {} but the op produces {want}", graph.ty(o)));
+                        types_ok = false;
                     }
+                }
+                if types_ok && placements_ok {
+                    check_placements(graph, node, &at, &mut err);
                 }
             }
         }
@@ -157,9 +163,49 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             err(at, "is updated twice".into());
         }
     }
+    for (name, v) in graph.outputs() {
+        if v.index() < graph.num_values() && graph.value(*v).placements.iter().any(|p| *p != Placement::Replicate) {
+            err(format!("output \"{name}\""), "must be replicated on every mesh axis".into());
+        }
+    }
+    for (target, value) in graph.updates() {
+        if value.index() < graph.num_values()
+            && target.index() < graph.num_values()
+            && graph.value(*target).placements != graph.value(*value).placements
+        {
+            err(format!("update {}", names.get(*target)), "takes a value placed differently from it".into());
+        }
+    }
     if errors.is_empty() {
         Ok(())
     } else {
         Err(VerifyErrors(errors))
+    }
+}
+
+/// Checks a node's placements against its sharding rule on every mesh axis.
+fn check_placements(graph: &Graph, node: &crate::Node, at: &str, err: &mut impl FnMut(String, String)) {
+    if let Op::Collective { axis, .. } = &node.op {
+        if !graph.mesh.axes.iter().any(|a| &a.name == axis) {
+            err(at.to_string(), format!("names mesh axis '{axis}', which the mesh does not have"));
+            return;
+        }
+    }
+    let types: Vec<_> = node.inputs.iter().map(|&v| graph.ty(v)).collect();
+    let out_types: Vec<_> = node.outputs.iter().map(|&v| graph.ty(v)).collect();
+    for (a, axis) in graph.mesh.axes.iter().enumerate() {
+        let current: Vec<Placement> = node.inputs.iter().map(|&v| graph.value(v).placements[a]).collect();
+        let actual: Vec<Placement> = node.outputs.iter().map(|&v| graph.value(v).placements[a]).collect();
+        let rule = crate::sharding::axis_rule(&node.op, &types, &out_types, &current, axis);
+        if rule.inputs != current {
+            let show: Vec<String> = rule.inputs.iter().map(|p| p.to_string()).collect();
+            err(at.to_string(), format!("needs its inputs as [{}] on mesh axis {}", show.join(", "), axis.name));
+        } else if rule.outputs != actual {
+            let show: Vec<String> = rule.outputs.iter().map(|p| p.to_string()).collect();
+            err(
+                at.to_string(),
+                format!("gives [{}] on mesh axis {}, not what its outputs say", show.join(", "), axis.name),
+            );
+        }
     }
 }

@@ -431,6 +431,9 @@ fn vjp(
         }
         // Optimizer updates come after differentiation; nothing flows back through them.
         Op::AdamW { .. } | Op::Sgd { .. } => return Err(no_gradient(op, "(optimizer updates are not differentiable)")),
+        Op::Collective { .. } => {
+            return Err(no_gradient(op, "(sharding passes run after autodiff, on the whole training step)"))
+        }
         Op::Triangle { upper, k } => out[0] = Some(b.op(Op::Triangle { upper: *upper, k: *k }, vec![d0()])?),
         Op::Softmax { axis } => {
             let (y0, d) = (y[0], d0());

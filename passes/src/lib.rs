@@ -10,12 +10,14 @@
 //! | `loss`      | one scalar `loss` output: the model's, or mean cross-entropy ([`loss`]) |
 //! | `optimize`  | AdamW/SGD updates of every parameter, optional grad clipping ([`optimize`]) |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
+//! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
 
 pub mod autodiff;
 pub mod dce;
 pub mod loss;
 pub mod optimize;
 pub mod recognize;
+pub mod shard;
 
 use std::time::Instant;
 

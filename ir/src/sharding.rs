@@ -1,0 +1,415 @@
+//! Sharding: how values are laid out over the device mesh, and how each op may run on shards.
+//!
+//! Types in the graph are global; a value's [`Placement`] on each mesh axis says how the ranks
+//! of that axis hold it (the DTensor / GSPMD model): `replicate`, `shard(d)` (contiguous equal
+//! slices of dim d, in rank order; several axes sharding one dim nest in mesh-axis order) or
+//! `partial(sum)` (the value is the sum of the ranks' tensors). [`local_shape`] is what one rank
+//! holds.
+//!
+//! [`axis_rule`] is the sharding rule of every op along one mesh axis: given the placements its
+//! inputs arrive in, the placements it needs them in and the placements of its outputs. Every op
+//! runs on local shards with the same kernel as on one device (the kernel's shapes come from the
+//! local types), so a rule only allows layouts where that is exact. Where an input arrives in
+//! another placement, [`reshard`] gives the collectives that convert it. The verifier checks
+//! every node against its rule, so a graph that verifies computes on its mesh what the
+//! single-device graph computes.
+
+use crate::{BinaryOp, Collective, Mesh, MeshAxis, Op, Placement, ReduceOp, Reduction, TensorType, UnaryOp};
+
+/// The shape one rank holds of a value of global `shape` with `placements` on `mesh`.
+pub fn local_shape(mesh: &Mesh, shape: &[usize], placements: &[Placement]) -> Vec<usize> {
+    let mut local = shape.to_vec();
+    for (axis, p) in mesh.axes.iter().zip(placements) {
+        if let Placement::Shard(d) = p {
+            if let Some(size) = local.get_mut(*d) {
+                *size /= axis.size.max(1);
+            }
+        }
+    }
+    local
+}
+
+/// The local type of a value.
+pub fn local_type(mesh: &Mesh, ty: &TensorType, placements: &[Placement]) -> TensorType {
+    TensorType::new(ty.dtype, local_shape(mesh, &ty.shape, placements))
+}
+
+/// An op's placements along one mesh axis: what it needs its inputs in, and what it gives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AxisRule {
+    pub inputs: Vec<Placement>,
+    pub outputs: Vec<Placement>,
+}
+
+impl AxisRule {
+    fn all(inputs: usize, outputs: usize, p: Placement) -> AxisRule {
+        AxisRule { inputs: vec![p; inputs], outputs: vec![p; outputs] }
+    }
+
+    fn replicated(inputs: usize, outputs: usize) -> AxisRule {
+        AxisRule::all(inputs, outputs, Placement::Replicate)
+    }
+}
+
+/// Whether dim `d` of `shape` can be sharded `n` ways.
+fn divisible(shape: &[usize], d: usize, n: usize) -> bool {
+    shape.get(d).is_some_and(|&s| s % n == 0 && s >= n)
+}
+
+/// The sharding rule of `op` along the mesh axis `axis`, for inputs arriving in `current`.
+/// Types are global. Rules follow a sharded input where the op allows it (so data parallelism
+/// and tensor parallelism flow through the graph without communication), keep partial sums
+/// through linear ops, and otherwise ask for replicated inputs.
+pub fn axis_rule(
+    op: &Op,
+    inputs: &[&TensorType],
+    outputs: &[&TensorType],
+    current: &[Placement],
+    axis: &MeshAxis,
+) -> AxisRule {
+    use Placement::{PartialSum, Replicate, Shard};
+    let (ni, no, n) = (inputs.len(), outputs.len(), axis.size);
+    let out0 = outputs.first().map(|t| t.shape.as_slice()).unwrap_or_default();
+    let all_partial = !current.is_empty() && current.iter().all(|p| *p == PartialSum);
+    match op {
+        Op::Constant { .. } => AxisRule::replicated(0, no),
+        Op::Collective { kind, axis: name } if *name == axis.name => {
+            let (from, to) = kind.transition();
+            AxisRule { inputs: vec![from], outputs: vec![to] }
+        }
+        // A collective over another axis leaves this one as it is.
+        Op::Collective { .. } => AxisRule { inputs: current.to_vec(), outputs: current.to_vec() },
+        Op::Unary(_) | Op::Binary(_) | Op::Select | Op::Cast { .. } | Op::Gelu { .. } => {
+            let rank = out0.len();
+            // The output dim of an input's dim, when the input is not broadcast along it.
+            let out_dim = |i: usize, d: usize| {
+                let offset = rank - inputs[i].rank();
+                (inputs[i].shape[d] == out0[d + offset]).then_some(d + offset)
+            };
+            let target = current.iter().enumerate().find_map(|(i, p)| match p {
+                Shard(d) => out_dim(i, *d).filter(|&o| divisible(out0, o, n)),
+                _ => None,
+            });
+            if let Some(o) = target {
+                let needs = (0..ni)
+                    .map(|i| {
+                        let offset = rank - inputs[i].rank();
+                        match o.checked_sub(offset) {
+                            Some(d) if inputs[i].shape[d] == out0[o] => Shard(d),
+                            _ => Replicate,
+                        }
+                    })
+                    .collect();
+                return AxisRule { inputs: needs, outputs: vec![Shard(o)] };
+            }
+            let linear = match op {
+                Op::Unary(UnaryOp::Neg) => all_partial,
+                Op::Binary(BinaryOp::Add | BinaryOp::Sub) => all_partial,
+                Op::Binary(BinaryOp::Mul) => {
+                    matches!(current, [PartialSum, Replicate] | [Replicate, PartialSum])
+                }
+                Op::Binary(BinaryOp::Div) => matches!(current, [PartialSum, Replicate]),
+                _ => false,
+            };
+            if linear {
+                AxisRule { inputs: current.to_vec(), outputs: vec![PartialSum] }
+            } else {
+                AxisRule::replicated(ni, no)
+            }
+        }
+        Op::Reduce { op: reduce, axes, keep_dims } => match current[0] {
+            Shard(d) if !axes.contains(&d) => {
+                let o = if *keep_dims { d } else { d - axes.iter().filter(|&&a| a < d).count() };
+                AxisRule { inputs: vec![Shard(d)], outputs: vec![Shard(o)] }
+            }
+            Shard(d) if *reduce == ReduceOp::Sum => AxisRule { inputs: vec![Shard(d)], outputs: vec![PartialSum] },
+            PartialSum if *reduce == ReduceOp::Sum => AxisRule::all(1, 1, PartialSum),
+            _ => AxisRule::replicated(1, 1),
+        },
+        Op::MatMul { transpose_lhs, transpose_rhs } => {
+            matmul_rule(inputs, out0, current, n, *transpose_lhs, *transpose_rhs)
+        }
+        Op::Reshape { .. } => match current[0] {
+            Shard(d) => match reshape_dim(&inputs[0].shape, out0, d) {
+                Some(o) if divisible(out0, o, n) => AxisRule { inputs: vec![Shard(d)], outputs: vec![Shard(o)] },
+                _ => AxisRule::replicated(1, 1),
+            },
+            p => AxisRule::all(1, 1, p),
+        },
+        Op::Transpose { perm } => match current[0] {
+            Shard(d) => {
+                let o = perm.iter().position(|&p| p == d).expect("a permutation");
+                AxisRule { inputs: vec![Shard(d)], outputs: vec![Shard(o)] }
+            }
+            p => AxisRule::all(1, 1, p),
+        },
+        Op::Slice { starts, steps, .. } => match current[0] {
+            Shard(d) if starts[d] == 0 && steps[d] == 1 && out0[d] == inputs[0].shape[d] => {
+                AxisRule::all(1, 1, Shard(d))
+            }
+            PartialSum => AxisRule::all(1, 1, PartialSum),
+            _ => AxisRule::replicated(1, 1),
+        },
+        Op::Concat { axis } => {
+            let shard = current.iter().find_map(|p| match p {
+                Shard(d) if d != axis => Some(*d),
+                _ => None,
+            });
+            match shard {
+                Some(d) => AxisRule::all(ni, 1, Shard(d)),
+                None if all_partial => AxisRule::all(ni, 1, PartialSum),
+                None => AxisRule::replicated(ni, 1),
+            }
+        }
+        Op::Split { axis, .. } => match current[0] {
+            Shard(d) if d != *axis => AxisRule { inputs: vec![Shard(d)], outputs: vec![Shard(d); no] },
+            PartialSum => AxisRule::all(1, no, PartialSum),
+            _ => AxisRule::replicated(1, no),
+        },
+        Op::Expand { .. } => {
+            let offset = out0.len() - inputs[0].rank();
+            match current[0] {
+                Shard(d) if inputs[0].shape[d] == out0[d + offset] => {
+                    AxisRule { inputs: vec![Shard(d)], outputs: vec![Shard(d + offset)] }
+                }
+                PartialSum => AxisRule::all(1, 1, PartialSum),
+                _ => AxisRule::replicated(1, 1),
+            }
+        }
+        Op::Gather { axis } => {
+            let index_rank = inputs[1].rank();
+            match (current[0], current[1]) {
+                (_, Shard(i)) => AxisRule { inputs: vec![Replicate, Shard(i)], outputs: vec![Shard(axis + i)] },
+                (Shard(d), _) if d != *axis => {
+                    let o = if d < *axis { d } else { d + index_rank - 1 };
+                    AxisRule { inputs: vec![Shard(d), Replicate], outputs: vec![Shard(o)] }
+                }
+                (PartialSum, _) => AxisRule { inputs: vec![PartialSum, Replicate], outputs: vec![PartialSum] },
+                _ => AxisRule::replicated(2, 1),
+            }
+        }
+        Op::ScatterAdd { axis, .. } => {
+            let index_rank = inputs[0].rank();
+            match (current[0], current[1]) {
+                (_, Shard(u)) if u >= *axis && u < axis + index_rank => {
+                    AxisRule { inputs: vec![Shard(u - axis), Shard(u)], outputs: vec![PartialSum] }
+                }
+                (Shard(i), _) => AxisRule { inputs: vec![Shard(i), Shard(axis + i)], outputs: vec![PartialSum] },
+                (_, Shard(u)) => {
+                    let o = if u < *axis { u } else { u + 1 - index_rank };
+                    AxisRule { inputs: vec![Replicate, Shard(u)], outputs: vec![Shard(o)] }
+                }
+                (_, PartialSum) => AxisRule { inputs: vec![Replicate, PartialSum], outputs: vec![PartialSum] },
+                _ => AxisRule::replicated(2, 1),
+            }
+        }
+        Op::Pad { begin, end, value } => match current[0] {
+            Shard(d) if begin[d] == 0 && end[d] == 0 => AxisRule::all(1, 1, Shard(d)),
+            PartialSum if *value == 0.0 => AxisRule::all(1, 1, PartialSum),
+            _ => AxisRule::replicated(1, 1),
+        },
+        Op::Triangle { .. } => match current[0] {
+            Shard(d) if d + 2 < inputs[0].rank() => AxisRule::all(1, 1, Shard(d)),
+            PartialSum => AxisRule::all(1, 1, PartialSum),
+            _ => AxisRule::replicated(1, 1),
+        },
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => match current[0] {
+            Shard(d) if d != *axis => AxisRule::all(1, 1, Shard(d)),
+            _ => AxisRule::replicated(1, 1),
+        },
+        Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => match current[0] {
+            Shard(d) if d < *axis => {
+                let mut needs = vec![Replicate; ni];
+                needs[0] = Shard(d);
+                AxisRule { inputs: needs, outputs: vec![Shard(d)] }
+            }
+            _ => AxisRule::replicated(ni, 1),
+        },
+        Op::CrossEntropy { reduction, .. } | Op::NllLoss { reduction, .. } => {
+            // Scores [N, C, ...] sharded on a position dim (not the classes), labels alike. A mean
+            // over sharded positions is not a sum of local means: the pass rewrites it first.
+            let position = match current[0] {
+                Shard(d) if d != 1 => Some((d, if d == 0 { 0 } else { d - 1 })),
+                _ => match current[1] {
+                    Shard(l) => Some((if l == 0 { 0 } else { l + 1 }, l)),
+                    _ => None,
+                },
+            };
+            match (position, reduction) {
+                (Some((d, l)), Reduction::None | Reduction::Sum) => {
+                    let mut needs = vec![Shard(d), Shard(l)];
+                    needs.extend(std::iter::repeat_n(Replicate, ni - 2));
+                    let loss = if *reduction == Reduction::Sum { PartialSum } else { Shard(l) };
+                    let mut outs = vec![loss];
+                    if no == 2 {
+                        outs.push(Shard(d));
+                    }
+                    AxisRule { inputs: needs, outputs: outs }
+                }
+                _ => AxisRule::replicated(ni, no),
+            }
+        }
+        Op::GatherElements { .. } => AxisRule::replicated(ni, no),
+        Op::AdamW { .. } | Op::Sgd { .. } => {
+            // The optimizer state's placement decides (ZeRO shards it); every tensor operand
+            // follows it; lr and step are replicated scalars.
+            let tensors = if matches!(op, Op::AdamW { .. }) { 4 } else { 3 };
+            let state = match current[2] {
+                Shard(d) => Shard(d),
+                _ => Replicate,
+            };
+            let mut needs = vec![state; tensors];
+            needs.extend(std::iter::repeat_n(Replicate, ni - tensors));
+            AxisRule { inputs: needs, outputs: vec![state; no] }
+        }
+    }
+}
+
+fn matmul_rule(
+    inputs: &[&TensorType],
+    out: &[usize],
+    current: &[Placement],
+    n: usize,
+    transpose_lhs: bool,
+    transpose_rhs: bool,
+) -> AxisRule {
+    use Placement::{PartialSum, Replicate, Shard};
+    let (lhs, rhs) = (&inputs[0].shape, &inputs[1].shape);
+    let (rl, rr, ro) = (lhs.len(), rhs.len(), out.len());
+    let (lhs_m, lhs_k) = if transpose_lhs { (rl - 1, rl - 2) } else { (rl - 2, rl - 1) };
+    let (rhs_k, rhs_n) = if transpose_rhs { (rr - 1, rr - 2) } else { (rr - 2, rr - 1) };
+    // Batch dim `o` of the output, in an operand of rank r, if the operand is not broadcast there.
+    let batch_of = |shape: &[usize], o: usize| {
+        let offset = ro - shape.len();
+        o.checked_sub(offset).filter(|&d| d + 2 < shape.len() && shape[d] == out[o])
+    };
+    let rule = |l: Placement, r: Placement, o: Placement| AxisRule { inputs: vec![l, r], outputs: vec![o] };
+    match (current[0], current[1]) {
+        (Shard(d), _) if d + 2 < rl => {
+            let o = d + ro - rl;
+            if lhs[d] != out[o] || !divisible(out, o, n) {
+                return AxisRule::replicated(2, 1);
+            }
+            rule(Shard(d), batch_of(rhs, o).map_or(Replicate, Shard), Shard(o))
+        }
+        (Shard(d), _) if d == lhs_m => rule(Shard(d), Replicate, Shard(ro - 2)),
+        (_, Shard(d)) if d == rhs_n => rule(Replicate, Shard(d), Shard(ro - 1)),
+        (Shard(d), _) if d == lhs_k => rule(Shard(d), Shard(rhs_k), PartialSum),
+        (_, Shard(d)) if d == rhs_k => rule(Shard(lhs_k), Shard(d), PartialSum),
+        (_, Shard(d)) => {
+            let o = d + ro - rr;
+            match batch_of(lhs, o) {
+                Some(l) if divisible(out, o, n) => rule(Shard(l), Shard(d), Shard(o)),
+                _ => AxisRule::replicated(2, 1),
+            }
+        }
+        (PartialSum, Replicate) | (PartialSum, PartialSum) => rule(PartialSum, Replicate, PartialSum),
+        (Replicate, PartialSum) => rule(Replicate, PartialSum, PartialSum),
+        _ => AxisRule::replicated(2, 1),
+    }
+}
+
+/// The output dim a sharded input dim `d` of a reshape maps to, when the shards stay contiguous
+/// blocks: `d` must be the outermost non-unit dim of its group of merged/split dims, and the
+/// result is the outermost non-unit output dim of that group.
+fn reshape_dim(input: &[usize], output: &[usize], d: usize) -> Option<usize> {
+    let (mut i, mut o) = (0, 0);
+    while i < input.len() || o < output.len() {
+        // Skip unit dims, which never carry a shard.
+        while i < input.len() && input[i] == 1 && i != d {
+            i += 1;
+        }
+        while o < output.len() && output[o] == 1 {
+            o += 1;
+        }
+        if i >= input.len() || o >= output.len() {
+            return None;
+        }
+        let (group_i, group_o) = (i, o);
+        let (mut pi, mut po) = (input[i], output[o]);
+        i += 1;
+        o += 1;
+        while pi != po {
+            if pi < po {
+                pi *= input.get(i)?;
+                i += 1;
+            } else {
+                po *= output.get(o)?;
+                o += 1;
+            }
+        }
+        if (group_i..i).contains(&d) {
+            return (d == group_i).then_some(group_o);
+        }
+    }
+    None
+}
+
+/// The collectives that take a value from placement `from` to `to` along one axis, in order.
+/// `None` when no collective does it (making a partial sum out of whole values).
+pub fn reshard(from: Placement, to: Placement) -> Option<Vec<Collective>> {
+    use Placement::{PartialSum, Replicate, Shard};
+    Some(match (from, to) {
+        (Replicate, Replicate) | (PartialSum, PartialSum) => vec![],
+        (Shard(d), Shard(e)) if d == e => vec![],
+        (PartialSum, Replicate) => vec![Collective::AllReduce],
+        (PartialSum, Shard(d)) => vec![Collective::ReduceScatter { dim: d }],
+        (Shard(d), Replicate) => vec![Collective::AllGather { dim: d }],
+        (Replicate, Shard(d)) => vec![Collective::ShardSlice { dim: d }],
+        (Shard(d), Shard(e)) => vec![Collective::AllGather { dim: d }, Collective::ShardSlice { dim: e }],
+        (Replicate | Shard(_), PartialSum) => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    fn t(shape: &[usize]) -> TensorType {
+        TensorType::new(DType::F32, shape.to_vec())
+    }
+
+    #[test]
+    fn reshape_dims() {
+        // [B, S, H*D] -> [B, S, H, D]: a shard of the hidden dim is a shard of the heads.
+        assert_eq!(reshape_dim(&[2, 8, 64], &[2, 8, 4, 16], 2), Some(2));
+        assert_eq!(reshape_dim(&[2, 8, 64], &[2, 8, 4, 16], 0), Some(0));
+        // [B, S, H] -> [B*S, H]: the batch shard stays contiguous; a sequence shard does not.
+        assert_eq!(reshape_dim(&[2, 8, 64], &[16, 64], 0), Some(0));
+        assert_eq!(reshape_dim(&[2, 8, 64], &[16, 64], 1), None);
+        assert_eq!(reshape_dim(&[1, 8, 64], &[8, 1, 64], 1), Some(0));
+    }
+
+    #[test]
+    fn matmul_rules() {
+        use Placement::*;
+        let op = Op::MatMul { transpose_lhs: false, transpose_rhs: false };
+        let (x, w, y) = (t(&[4, 8, 16]), t(&[16, 32]), t(&[4, 8, 32]));
+        let tp = MeshAxis { name: "tp".into(), size: 2 };
+        let rule = |p: [Placement; 2]| axis_rule(&op, &[&x, &w], &[&y], &p, &tp);
+        // Data parallel: the batch shard flows through.
+        assert_eq!(rule([Shard(0), Replicate]).outputs, [Shard(0)]);
+        // Column parallel: weight sharded on n. Row parallel: both on k gives a partial sum.
+        assert_eq!(rule([Replicate, Shard(1)]).outputs, [Shard(2)]);
+        assert_eq!(
+            rule([Shard(2), Shard(0)]),
+            AxisRule { inputs: vec![Shard(2), Shard(0)], outputs: vec![PartialSum] }
+        );
+        // A partial lhs stays partial through a replicated weight.
+        assert_eq!(rule([PartialSum, Replicate]).outputs, [PartialSum]);
+    }
+
+    #[test]
+    fn local_shapes_and_reshards() {
+        let mesh =
+            Mesh { axes: vec![MeshAxis { name: "dp".into(), size: 2 }, MeshAxis { name: "tp".into(), size: 4 }] };
+        assert_eq!(local_shape(&mesh, &[8, 64], &[Placement::Shard(0), Placement::Shard(1)]), [4, 16]);
+        assert_eq!(local_shape(&mesh, &[64], &[Placement::Shard(0), Placement::Shard(0)]), [8]);
+        assert_eq!(
+            reshard(Placement::PartialSum, Placement::Shard(1)),
+            Some(vec![Collective::ReduceScatter { dim: 1 }])
+        );
+        assert_eq!(reshard(Placement::Replicate, Placement::PartialSum), None);
+    }
+}

@@ -1,0 +1,256 @@
+//! `shard`: places a training step on a device mesh. Given the mesh and the placements of some
+//! graph inputs, parameters and states (the seeds: a batch sharded over `dp`, weights split over
+//! `tp`, optimizer state sharded by ZeRO), it gives every value a placement by each op's
+//! sharding rule ([`autotp_ir::sharding::axis_rule`]) and inserts the collectives
+//! ([`autotp_ir::sharding::reshard`]) wherever an op needs an operand in another placement.
+//! Outputs end replicated; each update ends in its target's placement.
+//!
+//! Data parallelism needs nothing else: with the batch sharded, weight gradients come out of the
+//! backward as partial sums, and the optimizer, whose state is replicated, asks for them
+//! replicated: one all-reduce per gradient (ZeRO stage 0).
+//!
+//! A mean loss over sharded positions is not the sum of the ranks' means, so `cross_entropy` and
+//! `nll_loss` with mean reduction (and no class weights) first become a sum divided by the
+//! number of counted positions, which the rules then reduce exactly.
+//!
+//! Input phase: a training step (after `optimize`) on one device. Output: the same step on the
+//! mesh; with a one-rank mesh, the graph is unchanged apart from the mesh. Tests:
+//! tests/golden/shard_*.ir and tests/sharding.rs (the sharded step, run by the SPMD reference
+//! evaluator, against the single-device step).
+
+use std::collections::BTreeMap;
+
+use autotp_ir::sharding::{axis_rule, reshard};
+use autotp_ir::{BinaryOp, Graph, Mesh, Op, Placement, ReduceOp, Reduction, Rewriter, Tensor, UnaryOp, ValueId};
+
+use crate::{Pass, PassError};
+
+const PASS: &str = "shard";
+
+pub struct Shard {
+    pub mesh: Mesh,
+    /// Placements of graph inputs, parameters and states, by name; the rest are replicated.
+    pub seeds: BTreeMap<String, Vec<Placement>>,
+}
+
+impl Shard {
+    /// Data parallelism over a mesh axis `dp` of `size` ranks: the named batch inputs are
+    /// sharded on dim 0, everything else starts replicated.
+    pub fn data_parallel(size: usize, batch_inputs: &[&str]) -> Shard {
+        let mesh = Mesh { axes: vec![autotp_ir::MeshAxis { name: "dp".into(), size }] };
+        let seeds = batch_inputs.iter().map(|name| (name.to_string(), vec![Placement::Shard(0)])).collect();
+        Shard { mesh, seeds }
+    }
+}
+
+fn invalid(message: String) -> PassError {
+    PassError::Invalid { pass: PASS, message }
+}
+
+fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
+    let name = op.name();
+    g.add(op, inputs).map_err(|m| invalid(format!("{name}: {m}")))
+}
+
+/// Rewrites mean-reduced class losses into sum / count.
+fn mean_losses_as_sums(graph: &Graph) -> Result<Graph, PassError> {
+    let mut rw = Rewriter::new(graph, |_| true);
+    for (id, node) in graph.nodes() {
+        let (ignore_index, is_ce) = match node.op {
+            Op::CrossEntropy { ignore_index, reduction: Reduction::Mean } if node.inputs.len() == 2 => {
+                (ignore_index, true)
+            }
+            Op::NllLoss { ignore_index, reduction: Reduction::Mean } if node.inputs.len() == 2 => (ignore_index, false),
+            _ => {
+                rw.copy_node(id);
+                continue;
+            }
+        };
+        let (scores, labels) = (rw.map(node.inputs[0]), rw.map(node.inputs[1]));
+        let g = rw.graph();
+        let dtype = g.ty(scores).dtype;
+        let op = if is_ce {
+            Op::CrossEntropy { ignore_index, reduction: Reduction::Sum }
+        } else {
+            Op::NllLoss { ignore_index, reduction: Reduction::Sum }
+        };
+        let summed = g.add_node(op, vec![scores, labels], node.outputs.len()).map_err(invalid)?;
+        let outputs = g.node(summed).outputs.clone();
+        let count = match ignore_index {
+            None => {
+                let n = g.ty(labels).numel() as f64;
+                add(g, Op::Constant { value: Tensor::full(dtype, vec![], n) }, vec![])?
+            }
+            Some(ignored) => {
+                let label_dtype = g.ty(labels).dtype;
+                let ignored =
+                    add(g, Op::Constant { value: Tensor::full(label_dtype, vec![], ignored as f64) }, vec![])?;
+                let is_ignored = add(g, Op::Binary(BinaryOp::Equal), vec![labels, ignored])?;
+                let counted = add(g, Op::Unary(UnaryOp::Not), vec![is_ignored])?;
+                let counted = add(g, Op::Cast { to: dtype }, vec![counted])?;
+                let axes = (0..g.ty(counted).rank()).collect();
+                add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![counted])?
+            }
+        };
+        let mean = add(g, Op::Binary(BinaryOp::Div), vec![outputs[0], count])?;
+        rw.set(node.outputs[0], mean);
+        if let (Some(&old), Some(&new)) = (node.outputs.get(1), outputs.get(1)) {
+            rw.set(old, new);
+        }
+    }
+    Ok(rw.finish())
+}
+
+/// Builds the sharded graph: reshards operands as the rules ask, places outputs.
+struct Placer<'g> {
+    rw: Rewriter<'g>,
+    mesh: Mesh,
+    /// (value, axis, placement) -> the value resharded, so consumers share one collective.
+    resharded: BTreeMap<(ValueId, usize, Placement), ValueId>,
+}
+
+impl Placer<'_> {
+    /// `v` (a new-graph value) in placement `to` along mesh axis `a`.
+    fn reshard(&mut self, v: ValueId, a: usize, to: Placement) -> Result<ValueId, PassError> {
+        let from = self.rw.graph().value(v).placements[a];
+        if from == to {
+            return Ok(v);
+        }
+        if let Some(&done) = self.resharded.get(&(v, a, to)) {
+            return Ok(done);
+        }
+        let axis = self.mesh.axes[a].name.clone();
+        let steps = reshard(from, to)
+            .ok_or_else(|| invalid(format!("no collective takes a value from {from} to {to} on mesh axis {axis}")))?;
+        let mut current = v;
+        for kind in steps {
+            let g = self.rw.graph();
+            let mut placements = g.value(current).placements.clone();
+            let next = add(g, Op::Collective { kind, axis: axis.clone() }, vec![current])?;
+            placements[a] = kind.transition().1;
+            g.value_mut(next).placements = placements;
+            current = next;
+        }
+        self.resharded.insert((v, a, to), current);
+        Ok(current)
+    }
+
+    /// `v` in `placements` on every axis.
+    fn reshard_all(&mut self, v: ValueId, placements: &[Placement]) -> Result<ValueId, PassError> {
+        let mut current = v;
+        for (a, &p) in placements.iter().enumerate() {
+            current = self.reshard(current, a, p)?;
+        }
+        Ok(current)
+    }
+}
+
+impl Pass for Shard {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        if !graph.mesh.axes.is_empty() {
+            return Err(invalid("the graph is already on a mesh".into()));
+        }
+        if let Some(axis) = self.mesh.axes.iter().find(|a| a.size == 0) {
+            return Err(invalid(format!("mesh axis {} has size 0", axis.name)));
+        }
+        let mut source = mean_losses_as_sums(graph)?;
+        source.mesh = self.mesh.clone();
+        let replicated = self.mesh.replicated();
+        let ids: Vec<ValueId> = source.values().map(|(id, _)| id).collect();
+        for id in ids {
+            source.value_mut(id).placements = replicated.clone();
+        }
+        let named: Vec<ValueId> =
+            source.inputs().iter().chain(source.params()).chain(source.states()).copied().collect();
+        for (name, placements) in &self.seeds {
+            let v = named
+                .iter()
+                .copied()
+                .find(|&v| source.name_of(v) == Some(name.as_str()))
+                .ok_or_else(|| invalid(format!("the graph has no input, parameter or state '{name}' to place")))?;
+            if placements.len() != self.mesh.axes.len() {
+                return Err(invalid(format!(
+                    "'{name}' has {} placements for a mesh of {} axes",
+                    placements.len(),
+                    self.mesh.axes.len()
+                )));
+            }
+            for (axis, p) in self.mesh.axes.iter().zip(placements) {
+                if let Placement::Shard(d) = p {
+                    let shape = &source.ty(v).shape;
+                    if shape.get(*d).is_none_or(|&s| s % axis.size != 0) {
+                        return Err(invalid(format!(
+                            "'{name}' {} cannot be sharded on dim {d} over mesh axis {} of size {}",
+                            source.ty(v),
+                            axis.name,
+                            axis.size
+                        )));
+                    }
+                }
+            }
+            source.value_mut(v).placements = placements.clone();
+        }
+
+        let mut placer =
+            Placer { rw: Rewriter::new(&source, |_| true), mesh: self.mesh.clone(), resharded: BTreeMap::new() };
+        for (_, node) in source.nodes() {
+            let mut inputs: Vec<ValueId> = node.inputs.iter().map(|&v| placer.rw.map(v)).collect();
+            let mut out_placements = vec![replicated.clone(); node.outputs.len()];
+            for (a, axis) in self.mesh.axes.iter().enumerate() {
+                // A partial sum that was already reduced for another consumer is used reduced:
+                // a linear op could take it partial, but that would reduce it a second time
+                // later (clipped gradients feed both the norm and the optimizer).
+                for v in &mut inputs {
+                    if let Some(&reduced) = placer.resharded.get(&(*v, a, Placement::Replicate)) {
+                        if placer.rw.graph().value(*v).placements[a] == Placement::PartialSum {
+                            *v = reduced;
+                        }
+                    }
+                }
+                let g = placer.rw.graph();
+                let types: Vec<_> = inputs.iter().map(|&v| g.ty(v).clone()).collect();
+                let current: Vec<Placement> = inputs.iter().map(|&v| g.value(v).placements[a]).collect();
+                let type_refs: Vec<_> = types.iter().collect();
+                let out_types: Vec<_> = node.outputs.iter().map(|&o| source.ty(o)).collect();
+                let rule = axis_rule(&node.op, &type_refs, &out_types, &current, axis);
+                for (i, &want) in rule.inputs.iter().enumerate() {
+                    inputs[i] = placer.reshard(inputs[i], a, want)?;
+                }
+                for (o, p) in out_placements.iter_mut().zip(rule.outputs) {
+                    o[a] = p;
+                }
+            }
+            let g = placer.rw.graph();
+            let types = node.outputs.iter().map(|&o| source.ty(o).clone()).collect();
+            let new = g.add_node_typed(node.op.clone(), inputs, types);
+            let outs = g.node(new).outputs.clone();
+            for (&new, placements) in outs.iter().zip(out_placements) {
+                g.value_mut(new).placements = placements;
+            }
+            for (&old, new) in node.outputs.iter().zip(outs) {
+                placer.rw.graph().value_mut(new).name = source.value(old).name.clone();
+                placer.rw.set(old, new);
+            }
+        }
+        let mut outputs = Vec::new();
+        for (name, v) in source.outputs() {
+            let mapped = placer.rw.map(*v);
+            outputs.push((name.clone(), placer.reshard_all(mapped, &replicated)?));
+        }
+        for (target, value) in source.updates() {
+            let mapped = placer.rw.map(*value);
+            let placed = placer.reshard_all(mapped, &source.value(*target).placements)?;
+            placer.rw.set(*value, placed);
+        }
+        let mut result = placer.rw.finish_without_outputs();
+        for (name, v) in outputs {
+            result.add_output(name, v);
+        }
+        *graph = result;
+        Ok(())
+    }
+}
