@@ -68,6 +68,21 @@ fn placement_checks() {
         &[
             "%w: dim 0 of size 6 is not divisible by mesh axis tp of size 4",
             "%v: is sharded on dim 1 over tp, but has rank 1",
+            "output \"y\": must be replicated on every mesh axis",
+        ],
+    );
+}
+
+#[test]
+fn sharding_rule_checks() {
+    // A row-parallel matmul gives a partial sum, not a replicated value; an all-reduce takes a
+    // partial sum; a collective must name an axis of the mesh.
+    assert_rejects(
+        "graph \"g\" mesh [tp=2] {\n input %x : f32[4,8] {tp = shard(1)}\n param %w : f32[8,4] {tp = shard(0)}\n %0 = matmul %x, %w : f32[4,4]\n %1 = all_reduce %x {axis = tp} : f32[4,8]\n %2 = all_reduce %0 {axis = dp} : f32[4,4]\n output \"y\" = %0\n}",
+        &[
+            "%0 = matmul: gives [partial(sum)] on mesh axis tp, not what its outputs say",
+            "%1 = all_reduce: needs its inputs as [partial(sum)] on mesh axis tp",
+            "%2 = all_reduce: names mesh axis 'dp', which the mesh does not have",
         ],
     );
 }
