@@ -13,8 +13,9 @@ use anyhow::{bail, Context, Result};
 use autotp_frontend::{ImportOptions, Model};
 use autotp_ir::Graph;
 use autotp_passes::autodiff::Autodiff;
-use autotp_passes::loss::{AttachLoss, LOSS};
+use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer};
+use autotp_passes::shard::Shard;
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
 use autotp_runtime::schedule::Schedule;
@@ -28,9 +29,13 @@ pub struct CompileFlags {
     /// Tokens per sequence (S).
     #[arg(long)]
     pub seq_len: usize,
-    /// Sequences per step (the global batch on one rank).
+    /// Sequences per rank per step; the global batch is micro-batch x dp.
     #[arg(long)]
     pub micro_batch: usize,
+    /// Data-parallel ranks (CPU threads): the batch is split over them and gradients are
+    /// all-reduced (ZeRO stage 0).
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
     /// adamw or sgd.
     #[arg(long, default_value = "adamw")]
     optimizer: String,
@@ -181,17 +186,18 @@ impl IrObserver<'_> {
 pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let (optimizer, optimizer_description) = optimizer(flags)?;
     let schedule = schedule(flags)?;
-    if flags.seq_len == 0 || flags.micro_batch == 0 {
-        bail!("--seq-len and --micro-batch must be at least 1");
+    if flags.seq_len == 0 || flags.micro_batch == 0 || flags.dp == 0 {
+        bail!("--seq-len, --micro-batch and --dp must be at least 1");
     }
     let start = Instant::now();
-    let options = ImportOptions { batch: Some(flags.micro_batch), seq_len: Some(flags.seq_len), ..Default::default() };
+    let global_batch = flags.micro_batch * flags.dp;
+    let options = ImportOptions { batch: Some(global_batch), seq_len: Some(flags.seq_len), ..Default::default() };
     let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
     let frozen = frozen(flags, &model.graph)?;
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
     let mut autodiff = Autodiff::new(LOSS);
     autodiff.frozen = frozen.clone();
-    let passes: Vec<Box<dyn Pass>> = vec![
+    let mut passes: Vec<Box<dyn Pass>> = vec![
         Box::new(autotp_passes::recognize::Recognize),
         Box::new(autotp_passes::dce::Dce),
         Box::new(AttachLoss),
@@ -199,6 +205,9 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         Box::new(Optimize { optimizer, grad_clip: flags.grad_clip }),
         Box::new(autotp_passes::dce::Dce),
     ];
+    if flags.dp > 1 {
+        passes.push(Box::new(Shard::data_parallel(flags.dp, &["input_ids", LABELS])));
+    }
     let manager = PassManager::new(passes);
     let names = manager.pass_names();
     if let Some(unknown) = flags.print_after.iter().find(|p| !names.contains(&p.as_str())) {
@@ -220,7 +229,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         training: TrainingConfig {
             seq_len: flags.seq_len,
             micro_batch: flags.micro_batch,
-            global_batch: flags.micro_batch,
+            global_batch,
             labels: if own_loss { Labels::InputIds } else { Labels::NextTokens },
             loss_output: LOSS.to_string(),
             optimizer: optimizer_description,
@@ -261,7 +270,13 @@ pub fn summary(plan: &TrainingPlan) -> String {
     let mut lines = vec![
         format!("plan: {} ({})", plan.model.name, plan.model.path.display()),
         format!(
-            "  step: micro-batch {} x seq-len {} = {} tokens; {}; lr {}{}",
+            "  step: {}micro-batch {} x seq-len {} = {} tokens; {}; lr {}{}",
+            if p.mesh.is_empty() {
+                String::new()
+            } else {
+                let axes: Vec<String> = p.mesh.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
+                format!("mesh {} ({} ranks), ", axes.join(" x "), p.mesh.iter().map(|a| a.size).product::<usize>())
+            },
             t.micro_batch,
             t.seq_len,
             t.global_batch * t.seq_len,
@@ -280,7 +295,7 @@ pub fn summary(plan: &TrainingPlan) -> String {
     ];
     let m = &p.memory;
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    lines.push(format!("  {:<40} {:>15} {:>10}", "memory (one rank)", "bytes", "MiB"));
+    lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
     for (what, bytes) in [
         ("parameters", m.params_bytes),
         ("optimizer state", m.states_bytes),
@@ -293,13 +308,17 @@ pub fn summary(plan: &TrainingPlan) -> String {
         lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
     }
     let mut kernels: BTreeMap<&str, usize> = BTreeMap::new();
-    for autotp_runtime::Instruction::Kernel { kernel, .. } in &p.instructions {
-        *kernels.entry(kernel.name()).or_default() += 1;
+    for instruction in &p.instructions {
+        let name = match instruction {
+            autotp_runtime::Instruction::Kernel { kernel, .. } => kernel.name(),
+            autotp_runtime::Instruction::Collective { op, .. } => op.kind.name(),
+        };
+        *kernels.entry(name).or_default() += 1;
     }
     let mut by_count: Vec<(&str, usize)> = kernels.into_iter().collect();
     by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
     let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
-    lines.push(format!("  kernels: {} ({})", p.instructions.len(), listed.join(", ")));
+    lines.push(format!("  instructions: {} ({})", p.instructions.len(), listed.join(", ")));
     lines.push(format!("  fingerprint: {}", p.fingerprint()));
     lines.join("\n") + "\n"
 }

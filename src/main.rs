@@ -195,6 +195,21 @@ fn summary(t: &HostTensor) -> String {
     format!("mean={mean:.6} max|x|={max:.6}")
 }
 
+/// The error and its causes on one line. Library errors often repeat their cause in their own
+/// message; a cause the message already ends with is not repeated.
+fn render(error: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if message.is_empty() {
+            message = text;
+        } else if !message.ends_with(&text) {
+            message = format!("{message}: {text}");
+        }
+    }
+    message
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("AUTOTP_LOG").unwrap_or_else(|_| "warn".into()))
@@ -212,7 +227,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", render(&e));
             ExitCode::FAILURE
         }
     }

@@ -107,6 +107,7 @@ fn truncated_and_random_files() {
 
     let err = fails(&["import", dir.join("missing.onnx").to_str().unwrap()]);
     assert!(err.contains("cannot read") && err.contains("missing.onnx"), "{err}");
+    assert_eq!(err.matches("No such file").count(), 1, "the cause is said once: {err}");
 }
 
 #[test]

@@ -26,7 +26,7 @@ fn summary_and_ir_dumps() {
         "parameters: 172,288 in 28 tensors (172,288 trainable, 0 frozen in 0 tensors)",
         "optimizer state",
         "activations peak",
-        "kernels: ",
+        "instructions: ",
         "matmul",
         "adamw 28",
         "fingerprint: ",

@@ -6,6 +6,7 @@
 //! - `cli`: the command line on bad input: one clear line, non-zero exit, no panic.
 //! - `compile`: `autotp compile`'s summary, IR dumps, `--freeze`, damaged plans.
 //! - `checkpoint`: save, resume (bit-identical), a save killed midway, refusal, export.
+//! - `parallel`: data parallelism on CPU rank threads against the single-rank run.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
@@ -20,6 +21,7 @@ mod fixtures;
 mod golden;
 mod gradients;
 mod optimizers;
+mod parallel;
 mod sharding;
 mod train;
 mod verifier;

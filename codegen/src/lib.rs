@@ -1,14 +1,19 @@
 //! autotp-codegen: lowers a verified IR graph to a runtime [`Program`].
 //!
-//! Each node becomes one builtin-kernel instruction (the kernel chosen by
-//! [`autotp_ir::lower::kernel_for`], the same one the reference evaluator runs). Values get
-//! arena regions from a liveness-based first-fit plan ([`memory`]); the plan's byte counts are
-//! the compile-time memory report.
+//! Each node becomes one instruction: a builtin kernel (chosen by
+//! [`autotp_ir::lower::kernel_for`], the same one the reference evaluator runs) or, for a
+//! collective, a communication step. A graph on a mesh lowers to one SPMD program that every
+//! rank runs: all shapes are local (`autotp_ir::sharding::local_type`), and slots record their
+//! global shape and placements so each rank loads and feeds its own block. Values get arena
+//! regions from a liveness-based first-fit plan ([`memory`]); the plan's byte counts are the
+//! compile-time memory report, per rank.
 
 pub mod memory;
 
-use autotp_ir::{Def, Graph, Op, ValueId};
-use autotp_runtime::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot, Update};
+use autotp_ir::sharding::local_type;
+use autotp_ir::{Collective, Def, Graph, Op, Placement, TensorType, ValueId};
+use autotp_runtime::comm::{CollectiveKind, CollectiveOp};
+use autotp_runtime::{ConstantData, Instruction, MemoryPlan, MeshAxis, Program, Region, Slot, SlotPlacement, Update};
 
 use memory::{align, FirstFit};
 
@@ -16,13 +21,26 @@ use memory::{align, FirstFit};
 pub enum CodegenError {
     #[error("cannot lower an invalid graph: {0}")]
     Verify(#[from] autotp_ir::VerifyErrors),
-    #[error("cannot lower a graph over a device mesh ({mesh}) yet: per-rank programs are not implemented")]
-    Sharded { mesh: String },
+}
+
+/// The type one rank holds of `v`.
+fn local(graph: &Graph, v: ValueId) -> TensorType {
+    local_type(&graph.mesh, graph.ty(v), &graph.value(v).placements)
 }
 
 fn slot(graph: &Graph, v: ValueId, name: String, region: Region) -> Slot {
     let ty = graph.ty(v);
-    Slot { name, dtype: ty.dtype, shape: ty.shape.clone(), region }
+    let placements = graph
+        .value(v)
+        .placements
+        .iter()
+        .map(|p| match p {
+            Placement::Replicate => SlotPlacement::Replicate,
+            Placement::Shard(d) => SlotPlacement::Shard(*d),
+            Placement::PartialSum => SlotPlacement::PartialSum,
+        })
+        .collect();
+    Slot { name, dtype: ty.dtype, shape: local(graph, v).shape, region, global_shape: ty.shape.clone(), placements }
 }
 
 /// Regions that live for the whole program (parameters, inputs, constants), packed from 0.
@@ -49,7 +67,7 @@ impl Dedicated {
         values
             .iter()
             .map(|&v| {
-                let region = self.region(graph.ty(v).size_bytes());
+                let region = self.region(local(graph, v).size_bytes());
                 *total += region.len;
                 regions[v.index()] = Some(region);
                 slot(graph, v, graph.name_of(v).unwrap_or("").to_string(), region)
@@ -58,12 +76,8 @@ impl Dedicated {
     }
 }
 
-/// Lowers `graph` to a single-device program.
+/// Lowers `graph` to the program every rank of its mesh runs (one device for an empty mesh).
 pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
-    if !graph.mesh.axes.is_empty() {
-        let axes: Vec<String> = graph.mesh.axes.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
-        return Err(CodegenError::Sharded { mesh: axes.join(", ") });
-    }
     autotp_ir::verify(graph)?;
     let mut regions: Vec<Option<Region>> = vec![None; graph.num_values()];
     let mut memory = MemoryPlan::default();
@@ -104,22 +118,41 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
             continue;
         }
         for &o in &node.outputs {
-            let len = graph.ty(o).size_bytes();
+            let len = local(graph, o).size_bytes();
             regions[o.index()] = Some(Region { offset: allocator.alloc(len), len });
             live_bytes += len;
             let dies = if last_use[o.index()] > id.index() { last_use[o.index()] } else { id.index() };
             by_last_use[dies].push(o.index());
         }
         memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
-        let types: Vec<_> = node.inputs.iter().map(|&v| graph.ty(v)).collect();
-        let out_types: Vec<_> = node.outputs.iter().map(|&v| graph.ty(v)).collect();
-        let kernel = autotp_ir::lower::kernel_for(&node.op, &types, &out_types).expect("only constants have no kernel");
-        instructions.push(Instruction::Kernel {
-            kernel,
-            inputs: node.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect(),
-            outputs: node.outputs.iter().map(|v| regions[v.index()].expect("just placed")).collect(),
-            label: format!("node {} ({})", id.index(), node.op.name()),
-        });
+        let label = format!("node {} ({})", id.index(), node.op.name());
+        let inputs: Vec<Region> = node.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect();
+        let outputs: Vec<Region> = node.outputs.iter().map(|v| regions[v.index()].expect("just placed")).collect();
+        if let Op::Collective { kind, axis } = &node.op {
+            let input = local(graph, node.inputs[0]);
+            let op = CollectiveOp {
+                kind: match *kind {
+                    Collective::AllReduce => CollectiveKind::AllReduce,
+                    Collective::AllGather { dim } => CollectiveKind::AllGather { dim },
+                    Collective::ReduceScatter { dim } => CollectiveKind::ReduceScatter { dim },
+                    Collective::ShardSlice { dim } => CollectiveKind::ShardSlice { dim },
+                },
+                axis: graph.mesh.axes.iter().position(|a| &a.name == axis).expect("verified: the axis exists"),
+                dtype: input.dtype,
+                shape: input.shape,
+            };
+            instructions.push(Instruction::Collective { op, input: inputs[0], output: outputs[0], label });
+        } else {
+            let types: Vec<TensorType> = node.inputs.iter().map(|&v| local(graph, v)).collect();
+            let out_types: Vec<TensorType> = node.outputs.iter().map(|&v| local(graph, v)).collect();
+            let kernel = autotp_ir::lower::kernel_for(
+                &node.op,
+                &types.iter().collect::<Vec<_>>(),
+                &out_types.iter().collect::<Vec<_>>(),
+            )
+            .expect("constants and collectives are handled apart");
+            instructions.push(Instruction::Kernel { kernel, inputs, outputs, label });
+        }
         for v in std::mem::take(&mut by_last_use[id.index()]) {
             let region = regions[v].expect("placed");
             allocator.free(region.offset);
@@ -146,5 +179,17 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
             to: regions[target.index()].expect("targets are parameters or states"),
         })
         .collect();
-    Ok(Program { name: graph.name.clone(), inputs, outputs, params, states, constants, updates, instructions, memory })
+    let mesh = graph.mesh.axes.iter().map(|a| MeshAxis { name: a.name.clone(), size: a.size }).collect();
+    Ok(Program {
+        name: graph.name.clone(),
+        mesh,
+        inputs,
+        outputs,
+        params,
+        states,
+        constants,
+        updates,
+        instructions,
+        memory,
+    })
 }

@@ -27,15 +27,20 @@ pub fn world_size(mesh: &Mesh) -> usize {
 /// Where a rank's block of a value starts in the global tensor, per dim. Axes sharding the same
 /// dim nest in mesh-axis order (the first such axis cuts the biggest blocks).
 pub fn block_offsets(mesh: &Mesh, shape: &[usize], placements: &[Placement], coords: &[usize]) -> Vec<usize> {
-    let mut offsets = vec![0; shape.len()];
-    let mut extent = shape.to_vec();
-    for ((axis, p), &c) in mesh.axes.iter().zip(placements).zip(coords) {
-        if let Placement::Shard(d) = *p {
-            extent[d] /= axis.size;
-            offsets[d] += c * extent[d];
-        }
-    }
-    offsets
+    autotp_kernels::shape::shard_block(shape, &cuts(mesh, placements, coords)).0
+}
+
+/// The `(dim, parts, index)` cuts of a value's placements for a rank at `coords`.
+pub fn cuts(mesh: &Mesh, placements: &[Placement], coords: &[usize]) -> Vec<(usize, usize, usize)> {
+    mesh.axes
+        .iter()
+        .zip(placements)
+        .zip(coords)
+        .filter_map(|((axis, p), &c)| match p {
+            Placement::Shard(d) => Some((*d, axis.size, c)),
+            _ => None,
+        })
+        .collect()
 }
 
 fn kernel_op(op: Op, inputs: &[&Tensor], out: TensorType) -> Result<Tensor, EvalError> {

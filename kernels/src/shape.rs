@@ -121,3 +121,97 @@ mod tests {
         assert_eq!(b.inner_stride(1), 1);
     }
 }
+
+/// The block one rank holds of a tensor of `shape` sharded by `cuts`, each `(dim, parts, index)`
+/// applied in order: a cut splits the current extent of `dim` into `parts` equal pieces and keeps
+/// piece `index` (so cuts of one dim nest, the first outermost). Returns (offsets, extent).
+pub fn shard_block(shape: &[usize], cuts: &[(usize, usize, usize)]) -> (Vec<usize>, Vec<usize>) {
+    let mut offsets = vec![0; shape.len()];
+    let mut extent = shape.to_vec();
+    for &(dim, parts, index) in cuts {
+        extent[dim] /= parts.max(1);
+        offsets[dim] += index * extent[dim];
+    }
+    (offsets, extent)
+}
+
+/// The byte ranges, in a row-major tensor of `shape` with elements of `size` bytes, of the rows
+/// (runs along the last dim) of the block at `offsets` with `extent`, in block order.
+fn block_rows(shape: &[usize], offsets: &[usize], extent: &[usize], size: usize) -> Vec<std::ops::Range<usize>> {
+    if extent.contains(&0) {
+        return Vec::new();
+    }
+    let rank = shape.len();
+    if rank == 0 {
+        return std::iter::once(0..size).collect();
+    }
+    let strides = strides(shape);
+    let row = extent[rank - 1] * size;
+    let outer = &extent[..rank - 1];
+    let mut rows = Vec::with_capacity(numel(outer));
+    for mut i in 0..numel(outer) {
+        let mut start = offsets[rank - 1];
+        for d in (0..rank - 1).rev() {
+            start += (offsets[d] + i % outer[d]) * strides[d];
+            i /= outer[d];
+        }
+        rows.push(start * size..start * size + row);
+    }
+    rows
+}
+
+/// Copies the block at `offsets` with `extent` out of `tensor` (row-major, `shape`, elements of
+/// `size` bytes) into `block`, which must hold exactly the block.
+pub fn extract_block(
+    shape: &[usize],
+    offsets: &[usize],
+    extent: &[usize],
+    size: usize,
+    tensor: &[u8],
+    block: &mut [u8],
+) {
+    let mut at = 0;
+    for rows in block_rows(shape, offsets, extent, size) {
+        block[at..at + rows.len()].copy_from_slice(&tensor[rows.clone()]);
+        at += rows.len();
+    }
+}
+
+/// Copies `block` into `tensor` at `offsets` (the inverse of [`extract_block`]).
+pub fn insert_block(
+    shape: &[usize],
+    offsets: &[usize],
+    extent: &[usize],
+    size: usize,
+    block: &[u8],
+    tensor: &mut [u8],
+) {
+    let mut at = 0;
+    for rows in block_rows(shape, offsets, extent, size) {
+        let len = rows.len();
+        tensor[rows].copy_from_slice(&block[at..at + len]);
+        at += len;
+    }
+}
+
+#[cfg(test)]
+mod block_tests {
+    use super::*;
+
+    #[test]
+    fn blocks_round_trip() {
+        // A 4x6 tensor cut in 2 along dim 0 and 3 along dim 1: rank (1, 2) holds rows 2..4,
+        // columns 4..6.
+        let (offsets, extent) = shard_block(&[4, 6], &[(0, 2, 1), (1, 3, 2)]);
+        assert_eq!((offsets.clone(), extent.clone()), (vec![2, 4], vec![2, 2]));
+        let tensor: Vec<u8> = (0..24).collect();
+        let mut block = vec![0u8; 4];
+        extract_block(&[4, 6], &offsets, &extent, 1, &tensor, &mut block);
+        assert_eq!(block, [16, 17, 22, 23]);
+        let mut back = vec![0u8; 24];
+        insert_block(&[4, 6], &offsets, &extent, 1, &block, &mut back);
+        assert_eq!((back[16], back[17], back[22], back[23], back[15]), (16, 17, 22, 23, 0));
+        // Two cuts of one dim nest: halves, then halves of the half.
+        assert_eq!(shard_block(&[8], &[(0, 2, 1), (0, 2, 1)]), (vec![6], vec![2]));
+    }
+}

@@ -10,12 +10,14 @@
 //! - [`trainer`]: one training step after another over the token data; checkpoints.
 //! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically).
 //! - [`tensor_file`]: reading and atomically writing safetensors files.
+//! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads, byte counts).
 //!
 //! This is the only crate that allocates device memory or starts rank threads.
 
 use std::path::PathBuf;
 
 pub mod checkpoint;
+pub mod comm;
 pub mod data;
 mod executor;
 pub mod npy;
@@ -26,7 +28,7 @@ pub mod tensor_file;
 pub mod trainer;
 
 pub use executor::{Executor, HostTensor};
-pub use program::{ConstantData, Instruction, MemoryPlan, Program, Region, Slot, Update};
+pub use program::{ConstantData, Instruction, MemoryPlan, MeshAxis, Program, Region, Slot, SlotPlacement, Update};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -54,4 +56,8 @@ pub enum RuntimeError {
     Plan(String),
     #[error(transparent)]
     Data(#[from] data::DataError),
+    #[error("communication: {0}")]
+    Comm(String),
+    #[error("rank {rank}: {source}")]
+    Rank { rank: usize, source: Box<RuntimeError> },
 }

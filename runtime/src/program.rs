@@ -5,6 +5,7 @@
 use autotp_kernels::{DType, Kernel};
 use serde::{Deserialize, Serialize};
 
+use crate::comm::CollectiveOp;
 use crate::RuntimeError;
 
 /// A region of the arena.
@@ -24,19 +25,57 @@ impl Region {
     }
 }
 
+/// How a slot is laid out along one mesh axis.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SlotPlacement {
+    Replicate,
+    /// Each rank of the axis holds one contiguous slice along this dim.
+    Shard(usize),
+    PartialSum,
+}
+
 /// A named tensor at a region: an input to feed, an output to read, or a parameter to load.
+/// `shape` is what one rank holds; `global_shape` and `placements` (one per mesh axis) say
+/// which block of the global tensor that is.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Slot {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub region: Region,
+    pub global_shape: Vec<usize>,
+    pub placements: Vec<SlotPlacement>,
 }
 
 impl Slot {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+
+    /// The `(dim, parts, index)` cuts that give a rank at `coords` its block.
+    pub fn cuts(&self, mesh: &[MeshAxis], coords: &[usize]) -> Vec<(usize, usize, usize)> {
+        self.placements
+            .iter()
+            .zip(mesh)
+            .zip(coords)
+            .filter_map(|((p, axis), &c)| match p {
+                SlotPlacement::Shard(d) => Some((*d, axis.size, c)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// True when the slot is the same on every rank.
+    pub fn is_replicated(&self) -> bool {
+        self.placements.iter().all(|p| *p == SlotPlacement::Replicate)
+    }
+}
+
+/// A mesh axis: its name and number of ranks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshAxis {
+    pub name: String,
+    pub size: usize,
 }
 
 /// Bytes written into the arena once, when the program is loaded.
@@ -58,6 +97,8 @@ pub struct Update {
 pub enum Instruction {
     /// Runs a builtin kernel. `label` names the IR op it came from, for profiles and errors.
     Kernel { kernel: Kernel, inputs: Vec<Region>, outputs: Vec<Region>, label: String },
+    /// A collective between the ranks of one mesh axis.
+    Collective { op: CollectiveOp, input: Region, output: Region, label: String },
 }
 
 /// Byte counts of the memory plan, by category.
@@ -77,6 +118,8 @@ pub struct MemoryPlan {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Program {
     pub name: String,
+    /// The device mesh; empty for one device. Every rank runs the same instructions.
+    pub mesh: Vec<MeshAxis>,
     pub inputs: Vec<Slot>,
     pub outputs: Vec<Slot>,
     pub params: Vec<Slot>,
@@ -137,15 +180,39 @@ impl Program {
                 return bad(format!("an update from offset {} to {} is out of place", u.from.offset, u.to.offset));
             }
         }
-        for (i, Instruction::Kernel { kernel, inputs, outputs, label }) in self.instructions.iter().enumerate() {
-            for r in inputs.iter().chain(outputs) {
+        for (i, instruction) in self.instructions.iter().enumerate() {
+            let (inputs, outputs, label) = match instruction {
+                Instruction::Kernel { kernel, inputs, outputs, label } => {
+                    let lengths = |regions: &[Region]| regions.iter().map(|r| r.len).collect::<Vec<_>>();
+                    if let Err(e) = kernel.check_buffers(&lengths(inputs), &lengths(outputs)) {
+                        return bad(format!("instruction {i} ({label}): {e}"));
+                    }
+                    (inputs.clone(), outputs.clone(), label)
+                }
+                Instruction::Collective { op: CollectiveOp { kind, axis, dtype, shape }, input, output, label } => {
+                    let n = match self.mesh.get(*axis) {
+                        Some(a) => a.size,
+                        None => {
+                            return bad(format!(
+                                "instruction {i} ({label}) names mesh axis {axis}, which does not exist"
+                            ))
+                        }
+                    };
+                    let out_shape = kind.output_shape(shape, n);
+                    let bytes = |s: &[usize]| s.iter().product::<usize>() * dtype.size();
+                    if input.len != bytes(shape) || out_shape.is_none_or(|s| output.len != bytes(&s)) {
+                        return bad(format!(
+                            "instruction {i} ({label}): its regions do not fit {} of {shape:?}",
+                            kind.name()
+                        ));
+                    }
+                    (vec![*input], vec![*output], label)
+                }
+            };
+            for r in inputs.iter().chain(&outputs) {
                 if r.end() > size {
                     return bad(format!("instruction {i} ({label}) reaches past the arena"));
                 }
-            }
-            let lengths = |regions: &[Region]| regions.iter().map(|r| r.len).collect::<Vec<_>>();
-            if let Err(e) = kernel.check_buffers(&lengths(inputs), &lengths(outputs)) {
-                return bad(format!("instruction {i} ({label}): {e}"));
             }
             for (j, o) in outputs.iter().enumerate() {
                 if inputs.iter().any(|r| r.overlaps(o)) || outputs[j + 1..].iter().any(|r| r.overlaps(o)) {
@@ -164,6 +231,7 @@ mod tests {
     fn program(kernel: Kernel, output_len: usize) -> Program {
         Program {
             name: "p".into(),
+            mesh: vec![],
             inputs: vec![],
             outputs: vec![],
             params: vec![],

@@ -3,21 +3,29 @@
 //! (s*G + j) mod W), feeds the learning rate of its schedule, and saves and resumes
 //! checkpoints. The command line adds the progress bar and the metrics file around it.
 //!
+//! A plan on a mesh runs one executor per rank, each rank a thread of this process connected by
+//! a [`LocalComm`]; each rank loads its block of every weight and is fed its block of every
+//! input, and checkpoints hold the reassembled global tensors.
+//!
 //! Determinism: a step's result depends only on the weights and states before it, the step
 //! number and the data, so resuming from a checkpoint of step k and running to step n gives
 //! bit-identical losses to an uninterrupted run (tests/checkpoint.rs checks it).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
+use autotp_kernels::shape::{extract_block, insert_block, shard_block};
 use autotp_kernels::DType;
 
 use crate::checkpoint::{self, Checkpoint, DataPosition, Manifest, RngState};
+use crate::comm::LocalComm;
 use crate::data::TokenData;
 use crate::plan::{Feed, Labels, ModelSource, TrainingConfig, TrainingPlan};
 use crate::tensor_file::TensorRef;
-use crate::{Executor, HostTensor, RuntimeError, Slot};
+use crate::{Executor, HostTensor, RuntimeError, Slot, SlotPlacement};
 
 /// What one step reported.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,7 +40,9 @@ pub struct StepMetrics {
 }
 
 pub struct Trainer {
-    exec: Executor,
+    /// One executor per rank (one for a single device).
+    ranks: Vec<Executor>,
+    comm: Option<Arc<LocalComm>>,
     training: TrainingConfig,
     model: ModelSource,
     fingerprint: String,
@@ -49,23 +59,80 @@ impl Trainer {
         let feeds = plan.feeds()?;
         let loss_index = plan.loss_index()?;
         let t = &plan.training;
-        if t.global_batch != t.micro_batch {
+        let ids = plan.program.inputs.iter().find(|s| s.name == "input_ids").expect("feeds() checked");
+        if ids.global_shape != [t.global_batch, t.seq_len] {
             return Err(RuntimeError::Plan(format!(
-                "has a global batch of {} but a micro-batch of {}: one rank without gradient accumulation needs them equal",
-                t.global_batch, t.micro_batch
+                "feeds input_ids as {:?} on all ranks, but its global batch is {} x {}",
+                ids.global_shape, t.global_batch, t.seq_len
             )));
         }
         let fingerprint = plan.program.fingerprint();
         let TrainingPlan { program, training, model } = plan;
-        let mut exec = Executor::new(program)?;
-        let params: Vec<String> = exec.program().params.iter().map(|s| s.name.clone()).collect();
-        for name in params {
+        let sizes: Vec<usize> = program.mesh.iter().map(|a| a.size).collect();
+        let (ranks, comm) = if sizes.iter().product::<usize>() <= 1 {
+            (vec![Executor::new(program)?], None)
+        } else {
+            let comm = LocalComm::new(&sizes);
+            let ranks = (0..comm.world_size())
+                .map(|r| Executor::for_rank(program.clone(), r, comm.clone()))
+                .collect::<Result<Vec<_>, _>>()?;
+            (ranks, Some(comm))
+        };
+        let mut trainer = Trainer { ranks, comm, training, model, fingerprint, feeds, loss_index, completed: 0, seed };
+        let params: Vec<Slot> = trainer.program().params.clone();
+        for slot in &params {
             let bytes = weights
-                .get(&name)
-                .ok_or_else(|| RuntimeError::Plan(format!("parameter '{name}' has no initial weights")))?;
-            exec.load_slot(&name, bytes)?;
+                .get(&slot.name)
+                .ok_or_else(|| RuntimeError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
+            trainer.load_global(slot, bytes)?;
         }
-        Ok(Trainer { exec, training, model, fingerprint, feeds, loss_index, completed: 0, seed })
+        Ok(trainer)
+    }
+
+    /// The rank's coordinates on the mesh.
+    fn coordinates(&self, rank: usize) -> Vec<usize> {
+        self.comm.as_ref().map_or_else(Vec::new, |c| c.coordinates(rank))
+    }
+
+    /// Rank `rank`'s block of a global tensor for `slot`.
+    fn block<'a>(&self, slot: &Slot, rank: usize, global: &'a [u8]) -> Cow<'a, [u8]> {
+        let cuts = slot.cuts(&self.program().mesh, &self.coordinates(rank));
+        if cuts.is_empty() {
+            return Cow::Borrowed(global);
+        }
+        let (offsets, extent) = shard_block(&slot.global_shape, &cuts);
+        let mut block = vec![0u8; slot.region.len];
+        extract_block(&slot.global_shape, &offsets, &extent, slot.dtype.size(), global, &mut block);
+        Cow::Owned(block)
+    }
+
+    /// Loads a parameter or state from its global bytes: each rank takes its block.
+    fn load_global(&mut self, slot: &Slot, global: &[u8]) -> Result<(), RuntimeError> {
+        let expected = slot.global_shape.iter().product::<usize>() * slot.dtype.size();
+        if global.len() != expected || slot.placements.contains(&SlotPlacement::PartialSum) {
+            return Err(RuntimeError::WrongSize { what: format!("'{}'", slot.name), expected, got: global.len() });
+        }
+        for rank in 0..self.ranks.len() {
+            let block = self.block(slot, rank, global).into_owned();
+            self.ranks[rank].load_slot(&slot.name, &block)?;
+        }
+        Ok(())
+    }
+
+    /// The global bytes of a parameter or state, reassembled from the ranks' blocks.
+    fn read_global(&self, slot: &Slot) -> Cow<'_, [u8]> {
+        let local = |rank: usize| self.ranks[rank].read_slot(&slot.name).expect("a slot of the program");
+        if slot.is_replicated() {
+            return Cow::Borrowed(local(0));
+        }
+        let size = slot.dtype.size();
+        let mut global = vec![0u8; slot.global_shape.iter().product::<usize>() * size];
+        for rank in 0..self.ranks.len() {
+            let cuts = slot.cuts(&self.program().mesh, &self.coordinates(rank));
+            let (offsets, extent) = shard_block(&slot.global_shape, &cuts);
+            insert_block(&slot.global_shape, &offsets, &extent, size, local(rank), &mut global);
+        }
+        Cow::Owned(global)
     }
 
     pub fn training(&self) -> &TrainingConfig {
@@ -73,7 +140,17 @@ impl Trainer {
     }
 
     pub fn program(&self) -> &crate::Program {
-        self.exec.program()
+        self.ranks[0].program()
+    }
+
+    /// Ranks running the plan.
+    pub fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// The communicator of a plan on a mesh (byte counts).
+    pub fn comm(&self) -> Option<&LocalComm> {
+        self.comm.as_deref()
     }
 
     pub fn fingerprint(&self) -> &str {
@@ -114,23 +191,23 @@ impl Trainer {
                 ),
             });
         }
-        let program = self.exec.program();
+        let program = self.program();
         let slots: Vec<Slot> = program.params.iter().chain(&program.states).cloned().collect();
         for slot in slots {
             let tensor = checkpoint.tensor(&slot.name).ok_or_else(|| RuntimeError::Checkpoint {
                 path: checkpoint.dir.clone(),
                 message: format!("has no tensor '{}'", slot.name),
             })?;
-            if tensor.dtype != slot.dtype || tensor.shape != slot.shape {
+            if tensor.dtype != slot.dtype || tensor.shape != slot.global_shape {
                 return Err(RuntimeError::Checkpoint {
                     path: checkpoint.dir.clone(),
                     message: format!(
                         "tensor '{}' is {}{:?}, the plan needs {}{:?}",
-                        slot.name, tensor.dtype, tensor.shape, slot.dtype, slot.shape
+                        slot.name, tensor.dtype, tensor.shape, slot.dtype, slot.global_shape
                     ),
                 });
             }
-            self.exec.load_slot(&slot.name, tensor.bytes)?;
+            self.load_global(&slot, tensor.bytes)?;
         }
         self.completed = m.step;
         self.seed = m.rng.seed;
@@ -140,14 +217,14 @@ impl Trainer {
     /// Why `checkpoint` does not fit, for the refusal message: the first tensor that differs,
     /// or the training settings that do.
     fn difference(&self, checkpoint: &Checkpoint) -> String {
-        let program = self.exec.program();
+        let program = self.program();
         for slot in program.params.iter().chain(&program.states) {
             match checkpoint.tensor(&slot.name) {
                 None => return format!(": the checkpoint has no tensor '{}'", slot.name),
-                Some(t) if t.dtype != slot.dtype || t.shape != slot.shape => {
+                Some(t) if t.dtype != slot.dtype || t.shape != slot.global_shape => {
                     return format!(
                         ": its '{}' is {}{:?}, here it is {}{:?}",
-                        slot.name, t.dtype, t.shape, slot.dtype, slot.shape
+                        slot.name, t.dtype, t.shape, slot.dtype, slot.global_shape
                     )
                 }
                 Some(_) => {}
@@ -191,14 +268,14 @@ impl Trainer {
         let step = self.completed;
         let batch = data.batch(step, t.global_batch);
         let lr = t.schedule.lr(step, train_steps);
-        let tokens = vec![t.micro_batch, t.seq_len];
+        let tokens = vec![t.global_batch, t.seq_len];
         let ids = |values: &[i64]| HostTensor {
             dtype: DType::I64,
             shape: tokens.clone(),
             data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         };
         let scalar = |v: f32| HostTensor { dtype: DType::F32, shape: vec![], data: v.to_le_bytes().to_vec() };
-        let feed: Vec<HostTensor> = self
+        let global: Vec<HostTensor> = self
             .feeds
             .iter()
             .map(|feed| match feed {
@@ -211,11 +288,25 @@ impl Trainer {
                 Feed::Step => scalar((step + 1) as f32),
             })
             .collect();
+        let inputs = self.program().inputs.clone();
+        let feeds: Vec<Vec<HostTensor>> = (0..self.ranks.len())
+            .map(|rank| {
+                inputs
+                    .iter()
+                    .zip(&global)
+                    .map(|(slot, g)| HostTensor {
+                        dtype: g.dtype,
+                        shape: slot.shape.clone(),
+                        data: self.block(slot, rank, &g.data).into_owned(),
+                    })
+                    .collect()
+            })
+            .collect();
         let start = Instant::now();
-        let outputs = self.exec.run(&feed)?;
+        let outputs = self.run_ranks(&feeds)?;
         let seconds = start.elapsed().as_secs_f64();
         self.completed += 1;
-        let program = self.exec.program();
+        let program = self.program();
         let scalars: Vec<(String, f64)> = program
             .outputs
             .iter()
@@ -227,21 +318,58 @@ impl Trainer {
         Ok(StepMetrics { step: step + 1, lr, loss, scalars, seconds })
     }
 
-    /// The current parameters, by name.
-    pub fn params(&self) -> Vec<TensorRef<'_>> {
-        self.tensors(&self.exec.program().params)
+    /// Runs every rank on its feed (each a thread when there are several); returns rank 0's
+    /// outputs (outputs are replicated). A failing rank aborts the others' collectives.
+    fn run_ranks(&mut self, feeds: &[Vec<HostTensor>]) -> Result<Vec<HostTensor>, RuntimeError> {
+        if let [only] = &mut self.ranks[..] {
+            return only.run(&feeds[0]);
+        }
+        let comm = self.comm.clone().expect("several ranks have a communicator");
+        let results: Vec<Result<Vec<HostTensor>, RuntimeError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .zip(feeds)
+                .map(|(exec, feed)| {
+                    let comm = comm.clone();
+                    scope.spawn(move || {
+                        let result = exec.run(feed);
+                        if result.is_err() {
+                            comm.abort();
+                        }
+                        result
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a rank thread panicked")).collect()
+        });
+        // Report the rank that failed, not the others that stopped because of it.
+        let (mut outputs, mut failure, mut stopped) = (None, None, None);
+        for (rank, result) in results.into_iter().enumerate() {
+            match result {
+                Ok(out) if rank == 0 => outputs = Some(out),
+                Ok(_) => {}
+                Err(e @ RuntimeError::Comm(_)) => {
+                    stopped.get_or_insert(e);
+                }
+                Err(e) => {
+                    failure.get_or_insert(RuntimeError::Rank { rank, source: Box::new(e) });
+                }
+            }
+        }
+        match failure.or(stopped) {
+            Some(e) => Err(e),
+            None => Ok(outputs.expect("rank 0 returned outputs")),
+        }
     }
 
-    fn tensors<'a>(&'a self, slots: &[Slot]) -> Vec<TensorRef<'a>> {
-        slots
-            .iter()
-            .map(|s| TensorRef {
-                name: s.name.clone(),
-                dtype: s.dtype,
-                shape: s.shape.clone(),
-                bytes: self.exec.read_slot(&s.name).expect("a slot of the program"),
-            })
-            .collect()
+    /// The current parameters (global tensors), by name.
+    pub fn params(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
+        self.program().params.iter().map(|s| (s.clone(), self.read_global(s))).collect()
+    }
+
+    fn states(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
+        self.program().states.iter().map(|s| (s.clone(), self.read_global(s))).collect()
     }
 
     /// Saves a checkpoint of the current state under `dir` (see [`checkpoint`]).
@@ -269,9 +397,17 @@ impl Trainer {
             rng: RngState { seed: self.seed },
             files: BTreeMap::new(),
         };
-        let program = self.exec.program();
-        checkpoint::save(dir, &manifest, &self.params(), &self.tensors(&program.states), keep_last)
+        let (params, states) = (self.params(), self.states());
+        checkpoint::save(dir, &manifest, &refs(&params), &refs(&states), keep_last)
     }
+}
+
+/// Borrows global tensors as the checkpoint writer takes them.
+fn refs<'a>(tensors: &'a [(Slot, Cow<'_, [u8]>)]) -> Vec<TensorRef<'a>> {
+    tensors
+        .iter()
+        .map(|(s, bytes)| TensorRef { name: s.name.clone(), dtype: s.dtype, shape: s.global_shape.clone(), bytes })
+        .collect()
 }
 
 /// The first 12 hex digits of a fingerprint, enough to tell two apart in a message.

@@ -1,0 +1,284 @@
+//! Communication between ranks. [`LocalComm`] connects ranks that are threads of one process
+//! (the CPU device): for each collective, the ranks of a group (those that differ only in their
+//! coordinate on the collective's mesh axis) meet at a rendezvous, each deposits its input, and
+//! each computes its own output from all inputs in coordinate order, so every rank reduces in
+//! the same order and gets bit-identical results (the same order as the SPMD reference
+//! evaluator). It counts the bytes each rank would move with ring algorithms. A rank that fails
+//! calls [`LocalComm::abort`], and ranks waiting in a collective return an error instead of
+//! hanging.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use autotp_kernels::{BinaryOp, DType, Kernel};
+use serde::{Deserialize, Serialize};
+
+use crate::RuntimeError;
+
+/// A collective along one mesh axis (see `autotp_ir::Collective`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CollectiveKind {
+    /// partial sums -> the sum on every rank.
+    AllReduce,
+    /// shards along `dim` -> their concatenation on every rank.
+    AllGather { dim: usize },
+    /// partial sums -> each rank's slice along `dim` of the sum.
+    ReduceScatter { dim: usize },
+    /// whole value -> each rank's slice along `dim` (no communication).
+    ShardSlice { dim: usize },
+}
+
+impl CollectiveKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather { .. } => "all_gather",
+            CollectiveKind::ReduceScatter { .. } => "reduce_scatter",
+            CollectiveKind::ShardSlice { .. } => "shard_slice",
+        }
+    }
+
+    /// The local output shape for a local input `shape` over `n` ranks, if it is valid.
+    pub fn output_shape(self, shape: &[usize], n: usize) -> Option<Vec<usize>> {
+        let mut out = shape.to_vec();
+        match self {
+            CollectiveKind::AllReduce => {}
+            CollectiveKind::AllGather { dim } => *out.get_mut(dim)? *= n,
+            CollectiveKind::ReduceScatter { dim } | CollectiveKind::ShardSlice { dim } => {
+                let d = out.get_mut(dim)?;
+                if n == 0 || *d % n != 0 {
+                    return None;
+                }
+                *d /= n;
+            }
+        }
+        Some(out)
+    }
+
+    /// Bytes one rank sends for an input of `bytes` over `n` ranks, with ring algorithms:
+    /// all-reduce 2(n-1)/n of the buffer, all-gather (n-1) shards, reduce-scatter (n-1)/n.
+    pub fn bytes_sent(self, bytes: usize, n: usize) -> usize {
+        let n1 = n.saturating_sub(1);
+        match self {
+            CollectiveKind::AllReduce => 2 * n1 * bytes / n.max(1),
+            CollectiveKind::AllGather { .. } => n1 * bytes,
+            CollectiveKind::ReduceScatter { .. } => n1 * bytes / n.max(1),
+            CollectiveKind::ShardSlice { .. } => 0,
+        }
+    }
+}
+
+/// One collective as a program states it: what, along which mesh axis, over a local input of
+/// `shape`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectiveOp {
+    pub kind: CollectiveKind,
+    pub axis: usize,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+/// Bytes sent by one rank, by collective, since the last reset.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommBytes {
+    pub all_reduce: usize,
+    pub all_gather: usize,
+    pub reduce_scatter: usize,
+}
+
+/// One rendezvous round of a group.
+#[derive(Default)]
+struct Round {
+    /// Bumped when a round completes, so a fast rank cannot join the next one early.
+    generation: u64,
+    deposited: Vec<Option<Vec<u8>>>,
+    /// All inputs of the round once every member deposited.
+    inputs: Option<Arc<Vec<Vec<u8>>>>,
+    departed: usize,
+}
+
+struct Group {
+    round: Mutex<Round>,
+    wake: Condvar,
+}
+
+/// Ranks as threads of one process.
+pub struct LocalComm {
+    sizes: Vec<usize>,
+    /// (axis, first rank of the group) -> the group.
+    groups: BTreeMap<(usize, usize), Group>,
+    sent: Vec<Mutex<CommBytes>>,
+    aborted: AtomicBool,
+}
+
+const POLL: Duration = Duration::from_millis(50);
+
+impl LocalComm {
+    /// A communicator for a mesh with these axis sizes (ranks row-major, last axis fastest).
+    pub fn new(sizes: &[usize]) -> Arc<LocalComm> {
+        let world: usize = sizes.iter().product();
+        let mut groups = BTreeMap::new();
+        for (axis, &size) in sizes.iter().enumerate() {
+            let stride: usize = sizes[axis + 1..].iter().product();
+            for rank in 0..world {
+                if (rank / stride).is_multiple_of(size) {
+                    let round = Round { deposited: vec![None; size], ..Round::default() };
+                    groups.insert((axis, rank), Group { round: Mutex::new(round), wake: Condvar::new() });
+                }
+            }
+        }
+        let sent = (0..world).map(|_| Mutex::new(CommBytes::default())).collect();
+        Arc::new(LocalComm { sizes: sizes.to_vec(), groups, sent, aborted: AtomicBool::new(false) })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.sizes.iter().product()
+    }
+
+    /// A rank's coordinate on every axis.
+    pub fn coordinates(&self, mut rank: usize) -> Vec<usize> {
+        let mut coords = vec![0; self.sizes.len()];
+        for (a, &size) in self.sizes.iter().enumerate().rev() {
+            coords[a] = rank % size;
+            rank /= size;
+        }
+        coords
+    }
+
+    /// Makes every waiting and future collective fail: a rank failed.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        for g in self.groups.values() {
+            g.wake.notify_all();
+        }
+    }
+
+    /// The bytes `rank` sent since the last [`LocalComm::reset_counts`].
+    pub fn bytes_sent(&self, rank: usize) -> CommBytes {
+        self.sent[rank].lock().expect("counters").clone()
+    }
+
+    pub fn reset_counts(&self) {
+        for s in &self.sent {
+            *s.lock().expect("counters") = CommBytes::default();
+        }
+    }
+
+    fn aborted(&self) -> RuntimeError {
+        RuntimeError::Comm("another rank failed; this one stops".into())
+    }
+
+    /// Runs `op` for `rank`: `input` is the rank's local input, `output` receives its result.
+    pub fn collective(
+        &self,
+        rank: usize,
+        op: &CollectiveOp,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<(), RuntimeError> {
+        let CollectiveOp { kind, axis, dtype, ref shape } = *op;
+        let n = self.sizes[axis];
+        let coord = self.coordinates(rank)[axis];
+        let stride: usize = self.sizes[axis + 1..].iter().product();
+        let kernel_error = |source| RuntimeError::Kernel { label: kind.name().into(), source };
+        let out_shape = kind
+            .output_shape(shape, n)
+            .ok_or_else(|| RuntimeError::Comm(format!("{} of {shape:?} over {n} ranks", kind.name())))?;
+        if let CollectiveKind::ShardSlice { dim } = kind {
+            let mut starts = vec![0; shape.len()];
+            starts[dim] = coord * out_shape[dim];
+            let slice =
+                Kernel::Slice { dtype, shape: shape.to_vec(), starts, steps: vec![1; shape.len()], out: out_shape };
+            return slice.run(&[input], &mut [output]).map_err(kernel_error);
+        }
+        let group = &self.groups[&(axis, rank - coord * stride)];
+        let inputs = self.rendezvous(group, coord, input)?;
+        {
+            let mut sent = self.sent[rank].lock().expect("counters");
+            let bytes = kind.bytes_sent(input.len(), n);
+            match kind {
+                CollectiveKind::AllReduce => sent.all_reduce += bytes,
+                CollectiveKind::AllGather { .. } => sent.all_gather += bytes,
+                CollectiveKind::ReduceScatter { .. } => sent.reduce_scatter += bytes,
+                CollectiveKind::ShardSlice { .. } => {}
+            }
+        }
+        let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+        let result = match kind {
+            CollectiveKind::AllGather { dim } => {
+                let concat = Kernel::Concat { dtype, shapes: vec![shape.to_vec(); n], axis: dim };
+                concat.run(&refs, &mut [output]).map_err(kernel_error)
+            }
+            CollectiveKind::AllReduce => sum(dtype, shape, &refs, output).map_err(kernel_error),
+            CollectiveKind::ReduceScatter { dim } => {
+                let mut total = vec![0u8; input.len()];
+                sum(dtype, shape, &refs, &mut total).map_err(kernel_error)?;
+                let mut starts = vec![0; shape.len()];
+                starts[dim] = coord * out_shape[dim];
+                let slice =
+                    Kernel::Slice { dtype, shape: shape.to_vec(), starts, steps: vec![1; shape.len()], out: out_shape };
+                slice.run(&[&total], &mut [output]).map_err(kernel_error)
+            }
+            CollectiveKind::ShardSlice { .. } => unreachable!("handled above"),
+        };
+        self.depart(group);
+        result
+    }
+
+    /// Deposits `input` as member `coord` and waits for the whole group; returns every input.
+    fn rendezvous(&self, group: &Group, coord: usize, input: &[u8]) -> Result<Arc<Vec<Vec<u8>>>, RuntimeError> {
+        let mut round = group.round.lock().expect("group lock");
+        // Wait for the previous round to empty before joining this one.
+        while round.inputs.is_some() || round.deposited[coord].is_some() {
+            if self.aborted.load(Ordering::SeqCst) {
+                return Err(self.aborted());
+            }
+            round = group.wake.wait_timeout(round, POLL).expect("group lock").0;
+        }
+        round.deposited[coord] = Some(input.to_vec());
+        if round.deposited.iter().all(Option::is_some) {
+            let all = round.deposited.iter_mut().map(|d| d.take().expect("all deposited")).collect();
+            round.inputs = Some(Arc::new(all));
+            group.wake.notify_all();
+        }
+        let generation = round.generation;
+        loop {
+            if let Some(inputs) = &round.inputs {
+                if round.generation == generation {
+                    return Ok(inputs.clone());
+                }
+            }
+            if self.aborted.load(Ordering::SeqCst) {
+                return Err(self.aborted());
+            }
+            round = group.wake.wait_timeout(round, POLL).expect("group lock").0;
+        }
+    }
+
+    /// Leaves the round; the last member to leave opens the next one.
+    fn depart(&self, group: &Group) {
+        let mut round = group.round.lock().expect("group lock");
+        round.departed += 1;
+        if round.departed == round.deposited.len() {
+            round.departed = 0;
+            round.inputs = None;
+            round.generation += 1;
+            group.wake.notify_all();
+        }
+    }
+}
+
+/// `output = inputs[0] + inputs[1] + ...`, in that order.
+fn sum(dtype: DType, shape: &[usize], inputs: &[&[u8]], output: &mut [u8]) -> Result<(), autotp_kernels::KernelError> {
+    output.copy_from_slice(inputs[0]);
+    let add =
+        Kernel::Binary { op: BinaryOp::Add, dtype, lhs: shape.to_vec(), rhs: shape.to_vec(), out: shape.to_vec() };
+    let mut scratch = vec![0u8; output.len()];
+    for input in &inputs[1..] {
+        add.run(&[output, input], &mut [&mut scratch])?;
+        output.copy_from_slice(&scratch);
+    }
+    Ok(())
+}
