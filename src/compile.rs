@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use autotp_frontend::{ImportOptions, Model};
 use autotp_ir::Graph;
 use autotp_passes::autodiff::Autodiff;
+use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer};
 use autotp_passes::shard::Shard;
@@ -36,6 +37,13 @@ pub struct CompileFlags {
     /// all-reduced (ZeRO stage 0).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
+    /// Tensor-parallel ranks: each block's weights are split Megatron-style (found from the
+    /// dataflow); world size is dp x tp.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Print each weight the tensor-parallel split places, and why.
+    #[arg(long)]
+    explain_tp: bool,
     /// adamw or sgd.
     #[arg(long, default_value = "adamw")]
     optimizer: String,
@@ -186,8 +194,11 @@ impl IrObserver<'_> {
 pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let (optimizer, optimizer_description) = optimizer(flags)?;
     let schedule = schedule(flags)?;
-    if flags.seq_len == 0 || flags.micro_batch == 0 || flags.dp == 0 {
-        bail!("--seq-len, --micro-batch and --dp must be at least 1");
+    if flags.seq_len == 0 || flags.micro_batch == 0 || flags.dp == 0 || flags.tp == 0 {
+        bail!("--seq-len, --micro-batch, --dp and --tp must be at least 1");
+    }
+    if flags.explain_tp && flags.tp < 2 {
+        bail!("--explain-tp needs --tp 2 or more");
     }
     let start = Instant::now();
     let global_batch = flags.micro_batch * flags.dp;
@@ -197,19 +208,24 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
     let mut autodiff = Autodiff::new(LOSS);
     autodiff.frozen = frozen.clone();
-    let mut passes: Vec<Box<dyn Pass>> = vec![
-        Box::new(autotp_passes::recognize::Recognize),
-        Box::new(autotp_passes::dce::Dce),
-        Box::new(AttachLoss),
+    let mut passes: Vec<Box<dyn Pass>> =
+        vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
+    if flags.tp > 1 {
+        passes.push(Box::new(SplitFused));
+    }
+    passes.extend::<Vec<Box<dyn Pass>>>(vec![
         Box::new(autodiff),
         Box::new(Optimize { optimizer, grad_clip: flags.grad_clip }),
         Box::new(autotp_passes::dce::Dce),
-    ];
-    if flags.dp > 1 {
+    ]);
+    if flags.dp > 1 && flags.tp == 1 {
         passes.push(Box::new(Shard::data_parallel(flags.dp, &["input_ids", LABELS])));
     }
     let manager = PassManager::new(passes);
-    let names = manager.pass_names();
+    let mut names = manager.pass_names();
+    if flags.tp > 1 {
+        names.push("autotp");
+    }
     if let Some(unknown) = flags.print_after.iter().find(|p| !names.contains(&p.as_str())) {
         bail!("--print-after '{unknown}': no such pass (the pipeline runs {})", names.join(", "));
     }
@@ -219,6 +235,26 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     }
     observer.observe(0, "import", &model.graph);
     manager.run_observed(&mut model.graph, &mut |i, pass, graph| observer.observe(i, pass, graph))?;
+    if flags.tp > 1 {
+        let autotp = AutoTp { tp: flags.tp, dp: flags.dp, batch_inputs: vec!["input_ids".into(), LABELS.into()] };
+        let (sharded, explained) = autotp.shard(&model.graph)?;
+        autotp_ir::verify(&sharded).map_err(|errors| autotp_passes::PassError::Verify { pass: "autotp", errors })?;
+        observer.observe(names.len(), "autotp", &sharded);
+        if flags.explain_tp {
+            println!("tensor-parallel placement (tp={}):", flags.tp);
+            for e in &explained {
+                println!("  {:<50} {:<10} {}", e.weight, e.placement.to_string(), e.reason);
+            }
+            let split: std::collections::BTreeSet<&str> = explained.iter().map(|e| e.weight.as_str()).collect();
+            for &p in model.graph.params() {
+                let name = model.graph.name_of(p).unwrap_or("");
+                if !split.contains(name) {
+                    println!("  {name:<50} {:<10} not in a tensor-parallel block", "replicate");
+                }
+            }
+        }
+        model.graph = sharded;
+    }
     if let Some(error) = observer.error {
         return Err(error);
     }
@@ -236,6 +272,16 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             schedule,
             grad_clip: flags.grad_clip,
             frozen: frozen.into_iter().collect(),
+            weight_shapes: model
+                .graph
+                .params()
+                .iter()
+                .filter_map(|&p| {
+                    let name = model.graph.name_of(p)?;
+                    let original = &model.weights.get(name)?.ty.shape;
+                    (original != &model.graph.ty(p).shape).then(|| (name.to_string(), original.clone()))
+                })
+                .collect(),
         },
         model: ModelSource { name: model.graph.name.clone(), path },
     };

@@ -47,8 +47,8 @@ fn shard_spec(spec: &str) -> Shard {
     Shard { mesh: Mesh { axes }, seeds }
 }
 
-/// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`, or
-/// `shard:MESH:SEEDS` (see [`shard_spec`]).
+/// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
+/// `shard:MESH:SEEDS` (see [`shard_spec`]) or `autotp:TP`.
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
@@ -56,6 +56,12 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "recognize" => Box::new(Recognize),
         "loss" => Box::new(AttachLoss),
         "shard" => Box::new(shard_spec(argument)),
+        "split-fused" => Box::new(autotp_passes::autotp::SplitFused),
+        "autotp" => Box::new(autotp_passes::autotp::AutoTp {
+            tp: argument.parse().expect("autotp:TP"),
+            dp: 1,
+            batch_inputs: vec![],
+        }),
         "autodiff" => {
             let mut pass = Autodiff::new("loss");
             if let Some(frozen) = argument.strip_prefix("freeze=") {

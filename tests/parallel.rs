@@ -49,6 +49,51 @@ fn data_parallel_trains_like_one_rank() {
 }
 
 #[test]
+fn tensor_parallel_trains_like_one_rank() {
+    let dir = scratch("parallel-tp");
+    // GPT-2: fused QKV and tied embeddings; Llama: grouped-query attention (2 key/value heads);
+    // GPT-NeoX: per-head interleaved fused QKV.
+    for (arch, tps) in [("gpt2", &[2, 4][..]), ("llama", &[2][..]), ("gpt_neox", &[2, 4][..])] {
+        let single = train(&dir, arch, 8, &[]);
+        for &tp in tps {
+            let tp_flag = tp.to_string();
+            let got = train(&dir, arch, 8, &["--tp", &tp_flag]);
+            let (first, worst) = within_contract(&format!("{arch} tp={tp}"), &got, &single);
+            println!("{arch} tp={tp}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
+        let got = train(&dir, arch, 4, &["--tp", "2", "--dp", "2"]);
+        let (first, worst) = within_contract(&format!("{arch} tp=2 dp=2"), &got, &single);
+        println!("{arch} tp=2 x dp=2 zero 0: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+    }
+}
+
+#[test]
+fn impossible_tensor_parallel_splits_are_refused() {
+    let compile = |arch: &str, tp: &str| {
+        let model = fixture(arch, "model.onnx");
+        failure(autotp(&[
+            "compile",
+            model.to_str().unwrap(),
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "8",
+            "--tp",
+            tp,
+            "-o",
+            "/dev/null",
+        ]))
+    };
+    // Llama's 2 key/value heads cannot be split 4 ways.
+    let err = compile("llama", "4");
+    assert!(err.contains("tp=4 cannot split the blocks") && err.contains("k_proj.weight"), "{err}");
+    assert!(err.contains("tp must divide the heads (and key/value heads)"), "{err}");
+    // 3 does not divide the 64 hidden features of a 4-head model.
+    let err = compile("gpt_neox", "3");
+    assert!(err.contains("over tp=3: dim") && err.contains("is not divisible"), "{err}");
+}
+
+#[test]
 fn a_failing_rank_stops_the_others() {
     // Rank 1's half of the first batch holds a token id past the vocabulary: its embedding
     // lookup fails while rank 0 waits in a collective; the run must end with rank 1's error.

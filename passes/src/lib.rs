@@ -5,6 +5,7 @@
 //!
 //! | pass        | what it does                                                        |
 //! |-------------|---------------------------------------------------------------------|
+//! | `autotp`    | tensor parallelism found from dataflow (Megatron's split), then `shard` ([`autotp`]) |
 //! | `autodiff`  | appends the reverse-mode gradients of the loss ([`autodiff`])        |
 //! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
 //! | `loss`      | one scalar `loss` output: the model's, or mean cross-entropy ([`loss`]) |
@@ -13,6 +14,7 @@
 //! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
 
 pub mod autodiff;
+pub mod autotp;
 pub mod dce;
 pub mod loss;
 pub mod optimize;

@@ -9,6 +9,8 @@
 //! backward as partial sums, and the optimizer, whose state is replicated, asks for them
 //! replicated: one all-reduce per gradient (ZeRO stage 0).
 //!
+//! Optimizer state without a seed of its own is placed like its parameter.
+//!
 //! A mean loss over sharded positions is not the sum of the ranks' means, so `cross_entropy` and
 //! `nll_loss` with mean reduction (and no class weights) first become a sum divided by the
 //! number of counted positions, which the rules then reduce exactly.
@@ -18,7 +20,7 @@
 //! tests/golden/shard_*.ir and tests/sharding.rs (the sharded step, run by the SPMD reference
 //! evaluator, against the single-device step).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use autotp_ir::sharding::{axis_rule, reshard};
 use autotp_ir::{BinaryOp, Graph, Mesh, Op, Placement, ReduceOp, Reduction, Rewriter, Tensor, UnaryOp, ValueId};
@@ -107,6 +109,8 @@ struct Placer<'g> {
     mesh: Mesh,
     /// (value, axis, placement) -> the value resharded, so consumers share one collective.
     resharded: BTreeMap<(ValueId, usize, Placement), ValueId>,
+    /// New node outputs -> the source values they place.
+    origin: BTreeMap<ValueId, ValueId>,
 }
 
 impl Placer<'_> {
@@ -194,63 +198,144 @@ impl Pass for Shard {
             }
             source.value_mut(v).placements = placements.clone();
         }
-
-        let mut placer =
-            Placer { rw: Rewriter::new(&source, |_| true), mesh: self.mesh.clone(), resharded: BTreeMap::new() };
+        // Optimizer state without a seed of its own lives like its parameter (a split weight's
+        // moments split with it); ZeRO seeds states explicitly.
+        let mut follow = Vec::new();
         for (_, node) in source.nodes() {
-            let mut inputs: Vec<ValueId> = node.inputs.iter().map(|&v| placer.rw.map(v)).collect();
-            let mut out_placements = vec![replicated.clone(); node.outputs.len()];
-            for (a, axis) in self.mesh.axes.iter().enumerate() {
-                // A partial sum that was already reduced for another consumer is used reduced:
-                // a linear op could take it partial, but that would reduce it a second time
-                // later (clipped gradients feed both the norm and the optimizer).
-                for v in &mut inputs {
-                    if let Some(&reduced) = placer.resharded.get(&(*v, a, Placement::Replicate)) {
-                        if placer.rw.graph().value(*v).placements[a] == Placement::PartialSum {
-                            *v = reduced;
-                        }
-                    }
-                }
-                let g = placer.rw.graph();
-                let types: Vec<_> = inputs.iter().map(|&v| g.ty(v).clone()).collect();
-                let current: Vec<Placement> = inputs.iter().map(|&v| g.value(v).placements[a]).collect();
-                let type_refs: Vec<_> = types.iter().collect();
-                let out_types: Vec<_> = node.outputs.iter().map(|&o| source.ty(o)).collect();
-                let rule = axis_rule(&node.op, &type_refs, &out_types, &current, axis);
-                for (i, &want) in rule.inputs.iter().enumerate() {
-                    inputs[i] = placer.reshard(inputs[i], a, want)?;
-                }
-                for (o, p) in out_placements.iter_mut().zip(rule.outputs) {
-                    o[a] = p;
+            let tensors = match node.op {
+                Op::AdamW { .. } => 4,
+                Op::Sgd { .. } => 3,
+                _ => continue,
+            };
+            for &state in &node.inputs[2..tensors] {
+                let seeded = source.name_of(state).is_some_and(|n| self.seeds.contains_key(n));
+                if source.states().contains(&state) && !seeded {
+                    follow.push((state, source.value(node.inputs[0]).placements.clone()));
                 }
             }
-            let g = placer.rw.graph();
-            let types = node.outputs.iter().map(|&o| source.ty(o).clone()).collect();
-            let new = g.add_node_typed(node.op.clone(), inputs, types);
-            let outs = g.node(new).outputs.clone();
-            for (&new, placements) in outs.iter().zip(out_placements) {
-                g.value_mut(new).placements = placements;
-            }
-            for (&old, new) in node.outputs.iter().zip(outs) {
-                placer.rw.graph().value_mut(new).name = source.value(old).name.clone();
-                placer.rw.set(old, new);
-            }
         }
-        let mut outputs = Vec::new();
-        for (name, v) in source.outputs() {
-            let mapped = placer.rw.map(*v);
-            outputs.push((name.clone(), placer.reshard_all(mapped, &replicated)?));
+        for (state, placements) in follow {
+            source.value_mut(state).placements = placements;
         }
-        for (target, value) in source.updates() {
-            let mapped = placer.rw.map(*value);
-            let placed = placer.reshard_all(mapped, &source.value(*target).placements)?;
-            placer.rw.set(*value, placed);
-        }
-        let mut result = placer.rw.finish_without_outputs();
-        for (name, v) in outputs {
-            result.add_output(name, v);
-        }
+
+        // Place once to learn which partial sums some consumer needs whole, then again reducing
+        // those right where they are made, so every consumer shares the one reduction (a
+        // gradient feeding both a weight's update and the next layer's backward).
+        let (first, origin) = place(&source, &self.mesh, &BTreeSet::new())?;
+        let (result, _) = place(&source, &self.mesh, &reductions(&first, &origin))?;
         *graph = result;
         Ok(())
     }
+}
+
+/// Places every value of `source` (already seeded) by the rules, resharding operands as needed.
+/// `eager` lists (source value, mesh axis) pairs to all-reduce as soon as they are made.
+/// Returns the placed graph and, for its node outputs, the source values they place.
+fn place(
+    source: &Graph,
+    mesh: &Mesh,
+    eager: &BTreeSet<(ValueId, usize)>,
+) -> Result<(Graph, BTreeMap<ValueId, ValueId>), PassError> {
+    let replicated = mesh.replicated();
+    let mut placer = Placer {
+        rw: Rewriter::new(source, |_| true),
+        mesh: mesh.clone(),
+        resharded: BTreeMap::new(),
+        origin: BTreeMap::new(),
+    };
+    for (_, node) in source.nodes() {
+        let mut inputs: Vec<ValueId> = node.inputs.iter().map(|&v| placer.rw.map(v)).collect();
+        let mut out_placements = vec![replicated.clone(); node.outputs.len()];
+        for (a, axis) in mesh.axes.iter().enumerate() {
+            // A partial sum that was already reduced for another consumer is used reduced:
+            // a linear op could take it partial, but that would reduce it a second time
+            // later (clipped gradients feed both the norm and the optimizer).
+            for v in &mut inputs {
+                if let Some(&reduced) = placer.resharded.get(&(*v, a, Placement::Replicate)) {
+                    if placer.rw.graph().value(*v).placements[a] == Placement::PartialSum {
+                        *v = reduced;
+                    }
+                }
+            }
+            let g = placer.rw.graph();
+            let types: Vec<_> = inputs.iter().map(|&v| g.ty(v).clone()).collect();
+            let current: Vec<Placement> = inputs.iter().map(|&v| g.value(v).placements[a]).collect();
+            let type_refs: Vec<_> = types.iter().collect();
+            let out_types: Vec<_> = node.outputs.iter().map(|&o| source.ty(o)).collect();
+            let rule = axis_rule(&node.op, &type_refs, &out_types, &current, axis);
+            for (i, &want) in rule.inputs.iter().enumerate() {
+                inputs[i] = placer.reshard(inputs[i], a, want)?;
+            }
+            for (o, p) in out_placements.iter_mut().zip(rule.outputs) {
+                o[a] = p;
+            }
+        }
+        let g = placer.rw.graph();
+        let types = node.outputs.iter().map(|&o| source.ty(o).clone()).collect();
+        let new = g.add_node_typed(node.op.clone(), inputs, types);
+        let outs = g.node(new).outputs.clone();
+        for (&new, placements) in outs.iter().zip(out_placements) {
+            g.value_mut(new).placements = placements;
+        }
+        for (&old, new) in node.outputs.iter().zip(outs) {
+            placer.rw.graph().value_mut(new).name = source.value(old).name.clone();
+            placer.origin.insert(new, old);
+            let mut placed = new;
+            for a in 0..mesh.axes.len() {
+                if eager.contains(&(old, a)) && placer.rw.graph().value(placed).placements[a] == Placement::PartialSum {
+                    placed = placer.reshard(placed, a, Placement::Replicate)?;
+                }
+            }
+            placer.rw.set(old, placed);
+        }
+    }
+    let mut outputs = Vec::new();
+    for (name, v) in source.outputs() {
+        let mapped = placer.rw.map(*v);
+        outputs.push((name.clone(), placer.reshard_all(mapped, &replicated)?));
+    }
+    for (target, value) in source.updates() {
+        let mapped = placer.rw.map(*value);
+        let placed = placer.reshard_all(mapped, &source.value(*target).placements)?;
+        placer.rw.set(*value, placed);
+    }
+    let origin = std::mem::take(&mut placer.origin);
+    let mut result = placer.rw.finish_without_outputs();
+    for (name, v) in outputs {
+        result.add_output(name, v);
+    }
+    Ok((result, origin))
+}
+
+/// Which partial sums to all-reduce where they are made, from a first placement: each
+/// all-reduce's input is traced back through the linear ops that kept it partial to the op that
+/// made the partial sum; that root is reduced once instead when it is no bigger than the
+/// reductions it replaces (one all-reduce of a layer's input gradient, not one per use).
+fn reductions(placed: &Graph, origin: &BTreeMap<ValueId, ValueId>) -> BTreeSet<(ValueId, usize)> {
+    let axis_of = |name: &str| placed.mesh.axes.iter().position(|a| a.name == name);
+    let partial = |v: ValueId, a: usize| placed.value(v).placements[a] == Placement::PartialSum;
+    let mut replaced: BTreeMap<(ValueId, usize), (usize, Vec<ValueId>)> = BTreeMap::new();
+    for (_, node) in placed.nodes() {
+        let Op::Collective { kind: autotp_ir::Collective::AllReduce, axis } = &node.op else { continue };
+        let Some(a) = axis_of(axis) else { continue };
+        let reduced = node.inputs[0];
+        let mut root = reduced;
+        while let autotp_ir::Def::Node(p, _) = placed.value(root).def {
+            let producer = placed.node(p);
+            let partial_inputs: Vec<ValueId> = producer.inputs.iter().copied().filter(|&i| partial(i, a)).collect();
+            match partial_inputs[..] {
+                [only] if producer.outputs.len() == 1 => root = only,
+                _ => break,
+            }
+        }
+        let entry = replaced.entry((root, a)).or_default();
+        entry.0 += placed.ty(reduced).size_bytes();
+        entry.1.push(reduced);
+    }
+    let mut eager = BTreeSet::new();
+    for ((root, a), (bytes, reduced)) in replaced {
+        let chosen = if placed.ty(root).size_bytes() <= bytes { vec![root] } else { reduced };
+        eager.extend(chosen.into_iter().filter_map(|v| origin.get(&v).map(|&o| (o, a))));
+    }
+    eager
 }

@@ -62,6 +62,10 @@ pub struct TrainingConfig {
     pub grad_clip: Option<f64>,
     /// Parameters excluded from training (`--freeze`).
     pub frozen: Vec<String>,
+    /// The shape of parameters in weight files (the model, checkpoints, exports) where the plan
+    /// computes with another view of the same bytes (a fused projection stored `[in, k, n]`).
+    #[serde(default)]
+    pub weight_shapes: BTreeMap<String, Vec<usize>>,
 }
 
 /// One input of the step program and what feeds it.
@@ -147,14 +151,15 @@ pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>
         let bytes = weights
             .get(&slot.name)
             .ok_or_else(|| RuntimeError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
-        if bytes.len() != slot.region.len {
+        let expected = slot.global_shape.iter().product::<usize>() * slot.dtype.size();
+        if bytes.len() != expected {
             return Err(RuntimeError::WrongSize {
                 what: format!("the weights of '{}'", slot.name),
-                expected: slot.region.len,
+                expected,
                 got: bytes.len(),
             });
         }
-        tensors.push(TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.shape.clone(), bytes });
+        tensors.push(TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.global_shape.clone(), bytes });
     }
     // The header keeps each constant's region; its bytes become a tensor.
     let mut regions = Vec::with_capacity(constants.len());
@@ -211,7 +216,7 @@ impl PlanFile {
         plan.program.validate()?;
         plan.feeds()?;
         for slot in &plan.program.params {
-            file.expect(&slot.name, slot.dtype, &slot.shape)?;
+            file.expect(&slot.name, slot.dtype, &slot.global_shape)?;
         }
         Ok(PlanFile { plan, fingerprint, file })
     }

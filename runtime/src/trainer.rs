@@ -106,6 +106,11 @@ impl Trainer {
         Cow::Owned(block)
     }
 
+    /// The shape a parameter or state has in weight files (see `TrainingConfig::weight_shapes`).
+    fn stored_shape(&self, slot: &Slot) -> Vec<usize> {
+        self.training.weight_shapes.get(&slot.name).cloned().unwrap_or_else(|| slot.global_shape.clone())
+    }
+
     /// Loads a parameter or state from its global bytes: each rank takes its block.
     fn load_global(&mut self, slot: &Slot, global: &[u8]) -> Result<(), RuntimeError> {
         let expected = slot.global_shape.iter().product::<usize>() * slot.dtype.size();
@@ -198,12 +203,13 @@ impl Trainer {
                 path: checkpoint.dir.clone(),
                 message: format!("has no tensor '{}'", slot.name),
             })?;
-            if tensor.dtype != slot.dtype || tensor.shape != slot.global_shape {
+            let shape = self.stored_shape(&slot);
+            if tensor.dtype != slot.dtype || tensor.shape != shape {
                 return Err(RuntimeError::Checkpoint {
                     path: checkpoint.dir.clone(),
                     message: format!(
                         "tensor '{}' is {}{:?}, the plan needs {}{:?}",
-                        slot.name, tensor.dtype, tensor.shape, slot.dtype, slot.global_shape
+                        slot.name, tensor.dtype, tensor.shape, slot.dtype, shape
                     ),
                 });
             }
@@ -221,10 +227,14 @@ impl Trainer {
         for slot in program.params.iter().chain(&program.states) {
             match checkpoint.tensor(&slot.name) {
                 None => return format!(": the checkpoint has no tensor '{}'", slot.name),
-                Some(t) if t.dtype != slot.dtype || t.shape != slot.global_shape => {
+                Some(t) if t.dtype != slot.dtype || t.shape != self.stored_shape(slot) => {
                     return format!(
                         ": its '{}' is {}{:?}, here it is {}{:?}",
-                        slot.name, t.dtype, t.shape, slot.dtype, slot.global_shape
+                        slot.name,
+                        t.dtype,
+                        t.shape,
+                        slot.dtype,
+                        self.stored_shape(slot)
                     )
                 }
                 Some(_) => {}
@@ -398,7 +408,13 @@ impl Trainer {
             files: BTreeMap::new(),
         };
         let (params, states) = (self.params(), self.states());
-        checkpoint::save(dir, &manifest, &refs(&params), &refs(&states), keep_last)
+        let (mut params, states) = (refs(&params), refs(&states));
+        for t in &mut params {
+            if let Some(shape) = self.training.weight_shapes.get(&t.name) {
+                t.shape = shape.clone();
+            }
+        }
+        checkpoint::save(dir, &manifest, &params, &states, keep_last)
     }
 }
 

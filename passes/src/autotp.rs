@@ -1,0 +1,504 @@
+//! `autotp`: tensor parallelism found from dataflow (`--tp N`, with `--dp M` alongside).
+//!
+//! The pass finds Megatron's pattern in every block without looking at names: a *row-parallel*
+//! weight is one whose matmul result (plus its bias) is added back into the residual stream; a
+//! *column-parallel* weight is one whose matmul reads a normalised hidden state and whose result
+//! reaches a row-parallel matmul before the next normalisation. Column weights are split on
+//! their output features, row weights on their input features (through the `transpose` an
+//! export puts on `[out, in]` weights). Everything else follows from the sharding rules: the
+//! heads split with the projections, attention runs per head, the row matmul gives partial
+//! sums that one all-reduce completes. Parameters that the rules would otherwise slice on every
+//! step (biases of column layers, say) are split too, until none is.
+//!
+//! Correctness never rests on the pattern match: [`Shard`] places every value by the ops' rules
+//! and inserts whatever collective a layout needs. The match only decides what is split; where a
+//! split cannot hold inside a block (tp not dividing the heads or the key/value heads), the
+//! forward pass would need an all-gather there, and the pass refuses with the value and why.
+//! The embedding and the LM head stay replicated (a vocabulary-parallel split is to come).
+//!
+//! Input phase: a training step (after `optimize`). Output: the step on the mesh `[dp, tp]`.
+//! Tests: tests/golden/autotp_*.ir, tests/parallel.rs.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use autotp_ir::{BinaryOp, Collective, Graph, Mesh, MeshAxis, Op, Placement, Rewriter, ValueId};
+
+use crate::shard::Shard;
+use crate::{Pass, PassError};
+
+const PASS: &str = "autotp";
+
+pub struct AutoTp {
+    pub tp: usize,
+    /// Data-parallel ranks beside the tensor-parallel ones (1 for none).
+    pub dp: usize,
+    /// Graph inputs sharded over `dp` on their batch dim.
+    pub batch_inputs: Vec<String>,
+}
+
+/// Why a weight got its placement, for `--explain-tp`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Explained {
+    pub weight: String,
+    pub placement: Placement,
+    pub reason: String,
+}
+
+fn invalid(message: String) -> PassError {
+    PassError::Invalid { pass: PASS, message }
+}
+
+/// A matmul of the forward pass whose right operand is a parameter (possibly transposed).
+struct WeightUse {
+    node: usize,
+    param: ValueId,
+    /// The parameter dims that are the matmul's output and input features.
+    out_dim: usize,
+    in_dim: Option<usize>,
+}
+
+/// Values the loss depends on (the forward pass and the loss).
+fn forward_values(graph: &Graph) -> Vec<bool> {
+    let mut needed = vec![false; graph.num_values()];
+    for (name, v) in graph.outputs() {
+        if name == crate::loss::LOSS {
+            needed[v.index()] = true;
+        }
+    }
+    let nodes: Vec<_> = graph.nodes().collect();
+    for (_, node) in nodes.into_iter().rev() {
+        if node.outputs.iter().any(|o| needed[o.index()]) {
+            for v in &node.inputs {
+                needed[v.index()] = true;
+            }
+        }
+    }
+    needed
+}
+
+impl AutoTp {
+    /// The weights to split: (parameter, placement on tp, reason).
+    fn plan(&self, graph: &Graph) -> Vec<Explained> {
+        let forward = forward_values(graph);
+        let producer: BTreeMap<ValueId, usize> =
+            graph.nodes().flat_map(|(id, n)| n.outputs.iter().map(move |&o| (o, id.index()))).collect();
+        let mut users: BTreeMap<ValueId, Vec<usize>> = BTreeMap::new();
+        for (id, node) in graph.nodes() {
+            for &v in &node.inputs {
+                users.entry(v).or_default().push(id.index());
+            }
+        }
+        let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+        let is_param = |v: ValueId| graph.params().contains(&v);
+        let is_norm = |n: usize| matches!(nodes[n].op, Op::LayerNorm { .. } | Op::RmsNorm { .. });
+
+        let mut uses = Vec::new();
+        for (i, node) in nodes.iter().enumerate() {
+            let Op::MatMul { transpose_rhs, .. } = node.op else { continue };
+            if !forward[node.outputs[0].index()] || graph.ty(node.inputs[1]).rank() != 2 {
+                continue;
+            }
+            // rhs is [k, n] (or [n, k] with transpose_rhs): a parameter, or a view of one.
+            let out_dim = if transpose_rhs { 0 } else { 1 };
+            if let Some((param, out_dim)) = trace_param(graph, node.inputs[1], out_dim) {
+                let in_dim = trace_param(graph, node.inputs[1], 1 - if transpose_rhs { 0 } else { 1 }).map(|(_, d)| d);
+                uses.push(WeightUse { node: i, param, out_dim, in_dim });
+            }
+        }
+        // Row-parallel: the result (plus a bias parameter, through reshapes) is added to a
+        // non-parameter value of its type: the residual stream.
+        let is_row = |u: &WeightUse| {
+            let mut v = nodes[u.node].outputs[0];
+            for _ in 0..4 {
+                let Some(consumers) = users.get(&v) else { return false };
+                let [c] = consumers[..] else { return false };
+                match nodes[c].op {
+                    Op::Reshape { .. } => {}
+                    Op::Binary(BinaryOp::Add) => {
+                        let other = if nodes[c].inputs[0] == v { nodes[c].inputs[1] } else { nodes[c].inputs[0] };
+                        if !is_param(other) {
+                            return graph.ty(other) == graph.ty(v);
+                        }
+                    }
+                    _ => return false,
+                }
+                v = nodes[c].outputs[0];
+            }
+            false
+        };
+        let rows: BTreeSet<usize> = uses.iter().filter(|u| is_row(u)).map(|u| u.node).collect();
+        // Column-parallel: reads a norm's output and reaches a row matmul before another norm.
+        let reaches_row = |start: ValueId| {
+            let mut stack = vec![start];
+            let mut seen = BTreeSet::new();
+            while let Some(v) = stack.pop() {
+                for &c in users.get(&v).into_iter().flatten() {
+                    if rows.contains(&c) {
+                        return true;
+                    }
+                    if is_norm(c) || !seen.insert(c) || !forward[nodes[c].outputs[0].index()] {
+                        continue;
+                    }
+                    stack.extend(nodes[c].outputs.iter().copied());
+                }
+            }
+            false
+        };
+        let mut plan = Vec::new();
+        let mut planned = BTreeSet::new();
+        for u in &uses {
+            let name = graph.name_of(u.param).unwrap_or("").to_string();
+            // The left operand, through reshapes, is a norm's output.
+            let mut lhs = nodes[u.node].inputs[0];
+            while let Some(&p) = producer.get(&lhs) {
+                match nodes[p].op {
+                    Op::Reshape { .. } => lhs = nodes[p].inputs[0],
+                    _ => break,
+                }
+            }
+            let reads_norm = producer.get(&lhs).is_some_and(|&p| is_norm(p));
+            let (placement, reason) = if rows.contains(&u.node) {
+                let Some(in_dim) = u.in_dim else { continue };
+                (Placement::Shard(in_dim), "row-parallel: its matmul result returns to the residual stream")
+            } else if reads_norm && reaches_row(nodes[u.node].outputs[0]) {
+                (
+                    Placement::Shard(u.out_dim),
+                    "column-parallel: reads a normalised hidden state and feeds a row-parallel matmul",
+                )
+            } else {
+                continue;
+            };
+            if planned.insert(u.param) {
+                plan.push(Explained { weight: name, placement, reason: reason.into() });
+            }
+        }
+        plan
+    }
+
+    fn mesh(&self) -> Mesh {
+        let mut axes = Vec::new();
+        if self.dp > 1 {
+            axes.push(MeshAxis { name: "dp".into(), size: self.dp });
+        }
+        axes.push(MeshAxis { name: "tp".into(), size: self.tp });
+        Mesh { axes }
+    }
+
+    /// Splits the planned weights, then the parameters the rules slice, until none is sliced;
+    /// returns the sharded graph and why each weight is placed as it is.
+    pub fn shard(&self, graph: &Graph) -> Result<(Graph, Vec<Explained>), PassError> {
+        if self.tp < 2 {
+            return Err(invalid(format!("--tp {} needs at least 2 ranks", self.tp)));
+        }
+        let mesh = self.mesh();
+        let tp_axis = mesh.axes.len() - 1;
+        let mut explained = self.plan(graph);
+        if explained.is_empty() {
+            return Err(invalid("found no column- and row-parallel weights to split (no Megatron block)".into()));
+        }
+        for e in &explained {
+            let ty = graph.ty(param_by_name(graph, &e.weight));
+            if let Placement::Shard(d) = e.placement {
+                if !ty.shape[d].is_multiple_of(self.tp) {
+                    return Err(invalid(format!(
+                        "cannot split weight '{}' {ty} over tp={}: dim {d} of size {} is not divisible ({})",
+                        e.weight, self.tp, ty.shape[d], e.reason
+                    )));
+                }
+            }
+        }
+        let seeds_for = |explained: &[Explained]| {
+            let mut seeds: BTreeMap<String, Vec<Placement>> = BTreeMap::new();
+            for name in &self.batch_inputs {
+                let mut p = mesh.replicated();
+                if self.dp > 1 {
+                    p[0] = Placement::Shard(0);
+                }
+                seeds.insert(name.clone(), p);
+            }
+            for e in explained {
+                let mut p = mesh.replicated();
+                p[tp_axis] = e.placement;
+                seeds.insert(e.weight.clone(), p);
+            }
+            seeds
+        };
+        for _ in 0..4 {
+            let mut sharded = graph.clone();
+            Shard { mesh: mesh.clone(), seeds: seeds_for(&explained) }.run(&mut sharded)?;
+            let sliced = sliced_params(&sharded, tp_axis);
+            if sliced.is_empty() {
+                check_forward(&sharded, self.tp)?;
+                return Ok((sharded, explained));
+            }
+            for (weight, placement) in sliced {
+                explained.push(Explained {
+                    weight,
+                    placement,
+                    reason: "follows its consumer (split rather than sliced every step)".into(),
+                });
+            }
+        }
+        Err(invalid("the weight placements did not settle".into()))
+    }
+}
+
+fn param_by_name(graph: &Graph, name: &str) -> ValueId {
+    *graph.params().iter().find(|&&p| graph.name_of(p) == Some(name)).expect("planned from the graph's parameters")
+}
+
+/// Parameters that a `shard_slice` on the tp axis cuts (directly or through a view), with the
+/// placement they should have instead.
+fn sliced_params(graph: &Graph, tp_axis: usize) -> Vec<(String, Placement)> {
+    let mut found = BTreeMap::new();
+    for (_, node) in graph.nodes() {
+        let Op::Collective { kind: Collective::ShardSlice { dim }, axis } = &node.op else { continue };
+        if graph.mesh.axes[tp_axis].name != *axis {
+            continue;
+        }
+        if let Some((param, dim)) = trace_param(graph, node.inputs[0], *dim) {
+            found.insert(graph.name_of(param).unwrap_or("").to_string(), Placement::Shard(dim));
+        }
+    }
+    found.into_iter().collect()
+}
+
+/// The parameter `v` is a view of (through transposes, unit-dim reshapes and slices that keep
+/// `dim` whole), and the parameter dim that `dim` of `v` is.
+fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Option<(ValueId, usize)> {
+    for _ in 0..4 {
+        if graph.params().contains(&v) {
+            return Some((v, dim));
+        }
+        let node = match graph.value(v).def {
+            autotp_ir::Def::Node(n, 0) => graph.node(n),
+            _ => return None,
+        };
+        let input = *node.inputs.first()?;
+        let (from, to) = (&graph.ty(input).shape, &graph.ty(v).shape);
+        dim = match &node.op {
+            Op::Transpose { perm } => perm[dim],
+            Op::Slice { starts, steps, .. } if starts[dim] == 0 && steps[dim] == 1 && from[dim] == to[dim] => dim,
+            Op::Reshape { .. } => unit_reshape_dim(from, to, dim)?,
+            _ => return None,
+        };
+        v = input;
+    }
+    None
+}
+
+/// For a reshape that only adds or removes unit dims: the input dim of output dim `dim`.
+fn unit_reshape_dim(input: &[usize], output: &[usize], dim: usize) -> Option<usize> {
+    let non_unit = |s: &[usize]| s.iter().enumerate().filter(|(_, &d)| d != 1).map(|(i, _)| i).collect::<Vec<_>>();
+    let (ins, outs) = (non_unit(input), non_unit(output));
+    if ins.len() != outs.len() || ins.iter().zip(&outs).any(|(&a, &b)| input[a] != output[b]) {
+        return None;
+    }
+    Some(ins[outs.iter().position(|&d| d == dim)?])
+}
+
+/// The forward pass of a tensor-parallel block must need no all-gather: one means a split that
+/// does not hold (heads not divisible by tp). Names the value it gathers and its producer.
+fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
+    let forward = forward_values(graph);
+    for (_, node) in graph.nodes() {
+        let Op::Collective { kind: Collective::AllGather { dim }, axis } = &node.op else { continue };
+        if axis != "tp" || !forward[node.outputs[0].index()] {
+            continue;
+        }
+        let input = node.inputs[0];
+        let (consumer, result) = graph
+            .nodes()
+            .find(|(_, n)| n.inputs.contains(&node.outputs[0]))
+            .map(|(cid, n)| {
+                (format!("{} (node {})", n.op.name(), cid.index()), n.outputs.first().map(|&o| graph.ty(o).to_string()))
+            })
+            .unwrap_or_else(|| ("an output".into(), None));
+        let weight = split_weight_upstream(graph, input)
+            .map(|w| format!(" (computed with the split weight '{w}')"))
+            .unwrap_or_default();
+        let into = result.map(|r| format!(" into {r}")).unwrap_or_default();
+        return Err(invalid(format!(
+            "tp={tp} cannot split the blocks: {consumer} needs dim {dim} of {}{weight} whole{into}; \
+             tp must divide the heads (and key/value heads) it splits",
+            graph.ty(input)
+        )));
+    }
+    Ok(())
+}
+
+/// The nearest tp-split parameter `v` is computed from, for messages.
+fn split_weight_upstream(graph: &Graph, v: ValueId) -> Option<String> {
+    let producer: BTreeMap<ValueId, &autotp_ir::Node> =
+        graph.nodes().flat_map(|(_, n)| n.outputs.iter().map(move |&o| (o, n))).collect();
+    let mut queue = std::collections::VecDeque::from([v]);
+    let mut seen = BTreeSet::new();
+    while let Some(v) = queue.pop_front() {
+        if graph.params().contains(&v) && graph.value(v).placements.iter().any(|p| matches!(p, Placement::Shard(_))) {
+            return graph.name_of(v).map(str::to_string);
+        }
+        if let Some(n) = producer.get(&v) {
+            queue.extend(n.inputs.iter().copied().filter(|i| seen.insert(*i)));
+        }
+    }
+    None
+}
+
+impl Pass for AutoTp {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let (sharded, _) = self.shard(graph)?;
+        *graph = sharded;
+        Ok(())
+    }
+}
+
+/// `split-fused`: a fused projection (one weight `[in, k*n]` whose result is split into `k`
+/// equal parts, as GPT-2's `c_attn` gives q, k and v) becomes `k` projections that share one
+/// parameter stored as `[in, k, n]` (its bias as `[k, n]`): the same bytes, a view that
+/// `autotp` can split on `n`, so each rank holds its heads of every part. Runs before autodiff,
+/// only when tensor parallelism asks for it; the trainer saves such weights in their original
+/// shape. Fused layouts that already interleave per head (GPT-NeoX) are not split and need not
+/// be.
+pub struct SplitFused;
+
+/// A matched fused projection: `split(reshape*(add?(matmul(x, weight), bias)))`.
+struct Fused {
+    matmul: usize,
+    add: Option<usize>,
+    reshapes: Vec<usize>,
+    split: usize,
+    weight: ValueId,
+    bias: Option<ValueId>,
+    parts: usize,
+}
+
+fn find_fused(graph: &Graph) -> Vec<Fused> {
+    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+    let uses = graph.use_counts();
+    let producer = |v: ValueId| match graph.value(v).def {
+        autotp_ir::Def::Node(n, 0) => Some(n.index()),
+        _ => None,
+    };
+    let is_param = |v: ValueId| graph.params().contains(&v);
+    let mut found = Vec::new();
+    for (s, split) in nodes.iter().enumerate() {
+        let Op::Split { axis, sizes } = &split.op else { continue };
+        let input = split.inputs[0];
+        let parts = sizes.len();
+        if parts < 2 || sizes.iter().any(|&n| n != sizes[0]) || *axis + 1 != graph.ty(input).rank() {
+            continue;
+        }
+        // Walk back through reshapes that keep the last (feature) dim, a bias add, the matmul.
+        let mut v = input;
+        let mut reshapes = Vec::new();
+        let mut add = None;
+        let mut bias = None;
+        let matched = loop {
+            if uses[v.index()] != 1 {
+                break None;
+            }
+            let Some(p) = producer(v) else { break None };
+            let node = nodes[p];
+            match &node.op {
+                Op::Reshape { .. } if graph.ty(node.inputs[0]).shape.last() == graph.ty(v).shape.last() => {
+                    reshapes.push(p);
+                    v = node.inputs[0];
+                }
+                Op::Binary(BinaryOp::Add) if add.is_none() => {
+                    let (a, b) = (node.inputs[0], node.inputs[1]);
+                    let (other, b) = if is_param(b) { (a, b) } else { (b, a) };
+                    if !is_param(b) || graph.ty(b).rank() != 1 || uses[b.index()] != 1 {
+                        break None;
+                    }
+                    add = Some(p);
+                    bias = Some(b);
+                    v = other;
+                }
+                Op::MatMul { transpose_lhs: false, transpose_rhs: false } => {
+                    let w = node.inputs[1];
+                    let ok = is_param(w) && graph.ty(w).rank() == 2 && uses[w.index()] == 1;
+                    break ok.then_some((p, w));
+                }
+                _ => break None,
+            }
+        };
+        if let Some((matmul, weight)) = matched {
+            found.push(Fused { matmul, add, reshapes, split: s, weight, bias, parts });
+        }
+    }
+    found
+}
+
+impl Pass for SplitFused {
+    fn name(&self) -> &'static str {
+        "split-fused"
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let fused = find_fused(graph);
+        if fused.is_empty() {
+            return Ok(());
+        }
+        let mut source = graph.clone();
+        let mut skip = BTreeSet::new();
+        for f in &fused {
+            let w = source.ty(f.weight).shape.clone();
+            let n = w[1] / f.parts;
+            source.value_mut(f.weight).ty.shape = vec![w[0], f.parts, n];
+            if let Some(b) = f.bias {
+                source.value_mut(b).ty.shape = vec![f.parts, n];
+            }
+            skip.extend([f.matmul].into_iter().chain(f.add).chain(f.reshapes.iter().copied()));
+        }
+        let at_split: BTreeMap<usize, &Fused> = fused.iter().map(|f| (f.split, f)).collect();
+        let mut rw = Rewriter::new(&source, |_| true);
+        for (id, node) in source.nodes() {
+            if skip.contains(&id.index()) {
+                continue;
+            }
+            let Some(f) = at_split.get(&id.index()) else {
+                rw.copy_node(id);
+                continue;
+            };
+            let x = rw.map(source.node(autotp_ir::NodeId(f.matmul as u32)).inputs[0]);
+            let (weight, bias) = (rw.map(f.weight), f.bias.map(|b| rw.map(b)));
+            let wshape = source.ty(f.weight).shape.clone();
+            let (rows, n) = (wshape[0], wshape[2]);
+            for (j, &out) in node.outputs.iter().enumerate() {
+                let g = rw.graph();
+                let part =
+                    |g: &mut Graph, v: ValueId, shape: &[usize], keep: Vec<usize>| -> Result<ValueId, PassError> {
+                        let mut starts = vec![0; shape.len()];
+                        let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                        let axis = shape.len() - 2;
+                        starts[axis] = j;
+                        ends[axis] = j as i64 + 1;
+                        let sliced = add(g, Op::Slice { starts, ends, steps: vec![1; shape.len()] }, vec![v])?;
+                        add(g, Op::Reshape { shape: keep }, vec![sliced])
+                    };
+                let wj = part(g, weight, &wshape, vec![rows, n])?;
+                let mut y = add(g, Op::MatMul { transpose_lhs: false, transpose_rhs: false }, vec![x, wj])?;
+                if let Some(b) = bias {
+                    let bj = part(g, b, &[f.parts, n], vec![n])?;
+                    y = add(g, Op::Binary(BinaryOp::Add), vec![y, bj])?;
+                }
+                let target = &source.ty(out).shape;
+                if g.ty(y).shape != *target {
+                    y = add(g, Op::Reshape { shape: target.clone() }, vec![y])?;
+                }
+                rw.set(out, y);
+            }
+        }
+        *graph = rw.finish();
+        Ok(())
+    }
+}
+
+fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
+    let name = op.name();
+    g.add(op, inputs).map_err(|m| invalid(format!("{name}: {m}")))
+}
