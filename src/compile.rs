@@ -86,6 +86,9 @@ pub struct CompileFlags {
     /// Print the IR after this pass (every time it runs). Repeatable.
     #[arg(long, value_name = "PASS")]
     print_after: Vec<String>,
+    /// Write the per-rank memory and per-step communication plan as JSON.
+    #[arg(long, value_name = "FILE.json")]
+    report: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -365,6 +368,19 @@ pub fn summary(plan: &TrainingPlan) -> String {
     by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
     let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
     lines.push(format!("  instructions: {} ({})", p.instructions.len(), listed.join(", ")));
+    if !p.mesh.is_empty() {
+        let report = autotp_runtime::report::report(plan);
+        let rank = &report.ranks[0];
+        let c = &rank.comm_bytes_per_step;
+        lines.push(format!(
+            "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}; staging {}; peak {}",
+            grouped(c.all_reduce),
+            grouped(c.reduce_scatter),
+            grouped(c.all_gather),
+            grouped(rank.comm_buffer_bytes),
+            grouped(rank.peak_bytes)
+        ));
+    }
     lines.push(format!("  fingerprint: {}", p.fingerprint()));
     lines.join("\n") + "\n"
 }
@@ -372,6 +388,10 @@ pub fn summary(plan: &TrainingPlan) -> String {
 pub fn run(args: &CompileArgs) -> Result<()> {
     let compiled = compile(&args.flags)?;
     autotp_runtime::plan::write(&args.output, &compiled.plan, &compiled.weights())?;
+    if let Some(path) = &args.flags.report {
+        let json = serde_json::to_string_pretty(&autotp_runtime::report::report(&compiled.plan))?;
+        autotp_runtime::tensor_file::write_atomic(path, json.as_bytes())?;
+    }
     print!("{}", summary(&compiled.plan));
     println!("wrote {}", args.output.display());
     Ok(())

@@ -174,5 +174,29 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         seconds * 1e3 / steps as f64,
         (steps * tokens_per_step) as f64 / seconds
     );
+    if trainer.world_size() > 1 {
+        eprint!("{}", measured_against_plan(trainer, steps));
+    }
     Ok(())
+}
+
+/// Each rank's measured peak memory and communication per step beside the plan's.
+fn measured_against_plan(trainer: &Trainer, steps: usize) -> String {
+    let planned = autotp_runtime::report::report_of(trainer.program(), &trainer.training().frozen);
+    let mut out = format!(
+        "{:>5} {:>16} {:>16} {:>22} {:>22}\n",
+        "rank", "planned peak", "measured peak", "planned comm/step", "measured comm/step"
+    );
+    for (rank, (peak, sent)) in trainer.measured().into_iter().enumerate() {
+        let plan = &planned.ranks[rank];
+        let total = |c: &autotp_runtime::comm::CommBytes| c.all_reduce + c.all_gather + c.reduce_scatter;
+        out += &format!(
+            "{rank:>5} {:>16} {:>16} {:>22} {:>22}\n",
+            plan.peak_bytes,
+            peak,
+            total(&plan.comm_bytes_per_step),
+            total(&sent) / steps.max(1)
+        );
+    }
+    out
 }

@@ -8,7 +8,7 @@
 //! hanging.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -55,6 +55,17 @@ impl CollectiveKind {
             }
         }
         Some(out)
+    }
+
+    /// Bytes of host buffers one rank stages for an input of `bytes` in [`LocalComm`]: its
+    /// deposited copy, plus the sum for reductions (and the full sum a reduce-scatter slices).
+    pub fn staging_bytes(self, bytes: usize) -> usize {
+        match self {
+            CollectiveKind::AllReduce => 2 * bytes,
+            CollectiveKind::AllGather { .. } => bytes,
+            CollectiveKind::ReduceScatter { .. } => 3 * bytes,
+            CollectiveKind::ShardSlice { .. } => 0,
+        }
     }
 
     /// Bytes one rank sends for an input of `bytes` over `n` ranks, with ring algorithms:
@@ -110,6 +121,8 @@ pub struct LocalComm {
     /// (axis, first rank of the group) -> the group.
     groups: BTreeMap<(usize, usize), Group>,
     sent: Vec<Mutex<CommBytes>>,
+    /// The most staging memory each rank held at once.
+    staging_peak: Vec<AtomicUsize>,
     aborted: AtomicBool,
 }
 
@@ -130,7 +143,8 @@ impl LocalComm {
             }
         }
         let sent = (0..world).map(|_| Mutex::new(CommBytes::default())).collect();
-        Arc::new(LocalComm { sizes: sizes.to_vec(), groups, sent, aborted: AtomicBool::new(false) })
+        let staging_peak = (0..world).map(|_| AtomicUsize::new(0)).collect();
+        Arc::new(LocalComm { sizes: sizes.to_vec(), groups, sent, staging_peak, aborted: AtomicBool::new(false) })
     }
 
     pub fn world_size(&self) -> usize {
@@ -158,6 +172,11 @@ impl LocalComm {
     /// The bytes `rank` sent since the last [`LocalComm::reset_counts`].
     pub fn bytes_sent(&self, rank: usize) -> CommBytes {
         self.sent[rank].lock().expect("counters").clone()
+    }
+
+    /// The most host staging memory `rank`'s collectives held at once.
+    pub fn staging_peak(&self, rank: usize) -> usize {
+        self.staging_peak[rank].load(Ordering::SeqCst)
     }
 
     pub fn reset_counts(&self) {
@@ -193,6 +212,7 @@ impl LocalComm {
                 Kernel::Slice { dtype, shape: shape.to_vec(), starts, steps: vec![1; shape.len()], out: out_shape };
             return slice.run(&[input], &mut [output]).map_err(kernel_error);
         }
+        self.staging_peak[rank].fetch_max(kind.staging_bytes(input.len()), Ordering::SeqCst);
         let group = &self.groups[&(axis, rank - coord * stride)];
         let inputs = self.rendezvous(group, coord, input)?;
         {

@@ -59,6 +59,11 @@ impl Executor {
         &self.program
     }
 
+    /// Bytes of the arena this executor allocated.
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.len()
+    }
+
     /// The current bytes of a parameter or state.
     pub fn read_slot(&self, name: &str) -> Option<&[u8]> {
         let slot = self.program.params.iter().chain(&self.program.states).find(|s| s.name == name)?;

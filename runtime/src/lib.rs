@@ -11,6 +11,7 @@
 //! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically).
 //! - [`tensor_file`]: reading and atomically writing safetensors files.
 //! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads, byte counts).
+//! - [`report`]: a plan's per-rank memory and per-step communication.
 //!
 //! This is the only crate that allocates device memory or starts rank threads.
 
@@ -23,6 +24,7 @@ mod executor;
 pub mod npy;
 pub mod plan;
 mod program;
+pub mod report;
 pub mod schedule;
 pub mod tensor_file;
 pub mod trainer;

@@ -153,9 +153,18 @@ impl Trainer {
         self.ranks.len()
     }
 
-    /// The communicator of a plan on a mesh (byte counts).
-    pub fn comm(&self) -> Option<&LocalComm> {
-        self.comm.as_deref()
+    /// What each rank actually allocated (its arena plus the most communication staging it
+    /// held) and the bytes it sent since the trainer was made, by collective.
+    pub fn measured(&self) -> Vec<(usize, crate::comm::CommBytes)> {
+        (0..self.ranks.len())
+            .map(|rank| {
+                let arena = self.ranks[rank].arena_bytes();
+                match &self.comm {
+                    Some(comm) => (arena + comm.staging_peak(rank), comm.bytes_sent(rank)),
+                    None => (arena, crate::comm::CommBytes::default()),
+                }
+            })
+            .collect()
     }
 
     pub fn fingerprint(&self) -> &str {
