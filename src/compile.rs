@@ -16,7 +16,7 @@ use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer};
-use autotp_passes::shard::Shard;
+use autotp_passes::zero::Zero;
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
 use autotp_runtime::schedule::Schedule;
@@ -41,6 +41,10 @@ pub struct CompileFlags {
     /// dataflow); world size is dp x tp.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// ZeRO stage over the data-parallel ranks: 0 all-reduces gradients; 1 shards optimizer
+    /// state; 2 also reduce-scatters gradients into shards; 3 also shards parameters.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
     /// Print each weight the tensor-parallel split places, and why.
     #[arg(long)]
     explain_tp: bool,
@@ -203,6 +207,12 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if flags.explain_tp && flags.tp < 2 {
         bail!("--explain-tp needs --tp 2 or more");
     }
+    if flags.zero > 3 {
+        bail!("--zero {} is not a ZeRO stage (0, 1, 2 or 3)", flags.zero);
+    }
+    if flags.zero > 0 && flags.dp < 2 {
+        bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
+    }
     let start = Instant::now();
     let global_batch = flags.micro_batch * flags.dp;
     let options = ImportOptions { batch: Some(global_batch), seq_len: Some(flags.seq_len), ..Default::default() };
@@ -222,7 +232,8 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         Box::new(autotp_passes::dce::Dce),
     ]);
     if flags.dp > 1 && flags.tp == 1 {
-        passes.push(Box::new(Shard::data_parallel(flags.dp, &["input_ids", LABELS])));
+        let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
+        passes.push(Box::new(Zero { dp: flags.dp, stage: flags.zero, batch_inputs }));
     }
     let manager = PassManager::new(passes);
     let mut names = manager.pass_names();
@@ -239,7 +250,8 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     observer.observe(0, "import", &model.graph);
     manager.run_observed(&mut model.graph, &mut |i, pass, graph| observer.observe(i, pass, graph))?;
     if flags.tp > 1 {
-        let autotp = AutoTp { tp: flags.tp, dp: flags.dp, batch_inputs: vec!["input_ids".into(), LABELS.into()] };
+        let batch_inputs = vec!["input_ids".into(), LABELS.into()];
+        let autotp = AutoTp { tp: flags.tp, dp: flags.dp, zero: flags.zero, batch_inputs };
         let (sharded, explained) = autotp.shard(&model.graph)?;
         autotp_ir::verify(&sharded).map_err(|errors| autotp_passes::PassError::Verify { pass: "autotp", errors })?;
         observer.observe(names.len(), "autotp", &sharded);
@@ -275,6 +287,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             schedule,
             grad_clip: flags.grad_clip,
             frozen: frozen.into_iter().collect(),
+            zero_stage: flags.zero,
             weight_shapes: model
                 .graph
                 .params()

@@ -182,7 +182,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
 
 /// Each rank's measured peak memory and communication per step beside the plan's.
 fn measured_against_plan(trainer: &Trainer, steps: usize) -> String {
-    let planned = autotp_runtime::report::report_of(trainer.program(), &trainer.training().frozen);
+    let planned = autotp_runtime::report::report_of(trainer.program(), trainer.training());
     let mut out = format!(
         "{:>5} {:>16} {:>16} {:>22} {:>22}\n",
         "rank", "planned peak", "measured peak", "planned comm/step", "measured comm/step"

@@ -44,7 +44,7 @@ fn shard_spec(spec: &str) -> Shard {
             (name.to_string(), placements.split('/').map(placement).collect())
         })
         .collect();
-    Shard { mesh: Mesh { axes }, seeds }
+    Shard { mesh: Mesh { axes }, seeds, regather_params: false, scatter_early: false }
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
@@ -60,6 +60,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "autotp" => Box::new(autotp_passes::autotp::AutoTp {
             tp: argument.parse().expect("autotp:TP"),
             dp: 1,
+            zero: 0,
             batch_inputs: vec![],
         }),
         "autodiff" => {

@@ -11,7 +11,7 @@ const ADAMW: [&str; 8] = ["--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8"
 /// Trains `arch` for 30 steps with `parallel` flags and a micro-batch giving a global batch of
 /// 8; returns the loss per step.
 fn train(dir: &Path, arch: &str, micro_batch: usize, parallel: &[&str]) -> Vec<f64> {
-    let metrics = dir.join(format!("{arch}-{}.jsonl", parallel.join("")));
+    let metrics = dir.join(format!("{arch}{}.jsonl", parallel.join("")));
     let micro = micro_batch.to_string();
     let model = fixture(arch, "model.onnx");
     let tokens = repo().join("tests/fixtures/train/tokens.bin");
@@ -39,11 +39,11 @@ fn data_parallel_trains_like_one_rank() {
     let dir = scratch("parallel-dp");
     for arch in ["gpt2", "llama", "gpt_neox"] {
         let single = train(&dir, arch, 8, &[]);
-        for dp in [2, 4] {
+        for (dp, zero) in [(2, "0"), (2, "1"), (2, "2"), (2, "3"), (4, "0"), (4, "3")] {
             let dp_flag = dp.to_string();
-            let got = train(&dir, arch, 8 / dp, &["--dp", &dp_flag]);
-            let (first, worst) = within_contract(&format!("{arch} dp={dp}"), &got, &single);
-            println!("{arch} dp={dp} zero 0: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+            let got = train(&dir, arch, 8 / dp, &["--dp", &dp_flag, "--zero", zero]);
+            let (first, worst) = within_contract(&format!("{arch} dp={dp} zero {zero}"), &got, &single);
+            println!("{arch} dp={dp} zero {zero}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
         }
     }
 }
@@ -61,9 +61,11 @@ fn tensor_parallel_trains_like_one_rank() {
             let (first, worst) = within_contract(&format!("{arch} tp={tp}"), &got, &single);
             println!("{arch} tp={tp}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
         }
-        let got = train(&dir, arch, 4, &["--tp", "2", "--dp", "2"]);
-        let (first, worst) = within_contract(&format!("{arch} tp=2 dp=2"), &got, &single);
-        println!("{arch} tp=2 x dp=2 zero 0: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        for zero in ["1", "3"] {
+            let got = train(&dir, arch, 4, &["--tp", "2", "--dp", "2", "--zero", zero]);
+            let (first, worst) = within_contract(&format!("{arch} tp=2 dp=2 zero {zero}"), &got, &single);
+            println!("{arch} tp=2 x dp=2 zero {zero}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
     }
 }
 
@@ -108,51 +110,77 @@ fn a_failing_rank_stops_the_others() {
     assert_eq!(err.matches("out of range").count(), 1, "the cause is said once: {err}");
 }
 
-/// The compile-time report for data parallelism (ZeRO stage 0) follows the formulas: each rank
-/// holds 16 bytes per parameter (4 weights, 4 gradients, 8 AdamW moments) and all-reduces its
-/// gradients once, sending 2(n-1)/n of them per step (plus the 4-byte loss). One saving beyond
-/// DeepSpeed's: the position embedding's gradient is reduced before it is scattered into the
-/// table, so only the 32 rows a 32-token sequence uses travel, not all 128. The run measures the
-/// same bytes and the same peak.
+/// The compile-time report follows ZeRO's formulas for f32 AdamW (16 bytes per parameter: 4
+/// weights, 4 gradients, 8 moments; P parameters, n = dp ranks): stage 0 holds 16P, stage 1
+/// 8P + 8P/n, stage 2 4P + 12P/n, stage 3 16P/n. Stage 0 all-reduces the gradients (2(n-1)/n of
+/// 4P bytes sent per rank); stages 1-2 reduce-scatter them and all-gather the updated
+/// parameters ((n-1)/n of 4P each); stage 3 gathers parameters in the forward and again in the
+/// backward (only those the backward uses). One saving beyond DeepSpeed's: the position
+/// embedding's gradient is reduced before it is scattered into the table, so only the 32 rows
+/// a 32-token sequence uses travel. A run measures the bytes and the peak the plan states.
 #[test]
-fn data_parallel_report_follows_zero_stage_0() {
+fn reports_follow_the_zero_formulas() {
     let dir = scratch("parallel-report");
     let model = fixture("gpt2", "model.onnx");
-    let (plan, report) = (dir.join("gpt2.atp"), dir.join("report.json"));
-    let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2"];
-    success(autotp(&[&args[..], &["--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()]].concat()));
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    let ranks = json["ranks"].as_array().unwrap();
-    assert_eq!(ranks.len(), 2);
-    let parameters = 172_288u64;
-    let reduced = 4 * (parameters - (128 - 32) * 64) + 4;
-    for rank in ranks {
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let p = 172_288u64;
+    let positions_saved = (128 - 32) * 64;
+    for (zero, state) in [(0, 16 * p), (1, 8 * p + 8 * p / 2), (2, 4 * p + 12 * p / 2), (3, 16 * p / 2)] {
+        let (plan, report) = (dir.join(format!("gpt2-{zero}.atp")), dir.join(format!("report-{zero}.json")));
+        let zero_flag = zero.to_string();
+        let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2"];
+        let out =
+            [&["--zero", zero_flag.as_str(), "--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()][..]];
+        success(autotp(&[&args[..], out[0]].concat()));
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let ranks = json["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len(), 2);
+        let rank = &ranks[0];
         let field = |k: &str| rank[k].as_u64().unwrap_or_else(|| panic!("no {k} in {rank}"));
-        assert_eq!(field("params_bytes") + field("grads_bytes") + field("optimizer_bytes"), 16 * parameters);
-        assert_eq!(rank["comm_bytes_per_step"]["all_reduce"].as_u64().unwrap(), reduced);
+        let comm = |k: &str| rank["comm_bytes_per_step"][k].as_u64().unwrap();
+        assert_eq!(
+            field("params_bytes") + field("grads_bytes") + field("optimizer_bytes"),
+            state,
+            "zero {zero}: {rank}"
+        );
         assert!(
             field("peak_bytes") >= field("params_bytes") + field("optimizer_bytes") + field("activations_peak_bytes")
         );
-    }
-    assert_eq!(json["comm_bytes_per_step"]["all_reduce"].as_u64().unwrap(), 2 * reduced);
-    for key in ["reduce_scatter", "all_gather"] {
-        assert_eq!(json["comm_bytes_per_step"][key].as_u64().unwrap(), 0, "{key}");
-    }
+        match zero {
+            0 => {
+                assert_eq!(comm("all_reduce"), 4 * (p - positions_saved) + 4, "gradients and the loss");
+                assert_eq!((comm("reduce_scatter"), comm("all_gather")), (0, 0));
+            }
+            1 | 2 => {
+                assert_eq!(comm("reduce_scatter"), 4 * p / 2, "zero {zero}");
+                assert_eq!(comm("all_gather"), 4 * p / 2, "zero {zero}");
+                assert_eq!(comm("all_reduce"), 4, "only the loss");
+            }
+            _ => {
+                assert_eq!(comm("reduce_scatter"), 4 * p / 2);
+                assert!(
+                    comm("all_gather") > 4 * p / 2 && comm("all_gather") <= 2 * 4 * p / 2,
+                    "{}",
+                    comm("all_gather")
+                );
+            }
+        }
+        assert_eq!(json["comm_bytes_per_step"]["reduce_scatter"].as_u64().unwrap(), 2 * comm("reduce_scatter"));
 
-    let tokens = repo().join("tests/fixtures/train/tokens.bin");
-    let out = autotp(&["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "3"]);
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "{stderr}");
-    let rows: Vec<Vec<u64>> = stderr
-        .lines()
-        .filter_map(|l| {
-            let fields: Vec<u64> = l.split_whitespace().filter_map(|f| f.parse().ok()).collect();
-            (fields.len() == 5).then_some(fields)
-        })
-        .collect();
-    assert_eq!(rows.len(), 2, "one line per rank:\n{stderr}");
-    for row in rows {
-        assert_eq!(row[1], row[2], "measured peak equals the plan: {row:?}");
-        assert_eq!(row[3], row[4], "measured communication equals the plan: {row:?}");
+        let out = autotp(&["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "3"]);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        let rows: Vec<Vec<u64>> = stderr
+            .lines()
+            .filter_map(|l| {
+                let fields: Vec<u64> = l.split_whitespace().filter_map(|f| f.parse().ok()).collect();
+                (fields.len() == 5).then_some(fields)
+            })
+            .collect();
+        assert_eq!(rows.len(), 2, "one line per rank:\n{stderr}");
+        for row in rows {
+            assert_eq!(row[1], row[2], "zero {zero}: measured peak equals the plan: {row:?}");
+            assert_eq!(row[3], row[4], "zero {zero}: measured communication equals the plan: {row:?}");
+        }
     }
 }

@@ -160,6 +160,11 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         }
     }
     memory.arena_bytes = allocator.high_water();
+    memory.grads_bytes = graph
+        .nodes()
+        .filter(|(_, n)| matches!(n.op, Op::AdamW { .. } | Op::Sgd { .. }))
+        .map(|(_, n)| local(graph, n.inputs[1]).size_bytes())
+        .sum();
 
     let outputs = graph
         .outputs()

@@ -86,8 +86,11 @@ pub fn axis_rule(
                 let offset = rank - inputs[i].rank();
                 (inputs[i].shape[d] == out0[d + offset]).then_some(d + offset)
             };
-            let target = current.iter().enumerate().find_map(|(i, p)| match p {
-                Shard(d) => out_dim(i, *d).filter(|&o| divisible(out0, o, n)),
+            // Follow the biggest sharded operand (the activation, not a bias added to it).
+            let mut by_size: Vec<usize> = (0..ni).collect();
+            by_size.sort_by_key(|&i| std::cmp::Reverse(inputs[i].numel()));
+            let target = by_size.into_iter().find_map(|i| match current[i] {
+                Shard(d) => out_dim(i, d).filter(|&o| divisible(out0, o, n)),
                 _ => None,
             });
             if let Some(o) = target {

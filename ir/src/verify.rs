@@ -72,6 +72,11 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             );
             continue;
         }
+        let sharded_dims: Vec<usize> =
+            value.placements.iter().filter_map(|p| if let Placement::Shard(d) = p { Some(*d) } else { None }).collect();
+        if (1..sharded_dims.len()).any(|i| sharded_dims[..i].contains(&sharded_dims[i])) {
+            err(names.get(id), "is sharded on one dim by two mesh axes".into());
+        }
         for (p, axis) in value.placements.iter().zip(&graph.mesh.axes) {
             if let Placement::Shard(d) = p {
                 match value.ty.shape.get(*d) {

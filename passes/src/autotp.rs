@@ -32,6 +32,8 @@ pub struct AutoTp {
     pub tp: usize,
     /// Data-parallel ranks beside the tensor-parallel ones (1 for none).
     pub dp: usize,
+    /// The ZeRO stage over the data-parallel ranks.
+    pub zero: u8,
     /// Graph inputs sharded over `dp` on their batch dim.
     pub batch_inputs: Vec<String>,
 }
@@ -221,11 +223,16 @@ impl AutoTp {
                 p[tp_axis] = e.placement;
                 seeds.insert(e.weight.clone(), p);
             }
+            if self.dp > 1 {
+                crate::zero::seed(graph, &mesh, 0, self.zero, &mut seeds);
+            }
             seeds
         };
+        let (regather_params, scatter_early) = crate::zero::shard_options(self.zero);
         for _ in 0..4 {
             let mut sharded = graph.clone();
-            Shard { mesh: mesh.clone(), seeds: seeds_for(&explained) }.run(&mut sharded)?;
+            Shard { mesh: mesh.clone(), seeds: seeds_for(&explained), regather_params, scatter_early }
+                .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);
             if sliced.is_empty() {
                 check_forward(&sharded, self.tp)?;
@@ -263,8 +270,8 @@ fn sliced_params(graph: &Graph, tp_axis: usize) -> Vec<(String, Placement)> {
     found.into_iter().collect()
 }
 
-/// The parameter `v` is a view of (through transposes, unit-dim reshapes and slices that keep
-/// `dim` whole), and the parameter dim that `dim` of `v` is.
+/// The parameter `v` is a view of (through transposes, unit-dim reshapes, slices that keep
+/// `dim` whole and gathers over other axes), and the parameter dim that `dim` of `v` is.
 fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Option<(ValueId, usize)> {
     for _ in 0..4 {
         if graph.params().contains(&v) {
@@ -280,6 +287,8 @@ fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Option<(ValueId
             Op::Transpose { perm } => perm[dim],
             Op::Slice { starts, steps, .. } if starts[dim] == 0 && steps[dim] == 1 && from[dim] == to[dim] => dim,
             Op::Reshape { .. } => unit_reshape_dim(from, to, dim)?,
+            // A copy gathered over another axis (a ZeRO-3 parameter) is still the parameter.
+            Op::Collective { kind: Collective::AllGather { .. }, .. } => dim,
             _ => return None,
         };
         v = input;

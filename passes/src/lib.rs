@@ -12,6 +12,7 @@
 //! | `optimize`  | AdamW/SGD updates of every parameter, optional grad clipping ([`optimize`]) |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
 //! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
+//! | `zero`      | data parallelism with ZeRO stages 0-3, as seeds for `shard` ([`zero`]) |
 
 pub mod autodiff;
 pub mod autotp;
@@ -20,6 +21,7 @@ pub mod loss;
 pub mod optimize;
 pub mod recognize;
 pub mod shard;
+pub mod zero;
 
 use std::time::Instant;
 

@@ -33,6 +33,12 @@ pub struct Shard {
     pub mesh: Mesh,
     /// Placements of graph inputs, parameters and states, by name; the rest are replicated.
     pub seeds: BTreeMap<String, Vec<Placement>>,
+    /// Gather a sharded parameter again for every use instead of keeping one gathered copy
+    /// (ZeRO stage 3: the forward's copy is released and the backward gathers anew).
+    pub regather_params: bool,
+    /// Reduce-scatter a gradient into its shard where it is made (ZeRO stage 2 and 3), rather
+    /// than at the optimizer, after the whole backward (stage 1 keeps full gradients).
+    pub scatter_early: bool,
 }
 
 impl Shard {
@@ -41,7 +47,7 @@ impl Shard {
     pub fn data_parallel(size: usize, batch_inputs: &[&str]) -> Shard {
         let mesh = Mesh { axes: vec![autotp_ir::MeshAxis { name: "dp".into(), size }] };
         let seeds = batch_inputs.iter().map(|name| (name.to_string(), vec![Placement::Shard(0)])).collect();
-        Shard { mesh, seeds }
+        Shard { mesh, seeds, regather_params: false, scatter_early: false }
     }
 }
 
@@ -111,16 +117,29 @@ struct Placer<'g> {
     resharded: BTreeMap<(ValueId, usize, Placement), ValueId>,
     /// New node outputs -> the source values they place.
     origin: BTreeMap<ValueId, ValueId>,
+    /// Parameters are gathered anew for every use (see [`Shard::regather_params`]).
+    regather_params: bool,
 }
 
 impl Placer<'_> {
     /// `v` (a new-graph value) in placement `to` along mesh axis `a`.
     fn reshard(&mut self, v: ValueId, a: usize, to: Placement) -> Result<ValueId, PassError> {
+        // One dim is never sharded by two axes (the blocks would not nest as each axis's
+        // collectives assume): gather it on the other axis first.
+        let mut v = v;
+        if let Placement::Shard(d) = to {
+            for b in (0..self.mesh.axes.len()).filter(|&b| b != a) {
+                if self.rw.graph().value(v).placements[b] == Placement::Shard(d) {
+                    v = self.reshard(v, b, Placement::Replicate)?;
+                }
+            }
+        }
         let from = self.rw.graph().value(v).placements[a];
         if from == to {
             return Ok(v);
         }
-        if let Some(&done) = self.resharded.get(&(v, a, to)) {
+        let fresh = self.regather_params && self.rw.graph().params().contains(&v);
+        if let Some(&done) = self.resharded.get(&(v, a, to)).filter(|_| !fresh) {
             return Ok(done);
         }
         let axis = self.mesh.axes[a].name.clone();
@@ -221,20 +240,23 @@ impl Pass for Shard {
         // Place once to learn which partial sums some consumer needs whole, then again reducing
         // those right where they are made, so every consumer shares the one reduction (a
         // gradient feeding both a weight's update and the next layer's backward).
-        let (first, origin) = place(&source, &self.mesh, &BTreeSet::new())?;
-        let (result, _) = place(&source, &self.mesh, &reductions(&first, &origin))?;
+        let (first, origin) = place(&source, &self.mesh, &BTreeMap::new(), self.regather_params)?;
+        let eager = reductions(&first, &origin, self.scatter_early);
+        let (result, _) = place(&source, &self.mesh, &eager, self.regather_params)?;
         *graph = result;
         Ok(())
     }
 }
 
 /// Places every value of `source` (already seeded) by the rules, resharding operands as needed.
-/// `eager` lists (source value, mesh axis) pairs to all-reduce as soon as they are made.
-/// Returns the placed graph and, for its node outputs, the source values they place.
+/// `eager` maps (source value, mesh axis) to the placement a partial sum is reduced to as soon
+/// as it is made. Returns the placed graph and, for its node outputs, the source values they
+/// place.
 fn place(
     source: &Graph,
     mesh: &Mesh,
-    eager: &BTreeSet<(ValueId, usize)>,
+    eager: &BTreeMap<(ValueId, usize), Placement>,
+    regather_params: bool,
 ) -> Result<(Graph, BTreeMap<ValueId, ValueId>), PassError> {
     let replicated = mesh.replicated();
     let mut placer = Placer {
@@ -242,6 +264,7 @@ fn place(
         mesh: mesh.clone(),
         resharded: BTreeMap::new(),
         origin: BTreeMap::new(),
+        regather_params,
     };
     for (_, node) in source.nodes() {
         let mut inputs: Vec<ValueId> = node.inputs.iter().map(|&v| placer.rw.map(v)).collect();
@@ -282,8 +305,10 @@ fn place(
             placer.origin.insert(new, old);
             let mut placed = new;
             for a in 0..mesh.axes.len() {
-                if eager.contains(&(old, a)) && placer.rw.graph().value(placed).placements[a] == Placement::PartialSum {
-                    placed = placer.reshard(placed, a, Placement::Replicate)?;
+                if let Some(&target) = eager.get(&(old, a)) {
+                    if placer.rw.graph().value(placed).placements[a] == Placement::PartialSum {
+                        placed = placer.reshard(placed, a, target)?;
+                    }
                 }
             }
             placer.rw.set(old, placed);
@@ -307,35 +332,76 @@ fn place(
     Ok((result, origin))
 }
 
-/// Which partial sums to all-reduce where they are made, from a first placement: each
-/// all-reduce's input is traced back through the linear ops that kept it partial to the op that
-/// made the partial sum; that root is reduced once instead when it is no bigger than the
+/// Which partial sums to reduce where they are made, and to what, from a first placement.
+///
+/// A reduce-scatter's input (a gradient on its way to a ZeRO shard) is traced back through
+/// shape-keeping linear ops to where the partial sum is made, and scattered there: the gradient
+/// goes straight to its shard, and what else reads it (the clipping norm) reads the shard.
+/// An all-reduce's input is traced back through any linear op; unless that reaches a value
+/// scattered already, the root is all-reduced once instead when it is no bigger than the
 /// reductions it replaces (one all-reduce of a layer's input gradient, not one per use).
-fn reductions(placed: &Graph, origin: &BTreeMap<ValueId, ValueId>) -> BTreeSet<(ValueId, usize)> {
+fn reductions(
+    placed: &Graph,
+    origin: &BTreeMap<ValueId, ValueId>,
+    scatter_early: bool,
+) -> BTreeMap<(ValueId, usize), Placement> {
     let axis_of = |name: &str| placed.mesh.axes.iter().position(|a| a.name == name);
     let partial = |v: ValueId, a: usize| placed.value(v).placements[a] == Placement::PartialSum;
-    let mut replaced: BTreeMap<(ValueId, usize), (usize, Vec<ValueId>)> = BTreeMap::new();
-    for (_, node) in placed.nodes() {
-        let Op::Collective { kind: autotp_ir::Collective::AllReduce, axis } = &node.op else { continue };
-        let Some(a) = axis_of(axis) else { continue };
-        let reduced = node.inputs[0];
-        let mut root = reduced;
-        while let autotp_ir::Def::Node(p, _) = placed.value(root).def {
+    // The chain of values from `v` back to where its partial sum is made, through single-output
+    // ops with one partial input (keeping the shape when `same_shape`).
+    let trace = |v: ValueId, a: usize, same_shape: bool| {
+        let mut chain = vec![v];
+        while let autotp_ir::Def::Node(p, _) = placed.value(*chain.last().expect("not empty")).def {
             let producer = placed.node(p);
             let partial_inputs: Vec<ValueId> = producer.inputs.iter().copied().filter(|&i| partial(i, a)).collect();
-            match partial_inputs[..] {
-                [only] if producer.outputs.len() == 1 => root = only,
-                _ => break,
+            let (&[only], 1) = (&partial_inputs[..], producer.outputs.len()) else { break };
+            if same_shape && placed.ty(only).shape != placed.ty(v).shape {
+                break;
             }
+            chain.push(only);
         }
-        let entry = replaced.entry((root, a)).or_default();
-        entry.0 += placed.ty(reduced).size_bytes();
-        entry.1.push(reduced);
+        chain
+    };
+    let collectives: Vec<(ValueId, usize, Placement)> = placed
+        .nodes()
+        .filter_map(|(_, node)| {
+            let Op::Collective { kind, axis } = &node.op else { return None };
+            let target = match kind {
+                autotp_ir::Collective::AllReduce => Placement::Replicate,
+                autotp_ir::Collective::ReduceScatter { dim } => Placement::Shard(*dim),
+                _ => return None,
+            };
+            Some((node.inputs[0], axis_of(axis)?, target))
+        })
+        .collect();
+    let mut eager: BTreeMap<(ValueId, usize), Placement> = BTreeMap::new();
+    let mut scattered = BTreeSet::new();
+    for &(v, a, target) in collectives.iter().filter(|_| scatter_early) {
+        if let Placement::Shard(_) = target {
+            let root = *trace(v, a, true).last().expect("not empty");
+            scattered.insert((root, a));
+            eager.insert((root, a), target);
+        }
     }
-    let mut eager = BTreeSet::new();
+    // (root, axis) -> (bytes all-reduced from it, the all-reduced values)
+    let mut replaced: BTreeMap<(ValueId, usize), (usize, Vec<ValueId>)> = BTreeMap::new();
+    for &(v, a, target) in &collectives {
+        if target != Placement::Replicate {
+            continue;
+        }
+        let chain = trace(v, a, false);
+        if chain.iter().any(|&c| scattered.contains(&(c, a))) {
+            continue;
+        }
+        let entry = replaced.entry((*chain.last().expect("not empty"), a)).or_default();
+        entry.0 += placed.ty(v).size_bytes();
+        entry.1.push(v);
+    }
     for ((root, a), (bytes, reduced)) in replaced {
         let chosen = if placed.ty(root).size_bytes() <= bytes { vec![root] } else { reduced };
-        eager.extend(chosen.into_iter().filter_map(|v| origin.get(&v).map(|&o| (o, a))));
+        for v in chosen {
+            eager.insert((v, a), Placement::Replicate);
+        }
     }
-    eager
+    eager.into_iter().filter_map(|((v, a), target)| origin.get(&v).map(|&o| ((o, a), target))).collect()
 }

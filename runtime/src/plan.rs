@@ -62,6 +62,9 @@ pub struct TrainingConfig {
     pub grad_clip: Option<f64>,
     /// Parameters excluded from training (`--freeze`).
     pub frozen: Vec<String>,
+    /// The ZeRO stage over the data-parallel ranks.
+    #[serde(default)]
+    pub zero_stage: u8,
     /// The shape of parameters in weight files (the model, checkpoints, exports) where the plan
     /// computes with another view of the same bytes (a fused projection stored `[in, k, n]`).
     #[serde(default)]

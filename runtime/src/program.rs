@@ -111,6 +111,9 @@ pub struct MemoryPlan {
     pub constants_bytes: usize,
     /// Peak bytes of intermediate values (activations) live at once.
     pub activations_peak_bytes: usize,
+    /// Gradients as the optimizer receives them (inside the activations).
+    #[serde(default)]
+    pub grads_bytes: usize,
     /// The arena size: everything above, plus alignment padding.
     pub arena_bytes: usize,
 }

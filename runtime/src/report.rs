@@ -39,12 +39,11 @@ pub struct Report {
 
 /// The planned memory and communication of `plan`.
 pub fn report(plan: &TrainingPlan) -> Report {
-    report_of(&plan.program, &plan.training.frozen)
+    report_of(&plan.program, &plan.training)
 }
 
-/// The planned memory and communication of a program whose `frozen` parameters get no
-/// gradient.
-pub fn report_of(p: &crate::Program, frozen: &[String]) -> Report {
+/// The planned memory and communication of a program trained as `training` says.
+pub fn report_of(p: &crate::Program, training: &crate::plan::TrainingConfig) -> Report {
     let world: usize = p.mesh.iter().map(|a| a.size).product();
     let mut comm = CommBytes::default();
     let mut staging = 0;
@@ -60,7 +59,12 @@ pub fn report_of(p: &crate::Program, frozen: &[String]) -> Report {
         }
         staging = staging.max(op.kind.staging_bytes(input.len));
     }
-    let grads_bytes = p.params.iter().filter(|s| !frozen.contains(&s.name)).map(|s| s.region.len).sum();
+    // Gradients as the optimizer receives them; ZeRO stage 1 holds them whole until then.
+    let grads_bytes = if training.zero_stage == 1 {
+        p.params.iter().filter(|s| !training.frozen.contains(&s.name)).map(|s| s.region.len).sum()
+    } else {
+        p.memory.grads_bytes
+    };
     let m = &p.memory;
     let rank = |rank| RankReport {
         rank,
