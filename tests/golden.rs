@@ -48,7 +48,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]) or `autotp:TP`.
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `autotp:TP` or `zero:DP:STAGE`.
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
@@ -57,6 +57,14 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "loss" => Box::new(AttachLoss),
         "shard" => Box::new(shard_spec(argument)),
         "split-fused" => Box::new(autotp_passes::autotp::SplitFused),
+        "zero" => {
+            let (dp, stage) = argument.split_once(':').expect("zero:DP:STAGE");
+            Box::new(autotp_passes::zero::Zero {
+                dp: dp.parse().unwrap(),
+                stage: stage.parse().unwrap(),
+                batch_inputs: vec!["input_ids".into(), "labels".into()],
+            })
+        }
         "autotp" => Box::new(autotp_passes::autotp::AutoTp {
             tp: argument.parse().expect("autotp:TP"),
             dp: 1,

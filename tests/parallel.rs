@@ -184,3 +184,33 @@ fn reports_follow_the_zero_formulas() {
         }
     }
 }
+
+/// Megatron's communication: per transformer block, one all-reduce after the attention and one
+/// after the MLP in the forward, and one for each block's input gradient in the backward; each
+/// of a [batch, seq, hidden] activation. Nothing is gathered.
+#[test]
+fn tensor_parallel_all_reduces_per_block() {
+    let dir = scratch("parallel-tp-count");
+    for arch in ["gpt2", "llama", "gpt_neox"] {
+        let model = fixture(arch, "model.onnx");
+        let report = dir.join(format!("{arch}.json"));
+        let plan = dir.join(format!("{arch}.atp"));
+        let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "8", "--tp", "2"];
+        let out = success(autotp(
+            &[&args[..], &["--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()]].concat(),
+        ));
+        let count = |kind: &str| {
+            out.split(&format!("{kind} "))
+                .nth(1)
+                .and_then(|rest| rest.split([',', ')']).next()?.trim().parse::<usize>().ok())
+                .unwrap_or(0)
+        };
+        let layers = 2;
+        assert_eq!(count("all_reduce"), 4 * layers, "{arch}:\n{out}");
+        assert_eq!((count("all_gather"), count("reduce_scatter")), (0, 0), "{arch}:\n{out}");
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let activation = 8 * 32 * 64 * 4;
+        let sent = json["ranks"][0]["comm_bytes_per_step"]["all_reduce"].as_u64().unwrap() as usize;
+        assert_eq!(sent, 4 * layers * activation, "{arch}: 2(n-1)/n = 1 activation per all-reduce at tp=2");
+    }
+}

@@ -240,9 +240,9 @@ impl Pass for Shard {
         // Place once to learn which partial sums some consumer needs whole, then again reducing
         // those right where they are made, so every consumer shares the one reduction (a
         // gradient feeding both a weight's update and the next layer's backward).
-        let (first, origin) = place(&source, &self.mesh, &BTreeMap::new(), self.regather_params)?;
+        let (first, origin) = place(&source, &self.mesh, None, self.regather_params)?;
         let eager = reductions(&first, &origin, self.scatter_early);
-        let (result, _) = place(&source, &self.mesh, &eager, self.regather_params)?;
+        let (result, _) = place(&source, &self.mesh, Some(&eager), self.regather_params)?;
         *graph = result;
         Ok(())
     }
@@ -250,14 +250,18 @@ impl Pass for Shard {
 
 /// Places every value of `source` (already seeded) by the rules, resharding operands as needed.
 /// `eager` maps (source value, mesh axis) to the placement a partial sum is reduced to as soon
-/// as it is made. Returns the placed graph and, for its node outputs, the source values they
-/// place.
+/// as it is made; without it (the discovery pass) every consumer states its own need, none
+/// reusing another's reduction. Returns the placed graph and, for its node outputs, the source
+/// values they place.
 fn place(
     source: &Graph,
     mesh: &Mesh,
-    eager: &BTreeMap<(ValueId, usize), Placement>,
+    eager: Option<&BTreeMap<(ValueId, usize), Placement>>,
     regather_params: bool,
 ) -> Result<(Graph, BTreeMap<ValueId, ValueId>), PassError> {
+    let no_eager = BTreeMap::new();
+    let discovering = eager.is_none();
+    let eager = eager.unwrap_or(&no_eager);
     let replicated = mesh.replicated();
     let mut placer = Placer {
         rw: Rewriter::new(source, |_| true),
@@ -273,7 +277,7 @@ fn place(
             // A partial sum that was already reduced for another consumer is used reduced:
             // a linear op could take it partial, but that would reduce it a second time
             // later (clipped gradients feed both the norm and the optimizer).
-            for v in &mut inputs {
+            for v in inputs.iter_mut().filter(|_| !discovering) {
                 if let Some(&reduced) = placer.resharded.get(&(*v, a, Placement::Replicate)) {
                     if placer.rw.graph().value(*v).placements[a] == Placement::PartialSum {
                         *v = reduced;
