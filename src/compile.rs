@@ -1,9 +1,11 @@
 //! `autotp compile`: ONNX model -> training plan (`.atp`).
 //!
 //! Imports the model with batch and sequence bound, runs the training pipeline (recognize, dce,
-//! loss, autodiff, optimize, dce), lowers it to a Program, writes the plan with the initial
-//! weights, and prints a summary: parameters, memory by category, kernels. `--dump-ir DIR`
-//! writes the IR before and after every pass; `--print-after PASS` prints it after one.
+//! loss, [split-fused], autodiff, optimize, dce, then zero or autotp for `--dp`/`--zero`/`--tp`),
+//! lowers it to the program every rank runs, writes the plan with the initial weights, and
+//! prints a summary: parameters, per-rank memory by category, instructions, communication.
+//! `--dump-ir DIR` writes the IR before and after every pass; `--print-after PASS` prints it
+//! after one; `--report FILE.json` writes the per-rank plan.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -11,6 +11,7 @@
 //! | `loss`      | one scalar `loss` output: the model's, or mean cross-entropy ([`loss`]) |
 //! | `optimize`  | AdamW/SGD updates of every parameter, optional grad clipping ([`optimize`]) |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
+//! | `split-fused` | fused projections (GPT-2 `c_attn`) as k projections of one `[in, k, n]` parameter ([`autotp::SplitFused`]) |
 //! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
 //! | `zero`      | data parallelism with ZeRO stages 0-3, as seeds for `shard` ([`zero`]) |
 
