@@ -18,7 +18,7 @@ use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer};
-use autotp_passes::zero::Zero;
+use autotp_passes::zero::{Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
 use autotp_runtime::schedule::Schedule;
@@ -47,6 +47,9 @@ pub struct CompileFlags {
     /// state; 2 also reduce-scatters gradients into shards; 3 also shards parameters.
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
+    /// With --zero 3, parameters of fewer elements stay whole on every rank.
+    #[arg(long, value_name = "ELEMENTS", default_value_t = 0)]
+    pub param_persistence_threshold: usize,
     /// Print each weight the tensor-parallel split places, and why.
     #[arg(long)]
     explain_tp: bool,
@@ -212,6 +215,10 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if flags.zero > 3 {
         bail!("--zero {} is not a ZeRO stage (0, 1, 2 or 3)", flags.zero);
     }
+    if flags.param_persistence_threshold > 0 && flags.zero != 3 {
+        bail!("--param-persistence-threshold applies to --zero 3");
+    }
+    let zero = ZeroConfig { stage: flags.zero, persistence_threshold: flags.param_persistence_threshold };
     if flags.zero > 0 && flags.dp < 2 {
         bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
     }
@@ -235,7 +242,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     ]);
     if flags.dp > 1 && flags.tp == 1 {
         let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
-        passes.push(Box::new(Zero { dp: flags.dp, stage: flags.zero, batch_inputs }));
+        passes.push(Box::new(Zero { dp: flags.dp, config: zero, batch_inputs }));
     }
     let manager = PassManager::new(passes);
     let mut names = manager.pass_names();
@@ -253,7 +260,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     manager.run_observed(&mut model.graph, &mut |i, pass, graph| observer.observe(i, pass, graph))?;
     if flags.tp > 1 {
         let batch_inputs = vec!["input_ids".into(), LABELS.into()];
-        let autotp = AutoTp { tp: flags.tp, dp: flags.dp, zero: flags.zero, batch_inputs };
+        let autotp = AutoTp { tp: flags.tp, dp: flags.dp, zero, batch_inputs };
         let (sharded, explained) = autotp.shard(&model.graph)?;
         autotp_ir::verify(&sharded).map_err(|errors| autotp_passes::PassError::Verify { pass: "autotp", errors })?;
         observer.observe(names.len(), "autotp", &sharded);

@@ -61,14 +61,14 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             let (dp, stage) = argument.split_once(':').expect("zero:DP:STAGE");
             Box::new(autotp_passes::zero::Zero {
                 dp: dp.parse().unwrap(),
-                stage: stage.parse().unwrap(),
+                config: autotp_passes::zero::ZeroConfig { stage: stage.parse().unwrap(), persistence_threshold: 0 },
                 batch_inputs: vec!["input_ids".into(), "labels".into()],
             })
         }
         "autotp" => Box::new(autotp_passes::autotp::AutoTp {
             tp: argument.parse().expect("autotp:TP"),
             dp: 1,
-            zero: 0,
+            zero: Default::default(),
             batch_inputs: vec![],
         }),
         "autodiff" => {

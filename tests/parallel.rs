@@ -214,3 +214,35 @@ fn tensor_parallel_all_reduces_per_block() {
         assert_eq!(sent, 4 * layers * activation, "{arch}: 2(n-1)/n = 1 activation per all-reduce at tp=2");
     }
 }
+
+/// `--param-persistence-threshold` keeps small parameters whole at ZeRO stage 3: GPT-2's 1,792
+/// elements of biases and norm weights (all below 1,000 elements each) stay on every rank.
+#[test]
+fn small_parameters_persist_at_stage_3() {
+    let dir = scratch("parallel-persist");
+    let model = fixture("gpt2", "model.onnx");
+    let (plan, report) = (dir.join("gpt2.atp"), dir.join("report.json"));
+    let args =
+        ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2", "--zero", "3"];
+    let extra =
+        ["--param-persistence-threshold", "1000", "--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()];
+    success(autotp(&[&args[..], &extra[..]].concat()));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let params = json["ranks"][0]["params_bytes"].as_u64().unwrap();
+    assert_eq!(params, 4 * 172_288 / 2 + 4 * 1_792 / 2, "sharded halves plus the persistent halves");
+    let err = failure(autotp(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--dp",
+        "2",
+        "--param-persistence-threshold",
+        "10",
+        "-o",
+        plan.to_str().unwrap(),
+    ]));
+    assert!(err.contains("--param-persistence-threshold applies to --zero 3"), "{err}");
+}

@@ -32,8 +32,8 @@ pub struct AutoTp {
     pub tp: usize,
     /// Data-parallel ranks beside the tensor-parallel ones (1 for none).
     pub dp: usize,
-    /// The ZeRO stage over the data-parallel ranks.
-    pub zero: u8,
+    /// ZeRO over the data-parallel ranks.
+    pub zero: crate::zero::ZeroConfig,
     /// Graph inputs sharded over `dp` on their batch dim.
     pub batch_inputs: Vec<String>,
 }
@@ -228,7 +228,7 @@ impl AutoTp {
             }
             seeds
         };
-        let (regather_params, scatter_early) = crate::zero::shard_options(self.zero);
+        let (regather_params, scatter_early) = crate::zero::shard_options(self.zero.stage);
         for _ in 0..4 {
             let mut sharded = graph.clone();
             Shard { mesh: mesh.clone(), seeds: seeds_for(&explained), regather_params, scatter_early }

@@ -9,8 +9,9 @@
 //! | 3 | sharded | reduce-scattered where they are made | sharded; all-gathered before each use (forward and again backward), released after |
 //!
 //! A tensor is sharded on its first dim that the dp ranks divide and that no other mesh axis
-//! already splits (tensor parallelism); one without such a dim stays whole on every rank (as
-//! DeepSpeed keeps small parameters whole). Everything else (which collective, where) follows
+//! already splits (tensor parallelism); one without such a dim stays whole on every rank. At
+//! stage 3, parameters below `--param-persistence-threshold` elements stay whole too (their
+//! optimizer state is still sharded), as DeepSpeed keeps small parameters resident. Everything else (which collective, where) follows
 //! from the sharding rules: the optimizer runs on its state's shard, so its gradient is reduced
 //! into that shard and its parameter sliced (stages 1-2) or already sharded (stage 3).
 //!
@@ -24,9 +25,18 @@ use autotp_ir::{Graph, Mesh, MeshAxis, Op, Placement, ValueId};
 use crate::shard::Shard;
 use crate::{Pass, PassError};
 
+/// A ZeRO configuration.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ZeroConfig {
+    pub stage: u8,
+    /// At stage 3, parameters with fewer elements stay whole on every rank (DeepSpeed's
+    /// `stage3_param_persistence_threshold`): gathering them costs more than it saves.
+    pub persistence_threshold: usize,
+}
+
 pub struct Zero {
     pub dp: usize,
-    pub stage: u8,
+    pub config: ZeroConfig,
     /// Graph inputs sharded over dp on their batch dim.
     pub batch_inputs: Vec<String>,
 }
@@ -53,12 +63,12 @@ pub fn seed(
     graph: &Graph,
     mesh: &Mesh,
     dp_axis: usize,
-    stage: u8,
+    config: ZeroConfig,
     seeds: &mut BTreeMap<String, Vec<Placement>>,
 ) -> Vec<String> {
     let dp = mesh.axes[dp_axis].size;
     let mut whole = Vec::new();
-    if stage == 0 {
+    if config.stage == 0 {
         return whole;
     }
     for (param, states) in optimized(graph) {
@@ -76,7 +86,7 @@ pub fn seed(
         for state in states {
             seeds.insert(graph.name_of(state).unwrap_or("").to_string(), sharded.clone());
         }
-        if stage == 3 {
+        if config.stage == 3 && graph.ty(param).numel() >= config.persistence_threshold {
             seeds.insert(name, sharded);
         }
     }
@@ -98,14 +108,14 @@ impl Pass for Zero {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
-        if self.stage > 3 {
-            return Err(invalid(format!("--zero {} is not a ZeRO stage (0, 1, 2 or 3)", self.stage)));
+        if self.config.stage > 3 {
+            return Err(invalid(format!("--zero {} is not a ZeRO stage (0, 1, 2 or 3)", self.config.stage)));
         }
         let mesh = Mesh { axes: vec![MeshAxis { name: "dp".into(), size: self.dp }] };
         let mut seeds: BTreeMap<String, Vec<Placement>> =
             self.batch_inputs.iter().map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
-        seed(graph, &mesh, 0, self.stage, &mut seeds);
-        let (regather_params, scatter_early) = shard_options(self.stage);
+        seed(graph, &mesh, 0, self.config, &mut seeds);
+        let (regather_params, scatter_early) = shard_options(self.config.stage);
         Shard { mesh, seeds, regather_params, scatter_early }.run(graph)
     }
 }
