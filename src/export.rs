@@ -1,5 +1,5 @@
 //! `autotp export CKPT -o OUT.onnx [--safetensors OUT.safetensors]`: the trained weights of a
-//! checkpoint, written back into the original ONNX model (every other part of the model
+//! checkpoint (a sharded run's consolidated from its ranks' blocks), written back into the original ONNX model (every other part of the model
 //! unchanged) and/or as one consolidated safetensors file named by ONNX initializer (for
 //! Hugging Face exports, the PyTorch state-dict names).
 
@@ -41,7 +41,16 @@ pub fn run(args: &ExportArgs) -> Result<()> {
             ("autotp.model".to_string(), manifest.model.name.clone()),
             ("autotp.step".to_string(), manifest.step.to_string()),
         ]);
-        tensor_file::write(path, &params, metadata)?;
+        let tensors: Vec<tensor_file::TensorRef> = params
+            .iter()
+            .map(|t| tensor_file::TensorRef {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                bytes: &t.bytes,
+            })
+            .collect();
+        tensor_file::write(path, &tensors, metadata)?;
         println!("wrote {}: {} tensors from step {}", path.display(), params.len(), manifest.step);
     }
     if let Some(output) = &args.output {
@@ -54,7 +63,7 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         }
         let weights: BTreeMap<String, Weight> = params
             .iter()
-            .map(|t| (t.name.clone(), Weight { dtype: t.dtype, shape: t.shape.clone(), bytes: t.bytes }))
+            .map(|t| (t.name.clone(), Weight { dtype: t.dtype, shape: t.shape.clone(), bytes: &t.bytes }))
             .collect();
         let file_name = output.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let external_name = format!("{file_name}.data");

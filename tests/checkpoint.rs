@@ -176,12 +176,12 @@ fn export_writes_the_trained_weights_into_the_model() {
         let trained = autotp_frontend::import_onnx(path, &bound()).unwrap();
         assert_eq!(trained.weights.len(), checkpoint.params().len());
         for t in checkpoint.params() {
-            assert_eq!(trained.weights[&t.name].bytes(), t.bytes, "{}: {}", path.display(), t.name);
-            assert_eq!(consolidated.get(&t.name).unwrap().bytes, t.bytes);
+            assert_eq!(trained.weights[&t.name].bytes(), &*t.bytes, "{}: {}", path.display(), t.name);
+            assert_eq!(consolidated.get(&t.name).unwrap().bytes, &*t.bytes);
         }
         assert_eq!(autotp_ir::text::print(&trained.graph), autotp_ir::text::print(&original.graph), "same graph");
     }
-    let changed = checkpoint.params().iter().filter(|t| original.weights[&t.name].bytes() != t.bytes).count();
+    let changed = checkpoint.params().iter().filter(|t| original.weights[&t.name].bytes() != &*t.bytes).count();
     assert_eq!(changed, checkpoint.params().len(), "three AdamW steps change every parameter");
 
     let err = failure(autotp(&["export", s(&ckpt), "-o", s(&onnx), "--model", s(&fixture("llama", "model.onnx"))]));
@@ -199,30 +199,48 @@ fn the_schedule_feeds_the_learning_rate() {
     let original = autotp_frontend::import_onnx(&fixture("gpt2", "model.onnx"), &bound()).unwrap();
     let checkpoint = Checkpoint::open(&ckpt).unwrap();
     for t in checkpoint.params() {
-        assert_eq!(original.weights[&t.name].bytes(), t.bytes, "{} moved at lr 0", t.name);
+        assert_eq!(original.weights[&t.name].bytes(), &*t.bytes, "{} moved at lr 0", t.name);
     }
 }
 
-/// A data-parallel run checkpoints global tensors; resuming it on the same plan is bit-identical,
-/// and its checkpoint exports like a single-rank one.
+/// A run on a mesh saves each rank's shards; resuming it on the same plan is bit-identical, and
+/// `export` consolidates the shards into the model (GPT-2's fused QKV back in its ONNX shape).
 #[test]
-fn data_parallel_resume_is_bit_identical() {
-    let dir = scratch("resume-dp");
-    let model = fixture("gpt2", "model.onnx");
-    let plan = dir.join("gpt2-dp.atp");
-    let mut args = vec!["compile", s(&model)];
-    args.extend(CONTRACT.iter().map(|a| if *a == "8" { "4" } else { a }));
-    args.extend(["--dp", "2", "-o", s(&plan)]);
-    success(autotp(&args));
-    let (straight, resumed, ckpt) = (dir.join("straight.jsonl"), dir.join("resumed.jsonl"), dir.join("ckpt"));
-    success(run(&plan, &["--steps", "10", "--metrics-out", s(&straight)]));
-    success(run(&plan, &["--steps", "5", "--save", s(&ckpt)]));
-    success(run(&plan, &["--steps", "10", "--resume", s(&ckpt), "--metrics-out", s(&resumed)]));
-    let straight = losses(&straight);
-    let resumed = losses(&resumed);
-    for ((step, want), (_, got)) in straight[5..].iter().zip(&resumed) {
-        assert_eq!(got.to_bits(), want.to_bits(), "step {step}: resumed loss {got} != straight {want}");
+fn sharded_resume_is_bit_identical_and_exports() {
+    for (name, parallel) in
+        [("dp2", &["--dp", "2"][..]), ("tp2-dp2-zero3", &["--tp", "2", "--dp", "2", "--zero", "3"][..])]
+    {
+        let dir = scratch(&format!("resume-{name}"));
+        let model = fixture("gpt2", "model.onnx");
+        let plan = dir.join("gpt2.atp");
+        let mut args = vec!["compile", s(&model)];
+        args.extend(CONTRACT.iter().map(|a| if *a == "8" { "4" } else { a }));
+        args.extend(parallel);
+        args.extend(["-o", s(&plan)]);
+        success(autotp(&args));
+        let (straight, resumed, ckpt) = (dir.join("straight.jsonl"), dir.join("resumed.jsonl"), dir.join("ckpt"));
+        success(run(&plan, &["--steps", "10", "--metrics-out", s(&straight)]));
+        success(run(&plan, &["--steps", "5", "--save", s(&ckpt)]));
+        let step_dir = ckpt.join("step-00000005");
+        let ranks = if name == "dp2" { 2 } else { 4 };
+        for rank in 0..ranks {
+            assert!(step_dir.join(format!("rank-{rank:05}.safetensors")).is_file(), "{name}: rank {rank}'s shard file");
+        }
+        success(run(&plan, &["--steps", "10", "--resume", s(&ckpt), "--metrics-out", s(&resumed)]));
+        let straight = losses(&straight);
+        let resumed = losses(&resumed);
+        assert_eq!(resumed.len(), 5, "{name}");
+        for ((step, want), (_, got)) in straight[5..].iter().zip(&resumed) {
+            assert_eq!(got.to_bits(), want.to_bits(), "{name} step {step}: resumed loss {got} != straight {want}");
+        }
+        let trained = dir.join("trained.onnx");
+        let out = success(autotp(&["export", s(&ckpt), "-o", s(&trained)]));
+        assert!(out.contains("28 initializers"), "{name}: {out}");
+        let exported = autotp_frontend::import_onnx(&trained, &bound()).unwrap();
+        let checkpoint = Checkpoint::open(&ckpt).unwrap();
+        for t in checkpoint.params() {
+            assert_eq!(exported.weights[&t.name].bytes(), &*t.bytes, "{name}: {}", t.name);
+            assert_eq!(exported.weights[&t.name].ty.shape, t.shape, "{name}: {} in its ONNX shape", t.name);
+        }
     }
-    let out = success(autotp(&["export", s(&ckpt), "-o", s(&dir.join("trained.onnx"))]));
-    assert!(out.contains("28 initializers"), "{out}");
 }

@@ -69,7 +69,7 @@ fn frozen_parameters_do_not_train() {
     let frozen = &checkpoint.manifest.training.frozen;
     assert_eq!(frozen.len(), 6, "{frozen:?}");
     for t in checkpoint.params() {
-        let moved = original.weights[&t.name].bytes() != t.bytes;
+        let moved = original.weights[&t.name].bytes() != &*t.bytes;
         assert_eq!(moved, !frozen.contains(&t.name), "{}: moved={moved}", t.name);
         let has_state = checkpoint.tensor(&format!("adamw.m.{}", t.name)).is_some();
         assert_eq!(has_state, !frozen.contains(&t.name), "{}: optimizer state", t.name);

@@ -9,6 +9,12 @@
 //! DIR/step-00000015/optimizer.safetensors   optimizer state (adamw.m.<p>, adamw.v.<p>, ...)
 //! ```
 //!
+//! A run on a mesh saves each rank's shards instead, `rank-00003.safetensors` per rank: the
+//! blocks of parameters and states that rank holds, each written by one rank only (a block
+//! replicated over an axis is written by that axis's rank 0). The manifest records each tensor's
+//! global shape and each block's offset; reading a tensor assembles it ([`Checkpoint::tensor`]),
+//! which is how `export` consolidates and how a resume loads.
+//!
 //! A save is atomic: it fills `DIR/.tmp-step-...` (every file fsynced), renames it to
 //! `step-...`, fsyncs DIR, and only then replaces `latest` (temporary file, fsync, rename). A
 //! process killed at any point leaves `latest` naming a complete checkpoint; the next save
@@ -70,6 +76,31 @@ pub struct Manifest {
     pub rng: RngState,
     /// Each file of the checkpoint and the tensors it holds.
     pub files: BTreeMap<String, Vec<String>>,
+    /// The parameters among the tensors (the rest are optimizer state).
+    #[serde(default)]
+    pub params: Vec<String>,
+    /// Global shape of every tensor saved in blocks.
+    #[serde(default)]
+    pub shapes: BTreeMap<String, Vec<usize>>,
+    /// For a file of blocks: where each of its tensors starts in the global tensor.
+    #[serde(default)]
+    pub blocks: BTreeMap<String, BTreeMap<String, Vec<usize>>>,
+}
+
+/// A tensor to save: its bytes, and (for a block of a sharded tensor) where it lies in the
+/// global tensor of `global_shape`.
+pub struct SavedBlock<'a> {
+    pub tensor: TensorRef<'a>,
+    pub offsets: Option<(Vec<usize>, Vec<usize>)>,
+}
+
+/// A tensor read from a checkpoint, assembled from its blocks when it was saved sharded.
+#[derive(Clone, Debug)]
+pub struct StoredTensor<'a> {
+    pub name: String,
+    pub dtype: autotp_kernels::DType,
+    pub shape: Vec<usize>,
+    pub bytes: std::borrow::Cow<'a, [u8]>,
 }
 
 /// The directory name of the checkpoint of `step`.
@@ -91,6 +122,23 @@ pub fn save(
     optimizer: &[TensorRef],
     keep_last: Option<usize>,
 ) -> Result<PathBuf, RuntimeError> {
+    fn whole<'a>(tensors: &[TensorRef<'a>]) -> Vec<SavedBlock<'a>> {
+        tensors.iter().map(|t| SavedBlock { tensor: t.clone(), offsets: None }).collect()
+    }
+    let params = model.iter().map(|t| t.name.clone()).collect();
+    let files = vec![(MODEL_FILE.to_string(), whole(model)), (OPTIMIZER_FILE.to_string(), whole(optimizer))];
+    save_files(dir, manifest, params, files, keep_last)
+}
+
+/// Saves named files of tensors or blocks (a sharded run's per-rank files) as [`save`] does.
+/// `params` names the parameters among them.
+pub fn save_files(
+    dir: &Path,
+    manifest: &Manifest,
+    params: Vec<String>,
+    files: Vec<(String, Vec<SavedBlock<'_>>)>,
+    keep_last: Option<usize>,
+) -> Result<PathBuf, RuntimeError> {
     std::fs::create_dir_all(dir).map_err(io_error(dir, "create"))?;
     remove_leftovers(dir)?;
     let name = step_dir_name(manifest.step);
@@ -98,16 +146,25 @@ pub fn save(
     std::fs::create_dir(&staging).map_err(io_error(&staging, "create"))?;
 
     let mut manifest = manifest.clone();
-    manifest.files = BTreeMap::from([
-        (MODEL_FILE.to_string(), model.iter().map(|t| t.name.clone()).collect()),
-        (OPTIMIZER_FILE.to_string(), optimizer.iter().map(|t| t.name.clone()).collect()),
-    ]);
-    tensor_file::write(&staging.join(MODEL_FILE), model, BTreeMap::new())?;
-    if std::env::var(CRASH_VARIABLE).ok().and_then(|v| v.parse::<usize>().ok()) == Some(manifest.step) {
-        eprintln!("{CRASH_VARIABLE}={}: aborting while writing {}", manifest.step, staging.display());
-        std::process::abort();
+    manifest.params = params;
+    manifest.files =
+        files.iter().map(|(f, blocks)| (f.clone(), blocks.iter().map(|b| b.tensor.name.clone()).collect())).collect();
+    for (file, blocks) in &files {
+        for b in blocks {
+            if let Some((offsets, global)) = &b.offsets {
+                manifest.shapes.insert(b.tensor.name.clone(), global.clone());
+                manifest.blocks.entry(file.clone()).or_default().insert(b.tensor.name.clone(), offsets.clone());
+            }
+        }
     }
-    tensor_file::write(&staging.join(OPTIMIZER_FILE), optimizer, BTreeMap::new())?;
+    for (i, (file, blocks)) in files.iter().enumerate() {
+        let tensors: Vec<TensorRef> = blocks.iter().map(|b| b.tensor.clone()).collect();
+        tensor_file::write(&staging.join(file), &tensors, BTreeMap::new())?;
+        if i == 0 && std::env::var(CRASH_VARIABLE).ok().and_then(|v| v.parse::<usize>().ok()) == Some(manifest.step) {
+            eprintln!("{CRASH_VARIABLE}={}: aborting while writing {}", manifest.step, staging.display());
+            std::process::abort();
+        }
+    }
     let json = serde_json::to_vec_pretty(&manifest).expect("a manifest always serializes");
     tensor_file::write_atomic(&staging.join(MANIFEST), &json)?;
     tensor_file::sync_dir(&staging)?;
@@ -225,14 +282,29 @@ impl Checkpoint {
         Ok(Checkpoint { dir, manifest, files })
     }
 
-    /// A tensor by name, from whichever file holds it.
-    pub fn tensor(&self, name: &str) -> Option<TensorRef<'_>> {
-        self.files.values().find_map(|f| f.get(name))
+    /// A tensor by name: as stored, or assembled from its blocks. Parameters saved in a view of
+    /// their model shape (`TrainingConfig::weight_shapes`) come back in the model shape.
+    pub fn tensor(&self, name: &str) -> Option<StoredTensor<'_>> {
+        let holders: Vec<(&String, TensorRef<'_>)> =
+            self.files.iter().filter_map(|(file, f)| f.get(name).map(|t| (file, t))).collect();
+        let (_, first) = holders.first()?;
+        let shape = self.manifest.training.weight_shapes.get(name).cloned();
+        let Some(global) = self.manifest.shapes.get(name) else {
+            let shape = shape.unwrap_or_else(|| first.shape.clone());
+            return Some(StoredTensor { name: name.into(), dtype: first.dtype, shape, bytes: first.bytes.into() });
+        };
+        let size = first.dtype.size();
+        let mut bytes = vec![0u8; global.iter().product::<usize>() * size];
+        for (file, block) in &holders {
+            let offsets = self.manifest.blocks.get(*file)?.get(name)?;
+            autotp_kernels::shape::insert_block(global, offsets, &block.shape, size, block.bytes, &mut bytes);
+        }
+        let shape = shape.unwrap_or_else(|| global.clone());
+        Some(StoredTensor { name: name.into(), dtype: first.dtype, shape, bytes: bytes.into() })
     }
 
-    /// The parameters (the model file's tensors), by name.
-    pub fn params(&self) -> Vec<TensorRef<'_>> {
-        let names = self.manifest.files.get(MODEL_FILE).map(Vec::as_slice).unwrap_or_default();
-        names.iter().filter_map(|n| self.tensor(n)).collect()
+    /// The parameters, by name.
+    pub fn params(&self) -> Vec<StoredTensor<'_>> {
+        self.manifest.params.iter().filter_map(|n| self.tensor(n)).collect()
     }
 }

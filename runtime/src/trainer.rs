@@ -222,7 +222,7 @@ impl Trainer {
                     ),
                 });
             }
-            self.load_global(&slot, tensor.bytes)?;
+            self.load_global(&slot, &tensor.bytes)?;
         }
         self.completed = m.step;
         self.seed = m.rng.seed;
@@ -415,7 +415,13 @@ impl Trainer {
             },
             rng: RngState { seed: self.seed },
             files: BTreeMap::new(),
+            params: Vec::new(),
+            shapes: BTreeMap::new(),
+            blocks: BTreeMap::new(),
         };
+        if self.ranks.len() > 1 {
+            return self.save_shards(dir, &manifest, keep_last);
+        }
         let (params, states) = (self.params(), self.states());
         let (mut params, states) = (refs(&params), refs(&states));
         for t in &mut params {
@@ -424,6 +430,32 @@ impl Trainer {
             }
         }
         checkpoint::save(dir, &manifest, &params, &states, keep_last)
+    }
+}
+
+impl Trainer {
+    /// Saves each rank's blocks of parameters and states to its own file; a block replicated
+    /// over a mesh axis is written by that axis's rank 0 only.
+    fn save_shards(&self, dir: &Path, manifest: &Manifest, keep_last: Option<usize>) -> Result<PathBuf, RuntimeError> {
+        let program = self.program();
+        let mut files = Vec::new();
+        for (rank, exec) in self.ranks.iter().enumerate() {
+            let coords = self.coordinates(rank);
+            let mut blocks = Vec::new();
+            for slot in program.params.iter().chain(&program.states) {
+                let owner = slot.placements.iter().zip(&coords).all(|(p, &c)| *p != SlotPlacement::Replicate || c == 0);
+                if !owner {
+                    continue;
+                }
+                let (offsets, _) = shard_block(&slot.global_shape, &slot.cuts(&program.mesh, &coords));
+                let bytes = exec.read_slot(&slot.name).expect("a slot of the program");
+                let tensor = TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.shape.clone(), bytes };
+                blocks.push(checkpoint::SavedBlock { tensor, offsets: Some((offsets, slot.global_shape.clone())) });
+            }
+            files.push((format!("rank-{rank:05}.safetensors"), blocks));
+        }
+        let params = program.params.iter().map(|s| s.name.clone()).collect();
+        checkpoint::save_files(dir, manifest, params, files, keep_last)
     }
 }
 
