@@ -508,6 +508,5 @@ impl Pass for SplitFused {
 }
 
 fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
-    let name = op.name();
-    g.add(op, inputs).map_err(|m| invalid(format!("{name}: {m}")))
+    crate::add_op("split-fused", g, op, inputs)
 }

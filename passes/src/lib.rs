@@ -26,7 +26,7 @@ pub mod zero;
 
 use std::time::Instant;
 
-use autotp_ir::{verify, Graph, VerifyErrors};
+use autotp_ir::{verify, Graph, Op, ValueId, VerifyErrors};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
@@ -36,6 +36,12 @@ pub enum PassError {
     NoGradient { pass: &'static str, op: String, detail: String },
     #[error("pass '{pass}': {message}")]
     Invalid { pass: &'static str, message: String },
+}
+
+/// Appends `op` to `g`; a type error becomes `pass`'s `Invalid` error naming the op.
+pub(crate) fn add_op(pass: &'static str, g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
+    let name = op.name();
+    g.add(op, inputs).map_err(|m| PassError::Invalid { pass, message: format!("{name}: {m}") })
 }
 
 /// A Graph -> Graph transformation.

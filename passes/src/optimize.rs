@@ -30,8 +30,7 @@ pub struct Optimize {
 const PASS: &str = "optimize";
 
 fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
-    let name = op.name();
-    g.add(op, inputs).map_err(|m| PassError::Invalid { pass: PASS, message: format!("{name}: {m}") })
+    crate::add_op(PASS, g, op, inputs)
 }
 
 impl Pass for Optimize {

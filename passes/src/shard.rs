@@ -56,8 +56,7 @@ fn invalid(message: String) -> PassError {
 }
 
 fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
-    let name = op.name();
-    g.add(op, inputs).map_err(|m| invalid(format!("{name}: {m}")))
+    crate::add_op(PASS, g, op, inputs)
 }
 
 /// Rewrites mean-reduced class losses into sum / count.
