@@ -18,7 +18,7 @@ use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer};
-use autotp_passes::zero::{Zero, ZeroConfig};
+use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
 use autotp_runtime::schedule::Schedule;
@@ -50,6 +50,12 @@ pub struct CompileFlags {
     /// With --zero 3, parameters of fewer elements stay whole on every rank.
     #[arg(long, value_name = "ELEMENTS", default_value_t = 0)]
     pub param_persistence_threshold: usize,
+    /// With --zero 3, elements of parameter gathers in flight at once [default: 5e7].
+    #[arg(long, value_name = "ELEMENTS")]
+    pub prefetch_bucket_size: Option<usize>,
+    /// With --zero 3, elements of gathered parameters alive at once [default: 1e9].
+    #[arg(long, value_name = "ELEMENTS")]
+    pub max_live_params: Option<usize>,
     /// Print each weight the tensor-parallel split places, and why.
     #[arg(long)]
     explain_tp: bool,
@@ -215,10 +221,20 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if flags.zero > 3 {
         bail!("--zero {} is not a ZeRO stage (0, 1, 2 or 3)", flags.zero);
     }
-    if flags.param_persistence_threshold > 0 && flags.zero != 3 {
-        bail!("--param-persistence-threshold applies to --zero 3");
+    let stage3 = [
+        ("--param-persistence-threshold", flags.param_persistence_threshold > 0),
+        ("--prefetch-bucket-size", flags.prefetch_bucket_size.is_some()),
+        ("--max-live-params", flags.max_live_params.is_some()),
+    ];
+    if let Some((flag, _)) = stage3.iter().find(|(_, given)| *given && flags.zero != 3) {
+        bail!("{flag} applies to --zero 3");
     }
-    let zero = ZeroConfig { stage: flags.zero, persistence_threshold: flags.param_persistence_threshold };
+    let defaults = Prefetch::default();
+    let prefetch = Prefetch {
+        bucket_elements: flags.prefetch_bucket_size.unwrap_or(defaults.bucket_elements),
+        max_live_elements: flags.max_live_params.unwrap_or(defaults.max_live_elements),
+    };
+    let zero = ZeroConfig { stage: flags.zero, persistence_threshold: flags.param_persistence_threshold, prefetch };
     if flags.zero > 0 && flags.dp < 2 {
         bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
     }

@@ -48,7 +48,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `autotp:TP` or `zero:DP:STAGE`.
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `autotp:TP` or `zero:DP:STAGE[:BUCKET:MAX_LIVE]`.
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
@@ -58,12 +58,14 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "shard" => Box::new(shard_spec(argument)),
         "split-fused" => Box::new(autotp_passes::autotp::SplitFused),
         "zero" => {
-            let (dp, stage) = argument.split_once(':').expect("zero:DP:STAGE");
-            Box::new(autotp_passes::zero::Zero {
-                dp: dp.parse().unwrap(),
-                config: autotp_passes::zero::ZeroConfig { stage: stage.parse().unwrap(), persistence_threshold: 0 },
-                batch_inputs: vec!["input_ids".into(), "labels".into()],
-            })
+            let mut parts = argument.split(':').map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE]"));
+            let (dp, stage) = (parts.next().unwrap(), parts.next().unwrap() as u8);
+            let mut config = autotp_passes::zero::ZeroConfig { stage, ..Default::default() };
+            if let (Some(bucket), Some(max_live)) = (parts.next(), parts.next()) {
+                config.prefetch =
+                    autotp_passes::zero::Prefetch { bucket_elements: bucket, max_live_elements: max_live };
+            }
+            Box::new(autotp_passes::zero::Zero { dp, config, batch_inputs: vec!["input_ids".into(), "labels".into()] })
         }
         "autotp" => Box::new(autotp_passes::autotp::AutoTp {
             tp: argument.parse().expect("autotp:TP"),

@@ -128,7 +128,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         let label = format!("node {} ({})", id.index(), node.op.name());
         let inputs: Vec<Region> = node.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect();
         let outputs: Vec<Region> = node.outputs.iter().map(|v| regions[v.index()].expect("just placed")).collect();
-        if let Op::Collective { kind, axis } = &node.op {
+        if let Op::Collective { kind, axis, .. } = &node.op {
             let input = local(graph, node.inputs[0]);
             let op = CollectiveOp {
                 kind: match *kind {

@@ -20,6 +20,8 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
     let out_shape = || outputs[0].shape.clone();
     Some(match op {
         Op::Constant { .. } | Op::Collective { .. } => return None,
+        // Codegen makes a wait alias its collective's result; evaluators copy it.
+        Op::Wait => Kernel::Copy,
         Op::Unary(op) => Kernel::Unary { op: *op, dtype },
         Op::Binary(op) => {
             Kernel::Binary { op: *op, dtype, lhs: shape(), rhs: inputs[1].shape.clone(), out: out_shape() }

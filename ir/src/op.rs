@@ -130,7 +130,12 @@ pub enum Op {
     Collective {
         kind: Collective,
         axis: String,
+        /// Started here and completed by the `wait` that is its only consumer, so computation
+        /// can run while it communicates (`all_gather_start` ... `wait`).
+        start: bool,
     },
+    /// `wait %start`: the result of an asynchronous collective, once it has completed.
+    Wait,
 }
 
 /// The collectives, as resharding steps along one mesh axis.
@@ -210,7 +215,9 @@ impl Op {
             Op::NllLoss { .. } => "nll_loss".into(),
             Op::AdamW { .. } => "adamw".into(),
             Op::Sgd { .. } => "sgd".into(),
-            Op::Collective { kind, .. } => kind.name().into(),
+            Op::Collective { kind, start: false, .. } => kind.name().into(),
+            Op::Collective { kind, start: true, .. } => format!("{}_start", kind.name()),
+            Op::Wait => "wait".into(),
         }
     }
 
@@ -521,6 +528,10 @@ impl Op {
                 if let Some(dim) = kind.dim() {
                     axis_ok(dim, inputs[0].rank())?;
                 }
+                one(inputs[0].clone())
+            }
+            Op::Wait => {
+                expect_arity(1, 1)?;
                 one(inputs[0].clone())
             }
             Op::CrossEntropy { reduction, .. } | Op::NllLoss { reduction, .. } => {

@@ -73,12 +73,12 @@ pub fn axis_rule(
     let all_partial = !current.is_empty() && current.iter().all(|p| *p == PartialSum);
     match op {
         Op::Constant { .. } => AxisRule::replicated(0, no),
-        Op::Collective { kind, axis: name } if *name == axis.name => {
+        Op::Collective { kind, axis: name, .. } if *name == axis.name => {
             let (from, to) = kind.transition();
             AxisRule { inputs: vec![from], outputs: vec![to] }
         }
-        // A collective over another axis leaves this one as it is.
-        Op::Collective { .. } => AxisRule { inputs: current.to_vec(), outputs: current.to_vec() },
+        // A collective over another axis leaves this one as it is; so does waiting for one.
+        Op::Collective { .. } | Op::Wait => AxisRule { inputs: current.to_vec(), outputs: current.to_vec() },
         Op::Unary(_) | Op::Binary(_) | Op::Select | Op::Cast { .. } | Op::Gelu { .. } => {
             let rank = out0.len();
             // The output dim of an input's dim, when the input is not broadcast along it.

@@ -192,7 +192,7 @@ pub fn eval_spmd_step(
     }
     for (_, node) in graph.nodes() {
         let locals: Vec<Vec<Tensor>> = match &node.op {
-            Op::Collective { kind, axis } => {
+            Op::Collective { kind, axis, .. } => {
                 let a = mesh.axes.iter().position(|x| &x.name == axis).ok_or_else(|| EvalError::InvalidInputs {
                     op: node.op.name(),
                     message: format!("unknown mesh axis '{axis}'"),

@@ -204,7 +204,8 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
             ("ignore_index", ignore_index.map(Attr::Int).unwrap_or_else(|| Attr::Word("none".into()))),
             ("reduction", Attr::Word(reduction.name().into())),
         ],
-        Op::Collective { kind, axis } => {
+        Op::Wait => vec![],
+        Op::Collective { kind, axis, .. } => {
             let mut a = vec![("axis", Attr::Word(axis.clone()))];
             if let Some(dim) = kind.dim() {
                 a.push(("dim", Attr::Int(dim as i64)));
@@ -924,15 +925,19 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
             Op::Pad { begin: take_usizes(a, "begin")?, end: take_usizes(a, "end")?, value: take_float(a, "value")? }
         }
         "triu" | "tril" => Op::Triangle { upper: name == "triu", k: take_int(a, "k")? },
-        "all_reduce" => Op::Collective { kind: Collective::AllReduce, axis: take_word(a, "axis")? },
-        "all_gather" | "reduce_scatter" | "shard_slice" => {
-            let dim = take_usize(a, "dim")?;
-            let kind = match name {
-                "all_gather" => Collective::AllGather { dim },
-                "reduce_scatter" => Collective::ReduceScatter { dim },
-                _ => Collective::ShardSlice { dim },
+        "wait" => Op::Wait,
+        collective
+            if ["all_reduce", "all_gather", "reduce_scatter", "shard_slice"]
+                .contains(&collective.strip_suffix("_start").unwrap_or(collective)) =>
+        {
+            let start = collective.ends_with("_start");
+            let kind = match collective.strip_suffix("_start").unwrap_or(collective) {
+                "all_reduce" => Collective::AllReduce,
+                "all_gather" => Collective::AllGather { dim: take_usize(a, "dim")? },
+                "reduce_scatter" => Collective::ReduceScatter { dim: take_usize(a, "dim")? },
+                _ => Collective::ShardSlice { dim: take_usize(a, "dim")? },
             };
-            Op::Collective { kind, axis: take_word(a, "axis")? }
+            Op::Collective { kind, axis: take_word(a, "axis")?, start }
         }
         "softmax" => Op::Softmax { axis: take_usize(a, "axis")? },
         "log_softmax" => Op::LogSoftmax { axis: take_usize(a, "axis")? },

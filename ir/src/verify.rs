@@ -1,6 +1,7 @@
 //! The verifier: checks every structural invariant and every op's type rule, and reports all
 //! violations, each naming the node or value it is about.
 
+use crate::text::ValueNames;
 use crate::{Def, Graph, Op, Placement};
 
 /// One violation. `at` is the printed form of the offending value or node (`%12 = matmul`).
@@ -168,6 +169,7 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             err(at, "is updated twice".into());
         }
     }
+    check_waits(graph, &names, &mut err);
     for (name, v) in graph.outputs() {
         if v.index() < graph.num_values() && graph.value(*v).placements.iter().any(|p| *p != Placement::Replicate) {
             err(format!("output \"{name}\""), "must be replicated on every mesh axis".into());
@@ -185,6 +187,37 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
         Ok(())
     } else {
         Err(VerifyErrors(errors))
+    }
+}
+
+/// An asynchronous collective's result is used by exactly one `wait` (and nothing else); a
+/// `wait` waits for an asynchronous collective.
+fn check_waits(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, String)) {
+    let uses = graph.use_counts();
+    let mut waited = vec![false; graph.num_values()];
+    for (id, node) in graph.nodes() {
+        if node.op != Op::Wait {
+            continue;
+        }
+        let Some(&input) = node.inputs.first().filter(|v| v.index() < graph.num_values()) else { continue };
+        let started = match graph.value(input).def {
+            Def::Node(p, _) => matches!(graph.node(p).op, Op::Collective { start: true, .. }),
+            _ => false,
+        };
+        if !started {
+            err(
+                names.node(graph, id),
+                format!("waits for {}, which is not an asynchronous collective", names.get(input)),
+            );
+        }
+        waited[input.index()] = true;
+    }
+    for (id, node) in graph.nodes() {
+        if let (Op::Collective { start: true, .. }, Some(&out)) = (&node.op, node.outputs.first()) {
+            if !waited[out.index()] || uses[out.index()] != 1 {
+                err(names.node(graph, id), "must be used by exactly one wait and nothing else".into());
+            }
+        }
     }
 }
 

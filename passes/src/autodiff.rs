@@ -431,7 +431,7 @@ fn vjp(
         }
         // Optimizer updates come after differentiation; nothing flows back through them.
         Op::AdamW { .. } | Op::Sgd { .. } => return Err(no_gradient(op, "(optimizer updates are not differentiable)")),
-        Op::Collective { .. } => {
+        Op::Collective { .. } | Op::Wait => {
             return Err(no_gradient(op, "(sharding passes run after autodiff, on the whole training step)"))
         }
         Op::Triangle { upper, k } => out[0] = Some(b.op(Op::Triangle { upper: *upper, k: *k }, vec![d0()])?),

@@ -236,6 +236,9 @@ impl AutoTp {
             let sliced = sliced_params(&sharded, tp_axis);
             if sliced.is_empty() {
                 check_forward(&sharded, self.tp)?;
+                if self.dp > 1 && self.zero.stage == 3 {
+                    sharded = crate::zero::schedule_prefetch(&sharded, self.zero.prefetch)?;
+                }
                 return Ok((sharded, explained));
             }
             for (weight, placement) in sliced {
@@ -259,7 +262,7 @@ fn param_by_name(graph: &Graph, name: &str) -> ValueId {
 fn sliced_params(graph: &Graph, tp_axis: usize) -> Vec<(String, Placement)> {
     let mut found = BTreeMap::new();
     for (_, node) in graph.nodes() {
-        let Op::Collective { kind: Collective::ShardSlice { dim }, axis } = &node.op else { continue };
+        let Op::Collective { kind: Collective::ShardSlice { dim }, axis, .. } = &node.op else { continue };
         if graph.mesh.axes[tp_axis].name != *axis {
             continue;
         }
@@ -311,7 +314,7 @@ fn unit_reshape_dim(input: &[usize], output: &[usize], dim: usize) -> Option<usi
 fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
     let forward = forward_values(graph);
     for (_, node) in graph.nodes() {
-        let Op::Collective { kind: Collective::AllGather { dim }, axis } = &node.op else { continue };
+        let Op::Collective { kind: Collective::AllGather { dim }, axis, .. } = &node.op else { continue };
         if axis != "tp" || !forward[node.outputs[0].index()] {
             continue;
         }

@@ -148,7 +148,7 @@ impl Placer<'_> {
         for kind in steps {
             let g = self.rw.graph();
             let mut placements = g.value(current).placements.clone();
-            let next = add(g, Op::Collective { kind, axis: axis.clone() }, vec![current])?;
+            let next = add(g, Op::Collective { kind, axis: axis.clone(), start: false }, vec![current])?;
             placements[a] = kind.transition().1;
             g.value_mut(next).placements = placements;
             current = next;
@@ -368,7 +368,7 @@ fn reductions(
     let collectives: Vec<(ValueId, usize, Placement)> = placed
         .nodes()
         .filter_map(|(_, node)| {
-            let Op::Collective { kind, axis } = &node.op else { return None };
+            let Op::Collective { kind, axis, .. } = &node.op else { return None };
             let target = match kind {
                 autotp_ir::Collective::AllReduce => Placement::Replicate,
                 autotp_ir::Collective::ReduceScatter { dim } => Placement::Shard(*dim),

@@ -15,6 +15,10 @@
 //! from the sharding rules: the optimizer runs on its state's shard, so its gradient is reduced
 //! into that shard and its parameter sliced (stages 1-2) or already sharded (stage 3).
 //!
+//! At stage 3 each parameter gather becomes an asynchronous `all_gather_start` issued ahead of
+//! its use within `--prefetch-bucket-size` and `--max-live-params` ([`schedule_prefetch`]), and
+//! a `wait` at the use.
+//!
 //! Input phase: a training step (after `optimize`). Output: the step on the mesh `[dp]`.
 //! Tests: tests/golden/zero_*.ir, tests/parallel.rs.
 
@@ -32,6 +36,8 @@ pub struct ZeroConfig {
     /// At stage 3, parameters with fewer elements stay whole on every rank (DeepSpeed's
     /// `stage3_param_persistence_threshold`): gathering them costs more than it saves.
     pub persistence_threshold: usize,
+    /// At stage 3, how parameters are gathered ahead of their use.
+    pub prefetch: Prefetch,
 }
 
 pub struct Zero {
@@ -116,6 +122,119 @@ impl Pass for Zero {
             self.batch_inputs.iter().map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
         seed(graph, &mesh, 0, self.config, &mut seeds);
         let (regather_params, scatter_early) = shard_options(self.config.stage);
-        Shard { mesh, seeds, regather_params, scatter_early }.run(graph)
+        Shard { mesh, seeds, regather_params, scatter_early }.run(graph)?;
+        if self.config.stage == 3 {
+            *graph = schedule_prefetch(graph, self.config.prefetch)?;
+        }
+        Ok(())
     }
+}
+
+/// How ZeRO-3 fetches parameters ahead of their use.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Prefetch {
+    /// Elements of parameter gathers in flight at once (`--prefetch-bucket-size`).
+    pub bucket_elements: usize,
+    /// Elements of gathered parameters alive at once (`--max-live-params`).
+    pub max_live_elements: usize,
+}
+
+impl Default for Prefetch {
+    /// DeepSpeed's defaults: `stage3_prefetch_bucket_size` 5e7, `stage3_max_live_parameters` 1e9.
+    fn default() -> Prefetch {
+        Prefetch { bucket_elements: 50_000_000, max_live_elements: 1_000_000_000 }
+    }
+}
+
+/// Turns every gather of a sharded parameter into an asynchronous `all_gather_start` issued
+/// ahead of its use and a `wait` where the gather was: each start goes as early as the budget
+/// allows (gathers in flight within `bucket_elements`, gathered parameters alive within
+/// `max_live_elements`; a gathered copy is released after its last use). A parameter that cannot
+/// be gathered within `max_live_elements` (alone, or beside the gathered parameters alive at its
+/// use) is refused.
+pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, PassError> {
+    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+    let gathers: Vec<usize> = (0..nodes.len())
+        .filter(|&i| {
+            matches!(nodes[i].op, Op::Collective { kind: autotp_ir::Collective::AllGather { .. }, start: false, .. })
+                && graph.params().contains(&nodes[i].inputs[0])
+        })
+        .collect();
+    if gathers.is_empty() {
+        return Ok(graph.clone());
+    }
+    let local_elements = |v: ValueId| {
+        let value = graph.value(v);
+        autotp_ir::sharding::local_shape(&graph.mesh, &value.ty.shape, &value.placements).iter().product::<usize>()
+    };
+    let mut last_use = vec![0usize; graph.num_values()];
+    for (i, node) in nodes.iter().enumerate() {
+        for v in &node.inputs {
+            last_use[v.index()] = i;
+        }
+    }
+    let elements: Vec<usize> = gathers.iter().map(|&g| local_elements(nodes[g].outputs[0])).collect();
+    let ends: Vec<usize> = gathers.iter().map(|&g| last_use[nodes[g].outputs[0].index()]).collect();
+    let gather_index: BTreeMap<usize, usize> = gathers.iter().enumerate().map(|(j, &g)| (g, j)).collect();
+
+    let mut rw = autotp_ir::Rewriter::new(graph, |_| true);
+    let mut started: Vec<Option<ValueId>> = vec![None; gathers.len()];
+    let (mut next, mut in_flight, mut live) = (0usize, 0usize, 0usize);
+    let start = |rw: &mut autotp_ir::Rewriter, j: usize| -> Result<ValueId, PassError> {
+        let node = nodes[gathers[j]];
+        let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a gather") };
+        let op = Op::Collective { kind: *kind, axis: axis.clone(), start: true };
+        let param = rw.map(node.inputs[0]);
+        let g = rw.graph();
+        let placements = g.value(param).placements.clone();
+        let out = crate::add_op("zero", g, op, vec![param])?;
+        let mut out_placements = placements;
+        let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
+        out_placements[a] = Placement::Replicate;
+        g.value_mut(out).placements = out_placements;
+        Ok(out)
+    };
+    for (i, node) in nodes.iter().enumerate() {
+        // Issue the next gathers while the budgets allow (at least one in flight).
+        while next < gathers.len()
+            && (in_flight == 0 || in_flight + elements[next] <= prefetch.bucket_elements)
+            && live + elements[next] <= prefetch.max_live_elements
+        {
+            started[next] = Some(start(&mut rw, next)?);
+            in_flight += elements[next];
+            live += elements[next];
+            next += 1;
+        }
+        if let Some(&j) = gather_index.get(&i) {
+            if started[j].is_none() {
+                let name = graph.name_of(node.inputs[0]).unwrap_or("");
+                if live + elements[j] > prefetch.max_live_elements {
+                    return Err(invalid(format!(
+                        "--max-live-params {} cannot hold parameter '{name}' ({} elements gathered) beside the {live} \
+                         elements of gathered parameters alive at its use",
+                        prefetch.max_live_elements, elements[j]
+                    )));
+                }
+                started[j] = Some(start(&mut rw, j)?);
+                live += elements[j];
+                in_flight += elements[j];
+                next = j + 1;
+            }
+            let pending = started[j].expect("started above");
+            let g = rw.graph();
+            let placements = g.value(pending).placements.clone();
+            let ready = crate::add_op("zero", g, Op::Wait, vec![pending])?;
+            g.value_mut(ready).placements = placements;
+            in_flight -= elements[j];
+            rw.set(node.outputs[0], ready);
+        } else {
+            rw.copy_node(autotp_ir::NodeId(i as u32));
+        }
+        for (j, &end) in ends.iter().enumerate() {
+            if end == i && started[j].is_some() {
+                live -= elements[j];
+            }
+        }
+    }
+    Ok(rw.finish())
 }
