@@ -193,7 +193,15 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
 /// An asynchronous collective's result is used by exactly one `wait` (and nothing else); a
 /// `wait` waits for an asynchronous collective.
 fn check_waits(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, String)) {
-    let uses = graph.use_counts();
+    // Counted here rather than with `use_counts`: an invalid graph may name values that do not
+    // exist, and the verifier reports rather than panics.
+    let mut uses = vec![0usize; graph.num_values()];
+    let used = graph.nodes().flat_map(|(_, n)| n.inputs.iter()).chain(graph.outputs().iter().map(|(_, v)| v));
+    for v in used.chain(graph.updates().iter().map(|(_, v)| v)) {
+        if let Some(count) = uses.get_mut(v.index()) {
+            *count += 1;
+        }
+    }
     let mut waited = vec![false; graph.num_values()];
     for (id, node) in graph.nodes() {
         if node.op != Op::Wait {
