@@ -399,6 +399,13 @@ pub fn summary(plan: &TrainingPlan) -> String {
         let name = match instruction {
             autotp_runtime::Instruction::Kernel { kernel, .. } => kernel.name(),
             autotp_runtime::Instruction::Collective { op, .. } => op.kind.name(),
+            autotp_runtime::Instruction::CollectiveStart { op, .. } => match op.kind.name() {
+                "all_gather" => "all_gather_start",
+                "all_reduce" => "all_reduce_start",
+                "reduce_scatter" => "reduce_scatter_start",
+                _ => "shard_slice_start",
+            },
+            autotp_runtime::Instruction::Wait { .. } => "wait",
         };
         *kernels.entry(name).or_default() += 1;
     }

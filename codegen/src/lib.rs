@@ -109,12 +109,40 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
     for (_, v) in graph.updates() {
         last_use[v.index()] = end;
     }
+    // A wait's result is its start's output region: that region lives until the result's last
+    // use, and the start's input until the wait (the communication thread reads it until then).
+    for (id, node) in graph.nodes() {
+        if node.op == Op::Wait {
+            let started = node.inputs[0];
+            let start_node = match graph.value(started).def {
+                Def::Node(n, _) => graph.node(n),
+                _ => unreachable!("verified: a wait waits for a start"),
+            };
+            last_use[started.index()] = last_use[started.index()].max(last_use[node.outputs[0].index()]);
+            let input = start_node.inputs[0];
+            last_use[input.index()] = last_use[input.index()].max(id.index());
+        }
+    }
     let mut by_last_use: Vec<Vec<usize>> = vec![Vec::new(); end + 1];
     let mut allocator = FirstFit::new(dedicated.next);
     let mut live_bytes = 0usize;
     let mut instructions = Vec::new();
+    let mut start_instruction = vec![usize::MAX; graph.num_nodes()];
     for (id, node) in graph.nodes() {
         if matches!(node.op, Op::Constant { .. }) {
+            continue;
+        }
+        if node.op == Op::Wait {
+            let started = node.inputs[0];
+            regions[node.outputs[0].index()] = regions[started.index()];
+            let Def::Node(start, _) = graph.value(started).def else { unreachable!("verified") };
+            let label = format!("node {} (wait)", id.index());
+            instructions.push(Instruction::Wait { start: start_instruction[start.index()], label });
+            for v in std::mem::take(&mut by_last_use[id.index()]) {
+                let region = regions[v].expect("placed");
+                allocator.free(region.offset);
+                live_bytes -= region.len;
+            }
             continue;
         }
         for &o in &node.outputs {
@@ -128,7 +156,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         let label = format!("node {} ({})", id.index(), node.op.name());
         let inputs: Vec<Region> = node.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect();
         let outputs: Vec<Region> = node.outputs.iter().map(|v| regions[v.index()].expect("just placed")).collect();
-        if let Op::Collective { kind, axis, .. } = &node.op {
+        if let Op::Collective { kind, axis, start } = &node.op {
             let input = local(graph, node.inputs[0]);
             let op = CollectiveOp {
                 kind: match *kind {
@@ -141,7 +169,13 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
                 dtype: input.dtype,
                 shape: input.shape,
             };
-            instructions.push(Instruction::Collective { op, input: inputs[0], output: outputs[0], label });
+            let (input, output) = (inputs[0], outputs[0]);
+            if *start {
+                start_instruction[id.index()] = instructions.len();
+                instructions.push(Instruction::CollectiveStart { op, input, output, label });
+            } else {
+                instructions.push(Instruction::Collective { op, input, output, label });
+            }
         } else {
             let types: Vec<TensorType> = node.inputs.iter().map(|&v| local(graph, v)).collect();
             let out_types: Vec<TensorType> = node.outputs.iter().map(|&v| local(graph, v)).collect();

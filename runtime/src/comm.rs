@@ -102,7 +102,8 @@ pub struct CommBytes {
 /// One rendezvous round of a group.
 #[derive(Default)]
 struct Round {
-    /// Bumped when a round completes, so a fast rank cannot join the next one early.
+    /// The sequence number of the round in progress, bumped when it completes: a rank joins only
+    /// the round of its collective's number.
     generation: u64,
     deposited: Vec<Option<Vec<u8>>>,
     /// All inputs of the round once every member deposited.
@@ -190,10 +191,14 @@ impl LocalComm {
     }
 
     /// Runs `op` for `rank`: `input` is the rank's local input, `output` receives its result.
+    /// `seq` numbers the collectives a rank issues on `op.axis` (from 0, in program order,
+    /// without `shard_slice`, which meets no one): the group runs them in that order, so a
+    /// collective a rank's communication thread runs and one its compute thread runs never mix.
     pub fn collective(
         &self,
         rank: usize,
         op: &CollectiveOp,
+        seq: u64,
         input: &[u8],
         output: &mut [u8],
     ) -> Result<(), RuntimeError> {
@@ -214,7 +219,7 @@ impl LocalComm {
         }
         self.staging_peak[rank].fetch_max(kind.staging_bytes(input.len()), Ordering::SeqCst);
         let group = &self.groups[&(axis, rank - coord * stride)];
-        let inputs = self.rendezvous(group, coord, input)?;
+        let inputs = self.rendezvous(group, coord, seq, input)?;
         {
             let mut sent = self.sent[rank].lock().expect("counters");
             let bytes = kind.bytes_sent(input.len(), n);
@@ -248,10 +253,16 @@ impl LocalComm {
     }
 
     /// Deposits `input` as member `coord` and waits for the whole group; returns every input.
-    fn rendezvous(&self, group: &Group, coord: usize, input: &[u8]) -> Result<Arc<Vec<Vec<u8>>>, RuntimeError> {
+    fn rendezvous(
+        &self,
+        group: &Group,
+        coord: usize,
+        seq: u64,
+        input: &[u8],
+    ) -> Result<Arc<Vec<Vec<u8>>>, RuntimeError> {
         let mut round = group.round.lock().expect("group lock");
-        // Wait for the previous round to empty before joining this one.
-        while round.inputs.is_some() || round.deposited[coord].is_some() {
+        // Wait for the rounds before this one to complete.
+        while round.generation != seq || round.inputs.is_some() || round.deposited[coord].is_some() {
             if self.aborted.load(Ordering::SeqCst) {
                 return Err(self.aborted());
             }

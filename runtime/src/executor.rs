@@ -2,12 +2,66 @@
 //! then instructions run in order: builtin kernels (multi-threaded with rayon inside) and
 //! collectives through the rank's communicator.
 
+use std::sync::mpsc;
 use std::sync::Arc;
 
 use autotp_kernels::AlignedBuf;
 
-use crate::comm::LocalComm;
+use crate::comm::{CollectiveKind, CollectiveOp, LocalComm};
 use crate::{Instruction, Program, Region, RuntimeError};
+
+/// An asynchronous collective handed to a rank's communication thread: raw pointers into the
+/// rank's arena, and where to report completion.
+struct Job {
+    op: CollectiveOp,
+    seq: u64,
+    input: (usize, usize),
+    output: (usize, usize),
+    done: mpsc::Sender<Result<(), RuntimeError>>,
+}
+
+// SAFETY: the pointers address the executor's arena, which outlives every job (the executor
+// waits for each job it starts, `Program::validate` guarantees a wait for every start), and no
+// other instruction touches these regions between the start and its wait (also validated).
+unsafe impl Send for Job {}
+
+/// A rank's communication thread: runs the collectives the rank starts, in order.
+struct CommThread {
+    jobs: mpsc::Sender<Job>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CommThread {
+    fn spawn(rank: usize, comm: Arc<LocalComm>) -> CommThread {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let handle = std::thread::Builder::new()
+            .name(format!("autotp-comm-{rank}"))
+            .spawn(move || {
+                for job in queue {
+                    // SAFETY: see `Job`: the regions stay valid and untouched until the wait.
+                    let input = unsafe { std::slice::from_raw_parts(job.input.0 as *const u8, job.input.1) };
+                    let output = unsafe { std::slice::from_raw_parts_mut(job.output.0 as *mut u8, job.output.1) };
+                    let result = comm.collective(rank, &job.op, job.seq, input, output);
+                    if result.is_err() {
+                        comm.abort();
+                    }
+                    let _ = job.done.send(result);
+                }
+            })
+            .expect("a communication thread starts");
+        CommThread { jobs, handle: Some(handle) }
+    }
+}
+
+impl Drop for CommThread {
+    fn drop(&mut self) {
+        let (closed, _) = mpsc::channel();
+        drop(std::mem::replace(&mut self.jobs, closed));
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
+    }
+}
 
 /// A host tensor handed to or returned by the executor.
 #[derive(Clone, Debug, PartialEq)]
@@ -19,10 +73,15 @@ pub struct HostTensor {
 
 /// A loaded program with its arena.
 pub struct Executor {
+    /// Runs the asynchronous collectives, when the program starts any. Declared first so it is
+    /// dropped (its thread joined) before the arena it writes into.
+    comm_thread: Option<CommThread>,
     program: Program,
     arena: AlignedBuf,
     /// This rank and its communicator, for programs on a mesh.
     rank: Option<(usize, Arc<LocalComm>)>,
+    /// Collectives issued so far on each mesh axis (their sequence numbers).
+    issued: Vec<u64>,
 }
 
 impl Executor {
@@ -52,7 +111,13 @@ impl Executor {
         for c in &program.constants {
             arena.as_mut_slice()[c.region.offset..c.region.end()].copy_from_slice(&c.bytes);
         }
-        Ok(Executor { program, arena, rank })
+        let has_starts = program.instructions.iter().any(|i| matches!(i, Instruction::CollectiveStart { .. }));
+        let comm_thread = match (&rank, has_starts) {
+            (Some((r, comm)), true) => Some(CommThread::spawn(*r, comm.clone())),
+            _ => None,
+        };
+        let issued = vec![0; program.mesh.len()];
+        Ok(Executor { comm_thread, program, arena, rank, issued })
     }
 
     pub fn program(&self) -> &Program {
@@ -91,23 +156,13 @@ impl Executor {
         Ok(())
     }
 
-    /// Runs the program on `inputs` (in the program's input order) and returns its outputs.
-    pub fn run(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, RuntimeError> {
-        if inputs.len() != self.program.inputs.len() {
-            return Err(RuntimeError::InputCount { expected: self.program.inputs.len(), got: inputs.len() });
-        }
-        for (slot, t) in self.program.inputs.iter().zip(inputs) {
-            if t.dtype != slot.dtype || t.shape != slot.shape {
-                return Err(RuntimeError::InputType {
-                    name: slot.name.clone(),
-                    expected: format!("{}{:?}", slot.dtype, slot.shape),
-                    got: format!("{}{:?}", t.dtype, t.shape),
-                });
-            }
-            self.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
-        }
-        let base = self.arena.as_mut_slice().as_mut_ptr();
-        for instruction in &self.program.instructions {
+    /// Runs the instructions; asynchronous collectives in flight are left in `pending`.
+    fn run_instructions(
+        &mut self,
+        base: *mut u8,
+        pending: &mut std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>>,
+    ) -> Result<(), RuntimeError> {
+        for (index, instruction) in self.program.instructions.iter().enumerate() {
             // SAFETY: `Program::validate` checked every region is inside the arena and that an
             // instruction's outputs overlap neither its inputs nor each other, so these slices
             // are disjoint where one is mutable. Inputs may alias each other (shared reads).
@@ -125,10 +180,64 @@ impl Executor {
                     let (rank, comm) = self.rank.as_ref().ok_or_else(|| {
                         RuntimeError::InvalidProgram(format!("{label}: a collective needs a communicator"))
                     })?;
-                    comm.collective(*rank, op, region(input), region_mut(output))?;
+                    let seq = next_seq(&mut self.issued, op);
+                    comm.collective(*rank, op, seq, region(input), region_mut(output))?;
+                }
+                Instruction::CollectiveStart { op, input, output, label } => {
+                    let thread = self.comm_thread.as_ref().ok_or_else(|| {
+                        RuntimeError::InvalidProgram(format!("{label}: a collective needs a communicator"))
+                    })?;
+                    let (done, completion) = mpsc::channel();
+                    let seq = next_seq(&mut self.issued, op);
+                    // SAFETY: the regions lie in the arena (validated); see `Job`.
+                    let job = Job {
+                        op: op.clone(),
+                        seq,
+                        input: (unsafe { base.add(input.offset) } as usize, input.len),
+                        output: (unsafe { base.add(output.offset) } as usize, output.len),
+                        done,
+                    };
+                    thread.jobs.send(job).map_err(|_| RuntimeError::Comm("the communication thread stopped".into()))?;
+                    pending.insert(index, completion);
+                }
+                Instruction::Wait { start, .. } => {
+                    let completion = pending.remove(start).expect("validated: one wait per start");
+                    completion.recv().map_err(|_| RuntimeError::Comm("the communication thread stopped".into()))??;
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Runs the program on `inputs` (in the program's input order) and returns its outputs.
+    pub fn run(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, RuntimeError> {
+        if inputs.len() != self.program.inputs.len() {
+            return Err(RuntimeError::InputCount { expected: self.program.inputs.len(), got: inputs.len() });
+        }
+        for (slot, t) in self.program.inputs.iter().zip(inputs) {
+            if t.dtype != slot.dtype || t.shape != slot.shape {
+                return Err(RuntimeError::InputType {
+                    name: slot.name.clone(),
+                    expected: format!("{}{:?}", slot.dtype, slot.shape),
+                    got: format!("{}{:?}", t.dtype, t.shape),
+                });
+            }
+            self.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
+        }
+        let base = self.arena.as_mut_slice().as_mut_ptr();
+        let mut pending: std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>> =
+            std::collections::BTreeMap::new();
+        let result = self.run_instructions(base, &mut pending);
+        if result.is_err() {
+            // Collectives still in flight write into the arena: stop the others, then wait.
+            if let Some((_, comm)) = &self.rank {
+                comm.abort();
+            }
+            for (_, completion) in std::mem::take(&mut pending) {
+                let _ = completion.recv();
+            }
+        }
+        result?;
         let arena = self.arena.as_mut_slice();
         for u in &self.program.updates {
             arena.copy_within(u.from.offset..u.from.end(), u.to.offset);
@@ -145,4 +254,15 @@ impl Executor {
             })
             .collect())
     }
+}
+
+/// The sequence number of the next collective on `op`'s axis (`shard_slice` meets no one and
+/// takes none).
+fn next_seq(issued: &mut [u64], op: &CollectiveOp) -> u64 {
+    if let CollectiveKind::ShardSlice { .. } = op.kind {
+        return 0;
+    }
+    let seq = issued[op.axis];
+    issued[op.axis] += 1;
+    seq
 }

@@ -99,6 +99,11 @@ pub enum Instruction {
     Kernel { kernel: Kernel, inputs: Vec<Region>, outputs: Vec<Region>, label: String },
     /// A collective between the ranks of one mesh axis.
     Collective { op: CollectiveOp, input: Region, output: Region, label: String },
+    /// Starts a collective on the rank's communication thread; the instructions up to its
+    /// `Wait` neither write its input nor touch its output (`validate` checks it).
+    CollectiveStart { op: CollectiveOp, input: Region, output: Region, label: String },
+    /// Blocks until the collective started by instruction `start` has completed.
+    Wait { start: usize, label: String },
 }
 
 /// Byte counts of the memory plan, by category.
@@ -132,6 +137,20 @@ pub struct Program {
     pub updates: Vec<Update>,
     pub instructions: Vec<Instruction>,
     pub memory: MemoryPlan,
+}
+
+impl Instruction {
+    /// The regions the instruction reads and writes when it runs (a start reads and writes its
+    /// regions until its wait; a wait touches nothing itself).
+    fn regions(&self) -> (Vec<Region>, Vec<Region>) {
+        match self {
+            Instruction::Kernel { inputs, outputs, .. } => (inputs.clone(), outputs.clone()),
+            Instruction::Collective { input, output, .. } | Instruction::CollectiveStart { input, output, .. } => {
+                (vec![*input], vec![*output])
+            }
+            Instruction::Wait { .. } => (vec![], vec![]),
+        }
+    }
 }
 
 impl Program {
@@ -183,6 +202,7 @@ impl Program {
                 return bad(format!("an update from offset {} to {} is out of place", u.from.offset, u.to.offset));
             }
         }
+        let mut waited = vec![false; self.instructions.len()];
         for (i, instruction) in self.instructions.iter().enumerate() {
             let (inputs, outputs, label) = match instruction {
                 Instruction::Kernel { kernel, inputs, outputs, label } => {
@@ -192,7 +212,9 @@ impl Program {
                     }
                     (inputs.clone(), outputs.clone(), label)
                 }
-                Instruction::Collective { op: CollectiveOp { kind, axis, dtype, shape }, input, output, label } => {
+                Instruction::Collective { op, input, output, label }
+                | Instruction::CollectiveStart { op, input, output, label } => {
+                    let CollectiveOp { kind, axis, dtype, shape } = op;
                     let n = match self.mesh.get(*axis) {
                         Some(a) => a.size,
                         None => {
@@ -211,6 +233,31 @@ impl Program {
                     }
                     (vec![*input], vec![*output], label)
                 }
+                Instruction::Wait { start, label } => {
+                    let Some(Instruction::CollectiveStart { input, output, .. }) =
+                        self.instructions.get(*start).filter(|_| *start < i)
+                    else {
+                        return bad(format!(
+                            "instruction {i} ({label}) waits for instruction {start}, not an earlier start"
+                        ));
+                    };
+                    if std::mem::replace(&mut waited[*start], true) {
+                        return bad(format!("instruction {i} ({label}) waits a second time for instruction {start}"));
+                    }
+                    // In between, nothing may write the start's input or touch its output.
+                    for (k, between) in self.instructions[start + 1..i].iter().enumerate() {
+                        let (reads, writes) = between.regions();
+                        if writes.iter().any(|w| w.overlaps(input) || w.overlaps(output))
+                            || reads.iter().any(|r| r.overlaps(output))
+                        {
+                            return bad(format!(
+                                "instruction {} uses the regions of the collective started at {start} before its wait at {i}",
+                                start + 1 + k
+                            ));
+                        }
+                    }
+                    (vec![], vec![], label)
+                }
             };
             for r in inputs.iter().chain(&outputs) {
                 if r.end() > size {
@@ -221,6 +268,11 @@ impl Program {
                 if inputs.iter().any(|r| r.overlaps(o)) || outputs[j + 1..].iter().any(|r| r.overlaps(o)) {
                     return bad(format!("instruction {i} ({label}) writes over one of its own operands"));
                 }
+            }
+        }
+        for (i, instruction) in self.instructions.iter().enumerate() {
+            if matches!(instruction, Instruction::CollectiveStart { .. }) && !waited[i] {
+                return bad(format!("the collective started at instruction {i} is never waited for"));
             }
         }
         Ok(())
@@ -261,5 +313,36 @@ mod tests {
         assert!(program(bad_perm, 24).validate().is_err());
         assert!(program(Kernel::Cast { from: DType::F32, to: DType::I64 }, 48).validate().is_ok());
         assert!(program(Kernel::Cast { from: DType::F32, to: DType::I64 }, 24).validate().is_err());
+    }
+    #[test]
+    fn a_started_collective_is_left_alone_until_its_wait() {
+        use crate::comm::{CollectiveKind, CollectiveOp};
+        let op = CollectiveOp { kind: CollectiveKind::AllReduce, axis: 0, dtype: DType::F32, shape: vec![2, 3] };
+        let start = Instruction::CollectiveStart {
+            op,
+            input: Region { offset: 0, len: 24 },
+            output: Region { offset: 32, len: 24 },
+            label: "start".into(),
+        };
+        let reads_output = Instruction::Kernel {
+            kernel: Kernel::Copy,
+            inputs: vec![Region { offset: 32, len: 24 }],
+            outputs: vec![Region { offset: 64, len: 24 }],
+            label: "too early".into(),
+        };
+        let wait = Instruction::Wait { start: 0, label: "wait".into() };
+        let mut p = program(Kernel::Copy, 24);
+        p.mesh = vec![MeshAxis { name: "dp".into(), size: 2 }];
+        p.instructions = vec![start.clone(), wait.clone()];
+        p.validate().unwrap();
+        p.instructions = vec![start.clone(), reads_output, wait];
+        let err = p.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("instruction 1 uses the regions of the collective started at 0 before its wait at 2"),
+            "{err}"
+        );
+        p.instructions = vec![start];
+        let err = p.validate().unwrap_err().to_string();
+        assert!(err.contains("the collective started at instruction 0 is never waited for"), "{err}");
     }
 }

@@ -48,7 +48,10 @@ pub fn report_of(p: &crate::Program, training: &crate::plan::TrainingConfig) -> 
     let mut comm = CommBytes::default();
     let mut staging = 0;
     for instruction in &p.instructions {
-        let Instruction::Collective { op, input, .. } = instruction else { continue };
+        let (Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. }) = instruction
+        else {
+            continue;
+        };
         let n = p.mesh[op.axis].size;
         let bytes = op.kind.bytes_sent(input.len, n);
         match op.kind {
