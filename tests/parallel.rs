@@ -199,11 +199,17 @@ fn tensor_parallel_all_reduces_per_block() {
         let out = success(autotp(
             &[&args[..], &["--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()]].concat(),
         ));
+        // Counts an instruction kind in the summary, whether run in place or started and waited.
         let count = |kind: &str| {
-            out.split(&format!("{kind} "))
-                .nth(1)
-                .and_then(|rest| rest.split([',', ')']).next()?.trim().parse::<usize>().ok())
-                .unwrap_or(0)
+            [format!(" {kind} "), format!(" {kind}_start ")]
+                .iter()
+                .map(|k| {
+                    out.split(k.as_str())
+                        .nth(1)
+                        .and_then(|rest| rest.split([',', ')']).next()?.trim().parse::<usize>().ok())
+                        .unwrap_or(0)
+                })
+                .sum::<usize>()
         };
         let layers = 2;
         assert_eq!(count("all_reduce"), 4 * layers, "{arch}:\n{out}");

@@ -125,7 +125,9 @@ fn data_parallel_step_all_reduces_each_gradient_once() {
     Shard::data_parallel(2, &["input_ids", "labels"]).run(&mut graph).unwrap();
     let all_reduces = graph.nodes().filter(|(_, n)| matches!(n.op, autotp_ir::Op::Collective { .. })).count();
     // One per gradient, one for the loss; nothing is gathered or sliced but the loss's weights.
-    let names: Vec<String> = graph.nodes().map(|(_, n)| n.op.name()).filter(|n| n == "all_reduce").collect();
+    // Each started (asynchronous) or run in place.
+    let names: Vec<String> =
+        graph.nodes().map(|(_, n)| n.op.name()).filter(|n| n == "all_reduce" || n == "all_reduce_start").collect();
     assert_eq!(names.len(), params + 1, "{} collectives in all", all_reduces);
 }
 

@@ -241,7 +241,8 @@ impl Pass for Shard {
         // gradient feeding both a weight's update and the next layer's backward).
         let (first, origin) = place(&source, &self.mesh, None, self.regather_params)?;
         let eager = reductions(&first, &origin, self.scatter_early);
-        let (result, _) = place(&source, &self.mesh, Some(&eager), self.regather_params)?;
+        let (placed, _) = place(&source, &self.mesh, Some(&eager), self.regather_params)?;
+        let result = overlap_reductions(&placed)?;
         *graph = result;
         Ok(())
     }
@@ -407,4 +408,76 @@ fn reductions(
         }
     }
     eager.into_iter().filter_map(|((v, a), target)| origin.get(&v).map(|&o| ((o, a), target))).collect()
+}
+
+/// Makes each all-reduce and reduce-scatter that has work to overlap asynchronous: it starts
+/// where it was (as soon as its input is made) and is waited for just before its result is first
+/// needed, so a gradient's reduction runs while the backward goes on. Reshapes of a result still
+/// in flight move down with its wait. One needed right away stays synchronous.
+fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
+    struct InFlight {
+        result: ValueId,
+        started: ValueId,
+        /// Reshape nodes of the result, emitted after the wait.
+        deferred: Vec<usize>,
+    }
+    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+    let is_view = |n: &autotp_ir::Node| matches!(n.op, Op::Reshape { .. });
+    // Whether `v` is needed by the node right after `i` (through reshapes).
+    let needed_next = |v: ValueId, i: usize| nodes.get(i + 1).is_some_and(|n| n.inputs.contains(&v) && !is_view(n));
+    let mut rw = Rewriter::new(graph, |_| true);
+    let mut flights: Vec<Option<InFlight>> = Vec::new();
+    // Old value (a result in flight or a deferred reshape of one) -> its flight.
+    let mut pending: BTreeMap<ValueId, usize> = BTreeMap::new();
+    let land = |rw: &mut Rewriter, flight: InFlight| -> Result<(), PassError> {
+        let g = rw.graph();
+        let placements = g.value(flight.started).placements.clone();
+        let ready = add(g, Op::Wait, vec![flight.started])?;
+        g.value_mut(ready).placements = placements;
+        rw.set(flight.result, ready);
+        for n in flight.deferred {
+            rw.copy_node(autotp_ir::NodeId(n as u32));
+        }
+        Ok(())
+    };
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some(&f) = node.inputs.first().filter(|_| is_view(node)).and_then(|v| pending.get(v)) {
+            if let Some(flight) = flights[f].as_mut() {
+                flight.deferred.push(i);
+                pending.insert(node.outputs[0], f);
+                continue;
+            }
+        }
+        for v in &node.inputs {
+            if let Some(f) = pending.remove(v) {
+                if let Some(flight) = flights[f].take() {
+                    land(&mut rw, flight)?;
+                }
+            }
+        }
+        let reduction = matches!(
+            node.op,
+            Op::Collective {
+                kind: autotp_ir::Collective::AllReduce | autotp_ir::Collective::ReduceScatter { .. },
+                start: false,
+                ..
+            }
+        );
+        let out = node.outputs[0];
+        if reduction && !needed_next(out, i) {
+            let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a reduction") };
+            let input = rw.map(node.inputs[0]);
+            let g = rw.graph();
+            let started = add(g, Op::Collective { kind: *kind, axis: axis.clone(), start: true }, vec![input])?;
+            g.value_mut(started).placements = graph.value(out).placements.clone();
+            pending.insert(out, flights.len());
+            flights.push(Some(InFlight { result: out, started, deferred: Vec::new() }));
+        } else {
+            rw.copy_node(autotp_ir::NodeId(i as u32));
+        }
+    }
+    for flight in flights.into_iter().flatten() {
+        land(&mut rw, flight)?;
+    }
+    Ok(rw.finish())
 }
