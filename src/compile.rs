@@ -47,6 +47,10 @@ pub struct CompileFlags {
     /// state; 2 also reduce-scatters gradients into shards; 3 also shards parameters.
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
+    /// Merge gradient all-reduces into buckets of up to this many elements; 0 reduces each
+    /// gradient on its own [default: 5e8].
+    #[arg(long, value_name = "ELEMENTS")]
+    pub reduce_bucket_size: Option<usize>,
     /// With --zero 3, parameters of fewer elements stay whole on every rank.
     #[arg(long, value_name = "ELEMENTS", default_value_t = 0)]
     pub param_persistence_threshold: usize,
@@ -234,7 +238,16 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         bucket_elements: flags.prefetch_bucket_size.unwrap_or(defaults.bucket_elements),
         max_live_elements: flags.max_live_params.unwrap_or(defaults.max_live_elements),
     };
-    let zero = ZeroConfig { stage: flags.zero, persistence_threshold: flags.param_persistence_threshold, prefetch };
+    if flags.reduce_bucket_size.is_some() && flags.dp < 2 {
+        bail!("--reduce-bucket-size buckets data-parallel gradient reductions: it needs --dp 2 or more");
+    }
+    let zero = ZeroConfig {
+        stage: flags.zero,
+        persistence_threshold: flags.param_persistence_threshold,
+        prefetch,
+        // DeepSpeed's reduce_bucket_size default.
+        reduce_bucket_elements: flags.reduce_bucket_size.unwrap_or(500_000_000),
+    };
     if flags.zero > 0 && flags.dp < 2 {
         bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
     }

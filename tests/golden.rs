@@ -44,7 +44,7 @@ fn shard_spec(spec: &str) -> Shard {
             (name.to_string(), placements.split('/').map(placement).collect())
         })
         .collect();
-    Shard { mesh: Mesh { axes }, seeds, regather_params: false, scatter_early: false }
+    Shard { mesh: Mesh { axes }, seeds, regather_params: false, scatter_early: false, bucket_elements: 0 }
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,

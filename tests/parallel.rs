@@ -282,3 +282,47 @@ fn zero_3_prefetch_budgets() {
     let (first, worst) = within_contract("gpt2 dp=2 zero 3 tight prefetch", &got, &single);
     println!("gpt2 dp=2 zero 3, prefetch 1e4 / live 1e5: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
 }
+
+/// `--reduce-bucket-size` merges gradient all-reduces into fewer, bigger ones moving the same
+/// bytes (the training tests above run with DeepSpeed's default buckets).
+#[test]
+fn gradient_buckets_merge_all_reduces() {
+    let dir = scratch("parallel-buckets");
+    let model = fixture("gpt2", "model.onnx");
+    let compile = |bucket: &str| {
+        let (plan, report) = (dir.join(format!("{bucket}.atp")), dir.join(format!("{bucket}.json")));
+        let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2"];
+        let extra =
+            ["--reduce-bucket-size", bucket, "--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()];
+        let out = success(autotp(&[&args[..], &extra[..]].concat()));
+        let collectives: usize = [" all_reduce ", " all_reduce_start "]
+            .iter()
+            .map(|k| {
+                out.split(k).nth(1).and_then(|r| r.split([',', ')']).next()?.trim().parse::<usize>().ok()).unwrap_or(0)
+            })
+            .sum();
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        (collectives, json["ranks"][0]["comm_bytes_per_step"]["all_reduce"].as_u64().unwrap())
+    };
+    let (separate, bytes) = compile("0");
+    let (bucketed, bucketed_bytes) = compile("500000000");
+    assert_eq!(separate, 29, "one per gradient and the loss");
+    assert!(bucketed < separate, "{bucketed} all-reduces with buckets, {separate} without");
+    assert_eq!(bucketed_bytes, bytes, "the same bytes travel");
+    let err = failure(autotp(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--reduce-bucket-size",
+        "10",
+        "-o",
+        "/dev/null",
+    ]));
+    assert!(
+        err.contains("--reduce-bucket-size buckets data-parallel gradient reductions: it needs --dp 2 or more"),
+        "{err}"
+    );
+}

@@ -231,8 +231,14 @@ impl AutoTp {
         let (regather_params, scatter_early) = crate::zero::shard_options(self.zero.stage);
         for _ in 0..4 {
             let mut sharded = graph.clone();
-            Shard { mesh: mesh.clone(), seeds: seeds_for(&explained), regather_params, scatter_early }
-                .run(&mut sharded)?;
+            Shard {
+                mesh: mesh.clone(),
+                seeds: seeds_for(&explained),
+                regather_params,
+                scatter_early,
+                bucket_elements: self.zero.reduce_bucket_elements,
+            }
+            .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);
             if sliced.is_empty() {
                 check_forward(&sharded, self.tp)?;

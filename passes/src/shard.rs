@@ -39,6 +39,9 @@ pub struct Shard {
     /// Reduce-scatter a gradient into its shard where it is made (ZeRO stage 2 and 3), rather
     /// than at the optimizer, after the whole backward (stage 1 keeps full gradients).
     pub scatter_early: bool,
+    /// Gradient all-reduces are merged into buckets of up to this many elements
+    /// (`--reduce-bucket-size`); 0 reduces each gradient on its own.
+    pub bucket_elements: usize,
 }
 
 impl Shard {
@@ -47,7 +50,7 @@ impl Shard {
     pub fn data_parallel(size: usize, batch_inputs: &[&str]) -> Shard {
         let mesh = Mesh { axes: vec![autotp_ir::MeshAxis { name: "dp".into(), size }] };
         let seeds = batch_inputs.iter().map(|name| (name.to_string(), vec![Placement::Shard(0)])).collect();
-        Shard { mesh, seeds, regather_params: false, scatter_early: false }
+        Shard { mesh, seeds, regather_params: false, scatter_early: false, bucket_elements: 0 }
     }
 }
 
@@ -242,7 +245,8 @@ impl Pass for Shard {
         let (first, origin) = place(&source, &self.mesh, None, self.regather_params)?;
         let eager = reductions(&first, &origin, self.scatter_early);
         let (placed, _) = place(&source, &self.mesh, Some(&eager), self.regather_params)?;
-        let result = overlap_reductions(&placed)?;
+        let bucketed = bucket_reductions(&placed, self.bucket_elements)?;
+        let result = overlap_reductions(&bucketed)?;
         *graph = result;
         Ok(())
     }
@@ -478,6 +482,100 @@ fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
     }
     for flight in flights.into_iter().flatten() {
         land(&mut rw, flight)?;
+    }
+    Ok(rw.finish())
+}
+
+/// Merges all-reduces into buckets of up to `bucket_elements` (DeepSpeed's reduce buckets): a
+/// run of all-reduces on one axis of values partial there and whole on every other axis, whose
+/// results are first needed after the run, becomes one all-reduce of their flattened
+/// concatenation, split and reshaped back. Fewer, bigger collectives; the same bytes.
+fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, PassError> {
+    if bucket_elements == 0 {
+        return Ok(graph.clone());
+    }
+    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+    let first_use = |v: ValueId, after: usize| {
+        nodes.iter().enumerate().skip(after + 1).find(|(_, n)| n.inputs.contains(&v)).map_or(usize::MAX, |(i, _)| i)
+    };
+    // Candidate all-reduces: (node index, axis name, elements, first use of the result).
+    let mut buckets: Vec<Vec<(usize, usize)>> = Vec::new();
+    let mut open: Option<(String, autotp_ir::DType, usize, Vec<(usize, usize)>)> = None;
+    for (i, node) in nodes.iter().enumerate() {
+        let Op::Collective { kind: autotp_ir::Collective::AllReduce, axis, start: false } = &node.op else { continue };
+        let input = node.inputs[0];
+        let value = graph.value(input);
+        let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
+        let whole_elsewhere = value.placements.iter().enumerate().all(|(b, p)| b == a || *p == Placement::Replicate);
+        let elements = value.ty.numel();
+        let used = first_use(node.outputs[0], i);
+        let fits = |(name, dtype, total, members): &(String, autotp_ir::DType, usize, Vec<(usize, usize)>)| {
+            name == axis
+                && *dtype == value.ty.dtype
+                && total + elements <= bucket_elements
+                && members.iter().all(|&(_, member_used)| member_used > i)
+        };
+        match open.as_mut() {
+            Some(bucket) if whole_elsewhere && fits(bucket) => {
+                bucket.2 += elements;
+                bucket.3.push((i, used));
+            }
+            _ => {
+                if let Some((_, _, _, members)) = open.take() {
+                    buckets.push(members);
+                }
+                if whole_elsewhere && elements <= bucket_elements {
+                    open = Some((axis.clone(), value.ty.dtype, elements, vec![(i, used)]));
+                }
+            }
+        }
+    }
+    buckets.extend(open.map(|(_, _, _, members)| members));
+    buckets.retain(|members| members.len() > 1);
+    if buckets.is_empty() {
+        return Ok(graph.clone());
+    }
+    // The last member's position -> its bucket; other members are dropped where they were.
+    let emit_at: BTreeMap<usize, &Vec<(usize, usize)>> =
+        buckets.iter().map(|members| (members.last().expect("two or more").0, members)).collect();
+    let merged: BTreeSet<usize> = buckets.iter().flatten().map(|&(i, _)| i).collect();
+    let mut rw = Rewriter::new(graph, |_| true);
+    for (i, node) in nodes.iter().enumerate() {
+        if !merged.contains(&i) {
+            rw.copy_node(autotp_ir::NodeId(i as u32));
+            continue;
+        }
+        let Some(members) = emit_at.get(&i) else { continue };
+        let Op::Collective { axis, .. } = &node.op else { unreachable!("an all-reduce") };
+        let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
+        let mut partial = graph.mesh.replicated();
+        partial[a] = Placement::PartialSum;
+        let place = |g: &mut Graph, v: ValueId, p: &[Placement]| g.value_mut(v).placements = p.to_vec();
+        let mut flats = Vec::new();
+        for &(m, _) in members.iter() {
+            let input = rw.map(nodes[m].inputs[0]);
+            let g = rw.graph();
+            let flat = add(g, Op::Reshape { shape: vec![g.ty(input).numel()] }, vec![input])?;
+            place(g, flat, &partial);
+            flats.push(flat);
+        }
+        let g = rw.graph();
+        let concat = add(g, Op::Concat { axis: 0 }, flats.clone())?;
+        place(g, concat, &partial);
+        let reduced = add(
+            g,
+            Op::Collective { kind: autotp_ir::Collective::AllReduce, axis: axis.clone(), start: false },
+            vec![concat],
+        )?;
+        let sizes: Vec<usize> = flats.iter().map(|&f| g.ty(f).numel()).collect();
+        let split = g.add_node(Op::Split { axis: 0, sizes }, vec![reduced], flats.len()).map_err(invalid)?;
+        let parts = g.node(split).outputs.clone();
+        for (&(m, _), part) in members.iter().zip(parts) {
+            let out = nodes[m].outputs[0];
+            let g = rw.graph();
+            let shaped = add(g, Op::Reshape { shape: graph.ty(out).shape.clone() }, vec![part])?;
+            rw.set(out, shaped);
+        }
     }
     Ok(rw.finish())
 }

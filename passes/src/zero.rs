@@ -38,6 +38,8 @@ pub struct ZeroConfig {
     pub persistence_threshold: usize,
     /// At stage 3, how parameters are gathered ahead of their use.
     pub prefetch: Prefetch,
+    /// Gradient all-reduces merge into buckets of up to this many elements; 0 for none.
+    pub reduce_bucket_elements: usize,
 }
 
 pub struct Zero {
@@ -122,7 +124,8 @@ impl Pass for Zero {
             self.batch_inputs.iter().map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
         seed(graph, &mesh, 0, self.config, &mut seeds);
         let (regather_params, scatter_early) = shard_options(self.config.stage);
-        Shard { mesh, seeds, regather_params, scatter_early }.run(graph)?;
+        Shard { mesh, seeds, regather_params, scatter_early, bucket_elements: self.config.reduce_bucket_elements }
+            .run(graph)?;
         if self.config.stage == 3 {
             *graph = schedule_prefetch(graph, self.config.prefetch)?;
         }
