@@ -498,9 +498,16 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
     let first_use = |v: ValueId, after: usize| {
         nodes.iter().enumerate().skip(after + 1).find(|(_, n)| n.inputs.contains(&v)).map_or(usize::MAX, |(i, _)| i)
     };
-    // Candidate all-reduces: (node index, axis name, elements, first use of the result).
+    /// The bucket being filled: its axis, dtype, elements, and members (node index, first use
+    /// of the result).
+    struct Open {
+        axis: String,
+        dtype: autotp_ir::DType,
+        elements: usize,
+        members: Vec<(usize, usize)>,
+    }
     let mut buckets: Vec<Vec<(usize, usize)>> = Vec::new();
-    let mut open: Option<(String, autotp_ir::DType, usize, Vec<(usize, usize)>)> = None;
+    let mut open: Option<Open> = None;
     for (i, node) in nodes.iter().enumerate() {
         let Op::Collective { kind: autotp_ir::Collective::AllReduce, axis, start: false } = &node.op else { continue };
         let input = node.inputs[0];
@@ -509,28 +516,26 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
         let whole_elsewhere = value.placements.iter().enumerate().all(|(b, p)| b == a || *p == Placement::Replicate);
         let elements = value.ty.numel();
         let used = first_use(node.outputs[0], i);
-        let fits = |(name, dtype, total, members): &(String, autotp_ir::DType, usize, Vec<(usize, usize)>)| {
-            name == axis
-                && *dtype == value.ty.dtype
-                && total + elements <= bucket_elements
-                && members.iter().all(|&(_, member_used)| member_used > i)
+        let fits = |b: &Open| {
+            b.axis == *axis
+                && b.dtype == value.ty.dtype
+                && b.elements + elements <= bucket_elements
+                && b.members.iter().all(|&(_, member_used)| member_used > i)
         };
         match open.as_mut() {
             Some(bucket) if whole_elsewhere && fits(bucket) => {
-                bucket.2 += elements;
-                bucket.3.push((i, used));
+                bucket.elements += elements;
+                bucket.members.push((i, used));
             }
             _ => {
-                if let Some((_, _, _, members)) = open.take() {
-                    buckets.push(members);
-                }
+                buckets.extend(open.take().map(|b| b.members));
                 if whole_elsewhere && elements <= bucket_elements {
-                    open = Some((axis.clone(), value.ty.dtype, elements, vec![(i, used)]));
+                    open = Some(Open { axis: axis.clone(), dtype: value.ty.dtype, elements, members: vec![(i, used)] });
                 }
             }
         }
     }
-    buckets.extend(open.map(|(_, _, _, members)| members));
+    buckets.extend(open.map(|b| b.members));
     buckets.retain(|members| members.len() > 1);
     if buckets.is_empty() {
         return Ok(graph.clone());
