@@ -134,7 +134,7 @@ fn data_parallel_step_all_reduces_each_gradient_once() {
 #[test]
 fn tensor_and_zero_parallel_steps_match_one_device() {
     use autotp_passes::autotp::AutoTp;
-    for (arch, zero) in [("gpt2", 3), ("gpt2", 1), ("gpt_neox", 3)] {
+    for (arch, zero) in [("gpt2", 3), ("gpt2", 1), ("gpt_neox", 3), ("llama", 0)] {
         let zero = autotp_passes::zero::ZeroConfig { stage: zero, ..Default::default() };
         let autotp = AutoTp { tp: 2, dp: 2, zero, batch_inputs: vec!["input_ids".into(), "labels".into()] };
         let (loss, tensors) = compare(arch, autotp);
