@@ -407,23 +407,18 @@ pub fn summary(plan: &TrainingPlan) -> String {
     ] {
         lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
     }
-    let mut kernels: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
     for instruction in &p.instructions {
         let name = match instruction {
-            autotp_runtime::Instruction::Kernel { kernel, .. } => kernel.name(),
-            autotp_runtime::Instruction::Collective { op, .. } => op.kind.name(),
-            autotp_runtime::Instruction::CollectiveStart { op, .. } => match op.kind.name() {
-                "all_gather" => "all_gather_start",
-                "all_reduce" => "all_reduce_start",
-                "reduce_scatter" => "reduce_scatter_start",
-                _ => "shard_slice_start",
-            },
-            autotp_runtime::Instruction::Wait { .. } => "wait",
+            autotp_runtime::Instruction::Kernel { kernel, .. } => kernel.name().to_string(),
+            autotp_runtime::Instruction::Collective { op, .. } => op.kind.name().to_string(),
+            autotp_runtime::Instruction::CollectiveStart { op, .. } => format!("{}_start", op.kind.name()),
+            autotp_runtime::Instruction::Wait { .. } => "wait".to_string(),
         };
         *kernels.entry(name).or_default() += 1;
     }
-    let mut by_count: Vec<(&str, usize)> = kernels.into_iter().collect();
-    by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let mut by_count: Vec<(String, usize)> = kernels.into_iter().collect();
+    by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
     lines.push(format!("  instructions: {} ({})", p.instructions.len(), listed.join(", ")));
     if !p.mesh.is_empty() {

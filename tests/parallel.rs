@@ -24,6 +24,31 @@ fn train(dir: &Path, arch: &str, micro_batch: usize, parallel: &[&str]) -> Vec<f
     losses(&metrics).into_iter().map(|(_, loss)| loss).collect()
 }
 
+/// How many collectives of `kind` a compile summary lists, run in place or started and waited.
+fn collectives(summary: &str, kind: &str) -> usize {
+    [format!(" {kind} "), format!(" {kind}_start ")]
+        .iter()
+        .map(|k| {
+            summary
+                .split(k.as_str())
+                .nth(1)
+                .and_then(|rest| rest.split([',', ')']).next()?.trim().parse::<usize>().ok())
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
+/// `autotp compile` of the GPT-2 fixture, micro-batch 4 x seq-len 32, with `extra` flags.
+fn compile_gpt2(extra: &[&str]) -> std::process::Output {
+    let model = fixture("gpt2", "model.onnx");
+    autotp(&[&["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4"][..], extra].concat())
+}
+
+/// A `--report` file.
+fn read_report(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
 /// Asserts the contract's tolerance and returns (step 1, worst) relative differences.
 fn within_contract(label: &str, got: &[f64], want: &[f64]) -> (f64, f64) {
     assert_eq!(got.len(), want.len(), "{label}");
@@ -132,7 +157,7 @@ fn reports_follow_the_zero_formulas() {
         let out =
             [&["--zero", zero_flag.as_str(), "--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()][..]];
         success(autotp(&[&args[..], out[0]].concat()));
-        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let json = read_report(&report);
         let ranks = json["ranks"].as_array().unwrap();
         assert_eq!(ranks.len(), 2);
         let rank = &ranks[0];
@@ -199,22 +224,11 @@ fn tensor_parallel_all_reduces_per_block() {
         let out = success(autotp(
             &[&args[..], &["--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()]].concat(),
         ));
-        // Counts an instruction kind in the summary, whether run in place or started and waited.
-        let count = |kind: &str| {
-            [format!(" {kind} "), format!(" {kind}_start ")]
-                .iter()
-                .map(|k| {
-                    out.split(k.as_str())
-                        .nth(1)
-                        .and_then(|rest| rest.split([',', ')']).next()?.trim().parse::<usize>().ok())
-                        .unwrap_or(0)
-                })
-                .sum::<usize>()
-        };
+        let count = |kind: &str| collectives(&out, kind);
         let layers = 2;
         assert_eq!(count("all_reduce"), 4 * layers, "{arch}:\n{out}");
         assert_eq!((count("all_gather"), count("reduce_scatter")), (0, 0), "{arch}:\n{out}");
-        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let json = read_report(&report);
         let activation = 8 * 32 * 64 * 4;
         let sent = json["ranks"][0]["comm_bytes_per_step"]["all_reduce"].as_u64().unwrap() as usize;
         assert_eq!(sent, 4 * layers * activation, "{arch}: 2(n-1)/n = 1 activation per all-reduce at tp=2");
@@ -233,23 +247,10 @@ fn small_parameters_persist_at_stage_3() {
     let extra =
         ["--param-persistence-threshold", "1000", "--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()];
     success(autotp(&[&args[..], &extra[..]].concat()));
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let json = read_report(&report);
     let params = json["ranks"][0]["params_bytes"].as_u64().unwrap();
     assert_eq!(params, 4 * 172_288 / 2 + 4 * 1_792 / 2, "sharded halves plus the persistent halves");
-    let err = failure(autotp(&[
-        "compile",
-        model.to_str().unwrap(),
-        "--seq-len",
-        "32",
-        "--micro-batch",
-        "4",
-        "--dp",
-        "2",
-        "--param-persistence-threshold",
-        "10",
-        "-o",
-        plan.to_str().unwrap(),
-    ]));
+    let err = failure(compile_gpt2(&["--dp", "2", "--param-persistence-threshold", "10", "-o", "/dev/null"]));
     assert!(err.contains("--param-persistence-threshold applies to --zero 3"), "{err}");
 }
 
@@ -295,32 +296,15 @@ fn gradient_buckets_merge_all_reduces() {
         let extra =
             ["--reduce-bucket-size", bucket, "--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()];
         let out = success(autotp(&[&args[..], &extra[..]].concat()));
-        let collectives: usize = [" all_reduce ", " all_reduce_start "]
-            .iter()
-            .map(|k| {
-                out.split(k).nth(1).and_then(|r| r.split([',', ')']).next()?.trim().parse::<usize>().ok()).unwrap_or(0)
-            })
-            .sum();
-        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-        (collectives, json["ranks"][0]["comm_bytes_per_step"]["all_reduce"].as_u64().unwrap())
+        let json = read_report(&report);
+        (collectives(&out, "all_reduce"), json["ranks"][0]["comm_bytes_per_step"]["all_reduce"].as_u64().unwrap())
     };
     let (separate, bytes) = compile("0");
     let (bucketed, bucketed_bytes) = compile("500000000");
     assert_eq!(separate, 29, "one per gradient and the loss");
     assert!(bucketed < separate, "{bucketed} all-reduces with buckets, {separate} without");
     assert_eq!(bucketed_bytes, bytes, "the same bytes travel");
-    let err = failure(autotp(&[
-        "compile",
-        model.to_str().unwrap(),
-        "--seq-len",
-        "32",
-        "--micro-batch",
-        "4",
-        "--reduce-bucket-size",
-        "10",
-        "-o",
-        "/dev/null",
-    ]));
+    let err = failure(compile_gpt2(&["--reduce-bucket-size", "10", "-o", "/dev/null"]));
     assert!(
         err.contains("--reduce-bucket-size buckets data-parallel gradient reductions: it needs --dp 2 or more"),
         "{err}"

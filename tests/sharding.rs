@@ -8,7 +8,7 @@ use autotp_ir::{DType, Graph, Tensor};
 use autotp_passes::autodiff::Autodiff;
 use autotp_passes::loss::{AttachLoss, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer};
-use autotp_passes::shard::Shard;
+use autotp_passes::zero::{Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
 
 use crate::common::{fixture, max_abs_diff};
@@ -110,10 +110,15 @@ fn compare(arch: &str, shard: impl Pass + 'static) -> (f64, f64) {
     (worst_loss, worst_tensor)
 }
 
+/// Data parallelism with ZeRO stage 0: the batch inputs sharded over `dp` ranks.
+fn data_parallel(dp: usize) -> Zero {
+    Zero { dp, config: ZeroConfig::default(), batch_inputs: vec!["input_ids".into(), "labels".into()] }
+}
+
 #[test]
 fn data_parallel_steps_match_one_device() {
     for (arch, dp) in [("gpt2", 2), ("llama", 2), ("gpt2", 4), ("gpt_neox", 2)] {
-        let (loss, tensors) = compare(arch, Shard::data_parallel(dp, &["input_ids", "labels"]));
+        let (loss, tensors) = compare(arch, data_parallel(dp));
         println!("{arch} dp={dp}: loss {loss:.2e}, parameters and states {tensors:.2e} (worst relative)");
     }
 }
@@ -122,7 +127,7 @@ fn data_parallel_steps_match_one_device() {
 fn data_parallel_step_all_reduces_each_gradient_once() {
     let (mut graph, _) = training_step("gpt2");
     let params = graph.params().len();
-    Shard::data_parallel(2, &["input_ids", "labels"]).run(&mut graph).unwrap();
+    data_parallel(2).run(&mut graph).unwrap();
     let all_reduces = graph.nodes().filter(|(_, n)| matches!(n.op, autotp_ir::Op::Collective { .. })).count();
     // One per gradient, one for the loss; nothing is gathered or sliced but the loss's weights.
     // Each started (asynchronous) or run in place.

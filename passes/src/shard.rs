@@ -5,7 +5,7 @@
 //! ([`autotp_ir::sharding::reshard`]) wherever an op needs an operand in another placement.
 //! Outputs end replicated; each update ends in its target's placement.
 //!
-//! Data parallelism needs nothing else: with the batch sharded, weight gradients come out of the
+//! Data parallelism needs nothing else (the `zero` pass seeds it): with the batch sharded, weight gradients come out of the
 //! backward as partial sums, and the optimizer, whose state is replicated, asks for them
 //! replicated: one all-reduce per gradient (ZeRO stage 0).
 //!
@@ -42,16 +42,6 @@ pub struct Shard {
     /// Gradient all-reduces are merged into buckets of up to this many elements
     /// (`--reduce-bucket-size`); 0 reduces each gradient on its own.
     pub bucket_elements: usize,
-}
-
-impl Shard {
-    /// Data parallelism over a mesh axis `dp` of `size` ranks: the named batch inputs are
-    /// sharded on dim 0, everything else starts replicated.
-    pub fn data_parallel(size: usize, batch_inputs: &[&str]) -> Shard {
-        let mesh = Mesh { axes: vec![autotp_ir::MeshAxis { name: "dp".into(), size }] };
-        let seeds = batch_inputs.iter().map(|name| (name.to_string(), vec![Placement::Shard(0)])).collect();
-        Shard { mesh, seeds, regather_params: false, scatter_early: false, bucket_elements: 0 }
-    }
 }
 
 fn invalid(message: String) -> PassError {

@@ -65,19 +65,18 @@ fn optimized(graph: &Graph) -> Vec<(ValueId, Vec<ValueId>)> {
 }
 
 /// Adds ZeRO's placements on mesh axis `dp_axis` to `seeds` (which may already split
-/// parameters over other axes): optimizer states from stage 1, parameters at stage 3. Returns
-/// the parameters left whole because no dim fits.
+/// parameters over other axes): optimizer states from stage 1, parameters at stage 3. A tensor
+/// with no dim that fits stays whole.
 pub fn seed(
     graph: &Graph,
     mesh: &Mesh,
     dp_axis: usize,
     config: ZeroConfig,
     seeds: &mut BTreeMap<String, Vec<Placement>>,
-) -> Vec<String> {
+) {
     let dp = mesh.axes[dp_axis].size;
-    let mut whole = Vec::new();
     if config.stage == 0 {
-        return whole;
+        return;
     }
     for (param, states) in optimized(graph) {
         let name = graph.name_of(param).unwrap_or("").to_string();
@@ -86,7 +85,6 @@ pub fn seed(
         let local = autotp_ir::sharding::local_shape(mesh, shape, &placements);
         let taken = |d: usize| placements.contains(&Placement::Shard(d));
         let Some(dim) = (0..shape.len()).find(|&d| local[d].is_multiple_of(dp) && local[d] >= dp && !taken(d)) else {
-            whole.push(name);
             continue;
         };
         let mut sharded = placements.clone();
@@ -98,7 +96,6 @@ pub fn seed(
             seeds.insert(name, sharded);
         }
     }
-    whole
 }
 
 /// The `Shard` options of a stage.
