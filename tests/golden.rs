@@ -44,11 +44,12 @@ fn shard_spec(spec: &str) -> Shard {
             (name.to_string(), placements.split('/').map(placement).collect())
         })
         .collect();
-    Shard { mesh: Mesh { axes }, seeds, regather_params: false, scatter_early: false, bucket_elements: 0 }
+    Shard { mesh: Mesh { axes }, seeds, gather_params_on: None, scatter_early: false, bucket_elements: 0 }
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `autotp:TP` or `zero:DP:STAGE[:BUCKET:MAX_LIVE]`.
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `autotp:TP`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
+/// `optimize` (clipping at 1) / `optimize:noclip`.
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
@@ -82,7 +83,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         }
         "optimize" => Box::new(Optimize {
             optimizer: Optimizer::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
-            grad_clip: Some(1.0),
+            grad_clip: (argument != "noclip").then_some(1.0),
         }),
         other => panic!("unknown pass '{other}' in a golden file"),
     }

@@ -149,3 +149,73 @@ fn tensor_and_zero_parallel_steps_match_one_device() {
         );
     }
 }
+
+/// The vocabulary split: on every tensor-parallel rank, each value with a vocabulary-sized dim
+/// (the tables, the logits, the cross-entropy's intermediates, their gradients) holds only its
+/// block of it; only the class-index constants are whole, and they are sliced before use.
+#[test]
+fn no_rank_holds_the_whole_vocabulary() {
+    use autotp_ir::{Op, Placement};
+    use autotp_passes::autotp::AutoTp;
+    for arch in ["gpt2", "llama", "gpt_neox"] {
+        for dp in [1, 2] {
+            let (mut graph, _) = training_step_with(arch, true);
+            let batch_inputs = vec!["input_ids".into(), "labels".into()];
+            let zero = ZeroConfig { stage: 1, ..Default::default() };
+            AutoTp { tp: 2, dp, zero, batch_inputs }.run(&mut graph).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let tp = graph.mesh.axes.len() - 1;
+            let vocab = 1000;
+            for (id, value) in graph.values() {
+                let Some(dim) = value.ty.shape.iter().position(|&d| d == vocab) else { continue };
+                let is_constant =
+                    matches!(value.def, autotp_ir::Def::Node(n, _) if matches!(graph.node(n).op, Op::Constant { .. }));
+                if is_constant {
+                    continue;
+                }
+                assert_eq!(
+                    value.placements[tp],
+                    Placement::Shard(dim),
+                    "{arch} dp={dp}: value {} {} is whole on the tp ranks",
+                    id.index(),
+                    value.ty
+                );
+            }
+        }
+    }
+}
+
+/// A vocabulary that tp does not divide is refused, naming the table.
+#[test]
+fn an_indivisible_vocabulary_is_refused() {
+    use autotp_passes::autotp::AutoTp;
+    let text = "graph \"lm\" {
+  input %input_ids : i64[2,4]
+  param %embed : f32[15,8]
+  param %ln.weight : f32[8]
+  param %ln.bias : f32[8]
+  param %up.weight : f32[8,8]
+  param %down.weight : f32[8,8]
+  %0 = gather %embed, %input_ids {axis = 0} : f32[2,4,8]
+  %1 = layer_norm %0, %ln.weight, %ln.bias {axis = 2, eps = 1e-5} : f32[2,4,8]
+  %2 = matmul %1, %up.weight : f32[2,4,8]
+  %3 = gelu %2 : f32[2,4,8]
+  %4 = matmul %3, %down.weight : f32[2,4,8]
+  %5 = add %0, %4 : f32[2,4,8]
+  %6 = transpose %embed {perm = [1, 0]} : f32[8,15]
+  %7 = matmul %5, %6 : f32[2,4,15]
+  output \"logits\" = %7
+}
+";
+    let mut graph = autotp_ir::text::parse(text).unwrap();
+    let passes: Vec<Box<dyn Pass>> = vec![
+        Box::new(AttachLoss),
+        Box::new(Autodiff::new(LOSS)),
+        Box::new(Optimize {
+            optimizer: Optimizer::Sgd { momentum: 0.0, weight_decay: 0.0, nesterov: false },
+            grad_clip: None,
+        }),
+        Box::new(AutoTp { tp: 2, dp: 1, zero: ZeroConfig::default(), batch_inputs: vec![] }),
+    ];
+    let error = PassManager::new(passes).run(&mut graph).unwrap_err().to_string();
+    assert!(error.contains("'embed'") && error.contains("15") && error.contains("vocabulary"), "{error}");
+}

@@ -1,7 +1,7 @@
 //! autotp-codegen: lowers a verified IR graph to a runtime [`Program`].
 //!
 //! Each node becomes one instruction: a builtin kernel (chosen by
-//! [`autotp_ir::lower::kernel_for`], the same one the reference evaluator runs) or, for a
+//! [`autotp_ir::lower::node_kernel`], the same one the reference evaluator runs) or, for a
 //! collective, a communication step. A graph on a mesh lowers to one SPMD program that every
 //! rank runs: all shapes are local (`autotp_ir::sharding::local_type`), and slots record their
 //! global shape and placements so each rank loads and feeds its own block. Values get arena
@@ -177,14 +177,8 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
                 instructions.push(Instruction::Collective { op, input, output, label });
             }
         } else {
-            let types: Vec<TensorType> = node.inputs.iter().map(|&v| local(graph, v)).collect();
-            let out_types: Vec<TensorType> = node.outputs.iter().map(|&v| local(graph, v)).collect();
-            let kernel = autotp_ir::lower::kernel_for(
-                &node.op,
-                &types.iter().collect::<Vec<_>>(),
-                &out_types.iter().collect::<Vec<_>>(),
-            )
-            .expect("constants and collectives are handled apart");
+            let kernel =
+                autotp_ir::lower::node_kernel(graph, node).expect("constants and collectives are handled apart");
             instructions.push(Instruction::Kernel { kernel, inputs, outputs, label });
         }
         for v in std::mem::take(&mut by_last_use[id.index()]) {

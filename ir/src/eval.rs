@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use autotp_kernels::{AlignedBuf, KernelError};
+use autotp_kernels::{AlignedBuf, Kernel, KernelError};
 
 use crate::{Graph, Op, Tensor, TensorType};
 
@@ -42,6 +42,16 @@ pub(crate) fn run_kernel(op: &Op, inputs: &[&Tensor], out_types: &[TensorType]) 
     let types: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
     let out_refs: Vec<&TensorType> = out_types.iter().collect();
     let kernel = crate::lower::kernel_for(op, &types, &out_refs).expect("only constants have no kernel");
+    run(op, &kernel, inputs, out_types)
+}
+
+/// Runs `kernel` (computing `op`) on concrete inputs.
+pub(crate) fn run(
+    op: &Op,
+    kernel: &Kernel,
+    inputs: &[&Tensor],
+    out_types: &[TensorType],
+) -> Result<Vec<Tensor>, EvalError> {
     let mut bufs: Vec<AlignedBuf> = out_types.iter().map(|t| AlignedBuf::zeroed(t.size_bytes())).collect();
     {
         let ins: Vec<&[u8]> = inputs.iter().map(|t| t.bytes()).collect();

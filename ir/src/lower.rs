@@ -1,9 +1,31 @@
 //! Lowering of one op, with its input and output types, to the builtin kernel that computes
 //! it. The reference evaluator and codegen both use this, so they run identical kernels.
 
-use autotp_kernels::{AdamWConfig, ClassLossDims, Kernel, MatMulDims, SgdConfig};
+use autotp_kernels::{AdamWConfig, ClassLossDims, IndexBlock, Kernel, MatMulDims, SgdConfig};
 
-use crate::{Op, TensorType};
+use crate::sharding::local_type;
+use crate::{Graph, Node, Op, Placement, TensorType};
+
+/// The kernel of `node` on one rank of `graph`'s mesh (built from the node's local types), or
+/// `None` for constants and collectives. A gather whose table, or a scatter-add whose result,
+/// is split along the indexed axis gets an [`IndexBlock`] with start 0: each rank sets its own
+/// with [`Kernel::place_blocks`].
+pub fn node_kernel(graph: &Graph, node: &Node) -> Option<Kernel> {
+    let local = |v: &crate::ValueId| local_type(&graph.mesh, graph.ty(*v), &graph.value(*v).placements);
+    let inputs: Vec<TensorType> = node.inputs.iter().map(local).collect();
+    let outputs: Vec<TensorType> = node.outputs.iter().map(local).collect();
+    let mut kernel = kernel_for(&node.op, &inputs.iter().collect::<Vec<_>>(), &outputs.iter().collect::<Vec<_>>())?;
+    let split = match (&node.op, &mut kernel) {
+        (Op::Gather { axis }, Kernel::Gather { block, .. }) => Some((node.inputs[0], *axis, block)),
+        (Op::ScatterAdd { axis, .. }, Kernel::ScatterAdd { block, .. }) => Some((node.outputs[0], *axis, block)),
+        _ => None,
+    };
+    if let Some((table, axis, block)) = split {
+        let on = graph.value(table).placements.iter().position(|p| *p == Placement::Shard(axis));
+        *block = on.map(|mesh_axis| IndexBlock { mesh_axis, start: 0, global_len: graph.ty(table).shape[axis] });
+    }
+    Some(kernel)
+}
 
 fn product(dims: &[usize]) -> usize {
     dims.iter().product()
@@ -74,10 +96,16 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             sizes: outputs.iter().map(|t| t.shape[*axis]).collect(),
         },
         Op::Expand { .. } => Kernel::Expand { dtype, shape: shape(), out: out_shape() },
-        Op::Gather { axis } => Kernel::Gather { dtype, index_dtype: inputs[1].dtype, data: shape(), axis: *axis },
-        Op::ScatterAdd { axis, .. } => {
-            Kernel::ScatterAdd { dtype: inputs[1].dtype, index_dtype: inputs[0].dtype, out: out_shape(), axis: *axis }
+        Op::Gather { axis } => {
+            Kernel::Gather { dtype, index_dtype: inputs[1].dtype, data: shape(), axis: *axis, block: None }
         }
+        Op::ScatterAdd { axis, .. } => Kernel::ScatterAdd {
+            dtype: inputs[1].dtype,
+            index_dtype: inputs[0].dtype,
+            out: out_shape(),
+            axis: *axis,
+            block: None,
+        },
         Op::AdamW { beta1, beta2, eps, weight_decay } => Kernel::AdamW {
             dtype,
             config: AdamWConfig { beta1: *beta1, beta2: *beta2, eps: *eps, weight_decay: *weight_decay },

@@ -188,6 +188,10 @@ pub fn axis_rule(
                     AxisRule { inputs: vec![Shard(d), Replicate], outputs: vec![Shard(o)] }
                 }
                 (PartialSum, _) => AxisRule { inputs: vec![PartialSum, Replicate], outputs: vec![PartialSum] },
+                // The table split along the looked-up axis (a vocabulary-parallel embedding):
+                // each rank looks up the rows it holds and gives zeros for the others' (an
+                // `IndexBlock` kernel), so the ranks' results sum to the lookup.
+                (Shard(_), Replicate) => AxisRule { inputs: vec![current[0], Replicate], outputs: vec![PartialSum] },
                 _ => AxisRule::replicated(2, 1),
             }
         }
@@ -266,6 +270,25 @@ pub fn axis_rule(
             AxisRule { inputs: needs, outputs: vec![state; no] }
         }
     }
+}
+
+/// Whether `op`, with inputs in the placements its rule takes for a replicated output, can
+/// compute just a rank's block of that output along `dim` instead, with no communication (so
+/// a `shard_slice` of its result folds into it): an expand along a dim it broadcasts (the
+/// kernel broadcasts to the block), and a scatter-add along its axis (an `IndexBlock` kernel
+/// keeps the updates of the rows the rank holds; the gradient of a vocabulary-parallel
+/// embedding).
+pub fn computes_block(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType], dim: usize) -> bool {
+    let divisible = outputs.len() == 1 && dim < outputs[0].rank();
+    divisible
+        && match op {
+            Op::Expand { shape } => {
+                let offset = shape.len() - inputs[0].rank();
+                dim < offset || inputs[0].shape[dim - offset] == 1
+            }
+            Op::ScatterAdd { axis, .. } => dim == *axis,
+            _ => false,
+        }
 }
 
 fn matmul_rule(

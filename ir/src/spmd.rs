@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::eval::{run_kernel, EvalError};
+use crate::eval::{run, run_kernel, EvalError};
 use crate::sharding::local_type;
 use crate::{BinaryOp, Collective, Graph, Mesh, Op, Placement, Tensor, TensorType};
 
@@ -207,11 +207,19 @@ pub fn eval_spmd_step(
             op => {
                 let out_types: Vec<TensorType> =
                     node.outputs.iter().map(|&o| local_type(mesh, graph.ty(o), placements(o))).collect();
+                let kernel = crate::lower::node_kernel(graph, node);
                 let mut locals = Vec::with_capacity(world);
-                for rank_values in &values {
+                for (rank, rank_values) in values.iter().enumerate() {
                     let ins: Vec<&Tensor> =
                         node.inputs.iter().map(|v| rank_values[v.index()].as_ref().expect("defined")).collect();
-                    locals.push(run_kernel(op, &ins, &out_types)?);
+                    locals.push(match &kernel {
+                        Some(kernel) => {
+                            let mut kernel = kernel.clone();
+                            kernel.place_blocks(&coordinates(mesh, rank));
+                            run(op, &kernel, &ins, &out_types)?
+                        }
+                        None => run_kernel(op, &ins, &out_types)?,
+                    });
                 }
                 locals
             }

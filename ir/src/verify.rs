@@ -230,6 +230,22 @@ fn check_waits(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, S
 }
 
 /// Checks a node's placements against its sharding rule on every mesh axis.
+/// Whether a node's output placements are its rule's, or a block the op computes directly
+/// where the rule gives a replicated output ([`crate::sharding::computes_block`]).
+fn outputs_follow(
+    rule: &[Placement],
+    actual: &[Placement],
+    op: &crate::Op,
+    types: &[&crate::TensorType],
+    out_types: &[&crate::TensorType],
+) -> bool {
+    rule.len() == actual.len()
+        && rule.iter().zip(actual).all(|(r, a)| match (r, a) {
+            (Placement::Replicate, Placement::Shard(d)) => crate::sharding::computes_block(op, types, out_types, *d),
+            _ => r == a,
+        })
+}
+
 fn check_placements(graph: &Graph, node: &crate::Node, at: &str, err: &mut impl FnMut(String, String)) {
     if let Op::Collective { axis, .. } = &node.op {
         if !graph.mesh.axes.iter().any(|a| &a.name == axis) {
@@ -246,7 +262,7 @@ fn check_placements(graph: &Graph, node: &crate::Node, at: &str, err: &mut impl 
         if rule.inputs != current {
             let show: Vec<String> = rule.inputs.iter().map(|p| p.to_string()).collect();
             err(at.to_string(), format!("needs its inputs as [{}] on mesh axis {}", show.join(", "), axis.name));
-        } else if rule.outputs != actual {
+        } else if !outputs_follow(&rule.outputs, &actual, &node.op, &types, &out_types) {
             let show: Vec<String> = rule.outputs.iter().map(|p| p.to_string()).collect();
             err(
                 at.to_string(),

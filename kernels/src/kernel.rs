@@ -36,10 +36,26 @@ pub enum Kernel {
     Split { dtype: DType, shape: Vec<usize>, axis: usize, sizes: Vec<usize> },
     /// `[x] -> [broadcast(x, out)]`
     Expand { dtype: DType, shape: Vec<usize>, out: Vec<usize> },
-    /// `[data, indices] -> [take(data, indices, axis)]`
-    Gather { dtype: DType, index_dtype: DType, data: Vec<usize>, axis: usize },
-    /// `[indices, updates] -> [zeros(out) with updates added at indices along axis]`
-    ScatterAdd { dtype: DType, index_dtype: DType, out: Vec<usize>, axis: usize },
+    /// `[data, indices] -> [take(data, indices, axis)]`; with a `block`, `data` is that block of
+    /// the table and rows outside it read as zeros.
+    Gather {
+        dtype: DType,
+        index_dtype: DType,
+        data: Vec<usize>,
+        axis: usize,
+        #[serde(default)]
+        block: Option<IndexBlock>,
+    },
+    /// `[indices, updates] -> [zeros(out) with updates added at indices along axis]`; with a
+    /// `block`, `out` is that block of the result and updates outside it are skipped.
+    ScatterAdd {
+        dtype: DType,
+        index_dtype: DType,
+        out: Vec<usize>,
+        axis: usize,
+        #[serde(default)]
+        block: Option<IndexBlock>,
+    },
     /// `[data, indices] -> [take_along_axis(data, indices, axis)]`
     GatherElements { dtype: DType, index_dtype: DType, data: Vec<usize>, indices: Vec<usize>, axis: usize },
     /// `[x] -> [pad(x, value)]`
@@ -64,7 +80,41 @@ pub enum Kernel {
     NllLoss { dtype: DType, label_dtype: DType, dims: ClassLossDims, weighted: bool },
 }
 
+/// One rank's block, along the indexed axis, of a table split over a mesh axis (a
+/// vocabulary-parallel embedding): indices stay global, and the kernel serves those in
+/// `[start, start + block length)`. Every rank runs the same program, so the program stores
+/// `start` 0 and each rank sets its own with [`Kernel::place_blocks`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexBlock {
+    /// The mesh axis whose coordinate picks the block.
+    pub mesh_axis: usize,
+    /// The global index of the block's first row.
+    pub start: usize,
+    /// The length of the whole indexed axis.
+    pub global_len: usize,
+}
+
 impl Kernel {
+    /// Sets the start of an [`IndexBlock`] kernel's block for the rank at `coords` (its
+    /// coordinate on every mesh axis); other kernels are unchanged.
+    pub fn place_blocks(&mut self, coords: &[usize]) {
+        if let Kernel::Gather { data: shape, axis, block: Some(block), .. }
+        | Kernel::ScatterAdd { out: shape, axis, block: Some(block), .. } = self
+        {
+            let coordinate = coords.get(block.mesh_axis).copied().unwrap_or(0);
+            block.start = coordinate * shape[*axis];
+        }
+    }
+
+    /// The rows this kernel's table (gather) or result (scatter-add) holds.
+    fn rows(shape: &[usize], axis: usize, block: &Option<IndexBlock>) -> crate::movement::Rows {
+        let len = shape[axis];
+        match block {
+            Some(b) => crate::movement::Rows { start: b.start, len, global_len: b.global_len },
+            None => crate::movement::Rows { start: 0, len, global_len: len },
+        }
+    }
+
     /// A short name for profiles and error messages.
     pub fn name(&self) -> &'static str {
         match self {
@@ -202,7 +252,7 @@ impl Kernel {
                 }
                 exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
             }
-            Kernel::Gather { dtype, index_dtype, data, axis } => {
+            Kernel::Gather { dtype, index_dtype, data, axis, .. } => {
                 let ([data_len, index_len], [out_len]) = (inputs, outputs) else { return fail };
                 if !axis_ok(*axis, data.len()) || index_len % index_dtype.size() != 0 {
                     return fail;
@@ -215,7 +265,7 @@ impl Kernel {
                     fail
                 }
             }
-            Kernel::ScatterAdd { dtype, index_dtype, out, axis } => {
+            Kernel::ScatterAdd { dtype, index_dtype, out, axis, .. } => {
                 let ([index_len, updates_len], [out_len]) = (inputs, outputs) else { return fail };
                 if !axis_ok(*axis, out.len()) || index_len % index_dtype.size() != 0 {
                     return fail;
@@ -379,13 +429,15 @@ impl Kernel {
                 arity(1, 1)?;
                 crate::movement::expand(*dtype, shape, out, inputs[0], outputs[0])
             }
-            Kernel::Gather { dtype, index_dtype, data, axis } => {
+            Kernel::Gather { dtype, index_dtype, data, axis, block } => {
                 arity(2, 1)?;
-                crate::movement::gather(*dtype, *index_dtype, data, *axis, inputs[0], inputs[1], outputs[0])
+                let rows = Kernel::rows(data, *axis, block);
+                crate::movement::gather(*dtype, *index_dtype, data, *axis, rows, inputs[0], inputs[1], outputs[0])
             }
-            Kernel::ScatterAdd { dtype, index_dtype, out, axis } => {
+            Kernel::ScatterAdd { dtype, index_dtype, out, axis, block } => {
                 arity(2, 1)?;
-                crate::movement::scatter_add(*dtype, *index_dtype, out, *axis, inputs[0], inputs[1], outputs[0])
+                let rows = Kernel::rows(out, *axis, block);
+                crate::movement::scatter_add(*dtype, *index_dtype, out, *axis, rows, inputs[0], inputs[1], outputs[0])
             }
             Kernel::GatherElements { dtype, index_dtype, data, indices, axis } => {
                 arity(2, 1)?;
@@ -454,5 +506,47 @@ fn loss_bytes(dtype: DType, dims: &ClassLossDims) -> usize {
     match dims.reduction {
         crate::Reduction::None => dims.n * dims.inner * dtype.size(),
         _ => dtype.size(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(bytes: &[u8]) -> Vec<f32> {
+        bytes.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+
+    /// Rank 1 of 2 holds rows 2 and 3 of a 4-row table: indices stay global, other rows read as
+    /// zeros, negative indices count back from the whole table.
+    #[test]
+    fn index_blocks_serve_their_rows() {
+        let block = IndexBlock { mesh_axis: 0, start: 0, global_len: 4 };
+        let mut gather = Kernel::Gather {
+            dtype: DType::F32,
+            index_dtype: DType::I64,
+            data: vec![2, 2],
+            axis: 0,
+            block: Some(block),
+        };
+        gather.place_blocks(&[1]);
+        let table: Vec<u8> = [20.0f32, 21.0, 30.0, 31.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let indices: Vec<u8> = [3i64, 0, -2].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut out = vec![0u8; 3 * 2 * 4];
+        gather.run(&[&table, &indices], &mut [&mut out]).unwrap();
+        assert_eq!(f32s(&out), [30.0, 31.0, 0.0, 0.0, 20.0, 21.0]);
+
+        let mut scatter = Kernel::ScatterAdd {
+            dtype: DType::F32,
+            index_dtype: DType::I64,
+            out: vec![2, 2],
+            axis: 0,
+            block: Some(block),
+        };
+        scatter.place_blocks(&[1]);
+        let updates: Vec<u8> = [1.0f32, 2.0, 5.0, 6.0, 7.0, 8.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut grad = vec![0u8; 2 * 2 * 4];
+        scatter.run(&[&indices, &updates], &mut [&mut grad]).unwrap();
+        assert_eq!(f32s(&grad), [7.0, 8.0, 1.0, 2.0]);
     }
 }

@@ -24,7 +24,7 @@ pub mod shape;
 
 pub use buffer::{view, view_mut, AlignedBuf};
 pub use dtype::DType;
-pub use kernel::Kernel;
+pub use kernel::{IndexBlock, Kernel};
 pub use matmul::MatMulDims;
 pub use nn::ClassLossDims;
 pub use ops::{BinaryOp, GeluApprox, ReduceOp, Reduction, UnaryOp};

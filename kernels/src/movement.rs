@@ -176,43 +176,72 @@ fn resolved_indices(
     read_indices(index_dtype, indices)?.into_iter().map(|i| resolve_index(i, bound, kernel)).collect()
 }
 
-/// `out[o, i, r] = data[o, indices[i], r]` over `[outer, axis, inner]`.
+/// The rows of a table that one kernel holds along its indexed axis: all of them, or one
+/// rank's block of a table split along that axis (a vocabulary-parallel embedding).
+#[derive(Clone, Copy)]
+pub(crate) struct Rows {
+    /// The global index of the first row held.
+    pub start: usize,
+    /// Rows held.
+    pub len: usize,
+    /// Rows of the whole table (negative indices count back from it).
+    pub global_len: usize,
+}
+
+impl Rows {
+    /// The held row that global index `i` names, if this kernel holds it.
+    fn local(&self, i: usize) -> Option<usize> {
+        i.checked_sub(self.start).filter(|&l| l < self.len)
+    }
+}
+
+/// `out[o, i, r] = data[o, indices[i], r]` over `[outer, axis, inner]`; rows another rank holds
+/// read as zeros.
+// The shapes, rows and buffers are all distinct inputs of this kernel.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gather(
     dtype: DType,
     index_dtype: DType,
     data_shape: &[usize],
     axis: usize,
+    rows: Rows,
     data: &[u8],
     indices: &[u8],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let len = data_shape[axis];
-    let resolved = resolved_indices(index_dtype, indices, len, "gather")?;
+    let resolved = resolved_indices(index_dtype, indices, rows.global_len, "gather")?;
     let inner = numel(&data_shape[axis + 1..]) * dtype.size();
     if inner == 0 {
         return Ok(());
     }
     out.par_chunks_mut(inner).with_min_len(rows_per_task(inner)).enumerate().for_each(|(row, o)| {
         let (outer_idx, i) = (row / resolved.len(), row % resolved.len());
-        let src = (outer_idx * len + resolved[i]) * inner;
-        o.copy_from_slice(&data[src..src + inner]);
+        match rows.local(resolved[i]) {
+            Some(local) => {
+                let src = (outer_idx * rows.len + local) * inner;
+                o.copy_from_slice(&data[src..src + inner]);
+            }
+            None => o.fill(0),
+        }
     });
     Ok(())
 }
 
 /// The gradient of `gather`: `out[o, indices[i], r] += updates[o, i, r]` into zeros of shape
-/// `[outer, size, inner]` (`updates` is `[outer, indices, inner]`).
+/// `[outer, size, inner]` (`updates` is `[outer, indices, inner]`); updates of rows another rank
+/// holds are skipped.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn scatter_add(
     dtype: DType,
     index_dtype: DType,
     out_shape: &[usize],
     axis: usize,
+    rows: Rows,
     indices: &[u8],
     updates: &[u8],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let size = out_shape[axis];
-    let resolved = resolved_indices(index_dtype, indices, size, "scatter_add")?;
+    let resolved = resolved_indices(index_dtype, indices, rows.global_len, "scatter_add")?;
     let outer: usize = out_shape[..axis].iter().product();
     let inner = numel(&out_shape[axis + 1..]);
     out.fill(0);
@@ -221,10 +250,11 @@ pub(crate) fn scatter_add(
             let updates = view::<T>(updates);
             let out = view_mut::<T>(out)?;
             // Rows of one outer index write disjoint output blocks: parallel over `outer`.
-            out.par_chunks_mut((size * inner).max(1)).with_min_len(1).enumerate().take(outer).for_each(|(o, block)| {
+            out.par_chunks_mut((rows.len * inner).max(1)).with_min_len(1).enumerate().take(outer).for_each(|(o, block)| {
                 for (i, &target) in resolved.iter().enumerate() {
+                    let Some(local) = rows.local(target) else { continue };
                     let src = &updates[(o * resolved.len() + i) * inner..][..inner];
-                    for (d, s) in block[target * inner..][..inner].iter_mut().zip(src) {
+                    for (d, s) in block[local * inner..][..inner].iter_mut().zip(src) {
                         *d = crate::scalar::Num::add(*d, *s);
                     }
                 }

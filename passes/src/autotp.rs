@@ -14,7 +14,8 @@
 //! and inserts whatever collective a layout needs. The match only decides what is split; where a
 //! split cannot hold inside a block (tp not dividing the heads or the key/value heads), the
 //! forward pass would need an all-gather there, and the pass refuses with the value and why.
-//! The embedding and the LM head stay replicated (a vocabulary-parallel split is to come).
+//! The token embedding, the LM head and the cross-entropy split over the vocabulary
+//! ([`crate::vocab`]).
 //!
 //! Input phase: a training step (after `optimize`). Output: the step on the mesh `[dp, tp]`.
 //! Tests: tests/golden/autotp_*.ir, tests/parallel.rs.
@@ -198,17 +199,47 @@ impl AutoTp {
         if explained.is_empty() {
             return Err(invalid("found no column- and row-parallel weights to split (no Megatron block)".into()));
         }
+        let vocab = crate::vocab::find(graph);
+        if let Some(split) = &vocab {
+            let name = |v: ValueId| graph.name_of(v).unwrap_or("").to_string();
+            let mut entries = vec![Explained {
+                weight: name(split.head.0),
+                placement: Placement::Shard(split.head.1),
+                reason: "vocabulary-parallel LM head: its matmul makes the cross-entropy's scores".into(),
+            }];
+            for &table in split.embeddings.iter().filter(|&&t| t != split.head.0) {
+                entries.push(Explained {
+                    weight: name(table),
+                    placement: Placement::Shard(0),
+                    reason: "vocabulary-parallel embedding: looked up by token ids".into(),
+                });
+            }
+            if split.embeddings.contains(&split.head.0) {
+                entries[0].reason += " (tied: also the token embedding)";
+            }
+            explained.extend(entries);
+        }
         for e in &explained {
             let ty = graph.ty(param_by_name(graph, &e.weight));
             if let Placement::Shard(d) = e.placement {
                 if !ty.shape[d].is_multiple_of(self.tp) {
+                    let hint = if e.reason.starts_with("vocabulary") {
+                        "; pad the vocabulary to a multiple of tp (Megatron's --make-vocab-size-divisible-by)"
+                    } else {
+                        ""
+                    };
                     return Err(invalid(format!(
-                        "cannot split weight '{}' {ty} over tp={}: dim {d} of size {} is not divisible ({})",
+                        "cannot split weight '{}' {ty} over tp={}: dim {d} of size {} is not divisible ({}){hint}",
                         e.weight, self.tp, ty.shape[d], e.reason
                     )));
                 }
             }
         }
+        let split_step = match &vocab {
+            Some(split) => crate::vocab::split_cross_entropy(graph, split, self.tp)?,
+            None => graph.clone(),
+        };
+        let graph = &split_step;
         let seeds_for = |explained: &[Explained]| {
             let mut seeds: BTreeMap<String, Vec<Placement>> = BTreeMap::new();
             for name in &self.batch_inputs {
@@ -228,13 +259,14 @@ impl AutoTp {
             }
             seeds
         };
-        let (regather_params, scatter_early) = crate::zero::shard_options(self.zero.stage);
+        let (gather_params_on, scatter_early) =
+            if self.dp > 1 { crate::zero::shard_options(self.zero.stage, 0) } else { (None, false) };
         for _ in 0..4 {
             let mut sharded = graph.clone();
             Shard {
                 mesh: mesh.clone(),
                 seeds: seeds_for(&explained),
-                regather_params,
+                gather_params_on,
                 scatter_early,
                 bucket_elements: self.zero.reduce_bucket_elements,
             }
@@ -281,7 +313,7 @@ fn sliced_params(graph: &Graph, tp_axis: usize) -> Vec<(String, Placement)> {
 
 /// The parameter `v` is a view of (through transposes, unit-dim reshapes, slices that keep
 /// `dim` whole and gathers over other axes), and the parameter dim that `dim` of `v` is.
-fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Option<(ValueId, usize)> {
+pub(crate) fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Option<(ValueId, usize)> {
     for _ in 0..4 {
         if graph.params().contains(&v) {
             return Some((v, dim));
@@ -323,6 +355,14 @@ fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
         let Op::Collective { kind: Collective::AllGather { dim }, axis, .. } = &node.op else { continue };
         if axis != "tp" || !forward[node.outputs[0].index()] {
             continue;
+        }
+        // Each rank's maximum of its block of the vocabulary (the split cross-entropy's row
+        // maximum) is a statistic, not a split tensor.
+        let statistic = |n: &autotp_ir::Node| matches!(n.op, Op::Reduce { op: autotp_ir::ReduceOp::Max, .. });
+        if let autotp_ir::Def::Node(p, _) = graph.value(node.inputs[0]).def {
+            if statistic(graph.node(p)) {
+                continue;
+            }
         }
         let input = node.inputs[0];
         let (consumer, result) = graph

@@ -22,6 +22,8 @@ pub mod loss;
 pub mod optimize;
 pub mod recognize;
 pub mod shard;
+mod sink_slices;
+mod vocab;
 pub mod zero;
 
 use std::time::Instant;

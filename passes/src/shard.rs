@@ -9,7 +9,9 @@
 //! backward as partial sums, and the optimizer, whose state is replicated, asks for them
 //! replicated: one all-reduce per gradient (ZeRO stage 0).
 //!
-//! Optimizer state without a seed of its own is placed like its parameter.
+//! Optimizer state without a seed of its own is placed like its parameter. A value computed
+//! whole and then sliced is sliced earlier where that gives the same block
+//! ([`crate::sink_slices`]).
 //!
 //! A mean loss over sharded positions is not the sum of the ranks' means, so `cross_entropy` and
 //! `nll_loss` with mean reduction (and no class weights) first become a sum divided by the
@@ -22,8 +24,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use autotp_ir::sharding::{axis_rule, reshard};
-use autotp_ir::{BinaryOp, Graph, Mesh, Op, Placement, ReduceOp, Reduction, Rewriter, Tensor, UnaryOp, ValueId};
+use autotp_ir::sharding::{axis_rule, computes_block, reshard};
+use autotp_ir::{
+    BinaryOp, Collective, Graph, Mesh, Op, Placement, ReduceOp, Reduction, Rewriter, Tensor, UnaryOp, ValueId,
+};
 
 use crate::{Pass, PassError};
 
@@ -33,9 +37,10 @@ pub struct Shard {
     pub mesh: Mesh,
     /// Placements of graph inputs, parameters and states, by name; the rest are replicated.
     pub seeds: BTreeMap<String, Vec<Placement>>,
-    /// Gather a sharded parameter again for every use instead of keeping one gathered copy
-    /// (ZeRO stage 3: the forward's copy is released and the backward gathers anew).
-    pub regather_params: bool,
+    /// ZeRO stage 3: parameters sharded over this mesh axis are gathered whole on it before
+    /// every use but their own update, anew for each use (the forward's copy is released and the
+    /// backward gathers again).
+    pub gather_params_on: Option<usize>,
     /// Reduce-scatter a gradient into its shard where it is made (ZeRO stage 2 and 3), rather
     /// than at the optimizer, after the whole backward (stage 1 keeps full gradients).
     pub scatter_early: bool,
@@ -109,8 +114,8 @@ struct Placer<'g> {
     resharded: BTreeMap<(ValueId, usize, Placement), ValueId>,
     /// New node outputs -> the source values they place.
     origin: BTreeMap<ValueId, ValueId>,
-    /// Parameters are gathered anew for every use (see [`Shard::regather_params`]).
-    regather_params: bool,
+    /// See [`Shard::gather_params_on`].
+    gather_params_on: Option<usize>,
 }
 
 impl Placer<'_> {
@@ -130,7 +135,7 @@ impl Placer<'_> {
         if from == to {
             return Ok(v);
         }
-        let fresh = self.regather_params && self.rw.graph().params().contains(&v);
+        let fresh = self.gather_params_on.is_some() && self.rw.graph().params().contains(&v);
         if let Some(&done) = self.resharded.get(&(v, a, to)).filter(|_| !fresh) {
             return Ok(done);
         }
@@ -232,9 +237,10 @@ impl Pass for Shard {
         // Place once to learn which partial sums some consumer needs whole, then again reducing
         // those right where they are made, so every consumer shares the one reduction (a
         // gradient feeding both a weight's update and the next layer's backward).
-        let (first, origin) = place(&source, &self.mesh, None, self.regather_params)?;
-        let eager = reductions(&first, &origin, self.scatter_early);
-        let (placed, _) = place(&source, &self.mesh, Some(&eager), self.regather_params)?;
+        let (first, origin) = place(&source, &self.mesh, None, self.gather_params_on)?;
+        let hints = Hints { eager: reductions(&first, &origin, self.scatter_early), blocks: blocks(&first, &origin) };
+        let (placed, _) = place(&source, &self.mesh, Some(&hints), self.gather_params_on)?;
+        let placed = crate::sink_slices::sink_slices(&placed)?;
         let bucketed = bucket_reductions(&placed, self.bucket_elements)?;
         let result = overlap_reductions(&bucketed)?;
         *graph = result;
@@ -242,30 +248,47 @@ impl Pass for Shard {
     }
 }
 
+/// What a first placement learned, for the final one. Keys are (source value, mesh axis).
+#[derive(Default)]
+struct Hints {
+    /// The placement a partial sum is reduced to as soon as it is made ([`reductions`]).
+    eager: BTreeMap<(ValueId, usize), Placement>,
+    /// The dim whose block a value's op computes directly, rather than computing the value
+    /// whole for a consumer that slices it ([`blocks`]).
+    blocks: BTreeMap<(ValueId, usize), usize>,
+}
+
 /// Places every value of `source` (already seeded) by the rules, resharding operands as needed.
-/// `eager` maps (source value, mesh axis) to the placement a partial sum is reduced to as soon
-/// as it is made; without it (the discovery pass) every consumer states its own need, none
-/// reusing another's reduction. Returns the placed graph and, for its node outputs, the source
-/// values they place.
+/// Without `hints` (the discovery pass) every consumer states its own need, none reusing
+/// another's reduction. Returns the placed graph and, for its node outputs, the source values
+/// they place.
 fn place(
     source: &Graph,
     mesh: &Mesh,
-    eager: Option<&BTreeMap<(ValueId, usize), Placement>>,
-    regather_params: bool,
+    hints: Option<&Hints>,
+    gather_params_on: Option<usize>,
 ) -> Result<(Graph, BTreeMap<ValueId, ValueId>), PassError> {
-    let no_eager = BTreeMap::new();
-    let discovering = eager.is_none();
-    let eager = eager.unwrap_or(&no_eager);
+    let no_hints = Hints::default();
+    let discovering = hints.is_none();
+    let Hints { eager, blocks } = hints.unwrap_or(&no_hints);
     let replicated = mesh.replicated();
     let mut placer = Placer {
         rw: Rewriter::new(source, |_| true),
         mesh: mesh.clone(),
         resharded: BTreeMap::new(),
         origin: BTreeMap::new(),
-        regather_params,
+        gather_params_on,
     };
     for (_, node) in source.nodes() {
         let mut inputs: Vec<ValueId> = node.inputs.iter().map(|&v| placer.rw.map(v)).collect();
+        if let Some(z) = gather_params_on.filter(|_| !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. })) {
+            for v in inputs.iter_mut() {
+                let g = placer.rw.graph();
+                if g.params().contains(v) && matches!(g.value(*v).placements[z], Placement::Shard(_)) {
+                    *v = placer.reshard(*v, z, Placement::Replicate)?;
+                }
+            }
+        }
         let mut out_placements = vec![replicated.clone(); node.outputs.len()];
         for (a, axis) in mesh.axes.iter().enumerate() {
             // A partial sum that was already reduced for another consumer is used reduced:
@@ -287,8 +310,17 @@ fn place(
             for (i, &want) in rule.inputs.iter().enumerate() {
                 inputs[i] = placer.reshard(inputs[i], a, want)?;
             }
-            for (o, p) in out_placements.iter_mut().zip(rule.outputs) {
-                o[a] = p;
+            for ((o, p), old) in out_placements.iter_mut().zip(rule.outputs).zip(&node.outputs) {
+                o[a] = match blocks.get(&(*old, a)) {
+                    Some(&d)
+                        if p == Placement::Replicate
+                            && !o.contains(&Placement::Shard(d))
+                            && computes_block(&node.op, &type_refs, &out_types, d) =>
+                    {
+                        Placement::Shard(d)
+                    }
+                    _ => p,
+                };
             }
         }
         let g = placer.rw.graph();
@@ -402,6 +434,60 @@ fn reductions(
         }
     }
     eager.into_iter().filter_map(|((v, a), target)| origin.get(&v).map(|&o| ((o, a), target))).collect()
+}
+
+/// Values a consumer slices that their op could make as just the block, from a first
+/// placement: from each `shard_slice` (or `reduce_scatter`: the discovery placement reduces
+/// nothing early, so a block of a gradient is often scattered there), up through collectives on
+/// other axes and elementwise ops (along the operand that is not broadcast on the sliced dim)
+/// to an op that computes blocks
+/// ([`autotp_ir::sharding::computes_block`]; the scatter-add of a vocabulary-parallel
+/// embedding's gradient, whose clipped copy the optimizer slices).
+fn blocks(placed: &Graph, origin: &BTreeMap<ValueId, ValueId>) -> BTreeMap<(ValueId, usize), usize> {
+    let mut found = BTreeMap::new();
+    for (_, node) in placed.nodes() {
+        let (Op::Collective { kind: Collective::ShardSlice { dim }, axis, .. }
+        | Op::Collective { kind: Collective::ReduceScatter { dim }, axis, .. }) = &node.op
+        else {
+            continue;
+        };
+        let Some(a) = placed.mesh.axes.iter().position(|x| &x.name == axis) else { continue };
+        let (mut v, mut d) = (node.inputs[0], *dim);
+        while let autotp_ir::Def::Node(p, 0) = placed.value(v).def {
+            let producer = placed.node(p);
+            let types: Vec<_> = producer.inputs.iter().map(|&i| placed.ty(i)).collect();
+            let out = placed.ty(v);
+            if computes_block(&producer.op, &types, &[out], d) {
+                if let Some(&o) = origin.get(&v) {
+                    found.insert((o, a), d);
+                }
+                break;
+            }
+            if let Op::Collective { kind, axis: other, .. } = &producer.op {
+                // A reduction or gather over another axis that leaves the dim alone.
+                let keeps_dim = match kind {
+                    Collective::AllReduce => true,
+                    Collective::AllGather { dim: e } | Collective::ReduceScatter { dim: e } => *e != d,
+                    Collective::ShardSlice { .. } => false,
+                };
+                if other == axis || !keeps_dim {
+                    break;
+                }
+                v = producer.inputs[0];
+                continue;
+            }
+            if !matches!(producer.op, Op::Unary(_) | Op::Binary(_) | Op::Cast { .. } | Op::Select) {
+                break;
+            }
+            let along = types.iter().enumerate().find_map(|(i, t)| {
+                let e = d.checked_sub(out.rank() - t.rank())?;
+                (t.shape[e] == out.shape[d]).then_some((producer.inputs[i], e))
+            });
+            let Some((operand, e)) = along else { break };
+            (v, d) = (operand, e);
+        }
+    }
+    found
 }
 
 /// Makes each all-reduce and reduce-scatter that has work to overlap asynchronous: it starts

@@ -98,9 +98,10 @@ pub fn seed(
     }
 }
 
-/// The `Shard` options of a stage.
-pub fn shard_options(stage: u8) -> (bool, bool) {
-    (stage == 3, stage >= 2)
+/// The `Shard` options of a stage with data parallelism on mesh axis `dp_axis`:
+/// (`gather_params_on`, `scatter_early`).
+pub fn shard_options(stage: u8, dp_axis: usize) -> (Option<usize>, bool) {
+    ((stage == 3).then_some(dp_axis), stage >= 2)
 }
 
 fn invalid(message: String) -> PassError {
@@ -120,8 +121,8 @@ impl Pass for Zero {
         let mut seeds: BTreeMap<String, Vec<Placement>> =
             self.batch_inputs.iter().map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
         seed(graph, &mesh, 0, self.config, &mut seeds);
-        let (regather_params, scatter_early) = shard_options(self.config.stage);
-        Shard { mesh, seeds, regather_params, scatter_early, bucket_elements: self.config.reduce_bucket_elements }
+        let (gather_params_on, scatter_early) = shard_options(self.config.stage, 0);
+        Shard { mesh, seeds, gather_params_on, scatter_early, bucket_elements: self.config.reduce_bucket_elements }
             .run(graph)?;
         if self.config.stage == 3 {
             *graph = schedule_prefetch(graph, self.config.prefetch)?;

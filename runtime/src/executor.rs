@@ -105,8 +105,17 @@ impl Executor {
         Executor::build(program, Some((rank, comm)))
     }
 
-    fn build(program: Program, rank: Option<(usize, Arc<LocalComm>)>) -> Result<Executor, RuntimeError> {
+    fn build(mut program: Program, rank: Option<(usize, Arc<LocalComm>)>) -> Result<Executor, RuntimeError> {
         program.validate()?;
+        if let Some((r, comm)) = &rank {
+            // Kernels that serve one block of a split table start at this rank's block.
+            let coords = comm.coordinates(*r);
+            for instruction in &mut program.instructions {
+                if let Instruction::Kernel { kernel, .. } = instruction {
+                    kernel.place_blocks(&coords);
+                }
+            }
+        }
         let mut arena = AlignedBuf::zeroed(program.memory.arena_bytes);
         for c in &program.constants {
             arena.as_mut_slice()[c.region.offset..c.region.end()].copy_from_slice(&c.bytes);
