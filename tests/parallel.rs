@@ -292,26 +292,37 @@ fn zero_3_prefetch_budgets() {
     println!("gpt2 dp=2 zero 3, prefetch 1e4 / live 1e5: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
 }
 
-/// `--reduce-bucket-size` merges gradient all-reduces into fewer, bigger ones moving the same
-/// bytes (the training tests above run with DeepSpeed's default buckets).
+/// `--reduce-bucket-size` merges gradient reductions into fewer, bigger ones moving the same
+/// bytes: all-reduces (ZeRO 0) and, at stage 2, reduce-scatters (the training tests above run
+/// with DeepSpeed's default buckets, so bucketed steps train like one rank).
 #[test]
-fn gradient_buckets_merge_all_reduces() {
+fn gradient_buckets_merge_reductions() {
     let dir = scratch("parallel-buckets");
     let model = fixture("gpt2", "model.onnx");
-    let compile = |bucket: &str| {
-        let (plan, report) = (dir.join(format!("{bucket}.atp")), dir.join(format!("{bucket}.json")));
+    let compile = |zero: &str, bucket: &str, kind: &str| {
+        let (plan, report) = (dir.join(format!("{zero}-{bucket}.atp")), dir.join(format!("{zero}-{bucket}.json")));
         let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2"];
-        let extra =
-            ["--reduce-bucket-size", bucket, "--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()];
+        let extra = [
+            "--zero",
+            zero,
+            "--reduce-bucket-size",
+            bucket,
+            "--report",
+            report.to_str().unwrap(),
+            "-o",
+            plan.to_str().unwrap(),
+        ];
         let out = success(autotp(&[&args[..], &extra[..]].concat()));
         let json = read_report(&report);
-        (collectives(&out, "all_reduce"), json["ranks"][0]["comm_bytes_per_step"]["all_reduce"].as_u64().unwrap())
+        (collectives(&out, kind), json["ranks"][0]["comm_bytes_per_step"][kind].as_u64().unwrap())
     };
-    let (separate, bytes) = compile("0");
-    let (bucketed, bucketed_bytes) = compile("500000000");
-    assert_eq!(separate, 29, "one per gradient and the loss");
-    assert!(bucketed < separate, "{bucketed} all-reduces with buckets, {separate} without");
-    assert_eq!(bucketed_bytes, bytes, "the same bytes travel");
+    for (zero, kind, unbucketed) in [("0", "all_reduce", 29), ("2", "reduce_scatter", 28)] {
+        let (separate, bytes) = compile(zero, "0", kind);
+        let (bucketed, bucketed_bytes) = compile(zero, "500000000", kind);
+        assert_eq!(separate, unbucketed, "zero {zero}: one {kind} per gradient (and the loss)");
+        assert!(bucketed < separate, "zero {zero}: {bucketed} {kind}s with buckets, {separate} without");
+        assert_eq!(bucketed_bytes, bytes, "zero {zero}: the same bytes travel");
+    }
     let err = failure(compile_gpt2(&["--reduce-bucket-size", "10", "-o", "/dev/null"]));
     assert!(
         err.contains("--reduce-bucket-size buckets data-parallel gradient reductions: it needs --dp 2 or more"),

@@ -562,10 +562,13 @@ fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
     Ok(rw.finish())
 }
 
-/// Merges all-reduces into buckets of up to `bucket_elements` (DeepSpeed's reduce buckets): a
-/// run of all-reduces on one axis of values partial there and whole on every other axis, whose
-/// results are first needed after the run, becomes one all-reduce of their flattened
-/// concatenation, split and reshaped back. Fewer, bigger collectives; the same bytes.
+/// Merges gradient reductions into buckets of up to `bucket_elements` (DeepSpeed's reduce
+/// buckets): a run of all-reduces, or of reduce-scatters, on one axis of values partial there
+/// and whole on every other axis, whose results are first needed after the run, becomes one
+/// collective of their concatenation, split and reshaped back. An all-reduce bucket concatenates
+/// the flattened values; a reduce-scatter bucket first lays each value out as `[n, numel / n]`
+/// (its scattered dim moved to the front), so row `r` of the concatenation is rank `r`'s shard
+/// of every member. Fewer, bigger collectives; the same bytes.
 fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, PassError> {
     if bucket_elements == 0 {
         return Ok(graph.clone());
@@ -574,9 +577,10 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
     let first_use = |v: ValueId, after: usize| {
         nodes.iter().enumerate().skip(after + 1).find(|(_, n)| n.inputs.contains(&v)).map_or(usize::MAX, |(i, _)| i)
     };
-    /// The bucket being filled: its axis, dtype, elements, and members (node index, first use
-    /// of the result).
+    /// The bucket being filled: its collective (reduce-scatter or all-reduce), axis, dtype,
+    /// elements, and members (node index, first use of the result).
     struct Open {
+        scatter: bool,
         axis: String,
         dtype: autotp_ir::DType,
         elements: usize,
@@ -585,15 +589,20 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
     let mut buckets: Vec<Vec<(usize, usize)>> = Vec::new();
     let mut open: Option<Open> = None;
     for (i, node) in nodes.iter().enumerate() {
-        let Op::Collective { kind: autotp_ir::Collective::AllReduce, axis, start: false } = &node.op else { continue };
+        let (scatter, axis) = match &node.op {
+            Op::Collective { kind: Collective::AllReduce, axis, start: false } => (false, axis),
+            Op::Collective { kind: Collective::ReduceScatter { .. }, axis, start: false } => (true, axis),
+            _ => continue,
+        };
         let input = node.inputs[0];
         let value = graph.value(input);
-        let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
+        let a = graph.mesh.axes.iter().position(|x| x.name == *axis).expect("verified axis");
         let whole_elsewhere = value.placements.iter().enumerate().all(|(b, p)| b == a || *p == Placement::Replicate);
         let elements = value.ty.numel();
         let used = first_use(node.outputs[0], i);
         let fits = |b: &Open| {
-            b.axis == *axis
+            b.scatter == scatter
+                && b.axis == *axis
                 && b.dtype == value.ty.dtype
                 && b.elements + elements <= bucket_elements
                 && b.members.iter().all(|&(_, member_used)| member_used > i)
@@ -606,7 +615,8 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
             _ => {
                 buckets.extend(open.take().map(|b| b.members));
                 if whole_elsewhere && elements <= bucket_elements {
-                    open = Some(Open { axis: axis.clone(), dtype: value.ty.dtype, elements, members: vec![(i, used)] });
+                    let dtype = value.ty.dtype;
+                    open = Some(Open { scatter, axis: axis.clone(), dtype, elements, members: vec![(i, used)] });
                 }
             }
         }
@@ -627,35 +637,71 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
             continue;
         }
         let Some(members) = emit_at.get(&i) else { continue };
-        let Op::Collective { axis, .. } = &node.op else { unreachable!("an all-reduce") };
+        let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a reduction") };
         let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
+        let ranks = graph.mesh.axes[a].size;
+        let scatter = matches!(kind, Collective::ReduceScatter { .. });
         let mut partial = graph.mesh.replicated();
         partial[a] = Placement::PartialSum;
-        let place = |g: &mut Graph, v: ValueId, p: &[Placement]| g.value_mut(v).placements = p.to_vec();
-        let mut flats = Vec::new();
-        for &(m, _) in members.iter() {
-            let input = rw.map(nodes[m].inputs[0]);
-            let g = rw.graph();
-            let flat = add(g, Op::Reshape { shape: vec![g.ty(input).numel()] }, vec![input])?;
-            place(g, flat, &partial);
-            flats.push(flat);
+        let mut reduced_placements = graph.mesh.replicated();
+        if scatter {
+            reduced_placements[a] = Placement::Shard(0);
         }
+        let place = |g: &mut Graph, v: ValueId, p: &[Placement]| g.value_mut(v).placements = p.to_vec();
+        // Each member laid out for the concatenation: flat, or [ranks, numel / ranks] with its
+        // scattered dim in front; the permutation that brought it there.
+        let mut laid_out = Vec::new();
+        let mut fronts = Vec::new();
+        for &(m, _) in members.iter() {
+            let mut v = rw.map(nodes[m].inputs[0]);
+            let g = rw.graph();
+            let numel = g.ty(v).numel();
+            let front = match nodes[m].op {
+                Op::Collective { kind: Collective::ReduceScatter { dim }, .. } if dim != 0 => {
+                    let mut perm: Vec<usize> = (0..g.ty(v).rank()).filter(|&d| d != dim).collect();
+                    perm.insert(0, dim);
+                    v = add(g, Op::Transpose { perm: perm.clone() }, vec![v])?;
+                    place(g, v, &partial);
+                    Some(perm)
+                }
+                _ => None,
+            };
+            let shape = if scatter { vec![ranks, numel / ranks] } else { vec![numel] };
+            let flat = add(g, Op::Reshape { shape }, vec![v])?;
+            place(g, flat, &partial);
+            laid_out.push(flat);
+            fronts.push(front);
+        }
+        let along = usize::from(scatter);
         let g = rw.graph();
-        let concat = add(g, Op::Concat { axis: 0 }, flats.clone())?;
+        let concat = add(g, Op::Concat { axis: along }, laid_out.clone())?;
         place(g, concat, &partial);
-        let reduced = add(
-            g,
-            Op::Collective { kind: autotp_ir::Collective::AllReduce, axis: axis.clone(), start: false },
-            vec![concat],
-        )?;
-        let sizes: Vec<usize> = flats.iter().map(|&f| g.ty(f).numel()).collect();
-        let split = g.add_node(Op::Split { axis: 0, sizes }, vec![reduced], flats.len()).map_err(invalid)?;
+        let kind = if scatter { Collective::ReduceScatter { dim: 0 } } else { Collective::AllReduce };
+        let reduced = add(g, Op::Collective { kind, axis: axis.clone(), start: false }, vec![concat])?;
+        place(g, reduced, &reduced_placements);
+        let sizes: Vec<usize> = laid_out.iter().map(|&f| g.ty(f).shape[along]).collect();
+        let split = g.add_node(Op::Split { axis: along, sizes }, vec![reduced], laid_out.len()).map_err(invalid)?;
         let parts = g.node(split).outputs.clone();
-        for (&(m, _), part) in members.iter().zip(parts) {
+        for ((&(m, _), part), front) in members.iter().zip(parts).zip(fronts) {
             let out = nodes[m].outputs[0];
             let g = rw.graph();
-            let shaped = add(g, Op::Reshape { shape: graph.ty(out).shape.clone() }, vec![part])?;
-            rw.set(out, shaped);
+            place(g, part, &reduced_placements);
+            let shape = graph.ty(out).shape.clone();
+            let result = match front {
+                Some(perm) => {
+                    let fronted: Vec<usize> = perm.iter().map(|&d| shape[d]).collect();
+                    let shaped = add(g, Op::Reshape { shape: fronted }, vec![part])?;
+                    place(g, shaped, &reduced_placements);
+                    let mut inverse = vec![0; perm.len()];
+                    for (i, &d) in perm.iter().enumerate() {
+                        inverse[d] = i;
+                    }
+                    add(g, Op::Transpose { perm: inverse }, vec![shaped])?
+                }
+                None => add(g, Op::Reshape { shape }, vec![part])?,
+            };
+            place(g, result, &graph.value(out).placements);
+            rw.set(out, result);
         }
     }
     Ok(rw.finish())
