@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use autotp_frontend::{ImportOptions, Model};
 use autotp_ir::Graph;
+use autotp_passes::accumulate::Accumulate;
 use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
@@ -32,9 +33,13 @@ pub struct CompileFlags {
     /// Tokens per sequence (S).
     #[arg(long)]
     pub seq_len: usize,
-    /// Sequences per rank per step; the global batch is micro-batch x dp.
+    /// Sequences per rank per forward pass; the global batch is micro-batch x grad-accum x dp.
     #[arg(long)]
     pub micro_batch: usize,
+    /// Micro-batches per optimizer step (gradient accumulation): each rank runs the forward and
+    /// backward this many times per step, summing gradients, and reduces them once.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
     /// Data-parallel ranks (CPU threads): the batch is split over them and gradients are
     /// all-reduced (ZeRO stage 0).
     #[arg(long, default_value_t = 1)]
@@ -216,8 +221,8 @@ impl IrObserver<'_> {
 pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let (optimizer, optimizer_description) = optimizer(flags)?;
     let schedule = schedule(flags)?;
-    if flags.seq_len == 0 || flags.micro_batch == 0 || flags.dp == 0 || flags.tp == 0 {
-        bail!("--seq-len, --micro-batch, --dp and --tp must be at least 1");
+    if flags.seq_len == 0 || flags.micro_batch == 0 || flags.dp == 0 || flags.tp == 0 || flags.grad_accum == 0 {
+        bail!("--seq-len, --micro-batch, --grad-accum, --dp and --tp must be at least 1");
     }
     if flags.explain_tp && flags.tp < 2 {
         bail!("--explain-tp needs --tp 2 or more");
@@ -252,8 +257,10 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
     }
     let start = Instant::now();
-    let global_batch = flags.micro_batch * flags.dp;
-    let options = ImportOptions { batch: Some(global_batch), seq_len: Some(flags.seq_len), ..Default::default() };
+    // The graph is imported for one micro-batch of every rank; `accumulate` repeats it.
+    let micro_batch_rows = flags.micro_batch * flags.dp;
+    let global_batch = micro_batch_rows * flags.grad_accum;
+    let options = ImportOptions { batch: Some(micro_batch_rows), seq_len: Some(flags.seq_len), ..Default::default() };
     let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
     let frozen = frozen(flags, &model.graph)?;
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
@@ -264,8 +271,12 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if flags.tp > 1 {
         passes.push(Box::new(SplitFused));
     }
+    passes.push(Box::new(autodiff));
+    if flags.grad_accum > 1 {
+        let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
+        passes.push(Box::new(Accumulate { micro_batches: flags.grad_accum, batch_inputs }));
+    }
     passes.extend::<Vec<Box<dyn Pass>>>(vec![
-        Box::new(autodiff),
         Box::new(Optimize { optimizer, grad_clip: flags.grad_clip }),
         Box::new(autotp_passes::dce::Dce),
     ]);
@@ -326,6 +337,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             grad_clip: flags.grad_clip,
             frozen: frozen.into_iter().collect(),
             zero_stage: flags.zero,
+            grad_accum: flags.grad_accum,
             weight_shapes: model
                 .graph
                 .params()
@@ -370,7 +382,7 @@ pub fn summary(plan: &TrainingPlan) -> String {
     let mut lines = vec![
         format!("plan: {} ({})", plan.model.name, plan.model.path.display()),
         format!(
-            "  step: {}micro-batch {} x seq-len {} = {} tokens; {}; lr {}{}",
+            "  step: {}micro-batch {} x seq-len {}{} = {} tokens; {}; lr {}{}",
             if p.mesh.is_empty() {
                 String::new()
             } else {
@@ -379,6 +391,7 @@ pub fn summary(plan: &TrainingPlan) -> String {
             },
             t.micro_batch,
             t.seq_len,
+            if t.grad_accum > 1 { format!(" x {} micro-batches", t.grad_accum) } else { String::new() },
             t.global_batch * t.seq_len,
             t.optimizer,
             t.schedule,

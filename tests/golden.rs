@@ -48,7 +48,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `autotp:TP`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `autotp:TP`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
 /// `optimize` (clipping at 1) / `optimize:noclip`.
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
@@ -58,6 +58,10 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "loss" => Box::new(AttachLoss),
         "shard" => Box::new(shard_spec(argument)),
         "split-fused" => Box::new(autotp_passes::autotp::SplitFused),
+        "accumulate" => Box::new(autotp_passes::accumulate::Accumulate {
+            micro_batches: argument.parse().expect("accumulate:A"),
+            batch_inputs: vec!["input_ids".into(), "labels".into()],
+        }),
         "zero" => {
             let mut parts = argument.split(':').map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE]"));
             let (dp, stage) = (parts.next().unwrap(), parts.next().unwrap() as u8);

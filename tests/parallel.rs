@@ -329,3 +329,56 @@ fn gradient_buckets_merge_reductions() {
         "{err}"
     );
 }
+
+/// Gradient accumulation (`--grad-accum A`): the step's batch runs as A micro-batches whose
+/// gradients are summed as they are made and reduced once per step. Trains like one rank with
+/// the whole batch, alone and beside data parallelism (ZeRO 2 and 3) and tensor parallelism.
+#[test]
+fn gradient_accumulation_trains_like_one_rank() {
+    let dir = scratch("parallel-accum");
+    let configs: [(usize, &[&str]); 4] = [
+        (2, &["--grad-accum", "4"]),
+        (1, &["--grad-accum", "4", "--dp", "2", "--zero", "2"]),
+        (1, &["--grad-accum", "4", "--dp", "2", "--zero", "3"]),
+        (4, &["--grad-accum", "2", "--tp", "2"]),
+    ];
+    for arch in ["gpt2", "llama"] {
+        let single = train(&dir, arch, 8, &[]);
+        for (micro_batch, flags) in configs {
+            let got = train(&dir, arch, micro_batch, flags);
+            let label = format!("{arch} micro-batch {micro_batch} {}", flags.join(" "));
+            let (first, worst) = within_contract(&label, &got, &single);
+            println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
+    }
+}
+
+/// Accumulating keeps one micro-batch's activations alive, not the step's, and reduces the
+/// gradients once per step: the same reduce-scatter bytes as one micro-batch per step.
+#[test]
+fn gradient_accumulation_plans_one_reduction_per_step() {
+    let dir = scratch("parallel-accum-plan");
+    let plan = |name: &str, flags: &[&str]| {
+        let report = dir.join(format!("{name}.json"));
+        let out = [&["--dp", "2", "--zero", "2", "--report", report.to_str().unwrap(), "-o", "/dev/null"][..], flags];
+        let model = fixture("gpt2", "model.onnx");
+        let args = ["compile", model.to_str().unwrap(), "--seq-len", "32"];
+        success(autotp(&[&args[..], &out.concat()].concat()));
+        let json = read_report(&report);
+        let rank = &json["ranks"][0];
+        (
+            rank["activations_peak_bytes"].as_u64().unwrap(),
+            rank["comm_bytes_per_step"]["reduce_scatter"].as_u64().unwrap(),
+        )
+    };
+    let (whole_peak, whole_scattered) = plan("whole", &["--micro-batch", "8"]);
+    let (accumulated_peak, accumulated_scattered) = plan("accumulated", &["--micro-batch", "2", "--grad-accum", "4"]);
+    let (one_peak, _) = plan("one", &["--micro-batch", "2"]);
+    assert_eq!(accumulated_scattered, whole_scattered, "one reduction of the gradients per step");
+    assert!(accumulated_peak < whole_peak / 2, "{accumulated_peak} vs {whole_peak} without accumulation");
+    // One micro-batch's activations plus the gradient accumulators (4 bytes per parameter) and
+    // the loss's.
+    assert!(accumulated_peak <= one_peak + 4 * 172_288 + 64, "{accumulated_peak} vs {one_peak} for one micro-batch");
+    let err = failure(compile_gpt2(&["--grad-accum", "0", "-o", "/dev/null"]));
+    assert!(err.contains("--grad-accum"), "{err}");
+}

@@ -5,6 +5,7 @@
 //!
 //! | pass        | what it does                                                        |
 //! |-------------|---------------------------------------------------------------------|
+//! | `accumulate` | gradient accumulation: A micro-batches per step, gradients summed as made ([`accumulate`]) |
 //! | `autotp`    | tensor parallelism found from dataflow (Megatron's split), then `shard` ([`autotp`]) |
 //! | `autodiff`  | appends the reverse-mode gradients of the loss ([`autodiff`])        |
 //! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
@@ -15,6 +16,7 @@
 //! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
 //! | `zero`      | data parallelism with ZeRO stages 0-3, as seeds for `shard` ([`zero`]) |
 
+pub mod accumulate;
 pub mod autodiff;
 pub mod autotp;
 pub mod dce;

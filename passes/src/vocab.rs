@@ -20,14 +20,16 @@
 //!
 //! Tests: tests/golden/autotp_vocab.ir, tests/parallel.rs.
 
+use std::collections::BTreeMap;
+
 use autotp_ir::{BinaryOp, DType, Def, Graph, NodeId, Op, ReduceOp, Reduction, Rewriter, Tensor, UnaryOp, ValueId};
 
 use crate::PassError;
 
 /// What the vocabulary split found in a training step.
 pub(crate) struct VocabSplit {
-    /// The `cross_entropy` node whose classes are the vocabulary.
-    pub loss: NodeId,
+    /// The `cross_entropy` nodes whose classes are the vocabulary (one per micro-batch).
+    pub losses: Vec<NodeId>,
     pub vocab: usize,
     /// The LM head's weight and its vocabulary dim.
     pub head: (ValueId, usize),
@@ -50,22 +52,31 @@ fn through_reshapes(graph: &Graph, mut v: ValueId) -> ValueId {
     v
 }
 
-/// Finds the LM head and embeddings of the step's (unweighted, `[N, V]`) cross-entropy.
-pub(crate) fn find(graph: &Graph) -> Option<VocabSplit> {
-    let (loss, ce) = graph.nodes().find(|(_, n)| matches!(n.op, Op::CrossEntropy { .. }))?;
+/// The LM head of a `[N, V]` cross-entropy's scores: (weight, its vocabulary dim).
+fn head_of(graph: &Graph, ce: &autotp_ir::Node) -> Option<(ValueId, usize)> {
     let scores = graph.ty(ce.inputs[0]);
     if ce.inputs.len() != 2 || scores.rank() != 2 {
         return None;
     }
-    let vocab = scores.shape[1];
     let matmul = producer(graph, through_reshapes(graph, ce.inputs[0]))?;
     let Op::MatMul { transpose_rhs, .. } = matmul.op else { return None };
     let weight = matmul.inputs[1];
     let out_dim = if transpose_rhs { graph.ty(weight).rank() - 2 } else { graph.ty(weight).rank() - 1 };
     let head = crate::autotp::trace_param(graph, weight, out_dim)?;
-    if graph.ty(head.0).shape[head.1] != vocab {
+    (graph.ty(head.0).shape[head.1] == scores.shape[1]).then_some(head)
+}
+
+/// Finds the LM head and embeddings of the step's (unweighted, `[N, V]`) cross-entropies, all
+/// made with one head.
+pub(crate) fn find(graph: &Graph) -> Option<VocabSplit> {
+    let losses: Vec<NodeId> =
+        graph.nodes().filter(|(_, n)| matches!(n.op, Op::CrossEntropy { .. })).map(|(id, _)| id).collect();
+    let heads: Vec<Option<(ValueId, usize)>> = losses.iter().map(|&id| head_of(graph, graph.node(id))).collect();
+    let head = (*heads.first()?)?;
+    if heads.iter().any(|&h| h != Some(head)) {
         return None;
     }
+    let vocab = graph.ty(head.0).shape[head.1];
     let embeddings = graph
         .nodes()
         .filter_map(|(_, n)| {
@@ -74,8 +85,13 @@ pub(crate) fn find(graph: &Graph) -> Option<VocabSplit> {
             let vocab_rows = graph.params().contains(table) && graph.ty(*table).shape[0] == vocab;
             (by_input && vocab_rows).then_some(*table)
         })
-        .collect();
-    Some(VocabSplit { loss, vocab, head, embeddings })
+        .fold(Vec::new(), |mut tables, t| {
+            if !tables.contains(&t) {
+                tables.push(t);
+            }
+            tables
+        });
+    Some(VocabSplit { losses, vocab, head, embeddings })
 }
 
 fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
@@ -100,95 +116,97 @@ struct LogSumExp {
     lse: ValueId,
 }
 
-/// Rewrites the loss's cross-entropy (and the softmax of its scores in the gradient) into ops
-/// that keep the vocabulary split over `tp` ranks.
+/// Rewrites the loss's cross-entropies (and the softmax of their scores in the gradient) into
+/// ops that keep the vocabulary split over `tp` ranks.
 pub(crate) fn split_cross_entropy(graph: &Graph, split: &VocabSplit, tp: usize) -> Result<Graph, PassError> {
-    let ce = graph.node(split.loss);
-    let Op::CrossEntropy { ignore_index, reduction } = ce.op else { unreachable!("found as a cross_entropy") };
-    let (scores, labels) = (ce.inputs[0], ce.inputs[1]);
-    let (n, vocab) = (graph.ty(scores).shape[0], split.vocab);
-    let dtype = graph.ty(scores).dtype;
-    let label_dtype = graph.ty(labels).dtype;
     let mut rw = Rewriter::new(graph, |_| true);
-    let mut made: Option<LogSumExp> = None;
+    // Scores -> their shifted values and log-sum-exp, once their cross-entropy is rewritten.
+    let mut made: BTreeMap<ValueId, LogSumExp> = BTreeMap::new();
     for (id, node) in graph.nodes() {
-        let is_softmax_of_scores = matches!(node.op, Op::Softmax { axis: 1 }) && node.inputs[0] == scores;
-        if let (true, Some(lse)) = (is_softmax_of_scores, &made) {
+        let of_split_scores = node.inputs.first().and_then(|scores| made.get(scores));
+        if let (Op::Softmax { axis: 1 }, Some(lse)) = (&node.op, of_split_scores) {
             let g = rw.graph();
             let logp = binary(g, BinaryOp::Sub, lse.shifted, lse.lse)?;
             let p = add(g, Op::Unary(UnaryOp::Exp), vec![logp])?;
             rw.set(node.outputs[0], p);
-            continue;
-        }
-        if id != split.loss {
+        } else if split.losses.contains(&id) {
+            let lse = split_one(&mut rw, node, split.vocab, tp)?;
+            made.insert(node.inputs[0], lse);
+        } else {
             rw.copy_node(id);
-            continue;
         }
-        let (s, l) = (rw.map(scores), rw.map(labels));
-        let g = rw.graph();
-        // The row maximum: each rank's block maximum, then the maximum of those.
-        let blocks = add(g, Op::Reshape { shape: vec![n, tp, vocab / tp] }, vec![s])?;
-        let block_max = reduce(g, ReduceOp::Max, blocks, vec![2], false)?;
-        let max = reduce(g, ReduceOp::Max, block_max, vec![1], true)?;
-        let shifted = binary(g, BinaryOp::Sub, s, max)?;
-        let e = add(g, Op::Unary(UnaryOp::Exp), vec![shifted])?;
-        let sum = reduce(g, ReduceOp::Sum, e, vec![1], true)?;
-        let lse = add(g, Op::Unary(UnaryOp::Log), vec![sum])?;
-        // Labels to pick with (ignored positions point at class 0 and are masked below).
-        let valid = match ignore_index {
-            Some(ignored) => {
-                let ignored = constant(g, label_dtype, ignored as f64)?;
-                let is_ignored = binary(g, BinaryOp::Equal, l, ignored)?;
-                Some(add(g, Op::Unary(UnaryOp::Not), vec![is_ignored])?)
-            }
-            None => None,
-        };
-        let safe = match valid {
-            Some(valid) => {
-                let zero = constant(g, label_dtype, 0.0)?;
-                add(g, Op::Select, vec![valid, l, zero])?
-            }
-            None => l,
-        };
-        let column = add(g, Op::Reshape { shape: vec![n, 1] }, vec![safe])?;
-        let classes: Vec<i64> = (0..vocab as i64).collect();
-        let mut iota = add(g, Op::Constant { value: Tensor::from_i64(vec![1, vocab], &classes) }, vec![])?;
-        if label_dtype != DType::I64 {
-            iota = add(g, Op::Cast { to: label_dtype }, vec![iota])?;
-        }
-        let hot = binary(g, BinaryOp::Equal, iota, column)?;
-        let onehot = add(g, Op::Cast { to: dtype }, vec![hot])?;
-        let at_label = binary(g, BinaryOp::Mul, shifted, onehot)?;
-        let picked = reduce(g, ReduceOp::Sum, at_label, vec![1], true)?;
-        let mut nll = binary(g, BinaryOp::Sub, lse, picked)?;
-        let counted = match valid {
-            Some(valid) => {
-                let valid = add(g, Op::Reshape { shape: vec![n, 1] }, vec![valid])?;
-                let counted = add(g, Op::Cast { to: dtype }, vec![valid])?;
-                nll = binary(g, BinaryOp::Mul, nll, counted)?;
-                Some(counted)
-            }
-            None => None,
-        };
-        let loss = match reduction {
-            Reduction::None => add(g, Op::Reshape { shape: vec![n] }, vec![nll])?,
-            Reduction::Sum => reduce(g, ReduceOp::Sum, nll, vec![0, 1], false)?,
-            Reduction::Mean => {
-                let total = reduce(g, ReduceOp::Sum, nll, vec![0, 1], false)?;
-                let count = match counted {
-                    Some(counted) => reduce(g, ReduceOp::Sum, counted, vec![0, 1], false)?,
-                    None => constant(g, dtype, n as f64)?,
-                };
-                binary(g, BinaryOp::Div, total, count)?
-            }
-        };
-        rw.set(ce.outputs[0], loss);
-        if let Some(&log_probs) = ce.outputs.get(1) {
-            let g = rw.graph();
-            let lp = binary(g, BinaryOp::Sub, shifted, lse)?;
-            rw.set(log_probs, lp);
-        }
-        made = Some(LogSumExp { shifted, lse });
     }
     Ok(rw.finish())
+}
+
+/// Rewrites one cross-entropy node; returns its scores' shifted values and log-sum-exp.
+fn split_one(rw: &mut Rewriter, ce: &autotp_ir::Node, vocab: usize, tp: usize) -> Result<LogSumExp, PassError> {
+    let Op::CrossEntropy { ignore_index, reduction } = ce.op else { unreachable!("found as a cross_entropy") };
+    let (s, l) = (rw.map(ce.inputs[0]), rw.map(ce.inputs[1]));
+    let g = rw.graph();
+    let n = g.ty(s).shape[0];
+    let dtype = g.ty(s).dtype;
+    let label_dtype = g.ty(l).dtype;
+    // The row maximum: each rank's block maximum, then the maximum of those.
+    let blocks = add(g, Op::Reshape { shape: vec![n, tp, vocab / tp] }, vec![s])?;
+    let block_max = reduce(g, ReduceOp::Max, blocks, vec![2], false)?;
+    let max = reduce(g, ReduceOp::Max, block_max, vec![1], true)?;
+    let shifted = binary(g, BinaryOp::Sub, s, max)?;
+    let e = add(g, Op::Unary(UnaryOp::Exp), vec![shifted])?;
+    let sum = reduce(g, ReduceOp::Sum, e, vec![1], true)?;
+    let lse = add(g, Op::Unary(UnaryOp::Log), vec![sum])?;
+    // Labels to pick with (ignored positions point at class 0 and are masked below).
+    let valid = match ignore_index {
+        Some(ignored) => {
+            let ignored = constant(g, label_dtype, ignored as f64)?;
+            let is_ignored = binary(g, BinaryOp::Equal, l, ignored)?;
+            Some(add(g, Op::Unary(UnaryOp::Not), vec![is_ignored])?)
+        }
+        None => None,
+    };
+    let safe = match valid {
+        Some(valid) => {
+            let zero = constant(g, label_dtype, 0.0)?;
+            add(g, Op::Select, vec![valid, l, zero])?
+        }
+        None => l,
+    };
+    let column = add(g, Op::Reshape { shape: vec![n, 1] }, vec![safe])?;
+    let classes: Vec<i64> = (0..vocab as i64).collect();
+    let mut iota = add(g, Op::Constant { value: Tensor::from_i64(vec![1, vocab], &classes) }, vec![])?;
+    if label_dtype != DType::I64 {
+        iota = add(g, Op::Cast { to: label_dtype }, vec![iota])?;
+    }
+    let hot = binary(g, BinaryOp::Equal, iota, column)?;
+    let onehot = add(g, Op::Cast { to: dtype }, vec![hot])?;
+    let at_label = binary(g, BinaryOp::Mul, shifted, onehot)?;
+    let picked = reduce(g, ReduceOp::Sum, at_label, vec![1], true)?;
+    let mut nll = binary(g, BinaryOp::Sub, lse, picked)?;
+    let counted = match valid {
+        Some(valid) => {
+            let valid = add(g, Op::Reshape { shape: vec![n, 1] }, vec![valid])?;
+            let counted = add(g, Op::Cast { to: dtype }, vec![valid])?;
+            nll = binary(g, BinaryOp::Mul, nll, counted)?;
+            Some(counted)
+        }
+        None => None,
+    };
+    let loss = match reduction {
+        Reduction::None => add(g, Op::Reshape { shape: vec![n] }, vec![nll])?,
+        Reduction::Sum => reduce(g, ReduceOp::Sum, nll, vec![0, 1], false)?,
+        Reduction::Mean => {
+            let total = reduce(g, ReduceOp::Sum, nll, vec![0, 1], false)?;
+            let count = match counted {
+                Some(counted) => reduce(g, ReduceOp::Sum, counted, vec![0, 1], false)?,
+                None => constant(g, dtype, n as f64)?,
+            };
+            binary(g, BinaryOp::Div, total, count)?
+        }
+    };
+    rw.set(ce.outputs[0], loss);
+    if let Some(&log_probs) = ce.outputs.get(1) {
+        let lp = binary(rw.graph(), BinaryOp::Sub, shifted, lse)?;
+        rw.set(log_probs, lp);
+    }
+    Ok(LogSumExp { shifted, lse })
 }

@@ -45,6 +45,10 @@ pub enum Labels {
     InputIds,
 }
 
+fn one() -> usize {
+    1
+}
+
 /// How a plan is fed and scheduled.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainingConfig {
@@ -65,6 +69,9 @@ pub struct TrainingConfig {
     /// The ZeRO stage over the data-parallel ranks.
     #[serde(default)]
     pub zero_stage: u8,
+    /// Micro-batches per optimizer step on each rank (`--grad-accum`).
+    #[serde(default = "one")]
+    pub grad_accum: usize,
     /// The shape of parameters in weight files (the model, checkpoints, exports) where the plan
     /// computes with another view of the same bytes (a fused projection stored `[in, k, n]`).
     #[serde(default)]
@@ -89,12 +96,25 @@ pub struct TrainingPlan {
     pub model: ModelSource,
 }
 
+impl TrainingConfig {
+    /// The shape of the token inputs (ids and labels) for `rows` sequences per micro-batch:
+    /// `[rows, seq_len]`, or `[rows, grad_accum, seq_len]` when a step accumulates several
+    /// micro-batches (the same row-major bytes as `[rows x grad_accum, seq_len]`).
+    pub fn token_shape(&self, rows: usize) -> Vec<usize> {
+        if self.grad_accum > 1 {
+            vec![rows, self.grad_accum, self.seq_len]
+        } else {
+            vec![rows, self.seq_len]
+        }
+    }
+}
+
 impl TrainingPlan {
     /// What feeds each program input, in input order; an input the trainer cannot feed, or a
     /// missing loss output, is an error naming it.
     pub fn feeds(&self) -> Result<Vec<Feed>, RuntimeError> {
         let t = &self.training;
-        let tokens = [t.micro_batch, t.seq_len];
+        let tokens = t.token_shape(t.micro_batch);
         let mut feeds = Vec::new();
         for slot in &self.program.inputs {
             let (feed, dtype, shape) = match slot.name.as_str() {

@@ -60,10 +60,10 @@ impl Trainer {
         let loss_index = plan.loss_index()?;
         let t = &plan.training;
         let ids = plan.program.inputs.iter().find(|s| s.name == "input_ids").expect("feeds() checked");
-        if ids.global_shape != [t.global_batch, t.seq_len] {
+        if ids.global_shape != t.token_shape(t.global_batch / t.grad_accum.max(1)) {
             return Err(RuntimeError::Plan(format!(
-                "feeds input_ids as {:?} on all ranks, but its global batch is {} x {}",
-                ids.global_shape, t.global_batch, t.seq_len
+                "feeds input_ids as {:?} on all ranks, but its global batch is {} x {} in {} micro-batches",
+                ids.global_shape, t.global_batch, t.seq_len, t.grad_accum
             )));
         }
         let fingerprint = plan.program.fingerprint();
@@ -287,7 +287,7 @@ impl Trainer {
         let step = self.completed;
         let batch = data.batch(step, t.global_batch);
         let lr = t.schedule.lr(step, train_steps);
-        let tokens = vec![t.global_batch, t.seq_len];
+        let tokens = t.token_shape(t.global_batch / t.grad_accum.max(1));
         let ids = |values: &[i64]| HostTensor {
             dtype: DType::I64,
             shape: tokens.clone(),

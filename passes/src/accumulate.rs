@@ -1,0 +1,180 @@
+//! `accumulate` (`--grad-accum A`): gradient accumulation inside one compiled step.
+//!
+//! The differentiated graph computes the loss and the gradients of one micro-batch. This pass
+//! makes the step take `A` micro-batches: each batch input `[rows, ...]` becomes
+//! `[rows, A, ...]` (the step's `rows x A` sequences, as the data loader lays them out), and
+//! the forward and backward are repeated for micro-batch `i = [:, i]`, one after the other, each
+//! micro-batch's gradients added into one accumulator per parameter as soon as they are made.
+//! So one micro-batch's activations are alive at a time, and the gradients are reduced over
+//! data-parallel ranks once per step, after the accumulation (the sharding passes see one sum of
+//! partial gradients; at ZeRO 2-3 it is scattered into the shards there).
+//!
+//! The step's loss is the mean over every counted position of all micro-batches, as the
+//! single-device step over the whole batch computes it: a mean cross-entropy (or NLL) that
+//! ignores a label index weighs micro-batch `i` by its count of counted labels; any other loss
+//! by `1 / A`.
+//!
+//! Input phase: differentiated (`loss` and `grad.<param>` outputs). Output: the same, over `A`
+//! micro-batches. Tests: tests/golden/accumulate.ir, tests/parallel.rs.
+
+use autotp_ir::{BinaryOp, Graph, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp, ValueId};
+
+use crate::autodiff::GRAD_PREFIX;
+use crate::loss::LOSS;
+use crate::{Pass, PassError};
+
+const PASS: &str = "accumulate";
+
+pub struct Accumulate {
+    /// Micro-batches per step (`A`).
+    pub micro_batches: usize,
+    /// Graph inputs with a batch dim 0.
+    pub batch_inputs: Vec<String>,
+}
+
+fn invalid(message: String) -> PassError {
+    PassError::Invalid { pass: PASS, message }
+}
+
+fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
+    crate::add_op(PASS, g, op, inputs)
+}
+
+/// A mean class loss that ignores a label index: (its labels input, the ignored index).
+fn counted_loss(graph: &Graph) -> Option<(ValueId, i64)> {
+    graph.nodes().find_map(|(_, n)| match n.op {
+        Op::CrossEntropy { ignore_index: Some(ignored), reduction: Reduction::Mean }
+        | Op::NllLoss { ignore_index: Some(ignored), reduction: Reduction::Mean } => Some((n.inputs[1], ignored)),
+        _ => None,
+    })
+}
+
+impl Pass for Accumulate {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let steps = self.micro_batches;
+        if steps == 0 {
+            return Err(invalid("--grad-accum must be at least 1".into()));
+        }
+        if steps == 1 {
+            return Ok(());
+        }
+        let old = &*graph;
+        if let Some((name, _)) = old.outputs().iter().find(|(n, _)| n != LOSS && !n.starts_with(GRAD_PREFIX)) {
+            return Err(invalid(format!("output '{name}' is neither the loss nor a gradient: nothing to accumulate")));
+        }
+        let loss = old
+            .outputs()
+            .iter()
+            .find(|(n, _)| n == LOSS)
+            .map(|(_, v)| *v)
+            .ok_or_else(|| invalid(format!("the graph has no '{LOSS}' output")))?;
+        let dtype = old.ty(loss).dtype;
+        let mut g = Graph::new(old.name.clone());
+        // Old graph inputs, parameters and states: their values in the new graph; batch inputs
+        // are [rows, A, ...].
+        let mut outer: Vec<Option<ValueId>> = vec![None; old.num_values()];
+        let mut batch = Vec::new();
+        for &i in old.inputs() {
+            let name = old.name_of(i).unwrap_or("").to_string();
+            let ty = old.ty(i).clone();
+            if self.batch_inputs.contains(&name) {
+                if ty.rank() == 0 {
+                    return Err(invalid(format!("batch input '{name}' {ty} has no batch dim")));
+                }
+                let mut shape = ty.shape.clone();
+                shape.insert(1, steps);
+                batch.push((i, g.add_input(name, TensorType::new(ty.dtype, shape))));
+            } else {
+                outer[i.index()] = Some(g.add_input(name, ty));
+            }
+        }
+        for &p in old.params() {
+            outer[p.index()] = Some(g.add_param(old.name_of(p).unwrap_or(""), old.ty(p).clone()));
+        }
+        for &s in old.states() {
+            outer[s.index()] = Some(g.add_state(old.name_of(s).unwrap_or(""), old.ty(s).clone()));
+        }
+        let counted = counted_loss(old);
+        // Running sums: (output name, accumulated value).
+        let mut sums: Vec<(String, Option<ValueId>)> = old.outputs().iter().map(|(n, _)| (n.clone(), None)).collect();
+        let mut total: Option<ValueId> = None;
+        for step in 0..steps {
+            let mut map = outer.clone();
+            for &(old_input, new_input) in &batch {
+                let shape = g.ty(new_input).shape.clone();
+                let mut starts = vec![0; shape.len()];
+                let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                starts[1] = step;
+                ends[1] = step as i64 + 1;
+                let sliced = add(&mut g, Op::Slice { starts, ends, steps: vec![1; shape.len()] }, vec![new_input])?;
+                let micro = add(&mut g, Op::Reshape { shape: old.ty(old_input).shape.clone() }, vec![sliced])?;
+                map[old_input.index()] = Some(micro);
+            }
+            for (_, node) in old.nodes() {
+                let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
+                let types = node.outputs.iter().map(|&o| old.ty(o).clone()).collect();
+                let new = g.add_node_typed(node.op.clone(), inputs, types);
+                for (&o, &n) in node.outputs.iter().zip(&g.node(new).outputs.clone()) {
+                    map[o.index()] = Some(n);
+                }
+            }
+            // This micro-batch's weight: its counted labels, or 1.
+            let weight = match counted {
+                Some((labels, ignored)) => {
+                    let labels = map[labels.index()].expect("copied");
+                    let label_dtype = g.ty(labels).dtype;
+                    let ignored =
+                        add(&mut g, Op::Constant { value: Tensor::full(label_dtype, vec![], ignored as f64) }, vec![])?;
+                    let is_ignored = add(&mut g, Op::Binary(BinaryOp::Equal), vec![labels, ignored])?;
+                    let kept = add(&mut g, Op::Unary(UnaryOp::Not), vec![is_ignored])?;
+                    let kept = add(&mut g, Op::Cast { to: dtype }, vec![kept])?;
+                    let axes = (0..g.ty(kept).rank()).collect();
+                    let count = add(&mut g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![kept])?;
+                    total = Some(match total {
+                        Some(t) => add(&mut g, Op::Binary(BinaryOp::Add), vec![t, count])?,
+                        None => count,
+                    });
+                    Some(count)
+                }
+                None => None,
+            };
+            for ((_, old_value), (_, sum)) in old.outputs().iter().zip(sums.iter_mut()) {
+                let mut value = map[old_value.index()].expect("outputs are defined");
+                if let Some(w) = weight {
+                    let w = scalar_like(&mut g, w, value)?;
+                    value = add(&mut g, Op::Binary(BinaryOp::Mul), vec![value, w])?;
+                }
+                *sum = Some(match *sum {
+                    Some(s) => add(&mut g, Op::Binary(BinaryOp::Add), vec![s, value])?,
+                    None => value,
+                });
+            }
+        }
+        let total = match total {
+            Some(t) => t,
+            None => add(&mut g, Op::Constant { value: Tensor::full(dtype, vec![], steps as f64) }, vec![])?,
+        };
+        for (name, sum) in sums {
+            let sum = sum.expect("at least one micro-batch");
+            let total = scalar_like(&mut g, total, sum)?;
+            let mean = add(&mut g, Op::Binary(BinaryOp::Div), vec![sum, total])?;
+            g.add_output(name, mean);
+        }
+        *graph = g;
+        Ok(())
+    }
+}
+
+/// The scalar `v` in the dtype of `like` (cast when it is another).
+fn scalar_like(g: &mut Graph, v: ValueId, like: ValueId) -> Result<ValueId, PassError> {
+    let dtype = g.ty(like).dtype;
+    if g.ty(v).dtype == dtype {
+        Ok(v)
+    } else {
+        add(g, Op::Cast { to: dtype }, vec![v])
+    }
+}
