@@ -378,7 +378,6 @@ pub fn summary(plan: &TrainingPlan) -> String {
         p.params.iter().filter(|s| t.frozen.contains(&s.name)).cloned().collect();
     let total = numel(&p.params);
     let frozen = numel(&frozen_slots);
-    let trainable_bytes: usize = p.params.iter().filter(|s| !t.frozen.contains(&s.name)).map(|s| s.region.len).sum();
     let mut lines = vec![
         format!("plan: {} ({})", plan.model.name, plan.model.path.display()),
         format!(
@@ -412,7 +411,7 @@ pub fn summary(plan: &TrainingPlan) -> String {
     for (what, bytes) in [
         ("parameters", m.params_bytes),
         ("optimizer state", m.states_bytes),
-        ("gradients (inside activations)", trainable_bytes),
+        ("gradients (inside activations)", autotp_runtime::report::report(plan).ranks[0].grads_bytes),
         ("activations peak (with gradients)", m.activations_peak_bytes),
         ("inputs", m.inputs_bytes),
         ("constants", m.constants_bytes),
