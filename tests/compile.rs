@@ -35,6 +35,10 @@ fn summary_and_ir_dumps() {
     ] {
         assert!(out.contains(expected), "summary lacks '{expected}':\n{out}");
     }
+    // A reshape is the same bytes under another shape: it shares its input's region, no copy;
+    // only the reshapes of the two token inputs (the trainer's buffers) are copied.
+    let reshapes = std::fs::read_to_string(dumps.join("06-dce.ir")).unwrap().matches(" = reshape ").count();
+    assert!(reshapes > 20 && out.contains(" copy 2,"), "{reshapes} reshapes:\n{out}");
     let mut files: Vec<String> =
         std::fs::read_dir(&dumps).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     files.sort();

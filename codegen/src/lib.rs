@@ -1,6 +1,7 @@
 //! autotp-codegen: lowers a verified IR graph to a runtime [`Program`].
 //!
-//! Each node becomes one instruction: a builtin kernel (chosen by
+//! Each node becomes one instruction (but reshapes and waits, whose results share their input's
+//! region): a builtin kernel (chosen by
 //! [`autotp_ir::lower::node_kernel`], the same one the reference evaluator runs) or, for a
 //! collective, a communication step. A graph on a mesh lowers to one SPMD program that every
 //! rank runs: all shapes are local (`autotp_ir::sharding::local_type`), and slots record their
@@ -95,7 +96,23 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         }
     }
 
-    // Last reader of each intermediate; graph outputs stay live to the end.
+    // Values that are another's bytes share its region: a wait's result is its start's output,
+    // and a reshape of an intermediate is the same bytes (no copy). `root` is the value whose
+    // region a value uses.
+    let mut root: Vec<usize> = (0..graph.num_values()).collect();
+    let is_intermediate =
+        |v: ValueId| matches!(graph.value(v).def, Def::Node(n, _) if !matches!(graph.node(n).op, Op::Constant { .. }));
+    for (_, node) in graph.nodes() {
+        let shares = match node.op {
+            Op::Wait => true,
+            Op::Reshape { .. } => is_intermediate(node.inputs[0]),
+            _ => false,
+        };
+        if shares {
+            root[node.outputs[0].index()] = root[node.inputs[0].index()];
+        }
+    }
+    // Last reader of each region; graph outputs stay live to the end.
     let end = graph.num_nodes();
     let mut last_use = vec![0usize; graph.num_values()];
     for (id, node) in graph.nodes() {
@@ -109,18 +126,17 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
     for (_, v) in graph.updates() {
         last_use[v.index()] = end;
     }
-    // A wait's result is its start's output region: that region lives until the result's last
-    // use, and the start's input until the wait (the communication thread reads it until then).
+    for v in 0..graph.num_values() {
+        last_use[root[v]] = last_use[root[v]].max(last_use[v]);
+    }
+    // A started collective's input lives until its wait (the communication thread reads it).
     for (id, node) in graph.nodes() {
         if node.op == Op::Wait {
-            let started = node.inputs[0];
-            let start_node = match graph.value(started).def {
-                Def::Node(n, _) => graph.node(n),
-                _ => unreachable!("verified: a wait waits for a start"),
+            let Def::Node(start, _) = graph.value(node.inputs[0]).def else {
+                unreachable!("verified: a wait waits for a start")
             };
-            last_use[started.index()] = last_use[started.index()].max(last_use[node.outputs[0].index()]);
-            let input = start_node.inputs[0];
-            last_use[input.index()] = last_use[input.index()].max(id.index());
+            let input = root[graph.node(start).inputs[0].index()];
+            last_use[input] = last_use[input].max(id.index());
         }
     }
     let mut by_last_use: Vec<Vec<usize>> = vec![Vec::new(); end + 1];
@@ -132,12 +148,14 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         if matches!(node.op, Op::Constant { .. }) {
             continue;
         }
-        if node.op == Op::Wait {
-            let started = node.inputs[0];
-            regions[node.outputs[0].index()] = regions[started.index()];
-            let Def::Node(start, _) = graph.value(started).def else { unreachable!("verified") };
-            let label = format!("node {} (wait)", id.index());
-            instructions.push(Instruction::Wait { start: start_instruction[start.index()], label });
+        let shared = node.outputs.first().filter(|o| root[o.index()] != o.index());
+        if let Some(&out) = shared {
+            regions[out.index()] = regions[root[out.index()]];
+            if node.op == Op::Wait {
+                let Def::Node(start, _) = graph.value(node.inputs[0]).def else { unreachable!("verified") };
+                let label = format!("node {} (wait)", id.index());
+                instructions.push(Instruction::Wait { start: start_instruction[start.index()], label });
+            }
             for v in std::mem::take(&mut by_last_use[id.index()]) {
                 let region = regions[v].expect("placed");
                 allocator.free(region.offset);
