@@ -37,9 +37,14 @@ pub struct CompileFlags {
     #[arg(long)]
     pub micro_batch: usize,
     /// Micro-batches per optimizer step (gradient accumulation): each rank runs the forward and
-    /// backward this many times per step, summing gradients, and reduces them once.
-    #[arg(long, default_value_t = 1)]
-    pub grad_accum: usize,
+    /// backward this many times per step, summing gradients, and reduces them once [default: 1,
+    /// or what --global-batch implies]
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Sequences per optimizer step, all ranks and micro-batches together (DeepSpeed's
+    /// train_batch_size): sets --grad-accum to global-batch / (micro-batch x dp)
+    #[arg(long)]
+    pub global_batch: Option<usize>,
     /// Data-parallel ranks (CPU threads): the batch is split over them and gradients are
     /// all-reduced (ZeRO stage 0).
     #[arg(long, default_value_t = 1)]
@@ -174,6 +179,26 @@ fn schedule(flags: &CompileFlags) -> Result<Schedule> {
 }
 
 /// The parameters `--freeze` names; each expression must match at least one.
+/// Micro-batches per step: `--grad-accum`, or what `--global-batch` implies; contradictory or
+/// indivisible batch flags are refused.
+fn grad_accum(flags: &CompileFlags) -> Result<usize> {
+    let per_micro_batch = flags.micro_batch * flags.dp;
+    let Some(global) = flags.global_batch else { return Ok(flags.grad_accum.unwrap_or(1)) };
+    let parts = format!("micro-batch {} x dp {} = {per_micro_batch}", flags.micro_batch, flags.dp);
+    if global == 0 || global % per_micro_batch != 0 {
+        bail!("--global-batch {global} is not a multiple of {parts} sequences per micro-batch");
+    }
+    let implied = global / per_micro_batch;
+    match flags.grad_accum {
+        Some(a) if a != implied => bail!(
+            "--global-batch {global} contradicts --grad-accum {a}: {parts} sequences per micro-batch \
+             x {a} micro-batches is {}",
+            per_micro_batch * a
+        ),
+        _ => Ok(implied),
+    }
+}
+
 fn frozen(flags: &CompileFlags, graph: &Graph) -> Result<BTreeSet<String>> {
     let params: Vec<&str> = graph.params().iter().filter_map(|&p| graph.name_of(p)).collect();
     let mut frozen = BTreeSet::new();
@@ -221,9 +246,10 @@ impl IrObserver<'_> {
 pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let (optimizer, optimizer_description) = optimizer(flags)?;
     let schedule = schedule(flags)?;
-    if flags.seq_len == 0 || flags.micro_batch == 0 || flags.dp == 0 || flags.tp == 0 || flags.grad_accum == 0 {
+    if flags.seq_len == 0 || flags.micro_batch == 0 || flags.dp == 0 || flags.tp == 0 || flags.grad_accum == Some(0) {
         bail!("--seq-len, --micro-batch, --grad-accum, --dp and --tp must be at least 1");
     }
+    let grad_accum = grad_accum(flags)?;
     if flags.explain_tp && flags.tp < 2 {
         bail!("--explain-tp needs --tp 2 or more");
     }
@@ -259,7 +285,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let start = Instant::now();
     // The graph is imported for one micro-batch of every rank; `accumulate` repeats it.
     let micro_batch_rows = flags.micro_batch * flags.dp;
-    let global_batch = micro_batch_rows * flags.grad_accum;
+    let global_batch = micro_batch_rows * grad_accum;
     let options = ImportOptions { batch: Some(micro_batch_rows), seq_len: Some(flags.seq_len), ..Default::default() };
     let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
     let frozen = frozen(flags, &model.graph)?;
@@ -272,9 +298,9 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         passes.push(Box::new(SplitFused));
     }
     passes.push(Box::new(autodiff));
-    if flags.grad_accum > 1 {
+    if grad_accum > 1 {
         let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
-        passes.push(Box::new(Accumulate { micro_batches: flags.grad_accum, batch_inputs }));
+        passes.push(Box::new(Accumulate { micro_batches: grad_accum, batch_inputs }));
     }
     passes.extend::<Vec<Box<dyn Pass>>>(vec![
         Box::new(Optimize { optimizer, grad_clip: flags.grad_clip }),
@@ -337,7 +363,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             grad_clip: flags.grad_clip,
             frozen: frozen.into_iter().collect(),
             zero_stage: flags.zero,
-            grad_accum: flags.grad_accum,
+            grad_accum,
             weight_shapes: model
                 .graph
                 .params()

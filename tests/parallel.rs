@@ -11,9 +11,14 @@ const ADAMW: [&str; 8] = ["--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8"
 /// Trains `arch` for 30 steps with `parallel` flags and a micro-batch giving a global batch of
 /// 8; returns the loss per step.
 fn train(dir: &Path, arch: &str, micro_batch: usize, parallel: &[&str]) -> Vec<f64> {
-    let metrics = dir.join(format!("{arch}{}.jsonl", parallel.join("")));
+    train_model(dir, arch, "model.onnx", micro_batch, parallel)
+}
+
+/// [`train`] with another of the fixture's model files.
+fn train_model(dir: &Path, arch: &str, file: &str, micro_batch: usize, parallel: &[&str]) -> Vec<f64> {
+    let metrics = dir.join(format!("{arch}-{file}{}.jsonl", parallel.join("")));
     let micro = micro_batch.to_string();
-    let model = fixture(arch, "model.onnx");
+    let model = fixture(arch, file);
     let tokens = repo().join("tests/fixtures/train/tokens.bin");
     let mut args = vec!["train", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", &micro];
     args.extend(ADAMW);
@@ -353,6 +358,17 @@ fn gradient_accumulation_trains_like_one_rank() {
     }
 }
 
+/// A model's own loss (Hugging Face's mean cross-entropy with `ignore_index = -100`): each
+/// micro-batch is weighed by its counted labels, so accumulating gives the whole batch's mean.
+#[test]
+fn gradient_accumulation_of_a_models_own_loss() {
+    let dir = scratch("parallel-accum-own-loss");
+    let single = train_model(&dir, "gpt2", "model_loss.onnx", 8, &[]);
+    let got = train_model(&dir, "gpt2", "model_loss.onnx", 2, &["--grad-accum", "4"]);
+    let (first, worst) = within_contract("gpt2 model_loss.onnx --grad-accum 4", &got, &single);
+    println!("gpt2 own loss, grad-accum 4: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+}
+
 /// Accumulating keeps one micro-batch's activations alive, not the step's, and reduces the
 /// gradients once per step: the same reduce-scatter bytes as one micro-batch per step.
 #[test]
@@ -381,4 +397,11 @@ fn gradient_accumulation_plans_one_reduction_per_step() {
     assert!(accumulated_peak <= one_peak + 4 * 172_288 + 64, "{accumulated_peak} vs {one_peak} for one micro-batch");
     let err = failure(compile_gpt2(&["--grad-accum", "0", "-o", "/dev/null"]));
     assert!(err.contains("--grad-accum"), "{err}");
+    // DeepSpeed's train_batch_size: --global-batch sets the accumulation, and must agree.
+    let out = success(compile_gpt2(&["--dp", "2", "--global-batch", "32", "-o", "/dev/null"]));
+    assert!(out.contains("micro-batch 4 x seq-len 32 x 4 micro-batches = 1024 tokens"), "{out}");
+    let err = failure(compile_gpt2(&["--dp", "2", "--global-batch", "30", "-o", "/dev/null"]));
+    assert!(err.contains("--global-batch 30 is not a multiple of micro-batch 4 x dp 2 = 8"), "{err}");
+    let err = failure(compile_gpt2(&["--dp", "2", "--global-batch", "32", "--grad-accum", "2", "-o", "/dev/null"]));
+    assert!(err.contains("--global-batch 32 contradicts --grad-accum 2"), "{err}");
 }
