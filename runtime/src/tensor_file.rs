@@ -74,8 +74,24 @@ pub(crate) fn temporary_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
 
-/// Fsyncs `temporary`, renames it to `path` and fsyncs the directory.
+/// Where a file for `path` is written before [`persist`] puts it in place: its temporary
+/// sibling, or `path` itself when that exists and is not a regular file (`-o /dev/null`, a
+/// pipe): such a file is written in place, never replaced by a rename.
+fn staging_path(path: &Path) -> PathBuf {
+    let special = std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir());
+    if special {
+        path.to_path_buf()
+    } else {
+        temporary_path(path)
+    }
+}
+
+/// Fsyncs `temporary`, renames it to `path` and fsyncs the directory (nothing when the file was
+/// written in place, see [`staging_path`]).
 pub(crate) fn persist(temporary: &Path, path: &Path) -> Result<(), RuntimeError> {
+    if temporary == path {
+        return Ok(());
+    }
     std::fs::File::open(temporary).and_then(|f| f.sync_all()).map_err(io_error(temporary, "sync"))?;
     std::fs::rename(temporary, path).map_err(io_error(path, "write"))?;
     sync_dir(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))
@@ -83,7 +99,7 @@ pub(crate) fn persist(temporary: &Path, path: &Path) -> Result<(), RuntimeError>
 
 /// Writes small bytes (a manifest, a pointer file) atomically.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), RuntimeError> {
-    let temporary = temporary_path(path);
+    let temporary = staging_path(path);
     std::fs::write(&temporary, bytes).map_err(io_error(&temporary, "write"))?;
     persist(&temporary, path)
 }
@@ -120,7 +136,7 @@ pub fn write(path: &Path, tensors: &[TensorRef], metadata: BTreeMap<String, Stri
     let mut header = serde_json::Value::Object(header).to_string().into_bytes();
     header.resize(header.len().next_multiple_of(8), b' ');
 
-    let temporary = temporary_path(path);
+    let temporary = staging_path(path);
     let write = || -> std::io::Result<()> {
         let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&temporary)?);
         out.write_all(&(header.len() as u64).to_le_bytes())?;
@@ -236,5 +252,16 @@ mod tests {
         std::fs::write(&path, b"not safetensors").unwrap();
         let err = TensorFile::open(&path).err().unwrap().to_string();
         assert!(err.contains("not a valid safetensors file"), "{err}");
+    }
+
+    /// `-o /dev/null` discards the output: a device is written in place, never replaced by a
+    /// rename (which would turn /dev/null into a regular file for everyone, running as root).
+    #[test]
+    fn devices_are_written_in_place() {
+        let null = Path::new("/dev/null");
+        write_atomic(null, b"discarded").unwrap();
+        write(null, &[], BTreeMap::new()).unwrap();
+        let kind = std::fs::metadata(null).unwrap().file_type();
+        assert!(!kind.is_file(), "/dev/null is still a device");
     }
 }
