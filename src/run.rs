@@ -47,6 +47,10 @@ pub struct RunFlags {
     /// Print a line every N steps (the first and last step always print).
     #[arg(long, value_name = "N", default_value_t = 1)]
     log_every: usize,
+    /// Time every instruction and print, at the end, rank 0's time per step by op and its
+    /// slowest instructions.
+    #[arg(long)]
+    profile: bool,
 }
 
 impl RunFlags {
@@ -129,6 +133,9 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         Some(path) => Some(open_metrics(path, flags.resume.is_some())?),
         None => None,
     };
+    if flags.profile {
+        trainer.enable_profile();
+    }
     let bar = ProgressBar::new(flags.steps as u64).with_position(first as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}, eta {eta}]")
@@ -177,7 +184,32 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if trainer.world_size() > 1 {
         eprint!("{}", measured_against_plan(trainer, steps));
     }
+    if let Some(times) = trainer.profile(0) {
+        print!("{}", profile_table(trainer.program(), times, steps, seconds));
+    }
     Ok(())
+}
+
+/// Rank 0's time per step by op, and its slowest instructions.
+fn profile_table(
+    program: &autotp_runtime::Program,
+    times: &[std::time::Duration],
+    steps: usize,
+    seconds: f64,
+) -> String {
+    let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps.max(1) as f64;
+    let step_ms = seconds * 1e3 / steps.max(1) as f64;
+    let mut out = format!("profile of rank 0, {steps} steps ({step_ms:.2} ms per step):\n");
+    out += &format!("  {:<20} {:>12} {:>12} {:>8}\n", "op", "instructions", "ms per step", "share");
+    for row in autotp_runtime::profile::by_op(program, times) {
+        let ms = per_step(row.total);
+        out += &format!("  {:<20} {:>12} {:>12.3} {:>7.1}%\n", row.op, row.instructions, ms, 100.0 * ms / step_ms);
+    }
+    out += "  slowest instructions (ms per step):\n";
+    for (label, time) in autotp_runtime::profile::slowest(program, times, 5) {
+        out += &format!("    {:>8.3}  {label}\n", per_step(time));
+    }
+    out
 }
 
 /// Each rank's measured peak memory and communication per step beside the plan's.

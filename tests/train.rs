@@ -113,3 +113,23 @@ fn cosine_schedule_follows_hugging_face() {
     let stderr = failure(autotp_train("gpt2", &["--micro-batch", "2", "--steps", "1", "--lr-schedule", "linear"]));
     assert!(stderr.contains("--lr-schedule 'linear' is not one of constant, cosine"), "{stderr}");
 }
+
+/// `run --profile` prints rank 0's time per step by op (every instruction counted once) and
+/// its slowest instructions.
+#[test]
+fn profile_lists_time_by_op() {
+    let out = autotp_train("gpt2", &["--micro-batch", "4", "--steps", "2", "--profile", "-o", "/dev/null"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(stdout.contains("profile of rank 0, 2 steps"), "{stdout}");
+    let rows: Vec<(&str, usize)> = stdout
+        .lines()
+        .filter(|l| l.trim_end().ends_with('%'))
+        .map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            (fields[0], fields[1].parse().unwrap())
+        })
+        .collect();
+    assert!(rows.contains(&("matmul", 39)) && rows.contains(&("adamw", 28)), "{stdout}");
+    assert!(stdout.contains("slowest instructions") && stdout.contains("node "), "{stdout}");
+}

@@ -44,16 +44,23 @@ macro_rules! float_kernel {
 fn softmax_line<F: Float>(input: &[F], out: &mut [F], len: usize, stride: usize, log: bool) {
     let at = |i: usize| input[i * stride];
     let max = (1..len).fold(at(0), |m, i| if at(i) > m { at(i) } else { m });
-    let sum: f64 = (0..len).map(|i| (at(i) - max).exp().to_f64()).sum();
     if log {
+        let sum: f64 = (0..len).map(|i| (at(i) - max).exp().to_f64()).sum();
         let log_sum = F::from_f64(sum.ln());
         for i in 0..len {
             out[i * stride] = at(i) - max - log_sum;
         }
     } else {
+        // Each exponential once: kept in the output, then scaled.
+        let mut sum = 0f64;
+        for i in 0..len {
+            let e = (at(i) - max).exp();
+            out[i * stride] = e;
+            sum += e.to_f64();
+        }
         let inv = F::from_f64(1.0 / sum);
         for i in 0..len {
-            out[i * stride] = (at(i) - max).exp() * inv;
+            out[i * stride] = out[i * stride] * inv;
         }
     }
 }

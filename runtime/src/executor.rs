@@ -82,6 +82,8 @@ pub struct Executor {
     rank: Option<(usize, Arc<LocalComm>)>,
     /// Collectives issued so far on each mesh axis (their sequence numbers).
     issued: Vec<u64>,
+    /// Time spent in each instruction over all runs, when profiling.
+    profile: Option<Vec<std::time::Duration>>,
 }
 
 impl Executor {
@@ -126,11 +128,21 @@ impl Executor {
             _ => None,
         };
         let issued = vec![0; program.mesh.len()];
-        Ok(Executor { comm_thread, program, arena, rank, issued })
+        Ok(Executor { comm_thread, program, arena, rank, issued, profile: None })
     }
 
     pub fn program(&self) -> &Program {
         &self.program
+    }
+
+    /// Times every instruction from now on ([`Executor::profile`]).
+    pub fn enable_profile(&mut self) {
+        self.profile = Some(vec![std::time::Duration::ZERO; self.program.instructions.len()]);
+    }
+
+    /// The time spent in each instruction (in program order) since profiling was enabled.
+    pub fn profile(&self) -> Option<&[std::time::Duration]> {
+        self.profile.as_deref()
     }
 
     /// Bytes of the arena this executor allocated.
@@ -172,6 +184,7 @@ impl Executor {
         pending: &mut std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>>,
     ) -> Result<(), RuntimeError> {
         for (index, instruction) in self.program.instructions.iter().enumerate() {
+            let started = self.profile.is_some().then(std::time::Instant::now);
             // SAFETY: `Program::validate` checked every region is inside the arena and that an
             // instruction's outputs overlap neither its inputs nor each other, so these slices
             // are disjoint where one is mutable. Inputs may alias each other (shared reads).
@@ -213,6 +226,9 @@ impl Executor {
                     let completion = pending.remove(start).expect("validated: one wait per start");
                     completion.recv().map_err(|_| RuntimeError::Comm("the communication thread stopped".into()))??;
                 }
+            }
+            if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {
+                profile[index] += started.elapsed();
             }
         }
         Ok(())

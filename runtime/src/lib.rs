@@ -12,6 +12,7 @@
 //! - [`tensor_file`]: reading and atomically writing safetensors files.
 //! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads, byte counts).
 //! - [`report`]: a plan's per-rank memory and per-step communication.
+//! - [`profile`]: where a run's step time went, by op (`autotp run --profile`).
 //!
 //! This is the only crate that allocates device memory or starts rank threads.
 
@@ -23,6 +24,7 @@ pub mod data;
 mod executor;
 pub mod npy;
 pub mod plan;
+pub mod profile;
 mod program;
 pub mod report;
 pub mod schedule;

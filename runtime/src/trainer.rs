@@ -148,6 +148,18 @@ impl Trainer {
         self.ranks[0].program()
     }
 
+    /// Times every instruction of every rank from now on ([`Trainer::profile`]).
+    pub fn enable_profile(&mut self) {
+        for rank in &mut self.ranks {
+            rank.enable_profile();
+        }
+    }
+
+    /// The time `rank` spent in each of its program's instructions since profiling was enabled.
+    pub fn profile(&self, rank: usize) -> Option<&[std::time::Duration]> {
+        self.ranks.get(rank)?.profile()
+    }
+
     /// Ranks running the plan.
     pub fn world_size(&self) -> usize {
         self.ranks.len()

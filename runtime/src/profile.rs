@@ -1,0 +1,58 @@
+//! Where a rank's step time goes: the executor's per-instruction times (`autotp run
+//! --profile`) summed by the IR op each instruction came from.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::{Instruction, Program};
+
+/// The time of one kind of op (`matmul`, `all_reduce`, `wait`...) over a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpTime {
+    pub op: String,
+    /// Instructions of this op in the program (each runs once per step).
+    pub instructions: usize,
+    pub total: Duration,
+}
+
+fn label(instruction: &Instruction) -> &str {
+    match instruction {
+        Instruction::Kernel { label, .. }
+        | Instruction::Collective { label, .. }
+        | Instruction::CollectiveStart { label, .. }
+        | Instruction::Wait { label, .. } => label,
+    }
+}
+
+/// The IR op an instruction came from: its label is `node N (op)`.
+fn op_of(instruction: &Instruction) -> String {
+    let label = label(instruction);
+    label.rsplit_once('(').and_then(|(_, op)| op.strip_suffix(')')).unwrap_or(label).to_string()
+}
+
+/// `times` (one per instruction of `program`) summed by op, the slowest first.
+pub fn by_op(program: &Program, times: &[Duration]) -> Vec<OpTime> {
+    let mut ops: BTreeMap<String, OpTime> = BTreeMap::new();
+    for (instruction, &time) in program.instructions.iter().zip(times) {
+        let op = op_of(instruction);
+        let entry = ops.entry(op.clone()).or_insert(OpTime { op, instructions: 0, total: Duration::ZERO });
+        entry.instructions += 1;
+        entry.total += time;
+    }
+    let mut rows: Vec<OpTime> = ops.into_values().collect();
+    rows.sort_by(|a, b| b.total.cmp(&a.total).then(a.op.cmp(&b.op)));
+    rows
+}
+
+/// The `n` slowest instructions: (label, total time).
+pub fn slowest(program: &Program, times: &[Duration], n: usize) -> Vec<(String, Duration)> {
+    let mut rows: Vec<(String, Duration)> = program
+        .instructions
+        .iter()
+        .zip(times)
+        .map(|(instruction, &time)| (label(instruction).to_string(), time))
+        .collect();
+    rows.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    rows.truncate(n);
+    rows
+}
