@@ -7,6 +7,7 @@
 //! - `compile`: `autotp compile`'s summary, IR dumps, `--freeze`, damaged plans.
 //! - `checkpoint`: save, resume (bit-identical), a save killed midway, refusal, export.
 //! - `parallel`: data parallelism on CPU rank threads against the single-rank run.
+//! - `pipeline`: where the forward pass is cut into pipeline stages.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
@@ -22,6 +23,7 @@ mod golden;
 mod gradients;
 mod optimizers;
 mod parallel;
+mod pipeline;
 mod sharding;
 mod train;
 mod verifier;

@@ -22,6 +22,7 @@ pub mod autotp;
 pub mod dce;
 pub mod loss;
 pub mod optimize;
+pub mod pipeline;
 pub mod recognize;
 pub mod shard;
 mod sink_slices;

@@ -1,0 +1,231 @@
+//! Pipeline stages (`--pp P`, issue 5): where the forward pass is cut. This is the first part
+//! of the pipeline pass; building the per-stage programs with send/recv and the 1F1B schedule
+//! on top of it is still to come, so nothing on the command line uses it yet.
+//!
+//! A cut can go between two forward nodes (in graph order) where exactly one activation crosses
+//! it: the hidden state between blocks (and inside a pre-norm block, after its first residual
+//! add). Only values computed from the batch count: those from constants and parameters alone
+//! (position ids, rotary tables, causal masks, a weight's transpose) a stage computes itself,
+//! and a parameter used on two stages (tied embeddings) is held by both.
+//!
+//! The stages are balanced by a cost model (FLOPs: `2mnk` per matmul, one per output element
+//! elsewhere), choosing the cuts that minimise the most expensive stage, or placed where the
+//! user names them: a cut named `PREFIX` goes right before the first forward use of a
+//! parameter whose name starts with `PREFIX` (`model.layers.2` cuts before the third layer).
+//!
+//! Tests: tests/pipeline.rs.
+
+use autotp_ir::{Def, Graph, Op, ValueId};
+
+use crate::PassError;
+
+const PASS: &str = "pipeline";
+
+fn invalid(message: String) -> PassError {
+    PassError::Invalid { pass: PASS, message }
+}
+
+/// The forward pass cut into stages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stages {
+    /// Node positions (in graph order) of the forward nodes; stage `s` runs
+    /// `forward[starts[s]..starts[s + 1]]` (the last stage to the end).
+    pub forward: Vec<usize>,
+    pub starts: Vec<usize>,
+    /// The activation crossing each cut (`P - 1` of them), sent from stage `s` to `s + 1`.
+    pub boundaries: Vec<ValueId>,
+    /// Each stage's forward cost in FLOPs.
+    pub flops: Vec<u64>,
+}
+
+/// The forward nodes (positions in graph order): those with an output the loss depends on.
+fn forward_nodes(graph: &Graph) -> Vec<usize> {
+    let mut needed = vec![false; graph.num_values()];
+    for (name, v) in graph.outputs() {
+        if name == crate::loss::LOSS {
+            needed[v.index()] = true;
+        }
+    }
+    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+    let mut forward = Vec::new();
+    for (i, node) in nodes.iter().enumerate().rev() {
+        if node.outputs.iter().any(|o| needed[o.index()]) {
+            forward.push(i);
+            for v in &node.inputs {
+                needed[v.index()] = true;
+            }
+        }
+    }
+    forward.reverse();
+    forward
+}
+
+/// A node's cost in FLOPs.
+fn flops(graph: &Graph, node: &autotp_ir::Node) -> u64 {
+    let out = graph.ty(node.outputs[0]);
+    match node.op {
+        Op::MatMul { transpose_lhs, .. } => {
+            let lhs = &graph.ty(node.inputs[0]).shape;
+            let k = if transpose_lhs { lhs[lhs.len() - 2] } else { lhs[lhs.len() - 1] };
+            2 * (out.numel() * k) as u64
+        }
+        Op::Constant { .. } | Op::Reshape { .. } => 0,
+        _ => node.outputs.iter().map(|&o| graph.ty(o).numel() as u64).sum(),
+    }
+}
+
+/// Cuts the forward pass of `graph` (a differentiated graph or a training step with a `loss`
+/// output) into `stages`, at the parameter prefixes `named` (`stages - 1` of them, in forward
+/// order) or, when none are named, where the stages' costs are most even.
+pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stages, PassError> {
+    if stages == 0 {
+        return Err(invalid("--pp must be at least 1".into()));
+    }
+    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+    let forward = forward_nodes(graph);
+    if forward.is_empty() {
+        return Err(invalid(format!("the graph has no '{}' output to cut the forward pass of", crate::loss::LOSS)));
+    }
+    // Activations: values computed from the batch (graph inputs with dims). The rest (from
+    // constants and parameters alone) a stage computes itself.
+    let mut activation = vec![false; graph.num_values()];
+    for &v in graph.inputs() {
+        activation[v.index()] = graph.ty(v).rank() > 0;
+    }
+    for node in &nodes {
+        let any = node.inputs.iter().any(|v| activation[v.index()]);
+        for o in &node.outputs {
+            activation[o.index()] = any;
+        }
+    }
+    // Last forward position using each value.
+    let mut last_use = vec![None; graph.num_values()];
+    for (k, &i) in forward.iter().enumerate() {
+        for v in &nodes[i].inputs {
+            last_use[v.index()] = Some(k);
+        }
+    }
+    // Candidate cuts: before forward position k, exactly one activation crosses.
+    let mut boundary_at: Vec<Option<ValueId>> = vec![None; forward.len()];
+    let mut live: Vec<ValueId> = Vec::new();
+    for (k, &i) in forward.iter().enumerate() {
+        live.retain(|v| last_use[v.index()].is_some_and(|last| last >= k));
+        if let [only] = live[..] {
+            boundary_at[k] = Some(only);
+        }
+        for &o in &nodes[i].outputs {
+            if activation[o.index()] && last_use[o.index()].is_some_and(|last| last > k) {
+                live.push(o);
+            }
+        }
+    }
+    let cost: Vec<u64> = forward.iter().map(|&i| flops(graph, nodes[i])).collect();
+    let candidates: Vec<usize> = (1..forward.len()).filter(|&k| boundary_at[k].is_some()).collect();
+    let cuts = if named.is_empty() {
+        balanced_cuts(&cost, &candidates, stages)?
+    } else {
+        named_cuts(graph, &nodes, &forward, &boundary_at, stages, named)?
+    };
+    let mut starts = vec![0];
+    starts.extend(&cuts);
+    let flops = (0..stages)
+        .map(|s| {
+            let end = starts.get(s + 1).copied().unwrap_or(forward.len());
+            cost[starts[s]..end].iter().sum()
+        })
+        .collect();
+    let boundaries = cuts.iter().map(|&k| boundary_at[k].expect("a candidate")).collect();
+    Ok(Stages { forward, starts, boundaries, flops })
+}
+
+/// The `stages - 1` candidate cuts minimising the most expensive stage (dynamic programming
+/// over the candidates, which are few: one per block boundary).
+fn balanced_cuts(cost: &[u64], candidates: &[usize], stages: usize) -> Result<Vec<usize>, PassError> {
+    if stages - 1 > candidates.len() {
+        return Err(invalid(format!(
+            "--pp {stages} needs {} cuts, but the forward pass has only {} places where one activation \
+             crosses (about one per layer)",
+            stages - 1,
+            candidates.len()
+        )));
+    }
+    let mut prefix = vec![0u64; cost.len() + 1];
+    for (k, c) in cost.iter().enumerate() {
+        prefix[k + 1] = prefix[k] + c;
+    }
+    // Positions a stage may start at: 0 and every candidate; the last stage ends at the end.
+    let mut points = vec![0];
+    points.extend(candidates);
+    let end = cost.len();
+    // best[s][j]: the least maximum stage cost covering [0, points[j]) with s stages, and the
+    // start of the last of them.
+    let n = points.len();
+    let mut best = vec![vec![(u64::MAX, 0usize); n + 1]; stages + 1];
+    best[0][0] = (0, 0);
+    let position = |j: usize| if j == n { end } else { points[j] };
+    for s in 1..=stages {
+        for j in 1..=n {
+            for i in 0..j {
+                let (before, _) = best[s - 1][i];
+                if before == u64::MAX {
+                    continue;
+                }
+                let stage = prefix[position(j)] - prefix[position(i)];
+                let worst = before.max(stage);
+                if worst < best[s][j].0 {
+                    best[s][j] = (worst, i);
+                }
+            }
+        }
+    }
+    let mut cuts = Vec::new();
+    let mut j = n;
+    for s in (1..=stages).rev() {
+        let i = best[s][j].1;
+        if s > 1 {
+            cuts.push(points[i]);
+        }
+        j = i;
+    }
+    cuts.reverse();
+    Ok(cuts)
+}
+
+/// The cuts the user named: each right before the first forward use of a parameter whose
+/// name starts with the given prefix.
+fn named_cuts(
+    graph: &Graph,
+    nodes: &[&autotp_ir::Node],
+    forward: &[usize],
+    boundary_at: &[Option<ValueId>],
+    stages: usize,
+    named: &[String],
+) -> Result<Vec<usize>, PassError> {
+    if named.len() != stages - 1 {
+        return Err(invalid(format!("--pp {stages} needs {} --pp-cuts, got {}", stages - 1, named.len())));
+    }
+    let mut cuts = Vec::new();
+    for prefix in named {
+        let uses_prefix = |k: usize| {
+            nodes[forward[k]].inputs.iter().any(|&v| {
+                matches!(graph.value(v).def, Def::Param(_)) && graph.name_of(v).is_some_and(|n| n.starts_with(prefix))
+            })
+        };
+        let first = (0..forward.len()).find(|&k| uses_prefix(k)).ok_or_else(|| {
+            invalid(format!(
+                "--pp-cuts '{prefix}': no parameter of the forward pass is named so (a prefix such as a layer's)"
+            ))
+        })?;
+        // The nearest boundary at or before the first use.
+        let cut = (1..=first).rev().find(|&k| boundary_at[k].is_some()).ok_or_else(|| {
+            invalid(format!("--pp-cuts '{prefix}': no single activation crosses before its first use"))
+        })?;
+        if cuts.last().is_some_and(|&previous| previous >= cut) {
+            return Err(invalid(format!(
+                "--pp-cuts '{prefix}' does not come after the cut before it in the forward pass"
+            )));
+        }
+        cuts.push(cut);
+    }
+    Ok(cuts)
+}
