@@ -36,6 +36,8 @@ pub struct Stages {
     pub boundaries: Vec<ValueId>,
     /// Each stage's forward cost in FLOPs.
     pub flops: Vec<u64>,
+    /// Each stage's parameters, by name (a parameter used on two stages is on both).
+    pub params: Vec<Vec<String>>,
 }
 
 /// The forward nodes (positions in graph order): those with an output the loss depends on.
@@ -128,14 +130,24 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stage
     };
     let mut starts = vec![0];
     starts.extend(&cuts);
-    let flops = (0..stages)
+    // Forward positions of stage `s`.
+    let range = |s: usize| starts[s]..starts.get(s + 1).copied().unwrap_or(forward.len());
+    let flops = (0..stages).map(|s| cost[range(s)].iter().sum()).collect();
+    let boundaries = cuts.iter().map(|&k| boundary_at[k].expect("a candidate")).collect();
+    let params = (0..stages)
         .map(|s| {
-            let end = starts.get(s + 1).copied().unwrap_or(forward.len());
-            cost[starts[s]..end].iter().sum()
+            let mut names: Vec<String> = forward[range(s)]
+                .iter()
+                .flat_map(|&i| nodes[i].inputs.iter())
+                .filter(|&&v| matches!(graph.value(v).def, Def::Param(_)))
+                .map(|&v| graph.name_of(v).unwrap_or("").to_string())
+                .collect();
+            names.sort();
+            names.dedup();
+            names
         })
         .collect();
-    let boundaries = cuts.iter().map(|&k| boundary_at[k].expect("a candidate")).collect();
-    Ok(Stages { forward, starts, boundaries, flops })
+    Ok(Stages { forward, starts, boundaries, flops, params })
 }
 
 /// The `stages - 1` candidate cuts minimising the most expensive stage (dynamic programming
