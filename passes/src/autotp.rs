@@ -200,30 +200,14 @@ impl AutoTp {
             return Err(invalid("found no column- and row-parallel weights to split (no Megatron block)".into()));
         }
         let vocab = crate::vocab::find(graph);
-        if let Some(split) = &vocab {
-            let name = |v: ValueId| graph.name_of(v).unwrap_or("").to_string();
-            let mut entries = vec![Explained {
-                weight: name(split.head.0),
-                placement: Placement::Shard(split.head.1),
-                reason: "vocabulary-parallel LM head: its matmul makes the cross-entropy's scores".into(),
-            }];
-            for &table in split.embeddings.iter().filter(|&&t| t != split.head.0) {
-                entries.push(Explained {
-                    weight: name(table),
-                    placement: Placement::Shard(0),
-                    reason: "vocabulary-parallel embedding: looked up by token ids".into(),
-                });
-            }
-            if split.embeddings.contains(&split.head.0) {
-                entries[0].reason += " (tied: also the token embedding)";
-            }
-            explained.extend(entries);
-        }
+        let vocab_weights = vocab.as_ref().map(|split| vocab_explained(graph, split)).unwrap_or_default();
+        let vocab_names: BTreeSet<String> = vocab_weights.iter().map(|e| e.weight.clone()).collect();
+        explained.extend(vocab_weights);
         for e in &explained {
             let ty = graph.ty(param_by_name(graph, &e.weight));
             if let Placement::Shard(d) = e.placement {
                 if !ty.shape[d].is_multiple_of(self.tp) {
-                    let hint = if e.reason.starts_with("vocabulary") {
+                    let hint = if vocab_names.contains(&e.weight) {
                         "; pad the vocabulary to a multiple of tp (Megatron's --make-vocab-size-divisible-by)"
                     } else {
                         ""
@@ -289,6 +273,25 @@ impl AutoTp {
         }
         Err(invalid("the weight placements did not settle".into()))
     }
+}
+
+/// Why the LM head and the embeddings of a vocabulary split are placed as they are.
+fn vocab_explained(graph: &Graph, split: &crate::vocab::VocabSplit) -> Vec<Explained> {
+    let name = |v: ValueId| graph.name_of(v).unwrap_or("").to_string();
+    let tied = if split.embeddings.contains(&split.head.0) { " (tied: also the token embedding)" } else { "" };
+    let mut entries = vec![Explained {
+        weight: name(split.head.0),
+        placement: Placement::Shard(split.head.1),
+        reason: format!("vocabulary-parallel LM head: its matmul makes the cross-entropy's scores{tied}"),
+    }];
+    for &table in split.embeddings.iter().filter(|&&t| t != split.head.0) {
+        entries.push(Explained {
+            weight: name(table),
+            placement: Placement::Shard(0),
+            reason: "vocabulary-parallel embedding: looked up by token ids".into(),
+        });
+    }
+    entries
 }
 
 fn param_by_name(graph: &Graph, name: &str) -> ValueId {
