@@ -463,28 +463,9 @@ fn blocks(placed: &Graph, origin: &BTreeMap<ValueId, ValueId>) -> BTreeMap<(Valu
                 }
                 break;
             }
-            if let Op::Collective { kind, axis: other, .. } = &producer.op {
-                // A reduction or gather over another axis that leaves the dim alone.
-                let keeps_dim = match kind {
-                    Collective::AllReduce => true,
-                    Collective::AllGather { dim: e } | Collective::ReduceScatter { dim: e } => *e != d,
-                    Collective::ShardSlice { .. } => false,
-                };
-                if other == axis || !keeps_dim {
-                    break;
-                }
-                v = producer.inputs[0];
-                continue;
-            }
-            if !matches!(producer.op, Op::Unary(_) | Op::Binary(_) | Op::Cast { .. } | Op::Select) {
-                break;
-            }
-            let along = types.iter().enumerate().find_map(|(i, t)| {
-                let e = d.checked_sub(out.rank() - t.rank())?;
-                (t.shape[e] == out.shape[d]).then_some((producer.inputs[i], e))
-            });
-            let Some((operand, e)) = along else { break };
-            (v, d) = (operand, e);
+            let Some(operands) = crate::sink_slices::operands_along(placed, producer, axis, d) else { break };
+            let Some(&(i, e)) = operands.first() else { break };
+            (v, d) = (producer.inputs[i], e);
         }
     }
     found

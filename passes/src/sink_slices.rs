@@ -31,6 +31,43 @@ struct Sink {
     operands: Vec<(usize, usize)>,
 }
 
+/// Where a slice of `producer`'s output on `dim` (over mesh axis `axis`) can go instead: onto
+/// these operands (position, dim), for an elementwise op (the operands not broadcast along
+/// `dim`) or a reduction or gather over another axis that leaves `dim` alone; `None` for other
+/// ops. Shared with the `shard` pass's search for values it can make as blocks.
+pub(crate) fn operands_along(
+    graph: &Graph,
+    producer: &autotp_ir::Node,
+    axis: &str,
+    dim: usize,
+) -> Option<Vec<(usize, usize)>> {
+    let out = graph.ty(producer.outputs[0]);
+    match &producer.op {
+        Op::Unary(_) | Op::Binary(_) | Op::Cast { .. } | Op::Select => Some(
+            producer
+                .inputs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &v)| {
+                    let t = graph.ty(v);
+                    let d = dim.checked_sub(out.rank() - t.rank())?;
+                    (t.shape[d] == out.shape[dim]).then_some((i, d))
+                })
+                .collect(),
+        ),
+        Op::Collective { kind, axis: other, start: false } if other != axis => {
+            // Two slices on different axes would only trade places.
+            let keeps_dim = match kind {
+                Collective::AllReduce => true,
+                Collective::AllGather { dim: d } | Collective::ReduceScatter { dim: d } => *d != dim,
+                Collective::ShardSlice { .. } => false,
+            };
+            keeps_dim.then(|| vec![(0, dim)])
+        }
+        _ => None,
+    }
+}
+
 fn find_sinks(graph: &Graph) -> Vec<Sink> {
     let uses = graph.use_counts();
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
@@ -51,37 +88,10 @@ fn find_sinks(graph: &Graph) -> Vec<Sink> {
         }
         // A dim another axis already shards cannot be cut again (see `Placer::reshard`).
         let free = |v: ValueId, d: usize| !graph.value(v).placements.contains(&Placement::Shard(d));
-        let types: Vec<_> = producer.inputs.iter().map(|&v| graph.ty(v)).collect();
-        let out = graph.ty(y);
-        let operands = match &producer.op {
-            Op::Unary(_) | Op::Binary(_) | Op::Cast { .. } | Op::Select => {
-                let operands: Vec<(usize, usize)> = types
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, t)| {
-                        let d = dim.checked_sub(out.rank() - t.rank())?;
-                        (t.shape[d] == out.shape[*dim]).then_some((i, d))
-                    })
-                    .collect();
-                if operands.is_empty() || !operands.iter().all(|&(i, d)| free(producer.inputs[i], d)) {
-                    continue;
-                }
-                operands
-            }
-            Op::Collective { kind, axis: other, start: false } if other != axis => {
-                // Two slices on different axes would only trade places.
-                let touches = match kind {
-                    Collective::AllReduce => false,
-                    Collective::AllGather { dim: d } | Collective::ReduceScatter { dim: d } => d == dim,
-                    Collective::ShardSlice { .. } => true,
-                };
-                if touches || !free(producer.inputs[0], *dim) {
-                    continue;
-                }
-                vec![(0, *dim)]
-            }
-            _ => continue,
-        };
+        let Some(operands) = operands_along(graph, producer, axis, *dim) else { continue };
+        if operands.is_empty() || !operands.iter().all(|&(i, d)| free(producer.inputs[i], d)) {
+            continue;
+        }
         sinks.push(Sink { slice: s, producer: p.index(), axis: a, dim: *dim, operands });
     }
     sinks
