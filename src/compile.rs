@@ -395,9 +395,22 @@ fn grouped(n: usize) -> String {
     out
 }
 
-/// The plan in a few lines: step shape, parameters, memory by category, kernels.
-pub fn summary(plan: &TrainingPlan) -> String {
+/// The plan's per-rank report ([`autotp_runtime::report::report`]), written as JSON to
+/// `--report FILE.json` when the flags ask for it.
+pub fn report(flags: &CompileFlags, plan: &TrainingPlan) -> Result<autotp_runtime::report::Report> {
+    let report = autotp_runtime::report::report(plan);
+    if let Some(path) = &flags.report {
+        let json = serde_json::to_string_pretty(&report)?;
+        autotp_runtime::tensor_file::write_atomic(path, json.as_bytes())?;
+    }
+    Ok(report)
+}
+
+/// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`),
+/// kernels, communication.
+pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> String {
     let p = &plan.program;
+    let rank = &report.ranks[0];
     let t = &plan.training;
     let numel = |slots: &[autotp_runtime::Slot]| slots.iter().map(|s| s.numel()).sum::<usize>();
     let frozen_slots: Vec<autotp_runtime::Slot> =
@@ -437,7 +450,7 @@ pub fn summary(plan: &TrainingPlan) -> String {
     for (what, bytes) in [
         ("parameters", m.params_bytes),
         ("optimizer state", m.states_bytes),
-        ("gradients (inside activations)", autotp_runtime::report::report(plan).ranks[0].grads_bytes),
+        ("gradients (inside activations)", rank.grads_bytes),
         ("activations peak (with gradients)", m.activations_peak_bytes),
         ("inputs", m.inputs_bytes),
         ("constants", m.constants_bytes),
@@ -460,8 +473,6 @@ pub fn summary(plan: &TrainingPlan) -> String {
     let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
     lines.push(format!("  instructions: {} ({})", p.instructions.len(), listed.join(", ")));
     if !p.mesh.is_empty() {
-        let report = autotp_runtime::report::report(plan);
-        let rank = &report.ranks[0];
         let c = &rank.comm_bytes_per_step;
         lines.push(format!(
             "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}; staging {}; peak {}",
@@ -479,11 +490,8 @@ pub fn summary(plan: &TrainingPlan) -> String {
 pub fn run(args: &CompileArgs) -> Result<()> {
     let compiled = compile(&args.flags)?;
     autotp_runtime::plan::write(&args.output, &compiled.plan, &compiled.weights())?;
-    if let Some(path) = &args.flags.report {
-        let json = serde_json::to_string_pretty(&autotp_runtime::report::report(&compiled.plan))?;
-        autotp_runtime::tensor_file::write_atomic(path, json.as_bytes())?;
-    }
-    print!("{}", summary(&compiled.plan));
+    let report = report(&args.flags, &compiled.plan)?;
+    print!("{}", summary(&compiled.plan, &report));
     println!("wrote {}", args.output.display());
     Ok(())
 }

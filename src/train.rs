@@ -28,7 +28,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(path) = &args.output {
         autotp_runtime::plan::write(path, &compiled.plan, &weights)?;
     }
-    eprint!("{}", compile::summary(&compiled.plan));
+    let report = compile::report(&args.compile, &compiled.plan)?;
+    eprint!("{}", compile::summary(&compiled.plan, &report));
     let mut trainer = Trainer::new(compiled.plan.clone(), &weights, args.run.seed())?;
     // The trainer copied the weights into its arena; the model's memory map can go.
     drop(weights);

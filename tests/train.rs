@@ -133,3 +133,13 @@ fn profile_lists_time_by_op() {
     assert!(rows.contains(&("matmul", 39)) && rows.contains(&("adamw", 28)), "{stdout}");
     assert!(stdout.contains("slowest instructions") && stdout.contains("node "), "{stdout}");
 }
+
+/// `train` takes every compile flag: `--report` writes the plan's per-rank report.
+#[test]
+fn train_writes_the_report() {
+    let report = crate::common::scratch("train-report").join("report.json");
+    let out = autotp_train("gpt2", &["--micro-batch", "4", "--steps", "1", "--report", report.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(json["ranks"][0]["params_bytes"].as_u64(), Some(4 * 172_288), "{json}");
+}
