@@ -253,13 +253,19 @@ fn tensor_parallel_all_reduces_per_block() {
 #[test]
 fn small_parameters_persist_at_stage_3() {
     let dir = scratch("parallel-persist");
-    let model = fixture("gpt2", "model.onnx");
     let (plan, report) = (dir.join("gpt2.atp"), dir.join("report.json"));
-    let args =
-        ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2", "--zero", "3"];
-    let extra =
-        ["--param-persistence-threshold", "1000", "--report", report.to_str().unwrap(), "-o", plan.to_str().unwrap()];
-    success(autotp(&[&args[..], &extra[..]].concat()));
+    success(compile_gpt2(&[
+        "--dp",
+        "2",
+        "--zero",
+        "3",
+        "--param-persistence-threshold",
+        "1000",
+        "--report",
+        report.to_str().unwrap(),
+        "-o",
+        plan.to_str().unwrap(),
+    ]));
     let json = read_report(&report);
     let params = json["ranks"][0]["params_bytes"].as_u64().unwrap();
     assert_eq!(params, 4 * 172_288 / 2 + 4 * 1_792 / 2, "sharded halves plus the persistent halves");
@@ -273,21 +279,25 @@ fn small_parameters_persist_at_stage_3() {
 #[test]
 fn zero_3_prefetch_budgets() {
     let dir = scratch("parallel-prefetch");
-    let model = fixture("gpt2", "model.onnx");
     let plan = dir.join("gpt2.atp");
-    let base = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2"];
-    let err = failure(autotp(
-        &[&base[..], &["--zero", "3", "--max-live-params", "1000", "-o", plan.to_str().unwrap()]].concat(),
-    ));
+    let err =
+        failure(compile_gpt2(&["--dp", "2", "--zero", "3", "--max-live-params", "1000", "-o", plan.to_str().unwrap()]));
     assert!(
         err.contains(
             "--max-live-params 1000 cannot hold parameter 'm.transformer.wte.weight' (64000 elements gathered)"
         ),
         "{err}"
     );
-    let err = failure(autotp(
-        &[&base[..], &["--zero", "2", "--prefetch-bucket-size", "1000", "-o", plan.to_str().unwrap()]].concat(),
-    ));
+    let err = failure(compile_gpt2(&[
+        "--dp",
+        "2",
+        "--zero",
+        "2",
+        "--prefetch-bucket-size",
+        "1000",
+        "-o",
+        plan.to_str().unwrap(),
+    ]));
     assert!(err.contains("--prefetch-bucket-size applies to --zero 3"), "{err}");
 
     let single = train(&dir, "gpt2", 8, &[]);

@@ -364,11 +364,7 @@ fn vjp(
         }
         Op::Reshape { .. } => out[0] = Some(b.reshape(d0(), &shape(b, x[0]))?),
         Op::Transpose { perm } => {
-            let mut inverse = vec![0; perm.len()];
-            for (i, &p) in perm.iter().enumerate() {
-                inverse[p] = i;
-            }
-            out[0] = Some(b.op(Op::Transpose { perm: inverse }, vec![d0()])?);
+            out[0] = Some(b.op(Op::Transpose { perm: crate::inverse_permutation(perm) }, vec![d0()])?);
         }
         Op::Slice { starts, steps, .. } => {
             if steps.iter().any(|&s| s != 1) {

@@ -361,11 +361,10 @@ fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
         }
         // Each rank's maximum of its block of the vocabulary (the split cross-entropy's row
         // maximum) is a statistic, not a split tensor.
-        let statistic = |n: &autotp_ir::Node| matches!(n.op, Op::Reduce { op: autotp_ir::ReduceOp::Max, .. });
-        if let autotp_ir::Def::Node(p, _) = graph.value(node.inputs[0]).def {
-            if statistic(graph.node(p)) {
-                continue;
-            }
+        let block_maxima = matches!(graph.value(node.inputs[0]).def,
+            autotp_ir::Def::Node(p, _) if matches!(graph.node(p).op, Op::Reduce { op: autotp_ir::ReduceOp::Max, .. }));
+        if block_maxima {
+            continue;
         }
         let input = node.inputs[0];
         let (consumer, result) = graph

@@ -49,6 +49,15 @@ pub(crate) fn add_op(pass: &'static str, g: &mut Graph, op: Op, inputs: Vec<Valu
     g.add(op, inputs).map_err(|m| PassError::Invalid { pass, message: format!("{name}: {m}") })
 }
 
+/// The permutation that undoes `perm` (as a transpose's).
+pub(crate) fn inverse_permutation(perm: &[usize]) -> Vec<usize> {
+    let mut inverse = vec![0; perm.len()];
+    for (i, &p) in perm.iter().enumerate() {
+        inverse[p] = i;
+    }
+    inverse
+}
+
 /// A Graph -> Graph transformation.
 pub trait Pass {
     /// The kebab-case name used on the command line.

@@ -673,11 +673,7 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
                     let fronted: Vec<usize> = perm.iter().map(|&d| shape[d]).collect();
                     let shaped = add(g, Op::Reshape { shape: fronted }, vec![part])?;
                     place(g, shaped, &reduced_placements);
-                    let mut inverse = vec![0; perm.len()];
-                    for (i, &d) in perm.iter().enumerate() {
-                        inverse[d] = i;
-                    }
-                    add(g, Op::Transpose { perm: inverse }, vec![shaped])?
+                    add(g, Op::Transpose { perm: crate::inverse_permutation(&perm) }, vec![shaped])?
                 }
                 None => add(g, Op::Reshape { shape }, vec![part])?,
             };

@@ -77,20 +77,15 @@ pub(crate) fn find(graph: &Graph) -> Option<VocabSplit> {
         return None;
     }
     let vocab = graph.ty(head.0).shape[head.1];
-    let embeddings = graph
-        .nodes()
-        .filter_map(|(_, n)| {
-            let (Op::Gather { axis: 0 }, [table, ids]) = (&n.op, &n.inputs[..]) else { return None };
-            let by_input = graph.inputs().contains(&through_reshapes(graph, *ids));
-            let vocab_rows = graph.params().contains(table) && graph.ty(*table).shape[0] == vocab;
-            (by_input && vocab_rows).then_some(*table)
-        })
-        .fold(Vec::new(), |mut tables, t| {
-            if !tables.contains(&t) {
-                tables.push(t);
-            }
-            tables
-        });
+    let mut embeddings = Vec::new();
+    for (_, n) in graph.nodes() {
+        let (Op::Gather { axis: 0 }, [table, ids]) = (&n.op, &n.inputs[..]) else { continue };
+        let by_input = graph.inputs().contains(&through_reshapes(graph, *ids));
+        let vocab_rows = graph.params().contains(table) && graph.ty(*table).shape[0] == vocab;
+        if by_input && vocab_rows && !embeddings.contains(table) {
+            embeddings.push(*table);
+        }
+    }
     Some(VocabSplit { losses, vocab, head, embeddings })
 }
 

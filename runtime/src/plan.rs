@@ -107,6 +107,12 @@ impl TrainingConfig {
             vec![rows, self.seq_len]
         }
     }
+
+    /// The shape of a step's whole token inputs: all ranks' sequences of one micro-batch, by
+    /// micro-batch.
+    pub fn global_token_shape(&self) -> Vec<usize> {
+        self.token_shape(self.global_batch / self.grad_accum.max(1))
+    }
 }
 
 impl TrainingPlan {

@@ -60,7 +60,7 @@ impl Trainer {
         let loss_index = plan.loss_index()?;
         let t = &plan.training;
         let ids = plan.program.inputs.iter().find(|s| s.name == "input_ids").expect("feeds() checked");
-        if ids.global_shape != t.token_shape(t.global_batch / t.grad_accum.max(1)) {
+        if ids.global_shape != t.global_token_shape() {
             return Err(RuntimeError::Plan(format!(
                 "feeds input_ids as {:?} on all ranks, but its global batch is {} x {} in {} micro-batches",
                 ids.global_shape, t.global_batch, t.seq_len, t.grad_accum
@@ -299,7 +299,7 @@ impl Trainer {
         let step = self.completed;
         let batch = data.batch(step, t.global_batch);
         let lr = t.schedule.lr(step, train_steps);
-        let tokens = t.token_shape(t.global_batch / t.grad_accum.max(1));
+        let tokens = t.global_token_shape();
         let ids = |values: &[i64]| HostTensor {
             dtype: DType::I64,
             shape: tokens.clone(),
