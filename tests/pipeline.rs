@@ -1,13 +1,16 @@
 //! Pipeline stages: where `pipeline::partition` cuts the fixtures' forward pass, by the cost
 //! model and by named cuts, and what it refuses.
 
-use autotp_ir::Graph;
+use std::collections::BTreeMap;
+
+use autotp_ir::{Graph, Tensor};
+use autotp_passes::accumulate::Accumulate;
 use autotp_passes::autodiff::Autodiff;
-use autotp_passes::loss::{AttachLoss, LOSS};
-use autotp_passes::pipeline::partition;
+use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
+use autotp_passes::pipeline::{partition, Pipeline, Schedule};
 use autotp_passes::PassManager;
 
-use crate::common::fixture;
+use crate::common::{fixture, max_abs_diff};
 
 /// The differentiated one-micro-batch step of a fixture (batch 4, sequence 16).
 fn differentiated(arch: &str) -> Graph {
@@ -63,4 +66,82 @@ fn impossible_cuts_are_refused() {
     assert!(err.contains("'m.transformer.h.0' does not come after the cut before it"), "{err}");
     let err = partition(&graph, 3, &["m.transformer.h.1".into()]).unwrap_err().to_string();
     assert!(err.contains("--pp 3 needs 2 --pp-cuts, got 1"), "{err}");
+}
+
+/// The imported graph with its loss, before autodiff, as the pipeline pass takes it.
+fn with_loss(arch: &str) -> autotp_frontend::Model {
+    let options = autotp_frontend::ImportOptions { batch: Some(2), seq_len: Some(8), ..Default::default() };
+    let mut model = autotp_frontend::import_onnx(&fixture(arch, "model.onnx"), &options).unwrap();
+    let passes: Vec<Box<dyn autotp_passes::Pass>> =
+        vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
+    PassManager::new(passes).run(&mut model.graph).unwrap();
+    model
+}
+
+/// Token ids for a `[rows, micro-batches, seq]` input.
+fn tokens(shape: &[usize], seed: i64) -> Tensor {
+    let ids: Vec<i64> = (0..shape.iter().product::<usize>() as i64).map(|i| (i * 7919 + seed * 104_729) % 97).collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Tensor::from_pod(autotp_ir::DType::I64, shape.to_vec(), &bytes)
+}
+
+/// The stages' step, run together by the pipeline evaluator, computes the loss and gradients
+/// of gradient accumulation over the same micro-batches on one device, for every schedule.
+#[test]
+fn stage_graphs_compute_the_accumulated_step() {
+    let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
+    for (arch, stages, micro_batches, schedule) in [
+        ("gpt2", 2, 4, Schedule::OneFOneB),
+        ("gpt2", 2, 3, Schedule::GPipe),
+        ("llama", 2, 4, Schedule::OneFOneB),
+        ("llama", 4, 4, Schedule::OneFOneB),
+        ("gpt_neox", 3, 2, Schedule::OneFOneB),
+    ] {
+        let model = with_loss(arch);
+        let graph = &model.graph;
+        let pipeline = Pipeline {
+            stages,
+            cuts: vec![],
+            micro_batches,
+            schedule,
+            batch_inputs: batch_inputs.clone(),
+            frozen: Default::default(),
+        };
+        let (_, graphs) = pipeline.run(graph).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(graphs.len(), stages);
+        let mut reference = graph.clone();
+        let passes: Vec<Box<dyn autotp_passes::Pass>> = vec![
+            Box::new(Autodiff::new(LOSS)),
+            Box::new(Accumulate { micro_batches, batch_inputs: batch_inputs.clone() }),
+        ];
+        PassManager::new(passes).run(&mut reference).unwrap();
+        let mut params: BTreeMap<String, Tensor> =
+            model.weights.iter().map(|(name, t)| (name.clone(), t.clone())).collect();
+        let feed = |g: &Graph| -> Vec<Tensor> {
+            g.inputs()
+                .iter()
+                .map(|&v| match g.name_of(v).unwrap() {
+                    "input_ids" => tokens(&g.ty(v).shape, 1),
+                    "labels" => tokens(&g.ty(v).shape, 2),
+                    other => panic!("{arch}: unexpected input {other}"),
+                })
+                .collect()
+        };
+        let expected = autotp_ir::eval::eval_graph(&reference, &params, &feed(&reference)).unwrap();
+        let inputs: Vec<Vec<Tensor>> = graphs.iter().map(|g| feed(g)).collect();
+        let outputs = autotp_ir::eval::eval_pipeline_step(&graphs, &mut params, &inputs)
+            .unwrap_or_else(|e| panic!("{arch} pp {stages}: {e}"));
+        let mut compared = 0;
+        for (g, outs) in graphs.iter().zip(&outputs) {
+            for ((name, _), got) in g.outputs().iter().zip(outs) {
+                let index = reference.outputs().iter().position(|(n, _)| n == name).unwrap();
+                let (diff, scale) = max_abs_diff(got, &expected[index]);
+                assert!(diff <= 1e-5 * scale.max(1e-3), "{arch} pp {stages} {schedule:?}: {name} differs by {diff} (scale {scale})");
+                compared += 1;
+            }
+        }
+        println!("{arch} pp {stages} x {micro_batches} {schedule:?}: {compared} outputs agree");
+        // Every gradient (a shared one on each of its stages) and the loss.
+        assert!(compared >= reference.outputs().len(), "{arch}: compared {compared} of {}", reference.outputs().len());
+    }
 }

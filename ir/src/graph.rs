@@ -188,8 +188,8 @@ impl Graph {
         self.values[id.index()].name.as_deref()
     }
 
-    /// A copy with only the nodes that outputs depend on and only the parameters they read,
-    /// in canonical order. Inputs are all kept: they are the graph's calling convention.
+    /// A copy with only the nodes that outputs and pipeline sends depend on and only the
+    /// parameters they read, in canonical order. Inputs are all kept: they are the graph's calling convention.
     pub fn without_dead_code(&self) -> Graph {
         let mut live = vec![false; self.values.len()];
         for (_, v) in &self.outputs {
@@ -201,7 +201,7 @@ impl Graph {
         }
         let mut node_live = vec![false; self.nodes.len()];
         for (i, node) in self.nodes.iter().enumerate().rev() {
-            if node.outputs.iter().any(|o| live[o.index()]) {
+            if node.outputs.iter().any(|o| live[o.index()]) || matches!(node.op, Op::Send { .. }) {
                 node_live[i] = true;
                 for v in &node.inputs {
                     live[v.index()] = true;

@@ -32,7 +32,8 @@ fn product(dims: &[usize]) -> usize {
 }
 
 /// The kernel for `op`, or `None` for ops that are not kernels: constants (data written at load
-/// time) and collectives (communication, run by the runtime's comm). The kernel's shapes come
+/// time), collectives and pipeline sends and receives (communication, run by the runtime's
+/// comm). The kernel's shapes come
 /// from the types given, so passing a rank's local types gives the rank's local kernel. The
 /// types must satisfy the op's rule (the verifier's job).
 pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> Option<Kernel> {
@@ -41,7 +42,7 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
     let shape = || in0.map(|t| t.shape.clone()).unwrap_or_default();
     let out_shape = || outputs[0].shape.clone();
     Some(match op {
-        Op::Constant { .. } | Op::Collective { .. } => return None,
+        Op::Constant { .. } | Op::Collective { .. } | Op::Send { .. } | Op::Recv { .. } => return None,
         // Codegen makes a wait alias its collective's result; evaluators copy it.
         Op::Wait => Kernel::Copy,
         Op::Unary(op) => Kernel::Unary { op: *op, dtype },

@@ -136,6 +136,19 @@ pub enum Op {
     },
     /// `wait %start`: the result of an asynchronous collective, once it has completed.
     Wait,
+    /// `send %x {to = S, tag = T}`: hands `x` to pipeline stage `S`, whose `recv` with the same
+    /// tag receives it. No result; asynchronous (the stage goes on at once), and never dead code.
+    Send {
+        to: usize,
+        tag: u64,
+    },
+    /// `recv {from = S, tag = T} : type`: the value pipeline stage `S` sent with tag `T`; waits
+    /// for it. Stages send to each other in the order they receive, so tags only check that.
+    Recv {
+        from: usize,
+        tag: u64,
+        ty: TensorType,
+    },
 }
 
 /// The collectives, as resharding steps along one mesh axis.
@@ -218,6 +231,8 @@ impl Op {
             Op::Collective { kind, start: false, .. } => kind.name().into(),
             Op::Collective { kind, start: true, .. } => format!("{}_start", kind.name()),
             Op::Wait => "wait".into(),
+            Op::Send { .. } => "send".into(),
+            Op::Recv { .. } => "recv".into(),
         }
     }
 
@@ -241,7 +256,12 @@ impl Op {
         };
         if !matches!(
             self,
-            Op::Split { .. } | Op::CrossEntropy { .. } | Op::NllLoss { .. } | Op::AdamW { .. } | Op::Sgd { .. }
+            Op::Split { .. }
+                | Op::CrossEntropy { .. }
+                | Op::NllLoss { .. }
+                | Op::AdamW { .. }
+                | Op::Sgd { .. }
+                | Op::Send { .. }
         ) && num_outputs != 1
         {
             return Err(format!("has {num_outputs} outputs, expects 1"));
@@ -533,6 +553,17 @@ impl Op {
             Op::Wait => {
                 expect_arity(1, 1)?;
                 one(inputs[0].clone())
+            }
+            Op::Send { .. } => {
+                expect_arity(1, 1)?;
+                if num_outputs != 0 {
+                    return Err(format!("has {num_outputs} outputs, expects none"));
+                }
+                Ok(vec![])
+            }
+            Op::Recv { ty, .. } => {
+                expect_arity(0, 0)?;
+                one(ty.clone())
             }
             Op::CrossEntropy { reduction, .. } | Op::NllLoss { reduction, .. } => {
                 expect_arity(2, 3)?;

@@ -73,6 +73,8 @@ pub fn axis_rule(
     let all_partial = !current.is_empty() && current.iter().all(|p| *p == PartialSum);
     match op {
         Op::Constant { .. } => AxisRule::replicated(0, no),
+        // Pipeline stages exchange whole values (each stage's ranks with the same coordinates).
+        Op::Send { .. } | Op::Recv { .. } => AxisRule::replicated(ni, no),
         Op::Collective { kind, axis: name, .. } if *name == axis.name => {
             let (from, to) = kind.transition();
             AxisRule { inputs: vec![from], outputs: vec![to] }

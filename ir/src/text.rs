@@ -205,6 +205,8 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
             ("reduction", Attr::Word(reduction.name().into())),
         ],
         Op::Wait => vec![],
+        Op::Send { to, tag } => vec![("to", Attr::Int(*to as i64)), ("tag", Attr::Int(*tag as i64))],
+        Op::Recv { from, tag, .. } => vec![("from", Attr::Int(*from as i64)), ("tag", Attr::Int(*tag as i64))],
         Op::Collective { kind, axis, .. } => {
             let mut a = vec![("axis", Attr::Word(axis.clone()))];
             if let Some(dim) = kind.dim() {
@@ -269,7 +271,11 @@ pub fn print(graph: &Graph) -> String {
     }
     for (_, node) in graph.nodes() {
         let outs: Vec<String> = node.outputs.iter().map(|&o| names.get(o)).collect();
-        write!(out, "  {} = {}", outs.join(", "), node.op.name()).unwrap();
+        if outs.is_empty() {
+            write!(out, "  {}", node.op.name()).unwrap();
+        } else {
+            write!(out, "  {} = {}", outs.join(", "), node.op.name()).unwrap();
+        }
         if let Op::Constant { value } = &node.op {
             write!(out, " {}", format_constant(value)).unwrap();
         }
@@ -283,7 +289,11 @@ pub fn print(graph: &Graph) -> String {
             write!(out, " {{{}}}", parts.join(", ")).unwrap();
         }
         let types: Vec<String> = node.outputs.iter().map(|&o| format_type_and_placement(graph, o)).collect();
-        writeln!(out, " : {}", types.join(", ")).unwrap();
+        if types.is_empty() {
+            out.push('\n');
+        } else {
+            writeln!(out, " : {}", types.join(", ")).unwrap();
+        }
     }
     for (name, v) in graph.outputs() {
         writeln!(out, "  output {} = {}", quote(name), names.get(*v)).unwrap();
@@ -649,14 +659,19 @@ impl<'a> Parser<'a> {
         Ok((splat, items))
     }
 
-    fn node(&mut self, first: (bool, String)) -> Result<(), ParseError> {
-        let mut outs = vec![first];
-        while self.eat_punct(',')? {
-            outs.push(self.value_token()?);
-        }
-        self.expect_punct('=')?;
-        let op_at = self.at;
-        let op_name = self.word()?;
+    /// A node statement: `%a, %b = op ...` (`outs` the values it defines), or `send ...`
+    /// (no outputs; `outs` empty and the op's name already read).
+    fn node(&mut self, outs: Vec<(bool, String)>) -> Result<(), ParseError> {
+        let mut outs = outs;
+        let (op_at, op_name) = if outs.is_empty() {
+            (self.at, "send".to_string())
+        } else {
+            while self.eat_punct(',')? {
+                outs.push(self.value_token()?);
+            }
+            self.expect_punct('=')?;
+            (self.at, self.word()?)
+        };
         let literal = if op_name == "constant" { Some(self.constant_literal()?) } else { None };
         let mut inputs = Vec::new();
         if matches!(self.tok, Tok::Value { .. }) {
@@ -678,14 +693,16 @@ impl<'a> Parser<'a> {
                 self.expect_punct(',')?;
             }
         }
-        self.expect_punct(':')?;
         let mut types = Vec::new();
         let mut placements = Vec::new();
-        loop {
-            types.push(self.tensor_type()?);
-            placements.push(self.placements()?);
-            if !self.eat_punct(',')? {
-                break;
+        if !outs.is_empty() {
+            self.expect_punct(':')?;
+            loop {
+                types.push(self.tensor_type()?);
+                placements.push(self.placements()?);
+                if !self.eat_punct(',')? {
+                    break;
+                }
             }
         }
         if types.len() != outs.len() {
@@ -696,6 +713,11 @@ impl<'a> Parser<'a> {
                 let value = constant_tensor(&types[0], splat, &items).map_err(|m| self.error_at(m))?;
                 Op::Constant { value }
             }
+            None if op_name == "recv" => Op::Recv {
+                from: take_usize(&mut attrs, "from").map_err(|m| self.error_at(format!("recv: {m}")))?,
+                tag: take_usize(&mut attrs, "tag").map_err(|m| self.error_at(format!("recv: {m}")))? as u64,
+                ty: types[0].clone(),
+            },
             None => build_op(&op_name, &mut attrs).map_err(|m| ParseError {
                 line: op_at.0,
                 column: op_at.1,
@@ -775,7 +797,8 @@ impl<'a> Parser<'a> {
                     let v = self.use_value()?;
                     self.graph.add_output(name, v);
                 }
-                Tok::Value { name, anonymous } => self.node((anonymous, name))?,
+                Tok::Value { name, anonymous } => self.node(vec![(anonymous, name)])?,
+                Tok::Word(w) if w == "send" => self.node(vec![])?,
                 other => return Err(self.error_at(format!("expected a statement, found {}", Self::describe(&other)))),
             }
         }
@@ -926,6 +949,7 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         }
         "triu" | "tril" => Op::Triangle { upper: name == "triu", k: take_int(a, "k")? },
         "wait" => Op::Wait,
+        "send" => Op::Send { to: take_usize(a, "to")?, tag: take_usize(a, "tag")? as u64 },
         collective
             if ["all_reduce", "all_gather", "reduce_scatter", "shard_slice"]
                 .contains(&collective.strip_suffix("_start").unwrap_or(collective)) =>

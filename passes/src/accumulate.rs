@@ -40,8 +40,38 @@ fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError
     crate::add_op(PASS, g, op, inputs)
 }
 
+/// Micro-batch `i` (`[:, i]`) of a batch input laid out `[rows, A, ...]`, as `[rows, ...]`.
+pub(crate) fn micro_batch(pass: &'static str, g: &mut Graph, input: ValueId, i: usize) -> Result<ValueId, PassError> {
+    let mut shape = g.ty(input).shape.clone();
+    let mut starts = vec![0; shape.len()];
+    let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    starts[1] = i;
+    ends[1] = i as i64 + 1;
+    let steps = vec![1; shape.len()];
+    let sliced = crate::add_op(pass, g, Op::Slice { starts, ends, steps }, vec![input])?;
+    shape.remove(1);
+    crate::add_op(pass, g, Op::Reshape { shape }, vec![sliced])
+}
+
+/// How many of `labels` are not `ignored`, as a `dtype` scalar.
+pub(crate) fn count_labels(
+    pass: &'static str,
+    g: &mut Graph,
+    labels: ValueId,
+    ignored: i64,
+    dtype: autotp_ir::DType,
+) -> Result<ValueId, PassError> {
+    let label_dtype = g.ty(labels).dtype;
+    let ignored = crate::add_op(pass, g, Op::Constant { value: Tensor::full(label_dtype, vec![], ignored as f64) }, vec![])?;
+    let is_ignored = crate::add_op(pass, g, Op::Binary(BinaryOp::Equal), vec![labels, ignored])?;
+    let kept = crate::add_op(pass, g, Op::Unary(UnaryOp::Not), vec![is_ignored])?;
+    let kept = crate::add_op(pass, g, Op::Cast { to: dtype }, vec![kept])?;
+    let axes = (0..g.ty(kept).rank()).collect();
+    crate::add_op(pass, g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![kept])
+}
+
 /// A mean class loss that ignores a label index: (its labels input, the ignored index).
-fn counted_loss(graph: &Graph) -> Option<(ValueId, i64)> {
+pub(crate) fn counted_loss(graph: &Graph) -> Option<(ValueId, i64)> {
     graph.nodes().find_map(|(_, n)| match n.op {
         Op::CrossEntropy { ignore_index: Some(ignored), reduction: Reduction::Mean }
         | Op::NllLoss { ignore_index: Some(ignored), reduction: Reduction::Mean } => Some((n.inputs[1], ignored)),
@@ -105,14 +135,7 @@ impl Pass for Accumulate {
         for step in 0..steps {
             let mut map = outer.clone();
             for &(old_input, new_input) in &batch {
-                let shape = g.ty(new_input).shape.clone();
-                let mut starts = vec![0; shape.len()];
-                let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-                starts[1] = step;
-                ends[1] = step as i64 + 1;
-                let sliced = add(&mut g, Op::Slice { starts, ends, steps: vec![1; shape.len()] }, vec![new_input])?;
-                let micro = add(&mut g, Op::Reshape { shape: old.ty(old_input).shape.clone() }, vec![sliced])?;
-                map[old_input.index()] = Some(micro);
+                map[old_input.index()] = Some(micro_batch(PASS, &mut g, new_input, step)?);
             }
             for (_, node) in old.nodes() {
                 let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
@@ -125,15 +148,7 @@ impl Pass for Accumulate {
             // This micro-batch's weight: its counted labels, or 1.
             let weight = match counted {
                 Some((labels, ignored)) => {
-                    let labels = map[labels.index()].expect("copied");
-                    let label_dtype = g.ty(labels).dtype;
-                    let ignored =
-                        add(&mut g, Op::Constant { value: Tensor::full(label_dtype, vec![], ignored as f64) }, vec![])?;
-                    let is_ignored = add(&mut g, Op::Binary(BinaryOp::Equal), vec![labels, ignored])?;
-                    let kept = add(&mut g, Op::Unary(UnaryOp::Not), vec![is_ignored])?;
-                    let kept = add(&mut g, Op::Cast { to: dtype }, vec![kept])?;
-                    let axes = (0..g.ty(kept).rank()).collect();
-                    let count = add(&mut g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![kept])?;
+                    let count = count_labels(PASS, &mut g, map[labels.index()].expect("copied"), ignored, dtype)?;
                     total = Some(match total {
                         Some(t) => add(&mut g, Op::Binary(BinaryOp::Add), vec![t, count])?,
                         None => count,

@@ -33,6 +33,14 @@ pub struct Autodiff {
     /// Parameters that get no gradient (`--freeze`): they stay parameters, but nothing flows
     /// back to them and they get no `grad.` output.
     pub frozen: BTreeSet<String>,
+    /// A graph input holding the gradient of the `loss` output (which may then be any
+    /// floating-point tensor of the input's type): the vector-Jacobian product instead of the
+    /// gradient of a scalar. A pipeline stage's backward starts from the gradient the next stage
+    /// sends.
+    pub cotangent: Option<String>,
+    /// Graph inputs to differentiate too (`grad.<input>` outputs after the parameters'): what a
+    /// pipeline stage sends back to the stage before it.
+    pub wrt_inputs: Vec<String>,
 }
 
 const PASS: &str = "autodiff";
@@ -40,7 +48,7 @@ const PASS: &str = "autodiff";
 impl Autodiff {
     /// Differentiates the output `loss` with respect to every parameter.
     pub fn new(loss: &str) -> Autodiff {
-        Autodiff { loss: loss.to_string(), frozen: BTreeSet::new() }
+        Autodiff { loss: loss.to_string(), frozen: BTreeSet::new(), cotangent: None, wrt_inputs: Vec::new() }
     }
 }
 
@@ -430,6 +438,9 @@ fn vjp(
         Op::Collective { .. } | Op::Wait => {
             return Err(no_gradient(op, "(sharding passes run after autodiff, on the whole training step)"))
         }
+        Op::Send { .. } | Op::Recv { .. } => {
+            return Err(no_gradient(op, "(the pipeline pass differentiates each stage before it adds them)"))
+        }
         Op::Triangle { upper, k } => out[0] = Some(b.op(Op::Triangle { upper: *upper, k: *k }, vec![d0()])?),
         Op::Softmax { axis } => {
             let (y0, d) = (y[0], d0());
@@ -687,13 +698,43 @@ impl Pass for Autodiff {
             .map(|(_, v)| *v)
             .ok_or_else(|| invalid(format!("the graph has no output named '{}'", self.loss)))?;
         let lt = graph.ty(loss);
-        if !lt.dtype.is_float() || lt.numel() != 1 {
-            return Err(invalid(format!("the loss output '{}' must be a floating-point scalar, got {lt}", self.loss)));
+        let input = |name: &str| {
+            graph
+                .inputs()
+                .iter()
+                .copied()
+                .find(|&v| graph.name_of(v) == Some(name))
+                .ok_or_else(|| invalid(format!("the graph has no input named '{name}'")))
+        };
+        let cotangent = self.cotangent.as_deref().map(input).transpose()?;
+        match cotangent {
+            Some(c) if graph.ty(c) != lt || !lt.dtype.is_float() => {
+                return Err(invalid(format!(
+                    "the gradient input '{}' is {}, the output '{}' it is the gradient of is {lt}",
+                    self.cotangent.as_deref().unwrap_or(""),
+                    graph.ty(c),
+                    self.loss
+                )))
+            }
+            None if !lt.dtype.is_float() || lt.numel() != 1 => {
+                return Err(invalid(format!(
+                    "the loss output '{}' must be a floating-point scalar, got {lt}",
+                    self.loss
+                )))
+            }
+            _ => {}
         }
+        let wrt_inputs = self.wrt_inputs.iter().map(|name| input(name)).collect::<Result<Vec<_>, _>>()?;
         let n = graph.num_values();
-        // Values that depend on a parameter through floating-point dataflow...
-        let trainable: Vec<ValueId> =
-            graph.params().iter().copied().filter(|&p| !self.frozen.contains(graph.name_of(p).unwrap_or(""))).collect();
+        // Values that depend on a parameter (or an input differentiated) through floating-point
+        // dataflow...
+        let trainable: Vec<ValueId> = graph
+            .params()
+            .iter()
+            .copied()
+            .filter(|&p| !self.frozen.contains(graph.name_of(p).unwrap_or("")))
+            .chain(wrt_inputs.iter().copied())
+            .collect();
         let mut depends = vec![false; n];
         for &p in &trainable {
             depends[p.index()] = true;
@@ -722,10 +763,13 @@ impl Pass for Autodiff {
             rw.copy_node(id);
         }
         let mut grads: Vec<Option<ValueId>> = vec![None; n];
-        let seed = rw
-            .graph()
-            .add(Op::Constant { value: Tensor::full(lt.dtype, lt.shape.clone(), 1.0) }, vec![])
-            .expect("constant");
+        let seed = match cotangent {
+            Some(c) => rw.map(c),
+            None => rw
+                .graph()
+                .add(Op::Constant { value: Tensor::full(lt.dtype, lt.shape.clone(), 1.0) }, vec![])
+                .expect("constant"),
+        };
         grads[loss.index()] = Some(seed);
         for (_, node) in old.nodes().collect::<Vec<_>>().into_iter().rev() {
             let dy: Vec<Option<ValueId>> = node.outputs.iter().map(|o| grads[o.index()]).collect();
@@ -756,7 +800,7 @@ impl Pass for Autodiff {
                     Some(g) => Ok(g),
                     None => {
                         let t = old.ty(p).clone();
-                        let mut b = B { g: rw.graph(), op: "a parameter the loss does not use".into() };
+                        let mut b = B { g: rw.graph(), op: "a value the loss does not use".into() };
                         b.full(t.dtype, &t.shape, 0.0)
                     }
                 }?;

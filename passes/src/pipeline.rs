@@ -1,6 +1,5 @@
-//! Pipeline stages (`--pp P`, issue 5): where the forward pass is cut. This is the first part
-//! of the pipeline pass; building the per-stage programs with send/recv and the 1F1B schedule
-//! on top of it is still to come, so nothing on the command line uses it yet.
+//! Pipeline stages (`--pp P`): where the forward pass is cut ([`partition`]); the stage
+//! graphs and their schedule are built on the cuts in [`schedule`].
 //!
 //! A cut can go between two forward nodes (in graph order) where exactly one activation crosses
 //! it: the hidden state between blocks (and inside a pre-norm block, after its first residual
@@ -18,6 +17,10 @@
 use autotp_ir::{Def, Graph, Op, ValueId};
 
 use crate::PassError;
+
+pub mod schedule;
+
+pub use schedule::{bubble_fraction, Chunk, Pipeline, Schedule, PIPE_IN, PIPE_OUT};
 
 const PASS: &str = "pipeline";
 
@@ -62,6 +65,29 @@ fn forward_nodes(graph: &Graph) -> Vec<usize> {
     forward
 }
 
+/// Which values are activations: those computed from the batch (graph inputs with dims). The
+/// rest (from constants and parameters alone) a stage computes itself.
+fn activations(graph: &Graph) -> Vec<bool> {
+    let mut activation = vec![false; graph.num_values()];
+    for &v in graph.inputs() {
+        activation[v.index()] = graph.ty(v).rank() > 0;
+    }
+    for (_, node) in graph.nodes() {
+        let any = node.inputs.iter().any(|v| activation[v.index()]);
+        for o in &node.outputs {
+            activation[o.index()] = any;
+        }
+    }
+    activation
+}
+
+impl Stages {
+    /// Positions in `forward` of stage `s`'s nodes.
+    pub fn range(&self, s: usize) -> std::ops::Range<usize> {
+        self.starts[s]..self.starts.get(s + 1).copied().unwrap_or(self.forward.len())
+    }
+}
+
 /// A node's cost in FLOPs.
 fn flops(graph: &Graph, node: &autotp_ir::Node) -> u64 {
     let out = graph.ty(node.outputs[0]);
@@ -88,18 +114,7 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stage
     if forward.is_empty() {
         return Err(invalid(format!("the graph has no '{}' output to cut the forward pass of", crate::loss::LOSS)));
     }
-    // Activations: values computed from the batch (graph inputs with dims). The rest (from
-    // constants and parameters alone) a stage computes itself.
-    let mut activation = vec![false; graph.num_values()];
-    for &v in graph.inputs() {
-        activation[v.index()] = graph.ty(v).rank() > 0;
-    }
-    for node in &nodes {
-        let any = node.inputs.iter().any(|v| activation[v.index()]);
-        for o in &node.outputs {
-            activation[o.index()] = any;
-        }
-    }
+    let activation = activations(graph);
     // Last forward position using each value.
     let mut last_use = vec![None; graph.num_values()];
     for (k, &i) in forward.iter().enumerate() {
@@ -130,13 +145,12 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stage
     };
     let mut starts = vec![0];
     starts.extend(&cuts);
-    // Forward positions of stage `s`.
-    let range = |s: usize| starts[s]..starts.get(s + 1).copied().unwrap_or(forward.len());
-    let flops = (0..stages).map(|s| cost[range(s)].iter().sum()).collect();
     let boundaries = cuts.iter().map(|&k| boundary_at[k].expect("a candidate")).collect();
-    let params = (0..stages)
+    let mut result = Stages { forward, starts, boundaries, flops: Vec::new(), params: Vec::new() };
+    result.flops = (0..stages).map(|s| cost[result.range(s)].iter().sum()).collect();
+    result.params = (0..stages)
         .map(|s| {
-            let mut names: Vec<String> = forward[range(s)]
+            let mut names: Vec<String> = result.forward[result.range(s)]
                 .iter()
                 .flat_map(|&i| nodes[i].inputs.iter())
                 .filter(|&&v| matches!(graph.value(v).def, Def::Param(_)))
@@ -147,7 +161,7 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stage
             names
         })
         .collect();
-    Ok(Stages { forward, starts, boundaries, flops, params })
+    Ok(result)
 }
 
 /// The `stages - 1` candidate cuts minimising the most expensive stage (dynamic programming

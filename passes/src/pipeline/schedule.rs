@@ -1,0 +1,466 @@
+//! The pipeline's stage graphs (`--pp P --schedule 1f1b|gpipe`): one step graph per stage,
+//! running the step's `M` micro-batches (`--grad-accum M`) in the schedule's order and passing
+//! activations and their gradients to the neighbouring stages with `send`/`recv`.
+//!
+//! Built from the imported graph with its `loss` (before autodiff):
+//! 1. [`partition`](super::partition) cuts the forward pass; stage `s` gets a forward graph of its
+//!    nodes, reading the activation crossing the cut before it as the input `pipe.in` and
+//!    giving the one crossing the cut after it as the output `pipe.out` (the last stage gives
+//!    the loss). Values computed from constants and parameters alone (position ids, masks) are
+//!    recomputed where they are used, and a parameter used on two stages is held by both.
+//! 2. Each stage graph is differentiated on its own: the gradient of its output is an input
+//!    (what the next stage sends back; on the last stage, the micro-batch's weight in the mean
+//!    loss), and `pipe.in` is differentiated too (what it sends to the stage before).
+//! 3. The step graph of stage `s` repeats the stage's forward nodes for micro-batch `i`
+//!    (`F(i)`: recv the activation, forward, send the result) and its backward nodes (`B(i)`:
+//!    recv the gradient, backward, send the input's gradient) in the schedule's order, adding
+//!    each micro-batch's parameter gradients into one sum as they are made. Each `F(i)`'s
+//!    values that `B(i)` reads stay alive in between, so the memory planner holds one set of
+//!    activations per micro-batch in flight: at most `P - s` on stage `s` under 1F1B, `M`
+//!    under GPipe.
+//! 4. Parameters held by several stages (tied embeddings) exchange their gradient sums at the
+//!    end of the step and add them in stage order, so every holder updates them identically.
+//!
+//! The loss is the mean over the step as one device computes it: micro-batch `i` weighs
+//! `1 / M`, or its share of the counted labels for a mean loss with an ignored index.
+//!
+//! Output: one differentiated graph per stage (`grad.<param>` outputs; the last stage's `loss`
+//! first), ready for `optimize`. Tests: tests/golden/pipeline_*.ir, tests/pipeline.rs.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use autotp_ir::{BinaryOp, Def, Graph, Node, Op, Tensor, TensorType, ValueId};
+
+use super::{activations, invalid, partition, Stages};
+use crate::accumulate::{count_labels, counted_loss, micro_batch};
+use crate::autodiff::{Autodiff, GRAD_PREFIX};
+use crate::loss::LOSS;
+use crate::{Pass, PassError};
+
+const PASS: &str = super::PASS;
+
+/// The input of a stage graph holding the activation the stage before sends.
+pub const PIPE_IN: &str = "pipe.in";
+/// The output of a stage graph holding the activation it sends to the stage after.
+pub const PIPE_OUT: &str = "pipe.out";
+
+/// The order the stages run their micro-batches' forward and backward chunks in.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// One forward, one backward (PipeDream-flush, Megatron's and DeepSpeed's default): stage `s`
+    /// runs `P - 1 - s` forwards ahead, then alternates, so it holds at most `P - s`
+    /// micro-batches' activations.
+    OneFOneB,
+    /// Every forward, then every backward: `M` micro-batches' activations held.
+    GPipe,
+}
+
+/// One stage's part of micro-batch `i`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Chunk {
+    Forward(usize),
+    Backward(usize),
+}
+
+impl Schedule {
+    pub fn parse(name: &str) -> Option<Schedule> {
+        match name {
+            "1f1b" => Some(Schedule::OneFOneB),
+            "gpipe" => Some(Schedule::GPipe),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::OneFOneB => "1f1b",
+            Schedule::GPipe => "gpipe",
+        }
+    }
+
+    /// The chunks stage `stage` of `stages` runs, in order, for `micro_batches`.
+    pub fn order(self, stage: usize, stages: usize, micro_batches: usize) -> Vec<Chunk> {
+        let m = micro_batches;
+        match self {
+            Schedule::GPipe => (0..m).map(Chunk::Forward).chain((0..m).map(Chunk::Backward)).collect(),
+            Schedule::OneFOneB => {
+                let warmup = (stages - 1 - stage).min(m);
+                let mut order: Vec<Chunk> = (0..warmup).map(Chunk::Forward).collect();
+                for i in 0..m - warmup {
+                    order.push(Chunk::Forward(warmup + i));
+                    order.push(Chunk::Backward(i));
+                }
+                order.extend((m - warmup..m).map(Chunk::Backward));
+                order
+            }
+        }
+    }
+
+    /// The most micro-batches whose activations stage `stage` holds at once.
+    pub fn in_flight(self, stage: usize, stages: usize, micro_batches: usize) -> usize {
+        match self {
+            Schedule::GPipe => micro_batches,
+            Schedule::OneFOneB => (stages - stage).min(micro_batches),
+        }
+    }
+}
+
+/// The fraction of a step a stage idles when every stage's forward and backward chunks take
+/// equal times: `(P - 1) / (M + P - 1)`, for 1F1B and GPipe alike.
+pub fn bubble_fraction(stages: usize, micro_batches: usize) -> f64 {
+    (stages - 1) as f64 / (micro_batches + stages - 1) as f64
+}
+
+/// The pipeline pass: an imported graph with a `loss` output -> one graph per stage.
+pub struct Pipeline {
+    pub stages: usize,
+    /// Parameter-name prefixes to cut before (`--pp-cuts`), or empty to balance by FLOPs.
+    pub cuts: Vec<String>,
+    /// Micro-batches per step (`M`).
+    pub micro_batches: usize,
+    pub schedule: Schedule,
+    /// Graph inputs with a batch dim 0 (become `[rows, M, ...]`).
+    pub batch_inputs: Vec<String>,
+    /// Parameters that get no gradient (`--freeze`).
+    pub frozen: BTreeSet<String>,
+}
+
+impl Pipeline {
+    /// The cuts and the stage graphs.
+    pub fn run(&self, graph: &Graph) -> Result<(Stages, Vec<Graph>), PassError> {
+        if self.micro_batches == 0 {
+            return Err(invalid("--grad-accum (the micro-batches the pipeline interleaves) must be at least 1".into()));
+        }
+        let stages = partition(graph, self.stages, &self.cuts)?;
+        let activation = activations(graph);
+        let mut differentiated = Vec::new();
+        for s in 0..self.stages {
+            let forward = forward_graph(graph, &stages, s, &activation)?;
+            differentiated.push(self.differentiate(s, forward)?);
+        }
+        // The stages holding each trained parameter.
+        let mut holders: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (s, d) in differentiated.iter().enumerate() {
+            for (name, _) in d.outputs() {
+                if let Some(param) = name.strip_prefix(GRAD_PREFIX) {
+                    if param != PIPE_IN {
+                        holders.entry(param.to_string()).or_default().push(s);
+                    }
+                }
+            }
+        }
+        let shared: Vec<String> = holders.iter().filter(|(_, h)| h.len() > 1).map(|(p, _)| p.clone()).collect();
+        let mut graphs = Vec::new();
+        for (s, d) in differentiated.iter().enumerate() {
+            let step = self.step_graph(s, d, &holders, &shared)?;
+            autotp_ir::verify(&step).map_err(|errors| PassError::Verify { pass: PASS, errors })?;
+            graphs.push(step);
+        }
+        Ok((stages, graphs))
+    }
+
+    fn last(&self, s: usize) -> bool {
+        s + 1 == self.stages
+    }
+
+    /// Stage `s`'s forward graph with its backward: the gradient of its output is the input
+    /// `grad.<output>`, and `pipe.in` gets a gradient output too.
+    fn differentiate(&self, s: usize, mut g: Graph) -> Result<Graph, PassError> {
+        let output = if self.last(s) { LOSS } else { PIPE_OUT };
+        let value = g.outputs().iter().find(|(n, _)| n == output).map(|(_, v)| *v).expect("the stage's output");
+        let cotangent = format!("{GRAD_PREFIX}{output}");
+        g.add_input(cotangent.clone(), g.ty(value).clone());
+        let mut autodiff = Autodiff::new(output);
+        autodiff.frozen = self.frozen.clone();
+        autodiff.cotangent = Some(cotangent);
+        if s > 0 {
+            autodiff.wrt_inputs = vec![PIPE_IN.to_string()];
+        }
+        autodiff.run(&mut g)?;
+        Ok(g)
+    }
+
+    /// Stage `s`'s step: the chunks of every micro-batch in schedule order.
+    fn step_graph(
+        &self,
+        s: usize,
+        d: &Graph,
+        holders: &BTreeMap<String, Vec<usize>>,
+        shared: &[String],
+    ) -> Result<Graph, PassError> {
+        let m = self.micro_batches;
+        let last = self.last(s);
+        let output_name = if last { LOSS } else { PIPE_OUT };
+        let find_output = |name: &str| d.outputs().iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+        let output = find_output(output_name).expect("the stage's output");
+        let cotangent_name = format!("{GRAD_PREFIX}{output_name}");
+        let input_named = |name: &str| d.inputs().iter().copied().find(|&v| d.name_of(v) == Some(name));
+        let cotangent = input_named(&cotangent_name).expect("added by differentiate");
+        let pipe_in = input_named(PIPE_IN);
+        let pipe_in_grad = find_output(&format!("{GRAD_PREFIX}{PIPE_IN}"));
+        let grads: Vec<(String, ValueId)> = d
+            .outputs()
+            .iter()
+            .filter(|(n, _)| n.starts_with(GRAD_PREFIX) && n[GRAD_PREFIX.len()..] != *PIPE_IN)
+            .cloned()
+            .collect();
+        // The forward chunk: the nodes the stage's output needs; the backward chunk: the rest.
+        let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
+        let mut needed = vec![false; d.num_values()];
+        needed[output.index()] = true;
+        let mut forward = vec![false; nodes.len()];
+        for (i, node) in nodes.iter().enumerate().rev() {
+            if node.outputs.iter().any(|o| needed[o.index()]) {
+                forward[i] = true;
+                for v in &node.inputs {
+                    needed[v.index()] = true;
+                }
+            }
+        }
+
+        let mut g = Graph::new(d.name.clone());
+        let mut outer: Vec<Option<ValueId>> = vec![None; d.num_values()];
+        let mut batch = Vec::new();
+        for &i in d.inputs() {
+            if Some(i) == pipe_in || i == cotangent {
+                continue;
+            }
+            let name = d.name_of(i).unwrap_or("").to_string();
+            let ty = d.ty(i).clone();
+            if self.batch_inputs.contains(&name) {
+                if ty.rank() == 0 {
+                    return Err(invalid(format!("batch input '{name}' {ty} has no batch dim")));
+                }
+                let mut shape = ty.shape.clone();
+                shape.insert(1, m);
+                batch.push((i, g.add_input(name, TensorType::new(ty.dtype, shape))));
+            } else {
+                outer[i.index()] = Some(g.add_input(name, ty));
+            }
+        }
+        for &p in d.params() {
+            outer[p.index()] = Some(g.add_param(d.name_of(p).unwrap_or(""), d.ty(p).clone()));
+        }
+        let add = |g: &mut Graph, op: Op, inputs: Vec<ValueId>| crate::add_op(PASS, g, op, inputs);
+        let loss_dtype = d.ty(output).dtype;
+        // Micro-batch weights in the mean loss: counted labels over the step's, or 1 / M.
+        let counted = if last { counted_loss(d) } else { None };
+        let total = match counted {
+            Some((labels, ignored)) => {
+                let whole = batch.iter().find(|(old, _)| *old == labels).map(|(_, new)| *new);
+                let whole = whole.ok_or_else(|| invalid("the loss's labels are not a batch input".into()))?;
+                Some(count_labels(PASS, &mut g, whole, ignored, loss_dtype)?)
+            }
+            None => None,
+        };
+        let mut weights: Vec<Option<ValueId>> = vec![None; m];
+        let mut maps: Vec<Vec<Option<ValueId>>> = Vec::new();
+        let mut loss_sum: Option<ValueId> = None;
+        let mut sums: Vec<Option<ValueId>> = vec![None; grads.len()];
+        let order = self.schedule.order(s, self.stages, m);
+        for chunk in order {
+            match chunk {
+                Chunk::Forward(i) => {
+                    let mut map = outer.clone();
+                    for &(old, new) in &batch {
+                        map[old.index()] = Some(micro_batch(PASS, &mut g, new, i)?);
+                    }
+                    if let Some(pipe_in) = pipe_in {
+                        let ty = d.ty(pipe_in).clone();
+                        let received = add(&mut g, Op::Recv { from: s - 1, tag: activation_tag(i), ty }, vec![])?;
+                        map[pipe_in.index()] = Some(received);
+                    }
+                    copy_nodes(&mut g, d, &nodes, &forward, true, &mut map);
+                    let out = map[output.index()].expect("computed");
+                    if last {
+                        let weight = match (counted, total) {
+                            (Some((labels, ignored)), Some(total)) => {
+                                let labels = map[labels.index()].expect("sliced");
+                                let count = count_labels(PASS, &mut g, labels, ignored, loss_dtype)?;
+                                add(&mut g, Op::Binary(BinaryOp::Div), vec![count, total])?
+                            }
+                            _ => {
+                                let value = Tensor::full(loss_dtype, vec![], 1.0 / m as f64);
+                                add(&mut g, Op::Constant { value }, vec![])?
+                            }
+                        };
+                        weights[i] = Some(weight);
+                        let weighted = add(&mut g, Op::Binary(BinaryOp::Mul), vec![out, weight])?;
+                        loss_sum = Some(match loss_sum {
+                            Some(sum) => add(&mut g, Op::Binary(BinaryOp::Add), vec![sum, weighted])?,
+                            None => weighted,
+                        });
+                    } else {
+                        g.add_node(Op::Send { to: s + 1, tag: activation_tag(i) }, vec![out], 0)
+                            .map_err(|e| invalid(format!("send: {e}")))?;
+                    }
+                    maps.push(map);
+                    debug_assert_eq!(maps.len(), i + 1);
+                }
+                Chunk::Backward(i) => {
+                    let map = &mut maps[i];
+                    map[cotangent.index()] = Some(if last {
+                        weights[i].expect("the forward chunk comes first")
+                    } else {
+                        let ty = d.ty(cotangent).clone();
+                        add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), ty }, vec![])?
+                    });
+                    copy_nodes(&mut g, d, &nodes, &forward, false, map);
+                    if let Some(pipe_in_grad) = pipe_in_grad {
+                        let grad = map[pipe_in_grad.index()].expect("computed");
+                        g.add_node(Op::Send { to: s - 1, tag: gradient_tag(i) }, vec![grad], 0)
+                            .map_err(|e| invalid(format!("send: {e}")))?;
+                    }
+                    for ((_, value), sum) in grads.iter().zip(sums.iter_mut()) {
+                        let grad = map[value.index()].expect("computed");
+                        *sum = Some(match *sum {
+                            Some(acc) => add(&mut g, Op::Binary(BinaryOp::Add), vec![acc, grad])?,
+                            None => grad,
+                        });
+                    }
+                    // This micro-batch's values are no longer needed by the compiler either.
+                    map.clear();
+                }
+            }
+        }
+        let mut sums: Vec<ValueId> = sums.into_iter().map(|v| v.expect("at least one micro-batch")).collect();
+        // Shared parameters: send this stage's sum to the other holders, then add every holder's
+        // in stage order.
+        let tag_of = |name: &str| shared_tag(m, shared.iter().position(|p| p == name).expect("a shared parameter"));
+        for ((name, _), &sum) in grads.iter().zip(&sums) {
+            let param = &name[GRAD_PREFIX.len()..];
+            for &other in holders[param].iter().filter(|&&h| h != s) {
+                g.add_node(Op::Send { to: other, tag: tag_of(param) }, vec![sum], 0)
+                    .map_err(|e| invalid(format!("send: {e}")))?;
+            }
+        }
+        for ((name, _), sum) in grads.iter().zip(sums.iter_mut()) {
+            let param = &name[GRAD_PREFIX.len()..];
+            if holders[param].len() < 2 {
+                continue;
+            }
+            let mut total: Option<ValueId> = None;
+            for &h in &holders[param] {
+                let part = if h == s {
+                    *sum
+                } else {
+                    let ty = g.ty(*sum).clone();
+                    add(&mut g, Op::Recv { from: h, tag: tag_of(param), ty }, vec![])?
+                };
+                total = Some(match total {
+                    Some(t) => add(&mut g, Op::Binary(BinaryOp::Add), vec![t, part])?,
+                    None => part,
+                });
+            }
+            *sum = total.expect("two holders");
+        }
+        if let Some(loss) = loss_sum {
+            g.add_output(LOSS, loss);
+        }
+        for ((name, _), sum) in grads.iter().zip(sums) {
+            g.add_output(name.clone(), sum);
+        }
+        Ok(g)
+    }
+}
+
+/// Tags of the messages between stages: micro-batch `i`'s activation and its gradient, then
+/// one per shared parameter's gradient.
+fn activation_tag(i: usize) -> u64 {
+    2 * i as u64
+}
+
+fn gradient_tag(i: usize) -> u64 {
+    2 * i as u64 + 1
+}
+
+fn shared_tag(micro_batches: usize, index: usize) -> u64 {
+    (2 * micro_batches + index) as u64
+}
+
+/// Copies the nodes of one chunk (those with `forward[i] == in_forward`) of `d` through `map`.
+fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], forward: &[bool], in_forward: bool, map: &mut [Option<ValueId>]) {
+    for (node, _) in nodes.iter().zip(forward).filter(|(_, &f)| f == in_forward) {
+        let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
+        let types = node.outputs.iter().map(|&o| d.ty(o).clone()).collect();
+        let new = g.add_node_typed(node.op.clone(), inputs, types);
+        for (&o, &n) in node.outputs.iter().zip(&g.node(new).outputs) {
+            map[o.index()] = Some(n);
+        }
+    }
+}
+
+/// Stage `s`'s forward graph: its nodes, reading the activation crossing the cut before it as
+/// `pipe.in` and giving the one crossing the cut after it as `pipe.out` (the last stage: the
+/// loss).
+fn forward_graph(old: &Graph, stages: &Stages, s: usize, activation: &[bool]) -> Result<Graph, PassError> {
+    let mut stage = StageBuilder { old, s, activation, g: Graph::new(old.name.clone()), map: vec![None; old.num_values()] };
+    if s > 0 {
+        let boundary = stages.boundaries[s - 1];
+        stage.map[boundary.index()] = Some(stage.g.add_input(PIPE_IN, old.ty(boundary).clone()));
+    }
+    let nodes: Vec<&Node> = old.nodes().map(|(_, n)| n).collect();
+    for &i in &stages.forward[stages.range(s)] {
+        stage.copy(nodes[i])?;
+    }
+    let (name, value) = match stages.boundaries.get(s) {
+        Some(&boundary) => (PIPE_OUT, boundary),
+        None => (LOSS, old.outputs().iter().find(|(n, _)| n == LOSS).map(|(_, v)| *v).expect("partition found it")),
+    };
+    let out = stage.resolve(value)?;
+    stage.g.add_output(name, out);
+    Ok(stage.g)
+}
+
+/// Copies nodes of the whole forward graph into one stage's.
+struct StageBuilder<'a> {
+    old: &'a Graph,
+    s: usize,
+    activation: &'a [bool],
+    g: Graph,
+    map: Vec<Option<ValueId>>,
+}
+
+impl StageBuilder<'_> {
+    fn copy(&mut self, node: &Node) -> Result<(), PassError> {
+        let inputs = node.inputs.iter().map(|&v| self.resolve(v)).collect::<Result<Vec<_>, _>>()?;
+        let types = node.outputs.iter().map(|&o| self.old.ty(o).clone()).collect();
+        let new = self.g.add_node_typed(node.op.clone(), inputs, types);
+        for (&o, &n) in node.outputs.iter().zip(&self.g.node(new).outputs) {
+            self.map[o.index()] = Some(n);
+        }
+        Ok(())
+    }
+
+    /// `v` in the stage graph: inputs and parameters are declared where first used, values of
+    /// constants and parameters alone recomputed; another stage's activation is an error (only
+    /// the one crossing the cut comes in).
+    fn resolve(&mut self, v: ValueId) -> Result<ValueId, PassError> {
+        if let Some(new) = self.map[v.index()] {
+            return Ok(new);
+        }
+        let (old, s) = (self.old, self.s);
+        let name = || old.name_of(v).unwrap_or("").to_string();
+        let new = match old.value(v).def {
+            Def::Input(_) => self.g.add_input(name(), old.ty(v).clone()),
+            Def::Param(_) => self.g.add_param(name(), old.ty(v).clone()),
+            Def::State(_) => {
+                return Err(invalid(format!("state '{}' in the forward pass: the pipeline runs before optimize", name())))
+            }
+            Def::Node(node, _) => {
+                let node = old.node(node);
+                if self.activation[v.index()] {
+                    return Err(invalid(format!(
+                        "stage {s} reads a {} result from a stage before the one before it: only one activation may \
+                         cross each cut",
+                        node.op.name()
+                    )));
+                }
+                self.copy(node)?;
+                return Ok(self.map[v.index()].expect("just copied"));
+            }
+        };
+        self.map[v.index()] = Some(new);
+        Ok(new)
+    }
+}
