@@ -19,9 +19,10 @@ use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer};
+use autotp_passes::pipeline::{bubble_fraction, Pipeline, Schedule as PipelineSchedule};
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
-use autotp_runtime::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
+use autotp_runtime::plan::{Labels, ModelSource, PipelineConfig, TrainingConfig, TrainingPlan};
 use autotp_runtime::schedule::Schedule;
 use clap::Args;
 
@@ -53,6 +54,19 @@ pub struct CompileFlags {
     /// dataflow); world size is dp x tp.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// Pipeline stages: the model is cut into this many stages (balanced by FLOPs, or at
+    /// --pp-cuts), each run by its own ranks; the step's --grad-accum micro-batches flow through
+    /// them. World size is pp x dp x tp.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// The pipeline schedule: 1f1b (one forward, one backward: at most pp micro-batches in
+    /// flight) or gpipe (all forwards, then all backwards).
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: String,
+    /// Where the pipeline stages start (pp - 1 of them): before the first use of a parameter
+    /// whose name starts with each prefix, e.g. model.layers.2. Comma-separated or repeated.
+    #[arg(long, value_name = "PREFIX", value_delimiter = ',')]
+    pub pp_cuts: Vec<String>,
     /// ZeRO stage over the data-parallel ranks: 0 all-reduces gradients; 1 shards optimizer
     /// state; 2 also reduce-scatters gradients into shards; 3 also shards parameters.
     #[arg(long, default_value_t = 0)]
@@ -221,21 +235,26 @@ fn frozen(flags: &CompileFlags, graph: &Graph) -> Result<BTreeSet<String>> {
     Ok(frozen)
 }
 
-/// Writes the graph to DIR/NN-name.ir and prints it after the `--print-after` passes.
+/// Writes the graph to DIR/NN-name.ir (DIR/NN-name.stageS.ir for a pipeline stage's) and prints
+/// it after the `--print-after` passes.
 struct IrObserver<'a> {
     dump_dir: Option<&'a Path>,
     print_after: &'a [String],
+    /// The pipeline stage whose graph is observed, once the pipeline pass has cut them.
+    stage: Option<usize>,
     error: Option<anyhow::Error>,
 }
 
 impl IrObserver<'_> {
     fn observe(&mut self, index: usize, pass: &str, graph: &Graph) {
+        let stage = self.stage.map(|s| format!(".stage{s}")).unwrap_or_default();
         if self.print_after.iter().any(|p| p == pass) {
-            println!("# IR after pass {index} ({pass})");
+            let of_stage = self.stage.map(|s| format!(", stage {s}")).unwrap_or_default();
+            println!("# IR after pass {index} ({pass}{of_stage})");
             print!("{}", autotp_ir::text::print(graph));
         }
         if let (Some(dir), None) = (self.dump_dir, &self.error) {
-            let path = dir.join(format!("{index:02}-{pass}.ir"));
+            let path = dir.join(format!("{index:02}-{pass}{stage}.ir"));
             if let Err(e) = std::fs::write(&path, autotp_ir::text::print(graph)) {
                 self.error = Some(anyhow::Error::new(e).context(format!("--dump-ir: cannot write {}", path.display())));
             }
@@ -246,10 +265,29 @@ impl IrObserver<'_> {
 pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let (optimizer, optimizer_description) = optimizer(flags)?;
     let schedule = schedule(flags)?;
-    if flags.seq_len == 0 || flags.micro_batch == 0 || flags.dp == 0 || flags.tp == 0 || flags.grad_accum == Some(0) {
-        bail!("--seq-len, --micro-batch, --grad-accum, --dp and --tp must be at least 1");
+    if flags.seq_len == 0
+        || flags.micro_batch == 0
+        || flags.dp == 0
+        || flags.tp == 0
+        || flags.pp == 0
+        || flags.grad_accum == Some(0)
+    {
+        bail!("--seq-len, --micro-batch, --grad-accum, --dp, --tp and --pp must be at least 1");
     }
     let grad_accum = grad_accum(flags)?;
+    let pipeline_schedule = PipelineSchedule::parse(&flags.schedule)
+        .with_context(|| format!("--schedule '{}' is not one of 1f1b, gpipe", flags.schedule))?;
+    if flags.pp == 1 && (!flags.pp_cuts.is_empty() || flags.schedule != "1f1b") {
+        bail!("--pp-cuts and --schedule place pipeline stages: they need --pp 2 or more");
+    }
+    if flags.pp > 1 {
+        if flags.dp > 1 || flags.tp > 1 {
+            bail!("--pp with --dp or --tp is not built yet: pipeline stages run one rank each for now");
+        }
+        if flags.grad_clip.is_some() {
+            bail!("--grad-clip with --pp is not built yet: the global norm would need every stage's gradients");
+        }
+    }
     if flags.explain_tp && flags.tp < 2 {
         bail!("--explain-tp needs --tp 2 or more");
     }
@@ -283,75 +321,113 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
     }
     let start = Instant::now();
-    // The graph is imported for one micro-batch of every rank; `accumulate` repeats it.
+    // The graph is imported for one micro-batch of every rank; `accumulate` or the pipeline
+    // repeat it.
     let micro_batch_rows = flags.micro_batch * flags.dp;
     let global_batch = micro_batch_rows * grad_accum;
     let options = ImportOptions { batch: Some(micro_batch_rows), seq_len: Some(flags.seq_len), ..Default::default() };
     let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
     let frozen = frozen(flags, &model.graph)?;
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
+    let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
     let mut autodiff = Autodiff::new(LOSS);
     autodiff.frozen = frozen.clone();
-    let mut passes: Vec<Box<dyn Pass>> =
+    // Before the pipeline cuts the graph...
+    let mut front: Vec<Box<dyn Pass>> =
         vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
     if flags.tp > 1 {
-        passes.push(Box::new(SplitFused));
+        front.push(Box::new(SplitFused));
     }
-    passes.push(Box::new(autodiff));
-    if grad_accum > 1 {
-        let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
-        passes.push(Box::new(Accumulate { micro_batches: grad_accum, batch_inputs }));
+    let pipelined = flags.pp > 1;
+    if !pipelined {
+        front.push(Box::new(autodiff));
+        if grad_accum > 1 {
+            front.push(Box::new(Accumulate { micro_batches: grad_accum, batch_inputs: batch_inputs.clone() }));
+        }
     }
-    passes.extend::<Vec<Box<dyn Pass>>>(vec![
-        Box::new(Optimize { optimizer, grad_clip: flags.grad_clip }),
-        Box::new(autotp_passes::dce::Dce),
-    ]);
+    // ...and after, on each stage.
+    let mut back: Vec<Box<dyn Pass>> =
+        vec![Box::new(Optimize { optimizer, grad_clip: flags.grad_clip }), Box::new(autotp_passes::dce::Dce)];
     if flags.dp > 1 && flags.tp == 1 {
-        let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
-        passes.push(Box::new(Zero { dp: flags.dp, config: zero, batch_inputs }));
+        back.push(Box::new(Zero { dp: flags.dp, config: zero, batch_inputs: batch_inputs.clone() }));
     }
-    let manager = PassManager::new(passes);
-    let mut names = manager.pass_names();
+    let (front, back) = (PassManager::new(front), PassManager::new(back));
+    let mut names = front.pass_names();
+    if pipelined {
+        names.push("pipeline");
+    }
+    names.extend(back.pass_names());
     if flags.tp > 1 {
         names.push("autotp");
     }
     if let Some(unknown) = flags.print_after.iter().find(|p| !names.contains(&p.as_str())) {
         bail!("--print-after '{unknown}': no such pass (the pipeline runs {})", names.join(", "));
     }
-    let mut observer = IrObserver { dump_dir: flags.dump_ir.as_deref(), print_after: &flags.print_after, error: None };
+    let mut observer =
+        IrObserver { dump_dir: flags.dump_ir.as_deref(), print_after: &flags.print_after, stage: None, error: None };
     if let Some(dir) = observer.dump_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("--dump-ir: cannot create {}", dir.display()))?;
     }
     observer.observe(0, "import", &model.graph);
-    manager.run_observed(&mut model.graph, &mut |i, pass, graph| observer.observe(i, pass, graph))?;
-    if flags.tp > 1 {
-        let batch_inputs = vec!["input_ids".into(), LABELS.into()];
-        let autotp = AutoTp { tp: flags.tp, dp: flags.dp, zero, batch_inputs };
-        let (sharded, explained) = autotp.shard(&model.graph)?;
-        autotp_ir::verify(&sharded).map_err(|errors| autotp_passes::PassError::Verify { pass: "autotp", errors })?;
-        observer.observe(names.len(), "autotp", &sharded);
-        if flags.explain_tp {
-            println!("tensor-parallel placement (tp={}):", flags.tp);
-            for e in &explained {
-                println!("  {:<50} {:<10} {}", e.weight, e.placement.to_string(), e.reason);
+    front.run_observed(&mut model.graph, &mut |i, pass, graph| observer.observe(i, pass, graph))?;
+    let mut index = front.pass_names().len();
+    let (graphs, pipeline) = if pipelined {
+        let pipeline = Pipeline {
+            stages: flags.pp,
+            cuts: flags.pp_cuts.clone(),
+            micro_batches: grad_accum,
+            schedule: pipeline_schedule,
+            batch_inputs: batch_inputs.clone(),
+            frozen: frozen.clone(),
+        };
+        let (stages, graphs) = pipeline.run(&model.graph)?;
+        tracing::debug!(boundaries = ?stages.boundaries, "pipeline cuts");
+        index += 1;
+        for (s, graph) in graphs.iter().enumerate() {
+            observer.stage = Some(s);
+            observer.observe(index, "pipeline", graph);
+        }
+        let config = PipelineConfig {
+            schedule: pipeline_schedule.name().to_string(),
+            stage_flops: stages.flops.clone(),
+            in_flight: (0..flags.pp).map(|s| pipeline_schedule.in_flight(s, flags.pp, grad_accum)).collect(),
+            bubble_fraction: bubble_fraction(flags.pp, grad_accum),
+        };
+        (graphs, Some(config))
+    } else {
+        let name = model.graph.name.clone();
+        (vec![std::mem::replace(&mut model.graph, Graph::new(name))], None)
+    };
+    let mut programs = Vec::new();
+    let mut weight_shapes = BTreeMap::new();
+    for (s, mut graph) in graphs.into_iter().enumerate() {
+        observer.stage = pipelined.then_some(s);
+        back.run_observed(&mut graph, &mut |i, pass, graph| observer.observe(index + i, pass, graph))?;
+        if flags.tp > 1 {
+            let autotp = AutoTp { tp: flags.tp, dp: flags.dp, zero, batch_inputs: batch_inputs.clone() };
+            let (sharded, explained) = autotp.shard(&graph)?;
+            autotp_ir::verify(&sharded)
+                .map_err(|errors| autotp_passes::PassError::Verify { pass: "autotp", errors })?;
+            observer.observe(names.len(), "autotp", &sharded);
+            if flags.explain_tp {
+                explain_tp(flags.tp, &graph, &explained);
             }
-            let split: std::collections::BTreeSet<&str> = explained.iter().map(|e| e.weight.as_str()).collect();
-            for &p in model.graph.params() {
-                let name = model.graph.name_of(p).unwrap_or("");
-                if !split.contains(name) {
-                    println!("  {name:<50} {:<10} not in a tensor-parallel block", "replicate");
-                }
+            graph = sharded;
+        }
+        for &p in graph.params() {
+            let Some(name) = graph.name_of(p) else { continue };
+            if let Some(weights) = model.weights.get(name).filter(|w| w.ty.shape != graph.ty(p).shape) {
+                weight_shapes.insert(name.to_string(), weights.ty.shape.clone());
             }
         }
-        model.graph = sharded;
+        programs.push(autotp_codegen::lower(&graph)?);
     }
     if let Some(error) = observer.error {
         return Err(error);
     }
-    let program = autotp_codegen::lower(&model.graph)?;
     let path = std::fs::canonicalize(&flags.model).unwrap_or_else(|_| flags.model.clone());
     let plan = TrainingPlan {
-        program,
+        stages: programs,
         training: TrainingConfig {
             seq_len: flags.seq_len,
             micro_batch: flags.micro_batch,
@@ -364,22 +440,29 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             frozen: frozen.into_iter().collect(),
             zero_stage: flags.zero,
             grad_accum,
-            weight_shapes: model
-                .graph
-                .params()
-                .iter()
-                .filter_map(|&p| {
-                    let name = model.graph.name_of(p)?;
-                    let original = &model.weights.get(name)?.ty.shape;
-                    (original != &model.graph.ty(p).shape).then(|| (name.to_string(), original.clone()))
-                })
-                .collect(),
+            weight_shapes,
+            pipeline,
         },
         model: ModelSource { name: model.graph.name.clone(), path },
     };
     plan.feeds()?;
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "compiled {}", flags.model.display());
     Ok(Compiled { plan, model })
+}
+
+/// Prints each weight the tensor-parallel split placed, and why (`--explain-tp`).
+fn explain_tp(tp: usize, graph: &Graph, explained: &[autotp_passes::autotp::Explained]) {
+    println!("tensor-parallel placement (tp={tp}):");
+    for e in explained {
+        println!("  {:<50} {:<10} {}", e.weight, e.placement.to_string(), e.reason);
+    }
+    let split: BTreeSet<&str> = explained.iter().map(|e| e.weight.as_str()).collect();
+    for &p in graph.params() {
+        let name = graph.name_of(p).unwrap_or("");
+        if !split.contains(name) {
+            println!("  {name:<50} {:<10} not in a tensor-parallel block", "replicate");
+        }
+    }
 }
 
 /// `1234567` -> `1,234,567`.
@@ -406,26 +489,32 @@ pub fn report(flags: &CompileFlags, plan: &TrainingPlan) -> Result<autotp_runtim
     Ok(report)
 }
 
-/// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`),
-/// kernels, communication.
+/// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`; a
+/// table by stage with a pipeline), kernels, communication.
 pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> String {
-    let p = &plan.program;
+    let p = &plan.stages[0];
     let rank = &report.ranks[0];
     let t = &plan.training;
-    let numel = |slots: &[autotp_runtime::Slot]| slots.iter().map(|s| s.numel()).sum::<usize>();
-    let frozen_slots: Vec<autotp_runtime::Slot> =
-        p.params.iter().filter(|s| t.frozen.contains(&s.name)).cloned().collect();
-    let total = numel(&p.params);
+    let params: Vec<&autotp_runtime::Slot> = plan.params().into_iter().map(|(_, slot)| slot).collect();
+    let numel = |slots: &[&autotp_runtime::Slot]| slots.iter().map(|s| s.numel()).sum::<usize>();
+    let frozen_slots: Vec<&autotp_runtime::Slot> =
+        params.iter().copied().filter(|s| t.frozen.contains(&s.name)).collect();
+    let total = numel(&params);
     let frozen = numel(&frozen_slots);
+    let stage_size: usize = p.mesh.iter().map(|a| a.size).product();
+    let mut layout = Vec::new();
+    if plan.stages.len() > 1 {
+        layout.push(format!("pp={}", plan.stages.len()));
+    }
+    layout.extend(p.mesh.iter().map(|a| format!("{}={}", a.name, a.size)));
     let mut lines = vec![
         format!("plan: {} ({})", plan.model.name, plan.model.path.display()),
         format!(
             "  step: {}micro-batch {} x seq-len {}{} = {} tokens; {}; lr {}{}",
-            if p.mesh.is_empty() {
+            if layout.is_empty() {
                 String::new()
             } else {
-                let axes: Vec<String> = p.mesh.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
-                format!("mesh {} ({} ranks), ", axes.join(" x "), p.mesh.iter().map(|a| a.size).product::<usize>())
+                format!("{} ({} ranks), ", layout.join(" x "), stage_size * plan.stages.len())
             },
             t.micro_batch,
             t.seq_len,
@@ -438,40 +527,71 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
         format!(
             "  parameters: {} in {} tensors ({} trainable, {} frozen in {} tensors)",
             grouped(total),
-            p.params.len(),
+            params.len(),
             grouped(total - frozen),
             grouped(frozen),
             frozen_slots.len()
         ),
     ];
-    let m = &p.memory;
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
-    for (what, bytes) in [
-        ("parameters", m.params_bytes),
-        ("optimizer state", m.states_bytes),
-        ("gradients (inside activations)", rank.grads_bytes),
-        ("activations peak (with gradients)", m.activations_peak_bytes),
-        ("inputs", m.inputs_bytes),
-        ("constants", m.constants_bytes),
-        ("total arena", m.arena_bytes),
-    ] {
-        lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
+    if let Some(pipeline) = &t.pipeline {
+        lines.push(format!(
+            "  pipeline: {} stages, {} schedule over {} micro-batches; bubble (P-1)/(M+P-1) = {:.1}% of a step",
+            plan.stages.len(),
+            pipeline.schedule,
+            t.grad_accum,
+            100.0 * pipeline.bubble_fraction
+        ));
+        lines.push(format!(
+            "  {:<6} {:>14} {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
+            "stage", "forward FLOPs", "parameters", "optimizer", "activations peak", "arena", "in flight", "sent/step"
+        ));
+        for (s, (program, rank)) in plan.stages.iter().zip(report.ranks.iter().step_by(stage_size)).enumerate() {
+            let m = &program.memory;
+            lines.push(format!(
+                "  {s:<6} {:>14} {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
+                grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
+                grouped(m.params_bytes),
+                grouped(m.states_bytes),
+                grouped(m.activations_peak_bytes),
+                grouped(m.arena_bytes),
+                rank.micro_batches_in_flight,
+                grouped(rank.comm_bytes_per_step.send)
+            ));
+        }
+        lines.push("  (bytes per rank of each stage)".to_string());
+    } else {
+        let m = &p.memory;
+        lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
+        for (what, bytes) in [
+            ("parameters", m.params_bytes),
+            ("optimizer state", m.states_bytes),
+            ("gradients (inside activations)", rank.grads_bytes),
+            ("activations peak (with gradients)", m.activations_peak_bytes),
+            ("inputs", m.inputs_bytes),
+            ("constants", m.constants_bytes),
+            ("total arena", m.arena_bytes),
+        ] {
+            lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
+        }
     }
     let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
-    for instruction in &p.instructions {
+    for instruction in plan.stages.iter().flat_map(|p| &p.instructions) {
         let name = match instruction {
             autotp_runtime::Instruction::Kernel { kernel, .. } => kernel.name().to_string(),
             autotp_runtime::Instruction::Collective { op, .. } => op.kind.name().to_string(),
             autotp_runtime::Instruction::CollectiveStart { op, .. } => format!("{}_start", op.kind.name()),
             autotp_runtime::Instruction::Wait { .. } => "wait".to_string(),
+            autotp_runtime::Instruction::Send { .. } => "send".to_string(),
+            autotp_runtime::Instruction::Recv { .. } => "recv".to_string(),
         };
         *kernels.entry(name).or_default() += 1;
     }
     let mut by_count: Vec<(String, usize)> = kernels.into_iter().collect();
     by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
-    lines.push(format!("  instructions: {} ({})", p.instructions.len(), listed.join(", ")));
+    let count: usize = plan.stages.iter().map(|p| p.instructions.len()).sum();
+    lines.push(format!("  instructions: {count} ({})", listed.join(", ")));
     if !p.mesh.is_empty() {
         let c = &rank.comm_bytes_per_step;
         lines.push(format!(
@@ -483,7 +603,7 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
             grouped(rank.peak_bytes)
         ));
     }
-    lines.push(format!("  fingerprint: {}", p.fingerprint()));
+    lines.push(format!("  fingerprint: {}", plan.fingerprint()));
     lines.join("\n") + "\n"
 }
 

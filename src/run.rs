@@ -143,8 +143,11 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     );
     let tokens_per_step = trainer.tokens_per_step();
     let start = Instant::now();
+    let idle_before = trainer.idle();
+    let mut step_seconds = 0.0;
     for _ in first..flags.steps {
         let m = trainer.step(&data, flags.steps)?;
+        step_seconds += m.seconds;
         let tokens_per_second = ((m.step - first) * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, tokens_per_second));
         bar.inc(1);
@@ -184,6 +187,11 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if trainer.world_size() > 1 {
         eprint!("{}", measured_against_plan(trainer, steps));
     }
+    if let Some(pipeline) = &trainer.training().pipeline {
+        let idle: Vec<f64> =
+            trainer.idle().iter().zip(&idle_before).map(|(after, before)| (*after - *before).as_secs_f64()).collect();
+        eprint!("{}", bubble_table(pipeline, trainer.stage_size(), &idle, step_seconds));
+    }
     if let Some(times) = trainer.profile(0) {
         print!("{}", profile_table(trainer.program(), times, steps, seconds));
     }
@@ -212,16 +220,50 @@ fn profile_table(
     out
 }
 
+/// Each pipeline stage's measured idle time (waiting for the stages beside it) as a fraction
+/// of the steps' time, beside the schedule's bubble.
+fn bubble_table(
+    pipeline: &autotp_runtime::plan::PipelineConfig,
+    stage_size: usize,
+    idle: &[f64],
+    step_seconds: f64,
+) -> String {
+    let mut out = format!(
+        "pipeline ({} schedule): idle time per stage, measured against the bubble planned for equal stages\n",
+        pipeline.schedule
+    );
+    out += &format!("{:>6} {:>14} {:>12} {:>12}\n", "stage", "forward FLOPs", "measured", "planned");
+    for (stage, ranks) in idle.chunks(stage_size).enumerate() {
+        let mean = ranks.iter().sum::<f64>() / ranks.len() as f64;
+        out += &format!(
+            "{stage:>6} {:>14} {:>11.1}% {:>11.1}%\n",
+            pipeline.stage_flops.get(stage).copied().unwrap_or(0),
+            100.0 * mean / step_seconds.max(f64::MIN_POSITIVE),
+            100.0 * pipeline.bubble_fraction
+        );
+    }
+    let all = idle.iter().sum::<f64>() / idle.len().max(1) as f64;
+    out += &format!(
+        "{:>6} {:>14} {:>11.1}% {:>11.1}%\n",
+        "all",
+        "",
+        100.0 * all / step_seconds,
+        100.0 * pipeline.bubble_fraction
+    );
+    out
+}
+
 /// Each rank's measured peak memory and communication per step beside the plan's.
 fn measured_against_plan(trainer: &Trainer, steps: usize) -> String {
-    let planned = autotp_runtime::report::report_of(trainer.program(), trainer.training());
+    let programs: Vec<&autotp_runtime::Program> = (0..trainer.stages()).map(|s| trainer.stage_program(s)).collect();
+    let planned = autotp_runtime::report::report_of(&programs, trainer.training());
     let mut out = format!(
         "{:>5} {:>16} {:>16} {:>22} {:>22}\n",
         "rank", "planned peak", "measured peak", "planned comm/step", "measured comm/step"
     );
     for (rank, (peak, sent)) in trainer.measured().into_iter().enumerate() {
         let plan = &planned.ranks[rank];
-        let total = |c: &autotp_runtime::comm::CommBytes| c.all_reduce + c.all_gather + c.reduce_scatter;
+        let total = |c: &autotp_runtime::comm::CommBytes| c.all_reduce + c.all_gather + c.reduce_scatter + c.send;
         out += &format!(
             "{rank:>5} {:>16} {:>16} {:>22} {:>22}\n",
             plan.peak_bytes,

@@ -106,7 +106,7 @@ fn damaged_or_foreign_plans_are_refused() {
     let mut flipped = bytes.clone();
     let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
-    let constant = &header["autotp.constant.0"]["data_offsets"][0];
+    let constant = &header["autotp.constant.0.0"]["data_offsets"][0];
     flipped[8 + header_len + constant.as_u64().unwrap() as usize] ^= 0x40;
     let damaged = dir.join("damaged.atp");
     std::fs::write(&damaged, flipped).unwrap();

@@ -11,6 +11,10 @@
 //! with the expectation (a mismatch prints both; `AUTOTP_BLESS=1` rewrites the expectation).
 //! It also runs input and output through the reference evaluator on random data (the SPMD one
 //! for a graph on a mesh): a pass must preserve what the graph computes.
+//!
+//! A last pass `pipeline:P:M[:gpipe]` cuts the graph into P stages over M micro-batches; the
+//! expectation is the stage graphs, each after a `# stage S` line, and the stages run together
+//! by the pipeline evaluator must compute what `autodiff` + `accumulate:M` computes.
 
 use std::path::Path;
 
@@ -100,7 +104,13 @@ fn check(path: &Path) -> Result<(), String> {
     let (input, expected) = text.split_once("# expect:\n").ok_or("missing '# expect:' line")?;
     let input_graph = autotp_ir::text::parse(input).map_err(|e| format!("input: {e}"))?;
     autotp_ir::verify(&input_graph).map_err(|e| format!("input: {e}"))?;
-    let manager = PassManager::new(passes_line.split_whitespace().map(pass_by_name).collect());
+    let mut passes: Vec<&str> = passes_line.split_whitespace().collect();
+    if let Some(spec) = passes.last().and_then(|p| p.strip_prefix("pipeline:")) {
+        let spec = spec.to_string();
+        passes.pop();
+        return check_pipeline(path, &input_graph, &passes, &spec, input, expected);
+    }
+    let manager = PassManager::new(passes.into_iter().map(pass_by_name).collect());
     let mut output = input_graph.clone();
     manager.run(&mut output).map_err(|e| e.to_string())?;
     let printed = autotp_ir::text::print(&output);
@@ -124,6 +134,78 @@ fn check(path: &Path) -> Result<(), String> {
             let (diff, scale) = max_abs_diff(a, b);
             if diff > 1e-5 * scale.max(1.0) {
                 return Err(format!("output '{name}' changed by {diff} (scale {scale})"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A golden file ending in the pipeline pass (`spec` is `P:M[:gpipe]`).
+fn check_pipeline(
+    path: &Path,
+    input_graph: &autotp_ir::Graph,
+    passes: &[&str],
+    spec: &str,
+    input: &str,
+    expected: &str,
+) -> Result<(), String> {
+    use autotp_passes::pipeline::{Pipeline, Schedule};
+    let parts: Vec<&str> = spec.split(':').collect();
+    let stages = parts[0].parse().expect("pipeline:P:M");
+    let micro_batches = parts[1].parse().expect("pipeline:P:M");
+    let schedule = if parts.get(2) == Some(&"gpipe") { Schedule::GPipe } else { Schedule::OneFOneB };
+    let mut graph = input_graph.clone();
+    PassManager::new(passes.iter().map(|p| pass_by_name(p)).collect()).run(&mut graph).map_err(|e| e.to_string())?;
+    let batch_inputs = vec!["input_ids".to_string(), "labels".to_string()];
+    let pipeline = Pipeline {
+        stages,
+        cuts: vec![],
+        micro_batches,
+        schedule,
+        batch_inputs: batch_inputs.clone(),
+        frozen: Default::default(),
+    };
+    let (_, graphs) = pipeline.run(&graph).map_err(|e| e.to_string())?;
+    let printed: String =
+        graphs.iter().enumerate().map(|(s, g)| format!("# stage {s}\n{}", autotp_ir::text::print(g))).collect();
+    if printed != expected {
+        if std::env::var_os("AUTOTP_BLESS").is_some() {
+            std::fs::write(path, format!("{input}# expect:\n{printed}")).unwrap();
+        } else {
+            return Err(format!("output differs from the expectation.\n--- expected\n{expected}--- got\n{printed}(AUTOTP_BLESS=1 rewrites it)"));
+        }
+    }
+    for (s, text) in printed.split("# stage ").skip(1).enumerate() {
+        let text = text.split_once('\n').map(|(_, graph)| graph).unwrap_or("");
+        let reparsed = autotp_ir::text::parse(text).map_err(|e| format!("stage {s} does not parse: {e}"))?;
+        if reparsed != graphs[s] {
+            return Err(format!("stage {s}: parse(print(output)) != output"));
+        }
+    }
+    let mut reference = graph.clone();
+    let passes: Vec<Box<dyn Pass>> = vec![
+        Box::new(Autodiff::new("loss")),
+        Box::new(autotp_passes::accumulate::Accumulate { micro_batches, batch_inputs }),
+    ];
+    PassManager::new(passes).run(&mut reference).map_err(|e| e.to_string())?;
+    let expected = run_named(&reference)?;
+    let seed_of = |name: &str| name.bytes().fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+    let mut params = std::collections::BTreeMap::new();
+    let mut inputs = Vec::new();
+    for g in &graphs {
+        for &v in g.params() {
+            let name = g.name_of(v).unwrap_or("");
+            params.insert(name.to_string(), random_tensor(g.ty(v), seed_of(name)));
+        }
+        inputs.push(g.inputs().iter().map(|&v| random_tensor(g.ty(v), seed_of(g.name_of(v).unwrap_or("")))).collect());
+    }
+    let outputs = autotp_ir::eval::eval_pipeline_step(&graphs, &mut params, &inputs).map_err(|e| e.to_string())?;
+    for (g, outs) in graphs.iter().zip(outputs) {
+        for ((name, _), got) in g.outputs().iter().zip(outs) {
+            let want = expected.get(name).ok_or_else(|| format!("stage output '{name}' is not a reference output"))?;
+            let (diff, scale) = max_abs_diff(&got, want);
+            if diff > 1e-5 * scale.max(1.0) {
+                return Err(format!("stage output '{name}' differs from accumulation by {diff} (scale {scale})"));
             }
         }
     }

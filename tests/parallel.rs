@@ -415,3 +415,80 @@ fn gradient_accumulation_plans_one_reduction_per_step() {
     let err = failure(compile_gpt2(&["--dp", "2", "--global-batch", "32", "--grad-accum", "2", "-o", "/dev/null"]));
     assert!(err.contains("--global-batch 32 contradicts --grad-accum 2"), "{err}");
 }
+
+/// Pipeline stages (rank threads, one per stage) interleaving the step's micro-batches train
+/// like one rank with the same global batch: 1F1B with 4 and 8 micro-batches on 2 and 4
+/// stages, and GPipe.
+#[test]
+fn pipeline_trains_like_one_rank() {
+    let dir = scratch("parallel-pp");
+    let configs: [(usize, &[&str]); 4] = [
+        (2, &["--pp", "2", "--grad-accum", "4"]),
+        (1, &["--pp", "2", "--grad-accum", "8"]),
+        (2, &["--pp", "4", "--grad-accum", "4"]),
+        (2, &["--pp", "2", "--grad-accum", "4", "--schedule", "gpipe"]),
+    ];
+    for arch in ["gpt2", "llama"] {
+        let single = train(&dir, arch, 8, &[]);
+        for (micro_batch, flags) in configs {
+            let got = train(&dir, arch, micro_batch, flags);
+            let label = format!("{arch} micro-batch {micro_batch} {}", flags.join(" "));
+            let (first, worst) = within_contract(&label, &got, &single);
+            println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
+    }
+}
+
+/// The plan holds one set of activations per micro-batch in flight: under 1F1B stage s holds
+/// at most P - s, under GPipe all M; the report says so and the memory plan follows.
+#[test]
+fn pipeline_schedules_bound_the_activations_in_flight() {
+    let dir = scratch("parallel-pp-plan");
+    let plan = |name: &str, flags: &[&str]| {
+        let report = dir.join(format!("{name}.json"));
+        success(compile_gpt2(&[&["--report", report.to_str().unwrap(), "-o", "/dev/null"][..], flags].concat()));
+        read_report(&report)
+    };
+    let peak = |json: &serde_json::Value, rank: usize| json["ranks"][rank]["activations_peak_bytes"].as_u64().unwrap();
+    let in_flight = |json: &serde_json::Value, rank: usize| json["ranks"][rank]["micro_batches_in_flight"].as_u64();
+    let one_f_one_b = plan("1f1b", &["--pp", "2", "--grad-accum", "8"]);
+    let one_f_one_b_4 = plan("1f1b-4", &["--pp", "2", "--grad-accum", "4"]);
+    let gpipe = plan("gpipe", &["--pp", "2", "--grad-accum", "8", "--schedule", "gpipe"]);
+    let gpipe_4 = plan("gpipe-4", &["--pp", "2", "--grad-accum", "4", "--schedule", "gpipe"]);
+    let one = plan("one", &["--pp", "2", "--grad-accum", "1"]);
+    assert_eq!((in_flight(&one_f_one_b, 0), in_flight(&one_f_one_b, 1)), (Some(2), Some(1)));
+    assert_eq!((in_flight(&gpipe, 0), in_flight(&gpipe, 1)), (Some(8), Some(8)));
+    let bubble = one_f_one_b["pipeline"]["bubble_fraction"].as_f64().unwrap();
+    assert!((bubble - 1.0 / 9.0).abs() < 1e-12, "{bubble}");
+    for stage in 0..2 {
+        let single = peak(&one, stage);
+        let (bounded_4, bounded_8) = (peak(&one_f_one_b_4, stage), peak(&one_f_one_b, stage));
+        let (all_4, all_8) = (peak(&gpipe_4, stage), peak(&gpipe, stage));
+        println!(
+            "stage {stage}: activations peak, 1 micro-batch {single}; 1F1B x 4 {bounded_4}, x 8 {bounded_8}; \
+             GPipe x 4 {all_4}, x 8 {all_8}"
+        );
+        // 1F1B holds the same micro-batches in flight whatever M is; GPipe holds every one, so
+        // four more cost four micro-batches' saved activations (a good part of one's peak).
+        assert_eq!(bounded_8, bounded_4, "stage {stage}");
+        assert!(all_8 - all_4 >= 4 * single / 3, "stage {stage}: GPipe x 8 {all_8} vs x 4 {all_4}");
+        assert!(all_8 > 2 * bounded_8, "stage {stage}: GPipe {all_8} vs 1F1B {bounded_8}");
+    }
+}
+
+#[test]
+fn impossible_pipelines_are_refused() {
+    let err = failure(compile_gpt2(&["--pp", "40", "--grad-accum", "4", "-o", "/dev/null"]));
+    assert!(err.contains("--pp 40 needs 39 cuts, but the forward pass has only"), "{err}");
+    let err = failure(compile_gpt2(&["--pp", "2", "--pp-cuts", "m.transformer.h.7", "-o", "/dev/null"]));
+    assert!(err.contains("--pp-cuts 'm.transformer.h.7': no parameter of the forward pass is named so"), "{err}");
+    let err = failure(compile_gpt2(&["--pp", "3", "--pp-cuts", "m.transformer.h.1", "-o", "/dev/null"]));
+    assert!(err.contains("--pp 3 needs 2 --pp-cuts, got 1"), "{err}");
+    let err = failure(compile_gpt2(&["--pp-cuts", "m.transformer.h.1", "-o", "/dev/null"]));
+    assert!(err.contains("need --pp 2 or more"), "{err}");
+    let err = failure(compile_gpt2(&["--pp", "2", "--schedule", "zigzag", "-o", "/dev/null"]));
+    assert!(err.contains("--schedule 'zigzag' is not one of 1f1b, gpipe"), "{err}");
+    // Named cuts: the second stage starts at layer 1.
+    let out = success(compile_gpt2(&["--pp", "2", "--pp-cuts", "m.transformer.h.1", "-o", "/dev/null"]));
+    assert!(out.contains("pipeline: 2 stages, 1f1b schedule"), "{out}");
+}

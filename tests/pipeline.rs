@@ -128,7 +128,7 @@ fn stage_graphs_compute_the_accumulated_step() {
                 .collect()
         };
         let expected = autotp_ir::eval::eval_graph(&reference, &params, &feed(&reference)).unwrap();
-        let inputs: Vec<Vec<Tensor>> = graphs.iter().map(|g| feed(g)).collect();
+        let inputs: Vec<Vec<Tensor>> = graphs.iter().map(feed).collect();
         let outputs = autotp_ir::eval::eval_pipeline_step(&graphs, &mut params, &inputs)
             .unwrap_or_else(|e| panic!("{arch} pp {stages}: {e}"));
         let mut compared = 0;
@@ -136,7 +136,10 @@ fn stage_graphs_compute_the_accumulated_step() {
             for ((name, _), got) in g.outputs().iter().zip(outs) {
                 let index = reference.outputs().iter().position(|(n, _)| n == name).unwrap();
                 let (diff, scale) = max_abs_diff(got, &expected[index]);
-                assert!(diff <= 1e-5 * scale.max(1e-3), "{arch} pp {stages} {schedule:?}: {name} differs by {diff} (scale {scale})");
+                assert!(
+                    diff <= 1e-5 * scale.max(1e-3),
+                    "{arch} pp {stages} {schedule:?}: {name} differs by {diff} (scale {scale})"
+                );
                 compared += 1;
             }
         }

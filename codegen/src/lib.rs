@@ -3,7 +3,8 @@
 //! Each node becomes one instruction (but reshapes and waits, whose results share their input's
 //! region): a builtin kernel (chosen by
 //! [`autotp_ir::lower::node_kernel`], the same one the reference evaluator runs) or, for a
-//! collective, a communication step. A graph on a mesh lowers to one SPMD program that every
+//! collective or a pipeline send/recv, a communication step. A pipeline stage's graph lowers to
+//! that stage's program. A graph on a mesh lowers to one SPMD program that every
 //! rank runs: all shapes are local (`autotp_ir::sharding::local_type`), and slots record their
 //! global shape and placements so each rank loads and feeds its own block. Values get arena
 //! regions from a liveness-based first-fit plan ([`memory`]); the plan's byte counts are the
@@ -194,9 +195,13 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
             } else {
                 instructions.push(Instruction::Collective { op, input, output, label });
             }
+        } else if let Op::Send { to, tag } = node.op {
+            instructions.push(Instruction::Send { input: inputs[0], to, tag, label });
+        } else if let Op::Recv { from, tag, .. } = node.op {
+            instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });
         } else {
-            let kernel =
-                autotp_ir::lower::node_kernel(graph, node).expect("constants and collectives are handled apart");
+            let kernel = autotp_ir::lower::node_kernel(graph, node)
+                .expect("constants, collectives and pipeline communication are handled apart");
             instructions.push(Instruction::Kernel { kernel, inputs, outputs, label });
         }
         for v in std::mem::take(&mut by_last_use[id.index()]) {

@@ -62,7 +62,8 @@ pub(crate) fn count_labels(
     dtype: autotp_ir::DType,
 ) -> Result<ValueId, PassError> {
     let label_dtype = g.ty(labels).dtype;
-    let ignored = crate::add_op(pass, g, Op::Constant { value: Tensor::full(label_dtype, vec![], ignored as f64) }, vec![])?;
+    let ignored =
+        crate::add_op(pass, g, Op::Constant { value: Tensor::full(label_dtype, vec![], ignored as f64) }, vec![])?;
     let is_ignored = crate::add_op(pass, g, Op::Binary(BinaryOp::Equal), vec![labels, ignored])?;
     let kept = crate::add_op(pass, g, Op::Unary(UnaryOp::Not), vec![is_ignored])?;
     let kept = crate::add_op(pass, g, Op::Cast { to: dtype }, vec![kept])?;

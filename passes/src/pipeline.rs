@@ -7,8 +7,8 @@
 //! (position ids, rotary tables, causal masks, a weight's transpose) a stage computes itself,
 //! and a parameter used on two stages (tied embeddings) is held by both.
 //!
-//! The stages are balanced by a cost model (FLOPs: `2mnk` per matmul, one per output element
-//! elsewhere), choosing the cuts that minimise the most expensive stage, or placed where the
+//! The stages are balanced by a cost model (FLOPs: `2mnk` per matmul, one per element read or
+//! written elsewhere, whichever are more), choosing the cuts that minimise the most expensive stage, or placed where the
 //! user names them: a cut named `PREFIX` goes right before the first forward use of a
 //! parameter whose name starts with `PREFIX` (`model.layers.2` cuts before the third layer).
 //!
@@ -98,7 +98,11 @@ fn flops(graph: &Graph, node: &autotp_ir::Node) -> u64 {
             2 * (out.numel() * k) as u64
         }
         Op::Constant { .. } | Op::Reshape { .. } => 0,
-        _ => node.outputs.iter().map(|&o| graph.ty(o).numel() as u64).sum(),
+        // Reductions (a loss over its scores) read more than they write.
+        _ => {
+            let elements = |values: &[ValueId]| values.iter().map(|&v| graph.ty(v).numel() as u64).sum::<u64>();
+            elements(&node.inputs).max(elements(&node.outputs))
+        }
     }
 }
 
@@ -138,8 +142,10 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stage
     }
     let cost: Vec<u64> = forward.iter().map(|&i| flops(graph, nodes[i])).collect();
     let candidates: Vec<usize> = (1..forward.len()).filter(|&k| boundary_at[k].is_some()).collect();
+    let uses_param: Vec<bool> =
+        forward.iter().map(|&i| nodes[i].inputs.iter().any(|&v| matches!(graph.value(v).def, Def::Param(_)))).collect();
     let cuts = if named.is_empty() {
-        balanced_cuts(&cost, &candidates, stages)?
+        balanced_cuts(&cost, &uses_param, &candidates, stages)?
     } else {
         named_cuts(graph, &nodes, &forward, &boundary_at, stages, named)?
     };
@@ -165,8 +171,14 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stage
 }
 
 /// The `stages - 1` candidate cuts minimising the most expensive stage (dynamic programming
-/// over the candidates, which are few: one per block boundary).
-fn balanced_cuts(cost: &[u64], candidates: &[usize], stages: usize) -> Result<Vec<usize>, PassError> {
+/// over the candidates, which are few: one per block boundary), each stage holding a
+/// parameter (a stage of the loss alone would have nothing to train).
+fn balanced_cuts(
+    cost: &[u64],
+    uses_param: &[bool],
+    candidates: &[usize],
+    stages: usize,
+) -> Result<Vec<usize>, PassError> {
     if stages - 1 > candidates.len() {
         return Err(invalid(format!(
             "--pp {stages} needs {} cuts, but the forward pass has only {} places where one activation \
@@ -176,8 +188,10 @@ fn balanced_cuts(cost: &[u64], candidates: &[usize], stages: usize) -> Result<Ve
         )));
     }
     let mut prefix = vec![0u64; cost.len() + 1];
+    let mut param_uses = vec![0usize; cost.len() + 1];
     for (k, c) in cost.iter().enumerate() {
         prefix[k + 1] = prefix[k] + c;
+        param_uses[k + 1] = param_uses[k] + uses_param[k] as usize;
     }
     // Positions a stage may start at: 0 and every candidate; the last stage ends at the end.
     let mut points = vec![0];
@@ -193,7 +207,7 @@ fn balanced_cuts(cost: &[u64], candidates: &[usize], stages: usize) -> Result<Ve
         for j in 1..=n {
             for i in 0..j {
                 let (before, _) = best[s - 1][i];
-                if before == u64::MAX {
+                if before == u64::MAX || param_uses[position(j)] == param_uses[position(i)] {
                     continue;
                 }
                 let stage = prefix[position(j)] - prefix[position(i)];
@@ -203,6 +217,11 @@ fn balanced_cuts(cost: &[u64], candidates: &[usize], stages: usize) -> Result<Ve
                 }
             }
         }
+    }
+    if best[stages][n].0 == u64::MAX {
+        return Err(invalid(format!(
+            "--pp {stages}: the forward pass cannot be cut into {stages} stages that each hold parameters"
+        )));
     }
     let mut cuts = Vec::new();
     let mut j = n;

@@ -6,6 +6,11 @@
 //! evaluator). It counts the bytes each rank would move with ring algorithms. A rank that fails
 //! calls [`LocalComm::abort`], and ranks waiting in a collective return an error instead of
 //! hanging.
+//!
+//! With pipeline stages, the world is `stages` copies of the mesh (rank = stage x mesh size +
+//! mesh rank): collectives group ranks within a stage, and [`LocalComm::send`] /
+//! [`LocalComm::recv`] pass values between the same mesh position of two stages, through one
+//! first-in first-out mailbox per ordered pair of ranks.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -97,6 +102,9 @@ pub struct CommBytes {
     pub all_reduce: usize,
     pub all_gather: usize,
     pub reduce_scatter: usize,
+    /// Sent to other pipeline stages (activations, their gradients, shared weights' gradients).
+    #[serde(default)]
+    pub send: usize,
 }
 
 /// One rendezvous round of a group.
@@ -116,9 +124,16 @@ struct Group {
     wake: Condvar,
 }
 
+/// Messages between pipeline stages: (from rank, to rank) -> (tag, bytes) in send order.
+type Mailboxes = BTreeMap<(usize, usize), std::collections::VecDeque<(u64, Vec<u8>)>>;
+
 /// Ranks as threads of one process.
 pub struct LocalComm {
+    /// The mesh of each pipeline stage.
     sizes: Vec<usize>,
+    stages: usize,
+    mail: Mutex<Mailboxes>,
+    mail_wake: Condvar,
     /// (axis, first rank of the group) -> the group.
     groups: BTreeMap<(usize, usize), Group>,
     sent: Vec<Mutex<CommBytes>>,
@@ -132,7 +147,12 @@ const POLL: Duration = Duration::from_millis(50);
 impl LocalComm {
     /// A communicator for a mesh with these axis sizes (ranks row-major, last axis fastest).
     pub fn new(sizes: &[usize]) -> Arc<LocalComm> {
-        let world: usize = sizes.iter().product();
+        LocalComm::pipeline(1, sizes)
+    }
+
+    /// A communicator for `stages` pipeline stages, each a mesh with these axis sizes.
+    pub fn pipeline(stages: usize, sizes: &[usize]) -> Arc<LocalComm> {
+        let world: usize = stages * sizes.iter().product::<usize>();
         let mut groups = BTreeMap::new();
         for (axis, &size) in sizes.iter().enumerate() {
             let stride: usize = sizes[axis + 1..].iter().product();
@@ -145,14 +165,33 @@ impl LocalComm {
         }
         let sent = (0..world).map(|_| Mutex::new(CommBytes::default())).collect();
         let staging_peak = (0..world).map(|_| AtomicUsize::new(0)).collect();
-        Arc::new(LocalComm { sizes: sizes.to_vec(), groups, sent, staging_peak, aborted: AtomicBool::new(false) })
+        Arc::new(LocalComm {
+            sizes: sizes.to_vec(),
+            stages,
+            mail: Mutex::new(Mailboxes::new()),
+            mail_wake: Condvar::new(),
+            groups,
+            sent,
+            staging_peak,
+            aborted: AtomicBool::new(false),
+        })
     }
 
     pub fn world_size(&self) -> usize {
+        self.stages * self.stage_size()
+    }
+
+    /// Ranks per pipeline stage (the mesh's).
+    pub fn stage_size(&self) -> usize {
         self.sizes.iter().product()
     }
 
-    /// A rank's coordinate on every axis.
+    /// The pipeline stage of a rank.
+    pub fn stage(&self, rank: usize) -> usize {
+        rank / self.stage_size()
+    }
+
+    /// A rank's coordinate on every mesh axis (within its stage).
     pub fn coordinates(&self, mut rank: usize) -> Vec<usize> {
         let mut coords = vec![0; self.sizes.len()];
         for (a, &size) in self.sizes.iter().enumerate().rev() {
@@ -167,6 +206,49 @@ impl LocalComm {
         self.aborted.store(true, Ordering::SeqCst);
         for g in self.groups.values() {
             g.wake.notify_all();
+        }
+        self.mail_wake.notify_all();
+    }
+
+    /// The rank at `rank`'s mesh position on pipeline stage `stage`.
+    fn on_stage(&self, rank: usize, stage: usize) -> Result<usize, RuntimeError> {
+        if stage >= self.stages {
+            return Err(RuntimeError::Comm(format!("pipeline stage {stage} does not exist ({} stages)", self.stages)));
+        }
+        Ok(stage * self.stage_size() + rank % self.stage_size())
+    }
+
+    /// Hands a copy of `bytes` from `rank` to its mesh position on stage `to` (does not wait).
+    pub fn send(&self, rank: usize, to: usize, tag: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let peer = self.on_stage(rank, to)?;
+        self.sent[rank].lock().expect("counters").send += bytes.len();
+        let mut mail = self.mail.lock().expect("mailboxes");
+        mail.entry((rank, peer)).or_default().push_back((tag, bytes.to_vec()));
+        self.mail_wake.notify_all();
+        Ok(())
+    }
+
+    /// Waits for the next message to `rank` from its mesh position on stage `from`, which must
+    /// carry `tag` and fill `output`.
+    pub fn recv(&self, rank: usize, from: usize, tag: u64, output: &mut [u8]) -> Result<(), RuntimeError> {
+        let peer = self.on_stage(rank, from)?;
+        let mut mail = self.mail.lock().expect("mailboxes");
+        loop {
+            if let Some((sent, bytes)) = mail.get_mut(&(peer, rank)).and_then(|queue| queue.pop_front()) {
+                if sent != tag || bytes.len() != output.len() {
+                    return Err(RuntimeError::Comm(format!(
+                        "rank {rank} expected message {tag} of {} bytes from stage {from}, got message {sent} of {} bytes",
+                        output.len(),
+                        bytes.len()
+                    )));
+                }
+                output.copy_from_slice(&bytes);
+                return Ok(());
+            }
+            if self.aborted.load(Ordering::SeqCst) {
+                return Err(self.aborted());
+            }
+            mail = self.mail_wake.wait_timeout(mail, POLL).expect("mailboxes").0;
         }
     }
 

@@ -84,6 +84,8 @@ pub struct Executor {
     issued: Vec<u64>,
     /// Time spent in each instruction over all runs, when profiling.
     profile: Option<Vec<std::time::Duration>>,
+    /// Time spent waiting for other pipeline stages (in `recv`) over all runs.
+    idle: std::time::Duration,
 }
 
 impl Executor {
@@ -95,10 +97,10 @@ impl Executor {
         Executor::build(program, None)
     }
 
-    /// Loads a program on a mesh as rank `rank` of `comm`.
+    /// Loads a program on a mesh (or a pipeline stage's) as rank `rank` of `comm`.
     pub fn for_rank(program: Program, rank: usize, comm: Arc<LocalComm>) -> Result<Executor, RuntimeError> {
         let sizes: Vec<usize> = program.mesh.iter().map(|a| a.size).collect();
-        if sizes.iter().product::<usize>() != comm.world_size() || rank >= comm.world_size() {
+        if sizes.iter().product::<usize>() != comm.stage_size() || rank >= comm.world_size() {
             return Err(RuntimeError::InvalidProgram(format!(
                 "rank {rank} of a {}-rank communicator cannot run a program on mesh {sizes:?}",
                 comm.world_size()
@@ -128,7 +130,7 @@ impl Executor {
             _ => None,
         };
         let issued = vec![0; program.mesh.len()];
-        Ok(Executor { comm_thread, program, arena, rank, issued, profile: None })
+        Ok(Executor { comm_thread, program, arena, rank, issued, profile: None, idle: std::time::Duration::ZERO })
     }
 
     pub fn program(&self) -> &Program {
@@ -143,6 +145,11 @@ impl Executor {
     /// The time spent in each instruction (in program order) since profiling was enabled.
     pub fn profile(&self) -> Option<&[std::time::Duration]> {
         self.profile.as_deref()
+    }
+
+    /// The time this rank waited for other pipeline stages' sends, over all runs.
+    pub fn idle(&self) -> std::time::Duration {
+        self.idle
     }
 
     /// Bytes of the arena this executor allocated.
@@ -225,6 +232,22 @@ impl Executor {
                 Instruction::Wait { start, .. } => {
                     let completion = pending.remove(start).expect("validated: one wait per start");
                     completion.recv().map_err(|_| RuntimeError::Comm("the communication thread stopped".into()))??;
+                }
+                Instruction::Send { input, to, tag, label } => {
+                    let (rank, comm) = self
+                        .rank
+                        .as_ref()
+                        .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: a send needs a communicator")))?;
+                    comm.send(*rank, *to, *tag, region(input))?;
+                }
+                Instruction::Recv { output, from, tag, label } => {
+                    let (rank, comm) = self
+                        .rank
+                        .as_ref()
+                        .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: a recv needs a communicator")))?;
+                    let waiting = std::time::Instant::now();
+                    comm.recv(*rank, *from, *tag, region_mut(output))?;
+                    self.idle += waiting.elapsed();
                 }
             }
             if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {

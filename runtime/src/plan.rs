@@ -1,14 +1,15 @@
 //! The compiled training plan (`TrainingPlan`) and its file, `.atp`.
 //!
 //! A plan is everything `autotp run` needs besides the data: the [`Program`] of one training
-//! step, how to feed it ([`TrainingConfig`]: batch, labels, schedule) and where the model came
-//! from ([`ModelSource`], for `autotp export`).
+//! step (one per pipeline stage), how to feed it ([`TrainingConfig`]: batch, labels, schedule)
+//! and where the model came from ([`ModelSource`], for `autotp export`).
 //!
 //! An `.atp` file is a safetensors file, so any safetensors reader can open it:
-//! - tensors: the initial weights, by parameter name (the ONNX initializer names), and the
-//!   program's constants as `u8` tensors named `autotp.constant.<index>`;
+//! - tensors: the initial weights, by parameter name (the ONNX initializer names; a parameter
+//!   two stages hold is stored once), and the programs' constants as `u8` tensors named
+//!   `autotp.constant.<stage>.<index>`;
 //! - header metadata: `autotp.format` ([`FORMAT`]), `autotp.plan` (the plan as JSON, constants'
-//!   bytes left out) and `autotp.fingerprint` (the program's fingerprint, checked on load, so a
+//!   bytes left out) and `autotp.fingerprint` (the plan's fingerprint, checked on load, so a
 //!   damaged file is refused rather than run).
 
 use std::collections::BTreeMap;
@@ -19,10 +20,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::schedule::Schedule;
 use crate::tensor_file::{self, TensorFile, TensorRef};
-use crate::{Program, RuntimeError};
+use crate::{Program, RuntimeError, Slot};
 
 /// The `.atp` format this build reads and writes.
-pub const FORMAT: &str = "autotp-plan/1";
+pub const FORMAT: &str = "autotp-plan/2";
 const CONSTANT_PREFIX: &str = "autotp.constant.";
 
 /// Where the model's weights came from.
@@ -76,6 +77,23 @@ pub struct TrainingConfig {
     /// computes with another view of the same bytes (a fused projection stored `[in, k, n]`).
     #[serde(default)]
     pub weight_shapes: BTreeMap<String, Vec<usize>>,
+    /// How the pipeline stages run, when there are several.
+    #[serde(default)]
+    pub pipeline: Option<PipelineConfig>,
+}
+
+/// The pipeline's stages and schedule (`--pp`, `--schedule`); its micro-batches are the step's
+/// `grad_accum`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelineConfig {
+    /// `1f1b` or `gpipe`.
+    pub schedule: String,
+    /// Each stage's forward cost by the partition's model (FLOPs per micro-batch).
+    pub stage_flops: Vec<u64>,
+    /// The most micro-batches whose activations each stage holds at once.
+    pub in_flight: Vec<usize>,
+    /// The idle fraction of a step the schedule implies with equal stages: (P-1)/(M+P-1).
+    pub bubble_fraction: f64,
 }
 
 /// One input of the step program and what feeds it.
@@ -91,7 +109,9 @@ pub enum Feed {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainingPlan {
-    pub program: Program,
+    /// The step's program of each pipeline stage (one without a pipeline): every rank of stage
+    /// `s` runs `stages[s]`, all on the same mesh.
+    pub stages: Vec<Program>,
     pub training: TrainingConfig,
     pub model: ModelSource,
 }
@@ -99,9 +119,10 @@ pub struct TrainingPlan {
 impl TrainingConfig {
     /// The shape of the token inputs (ids and labels) for `rows` sequences per micro-batch:
     /// `[rows, seq_len]`, or `[rows, grad_accum, seq_len]` when a step accumulates several
-    /// micro-batches (the same row-major bytes as `[rows x grad_accum, seq_len]`).
+    /// micro-batches or runs a pipeline (the same row-major bytes as
+    /// `[rows x grad_accum, seq_len]`).
     pub fn token_shape(&self, rows: usize) -> Vec<usize> {
-        if self.grad_accum > 1 {
+        if self.grad_accum > 1 || self.pipeline.is_some() {
             vec![rows, self.grad_accum, self.seq_len]
         } else {
             vec![rows, self.seq_len]
@@ -116,64 +137,112 @@ impl TrainingConfig {
 }
 
 impl TrainingPlan {
-    /// What feeds each program input, in input order; an input the trainer cannot feed, or a
-    /// missing loss output, is an error naming it.
-    pub fn feeds(&self) -> Result<Vec<Feed>, RuntimeError> {
+    /// What feeds each stage's program inputs, in input order; an input the trainer cannot feed,
+    /// or a missing loss output, is an error naming it.
+    pub fn feeds(&self) -> Result<Vec<Vec<Feed>>, RuntimeError> {
+        if self.stages.is_empty() {
+            return Err(RuntimeError::Plan("has no program".into()));
+        }
         let t = &self.training;
         let tokens = t.token_shape(t.micro_batch);
-        let mut feeds = Vec::new();
-        for slot in &self.program.inputs {
-            let (feed, dtype, shape) = match slot.name.as_str() {
-                "input_ids" => (Feed::InputIds, DType::I64, &tokens[..]),
-                "labels" => (Feed::Labels, DType::I64, &tokens[..]),
-                "lr" => (Feed::Lr, DType::F32, &[][..]),
-                "step" => (Feed::Step, DType::F32, &[][..]),
-                other => {
+        let mut all = Vec::new();
+        for program in &self.stages {
+            let mut feeds = Vec::new();
+            for slot in &program.inputs {
+                let (feed, dtype, shape) = match slot.name.as_str() {
+                    "input_ids" => (Feed::InputIds, DType::I64, &tokens[..]),
+                    "labels" => (Feed::Labels, DType::I64, &tokens[..]),
+                    "lr" => (Feed::Lr, DType::F32, &[][..]),
+                    "step" => (Feed::Step, DType::F32, &[][..]),
+                    other => {
+                        return Err(RuntimeError::Plan(format!(
+                            "has an input '{other}' the trainer cannot feed (it feeds input_ids, labels, lr and step)"
+                        )))
+                    }
+                };
+                if slot.dtype != dtype || slot.shape != shape {
                     return Err(RuntimeError::Plan(format!(
-                        "has an input '{other}' the trainer cannot feed (it feeds input_ids, labels, lr and step)"
-                    )))
+                        "input '{}' is {}{:?}; the trainer feeds it as {dtype}{shape:?}",
+                        slot.name, slot.dtype, slot.shape
+                    )));
                 }
-            };
-            if slot.dtype != dtype || slot.shape != shape {
-                return Err(RuntimeError::Plan(format!(
-                    "input '{}' is {}{:?}; the trainer feeds it as {dtype}{shape:?}",
-                    slot.name, slot.dtype, slot.shape
-                )));
+                feeds.push(feed);
             }
-            feeds.push(feed);
+            all.push(feeds);
         }
-        if !feeds.contains(&Feed::InputIds) {
+        if !all.iter().flatten().any(|f| *f == Feed::InputIds) {
             return Err(RuntimeError::Plan("has no 'input_ids' input".into()));
         }
+        if self.stages.iter().any(|p| p.mesh != self.stages[0].mesh) {
+            return Err(RuntimeError::Plan("has pipeline stages on different meshes".into()));
+        }
         self.loss_index()?;
-        Ok(feeds)
+        Ok(all)
     }
 
-    /// The position of the loss among the program's outputs.
+    /// The program that computes the loss: the last stage's.
+    pub fn loss_stage(&self) -> &Program {
+        self.stages.last().expect("a plan has a program")
+    }
+
+    /// The position of the loss among the last stage's outputs.
     pub fn loss_index(&self) -> Result<usize, RuntimeError> {
         let name = &self.training.loss_output;
-        self.program
+        self.loss_stage()
             .outputs
             .iter()
             .position(|s| &s.name == name && s.dtype == DType::F32 && s.numel() == 1)
             .ok_or_else(|| RuntimeError::Plan(format!("has no scalar f32 output '{name}' for the loss")))
     }
 
+    /// Every parameter once, with the first stage holding it (a parameter two stages hold,
+    /// such as tied embeddings, has the same value on both).
+    pub fn params(&self) -> Vec<(usize, &Slot)> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut params = Vec::new();
+        for (stage, program) in self.stages.iter().enumerate() {
+            for slot in &program.params {
+                if seen.insert(slot.name.as_str()) {
+                    params.push((stage, slot));
+                }
+            }
+        }
+        params
+    }
+
+    /// A SHA-256 over the stages' programs: the program's own fingerprint without a pipeline.
+    pub fn fingerprint(&self) -> String {
+        if let [only] = &self.stages[..] {
+            return only.fingerprint();
+        }
+        use sha2::Digest;
+        let joined: Vec<String> = self.stages.iter().map(Program::fingerprint).collect();
+        sha2::Sha256::digest(joined.join(",").as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// Parameters plus states, in bytes: what a checkpoint holds.
     pub fn model_state_bytes(&self) -> usize {
-        self.program.params.iter().chain(&self.program.states).map(|s| s.region.len).sum()
+        let params: usize = self.params().iter().map(|(_, s)| s.region.len).sum();
+        params + self.stages.iter().flat_map(|p| &p.states).map(|s| s.region.len).sum::<usize>()
     }
+}
+
+fn constant_name(stage: usize, index: usize) -> String {
+    format!("{CONSTANT_PREFIX}{stage}.{index}")
 }
 
 /// Writes `plan` and the initial `weights` (by parameter name) as an `.atp` file, atomically.
 pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>) -> Result<(), RuntimeError> {
-    plan.program.validate()?;
+    for program in &plan.stages {
+        program.validate()?;
+    }
     plan.feeds()?;
-    let fingerprint = plan.program.fingerprint();
+    let fingerprint = plan.fingerprint();
     let mut header = plan.clone();
-    let constants = std::mem::take(&mut header.program.constants);
+    let constants: Vec<Vec<crate::ConstantData>> =
+        header.stages.iter_mut().map(|p| std::mem::take(&mut p.constants)).collect();
     let mut tensors = Vec::new();
-    for slot in &plan.program.params {
+    for (_, slot) in plan.params() {
         if slot.name.starts_with(CONSTANT_PREFIX) {
             return Err(RuntimeError::Plan(format!("parameter '{}' uses a name reserved for constants", slot.name)));
         }
@@ -192,10 +261,14 @@ pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>
     }
     // The header keeps each constant's region; its bytes become a tensor.
     let mut regions = Vec::with_capacity(constants.len());
-    for (i, c) in constants.iter().enumerate() {
-        let name = format!("{CONSTANT_PREFIX}{i}");
-        tensors.push(TensorRef { name, dtype: DType::U8, shape: vec![c.bytes.len()], bytes: &c.bytes });
-        regions.push(c.region);
+    for (stage, stage_constants) in constants.iter().enumerate() {
+        let mut stage_regions = Vec::with_capacity(stage_constants.len());
+        for (i, c) in stage_constants.iter().enumerate() {
+            let name = constant_name(stage, i);
+            tensors.push(TensorRef { name, dtype: DType::U8, shape: vec![c.bytes.len()], bytes: &c.bytes });
+            stage_regions.push(c.region);
+        }
+        regions.push(stage_regions);
     }
     let plan_json = serde_json::json!({ "plan": header, "constant_regions": regions });
     let metadata = BTreeMap::from([
@@ -229,22 +302,29 @@ impl PlanFile {
         #[derive(Deserialize)]
         struct Header {
             plan: TrainingPlan,
-            constant_regions: Vec<crate::Region>,
+            constant_regions: Vec<Vec<crate::Region>>,
         }
         let json = file.metadata("autotp.plan").ok_or_else(|| bad("has no autotp.plan in its header".into()))?;
         let Header { mut plan, constant_regions } =
             serde_json::from_str(json).map_err(|e| bad(format!("its plan does not parse: {e}")))?;
-        for (i, region) in constant_regions.into_iter().enumerate() {
-            let bytes = file.expect(&format!("{CONSTANT_PREFIX}{i}"), DType::U8, &[region.len])?.to_vec();
-            plan.program.constants.push(crate::ConstantData { region, bytes });
+        if constant_regions.len() != plan.stages.len() {
+            return Err(bad("is damaged: its constants do not match its stages".into()));
         }
-        let fingerprint = plan.program.fingerprint();
+        for (stage, (program, regions)) in plan.stages.iter_mut().zip(constant_regions).enumerate() {
+            for (i, region) in regions.into_iter().enumerate() {
+                let bytes = file.expect(&constant_name(stage, i), DType::U8, &[region.len])?.to_vec();
+                program.constants.push(crate::ConstantData { region, bytes });
+            }
+        }
+        let fingerprint = plan.fingerprint();
         if file.metadata("autotp.fingerprint") != Some(fingerprint.as_str()) {
             return Err(bad("is damaged: its program does not match the fingerprint it was written with".into()));
         }
-        plan.program.validate()?;
+        for program in &plan.stages {
+            program.validate()?;
+        }
         plan.feeds()?;
-        for slot in &plan.program.params {
+        for (_, slot) in plan.params() {
             file.expect(&slot.name, slot.dtype, &slot.global_shape)?;
         }
         Ok(PlanFile { plan, fingerprint, file })
@@ -253,10 +333,9 @@ impl PlanFile {
     /// The initial weights, by parameter name, as slices of the file.
     pub fn weights(&self) -> BTreeMap<String, &[u8]> {
         self.plan
-            .program
-            .params
-            .iter()
-            .map(|slot| (slot.name.clone(), self.file.get(&slot.name).expect("checked at open").bytes))
+            .params()
+            .into_iter()
+            .map(|(_, slot)| (slot.name.clone(), self.file.get(&slot.name).expect("checked at open").bytes))
             .collect()
     }
 }

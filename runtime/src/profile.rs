@@ -15,18 +15,9 @@ pub struct OpTime {
     pub total: Duration,
 }
 
-fn label(instruction: &Instruction) -> &str {
-    match instruction {
-        Instruction::Kernel { label, .. }
-        | Instruction::Collective { label, .. }
-        | Instruction::CollectiveStart { label, .. }
-        | Instruction::Wait { label, .. } => label,
-    }
-}
-
 /// The IR op an instruction came from: its label is `node N (op)`.
 fn op_of(instruction: &Instruction) -> String {
-    let label = label(instruction);
+    let label = instruction.label();
     label.rsplit_once('(').and_then(|(_, op)| op.strip_suffix(')')).unwrap_or(label).to_string()
 }
 
@@ -50,7 +41,7 @@ pub fn slowest(program: &Program, times: &[Duration], n: usize) -> Vec<(String, 
         .instructions
         .iter()
         .zip(times)
-        .map(|(instruction, &time)| (label(instruction).to_string(), time))
+        .map(|(instruction, &time)| (instruction.label().to_string(), time))
         .collect();
     rows.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     rows.truncate(n);

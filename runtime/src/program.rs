@@ -104,6 +104,10 @@ pub enum Instruction {
     CollectiveStart { op: CollectiveOp, input: Region, output: Region, label: String },
     /// Blocks until the collective started by instruction `start` has completed.
     Wait { start: usize, label: String },
+    /// Hands a copy of `input` to the same mesh position of pipeline stage `to` (does not wait).
+    Send { input: Region, to: usize, tag: u64, label: String },
+    /// Waits for what pipeline stage `from` sent with `tag` and writes it to `output`.
+    Recv { output: Region, from: usize, tag: u64, label: String },
 }
 
 /// Byte counts of the memory plan, by category.
@@ -142,6 +146,18 @@ pub struct Program {
 impl Instruction {
     /// The regions the instruction reads and writes when it runs (a start reads and writes its
     /// regions until its wait; a wait touches nothing itself).
+    /// What the instruction came from (`node N (op)`), for profiles and errors.
+    pub fn label(&self) -> &str {
+        match self {
+            Instruction::Kernel { label, .. }
+            | Instruction::Collective { label, .. }
+            | Instruction::CollectiveStart { label, .. }
+            | Instruction::Wait { label, .. }
+            | Instruction::Send { label, .. }
+            | Instruction::Recv { label, .. } => label,
+        }
+    }
+
     fn regions(&self) -> (Vec<Region>, Vec<Region>) {
         match self {
             Instruction::Kernel { inputs, outputs, .. } => (inputs.clone(), outputs.clone()),
@@ -149,6 +165,8 @@ impl Instruction {
                 (vec![*input], vec![*output])
             }
             Instruction::Wait { .. } => (vec![], vec![]),
+            Instruction::Send { input, .. } => (vec![*input], vec![]),
+            Instruction::Recv { output, .. } => (vec![], vec![*output]),
         }
     }
 }
@@ -257,6 +275,10 @@ impl Program {
                         }
                     }
                     (vec![], vec![], label)
+                }
+                Instruction::Send { label, .. } | Instruction::Recv { label, .. } => {
+                    let (reads, writes) = instruction.regions();
+                    (reads, writes, label)
                 }
             };
             for r in inputs.iter().chain(&outputs) {

@@ -1,8 +1,8 @@
 //! The compile-time report of a plan (`autotp compile` prints it, `--report FILE.json` writes
 //! it): per rank, the bytes of parameters, gradients, optimizer state, peak activations,
 //! communication staging buffers and the total peak; and the bytes each collective moves per
-//! step. Every rank runs the same program on equal shards, so every rank's line is the same
-//! today; the shape leaves room for ranks that differ (pipeline stages).
+//! step (pipeline sends included). The ranks of one stage run the same program on equal shards,
+//! so their lines are the same; pipeline stages differ.
 
 use serde::{Deserialize, Serialize};
 
@@ -14,6 +14,9 @@ use crate::Instruction;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankReport {
     pub rank: usize,
+    /// Its pipeline stage (0 without a pipeline).
+    #[serde(default)]
+    pub stage: usize,
     pub params_bytes: usize,
     /// Gradients of the trainable parameters as the optimizer receives them (on this rank).
     pub grads_bytes: usize,
@@ -27,66 +30,88 @@ pub struct RankReport {
     pub peak_bytes: usize,
     /// Bytes this rank sends per step, by collective.
     pub comm_bytes_per_step: CommBytes,
+    /// The most micro-batches whose activations it holds at once (its pipeline schedule's).
+    #[serde(default)]
+    pub micro_batches_in_flight: usize,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub mesh: Vec<(String, usize)>,
     pub ranks: Vec<RankReport>,
     /// Bytes sent per step by all ranks together, by collective.
     pub comm_bytes_per_step: CommBytes,
+    /// The pipeline schedule and its bubble, when there are several stages.
+    #[serde(default)]
+    pub pipeline: Option<crate::plan::PipelineConfig>,
 }
 
 /// The planned memory and communication of `plan`.
 pub fn report(plan: &TrainingPlan) -> Report {
-    report_of(&plan.program, &plan.training)
+    let stages: Vec<&crate::Program> = plan.stages.iter().collect();
+    report_of(&stages, &plan.training)
 }
 
-/// The planned memory and communication of a program trained as `training` says.
-pub fn report_of(p: &crate::Program, training: &crate::plan::TrainingConfig) -> Report {
-    let world: usize = p.mesh.iter().map(|a| a.size).product();
-    let mut comm = CommBytes::default();
-    let mut staging = 0;
-    for instruction in &p.instructions {
-        let (Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. }) = instruction
-        else {
-            continue;
-        };
-        let n = p.mesh[op.axis].size;
-        let bytes = op.kind.bytes_sent(input.len, n);
-        match op.kind {
-            CollectiveKind::AllReduce => comm.all_reduce += bytes,
-            CollectiveKind::AllGather { .. } => comm.all_gather += bytes,
-            CollectiveKind::ReduceScatter { .. } => comm.reduce_scatter += bytes,
-            CollectiveKind::ShardSlice { .. } => {}
+/// The planned memory and communication of the stages' programs trained as `training` says.
+pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingConfig) -> Report {
+    let mesh = &stages[0].mesh;
+    let stage_size: usize = mesh.iter().map(|a| a.size).product();
+    let mut ranks = Vec::new();
+    let mut total = CommBytes::default();
+    for (stage, p) in stages.iter().enumerate() {
+        let mut comm = CommBytes::default();
+        let mut staging = 0;
+        for instruction in &p.instructions {
+            match instruction {
+                Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
+                    let n = p.mesh[op.axis].size;
+                    let bytes = op.kind.bytes_sent(input.len, n);
+                    match op.kind {
+                        CollectiveKind::AllReduce => comm.all_reduce += bytes,
+                        CollectiveKind::AllGather { .. } => comm.all_gather += bytes,
+                        CollectiveKind::ReduceScatter { .. } => comm.reduce_scatter += bytes,
+                        CollectiveKind::ShardSlice { .. } => {}
+                    }
+                    staging = staging.max(op.kind.staging_bytes(input.len));
+                }
+                Instruction::Send { input, .. } => comm.send += input.len,
+                _ => {}
+            }
         }
-        staging = staging.max(op.kind.staging_bytes(input.len));
+        // Gradients as the optimizer receives them; ZeRO stage 1 holds them whole until then.
+        let grads_bytes = if training.zero_stage == 1 {
+            p.params.iter().filter(|s| !training.frozen.contains(&s.name)).map(|s| s.region.len).sum()
+        } else {
+            p.memory.grads_bytes
+        };
+        let in_flight = match &training.pipeline {
+            Some(pipeline) => pipeline.in_flight.get(stage).copied().unwrap_or(0),
+            None => 1,
+        };
+        let m = &p.memory;
+        for rank in stage * stage_size..(stage + 1) * stage_size {
+            ranks.push(RankReport {
+                rank,
+                stage,
+                params_bytes: m.params_bytes,
+                grads_bytes,
+                optimizer_bytes: m.states_bytes,
+                activations_peak_bytes: m.activations_peak_bytes,
+                comm_buffer_bytes: staging,
+                peak_bytes: m.arena_bytes + staging,
+                comm_bytes_per_step: comm.clone(),
+                micro_batches_in_flight: in_flight,
+            });
+        }
+        total.all_reduce += comm.all_reduce * stage_size;
+        total.all_gather += comm.all_gather * stage_size;
+        total.reduce_scatter += comm.reduce_scatter * stage_size;
+        total.send += comm.send * stage_size;
     }
-    // Gradients as the optimizer receives them; ZeRO stage 1 holds them whole until then.
-    let grads_bytes = if training.zero_stage == 1 {
-        p.params.iter().filter(|s| !training.frozen.contains(&s.name)).map(|s| s.region.len).sum()
-    } else {
-        p.memory.grads_bytes
-    };
-    let m = &p.memory;
-    let rank = |rank| RankReport {
-        rank,
-        params_bytes: m.params_bytes,
-        grads_bytes,
-        optimizer_bytes: m.states_bytes,
-        activations_peak_bytes: m.activations_peak_bytes,
-        comm_buffer_bytes: staging,
-        peak_bytes: m.arena_bytes + staging,
-        comm_bytes_per_step: comm.clone(),
-    };
-    let total = CommBytes {
-        all_reduce: comm.all_reduce * world,
-        all_gather: comm.all_gather * world,
-        reduce_scatter: comm.reduce_scatter * world,
-    };
     Report {
-        mesh: p.mesh.iter().map(|a| (a.name.clone(), a.size)).collect(),
-        ranks: (0..world.max(1)).map(rank).collect(),
+        mesh: mesh.iter().map(|a| (a.name.clone(), a.size)).collect(),
+        ranks,
         comm_bytes_per_step: total,
+        pipeline: training.pipeline.clone(),
     }
 }

@@ -5,7 +5,9 @@
 //!
 //! A plan on a mesh runs one executor per rank, each rank a thread of this process connected by
 //! a [`LocalComm`]; each rank loads its block of every weight and is fed its block of every
-//! input, and checkpoints hold the reassembled global tensors.
+//! input, and checkpoints hold the reassembled global tensors. With pipeline stages, the ranks
+//! of stage `s` run its program (rank = stage x mesh size + mesh rank), a parameter is loaded
+//! on every stage that holds it, and the loss comes from the last stage.
 //!
 //! Determinism: a step's result depends only on the weights and states before it, the step
 //! number and the data, so resuming from a checkpoint of step k and running to step n gives
@@ -40,13 +42,14 @@ pub struct StepMetrics {
 }
 
 pub struct Trainer {
-    /// One executor per rank (one for a single device).
+    /// One executor per rank (one for a single device), stage by stage.
     ranks: Vec<Executor>,
     comm: Option<Arc<LocalComm>>,
     training: TrainingConfig,
     model: ModelSource,
     fingerprint: String,
-    feeds: Vec<Feed>,
+    /// What feeds each stage's inputs.
+    feeds: Vec<Vec<Feed>>,
     loss_index: usize,
     completed: usize,
     seed: u64,
@@ -59,34 +62,69 @@ impl Trainer {
         let feeds = plan.feeds()?;
         let loss_index = plan.loss_index()?;
         let t = &plan.training;
-        let ids = plan.program.inputs.iter().find(|s| s.name == "input_ids").expect("feeds() checked");
-        if ids.global_shape != t.global_token_shape() {
-            return Err(RuntimeError::Plan(format!(
-                "feeds input_ids as {:?} on all ranks, but its global batch is {} x {} in {} micro-batches",
-                ids.global_shape, t.global_batch, t.seq_len, t.grad_accum
-            )));
+        for ids in plan.stages.iter().flat_map(|p| &p.inputs).filter(|s| s.name == "input_ids") {
+            if ids.global_shape != t.global_token_shape() {
+                return Err(RuntimeError::Plan(format!(
+                    "feeds input_ids as {:?} on all ranks, but its global batch is {} x {} in {} micro-batches",
+                    ids.global_shape, t.global_batch, t.seq_len, t.grad_accum
+                )));
+            }
         }
-        let fingerprint = plan.program.fingerprint();
-        let TrainingPlan { program, training, model } = plan;
-        let sizes: Vec<usize> = program.mesh.iter().map(|a| a.size).collect();
-        let (ranks, comm) = if sizes.iter().product::<usize>() <= 1 {
+        let fingerprint = plan.fingerprint();
+        let TrainingPlan { stages, training, model } = plan;
+        let sizes: Vec<usize> = stages[0].mesh.iter().map(|a| a.size).collect();
+        let stage_size = sizes.iter().product::<usize>();
+        let (ranks, comm) = if stage_size * stages.len() <= 1 {
+            let program = stages.into_iter().next().expect("one program");
             (vec![Executor::new(program)?], None)
         } else {
-            let comm = LocalComm::new(&sizes);
+            let comm = LocalComm::pipeline(stages.len(), &sizes);
             let ranks = (0..comm.world_size())
-                .map(|r| Executor::for_rank(program.clone(), r, comm.clone()))
+                .map(|r| Executor::for_rank(stages[r / stage_size].clone(), r, comm.clone()))
                 .collect::<Result<Vec<_>, _>>()?;
             (ranks, Some(comm))
         };
         let mut trainer = Trainer { ranks, comm, training, model, fingerprint, feeds, loss_index, completed: 0, seed };
-        let params: Vec<Slot> = trainer.program().params.clone();
-        for slot in &params {
+        for slot in trainer.slots(false) {
             let bytes = weights
                 .get(&slot.name)
                 .ok_or_else(|| RuntimeError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
-            trainer.load_global(slot, bytes)?;
+            trainer.load_global(&slot, bytes)?;
         }
         Ok(trainer)
+    }
+
+    /// Pipeline stages.
+    pub fn stages(&self) -> usize {
+        self.feeds.len()
+    }
+
+    /// Ranks per stage.
+    pub fn stage_size(&self) -> usize {
+        self.ranks.len() / self.stages()
+    }
+
+    /// Every parameter (and, with `states`, then every state) once: the slot of the first stage
+    /// that holds it.
+    fn slots(&self, states: bool) -> Vec<Slot> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut slots = Vec::new();
+        let programs: Vec<&crate::Program> = (0..self.stages()).map(|s| self.stage_program(s)).collect();
+        for list in [false, true].into_iter().filter(|&st| !st || states) {
+            for program in &programs {
+                for slot in if list { &program.states } else { &program.params } {
+                    if seen.insert(slot.name.clone()) {
+                        slots.push(slot.clone());
+                    }
+                }
+            }
+        }
+        slots
+    }
+
+    /// The program of pipeline stage `stage`.
+    pub fn stage_program(&self, stage: usize) -> &crate::Program {
+        self.ranks[stage * self.stage_size()].program()
     }
 
     /// The rank's coordinates on the mesh.
@@ -118,21 +156,26 @@ impl Trainer {
             return Err(RuntimeError::WrongSize { what: format!("'{}'", slot.name), expected, got: global.len() });
         }
         for rank in 0..self.ranks.len() {
-            let block = self.block(slot, rank, global).into_owned();
-            self.ranks[rank].load_slot(&slot.name, &block)?;
+            if self.ranks[rank].read_slot(&slot.name).is_some() {
+                let block = self.block(slot, rank, global).into_owned();
+                self.ranks[rank].load_slot(&slot.name, &block)?;
+            }
         }
         Ok(())
     }
 
-    /// The global bytes of a parameter or state, reassembled from the ranks' blocks.
+    /// The global bytes of a parameter or state, reassembled from the blocks of the first stage
+    /// holding it.
     fn read_global(&self, slot: &Slot) -> Cow<'_, [u8]> {
-        let local = |rank: usize| self.ranks[rank].read_slot(&slot.name).expect("a slot of the program");
+        let first = (0..self.ranks.len()).find(|&r| self.ranks[r].read_slot(&slot.name).is_some());
+        let first = first.expect("a slot of a stage") / self.stage_size() * self.stage_size();
+        let local = |rank: usize| self.ranks[rank].read_slot(&slot.name).expect("a slot of the stage");
         if slot.is_replicated() {
-            return Cow::Borrowed(local(0));
+            return Cow::Borrowed(local(first));
         }
         let size = slot.dtype.size();
         let mut global = vec![0u8; slot.global_shape.iter().product::<usize>() * size];
-        for rank in 0..self.ranks.len() {
+        for rank in first..first + self.stage_size() {
             let cuts = slot.cuts(&self.program().mesh, &self.coordinates(rank));
             let (offsets, extent) = shard_block(&slot.global_shape, &cuts);
             insert_block(&slot.global_shape, &offsets, &extent, size, local(rank), &mut global);
@@ -144,8 +187,19 @@ impl Trainer {
         &self.training
     }
 
+    /// The program of stage 0 (the only one without a pipeline).
     pub fn program(&self) -> &crate::Program {
         self.ranks[0].program()
+    }
+
+    /// The program `rank` runs.
+    pub fn rank_program(&self, rank: usize) -> &crate::Program {
+        self.ranks[rank].program()
+    }
+
+    /// The time each rank waited for other pipeline stages since the trainer was made.
+    pub fn idle(&self) -> Vec<std::time::Duration> {
+        self.ranks.iter().map(Executor::idle).collect()
     }
 
     /// Times every instruction of every rank from now on ([`Trainer::profile`]).
@@ -217,9 +271,7 @@ impl Trainer {
                 ),
             });
         }
-        let program = self.program();
-        let slots: Vec<Slot> = program.params.iter().chain(&program.states).cloned().collect();
-        for slot in slots {
+        for slot in self.slots(true) {
             let tensor = checkpoint.tensor(&slot.name).ok_or_else(|| RuntimeError::Checkpoint {
                 path: checkpoint.dir.clone(),
                 message: format!("has no tensor '{}'", slot.name),
@@ -244,8 +296,7 @@ impl Trainer {
     /// Why `checkpoint` does not fit, for the refusal message: the first tensor that differs,
     /// or the training settings that do.
     fn difference(&self, checkpoint: &Checkpoint) -> String {
-        let program = self.program();
-        for slot in program.params.iter().chain(&program.states) {
+        for slot in &self.slots(true) {
             match checkpoint.tensor(&slot.name) {
                 None => return format!(": the checkpoint has no tensor '{}'", slot.name),
                 Some(t) if t.dtype != slot.dtype || t.shape != self.stored_shape(slot) => {
@@ -306,25 +357,23 @@ impl Trainer {
             data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         };
         let scalar = |v: f32| HostTensor { dtype: DType::F32, shape: vec![], data: v.to_le_bytes().to_vec() };
-        let global: Vec<HostTensor> = self
-            .feeds
-            .iter()
-            .map(|feed| match feed {
-                Feed::InputIds => ids(&batch.input_ids),
-                Feed::Labels => match t.labels {
-                    Labels::NextTokens => ids(&batch.labels),
-                    Labels::InputIds => ids(&batch.input_ids),
-                },
-                Feed::Lr => scalar(lr as f32),
-                Feed::Step => scalar((step + 1) as f32),
-            })
-            .collect();
-        let inputs = self.program().inputs.clone();
+        let global = |feed: &Feed| match feed {
+            Feed::InputIds => ids(&batch.input_ids),
+            Feed::Labels => match t.labels {
+                Labels::NextTokens => ids(&batch.labels),
+                Labels::InputIds => ids(&batch.input_ids),
+            },
+            Feed::Lr => scalar(lr as f32),
+            Feed::Step => scalar((step + 1) as f32),
+        };
+        let global: Vec<Vec<HostTensor>> = self.feeds.iter().map(|feeds| feeds.iter().map(global).collect()).collect();
         let feeds: Vec<Vec<HostTensor>> = (0..self.ranks.len())
             .map(|rank| {
-                inputs
+                let stage = rank / self.stage_size();
+                self.rank_program(rank)
+                    .inputs
                     .iter()
-                    .zip(&global)
+                    .zip(&global[stage])
                     .map(|(slot, g)| HostTensor {
                         dtype: g.dtype,
                         shape: slot.shape.clone(),
@@ -337,7 +386,7 @@ impl Trainer {
         let outputs = self.run_ranks(&feeds)?;
         let seconds = start.elapsed().as_secs_f64();
         self.completed += 1;
-        let program = self.program();
+        let program = self.stage_program(self.stages() - 1);
         let scalars: Vec<(String, f64)> = program
             .outputs
             .iter()
@@ -349,13 +398,15 @@ impl Trainer {
         Ok(StepMetrics { step: step + 1, lr, loss, scalars, seconds })
     }
 
-    /// Runs every rank on its feed (each a thread when there are several); returns rank 0's
-    /// outputs (outputs are replicated). A failing rank aborts the others' collectives.
+    /// Runs every rank on its feed (each a thread when there are several); returns the outputs
+    /// of the last stage's first rank (outputs are replicated over the mesh). A failing rank
+    /// aborts the others' communication.
     fn run_ranks(&mut self, feeds: &[Vec<HostTensor>]) -> Result<Vec<HostTensor>, RuntimeError> {
         if let [only] = &mut self.ranks[..] {
             return only.run(&feeds[0]);
         }
         let comm = self.comm.clone().expect("several ranks have a communicator");
+        let reporting = self.ranks.len() - self.stage_size();
         let results: Vec<Result<Vec<HostTensor>, RuntimeError>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .ranks
@@ -378,7 +429,7 @@ impl Trainer {
         let (mut outputs, mut failure, mut stopped) = (None, None, None);
         for (rank, result) in results.into_iter().enumerate() {
             match result {
-                Ok(out) if rank == 0 => outputs = Some(out),
+                Ok(out) if rank == reporting => outputs = Some(out),
                 Ok(_) => {}
                 Err(e @ RuntimeError::Comm(_)) => {
                     stopped.get_or_insert(e);
@@ -390,17 +441,18 @@ impl Trainer {
         }
         match failure.or(stopped) {
             Some(e) => Err(e),
-            None => Ok(outputs.expect("rank 0 returned outputs")),
+            None => Ok(outputs.expect("the reporting rank returned outputs")),
         }
     }
 
     /// The current parameters (global tensors), by name.
     pub fn params(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
-        self.program().params.iter().map(|s| (s.clone(), self.read_global(s))).collect()
+        self.slots(false).into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
     }
 
     fn states(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
-        self.program().states.iter().map(|s| (s.clone(), self.read_global(s))).collect()
+        let params = self.slots(false).len();
+        self.slots(true).into_iter().skip(params).map(|s| (s.clone(), self.read_global(&s))).collect()
     }
 
     /// Saves a checkpoint of the current state under `dir` (see [`checkpoint`]).
@@ -449,13 +501,23 @@ impl Trainer {
     /// Saves each rank's blocks of parameters and states to its own file; a block replicated
     /// over a mesh axis is written by that axis's rank 0 only.
     fn save_shards(&self, dir: &Path, manifest: &Manifest, keep_last: Option<usize>) -> Result<PathBuf, RuntimeError> {
-        let program = self.program();
+        // A slot two stages hold (tied embeddings) is written by the first.
+        let mut first_stage: BTreeMap<&str, usize> = BTreeMap::new();
+        for stage in 0..self.stages() {
+            let program = self.stage_program(stage);
+            for slot in program.params.iter().chain(&program.states) {
+                first_stage.entry(slot.name.as_str()).or_insert(stage);
+            }
+        }
         let mut files = Vec::new();
         for (rank, exec) in self.ranks.iter().enumerate() {
             let coords = self.coordinates(rank);
+            let stage = rank / self.stage_size();
+            let program = exec.program();
             let mut blocks = Vec::new();
             for slot in program.params.iter().chain(&program.states) {
-                let owner = slot.placements.iter().zip(&coords).all(|(p, &c)| *p != SlotPlacement::Replicate || c == 0);
+                let owner = first_stage[slot.name.as_str()] == stage
+                    && slot.placements.iter().zip(&coords).all(|(p, &c)| *p != SlotPlacement::Replicate || c == 0);
                 if !owner {
                     continue;
                 }
@@ -466,7 +528,7 @@ impl Trainer {
             }
             files.push((format!("rank-{rank:05}.safetensors"), blocks));
         }
-        let params = program.params.iter().map(|s| s.name.clone()).collect();
+        let params = self.slots(false).into_iter().map(|s| s.name).collect();
         checkpoint::save_files(dir, manifest, params, files, keep_last)
     }
 }

@@ -379,7 +379,14 @@ fn shared_tag(micro_batches: usize, index: usize) -> u64 {
 }
 
 /// Copies the nodes of one chunk (those with `forward[i] == in_forward`) of `d` through `map`.
-fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], forward: &[bool], in_forward: bool, map: &mut [Option<ValueId>]) {
+fn copy_nodes(
+    g: &mut Graph,
+    d: &Graph,
+    nodes: &[&Node],
+    forward: &[bool],
+    in_forward: bool,
+    map: &mut [Option<ValueId>],
+) {
     for (node, _) in nodes.iter().zip(forward).filter(|(_, &f)| f == in_forward) {
         let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
         let types = node.outputs.iter().map(|&o| d.ty(o).clone()).collect();
@@ -394,7 +401,8 @@ fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], forward: &[bool], in_fo
 /// `pipe.in` and giving the one crossing the cut after it as `pipe.out` (the last stage: the
 /// loss).
 fn forward_graph(old: &Graph, stages: &Stages, s: usize, activation: &[bool]) -> Result<Graph, PassError> {
-    let mut stage = StageBuilder { old, s, activation, g: Graph::new(old.name.clone()), map: vec![None; old.num_values()] };
+    let mut stage =
+        StageBuilder { old, s, activation, g: Graph::new(old.name.clone()), map: vec![None; old.num_values()] };
     if s > 0 {
         let boundary = stages.boundaries[s - 1];
         stage.map[boundary.index()] = Some(stage.g.add_input(PIPE_IN, old.ty(boundary).clone()));
@@ -409,7 +417,9 @@ fn forward_graph(old: &Graph, stages: &Stages, s: usize, activation: &[bool]) ->
     };
     let out = stage.resolve(value)?;
     stage.g.add_output(name, out);
-    Ok(stage.g)
+    // A node placed before the cut that only a later stage needs (a weight's transpose for the
+    // head) is that stage's to compute.
+    Ok(stage.g.without_dead_code())
 }
 
 /// Copies nodes of the whole forward graph into one stage's.
@@ -445,7 +455,10 @@ impl StageBuilder<'_> {
             Def::Input(_) => self.g.add_input(name(), old.ty(v).clone()),
             Def::Param(_) => self.g.add_param(name(), old.ty(v).clone()),
             Def::State(_) => {
-                return Err(invalid(format!("state '{}' in the forward pass: the pipeline runs before optimize", name())))
+                return Err(invalid(format!(
+                    "state '{}' in the forward pass: the pipeline runs before optimize",
+                    name()
+                )))
             }
             Def::Node(node, _) => {
                 let node = old.node(node);
