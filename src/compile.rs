@@ -18,7 +18,7 @@ use autotp_passes::accumulate::Accumulate;
 use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
-use autotp_passes::optimize::{Optimize, Optimizer};
+use autotp_passes::optimize::{Optimize, Optimizer, StageNorm};
 use autotp_passes::pipeline::{bubble_fraction, Pipeline, Schedule as PipelineSchedule};
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
@@ -280,14 +280,6 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if flags.pp == 1 && (!flags.pp_cuts.is_empty() || flags.schedule != "1f1b") {
         bail!("--pp-cuts and --schedule place pipeline stages: they need --pp 2 or more");
     }
-    if flags.pp > 1 {
-        if flags.dp > 1 || flags.tp > 1 {
-            bail!("--pp with --dp or --tp is not built yet: pipeline stages run one rank each for now");
-        }
-        if flags.grad_clip.is_some() {
-            bail!("--grad-clip with --pp is not built yet: the global norm would need every stage's gradients");
-        }
-    }
     if flags.explain_tp && flags.tp < 2 {
         bail!("--explain-tp needs --tp 2 or more");
     }
@@ -346,17 +338,20 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         }
     }
     // ...and after, on each stage.
-    let mut back: Vec<Box<dyn Pass>> =
-        vec![Box::new(Optimize { optimizer, grad_clip: flags.grad_clip }), Box::new(autotp_passes::dce::Dce)];
-    if flags.dp > 1 && flags.tp == 1 {
-        back.push(Box::new(Zero { dp: flags.dp, config: zero, batch_inputs: batch_inputs.clone() }));
-    }
-    let (front, back) = (PassManager::new(front), PassManager::new(back));
+    let back = |stage: Option<StageNorm>| {
+        let optimize = Optimize { optimizer: optimizer.clone(), grad_clip: flags.grad_clip, stage };
+        let mut back: Vec<Box<dyn Pass>> = vec![Box::new(optimize), Box::new(autotp_passes::dce::Dce)];
+        if flags.dp > 1 && flags.tp == 1 {
+            back.push(Box::new(Zero { dp: flags.dp, config: zero, batch_inputs: batch_inputs.clone() }));
+        }
+        PassManager::new(back)
+    };
+    let front = PassManager::new(front);
     let mut names = front.pass_names();
     if pipelined {
         names.push("pipeline");
     }
-    names.extend(back.pass_names());
+    names.extend(back(None).pass_names());
     if flags.tp > 1 {
         names.push("autotp");
     }
@@ -371,7 +366,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     observer.observe(0, "import", &model.graph);
     front.run_observed(&mut model.graph, &mut |i, pass, graph| observer.observe(i, pass, graph))?;
     let mut index = front.pass_names().len();
-    let (graphs, pipeline) = if pipelined {
+    let (graphs, norms, pipeline) = if pipelined {
         let pipeline = Pipeline {
             stages: flags.pp,
             cuts: flags.pp_cuts.clone(),
@@ -393,16 +388,29 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             in_flight: (0..flags.pp).map(|s| pipeline_schedule.in_flight(s, flags.pp, grad_accum)).collect(),
             bubble_fraction: bubble_fraction(flags.pp, grad_accum),
         };
-        (graphs, Some(config))
+        // Each stage's share of the clipping norm: a parameter two stages hold counts on the first.
+        let norms = (0..flags.pp)
+            .map(|s| StageNorm {
+                stage: s,
+                stages: flags.pp,
+                counted_elsewhere: stages.params[s]
+                    .iter()
+                    .filter(|p| stages.params[..s].iter().any(|earlier| earlier.contains(p)))
+                    .cloned()
+                    .collect(),
+            })
+            .map(Some)
+            .collect();
+        (graphs, norms, Some(config))
     } else {
         let name = model.graph.name.clone();
-        (vec![std::mem::replace(&mut model.graph, Graph::new(name))], None)
+        (vec![std::mem::replace(&mut model.graph, Graph::new(name))], vec![None], None)
     };
     let mut programs = Vec::new();
     let mut weight_shapes = BTreeMap::new();
-    for (s, mut graph) in graphs.into_iter().enumerate() {
+    for (s, (mut graph, norm)) in graphs.into_iter().zip(norms).enumerate() {
         observer.stage = pipelined.then_some(s);
-        back.run_observed(&mut graph, &mut |i, pass, graph| observer.observe(index + i, pass, graph))?;
+        back(norm).run_observed(&mut graph, &mut |i, pass, graph| observer.observe(index + i, pass, graph))?;
         if flags.tp > 1 {
             let autotp = AutoTp { tp: flags.tp, dp: flags.dp, zero, batch_inputs: batch_inputs.clone() };
             let (sharded, explained) = autotp.shard(&graph)?;

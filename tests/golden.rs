@@ -92,6 +92,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "optimize" => Box::new(Optimize {
             optimizer: Optimizer::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
             grad_clip: (argument != "noclip").then_some(1.0),
+            stage: None,
         }),
         other => panic!("unknown pass '{other}' in a golden file"),
     }

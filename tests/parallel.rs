@@ -416,22 +416,40 @@ fn gradient_accumulation_plans_one_reduction_per_step() {
     assert!(err.contains("--global-batch 32 contradicts --grad-accum 2"), "{err}");
 }
 
-/// Pipeline stages (rank threads, one per stage) interleaving the step's micro-batches train
-/// like one rank with the same global batch: 1F1B with 4 and 8 micro-batches on 2 and 4
-/// stages, and GPipe.
+/// Pipeline stages (rank threads) interleaving the step's micro-batches train like one rank
+/// with the same global batch: 1F1B with 4 and 8 micro-batches on 2 and 4 stages, GPipe, and
+/// pipelines of tensor- and data-parallel stages with ZeRO 2 and 3; with clipping, the norm
+/// covers every stage's gradients.
 #[test]
 fn pipeline_trains_like_one_rank() {
     let dir = scratch("parallel-pp");
-    let configs: [(usize, &[&str]); 4] = [
+    let configs: [(usize, &[&str]); 9] = [
         (2, &["--pp", "2", "--grad-accum", "4"]),
         (1, &["--pp", "2", "--grad-accum", "8"]),
         (2, &["--pp", "4", "--grad-accum", "4"]),
+        (1, &["--pp", "4", "--grad-accum", "8"]),
         (2, &["--pp", "2", "--grad-accum", "4", "--schedule", "gpipe"]),
+        (2, &["--pp", "2", "--grad-accum", "4", "--tp", "2"]),
+        (1, &["--pp", "2", "--grad-accum", "4", "--dp", "2", "--zero", "2"]),
+        (1, &["--pp", "2", "--grad-accum", "4", "--dp", "2", "--zero", "3"]),
+        (2, &["--pp", "2", "--grad-accum", "2", "--dp", "2", "--tp", "2", "--zero", "1"]),
     ];
     for arch in ["gpt2", "llama"] {
         let single = train(&dir, arch, 8, &[]);
         for (micro_batch, flags) in configs {
             let got = train(&dir, arch, micro_batch, flags);
+            let label = format!("{arch} micro-batch {micro_batch} {}", flags.join(" "));
+            let (first, worst) = within_contract(&label, &got, &single);
+            println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
+        let clipped = ["--grad-clip", "0.5"];
+        let single = train(&dir, arch, 8, &clipped);
+        for (micro_batch, flags) in [
+            (2, &["--pp", "4", "--grad-accum", "4"][..]),
+            (2, &["--pp", "2", "--grad-accum", "2", "--dp", "2", "--tp", "2", "--zero", "2"][..]),
+        ] {
+            let flags = [flags, &clipped[..]].concat();
+            let got = train(&dir, arch, micro_batch, &flags);
             let label = format!("{arch} micro-batch {micro_batch} {}", flags.join(" "));
             let (first, worst) = within_contract(&label, &got, &single);
             println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");

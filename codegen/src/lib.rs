@@ -195,7 +195,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
             } else {
                 instructions.push(Instruction::Collective { op, input, output, label });
             }
-        } else if let Op::Send { to, tag } = node.op {
+        } else if let Op::Send { to, tag, .. } = node.op {
             instructions.push(Instruction::Send { input: inputs[0], to, tag, label });
         } else if let Op::Recv { from, tag, .. } = node.op {
             instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });

@@ -145,7 +145,7 @@ impl<'g> Frame<'g> {
     fn run(&mut self, stage: usize, mail: &mut Mailboxes) -> Result<bool, EvalError> {
         while let Some(node) = self.nodes.get(self.next) {
             let outs = match &node.op {
-                Op::Recv { from, tag, ty } => {
+                Op::Recv { from, tag, ty, .. } => {
                     let Some((sent, value)) = mail.get_mut(&(*from, stage)).and_then(VecDeque::pop_front) else {
                         return Ok(false);
                     };
@@ -163,7 +163,7 @@ impl<'g> Frame<'g> {
                         .iter()
                         .map(|v| self.values[v.index()].as_ref().expect("verified graphs define before use"))
                         .collect();
-                    if let Op::Send { to, tag } = node.op {
+                    if let Op::Send { to, tag, .. } = node.op {
                         mail.entry((stage, to)).or_default().push_back((tag, ins[0].clone()));
                         vec![]
                     } else {

@@ -136,19 +136,66 @@ pub enum Op {
     },
     /// `wait %start`: the result of an asynchronous collective, once it has completed.
     Wait,
-    /// `send %x {to = S, tag = T}`: hands `x` to pipeline stage `S`, whose `recv` with the same
-    /// tag receives it. No result; asynchronous (the stage goes on at once), and never dead code.
+    /// `send %x {to = S, tag = T, message = M}`: hands `x` to pipeline stage `S`, whose `recv`
+    /// with the same tag receives it. No result; asynchronous (the stage goes on at once), and
+    /// never dead code. On a mesh each rank sends its block, laid out as the message's kind
+    /// says, to the rank of stage `S` with the same coordinates.
     Send {
         to: usize,
         tag: u64,
+        message: Message,
     },
-    /// `recv {from = S, tag = T} : type`: the value pipeline stage `S` sent with tag `T`; waits
-    /// for it. Stages send to each other in the order they receive, so tags only check that.
+    /// `recv {from = S, tag = T, message = M} : type`: the value pipeline stage `S` sent with
+    /// tag `T`; waits for it. Stages send to each other in the order they receive, so tags only
+    /// check that.
     Recv {
         from: usize,
         tag: u64,
+        message: Message,
         ty: TensorType,
     },
+}
+
+/// What a pipeline message carries, which fixes how the ranks of a stage's mesh hold it: both
+/// ends agree on that without knowing each other's graph.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// A micro-batch's activation, forward to the next stage; laid out as the batch inputs
+    /// (dim 0 split over the data-parallel axis, whole on the others).
+    Activation,
+    /// The gradient of an activation, back to the stage before; laid out as the batch.
+    Gradient,
+    /// A parameter's gradient sum, to another stage holding the parameter; whole on every rank.
+    SharedGradient,
+    /// A stage's sum of squared gradients, to every other stage for the global norm that
+    /// clipping scales by; whole on every rank.
+    NormPart,
+}
+
+impl Message {
+    pub fn name(self) -> &'static str {
+        match self {
+            Message::Activation => "activation",
+            Message::Gradient => "gradient",
+            Message::SharedGradient => "shared_gradient",
+            Message::NormPart => "norm_part",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Message> {
+        match name {
+            "activation" => Some(Message::Activation),
+            "gradient" => Some(Message::Gradient),
+            "shared_gradient" => Some(Message::SharedGradient),
+            "norm_part" => Some(Message::NormPart),
+            _ => None,
+        }
+    }
+
+    /// Laid out as the batch (or else whole).
+    pub fn batch_layout(self) -> bool {
+        matches!(self, Message::Activation | Message::Gradient)
+    }
 }
 
 /// The collectives, as resharding steps along one mesh axis.

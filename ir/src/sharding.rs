@@ -51,6 +51,15 @@ impl AxisRule {
     }
 }
 
+/// The placement on `axis` of a pipeline message of `shape`.
+fn message_placement(message: crate::Message, shape: &[usize], axis: &MeshAxis) -> Placement {
+    if message.batch_layout() && axis.name == crate::DATA_AXIS && divisible(shape, 0, axis.size) {
+        Placement::Shard(0)
+    } else {
+        Placement::Replicate
+    }
+}
+
 /// Whether dim `d` of `shape` can be sharded `n` ways.
 fn divisible(shape: &[usize], d: usize, n: usize) -> bool {
     shape.get(d).is_some_and(|&s| s % n == 0 && s >= n)
@@ -73,8 +82,12 @@ pub fn axis_rule(
     let all_partial = !current.is_empty() && current.iter().all(|p| *p == PartialSum);
     match op {
         Op::Constant { .. } => AxisRule::replicated(0, no),
-        // Pipeline stages exchange whole values (each stage's ranks with the same coordinates).
-        Op::Send { .. } | Op::Recv { .. } => AxisRule::replicated(ni, no),
+        // Pipeline messages go between the ranks of two stages with the same coordinates, laid
+        // out as their op says.
+        Op::Send { message, .. } => {
+            AxisRule { inputs: vec![message_placement(*message, &inputs[0].shape, axis)], outputs: vec![] }
+        }
+        Op::Recv { message, .. } => AxisRule { inputs: vec![], outputs: vec![message_placement(*message, out0, axis)] },
         Op::Collective { kind, axis: name, .. } if *name == axis.name => {
             let (from, to) = kind.transition();
             AxisRule { inputs: vec![from], outputs: vec![to] }

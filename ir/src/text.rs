@@ -29,8 +29,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use crate::{
-    BinaryOp, Collective, DType, GeluApprox, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ReduceOp, Reduction, Tensor,
-    TensorType, UnaryOp, ValueId,
+    BinaryOp, Collective, DType, GeluApprox, Graph, Mesh, MeshAxis, Message, NodeId, Op, Placement, ReduceOp,
+    Reduction, Tensor, TensorType, UnaryOp, ValueId,
 };
 
 /// Display names of a graph's values.
@@ -205,8 +205,16 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
             ("reduction", Attr::Word(reduction.name().into())),
         ],
         Op::Wait => vec![],
-        Op::Send { to, tag } => vec![("to", Attr::Int(*to as i64)), ("tag", Attr::Int(*tag as i64))],
-        Op::Recv { from, tag, .. } => vec![("from", Attr::Int(*from as i64)), ("tag", Attr::Int(*tag as i64))],
+        Op::Send { to, tag, message } => vec![
+            ("to", Attr::Int(*to as i64)),
+            ("tag", Attr::Int(*tag as i64)),
+            ("message", Attr::Word(message.name().into())),
+        ],
+        Op::Recv { from, tag, message, .. } => vec![
+            ("from", Attr::Int(*from as i64)),
+            ("tag", Attr::Int(*tag as i64)),
+            ("message", Attr::Word(message.name().into())),
+        ],
         Op::Collective { kind, axis, .. } => {
             let mut a = vec![("axis", Attr::Word(axis.clone()))];
             if let Some(dim) = kind.dim() {
@@ -713,11 +721,17 @@ impl<'a> Parser<'a> {
                 let value = constant_tensor(&types[0], splat, &items).map_err(|m| self.error_at(m))?;
                 Op::Constant { value }
             }
-            None if op_name == "recv" => Op::Recv {
-                from: take_usize(&mut attrs, "from").map_err(|m| self.error_at(format!("recv: {m}")))?,
-                tag: take_usize(&mut attrs, "tag").map_err(|m| self.error_at(format!("recv: {m}")))? as u64,
-                ty: types[0].clone(),
-            },
+            None if op_name == "recv" => {
+                let recv = |attrs: &mut BTreeMap<String, Attr>| -> Result<Op, String> {
+                    Ok(Op::Recv {
+                        from: take_usize(attrs, "from")?,
+                        tag: take_usize(attrs, "tag")? as u64,
+                        message: take_message(attrs)?,
+                        ty: types[0].clone(),
+                    })
+                };
+                recv(&mut attrs).map_err(|m| self.error_at(format!("recv: {m}")))?
+            }
             None => build_op(&op_name, &mut attrs).map_err(|m| ParseError {
                 line: op_at.0,
                 column: op_at.1,
@@ -877,6 +891,12 @@ fn take_usize(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<usize, St
     usize::try_from(v).map_err(|_| format!("'{key}' must be non-negative"))
 }
 
+fn take_message(attrs: &mut BTreeMap<String, Attr>) -> Result<Message, String> {
+    let word = take_word(attrs, "message")?;
+    Message::from_name(&word)
+        .ok_or_else(|| format!("unknown message '{word}' (activation, gradient, shared_gradient or norm_part)"))
+}
+
 fn take_float(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<f64, String> {
     match take(attrs, key)? {
         Attr::Float(v) => Ok(v),
@@ -949,7 +969,7 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         }
         "triu" | "tril" => Op::Triangle { upper: name == "triu", k: take_int(a, "k")? },
         "wait" => Op::Wait,
-        "send" => Op::Send { to: take_usize(a, "to")?, tag: take_usize(a, "tag")? as u64 },
+        "send" => Op::Send { to: take_usize(a, "to")?, tag: take_usize(a, "tag")? as u64, message: take_message(a)? },
         collective
             if ["all_reduce", "all_gather", "reduce_scatter", "shard_slice"]
                 .contains(&collective.strip_suffix("_start").unwrap_or(collective)) =>

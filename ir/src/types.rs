@@ -65,6 +65,10 @@ impl std::fmt::Display for Placement {
     }
 }
 
+/// The name of the data-parallel mesh axis: batch inputs (and pipeline messages laid out like
+/// them) are split along their dim 0 over it.
+pub const DATA_AXIS: &str = "dp";
+
 /// A named mesh axis and its size.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct MeshAxis {

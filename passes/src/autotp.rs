@@ -60,7 +60,8 @@ struct WeightUse {
     in_dim: Option<usize>,
 }
 
-/// Values the loss depends on (the forward pass and the loss).
+/// Values the loss depends on (the forward pass and the loss), or on a pipeline stage the
+/// activations it sends on.
 fn forward_values(graph: &Graph) -> Vec<bool> {
     let mut needed = vec![false; graph.num_values()];
     for (name, v) in graph.outputs() {
@@ -70,7 +71,8 @@ fn forward_values(graph: &Graph) -> Vec<bool> {
     }
     let nodes: Vec<_> = graph.nodes().collect();
     for (_, node) in nodes.into_iter().rev() {
-        if node.outputs.iter().any(|o| needed[o.index()]) {
+        let sends_activation = matches!(node.op, Op::Send { message: autotp_ir::Message::Activation, .. });
+        if sends_activation || node.outputs.iter().any(|o| needed[o.index()]) {
             for v in &node.inputs {
                 needed[v.index()] = true;
             }
@@ -181,7 +183,7 @@ impl AutoTp {
     fn mesh(&self) -> Mesh {
         let mut axes = Vec::new();
         if self.dp > 1 {
-            axes.push(MeshAxis { name: "dp".into(), size: self.dp });
+            axes.push(MeshAxis { name: autotp_ir::DATA_AXIS.into(), size: self.dp });
         }
         axes.push(MeshAxis { name: "tp".into(), size: self.tp });
         Mesh { axes }
@@ -196,11 +198,14 @@ impl AutoTp {
         let mesh = self.mesh();
         let tp_axis = mesh.axes.len() - 1;
         let mut explained = self.plan(graph);
-        if explained.is_empty() {
-            return Err(invalid("found no column- and row-parallel weights to split (no Megatron block)".into()));
-        }
         let vocab = crate::vocab::find(graph);
         let vocab_weights = vocab.as_ref().map(|split| vocab_explained(graph, split)).unwrap_or_default();
+        // A pipeline stage may hold only the LM head, split over the vocabulary.
+        if explained.is_empty() && vocab_weights.is_empty() {
+            return Err(invalid(
+                "found no column- and row-parallel weights and no vocabulary to split (no Megatron block)".into(),
+            ));
+        }
         let vocab_names: BTreeSet<String> = vocab_weights.iter().map(|e| e.weight.clone()).collect();
         explained.extend(vocab_weights);
         for e in &explained {
@@ -226,7 +231,7 @@ impl AutoTp {
         let graph = &split_step;
         let seeds_for = |explained: &[Explained]| {
             let mut seeds: BTreeMap<String, Vec<Placement>> = BTreeMap::new();
-            for name in &self.batch_inputs {
+            for name in crate::present_inputs(graph, &self.batch_inputs) {
                 let mut p = mesh.replicated();
                 if self.dp > 1 {
                     p[0] = Placement::Shard(0);

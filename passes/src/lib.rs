@@ -49,6 +49,13 @@ pub(crate) fn add_op(pass: &'static str, g: &mut Graph, op: Op, inputs: Vec<Valu
     g.add(op, inputs).map_err(|m| PassError::Invalid { pass, message: format!("{name}: {m}") })
 }
 
+/// The names among `names` that are inputs of `graph` (a pipeline stage reads some of the
+/// batch inputs only).
+pub(crate) fn present_inputs<'a>(graph: &Graph, names: &'a [String]) -> impl Iterator<Item = &'a String> {
+    let inputs: Vec<String> = graph.inputs().iter().filter_map(|&v| graph.name_of(v)).map(str::to_string).collect();
+    names.iter().filter(move |n| inputs.contains(n))
+}
+
 /// The permutation that undoes `perm` (as a transpose's).
 pub(crate) fn inverse_permutation(perm: &[usize]) -> Vec<usize> {
     let mut inverse = vec![0; perm.len()];

@@ -6,12 +6,16 @@
 //!
 //! With `grad_clip`, gradients are first scaled as torch.nn.utils.clip_grad_norm_ does
 //! (`min(1, clip / (norm + 1e-6))` over the global L2 norm), and the norm becomes an output,
-//! `grad_norm`.
+//! `grad_norm`. On a pipeline stage ([`StageNorm`]) the global norm adds every stage's sum of
+//! squares (each stage sends its own to the others, all add them in stage order), a parameter
+//! two stages hold counted by the first.
 //!
 //! Input phase: differentiated. Output: a training step. Tests: tests/golden/optimize_*.ir and
 //! the training runs of tests/train.rs.
 
-use autotp_ir::{BinaryOp, Graph, Op, ReduceOp, Rewriter, Tensor, TensorType, UnaryOp, ValueId};
+use std::collections::BTreeSet;
+
+use autotp_ir::{BinaryOp, Graph, Message, Op, ReduceOp, Rewriter, Tensor, TensorType, UnaryOp, ValueId};
 
 use crate::autodiff::GRAD_PREFIX;
 use crate::{Pass, PassError};
@@ -25,7 +29,21 @@ pub enum Optimizer {
 pub struct Optimize {
     pub optimizer: Optimizer,
     pub grad_clip: Option<f64>,
+    /// The pipeline stage this graph is, for the global norm of clipping.
+    pub stage: Option<StageNorm>,
 }
+
+/// A pipeline stage's part in the global gradient norm.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageNorm {
+    pub stage: usize,
+    pub stages: usize,
+    /// Parameters whose gradient an earlier stage holding them counts.
+    pub counted_elsewhere: BTreeSet<String>,
+}
+
+/// The tag of the norm parts (distinct from the pipeline's activation and gradient tags).
+const NORM_TAG: u64 = 1 << 40;
 
 const PASS: &str = "optimize";
 
@@ -71,7 +89,11 @@ impl Pass for Optimize {
         let g = rw.graph();
         if let Some(clip) = self.grad_clip {
             let mut total = None;
-            for &grad in &grads {
+            let counted = |p: ValueId| {
+                let name = graph.name_of(p).unwrap_or("");
+                self.stage.as_ref().is_none_or(|s| !s.counted_elsewhere.contains(name))
+            };
+            for (_, &grad) in pairs.iter().zip(&grads).filter(|((p, _), _)| counted(*p)) {
                 let sq = add(g, Op::Binary(BinaryOp::Mul), vec![grad, grad])?;
                 let axes = (0..g.ty(grad).rank()).collect();
                 let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![sq])?;
@@ -80,9 +102,33 @@ impl Pass for Optimize {
                     None => s,
                 });
             }
-            let norm = add(g, Op::Unary(UnaryOp::Sqrt), vec![total.expect("at least one parameter")])?;
             let constant =
                 |g: &mut Graph, v: f64| add(g, Op::Constant { value: Tensor::full(dtype, vec![], v) }, vec![]);
+            let mut total = match total {
+                Some(t) => t,
+                None => constant(g, 0.0)?,
+            };
+            if let Some(StageNorm { stage, stages, .. }) = self.stage {
+                for other in (0..stages).filter(|&o| o != stage) {
+                    let send = Op::Send { to: other, tag: NORM_TAG, message: Message::NormPart };
+                    g.add_node(send, vec![total], 0).map_err(|m| invalid(format!("send: {m}")))?;
+                }
+                let mut sum = None;
+                for from in 0..stages {
+                    let part = if from == stage {
+                        total
+                    } else {
+                        let ty = TensorType::scalar(dtype);
+                        add(g, Op::Recv { from, tag: NORM_TAG, message: Message::NormPart, ty }, vec![])?
+                    };
+                    sum = Some(match sum {
+                        Some(s) => add(g, Op::Binary(BinaryOp::Add), vec![s, part])?,
+                        None => part,
+                    });
+                }
+                total = sum.expect("at least one stage");
+            }
+            let norm = add(g, Op::Unary(UnaryOp::Sqrt), vec![total])?;
             let eps = constant(g, 1e-6)?;
             let max_norm = constant(g, clip)?;
             let one = constant(g, 1.0)?;

@@ -524,8 +524,8 @@ fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
                 ..
             }
         );
-        let out = node.outputs[0];
-        if reduction && !needed_next(out, i) {
+        if reduction && !needed_next(node.outputs[0], i) {
+            let out = node.outputs[0];
             let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a reduction") };
             let input = rw.map(node.inputs[0]);
             let g = rw.graph();

@@ -117,9 +117,9 @@ impl Pass for Zero {
         if self.config.stage > 3 {
             return Err(invalid(format!("--zero {} is not a ZeRO stage (0, 1, 2 or 3)", self.config.stage)));
         }
-        let mesh = Mesh { axes: vec![MeshAxis { name: "dp".into(), size: self.dp }] };
+        let mesh = Mesh { axes: vec![MeshAxis { name: autotp_ir::DATA_AXIS.into(), size: self.dp }] };
         let mut seeds: BTreeMap<String, Vec<Placement>> =
-            self.batch_inputs.iter().map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
+            crate::present_inputs(graph, &self.batch_inputs).map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
         seed(graph, &mesh, 0, self.config, &mut seeds);
         let (gather_params_on, scatter_early) = shard_options(self.config.stage, 0);
         Shard { mesh, seeds, gather_params_on, scatter_early, bucket_elements: self.config.reduce_bucket_elements }

@@ -156,10 +156,16 @@ impl Trainer {
             return Err(RuntimeError::WrongSize { what: format!("'{}'", slot.name), expected, got: global.len() });
         }
         for rank in 0..self.ranks.len() {
-            if self.ranks[rank].read_slot(&slot.name).is_some() {
-                let block = self.block(slot, rank, global).into_owned();
-                self.ranks[rank].load_slot(&slot.name, &block)?;
+            // Each stage holding it places it its own way (a tied embedding's two uses).
+            let program = self.rank_program(rank);
+            let Some(own) = program.params.iter().chain(&program.states).find(|s| s.name == slot.name) else {
+                continue;
+            };
+            if own.global_shape != slot.global_shape || own.placements.contains(&SlotPlacement::PartialSum) {
+                return Err(RuntimeError::Plan(format!("stages hold '{}' in different shapes", slot.name)));
             }
+            let block = self.block(own, rank, global).into_owned();
+            self.ranks[rank].load_slot(&slot.name, &block)?;
         }
         Ok(())
     }

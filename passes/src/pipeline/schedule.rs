@@ -21,6 +21,10 @@
 //! 4. Parameters held by several stages (tied embeddings) exchange their gradient sums at the
 //!    end of the step and add them in stage order, so every holder updates them identically.
 //!
+//! On a mesh (after `zero`/`autotp` place each stage), activations and their gradients travel
+//! laid out like the batch (each data-parallel rank sends its rows to the same rank of the
+//! next stage) and shared gradients whole (reduced before they are sent).
+//!
 //! The loss is the mean over the step as one device computes it: micro-batch `i` weighs
 //! `1 / M`, or its share of the counted labels for a mean loss with an ignored index.
 //!
@@ -29,6 +33,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use autotp_ir::Message::{self, Activation, Gradient, SharedGradient};
 use autotp_ir::{BinaryOp, Def, Graph, Node, Op, Tensor, TensorType, ValueId};
 
 use super::{activations, invalid, partition, Stages};
@@ -267,7 +272,11 @@ impl Pipeline {
                     }
                     if let Some(pipe_in) = pipe_in {
                         let ty = d.ty(pipe_in).clone();
-                        let received = add(&mut g, Op::Recv { from: s - 1, tag: activation_tag(i), ty }, vec![])?;
+                        let received = add(
+                            &mut g,
+                            Op::Recv { from: s - 1, tag: activation_tag(i), message: Activation, ty },
+                            vec![],
+                        )?;
                         map[pipe_in.index()] = Some(received);
                     }
                     copy_nodes(&mut g, d, &nodes, &forward, true, &mut map);
@@ -291,8 +300,7 @@ impl Pipeline {
                             None => weighted,
                         });
                     } else {
-                        g.add_node(Op::Send { to: s + 1, tag: activation_tag(i) }, vec![out], 0)
-                            .map_err(|e| invalid(format!("send: {e}")))?;
+                        send(&mut g, out, s + 1, activation_tag(i), Activation)?;
                     }
                     maps.push(map);
                     debug_assert_eq!(maps.len(), i + 1);
@@ -303,13 +311,12 @@ impl Pipeline {
                         weights[i].expect("the forward chunk comes first")
                     } else {
                         let ty = d.ty(cotangent).clone();
-                        add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), ty }, vec![])?
+                        add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), message: Gradient, ty }, vec![])?
                     });
                     copy_nodes(&mut g, d, &nodes, &forward, false, map);
                     if let Some(pipe_in_grad) = pipe_in_grad {
                         let grad = map[pipe_in_grad.index()].expect("computed");
-                        g.add_node(Op::Send { to: s - 1, tag: gradient_tag(i) }, vec![grad], 0)
-                            .map_err(|e| invalid(format!("send: {e}")))?;
+                        send(&mut g, grad, s - 1, gradient_tag(i), Gradient)?;
                     }
                     for ((_, value), sum) in grads.iter().zip(sums.iter_mut()) {
                         let grad = map[value.index()].expect("computed");
@@ -330,8 +337,7 @@ impl Pipeline {
         for ((name, _), &sum) in grads.iter().zip(&sums) {
             let param = &name[GRAD_PREFIX.len()..];
             for &other in holders[param].iter().filter(|&&h| h != s) {
-                g.add_node(Op::Send { to: other, tag: tag_of(param) }, vec![sum], 0)
-                    .map_err(|e| invalid(format!("send: {e}")))?;
+                send(&mut g, sum, other, tag_of(param), SharedGradient)?;
             }
         }
         for ((name, _), sum) in grads.iter().zip(sums.iter_mut()) {
@@ -345,7 +351,7 @@ impl Pipeline {
                     *sum
                 } else {
                     let ty = g.ty(*sum).clone();
-                    add(&mut g, Op::Recv { from: h, tag: tag_of(param), ty }, vec![])?
+                    add(&mut g, Op::Recv { from: h, tag: tag_of(param), message: SharedGradient, ty }, vec![])?
                 };
                 total = Some(match total {
                     Some(t) => add(&mut g, Op::Binary(BinaryOp::Add), vec![t, part])?,
@@ -362,6 +368,12 @@ impl Pipeline {
         }
         Ok(g)
     }
+}
+
+/// Appends `send value` to stage `to`.
+fn send(g: &mut Graph, value: ValueId, to: usize, tag: u64, message: Message) -> Result<(), PassError> {
+    g.add_node(Op::Send { to, tag, message }, vec![value], 0).map_err(|e| invalid(format!("send: {e}")))?;
+    Ok(())
 }
 
 /// Tags of the messages between stages: micro-batch `i`'s activation and its gradient, then
