@@ -143,7 +143,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     );
     let tokens_per_step = trainer.tokens_per_step();
     let start = Instant::now();
-    let idle_before = trainer.idle();
+    let busy_before = trainer.busy();
     let mut step_seconds = 0.0;
     for _ in first..flags.steps {
         let m = trainer.step(&data, flags.steps)?;
@@ -188,18 +188,28 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         eprint!("{}", measured_against_plan(trainer, steps));
     }
     if let Some(pipeline) = &trainer.training().pipeline {
-        let idle: Vec<f64> =
-            trainer.idle().iter().zip(&idle_before).map(|(after, before)| (*after - *before).as_secs_f64()).collect();
+        // A rank idles when it waits for another stage and when it is done before the others.
+        let idle: Vec<f64> = trainer
+            .busy()
+            .iter()
+            .zip(&busy_before)
+            .map(|(after, before)| step_seconds - (*after - *before).as_secs_f64())
+            .collect();
         eprint!("{}", bubble_table(pipeline, trainer.stage_size(), &idle, step_seconds));
     }
-    if let Some(times) = trainer.profile(0) {
-        print!("{}", profile_table(trainer.program(), times, steps, seconds));
+    // The first rank of every pipeline stage (rank 0 without a pipeline).
+    for stage in 0..trainer.stages() {
+        let rank = stage * trainer.stage_size();
+        if let Some(times) = trainer.profile(rank) {
+            print!("{}", profile_table(rank, trainer.rank_program(rank), times, steps, seconds));
+        }
     }
     Ok(())
 }
 
-/// Rank 0's time per step by op, and its slowest instructions.
+/// A rank's time per step by op, and its slowest instructions.
 fn profile_table(
+    rank: usize,
     program: &autotp_runtime::Program,
     times: &[std::time::Duration],
     steps: usize,
@@ -207,7 +217,7 @@ fn profile_table(
 ) -> String {
     let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps.max(1) as f64;
     let step_ms = seconds * 1e3 / steps.max(1) as f64;
-    let mut out = format!("profile of rank 0, {steps} steps ({step_ms:.2} ms per step):\n");
+    let mut out = format!("profile of rank {rank}, {steps} steps ({step_ms:.2} ms per step):\n");
     out += &format!("  {:<20} {:>12} {:>12} {:>8}\n", "op", "instructions", "ms per step", "share");
     for row in autotp_runtime::profile::by_op(program, times) {
         let ms = per_step(row.total);
@@ -220,8 +230,9 @@ fn profile_table(
     out
 }
 
-/// Each pipeline stage's measured idle time (waiting for the stages beside it) as a fraction
-/// of the steps' time, beside the schedule's bubble.
+/// Each pipeline stage's measured idle time (the steps' time less the time it ran its program
+/// but for waiting on the stages beside it) as a fraction of the steps' time, beside the
+/// schedule's bubble.
 fn bubble_table(
     pipeline: &autotp_runtime::plan::PipelineConfig,
     stage_size: usize,

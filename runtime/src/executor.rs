@@ -84,8 +84,9 @@ pub struct Executor {
     issued: Vec<u64>,
     /// Time spent in each instruction over all runs, when profiling.
     profile: Option<Vec<std::time::Duration>>,
-    /// Time spent waiting for other pipeline stages (in `recv`) over all runs.
-    idle: std::time::Duration,
+    /// Time spent running the program, less the waits for other pipeline stages (in `recv`),
+    /// over all runs.
+    busy: std::time::Duration,
 }
 
 impl Executor {
@@ -130,7 +131,7 @@ impl Executor {
             _ => None,
         };
         let issued = vec![0; program.mesh.len()];
-        Ok(Executor { comm_thread, program, arena, rank, issued, profile: None, idle: std::time::Duration::ZERO })
+        Ok(Executor { comm_thread, program, arena, rank, issued, profile: None, busy: std::time::Duration::ZERO })
     }
 
     pub fn program(&self) -> &Program {
@@ -147,9 +148,10 @@ impl Executor {
         self.profile.as_deref()
     }
 
-    /// The time this rank waited for other pipeline stages' sends, over all runs.
-    pub fn idle(&self) -> std::time::Duration {
-        self.idle
+    /// The time this rank spent running its program but for waiting on other pipeline stages'
+    /// sends, over all runs: its step time less this is its share of the pipeline bubble.
+    pub fn busy(&self) -> std::time::Duration {
+        self.busy
     }
 
     /// Bytes of the arena this executor allocated.
@@ -247,7 +249,7 @@ impl Executor {
                         .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: a recv needs a communicator")))?;
                     let waiting = std::time::Instant::now();
                     comm.recv(*rank, *from, *tag, region_mut(output))?;
-                    self.idle += waiting.elapsed();
+                    self.busy = self.busy.saturating_sub(waiting.elapsed());
                 }
             }
             if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {
@@ -272,6 +274,7 @@ impl Executor {
             }
             self.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
         }
+        let started = std::time::Instant::now();
         let base = self.arena.as_mut_slice().as_mut_ptr();
         let mut pending: std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>> =
             std::collections::BTreeMap::new();
@@ -290,6 +293,7 @@ impl Executor {
         for u in &self.program.updates {
             arena.copy_within(u.from.offset..u.from.end(), u.to.offset);
         }
+        self.busy += started.elapsed();
         let arena = self.arena.as_slice();
         Ok(self
             .program

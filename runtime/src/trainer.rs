@@ -44,6 +44,9 @@ pub struct StepMetrics {
 pub struct Trainer {
     /// One executor per rank (one for a single device), stage by stage.
     ranks: Vec<Executor>,
+    /// Each rank's kernel threads, when there are several ranks: the machine's cores shared
+    /// out, so ranks do not queue on one pool.
+    pools: Vec<rayon::ThreadPool>,
     comm: Option<Arc<LocalComm>>,
     training: TrainingConfig,
     model: ModelSource,
@@ -84,7 +87,9 @@ impl Trainer {
                 .collect::<Result<Vec<_>, _>>()?;
             (ranks, Some(comm))
         };
-        let mut trainer = Trainer { ranks, comm, training, model, fingerprint, feeds, loss_index, completed: 0, seed };
+        let pools = if ranks.len() > 1 { rank_pools(ranks.len())? } else { Vec::new() };
+        let mut trainer =
+            Trainer { ranks, pools, comm, training, model, fingerprint, feeds, loss_index, completed: 0, seed };
         for slot in trainer.slots(false) {
             let bytes = weights
                 .get(&slot.name)
@@ -203,9 +208,10 @@ impl Trainer {
         self.ranks[rank].program()
     }
 
-    /// The time each rank waited for other pipeline stages since the trainer was made.
-    pub fn idle(&self) -> Vec<std::time::Duration> {
-        self.ranks.iter().map(Executor::idle).collect()
+    /// The time each rank spent running its program, less its waits for other pipeline
+    /// stages, since the trainer was made.
+    pub fn busy(&self) -> Vec<std::time::Duration> {
+        self.ranks.iter().map(Executor::busy).collect()
     }
 
     /// Times every instruction of every rank from now on ([`Trainer::profile`]).
@@ -418,10 +424,11 @@ impl Trainer {
                 .ranks
                 .iter_mut()
                 .zip(feeds)
-                .map(|(exec, feed)| {
+                .zip(&self.pools)
+                .map(|((exec, feed), pool)| {
                     let comm = comm.clone();
                     scope.spawn(move || {
-                        let result = exec.run(feed);
+                        let result = pool.install(|| exec.run(feed));
                         if result.is_err() {
                             comm.abort();
                         }
@@ -537,6 +544,21 @@ impl Trainer {
         let params = self.slots(false).into_iter().map(|s| s.name).collect();
         checkpoint::save_files(dir, manifest, params, files, keep_last)
     }
+}
+
+/// A kernel thread pool per rank, the available cores divided among them (at least one each).
+fn rank_pools(ranks: usize) -> Result<Vec<rayon::ThreadPool>, RuntimeError> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / ranks).max(1);
+    (0..ranks)
+        .map(|rank| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(move |i| format!("autotp-rank{rank}-{i}"))
+                .build()
+                .map_err(|e| RuntimeError::Plan(format!("cannot start rank {rank}'s kernel threads: {e}")))
+        })
+        .collect()
 }
 
 /// Borrows global tensors as the checkpoint writer takes them.
