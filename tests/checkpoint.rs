@@ -205,13 +205,16 @@ fn the_schedule_feeds_the_learning_rate() {
 
 /// A run on a mesh saves each rank's shards; resuming it on the same plan is bit-identical, and
 /// `export` consolidates the shards into the model (GPT-2's fused QKV back in its ONNX shape).
-/// With gradient accumulation too (the data position counts whole steps).
+/// With gradient accumulation too (the data position counts whole steps), and pipelines.
 #[test]
 fn sharded_resume_is_bit_identical_and_exports() {
     for (name, parallel) in [
         ("dp2", &["--dp", "2"][..]),
         ("tp2-dp2-zero3", &["--tp", "2", "--dp", "2", "--zero", "3"][..]),
         ("dp2-accum2-zero2", &["--dp", "2", "--grad-accum", "2", "--zero", "2"][..]),
+        // Pipeline stages: each stage's ranks write what they hold; the tied embedding once.
+        ("pp2", &["--pp", "2", "--grad-accum", "2"][..]),
+        ("pp2-tp2", &["--pp", "2", "--tp", "2", "--grad-accum", "2"][..]),
     ] {
         let dir = scratch(&format!("resume-{name}"));
         let model = fixture("gpt2", "model.onnx");
@@ -225,7 +228,7 @@ fn sharded_resume_is_bit_identical_and_exports() {
         success(run(&plan, &["--steps", "10", "--metrics-out", s(&straight)]));
         success(run(&plan, &["--steps", "5", "--save", s(&ckpt)]));
         let step_dir = ckpt.join("step-00000005");
-        let ranks = if name.starts_with("dp2") { 2 } else { 4 };
+        let ranks = if name.starts_with("dp2") || name == "pp2" { 2 } else { 4 };
         for rank in 0..ranks {
             assert!(step_dir.join(format!("rank-{rank:05}.safetensors")).is_file(), "{name}: rank {rank}'s shard file");
         }
