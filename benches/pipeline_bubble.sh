@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pipeline bubble on a model of equal layers (tests/fixtures/uniform: 8 x h + gelu(linear(h))):
+# Pipeline bubble on a model of equal layers (tests/fixtures/uniform: 8 x layer_norm(h + gelu(linear(h)))):
 # each stage's measured idle time (the step's time less the time it ran its program but for
 # waiting on the stage beside it) as a share of the step, averaged over stages, against the
 # schedule's (P-1)/(M+P-1), for 1F1B and GPipe.
