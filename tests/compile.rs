@@ -56,6 +56,45 @@ fn summary_and_ir_dumps() {
     assert!(err.contains("--print-after 'zero': no such pass (the pipeline runs recognize, dce, loss"), "{err}");
 }
 
+/// With a pipeline, the dumps after the pipeline pass are per stage, every one valid IR, and
+/// the stages pass messages; `--print-after` prints each stage's.
+#[test]
+fn pipeline_ir_dumps_are_per_stage() {
+    let dir = scratch("compile-dump-pp");
+    let model = fixture("gpt2", "model.onnx");
+    let dumps = dir.join("ir");
+    let flags = ["--pp", "2", "--grad-accum", "2", "--dp", "2", "--zero", "1"];
+    let args =
+        [&compile_args(&model, &flags)[..], &["--dump-ir", s(&dumps), "--print-after", "pipeline", "-o", "/dev/null"]];
+    let out = success(autotp(&args.concat()));
+    assert!(
+        out.contains("# IR after pass 4 (pipeline, stage 0)") && out.contains("# IR after pass 4 (pipeline, stage 1)")
+    );
+    let mut files: Vec<String> =
+        std::fs::read_dir(&dumps).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    files.sort();
+    let per_stage = |name: &str| [format!("{name}.stage0.ir"), format!("{name}.stage1.ir")];
+    let mut expected: Vec<String> =
+        ["00-import.ir", "01-recognize.ir", "02-dce.ir", "03-loss.ir"].iter().map(|f| f.to_string()).collect();
+    for name in ["04-pipeline", "05-optimize", "06-dce", "07-zero"] {
+        expected.extend(per_stage(name));
+    }
+    expected.sort();
+    assert_eq!(files, expected);
+    for f in &files {
+        let text = std::fs::read_to_string(dumps.join(f)).unwrap();
+        let graph = autotp_ir::text::parse(&text).unwrap_or_else(|e| panic!("{f}: {e}"));
+        autotp_ir::verify(&graph).unwrap_or_else(|e| panic!("{f}: {e}"));
+    }
+    // The data-parallel stage 1 receives its rows of each activation and sends their gradients.
+    let stage1 = std::fs::read_to_string(dumps.join("07-zero.stage1.ir")).unwrap();
+    assert!(
+        stage1.contains("= recv {from = 0, tag = 0, message = activation} : f32[8,32,64] {dp = shard(0)}"),
+        "{stage1}"
+    );
+    assert!(stage1.contains("send "), "{stage1}");
+}
+
 #[test]
 fn frozen_parameters_do_not_train() {
     let dir = scratch("compile-freeze");
