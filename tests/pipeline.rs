@@ -148,3 +148,28 @@ fn stage_graphs_compute_the_accumulated_step() {
         assert!(compared >= reference.outputs().len(), "{arch}: compared {compared} of {}", reference.outputs().len());
     }
 }
+
+/// A stage that recomputes a value from a parameter (the transposed tied embedding its head
+/// reads, computed before the cut in the model) holds that parameter, so its gradient is
+/// exchanged and the clipping norm counts it once.
+#[test]
+fn stages_hold_the_parameters_they_recompute_from() {
+    let text = std::fs::read_to_string(crate::common::repo().join("tests/golden/pipeline_1f1b.ir")).unwrap();
+    let input = text.split("# expect:").next().unwrap();
+    let mut graph = autotp_ir::text::parse(input).unwrap();
+    PassManager::new(vec![Box::new(AttachLoss)]).run(&mut graph).unwrap();
+    let pipeline = Pipeline {
+        stages: 2,
+        cuts: vec![],
+        micro_batches: 2,
+        schedule: Schedule::OneFOneB,
+        batch_inputs: vec!["input_ids".into(), LABELS.into()],
+        frozen: Default::default(),
+    };
+    let (stages, graphs) = pipeline.run(&graph).unwrap();
+    assert_eq!(stages.params, [vec!["embed".to_string(), "w".to_string()], vec!["embed".to_string()]]);
+    // The transpose sits before the cut in the model, yet only the head's stage computes it.
+    let transposes = |g: &Graph| g.nodes().filter(|(_, n)| n.op.name() == "transpose").count();
+    assert_eq!(transposes(&graphs[0]), 0);
+    assert!(transposes(&graphs[1]) > 0);
+}

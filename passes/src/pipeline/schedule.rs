@@ -131,18 +131,28 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// The cuts and the stage graphs.
+    /// The cuts and the stage graphs; `Stages::params` lists the parameters each stage graph
+    /// holds (those it recomputes a value from included).
     pub fn run(&self, graph: &Graph) -> Result<(Stages, Vec<Graph>), PassError> {
         if self.micro_batches == 0 {
             return Err(invalid("--grad-accum (the micro-batches the pipeline interleaves) must be at least 1".into()));
         }
-        let stages = partition(graph, self.stages, &self.cuts)?;
+        let mut stages = partition(graph, self.stages, &self.cuts)?;
         let activation = activations(graph);
         let mut differentiated = Vec::new();
         for s in 0..self.stages {
             let forward = forward_graph(graph, &stages, s, &activation)?;
             differentiated.push(self.differentiate(s, forward)?);
         }
+        stages.params = differentiated
+            .iter()
+            .map(|d| {
+                let mut names: Vec<String> =
+                    d.params().iter().filter_map(|&p| d.name_of(p)).map(str::to_string).collect();
+                names.sort();
+                names
+            })
+            .collect();
         // The stages holding each trained parameter.
         let mut holders: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         for (s, d) in differentiated.iter().enumerate() {
