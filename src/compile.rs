@@ -1,9 +1,10 @@
 //! `autotp compile`: ONNX model -> training plan (`.atp`).
 //!
 //! Imports the model with batch and sequence bound, runs the training pipeline (recognize, dce,
-//! loss, [split-fused], autodiff, optimize, dce, then zero or autotp for `--dp`/`--zero`/`--tp`),
-//! lowers it to the program every rank runs, writes the plan with the initial weights, and
-//! prints a summary: parameters, per-rank memory by category, instructions, communication.
+//! loss, [split-fused], autodiff [accumulate] or with `--pp` the pipeline pass, then on each
+//! stage optimize, dce, and zero or autotp for `--dp`/`--zero`/`--tp`), lowers each stage to the
+//! program its ranks run, writes the plan with the initial weights, and prints a summary:
+//! parameters, per-rank (per-stage) memory by category, instructions, communication.
 //! `--dump-ir DIR` writes the IR before and after every pass; `--print-after PASS` prints it
 //! after one; `--report FILE.json` writes the per-rank plan.
 
@@ -375,33 +376,13 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             batch_inputs: batch_inputs.clone(),
             frozen: frozen.clone(),
         };
-        let (stages, graphs) = pipeline.run(&model.graph)?;
-        tracing::debug!(boundaries = ?stages.boundaries, "pipeline cuts");
+        let (graphs, norms, config) = cut_pipeline(&pipeline, &model.graph)?;
         index += 1;
         for (s, graph) in graphs.iter().enumerate() {
             observer.stage = Some(s);
             observer.observe(index, "pipeline", graph);
         }
-        let config = PipelineConfig {
-            schedule: pipeline_schedule.name().to_string(),
-            stage_flops: stages.flops.clone(),
-            in_flight: (0..flags.pp).map(|s| pipeline_schedule.in_flight(s, flags.pp, grad_accum)).collect(),
-            bubble_fraction: bubble_fraction(flags.pp, grad_accum),
-        };
-        // Each stage's share of the clipping norm: a parameter two stages hold counts on the first.
-        let norms = (0..flags.pp)
-            .map(|s| StageNorm {
-                stage: s,
-                stages: flags.pp,
-                counted_elsewhere: stages.params[s]
-                    .iter()
-                    .filter(|p| stages.params[..s].iter().any(|earlier| earlier.contains(p)))
-                    .cloned()
-                    .collect(),
-            })
-            .map(Some)
-            .collect();
-        (graphs, norms, Some(config))
+        (graphs, norms.into_iter().map(Some).collect(), Some(config))
     } else {
         let name = model.graph.name.clone();
         (vec![std::mem::replace(&mut model.graph, Graph::new(name))], vec![None], None)
@@ -456,6 +437,32 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     plan.feeds()?;
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "compiled {}", flags.model.display());
     Ok(Compiled { plan, model })
+}
+
+/// The pipeline's stage graphs, each stage's part in the clipping norm (a parameter two stages
+/// hold counts on the first), and the plan's description of the pipeline.
+fn cut_pipeline(pipeline: &Pipeline, graph: &Graph) -> Result<(Vec<Graph>, Vec<StageNorm>, PipelineConfig)> {
+    let (stages, graphs) = pipeline.run(graph)?;
+    tracing::debug!(boundaries = ?stages.boundaries, "pipeline cuts");
+    let (p, m, schedule) = (pipeline.stages, pipeline.micro_batches, pipeline.schedule);
+    let config = PipelineConfig {
+        schedule: schedule.name().to_string(),
+        stage_flops: stages.flops.clone(),
+        in_flight: (0..p).map(|s| schedule.in_flight(s, p, m)).collect(),
+        bubble_fraction: bubble_fraction(p, m),
+    };
+    let norms = (0..p)
+        .map(|s| StageNorm {
+            stage: s,
+            stages: p,
+            counted_elsewhere: stages.params[s]
+                .iter()
+                .filter(|param| stages.params[..s].iter().any(|earlier| earlier.contains(param)))
+                .cloned()
+                .collect(),
+        })
+        .collect();
+    Ok((graphs, norms, config))
 }
 
 /// Prints each weight the tensor-parallel split placed, and why (`--explain-tp`).

@@ -90,7 +90,7 @@ impl Trainer {
         let pools = if ranks.len() > 1 { rank_pools(ranks.len())? } else { Vec::new() };
         let mut trainer =
             Trainer { ranks, pools, comm, training, model, fingerprint, feeds, loss_index, completed: 0, seed };
-        for slot in trainer.slots(false) {
+        for slot in trainer.param_slots() {
             let bytes = weights
                 .get(&slot.name)
                 .ok_or_else(|| RuntimeError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
@@ -109,22 +109,28 @@ impl Trainer {
         self.ranks.len() / self.stages()
     }
 
-    /// Every parameter (and, with `states`, then every state) once: the slot of the first stage
-    /// that holds it.
-    fn slots(&self, states: bool) -> Vec<Slot> {
+    /// Every slot of the stages' `list` (parameters or states) once: the slot of the first
+    /// stage holding it.
+    fn first_held(&self, list: impl Fn(&crate::Program) -> &[Slot]) -> Vec<Slot> {
         let mut seen = std::collections::BTreeSet::new();
         let mut slots = Vec::new();
-        let programs: Vec<&crate::Program> = (0..self.stages()).map(|s| self.stage_program(s)).collect();
-        for list in [false, true].into_iter().filter(|&st| !st || states) {
-            for program in &programs {
-                for slot in if list { &program.states } else { &program.params } {
-                    if seen.insert(slot.name.clone()) {
-                        slots.push(slot.clone());
-                    }
+        for stage in 0..self.stages() {
+            for slot in list(self.stage_program(stage)) {
+                if seen.insert(slot.name.clone()) {
+                    slots.push(slot.clone());
                 }
             }
         }
         slots
+    }
+
+    fn param_slots(&self) -> Vec<Slot> {
+        self.first_held(|p| &p.params)
+    }
+
+    /// Parameters, then states.
+    fn model_slots(&self) -> Vec<Slot> {
+        [self.param_slots(), self.first_held(|p| &p.states)].concat()
     }
 
     /// The program of pipeline stage `stage`.
@@ -283,7 +289,7 @@ impl Trainer {
                 ),
             });
         }
-        for slot in self.slots(true) {
+        for slot in self.model_slots() {
             let tensor = checkpoint.tensor(&slot.name).ok_or_else(|| RuntimeError::Checkpoint {
                 path: checkpoint.dir.clone(),
                 message: format!("has no tensor '{}'", slot.name),
@@ -308,7 +314,7 @@ impl Trainer {
     /// Why `checkpoint` does not fit, for the refusal message: the first tensor that differs,
     /// or the training settings that do.
     fn difference(&self, checkpoint: &Checkpoint) -> String {
-        for slot in &self.slots(true) {
+        for slot in &self.model_slots() {
             match checkpoint.tensor(&slot.name) {
                 None => return format!(": the checkpoint has no tensor '{}'", slot.name),
                 Some(t) if t.dtype != slot.dtype || t.shape != self.stored_shape(slot) => {
@@ -460,12 +466,11 @@ impl Trainer {
 
     /// The current parameters (global tensors), by name.
     pub fn params(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
-        self.slots(false).into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
+        self.param_slots().into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
     }
 
     fn states(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
-        let params = self.slots(false).len();
-        self.slots(true).into_iter().skip(params).map(|s| (s.clone(), self.read_global(&s))).collect()
+        self.first_held(|p| &p.states).into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
     }
 
     /// Saves a checkpoint of the current state under `dir` (see [`checkpoint`]).
@@ -541,7 +546,7 @@ impl Trainer {
             }
             files.push((format!("rank-{rank:05}.safetensors"), blocks));
         }
-        let params = self.slots(false).into_iter().map(|s| s.name).collect();
+        let params = self.param_slots().into_iter().map(|s| s.name).collect();
         checkpoint::save_files(dir, manifest, params, files, keep_last)
     }
 }
