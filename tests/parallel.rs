@@ -138,6 +138,12 @@ fn a_failing_rank_stops_the_others() {
     let err = failure(autotp(&[&args[..], &["--data", data.to_str().unwrap(), "--steps", "1"]].concat()));
     assert!(err.contains("rank 1:") && err.contains("5000"), "{err}");
     assert_eq!(err.matches("out of range").count(), 1, "the cause is said once: {err}");
+    // A pipeline: stage 0 fails on the second micro-batch while stage 1 waits for it.
+    let args = ["train", model.to_str().unwrap(), "--seq-len", "4", "--micro-batch", "1", "--pp", "2"];
+    let flags = ["--grad-accum", "2", "--data", data.to_str().unwrap(), "--steps", "1"];
+    let err = failure(autotp(&[&args[..], &flags].concat()));
+    assert!(err.contains("rank 0:") && err.contains("5000"), "{err}");
+    assert_eq!(err.matches("out of range").count(), 1, "the cause is said once: {err}");
 }
 
 /// The compile-time report follows ZeRO's formulas for f32 AdamW (16 bytes per parameter: 4
