@@ -6,8 +6,9 @@
 #
 #     benches/pipeline_bubble.sh [STEPS]
 #
-# Each rank gets cores/ranks kernel threads, so P stages need P cores to run side by side; the
-# machine's core count caps P. Prints one row per configuration.
+# Each rank gets cores/ranks kernel threads, pinned to its own cores (--bind-cores), so P stages
+# need P cores to run side by side; the machine's core count caps P. The measured idle share is
+# the median over steps. Prints one row per configuration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-12}
@@ -32,7 +33,7 @@ for stages in 2 4; do
             target/release/autotp compile tests/fixtures/uniform/model.onnx --seq-len 64 --micro-batch 16 \
                 --grad-accum "$m" --pp "$stages" --schedule "$schedule" -o "$out/plan.atp" > /dev/null
             log=$(target/release/autotp run "$out/plan.atp" --data "$out/tokens.bin" \
-                --steps "$steps" --log-every 1000000 2>&1 > /dev/null)
+                --steps "$steps" --log-every 1000000 --bind-cores 2>&1 > /dev/null)
             measured=$(echo "$log" | awk '$1 == "all" { sub("%", "", $2); print $2 }')
             planned=$(echo "$log" | awk '$1 == "all" { sub("%", "", $3); print $3 }')
             ms=$(echo "$log" | sed -n 's/.* s: \([0-9.]*\) ms per step.*/\1/p')

@@ -51,6 +51,10 @@ pub struct RunFlags {
     /// slowest instructions.
     #[arg(long)]
     profile: bool,
+    /// Pin each rank's kernel threads to cores of their own (as DeepSpeed's
+    /// --bind_cores_to_rank): steadier timings on a machine the run has to itself.
+    #[arg(long)]
+    bind_cores: bool,
 }
 
 impl RunFlags {
@@ -136,6 +140,9 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if flags.profile {
         trainer.enable_profile();
     }
+    if flags.bind_cores {
+        trainer.bind_cores()?;
+    }
     let bar = ProgressBar::new(flags.steps as u64).with_position(first as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}, eta {eta}]")
@@ -143,11 +150,16 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     );
     let tokens_per_step = trainer.tokens_per_step();
     let start = Instant::now();
-    let busy_before = trainer.busy();
-    let mut step_seconds = 0.0;
+    // Per step, each rank's share of the step spent idle: waiting for another stage, or done
+    // before the others.
+    let mut idle_shares: Vec<Vec<f64>> = Vec::new();
     for _ in first..flags.steps {
+        let busy_before = trainer.busy();
         let m = trainer.step(&data, flags.steps)?;
-        step_seconds += m.seconds;
+        let step_seconds = m.seconds.max(f64::MIN_POSITIVE);
+        let busy_after = trainer.busy();
+        let busy = busy_after.iter().zip(&busy_before).map(|(after, before)| (*after - *before).as_secs_f64());
+        idle_shares.push(busy.map(|busy| 1.0 - busy / step_seconds).collect());
         let tokens_per_second = ((m.step - first) * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, tokens_per_second));
         bar.inc(1);
@@ -188,14 +200,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         eprint!("{}", measured_against_plan(trainer, steps));
     }
     if let Some(pipeline) = &trainer.training().pipeline {
-        // A rank idles when it waits for another stage and when it is done before the others.
-        let idle: Vec<f64> = trainer
-            .busy()
-            .iter()
-            .zip(&busy_before)
-            .map(|(after, before)| step_seconds - (*after - *before).as_secs_f64())
-            .collect();
-        eprint!("{}", bubble_table(pipeline, trainer.stage_size(), &idle, step_seconds));
+        eprint!("{}", bubble_table(pipeline, trainer.stage_size(), &median_per_rank(&idle_shares)));
     }
     // The first rank of every pipeline stage (rank 0 without a pipeline).
     for stage in 0..trainer.stages() {
@@ -230,37 +235,44 @@ fn profile_table(
     out
 }
 
-/// Each pipeline stage's measured idle time (the steps' time less the time it ran its program
-/// but for waiting on the stages beside it) as a fraction of the steps' time, beside the
-/// schedule's bubble.
-fn bubble_table(
-    pipeline: &autotp_runtime::plan::PipelineConfig,
-    stage_size: usize,
-    idle: &[f64],
-    step_seconds: f64,
-) -> String {
+/// Each rank's median over the steps of a per-step, per-rank measure: one slow step (the
+/// machine busy elsewhere) moves it little.
+fn median_per_rank(per_step: &[Vec<f64>]) -> Vec<f64> {
+    let ranks = per_step.first().map_or(0, Vec::len);
+    (0..ranks)
+        .map(|rank| {
+            let mut values: Vec<f64> = per_step.iter().map(|step| step[rank]).collect();
+            values.sort_by(f64::total_cmp);
+            let mid = values.len() / 2;
+            if values.len() % 2 == 1 {
+                values[mid]
+            } else {
+                (values[mid - 1] + values[mid]) / 2.0
+            }
+        })
+        .collect()
+}
+
+/// Each pipeline stage's measured idle share of a step (the step's time less the time the stage
+/// ran its program but for waiting on the stages beside it; the median over steps, the mean over
+/// the stage's ranks), beside the schedule's bubble.
+fn bubble_table(pipeline: &autotp_runtime::plan::PipelineConfig, stage_size: usize, idle: &[f64]) -> String {
     let mut out = format!(
-        "pipeline ({} schedule): idle time per stage, measured against the bubble planned for equal stages\n",
+        "pipeline ({} schedule): idle share of a step per stage (median over steps), measured against the bubble planned for equal stages\n",
         pipeline.schedule
     );
     out += &format!("{:>6} {:>14} {:>12} {:>12}\n", "stage", "forward FLOPs", "measured", "planned");
+    let planned = 100.0 * pipeline.bubble_fraction;
     for (stage, ranks) in idle.chunks(stage_size).enumerate() {
         let mean = ranks.iter().sum::<f64>() / ranks.len() as f64;
         out += &format!(
-            "{stage:>6} {:>14} {:>11.1}% {:>11.1}%\n",
+            "{stage:>6} {:>14} {:>11.1}% {planned:>11.1}%\n",
             pipeline.stage_flops.get(stage).copied().unwrap_or(0),
-            100.0 * mean / step_seconds.max(f64::MIN_POSITIVE),
-            100.0 * pipeline.bubble_fraction
+            100.0 * mean
         );
     }
     let all = idle.iter().sum::<f64>() / idle.len().max(1) as f64;
-    out += &format!(
-        "{:>6} {:>14} {:>11.1}% {:>11.1}%\n",
-        "all",
-        "",
-        100.0 * all / step_seconds,
-        100.0 * pipeline.bubble_fraction
-    );
+    out += &format!("{:>6} {:>14} {:>11.1}% {planned:>11.1}%\n", "all", "", 100.0 * all);
     out
 }
 

@@ -13,11 +13,13 @@
 //! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads, byte counts).
 //! - [`report`]: a plan's per-rank memory and per-step communication.
 //! - [`profile`]: where a run's step time went, by op (`autotp run --profile`).
+//! - [`affinity`]: pinning threads to the cores this process may use (`autotp run --bind-cores`).
 //!
 //! This is the only crate that allocates device memory or starts rank threads.
 
 use std::path::PathBuf;
 
+pub mod affinity;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;

@@ -220,6 +220,28 @@ impl Trainer {
         self.ranks.iter().map(Executor::busy).collect()
     }
 
+    /// Pins each rank's kernel threads to cores of their own (rank r's threads to the r-th
+    /// share of the cores this process may use; ranks wrap around when there are more ranks
+    /// than cores), as DeepSpeed's `--bind_cores_to_rank` does. A single rank pins the global
+    /// kernel threads one per core.
+    pub fn bind_cores(&self) -> Result<(), RuntimeError> {
+        let cores = crate::affinity::allowed_cores()
+            .map_err(|e| RuntimeError::Plan(format!("cannot read which cores this process may use: {e}")))?;
+        let pin = |slot: usize| {
+            let core = cores[slot % cores.len()];
+            crate::affinity::pin_current_thread(core)
+                .map_err(|e| RuntimeError::Plan(format!("cannot pin a kernel thread to core {core}: {e}")))
+        };
+        if self.pools.is_empty() {
+            return rayon::broadcast(|ctx| pin(ctx.index())).into_iter().collect();
+        }
+        self.pools
+            .iter()
+            .enumerate()
+            .flat_map(|(rank, pool)| pool.broadcast(|ctx| pin(rank * ctx.num_threads() + ctx.index())))
+            .collect()
+    }
+
     /// Times every instruction of every rank from now on ([`Trainer::profile`]).
     pub fn enable_profile(&mut self) {
         for rank in &mut self.ranks {
