@@ -55,9 +55,9 @@ pub struct CompileFlags {
     /// dataflow); world size is dp x tp.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
-    /// Pipeline stages: the model is cut into this many stages (balanced by FLOPs, or at
-    /// --pp-cuts), each run by its own ranks; the step's --grad-accum micro-batches flow through
-    /// them. World size is pp x dp x tp.
+    /// Pipeline stages: the model is cut into this many stages (the slowest as fast as it can
+    /// be, then the fullest as small; or at --pp-cuts), each run by its own ranks; the step's
+    /// --grad-accum micro-batches flow through them. World size is pp x dp x tp.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
     /// The pipeline schedule: 1f1b (one forward, one backward: at most pp micro-batches in

@@ -33,7 +33,7 @@ fn cuts_fall_between_layers_and_balance_the_cost() {
     {
         let graph = differentiated(arch);
         // Named: the second stage starts with layer 1, and holds none of layer 0.
-        let named = partition(&graph, 2, &[format!("{layer}1")]).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let named = partition(&graph, 2, &[format!("{layer}1")], &[2, 1]).unwrap_or_else(|e| panic!("{arch}: {e}"));
         let params = &named.params;
         assert!(params[0].iter().any(|p| p.starts_with(&format!("{layer}0."))), "{arch}: {params:?}");
         assert!(!params[0].iter().any(|p| p.starts_with(&format!("{layer}1."))), "{arch}: {params:?}");
@@ -42,7 +42,7 @@ fn cuts_fall_between_layers_and_balance_the_cost() {
         let sent = graph.ty(named.boundaries[0]);
         assert_eq!(sent.shape, [4, 16, 64], "{arch}: {sent}");
         // Balanced: no stage costs more than the named split's worst.
-        let balanced = partition(&graph, 2, &[]).unwrap();
+        let balanced = partition(&graph, 2, &[], &[2, 1]).unwrap();
         let worst = |s: &autotp_passes::pipeline::Stages| *s.flops.iter().max().unwrap();
         assert!(worst(&balanced) <= worst(&named), "{arch}: {:?} vs {:?}", balanced.flops, named.flops);
         let total: u64 = balanced.flops.iter().sum();
@@ -55,16 +55,71 @@ fn cuts_fall_between_layers_and_balance_the_cost() {
     }
 }
 
+/// When one stage sets the pace (the LM head, on these small fixtures), the other cuts go where
+/// the fullest stage is smallest: no cutting at layer boundaries is faster, or as fast and
+/// smaller, and under 1F1B the first stage, holding the most micro-batches, takes the fewest
+/// activations.
+#[test]
+fn among_the_fastest_cuts_the_fullest_stage_is_smallest() {
+    for (arch, layer, last) in
+        [("gpt2", "m.transformer.h.", "m.transformer.ln_f"), ("llama", "m.model.layers.", "m.model.norm")]
+    {
+        let graph = differentiated(arch);
+        let names = [format!("{layer}0"), format!("{layer}1"), last.to_string()];
+        for stages in [3, 4] {
+            let in_flight: Vec<usize> = (0..stages).map(|s| Schedule::OneFOneB.in_flight(s, stages, 8)).collect();
+            let balanced = partition(&graph, stages, &[], &in_flight).unwrap();
+            let slowest = |s: &autotp_passes::pipeline::Stages| *s.flops.iter().max().unwrap();
+            let fullest = |s: &autotp_passes::pipeline::Stages| *s.memory.iter().max().unwrap();
+            let mut compared = 0;
+            for cuts in in_order(&names, stages - 1) {
+                let named = partition(&graph, stages, &cuts, &in_flight).unwrap();
+                let (time, memory) = (slowest(&named), fullest(&named));
+                assert!(
+                    slowest(&balanced) < time || (slowest(&balanced) == time && fullest(&balanced) <= memory),
+                    "{arch} pp{stages}: balanced {:?} FLOPs {:?} bytes, cut at {cuts:?} {:?} FLOPs {:?} bytes",
+                    balanced.flops,
+                    balanced.memory,
+                    named.flops,
+                    named.memory
+                );
+                compared += 1;
+            }
+            assert!(compared > 0);
+            println!("{arch} pp{stages}: {:?} FLOPs, {:?} bytes", balanced.flops, balanced.memory);
+        }
+        let four = partition(&graph, 4, &[], &[4, 3, 2, 1]).unwrap();
+        assert!(!four.params[0].iter().any(|p| p.starts_with(layer)), "{arch}: {:?}", four.params[0]);
+    }
+}
+
+/// Every choice of `k` of `names`, each in the order of `names`.
+fn in_order(names: &[String], k: usize) -> Vec<Vec<String>> {
+    if k == 0 {
+        return vec![Vec::new()];
+    }
+    let mut chosen = Vec::new();
+    for (i, first) in names.iter().enumerate() {
+        for mut rest in in_order(&names[i + 1..], k - 1) {
+            rest.insert(0, first.clone());
+            chosen.push(rest);
+        }
+    }
+    chosen
+}
+
 #[test]
 fn impossible_cuts_are_refused() {
     let graph = differentiated("gpt2");
-    let err = partition(&graph, 40, &[]).unwrap_err().to_string();
+    let err = partition(&graph, 40, &[], &[1; 40]).unwrap_err().to_string();
     assert!(err.contains("--pp 40 needs 39 cuts, but the forward pass has only"), "{err}");
-    let err = partition(&graph, 2, &["m.transformer.h.7".into()]).unwrap_err().to_string();
+    let err = partition(&graph, 2, &["m.transformer.h.7".into()], &[2, 1]).unwrap_err().to_string();
     assert!(err.contains("--pp-cuts 'm.transformer.h.7': no parameter of the forward pass is named so"), "{err}");
-    let err = partition(&graph, 3, &["m.transformer.h.1".into(), "m.transformer.h.0".into()]).unwrap_err().to_string();
+    let err = partition(&graph, 3, &["m.transformer.h.1".into(), "m.transformer.h.0".into()], &[3, 2, 1])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("'m.transformer.h.0' does not come after the cut before it"), "{err}");
-    let err = partition(&graph, 3, &["m.transformer.h.1".into()]).unwrap_err().to_string();
+    let err = partition(&graph, 3, &["m.transformer.h.1".into()], &[3, 2, 1]).unwrap_err().to_string();
     assert!(err.contains("--pp 3 needs 2 --pp-cuts, got 1"), "{err}");
 }
 

@@ -7,9 +7,14 @@
 //! (position ids, rotary tables, causal masks, a weight's transpose) a stage computes itself,
 //! and a parameter used on two stages (tied embeddings) is held by both.
 //!
-//! The stages are balanced by a cost model (FLOPs: `2mnk` per matmul, one per element read or
-//! written elsewhere, whichever are more), choosing the cuts that minimise the most expensive stage, or placed where the
-//! user names them: a cut named `PREFIX` goes right before the first forward use of a
+//! The stages are balanced by a cost model of time and memory. Time is a node's forward cost
+//! (FLOPs: `2mnk` per matmul; elsewhere one per element read or written, whichever are more,
+//! since those ops are bound by memory traffic); memory is a stage's parameters with their
+//! gradients and optimizer states, and its activations times the micro-batches the schedule
+//! keeps in flight on it. The cuts make the slowest stage as fast as it can be and, among
+//! those, the fullest stage as small as it can be (when one stage, such as a large LM head,
+//! sets the pace, the other cuts move to even out memory). Or the cuts go where the user
+//! names them: a cut named `PREFIX` goes right before the first forward use of a
 //! parameter whose name starts with `PREFIX` (`model.layers.2` cuts before the third layer).
 //!
 //! Tests: tests/pipeline.rs.
@@ -39,6 +44,9 @@ pub struct Stages {
     pub boundaries: Vec<ValueId>,
     /// Each stage's forward cost in FLOPs.
     pub flops: Vec<u64>,
+    /// Each stage's memory as the cost model estimates it, in bytes (parameters with their
+    /// gradients and optimizer states, activations of the micro-batches in flight).
+    pub memory: Vec<u64>,
     /// Each stage's parameters, by name (a parameter used on two stages is on both).
     pub params: Vec<Vec<String>>,
 }
@@ -108,11 +116,13 @@ fn flops(graph: &Graph, node: &autotp_ir::Node) -> u64 {
 
 /// Cuts the forward pass of `graph` (a differentiated graph or a training step with a `loss`
 /// output) into `stages`, at the parameter prefixes `named` (`stages - 1` of them, in forward
-/// order) or, when none are named, where the stages' costs are most even.
-pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stages, PassError> {
+/// order) or, when none are named, where the slowest stage is fastest and then the fullest
+/// stage smallest, stage `s` holding the activations of `in_flight[s]` micro-batches.
+pub fn partition(graph: &Graph, stages: usize, named: &[String], in_flight: &[usize]) -> Result<Stages, PassError> {
     if stages == 0 {
         return Err(invalid("--pp must be at least 1".into()));
     }
+    assert_eq!(in_flight.len(), stages, "one in-flight count per stage");
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
     let forward = forward_nodes(graph);
     if forward.is_empty() {
@@ -141,19 +151,34 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stage
         }
     }
     let cost: Vec<u64> = forward.iter().map(|&i| flops(graph, nodes[i])).collect();
+    let activation_bytes: Vec<u64> = forward
+        .iter()
+        .map(|&i| {
+            let outputs = nodes[i].outputs.iter().filter(|o| activation[o.index()]);
+            outputs.map(|&o| graph.ty(o).size_bytes() as u64).sum()
+        })
+        .collect();
+    let params: Vec<Vec<(ValueId, u64)>> = forward
+        .iter()
+        .map(|&i| {
+            let inputs = nodes[i].inputs.iter().filter(|&&v| matches!(graph.value(v).def, Def::Param(_)));
+            inputs.map(|&v| (v, graph.ty(v).size_bytes() as u64)).collect()
+        })
+        .collect();
     let candidates: Vec<usize> = (1..forward.len()).filter(|&k| boundary_at[k].is_some()).collect();
-    let uses_param: Vec<bool> =
-        forward.iter().map(|&i| nodes[i].inputs.iter().any(|&v| matches!(graph.value(v).def, Def::Param(_)))).collect();
+    let uses_param: Vec<bool> = params.iter().map(|p| !p.is_empty()).collect();
+    let costs = Costs { time: &cost, activation_bytes: &activation_bytes, params: &params, in_flight };
     let cuts = if named.is_empty() {
-        balanced_cuts(&cost, &uses_param, &candidates, stages)?
+        balanced_cuts(&costs, &uses_param, &candidates, stages)?
     } else {
         named_cuts(graph, &nodes, &forward, &boundary_at, stages, named)?
     };
     let mut starts = vec![0];
     starts.extend(&cuts);
     let boundaries = cuts.iter().map(|&k| boundary_at[k].expect("a candidate")).collect();
-    let mut result = Stages { forward, starts, boundaries, flops: Vec::new(), params: Vec::new() };
+    let mut result = Stages { forward, starts, boundaries, flops: Vec::new(), memory: Vec::new(), params: Vec::new() };
     result.flops = (0..stages).map(|s| cost[result.range(s)].iter().sum()).collect();
+    result.memory = (0..stages).map(|s| costs.memory(s, result.range(s))).collect();
     result.params = (0..stages)
         .map(|s| {
             let mut names: Vec<String> = result.forward[result.range(s)]
@@ -170,11 +195,41 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String]) -> Result<Stage
     Ok(result)
 }
 
-/// The `stages - 1` candidate cuts minimising the most expensive stage (dynamic programming
-/// over the candidates, which are few: one per block boundary), each stage holding a
-/// parameter (a stage of the loss alone would have nothing to train).
+/// Bytes a trained parameter costs its stage: the weight, its gradient and AdamW's two moments.
+const PARAM_COPIES: u64 = 4;
+
+/// What the balanced cuts weigh, per forward position.
+struct Costs<'a> {
+    /// Forward cost ([`flops`]).
+    time: &'a [u64],
+    /// Bytes of the activations computed (what the backward may keep, per micro-batch).
+    activation_bytes: &'a [u64],
+    /// The parameters used, with their bytes.
+    params: &'a [Vec<(ValueId, u64)>],
+    /// Micro-batches each stage holds in flight under the schedule.
+    in_flight: &'a [usize],
+}
+
+impl Costs<'_> {
+    /// Stage `s`'s estimated memory if it runs forward positions `range`: its parameters with
+    /// their gradients and optimizer states, and its activations for every micro-batch in flight.
+    fn memory(&self, s: usize, range: std::ops::Range<usize>) -> u64 {
+        let mut params: Vec<(ValueId, u64)> = self.params[range.clone()].iter().flatten().copied().collect();
+        params.sort_unstable_by_key(|(v, _)| v.index());
+        params.dedup();
+        let activations: u64 = self.activation_bytes[range].iter().sum();
+        PARAM_COPIES * params.iter().map(|(_, bytes)| bytes).sum::<u64>() + self.in_flight[s] as u64 * activations
+    }
+}
+
+/// The `stages - 1` candidate cuts that make the slowest stage as fast as it can be (by
+/// forward cost) and, among those, the fullest stage (by estimated memory) as small as it can
+/// be, each stage holding a parameter (a stage of the loss alone would have nothing to train).
+/// Both are the same dynamic programme over the candidates, which are few (one per block
+/// boundary): first the least slowest-stage cost, then the least fullest-stage memory over the
+/// stages within it.
 fn balanced_cuts(
-    cost: &[u64],
+    costs: &Costs,
     uses_param: &[bool],
     candidates: &[usize],
     stages: usize,
@@ -187,53 +242,73 @@ fn balanced_cuts(
             candidates.len()
         )));
     }
-    let mut prefix = vec![0u64; cost.len() + 1];
-    let mut param_uses = vec![0usize; cost.len() + 1];
-    for (k, c) in cost.iter().enumerate() {
-        prefix[k + 1] = prefix[k] + c;
+    let end = costs.time.len();
+    let mut prefix = vec![0u64; end + 1];
+    let mut param_uses = vec![0usize; end + 1];
+    for k in 0..end {
+        prefix[k + 1] = prefix[k] + costs.time[k];
         param_uses[k + 1] = param_uses[k] + uses_param[k] as usize;
     }
-    // Positions a stage may start at: 0 and every candidate; the last stage ends at the end.
+    // Where a stage may start: 0 and every candidate; the last stage ends at the end.
     let mut points = vec![0];
     points.extend(candidates);
-    let end = cost.len();
-    // best[s][j]: the least maximum stage cost covering [0, points[j]) with s stages, and the
-    // start of the last of them.
-    let n = points.len();
-    let mut best = vec![vec![(u64::MAX, 0usize); n + 1]; stages + 1];
-    best[0][0] = (0, 0);
-    let position = |j: usize| if j == n { end } else { points[j] };
+    points.push(end);
+    let time = |_: usize, i: usize, j: usize| prefix[points[j]] - prefix[points[i]];
+    let slowest = least_worst_stage(&points, &param_uses, stages, time, |_, _, _| true)
+        .map(|(worst, _)| worst)
+        .ok_or_else(|| {
+            invalid(format!(
+                "--pp {stages}: the forward pass cannot be cut into {stages} stages that each hold parameters"
+            ))
+        })?;
+    let memory = |s: usize, i: usize, j: usize| costs.memory(s, points[i]..points[j]);
+    let fits = |_: usize, i: usize, j: usize| time(0, i, j) <= slowest;
+    let (_, cuts) = least_worst_stage(&points, &param_uses, stages, memory, fits).expect("the fastest cuts fit");
+    Ok(cuts.into_iter().map(|j| points[j]).collect())
+}
+
+/// Cuts `points[0]..points[last]` into `stages` consecutive stages, each starting at a point and
+/// using a parameter, stage `s` over points `i..j` allowed when `allowed(s, i, j)`, so that the
+/// largest `weight(s, i, j)` of a stage is least: that weight and the cuts (indices into
+/// `points`), or `None` when no cutting is allowed.
+fn least_worst_stage(
+    points: &[usize],
+    param_uses: &[usize],
+    stages: usize,
+    weight: impl Fn(usize, usize, usize) -> u64,
+    allowed: impl Fn(usize, usize, usize) -> bool,
+) -> Option<(u64, Vec<usize>)> {
+    let last = points.len() - 1;
+    // best[s][j]: the least worst weight of stages 0..s covering points 0..j, and where the
+    // last of them starts.
+    let mut best: Vec<Vec<Option<(u64, usize)>>> = vec![vec![None; last + 1]; stages + 1];
+    best[0][0] = Some((0, 0));
     for s in 1..=stages {
-        for j in 1..=n {
+        for j in 1..=last {
             for i in 0..j {
-                let (before, _) = best[s - 1][i];
-                if before == u64::MAX || param_uses[position(j)] == param_uses[position(i)] {
+                let Some((before, _)) = best[s - 1][i] else { continue };
+                if param_uses[points[j]] == param_uses[points[i]] || !allowed(s - 1, i, j) {
                     continue;
                 }
-                let stage = prefix[position(j)] - prefix[position(i)];
-                let worst = before.max(stage);
-                if worst < best[s][j].0 {
-                    best[s][j] = (worst, i);
+                let worst = before.max(weight(s - 1, i, j));
+                if best[s][j].is_none_or(|(current, _)| worst < current) {
+                    best[s][j] = Some((worst, i));
                 }
             }
         }
     }
-    if best[stages][n].0 == u64::MAX {
-        return Err(invalid(format!(
-            "--pp {stages}: the forward pass cannot be cut into {stages} stages that each hold parameters"
-        )));
-    }
+    let (worst, _) = best[stages][last]?;
     let mut cuts = Vec::new();
-    let mut j = n;
+    let mut j = last;
     for s in (1..=stages).rev() {
-        let i = best[s][j].1;
+        let (_, i) = best[s][j].expect("on the best path");
         if s > 1 {
-            cuts.push(points[i]);
+            cuts.push(i);
         }
         j = i;
     }
     cuts.reverse();
-    Ok(cuts)
+    Some((worst, cuts))
 }
 
 /// The cuts the user named: each right before the first forward use of a parameter whose

@@ -119,7 +119,7 @@ pub fn bubble_fraction(stages: usize, micro_batches: usize) -> f64 {
 /// The pipeline pass: an imported graph with a `loss` output -> one graph per stage.
 pub struct Pipeline {
     pub stages: usize,
-    /// Parameter-name prefixes to cut before (`--pp-cuts`), or empty to balance by FLOPs.
+    /// Parameter-name prefixes to cut before (`--pp-cuts`), or empty to balance by the cost model.
     pub cuts: Vec<String>,
     /// Micro-batches per step (`M`).
     pub micro_batches: usize,
@@ -137,7 +137,9 @@ impl Pipeline {
         if self.micro_batches == 0 {
             return Err(invalid("--grad-accum (the micro-batches the pipeline interleaves) must be at least 1".into()));
         }
-        let mut stages = partition(graph, self.stages, &self.cuts)?;
+        let in_flight: Vec<usize> =
+            (0..self.stages).map(|s| self.schedule.in_flight(s, self.stages, self.micro_batches)).collect();
+        let mut stages = partition(graph, self.stages, &self.cuts, &in_flight)?;
         let activation = activations(graph);
         let mut differentiated = Vec::new();
         for s in 0..self.stages {
