@@ -124,8 +124,17 @@ struct Group {
     wake: Condvar,
 }
 
-/// Messages between pipeline stages: (from rank, to rank) -> (tag, bytes) in send order.
-type Mailboxes = BTreeMap<(usize, usize), std::collections::VecDeque<(u64, Vec<u8>)>>;
+/// Messages from one rank to another, in send order, and the buffers of messages already
+/// received, which later sends reuse (a step sends the same sizes every time, so after the
+/// first step no message allocates).
+#[derive(Default)]
+struct Mailbox {
+    queue: std::collections::VecDeque<(u64, Vec<u8>)>,
+    spare: Vec<Vec<u8>>,
+}
+
+/// (from rank, to rank) -> their mailbox.
+type Mailboxes = BTreeMap<(usize, usize), Mailbox>;
 
 /// Ranks as threads of one process.
 pub struct LocalComm {
@@ -222,8 +231,12 @@ impl LocalComm {
     pub fn send(&self, rank: usize, to: usize, tag: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
         let peer = self.on_stage(rank, to)?;
         self.sent[rank].lock().expect("counters").send += bytes.len();
-        let mut mail = self.mail.lock().expect("mailboxes");
-        mail.entry((rank, peer)).or_default().push_back((tag, bytes.to_vec()));
+        let spare = self.mail.lock().expect("mailboxes").entry((rank, peer)).or_default().spare.pop();
+        // The copy happens outside the lock, which the other ranks' sends and recvs need.
+        let mut message = spare.unwrap_or_default();
+        message.clear();
+        message.extend_from_slice(bytes);
+        self.mail.lock().expect("mailboxes").entry((rank, peer)).or_default().queue.push_back((tag, message));
         self.mail_wake.notify_all();
         Ok(())
     }
@@ -234,7 +247,8 @@ impl LocalComm {
         let peer = self.on_stage(rank, from)?;
         let mut mail = self.mail.lock().expect("mailboxes");
         loop {
-            if let Some((sent, bytes)) = mail.get_mut(&(peer, rank)).and_then(|queue| queue.pop_front()) {
+            if let Some((sent, bytes)) = mail.get_mut(&(peer, rank)).and_then(|mailbox| mailbox.queue.pop_front()) {
+                drop(mail);
                 if sent != tag || bytes.len() != output.len() {
                     return Err(RuntimeError::Comm(format!(
                         "rank {rank} expected message {tag} of {} bytes from stage {from}, got message {sent} of {} bytes",
@@ -243,6 +257,7 @@ impl LocalComm {
                     )));
                 }
                 output.copy_from_slice(&bytes);
+                self.mail.lock().expect("mailboxes").entry((peer, rank)).or_default().spare.push(bytes);
                 return Ok(());
             }
             if self.aborted.load(Ordering::SeqCst) {
