@@ -2,7 +2,9 @@
 # Pipeline bubble on a model of equal layers (tests/fixtures/uniform: 8 x layer_norm(h + gelu(linear(h)))):
 # each stage's measured idle time (the step's time less the time it ran its program but for
 # waiting on the stage beside it) as a share of the step, averaged over stages, against the
-# schedule's (P-1)/(M+P-1), for 1F1B and GPipe.
+# schedule's (P-1)/(M+P-1) ("equal stages", diff is against it), and against the schedule with
+# the stages' own forward costs ("these stages": the LM head makes the last stage a little
+# slower), for 1F1B and GPipe.
 #
 #     benches/pipeline_bubble.sh [STEPS]
 #
@@ -22,7 +24,7 @@ random.seed(0)
 n = 1 << 20
 open(sys.argv[1], "wb").write(struct.pack("<%dH" % n, *[random.randrange(16) for _ in range(n)]))
 PY
-printf "%-4s %-4s %-8s %10s %10s %10s %12s\n" P M schedule measured planned diff "ms/step"
+printf "%-4s %-4s %-8s %10s %14s %14s %10s %12s\n" P M schedule measured "these stages" "equal stages" diff "ms/step"
 for stages in 2 4; do
     if [ "$stages" -gt "$cores" ]; then
         echo "(pp $stages skipped: $cores cores)"
@@ -35,9 +37,10 @@ for stages in 2 4; do
             log=$(target/release/autotp run "$out/plan.atp" --data "$out/tokens.bin" \
                 --steps "$steps" --log-every 1000000 --bind-cores 2>&1 > /dev/null)
             measured=$(echo "$log" | awk '$1 == "all" { sub("%", "", $2); print $2 }')
-            planned=$(echo "$log" | awk '$1 == "all" { sub("%", "", $3); print $3 }')
+            these=$(echo "$log" | awk '$1 == "all" { sub("%", "", $3); print $3 }')
+            planned=$(echo "$log" | awk '$1 == "all" { sub("%", "", $4); print $4 }')
             ms=$(echo "$log" | sed -n 's/.* s: \([0-9.]*\) ms per step.*/\1/p')
-            printf "%-4s %-4s %-8s %9s%% %9s%% %+9.1f %12s\n" "$stages" "$m" "$schedule" "$measured" "$planned" \
+            printf "%-4s %-4s %-8s %9s%% %13s%% %13s%% %+9.1f %12s\n" "$stages" "$m" "$schedule" "$measured" "$these" "$planned" \
                 "$(echo "$measured - $planned" | bc -l)" "$ms"
         done
     done

@@ -20,7 +20,7 @@ use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer, StageNorm};
-use autotp_passes::pipeline::{bubble_fraction, Pipeline, Schedule as PipelineSchedule};
+use autotp_passes::pipeline::{bubble_fraction, stage_idle_fractions, Pipeline, Schedule as PipelineSchedule};
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::plan::{Labels, ModelSource, PipelineConfig, TrainingConfig, TrainingPlan};
@@ -450,6 +450,7 @@ fn cut_pipeline(pipeline: &Pipeline, graph: &Graph) -> Result<(Vec<Graph>, Vec<S
         stage_flops: stages.flops.clone(),
         in_flight: (0..p).map(|s| schedule.in_flight(s, p, m)).collect(),
         bubble_fraction: bubble_fraction(p, m),
+        stage_idle: stage_idle_fractions(&stages.flops, m),
     };
     let norms = (0..p)
         .map(|s| StageNorm {
@@ -558,14 +559,23 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
             100.0 * pipeline.bubble_fraction
         ));
         lines.push(format!(
-            "  {:<6} {:>14} {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
-            "stage", "forward FLOPs", "parameters", "optimizer", "activations peak", "arena", "in flight", "sent/step"
+            "  {:<6} {:>14} {:>7} {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
+            "stage",
+            "forward FLOPs",
+            "idle",
+            "parameters",
+            "optimizer",
+            "activations peak",
+            "arena",
+            "in flight",
+            "sent/step"
         ));
         for (s, (program, rank)) in plan.stages.iter().zip(report.ranks.iter().step_by(stage_size)).enumerate() {
             let m = &program.memory;
             lines.push(format!(
-                "  {s:<6} {:>14} {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
+                "  {s:<6} {:>14} {:>6.1}% {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
                 grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
+                100.0 * pipeline.stage_idle.get(s).copied().unwrap_or(0.0),
                 grouped(m.params_bytes),
                 grouped(m.states_bytes),
                 grouped(m.activations_peak_bytes),
@@ -574,7 +584,11 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
                 grouped(rank.comm_bytes_per_step.send)
             ));
         }
-        lines.push("  (bytes per rank of each stage)".to_string());
+        lines.push(
+            "  (bytes per rank of each stage; idle: the share of a step the schedule leaves each stage idle, \
+             with its forward cost against the slowest's)"
+                .to_string(),
+        );
     } else {
         let m = &p.memory;
         lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));

@@ -258,21 +258,29 @@ fn median_per_rank(per_step: &[Vec<f64>]) -> Vec<f64> {
 /// the stage's ranks), beside the schedule's bubble.
 fn bubble_table(pipeline: &autotp_runtime::plan::PipelineConfig, stage_size: usize, idle: &[f64]) -> String {
     let mut out = format!(
-        "pipeline ({} schedule): idle share of a step per stage (median over steps), measured against the bubble planned for equal stages\n",
+        "pipeline ({} schedule): idle share of a step per stage (median over steps), measured against \
+         the plan for these stages' costs and for equal stages\n",
         pipeline.schedule
     );
-    out += &format!("{:>6} {:>14} {:>12} {:>12}\n", "stage", "forward FLOPs", "measured", "planned");
-    let planned = 100.0 * pipeline.bubble_fraction;
+    out += &format!(
+        "{:>6} {:>14} {:>12} {:>14} {:>14}\n",
+        "stage", "forward FLOPs", "measured", "these stages", "equal stages"
+    );
+    let equal = 100.0 * pipeline.bubble_fraction;
+    let mut planned = Vec::new();
     for (stage, ranks) in idle.chunks(stage_size).enumerate() {
         let mean = ranks.iter().sum::<f64>() / ranks.len() as f64;
+        planned.push(100.0 * pipeline.stage_idle.get(stage).copied().unwrap_or(pipeline.bubble_fraction));
         out += &format!(
-            "{stage:>6} {:>14} {:>11.1}% {planned:>11.1}%\n",
+            "{stage:>6} {:>14} {:>11.1}% {:>13.1}% {equal:>13.1}%\n",
             pipeline.stage_flops.get(stage).copied().unwrap_or(0),
-            100.0 * mean
+            100.0 * mean,
+            planned[stage]
         );
     }
     let all = idle.iter().sum::<f64>() / idle.len().max(1) as f64;
-    out += &format!("{:>6} {:>14} {:>11.1}% {planned:>11.1}%\n", "all", "", 100.0 * all);
+    let all_planned = planned.iter().sum::<f64>() / planned.len().max(1) as f64;
+    out += &format!("{:>6} {:>14} {:>11.1}% {all_planned:>13.1}% {equal:>13.1}%\n", "all", "", 100.0 * all);
     out
 }
 

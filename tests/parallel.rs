@@ -484,6 +484,12 @@ fn pipeline_schedules_bound_the_activations_in_flight() {
     assert_eq!((in_flight(&gpipe, 0), in_flight(&gpipe, 1)), (Some(8), Some(8)));
     let bubble = one_f_one_b["pipeline"]["bubble_fraction"].as_f64().unwrap();
     assert!((bubble - 1.0 / 9.0).abs() < 1e-12, "{bubble}");
+    // The stages' own costs: the slowest idles no more than equal stages would, the others more.
+    let stage_idle: Vec<f64> =
+        one_f_one_b["pipeline"]["stage_idle"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert_eq!(stage_idle.len(), 2);
+    let fewest = stage_idle.iter().copied().fold(f64::INFINITY, f64::min);
+    assert!(fewest <= bubble + 1e-12 && stage_idle.iter().any(|&idle| idle > bubble), "{stage_idle:?} vs {bubble}");
     for stage in 0..2 {
         let single = peak(&one, stage);
         let (bounded_4, bounded_8) = (peak(&one_f_one_b_4, stage), peak(&one_f_one_b, stage));

@@ -109,6 +109,20 @@ fn in_order(names: &[String], k: usize) -> Vec<Vec<String>> {
 }
 
 #[test]
+fn unequal_stages_leave_the_faster_idle() {
+    use autotp_passes::pipeline::{bubble_fraction, stage_idle_fractions};
+    for (stages, micro_batches) in [(2, 4), (4, 8), (3, 1)] {
+        let equal = stage_idle_fractions(&vec![5; stages], micro_batches);
+        for idle in equal {
+            assert!((idle - bubble_fraction(stages, micro_batches)).abs() < 1e-12);
+        }
+    }
+    // Costs 1 and 2 over 4 micro-batches: the step is 1 + 2 + 3 x 2 = 9 units.
+    let idle = stage_idle_fractions(&[1, 2], 4);
+    assert!((idle[0] - 5.0 / 9.0).abs() < 1e-12 && (idle[1] - 1.0 / 9.0).abs() < 1e-12, "{idle:?}");
+}
+
+#[test]
 fn impossible_cuts_are_refused() {
     let graph = differentiated("gpt2");
     let err = partition(&graph, 40, &[], &[1; 40]).unwrap_err().to_string();

@@ -25,7 +25,7 @@ use crate::PassError;
 
 pub mod schedule;
 
-pub use schedule::{bubble_fraction, Chunk, Pipeline, Schedule, PIPE_IN, PIPE_OUT};
+pub use schedule::{bubble_fraction, stage_idle_fractions, Chunk, Pipeline, Schedule, PIPE_IN, PIPE_OUT};
 
 const PASS: &str = "pipeline";
 

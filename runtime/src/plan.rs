@@ -94,6 +94,10 @@ pub struct PipelineConfig {
     pub in_flight: Vec<usize>,
     /// The idle fraction of a step the schedule implies with equal stages: (P-1)/(M+P-1).
     pub bubble_fraction: f64,
+    /// Each stage's idle fraction of a step the schedule implies with these stages' costs
+    /// (a stage faster than the slowest waits for it every micro-batch).
+    #[serde(default)]
+    pub stage_idle: Vec<f64>,
 }
 
 /// One input of the step program and what feeds it.

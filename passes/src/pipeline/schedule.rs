@@ -116,6 +116,17 @@ pub fn bubble_fraction(stages: usize, micro_batches: usize) -> f64 {
     (stages - 1) as f64 / (micro_batches + stages - 1) as f64
 }
 
+/// Each stage's idle fraction of a step when stage `s`'s chunks take time in proportion to
+/// `costs[s]`: the step lasts one pass through every stage plus `M - 1` chunks of the slowest,
+/// `T = sum(c) + (M - 1) max(c)`, of which stage `s` works `M c_s` (1F1B and GPipe alike, the
+/// backward costing a fixed multiple of the forward). With equal costs this is
+/// [`bubble_fraction`].
+pub fn stage_idle_fractions(costs: &[u64], micro_batches: usize) -> Vec<f64> {
+    let slowest = costs.iter().copied().max().unwrap_or(0) as f64;
+    let step = costs.iter().map(|&c| c as f64).sum::<f64>() + (micro_batches.saturating_sub(1)) as f64 * slowest;
+    costs.iter().map(|&c| if step > 0.0 { 1.0 - micro_batches as f64 * c as f64 / step } else { 0.0 }).collect()
+}
+
 /// The pipeline pass: an imported graph with a `loss` output -> one graph per stage.
 pub struct Pipeline {
     pub stages: usize,
