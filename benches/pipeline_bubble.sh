@@ -3,8 +3,9 @@
 # each stage's measured idle time (the step's time less the time it ran its program but for
 # waiting on the stage beside it) as a share of the step, averaged over stages, against the
 # schedule's (P-1)/(M+P-1) ("equal stages", diff is against it), and against the schedule with
-# the stages' own forward costs ("these stages": the LM head makes the last stage a little
-# slower), for 1F1B and GPipe.
+# the stages' own costs ("these stages": the LM head makes the last stage a little slower,
+# and each backward sends its input's gradient before it makes the weights' gradients, which
+# shortens the bubble below the formula's), for 1F1B and GPipe.
 #
 #     benches/pipeline_bubble.sh [STEPS]
 #

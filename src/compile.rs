@@ -450,7 +450,7 @@ fn cut_pipeline(pipeline: &Pipeline, graph: &Graph) -> Result<(Vec<Graph>, Vec<S
         stage_flops: stages.flops.clone(),
         in_flight: (0..p).map(|s| schedule.in_flight(s, p, m)).collect(),
         bubble_fraction: bubble_fraction(p, m),
-        stage_idle: stage_idle_fractions(&stages.flops, m),
+        stage_idle: stage_idle_fractions(schedule, &stages.chunk_costs, m),
     };
     let norms = (0..p)
         .map(|s| StageNorm {
@@ -585,8 +585,8 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
             ));
         }
         lines.push(
-            "  (bytes per rank of each stage; idle: the share of a step the schedule leaves each stage idle, \
-             with its forward cost against the slowest's)"
+            "  (bytes per rank of each stage; idle: the share of a step the schedule leaves the stage idle, \
+             by the cost model)"
                 .to_string(),
         );
     } else {

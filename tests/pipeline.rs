@@ -109,17 +109,53 @@ fn in_order(names: &[String], k: usize) -> Vec<Vec<String>> {
 }
 
 #[test]
-fn unequal_stages_leave_the_faster_idle() {
-    use autotp_passes::pipeline::{bubble_fraction, stage_idle_fractions};
-    for (stages, micro_batches) in [(2, 4), (4, 8), (3, 1)] {
-        let equal = stage_idle_fractions(&vec![5; stages], micro_batches);
-        for idle in equal {
-            assert!((idle - bubble_fraction(stages, micro_batches)).abs() < 1e-12);
+fn the_planned_bubble_follows_the_stages_costs() {
+    use autotp_passes::pipeline::{bubble_fraction, stage_idle_fractions, ChunkCosts};
+    let chunks = |forward, input_gradient, weight_gradients| ChunkCosts { forward, input_gradient, weight_gradients };
+    // Equal stages whose backward sends at its end: the textbook bubble, either schedule.
+    for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
+        for (stages, micro_batches) in [(2, 4), (4, 8), (3, 1)] {
+            let mut costs = vec![chunks(5, 10, 0); stages];
+            costs[0] = chunks(5, 0, 10);
+            for idle in stage_idle_fractions(schedule, &costs, micro_batches) {
+                assert!((idle - bubble_fraction(stages, micro_batches)).abs() < 1e-12, "{schedule:?}: {idle}");
+            }
         }
     }
-    // Costs 1 and 2 over 4 micro-batches: the step is 1 + 2 + 3 x 2 = 9 units.
-    let idle = stage_idle_fractions(&[1, 2], 4);
+    // Costs 1 and 2 over 4 micro-batches: the step is 1 + 2 + 3 x 2 = 9 units of a chunk.
+    let idle = stage_idle_fractions(Schedule::OneFOneB, &[chunks(1, 0, 2), chunks(2, 4, 0)], 4);
     assert!((idle[0] - 5.0 / 9.0).abs() < 1e-12 && (idle[1] - 1.0 / 9.0).abs() < 1e-12, "{idle:?}");
+    // Sending the input's gradient before the weights' shortens the way back: 1/7, not 1/5.
+    let idle = stage_idle_fractions(Schedule::OneFOneB, &[chunks(1, 0, 2), chunks(1, 1, 1)], 4);
+    assert!(idle.iter().all(|idle| (idle - 1.0 / 7.0).abs() < 1e-12), "{idle:?}");
+}
+
+/// The backward chunk sends the input's gradient before it computes the weights' gradients.
+#[test]
+fn the_input_gradient_is_sent_before_the_weight_gradients() {
+    let model = with_loss("gpt2");
+    let pipeline = Pipeline {
+        stages: 2,
+        cuts: Vec::new(),
+        micro_batches: 2,
+        schedule: Schedule::OneFOneB,
+        batch_inputs: vec!["input_ids".into(), LABELS.into()],
+        frozen: Default::default(),
+    };
+    let (stages, graphs) = pipeline.run(&model.graph).unwrap();
+    let last = &graphs[1];
+    let nodes: Vec<&autotp_ir::Node> = last.nodes().map(|(_, n)| n).collect();
+    let gradient_send = nodes
+        .iter()
+        .position(|n| matches!(n.op, autotp_ir::Op::Send { message: autotp_ir::Message::Gradient, .. }))
+        .unwrap();
+    // Parameter gradients are made after the send: the first micro-batch's of the last stage's
+    // first layer among them.
+    let made_after = nodes[gradient_send + 1..].iter().filter(|n| matches!(n.op, autotp_ir::Op::MatMul { .. })).count();
+    assert!(made_after > 0, "no matmul after the gradient's send");
+    let costs = stages.chunk_costs[1];
+    assert!(costs.input_gradient > 0 && costs.weight_gradients > 0, "{costs:?}");
+    assert_eq!(stages.chunk_costs[0].input_gradient, 0, "the first stage sends no gradient");
 }
 
 #[test]

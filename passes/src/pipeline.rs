@@ -25,7 +25,7 @@ use crate::PassError;
 
 pub mod schedule;
 
-pub use schedule::{bubble_fraction, stage_idle_fractions, Chunk, Pipeline, Schedule, PIPE_IN, PIPE_OUT};
+pub use schedule::{bubble_fraction, stage_idle_fractions, Chunk, ChunkCosts, Pipeline, Schedule, PIPE_IN, PIPE_OUT};
 
 const PASS: &str = "pipeline";
 
@@ -44,6 +44,9 @@ pub struct Stages {
     pub boundaries: Vec<ValueId>,
     /// Each stage's forward cost in FLOPs.
     pub flops: Vec<u64>,
+    /// Each stage's work per micro-batch by part, from its differentiated graph (set by
+    /// [`Pipeline::run`]; empty from [`partition`] alone).
+    pub chunk_costs: Vec<ChunkCosts>,
     /// Each stage's memory as the cost model estimates it, in bytes (parameters with their
     /// gradients and optimizer states, activations of the micro-batches in flight).
     pub memory: Vec<u64>,
@@ -176,7 +179,15 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String], in_flight: &[us
     let mut starts = vec![0];
     starts.extend(&cuts);
     let boundaries = cuts.iter().map(|&k| boundary_at[k].expect("a candidate")).collect();
-    let mut result = Stages { forward, starts, boundaries, flops: Vec::new(), memory: Vec::new(), params: Vec::new() };
+    let mut result = Stages {
+        forward,
+        starts,
+        boundaries,
+        flops: Vec::new(),
+        chunk_costs: Vec::new(),
+        memory: Vec::new(),
+        params: Vec::new(),
+    };
     result.flops = (0..stages).map(|s| cost[result.range(s)].iter().sum()).collect();
     result.memory = (0..stages).map(|s| costs.memory(s, result.range(s))).collect();
     result.params = (0..stages)

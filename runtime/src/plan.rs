@@ -94,8 +94,9 @@ pub struct PipelineConfig {
     pub in_flight: Vec<usize>,
     /// The idle fraction of a step the schedule implies with equal stages: (P-1)/(M+P-1).
     pub bubble_fraction: f64,
-    /// Each stage's idle fraction of a step the schedule implies with these stages' costs
-    /// (a stage faster than the slowest waits for it every micro-batch).
+    /// Each stage's idle fraction of a step the schedule implies with these stages' costs (a
+    /// stage faster than the slowest waits for it every micro-batch; a backward that sends the
+    /// input's gradient before making the weights' shortens the bubble).
     #[serde(default)]
     pub stage_idle: Vec<f64>,
 }

@@ -13,7 +13,8 @@
 //!    loss), and `pipe.in` is differentiated too (what it sends to the stage before).
 //! 3. The step graph of stage `s` repeats the stage's forward nodes for micro-batch `i`
 //!    (`F(i)`: recv the activation, forward, send the result) and its backward nodes (`B(i)`:
-//!    recv the gradient, backward, send the input's gradient) in the schedule's order, adding
+//!    recv the gradient, compute the input's gradient and send it, then the weights'
+//!    gradients, so the stage before waits only for the first part) in the schedule's order, adding
 //!    each micro-batch's parameter gradients into one sum as they are made. Each `F(i)`'s
 //!    values that `B(i)` reads stay alive in between, so the memory planner holds one set of
 //!    activations per micro-batch in flight: at most `P - s` on stage `s` under 1F1B, `M`
@@ -36,7 +37,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use autotp_ir::Message::{self, Activation, Gradient, SharedGradient};
 use autotp_ir::{BinaryOp, Def, Graph, Node, Op, Tensor, TensorType, ValueId};
 
-use super::{activations, invalid, partition, Stages};
+use super::{activations, flops, invalid, partition, Stages};
 use crate::accumulate::{count_labels, counted_loss, micro_batch};
 use crate::autodiff::{Autodiff, GRAD_PREFIX};
 use crate::loss::LOSS;
@@ -116,15 +117,46 @@ pub fn bubble_fraction(stages: usize, micro_batches: usize) -> f64 {
     (stages - 1) as f64 / (micro_batches + stages - 1) as f64
 }
 
-/// Each stage's idle fraction of a step when stage `s`'s chunks take time in proportion to
-/// `costs[s]`: the step lasts one pass through every stage plus `M - 1` chunks of the slowest,
-/// `T = sum(c) + (M - 1) max(c)`, of which stage `s` works `M c_s` (1F1B and GPipe alike, the
-/// backward costing a fixed multiple of the forward). With equal costs this is
-/// [`bubble_fraction`].
-pub fn stage_idle_fractions(costs: &[u64], micro_batches: usize) -> Vec<f64> {
-    let slowest = costs.iter().copied().max().unwrap_or(0) as f64;
-    let step = costs.iter().map(|&c| c as f64).sum::<f64>() + (micro_batches.saturating_sub(1)) as f64 * slowest;
-    costs.iter().map(|&c| if step > 0.0 { 1.0 - micro_batches as f64 * c as f64 / step } else { 0.0 }).collect()
+/// A stage's work per micro-batch by the partition's cost model ([`super::flops`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChunkCosts {
+    pub forward: u64,
+    /// The backward nodes the gradient sent to the stage before needs (none on the first).
+    pub input_gradient: u64,
+    /// The rest of the backward: the weights' gradients.
+    pub weight_gradients: u64,
+}
+
+impl ChunkCosts {
+    pub fn total(&self) -> u64 {
+        self.forward + self.input_gradient + self.weight_gradients
+    }
+
+    fn backward(&self) -> u64 {
+        self.input_gradient + self.weight_gradients
+    }
+}
+
+/// Each stage's idle fraction of a step when its chunks take time in proportion to their
+/// costs. The step is one micro-batch's way through the pipeline (every stage's forward, then
+/// every input gradient back to the first stage and its backward) plus `M - 1` micro-batches
+/// at the pace of the slowest stage (1F1B: its whole chunks; GPipe: its forwards, then its
+/// backwards); stage `s` works `M` times its chunks of it. With equal stages whose backward
+/// sends only at its end, this is [`bubble_fraction`]; sending the input's gradient before the
+/// weights' gradients shortens the way back.
+pub fn stage_idle_fractions(schedule: Schedule, costs: &[ChunkCosts], micro_batches: usize) -> Vec<f64> {
+    let slowest = |cost: fn(&ChunkCosts) -> u64| costs.iter().map(cost).max().unwrap_or(0);
+    let through: u64 = costs.iter().map(|c| c.forward + c.input_gradient).sum::<u64>()
+        + costs.first().map_or(0, |first| first.weight_gradients);
+    let rest = micro_batches.saturating_sub(1) as u64;
+    let step = through
+        + rest
+            * match schedule {
+                Schedule::OneFOneB => slowest(ChunkCosts::total),
+                Schedule::GPipe => slowest(|c| c.forward) + slowest(ChunkCosts::backward),
+            };
+    let share = |c: &ChunkCosts| micro_batches as f64 * c.total() as f64 / step as f64;
+    costs.iter().map(|c| if step > 0 { 1.0 - share(c) } else { 0.0 }).collect()
 }
 
 /// The pipeline pass: an imported graph with a `loss` output -> one graph per stage.
@@ -157,6 +189,7 @@ impl Pipeline {
             let forward = forward_graph(graph, &stages, s, &activation)?;
             differentiated.push(self.differentiate(s, forward)?);
         }
+        stages.chunk_costs = differentiated.iter().enumerate().map(|(s, d)| chunk_costs(d, self.last(s))).collect();
         stages.params = differentiated
             .iter()
             .map(|d| {
@@ -232,19 +265,8 @@ impl Pipeline {
             .filter(|(n, _)| n.starts_with(GRAD_PREFIX) && n[GRAD_PREFIX.len()..] != *PIPE_IN)
             .cloned()
             .collect();
-        // The forward chunk: the nodes the stage's output needs; the backward chunk: the rest.
         let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
-        let mut needed = vec![false; d.num_values()];
-        needed[output.index()] = true;
-        let mut forward = vec![false; nodes.len()];
-        for (i, node) in nodes.iter().enumerate().rev() {
-            if node.outputs.iter().any(|o| needed[o.index()]) {
-                forward[i] = true;
-                for v in &node.inputs {
-                    needed[v.index()] = true;
-                }
-            }
-        }
+        let parts = chunk_parts(d, &nodes, last);
 
         let mut g = Graph::new(d.name.clone());
         let mut outer: Vec<Option<ValueId>> = vec![None; d.num_values()];
@@ -302,7 +324,7 @@ impl Pipeline {
                         )?;
                         map[pipe_in.index()] = Some(received);
                     }
-                    copy_nodes(&mut g, d, &nodes, &forward, true, &mut map);
+                    copy_nodes(&mut g, d, &nodes, &parts, Part::Forward, &mut map);
                     let out = map[output.index()].expect("computed");
                     if last {
                         let weight = match (counted, total) {
@@ -336,11 +358,12 @@ impl Pipeline {
                         let ty = d.ty(cotangent).clone();
                         add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), message: Gradient, ty }, vec![])?
                     });
-                    copy_nodes(&mut g, d, &nodes, &forward, false, map);
+                    copy_nodes(&mut g, d, &nodes, &parts, Part::InputGradient, map);
                     if let Some(pipe_in_grad) = pipe_in_grad {
                         let grad = map[pipe_in_grad.index()].expect("computed");
                         send(&mut g, grad, s - 1, gradient_tag(i), Gradient)?;
                     }
+                    copy_nodes(&mut g, d, &nodes, &parts, Part::WeightGradients, map);
                     for ((_, value), sum) in grads.iter().zip(sums.iter_mut()) {
                         let grad = map[value.index()].expect("computed");
                         *sum = Some(match *sum {
@@ -413,16 +436,70 @@ fn shared_tag(micro_batches: usize, index: usize) -> u64 {
     (2 * micro_batches + index) as u64
 }
 
-/// Copies the nodes of one chunk (those with `forward[i] == in_forward`) of `d` through `map`.
-fn copy_nodes(
-    g: &mut Graph,
-    d: &Graph,
-    nodes: &[&Node],
-    forward: &[bool],
-    in_forward: bool,
-    map: &mut [Option<ValueId>],
-) {
-    for (node, _) in nodes.iter().zip(forward).filter(|(_, &f)| f == in_forward) {
+/// Which part of a micro-batch's chunks a node of the differentiated stage graph runs in.
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Part {
+    /// The forward chunk: what the stage's output needs.
+    Forward,
+    /// The start of the backward chunk: what the gradient sent to the stage before needs.
+    InputGradient,
+    /// The rest of the backward chunk.
+    WeightGradients,
+}
+
+/// The part each node of the differentiated stage graph `d` runs in. The forward chunk: the
+/// nodes the stage's output needs. The backward chunk: first the nodes the gradient sent to
+/// the stage before needs, then the rest, so the stage before waits only for the first part.
+fn chunk_parts(d: &Graph, nodes: &[&Node], last: bool) -> Vec<Part> {
+    let output = |name: &str| d.outputs().iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+    let stage_output = output(if last { LOSS } else { PIPE_OUT }).expect("the stage's output");
+    let pipe_in_grad = output(&format!("{GRAD_PREFIX}{PIPE_IN}"));
+    let forward = needed_by(nodes, d.num_values(), &[stage_output], |_| true);
+    let input_gradient = needed_by(nodes, d.num_values(), pipe_in_grad.as_slice(), |i| !forward[i]);
+    let part = |i: usize| match (forward[i], input_gradient[i]) {
+        (true, _) => Part::Forward,
+        (false, true) => Part::InputGradient,
+        (false, false) => Part::WeightGradients,
+    };
+    (0..nodes.len()).map(part).collect()
+}
+
+/// The differentiated stage graph's work per micro-batch, by part.
+fn chunk_costs(d: &Graph, last: bool) -> ChunkCosts {
+    let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
+    let mut costs = ChunkCosts::default();
+    for (node, part) in nodes.iter().zip(chunk_parts(d, &nodes, last)) {
+        let cost = flops(d, node);
+        match part {
+            Part::Forward => costs.forward += cost,
+            Part::InputGradient => costs.input_gradient += cost,
+            Part::WeightGradients => costs.weight_gradients += cost,
+        }
+    }
+    costs
+}
+
+/// The nodes (by position, among those `eligible`) that computing `roots` needs.
+fn needed_by(nodes: &[&Node], values: usize, roots: &[ValueId], eligible: impl Fn(usize) -> bool) -> Vec<bool> {
+    let mut needed = vec![false; values];
+    for root in roots {
+        needed[root.index()] = true;
+    }
+    let mut chosen = vec![false; nodes.len()];
+    for (i, node) in nodes.iter().enumerate().rev() {
+        if eligible(i) && node.outputs.iter().any(|o| needed[o.index()]) {
+            chosen[i] = true;
+            for v in &node.inputs {
+                needed[v.index()] = true;
+            }
+        }
+    }
+    chosen
+}
+
+/// Copies the nodes of `d` in `part` through `map`, in graph order.
+fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], parts: &[Part], part: Part, map: &mut [Option<ValueId>]) {
+    for (node, _) in nodes.iter().zip(parts).filter(|(_, &p)| p == part) {
         let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
         let types = node.outputs.iter().map(|&o| d.ty(o).clone()).collect();
         let new = g.add_node_typed(node.op.clone(), inputs, types);
