@@ -222,15 +222,46 @@ struct Costs<'a> {
 }
 
 impl Costs<'_> {
-    /// Stage `s`'s estimated memory if it runs forward positions `range`: its parameters with
-    /// their gradients and optimizer states, and its activations for every micro-batch in flight.
+    /// Stage `s`'s estimated memory if it runs forward positions `range`.
     fn memory(&self, s: usize, range: std::ops::Range<usize>) -> u64 {
-        let mut params: Vec<(ValueId, u64)> = self.params[range.clone()].iter().flatten().copied().collect();
-        params.sort_unstable_by_key(|(v, _)| v.index());
-        params.dedup();
-        let activations: u64 = self.activation_bytes[range].iter().sum();
-        PARAM_COPIES * params.iter().map(|(_, bytes)| bytes).sum::<u64>() + self.in_flight[s] as u64 * activations
+        let end = range.end;
+        self.memory_of(s, self.footprints(range.start, &[end])[0])
     }
+
+    /// Stage `s`'s estimated memory from the footprint of its positions: its parameters with
+    /// their gradients and optimizer states, and its activations for every micro-batch in flight.
+    fn memory_of(&self, s: usize, footprint: Footprint) -> u64 {
+        PARAM_COPIES * footprint.param_bytes + self.in_flight[s] as u64 * footprint.activation_bytes
+    }
+
+    /// The footprints of the runs of positions from `start` to each of `ends` (increasing), in
+    /// one sweep.
+    fn footprints(&self, start: usize, ends: &[usize]) -> Vec<Footprint> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut run = Footprint::default();
+        let mut footprints = Vec::with_capacity(ends.len());
+        let mut k = start;
+        for &end in ends {
+            for position in k..end {
+                for &(param, bytes) in &self.params[position] {
+                    if seen.insert(param) {
+                        run.param_bytes += bytes;
+                    }
+                }
+                run.activation_bytes += self.activation_bytes[position];
+            }
+            k = k.max(end);
+            footprints.push(run);
+        }
+        footprints
+    }
+}
+
+/// What a run of forward positions holds (a parameter used twice counted once).
+#[derive(Copy, Clone, Default)]
+struct Footprint {
+    param_bytes: u64,
+    activation_bytes: u64,
 }
 
 /// The `stages - 1` candidate cuts that make the slowest stage as fast as it can be (by
@@ -272,7 +303,10 @@ fn balanced_cuts(
                 "--pp {stages}: the forward pass cannot be cut into {stages} stages that each hold parameters"
             ))
         })?;
-    let memory = |s: usize, i: usize, j: usize| costs.memory(s, points[i]..points[j]);
+    // footprints[i][j - i - 1]: stage over points i..j.
+    let footprints: Vec<Vec<Footprint>> =
+        (0..points.len()).map(|i| costs.footprints(points[i], &points[i + 1..])).collect();
+    let memory = |s: usize, i: usize, j: usize| costs.memory_of(s, footprints[i][j - i - 1]);
     let fits = |_: usize, i: usize, j: usize| time(0, i, j) <= slowest;
     let (_, cuts) = least_worst_stage(&points, &param_uses, stages, memory, fits).expect("the fastest cuts fit");
     Ok(cuts.into_iter().map(|j| points[j]).collect())
