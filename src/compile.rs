@@ -448,7 +448,7 @@ fn cut_pipeline(pipeline: &Pipeline, graph: &Graph) -> Result<(Vec<Graph>, Vec<S
     let config = PipelineConfig {
         schedule: schedule.name().to_string(),
         stage_flops: stages.flops.clone(),
-        in_flight: (0..p).map(|s| schedule.in_flight(s, p, m)).collect(),
+        in_flight: pipeline.in_flight(),
         bubble_fraction: bubble_fraction(p, m),
         stage_idle: stage_idle_fractions(schedule, &stages.chunk_costs, m),
     };
@@ -575,7 +575,7 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
             lines.push(format!(
                 "  {s:<6} {:>14} {:>6.1}% {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
                 grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
-                100.0 * pipeline.stage_idle.get(s).copied().unwrap_or(0.0),
+                100.0 * pipeline.planned_idle(s),
                 grouped(m.params_bytes),
                 grouped(m.states_bytes),
                 grouped(m.activations_peak_bytes),

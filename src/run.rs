@@ -270,7 +270,7 @@ fn bubble_table(pipeline: &autotp_runtime::plan::PipelineConfig, stage_size: usi
     let mut planned = Vec::new();
     for (stage, ranks) in idle.chunks(stage_size).enumerate() {
         let mean = ranks.iter().sum::<f64>() / ranks.len() as f64;
-        planned.push(100.0 * pipeline.stage_idle.get(stage).copied().unwrap_or(pipeline.bubble_fraction));
+        planned.push(100.0 * pipeline.planned_idle(stage));
         out += &format!(
             "{stage:>6} {:>14} {:>11.1}% {:>13.1}% {equal:>13.1}%\n",
             pipeline.stage_flops.get(stage).copied().unwrap_or(0),

@@ -149,10 +149,15 @@ fn the_input_gradient_is_sent_before_the_weight_gradients() {
         .iter()
         .position(|n| matches!(n.op, autotp_ir::Op::Send { message: autotp_ir::Message::Gradient, .. }))
         .unwrap();
-    // Parameter gradients are made after the send: the first micro-batch's of the last stage's
-    // first layer among them.
-    let made_after = nodes[gradient_send + 1..].iter().filter(|n| matches!(n.op, autotp_ir::Op::MatMul { .. })).count();
-    assert!(made_after > 0, "no matmul after the gradient's send");
+    // The micro-batch's weight gradients (a matmul among them) are made after the send, before
+    // the next micro-batch's chunk receives anything.
+    let next_recv = nodes[gradient_send..]
+        .iter()
+        .position(|n| matches!(n.op, autotp_ir::Op::Recv { .. }))
+        .map_or(nodes.len(), |k| gradient_send + k);
+    let made_after =
+        nodes[gradient_send + 1..next_recv].iter().filter(|n| matches!(n.op, autotp_ir::Op::MatMul { .. })).count();
+    assert!(made_after > 0, "no matmul between the gradient's send and the next recv");
     let costs = stages.chunk_costs[1];
     assert!(costs.input_gradient > 0 && costs.weight_gradients > 0, "{costs:?}");
     assert_eq!(stages.chunk_costs[0].input_gradient, 0, "the first stage sends no gradient");

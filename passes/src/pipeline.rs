@@ -56,24 +56,34 @@ pub struct Stages {
 
 /// The forward nodes (positions in graph order): those with an output the loss depends on.
 fn forward_nodes(graph: &Graph) -> Vec<usize> {
-    let mut needed = vec![false; graph.num_values()];
-    for (name, v) in graph.outputs() {
-        if name == crate::loss::LOSS {
-            needed[v.index()] = true;
-        }
-    }
+    let losses: Vec<ValueId> =
+        graph.outputs().iter().filter(|(name, _)| name == crate::loss::LOSS).map(|(_, v)| *v).collect();
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
-    let mut forward = Vec::new();
+    let needed = needed_by(&nodes, graph.num_values(), &losses, |_| true);
+    (0..nodes.len()).filter(|&i| needed[i]).collect()
+}
+
+/// The nodes (by position, among those `eligible`) that computing `roots` needs.
+fn needed_by(
+    nodes: &[&autotp_ir::Node],
+    values: usize,
+    roots: &[ValueId],
+    eligible: impl Fn(usize) -> bool,
+) -> Vec<bool> {
+    let mut needed = vec![false; values];
+    for root in roots {
+        needed[root.index()] = true;
+    }
+    let mut chosen = vec![false; nodes.len()];
     for (i, node) in nodes.iter().enumerate().rev() {
-        if node.outputs.iter().any(|o| needed[o.index()]) {
-            forward.push(i);
+        if eligible(i) && node.outputs.iter().any(|o| needed[o.index()]) {
+            chosen[i] = true;
             for v in &node.inputs {
                 needed[v.index()] = true;
             }
         }
     }
-    forward.reverse();
-    forward
+    chosen
 }
 
 /// Which values are activations: those computed from the batch (graph inputs with dims). The

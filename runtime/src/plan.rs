@@ -101,6 +101,14 @@ pub struct PipelineConfig {
     pub stage_idle: Vec<f64>,
 }
 
+impl PipelineConfig {
+    /// Stage `stage`'s planned idle fraction ([`PipelineConfig::stage_idle`]; the equal-stage
+    /// bubble for a plan written without it).
+    pub fn planned_idle(&self, stage: usize) -> f64 {
+        self.stage_idle.get(stage).copied().unwrap_or(self.bubble_fraction)
+    }
+}
+
 /// One input of the step program and what feeds it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Feed {

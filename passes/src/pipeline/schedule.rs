@@ -37,7 +37,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use autotp_ir::Message::{self, Activation, Gradient, SharedGradient};
 use autotp_ir::{BinaryOp, Def, Graph, Node, Op, Tensor, TensorType, ValueId};
 
-use super::{activations, flops, invalid, partition, Stages};
+use super::{activations, flops, invalid, needed_by, partition, Stages};
 use crate::accumulate::{count_labels, counted_loss, micro_batch};
 use crate::autodiff::{Autodiff, GRAD_PREFIX};
 use crate::loss::LOSS;
@@ -180,16 +180,16 @@ impl Pipeline {
         if self.micro_batches == 0 {
             return Err(invalid("--grad-accum (the micro-batches the pipeline interleaves) must be at least 1".into()));
         }
-        let in_flight: Vec<usize> =
-            (0..self.stages).map(|s| self.schedule.in_flight(s, self.stages, self.micro_batches)).collect();
-        let mut stages = partition(graph, self.stages, &self.cuts, &in_flight)?;
+        let mut stages = partition(graph, self.stages, &self.cuts, &self.in_flight())?;
         let activation = activations(graph);
         let mut differentiated = Vec::new();
         for s in 0..self.stages {
             let forward = forward_graph(graph, &stages, s, &activation)?;
             differentiated.push(self.differentiate(s, forward)?);
         }
-        stages.chunk_costs = differentiated.iter().enumerate().map(|(s, d)| chunk_costs(d, self.last(s))).collect();
+        let parts: Vec<Vec<Part>> =
+            differentiated.iter().enumerate().map(|(s, d)| chunk_parts(d, self.last(s))).collect();
+        stages.chunk_costs = differentiated.iter().zip(&parts).map(|(d, parts)| chunk_costs(d, parts)).collect();
         stages.params = differentiated
             .iter()
             .map(|d| {
@@ -213,11 +213,16 @@ impl Pipeline {
         let shared: Vec<String> = holders.iter().filter(|(_, h)| h.len() > 1).map(|(p, _)| p.clone()).collect();
         let mut graphs = Vec::new();
         for (s, d) in differentiated.iter().enumerate() {
-            let step = self.step_graph(s, d, &holders, &shared)?;
+            let step = self.step_graph(s, d, &parts[s], &holders, &shared)?;
             autotp_ir::verify(&step).map_err(|errors| PassError::Verify { pass: PASS, errors })?;
             graphs.push(step);
         }
         Ok((stages, graphs))
+    }
+
+    /// The most micro-batches whose activations each stage holds at once.
+    pub fn in_flight(&self) -> Vec<usize> {
+        (0..self.stages).map(|s| self.schedule.in_flight(s, self.stages, self.micro_batches)).collect()
     }
 
     fn last(&self, s: usize) -> bool {
@@ -241,11 +246,13 @@ impl Pipeline {
         Ok(g)
     }
 
-    /// Stage `s`'s step: the chunks of every micro-batch in schedule order.
+    /// Stage `s`'s step: the chunks of every micro-batch in schedule order, each node of `d`
+    /// in its part.
     fn step_graph(
         &self,
         s: usize,
         d: &Graph,
+        parts: &[Part],
         holders: &BTreeMap<String, Vec<usize>>,
         shared: &[String],
     ) -> Result<Graph, PassError> {
@@ -266,7 +273,6 @@ impl Pipeline {
             .cloned()
             .collect();
         let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
-        let parts = chunk_parts(d, &nodes, last);
 
         let mut g = Graph::new(d.name.clone());
         let mut outer: Vec<Option<ValueId>> = vec![None; d.num_values()];
@@ -324,7 +330,7 @@ impl Pipeline {
                         )?;
                         map[pipe_in.index()] = Some(received);
                     }
-                    copy_nodes(&mut g, d, &nodes, &parts, Part::Forward, &mut map);
+                    copy_nodes(&mut g, d, &nodes, parts, Part::Forward, &mut map);
                     let out = map[output.index()].expect("computed");
                     if last {
                         let weight = match (counted, total) {
@@ -358,12 +364,12 @@ impl Pipeline {
                         let ty = d.ty(cotangent).clone();
                         add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), message: Gradient, ty }, vec![])?
                     });
-                    copy_nodes(&mut g, d, &nodes, &parts, Part::InputGradient, map);
+                    copy_nodes(&mut g, d, &nodes, parts, Part::InputGradient, map);
                     if let Some(pipe_in_grad) = pipe_in_grad {
                         let grad = map[pipe_in_grad.index()].expect("computed");
                         send(&mut g, grad, s - 1, gradient_tag(i), Gradient)?;
                     }
-                    copy_nodes(&mut g, d, &nodes, &parts, Part::WeightGradients, map);
+                    copy_nodes(&mut g, d, &nodes, parts, Part::WeightGradients, map);
                     for ((_, value), sum) in grads.iter().zip(sums.iter_mut()) {
                         let grad = map[value.index()].expect("computed");
                         *sum = Some(match *sum {
@@ -450,12 +456,13 @@ enum Part {
 /// The part each node of the differentiated stage graph `d` runs in. The forward chunk: the
 /// nodes the stage's output needs. The backward chunk: first the nodes the gradient sent to
 /// the stage before needs, then the rest, so the stage before waits only for the first part.
-fn chunk_parts(d: &Graph, nodes: &[&Node], last: bool) -> Vec<Part> {
+fn chunk_parts(d: &Graph, last: bool) -> Vec<Part> {
+    let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
     let output = |name: &str| d.outputs().iter().find(|(n, _)| n == name).map(|(_, v)| *v);
     let stage_output = output(if last { LOSS } else { PIPE_OUT }).expect("the stage's output");
     let pipe_in_grad = output(&format!("{GRAD_PREFIX}{PIPE_IN}"));
-    let forward = needed_by(nodes, d.num_values(), &[stage_output], |_| true);
-    let input_gradient = needed_by(nodes, d.num_values(), pipe_in_grad.as_slice(), |i| !forward[i]);
+    let forward = needed_by(&nodes, d.num_values(), &[stage_output], |_| true);
+    let input_gradient = needed_by(&nodes, d.num_values(), pipe_in_grad.as_slice(), |i| !forward[i]);
     let part = |i: usize| match (forward[i], input_gradient[i]) {
         (true, _) => Part::Forward,
         (false, true) => Part::InputGradient,
@@ -465,10 +472,9 @@ fn chunk_parts(d: &Graph, nodes: &[&Node], last: bool) -> Vec<Part> {
 }
 
 /// The differentiated stage graph's work per micro-batch, by part.
-fn chunk_costs(d: &Graph, last: bool) -> ChunkCosts {
-    let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
+fn chunk_costs(d: &Graph, parts: &[Part]) -> ChunkCosts {
     let mut costs = ChunkCosts::default();
-    for (node, part) in nodes.iter().zip(chunk_parts(d, &nodes, last)) {
+    for ((_, node), part) in d.nodes().zip(parts) {
         let cost = flops(d, node);
         match part {
             Part::Forward => costs.forward += cost,
@@ -477,24 +483,6 @@ fn chunk_costs(d: &Graph, last: bool) -> ChunkCosts {
         }
     }
     costs
-}
-
-/// The nodes (by position, among those `eligible`) that computing `roots` needs.
-fn needed_by(nodes: &[&Node], values: usize, roots: &[ValueId], eligible: impl Fn(usize) -> bool) -> Vec<bool> {
-    let mut needed = vec![false; values];
-    for root in roots {
-        needed[root.index()] = true;
-    }
-    let mut chosen = vec![false; nodes.len()];
-    for (i, node) in nodes.iter().enumerate().rev() {
-        if eligible(i) && node.outputs.iter().any(|o| needed[o.index()]) {
-            chosen[i] = true;
-            for v in &node.inputs {
-                needed[v.index()] = true;
-            }
-        }
-    }
-    chosen
 }
 
 /// Copies the nodes of `d` in `part` through `map`, in graph order.
