@@ -20,7 +20,9 @@ use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer, StageNorm};
-use autotp_passes::pipeline::{bubble_fraction, stage_idle_fractions, Pipeline, Schedule as PipelineSchedule};
+use autotp_passes::pipeline::{
+    bubble_fraction, stage_idle_fractions, Backward as PipelineBackward, Pipeline, Schedule as PipelineSchedule,
+};
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::plan::{Labels, ModelSource, PipelineConfig, TrainingConfig, TrainingPlan};
@@ -64,6 +66,12 @@ pub struct CompileFlags {
     /// flight) or gpipe (all forwards, then all backwards).
     #[arg(long, default_value = "1f1b")]
     pub schedule: String,
+    /// When a pipeline stage's backward sends its input's gradient to the stage before: split
+    /// (as soon as it is made, then the weights' gradients: a shorter bubble; the output's
+    /// gradient is held a little longer) or whole (after the whole backward, as Megatron and
+    /// DeepSpeed do).
+    #[arg(long, default_value = "split")]
+    pub pp_backward: String,
     /// Where the pipeline stages start (pp - 1 of them): before the first use of a parameter
     /// whose name starts with each prefix, e.g. model.layers.2. Comma-separated or repeated.
     #[arg(long, value_name = "PREFIX", value_delimiter = ',')]
@@ -278,8 +286,10 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let grad_accum = grad_accum(flags)?;
     let pipeline_schedule = PipelineSchedule::parse(&flags.schedule)
         .with_context(|| format!("--schedule '{}' is not one of 1f1b, gpipe", flags.schedule))?;
-    if flags.pp == 1 && (!flags.pp_cuts.is_empty() || flags.schedule != "1f1b") {
-        bail!("--pp-cuts and --schedule place pipeline stages: they need --pp 2 or more");
+    let pipeline_backward = PipelineBackward::parse(&flags.pp_backward)
+        .with_context(|| format!("--pp-backward '{}' is not one of split, whole", flags.pp_backward))?;
+    if flags.pp == 1 && (!flags.pp_cuts.is_empty() || flags.schedule != "1f1b" || flags.pp_backward != "split") {
+        bail!("--pp-cuts, --schedule and --pp-backward place pipeline stages: they need --pp 2 or more");
     }
     if flags.explain_tp && flags.tp < 2 {
         bail!("--explain-tp needs --tp 2 or more");
@@ -373,6 +383,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             cuts: flags.pp_cuts.clone(),
             micro_batches: grad_accum,
             schedule: pipeline_schedule,
+            backward: pipeline_backward,
             batch_inputs: batch_inputs.clone(),
             frozen: frozen.clone(),
         };
@@ -447,10 +458,11 @@ fn cut_pipeline(pipeline: &Pipeline, graph: &Graph) -> Result<(Vec<Graph>, Vec<S
     let (p, m, schedule) = (pipeline.stages, pipeline.micro_batches, pipeline.schedule);
     let config = PipelineConfig {
         schedule: schedule.name().to_string(),
+        backward: pipeline.backward.name().to_string(),
         stage_flops: stages.flops.clone(),
         in_flight: pipeline.in_flight(),
         bubble_fraction: bubble_fraction(p, m),
-        stage_idle: stage_idle_fractions(schedule, &stages.chunk_costs, m),
+        stage_idle: stage_idle_fractions(schedule, pipeline.backward, &stages.chunk_costs, m),
     };
     let norms = (0..p)
         .map(|s| StageNorm {
@@ -552,9 +564,11 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     if let Some(pipeline) = &t.pipeline {
         lines.push(format!(
-            "  pipeline: {} stages, {} schedule over {} micro-batches; bubble (P-1)/(M+P-1) = {:.1}% of a step",
+            "  pipeline: {} stages, {} schedule ({} backward) over {} micro-batches; bubble (P-1)/(M+P-1) = {:.1}% \
+             of a step",
             plan.stages.len(),
             pipeline.schedule,
+            pipeline.backward,
             t.grad_accum,
             100.0 * pipeline.bubble_fraction
         ));

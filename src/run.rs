@@ -258,29 +258,41 @@ fn median_per_rank(per_step: &[Vec<f64>]) -> Vec<f64> {
 /// the stage's ranks), beside the schedule's bubble.
 fn bubble_table(pipeline: &autotp_runtime::plan::PipelineConfig, stage_size: usize, idle: &[f64]) -> String {
     let mut out = format!(
-        "pipeline ({} schedule): idle share of a step per stage (median over steps), measured against \
-         the plan for these stages' costs and for equal stages\n",
-        pipeline.schedule
+        "pipeline ({} schedule, {} backward): idle share of a step per stage (median over steps), measured \
+         against the plan for these stages' costs and the textbook bubble of equal stages\n",
+        pipeline.schedule, pipeline.backward
     );
     out += &format!(
         "{:>6} {:>14} {:>12} {:>14} {:>14}\n",
-        "stage", "forward FLOPs", "measured", "these stages", "equal stages"
+        "stage", "forward FLOPs", "measured", "these stages", "(P-1)/(M+P-1)"
     );
     let equal = 100.0 * pipeline.bubble_fraction;
     let mut planned = Vec::new();
+    let mut measured = Vec::new();
     for (stage, ranks) in idle.chunks(stage_size).enumerate() {
-        let mean = ranks.iter().sum::<f64>() / ranks.len() as f64;
+        measured.push(ranks.iter().sum::<f64>() / ranks.len() as f64);
         planned.push(100.0 * pipeline.planned_idle(stage));
         out += &format!(
             "{stage:>6} {:>14} {:>11.1}% {:>13.1}% {equal:>13.1}%\n",
             pipeline.stage_flops.get(stage).copied().unwrap_or(0),
-            100.0 * mean,
+            100.0 * measured[stage],
             planned[stage]
         );
     }
     let all = idle.iter().sum::<f64>() / idle.len().max(1) as f64;
     let all_planned = planned.iter().sum::<f64>() / planned.len().max(1) as f64;
     out += &format!("{:>6} {:>14} {:>11.1}% {all_planned:>13.1}% {equal:>13.1}%\n", "all", "", 100.0 * all);
+    if let Some((busiest, busiest_idle)) = measured.iter().copied().enumerate().min_by(|a, b| a.1.total_cmp(&b.1)) {
+        out += &format!(
+            "{:>6} {:>14} {:>11.1}% {:>13.1}% {equal:>13.1}%\n",
+            "bubble",
+            format!("(stage {busiest})"),
+            100.0 * busiest_idle,
+            planned[busiest]
+        );
+        out += "(bubble: the idle share of the busiest stage, the one every other waits for: the pipeline's fill and \
+                drain; the others' idle beyond it is their imbalance)\n";
+    }
     out
 }
 

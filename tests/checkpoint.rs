@@ -225,7 +225,15 @@ fn sharded_resume_is_bit_identical_and_exports() {
         args.extend(["-o", s(&plan)]);
         success(autotp(&args));
         let (straight, resumed, ckpt) = (dir.join("straight.jsonl"), dir.join("resumed.jsonl"), dir.join("ckpt"));
-        success(run(&plan, &["--steps", "10", "--metrics-out", s(&straight)]));
+        let straight_run = run(&plan, &["--steps", "10", "--metrics-out", s(&straight)]);
+        let log = String::from_utf8_lossy(&straight_run.stderr).into_owned();
+        success(straight_run);
+        if name.starts_with("pp2") {
+            // Each stage's idle share, and the busiest stage's beside the textbook 1 / (2 + 1).
+            assert!(log.contains("pipeline (1f1b schedule, split backward): idle share"), "{name}: {log}");
+            let bubble = log.lines().find(|l| l.starts_with("bubble")).unwrap_or_else(|| panic!("{name}: {log}"));
+            assert!(bubble.contains("(stage ") && bubble.trim_end().ends_with("33.3%"), "{name}: {bubble}");
+        }
         success(run(&plan, &["--steps", "5", "--save", s(&ckpt)]));
         let step_dir = ckpt.join("step-00000005");
         let ranks = if name.starts_with("dp2") || name == "pp2" { 2 } else { 4 };

@@ -12,7 +12,7 @@
 //! It also runs input and output through the reference evaluator on random data (the SPMD one
 //! for a graph on a mesh): a pass must preserve what the graph computes.
 //!
-//! A last pass `pipeline:P:M[:gpipe]` cuts the graph into P stages over M micro-batches; the
+//! A last pass `pipeline:P:M[:gpipe][:whole]` cuts the graph into P stages over M micro-batches; the
 //! expectation is the stage graphs, each after a `# stage S` line, and the stages run together
 //! by the pipeline evaluator must compute what `autodiff` + `accumulate:M` computes.
 
@@ -150,11 +150,12 @@ fn check_pipeline(
     input: &str,
     expected: &str,
 ) -> Result<(), String> {
-    use autotp_passes::pipeline::{Pipeline, Schedule};
+    use autotp_passes::pipeline::{Backward, Pipeline, Schedule};
     let parts: Vec<&str> = spec.split(':').collect();
     let stages = parts[0].parse().expect("pipeline:P:M");
     let micro_batches = parts[1].parse().expect("pipeline:P:M");
-    let schedule = if parts.get(2) == Some(&"gpipe") { Schedule::GPipe } else { Schedule::OneFOneB };
+    let schedule = if parts[2..].contains(&"gpipe") { Schedule::GPipe } else { Schedule::OneFOneB };
+    let backward = if parts[2..].contains(&"whole") { Backward::Whole } else { Backward::Split };
     let mut graph = input_graph.clone();
     PassManager::new(passes.iter().map(|p| pass_by_name(p)).collect()).run(&mut graph).map_err(|e| e.to_string())?;
     let batch_inputs = vec!["input_ids".to_string(), "labels".to_string()];
@@ -163,6 +164,7 @@ fn check_pipeline(
         cuts: vec![],
         micro_batches,
         schedule,
+        backward,
         batch_inputs: batch_inputs.clone(),
         frozen: Default::default(),
     };

@@ -7,7 +7,7 @@ use autotp_ir::{Graph, Tensor};
 use autotp_passes::accumulate::Accumulate;
 use autotp_passes::autodiff::Autodiff;
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
-use autotp_passes::pipeline::{partition, Pipeline, Schedule};
+use autotp_passes::pipeline::{partition, Backward, Pipeline, Schedule};
 use autotp_passes::PassManager;
 
 use crate::common::{fixture, max_abs_diff};
@@ -115,52 +115,64 @@ fn the_planned_bubble_follows_the_stages_costs() {
     // Equal stages whose backward sends at its end: the textbook bubble, either schedule.
     for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
         for (stages, micro_batches) in [(2, 4), (4, 8), (3, 1)] {
-            let mut costs = vec![chunks(5, 10, 0); stages];
+            let mut costs = vec![chunks(5, 4, 6); stages];
             costs[0] = chunks(5, 0, 10);
-            for idle in stage_idle_fractions(schedule, &costs, micro_batches) {
+            for idle in stage_idle_fractions(schedule, Backward::Whole, &costs, micro_batches) {
                 assert!((idle - bubble_fraction(stages, micro_batches)).abs() < 1e-12, "{schedule:?}: {idle}");
             }
         }
     }
     // Costs 1 and 2 over 4 micro-batches: the step is 1 + 2 + 3 x 2 = 9 units of a chunk.
-    let idle = stage_idle_fractions(Schedule::OneFOneB, &[chunks(1, 0, 2), chunks(2, 4, 0)], 4);
-    assert!((idle[0] - 5.0 / 9.0).abs() < 1e-12 && (idle[1] - 1.0 / 9.0).abs() < 1e-12, "{idle:?}");
+    for backward in [Backward::Whole, Backward::Split] {
+        let idle = stage_idle_fractions(Schedule::OneFOneB, backward, &[chunks(1, 0, 2), chunks(2, 4, 0)], 4);
+        assert!((idle[0] - 5.0 / 9.0).abs() < 1e-12 && (idle[1] - 1.0 / 9.0).abs() < 1e-12, "{idle:?}");
+    }
     // Sending the input's gradient before the weights' shortens the way back: 1/7, not 1/5.
-    let idle = stage_idle_fractions(Schedule::OneFOneB, &[chunks(1, 0, 2), chunks(1, 1, 1)], 4);
+    let equal = [chunks(1, 0, 2), chunks(1, 1, 1)];
+    let idle = stage_idle_fractions(Schedule::OneFOneB, Backward::Split, &equal, 4);
     assert!(idle.iter().all(|idle| (idle - 1.0 / 7.0).abs() < 1e-12), "{idle:?}");
+    let idle = stage_idle_fractions(Schedule::OneFOneB, Backward::Whole, &equal, 4);
+    assert!(idle.iter().all(|idle| (idle - 1.0 / 5.0).abs() < 1e-12), "{idle:?}");
 }
 
-/// The backward chunk sends the input's gradient before it computes the weights' gradients.
+/// A split backward chunk sends the input's gradient before it computes the weights'
+/// gradients; a whole one after.
 #[test]
 fn the_input_gradient_is_sent_before_the_weight_gradients() {
     let model = with_loss("gpt2");
-    let pipeline = Pipeline {
-        stages: 2,
-        cuts: Vec::new(),
-        micro_batches: 2,
-        schedule: Schedule::OneFOneB,
-        batch_inputs: vec!["input_ids".into(), LABELS.into()],
-        frozen: Default::default(),
-    };
-    let (stages, graphs) = pipeline.run(&model.graph).unwrap();
-    let last = &graphs[1];
-    let nodes: Vec<&autotp_ir::Node> = last.nodes().map(|(_, n)| n).collect();
-    let gradient_send = nodes
-        .iter()
-        .position(|n| matches!(n.op, autotp_ir::Op::Send { message: autotp_ir::Message::Gradient, .. }))
-        .unwrap();
-    // The micro-batch's weight gradients (a matmul among them) are made after the send, before
-    // the next micro-batch's chunk receives anything.
-    let next_recv = nodes[gradient_send..]
-        .iter()
-        .position(|n| matches!(n.op, autotp_ir::Op::Recv { .. }))
-        .map_or(nodes.len(), |k| gradient_send + k);
-    let made_after =
-        nodes[gradient_send + 1..next_recv].iter().filter(|n| matches!(n.op, autotp_ir::Op::MatMul { .. })).count();
-    assert!(made_after > 0, "no matmul between the gradient's send and the next recv");
-    let costs = stages.chunk_costs[1];
-    assert!(costs.input_gradient > 0 && costs.weight_gradients > 0, "{costs:?}");
-    assert_eq!(stages.chunk_costs[0].input_gradient, 0, "the first stage sends no gradient");
+    for backward in [Backward::Split, Backward::Whole] {
+        let pipeline = Pipeline {
+            stages: 2,
+            cuts: Vec::new(),
+            micro_batches: 2,
+            schedule: Schedule::OneFOneB,
+            backward,
+            batch_inputs: vec!["input_ids".into(), LABELS.into()],
+            frozen: Default::default(),
+        };
+        let (stages, graphs) = pipeline.run(&model.graph).unwrap();
+        let last = &graphs[1];
+        let nodes: Vec<&autotp_ir::Node> = last.nodes().map(|(_, n)| n).collect();
+        let gradient_send = nodes
+            .iter()
+            .position(|n| matches!(n.op, autotp_ir::Op::Send { message: autotp_ir::Message::Gradient, .. }))
+            .unwrap();
+        // Split: the micro-batch's weight gradients (a matmul among them) are made after the
+        // send, before the next micro-batch's chunk receives anything. Whole: none are.
+        let next_recv = nodes[gradient_send..]
+            .iter()
+            .position(|n| matches!(n.op, autotp_ir::Op::Recv { .. }))
+            .map_or(nodes.len(), |k| gradient_send + k);
+        let made_after =
+            nodes[gradient_send + 1..next_recv].iter().filter(|n| matches!(n.op, autotp_ir::Op::MatMul { .. })).count();
+        match backward {
+            Backward::Split => assert!(made_after > 0, "no matmul between the gradient's send and the next recv"),
+            Backward::Whole => assert_eq!(made_after, 0, "matmuls between the gradient's send and the next recv"),
+        }
+        let costs = stages.chunk_costs[1];
+        assert!(costs.input_gradient > 0 && costs.weight_gradients > 0, "{costs:?}");
+        assert_eq!(stages.chunk_costs[0].input_gradient, 0, "the first stage sends no gradient");
+    }
 }
 
 #[test]
@@ -200,12 +212,13 @@ fn tokens(shape: &[usize], seed: i64) -> Tensor {
 #[test]
 fn stage_graphs_compute_the_accumulated_step() {
     let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
-    for (arch, stages, micro_batches, schedule) in [
-        ("gpt2", 2, 4, Schedule::OneFOneB),
-        ("gpt2", 2, 3, Schedule::GPipe),
-        ("llama", 2, 4, Schedule::OneFOneB),
-        ("llama", 4, 4, Schedule::OneFOneB),
-        ("gpt_neox", 3, 2, Schedule::OneFOneB),
+    for (arch, stages, micro_batches, schedule, backward) in [
+        ("gpt2", 2, 4, Schedule::OneFOneB, Backward::Split),
+        ("gpt2", 2, 3, Schedule::GPipe, Backward::Split),
+        ("llama", 2, 4, Schedule::OneFOneB, Backward::Split),
+        ("llama", 4, 4, Schedule::OneFOneB, Backward::Split),
+        ("llama", 3, 4, Schedule::OneFOneB, Backward::Whole),
+        ("gpt_neox", 3, 2, Schedule::OneFOneB, Backward::Split),
     ] {
         let model = with_loss(arch);
         let graph = &model.graph;
@@ -214,6 +227,7 @@ fn stage_graphs_compute_the_accumulated_step() {
             cuts: vec![],
             micro_batches,
             schedule,
+            backward,
             batch_inputs: batch_inputs.clone(),
             frozen: Default::default(),
         };
@@ -248,7 +262,7 @@ fn stage_graphs_compute_the_accumulated_step() {
                 let (diff, scale) = max_abs_diff(got, &expected[index]);
                 assert!(
                     diff <= 1e-5 * scale.max(1e-3),
-                    "{arch} pp {stages} {schedule:?}: {name} differs by {diff} (scale {scale})"
+                    "{arch} pp {stages} {schedule:?} {backward:?}: {name} differs by {diff} (scale {scale})"
                 );
                 compared += 1;
             }
@@ -273,6 +287,7 @@ fn stages_hold_the_parameters_they_recompute_from() {
         cuts: vec![],
         micro_batches: 2,
         schedule: Schedule::OneFOneB,
+        backward: Backward::Split,
         batch_inputs: vec!["input_ids".into(), LABELS.into()],
         frozen: Default::default(),
     };

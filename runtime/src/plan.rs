@@ -88,6 +88,10 @@ pub struct TrainingConfig {
 pub struct PipelineConfig {
     /// `1f1b` or `gpipe`.
     pub schedule: String,
+    /// When a backward chunk sends its input's gradient: `split` (before the weights'
+    /// gradients) or `whole` (after them).
+    #[serde(default = "split_backward")]
+    pub backward: String,
     /// Each stage's forward cost by the partition's model (FLOPs per micro-batch).
     pub stage_flops: Vec<u64>,
     /// The most micro-batches whose activations each stage holds at once.
@@ -99,6 +103,10 @@ pub struct PipelineConfig {
     /// input's gradient before making the weights' shortens the bubble).
     #[serde(default)]
     pub stage_idle: Vec<f64>,
+}
+
+fn split_backward() -> String {
+    "split".to_string()
 }
 
 impl PipelineConfig {

@@ -61,6 +61,36 @@ pub enum Schedule {
     GPipe,
 }
 
+/// When a backward chunk sends its input's gradient to the stage before.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Backward {
+    /// As soon as it is made, before the weights' gradients (zero-bubble pipelines' B/W split
+    /// inside one chunk): the stage before starts its backward sooner, which shortens the bubble
+    /// below (P-1)/(M+P-1); the output's gradient is held until the weights' gradients are made.
+    Split,
+    /// When the whole backward is done, as Megatron's and DeepSpeed's 1F1B and GPipe do; the
+    /// backward runs in the differentiated graph's order, which frees each layer's output
+    /// gradient sooner.
+    Whole,
+}
+
+impl Backward {
+    pub fn parse(name: &str) -> Option<Backward> {
+        match name {
+            "split" => Some(Backward::Split),
+            "whole" => Some(Backward::Whole),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backward::Split => "split",
+            Backward::Whole => "whole",
+        }
+    }
+}
+
 /// One stage's part of micro-batch `i`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Chunk {
@@ -141,13 +171,23 @@ impl ChunkCosts {
 /// costs. The step is one micro-batch's way through the pipeline (every stage's forward, then
 /// every input gradient back to the first stage and its backward) plus `M - 1` micro-batches
 /// at the pace of the slowest stage (1F1B: its whole chunks; GPipe: its forwards, then its
-/// backwards); stage `s` works `M` times its chunks of it. With equal stages whose backward
-/// sends only at its end, this is [`bubble_fraction`]; sending the input's gradient before the
-/// weights' gradients shortens the way back.
-pub fn stage_idle_fractions(schedule: Schedule, costs: &[ChunkCosts], micro_batches: usize) -> Vec<f64> {
+/// backwards); stage `s` works `M` times its chunks of it. With equal stages and
+/// [`Backward::Whole`], this is [`bubble_fraction`]; [`Backward::Split`] shortens the way back
+/// to the input gradients' part of each backward.
+pub fn stage_idle_fractions(
+    schedule: Schedule,
+    backward: Backward,
+    costs: &[ChunkCosts],
+    micro_batches: usize,
+) -> Vec<f64> {
     let slowest = |cost: fn(&ChunkCosts) -> u64| costs.iter().map(cost).max().unwrap_or(0);
-    let through: u64 = costs.iter().map(|c| c.forward + c.input_gradient).sum::<u64>()
-        + costs.first().map_or(0, |first| first.weight_gradients);
+    let through: u64 = match backward {
+        Backward::Whole => costs.iter().map(ChunkCosts::total).sum(),
+        Backward::Split => {
+            costs.iter().map(|c| c.forward + c.input_gradient).sum::<u64>()
+                + costs.first().map_or(0, |first| first.weight_gradients)
+        }
+    };
     let rest = micro_batches.saturating_sub(1) as u64;
     let step = through
         + rest
@@ -167,6 +207,7 @@ pub struct Pipeline {
     /// Micro-batches per step (`M`).
     pub micro_batches: usize,
     pub schedule: Schedule,
+    pub backward: Backward,
     /// Graph inputs with a batch dim 0 (become `[rows, M, ...]`).
     pub batch_inputs: Vec<String>,
     /// Parameters that get no gradient (`--freeze`).
@@ -330,7 +371,7 @@ impl Pipeline {
                         )?;
                         map[pipe_in.index()] = Some(received);
                     }
-                    copy_nodes(&mut g, d, &nodes, parts, Part::Forward, &mut map);
+                    copy_nodes(&mut g, d, &nodes, parts, &[Part::Forward], &mut map);
                     let out = map[output.index()].expect("computed");
                     if last {
                         let weight = match (counted, total) {
@@ -364,12 +405,20 @@ impl Pipeline {
                         let ty = d.ty(cotangent).clone();
                         add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), message: Gradient, ty }, vec![])?
                     });
-                    copy_nodes(&mut g, d, &nodes, parts, Part::InputGradient, map);
+                    let first: &[Part] = match self.backward {
+                        Backward::Split => &[Part::InputGradient],
+                        // In the differentiated graph's order, which frees each layer's output
+                        // gradient once both of its gradients are made.
+                        Backward::Whole => &[Part::InputGradient, Part::WeightGradients],
+                    };
+                    copy_nodes(&mut g, d, &nodes, parts, first, map);
                     if let Some(pipe_in_grad) = pipe_in_grad {
                         let grad = map[pipe_in_grad.index()].expect("computed");
                         send(&mut g, grad, s - 1, gradient_tag(i), Gradient)?;
                     }
-                    copy_nodes(&mut g, d, &nodes, parts, Part::WeightGradients, map);
+                    if self.backward == Backward::Split {
+                        copy_nodes(&mut g, d, &nodes, parts, &[Part::WeightGradients], map);
+                    }
                     for ((_, value), sum) in grads.iter().zip(sums.iter_mut()) {
                         let grad = map[value.index()].expect("computed");
                         *sum = Some(match *sum {
@@ -485,9 +534,9 @@ fn chunk_costs(d: &Graph, parts: &[Part]) -> ChunkCosts {
     costs
 }
 
-/// Copies the nodes of `d` in `part` through `map`, in graph order.
-fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], parts: &[Part], part: Part, map: &mut [Option<ValueId>]) {
-    for (node, _) in nodes.iter().zip(parts).filter(|(_, &p)| p == part) {
+/// Copies the nodes of `d` in `wanted` parts through `map`, in graph order.
+fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], parts: &[Part], wanted: &[Part], map: &mut [Option<ValueId>]) {
+    for (node, _) in nodes.iter().zip(parts).filter(|(_, p)| wanted.contains(p)) {
         let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
         let types = node.outputs.iter().map(|&o| d.ty(o).clone()).collect();
         let new = g.add_node_typed(node.op.clone(), inputs, types);
