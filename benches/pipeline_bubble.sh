@@ -9,14 +9,17 @@
 # done (whole: the textbook schedules, which the formula describes) and before the weights'
 # gradients (split: the default, whose bubble is shorter than the formula's).
 #
-#     benches/pipeline_bubble.sh [STEPS]
+#     benches/pipeline_bubble.sh [STEPS] [ROUNDS]
 #
 # Each rank gets cores/ranks kernel threads, pinned to its own cores (--bind-cores), so P stages
-# need P cores to run side by side; the machine's core count caps P. The measured idle share is
-# the median over steps. Prints one row per configuration.
+# need P cores to run side by side; the machine's core count caps P. A run's measured idle share
+# is the median over its steps. Every configuration runs once per round, round-robin, so a slow
+# spell of the machine falls on all of them; the table gives the median over rounds and the
+# range of the bubble's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-12}
+rounds=${2:-3}
 cores=$(nproc)
 cargo build --release -q
 out=target/bench-pipeline
@@ -27,27 +30,49 @@ random.seed(0)
 n = 1 << 20
 open(sys.argv[1], "wb").write(struct.pack("<%dH" % n, *[random.randrange(16) for _ in range(n)]))
 PY
-printf "%-4s %-4s %-8s %-9s %11s %8s %14s %14s %8s %10s\n" P M schedule backward "all stages" bubble "bubble plan" "(P-1)/(M+P-1)" diff "ms/step"
+configs=()
 for stages in 2 4; do
     if [ "$stages" -gt "$cores" ]; then
         echo "(pp $stages skipped: $cores cores)"
         continue
     fi
     for variant in "1f1b whole" "1f1b split" "gpipe whole" "gpipe split"; do
-        read -r schedule backward <<< "$variant"
         for m in 4 8 16; do
-            target/release/autotp compile tests/fixtures/uniform/model.onnx --seq-len 64 --micro-batch 16 \
-                --grad-accum "$m" --pp "$stages" --schedule "$schedule" --pp-backward "$backward" \
-                -o "$out/plan.atp" > /dev/null
-            log=$(target/release/autotp run "$out/plan.atp" --data "$out/tokens.bin" \
-                --steps "$steps" --log-every 1000000 --bind-cores 2>&1 > /dev/null)
-            all=$(echo "$log" | awk '$1 == "all" { sub("%", "", $2); print $2 }')
-            bubble=$(echo "$log" | awk '$1 == "bubble" { sub("%", "", $4); print $4 }')
-            plan=$(echo "$log" | awk '$1 == "bubble" { sub("%", "", $5); print $5 }')
-            formula=$(echo "$log" | awk '$1 == "bubble" { sub("%", "", $6); print $6 }')
-            ms=$(echo "$log" | sed -n 's/.* s: \([0-9.]*\) ms per step.*/\1/p')
-            printf "%-4s %-4s %-8s %-9s %10s%% %7s%% %13s%% %13s%% %+8.1f %10s\n" "$stages" "$m" "$schedule" "$backward" \
-                "$all" "$bubble" "$plan" "$formula" "$(echo "$bubble - $formula" | bc -l)" "$ms"
+            configs+=("$stages $m $variant")
         done
     done
 done
+results="$out/results.txt"
+: > "$results"
+for round in $(seq "$rounds"); do
+    for config in "${configs[@]}"; do
+        read -r stages m schedule backward <<< "$config"
+        plan="$out/pp$stages-m$m-$schedule-$backward.atp"
+        if [ "$round" = 1 ]; then
+            target/release/autotp compile tests/fixtures/uniform/model.onnx --seq-len 64 --micro-batch 16 \
+                --grad-accum "$m" --pp "$stages" --schedule "$schedule" --pp-backward "$backward" \
+                -o "$plan" > /dev/null
+        fi
+        log=$(target/release/autotp run "$plan" --data "$out/tokens.bin" \
+            --steps "$steps" --log-every 1000000 --bind-cores 2>&1 > /dev/null)
+        all=$(echo "$log" | awk '$1 == "all" { sub("%", "", $2); print $2 }')
+        bubble=$(echo "$log" | awk '$1 == "bubble" { sub("%", "", $4); sub("%", "", $5); sub("%", "", $6); print $4, $5, $6 }')
+        ms=$(echo "$log" | sed -n 's/.* s: \([0-9.]*\) ms per step.*/\1/p')
+        echo "$config $all $bubble $ms" >> "$results"
+    done
+    echo "(round $round of $rounds done)" >&2
+done
+python3 - "$results" <<'PY'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    p, m, schedule, backward, all_, bubble, plan, formula, ms = line.split()
+    rows.setdefault((p, m, schedule, backward), []).append((float(all_), float(bubble), float(plan), float(formula), float(ms)))
+print(f"{'P':<3} {'M':<3} {'schedule':<8} {'backward':<8} {'all stages':>10} {'bubble':>7} {'bubble range':>13} "
+      f"{'bubble plan':>11} {'(P-1)/(M+P-1)':>13} {'diff':>6} {'ms/step':>8}")
+for (p, m, schedule, backward), runs in rows.items():
+    median = lambda i: statistics.median(r[i] for r in runs)
+    low, high = min(r[1] for r in runs), max(r[1] for r in runs)
+    print(f"{p:<3} {m:<3} {schedule:<8} {backward:<8} {median(0):>9.1f}% {median(1):>6.1f}% {f'{low:.1f}..{high:.1f}%':>13} "
+          f"{median(2):>10.1f}% {median(3):>12.1f}% {median(1) - median(3):>+6.1f} {median(4):>8.1f}")
+PY
