@@ -255,7 +255,8 @@ fn median_per_rank(per_step: &[Vec<f64>]) -> Vec<f64> {
 
 /// Each pipeline stage's measured idle share of a step (the step's time less the time the stage
 /// ran its program but for waiting on the stages beside it; the median over steps, the mean over
-/// the stage's ranks), beside the schedule's bubble.
+/// the stage's ranks), beside the plan's; then the measured bubble, the busiest stage's idle
+/// share, beside (P-1)/(M+P-1).
 fn bubble_table(pipeline: &autotp_runtime::plan::PipelineConfig, stage_size: usize, idle: &[f64]) -> String {
     let mut out = format!(
         "pipeline ({} schedule, {} backward): idle share of a step per stage (median over steps), measured \
