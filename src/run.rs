@@ -280,7 +280,7 @@ fn bubble_table(pipeline: &autotp_runtime::plan::PipelineConfig, stage_size: usi
             planned[stage]
         );
     }
-    let all = idle.iter().sum::<f64>() / idle.len().max(1) as f64;
+    let all = measured.iter().sum::<f64>() / measured.len().max(1) as f64;
     let all_planned = planned.iter().sum::<f64>() / planned.len().max(1) as f64;
     out += &format!("{:>6} {:>14} {:>11.1}% {all_planned:>13.1}% {equal:>13.1}%\n", "all", "", 100.0 * all);
     if let Some((busiest, busiest_idle)) = measured.iter().copied().enumerate().min_by(|a, b| a.1.total_cmp(&b.1)) {

@@ -405,20 +405,18 @@ impl Pipeline {
                         let ty = d.ty(cotangent).clone();
                         add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), message: Gradient, ty }, vec![])?
                     });
-                    let first: &[Part] = match self.backward {
-                        Backward::Split => &[Part::InputGradient],
+                    let (before_send, after_send): (&[Part], &[Part]) = match self.backward {
+                        Backward::Split => (&[Part::InputGradient], &[Part::WeightGradients]),
                         // In the differentiated graph's order, which frees each layer's output
                         // gradient once both of its gradients are made.
-                        Backward::Whole => &[Part::InputGradient, Part::WeightGradients],
+                        Backward::Whole => (&[Part::InputGradient, Part::WeightGradients], &[]),
                     };
-                    copy_nodes(&mut g, d, &nodes, parts, first, map);
+                    copy_nodes(&mut g, d, &nodes, parts, before_send, map);
                     if let Some(pipe_in_grad) = pipe_in_grad {
                         let grad = map[pipe_in_grad.index()].expect("computed");
                         send(&mut g, grad, s - 1, gradient_tag(i), Gradient)?;
                     }
-                    if self.backward == Backward::Split {
-                        copy_nodes(&mut g, d, &nodes, parts, &[Part::WeightGradients], map);
-                    }
+                    copy_nodes(&mut g, d, &nodes, parts, after_send, map);
                     for ((_, value), sum) in grads.iter().zip(sums.iter_mut()) {
                         let grad = map[value.index()].expect("computed");
                         *sum = Some(match *sum {
@@ -496,15 +494,15 @@ fn shared_tag(micro_batches: usize, index: usize) -> u64 {
 enum Part {
     /// The forward chunk: what the stage's output needs.
     Forward,
-    /// The start of the backward chunk: what the gradient sent to the stage before needs.
+    /// The part of the backward chunk the gradient sent to the stage before needs.
     InputGradient,
     /// The rest of the backward chunk.
     WeightGradients,
 }
 
 /// The part each node of the differentiated stage graph `d` runs in. The forward chunk: the
-/// nodes the stage's output needs. The backward chunk: first the nodes the gradient sent to
-/// the stage before needs, then the rest, so the stage before waits only for the first part.
+/// nodes the stage's output needs. The backward chunk: the nodes the gradient sent to the
+/// stage before needs, and the rest (which [`Backward::Split`] runs after the send).
 fn chunk_parts(d: &Graph, last: bool) -> Vec<Part> {
     let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
     let output = |name: &str| d.outputs().iter().find(|(n, _)| n == name).map(|(_, v)| *v);
