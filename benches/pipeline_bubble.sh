@@ -6,8 +6,8 @@
 # last stage a little slower), measured against the plan for the stages' own costs and against
 # the textbook (P-1)/(M+P-1) (diff is against it); "all stages" is the mean over stages. For
 # 1F1B and GPipe, each with the backward sending its input's gradient when the whole backward is
-# done (whole: the textbook schedules, which the formula describes) and before the weights'
-# gradients (split: the default, whose bubble is shorter than the formula's).
+# done (whole: the default, the textbook schedules the formula describes) and before the weights'
+# gradients (split, whose bubble is shorter than the formula's).
 #
 #     benches/pipeline_bubble.sh [STEPS] [ROUNDS]
 #

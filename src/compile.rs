@@ -66,11 +66,11 @@ pub struct CompileFlags {
     /// flight) or gpipe (all forwards, then all backwards).
     #[arg(long, default_value = "1f1b")]
     pub schedule: String,
-    /// When a pipeline stage's backward sends its input's gradient to the stage before: split
-    /// (as soon as it is made, then the weights' gradients: a shorter bubble; the output's
-    /// gradient is held a little longer) or whole (after the whole backward, as Megatron and
-    /// DeepSpeed do).
-    #[arg(long, default_value = "split")]
+    /// When a pipeline stage's backward sends its input's gradient to the stage before: whole
+    /// (after the whole backward, as Megatron and DeepSpeed do: the textbook 1F1B and GPipe) or
+    /// split (as soon as it is made, then the weights' gradients: a shorter bubble, but the
+    /// output's gradient is held longer).
+    #[arg(long, default_value = "whole")]
     pub pp_backward: String,
     /// Where the pipeline stages start (pp - 1 of them): before the first use of a parameter
     /// whose name starts with each prefix, e.g. model.layers.2. Comma-separated or repeated.
@@ -288,7 +288,9 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         .with_context(|| format!("--schedule '{}' is not one of 1f1b, gpipe", flags.schedule))?;
     let pipeline_backward = PipelineBackward::parse(&flags.pp_backward)
         .with_context(|| format!("--pp-backward '{}' is not one of split, whole", flags.pp_backward))?;
-    if flags.pp == 1 && (!flags.pp_cuts.is_empty() || flags.schedule != "1f1b" || flags.pp_backward != "split") {
+    if flags.pp == 1
+        && (!flags.pp_cuts.is_empty() || flags.schedule != "1f1b" || pipeline_backward != PipelineBackward::Whole)
+    {
         bail!("--pp-cuts, --schedule and --pp-backward place pipeline stages: they need --pp 2 or more");
     }
     if flags.explain_tp && flags.tp < 2 {

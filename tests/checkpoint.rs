@@ -230,7 +230,7 @@ fn sharded_resume_is_bit_identical_and_exports() {
         success(straight_run);
         if name.starts_with("pp2") {
             // Each stage's idle share, and the busiest stage's beside the textbook 1 / (2 + 1).
-            assert!(log.contains("pipeline (1f1b schedule, split backward): idle share"), "{name}: {log}");
+            assert!(log.contains("pipeline (1f1b schedule, whole backward): idle share"), "{name}: {log}");
             let bubble = log.lines().find(|l| l.starts_with("bubble")).unwrap_or_else(|| panic!("{name}: {log}"));
             assert!(bubble.contains("(stage ") && bubble.trim_end().ends_with("33.3%"), "{name}: {bubble}");
         }

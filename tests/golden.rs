@@ -12,9 +12,10 @@
 //! It also runs input and output through the reference evaluator on random data (the SPMD one
 //! for a graph on a mesh): a pass must preserve what the graph computes.
 //!
-//! A last pass `pipeline:P:M[:gpipe][:whole]` cuts the graph into P stages over M micro-batches; the
-//! expectation is the stage graphs, each after a `# stage S` line, and the stages run together
-//! by the pipeline evaluator must compute what `autodiff` + `accumulate:M` computes.
+//! A last pass `pipeline:P:M[:gpipe][:split]` cuts the graph into P stages over M micro-batches
+//! (the backward whole unless `split`); the expectation is the stage graphs, each after a
+//! `# stage S` line, and the stages run together by the pipeline evaluator must compute what
+//! `autodiff` + `accumulate:M` computes.
 
 use std::path::Path;
 
@@ -141,7 +142,7 @@ fn check(path: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// A golden file ending in the pipeline pass (`spec` is `P:M[:gpipe]`).
+/// A golden file ending in the pipeline pass (`spec` is `P:M[:gpipe][:split]`).
 fn check_pipeline(
     path: &Path,
     input_graph: &autotp_ir::Graph,
@@ -155,7 +156,7 @@ fn check_pipeline(
     let stages = parts[0].parse().expect("pipeline:P:M");
     let micro_batches = parts[1].parse().expect("pipeline:P:M");
     let schedule = if parts[2..].contains(&"gpipe") { Schedule::GPipe } else { Schedule::OneFOneB };
-    let backward = if parts[2..].contains(&"whole") { Backward::Whole } else { Backward::Split };
+    let backward = if parts[2..].contains(&"split") { Backward::Split } else { Backward::Whole };
     let mut graph = input_graph.clone();
     PassManager::new(passes.iter().map(|p| pass_by_name(p)).collect()).run(&mut graph).map_err(|e| e.to_string())?;
     let batch_inputs = vec!["input_ids".to_string(), "labels".to_string()];

@@ -433,7 +433,7 @@ fn pipeline_trains_like_one_rank() {
         (2, &["--pp", "2", "--grad-accum", "4"]),
         (1, &["--pp", "2", "--grad-accum", "8"]),
         (2, &["--pp", "4", "--grad-accum", "4"]),
-        (1, &["--pp", "4", "--grad-accum", "8", "--pp-backward", "whole"]),
+        (1, &["--pp", "4", "--grad-accum", "8", "--pp-backward", "split"]),
         (2, &["--pp", "2", "--grad-accum", "4", "--schedule", "gpipe"]),
         (2, &["--pp", "2", "--grad-accum", "4", "--tp", "2"]),
         (1, &["--pp", "2", "--grad-accum", "4", "--dp", "2", "--zero", "2"]),
@@ -549,9 +549,9 @@ fn impossible_pipelines_are_refused() {
     assert!(err.contains("--schedule 'zigzag' is not one of 1f1b, gpipe"), "{err}");
     let err = failure(compile_gpt2(&["--pp", "2", "--pp-backward", "late", "-o", "/dev/null"]));
     assert!(err.contains("--pp-backward 'late' is not one of split, whole"), "{err}");
-    let err = failure(compile_gpt2(&["--pp-backward", "whole", "-o", "/dev/null"]));
+    let err = failure(compile_gpt2(&["--pp-backward", "split", "-o", "/dev/null"]));
     assert!(err.contains("need --pp 2 or more"), "{err}");
     // Named cuts: the second stage starts at layer 1.
     let out = success(compile_gpt2(&["--pp", "2", "--pp-cuts", "m.transformer.h.1", "-o", "/dev/null"]));
-    assert!(out.contains("pipeline: 2 stages, 1f1b schedule (split backward)"), "{out}");
+    assert!(out.contains("pipeline: 2 stages, 1f1b schedule (whole backward)"), "{out}");
 }

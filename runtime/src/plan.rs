@@ -105,6 +105,7 @@ pub struct PipelineConfig {
     pub stage_idle: Vec<f64>,
 }
 
+/// Plans written before the field existed ran the split backward.
 fn split_backward() -> String {
     "split".to_string()
 }
