@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use autotp_runtime::checkpoint::Checkpoint;
+use autotp_runtime::clock::Clock;
 use autotp_runtime::data::{TokenData, TokenDtype};
 use autotp_runtime::plan::PlanFile;
 use autotp_runtime::trainer::{StepMetrics, Trainer};
@@ -55,6 +56,12 @@ pub struct RunFlags {
     /// --bind_cores_to_rank): steadier timings on a machine the run has to itself.
     #[arg(long)]
     bind_cores: bool,
+    /// How the pipeline stages' idle shares are timed: wall (real time) or cpu (each stage by its
+    /// own thread's CPU time, a message arriving when its sender's clock said it was sent: the
+    /// bubble with a core per stage, on a machine with fewer cores; one kernel thread per stage,
+    /// stages of one rank).
+    #[arg(long, default_value = "wall")]
+    clock: String,
 }
 
 impl RunFlags {
@@ -140,6 +147,9 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if flags.profile {
         trainer.enable_profile();
     }
+    let clock =
+        Clock::parse(&flags.clock).with_context(|| format!("--clock '{}' is not one of wall, cpu", flags.clock))?;
+    trainer.set_clock(clock).with_context(|| format!("--clock {}", clock.name()))?;
     if flags.bind_cores {
         trainer.bind_cores()?;
     }
@@ -154,12 +164,8 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     // before the others.
     let mut idle_shares: Vec<Vec<f64>> = Vec::new();
     for _ in first..flags.steps {
-        let busy_before = trainer.busy();
         let m = trainer.step(&data, flags.steps)?;
-        let step_seconds = m.seconds.max(f64::MIN_POSITIVE);
-        let busy_after = trainer.busy();
-        let busy = busy_after.iter().zip(&busy_before).map(|(after, before)| (*after - *before).as_secs_f64());
-        idle_shares.push(busy.map(|busy| 1.0 - busy / step_seconds).collect());
+        idle_shares.push(m.idle.clone());
         let tokens_per_second = ((m.step - first) * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, tokens_per_second));
         bar.inc(1);
@@ -200,7 +206,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         eprint!("{}", measured_against_plan(trainer, steps));
     }
     if let Some(pipeline) = &trainer.training().pipeline {
-        eprint!("{}", bubble_table(pipeline, trainer.stage_size(), &median_per_rank(&idle_shares)));
+        eprint!("{}", bubble_table(pipeline, trainer.stage_size(), clock, &median_per_rank(&idle_shares)));
     }
     // The first rank of every pipeline stage (rank 0 without a pipeline).
     for stage in 0..trainer.stages() {
@@ -257,11 +263,18 @@ fn median_per_rank(per_step: &[Vec<f64>]) -> Vec<f64> {
 /// ran its program but for waiting on the stages beside it; the median over steps, the mean over
 /// the stage's ranks), beside the plan's; then the measured bubble, the busiest stage's idle
 /// share, beside (P-1)/(M+P-1).
-fn bubble_table(pipeline: &autotp_runtime::plan::PipelineConfig, stage_size: usize, idle: &[f64]) -> String {
+fn bubble_table(
+    pipeline: &autotp_runtime::plan::PipelineConfig,
+    stage_size: usize,
+    clock: Clock,
+    idle: &[f64],
+) -> String {
     let mut out = format!(
-        "pipeline ({} schedule, {} backward): idle share of a step per stage (median over steps), measured \
-         against the plan for these stages' costs and the textbook bubble of equal stages\n",
-        pipeline.schedule, pipeline.backward
+        "pipeline ({} schedule, {} backward): idle share of a step per stage (median over steps, {} clock), \
+         measured against the plan for these stages' costs and the textbook bubble of equal stages\n",
+        pipeline.schedule,
+        pipeline.backward,
+        clock.name()
     );
     out += &format!(
         "{:>6} {:>14} {:>12} {:>14} {:>14}\n",

@@ -535,6 +535,47 @@ fn pipeline_schedules_bound_the_activations_in_flight() {
     assert!(peak(&whole, 0) <= peak(&split, 0), "{} vs {}", peak(&whole, 0), peak(&split, 0));
 }
 
+/// `run --clock cpu` times each pipeline stage by its own thread's CPU time (the idle shares of
+/// stages with a core each, on a machine with fewer) and trains the same losses as the wall
+/// clock; plans whose ranks meet in collectives are refused, as is an unknown clock.
+#[test]
+fn the_cpu_clock_times_pipeline_stages() {
+    let dir = scratch("parallel-cpu-clock");
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let (pipelined, meshed) = (dir.join("pp2.atp"), dir.join("dp2.atp"));
+    success(compile_gpt2(&["--pp", "2", "--grad-accum", "2", "-o", pipelined.to_str().unwrap()]));
+    success(compile_gpt2(&["--dp", "2", "-o", meshed.to_str().unwrap()]));
+    let run = |plan: &Path, clock: &str| {
+        let metrics = dir.join(format!("{clock}.jsonl"));
+        let args = ["--steps", "3", "--clock", clock, "--metrics-out", metrics.to_str().unwrap()];
+        let out = autotp(&[&["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()][..], &args].concat());
+        (out, metrics)
+    };
+    let (wall, wall_metrics) = run(&pipelined, "wall");
+    let (cpu, cpu_metrics) = run(&pipelined, "cpu");
+    let log = String::from_utf8_lossy(&cpu.stderr).into_owned();
+    success(wall);
+    success(cpu);
+    assert!(log.contains("idle share of a step per stage (median over steps, cpu clock)"), "{log}");
+    let idle: Vec<f64> = log
+        .lines()
+        .filter(|l| l.split_whitespace().next().is_some_and(|first| first.parse::<usize>().is_ok()))
+        .filter_map(|l| l.split_whitespace().nth(2)?.strip_suffix('%')?.parse().ok())
+        .collect();
+    assert_eq!(idle.len(), 2, "{log}");
+    assert!(idle.iter().all(|share| (0.0..100.0).contains(share)), "{log}");
+    assert_eq!(losses(&cpu_metrics), losses(&wall_metrics));
+    let err = failure(run(&meshed, "cpu").0);
+    assert!(
+        err.contains(
+            "--clock cpu: the training plan has 1 stage(s) of 2 rank(s), and the cpu clock times pipeline stages of one rank each"
+        ),
+        "{err}"
+    );
+    let err = failure(run(&pipelined, "sundial").0);
+    assert!(err.contains("--clock 'sundial' is not one of wall, cpu"), "{err}");
+}
+
 #[test]
 fn impossible_pipelines_are_refused() {
     let err = failure(compile_gpt2(&["--pp", "40", "--grad-accum", "4", "-o", "/dev/null"]));

@@ -124,12 +124,20 @@ struct Group {
     wake: Condvar,
 }
 
+/// A value one rank sent another.
+struct Message {
+    tag: u64,
+    bytes: Vec<u8>,
+    /// The sender's clock when it sent it (see `crate::clock`).
+    sent_at: Duration,
+}
+
 /// Messages from one rank to another, in send order, and the buffers of messages already
 /// received, which later sends reuse (a step sends the same sizes every time, so after the
 /// first step no message allocates).
 #[derive(Default)]
 struct Mailbox {
-    queue: std::collections::VecDeque<(u64, Vec<u8>)>,
+    queue: std::collections::VecDeque<Message>,
     spare: Vec<Vec<u8>>,
 }
 
@@ -227,8 +235,9 @@ impl LocalComm {
         Ok(stage * self.stage_size() + rank % self.stage_size())
     }
 
-    /// Hands a copy of `bytes` from `rank` to its mesh position on stage `to` (does not wait).
-    pub fn send(&self, rank: usize, to: usize, tag: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
+    /// Hands a copy of `bytes` from `rank` to its mesh position on stage `to` (does not wait),
+    /// stamped with the sender's clock reading `sent_at`.
+    pub fn send(&self, rank: usize, to: usize, tag: u64, bytes: &[u8], sent_at: Duration) -> Result<(), RuntimeError> {
         let peer = self.on_stage(rank, to)?;
         self.sent[rank].lock().expect("counters").send += bytes.len();
         let spare = self.mail.lock().expect("mailboxes").entry((rank, peer)).or_default().spare.pop();
@@ -236,19 +245,21 @@ impl LocalComm {
         let mut message = spare.unwrap_or_default();
         message.clear();
         message.extend_from_slice(bytes);
-        self.mail.lock().expect("mailboxes").entry((rank, peer)).or_default().queue.push_back((tag, message));
+        let message = Message { tag, bytes: message, sent_at };
+        self.mail.lock().expect("mailboxes").entry((rank, peer)).or_default().queue.push_back(message);
         self.mail_wake.notify_all();
         Ok(())
     }
 
     /// Waits for the next message to `rank` from its mesh position on stage `from`, which must
-    /// carry `tag` and fill `output`.
-    pub fn recv(&self, rank: usize, from: usize, tag: u64, output: &mut [u8]) -> Result<(), RuntimeError> {
+    /// carry `tag` and fill `output`; returns the sender's clock reading when it sent it.
+    pub fn recv(&self, rank: usize, from: usize, tag: u64, output: &mut [u8]) -> Result<Duration, RuntimeError> {
         let peer = self.on_stage(rank, from)?;
         let mut mail = self.mail.lock().expect("mailboxes");
         loop {
-            if let Some((sent, bytes)) = mail.get_mut(&(peer, rank)).and_then(|mailbox| mailbox.queue.pop_front()) {
+            if let Some(message) = mail.get_mut(&(peer, rank)).and_then(|mailbox| mailbox.queue.pop_front()) {
                 drop(mail);
+                let Message { tag: sent, bytes, sent_at } = message;
                 if sent != tag || bytes.len() != output.len() {
                     return Err(RuntimeError::Comm(format!(
                         "rank {rank} expected message {tag} of {} bytes from stage {from}, got message {sent} of {} bytes",
@@ -258,7 +269,7 @@ impl LocalComm {
                 }
                 output.copy_from_slice(&bytes);
                 self.mail.lock().expect("mailboxes").entry((peer, rank)).or_default().spare.push(bytes);
-                return Ok(());
+                return Ok(sent_at);
             }
             if self.aborted.load(Ordering::SeqCst) {
                 return Err(self.aborted());

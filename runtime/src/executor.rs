@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use autotp_kernels::AlignedBuf;
 
+use crate::clock::{Clock, RankClock, RunTime};
 use crate::comm::{CollectiveKind, CollectiveOp, LocalComm};
 use crate::{Instruction, Program, Region, RuntimeError};
 
@@ -84,9 +85,10 @@ pub struct Executor {
     issued: Vec<u64>,
     /// Time spent in each instruction over all runs, when profiling.
     profile: Option<Vec<std::time::Duration>>,
-    /// Time spent running the program, less the waits for other pipeline stages (in `recv`),
-    /// over all runs.
-    busy: std::time::Duration,
+    /// How runs are timed.
+    clock: Clock,
+    /// What the last run took, with its waits for other pipeline stages.
+    last_run: RunTime,
 }
 
 impl Executor {
@@ -131,7 +133,16 @@ impl Executor {
             _ => None,
         };
         let issued = vec![0; program.mesh.len()];
-        Ok(Executor { comm_thread, program, arena, rank, issued, profile: None, busy: std::time::Duration::ZERO })
+        Ok(Executor {
+            comm_thread,
+            program,
+            arena,
+            rank,
+            issued,
+            profile: None,
+            clock: Clock::Wall,
+            last_run: RunTime::default(),
+        })
     }
 
     pub fn program(&self) -> &Program {
@@ -148,10 +159,15 @@ impl Executor {
         self.profile.as_deref()
     }
 
-    /// The time this rank spent running its program but for waiting on other pipeline stages'
-    /// sends, over all runs: its step time less this is its share of the pipeline bubble.
-    pub fn busy(&self) -> std::time::Duration {
-        self.busy
+    /// Times runs from now on by `clock` (see [`crate::clock`]).
+    pub fn set_clock(&mut self, clock: Clock) {
+        self.clock = clock;
+    }
+
+    /// What the last run took by this executor's clock, and how much of it was spent waiting on
+    /// other pipeline stages' sends.
+    pub fn last_run(&self) -> RunTime {
+        self.last_run
     }
 
     /// Bytes of the arena this executor allocated.
@@ -191,6 +207,7 @@ impl Executor {
         &mut self,
         base: *mut u8,
         pending: &mut std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>>,
+        clock: &mut RankClock,
     ) -> Result<(), RuntimeError> {
         for (index, instruction) in self.program.instructions.iter().enumerate() {
             let started = self.profile.is_some().then(std::time::Instant::now);
@@ -240,7 +257,7 @@ impl Executor {
                         .rank
                         .as_ref()
                         .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: a send needs a communicator")))?;
-                    comm.send(*rank, *to, *tag, region(input))?;
+                    comm.send(*rank, *to, *tag, region(input), clock.now()?)?;
                 }
                 Instruction::Recv { output, from, tag, label } => {
                     let (rank, comm) = self
@@ -248,8 +265,8 @@ impl Executor {
                         .as_ref()
                         .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: a recv needs a communicator")))?;
                     let waiting = std::time::Instant::now();
-                    comm.recv(*rank, *from, *tag, region_mut(output))?;
-                    self.busy = self.busy.saturating_sub(waiting.elapsed());
+                    let sent_at = comm.recv(*rank, *from, *tag, region_mut(output))?;
+                    clock.received(sent_at, waiting.elapsed())?;
                 }
             }
             if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {
@@ -274,11 +291,11 @@ impl Executor {
             }
             self.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
         }
-        let started = std::time::Instant::now();
+        let mut clock = RankClock::start(self.clock)?;
         let base = self.arena.as_mut_slice().as_mut_ptr();
         let mut pending: std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>> =
             std::collections::BTreeMap::new();
-        let result = self.run_instructions(base, &mut pending);
+        let result = self.run_instructions(base, &mut pending, &mut clock);
         if result.is_err() {
             // Collectives still in flight write into the arena: stop the others, then wait.
             if let Some((_, comm)) = &self.rank {
@@ -293,7 +310,7 @@ impl Executor {
         for u in &self.program.updates {
             arena.copy_within(u.from.offset..u.from.end(), u.to.offset);
         }
-        self.busy += started.elapsed();
+        self.last_run = clock.finish()?;
         let arena = self.arena.as_slice();
         Ok(self
             .program

@@ -11,6 +11,7 @@
 //! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically).
 //! - [`tensor_file`]: reading and atomically writing safetensors files.
 //! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads, byte counts).
+//! - [`clock`]: how a rank times its run (wall time, or its own CPU time: `autotp run --clock`).
 //! - [`report`]: a plan's per-rank memory and per-step communication.
 //! - [`profile`]: where a run's step time went, by op (`autotp run --profile`).
 //! - [`affinity`]: pinning threads to the cores this process may use (`autotp run --bind-cores`).
@@ -21,6 +22,7 @@ use std::path::PathBuf;
 
 pub mod affinity;
 pub mod checkpoint;
+pub mod clock;
 pub mod comm;
 pub mod data;
 mod executor;
@@ -64,6 +66,8 @@ pub enum RuntimeError {
     Data(#[from] data::DataError),
     #[error("communication: {0}")]
     Comm(String),
+    #[error("cannot read the thread's CPU time: {0}")]
+    ThreadCpuTime(std::io::Error),
     #[error("rank {rank}: {source}")]
     Rank { rank: usize, source: Box<RuntimeError> },
 }

@@ -23,6 +23,7 @@ use autotp_kernels::shape::{extract_block, insert_block, shard_block};
 use autotp_kernels::DType;
 
 use crate::checkpoint::{self, Checkpoint, DataPosition, Manifest, RngState};
+use crate::clock::{Clock, RunTime};
 use crate::comm::LocalComm;
 use crate::data::TokenData;
 use crate::plan::{Feed, Labels, ModelSource, TrainingConfig, TrainingPlan};
@@ -38,7 +39,11 @@ pub struct StepMetrics {
     pub loss: f64,
     /// Every scalar output of the step (the loss, `grad_norm` when clipping), by name.
     pub scalars: Vec<(String, f64)>,
+    /// Wall time.
     pub seconds: f64,
+    /// Each rank's idle share of the step by the trainer's clock ([`Trainer::set_clock`]): the
+    /// time it waited for other pipeline stages' messages or was done before the step was.
+    pub idle: Vec<f64>,
 }
 
 pub struct Trainer {
@@ -48,6 +53,8 @@ pub struct Trainer {
     /// out, so ranks do not queue on one pool.
     pools: Vec<rayon::ThreadPool>,
     comm: Option<Arc<LocalComm>>,
+    /// How the ranks time their steps.
+    clock: Clock,
     training: TrainingConfig,
     model: ModelSource,
     fingerprint: String,
@@ -87,9 +94,20 @@ impl Trainer {
                 .collect::<Result<Vec<_>, _>>()?;
             (ranks, Some(comm))
         };
-        let pools = if ranks.len() > 1 { rank_pools(ranks.len())? } else { Vec::new() };
-        let mut trainer =
-            Trainer { ranks, pools, comm, training, model, fingerprint, feeds, loss_index, completed: 0, seed };
+        let pools = if ranks.len() > 1 { rank_pools(ranks.len(), shared_cores(ranks.len()))? } else { Vec::new() };
+        let mut trainer = Trainer {
+            ranks,
+            pools,
+            comm,
+            clock: Clock::Wall,
+            training,
+            model,
+            fingerprint,
+            feeds,
+            loss_index,
+            completed: 0,
+            seed,
+        };
         for slot in trainer.param_slots() {
             let bytes = weights
                 .get(&slot.name)
@@ -214,10 +232,25 @@ impl Trainer {
         self.ranks[rank].program()
     }
 
-    /// The time each rank spent running its program, less its waits for other pipeline
-    /// stages, since the trainer was made.
-    pub fn busy(&self) -> Vec<std::time::Duration> {
-        self.ranks.iter().map(Executor::busy).collect()
+    /// Times the ranks' steps by `clock` from now on (see [`crate::clock`]). The CPU clock
+    /// times pipeline stages of one rank each, and gives each rank one kernel thread.
+    pub fn set_clock(&mut self, clock: Clock) -> Result<(), RuntimeError> {
+        if clock == Clock::Cpu {
+            if self.stages() < 2 || self.stage_size() > 1 {
+                return Err(RuntimeError::Plan(format!(
+                    "has {} stage(s) of {} rank(s), and the cpu clock times pipeline stages of one rank each \
+                     (it does not see the waits of collectives)",
+                    self.stages(),
+                    self.stage_size()
+                )));
+            }
+            self.pools = rank_pools(self.ranks.len(), 1)?;
+        }
+        for rank in &mut self.ranks {
+            rank.set_clock(clock);
+        }
+        self.clock = clock;
+        Ok(())
     }
 
     /// Pins each rank's kernel threads to cores of their own (rank r's threads to the r-th
@@ -426,6 +459,15 @@ impl Trainer {
         let outputs = self.run_ranks(&feeds)?;
         let seconds = start.elapsed().as_secs_f64();
         self.completed += 1;
+        let runs: Vec<RunTime> = self.ranks.iter().map(Executor::last_run).collect();
+        // The step ends when its last rank does: by the wall clock when the trainer saw them all
+        // finish (a rank thread starts a little after the first), by the CPU clock at the latest
+        // rank's reading.
+        let length = match self.clock {
+            Clock::Wall => seconds,
+            Clock::Cpu => runs.iter().map(|r| r.length.as_secs_f64()).fold(0.0, f64::max),
+        };
+        let idle = runs.iter().map(|r| 1.0 - r.busy().as_secs_f64() / length.max(f64::MIN_POSITIVE)).collect();
         let program = self.stage_program(self.stages() - 1);
         let scalars: Vec<(String, f64)> = program
             .outputs
@@ -435,7 +477,7 @@ impl Trainer {
             .map(|(slot, t)| (slot.name.clone(), f32::from_le_bytes(t.data[..4].try_into().expect("4 bytes")) as f64))
             .collect();
         let loss = f32::from_le_bytes(outputs[self.loss_index].data[..4].try_into().expect("a scalar f32 loss")) as f64;
-        Ok(StepMetrics { step: step + 1, lr, loss, scalars, seconds })
+        Ok(StepMetrics { step: step + 1, lr, loss, scalars, seconds, idle })
     }
 
     /// Runs every rank on its feed (each a thread when there are several); returns the outputs
@@ -573,10 +615,14 @@ impl Trainer {
     }
 }
 
-/// A kernel thread pool per rank, the available cores divided among them (at least one each).
-fn rank_pools(ranks: usize) -> Result<Vec<rayon::ThreadPool>, RuntimeError> {
+/// Kernel threads per rank when `ranks` ranks share the available cores (at least one each).
+fn shared_cores(ranks: usize) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = (cores / ranks).max(1);
+    (cores / ranks).max(1)
+}
+
+/// A kernel thread pool of `threads` threads per rank.
+fn rank_pools(ranks: usize, threads: usize) -> Result<Vec<rayon::ThreadPool>, RuntimeError> {
     (0..ranks)
         .map(|rank| {
             rayon::ThreadPoolBuilder::new()
