@@ -17,7 +17,7 @@
 //! of random shapes.
 
 use autotp_ir::{
-    BinaryOp, DType, GeluApprox, Graph, Op, ReduceOp, Reduction, Rewriter, Tensor, TensorType, UnaryOp, ValueId,
+    BinaryOp, DType, GeluApprox, Graph, NodeId, Op, ReduceOp, Reduction, Rewriter, Tensor, TensorType, UnaryOp, ValueId,
 };
 
 use std::collections::BTreeSet;
@@ -690,6 +690,17 @@ impl Pass for Autodiff {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        *graph = self.differentiate(graph)?.0;
+        Ok(())
+    }
+}
+
+impl Autodiff {
+    /// The differentiated graph (what [`Pass::run`] makes of `graph`), and for each of its
+    /// nodes the node of `graph` whose rule made it: `None` for the nodes copied from `graph`,
+    /// the loss's seed and the zero gradients of parameters the loss does not use. A cost
+    /// model reads a forward node's backward cost from it.
+    pub fn differentiate(&self, graph: &Graph) -> Result<(Graph, Vec<Option<NodeId>>), PassError> {
         let invalid = |message: String| PassError::Invalid { pass: PASS, message };
         let loss = graph
             .outputs()
@@ -771,7 +782,8 @@ impl Pass for Autodiff {
                 .expect("constant"),
         };
         grads[loss.index()] = Some(seed);
-        for (_, node) in old.nodes().collect::<Vec<_>>().into_iter().rev() {
+        let mut origins: Vec<Option<NodeId>> = vec![None; rw.graph().num_nodes()];
+        for (id, node) in old.nodes().collect::<Vec<_>>().into_iter().rev() {
             let dy: Vec<Option<ValueId>> = node.outputs.iter().map(|o| grads[o.index()]).collect();
             if dy.iter().all(Option::is_none) {
                 continue;
@@ -791,6 +803,7 @@ impl Pass for Autodiff {
                     None => dx,
                 });
             }
+            origins.resize(rw.graph().num_nodes(), Some(id));
         }
         let param_grads: Vec<(String, ValueId)> = trainable
             .iter()
@@ -811,7 +824,7 @@ impl Pass for Autodiff {
         for (name, g) in param_grads {
             result.add_output(name, g);
         }
-        *graph = result;
-        Ok(())
+        origins.resize(result.num_nodes(), None);
+        Ok((result, origins))
     }
 }

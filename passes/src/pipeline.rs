@@ -7,11 +7,12 @@
 //! (position ids, rotary tables, causal masks, a weight's transpose) a stage computes itself,
 //! and a parameter used on two stages (tied embeddings) is held by both.
 //!
-//! The stages are balanced by a cost model of time and memory. Time is a node's forward cost
-//! (FLOPs: `2mnk` per matmul; elsewhere one per element read or written, whichever are more,
-//! since those ops are bound by memory traffic); memory is a stage's parameters with their
-//! gradients and optimizer states, and its activations times the micro-batches the schedule
-//! keeps in flight on it. The cuts make the slowest stage as fast as it can be and, among
+//! The stages are balanced by a cost model of time and memory. Time is a forward node's cost
+//! and that of the backward nodes its gradient rule makes ([`Autodiff::differentiate`] says
+//! which), each [`time_cost`]: `2mnk` per matmul, and elsewhere [`ELEMENT_FLOPS`] per element
+//! read or written, whichever are more, since those ops are bound by memory traffic. Memory is
+//! a stage's parameters with their gradients and optimizer states, and its activations times
+//! the micro-batches the schedule keeps in flight on it. The cuts make the slowest stage as fast as it can be and, among
 //! those, the fullest stage as small as it can be (when one stage, such as a large LM head,
 //! sets the pace, the other cuts move to even out memory). Or the cuts go where the user
 //! names them: a cut named `PREFIX` goes right before the first forward use of a
@@ -21,6 +22,7 @@
 
 use autotp_ir::{Def, Graph, Op, ValueId};
 
+use crate::autodiff::Autodiff;
 use crate::PassError;
 
 pub mod schedule;
@@ -46,6 +48,9 @@ pub struct Stages {
     pub boundaries: Vec<ValueId>,
     /// Each stage's forward cost in FLOPs.
     pub flops: Vec<u64>,
+    /// Each stage's forward and backward time per micro-batch by the cost model ([`time_cost`]),
+    /// which the cuts balance.
+    pub time: Vec<u64>,
     /// Each stage's work per micro-batch by part, from its differentiated graph (set by
     /// [`Pipeline::run`]; empty from [`partition`] alone).
     pub chunk_costs: Vec<ChunkCosts>,
@@ -111,22 +116,60 @@ impl Stages {
     }
 }
 
-/// A node's cost in FLOPs.
+/// What reading or writing one element costs an op other than a matmul, in the time a matmul
+/// takes for a FLOP. On the CPU ranks one core ran the uniform fixture's f32 matmuls at about
+/// 56 GFLOP/s and its other ops at about 1 G elements/s (`autotp run --profile`, one kernel
+/// thread): an element costs 30 to 60 FLOPs. Counting it as one put the cuts of 4 stages before
+/// layer norms, and stages the model called equal took 76 to 104 ms of CPU time per step.
+pub const ELEMENT_FLOPS: u64 = 32;
+
+/// A node's cost in FLOPs: `2mnk` for a matmul, one per element read or written (whichever are
+/// more) elsewhere.
 fn flops(graph: &Graph, node: &autotp_ir::Node) -> u64 {
-    let out = graph.ty(node.outputs[0]);
-    match node.op {
-        Op::MatMul { transpose_lhs, .. } => {
-            let lhs = &graph.ty(node.inputs[0]).shape;
-            let k = if transpose_lhs { lhs[lhs.len() - 2] } else { lhs[lhs.len() - 1] };
-            2 * (out.numel() * k) as u64
-        }
-        Op::Constant { .. } | Op::Reshape { .. } => 0,
-        // Reductions (a loss over its scores) read more than they write.
-        _ => {
-            let elements = |values: &[ValueId]| values.iter().map(|&v| graph.ty(v).numel() as u64).sum::<u64>();
-            elements(&node.inputs).max(elements(&node.outputs))
+    match matmul_flops(graph, node) {
+        Some(flops) => flops,
+        None => elements(graph, node),
+    }
+}
+
+/// A node's time by the cost model, in matmul FLOPs: a matmul's FLOPs; elsewhere
+/// [`ELEMENT_FLOPS`] per element read or written (whichever are more).
+pub fn time_cost(graph: &Graph, node: &autotp_ir::Node) -> u64 {
+    match matmul_flops(graph, node) {
+        Some(flops) => flops,
+        None => ELEMENT_FLOPS * elements(graph, node),
+    }
+}
+
+fn matmul_flops(graph: &Graph, node: &autotp_ir::Node) -> Option<u64> {
+    let Op::MatMul { transpose_lhs, .. } = node.op else { return None };
+    let lhs = &graph.ty(node.inputs[0]).shape;
+    let k = if transpose_lhs { lhs[lhs.len() - 2] } else { lhs[lhs.len() - 1] };
+    Some(2 * (graph.ty(node.outputs[0]).numel() * k) as u64)
+}
+
+/// The elements a node reads or writes, whichever are more (a reduction, such as a loss over
+/// its scores, reads more than it writes); none for constants and reshapes.
+fn elements(graph: &Graph, node: &autotp_ir::Node) -> u64 {
+    if matches!(node.op, Op::Constant { .. } | Op::Reshape { .. }) {
+        return 0;
+    }
+    let count = |values: &[ValueId]| values.iter().map(|&v| graph.ty(v).numel() as u64).sum::<u64>();
+    count(&node.inputs).max(count(&node.outputs))
+}
+
+/// Each forward position's time: its node's and that of the backward nodes its gradient rule
+/// makes (with respect to every parameter: a frozen one's few are counted too).
+fn forward_and_backward_times(graph: &Graph, forward: &[usize]) -> Result<Vec<u64>, PassError> {
+    let (differentiated, origins) = Autodiff::new(crate::loss::LOSS).differentiate(graph)?;
+    let mut backward = vec![0u64; graph.num_nodes()];
+    for ((_, node), origin) in differentiated.nodes().zip(&origins) {
+        if let Some(origin) = origin {
+            backward[origin.index()] += time_cost(&differentiated, node);
         }
     }
+    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+    Ok(forward.iter().map(|&i| time_cost(graph, nodes[i]) + backward[i]).collect())
 }
 
 /// Cuts the forward pass of `graph` (a differentiated graph or a training step with a `loss`
@@ -166,6 +209,7 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String], in_flight: &[us
         }
     }
     let cost: Vec<u64> = forward.iter().map(|&i| flops(graph, nodes[i])).collect();
+    let time = forward_and_backward_times(graph, &forward)?;
     let activation_bytes: Vec<u64> = forward
         .iter()
         .map(|&i| {
@@ -182,7 +226,7 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String], in_flight: &[us
         .collect();
     let candidates: Vec<usize> = (1..forward.len()).filter(|&k| boundary_at[k].is_some()).collect();
     let uses_param: Vec<bool> = params.iter().map(|p| !p.is_empty()).collect();
-    let costs = Costs { time: &cost, activation_bytes: &activation_bytes, params: &params, in_flight };
+    let costs = Costs { time: &time, activation_bytes: &activation_bytes, params: &params, in_flight };
     let cuts = if named.is_empty() {
         balanced_cuts(&costs, &uses_param, &candidates, stages)?
     } else {
@@ -196,11 +240,13 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String], in_flight: &[us
         starts,
         boundaries,
         flops: Vec::new(),
+        time: Vec::new(),
         chunk_costs: Vec::new(),
         memory: Vec::new(),
         params: Vec::new(),
     };
     result.flops = (0..stages).map(|s| cost[result.range(s)].iter().sum()).collect();
+    result.time = (0..stages).map(|s| time[result.range(s)].iter().sum()).collect();
     result.memory = (0..stages).map(|s| costs.memory(s, result.range(s))).collect();
     result.params = (0..stages)
         .map(|s| {
@@ -223,7 +269,7 @@ const PARAM_COPIES: u64 = 4;
 
 /// What the balanced cuts weigh, per forward position.
 struct Costs<'a> {
-    /// Forward cost ([`flops`]).
+    /// Forward and backward time ([`time_cost`]).
     time: &'a [u64],
     /// Bytes of the activations computed (what the backward may keep, per micro-batch).
     activation_bytes: &'a [u64],
@@ -277,7 +323,7 @@ struct Footprint {
 }
 
 /// The `stages - 1` candidate cuts that make the slowest stage as fast as it can be (by
-/// forward cost) and, among those, the fullest stage (by estimated memory) as small as it can
+/// forward and backward time) and, among those, the fullest stage (by estimated memory) as small as it can
 /// be, each stage holding a parameter (a stage of the loss alone would have nothing to train).
 /// Both are the same dynamic programme over the candidates, which are few (one per block
 /// boundary): first the least slowest-stage cost, then the least fullest-stage memory over the

@@ -37,7 +37,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use autotp_ir::Message::{self, Activation, Gradient, SharedGradient};
 use autotp_ir::{BinaryOp, Def, Graph, Node, Op, Tensor, TensorType, ValueId};
 
-use super::{activations, flops, invalid, needed_by, partition, Stages};
+use super::{activations, invalid, needed_by, partition, time_cost, Stages};
 use crate::accumulate::{count_labels, counted_loss, micro_batch};
 use crate::autodiff::{Autodiff, GRAD_PREFIX};
 use crate::loss::LOSS;
@@ -147,7 +147,7 @@ pub fn bubble_fraction(stages: usize, micro_batches: usize) -> f64 {
     (stages - 1) as f64 / (micro_batches + stages - 1) as f64
 }
 
-/// A stage's work per micro-batch by the partition's cost model ([`super::flops`]).
+/// A stage's work per micro-batch by the partition's cost model ([`time_cost`]).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChunkCosts {
     pub forward: u64,
@@ -522,7 +522,7 @@ fn chunk_parts(d: &Graph, last: bool) -> Vec<Part> {
 fn chunk_costs(d: &Graph, parts: &[Part]) -> ChunkCosts {
     let mut costs = ChunkCosts::default();
     for ((_, node), part) in d.nodes().zip(parts) {
-        let cost = flops(d, node);
+        let cost = time_cost(d, node);
         match part {
             Part::Forward => costs.forward += cost,
             Part::InputGradient => costs.input_gradient += cost,
