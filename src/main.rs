@@ -62,11 +62,11 @@ enum Command {
         output_dir: PathBuf,
     },
     /// Compile a model into a training plan (.atp) and print its summary.
-    Compile(compile::CompileArgs),
+    Compile(Box<compile::CompileArgs>),
     /// Train a compiled plan on CPU over a token file.
     Run(run::RunArgs),
     /// Compile and run in one go.
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Write a checkpoint's weights into the original ONNX model and/or a safetensors file.
     Export(export::ExportArgs),
 }

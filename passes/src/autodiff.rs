@@ -768,7 +768,7 @@ impl Autodiff {
             }
         }
 
-        let old = &*graph;
+        let old = graph;
         let mut rw = Rewriter::new(old, |_| true);
         for (id, _) in old.nodes() {
             rw.copy_node(id);
