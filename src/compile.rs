@@ -289,7 +289,9 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let pipeline_backward = PipelineBackward::parse(&flags.pp_backward)
         .with_context(|| format!("--pp-backward '{}' is not one of split, whole", flags.pp_backward))?;
     if flags.pp == 1
-        && (!flags.pp_cuts.is_empty() || flags.schedule != "1f1b" || pipeline_backward != PipelineBackward::Whole)
+        && (!flags.pp_cuts.is_empty()
+            || pipeline_schedule != PipelineSchedule::OneFOneB
+            || pipeline_backward != PipelineBackward::Whole)
     {
         bail!("--pp-cuts, --schedule and --pp-backward place pipeline stages: they need --pp 2 or more");
     }

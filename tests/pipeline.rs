@@ -14,16 +14,21 @@ use crate::common::{fixture, max_abs_diff};
 
 /// The differentiated one-micro-batch step of a fixture (batch 4, sequence 16).
 fn differentiated(arch: &str) -> Graph {
-    let options = autotp_frontend::ImportOptions { batch: Some(4), seq_len: Some(16), ..Default::default() };
-    let mut graph = autotp_frontend::import_onnx(&fixture(arch, "model.onnx"), &options).unwrap().graph;
-    let passes: Vec<Box<dyn autotp_passes::Pass>> = vec![
-        Box::new(autotp_passes::recognize::Recognize),
-        Box::new(autotp_passes::dce::Dce),
-        Box::new(AttachLoss),
-        Box::new(Autodiff::new(LOSS)),
-    ];
-    PassManager::new(passes).run(&mut graph).unwrap();
-    graph
+    Autodiff::new(LOSS).differentiate(&with_loss(arch, 4, 16).graph).unwrap().0
+}
+
+/// The pipeline pass over `stages` stages and `micro_batches` micro-batches, cut by the cost
+/// model, every parameter trained.
+fn pipeline(stages: usize, micro_batches: usize, schedule: Schedule, backward: Backward) -> Pipeline {
+    Pipeline {
+        stages,
+        cuts: vec![],
+        micro_batches,
+        schedule,
+        backward,
+        batch_inputs: vec!["input_ids".into(), LABELS.into()],
+        frozen: Default::default(),
+    }
 }
 
 #[test]
@@ -99,21 +104,8 @@ fn among_the_fastest_cuts_the_fullest_stage_is_smallest() {
 /// (a stage of three norms took 37% longer than one of one).
 #[test]
 fn cuts_of_equal_layers_fall_between_them() {
-    let options = autotp_frontend::ImportOptions { batch: Some(16), seq_len: Some(64), ..Default::default() };
-    let mut graph = autotp_frontend::import_onnx(&fixture("uniform", "model.onnx"), &options).unwrap().graph;
-    let passes: Vec<Box<dyn autotp_passes::Pass>> =
-        vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
-    PassManager::new(passes).run(&mut graph).unwrap();
-    let pipeline = Pipeline {
-        stages: 4,
-        cuts: vec![],
-        micro_batches: 8,
-        schedule: Schedule::OneFOneB,
-        backward: Backward::Whole,
-        batch_inputs: vec!["input_ids".into(), LABELS.into()],
-        frozen: Default::default(),
-    };
-    let (stages, _) = pipeline.run(&graph).unwrap();
+    let graph = with_loss("uniform", 16, 64).graph;
+    let (stages, _) = pipeline(4, 8, Schedule::OneFOneB, Backward::Whole).run(&graph).unwrap();
     // The parameters each stage graph holds.
     for (s, params) in stages.params.iter().enumerate() {
         let layers: Vec<&String> = params.iter().filter(|p| p.starts_with("layers.")).collect();
@@ -180,18 +172,9 @@ fn the_planned_bubble_follows_the_stages_costs() {
 /// gradients; a whole one after.
 #[test]
 fn the_input_gradient_is_sent_before_the_weight_gradients() {
-    let model = with_loss("gpt2");
+    let model = with_loss("gpt2", 2, 8);
     for backward in [Backward::Split, Backward::Whole] {
-        let pipeline = Pipeline {
-            stages: 2,
-            cuts: Vec::new(),
-            micro_batches: 2,
-            schedule: Schedule::OneFOneB,
-            backward,
-            batch_inputs: vec!["input_ids".into(), LABELS.into()],
-            frozen: Default::default(),
-        };
-        let (stages, graphs) = pipeline.run(&model.graph).unwrap();
+        let (stages, graphs) = pipeline(2, 2, Schedule::OneFOneB, backward).run(&model.graph).unwrap();
         let last = &graphs[1];
         let nodes: Vec<&autotp_ir::Node> = last.nodes().map(|(_, n)| n).collect();
         let gradient_send = nodes
@@ -231,9 +214,10 @@ fn impossible_cuts_are_refused() {
     assert!(err.contains("--pp 3 needs 2 --pp-cuts, got 1"), "{err}");
 }
 
-/// The imported graph with its loss, before autodiff, as the pipeline pass takes it.
-fn with_loss(arch: &str) -> autotp_frontend::Model {
-    let options = autotp_frontend::ImportOptions { batch: Some(2), seq_len: Some(8), ..Default::default() };
+/// The imported graph with its loss (`batch` x `seq_len` tokens), before autodiff, as the
+/// pipeline pass takes it.
+fn with_loss(arch: &str, batch: usize, seq_len: usize) -> autotp_frontend::Model {
+    let options = autotp_frontend::ImportOptions { batch: Some(batch), seq_len: Some(seq_len), ..Default::default() };
     let mut model = autotp_frontend::import_onnx(&fixture(arch, "model.onnx"), &options).unwrap();
     let passes: Vec<Box<dyn autotp_passes::Pass>> =
         vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
@@ -261,18 +245,10 @@ fn stage_graphs_compute_the_accumulated_step() {
         ("llama", 3, 4, Schedule::OneFOneB, Backward::Whole),
         ("gpt_neox", 3, 2, Schedule::OneFOneB, Backward::Split),
     ] {
-        let model = with_loss(arch);
+        let model = with_loss(arch, 2, 8);
         let graph = &model.graph;
-        let pipeline = Pipeline {
-            stages,
-            cuts: vec![],
-            micro_batches,
-            schedule,
-            backward,
-            batch_inputs: batch_inputs.clone(),
-            frozen: Default::default(),
-        };
-        let (_, graphs) = pipeline.run(graph).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let (_, graphs) =
+            pipeline(stages, micro_batches, schedule, backward).run(graph).unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert_eq!(graphs.len(), stages);
         let mut reference = graph.clone();
         let passes: Vec<Box<dyn autotp_passes::Pass>> = vec![
@@ -323,16 +299,7 @@ fn stages_hold_the_parameters_they_recompute_from() {
     let input = text.split("# expect:").next().unwrap();
     let mut graph = autotp_ir::text::parse(input).unwrap();
     PassManager::new(vec![Box::new(AttachLoss)]).run(&mut graph).unwrap();
-    let pipeline = Pipeline {
-        stages: 2,
-        cuts: vec![],
-        micro_batches: 2,
-        schedule: Schedule::OneFOneB,
-        backward: Backward::Split,
-        batch_inputs: vec!["input_ids".into(), LABELS.into()],
-        frozen: Default::default(),
-    };
-    let (stages, graphs) = pipeline.run(&graph).unwrap();
+    let (stages, graphs) = pipeline(2, 2, Schedule::OneFOneB, Backward::Split).run(&graph).unwrap();
     assert_eq!(stages.params, [vec!["embed".to_string(), "w".to_string()], vec!["embed".to_string()]]);
     // The transpose sits before the cut in the model, yet only the head's stage computes it.
     let transposes = |g: &Graph| g.nodes().filter(|(_, n)| n.op.name() == "transpose").count();

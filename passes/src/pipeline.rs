@@ -12,11 +12,12 @@
 //! which), each [`time_cost`]: `2mnk` per matmul, and elsewhere [`ELEMENT_FLOPS`] per element
 //! read or written, whichever are more, since those ops are bound by memory traffic. Memory is
 //! a stage's parameters with their gradients and optimizer states, and its activations times
-//! the micro-batches the schedule keeps in flight on it. The cuts make the slowest stage as fast as it can be and, among
-//! those, the fullest stage as small as it can be (when one stage, such as a large LM head,
-//! sets the pace, the other cuts move to even out memory). Or the cuts go where the user
-//! names them: a cut named `PREFIX` goes right before the first forward use of a
-//! parameter whose name starts with `PREFIX` (`model.layers.2` cuts before the third layer).
+//! the micro-batches the schedule keeps in flight on it. The cuts make the slowest stage as
+//! fast as it can be and, among those, the fullest stage as small as it can be (when one
+//! stage, such as a large LM head, sets the pace, the other cuts move to even out memory). Or
+//! the cuts go where the user names them: a cut named `PREFIX` goes right before the first
+//! forward use of a parameter whose name starts with `PREFIX` (`model.layers.2` cuts before
+//! the third layer).
 //!
 //! Tests: tests/pipeline.rs.
 
@@ -117,10 +118,12 @@ impl Stages {
 }
 
 /// What reading or writing one element costs an op other than a matmul, in the time a matmul
-/// takes for a FLOP. On the CPU ranks one core ran the uniform fixture's f32 matmuls at about
-/// 56 GFLOP/s and its other ops at about 1 G elements/s (`autotp run --profile`, one kernel
-/// thread): an element costs 30 to 60 FLOPs. Counting it as one put the cuts of 4 stages before
-/// layer norms, and stages the model called equal took 76 to 104 ms of CPU time per step.
+/// takes for a FLOP. On the CPU ranks one core ran the uniform fixture's training step (16 x 64
+/// tokens, `autotp run --profile`, one kernel thread) with its 818 MFLOP of matmuls in 14.6 ms
+/// (56 GFLOP/s) and its other ops' 47.9 M elements in 66.9 ms (0.72 G elements/s): an element
+/// cost about 78 FLOPs there. 32 is a round figure below that; it already cuts that fixture's
+/// equal layers evenly (counting an element as one FLOP put the cuts of 4 stages before layer
+/// norms, and stages the model called equal took 76 to 104 ms of CPU time per step).
 pub const ELEMENT_FLOPS: u64 = 32;
 
 /// A node's cost in FLOPs: `2mnk` for a matmul, one per element read or written (whichever are
@@ -323,8 +326,9 @@ struct Footprint {
 }
 
 /// The `stages - 1` candidate cuts that make the slowest stage as fast as it can be (by
-/// forward and backward time) and, among those, the fullest stage (by estimated memory) as small as it can
-/// be, each stage holding a parameter (a stage of the loss alone would have nothing to train).
+/// forward and backward time) and, among those, the fullest stage (by estimated memory) as
+/// small as it can be, each stage holding a parameter (a stage of the loss alone would have
+/// nothing to train).
 /// Both are the same dynamic programme over the candidates, which are few (one per block
 /// boundary): first the least slowest-stage cost, then the least fullest-stage memory over the
 /// stages within it.

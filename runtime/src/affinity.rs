@@ -49,22 +49,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_pinned_thread_runs_on_its_core_only() {
-        let cores = allowed_cores().unwrap();
-        assert!(!cores.is_empty());
-        let last = *cores.last().unwrap();
-        let seen = std::thread::spawn(move || {
-            pin_current_thread(last).unwrap();
-            allowed_cores().unwrap()
-        })
-        .join()
-        .unwrap();
+    fn a_pinned_thread_runs_on_its_core_only() -> io::Result<()> {
+        let cores = allowed_cores()?;
+        let &last = cores.last().expect("this process may run on some core");
+        let pinned = std::thread::spawn(move || {
+            pin_current_thread(last)?;
+            allowed_cores()
+        });
+        let seen = pinned.join().expect("the pinned thread finishes")?;
         assert_eq!(seen, vec![last]);
+        Ok(())
     }
 
     #[test]
     fn a_core_outside_the_set_is_refused() {
-        let error = std::thread::spawn(|| pin_current_thread(libc::CPU_SETSIZE as usize)).join().unwrap();
-        assert!(error.unwrap_err().to_string().contains("no core"));
+        let pinned = std::thread::spawn(|| pin_current_thread(libc::CPU_SETSIZE as usize));
+        let result = pinned.join().expect("the thread finishes");
+        assert!(result.is_err_and(|e| e.to_string().contains("no core")));
     }
 }

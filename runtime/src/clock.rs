@@ -119,25 +119,27 @@ mod tests {
     /// Under the CPU clock a message stamped after the receiver's reading moves its clock to the
     /// stamp; one stamped before costs nothing, however long the thread was blocked.
     #[test]
-    fn the_cpu_clock_waits_for_later_stamps_only() {
-        let mut clock = RankClock::start(Clock::Cpu).unwrap();
-        let early = clock.now().unwrap();
-        clock.received(Duration::ZERO, Duration::from_secs(1)).unwrap();
+    fn the_cpu_clock_waits_for_later_stamps_only() -> Result<(), RuntimeError> {
+        let mut clock = RankClock::start(Clock::Cpu)?;
+        let early = clock.now()?;
+        clock.received(Duration::ZERO, Duration::from_secs(1))?;
         assert_eq!(clock.waited, Duration::ZERO);
         let ahead = early + Duration::from_secs(3);
-        clock.received(ahead, Duration::ZERO).unwrap();
-        let run = clock.finish().unwrap();
+        clock.received(ahead, Duration::ZERO)?;
+        let run = clock.finish()?;
         assert!(run.length >= ahead && run.length < ahead + Duration::from_millis(100), "{run:?}");
         assert!(run.waited > Duration::from_millis(2900) && run.waited <= Duration::from_secs(3), "{run:?}");
         assert!(run.busy() < Duration::from_millis(100), "{run:?}");
+        Ok(())
     }
 
     /// Under the wall clock a wait is the time blocked; stamps do not matter.
     #[test]
-    fn the_wall_clock_counts_the_time_blocked() {
-        let mut clock = RankClock::start(Clock::Wall).unwrap();
-        clock.received(Duration::from_secs(10), Duration::from_millis(5)).unwrap();
-        let run = clock.finish().unwrap();
+    fn the_wall_clock_counts_the_time_blocked() -> Result<(), RuntimeError> {
+        let mut clock = RankClock::start(Clock::Wall)?;
+        clock.received(Duration::from_secs(10), Duration::from_millis(5))?;
+        let run = clock.finish()?;
         assert_eq!(run.waited, Duration::from_millis(5));
+        Ok(())
     }
 }

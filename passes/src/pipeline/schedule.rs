@@ -13,8 +13,9 @@
 //!    loss), and `pipe.in` is differentiated too (what it sends to the stage before).
 //! 3. The step graph of stage `s` repeats the stage's forward nodes for micro-batch `i`
 //!    (`F(i)`: recv the activation, forward, send the result) and its backward nodes (`B(i)`:
-//!    recv the gradient, compute the input's gradient and send it, then the weights'
-//!    gradients, so the stage before waits only for the first part) in the schedule's order, adding
+//!    recv the gradient, the whole backward, send the input's gradient; or, with
+//!    [`Backward::Split`], the input's gradient, its send, then the weights' gradients, so the
+//!    stage before waits only for the first part) in the schedule's order, adding
 //!    each micro-batch's parameter gradients into one sum as they are made. Each `F(i)`'s
 //!    values that `B(i)` reads stay alive in between, so the memory planner holds one set of
 //!    activations per micro-batch in flight: at most `P - s` on stage `s` under 1F1B, `M`
@@ -159,7 +160,7 @@ pub struct ChunkCosts {
 
 impl ChunkCosts {
     pub fn total(&self) -> u64 {
-        self.forward + self.input_gradient + self.weight_gradients
+        self.forward + self.backward()
     }
 
     fn backward(&self) -> u64 {
@@ -202,7 +203,8 @@ pub fn stage_idle_fractions(
 /// The pipeline pass: an imported graph with a `loss` output -> one graph per stage.
 pub struct Pipeline {
     pub stages: usize,
-    /// Parameter-name prefixes to cut before (`--pp-cuts`), or empty to balance by the cost model.
+    /// Parameter-name prefixes to cut before (`--pp-cuts`), or empty to balance by the cost
+    /// model.
     pub cuts: Vec<String>,
     /// Micro-batches per step (`M`).
     pub micro_batches: usize,
