@@ -15,15 +15,20 @@
 # need P cores to run side by side. Where the machine has fewer cores than stages, the stages
 # are timed by the cpu clock (`run --clock cpu`: each stage by its own thread's CPU time, a
 # message arriving when its sender's clock said it was sent), which gives the idle shares of
-# stages with a core each; P=2 runs 1F1B whole under both clocks to compare them. A run's
-# measured idle share is the median over its steps. Every configuration runs once per round, round-robin, so a slow
-# spell of the machine falls on all of them; the table gives the median over rounds and the
-# range of the bubble's.
+# stages with a core each; P=2 runs 1F1B whole under both clocks to compare them. Every
+# cpu-clock run is confined to one core (taskset): its stages then take turns rather than run two
+# at a time in whatever pairs the scheduler makes, slowing each other through the shared cache
+# and memory in patterns set by the scheduler, not by the pipeline's schedule (on 2 cores,
+# P=4 M=4's per-stage idle shares wandered over 39.6-47.8% between runs; on one, 41.0-44.3%,
+# the plan saying 42.2-43.9%). A run's measured idle share is the median over its steps. Every
+# configuration runs once per round, round-robin, so a slow spell of the machine falls on all of
+# them; the table gives the median over rounds and the range of the bubble's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-12}
 rounds=${2:-3}
 cores=$(nproc)
+one_core=$(python3 -c 'import os; print(min(os.sched_getaffinity(0)))')
 cargo build --release -q
 out=target/bench-pipeline
 mkdir -p "$out"
@@ -59,7 +64,11 @@ for round in $(seq "$rounds"); do
                 --grad-accum "$m" --pp "$stages" --schedule "$schedule" --pp-backward "$backward" \
                 -o "$plan" > /dev/null
         fi
-        log=$(target/release/autotp run "$plan" --data "$out/tokens.bin" \
+        confine=()
+        if [ "$clock" = cpu ]; then
+            confine=(taskset -c "$one_core")
+        fi
+        log=$("${confine[@]}" target/release/autotp run "$plan" --data "$out/tokens.bin" \
             --steps "$steps" --log-every 1000000 --bind-cores --clock "$clock" 2>&1 > /dev/null)
         all=$(echo "$log" | awk '$1 == "all" { sub("%", "", $2); print $2 }')
         bubble=$(echo "$log" | awk '$1 == "bubble" { sub("%", "", $4); sub("%", "", $5); sub("%", "", $6); print $4, $5, $6 }')
@@ -83,5 +92,5 @@ for (p, m, schedule, backward, clock), runs in rows.items():
     print(f"{p:<3} {m:<3} {schedule:<8} {backward:<8} {clock:<5} {median(0):>9.1f}% {median(1):>6.1f}% "
           f"{f'{low:.1f}..{high:.1f}%':>13} {median(2):>10.1f}% {median(3):>12.1f}% {median(1) - median(3):>+6.1f} "
           f"{median(4):>8.1f}")
-print("(ms/step is wall time; under the cpu clock the stages share the machine's cores)")
+print("(ms/step is wall time; under the cpu clock the stages share one core)")
 PY

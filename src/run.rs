@@ -59,7 +59,7 @@ pub struct RunFlags {
     /// How the pipeline stages' idle shares are timed: wall (real time) or cpu (each stage by its
     /// own thread's CPU time, a message arriving when its sender's clock said it was sent: the
     /// bubble with a core per stage, on a machine with fewer cores; one kernel thread per stage,
-    /// stages of one rank).
+    /// stages of one rank; steadiest with the whole run on one core, `taskset -c 0`).
     #[arg(long, default_value = "wall")]
     clock: String,
 }

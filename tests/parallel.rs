@@ -429,10 +429,11 @@ fn gradient_accumulation_plans_one_reduction_per_step() {
 #[test]
 fn pipeline_trains_like_one_rank() {
     let dir = scratch("parallel-pp");
-    let configs: [(usize, &[&str]); 9] = [
+    let configs: [(usize, &[&str]); 10] = [
         (2, &["--pp", "2", "--grad-accum", "4"]),
         (1, &["--pp", "2", "--grad-accum", "8"]),
         (2, &["--pp", "4", "--grad-accum", "4"]),
+        (1, &["--pp", "4", "--grad-accum", "8"]),
         (1, &["--pp", "4", "--grad-accum", "8", "--pp-backward", "split"]),
         (2, &["--pp", "2", "--grad-accum", "4", "--schedule", "gpipe"]),
         (2, &["--pp", "2", "--grad-accum", "4", "--tp", "2"]),
