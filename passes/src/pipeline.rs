@@ -19,6 +19,11 @@
 //! forward use of a parameter whose name starts with `PREFIX` (`model.layers.2` cuts before
 //! the third layer).
 //!
+//! As in Megatron, a model whose parameters are numbered layers (`model.layers.0`, ...,
+//! [`numbered_layers`]) is cut into at most as many stages as it has layers, the embedding
+//! riding on the first stage and the head on the last; the cuts themselves may fall inside a
+//! layer where that balances the stages better.
+//!
 //! Tests: tests/pipeline.rs.
 
 use autotp_ir::{Def, Graph, Op, ValueId};
@@ -60,6 +65,34 @@ pub struct Stages {
     pub memory: Vec<u64>,
     /// Each stage's parameters, by name (a parameter used on two stages is on both).
     pub params: Vec<Vec<String>>,
+}
+
+/// A model's repeated layers, as its parameter names number them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NumberedLayers {
+    /// What the numbers follow (`model.layers`).
+    pub prefix: String,
+    /// The layer numbers, in increasing order.
+    pub numbers: Vec<u64>,
+}
+
+/// The layers of a model whose parameters are named `PREFIX.N.rest` (the first all-digit part
+/// of a dotted name is the layer number): the prefix with the most numbers (the first in name
+/// order among equals; `layers.N` and `norms.N` of one model number the same layers). None
+/// when no parameter name has a number.
+pub fn numbered_layers(graph: &Graph) -> Option<NumberedLayers> {
+    let mut numbers: std::collections::BTreeMap<String, std::collections::BTreeSet<u64>> = Default::default();
+    for &param in graph.params() {
+        let Some(name) = graph.name_of(param) else { continue };
+        let parts: Vec<&str> = name.split('.').collect();
+        let numbered = parts.iter().enumerate().skip(1).find_map(|(i, part)| Some((i, part.parse::<u64>().ok()?)));
+        if let Some((i, number)) = numbered {
+            numbers.entry(parts[..i].join(".")).or_default().insert(number);
+        }
+    }
+    let most = numbers.values().map(|n| n.len()).max()?;
+    let (prefix, numbers) = numbers.into_iter().find(|(_, n)| n.len() == most)?;
+    Some(NumberedLayers { prefix, numbers: numbers.into_iter().collect() })
 }
 
 /// The forward nodes (positions in graph order): those with an output the loss depends on.
@@ -184,6 +217,15 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String], in_flight: &[us
         return Err(invalid("--pp must be at least 1".into()));
     }
     assert_eq!(in_flight.len(), stages, "one in-flight count per stage");
+    if let Some(layers) = numbered_layers(graph).filter(|layers| layers.numbers.len() < stages) {
+        let (first, last) = (layers.numbers[0], layers.numbers[layers.numbers.len() - 1]);
+        return Err(invalid(format!(
+            "--pp {stages} asks for more stages than the model has layers ({count}: {prefix}.{first} to \
+             {prefix}.{last}); use --pp {count} or fewer",
+            count = layers.numbers.len(),
+            prefix = layers.prefix
+        )));
+    }
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
     let forward = forward_nodes(graph);
     if forward.is_empty() {
