@@ -444,20 +444,22 @@ fn pipeline_trains_like_one_rank() {
         (1, &["--pp", "4", "--grad-accum", "8", "--pp-backward", "split"]),
         (1, &["--pp", "4", "--grad-accum", "8", "--schedule", "gpipe"]),
     ];
-    let clip = ["--grad-clip", "0.5"];
     let clipped_two_layers: &[(usize, &[&str])] =
-        &[(2, &["--pp", "2", "--grad-accum", "2", "--dp", "2", "--tp", "2", "--zero", "2", "--grad-clip", "0.5"])];
-    let clipped_four_layers: &[(usize, &[&str])] = &[(2, &["--pp", "4", "--grad-accum", "4", "--grad-clip", "0.5"])];
+        &[(2, &["--pp", "2", "--grad-accum", "2", "--dp", "2", "--tp", "2", "--zero", "2"])];
+    let clipped_four_layers: &[(usize, &[&str])] = &[(2, &["--pp", "4", "--grad-accum", "4"])];
+    let clip = ["--grad-clip", "0.5"];
     for arch in ["gpt2", "llama"] {
-        for (file, reference, configs) in [
+        // Each group's runs, and the single-rank run they are held to, add `common` to the flags.
+        for (file, common, configs) in [
             ("model.onnx", &[][..], two_layers),
             ("model_4_layers.onnx", &[][..], four_layers),
             ("model.onnx", &clip[..], clipped_two_layers),
             ("model_4_layers.onnx", &clip[..], clipped_four_layers),
         ] {
-            let single = train_model(&dir, arch, file, 8, reference);
+            let single = train_model(&dir, arch, file, 8, common);
             for &(micro_batch, flags) in configs {
-                let got = train_model(&dir, arch, file, micro_batch, flags);
+                let flags = [flags, common].concat();
+                let got = train_model(&dir, arch, file, micro_batch, &flags);
                 let label = format!("{arch} {file} micro-batch {micro_batch} {}", flags.join(" "));
                 let (first, worst) = within_contract(&label, &got, &single);
                 println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");

@@ -203,8 +203,9 @@ fn the_input_gradient_is_sent_before_the_weight_gradients() {
     }
 }
 
-/// The layers a stage count is checked against: the numbers after the first prefix that
-/// numbers parameters (`layers.N` and `norms.N` number the same 8); none in an unnumbered model.
+/// The layers a stage count is checked against: the numbers that follow a prefix in the
+/// parameters' names (`layers.N` and `norms.N` number the same 8, and `layers` comes first in
+/// name order); none in an unnumbered model.
 #[test]
 fn layers_are_counted_from_the_parameter_names() {
     use autotp_passes::pipeline::{numbered_layers, NumberedLayers};
