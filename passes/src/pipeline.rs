@@ -162,19 +162,13 @@ pub const ELEMENT_FLOPS: u64 = 32;
 /// A node's cost in FLOPs: `2mnk` for a matmul, one per element read or written (whichever are
 /// more) elsewhere.
 fn flops(graph: &Graph, node: &autotp_ir::Node) -> u64 {
-    match matmul_flops(graph, node) {
-        Some(flops) => flops,
-        None => elements(graph, node),
-    }
+    matmul_flops(graph, node).unwrap_or_else(|| elements(graph, node))
 }
 
 /// A node's time by the cost model, in matmul FLOPs: a matmul's FLOPs; elsewhere
 /// [`ELEMENT_FLOPS`] per element read or written (whichever are more).
 pub fn time_cost(graph: &Graph, node: &autotp_ir::Node) -> u64 {
-    match matmul_flops(graph, node) {
-        Some(flops) => flops,
-        None => ELEMENT_FLOPS * elements(graph, node),
-    }
+    matmul_flops(graph, node).unwrap_or_else(|| ELEMENT_FLOPS * elements(graph, node))
 }
 
 fn matmul_flops(graph: &Graph, node: &autotp_ir::Node) -> Option<u64> {
@@ -195,8 +189,13 @@ fn elements(graph: &Graph, node: &autotp_ir::Node) -> u64 {
 }
 
 /// Each forward position's time: its node's and that of the backward nodes its gradient rule
-/// makes (with respect to every parameter: a frozen one's few are counted too).
-fn forward_and_backward_times(graph: &Graph, forward: &[usize]) -> Result<Vec<u64>, PassError> {
+/// makes (with respect to every parameter: a frozen one's few are counted too). `nodes` are
+/// `graph`'s, in order.
+fn forward_and_backward_times(
+    graph: &Graph,
+    nodes: &[&autotp_ir::Node],
+    forward: &[usize],
+) -> Result<Vec<u64>, PassError> {
     let (differentiated, origins) = Autodiff::new(crate::loss::LOSS).differentiate(graph)?;
     let mut backward = vec![0u64; graph.num_nodes()];
     for ((_, node), origin) in differentiated.nodes().zip(&origins) {
@@ -204,7 +203,6 @@ fn forward_and_backward_times(graph: &Graph, forward: &[usize]) -> Result<Vec<u6
             backward[origin.index()] += time_cost(&differentiated, node);
         }
     }
-    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
     Ok(forward.iter().map(|&i| time_cost(graph, nodes[i]) + backward[i]).collect())
 }
 
@@ -254,7 +252,7 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String], in_flight: &[us
         }
     }
     let cost: Vec<u64> = forward.iter().map(|&i| flops(graph, nodes[i])).collect();
-    let time = forward_and_backward_times(graph, &forward)?;
+    let time = forward_and_backward_times(graph, &nodes, &forward)?;
     let activation_bytes: Vec<u64> = forward
         .iter()
         .map(|&i| {
