@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Installs what building and testing autotp needs on a fresh Debian machine, when missing:
-# a C toolchain (some crates build C) and a Rust toolchain (cargo). Safe to run repeatedly.
+# a C toolchain (some crates build C), LLVM 19's development files (the kernel generator links
+# LLVM statically; .cargo/config.toml points llvm-sys at /usr/lib/llvm-19) and a Rust toolchain
+# (cargo). Safe to run repeatedly.
 set -euo pipefail
 
 need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)
+[ -x /usr/lib/llvm-19/bin/llvm-config ] || need_apt+=(llvm-19-dev libpolly-19-dev)
+for header in /usr/include/zstd.h /usr/include/zlib.h /usr/include/libxml2/libxml/parser.h; do
+  [ -e "$header" ] || { need_apt+=(libzstd-dev zlib1g-dev libxml2-dev); break; }
+done
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "ensure-deps: installing ${need_apt[*]}" >&2
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -1,0 +1,350 @@
+//! The kernel IR: what a generated kernel computes, independent of the target it runs on.
+//!
+//! A kernel is one loop nest over an outer, parallel dimension and an inner, vectorised one:
+//!
+//! ```text
+//! for o in begin..end:                       (threads on CPU, blocks on CUDA)
+//!     for stage in stages:
+//!         Reduce: acc_k = fold over i in 0..inner of value(o, i)
+//!         Map:    for i in 0..inner: store values(o, i)
+//!         Row:    store values(o)            (once per o)
+//! ```
+//!
+//! The stages of one `o` run in order, so a row reduction is followed by the elementwise work
+//! that uses it without the row leaving the cache (Inductor's outer-loop fusion): softmax is a
+//! max reduce, a sum reduce of `exp(x - max)` and a map that divides. Every `o` is independent,
+//! which is what makes the outer dimension parallel and every row's result independent of how
+//! rows are split among threads (so runs are deterministic at any thread count).
+//!
+//! Values are scalars of three types ([`ScalarType`]): `f32` (every float buffer is computed in
+//! f32), `i64` (indices, labels) and `bool`. A stage's expressions form a list in which each
+//! refers to earlier ones by position ([`ExprRef`]), so a shared subexpression is computed once.
+//! Memory is addressed by [`Index`]: a sum of terms `((var / div) % modulo) * stride` over the
+//! two loop variables, which expresses contiguous rows, broadcasting and transposed reads
+//! without any data-dependent address, so [`Kernel::check`] proves every access in bounds
+//! before a kernel runs.
+//!
+//! The targets (x86 through the LLVM JIT, NVPTX for CUDA) live in the `autotp-llvm` crate; both
+//! lower this one description.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{BinaryOp, DType, UnaryOp};
+
+/// One generated kernel.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Kernel {
+    /// A readable name (the ops it was made from), for profiles and dumps.
+    pub name: String,
+    /// The buffers it reads (the first `num_inputs`) and writes (the rest), in call order.
+    pub buffers: Vec<Buffer>,
+    pub num_inputs: usize,
+    /// The parallel extent: rows, or blocks of a flat tensor.
+    pub outer: usize,
+    /// The vectorised extent of every `Reduce` and `Map` stage.
+    pub inner: usize,
+    pub stages: Vec<Stage>,
+}
+
+/// A buffer argument: its element type and length in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub dtype: DType,
+    pub len: usize,
+}
+
+/// One step of a row's work.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Stage {
+    /// Folds `value` over the inner dimension into the row's next accumulator
+    /// ([`Expr::Acc`] numbers them from 0 in stage order).
+    Reduce { fold: Fold, exprs: Vec<Expr>, value: ExprRef },
+    /// Stores values at every inner position.
+    Map { exprs: Vec<Expr>, stores: Vec<Store> },
+    /// Stores values once per row; its expressions may not use the inner variable.
+    Row { exprs: Vec<Expr>, stores: Vec<Store> },
+}
+
+/// How a `Reduce` stage combines its values (f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Fold {
+    /// Starts from 0.
+    Sum,
+    /// Starts from -inf; a NaN propagates (as `torch.max` and the builtin reduce).
+    Max,
+}
+
+/// The position of an expression in its stage's list.
+pub type ExprRef = u32;
+
+/// An element-wise expression.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Expr {
+    F32(f32),
+    I64(i64),
+    /// An element of an input buffer, converted to its scalar type.
+    Load {
+        buffer: usize,
+        index: Index,
+    },
+    /// The `k`-th accumulator of this row (from an earlier `Reduce` stage).
+    Acc(usize),
+    /// A loop variable, as i64.
+    Var(Var),
+    Unary(UnaryOp, ExprRef),
+    /// Arithmetic (`add`...`min`) on two values of one type, comparisons to bool, and
+    /// `and`/`or`/`xor` on bools.
+    Binary(BinaryOp, ExprRef, ExprRef),
+    /// `cond ? a : b`.
+    Select(ExprRef, ExprRef, ExprRef),
+    /// A bool or i64 as f32 (true is 1).
+    ToF32(ExprRef),
+}
+
+/// A store of a value (converted to the buffer's element type) into an output buffer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Store {
+    pub buffer: usize,
+    pub index: Index,
+    pub value: ExprRef,
+}
+
+/// The two loop variables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Var {
+    Outer,
+    Inner,
+}
+
+/// An element offset: the sum of the terms.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Index {
+    pub terms: Vec<Term>,
+}
+
+/// `((var / div) % modulo) * stride`; no modulo when `modulo` is `None`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Term {
+    pub var: Var,
+    pub div: usize,
+    pub modulo: Option<usize>,
+    pub stride: usize,
+}
+
+/// The type of a kernel value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ScalarType {
+    F32,
+    I64,
+    Bool,
+}
+
+/// Why a kernel is not well formed.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("kernel {kernel}: {what}")]
+pub struct KirError {
+    pub kernel: String,
+    pub what: String,
+}
+
+impl Index {
+    /// `var * stride`: a contiguous walk for stride 1.
+    pub fn linear(var: Var, stride: usize) -> Index {
+        Index { terms: vec![Term { var, div: 1, modulo: None, stride }] }
+    }
+
+    /// `outer * row + inner`: row `o` of a `[outer, row]` buffer.
+    pub fn row_major(row: usize) -> Index {
+        Index::linear(Var::Outer, row).plus(Index::linear(Var::Inner, 1))
+    }
+
+    pub fn plus(mut self, other: Index) -> Index {
+        self.terms.extend(other.terms);
+        self.terms.retain(|t| t.stride != 0);
+        self
+    }
+
+    /// Whether the index depends on `var`.
+    pub fn uses(&self, var: Var) -> bool {
+        self.terms.iter().any(|t| t.var == var)
+    }
+
+    /// The largest offset the index reaches for variables below these extents (`outer`, `inner`
+    /// both at least 1).
+    pub fn max_offset(&self, outer: usize, inner: usize) -> usize {
+        self.terms
+            .iter()
+            .map(|t| {
+                let extent = if t.var == Var::Outer { outer } else { inner };
+                let top = (extent - 1) / t.div.max(1);
+                let top = t.modulo.map_or(top, |m| top.min(m.saturating_sub(1)));
+                top * t.stride
+            })
+            .sum()
+    }
+
+    /// The offset at these loop positions.
+    pub fn offset(&self, outer: usize, inner: usize) -> usize {
+        self.terms
+            .iter()
+            .map(|t| {
+                let v = if t.var == Var::Outer { outer } else { inner } / t.div.max(1);
+                t.modulo.map_or(v, |m| v % m) * t.stride
+            })
+            .sum()
+    }
+}
+
+/// The scalar type a buffer's elements load as, or `None` when kernels cannot use the dtype.
+pub fn scalar_type(dtype: DType) -> Option<ScalarType> {
+    match dtype {
+        DType::F32 => Some(ScalarType::F32),
+        DType::I64 => Some(ScalarType::I64),
+        DType::Bool => Some(ScalarType::Bool),
+        _ => None,
+    }
+}
+
+impl Kernel {
+    /// The input buffers, then the output buffers.
+    pub fn inputs(&self) -> &[Buffer] {
+        &self.buffers[..self.num_inputs]
+    }
+
+    pub fn outputs(&self) -> &[Buffer] {
+        &self.buffers[self.num_inputs..]
+    }
+
+    /// The number of `Reduce` stages (the row's accumulators).
+    pub fn accumulators(&self) -> usize {
+        self.stages.iter().filter(|s| matches!(s, Stage::Reduce { .. })).count()
+    }
+
+    /// Checks that the kernel is well formed: every expression typed, every reference to an
+    /// earlier expression or accumulator, inputs only read and outputs only written, and every
+    /// access in bounds of its buffer for all loop positions. A kernel that passes cannot touch
+    /// memory outside its buffers, whatever file it came from.
+    pub fn check(&self) -> Result<(), KirError> {
+        let fail = |what: String| Err(KirError { kernel: self.name.clone(), what });
+        if self.num_inputs > self.buffers.len() {
+            return fail(format!("{} inputs but {} buffers", self.num_inputs, self.buffers.len()));
+        }
+        if self.outer == 0 || self.inner == 0 {
+            return fail(format!("empty loop nest {} x {}", self.outer, self.inner));
+        }
+        for (b, buffer) in self.buffers.iter().enumerate() {
+            if scalar_type(buffer.dtype).is_none() {
+                return fail(format!("buffer {b} has element type {}, which kernels do not handle", buffer.dtype));
+            }
+        }
+        let in_bounds = |buffer: usize, index: &Index| -> Result<(), KirError> {
+            let len = self.buffers[buffer].len;
+            if len == 0 || index.max_offset(self.outer, self.inner) >= len {
+                return Err(KirError {
+                    kernel: self.name.clone(),
+                    what: format!("an access to buffer {buffer} reaches past its {len} elements"),
+                });
+            }
+            Ok(())
+        };
+        let mut accumulators = 0;
+        for (s, stage) in self.stages.iter().enumerate() {
+            let (exprs, row) = match stage {
+                Stage::Reduce { exprs, .. } | Stage::Map { exprs, .. } => (exprs, false),
+                Stage::Row { exprs, .. } => (exprs, true),
+            };
+            let mut types = Vec::with_capacity(exprs.len());
+            for (e, expr) in exprs.iter().enumerate() {
+                let at = |r: ExprRef| types.get(r as usize).copied();
+                let ty = match *expr {
+                    Expr::F32(_) => Some(ScalarType::F32),
+                    Expr::I64(_) => Some(ScalarType::I64),
+                    Expr::Load { buffer, ref index } => {
+                        if buffer >= self.num_inputs {
+                            return fail(format!("stage {s} loads buffer {buffer}, which is not an input"));
+                        }
+                        if row && index.uses(Var::Inner) {
+                            return fail(format!("row stage {s} reads along the inner dimension"));
+                        }
+                        in_bounds(buffer, index)?;
+                        scalar_type(self.buffers[buffer].dtype)
+                    }
+                    Expr::Acc(k) => (k < accumulators).then_some(ScalarType::F32),
+                    Expr::Var(v) => (!(row && v == Var::Inner)).then_some(ScalarType::I64),
+                    Expr::Unary(op, a) => match (op, at(a)) {
+                        (UnaryOp::Not, Some(ScalarType::Bool)) => Some(ScalarType::Bool),
+                        (UnaryOp::Neg | UnaryOp::Abs, Some(ScalarType::I64)) => Some(ScalarType::I64),
+                        (UnaryOp::Not | UnaryOp::Sin | UnaryOp::Cos, _) => None,
+                        (_, Some(ScalarType::F32)) => Some(ScalarType::F32),
+                        _ => None,
+                    },
+                    Expr::Binary(op, a, b) => match (at(a), at(b)) {
+                        (Some(x), Some(y)) if x == y => {
+                            if op.is_comparison() {
+                                (x != ScalarType::Bool).then_some(ScalarType::Bool)
+                            } else if op.is_logical() {
+                                (x == ScalarType::Bool).then_some(x)
+                            } else {
+                                let integer_ok = matches!(
+                                    op,
+                                    BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Max | BinaryOp::Min
+                                );
+                                let float_ok = integer_ok || op == BinaryOp::Div;
+                                let ok = match x {
+                                    ScalarType::F32 => float_ok,
+                                    ScalarType::I64 => integer_ok,
+                                    ScalarType::Bool => false,
+                                };
+                                ok.then_some(x)
+                            }
+                        }
+                        _ => None,
+                    },
+                    Expr::Select(c, a, b) => match (at(c), at(a), at(b)) {
+                        (Some(ScalarType::Bool), Some(x), Some(y)) if x == y => Some(x),
+                        _ => None,
+                    },
+                    Expr::ToF32(a) => match at(a) {
+                        Some(ScalarType::Bool | ScalarType::I64) => Some(ScalarType::F32),
+                        _ => None,
+                    },
+                };
+                match ty {
+                    Some(ty) => types.push(ty),
+                    None => return fail(format!("stage {s} expression {e} ({expr:?}) is ill-typed or refers ahead")),
+                }
+            }
+            let value_type = |r: ExprRef| types.get(r as usize).copied();
+            match stage {
+                Stage::Reduce { value, .. } => {
+                    if value_type(*value) != Some(ScalarType::F32) {
+                        return fail(format!("stage {s} reduces a value that is not an f32 expression"));
+                    }
+                    accumulators += 1;
+                }
+                Stage::Map { stores, .. } | Stage::Row { stores, .. } => {
+                    for store in stores {
+                        if store.buffer < self.num_inputs || store.buffer >= self.buffers.len() {
+                            return fail(format!(
+                                "stage {s} stores to buffer {}, which is not an output",
+                                store.buffer
+                            ));
+                        }
+                        if row && store.index.uses(Var::Inner) {
+                            return fail(format!("row stage {s} stores along the inner dimension"));
+                        }
+                        in_bounds(store.buffer, &store.index)?;
+                        let want = scalar_type(self.buffers[store.buffer].dtype);
+                        if value_type(store.value).is_none() || value_type(store.value) != want {
+                            return fail(format!(
+                                "stage {s} stores a value of the wrong type to buffer {}",
+                                store.buffer
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

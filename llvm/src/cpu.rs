@@ -1,0 +1,249 @@
+//! The x86-64 target: each kernel becomes
+//! `void kernel(u8** buffers, i64 begin, i64 end)`, which runs rows `begin..end` of the loop
+//! nest. Every `Reduce` and `Map` stage is a loop over the inner dimension in steps of the host's
+//! vector width (16 f32 lanes with AVX-512, 8 with AVX2, else 4) and a scalar loop over the
+//! remaining tail; a row stage runs once. The rows of one call run in order and each row's
+//! result depends only on its own elements, so how the runtime splits rows among threads never
+//! changes a result.
+
+use autotp_kernels::kir::{self, Stage};
+use inkwell::basic_block::BasicBlock;
+use inkwell::context::Context;
+use inkwell::module::Module;
+use inkwell::passes::PassBuilderOptions;
+use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine};
+use inkwell::values::{FunctionValue, IntValue};
+use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
+
+use crate::emit::{Buffer, Buffers, Emitter, Position, V};
+use crate::LlvmError;
+
+/// A generated kernel's entry point: `(buffers, begin, end)`, buffers in the kernel's order.
+pub type KernelFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
+
+/// A kernel loaded into this process.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuKernel {
+    pub function: KernelFn,
+}
+
+impl CpuKernel {
+    /// Runs rows `rows` of the kernel on these buffers.
+    ///
+    /// # Safety
+    /// The kernel must have passed [`kir::Kernel::check`] (every compiled kernel has), `buffers`
+    /// must point at buffers at least as long as the kernel's, aligned for their element types,
+    /// and the outputs must not overlap each other or the inputs while it runs, nor be touched
+    /// by anything else.
+    pub unsafe fn run(&self, buffers: &[*mut u8], rows: std::ops::Range<usize>) {
+        unsafe { (self.function)(buffers.as_ptr(), rows.start as i64, rows.end as i64) }
+    }
+}
+
+/// Compiles `kernels` for this machine (or finds them already compiled) and returns their entry
+/// points, in order.
+pub fn compile_cpu(kernels: &[kir::Kernel]) -> Result<Vec<CpuKernel>, LlvmError> {
+    crate::jit::compile(kernels)
+}
+
+/// The host as a target: its machine, its vector width and a description for cache keys.
+pub(crate) struct HostTarget {
+    pub machine: TargetMachine,
+    pub width: u32,
+    pub description: String,
+}
+
+// SAFETY: a TargetMachine may be used from any thread, one at a time (the JIT's lock).
+unsafe impl Send for HostTarget {}
+
+impl HostTarget {
+    pub fn detect() -> Result<HostTarget, LlvmError> {
+        Target::initialize_native(&InitializationConfig::default())
+            .map_err(|e| LlvmError::llvm("initialisation", e))?;
+        let triple = TargetMachine::get_default_triple();
+        let cpu = TargetMachine::get_host_cpu_name().to_string();
+        let features = TargetMachine::get_host_cpu_features().to_string();
+        let target = Target::from_triple(&triple).map_err(|e| LlvmError::llvm("target lookup", e))?;
+        let machine = target
+            .create_target_machine(
+                &triple,
+                &cpu,
+                &features,
+                OptimizationLevel::Aggressive,
+                RelocMode::PIC,
+                CodeModel::Default,
+            )
+            .ok_or_else(|| LlvmError::llvm("target machine", format!("no target machine for {triple}")))?;
+        let has = |f: &str| features.split(',').any(|x| x == f);
+        let width = if has("+avx512f") {
+            16
+        } else if has("+avx2") {
+            8
+        } else {
+            4
+        };
+        let description = format!("{} {cpu} {features} w{width}", triple.as_str().to_string_lossy());
+        Ok(HostTarget { machine, width, description })
+    }
+}
+
+/// Builds one module holding `kernels` (each under its symbol), optimised for the host.
+fn build_module<'ctx>(
+    ctx: &'ctx Context,
+    kernels: &[(String, &kir::Kernel)],
+    target: &HostTarget,
+) -> Result<Module<'ctx>, LlvmError> {
+    let module = ctx.create_module("autotp_kernels");
+    module.set_triple(&target.machine.get_triple());
+    module.set_data_layout(&target.machine.get_target_data().get_data_layout());
+    let builder = ctx.create_builder();
+    let e = Emitter { ctx, module: &module, b: &builder };
+    for (symbol, kernel) in kernels {
+        kernel.check()?;
+        define(&e, symbol, kernel, target.width)?;
+    }
+    module.verify().map_err(|m| LlvmError::llvm("verification", m))?;
+    module
+        .run_passes("default<O3>", &target.machine, PassBuilderOptions::create())
+        .map_err(|m| LlvmError::llvm("optimisation", m))?;
+    Ok(module)
+}
+
+/// The object code of `kernels` for the host.
+pub(crate) fn object_code(kernels: &[(String, &kir::Kernel)], target: &HostTarget) -> Result<Vec<u8>, LlvmError> {
+    let ctx = Context::create();
+    let module = build_module(&ctx, kernels, target)?;
+    let buffer = target
+        .machine
+        .write_to_memory_buffer(&module, FileType::Object)
+        .map_err(|m| LlvmError::llvm("code generation", m))?;
+    Ok(buffer.as_slice().to_vec())
+}
+
+/// The optimised LLVM IR of one kernel for this host (for `--dump-kernels`).
+pub fn llvm_ir(kernel: &kir::Kernel) -> Result<String, LlvmError> {
+    let target = HostTarget::detect()?;
+    let ctx = Context::create();
+    let module = build_module(&ctx, &[(kernel.name.clone(), kernel)], &target)?;
+    Ok(module.print_to_string().to_string())
+}
+
+/// Appends the function `symbol` computing `kernel`.
+fn define<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    kernel: &kir::Kernel,
+    width: u32,
+) -> Result<FunctionValue<'ctx>, LlvmError> {
+    let ctx = e.ctx;
+    let ptr = ctx.ptr_type(AddressSpace::default());
+    let i64t = ctx.i64_type();
+    let fn_type = ctx.void_type().fn_type(&[ptr.into(), i64t.into(), i64t.into()], false);
+    let function = e.module.add_function(symbol, fn_type, None);
+    let entry = ctx.append_basic_block(function, "entry");
+    e.b.position_at_end(entry);
+    let array = function.get_nth_param(0).expect("declared").into_pointer_value();
+    let begin = function.get_nth_param(1).expect("declared").into_int_value();
+    let end = function.get_nth_param(2).expect("declared").into_int_value();
+    let mut buffers = Vec::new();
+    for (b, buffer) in kernel.buffers.iter().enumerate() {
+        // SAFETY (of the generated code): the caller passes one pointer per buffer.
+        let slot = unsafe { e.b.build_in_bounds_gep(ptr, array, &[i64t.const_int(b as u64, false)], "")? };
+        let pointer = e.b.build_load(ptr, slot, "")?.into_pointer_value();
+        buffers.push(Buffer { pointer, dtype: buffer.dtype });
+    }
+    let buffers = Buffers(buffers);
+    let inner = kernel.inner as u64;
+    let vector_end = inner - inner % width as u64;
+    counted_loop(e, function, begin, end, 1, &[], |outer, _| {
+        let mut accs: Vec<V<'ctx>> = Vec::new();
+        for stage in &kernel.stages {
+            // The vector loop over [0, vector_end), then the scalar tail.
+            let parts = [(0, vector_end, width), (vector_end, inner, 1)];
+            match stage {
+                Stage::Reduce { fold, exprs, value } => {
+                    let mut acc = e.fold_start(*fold, 1);
+                    for (from, to, w) in parts {
+                        if from == to {
+                            continue;
+                        }
+                        let start = if w == 1 { acc } else { e.fold_start(*fold, w) };
+                        let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
+                        let folded = counted_loop(e, function, from, to, w as u64, &[start], |i, carried| {
+                            let at = Position { width: w, outer, inner: Some(i), accs: accs.clone() };
+                            let values = e.exprs(&buffers, exprs, &at)?;
+                            Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
+                        })?;
+                        acc = if w == 1 { folded[0] } else { e.fold_lanes(*fold, folded[0], acc)? };
+                    }
+                    accs.push(acc);
+                }
+                Stage::Map { exprs, stores } => {
+                    for (from, to, w) in parts {
+                        if from == to {
+                            continue;
+                        }
+                        let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
+                        counted_loop(e, function, from, to, w as u64, &[], |i, _| {
+                            let at = Position { width: w, outer, inner: Some(i), accs: accs.clone() };
+                            let values = e.exprs(&buffers, exprs, &at)?;
+                            e.stores(&buffers, stores, &values, &at)?;
+                            Ok(vec![])
+                        })?;
+                    }
+                }
+                Stage::Row { exprs, stores } => {
+                    let at = Position { width: 1, outer, inner: None, accs: accs.clone() };
+                    let values = e.exprs(&buffers, exprs, &at)?;
+                    e.stores(&buffers, stores, &values, &at)?;
+                }
+            }
+        }
+        Ok(vec![])
+    })?;
+    e.b.build_return(None)?;
+    Ok(function)
+}
+
+/// Emits `for (i = from; i < to; i += step) carried = body(i, carried)` at the builder's
+/// position and leaves the builder after the loop; returns the carried values' final state.
+fn counted_loop<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    from: IntValue<'ctx>,
+    to: IntValue<'ctx>,
+    step: u64,
+    init: &[V<'ctx>],
+    mut body: impl FnMut(IntValue<'ctx>, &[V<'ctx>]) -> Result<Vec<V<'ctx>>, LlvmError>,
+) -> Result<Vec<V<'ctx>>, LlvmError> {
+    let before: BasicBlock = e.b.get_insert_block().expect("positioned");
+    let header = e.ctx.append_basic_block(function, "loop");
+    let inside = e.ctx.append_basic_block(function, "body");
+    let after = e.ctx.append_basic_block(function, "done");
+    e.b.build_unconditional_branch(header)?;
+    e.b.position_at_end(header);
+    let i64t = e.ctx.i64_type();
+    let index = e.b.build_phi(i64t, "i")?;
+    index.add_incoming(&[(&from, before)]);
+    let mut phis = Vec::new();
+    for v in init {
+        let phi = e.b.build_phi(v.get_type(), "")?;
+        phi.add_incoming(&[(v, before)]);
+        phis.push(phi);
+    }
+    let i = index.as_basic_value().into_int_value();
+    let carried: Vec<V<'ctx>> = phis.iter().map(|p| p.as_basic_value().into_vector_value()).collect();
+    let more = e.b.build_int_compare(IntPredicate::SLT, i, to, "")?;
+    e.b.build_conditional_branch(more, inside, after)?;
+    e.b.position_at_end(inside);
+    let next_values = body(i, &carried)?;
+    let next = e.b.build_int_add(i, i64t.const_int(step, false), "")?;
+    let latch = e.b.get_insert_block().expect("positioned");
+    e.b.build_unconditional_branch(header)?;
+    index.add_incoming(&[(&next, latch)]);
+    for (phi, v) in phis.iter().zip(&next_values) {
+        phi.add_incoming(&[(v, latch)]);
+    }
+    e.b.position_at_end(after);
+    Ok(carried)
+}

@@ -1,0 +1,498 @@
+//! The target-independent half of kernel lowering: a stage's expressions, loads and stores
+//! as LLVM vector values of a given width (1 for scalar tails, row stages and NVPTX threads).
+//!
+//! Every value is a vector (`<w x float>`, `<w x i64>`, `<w x i1>`), even at width 1, so one
+//! emitter serves the vector body, the tail and every target. Addresses follow the kernel IR's
+//! [`Index`]: the outer variable's part is a scalar; an inner part that is `inner * stride`
+//! loads a vector (stride 1), splats one element (stride 0) or reads lane by lane, and any
+//! other inner part is computed per lane.
+
+use autotp_kernels::kir::{self, Expr, Index, ScalarType, Term, Var};
+use autotp_kernels::{BinaryOp, DType, UnaryOp};
+use inkwell::builder::Builder;
+use inkwell::context::Context;
+use inkwell::module::Module;
+use inkwell::types::{BasicTypeEnum, VectorType};
+use inkwell::values::{BasicMetadataValueEnum, BasicValueEnum, IntValue, PointerValue, VectorValue};
+use inkwell::{FloatPredicate, IntPredicate};
+
+use crate::{math, LlvmError};
+
+pub type V<'ctx> = VectorValue<'ctx>;
+
+/// Builds instructions on vectors of one element type family.
+pub struct Emitter<'a, 'ctx> {
+    pub ctx: &'ctx Context,
+    pub module: &'a Module<'ctx>,
+    pub b: &'a Builder<'ctx>,
+}
+
+/// Where a stage is being evaluated: `width` lanes at inner positions `inner..inner + width`
+/// (`inner` is `None` in a row stage) of row `outer`.
+pub struct Position<'ctx> {
+    pub width: u32,
+    pub outer: IntValue<'ctx>,
+    pub inner: Option<IntValue<'ctx>>,
+    /// The row's accumulators so far, as `<1 x float>`.
+    pub accs: Vec<V<'ctx>>,
+}
+
+impl<'a, 'ctx> Emitter<'a, 'ctx> {
+    pub fn f32_type(&self, width: u32) -> VectorType<'ctx> {
+        self.ctx.f32_type().vec_type(width)
+    }
+
+    fn vector_type(&self, ty: ScalarType, width: u32) -> VectorType<'ctx> {
+        match ty {
+            ScalarType::F32 => self.ctx.f32_type().vec_type(width),
+            ScalarType::I64 => self.ctx.i64_type().vec_type(width),
+            ScalarType::Bool => self.ctx.bool_type().vec_type(width),
+        }
+    }
+
+    pub fn width(v: V<'ctx>) -> u32 {
+        v.get_type().get_size()
+    }
+
+    pub fn f32(&self, width: u32, x: f32) -> V<'ctx> {
+        let c = self.ctx.f32_type().const_float(x as f64);
+        VectorType::const_vector(&vec![c; width as usize])
+    }
+
+    pub fn i32(&self, width: u32, x: i32) -> V<'ctx> {
+        let c = self.ctx.i32_type().const_int(x as i64 as u64, true);
+        VectorType::const_vector(&vec![c; width as usize])
+    }
+
+    pub fn i64(&self, width: u32, x: i64) -> V<'ctx> {
+        let c = self.ctx.i64_type().const_int(x as u64, true);
+        VectorType::const_vector(&vec![c; width as usize])
+    }
+
+    /// `width` copies of lane 0 of `v`.
+    pub fn broadcast(&self, v: V<'ctx>, width: u32) -> Result<V<'ctx>, LlvmError> {
+        if Self::width(v) == width && width == 1 {
+            return Ok(v);
+        }
+        let mask = VectorType::const_vector(&vec![self.ctx.i32_type().const_zero(); width as usize]);
+        Ok(self.b.build_shuffle_vector(v, v.get_type().get_undef(), mask, "")?)
+    }
+
+    /// A scalar as a `width`-lane vector.
+    pub fn splat(&self, scalar: BasicValueEnum<'ctx>, width: u32) -> Result<V<'ctx>, LlvmError> {
+        let one = scalar.get_type().vec_type_of(1);
+        let v = self.b.build_insert_element(one.get_undef(), scalar, self.ctx.i32_type().const_zero(), "")?;
+        self.broadcast(v, width)
+    }
+
+    pub fn lane(&self, v: V<'ctx>, lane: u32) -> Result<BasicValueEnum<'ctx>, LlvmError> {
+        Ok(self.b.build_extract_element(v, self.ctx.i32_type().const_int(lane as u64, false), "")?)
+    }
+
+    pub fn fadd(&self, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        Ok(self.b.build_float_add(a, b, "")?)
+    }
+
+    pub fn fsub(&self, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        Ok(self.b.build_float_sub(a, b, "")?)
+    }
+
+    pub fn fmul(&self, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        Ok(self.b.build_float_mul(a, b, "")?)
+    }
+
+    pub fn fdiv(&self, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        Ok(self.b.build_float_div(a, b, "")?)
+    }
+
+    pub fn fcmp(&self, predicate: FloatPredicate, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        Ok(self.b.build_float_compare(predicate, a, b, "")?)
+    }
+
+    pub fn icmp(&self, predicate: IntPredicate, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        Ok(self.b.build_int_compare(predicate, a, b, "")?)
+    }
+
+    pub fn select(&self, cond: V<'ctx>, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        Ok(self.b.build_select(cond, a, b, "")?.into_vector_value())
+    }
+
+    /// A call of the overloaded intrinsic `name` on values of `v`'s type.
+    pub fn intrinsic(&self, name: &str, args: &[V<'ctx>]) -> Result<V<'ctx>, LlvmError> {
+        let intrinsic =
+            inkwell::intrinsics::Intrinsic::find(name).ok_or_else(|| LlvmError::llvm("intrinsic lookup", name))?;
+        let ty: BasicTypeEnum = args[0].get_type().into();
+        let function = intrinsic
+            .get_declaration(self.module, &[ty])
+            .ok_or_else(|| LlvmError::llvm("intrinsic declaration", name))?;
+        let args: Vec<BasicMetadataValueEnum> = args.iter().map(|&a| a.into()).collect();
+        let call = self.b.build_call(function, &args, "")?;
+        call.try_as_basic_value()
+            .basic()
+            .map(|v| v.into_vector_value())
+            .ok_or_else(|| LlvmError::llvm("intrinsic call", name))
+    }
+
+    /// `a * b + c`, rounded once.
+    pub fn fma(&self, a: V<'ctx>, b: V<'ctx>, c: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        self.intrinsic("llvm.fma", &[a, b, c])
+    }
+
+    /// `max(a, b)` with NaN propagating from either side (the builtin kernels' `max_of`).
+    pub fn fmax(&self, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let greater = self.fcmp(FloatPredicate::OGT, a, b)?;
+        let nan = self.fcmp(FloatPredicate::UNO, a, a)?;
+        let take_a = self.b.build_or(greater, nan, "")?;
+        self.select(take_a, a, b)
+    }
+
+    pub fn fmin(&self, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let less = self.fcmp(FloatPredicate::OLT, a, b)?;
+        let nan = self.fcmp(FloatPredicate::UNO, a, a)?;
+        let take_a = self.b.build_or(less, nan, "")?;
+        self.select(take_a, a, b)
+    }
+
+    /// `fold` applied to every lane of `v` in lane order, starting from `start` (`<1 x float>`).
+    pub fn fold_lanes(&self, fold: kir::Fold, v: V<'ctx>, start: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let mut acc = start;
+        for lane in 0..Self::width(v) {
+            let x = self.splat(self.lane(v, lane)?, 1)?;
+            acc = self.fold(fold, acc, x)?;
+        }
+        Ok(acc)
+    }
+
+    pub fn fold(&self, fold: kir::Fold, acc: V<'ctx>, x: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        match fold {
+            kir::Fold::Sum => self.fadd(acc, x),
+            kir::Fold::Max => self.fmax(x, acc),
+        }
+    }
+
+    pub fn fold_start(&self, fold: kir::Fold, width: u32) -> V<'ctx> {
+        match fold {
+            kir::Fold::Sum => self.f32(width, 0.0),
+            kir::Fold::Max => self.f32(width, f32::NEG_INFINITY),
+        }
+    }
+
+    /// The scalar offset of `terms` at loop variable value `at`.
+    fn term_offset(&self, terms: &[&Term], at: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let i64t = self.ctx.i64_type();
+        let mut sum = i64t.const_zero();
+        for t in terms {
+            let mut v = at;
+            if t.div > 1 {
+                v = self.b.build_int_unsigned_div(v, i64t.const_int(t.div as u64, false), "")?;
+            }
+            if let Some(m) = t.modulo {
+                v = self.b.build_int_unsigned_rem(v, i64t.const_int(m as u64, false), "")?;
+            }
+            v = self.b.build_int_mul(v, i64t.const_int(t.stride as u64, false), "")?;
+            sum = self.b.build_int_add(sum, v, "")?;
+        }
+        Ok(sum)
+    }
+
+    /// The element offsets of `index` at `at`, as an outer scalar plus an inner access pattern.
+    fn address(&self, index: &Index, at: &Position<'ctx>) -> Result<Address<'ctx>, LlvmError> {
+        let outer_terms: Vec<&Term> = index.terms.iter().filter(|t| t.var == Var::Outer).collect();
+        let inner_terms: Vec<&Term> = index.terms.iter().filter(|t| t.var == Var::Inner).collect();
+        let base = self.term_offset(&outer_terms, at.outer)?;
+        let Some(inner) = at.inner.filter(|_| !inner_terms.is_empty()) else {
+            return Ok(Address::Splat(base));
+        };
+        let i64t = self.ctx.i64_type();
+        if inner_terms.iter().all(|t| t.div <= 1 && t.modulo.is_none()) {
+            let stride: usize = inner_terms.iter().map(|t| t.stride).sum();
+            let start = self.b.build_int_add(
+                base,
+                self.b.build_int_mul(inner, i64t.const_int(stride as u64, false), "")?,
+                "",
+            )?;
+            if stride == 1 {
+                return Ok(Address::Contiguous(start));
+            }
+        }
+        let lanes = (0..at.width)
+            .map(|lane| {
+                let position = self.b.build_int_add(inner, i64t.const_int(lane as u64, false), "")?;
+                Ok(self.b.build_int_add(base, self.term_offset(&inner_terms, position)?, "")?)
+            })
+            .collect::<Result<Vec<_>, LlvmError>>()?;
+        Ok(Address::Lanes(lanes))
+    }
+
+    fn element_pointer(&self, buffer: &Buffer<'ctx>, offset: IntValue<'ctx>) -> Result<PointerValue<'ctx>, LlvmError> {
+        // SAFETY (of the generated code): `Kernel::check` proved every offset in bounds.
+        Ok(unsafe {
+            self.b.build_in_bounds_gep(
+                self.memory_type(buffer.dtype, 1).get_element_type(),
+                buffer.pointer,
+                &[offset],
+                "",
+            )?
+        })
+    }
+
+    /// How `dtype` elements sit in memory (`u8` for bool).
+    fn memory_type(&self, dtype: DType, width: u32) -> VectorType<'ctx> {
+        match dtype {
+            DType::F32 => self.ctx.f32_type().vec_type(width),
+            DType::I64 => self.ctx.i64_type().vec_type(width),
+            _ => self.ctx.i8_type().vec_type(width),
+        }
+    }
+
+    fn load(&self, buffer: &Buffer<'ctx>, index: &Index, at: &Position<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let width = at.width;
+        let element = self.memory_type(buffer.dtype, 1).get_element_type();
+        let align = buffer.dtype.size() as u32;
+        let scalar_at = |offset| -> Result<BasicValueEnum<'ctx>, LlvmError> {
+            let load = self.b.build_load(element, self.element_pointer(buffer, offset)?, "")?;
+            set_alignment(load, align);
+            Ok(load)
+        };
+        let raw = match self.address(index, at)? {
+            Address::Splat(offset) => self.splat(scalar_at(offset)?, width)?,
+            Address::Contiguous(offset) => {
+                let load = self.b.build_load(
+                    self.memory_type(buffer.dtype, width),
+                    self.element_pointer(buffer, offset)?,
+                    "",
+                )?;
+                set_alignment(load, align);
+                load.into_vector_value()
+            }
+            Address::Lanes(offsets) => {
+                let mut v = self.memory_type(buffer.dtype, width).get_undef();
+                for (lane, offset) in offsets.into_iter().enumerate() {
+                    let x = scalar_at(offset)?;
+                    v = self.b.build_insert_element(v, x, self.ctx.i32_type().const_int(lane as u64, false), "")?;
+                }
+                v
+            }
+        };
+        if buffer.dtype == DType::Bool {
+            return self.icmp(IntPredicate::NE, raw, self.memory_type(DType::Bool, width).const_zero());
+        }
+        Ok(raw)
+    }
+
+    fn store(
+        &self,
+        buffer: &Buffer<'ctx>,
+        index: &Index,
+        at: &Position<'ctx>,
+        value: V<'ctx>,
+    ) -> Result<(), LlvmError> {
+        let value = if buffer.dtype == DType::Bool {
+            self.b.build_int_z_extend(value, self.memory_type(DType::Bool, at.width), "")?
+        } else {
+            value
+        };
+        let align = buffer.dtype.size() as u32;
+        match self.address(index, at)? {
+            Address::Contiguous(offset) => {
+                let store = self.b.build_store(self.element_pointer(buffer, offset)?, value)?;
+                let _ = store.set_alignment(align);
+            }
+            Address::Splat(offset) => {
+                let last = self.lane(value, at.width - 1)?;
+                let store = self.b.build_store(self.element_pointer(buffer, offset)?, last)?;
+                let _ = store.set_alignment(align);
+            }
+            Address::Lanes(offsets) => {
+                for (lane, offset) in offsets.into_iter().enumerate() {
+                    let x = self.lane(value, lane as u32)?;
+                    let store = self.b.build_store(self.element_pointer(buffer, offset)?, x)?;
+                    let _ = store.set_alignment(align);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Evaluates a stage's expressions at `at`.
+    pub fn exprs(
+        &self,
+        kernel: &Buffers<'ctx>,
+        exprs: &[Expr],
+        at: &Position<'ctx>,
+    ) -> Result<Vec<V<'ctx>>, LlvmError> {
+        let width = at.width;
+        let mut values: Vec<V<'ctx>> = Vec::with_capacity(exprs.len());
+        for expr in exprs {
+            let v = |r: kir::ExprRef| values[r as usize];
+            let value = match *expr {
+                Expr::F32(x) => self.f32(width, x),
+                Expr::I64(x) => self.i64(width, x),
+                Expr::Load { buffer, ref index } => self.load(&kernel.0[buffer], index, at)?,
+                Expr::Acc(k) => self.broadcast(at.accs[k], width)?,
+                Expr::Var(Var::Outer) => self.splat(at.outer.into(), width)?,
+                Expr::Var(Var::Inner) => {
+                    let inner = at.inner.expect("checked: row stages do not use the inner variable");
+                    let lanes: Vec<IntValue> =
+                        (0..width).map(|l| self.ctx.i64_type().const_int(l as u64, false)).collect();
+                    self.b.build_int_add(self.splat(inner.into(), width)?, VectorType::const_vector(&lanes), "")?
+                }
+                Expr::Unary(op, a) => self.unary(op, v(a))?,
+                Expr::Binary(op, a, b) => self.binary(op, v(a), v(b))?,
+                Expr::Select(c, a, b) => self.select(v(c), v(a), v(b))?,
+                Expr::ToF32(a) => {
+                    let a = v(a);
+                    let f = self.f32_type(width);
+                    if a.get_type().get_element_type().into_int_type().get_bit_width() == 1 {
+                        self.b.build_unsigned_int_to_float(a, f, "")?
+                    } else {
+                        self.b.build_signed_int_to_float(a, f, "")?
+                    }
+                }
+            };
+            values.push(value);
+        }
+        Ok(values)
+    }
+
+    /// The stores of a stage at `at`.
+    pub fn stores(
+        &self,
+        kernel: &Buffers<'ctx>,
+        stores: &[kir::Store],
+        values: &[V<'ctx>],
+        at: &Position<'ctx>,
+    ) -> Result<(), LlvmError> {
+        for s in stores {
+            self.store(&kernel.0[s.buffer], &s.index, at, values[s.value as usize])?;
+        }
+        Ok(())
+    }
+
+    fn is_float(v: V<'ctx>) -> bool {
+        v.get_type().get_element_type().is_float_type()
+    }
+
+    fn unary(&self, op: UnaryOp, a: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let width = Self::width(a);
+        if !Self::is_float(a) {
+            let zero = a.get_type().const_zero();
+            return match op {
+                UnaryOp::Not => Ok(self.b.build_not(a, "")?),
+                UnaryOp::Neg => Ok(self.b.build_int_sub(zero, a, "")?),
+                UnaryOp::Abs => {
+                    let negative = self.icmp(IntPredicate::SLT, a, zero)?;
+                    self.select(negative, self.b.build_int_sub(zero, a, "")?, a)
+                }
+                _ => Err(LlvmError::llvm("lowering", format!("{} on integers", op.name()))),
+            };
+        }
+        let (zero, one) = (self.f32(width, 0.0), self.f32(width, 1.0));
+        match op {
+            UnaryOp::Neg => Ok(self.b.build_float_neg(a, "")?),
+            UnaryOp::Abs => self.intrinsic("llvm.fabs", &[a]),
+            UnaryOp::Exp => math::exp(self, a),
+            UnaryOp::Log => math::log(self, a),
+            UnaryOp::Sqrt => self.intrinsic("llvm.sqrt", &[a]),
+            UnaryOp::Rsqrt => self.fdiv(one, self.intrinsic("llvm.sqrt", &[a])?),
+            UnaryOp::Reciprocal => self.fdiv(one, a),
+            UnaryOp::Tanh => math::tanh(self, a),
+            UnaryOp::Erf => math::erf(self, a),
+            UnaryOp::Sigmoid => math::sigmoid(self, a),
+            UnaryOp::Relu => self.select(self.fcmp(FloatPredicate::OGT, a, zero)?, a, zero),
+            UnaryOp::Floor => self.intrinsic("llvm.floor", &[a]),
+            UnaryOp::Ceil => self.intrinsic("llvm.ceil", &[a]),
+            UnaryOp::Round => self.intrinsic("llvm.roundeven", &[a]),
+            UnaryOp::Sign => {
+                let negative = self.select(self.fcmp(FloatPredicate::OLT, a, zero)?, self.f32(width, -1.0), a)?;
+                self.select(self.fcmp(FloatPredicate::OGT, a, zero)?, one, negative)
+            }
+            UnaryOp::Not | UnaryOp::Sin | UnaryOp::Cos => {
+                Err(LlvmError::llvm("lowering", format!("{} on f32", op.name())))
+            }
+        }
+    }
+
+    fn binary(&self, op: BinaryOp, a: V<'ctx>, b: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        use BinaryOp::*;
+        if Self::is_float(a) {
+            let predicate = |p| self.fcmp(p, a, b);
+            return match op {
+                Add => self.fadd(a, b),
+                Sub => self.fsub(a, b),
+                Mul => self.fmul(a, b),
+                Div => self.fdiv(a, b),
+                Max => self.fmax(a, b),
+                Min => self.fmin(a, b),
+                Equal => predicate(FloatPredicate::OEQ),
+                Less => predicate(FloatPredicate::OLT),
+                LessEqual => predicate(FloatPredicate::OLE),
+                Greater => predicate(FloatPredicate::OGT),
+                GreaterEqual => predicate(FloatPredicate::OGE),
+                Pow | Mod | And | Or | Xor => Err(LlvmError::llvm("lowering", format!("{} on f32", op.name()))),
+            };
+        }
+        let predicate = |p| self.icmp(p, a, b);
+        match op {
+            Add => Ok(self.b.build_int_add(a, b, "")?),
+            Sub => Ok(self.b.build_int_sub(a, b, "")?),
+            Mul => Ok(self.b.build_int_mul(a, b, "")?),
+            Max => self.select(predicate(IntPredicate::SGT)?, a, b),
+            Min => self.select(predicate(IntPredicate::SLT)?, a, b),
+            Equal => predicate(IntPredicate::EQ),
+            Less => predicate(IntPredicate::SLT),
+            LessEqual => predicate(IntPredicate::SLE),
+            Greater => predicate(IntPredicate::SGT),
+            GreaterEqual => predicate(IntPredicate::SGE),
+            And => Ok(self.b.build_and(a, b, "")?),
+            Or => Ok(self.b.build_or(a, b, "")?),
+            Xor => Ok(self.b.build_xor(a, b, "")?),
+            Div | Pow | Mod => Err(LlvmError::llvm("lowering", format!("{} on integers", op.name()))),
+        }
+    }
+
+    /// The vector type of `ty` at `width` lanes.
+    pub fn value_type(&self, ty: ScalarType, width: u32) -> VectorType<'ctx> {
+        self.vector_type(ty, width)
+    }
+}
+
+/// A kernel's buffers as the generated function sees them.
+pub struct Buffers<'ctx>(pub Vec<Buffer<'ctx>>);
+
+pub struct Buffer<'ctx> {
+    pub pointer: PointerValue<'ctx>,
+    pub dtype: DType,
+}
+
+enum Address<'ctx> {
+    /// One element for every lane.
+    Splat(IntValue<'ctx>),
+    /// `width` consecutive elements from here.
+    Contiguous(IntValue<'ctx>),
+    /// One element per lane.
+    Lanes(Vec<IntValue<'ctx>>),
+}
+
+fn set_alignment(value: BasicValueEnum, align: u32) {
+    use inkwell::values::BasicValue;
+    if let Some(instruction) = value.as_instruction_value() {
+        let _ = instruction.set_alignment(align);
+    }
+}
+
+/// `vec_type_of` for any basic type (inkwell has `vec_type` per concrete type).
+trait VecTypeOf<'ctx> {
+    fn vec_type_of(self, width: u32) -> VectorType<'ctx>;
+}
+
+impl<'ctx> VecTypeOf<'ctx> for BasicTypeEnum<'ctx> {
+    fn vec_type_of(self, width: u32) -> VectorType<'ctx> {
+        match self {
+            BasicTypeEnum::FloatType(t) => t.vec_type(width),
+            BasicTypeEnum::IntType(t) => t.vec_type(width),
+            BasicTypeEnum::PointerType(t) => t.vec_type(width),
+            other => panic!("no vectors of {other:?} in kernels"),
+        }
+    }
+}

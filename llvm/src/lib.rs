@@ -1,0 +1,38 @@
+//! autotp-llvm: lowers the kernel IR ([`autotp_kernels::kir`]) through LLVM 19 (inkwell).
+//!
+//! One description, two targets (XLA's shared emitters): [`emit`] lowers a stage's expressions
+//! and memory accesses to LLVM values of any vector width, and [`math`] gives the
+//! transcendentals (exp, log, tanh, erf, sigmoid) as the project's own polynomials built from
+//! those same operations, so every target computes them identically and none calls libm.
+//! - [`cpu`]: x86-64. Each kernel becomes `void k(u8** buffers, i64 begin, i64 end)` running
+//!   rows `begin..end` with explicit vectors of the host's width and a scalar tail; a plan's
+//!   kernels are optimised at O3 for the host CPU, emitted as one object file, and loaded into
+//!   the process-wide JIT ([`jit`]), which keeps them for the life of the process and reuses a
+//!   kernel already compiled.
+//!
+//! Fast-math flags are never set: attention masks use -inf and NaN must propagate, so only
+//! exact rewrites happen, and `fma` appears only where the polynomials ask for it.
+
+pub mod cpu;
+pub mod emit;
+pub mod jit;
+pub mod math;
+
+pub use cpu::{compile_cpu, CpuKernel};
+
+/// Why a kernel could not be generated or loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LlvmError {
+    #[error(transparent)]
+    Kir(#[from] autotp_kernels::kir::KirError),
+    #[error("LLVM could not build kernel code: {0}")]
+    Builder(#[from] inkwell::builder::BuilderError),
+    #[error("LLVM {stage} failed: {message}")]
+    Llvm { stage: &'static str, message: String },
+}
+
+impl LlvmError {
+    pub(crate) fn llvm(stage: &'static str, message: impl ToString) -> LlvmError {
+        LlvmError::Llvm { stage, message: message.to_string() }
+    }
+}
