@@ -141,6 +141,17 @@ pub struct CompileFlags {
     /// Write the per-rank memory and per-step communication plan as JSON.
     #[arg(long, value_name = "FILE.json")]
     report: Option<PathBuf>,
+    /// Which kernels run the ops: generated (LLVM, where a generated kernel computes the op)
+    /// or builtin (the reference interpreter alone: the oracle to bisect a divergence against).
+    #[arg(long, value_enum, default_value = "generated")]
+    kernels: Kernels,
+}
+
+/// `--kernels`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Kernels {
+    Generated,
+    Builtin,
 }
 
 #[derive(Args)]
@@ -424,7 +435,11 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
                 weight_shapes.insert(name.to_string(), weights.ty.shape.clone());
             }
         }
-        programs.push(autotp_codegen::lower(&graph)?);
+        let kernels = match flags.kernels {
+            Kernels::Generated => autotp_codegen::KernelChoice::Generated,
+            Kernels::Builtin => autotp_codegen::KernelChoice::Builtin,
+        };
+        programs.push(autotp_codegen::lower_with(&graph, &autotp_codegen::LowerOptions { kernels })?);
     }
     if let Some(error) = observer.error {
         return Err(error);
@@ -623,9 +638,11 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
         }
     }
     let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
-    for instruction in plan.stages.iter().flat_map(|p| &p.instructions) {
+    let instructions = plan.stages.iter().flat_map(|p| p.instructions.iter().map(move |i| (p, i)));
+    for (program, instruction) in instructions {
         let name = match instruction {
             autotp_runtime::Instruction::Kernel { kernel, .. } => kernel.name().to_string(),
+            autotp_runtime::Instruction::Generated { kernel, .. } => format!("gen.{}", program.kernels[*kernel].name),
             autotp_runtime::Instruction::Collective { op, .. } => op.kind.name().to_string(),
             autotp_runtime::Instruction::CollectiveStart { op, .. } => format!("{}_start", op.kind.name()),
             autotp_runtime::Instruction::Wait { .. } => "wait".to_string(),

@@ -10,6 +10,7 @@
 //! - `pipeline`: where the forward pass is cut into pipeline stages.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
+//! - `kernels`: every generated kernel against the builtin kernel of the same op.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
 //!   `conformance`: rules, optimizers and ONNX node tests against references.
 
@@ -21,6 +22,7 @@ mod conformance;
 mod fixtures;
 mod golden;
 mod gradients;
+mod kernels;
 mod optimizers;
 mod parallel;
 mod pipeline;

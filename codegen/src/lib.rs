@@ -10,6 +10,7 @@
 //! regions from a liveness-based first-fit plan ([`memory`]); the plan's byte counts are the
 //! compile-time memory report, per rank.
 
+pub mod kernelgen;
 pub mod memory;
 
 use autotp_ir::sharding::local_type;
@@ -25,8 +26,24 @@ pub enum CodegenError {
     Verify(#[from] autotp_ir::VerifyErrors),
 }
 
+/// Which kernels compute the graph's ops.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KernelChoice {
+    /// The builtin kernels alone: the reference interpreter, the oracle of generated kernels.
+    Builtin,
+    /// Generated kernels ([`kernelgen`]) wherever one computes the op, builtin ones elsewhere.
+    #[default]
+    Generated,
+}
+
+/// How to lower a graph.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LowerOptions {
+    pub kernels: KernelChoice,
+}
+
 /// The type one rank holds of `v`.
-fn local(graph: &Graph, v: ValueId) -> TensorType {
+pub(crate) fn local(graph: &Graph, v: ValueId) -> TensorType {
     local_type(&graph.mesh, graph.ty(v), &graph.value(v).placements)
 }
 
@@ -78,9 +95,16 @@ impl Dedicated {
     }
 }
 
-/// Lowers `graph` to the program every rank of its mesh runs (one device for an empty mesh).
+/// Lowers `graph` to the program every rank of its mesh runs (one device for an empty mesh),
+/// with the default options (generated kernels).
 pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
+    lower_with(graph, &LowerOptions::default())
+}
+
+/// Lowers `graph` as [`lower`] does, with `options`.
+pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, CodegenError> {
     autotp_ir::verify(graph)?;
+    let mut kernels: Vec<autotp_kernels::kir::Kernel> = Vec::new();
     let mut regions: Vec<Option<Region>> = vec![None; graph.num_values()];
     let mut memory = MemoryPlan::default();
     let mut dedicated = Dedicated::default();
@@ -199,6 +223,19 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
             instructions.push(Instruction::Send { input: inputs[0], to, tag, label });
         } else if let Op::Recv { from, tag, .. } = node.op {
             instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });
+        } else if let Some(built) = (options.kernels == KernelChoice::Generated)
+            .then(|| kernelgen::build(graph, &[id], &node.outputs))
+            .flatten()
+        {
+            let kernel = match kernels.iter().position(|k| *k == built.kernel) {
+                Some(known) => known,
+                None => {
+                    kernels.push(built.kernel);
+                    kernels.len() - 1
+                }
+            };
+            let inputs = built.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect();
+            instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
         } else {
             let kernel = autotp_ir::lower::node_kernel(graph, node)
                 .expect("constants, collectives and pipeline communication are handled apart");
@@ -246,6 +283,7 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
         constants,
         updates,
         instructions,
+        kernels,
         memory,
     })
 }

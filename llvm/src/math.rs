@@ -254,7 +254,8 @@ mod tests {
 
     #[test]
     fn transcendentals_are_within_their_documented_ulps() {
-        let cases: [(UnaryOp, fn(f64) -> f64, u64); 5] = [
+        type Case = (UnaryOp, fn(f64) -> f64, u64);
+        let cases: [Case; 5] = [
             (UnaryOp::Exp, f64::exp, 1),
             (UnaryOp::Log, f64::ln, 1),
             (UnaryOp::Tanh, f64::tanh, 1),

@@ -1,11 +1,14 @@
 //! The CPU executor: one arena per program (per rank), parameters and constants loaded once,
-//! then instructions run in order: builtin kernels (multi-threaded with rayon inside) and
-//! collectives through the rank's communicator.
+//! then instructions run in order: builtin kernels (multi-threaded with rayon inside), generated
+//! kernels (JIT-compiled by `autotp-llvm` when the executor is built; their rows split over the
+//! rank's rayon pool) and collectives through the rank's communicator.
 
 use std::sync::mpsc;
 use std::sync::Arc;
 
 use autotp_kernels::AlignedBuf;
+
+use autotp_llvm::CpuKernel;
 
 use crate::clock::{Clock, RankClock, RunTime};
 use crate::comm::{CollectiveKind, CollectiveOp, LocalComm};
@@ -78,6 +81,8 @@ pub struct Executor {
     /// dropped (its thread joined) before the arena it writes into.
     comm_thread: Option<CommThread>,
     program: Program,
+    /// The entry points of `program.kernels`, compiled for this machine.
+    generated: Vec<CpuKernel>,
     arena: AlignedBuf,
     /// This rank and its communicator, for programs on a mesh.
     rank: Option<(usize, Arc<LocalComm>)>,
@@ -133,9 +138,15 @@ impl Executor {
             _ => None,
         };
         let issued = vec![0; program.mesh.len()];
+        let generated = if program.kernels.is_empty() {
+            Vec::new()
+        } else {
+            autotp_llvm::compile_cpu(&program.kernels).map_err(|e| RuntimeError::KernelCompile(e.to_string()))?
+        };
         Ok(Executor {
             comm_thread,
             program,
+            generated,
             arena,
             rank,
             issued,
@@ -223,6 +234,15 @@ impl Executor {
                     kernel
                         .run(&ins, &mut outs)
                         .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
+                }
+                Instruction::Generated { kernel, inputs, outputs, .. } => {
+                    let buffers: Vec<*mut u8> =
+                        inputs.iter().chain(outputs).map(|r| unsafe { base.add(r.offset) }).collect();
+                    let k = &self.program.kernels[*kernel];
+                    // SAFETY: `validate` checked the kernel (every access in bounds of its
+                    // buffers) and that these regions have its buffers' sizes and alignment and
+                    // outputs that overlap nothing else this instruction touches.
+                    unsafe { run_generated(self.generated[*kernel], &buffers, k) };
                 }
                 Instruction::Collective { op, input, output, label } => {
                     let (rank, comm) = self.rank.as_ref().ok_or_else(|| {
@@ -323,6 +343,40 @@ impl Executor {
             })
             .collect())
     }
+}
+
+/// Rows of a generated kernel per parallel task: about 16K elements of work each, so small
+/// kernels run on the calling thread and large ones spread over the pool.
+fn rows_per_task(kernel: &autotp_kernels::kir::Kernel) -> usize {
+    let passes = kernel.stages.len().max(1);
+    (16_384 / (kernel.inner * passes).max(1)).max(1)
+}
+
+/// Buffers handed to the pool's threads.
+struct Buffers<'a>(&'a [*mut u8]);
+
+// SAFETY: each task runs distinct rows, and a generated kernel's rows write disjoint elements
+// of its outputs (it is how codegen builds them; `validate` bounds every access).
+unsafe impl Sync for Buffers<'_> {}
+
+/// Runs all rows of `kernel`, split into tasks on the current rayon pool.
+///
+/// # Safety
+/// As [`CpuKernel::run`].
+unsafe fn run_generated(compiled: CpuKernel, buffers: &[*mut u8], kernel: &autotp_kernels::kir::Kernel) {
+    use rayon::prelude::*;
+    let per_task = rows_per_task(kernel);
+    if kernel.outer <= per_task {
+        unsafe { compiled.run(buffers, 0..kernel.outer) };
+        return;
+    }
+    let shared = Buffers(buffers);
+    let tasks = kernel.outer.div_ceil(per_task);
+    (0..tasks).into_par_iter().for_each(|t| {
+        let rows = t * per_task..((t + 1) * per_task).min(kernel.outer);
+        let buffers = &shared;
+        unsafe { compiled.run(buffers.0, rows) };
+    });
 }
 
 /// The sequence number of the next collective on `op`'s axis (`shard_slice` meets no one and

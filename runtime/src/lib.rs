@@ -52,6 +52,8 @@ pub enum RuntimeError {
     InputType { name: String, expected: String, got: String },
     #[error("{label}: {source}")]
     Kernel { label: String, source: autotp_kernels::KernelError },
+    #[error("the program's generated kernels could not be compiled: {0}")]
+    KernelCompile(String),
     #[error("{path}: {message}")]
     Npy { path: String, message: String },
     #[error("cannot {action} {path}: {source}")]

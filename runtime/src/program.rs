@@ -1,8 +1,9 @@
 //! `Program`: what the runtime executes. One arena of bytes per rank; every tensor lives at a
-//! planned offset; instructions run builtin kernels over those regions. The runtime knows
+//! planned offset; instructions run kernels over those regions: builtin ones, or generated ones
+//! (the program's [`kir`] kernels, JIT-compiled when the program is loaded). The runtime knows
 //! nothing of the IR: codegen produces Programs.
 
-use autotp_kernels::{DType, Kernel};
+use autotp_kernels::{kir, DType, Kernel};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::CollectiveOp;
@@ -97,6 +98,9 @@ pub struct Update {
 pub enum Instruction {
     /// Runs a builtin kernel. `label` names the IR op it came from, for profiles and errors.
     Kernel { kernel: Kernel, inputs: Vec<Region>, outputs: Vec<Region>, label: String },
+    /// Runs the program's generated kernel `kernel` (an index into `Program::kernels`) on its
+    /// buffers: `inputs`, then `outputs`.
+    Generated { kernel: usize, inputs: Vec<Region>, outputs: Vec<Region>, label: String },
     /// A collective between the ranks of one mesh axis.
     Collective { op: CollectiveOp, input: Region, output: Region, label: String },
     /// Starts a collective on the rank's communication thread; the instructions up to its
@@ -140,6 +144,9 @@ pub struct Program {
     /// Copies applied after the instructions: a training step's new parameters and states.
     pub updates: Vec<Update>,
     pub instructions: Vec<Instruction>,
+    /// The generated kernels that `Generated` instructions run.
+    #[serde(default)]
+    pub kernels: Vec<kir::Kernel>,
     pub memory: MemoryPlan,
 }
 
@@ -150,6 +157,7 @@ impl Instruction {
     pub fn label(&self) -> &str {
         match self {
             Instruction::Kernel { label, .. }
+            | Instruction::Generated { label, .. }
             | Instruction::Collective { label, .. }
             | Instruction::CollectiveStart { label, .. }
             | Instruction::Wait { label, .. }
@@ -160,7 +168,9 @@ impl Instruction {
 
     fn regions(&self) -> (Vec<Region>, Vec<Region>) {
         match self {
-            Instruction::Kernel { inputs, outputs, .. } => (inputs.clone(), outputs.clone()),
+            Instruction::Kernel { inputs, outputs, .. } | Instruction::Generated { inputs, outputs, .. } => {
+                (inputs.clone(), outputs.clone())
+            }
             Instruction::Collective { input, output, .. } | Instruction::CollectiveStart { input, output, .. } => {
                 (vec![*input], vec![*output])
             }
@@ -227,6 +237,25 @@ impl Program {
                     let lengths = |regions: &[Region]| regions.iter().map(|r| r.len).collect::<Vec<_>>();
                     if let Err(e) = kernel.check_buffers(&lengths(inputs), &lengths(outputs)) {
                         return bad(format!("instruction {i} ({label}): {e}"));
+                    }
+                    (inputs.clone(), outputs.clone(), label)
+                }
+                Instruction::Generated { kernel, inputs, outputs, label } => {
+                    let Some(k) = self.kernels.get(*kernel) else {
+                        return bad(format!("instruction {i} ({label}) runs kernel {kernel}, which does not exist"));
+                    };
+                    if let Err(e) = k.check() {
+                        return bad(format!("instruction {i} ({label}): {e}"));
+                    }
+                    let regions = inputs.iter().chain(outputs);
+                    if inputs.len() != k.num_inputs
+                        || regions.clone().count() != k.buffers.len()
+                        || regions
+                            .clone()
+                            .zip(&k.buffers)
+                            .any(|(r, b)| r.len != b.len * b.dtype.size() || r.offset % b.dtype.size() != 0)
+                    {
+                        return bad(format!("instruction {i} ({label}): its regions do not fit kernel {}", k.name));
                     }
                     (inputs.clone(), outputs.clone(), label)
                 }
@@ -307,6 +336,7 @@ mod tests {
 
     fn program(kernel: Kernel, output_len: usize) -> Program {
         Program {
+            kernels: vec![],
             name: "p".into(),
             mesh: vec![],
             inputs: vec![],

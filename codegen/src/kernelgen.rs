@@ -1,0 +1,546 @@
+//! Groups of IR nodes -> one generated kernel ([`autotp_kernels::kir`]).
+//!
+//! A group computes over one iteration space: the shape of its row reductions' input (`[rows,
+//! cols]` with the reduced trailing dims as `cols`), or for a purely elementwise group the shape
+//! of its results. Every value the group makes is either *full* (the space's shape) or a *row*
+//! value (one per row: a reduction's result, or arithmetic on those). Inputs from outside the
+//! group are loaded through their broadcast into the space ([`broadcast_index`]), so a bias
+//! `[h]`, a mask `[1, 1, s, s]` or a row statistic `[b, s, 1]` is read in place.
+//!
+//! Composite ops are written here as the arithmetic they stand for (softmax is a max reduce, a
+//! sum reduce of `exp(x - max)` and a division), the same formulas as the builtin kernels,
+//! which stay the oracle: `tests/kernels.rs` runs every op both ways.
+//!
+//! [`build`] returns `None` for anything it does not handle (other dtypes, ops, reductions not
+//! over trailing dims, a value broadcast inside the group); codegen then uses the builtin
+//! kernel.
+
+use std::collections::HashMap;
+
+use autotp_ir::{GeluApprox, Graph, NodeId, Op, ReduceOp, TensorType, ValueId};
+use autotp_kernels::kir::{self, Expr, ExprRef, Fold, Index, Stage, Store, Term, Var};
+use autotp_kernels::{BinaryOp, DType, UnaryOp};
+
+/// A generated kernel and the values bound to its buffers: inputs, then outputs.
+pub struct Built {
+    pub kernel: kir::Kernel,
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+}
+
+/// The kernel computing `outputs` from the group `nodes` (in graph order), or `None` when the
+/// group is not one kernel can compute.
+pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Built> {
+    let ty = |v: ValueId| crate::local(graph, v);
+    let space = Space::of(graph, nodes, &ty)?;
+    let mut builder = Builder {
+        graph,
+        ty: &ty,
+        space,
+        producer: nodes.iter().flat_map(|&n| graph.node(n).outputs.iter().map(move |&v| (v, n))).collect(),
+        reductions: HashMap::new(),
+        stages: Vec::new(),
+        inputs: Vec::new(),
+    };
+    let mut map = StageBuilder::new(false);
+    let mut row = StageBuilder::new(true);
+    let mut map_stores = Vec::new();
+    let mut row_stores = Vec::new();
+    let rows = builder.space.outer;
+    for (o, &v) in outputs.iter().enumerate() {
+        let numel = ty(v).numel();
+        if numel == rows * builder.space.inner && ty(v).shape == builder.space.shape {
+            let value = builder.value(&mut map, v)?;
+            map_stores.push((o, Index::row_major(builder.space.inner), value));
+        } else if numel == rows {
+            let value = builder.value(&mut row, v)?;
+            row_stores.push((o, Index::linear(Var::Outer, 1), value));
+        } else {
+            return None;
+        }
+    }
+    let num_inputs = builder.inputs.len();
+    let store = |list: Vec<(usize, Index, ExprRef)>| -> Vec<Store> {
+        list.into_iter().map(|(o, index, value)| Store { buffer: num_inputs + o, index, value }).collect()
+    };
+    if !row_stores.is_empty() {
+        builder.stages.push(Stage::Row { exprs: row.exprs, stores: store(row_stores) });
+    }
+    if !map_stores.is_empty() {
+        builder.stages.push(Stage::Map { exprs: map.exprs, stores: store(map_stores) });
+    }
+    let mut buffers: Vec<kir::Buffer> =
+        builder.inputs.iter().map(|&v| kir::Buffer { dtype: ty(v).dtype, len: ty(v).numel() }).collect();
+    buffers.extend(outputs.iter().map(|&v| kir::Buffer { dtype: ty(v).dtype, len: ty(v).numel() }));
+    let mut name: Vec<String> = nodes.iter().map(|&n| graph.node(n).op.name()).collect();
+    name.dedup();
+    let kernel = kir::Kernel {
+        name: name.join("+"),
+        buffers,
+        num_inputs,
+        outer: builder.space.outer,
+        inner: builder.space.inner,
+        stages: builder.stages,
+    };
+    kernel.check().ok()?;
+    Some(Built { kernel, inputs: builder.inputs, outputs: outputs.to_vec() })
+}
+
+/// The iteration space: `shape` with dims before `split` on the outer variable and the rest on
+/// the inner one.
+struct Space {
+    shape: Vec<usize>,
+    split: usize,
+    outer: usize,
+    inner: usize,
+}
+
+/// The number of trailing elements a node reduces each row over, `Some(None)` for an elementwise
+/// node, `None` for a node no kernel here computes.
+fn row_reduction(op: &Op, input: &TensorType) -> Option<Option<usize>> {
+    let rank = input.shape.len();
+    let trailing = |from: usize| input.shape[from..].iter().product::<usize>();
+    Some(match op {
+        Op::Unary(op) => (!matches!(op, UnaryOp::Sin | UnaryOp::Cos | UnaryOp::Not)).then_some(None)?,
+        Op::Binary(op) => matches!(
+            op,
+            BinaryOp::Add
+                | BinaryOp::Sub
+                | BinaryOp::Mul
+                | BinaryOp::Div
+                | BinaryOp::Max
+                | BinaryOp::Min
+                | BinaryOp::Equal
+                | BinaryOp::Less
+                | BinaryOp::LessEqual
+                | BinaryOp::Greater
+                | BinaryOp::GreaterEqual
+        )
+        .then_some(None)?,
+        Op::Select | Op::Cast { .. } | Op::Gelu { .. } => None,
+        Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Max, axes, .. } => {
+            let first = *axes.first()?;
+            (axes.iter().copied().eq(first..rank)).then(|| Some(trailing(first)))?
+        }
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => (*axis + 1 == rank).then(|| Some(trailing(*axis)))?,
+        Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => Some(trailing(*axis)),
+        _ => return None,
+    })
+}
+
+impl Space {
+    fn of(graph: &Graph, nodes: &[NodeId], ty: &dyn Fn(ValueId) -> TensorType) -> Option<Space> {
+        let mut reduced: Option<(Vec<usize>, usize)> = None;
+        for &n in nodes {
+            let node = graph.node(n);
+            let input = ty(node.inputs[0]);
+            if let Some(cols) = row_reduction(&node.op, &input)? {
+                let rank = input.shape.len();
+                let mut split = rank;
+                while split > 0 && input.shape[split..].iter().product::<usize>() < cols {
+                    split -= 1;
+                }
+                match &reduced {
+                    None => reduced = Some((input.shape.clone(), split)),
+                    Some((shape, s)) if *shape == input.shape && *s == split => {}
+                    Some(_) => return None,
+                }
+            }
+        }
+        let (shape, split) = match reduced {
+            Some(found) => found,
+            None => {
+                // Elementwise: the space is the results' shape.
+                let last = graph.node(*nodes.last()?).outputs[0];
+                let shape = ty(last).shape;
+                for &n in nodes {
+                    if graph.node(n).outputs.iter().any(|&o| ty(o).shape != shape) {
+                        return None;
+                    }
+                }
+                let split = Self::elementwise_split(graph, nodes, &shape, ty);
+                (shape, split)
+            }
+        };
+        let outer = shape[..split].iter().product();
+        let inner = shape[split..].iter().product();
+        if outer == 0 || inner == 0 {
+            return None;
+        }
+        Some(Space { shape, split, outer, inner })
+    }
+
+    /// Where an elementwise space splits into outer and inner: the trailing dims, widened while
+    /// rows are short and every input is either whole or broadcast across the dims taken in.
+    fn elementwise_split(
+        graph: &Graph,
+        nodes: &[NodeId],
+        shape: &[usize],
+        ty: &dyn Fn(ValueId) -> TensorType,
+    ) -> usize {
+        let rank = shape.len();
+        if rank == 0 {
+            return 0;
+        }
+        let inputs: Vec<Vec<bool>> = nodes
+            .iter()
+            .flat_map(|&n| graph.node(n).inputs.iter())
+            .map(|&v| {
+                let s = ty(v).shape;
+                // Whether the input has dim d of the space (not broadcast along it).
+                (0..rank).map(|d| d + s.len() >= rank && s[d + s.len() - rank] == shape[d] && shape[d] != 1).collect()
+            })
+            .collect();
+        let mut split = rank - 1;
+        while split > 0
+            && shape[split..].iter().product::<usize>() < 4096
+            && inputs.iter().all(|has| has[split - 1] == has[split] || shape[split - 1] == 1 || shape[split] == 1)
+        {
+            split -= 1;
+        }
+        split
+    }
+}
+
+/// The index of an input of shape `input` broadcast into `space` (row-major, right-aligned).
+pub fn broadcast_index(input: &[usize], space: &[usize], split: usize) -> Index {
+    let rank = space.len();
+    let offset = rank - input.len();
+    let own = autotp_kernels::shape::strides(input);
+    let stride = |d: usize| if d < offset || input[d - offset] == 1 { 0 } else { own[d - offset] };
+    let mut terms: Vec<Term> = Vec::new();
+    for (var, dims) in [(Var::Outer, 0..split), (Var::Inner, split..rank)] {
+        // From the innermost dim outwards: `div` is the product of the dims inside.
+        let mut div = 1;
+        let mut run: Option<Term> = None;
+        for d in dims.rev() {
+            let s = stride(d);
+            let size = space[d];
+            if size == 1 {
+                continue;
+            }
+            if s == 0 {
+                if let Some(t) = run.take() {
+                    terms.push(t);
+                }
+            } else {
+                match &mut run {
+                    // Contiguous with the dim inside it: one term covers both.
+                    Some(t) if t.stride * t.modulo.unwrap_or(0) == s => {
+                        t.modulo = Some(t.modulo.unwrap_or(0) * size);
+                    }
+                    _ => {
+                        if let Some(t) = run.take() {
+                            terms.push(t);
+                        }
+                        run = Some(Term { var, div, modulo: Some(size), stride: s });
+                    }
+                }
+            }
+            div *= size;
+        }
+        if let Some(mut t) = run {
+            // The outermost term of a variable needs no modulo: the variable stays below it.
+            if t.div * t.modulo.unwrap_or(0) == div {
+                t.modulo = None;
+            }
+            terms.push(t);
+        }
+    }
+    Index { terms }
+}
+
+/// The expressions of one stage, with each value emitted once.
+struct StageBuilder {
+    exprs: Vec<Expr>,
+    memo: HashMap<ValueId, ExprRef>,
+    row: bool,
+}
+
+impl StageBuilder {
+    fn new(row: bool) -> StageBuilder {
+        StageBuilder { exprs: Vec::new(), memo: HashMap::new(), row }
+    }
+
+    fn push(&mut self, expr: Expr) -> ExprRef {
+        if let Some(at) = self.exprs.iter().position(|e| *e == expr) {
+            return at as ExprRef;
+        }
+        self.exprs.push(expr);
+        (self.exprs.len() - 1) as ExprRef
+    }
+
+    fn f32(&mut self, x: f32) -> ExprRef {
+        self.push(Expr::F32(x))
+    }
+
+    fn unary(&mut self, op: UnaryOp, a: ExprRef) -> ExprRef {
+        self.push(Expr::Unary(op, a))
+    }
+
+    fn binary(&mut self, op: BinaryOp, a: ExprRef, b: ExprRef) -> ExprRef {
+        self.push(Expr::Binary(op, a, b))
+    }
+}
+
+struct Builder<'g> {
+    graph: &'g Graph,
+    ty: &'g dyn Fn(ValueId) -> TensorType,
+    space: Space,
+    /// The group's node making each of its values.
+    producer: HashMap<ValueId, NodeId>,
+    /// Accumulators already made, by node and which of its reductions.
+    reductions: HashMap<(NodeId, u8), usize>,
+    stages: Vec<Stage>,
+    inputs: Vec<ValueId>,
+}
+
+impl Builder<'_> {
+    fn load(&mut self, stage: &mut StageBuilder, v: ValueId) -> Option<ExprRef> {
+        let ty = (self.ty)(v);
+        kir::scalar_type(ty.dtype)?;
+        if ty.shape.len() > self.space.shape.len() {
+            return None;
+        }
+        let index = broadcast_index(&ty.shape, &self.space.shape, self.space.split);
+        if stage.row && index.uses(Var::Inner) {
+            return None;
+        }
+        let buffer = match self.inputs.iter().position(|&i| i == v) {
+            Some(b) => b,
+            None => {
+                self.inputs.push(v);
+                self.inputs.len() - 1
+            }
+        };
+        Some(stage.push(Expr::Load { buffer, index }))
+    }
+
+    /// The accumulator of `fold` over `value` for reduction `which` of `node`, made once.
+    fn reduction(
+        &mut self,
+        node: NodeId,
+        which: u8,
+        fold: Fold,
+        value: impl FnOnce(&mut Self, &mut StageBuilder) -> Option<ExprRef>,
+    ) -> Option<usize> {
+        if let Some(&k) = self.reductions.get(&(node, which)) {
+            return Some(k);
+        }
+        let mut stage = StageBuilder::new(false);
+        let value = value(self, &mut stage)?;
+        self.stages.push(Stage::Reduce { fold, exprs: stage.exprs, value });
+        let k = self.stages.iter().filter(|s| matches!(s, Stage::Reduce { .. })).count() - 1;
+        self.reductions.insert((node, which), k);
+        Some(k)
+    }
+
+    fn value(&mut self, stage: &mut StageBuilder, v: ValueId) -> Option<ExprRef> {
+        if let Some(&e) = stage.memo.get(&v) {
+            return Some(e);
+        }
+        let Some(&n) = self.producer.get(&v) else {
+            let e = self.load(stage, v)?;
+            stage.memo.insert(v, e);
+            return Some(e);
+        };
+        let node = self.graph.node(n);
+        let input = |i: usize| node.inputs[i];
+        let float = |v: ValueId| (self.ty)(v).dtype == DType::F32;
+        let cols = self.space.inner as f32;
+        let e = match &node.op {
+            Op::Unary(op) if float(v) => {
+                let x = self.value(stage, input(0))?;
+                stage.unary(*op, x)
+            }
+            Op::Binary(op) if float(input(0)) => {
+                let a = self.value(stage, input(0))?;
+                let b = self.value(stage, input(1))?;
+                stage.binary(*op, a, b)
+            }
+            Op::Select if float(v) => {
+                let c = self.value(stage, input(0))?;
+                let a = self.value(stage, input(1))?;
+                let b = self.value(stage, input(2))?;
+                stage.push(Expr::Select(c, a, b))
+            }
+            Op::Cast { to: DType::F32 } => {
+                let x = self.value(stage, input(0))?;
+                match (self.ty)(input(0)).dtype {
+                    DType::F32 => x,
+                    DType::Bool | DType::I64 => stage.push(Expr::ToF32(x)),
+                    _ => return None,
+                }
+            }
+            Op::Gelu { approx } if float(v) => {
+                let x = self.value(stage, input(0))?;
+                let half = stage.f32(0.5);
+                let one = stage.f32(1.0);
+                let inner = match approx {
+                    GeluApprox::None => {
+                        let c = stage.f32(std::f32::consts::FRAC_1_SQRT_2);
+                        let scaled = stage.binary(BinaryOp::Mul, x, c);
+                        stage.unary(UnaryOp::Erf, scaled)
+                    }
+                    GeluApprox::Tanh => {
+                        let c = stage.f32((2.0 / std::f64::consts::PI).sqrt() as f32);
+                        let a = stage.f32(0.044715);
+                        let ax = stage.binary(BinaryOp::Mul, a, x);
+                        let axx = stage.binary(BinaryOp::Mul, ax, x);
+                        let axxx = stage.binary(BinaryOp::Mul, axx, x);
+                        let sum = stage.binary(BinaryOp::Add, x, axxx);
+                        let scaled = stage.binary(BinaryOp::Mul, c, sum);
+                        stage.unary(UnaryOp::Tanh, scaled)
+                    }
+                };
+                let hx = stage.binary(BinaryOp::Mul, half, x);
+                let one_plus = stage.binary(BinaryOp::Add, one, inner);
+                stage.binary(BinaryOp::Mul, hx, one_plus)
+            }
+            Op::Reduce { op, .. } if float(v) => {
+                let x = input(0);
+                let fold = if *op == ReduceOp::Max { Fold::Max } else { Fold::Sum };
+                let k = self.reduction(n, 0, fold, |b, s| b.value(s, x))?;
+                let acc = stage.push(Expr::Acc(k));
+                if *op == ReduceOp::Mean {
+                    let c = stage.f32(cols);
+                    stage.binary(BinaryOp::Div, acc, c)
+                } else {
+                    acc
+                }
+            }
+            Op::Softmax { .. } | Op::LogSoftmax { .. } if float(v) => {
+                let x = input(0);
+                let max = self.reduction(n, 0, Fold::Max, |b, s| b.value(s, x))?;
+                let sum = self.reduction(n, 1, Fold::Sum, |b, s| {
+                    let x = b.value(s, x)?;
+                    let m = s.push(Expr::Acc(max));
+                    let shifted = s.binary(BinaryOp::Sub, x, m);
+                    Some(s.unary(UnaryOp::Exp, shifted))
+                })?;
+                let x = self.value(stage, x)?;
+                let m = stage.push(Expr::Acc(max));
+                let s = stage.push(Expr::Acc(sum));
+                let shifted = stage.binary(BinaryOp::Sub, x, m);
+                if matches!(node.op, Op::LogSoftmax { .. }) {
+                    let log_sum = stage.unary(UnaryOp::Log, s);
+                    stage.binary(BinaryOp::Sub, shifted, log_sum)
+                } else {
+                    let e = stage.unary(UnaryOp::Exp, shifted);
+                    let one = stage.f32(1.0);
+                    let inv = stage.binary(BinaryOp::Div, one, s);
+                    stage.binary(BinaryOp::Mul, e, inv)
+                }
+            }
+            Op::LayerNorm { eps, .. } if float(v) => {
+                let x = input(0);
+                let sum = self.reduction(n, 0, Fold::Sum, |b, s| b.value(s, x))?;
+                let mean = |s: &mut StageBuilder| {
+                    let acc = s.push(Expr::Acc(sum));
+                    let c = s.f32(cols);
+                    s.binary(BinaryOp::Div, acc, c)
+                };
+                let squares = self.reduction(n, 1, Fold::Sum, |b, s| {
+                    let x = b.value(s, x)?;
+                    let m = mean(s);
+                    let d = s.binary(BinaryOp::Sub, x, m);
+                    Some(s.binary(BinaryOp::Mul, d, d))
+                })?;
+                let xv = self.value(stage, x)?;
+                let m = mean(stage);
+                let centered = stage.binary(BinaryOp::Sub, xv, m);
+                let inv = self.inverse_root(stage, squares, *eps);
+                let normal = stage.binary(BinaryOp::Mul, centered, inv);
+                let scale = self.value(stage, input(1))?;
+                let scaled = stage.binary(BinaryOp::Mul, normal, scale);
+                match node.inputs.get(2) {
+                    Some(&bias) => {
+                        let bias = self.value(stage, bias)?;
+                        stage.binary(BinaryOp::Add, scaled, bias)
+                    }
+                    None => scaled,
+                }
+            }
+            Op::RmsNorm { eps, .. } if float(v) => {
+                let x = input(0);
+                let squares = self.reduction(n, 0, Fold::Sum, |b, s| {
+                    let x = b.value(s, x)?;
+                    Some(s.binary(BinaryOp::Mul, x, x))
+                })?;
+                let xv = self.value(stage, x)?;
+                let inv = self.inverse_root(stage, squares, *eps);
+                let normal = stage.binary(BinaryOp::Mul, xv, inv);
+                let scale = self.value(stage, input(1))?;
+                stage.binary(BinaryOp::Mul, normal, scale)
+            }
+            _ => return None,
+        };
+        stage.memo.insert(v, e);
+        Some(e)
+    }
+
+    /// `1 / sqrt(acc / cols + eps)`: a norm's inverse root mean square.
+    fn inverse_root(&self, stage: &mut StageBuilder, acc: usize, eps: f64) -> ExprRef {
+        let acc = stage.push(Expr::Acc(acc));
+        let c = stage.f32(self.space.inner as f32);
+        let mean = stage.binary(BinaryOp::Div, acc, c);
+        let eps = stage.f32(eps as f32);
+        let shifted = stage.binary(BinaryOp::Add, mean, eps);
+        stage.unary(UnaryOp::Rsqrt, shifted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offsets(index: &Index, outer: usize, inner: usize) -> Vec<usize> {
+        (0..outer).flat_map(|o| (0..inner).map(move |i| (o, i))).map(|(o, i)| index.offset(o, i)).collect()
+    }
+
+    /// The offsets numpy broadcasting gives, in the space's row-major order.
+    fn expected(input: &[usize], space: &[usize]) -> Vec<usize> {
+        let rank = space.len();
+        let strides = autotp_kernels::shape::broadcast_strides(input, space);
+        let total: usize = space.iter().product();
+        (0..total)
+            .map(|flat| {
+                let mut rest = flat;
+                let mut offset = 0;
+                for d in (0..rank).rev() {
+                    offset += (rest % space[d]) * strides[d];
+                    rest /= space[d];
+                }
+                offset
+            })
+            .collect()
+    }
+
+    #[test]
+    fn broadcast_indices_match_numpy_broadcasting() {
+        let cases: &[(&[usize], &[usize])] = &[
+            (&[2, 3, 4], &[2, 3, 4]),
+            (&[4], &[2, 3, 4]),
+            (&[3, 1], &[2, 3, 4]),
+            (&[2, 1, 4], &[2, 3, 4]),
+            (&[1, 1, 5, 5], &[2, 3, 5, 5]),
+            (&[2, 3, 1], &[2, 3, 7]),
+            (&[], &[2, 3]),
+            (&[6], &[6]),
+        ];
+        for &(input, space) in cases {
+            for split in 0..=space.len() {
+                let index = broadcast_index(input, space, split);
+                let outer: usize = space[..split].iter().product();
+                let inner: usize = space[split..].iter().product();
+                assert_eq!(
+                    offsets(&index, outer, inner),
+                    expected(input, space),
+                    "{input:?} into {space:?} split {split}"
+                );
+                let max = expected(input, space).into_iter().max().unwrap_or(0);
+                assert_eq!(index.max_offset(outer, inner), max, "{input:?} into {space:?} split {split}");
+            }
+        }
+    }
+}
