@@ -381,6 +381,10 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if flags.tp > 1 {
         names.push("autotp");
     }
+    let generated = matches!(flags.kernels, Kernels::Generated);
+    if generated {
+        names.push("fusion");
+    }
     if let Some(unknown) = flags.print_after.iter().find(|p| !names.contains(&p.as_str())) {
         bail!("--print-after '{unknown}': no such pass (the pipeline runs {})", names.join(", "));
     }
@@ -423,11 +427,17 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             let (sharded, explained) = autotp.shard(&graph)?;
             autotp_ir::verify(&sharded)
                 .map_err(|errors| autotp_passes::PassError::Verify { pass: "autotp", errors })?;
-            observer.observe(names.len(), "autotp", &sharded);
+            let autotp_index = names.iter().position(|&n| n == "autotp").map_or(0, |i| i + 1);
+            observer.observe(autotp_index, "autotp", &sharded);
             if flags.explain_tp {
                 explain_tp(flags.tp, &graph, &explained);
             }
             graph = sharded;
+        }
+        if generated {
+            autotp_passes::fusion::Fusion.run(&mut graph)?;
+            autotp_ir::verify(&graph).map_err(|errors| autotp_passes::PassError::Verify { pass: "fusion", errors })?;
+            observer.observe(names.len(), "fusion", &graph);
         }
         for &p in graph.params() {
             let Some(name) = graph.name_of(p) else { continue };

@@ -44,7 +44,16 @@ fn summary_and_ir_dumps() {
     files.sort();
     assert_eq!(
         files,
-        ["00-import.ir", "01-recognize.ir", "02-dce.ir", "03-loss.ir", "04-autodiff.ir", "05-optimize.ir", "06-dce.ir"]
+        [
+            "00-import.ir",
+            "01-recognize.ir",
+            "02-dce.ir",
+            "03-loss.ir",
+            "04-autodiff.ir",
+            "05-optimize.ir",
+            "06-dce.ir",
+            "07-fusion.ir"
+        ]
     );
     // Every dump is valid IR.
     for f in &files {
@@ -76,7 +85,7 @@ fn pipeline_ir_dumps_are_per_stage() {
     let per_stage = |name: &str| [format!("{name}.stage0.ir"), format!("{name}.stage1.ir")];
     let mut expected: Vec<String> =
         ["00-import.ir", "01-recognize.ir", "02-dce.ir", "03-loss.ir"].iter().map(|f| f.to_string()).collect();
-    for name in ["04-pipeline", "05-optimize", "06-dce", "07-zero"] {
+    for name in ["04-pipeline", "05-optimize", "06-dce", "07-zero", "08-fusion"] {
         expected.extend(per_stage(name));
     }
     expected.sort();

@@ -59,6 +59,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
         "dce" => Box::new(Dce),
+        "fusion" => Box::new(autotp_passes::fusion::Fusion),
         "recognize" => Box::new(Recognize),
         "loss" => Box::new(AttachLoss),
         "shard" => Box::new(shard_spec(argument)),

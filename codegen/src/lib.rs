@@ -10,7 +10,6 @@
 //! regions from a liveness-based first-fit plan ([`memory`]); the plan's byte counts are the
 //! compile-time memory report, per rank.
 
-pub mod kernelgen;
 pub mod memory;
 
 use autotp_ir::sharding::local_type;
@@ -31,7 +30,7 @@ pub enum CodegenError {
 pub enum KernelChoice {
     /// The builtin kernels alone: the reference interpreter, the oracle of generated kernels.
     Builtin,
-    /// Generated kernels ([`kernelgen`]) wherever one computes the op, builtin ones elsewhere.
+    /// Generated kernels ([`autotp_ir::kernelgen`]) wherever one computes the op, builtin ones elsewhere.
     #[default]
     Generated,
 }
@@ -93,6 +92,27 @@ impl Dedicated {
             })
             .collect()
     }
+}
+
+/// The index of `kernel` in `kernels`, added if new (layers of one shape share kernels).
+fn intern(kernels: &mut Vec<autotp_kernels::kir::Kernel>, kernel: autotp_kernels::kir::Kernel) -> usize {
+    match kernels.iter().position(|k| *k == kernel) {
+        Some(known) => known,
+        None => {
+            kernels.push(kernel);
+            kernels.len() - 1
+        }
+    }
+}
+
+/// The values a fusion group makes that are read after it (by a later node, as a graph output
+/// or an update): the group kernel's outputs.
+fn fusion_outputs(graph: &Graph, fusion: &autotp_ir::Fusion, last_use: &[usize]) -> Vec<ValueId> {
+    fusion
+        .node_ids()
+        .flat_map(|n| graph.node(n).outputs.iter().copied())
+        .filter(|v| last_use[v.index()] >= fusion.nodes.end)
+        .collect()
 }
 
 /// Lowers `graph` to the program every rank of its mesh runs (one device for an empty mesh),
@@ -169,8 +189,57 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
     let mut live_bytes = 0usize;
     let mut instructions = Vec::new();
     let mut start_instruction = vec![usize::MAX; graph.num_nodes()];
+    // Fusion groups that lower to one generated kernel, built when their first node comes.
+    let mut in_fused_group = vec![false; graph.num_nodes()];
+    let mut fusion_at: Vec<Option<&autotp_ir::Fusion>> = vec![None; graph.num_nodes()];
+    if options.kernels == KernelChoice::Generated {
+        for f in graph.fusions() {
+            fusion_at[f.nodes.start] = Some(f);
+        }
+    }
     for (id, node) in graph.nodes() {
         if matches!(node.op, Op::Constant { .. }) {
+            continue;
+        }
+        if in_fused_group[id.index()] {
+            // Computed by its group's kernel: only release what dies here.
+            for v in std::mem::take(&mut by_last_use[id.index()]) {
+                let region = regions[v].expect("placed");
+                allocator.free(region.offset);
+                live_bytes -= region.len;
+            }
+            continue;
+        }
+        let fused = fusion_at[id.index()].and_then(|f| {
+            let nodes: Vec<_> = f.node_ids().collect();
+            let outputs = fusion_outputs(graph, f, &last_use);
+            autotp_ir::kernelgen::try_build(graph, &nodes, &outputs).map(|built| (f, built))
+        });
+        if let Some((fusion, built)) = fused {
+            for o in &built.outputs {
+                let len = local(graph, *o).size_bytes();
+                regions[o.index()] = Some(Region { offset: allocator.alloc(len), len });
+                live_bytes += len;
+                by_last_use[last_use[o.index()].max(id.index())].push(o.index());
+            }
+            memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
+            let region = |v: &ValueId| regions[v.index()].expect("defined before use");
+            let inputs = built.inputs.iter().map(region).collect();
+            let outputs = built.outputs.iter().map(region).collect();
+            let kernel = intern(&mut kernels, built.kernel);
+            let label = format!(
+                "fusion {}, nodes {}..{} (fused:{})",
+                fusion.name, fusion.nodes.start, fusion.nodes.end, kernels[kernel].name
+            );
+            instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
+            for member in fusion.nodes.clone() {
+                in_fused_group[member] = true;
+            }
+            for v in std::mem::take(&mut by_last_use[id.index()]) {
+                let region = regions[v].expect("placed");
+                allocator.free(region.offset);
+                live_bytes -= region.len;
+            }
             continue;
         }
         let shared = node.outputs.first().filter(|o| root[o.index()] != o.index());
@@ -224,16 +293,10 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         } else if let Op::Recv { from, tag, .. } = node.op {
             instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });
         } else if let Some(built) = (options.kernels == KernelChoice::Generated)
-            .then(|| kernelgen::build(graph, &[id], &node.outputs))
+            .then(|| autotp_ir::kernelgen::try_build(graph, &[id], &node.outputs))
             .flatten()
         {
-            let kernel = match kernels.iter().position(|k| *k == built.kernel) {
-                Some(known) => known,
-                None => {
-                    kernels.push(built.kernel);
-                    kernels.len() - 1
-                }
-            };
+            let kernel = intern(&mut kernels, built.kernel);
             let inputs = built.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect();
             instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
         } else {
@@ -263,7 +326,6 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             slot(graph, *v, name.clone(), region)
         })
         .collect();
-    debug_assert!(graph.values().all(|(id, v)| !matches!(v.def, Def::Node(..)) || regions[id.index()].is_some()));
     let updates = graph
         .updates()
         .iter()

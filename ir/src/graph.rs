@@ -55,6 +55,21 @@ pub struct Node {
     pub outputs: Vec<ValueId>,
 }
 
+/// A fusion group: consecutive nodes that codegen computes as one generated kernel (the
+/// `fusion` pass makes them; the text format prints them as a `fusion "name" { ... }` block).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fusion {
+    pub name: String,
+    /// The group's nodes, by index in execution order.
+    pub nodes: std::ops::Range<usize>,
+}
+
+impl Fusion {
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes.clone().map(|n| NodeId(n as u32))
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Graph {
     pub name: String,
@@ -68,6 +83,9 @@ pub struct Graph {
     /// After a run, each target (a parameter or state) takes the value: a training step's
     /// parameter and optimizer-state updates.
     updates: Vec<(ValueId, ValueId)>,
+    /// Fusion groups, in node order, not overlapping. A graph built anew (a `Rewriter`, dead
+    /// code removal) has none: fusion is the last pass.
+    fusions: Vec<Fusion>,
 }
 
 impl Graph {
@@ -177,6 +195,15 @@ impl Graph {
 
     pub fn states(&self) -> &[ValueId] {
         &self.states
+    }
+
+    pub fn fusions(&self) -> &[Fusion] {
+        &self.fusions
+    }
+
+    /// Makes nodes `nodes` one fusion group named `name` (checked by the verifier).
+    pub fn add_fusion(&mut self, name: impl Into<String>, nodes: std::ops::Range<usize>) {
+        self.fusions.push(Fusion { name: name.into(), nodes });
     }
 
     pub fn updates(&self) -> &[(ValueId, ValueId)] {

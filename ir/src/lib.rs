@@ -16,6 +16,7 @@
 
 pub mod eval;
 mod graph;
+pub mod kernelgen;
 pub mod lower;
 mod op;
 pub mod sharding;
@@ -27,7 +28,7 @@ mod verify;
 
 pub use autotp_kernels::shape::broadcast_shapes;
 pub use autotp_kernels::{scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, UnaryOp};
-pub use graph::{Def, Graph, Node, NodeId, Rewriter, Value, ValueId};
+pub use graph::{Def, Fusion, Graph, Node, NodeId, Rewriter, Value, ValueId};
 pub use op::{slice_len, Collective, Message, Op};
 pub use tensor::Tensor;
 pub use types::{Mesh, MeshAxis, Placement, TensorType, DATA_AXIS};

@@ -277,12 +277,18 @@ pub fn print(graph: &Graph) -> String {
     for &v in graph.states() {
         writeln!(out, "  state {} : {}", names.get(v), format_type_and_placement(graph, v)).unwrap();
     }
-    for (_, node) in graph.nodes() {
+    let mut fusions = graph.fusions().iter().peekable();
+    for (id, node) in graph.nodes() {
+        let fusion = fusions.peek().filter(|f| f.nodes.contains(&id.index()));
+        if let Some(f) = fusion.filter(|f| f.nodes.start == id.index()) {
+            writeln!(out, "  fusion {} {{", quote(&f.name)).unwrap();
+        }
+        let indent = if fusion.is_some() { "    " } else { "  " };
         let outs: Vec<String> = node.outputs.iter().map(|&o| names.get(o)).collect();
         if outs.is_empty() {
-            write!(out, "  {}", node.op.name()).unwrap();
+            write!(out, "{indent}{}", node.op.name()).unwrap();
         } else {
-            write!(out, "  {} = {}", outs.join(", "), node.op.name()).unwrap();
+            write!(out, "{indent}{} = {}", outs.join(", "), node.op.name()).unwrap();
         }
         if let Op::Constant { value } = &node.op {
             write!(out, " {}", format_constant(value)).unwrap();
@@ -301,6 +307,10 @@ pub fn print(graph: &Graph) -> String {
             out.push('\n');
         } else {
             writeln!(out, " : {}", types.join(", ")).unwrap();
+        }
+        if fusion.is_some_and(|f| f.nodes.end == id.index() + 1) {
+            out.push_str("  }\n");
+            fusions.next();
         }
     }
     for (name, v) in graph.outputs() {
@@ -778,9 +788,11 @@ impl<'a> Parser<'a> {
             self.graph.mesh = Mesh { axes };
         }
         self.expect_punct('{')?;
+        // The open `fusion "name" {` block: its name and first node.
+        let mut fusion: Option<(String, usize)> = None;
         loop {
             match self.bump()? {
-                Tok::Punct('}') => break,
+                Tok::Punct('}') if fusion.is_none() => break,
                 Tok::Word(w) if w == "input" || w == "param" || w == "state" => {
                     let key = self.value_token()?;
                     self.expect_punct(':')?;
@@ -813,6 +825,15 @@ impl<'a> Parser<'a> {
                 }
                 Tok::Value { name, anonymous } => self.node(vec![(anonymous, name)])?,
                 Tok::Word(w) if w == "send" => self.node(vec![])?,
+                Tok::Word(w) if w == "fusion" && fusion.is_none() => {
+                    let name = self.string()?;
+                    self.expect_punct('{')?;
+                    fusion = Some((name, self.graph.num_nodes()));
+                }
+                Tok::Punct('}') if fusion.is_some() => {
+                    let (name, start) = fusion.take().expect("inside a fusion");
+                    self.graph.add_fusion(name, start..self.graph.num_nodes());
+                }
                 other => return Err(self.error_at(format!("expected a statement, found {}", Self::describe(&other)))),
             }
         }

@@ -183,6 +183,22 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             err(format!("update {}", names.get(*target)), "takes a value placed differently from it".into());
         }
     }
+    let mut previous_end = 0;
+    for fusion in graph.fusions() {
+        let at = format!("fusion {}", fusion.name);
+        if fusion.nodes.is_empty() || fusion.nodes.start < previous_end || fusion.nodes.end > graph.num_nodes() {
+            err(at, format!("covers nodes {:?}, which are empty, out of order or past the graph", fusion.nodes));
+            continue;
+        }
+        previous_end = fusion.nodes.end;
+        for id in fusion.node_ids() {
+            let op = &graph.node(id).op;
+            if matches!(op, Op::Constant { .. } | Op::Collective { .. } | Op::Wait | Op::Send { .. } | Op::Recv { .. })
+            {
+                err(at.clone(), format!("holds {}, which is not a kernel's work", op.name()));
+            }
+        }
+    }
     if errors.is_empty() {
         Ok(())
     } else {

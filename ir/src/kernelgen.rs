@@ -1,4 +1,6 @@
-//! Groups of IR nodes -> one generated kernel ([`autotp_kernels::kir`]).
+//! Groups of IR nodes -> one generated kernel ([`autotp_kernels::kir`]): how codegen computes a
+//! fusion group, and how the `fusion` pass learns whether a group is legal (a group is legal
+//! exactly when [`build`] builds it).
 //!
 //! A group computes over one iteration space: the shape of its row reductions' input (`[rows,
 //! cols]` with the reduced trailing dims as `cols`), or for a purely elementwise group the shape
@@ -11,13 +13,20 @@
 //! sum reduce of `exp(x - max)` and a division), the same formulas as the builtin kernels,
 //! which stay the oracle: `tests/kernels.rs` runs every op both ways.
 //!
-//! [`build`] returns `None` for anything it does not handle (other dtypes, ops, reductions not
-//! over trailing dims, a value broadcast inside the group); codegen then uses the builtin
-//! kernel.
+//! A value is computed in every stage that needs it, so two rules (XLA's) keep fusion from
+//! costing more than it saves or changing results: the input of a max reduction (max, softmax,
+//! log_softmax) is never computed inside the group (it is loaded), and a value made by an
+//! expensive op (exp, log, tanh, erf, sigmoid, gelu, a norm's or softmax's result) is not
+//! needed by more than one stage.
+//!
+//! [`build`] refuses, with a [`Refusal`], anything it does not handle (other dtypes, ops,
+//! reductions not over trailing dims, a value broadcast inside the group); codegen then uses
+//! the builtin kernel of each node.
 
 use std::collections::HashMap;
 
-use autotp_ir::{GeluApprox, Graph, NodeId, Op, ReduceOp, TensorType, ValueId};
+use crate::sharding::local_type;
+use crate::{GeluApprox, Graph, NodeId, Op, ReduceOp, TensorType, ValueId};
 use autotp_kernels::kir::{self, Expr, ExprRef, Fold, Index, Stage, Store, Term, Var};
 use autotp_kernels::{BinaryOp, DType, UnaryOp};
 
@@ -28,11 +37,44 @@ pub struct Built {
     pub outputs: Vec<ValueId>,
 }
 
-/// The kernel computing `outputs` from the group `nodes` (in graph order), or `None` when the
-/// group is not one kernel can compute.
-pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Built> {
-    let ty = |v: ValueId| crate::local(graph, v);
-    let space = Space::of(graph, nodes, &ty)?;
+/// Why a group is not one generated kernel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// An op, dtype or layout the kernel builder does not handle.
+    Unsupported,
+    /// The group's nodes do not share one iteration space.
+    Spaces,
+    /// A max reduction's input would be computed inside the group.
+    MaxProducer,
+    /// A value of an expensive op would be computed by more than one stage.
+    Recomputed,
+}
+
+/// The kernel computing `outputs` from the group `nodes` (in graph order), or why there is
+/// none.
+pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Result<Built, Refusal> {
+    build_kernel(graph, nodes, outputs).ok_or(Refusal::Unsupported)?
+}
+
+/// The kernel of `nodes` as [`build`], or `None` when the nodes are not one kernel.
+pub fn try_build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Built> {
+    build(graph, nodes, outputs).ok()
+}
+
+fn build_kernel(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Result<Built, Refusal>> {
+    let ty = |v: ValueId| local_type(&graph.mesh, graph.ty(v), &graph.value(v).placements);
+    let space = match Space::of(graph, nodes, &ty) {
+        Ok(space) => space,
+        Err(refusal) => return Some(Err(refusal)),
+    };
+    for &n in nodes {
+        let node = graph.node(n);
+        let max_reduction =
+            matches!(node.op, Op::Reduce { op: ReduceOp::Max, .. } | Op::Softmax { .. } | Op::LogSoftmax { .. });
+        if max_reduction && nodes.iter().any(|&m| graph.node(m).outputs.contains(&node.inputs[0])) {
+            return Some(Err(Refusal::MaxProducer));
+        }
+    }
     let mut builder = Builder {
         graph,
         ty: &ty,
@@ -40,6 +82,7 @@ pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Bui
         producer: nodes.iter().flat_map(|&n| graph.node(n).outputs.iter().map(move |&v| (v, n))).collect(),
         reductions: HashMap::new(),
         stages: Vec::new(),
+        stage_values: Vec::new(),
         inputs: Vec::new(),
     };
     let mut map = StageBuilder::new(false);
@@ -63,6 +106,16 @@ pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Bui
     let store = |list: Vec<(usize, Index, ExprRef)>| -> Vec<Store> {
         list.into_iter().map(|(o, index, value)| Store { buffer: num_inputs + o, index, value }).collect()
     };
+    builder.stage_values.push(row.memo.keys().copied().collect());
+    builder.stage_values.push(map.memo.keys().copied().collect());
+    let mut stages_needing: HashMap<ValueId, usize> = HashMap::new();
+    for v in builder.stage_values.iter().flatten() {
+        *stages_needing.entry(*v).or_default() += 1;
+    }
+    let expensive = |v: &ValueId| builder.producer.get(v).is_some_and(|&n| is_expensive(&graph.node(n).op));
+    if stages_needing.iter().any(|(v, &count)| count > 1 && expensive(v)) {
+        return Some(Err(Refusal::Recomputed));
+    }
     if !row_stores.is_empty() {
         builder.stages.push(Stage::Row { exprs: row.exprs, stores: store(row_stores) });
     }
@@ -72,10 +125,19 @@ pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Bui
     let mut buffers: Vec<kir::Buffer> =
         builder.inputs.iter().map(|&v| kir::Buffer { dtype: ty(v).dtype, len: ty(v).numel() }).collect();
     buffers.extend(outputs.iter().map(|&v| kir::Buffer { dtype: ty(v).dtype, len: ty(v).numel() }));
-    let mut name: Vec<String> = nodes.iter().map(|&n| graph.node(n).op.name()).collect();
-    name.dedup();
+    let mut ops: Vec<String> = Vec::new();
+    for &n in nodes {
+        let op = graph.node(n).op.name();
+        if !ops.contains(&op) {
+            ops.push(op);
+        }
+    }
+    let name = match ops.len() {
+        0..=3 => ops.join("+"),
+        more => format!("{}+{}", ops[..3].join("+"), more - 3),
+    };
     let kernel = kir::Kernel {
-        name: name.join("+"),
+        name,
         buffers,
         num_inputs,
         outer: builder.space.outer,
@@ -83,7 +145,20 @@ pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Bui
         stages: builder.stages,
     };
     kernel.check().ok()?;
-    Some(Built { kernel, inputs: builder.inputs, outputs: outputs.to_vec() })
+    Some(Ok(Built { kernel, inputs: builder.inputs, outputs: outputs.to_vec() }))
+}
+
+/// Ops whose results cost more to recompute than to load.
+fn is_expensive(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(UnaryOp::Exp | UnaryOp::Log | UnaryOp::Tanh | UnaryOp::Erf | UnaryOp::Sigmoid)
+            | Op::Gelu { .. }
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. }
+            | Op::LayerNorm { .. }
+            | Op::RmsNorm { .. }
+    )
 }
 
 /// The iteration space: `shape` with dims before `split` on the outer variable and the rest on
@@ -129,12 +204,12 @@ fn row_reduction(op: &Op, input: &TensorType) -> Option<Option<usize>> {
 }
 
 impl Space {
-    fn of(graph: &Graph, nodes: &[NodeId], ty: &dyn Fn(ValueId) -> TensorType) -> Option<Space> {
+    fn of(graph: &Graph, nodes: &[NodeId], ty: &dyn Fn(ValueId) -> TensorType) -> Result<Space, Refusal> {
         let mut reduced: Option<(Vec<usize>, usize)> = None;
         for &n in nodes {
             let node = graph.node(n);
-            let input = ty(node.inputs[0]);
-            if let Some(cols) = row_reduction(&node.op, &input)? {
+            let input = ty(*node.inputs.first().ok_or(Refusal::Unsupported)?);
+            if let Some(cols) = row_reduction(&node.op, &input).ok_or(Refusal::Unsupported)? {
                 let rank = input.shape.len();
                 let mut split = rank;
                 while split > 0 && input.shape[split..].iter().product::<usize>() < cols {
@@ -143,7 +218,7 @@ impl Space {
                 match &reduced {
                     None => reduced = Some((input.shape.clone(), split)),
                     Some((shape, s)) if *shape == input.shape && *s == split => {}
-                    Some(_) => return None,
+                    Some(_) => return Err(Refusal::Spaces),
                 }
             }
         }
@@ -151,11 +226,11 @@ impl Space {
             Some(found) => found,
             None => {
                 // Elementwise: the space is the results' shape.
-                let last = graph.node(*nodes.last()?).outputs[0];
+                let last = graph.node(*nodes.last().ok_or(Refusal::Unsupported)?).outputs[0];
                 let shape = ty(last).shape;
                 for &n in nodes {
                     if graph.node(n).outputs.iter().any(|&o| ty(o).shape != shape) {
-                        return None;
+                        return Err(Refusal::Spaces);
                     }
                 }
                 let split = Self::elementwise_split(graph, nodes, &shape, ty);
@@ -165,9 +240,9 @@ impl Space {
         let outer = shape[..split].iter().product();
         let inner = shape[split..].iter().product();
         if outer == 0 || inner == 0 {
-            return None;
+            return Err(Refusal::Unsupported);
         }
-        Some(Space { shape, split, outer, inner })
+        Ok(Space { shape, split, outer, inner })
     }
 
     /// Where an elementwise space splits into outer and inner: the trailing dims, widened while
@@ -292,6 +367,8 @@ struct Builder<'g> {
     /// Accumulators already made, by node and which of its reductions.
     reductions: HashMap<(NodeId, u8), usize>,
     stages: Vec<Stage>,
+    /// The group's values each finished stage computes.
+    stage_values: Vec<Vec<ValueId>>,
     inputs: Vec<ValueId>,
 }
 
@@ -329,6 +406,7 @@ impl Builder<'_> {
         }
         let mut stage = StageBuilder::new(false);
         let value = value(self, &mut stage)?;
+        self.stage_values.push(stage.memo.keys().copied().collect());
         self.stages.push(Stage::Reduce { fold, exprs: stage.exprs, value });
         let k = self.stages.iter().filter(|s| matches!(s, Stage::Reduce { .. })).count() - 1;
         self.reductions.insert((node, which), k);

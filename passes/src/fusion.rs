@@ -1,0 +1,167 @@
+//! `fusion`: groups the step's elementwise and row-reduction ops into generated kernels.
+//! Input: any verified graph (the last pass of `compile`, after sharding and the pipeline).
+//! Output: the same computation with its nodes reordered and fusion groups marked
+//! ([`autotp_ir::Fusion`], printed as `fusion "fN" { ... }` blocks), which codegen lowers to
+//! one generated kernel each. Tests: tests/golden/fusion_*.ir, tests/kernels.rs (every fused
+//! group of the fixtures' steps against its unfused ops).
+//!
+//! Legality is one question asked of the kernel builder: a group is legal exactly when
+//! [`autotp_ir::kernelgen::build`] builds it, which enforces XLA's rules (one iteration space;
+//! a max reduction's input is loaded, never recomputed; an expensive value is not recomputed by
+//! several stages). Benefit is greedy producer-consumer fusion: nodes are scheduled in a
+//! topological order that, after each node, takes next a ready node that joins the open group
+//! (it reads a value the group makes, or an input the group reads, and the group stays
+//! legal), else the ready node that came first. Constants move to the front (they are data).
+//! Nodes that cannot be in a kernel (matmuls, data movement, collectives, sends and receives)
+//! keep their relative order, so collectives are issued in the same order on every rank and
+//! pipeline messages in the order the schedule set.
+
+use autotp_ir::kernelgen;
+use autotp_ir::{Def, Graph, NodeId, Op, Rewriter, ValueId};
+
+use crate::{Pass, PassError};
+
+/// The most nodes one group takes (long chains compile slowly and gain little more).
+const MAX_GROUP: usize = 48;
+
+pub struct Fusion;
+
+impl Pass for Fusion {
+    fn name(&self) -> &'static str {
+        "fusion"
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let (order, groups) = schedule(graph);
+        let mut rewriter = Rewriter::new(graph, |_| true);
+        for &n in &order {
+            rewriter.copy_node(n);
+        }
+        let mut fused = rewriter.finish();
+        let mut at = 0;
+        for (g, len) in groups.into_iter().enumerate() {
+            if len > 1 {
+                fused.add_fusion(format!("f{g}"), at..at + len);
+            }
+            at += len;
+        }
+        *graph = fused;
+        Ok(())
+    }
+}
+
+/// Whether a kernel can compute `node` at all (alone).
+fn fusible(graph: &Graph, node: NodeId) -> bool {
+    !matches!(graph.node(node).op, Op::Constant { .. })
+        && kernelgen::try_build(graph, &[node], &graph.node(node).outputs).is_some()
+}
+
+/// The values of `group` that something outside it reads (or that leave the graph).
+fn group_outputs(graph: &Graph, group: &[NodeId], consumers: &[Vec<NodeId>], leaves: &[bool]) -> Vec<ValueId> {
+    group
+        .iter()
+        .flat_map(|&n| graph.node(n).outputs.iter().copied())
+        .filter(|v| leaves[v.index()] || consumers[v.index()].iter().any(|c| !group.contains(c)))
+        .collect()
+}
+
+/// The nodes in their new order, and the lengths of the consecutive groups that cover it.
+fn schedule(graph: &Graph) -> (Vec<NodeId>, Vec<usize>) {
+    let n = graph.num_nodes();
+    let mut consumers: Vec<Vec<NodeId>> = vec![Vec::new(); graph.num_values()];
+    let mut waiting = vec![0usize; n];
+    for (id, node) in graph.nodes() {
+        for &v in &node.inputs {
+            if let Def::Node(..) = graph.value(v).def {
+                consumers[v.index()].push(id);
+                waiting[id.index()] += 1;
+            }
+        }
+    }
+    let mut leaves = vec![false; graph.num_values()];
+    for (_, v) in graph.outputs() {
+        leaves[v.index()] = true;
+    }
+    for (t, v) in graph.updates() {
+        leaves[t.index()] = true;
+        leaves[v.index()] = true;
+    }
+    let fusible: Vec<bool> = graph.nodes().map(|(id, _)| fusible(graph, id)).collect();
+
+    let mut order: Vec<NodeId> =
+        graph.nodes().filter(|(_, n)| matches!(n.op, Op::Constant { .. })).map(|(id, _)| id).collect();
+    let mut groups: Vec<usize> = vec![1; order.len()];
+    let mut ready: std::collections::BTreeSet<usize> = graph
+        .nodes()
+        .filter(|(id, node)| waiting[id.index()] == 0 && !matches!(node.op, Op::Constant { .. }))
+        .map(|(id, _)| id.index())
+        .collect();
+    let mut release = |id: NodeId, ready: &mut std::collections::BTreeSet<usize>| {
+        for &v in &graph.node(id).outputs {
+            for &c in &consumers[v.index()] {
+                waiting[c.index()] -= 1;
+                if waiting[c.index()] == 0 {
+                    ready.insert(c.index());
+                }
+            }
+        }
+    };
+    for &c in &order.clone() {
+        release(c, &mut ready);
+    }
+    let mut group: Vec<NodeId> = Vec::new();
+    while let Some(&first) = ready.iter().next() {
+        // A ready node that joins the open group, if any (the earliest such).
+        let joining = (!group.is_empty() && group.len() < MAX_GROUP)
+            .then(|| {
+                ready.iter().copied().find(|&c| {
+                    let candidate = NodeId(c as u32);
+                    fusible[c] && connected(graph, &group, candidate) && {
+                        let mut grown = group.clone();
+                        grown.push(candidate);
+                        let outputs = group_outputs(graph, &grown, &consumers, &leaves);
+                        kernelgen::build(graph, &grown, &outputs).is_ok()
+                    }
+                })
+            })
+            .flatten();
+        let next = match joining {
+            Some(c) => c,
+            None => {
+                if !group.is_empty() {
+                    groups.push(group.len());
+                    group.clear();
+                }
+                first
+            }
+        };
+        ready.remove(&next);
+        let id = NodeId(next as u32);
+        order.push(id);
+        if fusible[next] {
+            group.push(id);
+        } else {
+            if !group.is_empty() {
+                groups.push(group.len());
+                group.clear();
+            }
+            groups.push(1);
+        }
+        release(id, &mut ready);
+    }
+    if !group.is_empty() {
+        groups.push(group.len());
+    }
+    debug_assert_eq!(order.len(), n, "every node scheduled (the graph is acyclic)");
+    (order, groups)
+}
+
+/// Whether `candidate` reads a value the group makes, or a value (not a constant) the group
+/// also reads.
+fn connected(graph: &Graph, group: &[NodeId], candidate: NodeId) -> bool {
+    let constant =
+        |v: &ValueId| matches!(graph.value(*v).def, Def::Node(n, _) if matches!(graph.node(n).op, Op::Constant { .. }));
+    graph.node(candidate).inputs.iter().any(|v| {
+        group.iter().any(|&g| graph.node(g).outputs.contains(v) || (!constant(v) && graph.node(g).inputs.contains(v)))
+    })
+}
