@@ -111,6 +111,19 @@ fn broadcasting_binary_ops_match_the_builtin_kernels() {
 }
 
 #[test]
+fn integer_comparisons_match_the_builtin_kernels() {
+    let text = "graph \"one_hot\" {
+  input %labels : i64[37,1]
+  %0 = constant dense<[0, 1, 2, 3, 4]> : i64[5]
+  %1 = equal %0, %labels : bool[37,5]
+  %2 = cast %1 {to = f32} : f32[37,5]
+  output \"y\" = %2
+}
+";
+    check(text, 1, 0.0);
+}
+
+#[test]
 fn selects_and_gelus_match_the_builtin_kernels() {
     let select = "graph \"select\" {
   input %c : bool[2,3,17,17]
@@ -139,6 +152,11 @@ fn row_reductions_match_the_builtin_kernels() {
         ("[2,7,37]", "[2,7,1]", "[2]"),
         ("[2,7,37]", "[2,1,1]", "[1, 2]"),
         ("[3,2000]", "[3,1]", "[1]"),
+        // Over leading dims: bias gradients.
+        ("[5,3]", "[1,3]", "[0]"),
+        ("[2,7,37]", "[1,7,37]", "[0]"),
+        ("[2,7,37]", "[1,1,37]", "[0, 1]"),
+        ("[1000,3]", "[1,3]", "[0]"),
     ] {
         for op in ["sum", "mean", "max"] {
             let text = format!(
@@ -174,5 +192,44 @@ fn softmax_and_norms_match_the_builtin_kernels() {
              output \"ln\" = %0\n  output \"rms\" = %1\n}}\n"
         );
         check(&text, 2, 2e-6);
+    }
+}
+
+/// Every fusion group the fixtures' gradient steps make, against its unfused ops: the loss and
+/// every gradient computed with the `fusion` pass and generated kernels against the builtin
+/// kernels node by node (the same step, the same inputs and weights).
+#[test]
+fn fused_gradient_steps_match_the_unfused_ones() {
+    use crate::common::{fixture, read_npy, ARCHES};
+    for arch in ARCHES {
+        let options = autotp_frontend::ImportOptions { batch: Some(4), seq_len: Some(32), ..Default::default() };
+        let mut model = autotp_frontend::import_onnx(&fixture(arch, "model_loss.onnx"), &options).unwrap();
+        autotp_passes::PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
+        let autodiff = autotp_passes::autodiff::Autodiff::new("loss");
+        autotp_passes::PassManager::new(vec![Box::new(autodiff)]).run(&mut model.graph).unwrap();
+        let mut fused = model.graph.clone();
+        autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion)]).run(&mut fused).unwrap();
+        assert!(fused.fusions().len() >= 4, "{arch}: only {} fusion groups", fused.fusions().len());
+        let ids = read_npy(&fixture(arch, "input_ids.npy"));
+        let feed: Vec<HostTensor> = [&ids, &ids]
+            .iter()
+            .map(|t| HostTensor { dtype: t.dtype(), shape: t.shape().to_vec(), data: t.bytes().to_vec() })
+            .collect();
+        let run = |graph: &autotp_ir::Graph, kernels: KernelChoice| {
+            let program = lower_with(graph, &LowerOptions { kernels }).unwrap();
+            let mut executor = Executor::new(program).unwrap();
+            for (name, t) in &model.weights {
+                executor.load_slot(name, t.bytes()).unwrap();
+            }
+            executor.run(&feed).unwrap()
+        };
+        let want = run(&model.graph, KernelChoice::Builtin);
+        let got = run(&fused, KernelChoice::Generated);
+        for (((name, _), w), g) in fused.outputs().iter().zip(&want).zip(&got) {
+            let w = Tensor::from_pod(w.dtype, w.shape.clone(), &w.data);
+            let g = Tensor::from_pod(g.dtype, g.shape.clone(), &g.data);
+            let (diff, scale) = crate::common::max_abs_diff(&g, &w);
+            assert!(diff <= 1e-5 * scale.max(1e-6), "{arch}: {name} differs by {diff} (max {scale})");
+        }
     }
 }

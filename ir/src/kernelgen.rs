@@ -94,7 +94,7 @@ fn build_kernel(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<
         let numel = ty(v).numel();
         if numel == rows * builder.space.inner && ty(v).shape == builder.space.shape {
             let value = builder.value(&mut map, v)?;
-            map_stores.push((o, Index::row_major(builder.space.inner), value));
+            map_stores.push((o, builder.space.index(&builder.space.shape), value));
         } else if numel == rows {
             let value = builder.value(&mut row, v)?;
             row_stores.push((o, Index::linear(Var::Outer, 1), value));
@@ -161,68 +161,87 @@ fn is_expensive(op: &Op) -> bool {
     )
 }
 
-/// The iteration space: `shape` with dims before `split` on the outer variable and the rest on
-/// the inner one.
+/// The iteration space: the group's full values' `shape`, its dims taken in the order `perm`
+/// (identity but for reductions over leading dims, whose kept dims come first), the first
+/// `split` of them on the outer variable and the rest on the inner one.
 struct Space {
     shape: Vec<usize>,
+    perm: Vec<usize>,
     split: usize,
     outer: usize,
     inner: usize,
 }
 
-/// The number of trailing elements a node reduces each row over, `Some(None)` for an elementwise
-/// node, `None` for a node no kernel here computes.
-fn row_reduction(op: &Op, input: &TensorType) -> Option<Option<usize>> {
+impl Space {
+    /// The index of a value of shape `input` broadcast into the space's full shape.
+    fn index(&self, input: &[usize]) -> Index {
+        let strides = autotp_kernels::shape::broadcast_strides(input, &self.shape);
+        let sizes: Vec<usize> = self.perm.iter().map(|&d| self.shape[d]).collect();
+        let strides: Vec<usize> = self.perm.iter().map(|&d| strides[d]).collect();
+        strided_index(&sizes, &strides, self.split)
+    }
+}
+
+/// How a node iterates: `Some((perm, split))` for a reduction (the reduced dims last, on the
+/// inner variable), `None` for an elementwise node; `Err` for a node no kernel here computes.
+#[allow(clippy::type_complexity)]
+fn node_layout(op: &Op, input: &TensorType) -> Result<Option<(Vec<usize>, usize)>, Refusal> {
     let rank = input.shape.len();
-    let trailing = |from: usize| input.shape[from..].iter().product::<usize>();
-    Some(match op {
-        Op::Unary(op) => (!matches!(op, UnaryOp::Sin | UnaryOp::Cos | UnaryOp::Not)).then_some(None)?,
-        Op::Binary(op) => matches!(
-            op,
+    let trailing = |from: usize| Some(((0..rank).collect::<Vec<_>>(), from));
+    let layout = match op {
+        Op::Unary(op) if !matches!(op, UnaryOp::Sin | UnaryOp::Cos | UnaryOp::Not) => None,
+        Op::Binary(
             BinaryOp::Add
-                | BinaryOp::Sub
-                | BinaryOp::Mul
-                | BinaryOp::Div
-                | BinaryOp::Max
-                | BinaryOp::Min
-                | BinaryOp::Equal
-                | BinaryOp::Less
-                | BinaryOp::LessEqual
-                | BinaryOp::Greater
-                | BinaryOp::GreaterEqual
-        )
-        .then_some(None)?,
+            | BinaryOp::Sub
+            | BinaryOp::Mul
+            | BinaryOp::Div
+            | BinaryOp::Max
+            | BinaryOp::Min
+            | BinaryOp::Equal
+            | BinaryOp::Less
+            | BinaryOp::LessEqual
+            | BinaryOp::Greater
+            | BinaryOp::GreaterEqual,
+        ) => None,
         Op::Select | Op::Cast { .. } | Op::Gelu { .. } => None,
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Max, axes, .. } => {
-            let first = *axes.first()?;
-            (axes.iter().copied().eq(first..rank)).then(|| Some(trailing(first)))?
+            let first = *axes.first().ok_or(Refusal::Unsupported)?;
+            let last = *axes.last().ok_or(Refusal::Unsupported)?;
+            if !axes.iter().copied().eq(first..=last) {
+                return Err(Refusal::Unsupported);
+            }
+            if last + 1 == rank {
+                trailing(first)
+            } else if first == 0 {
+                // Over leading dims (a bias gradient): the kept dims are the rows.
+                let perm: Vec<usize> = (last + 1..rank).chain(0..=last).collect();
+                Some((perm, rank - last - 1))
+            } else {
+                return Err(Refusal::Unsupported);
+            }
         }
-        Op::Softmax { axis } | Op::LogSoftmax { axis } => (*axis + 1 == rank).then(|| Some(trailing(*axis)))?,
-        Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => Some(trailing(*axis)),
-        _ => return None,
-    })
+        Op::Softmax { axis } | Op::LogSoftmax { axis } if *axis + 1 == rank => trailing(*axis),
+        Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => trailing(*axis),
+        _ => return Err(Refusal::Unsupported),
+    };
+    Ok(layout)
 }
 
 impl Space {
     fn of(graph: &Graph, nodes: &[NodeId], ty: &dyn Fn(ValueId) -> TensorType) -> Result<Space, Refusal> {
-        let mut reduced: Option<(Vec<usize>, usize)> = None;
+        let mut reduced: Option<(Vec<usize>, Vec<usize>, usize)> = None;
         for &n in nodes {
             let node = graph.node(n);
             let input = ty(*node.inputs.first().ok_or(Refusal::Unsupported)?);
-            if let Some(cols) = row_reduction(&node.op, &input).ok_or(Refusal::Unsupported)? {
-                let rank = input.shape.len();
-                let mut split = rank;
-                while split > 0 && input.shape[split..].iter().product::<usize>() < cols {
-                    split -= 1;
-                }
+            if let Some((perm, split)) = node_layout(&node.op, &input)? {
                 match &reduced {
-                    None => reduced = Some((input.shape.clone(), split)),
-                    Some((shape, s)) if *shape == input.shape && *s == split => {}
+                    None => reduced = Some((input.shape.clone(), perm, split)),
+                    Some(layout) if *layout == (input.shape.clone(), perm, split) => {}
                     Some(_) => return Err(Refusal::Spaces),
                 }
             }
         }
-        let (shape, split) = match reduced {
+        let (shape, perm, split) = match reduced {
             Some(found) => found,
             None => {
                 // Elementwise: the space is the results' shape.
@@ -234,15 +253,15 @@ impl Space {
                     }
                 }
                 let split = Self::elementwise_split(graph, nodes, &shape, ty);
-                (shape, split)
+                (shape.clone(), (0..shape.len()).collect(), split)
             }
         };
-        let outer = shape[..split].iter().product();
-        let inner = shape[split..].iter().product();
+        let sizes = |dims: &[usize]| dims.iter().map(|&d| shape[d]).product::<usize>();
+        let (outer, inner) = (sizes(&perm[..split]), sizes(&perm[split..]));
         if outer == 0 || inner == 0 {
             return Err(Refusal::Unsupported);
         }
-        Ok(Space { shape, split, outer, inner })
+        Ok(Space { shape, perm, split, outer, inner })
     }
 
     /// Where an elementwise space splits into outer and inner: the trailing dims, widened while
@@ -279,10 +298,15 @@ impl Space {
 
 /// The index of an input of shape `input` broadcast into `space` (row-major, right-aligned).
 pub fn broadcast_index(input: &[usize], space: &[usize], split: usize) -> Index {
-    let rank = space.len();
-    let offset = rank - input.len();
-    let own = autotp_kernels::shape::strides(input);
-    let stride = |d: usize| if d < offset || input[d - offset] == 1 { 0 } else { own[d - offset] };
+    strided_index(space, &autotp_kernels::shape::broadcast_strides(input, space), split)
+}
+
+/// The index that walks dims of these `sizes` with these element `strides` (0: broadcast), the
+/// first `split` dims on the outer variable, the rest on the inner one, row-major.
+fn strided_index(sizes: &[usize], strides: &[usize], split: usize) -> Index {
+    let rank = sizes.len();
+    let stride = |d: usize| strides[d];
+    let space = sizes;
     let mut terms: Vec<Term> = Vec::new();
     for (var, dims) in [(Var::Outer, 0..split), (Var::Inner, split..rank)] {
         // From the innermost dim outwards: `div` is the product of the dims inside.
@@ -376,10 +400,12 @@ impl Builder<'_> {
     fn load(&mut self, stage: &mut StageBuilder, v: ValueId) -> Option<ExprRef> {
         let ty = (self.ty)(v);
         kir::scalar_type(ty.dtype)?;
-        if ty.shape.len() > self.space.shape.len() {
+        if ty.shape.len() > self.space.shape.len()
+            || autotp_kernels::shape::broadcast_shapes(&ty.shape, &self.space.shape).as_ref() != Some(&self.space.shape)
+        {
             return None;
         }
-        let index = broadcast_index(&ty.shape, &self.space.shape, self.space.split);
+        let index = self.space.index(&ty.shape);
         if stage.row && index.uses(Var::Inner) {
             return None;
         }
@@ -431,7 +457,7 @@ impl Builder<'_> {
                 let x = self.value(stage, input(0))?;
                 stage.unary(*op, x)
             }
-            Op::Binary(op) if float(input(0)) => {
+            Op::Binary(op) if float(input(0)) || (op.is_comparison() && (self.ty)(input(0)).dtype == DType::I64) => {
                 let a = self.value(stage, input(0))?;
                 let b = self.value(stage, input(1))?;
                 stage.binary(*op, a, b)
