@@ -195,6 +195,22 @@ fn softmax_and_norms_match_the_builtin_kernels() {
     }
 }
 
+#[test]
+fn cross_entropy_matches_the_builtin_kernel() {
+    for shape in ["[7,5]", "[37,1000]", "[3,50257]"] {
+        for (ignore, reduction) in [("none", "mean"), ("1", "mean"), ("0", "sum")] {
+            let rows = &shape[1..shape.find(',').unwrap()];
+            let text = format!(
+                "graph \"ce\" {{\n  input %x : f32{shape}\n  input %labels : i64[{rows}]\n  \
+                 %0 = constant splat<30.0> : f32[]\n  %1 = mul %x, %0 : f32{shape}\n  \
+                 %2 = cross_entropy %1, %labels {{ignore_index = {ignore}, reduction = {reduction}}} : f32[]\n  \
+                 output \"loss\" = %2\n}}\n"
+            );
+            check(&text, 3, 2e-6);
+        }
+    }
+}
+
 /// Every fusion group the fixtures' gradient steps make, against its unfused ops: the loss and
 /// every gradient computed with the `fusion` pass and generated kernels against the builtin
 /// kernels node by node (the same step, the same inputs and weights).

@@ -292,6 +292,33 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             instructions.push(Instruction::Send { input: inputs[0], to, tag, label });
         } else if let Op::Recv { from, tag, .. } = node.op {
             instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });
+        } else if let Some([rows, total]) = (options.kernels == KernelChoice::Generated)
+            .then(|| autotp_ir::kernelgen::cross_entropy(graph, id))
+            .flatten()
+        {
+            // Per-row losses and counts in a scratch region that dies with the loss kernel.
+            let row_bytes = rows.buffers[2].len * 4;
+            let scratch = [allocator.alloc(row_bytes), allocator.alloc(row_bytes)]
+                .map(|offset| Region { offset, len: row_bytes });
+            memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes + 2 * row_bytes);
+            let rows = intern(&mut kernels, rows);
+            let total = intern(&mut kernels, total);
+            let loss = outputs[0];
+            instructions.push(Instruction::Generated {
+                kernel: rows,
+                inputs,
+                outputs: scratch.to_vec(),
+                label: label.clone(),
+            });
+            instructions.push(Instruction::Generated {
+                kernel: total,
+                inputs: scratch.to_vec(),
+                outputs: vec![loss],
+                label,
+            });
+            for region in scratch {
+                allocator.free(region.offset);
+            }
         } else if let Some(built) = (options.kernels == KernelChoice::Generated)
             .then(|| autotp_ir::kernelgen::try_build(graph, &[id], &node.outputs))
             .flatten()

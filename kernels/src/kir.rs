@@ -80,7 +80,8 @@ pub type ExprRef = u32;
 /// An element-wise expression.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Expr {
-    F32(f32),
+    /// A constant, serialised as its bits (JSON has no NaN or infinities).
+    F32(#[serde(with = "f32_bits")] f32),
     I64(i64),
     /// An element of an input buffer, converted to its scalar type.
     Load {
@@ -99,6 +100,18 @@ pub enum Expr {
     Select(ExprRef, ExprRef, ExprRef),
     /// A bool or i64 as f32 (true is 1).
     ToF32(ExprRef),
+}
+
+mod f32_bits {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(x: &f32, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(x.to_bits())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+        u32::deserialize(d).map(f32::from_bits)
+    }
 }
 
 /// A store of a value (converted to the buffer's element type) into an output buffer.
