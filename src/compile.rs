@@ -449,7 +449,8 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             Kernels::Generated => autotp_codegen::KernelChoice::Generated,
             Kernels::Builtin => autotp_codegen::KernelChoice::Builtin,
         };
-        programs.push(autotp_codegen::lower_with(&graph, &autotp_codegen::LowerOptions { kernels })?);
+        let options = autotp_codegen::LowerOptions { kernels, ptx: generated };
+        programs.push(autotp_codegen::lower_with(&graph, &options)?);
     }
     if let Some(error) = observer.error {
         return Err(error);

@@ -25,7 +25,7 @@ fn check(text: &str, generated: usize, tol: f64) {
         })
         .collect();
     let run = |kernels: KernelChoice| {
-        let program = lower_with(&graph, &LowerOptions { kernels }).unwrap();
+        let program = lower_with(&graph, &LowerOptions { kernels, ptx: false }).unwrap();
         let count = program.instructions.iter().filter(|i| matches!(i, Instruction::Generated { .. })).count();
         let mut executor = Executor::new(program).unwrap();
         (executor.run(&inputs).unwrap(), count)
@@ -232,7 +232,7 @@ fn fused_gradient_steps_match_the_unfused_ones() {
             .map(|t| HostTensor { dtype: t.dtype(), shape: t.shape().to_vec(), data: t.bytes().to_vec() })
             .collect();
         let run = |graph: &autotp_ir::Graph, kernels: KernelChoice| {
-            let program = lower_with(graph, &LowerOptions { kernels }).unwrap();
+            let program = lower_with(graph, &LowerOptions { kernels, ptx: false }).unwrap();
             let mut executor = Executor::new(program).unwrap();
             for (name, t) in &model.weights {
                 executor.load_slot(name, t.bytes()).unwrap();
@@ -248,4 +248,72 @@ fn fused_gradient_steps_match_the_unfused_ones() {
             assert!(diff <= 1e-5 * scale.max(1e-6), "{arch}: {name} differs by {diff} (max {scale})");
         }
     }
+}
+
+/// `ptxas` from the PyPI package nvidia-cuda-nvcc, which `scripts/ensure-deps.sh` installs into
+/// `target/ptxas-venv`; `AUTOTP_PTXAS` names another.
+fn ptxas() -> std::path::PathBuf {
+    if let Some(path) = std::env::var_os("AUTOTP_PTXAS") {
+        return path.into();
+    }
+    let venv = crate::common::repo().join("target/ptxas-venv/lib");
+    let found = std::fs::read_dir(&venv).ok().and_then(|pythons| {
+        pythons.flatten().find_map(|python| {
+            let nvidia = python.path().join("site-packages/nvidia");
+            std::fs::read_dir(nvidia).ok()?.flatten().map(|d| d.path().join("bin/ptxas")).find(|p| p.is_file())
+        })
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "ptxas not found in {} (nor AUTOTP_PTXAS): run scripts/ensure-deps.sh, which installs the PyPI \
+             package nvidia-cuda-nvcc there",
+            venv.display()
+        )
+    })
+}
+
+/// All PTX the fixtures' plans carry (one rank, tp 2, dp 2 with ZeRO-3, pp 2) assembles with
+/// ptxas for sm_80 and sm_90.
+#[test]
+fn fixture_plans_ptx_assembles_with_ptxas() {
+    use crate::common::{autotp, fixture, scratch, success};
+    let ptxas = ptxas();
+    let dir = scratch("ptxas");
+    let layouts: [&[&str]; 4] =
+        [&[], &["--tp", "2"], &["--dp", "2", "--zero", "3"], &["--pp", "2", "--grad-accum", "2"]];
+    let mut assembled = 0;
+    for arch in ["gpt2", "llama"] {
+        for (l, layout) in layouts.iter().enumerate() {
+            let model = fixture(arch, "model.onnx");
+            let plan_path = dir.join(format!("{arch}-{l}.atp"));
+            let args = [
+                &["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4"][..],
+                layout,
+                &["-o", plan_path.to_str().unwrap()],
+            ]
+            .concat();
+            success(autotp(&args));
+            let plan = autotp_runtime::plan::PlanFile::open(&plan_path).unwrap().plan;
+            for (s, program) in plan.stages.iter().enumerate() {
+                assert_eq!(program.ptx.len(), 2, "{arch} {layout:?} stage {s}: PTX for sm_80 and sm_90");
+                for module in &program.ptx {
+                    let source = dir.join(format!("{arch}-{l}-{s}-{}.ptx", module.arch));
+                    std::fs::write(&source, &module.code).unwrap();
+                    let out = std::process::Command::new(&ptxas)
+                        .args([&format!("-arch={}", module.arch), source.to_str().unwrap(), "-o", "/dev/null"])
+                        .output()
+                        .unwrap();
+                    assert!(
+                        out.status.success(),
+                        "ptxas -arch={} failed on {}:\n{}",
+                        module.arch,
+                        source.display(),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    assembled += 1;
+                }
+            }
+        }
+    }
+    assert!(assembled >= 18, "{assembled} PTX modules assembled");
 }

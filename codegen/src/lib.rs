@@ -15,7 +15,9 @@ pub mod memory;
 use autotp_ir::sharding::local_type;
 use autotp_ir::{Collective, Def, Graph, Op, Placement, TensorType, ValueId};
 use autotp_runtime::comm::{CollectiveKind, CollectiveOp};
-use autotp_runtime::{ConstantData, Instruction, MemoryPlan, MeshAxis, Program, Region, Slot, SlotPlacement, Update};
+use autotp_runtime::{
+    ConstantData, Instruction, MemoryPlan, MeshAxis, Program, PtxModule, Region, Slot, SlotPlacement, Update,
+};
 
 use memory::{align, FirstFit};
 
@@ -23,6 +25,8 @@ use memory::{align, FirstFit};
 pub enum CodegenError {
     #[error("cannot lower an invalid graph: {0}")]
     Verify(#[from] autotp_ir::VerifyErrors),
+    #[error("cannot generate the kernels' PTX: {0}")]
+    Ptx(#[from] autotp_llvm::LlvmError),
 }
 
 /// Which kernels compute the graph's ops.
@@ -39,6 +43,8 @@ pub enum KernelChoice {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LowerOptions {
     pub kernels: KernelChoice,
+    /// Also compile the generated kernels to PTX for every GPU architecture plans carry.
+    pub ptx: bool,
 }
 
 /// The type one rank holds of `v`.
@@ -362,6 +368,16 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         })
         .collect();
     let mesh = graph.mesh.axes.iter().map(|a| MeshAxis { name: a.name.clone(), size: a.size }).collect();
+    let ptx = if options.ptx && !kernels.is_empty() {
+        autotp_llvm::nvptx::Arch::ALL
+            .iter()
+            .map(|&arch| {
+                Ok(PtxModule { arch: arch.name().to_string(), code: autotp_llvm::nvptx::ptx(&kernels, arch)? })
+            })
+            .collect::<Result<Vec<_>, autotp_llvm::LlvmError>>()?
+    } else {
+        Vec::new()
+    };
     Ok(Program {
         name: graph.name.clone(),
         mesh,
@@ -373,6 +389,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         updates,
         instructions,
         kernels,
+        ptx,
         memory,
     })
 }

@@ -7,15 +7,14 @@
 //! changes a result.
 
 use autotp_kernels::kir::{self, Stage};
-use inkwell::basic_block::BasicBlock;
 use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine};
-use inkwell::values::{FunctionValue, IntValue};
-use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
+use inkwell::values::FunctionValue;
+use inkwell::{AddressSpace, OptimizationLevel};
 
-use crate::emit::{Buffer, Buffers, Emitter, Position, V};
+use crate::emit::{counted_loop, Buffer, Buffers, Emitter, Position, V};
 use crate::LlvmError;
 
 /// A generated kernel's entry point: `(buffers, begin, end)`, buffers in the kernel's order.
@@ -155,7 +154,7 @@ fn define<'ctx>(
     let buffers = Buffers(buffers);
     let inner = kernel.inner as u64;
     let vector_end = inner - inner % width as u64;
-    counted_loop(e, function, begin, end, 1, &[], |outer, _| {
+    counted_loop(e, function, begin, end, i64t.const_int(1, false), &[], |outer, _| {
         let mut accs: Vec<V<'ctx>> = Vec::new();
         for stage in &kernel.stages {
             // The vector loop over [0, vector_end), then the scalar tail.
@@ -169,7 +168,8 @@ fn define<'ctx>(
                         }
                         let start = if w == 1 { acc } else { e.fold_start(*fold, w) };
                         let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
-                        let folded = counted_loop(e, function, from, to, w as u64, &[start], |i, carried| {
+                        let step = i64t.const_int(w as u64, false);
+                        let folded = counted_loop(e, function, from, to, step, &[start], |i, carried| {
                             let at = Position { width: w, outer, inner: Some(i), accs: accs.clone() };
                             let values = e.exprs(&buffers, exprs, &at)?;
                             Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
@@ -184,7 +184,8 @@ fn define<'ctx>(
                             continue;
                         }
                         let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
-                        counted_loop(e, function, from, to, w as u64, &[], |i, _| {
+                        let step = i64t.const_int(w as u64, false);
+                        counted_loop(e, function, from, to, step, &[], |i, _| {
                             let at = Position { width: w, outer, inner: Some(i), accs: accs.clone() };
                             let values = e.exprs(&buffers, exprs, &at)?;
                             e.stores(&buffers, stores, &values, &at)?;
@@ -203,47 +204,4 @@ fn define<'ctx>(
     })?;
     e.b.build_return(None)?;
     Ok(function)
-}
-
-/// Emits `for (i = from; i < to; i += step) carried = body(i, carried)` at the builder's
-/// position and leaves the builder after the loop; returns the carried values' final state.
-fn counted_loop<'ctx>(
-    e: &Emitter<'_, 'ctx>,
-    function: FunctionValue<'ctx>,
-    from: IntValue<'ctx>,
-    to: IntValue<'ctx>,
-    step: u64,
-    init: &[V<'ctx>],
-    mut body: impl FnMut(IntValue<'ctx>, &[V<'ctx>]) -> Result<Vec<V<'ctx>>, LlvmError>,
-) -> Result<Vec<V<'ctx>>, LlvmError> {
-    let before: BasicBlock = e.b.get_insert_block().expect("positioned");
-    let header = e.ctx.append_basic_block(function, "loop");
-    let inside = e.ctx.append_basic_block(function, "body");
-    let after = e.ctx.append_basic_block(function, "done");
-    e.b.build_unconditional_branch(header)?;
-    e.b.position_at_end(header);
-    let i64t = e.ctx.i64_type();
-    let index = e.b.build_phi(i64t, "i")?;
-    index.add_incoming(&[(&from, before)]);
-    let mut phis = Vec::new();
-    for v in init {
-        let phi = e.b.build_phi(v.get_type(), "")?;
-        phi.add_incoming(&[(v, before)]);
-        phis.push(phi);
-    }
-    let i = index.as_basic_value().into_int_value();
-    let carried: Vec<V<'ctx>> = phis.iter().map(|p| p.as_basic_value().into_vector_value()).collect();
-    let more = e.b.build_int_compare(IntPredicate::SLT, i, to, "")?;
-    e.b.build_conditional_branch(more, inside, after)?;
-    e.b.position_at_end(inside);
-    let next_values = body(i, &carried)?;
-    let next = e.b.build_int_add(i, i64t.const_int(step, false), "")?;
-    let latch = e.b.get_insert_block().expect("positioned");
-    e.b.build_unconditional_branch(header)?;
-    index.add_incoming(&[(&next, latch)]);
-    for (phi, v) in phis.iter().zip(&next_values) {
-        phi.add_incoming(&[(v, latch)]);
-    }
-    e.b.position_at_end(after);
-    Ok(carried)
 }

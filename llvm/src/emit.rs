@@ -9,11 +9,12 @@
 
 use autotp_kernels::kir::{self, Expr, Index, ScalarType, Term, Var};
 use autotp_kernels::{BinaryOp, DType, UnaryOp};
+use inkwell::basic_block::BasicBlock;
 use inkwell::builder::Builder;
 use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::types::{BasicTypeEnum, VectorType};
-use inkwell::values::{BasicMetadataValueEnum, BasicValueEnum, IntValue, PointerValue, VectorValue};
+use inkwell::values::{BasicMetadataValueEnum, BasicValueEnum, FunctionValue, IntValue, PointerValue, VectorValue};
 use inkwell::{FloatPredicate, IntPredicate};
 
 use crate::{math, LlvmError};
@@ -495,4 +496,47 @@ impl<'ctx> VecTypeOf<'ctx> for BasicTypeEnum<'ctx> {
             other => panic!("no vectors of {other:?} in kernels"),
         }
     }
+}
+
+/// Emits `for (i = from; i < to; i += step) carried = body(i, carried)` at the builder's
+/// position and leaves the builder after the loop; returns the carried values' final state.
+pub fn counted_loop<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    from: IntValue<'ctx>,
+    to: IntValue<'ctx>,
+    step: IntValue<'ctx>,
+    init: &[V<'ctx>],
+    mut body: impl FnMut(IntValue<'ctx>, &[V<'ctx>]) -> Result<Vec<V<'ctx>>, LlvmError>,
+) -> Result<Vec<V<'ctx>>, LlvmError> {
+    let before: BasicBlock = e.b.get_insert_block().expect("positioned");
+    let header = e.ctx.append_basic_block(function, "loop");
+    let inside = e.ctx.append_basic_block(function, "body");
+    let after = e.ctx.append_basic_block(function, "done");
+    e.b.build_unconditional_branch(header)?;
+    e.b.position_at_end(header);
+    let i64t = e.ctx.i64_type();
+    let index = e.b.build_phi(i64t, "i")?;
+    index.add_incoming(&[(&from, before)]);
+    let mut phis = Vec::new();
+    for v in init {
+        let phi = e.b.build_phi(v.get_type(), "")?;
+        phi.add_incoming(&[(v, before)]);
+        phis.push(phi);
+    }
+    let i = index.as_basic_value().into_int_value();
+    let carried: Vec<V<'ctx>> = phis.iter().map(|p| p.as_basic_value().into_vector_value()).collect();
+    let more = e.b.build_int_compare(IntPredicate::SLT, i, to, "")?;
+    e.b.build_conditional_branch(more, inside, after)?;
+    e.b.position_at_end(inside);
+    let next_values = body(i, &carried)?;
+    let next = e.b.build_int_add(i, step, "")?;
+    let latch = e.b.get_insert_block().expect("positioned");
+    e.b.build_unconditional_branch(header)?;
+    index.add_incoming(&[(&next, latch)]);
+    for (phi, v) in phis.iter().zip(&next_values) {
+        phi.add_incoming(&[(v, latch)]);
+    }
+    e.b.position_at_end(after);
+    Ok(carried)
 }

@@ -9,6 +9,9 @@
 //!   kernels are optimised at O3 for the host CPU, emitted as one object file, and loaded into
 //!   the process-wide JIT ([`jit`]), which keeps them for the life of the process and reuses a
 //!   kernel already compiled.
+//! - [`nvptx`]: CUDA. A plan's kernels as one PTX module per GPU architecture (sm_80, sm_90),
+//!   made when the plan is compiled: rows on blocks, the inner dimension on threads, row
+//!   reductions with warp shuffles.
 //!
 //! Fast-math flags are never set: attention masks use -inf and NaN must propagate, so only
 //! exact rewrites happen, and `fma` appears only where the polynomials ask for it.
@@ -17,6 +20,7 @@ pub mod cpu;
 pub mod emit;
 pub mod jit;
 pub mod math;
+pub mod nvptx;
 
 pub use cpu::{compile_cpu, CpuKernel};
 

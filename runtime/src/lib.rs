@@ -36,7 +36,9 @@ pub mod tensor_file;
 pub mod trainer;
 
 pub use executor::{Executor, HostTensor};
-pub use program::{ConstantData, Instruction, MemoryPlan, MeshAxis, Program, Region, Slot, SlotPlacement, Update};
+pub use program::{
+    ConstantData, Instruction, MemoryPlan, MeshAxis, Program, PtxModule, Region, Slot, SlotPlacement, Update,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {

@@ -114,6 +114,14 @@ pub enum Instruction {
     Recv { output: Region, from: usize, tag: u64, label: String },
 }
 
+/// The PTX of a program's kernels for one GPU architecture.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtxModule {
+    /// `sm_80`, `sm_90`.
+    pub arch: String,
+    pub code: String,
+}
+
 /// Byte counts of the memory plan, by category.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryPlan {
@@ -147,6 +155,10 @@ pub struct Program {
     /// The generated kernels that `Generated` instructions run.
     #[serde(default)]
     pub kernels: Vec<kir::Kernel>,
+    /// `kernels` compiled for CUDA GPUs, one PTX module per architecture (kernel `i` is the
+    /// entry `autotp_llvm::nvptx::entry_name(i)`); empty when the plan was made without them.
+    #[serde(default)]
+    pub ptx: Vec<PtxModule>,
     pub memory: MemoryPlan,
 }
 
@@ -337,6 +349,7 @@ mod tests {
     fn program(kernel: Kernel, output_len: usize) -> Program {
         Program {
             kernels: vec![],
+            ptx: vec![],
             name: "p".into(),
             mesh: vec![],
             inputs: vec![],

@@ -1,0 +1,316 @@
+//! The NVPTX target: a plan's kernels as one PTX module, made at compile time and stored in the
+//! plan for the CUDA runtime.
+//!
+//! Kernel `i` of the list is the entry `autotp_kernel_<i>(b0, b1, ...)`, one generic pointer
+//! per buffer, launched with [`BLOCK`] threads per block and any number of blocks. The outer
+//! dimension runs on blocks (block `b` takes rows `b, b + gridDim.x, ...`), the inner one on the
+//! block's threads (thread `t` takes `t, t + BLOCK, ...`). A `Reduce` stage folds each thread's
+//! share, then the block: a butterfly of warp shuffles inside each warp, the warps' results
+//! through shared memory, folded by every thread in warp order, so every thread holds the same
+//! accumulator and the result does not depend on timing. A row stage's stores are made by
+//! thread 0. Expressions and the transcendentals are those of the x86 target ([`crate::emit`],
+//! [`crate::math`]) at width 1.
+
+use autotp_kernels::kir::{self, Stage};
+use inkwell::context::Context;
+use inkwell::module::{Linkage, Module};
+use inkwell::passes::PassBuilderOptions;
+use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetTriple};
+use inkwell::values::{BasicMetadataValueEnum, FunctionValue, IntValue};
+use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
+
+use crate::emit::{counted_loop, Buffer, Buffers, Emitter, Position, V};
+use crate::LlvmError;
+
+/// Threads per block every kernel is launched with.
+pub const BLOCK: u32 = 256;
+
+/// The GPU architectures plans carry PTX for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Arch {
+    /// A100.
+    Sm80,
+    /// H100, H200.
+    Sm90,
+}
+
+impl Arch {
+    pub const ALL: [Arch; 2] = [Arch::Sm80, Arch::Sm90];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Sm80 => "sm_80",
+            Arch::Sm90 => "sm_90",
+        }
+    }
+}
+
+/// PTX ISA 8.0 (CUDA 12.0): new enough for sm_90, old enough for every driver since.
+const PTX_FEATURES: &str = "+ptx80";
+
+/// The entry point of kernel `index` in a module made by [`ptx`].
+pub fn entry_name(index: usize) -> String {
+    format!("autotp_kernel_{index}")
+}
+
+/// The PTX of `kernels` for `arch`, kernel `i` as [`entry_name`]`(i)`.
+pub fn ptx(kernels: &[kir::Kernel], arch: Arch) -> Result<String, LlvmError> {
+    Target::initialize_nvptx(&InitializationConfig::default());
+    let triple = TargetTriple::create("nvptx64-nvidia-cuda");
+    let target = Target::from_triple(&triple).map_err(|e| LlvmError::llvm("NVPTX target lookup", e))?;
+    let machine = target
+        .create_target_machine(
+            &triple,
+            arch.name(),
+            PTX_FEATURES,
+            OptimizationLevel::Aggressive,
+            RelocMode::Default,
+            CodeModel::Default,
+        )
+        .ok_or_else(|| LlvmError::llvm("NVPTX target machine", arch.name()))?;
+    let ctx = Context::create();
+    let module = ctx.create_module("autotp_kernels");
+    module.set_triple(&triple);
+    module.set_data_layout(&machine.get_target_data().get_data_layout());
+    let builder = ctx.create_builder();
+    let e = Emitter { ctx: &ctx, module: &module, b: &builder };
+    for (i, kernel) in kernels.iter().enumerate() {
+        kernel.check()?;
+        let function = define(&e, &entry_name(i), kernel)?;
+        mark_kernel(&ctx, &module, function)?;
+    }
+    module.verify().map_err(|m| LlvmError::llvm("NVPTX verification", m))?;
+    module
+        .run_passes("default<O3>", &machine, PassBuilderOptions::create())
+        .map_err(|m| LlvmError::llvm("NVPTX optimisation", m))?;
+    let buffer =
+        machine.write_to_memory_buffer(&module, FileType::Assembly).map_err(|m| LlvmError::llvm("PTX emission", m))?;
+    String::from_utf8(buffer.as_slice().to_vec()).map_err(|e| LlvmError::llvm("PTX emission", e))
+}
+
+/// `!nvvm.annotations`: makes `function` a kernel entry point.
+fn mark_kernel<'ctx>(
+    ctx: &'ctx Context,
+    module: &Module<'ctx>,
+    function: FunctionValue<'ctx>,
+) -> Result<(), LlvmError> {
+    let values: [BasicMetadataValueEnum; 3] = [
+        function.as_global_value().as_pointer_value().into(),
+        ctx.metadata_string("kernel").into(),
+        ctx.i32_type().const_int(1, false).into(),
+    ];
+    module
+        .add_global_metadata("nvvm.annotations", &ctx.metadata_node(&values))
+        .map_err(|e| LlvmError::llvm("NVPTX annotation", e))
+}
+
+/// A special register (`tid.x`, `ctaid.x`, `nctaid.x`) as i64.
+fn special_register<'ctx>(e: &Emitter<'_, 'ctx>, name: &str) -> Result<IntValue<'ctx>, LlvmError> {
+    let intrinsic = inkwell::intrinsics::Intrinsic::find(&format!("llvm.nvvm.read.ptx.sreg.{name}"))
+        .ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?;
+    let function = intrinsic.get_declaration(e.module, &[]).ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?;
+    let value = e.b.build_call(function, &[], "")?.try_as_basic_value().basic();
+    let value = value.ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?.into_int_value();
+    Ok(e.b.build_int_z_extend(value, e.ctx.i64_type(), "")?)
+}
+
+fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Result<FunctionValue<'ctx>, LlvmError> {
+    let ctx = e.ctx;
+    let ptr = ctx.ptr_type(AddressSpace::default());
+    let params: Vec<_> = kernel.buffers.iter().map(|_| ptr.into()).collect();
+    let function = e.module.add_function(symbol, ctx.void_type().fn_type(&params, false), None);
+    let entry = ctx.append_basic_block(function, "entry");
+    e.b.position_at_end(entry);
+    let buffers = Buffers(
+        kernel
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(b, buffer)| Buffer {
+                pointer: function.get_nth_param(b as u32).expect("declared").into_pointer_value(),
+                dtype: buffer.dtype,
+            })
+            .collect(),
+    );
+    let shared = shared_memory(e)?;
+    let i64t = ctx.i64_type();
+    let thread = special_register(e, "tid.x")?;
+    let block = special_register(e, "ctaid.x")?;
+    let blocks = special_register(e, "nctaid.x")?;
+    let (inner, stride) = (i64t.const_int(kernel.inner as u64, false), i64t.const_int(BLOCK as u64, false));
+    counted_loop(e, function, block, i64t.const_int(kernel.outer as u64, false), blocks, &[], |outer, _| {
+        let mut accs: Vec<V<'ctx>> = Vec::new();
+        for stage in &kernel.stages {
+            match stage {
+                Stage::Reduce { fold, exprs, value } => {
+                    let start = e.fold_start(*fold, 1);
+                    let partial = counted_loop(e, function, thread, inner, stride, &[start], |i, carried| {
+                        let at = Position { width: 1, outer, inner: Some(i), accs: accs.clone() };
+                        let values = e.exprs(&buffers, exprs, &at)?;
+                        Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
+                    })?;
+                    accs.push(block_fold(e, function, shared, thread, *fold, partial[0])?);
+                }
+                Stage::Map { exprs, stores } => {
+                    counted_loop(e, function, thread, inner, stride, &[], |i, _| {
+                        let at = Position { width: 1, outer, inner: Some(i), accs: accs.clone() };
+                        let values = e.exprs(&buffers, exprs, &at)?;
+                        e.stores(&buffers, stores, &values, &at)?;
+                        Ok(vec![])
+                    })?;
+                }
+                Stage::Row { exprs, stores } => {
+                    let at = Position { width: 1, outer, inner: None, accs: accs.clone() };
+                    let values = e.exprs(&buffers, exprs, &at)?;
+                    let first = e.b.build_int_compare(IntPredicate::EQ, thread, i64t.const_zero(), "")?;
+                    if_then(e, function, first, || e.stores(&buffers, stores, &values, &at))?;
+                }
+            }
+        }
+        Ok(vec![])
+    })?;
+    e.b.build_return(None)?;
+    Ok(function)
+}
+
+/// The block's shared scratch: one f32 per warp.
+fn shared_memory<'ctx>(e: &Emitter<'_, 'ctx>) -> Result<inkwell::values::PointerValue<'ctx>, LlvmError> {
+    let name = "autotp_warp_results";
+    let global = match e.module.get_global(name) {
+        Some(global) => global,
+        None => {
+            let ty = e.ctx.f32_type().array_type(BLOCK / 32);
+            let global = e.module.add_global(ty, Some(AddressSpace::from(3u16)), name);
+            global.set_linkage(Linkage::Internal);
+            global.set_initializer(&ty.get_undef());
+            global
+        }
+    };
+    Ok(global.as_pointer_value())
+}
+
+/// Runs `then` only where `condition` holds.
+fn if_then<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    condition: IntValue<'ctx>,
+    then: impl FnOnce() -> Result<(), LlvmError>,
+) -> Result<(), LlvmError> {
+    let taken = e.ctx.append_basic_block(function, "then");
+    let after = e.ctx.append_basic_block(function, "after");
+    e.b.build_conditional_branch(condition, taken, after)?;
+    e.b.position_at_end(taken);
+    then()?;
+    e.b.build_unconditional_branch(after)?;
+    e.b.position_at_end(after);
+    Ok(())
+}
+
+fn call<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    name: &str,
+    args: &[BasicMetadataValueEnum<'ctx>],
+) -> Result<Option<inkwell::values::BasicValueEnum<'ctx>>, LlvmError> {
+    let intrinsic =
+        inkwell::intrinsics::Intrinsic::find(name).ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?;
+    let function = intrinsic.get_declaration(e.module, &[]).ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?;
+    Ok(e.b.build_call(function, args, "")?.try_as_basic_value().basic())
+}
+
+/// Folds every thread's `partial` into one value that every thread of the block receives.
+fn block_fold<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    shared: inkwell::values::PointerValue<'ctx>,
+    thread: IntValue<'ctx>,
+    fold: kir::Fold,
+    partial: V<'ctx>,
+) -> Result<V<'ctx>, LlvmError> {
+    let (i32t, i64t, f32t) = (e.ctx.i32_type(), e.ctx.i64_type(), e.ctx.f32_type());
+    let mut value = partial;
+    for offset in [16u64, 8, 4, 2, 1] {
+        let x = e.lane(value, 0)?;
+        let args = [
+            i32t.const_all_ones().into(),
+            x.into(),
+            i32t.const_int(offset, false).into(),
+            i32t.const_int(31, false).into(),
+        ];
+        let other = call(e, "llvm.nvvm.shfl.sync.bfly.f32", &args)?
+            .ok_or_else(|| LlvmError::llvm("NVPTX shuffle", "no value"))?;
+        value = e.fold(fold, value, e.splat(other, 1)?)?;
+    }
+    let array = f32t.array_type(BLOCK / 32);
+    let slot = |index: IntValue<'ctx>| -> Result<inkwell::values::PointerValue<'ctx>, LlvmError> {
+        // SAFETY (of the generated code): index < BLOCK / 32.
+        Ok(unsafe { e.b.build_in_bounds_gep(array, shared, &[i64t.const_zero(), index], "")? })
+    };
+    let lane = e.b.build_and(thread, i64t.const_int(31, false), "")?;
+    let warp = e.b.build_right_shift(thread, i64t.const_int(5, false), false, "")?;
+    let first_lane = e.b.build_int_compare(IntPredicate::EQ, lane, i64t.const_zero(), "")?;
+    let x = e.lane(value, 0)?;
+    if_then(e, function, first_lane, || {
+        e.b.build_store(slot(warp)?, x)?;
+        Ok(())
+    })?;
+    call(e, "llvm.nvvm.barrier0", &[])?;
+    let mut total = e.fold_start(fold, 1);
+    for w in 0..(BLOCK / 32) as u64 {
+        let x = e.b.build_load(f32t, slot(i64t.const_int(w, false))?, "")?;
+        total = e.fold(fold, total, e.splat(x, 1)?)?;
+    }
+    // Every thread has read the warps' results before the next fold overwrites them.
+    call(e, "llvm.nvvm.barrier0", &[])?;
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_softmax_kernel_becomes_ptx_for_both_architectures() {
+        use autotp_kernels::kir::{Buffer, Expr, Fold, Index, Store};
+        use autotp_kernels::{BinaryOp, DType, UnaryOp};
+        let row = Index::row_major(1000);
+        let x = Expr::Load { buffer: 0, index: row.clone() };
+        let kernel = kir::Kernel {
+            name: "softmax".into(),
+            buffers: vec![Buffer { dtype: DType::F32, len: 37_000 }, Buffer { dtype: DType::F32, len: 37_000 }],
+            num_inputs: 1,
+            outer: 37,
+            inner: 1000,
+            stages: vec![
+                Stage::Reduce { fold: Fold::Max, exprs: vec![x.clone()], value: 0 },
+                Stage::Reduce {
+                    fold: Fold::Sum,
+                    exprs: vec![
+                        x.clone(),
+                        Expr::Acc(0),
+                        Expr::Binary(BinaryOp::Sub, 0, 1),
+                        Expr::Unary(UnaryOp::Exp, 2),
+                    ],
+                    value: 3,
+                },
+                Stage::Map {
+                    exprs: vec![
+                        x,
+                        Expr::Acc(0),
+                        Expr::Binary(BinaryOp::Sub, 0, 1),
+                        Expr::Unary(UnaryOp::Exp, 2),
+                        Expr::Acc(1),
+                        Expr::Binary(BinaryOp::Div, 3, 4),
+                    ],
+                    stores: vec![Store { buffer: 1, index: row, value: 5 }],
+                },
+            ],
+        };
+        for arch in Arch::ALL {
+            let ptx = ptx(std::slice::from_ref(&kernel), arch).unwrap();
+            assert!(ptx.contains(&format!(".target {}", arch.name())), "{ptx}");
+            assert!(ptx.contains(".entry autotp_kernel_0") && ptx.contains("shfl.sync.bfly"), "{ptx}");
+            // Our own exp: no calls (libdevice, libm) anywhere.
+            assert!(!ptx.contains("call"), "{ptx}");
+        }
+    }
+}
