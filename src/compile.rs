@@ -141,6 +141,10 @@ pub struct CompileFlags {
     /// Write the per-rank memory and per-step communication plan as JSON.
     #[arg(long, value_name = "FILE.json")]
     report: Option<PathBuf>,
+    /// Write every generated kernel's kernel IR (.kir) and optimised LLVM IR for this machine
+    /// (.ll), and each stage's PTX module per GPU architecture (.ptx), into DIR.
+    #[arg(long, value_name = "DIR")]
+    dump_kernels: Option<PathBuf>,
     /// Which kernels run the ops: generated (LLVM, where a generated kernel computes the op)
     /// or builtin (the reference interpreter alone: the oracle to bisect a divergence against).
     #[arg(long, value_enum, default_value = "generated")]
@@ -682,8 +686,33 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
     lines.join("\n") + "\n"
 }
 
+/// `--dump-kernels DIR`: `[stageS-]kNNN-<name>.kir` and `.ll` per kernel, `[stageS-]<arch>.ptx`
+/// per stage and GPU architecture.
+fn dump_kernels(dir: &Path, plan: &autotp_runtime::plan::TrainingPlan) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("--dump-kernels: cannot create {}", dir.display()))?;
+    let write = |name: String, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).with_context(|| format!("--dump-kernels: cannot write {}", path.display()))
+    };
+    for (s, program) in plan.stages.iter().enumerate() {
+        let stage = if plan.stages.len() > 1 { format!("stage{s}-") } else { String::new() };
+        for (k, kernel) in program.kernels.iter().enumerate() {
+            let name = format!("{stage}k{k:03}-{}", kernel.name);
+            write(format!("{name}.kir"), &kernel.to_string())?;
+            write(format!("{name}.ll"), &autotp_llvm::cpu::llvm_ir(kernel)?)?;
+        }
+        for module in &program.ptx {
+            write(format!("{stage}{}.ptx", module.arch), &module.code)?;
+        }
+    }
+    Ok(())
+}
+
 pub fn run(args: &CompileArgs) -> Result<()> {
     let compiled = compile(&args.flags)?;
+    if let Some(dir) = &args.flags.dump_kernels {
+        dump_kernels(dir, &compiled.plan)?;
+    }
     autotp_runtime::plan::write(&args.output, &compiled.plan, &compiled.weights())?;
     let report = report(&args.flags, &compiled.plan)?;
     print!("{}", summary(&compiled.plan, &report));

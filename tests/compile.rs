@@ -168,3 +168,32 @@ fn damaged_or_foreign_plans_are_refused() {
     let err = failure(run(&checkpoint_file));
     assert!(err.contains("is not an autotp plan"), "{err}");
 }
+
+/// `--dump-kernels` writes every generated kernel's kernel IR and LLVM IR, and the PTX modules;
+/// `--kernels builtin` compiles no kernels and runs no fusion pass.
+#[test]
+fn dump_kernels_and_the_builtin_oracle() {
+    let dir = scratch("compile-dump-kernels");
+    let model = fixture("gpt2", "model.onnx");
+    let kernels = dir.join("kernels");
+    success(autotp(&compile_args(&model, &["--dump-kernels", s(&kernels), "-o", "/dev/null"])));
+    let files: Vec<String> =
+        std::fs::read_dir(&kernels).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let count = |suffix: &str| files.iter().filter(|f| f.ends_with(suffix)).count();
+    assert!(count(".kir") >= 10 && count(".kir") == count(".ll"), "{files:?}");
+    assert_eq!(count(".ptx"), 2, "{files:?}");
+    for f in &files {
+        let text = std::fs::read_to_string(kernels.join(f)).unwrap();
+        let marker = match f.rsplit('.').next() {
+            Some("kir") => "kernel \"",
+            Some("ll") => "define void @",
+            _ => ".entry autotp_kernel_0",
+        };
+        assert!(text.contains(marker), "{f} lacks '{marker}'");
+    }
+    let out = success(autotp(&compile_args(&model, &["--kernels", "builtin", "-o", "/dev/null"])));
+    assert!(out.contains("instructions: ") && !out.contains("gen."), "{out}");
+    let err =
+        failure(autotp(&compile_args(&model, &["--kernels", "builtin", "--print-after", "fusion", "-o", "/dev/null"])));
+    assert!(err.contains("--print-after 'fusion': no such pass"), "{err}");
+}

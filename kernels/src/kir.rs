@@ -361,3 +361,82 @@ impl Kernel {
         Ok(())
     }
 }
+
+impl std::fmt::Display for Index {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.terms.is_empty() {
+            return write!(f, "0");
+        }
+        let terms: Vec<String> = self
+            .terms
+            .iter()
+            .map(|t| {
+                let mut s = (if t.var == Var::Outer { "o" } else { "i" }).to_string();
+                if t.div > 1 {
+                    s = format!("{s}/{}", t.div);
+                }
+                if let Some(m) = t.modulo {
+                    s = format!("({s})%{m}");
+                }
+                if t.stride != 1 {
+                    s = format!("{s}*{}", t.stride);
+                }
+                s
+            })
+            .collect();
+        write!(f, "{}", terms.join(" + "))
+    }
+}
+
+impl std::fmt::Display for Expr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Expr::F32(x) => write!(f, "{x:?}"),
+            Expr::I64(x) => write!(f, "{x}i64"),
+            Expr::Load { buffer, index } => write!(f, "load %b{buffer}[{index}]"),
+            Expr::Acc(k) => write!(f, "acc{k}"),
+            Expr::Var(Var::Outer) => write!(f, "o"),
+            Expr::Var(Var::Inner) => write!(f, "i"),
+            Expr::Unary(op, a) => write!(f, "{} %{a}", op.name()),
+            Expr::Binary(op, a, b) => write!(f, "{} %{a}, %{b}", op.name()),
+            Expr::Select(c, a, b) => write!(f, "select %{c}, %{a}, %{b}"),
+            Expr::ToF32(a) => write!(f, "to_f32 %{a}"),
+        }
+    }
+}
+
+/// The kernel IR as text (`autotp compile --dump-kernels`): buffers, then each stage with its
+/// numbered expressions.
+impl std::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "kernel \"{}\" outer {} inner {} {{", self.name, self.outer, self.inner)?;
+        for (b, buffer) in self.buffers.iter().enumerate() {
+            let role = if b < self.num_inputs { "in" } else { "out" };
+            writeln!(f, "  {role} %b{b} : {}[{}]", buffer.dtype, buffer.len)?;
+        }
+        let mut accumulators = 0;
+        for stage in &self.stages {
+            let (head, exprs, stores) = match stage {
+                Stage::Reduce { fold, exprs, .. } => {
+                    let fold = if *fold == Fold::Sum { "sum" } else { "max" };
+                    (format!("acc{accumulators} = reduce {fold} over i"), exprs, &[][..])
+                }
+                Stage::Map { exprs, stores } => ("map over i".to_string(), exprs, &stores[..]),
+                Stage::Row { exprs, stores } => ("row".to_string(), exprs, &stores[..]),
+            };
+            writeln!(f, "  {head} {{")?;
+            for (e, expr) in exprs.iter().enumerate() {
+                writeln!(f, "    %{e} = {expr}")?;
+            }
+            if let Stage::Reduce { value, .. } = stage {
+                writeln!(f, "    fold %{value}")?;
+                accumulators += 1;
+            }
+            for s in stores {
+                writeln!(f, "    store %b{}[{}] = %{}", s.buffer, s.index, s.value)?;
+            }
+            writeln!(f, "  }}")?;
+        }
+        writeln!(f, "}}")
+    }
+}
