@@ -57,6 +57,14 @@ trait GemmElem: Num {
 }
 
 fn gemm_crate<T: Num + Default>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut [T], one: T) {
+    // One rhs for every batch and an untransposed lhs: the lhs batches are one tall matrix
+    // (`[batch x m, k]`), so one GEMM of `batch x m` rows does them all (a linear layer over
+    // `[batch, seq, features]`), which parallelises and blocks far better than `batch` small ones.
+    let batches = numel(&d.batch);
+    if batches > 1 && numel(&d.rhs_batch) == 1 && numel(&d.lhs_batch) == batches && !d.transpose_lhs {
+        let flat = MatMulDims { batch: vec![], lhs_batch: vec![], rhs_batch: vec![], m: batches * d.m, ..d.clone() };
+        return gemm_crate(&flat, lhs, rhs, out, one);
+    }
     let offsets = d.batch_offsets();
     let ((lrs, lcs), (rrs, rcs)) = d.operand_strides();
     let mn = d.m * d.n;

@@ -360,7 +360,18 @@ fn vjp(
                 };
                 out[0] = Some(b.sum_to(g, &shape(b, a))?);
             }
-            if want[1] {
+            let (rank_a, rank_c) = (b.ty(a).rank(), b.ty(c).rank());
+            if want[1] && rank_c == 2 && rank_a > 2 && !ta {
+                // One B for every batch of A (a linear layer): its gradient sums op(A)^T dY over
+                // the batches, which is one product with the batches merged into the
+                // contraction, `[batch x m, k]^T [batch x m, n]`, not a batched product summed.
+                let (sa, sd) = (shape(b, a), shape(b, d));
+                let rows = sa[..rank_a - 1].iter().product::<usize>();
+                let a_rows = b.reshape(a, &[rows, sa[rank_a - 1]])?;
+                let d_rows = b.reshape(d, &[rows, sd[sd.len() - 1]])?;
+                let (lhs, rhs) = if tb { (d_rows, a_rows) } else { (a_rows, d_rows) };
+                out[1] = Some(b.op(Op::MatMul { transpose_lhs: true, transpose_rhs: false }, vec![lhs, rhs])?);
+            } else if want[1] {
                 // d op(B) = op(A)^T dY
                 let g = if tb {
                     b.op(Op::MatMul { transpose_lhs: true, transpose_rhs: ta }, vec![d, a])?

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""The models of benches/train_models.sh and their PyTorch CPU eager side.
+
+    python benches/train_models.py export NAME OUT.onnx
+        exports model NAME (random init, seed 0) for training, as make_fixtures.py does
+    python benches/train_models.py pytorch NAME TOKENS.bin STEPS MICRO_BATCH SEQ_LEN THREADS OUT.jsonl
+        trains it with the training contract (windows of S+1 with stride S, next-token labels,
+        mean cross-entropy, AdamW lr 2e-3, betas 0.9/0.95, eps 1e-8, weight decay 0.01) and
+        writes one JSON line per step with its wall time (forward, backward, optimizer step)
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"))
+import make_fixtures  # noqa: E402
+
+
+def models():
+    """Name -> (class, config): the five models of issue 15's table."""
+    gpt2 = transformers.GPT2Config
+    llama = transformers.LlamaConfig
+    quiet = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return {
+        "gpt2-tiny": make_fixtures.configs()["gpt2"],
+        "llama-tiny": (transformers.LlamaForCausalLM, llama(
+            vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=3,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+            tie_word_embeddings=False, use_cache=False)),
+        "gpt2-wide": (transformers.GPT2LMHeadModel, gpt2(
+            vocab_size=1000, n_embd=192, n_layer=3, n_head=6, n_positions=256, **quiet)),
+        "gpt2-512": (transformers.GPT2LMHeadModel, gpt2(
+            vocab_size=8192, n_embd=512, n_layer=4, n_head=8, n_positions=256, **quiet)),
+        "llama-512": (transformers.LlamaForCausalLM, llama(
+            vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+            tie_word_embeddings=False, use_cache=False)),
+    }
+
+
+def model(name):
+    cls, cfg = models()[name]
+    return make_fixtures.seeded_model(cls, cfg)
+
+
+def export(name, out):
+    m = model(name)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    make_fixtures.export(make_fixtures.Logits(m), (ids,), ["input_ids"], ["logits"], out)
+
+
+def pytorch(name, tokens_path, steps, g, s, threads, out):
+    steps, g, s, threads = int(steps), int(g), int(s), int(threads)
+    torch.set_num_threads(threads)
+    tokens = np.fromfile(tokens_path, dtype="<u2")
+    windows = (len(tokens) - 1) // s
+    m = model(name)
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    with open(out, "w") as f:
+        for step in range(steps):
+            idx = [(step * g + j) % windows for j in range(g)]
+            batch = np.stack([tokens[w * s: w * s + s + 1] for w in idx]).astype(np.int64)
+            ids, labels = torch.from_numpy(batch[:, :s]), torch.from_numpy(batch[:, 1:])
+            start = time.perf_counter()
+            logits = m(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seconds = time.perf_counter() - start
+            f.write(json.dumps({"step": step + 1, "loss": loss.item(), "step_seconds": seconds}) + "\n")
+
+
+if __name__ == "__main__":
+    command, args = sys.argv[1], sys.argv[2:]
+    {"export": export, "pytorch": pytorch}[command](*args)
