@@ -111,6 +111,21 @@ fn broadcasting_binary_ops_match_the_builtin_kernels() {
 }
 
 #[test]
+fn transposes_match_the_builtin_kernels() {
+    for (shape, perm, out) in [
+        ("[2,7,3,5]", "[0, 2, 1, 3]", "[2,3,7,5]"),
+        ("[37,19]", "[1, 0]", "[19,37]"),
+        ("[2,3,4]", "[2, 0, 1]", "[4,2,3]"),
+    ] {
+        let text = format!(
+            "graph \"transpose\" {{\n  input %x : f32{shape}\n  %0 = transpose %x {{perm = {perm}}} : f32{out}\n  \
+             %1 = constant splat<2.0> : f32[]\n  %2 = mul %0, %1 : f32{out}\n  output \"t\" = %0\n  output \"y\" = %2\n}}\n"
+        );
+        check(&text, 2, 0.0);
+    }
+}
+
+#[test]
 fn integer_comparisons_match_the_builtin_kernels() {
     let text = "graph \"one_hot\" {
   input %labels : i64[37,1]

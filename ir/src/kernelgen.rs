@@ -286,7 +286,11 @@ struct Space {
 impl Space {
     /// The index of a value of shape `input` broadcast into the space's full shape.
     fn index(&self, input: &[usize]) -> Index {
-        let strides = autotp_kernels::shape::broadcast_strides(input, &self.shape);
+        self.index_with_strides(&autotp_kernels::shape::broadcast_strides(input, &self.shape))
+    }
+
+    /// The index of a value laid out with these strides along the full shape's dims.
+    fn index_with_strides(&self, strides: &[usize]) -> Index {
         let sizes: Vec<usize> = self.perm.iter().map(|&d| self.shape[d]).collect();
         let strides: Vec<usize> = self.perm.iter().map(|&d| strides[d]).collect();
         strided_index(&sizes, &strides, self.split)
@@ -314,7 +318,7 @@ fn node_layout(op: &Op, input: &TensorType) -> Result<Option<(Vec<usize>, usize)
             | BinaryOp::Greater
             | BinaryOp::GreaterEqual,
         ) => None,
-        Op::Select | Op::Cast { .. } | Op::Gelu { .. } => None,
+        Op::Select | Op::Cast { .. } | Op::Gelu { .. } | Op::Transpose { .. } => None,
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Max, axes, .. } => {
             let first = *axes.first().ok_or(Refusal::Unsupported)?;
             let last = *axes.last().ok_or(Refusal::Unsupported)?;
@@ -520,14 +524,19 @@ impl Builder<'_> {
         if stage.row && index.uses(Var::Inner) {
             return None;
         }
-        let buffer = match self.inputs.iter().position(|&i| i == v) {
+        let buffer = self.buffer(v);
+        Some(stage.push(Expr::Load { buffer, index }))
+    }
+
+    /// The input buffer holding `v`, added if new.
+    fn buffer(&mut self, v: ValueId) -> usize {
+        match self.inputs.iter().position(|&i| i == v) {
             Some(b) => b,
             None => {
                 self.inputs.push(v);
                 self.inputs.len() - 1
             }
-        };
-        Some(stage.push(Expr::Load { buffer, index }))
+        }
     }
 
     /// The accumulator of `fold` over `value` for reduction `which` of `node`, made once.
@@ -586,6 +595,23 @@ impl Builder<'_> {
                     DType::Bool | DType::I64 => stage.push(Expr::ToF32(x)),
                     _ => return None,
                 }
+            }
+            // A transpose reads its input (from memory, not the group) with permuted strides.
+            Op::Transpose { perm } if !self.producer.contains_key(&input(0)) => {
+                let x = input(0);
+                let ty = (self.ty)(x);
+                kir::scalar_type(ty.dtype)?;
+                let own = autotp_kernels::shape::strides(&ty.shape);
+                let strides: Vec<usize> = perm.iter().map(|&p| own[p]).collect();
+                if strides.len() != self.space.shape.len() || (self.ty)(v).shape != self.space.shape {
+                    return None;
+                }
+                let index = self.space.index_with_strides(&strides);
+                if stage.row && index.uses(Var::Inner) {
+                    return None;
+                }
+                let buffer = self.buffer(x);
+                stage.push(Expr::Load { buffer, index })
             }
             Op::Gelu { approx } if float(v) => {
                 let x = self.value(stage, input(0))?;

@@ -10,7 +10,7 @@
 //! a max reduction's input is loaded, never recomputed; an expensive value is not recomputed by
 //! several stages). Benefit is greedy producer-consumer fusion: nodes are scheduled in a
 //! topological order that, after each node, takes next a ready node that joins the open group
-//! (it reads a value the group makes, or an input the group reads, and the group stays
+//! (it reads a value the group makes, or an activation the group reads, and the group stays
 //! legal), else the ready node that came first. Constants move to the front (they are data).
 //! Nodes that cannot be in a kernel (matmuls, data movement, collectives, sends and receives)
 //! keep their relative order, so collectives are issued in the same order on every rank and
@@ -156,12 +156,13 @@ fn schedule(graph: &Graph) -> (Vec<NodeId>, Vec<usize>) {
     (order, groups)
 }
 
-/// Whether `candidate` reads a value the group makes, or a value (not a constant) the group
-/// also reads.
+/// Whether `candidate` reads a value the group makes, or an activation (a value some node
+/// makes, not a constant) the group also reads. Sharing a parameter or an input is no reason
+/// to join: it would hoist, say, the backward's transpose of a weight next to the forward's,
+/// keeping its result alive through the whole step.
 fn connected(graph: &Graph, group: &[NodeId], candidate: NodeId) -> bool {
-    let constant =
-        |v: &ValueId| matches!(graph.value(*v).def, Def::Node(n, _) if matches!(graph.node(n).op, Op::Constant { .. }));
+    let activation = |v: &ValueId| matches!(graph.value(*v).def, Def::Node(n, _) if !matches!(graph.node(n).op, Op::Constant { .. }));
     graph.node(candidate).inputs.iter().any(|v| {
-        group.iter().any(|&g| graph.node(g).outputs.contains(v) || (!constant(v) && graph.node(g).inputs.contains(v)))
+        group.iter().any(|&g| graph.node(g).outputs.contains(v) || (activation(v) && graph.node(g).inputs.contains(v)))
     })
 }
