@@ -126,6 +126,36 @@ fn transposes_match_the_builtin_kernels() {
 }
 
 #[test]
+fn slices_and_pads_match_the_builtin_kernels() {
+    // Rotary embeddings' halves (a slice of the last dim) and their gradients (a pad back).
+    for (shape, starts, ends, steps, out) in [
+        ("[2,7,3,16]", "[0, 0, 0, 8]", "[2, 7, 3, 16]", "[1, 1, 1, 1]", "[2,7,3,8]"),
+        ("[2,7,3,16]", "[0, 0, 0, 0]", "[2, 7, 3, 8]", "[1, 1, 1, 1]", "[2,7,3,8]"),
+        ("[9,10]", "[1, 3]", "[9, 10]", "[2, 3]", "[4,3]"),
+    ] {
+        let text = format!(
+            "graph \"slice\" {{\n  input %x : f32{shape}\n  \
+             %0 = slice %x {{starts = {starts}, ends = {ends}, steps = {steps}}} : f32{out}\n  \
+             output \"y\" = %0\n}}\n"
+        );
+        check(&text, 1, 0.0);
+    }
+    for (shape, begin, end, out, value) in [
+        ("[2,7,3,8]", "[0, 0, 0, 8]", "[0, 0, 0, 0]", "[2,7,3,16]", "0.0"),
+        ("[2,7,3,8]", "[0, 0, 0, 0]", "[0, 0, 0, 8]", "[2,7,3,16]", "0.0"),
+        ("[5,3]", "[1, 2]", "[2, 0]", "[8,5]", "-inf"),
+        ("[37]", "[3]", "[5]", "[45]", "1.5"),
+    ] {
+        let text = format!(
+            "graph \"pad\" {{\n  input %x : f32{shape}\n  \
+             %0 = pad %x {{begin = {begin}, end = {end}, value = {value}}} : f32{out}\n  \
+             output \"y\" = %0\n}}\n"
+        );
+        check(&text, 1, 0.0);
+    }
+}
+
+#[test]
 fn integer_comparisons_match_the_builtin_kernels() {
     let text = "graph \"one_hot\" {
   input %labels : i64[37,1]

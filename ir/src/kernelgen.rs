@@ -319,6 +319,8 @@ fn node_layout(op: &Op, input: &TensorType) -> Result<Option<(Vec<usize>, usize)
             | BinaryOp::GreaterEqual,
         ) => None,
         Op::Select | Op::Cast { .. } | Op::Gelu { .. } | Op::Transpose { .. } => None,
+        Op::Slice { steps, .. } if steps.iter().all(|&s| s > 0) => None,
+        Op::Pad { .. } => None,
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Max, axes, .. } => {
             let first = *axes.first().ok_or(Refusal::Unsupported)?;
             let last = *axes.last().ok_or(Refusal::Unsupported)?;
@@ -447,7 +449,7 @@ fn strided_index(sizes: &[usize], strides: &[usize], split: usize) -> Index {
                         if let Some(t) = run.take() {
                             terms.push(t);
                         }
-                        run = Some(Term { var, div, modulo: Some(size), stride: s });
+                        run = Some(Term::new(var, div, Some(size), s));
                     }
                 }
             }
@@ -461,7 +463,7 @@ fn strided_index(sizes: &[usize], strides: &[usize], split: usize) -> Index {
             terms.push(t);
         }
     }
-    Index { terms }
+    Index { base: 0, terms }
 }
 
 /// The expressions of one stage, with each value emitted once.
@@ -613,6 +615,27 @@ impl Builder<'_> {
                 let buffer = self.buffer(x);
                 stage.push(Expr::Load { buffer, index })
             }
+            // A slice reads its input (from memory) from its start with its steps.
+            Op::Slice { starts, steps, .. } if !self.producer.contains_key(&input(0)) => {
+                let x = input(0);
+                let ty = (self.ty)(x);
+                kir::scalar_type(ty.dtype)?;
+                if (self.ty)(v).shape != self.space.shape {
+                    return None;
+                }
+                let own = autotp_kernels::shape::strides(&ty.shape);
+                let strides: Vec<usize> = own.iter().zip(steps).map(|(&s, &step)| s * step as usize).collect();
+                let mut index = self.space.index_with_strides(&strides);
+                index.base = starts.iter().zip(&own).map(|(&start, &s)| start * s).sum();
+                if stage.row && index.uses(Var::Inner) {
+                    return None;
+                }
+                let buffer = self.buffer(x);
+                stage.push(Expr::Load { buffer, index })
+            }
+            Op::Pad { begin, value, .. } if !self.producer.contains_key(&input(0)) => {
+                self.pad(stage, input(0), v, begin, *value)?
+            }
             Op::Gelu { approx } if float(v) => {
                 let x = self.value(stage, input(0))?;
                 let half = stage.f32(0.5);
@@ -718,6 +741,72 @@ impl Builder<'_> {
         };
         stage.memo.insert(v, e);
         Some(e)
+    }
+
+    /// `x` padded to `v`'s shape, `begin` elements before each dim: the input read at its
+    /// coordinates wrapped into range (so every read is in bounds), selected where the output
+    /// coordinate lies inside the input, `value` elsewhere.
+    fn pad(
+        &mut self,
+        stage: &mut StageBuilder,
+        x: ValueId,
+        v: ValueId,
+        begin: &[usize],
+        value: f64,
+    ) -> Option<ExprRef> {
+        let (input, out) = ((self.ty)(x), (self.ty)(v));
+        kir::scalar_type(input.dtype)?;
+        let identity = self.space.perm.iter().enumerate().all(|(i, &p)| i == p);
+        if out.shape != self.space.shape || !identity || input.numel() == 0 {
+            return None;
+        }
+        let rank = out.shape.len();
+        let own = autotp_kernels::shape::strides(&input.shape);
+        let split = self.space.split;
+        let mut terms = Vec::new();
+        let mut inside: Option<ExprRef> = None;
+        for d in 0..rank {
+            let (var, dims) = if d < split { (Var::Outer, d + 1..split) } else { (Var::Inner, d + 1..rank) };
+            let div: usize = out.shape[dims].iter().product();
+            let first = d == 0 || d == split;
+            let modulo = (!first).then_some(out.shape[d]);
+            let (size, start) = (input.shape[d], begin[d]);
+            let mut term = Term::new(var, div, modulo, own[d]);
+            if size != out.shape[d] {
+                term.offset = (size - start % size) % size;
+                term.wrap = Some(size);
+                let coordinate =
+                    stage.push(Expr::Coord(Index { base: 0, terms: vec![Term::new(var, div, modulo, 1)] }));
+                if stage.row && var == Var::Inner {
+                    return None;
+                }
+                let low = stage.push(Expr::I64(start as i64));
+                let high = stage.push(Expr::I64((start + size) as i64));
+                let above = stage.binary(BinaryOp::GreaterEqual, coordinate, low);
+                let below = stage.binary(BinaryOp::Less, coordinate, high);
+                let here = stage.binary(BinaryOp::And, above, below);
+                inside = Some(match inside {
+                    Some(before) => stage.binary(BinaryOp::And, before, here),
+                    None => here,
+                });
+            }
+            if out.shape[d] > 1 {
+                terms.push(term);
+            }
+        }
+        let index = Index { base: 0, terms };
+        if stage.row && index.uses(Var::Inner) {
+            return None;
+        }
+        let buffer = self.buffer(x);
+        let loaded = stage.push(Expr::Load { buffer, index });
+        let Some(inside) = inside else { return Some(loaded) };
+        let fill = match kir::scalar_type(input.dtype)? {
+            kir::ScalarType::F32 => stage.f32(value as f32),
+            kir::ScalarType::I64 => stage.push(Expr::I64(value as i64)),
+            kir::ScalarType::Bool => return None,
+        };
+        Some(stage.push(Expr::Select(inside, loaded, fill)))
     }
 
     /// `1 / sqrt(acc / cols + eps)`: a norm's inverse root mean square.

@@ -19,9 +19,10 @@
 //! Values are scalars of three types ([`ScalarType`]): `f32` (every float buffer is computed in
 //! f32), `i64` (indices, labels) and `bool`. A stage's expressions form a list in which each
 //! refers to earlier ones by position ([`ExprRef`]), so a shared subexpression is computed once.
-//! Memory is addressed by [`Index`]: a sum of terms `((var / div) % modulo) * stride` over the
-//! two loop variables, which expresses contiguous rows, broadcasting and transposed reads
-//! without any data-dependent address, so [`Kernel::check`] proves every access in bounds
+//! Memory is addressed by [`Index`]: a base plus terms `((((var / div) % modulo) + offset) %
+//! wrap) * stride` over the two loop variables, which express contiguous rows, broadcasting,
+//! transposed and sliced reads and padding (a wrapped coordinate, read only where a
+//! [`Expr::Coord`] comparison says it is inside) without any data-dependent address, so [`Kernel::check`] proves every access in bounds
 //! before a kernel runs.
 //!
 //! The targets (x86 through the LLVM JIT, NVPTX for CUDA) live in the `autotp-llvm` crate; both
@@ -92,6 +93,8 @@ pub enum Expr {
     Acc(usize),
     /// A loop variable, as i64.
     Var(Var),
+    /// The value of an index expression of the loop variables, as i64 (a coordinate).
+    Coord(Index),
     Unary(UnaryOp, ExprRef),
     /// Arithmetic (`add`...`min`) on two values of one type, comparisons to bool, and
     /// `and`/`or`/`xor` on bools.
@@ -129,19 +132,46 @@ pub enum Var {
     Inner,
 }
 
-/// An element offset: the sum of the terms.
+/// An element offset: `base` plus the sum of the terms.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Index {
+    #[serde(default)]
+    pub base: usize,
     pub terms: Vec<Term>,
 }
 
-/// `((var / div) % modulo) * stride`; no modulo when `modulo` is `None`.
+/// `((((var / div) % modulo) + offset) % wrap) * stride`; a `None` modulo or wrap is skipped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Term {
     pub var: Var,
     pub div: usize,
     pub modulo: Option<usize>,
     pub stride: usize,
+    #[serde(default)]
+    pub offset: usize,
+    #[serde(default)]
+    pub wrap: Option<usize>,
+}
+
+impl Term {
+    /// `((var / div) % modulo) * stride`.
+    pub fn new(var: Var, div: usize, modulo: Option<usize>, stride: usize) -> Term {
+        Term { var, div, modulo, stride, offset: 0, wrap: None }
+    }
+
+    /// The term's value before the stride, for a variable value `at`.
+    pub fn coordinate(&self, at: usize) -> usize {
+        let v = at / self.div.max(1);
+        let v = self.modulo.map_or(v, |m| v % m) + self.offset;
+        self.wrap.map_or(v, |w| v % w)
+    }
+
+    /// The largest [`Term::coordinate`] for variable values below `extent` (at least 1).
+    fn max_coordinate(&self, extent: usize) -> usize {
+        let top = (extent - 1) / self.div.max(1);
+        let top = self.modulo.map_or(top, |m| top.min(m.saturating_sub(1))) + self.offset;
+        self.wrap.map_or(top, |w| top.min(w.saturating_sub(1)))
+    }
 }
 
 /// The type of a kernel value.
@@ -163,7 +193,7 @@ pub struct KirError {
 impl Index {
     /// `var * stride`: a contiguous walk for stride 1.
     pub fn linear(var: Var, stride: usize) -> Index {
-        Index { terms: vec![Term { var, div: 1, modulo: None, stride }] }
+        Index { base: 0, terms: vec![Term::new(var, 1, None, stride)] }
     }
 
     /// `outer * row + inner`: row `o` of a `[outer, row]` buffer.
@@ -185,26 +215,22 @@ impl Index {
     /// The largest offset the index reaches for variables below these extents (`outer`, `inner`
     /// both at least 1).
     pub fn max_offset(&self, outer: usize, inner: usize) -> usize {
-        self.terms
-            .iter()
-            .map(|t| {
-                let extent = if t.var == Var::Outer { outer } else { inner };
-                let top = (extent - 1) / t.div.max(1);
-                let top = t.modulo.map_or(top, |m| top.min(m.saturating_sub(1)));
-                top * t.stride
-            })
-            .sum()
+        self.base
+            + self
+                .terms
+                .iter()
+                .map(|t| t.max_coordinate(if t.var == Var::Outer { outer } else { inner }) * t.stride)
+                .sum::<usize>()
     }
 
     /// The offset at these loop positions.
     pub fn offset(&self, outer: usize, inner: usize) -> usize {
-        self.terms
-            .iter()
-            .map(|t| {
-                let v = if t.var == Var::Outer { outer } else { inner } / t.div.max(1);
-                t.modulo.map_or(v, |m| v % m) * t.stride
-            })
-            .sum()
+        self.base
+            + self
+                .terms
+                .iter()
+                .map(|t| t.coordinate(if t.var == Var::Outer { outer } else { inner }) * t.stride)
+                .sum::<usize>()
     }
 }
 
@@ -284,6 +310,7 @@ impl Kernel {
                     }
                     Expr::Acc(k) => (k < accumulators).then_some(ScalarType::F32),
                     Expr::Var(v) => (!(row && v == Var::Inner)).then_some(ScalarType::I64),
+                    Expr::Coord(ref index) => (!(row && index.uses(Var::Inner))).then_some(ScalarType::I64),
                     Expr::Unary(op, a) => match (op, at(a)) {
                         (UnaryOp::Not, Some(ScalarType::Bool)) => Some(ScalarType::Bool),
                         (UnaryOp::Neg | UnaryOp::Abs, Some(ScalarType::I64)) => Some(ScalarType::I64),
@@ -364,10 +391,7 @@ impl Kernel {
 
 impl std::fmt::Display for Index {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.terms.is_empty() {
-            return write!(f, "0");
-        }
-        let terms: Vec<String> = self
+        let mut terms: Vec<String> = self
             .terms
             .iter()
             .map(|t| {
@@ -378,12 +402,21 @@ impl std::fmt::Display for Index {
                 if let Some(m) = t.modulo {
                     s = format!("({s})%{m}");
                 }
+                if t.offset > 0 {
+                    s = format!("{s}+{}", t.offset);
+                }
+                if let Some(w) = t.wrap {
+                    s = format!("({s})%{w}");
+                }
                 if t.stride != 1 {
                     s = format!("{s}*{}", t.stride);
                 }
                 s
             })
             .collect();
+        if self.base > 0 || terms.is_empty() {
+            terms.insert(0, self.base.to_string());
+        }
         write!(f, "{}", terms.join(" + "))
     }
 }
@@ -397,6 +430,7 @@ impl std::fmt::Display for Expr {
             Expr::Acc(k) => write!(f, "acc{k}"),
             Expr::Var(Var::Outer) => write!(f, "o"),
             Expr::Var(Var::Inner) => write!(f, "i"),
+            Expr::Coord(index) => write!(f, "coord {index}"),
             Expr::Unary(op, a) => write!(f, "{} %{a}", op.name()),
             Expr::Binary(op, a, b) => write!(f, "{} %{a}, %{b}", op.name()),
             Expr::Select(c, a, b) => write!(f, "select %{c}, %{a}, %{b}"),
@@ -438,5 +472,29 @@ impl std::fmt::Display for Kernel {
             writeln!(f, "  }}")?;
         }
         writeln!(f, "}}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `max_offset`, which `check` relies on for memory safety, is never below an offset some
+    /// loop position reaches (and, for these indices, exactly the largest).
+    #[test]
+    fn max_offset_bounds_every_reachable_offset() {
+        let mut wrapped = Term::new(Var::Inner, 2, Some(5), 3);
+        wrapped.offset = 4;
+        wrapped.wrap = Some(6);
+        let indices = [
+            Index::row_major(7),
+            Index { base: 11, terms: vec![Term::new(Var::Outer, 3, Some(4), 10), Term::new(Var::Inner, 1, None, 1)] },
+            Index { base: 0, terms: vec![wrapped, Term::new(Var::Outer, 1, None, 100)] },
+        ];
+        for index in &indices {
+            let (outer, inner) = (9, 7);
+            let reached = (0..outer).flat_map(|o| (0..inner).map(move |i| index.offset(o, i))).max().unwrap();
+            assert_eq!(index.max_offset(outer, inner), reached, "{index}");
+        }
     }
 }

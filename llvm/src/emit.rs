@@ -190,6 +190,12 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
             if let Some(m) = t.modulo {
                 v = self.b.build_int_unsigned_rem(v, i64t.const_int(m as u64, false), "")?;
             }
+            if t.offset > 0 {
+                v = self.b.build_int_add(v, i64t.const_int(t.offset as u64, false), "")?;
+            }
+            if let Some(w) = t.wrap {
+                v = self.b.build_int_unsigned_rem(v, i64t.const_int(w as u64, false), "")?;
+            }
             v = self.b.build_int_mul(v, i64t.const_int(t.stride as u64, false), "")?;
             sum = self.b.build_int_add(sum, v, "")?;
         }
@@ -201,11 +207,12 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
         let outer_terms: Vec<&Term> = index.terms.iter().filter(|t| t.var == Var::Outer).collect();
         let inner_terms: Vec<&Term> = index.terms.iter().filter(|t| t.var == Var::Inner).collect();
         let base = self.term_offset(&outer_terms, at.outer)?;
+        let base = self.b.build_int_add(base, self.ctx.i64_type().const_int(index.base as u64, false), "")?;
         let Some(inner) = at.inner.filter(|_| !inner_terms.is_empty()) else {
             return Ok(Address::Splat(base));
         };
         let i64t = self.ctx.i64_type();
-        if inner_terms.iter().all(|t| t.div <= 1 && t.modulo.is_none()) {
+        if inner_terms.iter().all(|t| t.div <= 1 && t.modulo.is_none() && t.offset == 0 && t.wrap.is_none()) {
             let stride: usize = inner_terms.iter().map(|t| t.stride).sum();
             let start = self.b.build_int_add(
                 base,
@@ -338,6 +345,22 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
                         (0..width).map(|l| self.ctx.i64_type().const_int(l as u64, false)).collect();
                     self.b.build_int_add(self.splat(inner.into(), width)?, VectorType::const_vector(&lanes), "")?
                 }
+                Expr::Coord(ref index) => match self.address(index, at)? {
+                    Address::Splat(offset) => self.splat(offset.into(), width)?,
+                    Address::Contiguous(start) => {
+                        let lanes: Vec<IntValue> =
+                            (0..width).map(|l| self.ctx.i64_type().const_int(l as u64, false)).collect();
+                        self.b.build_int_add(self.splat(start.into(), width)?, VectorType::const_vector(&lanes), "")?
+                    }
+                    Address::Lanes(offsets) => {
+                        let mut lanes = self.ctx.i64_type().vec_type(width).get_undef();
+                        for (lane, offset) in offsets.into_iter().enumerate() {
+                            let at = self.ctx.i32_type().const_int(lane as u64, false);
+                            lanes = self.b.build_insert_element(lanes, offset, at, "")?;
+                        }
+                        lanes
+                    }
+                },
                 Expr::Unary(op, a) => self.unary(op, v(a))?,
                 Expr::Binary(op, a, b) => self.binary(op, v(a), v(b))?,
                 Expr::Select(c, a, b) => self.select(v(c), v(a), v(b))?,
