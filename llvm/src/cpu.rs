@@ -9,7 +9,6 @@
 use autotp_kernels::kir::{self, Stage};
 use inkwell::context::Context;
 use inkwell::module::Module;
-use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine};
 use inkwell::values::FunctionValue;
 use inkwell::{AddressSpace, OptimizationLevel};
@@ -103,7 +102,7 @@ fn build_module<'ctx>(
     }
     module.verify().map_err(|m| LlvmError::llvm("verification", m))?;
     module
-        .run_passes("default<O3>", &target.machine, PassBuilderOptions::create())
+        .run_passes("default<O3>", &target.machine, crate::pass_options())
         .map_err(|m| LlvmError::llvm("optimisation", m))?;
     Ok(module)
 }

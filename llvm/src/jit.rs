@@ -164,7 +164,14 @@ pub(crate) fn compile(kernels: &[kir::Kernel]) -> Result<Vec<CpuKernel>, LlvmErr
         let object = match cached {
             Some(object) => object,
             None => {
+                let started = std::time::Instant::now();
                 let object = object_code(&symbols, &jit.target)?;
+                tracing::debug!(
+                    kernels = symbols.len(),
+                    bytes = object.len(),
+                    seconds = started.elapsed().as_secs_f64(),
+                    "compiled kernels for this CPU"
+                );
                 if let Some(path) = &path {
                     store(path, &object);
                 }

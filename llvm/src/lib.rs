@@ -24,6 +24,15 @@ pub mod nvptx;
 
 pub use cpu::{compile_cpu, CpuKernel};
 
+/// O3 without loop unrolling: the emitters already write vector loops, and unrolling their
+/// constant trip counts (a row of 128 is 8 vector steps) multiplied code size and compile time
+/// (a GPT-2 124M plan's softmax alone was 160 KB of IR) for no measured gain.
+pub(crate) fn pass_options() -> inkwell::passes::PassBuilderOptions {
+    let options = inkwell::passes::PassBuilderOptions::create();
+    options.set_loop_unrolling(false);
+    options
+}
+
 /// Why a kernel could not be generated or loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LlvmError {

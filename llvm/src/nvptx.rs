@@ -14,7 +14,6 @@
 use autotp_kernels::kir::{self, Stage};
 use inkwell::context::Context;
 use inkwell::module::{Linkage, Module};
-use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetTriple};
 use inkwell::values::{BasicMetadataValueEnum, FunctionValue, IntValue};
 use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
@@ -81,7 +80,7 @@ pub fn ptx(kernels: &[kir::Kernel], arch: Arch) -> Result<String, LlvmError> {
     }
     module.verify().map_err(|m| LlvmError::llvm("NVPTX verification", m))?;
     module
-        .run_passes("default<O3>", &machine, PassBuilderOptions::create())
+        .run_passes("default<O3>", &machine, crate::pass_options())
         .map_err(|m| LlvmError::llvm("NVPTX optimisation", m))?;
     let buffer =
         machine.write_to_memory_buffer(&module, FileType::Assembly).map_err(|m| LlvmError::llvm("PTX emission", m))?;
