@@ -2,7 +2,10 @@
 //! `void kernel(u8** buffers, i64 begin, i64 end)`, which runs rows `begin..end` of the loop
 //! nest. Every `Reduce` and `Map` stage is a loop over the inner dimension in steps of the host's
 //! vector width (16 f32 lanes with AVX-512, 8 with AVX2, else 4) and a scalar loop over the
-//! remaining tail; a row stage runs once. The rows of one call run in order and each row's
+//! remaining tail; a row stage runs once. A kernel whose rows are contiguous and whose inner
+//! walk is strided (a reduction over leading dims, `x[i, o]`) runs lanes along rows instead:
+//! a block of rows per vector, the inner dimension one position at a time, so its loads are
+//! vectors, not gathers. The rows of one call run in order and each row's
 //! result depends only on its own elements, so how the runtime splits rows among threads never
 //! changes a result.
 
@@ -10,7 +13,7 @@ use autotp_kernels::kir::{self, Stage};
 use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine};
-use inkwell::values::FunctionValue;
+use inkwell::values::{FunctionValue, IntValue};
 use inkwell::{AddressSpace, OptimizationLevel};
 
 use crate::emit::{counted_loop, Buffer, Buffers, Emitter, Position, V};
@@ -151,56 +154,162 @@ fn define<'ctx>(
         buffers.push(Buffer { pointer, dtype: buffer.dtype });
     }
     let buffers = Buffers(buffers);
-    let inner = kernel.inner as u64;
-    let vector_end = inner - inner % width as u64;
-    counted_loop(e, function, begin, end, i64t.const_int(1, false), &[], |outer, _| {
-        let mut accs: Vec<V<'ctx>> = Vec::new();
-        for stage in &kernel.stages {
-            // The vector loop over [0, vector_end), then the scalar tail.
-            let parts = [(0, vector_end, width), (vector_end, inner, 1)];
-            match stage {
-                Stage::Reduce { fold, exprs, value } => {
-                    let mut acc = e.fold_start(*fold, 1);
-                    for (from, to, w) in parts {
-                        if from == to {
-                            continue;
-                        }
-                        let start = if w == 1 { acc } else { e.fold_start(*fold, w) };
-                        let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
-                        let step = i64t.const_int(w as u64, false);
-                        let folded = counted_loop(e, function, from, to, step, &[start], |i, carried| {
-                            let at = Position { width: w, outer, inner: Some(i), accs: accs.clone() };
-                            let values = e.exprs(&buffers, exprs, &at)?;
-                            Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
-                        })?;
-                        acc = if w == 1 { folded[0] } else { e.fold_lanes(*fold, folded[0], acc)? };
-                    }
-                    accs.push(acc);
-                }
-                Stage::Map { exprs, stores } => {
-                    for (from, to, w) in parts {
-                        if from == to {
-                            continue;
-                        }
-                        let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
-                        let step = i64t.const_int(w as u64, false);
-                        counted_loop(e, function, from, to, step, &[], |i, _| {
-                            let at = Position { width: w, outer, inner: Some(i), accs: accs.clone() };
-                            let values = e.exprs(&buffers, exprs, &at)?;
-                            e.stores(&buffers, stores, &values, &at)?;
-                            Ok(vec![])
-                        })?;
-                    }
-                }
-                Stage::Row { exprs, stores } => {
-                    let at = Position { width: 1, outer, inner: None, accs: accs.clone() };
-                    let values = e.exprs(&buffers, exprs, &at)?;
-                    e.stores(&buffers, stores, &values, &at)?;
-                }
-            }
-        }
-        Ok(vec![])
-    })?;
+    let one = i64t.const_int(1, false);
+    if width > 1 && lanes_on_outer_pay(kernel) {
+        // Whole blocks of `width` rows with a lane per row, then the remaining rows alone.
+        let rows = e.b.build_int_sub(end, begin, "")?;
+        let rest = e.b.build_int_unsigned_rem(rows, i64t.const_int(width as u64, false), "")?;
+        let blocks_end = e.b.build_int_sub(end, rest, "")?;
+        let step = i64t.const_int(width as u64, false);
+        counted_loop(e, function, begin, blocks_end, step, &[], |outer, _| {
+            rows_as_lanes(e, function, kernel, &buffers, outer, width)?;
+            Ok(vec![])
+        })?;
+        // One lane for the remaining rows: each row folds its elements in the same order
+        // whether it falls in a block or not, so a result never depends on the row split.
+        counted_loop(e, function, blocks_end, end, one, &[], |outer, _| {
+            rows_as_lanes(e, function, kernel, &buffers, outer, 1)?;
+            Ok(vec![])
+        })?;
+    } else {
+        counted_loop(e, function, begin, end, one, &[], |outer, _| {
+            row_with_lanes_inside(e, function, kernel, &buffers, outer, width)?;
+            Ok(vec![])
+        })?;
+    }
     e.b.build_return(None)?;
     Ok(function)
+}
+
+/// Whether lanes should run along rows: every access is contiguous or constant along the outer
+/// variable, and some load walks the inner one with a stride (a reduction over leading dims,
+/// `x[i, o]`), which lanes along the inner dimension would have to gather element by element.
+fn lanes_on_outer_pay(kernel: &kir::Kernel) -> bool {
+    let indices = || {
+        kernel.stages.iter().flat_map(|stage| {
+            let (exprs, stores): (&[kir::Expr], &[kir::Store]) = match stage {
+                Stage::Reduce { exprs, .. } => (exprs, &[]),
+                Stage::Map { exprs, stores } | Stage::Row { exprs, stores } => (exprs, stores),
+            };
+            let loads = exprs.iter().filter_map(|e| match e {
+                kir::Expr::Load { index, .. } | kir::Expr::Coord(index) => Some(index),
+                _ => None,
+            });
+            loads.chain(stores.iter().map(|s| &s.index))
+        })
+    };
+    let linear = |index: &kir::Index, var: kir::Var| {
+        let terms: Vec<_> = index.terms.iter().filter(|t| t.var == var).collect();
+        let plain = terms.iter().all(|t| t.div <= 1 && t.modulo.is_none() && t.offset == 0 && t.wrap.is_none());
+        plain.then(|| terms.iter().map(|t| t.stride).sum::<usize>())
+    };
+    indices().all(|index| matches!(linear(index, kir::Var::Outer), Some(0 | 1)))
+        && indices().any(|index| !matches!(linear(index, kir::Var::Inner), Some(0 | 1)))
+}
+
+/// Rows `outer..outer + width`, one per lane: every stage loops over the inner dimension one
+/// position at a time, each accumulator a vector of the rows' accumulators.
+fn rows_as_lanes<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    kernel: &kir::Kernel,
+    buffers: &Buffers<'ctx>,
+    outer: IntValue<'ctx>,
+    width: u32,
+) -> Result<(), LlvmError> {
+    let i64t = e.ctx.i64_type();
+    let (zero, inner, one) = (i64t.const_zero(), i64t.const_int(kernel.inner as u64, false), i64t.const_int(1, false));
+    let mut accs: Vec<V<'ctx>> = Vec::new();
+    let at = |i: Option<IntValue<'ctx>>, accs: &[V<'ctx>]| Position {
+        width,
+        outer,
+        inner: i,
+        accs: accs.to_vec(),
+        lanes_on_outer: true,
+    };
+    for stage in &kernel.stages {
+        match stage {
+            Stage::Reduce { fold, exprs, value } => {
+                let start = e.fold_start(*fold, width);
+                let folded = counted_loop(e, function, zero, inner, one, &[start], |i, carried| {
+                    let values = e.exprs(buffers, exprs, &at(Some(i), &accs))?;
+                    Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
+                })?;
+                accs.push(folded[0]);
+            }
+            Stage::Map { exprs, stores } => {
+                counted_loop(e, function, zero, inner, one, &[], |i, _| {
+                    let position = at(Some(i), &accs);
+                    let values = e.exprs(buffers, exprs, &position)?;
+                    e.stores(buffers, stores, &values, &position)?;
+                    Ok(vec![])
+                })?;
+            }
+            Stage::Row { exprs, stores } => {
+                let position = at(None, &accs);
+                let values = e.exprs(buffers, exprs, &position)?;
+                e.stores(buffers, stores, &values, &position)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Row `outer`, its inner dimension in vectors of `width` lanes and a scalar tail.
+fn row_with_lanes_inside<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    kernel: &kir::Kernel,
+    buffers: &Buffers<'ctx>,
+    outer: IntValue<'ctx>,
+    width: u32,
+) -> Result<(), LlvmError> {
+    let i64t = e.ctx.i64_type();
+    let inner = kernel.inner as u64;
+    let vector_end = inner - inner % width as u64;
+    let mut accs: Vec<V<'ctx>> = Vec::new();
+    for stage in &kernel.stages {
+        // The vector loop over [0, vector_end), then the scalar tail.
+        let parts = [(0, vector_end, width), (vector_end, inner, 1)];
+        match stage {
+            Stage::Reduce { fold, exprs, value } => {
+                let mut acc = e.fold_start(*fold, 1);
+                for (from, to, w) in parts {
+                    if from == to {
+                        continue;
+                    }
+                    let start = if w == 1 { acc } else { e.fold_start(*fold, w) };
+                    let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
+                    let step = i64t.const_int(w as u64, false);
+                    let folded = counted_loop(e, function, from, to, step, &[start], |i, carried| {
+                        let values = e.exprs(buffers, exprs, &Position::row(w, outer, Some(i), &accs))?;
+                        Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
+                    })?;
+                    acc = if w == 1 { folded[0] } else { e.fold_lanes(*fold, folded[0], acc)? };
+                }
+                accs.push(acc);
+            }
+            Stage::Map { exprs, stores } => {
+                for (from, to, w) in parts {
+                    if from == to {
+                        continue;
+                    }
+                    let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
+                    let step = i64t.const_int(w as u64, false);
+                    counted_loop(e, function, from, to, step, &[], |i, _| {
+                        let position = Position::row(w, outer, Some(i), &accs);
+                        let values = e.exprs(buffers, exprs, &position)?;
+                        e.stores(buffers, stores, &values, &position)?;
+                        Ok(vec![])
+                    })?;
+                }
+            }
+            Stage::Row { exprs, stores } => {
+                let position = Position::row(1, outer, None, &accs);
+                let values = e.exprs(buffers, exprs, &position)?;
+                e.stores(buffers, stores, &values, &position)?;
+            }
+        }
+    }
+    Ok(())
 }

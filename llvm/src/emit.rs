@@ -29,13 +29,31 @@ pub struct Emitter<'a, 'ctx> {
 }
 
 /// Where a stage is being evaluated: `width` lanes at inner positions `inner..inner + width`
-/// (`inner` is `None` in a row stage) of row `outer`.
+/// (`inner` is `None` in a row stage) of row `outer`; or, with `lanes_on_outer`, at rows
+/// `outer..outer + width` and inner position `inner`.
 pub struct Position<'ctx> {
     pub width: u32,
     pub outer: IntValue<'ctx>,
     pub inner: Option<IntValue<'ctx>>,
-    /// The row's accumulators so far, as `<1 x float>`.
+    /// The row's accumulators so far: `<1 x float>`, or one lane per row with `lanes_on_outer`.
     pub accs: Vec<V<'ctx>>,
+    pub lanes_on_outer: bool,
+}
+
+impl<'ctx> Position<'ctx> {
+    /// Lanes along the inner dimension of one row.
+    pub fn row(width: u32, outer: IntValue<'ctx>, inner: Option<IntValue<'ctx>>, accs: &[V<'ctx>]) -> Position<'ctx> {
+        Position { width, outer, inner, accs: accs.to_vec(), lanes_on_outer: false }
+    }
+
+    /// The variable the lanes run along, its value at lane 0, and the other variable's value.
+    fn lanes(&self) -> (Var, Option<IntValue<'ctx>>, Option<IntValue<'ctx>>) {
+        if self.lanes_on_outer {
+            (Var::Outer, Some(self.outer), self.inner)
+        } else {
+            (Var::Inner, self.inner, Some(self.outer))
+        }
+    }
 }
 
 impl<'a, 'ctx> Emitter<'a, 'ctx> {
@@ -204,29 +222,26 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
 
     /// The element offsets of `index` at `at`, as an outer scalar plus an inner access pattern.
     fn address(&self, index: &Index, at: &Position<'ctx>) -> Result<Address<'ctx>, LlvmError> {
-        let outer_terms: Vec<&Term> = index.terms.iter().filter(|t| t.var == Var::Outer).collect();
-        let inner_terms: Vec<&Term> = index.terms.iter().filter(|t| t.var == Var::Inner).collect();
-        let base = self.term_offset(&outer_terms, at.outer)?;
-        let base = self.b.build_int_add(base, self.ctx.i64_type().const_int(index.base as u64, false), "")?;
-        let Some(inner) = at.inner.filter(|_| !inner_terms.is_empty()) else {
+        let (lane_var, lane_start, fixed) = at.lanes();
+        let fixed_terms: Vec<&Term> = index.terms.iter().filter(|t| t.var != lane_var).collect();
+        let lane_terms: Vec<&Term> = index.terms.iter().filter(|t| t.var == lane_var).collect();
+        let i64t = self.ctx.i64_type();
+        // A row stage has no inner terms (checked), so a missing inner value is never read.
+        let base = self.term_offset(&fixed_terms, fixed.unwrap_or(at.outer))?;
+        let base = self.b.build_int_add(base, i64t.const_int(index.base as u64, false), "")?;
+        let Some(start) = lane_start.filter(|_| !lane_terms.is_empty()) else {
             return Ok(Address::Splat(base));
         };
-        let i64t = self.ctx.i64_type();
-        if inner_terms.iter().all(|t| t.div <= 1 && t.modulo.is_none() && t.offset == 0 && t.wrap.is_none()) {
-            let stride: usize = inner_terms.iter().map(|t| t.stride).sum();
-            let start = self.b.build_int_add(
-                base,
-                self.b.build_int_mul(inner, i64t.const_int(stride as u64, false), "")?,
-                "",
-            )?;
+        if lane_terms.iter().all(|t| t.div <= 1 && t.modulo.is_none() && t.offset == 0 && t.wrap.is_none()) {
+            let stride: usize = lane_terms.iter().map(|t| t.stride).sum();
             if stride == 1 {
-                return Ok(Address::Contiguous(start));
+                return Ok(Address::Contiguous(self.b.build_int_add(base, start, "")?));
             }
         }
         let lanes = (0..at.width)
             .map(|lane| {
-                let position = self.b.build_int_add(inner, i64t.const_int(lane as u64, false), "")?;
-                Ok(self.b.build_int_add(base, self.term_offset(&inner_terms, position)?, "")?)
+                let position = self.b.build_int_add(start, i64t.const_int(lane as u64, false), "")?;
+                Ok(self.b.build_int_add(base, self.term_offset(&lane_terms, position)?, "")?)
             })
             .collect::<Result<Vec<_>, LlvmError>>()?;
         Ok(Address::Lanes(lanes))
@@ -337,13 +352,20 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
                 Expr::F32(x) => self.f32(width, x),
                 Expr::I64(x) => self.i64(width, x),
                 Expr::Load { buffer, ref index } => self.load(&kernel.0[buffer], index, at)?,
+                Expr::Acc(k) if at.lanes_on_outer => at.accs[k],
                 Expr::Acc(k) => self.broadcast(at.accs[k], width)?,
-                Expr::Var(Var::Outer) => self.splat(at.outer.into(), width)?,
-                Expr::Var(Var::Inner) => {
-                    let inner = at.inner.expect("checked: row stages do not use the inner variable");
-                    let lanes: Vec<IntValue> =
-                        (0..width).map(|l| self.ctx.i64_type().const_int(l as u64, false)).collect();
-                    self.b.build_int_add(self.splat(inner.into(), width)?, VectorType::const_vector(&lanes), "")?
+                Expr::Var(var) => {
+                    let (lane_var, lane_start, fixed) = at.lanes();
+                    let value = if var == lane_var { lane_start } else { fixed };
+                    let value = value.expect("checked: row stages do not use the inner variable");
+                    let splat = self.splat(value.into(), width)?;
+                    if var == lane_var {
+                        let lanes: Vec<IntValue> =
+                            (0..width).map(|l| self.ctx.i64_type().const_int(l as u64, false)).collect();
+                        self.b.build_int_add(splat, VectorType::const_vector(&lanes), "")?
+                    } else {
+                        splat
+                    }
                 }
                 Expr::Coord(ref index) => match self.address(index, at)? {
                     Address::Splat(offset) => self.splat(offset.into(), width)?,

@@ -144,7 +144,7 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
                 Stage::Reduce { fold, exprs, value } => {
                     let start = e.fold_start(*fold, 1);
                     let partial = counted_loop(e, function, thread, inner, stride, &[start], |i, carried| {
-                        let at = Position { width: 1, outer, inner: Some(i), accs: accs.clone() };
+                        let at = Position::row(1, outer, Some(i), &accs);
                         let values = e.exprs(&buffers, exprs, &at)?;
                         Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
                     })?;
@@ -152,14 +152,14 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
                 }
                 Stage::Map { exprs, stores } => {
                     counted_loop(e, function, thread, inner, stride, &[], |i, _| {
-                        let at = Position { width: 1, outer, inner: Some(i), accs: accs.clone() };
+                        let at = Position::row(1, outer, Some(i), &accs);
                         let values = e.exprs(&buffers, exprs, &at)?;
                         e.stores(&buffers, stores, &values, &at)?;
                         Ok(vec![])
                     })?;
                 }
                 Stage::Row { exprs, stores } => {
-                    let at = Position { width: 1, outer, inner: None, accs: accs.clone() };
+                    let at = Position::row(1, outer, None, &accs);
                     let values = e.exprs(&buffers, exprs, &at)?;
                     let first = e.b.build_int_compare(IntPredicate::EQ, thread, i64t.const_zero(), "")?;
                     if_then(e, function, first, || e.stores(&buffers, stores, &values, &at))?;
