@@ -23,8 +23,8 @@ cargo build --release -q
 RAYON_NUM_THREADS=$THREADS target/release/autotp train tests/fixtures/gpt2/model.onnx \
   --seq-len "$SEQ_LEN" --micro-batch "$MICRO_BATCH" --lr 2e-3 --betas 0.9,0.95 --eps 1e-8 --weight-decay 0.01 \
   --data "$TOKENS" --steps "$STEPS" --log-every "$STEPS" --metrics-out "$WORK/autotp.jsonl" > /dev/null 2>&1
-OMP_NUM_THREADS=$THREADS "$PY" benches/train_gpt2_pytorch.py "$TOKENS" "$STEPS" "$MICRO_BATCH" "$SEQ_LEN" \
-  "$THREADS" "$WORK/pytorch.jsonl" 2> /dev/null
+OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 "$PY" benches/train_models.py pytorch gpt2-tiny "$TOKENS" "$STEPS" \
+  "$MICRO_BATCH" "$SEQ_LEN" "$THREADS" "$WORK/pytorch.jsonl" 2> /dev/null
 
 "$PY" - "$WORK/autotp.jsonl" "$WORK/pytorch.jsonl" "$WARMUP" "$MICRO_BATCH" "$SEQ_LEN" "$THREADS" <<'PY'
 import json, statistics, sys
