@@ -1,8 +1,10 @@
 //! autotp-codegen: lowers a verified IR graph to a runtime [`Program`].
 //!
-//! Each node becomes one instruction (but reshapes and waits, whose results share their input's
-//! region): a builtin kernel (chosen by
-//! [`autotp_ir::lower::node_kernel`], the same one the reference evaluator runs) or, for a
+//! Each fusion group becomes one generated kernel ([`autotp_ir::kernelgen`]; its internal
+//! values get no region), and each other node one instruction (but reshapes and waits, whose
+//! results share their input's region): a generated kernel where the kernel builder makes one
+//! (with [`KernelChoice::Generated`], the default), else the builtin kernel (chosen by
+//! [`autotp_ir::lower::node_kernel`], the same one the reference evaluator runs), or, for a
 //! collective or a pipeline send/recv, a communication step. A pipeline stage's graph lowers to
 //! that stage's program. A graph on a mesh lowers to one SPMD program that every
 //! rank runs: all shapes are local (`autotp_ir::sharding::local_type`), and slots record their
