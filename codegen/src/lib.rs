@@ -221,10 +221,10 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         let fused = fusion_at[id.index()].and_then(|f| {
             let nodes: Vec<_> = f.node_ids().collect();
             let outputs = fusion_outputs(graph, f, &last_use);
-            autotp_ir::kernelgen::try_build(graph, &nodes, &outputs).map(|built| (f, built))
+            autotp_ir::kernelgen::try_build(graph, &nodes, &outputs).map(|built| (f, built, outputs))
         });
-        if let Some((fusion, built)) = fused {
-            for o in &built.outputs {
+        if let Some((fusion, built, fused_outputs)) = fused {
+            for o in &fused_outputs {
                 let len = local(graph, *o).size_bytes();
                 regions[o.index()] = Some(Region { offset: allocator.alloc(len), len });
                 live_bytes += len;
@@ -233,7 +233,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
             let region = |v: &ValueId| regions[v.index()].expect("defined before use");
             let inputs = built.inputs.iter().map(region).collect();
-            let outputs = built.outputs.iter().map(region).collect();
+            let outputs = fused_outputs.iter().map(region).collect();
             let kernel = intern(&mut kernels, built.kernel);
             let label = format!(
                 "fusion {}, nodes {}..{} (fused:{})",

@@ -30,11 +30,11 @@ use crate::{GeluApprox, Graph, NodeId, Op, ReduceOp, TensorType, ValueId};
 use autotp_kernels::kir::{self, Expr, ExprRef, Fold, Index, Stage, Store, Term, Var};
 use autotp_kernels::{BinaryOp, DType, UnaryOp};
 
-/// A generated kernel and the values bound to its buffers: inputs, then outputs.
+/// A generated kernel and the values bound to its input buffers (its output buffers are the
+/// `outputs` it was built for, in order).
 pub struct Built {
     pub kernel: kir::Kernel,
     pub inputs: Vec<ValueId>,
-    pub outputs: Vec<ValueId>,
 }
 
 /// Why a group is not one generated kernel.
@@ -53,26 +53,14 @@ pub enum Refusal {
 /// The kernel computing `outputs` from the group `nodes` (in graph order), or why there is
 /// none.
 pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Result<Built, Refusal> {
-    build_kernel(graph, nodes, outputs).ok_or(Refusal::Unsupported)?
-}
-
-/// The kernel of `nodes` as [`build`], or `None` when the nodes are not one kernel.
-pub fn try_build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Built> {
-    build(graph, nodes, outputs).ok()
-}
-
-fn build_kernel(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Result<Built, Refusal>> {
     let ty = |v: ValueId| local_type(&graph.mesh, graph.ty(v), &graph.value(v).placements);
-    let space = match Space::of(graph, nodes, &ty) {
-        Ok(space) => space,
-        Err(refusal) => return Some(Err(refusal)),
-    };
+    let space = Space::of(graph, nodes, &ty)?;
     for &n in nodes {
         let node = graph.node(n);
         let max_reduction =
             matches!(node.op, Op::Reduce { op: ReduceOp::Max, .. } | Op::Softmax { .. } | Op::LogSoftmax { .. });
         if max_reduction && nodes.iter().any(|&m| graph.node(m).outputs.contains(&node.inputs[0])) {
-            return Some(Err(Refusal::MaxProducer));
+            return Err(Refusal::MaxProducer);
         }
     }
     let mut builder = Builder {
@@ -93,13 +81,13 @@ fn build_kernel(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<
     for (o, &v) in outputs.iter().enumerate() {
         let numel = ty(v).numel();
         if numel == rows * builder.space.inner && ty(v).shape == builder.space.shape {
-            let value = builder.value(&mut map, v)?;
+            let value = builder.value(&mut map, v).ok_or(Refusal::Unsupported)?;
             map_stores.push((o, builder.space.index(&builder.space.shape), value));
         } else if numel == rows {
-            let value = builder.value(&mut row, v)?;
+            let value = builder.value(&mut row, v).ok_or(Refusal::Unsupported)?;
             row_stores.push((o, Index::linear(Var::Outer, 1), value));
         } else {
-            return None;
+            return Err(Refusal::Unsupported);
         }
     }
     let num_inputs = builder.inputs.len();
@@ -114,7 +102,7 @@ fn build_kernel(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<
     }
     let expensive = |v: &ValueId| builder.producer.get(v).is_some_and(|&n| is_expensive(&graph.node(n).op));
     if stages_needing.iter().any(|(v, &count)| count > 1 && expensive(v)) {
-        return Some(Err(Refusal::Recomputed));
+        return Err(Refusal::Recomputed);
     }
     if !row_stores.is_empty() {
         builder.stages.push(Stage::Row { exprs: row.exprs, stores: store(row_stores) });
@@ -144,8 +132,13 @@ fn build_kernel(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<
         inner: builder.space.inner,
         stages: builder.stages,
     };
-    kernel.check().ok()?;
-    Some(Ok(Built { kernel, inputs: builder.inputs, outputs: outputs.to_vec() }))
+    kernel.check().map_err(|_| Refusal::Unsupported)?;
+    Ok(Built { kernel, inputs: builder.inputs })
+}
+
+/// The kernel of `nodes` as [`build`], or `None` when the nodes are not one kernel.
+pub fn try_build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option<Built> {
+    build(graph, nodes, outputs).ok()
 }
 
 /// A mean or summed cross-entropy over `[n, classes]` scores as two kernels: per row, the

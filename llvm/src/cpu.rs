@@ -239,17 +239,11 @@ fn rows_as_lanes<'ctx>(
             }
             Stage::Map { exprs, stores } => {
                 counted_loop(e, function, zero, inner, one, &[], |i, _| {
-                    let position = at(Some(i), &accs);
-                    let values = e.exprs(buffers, exprs, &position)?;
-                    e.stores(buffers, stores, &values, &position)?;
+                    e.store_stage(buffers, exprs, stores, &at(Some(i), &accs))?;
                     Ok(vec![])
                 })?;
             }
-            Stage::Row { exprs, stores } => {
-                let position = at(None, &accs);
-                let values = e.exprs(buffers, exprs, &position)?;
-                e.stores(buffers, stores, &values, &position)?;
-            }
+            Stage::Row { exprs, stores } => e.store_stage(buffers, exprs, stores, &at(None, &accs))?,
         }
     }
     Ok(())
@@ -297,17 +291,13 @@ fn row_with_lanes_inside<'ctx>(
                     let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
                     let step = i64t.const_int(w as u64, false);
                     counted_loop(e, function, from, to, step, &[], |i, _| {
-                        let position = Position::row(w, outer, Some(i), &accs);
-                        let values = e.exprs(buffers, exprs, &position)?;
-                        e.stores(buffers, stores, &values, &position)?;
+                        e.store_stage(buffers, exprs, stores, &Position::row(w, outer, Some(i), &accs))?;
                         Ok(vec![])
                     })?;
                 }
             }
             Stage::Row { exprs, stores } => {
-                let position = Position::row(1, outer, None, &accs);
-                let values = e.exprs(buffers, exprs, &position)?;
-                e.stores(buffers, stores, &values, &position)?;
+                e.store_stage(buffers, exprs, stores, &Position::row(1, outer, None, &accs))?
             }
         }
     }

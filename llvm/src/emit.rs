@@ -401,6 +401,18 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
         Ok(values)
     }
 
+    /// A `Map` or `Row` stage's work at `at`: its expressions, then its stores.
+    pub fn store_stage(
+        &self,
+        kernel: &Buffers<'ctx>,
+        exprs: &[Expr],
+        stores: &[kir::Store],
+        at: &Position<'ctx>,
+    ) -> Result<(), LlvmError> {
+        let values = self.exprs(kernel, exprs, at)?;
+        self.stores(kernel, stores, &values, at)
+    }
+
     /// The stores of a stage at `at`.
     pub fn stores(
         &self,

@@ -161,10 +161,13 @@ pub(crate) fn compile(kernels: &[kir::Kernel]) -> Result<Vec<CpuKernel>, LlvmErr
         }
         let path = cache_dir().map(|dir| dir.join(format!("{}.o", hex(&batch.finalize()))));
         let cached = path.as_ref().and_then(|p| std::fs::read(p).ok());
+        let started = std::time::Instant::now();
         let object = match cached {
-            Some(object) => object,
+            Some(object) => {
+                tracing::debug!(kernels = symbols.len(), bytes = object.len(), "kernels from the disk cache");
+                object
+            }
             None => {
-                let started = std::time::Instant::now();
                 let object = object_code(&symbols, &jit.target)?;
                 tracing::debug!(
                     kernels = symbols.len(),
@@ -183,6 +186,7 @@ pub(crate) fn compile(kernels: &[kir::Kernel]) -> Result<Vec<CpuKernel>, LlvmErr
             let function = jit.lookup(&symbol(key)).map_err(|e| LlvmError::llvm("JIT lookup", e))?;
             jit.loaded.insert(key.clone(), function);
         }
+        tracing::debug!(kernels = symbols.len(), seconds = started.elapsed().as_secs_f64(), "kernels loaded");
     }
     Ok(keys.iter().map(|key| CpuKernel { function: jit.loaded[key] }).collect())
 }

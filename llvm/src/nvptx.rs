@@ -105,11 +105,9 @@ fn mark_kernel<'ctx>(
 
 /// A special register (`tid.x`, `ctaid.x`, `nctaid.x`) as i64.
 fn special_register<'ctx>(e: &Emitter<'_, 'ctx>, name: &str) -> Result<IntValue<'ctx>, LlvmError> {
-    let intrinsic = inkwell::intrinsics::Intrinsic::find(&format!("llvm.nvvm.read.ptx.sreg.{name}"))
-        .ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?;
-    let function = intrinsic.get_declaration(e.module, &[]).ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?;
-    let value = e.b.build_call(function, &[], "")?.try_as_basic_value().basic();
-    let value = value.ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?.into_int_value();
+    let value = call(e, &format!("llvm.nvvm.read.ptx.sreg.{name}"), &[])?
+        .ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?
+        .into_int_value();
     Ok(e.b.build_int_z_extend(value, e.ctx.i64_type(), "")?)
 }
 
@@ -152,9 +150,7 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
                 }
                 Stage::Map { exprs, stores } => {
                     counted_loop(e, function, thread, inner, stride, &[], |i, _| {
-                        let at = Position::row(1, outer, Some(i), &accs);
-                        let values = e.exprs(&buffers, exprs, &at)?;
-                        e.stores(&buffers, stores, &values, &at)?;
+                        e.store_stage(&buffers, exprs, stores, &Position::row(1, outer, Some(i), &accs))?;
                         Ok(vec![])
                     })?;
                 }
@@ -205,6 +201,7 @@ fn if_then<'ctx>(
     Ok(())
 }
 
+/// A call of the (not overloaded) intrinsic `name`; its result, if it has one.
 fn call<'ctx>(
     e: &Emitter<'_, 'ctx>,
     name: &str,
