@@ -28,7 +28,7 @@ fn summary_and_ir_dumps() {
         "activations peak",
         "instructions: ",
         "matmul",
-        "adamw 28",
+        "multi_tensor_adamw 1",
         "fingerprint: ",
         "# IR after pass 3 (loss)",
         "output \"loss\" = ",

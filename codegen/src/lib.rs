@@ -18,7 +18,8 @@ use autotp_ir::sharding::local_type;
 use autotp_ir::{Collective, Def, Graph, Op, Placement, TensorType, ValueId};
 use autotp_runtime::comm::{CollectiveKind, CollectiveOp};
 use autotp_runtime::{
-    ConstantData, Instruction, MemoryPlan, MeshAxis, Program, PtxModule, Region, Slot, SlotPlacement, Update,
+    ConstantData, Instruction, MemoryPlan, MeshAxis, OptimizerTensor, Program, PtxModule, Region, Slot, SlotPlacement,
+    Update,
 };
 
 use memory::{align, FirstFit};
@@ -123,6 +124,48 @@ fn fusion_outputs(graph: &Graph, fusion: &autotp_ir::Fusion, last_use: &[usize])
         .collect()
 }
 
+/// Lets each output of a multi-tensor optimizer step `fusion` take its input's bytes (the
+/// parameter's for the new parameter, each state's for the new state) when the step reads that
+/// input last and only once: the update is then made in place, and the copy after the step and
+/// the output's memory go away. `root` and `last_use` are codegen's region-sharing and liveness
+/// tables, updated for the values that now share.
+fn update_in_place(graph: &Graph, fusion: &autotp_ir::Fusion, root: &mut [usize], last_use: &mut [usize]) {
+    let nodes: Vec<_> = fusion.node_ids().collect();
+    if autotp_ir::lower::multi_tensor_optimizer(graph, &nodes).is_none() {
+        return;
+    }
+    let mut reads = std::collections::HashMap::<usize, usize>::new();
+    for &n in &nodes {
+        for v in &graph.node(n).inputs {
+            *reads.entry(root[v.index()]).or_default() += 1;
+        }
+    }
+    let graph_inputs: std::collections::HashSet<usize> = graph.inputs().iter().map(|v| v.index()).collect();
+    for &n in &nodes {
+        let node = graph.node(n);
+        for (k, &output) in node.outputs.iter().enumerate() {
+            let input = root[node.inputs[if k == 0 { 0 } else { k + 1 }].index()];
+            let is_constant = matches!(
+                graph.value(ValueId(input as u32)).def,
+                Def::Node(c, _) if matches!(graph.node(c).op, Op::Constant { .. })
+            );
+            let in_place = reads[&input] == 1
+                && fusion.nodes.contains(&last_use[input])
+                && !graph_inputs.contains(&input)
+                && !is_constant
+                && local(graph, ValueId(input as u32)).size_bytes() == local(graph, output).size_bytes();
+            if !in_place {
+                continue;
+            }
+            let output = output.index();
+            for shared in root.iter_mut().filter(|r| **r == output) {
+                *shared = input;
+            }
+            last_use[input] = last_use[input].max(last_use[output]);
+        }
+    }
+}
+
 /// Lowers `graph` to the program every rank of its mesh runs (one device for an empty mesh),
 /// with the default options (generated kernels).
 pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
@@ -182,6 +225,11 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
     for v in 0..graph.num_values() {
         last_use[root[v]] = last_use[root[v]].max(last_use[v]);
     }
+    if options.kernels == KernelChoice::Generated {
+        for f in graph.fusions() {
+            update_in_place(graph, f, &mut root, &mut last_use);
+        }
+    }
     // A started collective's input lives until its wait (the communication thread reads it).
     for (id, node) in graph.nodes() {
         if node.op == Op::Wait {
@@ -211,6 +259,57 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         }
         if in_fused_group[id.index()] {
             // Computed by its group's kernel: only release what dies here.
+            for v in std::mem::take(&mut by_last_use[id.index()]) {
+                let region = regions[v].expect("placed");
+                allocator.free(region.offset);
+                live_bytes -= region.len;
+            }
+            continue;
+        }
+        if let Some((fusion, optimizer)) = fusion_at[id.index()].and_then(|f| {
+            Some((f, autotp_ir::lower::multi_tensor_optimizer(graph, &f.node_ids().collect::<Vec<_>>())?))
+        }) {
+            let mut tensors = Vec::new();
+            let mut dtype = autotp_ir::DType::F32;
+            let mut scalars = Vec::new();
+            let region = |v: &ValueId| regions[v.index()].expect("defined before use");
+            for member in fusion.node_ids() {
+                let node = graph.node(member);
+                let states = optimizer.num_states();
+                dtype = graph.ty(node.inputs[0]).dtype;
+                scalars = node.inputs[2 + states..].iter().map(region).collect();
+                tensors.push(OptimizerTensor {
+                    inputs: node.inputs[..2 + states].iter().map(region).collect(),
+                    outputs: vec![],
+                });
+            }
+            for (member, tensor) in fusion.node_ids().zip(&mut tensors) {
+                for &o in &graph.node(member).outputs {
+                    let placed = if root[o.index()] != o.index() {
+                        regions[root[o.index()]].expect("an in-place output's input is placed")
+                    } else {
+                        let len = local(graph, o).size_bytes();
+                        let placed = Region { offset: allocator.alloc(len), len };
+                        live_bytes += len;
+                        by_last_use[last_use[o.index()].max(id.index())].push(o.index());
+                        placed
+                    };
+                    regions[o.index()] = Some(placed);
+                    tensor.outputs.push(placed);
+                }
+            }
+            memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
+            let label = format!(
+                "fusion {}, nodes {}..{} (multi_tensor_{})",
+                fusion.name,
+                fusion.nodes.start,
+                fusion.nodes.end,
+                optimizer.name()
+            );
+            instructions.push(Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label });
+            for member in fusion.nodes.clone() {
+                in_fused_group[member] = true;
+            }
             for v in std::mem::take(&mut by_last_use[id.index()]) {
                 let region = regions[v].expect("placed");
                 allocator.free(region.offset);
@@ -361,6 +460,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             slot(graph, *v, name.clone(), region)
         })
         .collect();
+    // Updates made in place (the optimizer step wrote the target's own region) copy nothing.
     let updates = graph
         .updates()
         .iter()
@@ -368,6 +468,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             from: regions[value.index()].expect("update values are defined"),
             to: regions[target.index()].expect("targets are parameters or states"),
         })
+        .filter(|u| u.from != u.to)
         .collect();
     let mesh = graph.mesh.axes.iter().map(|a| MeshAxis { name: a.name.clone(), size: a.size }).collect();
     let ptx = if options.ptx && !kernels.is_empty() {

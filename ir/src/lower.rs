@@ -1,7 +1,7 @@
 //! Lowering of one op, with its input and output types, to the builtin kernel that computes
 //! it. The reference evaluator and codegen both use this, so they run identical kernels.
 
-use autotp_kernels::{AdamWConfig, ClassLossDims, IndexBlock, Kernel, MatMulDims, SgdConfig};
+use autotp_kernels::{AdamWConfig, ClassLossDims, IndexBlock, Kernel, MatMulDims, Optimizer, SgdConfig};
 
 use crate::sharding::local_type;
 use crate::{Graph, Node, Op, Placement, TensorType};
@@ -25,6 +25,35 @@ pub fn node_kernel(graph: &Graph, node: &Node) -> Option<Kernel> {
         *block = on.map(|mesh_axis| IndexBlock { mesh_axis, start: 0, global_len: graph.ty(table).shape[axis] });
     }
     Some(kernel)
+}
+
+/// The update rule of an optimizer op (`adamw`, `sgd`), `None` for other ops.
+pub fn optimizer_of(op: &Op) -> Option<Optimizer> {
+    match op {
+        Op::AdamW { beta1, beta2, eps, weight_decay } => {
+            Some(Optimizer::AdamW(AdamWConfig { beta1: *beta1, beta2: *beta2, eps: *eps, weight_decay: *weight_decay }))
+        }
+        Op::Sgd { momentum, weight_decay, nesterov } => {
+            Some(Optimizer::Sgd(SgdConfig { momentum: *momentum, weight_decay: *weight_decay, nesterov: *nesterov }))
+        }
+        _ => None,
+    }
+}
+
+/// The update rule that `nodes` apply together as one multi-tensor optimizer step: when they
+/// are all the same optimizer op, with the same hyperparameters, scalar inputs (learning rate,
+/// step) and element type.
+pub fn multi_tensor_optimizer(graph: &Graph, nodes: &[crate::NodeId]) -> Option<Optimizer> {
+    let first = graph.node(*nodes.first()?);
+    let optimizer = optimizer_of(&first.op)?;
+    let scalars = |n: &Node| n.inputs.get(2 + optimizer.num_states()..).map(<[_]>::to_vec);
+    // (Checked, not assumed: the verifier asks this of graphs that may name missing values.)
+    let dtype = |n: &Node| n.inputs.first().filter(|p| p.index() < graph.num_values()).map(|&p| graph.ty(p).dtype);
+    let same = nodes
+        .iter()
+        .map(|&n| graph.node(n))
+        .all(|n| n.op == first.op && scalars(n).is_some() && scalars(n) == scalars(first) && dtype(n) == dtype(first));
+    same.then_some(optimizer)
 }
 
 fn product(dims: &[usize]) -> usize {
@@ -107,13 +136,9 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             axis: *axis,
             block: None,
         },
-        Op::AdamW { beta1, beta2, eps, weight_decay } => Kernel::AdamW {
-            dtype,
-            config: AdamWConfig { beta1: *beta1, beta2: *beta2, eps: *eps, weight_decay: *weight_decay },
-        },
-        Op::Sgd { momentum, weight_decay, nesterov } => Kernel::Sgd {
-            dtype,
-            config: SgdConfig { momentum: *momentum, weight_decay: *weight_decay, nesterov: *nesterov },
+        Op::AdamW { .. } | Op::Sgd { .. } => match optimizer_of(op)? {
+            Optimizer::AdamW(config) => Kernel::AdamW { dtype, config },
+            Optimizer::Sgd(config) => Kernel::Sgd { dtype, config },
         },
         Op::GatherElements { axis } => Kernel::GatherElements {
             dtype,

@@ -2,7 +2,7 @@
 //! violations, each naming the node or value it is about.
 
 use crate::text::ValueNames;
-use crate::{Def, Graph, Op, Placement};
+use crate::{Def, Graph, NodeId, Op, Placement};
 
 /// One violation. `at` is the printed form of the offending value or node (`%12 = matmul`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -191,6 +191,15 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             continue;
         }
         previous_end = fusion.nodes.end;
+        let nodes: Vec<NodeId> = fusion.node_ids().collect();
+        let updates = nodes.iter().any(|&n| matches!(graph.node(n).op, Op::AdamW { .. } | Op::Sgd { .. }));
+        if updates && crate::lower::multi_tensor_optimizer(graph, &nodes).is_none() {
+            err(
+                at.clone(),
+                "mixes optimizer updates with other ops, hyperparameters, scalars or dtypes (a multi-tensor step applies one rule)"
+                    .into(),
+            );
+        }
         for id in fusion.node_ids() {
             let op = &graph.node(id).op;
             if matches!(op, Op::Constant { .. } | Op::Collective { .. } | Op::Wait | Op::Send { .. } | Op::Recv { .. })

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::elementwise::BinaryShapes;
 use crate::nn::ClassLossDims;
-use crate::optim::{AdamWConfig, SgdConfig};
+use crate::optim::{AdamWConfig, Optimizer, SgdConfig};
 use crate::{BinaryOp, DType, GeluApprox, KernelError, MatMulDims, ReduceOp, UnaryOp};
 
 /// One builtin kernel, with static shapes. Inputs and outputs are listed in the order
@@ -485,12 +485,10 @@ impl Kernel {
                 crate::nn::cross_entropy(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, loss, log_prob)
             }
             Kernel::AdamW { dtype, config } => {
-                arity(6, 3)?;
-                crate::optim::adamw(*dtype, config, inputs, outputs)
+                crate::optim::single_tensor(*dtype, &Optimizer::AdamW(config.clone()), inputs, outputs)
             }
             Kernel::Sgd { dtype, config } => {
-                arity(4, 2)?;
-                crate::optim::sgd(*dtype, config, inputs, outputs)
+                crate::optim::single_tensor(*dtype, &Optimizer::Sgd(config.clone()), inputs, outputs)
             }
             Kernel::NllLoss { dtype, label_dtype, dims, weighted } => {
                 arity(if *weighted { 3 } else { 2 }, 1)?;

@@ -19,7 +19,7 @@ mod matmul;
 mod movement;
 mod nn;
 mod ops;
-mod optim;
+pub mod optim;
 mod reduce;
 mod scalar;
 pub mod shape;
@@ -30,7 +30,7 @@ pub use kernel::{IndexBlock, Kernel};
 pub use matmul::MatMulDims;
 pub use nn::ClassLossDims;
 pub use ops::{BinaryOp, GeluApprox, ReduceOp, Reduction, UnaryOp};
-pub use optim::{AdamWConfig, SgdConfig};
+pub use optim::{AdamWConfig, Optimizer, SgdConfig};
 pub use shape::numel;
 
 /// Why a kernel could not run.

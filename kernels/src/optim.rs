@@ -1,4 +1,7 @@
-//! Optimizer updates with torch.optim's semantics (single-tensor implementations):
+//! Optimizer updates with torch.optim's semantics, for one tensor (the builtin `adamw` and
+//! `sgd` kernels) and for many tensors in one pass (the runtime's multi-tensor optimizer step,
+//! as Apex's and DeepSpeed's fused optimizers). Both run the same per-element code below, so a
+//! fused step is bit-identical to the single-tensor kernels and to the reference evaluator.
 //!
 //! AdamW (decoupled weight decay, bias correction), at step `t` (1-based) with learning rate
 //! `lr`:  p *= 1 - lr*wd;  m = lerp(m, g, 1 - b1);  v = b2*v + (1 - b2)*g^2;
@@ -14,7 +17,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::elementwise::num_float::Float;
-use crate::{view, view_mut, DType, KernelError};
+use crate::{view, DType, KernelError};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AdamWConfig {
@@ -31,80 +34,258 @@ pub struct SgdConfig {
     pub nesterov: bool,
 }
 
+/// An update rule and its hyperparameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Optimizer {
+    /// States: the moments m and v. Scalars: the learning rate and the step (1-based).
+    AdamW(AdamWConfig),
+    /// State: the momentum buffer. Scalar: the learning rate.
+    Sgd(SgdConfig),
+}
+
+impl Optimizer {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Optimizer::AdamW(_) => "adamw",
+            Optimizer::Sgd(_) => "sgd",
+        }
+    }
+
+    /// State tensors per parameter, each the parameter's size.
+    pub fn num_states(&self) -> usize {
+        match self {
+            Optimizer::AdamW(_) => 2,
+            Optimizer::Sgd(_) => 1,
+        }
+    }
+
+    /// One-element scalar inputs (learning rate, step), in the parameter's dtype.
+    pub fn num_scalars(&self) -> usize {
+        match self {
+            Optimizer::AdamW(_) => 2,
+            Optimizer::Sgd(_) => 1,
+        }
+    }
+}
+
+/// Where one tensor's update reads and writes, `len` elements each: it reads the parameter, its
+/// gradient and its states (as many as [`Optimizer::num_states`]; the rest are null) and writes
+/// the new parameter and states. Each output is exactly its input (updated in place) or
+/// overlaps nothing else of the update.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorUpdate {
+    pub len: usize,
+    pub param: *const u8,
+    pub grad: *const u8,
+    pub states: [*const u8; 2],
+    pub param_out: *mut u8,
+    pub states_out: [*mut u8; 2],
+}
+
+impl TensorUpdate {
+    /// The update of elements `range` alone.
+    ///
+    /// # Safety
+    /// `range` lies within `0..self.len`, and `dtype` is the element type of the pointers.
+    pub unsafe fn part(&self, dtype: DType, range: std::ops::Range<usize>) -> TensorUpdate {
+        let at = range.start * dtype.size();
+        let add = |p: *const u8| if p.is_null() { p } else { unsafe { p.add(at) } };
+        let add_mut = |p: *mut u8| if p.is_null() { p } else { unsafe { p.add(at) } };
+        TensorUpdate {
+            len: range.len(),
+            param: add(self.param),
+            grad: add(self.grad),
+            states: self.states.map(add),
+            param_out: add_mut(self.param_out),
+            states_out: self.states_out.map(add_mut),
+        }
+    }
+}
+
+/// Applies `optimizer` to one tensor, with `scalars` the one-element learning rate (and step).
+///
+/// # Safety
+/// Every pointer of `t` that the optimizer uses is valid for `t.len` elements of `dtype` and
+/// aligned for it, and outputs alias as [`TensorUpdate`] allows.
+pub unsafe fn update(
+    optimizer: &Optimizer,
+    dtype: DType,
+    scalars: &[&[u8]],
+    t: &TensorUpdate,
+) -> Result<(), KernelError> {
+    match dtype {
+        DType::F32 => unsafe { update_typed::<f32>(optimizer, scalars, t) },
+        DType::F64 => unsafe { update_typed::<f64>(optimizer, scalars, t) },
+        other => Err(KernelError::Unsupported {
+            kernel: optimizer.name(),
+            what: format!("{other} parameters (keep f32 master weights)"),
+        }),
+    }
+}
+
 fn scalar_of<F: Float>(bytes: &[u8]) -> f64 {
     view::<F>(bytes)[0].to_f64()
 }
 
-fn adamw_typed<F: Float>(c: &AdamWConfig, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<(), KernelError> {
-    let (p, g, m, v) = (view::<F>(inputs[0]), view::<F>(inputs[1]), view::<F>(inputs[2]), view::<F>(inputs[3]));
-    let (lr, t) = (scalar_of::<F>(inputs[4]), scalar_of::<F>(inputs[5]));
-    let decay = F::from_f64(1.0 - lr * c.weight_decay);
-    let (one_minus_b1, b2, one_minus_b2) =
-        (F::from_f64(1.0 - c.beta1), F::from_f64(c.beta2), F::from_f64(1.0 - c.beta2));
-    let step_size = F::from_f64(lr / (1.0 - c.beta1.powf(t)));
-    let bias2_sqrt = F::from_f64((1.0 - c.beta2.powf(t)).sqrt());
-    let eps = F::from_f64(c.eps);
-    let [p_out, m_out, v_out] = outputs else {
-        return Err(KernelError::Arity { kernel: "adamw", inputs: inputs.len(), outputs: outputs.len() });
-    };
-    let (p_out, m_out, v_out) = (view_mut::<F>(p_out)?, view_mut::<F>(m_out)?, view_mut::<F>(v_out)?);
-    for i in 0..p.len() {
-        let decayed = p[i] * decay;
-        let m_new = m[i] + (g[i] - m[i]) * one_minus_b1;
-        let v_new = v[i] * b2 + g[i] * g[i] * one_minus_b2;
-        let denom = v_new.sqrt() / bias2_sqrt + eps;
-        p_out[i] = decayed - step_size * (m_new / denom);
-        m_out[i] = m_new;
-        v_out[i] = v_new;
-    }
-    Ok(())
+/// An optimizer's constants for one step, in the element type.
+enum Step<F> {
+    AdamW { decay: F, one_minus_b1: F, b2: F, one_minus_b2: F, step_size: F, bias2_sqrt: F, eps: F },
+    Sgd { lr: F, weight_decay: Option<F>, momentum: Option<F>, nesterov: bool },
 }
 
-fn sgd_typed<F: Float>(c: &SgdConfig, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<(), KernelError> {
-    let (p, g, buf) = (view::<F>(inputs[0]), view::<F>(inputs[1]), view::<F>(inputs[2]));
-    let lr = F::from_f64(scalar_of::<F>(inputs[3]));
-    let (wd, momentum) = (F::from_f64(c.weight_decay), F::from_f64(c.momentum));
-    let [p_out, buf_out] = outputs else {
-        return Err(KernelError::Arity { kernel: "sgd", inputs: inputs.len(), outputs: outputs.len() });
-    };
-    let (p_out, buf_out) = (view_mut::<F>(p_out)?, view_mut::<F>(buf_out)?);
-    for i in 0..p.len() {
-        let d = if c.weight_decay == 0.0 { g[i] } else { g[i] + wd * p[i] };
-        let (step, b) = if c.momentum == 0.0 {
-            (d, buf[i])
+impl<F: Float> Step<F> {
+    fn new(optimizer: &Optimizer, scalars: &[&[u8]]) -> Result<Step<F>, KernelError> {
+        if scalars.len() != optimizer.num_scalars() || scalars.iter().any(|s| s.len() != std::mem::size_of::<F>()) {
+            return Err(KernelError::Arity { kernel: optimizer.name(), inputs: scalars.len(), outputs: 0 });
+        }
+        let lr = scalar_of::<F>(scalars[0]);
+        Ok(match optimizer {
+            Optimizer::AdamW(c) => {
+                let t = scalar_of::<F>(scalars[1]);
+                Step::AdamW {
+                    decay: F::from_f64(1.0 - lr * c.weight_decay),
+                    one_minus_b1: F::from_f64(1.0 - c.beta1),
+                    b2: F::from_f64(c.beta2),
+                    one_minus_b2: F::from_f64(1.0 - c.beta2),
+                    step_size: F::from_f64(lr / (1.0 - c.beta1.powf(t))),
+                    bias2_sqrt: F::from_f64((1.0 - c.beta2.powf(t)).sqrt()),
+                    eps: F::from_f64(c.eps),
+                }
+            }
+            Optimizer::Sgd(c) => Step::Sgd {
+                lr: F::from_f64(lr),
+                weight_decay: (c.weight_decay != 0.0).then(|| F::from_f64(c.weight_decay)),
+                momentum: (c.momentum != 0.0).then(|| F::from_f64(c.momentum)),
+                nesterov: c.nesterov,
+            },
+        })
+    }
+
+    /// Updates `param` and the states (`second` is empty for SGD) in place.
+    #[inline(always)]
+    fn apply(&self, param: &mut [F], grad: &[F], first: &mut [F], second: &mut [F]) {
+        match *self {
+            Step::AdamW { decay, one_minus_b1, b2, one_minus_b2, step_size, bias2_sqrt, eps } => {
+                let states = first.iter_mut().zip(second.iter_mut());
+                for ((p, &g), (m, v)) in param.iter_mut().zip(grad).zip(states) {
+                    let decayed = *p * decay;
+                    *m = *m + (g - *m) * one_minus_b1;
+                    *v = *v * b2 + g * g * one_minus_b2;
+                    let denom = v.sqrt() / bias2_sqrt + eps;
+                    *p = decayed - step_size * (*m / denom);
+                }
+            }
+            Step::Sgd { lr, weight_decay, momentum, nesterov } => {
+                for ((p, &g), buf) in param.iter_mut().zip(grad).zip(first.iter_mut()) {
+                    let d = match weight_decay {
+                        None => g,
+                        Some(wd) => g + wd * *p,
+                    };
+                    let step = match momentum {
+                        None => d,
+                        Some(momentum) => {
+                            *buf = *buf * momentum + d;
+                            if nesterov {
+                                d + momentum * *buf
+                            } else {
+                                *buf
+                            }
+                        }
+                    };
+                    *p = *p - lr * step;
+                }
+            }
+        }
+    }
+
+    /// [`Step::apply`] compiled for AVX2 where the CPU has it (rustc's default x86-64 target
+    /// has SSE2 alone). The arithmetic is the same IEEE operations in the same order (rustc
+    /// never contracts to FMA), so the result is too.
+    fn apply_fastest(&self, param: &mut [F], grad: &[F], first: &mut [F], second: &mut [F]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            #[target_feature(enable = "avx2")]
+            unsafe fn avx2<F: Float>(step: &Step<F>, param: &mut [F], grad: &[F], first: &mut [F], second: &mut [F]) {
+                step.apply(param, grad, first, second)
+            }
+            // SAFETY: the CPU has AVX2 (checked above).
+            return unsafe { avx2(self, param, grad, first, second) };
+        }
+        self.apply(param, grad, first, second)
+    }
+}
+
+unsafe fn update_typed<F: Float>(
+    optimizer: &Optimizer,
+    scalars: &[&[u8]],
+    t: &TensorUpdate,
+) -> Result<(), KernelError> {
+    let step = Step::<F>::new(optimizer, scalars)?;
+    let bytes = t.len * std::mem::size_of::<F>();
+    let pairs = [(t.param, t.param_out), (t.states[0], t.states_out[0]), (t.states[1], t.states_out[1])];
+    // An output not updated in place starts as a copy of its input (they do not overlap).
+    for (input, output) in pairs.into_iter().take(1 + optimizer.num_states()) {
+        if !std::ptr::eq(input, output) {
+            unsafe { std::ptr::copy_nonoverlapping(input, output, bytes) };
+        }
+    }
+    let slice = |p: *mut u8| -> &mut [F] {
+        if p.is_null() {
+            &mut []
         } else {
-            let b = buf[i] * momentum + d;
-            (if c.nesterov { d + momentum * b } else { b }, b)
-        };
-        p_out[i] = p[i] - lr * step;
-        buf_out[i] = b;
-    }
+            unsafe { std::slice::from_raw_parts_mut(p as *mut F, t.len) }
+        }
+    };
+    let grad = unsafe { std::slice::from_raw_parts(t.grad as *const F, t.len) };
+    step.apply_fastest(slice(t.param_out), grad, slice(t.states_out[0]), slice(t.states_out[1]));
     Ok(())
 }
 
-pub(crate) fn adamw(
+/// The single-tensor kernels: inputs param, grad, states..., scalars...; outputs param, states...
+pub(crate) fn single_tensor(
     dtype: DType,
-    c: &AdamWConfig,
+    optimizer: &Optimizer,
     inputs: &[&[u8]],
     outputs: &mut [&mut [u8]],
 ) -> Result<(), KernelError> {
-    match dtype {
-        DType::F32 => adamw_typed::<f32>(c, inputs, outputs),
-        DType::F64 => adamw_typed::<f64>(c, inputs, outputs),
-        other => Err(KernelError::Unsupported {
-            kernel: "adamw",
-            what: format!("{other} parameters (keep f32 master weights)"),
-        }),
+    let states = optimizer.num_states();
+    let arity = KernelError::Arity { kernel: optimizer.name(), inputs: inputs.len(), outputs: outputs.len() };
+    if inputs.len() != 2 + states + optimizer.num_scalars() || outputs.len() != 1 + states {
+        return Err(arity);
     }
-}
-
-pub(crate) fn sgd(dtype: DType, c: &SgdConfig, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<(), KernelError> {
-    match dtype {
-        DType::F32 => sgd_typed::<f32>(c, inputs, outputs),
-        DType::F64 => sgd_typed::<f64>(c, inputs, outputs),
-        other => Err(KernelError::Unsupported {
-            kernel: "sgd",
-            what: format!("{other} parameters (keep f32 master weights)"),
-        }),
+    let bytes = inputs[0].len();
+    if !bytes.is_multiple_of(dtype.size())
+        || inputs[..2 + states].iter().map(|b| b.len()).chain(outputs.iter().map(|o| o.len())).any(|len| len != bytes)
+    {
+        return Err(arity);
     }
+    let (tensors, scalars) = inputs.split_at(2 + states);
+    let [param_out, states_out @ ..] = outputs else { return Err(arity) };
+    // Inputs may lie anywhere (a memory-mapped file); outputs are aligned (`view_mut` checks).
+    let copies: Vec<Option<crate::AlignedBuf>> = tensors
+        .iter()
+        .map(|b| (!(b.as_ptr() as usize).is_multiple_of(dtype.size())).then(|| crate::AlignedBuf::from_bytes(b)))
+        .collect();
+    let input = |k: usize| copies[k].as_ref().map_or(tensors[k].as_ptr(), |c| c.as_slice().as_ptr());
+    for out in std::iter::once(&mut *param_out).chain(states_out.iter_mut()) {
+        match dtype {
+            DType::F64 => drop(crate::view_mut::<f64>(out)?),
+            _ => drop(crate::view_mut::<f32>(out)?),
+        }
+    }
+    let mut t = TensorUpdate {
+        len: bytes / dtype.size(),
+        param: input(0),
+        grad: input(1),
+        states: [std::ptr::null(); 2],
+        param_out: param_out.as_mut_ptr(),
+        states_out: [std::ptr::null_mut(); 2],
+    };
+    for (k, out) in states_out.iter_mut().enumerate() {
+        t.states[k] = input(2 + k);
+        t.states_out[k] = out.as_mut_ptr();
+    }
+    // SAFETY: every buffer holds `len` elements (checked above) and is aligned; the outputs
+    // are distinct `&mut` slices, so they overlap no input.
+    unsafe { update(optimizer, dtype, scalars, &t) }
 }

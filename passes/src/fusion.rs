@@ -12,13 +12,16 @@
 //! topological order that, after each node, takes next a ready node that joins the open group
 //! (it reads a value the group makes, or an activation the group reads, and the group stays
 //! legal), else the ready node that came first. Constants move to the front (they are data).
+//! Optimizer updates wait until nothing else is ready; then the updates that apply one rule
+//! (the same op, hyperparameters, lr and step, dtype) form one group, which codegen runs as one
+//! multi-tensor step updating every parameter and state in place (tests/golden/fusion_optimizer.ir).
 //! First, a transpose of the last two dims feeding a matmul becomes the matmul's transpose flag
 //! (no materialised transpose in front of a GEMM), for operands held whole on every rank.
 //! Nodes that cannot be in a kernel (matmuls, data movement, collectives, sends and receives)
 //! keep their relative order, so collectives are issued in the same order on every rank and
 //! pipeline messages in the order the schedule set.
 
-use autotp_ir::kernelgen;
+use autotp_ir::{kernelgen, lower};
 use autotp_ir::{Def, Graph, NodeId, Op, Rewriter, ValueId};
 
 use crate::{Pass, PassError};
@@ -133,21 +136,24 @@ fn schedule(graph: &Graph) -> (Vec<NodeId>, Vec<usize>) {
         leaves[v.index()] = true;
     }
     let fusible: Vec<bool> = graph.nodes().map(|(id, _)| fusible(graph, id)).collect();
+    let updates: Vec<bool> = graph.nodes().map(|(_, n)| lower::optimizer_of(&n.op).is_some()).collect();
 
     let mut order: Vec<NodeId> =
         graph.nodes().filter(|(_, n)| matches!(n.op, Op::Constant { .. })).map(|(id, _)| id).collect();
     let mut groups: Vec<usize> = vec![1; order.len()];
-    let mut ready: std::collections::BTreeSet<usize> = graph
-        .nodes()
-        .filter(|(id, node)| waiting[id.index()] == 0 && !matches!(node.op, Op::Constant { .. }))
-        .map(|(id, _)| id.index())
-        .collect();
-    let mut release = |id: NodeId, ready: &mut std::collections::BTreeSet<usize>| {
+    // Ready nodes, and ready optimizer updates held back until nothing else is ready.
+    let mut ready = Ready::default();
+    for (id, node) in graph.nodes() {
+        if waiting[id.index()] == 0 && !matches!(node.op, Op::Constant { .. }) {
+            ready.insert(id.index(), updates[id.index()]);
+        }
+    }
+    let mut release = |id: NodeId, ready: &mut Ready| {
         for &v in &graph.node(id).outputs {
             for &c in &consumers[v.index()] {
                 waiting[c.index()] -= 1;
                 if waiting[c.index()] == 0 {
-                    ready.insert(c.index());
+                    ready.insert(c.index(), updates[c.index()]);
                 }
             }
         }
@@ -156,11 +162,29 @@ fn schedule(graph: &Graph) -> (Vec<NodeId>, Vec<usize>) {
         release(c, &mut ready);
     }
     let mut group: Vec<NodeId> = Vec::new();
-    while let Some(&first) = ready.iter().next() {
+    loop {
+        let Some(&first) = ready.nodes.iter().next() else {
+            // Only optimizer updates are left: each set that applies one rule is one step.
+            if ready.updates.is_empty() {
+                break;
+            }
+            if !group.is_empty() {
+                groups.push(group.len());
+                group.clear();
+            }
+            for step in multi_tensor_steps(graph, std::mem::take(&mut ready.updates)) {
+                groups.push(step.len());
+                for &id in &step {
+                    order.push(id);
+                    release(id, &mut ready);
+                }
+            }
+            continue;
+        };
         // A ready node that joins the open group, if any (the earliest such).
         let joining = (!group.is_empty() && group.len() < MAX_GROUP)
             .then(|| {
-                ready.iter().copied().find(|&c| {
+                ready.nodes.iter().copied().find(|&c| {
                     let candidate = NodeId(c as u32);
                     fusible[c] && connected(graph, &group, candidate) && {
                         let mut grown = group.clone();
@@ -181,7 +205,7 @@ fn schedule(graph: &Graph) -> (Vec<NodeId>, Vec<usize>) {
                 first
             }
         };
-        ready.remove(&next);
+        ready.nodes.remove(&next);
         let id = NodeId(next as u32);
         order.push(id);
         if fusible[next] {
@@ -200,6 +224,37 @@ fn schedule(graph: &Graph) -> (Vec<NodeId>, Vec<usize>) {
     }
     debug_assert_eq!(order.len(), n, "every node scheduled (the graph is acyclic)");
     (order, groups)
+}
+
+/// The nodes ready to be scheduled, optimizer updates apart.
+#[derive(Default)]
+struct Ready {
+    nodes: std::collections::BTreeSet<usize>,
+    updates: std::collections::BTreeSet<usize>,
+}
+
+impl Ready {
+    fn insert(&mut self, node: usize, is_update: bool) {
+        if is_update {
+            self.updates.insert(node);
+        } else {
+            self.nodes.insert(node);
+        }
+    }
+}
+
+/// `updates` (optimizer nodes, all ready) as the multi-tensor steps that apply them: those
+/// with the same rule, scalars and dtype together, in the order of their first node.
+fn multi_tensor_steps(graph: &Graph, updates: std::collections::BTreeSet<usize>) -> Vec<Vec<NodeId>> {
+    let mut steps: Vec<Vec<NodeId>> = Vec::new();
+    for id in updates.into_iter().map(|n| NodeId(n as u32)) {
+        let joins = steps.iter_mut().find(|step| lower::multi_tensor_optimizer(graph, &[step[0], id]).is_some());
+        match joins {
+            Some(step) => step.push(id),
+            None => steps.push(vec![id]),
+        }
+    }
+    steps
 }
 
 /// Whether `candidate` reads a value the group makes, or an activation (a value some node

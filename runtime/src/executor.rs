@@ -279,6 +279,13 @@ impl Executor {
                         .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: a send needs a communicator")))?;
                     comm.send(*rank, *to, *tag, region(input), clock.now()?)?;
                 }
+                Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label } => {
+                    let scalars: Vec<&[u8]> = scalars.iter().map(region).collect();
+                    // SAFETY: `validate` checked every tensor's regions (in the arena, of one
+                    // size) and that outputs alias nothing but, exactly, their own inputs.
+                    unsafe { run_optimizer_step(optimizer, *dtype, &scalars, tensors, base) }
+                        .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
+                }
                 Instruction::Recv { output, from, tag, label } => {
                     let (rank, comm) = self
                         .rank
@@ -378,6 +385,57 @@ unsafe fn run_generated(compiled: CpuKernel, buffers: &[*mut u8], kernel: &autot
         unsafe { compiled.run(buffers.0, rows) };
     });
 }
+
+/// Elements of one task of an optimizer step.
+const OPTIMIZER_TASK_ELEMENTS: usize = 16_384;
+
+/// One optimizer step's tensors, cut into tasks of at most [`OPTIMIZER_TASK_ELEMENTS`] on the
+/// current rayon pool.
+///
+/// # Safety
+/// The regions of `tensors` lie in the arena at `base` and alias as
+/// [`Instruction::OptimizerStep`] allows; no one else touches them meanwhile.
+unsafe fn run_optimizer_step(
+    optimizer: &autotp_kernels::Optimizer,
+    dtype: autotp_kernels::DType,
+    scalars: &[&[u8]],
+    tensors: &[crate::OptimizerTensor],
+    base: *mut u8,
+) -> Result<(), autotp_kernels::KernelError> {
+    use autotp_kernels::optim::{update, TensorUpdate};
+    use rayon::prelude::*;
+    let at = |r: &Region| unsafe { base.add(r.offset) };
+    let mut tasks: Vec<SendUpdate> = Vec::new();
+    for t in tensors {
+        let mut states = [std::ptr::null(); 2];
+        let mut states_out = [std::ptr::null_mut(); 2];
+        for (k, (input, output)) in t.inputs[2..].iter().zip(&t.outputs[1..]).enumerate() {
+            states[k] = at(input) as *const u8;
+            states_out[k] = at(output);
+        }
+        let whole = TensorUpdate {
+            len: t.inputs[0].len / dtype.size(),
+            param: at(&t.inputs[0]),
+            grad: at(&t.inputs[1]),
+            states,
+            param_out: at(&t.outputs[0]),
+            states_out,
+        };
+        for start in (0..whole.len).step_by(OPTIMIZER_TASK_ELEMENTS) {
+            let end = (start + OPTIMIZER_TASK_ELEMENTS).min(whole.len);
+            tasks.push(SendUpdate(unsafe { whole.part(dtype, start..end) }));
+        }
+    }
+    tasks.par_iter().try_for_each(|task| unsafe { update(optimizer, dtype, scalars, &task.0) })
+}
+
+/// A part of a tensor's update handed to a pool thread.
+struct SendUpdate(autotp_kernels::optim::TensorUpdate);
+
+// SAFETY: the parts of an optimizer step touch disjoint elements (validated: outputs overlap
+// nothing but their own inputs, and parts of one tensor are disjoint ranges).
+unsafe impl Send for SendUpdate {}
+unsafe impl Sync for SendUpdate {}
 
 /// The sequence number of the next collective on `op`'s axis (`shard_slice` meets no one and
 /// takes none).

@@ -37,7 +37,8 @@ pub mod trainer;
 
 pub use executor::{Executor, HostTensor};
 pub use program::{
-    ConstantData, Instruction, MemoryPlan, MeshAxis, Program, PtxModule, Region, Slot, SlotPlacement, Update,
+    ConstantData, Instruction, MemoryPlan, MeshAxis, OptimizerTensor, Program, PtxModule, Region, Slot, SlotPlacement,
+    Update,
 };
 
 #[derive(Debug, thiserror::Error)]

@@ -3,7 +3,7 @@
 //! (the program's [`kir`] kernels, JIT-compiled when the program is loaded). The runtime knows
 //! nothing of the IR: codegen produces Programs.
 
-use autotp_kernels::{kir, DType, Kernel};
+use autotp_kernels::{kir, DType, Kernel, Optimizer};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::CollectiveOp;
@@ -112,6 +112,25 @@ pub enum Instruction {
     Send { input: Region, to: usize, tag: u64, label: String },
     /// Waits for what pipeline stage `from` sent with `tag` and writes it to `output`.
     Recv { output: Region, from: usize, tag: u64, label: String },
+    /// One optimizer step over many tensors in one pass (a multi-tensor kernel, as Apex's and
+    /// DeepSpeed's fused optimizers), with one-element `scalars` (learning rate, step) shared
+    /// by all. Each output is exactly its input's region (updated in place) or overlaps nothing
+    /// the instruction touches (`validate` checks it).
+    OptimizerStep {
+        optimizer: Optimizer,
+        dtype: DType,
+        scalars: Vec<Region>,
+        tensors: Vec<OptimizerTensor>,
+        label: String,
+    },
+}
+
+/// One tensor of an [`Instruction::OptimizerStep`]: `inputs` are the parameter, its gradient
+/// and its states (as many as the optimizer keeps), `outputs` the new parameter and states.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerTensor {
+    pub inputs: Vec<Region>,
+    pub outputs: Vec<Region>,
 }
 
 /// The PTX of a program's kernels for one GPU architecture.
@@ -163,8 +182,6 @@ pub struct Program {
 }
 
 impl Instruction {
-    /// The regions the instruction reads and writes when it runs (a start reads and writes its
-    /// regions until its wait; a wait touches nothing itself).
     /// What the instruction came from (`node N (op)`), for profiles and errors.
     pub fn label(&self) -> &str {
         match self {
@@ -174,10 +191,13 @@ impl Instruction {
             | Instruction::CollectiveStart { label, .. }
             | Instruction::Wait { label, .. }
             | Instruction::Send { label, .. }
-            | Instruction::Recv { label, .. } => label,
+            | Instruction::Recv { label, .. }
+            | Instruction::OptimizerStep { label, .. } => label,
         }
     }
 
+    /// The regions the instruction reads and writes when it runs (a start reads and writes its
+    /// regions until its wait; a wait touches nothing itself).
     fn regions(&self) -> (Vec<Region>, Vec<Region>) {
         match self {
             Instruction::Kernel { inputs, outputs, .. } | Instruction::Generated { inputs, outputs, .. } => {
@@ -189,6 +209,10 @@ impl Instruction {
             Instruction::Wait { .. } => (vec![], vec![]),
             Instruction::Send { input, .. } => (vec![*input], vec![]),
             Instruction::Recv { output, .. } => (vec![], vec![*output]),
+            Instruction::OptimizerStep { scalars, tensors, .. } => (
+                scalars.iter().chain(tensors.iter().flat_map(|t| &t.inputs)).copied().collect(),
+                tensors.iter().flat_map(|t| t.outputs.iter().copied()).collect(),
+            ),
         }
     }
 }
@@ -321,6 +345,19 @@ impl Program {
                     let (reads, writes) = instruction.regions();
                     (reads, writes, label)
                 }
+                Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label } => {
+                    if let Err(what) = check_optimizer_step(optimizer, *dtype, scalars, tensors) {
+                        return bad(format!("instruction {i} ({label}): {what}"));
+                    }
+                    // Aliasing is checked above; only the arena bounds remain.
+                    let (reads, writes) = instruction.regions();
+                    for r in reads.iter().chain(&writes) {
+                        if r.end() > size {
+                            return bad(format!("instruction {i} ({label}) reaches past the arena"));
+                        }
+                    }
+                    continue;
+                }
             };
             for r in inputs.iter().chain(&outputs) {
                 if r.end() > size {
@@ -340,6 +377,62 @@ impl Program {
         }
         Ok(())
     }
+}
+
+/// The shape and aliasing rules of an optimizer step: every tensor's regions hold the same
+/// number of `dtype` elements, aligned for it; each output is its own input or apart from every
+/// other region of the step; no two outputs overlap.
+fn check_optimizer_step(
+    optimizer: &Optimizer,
+    dtype: DType,
+    scalars: &[Region],
+    tensors: &[OptimizerTensor],
+) -> Result<(), String> {
+    if !matches!(dtype, DType::F32 | DType::F64) {
+        return Err(format!("{} updates f32 or f64 parameters, not {dtype}", optimizer.name()));
+    }
+    if scalars.len() != optimizer.num_scalars() || scalars.iter().any(|s| s.len != dtype.size()) {
+        return Err(format!("{} takes {} one-element scalars", optimizer.name(), optimizer.num_scalars()));
+    }
+    let states = optimizer.num_states();
+    for (k, t) in tensors.iter().enumerate() {
+        let len = t.inputs.first().map_or(0, |r| r.len);
+        if t.inputs.len() != 2 + states
+            || t.outputs.len() != 1 + states
+            || t.inputs.iter().chain(&t.outputs).any(|r| r.len != len || r.offset % dtype.size() != 0)
+            || len % dtype.size() != 0
+        {
+            return Err(format!("tensor {k}'s regions do not fit {} of {dtype}", optimizer.name()));
+        }
+    }
+    // Each read with the (tensor, output) that may replace it in place.
+    let replaced_by = |k: usize, i: usize| match i {
+        0 => Some((k, 0)),
+        1 => None,
+        i => Some((k, i - 1)),
+    };
+    let reads: Vec<(Option<(usize, usize)>, Region)> = scalars
+        .iter()
+        .map(|&s| (None, s))
+        .chain(
+            tensors
+                .iter()
+                .enumerate()
+                .flat_map(|(k, t)| t.inputs.iter().enumerate().map(move |(i, &r)| (replaced_by(k, i), r))),
+        )
+        .collect();
+    let writes: Vec<(usize, usize, Region)> = tensors
+        .iter()
+        .enumerate()
+        .flat_map(|(k, t)| t.outputs.iter().enumerate().map(move |(j, &o)| (k, j, o)))
+        .collect();
+    for (n, &(k, j, out)) in writes.iter().enumerate() {
+        let clashes_with_read = reads.iter().any(|&(by, r)| r.overlaps(&out) && !(by == Some((k, j)) && r == out));
+        if clashes_with_read || writes[n + 1..].iter().any(|(_, _, w)| w.overlaps(&out)) {
+            return Err(format!("tensor {k}'s output {j} overlaps another region of the step"));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
