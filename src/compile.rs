@@ -20,6 +20,7 @@ use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::{AutoTp, SplitFused};
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer, StageNorm};
+use autotp_passes::peephole::{self, Peephole};
 use autotp_passes::pipeline::{
     bubble_fraction, stage_idle_fractions, Backward as PipelineBackward, Pipeline, Schedule as PipelineSchedule,
 };
@@ -355,8 +356,12 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let mut autodiff = Autodiff::new(LOSS);
     autodiff.frozen = frozen.clone();
     // Before the pipeline cuts the graph...
-    let mut front: Vec<Box<dyn Pass>> =
-        vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
+    let mut front: Vec<Box<dyn Pass>> = vec![
+        Box::new(autotp_passes::recognize::Recognize),
+        Box::new(Peephole { rules: peephole::Rules::Algebraic }),
+        Box::new(autotp_passes::dce::Dce),
+        Box::new(AttachLoss),
+    ];
     if flags.tp > 1 {
         front.push(Box::new(SplitFused));
     }

@@ -53,13 +53,19 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `autotp:TP`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
 /// `optimize` (clipping at 1) / `optimize:noclip`.
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
         "dce" => Box::new(Dce),
         "fusion" => Box::new(autotp_passes::fusion::Fusion),
+        "peephole" => Box::new(autotp_passes::peephole::Peephole {
+            rules: match argument {
+                "gemm" => autotp_passes::peephole::Rules::Gemm,
+                _ => autotp_passes::peephole::Rules::Algebraic,
+            },
+        }),
         "recognize" => Box::new(Recognize),
         "loss" => Box::new(AttachLoss),
         "shard" => Box::new(shard_spec(argument)),

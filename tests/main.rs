@@ -11,6 +11,7 @@
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
 //! - `kernels`: every generated kernel against the builtin kernel of the same op.
+//! - `rewrites`: the egg rewrites of kernel index arithmetic against their golden file.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
 //!   `conformance`: rules, optimizers and ONNX node tests against references.
 
@@ -26,6 +27,7 @@ mod kernels;
 mod optimizers;
 mod parallel;
 mod pipeline;
+mod rewrites;
 mod sharding;
 mod train;
 mod verifier;

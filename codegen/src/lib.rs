@@ -103,8 +103,10 @@ impl Dedicated {
     }
 }
 
-/// The index of `kernel` in `kernels`, added if new (layers of one shape share kernels).
-fn intern(kernels: &mut Vec<autotp_kernels::kir::Kernel>, kernel: autotp_kernels::kir::Kernel) -> usize {
+/// The index of `kernel` in `kernels`, added if new (layers of one shape share kernels), with
+/// its index arithmetic simplified ([`autotp_ir::index_rewrite`]).
+fn intern(kernels: &mut Vec<autotp_kernels::kir::Kernel>, mut kernel: autotp_kernels::kir::Kernel) -> usize {
+    autotp_ir::index_rewrite::simplify_kernel(&mut kernel);
     match kernels.iter().position(|k| *k == kernel) {
         Some(known) => known,
         None => {

@@ -303,6 +303,16 @@ impl<'g> Rewriter<'g> {
         self.map[old.index()].expect("value mapped before its use")
     }
 
+    /// The new id of an old value, if it has been copied or replaced.
+    pub fn mapped(&self, old: ValueId) -> Option<ValueId> {
+        self.map[old.index()]
+    }
+
+    /// The graph being rewritten.
+    pub fn old(&self) -> &'g Graph {
+        self.old
+    }
+
     /// The graph being built.
     pub fn graph(&mut self) -> &mut Graph {
         &mut self.new

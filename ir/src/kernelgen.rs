@@ -412,48 +412,17 @@ pub fn broadcast_index(input: &[usize], space: &[usize], split: usize) -> Index 
 }
 
 /// The index that walks dims of these `sizes` with these element `strides` (0: broadcast), the
-/// first `split` dims on the outer variable, the rest on the inner one, row-major.
+/// first `split` dims on the outer variable, the rest on the inner one, row-major: one term
+/// `((var / div) % size) * stride` per dim. Codegen simplifies it ([`crate::index_rewrite`]:
+/// size-1 and broadcast dims vanish, contiguous dims merge, the outermost modulo goes).
 fn strided_index(sizes: &[usize], strides: &[usize], split: usize) -> Index {
-    let rank = sizes.len();
-    let stride = |d: usize| strides[d];
-    let space = sizes;
     let mut terms: Vec<Term> = Vec::new();
-    for (var, dims) in [(Var::Outer, 0..split), (Var::Inner, split..rank)] {
+    for (var, dims) in [(Var::Outer, 0..split), (Var::Inner, split..sizes.len())] {
         // From the innermost dim outwards: `div` is the product of the dims inside.
         let mut div = 1;
-        let mut run: Option<Term> = None;
         for d in dims.rev() {
-            let s = stride(d);
-            let size = space[d];
-            if size == 1 {
-                continue;
-            }
-            if s == 0 {
-                if let Some(t) = run.take() {
-                    terms.push(t);
-                }
-            } else {
-                match &mut run {
-                    // Contiguous with the dim inside it: one term covers both.
-                    Some(t) if t.stride * t.modulo.unwrap_or(0) == s => {
-                        t.modulo = Some(t.modulo.unwrap_or(0) * size);
-                    }
-                    _ => {
-                        if let Some(t) = run.take() {
-                            terms.push(t);
-                        }
-                        run = Some(Term::new(var, div, Some(size), s));
-                    }
-                }
-            }
-            div *= size;
-        }
-        if let Some(mut t) = run {
-            // The outermost term of a variable needs no modulo: the variable stays below it.
-            if t.div * t.modulo.unwrap_or(0) == div {
-                t.modulo = None;
-            }
-            terms.push(t);
+            terms.push(Term::new(var, div, Some(sizes[d]), strides[d]));
+            div *= sizes[d];
         }
     }
     Index { base: 0, terms }

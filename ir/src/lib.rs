@@ -16,6 +16,7 @@
 
 pub mod eval;
 mod graph;
+pub mod index_rewrite;
 pub mod kernelgen;
 pub mod lower;
 mod op;

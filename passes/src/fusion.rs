@@ -37,7 +37,7 @@ impl Pass for Fusion {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
-        *graph = transposes_into_matmuls(graph);
+        *graph = crate::peephole::rewrite(graph, crate::peephole::Rules::Gemm);
         let (order, groups) = schedule(graph);
         let mut rewriter = Rewriter::new(graph, |_| true);
         for &n in &order {
@@ -54,49 +54,6 @@ impl Pass for Fusion {
         *graph = fused;
         Ok(())
     }
-}
-
-/// Whether `v` is a transpose of its last two dims, held whole on every rank, and its input.
-fn swapped_last_two(graph: &Graph, v: ValueId) -> Option<ValueId> {
-    let Def::Node(n, _) = graph.value(v).def else { return None };
-    let node = graph.node(n);
-    let Op::Transpose { perm } = &node.op else { return None };
-    let rank = perm.len();
-    let swaps = rank >= 2
-        && perm[..rank - 2].iter().enumerate().all(|(i, &p)| i == p)
-        && perm[rank - 2] == rank - 1
-        && perm[rank - 1] == rank - 2;
-    let whole = |v: ValueId| graph.value(v).placements.iter().all(|p| *p == autotp_ir::Placement::Replicate);
-    (swaps && whole(v) && whole(node.inputs[0])).then_some(node.inputs[0])
-}
-
-/// A matmul reading a transpose of its operand's last two dims reads the operand with its
-/// transpose flag instead (the GEMM takes the strides; nothing is copied), and the transposes
-/// no one else reads go away. Only for operands held whole on every rank, where the flag and
-/// the transpose place values alike.
-fn transposes_into_matmuls(graph: &Graph) -> Graph {
-    let mut rewriter = Rewriter::new(graph, |_| true);
-    for (id, node) in graph.nodes() {
-        let Op::MatMul { transpose_lhs, transpose_rhs } = node.op else {
-            rewriter.copy_node(id);
-            continue;
-        };
-        let (lhs, rhs) = (swapped_last_two(graph, node.inputs[0]), swapped_last_two(graph, node.inputs[1]));
-        if lhs.is_none() && rhs.is_none() {
-            rewriter.copy_node(id);
-            continue;
-        }
-        let op =
-            Op::MatMul { transpose_lhs: transpose_lhs ^ lhs.is_some(), transpose_rhs: transpose_rhs ^ rhs.is_some() };
-        let inputs = vec![rewriter.map(lhs.unwrap_or(node.inputs[0])), rewriter.map(rhs.unwrap_or(node.inputs[1]))];
-        let out = node.outputs[0];
-        let new = rewriter.graph().add_node_typed(op, inputs, vec![graph.ty(out).clone()]);
-        let value = rewriter.graph().node(new).outputs[0];
-        rewriter.graph().value_mut(value).placements = graph.value(out).placements.clone();
-        rewriter.graph().value_mut(value).name = graph.value(out).name.clone();
-        rewriter.set(out, value);
-    }
-    rewriter.finish().without_dead_code()
 }
 
 /// Whether a kernel can compute `node` at all (alone).

@@ -12,6 +12,7 @@
 //! | `fusion`    | groups elementwise and row-reduction ops into generated kernels ([`fusion`]) |
 //! | `loss`      | one scalar `loss` output: the model's, or mean cross-entropy ([`loss`]) |
 //! | `optimize`  | AdamW/SGD updates of every parameter, optional grad clipping ([`optimize`]) |
+//! | `peephole`  | e-graph rewrites: transpose and reshape chains, `x * 1`, `x + 0`, transposes into GEMMs ([`peephole`]) |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
 //! | `split-fused` | fused projections (GPT-2 `c_attn`) as k projections of one `[in, k, n]` parameter ([`autotp::SplitFused`]) |
 //! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
@@ -24,6 +25,7 @@ pub mod dce;
 pub mod fusion;
 pub mod loss;
 pub mod optimize;
+pub mod peephole;
 pub mod pipeline;
 pub mod recognize;
 pub mod shard;
@@ -84,9 +86,14 @@ impl PassManager {
         PassManager { passes }
     }
 
-    /// The post-import cleanup: recognise composite ops, then drop what became dead.
+    /// The post-import cleanup: recognise composite ops, simplify with the e-graph rewrites,
+    /// then drop what became dead.
     pub fn simplify_pipeline() -> PassManager {
-        PassManager::new(vec![Box::new(recognize::Recognize), Box::new(dce::Dce)])
+        PassManager::new(vec![
+            Box::new(recognize::Recognize),
+            Box::new(peephole::Peephole { rules: peephole::Rules::Algebraic }),
+            Box::new(dce::Dce),
+        ])
     }
 
     /// The passes' names, in order (a pass may appear more than once).
