@@ -80,9 +80,11 @@ pub struct RunArgs {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
+    let started = Instant::now();
     let file = PlanFile::open(&args.plan)?;
     let mut trainer = Trainer::new(file.plan.clone(), &file.weights(), args.flags.seed())?;
     drop(file);
+    tracing::info!(seconds = started.elapsed().as_secs_f64(), plan = %args.plan.display(), "plan loaded");
     train(&mut trainer, &args.flags)
 }
 

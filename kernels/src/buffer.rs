@@ -11,23 +11,27 @@ use bytemuck::Pod;
 use crate::KernelError;
 
 /// A zero-initialised, 64-byte aligned, fixed-size byte buffer.
-#[derive(Clone, Default)]
+///
+/// The words come zeroed from the allocator (`vec![0u64; n]` is a calloc, whose fresh pages
+/// are zero and touched only when used: a multi-GiB arena is ready at once; an allocation
+/// aligned to 64 would be written with zeros page by page), and the buffer starts at the
+/// first 64-byte boundary inside them.
+#[derive(Default)]
 pub struct AlignedBuf {
-    words: Vec<Align64>,
+    words: Vec<u64>,
+    /// Bytes from the words' start to the buffer's.
+    start: usize,
     len: usize,
 }
 
-#[derive(Copy, Clone)]
-#[repr(C, align(64))]
-struct Align64([u8; 64]);
-
-// SAFETY: a plain array of bytes, no padding, every bit pattern valid.
-unsafe impl bytemuck::Zeroable for Align64 {}
-unsafe impl bytemuck::Pod for Align64 {}
-
 impl AlignedBuf {
     pub fn zeroed(len: usize) -> AlignedBuf {
-        AlignedBuf { words: vec![Align64([0; 64]); len.div_ceil(64)], len }
+        if len == 0 {
+            return AlignedBuf::default();
+        }
+        let words = vec![0u64; (len + 64).div_ceil(8)];
+        let start = (words.as_ptr() as usize).wrapping_neg() % 64;
+        AlignedBuf { words, start, len }
     }
 
     pub fn from_bytes(bytes: &[u8]) -> AlignedBuf {
@@ -45,11 +49,18 @@ impl AlignedBuf {
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        &bytemuck::cast_slice(&self.words)[self.start..self.start + self.len]
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+        &mut bytemuck::cast_slice_mut(&mut self.words)[self.start..self.start + self.len]
+    }
+}
+
+impl Clone for AlignedBuf {
+    /// A copy at its own 64-byte boundary.
+    fn clone(&self) -> AlignedBuf {
+        AlignedBuf::from_bytes(self.as_slice())
     }
 }
 

@@ -71,12 +71,14 @@ fn gemm_crate<T: Num + Default>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut 
     if mn == 0 {
         return;
     }
-    let run = |(l, r): (usize, usize), dst: &mut [T], parallelism: gemm::Parallelism| {
+    // Rows `rows` of one product, into `dst` (those rows of the output).
+    let run = |(l, r): (usize, usize), rows: std::ops::Range<usize>, dst: &mut [T], parallelism: gemm::Parallelism| {
+        let l = (l as isize + rows.start as isize * lrs) as usize;
         // SAFETY: the offsets and strides stay inside `lhs`, `rhs` and `dst`, whose lengths the
-        // caller checked against the dims.
+        // caller checked against the dims; `rows` lies within `0..m`.
         unsafe {
             gemm::gemm(
-                d.m,
+                rows.len(),
                 d.n,
                 d.k,
                 dst.as_mut_ptr(),
@@ -99,14 +101,38 @@ fn gemm_crate<T: Num + Default>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut 
         }
     };
     let threads = rayon::current_num_threads();
-    if offsets.len() >= threads && offsets.len() > 1 {
-        out.par_chunks_mut(mn).zip(offsets.par_iter()).for_each(|(dst, &o)| run(o, dst, gemm::Parallelism::None));
+    if offsets.len() * d.m * d.n * d.k <= TINY_GEMMS {
+        // Waking the pool costs more than the whole product.
+        for (dst, &o) in out.chunks_mut(mn).zip(&offsets) {
+            run(o, 0..d.m, dst, gemm::Parallelism::None);
+        }
+    } else if offsets.len() >= threads && offsets.len() > 1 {
+        out.par_chunks_mut(mn)
+            .zip(offsets.par_iter())
+            .for_each(|(dst, &o)| run(o, 0..d.m, dst, gemm::Parallelism::None));
+    } else if d.m * d.n * d.k <= SMALL_GEMM && d.m >= 2 * ROW_BLOCK && threads > 1 {
+        // Small products: whole blocks of rows per thread, each a sequential GEMM (the
+        // library's own threading costs more than it saves at this size).
+        let rows = d.m.div_ceil(threads).next_multiple_of(ROW_BLOCK);
+        for (dst, &o) in out.chunks_mut(mn).zip(&offsets) {
+            dst.par_chunks_mut(rows * d.n).enumerate().for_each(|(i, block)| {
+                let start = i * rows;
+                run(o, start..(start + rows).min(d.m), block, gemm::Parallelism::None)
+            });
+        }
     } else {
         for (dst, &o) in out.chunks_mut(mn).zip(&offsets) {
-            run(o, dst, gemm::Parallelism::Rayon(threads));
+            run(o, 0..d.m, dst, gemm::Parallelism::Rayon(threads));
         }
     }
 }
+
+/// Multiply-adds (of all the batch's products) below which they run on the calling thread.
+const TINY_GEMMS: usize = 1 << 20;
+/// Multiply-adds below which a GEMM splits its rows over the threads itself.
+const SMALL_GEMM: usize = 1 << 22;
+/// Rows per block when it does (a multiple of the kernels' register tile).
+const ROW_BLOCK: usize = 16;
 
 impl GemmElem for f32 {
     fn gemm(d: &MatMulDims, lhs: &[f32], rhs: &[f32], out: &mut [f32]) {

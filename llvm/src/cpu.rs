@@ -155,7 +155,7 @@ fn define<'ctx>(
     }
     let buffers = Buffers(buffers);
     let one = i64t.const_int(1, false);
-    if width > 1 && lanes_on_outer_pay(kernel) {
+    if width > 1 && lanes_on_outer(kernel) {
         // Whole blocks of `width` rows with a lane per row, then the remaining rows alone.
         let rows = e.b.build_int_sub(end, begin, "")?;
         let rest = e.b.build_int_unsigned_rem(rows, i64t.const_int(width as u64, false), "")?;
@@ -184,7 +184,7 @@ fn define<'ctx>(
 /// Whether lanes should run along rows: every access is contiguous or constant along the outer
 /// variable, and some load walks the inner one with a stride (a reduction over leading dims,
 /// `x[i, o]`), which lanes along the inner dimension would have to gather element by element.
-fn lanes_on_outer_pay(kernel: &kir::Kernel) -> bool {
+pub fn lanes_on_outer(kernel: &kir::Kernel) -> bool {
     let indices = || {
         kernel.stages.iter().flat_map(|stage| {
             let (exprs, stores): (&[kir::Expr], &[kir::Store]) = match stage {

@@ -209,7 +209,7 @@ impl Executor {
                 got: bytes.len(),
             });
         }
-        self.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(bytes);
+        copy_in_parallel(&mut self.arena.as_mut_slice()[slot.region.offset..slot.region.end()], bytes);
         Ok(())
     }
 
@@ -356,7 +356,14 @@ impl Executor {
 /// kernels run on the calling thread and large ones spread over the pool.
 fn rows_per_task(kernel: &autotp_kernels::kir::Kernel) -> usize {
     let passes = kernel.stages.len().max(1);
-    (16_384 / (kernel.inner * passes).max(1)).max(1)
+    let rows = (16_384 / (kernel.inner * passes).max(1)).max(1);
+    if autotp_llvm::cpu::lanes_on_outer(kernel) {
+        // Rows are the vector lanes and each inner step reads a run of them: whole vectors,
+        // and runs of whole cache lines (64 f32 rows = 4 lines).
+        rows.next_multiple_of(64)
+    } else {
+        rows
+    }
 }
 
 /// Buffers handed to the pool's threads.
@@ -384,6 +391,15 @@ unsafe fn run_generated(compiled: CpuKernel, buffers: &[*mut u8], kernel: &autot
         let buffers = &shared;
         unsafe { compiled.run(buffers.0, rows) };
     });
+}
+
+/// `dst.copy_from_slice(src)` in pieces of 4 MiB on the pool: loading a plan's weights from a
+/// memory-mapped file into fresh arena pages is page faults on both sides, which the cores
+/// take in parallel.
+fn copy_in_parallel(dst: &mut [u8], src: &[u8]) {
+    use rayon::prelude::*;
+    const PIECE: usize = 4 << 20;
+    dst.par_chunks_mut(PIECE).zip(src.par_chunks(PIECE)).for_each(|(d, s)| d.copy_from_slice(s));
 }
 
 /// Elements of one task of an optimizer step.
