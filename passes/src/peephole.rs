@@ -14,7 +14,10 @@
 //!   alone: `-0 + 0 = +0`);
 //! - ([`Rules::Gemm`]) a matmul reading a transpose of its operand's last two dims reads the
 //!   operand with its transpose flag instead (the GEMM takes the strides; nothing is copied),
-//!   for operands held whole on every rank, where the flag and the transpose place values alike.
+//!   for operands held whole on every rank, where the flag and the transpose place values alike;
+//!   a transpose of a matmul's last two dims is the product of the operands swapped, flags
+//!   flipped (`(AB)^T = B^T A^T`: a weight gradient made in the layout of its weight), unless
+//!   a mesh axis shards one of those two dims.
 //!
 //! No rule reorders or reassociates, so the e-graph stays small; rewritten values keep the
 //! type, name and placements of the value they replace, and nodes nothing reads any more go.
@@ -68,7 +71,7 @@ impl Pass for Peephole {
 #[derive(Clone, Debug, PartialEq)]
 enum Fact {
     Attribute,
-    Tensor { shape: Vec<usize>, whole: bool, splat: Option<f64> },
+    Tensor { shape: Vec<usize>, whole: bool, splat: Option<f64>, sharded_dims: Vec<usize> },
 }
 
 /// The facts of the graph's values (by symbol), for the leaves.
@@ -81,19 +84,28 @@ impl Analysis<Peep> for Facts {
 
     fn make(egraph: &mut EGraph<Peep, Self>, enode: &Peep, _id: Id) -> Option<Fact> {
         let shape_of = |id: &Id| match &egraph[*id].data {
-            Some(Fact::Tensor { shape, whole, .. }) => Some((shape.clone(), *whole)),
+            Some(Fact::Tensor { shape, whole, sharded_dims, .. }) => Some((shape.clone(), *whole, sharded_dims.clone())),
             _ => None,
         };
         match enode {
             Peep::Symbol(s) => Some(egraph.analysis.leaves.get(s).cloned().unwrap_or(Fact::Attribute)),
             Peep::Transpose([perm, x]) => {
-                let (shape, whole) = shape_of(x)?;
+                let (shape, whole, sharded) = shape_of(x)?;
                 let perm = list(egraph, *perm)?;
-                Some(Fact::Tensor { shape: perm.iter().map(|&p| shape[p]).collect(), whole, splat: None })
+                Some(Fact::Tensor {
+                    shape: perm.iter().map(|&p| shape[p]).collect(),
+                    whole,
+                    splat: None,
+                    sharded_dims: (0..perm.len()).filter(|&k| sharded.contains(&perm[k])).collect(),
+                })
             }
             Peep::Reshape([shape, x]) => {
-                let (_, whole) = shape_of(x)?;
-                Some(Fact::Tensor { shape: list(egraph, *shape)?, whole, splat: None })
+                let (_, whole, sharded) = shape_of(x)?;
+                // Where a reshape moves a sharded dim is not followed (no rule needs it).
+                if !sharded.is_empty() {
+                    return None;
+                }
+                Some(Fact::Tensor { shape: list(egraph, *shape)?, whole, splat: None, sharded_dims: vec![] })
             }
             // The class of an original value knows its own facts; a new node of these kinds
             // only ever joins such a class (see the rules).
@@ -130,9 +142,26 @@ fn attribute(kind: &str, numbers: &[usize]) -> Symbol {
 
 fn tensor(egraph: &Graph_, id: Id) -> Option<(Vec<usize>, bool, Option<f64>)> {
     match &egraph[id].data {
-        Some(Fact::Tensor { shape, whole, splat }) => Some((shape.clone(), *whole, *splat)),
+        Some(Fact::Tensor { shape, whole, splat, .. }) => Some((shape.clone(), *whole, *splat)),
         _ => None,
     }
+}
+
+/// Whether no mesh axis shards one of the last two dims of the class's value.
+fn last_two_whole(egraph: &Graph_, id: Id) -> bool {
+    match &egraph[id].data {
+        Some(Fact::Tensor { shape, sharded_dims, .. }) => sharded_dims.iter().all(|&d| d + 2 < shape.len()),
+        _ => false,
+    }
+}
+
+/// Whether `perm` swaps the last two dims and keeps the others.
+fn swaps_last_two(perm: &[usize]) -> bool {
+    let rank = perm.len();
+    rank >= 2
+        && perm[..rank - 2].iter().enumerate().all(|(i, &p)| i == p)
+        && perm[rank - 2] == rank - 1
+        && perm[rank - 1] == rank - 2
 }
 
 fn var(name: &str) -> egg::Var {
@@ -204,11 +233,7 @@ impl egg::Applier<Peep, Facts> for FoldTranspose {
         let (Some(perm), Some(flags)) = (list(egraph, subst[var("?p")]), list(egraph, subst[var("?f")])) else {
             return vec![];
         };
-        let rank = perm.len();
-        let swaps = rank >= 2
-            && perm[..rank - 2].iter().enumerate().all(|(i, &p)| i == p)
-            && perm[rank - 2] == rank - 1
-            && perm[rank - 1] == rank - 2;
+        let swaps = swaps_last_two(&perm);
         let whole = |id: Id| tensor(egraph, id).is_some_and(|(_, whole, _)| whole);
         let (a, t) = (subst[var("?a")], subst[var("?t")]);
         if !swaps || !whole(a) || !whole(t) || flags.len() != 2 {
@@ -227,6 +252,39 @@ impl egg::Applier<Peep, Facts> for FoldTranspose {
     }
 }
 
+/// `transpose_last_two(matmul(a, b))` as `matmul(b, a)` with both flags flipped and swapped
+/// (`(AB)^T = B^T A^T`): the product is written in the order the reader wants, and the
+/// transpose goes. Not where a mesh axis shards one of the two dims that trade places.
+struct SwapProduct;
+
+impl egg::Applier<Peep, Facts> for SwapProduct {
+    fn apply_one(&self, egraph: &mut Graph_, class: Id, subst: &Subst, _: Option<&egg::PatternAst<Peep>>, _: Symbol) -> Vec<Id> {
+        let product = subst[var("?m")];
+        let swaps = list(egraph, subst[var("?p")]).is_some_and(|p| swaps_last_two(&p));
+        if !swaps || !last_two_whole(egraph, product) || !last_two_whole(egraph, class) {
+            return vec![];
+        }
+        let products: Vec<[Id; 3]> = egraph[product]
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                Peep::MatMul(children) => Some(*children),
+                _ => None,
+            })
+            .collect();
+        let mut made = Vec::new();
+        for [flags, a, b] in products {
+            let Some(f) = list(egraph, flags).filter(|f| f.len() == 2) else { continue };
+            let swapped = egraph.add(Peep::Symbol(attribute("flags", &[1 - f[1], 1 - f[0]])));
+            let node = egraph.add(Peep::MatMul([swapped, b, a]));
+            if egraph.union(class, node) {
+                made.push(node);
+            }
+        }
+        made
+    }
+}
+
 fn rules(which: Rules) -> Vec<Rewrite<Peep, Facts>> {
     match which {
         Rules::Algebraic => vec![
@@ -242,6 +300,7 @@ fn rules(which: Rules) -> Vec<Rewrite<Peep, Facts>> {
         Rules::Gemm => vec![
             rw!("matmul-transposed-lhs"; "(matmul ?f ?t ?b)" => { Matched { inner: FoldTranspose { lhs: true } } }),
             rw!("matmul-transposed-rhs"; "(matmul ?f ?b ?t)" => { Matched { inner: FoldTranspose { lhs: false } } }),
+            rw!("transpose-of-matmul"; "(transpose ?p ?m)" => { SwapProduct }),
         ],
     }
 }
@@ -328,7 +387,18 @@ pub fn rewrite(graph: &Graph, which: Rules) -> Graph {
             },
             _ => None,
         };
-        leaves.insert(value_symbol(id), Fact::Tensor { shape: value.ty.shape.clone(), whole: whole(id), splat });
+        let sharded_dims = value
+            .placements
+            .iter()
+            .filter_map(|p| match p {
+                Placement::Shard(d) => Some(*d),
+                _ => None,
+            })
+            .collect();
+        leaves.insert(
+            value_symbol(id),
+            Fact::Tensor { shape: value.ty.shape.clone(), whole: whole(id), splat, sharded_dims },
+        );
     }
     let mut egraph = EGraph::new(Facts { leaves });
     // Each value's class: a leaf, or its op's node over its inputs' classes.
