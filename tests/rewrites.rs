@@ -9,18 +9,11 @@ use autotp_kernels::kir::{Index, Term, Var};
 
 use crate::common::repo;
 
-/// One term per dim of a row-major walk over `sizes` with element `strides`, the first
-/// `split` dims on the outer variable: the kernel builder's naive form.
+/// The kernel builder's naive index of a walk over `sizes` with element `strides` (one term
+/// per dim, the first `split` dims on the outer variable), and the variables' extents.
 fn walk(sizes: &[usize], strides: &[usize], split: usize) -> (Index, usize, usize) {
-    let mut terms = Vec::new();
-    for (var, dims) in [(Var::Outer, 0..split), (Var::Inner, split..sizes.len())] {
-        let mut div = 1;
-        for d in dims.rev() {
-            terms.push(Term::new(var, div, Some(sizes[d]), strides[d]));
-            div *= sizes[d];
-        }
-    }
-    (Index { base: 0, terms }, sizes[..split].iter().product(), sizes[split..].iter().product())
+    let index = autotp_ir::kernelgen::strided_index(sizes, strides, split);
+    (index, sizes[..split].iter().product(), sizes[split..].iter().product())
 }
 
 #[test]

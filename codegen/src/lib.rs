@@ -168,6 +168,15 @@ fn update_in_place(graph: &Graph, fusion: &autotp_ir::Fusion, root: &mut [usize]
     }
 }
 
+/// Frees the regions of the values that die.
+fn release(dying: Vec<usize>, regions: &[Option<Region>], allocator: &mut FirstFit, live_bytes: &mut usize) {
+    for v in dying {
+        let region = regions[v].expect("placed");
+        allocator.free(region.offset);
+        *live_bytes -= region.len;
+    }
+}
+
 /// Lowers `graph` to the program every rank of its mesh runs (one device for an empty mesh),
 /// with the default options (generated kernels).
 pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
@@ -261,11 +270,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         }
         if in_fused_group[id.index()] {
             // Computed by its group's kernel: only release what dies here.
-            for v in std::mem::take(&mut by_last_use[id.index()]) {
-                let region = regions[v].expect("placed");
-                allocator.free(region.offset);
-                live_bytes -= region.len;
-            }
+            release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
             continue;
         }
         if let Some((fusion, optimizer)) = fusion_at[id.index()].and_then(|f| {
@@ -312,11 +317,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             for member in fusion.nodes.clone() {
                 in_fused_group[member] = true;
             }
-            for v in std::mem::take(&mut by_last_use[id.index()]) {
-                let region = regions[v].expect("placed");
-                allocator.free(region.offset);
-                live_bytes -= region.len;
-            }
+            release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
             continue;
         }
         let fused = fusion_at[id.index()].and_then(|f| {
@@ -344,11 +345,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             for member in fusion.nodes.clone() {
                 in_fused_group[member] = true;
             }
-            for v in std::mem::take(&mut by_last_use[id.index()]) {
-                let region = regions[v].expect("placed");
-                allocator.free(region.offset);
-                live_bytes -= region.len;
-            }
+            release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
             continue;
         }
         let shared = node.outputs.first().filter(|o| root[o.index()] != o.index());
@@ -359,11 +356,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
                 let label = format!("node {} (wait)", id.index());
                 instructions.push(Instruction::Wait { start: start_instruction[start.index()], label });
             }
-            for v in std::mem::take(&mut by_last_use[id.index()]) {
-                let region = regions[v].expect("placed");
-                allocator.free(region.offset);
-                live_bytes -= region.len;
-            }
+            release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
             continue;
         }
         for &o in &node.outputs {
@@ -440,11 +433,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
                 .expect("constants, collectives and pipeline communication are handled apart");
             instructions.push(Instruction::Kernel { kernel, inputs, outputs, label });
         }
-        for v in std::mem::take(&mut by_last_use[id.index()]) {
-            let region = regions[v].expect("placed");
-            allocator.free(region.offset);
-            live_bytes -= region.len;
-        }
+        release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
     }
     memory.arena_bytes = allocator.high_water();
     memory.grads_bytes = graph

@@ -341,18 +341,9 @@ mod tests {
         (0..outer).flat_map(|o| (0..inner).map(move |i| (o, i))).map(|(o, i)| index.offset(o, i)).collect()
     }
 
-    /// The naive index of a row-major walk over `sizes` with `strides`, as the kernel builder
-    /// writes it: one term per dim, the first `split` dims on the outer variable.
+    /// The kernel builder's naive index of a walk over `sizes` with `strides`.
     fn naive(sizes: &[usize], strides: &[usize], split: usize) -> Index {
-        let mut terms = Vec::new();
-        for (var, dims) in [(Var::Outer, 0..split), (Var::Inner, split..sizes.len())] {
-            let mut div = 1;
-            for d in dims.rev() {
-                terms.push(Term::new(var, div, Some(sizes[d]), strides[d]));
-                div *= sizes[d];
-            }
-        }
-        Index { base: 0, terms }
+        crate::kernelgen::strided_index(sizes, strides, split)
     }
 
     #[test]

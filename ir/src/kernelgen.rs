@@ -415,7 +415,7 @@ pub fn broadcast_index(input: &[usize], space: &[usize], split: usize) -> Index 
 /// first `split` dims on the outer variable, the rest on the inner one, row-major: one term
 /// `((var / div) % size) * stride` per dim. Codegen simplifies it ([`crate::index_rewrite`]:
 /// size-1 and broadcast dims vanish, contiguous dims merge, the outermost modulo goes).
-fn strided_index(sizes: &[usize], strides: &[usize], split: usize) -> Index {
+pub fn strided_index(sizes: &[usize], strides: &[usize], split: usize) -> Index {
     let mut terms: Vec<Term> = Vec::new();
     for (var, dims) in [(Var::Outer, 0..split), (Var::Inner, split..sizes.len())] {
         // From the innermost dim outwards: `div` is the product of the dims inside.

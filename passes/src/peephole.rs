@@ -84,7 +84,9 @@ impl Analysis<Peep> for Facts {
 
     fn make(egraph: &mut EGraph<Peep, Self>, enode: &Peep, _id: Id) -> Option<Fact> {
         let shape_of = |id: &Id| match &egraph[*id].data {
-            Some(Fact::Tensor { shape, whole, sharded_dims, .. }) => Some((shape.clone(), *whole, sharded_dims.clone())),
+            Some(Fact::Tensor { shape, whole, sharded_dims, .. }) => {
+                Some((shape.clone(), *whole, sharded_dims.clone()))
+            }
             _ => None,
         };
         match enode {
@@ -189,6 +191,15 @@ fn neutral(value: f64) -> impl Fn(&mut Graph_, Id, &Subst) -> bool {
     }
 }
 
+/// Adds `node` to `class`: the new e-node when that merged anything.
+fn join(egraph: &mut Graph_, class: Id, node: Id) -> Vec<Id> {
+    if egraph.union(class, node) {
+        vec![node]
+    } else {
+        vec![]
+    }
+}
+
 /// `transpose(transpose(x, p), q)` as `transpose(x, p∘q)`.
 struct ComposeTransposes;
 
@@ -207,11 +218,7 @@ impl egg::Applier<Peep, Facts> for ComposeTransposes {
         let composed: Vec<usize> = q.iter().map(|&k| p[k]).collect();
         let perm = egraph.add(Peep::Symbol(attribute("perm", &composed)));
         let node = egraph.add(Peep::Transpose([perm, subst[var("?x")]]));
-        if egraph.union(class, node) {
-            vec![node]
-        } else {
-            vec![]
-        }
+        join(egraph, class, node)
     }
 }
 
@@ -244,11 +251,7 @@ impl egg::Applier<Peep, Facts> for FoldTranspose {
         let flags = egraph.add(Peep::Symbol(attribute("flags", &flipped)));
         let other = subst[var("?b")];
         let node = egraph.add(Peep::MatMul(if self.lhs { [flags, a, other] } else { [flags, other, a] }));
-        if egraph.union(class, node) {
-            vec![node]
-        } else {
-            vec![]
-        }
+        join(egraph, class, node)
     }
 }
 
@@ -258,7 +261,14 @@ impl egg::Applier<Peep, Facts> for FoldTranspose {
 struct SwapProduct;
 
 impl egg::Applier<Peep, Facts> for SwapProduct {
-    fn apply_one(&self, egraph: &mut Graph_, class: Id, subst: &Subst, _: Option<&egg::PatternAst<Peep>>, _: Symbol) -> Vec<Id> {
+    fn apply_one(
+        &self,
+        egraph: &mut Graph_,
+        class: Id,
+        subst: &Subst,
+        _: Option<&egg::PatternAst<Peep>>,
+        _: Symbol,
+    ) -> Vec<Id> {
         let product = subst[var("?m")];
         let swaps = list(egraph, subst[var("?p")]).is_some_and(|p| swaps_last_two(&p));
         if !swaps || !last_two_whole(egraph, product) || !last_two_whole(egraph, class) {
@@ -277,9 +287,7 @@ impl egg::Applier<Peep, Facts> for SwapProduct {
             let Some(f) = list(egraph, flags).filter(|f| f.len() == 2) else { continue };
             let swapped = egraph.add(Peep::Symbol(attribute("flags", &[1 - f[1], 1 - f[0]])));
             let node = egraph.add(Peep::MatMul([swapped, b, a]));
-            if egraph.union(class, node) {
-                made.push(node);
-            }
+            made.extend(join(egraph, class, node));
         }
         made
     }
