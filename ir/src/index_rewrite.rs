@@ -94,14 +94,14 @@ fn constant(interval: Interval) -> Option<i64> {
     (interval.lo == interval.hi).then_some(interval.lo)
 }
 
-type Graph = EGraph<IndexExpr, Bounds>;
+type IndexGraph = EGraph<IndexExpr, Bounds>;
 
-fn value(egraph: &Graph, subst: &Subst, var: &str) -> Option<i64> {
+fn value(egraph: &IndexGraph, subst: &Subst, var: &str) -> Option<i64> {
     constant(egraph[subst[var.parse().expect("a pattern variable")]].data)
 }
 
 /// `?x < ?c` for every value.
-fn below(x: &'static str, c: &'static str) -> impl Fn(&mut Graph, Id, &Subst) -> bool {
+fn below(x: &'static str, c: &'static str) -> impl Fn(&mut IndexGraph, Id, &Subst) -> bool {
     move |egraph, _, subst| {
         let bound = value(egraph, subst, c);
         bound.is_some_and(|c| egraph[subst[x.parse().expect("a pattern variable")]].data.hi < c)
@@ -109,7 +109,7 @@ fn below(x: &'static str, c: &'static str) -> impl Fn(&mut Graph, Id, &Subst) ->
 }
 
 /// `?big` is a multiple of `?small`.
-fn divides(small: &'static str, big: &'static str) -> impl Fn(&mut Graph, Id, &Subst) -> bool {
+fn divides(small: &'static str, big: &'static str) -> impl Fn(&mut IndexGraph, Id, &Subst) -> bool {
     move |egraph, _, subst| match (value(egraph, subst, small), value(egraph, subst, big)) {
         (Some(a), Some(b)) => a > 0 && b % a == 0,
         _ => false,
@@ -117,7 +117,7 @@ fn divides(small: &'static str, big: &'static str) -> impl Fn(&mut Graph, Id, &S
 }
 
 /// The next term continues the previous one: `?e = ?d*?m` and `?t = ?s*?m`.
-fn contiguous(egraph: &mut Graph, _: Id, subst: &Subst) -> bool {
+fn contiguous(egraph: &mut IndexGraph, _: Id, subst: &Subst) -> bool {
     let get = |v: &str| value(egraph, subst, v);
     match (get("?d"), get("?m"), get("?s"), get("?e"), get("?t")) {
         (Some(d), Some(m), Some(s), Some(e), Some(t)) => e == d * m && t == s * m,

@@ -16,7 +16,6 @@ use crate::KernelError;
 /// are zero and touched only when used: a multi-GiB arena is ready at once; an allocation
 /// aligned to 64 would be written with zeros page by page), and the buffer starts at the
 /// first 64-byte boundary inside them.
-#[derive(Default)]
 pub struct AlignedBuf {
     words: Vec<u64>,
     /// Bytes from the words' start to the buffer's.
@@ -26,9 +25,6 @@ pub struct AlignedBuf {
 
 impl AlignedBuf {
     pub fn zeroed(len: usize) -> AlignedBuf {
-        if len == 0 {
-            return AlignedBuf::default();
-        }
         let words = vec![0u64; (len + 64).div_ceil(8)];
         let start = (words.as_ptr() as usize).wrapping_neg() % 64;
         AlignedBuf { words, start, len }
@@ -57,6 +53,12 @@ impl AlignedBuf {
     }
 }
 
+impl Default for AlignedBuf {
+    fn default() -> AlignedBuf {
+        AlignedBuf::zeroed(0)
+    }
+}
+
 impl Clone for AlignedBuf {
     /// A copy at its own 64-byte boundary.
     fn clone(&self) -> AlignedBuf {
@@ -81,4 +83,23 @@ pub fn view<T: Pod>(bytes: &[u8]) -> Cow<'_, [T]> {
 /// A typed view of an output buffer, which must be aligned for `T`.
 pub fn view_mut<T: Pod>(bytes: &mut [u8]) -> Result<&mut [T], KernelError> {
     bytemuck::try_cast_slice_mut(bytes).map_err(|_| KernelError::Misaligned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AlignedBuf;
+
+    #[test]
+    fn buffers_are_zeroed_and_64_byte_aligned() {
+        for len in [0, 1, 63, 64, 65, 4096, 3 << 20] {
+            let mut buf = AlignedBuf::zeroed(len);
+            assert_eq!(buf.len(), len);
+            assert_eq!(buf.as_slice().as_ptr() as usize % 64, 0, "len {len}");
+            assert!(buf.as_slice().iter().all(|&b| b == 0));
+            buf.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+            let copy = buf.clone();
+            assert_eq!(copy.as_slice(), buf.as_slice());
+            assert_eq!(copy.as_slice().as_ptr() as usize % 64, 0);
+        }
+    }
 }

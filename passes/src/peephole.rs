@@ -124,10 +124,10 @@ impl Analysis<Peep> for Facts {
     }
 }
 
-type Graph_ = EGraph<Peep, Facts>;
+type PeepGraph = EGraph<Peep, Facts>;
 
 /// The numbers of an attribute symbol `name:1,2,3`.
-fn list(egraph: &Graph_, id: Id) -> Option<Vec<usize>> {
+fn list(egraph: &PeepGraph, id: Id) -> Option<Vec<usize>> {
     egraph[id].nodes.iter().find_map(|n| match n {
         Peep::Symbol(s) => {
             let (_, numbers) = s.as_str().split_once(':')?;
@@ -142,7 +142,7 @@ fn attribute(kind: &str, numbers: &[usize]) -> Symbol {
     format!("{kind}:{}", numbers.join(",")).into()
 }
 
-fn tensor(egraph: &Graph_, id: Id) -> Option<(Vec<usize>, bool, Option<f64>)> {
+fn tensor(egraph: &PeepGraph, id: Id) -> Option<(Vec<usize>, bool, Option<f64>)> {
     match &egraph[id].data {
         Some(Fact::Tensor { shape, whole, splat, .. }) => Some((shape.clone(), *whole, *splat)),
         _ => None,
@@ -150,7 +150,7 @@ fn tensor(egraph: &Graph_, id: Id) -> Option<(Vec<usize>, bool, Option<f64>)> {
 }
 
 /// Whether no mesh axis shards one of the last two dims of the class's value.
-fn last_two_whole(egraph: &Graph_, id: Id) -> bool {
+fn last_two_whole(egraph: &PeepGraph, id: Id) -> bool {
     match &egraph[id].data {
         Some(Fact::Tensor { shape, sharded_dims, .. }) => sharded_dims.iter().all(|&d| d + 2 < shape.len()),
         _ => false,
@@ -171,12 +171,12 @@ fn var(name: &str) -> egg::Var {
 }
 
 /// `?p` is the identity permutation.
-fn identity(egraph: &mut Graph_, _: Id, subst: &Subst) -> bool {
+fn identity(egraph: &mut PeepGraph, _: Id, subst: &Subst) -> bool {
     list(egraph, subst[var("?p")]).is_some_and(|p| p.iter().enumerate().all(|(i, &d)| i == d))
 }
 
 /// `?s` is `?x`'s own shape.
-fn same_shape(egraph: &mut Graph_, _: Id, subst: &Subst) -> bool {
+fn same_shape(egraph: &mut PeepGraph, _: Id, subst: &Subst) -> bool {
     match (list(egraph, subst[var("?s")]), tensor(egraph, subst[var("?x")])) {
         (Some(s), Some((shape, ..))) => s == shape,
         _ => false,
@@ -184,7 +184,7 @@ fn same_shape(egraph: &mut Graph_, _: Id, subst: &Subst) -> bool {
 }
 
 /// `?c` is a constant of `value` everywhere and the result has `?x`'s shape.
-fn neutral(value: f64) -> impl Fn(&mut Graph_, Id, &Subst) -> bool {
+fn neutral(value: f64) -> impl Fn(&mut PeepGraph, Id, &Subst) -> bool {
     move |egraph, class, subst| match (tensor(egraph, subst[var("?c")]), tensor(egraph, subst[var("?x")])) {
         (Some((_, _, Some(c))), Some((x, ..))) => c == value && tensor(egraph, class).is_some_and(|(out, ..)| out == x),
         _ => false,
@@ -192,7 +192,7 @@ fn neutral(value: f64) -> impl Fn(&mut Graph_, Id, &Subst) -> bool {
 }
 
 /// Adds `node` to `class`: the new e-node when that merged anything.
-fn join(egraph: &mut Graph_, class: Id, node: Id) -> Vec<Id> {
+fn join(egraph: &mut PeepGraph, class: Id, node: Id) -> Vec<Id> {
     if egraph.union(class, node) {
         vec![node]
     } else {
@@ -206,7 +206,7 @@ struct ComposeTransposes;
 impl egg::Applier<Peep, Facts> for ComposeTransposes {
     fn apply_one(
         &self,
-        egraph: &mut Graph_,
+        egraph: &mut PeepGraph,
         class: Id,
         subst: &Subst,
         _: Option<&egg::PatternAst<Peep>>,
@@ -231,7 +231,7 @@ struct FoldTranspose {
 impl egg::Applier<Peep, Facts> for FoldTranspose {
     fn apply_one(
         &self,
-        egraph: &mut Graph_,
+        egraph: &mut PeepGraph,
         class: Id,
         subst: &Subst,
         _: Option<&egg::PatternAst<Peep>>,
@@ -263,7 +263,7 @@ struct SwapProduct;
 impl egg::Applier<Peep, Facts> for SwapProduct {
     fn apply_one(
         &self,
-        egraph: &mut Graph_,
+        egraph: &mut PeepGraph,
         class: Id,
         subst: &Subst,
         _: Option<&egg::PatternAst<Peep>>,
@@ -321,7 +321,7 @@ struct Matched<A> {
 impl<A: egg::Applier<Peep, Facts>> egg::Applier<Peep, Facts> for Matched<A> {
     fn apply_one(
         &self,
-        egraph: &mut Graph_,
+        egraph: &mut PeepGraph,
         class: Id,
         subst: &Subst,
         ast: Option<&egg::PatternAst<Peep>>,
@@ -352,7 +352,7 @@ fn value_symbol(v: ValueId) -> Symbol {
 }
 
 /// The e-graph node of `op` on these child classes, if the rewrites look at `op`.
-fn enode(egraph: &mut Graph_, op: &Op, inputs: &[Id]) -> Option<Peep> {
+fn enode(egraph: &mut PeepGraph, op: &Op, inputs: &[Id]) -> Option<Peep> {
     Some(match op {
         Op::Transpose { perm } => Peep::Transpose([egraph.add(Peep::Symbol(attribute("perm", perm))), inputs[0]]),
         Op::Reshape { shape } => Peep::Reshape([egraph.add(Peep::Symbol(attribute("shape", shape))), inputs[0]]),
@@ -367,7 +367,7 @@ fn enode(egraph: &mut Graph_, op: &Op, inputs: &[Id]) -> Option<Peep> {
 }
 
 /// The op of an extracted e-graph node (its attributes read from their classes).
-fn op_of(egraph: &Graph_, node: &Peep) -> Option<Op> {
+fn op_of(egraph: &PeepGraph, node: &Peep) -> Option<Op> {
     Some(match node {
         Peep::Transpose([perm, _]) => Op::Transpose { perm: list(egraph, *perm)? },
         Peep::Reshape([shape, _]) => Op::Reshape { shape: list(egraph, *shape)? },
@@ -411,7 +411,7 @@ pub fn rewrite(graph: &Graph, which: Rules) -> Graph {
     let mut egraph = EGraph::new(Facts { leaves });
     // Each value's class: a leaf, or its op's node over its inputs' classes.
     let mut class: Vec<Option<Id>> = vec![None; graph.num_values()];
-    let leaf = |egraph: &mut Graph_, v: ValueId| egraph.add(Peep::Symbol(value_symbol(v)));
+    let leaf = |egraph: &mut PeepGraph, v: ValueId| egraph.add(Peep::Symbol(value_symbol(v)));
     let mut rewritable = Vec::new();
     for (id, node) in graph.nodes() {
         let inputs: Vec<Id> =
@@ -468,7 +468,7 @@ pub fn rewrite(graph: &Graph, which: Rules) -> Graph {
 /// The cheapest form of class `c` in the new graph: an existing value (a leaf mapped already)
 /// or a node over such values, typed and placed as the class's original value.
 fn build(
-    egraph: &Graph_,
+    egraph: &PeepGraph,
     extractor: &egg::Extractor<Cost, Peep, Facts>,
     c: Id,
     original: &HashMap<Id, ValueId>,
