@@ -257,8 +257,9 @@ fn cross_entropy_matches_the_builtin_kernel() {
 }
 
 /// Every fusion group the fixtures' gradient steps make, against its unfused ops: the loss and
-/// every gradient computed with the `fusion` pass and generated kernels against the builtin
-/// kernels node by node (the same step, the same inputs and weights).
+/// every gradient computed with the `fusion` pass and generated kernels (and matmuls reading
+/// transposes through strides) against the builtin kernels node by node (the same step, the
+/// same inputs and weights).
 #[test]
 fn fused_gradient_steps_match_the_unfused_ones() {
     use crate::common::{fixture, read_npy, ARCHES};
@@ -276,6 +277,13 @@ fn fused_gradient_steps_match_the_unfused_ones() {
             .iter()
             .map(|t| HostTensor { dtype: t.dtype(), shape: t.shape().to_vec(), data: t.bytes().to_vec() })
             .collect();
+        // Attention's head transposes that only matmuls read are read through strides.
+        let program = lower_with(&fused, &LowerOptions { kernels: KernelChoice::Generated, ptx: false }).unwrap();
+        let strided = program.instructions.iter().any(|i| {
+            matches!(i, Instruction::Kernel { kernel: autotp_kernels::Kernel::MatMul { dims, .. }, .. }
+                if dims.lhs_layout.is_some() || dims.rhs_layout.is_some())
+        });
+        assert!(strided, "{arch}: no matmul reads a transpose through strides");
         let run = |graph: &autotp_ir::Graph, kernels: KernelChoice| {
             let program = lower_with(graph, &LowerOptions { kernels, ptx: false }).unwrap();
             let mut executor = Executor::new(program).unwrap();

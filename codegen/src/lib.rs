@@ -22,6 +22,9 @@ use autotp_runtime::{
     Update,
 };
 
+use std::collections::HashMap;
+
+use autotp_kernels::{Kernel, OperandLayout};
 use memory::{align, FirstFit};
 
 #[derive(Debug, thiserror::Error)]
@@ -168,6 +171,49 @@ fn update_in_place(graph: &Graph, fusion: &autotp_ir::Fusion, root: &mut [usize]
     }
 }
 
+/// The transposes (by their values) that matmuls read in place through strides, with the
+/// layout they read: a transpose outside fusion groups whose value only matmuls read.
+fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
+    let mut read_otherwise = vec![false; graph.num_values()];
+    for (_, node) in graph.nodes() {
+        if !matches!(node.op, Op::MatMul { .. }) {
+            for v in &node.inputs {
+                read_otherwise[v.index()] = true;
+            }
+        }
+    }
+    for v in graph.outputs().iter().map(|(_, v)| v).chain(graph.updates().iter().flat_map(|(t, v)| [t, v])) {
+        read_otherwise[v.index()] = true;
+    }
+    let fused: std::collections::HashSet<usize> = graph.fusions().iter().flat_map(|f| f.nodes.clone()).collect();
+    let mut layouts = HashMap::new();
+    for (_, node) in graph.nodes() {
+        if !matches!(node.op, Op::MatMul { .. }) {
+            continue;
+        }
+        let batch_rank = local(graph, node.outputs[0]).shape.len() - 2;
+        for &v in &node.inputs {
+            let Def::Node(t, _) = graph.value(v).def else { continue };
+            let Op::Transpose { perm } = &graph.node(t).op else { continue };
+            if read_otherwise[v.index()] || fused.contains(&t.index()) {
+                continue;
+            }
+            let stored = local(graph, graph.node(t).inputs[0]).shape;
+            let shape = local(graph, v).shape;
+            let stored_strides = autotp_kernels::shape::strides(&stored);
+            let stride = |j: usize| stored_strides[perm[j]];
+            let rank = perm.len();
+            // The operand's batch dims are the output's last ones (numpy broadcasting).
+            let mut batch = vec![0; batch_rank];
+            for j in 0..rank - 2 {
+                batch[batch_rank - (rank - 2) + j] = if shape[j] == 1 { 0 } else { stride(j) };
+            }
+            layouts.insert(v, OperandLayout { batch, rows: stride(rank - 2), cols: stride(rank - 1) });
+        }
+    }
+    layouts
+}
+
 /// Frees the regions of the values that die.
 fn release(dying: Vec<usize>, regions: &[Option<Region>], allocator: &mut FirstFit, live_bytes: &mut usize) {
     for v in dying {
@@ -218,6 +264,13 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         if shares {
             root[node.outputs[0].index()] = root[node.inputs[0].index()];
         }
+    }
+    // Transposes read by a matmul alone: the matmul reads their input in place through strides
+    // and they make nothing (their value is their input's bytes, like a reshape's).
+    let layouts = if options.kernels == KernelChoice::Generated { strided_operands(graph) } else { HashMap::new() };
+    for v in layouts.keys() {
+        let Def::Node(transpose, _) = graph.value(*v).def else { unreachable!("a transpose's value") };
+        root[v.index()] = root[graph.node(transpose).inputs[0].index()];
     }
     // Last reader of each region; graph outputs stay live to the end.
     let end = graph.num_nodes();
@@ -429,8 +482,12 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             let inputs = built.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect();
             instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
         } else {
-            let kernel = autotp_ir::lower::node_kernel(graph, node)
+            let mut kernel = autotp_ir::lower::node_kernel(graph, node)
                 .expect("constants, collectives and pipeline communication are handled apart");
+            if let Kernel::MatMul { dims, .. } = &mut kernel {
+                dims.lhs_layout = layouts.get(&node.inputs[0]).cloned();
+                dims.rhs_layout = layouts.get(&node.inputs[1]).cloned();
+            }
             instructions.push(Instruction::Kernel { kernel, inputs, outputs, label });
         }
         release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);

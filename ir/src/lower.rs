@@ -108,6 +108,8 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
                     batch,
                     transpose_lhs: *transpose_lhs,
                     transpose_rhs: *transpose_rhs,
+                    lhs_layout: None,
+                    rhs_layout: None,
                 },
             }
         }

@@ -188,7 +188,10 @@ impl Kernel {
             }
             Kernel::MatMul { dtype, dims } => {
                 let batch = |b: &[usize]| b.iter().product::<usize>();
-                if dims.lhs_batch.len() != dims.batch.len() || dims.rhs_batch.len() != dims.batch.len() {
+                if dims.lhs_batch.len() != dims.batch.len()
+                    || dims.rhs_batch.len() != dims.batch.len()
+                    || !dims.layouts_in_bounds()
+                {
                     return fail;
                 }
                 let size = dtype.size();

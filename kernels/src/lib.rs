@@ -27,7 +27,7 @@ pub mod shape;
 pub use buffer::{view, view_mut, AlignedBuf};
 pub use dtype::DType;
 pub use kernel::{IndexBlock, Kernel};
-pub use matmul::MatMulDims;
+pub use matmul::{MatMulDims, OperandLayout};
 pub use nn::ClassLossDims;
 pub use ops::{BinaryOp, GeluApprox, ReduceOp, Reduction, UnaryOp};
 pub use optim::{AdamWConfig, Optimizer, SgdConfig};

@@ -22,13 +22,38 @@ pub struct MatMulDims {
     pub n: usize,
     pub transpose_lhs: bool,
     pub transpose_rhs: bool,
+    /// Where the lhs's elements lie when it is read in place as a permutation of a stored
+    /// tensor (a transpose no one materialises); `None`: contiguous.
+    #[serde(default)]
+    pub lhs_layout: Option<OperandLayout>,
+    #[serde(default)]
+    pub rhs_layout: Option<OperandLayout>,
+}
+
+/// Element strides of an operand as the matmul reads it (before its transpose flag): one per
+/// output batch dim (0 where the operand broadcasts), then its last two dims.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct OperandLayout {
+    pub batch: Vec<usize>,
+    pub rows: usize,
+    pub cols: usize,
 }
 
 impl MatMulDims {
+    /// Element strides of each batch dim of an operand of `batch` dims and `matrix` elements
+    /// per batch.
+    fn batch_strides(&self, batch: &[usize], matrix: usize, layout: &Option<OperandLayout>) -> Vec<usize> {
+        match layout {
+            Some(l) => l.batch.clone(),
+            None => broadcast_strides(batch, &self.batch).iter().map(|s| s * matrix).collect(),
+        }
+    }
+
+    /// The element offset of each output batch's lhs and rhs.
     fn batch_offsets(&self) -> Vec<(usize, usize)> {
         let count = numel(&self.batch);
-        let ls = broadcast_strides(&self.lhs_batch, &self.batch);
-        let rs = broadcast_strides(&self.rhs_batch, &self.batch);
+        let ls = self.batch_strides(&self.lhs_batch, self.m * self.k, &self.lhs_layout);
+        let rs = self.batch_strides(&self.rhs_batch, self.k * self.n, &self.rhs_layout);
         let out_strides = strides(&self.batch);
         (0..count)
             .map(|b| {
@@ -38,7 +63,7 @@ impl MatMulDims {
                     l += idx * ls[d];
                     r += idx * rs[d];
                 }
-                (l * self.m * self.k, r * self.k * self.n)
+                (l, r)
             })
             .collect()
     }
@@ -46,9 +71,33 @@ impl MatMulDims {
     /// (row stride, column stride) of the lhs and rhs as `m x k` and `k x n` matrices.
     fn operand_strides(&self) -> ((isize, isize), (isize, isize)) {
         let (m, k, n) = (self.m as isize, self.k as isize, self.n as isize);
-        let lhs = if self.transpose_lhs { (1, m) } else { (k, 1) };
-        let rhs = if self.transpose_rhs { (1, k) } else { (n, 1) };
+        // The stored operand's (row, column) strides (contiguous: `cols` and 1), then swapped
+        // by the transpose flag.
+        let stored = |layout: &Option<OperandLayout>, cols: isize| {
+            layout.as_ref().map_or((cols, 1), |l| (l.rows as isize, l.cols as isize))
+        };
+        let (lr, lc) = stored(&self.lhs_layout, if self.transpose_lhs { m } else { k });
+        let (rr, rc) = stored(&self.rhs_layout, if self.transpose_rhs { k } else { n });
+        let lhs = if self.transpose_lhs { (lc, lr) } else { (lr, lc) };
+        let rhs = if self.transpose_rhs { (rc, rr) } else { (rr, rc) };
         (lhs, rhs)
+    }
+
+    /// Whether each operand's reads stay inside its `batch x rows x cols` elements.
+    pub fn layouts_in_bounds(&self) -> bool {
+        let fits = |layout: &Option<OperandLayout>, batch: &[usize], rows: usize, cols: usize| match layout {
+            None => true,
+            Some(l) => {
+                let len = numel(batch) * rows * cols;
+                let last = self.batch.iter().zip(&l.batch).map(|(&b, &s)| b.saturating_sub(1) * s).sum::<usize>()
+                    + rows.saturating_sub(1) * l.rows
+                    + cols.saturating_sub(1) * l.cols;
+                l.batch.len() == self.batch.len() && (len == 0 || last < len)
+            }
+        };
+        let (lr, lc) = if self.transpose_lhs { (self.k, self.m) } else { (self.m, self.k) };
+        let (rr, rc) = if self.transpose_rhs { (self.n, self.k) } else { (self.k, self.n) };
+        fits(&self.lhs_layout, &self.lhs_batch, lr, lc) && fits(&self.rhs_layout, &self.rhs_batch, rr, rc)
     }
 }
 
@@ -61,7 +110,13 @@ fn gemm_crate<T: Num + Default>(d: &MatMulDims, lhs: &[T], rhs: &[T], out: &mut 
     // (`[batch x m, k]`), so one GEMM of `batch x m` rows does them all (a linear layer over
     // `[batch, seq, features]`), which parallelises and blocks far better than `batch` small ones.
     let batches = numel(&d.batch);
-    if batches > 1 && numel(&d.rhs_batch) == 1 && numel(&d.lhs_batch) == batches && !d.transpose_lhs {
+    if batches > 1
+        && numel(&d.rhs_batch) == 1
+        && numel(&d.lhs_batch) == batches
+        && !d.transpose_lhs
+        && d.lhs_layout.is_none()
+        && d.rhs_layout.is_none()
+    {
         let flat = MatMulDims { batch: vec![], lhs_batch: vec![], rhs_batch: vec![], m: batches * d.m, ..d.clone() };
         return gemm_crate(&flat, lhs, rhs, out, one);
     }
@@ -182,4 +237,66 @@ pub(crate) fn matmul(dtype: DType, d: &MatMulDims, lhs: &[u8], rhs: &[u8], out: 
             _ => return Err(KernelError::Unsupported { kernel: "matmul", what: format!("{dtype}") })),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn floats(len: usize, seed: u32) -> Vec<f32> {
+        (0..len as u32)
+            .map(|i| ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    fn bytes(x: &[f32]) -> Vec<u8> {
+        x.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    fn run(d: &MatMulDims, lhs: &[f32], rhs: &[f32]) -> Vec<f32> {
+        let mut out = vec![0u8; numel(&d.batch) * d.m * d.n * 4];
+        let kernel = crate::Kernel::MatMul { dtype: DType::F32, dims: d.clone() };
+        kernel.run(&[&bytes(lhs), &bytes(rhs)], &mut [&mut out]).unwrap();
+        out.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+
+    /// Attention's `q k^T` with q and k stored `[b, s, h, d]` and read as `[b, h, s, d]`
+    /// through strides equals the product of the materialised transposes, bit for bit, for
+    /// every transpose flag and for a small (one thread) and a larger (split) product.
+    #[test]
+    fn operands_read_through_strides_match_materialised_transposes() {
+        for (b, s, h, dh) in [(2, 5, 3, 4), (2, 128, 2, 64)] {
+            let q = floats(b * s * h * dh, 1);
+            let k = floats(b * s * h * dh, 2);
+            // [b, s, h, d] -> [b, h, s, d]
+            let heads = |x: &[f32]| {
+                let mut y = vec![0.0; x.len()];
+                for (i, v) in x.iter().enumerate() {
+                    let (bi, si, hi, di) = (i / (s * h * dh), i / (h * dh) % s, i / dh % h, i % dh);
+                    y[((bi * h + hi) * s + si) * dh + di] = *v;
+                }
+                y
+            };
+            let layout = OperandLayout { batch: vec![s * h * dh, dh], rows: h * dh, cols: 1 };
+            let dims = |transpose_rhs: bool, strided: bool| MatMulDims {
+                batch: vec![b, h],
+                lhs_batch: vec![b, h],
+                rhs_batch: vec![b, h],
+                m: s,
+                k: dh,
+                n: s,
+                transpose_lhs: false,
+                transpose_rhs,
+                lhs_layout: strided.then(|| layout.clone()),
+                rhs_layout: (strided && transpose_rhs).then(|| layout.clone()),
+            };
+            let want = run(&dims(true, false), &heads(&q), &heads(&k));
+            let got = run(&dims(true, true), &q, &k);
+            assert_eq!(want, got, "q k^T, s = {s}");
+            assert!(dims(true, true).layouts_in_bounds());
+            let mut outside = dims(true, true);
+            outside.lhs_layout = Some(OperandLayout { batch: vec![s * h * dh, dh], rows: h * dh + 1, cols: 1 });
+            assert!(!outside.layouts_in_bounds());
+        }
+    }
 }
