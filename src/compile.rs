@@ -668,9 +668,7 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
             autotp_runtime::Instruction::Wait { .. } => "wait".to_string(),
             autotp_runtime::Instruction::Send { .. } => "send".to_string(),
             autotp_runtime::Instruction::Recv { .. } => "recv".to_string(),
-            autotp_runtime::Instruction::OptimizerStep { optimizer, .. } => {
-                format!("multi_tensor_{}", optimizer.name())
-            }
+            autotp_runtime::Instruction::OptimizerStep { optimizer, .. } => optimizer.multi_tensor_name(),
         };
         *kernels.entry(name).or_default() += 1;
     }

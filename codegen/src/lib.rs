@@ -14,6 +14,8 @@
 
 pub mod memory;
 
+use std::collections::{HashMap, HashSet};
+
 use autotp_ir::sharding::local_type;
 use autotp_ir::{Collective, Def, Graph, Op, Placement, TensorType, ValueId};
 use autotp_runtime::comm::{CollectiveKind, CollectiveOp};
@@ -21,8 +23,6 @@ use autotp_runtime::{
     ConstantData, Instruction, MemoryPlan, MeshAxis, OptimizerTensor, Program, PtxModule, Region, Slot, SlotPlacement,
     Update,
 };
-
-use std::collections::HashMap;
 
 use autotp_kernels::{Kernel, OperandLayout};
 use memory::{align, FirstFit};
@@ -136,16 +136,13 @@ fn fusion_outputs(graph: &Graph, fusion: &autotp_ir::Fusion, last_use: &[usize])
 /// tables, updated for the values that now share.
 fn update_in_place(graph: &Graph, fusion: &autotp_ir::Fusion, root: &mut [usize], last_use: &mut [usize]) {
     let nodes: Vec<_> = fusion.node_ids().collect();
-    if autotp_ir::lower::multi_tensor_optimizer(graph, &nodes).is_none() {
-        return;
-    }
-    let mut reads = std::collections::HashMap::<usize, usize>::new();
+    let mut reads = HashMap::<usize, usize>::new();
     for &n in &nodes {
         for v in &graph.node(n).inputs {
             *reads.entry(root[v.index()]).or_default() += 1;
         }
     }
-    let graph_inputs: std::collections::HashSet<usize> = graph.inputs().iter().map(|v| v.index()).collect();
+    let graph_inputs: HashSet<usize> = graph.inputs().iter().map(|v| v.index()).collect();
     for &n in &nodes {
         let node = graph.node(n);
         for (k, &output) in node.outputs.iter().enumerate() {
@@ -185,7 +182,7 @@ fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
     for v in graph.outputs().iter().map(|(_, v)| v).chain(graph.updates().iter().flat_map(|(t, v)| [t, v])) {
         read_otherwise[v.index()] = true;
     }
-    let fused: std::collections::HashSet<usize> = graph.fusions().iter().flat_map(|f| f.nodes.clone()).collect();
+    let fused: HashSet<usize> = graph.fusions().iter().flat_map(|f| f.nodes.clone()).collect();
     let mut layouts = HashMap::new();
     for (_, node) in graph.nodes() {
         if !matches!(node.op, Op::MatMul { .. }) {
@@ -289,9 +286,15 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
     for v in 0..graph.num_values() {
         last_use[root[v]] = last_use[root[v]].max(last_use[v]);
     }
+    // The fusion groups that are multi-tensor optimizer steps, by their first node.
+    let mut optimizer_steps: HashMap<usize, autotp_kernels::Optimizer> = HashMap::new();
     if options.kernels == KernelChoice::Generated {
         for f in graph.fusions() {
-            update_in_place(graph, f, &mut root, &mut last_use);
+            let nodes: Vec<_> = f.node_ids().collect();
+            if let Some(optimizer) = autotp_ir::lower::multi_tensor_optimizer(graph, &nodes) {
+                update_in_place(graph, f, &mut root, &mut last_use);
+                optimizer_steps.insert(f.nodes.start, optimizer);
+            }
         }
     }
     // A started collective's input lives until its wait (the communication thread reads it).
@@ -326,23 +329,21 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
             continue;
         }
-        if let Some((fusion, optimizer)) = fusion_at[id.index()].and_then(|f| {
-            Some((f, autotp_ir::lower::multi_tensor_optimizer(graph, &f.node_ids().collect::<Vec<_>>())?))
-        }) {
-            let mut tensors = Vec::new();
-            let mut dtype = autotp_ir::DType::F32;
-            let mut scalars = Vec::new();
+        if let Some((fusion, optimizer)) =
+            fusion_at[id.index()].and_then(|f| Some((f, optimizer_steps.remove(&f.nodes.start)?)))
+        {
             let region = |v: &ValueId| regions[v.index()].expect("defined before use");
-            for member in fusion.node_ids() {
-                let node = graph.node(member);
-                let states = optimizer.num_states();
-                dtype = graph.ty(node.inputs[0]).dtype;
-                scalars = node.inputs[2 + states..].iter().map(region).collect();
-                tensors.push(OptimizerTensor {
-                    inputs: node.inputs[..2 + states].iter().map(region).collect(),
+            // One rule, dtype and scalars for all (`multi_tensor_optimizer` checked it).
+            let tensor_inputs = 2 + optimizer.num_states();
+            let dtype = graph.ty(node.inputs[0]).dtype;
+            let scalars = node.inputs[tensor_inputs..].iter().map(region).collect();
+            let mut tensors: Vec<OptimizerTensor> = fusion
+                .node_ids()
+                .map(|member| OptimizerTensor {
+                    inputs: graph.node(member).inputs[..tensor_inputs].iter().map(region).collect(),
                     outputs: vec![],
-                });
-            }
+                })
+                .collect();
             for (member, tensor) in fusion.node_ids().zip(&mut tensors) {
                 for &o in &graph.node(member).outputs {
                     let placed = if root[o.index()] != o.index() {
@@ -360,11 +361,11 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
             }
             memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
             let label = format!(
-                "fusion {}, nodes {}..{} (multi_tensor_{})",
+                "fusion {}, nodes {}..{} ({})",
                 fusion.name,
                 fusion.nodes.start,
                 fusion.nodes.end,
-                optimizer.name()
+                optimizer.multi_tensor_name()
             );
             instructions.push(Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label });
             for member in fusion.nodes.clone() {

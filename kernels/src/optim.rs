@@ -51,6 +51,11 @@ impl Optimizer {
         }
     }
 
+    /// The name of its multi-tensor step (in profiles and summaries): `multi_tensor_adamw`.
+    pub fn multi_tensor_name(&self) -> String {
+        format!("multi_tensor_{}", self.name())
+    }
+
     /// State tensors per parameter, each the parameter's size.
     pub fn num_states(&self) -> usize {
         match self {

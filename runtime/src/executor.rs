@@ -82,7 +82,7 @@ pub struct Executor {
     comm_thread: Option<CommThread>,
     program: Program,
     /// The entry points of `program.kernels`, compiled for this machine.
-    generated: Vec<CpuKernel>,
+    generated: Vec<GeneratedKernel>,
     arena: AlignedBuf,
     /// This rank and its communicator, for programs on a mesh.
     rank: Option<(usize, Arc<LocalComm>)>,
@@ -141,7 +141,13 @@ impl Executor {
         let generated = if program.kernels.is_empty() {
             Vec::new()
         } else {
-            autotp_llvm::compile_cpu(&program.kernels).map_err(|e| RuntimeError::KernelCompile(e.to_string()))?
+            let entries =
+                autotp_llvm::compile_cpu(&program.kernels).map_err(|e| RuntimeError::KernelCompile(e.to_string()))?;
+            entries
+                .into_iter()
+                .zip(&program.kernels)
+                .map(|(entry, k)| GeneratedKernel { entry, outer: k.outer, rows_per_task: rows_per_task(k) })
+                .collect()
         };
         Ok(Executor {
             comm_thread,
@@ -238,11 +244,10 @@ impl Executor {
                 Instruction::Generated { kernel, inputs, outputs, .. } => {
                     let buffers: Vec<*mut u8> =
                         inputs.iter().chain(outputs).map(|r| unsafe { base.add(r.offset) }).collect();
-                    let k = &self.program.kernels[*kernel];
                     // SAFETY: `validate` checked the kernel (every access in bounds of its
                     // buffers) and that these regions have its buffers' sizes and alignment and
                     // outputs that overlap nothing else this instruction touches.
-                    unsafe { run_generated(self.generated[*kernel], &buffers, k) };
+                    unsafe { self.generated[*kernel].run(&buffers) };
                 }
                 Instruction::Collective { op, input, output, label } => {
                     let (rank, comm) = self.rank.as_ref().ok_or_else(|| {
@@ -373,24 +378,33 @@ struct Buffers<'a>(&'a [*mut u8]);
 // of its outputs (it is how codegen builds them; `validate` bounds every access).
 unsafe impl Sync for Buffers<'_> {}
 
-/// Runs all rows of `kernel`, split into tasks on the current rayon pool.
-///
-/// # Safety
-/// As [`CpuKernel::run`].
-unsafe fn run_generated(compiled: CpuKernel, buffers: &[*mut u8], kernel: &autotp_kernels::kir::Kernel) {
-    use rayon::prelude::*;
-    let per_task = rows_per_task(kernel);
-    if kernel.outer <= per_task {
-        unsafe { compiled.run(buffers, 0..kernel.outer) };
-        return;
+/// A generated kernel compiled for this machine, and how its rows split into tasks (decided
+/// once, when the program loads).
+struct GeneratedKernel {
+    entry: CpuKernel,
+    outer: usize,
+    rows_per_task: usize,
+}
+
+impl GeneratedKernel {
+    /// Runs all rows, split into tasks on the current rayon pool.
+    ///
+    /// # Safety
+    /// As [`CpuKernel::run`].
+    unsafe fn run(&self, buffers: &[*mut u8]) {
+        use rayon::prelude::*;
+        let (outer, per_task, entry) = (self.outer, self.rows_per_task, self.entry);
+        if outer <= per_task {
+            unsafe { entry.run(buffers, 0..outer) };
+            return;
+        }
+        let shared = Buffers(buffers);
+        (0..outer.div_ceil(per_task)).into_par_iter().for_each(|t| {
+            let rows = t * per_task..((t + 1) * per_task).min(outer);
+            let buffers = &shared;
+            unsafe { entry.run(buffers.0, rows) };
+        });
     }
-    let shared = Buffers(buffers);
-    let tasks = kernel.outer.div_ceil(per_task);
-    (0..tasks).into_par_iter().for_each(|t| {
-        let rows = t * per_task..((t + 1) * per_task).min(kernel.outer);
-        let buffers = &shared;
-        unsafe { compiled.run(buffers.0, rows) };
-    });
 }
 
 /// `dst.copy_from_slice(src)` in pieces of 4 MiB on the pool: loading a plan's weights from a
