@@ -129,8 +129,12 @@ fn multi_tensor_step(optimizer: &str, read_after: bool) {
                  {{beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1}} : f32[{n}], f32[{n}], f32[{n}]\n \
                  update %p{k} = %a{k}\n update %m{k} = %b{k}\n update %v{k} = %c{k}\n"
             ),
-            _ => format!(
+            "sgd" => format!(
                 " %a{k}, %b{k} = sgd %p{k}, %g{k}, %m{k}, %lr {{momentum = 0.9, weight_decay = 0.01, nesterov = true}} \
+                 : f32[{n}], f32[{n}]\n update %p{k} = %a{k}\n update %m{k} = %b{k}\n"
+            ),
+            _ => format!(
+                " %a{k}, %b{k} = sgd %p{k}, %g{k}, %m{k}, %lr {{momentum = 0.0, weight_decay = 0.0, nesterov = false}} \
                  : f32[{n}], f32[{n}]\n update %p{k} = %a{k}\n update %m{k} = %b{k}\n"
             ),
         };
@@ -184,7 +188,7 @@ fn multi_tensor_step(optimizer: &str, read_after: bool) {
 
 #[test]
 fn multi_tensor_steps_match_the_single_tensor_kernels_bit_for_bit() {
-    for optimizer in ["adamw", "sgd"] {
+    for optimizer in ["adamw", "sgd", "sgd_plain"] {
         for read_after in [false, true] {
             multi_tensor_step(optimizer, read_after);
         }

@@ -520,17 +520,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         .filter(|u| u.from != u.to)
         .collect();
     let mesh = graph.mesh.axes.iter().map(|a| MeshAxis { name: a.name.clone(), size: a.size }).collect();
-    let ptx = if options.ptx && !kernels.is_empty() {
-        autotp_llvm::nvptx::Arch::ALL
-            .iter()
-            .map(|&arch| {
-                Ok(PtxModule { arch: arch.name().to_string(), code: autotp_llvm::nvptx::ptx(&kernels, arch)? })
-            })
-            .collect::<Result<Vec<_>, autotp_llvm::LlvmError>>()?
-    } else {
-        Vec::new()
-    };
-    Ok(Program {
+    let mut program = Program {
         name: graph.name.clone(),
         mesh,
         inputs,
@@ -541,7 +531,18 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         updates,
         instructions,
         kernels,
-        ptx,
+        ptx: Vec::new(),
         memory,
-    })
+    };
+    let optimizer_kernels = program.optimizer_kernels();
+    if options.ptx && !(program.kernels.is_empty() && optimizer_kernels.is_empty()) {
+        program.ptx = autotp_llvm::nvptx::Arch::ALL
+            .iter()
+            .map(|&arch| {
+                let code = autotp_llvm::nvptx::ptx(&program.kernels, &optimizer_kernels, arch)?;
+                Ok(PtxModule { arch: arch.name().to_string(), code })
+            })
+            .collect::<Result<Vec<_>, autotp_llvm::LlvmError>>()?;
+    }
+    Ok(program)
 }

@@ -1,7 +1,8 @@
-//! Optimizer updates with torch.optim's semantics, for one tensor (the builtin `adamw` and
-//! `sgd` kernels) and for many tensors in one pass (the runtime's multi-tensor optimizer step,
-//! as Apex's and DeepSpeed's fused optimizers). Both run the same per-element code below, so a
-//! fused step is bit-identical to the single-tensor kernels and to the reference evaluator.
+//! Optimizer updates with torch.optim's semantics: the builtin single-tensor `adamw` and `sgd`
+//! kernels, and what the generated multi-tensor step (`autotp_llvm::optim`, as Apex's and
+//! DeepSpeed's fused optimizers) shares with them: the chunk layout ([`TensorUpdate`]) and the
+//! step's constants ([`constants`]). The generated step repeats the per-element arithmetic
+//! below operation for operation, so it is bit-identical to these kernels (tested).
 //!
 //! AdamW (decoupled weight decay, bias correction), at step `t` (1-based) with learning rate
 //! `lr`:  p *= 1 - lr*wd;  m = lerp(m, g, 1 - b1);  v = b2*v + (1 - b2)*g^2;
@@ -77,7 +78,11 @@ impl Optimizer {
 /// gradient and its states (as many as [`Optimizer::num_states`]; the rest are null) and writes
 /// the new parameter and states. Each output is exactly its input (updated in place) or
 /// overlaps nothing else of the update.
+///
+/// The layout is C's, eight 64-bit words in field order: a table of these is what the generated
+/// multi-tensor kernels (`autotp_llvm::optim`, x86 and PTX) walk, one entry per chunk.
 #[derive(Clone, Copy, Debug)]
+#[repr(C)]
 pub struct TensorUpdate {
     pub len: usize,
     pub param: *const u8,
@@ -112,12 +117,7 @@ impl TensorUpdate {
 /// # Safety
 /// Every pointer of `t` that the optimizer uses is valid for `t.len` elements of `dtype` and
 /// aligned for it, and outputs alias as [`TensorUpdate`] allows.
-pub unsafe fn update(
-    optimizer: &Optimizer,
-    dtype: DType,
-    scalars: &[&[u8]],
-    t: &TensorUpdate,
-) -> Result<(), KernelError> {
+unsafe fn update(optimizer: &Optimizer, dtype: DType, scalars: &[&[u8]], t: &TensorUpdate) -> Result<(), KernelError> {
     match dtype {
         DType::F32 => unsafe { update_typed::<f32>(optimizer, scalars, t) },
         DType::F64 => unsafe { update_typed::<f64>(optimizer, scalars, t) },
@@ -125,6 +125,33 @@ pub unsafe fn update(
             kernel: optimizer.name(),
             what: format!("{other} parameters (keep f32 master weights)"),
         }),
+    }
+}
+
+/// The step's constants as the generated multi-tensor kernels take them, in `dtype`'s bytes:
+/// AdamW `[decay, 1 - b1, b2, 1 - b2, step_size, sqrt(1 - b2^t), eps]` (as in the module doc);
+/// SGD `[lr, weight_decay, momentum]` (a kernel made for an SGD without weight decay or momentum
+/// ignores those). Rounded from f64 exactly as the Rust kernels round them.
+pub fn constants(optimizer: &Optimizer, dtype: DType, scalars: &[&[u8]]) -> Result<Vec<u8>, KernelError> {
+    fn bytes<F: Float>(optimizer: &Optimizer, scalars: &[&[u8]]) -> Result<Vec<u8>, KernelError> {
+        let values = Step::<F>::new(optimizer, scalars)?.constants();
+        Ok(bytemuck::cast_slice(&values).to_vec())
+    }
+    match dtype {
+        DType::F32 => bytes::<f32>(optimizer, scalars),
+        DType::F64 => bytes::<f64>(optimizer, scalars),
+        other => Err(KernelError::Unsupported {
+            kernel: optimizer.name(),
+            what: format!("{other} parameters (keep f32 master weights)"),
+        }),
+    }
+}
+
+/// How many constants [`constants`] gives for `optimizer`.
+pub fn num_constants(optimizer: &Optimizer) -> usize {
+    match optimizer {
+        Optimizer::AdamW(_) => 7,
+        Optimizer::Sgd(_) => 3,
     }
 }
 
@@ -164,6 +191,18 @@ impl<F: Float> Step<F> {
                 nesterov: c.nesterov,
             },
         })
+    }
+
+    /// See [`constants`].
+    fn constants(&self) -> Vec<F> {
+        match *self {
+            Step::AdamW { decay, one_minus_b1, b2, one_minus_b2, step_size, bias2_sqrt, eps } => {
+                vec![decay, one_minus_b1, b2, one_minus_b2, step_size, bias2_sqrt, eps]
+            }
+            Step::Sgd { lr, weight_decay, momentum, .. } => {
+                vec![lr, weight_decay.unwrap_or(F::zero()), momentum.unwrap_or(F::zero())]
+            }
+        }
     }
 
     /// Updates `param` and the states (`second` is empty for SGD) in place.

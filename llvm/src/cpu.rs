@@ -17,7 +17,7 @@ use inkwell::values::{FunctionValue, IntValue};
 use inkwell::{AddressSpace, OptimizationLevel};
 
 use crate::emit::{counted_loop, Buffer, Buffers, Emitter, Position, V};
-use crate::LlvmError;
+use crate::{Function, LlvmError};
 
 /// A generated kernel's entry point: `(buffers, begin, end)`, buffers in the kernel's order.
 pub type KernelFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
@@ -44,7 +44,14 @@ impl CpuKernel {
 /// Compiles `kernels` for this machine (or finds them already compiled) and returns their entry
 /// points, in order.
 pub fn compile_cpu(kernels: &[kir::Kernel]) -> Result<Vec<CpuKernel>, LlvmError> {
-    crate::jit::compile(kernels)
+    compile_cpu_functions(&kernels.iter().map(Function::Kernel).collect::<Vec<_>>())
+}
+
+/// [`compile_cpu`] for kernels and optimizer steps, compiled together (one object file).
+/// An optimizer step's entry runs chunks `begin..end` of `[chunks, constants]`
+/// ([`crate::optim`]).
+pub fn compile_cpu_functions(functions: &[Function]) -> Result<Vec<CpuKernel>, LlvmError> {
+    crate::jit::compile(functions)
 }
 
 /// The host as a target: its machine, its vector width and a description for cache keys.
@@ -88,10 +95,10 @@ impl HostTarget {
     }
 }
 
-/// Builds one module holding `kernels` (each under its symbol), optimised for the host.
+/// Builds one module holding `functions` (each under its symbol), optimised for the host.
 fn build_module<'ctx>(
     ctx: &'ctx Context,
-    kernels: &[(String, &kir::Kernel)],
+    functions: &[(String, Function)],
     target: &HostTarget,
 ) -> Result<Module<'ctx>, LlvmError> {
     let module = ctx.create_module("autotp_kernels");
@@ -99,9 +106,16 @@ fn build_module<'ctx>(
     module.set_data_layout(&target.machine.get_target_data().get_data_layout());
     let builder = ctx.create_builder();
     let e = Emitter { ctx, module: &module, b: &builder };
-    for (symbol, kernel) in kernels {
-        kernel.check()?;
-        define(&e, symbol, kernel, target.width)?;
+    for (symbol, function) in functions {
+        match function {
+            Function::Kernel(kernel) => {
+                kernel.check()?;
+                define(&e, symbol, kernel, target.width)?;
+            }
+            Function::OptimizerStep(step) => {
+                crate::optim::define_cpu(&e, symbol, step, target.width)?;
+            }
+        }
     }
     module.verify().map_err(|m| LlvmError::llvm("verification", m))?;
     module
@@ -111,9 +125,9 @@ fn build_module<'ctx>(
 }
 
 /// The object code of `kernels` for the host.
-pub(crate) fn object_code(kernels: &[(String, &kir::Kernel)], target: &HostTarget) -> Result<Vec<u8>, LlvmError> {
+pub(crate) fn object_code(functions: &[(String, Function)], target: &HostTarget) -> Result<Vec<u8>, LlvmError> {
     let ctx = Context::create();
-    let module = build_module(&ctx, kernels, target)?;
+    let module = build_module(&ctx, functions, target)?;
     let buffer = target
         .machine
         .write_to_memory_buffer(&module, FileType::Object)
@@ -125,7 +139,7 @@ pub(crate) fn object_code(kernels: &[(String, &kir::Kernel)], target: &HostTarge
 pub fn llvm_ir(kernel: &kir::Kernel) -> Result<String, LlvmError> {
     let target = HostTarget::detect()?;
     let ctx = Context::create();
-    let module = build_module(&ctx, &[(kernel.name.clone(), kernel)], &target)?;
+    let module = build_module(&ctx, &[(kernel.name.clone(), Function::Kernel(kernel))], &target)?;
     Ok(module.print_to_string().to_string())
 }
 

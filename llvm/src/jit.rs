@@ -13,7 +13,6 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
-use autotp_kernels::kir;
 use inkwell::llvm_sys::error::{LLVMDisposeErrorMessage, LLVMErrorRef, LLVMGetErrorMessage};
 use inkwell::llvm_sys::orc2::lljit::{
     LLVMOrcCreateLLJIT, LLVMOrcCreateLLJITBuilder, LLVMOrcLLJITAddObjectFile, LLVMOrcLLJITGetGlobalPrefix,
@@ -26,7 +25,7 @@ use inkwell::llvm_sys::orc2::{
 use sha2::{Digest, Sha256};
 
 use crate::cpu::{object_code, CpuKernel, HostTarget, KernelFn};
-use crate::LlvmError;
+use crate::{Function, LlvmError};
 
 struct Jit {
     lljit: LLVMOrcLLJITRef,
@@ -98,11 +97,17 @@ impl Jit {
         }
     }
 
-    fn key(&self, kernel: &kir::Kernel) -> String {
-        let mut described = kernel.clone();
-        described.name.clear();
+    fn key(&self, function: Function) -> String {
         let mut hash = Sha256::new();
-        hash.update(serde_json::to_vec(&described).expect("kernels serialise"));
+        let description = match function {
+            Function::Kernel(kernel) => {
+                let mut unnamed = kernel.clone();
+                unnamed.name.clear();
+                serde_json::to_vec(&Function::Kernel(&unnamed))
+            }
+            Function::OptimizerStep(_) => serde_json::to_vec(&function),
+        };
+        hash.update(description.expect("kernels serialise"));
         hash.update(self.target.description.as_bytes());
         hash.update(env!("AUTOTP_CODEGEN_HASH").as_bytes());
         hex(&hash.finalize())
@@ -141,20 +146,22 @@ fn store(path: &std::path::Path, bytes: &[u8]) {
 }
 
 /// See [`crate::compile_cpu`].
-pub(crate) fn compile(kernels: &[kir::Kernel]) -> Result<Vec<CpuKernel>, LlvmError> {
+pub(crate) fn compile(functions: &[Function]) -> Result<Vec<CpuKernel>, LlvmError> {
     let jit = JIT.get_or_init(|| Mutex::new(Jit::start()));
     let mut guard = jit.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let jit = guard.as_mut().map_err(|e| LlvmError::llvm("JIT start", e.clone()))?;
-    let keys: Vec<String> = kernels.iter().map(|k| jit.key(k)).collect();
-    let mut missing: Vec<(String, &kir::Kernel)> = Vec::new();
-    for (key, kernel) in keys.iter().zip(kernels) {
-        kernel.check()?;
+    let keys: Vec<String> = functions.iter().map(|f| jit.key(*f)).collect();
+    let mut missing: Vec<(String, Function)> = Vec::new();
+    for (key, function) in keys.iter().zip(functions) {
+        if let Function::Kernel(kernel) = function {
+            kernel.check()?;
+        }
         if !jit.loaded.contains_key(key) && !missing.iter().any(|(k, _)| k == key) {
-            missing.push((key.clone(), kernel));
+            missing.push((key.clone(), *function));
         }
     }
     if !missing.is_empty() {
-        let symbols: Vec<(String, &kir::Kernel)> = missing.iter().map(|(key, k)| (symbol(key), *k)).collect();
+        let symbols: Vec<(String, Function)> = missing.iter().map(|(key, f)| (symbol(key), *f)).collect();
         let mut batch = Sha256::new();
         for (key, _) in &missing {
             batch.update(key.as_bytes());

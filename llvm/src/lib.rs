@@ -12,6 +12,8 @@
 //! - [`nvptx`]: CUDA. A plan's kernels as one PTX module per GPU architecture (sm_80, sm_90),
 //!   made when the plan is compiled: rows on blocks, the inner dimension on threads, row
 //!   reductions with warp shuffles.
+//! - [`optim`]: the multi-tensor optimizer step (AdamW, SGD) over a table of chunks, for both
+//!   targets, bit-identical to the Rust kernels.
 //!
 //! Fast-math flags are never set: attention masks use -inf and NaN must propagate, so only
 //! exact rewrites happen, and `fma` appears only where the polynomials ask for it.
@@ -21,8 +23,18 @@ pub mod emit;
 pub mod jit;
 pub mod math;
 pub mod nvptx;
+pub mod optim;
 
-pub use cpu::{compile_cpu, CpuKernel};
+pub use cpu::{compile_cpu, compile_cpu_functions, CpuKernel};
+
+/// What the code generator makes one function of.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub enum Function<'a> {
+    /// A kernel of the kernel IR.
+    Kernel(&'a autotp_kernels::kir::Kernel),
+    /// A multi-tensor optimizer step.
+    OptimizerStep(&'a optim::OptimizerKernel),
+}
 
 /// O3 without loop unrolling: the emitters already write vector loops, and unrolling their
 /// constant trip counts (a row of 128 is 8 vector steps) multiplied code size and compile time

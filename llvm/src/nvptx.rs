@@ -2,7 +2,8 @@
 //! plan for the CUDA runtime.
 //!
 //! Kernel `i` of the list is the entry `autotp_kernel_<i>(b0, b1, ...)`, one generic pointer
-//! per buffer, launched with [`BLOCK`] threads per block and any number of blocks. The outer
+//! per buffer; a multi-tensor optimizer step is the entry
+//! [`OptimizerKernel::entry_name`](crate::optim::OptimizerKernel::entry_name) ([`crate::optim`]). Every entry is launched with [`BLOCK`] threads per block and any number of blocks. The outer
 //! dimension runs on blocks (block `b` takes rows `b, b + gridDim.x, ...`), the inner one on the
 //! block's threads (thread `t` takes `t, t + BLOCK, ...`). A `Reduce` stage folds each thread's
 //! share, then the block: a butterfly of warp shuffles inside each warp, the warps' results
@@ -19,6 +20,7 @@ use inkwell::values::{BasicMetadataValueEnum, FunctionValue, IntValue};
 use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
 
 use crate::emit::{counted_loop, Buffer, Buffers, Emitter, Position, V};
+use crate::optim::{define_nvptx as define_optimizer_step, OptimizerKernel};
 use crate::LlvmError;
 
 /// Threads per block every kernel is launched with.
@@ -52,8 +54,8 @@ pub fn entry_name(index: usize) -> String {
     format!("autotp_kernel_{index}")
 }
 
-/// The PTX of `kernels` for `arch`, kernel `i` as [`entry_name`]`(i)`.
-pub fn ptx(kernels: &[kir::Kernel], arch: Arch) -> Result<String, LlvmError> {
+/// The PTX of `kernels` and `optimizer_steps` for `arch`, kernel `i` as [`entry_name`]`(i)`.
+pub fn ptx(kernels: &[kir::Kernel], optimizer_steps: &[OptimizerKernel], arch: Arch) -> Result<String, LlvmError> {
     Target::initialize_nvptx(&InitializationConfig::default());
     let triple = TargetTriple::create("nvptx64-nvidia-cuda");
     let target = Target::from_triple(&triple).map_err(|e| LlvmError::llvm("NVPTX target lookup", e))?;
@@ -76,6 +78,10 @@ pub fn ptx(kernels: &[kir::Kernel], arch: Arch) -> Result<String, LlvmError> {
     for (i, kernel) in kernels.iter().enumerate() {
         kernel.check()?;
         let function = define(&e, &entry_name(i), kernel)?;
+        mark_kernel(&ctx, &module, function)?;
+    }
+    for step in optimizer_steps {
+        let function = define_optimizer_step(&e, step, |name| special_register(&e, name), BLOCK as u64)?;
         mark_kernel(&ctx, &module, function)?;
     }
     module.verify().map_err(|m| LlvmError::llvm("NVPTX verification", m))?;
@@ -302,11 +308,34 @@ mod tests {
             ],
         };
         for arch in Arch::ALL {
-            let ptx = ptx(std::slice::from_ref(&kernel), arch).unwrap();
+            let ptx = ptx(std::slice::from_ref(&kernel), &[], arch).unwrap();
             assert!(ptx.contains(&format!(".target {}", arch.name())), "{ptx}");
             assert!(ptx.contains(".entry autotp_kernel_0") && ptx.contains("shfl.sync.bfly"), "{ptx}");
             // Our own exp: no calls (libdevice, libm) anywhere.
             assert!(!ptx.contains("call"), "{ptx}");
+        }
+    }
+
+    #[test]
+    fn optimizer_steps_become_ptx_with_ieee_division_and_square_roots() {
+        use autotp_kernels::optim::{AdamWConfig, Optimizer, SgdConfig};
+        use autotp_kernels::DType;
+        let adamw = Optimizer::AdamW(AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 });
+        let sgd = Optimizer::Sgd(SgdConfig { momentum: 0.9, weight_decay: 0.0, nesterov: true });
+        let steps = [
+            OptimizerKernel { optimizer: adamw, dtype: DType::F32 },
+            OptimizerKernel { optimizer: sgd, dtype: DType::F64 },
+        ];
+        assert_eq!(steps[0].entry_name(), "autotp_multi_tensor_adamw_f32");
+        assert_eq!(steps[1].entry_name(), "autotp_multi_tensor_sgd_f64_momentum_nesterov");
+        for arch in Arch::ALL {
+            let ptx = ptx(&[], &steps, arch).unwrap();
+            for entry in steps.iter().map(|s| s.entry_name()) {
+                assert!(ptx.contains(&format!(".entry {entry}(")), "{ptx}");
+            }
+            // Exactly rounded, never contracted: bit-identical to the CPU's step.
+            assert!(ptx.contains("sqrt.rn.f32") && ptx.contains("div.rn.f32"), "{ptx}");
+            assert!(!ptx.contains("fma.") && !ptx.contains("approx") && !ptx.contains("call"), "{ptx}");
         }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use autotp_kernels::AlignedBuf;
 
+use autotp_llvm::optim::OptimizerKernel;
 use autotp_llvm::CpuKernel;
 
 use crate::clock::{Clock, RankClock, RunTime};
@@ -83,6 +84,8 @@ pub struct Executor {
     program: Program,
     /// The entry points of `program.kernels`, compiled for this machine.
     generated: Vec<GeneratedKernel>,
+    /// The multi-tensor step of each update rule the program's optimizer steps apply.
+    optimizer_steps: Vec<(OptimizerKernel, CpuKernel)>,
     arena: AlignedBuf,
     /// This rank and its communicator, for programs on a mesh.
     rank: Option<(usize, Arc<LocalComm>)>,
@@ -138,21 +141,26 @@ impl Executor {
             _ => None,
         };
         let issued = vec![0; program.mesh.len()];
-        let generated = if program.kernels.is_empty() {
+        let step_kinds = program.optimizer_kernels();
+        let functions: Vec<autotp_llvm::Function> = (program.kernels.iter().map(autotp_llvm::Function::Kernel))
+            .chain(step_kinds.iter().map(autotp_llvm::Function::OptimizerStep))
+            .collect();
+        let mut entries = if functions.is_empty() {
             Vec::new()
         } else {
-            let entries =
-                autotp_llvm::compile_cpu(&program.kernels).map_err(|e| RuntimeError::KernelCompile(e.to_string()))?;
-            entries
-                .into_iter()
-                .zip(&program.kernels)
-                .map(|(entry, k)| GeneratedKernel { entry, outer: k.outer, rows_per_task: rows_per_task(k) })
-                .collect()
+            autotp_llvm::compile_cpu_functions(&functions).map_err(|e| RuntimeError::KernelCompile(e.to_string()))?
         };
+        let optimizer_steps = step_kinds.into_iter().zip(entries.split_off(program.kernels.len())).collect();
+        let generated = entries
+            .into_iter()
+            .zip(&program.kernels)
+            .map(|(entry, k)| GeneratedKernel { entry, outer: k.outer, rows_per_task: rows_per_task(k) })
+            .collect();
         Ok(Executor {
             comm_thread,
             program,
             generated,
+            optimizer_steps,
             arena,
             rank,
             issued,
@@ -286,10 +294,16 @@ impl Executor {
                 }
                 Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label } => {
                     let scalars: Vec<&[u8]> = scalars.iter().map(region).collect();
+                    let constants = autotp_kernels::optim::constants(optimizer, *dtype, &scalars)
+                        .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
+                    let (_, entry) = self
+                        .optimizer_steps
+                        .iter()
+                        .find(|(kind, _)| kind.optimizer == *optimizer && kind.dtype == *dtype)
+                        .expect("every optimizer step's kernel is compiled at load");
                     // SAFETY: `validate` checked every tensor's regions (in the arena, of one
                     // size) and that outputs alias nothing but, exactly, their own inputs.
-                    unsafe { run_optimizer_step(optimizer, *dtype, &scalars, tensors, base) }
-                        .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
+                    unsafe { run_optimizer_step(*entry, *dtype, &constants, tensors, base) };
                 }
                 Instruction::Recv { output, from, tag, label } => {
                     let (rank, comm) = self
@@ -374,8 +388,9 @@ fn rows_per_task(kernel: &autotp_kernels::kir::Kernel) -> usize {
 /// Buffers handed to the pool's threads.
 struct Buffers<'a>(&'a [*mut u8]);
 
-// SAFETY: each task runs distinct rows, and a generated kernel's rows write disjoint elements
-// of its outputs (it is how codegen builds them; `validate` bounds every access).
+// SAFETY: each task runs distinct rows (or chunks), and a generated kernel's rows write
+// disjoint elements of its outputs (it is how codegen builds them; `validate` bounds every
+// access).
 unsafe impl Sync for Buffers<'_> {}
 
 /// A generated kernel compiled for this machine, and how its rows split into tasks (decided
@@ -416,26 +431,28 @@ fn copy_in_parallel(dst: &mut [u8], src: &[u8]) {
     dst.par_chunks_mut(PIECE).zip(src.par_chunks(PIECE)).for_each(|(d, s)| d.copy_from_slice(s));
 }
 
-/// Elements of one task of an optimizer step.
-const OPTIMIZER_TASK_ELEMENTS: usize = 16_384;
+/// Elements of one chunk of an optimizer step (one task of the pool).
+const OPTIMIZER_CHUNK_ELEMENTS: usize = 16_384;
 
-/// One optimizer step's tensors, cut into tasks of at most [`OPTIMIZER_TASK_ELEMENTS`] on the
-/// current rayon pool.
+/// One optimizer step's tensors, cut into chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`] that
+/// the generated multi-tensor kernel `entry` runs on the current rayon pool, with the step's
+/// `constants` ([`autotp_kernels::optim::constants`]).
 ///
 /// # Safety
-/// The regions of `tensors` lie in the arena at `base` and alias as
-/// [`Instruction::OptimizerStep`] allows; no one else touches them meanwhile.
+/// `entry` is the compiled step of this update rule and `dtype`; the regions of `tensors` lie
+/// in the arena at `base` and alias as [`Instruction::OptimizerStep`] allows; no one else
+/// touches them meanwhile.
 unsafe fn run_optimizer_step(
-    optimizer: &autotp_kernels::Optimizer,
+    entry: CpuKernel,
     dtype: autotp_kernels::DType,
-    scalars: &[&[u8]],
+    constants: &[u8],
     tensors: &[crate::OptimizerTensor],
     base: *mut u8,
-) -> Result<(), autotp_kernels::KernelError> {
-    use autotp_kernels::optim::{update, TensorUpdate};
+) {
+    use autotp_kernels::optim::TensorUpdate;
     use rayon::prelude::*;
     let at = |r: &Region| unsafe { base.add(r.offset) };
-    let mut tasks: Vec<SendUpdate> = Vec::new();
+    let mut chunks: Vec<TensorUpdate> = Vec::new();
     for t in tensors {
         let mut states = [std::ptr::null(); 2];
         let mut states_out = [std::ptr::null_mut(); 2];
@@ -451,21 +468,22 @@ unsafe fn run_optimizer_step(
             param_out: at(&t.outputs[0]),
             states_out,
         };
-        for start in (0..whole.len).step_by(OPTIMIZER_TASK_ELEMENTS) {
-            let end = (start + OPTIMIZER_TASK_ELEMENTS).min(whole.len);
-            tasks.push(SendUpdate(unsafe { whole.part(dtype, start..end) }));
+        for start in (0..whole.len).step_by(OPTIMIZER_CHUNK_ELEMENTS) {
+            let end = (start + OPTIMIZER_CHUNK_ELEMENTS).min(whole.len);
+            chunks.push(unsafe { whole.part(dtype, start..end) });
         }
     }
-    tasks.par_iter().try_for_each(|task| unsafe { update(optimizer, dtype, scalars, &task.0) })
+    // The kernel loads its constants as `dtype`, so they need `dtype`'s alignment.
+    let constants = AlignedBuf::from_bytes(constants);
+    let args = [chunks.as_ptr() as *mut u8, constants.as_slice().as_ptr() as *mut u8];
+    let shared = Buffers(&args);
+    (0..chunks.len()).into_par_iter().for_each(|c| {
+        let args = &shared;
+        // SAFETY: chunks touch disjoint elements (outputs overlap nothing but their own
+        // inputs, and the chunks of one tensor are disjoint ranges).
+        unsafe { entry.run(args.0, c..c + 1) };
+    });
 }
-
-/// A part of a tensor's update handed to a pool thread.
-struct SendUpdate(autotp_kernels::optim::TensorUpdate);
-
-// SAFETY: the parts of an optimizer step touch disjoint elements (validated: outputs overlap
-// nothing but their own inputs, and parts of one tensor are disjoint ranges).
-unsafe impl Send for SendUpdate {}
-unsafe impl Sync for SendUpdate {}
 
 /// The sequence number of the next collective on `op`'s axis (`shard_slice` meets no one and
 /// takes none).

@@ -218,6 +218,21 @@ impl Instruction {
 }
 
 impl Program {
+    /// The multi-tensor kernels that the program's optimizer steps need, one per update rule
+    /// and dtype, in order of first use.
+    pub fn optimizer_kernels(&self) -> Vec<autotp_llvm::optim::OptimizerKernel> {
+        let mut kinds = Vec::new();
+        for instruction in &self.instructions {
+            if let Instruction::OptimizerStep { optimizer, dtype, .. } = instruction {
+                let kind = autotp_llvm::optim::OptimizerKernel { optimizer: optimizer.clone(), dtype: *dtype };
+                if !kinds.contains(&kind) {
+                    kinds.push(kind);
+                }
+            }
+        }
+        kinds
+    }
+
     /// A SHA-256 of the whole program (slots, kernels with their attributes, constants, memory
     /// plan), in hex: two programs with the same fingerprint compute the same step on the same
     /// layout. Checkpoints record it; `.atp` files carry it to detect corruption.
