@@ -26,7 +26,7 @@ use autotp_passes::pipeline::{
 };
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
-use autotp_runtime::plan::{Labels, ModelSource, PipelineConfig, TrainingConfig, TrainingPlan};
+use autotp_runtime::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, TrainingConfig, TrainingPlan};
 use autotp_runtime::schedule::Schedule;
 use clap::Args;
 
@@ -133,6 +133,12 @@ pub struct CompileFlags {
     /// anywhere; anchor it with ^...$ for whole names. Repeatable.
     #[arg(long, value_name = "REGEX")]
     freeze: Vec<String>,
+    /// An embedding table's padding row, which gets no gradient (PyTorch's
+    /// `nn.Embedding(padding_idx)`, which ONNX exports drop): N or none for every table (a
+    /// parameter read only by gathers), TABLE=N or TABLE=none for one. Default: a table's one
+    /// row that is exactly zero at import. Repeatable.
+    #[arg(long, value_name = "N|none|TABLE=N")]
+    padding_idx: Vec<String>,
     /// Write the IR before the passes and after each one: DIR/00-import.ir, DIR/01-recognize.ir...
     #[arg(long, value_name = "DIR")]
     dump_ir: Option<PathBuf>,
@@ -215,6 +221,26 @@ fn schedule(flags: &CompileFlags) -> Result<Schedule> {
         },
         other => bail!("--lr-schedule '{other}' is not one of constant, cosine"),
     })
+}
+
+/// The embedding tables' padding rows: `--padding-idx`, else each table's one zero row.
+fn padding_rows(flags: &CompileFlags, model: &autotp_frontend::Model) -> Result<Vec<PaddingRow>> {
+    use autotp_passes::padding::{choose_padding_rows, embedding_tables, PaddingFlag};
+    let parsed: Vec<PaddingFlag> =
+        flags.padding_idx.iter().map(|f| f.parse()).collect::<Result<_, String>>().map_err(anyhow::Error::msg)?;
+    let tables = embedding_tables(&model.graph, &model.weights);
+    let (rows, ambiguous) = choose_padding_rows(&tables, &parsed).map_err(anyhow::Error::msg)?;
+    for table in ambiguous {
+        tracing::warn!(
+            "embedding table '{}' has {} rows of zeros ({:?}...): none is taken as its padding row; \
+             set --padding-idx {}=N if one is",
+            table.param,
+            table.zero_rows.len(),
+            &table.zero_rows[..table.zero_rows.len().min(4)],
+            table.param
+        );
+    }
+    Ok(rows.into_iter().map(|r| PaddingRow { table: r.table, row: r.row, detected: r.detected }).collect())
 }
 
 /// The parameters `--freeze` names; each expression must match at least one.
@@ -351,10 +377,12 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let options = ImportOptions { batch: Some(micro_batch_rows), seq_len: Some(flags.seq_len), ..Default::default() };
     let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
     let frozen = frozen(flags, &model.graph)?;
+    let padding_rows = padding_rows(flags, &model)?;
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
     let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
     let mut autodiff = Autodiff::new(LOSS);
     autodiff.frozen = frozen.clone();
+    autodiff.padding_rows = padding_rows.iter().map(|p| (p.table.clone(), p.row)).collect();
     // Before the pipeline cuts the graph...
     let mut front: Vec<Box<dyn Pass>> = vec![
         Box::new(autotp_passes::recognize::Recognize),
@@ -414,6 +442,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             backward: pipeline_backward,
             batch_inputs: batch_inputs.clone(),
             frozen: frozen.clone(),
+            padding_rows: padding_rows.iter().map(|p| (p.table.clone(), p.row)).collect(),
         };
         let (graphs, norms, config) = cut_pipeline(&pipeline, &model.graph)?;
         index += 1;
@@ -477,6 +506,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             schedule,
             grad_clip: flags.grad_clip,
             frozen: frozen.into_iter().collect(),
+            padding_rows,
             zero_stage: flags.zero,
             grad_accum,
             weight_shapes,
@@ -600,6 +630,10 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
             frozen_slots.len()
         ),
     ];
+    for padding in &t.padding_rows {
+        let why = if padding.detected { "its one zero row at import" } else { "--padding-idx" };
+        lines.push(format!("  padding row: {} row {} gets no gradient ({why})", padding.table, padding.row));
+    }
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     if let Some(pipeline) = &t.pipeline {
         lines.push(format!(

@@ -95,6 +95,10 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             if let Some(frozen) = argument.strip_prefix("freeze=") {
                 pass.frozen = frozen.split(',').map(str::to_string).collect();
             }
+            if let Some(rows) = argument.strip_prefix("padding=") {
+                let (table, row) = rows.split_once(':').expect("autodiff:padding=TABLE:ROW");
+                pass.padding_rows.insert(table.to_string(), row.parse().expect("a row index"));
+            }
             Box::new(pass)
         }
         "optimize" => Box::new(Optimize {
@@ -175,6 +179,7 @@ fn check_pipeline(
         backward,
         batch_inputs: batch_inputs.clone(),
         frozen: Default::default(),
+        padding_rows: Default::default(),
     };
     let (_, graphs) = pipeline.run(&graph).map_err(|e| e.to_string())?;
     let printed: String =

@@ -33,6 +33,7 @@ fn pipeline(stages: usize, micro_batches: usize, schedule: Schedule, backward: B
         backward,
         batch_inputs: vec!["input_ids".into(), LABELS.into()],
         frozen: Default::default(),
+        padding_rows: Default::default(),
     }
 }
 

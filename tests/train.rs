@@ -9,50 +9,106 @@ use crate::common::{failure, fixture, repo};
 
 /// Runs `autotp train` on an architecture's logits export over the committed token file.
 fn autotp_train(arch: &str, args: &[&str]) -> std::process::Output {
+    autotp_train_on(arch, "tokens.bin", args)
+}
+
+/// [`autotp_train`] over another token file of tests/fixtures/train.
+fn autotp_train_on(arch: &str, tokens: &str, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_autotp"))
         .args(["train", fixture(arch, "model.onnx").to_str().unwrap(), "--seq-len", "32"])
-        .args(["--data", repo().join("tests/fixtures/train/tokens.bin").to_str().unwrap()])
+        .args(["--data", repo().join("tests/fixtures/train").join(tokens).to_str().unwrap()])
         .args(args)
         .output()
         .unwrap()
 }
 
-fn train_matches_pytorch(arch: &str) {
+/// The 30-step curve of `arch` (micro-batch `micro_batch`, `flags` added) over `tokens` against
+/// PyTorch's (tests/fixtures/train/<arch>_adamw.json); its relative difference per step and the
+/// compile summary.
+fn curve_against_pytorch(arch: &str, tokens: &str, micro_batch: usize, flags: &[&str]) -> (Vec<f64>, String) {
     let reference: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(repo().join(format!("tests/fixtures/train/{arch}_adamw.json"))).unwrap(),
     )
     .unwrap();
     let want: Vec<f64> = reference["losses"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
-    let metrics = std::env::temp_dir().join(format!("autotp-train-{}-{arch}.jsonl", std::process::id()));
-    let out = autotp_train(
+    let label = flags.join("");
+    let metrics = std::env::temp_dir().join(format!("autotp-train-{}-{arch}{label}.jsonl", std::process::id()));
+    let micro_batch = micro_batch.to_string();
+    let out = autotp_train_on(
         arch,
-        &["--micro-batch", "8", "--steps", "30", "--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8"]
+        tokens,
+        &["--micro-batch", &micro_batch, "--steps", "30", "--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8"]
             .into_iter()
             .chain(["--weight-decay", "0.01", "--metrics-out", metrics.to_str().unwrap()])
+            .chain(flags.iter().copied())
             .collect::<Vec<_>>(),
     );
-    assert!(out.status.success(), "{arch}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{arch} {label}: {}", String::from_utf8_lossy(&out.stderr));
     let got: Vec<f64> = std::fs::read_to_string(&metrics)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
         .collect();
     assert_eq!(got.len(), want.len(), "{arch}: {} metric lines", got.len());
-    let relative: Vec<f64> = got.iter().zip(&want).map(|(g, w)| (g - w).abs() / w.abs()).collect();
-    assert!(relative[0] <= 1e-5, "{arch}: step 1 loss {} vs torch {} ({:.2e} relative)", got[0], want[0], relative[0]);
+    assert!(got[29] < got[0], "{arch}: the loss did not fall ({} -> {})", got[0], got[29]);
+    let relative = got.iter().zip(&want).map(|(g, w)| (g - w).abs() / w.abs()).collect();
+    // `train` prints the compile summary on stderr (stdout carries the steps).
+    (relative, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Asserts the contract on a curve's relative differences: 1e-5 at step 1, 1e-3 at every step.
+fn assert_within_contract(label: &str, relative: &[f64]) {
+    assert!(relative[0] <= 1e-5, "{label}: step 1 differs from torch by {:.2e} relative", relative[0]);
     let (worst_step, worst) =
         relative.iter().enumerate().fold((0, 0f64), |acc, (i, &r)| if r > acc.1 { (i, r) } else { acc });
+    assert!(worst <= 1e-3, "{label}: step {} differs from torch by {worst:.2e} relative", worst_step + 1);
+    println!("{label}: 30 steps, step 1 {:.2e}, worst {worst:.2e} relative to torch", relative[0]);
+}
+
+fn train_matches_pytorch(arch: &str) {
+    let (relative, _) = curve_against_pytorch(arch, "tokens.bin", 8, &[]);
+    assert_within_contract(arch, &relative);
+}
+
+/// A Llama with `pad_token_id = 0` over a stream where a tenth of the tokens are padding:
+/// its embedding's zero row 0 is found and gets no gradient, as `nn.Embedding(padding_idx=0)`
+/// in PyTorch, on one rank and under tensor, data (ZeRO-3) and pipeline parallelism. Without
+/// it (`--padding-idx none`) the curve leaves the contract.
+#[test]
+fn padding_rows_train_like_pytorch() {
+    let (relative, summary) = curve_against_pytorch("llama_pad", "tokens_pad.bin", 8, &[]);
+    assert_within_contract("llama_pad", &relative);
     assert!(
-        worst <= 1e-3,
-        "{arch}: step {} loss {} vs torch {} ({worst:.2e} relative)",
-        worst_step + 1,
-        got[worst_step],
-        want[worst_step]
+        summary
+            .contains("padding row: m.model.embed_tokens.weight row 0 gets no gradient (its one zero row at import)"),
+        "{summary}"
     );
-    assert!(got[29] < got[0], "{arch}: the loss did not fall ({} -> {})", got[0], got[29]);
-    println!(
-        "{arch}: 30 steps, loss {:.6} -> {:.6}, step 1 {:.2e}, worst {worst:.2e} relative to torch",
-        got[0], got[29], relative[0]
+    let layouts: [(usize, &[&str]); 3] =
+        [(8, &["--tp", "2"]), (4, &["--dp", "2", "--zero", "3"]), (2, &["--pp", "2", "--grad-accum", "4"])];
+    for (micro_batch, layout) in layouts {
+        let (relative, _) = curve_against_pytorch("llama_pad", "tokens_pad.bin", micro_batch, layout);
+        assert_within_contract(&format!("llama_pad {}", layout.join(" ")), &relative);
+    }
+    let (relative, summary) = curve_against_pytorch("llama_pad", "tokens_pad.bin", 8, &["--padding-idx", "none"]);
+    assert!(!summary.contains("padding row"), "{summary}");
+    let worst = relative.iter().copied().fold(0f64, f64::max);
+    assert!(worst > 1e-3, "training the padding row should leave the contract (worst {worst:.2e})");
+
+    let one_step = ["--micro-batch", "2", "--steps", "1"];
+    let err =
+        failure(autotp_train_on("llama_pad", "tokens_pad.bin", &[&one_step[..], &["--padding-idx", "1000"]].concat()));
+    assert!(
+        err.contains("--padding-idx 1000: the embedding table 'm.model.embed_tokens.weight' has 1000 rows"),
+        "{err}"
+    );
+    let err = failure(autotp_train_on(
+        "llama_pad",
+        "tokens_pad.bin",
+        &[&one_step[..], &["--padding-idx", "lm_head=1"]].concat(),
+    ));
+    assert!(
+        err.contains("'lm_head' is not an embedding table") && err.contains("m.model.embed_tokens.weight"),
+        "{err}"
     );
 }
 

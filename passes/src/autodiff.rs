@@ -20,7 +20,7 @@ use autotp_ir::{
     BinaryOp, DType, GeluApprox, Graph, NodeId, Op, ReduceOp, Reduction, Rewriter, Tensor, TensorType, UnaryOp, ValueId,
 };
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::{Pass, PassError};
 
@@ -33,6 +33,9 @@ pub struct Autodiff {
     /// Parameters that get no gradient (`--freeze`): they stay parameters, but nothing flows
     /// back to them and they get no `grad.` output.
     pub frozen: BTreeSet<String>,
+    /// Embedding tables' padding rows ([`crate::padding`]): the row gets no gradient from the
+    /// table's gathers, as `nn.Embedding(padding_idx=row)` in PyTorch.
+    pub padding_rows: BTreeMap<String, usize>,
     /// A graph input holding the gradient of the `loss` output (which may then be any
     /// floating-point tensor of the input's type): the vector-Jacobian product instead of the
     /// gradient of a scalar. A pipeline stage's backward starts from the gradient the next stage
@@ -48,7 +51,13 @@ const PASS: &str = "autodiff";
 impl Autodiff {
     /// Differentiates the output `loss` with respect to every parameter.
     pub fn new(loss: &str) -> Autodiff {
-        Autodiff { loss: loss.to_string(), frozen: BTreeSet::new(), cotangent: None, wrt_inputs: Vec::new() }
+        Autodiff {
+            loss: loss.to_string(),
+            frozen: BTreeSet::new(),
+            padding_rows: BTreeMap::new(),
+            cotangent: None,
+            wrt_inputs: Vec::new(),
+        }
     }
 }
 
@@ -143,6 +152,16 @@ impl B<'_> {
             (0..from.len()).filter(|&i| i < lead || (shape[i - lead] == 1 && from[i] != 1)).collect();
         let summed = if axes.is_empty() { d } else { self.reduce(ReduceOp::Sum, d, axes, true)? };
         self.reshape(summed, shape)
+    }
+
+    /// `d`, the gradient of a gather of table rows by `ids`, zero where the index is `row`.
+    fn without_padding_row(&mut self, ids: ValueId, d: ValueId, row: usize) -> Result<ValueId, PassError> {
+        let ids_type = self.ty(ids);
+        let padding = self.scalar(ids_type.dtype, row as f64)?;
+        let is_padding = self.bin(BinaryOp::Equal, ids, padding)?;
+        let rows_shape: Vec<usize> = ids_type.shape.iter().copied().chain([1]).collect();
+        let is_padding = self.reshape(is_padding, &rows_shape)?;
+        self.mask(is_padding, d, true)
     }
 
     /// `select(cond, d, 0)` or, with `flip`, `select(cond, 0, d)`.
@@ -806,6 +825,11 @@ impl Autodiff {
             let xs: Vec<ValueId> = node.inputs.iter().map(|&v| rw.map(v)).collect();
             let ys: Vec<ValueId> = node.outputs.iter().map(|&v| rw.map(v)).collect();
             let mut b = B { g: rw.graph(), op: node.op.name() };
+            let mut dy = dy;
+            let padding_row = old.name_of(node.inputs[0]).and_then(|name| self.padding_rows.get(name));
+            if let (Op::Gather { axis: 0 }, Some(&row), Some(d)) = (&node.op, padding_row, dy[0]) {
+                dy[0] = Some(b.without_padding_row(xs[1], d, row)?);
+            }
             let dxs = vjp(&mut b, &node.op, &xs, &ys, &dy, &want)?;
             for ((&v, dx), &w) in node.inputs.iter().zip(dxs).zip(&want) {
                 let (Some(dx), true) = (dx, w) else { continue };

@@ -25,6 +25,7 @@ pub mod dce;
 pub mod fusion;
 pub mod loss;
 pub mod optimize;
+pub mod padding;
 pub mod peephole;
 pub mod pipeline;
 pub mod recognize;

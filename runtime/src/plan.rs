@@ -67,6 +67,9 @@ pub struct TrainingConfig {
     pub grad_clip: Option<f64>,
     /// Parameters excluded from training (`--freeze`).
     pub frozen: Vec<String>,
+    /// Embedding tables' rows that get no gradient (`nn.Embedding(padding_idx)`).
+    #[serde(default)]
+    pub padding_rows: Vec<PaddingRow>,
     /// The ZeRO stage over the data-parallel ranks.
     #[serde(default)]
     pub zero_stage: u8,
@@ -80,6 +83,15 @@ pub struct TrainingConfig {
     /// How the pipeline stages run, when there are several.
     #[serde(default)]
     pub pipeline: Option<PipelineConfig>,
+}
+
+/// A padding row of an embedding table (`autotp_passes::padding`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PaddingRow {
+    pub table: String,
+    pub row: usize,
+    /// Found (the table's one zero row at import) rather than set by `--padding-idx`.
+    pub detected: bool,
 }
 
 /// The pipeline's stages and schedule (`--pp`, `--schedule`); its micro-batches are the step's

@@ -214,6 +214,8 @@ pub struct Pipeline {
     pub batch_inputs: Vec<String>,
     /// Parameters that get no gradient (`--freeze`).
     pub frozen: BTreeSet<String>,
+    /// Embedding tables' padding rows ([`Autodiff::padding_rows`]).
+    pub padding_rows: BTreeMap<String, usize>,
 }
 
 impl Pipeline {
@@ -281,6 +283,7 @@ impl Pipeline {
         g.add_input(cotangent.clone(), g.ty(value).clone());
         let mut autodiff = Autodiff::new(output);
         autodiff.frozen = self.frozen.clone();
+        autodiff.padding_rows = self.padding_rows.clone();
         autodiff.cotangent = Some(cotangent);
         if s > 0 {
             autodiff.wrt_inputs = vec![PIPE_IN.to_string()];
