@@ -142,6 +142,24 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             Optimizer::AdamW(config) => Kernel::AdamW { dtype, config },
             Optimizer::Sgd(config) => Kernel::Sgd { dtype, config },
         },
+        Op::ScatterElements { axis, .. } => Kernel::ScatterElements {
+            dtype: inputs[1].dtype,
+            index_dtype: inputs[0].dtype,
+            updates: inputs[1].shape.clone(),
+            out: out_shape(),
+            axis: *axis,
+        },
+        Op::TopK { axis, k, largest } => {
+            let s = &inputs[0].shape;
+            Kernel::TopK {
+                dtype: inputs[0].dtype,
+                outer: s[..*axis].iter().product(),
+                len: s[*axis],
+                inner: s[*axis + 1..].iter().product(),
+                k: *k,
+                largest: *largest,
+            }
+        }
         Op::GatherElements { axis } => Kernel::GatherElements {
             dtype,
             index_dtype: inputs[1].dtype,
@@ -153,6 +171,17 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             Kernel::Pad { dtype, shape: shape(), begin: begin.clone(), out: out_shape(), value: *value }
         }
         Op::Triangle { upper, k } => Kernel::Triangle { dtype, shape: shape(), k: *k, upper: *upper },
+        Op::CumSum { axis, exclusive, reverse } => {
+            let s = shape();
+            Kernel::CumSum {
+                dtype,
+                outer: s[..*axis].iter().product(),
+                len: s[*axis],
+                inner: s[*axis + 1..].iter().product(),
+                exclusive: *exclusive,
+                reverse: *reverse,
+            }
+        }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             let s = shape();
             Kernel::Softmax {

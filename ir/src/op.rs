@@ -70,11 +70,32 @@ pub enum Op {
     GatherElements {
         axis: usize,
     },
+    /// `scatter_elements indices, updates {axis, size}`: the gradient of `gather_elements`.
+    /// Zeros of the updates' shape with dim `axis` of length `size`, plus each update added at
+    /// its own position with the coordinate along `axis` replaced by its index.
+    ScatterElements {
+        axis: usize,
+        size: usize,
+    },
+    /// The `k` largest (or smallest) elements along `axis`, in order, and their indices (i64);
+    /// equal values keep index order (ONNX `TopK`).
+    TopK {
+        axis: usize,
+        k: usize,
+        largest: bool,
+    },
     /// Constant padding with `begin[d]` and `end[d]` elements.
     Pad {
         begin: Vec<usize>,
         end: Vec<usize>,
         value: f64,
+    },
+    /// Running sums along `axis` (ONNX `CumSum`): `exclusive` leaves each element out of its
+    /// own sum, `reverse` sums from the end.
+    CumSum {
+        axis: usize,
+        exclusive: bool,
+        reverse: bool,
     },
     /// Keep the upper (`triu`) or lower (`tril`) triangle relative to diagonal `k`.
     Triangle {
@@ -263,7 +284,10 @@ impl Op {
             Op::Gather { .. } => "gather".into(),
             Op::ScatterAdd { .. } => "scatter_add".into(),
             Op::GatherElements { .. } => "gather_elements".into(),
+            Op::ScatterElements { .. } => "scatter_elements".into(),
+            Op::TopK { .. } => "topk".into(),
             Op::Pad { .. } => "pad".into(),
+            Op::CumSum { .. } => "cumsum".into(),
             Op::Triangle { upper: true, .. } => "triu".into(),
             Op::Triangle { upper: false, .. } => "tril".into(),
             Op::Softmax { .. } => "softmax".into(),
@@ -309,6 +333,7 @@ impl Op {
                 | Op::AdamW { .. }
                 | Op::Sgd { .. }
                 | Op::Send { .. }
+                | Op::TopK { .. }
         ) && num_outputs != 1
         {
             return Err(format!("has {num_outputs} outputs, expects 1"));
@@ -532,6 +557,36 @@ impl Op {
                 }
                 one(TensorType::new(data.dtype, idx.shape.clone()))
             }
+            Op::ScatterElements { axis, size } => {
+                expect_arity(2, 2)?;
+                let (idx, updates) = (inputs[0], inputs[1]);
+                axis_ok(*axis, updates.rank())?;
+                check_index_dtype(idx.dtype)?;
+                float_only(updates)?;
+                if idx.shape != updates.shape {
+                    return Err(format!("indices {:?} and updates {:?} differ in shape", idx.shape, updates.shape));
+                }
+                let mut shape = updates.shape.clone();
+                shape[*axis] = *size;
+                one(TensorType::new(updates.dtype, shape))
+            }
+            Op::TopK { axis, k, .. } => {
+                expect_arity(1, 1)?;
+                let t = inputs[0];
+                axis_ok(*axis, t.rank())?;
+                if t.dtype == DType::Bool {
+                    return Err("needs numbers, got bool".into());
+                }
+                if *k > t.shape[*axis] {
+                    return Err(format!("k = {k} exceeds the {} elements along axis {axis}", t.shape[*axis]));
+                }
+                let mut shape = t.shape.clone();
+                shape[*axis] = *k;
+                if num_outputs != 2 {
+                    return Err(format!("has 2 outputs (values, indices), got {num_outputs}"));
+                }
+                Ok(vec![TensorType::new(t.dtype, shape.clone()), TensorType::new(DType::I64, shape)])
+            }
             Op::Pad { begin, end, .. } => {
                 expect_arity(1, 1)?;
                 let t = inputs[0];
@@ -540,6 +595,14 @@ impl Op {
                 }
                 let shape = (0..t.rank()).map(|d| t.shape[d] + begin[d] + end[d]).collect::<Vec<_>>();
                 one(TensorType::new(t.dtype, shape))
+            }
+            Op::CumSum { axis, .. } => {
+                expect_arity(1, 1)?;
+                axis_ok(*axis, inputs[0].rank())?;
+                if inputs[0].dtype == DType::Bool {
+                    return Err("needs numbers, got bool".into());
+                }
+                one(inputs[0].clone())
             }
             Op::Triangle { .. } => {
                 expect_arity(1, 1)?;

@@ -230,6 +230,11 @@ pub fn axis_rule(
             PartialSum if *value == 0.0 => AxisRule::all(1, 1, PartialSum),
             _ => AxisRule::replicated(1, 1),
         },
+        Op::CumSum { axis, .. } => match current[0] {
+            Shard(d) if d != *axis => AxisRule::all(1, 1, Shard(d)),
+            PartialSum => AxisRule::all(1, 1, PartialSum),
+            _ => AxisRule::replicated(1, 1),
+        },
         Op::Triangle { .. } => match current[0] {
             Shard(d) if d + 2 < inputs[0].rank() => AxisRule::all(1, 1, Shard(d)),
             PartialSum => AxisRule::all(1, 1, PartialSum),
@@ -272,6 +277,14 @@ pub fn axis_rule(
             }
         }
         Op::GatherElements { .. } => AxisRule::replicated(ni, no),
+        Op::ScatterElements { axis, .. } => match current[1] {
+            Shard(d) if d != *axis => AxisRule::all(2, 1, Shard(d)),
+            _ => AxisRule::replicated(2, 1),
+        },
+        Op::TopK { axis, .. } => match current[0] {
+            Shard(d) if d != *axis => AxisRule::all(1, 2, Shard(d)),
+            _ => AxisRule::replicated(1, 2),
+        },
         Op::AdamW { .. } | Op::Sgd { .. } => {
             // The optimizer state's placement decides (ZeRO shards it); every tensor operand
             // follows it; lr and step are replicated scalars.

@@ -189,7 +189,12 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
             ("weight_decay", Attr::Float(*weight_decay)),
             ("nesterov", bool_attr(*nesterov)),
         ],
-        Op::ScatterAdd { axis, size } => vec![("axis", Attr::Int(*axis as i64)), ("size", Attr::Int(*size as i64))],
+        Op::ScatterAdd { axis, size } | Op::ScatterElements { axis, size } => {
+            vec![("axis", Attr::Int(*axis as i64)), ("size", Attr::Int(*size as i64))]
+        }
+        Op::TopK { axis, k, largest } => {
+            vec![("axis", Attr::Int(*axis as i64)), ("k", Attr::Int(*k as i64)), ("largest", bool_attr(*largest))]
+        }
         Op::Split { axis, sizes } => {
             vec![("axis", Attr::Int(*axis as i64)), ("sizes", ints(sizes))]
         }
@@ -197,6 +202,11 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
             vec![("begin", ints(begin)), ("end", ints(end)), ("value", Attr::Float(*value))]
         }
         Op::Triangle { k, .. } => vec![("k", Attr::Int(*k))],
+        Op::CumSum { axis, exclusive, reverse } => vec![
+            ("axis", Attr::Int(*axis as i64)),
+            ("exclusive", bool_attr(*exclusive)),
+            ("reverse", bool_attr(*reverse)),
+        ],
         Op::LayerNorm { axis, eps } | Op::RmsNorm { axis, eps } => {
             vec![("axis", Attr::Int(*axis as i64)), ("eps", Attr::Float(*eps))]
         }
@@ -973,6 +983,8 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         "split" => Op::Split { axis: take_usize(a, "axis")?, sizes: take_usizes(a, "sizes")? },
         "gather" => Op::Gather { axis: take_usize(a, "axis")? },
         "gather_elements" => Op::GatherElements { axis: take_usize(a, "axis")? },
+        "scatter_elements" => Op::ScatterElements { axis: take_usize(a, "axis")?, size: take_usize(a, "size")? },
+        "topk" => Op::TopK { axis: take_usize(a, "axis")?, k: take_usize(a, "k")?, largest: take_flag(a, "largest")? },
         "scatter_add" => Op::ScatterAdd { axis: take_usize(a, "axis")?, size: take_usize(a, "size")? },
         "adamw" => Op::AdamW {
             beta1: take_float(a, "beta1")?,
@@ -989,6 +1001,11 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
             Op::Pad { begin: take_usizes(a, "begin")?, end: take_usizes(a, "end")?, value: take_float(a, "value")? }
         }
         "triu" | "tril" => Op::Triangle { upper: name == "triu", k: take_int(a, "k")? },
+        "cumsum" => Op::CumSum {
+            axis: take_usize(a, "axis")?,
+            exclusive: take_flag(a, "exclusive")?,
+            reverse: take_flag(a, "reverse")?,
+        },
         "wait" => Op::Wait,
         "send" => Op::Send { to: take_usize(a, "to")?, tag: take_usize(a, "tag")? as u64, message: take_message(a)? },
         collective

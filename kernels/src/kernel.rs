@@ -58,8 +58,15 @@ pub enum Kernel {
     },
     /// `[data, indices] -> [take_along_axis(data, indices, axis)]`
     GatherElements { dtype: DType, index_dtype: DType, data: Vec<usize>, indices: Vec<usize>, axis: usize },
+    /// `[indices, updates] -> [zeros(out) with each update added at its index along axis]`
+    ScatterElements { dtype: DType, index_dtype: DType, updates: Vec<usize>, out: Vec<usize>, axis: usize },
+    /// `[x] -> [values, indices (i64)]`: the `k` largest (or smallest) along the middle axis of
+    /// `[outer, len, inner]`.
+    TopK { dtype: DType, outer: usize, len: usize, inner: usize, k: usize, largest: bool },
     /// `[x] -> [pad(x, value)]`
     Pad { dtype: DType, shape: Vec<usize>, begin: Vec<usize>, out: Vec<usize>, value: f64 },
+    /// `[x] -> [cumsum(x)]` along the middle axis of `[outer, len, inner]`.
+    CumSum { dtype: DType, outer: usize, len: usize, inner: usize, exclusive: bool, reverse: bool },
     /// `[x] -> [triu(x, k)]` or tril when `upper` is false.
     Triangle { dtype: DType, shape: Vec<usize>, k: i64, upper: bool },
     /// `[x] -> [softmax(x)]` over the middle axis of `[outer, len, inner]`.
@@ -133,8 +140,11 @@ impl Kernel {
             Kernel::Gather { .. } => "gather",
             Kernel::ScatterAdd { .. } => "scatter_add",
             Kernel::GatherElements { .. } => "gather_elements",
+            Kernel::ScatterElements { .. } => "scatter_elements",
+            Kernel::TopK { .. } => "topk",
             Kernel::Pad { .. } => "pad",
             Kernel::Triangle { .. } => "triangle",
+            Kernel::CumSum { .. } => "cumsum",
             Kernel::Softmax { .. } => "softmax",
             Kernel::LayerNorm { .. } => "layer_norm",
             Kernel::RmsNorm { .. } => "rms_norm",
@@ -281,6 +291,19 @@ impl Kernel {
                     fail
                 }
             }
+            Kernel::ScatterElements { dtype, index_dtype, updates, out, axis } => {
+                let same_outside_axis = (0..out.len()).all(|d| d == *axis || updates[d] == out[d]);
+                if !axis_ok(*axis, out.len()) || updates.len() != out.len() || !same_outside_axis {
+                    return fail;
+                }
+                exact(&[bytes(*index_dtype, updates), bytes(*dtype, updates)], &[bytes(*dtype, out)])
+            }
+            Kernel::TopK { dtype, outer, len, inner, k, .. } => {
+                if k > len {
+                    return fail;
+                }
+                exact(&[outer * len * inner * dtype.size()], &[outer * k * inner * dtype.size(), outer * k * inner * 8])
+            }
             Kernel::GatherElements { dtype, index_dtype, data, indices, axis } => {
                 if !axis_ok(*axis, data.len()) || data.len() != indices.len() {
                     return fail;
@@ -302,7 +325,7 @@ impl Kernel {
                 }
                 exact(&[bytes(*dtype, shape)], &[bytes(*dtype, shape)])
             }
-            Kernel::Softmax { dtype, outer, len, inner, .. } => {
+            Kernel::Softmax { dtype, outer, len, inner, .. } | Kernel::CumSum { dtype, outer, len, inner, .. } => {
                 let n = outer * len * inner * dtype.size();
                 exact(&[n], &[n])
             }
@@ -442,6 +465,24 @@ impl Kernel {
                 let rows = Kernel::rows(out, *axis, block);
                 crate::movement::scatter_add(*dtype, *index_dtype, out, *axis, rows, inputs[0], inputs[1], outputs[0])
             }
+            Kernel::ScatterElements { dtype, index_dtype, updates, out, axis } => {
+                arity(2, 1)?;
+                crate::movement::scatter_elements(
+                    *dtype,
+                    *index_dtype,
+                    updates,
+                    out,
+                    *axis,
+                    inputs[0],
+                    inputs[1],
+                    outputs[0],
+                )
+            }
+            Kernel::TopK { dtype, len, inner, k, largest, .. } => {
+                arity(1, 2)?;
+                let [values, indices] = outputs else { unreachable!("arity checked") };
+                crate::reduce::top_k(*dtype, *len, *inner, *k, *largest, inputs[0], values, indices)
+            }
             Kernel::GatherElements { dtype, index_dtype, data, indices, axis } => {
                 arity(2, 1)?;
                 crate::movement::gather_elements(
@@ -458,6 +499,10 @@ impl Kernel {
             Kernel::Pad { dtype, shape, begin, out, value } => {
                 arity(1, 1)?;
                 crate::movement::pad(*dtype, shape, begin, out, *value, inputs[0], outputs[0])
+            }
+            Kernel::CumSum { dtype, len, inner, exclusive, reverse, .. } => {
+                arity(1, 1)?;
+                crate::reduce::cumsum(*dtype, *len, *inner, *exclusive, *reverse, inputs[0], outputs[0])
             }
             Kernel::Triangle { dtype, shape, k, upper } => {
                 arity(1, 1)?;

@@ -297,6 +297,44 @@ pub(crate) fn gather_elements(
     Ok(())
 }
 
+/// The gradient of [`gather_elements`]: `out` starts at zero and each update is added at its
+/// own position with the coordinate along `axis` replaced by its index (in order, so repeated
+/// indices sum deterministically).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scatter_elements(
+    dtype: DType,
+    index_dtype: DType,
+    updates_shape: &[usize],
+    out_shape: &[usize],
+    axis: usize,
+    indices: &[u8],
+    updates: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let indices = read_indices(index_dtype, indices)?;
+    let out_strides = strides(out_shape);
+    let update_strides = strides(updates_shape);
+    out.fill(0);
+    match dtype {
+        DType::F32 | DType::F64 => crate::scalar::with_num_type!(dtype, T => {
+            let updates = view::<T>(updates);
+            let out = view_mut::<T>(out)?;
+            for (i, &u) in updates.iter().enumerate() {
+                let mut off = 0;
+                for d in 0..updates_shape.len() {
+                    let coord = (i / update_strides[d]) % updates_shape[d];
+                    let coord =
+                        if d == axis { resolve_index(indices[i], out_shape[d], "scatter_elements")? } else { coord };
+                    off += coord * out_strides[d];
+                }
+                out[off] = crate::scalar::Num::add(out[off], u);
+            }
+        }, _ => unreachable!()),
+        other => return Err(KernelError::Unsupported { kernel: "scatter_elements", what: format!("{other}") }),
+    }
+    Ok(())
+}
+
 /// Constant padding: `begin[d]` elements before and the rest after along each axis.
 pub(crate) fn pad(
     dtype: DType,

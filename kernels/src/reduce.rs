@@ -75,3 +75,109 @@ pub(crate) fn reduce(
         }, _ => Err(KernelError::Unsupported { kernel: "reduce", what: format!("{} on {dtype}", op.name()) })),
     }
 }
+
+/// Running sums along the middle axis of an `[outer, len, inner]` block: `exclusive` leaves
+/// each element out of its own sum (the first is 0), `reverse` runs from the end. Floats
+/// accumulate in f64 and round each sum once (as torch's CPU `cumsum`); integers add exactly
+/// in their own type, wrapping as numpy's does.
+fn cumsum_block<T: Num>(input: &[T], len: usize, inner: usize, exclusive: bool, reverse: bool, out: &mut [T]) {
+    let float = !T::IS_INTEGER;
+    out.par_chunks_mut((len * inner).max(1)).enumerate().for_each(|(o, block)| {
+        for i in 0..inner {
+            let (mut exact, mut wide) = (T::zero(), 0f64);
+            for step in 0..len {
+                let r = if reverse { len - 1 - step } else { step };
+                let x = input[(o * len + r) * inner + i];
+                if exclusive {
+                    block[r * inner + i] = if float { T::from_f64(wide) } else { exact };
+                }
+                (exact, wide) = (exact.add(x), wide + x.to_f64());
+                if !exclusive {
+                    block[r * inner + i] = if float { T::from_f64(wide) } else { exact };
+                }
+            }
+        }
+    });
+}
+
+pub(crate) fn cumsum(
+    dtype: DType,
+    len: usize,
+    inner: usize,
+    exclusive: bool,
+    reverse: bool,
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    match dtype {
+        DType::F16 | DType::BF16 => {
+            let wide = widen(dtype, input);
+            let mut result = vec![0f32; wide.len()];
+            cumsum_block(&wide, len, inner, exclusive, reverse, &mut result);
+            narrow(dtype, &result, out)
+        }
+        _ => with_num_type!(dtype, T => {
+            cumsum_block::<T>(&view::<T>(input), len, inner, exclusive, reverse, view_mut::<T>(out)?);
+            Ok(())
+        }, _ => Err(KernelError::Unsupported { kernel: "cumsum", what: format!("{dtype} elements") })),
+    }
+}
+
+/// The `k` largest (or smallest) elements along the middle axis of `[outer, len, inner]`, in
+/// order, and their indices: equal values keep index order (ONNX's rule) and NaN counts as
+/// the largest value (as torch's `topk`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn top_k(
+    dtype: DType,
+    len: usize,
+    inner: usize,
+    k: usize,
+    largest: bool,
+    input: &[u8],
+    values: &mut [u8],
+    indices: &mut [u8],
+) -> Result<(), KernelError> {
+    fn typed<T: Num>(
+        input: &[T],
+        len: usize,
+        inner: usize,
+        k: usize,
+        largest: bool,
+        values: &mut [T],
+        indices: &mut [i64],
+    ) {
+        let order = |a: T, b: T| match (a.is_nan(), b.is_nan()) {
+            (true, true) => std::cmp::Ordering::Equal,
+            (true, false) => std::cmp::Ordering::Greater,
+            (false, true) => std::cmp::Ordering::Less,
+            _ => a.partial_cmp(&b).expect("no NaN"),
+        };
+        let mut positions: Vec<usize> = Vec::with_capacity(len);
+        for o in 0..values.len() / (k * inner).max(1) {
+            for i in 0..inner {
+                let at = |r: usize| input[(o * len + r) * inner + i];
+                positions.clear();
+                positions.extend(0..len);
+                // A stable sort: among equal values the lower index stays first.
+                positions.sort_by(|&a, &b| if largest { order(at(b), at(a)) } else { order(at(a), at(b)) });
+                for (j, &r) in positions[..k].iter().enumerate() {
+                    values[(o * k + j) * inner + i] = at(r);
+                    indices[(o * k + j) * inner + i] = r as i64;
+                }
+            }
+        }
+    }
+    let indices = view_mut::<i64>(indices)?;
+    match dtype {
+        DType::F16 | DType::BF16 => {
+            let wide = widen(dtype, input);
+            let mut result = vec![0f32; indices.len()];
+            typed(&wide, len, inner, k, largest, &mut result, indices);
+            narrow(dtype, &result, values)
+        }
+        _ => with_num_type!(dtype, T => {
+            typed::<T>(&view::<T>(input), len, inner, k, largest, view_mut::<T>(values)?, indices);
+            Ok(())
+        }, _ => Err(KernelError::Unsupported { kernel: "topk", what: format!("{dtype} elements") })),
+    }
+}

@@ -6,6 +6,8 @@ use bytemuck::Pod;
 use half::{bf16, f16};
 
 pub(crate) trait Num: Pod + PartialOrd + Send + Sync + 'static {
+    /// Integers add exactly (wrapping); floats are best accumulated wider.
+    const IS_INTEGER: bool;
     fn add(self, o: Self) -> Self;
     fn sub(self, o: Self) -> Self;
     fn mul(self, o: Self) -> Self;
@@ -37,6 +39,7 @@ pub(crate) trait Num: Pod + PartialOrd + Send + Sync + 'static {
 macro_rules! impl_float {
     ($t:ty) => {
         impl Num for $t {
+            const IS_INTEGER: bool = false;
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
@@ -83,6 +86,7 @@ impl_float!(f64);
 macro_rules! impl_int {
     ($t:ty) => {
         impl Num for $t {
+            const IS_INTEGER: bool = true;
             fn is_nan(self) -> bool {
                 false
             }

@@ -10,8 +10,8 @@
 //! ops); composites keep their own rules (softmax, log_softmax, layer_norm, rms_norm, gelu,
 //! cross_entropy, nll_loss). Integer and boolean values carry none, and rounding ops (floor,
 //! ceil, round, sign) have zero gradient. Broadcasting is undone by summing (`sum_to`).
-//! Not yet differentiable, with a clear error when a parameter's gradient needs them: strided or
-//! reversed slices, `gather_elements` and `mod` with respect to their data or divisor.
+//! Not yet differentiable, with a clear error when a parameter's gradient needs it: `mod` with
+//! respect to its divisor.
 //!
 //! Tests: tests/gradients.rs checks every rule against f64 central differences on random inputs
 //! of random shapes.
@@ -154,6 +154,43 @@ impl B<'_> {
         self.reshape(summed, shape)
     }
 
+    /// The gradient `g` of a slice along `dim` that took `n` elements from `start` in steps of
+    /// `step` (negative: backwards), spread to consecutive positions `first..`: the elements
+    /// in forward order with `|step| - 1` zeros after each but the last. Returns it and `first`.
+    fn unstride(&mut self, g: ValueId, dim: usize, start: usize, step: i64) -> Result<(ValueId, usize), PassError> {
+        let shape = self.ty(g).shape;
+        let n = shape[dim];
+        let stride = step.unsigned_abs() as usize;
+        let (g, first) = if step < 0 {
+            // Taken from `start` down to `start - (n-1)*stride`: reverse it into forward order.
+            let mut starts = vec![0; shape.len()];
+            let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+            let mut steps = vec![1; shape.len()];
+            (starts[dim], ends[dim], steps[dim]) = (n - 1, -1, -1);
+            (self.op(Op::Slice { starts, ends, steps }, vec![g])?, start - (n - 1) * stride)
+        } else {
+            (g, start)
+        };
+        if stride == 1 {
+            return Ok((g, first));
+        }
+        // [.., n, ..] -> [.., n, 1, ..] -> pad to [.., n, stride, ..] -> [.., n*stride, ..],
+        // then drop the zeros after the last element.
+        let mut column = shape.clone();
+        column.insert(dim + 1, 1);
+        let g = self.reshape(g, &column)?;
+        let mut end = vec![0; column.len()];
+        end[dim + 1] = stride - 1;
+        let g = self.op(Op::Pad { begin: vec![0; column.len()], end, value: 0.0 }, vec![g])?;
+        let mut spread = shape.clone();
+        spread[dim] = n * stride;
+        let g = self.reshape(g, &spread)?;
+        let mut ends: Vec<i64> = spread.iter().map(|&d| d as i64).collect();
+        ends[dim] = ((n - 1) * stride + 1) as i64;
+        let g = self.op(Op::Slice { starts: vec![0; spread.len()], ends, steps: vec![1; spread.len()] }, vec![g])?;
+        Ok((g, first))
+    }
+
     /// `d`, the gradient of a gather of table rows by `ids`, zero where the index is `row`.
     fn without_padding_row(&mut self, ids: ValueId, d: ValueId, row: usize) -> Result<ValueId, PassError> {
         let ids_type = self.ty(ids);
@@ -189,7 +226,7 @@ fn vjp(
     let mut out = vec![None; x.len()];
     // Multi-output ops handle missing output gradients themselves; the rest have one output.
     let d = match op {
-        Op::Split { .. } | Op::CrossEntropy { .. } => None,
+        Op::Split { .. } | Op::CrossEntropy { .. } | Op::TopK { .. } => None,
         _ => Some(dy[0].expect("the caller skips nodes without output gradients")),
     };
     let d0 = || d.expect("single-output op");
@@ -405,12 +442,23 @@ fn vjp(
             out[0] = Some(b.op(Op::Transpose { perm: crate::inverse_permutation(perm) }, vec![d0()])?);
         }
         Op::Slice { starts, steps, .. } => {
-            if steps.iter().any(|&s| s != 1) {
-                return Err(no_gradient(op, "for strided or reversed slices"));
-            }
             let (xs, ys) = (shape(b, x[0]), shape(b, y[0]));
-            let end: Vec<usize> = (0..xs.len()).map(|i| xs[i] - starts[i] - ys[i]).collect();
-            out[0] = Some(b.op(Op::Pad { begin: starts.clone(), end, value: 0.0 }, vec![d0()])?);
+            let mut g = d0();
+            // Strided and reversed dims first, one at a time: each spreads its gradient to
+            // every `step`-th position (in forward order), leaving it a unit-step slice.
+            let mut first = starts.clone();
+            for dim in 0..xs.len() {
+                if steps[dim] != 1 && ys[dim] > 0 {
+                    (g, first[dim]) = b.unstride(g, dim, starts[dim], steps[dim])?;
+                }
+            }
+            let gs = shape(b, g);
+            let end: Vec<usize> = (0..xs.len()).map(|i| xs[i] - first[i] - gs[i]).collect();
+            out[0] = Some(if first.iter().all(|&f| f == 0) && end.iter().all(|&e| e == 0) {
+                g
+            } else {
+                b.op(Op::Pad { begin: first, end, value: 0.0 }, vec![g])?
+            });
         }
         Op::Concat { axis } => {
             let d = d0();
@@ -453,9 +501,31 @@ fn vjp(
                 out[1] = Some(b.op(Op::Gather { axis: *axis }, vec![d0(), x[0]])?);
             }
         }
-        Op::GatherElements { .. } => {
+        Op::GatherElements { axis } => {
             if want[0] {
-                return Err(no_gradient(op, "with respect to its data"));
+                // Scatter back to the index's positions; data larger than the indices outside
+                // `axis` gets zeros there.
+                let data = shape(b, x[0]);
+                let g = b.op(Op::ScatterElements { axis: *axis, size: data[*axis] }, vec![x[1], d0()])?;
+                let scattered = shape(b, g);
+                out[0] = Some(if scattered == data {
+                    g
+                } else {
+                    let end: Vec<usize> = data.iter().zip(&scattered).map(|(d, s)| d - s).collect();
+                    b.op(Op::Pad { begin: vec![0; data.len()], end, value: 0.0 }, vec![g])?
+                });
+            }
+        }
+        Op::ScatterElements { axis, .. } => {
+            if want[1] {
+                out[1] = Some(b.op(Op::GatherElements { axis: *axis }, vec![d0(), x[0]])?);
+            }
+        }
+        // The chosen elements' gradients go back to where they were chosen from.
+        Op::TopK { axis, .. } => {
+            if let (Some(d), true) = (dy[0], want[0]) {
+                let len = shape(b, x[0])[*axis];
+                out[0] = Some(b.op(Op::ScatterElements { axis: *axis, size: len }, vec![y[1], d])?);
             }
         }
         Op::Pad { begin, .. } => {
@@ -472,6 +542,11 @@ fn vjp(
             return Err(no_gradient(op, "(the pipeline pass differentiates each stage before it adds them)"))
         }
         Op::Triangle { upper, k } => out[0] = Some(b.op(Op::Triangle { upper: *upper, k: *k }, vec![d0()])?),
+        // Each input adds to the sums after it (before it, reversed): the gradient runs the
+        // other way.
+        Op::CumSum { axis, exclusive, reverse } => {
+            out[0] = Some(b.op(Op::CumSum { axis: *axis, exclusive: *exclusive, reverse: !*reverse }, vec![d0()])?)
+        }
         Op::Softmax { axis } => {
             let (y0, d) = (y[0], d0());
             let dyy = b.mul(d, y0)?;

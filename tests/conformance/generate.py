@@ -45,6 +45,10 @@ ALIASES = {
     "LogSoftmax": ["logsoftmax"],
     "Trilu": ["tril", "triu"],
     "RMSNormalization": ["rms_normalization"],
+    "OneHot": ["onehot"],
+    "CumSum": ["cumsum"],
+    "ArgMax": ["argmax"],
+    "ArgMin": ["argmin"],
 }
 
 

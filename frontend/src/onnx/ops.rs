@@ -15,6 +15,8 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Abs",
     "Add",
     "And",
+    "ArgMax",
+    "ArgMin",
     "Cast",
     "CastLike",
     "Ceil",
@@ -22,6 +24,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Constant",
     "ConstantOfShape",
     "Cos",
+    "CumSum",
     "Div",
     "Dropout",
     "Equal",
@@ -50,6 +53,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Neg",
     "NegativeLogLikelihoodLoss",
     "Not",
+    "OneHot",
     "Or",
     "Pad",
     "Pow",
@@ -77,6 +81,8 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Squeeze",
     "Sub",
     "Tanh",
+    "Tile",
+    "TopK",
     "Transpose",
     "Trilu",
     "Unsqueeze",
@@ -438,6 +444,107 @@ pub(super) fn convert(
             let axis = norm_axis(cx, attr_int(cx, "axis", 0), imp.ty(&data).rank())?;
             let op = if op_type == "Gather" { Op::Gather { axis } } else { Op::GatherElements { axis } };
             one(imp.emit1(cx, op, &[data, idx])?)
+        }
+        "CumSum" => {
+            let x = input(imp, cx, 0)?;
+            let axis_sym = input(imp, cx, 1)?;
+            let axis = constant(cx, &axis_sym, 1)?.get_i64(0);
+            let axis = norm_axis(cx, axis, imp.ty(&x).rank())?;
+            let (exclusive, reverse) = (attr_int(cx, "exclusive", 0) == 1, attr_int(cx, "reverse", 0) == 1);
+            one(imp.emit1(cx, Op::CumSum { axis, exclusive, reverse }, &[x])?)
+        }
+        "TopK" => {
+            let x = input(imp, cx, 0)?;
+            let k_sym = input(imp, cx, 1)?;
+            let k = constant(cx, &k_sym, 1)?.get_i64(0);
+            let k = usize::try_from(k).map_err(|_| cx.invalid(format!("k = {k} is negative")))?;
+            let axis = norm_axis(cx, attr_int(cx, "axis", -1), imp.ty(&x).rank())?;
+            // `sorted = 0` leaves the order to the implementation: sorted is one.
+            imp.emit(cx, Op::TopK { axis, k, largest: attr_int(cx, "largest", 1) == 1 }, &[x], 2)
+        }
+        "ArgMax" | "ArgMin" => {
+            // The index of the first extreme: `topk` with k = 1 keeps equal values in index
+            // order. The last one (`select_last_index`) is the first of the reversed axis.
+            let x = input(imp, cx, 0)?;
+            let shape = imp.ty(&x).shape;
+            let axis = norm_axis(cx, attr_int(cx, "axis", 0), shape.len())?;
+            let last = attr_int(cx, "select_last_index", 0) == 1;
+            let len = shape[axis];
+            let source = if last {
+                let mut starts = vec![0; shape.len()];
+                let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                let mut steps = vec![1; shape.len()];
+                (starts[axis], ends[axis], steps[axis]) = (len.saturating_sub(1), -1, -1);
+                imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])?
+            } else {
+                x
+            };
+            let largest = op_type == "ArgMax";
+            let mut index = imp.emit(cx, Op::TopK { axis, k: 1, largest }, &[source], 2)?.remove(1);
+            if last {
+                let top = Sym::Const(Tensor::full(DType::I64, vec![], len as f64 - 1.0));
+                index = imp.emit1(cx, Op::Binary(BinaryOp::Sub), &[top, index])?;
+            }
+            if attr_int(cx, "keepdims", 1) == 1 {
+                one(index)
+            } else {
+                let mut squeezed = shape;
+                squeezed.remove(axis);
+                one(imp.emit1(cx, Op::Reshape { shape: squeezed }, &[index])?)
+            }
+        }
+        "Tile" => {
+            // x[d0, d1, ..] -> [1, d0, 1, d1, ..] -> expand to [r0, d0, r1, d1, ..] -> [r0*d0, r1*d1, ..]:
+            // reshapes and a broadcast, so the gradient is a sum over the repeats.
+            let x = input(imp, cx, 0)?;
+            let s = imp.ty(&x).shape;
+            let repeats = dims(&const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing repeats"))?, cx, "repeats")?;
+            if repeats.len() != s.len() {
+                return Err(cx.invalid(format!(
+                    "repeats {repeats:?} has {} entries for a rank-{} input",
+                    repeats.len(),
+                    s.len()
+                )));
+            }
+            let spread: Vec<usize> = s.iter().flat_map(|&d| [1, d]).collect();
+            let repeated: Vec<usize> = s.iter().zip(&repeats).flat_map(|(&d, &r)| [r, d]).collect();
+            let tiled: Vec<usize> = s.iter().zip(&repeats).map(|(&d, &r)| d * r).collect();
+            let y = imp.emit1(cx, Op::Reshape { shape: spread }, &[x])?;
+            let y = imp.emit1(cx, Op::Expand { shape: repeated }, &[y])?;
+            one(imp.emit1(cx, Op::Reshape { shape: tiled }, &[y])?)
+        }
+        "OneHot" => {
+            // where(unsqueeze(i mod depth, axis) == range(depth) along axis, on, off), negative
+            // indices counting from the end (an index outside [-depth, depth) is all off).
+            let indices = input(imp, cx, 0)?;
+            let depth_sym = input(imp, cx, 1)?;
+            let depth = constant(cx, &depth_sym, 1)?.get_f64(0);
+            if !depth.is_finite() || depth < 1.0 {
+                return Err(cx.invalid(format!("depth {depth} is not a positive number")));
+            }
+            let depth = depth as usize;
+            let values = input(imp, cx, 2)?;
+            let values = constant(cx, &values, 2)?.clone();
+            if values.numel() != 2 {
+                return Err(cx.invalid(format!("values has {} elements, expected [off, on]", values.numel())));
+            }
+            let it = imp.ty(&indices);
+            let axis = norm_axis(cx, attr_int(cx, "axis", -1), it.rank() + 1)?;
+            let scalar = |v: f64| Sym::Const(Tensor::full(it.dtype, vec![], v));
+            let negative = imp.emit1(cx, Op::Binary(BinaryOp::Less), &[indices.clone(), scalar(0.0)])?;
+            let wrapped = imp.emit1(cx, Op::Binary(BinaryOp::Add), &[indices.clone(), scalar(depth as f64)])?;
+            let index = imp.emit1(cx, Op::Select, &[negative, wrapped, indices])?;
+            let mut spread = it.shape.clone();
+            spread.insert(axis, 1);
+            let index = imp.emit1(cx, Op::Reshape { shape: spread }, &[index])?;
+            let mut range_shape = vec![1; it.rank() + 1];
+            range_shape[axis] = depth;
+            let range: Vec<f64> = (0..depth).map(|d| d as f64).collect();
+            let range_bytes: Vec<u8> = range.iter().flat_map(|&v| autotp_ir::scalar_bytes(it.dtype, v)).collect();
+            let range = Tensor::from_bytes(TensorType::new(it.dtype, range_shape), range_bytes.into()).expect("sized");
+            let hot = imp.emit1(cx, Op::Binary(BinaryOp::Equal), &[index, Sym::Const(range)])?;
+            let pick = |k: usize| Sym::Const(Tensor::full(values.dtype(), vec![], values.get_f64(k)));
+            one(imp.emit1(cx, Op::Select, &[hot, pick(1), pick(0)])?)
         }
         "Trilu" => {
             let x = input(imp, cx, 0)?;
