@@ -5,7 +5,9 @@
 
 use std::collections::BTreeMap;
 
-use autotp_ir::{BinaryOp, DType, GeluApprox, Graph, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp, ValueId};
+use autotp_ir::{
+    BinaryOp, DType, GeluApprox, Graph, Op, ReduceOp, Reduction, ScatterReduction, Tensor, TensorType, UnaryOp, ValueId,
+};
 use autotp_passes::autodiff::{Autodiff, GRAD_PREFIX};
 use autotp_passes::Pass;
 
@@ -360,6 +362,34 @@ fn data_movement() {
                     let idx: Vec<i64> = (0..s.iter().product()).map(|_| (r.next() * 3.0) as i64).collect();
                     let idx = c.constant(Tensor::from_i64(s, &idx));
                     c.op(Op::ScatterElements { axis: 1, size: 3 }, vec![idx, x])
+                }),
+            ),
+            (
+                "gather_nd",
+                Box::new(|c, r, x| {
+                    // Rows of two indices pick [d2] slices (repeats included: their gradients add).
+                    let s = c.graph.ty(x).shape.clone();
+                    let idx: Vec<i64> = (0..6)
+                        .flat_map(|_| [(r.next() * s[0] as f64) as i64, (r.next() * s[1] as f64) as i64])
+                        .collect();
+                    let idx = c.constant(Tensor::from_i64(vec![3, 2, 2], &idx));
+                    c.op(Op::GatherNd, vec![x, idx])
+                }),
+            ),
+            (
+                "scatter_nd",
+                Box::new(|c, r, x| {
+                    // Distinct rows (a repeated one would overwrite: the last write wins) replaced
+                    // by the same rows of a second parameter, and one added.
+                    let s = c.graph.ty(x).shape.clone();
+                    let rows: Vec<i64> = (0..s[0] as i64).rev().step_by(2).collect();
+                    let n = rows.len();
+                    let idx = c.constant(Tensor::from_i64(vec![n, 1], &rows));
+                    let mut us = s.clone();
+                    us[0] = n;
+                    let updates = c.param(r, &us, -1.0, 1.0);
+                    let replaced = c.op(Op::ScatterNd { reduction: ScatterReduction::None }, vec![x, idx, updates]);
+                    c.op(Op::ScatterNd { reduction: ScatterReduction::Add }, vec![replaced, idx, updates])
                 }),
             ),
             (

@@ -28,7 +28,9 @@ mod types;
 mod verify;
 
 pub use autotp_kernels::shape::broadcast_shapes;
-pub use autotp_kernels::{scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, UnaryOp};
+pub use autotp_kernels::{
+    scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, ScatterReduction, UnaryOp,
+};
 pub use graph::{Def, Fusion, Graph, Node, NodeId, Rewriter, Value, ValueId};
 pub use op::{slice_len, Collective, Message, Op};
 pub use tensor::Tensor;

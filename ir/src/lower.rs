@@ -142,6 +142,16 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             Optimizer::AdamW(config) => Kernel::AdamW { dtype, config },
             Optimizer::Sgd(config) => Kernel::Sgd { dtype, config },
         },
+        Op::GatherNd => {
+            Kernel::GatherNd { dtype, index_dtype: inputs[1].dtype, data: shape(), indices: inputs[1].shape.clone() }
+        }
+        Op::ScatterNd { reduction } => Kernel::ScatterNd {
+            dtype,
+            index_dtype: inputs[1].dtype,
+            data: shape(),
+            indices: inputs[1].shape.clone(),
+            reduction: *reduction,
+        },
         Op::ScatterElements { axis, .. } => Kernel::ScatterElements {
             dtype: inputs[1].dtype,
             index_dtype: inputs[0].dtype,

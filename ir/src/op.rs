@@ -70,6 +70,14 @@ pub enum Op {
     GatherElements {
         axis: usize,
     },
+    /// `gather_nd data, indices`: `indices[..., :k]` pick `data[i0, .., ik-1]` (a slice of the
+    /// remaining dims); ONNX `GatherND` with `batch_dims = 0`.
+    GatherNd,
+    /// `scatter_nd data, indices, updates {reduction}`: `data` with each `indices[..., :k]`
+    /// element or slice replaced by (or combined with) its update, in order.
+    ScatterNd {
+        reduction: crate::ScatterReduction,
+    },
     /// `scatter_elements indices, updates {axis, size}`: the gradient of `gather_elements`.
     /// Zeros of the updates' shape with dim `axis` of length `size`, plus each update added at
     /// its own position with the coordinate along `axis` replaced by its index.
@@ -285,6 +293,8 @@ impl Op {
             Op::ScatterAdd { .. } => "scatter_add".into(),
             Op::GatherElements { .. } => "gather_elements".into(),
             Op::ScatterElements { .. } => "scatter_elements".into(),
+            Op::GatherNd => "gather_nd".into(),
+            Op::ScatterNd { .. } => "scatter_nd".into(),
             Op::TopK { .. } => "topk".into(),
             Op::Pad { .. } => "pad".into(),
             Op::CumSum { .. } => "cumsum".into(),
@@ -556,6 +566,32 @@ impl Op {
                     return Err(format!("indices {:?} exceed data {:?} outside axis {axis}", idx.shape, data.shape));
                 }
                 one(TensorType::new(data.dtype, idx.shape.clone()))
+            }
+            Op::GatherNd => {
+                expect_arity(2, 2)?;
+                let (data, idx) = (inputs[0], inputs[1]);
+                check_index_dtype(idx.dtype)?;
+                let k = *idx.shape.last().ok_or("needs indices of rank 1 or more")?;
+                if k > data.rank() {
+                    return Err(format!("indices pick {k} dims of a rank-{} tensor", data.rank()));
+                }
+                let mut shape = idx.shape[..idx.rank() - 1].to_vec();
+                shape.extend(&data.shape[k..]);
+                one(TensorType::new(data.dtype, shape))
+            }
+            Op::ScatterNd { .. } => {
+                expect_arity(3, 3)?;
+                let (data, idx, updates) = (inputs[0], inputs[1], inputs[2]);
+                check_index_dtype(idx.dtype)?;
+                let k = *idx.shape.last().ok_or("needs indices of rank 1 or more")?;
+                let mut want = idx.shape[..idx.rank() - 1].to_vec();
+                if k <= data.rank() {
+                    want.extend(&data.shape[k..]);
+                }
+                if k > data.rank() || updates.shape != want || updates.dtype != data.dtype {
+                    return Err(format!("updates {updates} do not fit indices {:?} into data {data}", idx.shape));
+                }
+                one(data.clone())
             }
             Op::ScatterElements { axis, size } => {
                 expect_arity(2, 2)?;

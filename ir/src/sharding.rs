@@ -276,7 +276,7 @@ pub fn axis_rule(
                 _ => AxisRule::replicated(ni, no),
             }
         }
-        Op::GatherElements { .. } => AxisRule::replicated(ni, no),
+        Op::GatherElements { .. } | Op::GatherNd | Op::ScatterNd { .. } => AxisRule::replicated(ni, no),
         Op::ScatterElements { axis, .. } => match current[1] {
             Shard(d) if d != *axis => AxisRule::all(2, 1, Shard(d)),
             _ => AxisRule::replicated(2, 1),

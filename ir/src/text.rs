@@ -150,7 +150,12 @@ fn bool_attr(b: bool) -> Attr {
 /// The attributes of an op in print order (constants print their data separately).
 fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
     match op {
-        Op::Constant { .. } | Op::Unary(_) | Op::Binary(_) | Op::Select | Op::Gelu { approx: GeluApprox::None } => {
+        Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Select
+        | Op::GatherNd
+        | Op::Gelu { approx: GeluApprox::None } => {
             vec![]
         }
         Op::Gelu { approx } => vec![("approx", Attr::Word(approx.name().into()))],
@@ -192,6 +197,7 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         Op::ScatterAdd { axis, size } | Op::ScatterElements { axis, size } => {
             vec![("axis", Attr::Int(*axis as i64)), ("size", Attr::Int(*size as i64))]
         }
+        Op::ScatterNd { reduction } => vec![("reduction", Attr::Word(reduction.name().into()))],
         Op::TopK { axis, k, largest } => {
             vec![("axis", Attr::Int(*axis as i64)), ("k", Attr::Int(*k as i64)), ("largest", bool_attr(*largest))]
         }
@@ -983,6 +989,13 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         "split" => Op::Split { axis: take_usize(a, "axis")?, sizes: take_usizes(a, "sizes")? },
         "gather" => Op::Gather { axis: take_usize(a, "axis")? },
         "gather_elements" => Op::GatherElements { axis: take_usize(a, "axis")? },
+        "gather_nd" => Op::GatherNd,
+        "scatter_nd" => {
+            let r = take_word(a, "reduction")?;
+            Op::ScatterNd {
+                reduction: crate::ScatterReduction::from_name(&r).ok_or_else(|| format!("unknown reduction '{r}'"))?,
+            }
+        }
         "scatter_elements" => Op::ScatterElements { axis: take_usize(a, "axis")?, size: take_usize(a, "size")? },
         "topk" => Op::TopK { axis: take_usize(a, "axis")?, k: take_usize(a, "k")?, largest: take_flag(a, "largest")? },
         "scatter_add" => Op::ScatterAdd { axis: take_usize(a, "axis")?, size: take_usize(a, "size")? },

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::elementwise::BinaryShapes;
 use crate::nn::ClassLossDims;
 use crate::optim::{AdamWConfig, Optimizer, SgdConfig};
-use crate::{BinaryOp, DType, GeluApprox, KernelError, MatMulDims, ReduceOp, UnaryOp};
+use crate::{BinaryOp, DType, GeluApprox, KernelError, MatMulDims, ReduceOp, ScatterReduction, UnaryOp};
 
 /// One builtin kernel, with static shapes. Inputs and outputs are listed in the order
 /// `run` takes them; see each variant.
@@ -58,6 +58,10 @@ pub enum Kernel {
     },
     /// `[data, indices] -> [take_along_axis(data, indices, axis)]`
     GatherElements { dtype: DType, index_dtype: DType, data: Vec<usize>, indices: Vec<usize>, axis: usize },
+    /// `[data, indices] -> [data[indices[..., :k]] ...]` (ONNX `GatherND`, no batch dims).
+    GatherNd { dtype: DType, index_dtype: DType, data: Vec<usize>, indices: Vec<usize> },
+    /// `[data, indices, updates] -> [data with the updates scattered in]` (ONNX `ScatterND`).
+    ScatterNd { dtype: DType, index_dtype: DType, data: Vec<usize>, indices: Vec<usize>, reduction: ScatterReduction },
     /// `[indices, updates] -> [zeros(out) with each update added at its index along axis]`
     ScatterElements { dtype: DType, index_dtype: DType, updates: Vec<usize>, out: Vec<usize>, axis: usize },
     /// `[x] -> [values, indices (i64)]`: the `k` largest (or smallest) along the middle axis of
@@ -141,6 +145,8 @@ impl Kernel {
             Kernel::ScatterAdd { .. } => "scatter_add",
             Kernel::GatherElements { .. } => "gather_elements",
             Kernel::ScatterElements { .. } => "scatter_elements",
+            Kernel::GatherNd { .. } => "gather_nd",
+            Kernel::ScatterNd { .. } => "scatter_nd",
             Kernel::TopK { .. } => "topk",
             Kernel::Pad { .. } => "pad",
             Kernel::Triangle { .. } => "triangle",
@@ -289,6 +295,21 @@ impl Kernel {
                     Ok(())
                 } else {
                     fail
+                }
+            }
+            Kernel::GatherNd { dtype, index_dtype, data, indices }
+            | Kernel::ScatterNd { dtype, index_dtype, data, indices, .. } => {
+                let Some(&k) = indices.last() else { return fail };
+                if k > data.len() {
+                    return fail;
+                }
+                let slice: usize = data[k..].iter().product();
+                let picked = indices[..indices.len() - 1].iter().product::<usize>() * slice * dtype.size();
+                let (data_bytes, index_bytes) = (bytes(*dtype, data), bytes(*index_dtype, indices));
+                if matches!(self, Kernel::GatherNd { .. }) {
+                    exact(&[data_bytes, index_bytes], &[picked])
+                } else {
+                    exact(&[data_bytes, index_bytes, picked], &[data_bytes])
                 }
             }
             Kernel::ScatterElements { dtype, index_dtype, updates, out, axis } => {
@@ -464,6 +485,25 @@ impl Kernel {
                 arity(2, 1)?;
                 let rows = Kernel::rows(out, *axis, block);
                 crate::movement::scatter_add(*dtype, *index_dtype, out, *axis, rows, inputs[0], inputs[1], outputs[0])
+            }
+            Kernel::GatherNd { dtype, index_dtype, data, indices } => {
+                arity(2, 1)?;
+                crate::movement::gather_nd(*dtype, *index_dtype, data, indices, inputs[0], inputs[1], outputs[0])
+            }
+            Kernel::ScatterNd { dtype, index_dtype, data, indices, reduction } => {
+                arity(3, 1)?;
+                let (data_in, idx, updates) = (inputs[0], inputs[1], inputs[2]);
+                crate::movement::scatter_nd(
+                    *dtype,
+                    *index_dtype,
+                    data,
+                    indices,
+                    *reduction,
+                    data_in,
+                    idx,
+                    updates,
+                    outputs[0],
+                )
             }
             Kernel::ScatterElements { dtype, index_dtype, updates, out, axis } => {
                 arity(2, 1)?;

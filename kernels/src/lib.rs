@@ -29,7 +29,7 @@ pub use dtype::DType;
 pub use kernel::{IndexBlock, Kernel};
 pub use matmul::{MatMulDims, OperandLayout};
 pub use nn::ClassLossDims;
-pub use ops::{BinaryOp, GeluApprox, ReduceOp, Reduction, UnaryOp};
+pub use ops::{BinaryOp, GeluApprox, ReduceOp, Reduction, ScatterReduction, UnaryOp};
 pub use optim::{AdamWConfig, Optimizer, SgdConfig};
 pub use shape::numel;
 

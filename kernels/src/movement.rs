@@ -297,6 +297,85 @@ pub(crate) fn gather_elements(
     Ok(())
 }
 
+/// Element offsets into `data_shape` picked by each row of `k` indices (the leading dims), with
+/// the size of the slice each one starts.
+fn nd_offsets(
+    index_dtype: DType,
+    indices: &[u8],
+    index_shape: &[usize],
+    data_shape: &[usize],
+    kernel: &'static str,
+) -> Result<(Vec<usize>, usize), KernelError> {
+    let indices = read_indices(index_dtype, indices)?;
+    let k = *index_shape.last().unwrap_or(&0);
+    let data_strides = strides(data_shape);
+    let slice: usize = data_shape[k..].iter().product();
+    let rows = numel(&index_shape[..index_shape.len().saturating_sub(1)]);
+    let mut offsets = Vec::with_capacity(rows);
+    for r in 0..rows {
+        let mut off = 0;
+        for d in 0..k {
+            off += resolve_index(indices[r * k + d], data_shape[d], kernel)? * data_strides[d];
+        }
+        offsets.push(off);
+    }
+    Ok((offsets, slice))
+}
+
+/// ONNX `GatherND` (no batch dims): each row of `k` indices picks a slice of `data`.
+pub(crate) fn gather_nd(
+    dtype: DType,
+    index_dtype: DType,
+    data_shape: &[usize],
+    index_shape: &[usize],
+    data: &[u8],
+    indices: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let (offsets, slice) = nd_offsets(index_dtype, indices, index_shape, data_shape, "gather_nd")?;
+    let size = dtype.size();
+    for (r, off) in offsets.into_iter().enumerate() {
+        out[r * slice * size..][..slice * size].copy_from_slice(&data[off * size..][..slice * size]);
+    }
+    Ok(())
+}
+
+/// ONNX `ScatterND`: `data` with each update slice written to (or combined with) the slice its
+/// row of indices picks, rows in order (a repeated index: the last write wins, or all combine).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scatter_nd(
+    dtype: DType,
+    index_dtype: DType,
+    data_shape: &[usize],
+    index_shape: &[usize],
+    reduction: crate::ScatterReduction,
+    data: &[u8],
+    indices: &[u8],
+    updates: &[u8],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    use crate::scalar::Num;
+    use crate::ScatterReduction as R;
+    let (offsets, slice) = nd_offsets(index_dtype, indices, index_shape, data_shape, "scatter_nd")?;
+    out.copy_from_slice(data);
+    crate::scalar::with_num_type!(dtype, T => {
+        let updates = view::<T>(updates);
+        let out = view_mut::<T>(out)?;
+        for (r, off) in offsets.into_iter().enumerate() {
+            for (o, &u) in out[off..off + slice].iter_mut().zip(&updates[r * slice..(r + 1) * slice]) {
+                *o = match reduction {
+                    R::None => u,
+                    R::Add => o.add(u),
+                    R::Mul => o.mul(u),
+                    R::Max => o.max_of(u),
+                    R::Min => o.min_of(u),
+                };
+            }
+        }
+    }, other => return Err(KernelError::Unsupported { kernel: "scatter_nd", what: format!("{other} elements") }));
+    Ok(())
+}
+
 /// The gradient of [`gather_elements`]: `out` starts at zero and each update is added at its
 /// own position with the coordinate along `axis` replaced by its index (in order, so repeated
 /// indices sum deterministically).

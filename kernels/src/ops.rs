@@ -59,6 +59,11 @@ named_enum!(
     Reduction { Mean => "mean", Sum => "sum", None => "none" }
 );
 
+named_enum!(
+    /// How `scatter_nd` combines an update with the element it lands on.
+    ScatterReduction { None => "none", Add => "add", Mul => "mul", Max => "max", Min => "min" }
+);
+
 impl UnaryOp {
     /// True for ops defined on booleans only.
     pub fn is_logical(self) -> bool {

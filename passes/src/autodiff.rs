@@ -17,7 +17,8 @@
 //! of random shapes.
 
 use autotp_ir::{
-    BinaryOp, DType, GeluApprox, Graph, NodeId, Op, ReduceOp, Reduction, Rewriter, Tensor, TensorType, UnaryOp, ValueId,
+    BinaryOp, DType, GeluApprox, Graph, NodeId, Op, ReduceOp, Reduction, Rewriter, ScatterReduction, Tensor,
+    TensorType, UnaryOp, ValueId,
 };
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -514,6 +515,34 @@ fn vjp(
                     let end: Vec<usize> = data.iter().zip(&scattered).map(|(d, s)| d - s).collect();
                     b.op(Op::Pad { begin: vec![0; data.len()], end, value: 0.0 }, vec![g])?
                 });
+            }
+        }
+        Op::GatherNd => {
+            if want[0] {
+                let t = b.ty(x[0]);
+                let zeros = b.full(t.dtype, &t.shape, 0.0)?;
+                let op = Op::ScatterNd { reduction: ScatterReduction::Add };
+                out[0] = Some(b.op(op, vec![zeros, x[1], d0()])?);
+            }
+        }
+        Op::ScatterNd { reduction } => {
+            let d = d0();
+            match reduction {
+                ScatterReduction::None | ScatterReduction::Add => {}
+                _ => return Err(no_gradient(op, &format!("with reduction {}", reduction.name()))),
+            }
+            if want[0] {
+                out[0] = Some(if *reduction == ScatterReduction::Add {
+                    d
+                } else {
+                    // Overwritten elements take nothing from the data.
+                    let t = b.ty(x[2]);
+                    let zeros = b.full(t.dtype, &t.shape, 0.0)?;
+                    b.op(Op::ScatterNd { reduction: ScatterReduction::None }, vec![d, x[1], zeros])?
+                });
+            }
+            if want[2] {
+                out[2] = Some(b.op(Op::GatherNd, vec![d, x[1]])?);
             }
         }
         Op::ScatterElements { axis, .. } => {

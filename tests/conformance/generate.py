@@ -47,6 +47,8 @@ ALIASES = {
     "RMSNormalization": ["rms_normalization"],
     "OneHot": ["onehot"],
     "CumSum": ["cumsum"],
+    "GatherND": ["gathernd"],
+    "ScatterND": ["scatternd", "scatter_nd"],
     "ArgMax": ["argmax"],
     "ArgMin": ["argmin"],
 }

@@ -36,6 +36,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Floor",
     "Gather",
     "GatherElements",
+    "GatherND",
     "Gelu",
     "Gemm",
     "Greater",
@@ -69,6 +70,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Relu",
     "Reshape",
     "Round",
+    "ScatterND",
     "Shape",
     "Sigmoid",
     "Sign",
@@ -497,6 +499,21 @@ pub(super) fn convert(
         "Einsum" => {
             let operands = (0..cx.node.input.len()).map(|i| input(imp, cx, i)).collect::<Result<Vec<_>, _>>()?;
             one(einsum(imp, cx, operands)?)
+        }
+        "GatherND" => {
+            if attr_int(cx, "batch_dims", 0) != 0 {
+                return Err(cx.invalid("batch_dims other than 0 is not supported"));
+            }
+            let data = input(imp, cx, 0)?;
+            let idx = input(imp, cx, 1)?;
+            one(imp.emit1(cx, Op::GatherNd, &[data, idx])?)
+        }
+        "ScatterND" => {
+            let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
+            let reduction = autotp_ir::ScatterReduction::from_name(&reduction)
+                .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))?;
+            let inputs = [input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?];
+            one(imp.emit1(cx, Op::ScatterNd { reduction }, &inputs)?)
         }
         "Tile" => {
             // x[d0, d1, ..] -> [1, d0, 1, d1, ..] -> expand to [r0, d0, r1, d1, ..] -> [r0*d0, r1*d1, ..]:
