@@ -123,6 +123,14 @@ fn impossible_tensor_parallel_splits_are_refused() {
     // 3 does not divide the 64 hidden features of a 4-head model.
     let err = compile("gpt_neox", "3");
     assert!(err.contains("over tp=3: dim") && err.contains("is not divisible"), "{err}");
+    // The heads divide, but BLOOM merges them with the batch, and the multi-query models' fused
+    // projections hold 4 query heads and 1 key/value head each: the message says which.
+    let err = compile("bloom", "2");
+    assert!(err.contains("reshape (node") && err.contains("merges it with the dims before it"), "{err}");
+    for mqa in ["falcon_mqa", "bigcode_mqa"] {
+        let err = compile(mqa, "2");
+        assert!(err.contains("its parts do not line up with the ranks' equal blocks"), "{mqa}: {err}");
+    }
 }
 
 #[test]

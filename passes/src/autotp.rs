@@ -356,7 +356,9 @@ fn unit_reshape_dim(input: &[usize], output: &[usize], dim: usize) -> Option<usi
 }
 
 /// The forward pass of a tensor-parallel block must need no all-gather: one means a split that
-/// does not hold (heads not divisible by tp). Names the value it gathers and its producer.
+/// does not hold. Names the value it gathers, its consumer and why: heads not divisible by tp,
+/// a reshape merging the split dim with leading ones, or parts that do not line up with the
+/// ranks' blocks.
 fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
     let forward = forward_values(graph);
     for (_, node) in graph.nodes() {
@@ -372,9 +374,8 @@ fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
             continue;
         }
         let input = node.inputs[0];
-        let (consumer, result) = graph
-            .nodes()
-            .find(|(_, n)| n.inputs.contains(&node.outputs[0]))
+        let consumer_node = graph.nodes().find(|(_, n)| n.inputs.contains(&node.outputs[0]));
+        let (consumer, result) = consumer_node
             .map(|(cid, n)| {
                 (format!("{} (node {})", n.op.name(), cid.index()), n.outputs.first().map(|&o| graph.ty(o).to_string()))
             })
@@ -383,13 +384,44 @@ fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
             .map(|w| format!(" (computed with the split weight '{w}')"))
             .unwrap_or_default();
         let into = result.map(|r| format!(" into {r}")).unwrap_or_default();
+        let shape = &graph.ty(input).shape;
+        let reshaped_to = consumer_node
+            .filter(|(_, n)| matches!(n.op, Op::Reshape { .. }))
+            .map(|(_, n)| graph.ty(n.outputs[0]).shape.clone());
+        let heads_rule = "tp must divide the heads (and key/value heads) it splits";
+        let why = match (reshaped_to, shape[*dim].is_multiple_of(tp)) {
+            (_, false) => format!("its {} entries do not divide by tp={tp}: {heads_rule}", shape[*dim]),
+            (Some(to), true) => match leading_dim_at(shape, &to, *dim) {
+                None => "the reshape merges it with the dims before it (attention over [batch x heads, ...], as \
+                         BLOOM's): a split is not followed through such a merge yet"
+                    .to_string(),
+                Some(heads) if !heads.is_multiple_of(tp) => {
+                    format!("the reshape makes {heads} heads of it, which tp={tp} does not divide: {heads_rule}")
+                }
+                Some(_) => unequal_parts(),
+            },
+            (None, true) => unequal_parts(),
+        };
         return Err(invalid(format!(
-            "tp={tp} cannot split the blocks: {consumer} needs dim {dim} of {}{weight} whole{into}; \
-             tp must divide the heads (and key/value heads) it splits",
+            "tp={tp} cannot split the blocks: {consumer} needs dim {dim} of {}{weight} whole{into}: {why}",
             graph.ty(input)
         )));
     }
     Ok(())
+}
+
+/// The size of the output dim of a reshape from `from` to `to` that starts where dim `dim`
+/// starts (the heads, when the reshape splits features into heads); `None` when the reshape
+/// merges `dim` with earlier dims of more than one element.
+fn leading_dim_at(from: &[usize], to: &[usize], dim: usize) -> Option<usize> {
+    let before: usize = from[..dim].iter().product();
+    (0..to.len()).find(|&j| to[..j].iter().product::<usize>() == before && to[j] > 1).map(|j| to[j])
+}
+
+fn unequal_parts() -> String {
+    "its parts do not line up with the ranks' equal blocks (a fused projection of unequal parts, such as \
+     multi-query attention's single key/value head, which is not split yet)"
+        .into()
 }
 
 /// The nearest tp-split parameter `v` is computed from, for messages.
