@@ -30,8 +30,9 @@ use autotp_runtime::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, Trai
 use autotp_runtime::schedule::Schedule;
 use clap::Args;
 
-/// What to compile and how: shared by `compile` and `train`.
-#[derive(Args)]
+/// What to compile and how: shared by `compile` and `train`. The plan records them (less the
+/// inspection flags), so `verify` can compile the same model for one device.
+#[derive(Args, Clone, serde::Serialize, serde::Deserialize)]
 pub struct CompileFlags {
     /// The ONNX model.
     pub model: PathBuf,
@@ -159,7 +160,7 @@ pub struct CompileFlags {
 }
 
 /// `--kernels`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 enum Kernels {
     Generated,
     Builtin,
@@ -172,6 +173,34 @@ pub struct CompileArgs {
     /// The plan to write.
     #[arg(short, long, value_name = "OUT.atp")]
     output: PathBuf,
+}
+
+impl CompileFlags {
+    /// The flags as the plan records them: what decides the step, without the inspection
+    /// flags (dumps, prints, reports), which change nothing.
+    fn recorded(&self) -> serde_json::Value {
+        let mut flags = self.clone();
+        (flags.dump_ir, flags.print_after, flags.report, flags.dump_kernels) = (None, vec![], None, None);
+        flags.explain_tp = false;
+        serde_json::to_value(&flags).expect("flags serialise")
+    }
+
+    /// The same model, optimizer and global batch on one device: every parallel flag reset,
+    /// one micro-batch of the whole global batch.
+    pub fn single_device(&self, global_batch: usize) -> CompileFlags {
+        let mut flags = self.clone();
+        (flags.dp, flags.tp, flags.pp, flags.zero) = (1, 1, 1, 0);
+        (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);
+        flags.pp_cuts.clear();
+        (flags.reduce_bucket_size, flags.prefetch_bucket_size, flags.max_live_params) = (None, None, None);
+        flags.param_persistence_threshold = 0;
+        flags
+    }
+
+    /// Flags a plan recorded ([`TrainingConfig::compile_flags`]).
+    pub fn from_recorded(value: &serde_json::Value) -> Result<CompileFlags> {
+        serde_json::from_value(value.clone()).context("the plan's recorded compile flags do not parse")
+    }
 }
 
 /// A compiled plan with the imported model, whose weights it starts from.
@@ -507,6 +536,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             grad_clip: flags.grad_clip,
             frozen: frozen.into_iter().collect(),
             padding_rows,
+            compile_flags: Some(flags.recorded()),
             zero_stage: flags.zero,
             grad_accum,
             weight_shapes,

@@ -22,6 +22,7 @@ mod compile;
 mod export;
 mod run;
 mod train;
+mod verify;
 
 #[derive(Parser)]
 #[command(
@@ -69,6 +70,9 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Write a checkpoint's weights into the original ONNX model and/or a safetensors file.
     Export(export::ExportArgs),
+    /// Run a plan and the one-device program of its model side by side: losses per step,
+    /// gradients at step 1, the first parameter that differs (exit status 1 when one does).
+    Verify(verify::VerifyArgs),
 }
 
 #[derive(Args)]
@@ -223,6 +227,11 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args),
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
+        Command::Verify(args) => match verify::run(args) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::from(1),
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -64,10 +64,13 @@ pub struct RunFlags {
     clock: String,
 }
 
+/// The seed of a fresh run without `--seed`.
+pub const DEFAULT_SEED: u64 = 0;
+
 impl RunFlags {
-    /// The seed for a fresh run (`--seed`, default 0).
+    /// The seed for a fresh run (`--seed`, default [`DEFAULT_SEED`]).
     pub fn seed(&self) -> u64 {
-        self.seed.unwrap_or(0)
+        self.seed.unwrap_or(DEFAULT_SEED)
     }
 }
 

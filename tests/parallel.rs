@@ -615,3 +615,56 @@ fn impossible_pipelines_are_refused() {
     let out = success(compile_gpt2(&["--pp", "2", "--pp-cuts", "m.transformer.h.1", "-o", "/dev/null"]));
     assert!(out.contains("pipeline: 2 stages, 1f1b schedule (whole backward)"), "{out}");
 }
+
+/// `autotp verify` on a tensor-parallel GPT-2 plan: within tolerance as compiled. Then with a
+/// wrong split planted: the last backward all-reduce (the gradient entering the first block,
+/// summed over the ranks' halves of its heads) becomes a plain copy, so each rank goes on with
+/// its partial sum. The loss still agrees, the exit status is 1, and verify names the first
+/// parameter whose gradient went wrong: the first block's input layer norm, the first gradient
+/// the missing sum feeds.
+#[test]
+fn verify_names_the_first_wrong_gradient() {
+    use autotp_runtime::{plan, Instruction};
+    let dir = scratch("verify");
+    let (compiled, planted) = (dir.join("tp2.atp"), dir.join("planted.atp"));
+    let model = fixture("gpt2", "model.onnx");
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let args = ["--seq-len", "32", "--micro-batch", "8", "--tp", "2", "--lr", "2e-3"];
+    success(autotp(&[&["compile", model.to_str().unwrap()][..], &args, &["-o", compiled.to_str().unwrap()]].concat()));
+    let verify = |plan: &Path| autotp(&["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()]);
+    let report = success(verify(&compiled));
+    assert!(report.contains("every gradient within 1e-5") && report.contains("trains like one device"), "{report}");
+
+    let file = plan::PlanFile::open(&compiled).unwrap();
+    let weights: std::collections::BTreeMap<String, Vec<u8>> =
+        file.weights().into_iter().map(|(name, bytes)| (name, bytes.to_vec())).collect();
+    let mut training = file.plan.clone();
+    let program = &mut training.stages[0];
+    let start = program.instructions.iter().rposition(|i| matches!(i, Instruction::CollectiveStart { .. })).unwrap();
+    let wait = program
+        .instructions
+        .iter()
+        .position(|i| matches!(i, Instruction::Wait { start: s, .. } if *s == start))
+        .unwrap();
+    let Instruction::CollectiveStart { input, output, .. } = program.instructions[start].clone() else {
+        unreachable!()
+    };
+    let copy = autotp_kernels::Kernel::Copy;
+    program.instructions[start] =
+        Instruction::Kernel { kernel: copy, inputs: vec![input], outputs: vec![output], label: "planted".into() };
+    program.instructions.remove(wait);
+    for instruction in &mut program.instructions {
+        if let Instruction::Wait { start, .. } = instruction {
+            *start -= usize::from(*start > wait);
+        }
+    }
+    let borrowed = weights.iter().map(|(name, bytes)| (name.clone(), bytes.as_slice())).collect();
+    plan::write(&planted, &training, &borrowed).unwrap();
+    let out = verify(&planted);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    let step1 = report.lines().find(|l| l.trim_start().starts_with("1 ")).unwrap();
+    assert!(!step1.contains("beyond"), "the forward pass is untouched: {report}");
+    assert!(report.contains("first gradient beyond 1e-5: m.transformer.h.0.ln_1."), "{report}");
+    assert!(report.contains("the plan differs from one device"), "{report}");
+}

@@ -70,6 +70,9 @@ pub struct TrainingConfig {
     /// Embedding tables' rows that get no gradient (`nn.Embedding(padding_idx)`).
     #[serde(default)]
     pub padding_rows: Vec<PaddingRow>,
+    /// The `compile` flags that made the plan (what decides the step), for `autotp verify`.
+    #[serde(default)]
+    pub compile_flags: Option<serde_json::Value>,
     /// The ZeRO stage over the data-parallel ranks.
     #[serde(default)]
     pub zero_stage: u8,

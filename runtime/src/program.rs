@@ -198,7 +198,7 @@ impl Instruction {
 
     /// The regions the instruction reads and writes when it runs (a start reads and writes its
     /// regions until its wait; a wait touches nothing itself).
-    fn regions(&self) -> (Vec<Region>, Vec<Region>) {
+    pub fn regions(&self) -> (Vec<Region>, Vec<Region>) {
         match self {
             Instruction::Kernel { inputs, outputs, .. } | Instruction::Generated { inputs, outputs, .. } => {
                 (inputs.clone(), outputs.clone())

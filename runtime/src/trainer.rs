@@ -533,7 +533,8 @@ impl Trainer {
         self.param_slots().into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
     }
 
-    fn states(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
+    /// The current optimizer states (global tensors), by name.
+    pub fn states(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
         self.first_held(|p| &p.states).into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
     }
 
