@@ -91,6 +91,10 @@ fn model_families_train_like_pytorch() {
         if splits {
             layouts.push((8, &["--tp", "2"]));
         }
+        if family == "mixtral" {
+            // The mixture of experts under every ZeRO stage (the issue asks for each).
+            layouts.extend([(4, &["--dp", "2", "--zero", "1"][..]), (4, &["--dp", "2", "--zero", "2"][..])]);
+        }
         for (micro_batch, layout) in layouts {
             let (relative, _) = curve_against_pytorch(family, "tokens.bin", micro_batch, layout);
             assert_within_contract(&format!("{family} {}", layout.join(" ")), &relative);
