@@ -501,11 +501,13 @@ pub(super) fn convert(
             one(einsum(imp, cx, operands)?)
         }
         "GatherND" => {
-            if attr_int(cx, "batch_dims", 0) != 0 {
-                return Err(cx.invalid("batch_dims other than 0 is not supported"));
-            }
             let data = input(imp, cx, 0)?;
-            let idx = input(imp, cx, 1)?;
+            let mut idx = input(imp, cx, 1)?;
+            let batch_dims =
+                usize::try_from(attr_int(cx, "batch_dims", 0)).map_err(|_| cx.invalid("batch_dims is negative"))?;
+            if batch_dims > 0 {
+                idx = prepend_batch_coordinates(imp, cx, idx, batch_dims)?;
+            }
             one(imp.emit1(cx, Op::GatherNd, &[data, idx])?)
         }
         "ScatterND" => {
@@ -820,6 +822,35 @@ fn matmul(imp: &mut Importer, cx: &NodeCx, a: Sym, b: Sym, ta: bool, tb: bool) -
         y = imp.emit1(cx, Op::Reshape { shape }, &[y])?;
     }
     Ok(y)
+}
+
+/// `GatherND`'s `batch_dims = b` as a plain gather: each row of indices `[B.., N.., k]` gets its
+/// batch coordinates in front, `[B.., N.., b + k]`, so it picks from its own batch entry.
+fn prepend_batch_coordinates(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    idx: Sym,
+    batch_dims: usize,
+) -> Result<Sym, FrontendError> {
+    let ty = imp.ty(&idx);
+    if batch_dims + 1 > ty.rank() {
+        return Err(cx.invalid(format!("batch_dims {batch_dims} leaves no index dims in indices {ty}")));
+    }
+    let rows = &ty.shape[..ty.rank() - 1];
+    let mut coordinates = Vec::with_capacity(batch_dims);
+    for d in 0..batch_dims {
+        // Coordinate d of every row: a range along dim d, broadcast over the other dims.
+        let mut along = vec![1; ty.rank()];
+        along[d] = rows[d];
+        let values: Vec<f64> = (0..rows[d]).map(|i| i as f64).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|&v| autotp_ir::scalar_bytes(ty.dtype, v)).collect();
+        let range = Tensor::from_bytes(TensorType::new(ty.dtype, along), bytes.into()).expect("sized");
+        let mut full: Vec<usize> = rows.to_vec();
+        full.push(1);
+        coordinates.push(imp.emit1(cx, Op::Expand { shape: full }, &[Sym::Const(range)])?);
+    }
+    coordinates.push(idx);
+    imp.emit1(cx, Op::Concat { axis: ty.rank() - 1 }, &coordinates)
 }
 
 /// An operand of an einsum: its value and one label per dim (letters; the dims an ellipsis
