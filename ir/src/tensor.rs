@@ -54,6 +54,14 @@ impl Tensor {
         Tensor::from_aligned(ty, buf)
     }
 
+    /// A tensor of `shape` holding `values` (row-major), each converted to `dtype`.
+    pub fn from_f64_values(dtype: DType, shape: Vec<usize>, values: &[f64]) -> Tensor {
+        let bytes: Vec<u8> = values.iter().flat_map(|&v| autotp_kernels::scalar_bytes(dtype, v)).collect();
+        let ty = TensorType::new(dtype, shape);
+        assert_eq!(bytes.len(), ty.size_bytes(), "{} values for {ty}", values.len());
+        Tensor::from_aligned(ty, AlignedBuf::from_bytes(&bytes))
+    }
+
     pub fn from_i64(shape: Vec<usize>, values: &[i64]) -> Tensor {
         Tensor::from_pod(DType::I64, shape, values)
     }

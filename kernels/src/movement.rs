@@ -278,23 +278,44 @@ pub(crate) fn gather_elements(
     indices: &[u8],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let indices = read_indices(index_dtype, indices)?;
-    let data_strides = strides(data_shape);
-    let idx_strides = strides(index_shape);
+    let offsets = along_axis_offsets(index_dtype, indices, index_shape, data_shape, axis, "gather_elements")?;
     with_bits_type!(dtype, T => {
         let data = view::<T>(data);
-        let out = view_mut::<T>(out)?;
-        for (i, slot) in out.iter_mut().enumerate() {
-            let mut off = 0;
-            for d in 0..index_shape.len() {
-                let coord = (i / idx_strides[d]) % index_shape[d];
-                let coord = if d == axis { resolve_index(indices[i], data_shape[d], "gather_elements")? } else { coord };
-                off += coord * data_strides[d];
-            }
+        for (slot, &off) in view_mut::<T>(out)?.iter_mut().zip(&offsets) {
             *slot = data[off];
         }
     });
     Ok(())
+}
+
+/// For each element of `indices` (of `index_shape`), the offset in a tensor of `target_shape`
+/// at the element's own coordinates with the one along `axis` replaced by its index (negatives
+/// from the end, all checked): where `gather_elements` reads and `scatter_elements` adds.
+fn along_axis_offsets(
+    index_dtype: DType,
+    indices: &[u8],
+    index_shape: &[usize],
+    target_shape: &[usize],
+    axis: usize,
+    kernel: &'static str,
+) -> Result<Vec<usize>, KernelError> {
+    let indices = read_indices(index_dtype, indices)?;
+    let target_strides = strides(target_shape);
+    let index_strides = strides(index_shape);
+    (0..indices.len())
+        .map(|i| {
+            let mut off = 0;
+            for d in 0..index_shape.len() {
+                let coord = if d == axis {
+                    resolve_index(indices[i], target_shape[d], kernel)?
+                } else {
+                    (i / index_strides[d]) % index_shape[d]
+                };
+                off += coord * target_strides[d];
+            }
+            Ok(off)
+        })
+        .collect()
 }
 
 /// Element offsets into `data_shape` picked by each row of `k` indices (the leading dims), with
@@ -390,22 +411,12 @@ pub(crate) fn scatter_elements(
     updates: &[u8],
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    let indices = read_indices(index_dtype, indices)?;
-    let out_strides = strides(out_shape);
-    let update_strides = strides(updates_shape);
+    let offsets = along_axis_offsets(index_dtype, indices, updates_shape, out_shape, axis, "scatter_elements")?;
     out.fill(0);
     match dtype {
         DType::F32 | DType::F64 => crate::scalar::with_num_type!(dtype, T => {
-            let updates = view::<T>(updates);
             let out = view_mut::<T>(out)?;
-            for (i, &u) in updates.iter().enumerate() {
-                let mut off = 0;
-                for d in 0..updates_shape.len() {
-                    let coord = (i / update_strides[d]) % updates_shape[d];
-                    let coord =
-                        if d == axis { resolve_index(indices[i], out_shape[d], "scatter_elements")? } else { coord };
-                    off += coord * out_strides[d];
-                }
+            for (&u, &off) in view::<T>(updates).iter().zip(&offsets) {
                 out[off] = crate::scalar::Num::add(out[off], u);
             }
         }, _ => unreachable!()),

@@ -81,19 +81,21 @@ pub(crate) fn reduce(
 /// accumulate in f64 and round each sum once (as torch's CPU `cumsum`); integers add exactly
 /// in their own type, wrapping as numpy's does.
 fn cumsum_block<T: Num>(input: &[T], len: usize, inner: usize, exclusive: bool, reverse: bool, out: &mut [T]) {
-    let float = !T::IS_INTEGER;
+    // The running sum: an f64 for floats, the element type for integers.
+    let add = |sum: f64, exact: T, x: T| if T::IS_INTEGER { (sum, exact.add(x)) } else { (sum + x.to_f64(), exact) };
+    let value = |sum: f64, exact: T| if T::IS_INTEGER { exact } else { T::from_f64(sum) };
     out.par_chunks_mut((len * inner).max(1)).enumerate().for_each(|(o, block)| {
         for i in 0..inner {
-            let (mut exact, mut wide) = (T::zero(), 0f64);
+            let (mut sum, mut exact) = (0f64, T::zero());
             for step in 0..len {
                 let r = if reverse { len - 1 - step } else { step };
                 let x = input[(o * len + r) * inner + i];
                 if exclusive {
-                    block[r * inner + i] = if float { T::from_f64(wide) } else { exact };
+                    block[r * inner + i] = value(sum, exact);
                 }
-                (exact, wide) = (exact.add(x), wide + x.to_f64());
+                (sum, exact) = add(sum, exact, x);
                 if !exclusive {
-                    block[r * inner + i] = if float { T::from_f64(wide) } else { exact };
+                    block[r * inner + i] = value(sum, exact);
                 }
             }
         }

@@ -2,7 +2,7 @@
 //! conventions (attributes that became inputs: Split, Squeeze/Unsqueeze, Reduce*, Pad, Slice,
 //! Dropout).
 
-use autotp_ir::{BinaryOp, DType, GeluApprox, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp};
+use autotp_ir::{BinaryOp, DType, GeluApprox, Op, ReduceOp, Reduction, Tensor, UnaryOp};
 
 use super::proto::AttributeProto;
 use super::tensor::{decode, ExternalFiles};
@@ -354,9 +354,7 @@ pub(super) fn convert(
             let n = ((limit - start) / delta).ceil().max(0.0) as usize;
             let dtype = vals[0].dtype();
             let values: Vec<f64> = (0..n).map(|i| start + i as f64 * delta).collect();
-            let bytes: Vec<u8> = values.iter().flat_map(|&v| autotp_ir::scalar_bytes(dtype, v)).collect();
-            let t = Tensor::from_bytes(TensorType::new(dtype, vec![n]), bytes.into()).expect("sized");
-            one(Sym::Const(t))
+            one(Sym::Const(Tensor::from_f64_values(dtype, vec![n], &values)))
         }
         "Reshape" => {
             let x = input(imp, cx, 0)?;
@@ -564,8 +562,7 @@ pub(super) fn convert(
             let mut range_shape = vec![1; it.rank() + 1];
             range_shape[axis] = depth;
             let range: Vec<f64> = (0..depth).map(|d| d as f64).collect();
-            let range_bytes: Vec<u8> = range.iter().flat_map(|&v| autotp_ir::scalar_bytes(it.dtype, v)).collect();
-            let range = Tensor::from_bytes(TensorType::new(it.dtype, range_shape), range_bytes.into()).expect("sized");
+            let range = Tensor::from_f64_values(it.dtype, range_shape, &range);
             let hot = imp.emit1(cx, Op::Binary(BinaryOp::Equal), &[index, Sym::Const(range)])?;
             let pick = |k: usize| Sym::Const(Tensor::full(values.dtype(), vec![], values.get_f64(k)));
             one(imp.emit1(cx, Op::Select, &[hot, pick(1), pick(0)])?)
@@ -843,8 +840,7 @@ fn prepend_batch_coordinates(
         let mut along = vec![1; ty.rank()];
         along[d] = rows[d];
         let values: Vec<f64> = (0..rows[d]).map(|i| i as f64).collect();
-        let bytes: Vec<u8> = values.iter().flat_map(|&v| autotp_ir::scalar_bytes(ty.dtype, v)).collect();
-        let range = Tensor::from_bytes(TensorType::new(ty.dtype, along), bytes.into()).expect("sized");
+        let range = Tensor::from_f64_values(ty.dtype, along, &values);
         let mut full: Vec<usize> = rows.to_vec();
         full.push(1);
         coordinates.push(imp.emit1(cx, Op::Expand { shape: full }, &[Sym::Const(range)])?);
@@ -874,8 +870,7 @@ fn take_diagonals(imp: &mut Importer, cx: &NodeCx, mut o: Labelled) -> Result<La
         let mut mask_shape = vec![1; ty.rank()];
         (mask_shape[first], mask_shape[second]) = (n, n);
         let eye: Vec<f64> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
-        let bytes: Vec<u8> = eye.iter().flat_map(|&v| autotp_ir::scalar_bytes(ty.dtype, v)).collect();
-        let eye = Tensor::from_bytes(TensorType::new(ty.dtype, mask_shape), bytes.into()).expect("sized");
+        let eye = Tensor::from_f64_values(ty.dtype, mask_shape, &eye);
         let masked = imp.emit1(cx, Op::Binary(BinaryOp::Mul), &[o.value, Sym::Const(eye)])?;
         let sum = Op::Reduce { op: ReduceOp::Sum, axes: vec![second], keep_dims: false };
         o.value = imp.emit1(cx, sum, &[masked])?;
