@@ -17,16 +17,17 @@ use autotp_frontend::{ImportOptions, Model};
 use autotp_ir::Graph;
 use autotp_passes::accumulate::Accumulate;
 use autotp_passes::autodiff::Autodiff;
-use autotp_passes::autotp::{AutoTp, SplitFused};
+use autotp_passes::autotp::AutoTp;
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer, StageNorm};
 use autotp_passes::peephole::{self, Peephole};
 use autotp_passes::pipeline::{
     bubble_fraction, stage_idle_fractions, Backward as PipelineBackward, Pipeline, Schedule as PipelineSchedule,
 };
+use autotp_passes::split_fused::SplitFused;
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
-use autotp_runtime::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, TrainingConfig, TrainingPlan};
+use autotp_runtime::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, TrainingConfig, TrainingPlan, WeightPart};
 use autotp_runtime::schedule::Schedule;
 use clap::Args;
 
@@ -207,12 +208,15 @@ impl CompileFlags {
 pub struct Compiled {
     pub plan: TrainingPlan,
     pub model: Model,
+    /// The initial weights of parameters that are parts of a model weight.
+    pub part_weights: BTreeMap<String, Vec<u8>>,
 }
 
 impl Compiled {
     /// The initial weights by parameter name (slices of the memory-mapped model).
     pub fn weights(&self) -> BTreeMap<String, &[u8]> {
-        self.model.weights.iter().map(|(name, t)| (name.clone(), t.bytes())).collect()
+        let parts = self.part_weights.iter().map(|(name, bytes)| (name.clone(), &bytes[..]));
+        self.model.weights.iter().map(|(name, t)| (name.clone(), t.bytes())).chain(parts).collect()
     }
 }
 
@@ -405,7 +409,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let global_batch = micro_batch_rows * grad_accum;
     let options = ImportOptions { batch: Some(micro_batch_rows), seq_len: Some(flags.seq_len), ..Default::default() };
     let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
-    let frozen = frozen(flags, &model.graph)?;
+    let mut frozen = frozen(flags, &model.graph)?;
     let padding_rows = padding_rows(flags, &model)?;
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
     let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
@@ -486,6 +490,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     };
     let mut programs = Vec::new();
     let mut weight_shapes = BTreeMap::new();
+    let (mut weight_parts, mut part_weights) = (BTreeMap::new(), BTreeMap::new());
     for (s, (mut graph, norm)) in graphs.into_iter().zip(norms).enumerate() {
         observer.stage = pipelined.then_some(s);
         back(norm).run_observed(&mut graph, &mut |i, pass, graph| observer.observe(index + i, pass, graph))?;
@@ -511,6 +516,12 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             if let Some(weights) = model.weights.get(name).filter(|w| w.ty.shape != graph.ty(p).shape) {
                 weight_shapes.insert(name.to_string(), weights.ty.shape.clone());
             }
+            if !model.weights.contains_key(name) {
+                if let Some((part, bytes)) = weight_part(&model, name, &graph.ty(p).shape) {
+                    weight_parts.insert(name.to_string(), part);
+                    part_weights.insert(name.to_string(), bytes);
+                }
+            }
         }
         let kernels = match flags.kernels {
             Kernels::Generated => autotp_codegen::KernelChoice::Generated,
@@ -522,6 +533,10 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if let Some(error) = observer.error {
         return Err(error);
     }
+    // A frozen fused weight's parts are frozen.
+    let frozen_parts: Vec<String> =
+        weight_parts.iter().filter(|(_, part)| frozen.contains(&part.weight)).map(|(name, _)| name.clone()).collect();
+    frozen.extend(frozen_parts);
     let path = std::fs::canonicalize(&flags.model).unwrap_or_else(|_| flags.model.clone());
     let plan = TrainingPlan {
         stages: programs,
@@ -540,13 +555,30 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             zero_stage: flags.zero,
             grad_accum,
             weight_shapes,
+            weight_parts,
             pipeline,
         },
         model: ModelSource { name: model.graph.name.clone(), path },
     };
     plan.feeds()?;
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "compiled {}", flags.model.display());
-    Ok(Compiled { plan, model })
+    Ok(Compiled { plan, model, part_weights })
+}
+
+/// Where the parameter `name` of `shape` lies in a model weight, when it is one of the parts
+/// `split-fused` made ([`autotp_passes::split_fused::part_name`]), and its initial bytes.
+fn weight_part(model: &Model, name: &str, shape: &[usize]) -> Option<(WeightPart, Vec<u8>)> {
+    let (weight, features) = autotp_passes::split_fused::parse_part_name(name)?;
+    let whole = model.weights.get(weight)?;
+    let weight_shape = whole.ty.shape.clone();
+    let dim = (0..shape.len()).find(|&d| shape[d] != weight_shape[d])?;
+    let mut offsets = vec![0; shape.len()];
+    offsets[dim] = features.start;
+    let size = whole.ty.dtype.size();
+    let mut bytes = vec![0u8; shape.iter().product::<usize>() * size];
+    autotp_kernels::shape::extract_block(&weight_shape, &offsets, shape, size, whole.bytes(), &mut bytes);
+    let part = WeightPart { weight: weight.to_string(), dim, start: features.start, weight_shape };
+    Some((part, bytes))
 }
 
 /// The pipeline's stage graphs, each stage's part in the clipping norm (a parameter two stages

@@ -102,7 +102,7 @@ fn values(dtype: autotp_ir::DType, bytes: &[u8]) -> Vec<f64> {
 }
 
 fn params(trainer: &Trainer) -> Vec<(String, Vec<f64>)> {
-    trainer.params().into_iter().map(|(slot, bytes)| (slot.name.clone(), values(slot.dtype, &bytes))).collect()
+    trainer.model_params().into_iter().map(|t| (t.name, values(t.dtype, &t.bytes))).collect()
 }
 
 /// Each trained parameter's step-1 gradient evidence on both sides: AdamW's first moment or
@@ -110,11 +110,11 @@ fn params(trainer: &Trainer) -> Vec<(String, Vec<f64>)> {
 /// the parameter's move, whose f32 rounding is relative to the parameter, not the move.
 fn evidence(plan: &Trainer, single: &Trainer, before: &[(String, Vec<f64>)]) -> Vec<GradientEvidence> {
     let moments = |t: &Trainer| -> Vec<(String, Vec<f64>)> {
-        t.states()
+        t.model_states()
             .into_iter()
-            .filter_map(|(slot, bytes)| {
-                let param = slot.name.strip_prefix("adamw.m.").or_else(|| slot.name.strip_prefix("sgd.momentum."))?;
-                Some((param.to_string(), values(slot.dtype, &bytes)))
+            .filter_map(|t| {
+                let param = t.name.strip_prefix("adamw.m.").or_else(|| t.name.strip_prefix("sgd.momentum."))?;
+                Some((param.to_string(), values(t.dtype, &t.bytes)))
             })
             .collect()
     };

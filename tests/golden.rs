@@ -69,7 +69,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "recognize" => Box::new(Recognize),
         "loss" => Box::new(AttachLoss),
         "shard" => Box::new(shard_spec(argument)),
-        "split-fused" => Box::new(autotp_passes::autotp::SplitFused),
+        "split-fused" => Box::new(autotp_passes::split_fused::SplitFused),
         "accumulate" => Box::new(autotp_passes::accumulate::Accumulate {
             micro_batches: argument.parse().expect("accumulate:A"),
             batch_inputs: vec!["input_ids".into(), "labels".into()],
@@ -140,8 +140,8 @@ fn check(path: &Path) -> Result<(), String> {
     }
     // Same values for same-named inputs and parameters on both sides; outputs of the same name
     // must agree (a pass may add inputs, such as `labels`, and outputs, such as gradients).
-    let before = run_named(&input_graph)?;
-    let after = run_named(&output)?;
+    let before = run_named(&input_graph, &input_graph)?;
+    let after = run_named(&output, &input_graph)?;
     for (name, b) in &before {
         if let Some(a) = after.get(name) {
             let (diff, scale) = max_abs_diff(a, b);
@@ -204,7 +204,7 @@ fn check_pipeline(
         Box::new(autotp_passes::accumulate::Accumulate { micro_batches, batch_inputs }),
     ];
     PassManager::new(passes).run(&mut reference).map_err(|e| e.to_string())?;
-    let expected = run_named(&reference)?;
+    let expected = run_named(&reference, &reference)?;
     let seed_of = |name: &str| name.bytes().fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
     let mut params = std::collections::BTreeMap::new();
     let mut inputs = Vec::new();
@@ -228,12 +228,32 @@ fn check_pipeline(
     Ok(())
 }
 
-/// Evaluates a graph on pseudo-random inputs and parameters chosen by name.
-fn run_named(graph: &autotp_ir::Graph) -> Result<std::collections::BTreeMap<String, autotp_ir::Tensor>, String> {
+/// Evaluates a graph on pseudo-random inputs and parameters chosen by name. A parameter that
+/// is a part of a weight of `source` (`split-fused`'s `W[a:b]`) gets its part of the weight's.
+fn run_named(
+    graph: &autotp_ir::Graph,
+    source: &autotp_ir::Graph,
+) -> Result<std::collections::BTreeMap<String, autotp_ir::Tensor>, String> {
     let seed_of = |name: &str| name.bytes().fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+    let source_param = |name: &str| source.params().iter().copied().find(|&p| source.name_of(p) == Some(name));
     let feed = |v: autotp_ir::ValueId| {
         let name = graph.name_of(v).unwrap_or("");
-        (name.to_string(), random_tensor(graph.ty(v), seed_of(name)))
+        let ty = graph.ty(v);
+        let part = autotp_passes::split_fused::parse_part_name(name)
+            .filter(|_| source_param(name).is_none())
+            .and_then(|(weight, features)| Some((weight, features, source_param(weight)?)));
+        let Some((weight, features, whole)) = part else {
+            return (name.to_string(), random_tensor(ty, seed_of(name)));
+        };
+        let whole_ty = source.ty(whole);
+        let whole = random_tensor(whole_ty, seed_of(weight));
+        let dim = (0..ty.rank()).find(|&d| ty.shape[d] != whole_ty.shape[d]).expect("a part is smaller");
+        let mut offsets = vec![0; ty.rank()];
+        offsets[dim] = features.start;
+        let size = ty.dtype.size();
+        let mut bytes = vec![0u8; ty.numel() * size];
+        autotp_kernels::shape::extract_block(&whole_ty.shape, &offsets, &ty.shape, size, whole.bytes(), &mut bytes);
+        (name.to_string(), autotp_ir::Tensor::from_pod(ty.dtype, ty.shape.clone(), &bytes[..]))
     };
     let inputs: Vec<_> = graph.inputs().iter().map(|&v| feed(v).1).collect();
     let mut params = graph.params().iter().map(|&v| feed(v)).collect();

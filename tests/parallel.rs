@@ -116,20 +116,57 @@ fn impossible_tensor_parallel_splits_are_refused() {
             "/dev/null",
         ]))
     };
-    // Llama's 2 key/value heads cannot be split 4 ways.
-    let err = compile("llama", "4");
-    assert!(err.contains("tp=4 cannot split the blocks") && err.contains("k_proj.weight"), "{err}");
-    assert!(err.contains("tp must divide the heads (and key/value heads)"), "{err}");
+    // Llama's 4 query heads cannot be split 8 ways (its 2 key/value heads would be
+    // replicated), nor the multi-query models' 4 query heads.
+    for (arch, query) in [("llama", "q_proj.weight'"), ("falcon_mqa", "query_key_value.weight[0:64]'")] {
+        let err = compile(arch, "8");
+        assert!(err.contains("tp=8 cannot split the blocks") && err.contains(query), "{arch}: {err}");
+        assert!(err.contains("the reshape makes 4 heads of it, which tp=8 does not divide"), "{arch}: {err}");
+    }
     // 3 does not divide the 64 hidden features of a 4-head model.
     let err = compile("gpt_neox", "3");
     assert!(err.contains("over tp=3: dim") && err.contains("is not divisible"), "{err}");
-    // The heads divide, but BLOOM merges them with the batch, and the multi-query models' fused
-    // projections hold 4 query heads and 1 key/value head each: the message says which.
+    // The heads divide, but BLOOM merges them with the batch.
     let err = compile("bloom", "2");
     assert!(err.contains("reshape (node") && err.contains("merges it with the dims before it"), "{err}");
-    for mqa in ["falcon_mqa", "bigcode_mqa"] {
-        let err = compile(mqa, "2");
-        assert!(err.contains("its parts do not line up with the ranks' equal blocks"), "{mqa}: {err}");
+}
+
+/// Key/value projections with fewer heads than tp ranks are replicated, the query heads split:
+/// Llama's 2 key/value heads under `--tp 4` (separate projections), and the multi-query
+/// models' one head under `--tp 2`, whose fused projection trains as three parameters.
+/// `--explain-tp` says so, and `verify` finds every gradient as on one device.
+#[test]
+fn key_value_heads_fewer_than_tp_are_replicated() {
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let dir = scratch("kv-replicated");
+    for (arch, tp, query, key_value) in [
+        ("llama", "4", "m.model.layers.1.self_attn.q_proj.weight", "m.model.layers.1.self_attn.v_proj.weight"),
+        (
+            "bigcode_mqa",
+            "2",
+            "m.transformer.h.1.attn.c_attn.weight[0:64]",
+            "m.transformer.h.1.attn.c_attn.weight[64:80]",
+        ),
+        (
+            "falcon_mqa",
+            "2",
+            "m.transformer.h.0.self_attention.query_key_value.weight[0:64]",
+            "m.transformer.h.0.self_attention.query_key_value.weight[80:96]",
+        ),
+    ] {
+        let model = fixture(arch, "model.onnx");
+        let plan = dir.join(format!("{arch}.atp"));
+        let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "8", "--tp", tp];
+        let out = success(autotp(&[&args[..], &["--explain-tp", "-o", plan.to_str().unwrap()]].concat()));
+        let line = |weight: &str| {
+            out.lines().find(|l| l.trim_start().starts_with(&format!("{weight} "))).unwrap_or_else(|| panic!("{out}"))
+        };
+        assert!(line(query).contains("shard(0)") && line(query).contains("column-parallel"), "{arch}: {out}");
+        let heads = if arch == "llama" { "2 heads" } else { "1 head " };
+        let kv = line(key_value);
+        assert!(kv.contains("replicate") && kv.contains(&format!("key/value projection with {heads}")), "{kv}");
+        let report = success(autotp(&["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()]));
+        assert!(report.contains("every gradient within 1e-5") && report.contains("trains like one device"), "{report}");
     }
 }
 

@@ -30,7 +30,7 @@ fn training_step_with(arch: &str, split_fused: bool) -> (Graph, BTreeMap<String,
     let mut passes: Vec<Box<dyn Pass>> =
         vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
     if split_fused {
-        passes.push(Box::new(autotp_passes::autotp::SplitFused));
+        passes.push(Box::new(autotp_passes::split_fused::SplitFused));
     }
     passes.extend::<Vec<Box<dyn Pass>>>(vec![
         Box::new(Autodiff::new(LOSS)),

@@ -73,8 +73,8 @@ fn train_matches_pytorch(arch: &str) {
 /// The model families of issue 16 (tests/fixtures/make_fixtures.py `family_configs`) against
 /// PyTorch's curves: on one rank, data parallel with ZeRO-3 and a 2-stage pipeline, and with
 /// `--tp 2` where autotp accepts it (GPT-J, OPT; Mixtral with its attention split and its
-/// experts replicated). BLOOM's merged batch and heads and the multi-query models' single
-/// key/value head are refused by `--tp` so far.
+/// experts replicated; the multi-query models with their one key/value head replicated).
+/// BLOOM's merged batch and heads are refused by `--tp` so far.
 #[test]
 fn model_families_train_like_pytorch() {
     let families = [
@@ -82,8 +82,8 @@ fn model_families_train_like_pytorch() {
         ("bloom", false),
         ("opt", true),
         ("mixtral", true),
-        ("falcon_mqa", false),
-        ("bigcode_mqa", false),
+        ("falcon_mqa", true),
+        ("bigcode_mqa", true),
     ];
     for (family, splits) in families {
         let mut layouts: Vec<(usize, &[&str])> =

@@ -5,6 +5,8 @@
 //! appending (the frontend, the parser, every pass) is canonical: its value arena is in
 //! definition order (inputs, parameters, node outputs), which is the order the printer numbers.
 
+use std::collections::BTreeMap;
+
 use crate::{Mesh, Op, Placement, TensorType};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -275,6 +277,17 @@ pub struct Rewriter<'g> {
 impl<'g> Rewriter<'g> {
     /// Starts a rewrite with all inputs and the parameters `keep_param` accepts.
     pub fn new(old: &'g Graph, keep_param: impl Fn(ValueId) -> bool) -> Rewriter<'g> {
+        Rewriter::replacing_params(old, keep_param, &BTreeMap::new()).0
+    }
+
+    /// Starts a rewrite as [`Rewriter::new`] does, where each parameter in `replace` gives way
+    /// to new parameters (name and type) in its place in the parameter order. Returns their
+    /// ids, by the parameter they replace.
+    pub fn replacing_params(
+        old: &'g Graph,
+        keep_param: impl Fn(ValueId) -> bool,
+        replace: &BTreeMap<ValueId, Vec<(String, TensorType)>>,
+    ) -> (Rewriter<'g>, BTreeMap<ValueId, Vec<ValueId>>) {
         let mut new = Graph { name: old.name.clone(), mesh: old.mesh.clone(), ..Graph::default() };
         let mut map = vec![None; old.values.len()];
         for &i in &old.inputs {
@@ -283,7 +296,13 @@ impl<'g> Rewriter<'g> {
             new.values[id.index()].placements = v.placements.clone();
             map[i.index()] = Some(id);
         }
+        let mut replaced = BTreeMap::new();
         for &p in old.params.iter().filter(|&&p| keep_param(p)) {
+            if let Some(parts) = replace.get(&p) {
+                let ids = parts.iter().map(|(name, ty)| new.add_param(name.clone(), ty.clone())).collect();
+                replaced.insert(p, ids);
+                continue;
+            }
             let v = &old.values[p.index()];
             let id = new.add_param(v.name.clone().unwrap_or_default(), v.ty.clone());
             new.values[id.index()].placements = v.placements.clone();
@@ -295,7 +314,7 @@ impl<'g> Rewriter<'g> {
             new.values[id.index()].placements = v.placements.clone();
             map[st.index()] = Some(id);
         }
-        Rewriter { old, new, map }
+        (Rewriter { old, new, map }, replaced)
     }
 
     /// The new id of an old value; it must have been copied or replaced already.

@@ -31,8 +31,8 @@ pub const GRAD_PREFIX: &str = "grad.";
 pub struct Autodiff {
     /// Name of the scalar loss output.
     pub loss: String,
-    /// Parameters that get no gradient (`--freeze`): they stay parameters, but nothing flows
-    /// back to them and they get no `grad.` output.
+    /// Parameters that get no gradient (`--freeze`), with the parts of a fused weight named:
+    /// they stay parameters, but nothing flows back to them and they get no `grad.` output.
     pub frozen: BTreeSet<String>,
     /// Embedding tables' padding rows ([`crate::padding`]): the row gets no gradient from the
     /// table's gathers, as `nn.Embedding(padding_idx=row)` in PyTorch.
@@ -877,7 +877,12 @@ impl Autodiff {
             .params()
             .iter()
             .copied()
-            .filter(|&p| !self.frozen.contains(graph.name_of(p).unwrap_or("")))
+            .filter(|&p| {
+                // A part of a fused weight (`split-fused`) is frozen with its weight.
+                let name = graph.name_of(p).unwrap_or("");
+                let weight = crate::split_fused::parse_part_name(name).map_or(name, |(weight, _)| weight);
+                !self.frozen.contains(name) && !self.frozen.contains(weight)
+            })
             .chain(wrt_inputs.iter().copied())
             .collect();
         let mut depends = vec![false; n];

@@ -22,7 +22,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use autotp_ir::{BinaryOp, Collective, Graph, Mesh, MeshAxis, Op, Placement, Rewriter, ValueId};
+use autotp_ir::{BinaryOp, Collective, Graph, Mesh, MeshAxis, Op, Placement, ValueId};
 
 use crate::shard::Shard;
 use crate::{Pass, PassError};
@@ -49,6 +49,15 @@ pub struct Explained {
 
 fn invalid(message: String) -> PassError {
     PassError::Invalid { pass: PASS, message }
+}
+
+/// A column-parallel weight's place in its block.
+struct Column {
+    /// Its output features.
+    features: usize,
+    /// The products of two activations its result reaches in the block: attention's scores and
+    /// their use, shared by the query, key and value projections, none for an MLP's.
+    activation_products: BTreeSet<usize>,
 }
 
 /// A matmul of the forward pass whose right operand is a parameter (possibly transposed).
@@ -82,8 +91,9 @@ fn forward_values(graph: &Graph) -> Vec<bool> {
 }
 
 impl AutoTp {
-    /// The weights to split: (parameter, placement on tp, reason).
-    fn plan(&self, graph: &Graph) -> Vec<Explained> {
+    /// The weights to split: (parameter, placement on tp, reason), and each column-parallel
+    /// weight's place in its block.
+    fn plan(&self, graph: &Graph) -> (Vec<Explained>, BTreeMap<String, Column>) {
         let forward = forward_values(graph);
         let producer: BTreeMap<ValueId, usize> =
             graph.nodes().flat_map(|(id, n)| n.outputs.iter().map(move |&o| (o, id.index()))).collect();
@@ -149,7 +159,28 @@ impl AutoTp {
             }
             false
         };
+        // The products of two activations (attention's scores and their use) a value reaches
+        // within its block.
+        let activation_products = |start: ValueId| {
+            let mut stack = vec![start];
+            let mut seen = BTreeSet::new();
+            let mut products = BTreeSet::new();
+            while let Some(v) = stack.pop() {
+                for &c in users.get(&v).into_iter().flatten() {
+                    if rows.contains(&c) || is_norm(c) || !seen.insert(c) || !forward[nodes[c].outputs[0].index()] {
+                        continue;
+                    }
+                    let of_weights = nodes[c].inputs.iter().any(|&i| trace_param(graph, i, 0).is_some());
+                    if matches!(nodes[c].op, Op::MatMul { .. }) && !of_weights {
+                        products.insert(c);
+                    }
+                    stack.extend(nodes[c].outputs.iter().copied());
+                }
+            }
+            products
+        };
         let mut plan = Vec::new();
+        let mut columns = BTreeMap::new();
         let mut planned = BTreeSet::new();
         for u in &uses {
             let name = graph.name_of(u.param).unwrap_or("").to_string();
@@ -166,6 +197,11 @@ impl AutoTp {
                 let Some(in_dim) = u.in_dim else { continue };
                 (Placement::Shard(in_dim), "row-parallel: its matmul result returns to the residual stream")
             } else if reads_norm && reaches_row(nodes[u.node].outputs[0]) {
+                let column = Column {
+                    features: graph.ty(u.param).shape[u.out_dim],
+                    activation_products: activation_products(nodes[u.node].outputs[0]),
+                };
+                columns.insert(name.clone(), column);
                 (
                     Placement::Shard(u.out_dim),
                     "column-parallel: reads a normalised hidden state and feeds a row-parallel matmul",
@@ -177,7 +213,7 @@ impl AutoTp {
                 plan.push(Explained { weight: name, placement, reason: reason.into() });
             }
         }
-        plan
+        (plan, columns)
     }
 
     fn mesh(&self) -> Mesh {
@@ -197,18 +233,18 @@ impl AutoTp {
         }
         let mesh = self.mesh();
         let tp_axis = mesh.axes.len() - 1;
-        let mut explained = self.plan(graph);
+        let (planned, columns) = self.plan(graph);
         let vocab = crate::vocab::find(graph);
         let vocab_weights = vocab.as_ref().map(|split| vocab_explained(graph, split)).unwrap_or_default();
         // A pipeline stage may hold only the LM head, split over the vocabulary.
-        if explained.is_empty() && vocab_weights.is_empty() {
+        if planned.is_empty() && vocab_weights.is_empty() {
             return Err(invalid(
                 "found no column- and row-parallel weights and no vocabulary to split (no Megatron block)".into(),
             ));
         }
         let vocab_names: BTreeSet<String> = vocab_weights.iter().map(|e| e.weight.clone()).collect();
-        explained.extend(vocab_weights);
-        for e in &explained {
+        let planned = [planned, vocab_weights].concat();
+        for e in &planned {
             let ty = graph.ty(param_by_name(graph, &e.weight));
             if let Placement::Shard(d) = e.placement {
                 if !ty.shape[d].is_multiple_of(self.tp) {
@@ -250,7 +286,19 @@ impl AutoTp {
         };
         let (gather_params_on, scatter_early) =
             if self.dp > 1 { crate::zero::shard_options(self.zero.stage, 0) } else { (None, false) };
-        for _ in 0..4 {
+        // Key/value projections with fewer heads than ranks are replicated (found when their
+        // split does not hold); parameters the rules would slice follow their consumers.
+        let mut replicated: Vec<Explained> = Vec::new();
+        let mut followers: Vec<Explained> = Vec::new();
+        // Each round replicates a weight or adds followers: a bound on the rounds, not a limit.
+        for _ in 0..4 * (columns.len() + 2) {
+            let explained: Vec<Explained> = planned
+                .iter()
+                .filter(|e| !replicated.iter().any(|r| r.weight == e.weight))
+                .chain(&replicated)
+                .chain(&followers)
+                .cloned()
+                .collect();
             let mut sharded = graph.clone();
             Shard {
                 mesh: mesh.clone(),
@@ -261,19 +309,36 @@ impl AutoTp {
             }
             .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);
-            if sliced.is_empty() {
-                check_forward(&sharded, self.tp)?;
+            if !sliced.is_empty() {
+                followers.extend(sliced.into_iter().map(|(weight, placement)| Explained {
+                    weight,
+                    placement,
+                    reason: "follows its consumer (split rather than sliced every step)".into(),
+                }));
+                continue;
+            }
+            let Some(gather) = forward_gather(&sharded, self.tp) else {
                 if self.dp > 1 && self.zero.stage == 3 {
                     sharded = crate::zero::schedule_prefetch(&sharded, self.zero.prefetch)?;
                 }
                 return Ok((sharded, explained));
-            }
-            for (weight, placement) in sliced {
-                explained.push(Explained {
-                    weight,
-                    placement,
-                    reason: "follows its consumer (split rather than sliced every step)".into(),
-                });
+            };
+            match key_value_to_replicate(&gather, &columns, self.tp) {
+                Some((weight, heads)) => {
+                    replicated.push(Explained {
+                        weight,
+                        placement: Placement::Replicate,
+                        reason: format!(
+                            "key/value projection with {heads} head{} for tp={} ranks: replicated; every rank \
+                             computes it whole and its gradient is summed over tp (as DeepSpeed AutoTP and \
+                             BigCode's Megatron)",
+                            if heads == 1 { "" } else { "s" },
+                            self.tp
+                        ),
+                    });
+                    followers.clear();
+                }
+                None => return Err(invalid(gather.message)),
             }
         }
         Err(invalid("the weight placements did not settle".into()))
@@ -355,11 +420,24 @@ fn unit_reshape_dim(input: &[usize], output: &[usize], dim: usize) -> Option<usi
     Some(ins[outs.iter().position(|&d| d == dim)?])
 }
 
-/// The forward pass of a tensor-parallel block must need no all-gather: one means a split that
-/// does not hold. Names the value it gathers, its consumer and why: heads not divisible by tp,
-/// a reshape merging the split dim with leading ones, or parts that do not line up with the
-/// ranks' blocks.
-fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
+/// An all-gather the forward pass of a tensor-parallel block needs: a split that does not
+/// hold.
+struct ForwardGather {
+    /// What is gathered, for which consumer, and why.
+    message: String,
+    /// The split weights the gathered value is computed with, nearest first, with their
+    /// sizes along their split dims.
+    weights: Vec<(String, usize)>,
+    /// The heads that a reshape consuming the gathered value makes of it.
+    reshape_heads: Option<usize>,
+    /// The gathered dim's size.
+    gathered: usize,
+}
+
+/// The first all-gather over tp that the forward pass needs, if any: the value it gathers,
+/// its consumer and why (heads not divisible by tp, a reshape merging the split dim with
+/// leading ones, or parts that do not line up with the ranks' blocks).
+fn forward_gather(graph: &Graph, tp: usize) -> Option<ForwardGather> {
     let forward = forward_values(graph);
     for (_, node) in graph.nodes() {
         let Op::Collective { kind: Collective::AllGather { dim }, axis, .. } = &node.op else { continue };
@@ -380,34 +458,58 @@ fn check_forward(graph: &Graph, tp: usize) -> Result<(), PassError> {
                 (format!("{} (node {})", n.op.name(), cid.index()), n.outputs.first().map(|&o| graph.ty(o).to_string()))
             })
             .unwrap_or_else(|| ("an output".into(), None));
-        let weight = split_weight_upstream(graph, input)
-            .map(|w| format!(" (computed with the split weight '{w}')"))
-            .unwrap_or_default();
+        let weights = split_weights_upstream(graph, input);
+        let computed_with =
+            weights.first().map(|(w, _)| format!(" (computed with the split weight '{w}')")).unwrap_or_default();
         let into = result.map(|r| format!(" into {r}")).unwrap_or_default();
         let shape = &graph.ty(input).shape;
         let reshaped_to = consumer_node
             .filter(|(_, n)| matches!(n.op, Op::Reshape { .. }))
             .map(|(_, n)| graph.ty(n.outputs[0]).shape.clone());
         let heads_rule = "tp must divide the heads (and key/value heads) it splits";
+        let mut reshape_heads = None;
         let why = match (reshaped_to, shape[*dim].is_multiple_of(tp)) {
             (_, false) => format!("its {} entries do not divide by tp={tp}: {heads_rule}", shape[*dim]),
             (Some(to), true) => match leading_dim_at(shape, &to, *dim) {
                 None => "the reshape merges it with the dims before it (attention over [batch x heads, ...], as \
                          BLOOM's): a split is not followed through such a merge yet"
                     .to_string(),
-                Some(heads) if !heads.is_multiple_of(tp) => {
-                    format!("the reshape makes {heads} heads of it, which tp={tp} does not divide: {heads_rule}")
+                Some(made) => {
+                    reshape_heads = Some(made);
+                    if made.is_multiple_of(tp) {
+                        unequal_parts()
+                    } else {
+                        format!("the reshape makes {made} heads of it, which tp={tp} does not divide: {heads_rule}")
+                    }
                 }
-                Some(_) => unequal_parts(),
             },
             (None, true) => unequal_parts(),
         };
-        return Err(invalid(format!(
-            "tp={tp} cannot split the blocks: {consumer} needs dim {dim} of {}{weight} whole{into}: {why}",
+        let message = format!(
+            "tp={tp} cannot split the blocks: {consumer} needs dim {dim} of {}{computed_with} whole{into}: {why}",
             graph.ty(input)
-        )));
+        );
+        return Some(ForwardGather { message, weights, reshape_heads, gathered: shape[*dim] });
     }
-    Ok(())
+    None
+}
+
+/// The weight to replicate so that `gather` is not needed, and its heads: the nearest
+/// column-parallel projection upstream, when its heads are fewer than tp and a wider
+/// projection meets it in attention (the key/value projection of multi-query or grouped-query
+/// attention, beside the query's). Its heads: those the reshape makes, or (a head split inside
+/// itself) its features over the gathered dim.
+fn key_value_to_replicate(
+    gather: &ForwardGather,
+    columns: &BTreeMap<String, Column>,
+    tp: usize,
+) -> Option<(String, usize)> {
+    let (weight, column) = gather.weights.iter().find_map(|(w, _)| Some((w, columns.get(w)?)))?;
+    let heads = gather.reshape_heads.unwrap_or(column.features / gather.gathered.max(1));
+    let beside_query = columns.values().any(|other| {
+        other.features > column.features && !other.activation_products.is_disjoint(&column.activation_products)
+    });
+    (heads < tp && beside_query).then(|| (weight.clone(), heads))
 }
 
 /// The size of the output dim of a reshape from `from` to `to` that starts where dim `dim`
@@ -419,26 +521,30 @@ fn leading_dim_at(from: &[usize], to: &[usize], dim: usize) -> Option<usize> {
 }
 
 fn unequal_parts() -> String {
-    "its parts do not line up with the ranks' equal blocks (a fused projection of unequal parts, such as \
-     multi-query attention's single key/value head, which is not split yet)"
-        .into()
+    "its parts do not line up with the ranks' equal blocks".into()
 }
 
-/// The nearest tp-split parameter `v` is computed from, for messages.
-fn split_weight_upstream(graph: &Graph, v: ValueId) -> Option<String> {
+/// The tp-split parameters `v` is computed from, nearest first, and their sizes along their
+/// split dims.
+fn split_weights_upstream(graph: &Graph, v: ValueId) -> Vec<(String, usize)> {
     let producer: BTreeMap<ValueId, &autotp_ir::Node> =
         graph.nodes().flat_map(|(_, n)| n.outputs.iter().map(move |&o| (o, n))).collect();
     let mut queue = std::collections::VecDeque::from([v]);
     let mut seen = BTreeSet::new();
+    let mut found = Vec::new();
     while let Some(v) = queue.pop_front() {
-        if graph.params().contains(&v) && graph.value(v).placements.iter().any(|p| matches!(p, Placement::Shard(_))) {
-            return graph.name_of(v).map(str::to_string);
+        if graph.params().contains(&v) {
+            let value = graph.value(v);
+            // tp is the mesh's last axis.
+            if let Some(&Placement::Shard(d)) = value.placements.last() {
+                found.push((graph.name_of(v).unwrap_or("").to_string(), value.ty.shape[d]));
+            }
         }
         if let Some(n) = producer.get(&v) {
             queue.extend(n.inputs.iter().copied().filter(|i| seen.insert(*i)));
         }
     }
-    None
+    found
 }
 
 impl Pass for AutoTp {
@@ -451,150 +557,4 @@ impl Pass for AutoTp {
         *graph = sharded;
         Ok(())
     }
-}
-
-/// `split-fused`: a fused projection (one weight `[in, k*n]` whose result is split into `k`
-/// equal parts, as GPT-2's `c_attn` gives q, k and v) becomes `k` projections that share one
-/// parameter stored as `[in, k, n]` (its bias as `[k, n]`): the same bytes, a view that
-/// `autotp` can split on `n`, so each rank holds its heads of every part. Runs before autodiff,
-/// only when tensor parallelism asks for it; the trainer saves such weights in their original
-/// shape. Fused layouts that already interleave per head (GPT-NeoX) are not split and need not
-/// be.
-pub struct SplitFused;
-
-/// A matched fused projection: `split(reshape*(add?(matmul(x, weight), bias)))`.
-struct Fused {
-    matmul: usize,
-    add: Option<usize>,
-    reshapes: Vec<usize>,
-    split: usize,
-    weight: ValueId,
-    bias: Option<ValueId>,
-    parts: usize,
-}
-
-fn find_fused(graph: &Graph) -> Vec<Fused> {
-    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
-    let uses = graph.use_counts();
-    let producer = |v: ValueId| match graph.value(v).def {
-        autotp_ir::Def::Node(n, 0) => Some(n.index()),
-        _ => None,
-    };
-    let is_param = |v: ValueId| graph.params().contains(&v);
-    let mut found = Vec::new();
-    for (s, split) in nodes.iter().enumerate() {
-        let Op::Split { axis, sizes } = &split.op else { continue };
-        let input = split.inputs[0];
-        let parts = sizes.len();
-        if parts < 2 || sizes.iter().any(|&n| n != sizes[0]) || *axis + 1 != graph.ty(input).rank() {
-            continue;
-        }
-        // Walk back through reshapes that keep the last (feature) dim, a bias add, the matmul.
-        let mut v = input;
-        let mut reshapes = Vec::new();
-        let mut add = None;
-        let mut bias = None;
-        let matched = loop {
-            if uses[v.index()] != 1 {
-                break None;
-            }
-            let Some(p) = producer(v) else { break None };
-            let node = nodes[p];
-            match &node.op {
-                Op::Reshape { .. } if graph.ty(node.inputs[0]).shape.last() == graph.ty(v).shape.last() => {
-                    reshapes.push(p);
-                    v = node.inputs[0];
-                }
-                Op::Binary(BinaryOp::Add) if add.is_none() => {
-                    let (a, b) = (node.inputs[0], node.inputs[1]);
-                    let (other, b) = if is_param(b) { (a, b) } else { (b, a) };
-                    if !is_param(b) || graph.ty(b).rank() != 1 || uses[b.index()] != 1 {
-                        break None;
-                    }
-                    add = Some(p);
-                    bias = Some(b);
-                    v = other;
-                }
-                Op::MatMul { transpose_lhs: false, transpose_rhs: false } => {
-                    let w = node.inputs[1];
-                    let ok = is_param(w) && graph.ty(w).rank() == 2 && uses[w.index()] == 1;
-                    break ok.then_some((p, w));
-                }
-                _ => break None,
-            }
-        };
-        if let Some((matmul, weight)) = matched {
-            found.push(Fused { matmul, add, reshapes, split: s, weight, bias, parts });
-        }
-    }
-    found
-}
-
-impl Pass for SplitFused {
-    fn name(&self) -> &'static str {
-        "split-fused"
-    }
-
-    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
-        let fused = find_fused(graph);
-        if fused.is_empty() {
-            return Ok(());
-        }
-        let mut source = graph.clone();
-        let mut skip = BTreeSet::new();
-        for f in &fused {
-            let w = source.ty(f.weight).shape.clone();
-            let n = w[1] / f.parts;
-            source.value_mut(f.weight).ty.shape = vec![w[0], f.parts, n];
-            if let Some(b) = f.bias {
-                source.value_mut(b).ty.shape = vec![f.parts, n];
-            }
-            skip.extend([f.matmul].into_iter().chain(f.add).chain(f.reshapes.iter().copied()));
-        }
-        let at_split: BTreeMap<usize, &Fused> = fused.iter().map(|f| (f.split, f)).collect();
-        let mut rw = Rewriter::new(&source, |_| true);
-        for (id, node) in source.nodes() {
-            if skip.contains(&id.index()) {
-                continue;
-            }
-            let Some(f) = at_split.get(&id.index()) else {
-                rw.copy_node(id);
-                continue;
-            };
-            let x = rw.map(source.node(autotp_ir::NodeId(f.matmul as u32)).inputs[0]);
-            let (weight, bias) = (rw.map(f.weight), f.bias.map(|b| rw.map(b)));
-            let wshape = source.ty(f.weight).shape.clone();
-            let (rows, n) = (wshape[0], wshape[2]);
-            for (j, &out) in node.outputs.iter().enumerate() {
-                let g = rw.graph();
-                let part =
-                    |g: &mut Graph, v: ValueId, shape: &[usize], keep: Vec<usize>| -> Result<ValueId, PassError> {
-                        let mut starts = vec![0; shape.len()];
-                        let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-                        let axis = shape.len() - 2;
-                        starts[axis] = j;
-                        ends[axis] = j as i64 + 1;
-                        let sliced = add(g, Op::Slice { starts, ends, steps: vec![1; shape.len()] }, vec![v])?;
-                        add(g, Op::Reshape { shape: keep }, vec![sliced])
-                    };
-                let wj = part(g, weight, &wshape, vec![rows, n])?;
-                let mut y = add(g, Op::MatMul { transpose_lhs: false, transpose_rhs: false }, vec![x, wj])?;
-                if let Some(b) = bias {
-                    let bj = part(g, b, &[f.parts, n], vec![n])?;
-                    y = add(g, Op::Binary(BinaryOp::Add), vec![y, bj])?;
-                }
-                let target = &source.ty(out).shape;
-                if g.ty(y).shape != *target {
-                    y = add(g, Op::Reshape { shape: target.clone() }, vec![y])?;
-                }
-                rw.set(out, y);
-            }
-        }
-        *graph = rw.finish();
-        Ok(())
-    }
-}
-
-fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
-    crate::add_op("split-fused", g, op, inputs)
 }

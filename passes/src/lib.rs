@@ -14,7 +14,7 @@
 //! | `optimize`  | AdamW/SGD updates of every parameter, optional grad clipping ([`optimize`]) |
 //! | `peephole`  | e-graph rewrites: transpose and reshape chains, `x * 1`, `x + 0`, transposes into GEMMs ([`peephole`]) |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
-//! | `split-fused` | fused projections (GPT-2 `c_attn`) as k projections of one `[in, k, n]` parameter ([`autotp::SplitFused`]) |
+//! | `split-fused` | fused projections (GPT-2 `c_attn`, Falcon's and BigCode's multi-query qkv) as one projection per part ([`split_fused`]) |
 //! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
 //! | `zero`      | data parallelism with ZeRO stages 0-3, as seeds for `shard` ([`zero`]) |
 
@@ -31,6 +31,7 @@ pub mod pipeline;
 pub mod recognize;
 pub mod shard;
 mod sink_slices;
+pub mod split_fused;
 mod vocab;
 pub mod zero;
 

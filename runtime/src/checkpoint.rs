@@ -24,7 +24,7 @@
 //! Fault injection for tests: with `AUTOTP_CRASH_DURING_CHECKPOINT=N` in the environment, the
 //! save of step N aborts the process after writing the parameters, before the rest.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -101,6 +101,34 @@ pub struct StoredTensor<'a> {
     pub dtype: autotp_kernels::DType,
     pub shape: Vec<usize>,
     pub bytes: std::borrow::Cow<'a, [u8]>,
+}
+
+/// Model tensors from plan tensors: the parts of a weight (`TrainingConfig::weight_parts`,
+/// parameters and their optimizer states) joined into it, in the place of its first part; all
+/// else as it is.
+pub fn join_parts<'a>(training: &TrainingConfig, tensors: Vec<StoredTensor<'a>>) -> Vec<StoredTensor<'a>> {
+    let mut joined: Vec<StoredTensor<'a>> = Vec::new();
+    for t in tensors {
+        let Some((name, part)) = training.part_of(&t.name) else {
+            joined.push(t);
+            continue;
+        };
+        let size = t.dtype.size();
+        let at = match joined.iter().position(|j| j.name == name) {
+            Some(at) => at,
+            None => {
+                let bytes = vec![0u8; part.weight_shape.iter().product::<usize>() * size];
+                let shape = part.weight_shape.clone();
+                joined.push(StoredTensor { name, dtype: t.dtype, shape, bytes: bytes.into() });
+                joined.len() - 1
+            }
+        };
+        let mut offsets = vec![0; part.weight_shape.len()];
+        offsets[part.dim] = part.start;
+        let whole = &mut joined[at];
+        autotp_kernels::shape::insert_block(&whole.shape, &offsets, &t.shape, size, &t.bytes, whole.bytes.to_mut());
+    }
+    joined
 }
 
 /// The directory name of the checkpoint of `step`.
@@ -287,7 +315,16 @@ impl Checkpoint {
     pub fn tensor(&self, name: &str) -> Option<StoredTensor<'_>> {
         let holders: Vec<(&String, TensorRef<'_>)> =
             self.files.iter().filter_map(|(file, f)| f.get(name).map(|t| (file, t))).collect();
-        let (_, first) = holders.first()?;
+        let Some((_, first)) = holders.first() else {
+            // A model weight the plan trained in parts.
+            let stored: BTreeSet<&String> = self.manifest.files.values().flatten().collect();
+            let parts: Vec<StoredTensor<'_>> = stored
+                .into_iter()
+                .filter(|t| self.manifest.training.part_of(t).is_some_and(|(joined, _)| joined == name))
+                .map(|t| self.tensor(t))
+                .collect::<Option<_>>()?;
+            return join_parts(&self.manifest.training, parts).into_iter().next();
+        };
         let shape = self.manifest.training.weight_shapes.get(name).cloned();
         let Some(global) = self.manifest.shapes.get(name) else {
             let shape = shape.unwrap_or_else(|| first.shape.clone());

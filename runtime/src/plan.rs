@@ -83,9 +83,36 @@ pub struct TrainingConfig {
     /// computes with another view of the same bytes (a fused projection stored `[in, k, n]`).
     #[serde(default)]
     pub weight_shapes: BTreeMap<String, Vec<usize>>,
+    /// Parameters the plan computes with as parts of a model weight (the unequal parts of a
+    /// fused projection: multi-query attention's `qkv`), by parameter name. Weight files and
+    /// exports hold the model's weight; checkpoints hold the parts and join them when read.
+    #[serde(default)]
+    pub weight_parts: BTreeMap<String, WeightPart>,
     /// How the pipeline stages run, when there are several.
     #[serde(default)]
     pub pipeline: Option<PipelineConfig>,
+}
+
+/// Where a parameter lies in the model weight it is a part of: `len` entries from `start`
+/// along `dim` (the weight's features).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WeightPart {
+    pub weight: String,
+    pub dim: usize,
+    pub start: usize,
+    /// The model weight's shape.
+    pub weight_shape: Vec<usize>,
+}
+
+impl TrainingConfig {
+    /// The model tensor that a plan parameter or optimizer state is a part of, and where:
+    /// `W[0:64]` is part of `W`, its AdamW moment `adamw.m.W[0:64]` part of `adamw.m.W`.
+    pub fn part_of(&self, tensor: &str) -> Option<(String, &WeightPart)> {
+        self.weight_parts.iter().find_map(|(part, p)| {
+            let prefix = tensor.strip_suffix(part.as_str())?;
+            (prefix.is_empty() || prefix.ends_with('.')).then(|| (format!("{prefix}{}", p.weight), p))
+        })
+    }
 }
 
 /// A padding row of an embedding table (`autotp_passes::padding`).

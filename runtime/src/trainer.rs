@@ -538,6 +538,30 @@ impl Trainer {
         self.first_held(|p| &p.states).into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
     }
 
+    /// The current parameters as the model has them: global tensors in their weight files'
+    /// shapes, parts joined into their weights.
+    pub fn model_params(&self) -> Vec<checkpoint::StoredTensor<'_>> {
+        self.model_tensors(self.params())
+    }
+
+    /// The current optimizer states as [`Trainer::model_params`] gives the parameters.
+    pub fn model_states(&self) -> Vec<checkpoint::StoredTensor<'_>> {
+        self.model_tensors(self.states())
+    }
+
+    fn model_tensors<'a>(&self, tensors: Vec<(Slot, Cow<'a, [u8]>)>) -> Vec<checkpoint::StoredTensor<'a>> {
+        let stored = tensors
+            .into_iter()
+            .map(|(slot, bytes)| checkpoint::StoredTensor {
+                shape: self.stored_shape(&slot),
+                name: slot.name,
+                dtype: slot.dtype,
+                bytes,
+            })
+            .collect();
+        checkpoint::join_parts(&self.training, stored)
+    }
+
     /// Saves a checkpoint of the current state under `dir` (see [`checkpoint`]).
     pub fn save(
         &self,
@@ -611,7 +635,14 @@ impl Trainer {
             }
             files.push((format!("rank-{rank:05}.safetensors"), blocks));
         }
-        let params = self.param_slots().into_iter().map(|s| s.name).collect();
+        // The model's parameters: a weight trained in parts once.
+        let mut params: Vec<String> = Vec::new();
+        for slot in self.param_slots() {
+            let name = self.training.part_of(&slot.name).map_or(slot.name, |(weight, _)| weight);
+            if !params.contains(&name) {
+                params.push(name);
+            }
+        }
         checkpoint::save_files(dir, manifest, params, files, keep_last)
     }
 }
