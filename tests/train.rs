@@ -72,8 +72,8 @@ fn train_matches_pytorch(arch: &str) {
 
 /// The model families of issue 16 (tests/fixtures/make_fixtures.py `family_configs`) against
 /// PyTorch's curves: on one rank, data parallel with ZeRO-3 and a 2-stage pipeline, and with
-/// `--tp 2` where autotp accepts it (GPT-J, OPT; Mixtral with its attention split and its
-/// experts replicated; the multi-query models with their one key/value head replicated).
+/// `--tp 2` where autotp accepts it (GPT-J, OPT; Mixtral with its experts split like MLPs; the
+/// multi-query models with their one key/value head replicated).
 /// BLOOM's merged batch and heads are refused by `--tp` so far.
 #[test]
 fn model_families_train_like_pytorch() {
@@ -92,8 +92,13 @@ fn model_families_train_like_pytorch() {
             layouts.push((8, &["--tp", "2"]));
         }
         if family == "mixtral" {
-            // The mixture of experts under every ZeRO stage (the issue asks for each).
-            layouts.extend([(4, &["--dp", "2", "--zero", "1"][..]), (4, &["--dp", "2", "--zero", "2"][..])]);
+            // The mixture of experts under every ZeRO stage, and its experts split with ZeRO.
+            layouts.extend([
+                (4, &["--dp", "2"][..]),
+                (4, &["--dp", "2", "--zero", "1"][..]),
+                (4, &["--dp", "2", "--zero", "2"][..]),
+                (4, &["--tp", "2", "--dp", "2", "--zero", "3"][..]),
+            ]);
         }
         for (micro_batch, layout) in layouts {
             let (relative, _) = curve_against_pytorch(family, "tokens.bin", micro_batch, layout);

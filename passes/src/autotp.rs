@@ -64,6 +64,8 @@ struct Column {
 struct WeightUse {
     node: usize,
     param: ValueId,
+    /// The matmul's other operand.
+    activation: ValueId,
     /// The parameter dims that are the matmul's output and input features.
     out_dim: usize,
     in_dim: Option<usize>,
@@ -109,30 +111,53 @@ impl AutoTp {
 
         let mut uses = Vec::new();
         for (i, node) in nodes.iter().enumerate() {
-            let Op::MatMul { transpose_rhs, .. } = node.op else { continue };
-            if !forward[node.outputs[0].index()] || graph.ty(node.inputs[1]).rank() != 2 {
+            let Op::MatMul { transpose_lhs, transpose_rhs } = node.op else { continue };
+            if !forward[node.outputs[0].index()] {
                 continue;
             }
-            // rhs is [k, n] (or [n, k] with transpose_rhs): a parameter, or a view of one.
-            let out_dim = if transpose_rhs { 0 } else { 1 };
-            if let Some((param, out_dim)) = trace_param(graph, node.inputs[1], out_dim) {
-                let in_dim = trace_param(graph, node.inputs[1], 1 - if transpose_rhs { 0 } else { 1 }).map(|(_, d)| d);
-                uses.push(WeightUse { node: i, param, out_dim, in_dim });
+            let (lhs, rhs) = (node.inputs[0], node.inputs[1]);
+            // x @ W: W is [k, n] (or [n, k] with transpose_rhs), a parameter or a view of one,
+            // or a batch of experts' weights looked up by expert.
+            let rank = graph.ty(rhs).rank();
+            let (operand, activation, out_dim, in_dim) = if rank == 2 || looks_up_weights(graph, rhs) {
+                let (n, k) = if transpose_rhs { (rank - 2, rank - 1) } else { (rank - 1, rank - 2) };
+                (rhs, lhs, n, k)
+            } else if looks_up_weights(graph, lhs) {
+                // W_e @ x, the experts' weights [m, k] on the left (a batched-experts export).
+                let rank = graph.ty(lhs).rank();
+                let (m, k) = if transpose_lhs { (rank - 1, rank - 2) } else { (rank - 2, rank - 1) };
+                (lhs, rhs, m, k)
+            } else {
+                continue;
+            };
+            if let Some((param, out_dim)) = trace_param(graph, operand, out_dim) {
+                let in_dim = trace_param(graph, operand, in_dim).map(|(_, d)| d);
+                uses.push(WeightUse { node: i, param, activation, out_dim, in_dim });
             }
         }
-        // Row-parallel: the result (plus a bias parameter, through reshapes) is added to a
-        // non-parameter value of its type: the residual stream.
+        // Row-parallel: the result (plus a bias parameter, through reshapes, and through the
+        // routing weights' scaling and the sum over a token's experts) is added to a
+        // non-parameter value of its type: the residual stream. Each step is linear, so partial
+        // sums stay partial sums to the add.
         let is_row = |u: &WeightUse| {
             let mut v = nodes[u.node].outputs[0];
-            for _ in 0..4 {
-                let Some(consumers) = users.get(&v) else { return false };
+            for _ in 0..8 {
+                // Its one consumer in the forward pass (the backward may read it too).
+                let consumers: Vec<usize> = users
+                    .get(&v)
+                    .into_iter()
+                    .flatten()
+                    .copied()
+                    .filter(|&c| forward[nodes[c].outputs[0].index()])
+                    .collect();
                 let [c] = consumers[..] else { return false };
                 match nodes[c].op {
-                    Op::Reshape { .. } => {}
+                    Op::Reshape { .. } | Op::Reduce { op: autotp_ir::ReduceOp::Sum, .. } => {}
+                    Op::Binary(BinaryOp::Mul) if nodes[c].inputs[0] != nodes[c].inputs[1] => {}
                     Op::Binary(BinaryOp::Add) => {
                         let other = if nodes[c].inputs[0] == v { nodes[c].inputs[1] } else { nodes[c].inputs[0] };
                         if !is_param(other) {
-                            return graph.ty(other) == graph.ty(v);
+                            return graph.ty(other) == graph.ty(nodes[c].outputs[0]) && graph.ty(other) == graph.ty(v);
                         }
                     }
                     _ => return false,
@@ -154,7 +179,9 @@ impl AutoTp {
                     if is_norm(c) || !seen.insert(c) || !forward[nodes[c].outputs[0].index()] {
                         continue;
                     }
-                    stack.extend(nodes[c].outputs.iter().copied());
+                    // Not through indices (a router's choice of experts reaches the experts'
+                    // matmuls only as which weights they read).
+                    stack.extend(nodes[c].outputs.iter().copied().filter(|&o| graph.ty(o).dtype.is_float()));
                 }
             }
             false
@@ -184,15 +211,16 @@ impl AutoTp {
         let mut planned = BTreeSet::new();
         for u in &uses {
             let name = graph.name_of(u.param).unwrap_or("").to_string();
-            // The left operand, through reshapes, is a norm's output.
-            let mut lhs = nodes[u.node].inputs[0];
-            while let Some(&p) = producer.get(&lhs) {
+            // The activation operand, through reshapes and broadcasts (each token's copy for
+            // each of its experts), is a norm's output.
+            let mut activation = u.activation;
+            while let Some(&p) = producer.get(&activation) {
                 match nodes[p].op {
-                    Op::Reshape { .. } => lhs = nodes[p].inputs[0],
+                    Op::Reshape { .. } | Op::Expand { .. } => activation = nodes[p].inputs[0],
                     _ => break,
                 }
             }
-            let reads_norm = producer.get(&lhs).is_some_and(|&p| is_norm(p));
+            let reads_norm = producer.get(&activation).is_some_and(|&p| is_norm(p));
             let (placement, reason) = if rows.contains(&u.node) {
                 let Some(in_dim) = u.in_dim else { continue };
                 (Placement::Shard(in_dim), "row-parallel: its matmul result returns to the residual stream")
@@ -384,8 +412,27 @@ fn sliced_params(graph: &Graph, tp_axis: usize) -> Vec<(String, Placement)> {
     found.into_iter().collect()
 }
 
+/// Whether `v` is rows of a parameter (or a view of one) looked up by index, through
+/// transposes and reshapes: a mixture of experts' weights, gathered by expert.
+fn looks_up_weights(graph: &Graph, mut v: ValueId) -> bool {
+    for _ in 0..4 {
+        let autotp_ir::Def::Node(n, 0) = graph.value(v).def else { return false };
+        let node = graph.node(n);
+        match node.op {
+            Op::Gather { .. } => {
+                let table = node.inputs[0];
+                return (0..graph.ty(table).rank()).any(|d| trace_param(graph, table, d).is_some());
+            }
+            Op::Transpose { .. } | Op::Reshape { .. } | Op::Slice { .. } => v = node.inputs[0],
+            _ => return false,
+        }
+    }
+    false
+}
+
 /// The parameter `v` is a view of (through transposes, unit-dim reshapes, slices that keep
-/// `dim` whole and gathers over other axes), and the parameter dim that `dim` of `v` is.
+/// `dim` whole, lookups of rows by index and gathers over other mesh axes), and the parameter
+/// dim that `dim` of `v` is.
 pub(crate) fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Option<(ValueId, usize)> {
     for _ in 0..4 {
         if graph.params().contains(&v) {
@@ -403,6 +450,16 @@ pub(crate) fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Opti
             Op::Reshape { .. } => unit_reshape_dim(from, to, dim)?,
             // A copy gathered over another axis (a ZeRO-3 parameter) is still the parameter.
             Op::Collective { kind: Collective::AllGather { .. }, .. } => dim,
+            // Rows looked up by index (a mixture of experts' weights, by expert): the other
+            // dims are the parameter's.
+            Op::Gather { axis } => {
+                let index_rank = graph.ty(node.inputs[1]).rank();
+                match dim {
+                    d if d < *axis => d,
+                    d if d >= axis + index_rank => d + 1 - index_rank,
+                    _ => return None,
+                }
+            }
             _ => return None,
         };
         v = input;

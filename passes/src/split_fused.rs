@@ -46,11 +46,16 @@ pub fn parse_part_name(name: &str) -> Option<(&str, Range<usize>)> {
     Some((&name[..open], start.parse().ok()?..end.parse().ok()?))
 }
 
-/// A matched fused projection: `readers(reshape*(add?(matmul(x, weight), bias)))`, the
-/// weight possibly transposed (an `[out, in]` weight).
+/// A matched fused projection: `readers(reshape*(add?(matmul(x, path(weight)), bias)))`, or
+/// `matmul(path(weight), x)` with the weight on the left (a batched-experts export), where
+/// the path transposes an `[out, in]` weight or looks up experts' weights by index.
 struct Fused {
     matmul: usize,
-    transpose: Option<usize>,
+    weight_on_left: bool,
+    /// The nodes from the weight to the matmul's operand, in order.
+    path: Vec<usize>,
+    /// The weight's dim that holds the output features.
+    features_dim: usize,
     add: Option<usize>,
     reshapes: Vec<usize>,
     readers: Vec<usize>,
@@ -71,8 +76,10 @@ impl Fused {
 
     /// The nodes the rewrite replaces or leaves dead.
     fn replaced_nodes(&self) -> impl Iterator<Item = usize> + '_ {
-        let fixed = [self.matmul].into_iter().chain(self.transpose).chain(self.add);
-        fixed
+        [self.matmul]
+            .into_iter()
+            .chain(self.path.iter().copied())
+            .chain(self.add)
             .chain(self.reshapes.iter().copied())
             .chain(self.readers.iter().copied())
             .chain(self.indices.iter().copied())
@@ -124,6 +131,29 @@ fn read_features(
     }
 }
 
+/// The parameter `operand` is made from, through a transpose of an `[out, in]` weight or a
+/// lookup of experts' weights by index, each read by nothing else; and that path's nodes from
+/// the parameter on.
+fn weight_path(graph: &Graph, operand: ValueId, uses: &[usize]) -> Option<(ValueId, Vec<usize>)> {
+    let mut v = operand;
+    let mut path = Vec::new();
+    while !graph.params().contains(&v) {
+        let Def::Node(n, 0) = graph.value(v).def else { return None };
+        let node = graph.node(n);
+        let follows = match &node.op {
+            Op::Transpose { perm } => perm[..] == [1, 0],
+            Op::Gather { axis: 0 } => node.inputs[0] != node.inputs[1],
+            _ => false,
+        };
+        if !follows || uses[v.index()] != 1 || path.len() == 2 {
+            return None;
+        }
+        path.insert(0, n.index());
+        v = node.inputs[0];
+    }
+    (uses[v.index()] == 1).then_some((v, path))
+}
+
 fn find_fused(graph: &Graph) -> Vec<Fused> {
     let nodes: Vec<&Node> = graph.nodes().map(|(_, n)| n).collect();
     let uses = graph.use_counts();
@@ -137,24 +167,21 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
     let mut found = Vec::new();
     for (m, node) in nodes.iter().enumerate() {
         let Op::MatMul { transpose_lhs: false, transpose_rhs: false } = node.op else { continue };
-        let rhs = node.inputs[1];
-        if graph.ty(rhs).rank() != 2 || uses[rhs.index()] != 1 {
-            continue;
-        }
-        let (weight, transpose) = match graph.value(rhs).def {
-            Def::Param(_) => (rhs, None),
-            Def::Node(t, 0) => match &nodes[t.index()].op {
-                Op::Transpose { perm } if perm[..] == [1, 0] && is_param(nodes[t.index()].inputs[0]) => {
-                    (nodes[t.index()].inputs[0], Some(t.index()))
-                }
-                _ => continue,
+        let out = &graph.ty(node.outputs[0]).shape;
+        // x @ W (features last), else W @ x with W's rows the features and x one column.
+        let (weight_on_left, (weight, path)) = match weight_path(graph, node.inputs[1], &uses) {
+            Some(found) => (false, found),
+            None if out.last() == Some(&1) => match weight_path(graph, node.inputs[0], &uses) {
+                Some(found) => (true, found),
+                None => continue,
             },
-            _ => continue,
+            None => continue,
         };
-        if uses[weight.index()] != 1 {
-            continue;
-        }
-        let features = *graph.ty(rhs).shape.last().expect("a matrix");
+        let operand = node.inputs[usize::from(!weight_on_left)];
+        let operand_rank = graph.ty(operand).rank();
+        let operand_features = if weight_on_left { operand_rank - 2 } else { operand_rank - 1 };
+        let Some((_, features_dim)) = crate::autotp::trace_param(graph, operand, operand_features) else { continue };
+        let features = graph.ty(operand).shape[operand_features];
         // Forward through the bias and reshapes, each the only reader of what it reads.
         let (mut v, mut add, mut bias, mut reshapes) = (node.outputs[0], None, None, Vec::new());
         while let ([c], 1) = (&consumers[v.index()][..], uses[v.index()]) {
@@ -203,7 +230,20 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
             })
             .collect();
         if all_read && partition && parts.len() >= 2 {
-            found.push(Fused { matmul: m, transpose, add, reshapes, readers, indices, weight, bias, reads, parts });
+            found.push(Fused {
+                matmul: m,
+                weight_on_left,
+                path,
+                features_dim,
+                add,
+                reshapes,
+                readers,
+                indices,
+                weight,
+                bias,
+                reads,
+                parts,
+            });
         }
     }
     found
@@ -223,9 +263,8 @@ impl Pass for SplitFused {
         let mut source = graph.clone();
         for f in fused.iter().filter(|f| f.equal_parts()) {
             let (k, n) = (f.parts.len(), f.parts[0].len());
-            let w = source.ty(f.weight).shape.clone();
-            source.value_mut(f.weight).ty.shape =
-                if f.transpose.is_some() { vec![k, n, w[1]] } else { vec![w[0], k, n] };
+            let shape = &mut source.value_mut(f.weight).ty.shape;
+            shape.splice(f.features_dim..=f.features_dim, [k, n]);
             if let Some(b) = f.bias {
                 source.value_mut(b).ty.shape = vec![k, n];
             }
@@ -234,8 +273,7 @@ impl Pass for SplitFused {
         let mut replace = BTreeMap::new();
         for f in fused.iter().filter(|f| !f.equal_parts()) {
             let w = source.ty(f.weight).clone();
-            let dim = usize::from(f.transpose.is_none());
-            for (param, dim) in [(f.weight, dim)].into_iter().chain(f.bias.map(|b| (b, 0))) {
+            for (param, dim) in [(f.weight, f.features_dim)].into_iter().chain(f.bias.map(|b| (b, 0))) {
                 let name = source.name_of(param).unwrap_or("").to_string();
                 let parts = f
                     .parts
@@ -272,8 +310,7 @@ fn rewrite(
     f: &Fused,
     part_params: &BTreeMap<ValueId, Vec<ValueId>>,
 ) -> Result<(), PassError> {
-    let x = rw.map(source.node(NodeId(f.matmul as u32)).inputs[0]);
-    let parts_axis = if f.transpose.is_some() { 0 } else { 1 };
+    let x = rw.map(source.node(NodeId(f.matmul as u32)).inputs[usize::from(f.weight_on_left)]);
     let mut projections = Vec::new();
     for j in 0..f.parts.len() {
         // Part j of a parameter: its own parameter, or a slice of the parameter's view.
@@ -292,11 +329,15 @@ fn rewrite(
             let kept = shape.iter().enumerate().filter(|&(d, _)| d != axis).map(|(_, &s)| s).collect();
             add(g, Op::Reshape { shape: kept }, vec![sliced])
         };
-        let weight = part_of(rw, f.weight, parts_axis)?;
+        let mut weight = part_of(rw, f.weight, f.features_dim)?;
+        for &p in &f.path {
+            let node = source.node(NodeId(p as u32));
+            let inputs = [weight].into_iter().chain(node.inputs[1..].iter().map(|&i| rw.map(i))).collect();
+            weight = add(rw.graph(), node.op.clone(), inputs)?;
+        }
+        let operands = if f.weight_on_left { vec![weight, x] } else { vec![x, weight] };
         let g = rw.graph();
-        let rhs =
-            if f.transpose.is_some() { add(g, Op::Transpose { perm: vec![1, 0] }, vec![weight])? } else { weight };
-        let mut y = add(g, Op::MatMul { transpose_lhs: false, transpose_rhs: false }, vec![x, rhs])?;
+        let mut y = add(g, Op::MatMul { transpose_lhs: false, transpose_rhs: false }, operands)?;
         if let Some(b) = f.bias {
             let b = part_of(rw, b, 0)?;
             y = add(rw.graph(), Op::Binary(BinaryOp::Add), vec![y, b])?;
