@@ -420,6 +420,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let mut front: Vec<Box<dyn Pass>> = vec![
         Box::new(autotp_passes::recognize::Recognize),
         Box::new(Peephole { rules: peephole::Rules::Algebraic }),
+        Box::new(autotp_passes::unmerge_heads::UnmergeHeads),
         Box::new(autotp_passes::dce::Dce),
         Box::new(AttachLoss),
     ];

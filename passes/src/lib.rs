@@ -16,6 +16,7 @@
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
 //! | `split-fused` | fused projections (GPT-2 `c_attn`, Falcon's and BigCode's multi-query qkv) as one projection per part ([`split_fused`]) |
 //! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
+//! | `unmerge-heads` | attention over `[batch x heads, s, d]` (BLOOM) computed over `[batch, heads, s, d]` ([`unmerge_heads`]) |
 //! | `zero`      | data parallelism with ZeRO stages 0-3, as seeds for `shard` ([`zero`]) |
 
 pub mod accumulate;
@@ -32,6 +33,7 @@ pub mod recognize;
 pub mod shard;
 mod sink_slices;
 pub mod split_fused;
+pub mod unmerge_heads;
 mod vocab;
 pub mod zero;
 
@@ -94,6 +96,7 @@ impl PassManager {
         PassManager::new(vec![
             Box::new(recognize::Recognize),
             Box::new(peephole::Peephole { rules: peephole::Rules::Algebraic }),
+            Box::new(unmerge_heads::UnmergeHeads),
             Box::new(dce::Dce),
         ])
     }
