@@ -426,6 +426,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     ];
     if flags.tp > 1 {
         front.push(Box::new(SplitFused));
+        front.push(Box::new(autotp_passes::expand_norms::ExpandNorms));
     }
     let pipelined = flags.pp > 1;
     if !pipelined {

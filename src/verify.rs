@@ -50,6 +50,10 @@ pub struct VerifyArgs {
 /// Later steps' losses may drift as far as the training contract allows.
 const LATER_STEPS: f64 = 1e-3;
 
+/// Gradients smaller than this share of the model's largest are compared against that share:
+/// below it, a gradient is the rounding noise of terms that cancel.
+const SMALL_GRADIENTS: f64 = 1e-3;
+
 /// What step 1 made of one parameter's gradient on each side, as f64, and the relative
 /// difference that f32 rounding alone can reach in it.
 struct GradientEvidence {
@@ -199,15 +203,23 @@ fn compare_gradients(
     // Backward order: the gradient made first (nearest the loss) first.
     compared.sort_by_key(|e| makers.get(&e.param).map_or(usize::MAX, |(at, _)| *at));
     let mut first_wrong = None;
+    let largest = |v: &[f64]| v.iter().fold(0f64, |m, x| m.max(x.abs()));
+    // A gradient that is zero but for rounding (attention's key bias: softmax ignores what it
+    // adds to a whole row of scores) is compared against a floor of the model's gradients.
+    let floor = SMALL_GRADIENTS * compared.iter().fold(0f64, |m, e| m.max(largest(&e.single)));
     for e in &compared {
-        let scale = e.single.iter().fold(0f64, |m, v| m.max(v.abs())).max(f64::MIN_POSITIVE);
+        let scale = largest(&e.single).max(floor).max(f64::MIN_POSITIVE);
         let worst = e.plan.iter().zip(&e.single).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
         let relative = if e.plan.len() == e.single.len() { worst / scale } else { f64::INFINITY };
         if relative > tolerance.max(e.rounding) && first_wrong.is_none() {
             first_wrong = Some((e.param.clone(), relative));
         }
     }
-    println!("step 1: {} gradients compared (largest difference over largest magnitude)", compared.len());
+    println!(
+        "step 1: {} gradients compared (largest difference over largest magnitude, at least {SMALL_GRADIENTS:.0e} \
+         of the model's largest gradient)",
+        compared.len()
+    );
     if compared.iter().any(|e| e.rounding > tolerance) {
         println!(
             "step 1: no optimizer state holds the gradients (SGD without momentum): they are read from the \

@@ -32,7 +32,7 @@ fn run(arch: &str, file: &str, inputs: &[&str]) -> Vec<autotp_ir::Tensor> {
 fn logits_match_pytorch() {
     // llama_pad: padding tokens in the input (its padding row is zero, like any embedding row);
     // then issue 16's model families.
-    let families = ["llama_pad", "gptj", "bloom", "opt", "mixtral", "falcon_mqa", "bigcode_mqa"];
+    let families = ["llama_pad", "gptj", "bloom", "opt", "mixtral", "falcon_mqa", "bigcode_mqa", "olmo2"];
     for arch in ARCHES.iter().chain(&families) {
         let out = run(arch, "model.onnx", &["input_ids"]);
         let reference = read_npy(&fixture(arch, "logits.npy"));

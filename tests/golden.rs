@@ -70,6 +70,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "loss" => Box::new(AttachLoss),
         "shard" => Box::new(shard_spec(argument)),
         "split-fused" => Box::new(autotp_passes::split_fused::SplitFused),
+        "expand-norms" => Box::new(autotp_passes::expand_norms::ExpandNorms),
         "unmerge-heads" => Box::new(autotp_passes::unmerge_heads::UnmergeHeads),
         "accumulate" => Box::new(autotp_passes::accumulate::Accumulate {
             micro_batches: argument.parse().expect("accumulate:A"),

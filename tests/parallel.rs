@@ -131,6 +131,19 @@ fn impossible_tensor_parallel_splits_are_refused() {
     assert!(err.contains("the reshape makes 4 heads of it, which tp=8 does not divide"), "{err}");
 }
 
+/// OPT's key bias gets a gradient of rounding noise only (softmax ignores what it adds to a
+/// whole row of scores): `verify` must not call the plan wrong over noise against noise.
+#[test]
+fn verify_accepts_gradients_that_are_zero_but_for_rounding() {
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let plan = scratch("verify-noise").join("opt.atp");
+    let model = fixture("opt", "model.onnx");
+    let args = ["compile", model.to_str().unwrap(), "--seq-len", "16", "--micro-batch", "2", "--tp", "2"];
+    success(autotp(&[&args[..], &["-o", plan.to_str().unwrap()]].concat()));
+    let report = success(autotp(&["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()]));
+    assert!(report.contains("every gradient within 1e-5") && report.contains("trains like one device"), "{report}");
+}
+
 /// Key/value projections with fewer heads than tp ranks are replicated, the query heads split:
 /// Llama's 2 key/value heads under `--tp 4` (separate projections), and the multi-query
 /// models' one head under `--tp 2`, whose fused projection trains as three parameters.

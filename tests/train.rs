@@ -74,10 +74,11 @@ fn train_matches_pytorch(arch: &str) {
 /// PyTorch's curves: on one rank, data parallel with ZeRO-3 and a 2-stage pipeline, and with
 /// `--tp 2` (BLOOM with its attention over `[batch x heads, ...]` unmerged and its ALiBi bias
 /// split with the heads; Mixtral with its experts split like MLPs; the multi-query models with
-/// their one key/value head replicated).
+/// their one key/value head replicated; OLMo 2 with its query and key norms over split
+/// features).
 #[test]
 fn model_families_train_like_pytorch() {
-    for family in ["gptj", "bloom", "opt", "mixtral", "falcon_mqa", "bigcode_mqa"] {
+    for family in ["gptj", "bloom", "opt", "mixtral", "falcon_mqa", "bigcode_mqa", "olmo2"] {
         let mut layouts: Vec<(usize, &[&str])> = vec![
             (8, &[]),
             (4, &["--dp", "2", "--zero", "3"]),

@@ -135,10 +135,9 @@ impl AutoTp {
                 uses.push(WeightUse { node: i, param, activation, out_dim, in_dim });
             }
         }
-        // Row-parallel: the result (plus a bias parameter, through reshapes, and through the
-        // routing weights' scaling and the sum over a token's experts) is added to a
-        // non-parameter value of its type: the residual stream. Each step is linear, so partial
-        // sums stay partial sums to the add.
+        // Row-parallel: the result (plus a bias parameter, through reshapes, through the
+        // routing weights' scaling and the sum over a token's experts, through a post-norm) is
+        // added to a non-parameter value of its type: the residual stream.
         let is_row = |u: &WeightUse| {
             let mut v = nodes[u.node].outputs[0];
             for _ in 0..8 {
@@ -153,6 +152,9 @@ impl AutoTp {
                 let [c] = consumers[..] else { return false };
                 match nodes[c].op {
                     Op::Reshape { .. } | Op::Reduce { op: autotp_ir::ReduceOp::Sum, .. } => {}
+                    // A norm of the block's output before the residual add (Gemma 2's
+                    // post-norms): the partial sums are reduced before it.
+                    Op::LayerNorm { .. } | Op::RmsNorm { .. } if nodes[c].inputs[0] == v => {}
                     Op::Binary(BinaryOp::Mul) if nodes[c].inputs[0] != nodes[c].inputs[1] => {}
                     Op::Binary(BinaryOp::Add) => {
                         let other = if nodes[c].inputs[0] == v { nodes[c].inputs[1] } else { nodes[c].inputs[0] };
@@ -524,8 +526,15 @@ fn forward_gather(graph: &Graph, tp: usize) -> Option<ForwardGather> {
             .filter(|(_, n)| matches!(n.op, Op::Reshape { .. }))
             .map(|(_, n)| graph.ty(n.outputs[0]).shape.clone());
         let heads_rule = "tp must divide the heads (and key/value heads) it splits";
+        let normalises = consumer_node.is_some_and(|(_, n)| match n.op {
+            Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => *dim >= axis,
+            _ => false,
+        });
         let mut reshape_heads = None;
         let why = match (reshaped_to, shape[*dim].is_multiple_of(tp)) {
+            _ if normalises => "the norm is over the split features (a norm over all heads, as OLMo 2's \
+                                query and key norms): a norm is not split over tp yet"
+                .to_string(),
             (_, false) => format!("its {} entries do not divide by tp={tp}: {heads_rule}", shape[*dim]),
             (Some(to), true) => match leading_dim_at(shape, &to, *dim) {
                 None => "the reshape merges it with the dims before it (attention over [batch x heads, ...], as \

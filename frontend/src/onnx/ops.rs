@@ -69,6 +69,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "ReduceSum",
     "Relu",
     "Reshape",
+    "RotaryEmbedding",
     "Round",
     "ScatterND",
     "Shape",
@@ -623,6 +624,7 @@ pub(super) fn convert(
             let scale = input(imp, cx, 1)?;
             one(imp.emit1(cx, Op::RmsNorm { axis, eps }, &[x, scale])?)
         }
+        "RotaryEmbedding" => convert_rotary_embedding(imp, cx),
         "Gelu" => {
             let x = input(imp, cx, 0)?;
             let approx = match attr_string(cx, "approximate").as_deref() {
@@ -1012,4 +1014,110 @@ fn einsum(imp: &mut Importer, cx: &NodeCx, operands: Vec<Sym>) -> Result<Sym, Fr
     let shape: Vec<usize> = labels.iter().map(|c| sizes[c]).collect();
     let y = imp.emit1(cx, Op::Reshape { shape }, &[y])?;
     permute(imp, Labelled { value: y, labels }, &output)
+}
+
+/// `RotaryEmbedding` (opset 23) as the arithmetic of its reference: the first
+/// `rotary_embedding_dim` features of each head rotated by position, as halves
+/// (`[x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos]`) or, `interleaved`, as pairs of even and
+/// odd features; the other features pass through. The input is `[batch, heads, seq, head]`, or
+/// `[batch, seq, hidden]` with `num_heads`; the caches are `[positions, rotary/2]` read at
+/// `position_ids`, or `[batch, seq, rotary/2]` without them.
+fn convert_rotary_embedding(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
+    let x = input(imp, cx, 0)?;
+    let (mut cos, mut sin) = (input(imp, cx, 1)?, input(imp, cx, 2)?);
+    let shape = imp.ty(&x).shape;
+    let interleaved = attr_int(cx, "interleaved", 0) == 1;
+    // Work over [batch, heads, seq, head] (4-D input) or [batch, seq, heads, head] (3-D).
+    let (x, heads_at) = match shape.len() {
+        4 => (x, 1),
+        3 => {
+            let heads = usize::try_from(attr_int(cx, "num_heads", 0)).unwrap_or(0);
+            if heads == 0 || !shape[2].is_multiple_of(heads) {
+                return Err(cx.invalid(format!("num_heads {heads} does not divide the hidden size {}", shape[2])));
+            }
+            (imp.emit1(cx, Op::Reshape { shape: vec![shape[0], shape[1], heads, shape[2] / heads] }, &[x])?, 2)
+        }
+        rank => return Err(cx.invalid(format!("input of rank {rank}: expected 3 or 4"))),
+    };
+    let work = imp.ty(&x).shape;
+    let head = work[3];
+    let rotary = match usize::try_from(attr_int(cx, "rotary_embedding_dim", 0)).unwrap_or(0) {
+        0 => head,
+        r => r,
+    };
+    if rotary > head || rotary % 2 != 0 {
+        return Err(cx.invalid(format!("rotary_embedding_dim {rotary} must be even and at most the head size {head}")));
+    }
+    let half = rotary / 2;
+    // The caches at each position: [batch, seq, rotary/2], then a unit dim for the heads.
+    if let Some(positions) = opt_input(imp, cx, 3)? {
+        cos = imp.emit1(cx, Op::Gather { axis: 0 }, &[cos, positions.clone()])?;
+        sin = imp.emit1(cx, Op::Gather { axis: 0 }, &[sin, positions])?;
+    }
+    let (batch, seq) = (shape[0], if heads_at == 1 { work[2] } else { work[1] });
+    let mut cached = Vec::new();
+    for cache in [cos, sin] {
+        let cs = imp.ty(&cache).shape;
+        if cs.len() != 3 || cs[0] != batch || cs[1] != seq || cs[2] < half {
+            return Err(cx.invalid(format!(
+                "a cache of shape {cs:?} for {batch} sequences of {seq} positions and {half} rotated pairs"
+            )));
+        }
+        let cache = slice_last(imp, cx, cache, 0, half, 1)?;
+        let mut with_heads = vec![batch, seq, half];
+        with_heads.insert(heads_at, 1);
+        cached.push(imp.emit1(cx, Op::Reshape { shape: with_heads }, &[cache])?);
+    }
+    let (cos, sin) = (cached[0].clone(), cached[1].clone());
+    let rotated = if rotary == head { x.clone() } else { slice_last(imp, cx, x.clone(), 0, rotary, 1)? };
+    let (x1, x2) = if interleaved {
+        (slice_last(imp, cx, rotated.clone(), 0, rotary, 2)?, slice_last(imp, cx, rotated, 1, rotary, 2)?)
+    } else {
+        (slice_last(imp, cx, rotated.clone(), 0, half, 1)?, slice_last(imp, cx, rotated, half, rotary, 1)?)
+    };
+    let mut binary = |op: BinaryOp, a: Sym, b: Sym| imp.emit1(cx, Op::Binary(op), &[a, b]);
+    let (x1_cos, x2_sin) =
+        (binary(BinaryOp::Mul, x1.clone(), cos.clone())?, binary(BinaryOp::Mul, x2.clone(), sin.clone())?);
+    let real = binary(BinaryOp::Sub, x1_cos, x2_sin)?;
+    let (x1_sin, x2_cos) = (binary(BinaryOp::Mul, x1, sin)?, binary(BinaryOp::Mul, x2, cos)?);
+    let imaginary = binary(BinaryOp::Add, x1_sin, x2_cos)?;
+    let mut y = if interleaved {
+        // Pairs back in place: [.., half, 2] -> [.., rotary].
+        let pair = |imp: &mut Importer, v: Sym| {
+            let mut s = imp.ty(&v).shape;
+            s.push(1);
+            imp.emit1(cx, Op::Reshape { shape: s }, &[v])
+        };
+        let (real, imaginary) = (pair(imp, real)?, pair(imp, imaginary)?);
+        let pairs = imp.emit1(cx, Op::Concat { axis: 4 }, &[real, imaginary])?;
+        imp.emit1(cx, Op::Reshape { shape: [&work[..3], &[rotary]].concat() }, &[pairs])?
+    } else {
+        imp.emit1(cx, Op::Concat { axis: 3 }, &[real, imaginary])?
+    };
+    if rotary < head {
+        let passed = slice_last(imp, cx, x, rotary, head, 1)?;
+        y = imp.emit1(cx, Op::Concat { axis: 3 }, &[y, passed])?;
+    }
+    if shape.len() == 3 {
+        y = imp.emit1(cx, Op::Reshape { shape }, &[y])?;
+    }
+    Ok(vec![y])
+}
+
+/// Elements `start..end` by `step` of the last dim of `x`.
+fn slice_last(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    x: Sym,
+    start: usize,
+    end: usize,
+    step: i64,
+) -> Result<Sym, FrontendError> {
+    let shape = imp.ty(&x).shape;
+    let last = shape.len() - 1;
+    let mut starts = vec![0; shape.len()];
+    let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    let mut steps = vec![1; shape.len()];
+    (starts[last], ends[last], steps[last]) = (start, end as i64, step);
+    imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])
 }

@@ -1,0 +1,110 @@
+//! `expand-norms`: a layer or RMS norm of a projection's output (OLMo 2's query and key norms,
+//! over all heads at once) is written as the arithmetic it stands for, so that under tensor
+//! parallelism the projection's features stay split: each rank sums the squares of its
+//! features, one all-reduce completes the sum, and each rank normalises its own features. The
+//! composite norm would need the features whole. Norms of the residual stream, and of a
+//! block's output on its way into it (Gemma 2's post-norms), are left alone.
+//! Runs before autodiff, only under tensor parallelism. Tests: tests/golden/expand_norms.ir.
+
+use autotp_ir::{BinaryOp, Def, Graph, Op, ReduceOp, Rewriter, Tensor, UnaryOp, ValueId};
+
+use crate::{Pass, PassError};
+
+const PASS: &str = "expand-norms";
+
+pub struct ExpandNorms;
+
+/// Whether `v` is a projection's output: a matmul with a parameter operand (or a view of
+/// one), plus a bias.
+fn is_projection(graph: &Graph, v: ValueId) -> bool {
+    let Def::Node(n, 0) = graph.value(v).def else { return false };
+    let node = graph.node(n);
+    match node.op {
+        Op::MatMul { .. } => node
+            .inputs
+            .iter()
+            .any(|&i| (0..graph.ty(i).rank()).any(|d| crate::autotp::trace_param(graph, i, d).is_some())),
+        Op::Binary(BinaryOp::Add) => {
+            node.inputs.iter().any(|&i| !graph.params().contains(&i) && is_projection(graph, i))
+        }
+        _ => false,
+    }
+}
+
+/// Whether `v` is added to a value of its type that is not a parameter: a post-norm of a
+/// block's output on its way into the residual stream (Gemma 2's), whose input is whole anyway.
+fn feeds_residual(graph: &Graph, v: ValueId) -> bool {
+    graph.nodes().any(|(_, n)| {
+        matches!(n.op, Op::Binary(BinaryOp::Add))
+            && n.inputs.contains(&v)
+            && n.inputs.iter().any(|&o| o != v && !graph.params().contains(&o) && graph.ty(o) == graph.ty(v))
+    })
+}
+
+impl Pass for ExpandNorms {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let expand: Vec<bool> = graph
+            .nodes()
+            .map(|(_, n)| {
+                matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
+                    && is_projection(graph, n.inputs[0])
+                    && !feeds_residual(graph, n.outputs[0])
+            })
+            .collect();
+        if !expand.contains(&true) {
+            return Ok(());
+        }
+        let source = graph.clone();
+        let mut rw = Rewriter::new(&source, |_| true);
+        for (id, node) in source.nodes() {
+            if !expand[id.index()] {
+                rw.copy_node(id);
+                continue;
+            }
+            let (axis, eps, centre) = match node.op {
+                Op::LayerNorm { axis, eps } => (axis, eps, true),
+                Op::RmsNorm { axis, eps } => (axis, eps, false),
+                _ => unreachable!("only norms expand"),
+            };
+            let inputs: Vec<ValueId> = node.inputs.iter().map(|&v| rw.map(v)).collect();
+            let ty = source.ty(node.inputs[0]).clone();
+            let axes: Vec<usize> = (axis..ty.rank()).collect();
+            let count: usize = ty.shape[axis..].iter().product();
+            let g = rw.graph();
+            let scalar = |g: &mut Graph, value: f64| {
+                add(g, Op::Constant { value: Tensor::full(ty.dtype, vec![], value) }, vec![])
+            };
+            let mean = |g: &mut Graph, v: ValueId| -> Result<ValueId, PassError> {
+                let sum = add(g, Op::Reduce { op: ReduceOp::Sum, axes: axes.clone(), keep_dims: true }, vec![v])?;
+                let n = scalar(g, count as f64)?;
+                add(g, Op::Binary(BinaryOp::Div), vec![sum, n])
+            };
+            let mut x = inputs[0];
+            if centre {
+                let m = mean(g, x)?;
+                x = add(g, Op::Binary(BinaryOp::Sub), vec![x, m])?;
+            }
+            let square = add(g, Op::Binary(BinaryOp::Mul), vec![x, x])?;
+            let variance = mean(g, square)?;
+            let eps = scalar(g, eps)?;
+            let shifted = add(g, Op::Binary(BinaryOp::Add), vec![variance, eps])?;
+            let inverse = add(g, Op::Unary(UnaryOp::Rsqrt), vec![shifted])?;
+            let normalised = add(g, Op::Binary(BinaryOp::Mul), vec![x, inverse])?;
+            let mut y = add(g, Op::Binary(BinaryOp::Mul), vec![normalised, inputs[1]])?;
+            if let Some(&bias) = inputs.get(2) {
+                y = add(g, Op::Binary(BinaryOp::Add), vec![y, bias])?;
+            }
+            rw.set(node.outputs[0], y);
+        }
+        *graph = rw.finish();
+        Ok(())
+    }
+}
+
+fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
+    crate::add_op(PASS, g, op, inputs)
+}
