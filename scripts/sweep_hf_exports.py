@@ -122,9 +122,11 @@ def export(model, path, opset, dynamo):
     np.save(os.path.join(directory, "logits.npy"), logits.numpy())
     if dynamo:
         dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}
+        # Without the ONNX optimizer: it merges initializers of equal value (every freshly
+        # initialised bias into one), which ties parameters PyTorch trains apart.
         torch.onnx.export(Logits(model), (ids,), path, input_names=["input_ids"], output_names=["logits"],
                           dynamic_shapes={"input_ids": dims}, opset_version=opset, dynamo=True,
-                          external_data=False)
+                          external_data=False, optimize=False)
         return
     torch.onnx.export(Logits(model), (ids,), path, input_names=["input_ids"], output_names=["logits"],
                       dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}},

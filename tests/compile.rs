@@ -30,7 +30,7 @@ fn summary_and_ir_dumps() {
         "matmul",
         "multi_tensor_adamw 1",
         "fingerprint: ",
-        "# IR after pass 4 (loss)",
+        "# IR after pass 5 (loss)",
         "output \"loss\" = ",
     ] {
         assert!(out.contains(expected), "summary lacks '{expected}':\n{out}");
@@ -38,7 +38,7 @@ fn summary_and_ir_dumps() {
     // A reshape is the same bytes under another shape: it shares its input's region, no copy;
     // only the reshape of the labels (a trainer's buffer) is copied (`peephole` removed the
     // input ids' reshape to their own shape).
-    let reshapes = std::fs::read_to_string(dumps.join("07-dce.ir")).unwrap().matches(" = reshape ").count();
+    let reshapes = std::fs::read_to_string(dumps.join("08-dce.ir")).unwrap().matches(" = reshape ").count();
     assert!(reshapes > 20 && out.contains(" copy 1,"), "{reshapes} reshapes:\n{out}");
     let mut files: Vec<String> =
         std::fs::read_dir(&dumps).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
@@ -49,12 +49,13 @@ fn summary_and_ir_dumps() {
             "00-import.ir",
             "01-recognize.ir",
             "02-peephole.ir",
-            "03-dce.ir",
-            "04-loss.ir",
-            "05-autodiff.ir",
-            "06-optimize.ir",
-            "07-dce.ir",
-            "08-fusion.ir"
+            "03-unmerge-heads.ir",
+            "04-dce.ir",
+            "05-loss.ir",
+            "06-autodiff.ir",
+            "07-optimize.ir",
+            "08-dce.ir",
+            "09-fusion.ir"
         ]
     );
     // Every dump is valid IR.
@@ -65,7 +66,9 @@ fn summary_and_ir_dumps() {
     }
     let err = failure(autotp(&compile_args(&model, &["--print-after", "zero", "-o", s(&plan)])));
     assert!(
-        err.contains("--print-after 'zero': no such pass (the pipeline runs recognize, peephole, dce, loss"),
+        err.contains(
+            "--print-after 'zero': no such pass (the pipeline runs recognize, peephole, unmerge-heads, dce, loss"
+        ),
         "{err}"
     );
 }
@@ -82,17 +85,18 @@ fn pipeline_ir_dumps_are_per_stage() {
         [&compile_args(&model, &flags)[..], &["--dump-ir", s(&dumps), "--print-after", "pipeline", "-o", "/dev/null"]];
     let out = success(autotp(&args.concat()));
     assert!(
-        out.contains("# IR after pass 5 (pipeline, stage 0)") && out.contains("# IR after pass 5 (pipeline, stage 1)")
+        out.contains("# IR after pass 6 (pipeline, stage 0)") && out.contains("# IR after pass 6 (pipeline, stage 1)")
     );
     let mut files: Vec<String> =
         std::fs::read_dir(&dumps).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     files.sort();
     let per_stage = |name: &str| [format!("{name}.stage0.ir"), format!("{name}.stage1.ir")];
-    let mut expected: Vec<String> = ["00-import.ir", "01-recognize.ir", "02-peephole.ir", "03-dce.ir", "04-loss.ir"]
-        .iter()
-        .map(|f| f.to_string())
-        .collect();
-    for name in ["05-pipeline", "06-optimize", "07-dce", "08-zero", "09-fusion"] {
+    let mut expected: Vec<String> =
+        ["00-import.ir", "01-recognize.ir", "02-peephole.ir", "03-unmerge-heads.ir", "04-dce.ir", "05-loss.ir"]
+            .iter()
+            .map(|f| f.to_string())
+            .collect();
+    for name in ["06-pipeline", "07-optimize", "08-dce", "09-zero", "10-fusion"] {
         expected.extend(per_stage(name));
     }
     expected.sort();
@@ -103,7 +107,7 @@ fn pipeline_ir_dumps_are_per_stage() {
         autotp_ir::verify(&graph).unwrap_or_else(|e| panic!("{f}: {e}"));
     }
     // The data-parallel stage 1 receives its rows of each activation and sends their gradients.
-    let stage1 = std::fs::read_to_string(dumps.join("08-zero.stage1.ir")).unwrap();
+    let stage1 = std::fs::read_to_string(dumps.join("09-zero.stage1.ir")).unwrap();
     assert!(
         stage1.contains("= recv {from = 0, tag = 0, message = activation} : f32[8,32,64] {dp = shard(0)}"),
         "{stage1}"

@@ -15,7 +15,7 @@ const PASS: &str = "expand-norms";
 pub struct ExpandNorms;
 
 /// Whether `v` is a projection's output: a matmul with a parameter operand (or a view of
-/// one), plus a bias.
+/// one), plus a bias parameter (not the residual stream: a sum of two activations).
 fn is_projection(graph: &Graph, v: ValueId) -> bool {
     let Def::Node(n, 0) = graph.value(v).def else { return false };
     let node = graph.node(n);
@@ -25,7 +25,9 @@ fn is_projection(graph: &Graph, v: ValueId) -> bool {
             .iter()
             .any(|&i| (0..graph.ty(i).rank()).any(|d| crate::autotp::trace_param(graph, i, d).is_some())),
         Op::Binary(BinaryOp::Add) => {
-            node.inputs.iter().any(|&i| !graph.params().contains(&i) && is_projection(graph, i))
+            let [a, b] = [node.inputs[0], node.inputs[1]];
+            let is_param = |v: ValueId| graph.params().contains(&v);
+            (is_param(a) && is_projection(graph, b)) || (is_param(b) && is_projection(graph, a))
         }
         _ => false,
     }

@@ -2,6 +2,8 @@
 //! node by node into the IR. Every node whose inputs are all constant is evaluated on the spot
 //! with the IR's reference evaluator, which folds the shape arithmetic PyTorch exports
 //! (Shape/Gather/Concat/Reshape chains, masks) so the resulting graph is fully static.
+//! Float initializers are the parameters, but for buffers PyTorch does not train (see
+//! `is_constant_initializer`), which are constants and fold like the rest.
 //! [`export`] goes the other way for weights: trained tensors written back into the model.
 
 pub mod export;
@@ -73,6 +75,9 @@ impl ConstKey {
 struct Importer {
     graph: Graph,
     env: BTreeMap<String, Sym>,
+    /// Tensor sequences (`SplitToSequence`, `SequenceConstruct`): their items, each known at
+    /// import, by name. Only the sequence ops read them.
+    sequences: BTreeMap<String, Vec<Sym>>,
     /// Constant nodes already in the graph, so a constant used in many places is one node.
     materialized: BTreeMap<ConstKey, ValueId>,
 }
@@ -123,9 +128,19 @@ impl Importer {
     }
 
     fn lookup(&self, cx: &NodeCx, name: &str) -> Result<Sym, FrontendError> {
+        if self.sequences.contains_key(name) {
+            return Err(cx.invalid(format!("input '{name}' is a tensor sequence; only the sequence ops read one")));
+        }
         self.env.get(name).cloned().ok_or_else(|| {
             cx.invalid(format!("input '{name}' is not produced by any earlier node, input or initializer"))
         })
+    }
+
+    fn lookup_sequence(&self, cx: &NodeCx, name: &str) -> Result<&[Sym], FrontendError> {
+        self.sequences
+            .get(name)
+            .map(Vec::as_slice)
+            .ok_or_else(|| cx.invalid(format!("input '{name}' is not a tensor sequence made by an earlier node")))
     }
 }
 
@@ -182,7 +197,12 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     } else {
         graph.name.clone()
     };
-    let mut imp = Importer { graph: Graph::new(name), env: BTreeMap::new(), materialized: BTreeMap::new() };
+    let mut imp = Importer {
+        graph: Graph::new(name),
+        env: BTreeMap::new(),
+        sequences: BTreeMap::new(),
+        materialized: BTreeMap::new(),
+    };
     let mut external = tensor::ExternalFiles::new(path);
 
     let mut initializers = BTreeMap::new();
@@ -208,7 +228,7 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     let mut weights = BTreeMap::new();
     for t in &graph.initializer {
         let tensor = initializers.remove(&t.name).expect("decoded above");
-        if tensor.dtype().is_float() {
+        if tensor.dtype().is_float() && !is_constant_initializer(&t.name, &tensor) {
             let id = imp.graph.add_param(t.name.clone(), tensor.ty.clone());
             imp.env.insert(t.name.clone(), Sym::Value(id));
             weights.insert(t.name.clone(), tensor);
@@ -227,6 +247,12 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
         }
     }
     for out in &graph.output {
+        if imp.sequences.contains_key(&out.name) {
+            return Err(decode_error(format!(
+                "graph output '{}' is a tensor sequence, which autotp does not output",
+                out.name
+            )));
+        }
         let sym = imp
             .env
             .get(&out.name)
@@ -239,6 +265,15 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     weights.retain(|name, _| graph.params().iter().any(|&p| graph.name_of(p) == Some(name)));
     autotp_ir::verify(&graph)?;
     Ok(Model { graph, weights })
+}
+
+/// Float initializers that PyTorch does not train, so autotp does not either: 0-d tensors
+/// (constants `torch.export` lifts, such as a mask's fill value or a norm's epsilon) and the
+/// rotary embedding's frequencies (`inv_freq`, a non-persistent buffer that the legacy
+/// exporter bakes in and `torch.export` stores as an initializer). Everything else is a
+/// parameter; `--freeze` holds others still.
+fn is_constant_initializer(name: &str, tensor: &Tensor) -> bool {
+    tensor.shape().is_empty() || name.rsplit('.').next() == Some("inv_freq")
 }
 
 /// The static type of a graph input: declared dims, bound symbolic dims, or `--input-shape`.
@@ -299,4 +334,71 @@ fn input_type(input: &proto::ValueInfoProto, options: &ImportOptions) -> Result<
         shape.push(size);
     }
     Ok(TensorType::new(dtype, shape))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::tensor_proto::DataType;
+
+    fn initializer(name: &str, dims: &[i64], values: &[f32]) -> proto::TensorProto {
+        proto::TensorProto {
+            name: name.into(),
+            dims: dims.to_vec(),
+            data_type: DataType::Float as i32,
+            float_data: values.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    /// `y = x * w * inv_freq + eps`: `w` is a parameter; the rotary frequencies and the 0-d
+    /// epsilon are constants that PyTorch does not train (what `torch.export` stores as
+    /// initializers).
+    #[test]
+    fn buffers_and_scalars_are_not_parameters() {
+        let node = |op: &str, inputs: [&str; 2], output: &str| proto::NodeProto {
+            op_type: op.into(),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: vec![output.into()],
+            ..Default::default()
+        };
+        let x_type = proto::TypeProto {
+            value: Some(proto::type_proto::Value::TensorType(proto::type_proto::Tensor {
+                elem_type: DataType::Float as i32,
+                shape: Some(proto::TensorShapeProto {
+                    dim: vec![proto::tensor_shape_proto::Dimension {
+                        value: Some(proto::tensor_shape_proto::dimension::Value::DimValue(2)),
+                        ..Default::default()
+                    }],
+                }),
+            })),
+            ..Default::default()
+        };
+        let model = ModelProto {
+            ir_version: 8,
+            opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 17 }],
+            graph: Some(proto::GraphProto {
+                name: "buffers".into(),
+                node: vec![
+                    node("Mul", ["x", "w"], "a"),
+                    node("Mul", ["a", "m.rotary_emb.inv_freq"], "b"),
+                    node("Add", ["b", "val_3"], "y"),
+                ],
+                initializer: vec![
+                    initializer("w", &[2], &[1.0, 2.0]),
+                    initializer("m.rotary_emb.inv_freq", &[2], &[1.0, 0.5]),
+                    initializer("val_3", &[], &[1e-5]),
+                ],
+                input: vec![proto::ValueInfoProto { name: "x".into(), r#type: Some(x_type), ..Default::default() }],
+                output: vec![proto::ValueInfoProto { name: "y".into(), ..Default::default() }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let imported =
+            import_bytes(model.encode_to_vec().into(), Path::new("buffers.onnx"), &ImportOptions::default()).unwrap();
+        let params: Vec<&str> = imported.graph.params().iter().filter_map(|&p| imported.graph.name_of(p)).collect();
+        assert_eq!(params, ["w"]);
+        assert_eq!(imported.weights.keys().collect::<Vec<_>>(), ["w"]);
+    }
 }

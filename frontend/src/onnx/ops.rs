@@ -21,6 +21,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "CastLike",
     "Ceil",
     "Concat",
+    "ConcatFromSequence",
     "Constant",
     "ConstantOfShape",
     "Cos",
@@ -72,6 +73,9 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "RotaryEmbedding",
     "Round",
     "ScatterND",
+    "SequenceAt",
+    "SequenceConstruct",
+    "SequenceLength",
     "Shape",
     "Sigmoid",
     "Sign",
@@ -81,6 +85,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Softmax",
     "SoftmaxCrossEntropyLoss",
     "Split",
+    "SplitToSequence",
     "Sqrt",
     "Squeeze",
     "Sub",
@@ -296,6 +301,9 @@ pub(super) fn convert(
         "CastLike" => {
             let x = input(imp, cx, 0)?;
             let to = imp.ty(&input(imp, cx, 1)?).dtype;
+            if imp.ty(&x).dtype == to {
+                return one(x);
+            }
             one(imp.emit1(cx, Op::Cast { to }, &[x])?)
         }
         "Where" => {
@@ -432,6 +440,48 @@ pub(super) fn convert(
             imp.emit(cx, Op::Split { axis, sizes }, &[x], outputs)
         }
         "Slice" => convert_slice(imp, cx),
+        "SplitToSequence" | "SequenceConstruct" => {
+            let items = if op_type == "SequenceConstruct" {
+                (0..cx.node.input.len()).map(|i| input(imp, cx, i)).collect::<Result<Vec<_>, _>>()?
+            } else {
+                split_to_sequence(imp, cx)?
+            };
+            let name = cx.node.output.first().ok_or_else(|| cx.invalid("has no output"))?;
+            imp.sequences.insert(name.clone(), items);
+            Ok(vec![])
+        }
+        "SequenceAt" => {
+            let items = imp.lookup_sequence(cx, &cx.node.input[0])?;
+            let position = const_ints(imp, cx, 1)?.and_then(|p| p.first().copied());
+            let position = position.ok_or_else(|| cx.invalid("the position must be a constant"))?;
+            let n = items.len() as i64;
+            if position < -n || position >= n {
+                return Err(cx.invalid(format!("position {position} is out of range for a sequence of {n}")));
+            }
+            one(items[(if position < 0 { position + n } else { position }) as usize].clone())
+        }
+        "SequenceLength" => {
+            let n = imp.lookup_sequence(cx, &cx.node.input[0])?.len();
+            one(Sym::Const(Tensor::from_i64(vec![], &[n as i64])))
+        }
+        "ConcatFromSequence" => {
+            let items = imp.lookup_sequence(cx, &cx.node.input[0])?.to_vec();
+            let first = items.first().ok_or_else(|| cx.invalid("the sequence is empty"))?;
+            let shape = imp.ty(first).shape;
+            let new_axis = attr_int(cx, "new_axis", 0) == 1;
+            let axis = norm_axis(cx, attr_int(cx, "axis", 0), shape.len() + usize::from(new_axis))?;
+            let items = if new_axis {
+                let mut spread = shape.clone();
+                spread.insert(axis, 1);
+                items
+                    .into_iter()
+                    .map(|item| imp.emit1(cx, Op::Reshape { shape: spread.clone() }, &[item]))
+                    .collect::<Result<Vec<_>, _>>()?
+            } else {
+                items
+            };
+            one(imp.emit1(cx, Op::Concat { axis }, &items)?)
+        }
         "Expand" => {
             let x = input(imp, cx, 0)?;
             let s = imp.ty(&x).shape;
@@ -1021,7 +1071,8 @@ fn einsum(imp: &mut Importer, cx: &NodeCx, operands: Vec<Sym>) -> Result<Sym, Fr
 /// (`[x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos]`) or, `interleaved`, as pairs of even and
 /// odd features; the other features pass through. The input is `[batch, heads, seq, head]`, or
 /// `[batch, seq, hidden]` with `num_heads`; the caches are `[positions, rotary/2]` read at
-/// `position_ids`, or `[batch, seq, rotary/2]` without them.
+/// `position_ids`, or `[batch, seq, rotary/2]` (or `[1, seq, rotary/2]`, for every sequence)
+/// without them.
 fn convert_rotary_embedding(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
     let x = input(imp, cx, 0)?;
     let (mut cos, mut sin) = (input(imp, cx, 1)?, input(imp, cx, 2)?);
@@ -1058,13 +1109,13 @@ fn convert_rotary_embedding(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>,
     let mut cached = Vec::new();
     for cache in [cos, sin] {
         let cs = imp.ty(&cache).shape;
-        if cs.len() != 3 || cs[0] != batch || cs[1] != seq || cs[2] < half {
+        if cs.len() != 3 || (cs[0] != batch && cs[0] != 1) || cs[1] != seq || cs[2] < half {
             return Err(cx.invalid(format!(
                 "a cache of shape {cs:?} for {batch} sequences of {seq} positions and {half} rotated pairs"
             )));
         }
         let cache = slice_last(imp, cx, cache, 0, half, 1)?;
-        let mut with_heads = vec![batch, seq, half];
+        let mut with_heads = vec![cs[0], seq, half];
         with_heads.insert(heads_at, 1);
         cached.push(imp.emit1(cx, Op::Reshape { shape: with_heads }, &[cache])?);
     }
@@ -1120,4 +1171,38 @@ fn slice_last(
     let mut steps = vec![1; shape.len()];
     (starts[last], ends[last], steps[last]) = (start, end as i64, step);
     imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])
+}
+
+/// `SplitToSequence`'s items: pieces of the given sizes (a 1-D `split`), of one size (a scalar
+/// `split`, the last piece shorter), or of one element each (no `split`; without the axis when
+/// `keepdims` is 0).
+fn split_to_sequence(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
+    let x = input(imp, cx, 0)?;
+    let shape = imp.ty(&x).shape;
+    let axis = norm_axis(cx, attr_int(cx, "axis", 0), shape.len())?;
+    let length = shape[axis];
+    let split = match opt_input(imp, cx, 1)? {
+        Some(sym) => Some(constant(cx, &sym, 1)?.clone()),
+        None => None,
+    };
+    let sizes = match &split {
+        Some(split) if split.shape().is_empty() => {
+            let chunk = usize::try_from(split.get_i64(0)).ok().filter(|&c| c > 0);
+            let chunk =
+                chunk.ok_or_else(|| cx.invalid(format!("split {} is not a positive size", split.get_i64(0))))?;
+            (0..length.div_ceil(chunk)).map(|i| chunk.min(length - i * chunk)).collect()
+        }
+        Some(split) => dims(&split.to_i64_vec(), cx, "split")?,
+        None => vec![1; length],
+    };
+    if sizes.iter().sum::<usize>() != length {
+        return Err(cx.invalid(format!("split sizes {sizes:?} do not add up to the axis' {length}")));
+    }
+    let pieces = imp.emit(cx, Op::Split { axis, sizes: sizes.clone() }, &[x], sizes.len())?;
+    if split.is_some() || attr_int(cx, "keepdims", 1) == 1 {
+        return Ok(pieces);
+    }
+    let mut squeezed = shape.clone();
+    squeezed.remove(axis);
+    pieces.into_iter().map(|p| imp.emit1(cx, Op::Reshape { shape: squeezed.clone() }, &[p])).collect()
 }
