@@ -276,7 +276,36 @@ pub fn axis_rule(
                 _ => AxisRule::replicated(ni, no),
             }
         }
-        Op::GatherElements { .. } | Op::GatherNd | Op::ScatterNd { .. } => AxisRule::replicated(ni, no),
+        // Indices that pick rows of the first k dims: the sliced dims after them keep a split.
+        Op::GatherNd => {
+            let k = *inputs[1].shape.last().unwrap_or(&0);
+            let batch = inputs[1].rank().saturating_sub(1);
+            match current[0] {
+                Shard(d) if d >= k => {
+                    AxisRule { inputs: vec![Shard(d), Replicate], outputs: vec![Shard(batch + d - k)] }
+                }
+                _ => AxisRule::replicated(2, 1),
+            }
+        }
+        Op::ScatterNd { .. } => {
+            let k = *inputs[1].shape.last().unwrap_or(&0);
+            let batch = inputs[1].rank().saturating_sub(1);
+            let from_updates = match current[2] {
+                Shard(u) if u >= batch => Some(k + u - batch),
+                _ => None,
+            };
+            let d = match current[0] {
+                Shard(d) if d >= k => Some(d),
+                _ => from_updates,
+            };
+            match d {
+                Some(d) => {
+                    AxisRule { inputs: vec![Shard(d), Replicate, Shard(batch + d - k)], outputs: vec![Shard(d)] }
+                }
+                None => AxisRule::replicated(3, 1),
+            }
+        }
+        Op::GatherElements { .. } => AxisRule::replicated(ni, no),
         Op::ScatterElements { axis, .. } => match current[1] {
             Shard(d) if d != *axis => AxisRule::all(2, 1, Shard(d)),
             _ => AxisRule::replicated(2, 1),
