@@ -29,12 +29,11 @@ import numpy as np
 import onnx
 import torch
 import transformers
-import transformers.masking_utils
-
-# transformers 5 with the legacy exporter fails on aten::diff in packed-sequence detection.
-transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
+# The fixtures' Logits wrapper, and their workaround for the legacy exporter on transformers 5.
+from make_fixtures import Logits  # noqa: E402
 AUTOTP = os.path.join(ROOT, "target", "release", "autotp")
 OUT = "/tmp/autotp-sweep"
 VOCAB = 1000
@@ -99,15 +98,6 @@ def tiny_model(model_type):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.train()
     return model
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, input_ids):
-        return self.m(input_ids=input_ids).logits
 
 
 def export(model, path, opset, dynamo):
