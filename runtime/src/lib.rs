@@ -15,6 +15,8 @@
 //! - [`report`]: a plan's per-rank memory and per-step communication.
 //! - [`profile`]: where a run's step time went, by op (`autotp run --profile`).
 //! - [`affinity`]: pinning threads to the cores this process may use (`autotp run --bind-cores`).
+//! - [`launch`]: this process's rank, world size and local rank, from its launcher's variables.
+//! - [`rendezvous`]: rank 0's bytes (NCCL's unique id) shared with every rank over TCP.
 //!
 //! This is the only crate that allocates device memory or starts rank threads.
 
@@ -26,10 +28,12 @@ pub mod clock;
 pub mod comm;
 pub mod data;
 mod executor;
+pub mod launch;
 pub mod npy;
 pub mod plan;
 pub mod profile;
 mod program;
+pub mod rendezvous;
 pub mod report;
 pub mod schedule;
 pub mod tensor_file;
