@@ -10,10 +10,16 @@
 //! sums that one all-reduce completes. Parameters that the rules would otherwise slice on every
 //! step (biases of column layers, say) are split too, until none is.
 //!
+//! Experts' weights looked up by expert (a batched-experts mixture) count as weights, on either
+//! side of their batched matmul, and a row result may pass through the routing scale, the sum
+//! over a token's experts and a post-norm on its way back.
+//!
 //! Correctness never rests on the pattern match: [`Shard`] places every value by the ops' rules
 //! and inserts whatever collective a layout needs. The match only decides what is split; where a
-//! split cannot hold inside a block (tp not dividing the heads or the key/value heads), the
-//! forward pass would need an all-gather there, and the pass refuses with the value and why.
+//! split cannot hold inside a block, the forward pass would need an all-gather there. A
+//! key/value projection with fewer heads than tp (multi-query and grouped-query attention) is
+//! then replicated, its gradient summed over tp, as DeepSpeed AutoTP does; any other such split
+//! is refused with the value and why (tp not dividing the heads, a norm over split features).
 //! The token embedding, the LM head and the cross-entropy split over the vocabulary
 //! ([`crate::vocab`]).
 //!
@@ -60,7 +66,8 @@ struct Column {
     activation_products: BTreeSet<usize>,
 }
 
-/// A matmul of the forward pass whose right operand is a parameter (possibly transposed).
+/// A matmul of the forward pass with a weight operand: a parameter (possibly transposed), or
+/// experts' weights looked up by expert, on either side.
 struct WeightUse {
     node: usize,
     param: ValueId,
