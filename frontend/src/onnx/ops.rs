@@ -812,6 +812,12 @@ fn convert_slice(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendEr
             steps[axis] = step;
         }
     }
+    // A slice of everything (torch.export writes `x[:, :, :]` as one) is the input.
+    let shape = imp.ty(&x).shape;
+    let whole = (0..shape.len()).all(|d| starts[d] == 0 && ends[d] == shape[d] as i64 && steps[d] == 1);
+    if whole {
+        return Ok(vec![x]);
+    }
     Ok(vec![imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])?])
 }
 
