@@ -91,6 +91,24 @@ pub fn run(args: &RunArgs) -> Result<()> {
     train(&mut trainer, &args.flags)
 }
 
+/// Refuses a run that a launcher started as one of several processes: each would train the
+/// whole plan (its ranks are threads of this process) and write the same checkpoints. SLURM's
+/// variables do not count: a batch script inside an allocation sees them without being a task.
+fn one_process(plan_ranks: usize) -> Result<()> {
+    use autotp_runtime::launch::{discover, Launcher};
+    let place = discover()?;
+    if place.world_size > 1 && place.launcher != Launcher::Slurm {
+        bail!(
+            "{} started this process as rank {} of {}, but autotp runs the plan's {plan_ranks} rank(s) as threads of \
+             one process (ranks as processes, with MPI, are not there yet): start one process",
+            place.launcher.name(),
+            place.rank,
+            place.world_size
+        );
+    }
+    Ok(())
+}
+
 fn open_metrics(path: &Path, append: bool) -> Result<std::fs::File> {
     let mut options = std::fs::OpenOptions::new();
     options.create(true).write(true);
@@ -117,6 +135,7 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
 
 /// Runs `trainer` to step `flags.steps` over the data, resuming and saving as asked.
 pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
+    one_process(trainer.world_size())?;
     if flags.save_every == Some(0) || flags.log_every == 0 {
         bail!("--save-every and --log-every must be at least 1");
     }

@@ -208,3 +208,37 @@ fn infer_writes_pytorch_matching_logits() {
         assert!(diff <= 1e-4 * scale, "{arch}: max |autotp - torch| = {diff}, reference max {scale}");
     }
 }
+
+/// A launcher that started several processes (torchrun, mpirun) would have each train the whole
+/// plan and write the same checkpoints: refused, naming the launcher and the rank, until ranks
+/// run as processes. SLURM's variables alone (a batch script in an allocation) are not a launch.
+#[test]
+fn several_launched_processes_are_refused() {
+    let dir = temp_dir("launched");
+    let plan = dir.join("gpt2.atp");
+    let model = fixture("gpt2", "model.onnx");
+    let compile = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["compile", model.to_str().unwrap(), "--seq-len", "8", "--micro-batch", "2", "-o"])
+        .arg(&plan)
+        .output()
+        .unwrap();
+    assert!(compile.status.success(), "{}", String::from_utf8_lossy(&compile.stderr));
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let run = |vars: &[(&str, &str)]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_autotp"));
+        command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "1"]);
+        for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID"]
+        {
+            command.env_remove(var);
+        }
+        command.envs(vars.iter().copied()).output().unwrap()
+    };
+    let out = run(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !err.contains("panicked"), "{err}");
+    assert!(err.contains("Open MPI started this process as rank 1 of 2"), "{err}");
+    let err = String::from_utf8_lossy(&run(&[("RANK", "0")]).stderr).into_owned();
+    assert!(err.contains("torchrun sets RANK but not WORLD_SIZE"), "{err}");
+    let out = run(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
