@@ -54,6 +54,11 @@ const LATER_STEPS: f64 = 1e-3;
 /// below it, a gradient is the rounding noise of terms that cancel.
 const SMALL_GRADIENTS: f64 = 1e-3;
 
+/// The largest magnitude in `v` (0 when empty).
+fn largest(v: &[f64]) -> f64 {
+    v.iter().fold(0f64, |m, x| m.max(x.abs()))
+}
+
 /// What step 1 made of one parameter's gradient on each side, as f64, and the relative
 /// difference that f32 rounding alone can reach in it.
 struct GradientEvidence {
@@ -146,7 +151,6 @@ fn evidence(plan: &Trainer, single: &Trainer, before: &[(String, Vec<f64>)]) -> 
             .collect()
     };
     let single_moves = moved(single);
-    let largest = |v: &[f64]| v.iter().fold(0f64, |m, x| m.max(x.abs()));
     let rounding = |param: &str| {
         let start = before.iter().find(|(n, _)| n == param).map_or(0.0, |(_, p)| largest(p));
         let step = single_moves.iter().find(|(n, _)| n == param).map_or(0.0, |(_, d)| largest(d));
@@ -203,7 +207,6 @@ fn compare_gradients(
     // Backward order: the gradient made first (nearest the loss) first.
     compared.sort_by_key(|e| makers.get(&e.param).map_or(usize::MAX, |(at, _)| *at));
     let mut first_wrong = None;
-    let largest = |v: &[f64]| v.iter().fold(0f64, |m, x| m.max(x.abs()));
     // A gradient that is zero but for rounding (attention's key bias: softmax ignores what it
     // adds to a whole row of scores) is compared against a floor of the model's gradients.
     let floor = SMALL_GRADIENTS * compared.iter().fold(0f64, |m, e| m.max(largest(&e.single)));

@@ -59,8 +59,6 @@ struct Fused {
     add: Option<usize>,
     reshapes: Vec<usize>,
     readers: Vec<usize>,
-    /// The constant indices of gathering readers, read by nothing else.
-    indices: Vec<usize>,
     weight: ValueId,
     bias: Option<ValueId>,
     /// The output features each reader's output holds.
@@ -74,7 +72,7 @@ impl Fused {
         self.parts.iter().all(|p| p.len() == self.parts[0].len())
     }
 
-    /// The nodes the rewrite replaces or leaves dead.
+    /// The nodes the rewrite replaces.
     fn replaced_nodes(&self) -> impl Iterator<Item = usize> + '_ {
         [self.matmul]
             .into_iter()
@@ -82,7 +80,6 @@ impl Fused {
             .chain(self.add)
             .chain(self.reshapes.iter().copied())
             .chain(self.readers.iter().copied())
-            .chain(self.indices.iter().copied())
     }
 }
 
@@ -221,14 +218,6 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
         let partition = parts.first().is_some_and(|p| p.start == 0)
             && parts.last().is_some_and(|p| p.end == features)
             && parts.windows(2).all(|w| w[0].end == w[1].start);
-        let indices = readers
-            .iter()
-            .filter(|&&r| matches!(nodes[r].op, Op::Gather { .. }))
-            .filter_map(|&r| match graph.value(nodes[r].inputs[1]).def {
-                Def::Node(index, 0) if uses[nodes[r].inputs[1].index()] == 1 => Some(index.index()),
-                _ => None,
-            })
-            .collect();
         if all_read && partition && parts.len() >= 2 {
             found.push(Fused {
                 matmul: m,
@@ -238,7 +227,6 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
                 add,
                 reshapes,
                 readers,
-                indices,
                 weight,
                 bias,
                 reads,
@@ -298,7 +286,8 @@ impl Pass for SplitFused {
                 rw.copy_node(id);
             }
         }
-        *graph = rw.finish();
+        // The gathers' constant indices read nothing else now.
+        *graph = rw.finish().without_dead_code();
         Ok(())
     }
 }

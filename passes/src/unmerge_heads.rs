@@ -52,7 +52,7 @@ enum Lift {
 
 /// How `node`, whose first operand is merged (`[prod(lead), ..]`), is computed over the
 /// leading dims, if it works row by row along the first dim.
-fn lifted_op(node: &Node, input: &[usize], lead: &[usize], out: &[usize]) -> Option<Lift> {
+fn lifted_op(node: &Node, input: &[usize], lead: &[usize]) -> Option<Lift> {
     let k = lead.len();
     let shift = |d: usize| if d == 0 { None } else { Some(d + k - 1) };
     Some(match &node.op {
@@ -72,7 +72,7 @@ fn lifted_op(node: &Node, input: &[usize], lead: &[usize], out: &[usize]) -> Opt
             let lifted: Vec<usize> = lead.iter().chain(&input[1..]).copied().collect();
             Lift::Unmerge((*shape != lifted).then(|| node.op.clone()))
         }
-        Op::Reshape { shape } if shape.len() > 1 && shape[0] == out[0] && out[0] == input[0] => {
+        Op::Reshape { shape } if shape.len() > 1 && shape[0] == input[0] => {
             Lift::Node(Op::Reshape { shape: lead.iter().chain(&shape[1..]).copied().collect() })
         }
         _ => return None,
@@ -109,8 +109,7 @@ impl Pass for UnmergeHeads {
                 .all(|v| merged.get(v).map_or_else(|| lifts_as_operand(&graph.ty(*v).shape, out, lead), |l| l == lead));
             let first_merged = merged.contains_key(&node.inputs[0]);
             let input = &graph.ty(node.inputs[0]).shape;
-            let lift =
-                lifted_op(node, input, lead, out).filter(|_| operands_fit && first_merged && node.outputs.len() == 1);
+            let lift = lifted_op(node, input, lead).filter(|_| operands_fit && first_merged && node.outputs.len() == 1);
             if let Some(lift) = lift {
                 if matches!(lift, Lift::Node(_)) {
                     merged.insert(node.outputs[0], lead.clone());

@@ -522,15 +522,7 @@ pub(super) fn convert(
             let axis = norm_axis(cx, attr_int(cx, "axis", 0), shape.len())?;
             let last = attr_int(cx, "select_last_index", 0) == 1;
             let len = shape[axis];
-            let source = if last {
-                let mut starts = vec![0; shape.len()];
-                let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-                let mut steps = vec![1; shape.len()];
-                (starts[axis], ends[axis], steps[axis]) = (len.saturating_sub(1), -1, -1);
-                imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])?
-            } else {
-                x
-            };
+            let source = if last { slice_axis(imp, cx, x, axis, len.saturating_sub(1), -1, -1)? } else { x };
             let largest = op_type == "ArgMax";
             let mut index = imp.emit(cx, Op::TopK { axis, k: 1, largest }, &[source], 2)?.remove(1);
             if last {
@@ -1161,6 +1153,25 @@ fn convert_rotary_embedding(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>,
     Ok(vec![y])
 }
 
+/// Elements `start..end` by `step` of dim `axis` of `x` (the normalised form of `Op::Slice`:
+/// a negative step ends at -1 to reach element 0).
+fn slice_axis(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    x: Sym,
+    axis: usize,
+    start: usize,
+    end: i64,
+    step: i64,
+) -> Result<Sym, FrontendError> {
+    let shape = imp.ty(&x).shape;
+    let mut starts = vec![0; shape.len()];
+    let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    let mut steps = vec![1; shape.len()];
+    (starts[axis], ends[axis], steps[axis]) = (start, end, step);
+    imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])
+}
+
 /// Elements `start..end` by `step` of the last dim of `x`.
 fn slice_last(
     imp: &mut Importer,
@@ -1170,13 +1181,8 @@ fn slice_last(
     end: usize,
     step: i64,
 ) -> Result<Sym, FrontendError> {
-    let shape = imp.ty(&x).shape;
-    let last = shape.len() - 1;
-    let mut starts = vec![0; shape.len()];
-    let mut ends: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    let mut steps = vec![1; shape.len()];
-    (starts[last], ends[last], steps[last]) = (start, end as i64, step);
-    imp.emit1(cx, Op::Slice { starts, ends, steps }, &[x])
+    let last = imp.ty(&x).rank() - 1;
+    slice_axis(imp, cx, x, last, start, end as i64, step)
 }
 
 /// `SplitToSequence`'s items: pieces of the given sizes (a 1-D `split`), of one size (a scalar
