@@ -2,8 +2,9 @@
 # Installs what building and testing autotp needs on a fresh Debian machine, when missing:
 # a C toolchain (some crates build C), LLVM 19's development files (the kernel generator links
 # LLVM statically; .cargo/config.toml points llvm-sys at /usr/lib/llvm-19) and a Rust toolchain
-# (cargo), and ptxas (the PyPI package nvidia-cuda-nvcc, in a venv under target/) for the tests
-# that assemble the plans' PTX. Safe to run repeatedly.
+# (cargo), Open MPI (the binary loads its library when a job of processes runs; the tests start
+# such jobs with mpirun), and ptxas (the PyPI package nvidia-cuda-nvcc, in a venv under target/)
+# for the tests that assemble the plans' PTX. Safe to run repeatedly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +12,7 @@ need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)
 [ -x /usr/lib/llvm-19/bin/llvm-config ] || need_apt+=(llvm-19-dev libpolly-19-dev)
+command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 python3 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
 for header in /usr/include/zstd.h /usr/include/zlib.h /usr/include/libxml2/libxml/parser.h; do

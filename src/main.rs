@@ -20,6 +20,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod compile;
 mod export;
+mod job;
 mod run;
 mod train;
 mod verify;
@@ -201,7 +202,7 @@ fn summary(t: &HostTensor) -> String {
 
 /// The error and its causes on one line. Library errors often repeat their cause in their own
 /// message; a cause the message already ends with is not repeated.
-fn render(error: &anyhow::Error) -> String {
+pub(crate) fn render(error: &anyhow::Error) -> String {
     let mut message = String::new();
     for cause in error.chain() {
         let text = cause.to_string();
@@ -224,7 +225,13 @@ fn main() -> ExitCode {
         Command::Import { model, shapes, output, simplify } => run_import(model, shapes, output.as_deref(), *simplify),
         Command::Infer { model, inputs, output_dir } => run_infer(model, inputs, output_dir),
         Command::Compile(args) => compile::run(args),
-        Command::Run(args) => run::run(args),
+        Command::Run(args) => match run::run(args) {
+            Ok(Some(launched)) if !launched.success() => {
+                return ExitCode::from(launched.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(1));
+            }
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        },
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
         Command::Verify(args) => match verify::run(args) {

@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use autotp_runtime::checkpoint::Checkpoint;
 use autotp_runtime::clock::Clock;
+use autotp_runtime::comm::CommBytes;
 use autotp_runtime::data::{TokenData, TokenDtype};
 use autotp_runtime::plan::PlanFile;
 use autotp_runtime::trainer::{StepMetrics, Trainer};
@@ -62,6 +63,12 @@ pub struct RunFlags {
     /// stages of one rank; steadiest with the whole run on one core, `taskset -c 0`).
     #[arg(long, default_value = "wall")]
     clock: String,
+    /// In a job of processes (mpirun, srun, --launch): seconds one collective or pipeline
+    /// message may wait for the other ranks before the job ends, naming the rank that waited
+    /// (a rank that stopped or hangs would block the others forever). Raise it for models whose
+    /// pipeline stages take longer than this per micro-batch.
+    #[arg(long, value_name = "SECONDS", default_value_t = 25.0)]
+    pub comm_timeout: f64,
 }
 
 /// The seed of a fresh run without `--seed`.
@@ -80,33 +87,40 @@ pub struct RunArgs {
     plan: PathBuf,
     #[command(flatten)]
     flags: RunFlags,
+    /// Run the plan's ranks as N processes on this machine, started with Open MPI's mpirun
+    /// (as `mpirun -n N autotp run ...` would); N is the plan's rank count.
+    #[arg(long, value_name = "N")]
+    launch: Option<usize>,
 }
 
-pub fn run(args: &RunArgs) -> Result<()> {
+/// `autotp run`; returns the exit status of the launched job with `--launch`.
+pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
+    if let Some(processes) = args.launch {
+        return crate::job::launch(processes).map(Some);
+    }
     let started = Instant::now();
     let file = PlanFile::open(&args.plan)?;
-    let mut trainer = Trainer::new(file.plan.clone(), &file.weights(), args.flags.seed())?;
-    drop(file);
-    tracing::info!(seconds = started.elapsed().as_secs_f64(), plan = %args.plan.display(), "plan loaded");
-    train(&mut trainer, &args.flags)
+    let job = crate::job::start(&file.plan, args.flags.comm_timeout)?;
+    crate::job::run_in(job.as_ref(), || {
+        let mut trainer = match &job {
+            Some(job) => Trainer::for_process(file.plan.clone(), &file.weights(), args.flags.seed(), job.clone())?,
+            None => Trainer::new(file.plan.clone(), &file.weights(), args.flags.seed())?,
+        };
+        drop(file);
+        tracing::info!(seconds = started.elapsed().as_secs_f64(), plan = %args.plan.display(), "plan loaded");
+        train(&mut trainer, &args.flags)
+    })?;
+    Ok(None)
 }
 
-/// Refuses a run that a launcher started as one of several processes: each would train the
-/// whole plan (its ranks are threads of this process) and write the same checkpoints. SLURM's
-/// variables do not count: a batch script inside an allocation sees them without being a task.
-fn one_process(plan_ranks: usize) -> Result<()> {
-    use autotp_runtime::launch::{discover, Launcher};
-    let place = discover()?;
-    if place.world_size > 1 && place.launcher != Launcher::Slurm {
-        bail!(
-            "{} started this process as rank {} of {}, but autotp runs the plan's {plan_ranks} rank(s) as threads of \
-             one process (ranks as processes, with MPI, are not there yet): start one process",
-            place.launcher.name(),
-            place.rank,
-            place.world_size
-        );
-    }
-    Ok(())
+/// Fault injection for tests: `AUTOTP_PANIC_AT=RANK:STEP` makes the process running rank RANK
+/// panic before step STEP.
+const PANIC_VARIABLE: &str = "AUTOTP_PANIC_AT";
+
+fn panic_at() -> Result<Option<(usize, usize)>> {
+    let Ok(value) = std::env::var(PANIC_VARIABLE) else { return Ok(None) };
+    let parsed = value.split_once(':').and_then(|(r, s)| Some((r.parse().ok()?, s.parse().ok()?)));
+    parsed.map(Some).with_context(|| format!("{PANIC_VARIABLE}={value} is not RANK:STEP"))
 }
 
 fn open_metrics(path: &Path, append: bool) -> Result<std::fs::File> {
@@ -135,7 +149,6 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
 
 /// Runs `trainer` to step `flags.steps` over the data, resuming and saving as asked.
 pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
-    one_process(trainer.world_size())?;
     if flags.save_every == Some(0) || flags.log_every == 0 {
         bail!("--save-every and --log-every must be at least 1");
     }
@@ -157,16 +170,22 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         if flags.seed.is_some_and(|s| s != trainer.seed()) {
             tracing::warn!("--seed is ignored: the checkpoint's seed {} continues", trainer.seed());
         }
-        eprintln!("resumed from {} at step {}", checkpoint.dir.display(), trainer.completed_steps());
+        if trainer.reports() {
+            eprintln!("resumed from {} at step {}", checkpoint.dir.display(), trainer.completed_steps());
+        }
     }
     let first = trainer.completed_steps();
     if first >= flags.steps {
-        println!("already at step {first}, at or past --steps {}: nothing to train", flags.steps);
+        if trainer.reports() {
+            println!("already at step {first}, at or past --steps {}: nothing to train", flags.steps);
+        }
         return Ok(());
     }
+    // In a job of processes, rank 0 alone prints and writes metrics.
+    let reports = trainer.reports();
     let mut metrics = match &flags.metrics_out {
-        Some(path) => Some(open_metrics(path, flags.resume.is_some())?),
-        None => None,
+        Some(path) if reports => Some(open_metrics(path, flags.resume.is_some())?),
+        _ => None,
     };
     if flags.profile {
         trainer.enable_profile();
@@ -177,7 +196,8 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if flags.bind_cores {
         trainer.bind_cores()?;
     }
-    let bar = ProgressBar::new(flags.steps as u64).with_position(first as u64);
+    let bar = if reports { ProgressBar::new(flags.steps as u64) } else { ProgressBar::hidden() };
+    let bar = bar.with_position(first as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}, eta {eta}]")
             .expect("a valid template"),
@@ -187,13 +207,19 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     // Per step, each rank's share of the step spent idle: waiting for another stage, or done
     // before the others.
     let mut idle_shares: Vec<Vec<f64>> = Vec::new();
-    for _ in first..flags.steps {
+    let panic_at = panic_at()?;
+    for step in first..flags.steps {
+        if let Some((rank, at)) = panic_at {
+            if at == step + 1 && trainer.local_ranks().contains(&rank) {
+                panic!("{PANIC_VARIABLE} asked rank {rank} to panic at step {at}");
+            }
+        }
         let m = trainer.step(&data, flags.steps)?;
         idle_shares.push(m.idle.clone());
         let tokens_per_second = ((m.step - first) * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, tokens_per_second));
         bar.inc(1);
-        if m.step == first + 1 || m.step == flags.steps || m.step % flags.log_every == 0 {
+        if reports && (m.step == first + 1 || m.step == flags.steps || m.step % flags.log_every == 0) {
             bar.suspend(|| {
                 println!(
                     "step {:>6}/{} loss {:.6} lr {:.3e} {:>8.1} ms {:>9.0} tokens/s",
@@ -212,13 +238,20 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         if let Some(dir) = &flags.save {
             if m.step == flags.steps || flags.save_every.is_some_and(|k| m.step % k == 0) {
                 let saved = trainer.save(dir, &data, flags.steps, flags.keep_last)?;
-                bar.suspend(|| eprintln!("saved {}", saved.display()));
+                if reports {
+                    bar.suspend(|| eprintln!("saved {}", saved.display()));
+                }
             }
         }
     }
     bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     let steps = flags.steps - first;
+    // Every process of a job takes part in gathering the measured figures.
+    let measured = if trainer.world_size() > 1 { Some(trainer.measured()?) } else { None };
+    if !reports {
+        return Ok(());
+    }
     eprintln!(
         "trained steps {}..={} in {seconds:.2} s: {:.1} ms per step, {:.0} tokens/s",
         first + 1,
@@ -226,8 +259,8 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         seconds * 1e3 / steps as f64,
         (steps * tokens_per_step) as f64 / seconds
     );
-    if trainer.world_size() > 1 {
-        eprint!("{}", measured_against_plan(trainer, steps));
+    if let Some(measured) = measured {
+        eprint!("{}", measured_against_plan(trainer, &measured, steps));
     }
     if let Some(pipeline) = &trainer.training().pipeline {
         eprint!("{}", bubble_table(pipeline, trainer.stage_size(), clock, &median_per_rank(&idle_shares)));
@@ -335,22 +368,22 @@ fn bubble_table(
 }
 
 /// Each rank's measured peak memory and communication per step beside the plan's.
-fn measured_against_plan(trainer: &Trainer, steps: usize) -> String {
+fn measured_against_plan(trainer: &Trainer, measured: &[(usize, CommBytes)], steps: usize) -> String {
     let programs: Vec<&autotp_runtime::Program> = (0..trainer.stages()).map(|s| trainer.stage_program(s)).collect();
     let planned = autotp_runtime::report::report_of(&programs, trainer.training());
     let mut out = format!(
         "{:>5} {:>16} {:>16} {:>22} {:>22}\n",
         "rank", "planned peak", "measured peak", "planned comm/step", "measured comm/step"
     );
-    for (rank, (peak, sent)) in trainer.measured().into_iter().enumerate() {
+    for (rank, (peak, sent)) in measured.iter().enumerate() {
         let plan = &planned.ranks[rank];
-        let total = |c: &autotp_runtime::comm::CommBytes| c.all_reduce + c.all_gather + c.reduce_scatter + c.send;
+        let total = |c: &CommBytes| c.all_reduce + c.all_gather + c.reduce_scatter + c.send;
         out += &format!(
             "{rank:>5} {:>16} {:>16} {:>22} {:>22}\n",
             plan.peak_bytes,
             peak,
             total(&plan.comm_bytes_per_step),
-            total(&sent) / steps.max(1)
+            total(sent) / steps.max(1)
         );
     }
     out

@@ -23,16 +23,27 @@ pub struct TrainArgs {
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
+    // Under a launcher every process compiles the same plan (compiling is deterministic); the
+    // first alone writes and prints it.
+    let first = autotp_runtime::launch::discover()?.rank == 0;
     let compiled = compile::compile(&args.compile)?;
-    let weights = compiled.weights();
-    if let Some(path) = &args.output {
-        autotp_runtime::plan::write(path, &compiled.plan, &weights)?;
+    if let (Some(path), true) = (&args.output, first) {
+        autotp_runtime::plan::write(path, &compiled.plan, &compiled.weights())?;
     }
-    let report = compile::report(&args.compile, &compiled.plan)?;
-    eprint!("{}", compile::summary(&compiled.plan, &report));
-    let mut trainer = Trainer::new(compiled.plan.clone(), &weights, args.run.seed())?;
-    // The trainer copied the weights into its arena; the model's memory map can go.
-    drop(weights);
-    drop(compiled);
-    run::train(&mut trainer, &args.run)
+    if first {
+        let report = compile::report(&args.compile, &compiled.plan)?;
+        eprint!("{}", compile::summary(&compiled.plan, &report));
+    }
+    let job = crate::job::start(&compiled.plan, args.run.comm_timeout)?;
+    crate::job::run_in(job.as_ref(), || {
+        let weights = compiled.weights();
+        let mut trainer = match &job {
+            Some(job) => Trainer::for_process(compiled.plan.clone(), &weights, args.run.seed(), job.clone())?,
+            None => Trainer::new(compiled.plan.clone(), &weights, args.run.seed())?,
+        };
+        // The trainer copied the weights into its arena; the model's memory map can go.
+        drop(weights);
+        drop(compiled);
+        run::train(&mut trainer, &args.run)
+    })
 }

@@ -209,11 +209,12 @@ fn infer_writes_pytorch_matching_logits() {
     }
 }
 
-/// A launcher that started several processes (torchrun, mpirun) would have each train the whole
-/// plan and write the same checkpoints: refused, naming the launcher and the rank, until ranks
-/// run as processes. SLURM's variables alone (a batch script in an allocation) are not a launch.
+/// A launch that does not fit the plan is refused before anything starts: a world size other
+/// than the plan's ranks (both numbers named), torchrun (CPU ranks as processes run over MPI),
+/// a launcher's partial variables. SLURM's variables alone (a batch script in an allocation)
+/// are not a launch.
 #[test]
-fn several_launched_processes_are_refused() {
+fn launches_that_do_not_fit_the_plan_are_refused() {
     let dir = temp_dir("launched");
     let plan = dir.join("gpt2.atp");
     let model = fixture("gpt2", "model.onnx");
@@ -236,7 +237,10 @@ fn several_launched_processes_are_refused() {
     let out = run(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && !err.contains("panicked"), "{err}");
-    assert!(err.contains("Open MPI started this process as rank 1 of 2"), "{err}");
+    assert!(err.contains("Open MPI started 2 processes, but the plan has 1 ranks"), "{err}");
+    let out = run(&[("RANK", "1"), ("WORLD_SIZE", "2")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("torchrun started this process as rank 1 of 2") && err.contains("mpirun -n 2"), "{err}");
     let err = String::from_utf8_lossy(&run(&[("RANK", "0")]).stderr).into_owned();
     assert!(err.contains("torchrun sets RANK but not WORLD_SIZE"), "{err}");
     let out = run(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]);

@@ -8,6 +8,7 @@
 //! - `checkpoint`: save, resume (bit-identical), a save killed midway, refusal, export.
 //! - `parallel`: data parallelism on CPU rank threads against the single-rank run.
 //! - `pipeline`: where the forward pass is cut into pipeline stages.
+//! - `processes`: ranks as MPI processes against ranks as threads; failures end the job.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
 //! - `kernels`: every generated kernel against the builtin kernel of the same op.
@@ -27,6 +28,7 @@ mod kernels;
 mod optimizers;
 mod parallel;
 mod pipeline;
+mod processes;
 mod rewrites;
 mod sharding;
 mod train;

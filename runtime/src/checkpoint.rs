@@ -158,6 +158,10 @@ pub fn save(
     save_files(dir, manifest, params, files, keep_last)
 }
 
+/// Which tensors a checkpoint file holds: each one's name and, for a block of a sharded tensor,
+/// its offsets in the global tensor and the global shape.
+pub type FileLayout = (String, Vec<(String, Option<(Vec<usize>, Vec<usize>)>)>);
+
 /// Saves named files of tensors or blocks (a sharded run's per-rank files) as [`save`] does.
 /// `params` names the parameters among them.
 pub fn save_files(
@@ -167,35 +171,82 @@ pub fn save_files(
     files: Vec<(String, Vec<SavedBlock<'_>>)>,
     keep_last: Option<usize>,
 ) -> Result<PathBuf, RuntimeError> {
+    let layout: Vec<FileLayout> = files
+        .iter()
+        .map(|(file, blocks)| {
+            (file.clone(), blocks.iter().map(|b| (b.tensor.name.clone(), b.offsets.clone())).collect())
+        })
+        .collect();
+    let staging = stage(dir, manifest.step, std::process::id().into())?;
+    for (i, (file, blocks)) in files.iter().enumerate() {
+        write_file(&staging, file, blocks)?;
+        if i == 0 {
+            crash_if_asked(manifest.step, &staging);
+        }
+    }
+    commit(dir, &staging, &with_layout(manifest, params, &layout), keep_last)
+}
+
+/// Prepares a save of `step` under `dir` (created if missing, a killed save's leftovers
+/// removed) and returns the staging directory its files go to; `job` tells apart the staging
+/// directories of two runs saving to one place (a process id; rank 0's, in a job of several).
+pub fn stage(dir: &Path, step: usize, job: u64) -> Result<PathBuf, RuntimeError> {
     std::fs::create_dir_all(dir).map_err(io_error(dir, "create"))?;
     remove_leftovers(dir)?;
-    let name = step_dir_name(manifest.step);
-    let staging = dir.join(format!("{TEMPORARY_PREFIX}{name}-{}", std::process::id()));
+    let staging = staging_dir(dir, step, job);
     std::fs::create_dir(&staging).map_err(io_error(&staging, "create"))?;
+    Ok(staging)
+}
 
+/// The staging directory [`stage`] makes.
+pub fn staging_dir(dir: &Path, step: usize, job: u64) -> PathBuf {
+    dir.join(format!("{TEMPORARY_PREFIX}{}-{job}", step_dir_name(step)))
+}
+
+/// Writes one file of a save into its staging directory.
+pub fn write_file(staging: &Path, file: &str, blocks: &[SavedBlock<'_>]) -> Result<(), RuntimeError> {
+    let tensors: Vec<TensorRef> = blocks.iter().map(|b| b.tensor.clone()).collect();
+    tensor_file::write(&staging.join(file), &tensors, BTreeMap::new())
+}
+
+/// The test hook: with `AUTOTP_CRASH_DURING_CHECKPOINT=step`, aborts the process.
+pub fn crash_if_asked(step: usize, staging: &Path) {
+    if std::env::var(CRASH_VARIABLE).ok().and_then(|v| v.parse::<usize>().ok()) == Some(step) {
+        eprintln!("{CRASH_VARIABLE}={step}: aborting while writing {}", staging.display());
+        std::process::abort();
+    }
+}
+
+/// `manifest` listing the files of `layout`, and `params` as the parameters among them.
+pub fn with_layout(manifest: &Manifest, params: Vec<String>, layout: &[FileLayout]) -> Manifest {
     let mut manifest = manifest.clone();
     manifest.params = params;
     manifest.files =
-        files.iter().map(|(f, blocks)| (f.clone(), blocks.iter().map(|b| b.tensor.name.clone()).collect())).collect();
-    for (file, blocks) in &files {
-        for b in blocks {
-            if let Some((offsets, global)) = &b.offsets {
-                manifest.shapes.insert(b.tensor.name.clone(), global.clone());
-                manifest.blocks.entry(file.clone()).or_default().insert(b.tensor.name.clone(), offsets.clone());
+        layout.iter().map(|(f, tensors)| (f.clone(), tensors.iter().map(|t| t.0.clone()).collect())).collect();
+    for (file, tensors) in layout {
+        for (name, offsets) in tensors {
+            if let Some((offsets, global)) = offsets {
+                manifest.shapes.insert(name.clone(), global.clone());
+                manifest.blocks.entry(file.clone()).or_default().insert(name.clone(), offsets.clone());
             }
         }
     }
-    for (i, (file, blocks)) in files.iter().enumerate() {
-        let tensors: Vec<TensorRef> = blocks.iter().map(|b| b.tensor.clone()).collect();
-        tensor_file::write(&staging.join(file), &tensors, BTreeMap::new())?;
-        if i == 0 && std::env::var(CRASH_VARIABLE).ok().and_then(|v| v.parse::<usize>().ok()) == Some(manifest.step) {
-            eprintln!("{CRASH_VARIABLE}={}: aborting while writing {}", manifest.step, staging.display());
-            std::process::abort();
-        }
-    }
-    let json = serde_json::to_vec_pretty(&manifest).expect("a manifest always serializes");
+    manifest
+}
+
+/// Makes the files in `staging` the checkpoint `manifest` describes: writes the manifest,
+/// renames the directory into place, points `latest` at it and removes checkpoints beyond
+/// `keep_last`. Returns the step directory.
+pub fn commit(
+    dir: &Path,
+    staging: &Path,
+    manifest: &Manifest,
+    keep_last: Option<usize>,
+) -> Result<PathBuf, RuntimeError> {
+    let name = step_dir_name(manifest.step);
+    let json = serde_json::to_vec_pretty(manifest).expect("a manifest always serializes");
     tensor_file::write_atomic(&staging.join(MANIFEST), &json)?;
-    tensor_file::sync_dir(&staging)?;
+    tensor_file::sync_dir(staging)?;
 
     let target = dir.join(&name);
     if target.exists() {
@@ -204,7 +255,7 @@ pub fn save_files(
         let replaced = dir.join(format!("{TEMPORARY_PREFIX}replaced-{name}-{}", std::process::id()));
         std::fs::rename(&target, &replaced).map_err(io_error(&target, "replace"))?;
     }
-    std::fs::rename(&staging, &target).map_err(io_error(&target, "write"))?;
+    std::fs::rename(staging, &target).map_err(io_error(&target, "write"))?;
     tensor_file::sync_dir(dir)?;
     tensor_file::write_atomic(&dir.join(LATEST), name.as_bytes())?;
     remove_leftovers(dir)?;

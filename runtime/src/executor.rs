@@ -12,7 +12,7 @@ use autotp_llvm::optim::OptimizerKernel;
 use autotp_llvm::CpuKernel;
 
 use crate::clock::{Clock, RankClock, RunTime};
-use crate::comm::{CollectiveKind, CollectiveOp, LocalComm};
+use crate::comm::{CollectiveKind, CollectiveOp, Communicator};
 use crate::{Instruction, Program, Region, RuntimeError};
 
 /// An asynchronous collective handed to a rank's communication thread: raw pointers into the
@@ -37,7 +37,7 @@ struct CommThread {
 }
 
 impl CommThread {
-    fn spawn(rank: usize, comm: Arc<LocalComm>) -> CommThread {
+    fn spawn(rank: usize, comm: Arc<dyn Communicator>) -> CommThread {
         let (jobs, queue) = mpsc::channel::<Job>();
         let handle = std::thread::Builder::new()
             .name(format!("autotp-comm-{rank}"))
@@ -47,8 +47,8 @@ impl CommThread {
                     let input = unsafe { std::slice::from_raw_parts(job.input.0 as *const u8, job.input.1) };
                     let output = unsafe { std::slice::from_raw_parts_mut(job.output.0 as *mut u8, job.output.1) };
                     let result = comm.collective(rank, &job.op, job.seq, input, output);
-                    if result.is_err() {
-                        comm.abort();
+                    if let Err(e) = &result {
+                        comm.abort(rank, e);
                     }
                     let _ = job.done.send(result);
                 }
@@ -88,7 +88,7 @@ pub struct Executor {
     optimizer_steps: Vec<(OptimizerKernel, CpuKernel)>,
     arena: AlignedBuf,
     /// This rank and its communicator, for programs on a mesh.
-    rank: Option<(usize, Arc<LocalComm>)>,
+    rank: Option<(usize, Arc<dyn Communicator>)>,
     /// Collectives issued so far on each mesh axis (their sequence numbers).
     issued: Vec<u64>,
     /// Time spent in each instruction over all runs, when profiling.
@@ -109,22 +109,23 @@ impl Executor {
     }
 
     /// Loads a program on a mesh (or a pipeline stage's) as rank `rank` of `comm`.
-    pub fn for_rank(program: Program, rank: usize, comm: Arc<LocalComm>) -> Result<Executor, RuntimeError> {
+    pub fn for_rank(program: Program, rank: usize, comm: Arc<dyn Communicator>) -> Result<Executor, RuntimeError> {
         let sizes: Vec<usize> = program.mesh.iter().map(|a| a.size).collect();
-        if sizes.iter().product::<usize>() != comm.stage_size() || rank >= comm.world_size() {
+        let topology = comm.topology();
+        if sizes.iter().product::<usize>() != topology.stage_size() || rank >= topology.world_size() {
             return Err(RuntimeError::InvalidProgram(format!(
                 "rank {rank} of a {}-rank communicator cannot run a program on mesh {sizes:?}",
-                comm.world_size()
+                topology.world_size()
             )));
         }
         Executor::build(program, Some((rank, comm)))
     }
 
-    fn build(mut program: Program, rank: Option<(usize, Arc<LocalComm>)>) -> Result<Executor, RuntimeError> {
+    fn build(mut program: Program, rank: Option<(usize, Arc<dyn Communicator>)>) -> Result<Executor, RuntimeError> {
         program.validate()?;
         if let Some((r, comm)) = &rank {
             // Kernels that serve one block of a split table start at this rank's block.
-            let coords = comm.coordinates(*r);
+            let coords = comm.topology().coordinates(*r);
             for instruction in &mut program.instructions {
                 if let Instruction::Kernel { kernel, .. } = instruction {
                     kernel.place_blocks(&coords);
@@ -343,10 +344,10 @@ impl Executor {
         let mut pending: std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>> =
             std::collections::BTreeMap::new();
         let result = self.run_instructions(base, &mut pending, &mut clock);
-        if result.is_err() {
+        if let Err(e) = &result {
             // Collectives still in flight write into the arena: stop the others, then wait.
-            if let Some((_, comm)) = &self.rank {
-                comm.abort();
+            if let Some((rank, comm)) = &self.rank {
+                comm.abort(*rank, e);
             }
             for (_, completion) in std::mem::take(&mut pending) {
                 let _ = completion.recv();

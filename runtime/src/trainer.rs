@@ -24,7 +24,7 @@ use autotp_kernels::DType;
 
 use crate::checkpoint::{self, Checkpoint, DataPosition, Manifest, RngState};
 use crate::clock::{Clock, RunTime};
-use crate::comm::LocalComm;
+use crate::comm::{CommBytes, Communicator, LocalComm, MpiComm, Topology};
 use crate::data::TokenData;
 use crate::plan::{Feed, Labels, ModelSource, TrainingConfig, TrainingPlan};
 use crate::tensor_file::TensorRef;
@@ -47,12 +47,20 @@ pub struct StepMetrics {
 }
 
 pub struct Trainer {
-    /// One executor per rank (one for a single device), stage by stage.
+    /// The executors of the ranks this process runs (ranks `first_rank..`), stage by stage:
+    /// every rank, or (one rank per process) its own.
     ranks: Vec<Executor>,
-    /// Each rank's kernel threads, when there are several ranks: the machine's cores shared
-    /// out, so ranks do not queue on one pool.
+    first_rank: usize,
+    topology: Topology,
+    /// Every stage's program, for what the trainer reads of all of them (slots, outputs); the
+    /// executors hold their own, with the constants.
+    programs: Vec<crate::Program>,
+    /// Each rank's kernel threads, when this process runs several ranks: the machine's cores
+    /// shared out, so ranks do not queue on one pool.
     pools: Vec<rayon::ThreadPool>,
-    comm: Option<Arc<LocalComm>>,
+    comm: Option<Arc<dyn Communicator>>,
+    /// The job, when each rank is a process of its own.
+    processes: Option<Arc<MpiComm>>,
     /// How the ranks time their steps.
     clock: Clock,
     training: TrainingConfig,
@@ -66,9 +74,29 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Loads `plan` with its initial `weights` (by parameter name); optimizer states start at
-    /// zero and the step count at 0.
+    /// Loads `plan` with its initial `weights` (by parameter name), every rank a thread of this
+    /// process; optimizer states start at zero and the step count at 0.
     pub fn new(plan: TrainingPlan, weights: &BTreeMap<String, &[u8]>, seed: u64) -> Result<Trainer, RuntimeError> {
+        Trainer::build(plan, weights, seed, None)
+    }
+
+    /// Loads this process's rank of `plan` in a job over MPI: its stage's program and its
+    /// blocks of the weights, nothing of the other ranks'.
+    pub fn for_process(
+        plan: TrainingPlan,
+        weights: &BTreeMap<String, &[u8]>,
+        seed: u64,
+        job: Arc<MpiComm>,
+    ) -> Result<Trainer, RuntimeError> {
+        Trainer::build(plan, weights, seed, Some(job))
+    }
+
+    fn build(
+        plan: TrainingPlan,
+        weights: &BTreeMap<String, &[u8]>,
+        seed: u64,
+        job: Option<Arc<MpiComm>>,
+    ) -> Result<Trainer, RuntimeError> {
         let feeds = plan.feeds()?;
         let loss_index = plan.loss_index()?;
         let t = &plan.training;
@@ -83,22 +111,37 @@ impl Trainer {
         let fingerprint = plan.fingerprint();
         let TrainingPlan { stages, training, model } = plan;
         let sizes: Vec<usize> = stages[0].mesh.iter().map(|a| a.size).collect();
-        let stage_size = sizes.iter().product::<usize>();
-        let (ranks, comm) = if stage_size * stages.len() <= 1 {
-            let program = stages.into_iter().next().expect("one program");
-            (vec![Executor::new(program)?], None)
-        } else {
-            let comm = LocalComm::pipeline(stages.len(), &sizes);
-            let ranks = (0..comm.world_size())
-                .map(|r| Executor::for_rank(stages[r / stage_size].clone(), r, comm.clone()))
-                .collect::<Result<Vec<_>, _>>()?;
-            (ranks, Some(comm))
+        let topology = Topology::new(stages.len(), &sizes);
+        let programs: Vec<crate::Program> =
+            stages.iter().map(|p| crate::Program { constants: Vec::new(), ..p.clone() }).collect();
+        let (ranks, first_rank, comm): (Vec<Executor>, usize, Option<Arc<dyn Communicator>>) = match &job {
+            Some(job) => {
+                let rank = job.rank();
+                let comm: Arc<dyn Communicator> = job.clone();
+                let program = stages.into_iter().nth(topology.stage(rank)).expect("a stage per rank");
+                (vec![Executor::for_rank(program, rank, comm.clone())?], rank, Some(comm))
+            }
+            None if topology.world_size() <= 1 => {
+                let program = stages.into_iter().next().expect("one program");
+                (vec![Executor::new(program)?], 0, None)
+            }
+            None => {
+                let comm: Arc<dyn Communicator> = LocalComm::pipeline(stages.len(), &sizes);
+                let ranks = (0..topology.world_size())
+                    .map(|r| Executor::for_rank(stages[topology.stage(r)].clone(), r, comm.clone()))
+                    .collect::<Result<Vec<_>, _>>()?;
+                (ranks, 0, Some(comm))
+            }
         };
         let pools = if ranks.len() > 1 { rank_pools(ranks.len(), shared_cores(ranks.len()))? } else { Vec::new() };
         let mut trainer = Trainer {
             ranks,
+            first_rank,
+            topology,
+            programs,
             pools,
             comm,
+            processes: job,
             clock: Clock::Wall,
             training,
             model,
@@ -119,12 +162,31 @@ impl Trainer {
 
     /// Pipeline stages.
     pub fn stages(&self) -> usize {
-        self.feeds.len()
+        self.programs.len()
     }
 
     /// Ranks per stage.
     pub fn stage_size(&self) -> usize {
-        self.ranks.len() / self.stages()
+        self.topology.stage_size()
+    }
+
+    /// The job over MPI this process is a rank of, if it is one.
+    pub fn processes(&self) -> Option<&Arc<MpiComm>> {
+        self.processes.as_ref()
+    }
+
+    /// The ranks this process runs.
+    pub fn local_ranks(&self) -> std::ops::Range<usize> {
+        self.first_rank..self.first_rank + self.ranks.len()
+    }
+
+    /// Whether this process prints progress and writes metrics: rank 0's.
+    pub fn reports(&self) -> bool {
+        self.first_rank == 0
+    }
+
+    fn executor(&self, rank: usize) -> Option<&Executor> {
+        self.ranks.get(rank.checked_sub(self.first_rank)?)
     }
 
     /// Every slot of the stages' `list` (parameters or states) once: the slot of the first
@@ -132,8 +194,8 @@ impl Trainer {
     fn first_held(&self, list: impl Fn(&crate::Program) -> &[Slot]) -> Vec<Slot> {
         let mut seen = std::collections::BTreeSet::new();
         let mut slots = Vec::new();
-        for stage in 0..self.stages() {
-            for slot in list(self.stage_program(stage)) {
+        for program in &self.programs {
+            for slot in list(program) {
                 if seen.insert(slot.name.clone()) {
                     slots.push(slot.clone());
                 }
@@ -153,12 +215,15 @@ impl Trainer {
 
     /// The program of pipeline stage `stage`.
     pub fn stage_program(&self, stage: usize) -> &crate::Program {
-        self.ranks[stage * self.stage_size()].program()
+        &self.programs[stage]
     }
 
     /// The rank's coordinates on the mesh.
     fn coordinates(&self, rank: usize) -> Vec<usize> {
-        self.comm.as_ref().map_or_else(Vec::new, |c| c.coordinates(rank))
+        if self.topology.world_size() <= 1 {
+            return Vec::new();
+        }
+        self.topology.coordinates(rank)
     }
 
     /// Rank `rank`'s block of a global tensor for `slot`.
@@ -184,7 +249,7 @@ impl Trainer {
         if global.len() != expected || slot.placements.contains(&SlotPlacement::PartialSum) {
             return Err(RuntimeError::WrongSize { what: format!("'{}'", slot.name), expected, got: global.len() });
         }
-        for rank in 0..self.ranks.len() {
+        for rank in self.local_ranks() {
             // Each stage holding it places it its own way (a tied embedding's two uses).
             let program = self.rank_program(rank);
             let Some(own) = program.params.iter().chain(&program.states).find(|s| s.name == slot.name) else {
@@ -194,14 +259,15 @@ impl Trainer {
                 return Err(RuntimeError::Plan(format!("stages hold '{}' in different shapes", slot.name)));
             }
             let block = self.block(own, rank, global).into_owned();
-            self.ranks[rank].load_slot(&slot.name, &block)?;
+            self.ranks[rank - self.first_rank].load_slot(&slot.name, &block)?;
         }
         Ok(())
     }
 
     /// The global bytes of a parameter or state, reassembled from the blocks of the first stage
-    /// holding it.
+    /// holding it. Only a trainer that runs every rank has them all.
     fn read_global(&self, slot: &Slot) -> Cow<'_, [u8]> {
+        assert!(self.processes.is_none(), "a process of a job holds only its own rank's blocks");
         let first = (0..self.ranks.len()).find(|&r| self.ranks[r].read_slot(&slot.name).is_some());
         let first = first.expect("a slot of a stage") / self.stage_size() * self.stage_size();
         let local = |rank: usize| self.ranks[rank].read_slot(&slot.name).expect("a slot of the stage");
@@ -224,12 +290,12 @@ impl Trainer {
 
     /// The program of stage 0 (the only one without a pipeline).
     pub fn program(&self) -> &crate::Program {
-        self.ranks[0].program()
+        &self.programs[0]
     }
 
     /// The program `rank` runs.
     pub fn rank_program(&self, rank: usize) -> &crate::Program {
-        self.ranks[rank].program()
+        &self.programs[self.topology.stage(rank)]
     }
 
     /// Times the ranks' steps by `clock` from now on (see [`crate::clock`]). The CPU clock
@@ -284,26 +350,42 @@ impl Trainer {
 
     /// The time `rank` spent in each of its program's instructions since profiling was enabled.
     pub fn profile(&self, rank: usize) -> Option<&[std::time::Duration]> {
-        self.ranks.get(rank)?.profile()
+        self.executor(rank)?.profile()
     }
 
     /// Ranks running the plan.
     pub fn world_size(&self) -> usize {
-        self.ranks.len()
+        self.topology.world_size()
     }
 
-    /// What each rank actually allocated (its arena plus the most communication staging it
-    /// held) and the bytes it sent since the trainer was made, by collective.
-    pub fn measured(&self) -> Vec<(usize, crate::comm::CommBytes)> {
-        (0..self.ranks.len())
+    /// What each rank of the job actually allocated (its arena plus the most communication
+    /// staging it held) and the bytes it sent since the trainer was made, by collective. In a
+    /// job of processes, every process takes part (they exchange their figures).
+    pub fn measured(&self) -> Result<Vec<(usize, CommBytes)>, RuntimeError> {
+        let local: Vec<(usize, CommBytes)> = self
+            .local_ranks()
             .map(|rank| {
-                let arena = self.ranks[rank].arena_bytes();
+                let arena = self.executor(rank).expect("a local rank").arena_bytes();
                 match &self.comm {
                     Some(comm) => (arena + comm.staging_peak(rank), comm.bytes_sent(rank)),
-                    None => (arena, crate::comm::CommBytes::default()),
+                    None => (arena, CommBytes::default()),
                 }
             })
-            .collect()
+            .collect();
+        let Some(job) = &self.processes else { return Ok(local) };
+        let [(peak, sent)] = &local[..] else { unreachable!("a process runs one rank") };
+        let figures = [*peak, sent.all_reduce, sent.all_gather, sent.reduce_scatter, sent.send];
+        let bytes: Vec<u8> = figures.iter().flat_map(|&f| (f as u64).to_le_bytes()).collect();
+        let all = job.all_gather(&bytes)?;
+        Ok(all
+            .chunks(bytes.len())
+            .map(|rank| {
+                let f: Vec<usize> =
+                    rank.chunks(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize).collect();
+                let sent = CommBytes { all_reduce: f[1], all_gather: f[2], reduce_scatter: f[3], send: f[4] };
+                (f[0], sent)
+            })
+            .collect())
     }
 
     pub fn fingerprint(&self) -> &str {
@@ -440,9 +522,10 @@ impl Trainer {
             Feed::Step => scalar((step + 1) as f32),
         };
         let global: Vec<Vec<HostTensor>> = self.feeds.iter().map(|feeds| feeds.iter().map(global).collect()).collect();
-        let feeds: Vec<Vec<HostTensor>> = (0..self.ranks.len())
+        let feeds: Vec<Vec<HostTensor>> = self
+            .local_ranks()
             .map(|rank| {
-                let stage = rank / self.stage_size();
+                let stage = self.topology.stage(rank);
                 self.rank_program(rank)
                     .inputs
                     .iter()
@@ -467,40 +550,60 @@ impl Trainer {
             Clock::Wall => seconds,
             Clock::Cpu => runs.iter().map(|r| r.length.as_secs_f64()).fold(0.0, f64::max),
         };
-        let idle = runs.iter().map(|r| 1.0 - r.busy().as_secs_f64() / length.max(f64::MIN_POSITIVE)).collect();
+        let mut idle: Vec<f64> =
+            runs.iter().map(|r| 1.0 - r.busy().as_secs_f64() / length.max(f64::MIN_POSITIVE)).collect();
+        // The loss and the step's other scalars, from the last stage's first rank.
         let program = self.stage_program(self.stages() - 1);
-        let scalars: Vec<(String, f64)> = program
-            .outputs
-            .iter()
-            .zip(&outputs)
-            .filter(|(slot, _)| slot.numel() == 1 && slot.dtype == DType::F32)
-            .map(|(slot, t)| (slot.name.clone(), f32::from_le_bytes(t.data[..4].try_into().expect("4 bytes")) as f64))
+        let scalar_outputs: Vec<usize> = (0..program.outputs.len())
+            .filter(|&i| program.outputs[i].numel() == 1 && program.outputs[i].dtype == DType::F32)
             .collect();
-        let loss = f32::from_le_bytes(outputs[self.loss_index].data[..4].try_into().expect("a scalar f32 loss")) as f64;
-        Ok(StepMetrics { step: step + 1, lr, loss, scalars, seconds, idle })
+        let mut values: Vec<f64> = match &outputs {
+            Some(outputs) => {
+                let value = |i: usize| f32::from_le_bytes(outputs[i].data[..4].try_into().expect("4 bytes")) as f64;
+                std::iter::once(self.loss_index).chain(scalar_outputs.iter().copied()).map(value).collect()
+            }
+            None => vec![0.0; 1 + scalar_outputs.len()],
+        };
+        if let Some(job) = &self.processes {
+            let mut bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            job.broadcast(self.reporting_rank(), &mut bytes)?;
+            values = f64s(&bytes);
+            idle = f64s(&job.all_gather(&idle[0].to_le_bytes())?);
+        }
+        let scalars =
+            scalar_outputs.iter().zip(&values[1..]).map(|(&i, &v)| (program.outputs[i].name.clone(), v)).collect();
+        Ok(StepMetrics { step: step + 1, lr, loss: values[0], scalars, seconds, idle })
     }
 
-    /// Runs every rank on its feed (each a thread when there are several); returns the outputs
-    /// of the last stage's first rank (outputs are replicated over the mesh). A failing rank
-    /// aborts the others' communication.
-    fn run_ranks(&mut self, feeds: &[Vec<HostTensor>]) -> Result<Vec<HostTensor>, RuntimeError> {
+    /// The rank whose outputs a step reports: the last stage's first (outputs are replicated
+    /// over the mesh).
+    fn reporting_rank(&self) -> usize {
+        self.world_size() - self.stage_size()
+    }
+
+    /// Runs this process's ranks on their feeds (each a thread when there are several); returns
+    /// the outputs of the reporting rank, if it is one of them. A failing rank aborts the
+    /// others' communication.
+    fn run_ranks(&mut self, feeds: &[Vec<HostTensor>]) -> Result<Option<Vec<HostTensor>>, RuntimeError> {
+        let reporting = self.reporting_rank();
         if let [only] = &mut self.ranks[..] {
-            return only.run(&feeds[0]);
+            let outputs = only.run(&feeds[0])?;
+            return Ok((self.first_rank == reporting).then_some(outputs));
         }
         let comm = self.comm.clone().expect("several ranks have a communicator");
-        let reporting = self.ranks.len() - self.stage_size();
         let results: Vec<Result<Vec<HostTensor>, RuntimeError>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .ranks
                 .iter_mut()
                 .zip(feeds)
                 .zip(&self.pools)
-                .map(|((exec, feed), pool)| {
+                .enumerate()
+                .map(|(rank, ((exec, feed), pool))| {
                     let comm = comm.clone();
                     scope.spawn(move || {
                         let result = pool.install(|| exec.run(feed));
-                        if result.is_err() {
-                            comm.abort();
+                        if let Err(e) = &result {
+                            comm.abort(rank, e);
                         }
                         result
                     })
@@ -524,7 +627,7 @@ impl Trainer {
         }
         match failure.or(stopped) {
             Some(e) => Err(e),
-            None => Ok(outputs.expect("the reporting rank returned outputs")),
+            None => Ok(Some(outputs.expect("the reporting rank returned outputs"))),
         }
     }
 
@@ -590,7 +693,7 @@ impl Trainer {
             shapes: BTreeMap::new(),
             blocks: BTreeMap::new(),
         };
-        if self.ranks.len() > 1 {
+        if self.world_size() > 1 {
             return self.save_shards(dir, &manifest, keep_last);
         }
         let (params, states) = (self.params(), self.states());
@@ -605,36 +708,46 @@ impl Trainer {
 }
 
 impl Trainer {
-    /// Saves each rank's blocks of parameters and states to its own file; a block replicated
-    /// over a mesh axis is written by that axis's rank 0 only.
-    fn save_shards(&self, dir: &Path, manifest: &Manifest, keep_last: Option<usize>) -> Result<PathBuf, RuntimeError> {
-        // A slot two stages hold (tied embeddings) is written by the first.
-        let mut first_stage: BTreeMap<&str, usize> = BTreeMap::new();
-        for stage in 0..self.stages() {
-            let program = self.stage_program(stage);
-            for slot in program.params.iter().chain(&program.states) {
-                first_stage.entry(slot.name.as_str()).or_insert(stage);
-            }
-        }
-        let mut files = Vec::new();
-        for (rank, exec) in self.ranks.iter().enumerate() {
-            let coords = self.coordinates(rank);
-            let stage = rank / self.stage_size();
-            let program = exec.program();
-            let mut blocks = Vec::new();
-            for slot in program.params.iter().chain(&program.states) {
-                let owner = first_stage[slot.name.as_str()] == stage
-                    && slot.placements.iter().zip(&coords).all(|(p, &c)| *p != SlotPlacement::Replicate || c == 0);
-                if !owner {
-                    continue;
-                }
-                let (offsets, _) = shard_block(&slot.global_shape, &slot.cuts(&program.mesh, &coords));
+    /// The slots `rank` writes to its checkpoint file, with their offsets in the global tensor:
+    /// the blocks of its stage's parameters and states that it owns. A block replicated over a
+    /// mesh axis is owned by that axis's rank 0, a slot two stages hold (tied embeddings) by
+    /// the first.
+    fn owned_blocks(&self, rank: usize) -> Vec<(&Slot, Vec<usize>)> {
+        let stage = self.topology.stage(rank);
+        let first_stage =
+            |name: &str| self.programs.iter().position(|p| p.params.iter().chain(&p.states).any(|s| s.name == name));
+        let coords = self.coordinates(rank);
+        let program = &self.programs[stage];
+        program
+            .params
+            .iter()
+            .chain(&program.states)
+            .filter(|slot| {
+                first_stage(&slot.name) == Some(stage)
+                    && slot.placements.iter().zip(&coords).all(|(p, &c)| *p != SlotPlacement::Replicate || c == 0)
+            })
+            .map(|slot| (slot, shard_block(&slot.global_shape, &slot.cuts(&program.mesh, &coords)).0))
+            .collect()
+    }
+
+    /// `rank`'s checkpoint file and the blocks in it.
+    fn rank_file(&self, rank: usize) -> (String, Vec<checkpoint::SavedBlock<'_>>) {
+        let exec = self.executor(rank).expect("a rank of this process");
+        let blocks = self
+            .owned_blocks(rank)
+            .into_iter()
+            .map(|(slot, offsets)| {
                 let bytes = exec.read_slot(&slot.name).expect("a slot of the program");
                 let tensor = TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.shape.clone(), bytes };
-                blocks.push(checkpoint::SavedBlock { tensor, offsets: Some((offsets, slot.global_shape.clone())) });
-            }
-            files.push((format!("rank-{rank:05}.safetensors"), blocks));
-        }
+                checkpoint::SavedBlock { tensor, offsets: Some((offsets, slot.global_shape.clone())) }
+            })
+            .collect();
+        (rank_file_name(rank), blocks)
+    }
+
+    /// Saves each rank's blocks of parameters and states to its own file. In a job of
+    /// processes each writes its own, and rank 0 makes them a checkpoint once all are written.
+    fn save_shards(&self, dir: &Path, manifest: &Manifest, keep_last: Option<usize>) -> Result<PathBuf, RuntimeError> {
         // The model's parameters: a weight trained in parts once.
         let mut params: Vec<String> = Vec::new();
         for slot in self.param_slots() {
@@ -643,8 +756,49 @@ impl Trainer {
                 params.push(name);
             }
         }
-        checkpoint::save_files(dir, manifest, params, files, keep_last)
+        let Some(job) = &self.processes else {
+            let files = self.local_ranks().map(|rank| self.rank_file(rank)).collect();
+            return checkpoint::save_files(dir, manifest, params, files, keep_last);
+        };
+        let layout: Vec<checkpoint::FileLayout> = (0..self.world_size())
+            .map(|rank| {
+                let blocks = self.owned_blocks(rank);
+                let tensors = blocks
+                    .into_iter()
+                    .map(|(slot, offsets)| (slot.name.clone(), Some((offsets, slot.global_shape.clone()))))
+                    .collect();
+                (rank_file_name(rank), tensors)
+            })
+            .collect();
+        // Rank 0 prepares the staging directory, named after its process id.
+        let mut id = (std::process::id() as u64).to_le_bytes();
+        job.broadcast(0, &mut id)?;
+        let job_id = u64::from_le_bytes(id);
+        let staging = if job.rank() == 0 {
+            checkpoint::stage(dir, manifest.step, job_id)?
+        } else {
+            checkpoint::staging_dir(dir, manifest.step, job_id)
+        };
+        job.barrier()?;
+        let (file, blocks) = self.rank_file(job.rank());
+        checkpoint::write_file(&staging, &file, &blocks)?;
+        if job.rank() == 0 {
+            checkpoint::crash_if_asked(manifest.step, &staging);
+        }
+        job.barrier()?;
+        let target = if job.rank() == 0 {
+            checkpoint::commit(dir, &staging, &checkpoint::with_layout(manifest, params, &layout), keep_last)?
+        } else {
+            dir.join(checkpoint::step_dir_name(manifest.step))
+        };
+        job.barrier()?;
+        Ok(target)
     }
+}
+
+/// The checkpoint file of a rank's blocks.
+fn rank_file_name(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
 }
 
 /// Kernel threads per rank when `ranks` ranks share the available cores (at least one each).
@@ -677,4 +831,9 @@ fn refs<'a>(tensors: &'a [(Slot, Cow<'_, [u8]>)]) -> Vec<TensorRef<'a>> {
 /// The first 12 hex digits of a fingerprint, enough to tell two apart in a message.
 fn short(fingerprint: &str) -> &str {
     &fingerprint[..fingerprint.len().min(12)]
+}
+
+/// Little-endian f64s.
+fn f64s(bytes: &[u8]) -> Vec<f64> {
+    bytes.chunks(8).map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
 }

@@ -1,0 +1,641 @@
+//! [`MpiComm`]: one rank per process, over MPI (`mpirun`, `srun`, `autotp run --launch`).
+//!
+//! - **Groups**: at start every process splits `MPI_COMM_WORLD` once per mesh axis (color: the
+//!   group's first rank, key: the coordinate on the axis), so a collective on an axis is one
+//!   MPI collective on that axis's communicator. Pipeline messages go over `MPI_COMM_WORLD`.
+//! - **Order**: a rank's compute thread and its communication thread both issue collectives;
+//!   each axis runs them in the order of their sequence numbers (a turnstile per axis), the
+//!   same order on every rank, as MPI requires.
+//! - **Collectives**: all-reduce of f32, f64 and i64 is `MPI_Allreduce`; 16-bit floats (which
+//!   MPI cannot add) are gathered and added in coordinate order, as [`super::LocalComm`] does.
+//!   An all-gather along an outer dimension is `MPI_Allgather` into the output; along an inner
+//!   one, into staging and then interleaved. A reduce-scatter is an all-reduce and the rank's
+//!   slice: Open MPI 4.1's `MPI_Reduce_scatter_block` was 4-10x slower than its all-reduce on
+//!   one machine (see the notes on measurements in the README). With groups of two ranks the
+//!   sums are bit-identical to the in-process ones (a + b = b + a); larger groups may add in
+//!   another order.
+//! - **Asynchronous collectives** run on the executor's communication thread, blocked in MPI
+//!   while the compute thread works: that thread is what makes them progress (Open MPI's
+//!   non-blocking collectives advance only inside MPI calls).
+//! - **Pipeline messages**: a send copies its bytes (the program may overwrite the region at
+//!   once) and starts two `MPI_Isend`s, a header (tag, clock stamp, length) and the payload;
+//!   the receiver checks the header before it takes the payload into its region. Completed
+//!   sends are reaped on later calls and their buffers reused.
+//! - **Failure**: a rank whose run fails prints why and calls `MPI_Abort`, which ends every
+//!   process ([`MpiComm::abort_job`]; the panic hook does the same). A watchdog thread ends the
+//!   job when one operation has waited longer than the timeout (`--comm-timeout`): a rank that
+//!   stopped or hangs would otherwise block the others forever (MPI has no timeouts).
+
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use autotp_kernels::{DType, Kernel};
+
+use super::mpi_library::{self, Handle, MpiLibrary, Status};
+use super::{slice_for, sum, unexpected_message, CollectiveKind, CollectiveOp, CommBytes, Communicator, Topology};
+use crate::RuntimeError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MpiError {
+    #[error(transparent)]
+    Load(#[from] mpi_library::LoadError),
+    #[error("{call} failed: {message}")]
+    Call { call: &'static str, message: String },
+    #[error("MPI gives thread support level {provided}; autotp needs MPI_THREAD_MULTIPLE (3)")]
+    ThreadLevel { provided: c_int },
+    #[error("{launcher} started {launched} process(es), but MPI sees a world of {mpi}: {hint}")]
+    WorldMismatch { launcher: &'static str, launched: usize, mpi: usize, hint: &'static str },
+    #[error("the plan has {plan} ranks ({layout}), but the job has {world} processes: start {plan}")]
+    PlanMismatch { plan: usize, layout: String, world: usize },
+}
+
+/// One mesh axis's communicator, as this rank sees it.
+struct AxisGroup {
+    comm: Handle,
+    size: usize,
+    coord: usize,
+    /// The sequence number of the next collective to run on the axis.
+    next: Mutex<u64>,
+    turn: Condvar,
+}
+
+/// Sends in flight: their requests and the buffers they read.
+#[derive(Default)]
+struct Outbox {
+    sends: Vec<([Handle; 2], [Vec<u8>; 2])>,
+    spare: Vec<Vec<u8>>,
+}
+
+/// Operations waiting on other ranks, watched for the timeout.
+struct Watch {
+    /// (id, what, since when).
+    waiting: Vec<(u64, String, Instant)>,
+    next_id: u64,
+}
+
+const HEADER_BYTES: usize = 24;
+/// The MPI tag of pipeline messages (their own tags travel in the header).
+const PIPELINE_TAG: c_int = 0;
+/// The most elements one MPI call takes (its counts are C ints).
+const MAX_COUNT: usize = 1 << 30;
+
+/// This process's rank of a job over MPI.
+pub struct MpiComm {
+    lib: MpiLibrary,
+    topology: Topology,
+    rank: usize,
+    /// Processes of the job on this node.
+    local_size: usize,
+    axes: Vec<AxisGroup>,
+    sent: Mutex<CommBytes>,
+    staging_peak: AtomicUsize,
+    outbox: Mutex<Outbox>,
+    watch: Arc<Mutex<Watch>>,
+    timeout: Duration,
+    /// Every rank's host (a hash of its name) and process id, to tell which rank stopped.
+    peers: Vec<(u64, u32)>,
+}
+
+// SAFETY: the handles are Open MPI's communicators, used under MPI_THREAD_MULTIPLE; each axis's
+// collectives are serialized by its turnstile, the outbox by its lock.
+unsafe impl Send for MpiComm {}
+unsafe impl Sync for MpiComm {}
+
+impl MpiComm {
+    /// Initialises MPI for a job the launcher `launcher` started as `launched` processes, for a
+    /// plan of `topology`; operations waiting longer than `timeout` end the job.
+    pub fn init(
+        topology: Topology,
+        launcher: &'static str,
+        launched: usize,
+        timeout: Duration,
+    ) -> Result<Arc<MpiComm>, MpiError> {
+        // Open MPI busy-polls in blocking calls; with ranks sharing cores, the communication
+        // thread polling would take the compute threads' time.
+        if std::env::var_os("OMPI_MCA_mpi_yield_when_idle").is_none() {
+            std::env::set_var("OMPI_MCA_mpi_yield_when_idle", "1");
+        }
+        let lib = MpiLibrary::load()?;
+        let check = |call: &'static str, rc: c_int| -> Result<(), MpiError> {
+            if rc == mpi_library::SUCCESS {
+                Ok(())
+            } else {
+                Err(MpiError::Call { call, message: lib.error_string(rc) })
+            }
+        };
+        let mut initialized: c_int = 0;
+        check("MPI_Initialized", unsafe { (lib.MPI_Initialized)(&mut initialized) })?;
+        if initialized == 0 {
+            let mut provided: c_int = 0;
+            let rc = unsafe {
+                (lib.MPI_Init_thread)(
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    mpi_library::THREAD_MULTIPLE,
+                    &mut provided,
+                )
+            };
+            check("MPI_Init_thread", rc)?;
+            if provided < mpi_library::THREAD_MULTIPLE {
+                return Err(MpiError::ThreadLevel { provided });
+            }
+        }
+        let world = lib.comm_world;
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        check("MPI_Comm_rank", unsafe { (lib.MPI_Comm_rank)(world, &mut rank) })?;
+        check("MPI_Comm_size", unsafe { (lib.MPI_Comm_size)(world, &mut size) })?;
+        let (rank, size) = (rank as usize, size as usize);
+        if size != launched {
+            let hint = if launcher == "SLURM" {
+                "Open MPI needs srun's PMIx (srun --mpi=pmix), or start the job with mpirun"
+            } else {
+                "start the processes with mpirun (or autotp run --launch N)"
+            };
+            return Err(MpiError::WorldMismatch { launcher, launched, mpi: size, hint });
+        }
+        if size != topology.world_size() {
+            let layout = format!("{} stage(s) of mesh {:?}", topology.stages, topology.sizes);
+            return Err(MpiError::PlanMismatch { plan: topology.world_size(), layout, world: size });
+        }
+        let mut axes = Vec::new();
+        for axis in 0..topology.sizes.len() {
+            let coord = topology.coordinates(rank)[axis];
+            let mut comm: Handle = std::ptr::null_mut();
+            let color = topology.group_leader(rank, axis) as c_int;
+            check("MPI_Comm_split", unsafe { (lib.MPI_Comm_split)(world, color, coord as c_int, &mut comm) })?;
+            let size = topology.sizes[axis];
+            axes.push(AxisGroup { comm, size, coord, next: Mutex::new(0), turn: Condvar::new() });
+        }
+        let mut node: Handle = std::ptr::null_mut();
+        let rc = unsafe {
+            (lib.MPI_Comm_split_type)(world, mpi_library::COMM_TYPE_SHARED, rank as c_int, lib.info_null, &mut node)
+        };
+        check("MPI_Comm_split_type", rc)?;
+        let mut local_size: c_int = 0;
+        check("MPI_Comm_size", unsafe { (lib.MPI_Comm_size)(node, &mut local_size) })?;
+        let watch = Arc::new(Mutex::new(Watch { waiting: Vec::new(), next_id: 0 }));
+        let mut comm = MpiComm {
+            lib,
+            topology,
+            rank,
+            local_size: local_size.max(1) as usize,
+            axes,
+            sent: Mutex::new(CommBytes::default()),
+            staging_peak: AtomicUsize::new(0),
+            outbox: Mutex::new(Outbox::default()),
+            watch,
+            timeout,
+            peers: Vec::new(),
+        };
+        let own: Vec<u8> = [host_id(), std::process::id() as u64].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut all = vec![0u8; own.len() * size];
+        comm.all_gather_bytes(comm.lib.comm_world, &own, &mut all)
+            .map_err(|e| MpiError::Call { call: "MPI_Allgather", message: e.to_string() })?;
+        comm.peers = all
+            .chunks(16)
+            .map(|c| {
+                let host = u64::from_le_bytes(c[..8].try_into().expect("8 bytes"));
+                (host, u64::from_le_bytes(c[8..].try_into().expect("8 bytes")) as u32)
+            })
+            .collect();
+        let comm = Arc::new(comm);
+        comm.start_watchdog();
+        Ok(comm)
+    }
+
+    /// What this node can see of the other ranks on it: those stopped (SIGSTOP, a debugger) or
+    /// gone. Ranks on other nodes are not seen.
+    fn local_peer_states(&self) -> Vec<String> {
+        let here = host_id();
+        let mut states = Vec::new();
+        for (rank, &(host, pid)) in self.peers.iter().enumerate() {
+            if rank == self.rank || host != here {
+                continue;
+            }
+            match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                Err(_) => states.push(format!("rank {rank} (pid {pid}) is gone")),
+                Ok(stat) => {
+                    // The state follows the command name, which is in parentheses.
+                    let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+                    match state {
+                        Some('T') | Some('t') => states.push(format!("rank {rank} (pid {pid}) is stopped")),
+                        Some('Z') | Some('X') => states.push(format!("rank {rank} (pid {pid}) is gone")),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        states
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Processes of the job on this node (they share its cores).
+    pub fn local_size(&self) -> usize {
+        self.local_size
+    }
+
+    /// Waits for every rank (not watched: a rank may be writing a large checkpoint).
+    pub fn barrier(&self) -> Result<(), RuntimeError> {
+        self.call("MPI_Barrier", unsafe { (self.lib.MPI_Barrier)(self.lib.comm_world) })
+    }
+
+    /// Gives every rank `root`'s `bytes`.
+    pub fn broadcast(&self, root: usize, bytes: &mut [u8]) -> Result<(), RuntimeError> {
+        let _watched = self.watched(|| format!("a broadcast from rank {root}"));
+        for chunk in bytes.chunks_mut(MAX_COUNT) {
+            let rc = unsafe {
+                (self.lib.MPI_Bcast)(
+                    chunk.as_mut_ptr().cast(),
+                    chunk.len() as c_int,
+                    self.lib.byte,
+                    root as c_int,
+                    self.lib.comm_world,
+                )
+            };
+            self.call("MPI_Bcast", rc)?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's `bytes` (of one length on all), in rank order.
+    pub fn all_gather(&self, bytes: &[u8]) -> Result<Vec<u8>, RuntimeError> {
+        let _watched = self.watched(|| "an exchange of every rank's figures".to_string());
+        let mut all = vec![0u8; bytes.len() * self.topology.world_size()];
+        self.all_gather_bytes(self.lib.comm_world, bytes, &mut all)?;
+        Ok(all)
+    }
+
+    /// Ends every process of the job: prints `why` as this rank's and calls `MPI_Abort`.
+    pub fn abort_job(&self, why: &str) -> ! {
+        eprintln!("autotp: rank {} of {}: {why}; ending the job", self.rank, self.topology.world_size());
+        abort_world(&self.lib)
+    }
+
+    /// Ends the job, from the panic hook: makes a panicking rank end the job instead of
+    /// unwinding into `MPI_Finalize` while the others wait for it.
+    pub fn install_panic_hook(self: &Arc<MpiComm>) {
+        let comm = self.clone();
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            comm.abort_job("panicked");
+        }));
+    }
+
+    /// Finishes MPI after a run that succeeded (every send done first).
+    pub fn finalize(&self) -> Result<(), RuntimeError> {
+        self.reap(true)?;
+        self.call("MPI_Finalize", unsafe { (self.lib.MPI_Finalize)() })
+    }
+
+    fn call(&self, call: &'static str, rc: c_int) -> Result<(), RuntimeError> {
+        if rc == mpi_library::SUCCESS {
+            Ok(())
+        } else {
+            Err(RuntimeError::Comm(format!("{call} failed: {}", self.lib.error_string(rc))))
+        }
+    }
+
+    fn check_rank(&self, rank: usize) -> Result<(), RuntimeError> {
+        if rank == self.rank {
+            Ok(())
+        } else {
+            Err(RuntimeError::Comm(format!("process of rank {} asked to act as rank {rank}", self.rank)))
+        }
+    }
+
+    /// Watches the operation `what` until the returned guard drops.
+    fn watched(&self, what: impl FnOnce() -> String) -> WatchGuard<'_> {
+        let mut watch = self.watch.lock().expect("watch");
+        let id = watch.next_id;
+        watch.next_id += 1;
+        watch.waiting.push((id, what(), Instant::now()));
+        WatchGuard { watch: &self.watch, id }
+    }
+
+    /// Starts the thread that ends the job when an operation waits past the timeout.
+    fn start_watchdog(self: &Arc<MpiComm>) {
+        let watch = self.watch.clone();
+        let comm = Arc::downgrade(self);
+        let timeout = self.timeout;
+        std::thread::Builder::new()
+            .name("autotp-watchdog".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(100).min(timeout / 4));
+                let Some(comm) = comm.upgrade() else { return };
+                let stuck = {
+                    let watch = watch.lock().expect("watch");
+                    watch
+                        .waiting
+                        .iter()
+                        .find(|(_, _, since)| since.elapsed() > timeout)
+                        .map(|(_, what, since)| (what.clone(), since.elapsed().as_secs_f64()))
+                };
+                if let Some((what, waited)) = stuck {
+                    let seen = comm.local_peer_states();
+                    let cause = if seen.is_empty() {
+                        "a rank stopped, hangs or is far slower; if it is only slow, raise --comm-timeout".to_string()
+                    } else {
+                        seen.join(", ")
+                    };
+                    comm.abort_job(&format!(
+                        "{what} has waited {waited:.1} s for the other ranks (--comm-timeout {} s): {cause}",
+                        timeout.as_secs_f64()
+                    ));
+                }
+            })
+            .expect("the watchdog thread starts");
+    }
+
+    /// Waits for this axis's turn `seq`, runs `f`, and opens the next turn.
+    fn in_turn<T>(&self, axis: &AxisGroup, seq: u64, f: impl FnOnce() -> T) -> T {
+        let mut next = axis.next.lock().expect("turnstile");
+        while *next != seq {
+            next = axis.turn.wait(next).expect("turnstile");
+        }
+        drop(next);
+        let result = f();
+        *axis.next.lock().expect("turnstile") += 1;
+        axis.turn.notify_all();
+        result
+    }
+
+    fn all_reduce(&self, comm: Handle, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<(), RuntimeError> {
+        let mpi_type = match dtype {
+            DType::F32 => self.lib.float,
+            DType::F64 => self.lib.double,
+            DType::I64 => self.lib.int64,
+            _ => unreachable!("all_reduce_natively checked the dtype"),
+        };
+        let size = dtype.size();
+        for (i, o) in input.chunks(MAX_COUNT * size).zip(output.chunks_mut(MAX_COUNT * size)) {
+            let rc = unsafe {
+                (self.lib.MPI_Allreduce)(
+                    i.as_ptr().cast(),
+                    o.as_mut_ptr().cast(),
+                    (i.len() / size) as c_int,
+                    mpi_type,
+                    self.lib.op_sum,
+                    comm,
+                )
+            };
+            self.call("MPI_Allreduce", rc)?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's `input`, concatenated in coordinate order into `output`.
+    fn all_gather_bytes(&self, comm: Handle, input: &[u8], output: &mut [u8]) -> Result<(), RuntimeError> {
+        if input.len() > i32::MAX as usize {
+            return Err(RuntimeError::Comm(format!(
+                "an all-gather of {} bytes per rank: the MPI backend gathers at most 2 GiB per rank in one call",
+                input.len()
+            )));
+        }
+        let rc = unsafe {
+            (self.lib.MPI_Allgather)(
+                input.as_ptr().cast(),
+                input.len() as c_int,
+                self.lib.byte,
+                output.as_mut_ptr().cast(),
+                input.len() as c_int,
+                self.lib.byte,
+                comm,
+            )
+        };
+        self.call("MPI_Allgather", rc)
+    }
+
+    /// Completes the sends that are done (all of them with `wait`), keeping their buffers.
+    fn reap(&self, wait: bool) -> Result<(), RuntimeError> {
+        let mut outbox = self.outbox.lock().expect("outbox");
+        let Outbox { sends, spare } = &mut *outbox;
+        let mut failure = None;
+        sends.retain_mut(|(requests, buffers)| {
+            let mut statuses = [Status::default(), Status::default()];
+            let rc = if wait {
+                unsafe { (self.lib.MPI_Waitall)(2, requests.as_mut_ptr(), statuses.as_mut_ptr()) }
+            } else {
+                let mut done: c_int = 0;
+                let rc = unsafe { (self.lib.MPI_Testall)(2, requests.as_mut_ptr(), &mut done, statuses.as_mut_ptr()) };
+                if rc == mpi_library::SUCCESS && done == 0 {
+                    return true;
+                }
+                rc
+            };
+            if let Err(e) = self.call("MPI_Testall", rc) {
+                failure.get_or_insert(e);
+            }
+            spare.extend(buffers.iter_mut().map(std::mem::take));
+            false
+        });
+        failure.map_or(Ok(()), Err)
+    }
+}
+
+impl Communicator for MpiComm {
+    fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    fn collective(
+        &self,
+        rank: usize,
+        op: &CollectiveOp,
+        seq: u64,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<(), RuntimeError> {
+        self.check_rank(rank)?;
+        let CollectiveOp { kind, axis, dtype, ref shape } = *op;
+        let group = self.axes.get(axis).ok_or_else(|| RuntimeError::Comm(format!("no mesh axis {axis}")))?;
+        let (n, coord) = (group.size, group.coord);
+        let kernel_error = |source| RuntimeError::Kernel { label: kind.name().into(), source };
+        if kind.output_shape(shape, n).is_none() {
+            return Err(RuntimeError::Comm(format!("{} of {shape:?} over {n} ranks", kind.name())));
+        }
+        if let CollectiveKind::ShardSlice { dim } = kind {
+            return slice_for(dtype, shape, dim, coord, n, input, output).map_err(kernel_error);
+        }
+        let native = matches!(dtype, DType::F32 | DType::F64 | DType::I64);
+        // Staging: a reduce-scatter's sum, an inner all-gather's chunks, a 16-bit reduction's
+        // inputs and sum.
+        let staging = match kind {
+            CollectiveKind::AllReduce if native => 0,
+            CollectiveKind::AllReduce => (n + 1) * input.len(),
+            CollectiveKind::ReduceScatter { .. } if native => input.len(),
+            CollectiveKind::ReduceScatter { .. } => (n + 1) * input.len(),
+            CollectiveKind::AllGather { dim } if shape[..dim].iter().product::<usize>() == 1 => 0,
+            CollectiveKind::AllGather { .. } => n * input.len(),
+            CollectiveKind::ShardSlice { .. } => 0,
+        };
+        self.staging_peak.fetch_max(staging, Ordering::SeqCst);
+        let _watched = self.watched(|| format!("rank {}'s {} #{seq} on mesh axis {axis}", self.rank, kind.name()));
+        self.in_turn(group, seq, || -> Result<(), RuntimeError> {
+            // A sum in coordinate order of every rank's input (16-bit floats).
+            let gathered_sum = |into: &mut [u8]| -> Result<(), RuntimeError> {
+                let mut all = vec![0u8; n * input.len()];
+                self.all_gather_bytes(group.comm, input, &mut all)?;
+                let inputs: Vec<&[u8]> = all.chunks(input.len()).collect();
+                sum(dtype, shape, &inputs, into).map_err(kernel_error)
+            };
+            match kind {
+                CollectiveKind::AllReduce if native => self.all_reduce(group.comm, dtype, input, output),
+                CollectiveKind::AllReduce => gathered_sum(output),
+                CollectiveKind::ReduceScatter { dim } => {
+                    let mut total = vec![0u8; input.len()];
+                    if native {
+                        self.all_reduce(group.comm, dtype, input, &mut total)?;
+                    } else {
+                        gathered_sum(&mut total)?;
+                    }
+                    slice_for(dtype, shape, dim, coord, n, &total, output).map_err(kernel_error)
+                }
+                CollectiveKind::AllGather { dim } if shape[..dim].iter().product::<usize>() == 1 => {
+                    self.all_gather_bytes(group.comm, input, output)
+                }
+                CollectiveKind::AllGather { dim } => {
+                    let mut all = vec![0u8; n * input.len()];
+                    self.all_gather_bytes(group.comm, input, &mut all)?;
+                    let chunks: Vec<&[u8]> = all.chunks(input.len()).collect();
+                    let concat = Kernel::Concat { dtype, shapes: vec![shape.to_vec(); n], axis: dim };
+                    concat.run(&chunks, &mut [output]).map_err(kernel_error)
+                }
+                CollectiveKind::ShardSlice { .. } => unreachable!("handled above"),
+            }
+        })?;
+        self.sent.lock().expect("counters").count(kind, input.len(), n);
+        Ok(())
+    }
+
+    fn send(&self, rank: usize, to: usize, tag: u64, bytes: &[u8], sent_at: Duration) -> Result<(), RuntimeError> {
+        self.check_rank(rank)?;
+        let peer = self.topology.on_stage(rank, to)?;
+        if bytes.len() > i32::MAX as usize {
+            return Err(RuntimeError::Comm(format!("a pipeline message of {} bytes (at most 2 GiB)", bytes.len())));
+        }
+        self.reap(false)?;
+        let mut outbox = self.outbox.lock().expect("outbox");
+        let mut header = outbox.spare.pop().unwrap_or_default();
+        header.clear();
+        header.extend_from_slice(&tag.to_le_bytes());
+        header.extend_from_slice(&(sent_at.as_nanos() as u64).to_le_bytes());
+        header.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        let mut payload = outbox.spare.pop().unwrap_or_default();
+        payload.clear();
+        payload.extend_from_slice(bytes);
+        let mut requests: [Handle; 2] = [std::ptr::null_mut(); 2];
+        for (buffer, request) in [&header, &payload].into_iter().zip(&mut requests) {
+            let rc = unsafe {
+                (self.lib.MPI_Isend)(
+                    buffer.as_ptr().cast(),
+                    buffer.len() as c_int,
+                    self.lib.byte,
+                    peer as c_int,
+                    PIPELINE_TAG,
+                    self.lib.comm_world,
+                    request,
+                )
+            };
+            self.call("MPI_Isend", rc)?;
+        }
+        // The vectors move into the outbox; their heap buffers, which MPI reads, stay put.
+        outbox.sends.push((requests, [header, payload]));
+        self.sent.lock().expect("counters").send += bytes.len();
+        Ok(())
+    }
+
+    fn recv(&self, rank: usize, from: usize, tag: u64, output: &mut [u8]) -> Result<Duration, RuntimeError> {
+        self.check_rank(rank)?;
+        let peer = self.topology.on_stage(rank, from)? as c_int;
+        self.reap(false)?;
+        let _watched = self.watched(|| format!("rank {rank}'s receive of message {tag} from stage {from}"));
+        let mut header = [0u8; HEADER_BYTES];
+        let mut status = Status::default();
+        let rc = unsafe {
+            (self.lib.MPI_Recv)(
+                header.as_mut_ptr().cast(),
+                HEADER_BYTES as c_int,
+                self.lib.byte,
+                peer,
+                PIPELINE_TAG,
+                self.lib.comm_world,
+                &mut status,
+            )
+        };
+        self.call("MPI_Recv", rc)?;
+        let field = |i: usize| u64::from_le_bytes(header[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        let (sent, sent_at, len) = (field(0), Duration::from_nanos(field(1)), field(2) as usize);
+        if sent != tag || len != output.len() {
+            return Err(unexpected_message(rank, from, (tag, output.len()), (sent, len)));
+        }
+        let rc = unsafe {
+            (self.lib.MPI_Recv)(
+                output.as_mut_ptr().cast(),
+                len as c_int,
+                self.lib.byte,
+                peer,
+                PIPELINE_TAG,
+                self.lib.comm_world,
+                &mut status,
+            )
+        };
+        self.call("MPI_Recv", rc)?;
+        Ok(sent_at)
+    }
+
+    /// Another process cannot be woken from here, and this one's communication thread may be
+    /// blocked in MPI: the failing rank ends the whole job.
+    fn abort(&self, rank: usize, why: &RuntimeError) {
+        debug_assert_eq!(rank, self.rank);
+        self.abort_job(&format!("failed: {why}"));
+    }
+
+    fn bytes_sent(&self, _rank: usize) -> CommBytes {
+        self.sent.lock().expect("counters").clone()
+    }
+
+    fn staging_peak(&self, _rank: usize) -> usize {
+        self.staging_peak.load(Ordering::SeqCst)
+    }
+
+    fn reset_counts(&self) {
+        *self.sent.lock().expect("counters") = CommBytes::default();
+    }
+}
+
+/// Removes its operation from the watch when dropped.
+struct WatchGuard<'a> {
+    watch: &'a Mutex<Watch>,
+    id: u64,
+}
+
+impl Drop for WatchGuard<'_> {
+    fn drop(&mut self) {
+        self.watch.lock().expect("watch").waiting.retain(|(id, _, _)| *id != self.id);
+    }
+}
+
+fn abort_world(lib: &MpiLibrary) -> ! {
+    // SAFETY: MPI is initialised (an MpiComm exists); MPI_Abort may be called from any thread.
+    unsafe { (lib.MPI_Abort)(lib.comm_world, 1) };
+    // MPI_Abort does not return; if it did, this process must still not go on.
+    std::process::exit(1)
+}
+
+/// This host, as a hash of its name.
+fn host_id() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut name = [0u8; 256];
+    // SAFETY: gethostname writes at most `name.len()` bytes into it.
+    unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut hasher);
+    hasher.finish()
+}
