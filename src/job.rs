@@ -78,7 +78,7 @@ pub fn run_in(job: Option<&Arc<MpiComm>>, body: impl FnOnce() -> Result<()>) -> 
 /// Gives this process's kernels its share of the cores: those it is bound to when the launcher
 /// bound it (Open MPI binds up to two processes to a core each), else the cores it may use
 /// divided among the node's processes.
-fn size_kernel_threads(place: &JobPlace, local_processes: usize) -> Result<()> {
+pub fn size_kernel_threads(place: &JobPlace, local_processes: usize) -> Result<()> {
     let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
     // SAFETY: sysconf reads a system constant.
     let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;

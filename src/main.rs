@@ -18,6 +18,7 @@ use autotp_frontend::{ImportOptions, Model};
 use autotp_runtime::{Executor, HostTensor};
 use clap::{Args, Parser, Subcommand};
 
+mod bench_comm;
 mod compile;
 mod export;
 mod job;
@@ -74,6 +75,9 @@ enum Command {
     /// Run a plan and the one-device program of its model side by side: losses per step,
     /// gradients at step 1, the first parameter that differs (exit status 1 when one does).
     Verify(verify::VerifyArgs),
+    /// Check and time the collectives of the communication backend (under mpirun: MPI, beside
+    /// plain MPI_Allreduce; alone: --ranks N threads), and how an all-reduce overlaps compute.
+    BenchComm(bench_comm::BenchCommArgs),
 }
 
 #[derive(Args)]
@@ -234,6 +238,7 @@ fn main() -> ExitCode {
         },
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
+        Command::BenchComm(args) => bench_comm::run(args),
         Command::Verify(args) => match verify::run(args) {
             Ok(true) => Ok(()),
             Ok(false) => return ExitCode::from(1),

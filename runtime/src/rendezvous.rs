@@ -8,6 +8,9 @@
 //!
 //! Messages: hello = `b"ATPR"`, rank (u32 LE), world size (u32 LE); answer = `b"ATPI"`, the
 //! bytes. Tests: the unit tests below (ranks as threads, arbitrary bytes).
+//!
+//! [`share_from_root`] is what a communicator's bootstrap calls: MPI's broadcast in a job over
+//! MPI (`autotp bench-comm` checks it across processes), else this rendezvous.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -33,6 +36,30 @@ pub enum RendezvousError {
     RootUnreachable { rank: usize, addr: String, waited: Duration, reason: String },
     #[error("rendezvous at {addr}: {message}")]
     Protocol { addr: String, message: String },
+    #[error("sharing through MPI: {0}")]
+    Mpi(String),
+}
+
+/// Every rank's copy of rank 0's `bytes` (which only rank 0 passes): through MPI's broadcast
+/// when the process is a rank of a job over MPI, else through the TCP rendezvous at
+/// `MASTER_ADDR:MASTER_PORT` (waiting at most `timeout`).
+pub fn share_from_root(
+    job: Option<&crate::comm::MpiComm>,
+    place: &crate::launch::JobPlace,
+    bytes: Option<&[u8; SHARED_BYTES]>,
+    timeout: Duration,
+) -> Result<[u8; SHARED_BYTES], RendezvousError> {
+    let Some(job) = job else {
+        return TcpRendezvous::from_env(timeout)?.share(place.rank, place.world_size, bytes);
+    };
+    let mut shared = [0u8; SHARED_BYTES];
+    match (job.rank(), bytes) {
+        (0, Some(bytes)) => shared = *bytes,
+        (0, None) => return Err(RendezvousError::Mpi("rank 0 has no bytes to share".into())),
+        _ => {}
+    }
+    job.broadcast(0, &mut shared).map_err(|e| RendezvousError::Mpi(e.to_string()))?;
+    Ok(shared)
 }
 
 /// Where and how long ranks meet.

@@ -59,6 +59,10 @@ struct AxisGroup {
     /// The sequence number of the next collective to run on the axis.
     next: Mutex<u64>,
     turn: Condvar,
+    /// Staging buffers, kept from one collective to the next (a step runs the same sizes every
+    /// time): a sum to slice, and every rank's input.
+    sum: Mutex<Vec<u8>>,
+    gathered: Mutex<Vec<u8>>,
 }
 
 /// Sends in flight: their requests and the buffers they read.
@@ -166,7 +170,15 @@ impl MpiComm {
             let color = topology.group_leader(rank, axis) as c_int;
             check("MPI_Comm_split", unsafe { (lib.MPI_Comm_split)(world, color, coord as c_int, &mut comm) })?;
             let size = topology.sizes[axis];
-            axes.push(AxisGroup { comm, size, coord, next: Mutex::new(0), turn: Condvar::new() });
+            axes.push(AxisGroup {
+                comm,
+                size,
+                coord,
+                next: Mutex::new(0),
+                turn: Condvar::new(),
+                sum: Mutex::default(),
+                gathered: Mutex::default(),
+            });
         }
         let mut node: Handle = std::ptr::null_mut();
         let rc = unsafe {
@@ -269,6 +281,25 @@ impl MpiComm {
         let mut all = vec![0u8; bytes.len() * self.topology.world_size()];
         self.all_gather_bytes(self.lib.comm_world, bytes, &mut all)?;
         Ok(all)
+    }
+
+    /// Plain `MPI_Allreduce` of f32 sums (as bytes) over every rank, nothing around it: the
+    /// baseline `autotp bench-comm` measures the backend against.
+    pub fn raw_all_reduce(&self, input: &[u8], output: &mut [u8]) -> Result<(), RuntimeError> {
+        if input.len() != output.len() || input.len() / 4 > MAX_COUNT {
+            return Err(RuntimeError::Comm(format!("an all-reduce of {} bytes into {}", input.len(), output.len())));
+        }
+        let rc = unsafe {
+            (self.lib.MPI_Allreduce)(
+                input.as_ptr().cast(),
+                output.as_mut_ptr().cast(),
+                (input.len() / 4) as c_int,
+                self.lib.float,
+                self.lib.op_sum,
+                self.lib.comm_world,
+            )
+        };
+        self.call("MPI_Allreduce", rc)
     }
 
     /// Ends every process of the job: prints `why` as this rank's and calls `MPI_Abort`.
@@ -479,30 +510,32 @@ impl Communicator for MpiComm {
         let _watched = self.watched(|| format!("rank {}'s {} #{seq} on mesh axis {axis}", self.rank, kind.name()));
         self.in_turn(group, seq, || -> Result<(), RuntimeError> {
             // A sum in coordinate order of every rank's input (16-bit floats).
-            let gathered_sum = |into: &mut [u8]| -> Result<(), RuntimeError> {
-                let mut all = vec![0u8; n * input.len()];
-                self.all_gather_bytes(group.comm, input, &mut all)?;
+            let mut gathered = group.gathered.lock().expect("staging");
+            let gathered_sum = |gathered: &mut Vec<u8>, into: &mut [u8]| -> Result<(), RuntimeError> {
+                let all = sized(gathered, n * input.len());
+                self.all_gather_bytes(group.comm, input, all)?;
                 let inputs: Vec<&[u8]> = all.chunks(input.len()).collect();
                 sum(dtype, shape, &inputs, into).map_err(kernel_error)
             };
             match kind {
                 CollectiveKind::AllReduce if native => self.all_reduce(group.comm, dtype, input, output),
-                CollectiveKind::AllReduce => gathered_sum(output),
+                CollectiveKind::AllReduce => gathered_sum(&mut gathered, output),
                 CollectiveKind::ReduceScatter { dim } => {
-                    let mut total = vec![0u8; input.len()];
+                    let mut total = group.sum.lock().expect("staging");
+                    let total = sized(&mut total, input.len());
                     if native {
-                        self.all_reduce(group.comm, dtype, input, &mut total)?;
+                        self.all_reduce(group.comm, dtype, input, total)?;
                     } else {
-                        gathered_sum(&mut total)?;
+                        gathered_sum(&mut gathered, total)?;
                     }
-                    slice_for(dtype, shape, dim, coord, n, &total, output).map_err(kernel_error)
+                    slice_for(dtype, shape, dim, coord, n, total, output).map_err(kernel_error)
                 }
                 CollectiveKind::AllGather { dim } if shape[..dim].iter().product::<usize>() == 1 => {
                     self.all_gather_bytes(group.comm, input, output)
                 }
                 CollectiveKind::AllGather { dim } => {
-                    let mut all = vec![0u8; n * input.len()];
-                    self.all_gather_bytes(group.comm, input, &mut all)?;
+                    let all = sized(&mut gathered, n * input.len());
+                    self.all_gather_bytes(group.comm, input, all)?;
                     let chunks: Vec<&[u8]> = all.chunks(input.len()).collect();
                     let concat = Kernel::Concat { dtype, shapes: vec![shape.to_vec(); n], axis: dim };
                     concat.run(&chunks, &mut [output]).map_err(kernel_error)
@@ -627,6 +660,14 @@ fn abort_world(lib: &MpiLibrary) -> ! {
     unsafe { (lib.MPI_Abort)(lib.comm_world, 1) };
     // MPI_Abort does not return; if it did, this process must still not go on.
     std::process::exit(1)
+}
+
+/// The first `len` bytes of `buffer`, grown to hold them.
+fn sized(buffer: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if buffer.len() < len {
+        buffer.resize(len, 0);
+    }
+    &mut buffer[..len]
 }
 
 /// This host, as a hash of its name.
