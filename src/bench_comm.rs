@@ -91,7 +91,8 @@ pub fn run(args: &BenchCommArgs) -> Result<()> {
         let job = MpiComm::init(topology, place.launcher.name(), place.world_size, Duration::from_secs(120))
             .context("cannot start the job's communication")?;
         job.install_panic_hook();
-        crate::job::size_kernel_threads(&place, job.local_size())?;
+        // Nothing has used the global pool yet: the matmuls get this process's share of cores.
+        rayon::ThreadPoolBuilder::new().num_threads(job.kernel_threads()).build_global()?;
         Ranks { comm: job.clone(), job: Some(job), world: place.world_size }
     } else {
         ensure!(args.ranks >= 2, "--ranks {}: at least 2", args.ranks);
@@ -112,7 +113,8 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
         let mut id = [0u8; autotp_runtime::rendezvous::SHARED_BYTES];
         if job.rank() == 0 {
             // Random bytes: the low bits of the clock, mixed.
-            let mut state = Instant::now().elapsed().as_nanos() as u64 ^ 0x9e37_79b9_7f4a_7c15 ^ std::process::id() as u64;
+            let mut state =
+                Instant::now().elapsed().as_nanos() as u64 ^ 0x9e37_79b9_7f4a_7c15 ^ std::process::id() as u64;
             for b in &mut id {
                 state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
                 *b = (state >> 56) as u8;
@@ -133,18 +135,17 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
             "collective", "MiB", "backend", "ms", "algbw GB/s", "busbw GB/s"
         );
     }
-    let kinds = [
-        CollectiveKind::AllReduce,
-        CollectiveKind::AllGather { dim: 0 },
-        CollectiveKind::ReduceScatter { dim: 0 },
-    ];
+    let kinds =
+        [CollectiveKind::AllReduce, CollectiveKind::AllGather { dim: 0 }, CollectiveKind::ReduceScatter { dim: 0 }];
     let per_round = args.iters.div_ceil(ROUNDS) as u64;
     let mut seq = 0u64;
     for &mib in &args.sizes {
         let elements = (mib << 20) / 4;
         ensure!(elements % n == 0, "{mib} MiB does not split over {n} ranks");
-        let ops: Vec<CollectiveOp> =
-            kinds.iter().map(|&kind| CollectiveOp { kind, axis: 0, dtype: DType::F32, shape: vec![elements] }).collect();
+        let ops: Vec<CollectiveOp> = kinds
+            .iter()
+            .map(|&kind| CollectiveOp { kind, axis: 0, dtype: DType::F32, shape: vec![elements] })
+            .collect();
         let first = seq;
         let medians = ranks.slowest(|rank| {
             let mut buffers: Vec<Buffers> = ops.iter().map(|op| Buffers::new(rank, n, op)).collect();
@@ -277,7 +278,13 @@ impl Buffers {
     }
 
     /// Runs `op` as `rank` for each sequence number of `calls`; returns the seconds they took.
-    fn run(&mut self, comm: &dyn Communicator, rank: usize, op: &CollectiveOp, calls: std::ops::Range<u64>) -> Result<f64> {
+    fn run(
+        &mut self,
+        comm: &dyn Communicator,
+        rank: usize,
+        op: &CollectiveOp,
+        calls: std::ops::Range<u64>,
+    ) -> Result<f64> {
         let start = Instant::now();
         for seq in calls {
             comm.collective(rank, op, seq, bytes(&self.input), bytes_mut(&mut self.output))?;

@@ -12,12 +12,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use autotp_runtime::comm::{MpiComm, Topology};
-use autotp_runtime::launch::{discover, JobPlace, Launcher};
+use autotp_runtime::launch::{discover, Launcher};
 use autotp_runtime::plan::TrainingPlan;
 
 /// The process's job for `plan`: `None` alone, else this rank's communicator, with MPI
-/// initialised, the panic hook installed and the kernel threads sized to this rank's share of
-/// the node's cores.
+/// initialised and the panic hook installed.
 pub fn start(plan: &TrainingPlan, comm_timeout: f64) -> Result<Option<Arc<MpiComm>>> {
     let place = discover()?;
     if place.world_size == 1 {
@@ -60,7 +59,6 @@ pub fn start(plan: &TrainingPlan, comm_timeout: f64) -> Result<Option<Arc<MpiCom
     let job = MpiComm::init(topology, place.launcher.name(), place.world_size, Duration::from_secs_f64(comm_timeout))
         .context("cannot start the job's communication")?;
     job.install_panic_hook();
-    size_kernel_threads(&place, job.local_size())?;
     Ok(Some(job))
 }
 
@@ -73,21 +71,6 @@ pub fn run_in(job: Option<&Arc<MpiComm>>, body: impl FnOnce() -> Result<()>) -> 
         Err(e) => job.abort_job(&crate::render(&e)),
         Ok(()) => Ok(job.finalize()?),
     }
-}
-
-/// Gives this process's kernels its share of the cores: those it is bound to when the launcher
-/// bound it (Open MPI binds up to two processes to a core each), else the cores it may use
-/// divided among the node's processes.
-pub fn size_kernel_threads(place: &JobPlace, local_processes: usize) -> Result<()> {
-    let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // SAFETY: sysconf reads a system constant.
-    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
-    let threads = if allowed < online { allowed } else { (allowed / local_processes.max(1)).max(1) };
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("autotp-kernels-{i}"))
-        .build_global()
-        .with_context(|| format!("rank {}: cannot start {threads} kernel threads", place.rank))
 }
 
 /// `autotp run --launch N ...`: runs this same command as `N` processes on this machine under

@@ -77,8 +77,8 @@ fn processes_train_like_threads() {
     }
 }
 
-/// Plain `mpirun -n 2 autotp run`, and the same processes seen as srun tasks (SLURM's variables
-/// instead of Open MPI's).
+/// Plain `mpirun -n 2 autotp run`, the same processes seen as srun tasks (SLURM's variables
+/// instead of Open MPI's), and `mpirun -n 2 autotp train`.
 #[test]
 fn mpirun_and_srun_style_launches() {
     let dir = scratch("processes-launchers");
@@ -99,6 +99,19 @@ fn mpirun_and_srun_style_launches() {
     let out = mpirun().args(["-n", "2", "sh", "-c", &script, "sh"]).args(run_args(&plan, 10, &slurm, &[])).output();
     success(out.unwrap());
     assert_eq!(loss_curve(&slurm), loss_curve(&threads));
+    // `train` (compile and run in one) under mpirun: every process compiles, each runs its rank.
+    let model = fixture("gpt2", "model.onnx");
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let train = |metrics: &Path| -> Vec<String> {
+        let mut args = vec!["train", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4"];
+        args.extend(ADAMW);
+        args.extend(["--dp", "2", "--zero", "2", "--data", tokens.to_str().unwrap(), "--steps", "10"]);
+        args.extend(["--metrics-out", metrics.to_str().unwrap()]);
+        args.iter().map(|a| a.to_string()).collect()
+    };
+    let trained = dir.join("train-mpirun.jsonl");
+    success(mpirun().args(["-n", "2", exe]).args(train(&trained)).output().unwrap());
+    assert_eq!(loss_curve(&trained), loss_curve(&threads));
 }
 
 /// A checkpoint saved by processes resumes as threads and the other way round, each continuing
@@ -239,4 +252,19 @@ fn a_stopped_process_ends_the_job() {
     assert!(took < Duration::from_secs(30), "took {took:?}");
     assert!(stderr.contains("rank 1 (pid") && stderr.contains("is stopped"), "{stderr}");
     resumes(&save);
+}
+
+/// `bench-comm` checks every collective's result on every rank: as 2 MPI processes (and the
+/// bootstrap: rank 0's 128 random bytes reach both) and as 3 threads.
+#[test]
+fn bench_comm_checks_the_collectives() {
+    let exe = env!("CARGO_BIN_EXE_autotp");
+    let args = ["bench-comm", "--sizes", "1,3", "--iters", "2"];
+    let out = success(mpirun().args(["-n", "2", exe]).args(args).output().unwrap());
+    assert!(out.contains("bootstrap: rank 0's 128 bytes reached all 2 ranks through MPI"), "{out}");
+    for row in ["all_reduce", "all_gather", "reduce_scatter", "MPI_Allreduce", "overlap (mpi)"] {
+        assert!(out.contains(row), "{row}: {out}");
+    }
+    let out = success(autotp(&["bench-comm", "--ranks", "3", "--sizes", "3", "--iters", "2"]));
+    assert!(out.contains("overlap (threads)"), "{out}");
 }

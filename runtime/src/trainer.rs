@@ -133,7 +133,12 @@ impl Trainer {
                 (ranks, 0, Some(comm))
             }
         };
-        let pools = if ranks.len() > 1 { rank_pools(ranks.len(), shared_cores(ranks.len()))? } else { Vec::new() };
+        // Several ranks here share the cores; a process of a job gets its share of the node's.
+        let pools = match &job {
+            Some(job) => rank_pools(1, job.kernel_threads())?,
+            None if ranks.len() > 1 => rank_pools(ranks.len(), shared_cores(ranks.len()))?,
+            None => Vec::new(),
+        };
         let mut trainer = Trainer {
             ranks,
             first_rank,
@@ -321,8 +326,8 @@ impl Trainer {
 
     /// Pins each rank's kernel threads to cores of their own (rank r's threads to the r-th
     /// share of the cores this process may use; ranks wrap around when there are more ranks
-    /// than cores), as DeepSpeed's `--bind_cores_to_rank` does. A single rank pins the global
-    /// kernel threads one per core.
+    /// than cores), as DeepSpeed's `--bind_cores_to_rank` does; a process of a job, the share
+    /// its place on the node gives it. A single rank pins the global kernel threads one per core.
     pub fn bind_cores(&self) -> Result<(), RuntimeError> {
         let cores = crate::affinity::allowed_cores()
             .map_err(|e| RuntimeError::Plan(format!("cannot read which cores this process may use: {e}")))?;
@@ -334,10 +339,12 @@ impl Trainer {
         if self.pools.is_empty() {
             return rayon::broadcast(|ctx| pin(ctx.index())).into_iter().collect();
         }
+        // A process of a job takes the share of its node's cores that its place on the node says.
+        let first = self.processes.as_ref().map_or(0, |job| job.local_rank());
         self.pools
             .iter()
             .enumerate()
-            .flat_map(|(rank, pool)| pool.broadcast(|ctx| pin(rank * ctx.num_threads() + ctx.index())))
+            .flat_map(|(rank, pool)| pool.broadcast(|ctx| pin((first + rank) * ctx.num_threads() + ctx.index())))
             .collect()
     }
 
@@ -587,7 +594,10 @@ impl Trainer {
     fn run_ranks(&mut self, feeds: &[Vec<HostTensor>]) -> Result<Option<Vec<HostTensor>>, RuntimeError> {
         let reporting = self.reporting_rank();
         if let [only] = &mut self.ranks[..] {
-            let outputs = only.run(&feeds[0])?;
+            let outputs = match self.pools.first() {
+                Some(pool) => pool.install(|| only.run(&feeds[0]))?,
+                None => only.run(&feeds[0])?,
+            };
             return Ok((self.first_rank == reporting).then_some(outputs));
         }
         let comm = self.comm.clone().expect("several ranks have a communicator");

@@ -90,7 +90,8 @@ pub struct MpiComm {
     lib: MpiLibrary,
     topology: Topology,
     rank: usize,
-    /// Processes of the job on this node.
+    /// This process's place among the job's processes on this node, and their number.
+    local_rank: usize,
     local_size: usize,
     axes: Vec<AxisGroup>,
     sent: Mutex<CommBytes>,
@@ -185,13 +186,15 @@ impl MpiComm {
             (lib.MPI_Comm_split_type)(world, mpi_library::COMM_TYPE_SHARED, rank as c_int, lib.info_null, &mut node)
         };
         check("MPI_Comm_split_type", rc)?;
-        let mut local_size: c_int = 0;
+        let (mut local_rank, mut local_size): (c_int, c_int) = (0, 0);
+        check("MPI_Comm_rank", unsafe { (lib.MPI_Comm_rank)(node, &mut local_rank) })?;
         check("MPI_Comm_size", unsafe { (lib.MPI_Comm_size)(node, &mut local_size) })?;
         let watch = Arc::new(Mutex::new(Watch { waiting: Vec::new(), next_id: 0 }));
         let mut comm = MpiComm {
             lib,
             topology,
             rank,
+            local_rank: local_rank as usize,
             local_size: local_size.max(1) as usize,
             axes,
             sent: Mutex::new(CommBytes::default()),
@@ -247,9 +250,23 @@ impl MpiComm {
         self.rank
     }
 
-    /// Processes of the job on this node (they share its cores).
-    pub fn local_size(&self) -> usize {
-        self.local_size
+    /// This process's place among the job's processes on this node.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// This process's share of the node's cores for its kernel threads: the cores it is bound
+    /// to when the launcher bound it (Open MPI binds up to two processes to a core each), else
+    /// the cores it may use divided among the node's processes.
+    pub fn kernel_threads(&self) -> usize {
+        let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: sysconf reads a system constant.
+        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+        if allowed < online {
+            allowed
+        } else {
+            (allowed / self.local_size).max(1)
+        }
     }
 
     /// Waits for every rank (not watched: a rank may be writing a large checkpoint).
