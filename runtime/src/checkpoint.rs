@@ -391,8 +391,133 @@ impl Checkpoint {
         Some(StoredTensor { name: name.into(), dtype: first.dtype, shape, bytes: bytes.into() })
     }
 
+    /// A stored tensor's dtype and shape as the model has it, without reading it (`None` when
+    /// the checkpoint lacks it; a weight stored in parts is not one tensor here).
+    pub fn stored_type(&self, name: &str) -> Option<(autotp_kernels::DType, Vec<usize>)> {
+        let first = self.files.values().find_map(|f| f.get(name))?;
+        let shape = (self.manifest.training.weight_shapes.get(name))
+            .or_else(|| self.manifest.shapes.get(name))
+            .cloned()
+            .unwrap_or(first.shape);
+        Some((first.dtype, shape))
+    }
+
+    /// The block at `offsets` with `extent` of tensor `name`, read as a tensor of `shape` (its
+    /// global shape in the plan, which may be a view of the stored one: same elements, same
+    /// order), into `block`: only the stored bytes that fall in it are read, so a rank resuming
+    /// reads its own block and nothing of the others'. `None` when the checkpoint lacks the
+    /// tensor or its blocks do not cover the one asked for.
+    pub fn read_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        offsets: &[usize],
+        extent: &[usize],
+        block: &mut [u8],
+    ) -> Option<()> {
+        use autotp_kernels::shape::{extract_block, insert_block};
+        let holders: Vec<(&String, TensorRef<'_>)> =
+            self.files.iter().filter_map(|(file, f)| f.get(name).map(|t| (file, t))).collect();
+        let size = holders.first()?.1.dtype.size();
+        if block.len() != extent.iter().product::<usize>() * size {
+            return None;
+        }
+        if !self.manifest.shapes.contains_key(name) {
+            // Stored whole.
+            let (_, whole) = holders.first()?;
+            if whole.bytes.len() != shape.iter().product::<usize>() * size {
+                return None;
+            }
+            extract_block(shape, offsets, extent, size, whole.bytes, block);
+            return Some(());
+        }
+        let mut covered = 0;
+        for (file, stored) in holders {
+            let at = self.manifest.blocks.get(file)?.get(name)?;
+            // The part of the stored block inside the one asked for.
+            let low: Vec<usize> = at.iter().zip(offsets).map(|(&a, &o)| a.max(o)).collect();
+            if stored.shape.len() != shape.len() || at.len() != shape.len() {
+                return None;
+            }
+            let high: Vec<usize> =
+                (0..shape.len()).map(|d| (at[d] + stored.shape[d]).min(offsets[d] + extent[d])).collect();
+            if low.iter().zip(&high).any(|(l, h)| l >= h) {
+                continue;
+            }
+            let part: Vec<usize> = low.iter().zip(&high).map(|(l, h)| h - l).collect();
+            let from: Vec<usize> = low.iter().zip(at).map(|(l, a)| l - a).collect();
+            let to: Vec<usize> = low.iter().zip(offsets).map(|(l, o)| l - o).collect();
+            let mut piece = vec![0u8; part.iter().product::<usize>() * size];
+            extract_block(&stored.shape, &from, &part, size, stored.bytes, &mut piece);
+            insert_block(extent, &to, &part, size, &piece, block);
+            covered += piece.len();
+        }
+        (covered == block.len()).then_some(())
+    }
+
     /// The parameters, by name.
     pub fn params(&self) -> Vec<StoredTensor<'_>> {
         self.manifest.params.iter().filter_map(|n| self.tensor(n)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use autotp_kernels::DType;
+
+    fn manifest(step: usize) -> Manifest {
+        serde_json::from_value(serde_json::json!({
+            "format": FORMAT, "step": step, "plan_fingerprint": "f",
+            "model": {"name": "m", "path": "/m.onnx"},
+            "training": {
+                "seq_len": 4, "micro_batch": 1, "global_batch": 1, "labels": "next_tokens",
+                "loss_output": "loss", "optimizer": "sgd", "schedule": {"kind": "constant", "lr": 0.1},
+                "grad_clip": null, "frozen": []
+            },
+            "train_steps": 1,
+            "data": {"path": "/t.bin", "dtype": "u16", "tokens": 10, "windows": 2, "next_window": 0},
+            "rng": {"seed": 0}, "files": {}
+        }))
+        .unwrap()
+    }
+
+    fn f32_bytes(values: impl Iterator<Item = f32>) -> Vec<u8> {
+        values.flat_map(f32::to_le_bytes).collect()
+    }
+
+    /// A column block of 4 x 6, `first` its first column.
+    fn column_block(bytes: &[u8], first: usize) -> Vec<SavedBlock<'_>> {
+        let tensor = TensorRef { name: "w".into(), dtype: DType::F32, shape: vec![4, 3], bytes };
+        vec![SavedBlock { tensor, offsets: Some((vec![0, first], vec![4, 6])) }]
+    }
+
+    /// A tensor of 4 x 6 saved as two column blocks reads back as any block, whichever stored
+    /// blocks it spans, and a block the stored ones do not cover is refused.
+    #[test]
+    fn blocks_read_across_the_stored_blocks() {
+        let dir = std::env::temp_dir().join(format!("autotp-read-block-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let global: Vec<f32> = (0..24).map(|v| v as f32).collect();
+        let columns =
+            |first: usize| f32_bytes((0..4).flat_map(|r| (first..first + 3).map(move |c| (r * 6 + c) as f32)));
+        let (left, right) = (columns(0), columns(3));
+        let files = vec![
+            ("rank-00000.safetensors".to_string(), column_block(&left, 0)),
+            ("rank-00001.safetensors".to_string(), column_block(&right, 3)),
+        ];
+        save_files(&dir, &manifest(1), vec!["w".into()], files, None).unwrap();
+        let checkpoint = Checkpoint::open(&dir).unwrap();
+        assert_eq!(checkpoint.stored_type("w"), Some((DType::F32, vec![4, 6])));
+        let mut got = vec![0u8; 6 * 4];
+        checkpoint.read_block("w", &[4, 6], &[1, 2], &[2, 3], &mut got).unwrap();
+        let want = f32_bytes((1..3).flat_map(|r| (2..5).map(|c| global[r * 6 + c]).collect::<Vec<_>>()));
+        assert_eq!(got, want);
+        let mut whole = vec![0u8; 24 * 4];
+        checkpoint.read_block("w", &[4, 6], &[0, 0], &[4, 6], &mut whole).unwrap();
+        assert_eq!(whole, f32_bytes(global.iter().copied()));
+        // Columns 4..7 of a 4 x 7 view: column 6 was never stored.
+        assert!(checkpoint.read_block("w", &[4, 7], &[0, 4], &[4, 3], &mut vec![0u8; 12 * 4]).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

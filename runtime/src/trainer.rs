@@ -433,22 +433,37 @@ impl Trainer {
                 ),
             });
         }
+        let error = |message: String| RuntimeError::Checkpoint { path: checkpoint.dir.clone(), message };
         for slot in self.model_slots() {
-            let tensor = checkpoint.tensor(&slot.name).ok_or_else(|| RuntimeError::Checkpoint {
-                path: checkpoint.dir.clone(),
-                message: format!("has no tensor '{}'", slot.name),
-            })?;
+            let (dtype, stored) =
+                checkpoint.stored_type(&slot.name).ok_or_else(|| error(format!("has no tensor '{}'", slot.name)))?;
             let shape = self.stored_shape(&slot);
-            if tensor.dtype != slot.dtype || tensor.shape != shape {
-                return Err(RuntimeError::Checkpoint {
-                    path: checkpoint.dir.clone(),
-                    message: format!(
-                        "tensor '{}' is {}{:?}, the plan needs {}{:?}",
-                        slot.name, tensor.dtype, tensor.shape, slot.dtype, shape
-                    ),
-                });
+            if dtype != slot.dtype || stored != shape {
+                return Err(error(format!(
+                    "tensor '{}' is {dtype}{stored:?}, the plan needs {}{shape:?}",
+                    slot.name, slot.dtype
+                )));
             }
-            self.load_global(&slot, &tensor.bytes)?;
+            // Each rank reads its own block (each stage holding it in its own placement).
+            for rank in self.local_ranks() {
+                let program = self.rank_program(rank);
+                let Some(own) = program.params.iter().chain(&program.states).find(|s| s.name == slot.name) else {
+                    continue;
+                };
+                if own.placements.contains(&SlotPlacement::PartialSum) {
+                    return Err(RuntimeError::Plan(format!(
+                        "holds '{}' as partial sums, which cannot be loaded",
+                        own.name
+                    )));
+                }
+                let (offsets, extent) =
+                    shard_block(&own.global_shape, &own.cuts(&program.mesh, &self.coordinates(rank)));
+                let mut block = vec![0u8; own.region.len];
+                checkpoint
+                    .read_block(&own.name, &own.global_shape, &offsets, &extent, &mut block)
+                    .ok_or_else(|| error(format!("does not hold all of rank {rank}'s block of '{}'", slot.name)))?;
+                self.ranks[rank - self.first_rank].load_slot(&slot.name, &block)?;
+            }
         }
         self.completed = m.step;
         self.seed = m.rng.seed;
@@ -459,14 +474,12 @@ impl Trainer {
     /// or the training settings that do.
     fn difference(&self, checkpoint: &Checkpoint) -> String {
         for slot in &self.model_slots() {
-            match checkpoint.tensor(&slot.name) {
+            match checkpoint.stored_type(&slot.name) {
                 None => return format!(": the checkpoint has no tensor '{}'", slot.name),
-                Some(t) if t.dtype != slot.dtype || t.shape != self.stored_shape(slot) => {
+                Some((dtype, shape)) if dtype != slot.dtype || shape != self.stored_shape(slot) => {
                     return format!(
-                        ": its '{}' is {}{:?}, here it is {}{:?}",
+                        ": its '{}' is {dtype}{shape:?}, here it is {}{:?}",
                         slot.name,
-                        t.dtype,
-                        t.shape,
                         slot.dtype,
                         self.stored_shape(slot)
                     )
