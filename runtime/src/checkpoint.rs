@@ -517,7 +517,7 @@ mod tests {
         checkpoint.read_block("w", &[4, 6], &[0, 0], &[4, 6], &mut whole).unwrap();
         assert_eq!(whole, f32_bytes(global.iter().copied()));
         // Columns 4..7 of a 4 x 7 view: column 6 was never stored.
-        assert!(checkpoint.read_block("w", &[4, 7], &[0, 4], &[4, 3], &mut vec![0u8; 12 * 4]).is_none());
+        assert!(checkpoint.read_block("w", &[4, 7], &[0, 4], &[4, 3], &mut [0u8; 12 * 4]).is_none());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
