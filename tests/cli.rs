@@ -246,3 +246,34 @@ fn launches_that_do_not_fit_the_plan_are_refused() {
     let out = run(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// The binary links nothing of MPI: where Open MPI's library is missing, a single process runs,
+/// and a job of processes is refused naming the library and how to install it.
+#[test]
+fn a_job_without_mpi_names_what_is_missing() {
+    let linked = Command::new("ldd").arg(env!("CARGO_BIN_EXE_autotp")).output().unwrap();
+    let linked = String::from_utf8_lossy(&linked.stdout);
+    assert!(!linked.contains("libmpi"), "{linked}");
+    let dir = temp_dir("without-mpi");
+    let plan = dir.join("dp2.atp");
+    let model = fixture("gpt2", "model.onnx");
+    let compile = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["compile", model.to_str().unwrap(), "--seq-len", "8", "--micro-batch", "2", "--dp", "2", "-o"])
+        .arg(&plan)
+        .output()
+        .unwrap();
+    assert!(compile.status.success(), "{}", String::from_utf8_lossy(&compile.stderr));
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "1"])
+        .envs([
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("AUTOTP_MPI_LIBRARY", "libmpi-missing.so"),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !err.contains("panicked"), "{err}");
+    assert!(err.contains("cannot load Open MPI's library (libmpi-missing.so)") && err.contains("openmpi-bin"), "{err}");
+}
