@@ -27,6 +27,9 @@ struct Round {
     /// All inputs of the round once every member deposited.
     inputs: Option<Arc<Vec<Vec<u8>>>>,
     departed: usize,
+    /// The buffers of rounds done, for the next deposits (a step runs the same sizes every
+    /// time, so after the first no deposit allocates).
+    spare: Vec<Vec<u8>>,
 }
 
 struct Group {
@@ -121,7 +124,10 @@ impl LocalComm {
             }
             round = group.wake.wait_timeout(round, POLL).expect("group lock").0;
         }
-        round.deposited[coord] = Some(input.to_vec());
+        let mut buffer = round.spare.pop().unwrap_or_default();
+        buffer.clear();
+        buffer.extend_from_slice(input);
+        round.deposited[coord] = Some(buffer);
         if round.deposited.iter().all(Option::is_some) {
             let all = round.deposited.iter_mut().map(|d| d.take().expect("all deposited")).collect();
             round.inputs = Some(Arc::new(all));
@@ -147,7 +153,10 @@ impl LocalComm {
         round.departed += 1;
         if round.departed == round.deposited.len() {
             round.departed = 0;
-            round.inputs = None;
+            // Every member dropped its handle on the inputs before leaving.
+            if let Some(Ok(buffers)) = round.inputs.take().map(Arc::try_unwrap) {
+                round.spare.extend(buffers);
+            }
             round.generation += 1;
             group.wake.notify_all();
         }
@@ -189,12 +198,26 @@ impl Communicator for LocalComm {
             }
             CollectiveKind::AllReduce => sum(dtype, shape, &refs, output).map_err(kernel_error),
             CollectiveKind::ReduceScatter { dim } => {
-                let mut total = vec![0u8; input.len()];
-                sum(dtype, shape, &refs, &mut total).map_err(kernel_error)?;
-                slice_for(dtype, shape, dim, coord, n, &total, output).map_err(kernel_error)
+                // Only this rank's slice of the sum: the slice of every input, added.
+                let mut part_shape = shape.to_vec();
+                part_shape[dim] /= n;
+                if shape[..dim].iter().product::<usize>() == 1 {
+                    let span = coord * output.len()..(coord + 1) * output.len();
+                    let parts: Vec<&[u8]> = refs.iter().map(|input| &input[span.clone()]).collect();
+                    sum(dtype, &part_shape, &parts, output).map_err(kernel_error)
+                } else {
+                    let mut parts = vec![vec![0u8; output.len()]; n];
+                    for (part, input) in parts.iter_mut().zip(&refs) {
+                        slice_for(dtype, shape, dim, coord, n, input, part).map_err(kernel_error)?;
+                    }
+                    let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+                    sum(dtype, &part_shape, &parts, output).map_err(kernel_error)
+                }
             }
             CollectiveKind::ShardSlice { .. } => unreachable!("handled above"),
         };
+        drop(refs);
+        drop(inputs);
         self.depart(group);
         result
     }
