@@ -1,7 +1,7 @@
 //! Ranks as processes over MPI (Open MPI's `mpirun`, started by `autotp run --launch N` or
 //! directly, and an srun-style environment) against the same plans run as threads of one
-//! process: the same 30-step loss curves, bit for bit (every group here has two ranks, whose
-//! sums do not depend on the order), checkpoints that resume each other, and failures that end
+//! process: the same 30-step loss curves, bit for bit where groups have two ranks (whose sums
+//! do not depend on the order), within 1e-6 relative for a group of four; checkpoints that resume each other, and failures that end
 //! the whole job within 30 s, naming the rank.
 
 use std::path::{Path, PathBuf};
@@ -14,8 +14,13 @@ const ADAMW: [&str; 8] = ["--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8"
 
 /// Compiles the GPT-2 fixture with `parallel` flags into `dir`; returns the plan.
 fn compile(dir: &Path, name: &str, micro_batch: usize, parallel: &[&str]) -> PathBuf {
+    compile_model(dir, "gpt2", name, micro_batch, parallel)
+}
+
+/// Compiles fixture `arch` with `parallel` flags into `dir`; returns the plan.
+fn compile_model(dir: &Path, arch: &str, name: &str, micro_batch: usize, parallel: &[&str]) -> PathBuf {
     let plan = dir.join(format!("{name}.atp"));
-    let model = fixture("gpt2", "model.onnx");
+    let model = fixture(arch, "model.onnx");
     let micro = micro_batch.to_string();
     let mut args = vec!["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", &micro];
     args.extend(ADAMW);
@@ -53,20 +58,24 @@ fn mpirun() -> Command {
 #[test]
 fn processes_train_like_threads() {
     let dir = scratch("processes");
-    let layouts: &[(&str, usize, &[&str])] = &[
-        ("dp2-zero0", 4, &["--dp", "2", "--zero", "0"]),
-        ("dp2-zero1", 4, &["--dp", "2", "--zero", "1"]),
-        ("dp2-zero2", 4, &["--dp", "2", "--zero", "2"]),
-        ("dp2-zero3", 4, &["--dp", "2", "--zero", "3"]),
-        ("tp2", 8, &["--tp", "2"]),
-        ("pp2", 2, &["--pp", "2", "--grad-accum", "4"]),
-        ("tp2-dp2-zero3", 4, &["--tp", "2", "--dp", "2", "--zero", "3"]),
+    let layouts: &[(&str, &str, usize, &[&str])] = &[
+        ("gpt2", "dp2-zero0", 4, &["--dp", "2", "--zero", "0"]),
+        ("gpt2", "dp2-zero1", 4, &["--dp", "2", "--zero", "1"]),
+        ("gpt2", "dp2-zero2", 4, &["--dp", "2", "--zero", "2"]),
+        ("gpt2", "dp2-zero3", 4, &["--dp", "2", "--zero", "3"]),
+        ("gpt2", "tp2", 8, &["--tp", "2"]),
+        ("gpt2", "pp2", 2, &["--pp", "2", "--grad-accum", "4"]),
+        ("gpt2", "tp2-dp2-zero3", 4, &["--tp", "2", "--dp", "2", "--zero", "3"]),
+        ("llama", "tp2", 8, &["--tp", "2"]),
+        ("llama", "pp2", 2, &["--pp", "2", "--grad-accum", "4"]),
+        ("llama", "tp2-dp2-zero3", 4, &["--tp", "2", "--dp", "2", "--zero", "3"]),
     ];
-    for &(name, micro_batch, parallel) in layouts {
-        let plan = compile(&dir, name, micro_batch, parallel);
+    for &(arch, layout, micro_batch, parallel) in layouts {
+        let name = format!("{arch}-{layout}");
+        let plan = compile_model(&dir, arch, &name, micro_batch, parallel);
         let threads = dir.join(format!("{name}-threads.jsonl"));
         success(autotp(&run_args(&plan, 30, &threads, &[])));
-        let ranks = if name.starts_with("tp2-dp2") { "4" } else { "2" };
+        let ranks = if layout.starts_with("tp2-dp2") { "4" } else { "2" };
         let processes = dir.join(format!("{name}-processes.jsonl"));
         let stdout = success(autotp(&run_args(&plan, 30, &processes, &["--launch", ranks])));
         assert_eq!(loss_curve(&processes), loss_curve(&threads), "{name}: processes against threads");
@@ -74,6 +83,24 @@ fn processes_train_like_threads() {
         // Rank 0 alone prints: one first and one last step line.
         assert_eq!(stdout.matches("step      1/30").count(), 1, "{name}: {stdout}");
         println!("{name}: 30 steps as {ranks} processes, bit-identical to threads");
+    }
+}
+
+/// A group of four ranks: MPI may add the four partial sums in another order than the threads'
+/// coordinate order, so the curves agree within 1e-6 relative rather than bit for bit.
+#[test]
+fn a_group_of_four_processes_trains_like_threads() {
+    let dir = scratch("processes-dp4");
+    let plan = compile(&dir, "dp4-zero1", 2, &["--dp", "4", "--zero", "1"]);
+    let threads = dir.join("threads.jsonl");
+    success(autotp(&run_args(&plan, 30, &threads, &[])));
+    let processes = dir.join("processes.jsonl");
+    success(autotp(&run_args(&plan, 30, &processes, &["--launch", "4"])));
+    let (threads, processes) = (losses(&threads), losses(&processes));
+    assert_eq!(threads.len(), 30);
+    assert_eq!(processes.len(), 30);
+    for ((step, t), (_, p)) in threads.iter().zip(&processes) {
+        assert!((t - p).abs() <= 1e-6 * t.abs(), "step {step}: threads {t}, processes {p}");
     }
 }
 
