@@ -319,6 +319,35 @@ impl MpiComm {
         self.call("MPI_Allreduce", rc)
     }
 
+    /// Starts a plain `MPI_Iallreduce` of f32 sums over every rank; the buffers must stay put
+    /// until [`MpiComm::raw_test`] says it is done (an experiment of `autotp bench-comm`).
+    pub fn raw_start_all_reduce(&self, input: &[u8], output: &mut [u8]) -> Result<usize, RuntimeError> {
+        let mut request: Handle = std::ptr::null_mut();
+        let rc = unsafe {
+            (self.lib.MPI_Iallreduce)(
+                input.as_ptr().cast(),
+                output.as_mut_ptr().cast(),
+                (input.len() / 4) as c_int,
+                self.lib.float,
+                self.lib.op_sum,
+                self.lib.comm_world,
+                &mut request,
+            )
+        };
+        self.call("MPI_Iallreduce", rc)?;
+        Ok(request as usize)
+    }
+
+    /// Advances a request of [`MpiComm::raw_start_all_reduce`]; whether it is done.
+    pub fn raw_test(&self, request: &mut usize) -> Result<bool, RuntimeError> {
+        let mut handle = *request as Handle;
+        let mut done: c_int = 0;
+        let rc = unsafe { (self.lib.MPI_Test)(&mut handle, &mut done, std::ptr::null_mut()) };
+        *request = handle as usize;
+        self.call("MPI_Test", rc)?;
+        Ok(done != 0)
+    }
+
     /// Ends every process of the job: prints `why` as this rank's and calls `MPI_Abort`.
     pub fn abort_job(&self, why: &str) -> ! {
         eprintln!("autotp: rank {} of {}: {why}; ending the job", self.rank, self.topology.world_size());
