@@ -231,6 +231,13 @@ impl Trainer {
         self.topology.coordinates(rank)
     }
 
+    /// The parameter or state `name` as `rank`'s stage holds it (each stage holding one places
+    /// it its own way: a tied embedding's two uses).
+    fn held_by(&self, rank: usize, name: &str) -> Option<&Slot> {
+        let program = self.rank_program(rank);
+        program.params.iter().chain(&program.states).find(|s| s.name == name)
+    }
+
     /// Rank `rank`'s block of a global tensor for `slot`.
     fn block<'a>(&self, slot: &Slot, rank: usize, global: &'a [u8]) -> Cow<'a, [u8]> {
         let cuts = slot.cuts(&self.program().mesh, &self.coordinates(rank));
@@ -256,10 +263,7 @@ impl Trainer {
         }
         for rank in self.local_ranks() {
             // Each stage holding it places it its own way (a tied embedding's two uses).
-            let program = self.rank_program(rank);
-            let Some(own) = program.params.iter().chain(&program.states).find(|s| s.name == slot.name) else {
-                continue;
-            };
+            let Some(own) = self.held_by(rank, &slot.name) else { continue };
             if own.global_shape != slot.global_shape || own.placements.contains(&SlotPlacement::PartialSum) {
                 return Err(RuntimeError::Plan(format!("stages hold '{}' in different shapes", slot.name)));
             }
@@ -446,10 +450,7 @@ impl Trainer {
             }
             // Each rank reads its own block (each stage holding it in its own placement).
             for rank in self.local_ranks() {
-                let program = self.rank_program(rank);
-                let Some(own) = program.params.iter().chain(&program.states).find(|s| s.name == slot.name) else {
-                    continue;
-                };
+                let Some(own) = self.held_by(rank, &slot.name) else { continue };
                 if own.placements.contains(&SlotPlacement::PartialSum) {
                     return Err(RuntimeError::Plan(format!(
                         "holds '{}' as partial sums, which cannot be loaded",
@@ -457,7 +458,7 @@ impl Trainer {
                     )));
                 }
                 let (offsets, extent) =
-                    shard_block(&own.global_shape, &own.cuts(&program.mesh, &self.coordinates(rank)));
+                    shard_block(&own.global_shape, &own.cuts(&self.program().mesh, &self.coordinates(rank)));
                 let mut block = vec![0u8; own.region.len];
                 checkpoint
                     .read_block(&own.name, &own.global_shape, &offsets, &extent, &mut block)

@@ -75,8 +75,33 @@ struct Outbox {
 /// Operations waiting on other ranks, watched for the timeout.
 struct Watch {
     /// (id, what, since when).
-    waiting: Vec<(u64, String, Instant)>,
+    waiting: Vec<(u64, Waiting, Instant)>,
     next_id: u64,
+}
+
+/// What a watched operation is, for the watchdog's message (described only if it fires, so
+/// watching costs no formatting on the hot path).
+#[derive(Clone, Copy)]
+enum Waiting {
+    Collective { rank: usize, kind: CollectiveKind, seq: u64, axis: usize },
+    Receive { rank: usize, tag: u64, from: usize },
+    Broadcast { root: usize },
+    Exchange,
+}
+
+impl std::fmt::Display for Waiting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Waiting::Collective { rank, kind, seq, axis } => {
+                write!(f, "rank {rank}'s {} #{seq} on mesh axis {axis}", kind.name())
+            }
+            Waiting::Receive { rank, tag, from } => {
+                write!(f, "rank {rank}'s receive of message {tag} from stage {from}")
+            }
+            Waiting::Broadcast { root } => write!(f, "a broadcast from rank {root}"),
+            Waiting::Exchange => write!(f, "an exchange of every rank's figures"),
+        }
+    }
 }
 
 const HEADER_BYTES: usize = 24;
@@ -276,7 +301,7 @@ impl MpiComm {
 
     /// Gives every rank `root`'s `bytes`.
     pub fn broadcast(&self, root: usize, bytes: &mut [u8]) -> Result<(), RuntimeError> {
-        let _watched = self.watched(|| format!("a broadcast from rank {root}"));
+        let _watched = self.watched(Waiting::Broadcast { root });
         for chunk in bytes.chunks_mut(MAX_COUNT) {
             let rc = unsafe {
                 (self.lib.MPI_Bcast)(
@@ -294,7 +319,7 @@ impl MpiComm {
 
     /// Every rank's `bytes` (of one length on all), in rank order.
     pub fn all_gather(&self, bytes: &[u8]) -> Result<Vec<u8>, RuntimeError> {
-        let _watched = self.watched(|| "an exchange of every rank's figures".to_string());
+        let _watched = self.watched(Waiting::Exchange);
         let mut all = vec![0u8; bytes.len() * self.topology.world_size()];
         self.all_gather_bytes(self.lib.comm_world, bytes, &mut all)?;
         Ok(all)
@@ -388,11 +413,11 @@ impl MpiComm {
     }
 
     /// Watches the operation `what` until the returned guard drops.
-    fn watched(&self, what: impl FnOnce() -> String) -> WatchGuard<'_> {
+    fn watched(&self, what: Waiting) -> WatchGuard<'_> {
         let mut watch = self.watch.lock().expect("watch");
         let id = watch.next_id;
         watch.next_id += 1;
-        watch.waiting.push((id, what(), Instant::now()));
+        watch.waiting.push((id, what, Instant::now()));
         WatchGuard { watch: &self.watch, id }
     }
 
@@ -412,7 +437,7 @@ impl MpiComm {
                         .waiting
                         .iter()
                         .find(|(_, _, since)| since.elapsed() > timeout)
-                        .map(|(_, what, since)| (what.clone(), since.elapsed().as_secs_f64()))
+                        .map(|(_, what, since)| (*what, since.elapsed().as_secs_f64()))
                 };
                 if let Some((what, waited)) = stuck {
                     let seen = comm.local_peer_states();
@@ -489,6 +514,23 @@ impl MpiComm {
         self.call("MPI_Allgather", rc)
     }
 
+    /// Receives the next pipeline message from `peer` (of `buffer`'s length) into `buffer`.
+    fn recv_bytes(&self, peer: c_int, buffer: &mut [u8]) -> Result<(), RuntimeError> {
+        let mut status = Status::default();
+        let rc = unsafe {
+            (self.lib.MPI_Recv)(
+                buffer.as_mut_ptr().cast(),
+                buffer.len() as c_int,
+                self.lib.byte,
+                peer,
+                PIPELINE_TAG,
+                self.lib.comm_world,
+                &mut status,
+            )
+        };
+        self.call("MPI_Recv", rc)
+    }
+
     /// Completes the sends that are done (all of them with `wait`), keeping their buffers.
     fn reap(&self, wait: bool) -> Result<(), RuntimeError> {
         let mut outbox = self.outbox.lock().expect("outbox");
@@ -553,7 +595,7 @@ impl Communicator for MpiComm {
             CollectiveKind::ShardSlice { .. } => 0,
         };
         self.staging_peak.fetch_max(staging, Ordering::SeqCst);
-        let _watched = self.watched(|| format!("rank {}'s {} #{seq} on mesh axis {axis}", self.rank, kind.name()));
+        let _watched = self.watched(Waiting::Collective { rank: self.rank, kind, seq, axis });
         self.in_turn(group, seq, || -> Result<(), RuntimeError> {
             // A sum in coordinate order of every rank's input (16-bit floats).
             let mut gathered = group.gathered.lock().expect("staging");
@@ -634,38 +676,15 @@ impl Communicator for MpiComm {
         self.check_rank(rank)?;
         let peer = self.topology.on_stage(rank, from)? as c_int;
         self.reap(false)?;
-        let _watched = self.watched(|| format!("rank {rank}'s receive of message {tag} from stage {from}"));
+        let _watched = self.watched(Waiting::Receive { rank, tag, from });
         let mut header = [0u8; HEADER_BYTES];
-        let mut status = Status::default();
-        let rc = unsafe {
-            (self.lib.MPI_Recv)(
-                header.as_mut_ptr().cast(),
-                HEADER_BYTES as c_int,
-                self.lib.byte,
-                peer,
-                PIPELINE_TAG,
-                self.lib.comm_world,
-                &mut status,
-            )
-        };
-        self.call("MPI_Recv", rc)?;
+        self.recv_bytes(peer, &mut header)?;
         let field = |i: usize| u64::from_le_bytes(header[8 * i..8 * i + 8].try_into().expect("8 bytes"));
         let (sent, sent_at, len) = (field(0), Duration::from_nanos(field(1)), field(2) as usize);
         if sent != tag || len != output.len() {
             return Err(unexpected_message(rank, from, (tag, output.len()), (sent, len)));
         }
-        let rc = unsafe {
-            (self.lib.MPI_Recv)(
-                output.as_mut_ptr().cast(),
-                len as c_int,
-                self.lib.byte,
-                peer,
-                PIPELINE_TAG,
-                self.lib.comm_world,
-                &mut status,
-            )
-        };
-        self.call("MPI_Recv", rc)?;
+        self.recv_bytes(peer, output)?;
         Ok(sent_at)
     }
 
