@@ -3,8 +3,7 @@
 //! kernels (JIT-compiled by `autotp-llvm` when the executor is built; their rows split over the
 //! rank's rayon pool) and collectives through the rank's communicator.
 
-use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 
 use autotp_kernels::AlignedBuf;
 
@@ -13,48 +12,93 @@ use autotp_llvm::CpuKernel;
 
 use crate::clock::{Clock, RankClock, RunTime};
 use crate::comm::{CollectiveKind, CollectiveOp, Communicator};
+use crate::streams::{Device, Stream, StreamSchedule};
 use crate::{Instruction, Program, Region, RuntimeError};
 
 /// An asynchronous collective handed to a rank's communication thread: raw pointers into the
-/// rank's arena, and where to report completion.
+/// rank's arena.
 struct Job {
     op: CollectiveOp,
     seq: u64,
     input: (usize, usize),
     output: (usize, usize),
-    done: mpsc::Sender<Result<(), RuntimeError>>,
 }
 
-// SAFETY: the pointers address the executor's arena, which outlives every job (the executor
-// waits for each job it starts, `Program::validate` guarantees a wait for every start), and no
-// other instruction touches these regions between the start and its wait (also validated).
+// SAFETY: the pointers address the executor's arena, which outlives every job (a run
+// synchronises the thread before it returns, and the thread is joined before the arena is
+// freed), and the stream schedule orders every other access to these regions before the job
+// or after its completion (`StreamSchedule::check`).
 unsafe impl Send for Job {}
 
-/// A rank's communication thread: runs the collectives the rank starts, in order.
+/// How far a communication thread has got: jobs finished, and the first failure not yet
+/// reported to a waiter.
+#[derive(Default)]
+struct Progress {
+    finished: u64,
+    error: Option<RuntimeError>,
+    failed: bool,
+}
+
+/// A rank's communication thread: the collectives stream of the CPU device. It runs the
+/// collectives the rank starts, in order.
 struct CommThread {
     jobs: mpsc::Sender<Job>,
+    progress: Arc<(Mutex<Progress>, Condvar)>,
+    /// Jobs handed to the thread so far.
+    started: u64,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl CommThread {
     fn spawn(rank: usize, comm: Arc<dyn Communicator>) -> CommThread {
         let (jobs, queue) = mpsc::channel::<Job>();
+        let progress = Arc::new((Mutex::new(Progress::default()), Condvar::new()));
+        let reported = progress.clone();
         let handle = std::thread::Builder::new()
             .name(format!("autotp-comm-{rank}"))
             .spawn(move || {
                 for job in queue {
-                    // SAFETY: see `Job`: the regions stay valid and untouched until the wait.
+                    // SAFETY: see `Job`: the regions stay valid and untouched until completion.
                     let input = unsafe { std::slice::from_raw_parts(job.input.0 as *const u8, job.input.1) };
                     let output = unsafe { std::slice::from_raw_parts_mut(job.output.0 as *mut u8, job.output.1) };
                     let result = comm.collective(rank, &job.op, job.seq, input, output);
                     if let Err(e) = &result {
                         comm.abort(rank, e);
                     }
-                    let _ = job.done.send(result);
+                    let (state, changed) = &*reported;
+                    let mut state = state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    state.finished += 1;
+                    if let Err(e) = result {
+                        if !state.failed {
+                            state.failed = true;
+                            state.error = Some(e);
+                        }
+                    }
+                    changed.notify_all();
                 }
             })
             .expect("a communication thread starts");
-        CommThread { jobs, handle: Some(handle) }
+        CommThread { jobs, progress, started: 0, handle: Some(handle) }
+    }
+
+    fn start(&mut self, job: Job) -> Result<(), RuntimeError> {
+        self.jobs.send(job).map_err(|_| RuntimeError::Comm("the communication thread stopped".into()))?;
+        self.started += 1;
+        Ok(())
+    }
+
+    /// Blocks until the first `jobs` jobs have finished; fails if one of them failed.
+    fn wait_for(&self, jobs: u64) -> Result<(), RuntimeError> {
+        let (state, changed) = &*self.progress;
+        let mut state = state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        while state.finished < jobs {
+            state = changed.wait(state).unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        match (state.error.take(), state.failed) {
+            (Some(e), _) => Err(e),
+            (None, true) => Err(RuntimeError::Comm("an earlier collective of this rank failed".into())),
+            (None, false) => Ok(()),
+        }
     }
 }
 
@@ -78,10 +122,23 @@ pub struct HostTensor {
 
 /// A loaded program with its arena.
 pub struct Executor {
+    program: Program,
+    /// Where each instruction runs (checked race-free when the program loads).
+    schedule: StreamSchedule,
+    device: CpuDevice,
+    /// How runs are timed.
+    clock: Clock,
+    /// What the last run took, with its waits for other pipeline stages.
+    last_run: RunTime,
+}
+
+/// The CPU as a [`Device`]: the compute and peer streams are the thread that runs the
+/// program (a send hands over a copy of its bytes before it returns, so it completes at once);
+/// the collectives stream is the rank's communication thread.
+struct CpuDevice {
     /// Runs the asynchronous collectives, when the program starts any. Declared first so it is
     /// dropped (its thread joined) before the arena it writes into.
     comm_thread: Option<CommThread>,
-    program: Program,
     /// The entry points of `program.kernels`, compiled for this machine.
     generated: Vec<GeneratedKernel>,
     /// The multi-tensor step of each update rule the program's optimizer steps apply.
@@ -93,10 +150,15 @@ pub struct Executor {
     issued: Vec<u64>,
     /// Time spent in each instruction over all runs, when profiling.
     profile: Option<Vec<std::time::Duration>>,
-    /// How runs are timed.
-    clock: Clock,
-    /// What the last run took, with its waits for other pipeline stages.
-    last_run: RunTime,
+    /// The clock of the run under way.
+    clock: Option<RankClock>,
+}
+
+/// An event of the CPU device: complete when recorded (compute and peer streams), or when the
+/// communication thread has finished its first `n` jobs.
+enum CpuEvent {
+    Done,
+    CollectivesFinished(u64),
 }
 
 impl Executor {
@@ -123,6 +185,7 @@ impl Executor {
 
     fn build(mut program: Program, rank: Option<(usize, Arc<dyn Communicator>)>) -> Result<Executor, RuntimeError> {
         program.validate()?;
+        let schedule = StreamSchedule::of(&program)?;
         if let Some((r, comm)) = &rank {
             // Kernels that serve one block of a split table start at this rank's block.
             let coords = comm.topology().coordinates(*r);
@@ -158,18 +221,9 @@ impl Executor {
             .zip(&program.kernels)
             .map(|(entry, k)| GeneratedKernel { entry, outer: k.outer, rows_per_task: rows_per_task(k) })
             .collect();
-        Ok(Executor {
-            comm_thread,
-            program,
-            generated,
-            optimizer_steps,
-            arena,
-            rank,
-            issued,
-            profile: None,
-            clock: Clock::Wall,
-            last_run: RunTime::default(),
-        })
+        let device =
+            CpuDevice { comm_thread, generated, optimizer_steps, arena, rank, issued, profile: None, clock: None };
+        Ok(Executor { program, schedule, device, clock: Clock::Wall, last_run: RunTime::default() })
     }
 
     pub fn program(&self) -> &Program {
@@ -178,12 +232,13 @@ impl Executor {
 
     /// Times every instruction from now on ([`Executor::profile`]).
     pub fn enable_profile(&mut self) {
-        self.profile = Some(vec![std::time::Duration::ZERO; self.program.instructions.len()]);
+        self.device.profile = Some(vec![std::time::Duration::ZERO; self.program.instructions.len()]);
     }
 
-    /// The time spent in each instruction (in program order) since profiling was enabled.
+    /// The time spent in each instruction (in program order) since profiling was enabled: on
+    /// the thread that runs the program (a started collective counts only its hand-off).
     pub fn profile(&self) -> Option<&[std::time::Duration]> {
-        self.profile.as_deref()
+        self.device.profile.as_deref()
     }
 
     /// Times runs from now on by `clock` (see [`crate::clock`]).
@@ -199,13 +254,13 @@ impl Executor {
 
     /// Bytes of the arena this executor allocated.
     pub fn arena_bytes(&self) -> usize {
-        self.arena.len()
+        self.device.arena.len()
     }
 
     /// The current bytes of a parameter or state.
     pub fn read_slot(&self, name: &str) -> Option<&[u8]> {
         let slot = self.program.params.iter().chain(&self.program.states).find(|s| s.name == name)?;
-        Some(&self.arena.as_slice()[slot.region.offset..slot.region.end()])
+        Some(&self.device.arena.as_slice()[slot.region.offset..slot.region.end()])
     }
 
     /// Loads the bytes of a parameter (from a weights file or an initializer) or of an optimizer
@@ -225,102 +280,7 @@ impl Executor {
                 got: bytes.len(),
             });
         }
-        copy_in_parallel(&mut self.arena.as_mut_slice()[slot.region.offset..slot.region.end()], bytes);
-        Ok(())
-    }
-
-    /// Runs the instructions; asynchronous collectives in flight are left in `pending`.
-    fn run_instructions(
-        &mut self,
-        base: *mut u8,
-        pending: &mut std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>>,
-        clock: &mut RankClock,
-    ) -> Result<(), RuntimeError> {
-        for (index, instruction) in self.program.instructions.iter().enumerate() {
-            let started = self.profile.is_some().then(std::time::Instant::now);
-            // SAFETY: `Program::validate` checked every region is inside the arena and that an
-            // instruction's outputs overlap neither its inputs nor each other, so these slices
-            // are disjoint where one is mutable. Inputs may alias each other (shared reads).
-            let region = |r: &Region| unsafe { std::slice::from_raw_parts(base.add(r.offset), r.len) };
-            let region_mut = |r: &Region| unsafe { std::slice::from_raw_parts_mut(base.add(r.offset), r.len) };
-            match instruction {
-                Instruction::Kernel { kernel, inputs, outputs, label } => {
-                    let ins: Vec<&[u8]> = inputs.iter().map(region).collect();
-                    let mut outs: Vec<&mut [u8]> = outputs.iter().map(region_mut).collect();
-                    kernel
-                        .run(&ins, &mut outs)
-                        .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
-                }
-                Instruction::Generated { kernel, inputs, outputs, .. } => {
-                    let buffers: Vec<*mut u8> =
-                        inputs.iter().chain(outputs).map(|r| unsafe { base.add(r.offset) }).collect();
-                    // SAFETY: `validate` checked the kernel (every access in bounds of its
-                    // buffers) and that these regions have its buffers' sizes and alignment and
-                    // outputs that overlap nothing else this instruction touches.
-                    unsafe { self.generated[*kernel].run(&buffers) };
-                }
-                Instruction::Collective { op, input, output, label } => {
-                    let (rank, comm) = self.rank.as_ref().ok_or_else(|| {
-                        RuntimeError::InvalidProgram(format!("{label}: a collective needs a communicator"))
-                    })?;
-                    let seq = next_seq(&mut self.issued, op);
-                    comm.collective(*rank, op, seq, region(input), region_mut(output))?;
-                }
-                Instruction::CollectiveStart { op, input, output, label } => {
-                    let thread = self.comm_thread.as_ref().ok_or_else(|| {
-                        RuntimeError::InvalidProgram(format!("{label}: a collective needs a communicator"))
-                    })?;
-                    let (done, completion) = mpsc::channel();
-                    let seq = next_seq(&mut self.issued, op);
-                    // SAFETY: the regions lie in the arena (validated); see `Job`.
-                    let job = Job {
-                        op: op.clone(),
-                        seq,
-                        input: (unsafe { base.add(input.offset) } as usize, input.len),
-                        output: (unsafe { base.add(output.offset) } as usize, output.len),
-                        done,
-                    };
-                    thread.jobs.send(job).map_err(|_| RuntimeError::Comm("the communication thread stopped".into()))?;
-                    pending.insert(index, completion);
-                }
-                Instruction::Wait { start, .. } => {
-                    let completion = pending.remove(start).expect("validated: one wait per start");
-                    completion.recv().map_err(|_| RuntimeError::Comm("the communication thread stopped".into()))??;
-                }
-                Instruction::Send { input, to, tag, label } => {
-                    let (rank, comm) = self
-                        .rank
-                        .as_ref()
-                        .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: a send needs a communicator")))?;
-                    comm.send(*rank, *to, *tag, region(input), clock.now()?)?;
-                }
-                Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label } => {
-                    let scalars: Vec<&[u8]> = scalars.iter().map(region).collect();
-                    let constants = autotp_kernels::optim::constants(optimizer, *dtype, &scalars)
-                        .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
-                    let (_, entry) = self
-                        .optimizer_steps
-                        .iter()
-                        .find(|(kind, _)| kind.optimizer == *optimizer && kind.dtype == *dtype)
-                        .expect("every optimizer step's kernel is compiled at load");
-                    // SAFETY: `validate` checked every tensor's regions (in the arena, of one
-                    // size) and that outputs alias nothing but, exactly, their own inputs.
-                    unsafe { run_optimizer_step(*entry, *dtype, &constants, tensors, base) };
-                }
-                Instruction::Recv { output, from, tag, label } => {
-                    let (rank, comm) = self
-                        .rank
-                        .as_ref()
-                        .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: a recv needs a communicator")))?;
-                    let waiting = std::time::Instant::now();
-                    let sent_at = comm.recv(*rank, *from, *tag, region_mut(output))?;
-                    clock.received(sent_at, waiting.elapsed())?;
-                }
-            }
-            if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {
-                profile[index] += started.elapsed();
-            }
-        }
+        copy_in_parallel(&mut self.device.arena.as_mut_slice()[slot.region.offset..slot.region.end()], bytes);
         Ok(())
     }
 
@@ -337,29 +297,18 @@ impl Executor {
                     got: format!("{}{:?}", t.dtype, t.shape),
                 });
             }
-            self.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
+            self.device.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
         }
-        let mut clock = RankClock::start(self.clock)?;
-        let base = self.arena.as_mut_slice().as_mut_ptr();
-        let mut pending: std::collections::BTreeMap<usize, mpsc::Receiver<Result<(), RuntimeError>>> =
-            std::collections::BTreeMap::new();
-        let result = self.run_instructions(base, &mut pending, &mut clock);
-        if let Err(e) = &result {
-            // Collectives still in flight write into the arena: stop the others, then wait.
-            if let Some((rank, comm)) = &self.rank {
-                comm.abort(*rank, e);
-            }
-            for (_, completion) in std::mem::take(&mut pending) {
-                let _ = completion.recv();
-            }
-        }
+        self.device.clock = Some(RankClock::start(self.clock)?);
+        let result = crate::streams::drive(&mut self.device, &self.program, &self.schedule);
+        let clock = self.device.clock.take().expect("set for the run");
         result?;
-        let arena = self.arena.as_mut_slice();
+        let arena = self.device.arena.as_mut_slice();
         for u in &self.program.updates {
             arena.copy_within(u.from.offset..u.from.end(), u.to.offset);
         }
         self.last_run = clock.finish()?;
-        let arena = self.arena.as_slice();
+        let arena = self.device.arena.as_slice();
         Ok(self
             .program
             .outputs
@@ -370,6 +319,126 @@ impl Executor {
                 data: arena[s.region.offset..s.region.end()].to_vec(),
             })
             .collect())
+    }
+}
+
+impl CpuDevice {
+    fn communicator(&self, label: &str, what: &str) -> Result<(usize, Arc<dyn Communicator>), RuntimeError> {
+        let (rank, comm) = self
+            .rank
+            .as_ref()
+            .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: {what} needs a communicator")))?;
+        Ok((*rank, comm.clone()))
+    }
+}
+
+impl Device for CpuDevice {
+    type Event = CpuEvent;
+
+    fn launch(&mut self, program: &Program, index: usize, _stream: Stream) -> Result<(), RuntimeError> {
+        let instruction = &program.instructions[index];
+        let started = self.profile.is_some().then(std::time::Instant::now);
+        let base = self.arena.as_mut_slice().as_mut_ptr();
+        // SAFETY: `Program::validate` checked every region is inside the arena and that an
+        // instruction's outputs overlap neither its inputs nor each other, so these slices
+        // are disjoint where one is mutable. Inputs may alias each other (shared reads). A
+        // collective in flight on the communication thread touches none of them (the stream
+        // schedule is checked race-free).
+        let region = |r: &Region| unsafe { std::slice::from_raw_parts(base.add(r.offset), r.len) };
+        let region_mut = |r: &Region| unsafe { std::slice::from_raw_parts_mut(base.add(r.offset), r.len) };
+        match instruction {
+            Instruction::Kernel { kernel, inputs, outputs, label } => {
+                let ins: Vec<&[u8]> = inputs.iter().map(region).collect();
+                let mut outs: Vec<&mut [u8]> = outputs.iter().map(region_mut).collect();
+                kernel.run(&ins, &mut outs).map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
+            }
+            Instruction::Generated { kernel, inputs, outputs, .. } => {
+                let buffers: Vec<*mut u8> =
+                    inputs.iter().chain(outputs).map(|r| unsafe { base.add(r.offset) }).collect();
+                // SAFETY: `validate` checked the kernel (every access in bounds of its
+                // buffers) and that these regions have its buffers' sizes and alignment and
+                // outputs that overlap nothing else this instruction touches.
+                unsafe { self.generated[*kernel].run(&buffers) };
+            }
+            Instruction::Collective { op, input, output, label } => {
+                let (rank, comm) = self.communicator(label, "a collective")?;
+                let seq = next_seq(&mut self.issued, op);
+                comm.collective(rank, op, seq, region(input), region_mut(output))?;
+            }
+            Instruction::CollectiveStart { op, input, output, label } => {
+                self.communicator(label, "a collective")?;
+                let seq = next_seq(&mut self.issued, op);
+                let thread = self.comm_thread.as_mut().expect("a program that starts collectives has the thread");
+                // SAFETY: the regions lie in the arena (validated); see `Job`.
+                thread.start(Job {
+                    op: op.clone(),
+                    seq,
+                    input: (unsafe { base.add(input.offset) } as usize, input.len),
+                    output: (unsafe { base.add(output.offset) } as usize, output.len),
+                })?;
+            }
+            // Its start's completion is what the schedule waits for before it.
+            Instruction::Wait { .. } => {}
+            Instruction::Send { input, to, tag, label } => {
+                let (rank, comm) = self.communicator(label, "a send")?;
+                let now = self.clock.as_mut().expect("set for the run").now()?;
+                comm.send(rank, *to, *tag, region(input), now)?;
+            }
+            Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label } => {
+                let scalars: Vec<&[u8]> = scalars.iter().map(region).collect();
+                let constants = autotp_kernels::optim::constants(optimizer, *dtype, &scalars)
+                    .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
+                let (_, entry) = self
+                    .optimizer_steps
+                    .iter()
+                    .find(|(kind, _)| kind.optimizer == *optimizer && kind.dtype == *dtype)
+                    .expect("every optimizer step's kernel is compiled at load");
+                // SAFETY: `validate` checked every tensor's regions (in the arena, of one
+                // size) and that outputs alias nothing but, exactly, their own inputs.
+                unsafe { run_optimizer_step(*entry, *dtype, &constants, tensors, base) };
+            }
+            Instruction::Recv { output, from, tag, label } => {
+                let (rank, comm) = self.communicator(label, "a recv")?;
+                let waiting = std::time::Instant::now();
+                let sent_at = comm.recv(rank, *from, *tag, region_mut(output))?;
+                self.clock.as_mut().expect("set for the run").received(sent_at, waiting.elapsed())?;
+            }
+        }
+        if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {
+            profile[index] += started.elapsed();
+        }
+        Ok(())
+    }
+
+    fn record(&mut self, stream: Stream) -> Result<CpuEvent, RuntimeError> {
+        Ok(match (stream, &self.comm_thread) {
+            (Stream::Collectives, Some(thread)) => CpuEvent::CollectivesFinished(thread.started),
+            _ => CpuEvent::Done,
+        })
+    }
+
+    fn wait(&mut self, _stream: Stream, event: &CpuEvent) -> Result<(), RuntimeError> {
+        match (event, &self.comm_thread) {
+            (CpuEvent::CollectivesFinished(jobs), Some(thread)) => thread.wait_for(*jobs),
+            _ => Ok(()),
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<(), RuntimeError> {
+        match &self.comm_thread {
+            Some(thread) => thread.wait_for(thread.started),
+            None => Ok(()),
+        }
+    }
+
+    fn abort(&mut self, error: &RuntimeError) {
+        // Collectives still in flight write into the arena: stop the others, then wait.
+        if let Some((rank, comm)) = &self.rank {
+            comm.abort(*rank, error);
+        }
+        if let Some(thread) = &self.comm_thread {
+            let _ = thread.wait_for(thread.started);
+        }
     }
 }
 

@@ -21,7 +21,7 @@ impl Region {
         self.offset + self.len
     }
 
-    fn overlaps(&self, other: &Region) -> bool {
+    pub(crate) fn overlaps(&self, other: &Region) -> bool {
         self.len > 0 && other.len > 0 && self.offset < other.end() && other.offset < self.end()
     }
 }
