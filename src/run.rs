@@ -11,6 +11,7 @@ use anyhow::{bail, Context, Result};
 use autotp_runtime::checkpoint::Checkpoint;
 use autotp_runtime::clock::Clock;
 use autotp_runtime::comm::CommBytes;
+use autotp_runtime::cuda::DeviceKind;
 use autotp_runtime::data::{TokenData, TokenDtype};
 use autotp_runtime::plan::PlanFile;
 use autotp_runtime::trainer::{StepMetrics, Trainer};
@@ -69,12 +70,33 @@ pub struct RunFlags {
     /// pipeline stages take longer than this per micro-batch.
     #[arg(long, value_name = "SECONDS", default_value_t = 25.0)]
     pub comm_timeout: f64,
+    /// Where the ranks run: cpu (threads or processes of this machine) or cuda (one GPU per
+    /// rank; without a CUDA driver the run stops at once, naming the missing library).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
 }
 
 /// The seed of a fresh run without `--seed`.
 pub const DEFAULT_SEED: u64 = 0;
 
 impl RunFlags {
+    /// Checks that the device asked for is there, before anything is loaded.
+    pub fn check_device(&self) -> Result<()> {
+        match DeviceKind::parse(&self.device) {
+            Some(DeviceKind::Cpu) => Ok(()),
+            Some(DeviceKind::Cuda) => {
+                let driver = autotp_runtime::cuda::probe()?;
+                bail!(
+                    "found the CUDA {} driver and {} GPU(s), but this build of autotp cannot run plans on GPUs yet \
+                     (its CUDA executor is not finished); use --device cpu",
+                    driver.version_name(),
+                    driver.devices
+                )
+            }
+            None => bail!("--device {} is not a device: cpu or cuda", self.device),
+        }
+    }
+
     /// The seed for a fresh run (`--seed`, default [`DEFAULT_SEED`]).
     pub fn seed(&self) -> u64 {
         self.seed.unwrap_or(DEFAULT_SEED)
@@ -95,6 +117,7 @@ pub struct RunArgs {
 
 /// `autotp run`; returns the exit status of the launched job with `--launch`.
 pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
+    args.flags.check_device()?;
     if let Some(processes) = args.launch {
         return crate::job::launch(processes).map(Some);
     }

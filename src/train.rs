@@ -25,6 +25,7 @@ pub struct TrainArgs {
 pub fn run(args: &TrainArgs) -> Result<()> {
     // Under a launcher every process compiles the same plan (compiling is deterministic); the
     // first alone writes and prints it.
+    args.run.check_device()?;
     let first = autotp_runtime::launch::discover()?.rank == 0;
     let compiled = compile::compile(&args.compile)?;
     if let (Some(path), true) = (&args.output, first) {

@@ -277,3 +277,32 @@ fn a_job_without_mpi_names_what_is_missing() {
     assert!(!out.status.success() && !err.contains("panicked"), "{err}");
     assert!(err.contains("cannot load Open MPI's library (libmpi-missing.so)") && err.contains("openmpi-bin"), "{err}");
 }
+
+/// The binary links nothing of CUDA: without a driver, `--device cuda` stops before loading
+/// anything, with one line naming the library, and no panic.
+#[test]
+fn a_cuda_run_without_a_driver_names_the_library() {
+    let linked = Command::new("ldd").arg(env!("CARGO_BIN_EXE_autotp")).output().unwrap();
+    let linked = String::from_utf8_lossy(&linked.stdout);
+    assert!(!linked.contains("libcuda") && !linked.contains("libnccl") && !linked.contains("libcublas"), "{linked}");
+    let model = fixture("gpt2", "model.onnx");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let dir = temp_dir("without-cuda");
+    let commands: [Vec<String>; 2] = [
+        ["run", "no-plan-needed.atp"].map(String::from).to_vec(),
+        ["train", model.to_str().unwrap(), "--seq-len", "8", "--micro-batch", "2"].map(String::from).to_vec(),
+    ];
+    for command in commands {
+        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args(&command)
+            .args(["--data", tokens.to_str().unwrap(), "--steps", "1", "--device", "cuda"])
+            .current_dir(&dir)
+            .env("AUTOTP_CUDA_DRIVER", "libcuda-missing.so.1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && !err.contains("panicked"), "{command:?}: {err}");
+        assert!(err.contains("no CUDA driver found: libcuda-missing.so.1 could not be loaded ("), "{command:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{command:?}: {err}");
+    }
+}

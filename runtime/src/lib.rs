@@ -11,8 +11,10 @@
 //! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically).
 //! - [`tensor_file`]: reading and atomically writing safetensors files.
 //! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads, byte counts).
+//! - [`cuda`]: finding the CUDA driver and its GPUs (loaded at run time, never linked).
 //! - [`clock`]: how a rank times its run (wall time, or its own CPU time: `autotp run --clock`).
 //! - [`report`]: a plan's per-rank memory and per-step communication.
+//! - [`streams`]: a program's instructions on a device's streams, ordered by events.
 //! - [`profile`]: where a run's step time went, by op (`autotp run --profile`).
 //! - [`affinity`]: pinning threads to the cores this process may use (`autotp run --bind-cores`).
 //! - [`launch`]: this process's rank, world size and local rank, from its launcher's variables.
@@ -26,6 +28,7 @@ pub mod affinity;
 pub mod checkpoint;
 pub mod clock;
 pub mod comm;
+pub mod cuda;
 pub mod data;
 mod executor;
 pub mod launch;
@@ -36,6 +39,7 @@ mod program;
 pub mod rendezvous;
 pub mod report;
 pub mod schedule;
+pub mod streams;
 pub mod tensor_file;
 pub mod trainer;
 
@@ -73,6 +77,8 @@ pub enum RuntimeError {
     Plan(String),
     #[error(transparent)]
     Data(#[from] data::DataError),
+    #[error("{0}")]
+    Device(String),
     #[error("communication: {0}")]
     Comm(String),
     #[error("cannot read the thread's CPU time: {0}")]
