@@ -11,6 +11,7 @@
 //! - `processes`: ranks as MPI processes against ranks as threads; failures end the job.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
+//! - `gpu`: the GPU device's host side on the emulated GPU against the CPU executor.
 //! - `kernels`: every generated kernel against the builtin kernel of the same op.
 //! - `rewrites`: the egg rewrites of kernel index arithmetic against their golden file.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
@@ -23,6 +24,7 @@ mod compile;
 mod conformance;
 mod fixtures;
 mod golden;
+mod gpu;
 mod gradients;
 mod kernels;
 mod optimizers;

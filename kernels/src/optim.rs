@@ -99,8 +99,9 @@ impl TensorUpdate {
     /// `range` lies within `0..self.len`, and `dtype` is the element type of the pointers.
     pub unsafe fn part(&self, dtype: DType, range: std::ops::Range<usize>) -> TensorUpdate {
         let at = range.start * dtype.size();
-        let add = |p: *const u8| if p.is_null() { p } else { unsafe { p.add(at) } };
-        let add_mut = |p: *mut u8| if p.is_null() { p } else { unsafe { p.add(at) } };
+        // Wrapping: the pointers may be a GPU's addresses, never dereferenced here.
+        let add = |p: *const u8| if p.is_null() { p } else { p.wrapping_add(at) };
+        let add_mut = |p: *mut u8| if p.is_null() { p } else { p.wrapping_add(at) };
         TensorUpdate {
             len: range.len(),
             param: add(self.param),

@@ -286,17 +286,8 @@ impl Executor {
 
     /// Runs the program on `inputs` (in the program's input order) and returns its outputs.
     pub fn run(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, RuntimeError> {
-        if inputs.len() != self.program.inputs.len() {
-            return Err(RuntimeError::InputCount { expected: self.program.inputs.len(), got: inputs.len() });
-        }
+        check_inputs(&self.program, inputs)?;
         for (slot, t) in self.program.inputs.iter().zip(inputs) {
-            if t.dtype != slot.dtype || t.shape != slot.shape {
-                return Err(RuntimeError::InputType {
-                    name: slot.name.clone(),
-                    expected: format!("{}{:?}", slot.dtype, slot.shape),
-                    got: format!("{}{:?}", t.dtype, t.shape),
-                });
-            }
             self.device.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
         }
         self.device.clock = Some(RankClock::start(self.clock)?);
@@ -442,6 +433,23 @@ impl Device for CpuDevice {
     }
 }
 
+/// Checks that `inputs` are the program's inputs, in order, by dtype and shape.
+pub(crate) fn check_inputs(program: &Program, inputs: &[HostTensor]) -> Result<(), RuntimeError> {
+    if inputs.len() != program.inputs.len() {
+        return Err(RuntimeError::InputCount { expected: program.inputs.len(), got: inputs.len() });
+    }
+    for (slot, t) in program.inputs.iter().zip(inputs) {
+        if t.dtype != slot.dtype || t.shape != slot.shape {
+            return Err(RuntimeError::InputType {
+                name: slot.name.clone(),
+                expected: format!("{}{:?}", slot.dtype, slot.shape),
+                got: format!("{}{:?}", t.dtype, t.shape),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Rows of a generated kernel per parallel task: about 16K elements of work each, so small
 /// kernels run on the calling thread and large ones spread over the pool.
 fn rows_per_task(kernel: &autotp_kernels::kir::Kernel) -> usize {
@@ -526,25 +534,16 @@ fn advise_huge_pages(bytes: &mut [u8]) {
 /// Elements of one chunk of an optimizer step (one task of the pool).
 const OPTIMIZER_CHUNK_ELEMENTS: usize = 16_384;
 
-/// One optimizer step's tensors, cut into chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`] that
-/// the generated multi-tensor kernel `entry` runs on the current rayon pool, with the step's
-/// `constants` ([`autotp_kernels::optim::constants`]).
-///
-/// # Safety
-/// `entry` is the compiled step of this update rule and `dtype`; the regions of `tensors` lie
-/// in the arena at `base` and alias as [`Instruction::OptimizerStep`] allows; no one else
-/// touches them meanwhile.
-unsafe fn run_optimizer_step(
-    entry: CpuKernel,
+/// An optimizer step's tensors cut into chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`], for
+/// the arena at address `base` (the CPU's, or a GPU's device address: nothing is dereferenced).
+pub(crate) fn optimizer_chunks(
     dtype: autotp_kernels::DType,
-    constants: &[u8],
     tensors: &[crate::OptimizerTensor],
-    base: *mut u8,
-) {
+    base: usize,
+) -> Vec<autotp_kernels::optim::TensorUpdate> {
     use autotp_kernels::optim::TensorUpdate;
-    use rayon::prelude::*;
-    let at = |r: &Region| unsafe { base.add(r.offset) };
-    let mut chunks: Vec<TensorUpdate> = Vec::new();
+    let at = |r: &Region| base.wrapping_add(r.offset) as *mut u8;
+    let mut chunks = Vec::new();
     for t in tensors {
         let mut states = [std::ptr::null(); 2];
         let mut states_out = [std::ptr::null_mut(); 2];
@@ -562,9 +561,30 @@ unsafe fn run_optimizer_step(
         };
         for start in (0..whole.len).step_by(OPTIMIZER_CHUNK_ELEMENTS) {
             let end = (start + OPTIMIZER_CHUNK_ELEMENTS).min(whole.len);
+            // SAFETY: the range lies within the tensor; `part` only offsets the addresses.
             chunks.push(unsafe { whole.part(dtype, start..end) });
         }
     }
+    chunks
+}
+
+/// One optimizer step's tensors, cut into chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`] that
+/// the generated multi-tensor kernel `entry` runs on the current rayon pool, with the step's
+/// `constants` ([`autotp_kernels::optim::constants`]).
+///
+/// # Safety
+/// `entry` is the compiled step of this update rule and `dtype`; the regions of `tensors` lie
+/// in the arena at `base` and alias as [`Instruction::OptimizerStep`] allows; no one else
+/// touches them meanwhile.
+unsafe fn run_optimizer_step(
+    entry: CpuKernel,
+    dtype: autotp_kernels::DType,
+    constants: &[u8],
+    tensors: &[crate::OptimizerTensor],
+    base: *mut u8,
+) {
+    use rayon::prelude::*;
+    let chunks = optimizer_chunks(dtype, tensors, base as usize);
     // The kernel loads its constants as `dtype`, so they need `dtype`'s alignment.
     let constants = AlignedBuf::from_bytes(constants);
     let args = [chunks.as_ptr() as *mut u8, constants.as_slice().as_ptr() as *mut u8];

@@ -11,6 +11,7 @@
 //! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically).
 //! - [`tensor_file`]: reading and atomically writing safetensors files.
 //! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads, byte counts).
+//! - [`gpu`]: a program on a GPU, the host's side (over the `Gpu` interface; an emulator for tests).
 //! - [`cuda`]: finding the CUDA driver and its GPUs (loaded at run time, never linked).
 //! - [`clock`]: how a rank times its run (wall time, or its own CPU time: `autotp run --clock`).
 //! - [`report`]: a plan's per-rank memory and per-step communication.
@@ -31,6 +32,7 @@ pub mod comm;
 pub mod cuda;
 pub mod data;
 mod executor;
+pub mod gpu;
 pub mod launch;
 pub mod npy;
 pub mod plan;

@@ -1,0 +1,203 @@
+//! A [`Gpu`] on the host, for testing [`super::GpuDevice`] without a GPU.
+//!
+//! Device memory is host memory (a device address is a host address); the program's kernels
+//! are the same kernel IR compiled for x86 (launched over all their rows, as a grid of one block
+//! per row would run them). Streams are lazy: an operation is queued and runs only when the host
+//! needs its result (a download, a synchronisation), and then only the operations that result
+//! depends on by stream order and events, in that order. So a result read without the wait
+//! or synchronisation that orders it after its producer comes out stale, as it may on a GPU,
+//! but deterministically.
+
+use std::collections::VecDeque;
+
+use autotp_kernels::AlignedBuf;
+use autotp_llvm::CpuKernel;
+
+use super::{Entry, Gpu};
+use crate::streams::Stream;
+use crate::{Program, RuntimeError};
+
+type Work = Box<dyn FnOnce() -> Result<(), RuntimeError>>;
+
+enum Op {
+    Run(Work),
+    Signal(usize),
+    WaitFor(usize),
+}
+
+/// The emulated GPU (see the module doc).
+pub struct Emulator {
+    allocations: Vec<AlignedBuf>,
+    kernels: Vec<CpuKernel>,
+    optimizer_steps: Vec<CpuKernel>,
+    queues: [VecDeque<Op>; 3],
+    /// Per event: whether it has completed, and the stream it was recorded on.
+    events: Vec<(bool, Stream)>,
+    /// Kernels launched so far.
+    pub launches: usize,
+}
+
+impl Emulator {
+    /// An emulated GPU holding `program`'s kernels (compiled for this CPU).
+    pub fn new(program: &Program) -> Result<Emulator, RuntimeError> {
+        let steps = program.optimizer_kernels();
+        let functions: Vec<autotp_llvm::Function> = (program.kernels.iter().map(autotp_llvm::Function::Kernel))
+            .chain(steps.iter().map(autotp_llvm::Function::OptimizerStep))
+            .collect();
+        let mut kernels = match functions.is_empty() {
+            true => Vec::new(),
+            false => autotp_llvm::compile_cpu_functions(&functions)
+                .map_err(|e| RuntimeError::KernelCompile(e.to_string()))?,
+        };
+        let optimizer_steps = kernels.split_off(program.kernels.len());
+        Ok(Emulator {
+            allocations: Vec::new(),
+            kernels,
+            optimizer_steps,
+            queues: Default::default(),
+            events: Vec::new(),
+            launches: 0,
+        })
+    }
+
+    /// Checks that `[address, address + len)` lies in one allocation.
+    fn check(&self, address: u64, len: usize) -> Result<(), RuntimeError> {
+        let inside = self.allocations.iter().any(|a| {
+            let start = a.as_slice().as_ptr() as u64;
+            address >= start && address + len as u64 <= start + a.len() as u64
+        });
+        match inside {
+            true => Ok(()),
+            false => Err(RuntimeError::Device(format!("emulated GPU: {len} bytes at {address:#x} are not allocated"))),
+        }
+    }
+
+    fn queue(&mut self, stream: Stream, work: Work) {
+        self.queues[stream as usize].push_back(Op::Run(work));
+    }
+
+    /// Runs the next operation of `stream`, or, when it waits for an event not yet complete,
+    /// the next of the stream that event was recorded on.
+    fn run_next(&mut self, stream: Stream, depth: usize) -> Result<(), RuntimeError> {
+        if depth > Stream::ALL.len() {
+            return Err(RuntimeError::Device("emulated GPU: the streams wait for each other (deadlock)".into()));
+        }
+        if let Some(Op::WaitFor(event)) = self.queues[stream as usize].front() {
+            let (done, recorded_on) = self.events[*event];
+            if !done {
+                return self.run_next(recorded_on, depth + 1);
+            }
+        }
+        match self.queues[stream as usize].pop_front() {
+            Some(Op::Run(work)) => work(),
+            Some(Op::Signal(event)) => {
+                self.events[event].0 = true;
+                Ok(())
+            }
+            Some(Op::WaitFor(_)) => Ok(()),
+            None => Err(RuntimeError::Device(format!(
+                "emulated GPU: the {} stream waits for an event that is never reached",
+                stream.name()
+            ))),
+        }
+    }
+
+    fn drain(&mut self, stream: Stream) -> Result<(), RuntimeError> {
+        while !self.queues[stream as usize].is_empty() {
+            self.run_next(stream, 0)?;
+        }
+        Ok(())
+    }
+}
+
+impl Gpu for Emulator {
+    type Event = usize;
+
+    fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
+        let buffer = AlignedBuf::zeroed(bytes.max(1));
+        let address = buffer.as_slice().as_ptr() as u64;
+        self.allocations.push(buffer);
+        Ok(address)
+    }
+
+    fn upload(&mut self, stream: Stream, address: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
+        self.check(address, bytes.len())?;
+        let bytes = bytes.to_vec();
+        // SAFETY: checked to lie in an allocation, which lives as long as the emulator.
+        self.queue(
+            stream,
+            Box::new(move || {
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), address as *mut u8, bytes.len()) };
+                Ok(())
+            }),
+        );
+        Ok(())
+    }
+
+    fn download(&mut self, stream: Stream, address: u64, into: &mut [u8]) -> Result<(), RuntimeError> {
+        self.check(address, into.len())?;
+        self.drain(stream)?;
+        // SAFETY: checked to lie in an allocation; nothing else runs meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(address as *const u8, into.as_mut_ptr(), into.len()) };
+        Ok(())
+    }
+
+    fn copy(&mut self, stream: Stream, from: u64, to: u64, len: usize) -> Result<(), RuntimeError> {
+        self.check(from, len)?;
+        self.check(to, len)?;
+        // SAFETY: both checked to lie in allocations.
+        self.queue(
+            stream,
+            Box::new(move || {
+                unsafe { std::ptr::copy(from as *const u8, to as *mut u8, len) };
+                Ok(())
+            }),
+        );
+        Ok(())
+    }
+
+    fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError> {
+        let (function, buffers, rows) = match entry {
+            Entry::Kernel(i) => (self.kernels.get(i).copied(), args.to_vec(), rows),
+            // The x86 form takes [table, constants] and runs the chunks it is given as rows.
+            Entry::OptimizerStep(i) => match args {
+                [table, chunks, constants] => {
+                    (self.optimizer_steps.get(i).copied(), vec![*table, *constants], *chunks as usize)
+                }
+                _ => return Err(RuntimeError::Device("emulated GPU: an optimizer step takes 3 arguments".into())),
+            },
+        };
+        let function = function.ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no entry {entry:?}")))?;
+        self.launches += 1;
+        self.queue(
+            stream,
+            Box::new(move || {
+                let buffers: Vec<*mut u8> = buffers.iter().map(|&a| a as *mut u8).collect();
+                // SAFETY: the device passes the regions of a validated program in its arena (each
+                // kernel's accesses are bounded by `kir::Kernel::check`) or its chunk tables.
+                unsafe { function.run(&buffers, 0..rows) };
+                Ok(())
+            }),
+        );
+        Ok(())
+    }
+
+    fn record(&mut self, stream: Stream) -> Result<usize, RuntimeError> {
+        let event = self.events.len();
+        self.events.push((false, stream));
+        self.queues[stream as usize].push_back(Op::Signal(event));
+        Ok(event)
+    }
+
+    fn wait(&mut self, stream: Stream, event: &usize) -> Result<(), RuntimeError> {
+        self.queues[stream as usize].push_back(Op::WaitFor(*event));
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<(), RuntimeError> {
+        for stream in Stream::ALL {
+            self.drain(stream)?;
+        }
+        Ok(())
+    }
+}
