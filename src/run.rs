@@ -13,6 +13,7 @@ use autotp_runtime::clock::Clock;
 use autotp_runtime::comm::CommBytes;
 use autotp_runtime::cuda::DeviceKind;
 use autotp_runtime::data::{TokenData, TokenDtype};
+use autotp_runtime::gpu::GpuKind;
 use autotp_runtime::plan::PlanFile;
 use autotp_runtime::trainer::{StepMetrics, Trainer};
 use clap::Args;
@@ -80,18 +81,19 @@ pub struct RunFlags {
 pub const DEFAULT_SEED: u64 = 0;
 
 impl RunFlags {
-    /// Checks that the device asked for is there, before anything is loaded.
-    pub fn check_device(&self) -> Result<()> {
+    /// The GPU to train on (`--device cuda`), checked to be there before anything is loaded;
+    /// `None` for the CPU. The process's local rank picks the GPU. `AUTOTP_GPU=emulated`
+    /// (tests) runs on the emulated GPU instead.
+    pub fn gpu(&self) -> Result<Option<GpuKind>> {
         match DeviceKind::parse(&self.device) {
-            Some(DeviceKind::Cpu) => Ok(()),
+            Some(DeviceKind::Cpu) => Ok(None),
+            Some(DeviceKind::Cuda) if std::env::var("AUTOTP_GPU").as_deref() == Ok("emulated") => {
+                Ok(Some(GpuKind::Emulated))
+            }
             Some(DeviceKind::Cuda) => {
-                let driver = autotp_runtime::cuda::probe()?;
-                bail!(
-                    "found the CUDA {} driver and {} GPU(s), but this build of autotp cannot run plans on GPUs yet \
-                     (its CUDA executor is not finished); use --device cpu",
-                    driver.version_name(),
-                    driver.devices
-                )
+                autotp_runtime::cuda::probe()?;
+                let ordinal = autotp_runtime::launch::discover()?.local_rank;
+                Ok(Some(GpuKind::Cuda { ordinal }))
             }
             None => bail!("--device {} is not a device: cpu or cuda", self.device),
         }
@@ -117,7 +119,7 @@ pub struct RunArgs {
 
 /// `autotp run`; returns the exit status of the launched job with `--launch`.
 pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
-    args.flags.check_device()?;
+    let gpu = args.flags.gpu()?;
     if let Some(processes) = args.launch {
         return crate::job::launch(processes).map(Some);
     }
@@ -125,10 +127,14 @@ pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
     let file = PlanFile::open(&args.plan)?;
     let job = crate::job::start(&file.plan, args.flags.comm_timeout)?;
     crate::job::run_in(job.as_ref(), || {
-        let mut trainer = match &job {
-            Some(job) => Trainer::for_process(file.plan.clone(), &file.weights(), args.flags.seed(), job.clone())?,
-            None => Trainer::new(file.plan.clone(), &file.weights(), args.flags.seed())?,
+        let (weights, seed) = (file.weights(), args.flags.seed());
+        let mut trainer = match (&job, gpu) {
+            (Some(_), Some(_)) => bail!("GPU ranks do not communicate yet (NCCL is not built): run one process"),
+            (Some(job), None) => Trainer::for_process(file.plan.clone(), &weights, seed, job.clone())?,
+            (None, Some(gpu)) => Trainer::on_gpu(file.plan.clone(), &weights, seed, gpu)?,
+            (None, None) => Trainer::new(file.plan.clone(), &weights, seed)?,
         };
+        drop(weights);
         drop(file);
         tracing::info!(seconds = started.elapsed().as_secs_f64(), plan = %args.plan.display(), "plan loaded");
         train(&mut trainer, &args.flags)

@@ -25,7 +25,7 @@ pub struct TrainArgs {
 pub fn run(args: &TrainArgs) -> Result<()> {
     // Under a launcher every process compiles the same plan (compiling is deterministic); the
     // first alone writes and prints it.
-    args.run.check_device()?;
+    let gpu = args.run.gpu()?;
     let first = autotp_runtime::launch::discover()?.rank == 0;
     let compiled = compile::compile(&args.compile)?;
     if let (Some(path), true) = (&args.output, first) {
@@ -38,9 +38,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let job = crate::job::start(&compiled.plan, args.run.comm_timeout)?;
     crate::job::run_in(job.as_ref(), || {
         let weights = compiled.weights();
-        let mut trainer = match &job {
-            Some(job) => Trainer::for_process(compiled.plan.clone(), &weights, args.run.seed(), job.clone())?,
-            None => Trainer::new(compiled.plan.clone(), &weights, args.run.seed())?,
+        let seed = args.run.seed();
+        let mut trainer = match (&job, gpu) {
+            (Some(_), Some(_)) => {
+                anyhow::bail!("GPU ranks do not communicate yet (NCCL is not built): run one process")
+            }
+            (Some(job), None) => Trainer::for_process(compiled.plan.clone(), &weights, seed, job.clone())?,
+            (None, Some(gpu)) => Trainer::on_gpu(compiled.plan.clone(), &weights, seed, gpu)?,
+            (None, None) => Trainer::new(compiled.plan.clone(), &weights, seed)?,
         };
         // The trainer copied the weights into its arena; the model's memory map can go.
         drop(weights);

@@ -86,7 +86,7 @@ pub fn run(args: &VerifyArgs) -> Result<bool> {
     let mut single = Trainer::new(reference.plan.clone(), &reference.weights(), seed)?;
     let data = TokenData::open(&args.data, TokenDtype::parse(&args.data_dtype)?, plan.training().seq_len)?;
 
-    let before: Vec<(String, Vec<f64>)> = params(&single);
+    let before: Vec<(String, Vec<f64>)> = params(&single)?;
     let mut agree = true;
     println!("{:>5} {:>14} {:>14} {:>10}", "step", "plan loss", "one device", "relative");
     for step in 1..=args.steps {
@@ -110,22 +110,22 @@ fn values(dtype: autotp_ir::DType, bytes: &[u8]) -> Vec<f64> {
     (0..tensor.numel()).map(|i| tensor.get_f64(i)).collect()
 }
 
-fn params(trainer: &Trainer) -> Vec<(String, Vec<f64>)> {
-    trainer.model_params().into_iter().map(|t| (t.name, values(t.dtype, &t.bytes))).collect()
+fn params(trainer: &Trainer) -> Result<Vec<(String, Vec<f64>)>> {
+    Ok(trainer.model_params()?.into_iter().map(|t| (t.name, values(t.dtype, &t.bytes))).collect())
 }
 
 /// Each trained parameter's step-1 gradient evidence on both sides: AdamW's first moment or
 /// SGD's momentum buffer (`gradient + weight_decay * p` at step 1), else (SGD without momentum)
 /// the parameter's move, whose f32 rounding is relative to the parameter, not the move.
-fn evidence(plan: &Trainer, single: &Trainer, before: &[(String, Vec<f64>)]) -> Vec<GradientEvidence> {
-    let moments = |t: &Trainer| -> Vec<(String, Vec<f64>)> {
-        t.model_states()
+fn evidence(plan: &Trainer, single: &Trainer, before: &[(String, Vec<f64>)]) -> Result<Vec<GradientEvidence>> {
+    let moments = |t: &Trainer| -> Result<Vec<(String, Vec<f64>)>> {
+        Ok(t.model_states()?
             .into_iter()
             .filter_map(|t| {
                 let param = t.name.strip_prefix("adamw.m.").or_else(|| t.name.strip_prefix("sgd.momentum."))?;
                 Some((param.to_string(), values(t.dtype, &t.bytes)))
             })
-            .collect()
+            .collect())
     };
     let pair =
         |plan_side: Vec<(String, Vec<f64>)>, single_side: Vec<(String, Vec<f64>)>, rounding: &dyn Fn(&str) -> f64| {
@@ -137,26 +137,26 @@ fn evidence(plan: &Trainer, single: &Trainer, before: &[(String, Vec<f64>)]) -> 
                 })
                 .collect::<Vec<_>>()
         };
-    let single_moments = moments(single);
+    let single_moments = moments(single)?;
     if single_moments.iter().any(|(_, m)| m.iter().any(|&v| v != 0.0)) {
-        return pair(moments(plan), single_moments, &|_| 0.0);
+        return Ok(pair(moments(plan)?, single_moments, &|_| 0.0));
     }
-    let moved = |t: &Trainer| -> Vec<(String, Vec<f64>)> {
-        params(t)
+    let moved = |t: &Trainer| -> Result<Vec<(String, Vec<f64>)>> {
+        Ok(params(t)?
             .into_iter()
             .filter_map(|(name, now)| {
                 let start = &before.iter().find(|(n, _)| *n == name)?.1;
                 Some((name, now.iter().zip(start).map(|(a, b)| a - b).collect()))
             })
-            .collect()
+            .collect())
     };
-    let single_moves = moved(single);
+    let single_moves = moved(single)?;
     let rounding = |param: &str| {
         let start = before.iter().find(|(n, _)| n == param).map_or(0.0, |(_, p)| largest(p));
         let step = single_moves.iter().find(|(n, _)| n == param).map_or(0.0, |(_, d)| largest(d));
         4.0 * f64::from(f32::EPSILON) * start / step.max(f64::MIN_POSITIVE)
     };
-    pair(moved(plan), single_moves.clone(), &rounding)
+    Ok(pair(moved(plan)?, single_moves.clone(), &rounding))
 }
 
 /// Where the one-device program makes each parameter's gradient: the last instruction before
@@ -200,7 +200,7 @@ fn compare_gradients(
     tolerance: f64,
 ) -> Result<bool> {
     let makers = gradient_makers(&reference.plan.stages[0]);
-    let mut compared = evidence(plan, single, before);
+    let mut compared = evidence(plan, single, before)?;
     if compared.is_empty() {
         anyhow::bail!("no trained parameter to compare");
     }

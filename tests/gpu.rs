@@ -5,7 +5,6 @@
 
 use autotp_kernels::DType;
 use autotp_runtime::gpu::emulated::Emulator;
-use autotp_runtime::gpu::GpuExecutor;
 use autotp_runtime::plan::PlanFile;
 use autotp_runtime::{Executor, HostTensor, Program};
 
@@ -31,29 +30,24 @@ fn feeds(program: &Program, step: usize) -> Vec<HostTensor> {
         .collect()
 }
 
+/// `autotp compile MODEL --seq-len 16 FLAGS -o PLAN`.
+fn compile(model: &std::path::Path, plan: &std::path::Path, flags: &[&str]) {
+    let args = [&["compile", model.to_str().unwrap(), "--seq-len", "16"][..], flags, &["-o", plan.to_str().unwrap()]];
+    success(autotp(&args.concat()));
+}
+
 #[test]
 fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
     let dir = scratch("emulated-gpu");
     for (arch, kernels) in [("gpt2", "generated"), ("llama", "generated"), ("gpt2", "builtin")] {
         let plan_path = dir.join(format!("{arch}-{kernels}.atp"));
         let model = fixture(arch, "model.onnx");
-        success(autotp(&[
-            "compile",
-            model.to_str().unwrap(),
-            "--seq-len",
-            "16",
-            "--micro-batch",
-            "4",
-            "--kernels",
-            kernels,
-            "-o",
-            plan_path.to_str().unwrap(),
-        ]));
+        compile(&model, &plan_path, &["--micro-batch", "4", "--kernels", kernels]);
         let file = PlanFile::open(&plan_path).unwrap();
         let program = file.plan.stages[0].clone();
         let mut cpu = Executor::new(program.clone()).unwrap();
         let emulator = Emulator::new(&program).unwrap();
-        let mut gpu = GpuExecutor::new(program.clone(), emulator).unwrap();
+        let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator)).unwrap();
         for (name, bytes) in file.weights() {
             cpu.load_slot(&name, bytes).unwrap();
             gpu.load_slot(&name, bytes).unwrap();
@@ -65,12 +59,63 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
             assert_eq!(got, expected, "{arch} ({kernels} kernels) step {step}: outputs");
         }
         for slot in program.params.iter().chain(&program.states) {
-            let on_gpu = gpu.read_slot(&slot.name).unwrap();
+            let on_gpu = gpu.read_slot(&slot.name).unwrap().unwrap();
             assert!(
-                on_gpu == cpu.read_slot(&slot.name).unwrap(),
+                on_gpu == cpu.read_slot(&slot.name).unwrap().unwrap(),
                 "{arch} ({kernels} kernels): {} after 3 steps",
                 slot.name
             );
         }
     }
+}
+
+/// `run --device cuda` end to end on the emulated GPU (`AUTOTP_GPU=emulated`): the same losses
+/// as the CPU, and checkpoints that move between the devices, resumed bit-identically.
+#[test]
+fn runs_on_the_emulated_gpu_and_checkpoints_move_between_devices() {
+    let dir = scratch("emulated-gpu-run");
+    let model = fixture("llama", "model.onnx");
+    let plan = dir.join("llama.atp");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    compile(&model, &plan, &["--micro-batch", "4"]);
+    let run = |device: &str, steps: &str, metrics: &str, save: Option<&str>, resume: Option<&str>| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+        command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", steps]);
+        command.args(["--device", device, "--metrics-out", dir.join(metrics).to_str().unwrap()]);
+        if let Some(save) = save {
+            command.args(["--save", dir.join(save).to_str().unwrap()]);
+        }
+        if let Some(resume) = resume {
+            command.args(["--resume", dir.join(resume).to_str().unwrap()]);
+        }
+        success(command.env("AUTOTP_GPU", "emulated").output().unwrap());
+        crate::common::losses(&dir.join(metrics))
+    };
+    let cpu = run("cpu", "8", "cpu.jsonl", None, None);
+    assert_eq!(run("cuda", "8", "gpu.jsonl", None, None), cpu, "8 steps on the emulated GPU");
+    run("cuda", "4", "gpu-first.jsonl", Some("from-gpu"), None);
+    assert_eq!(
+        run("cpu", "8", "cpu-rest.jsonl", None, Some("from-gpu")),
+        cpu[4..],
+        "GPU checkpoint resumed on the CPU"
+    );
+    run("cpu", "4", "cpu-first.jsonl", Some("from-cpu"), None);
+    assert_eq!(
+        run("cuda", "8", "gpu-rest.jsonl", None, Some("from-cpu")),
+        cpu[4..],
+        "CPU checkpoint resumed on the GPU"
+    );
+
+    let dp2 = dir.join("dp2.atp");
+    compile(&model, &dp2, &["--micro-batch", "2", "--dp", "2"]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["run", dp2.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "1", "--device", "cuda"])
+        .env("AUTOTP_GPU", "emulated")
+        .output()
+        .unwrap();
+    let err = crate::common::failure(out);
+    assert!(
+        err.contains("the plan has 2 ranks") && err.contains("only one-device plans run on --device cuda"),
+        "{err}"
+    );
 }

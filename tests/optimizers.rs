@@ -77,11 +77,16 @@ fn replay(name: &str) {
         let inputs: Vec<autotp_ir::Tensor> =
             feed.iter().map(|h| autotp_ir::Tensor::from_pod(h.dtype, h.shape.clone(), &h.data)).collect();
         autotp_ir::eval::eval_step(&graph, &mut reference, &inputs).unwrap();
-        let p: Vec<f32> =
-            exec.read_slot("p").unwrap().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let p: Vec<f32> = exec
+            .read_slot("p")
+            .unwrap()
+            .unwrap()
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         assert_eq!(
             reference["p"].bytes(),
-            exec.read_slot("p").unwrap(),
+            &*exec.read_slot("p").unwrap().unwrap(),
             "{name} step {}: evaluator and executor differ",
             step + 1
         );
@@ -179,7 +184,7 @@ fn multi_tensor_step(optimizer: &str, read_after: bool) {
         for (k, slot) in (0..sizes.len()).flat_map(|k| slots.iter().map(move |s| (k, s))) {
             let name = format!("{slot}{k}");
             assert!(
-                builtin.read_slot(&name) == fused.read_slot(&name),
+                builtin.read_slot(&name).unwrap().unwrap() == fused.read_slot(&name).unwrap().unwrap(),
                 "{optimizer} step {step}: {name} differs between the multi-tensor step and the builtin kernels"
             );
         }

@@ -1,8 +1,10 @@
-//! The CPU executor: one arena per program (per rank), parameters and constants loaded once,
+//! The executor: a program loaded on a device (the CPU, or a GPU through [`crate::gpu`]). On
+//! the CPU: one arena per program (per rank), parameters and constants loaded once,
 //! then instructions run in order: builtin kernels (multi-threaded with rayon inside), generated
 //! kernels (JIT-compiled by `autotp-llvm` when the executor is built; their rows split over the
 //! rank's rayon pool) and collectives through the rank's communicator.
 
+use std::borrow::Cow;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 
 use autotp_kernels::AlignedBuf;
@@ -12,6 +14,7 @@ use autotp_llvm::CpuKernel;
 
 use crate::clock::{Clock, RankClock, RunTime};
 use crate::comm::{CollectiveKind, CollectiveOp, Communicator};
+use crate::gpu::{Gpu, GpuDevice};
 use crate::streams::{Device, Stream, StreamSchedule};
 use crate::{Instruction, Program, Region, RuntimeError};
 
@@ -125,11 +128,17 @@ pub struct Executor {
     program: Program,
     /// Where each instruction runs (checked race-free when the program loads).
     schedule: StreamSchedule,
-    device: CpuDevice,
+    device: Backend,
     /// How runs are timed.
     clock: Clock,
     /// What the last run took, with its waits for other pipeline stages.
     last_run: RunTime,
+}
+
+/// The device an executor runs its program on.
+enum Backend {
+    Cpu(Box<CpuDevice>),
+    Gpu(GpuDevice),
 }
 
 /// The CPU as a [`Device`]: the compute and peer streams are the thread that runs the
@@ -223,6 +232,27 @@ impl Executor {
             .collect();
         let device =
             CpuDevice { comm_thread, generated, optimizer_steps, arena, rank, issued, profile: None, clock: None };
+        Ok(Executor {
+            program,
+            schedule,
+            device: Backend::Cpu(Box::new(device)),
+            clock: Clock::Wall,
+            last_run: RunTime::default(),
+        })
+    }
+
+    /// Loads a one-device program on a GPU (see [`crate::gpu`]): its arena in device memory,
+    /// constants uploaded. `gpu` holds the program's kernels.
+    pub fn on_gpu(program: Program, gpu: Box<dyn Gpu>) -> Result<Executor, RuntimeError> {
+        if program.mesh.iter().any(|a| a.size > 1) {
+            return Err(RuntimeError::Device(
+                "GPU ranks do not communicate yet (NCCL is not built): only one-device plans run on --device cuda"
+                    .into(),
+            ));
+        }
+        program.validate()?;
+        let schedule = StreamSchedule::of(&program)?;
+        let device = Backend::Gpu(GpuDevice::load(&program, gpu)?);
         Ok(Executor { program, schedule, device, clock: Clock::Wall, last_run: RunTime::default() })
     }
 
@@ -230,15 +260,21 @@ impl Executor {
         &self.program
     }
 
-    /// Times every instruction from now on ([`Executor::profile`]).
+    /// Times every instruction from now on ([`Executor::profile`]); on the CPU only (a GPU's
+    /// instructions run after the host has issued them).
     pub fn enable_profile(&mut self) {
-        self.device.profile = Some(vec![std::time::Duration::ZERO; self.program.instructions.len()]);
+        if let Backend::Cpu(cpu) = &mut self.device {
+            cpu.profile = Some(vec![std::time::Duration::ZERO; self.program.instructions.len()]);
+        }
     }
 
     /// The time spent in each instruction (in program order) since profiling was enabled: on
     /// the thread that runs the program (a started collective counts only its hand-off).
     pub fn profile(&self) -> Option<&[std::time::Duration]> {
-        self.device.profile.as_deref()
+        match &self.device {
+            Backend::Cpu(cpu) => cpu.profile.as_deref(),
+            Backend::Gpu(_) => None,
+        }
     }
 
     /// Times runs from now on by `clock` (see [`crate::clock`]).
@@ -254,13 +290,19 @@ impl Executor {
 
     /// Bytes of the arena this executor allocated.
     pub fn arena_bytes(&self) -> usize {
-        self.device.arena.len()
+        match &self.device {
+            Backend::Cpu(cpu) => cpu.arena.len(),
+            Backend::Gpu(_) => self.program.memory.arena_bytes,
+        }
     }
 
-    /// The current bytes of a parameter or state.
-    pub fn read_slot(&self, name: &str) -> Option<&[u8]> {
+    /// The current bytes of a parameter or state (downloaded from a GPU).
+    pub fn read_slot(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, RuntimeError>> {
         let slot = self.program.params.iter().chain(&self.program.states).find(|s| s.name == name)?;
-        Some(&self.device.arena.as_slice()[slot.region.offset..slot.region.end()])
+        Some(match &self.device {
+            Backend::Cpu(cpu) => Ok(Cow::Borrowed(&cpu.arena.as_slice()[slot.region.offset..slot.region.end()])),
+            Backend::Gpu(gpu) => gpu.download_region(Stream::Compute, &slot.region).map(Cow::Owned),
+        })
     }
 
     /// Loads the bytes of a parameter (from a weights file or an initializer) or of an optimizer
@@ -280,35 +322,52 @@ impl Executor {
                 got: bytes.len(),
             });
         }
-        copy_in_parallel(&mut self.device.arena.as_mut_slice()[slot.region.offset..slot.region.end()], bytes);
-        Ok(())
+        match &mut self.device {
+            Backend::Cpu(cpu) => {
+                copy_in_parallel(&mut cpu.arena.as_mut_slice()[slot.region.offset..slot.region.end()], bytes);
+                Ok(())
+            }
+            Backend::Gpu(gpu) => gpu.upload_region(&slot.region, bytes),
+        }
     }
 
     /// Runs the program on `inputs` (in the program's input order) and returns its outputs.
     pub fn run(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, RuntimeError> {
         check_inputs(&self.program, inputs)?;
-        for (slot, t) in self.program.inputs.iter().zip(inputs) {
-            self.device.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
-        }
-        self.device.clock = Some(RankClock::start(self.clock)?);
-        let result = crate::streams::drive(&mut self.device, &self.program, &self.schedule);
-        let clock = self.device.clock.take().expect("set for the run");
-        result?;
-        let arena = self.device.arena.as_mut_slice();
-        for u in &self.program.updates {
-            arena.copy_within(u.from.offset..u.from.end(), u.to.offset);
-        }
-        self.last_run = clock.finish()?;
-        let arena = self.device.arena.as_slice();
-        Ok(self
-            .program
-            .outputs
-            .iter()
-            .map(|s| HostTensor {
-                dtype: s.dtype,
-                shape: s.shape.clone(),
-                data: arena[s.region.offset..s.region.end()].to_vec(),
-            })
+        let outputs = match &mut self.device {
+            Backend::Cpu(cpu) => {
+                for (slot, t) in self.program.inputs.iter().zip(inputs) {
+                    cpu.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
+                }
+                cpu.clock = Some(RankClock::start(self.clock)?);
+                let result = crate::streams::drive(cpu.as_mut(), &self.program, &self.schedule);
+                let clock = cpu.clock.take().expect("set for the run");
+                result?;
+                let arena = cpu.arena.as_mut_slice();
+                for u in &self.program.updates {
+                    arena.copy_within(u.from.offset..u.from.end(), u.to.offset);
+                }
+                self.last_run = clock.finish()?;
+                let arena = cpu.arena.as_slice();
+                (self.program.outputs.iter()).map(|s| arena[s.region.offset..s.region.end()].to_vec()).collect()
+            }
+            Backend::Gpu(gpu) => {
+                let clock = RankClock::start(self.clock)?;
+                for (slot, t) in self.program.inputs.iter().zip(inputs) {
+                    gpu.upload_region(&slot.region, &t.data)?;
+                }
+                crate::streams::drive(gpu, &self.program, &self.schedule)?;
+                gpu.apply_updates(&self.program.updates)?;
+                let outputs = (self.program.outputs.iter())
+                    .map(|s| gpu.download_region(Stream::Compute, &s.region))
+                    .collect::<Result<Vec<_>, _>>()?;
+                self.last_run = clock.finish()?;
+                outputs
+            }
+        };
+        Ok((self.program.outputs.iter())
+            .zip(outputs)
+            .map(|(s, data)| HostTensor { dtype: s.dtype, shape: s.shape.clone(), data })
             .collect())
     }
 }

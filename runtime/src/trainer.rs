@@ -26,6 +26,7 @@ use crate::checkpoint::{self, Checkpoint, DataPosition, Manifest, RngState};
 use crate::clock::{Clock, RunTime};
 use crate::comm::{CommBytes, Communicator, LocalComm, MpiComm, Topology};
 use crate::data::TokenData;
+use crate::gpu::GpuKind;
 use crate::plan::{Feed, Labels, ModelSource, TrainingConfig, TrainingPlan};
 use crate::tensor_file::TensorRef;
 use crate::{Executor, HostTensor, RuntimeError, Slot, SlotPlacement};
@@ -77,7 +78,17 @@ impl Trainer {
     /// Loads `plan` with its initial `weights` (by parameter name), every rank a thread of this
     /// process; optimizer states start at zero and the step count at 0.
     pub fn new(plan: TrainingPlan, weights: &BTreeMap<String, &[u8]>, seed: u64) -> Result<Trainer, RuntimeError> {
-        Trainer::build(plan, weights, seed, None)
+        Trainer::build(plan, weights, seed, None, None)
+    }
+
+    /// Loads a one-device `plan` on a GPU (see [`crate::gpu`]).
+    pub fn on_gpu(
+        plan: TrainingPlan,
+        weights: &BTreeMap<String, &[u8]>,
+        seed: u64,
+        gpu: GpuKind,
+    ) -> Result<Trainer, RuntimeError> {
+        Trainer::build(plan, weights, seed, None, Some(gpu))
     }
 
     /// Loads this process's rank of `plan` in a job over MPI: its stage's program and its
@@ -88,7 +99,7 @@ impl Trainer {
         seed: u64,
         job: Arc<MpiComm>,
     ) -> Result<Trainer, RuntimeError> {
-        Trainer::build(plan, weights, seed, Some(job))
+        Trainer::build(plan, weights, seed, Some(job), None)
     }
 
     fn build(
@@ -96,6 +107,7 @@ impl Trainer {
         weights: &BTreeMap<String, &[u8]>,
         seed: u64,
         job: Option<Arc<MpiComm>>,
+        gpu: Option<GpuKind>,
     ) -> Result<Trainer, RuntimeError> {
         let feeds = plan.feeds()?;
         let loss_index = plan.loss_index()?;
@@ -123,7 +135,21 @@ impl Trainer {
             }
             None if topology.world_size() <= 1 => {
                 let program = stages.into_iter().next().expect("one program");
-                (vec![Executor::new(program)?], 0, None)
+                let executor = match gpu {
+                    Some(kind) => {
+                        let device = kind.open(&program)?;
+                        Executor::on_gpu(program, device)?
+                    }
+                    None => Executor::new(program)?,
+                };
+                (vec![executor], 0, None)
+            }
+            None if gpu.is_some() => {
+                return Err(RuntimeError::Device(format!(
+                    "the plan has {} ranks, and GPU ranks do not communicate yet (NCCL is not built): only \
+                     one-device plans run on --device cuda",
+                    topology.world_size()
+                )))
             }
             None => {
                 let comm: Arc<dyn Communicator> = LocalComm::pipeline(stages.len(), &sizes);
@@ -275,22 +301,22 @@ impl Trainer {
 
     /// The global bytes of a parameter or state, reassembled from the blocks of the first stage
     /// holding it. Only a trainer that runs every rank has them all.
-    fn read_global(&self, slot: &Slot) -> Cow<'_, [u8]> {
+    fn read_global(&self, slot: &Slot) -> Result<Cow<'_, [u8]>, RuntimeError> {
         assert!(self.processes.is_none(), "a process of a job holds only its own rank's blocks");
         let first = (0..self.ranks.len()).find(|&r| self.ranks[r].read_slot(&slot.name).is_some());
         let first = first.expect("a slot of a stage") / self.stage_size() * self.stage_size();
         let local = |rank: usize| self.ranks[rank].read_slot(&slot.name).expect("a slot of the stage");
         if slot.is_replicated() {
-            return Cow::Borrowed(local(first));
+            return local(first);
         }
         let size = slot.dtype.size();
         let mut global = vec![0u8; slot.global_shape.iter().product::<usize>() * size];
         for rank in first..first + self.stage_size() {
             let cuts = slot.cuts(&self.program().mesh, &self.coordinates(rank));
             let (offsets, extent) = shard_block(&slot.global_shape, &cuts);
-            insert_block(&slot.global_shape, &offsets, &extent, size, local(rank), &mut global);
+            insert_block(&slot.global_shape, &offsets, &extent, size, &local(rank)?, &mut global);
         }
-        Cow::Owned(global)
+        Ok(Cow::Owned(global))
     }
 
     pub fn training(&self) -> &TrainingConfig {
@@ -656,24 +682,24 @@ impl Trainer {
     }
 
     /// The current parameters (global tensors), by name.
-    pub fn params(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
-        self.param_slots().into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
+    pub fn params(&self) -> Result<Vec<SlotBytes<'_>>, RuntimeError> {
+        self.param_slots().into_iter().map(|s| Ok((s.clone(), self.read_global(&s)?))).collect()
     }
 
     /// The current optimizer states (global tensors), by name.
-    pub fn states(&self) -> Vec<(Slot, Cow<'_, [u8]>)> {
-        self.first_held(|p| &p.states).into_iter().map(|s| (s.clone(), self.read_global(&s))).collect()
+    pub fn states(&self) -> Result<Vec<SlotBytes<'_>>, RuntimeError> {
+        self.first_held(|p| &p.states).into_iter().map(|s| Ok((s.clone(), self.read_global(&s)?))).collect()
     }
 
     /// The current parameters as the model has them: global tensors in their weight files'
     /// shapes, parts joined into their weights.
-    pub fn model_params(&self) -> Vec<checkpoint::StoredTensor<'_>> {
-        self.model_tensors(self.params())
+    pub fn model_params(&self) -> Result<Vec<checkpoint::StoredTensor<'_>>, RuntimeError> {
+        Ok(self.model_tensors(self.params()?))
     }
 
     /// The current optimizer states as [`Trainer::model_params`] gives the parameters.
-    pub fn model_states(&self) -> Vec<checkpoint::StoredTensor<'_>> {
-        self.model_tensors(self.states())
+    pub fn model_states(&self) -> Result<Vec<checkpoint::StoredTensor<'_>>, RuntimeError> {
+        Ok(self.model_tensors(self.states()?))
     }
 
     fn model_tensors<'a>(&self, tensors: Vec<(Slot, Cow<'a, [u8]>)>) -> Vec<checkpoint::StoredTensor<'a>> {
@@ -720,7 +746,7 @@ impl Trainer {
         if self.world_size() > 1 {
             return self.save_shards(dir, &manifest, keep_last);
         }
-        let (params, states) = (self.params(), self.states());
+        let (params, states) = (self.params()?, self.states()?);
         let (mut params, states) = (refs(&params), refs(&states));
         for t in &mut params {
             if let Some(shape) = self.training.weight_shapes.get(&t.name) {
@@ -754,19 +780,14 @@ impl Trainer {
             .collect()
     }
 
-    /// `rank`'s checkpoint file and the blocks in it.
-    fn rank_file(&self, rank: usize) -> (String, Vec<checkpoint::SavedBlock<'_>>) {
+    /// `rank`'s checkpoint file name and the bytes of the blocks it owns (downloaded from a
+    /// GPU), with their offsets in the global tensors.
+    fn rank_blocks(&self, rank: usize) -> Result<(String, Vec<RankBlock<'_>>), RuntimeError> {
         let exec = self.executor(rank).expect("a rank of this process");
-        let blocks = self
-            .owned_blocks(rank)
-            .into_iter()
-            .map(|(slot, offsets)| {
-                let bytes = exec.read_slot(&slot.name).expect("a slot of the program");
-                let tensor = TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.shape.clone(), bytes };
-                checkpoint::SavedBlock { tensor, offsets: Some((offsets, slot.global_shape.clone())) }
-            })
-            .collect();
-        (rank_file_name(rank), blocks)
+        let blocks = (self.owned_blocks(rank).into_iter())
+            .map(|(slot, offsets)| Ok((slot, offsets, exec.read_slot(&slot.name).expect("a slot of the program")?)))
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
+        Ok((rank_file_name(rank), blocks))
     }
 
     /// Saves each rank's blocks of parameters and states to its own file. In a job of
@@ -781,7 +802,8 @@ impl Trainer {
             }
         }
         let Some(job) = &self.processes else {
-            let files = self.local_ranks().map(|rank| self.rank_file(rank)).collect();
+            let blocks = self.local_ranks().map(|rank| self.rank_blocks(rank)).collect::<Result<Vec<_>, _>>()?;
+            let files = blocks.iter().map(|(file, blocks)| (file.clone(), saved_blocks(blocks))).collect();
             return checkpoint::save_files(dir, manifest, params, files, keep_last);
         };
         let layout: Vec<checkpoint::FileLayout> = (0..self.world_size())
@@ -804,8 +826,8 @@ impl Trainer {
             checkpoint::staging_dir(dir, manifest.step, job_id)
         };
         job.barrier()?;
-        let (file, blocks) = self.rank_file(job.rank());
-        checkpoint::write_file(&staging, &file, &blocks)?;
+        let (file, blocks) = self.rank_blocks(job.rank())?;
+        checkpoint::write_file(&staging, &file, &saved_blocks(&blocks))?;
         if job.rank() == 0 {
             checkpoint::crash_if_asked(manifest.step, &staging);
         }
@@ -821,6 +843,22 @@ impl Trainer {
 }
 
 /// The checkpoint file of a rank's blocks.
+/// A parameter's or state's slot and its current bytes (global, or one rank's block).
+pub type SlotBytes<'a> = (Slot, Cow<'a, [u8]>);
+
+/// A block a rank saves: its slot, its offsets in the global tensor, its bytes.
+type RankBlock<'a> = (&'a Slot, Vec<usize>, Cow<'a, [u8]>);
+
+/// Blocks of [`Trainer::rank_blocks`] as a checkpoint file's contents.
+fn saved_blocks<'a>(blocks: &'a [RankBlock<'_>]) -> Vec<checkpoint::SavedBlock<'a>> {
+    (blocks.iter())
+        .map(|(slot, offsets, bytes)| checkpoint::SavedBlock {
+            tensor: TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.shape.clone(), bytes },
+            offsets: Some((offsets.clone(), slot.global_shape.clone())),
+        })
+        .collect()
+}
+
 fn rank_file_name(rank: usize) -> String {
     format!("rank-{rank:05}.safetensors")
 }

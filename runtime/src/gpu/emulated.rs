@@ -13,11 +13,11 @@ use std::collections::VecDeque;
 use autotp_kernels::AlignedBuf;
 use autotp_llvm::CpuKernel;
 
-use super::{Entry, Gpu};
+use super::{Entry, Gpu, GpuEvent};
 use crate::streams::Stream;
 use crate::{Program, RuntimeError};
 
-type Work = Box<dyn FnOnce() -> Result<(), RuntimeError>>;
+type Work = Box<dyn FnOnce() -> Result<(), RuntimeError> + Send>;
 
 enum Op {
     Run(Work),
@@ -58,6 +58,11 @@ impl Emulator {
             events: Vec::new(),
             launches: 0,
         })
+    }
+
+    /// Bytes allocated so far.
+    pub fn allocated(&self) -> usize {
+        self.allocations.iter().map(AlignedBuf::len).sum()
     }
 
     /// Checks that `[address, address + len)` lies in one allocation.
@@ -111,8 +116,6 @@ impl Emulator {
 }
 
 impl Gpu for Emulator {
-    type Event = usize;
-
     fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
         let buffer = AlignedBuf::zeroed(bytes.max(1));
         let address = buffer.as_slice().as_ptr() as u64;
@@ -182,15 +185,18 @@ impl Gpu for Emulator {
         Ok(())
     }
 
-    fn record(&mut self, stream: Stream) -> Result<usize, RuntimeError> {
+    fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
         let event = self.events.len();
         self.events.push((false, stream));
         self.queues[stream as usize].push_back(Op::Signal(event));
-        Ok(event)
+        Ok(GpuEvent(event))
     }
 
-    fn wait(&mut self, stream: Stream, event: &usize) -> Result<(), RuntimeError> {
-        self.queues[stream as usize].push_back(Op::WaitFor(*event));
+    fn wait(&mut self, stream: Stream, event: GpuEvent) -> Result<(), RuntimeError> {
+        if event.0 >= self.events.len() {
+            return Err(RuntimeError::Device(format!("emulated GPU: event {} was never recorded", event.0)));
+        }
+        self.queues[stream as usize].push_back(Op::WaitFor(event.0));
         Ok(())
     }
 
@@ -198,6 +204,12 @@ impl Gpu for Emulator {
         for stream in Stream::ALL {
             self.drain(stream)?;
         }
+        self.events.clear();
         Ok(())
+    }
+
+    /// What the emulator holds, out of no limit.
+    fn memory(&mut self) -> Result<(usize, usize), RuntimeError> {
+        Ok((usize::MAX - self.allocated(), usize::MAX))
     }
 }

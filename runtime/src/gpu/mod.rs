@@ -1,9 +1,9 @@
 //! A program on a GPU: the host's side of it, written once over the [`Gpu`] interface.
 //!
-//! [`GpuExecutor`] holds the program's arena as one device allocation, uploads constants,
-//! parameters and each step's inputs, runs the program's [`StreamSchedule`] through
-//! [`GpuDevice`] (a [`Device`]), applies the step's updates on the device and downloads the
-//! outputs. What runs where:
+//! An [`crate::Executor`] on a GPU holds the program's arena as one device allocation,
+//! uploads constants, parameters and each step's inputs, runs the program's stream schedule
+//! through [`GpuDevice`] (a [`Device`]), applies the step's updates on the device and downloads
+//! the outputs. What runs where:
 //! - a generated kernel is the plan's kernel entry ([`Entry::Kernel`]) over its buffers' device
 //!   addresses, one row per block;
 //! - an optimizer step is the multi-tensor entry ([`Entry::OptimizerStep`]) over a table of
@@ -19,10 +19,30 @@
 //! only what that result depends on): a missing event or synchronisation in this module reads
 //! stale bytes there, so the host logic is tested without a GPU.
 
+pub mod cuda;
 pub mod emulated;
 
-use crate::streams::{Device, Stream, StreamSchedule};
-use crate::{HostTensor, Instruction, Program, Region, RuntimeError};
+use crate::streams::{Device, Stream};
+use crate::{Instruction, Program, Region, RuntimeError};
+
+/// Which GPU a rank runs on.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum GpuKind {
+    /// GPU `ordinal` of the CUDA driver (after `CUDA_VISIBLE_DEVICES`).
+    Cuda { ordinal: usize },
+    /// The [`emulated::Emulator`] (tests of the host side).
+    Emulated,
+}
+
+impl GpuKind {
+    /// Opens the GPU with `program`'s kernels loaded.
+    pub fn open(self, program: &Program) -> Result<Box<dyn Gpu>, RuntimeError> {
+        Ok(match self {
+            GpuKind::Cuda { ordinal } => Box::new(cuda::CudaGpu::open(ordinal, program)?),
+            GpuKind::Emulated => Box::new(emulated::Emulator::new(program)?),
+        })
+    }
+}
 
 /// A kernel entry of the program's module.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -34,11 +54,14 @@ pub enum Entry {
     OptimizerStep(usize),
 }
 
+/// An event recorded by a [`Gpu`]: a handle the GPU gave out, valid until its next
+/// [`Gpu::synchronize`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct GpuEvent(pub usize);
+
 /// What a GPU provides to [`GpuDevice`]. Addresses are device addresses; every operation on a
 /// stream runs after those issued on it before, and after the events it was told to wait for.
-pub trait Gpu {
-    type Event;
-
+pub trait Gpu: Send {
     /// A zeroed allocation of `bytes`; it lives as long as the `Gpu`.
     fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError>;
 
@@ -55,9 +78,15 @@ pub trait Gpu {
     /// Launches `entry` on `rows` rows (blocks) with these arguments.
     fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError>;
 
-    fn record(&mut self, stream: Stream) -> Result<Self::Event, RuntimeError>;
-    fn wait(&mut self, stream: Stream, event: &Self::Event) -> Result<(), RuntimeError>;
+    fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError>;
+    fn wait(&mut self, stream: Stream, event: GpuEvent) -> Result<(), RuntimeError>;
+
+    /// Returns once every stream has run everything issued on it; events recorded before are
+    /// released.
     fn synchronize(&mut self) -> Result<(), RuntimeError>;
+
+    /// Bytes of device memory free and in total (the driver's figures).
+    fn memory(&mut self) -> Result<(usize, usize), RuntimeError>;
 }
 
 /// Device bytes for an optimizer step's constants (AdamW's are a few scalars).
@@ -72,34 +101,90 @@ struct ChunkTable {
 }
 
 /// A program's instructions on a [`Gpu`] (see the module doc).
-pub struct GpuDevice<G: Gpu> {
-    gpu: G,
+pub struct GpuDevice {
+    /// Locked only to read a slot through a shared reference; the executor's runs use it
+    /// through `&mut`.
+    gpu: std::sync::Mutex<Box<dyn Gpu>>,
     /// The arena's device address.
     base: u64,
     /// Per optimizer-step instruction (by index), its table.
     tables: Vec<Option<ChunkTable>>,
 }
 
-impl<G: Gpu> GpuDevice<G> {
+impl GpuDevice {
+    /// Allocates `program`'s arena on `gpu`, uploads its constants and builds its optimizer
+    /// steps' chunk tables. `gpu` holds the program's kernels; `program` is validated.
+    pub(crate) fn load(program: &Program, mut gpu: Box<dyn Gpu>) -> Result<GpuDevice, RuntimeError> {
+        let base = gpu.alloc(program.memory.arena_bytes)?;
+        for c in &program.constants {
+            gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
+        }
+        let mut tables = Vec::with_capacity(program.instructions.len());
+        for instruction in &program.instructions {
+            tables.push(match instruction {
+                Instruction::OptimizerStep { dtype, tensors, .. } => {
+                    let chunks = crate::executor::optimizer_chunks(*dtype, tensors, base as usize);
+                    // SAFETY: `TensorUpdate` is `repr(C)` plain data (integers and addresses).
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(
+                            chunks.as_ptr() as *const u8,
+                            std::mem::size_of_val(chunks.as_slice()),
+                        )
+                    };
+                    let address = gpu.alloc(bytes.len())?;
+                    gpu.upload(Stream::Compute, address, bytes)?;
+                    let constants = gpu.alloc(CONSTANTS_BYTES)?;
+                    Some(ChunkTable { address, chunks: chunks.len(), constants })
+                }
+                _ => None,
+            });
+        }
+        gpu.synchronize()?;
+        Ok(GpuDevice { gpu: std::sync::Mutex::new(gpu), base, tables })
+    }
+
+    fn gpu(&mut self) -> &mut dyn Gpu {
+        self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).as_mut()
+    }
+
     fn address(&self, region: &Region) -> u64 {
         self.base + region.offset as u64
     }
 
-    fn download_region(&mut self, stream: Stream, region: &Region) -> Result<Vec<u8>, RuntimeError> {
+    /// Copies `bytes` into `region` in the compute stream's order.
+    pub(crate) fn upload_region(&mut self, region: &Region, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let address = self.address(region);
+        self.gpu().upload(Stream::Compute, address, bytes)
+    }
+
+    /// The bytes of `region` once `stream` has reached this point.
+    pub(crate) fn download_region(&self, stream: Stream, region: &Region) -> Result<Vec<u8>, RuntimeError> {
         let mut bytes = vec![0; region.len];
-        self.gpu.download(stream, self.base + region.offset as u64, &mut bytes)?;
+        let mut gpu = self.gpu.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        gpu.download(stream, self.address(region), &mut bytes)?;
         Ok(bytes)
+    }
+
+    /// Applies a step's updates (device-to-device copies) in the compute stream's order.
+    pub(crate) fn apply_updates(&mut self, updates: &[crate::Update]) -> Result<(), RuntimeError> {
+        for u in updates {
+            let (from, to) = (self.address(&u.from), self.address(&u.to));
+            if from != to {
+                self.gpu().copy(Stream::Compute, from, to, u.from.len)?;
+            }
+        }
+        Ok(())
     }
 }
 
-impl<G: Gpu> Device for GpuDevice<G> {
-    type Event = G::Event;
+impl Device for GpuDevice {
+    type Event = GpuEvent;
 
     fn launch(&mut self, program: &Program, index: usize, stream: Stream) -> Result<(), RuntimeError> {
         match &program.instructions[index] {
             Instruction::Generated { kernel, inputs, outputs, .. } => {
                 let args: Vec<u64> = inputs.iter().chain(outputs).map(|r| self.address(r)).collect();
-                self.gpu.launch(stream, Entry::Kernel(*kernel), program.kernels[*kernel].outer, &args)
+                self.gpu().launch(stream, Entry::Kernel(*kernel), program.kernels[*kernel].outer, &args)
             }
             Instruction::Kernel { kernel, inputs, outputs, label } => {
                 let ins = inputs.iter().map(|r| self.download_region(stream, r)).collect::<Result<Vec<_>, _>>()?;
@@ -110,7 +195,8 @@ impl<G: Gpu> Device for GpuDevice<G> {
                     .run(&in_slices, &mut out_slices)
                     .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
                 for (region, bytes) in outputs.iter().zip(&outs) {
-                    self.gpu.upload(stream, self.address(region), bytes)?;
+                    let address = self.address(region);
+                    self.gpu().upload(stream, address, bytes)?;
                 }
                 Ok(())
             }
@@ -126,13 +212,13 @@ impl<G: Gpu> Device for GpuDevice<G> {
                 }
                 let table = self.tables[index].as_ref().expect("a table per optimizer step, made at load");
                 let (address, chunks, constants_at) = (table.address, table.chunks, table.constants);
-                self.gpu.upload(stream, constants_at, &constants)?;
+                self.gpu().upload(stream, constants_at, &constants)?;
                 let rule = program
                     .optimizer_kernels()
                     .iter()
                     .position(|k| k.optimizer == *optimizer && k.dtype == *dtype)
                     .expect("the step's rule is among the program's");
-                self.gpu.launch(stream, Entry::OptimizerStep(rule), chunks, &[address, chunks as u64, constants_at])
+                self.gpu().launch(stream, Entry::OptimizerStep(rule), chunks, &[address, chunks as u64, constants_at])
             }
             Instruction::Wait { .. } => Ok(()),
             Instruction::Collective { label, .. }
@@ -144,114 +230,19 @@ impl<G: Gpu> Device for GpuDevice<G> {
         }
     }
 
-    fn record(&mut self, stream: Stream) -> Result<G::Event, RuntimeError> {
-        self.gpu.record(stream)
+    fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
+        self.gpu().record(stream)
     }
 
-    fn wait(&mut self, stream: Stream, event: &G::Event) -> Result<(), RuntimeError> {
-        self.gpu.wait(stream, event)
+    fn wait(&mut self, stream: Stream, event: &GpuEvent) -> Result<(), RuntimeError> {
+        self.gpu().wait(stream, *event)
     }
 
     fn synchronize(&mut self) -> Result<(), RuntimeError> {
-        self.gpu.synchronize()
+        self.gpu().synchronize()
     }
 
     fn abort(&mut self, _error: &RuntimeError) {
-        let _ = self.gpu.synchronize();
-    }
-}
-
-/// A one-device program loaded on a [`Gpu`].
-pub struct GpuExecutor<G: Gpu> {
-    program: Program,
-    schedule: StreamSchedule,
-    device: GpuDevice<G>,
-}
-
-impl<G: Gpu> GpuExecutor<G> {
-    /// Validates `program` (one device), allocates its arena on `gpu`, uploads its constants
-    /// and builds its optimizer steps' chunk tables. `gpu` holds the program's kernels.
-    pub fn new(program: Program, mut gpu: G) -> Result<GpuExecutor<G>, RuntimeError> {
-        if program.mesh.iter().any(|a| a.size > 1) {
-            return Err(RuntimeError::InvalidProgram(
-                "a program on a mesh runs on GPUs once NCCL is built; run on --device cpu".into(),
-            ));
-        }
-        program.validate()?;
-        let schedule = StreamSchedule::of(&program)?;
-        let base = gpu.alloc(program.memory.arena_bytes)?;
-        for c in &program.constants {
-            gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
-        }
-        let mut tables = Vec::with_capacity(program.instructions.len());
-        for instruction in &program.instructions {
-            tables.push(match instruction {
-                Instruction::OptimizerStep { optimizer, dtype, tensors, .. } => {
-                    let chunks = crate::executor::optimizer_chunks(*dtype, tensors, base as usize);
-                    // SAFETY: `TensorUpdate` is `repr(C)` plain data (integers and addresses).
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(
-                            chunks.as_ptr() as *const u8,
-                            std::mem::size_of_val(chunks.as_slice()),
-                        )
-                    };
-                    let address = gpu.alloc(bytes.len())?;
-                    gpu.upload(Stream::Compute, address, bytes)?;
-                    let _ = optimizer;
-                    let constants = gpu.alloc(CONSTANTS_BYTES)?;
-                    Some(ChunkTable { address, chunks: chunks.len(), constants })
-                }
-                _ => None,
-            });
-        }
-        gpu.synchronize()?;
-        Ok(GpuExecutor { program, schedule, device: GpuDevice { gpu, base, tables } })
-    }
-
-    pub fn program(&self) -> &Program {
-        &self.program
-    }
-
-    fn slot(&self, name: &str) -> Result<Region, RuntimeError> {
-        let slot = self.program.params.iter().chain(&self.program.states).find(|s| s.name == name);
-        slot.map(|s| s.region).ok_or_else(|| RuntimeError::UnknownParam(name.to_string()))
-    }
-
-    /// Uploads a parameter's or state's bytes.
-    pub fn load_slot(&mut self, name: &str, bytes: &[u8]) -> Result<(), RuntimeError> {
-        let region = self.slot(name)?;
-        if bytes.len() != region.len {
-            return Err(RuntimeError::WrongSize { what: format!("'{name}'"), expected: region.len, got: bytes.len() });
-        }
-        let address = self.device.address(&region);
-        self.device.gpu.upload(Stream::Compute, address, bytes)
-    }
-
-    /// Downloads a parameter's or state's current bytes.
-    pub fn read_slot(&mut self, name: &str) -> Result<Vec<u8>, RuntimeError> {
-        let region = self.slot(name)?;
-        self.device.download_region(Stream::Compute, &region)
-    }
-
-    /// Runs the program on `inputs` (in the program's input order) and returns its outputs.
-    pub fn run(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, RuntimeError> {
-        crate::executor::check_inputs(&self.program, inputs)?;
-        for (slot, t) in self.program.inputs.iter().zip(inputs) {
-            let address = self.device.address(&slot.region);
-            self.device.gpu.upload(Stream::Compute, address, &t.data)?;
-        }
-        crate::streams::drive(&mut self.device, &self.program, &self.schedule)?;
-        for u in &self.program.updates {
-            let (from, to) = (self.device.address(&u.from), self.device.address(&u.to));
-            if from != to {
-                self.device.gpu.copy(Stream::Compute, from, to, u.from.len)?;
-            }
-        }
-        let mut outputs = Vec::with_capacity(self.program.outputs.len());
-        for slot in &self.program.outputs {
-            let data = self.device.download_region(Stream::Compute, &slot.region)?;
-            outputs.push(HostTensor { dtype: slot.dtype, shape: slot.shape.clone(), data });
-        }
-        Ok(outputs)
+        let _ = self.gpu().synchronize();
     }
 }

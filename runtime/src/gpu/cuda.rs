@@ -1,0 +1,269 @@
+//! The CUDA driver as a [`Gpu`] (cudarc's `driver::result`, loaded at run time).
+//!
+//! One GPU per executor: the device's primary context (made current on whichever thread calls,
+//! since the trainer runs ranks on threads of its own), three non-blocking streams (one per
+//! [`Stream`]), the plan's PTX module for the device's architecture (sm_90 for compute
+//! capability 9 and above, sm_80 for 8.x; PTX is compiled by the driver for the device at
+//! load), the kernels' entries looked up once. Launches use [`autotp_llvm::nvptx::BLOCK`]
+//! threads and one block per row (or chunk), capped at [`MAX_BLOCKS`]: the kernels stride over
+//! the rest. Events are made per record (timing off) and released at each synchronisation.
+//!
+//! Nothing here runs without [`crate::cuda::probe`] having found a driver first: cudarc's
+//! loader panics when the library is missing.
+//!
+//! Not yet run on a GPU (this project's machines have lent one to no session that built it):
+//! the first GPU session runs `tests/gpu.rs`'s comparison on this device.
+
+use std::ffi::{c_void, CString};
+
+use cudarc::driver::{result, sys};
+
+use super::{Entry, Gpu, GpuEvent};
+use crate::streams::Stream;
+use crate::{Program, RuntimeError};
+
+/// Blocks per launch at most; a kernel's blocks stride over rows beyond it.
+pub const MAX_BLOCKS: usize = 1 << 16;
+
+/// A CUDA GPU (see the module doc).
+pub struct CudaGpu {
+    device: sys::CUdevice,
+    context: sys::CUcontext,
+    streams: [sys::CUstream; 3],
+    module: sys::CUmodule,
+    kernels: Vec<sys::CUfunction>,
+    optimizer_steps: Vec<sys::CUfunction>,
+    allocations: Vec<sys::CUdeviceptr>,
+    events: Vec<sys::CUevent>,
+    /// The device's name and compute capability, for messages.
+    pub description: String,
+}
+
+// SAFETY: the handles are the driver's, usable from any thread once the context is current
+// (every method makes it current first); the executor uses the GPU from one thread at a time.
+unsafe impl Send for CudaGpu {}
+
+fn driver(call: &str) -> impl Fn(result::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::Device(format!("CUDA {call} failed: {e}"))
+}
+
+impl CudaGpu {
+    /// Opens GPU `ordinal` and loads `program`'s kernels for it.
+    pub fn open(ordinal: usize, program: &Program) -> Result<CudaGpu, RuntimeError> {
+        let found = crate::cuda::probe()?;
+        if ordinal >= found.devices {
+            return Err(RuntimeError::Device(format!(
+                "GPU {ordinal} does not exist: the driver sees {} GPU(s)",
+                found.devices
+            )));
+        }
+        result::init().map_err(driver("cuInit"))?;
+        let device = result::device::get(ordinal as i32).map_err(driver("cuDeviceGet"))?;
+        // SAFETY: `device` came from cuDeviceGet.
+        let (major, minor) = unsafe {
+            use sys::CUdevice_attribute::*;
+            (
+                result::device::get_attribute(device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                    .map_err(driver("cuDeviceGetAttribute"))?,
+                result::device::get_attribute(device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+                    .map_err(driver("cuDeviceGetAttribute"))?,
+            )
+        };
+        let name = result::device::get_name(device).map_err(driver("cuDeviceGetName"))?;
+        let description = format!("GPU {ordinal} ({name}, compute capability {major}.{minor})");
+        let arch = match major {
+            9.. => "sm_90",
+            8 => "sm_80",
+            _ => {
+                return Err(RuntimeError::Device(format!(
+                    "{description}: autotp's kernels need compute capability 8.0 or newer"
+                )))
+            }
+        };
+        let ptx = program.ptx.iter().find(|m| m.arch == arch).ok_or_else(|| {
+            RuntimeError::Device(format!(
+                "{description}: the plan carries no PTX for {arch} (compile it with generated kernels)"
+            ))
+        })?;
+        // SAFETY: `device` came from cuDeviceGet; the context is released in `drop`.
+        let context = unsafe { result::primary_ctx::retain(device) }.map_err(driver("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: a retained primary context.
+        unsafe { result::ctx::set_current(context) }.map_err(driver("cuCtxSetCurrent"))?;
+        let mut gpu = CudaGpu {
+            device,
+            context,
+            streams: [std::ptr::null_mut(); 3],
+            module: std::ptr::null_mut(),
+            kernels: Vec::new(),
+            optimizer_steps: Vec::new(),
+            allocations: Vec::new(),
+            events: Vec::new(),
+            description,
+        };
+        for stream in &mut gpu.streams {
+            *stream =
+                result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"))?;
+        }
+        let image = CString::new(ptx.code.as_str())
+            .map_err(|_| RuntimeError::Device(format!("the plan's {arch} PTX holds a NUL byte")))?;
+        // SAFETY: a NUL-terminated PTX text, which the driver compiles for the device.
+        gpu.module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(driver("cuModuleLoadData (compiling the plan's PTX)"))?;
+        let function = |module: sys::CUmodule, name: String| -> Result<sys::CUfunction, RuntimeError> {
+            let symbol = CString::new(name.clone()).expect("entry names have no NUL");
+            // SAFETY: a loaded module.
+            unsafe { result::module::get_function(module, symbol) }
+                .map_err(|e| RuntimeError::Device(format!("the plan's PTX lacks entry {name}: {e}")))
+        };
+        gpu.kernels = (0..program.kernels.len())
+            .map(|i| function(gpu.module, autotp_llvm::nvptx::entry_name(i)))
+            .collect::<Result<_, _>>()?;
+        gpu.optimizer_steps = program
+            .optimizer_kernels()
+            .iter()
+            .map(|k| function(gpu.module, k.entry_name()))
+            .collect::<Result<_, _>>()?;
+        Ok(gpu)
+    }
+
+    fn current(&self) -> Result<(), RuntimeError> {
+        // SAFETY: the context is retained until `drop`.
+        unsafe { result::ctx::set_current(self.context) }.map_err(driver("cuCtxSetCurrent"))
+    }
+
+    fn stream(&self, stream: Stream) -> sys::CUstream {
+        self.streams[stream as usize]
+    }
+}
+
+impl Gpu for CudaGpu {
+    fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
+        self.current()?;
+        // SAFETY: a fresh allocation of `bytes` (at least 1), zeroed before use.
+        let address = unsafe {
+            let address = result::malloc_sync(bytes.max(1)).map_err(|e| {
+                RuntimeError::Device(format!("{}: cannot allocate {bytes} bytes: {e}", self.description))
+            })?;
+            result::memset_d8_sync(address, 0, bytes.max(1)).map_err(driver("cuMemsetD8"))?;
+            address
+        };
+        self.allocations.push(address);
+        Ok(address)
+    }
+
+    fn upload(&mut self, stream: Stream, address: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
+        self.current()?;
+        // SAFETY: the caller's address lies in an allocation of this GPU. From pageable host
+        // memory the driver stages the bytes before returning, so they may be reused at once.
+        unsafe { result::memcpy_htod_async(address, bytes, self.stream(stream)) }.map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    fn download(&mut self, stream: Stream, address: u64, into: &mut [u8]) -> Result<(), RuntimeError> {
+        self.current()?;
+        // SAFETY: as `upload`; the stream is synchronised before `into` is read.
+        unsafe {
+            result::memcpy_dtoh_async(into, address, self.stream(stream)).map_err(driver("cuMemcpyDtoHAsync"))?;
+            result::stream::synchronize(self.stream(stream)).map_err(driver("cuStreamSynchronize"))
+        }
+    }
+
+    fn copy(&mut self, stream: Stream, from: u64, to: u64, len: usize) -> Result<(), RuntimeError> {
+        self.current()?;
+        // SAFETY: both ranges lie in allocations of this GPU.
+        unsafe { result::memcpy_dtod_async(to, from, len, self.stream(stream)) }.map_err(driver("cuMemcpyDtoDAsync"))
+    }
+
+    fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        self.current()?;
+        let function = match entry {
+            Entry::Kernel(i) => self.kernels.get(i),
+            Entry::OptimizerStep(i) => self.optimizer_steps.get(i),
+        };
+        let function = *function.ok_or_else(|| RuntimeError::Device(format!("the plan has no entry {entry:?}")))?;
+        // Every parameter is 8 bytes: a device address, or (the chunk count) an i64.
+        let mut values: Vec<u64> = args.to_vec();
+        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        let blocks = rows.min(MAX_BLOCKS) as u32;
+        // SAFETY: the entry's parameters are `args.len()` pointers (or the i64 count), as
+        // `autotp_llvm::nvptx` declares them; the addresses are a validated program's regions.
+        unsafe {
+            result::launch_kernel(
+                function,
+                (blocks, 1, 1),
+                (autotp_llvm::nvptx::BLOCK, 1, 1),
+                0,
+                self.stream(stream),
+                &mut params,
+            )
+        }
+        .map_err(|e| RuntimeError::Device(format!("launching {entry:?} on {}: {e}", self.description)))
+    }
+
+    fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
+        self.current()?;
+        let event =
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(driver("cuEventCreate"))?;
+        self.events.push(event);
+        // SAFETY: a fresh event and one of this GPU's streams.
+        unsafe { result::event::record(event, self.stream(stream)) }.map_err(driver("cuEventRecord"))?;
+        Ok(GpuEvent(self.events.len() - 1))
+    }
+
+    fn wait(&mut self, stream: Stream, event: GpuEvent) -> Result<(), RuntimeError> {
+        self.current()?;
+        let event =
+            *self.events.get(event.0).ok_or_else(|| RuntimeError::Device(format!("no CUDA event {}", event.0)))?;
+        // SAFETY: a recorded event (kept until the next synchronisation) and one of our streams.
+        unsafe {
+            result::stream::wait_event(self.stream(stream), event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        }
+        .map_err(driver("cuStreamWaitEvent"))
+    }
+
+    fn synchronize(&mut self) -> Result<(), RuntimeError> {
+        self.current()?;
+        for stream in Stream::ALL {
+            // SAFETY: one of our streams.
+            unsafe { result::stream::synchronize(self.stream(stream)) }.map_err(|e| {
+                RuntimeError::Device(format!("{}: the {} stream failed: {e}", self.description, stream.name()))
+            })?;
+        }
+        for event in self.events.drain(..) {
+            // SAFETY: complete (its stream is synchronised) and never used again.
+            let _ = unsafe { result::event::destroy(event) };
+        }
+        Ok(())
+    }
+
+    fn memory(&mut self) -> Result<(usize, usize), RuntimeError> {
+        self.current()?;
+        result::mem_get_info().map_err(driver("cuMemGetInfo"))
+    }
+}
+
+impl Drop for CudaGpu {
+    fn drop(&mut self) {
+        if self.current().is_err() {
+            return;
+        }
+        let _ = self.synchronize();
+        // SAFETY: every handle was made by this GPU and is released once.
+        unsafe {
+            for address in self.allocations.drain(..) {
+                let _ = result::free_sync(address);
+            }
+            if !self.module.is_null() {
+                let _ = result::module::unload(self.module);
+            }
+            for stream in self.streams {
+                if !stream.is_null() {
+                    let _ = result::stream::destroy(stream);
+                }
+            }
+            let _ = result::primary_ctx::release(self.device);
+        }
+    }
+}
