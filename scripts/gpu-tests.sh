@@ -3,7 +3,8 @@
 # each fixture plan trains STEPS steps on --device cuda and on the CPU; the losses must agree
 # within TOLERANCE (relative) at every step: the generated kernels' PTX against their x86 form,
 # the host side of the GPU device against the CPU executor. Then a checkpoint written on the GPU
-# is resumed on the CPU and the reverse, each against the uninterrupted CPU run.
+# is resumed on the CPU and the reverse, each against the uninterrupted CPU run; and parallel
+# plans with their ranks sharing one GPU against the same plans on CPU ranks.
 #
 #   scripts/gpu-tests.sh [AUTOTP_BINARY]     (default: target/release/autotp, built if missing)
 #   env: STEPS (30), TOLERANCE (1e-5), AUTOTP_GPU=emulated to check this script without a GPU
@@ -50,6 +51,20 @@ for arch in gpt2 llama gpt_neox; do
   run --steps "$half" --device cpu --save "$WORK/$arch.ck-cpu" --metrics-out "$WORK/x.jsonl"
   run --steps "$STEPS" --device cuda --resume "$WORK/$arch.ck-cpu" --metrics-out "$WORK/$arch.resumed-cuda.jsonl"
   compare "$WORK/$arch.resumed-cuda.jsonl" "$WORK/$arch.cpu-rest.jsonl" "$arch: cpu checkpoint resumed on cuda"
+done
+# Plans on a mesh, every rank a thread with its own streams on GPU 0 (communication through host
+# memory until NCCL), against the same plan's CPU ranks.
+for layout in "--dp 2 --zero 3" "--tp 2" "--pp 2 --grad-accum 2" "--tp 2 --dp 2 --zero 3"; do
+  plan=$WORK/layout.atp
+  # shellcheck disable=SC2086
+  "$BIN" compile tests/fixtures/gpt2/model.onnx --seq-len 32 --micro-batch 4 --lr 2e-3 $layout -o "$plan" > /dev/null
+  run() {
+    "$BIN" run "$plan" --data "$TOKENS" --log-every "$STEPS" --steps "$STEPS" "$@" > /dev/null 2> "$WORK/stderr" \
+      || { cat "$WORK/stderr"; exit 1; }
+  }
+  run --device cpu --metrics-out "$WORK/layout.cpu.jsonl"
+  run --device cuda --metrics-out "$WORK/layout.cuda.jsonl"
+  compare "$WORK/layout.cuda.jsonl" "$WORK/layout.cpu.jsonl" "gpt2 $layout: cuda against cpu"
 done
 [ "$status" = 0 ] && echo "all GPU checks passed" || echo "GPU checks FAILED"
 exit "$status"

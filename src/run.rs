@@ -129,7 +129,7 @@ pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
     crate::job::run_in(job.as_ref(), || {
         let (weights, seed) = (file.weights(), args.flags.seed());
         let mut trainer = match (&job, gpu) {
-            (Some(_), Some(_)) => bail!("GPU ranks do not communicate yet (NCCL is not built): run one process"),
+            (Some(job), Some(gpu)) => Trainer::for_process_on_gpu(file.plan.clone(), &weights, seed, job.clone(), gpu)?,
             (Some(job), None) => Trainer::for_process(file.plan.clone(), &weights, seed, job.clone())?,
             (None, Some(gpu)) => Trainer::on_gpu(file.plan.clone(), &weights, seed, gpu)?,
             (None, None) => Trainer::new(file.plan.clone(), &weights, seed)?,

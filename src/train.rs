@@ -40,8 +40,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let weights = compiled.weights();
         let seed = args.run.seed();
         let mut trainer = match (&job, gpu) {
-            (Some(_), Some(_)) => {
-                anyhow::bail!("GPU ranks do not communicate yet (NCCL is not built): run one process")
+            (Some(job), Some(gpu)) => {
+                Trainer::for_process_on_gpu(compiled.plan.clone(), &weights, seed, job.clone(), gpu)?
             }
             (Some(job), None) => Trainer::for_process(compiled.plan.clone(), &weights, seed, job.clone())?,
             (None, Some(gpu)) => Trainer::on_gpu(compiled.plan.clone(), &weights, seed, gpu)?,

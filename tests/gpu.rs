@@ -1,5 +1,6 @@
 //! The GPU device's host side (`autotp_runtime::gpu`) on the emulated GPU, against the CPU
-//! executor: the same plan, the same inputs, bit-identical losses and weights. The emulator's
+//! executor: the same plan, the same inputs, bit-identical losses and weights, on one device
+//! and on a mesh (ranks as threads and as MPI processes). The emulator's
 //! streams run nothing until a result is needed, so an upload, launch or copy ordered wrongly
 //! by the device shows here as a different number.
 
@@ -47,7 +48,7 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
         let program = file.plan.stages[0].clone();
         let mut cpu = Executor::new(program.clone()).unwrap();
         let emulator = Emulator::new(&program).unwrap();
-        let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator)).unwrap();
+        let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator), None).unwrap();
         for (name, bytes) in file.weights() {
             cpu.load_slot(&name, bytes).unwrap();
             gpu.load_slot(&name, bytes).unwrap();
@@ -105,17 +106,39 @@ fn runs_on_the_emulated_gpu_and_checkpoints_move_between_devices() {
         cpu[4..],
         "CPU checkpoint resumed on the GPU"
     );
+}
 
-    let dp2 = dir.join("dp2.atp");
-    compile(&model, &dp2, &["--micro-batch", "2", "--dp", "2"]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
-        .args(["run", dp2.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "1", "--device", "cuda"])
-        .env("AUTOTP_GPU", "emulated")
-        .output()
-        .unwrap();
-    let err = crate::common::failure(out);
-    assert!(
-        err.contains("the plan has 2 ranks") && err.contains("only one-device plans run on --device cuda"),
-        "{err}"
-    );
+/// Plans on a mesh on emulated GPUs (one per rank; communication through host memory until
+/// NCCL): the CPU ranks' losses, bit for bit, as threads of one process and as MPI processes.
+#[test]
+fn parallel_plans_on_emulated_gpus_train_like_cpu_ranks() {
+    let dir = scratch("emulated-gpu-mesh");
+    let model = fixture("gpt2", "model.onnx");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let layouts: [&[&str]; 4] = [
+        &["--dp", "2", "--zero", "3"],
+        &["--tp", "2"],
+        &["--pp", "2", "--grad-accum", "2"],
+        &["--tp", "2", "--dp", "2", "--zero", "3"],
+    ];
+    for (l, layout) in layouts.iter().enumerate() {
+        let plan = dir.join(format!("layout-{l}.atp"));
+        compile(&model, &plan, &[&["--micro-batch", "4"][..], layout].concat());
+        let run = |device: &str, processes: Option<&str>| {
+            let metrics = dir.join(format!("layout-{l}-{device}-{}.jsonl", processes.unwrap_or("threads")));
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+            command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "6"]);
+            command.args(["--device", device, "--metrics-out", metrics.to_str().unwrap()]);
+            if let Some(n) = processes {
+                command.args(["--launch", n]);
+            }
+            success(command.env("AUTOTP_GPU", "emulated").output().unwrap());
+            crate::common::losses(&metrics)
+        };
+        let cpu = run("cpu", None);
+        assert_eq!(run("cuda", None), cpu, "{layout:?}: ranks as threads on emulated GPUs");
+        if l == 1 {
+            assert_eq!(run("cuda", Some("2")), cpu, "{layout:?}: ranks as MPI processes on emulated GPUs");
+        }
+    }
 }

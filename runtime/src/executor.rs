@@ -173,29 +173,39 @@ enum CpuEvent {
 impl Executor {
     /// Validates a one-device program and allocates its arena; constants are written now.
     pub fn new(program: Program) -> Result<Executor, RuntimeError> {
-        if program.mesh.iter().any(|a| a.size > 1) {
-            return Err(RuntimeError::InvalidProgram("a program on a mesh needs a rank and a communicator".into()));
-        }
         Executor::build(program, None)
     }
 
     /// Loads a program on a mesh (or a pipeline stage's) as rank `rank` of `comm`.
     pub fn for_rank(program: Program, rank: usize, comm: Arc<dyn Communicator>) -> Result<Executor, RuntimeError> {
-        let sizes: Vec<usize> = program.mesh.iter().map(|a| a.size).collect();
-        let topology = comm.topology();
-        if sizes.iter().product::<usize>() != topology.stage_size() || rank >= topology.world_size() {
-            return Err(RuntimeError::InvalidProgram(format!(
-                "rank {rank} of a {}-rank communicator cannot run a program on mesh {sizes:?}",
-                topology.world_size()
-            )));
-        }
         Executor::build(program, Some((rank, comm)))
     }
 
-    fn build(mut program: Program, rank: Option<(usize, Arc<dyn Communicator>)>) -> Result<Executor, RuntimeError> {
+    /// Checks `program` for `rank` (on a mesh, or `None` for one device), places its kernels'
+    /// blocks at the rank's coordinates and makes its stream schedule.
+    fn prepare(
+        mut program: Program,
+        rank: &Option<(usize, Arc<dyn Communicator>)>,
+    ) -> Result<(Program, StreamSchedule), RuntimeError> {
+        let sizes: Vec<usize> = program.mesh.iter().map(|a| a.size).collect();
+        match rank {
+            None if sizes.iter().any(|&n| n > 1) => {
+                return Err(RuntimeError::InvalidProgram("a program on a mesh needs a rank and a communicator".into()))
+            }
+            Some((r, comm)) => {
+                let topology = comm.topology();
+                if sizes.iter().product::<usize>() != topology.stage_size() || *r >= topology.world_size() {
+                    return Err(RuntimeError::InvalidProgram(format!(
+                        "rank {r} of a {}-rank communicator cannot run a program on mesh {sizes:?}",
+                        topology.world_size()
+                    )));
+                }
+            }
+            None => {}
+        }
         program.validate()?;
         let schedule = StreamSchedule::of(&program)?;
-        if let Some((r, comm)) = &rank {
+        if let Some((r, comm)) = rank {
             // Kernels that serve one block of a split table start at this rank's block.
             let coords = comm.topology().coordinates(*r);
             for instruction in &mut program.instructions {
@@ -204,6 +214,11 @@ impl Executor {
                 }
             }
         }
+        Ok((program, schedule))
+    }
+
+    fn build(program: Program, rank: Option<(usize, Arc<dyn Communicator>)>) -> Result<Executor, RuntimeError> {
+        let (program, schedule) = Executor::prepare(program, &rank)?;
         let mut arena = AlignedBuf::zeroed(program.memory.arena_bytes);
         advise_huge_pages(arena.as_mut_slice());
         for c in &program.constants {
@@ -241,18 +256,16 @@ impl Executor {
         })
     }
 
-    /// Loads a one-device program on a GPU (see [`crate::gpu`]): its arena in device memory,
-    /// constants uploaded. `gpu` holds the program's kernels.
-    pub fn on_gpu(program: Program, gpu: Box<dyn Gpu>) -> Result<Executor, RuntimeError> {
-        if program.mesh.iter().any(|a| a.size > 1) {
-            return Err(RuntimeError::Device(
-                "GPU ranks do not communicate yet (NCCL is not built): only one-device plans run on --device cuda"
-                    .into(),
-            ));
-        }
-        program.validate()?;
-        let schedule = StreamSchedule::of(&program)?;
-        let device = Backend::Gpu(GpuDevice::load(&program, gpu)?);
+    /// Loads a program on a GPU (see [`crate::gpu`]): its arena in device memory, constants
+    /// uploaded; `gpu` holds the program's kernels. `rank` as [`Executor::for_rank`] for a
+    /// program on a mesh (its communication staged through host memory), `None` for one device.
+    pub fn on_gpu(
+        program: Program,
+        gpu: Box<dyn Gpu>,
+        rank: Option<(usize, Arc<dyn Communicator>)>,
+    ) -> Result<Executor, RuntimeError> {
+        let (program, schedule) = Executor::prepare(program, &rank)?;
+        let device = Backend::Gpu(GpuDevice::load(&program, gpu, rank)?);
         Ok(Executor { program, schedule, device, clock: Clock::Wall, last_run: RunTime::default() })
     }
 
@@ -352,11 +365,13 @@ impl Executor {
                 (self.program.outputs.iter()).map(|s| arena[s.region.offset..s.region.end()].to_vec()).collect()
             }
             Backend::Gpu(gpu) => {
-                let clock = RankClock::start(self.clock)?;
                 for (slot, t) in self.program.inputs.iter().zip(inputs) {
                     gpu.upload_region(&slot.region, &t.data)?;
                 }
-                crate::streams::drive(gpu, &self.program, &self.schedule)?;
+                gpu.clock = Some(RankClock::start(self.clock)?);
+                let result = crate::streams::drive(gpu, &self.program, &self.schedule);
+                let clock = gpu.clock.take().expect("set for the run");
+                result?;
                 gpu.apply_updates(&self.program.updates)?;
                 let outputs = (self.program.outputs.iter())
                     .map(|s| gpu.download_region(Stream::Compute, &s.region))
@@ -658,7 +673,7 @@ unsafe fn run_optimizer_step(
 
 /// The sequence number of the next collective on `op`'s axis (`shard_slice` meets no one and
 /// takes none).
-fn next_seq(issued: &mut [u64], op: &CollectiveOp) -> u64 {
+pub(crate) fn next_seq(issued: &mut [u64], op: &CollectiveOp) -> u64 {
     if let CollectiveKind::ShardSlice { .. } = op.kind {
         return 0;
     }

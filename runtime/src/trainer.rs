@@ -81,7 +81,8 @@ impl Trainer {
         Trainer::build(plan, weights, seed, None, None)
     }
 
-    /// Loads a one-device `plan` on a GPU (see [`crate::gpu`]).
+    /// Loads `plan` on GPUs (see [`crate::gpu`]): every rank a thread of this process, each
+    /// with its own streams and arena on the GPU `gpu` names.
     pub fn on_gpu(
         plan: TrainingPlan,
         weights: &BTreeMap<String, &[u8]>,
@@ -100,6 +101,17 @@ impl Trainer {
         job: Arc<MpiComm>,
     ) -> Result<Trainer, RuntimeError> {
         Trainer::build(plan, weights, seed, Some(job), None)
+    }
+
+    /// [`Trainer::for_process`] with the process's rank on a GPU.
+    pub fn for_process_on_gpu(
+        plan: TrainingPlan,
+        weights: &BTreeMap<String, &[u8]>,
+        seed: u64,
+        job: Arc<MpiComm>,
+        gpu: GpuKind,
+    ) -> Result<Trainer, RuntimeError> {
+        Trainer::build(plan, weights, seed, Some(job), Some(gpu))
     }
 
     fn build(
@@ -126,35 +138,31 @@ impl Trainer {
         let topology = Topology::new(stages.len(), &sizes);
         let programs: Vec<crate::Program> =
             stages.iter().map(|p| crate::Program { constants: Vec::new(), ..p.clone() }).collect();
+        let load = |program: crate::Program, rank: Option<(usize, Arc<dyn Communicator>)>| match gpu {
+            Some(kind) => {
+                let device = kind.open(&program)?;
+                Executor::on_gpu(program, device, rank)
+            }
+            None => match rank {
+                Some((r, comm)) => Executor::for_rank(program, r, comm),
+                None => Executor::new(program),
+            },
+        };
         let (ranks, first_rank, comm): (Vec<Executor>, usize, Option<Arc<dyn Communicator>>) = match &job {
             Some(job) => {
                 let rank = job.rank();
                 let comm: Arc<dyn Communicator> = job.clone();
                 let program = stages.into_iter().nth(topology.stage(rank)).expect("a stage per rank");
-                (vec![Executor::for_rank(program, rank, comm.clone())?], rank, Some(comm))
+                (vec![load(program, Some((rank, comm.clone())))?], rank, Some(comm))
             }
             None if topology.world_size() <= 1 => {
                 let program = stages.into_iter().next().expect("one program");
-                let executor = match gpu {
-                    Some(kind) => {
-                        let device = kind.open(&program)?;
-                        Executor::on_gpu(program, device)?
-                    }
-                    None => Executor::new(program)?,
-                };
-                (vec![executor], 0, None)
-            }
-            None if gpu.is_some() => {
-                return Err(RuntimeError::Device(format!(
-                    "the plan has {} ranks, and GPU ranks do not communicate yet (NCCL is not built): only \
-                     one-device plans run on --device cuda",
-                    topology.world_size()
-                )))
+                (vec![load(program, None)?], 0, None)
             }
             None => {
                 let comm: Arc<dyn Communicator> = LocalComm::pipeline(stages.len(), &sizes);
                 let ranks = (0..topology.world_size())
-                    .map(|r| Executor::for_rank(stages[topology.stage(r)].clone(), r, comm.clone()))
+                    .map(|r| load(stages[topology.stage(r)].clone(), Some((r, comm.clone()))))
                     .collect::<Result<Vec<_>, _>>()?;
                 (ranks, 0, Some(comm))
             }

@@ -11,7 +11,10 @@
 //!   are made on the host from the step's learning rate and step number, read back from the
 //!   device (a small copy, the one synchronisation inside a step);
 //! - builtin kernels (GEMMs among them, until cuBLAS) run on the host: their inputs are
-//!   downloaded when the compute stream reaches them, their outputs uploaded in stream order.
+//!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
+//! - collectives, sends and receives (until NCCL) go through host memory and the rank's
+//!   communicator, in their stream's order: ranks on a mesh may share one GPU (threads of one
+//!   process) or have one each (processes), and every parallel plan runs, without overlap.
 //!
 //! [`Gpu`] is what a device provides: memory, copies, launches, streams and events. The CUDA
 //! driver will be one; [`emulated::Emulator`] is another, which runs on the host with the same
@@ -22,6 +25,10 @@
 pub mod cuda;
 pub mod emulated;
 
+use std::sync::Arc;
+
+use crate::clock::RankClock;
+use crate::comm::Communicator;
 use crate::streams::{Device, Stream};
 use crate::{Instruction, Program, Region, RuntimeError};
 
@@ -109,12 +116,22 @@ pub struct GpuDevice {
     base: u64,
     /// Per optimizer-step instruction (by index), its table.
     tables: Vec<Option<ChunkTable>>,
+    /// This rank and its communicator, for programs on a mesh.
+    rank: Option<(usize, Arc<dyn Communicator>)>,
+    /// Collectives issued so far on each mesh axis (their sequence numbers).
+    issued: Vec<u64>,
+    /// The clock of the run under way (pipeline messages are stamped with it).
+    pub(crate) clock: Option<RankClock>,
 }
 
 impl GpuDevice {
     /// Allocates `program`'s arena on `gpu`, uploads its constants and builds its optimizer
     /// steps' chunk tables. `gpu` holds the program's kernels; `program` is validated.
-    pub(crate) fn load(program: &Program, mut gpu: Box<dyn Gpu>) -> Result<GpuDevice, RuntimeError> {
+    pub(crate) fn load(
+        program: &Program,
+        mut gpu: Box<dyn Gpu>,
+        rank: Option<(usize, Arc<dyn Communicator>)>,
+    ) -> Result<GpuDevice, RuntimeError> {
         let base = gpu.alloc(program.memory.arena_bytes)?;
         for c in &program.constants {
             gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
@@ -140,7 +157,14 @@ impl GpuDevice {
             });
         }
         gpu.synchronize()?;
-        Ok(GpuDevice { gpu: std::sync::Mutex::new(gpu), base, tables })
+        let issued = vec![0; program.mesh.len()];
+        Ok(GpuDevice { gpu: std::sync::Mutex::new(gpu), base, tables, rank, issued, clock: None })
+    }
+
+    fn communicator(&self, label: &str) -> Result<(usize, Arc<dyn Communicator>), RuntimeError> {
+        let (rank, comm) = (self.rank.as_ref())
+            .ok_or_else(|| RuntimeError::InvalidProgram(format!("{label}: communication needs a communicator")))?;
+        Ok((*rank, comm.clone()))
     }
 
     fn gpu(&mut self) -> &mut dyn Gpu {
@@ -221,12 +245,33 @@ impl Device for GpuDevice {
                 self.gpu().launch(stream, Entry::OptimizerStep(rule), chunks, &[address, chunks as u64, constants_at])
             }
             Instruction::Wait { .. } => Ok(()),
-            Instruction::Collective { label, .. }
-            | Instruction::CollectiveStart { label, .. }
-            | Instruction::Send { label, .. }
-            | Instruction::Recv { label, .. } => Err(RuntimeError::InvalidProgram(format!(
-                "{label}: GPU ranks do not communicate yet (NCCL is not built); run on --device cpu"
-            ))),
+            // Until NCCL, communication goes through host memory, in the stream's order: a
+            // started collective is done by the time its launch returns.
+            Instruction::Collective { op, input, output, label }
+            | Instruction::CollectiveStart { op, input, output, label } => {
+                let (rank, comm) = self.communicator(label)?;
+                let seq = crate::executor::next_seq(&mut self.issued, op);
+                let sent = self.download_region(stream, input)?;
+                let mut received = vec![0; output.len];
+                comm.collective(rank, op, seq, &sent, &mut received)?;
+                let address = self.address(output);
+                self.gpu().upload(stream, address, &received)
+            }
+            Instruction::Send { input, to, tag, label } => {
+                let (rank, comm) = self.communicator(label)?;
+                let bytes = self.download_region(stream, input)?;
+                let now = self.clock.as_mut().expect("set for the run").now()?;
+                comm.send(rank, *to, *tag, &bytes, now)
+            }
+            Instruction::Recv { output, from, tag, label } => {
+                let (rank, comm) = self.communicator(label)?;
+                let mut bytes = vec![0; output.len];
+                let waiting = std::time::Instant::now();
+                let sent_at = comm.recv(rank, *from, *tag, &mut bytes)?;
+                self.clock.as_mut().expect("set for the run").received(sent_at, waiting.elapsed())?;
+                let address = self.address(output);
+                self.gpu().upload(stream, address, &bytes)
+            }
         }
     }
 
@@ -242,7 +287,10 @@ impl Device for GpuDevice {
         self.gpu().synchronize()
     }
 
-    fn abort(&mut self, _error: &RuntimeError) {
+    fn abort(&mut self, error: &RuntimeError) {
+        if let Some((rank, comm)) = &self.rank {
+            comm.abort(*rank, error);
+        }
         let _ = self.gpu().synchronize();
     }
 }
