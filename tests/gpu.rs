@@ -4,10 +4,12 @@
 //! streams run nothing until a result is needed, so an upload, launch or copy ordered wrongly
 //! by the device shows here as a different number.
 
-use autotp_kernels::DType;
+use std::sync::atomic::Ordering;
+
+use autotp_kernels::{DType, Kernel};
 use autotp_runtime::gpu::emulated::Emulator;
 use autotp_runtime::plan::PlanFile;
-use autotp_runtime::{Executor, HostTensor, Program};
+use autotp_runtime::{Executor, HostTensor, Instruction, Program};
 
 use crate::common::{autotp, fixture, scratch, success};
 
@@ -48,6 +50,7 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
         let program = file.plan.stages[0].clone();
         let mut cpu = Executor::new(program.clone()).unwrap();
         let emulator = Emulator::new(&program).unwrap();
+        let counts = emulator.counts.clone();
         let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator), None).unwrap();
         for (name, bytes) in file.weights() {
             cpu.load_slot(&name, bytes).unwrap();
@@ -59,6 +62,14 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
             let got = gpu.run(&inputs).unwrap();
             assert_eq!(got, expected, "{arch} ({kernels} kernels) step {step}: outputs");
         }
+        let matmuls = (program.instructions.iter())
+            .filter(|i| matches!(i, Instruction::Kernel { kernel: Kernel::MatMul { .. }, .. }))
+            .count();
+        assert_eq!(counts.gemms.load(Ordering::Relaxed), 3 * matmuls, "{arch}: every matmul of 3 steps a GEMM call");
+        let generated = (program.instructions.iter())
+            .filter(|i| matches!(i, Instruction::Generated { .. } | Instruction::OptimizerStep { .. }))
+            .count();
+        assert_eq!(counts.launches.load(Ordering::Relaxed), 3 * generated, "{arch}: launches");
         for slot in program.params.iter().chain(&program.states) {
             let on_gpu = gpu.read_slot(&slot.name).unwrap().unwrap();
             assert!(

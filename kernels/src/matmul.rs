@@ -50,7 +50,7 @@ impl MatMulDims {
     }
 
     /// The element offset of each output batch's lhs and rhs.
-    fn batch_offsets(&self) -> Vec<(usize, usize)> {
+    pub fn batch_offsets(&self) -> Vec<(usize, usize)> {
         let count = numel(&self.batch);
         let ls = self.batch_strides(&self.lhs_batch, self.m * self.k, &self.lhs_layout);
         let rs = self.batch_strides(&self.rhs_batch, self.k * self.n, &self.rhs_layout);
@@ -69,7 +69,7 @@ impl MatMulDims {
     }
 
     /// (row stride, column stride) of the lhs and rhs as `m x k` and `k x n` matrices.
-    fn operand_strides(&self) -> ((isize, isize), (isize, isize)) {
+    pub fn operand_strides(&self) -> ((isize, isize), (isize, isize)) {
         let (m, k, n) = (self.m as isize, self.k as isize, self.n as isize);
         // The stored operand's (row, column) strides (contiguous: `cols` and 1), then swapped
         // by the transpose flag.

@@ -7,6 +7,8 @@
 //! load), the kernels' entries looked up once. Launches use [`autotp_llvm::nvptx::BLOCK`]
 //! threads and one block per row (or chunk), capped at [`MAX_BLOCKS`]: the kernels stride over
 //! the rest. Events are made per record (timing off) and released at each synchronisation.
+//! GEMMs are cuBLAS's `gemmBatched` ([`GemmCall`]) on a handle made on first use with
+//! `CUBLAS_DEFAULT_MATH` (f32 stays f32: no TF32); without libcublas they run on the host.
 //!
 //! Nothing here runs without [`crate::cuda::probe`] having found a driver first: cudarc's
 //! loader panics when the library is missing.
@@ -18,7 +20,10 @@ use std::ffi::{c_void, CString};
 
 use cudarc::driver::{result, sys};
 
-use super::{Entry, Gpu, GpuEvent};
+use autotp_kernels::DType;
+
+use super::gemm::GemmCall;
+use super::{Entry, GemmOperands, Gpu, GpuEvent};
 use crate::streams::Stream;
 use crate::{Program, RuntimeError};
 
@@ -35,6 +40,8 @@ pub struct CudaGpu {
     optimizer_steps: Vec<sys::CUfunction>,
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<sys::CUevent>,
+    /// cuBLAS's handle once asked for (`Some(None)`: the library is missing).
+    blas: Option<Option<cudarc::cublas::sys::cublasHandle_t>>,
     /// The device's name and compute capability, for messages.
     pub description: String,
 }
@@ -98,6 +105,7 @@ impl CudaGpu {
             optimizer_steps: Vec::new(),
             allocations: Vec::new(),
             events: Vec::new(),
+            blas: None,
             description,
         };
         for stream in &mut gpu.streams {
@@ -124,6 +132,31 @@ impl CudaGpu {
             .map(|k| function(gpu.module, k.entry_name()))
             .collect::<Result<_, _>>()?;
         Ok(gpu)
+    }
+
+    /// cuBLAS's handle, made on first use with TF32 off (`CUBLAS_DEFAULT_MATH`: f32 GEMMs in
+    /// f32); `None`, with one warning, where the library cannot be loaded.
+    fn cublas(&mut self) -> Result<Option<cudarc::cublas::sys::cublasHandle_t>, RuntimeError> {
+        use cudarc::cublas::sys as blas;
+        if let Some(handle) = self.blas {
+            return Ok(handle);
+        }
+        self.current()?;
+        // SAFETY: a library probe (it loads nothing else and never panics).
+        let handle = if unsafe { blas::is_culib_present() } {
+            let handle = cudarc::cublas::result::create_handle()
+                .map_err(|e| RuntimeError::Device(format!("cublasCreate: {e:?}")))?;
+            // SAFETY: a fresh handle.
+            unsafe { blas::cublasSetMathMode(handle, blas::cublasMath_t::CUBLAS_DEFAULT_MATH) }
+                .result()
+                .map_err(|e| RuntimeError::Device(format!("cublasSetMathMode: {e:?}")))?;
+            Some(handle)
+        } else {
+            tracing::warn!("cuBLAS (libcublas) could not be loaded: GEMMs run on the host");
+            None
+        };
+        self.blas = Some(handle);
+        Ok(handle)
     }
 
     fn current(&self) -> Result<(), RuntimeError> {
@@ -202,6 +235,73 @@ impl Gpu for CudaGpu {
         .map_err(|e| RuntimeError::Device(format!("launching {entry:?} on {}: {e}", self.description)))
     }
 
+    fn gemm(&mut self, stream: Stream, call: &GemmCall, operands: &GemmOperands) -> Result<bool, RuntimeError> {
+        let Some(handle) = self.cublas()? else { return Ok(false) };
+        use cudarc::cublas::sys as blas;
+        let op = |transpose: bool| {
+            if transpose {
+                blas::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| RuntimeError::Device(format!("a GEMM dimension of {v} exceeds cuBLAS's int")))
+        };
+        let (m, n, k, lda, ldb, ldc) =
+            (int(call.m)?, int(call.n)?, int(call.k)?, int(call.lda)?, int(call.ldb)?, int(call.ldc)?);
+        let count = int(call.products.len())?;
+        let [a, b, c] = operands.pointers;
+        // SAFETY: the pointer arrays hold `count` addresses inside the operands' regions, with
+        // the leading dimensions `GemmCall::of` derived from the operands' strides (tested
+        // against the builtin kernel); alpha and beta are host scalars (the default pointer mode).
+        let status = unsafe {
+            cudarc::cublas::result::set_stream(handle, self.stream(stream) as blas::cudaStream_t)
+                .map_err(|e| RuntimeError::Device(format!("cublasSetStream: {e:?}")))?;
+            match call.dtype {
+                DType::F32 => blas::cublasSgemmBatched(
+                    handle,
+                    op(call.transpose_a),
+                    op(call.transpose_b),
+                    m,
+                    n,
+                    k,
+                    &1.0f32,
+                    a as *const *const f32,
+                    lda,
+                    b as *const *const f32,
+                    ldb,
+                    &0.0f32,
+                    c as *const *mut f32,
+                    ldc,
+                    count,
+                ),
+                DType::F64 => blas::cublasDgemmBatched(
+                    handle,
+                    op(call.transpose_a),
+                    op(call.transpose_b),
+                    m,
+                    n,
+                    k,
+                    &1.0f64,
+                    a as *const *const f64,
+                    lda,
+                    b as *const *const f64,
+                    ldb,
+                    &0.0f64,
+                    c as *const *mut f64,
+                    ldc,
+                    count,
+                ),
+                other => return Err(RuntimeError::Device(format!("cuBLAS GEMM of {other}"))),
+            }
+        };
+        status
+            .result()
+            .map_err(|e| RuntimeError::Device(format!("cuBLAS gemmBatched on {}: {e:?}", self.description)))?;
+        Ok(true)
+    }
+
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
         self.current()?;
         let event =
@@ -252,6 +352,9 @@ impl Drop for CudaGpu {
         let _ = self.synchronize();
         // SAFETY: every handle was made by this GPU and is released once.
         unsafe {
+            if let Some(Some(handle)) = self.blas.take() {
+                let _ = cudarc::cublas::result::destroy_handle(handle);
+            }
             for address in self.allocations.drain(..) {
                 let _ = result::free_sync(address);
             }

@@ -9,11 +9,16 @@
 //! but deterministically.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use autotp_kernels::AlignedBuf;
 use autotp_llvm::CpuKernel;
 
-use super::{Entry, Gpu, GpuEvent};
+use autotp_kernels::Kernel;
+
+use super::gemm::GemmCall;
+use super::{Entry, GemmOperands, Gpu, GpuEvent};
 use crate::streams::Stream;
 use crate::{Program, RuntimeError};
 
@@ -33,8 +38,17 @@ pub struct Emulator {
     queues: [VecDeque<Op>; 3],
     /// Per event: whether it has completed, and the stream it was recorded on.
     events: Vec<(bool, Stream)>,
-    /// Kernels launched so far.
-    pub launches: usize,
+    /// What ran on it, shared with whoever asks (the emulator itself moves into an executor).
+    pub counts: Arc<Counts>,
+}
+
+/// Work issued to an [`Emulator`] so far.
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Kernel launches (generated kernels and optimizer steps).
+    pub launches: AtomicUsize,
+    /// GEMMs (matmuls that would run on cuBLAS).
+    pub gemms: AtomicUsize,
 }
 
 impl Emulator {
@@ -56,7 +70,7 @@ impl Emulator {
             optimizer_steps,
             queues: Default::default(),
             events: Vec::new(),
-            launches: 0,
+            counts: Arc::default(),
         })
     }
 
@@ -171,7 +185,7 @@ impl Gpu for Emulator {
             },
         };
         let function = function.ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no entry {entry:?}")))?;
-        self.launches += 1;
+        self.counts.launches.fetch_add(1, Ordering::Relaxed);
         self.queue(
             stream,
             Box::new(move || {
@@ -183,6 +197,39 @@ impl Gpu for Emulator {
             }),
         );
         Ok(())
+    }
+
+    /// Runs the builtin matmul the call stands for (`GemmCall::dims`; the call's own numbers are
+    /// checked against it by `gemm`'s tests), so results stay those of the CPU bit for bit.
+    fn gemm(&mut self, stream: Stream, call: &GemmCall, operands: &GemmOperands) -> Result<bool, RuntimeError> {
+        for (address, len) in [operands.lhs, operands.rhs, operands.out] {
+            self.check(address, len)?;
+        }
+        for (which, &pointers) in operands.pointers.iter().enumerate() {
+            self.check(pointers, call.products.len() * 8)
+                .map_err(|e| RuntimeError::Device(format!("emulated GPU: the GEMM's pointer array {which}: {e}")))?;
+        }
+        let kernel = Kernel::MatMul { dtype: call.dtype, dims: call.dims.clone() };
+        let (lhs, rhs, out) = (operands.lhs, operands.rhs, operands.out);
+        self.counts.gemms.fetch_add(1, Ordering::Relaxed);
+        self.queue(
+            stream,
+            Box::new(move || {
+                // SAFETY: checked to lie in allocations; the device's regions of one instruction,
+                // whose output overlaps neither input (`Program::validate`).
+                let (lhs, rhs, out) = unsafe {
+                    (
+                        std::slice::from_raw_parts(lhs.0 as *const u8, lhs.1),
+                        std::slice::from_raw_parts(rhs.0 as *const u8, rhs.1),
+                        std::slice::from_raw_parts_mut(out.0 as *mut u8, out.1),
+                    )
+                };
+                kernel
+                    .run(&[lhs, rhs], &mut [out])
+                    .map_err(|source| RuntimeError::Kernel { label: "emulated GEMM".into(), source })
+            }),
+        );
+        Ok(true)
     }
 
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {

@@ -10,7 +10,9 @@
 //!   chunks built once at load in device memory (the same chunks as the CPU's); its constants
 //!   are made on the host from the step's learning rate and step number, read back from the
 //!   device (a small copy, the one synchronisation inside a step);
-//! - builtin kernels (GEMMs among them, until cuBLAS) run on the host: their inputs are
+//! - a matmul is a cuBLAS batched GEMM ([`gemm::GemmCall`], its pointer arrays made at load),
+//!   where the GPU has cuBLAS and the operands a cuBLAS form;
+//! - other builtin kernels (and those matmuls) run on the host: their inputs are
 //!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
 //! - collectives, sends and receives (until NCCL) go through host memory and the rank's
 //!   communicator, in their stream's order: ranks on a mesh may share one GPU (threads of one
@@ -24,13 +26,30 @@
 
 pub mod cuda;
 pub mod emulated;
+pub mod gemm;
 
 use std::sync::Arc;
 
 use crate::clock::RankClock;
 use crate::comm::Communicator;
+use autotp_kernels::Kernel;
+
 use crate::streams::{Device, Stream};
 use crate::{Instruction, Program, Region, RuntimeError};
+use gemm::GemmCall;
+
+/// A new allocation holding `bytes`.
+fn upload_new(gpu: &mut dyn Gpu, bytes: &[u8]) -> Result<u64, RuntimeError> {
+    let address = gpu.alloc(bytes.len())?;
+    gpu.upload(Stream::Compute, address, bytes)?;
+    Ok(address)
+}
+
+/// An optimizer step's chunk table as bytes.
+fn table_bytes(chunks: &[autotp_kernels::optim::TensorUpdate]) -> &[u8] {
+    // SAFETY: `TensorUpdate` is `repr(C)` plain data (integers and addresses), no padding.
+    unsafe { std::slice::from_raw_parts(chunks.as_ptr() as *const u8, std::mem::size_of_val(chunks)) }
+}
 
 /// Which GPU a rank runs on.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -85,6 +104,10 @@ pub trait Gpu: Send {
     /// Launches `entry` on `rows` rows (blocks) with these arguments.
     fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError>;
 
+    /// Runs `call` in `stream`'s order on `operands`, where the GPU has a GEMM library;
+    /// `Ok(false)` where it has none (the device then runs the matmul on the host).
+    fn gemm(&mut self, stream: Stream, call: &GemmCall, operands: &GemmOperands) -> Result<bool, RuntimeError>;
+
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError>;
     fn wait(&mut self, stream: Stream, event: GpuEvent) -> Result<(), RuntimeError>;
 
@@ -94,6 +117,18 @@ pub trait Gpu: Send {
 
     /// Bytes of device memory free and in total (the driver's figures).
     fn memory(&mut self) -> Result<(usize, usize), RuntimeError>;
+}
+
+/// Where a [`GemmCall`]'s operands lie on the device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GemmOperands {
+    /// The lhs, rhs and output regions: (address, bytes).
+    pub lhs: (u64, usize),
+    pub rhs: (u64, usize),
+    pub out: (u64, usize),
+    /// Device arrays of each product's `A`, `B` and `C` addresses (cuBLAS's batched form),
+    /// made when the program loads.
+    pub pointers: [u64; 3],
 }
 
 /// Device bytes for an optimizer step's constants (AdamW's are a few scalars).
@@ -107,6 +142,13 @@ struct ChunkTable {
     constants: u64,
 }
 
+/// What an instruction needs on the device, made when the program loads.
+enum Prepared {
+    Nothing,
+    OptimizerStep(ChunkTable),
+    Gemm(Box<(GemmCall, GemmOperands)>),
+}
+
 /// A program's instructions on a [`Gpu`] (see the module doc).
 pub struct GpuDevice {
     /// Locked only to read a slot through a shared reference; the executor's runs use it
@@ -114,8 +156,8 @@ pub struct GpuDevice {
     gpu: std::sync::Mutex<Box<dyn Gpu>>,
     /// The arena's device address.
     base: u64,
-    /// Per optimizer-step instruction (by index), its table.
-    tables: Vec<Option<ChunkTable>>,
+    /// What each instruction (by index) had made for it at load.
+    prepared: Vec<Prepared>,
     /// This rank and its communicator, for programs on a mesh.
     rank: Option<(usize, Arc<dyn Communicator>)>,
     /// Collectives issued so far on each mesh axis (their sequence numbers).
@@ -136,29 +178,39 @@ impl GpuDevice {
         for c in &program.constants {
             gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
         }
-        let mut tables = Vec::with_capacity(program.instructions.len());
+        let mut prepared = Vec::with_capacity(program.instructions.len());
         for instruction in &program.instructions {
-            tables.push(match instruction {
+            prepared.push(match instruction {
                 Instruction::OptimizerStep { dtype, tensors, .. } => {
                     let chunks = crate::executor::optimizer_chunks(*dtype, tensors, base as usize);
-                    // SAFETY: `TensorUpdate` is `repr(C)` plain data (integers and addresses).
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(
-                            chunks.as_ptr() as *const u8,
-                            std::mem::size_of_val(chunks.as_slice()),
-                        )
-                    };
-                    let address = gpu.alloc(bytes.len())?;
-                    gpu.upload(Stream::Compute, address, bytes)?;
+                    let address = upload_new(gpu.as_mut(), table_bytes(&chunks))?;
                     let constants = gpu.alloc(CONSTANTS_BYTES)?;
-                    Some(ChunkTable { address, chunks: chunks.len(), constants })
+                    Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), constants })
                 }
-                _ => None,
+                Instruction::Kernel { kernel: Kernel::MatMul { dtype, dims }, inputs, outputs, .. } => {
+                    match GemmCall::of(*dtype, dims) {
+                        Some(call) => {
+                            let at = |r: &Region| (base + r.offset as u64, r.len);
+                            let (lhs, rhs, out) = (at(&inputs[0]), at(&inputs[1]), at(&outputs[0]));
+                            let size = dtype.size() as u64;
+                            let mut pointers = [0; 3];
+                            for (which, start) in [rhs.0, lhs.0, out.0].into_iter().enumerate() {
+                                let list: Vec<u8> = (call.products.iter())
+                                    .flat_map(|p| (start + p[which] as u64 * size).to_le_bytes())
+                                    .collect();
+                                pointers[which] = upload_new(gpu.as_mut(), &list)?;
+                            }
+                            Prepared::Gemm(Box::new((call, GemmOperands { lhs, rhs, out, pointers })))
+                        }
+                        None => Prepared::Nothing,
+                    }
+                }
+                _ => Prepared::Nothing,
             });
         }
         gpu.synchronize()?;
         let issued = vec![0; program.mesh.len()];
-        Ok(GpuDevice { gpu: std::sync::Mutex::new(gpu), base, tables, rank, issued, clock: None })
+        Ok(GpuDevice { gpu: std::sync::Mutex::new(gpu), base, prepared, rank, issued, clock: None })
     }
 
     fn communicator(&self, label: &str) -> Result<(usize, Arc<dyn Communicator>), RuntimeError> {
@@ -211,6 +263,12 @@ impl Device for GpuDevice {
                 self.gpu().launch(stream, Entry::Kernel(*kernel), program.kernels[*kernel].outer, &args)
             }
             Instruction::Kernel { kernel, inputs, outputs, label } => {
+                if let Prepared::Gemm(gemm) = &self.prepared[index] {
+                    let gemm = gemm.clone();
+                    if self.gpu().gemm(stream, &gemm.0, &gemm.1)? {
+                        return Ok(());
+                    }
+                }
                 let ins = inputs.iter().map(|r| self.download_region(stream, r)).collect::<Result<Vec<_>, _>>()?;
                 let mut outs: Vec<Vec<u8>> = outputs.iter().map(|r| vec![0; r.len]).collect();
                 let in_slices: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
@@ -234,7 +292,9 @@ impl Device for GpuDevice {
                         "{label}: the step's constants exceed {CONSTANTS_BYTES} bytes"
                     )));
                 }
-                let table = self.tables[index].as_ref().expect("a table per optimizer step, made at load");
+                let Prepared::OptimizerStep(table) = &self.prepared[index] else {
+                    unreachable!("a table per optimizer step, made at load")
+                };
                 let (address, chunks, constants_at) = (table.address, table.chunks, table.constants);
                 self.gpu().upload(stream, constants_at, &constants)?;
                 let rule = program
