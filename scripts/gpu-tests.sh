@@ -8,6 +8,9 @@
 #
 #   scripts/gpu-tests.sh [AUTOTP_BINARY]     (default: target/release/autotp, built if missing)
 #   env: STEPS (30), TOLERANCE (1e-5), AUTOTP_GPU=emulated to check this script without a GPU
+#
+# GEMMs use cuBLAS where libcublas.so.13 (or .12) loads (a CUDA toolkit, or pip's nvidia-cublas
+# directory on LD_LIBRARY_PATH); otherwise they run on the host, with one warning.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release/autotp}
