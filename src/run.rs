@@ -277,7 +277,9 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     let seconds = start.elapsed().as_secs_f64();
     let steps = flags.steps - first;
     // Every process of a job takes part in gathering the measured figures.
-    let measured = if trainer.world_size() > 1 { Some(trainer.measured()?) } else { None };
+    // On a GPU the device's own count is worth comparing with the plan even for one rank.
+    let on_gpu = DeviceKind::parse(&flags.device) == Some(DeviceKind::Cuda);
+    let measured = if trainer.world_size() > 1 || on_gpu { Some(trainer.measured()?) } else { None };
     if !reports {
         return Ok(());
     }

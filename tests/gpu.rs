@@ -153,3 +153,47 @@ fn parallel_plans_on_emulated_gpus_train_like_cpu_ranks() {
         }
     }
 }
+
+/// What a rank on the (emulated) GPU holds is what the plan reports, within 2%: the device's
+/// count of its free memory before and after the program loads, against the planned peak.
+#[test]
+fn device_memory_is_the_planned_memory() {
+    let dir = scratch("emulated-gpu-memory");
+    let model = fixture("gpt2", "model.onnx");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    for (l, layout) in [&[][..], &["--tp", "2"][..], &["--dp", "2", "--zero", "3"][..]].iter().enumerate() {
+        let plan = dir.join(format!("memory-{l}.atp"));
+        compile(&model, &plan, &[&["--micro-batch", "4"][..], layout].concat());
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args([
+                "run",
+                plan.to_str().unwrap(),
+                "--data",
+                tokens.to_str().unwrap(),
+                "--steps",
+                "1",
+                "--device",
+                "cuda",
+            ])
+            .env("AUTOTP_GPU", "emulated")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let rows: Vec<(f64, f64)> = (stderr.lines())
+            .skip_while(|l| !l.contains("planned peak"))
+            .skip(1)
+            .map_while(|l| {
+                let fields: Vec<f64> = l.split_whitespace().filter_map(|f| f.parse().ok()).collect();
+                (fields.len() == 5).then(|| (fields[1], fields[2]))
+            })
+            .collect();
+        assert_eq!(rows.len(), if l == 0 { 1 } else { 2 }, "{layout:?}: a row per rank\n{stderr}");
+        for (planned, measured) in rows {
+            assert!(
+                measured >= planned && measured <= planned * 1.02,
+                "{layout:?}: planned {planned}, held {measured}"
+            );
+        }
+    }
+}

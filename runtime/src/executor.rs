@@ -301,11 +301,12 @@ impl Executor {
         self.last_run
     }
 
-    /// Bytes of the arena this executor allocated.
+    /// Bytes of the arena this executor allocated; on a GPU, the device memory its program
+    /// took when it loaded, as the driver counts it.
     pub fn arena_bytes(&self) -> usize {
         match &self.device {
             Backend::Cpu(cpu) => cpu.arena.len(),
-            Backend::Gpu(_) => self.program.memory.arena_bytes,
+            Backend::Gpu(gpu) => gpu.held_bytes,
         }
     }
 

@@ -12,6 +12,7 @@
 //!   device (a small copy, the one synchronisation inside a step);
 //! - a matmul is a cuBLAS batched GEMM ([`gemm::GemmCall`], its pointer arrays made at load),
 //!   where the GPU has cuBLAS and the operands a cuBLAS form;
+//! - a byte copy (a reshape's) is a device-to-device copy;
 //! - other builtin kernels (and those matmuls) run on the host: their inputs are
 //!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
 //! - collectives, sends and receives (until NCCL) go through host memory and the rank's
@@ -164,6 +165,9 @@ pub struct GpuDevice {
     issued: Vec<u64>,
     /// The clock of the run under way (pipeline messages are stamped with it).
     pub(crate) clock: Option<RankClock>,
+    /// Device memory the program took when it loaded, by the driver's count of free memory
+    /// before and after (the arena, chunk tables, GEMM pointer arrays, the allocator's rounding).
+    pub(crate) held_bytes: usize,
 }
 
 impl GpuDevice {
@@ -174,6 +178,7 @@ impl GpuDevice {
         mut gpu: Box<dyn Gpu>,
         rank: Option<(usize, Arc<dyn Communicator>)>,
     ) -> Result<GpuDevice, RuntimeError> {
+        let (free_before, _) = gpu.memory()?;
         let base = gpu.alloc(program.memory.arena_bytes)?;
         for c in &program.constants {
             gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
@@ -209,8 +214,10 @@ impl GpuDevice {
             });
         }
         gpu.synchronize()?;
+        let (free_after, _) = gpu.memory()?;
+        let held_bytes = free_before.saturating_sub(free_after);
         let issued = vec![0; program.mesh.len()];
-        Ok(GpuDevice { gpu: std::sync::Mutex::new(gpu), base, prepared, rank, issued, clock: None })
+        Ok(GpuDevice { gpu: std::sync::Mutex::new(gpu), base, prepared, rank, issued, clock: None, held_bytes })
     }
 
     fn communicator(&self, label: &str) -> Result<(usize, Arc<dyn Communicator>), RuntimeError> {
@@ -263,6 +270,10 @@ impl Device for GpuDevice {
                 self.gpu().launch(stream, Entry::Kernel(*kernel), program.kernels[*kernel].outer, &args)
             }
             Instruction::Kernel { kernel, inputs, outputs, label } => {
+                if let (Kernel::Copy, [input], [output]) = (kernel, inputs.as_slice(), outputs.as_slice()) {
+                    let (from, to) = (self.address(input), self.address(output));
+                    return self.gpu().copy(stream, from, to, output.len);
+                }
                 if let Prepared::Gemm(gemm) = &self.prepared[index] {
                     let gemm = gemm.clone();
                     if self.gpu().gemm(stream, &gemm.0, &gemm.1)? {
