@@ -349,8 +349,15 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
             let plan = autotp_runtime::plan::PlanFile::open(&plan_path).unwrap().plan;
             for (s, program) in plan.stages.iter().enumerate() {
                 assert_eq!(program.ptx.len(), 2, "{arch} {layout:?} stage {s}: PTX for sm_80 and sm_90");
-                for module in &program.ptx {
-                    let source = dir.join(format!("{arch}-{l}-{s}-{}.ptx", module.arch));
+                // The builtin kernels' data movement, which a GPU compiles when the plan loads.
+                let (movement, _) = autotp_runtime::gpu::movement_plan(program);
+                let mut modules = program.ptx.clone();
+                for gpu_arch in autotp_llvm::nvptx::Arch::ALL {
+                    let code = autotp_llvm::nvptx::ptx(&movement, &[], gpu_arch).unwrap();
+                    modules.push(autotp_runtime::PtxModule { arch: gpu_arch.name().to_string(), code });
+                }
+                for (m, module) in modules.iter().enumerate() {
+                    let source = dir.join(format!("{arch}-{l}-{s}-{m}-{}.ptx", module.arch));
                     std::fs::write(&source, &module.code).unwrap();
                     let out = std::process::Command::new(&ptxas)
                         .args([&format!("-arch={}", module.arch), source.to_str().unwrap(), "-o", "/dev/null"])
@@ -368,5 +375,5 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
             }
         }
     }
-    assert!(assembled >= 18, "{assembled} PTX modules assembled");
+    assert!(assembled >= 36, "{assembled} PTX modules assembled");
 }

@@ -15,6 +15,7 @@ mod dtype;
 mod elementwise;
 mod kernel;
 pub mod kir;
+pub mod kir_movement;
 mod matmul;
 mod movement;
 mod nn;

@@ -6,7 +6,8 @@
 //! capability 9 and above, sm_80 for 8.x; PTX is compiled by the driver for the device at
 //! load), the kernels' entries looked up once. Launches use [`autotp_llvm::nvptx::BLOCK`]
 //! threads and one block per row (or chunk), capped at [`MAX_BLOCKS`]: the kernels stride over
-//! the rest. Events are made per record (timing off) and released at each synchronisation.
+//! the rest. The builtin kernels' data movement ([`super::movement_plan`]) is compiled to PTX
+//! for the device when it opens (the runtime carries LLVM) and loaded as a second module. Events are made per record (timing off) and released at each synchronisation.
 //! GEMMs are cuBLAS's `gemmBatched` ([`GemmCall`]) on a handle made on first use with
 //! `CUBLAS_DEFAULT_MATH` (f32 stays f32: no TF32); without libcublas they run on the host.
 //!
@@ -38,6 +39,9 @@ pub struct CudaGpu {
     module: sys::CUmodule,
     kernels: Vec<sys::CUfunction>,
     optimizer_steps: Vec<sys::CUfunction>,
+    /// The builtin kernels' data movement ([`super::movement_plan`]), compiled at open.
+    movement_module: sys::CUmodule,
+    movement: Vec<sys::CUfunction>,
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<sys::CUevent>,
     /// cuBLAS's handle once asked for (`Some(None)`: the library is missing).
@@ -103,6 +107,8 @@ impl CudaGpu {
             module: std::ptr::null_mut(),
             kernels: Vec::new(),
             optimizer_steps: Vec::new(),
+            movement_module: std::ptr::null_mut(),
+            movement: Vec::new(),
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
@@ -131,6 +137,22 @@ impl CudaGpu {
             .iter()
             .map(|k| function(gpu.module, k.entry_name()))
             .collect::<Result<_, _>>()?;
+        let (movement, _) = super::movement_plan(program);
+        if !movement.is_empty() {
+            let arch = match arch {
+                "sm_90" => autotp_llvm::nvptx::Arch::Sm90,
+                _ => autotp_llvm::nvptx::Arch::Sm80,
+            };
+            let ptx = autotp_llvm::nvptx::ptx(&movement, &[], arch)
+                .map_err(|e| RuntimeError::KernelCompile(format!("the movement kernels' PTX: {e}")))?;
+            let image = CString::new(ptx).expect("LLVM's PTX has no NUL");
+            // SAFETY: a NUL-terminated PTX text, which the driver compiles for the device.
+            gpu.movement_module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+                .map_err(driver("cuModuleLoadData (the movement kernels)"))?;
+            gpu.movement = (0..movement.len())
+                .map(|i| function(gpu.movement_module, autotp_llvm::nvptx::entry_name(i)))
+                .collect::<Result<_, _>>()?;
+        }
         Ok(gpu)
     }
 
@@ -214,6 +236,7 @@ impl Gpu for CudaGpu {
         let function = match entry {
             Entry::Kernel(i) => self.kernels.get(i),
             Entry::OptimizerStep(i) => self.optimizer_steps.get(i),
+            Entry::Movement(i) => self.movement.get(i),
         };
         let function = *function.ok_or_else(|| RuntimeError::Device(format!("the plan has no entry {entry:?}")))?;
         // Every parameter is 8 bytes: a device address, or (the chunk count) an i64.
@@ -358,8 +381,10 @@ impl Drop for CudaGpu {
             for address in self.allocations.drain(..) {
                 let _ = result::free_sync(address);
             }
-            if !self.module.is_null() {
-                let _ = result::module::unload(self.module);
+            for module in [self.module, self.movement_module] {
+                if !module.is_null() {
+                    let _ = result::module::unload(module);
+                }
             }
             for stream in self.streams {
                 if !stream.is_null() {

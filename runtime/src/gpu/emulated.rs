@@ -35,6 +35,7 @@ pub struct Emulator {
     allocations: Vec<AlignedBuf>,
     kernels: Vec<CpuKernel>,
     optimizer_steps: Vec<CpuKernel>,
+    movement: Vec<CpuKernel>,
     queues: [VecDeque<Op>; 3],
     /// Per event: whether it has completed, and the stream it was recorded on.
     events: Vec<(bool, Stream)>,
@@ -55,19 +56,23 @@ impl Emulator {
     /// An emulated GPU holding `program`'s kernels (compiled for this CPU).
     pub fn new(program: &Program) -> Result<Emulator, RuntimeError> {
         let steps = program.optimizer_kernels();
+        let (movement, _) = super::movement_plan(program);
         let functions: Vec<autotp_llvm::Function> = (program.kernels.iter().map(autotp_llvm::Function::Kernel))
             .chain(steps.iter().map(autotp_llvm::Function::OptimizerStep))
+            .chain(movement.iter().map(autotp_llvm::Function::Kernel))
             .collect();
         let mut kernels = match functions.is_empty() {
             true => Vec::new(),
             false => autotp_llvm::compile_cpu_functions(&functions)
                 .map_err(|e| RuntimeError::KernelCompile(e.to_string()))?,
         };
+        let movement = kernels.split_off(program.kernels.len() + steps.len());
         let optimizer_steps = kernels.split_off(program.kernels.len());
         Ok(Emulator {
             allocations: Vec::new(),
             kernels,
             optimizer_steps,
+            movement,
             queues: Default::default(),
             events: Vec::new(),
             counts: Arc::default(),
@@ -176,6 +181,7 @@ impl Gpu for Emulator {
     fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError> {
         let (function, buffers, rows) = match entry {
             Entry::Kernel(i) => (self.kernels.get(i).copied(), args.to_vec(), rows),
+            Entry::Movement(i) => (self.movement.get(i).copied(), args.to_vec(), rows),
             // The x86 form takes [table, constants] and runs the chunks it is given as rows.
             Entry::OptimizerStep(i) => match args {
                 [table, chunks, constants] => {

@@ -12,7 +12,8 @@
 //!   device (a small copy, the one synchronisation inside a step);
 //! - a matmul is a cuBLAS batched GEMM ([`gemm::GemmCall`], its pointer arrays made at load),
 //!   where the GPU has cuBLAS and the operands a cuBLAS form;
-//! - a byte copy (a reshape's) is a device-to-device copy;
+//! - a byte copy (a reshape's) is a device-to-device copy; expand, transpose, slice, pad,
+//!   concat and split are kernel-IR kernels ([`movement_plan`]) the GPU compiles when it opens;
 //! - other builtin kernels (and those matmuls) run on the host: their inputs are
 //!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
 //! - collectives, sends and receives (until NCCL) go through host memory and the rank's
@@ -33,7 +34,7 @@ use std::sync::Arc;
 
 use crate::clock::RankClock;
 use crate::comm::Communicator;
-use autotp_kernels::Kernel;
+use autotp_kernels::{kir, AlignedBuf, Kernel};
 
 use crate::streams::{Device, Stream};
 use crate::{Instruction, Program, Region, RuntimeError};
@@ -79,6 +80,35 @@ pub enum Entry {
     /// The `i`th of `Program::optimizer_kernels()`: arguments are the chunk table's address,
     /// the number of chunks and the constants' address; one chunk per block.
     OptimizerStep(usize),
+    /// The `i`th kernel of [`movement_plan`]: as `Kernel`.
+    Movement(usize),
+}
+
+/// The data movement of a program's builtin kernels as kernel IR
+/// ([`autotp_kernels::kir_movement`]): the distinct kernels (a GPU compiles them when it opens)
+/// and, per instruction, the kernels it runs with their buffers (positions in the
+/// instruction's inputs, then outputs). Equal kernels (layers of one shape) are listed once.
+#[allow(clippy::type_complexity)]
+pub fn movement_plan(program: &Program) -> (Vec<kir::Kernel>, Vec<Vec<(usize, Vec<usize>, Vec<usize>)>>) {
+    let mut kernels: Vec<kir::Kernel> = Vec::new();
+    let mut uses = Vec::with_capacity(program.instructions.len());
+    for instruction in &program.instructions {
+        let mut runs = Vec::new();
+        if let Instruction::Kernel { kernel, .. } = instruction {
+            for moved in autotp_kernels::kir_movement::movement_kernels(kernel).unwrap_or_default() {
+                let index = match kernels.iter().position(|k| *k == moved.kernel) {
+                    Some(i) => i,
+                    None => {
+                        kernels.push(moved.kernel);
+                        kernels.len() - 1
+                    }
+                };
+                runs.push((index, moved.inputs, moved.outputs));
+            }
+        }
+        uses.push(runs);
+    }
+    (kernels, uses)
 }
 
 /// An event recorded by a [`Gpu`]: a handle the GPU gave out, valid until its next
@@ -146,6 +176,8 @@ struct ChunkTable {
 /// What an instruction needs on the device, made when the program loads.
 enum Prepared {
     Nothing,
+    /// Movement kernels (entries of [`movement_plan`]) with their buffers' addresses.
+    Movement(Vec<(usize, usize, Vec<u64>)>),
     OptimizerStep(ChunkTable),
     Gemm(Box<(GemmCall, GemmOperands)>),
 }
@@ -183,9 +215,21 @@ impl GpuDevice {
         for c in &program.constants {
             gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
         }
+        let (movement, moves) = movement_plan(program);
         let mut prepared = Vec::with_capacity(program.instructions.len());
-        for instruction in &program.instructions {
+        for (instruction, moves) in program.instructions.iter().zip(moves) {
             prepared.push(match instruction {
+                Instruction::Kernel { inputs, outputs, .. } if !moves.is_empty() => {
+                    let at = |r: &Region| base + r.offset as u64;
+                    let runs = (moves.into_iter())
+                        .map(|(k, ins, outs)| {
+                            let buffers =
+                                ins.iter().map(|&i| at(&inputs[i])).chain(outs.iter().map(|&o| at(&outputs[o])));
+                            (k, movement[k].outer, buffers.collect())
+                        })
+                        .collect();
+                    Prepared::Movement(runs)
+                }
                 Instruction::OptimizerStep { dtype, tensors, .. } => {
                     let chunks = crate::executor::optimizer_chunks(*dtype, tensors, base as usize);
                     let address = upload_new(gpu.as_mut(), table_bytes(&chunks))?;
@@ -274,22 +318,31 @@ impl Device for GpuDevice {
                     let (from, to) = (self.address(input), self.address(output));
                     return self.gpu().copy(stream, from, to, output.len);
                 }
+                if let Prepared::Movement(runs) = &self.prepared[index] {
+                    for (k, rows, buffers) in runs.clone() {
+                        self.gpu().launch(stream, Entry::Movement(k), rows, &buffers)?;
+                    }
+                    return Ok(());
+                }
                 if let Prepared::Gemm(gemm) = &self.prepared[index] {
                     let gemm = gemm.clone();
                     if self.gpu().gemm(stream, &gemm.0, &gemm.1)? {
                         return Ok(());
                     }
                 }
-                let ins = inputs.iter().map(|r| self.download_region(stream, r)).collect::<Result<Vec<_>, _>>()?;
-                let mut outs: Vec<Vec<u8>> = outputs.iter().map(|r| vec![0; r.len]).collect();
-                let in_slices: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
-                let mut out_slices: Vec<&mut [u8]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+                // Kernels write typed elements: their host buffers are aligned, as the arena is.
+                let ins = (inputs.iter())
+                    .map(|r| Ok(AlignedBuf::from_bytes(&self.download_region(stream, r)?)))
+                    .collect::<Result<Vec<_>, RuntimeError>>()?;
+                let mut outs: Vec<AlignedBuf> = outputs.iter().map(|r| AlignedBuf::zeroed(r.len)).collect();
+                let in_slices: Vec<&[u8]> = ins.iter().map(AlignedBuf::as_slice).collect();
+                let mut out_slices: Vec<&mut [u8]> = outs.iter_mut().map(AlignedBuf::as_mut_slice).collect();
                 kernel
                     .run(&in_slices, &mut out_slices)
                     .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
                 for (region, bytes) in outputs.iter().zip(&outs) {
                     let address = self.address(region);
-                    self.gpu().upload(stream, address, bytes)?;
+                    self.gpu().upload(stream, address, bytes.as_slice())?;
                 }
                 Ok(())
             }
