@@ -69,7 +69,7 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
         let generated = (program.instructions.iter())
             .filter(|i| matches!(i, Instruction::Generated { .. } | Instruction::OptimizerStep { .. }))
             .count();
-        let moved: usize = autotp_runtime::gpu::movement_plan(&program).1.iter().map(Vec::len).sum();
+        let moved: usize = autotp_runtime::gpu::movement_plan(&program).runs.iter().map(Vec::len).sum();
         assert!(moved >= 3, "{arch}: expand, concat and split run as movement kernels ({moved})");
         assert_eq!(counts.launches.load(Ordering::Relaxed), 3 * (generated + moved), "{arch}: launches");
         for slot in program.params.iter().chain(&program.states) {

@@ -350,7 +350,7 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
             for (s, program) in plan.stages.iter().enumerate() {
                 assert_eq!(program.ptx.len(), 2, "{arch} {layout:?} stage {s}: PTX for sm_80 and sm_90");
                 // The builtin kernels' data movement, which a GPU compiles when the plan loads.
-                let (movement, _) = autotp_runtime::gpu::movement_plan(program);
+                let movement = autotp_runtime::gpu::movement_plan(program).kernels;
                 let mut modules = program.ptx.clone();
                 for gpu_arch in autotp_llvm::nvptx::Arch::ALL {
                     let code = autotp_llvm::nvptx::ptx(&movement, &[], gpu_arch).unwrap();

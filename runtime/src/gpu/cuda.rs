@@ -137,7 +137,7 @@ impl CudaGpu {
             .iter()
             .map(|k| function(gpu.module, k.entry_name()))
             .collect::<Result<_, _>>()?;
-        let (movement, _) = super::movement_plan(program);
+        let movement = super::movement_plan(program).kernels;
         if !movement.is_empty() {
             let arch = match arch {
                 "sm_90" => autotp_llvm::nvptx::Arch::Sm90,

@@ -56,7 +56,7 @@ impl Emulator {
     /// An emulated GPU holding `program`'s kernels (compiled for this CPU).
     pub fn new(program: &Program) -> Result<Emulator, RuntimeError> {
         let steps = program.optimizer_kernels();
-        let (movement, _) = super::movement_plan(program);
+        let movement = super::movement_plan(program).kernels;
         let functions: Vec<autotp_llvm::Function> = (program.kernels.iter().map(autotp_llvm::Function::Kernel))
             .chain(steps.iter().map(autotp_llvm::Function::OptimizerStep))
             .chain(movement.iter().map(autotp_llvm::Function::Kernel))

@@ -20,8 +20,8 @@
 //!   communicator, in their stream's order: ranks on a mesh may share one GPU (threads of one
 //!   process) or have one each (processes), and every parallel plan runs, without overlap.
 //!
-//! [`Gpu`] is what a device provides: memory, copies, launches, streams and events. The CUDA
-//! driver will be one; [`emulated::Emulator`] is another, which runs on the host with the same
+//! [`Gpu`] is what a device provides: memory, copies, launches, GEMMs, streams and events. The
+//! CUDA driver ([`cuda::CudaGpu`], not yet run on a GPU) is one; [`emulated::Emulator`] is another, which runs on the host with the same
 //! kernels compiled for x86 and streams that run nothing until the host needs a result (then
 //! only what that result depends on): a missing event or synchronisation in this module reads
 //! stale bytes there, so the host logic is tested without a GPU.
@@ -32,10 +32,10 @@ pub mod gemm;
 
 use std::sync::Arc;
 
-use crate::clock::RankClock;
-use crate::comm::Communicator;
 use autotp_kernels::{kir, AlignedBuf, Kernel};
 
+use crate::clock::RankClock;
+use crate::comm::Communicator;
 use crate::streams::{Device, Stream};
 use crate::{Instruction, Program, Region, RuntimeError};
 use gemm::GemmCall;
@@ -80,20 +80,34 @@ pub enum Entry {
     /// The `i`th of `Program::optimizer_kernels()`: arguments are the chunk table's address,
     /// the number of chunks and the constants' address; one chunk per block.
     OptimizerStep(usize),
-    /// The `i`th kernel of [`movement_plan`]: as `Kernel`.
+    /// [`MovementPlan::kernels`]`[i]`: as `Kernel`.
     Movement(usize),
 }
 
 /// The data movement of a program's builtin kernels as kernel IR
-/// ([`autotp_kernels::kir_movement`]): the distinct kernels (a GPU compiles them when it opens)
-/// and, per instruction, the kernels it runs with their buffers (positions in the
-/// instruction's inputs, then outputs). Equal kernels (layers of one shape) are listed once.
-#[allow(clippy::type_complexity)]
-pub fn movement_plan(program: &Program) -> (Vec<kir::Kernel>, Vec<Vec<(usize, Vec<usize>, Vec<usize>)>>) {
+/// ([`autotp_kernels::kir_movement`]), which a GPU compiles when it opens.
+pub struct MovementPlan {
+    /// The distinct kernels (equal ones, of layers of one shape, listed once).
+    pub kernels: Vec<kir::Kernel>,
+    /// Per instruction, the kernels it runs, in order.
+    pub runs: Vec<Vec<MovementRun>>,
+}
+
+/// One launch of a movement kernel for an instruction.
+pub struct MovementRun {
+    /// An index into [`MovementPlan::kernels`].
+    pub kernel: usize,
+    /// Its buffers: positions in the instruction's inputs, then in its outputs.
+    pub inputs: Vec<usize>,
+    pub outputs: Vec<usize>,
+}
+
+/// The movement plan of `program`.
+pub fn movement_plan(program: &Program) -> MovementPlan {
     let mut kernels: Vec<kir::Kernel> = Vec::new();
-    let mut uses = Vec::with_capacity(program.instructions.len());
+    let mut runs = Vec::with_capacity(program.instructions.len());
     for instruction in &program.instructions {
-        let mut runs = Vec::new();
+        let mut here = Vec::new();
         if let Instruction::Kernel { kernel, .. } = instruction {
             for moved in autotp_kernels::kir_movement::movement_kernels(kernel).unwrap_or_default() {
                 let index = match kernels.iter().position(|k| *k == moved.kernel) {
@@ -103,12 +117,12 @@ pub fn movement_plan(program: &Program) -> (Vec<kir::Kernel>, Vec<Vec<(usize, Ve
                         kernels.len() - 1
                     }
                 };
-                runs.push((index, moved.inputs, moved.outputs));
+                here.push(MovementRun { kernel: index, inputs: moved.inputs, outputs: moved.outputs });
             }
         }
-        uses.push(runs);
+        runs.push(here);
     }
-    (kernels, uses)
+    MovementPlan { kernels, runs }
 }
 
 /// An event recorded by a [`Gpu`]: a handle the GPU gave out, valid until its next
@@ -215,17 +229,17 @@ impl GpuDevice {
         for c in &program.constants {
             gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
         }
-        let (movement, moves) = movement_plan(program);
+        let movement = movement_plan(program);
         let mut prepared = Vec::with_capacity(program.instructions.len());
-        for (instruction, moves) in program.instructions.iter().zip(moves) {
+        for (instruction, moves) in program.instructions.iter().zip(movement.runs) {
             prepared.push(match instruction {
                 Instruction::Kernel { inputs, outputs, .. } if !moves.is_empty() => {
                     let at = |r: &Region| base + r.offset as u64;
                     let runs = (moves.into_iter())
-                        .map(|(k, ins, outs)| {
-                            let buffers =
-                                ins.iter().map(|&i| at(&inputs[i])).chain(outs.iter().map(|&o| at(&outputs[o])));
-                            (k, movement[k].outer, buffers.collect())
+                        .map(|run| {
+                            let buffers = (run.inputs.iter().map(|&i| at(&inputs[i])))
+                                .chain(run.outputs.iter().map(|&o| at(&outputs[o])));
+                            (run.kernel, movement.kernels[run.kernel].outer, buffers.collect())
                         })
                         .collect();
                     Prepared::Movement(runs)
