@@ -332,17 +332,16 @@ impl Device for GpuDevice {
                     let (from, to) = (self.address(input), self.address(output));
                     return self.gpu().copy(stream, from, to, output.len);
                 }
-                if let Prepared::Movement(runs) = &self.prepared[index] {
-                    for (k, rows, buffers) in runs.clone() {
-                        self.gpu().launch(stream, Entry::Movement(k), rows, &buffers)?;
-                    }
-                    return Ok(());
-                }
-                if let Prepared::Gemm(gemm) = &self.prepared[index] {
-                    let gemm = gemm.clone();
-                    if self.gpu().gemm(stream, &gemm.0, &gemm.1)? {
+                let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+                match &self.prepared[index] {
+                    Prepared::Movement(runs) => {
+                        for (k, rows, buffers) in runs {
+                            gpu.launch(stream, Entry::Movement(*k), *rows, buffers)?;
+                        }
                         return Ok(());
                     }
+                    Prepared::Gemm(gemm) if gpu.gemm(stream, &gemm.0, &gemm.1)? => return Ok(()),
+                    _ => {}
                 }
                 // Kernels write typed elements: their host buffers are aligned, as the arena is.
                 let ins = (inputs.iter())
