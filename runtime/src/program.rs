@@ -450,30 +450,37 @@ fn check_optimizer_step(
     Ok(())
 }
 
+/// A program of `instructions` alone over an arena of `arena_bytes`, for tests.
+#[cfg(test)]
+pub(crate) fn bare_program(instructions: Vec<Instruction>, mesh: Vec<MeshAxis>, arena_bytes: usize) -> Program {
+    Program {
+        kernels: vec![],
+        ptx: vec![],
+        name: "p".into(),
+        mesh,
+        inputs: vec![],
+        outputs: vec![],
+        params: vec![],
+        states: vec![],
+        constants: vec![],
+        updates: vec![],
+        instructions,
+        memory: MemoryPlan { arena_bytes, ..Default::default() },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn program(kernel: Kernel, output_len: usize) -> Program {
-        Program {
-            kernels: vec![],
-            ptx: vec![],
-            name: "p".into(),
-            mesh: vec![],
-            inputs: vec![],
-            outputs: vec![],
-            params: vec![],
-            states: vec![],
-            constants: vec![],
-            updates: vec![],
-            instructions: vec![Instruction::Kernel {
-                kernel,
-                inputs: vec![Region { offset: 0, len: 24 }],
-                outputs: vec![Region { offset: 64, len: output_len }],
-                label: "%3 = transpose".into(),
-            }],
-            memory: MemoryPlan { arena_bytes: 128, ..Default::default() },
-        }
+        let transpose = Instruction::Kernel {
+            kernel,
+            inputs: vec![Region { offset: 0, len: 24 }],
+            outputs: vec![Region { offset: 64, len: output_len }],
+            label: "%3 = transpose".into(),
+        };
+        bare_program(vec![transpose], vec![], 128)
     }
 
     #[test]

@@ -205,8 +205,8 @@ impl StreamSchedule {
                     ));
                 }
             }
+            let clock_a = launched[a].3;
             for &(b, stream_b, position_b, _) in &launched[..a] {
-                let (_, _, _, clock_a) = launched[a];
                 if stream_b != stream_a && clock_a[stream_b.index()] < position_b && conflict(a, b) {
                     return bad(format!(
                         "instruction {a} ({}) on the {} stream may run before instruction {b} ({}) on the {} stream is done with its bytes",
@@ -277,7 +277,7 @@ pub(crate) fn drive<D: Device>(
 mod tests {
     use super::*;
     use crate::comm::CollectiveOp;
-    use crate::{MemoryPlan, MeshAxis};
+    use crate::MeshAxis;
     use autotp_kernels::{DType, Kernel};
 
     fn region(offset: usize) -> Region {
@@ -294,20 +294,7 @@ mod tests {
     }
 
     fn program(instructions: Vec<Instruction>) -> Program {
-        let program = Program {
-            kernels: vec![],
-            ptx: vec![],
-            name: "p".into(),
-            mesh: vec![MeshAxis { name: "dp".into(), size: 2 }],
-            inputs: vec![],
-            outputs: vec![],
-            params: vec![],
-            states: vec![],
-            constants: vec![],
-            updates: vec![],
-            instructions,
-            memory: MemoryPlan { arena_bytes: 256, ..Default::default() },
-        };
+        let program = crate::program::bare_program(instructions, vec![MeshAxis { name: "dp".into(), size: 2 }], 256);
         program.validate().unwrap();
         program
     }

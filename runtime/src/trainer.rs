@@ -311,7 +311,12 @@ impl Trainer {
     /// holding it. Only a trainer that runs every rank has them all.
     fn read_global(&self, slot: &Slot) -> Result<Cow<'_, [u8]>, RuntimeError> {
         assert!(self.processes.is_none(), "a process of a job holds only its own rank's blocks");
-        let first = (0..self.ranks.len()).find(|&r| self.ranks[r].read_slot(&slot.name).is_some());
+        // Which ranks hold it is the programs' to say: reading a slot may copy it off a GPU.
+        let holds = |r: usize| {
+            let program = self.ranks[r].program();
+            program.params.iter().chain(&program.states).any(|s| s.name == slot.name)
+        };
+        let first = (0..self.ranks.len()).find(|&r| holds(r));
         let first = first.expect("a slot of a stage") / self.stage_size() * self.stage_size();
         let local = |rank: usize| self.ranks[rank].read_slot(&slot.name).expect("a slot of the stage");
         if slot.is_replicated() {

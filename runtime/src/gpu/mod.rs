@@ -183,6 +183,8 @@ const CONSTANTS_BYTES: usize = 256;
 struct ChunkTable {
     address: u64,
     chunks: usize,
+    /// The step's update rule: its index in `Program::optimizer_kernels()` (its entry).
+    rule: usize,
     /// Device memory for the step's constants (one rule's, as many bytes as it has).
     constants: u64,
 }
@@ -230,6 +232,7 @@ impl GpuDevice {
             gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
         }
         let movement = movement_plan(program);
+        let rules = program.optimizer_kernels();
         let mut prepared = Vec::with_capacity(program.instructions.len());
         for (instruction, moves) in program.instructions.iter().zip(movement.runs) {
             prepared.push(match instruction {
@@ -244,11 +247,14 @@ impl GpuDevice {
                         .collect();
                     Prepared::Movement(runs)
                 }
-                Instruction::OptimizerStep { dtype, tensors, .. } => {
+                Instruction::OptimizerStep { optimizer, dtype, tensors, .. } => {
                     let chunks = crate::executor::optimizer_chunks(*dtype, tensors, base as usize);
                     let address = upload_new(gpu.as_mut(), table_bytes(&chunks))?;
                     let constants = gpu.alloc(CONSTANTS_BYTES)?;
-                    Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), constants })
+                    let rule = (rules.iter())
+                        .position(|k| k.optimizer == *optimizer && k.dtype == *dtype)
+                        .expect("the step's rule is among the program's");
+                    Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), rule, constants })
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dtype, dims }, inputs, outputs, .. } => {
                     match GemmCall::of(*dtype, dims) {
@@ -372,13 +378,8 @@ impl Device for GpuDevice {
                 let Prepared::OptimizerStep(table) = &self.prepared[index] else {
                     unreachable!("a table per optimizer step, made at load")
                 };
-                let (address, chunks, constants_at) = (table.address, table.chunks, table.constants);
+                let (address, chunks, rule, constants_at) = (table.address, table.chunks, table.rule, table.constants);
                 self.gpu().upload(stream, constants_at, &constants)?;
-                let rule = program
-                    .optimizer_kernels()
-                    .iter()
-                    .position(|k| k.optimizer == *optimizer && k.dtype == *dtype)
-                    .expect("the step's rule is among the program's");
                 self.gpu().launch(stream, Entry::OptimizerStep(rule), chunks, &[address, chunks as u64, constants_at])
             }
             Instruction::Wait { .. } => Ok(()),
