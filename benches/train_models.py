@@ -3,10 +3,12 @@
 
     python benches/train_models.py export NAME OUT.onnx
         exports model NAME (random init, seed 0) for training, as make_fixtures.py does
-    python benches/train_models.py pytorch NAME TOKENS.bin STEPS MICRO_BATCH SEQ_LEN THREADS OUT.jsonl
+    python benches/train_models.py pytorch NAME TOKENS.bin STEPS MICRO_BATCH SEQ_LEN THREADS OUT.jsonl [MODE] [DEVICE]
         trains it with the training contract (windows of S+1 with stride S, next-token labels,
         mean cross-entropy, AdamW lr 2e-3, betas 0.9/0.95, eps 1e-8, weight decay 0.01) and
-        writes one JSON line per step with its wall time (forward, backward, optimizer step)
+        writes one JSON line per step with its wall time (forward, backward, optimizer step);
+        MODE eager (default) or compile (torch.compile of the model), DEVICE cpu (default) or
+        cuda (f32 with TF32 off, the step timed to a device synchronisation)
 """
 import json
 import os
@@ -40,6 +42,7 @@ def models():
             vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
             tie_word_embeddings=False, use_cache=False)),
+        "gpt2-124m": (transformers.GPT2LMHeadModel, gpt2(**quiet)),
     }
 
 
@@ -54,24 +57,30 @@ def export(name, out):
     make_fixtures.export(make_fixtures.Logits(m), (ids,), ["input_ids"], ["logits"], out)
 
 
-def pytorch(name, tokens_path, steps, g, s, threads, out):
+def pytorch(name, tokens_path, steps, g, s, threads, out, mode="eager", device="cpu"):
     steps, g, s, threads = int(steps), int(g), int(s), int(threads)
     torch.set_num_threads(threads)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     tokens = np.fromfile(tokens_path, dtype="<u2")
     windows = (len(tokens) - 1) // s
-    m = model(name)
+    m = model(name).to(device)
     opt = torch.optim.AdamW(m.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    forward = torch.compile(m) if mode == "compile" else m
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with open(out, "w") as f:
         for step in range(steps):
             idx = [(step * g + j) % windows for j in range(g)]
             batch = np.stack([tokens[w * s: w * s + s + 1] for w in idx]).astype(np.int64)
-            ids, labels = torch.from_numpy(batch[:, :s]), torch.from_numpy(batch[:, 1:])
+            ids, labels = torch.from_numpy(batch[:, :s]).to(device), torch.from_numpy(batch[:, 1:]).to(device)
+            sync()
             start = time.perf_counter()
-            logits = m(input_ids=ids).logits
+            logits = forward(input_ids=ids).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             opt.zero_grad()
             loss.backward()
             opt.step()
+            sync()
             seconds = time.perf_counter() - start
             f.write(json.dumps({"step": step + 1, "loss": loss.item(), "step_seconds": seconds}) + "\n")
 

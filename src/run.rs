@@ -13,7 +13,7 @@ use autotp_runtime::clock::Clock;
 use autotp_runtime::comm::CommBytes;
 use autotp_runtime::cuda::DeviceKind;
 use autotp_runtime::data::{TokenData, TokenDtype};
-use autotp_runtime::gpu::GpuKind;
+use autotp_runtime::gpu::{GemmMath, GpuKind};
 use autotp_runtime::plan::PlanFile;
 use autotp_runtime::trainer::{StepMetrics, Trainer};
 use clap::Args;
@@ -75,6 +75,11 @@ pub struct RunFlags {
     /// rank; without a CUDA driver the run stops at once, naming the missing library).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
+    /// With --device cuda: f32 matmuls on the TF32 tensor cores (operands rounded to 10
+    /// mantissa bits, sums in f32), as PyTorch's `allow_tf32`. Off by default: an f32 plan then
+    /// trains on the GPU the model it trains on the CPU.
+    #[arg(long)]
+    tf32: bool,
 }
 
 /// The seed of a fresh run without `--seed`.
@@ -85,15 +90,17 @@ impl RunFlags {
     /// `None` for the CPU. The process's local rank picks the GPU. `AUTOTP_GPU=emulated`
     /// (tests) runs on the emulated GPU instead.
     pub fn gpu(&self) -> Result<Option<GpuKind>> {
+        let math = if self.tf32 { GemmMath::Tf32 } else { GemmMath::F32 };
         match DeviceKind::parse(&self.device) {
+            Some(DeviceKind::Cpu) if self.tf32 => bail!("--tf32 needs --device cuda (the CPU has no TF32)"),
             Some(DeviceKind::Cpu) => Ok(None),
             Some(DeviceKind::Cuda) if std::env::var("AUTOTP_GPU").as_deref() == Ok("emulated") => {
-                Ok(Some(GpuKind::Emulated))
+                Ok(Some(GpuKind::Emulated { math }))
             }
             Some(DeviceKind::Cuda) => {
                 autotp_runtime::cuda::probe()?;
                 let ordinal = autotp_runtime::launch::discover()?.local_rank;
-                Ok(Some(GpuKind::Cuda { ordinal }))
+                Ok(Some(GpuKind::Cuda { ordinal, math }))
             }
             None => bail!("--device {} is not a device: cpu or cuda", self.device),
         }

@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 
 use autotp_kernels::{DType, Kernel};
 use autotp_runtime::gpu::emulated::Emulator;
+use autotp_runtime::gpu::GemmMath;
 use autotp_runtime::plan::PlanFile;
 use autotp_runtime::{Executor, HostTensor, Instruction, Program};
 
@@ -49,7 +50,7 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
         let file = PlanFile::open(&plan_path).unwrap();
         let program = file.plan.stages[0].clone();
         let mut cpu = Executor::new(program.clone()).unwrap();
-        let emulator = Emulator::new(&program).unwrap();
+        let emulator = Emulator::new(&program, GemmMath::F32).unwrap();
         let counts = emulator.counts.clone();
         let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator), None).unwrap();
         for (name, bytes) in file.weights() {
@@ -119,6 +120,32 @@ fn runs_on_the_emulated_gpu_and_checkpoints_move_between_devices() {
         cpu[4..],
         "CPU checkpoint resumed on the GPU"
     );
+}
+
+/// `--tf32` reaches the GEMMs: the emulated GPU rounds their operands as the tensor cores do,
+/// so the losses move off the CPU's (f32) but stay within 1e-2; on the CPU the flag is refused.
+#[test]
+fn tf32_rounds_the_gemm_operands_and_is_refused_on_the_cpu() {
+    let dir = scratch("emulated-gpu-tf32");
+    let plan = dir.join("gpt2.atp");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    compile(&fixture("gpt2", "model.onnx"), &plan, &["--micro-batch", "4"]);
+    let run = |extra: &[&str], metrics: &str| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+        command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "5"]);
+        command.args(["--metrics-out", dir.join(metrics).to_str().unwrap()]).args(extra);
+        command.env("AUTOTP_GPU", "emulated").output().unwrap()
+    };
+    success(run(&["--device", "cpu"], "cpu.jsonl"));
+    success(run(&["--device", "cuda", "--tf32"], "tf32.jsonl"));
+    let (cpu, tf32) = (crate::common::losses(&dir.join("cpu.jsonl")), crate::common::losses(&dir.join("tf32.jsonl")));
+    assert_ne!(cpu, tf32, "TF32 GEMMs round their operands");
+    for ((step, a), (_, b)) in cpu.iter().zip(&tf32) {
+        assert!(((a - b) / a).abs() < 1e-2, "step {step}: f32 {a}, tf32 {b}");
+    }
+    let refused = run(&["--device", "cpu", "--tf32"], "refused.jsonl");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--tf32 needs --device cuda"));
 }
 
 /// Plans on a mesh on emulated GPUs (one per rank; communication through host memory until

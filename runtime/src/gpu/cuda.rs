@@ -9,7 +9,8 @@
 //! the rest. The builtin kernels' data movement ([`super::movement_plan`]) is compiled to PTX
 //! for the device when it opens (the runtime carries LLVM) and loaded as a second module. Events are made per record (timing off) and released at each synchronisation.
 //! GEMMs are cuBLAS's `gemmBatched` ([`GemmCall`]) on a handle made on first use with
-//! `CUBLAS_DEFAULT_MATH` (f32 stays f32: no TF32); without libcublas they run on the host.
+//! `CUBLAS_DEFAULT_MATH` (f32 stays f32: no TF32) or, for [`GemmMath::Tf32`],
+//! `CUBLAS_TF32_TENSOR_OP_MATH`; without libcublas they run on the host.
 //!
 //! Nothing here runs without [`crate::cuda::probe`] having found a driver first: cudarc's
 //! loader panics when the library is missing.
@@ -24,7 +25,7 @@ use cudarc::driver::{result, sys};
 use autotp_kernels::DType;
 
 use super::gemm::GemmCall;
-use super::{Entry, GemmOperands, Gpu, GpuEvent};
+use super::{Entry, GemmMath, GemmOperands, Gpu, GpuEvent};
 use crate::streams::Stream;
 use crate::{Program, RuntimeError};
 
@@ -46,6 +47,7 @@ pub struct CudaGpu {
     events: Vec<sys::CUevent>,
     /// cuBLAS's handle once asked for (`Some(None)`: the library is missing).
     blas: Option<Option<cudarc::cublas::sys::cublasHandle_t>>,
+    math: GemmMath,
     /// The device's name and compute capability, for messages.
     pub description: String,
 }
@@ -60,7 +62,7 @@ fn driver(call: &str) -> impl Fn(result::DriverError) -> RuntimeError + '_ {
 
 impl CudaGpu {
     /// Opens GPU `ordinal` and loads `program`'s kernels for it.
-    pub fn open(ordinal: usize, program: &Program) -> Result<CudaGpu, RuntimeError> {
+    pub fn open(ordinal: usize, program: &Program, math: GemmMath) -> Result<CudaGpu, RuntimeError> {
         let found = crate::cuda::probe()?;
         if ordinal >= found.devices {
             return Err(RuntimeError::Device(format!(
@@ -112,6 +114,7 @@ impl CudaGpu {
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
+            math,
             description,
         };
         for stream in &mut gpu.streams {
@@ -156,8 +159,9 @@ impl CudaGpu {
         Ok(gpu)
     }
 
-    /// cuBLAS's handle, made on first use with TF32 off (`CUBLAS_DEFAULT_MATH`: f32 GEMMs in
-    /// f32); `None`, with one warning, where the library cannot be loaded.
+    /// cuBLAS's handle, made on first use in `self.math`'s mode (`CUBLAS_DEFAULT_MATH`, f32
+    /// GEMMs in f32, unless `--tf32`); `None`, with one warning, where the library cannot be
+    /// loaded.
     fn cublas(&mut self) -> Result<Option<cudarc::cublas::sys::cublasHandle_t>, RuntimeError> {
         use cudarc::cublas::sys as blas;
         if let Some(handle) = self.blas {
@@ -168,8 +172,12 @@ impl CudaGpu {
         let handle = if unsafe { blas::is_culib_present() } {
             let handle = cudarc::cublas::result::create_handle()
                 .map_err(|e| RuntimeError::Device(format!("cublasCreate: {e:?}")))?;
+            let mode = match self.math {
+                GemmMath::F32 => blas::cublasMath_t::CUBLAS_DEFAULT_MATH,
+                GemmMath::Tf32 => blas::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+            };
             // SAFETY: a fresh handle.
-            unsafe { blas::cublasSetMathMode(handle, blas::cublasMath_t::CUBLAS_DEFAULT_MATH) }
+            unsafe { blas::cublasSetMathMode(handle, mode) }
                 .result()
                 .map_err(|e| RuntimeError::Device(format!("cublasSetMathMode: {e:?}")))?;
             Some(handle)

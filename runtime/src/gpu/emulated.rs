@@ -15,10 +15,10 @@ use std::sync::Arc;
 use autotp_kernels::AlignedBuf;
 use autotp_llvm::CpuKernel;
 
-use autotp_kernels::Kernel;
+use autotp_kernels::{DType, Kernel};
 
 use super::gemm::GemmCall;
-use super::{Entry, GemmOperands, Gpu, GpuEvent};
+use super::{round_to_tf32, Entry, GemmMath, GemmOperands, Gpu, GpuEvent};
 use crate::streams::Stream;
 use crate::{Program, RuntimeError};
 
@@ -41,6 +41,7 @@ pub struct Emulator {
     events: Vec<(bool, Stream)>,
     /// What ran on it, shared with whoever asks (the emulator itself moves into an executor).
     pub counts: Arc<Counts>,
+    math: GemmMath,
 }
 
 /// Work issued to an [`Emulator`] so far.
@@ -53,8 +54,9 @@ pub struct Counts {
 }
 
 impl Emulator {
-    /// An emulated GPU holding `program`'s kernels (compiled for this CPU).
-    pub fn new(program: &Program) -> Result<Emulator, RuntimeError> {
+    /// An emulated GPU holding `program`'s kernels (compiled for this CPU), its f32 GEMMs
+    /// multiplying as `math` says.
+    pub fn new(program: &Program, math: GemmMath) -> Result<Emulator, RuntimeError> {
         let steps = program.optimizer_kernels();
         let movement = super::movement_plan(program).kernels;
         let functions: Vec<autotp_llvm::Function> = (program.kernels.iter().map(autotp_llvm::Function::Kernel))
@@ -76,6 +78,7 @@ impl Emulator {
             queues: Default::default(),
             events: Vec::new(),
             counts: Arc::default(),
+            math,
         })
     }
 
@@ -217,6 +220,7 @@ impl Gpu for Emulator {
         }
         let kernel = Kernel::MatMul { dtype: call.dtype, dims: call.dims.clone() };
         let (lhs, rhs, out) = (operands.lhs, operands.rhs, operands.out);
+        let tf32 = self.math == GemmMath::Tf32 && call.dtype == DType::F32;
         self.counts.gemms.fetch_add(1, Ordering::Relaxed);
         self.queue(
             stream,
@@ -229,6 +233,14 @@ impl Gpu for Emulator {
                         std::slice::from_raw_parts(rhs.0 as *const u8, rhs.1),
                         std::slice::from_raw_parts_mut(out.0 as *mut u8, out.1),
                     )
+                };
+                let rounded;
+                let (lhs, rhs) = match tf32 {
+                    true => {
+                        rounded = [lhs, rhs].map(tf32_operand);
+                        (rounded[0].as_slice(), rounded[1].as_slice())
+                    }
+                    false => (lhs, rhs),
                 };
                 kernel
                     .run(&[lhs, rhs], &mut [out])
@@ -265,4 +277,14 @@ impl Gpu for Emulator {
     fn memory(&mut self) -> Result<(usize, usize), RuntimeError> {
         Ok((usize::MAX - self.allocated(), usize::MAX))
     }
+}
+
+/// An f32 operand's bytes with every element rounded to TF32 (what the tensor cores read).
+fn tf32_operand(bytes: &[u8]) -> AlignedBuf {
+    let mut rounded = AlignedBuf::from_bytes(bytes);
+    for element in rounded.as_mut_slice().chunks_exact_mut(4) {
+        let x = f32::from_le_bytes(element.try_into().expect("chunks of 4"));
+        element.copy_from_slice(&round_to_tf32(x).to_le_bytes());
+    }
+    rounded
 }

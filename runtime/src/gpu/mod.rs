@@ -57,17 +57,39 @@ fn table_bytes(chunks: &[autotp_kernels::optim::TensorUpdate]) -> &[u8] {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum GpuKind {
     /// GPU `ordinal` of the CUDA driver (after `CUDA_VISIBLE_DEVICES`).
-    Cuda { ordinal: usize },
+    Cuda { ordinal: usize, math: GemmMath },
     /// The [`emulated::Emulator`] (tests of the host side).
-    Emulated,
+    Emulated { math: GemmMath },
+}
+
+/// How f32 GEMMs multiply.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum GemmMath {
+    /// In f32, as on the CPU (cuBLAS's `CUBLAS_DEFAULT_MATH`): the default, so that an f32 plan
+    /// trains the same model on a GPU as on the CPU.
+    #[default]
+    F32,
+    /// On TF32 tensor cores (`--tf32`, PyTorch's `allow_tf32`): each operand rounded to 10
+    /// mantissa bits (to nearest, ties away from zero, as `cvt.rna.tf32.f32`), products summed
+    /// in f32.
+    Tf32,
+}
+
+/// `x` rounded to TF32 (10 mantissa bits; to nearest, ties away from zero); infinities and
+/// NaNs unchanged.
+pub fn round_to_tf32(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    f32::from_bits(x.to_bits().wrapping_add(1 << 12) & !((1 << 13) - 1))
 }
 
 impl GpuKind {
     /// Opens the GPU with `program`'s kernels loaded.
     pub fn open(self, program: &Program) -> Result<Box<dyn Gpu>, RuntimeError> {
         Ok(match self {
-            GpuKind::Cuda { ordinal } => Box::new(cuda::CudaGpu::open(ordinal, program)?),
-            GpuKind::Emulated => Box::new(emulated::Emulator::new(program)?),
+            GpuKind::Cuda { ordinal, math } => Box::new(cuda::CudaGpu::open(ordinal, program, math)?),
+            GpuKind::Emulated { math } => Box::new(emulated::Emulator::new(program, math)?),
         })
     }
 }
@@ -430,5 +452,22 @@ impl Device for GpuDevice {
             comm.abort(*rank, error);
         }
         let _ = self.gpu().synchronize();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_to_tf32;
+
+    #[test]
+    fn tf32_rounds_to_ten_mantissa_bits_ties_away_from_zero() {
+        let ulp = 2f32.powi(-10);
+        assert_eq!(round_to_tf32(1.0 + ulp / 2.0), 1.0 + ulp, "a tie rounds away from zero");
+        assert_eq!(round_to_tf32(-(1.0 + ulp / 2.0)), -(1.0 + ulp));
+        assert_eq!(round_to_tf32(1.0 + ulp / 2.0 - 2f32.powi(-23)), 1.0, "below the tie");
+        assert_eq!(round_to_tf32(1.0 + ulp), 1.0 + ulp, "representable values stay");
+        assert_eq!(round_to_tf32(f32::MAX), f32::INFINITY, "past the largest TF32 value");
+        assert_eq!(round_to_tf32(f32::NEG_INFINITY), f32::NEG_INFINITY);
+        assert!(round_to_tf32(f32::NAN).is_nan());
     }
 }
