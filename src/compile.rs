@@ -158,6 +158,45 @@ pub struct CompileFlags {
     /// or builtin (the reference interpreter alone: the oracle to bisect a divergence against).
     #[arg(long, value_enum, default_value = "generated")]
     kernels: Kernels,
+    /// The parameters' and activations' type: f32, or bf16/fp16 mixed precision (16-bit
+    /// weights and activations, CUDA autocast's f32 ops, f32 master weights and moments in the
+    /// optimizer, as DeepSpeed's bf16/fp16 modes).
+    #[arg(long, value_enum, default_value = "f32")]
+    #[serde(default)]
+    pub precision: Precision,
+    /// With --precision bf16/fp16: the type gradients are accumulated (over micro-batches)
+    /// and reduced over data-parallel ranks in. f32 by default; DeepSpeed reduces bf16
+    /// gradients in bf16 unless told otherwise.
+    #[arg(long, value_enum, value_name = "f32|bf16|fp16")]
+    #[serde(default)]
+    pub grad_accum_dtype: Option<Precision>,
+}
+
+/// `--precision`, `--grad-accum-dtype`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+    Fp16,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
+    pub fn dtype(self) -> autotp_ir::DType {
+        match self {
+            Precision::F32 => autotp_ir::DType::F32,
+            Precision::Bf16 => autotp_ir::DType::BF16,
+            Precision::Fp16 => autotp_ir::DType::F16,
+        }
+    }
 }
 
 /// `--kernels`.
@@ -429,8 +468,25 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         front.push(Box::new(autotp_passes::expand_norms::ExpandNorms));
     }
     let pipelined = flags.pp > 1;
+    let mixed = flags.precision != Precision::F32;
+    if mixed {
+        front.push(Box::new(autotp_passes::precision::Precision { half: flags.precision.dtype() }));
+    }
+    if !mixed && flags.grad_accum_dtype.is_some() {
+        bail!("--grad-accum-dtype applies to --precision bf16 or fp16 (f32 gradients are accumulated in f32)");
+    }
+    if flags.precision == Precision::Fp16 {
+        bail!("--precision fp16 needs dynamic loss scaling, which autotp does not have yet: use --precision bf16");
+    }
+    if mixed && pipelined {
+        bail!("--precision {} with --pp is not supported yet: train pipelines in f32", flags.precision.name());
+    }
     if !pipelined {
         front.push(Box::new(autodiff));
+        if mixed {
+            let dtype = flags.grad_accum_dtype.unwrap_or(Precision::F32).dtype();
+            front.push(Box::new(autotp_passes::precision::GradAccumulation { dtype }));
+        }
         if grad_accum > 1 {
             front.push(Box::new(Accumulate { micro_batches: grad_accum, batch_inputs: batch_inputs.clone() }));
         }
@@ -493,6 +549,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let mut programs = Vec::new();
     let mut weight_shapes = BTreeMap::new();
     let (mut weight_parts, mut part_weights) = (BTreeMap::new(), BTreeMap::new());
+    let mut masters = BTreeMap::new();
     for (s, (mut graph, norm)) in graphs.into_iter().zip(norms).enumerate() {
         observer.stage = pipelined.then_some(s);
         back(norm).run_observed(&mut graph, &mut |i, pass, graph| observer.observe(index + i, pass, graph))?;
@@ -523,6 +580,11 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
                     weight_parts.insert(name.to_string(), part);
                     part_weights.insert(name.to_string(), bytes);
                 }
+            }
+        }
+        for name in graph.states().iter().filter_map(|&s| graph.name_of(s)) {
+            if let Some(param) = name.strip_prefix(autotp_passes::optimize::MASTER_PREFIX) {
+                masters.insert(name.to_string(), param.to_string());
             }
         }
         let kernels = match flags.kernels {
@@ -559,6 +621,8 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             weight_shapes,
             weight_parts,
             pipeline,
+            masters,
+            grad_accum_dtype: mixed.then(|| flags.grad_accum_dtype.unwrap_or(Precision::F32).dtype()),
         },
         model: ModelSource { name: model.graph.name.clone(), path },
     };

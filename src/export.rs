@@ -1,14 +1,16 @@
 //! `autotp export CKPT -o OUT.onnx [--safetensors OUT.safetensors]`: the trained weights of a
 //! checkpoint (a sharded run's consolidated from its ranks' blocks), written back into the original ONNX model (every other part of the model
 //! unchanged) and/or as one consolidated safetensors file named by ONNX initializer (for
-//! Hugging Face exports, the PyTorch state-dict names).
+//! Hugging Face exports, the PyTorch state-dict names). A mixed-precision run exports its f32
+//! master weights.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use autotp_frontend::onnx::export::{with_weights, Weight};
-use autotp_runtime::checkpoint::Checkpoint;
+use autotp_passes::optimize::MASTER_PREFIX;
+use autotp_runtime::checkpoint::{Checkpoint, StoredTensor};
 use autotp_runtime::tensor_file;
 use clap::{ArgGroup, Args};
 
@@ -34,7 +36,14 @@ pub struct ExportArgs {
 pub fn run(args: &ExportArgs) -> Result<()> {
     let checkpoint = Checkpoint::open(&args.checkpoint)?;
     let manifest = &checkpoint.manifest;
-    let params = checkpoint.params();
+    // A mixed-precision run's weights are its f32 masters (full precision, as DeepSpeed's
+    // zero_to_fp32 recovers them), not the 16-bit parameters rounded from them.
+    let params: Vec<_> = (checkpoint.params().into_iter())
+        .map(|t| match checkpoint.tensor(&format!("{MASTER_PREFIX}{}", t.name)) {
+            Some(master) => StoredTensor { name: t.name, ..master },
+            None => t,
+        })
+        .collect();
     if let Some(path) = &args.safetensors {
         let metadata = BTreeMap::from([
             ("format".to_string(), "pt".to_string()),

@@ -8,6 +8,7 @@
 //! - `checkpoint`: save, resume (bit-identical), a save killed midway, refusal, export.
 //! - `parallel`: data parallelism on CPU rank threads against the single-rank run.
 //! - `pipeline`: where the forward pass is cut into pipeline stages.
+//! - `precision`: bf16 mixed precision against f32, one rank, its memory and checkpoints.
 //! - `processes`: ranks as MPI processes against ranks as threads; failures end the job.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
@@ -30,6 +31,7 @@ mod kernels;
 mod optimizers;
 mod parallel;
 mod pipeline;
+mod precision;
 mod processes;
 mod rewrites;
 mod sharding;

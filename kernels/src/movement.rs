@@ -260,6 +260,15 @@ pub(crate) fn scatter_add(
                 }
             });
         }, _ => unreachable!()),
+        // Half types sum in f32 and round once per output element.
+        DType::F16 | DType::BF16 => {
+            let wide_updates =
+                crate::AlignedBuf::from_bytes(bytemuck::cast_slice(&crate::scalar::widen(dtype, updates)));
+            let mut wide = crate::AlignedBuf::zeroed(out.len() / dtype.size() * 4);
+            let (updates, sums) = (wide_updates.as_slice(), wide.as_mut_slice());
+            scatter_add(DType::F32, index_dtype, out_shape, axis, rows, indices, updates, sums)?;
+            crate::scalar::narrow(dtype, &view::<f32>(wide.as_slice()), out)?;
+        }
         other => return Err(KernelError::Unsupported { kernel: "scatter_add", what: format!("{other}") }),
     }
     Ok(())

@@ -4,6 +4,11 @@
 //! and its moments. The gradients stop being outputs. New scalar inputs: `lr` and, for AdamW,
 //! `step` (1-based), so learning-rate schedules are computed by the host.
 //!
+//! A 16-bit parameter (`precision`) is trained through an f32 master copy, as DeepSpeed's and
+//! Megatron's mixed-precision optimizers do: the state `master.p` (f32, initialised by the
+//! trainer from the model's weights), the moments in f32, the gradient cast to f32 where it is
+//! not already; the update writes the new master and the parameter rounded from it.
+//!
 //! With `grad_clip`, gradients are first scaled as torch.nn.utils.clip_grad_norm_ does
 //! (`min(1, clip / (norm + 1e-6))` over the global L2 norm), and the norm becomes an output,
 //! `grad_norm`. On a pipeline stage ([`StageNorm`]) the global norm adds every stage's sum of
@@ -15,7 +20,7 @@
 
 use std::collections::BTreeSet;
 
-use autotp_ir::{BinaryOp, Graph, Message, Op, ReduceOp, Rewriter, Tensor, TensorType, UnaryOp, ValueId};
+use autotp_ir::{BinaryOp, DType, Graph, Message, Op, ReduceOp, Rewriter, Tensor, TensorType, UnaryOp, ValueId};
 
 use crate::autodiff::GRAD_PREFIX;
 use crate::{Pass, PassError};
@@ -40,6 +45,29 @@ pub struct StageNorm {
     pub stages: usize,
     /// Parameters whose gradient an earlier stage holding them counts.
     pub counted_elsewhere: BTreeSet<String>,
+}
+
+/// The name prefix of master parameters: `master.p` is the f32 copy of 16-bit parameter `p`.
+pub const MASTER_PREFIX: &str = "master.";
+
+/// The parameter an optimizer node trains and the states it keeps for it (the moments, and the
+/// f32 master of a 16-bit parameter, which is what the node steps); `None` for other nodes.
+pub fn trained_by(graph: &Graph, node: &autotp_ir::Node) -> Option<(ValueId, Vec<ValueId>)> {
+    let tensors = match node.op {
+        Op::AdamW { .. } => 4,
+        Op::Sgd { .. } => 3,
+        _ => return None,
+    };
+    let stepped = node.inputs[0];
+    let moments = node.inputs[2..tensors].iter().copied();
+    let master_of = graph
+        .name_of(stepped)
+        .and_then(|n| n.strip_prefix(MASTER_PREFIX))
+        .and_then(|name| graph.params().iter().copied().find(|&p| graph.name_of(p) == Some(name)));
+    Some(match master_of {
+        Some(param) => (param, std::iter::once(stepped).chain(moments).collect()),
+        None => (stepped, moments.collect()),
+    })
 }
 
 /// The tag of the norm parts (distinct from the pipeline's activation and gradient tags).
@@ -70,7 +98,11 @@ impl Pass for Optimize {
                 "no parameter has a gradient output: run autodiff first, and leave something unfrozen".into(),
             ));
         };
-        let dtype = graph.ty(first).dtype;
+        // The optimizer's arithmetic is f32 for 16-bit parameters (their masters are f32).
+        let dtype = match graph.ty(first).dtype {
+            DType::F16 | DType::BF16 => DType::F32,
+            dtype => dtype,
+        };
         let mut rw = Rewriter::new(graph, |_| true);
         let scalar = TensorType::scalar(dtype);
         let lr = rw.graph().add_input("lr", scalar.clone());
@@ -79,7 +111,15 @@ impl Pass for Optimize {
         for (id, _) in graph.nodes() {
             rw.copy_node(id);
         }
-        let mut grads: Vec<ValueId> = pairs.iter().map(|&(_, g)| rw.map(g)).collect();
+        let mut grads = Vec::new();
+        for &(_, grad) in &pairs {
+            let grad = rw.map(grad);
+            let g = rw.graph();
+            grads.push(match g.ty(grad).dtype {
+                DType::F16 | DType::BF16 => add(g, Op::Cast { to: DType::F32 }, vec![grad])?,
+                _ => grad,
+            });
+        }
         let mut outputs: Vec<(String, ValueId)> = graph
             .outputs()
             .iter()
@@ -143,10 +183,15 @@ impl Pass for Optimize {
         let mut updates = Vec::new();
         for (&(p, _), &grad) in pairs.iter().zip(&grads) {
             let name = graph.name_of(p).unwrap_or("").to_string();
-            let ty = graph.ty(p).clone();
-            let param = rw.map(p);
+            let param_ty = graph.ty(p).clone();
+            let ty = TensorType::new(dtype, param_ty.shape.clone());
             let g = rw.graph();
-            match self.optimizer {
+            let (param, master) = match param_ty.dtype == dtype {
+                true => (rw.map(p), None),
+                false => (g.add_state(format!("{MASTER_PREFIX}{name}"), ty.clone()), Some(rw.map(p))),
+            };
+            let g = rw.graph();
+            let updated = match self.optimizer {
                 Optimizer::AdamW { beta1, beta2, eps, weight_decay } => {
                     let m = g.add_state(format!("adamw.m.{name}"), ty.clone());
                     let v = g.add_state(format!("adamw.v.{name}"), ty.clone());
@@ -155,7 +200,8 @@ impl Pass for Optimize {
                         .add_node(Op::AdamW { beta1, beta2, eps, weight_decay }, inputs, 3)
                         .map_err(|m| invalid(format!("adamw for '{name}': {m}")))?;
                     let outs = g.node(node).outputs.clone();
-                    updates.extend([(param, outs[0]), (m, outs[1]), (v, outs[2])]);
+                    updates.extend([(m, outs[1]), (v, outs[2])]);
+                    outs[0]
                 }
                 Optimizer::Sgd { momentum, weight_decay, nesterov } => {
                     let buf = g.add_state(format!("sgd.momentum.{name}"), ty.clone());
@@ -163,8 +209,14 @@ impl Pass for Optimize {
                         .add_node(Op::Sgd { momentum, weight_decay, nesterov }, vec![param, grad, buf, lr], 2)
                         .map_err(|m| invalid(format!("sgd for '{name}': {m}")))?;
                     let outs = g.node(node).outputs.clone();
-                    updates.extend([(param, outs[0]), (buf, outs[1])]);
+                    updates.push((buf, outs[1]));
+                    outs[0]
                 }
+            };
+            updates.push((param, updated));
+            if let Some(half) = master {
+                let rounded = add(g, Op::Cast { to: param_ty.dtype }, vec![updated])?;
+                updates.push((half, rounded));
             }
         }
         let mut result = rw.finish_without_outputs();

@@ -218,15 +218,11 @@ impl Pass for Shard {
         // moments split with it); ZeRO seeds states explicitly.
         let mut follow = Vec::new();
         for (_, node) in source.nodes() {
-            let tensors = match node.op {
-                Op::AdamW { .. } => 4,
-                Op::Sgd { .. } => 3,
-                _ => continue,
-            };
-            for &state in &node.inputs[2..tensors] {
+            let Some((param, states)) = crate::optimize::trained_by(&source, node) else { continue };
+            for state in states {
                 let seeded = source.name_of(state).is_some_and(|n| self.seeds.contains_key(n));
                 if source.states().contains(&state) && !seeded {
-                    follow.push((state, source.value(node.inputs[0]).placements.clone()));
+                    follow.push((state, source.value(param).placements.clone()));
                 }
             }
         }

@@ -26,6 +26,7 @@ use std::collections::BTreeMap;
 
 use autotp_ir::{Graph, Mesh, MeshAxis, Op, Placement, ValueId};
 
+use crate::optimize::trained_by;
 use crate::shard::Shard;
 use crate::{Pass, PassError};
 
@@ -51,17 +52,7 @@ pub struct Zero {
 
 /// Each trainable parameter and its optimizer states, from the graph's optimizer ops.
 fn optimized(graph: &Graph) -> Vec<(ValueId, Vec<ValueId>)> {
-    graph
-        .nodes()
-        .filter_map(|(_, node)| {
-            let tensors = match node.op {
-                Op::AdamW { .. } => 4,
-                Op::Sgd { .. } => 3,
-                _ => return None,
-            };
-            Some((node.inputs[0], node.inputs[2..tensors].to_vec()))
-        })
-        .collect()
+    graph.nodes().filter_map(|(_, node)| trained_by(graph, node)).collect()
 }
 
 /// Adds ZeRO's placements on mesh axis `dp_axis` to `seeds` (which may already split

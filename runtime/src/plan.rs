@@ -91,6 +91,14 @@ pub struct TrainingConfig {
     /// How the pipeline stages run, when there are several.
     #[serde(default)]
     pub pipeline: Option<PipelineConfig>,
+    /// The f32 master copies of 16-bit parameters (`--precision bf16|fp16`), state name ->
+    /// parameter name: a fresh run starts each from the parameter's f32 weights.
+    #[serde(default)]
+    pub masters: BTreeMap<String, String>,
+    /// The type gradients are accumulated and reduced in (`--grad-accum-dtype`), where it is
+    /// not the parameters' own.
+    #[serde(default)]
+    pub grad_accum_dtype: Option<DType>,
 }
 
 /// Where a parameter lies in the model weight it is a part of: `len` entries from `start`
@@ -105,6 +113,15 @@ pub struct WeightPart {
 }
 
 impl TrainingConfig {
+    /// The type a parameter's initial weights are stored in: f32 for a 16-bit parameter with an
+    /// f32 master (the master starts from them unrounded), else the parameter's own.
+    pub fn initial_weights_dtype(&self, slot: &crate::Slot) -> DType {
+        match self.masters.values().any(|p| *p == slot.name) {
+            true => DType::F32,
+            false => slot.dtype,
+        }
+    }
+
     /// The model tensor that a plan parameter or optimizer state is a part of, and where:
     /// `W[0:64]` is part of `W`, its AdamW moment `adamw.m.W[0:64]` part of `adamw.m.W`.
     pub fn part_of(&self, tensor: &str) -> Option<(String, &WeightPart)> {
@@ -313,7 +330,8 @@ pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>
         let bytes = weights
             .get(&slot.name)
             .ok_or_else(|| RuntimeError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
-        let expected = slot.global_shape.iter().product::<usize>() * slot.dtype.size();
+        let dtype = plan.training.initial_weights_dtype(slot);
+        let expected = slot.global_shape.iter().product::<usize>() * dtype.size();
         if bytes.len() != expected {
             return Err(RuntimeError::WrongSize {
                 what: format!("the weights of '{}'", slot.name),
@@ -321,7 +339,7 @@ pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>
                 got: bytes.len(),
             });
         }
-        tensors.push(TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.global_shape.clone(), bytes });
+        tensors.push(TensorRef { name: slot.name.clone(), dtype, shape: slot.global_shape.clone(), bytes });
     }
     // The header keeps each constant's region; its bytes become a tensor.
     let mut regions = Vec::with_capacity(constants.len());
@@ -389,7 +407,7 @@ impl PlanFile {
         }
         plan.feeds()?;
         for (_, slot) in plan.params() {
-            file.expect(&slot.name, slot.dtype, &slot.global_shape)?;
+            file.expect(&slot.name, plan.training.initial_weights_dtype(slot), &slot.global_shape)?;
         }
         Ok(PlanFile { plan, fingerprint, file })
     }

@@ -80,7 +80,8 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
         }
         // Gradients as the optimizer receives them; ZeRO stage 1 holds them whole until then.
         let grads_bytes = if training.zero_stage == 1 {
-            p.params.iter().filter(|s| !training.frozen.contains(&s.name)).map(|s| s.region.len).sum()
+            let trained = p.params.iter().filter(|s| !training.frozen.contains(&s.name));
+            trained.map(|s| s.numel() * training.grad_accum_dtype.unwrap_or(s.dtype).size()).sum()
         } else {
             p.memory.grads_bytes
         };

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use autotp_kernels::shape::{extract_block, insert_block, shard_block};
-use autotp_kernels::DType;
+use autotp_kernels::{DType, Kernel};
 
 use crate::checkpoint::{self, Checkpoint, DataPosition, Manifest, RngState};
 use crate::clock::{Clock, RunTime};
@@ -190,11 +190,18 @@ impl Trainer {
             completed: 0,
             seed,
         };
+        let initial = |name: &str| {
+            weights.get(name).ok_or_else(|| RuntimeError::Plan(format!("parameter '{name}' has no initial weights")))
+        };
         for slot in trainer.param_slots() {
-            let bytes = weights
-                .get(&slot.name)
-                .ok_or_else(|| RuntimeError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
-            trainer.load_global(&slot, bytes)?;
+            trainer.load_global(&slot, &in_slot_type(&slot, initial(&slot.name)?)?)?;
+        }
+        // Mixed precision: each f32 master starts from its parameter's weights, unrounded.
+        let masters = trainer.training.masters.clone();
+        for slot in trainer.first_held(|p| &p.states) {
+            if let Some(param) = masters.get(&slot.name) {
+                trainer.load_global(&slot, &in_slot_type(&slot, initial(param)?)?)?;
+            }
         }
         Ok(trainer)
     }
@@ -911,4 +918,18 @@ fn short(fingerprint: &str) -> &str {
 /// Little-endian f64s.
 fn f64s(bytes: &[u8]) -> Vec<f64> {
     bytes.chunks(8).map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
+}
+
+/// Initial weights (f32, as models are exported) in a slot's type: rounded to nearest for a
+/// 16-bit parameter of a mixed-precision plan; as they are where they already fit.
+fn in_slot_type<'a>(slot: &Slot, weights: &'a [u8]) -> Result<Cow<'a, [u8]>, RuntimeError> {
+    let elements = slot.global_shape.iter().product::<usize>();
+    if slot.dtype == DType::F32 || weights.len() != elements * DType::F32.size() {
+        return Ok(Cow::Borrowed(weights));
+    }
+    let mut converted = vec![0u8; elements * slot.dtype.size()];
+    Kernel::Cast { from: DType::F32, to: slot.dtype }
+        .run(&[weights], &mut [&mut converted])
+        .map_err(|source| RuntimeError::Kernel { label: format!("initial weights of '{}'", slot.name), source })?;
+    Ok(Cow::Owned(converted))
 }
