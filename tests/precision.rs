@@ -150,3 +150,42 @@ fn mixed_precision_refuses_what_it_cannot_do() {
     assert!(refused(&["--grad-accum-dtype", "bf16"]).contains("--grad-accum-dtype applies to --precision bf16"));
     assert!(refused(&["--precision", "bf16", "--pp", "2", "--grad-accum", "2"]).contains("with --pp is not supported"));
 }
+
+/// The loss scalers against their references' traces (tests/fixtures/make_loss_scale_traces.py:
+/// DeepSpeed's `update_scale` transcribed, torch's real `GradScaler`): the scale after every
+/// update of 5000 steps with bursts of overflows, exactly, and DeepSpeed's stop at the floor.
+#[test]
+fn loss_scalers_follow_deepspeed_and_torch_exactly() {
+    use autotp_runtime::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
+    let text = std::fs::read_to_string(repo().join("tests/fixtures/loss_scale/traces.json")).unwrap();
+    let traces: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let overflows: Vec<bool> = traces["overflows"].as_array().unwrap().iter().map(|o| o == 1).collect();
+    for case in traces["cases"].as_array().unwrap() {
+        let c = &case["config"];
+        let mut scaler = match case["scaler"].as_str().unwrap() {
+            "deepspeed" => LossScaler::DeepSpeed(DeepSpeedScaler::new(
+                c["initial_scale_power"].as_u64().unwrap() as u32,
+                c["loss_scale_window"].as_u64().unwrap(),
+                c["hysteresis"].as_u64().unwrap() as u32,
+                c["consecutive_hysteresis"].as_bool().unwrap(),
+                c["min_loss_scale"].as_f64().unwrap(),
+            )),
+            _ => LossScaler::Torch(TorchScaler {
+                scale: c["init_scale"].as_f64().unwrap(),
+                growth_interval: c["growth_interval"].as_u64().unwrap(),
+                ..TorchScaler::torch_defaults()
+            }),
+        };
+        let want: Vec<f64> =
+            case["log2_trace"].as_array().unwrap().iter().map(|e| 2f64.powi(e.as_i64().unwrap() as i32)).collect();
+        for (step, &overflow) in overflows.iter().enumerate() {
+            let updated = scaler.update(overflow);
+            if step == want.len() {
+                assert!(updated.is_err(), "{case}: DeepSpeed stops at step {step}, at its floor");
+                break;
+            }
+            updated.unwrap();
+            assert_eq!(scaler.scale(), want[step], "{} {c}: step {step}", case["scaler"]);
+        }
+    }
+}

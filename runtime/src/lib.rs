@@ -34,6 +34,7 @@ pub mod data;
 mod executor;
 pub mod gpu;
 pub mod launch;
+pub mod loss_scale;
 pub mod npy;
 pub mod plan;
 pub mod profile;
