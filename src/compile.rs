@@ -19,7 +19,7 @@ use autotp_passes::accumulate::Accumulate;
 use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::AutoTp;
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
-use autotp_passes::optimize::{Optimize, Optimizer, StageNorm};
+use autotp_passes::optimize::{NonFinite, Optimize, Optimizer, StageNorm};
 use autotp_passes::peephole::{self, Peephole};
 use autotp_passes::pipeline::{
     bubble_fraction, stage_idle_fractions, Backward as PipelineBackward, Pipeline, Schedule as PipelineSchedule,
@@ -27,6 +27,7 @@ use autotp_passes::pipeline::{
 use autotp_passes::split_fused::SplitFused;
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
+use autotp_runtime::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
 use autotp_runtime::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, TrainingConfig, TrainingPlan, WeightPart};
 use autotp_runtime::schedule::Schedule;
 use clap::Args;
@@ -170,6 +171,58 @@ pub struct CompileFlags {
     #[arg(long, value_enum, value_name = "f32|bf16|fp16")]
     #[serde(default)]
     pub grad_accum_dtype: Option<Precision>,
+    /// With --precision fp16: whose dynamic loss scaling rules to follow: deepspeed
+    /// (DynamicLossScaler: hysteresis, floor) or torch (torch.amp.GradScaler: back off on every
+    /// overflow, grow every --loss-scale-window clean steps).
+    #[arg(long, value_enum, default_value = "deepspeed")]
+    #[serde(default)]
+    pub loss_scaler: LossScalerKind,
+    /// With --precision fp16: a fixed loss scale (DeepSpeed's `loss_scale` > 0); 0 scales
+    /// dynamically.
+    #[arg(long, default_value_t = 0.0)]
+    #[serde(default)]
+    pub loss_scale: f64,
+    /// The first dynamic loss scale is 2^this (DeepSpeed's `initial_scale_power`).
+    #[arg(long, default_value_t = 16)]
+    #[serde(default = "sixteen")]
+    pub initial_scale_power: u32,
+    /// Clean steps after which the dynamic scale doubles (DeepSpeed's `loss_scale_window`,
+    /// torch's `growth_interval`) [default: 1000 for deepspeed, 2000 for torch].
+    #[arg(long)]
+    #[serde(default)]
+    pub loss_scale_window: Option<u64>,
+    /// DeepSpeed's `hysteresis`: overflows the scale absorbs before it halves.
+    #[arg(long, default_value_t = 2)]
+    #[serde(default = "two")]
+    pub hysteresis: u32,
+    /// DeepSpeed's `consecutive_hysteresis`: every clean step refills the hysteresis.
+    #[arg(long)]
+    #[serde(default)]
+    pub consecutive_hysteresis: bool,
+    /// DeepSpeed's `min_loss_scale`: an overflow at this scale stops the run.
+    #[arg(long, default_value_t = 1.0)]
+    #[serde(default = "one_f64")]
+    pub min_loss_scale: f64,
+}
+
+fn sixteen() -> u32 {
+    16
+}
+
+fn two() -> u32 {
+    2
+}
+
+fn one_f64() -> f64 {
+    1.0
+}
+
+/// `--loss-scaler`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum LossScalerKind {
+    #[default]
+    Deepspeed,
+    Torch,
 }
 
 /// `--precision`, `--grad-accum-dtype`.
@@ -257,6 +310,49 @@ impl Compiled {
         let parts = self.part_weights.iter().map(|(name, bytes)| (name.clone(), &bytes[..]));
         self.model.weights.iter().map(|(name, t)| (name.clone(), t.bytes())).chain(parts).collect()
     }
+}
+
+/// The loss scaler of an fp16 plan, in its initial state; `None` for other precisions (which
+/// refuse the loss-scaling flags).
+fn loss_scaler(flags: &CompileFlags) -> Result<Option<LossScaler>> {
+    if flags.precision != Precision::Fp16 {
+        let given = [
+            ("--loss-scaler", flags.loss_scaler != LossScalerKind::Deepspeed),
+            ("--loss-scale", flags.loss_scale != 0.0),
+            ("--initial-scale-power", flags.initial_scale_power != 16),
+            ("--loss-scale-window", flags.loss_scale_window.is_some()),
+            ("--hysteresis", flags.hysteresis != 2),
+            ("--consecutive-hysteresis", flags.consecutive_hysteresis),
+            ("--min-loss-scale", flags.min_loss_scale != 1.0),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+            bail!("{flag} applies to --precision fp16 (only fp16 scales the loss)");
+        }
+        return Ok(None);
+    }
+    if !(flags.loss_scale >= 0.0 && flags.loss_scale.is_finite()) {
+        bail!("--loss-scale {} must be a finite number, 0 for dynamic scaling", flags.loss_scale);
+    }
+    if flags.loss_scale > 0.0 {
+        return Ok(Some(LossScaler::Static { scale: flags.loss_scale }));
+    }
+    if flags.loss_scale_window == Some(0) || flags.hysteresis == 0 || flags.initial_scale_power > 120 {
+        bail!("--loss-scale-window and --hysteresis must be at least 1, --initial-scale-power at most 120");
+    }
+    Ok(Some(match flags.loss_scaler {
+        LossScalerKind::Deepspeed => LossScaler::DeepSpeed(DeepSpeedScaler::new(
+            flags.initial_scale_power,
+            flags.loss_scale_window.unwrap_or(1000),
+            flags.hysteresis,
+            flags.consecutive_hysteresis,
+            flags.min_loss_scale,
+        )),
+        LossScalerKind::Torch => LossScaler::Torch(TorchScaler {
+            scale: 2f64.powi(flags.initial_scale_power as i32),
+            growth_interval: flags.loss_scale_window.unwrap_or(2000),
+            ..TorchScaler::torch_defaults()
+        }),
+    }))
 }
 
 fn optimizer(flags: &CompileFlags) -> Result<(Optimizer, String)> {
@@ -470,13 +566,14 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let pipelined = flags.pp > 1;
     let mixed = flags.precision != Precision::F32;
     if mixed {
-        front.push(Box::new(autotp_passes::precision::Precision { half: flags.precision.dtype() }));
+        let loss_scaling = flags.precision == Precision::Fp16;
+        front.push(Box::new(autotp_passes::precision::Precision { half: flags.precision.dtype(), loss_scaling }));
+        if loss_scaling {
+            autodiff.cotangent = Some(autotp_passes::precision::LOSS_SCALE.into());
+        }
     }
     if !mixed && flags.grad_accum_dtype.is_some() {
         bail!("--grad-accum-dtype applies to --precision bf16 or fp16 (f32 gradients are accumulated in f32)");
-    }
-    if flags.precision == Precision::Fp16 {
-        bail!("--precision fp16 needs dynamic loss scaling, which autotp does not have yet: use --precision bf16");
     }
     if mixed && pipelined {
         bail!("--precision {} with --pp is not supported yet: train pipelines in f32", flags.precision.name());
@@ -493,7 +590,12 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     }
     // ...and after, on each stage.
     let back = |stage: Option<StageNorm>| {
-        let optimize = Optimize { optimizer: optimizer.clone(), grad_clip: flags.grad_clip, stage };
+        let nonfinite = match flags.precision {
+            Precision::F32 => NonFinite::Apply,
+            Precision::Bf16 => NonFinite::Skip,
+            Precision::Fp16 => NonFinite::SkipScaled,
+        };
+        let optimize = Optimize { optimizer: optimizer.clone(), grad_clip: flags.grad_clip, stage, nonfinite };
         let mut back: Vec<Box<dyn Pass>> = vec![Box::new(optimize), Box::new(autotp_passes::dce::Dce)];
         if flags.dp > 1 && flags.tp == 1 {
             back.push(Box::new(Zero { dp: flags.dp, config: zero, batch_inputs: batch_inputs.clone() }));
@@ -623,6 +725,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             pipeline,
             masters,
             grad_accum_dtype: mixed.then(|| flags.grad_accum_dtype.unwrap_or(Precision::F32).dtype()),
+            loss_scaler: loss_scaler(flags)?,
         },
         model: ModelSource { name: model.graph.name.clone(), path },
     };

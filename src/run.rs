@@ -178,6 +178,12 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
         record.entry(name.clone()).or_insert((*value).into());
     }
     record.insert("lr".into(), m.lr.into());
+    if let Some(scale) = m.loss_scale {
+        record.insert("loss_scale".into(), scale.into());
+    }
+    if m.scalars.iter().any(|(name, _)| name == "overflow") {
+        record.insert("skipped".into(), m.skipped.into());
+    }
     record.insert("step_seconds".into(), m.seconds.into());
     record.insert("tokens_per_second".into(), tokens_per_second.into());
     serde_json::Value::Object(record)
@@ -256,9 +262,14 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, tokens_per_second));
         bar.inc(1);
         if reports && (m.step == first + 1 || m.step == flags.steps || m.step % flags.log_every == 0) {
+            let scale = m.loss_scale.map(|s| format!(" loss-scale {s}")).unwrap_or_default();
+            let skipped = match trainer.skipped_steps() {
+                0 => String::new(),
+                n => format!(" ({n} skipped{})", if m.skipped { ", this one too" } else { "" }),
+            };
             bar.suspend(|| {
                 println!(
-                    "step {:>6}/{} loss {:.6} lr {:.3e} {:>8.1} ms {:>9.0} tokens/s",
+                    "step {:>6}/{} loss {:.6} lr {:.3e} {:>8.1} ms {:>9.0} tokens/s{scale}{skipped}",
                     m.step,
                     flags.steps,
                     m.loss,
@@ -297,6 +308,10 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         seconds * 1e3 / steps as f64,
         (steps * tokens_per_step) as f64 / seconds
     );
+    if trainer.skipped_steps() > 0 || trainer.loss_scale().is_some() {
+        let scale = trainer.loss_scale().map(|s| format!("; loss scale now {s}")).unwrap_or_default();
+        eprintln!("skipped steps (non-finite gradients): {}{scale}", trainer.skipped_steps());
+    }
     if let Some(measured) = measured {
         eprint!("{}", measured_against_plan(trainer, &measured, steps));
     }

@@ -54,7 +54,9 @@ fn shard_spec(spec: &str) -> Shard {
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
 /// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
-/// `optimize` (clipping at 1) / `optimize:noclip`, `precision:bf16|f16`, `grad-accumulation:DTYPE`.
+/// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
+/// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
+/// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`.
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
@@ -67,9 +69,13 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             },
         }),
         "recognize" => Box::new(Recognize),
-        "precision" => Box::new(autotp_passes::precision::Precision {
-            half: autotp_ir::DType::from_name(argument).expect("precision:bf16 or precision:f16"),
-        }),
+        "precision" => {
+            let (dtype, scaled) = argument.split_once(':').map_or((argument, false), |(d, s)| (d, s == "scaled"));
+            Box::new(autotp_passes::precision::Precision {
+                half: autotp_ir::DType::from_name(dtype).expect("precision:bf16 or precision:f16[:scaled]"),
+                loss_scaling: scaled,
+            })
+        }
         "grad-accumulation" => Box::new(autotp_passes::precision::GradAccumulation {
             dtype: autotp_ir::DType::from_name(argument).expect("grad-accumulation:DTYPE"),
         }),
@@ -103,6 +109,9 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             if let Some(frozen) = argument.strip_prefix("freeze=") {
                 pass.frozen = frozen.split(',').map(str::to_string).collect();
             }
+            if argument == "scaled" {
+                pass.cotangent = Some(autotp_passes::precision::LOSS_SCALE.into());
+            }
             if let Some(rows) = argument.strip_prefix("padding=") {
                 let (table, row) = rows.split_once(':').expect("autodiff:padding=TABLE:ROW");
                 pass.padding_rows.insert(table.to_string(), row.parse().expect("a row index"));
@@ -113,6 +122,11 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             optimizer: Optimizer::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
             grad_clip: (argument != "noclip").then_some(1.0),
             stage: None,
+            nonfinite: match argument {
+                "skip" => autotp_passes::optimize::NonFinite::Skip,
+                "scaled" => autotp_passes::optimize::NonFinite::SkipScaled,
+                _ => autotp_passes::optimize::NonFinite::Apply,
+            },
         }),
         other => panic!("unknown pass '{other}' in a golden file"),
     }

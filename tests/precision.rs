@@ -1,19 +1,23 @@
-//! Mixed precision (`--precision bf16`): bf16 training of the fixture models against their f32
-//! curves, every data- and tensor-parallel layout against one rank, the memory the plan holds
-//! (2 bytes per parameter, 12 per parameter of optimizer state over the ZeRO ranks), checkpoints
-//! that resume bit-identically and export the f32 masters, and the flags it refuses.
+//! Mixed precision (`--precision bf16|fp16`): bf16 and fp16 training of the fixture models
+//! against their f32 curves, every data- and tensor-parallel layout against one rank, the memory
+//! the plan holds (2 bytes per parameter, 12 per parameter of optimizer state over the ZeRO
+//! ranks), checkpoints that resume bit-identically and export the f32 masters, fp16's loss
+//! scaling (overflowing steps skipped, the scale moving by DeepSpeed's or torch's rules), and the
+//! flags it refuses.
 
 use std::path::{Path, PathBuf};
 
 use crate::common::{autotp, failure, fixture, losses, repo, scratch, success};
 
-const TRAINING: [&str; 10] =
-    ["--seq-len", "32", "--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"];
+const TRAINING: [&str; 8] = ["--seq-len", "32", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"];
 
-/// Compiles `arch`'s fixture with the training contract's flags and `flags`; the summary.
+/// Compiles `arch`'s fixture with the training contract's flags (lr 2e-3 unless `flags` say) and
+/// `flags`; the summary.
 fn compile(arch: &str, plan: &Path, flags: &[&str]) -> String {
     let model = fixture(arch, "model.onnx");
-    let args = [&["compile", model.to_str().unwrap()][..], &TRAINING, flags, &["-o", plan.to_str().unwrap()]].concat();
+    let lr: &[&str] = if flags.contains(&"--lr") { &[] } else { &["--lr", "2e-3"] };
+    let args =
+        [&["compile", model.to_str().unwrap()][..], &TRAINING, lr, flags, &["-o", plan.to_str().unwrap()]].concat();
     success(autotp(&args))
 }
 
@@ -36,47 +40,67 @@ fn largest_relative_difference(a: &[(u64, f64)], b: &[(u64, f64)]) -> f64 {
     a.iter().zip(b).map(|((_, x), (_, y))| ((x - y) / y).abs()).fold(0.0, f64::max)
 }
 
-/// 30 bf16 steps of GPT-2 and Llama follow their f32 curves within 1e-2 (bf16 keeps 8 bits of
-/// mantissa) and learn; they are not the f32 curve (the casts are really there).
+/// 30 bf16 and fp16 steps of GPT-2 and Llama follow their f32 curves within 1e-2 (bf16 keeps 8
+/// bits of mantissa, fp16 11) and learn; they are not the f32 curve (the casts are really there).
 #[test]
-fn bf16_trains_like_f32_within_1e_2() {
+fn mixed_precision_trains_like_f32_within_1e_2() {
     let dir = scratch("precision-curves");
     for arch in ["gpt2", "llama"] {
-        let (f32_plan, bf16_plan) = (dir.join(format!("{arch}-f32.atp")), dir.join(format!("{arch}-bf16.atp")));
+        let f32_plan = dir.join(format!("{arch}-f32.atp"));
         compile(arch, &f32_plan, &["--micro-batch", "8"]);
-        compile(arch, &bf16_plan, &["--micro-batch", "8", "--precision", "bf16"]);
         let f32 = run(&f32_plan, &dir.join(format!("{arch}-f32.jsonl")), 30, &[]);
-        let bf16 = run(&bf16_plan, &dir.join(format!("{arch}-bf16.jsonl")), 30, &[]);
-        let worst = largest_relative_difference(&bf16, &f32);
-        assert!(worst <= 1e-2, "{arch}: bf16 differs from f32 by {worst:.2e} relative");
-        assert!(worst > 0.0, "{arch}: bf16 gave the f32 curve exactly");
-        assert!(bf16[29].1 < bf16[0].1, "{arch}: the bf16 loss did not fall");
-        println!("{arch}: bf16 against f32, largest relative difference over 30 steps {worst:.2e}");
+        for precision in ["bf16", "fp16"] {
+            let plan = dir.join(format!("{arch}-{precision}.atp"));
+            compile(arch, &plan, &["--micro-batch", "8", "--precision", precision]);
+            let got = run(&plan, &dir.join(format!("{arch}-{precision}.jsonl")), 30, &[]);
+            let worst = largest_relative_difference(&got, &f32);
+            assert!(worst <= 1e-2, "{arch}: {precision} differs from f32 by {worst:.2e} relative");
+            assert!(worst > 0.0, "{arch}: {precision} gave the f32 curve exactly");
+            assert!(got[29].1 < got[0].1, "{arch}: the {precision} loss did not fall");
+            println!("{arch}: {precision} against f32, largest relative difference over 30 steps {worst:.2e}");
+        }
     }
 }
 
-/// bf16 under dp 2 (ZeRO 0-3) and tp 2 trains what one rank trains: the same global batch,
-/// within 2e-4 relative over 10 steps (the reductions add in another order; 16-bit rounding
-/// can turn a last-bit difference into one bf16 ulp of an activation).
+/// bf16 and fp16 under dp 2 (ZeRO 0-3), tp 2 and tp 2 x dp 2 train what one rank trains: the
+/// same global batch, within 2e-4 relative over 12 steps (the reductions add in another order;
+/// 16-bit rounding can turn a last-bit difference into one ulp of an activation). fp16 starts
+/// from a loss scale of 2^24 so that its first steps overflow: every layout skips the same
+/// steps (the overflow is decided over all ranks) with the same scale.
 #[test]
-fn bf16_layouts_train_like_one_rank() {
+fn mixed_precision_layouts_train_like_one_rank() {
     let dir = scratch("precision-layouts");
-    let one = dir.join("one.atp");
-    compile("gpt2", &one, &["--micro-batch", "4", "--grad-accum", "2", "--precision", "bf16"]);
-    let reference = run(&one, &dir.join("one.jsonl"), 10, &[]);
-    let layouts: [&[&str]; 5] = [
+    let layouts: [&[&str]; 6] = [
         &["--dp", "2"],
         &["--dp", "2", "--zero", "1"],
         &["--dp", "2", "--zero", "2"],
         &["--dp", "2", "--zero", "3"],
         &["--tp", "2", "--grad-accum", "2"],
+        &["--tp", "2", "--dp", "2", "--zero", "1"],
     ];
-    for (l, layout) in layouts.iter().enumerate() {
-        let plan = dir.join(format!("layout-{l}.atp"));
-        compile("gpt2", &plan, &[&["--micro-batch", "4", "--precision", "bf16"][..], layout].concat());
-        let got = run(&plan, &dir.join(format!("layout-{l}.jsonl")), 10, &[]);
-        let worst = largest_relative_difference(&got, &reference);
-        assert!(worst <= 2e-4, "{layout:?}: differs from one rank by {worst:.2e} relative");
+    let cases: [&[&str]; 2] =
+        [&["--precision", "bf16"], &["--precision", "fp16", "--grad-clip", "1.0", "--initial-scale-power", "24"]];
+    for precision in cases {
+        let one = dir.join("one.atp");
+        compile("gpt2", &one, &[&["--micro-batch", "4", "--grad-accum", "2"][..], precision].concat());
+        run(&one, &dir.join("one.jsonl"), 12, &[]);
+        let reference = std::fs::read_to_string(dir.join("one.jsonl")).unwrap();
+        for (l, layout) in layouts.iter().enumerate() {
+            let plan = dir.join(format!("layout-{l}.atp"));
+            compile("gpt2", &plan, &[&["--micro-batch", "4"][..], precision, layout].concat());
+            let metrics = dir.join(format!("layout-{l}.jsonl"));
+            run(&plan, &metrics, 12, &[]);
+            let got = std::fs::read_to_string(&metrics).unwrap();
+            for (step, (a, b)) in got.lines().zip(reference.lines()).enumerate() {
+                let (a, b): (serde_json::Value, serde_json::Value) =
+                    (serde_json::from_str(a).unwrap(), serde_json::from_str(b).unwrap());
+                let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+                assert!(((x - y) / y).abs() <= 2e-4, "{precision:?} {layout:?} step {}: {x} vs {y}", step + 1);
+                for key in ["skipped", "loss_scale"] {
+                    assert_eq!(a[key], b[key], "{precision:?} {layout:?} step {}: {key}", step + 1);
+                }
+            }
+        }
     }
 }
 
@@ -146,7 +170,8 @@ fn mixed_precision_refuses_what_it_cannot_do() {
             .collect::<Vec<_>>();
         failure(autotp(&args))
     };
-    assert!(refused(&["--precision", "fp16"]).contains("--precision fp16 needs dynamic loss scaling"));
+    assert!(refused(&["--loss-scale-window", "100"]).contains("--loss-scale-window applies to --precision fp16"));
+    assert!(refused(&["--precision", "bf16", "--hysteresis", "3"]).contains("--hysteresis applies to --precision fp16"));
     assert!(refused(&["--grad-accum-dtype", "bf16"]).contains("--grad-accum-dtype applies to --precision bf16"));
     assert!(refused(&["--precision", "bf16", "--pp", "2", "--grad-accum", "2"]).contains("with --pp is not supported"));
 }
@@ -187,5 +212,66 @@ fn loss_scalers_follow_deepspeed_and_torch_exactly() {
             updated.unwrap();
             assert_eq!(scaler.scale(), want[step], "{} {c}: step {step}", case["scaler"]);
         }
+    }
+}
+
+/// A metrics file's `(loss, loss_scale, skipped)` per step.
+fn scaled_steps(metrics: &Path) -> Vec<(f64, f64, bool)> {
+    let text = std::fs::read_to_string(metrics).unwrap();
+    (text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()))
+        .map(|v| (v["loss"].as_f64().unwrap(), v["loss_scale"].as_f64().unwrap(), v["skipped"].as_bool().unwrap()))
+        .collect()
+}
+
+/// fp16 from a loss scale of 2^30: the scaled gradients overflow fp16, so the first steps are
+/// skipped while the scale comes down by DeepSpeed's rules (the first overflow spent on the
+/// hysteresis), with the parameters, masters and moments untouched (the losses of those steps
+/// are those of the initial weights, bit for bit, and a checkpoint taken then holds the initial
+/// weights and zero moments); then it trains. A run resumed from a checkpoint taken among the
+/// skipped steps continues bit-identically, scale and skips included. torch's rules back off on
+/// every overflow.
+#[test]
+fn fp16_skips_overflowing_steps_and_moves_the_scale_by_the_scalers_rules() {
+    use autotp_runtime::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
+    let dir = scratch("precision-overflow");
+    let flags = ["--micro-batch", "4", "--precision", "fp16", "--grad-clip", "1.0", "--initial-scale-power", "30"];
+    let plan = dir.join("p.atp");
+    compile("gpt2", &plan, &flags);
+    run(&plan, &dir.join("whole.jsonl"), 20, &[]);
+    let whole = scaled_steps(&dir.join("whole.jsonl"));
+    let skipped = whole.iter().take_while(|s| s.2).count();
+    assert!((3..18).contains(&skipped), "{skipped} steps skipped from 2^30: {whole:?}");
+    assert!(whole[skipped..].iter().all(|s| !s.2), "no overflow once the scale fits: {whole:?}");
+    let mut deepspeed = LossScaler::DeepSpeed(DeepSpeedScaler::new(30, 1000, 2, false, 1.0));
+    for (step, &(_, scale, overflow)) in whole.iter().enumerate() {
+        assert_eq!(scale, deepspeed.scale(), "step {}: the scale it ran with", step + 1);
+        deepspeed.update(overflow).unwrap();
+    }
+
+    // With lr 0 nothing moves either: the same losses while the other run skips.
+    let frozen = dir.join("lr0.atp");
+    compile("gpt2", &frozen, &[&flags[..], &["--lr", "0"]].concat());
+    run(&frozen, &dir.join("lr0.jsonl"), skipped + 1, &[]);
+    let still: Vec<f64> = scaled_steps(&dir.join("lr0.jsonl")).iter().map(|s| s.0).collect();
+    let first: Vec<f64> = whole[..=skipped].iter().map(|s| s.0).collect();
+    assert_eq!(first, still, "skipped steps leave the weights as they were");
+
+    let save = dir.join("ck");
+    let at = skipped / 2;
+    run(&plan, &dir.join("first.jsonl"), at, &["--save", save.to_str().unwrap()]);
+    let checkpoint = autotp_runtime::checkpoint::Checkpoint::open(&save).unwrap();
+    assert_eq!(checkpoint.manifest.skipped_steps, at);
+    let moment = checkpoint.tensor("adamw.m.m.transformer.wte.weight").unwrap();
+    assert!(moment.bytes.iter().all(|&b| b == 0), "no moment moved while every step was skipped");
+    run(&plan, &dir.join("rest.jsonl"), 20, &["--resume", save.to_str().unwrap()]);
+    assert_eq!(scaled_steps(&dir.join("rest.jsonl")), whole[at..], "resumed among the skipped steps");
+
+    let torch_plan = dir.join("torch.atp");
+    compile("gpt2", &torch_plan, &[&flags[..], &["--loss-scaler", "torch"]].concat());
+    run(&torch_plan, &dir.join("torch.jsonl"), 20, &[]);
+    let mut torch = LossScaler::Torch(TorchScaler { scale: 2f64.powi(30), ..TorchScaler::torch_defaults() });
+    for (step, &(_, scale, overflow)) in scaled_steps(&dir.join("torch.jsonl")).iter().enumerate() {
+        assert_eq!(scale, torch.scale(), "torch rules, step {}", step + 1);
+        torch.update(overflow).unwrap();
     }
 }

@@ -38,6 +38,7 @@ fn training_step_with(arch: &str, split_fused: bool) -> (Graph, BTreeMap<String,
             optimizer: Optimizer::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
             grad_clip: Some(1.0),
             stage: None,
+            nonfinite: Default::default(),
         }),
         Box::new(autotp_passes::dce::Dce),
     ]);
@@ -215,6 +216,7 @@ fn an_indivisible_vocabulary_is_refused() {
             optimizer: Optimizer::Sgd { momentum: 0.0, weight_decay: 0.0, nesterov: false },
             grad_clip: None,
             stage: None,
+            nonfinite: Default::default(),
         }),
         Box::new(AutoTp { tp: 2, dp: 1, zero: ZeroConfig::default(), batch_inputs: vec![] }),
     ];

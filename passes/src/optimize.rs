@@ -36,6 +36,23 @@ pub struct Optimize {
     pub grad_clip: Option<f64>,
     /// The pipeline stage this graph is, for the global norm of clipping.
     pub stage: Option<StageNorm>,
+    pub nonfinite: NonFinite,
+}
+
+/// What a step does whose gradients hold an inf or NaN.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum NonFinite {
+    /// Applies the update (f32 training, as PyTorch does).
+    #[default]
+    Apply,
+    /// Skips the update (bf16): every updated parameter and state keeps its value, and the
+    /// output `overflow` (1 or 0) tells the trainer, which then does not count the step for
+    /// AdamW's bias correction or the learning-rate schedule.
+    Skip,
+    /// Skips it as `Skip`, the gradients having been scaled by the graph input
+    /// [`crate::precision::LOSS_SCALE`] (fp16 loss scaling): they are unscaled here, clipping
+    /// folded into the unscaling as DeepSpeed does.
+    SkipScaled,
 }
 
 /// A pipeline stage's part in the global gradient norm.
@@ -46,6 +63,10 @@ pub struct StageNorm {
     /// Parameters whose gradient an earlier stage holding them counts.
     pub counted_elsewhere: BTreeSet<String>,
 }
+
+/// The output that is 1 when a step's gradients were not all finite and its update was
+/// skipped ([`NonFinite::Skip`]), else 0.
+pub const OVERFLOW: &str = "overflow";
 
 /// The name prefix of master parameters: `master.p` is the f32 copy of 16-bit parameter `p`.
 pub const MASTER_PREFIX: &str = "master.";
@@ -127,6 +148,43 @@ impl Pass for Optimize {
             .map(|(n, v)| (n.clone(), rw.map(*v)))
             .collect();
         let g = rw.graph();
+        let loss_scale = match self.nonfinite {
+            NonFinite::SkipScaled => Some(
+                (g.inputs().iter().copied())
+                    .find(|&v| g.name_of(v) == Some(crate::precision::LOSS_SCALE))
+                    .ok_or_else(|| invalid(format!("no '{}' input to unscale by", crate::precision::LOSS_SCALE)))?,
+            ),
+            _ => None,
+        };
+        if self.nonfinite != NonFinite::Apply && self.stage.is_some() {
+            return Err(invalid("skipping non-finite steps across pipeline stages is not supported".into()));
+        }
+        let constant = |g: &mut Graph, v: f64| add(g, Op::Constant { value: Tensor::full(dtype, vec![], v) }, vec![]);
+        // DeepSpeed's overflow test: the sum of every gradient is not finite (x - x is 0 only
+        // for finite x).
+        let finite = match self.nonfinite {
+            NonFinite::Apply => None,
+            NonFinite::Skip | NonFinite::SkipScaled => {
+                let mut total = constant(g, 0.0)?;
+                for &grad in &grads {
+                    let axes = (0..g.ty(grad).rank()).collect();
+                    let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![grad])?;
+                    total = add(g, Op::Binary(BinaryOp::Add), vec![total, s])?;
+                }
+                let nothing = add(g, Op::Binary(BinaryOp::Sub), vec![total, total])?;
+                let zero = constant(g, 0.0)?;
+                let finite = add(g, Op::Binary(BinaryOp::Equal), vec![nothing, zero])?;
+                let overflow = add(g, Op::Unary(UnaryOp::Not), vec![finite])?;
+                outputs.push((OVERFLOW.into(), add(g, Op::Cast { to: dtype }, vec![overflow])?));
+                Some(finite)
+            }
+        };
+        if let (Some(scale), None) = (loss_scale, self.grad_clip) {
+            let inverse = add(g, Op::Unary(UnaryOp::Reciprocal), vec![scale])?;
+            for grad in &mut grads {
+                *grad = add(g, Op::Binary(BinaryOp::Mul), vec![*grad, inverse])?;
+            }
+        }
         if let Some(clip) = self.grad_clip {
             let mut total = None;
             let counted = |p: ValueId| {
@@ -142,8 +200,6 @@ impl Pass for Optimize {
                     None => s,
                 });
             }
-            let constant =
-                |g: &mut Graph, v: f64| add(g, Op::Constant { value: Tensor::full(dtype, vec![], v) }, vec![]);
             let mut total = match total {
                 Some(t) => t,
                 None => constant(g, 0.0)?,
@@ -172,9 +228,23 @@ impl Pass for Optimize {
             let eps = constant(g, 1e-6)?;
             let max_norm = constant(g, clip)?;
             let one = constant(g, 1.0)?;
-            let denom = add(g, Op::Binary(BinaryOp::Add), vec![norm, eps])?;
-            let coef = add(g, Op::Binary(BinaryOp::Div), vec![max_norm, denom])?;
-            let coef = add(g, Op::Binary(BinaryOp::Min), vec![coef, one])?;
+            let (norm, coef) = match loss_scale {
+                None => {
+                    let denom = add(g, Op::Binary(BinaryOp::Add), vec![norm, eps])?;
+                    let coef = add(g, Op::Binary(BinaryOp::Div), vec![max_norm, denom])?;
+                    (norm, add(g, Op::Binary(BinaryOp::Min), vec![coef, one])?)
+                }
+                // DeepSpeed's `unscale_and_clip_grads`: the norm of the scaled gradients over
+                // the scale, and one multiplier 1 / (scale * max(1, (norm + 1e-6) / clip)).
+                Some(scale) => {
+                    let norm = add(g, Op::Binary(BinaryOp::Div), vec![norm, scale])?;
+                    let over = add(g, Op::Binary(BinaryOp::Add), vec![norm, eps])?;
+                    let over = add(g, Op::Binary(BinaryOp::Div), vec![over, max_norm])?;
+                    let clip_factor = add(g, Op::Binary(BinaryOp::Max), vec![over, one])?;
+                    let combined = add(g, Op::Binary(BinaryOp::Mul), vec![scale, clip_factor])?;
+                    (norm, add(g, Op::Unary(UnaryOp::Reciprocal), vec![combined])?)
+                }
+            };
             for grad in &mut grads {
                 *grad = add(g, Op::Binary(BinaryOp::Mul), vec![*grad, coef])?;
             }
@@ -217,6 +287,12 @@ impl Pass for Optimize {
             if let Some(half) = master {
                 let rounded = add(g, Op::Cast { to: param_ty.dtype }, vec![updated])?;
                 updates.push((half, rounded));
+            }
+        }
+        if let Some(finite) = finite {
+            let g = rw.graph();
+            for (target, value) in &mut updates {
+                *value = add(g, Op::Select, vec![finite, *value, *target])?;
             }
         }
         let mut result = rw.finish_without_outputs();

@@ -37,9 +37,14 @@ use crate::{Pass, PassError};
 
 const PASS: &str = "precision";
 
-/// The forward's cast policy for 16-bit weights of type `half` (bf16 or f16).
+/// The graph input fp16's loss is scaled by (the gradient `autodiff` starts from).
+pub const LOSS_SCALE: &str = "loss_scale";
+
+/// The forward's cast policy for 16-bit weights of type `half` (bf16 or f16); with
+/// `loss_scaling`, also the scalar input [`LOSS_SCALE`] for `autodiff` to start from.
 pub struct Precision {
     pub half: DType,
+    pub loss_scaling: bool,
 }
 
 /// Which type an op computes in.
@@ -133,7 +138,11 @@ impl Pass for Precision {
                 rw.set(old, new);
             }
         }
-        *graph = rw.finish().without_dead_code();
+        let mut result = rw.finish();
+        if self.loss_scaling {
+            result.add_input(LOSS_SCALE, TensorType::scalar(DType::F32));
+        }
+        *graph = result.without_dead_code();
         Ok(())
     }
 }

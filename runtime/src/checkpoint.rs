@@ -85,6 +85,13 @@ pub struct Manifest {
     /// For a file of blocks: where each of its tensors starts in the global tensor.
     #[serde(default)]
     pub blocks: BTreeMap<String, BTreeMap<String, Vec<usize>>>,
+    /// fp16's loss scaler as it stood after the last step.
+    #[serde(default)]
+    pub loss_scaler: Option<crate::loss_scale::LossScaler>,
+    /// Steps whose update was skipped for non-finite gradients (counted in `step`, not in the
+    /// optimizer's steps).
+    #[serde(default)]
+    pub skipped_steps: usize,
 }
 
 /// A tensor to save: its bytes, and (for a block of a sharded tensor) where it lies in the

@@ -56,6 +56,9 @@ pub use program::{
 pub enum RuntimeError {
     #[error("invalid program: {0}")]
     InvalidProgram(String),
+    /// Training cannot go on (an fp16 loss scale at its floor).
+    #[error("{0}")]
+    Training(String),
     #[error("the program has no parameter or state '{0}'")]
     UnknownParam(String),
     #[error("{what} has {got} bytes, expected {expected}")]

@@ -99,6 +99,9 @@ pub struct TrainingConfig {
     /// not the parameters' own.
     #[serde(default)]
     pub grad_accum_dtype: Option<DType>,
+    /// fp16's loss scaler in its initial state (a checkpoint carries its current one).
+    #[serde(default)]
+    pub loss_scaler: Option<crate::loss_scale::LossScaler>,
 }
 
 /// Where a parameter lies in the model weight it is a part of: `len` entries from `start`
@@ -186,6 +189,8 @@ pub enum Feed {
     Lr,
     /// The 1-based optimizer step (AdamW's bias correction).
     Step,
+    /// fp16's loss scale of this step.
+    LossScale,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -235,9 +240,11 @@ impl TrainingPlan {
                     "labels" => (Feed::Labels, DType::I64, &tokens[..]),
                     "lr" => (Feed::Lr, DType::F32, &[][..]),
                     "step" => (Feed::Step, DType::F32, &[][..]),
+                    "loss_scale" if t.loss_scaler.is_some() => (Feed::LossScale, DType::F32, &[][..]),
                     other => {
                         return Err(RuntimeError::Plan(format!(
-                            "has an input '{other}' the trainer cannot feed (it feeds input_ids, labels, lr and step)"
+                            "has an input '{other}' the trainer cannot feed (it feeds input_ids, labels, lr, step \
+                             and, with a loss scaler, loss_scale)"
                         )))
                     }
                 };

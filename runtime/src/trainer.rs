@@ -27,6 +27,7 @@ use crate::clock::{Clock, RunTime};
 use crate::comm::{CommBytes, Communicator, LocalComm, MpiComm, Topology};
 use crate::data::TokenData;
 use crate::gpu::GpuKind;
+use crate::loss_scale::LossScaler;
 use crate::plan::{Feed, Labels, ModelSource, TrainingConfig, TrainingPlan};
 use crate::tensor_file::TensorRef;
 use crate::{Executor, HostTensor, RuntimeError, Slot, SlotPlacement};
@@ -45,7 +46,14 @@ pub struct StepMetrics {
     /// Each rank's idle share of the step by the trainer's clock ([`Trainer::set_clock`]): the
     /// time it waited for other pipeline stages' messages or was done before the step was.
     pub idle: Vec<f64>,
+    /// fp16: the loss scale the step ran with.
+    pub loss_scale: Option<f64>,
+    /// Whether its update was skipped for non-finite gradients (mixed precision).
+    pub skipped: bool,
 }
+
+/// The program output that is 1 when a step's update was skipped (`passes::optimize::OVERFLOW`).
+pub const OVERFLOW_OUTPUT: &str = "overflow";
 
 pub struct Trainer {
     /// The executors of the ranks this process runs (ranks `first_rank..`), stage by stage:
@@ -71,6 +79,10 @@ pub struct Trainer {
     feeds: Vec<Vec<Feed>>,
     loss_index: usize,
     completed: usize,
+    /// Of the completed steps, those whose update was skipped (non-finite gradients).
+    skipped: usize,
+    /// fp16's loss scaler, as it stands.
+    scaler: Option<LossScaler>,
     seed: u64,
 }
 
@@ -188,8 +200,11 @@ impl Trainer {
             feeds,
             loss_index,
             completed: 0,
+            skipped: 0,
+            scaler: None,
             seed,
         };
+        trainer.scaler = trainer.training.loss_scaler.clone();
         let initial = |name: &str| {
             weights.get(name).ok_or_else(|| RuntimeError::Plan(format!("parameter '{name}' has no initial weights")))
         };
@@ -454,6 +469,16 @@ impl Trainer {
         self.completed
     }
 
+    /// Of the completed steps, those whose update was skipped for non-finite gradients.
+    pub fn skipped_steps(&self) -> usize {
+        self.skipped
+    }
+
+    /// fp16's loss scale for the next step.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(LossScaler::scale)
+    }
+
     pub fn seed(&self) -> u64 {
         self.seed
     }
@@ -513,6 +538,10 @@ impl Trainer {
             }
         }
         self.completed = m.step;
+        self.skipped = m.skipped_steps;
+        if self.scaler.is_some() {
+            self.scaler = Some(m.loss_scaler.clone().ok_or_else(|| error("holds no loss scaler state".into()))?);
+        }
         self.seed = m.rng.seed;
         Ok(())
     }
@@ -571,7 +600,10 @@ impl Trainer {
         }
         let step = self.completed;
         let batch = data.batch(step, t.global_batch);
-        let lr = t.schedule.lr(step, train_steps);
+        // A skipped step moves neither AdamW's step nor the schedule (as DeepSpeed).
+        let optimizer_step = step - self.skipped;
+        let lr = t.schedule.lr(optimizer_step, train_steps);
+        let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
         let tokens = t.global_token_shape();
         let ids = |values: &[i64]| HostTensor {
             dtype: DType::I64,
@@ -586,7 +618,8 @@ impl Trainer {
                 Labels::InputIds => ids(&batch.input_ids),
             },
             Feed::Lr => scalar(lr as f32),
-            Feed::Step => scalar((step + 1) as f32),
+            Feed::Step => scalar((optimizer_step + 1) as f32),
+            Feed::LossScale => scalar(loss_scale.expect("a loss scale input has a scaler") as f32),
         };
         let global: Vec<Vec<HostTensor>> = self.feeds.iter().map(|feeds| feeds.iter().map(global).collect()).collect();
         let feeds: Vec<Vec<HostTensor>> = self
@@ -637,9 +670,14 @@ impl Trainer {
             values = f64s(&bytes);
             idle = f64s(&job.all_gather(&idle[0].to_le_bytes())?);
         }
-        let scalars =
+        let scalars: Vec<(String, f64)> =
             scalar_outputs.iter().zip(&values[1..]).map(|(&i, &v)| (program.outputs[i].name.clone(), v)).collect();
-        Ok(StepMetrics { step: step + 1, lr, loss: values[0], scalars, seconds, idle })
+        let skipped = scalars.iter().any(|(name, v)| name == OVERFLOW_OUTPUT && *v != 0.0);
+        self.skipped += skipped as usize;
+        if let Some(scaler) = &mut self.scaler {
+            scaler.update(skipped).map_err(|e| RuntimeError::Training(format!("step {}: {e}", step + 1)))?;
+        }
+        Ok(StepMetrics { step: step + 1, lr, loss: values[0], scalars, seconds, idle, loss_scale, skipped })
     }
 
     /// The rank whose outputs a step reports: the last stage's first (outputs are replicated
@@ -762,6 +800,8 @@ impl Trainer {
             params: Vec::new(),
             shapes: BTreeMap::new(),
             blocks: BTreeMap::new(),
+            loss_scaler: self.scaler.clone(),
+            skipped_steps: self.skipped,
         };
         if self.world_size() > 1 {
             return self.save_shards(dir, &manifest, keep_last);
