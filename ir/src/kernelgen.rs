@@ -534,7 +534,7 @@ impl Builder<'_> {
         };
         let node = self.graph.node(n);
         let input = |i: usize| node.inputs[i];
-        let float = |v: ValueId| (self.ty)(v).dtype == DType::F32;
+        let float = |v: ValueId| matches!((self.ty)(v).dtype, DType::F32 | DType::BF16 | DType::F16);
         let cols = self.space.inner as f32;
         let e = match &node.op {
             Op::Unary(op) if float(v) => {
@@ -552,10 +552,11 @@ impl Builder<'_> {
                 let b = self.value(stage, input(2))?;
                 stage.push(Expr::Select(c, a, b))
             }
-            Op::Cast { to: DType::F32 } => {
+            // To a 16-bit type, rounded below like every op with a 16-bit result.
+            Op::Cast { to: DType::F32 | DType::BF16 | DType::F16 } => {
                 let x = self.value(stage, input(0))?;
                 match (self.ty)(input(0)).dtype {
-                    DType::F32 => x,
+                    DType::F32 | DType::BF16 | DType::F16 => x,
                     DType::Bool | DType::I64 => stage.push(Expr::ToF32(x)),
                     _ => return None,
                 }
@@ -700,6 +701,12 @@ impl Builder<'_> {
                 stage.binary(BinaryOp::Mul, normal, scale)
             }
             _ => return None,
+        };
+        // An op with a 16-bit result rounds it (reads of 16-bit memory are exact already).
+        let reads = matches!(node.op, Op::Transpose { .. } | Op::Slice { .. } | Op::Pad { .. } | Op::Select);
+        let e = match (self.ty)(v).dtype {
+            dtype @ (DType::BF16 | DType::F16) if !reads => stage.push(Expr::Round(dtype, e)),
+            _ => e,
         };
         stage.memo.insert(v, e);
         Some(e)

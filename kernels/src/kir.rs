@@ -17,7 +17,8 @@
 //! rows are split among threads (so runs are deterministic at any thread count).
 //!
 //! Values are scalars of three types ([`ScalarType`]): `f32` (every float buffer is computed in
-//! f32), `i64` (indices, labels) and `bool`. A stage's expressions form a list in which each
+//! f32; bf16 and f16 buffers load widened and store rounded to nearest even, and
+//! [`Expr::Round`] rounds an intermediate value whose op has a 16-bit result), `i64` (indices, labels) and `bool`. A stage's expressions form a list in which each
 //! refers to earlier ones by position ([`ExprRef`]), so a shared subexpression is computed once.
 //! Memory is addressed by [`Index`]: a base plus terms `((((var / div) % modulo) + offset) %
 //! wrap) * stride` over the two loop variables, which express contiguous rows, broadcasting,
@@ -103,6 +104,9 @@ pub enum Expr {
     Select(ExprRef, ExprRef, ExprRef),
     /// A bool or i64 as f32 (true is 1).
     ToF32(ExprRef),
+    /// An f32 rounded to the nearest value of a 16-bit float type (bf16 or f16; to nearest
+    /// even, NaN kept), as f32: what an op with a 16-bit result gives (mixed precision).
+    Round(DType, ExprRef),
 }
 
 mod f32_bits {
@@ -235,9 +239,10 @@ impl Index {
 }
 
 /// The scalar type a buffer's elements load as, or `None` when kernels cannot use the dtype.
+/// 16-bit floats load as f32 and store rounded to nearest even.
 pub fn scalar_type(dtype: DType) -> Option<ScalarType> {
     match dtype {
-        DType::F32 => Some(ScalarType::F32),
+        DType::F32 | DType::BF16 | DType::F16 => Some(ScalarType::F32),
         DType::I64 => Some(ScalarType::I64),
         DType::Bool => Some(ScalarType::Bool),
         _ => None,
@@ -348,6 +353,10 @@ impl Kernel {
                         Some(ScalarType::Bool | ScalarType::I64) => Some(ScalarType::F32),
                         _ => None,
                     },
+                    Expr::Round(dtype, a) => match (dtype, at(a)) {
+                        (DType::BF16 | DType::F16, Some(ScalarType::F32)) => Some(ScalarType::F32),
+                        _ => None,
+                    },
                 };
                 match ty {
                     Some(ty) => types.push(ty),
@@ -435,6 +444,7 @@ impl std::fmt::Display for Expr {
             Expr::Binary(op, a, b) => write!(f, "{} %{a}, %{b}", op.name()),
             Expr::Select(c, a, b) => write!(f, "select %{c}, %{a}, %{b}"),
             Expr::ToF32(a) => write!(f, "to_f32 %{a}"),
+            Expr::Round(dtype, a) => write!(f, "round_{dtype} %{a}"),
         }
     }
 }

@@ -259,12 +259,52 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
         })
     }
 
-    /// How `dtype` elements sit in memory (`u8` for bool).
+    /// How `dtype` elements sit in memory (`u8` for bool, `i16` for bf16).
     fn memory_type(&self, dtype: DType, width: u32) -> VectorType<'ctx> {
         match dtype {
             DType::F32 => self.ctx.f32_type().vec_type(width),
             DType::I64 => self.ctx.i64_type().vec_type(width),
+            DType::F16 => self.ctx.f16_type().vec_type(width),
+            DType::BF16 => self.ctx.i16_type().vec_type(width),
             _ => self.ctx.i8_type().vec_type(width),
+        }
+    }
+
+    /// bf16 bits (i16 lanes) as f32: the high half of an f32.
+    fn widen_bf16(&self, bits: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let width = Self::width(bits);
+        let wide = self.b.build_int_z_extend(bits, self.ctx.i32_type().vec_type(width), "")?;
+        let shifted = self.b.build_left_shift(wide, self.i32(width, 16), "")?;
+        Ok(self.b.build_bit_cast(shifted, self.f32_type(width), "")?.into_vector_value())
+    }
+
+    /// f32 lanes rounded to bf16 (to nearest even; a NaN stays a quiet NaN), as the f32 whose
+    /// low half is zero.
+    fn round_bf16(&self, x: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let width = Self::width(x);
+        let bits = self.b.build_bit_cast(x, self.ctx.i32_type().vec_type(width), "")?.into_vector_value();
+        let high = self.i32(width, 0xFFFF_0000u32 as i32);
+        let lsb = self.b.build_right_shift(bits, self.i32(width, 16), false, "")?;
+        let lsb = self.b.build_and(lsb, self.i32(width, 1), "")?;
+        let biased = self.b.build_int_add(bits, self.i32(width, 0x7FFF), "")?;
+        let biased = self.b.build_int_add(biased, lsb, "")?;
+        let rounded = self.b.build_and(biased, high, "")?;
+        let quiet = self.b.build_or(bits, self.i32(width, 0x0040_0000), "")?;
+        let quiet = self.b.build_and(quiet, high, "")?;
+        let nan = self.fcmp(FloatPredicate::UNO, x, x)?;
+        let result = self.select(nan, quiet, rounded)?;
+        Ok(self.b.build_bit_cast(result, self.f32_type(width), "")?.into_vector_value())
+    }
+
+    /// f32 lanes rounded to `dtype` (bf16 or f16) and back: [`Expr::Round`].
+    fn round(&self, dtype: DType, x: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let width = Self::width(x);
+        match dtype {
+            DType::BF16 => self.round_bf16(x),
+            _ => {
+                let half = self.b.build_float_trunc(x, self.ctx.f16_type().vec_type(width), "")?;
+                Ok(self.b.build_float_ext(half, self.f32_type(width), "")?)
+            }
         }
     }
 
@@ -297,10 +337,12 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
                 v
             }
         };
-        if buffer.dtype == DType::Bool {
-            return self.icmp(IntPredicate::NE, raw, self.memory_type(DType::Bool, width).const_zero());
+        match buffer.dtype {
+            DType::Bool => self.icmp(IntPredicate::NE, raw, self.memory_type(DType::Bool, width).const_zero()),
+            DType::F16 => Ok(self.b.build_float_ext(raw, self.f32_type(width), "")?),
+            DType::BF16 => self.widen_bf16(raw),
+            _ => Ok(raw),
         }
-        Ok(raw)
     }
 
     fn store(
@@ -310,10 +352,16 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
         at: &Position<'ctx>,
         value: V<'ctx>,
     ) -> Result<(), LlvmError> {
-        let value = if buffer.dtype == DType::Bool {
-            self.b.build_int_z_extend(value, self.memory_type(DType::Bool, at.width), "")?
-        } else {
-            value
+        let value = match buffer.dtype {
+            DType::Bool => self.b.build_int_z_extend(value, self.memory_type(DType::Bool, at.width), "")?,
+            DType::F16 => self.b.build_float_trunc(value, self.memory_type(DType::F16, at.width), "")?,
+            DType::BF16 => {
+                let rounded = self.round_bf16(value)?;
+                let bits = self.b.build_bit_cast(rounded, self.ctx.i32_type().vec_type(at.width), "")?;
+                let high = self.b.build_right_shift(bits.into_vector_value(), self.i32(at.width, 16), false, "")?;
+                self.b.build_int_truncate(high, self.memory_type(DType::BF16, at.width), "")?
+            }
+            _ => value,
         };
         let align = buffer.dtype.size() as u32;
         match self.address(index, at)? {
@@ -386,6 +434,7 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
                 Expr::Unary(op, a) => self.unary(op, v(a))?,
                 Expr::Binary(op, a, b) => self.binary(op, v(a), v(b))?,
                 Expr::Select(c, a, b) => self.select(v(c), v(a), v(b))?,
+                Expr::Round(dtype, a) => self.round(dtype, v(a))?,
                 Expr::ToF32(a) => {
                     let a = v(a);
                     let f = self.f32_type(width);
