@@ -110,11 +110,12 @@ fn summary_bytes(summary: &str, line: &str) -> usize {
     found.split_whitespace().rev().nth(1).unwrap().replace(',', "").parse().unwrap()
 }
 
-/// What a bf16 rank holds, as DeepSpeed's bf16 optimizer holds it: 2 bytes per parameter, and
-/// optimizer state of 12 bytes per parameter (f32 master, two f32 moments), sharded over the
-/// data-parallel ranks from ZeRO 1; f32 gradients, sharded from ZeRO 2.
+/// What a 16-bit rank holds, as DeepSpeed's mixed-precision optimizers hold it: 2 bytes per
+/// parameter, and optimizer state of 12 bytes per parameter (f32 master, two f32 moments),
+/// sharded over the data-parallel ranks from ZeRO 1; gradients in their accumulation type (f32
+/// by default), sharded from ZeRO 2.
 #[test]
-fn bf16_memory_is_deepspeeds() {
+fn mixed_precision_memory_is_deepspeeds() {
     let dir = scratch("precision-memory");
     let plan = dir.join("p.atp");
     let n = {
@@ -129,6 +130,14 @@ fn bf16_memory_is_deepspeeds() {
         assert_eq!(summary_bytes(&summary, "optimizer state"), 12 * n / sharded, "dp {dp} zero {zero}: optimizer");
         let grads_sharded = if zero >= 2 { dp } else { 1 };
         assert_eq!(summary_bytes(&summary, "gradients"), 4 * n / grads_sharded, "dp {dp} zero {zero}: f32 gradients");
+    }
+    // fp16 gradients at ZeRO 1: the ZeRO paper's (2 + 2 + 12 / dp) bytes per parameter; ZeRO 2
+    // shards the gradients too.
+    for zero in [1, 2] {
+        let flags = ["--micro-batch", "4", "--precision", "fp16", "--grad-accum-dtype", "fp16", "--dp", "2"];
+        let summary = compile("gpt2", &plan, &[&flags[..], &["--zero", &zero.to_string()]].concat());
+        let held = ["parameters  ", "gradients", "optimizer state"].map(|line| summary_bytes(&summary, line));
+        assert_eq!(held, [2 * n, 2 * n / zero, 12 * n / 2], "fp16 zero {zero}: parameters, gradients, optimizer");
     }
 }
 

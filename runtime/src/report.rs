@@ -83,7 +83,12 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
             let trained = p.params.iter().filter(|s| !training.frozen.contains(&s.name));
             trained.map(|s| s.numel() * training.grad_accum_dtype.unwrap_or(s.dtype).size()).sum()
         } else {
-            p.memory.grads_bytes
+            // The optimizer of a mixed-precision plan reads its gradients cast to f32; they
+            // are held, reduced and sharded in the accumulation type.
+            match training.grad_accum_dtype {
+                Some(dtype) if !training.masters.is_empty() => p.memory.grads_bytes / 4 * dtype.size(),
+                _ => p.memory.grads_bytes,
+            }
         };
         let in_flight = match &training.pipeline {
             Some(pipeline) => pipeline.in_flight.get(stage).copied().unwrap_or(0),
