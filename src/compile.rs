@@ -235,14 +235,6 @@ pub enum Precision {
 }
 
 impl Precision {
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-        }
-    }
-
     pub fn dtype(self) -> autotp_ir::DType {
         match self {
             Precision::F32 => autotp_ir::DType::F32,
@@ -575,9 +567,6 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if !mixed && flags.grad_accum_dtype.is_some() {
         bail!("--grad-accum-dtype applies to --precision bf16 or fp16 (f32 gradients are accumulated in f32)");
     }
-    if mixed && pipelined {
-        bail!("--precision {} with --pp is not supported yet: train pipelines in f32", flags.precision.name());
-    }
     if !pipelined {
         front.push(Box::new(autodiff));
         if mixed {
@@ -636,6 +625,8 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             batch_inputs: batch_inputs.clone(),
             frozen: frozen.clone(),
             padding_rows: padding_rows.iter().map(|p| (p.table.clone(), p.row)).collect(),
+            grad_dtype: mixed.then(|| flags.grad_accum_dtype.unwrap_or(Precision::F32).dtype()),
+            loss_scaling: flags.precision == Precision::Fp16,
         };
         let (graphs, norms, config) = cut_pipeline(&pipeline, &model.graph)?;
         index += 1;

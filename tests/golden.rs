@@ -204,6 +204,8 @@ fn check_pipeline(
         batch_inputs: batch_inputs.clone(),
         frozen: Default::default(),
         padding_rows: Default::default(),
+        grad_dtype: None,
+        loss_scaling: false,
     };
     let (_, graphs) = pipeline.run(&graph).map_err(|e| e.to_string())?;
     let printed: String =

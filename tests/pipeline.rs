@@ -34,6 +34,8 @@ fn pipeline(stages: usize, micro_batches: usize, schedule: Schedule, backward: B
         batch_inputs: vec!["input_ids".into(), LABELS.into()],
         frozen: Default::default(),
         padding_rows: Default::default(),
+        grad_dtype: None,
+        loss_scaling: false,
     }
 }
 

@@ -62,46 +62,67 @@ fn mixed_precision_trains_like_f32_within_1e_2() {
     }
 }
 
-/// bf16 and fp16 under dp 2 (ZeRO 0-3), tp 2 and tp 2 x dp 2 train what one rank trains: the
-/// same global batch, within 2e-4 relative over 12 steps (the reductions add in another order;
-/// 16-bit rounding can turn a last-bit difference into one ulp of an activation). fp16 starts
-/// from a loss scale of 2^24 so that its first steps overflow: every layout skips the same
-/// steps (the overflow is decided over all ranks) with the same scale.
+/// Runs `layouts` of the GPT-2 fixture at `precision` for 12 steps and checks each against the
+/// first: losses within 2e-4 relative (the reductions add in another order; 16-bit rounding can
+/// turn a last-bit difference into one ulp of an activation), the same skipped steps and loss
+/// scales.
+fn layouts_agree(dir: &Path, precision: &[&str], layouts: &[&[&str]]) {
+    let mut reference: Option<Vec<serde_json::Value>> = None;
+    for (l, layout) in layouts.iter().enumerate() {
+        let plan = dir.join(format!("layout-{l}.atp"));
+        compile("gpt2", &plan, &[&["--micro-batch", "4"][..], precision, layout].concat());
+        let metrics = dir.join(format!("layout-{l}.jsonl"));
+        run(&plan, &metrics, 12, &[]);
+        let steps: Vec<serde_json::Value> =
+            (std::fs::read_to_string(&metrics).unwrap().lines()).map(|l| serde_json::from_str(l).unwrap()).collect();
+        let Some(want) = &reference else {
+            reference = Some(steps);
+            continue;
+        };
+        for (step, (a, b)) in steps.iter().zip(want).enumerate() {
+            let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+            assert!(((x - y) / y).abs() <= 2e-4, "{precision:?} {layout:?} step {}: {x} vs {y}", step + 1);
+            for key in ["skipped", "loss_scale"] {
+                assert_eq!(a[key], b[key], "{precision:?} {layout:?} step {}: {key}", step + 1);
+            }
+        }
+    }
+}
+
+/// bf16 and fp16 under dp 2 (ZeRO 0-3), tp 2, pp 2 and their products train what one rank
+/// trains with the same global batch. fp16 from a loss scale of 2^24 overflows its first steps:
+/// a layout skips the same steps as one rank whose 16-bit gradients are the same size, which is
+/// the one with the same gradient accumulation (DeepSpeed's order: each micro-batch's backward
+/// starts from the scale over the micro-batches, while each data-parallel rank's starts from
+/// the scale on its own mean loss), the overflow decided over all ranks.
 #[test]
 fn mixed_precision_layouts_train_like_one_rank() {
     let dir = scratch("precision-layouts");
-    let layouts: [&[&str]; 6] = [
+    let every: [&[&str]; 9] = [
+        &["--grad-accum", "2"],
         &["--dp", "2"],
         &["--dp", "2", "--zero", "1"],
         &["--dp", "2", "--zero", "2"],
         &["--dp", "2", "--zero", "3"],
         &["--tp", "2", "--grad-accum", "2"],
         &["--tp", "2", "--dp", "2", "--zero", "1"],
+        &["--pp", "2", "--grad-accum", "2"],
+        &["--pp", "2", "--dp", "2", "--zero", "1"],
     ];
-    let cases: [&[&str]; 2] =
-        [&["--precision", "bf16"], &["--precision", "fp16", "--grad-clip", "1.0", "--initial-scale-power", "24"]];
-    for precision in cases {
-        let one = dir.join("one.atp");
-        compile("gpt2", &one, &[&["--micro-batch", "4", "--grad-accum", "2"][..], precision].concat());
-        run(&one, &dir.join("one.jsonl"), 12, &[]);
-        let reference = std::fs::read_to_string(dir.join("one.jsonl")).unwrap();
-        for (l, layout) in layouts.iter().enumerate() {
-            let plan = dir.join(format!("layout-{l}.atp"));
-            compile("gpt2", &plan, &[&["--micro-batch", "4"][..], precision, layout].concat());
-            let metrics = dir.join(format!("layout-{l}.jsonl"));
-            run(&plan, &metrics, 12, &[]);
-            let got = std::fs::read_to_string(&metrics).unwrap();
-            for (step, (a, b)) in got.lines().zip(reference.lines()).enumerate() {
-                let (a, b): (serde_json::Value, serde_json::Value) =
-                    (serde_json::from_str(a).unwrap(), serde_json::from_str(b).unwrap());
-                let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
-                assert!(((x - y) / y).abs() <= 2e-4, "{precision:?} {layout:?} step {}: {x} vs {y}", step + 1);
-                for key in ["skipped", "loss_scale"] {
-                    assert_eq!(a[key], b[key], "{precision:?} {layout:?} step {}: {key}", step + 1);
-                }
-            }
-        }
-    }
+    layouts_agree(&dir, &["--precision", "bf16"], &every);
+    layouts_agree(&dir, &["--precision", "fp16", "--grad-clip", "1.0"], &every);
+    let overflowing = ["--precision", "fp16", "--grad-clip", "1.0", "--initial-scale-power", "24"];
+    let accumulated: [&[&str]; 3] =
+        [&["--grad-accum", "2"], &["--tp", "2", "--grad-accum", "2"], &["--pp", "2", "--grad-accum", "2"]];
+    layouts_agree(&dir, &overflowing, &accumulated);
+    let data_parallel: [&[&str]; 5] = [
+        &["--dp", "2"],
+        &["--dp", "2", "--zero", "1"],
+        &["--dp", "2", "--zero", "2"],
+        &["--dp", "2", "--zero", "3"],
+        &["--tp", "2", "--dp", "2", "--zero", "1"],
+    ];
+    layouts_agree(&dir, &overflowing, &data_parallel);
 }
 
 /// The bytes of a compile summary's memory line.
@@ -182,7 +203,6 @@ fn mixed_precision_refuses_what_it_cannot_do() {
     assert!(refused(&["--loss-scale-window", "100"]).contains("--loss-scale-window applies to --precision fp16"));
     assert!(refused(&["--precision", "bf16", "--hysteresis", "3"]).contains("--hysteresis applies to --precision fp16"));
     assert!(refused(&["--grad-accum-dtype", "bf16"]).contains("--grad-accum-dtype applies to --precision bf16"));
-    assert!(refused(&["--precision", "bf16", "--pp", "2", "--grad-accum", "2"]).contains("with --pp is not supported"));
 }
 
 /// The loss scalers against their references' traces (tests/fixtures/make_loss_scale_traces.py:

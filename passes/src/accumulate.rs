@@ -12,7 +12,10 @@
 //! The step's loss is the mean over every counted position of all micro-batches, as the
 //! single-device step over the whole batch computes it: a mean cross-entropy (or NLL) that
 //! ignores a label index weighs micro-batch `i` by its count of counted labels; any other loss
-//! by `1 / A`.
+//! by `1 / A`. With fp16's loss scaling (a `loss_scale` input, the backward's seed), each
+//! micro-batch's backward starts from the scale times its weight instead, and the gradients are
+//! summed as they are: DeepSpeed's order, which keeps the 16-bit gradients the size of the
+//! whole step's.
 //!
 //! Input phase: differentiated (`loss` and `grad.<param>` outputs). Output: the same, over `A`
 //! micro-batches. Tests: tests/golden/accumulate.ir, tests/parallel.rs.
@@ -130,6 +133,18 @@ impl Pass for Accumulate {
             outer[s.index()] = Some(g.add_state(old.name_of(s).unwrap_or(""), old.ty(s).clone()));
         }
         let counted = counted_loss(old);
+        // fp16's loss scaling: each micro-batch's backward starts from the scale times its weight
+        // (as DeepSpeed divides the loss by the accumulation steps before scaling it, and as the
+        // pipeline pass does), so its 16-bit gradients are what the whole step's would be.
+        let scaled = old.inputs().iter().copied().find(|&v| old.name_of(v) == Some(crate::precision::LOSS_SCALE));
+        let whole_count = match (scaled, counted) {
+            (Some(_), Some((labels, ignored))) => {
+                let whole = batch.iter().find(|(o, _)| *o == labels).map(|(_, new)| *new);
+                let whole = whole.ok_or_else(|| invalid("the loss's labels are not a batch input".into()))?;
+                Some(count_labels(PASS, &mut g, whole, ignored, dtype)?)
+            }
+            _ => None,
+        };
         // Running sums: (output name, accumulated value).
         let mut sums: Vec<(String, Option<ValueId>)> = old.outputs().iter().map(|(n, _)| (n.clone(), None)).collect();
         let mut total: Option<ValueId> = None;
@@ -138,6 +153,19 @@ impl Pass for Accumulate {
             for &(old_input, new_input) in &batch {
                 map[old_input.index()] = Some(micro_batch(PASS, &mut g, new_input, step)?);
             }
+            let mut scaled_weight = None;
+            if let Some(scale) = scaled {
+                let weight = match (counted, whole_count) {
+                    (Some((labels, ignored)), Some(whole)) => {
+                        let count = count_labels(PASS, &mut g, map[labels.index()].expect("sliced"), ignored, dtype)?;
+                        add(&mut g, Op::Binary(BinaryOp::Div), vec![count, whole])?
+                    }
+                    _ => add(&mut g, Op::Constant { value: Tensor::full(dtype, vec![], 1.0 / steps as f64) }, vec![])?,
+                };
+                let outer_scale = outer[scale.index()].expect("an input");
+                map[scale.index()] = Some(add(&mut g, Op::Binary(BinaryOp::Mul), vec![outer_scale, weight])?);
+                scaled_weight = Some(weight);
+            }
             for (_, node) in old.nodes() {
                 let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
                 let types = node.outputs.iter().map(|&o| old.ty(o).clone()).collect();
@@ -145,6 +173,10 @@ impl Pass for Accumulate {
                 for (&o, &n) in node.outputs.iter().zip(&g.node(new).outputs.clone()) {
                     map[o.index()] = Some(n);
                 }
+            }
+            if let Some(weight) = scaled_weight {
+                self.add_weighted(old, &mut g, &map, weight, &mut sums)?;
+                continue;
             }
             // This micro-batch's weight: its counted labels, or 1.
             let weight = match counted {
@@ -170,6 +202,13 @@ impl Pass for Accumulate {
                 });
             }
         }
+        if scaled.is_some() {
+            for (name, sum) in sums {
+                g.add_output(name, sum.expect("at least one micro-batch"));
+            }
+            *graph = g;
+            return Ok(());
+        }
         let total = match total {
             Some(t) => t,
             None => add(&mut g, Op::Constant { value: Tensor::full(dtype, vec![], steps as f64) }, vec![])?,
@@ -181,6 +220,31 @@ impl Pass for Accumulate {
             g.add_output(name, mean);
         }
         *graph = g;
+        Ok(())
+    }
+}
+
+impl Accumulate {
+    /// Adds a loss-scaled micro-batch (copied into `map`) to the running `sums`: its loss
+    /// times its `weight`, its gradients as they are (their seed carried the weight).
+    fn add_weighted(
+        &self,
+        old: &Graph,
+        g: &mut Graph,
+        map: &[Option<ValueId>],
+        weight: ValueId,
+        sums: &mut [(String, Option<ValueId>)],
+    ) -> Result<(), PassError> {
+        for ((name, old_value), (_, sum)) in old.outputs().iter().zip(sums.iter_mut()) {
+            let mut value = map[old_value.index()].expect("outputs are defined");
+            if name == LOSS {
+                value = add(g, Op::Binary(BinaryOp::Mul), vec![value, weight])?;
+            }
+            *sum = Some(match *sum {
+                Some(s) => add(g, Op::Binary(BinaryOp::Add), vec![s, value])?,
+                None => value,
+            });
+        }
         Ok(())
     }
 }

@@ -68,6 +68,34 @@ pub struct StageNorm {
 /// skipped ([`NonFinite::Skip`]), else 0.
 pub const OVERFLOW: &str = "overflow";
 
+/// The tag of the overflow test's parts.
+const OVERFLOW_TAG: u64 = NORM_TAG + 1;
+
+/// A pipeline stage's scalar `part` summed with every other stage's (each sends its own to
+/// the others, all add them in stage order), over messages tagged `tag`.
+fn across_stages(g: &mut Graph, stage: &StageNorm, part: ValueId, tag: u64) -> Result<ValueId, PassError> {
+    for other in (0..stage.stages).filter(|&o| o != stage.stage) {
+        let send = Op::Send { to: other, tag, message: Message::NormPart };
+        g.add_node(send, vec![part], 0)
+            .map_err(|m| PassError::Invalid { pass: PASS, message: format!("send: {m}") })?;
+    }
+    let mut sum = None;
+    for from in 0..stage.stages {
+        let other = match from == stage.stage {
+            true => part,
+            false => {
+                let ty = g.ty(part).clone();
+                add(g, Op::Recv { from, tag, message: Message::NormPart, ty }, vec![])?
+            }
+        };
+        sum = Some(match sum {
+            Some(s) => add(g, Op::Binary(BinaryOp::Add), vec![s, other])?,
+            None => other,
+        });
+    }
+    Ok(sum.expect("at least one stage"))
+}
+
 /// The name prefix of master parameters: `master.p` is the f32 copy of 16-bit parameter `p`.
 pub const MASTER_PREFIX: &str = "master.";
 
@@ -156,9 +184,6 @@ impl Pass for Optimize {
             ),
             _ => None,
         };
-        if self.nonfinite != NonFinite::Apply && self.stage.is_some() {
-            return Err(invalid("skipping non-finite steps across pipeline stages is not supported".into()));
-        }
         let constant = |g: &mut Graph, v: f64| add(g, Op::Constant { value: Tensor::full(dtype, vec![], v) }, vec![]);
         // DeepSpeed's overflow test: the sum of every gradient is not finite (x - x is 0 only
         // for finite x).
@@ -170,6 +195,9 @@ impl Pass for Optimize {
                     let axes = (0..g.ty(grad).rank()).collect();
                     let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![grad])?;
                     total = add(g, Op::Binary(BinaryOp::Add), vec![total, s])?;
+                }
+                if let Some(stage) = &self.stage {
+                    total = across_stages(g, stage, total, OVERFLOW_TAG)?;
                 }
                 let nothing = add(g, Op::Binary(BinaryOp::Sub), vec![total, total])?;
                 let zero = constant(g, 0.0)?;
@@ -204,25 +232,8 @@ impl Pass for Optimize {
                 Some(t) => t,
                 None => constant(g, 0.0)?,
             };
-            if let Some(StageNorm { stage, stages, .. }) = self.stage {
-                for other in (0..stages).filter(|&o| o != stage) {
-                    let send = Op::Send { to: other, tag: NORM_TAG, message: Message::NormPart };
-                    g.add_node(send, vec![total], 0).map_err(|m| invalid(format!("send: {m}")))?;
-                }
-                let mut sum = None;
-                for from in 0..stages {
-                    let part = if from == stage {
-                        total
-                    } else {
-                        let ty = TensorType::scalar(dtype);
-                        add(g, Op::Recv { from, tag: NORM_TAG, message: Message::NormPart, ty }, vec![])?
-                    };
-                    sum = Some(match sum {
-                        Some(s) => add(g, Op::Binary(BinaryOp::Add), vec![s, part])?,
-                        None => part,
-                    });
-                }
-                total = sum.expect("at least one stage");
+            if let Some(stage) = &self.stage {
+                total = across_stages(g, stage, total, NORM_TAG)?;
             }
             let norm = add(g, Op::Unary(UnaryOp::Sqrt), vec![total])?;
             let eps = constant(g, 1e-6)?;

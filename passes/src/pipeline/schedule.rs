@@ -36,7 +36,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use autotp_ir::Message::{self, Activation, Gradient, SharedGradient};
-use autotp_ir::{BinaryOp, Def, Graph, Node, Op, Tensor, TensorType, ValueId};
+use autotp_ir::{BinaryOp, DType, Def, Graph, Node, Op, Tensor, TensorType, ValueId};
 
 use super::{activations, invalid, needed_by, partition, time_cost, Stages};
 use crate::accumulate::{count_labels, counted_loss, micro_batch};
@@ -216,6 +216,12 @@ pub struct Pipeline {
     pub frozen: BTreeSet<String>,
     /// Embedding tables' padding rows ([`Autodiff::padding_rows`]).
     pub padding_rows: BTreeMap<String, usize>,
+    /// Mixed precision: the type each micro-batch's gradients are cast to before they are
+    /// summed (`--grad-accum-dtype`), where it is not theirs.
+    pub grad_dtype: Option<DType>,
+    /// fp16 loss scaling: the last stage's backward starts from the micro-batch's weight times
+    /// the input [`crate::precision::LOSS_SCALE`].
+    pub loss_scaling: bool,
 }
 
 impl Pipeline {
@@ -344,6 +350,15 @@ impl Pipeline {
             outer[p.index()] = Some(g.add_param(d.name_of(p).unwrap_or(""), d.ty(p).clone()));
         }
         let add = |g: &mut Graph, op: Op, inputs: Vec<ValueId>| crate::add_op(PASS, g, op, inputs);
+        // Every stage unscales its gradients by it (`optimize`); the last starts its backward
+        // from it.
+        let loss_scale = match self.loss_scaling {
+            true => Some(
+                (g.inputs().iter().copied().find(|&v| g.name_of(v) == Some(crate::precision::LOSS_SCALE)))
+                    .unwrap_or_else(|| g.add_input(crate::precision::LOSS_SCALE, TensorType::scalar(DType::F32))),
+            ),
+            false => None,
+        };
         let loss_dtype = d.ty(output).dtype;
         // Micro-batch weights in the mean loss: counted labels over the step's, or 1 / M.
         let counted = if last { counted_loss(d) } else { None };
@@ -405,7 +420,11 @@ impl Pipeline {
                 Chunk::Backward(i) => {
                     let map = &mut maps[i];
                     map[cotangent.index()] = Some(if last {
-                        weights[i].expect("the forward chunk comes first")
+                        let weight = weights[i].expect("the forward chunk comes first");
+                        match loss_scale {
+                            Some(scale) => add(&mut g, Op::Binary(BinaryOp::Mul), vec![weight, scale])?,
+                            None => weight,
+                        }
                     } else {
                         let ty = d.ty(cotangent).clone();
                         add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), message: Gradient, ty }, vec![])?
@@ -423,7 +442,10 @@ impl Pipeline {
                     }
                     copy_nodes(&mut g, d, &nodes, parts, after_send, map);
                     for ((_, value), sum) in grads.iter().zip(sums.iter_mut()) {
-                        let grad = map[value.index()].expect("computed");
+                        let mut grad = map[value.index()].expect("computed");
+                        if let Some(dtype) = self.grad_dtype.filter(|&d| d != g.ty(grad).dtype) {
+                            grad = add(&mut g, Op::Cast { to: dtype }, vec![grad])?;
+                        }
                         *sum = Some(match *sum {
                             Some(acc) => add(&mut g, Op::Binary(BinaryOp::Add), vec![acc, grad])?,
                             None => grad,
