@@ -165,9 +165,10 @@ pub struct CompileFlags {
     #[arg(long, value_enum, default_value = "f32")]
     #[serde(default)]
     pub precision: Precision,
-    /// With --precision bf16/fp16: the type gradients are accumulated (over micro-batches)
-    /// and reduced over data-parallel ranks in. f32 by default; DeepSpeed reduces bf16
-    /// gradients in bf16 unless told otherwise.
+    /// With --precision bf16/fp16: the type gradients are accumulated in over micro-batches
+    /// (f32 by default). They are reduced over data-parallel ranks in f32 (a partial sum is
+    /// widened before it is reduced), as Megatron does; DeepSpeed reduces bf16 gradients in
+    /// bf16 unless told otherwise.
     #[arg(long, value_enum, value_name = "f32|bf16|fp16")]
     #[serde(default)]
     pub grad_accum_dtype: Option<Precision>,

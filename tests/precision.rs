@@ -153,13 +153,19 @@ fn mixed_precision_memory_is_deepspeeds() {
         assert_eq!(summary_bytes(&summary, "gradients"), 4 * n / grads_sharded, "dp {dp} zero {zero}: f32 gradients");
     }
     // fp16 gradients at ZeRO 1: the ZeRO paper's (2 + 2 + 12 / dp) bytes per parameter; ZeRO 2
-    // shards the gradients too.
+    // reduces them in f32 into shards.
     for zero in [1, 2] {
         let flags = ["--micro-batch", "4", "--precision", "fp16", "--grad-accum-dtype", "fp16", "--dp", "2"];
         let summary = compile("gpt2", &plan, &[&flags[..], &["--zero", &zero.to_string()]].concat());
         let held = ["parameters  ", "gradients", "optimizer state"].map(|line| summary_bytes(&summary, line));
-        assert_eq!(held, [2 * n, 2 * n / zero, 12 * n / 2], "fp16 zero {zero}: parameters, gradients, optimizer");
+        assert_eq!(held, [2 * n, 2 * n, 12 * n / 2], "fp16 zero {zero}: parameters, gradients, optimizer");
     }
+    // The data-parallel reduction is in f32: 4 bytes per parameter all-reduced.
+    let summary = compile("gpt2", &plan, &["--micro-batch", "4", "--precision", "bf16", "--dp", "2"]);
+    let line = summary.lines().find(|l| l.contains("communication per rank")).unwrap();
+    let all_reduce = line.split("all-reduce ").nth(1).unwrap().split(", reduce-scatter").next().unwrap();
+    let all_reduce: usize = all_reduce.replace(',', "").parse().unwrap();
+    assert!(all_reduce >= 4 * n && all_reduce < 4 * n + 64, "{line}");
 }
 
 /// A bf16 run saved midway resumes bit-identically (the masters and the bf16 parameters are in

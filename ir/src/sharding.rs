@@ -60,6 +60,15 @@ fn message_placement(message: crate::Message, shape: &[usize], axis: &MeshAxis) 
     }
 }
 
+/// A float type's size, for comparing widths (0 for non-floats).
+fn width(dtype: crate::DType) -> usize {
+    if dtype.is_float() {
+        dtype.size()
+    } else {
+        0
+    }
+}
+
 /// Whether dim `d` of `shape` can be sharded `n` ways.
 fn divisible(shape: &[usize], d: usize, n: usize) -> bool {
     shape.get(d).is_some_and(|&s| s % n == 0 && s >= n)
@@ -122,6 +131,9 @@ pub fn axis_rule(
             }
             let linear = match op {
                 Op::Unary(UnaryOp::Neg) => all_partial,
+                // A widening float cast of a partial sum is summed in the wider type (mixed
+                // precision's 16-bit gradients reduced in f32, as DeepSpeed and Megatron do).
+                Op::Cast { to } => all_partial && inputs[0].dtype.is_float() && width(*to) > width(inputs[0].dtype),
                 Op::Binary(BinaryOp::Add | BinaryOp::Sub) => all_partial,
                 Op::Binary(BinaryOp::Mul) => {
                     matches!(current, [PartialSum, Replicate] | [Replicate, PartialSum])

@@ -374,13 +374,19 @@ fn reductions(
     let axis_of = |name: &str| placed.mesh.axes.iter().position(|a| a.name == name);
     let partial = |v: ValueId, a: usize| placed.value(v).placements[a] == Placement::PartialSum;
     // The chain of values from `v` back to where its partial sum is made, through single-output
-    // ops with one partial input (keeping the shape when `same_shape`).
+    // ops with one partial input (keeping the shape when `same_shape`), and not back through a
+    // widening cast: the sum is taken in the wider type (mixed precision's f32 reductions).
     let trace = |v: ValueId, a: usize, same_shape: bool| {
         let mut chain = vec![v];
         while let autotp_ir::Def::Node(p, _) = placed.value(*chain.last().expect("not empty")).def {
             let producer = placed.node(p);
             let partial_inputs: Vec<ValueId> = producer.inputs.iter().copied().filter(|&i| partial(i, a)).collect();
             let (&[only], 1) = (&partial_inputs[..], producer.outputs.len()) else { break };
+            if let Op::Cast { to } = producer.op {
+                if to.is_float() && placed.ty(only).dtype.is_float() && to.size() > placed.ty(only).dtype.size() {
+                    break;
+                }
+            }
             if same_shape && placed.ty(only).shape != placed.ty(v).shape {
                 break;
             }

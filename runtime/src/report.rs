@@ -83,12 +83,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
             let trained = p.params.iter().filter(|s| !training.frozen.contains(&s.name));
             trained.map(|s| s.numel() * training.grad_accum_dtype.unwrap_or(s.dtype).size()).sum()
         } else {
-            // The optimizer of a mixed-precision plan reads its gradients cast to f32; they
-            // are held, reduced and sharded in the accumulation type.
-            match training.grad_accum_dtype {
-                Some(dtype) if !training.masters.is_empty() => p.memory.grads_bytes / 4 * dtype.size(),
-                _ => p.memory.grads_bytes,
-            }
+            p.memory.grads_bytes
         };
         let in_flight = match &training.pipeline {
             Some(pipeline) => pipeline.in_flight.get(stage).copied().unwrap_or(0),
