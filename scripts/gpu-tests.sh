@@ -91,5 +91,14 @@ for layout in "--dp 2 --zero 3" "--tp 2" "--pp 2 --grad-accum 2" "--tp 2 --dp 2 
   run --device cuda --metrics-out "$WORK/layout.cuda.jsonl"
   compare "$WORK/layout.cuda.jsonl" "$WORK/layout.cpu.jsonl" "gpt2 $layout: cuda against cpu"
 done
+# Mixed precision: 16-bit kernels and cuBLAS's 16-bit GEMMs (f32 sums in another order than the
+# CPU's), against the CPU within TOLERANCE_16.
+for precision in bf16 fp16; do
+  plan=$WORK/$precision.atp
+  "$BIN" compile tests/fixtures/gpt2/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 --precision $precision -o "$plan" > /dev/null
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/$precision.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$precision.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
+  TOLERANCE=${TOLERANCE_16:-2e-3} compare "$WORK/$precision.cuda.jsonl" "$WORK/$precision.cpu.jsonl" "gpt2 $precision: cuda against cpu"
+done
 [ "$status" = 0 ] && echo "all GPU checks passed" || echo "GPU checks FAILED"
 exit "$status"

@@ -148,6 +148,27 @@ fn tf32_rounds_the_gemm_operands_and_is_refused_on_the_cpu() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--tf32 needs --device cuda"));
 }
 
+/// bf16 and fp16 plans (16-bit kernels, 16-bit GEMMs, fp16's loss scale) on the emulated GPU
+/// train as on the CPU, bit for bit.
+#[test]
+fn mixed_precision_plans_on_the_emulated_gpu_train_like_the_cpu() {
+    let dir = scratch("emulated-gpu-mixed");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    for precision in ["bf16", "fp16"] {
+        let plan = dir.join(format!("{precision}.atp"));
+        compile(&fixture("gpt2", "model.onnx"), &plan, &["--micro-batch", "4", "--precision", precision]);
+        let run = |device: &str| {
+            let metrics = dir.join(format!("{precision}-{device}.jsonl"));
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+            command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "5"]);
+            command.args(["--device", device, "--metrics-out", metrics.to_str().unwrap()]);
+            success(command.env("AUTOTP_GPU", "emulated").output().unwrap());
+            crate::common::losses(&metrics)
+        };
+        assert_eq!(run("cuda"), run("cpu"), "{precision} on the emulated GPU");
+    }
+}
+
 /// Plans on a mesh on emulated GPUs (one per rank; communication through host memory until
 /// NCCL): the CPU ranks' losses, bit for bit, as threads of one process and as MPI processes.
 #[test]

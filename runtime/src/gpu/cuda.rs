@@ -324,6 +324,35 @@ impl Gpu for CudaGpu {
                     ldc,
                     count,
                 ),
+                // Mixed precision: 16-bit operands, products summed in f32, rounded once.
+                DType::BF16 | DType::F16 => {
+                    let ty = match call.dtype {
+                        DType::BF16 => blas::cudaDataType::CUDA_R_16BF,
+                        _ => blas::cudaDataType::CUDA_R_16F,
+                    };
+                    blas::cublasGemmBatchedEx(
+                        handle,
+                        op(call.transpose_a),
+                        op(call.transpose_b),
+                        m,
+                        n,
+                        k,
+                        &1.0f32 as *const f32 as *const c_void,
+                        a as *const *const c_void,
+                        ty,
+                        lda,
+                        b as *const *const c_void,
+                        ty,
+                        ldb,
+                        &0.0f32 as *const f32 as *const c_void,
+                        c as *const *mut c_void,
+                        ty,
+                        ldc,
+                        count,
+                        blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
                 other => return Err(RuntimeError::Device(format!("cuBLAS GEMM of {other}"))),
             }
         };

@@ -60,7 +60,11 @@ impl GemmCall {
     /// The call computing the matmul `dims` of `dtype` (f32 or f64), or `None` where cuBLAS
     /// cannot (another dtype, an operand without a unit stride, an empty product).
     pub fn of(dtype: DType, dims: &MatMulDims) -> Option<GemmCall> {
-        if !matches!(dtype, DType::F32 | DType::F64) || dims.m == 0 || dims.n == 0 || dims.k == 0 {
+        if !matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+            || dims.m == 0
+            || dims.n == 0
+            || dims.k == 0
+        {
             return None;
         }
         let batches: usize = dims.batch.iter().product();
