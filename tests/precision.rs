@@ -335,3 +335,19 @@ fn mixed_precision_matches_pytorch_references() {
         }
     }
 }
+
+/// fp16 under dp 2 ZeRO 2 as two MPI processes trains as two threads do, bit for bit: the same
+/// losses, loss scales and skipped steps (each process decides overflow from the same reduced
+/// sum).
+#[test]
+fn fp16_as_mpi_processes_trains_like_threads() {
+    let dir = scratch("precision-processes");
+    let plan = dir.join("p.atp");
+    let flags = ["--micro-batch", "4", "--dp", "2", "--zero", "2", "--precision", "fp16", "--grad-clip", "1.0"];
+    compile("gpt2", &plan, &[&flags[..], &["--initial-scale-power", "24"]].concat());
+    run(&plan, &dir.join("threads.jsonl"), 10, &[]);
+    run(&plan, &dir.join("processes.jsonl"), 10, &["--launch", "2"]);
+    let threads = scaled_steps(&dir.join("threads.jsonl"));
+    assert!(threads.iter().any(|s| s.2), "some steps overflow from 2^24");
+    assert_eq!(scaled_steps(&dir.join("processes.jsonl")), threads);
+}
