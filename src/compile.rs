@@ -24,10 +24,12 @@ use autotp_passes::peephole::{self, Peephole};
 use autotp_passes::pipeline::{
     bubble_fraction, stage_idle_fractions, Backward as PipelineBackward, Pipeline, Schedule as PipelineSchedule,
 };
+use autotp_passes::recompute::Recompute;
 use autotp_passes::split_fused::SplitFused;
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
+use autotp_runtime::plan::RecomputeSummary;
 use autotp_runtime::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, TrainingConfig, TrainingPlan, WeightPart};
 use autotp_runtime::schedule::Schedule;
 use clap::Args;
@@ -204,6 +206,20 @@ pub struct CompileFlags {
     #[arg(long, default_value_t = 1.0)]
     #[serde(default = "one_f64")]
     pub min_loss_scale: f64,
+    /// Activations recomputed in the backward instead of kept: none, or selective (core
+    /// attention: the scores, softmax and their 16-bit copy, as Megatron's selective
+    /// recomputation).
+    #[arg(long, value_enum, default_value = "none")]
+    #[serde(default)]
+    pub recompute: RecomputeFlag,
+}
+
+/// `--recompute`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum RecomputeFlag {
+    #[default]
+    None,
+    Selective,
 }
 
 fn sixteen() -> u32 {
@@ -644,6 +660,12 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let mut weight_shapes = BTreeMap::new();
     let (mut weight_parts, mut part_weights) = (BTreeMap::new(), BTreeMap::new());
     let mut masters = BTreeMap::new();
+    let mut recomputed = RecomputeSummary {
+        mode: "selective".into(),
+        blocks: Vec::new(),
+        flops: Vec::new(),
+        activations_peak_without: Vec::new(),
+    };
     for (s, (mut graph, norm)) in graphs.into_iter().zip(norms).enumerate() {
         observer.stage = pipelined.then_some(s);
         back(norm).run_observed(&mut graph, &mut |i, pass, graph| observer.observe(index + i, pass, graph))?;
@@ -659,10 +681,34 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             }
             graph = sharded;
         }
+        let kernels = match flags.kernels {
+            Kernels::Generated => autotp_codegen::KernelChoice::Generated,
+            Kernels::Builtin => autotp_codegen::KernelChoice::Builtin,
+        };
+        let recompute = match flags.recompute {
+            RecomputeFlag::None => Recompute::None,
+            RecomputeFlag::Selective => Recompute::Selective,
+        };
+        if recompute != Recompute::None {
+            // What it recomputes, and the activation peak without it (lowered for its memory
+            // plan alone).
+            let mut kept = graph.clone();
+            if generated {
+                autotp_passes::fusion::Fusion::default().run(&mut kept)?;
+            }
+            let blocks = autotp_passes::recompute::attention_blocks(&kept);
+            recomputed.blocks.push(blocks.len());
+            recomputed.flops.push(autotp_passes::recompute::flops(&kept, &blocks));
+            let options = autotp_codegen::LowerOptions { kernels, ptx: false };
+            let peak = autotp_codegen::lower_with(&kept, &options)?.memory.activations_peak_bytes;
+            recomputed.activations_peak_without.push(peak);
+        }
         if generated {
-            autotp_passes::fusion::Fusion.run(&mut graph)?;
+            autotp_passes::fusion::Fusion { recompute }.run(&mut graph)?;
             autotp_ir::verify(&graph).map_err(|errors| autotp_passes::PassError::Verify { pass: "fusion", errors })?;
             observer.observe(names.len(), "fusion", &graph);
+        } else if recompute == Recompute::Selective {
+            graph = autotp_passes::recompute::recompute_attention(&graph);
         }
         for &p in graph.params() {
             let Some(name) = graph.name_of(p) else { continue };
@@ -681,10 +727,6 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
                 masters.insert(name.to_string(), param.to_string());
             }
         }
-        let kernels = match flags.kernels {
-            Kernels::Generated => autotp_codegen::KernelChoice::Generated,
-            Kernels::Builtin => autotp_codegen::KernelChoice::Builtin,
-        };
         let options = autotp_codegen::LowerOptions { kernels, ptx: generated };
         programs.push(autotp_codegen::lower_with(&graph, &options)?);
     }
@@ -718,6 +760,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             masters,
             grad_accum_dtype: mixed.then(|| flags.grad_accum_dtype.unwrap_or(Precision::F32).dtype()),
             loss_scaler: loss_scaler(flags)?,
+            recompute: (flags.recompute != RecomputeFlag::None).then_some(recomputed),
         },
         model: ModelSource { name: model.graph.name.clone(), path },
     };
@@ -912,6 +955,21 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
             ("total arena", m.arena_bytes),
         ] {
             lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
+        }
+    }
+    if let Some(r) = &plan.training.recompute {
+        for (s, program) in plan.stages.iter().enumerate() {
+            let (with, without) = (program.memory.activations_peak_bytes, r.activations_peak_without[s]);
+            let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
+            lines.push(format!(
+                "  recompute {}: {stage}{} attention blocks per step, +{} FLOPs; activations peak {} (without: {}, {:+.1}%)",
+                r.mode,
+                r.blocks[s],
+                grouped(r.flops[s] as usize),
+                grouped(with),
+                grouped(without),
+                100.0 * (with as f64 - without as f64) / without.max(1) as f64
+            ));
         }
     }
     let mut kernels: BTreeMap<String, usize> = BTreeMap::new();

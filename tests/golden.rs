@@ -61,7 +61,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
         "dce" => Box::new(Dce),
-        "fusion" => Box::new(autotp_passes::fusion::Fusion),
+        "fusion" => Box::new(autotp_passes::fusion::Fusion::default()),
         "peephole" => Box::new(autotp_passes::peephole::Peephole {
             rules: match argument {
                 "gemm" => autotp_passes::peephole::Rules::Gemm,

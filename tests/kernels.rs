@@ -49,7 +49,9 @@ fn outputs_both_ways(text: &str, generated: usize, fuse: bool) -> Vec<(String, V
     assert_eq!(none, 0);
     let mut fused = graph.clone();
     if fuse {
-        autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion)]).run(&mut fused).unwrap();
+        autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion::default())])
+            .run(&mut fused)
+            .unwrap();
         assert!(!fused.fusions().is_empty(), "nothing fused:\n{text}");
     }
     let (got, count) = run(&fused, KernelChoice::Generated);
@@ -282,7 +284,9 @@ fn fused_gradient_steps_match_the_unfused_ones() {
         let autodiff = autotp_passes::autodiff::Autodiff::new("loss");
         autotp_passes::PassManager::new(vec![Box::new(autodiff)]).run(&mut model.graph).unwrap();
         let mut fused = model.graph.clone();
-        autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion)]).run(&mut fused).unwrap();
+        autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion::default())])
+            .run(&mut fused)
+            .unwrap();
         assert!(fused.fusions().len() >= 4, "{arch}: only {} fusion groups", fused.fusions().len());
         let ids = read_npy(&fixture(arch, "input_ids.npy"));
         let feed: Vec<HostTensor> = [&ids, &ids]

@@ -9,6 +9,7 @@
 //! - `parallel`: data parallelism on CPU rank threads against the single-rank run.
 //! - `pipeline`: where the forward pass is cut into pipeline stages.
 //! - `precision`: bf16 mixed precision against f32, one rank, its memory and checkpoints.
+//! - `recompute`: core attention recomputed in the backward against keeping it.
 //! - `processes`: ranks as MPI processes against ranks as threads; failures end the job.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
@@ -33,6 +34,7 @@ mod parallel;
 mod pipeline;
 mod precision;
 mod processes;
+mod recompute;
 mod rewrites;
 mod sharding;
 mod train;

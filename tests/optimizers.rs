@@ -150,7 +150,7 @@ fn multi_tensor_step(optimizer: &str, read_after: bool) {
     text += " output \"p2_new\" = %a2\n}\n";
     let graph = autotp_ir::text::parse(&text).unwrap();
     let mut fused = graph.clone();
-    autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion)]).run(&mut fused).unwrap();
+    autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion::default())]).run(&mut fused).unwrap();
     assert!(autotp_ir::text::print(&fused).contains("fusion \"f"), "{}", autotp_ir::text::print(&fused));
     let fused_program = lower_with(&fused, &LowerOptions { kernels: KernelChoice::Generated, ptx: false }).unwrap();
     let steps: Vec<&Instruction> =

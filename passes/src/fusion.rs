@@ -29,7 +29,12 @@ use crate::{Pass, PassError};
 /// The most nodes one group takes (long chains compile slowly and gain little more).
 const MAX_GROUP: usize = 48;
 
-pub struct Fusion;
+/// The pass, with what it recomputes ([`crate::recompute`]: after the GEMM rewrites, before
+/// the scheduling).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fusion {
+    pub recompute: crate::recompute::Recompute,
+}
 
 impl Pass for Fusion {
     fn name(&self) -> &'static str {
@@ -38,6 +43,9 @@ impl Pass for Fusion {
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         *graph = crate::peephole::rewrite(graph, crate::peephole::Rules::Gemm);
+        if self.recompute == crate::recompute::Recompute::Selective {
+            *graph = crate::recompute::recompute_attention(graph);
+        }
         let (order, groups) = schedule(graph);
         let mut rewriter = Rewriter::new(graph, |_| true);
         for &n in &order {

@@ -15,6 +15,7 @@
 //! | `optimize`  | AdamW/SGD updates of every parameter, optional grad clipping ([`optimize`]) |
 //! | `peephole`  | e-graph rewrites: transpose and reshape chains, `x * 1`, `x + 0`, transposes into GEMMs ([`peephole`]) |
 //! | `precision` | mixed precision: 16-bit weights, CUDA autocast's cast policy; gradients to the accumulation type ([`precision`]) |
+//! | `recompute` | inside `fusion`: core attention recomputed in the backward (`--recompute selective`) ([`recompute`]) |
 //! | `recognize` | rewrites decomposed GELU / RMSNorm / softmax into composite ops ([`recognize`]) |
 //! | `split-fused` | fused projections (GPT-2 `c_attn`, Falcon's and BigCode's multi-query qkv) as one projection per part ([`split_fused`]) |
 //! | `shard`     | places a training step on a device mesh, inserting collectives ([`shard`]) |
@@ -34,6 +35,7 @@ pub mod peephole;
 pub mod pipeline;
 pub mod precision;
 pub mod recognize;
+pub mod recompute;
 pub mod shard;
 mod sink_slices;
 pub mod split_fused;

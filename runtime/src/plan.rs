@@ -102,6 +102,21 @@ pub struct TrainingConfig {
     /// fp16's loss scaler in its initial state (a checkpoint carries its current one).
     #[serde(default)]
     pub loss_scaler: Option<crate::loss_scale::LossScaler>,
+    /// What `--recompute` recomputes, and what it saves and costs.
+    #[serde(default)]
+    pub recompute: Option<RecomputeSummary>,
+}
+
+/// Activation recomputation in a plan (`--recompute`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RecomputeSummary {
+    /// `selective` (core attention).
+    pub mode: String,
+    /// Per stage: attention blocks recomputed per step, their FLOPs, and the activation peak
+    /// the stage would have without recomputation.
+    pub blocks: Vec<usize>,
+    pub flops: Vec<u64>,
+    pub activations_peak_without: Vec<usize>,
 }
 
 /// Where a parameter lies in the model weight it is a part of: `len` entries from `start`

@@ -193,10 +193,12 @@ mod tests {
     }
 
     #[test]
-    fn operands_without_a_unit_stride_and_other_dtypes_stay_on_the_host() {
+    fn operands_without_a_unit_stride_and_integer_dtypes_stay_on_the_host() {
         let mut strided = dims(&[], &[], &[], (4, 4, 4), (false, false));
         strided.lhs_layout = Some(OperandLayout { batch: vec![], rows: 8, cols: 2 });
         assert_eq!(GemmCall::of(DType::F32, &strided), None);
-        assert_eq!(GemmCall::of(DType::BF16, &dims(&[], &[], &[], (4, 4, 4), (false, false))), None);
+        let plain = dims(&[], &[], &[], (4, 4, 4), (false, false));
+        assert_eq!(GemmCall::of(DType::I64, &plain), None);
+        assert!(GemmCall::of(DType::BF16, &plain).is_some(), "16-bit GEMMs go to cuBLAS");
     }
 }
