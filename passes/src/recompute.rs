@@ -127,6 +127,14 @@ pub fn attention_blocks(graph: &Graph) -> Vec<AttentionBlock> {
     blocks
 }
 
+/// The elements of a block's attention probabilities (`a s^2 b` for heads `a`, sequence `s`,
+/// batch `b`): its softmax's output.
+pub fn probability_elements(graph: &Graph, block: &AttentionBlock) -> usize {
+    (block.nodes.iter())
+        .find(|&&n| matches!(graph.node(n).op, Op::Softmax { .. }))
+        .map_or(0, |&n| graph.ty(graph.node(n).outputs[0]).numel())
+}
+
 /// The FLOPs of recomputing `blocks` once: `2mnk` per matmul, one per element otherwise.
 pub fn flops(graph: &Graph, blocks: &[AttentionBlock]) -> u64 {
     let mut total = 0u64;

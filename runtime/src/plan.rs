@@ -117,6 +117,10 @@ pub struct RecomputeSummary {
     pub blocks: Vec<usize>,
     pub flops: Vec<u64>,
     pub activations_peak_without: Vec<usize>,
+    /// Per stage, the elements of one block's attention probabilities (`a s^2 b`: heads,
+    /// sequence squared, batch), for Korthikanti et al.'s `5as^2b` bytes per layer.
+    #[serde(default)]
+    pub probability_elements: Vec<usize>,
 }
 
 /// Where a parameter lies in the model weight it is a part of: `len` entries from `start`
