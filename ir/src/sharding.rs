@@ -60,13 +60,10 @@ fn message_placement(message: crate::Message, shape: &[usize], axis: &MeshAxis) 
     }
 }
 
-/// A float type's size, for comparing widths (0 for non-floats).
-fn width(dtype: crate::DType) -> usize {
-    if dtype.is_float() {
-        dtype.size()
-    } else {
-        0
-    }
+/// Whether a cast from `from` to `to` widens one float type into a wider one (f16/bf16 to f32):
+/// a partial sum cast so is summed in the wider type.
+pub fn widens(from: crate::DType, to: crate::DType) -> bool {
+    from.is_float() && to.is_float() && to.size() > from.size()
 }
 
 /// Whether dim `d` of `shape` can be sharded `n` ways.
@@ -133,7 +130,7 @@ pub fn axis_rule(
                 Op::Unary(UnaryOp::Neg) => all_partial,
                 // A widening float cast of a partial sum is summed in the wider type (mixed
                 // precision's 16-bit gradients reduced in f32, as DeepSpeed and Megatron do).
-                Op::Cast { to } => all_partial && inputs[0].dtype.is_float() && width(*to) > width(inputs[0].dtype),
+                Op::Cast { to } => all_partial && widens(inputs[0].dtype, *to),
                 Op::Binary(BinaryOp::Add | BinaryOp::Sub) => all_partial,
                 Op::Binary(BinaryOp::Mul) => {
                     matches!(current, [PartialSum, Replicate] | [Replicate, PartialSum])

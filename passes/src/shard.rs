@@ -382,10 +382,8 @@ fn reductions(
             let producer = placed.node(p);
             let partial_inputs: Vec<ValueId> = producer.inputs.iter().copied().filter(|&i| partial(i, a)).collect();
             let (&[only], 1) = (&partial_inputs[..], producer.outputs.len()) else { break };
-            if let Op::Cast { to } = producer.op {
-                if to.is_float() && placed.ty(only).dtype.is_float() && to.size() > placed.ty(only).dtype.size() {
-                    break;
-                }
+            if matches!(producer.op, Op::Cast { to } if autotp_ir::sharding::widens(placed.ty(only).dtype, to)) {
+                break;
             }
             if same_shape && placed.ty(only).shape != placed.ty(v).shape {
                 break;
