@@ -24,7 +24,7 @@ use autotp_passes::peephole::{self, Peephole};
 use autotp_passes::pipeline::{
     bubble_fraction, stage_idle_fractions, Backward as PipelineBackward, Pipeline, Schedule as PipelineSchedule,
 };
-use autotp_passes::recompute::Recompute;
+use autotp_passes::recompute::{Recompute, Recomputed};
 use autotp_passes::split_fused::SplitFused;
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
@@ -206,12 +206,23 @@ pub struct CompileFlags {
     #[arg(long, default_value_t = 1.0)]
     #[serde(default = "one_f64")]
     pub min_loss_scale: f64,
-    /// Activations recomputed in the backward instead of kept: none, or selective (core
+    /// Activations recomputed in the backward instead of kept: none; selective (core
     /// attention: the scores, softmax and their 16-bit copy, as Megatron's selective
-    /// recomputation).
+    /// recomputation); full (every layer from its input, as Megatron's full recomputation);
+    /// auto (the cheapest of those that fits each rank in --memory-cap).
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub recompute: RecomputeFlag,
+    /// With --recompute full: only the first K layers of each stage (Megatron's block method).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    #[serde(default)]
+    pub recompute_layers: Option<u64>,
+    /// The most bytes a rank's arena may take (parameters, optimizer state, activations,
+    /// inputs): a plan above it is refused; --recompute auto recomputes until it fits. Bytes,
+    /// with an optional unit: 8GiB, 512MiB, 2GB, 3e9.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    #[serde(default)]
+    pub memory_cap: Option<u64>,
 }
 
 /// `--recompute`.
@@ -220,6 +231,34 @@ pub enum RecomputeFlag {
     #[default]
     None,
     Selective,
+    Full,
+    Auto,
+}
+
+/// A byte count as flags take it: an integer or a decimal (`3e9`, `1.5`) with an optional unit
+/// (B; kB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, TiB in powers of 1024).
+pub fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("'{other}' is not a unit of bytes (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")),
+    };
+    let value: f64 = number.trim().parse().map_err(|_| format!("'{text}' is not a number of bytes"))?;
+    let bytes = value * scale;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("'{text}' is not a positive number of bytes"));
+    }
+    Ok(bytes.round() as u64)
 }
 
 fn sixteen() -> u32 {
@@ -517,6 +556,12 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if flags.explain_tp && flags.tp < 2 {
         bail!("--explain-tp needs --tp 2 or more");
     }
+    if let (Some(k), false) = (flags.recompute_layers, flags.recompute == RecomputeFlag::Full) {
+        bail!(
+            "--recompute-layers {k} chooses the layers of --recompute full, not --recompute {}",
+            recompute_flag_name(flags.recompute)
+        );
+    }
     if flags.zero > 3 {
         bail!("--zero {} is not a ZeRO stage (0, 1, 2 or 3)", flags.zero);
     }
@@ -661,7 +706,11 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     let (mut weight_parts, mut part_weights) = (BTreeMap::new(), BTreeMap::new());
     let mut masters = BTreeMap::new();
     let mut recomputed = RecomputeSummary {
-        mode: "selective".into(),
+        mode: recompute_flag_name(flags.recompute).to_string(),
+        chosen: Vec::new(),
+        layer_inputs: Vec::new(),
+        layers: Vec::new(),
+        memory_cap: flags.memory_cap,
         blocks: Vec::new(),
         flops: Vec::new(),
         activations_peak_without: Vec::new(),
@@ -686,23 +735,47 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             Kernels::Generated => autotp_codegen::KernelChoice::Generated,
             Kernels::Builtin => autotp_codegen::KernelChoice::Builtin,
         };
+        let options = autotp_codegen::LowerOptions { kernels, ptx: false };
         let recompute = match flags.recompute {
             RecomputeFlag::None => Recompute::None,
             RecomputeFlag::Selective => Recompute::Selective,
+            RecomputeFlag::Full => Recompute::Full { layers: flags.recompute_layers.map(|k| k as usize) },
+            RecomputeFlag::Auto => {
+                let cap = flags.memory_cap.context("--recompute auto chooses by --memory-cap, which is missing")?;
+                fitting_recompute(&graph, generated, &options, cap, pipelined.then_some(s))?
+            }
         };
-        if recompute != Recompute::None {
+        if flags.recompute != RecomputeFlag::None {
             // What it recomputes, and the activation peak without it (lowered for its memory
             // plan alone).
             let mut kept = graph.clone();
             if generated {
                 autotp_passes::fusion::Fusion::default().run(&mut kept)?;
             }
-            let blocks = autotp_passes::recompute::attention_blocks(&kept);
+            // Found as fusion finds them, before its schedule (which may move a backward
+            // node that reads only forward values into the forward).
+            let blocks = autotp_passes::recompute::blocks(&graph, recompute);
+            recomputed.chosen.push(recompute_name(recompute));
             recomputed.blocks.push(blocks.len());
-            recomputed.flops.push(autotp_passes::recompute::flops(&kept, &blocks));
-            let elements = blocks.first().map_or(0, |b| autotp_passes::recompute::probability_elements(&kept, b));
+            recomputed.flops.push(autotp_passes::recompute::flops(&graph, &blocks));
+            let attention = autotp_passes::recompute::blocks(&graph, Recompute::Selective);
+            let elements = attention.first().map_or(0, |b| match b.what {
+                Recomputed::Attention { probability_elements } => probability_elements,
+                Recomputed::Layer { .. } => 0,
+            });
             recomputed.probability_elements.push(elements);
-            let options = autotp_codegen::LowerOptions { kernels, ptx: false };
+            let input = blocks.first().and_then(|b| match b.what {
+                Recomputed::Layer { input, .. } => input,
+                Recomputed::Attention { .. } => None,
+            });
+            let numbers: BTreeSet<u64> = (blocks.iter())
+                .filter_map(|b| match b.what {
+                    Recomputed::Layer { number, .. } => Some(number),
+                    Recomputed::Attention { .. } => None,
+                })
+                .collect();
+            recomputed.layers.push(numbers.len());
+            recomputed.layer_inputs.push(input.map_or((0, 0), |v| (graph.ty(v).numel(), graph.ty(v).size_bytes())));
             let peak = autotp_codegen::lower_with(&kept, &options)?.memory.activations_peak_bytes;
             recomputed.activations_peak_without.push(peak);
         }
@@ -710,8 +783,8 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             autotp_passes::fusion::Fusion { recompute }.run(&mut graph)?;
             autotp_ir::verify(&graph).map_err(|errors| autotp_passes::PassError::Verify { pass: "fusion", errors })?;
             observer.observe(names.len(), "fusion", &graph);
-        } else if recompute == Recompute::Selective {
-            graph = autotp_passes::recompute::recompute_attention(&graph);
+        } else if recompute != Recompute::None {
+            graph = autotp_passes::recompute::recompute(&graph, recompute).0;
         }
         for &p in graph.params() {
             let Some(name) = graph.name_of(p) else { continue };
@@ -731,7 +804,17 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             }
         }
         let options = autotp_codegen::LowerOptions { kernels, ptx: generated };
-        programs.push(autotp_codegen::lower_with(&graph, &options)?);
+        let program = autotp_codegen::lower_with(&graph, &options)?;
+        if let Some(cap) = flags.memory_cap.filter(|&cap| program.memory.arena_bytes as u64 > cap) {
+            let stage = if pipelined { format!("stage {s}") } else { "each rank".to_string() };
+            bail!(
+                "{stage} needs {} bytes, over --memory-cap {cap} (with --recompute {}); --recompute auto recomputes \
+                 activations until a plan fits",
+                program.memory.arena_bytes,
+                recompute_name(recompute)
+            );
+        }
+        programs.push(program);
     }
     if let Some(error) = observer.error {
         return Err(error);
@@ -770,6 +853,121 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     plan.feeds()?;
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "compiled {}", flags.model.display());
     Ok(Compiled { plan, model, part_weights })
+}
+
+/// The summary's lines on recomputation: per stage what it recomputes, at what cost, and the
+/// activation peak with and without it, beside Korthikanti et al.'s formulas.
+fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
+    let mut lines = Vec::new();
+    if let Some(cap) = r.memory_cap {
+        let largest = plan.stages.iter().map(|p| p.memory.arena_bytes).max().unwrap_or(0);
+        lines.push(format!("  memory cap {} per rank: largest arena {}", grouped(cap as usize), grouped(largest)));
+    }
+    for (s, program) in plan.stages.iter().enumerate() {
+        let (with, without) = (program.memory.activations_peak_bytes, r.activations_peak_without[s]);
+        let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
+        let chosen = r.chosen.get(s).map_or(r.mode.as_str(), String::as_str);
+        let blocks = r.blocks[s];
+        let what = if chosen.starts_with("full") { "layers" } else { "attention blocks" };
+        lines.push(format!(
+            "  recompute {chosen}: {stage}{blocks} {what} per step, +{} FLOPs; activations peak {} (without: {}, {:+.1}%)",
+            grouped(r.flops[s] as usize),
+            grouped(with),
+            grouped(without),
+            100.0 * (with as f64 - without as f64) / without.max(1) as f64
+        ));
+        if blocks == 0 {
+            continue;
+        }
+        let elements = r.probability_elements.get(s).copied().unwrap_or(0);
+        let saved = without.saturating_sub(with);
+        if let Some(&(sbh, bytes)) = r.layer_inputs.get(s).filter(|i| i.0 > 0) {
+            let layers = r.layers.get(s).copied().unwrap_or(blocks).max(1);
+            lines.push(format!(
+                "    per layer: keeps its input, {} (Korthikanti et al. 2022: 2sbh = {} in 16-bit); the peak drops {} \
+                 per layer recomputed (their sbh(34 + 5as/h) - 2sbh = {} in 16-bit, with dropout masks)",
+                grouped(bytes),
+                grouped(2 * sbh),
+                grouped(saved / layers),
+                grouped(34 * sbh + 5 * elements - 2 * sbh)
+            ));
+        } else if elements > 0 {
+            lines.push(format!(
+                "    saved per attention block {}; Korthikanti et al. 2022: 5as^2b = {} per layer in 16-bit \
+                 (scores 2, softmax 2, dropout mask 1 byte per probability; no dropout here)",
+                grouped(saved / blocks),
+                grouped(5 * elements)
+            ));
+        }
+    }
+    lines
+}
+
+/// `--recompute`'s value as the user spells it.
+fn recompute_flag_name(flag: RecomputeFlag) -> &'static str {
+    match flag {
+        RecomputeFlag::None => "none",
+        RecomputeFlag::Selective => "selective",
+        RecomputeFlag::Full => "full",
+        RecomputeFlag::Auto => "auto",
+    }
+}
+
+/// How a plan's summary names what a stage recomputes.
+fn recompute_name(recompute: Recompute) -> String {
+    match recompute {
+        Recompute::None => "none".into(),
+        Recompute::Selective => "selective".into(),
+        Recompute::Full { layers: None } => "full".into(),
+        Recompute::Full { layers: Some(k) } => format!("full (first {k} layers)"),
+    }
+}
+
+/// The cheapest recomputation that fits a rank of `graph` (a stage's step, sharded) in `cap`
+/// bytes: none, core attention, then whole layers, the first K of the stage for the smallest
+/// K that fits. Refused, with the smallest reachable arena, when every layer recomputed does
+/// not fit.
+fn fitting_recompute(
+    graph: &Graph,
+    generated: bool,
+    options: &autotp_codegen::LowerOptions,
+    cap: u64,
+    stage: Option<usize>,
+) -> Result<Recompute> {
+    let arena = |recompute: Recompute| -> Result<u64> {
+        let mut graph = graph.clone();
+        if generated {
+            autotp_passes::fusion::Fusion { recompute }.run(&mut graph)?;
+        } else {
+            graph = autotp_passes::recompute::recompute(&graph, recompute).0;
+        }
+        Ok(autotp_codegen::lower_with(&graph, options)?.memory.arena_bytes as u64)
+    };
+    for recompute in [Recompute::None, Recompute::Selective] {
+        if arena(recompute)? <= cap {
+            return Ok(recompute);
+        }
+    }
+    let layers = autotp_passes::pipeline::numbered_layers(graph).map_or(0, |l| l.numbers.len());
+    let full = arena(Recompute::Full { layers: None })?;
+    if full > cap {
+        let stage = stage.map_or("a rank".to_string(), |s| format!("stage {s}"));
+        bail!(
+            "--memory-cap {cap} cannot be met: {stage} needs at least {full} bytes, with every one of its {layers} \
+             layers recomputed (--recompute full); raise the cap, or split the model further (--tp, --pp, --zero 3)"
+        );
+    }
+    // The fewest layers that fit (more recomputed layers never need more memory).
+    let (mut low, mut high) = (1, layers.max(1));
+    while low < high {
+        let middle = (low + high) / 2;
+        if arena(Recompute::Full { layers: Some(middle) })? <= cap {
+            high = middle;
+        } else {
+            low = middle + 1;
+        }
+    }
+    Ok(if low >= layers { Recompute::Full { layers: None } } else { Recompute::Full { layers: Some(low) } })
 }
 
 /// Where the parameter `name` of `shape` lies in a model weight, when it is one of the parts
@@ -832,7 +1030,7 @@ fn explain_tp(tp: usize, graph: &Graph, explained: &[autotp_passes::autotp::Expl
 }
 
 /// `1234567` -> `1,234,567`.
-fn grouped(n: usize) -> String {
+pub(crate) fn grouped(n: usize) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
@@ -961,27 +1159,7 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
         }
     }
     if let Some(r) = &plan.training.recompute {
-        for (s, program) in plan.stages.iter().enumerate() {
-            let (with, without) = (program.memory.activations_peak_bytes, r.activations_peak_without[s]);
-            let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
-            lines.push(format!(
-                "  recompute {}: {stage}{} attention blocks per step, +{} FLOPs; activations peak {} (without: {}, {:+.1}%)",
-                r.mode,
-                r.blocks[s],
-                grouped(r.flops[s] as usize),
-                grouped(with),
-                grouped(without),
-                100.0 * (with as f64 - without as f64) / without.max(1) as f64
-            ));
-            if let (Some(&elements), true) = (r.probability_elements.get(s), r.blocks[s] > 0) {
-                lines.push(format!(
-                    "    saved per attention block {}; Korthikanti et al. 2022: 5as^2b = {} per layer in 16-bit \
-                     (scores 2, softmax 2, dropout mask 1 byte per probability; no dropout here)",
-                    grouped(without.saturating_sub(with) / r.blocks[s]),
-                    grouped(5 * elements)
-                ));
-            }
-        }
+        lines.extend(recompute_lines(plan, r));
     }
     let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
     let instructions = plan.stages.iter().flat_map(|p| p.instructions.iter().map(move |i| (p, i)));

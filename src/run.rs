@@ -245,6 +245,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
             .expect("a valid template"),
     );
     let tokens_per_step = trainer.tokens_per_step();
+    trainer.watch_activations();
     let start = Instant::now();
     // Per step, each rank's share of the step spent idle: waiting for another stage, or done
     // before the others.
@@ -315,6 +316,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if let Some(measured) = measured {
         eprint!("{}", measured_against_plan(trainer, &measured, steps));
     }
+    eprint!("{}", activations_against_plan(&trainer.touched_activations()));
     if let Some(pipeline) = &trainer.training().pipeline {
         eprint!("{}", bubble_table(pipeline, trainer.stage_size(), clock, &median_per_rank(&idle_shares)));
     }
@@ -326,6 +328,21 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The activation bytes each rank's runs wrote, against the plan's activation peak: what the
+/// placement of values in the arena adds to the peak (first fit leaves gaps), measured.
+fn activations_against_plan(touched: &[(usize, usize, usize)]) -> String {
+    let mut out = String::new();
+    for &(rank, written, peak) in touched {
+        out += &format!(
+            "activations of rank {rank}: {} bytes written in the arena, plan's peak {} ({:+.1}%)\n",
+            crate::compile::grouped(written),
+            crate::compile::grouped(peak),
+            100.0 * (written as f64 - peak as f64) / peak.max(1) as f64
+        );
+    }
+    out
 }
 
 /// A rank's time per step by op, and its slowest instructions.

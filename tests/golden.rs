@@ -56,12 +56,19 @@ fn shard_spec(spec: &str) -> Shard {
 /// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
-/// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`.
+/// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `fusion` /
+/// `fusion:selective` / `fusion:full` (with recomputation).
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
     match name {
         "dce" => Box::new(Dce),
-        "fusion" => Box::new(autotp_passes::fusion::Fusion::default()),
+        "fusion" => Box::new(autotp_passes::fusion::Fusion {
+            recompute: match argument {
+                "selective" => autotp_passes::recompute::Recompute::Selective,
+                "full" => autotp_passes::recompute::Recompute::Full { layers: None },
+                _ => autotp_passes::recompute::Recompute::None,
+            },
+        }),
         "peephole" => Box::new(autotp_passes::peephole::Peephole {
             rules: match argument {
                 "gemm" => autotp_passes::peephole::Rules::Gemm,

@@ -43,10 +43,9 @@ impl Pass for Fusion {
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         *graph = crate::peephole::rewrite(graph, crate::peephole::Rules::Gemm);
-        if self.recompute == crate::recompute::Recompute::Selective {
-            *graph = crate::recompute::recompute_attention(graph);
-        }
-        let (order, groups) = schedule(graph);
+        let (recomputed, earliest) = crate::recompute::recompute(graph, self.recompute);
+        *graph = recomputed;
+        let (order, groups) = schedule(graph, &earliest);
         let mut rewriter = Rewriter::new(graph, |_| true);
         for &n in &order {
             rewriter.copy_node(n);
@@ -79,8 +78,11 @@ fn group_outputs(graph: &Graph, group: &[NodeId], consumers: &[Vec<NodeId>], lea
         .collect()
 }
 
-/// The nodes in their new order, and the lengths of the consecutive groups that cover it.
-fn schedule(graph: &Graph) -> (Vec<NodeId>, Vec<usize>) {
+/// The nodes in their new order, and the lengths of the consecutive groups that cover it. No
+/// node joins a group before every node before `earliest[node]` is scheduled (a recomputed
+/// node waits for the backward it was put in; the lowest ready node is always the lowest not
+/// yet scheduled, since the graph's order is topological).
+fn schedule(graph: &Graph, earliest: &[usize]) -> (Vec<NodeId>, Vec<usize>) {
     let n = graph.num_nodes();
     let mut consumers: Vec<Vec<NodeId>> = vec![Vec::new(); graph.num_values()];
     let mut waiting = vec![0usize; n];
@@ -151,7 +153,7 @@ fn schedule(graph: &Graph) -> (Vec<NodeId>, Vec<usize>) {
             .then(|| {
                 ready.nodes.iter().copied().find(|&c| {
                     let candidate = NodeId(c as u32);
-                    fusible[c] && connected(graph, &group, candidate) && {
+                    fusible[c] && earliest[c] <= first && connected(graph, &group, candidate) && {
                         let mut grown = group.clone();
                         grown.push(candidate);
                         let outputs = group_outputs(graph, &grown, &consumers, &leaves);

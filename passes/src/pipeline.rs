@@ -76,6 +76,14 @@ pub struct NumberedLayers {
     pub numbers: Vec<u64>,
 }
 
+impl NumberedLayers {
+    /// The layer number of the parameter `name` (`PREFIX.N.rest`), if it is in a layer.
+    pub fn number_of(&self, name: &str) -> Option<u64> {
+        let rest = name.strip_prefix(&self.prefix)?.strip_prefix('.')?;
+        rest.split('.').next()?.parse().ok()
+    }
+}
+
 /// The layers of a model whose parameters are named `PREFIX.N.rest` (the first all-digit part
 /// of a dotted name is the layer number): the prefix with the most numbers (the first in name
 /// order among equals; `layers.N` and `norms.N` of one model number the same layers). None
@@ -95,12 +103,18 @@ pub fn numbered_layers(graph: &Graph) -> Option<NumberedLayers> {
     Some(NumberedLayers { prefix, numbers: numbers.into_iter().collect() })
 }
 
-/// The forward nodes (positions in graph order): those with an output the loss depends on.
-fn forward_nodes(graph: &Graph) -> Vec<usize> {
-    let losses: Vec<ValueId> =
-        graph.outputs().iter().filter(|(name, _)| name == crate::loss::LOSS).map(|(_, v)| *v).collect();
+/// The forward nodes (positions in graph order): those with an output the loss depends on,
+/// or (on a stage) the activation sent to the next stage.
+pub(crate) fn forward_nodes(graph: &Graph) -> Vec<usize> {
+    let outputs = graph.outputs().iter().filter(|(name, _)| name == crate::loss::LOSS || name == PIPE_OUT);
+    let mut roots: Vec<ValueId> = outputs.map(|(_, v)| *v).collect();
+    for (_, node) in graph.nodes() {
+        if let Op::Send { message: autotp_ir::Message::Activation, .. } = node.op {
+            roots.extend(&node.inputs);
+        }
+    }
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
-    let needed = needed_by(&nodes, graph.num_values(), &losses, |_| true);
+    let needed = needed_by(&nodes, graph.num_values(), &roots, |_| true);
     (0..nodes.len()).filter(|&i| needed[i]).collect()
 }
 
@@ -127,15 +141,17 @@ fn needed_by(
     chosen
 }
 
-/// Which values are activations: those computed from the batch (graph inputs with dims). The
-/// rest (from constants and parameters alone) a stage computes itself.
-fn activations(graph: &Graph) -> Vec<bool> {
+/// Which values are activations: those computed from the batch (graph inputs with dims, or on
+/// a stage the activations received). The rest (from constants and parameters alone) a stage
+/// computes itself.
+pub(crate) fn activations(graph: &Graph) -> Vec<bool> {
     let mut activation = vec![false; graph.num_values()];
     for &v in graph.inputs() {
         activation[v.index()] = graph.ty(v).rank() > 0;
     }
     for (_, node) in graph.nodes() {
-        let any = node.inputs.iter().any(|v| activation[v.index()]);
+        let received = matches!(node.op, Op::Recv { message: autotp_ir::Message::Activation, .. });
+        let any = received || node.inputs.iter().any(|v| activation[v.index()]);
         for o in &node.outputs {
             activation[o.index()] = any;
         }

@@ -123,6 +123,10 @@ pub struct HostTensor {
     pub data: Vec<u8>,
 }
 
+/// What [`Executor::watch_activations`] fills the activations with: no f32, f16 or bf16 a
+/// step computes is likely to leave these bytes (as f32 words, a NaN with a payload).
+pub const CANARY: u64 = 0x7FA5_C35A_7FB6_E10F;
+
 /// A loaded program with its arena.
 pub struct Executor {
     program: Program,
@@ -307,6 +311,35 @@ impl Executor {
         match &self.device {
             Backend::Cpu(cpu) => cpu.arena.len(),
             Backend::Gpu(gpu) => gpu.held_bytes,
+        }
+    }
+
+    /// Fills the arena's activations with [`CANARY`] so that [`Executor::touched_activation_bytes`]
+    /// counts what later runs write there; false on a GPU, where it is not watched.
+    pub fn watch_activations(&mut self) -> bool {
+        let start = self.program.activations_start();
+        match &mut self.device {
+            Backend::Cpu(cpu) => {
+                for word in cpu.arena.as_mut_slice()[start..].chunks_mut(8) {
+                    word.copy_from_slice(&CANARY.to_le_bytes()[..word.len()]);
+                }
+                true
+            }
+            Backend::Gpu(_) => false,
+        }
+    }
+
+    /// Bytes of the arena's activations written since [`Executor::watch_activations`] (8-byte
+    /// words that no longer hold the canary): the activation memory the runs took, which the
+    /// plan's peak says, plus what its placement leaves unused between values.
+    pub fn touched_activation_bytes(&self) -> Option<usize> {
+        let start = self.program.activations_start();
+        match &self.device {
+            Backend::Cpu(cpu) => {
+                let words = cpu.arena.as_slice()[start..].chunks(8);
+                Some(words.filter(|w| **w != CANARY.to_le_bytes()[..w.len()]).map(<[u8]>::len).sum())
+            }
+            Backend::Gpu(_) => None,
         }
     }
 

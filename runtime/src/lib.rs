@@ -87,6 +87,10 @@ pub enum RuntimeError {
     Device(String),
     #[error("communication: {0}")]
     Comm(String),
+    /// Another rank of this process failed, so this one stopped (the other's error is the one
+    /// to report).
+    #[error("communication: another rank failed; this one stops")]
+    PeerFailed,
     #[error("cannot read the thread's CPU time: {0}")]
     ThreadCpuTime(std::io::Error),
     #[error("rank {rank}: {source}")]

@@ -110,14 +110,27 @@ pub struct TrainingConfig {
 /// Activation recomputation in a plan (`--recompute`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RecomputeSummary {
-    /// `selective` (core attention).
+    /// The flag: `selective` (core attention), `full` (layers), `auto`.
     pub mode: String,
-    /// Per stage: attention blocks recomputed per step, their FLOPs, and the activation peak
+    /// Per stage, what it recomputes (`auto` chooses per stage): `none`, `selective`, `full`,
+    /// `full (first K layers)`.
+    #[serde(default)]
+    pub chosen: Vec<String>,
+    /// The `--memory-cap` every rank's arena fits in.
+    #[serde(default)]
+    pub memory_cap: Option<u64>,
+    /// Per stage with full recomputation, the input kept per layer: elements (`sbh`) and bytes.
+    #[serde(default)]
+    pub layer_inputs: Vec<(usize, usize)>,
+    /// Per stage with full recomputation, the layers recomputed (each micro-batch recomputes them).
+    #[serde(default)]
+    pub layers: Vec<usize>,
+    /// Per stage: attention blocks or layers recomputed per step, their FLOPs, and the activation peak
     /// the stage would have without recomputation.
     pub blocks: Vec<usize>,
     pub flops: Vec<u64>,
     pub activations_peak_without: Vec<usize>,
-    /// Per stage, the elements of one block's attention probabilities (`a s^2 b`: heads,
+    /// Per stage, the elements of one layer's attention probabilities (`a s^2 b`: heads,
     /// sequence squared, batch), for Korthikanti et al.'s `5as^2b` bytes per layer.
     #[serde(default)]
     pub probability_elements: Vec<usize>,

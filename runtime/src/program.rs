@@ -218,6 +218,13 @@ impl Instruction {
 }
 
 impl Program {
+    /// Where the arena's activations start: after the parameters, states, inputs and constants,
+    /// which have regions of their own; the memory plan reuses the rest.
+    pub fn activations_start(&self) -> usize {
+        let slots = self.params.iter().chain(&self.states).chain(&self.inputs).map(|s| s.region.end());
+        slots.chain(self.constants.iter().map(|c| c.region.end())).max().unwrap_or(0)
+    }
+
     /// The multi-tensor kernels that the program's optimizer steps need, one per update rule
     /// and dtype, in order of first use.
     pub fn optimizer_kernels(&self) -> Vec<autotp_llvm::optim::OptimizerKernel> {

@@ -460,6 +460,25 @@ impl Trainer {
             .collect())
     }
 
+    /// Starts watching what this process's ranks write into their arenas' activations (CPU
+    /// ranks; see [`Executor::watch_activations`]).
+    pub fn watch_activations(&mut self) {
+        for exec in &mut self.ranks {
+            exec.watch_activations();
+        }
+    }
+
+    /// For each of this process's ranks watched since [`Trainer::watch_activations`]: its rank,
+    /// the activation bytes its runs wrote, and the plan's activation peak.
+    pub fn touched_activations(&self) -> Vec<(usize, usize, usize)> {
+        (self.local_ranks().zip(&self.ranks))
+            .filter_map(|(rank, exec)| {
+                let touched = exec.touched_activation_bytes()?;
+                Some((rank, touched, exec.program().memory.activations_peak_bytes))
+            })
+            .collect()
+    }
+
     pub fn fingerprint(&self) -> &str {
         &self.fingerprint
     }
@@ -725,7 +744,7 @@ impl Trainer {
             match result {
                 Ok(out) if rank == reporting => outputs = Some(out),
                 Ok(_) => {}
-                Err(e @ RuntimeError::Comm(_)) => {
+                Err(e @ RuntimeError::PeerFailed) => {
                     stopped.get_or_insert(e);
                 }
                 Err(e) => {

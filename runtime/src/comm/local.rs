@@ -105,7 +105,7 @@ impl LocalComm {
     }
 
     fn aborted(&self) -> RuntimeError {
-        RuntimeError::Comm("another rank failed; this one stops".into())
+        RuntimeError::PeerFailed
     }
 
     /// Deposits `input` as member `coord` and waits for the whole group; returns every input.
