@@ -25,7 +25,7 @@ use autotp_runtime::{
 };
 
 use autotp_kernels::{Kernel, OperandLayout};
-use memory::{align, FirstFit};
+use memory::{align, Arena};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CodegenError {
@@ -212,7 +212,7 @@ fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
 }
 
 /// Frees the regions of the values that die.
-fn release(dying: Vec<usize>, regions: &[Option<Region>], allocator: &mut FirstFit, live_bytes: &mut usize) {
+fn release(dying: Vec<usize>, regions: &[Option<Region>], allocator: &mut Arena, live_bytes: &mut usize) {
     for v in dying {
         let region = regions[v].expect("placed");
         allocator.free(region.offset);
@@ -228,6 +228,31 @@ pub fn lower(graph: &Graph) -> Result<Program, CodegenError> {
 
 /// Lowers `graph` as [`lower`] does, with `options`.
 pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, CodegenError> {
+    let (mut program, planned) = lower_placed(graph, options, None)?;
+    if let Some(offsets) = planned {
+        program = lower_placed(graph, options, Some(offsets))?.0;
+    }
+    let optimizer_kernels = program.optimizer_kernels();
+    if options.ptx && !(program.kernels.is_empty() && optimizer_kernels.is_empty()) {
+        program.ptx = autotp_llvm::nvptx::Arch::ALL
+            .iter()
+            .map(|&arch| {
+                let code = autotp_llvm::nvptx::ptx(&program.kernels, &optimizer_kernels, arch)?;
+                Ok(PtxModule { arch: arch.name().to_string(), code })
+            })
+            .collect::<Result<Vec<_>, autotp_llvm::LlvmError>>()?;
+    }
+    Ok(program)
+}
+
+/// Lowers `graph`, its activations placed first fit, or at `offsets` (in allocation order);
+/// with the offsets of a smaller placement of the same allocations, when there is one
+/// ([`memory`]).
+fn lower_placed(
+    graph: &Graph,
+    options: &LowerOptions,
+    offsets: Option<Vec<usize>>,
+) -> Result<(Program, Option<Vec<usize>>), CodegenError> {
     autotp_ir::verify(graph)?;
     let mut kernels: Vec<autotp_kernels::kir::Kernel> = Vec::new();
     let mut regions: Vec<Option<Region>> = vec![None; graph.num_values()];
@@ -308,7 +333,10 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         }
     }
     let mut by_last_use: Vec<Vec<usize>> = vec![Vec::new(); end + 1];
-    let mut allocator = FirstFit::new(dedicated.next);
+    let mut allocator = match offsets {
+        Some(offsets) => Arena::replaying(dedicated.next, offsets),
+        None => Arena::first_fit(dedicated.next),
+    };
     let mut live_bytes = 0usize;
     let mut instructions = Vec::new();
     let mut start_instruction = vec![usize::MAX; graph.num_nodes()];
@@ -520,7 +548,7 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         .filter(|u| u.from != u.to)
         .collect();
     let mesh = graph.mesh.axes.iter().map(|a| MeshAxis { name: a.name.clone(), size: a.size }).collect();
-    let mut program = Program {
+    let program = Program {
         name: graph.name.clone(),
         mesh,
         inputs,
@@ -534,15 +562,5 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
         ptx: Vec::new(),
         memory,
     };
-    let optimizer_kernels = program.optimizer_kernels();
-    if options.ptx && !(program.kernels.is_empty() && optimizer_kernels.is_empty()) {
-        program.ptx = autotp_llvm::nvptx::Arch::ALL
-            .iter()
-            .map(|&arch| {
-                let code = autotp_llvm::nvptx::ptx(&program.kernels, &optimizer_kernels, arch)?;
-                Ok(PtxModule { arch: arch.name().to_string(), code })
-            })
-            .collect::<Result<Vec<_>, autotp_llvm::LlvmError>>()?;
-    }
-    Ok(program)
+    Ok((program, allocator.planned()))
 }
