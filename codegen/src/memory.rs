@@ -81,10 +81,11 @@ pub struct Arena {
     high_water: usize,
 }
 
-/// The orders [`Arena::planned`] places blocks in, as sort keys (the largest first) of a block's
-/// size, lifetime and first event: largest, longest-lived, most bytes times lifetime, earliest.
+/// A sort key (the largest first) of a block's size, lifetime and first event.
 type OrderKey = fn(usize, usize, usize) -> (usize, usize);
 
+/// The orders [`Arena::planned`] places blocks in: largest, longest-lived, most bytes times
+/// lifetime, earliest first.
 const ORDERS: [OrderKey; 4] = [
     |len, lifetime, _| (len, lifetime),
     |len, lifetime, _| (lifetime, len),
