@@ -39,7 +39,7 @@ fn copy_seconds(bytes: usize) -> f64 {
 /// its inputs and outputs hold.
 fn kernel_seconds(text: &str) -> (f64, usize) {
     let graph = autotp_ir::text::parse(text).expect("a valid graph");
-    let program = lower_with(&graph, &LowerOptions { kernels: KernelChoice::Generated, ptx: false }).unwrap();
+    let program = lower_with(&graph, &LowerOptions { kernels: KernelChoice::Generated, ..Default::default() }).unwrap();
     assert!(program.instructions.iter().all(|i| matches!(i, Instruction::Generated { .. })), "{text}");
     let inputs: Vec<HostTensor> = program
         .inputs

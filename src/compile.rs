@@ -213,6 +213,12 @@ pub struct CompileFlags {
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub recompute: RecomputeFlag,
+    /// Where the optimizer's states (f32 masters, moments) and its step live: in the arena
+    /// (none), or in host memory outside it (cpu, as DeepSpeed's ZeRO-Offload; CPU ranks only
+    /// so far).
+    #[arg(long, value_enum, default_value = "none")]
+    #[serde(default)]
+    pub offload_optimizer: OffloadFlag,
     /// With --recompute full: only the first K layers of each stage (Megatron's block method).
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     #[serde(default)]
@@ -233,6 +239,14 @@ pub enum RecomputeFlag {
     Selective,
     Full,
     Auto,
+}
+
+/// `--offload-optimizer`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum OffloadFlag {
+    #[default]
+    None,
+    Cpu,
 }
 
 /// A byte count as flags take it: an integer or a decimal (`3e9`, `1.5`) with an optional unit
@@ -735,7 +749,8 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             Kernels::Generated => autotp_codegen::KernelChoice::Generated,
             Kernels::Builtin => autotp_codegen::KernelChoice::Builtin,
         };
-        let options = autotp_codegen::LowerOptions { kernels, ptx: false };
+        let offload_optimizer = flags.offload_optimizer == OffloadFlag::Cpu;
+        let options = autotp_codegen::LowerOptions { kernels, ptx: false, offload_optimizer };
         let recompute = match flags.recompute {
             RecomputeFlag::None => Recompute::None,
             RecomputeFlag::Selective => Recompute::Selective,
@@ -803,7 +818,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
                 masters.insert(name.to_string(), param.to_string());
             }
         }
-        let options = autotp_codegen::LowerOptions { kernels, ptx: generated };
+        let options = autotp_codegen::LowerOptions { kernels, ptx: generated, offload_optimizer };
         let program = autotp_codegen::lower_with(&graph, &options)?;
         if let Some(cap) = flags.memory_cap.filter(|&cap| program.memory.arena_bytes as u64 > cap) {
             let stage = if pipelined { format!("stage {s}") } else { "each rank".to_string() };
@@ -1131,7 +1146,7 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
                 grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
                 100.0 * pipeline.planned_idle(s),
                 grouped(m.params_bytes),
-                grouped(m.states_bytes),
+                grouped(m.states_bytes + m.host_pool_bytes),
                 grouped(m.activations_peak_bytes),
                 grouped(m.arena_bytes),
                 rank.micro_batches_in_flight,
@@ -1149,6 +1164,7 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
         for (what, bytes) in [
             ("parameters", m.params_bytes),
             ("optimizer state", m.states_bytes),
+            ("optimizer state offloaded (host pool)", m.host_pool_bytes),
             ("gradients (inside activations)", rank.grads_bytes),
             ("activations peak (with gradients)", m.activations_peak_bytes),
             ("inputs", m.inputs_bytes),

@@ -40,7 +40,7 @@ fn outputs_both_ways(text: &str, generated: usize, fuse: bool) -> Vec<(String, V
         })
         .collect();
     let run = |graph: &autotp_ir::Graph, kernels: KernelChoice| {
-        let program = lower_with(graph, &LowerOptions { kernels, ptx: false }).unwrap();
+        let program = lower_with(graph, &LowerOptions { kernels, ..Default::default() }).unwrap();
         let count = program.instructions.iter().filter(|i| matches!(i, Instruction::Generated { .. })).count();
         let mut executor = Executor::new(program).unwrap();
         (executor.run(&inputs).unwrap(), count)
@@ -294,14 +294,15 @@ fn fused_gradient_steps_match_the_unfused_ones() {
             .map(|t| HostTensor { dtype: t.dtype(), shape: t.shape().to_vec(), data: t.bytes().to_vec() })
             .collect();
         // Attention's head transposes that only matmuls read are read through strides.
-        let program = lower_with(&fused, &LowerOptions { kernels: KernelChoice::Generated, ptx: false }).unwrap();
+        let program =
+            lower_with(&fused, &LowerOptions { kernels: KernelChoice::Generated, ..Default::default() }).unwrap();
         let strided = program.instructions.iter().any(|i| {
             matches!(i, Instruction::Kernel { kernel: autotp_kernels::Kernel::MatMul { dims, .. }, .. }
                 if dims.lhs_layout.is_some() || dims.rhs_layout.is_some())
         });
         assert!(strided, "{arch}: no matmul reads a transpose through strides");
         let run = |graph: &autotp_ir::Graph, kernels: KernelChoice| {
-            let program = lower_with(graph, &LowerOptions { kernels, ptx: false }).unwrap();
+            let program = lower_with(graph, &LowerOptions { kernels, ..Default::default() }).unwrap();
             let mut executor = Executor::new(program).unwrap();
             for (name, t) in &model.weights {
                 executor.load_slot(name, t.bytes()).unwrap();

@@ -9,7 +9,9 @@
 //! - `parallel`: data parallelism on CPU rank threads against the single-rank run.
 //! - `pipeline`: where the forward pass is cut into pipeline stages.
 //! - `precision`: bf16 mixed precision against f32, one rank, its memory and checkpoints.
-//! - `recompute`: core attention recomputed in the backward against keeping it.
+//! - `recompute`: core attention or whole layers recomputed in the backward against keeping
+//!   them; `auto` under `--memory-cap`.
+//! - `offload`: the optimizer's states in host memory outside the arena against keeping them.
 //! - `processes`: ranks as MPI processes against ranks as threads; failures end the job.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
@@ -29,6 +31,7 @@ mod golden;
 mod gpu;
 mod gradients;
 mod kernels;
+mod offload;
 mod optimizers;
 mod parallel;
 mod pipeline;

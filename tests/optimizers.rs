@@ -152,14 +152,15 @@ fn multi_tensor_step(optimizer: &str, read_after: bool) {
     let mut fused = graph.clone();
     autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion::default())]).run(&mut fused).unwrap();
     assert!(autotp_ir::text::print(&fused).contains("fusion \"f"), "{}", autotp_ir::text::print(&fused));
-    let fused_program = lower_with(&fused, &LowerOptions { kernels: KernelChoice::Generated, ptx: false }).unwrap();
+    let fused_program =
+        lower_with(&fused, &LowerOptions { kernels: KernelChoice::Generated, ..Default::default() }).unwrap();
     let steps: Vec<&Instruction> =
         fused_program.instructions.iter().filter(|i| matches!(i, Instruction::OptimizerStep { .. })).collect();
     assert_eq!(steps.len(), 1, "one multi-tensor step: {:#?}", fused_program.instructions);
     // In place: no copies after the step, but for the parameter read after it.
     let copies = fused_program.updates.len();
     assert_eq!(copies, usize::from(read_after), "updates left: {:?}", fused_program.updates);
-    let builtin = lower_with(&graph, &LowerOptions { kernels: KernelChoice::Builtin, ptx: false }).unwrap();
+    let builtin = lower_with(&graph, &LowerOptions { kernels: KernelChoice::Builtin, ..Default::default() }).unwrap();
     assert!(fused_program.memory.activations_peak_bytes < builtin.memory.activations_peak_bytes);
 
     let mut runs = [Executor::new(builtin).unwrap(), Executor::new(fused_program).unwrap()];

@@ -51,6 +51,9 @@ pub struct LowerOptions {
     pub kernels: KernelChoice,
     /// Also compile the generated kernels to PTX for every GPU architecture plans carry.
     pub ptx: bool,
+    /// Place the optimizer's states in the host pool ([`autotp_runtime::HOST_POOL`]) instead of
+    /// the arena (`--offload-optimizer cpu`).
+    pub offload_optimizer: bool,
 }
 
 /// The type one rank holds of `v`.
@@ -260,7 +263,12 @@ fn lower_placed(
     let mut dedicated = Dedicated::default();
     let params = dedicated.place(graph, graph.params(), &mut regions, &mut memory.params_bytes);
     let inputs = dedicated.place(graph, graph.inputs(), &mut regions, &mut memory.inputs_bytes);
-    let states = dedicated.place(graph, graph.states(), &mut regions, &mut memory.states_bytes);
+    let states = if options.offload_optimizer {
+        let mut host_pool = Dedicated { next: autotp_runtime::HOST_POOL };
+        host_pool.place(graph, graph.states(), &mut regions, &mut memory.host_pool_bytes)
+    } else {
+        dedicated.place(graph, graph.states(), &mut regions, &mut memory.states_bytes)
+    };
     let mut constants = Vec::new();
     for (_, node) in graph.nodes() {
         if let Op::Constant { value } = &node.op {

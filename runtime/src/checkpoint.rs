@@ -466,6 +466,12 @@ impl Checkpoint {
     pub fn params(&self) -> Vec<StoredTensor<'_>> {
         self.manifest.params.iter().filter_map(|n| self.tensor(n)).collect()
     }
+
+    /// The optimizer's states (every saved tensor not a parameter), by name.
+    pub fn states(&self) -> Vec<StoredTensor<'_>> {
+        let saved: BTreeSet<&String> = self.manifest.files.values().flatten().collect();
+        saved.into_iter().filter(|n| !self.manifest.params.contains(n)).filter_map(|n| self.tensor(n)).collect()
+    }
 }
 
 #[cfg(test)]

@@ -157,6 +157,8 @@ struct CpuDevice {
     /// The multi-tensor step of each update rule the program's optimizer steps apply.
     optimizer_steps: Vec<(OptimizerKernel, CpuKernel)>,
     arena: AlignedBuf,
+    /// Offloaded optimizer states (`--offload-optimizer cpu`), outside the arena.
+    host_pool: AlignedBuf,
     /// This rank and its communicator, for programs on a mesh.
     rank: Option<(usize, Arc<dyn Communicator>)>,
     /// Collectives issued so far on each mesh axis (their sequence numbers).
@@ -249,8 +251,18 @@ impl Executor {
             .zip(&program.kernels)
             .map(|(entry, k)| GeneratedKernel { entry, outer: k.outer, rows_per_task: rows_per_task(k) })
             .collect();
-        let device =
-            CpuDevice { comm_thread, generated, optimizer_steps, arena, rank, issued, profile: None, clock: None };
+        let host_pool = AlignedBuf::zeroed(program.memory.host_pool_bytes);
+        let device = CpuDevice {
+            comm_thread,
+            generated,
+            optimizer_steps,
+            arena,
+            host_pool,
+            rank,
+            issued,
+            profile: None,
+            clock: None,
+        };
         Ok(Executor {
             program,
             schedule,
@@ -268,6 +280,11 @@ impl Executor {
         gpu: Box<dyn Gpu>,
         rank: Option<(usize, Arc<dyn Communicator>)>,
     ) -> Result<Executor, RuntimeError> {
+        if program.memory.host_pool_bytes > 0 {
+            return Err(RuntimeError::InvalidProgram(
+                "the plan offloads its optimizer (--offload-optimizer), which runs on CPU ranks only so far".into(),
+            ));
+        }
         let (program, schedule) = Executor::prepare(program, &rank)?;
         let device = Backend::Gpu(GpuDevice::load(&program, gpu, rank)?);
         Ok(Executor { program, schedule, device, clock: Clock::Wall, last_run: RunTime::default() })
@@ -347,7 +364,7 @@ impl Executor {
     pub fn read_slot(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, RuntimeError>> {
         let slot = self.program.params.iter().chain(&self.program.states).find(|s| s.name == name)?;
         Some(match &self.device {
-            Backend::Cpu(cpu) => Ok(Cow::Borrowed(&cpu.arena.as_slice()[slot.region.offset..slot.region.end()])),
+            Backend::Cpu(cpu) => Ok(Cow::Borrowed(cpu.bytes(&slot.region))),
             Backend::Gpu(gpu) => gpu.download_region(Stream::Compute, &slot.region).map(Cow::Owned),
         })
     }
@@ -371,7 +388,7 @@ impl Executor {
         }
         match &mut self.device {
             Backend::Cpu(cpu) => {
-                copy_in_parallel(&mut cpu.arena.as_mut_slice()[slot.region.offset..slot.region.end()], bytes);
+                copy_in_parallel(cpu.bytes_mut(&slot.region), bytes);
                 Ok(())
             }
             Backend::Gpu(gpu) => gpu.upload_region(&slot.region, bytes),
@@ -390,9 +407,11 @@ impl Executor {
                 let result = crate::streams::drive(cpu.as_mut(), &self.program, &self.schedule);
                 let clock = cpu.clock.take().expect("set for the run");
                 result?;
-                let arena = cpu.arena.as_mut_slice();
+                let bases = cpu.bases();
                 for u in &self.program.updates {
-                    arena.copy_within(u.from.offset..u.from.end(), u.to.offset);
+                    // SAFETY: validated in the arena or the host pool; `from` and `to` are equal
+                    // or disjoint.
+                    unsafe { std::ptr::copy(bases.at(&u.from), bases.at(&u.to), u.from.len) };
                 }
                 self.last_run = clock.finish()?;
                 let arena = cpu.arena.as_slice();
@@ -422,6 +441,29 @@ impl Executor {
 }
 
 impl CpuDevice {
+    /// Where the arena and the host pool start.
+    fn bases(&mut self) -> Bases {
+        Bases {
+            arena: self.arena.as_mut_slice().as_mut_ptr() as usize,
+            host_pool: self.host_pool.as_mut_slice().as_mut_ptr() as usize,
+        }
+    }
+
+    /// The bytes of `region` (validated to lie in the arena or the host pool).
+    fn bytes(&self, region: &Region) -> &[u8] {
+        match region.in_host_pool() {
+            true => &self.host_pool.as_slice()[region.offset - crate::program::HOST_POOL..][..region.len],
+            false => &self.arena.as_slice()[region.offset..region.end()],
+        }
+    }
+
+    fn bytes_mut(&mut self, region: &Region) -> &mut [u8] {
+        match region.in_host_pool() {
+            true => &mut self.host_pool.as_mut_slice()[region.offset - crate::program::HOST_POOL..][..region.len],
+            false => &mut self.arena.as_mut_slice()[region.offset..region.end()],
+        }
+    }
+
     fn communicator(&self, label: &str, what: &str) -> Result<(usize, Arc<dyn Communicator>), RuntimeError> {
         let (rank, comm) = self
             .rank
@@ -437,14 +479,14 @@ impl Device for CpuDevice {
     fn launch(&mut self, program: &Program, index: usize, _stream: Stream) -> Result<(), RuntimeError> {
         let instruction = &program.instructions[index];
         let started = self.profile.is_some().then(std::time::Instant::now);
-        let base = self.arena.as_mut_slice().as_mut_ptr();
+        let bases = self.bases();
         // SAFETY: `Program::validate` checked every region is inside the arena and that an
         // instruction's outputs overlap neither its inputs nor each other, so these slices
         // are disjoint where one is mutable. Inputs may alias each other (shared reads). A
         // collective in flight on the communication thread touches none of them (the stream
         // schedule is checked race-free).
-        let region = |r: &Region| unsafe { std::slice::from_raw_parts(base.add(r.offset), r.len) };
-        let region_mut = |r: &Region| unsafe { std::slice::from_raw_parts_mut(base.add(r.offset), r.len) };
+        let region = |r: &Region| unsafe { std::slice::from_raw_parts(bases.at(r), r.len) };
+        let region_mut = |r: &Region| unsafe { std::slice::from_raw_parts_mut(bases.at(r), r.len) };
         match instruction {
             Instruction::Kernel { kernel, inputs, outputs, label } => {
                 let ins: Vec<&[u8]> = inputs.iter().map(region).collect();
@@ -452,8 +494,7 @@ impl Device for CpuDevice {
                 kernel.run(&ins, &mut outs).map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
             }
             Instruction::Generated { kernel, inputs, outputs, .. } => {
-                let buffers: Vec<*mut u8> =
-                    inputs.iter().chain(outputs).map(|r| unsafe { base.add(r.offset) }).collect();
+                let buffers: Vec<*mut u8> = inputs.iter().chain(outputs).map(|r| bases.at(r)).collect();
                 // SAFETY: `validate` checked the kernel (every access in bounds of its
                 // buffers) and that these regions have its buffers' sizes and alignment and
                 // outputs that overlap nothing else this instruction touches.
@@ -472,8 +513,8 @@ impl Device for CpuDevice {
                 thread.start(Job {
                     op: op.clone(),
                     seq,
-                    input: (unsafe { base.add(input.offset) } as usize, input.len),
-                    output: (unsafe { base.add(output.offset) } as usize, output.len),
+                    input: (bases.at(input) as usize, input.len),
+                    output: (bases.at(output) as usize, output.len),
                 })?;
             }
             // Its start's completion is what the schedule waits for before it.
@@ -494,7 +535,7 @@ impl Device for CpuDevice {
                     .expect("every optimizer step's kernel is compiled at load");
                 // SAFETY: `validate` checked every tensor's regions (in the arena, of one
                 // size) and that outputs alias nothing but, exactly, their own inputs.
-                unsafe { run_optimizer_step(*entry, *dtype, &constants, tensors, base) };
+                unsafe { run_optimizer_step(*entry, *dtype, &constants, tensors, bases) };
             }
             Instruction::Recv { output, from, tag, label } => {
                 let (rank, comm) = self.communicator(label, "a recv")?;
@@ -642,15 +683,34 @@ fn advise_huge_pages(bytes: &mut [u8]) {
 /// Elements of one chunk of an optimizer step (one task of the pool).
 const OPTIMIZER_CHUNK_ELEMENTS: usize = 16_384;
 
+/// Where a rank's memories start: regions resolve to addresses in the arena or, for those in
+/// the host pool ([`crate::program::HOST_POOL`]), in the pool.
+#[derive(Clone, Copy)]
+pub(crate) struct Bases {
+    pub arena: usize,
+    pub host_pool: usize,
+}
+
+impl Bases {
+    /// The address of `region` (nothing is dereferenced: a GPU's device addresses work too).
+    pub fn at(&self, region: &Region) -> *mut u8 {
+        if region.in_host_pool() {
+            self.host_pool.wrapping_add(region.offset - crate::program::HOST_POOL) as *mut u8
+        } else {
+            self.arena.wrapping_add(region.offset) as *mut u8
+        }
+    }
+}
+
 /// An optimizer step's tensors cut into chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`], for
-/// the arena at address `base` (the CPU's, or a GPU's device address: nothing is dereferenced).
+/// memories at `bases` (the CPU's, or a GPU's device addresses: nothing is dereferenced).
 pub(crate) fn optimizer_chunks(
     dtype: autotp_kernels::DType,
     tensors: &[crate::OptimizerTensor],
-    base: usize,
+    bases: Bases,
 ) -> Vec<autotp_kernels::optim::TensorUpdate> {
     use autotp_kernels::optim::TensorUpdate;
-    let at = |r: &Region| base.wrapping_add(r.offset) as *mut u8;
+    let at = |r: &Region| bases.at(r);
     let mut chunks = Vec::new();
     for t in tensors {
         let mut states = [std::ptr::null(); 2];
@@ -689,10 +749,10 @@ unsafe fn run_optimizer_step(
     dtype: autotp_kernels::DType,
     constants: &[u8],
     tensors: &[crate::OptimizerTensor],
-    base: *mut u8,
+    bases: Bases,
 ) {
     use rayon::prelude::*;
-    let chunks = optimizer_chunks(dtype, tensors, base as usize);
+    let chunks = optimizer_chunks(dtype, tensors, bases);
     // The kernel loads its constants as `dtype`, so they need `dtype`'s alignment.
     let constants = AlignedBuf::from_bytes(constants);
     let args = [chunks.as_ptr() as *mut u8, constants.as_slice().as_ptr() as *mut u8];

@@ -49,7 +49,7 @@ pub mod trainer;
 pub use executor::{Executor, HostTensor};
 pub use program::{
     ConstantData, Instruction, MemoryPlan, MeshAxis, OptimizerTensor, Program, PtxModule, Region, Slot, SlotPlacement,
-    Update,
+    Update, HOST_POOL,
 };
 
 #[derive(Debug, thiserror::Error)]

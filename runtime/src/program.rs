@@ -16,9 +16,19 @@ pub struct Region {
     pub len: usize,
 }
 
+/// Where the host pool starts in the address space of regions: an offloaded optimizer's states
+/// (`--offload-optimizer cpu`) are at `HOST_POOL + offset` in memory of their own, outside the
+/// arena (which starts at 0).
+pub const HOST_POOL: usize = 1 << 48;
+
 impl Region {
     pub fn end(&self) -> usize {
         self.offset + self.len
+    }
+
+    /// Whether the region lies in the host pool rather than the arena.
+    pub fn in_host_pool(&self) -> bool {
+        self.offset >= HOST_POOL
     }
 
     pub(crate) fn overlaps(&self, other: &Region) -> bool {
@@ -156,6 +166,9 @@ pub struct MemoryPlan {
     pub grads_bytes: usize,
     /// The arena size: everything above, plus alignment padding.
     pub arena_bytes: usize,
+    /// Optimizer states offloaded to the host pool (`--offload-optimizer`), outside the arena.
+    #[serde(default)]
+    pub host_pool_bytes: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -221,8 +234,9 @@ impl Program {
     /// Where the arena's activations start: after the parameters, states, inputs and constants,
     /// which have regions of their own; the memory plan reuses the rest.
     pub fn activations_start(&self) -> usize {
-        let slots = self.params.iter().chain(&self.states).chain(&self.inputs).map(|s| s.region.end());
-        slots.chain(self.constants.iter().map(|c| c.region.end())).max().unwrap_or(0)
+        let slots = self.params.iter().chain(&self.states).chain(&self.inputs).map(|s| s.region);
+        let regions = slots.chain(self.constants.iter().map(|c| c.region)).filter(|r| !r.in_host_pool());
+        regions.map(|r| r.end()).max().unwrap_or(0)
     }
 
     /// The multi-tensor kernels that the program's optimizer steps need, one per update rule
@@ -249,15 +263,25 @@ impl Program {
         sha2::Sha256::digest(&json).iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// Checks that every region is inside the arena, that each instruction's regions have the
+    /// Whether `region` lies inside the arena or inside the host pool.
+    pub fn holds(&self, region: &Region) -> bool {
+        if region.in_host_pool() {
+            region.end() - HOST_POOL <= self.memory.host_pool_bytes
+        } else {
+            region.end() <= self.memory.arena_bytes
+        }
+    }
+
+    /// Checks that every region is inside the arena (or the host pool), that each instruction's regions have the
     /// sizes its kernel implies, and that no instruction's outputs overlap its inputs or each
     /// other; the executor relies on this to hand kernels disjoint slices of the right length.
     pub fn validate(&self) -> Result<(), RuntimeError> {
         let size = self.memory.arena_bytes;
         let bad = |what: String| Err(RuntimeError::InvalidProgram(what));
+
         let slots = self.inputs.iter().chain(&self.outputs).chain(&self.params).chain(&self.states);
         for slot in slots {
-            if slot.region.end() > size {
+            if !self.holds(&slot.region) {
                 return bad(format!(
                     "slot '{}' ends at {} past the arena ({size} bytes)",
                     slot.name,
@@ -275,13 +299,13 @@ impl Program {
             }
         }
         for c in &self.constants {
-            if c.region.end() > size || c.bytes.len() != c.region.len {
+            if c.region.end() > size || c.region.in_host_pool() || c.bytes.len() != c.region.len {
                 return bad(format!("a constant at offset {} does not fit its region", c.region.offset));
             }
         }
         for u in &self.updates {
-            if u.from.end() > size
-                || u.to.end() > size
+            if !self.holds(&u.from)
+                || !self.holds(&u.to)
                 || u.from.len != u.to.len
                 || (u.from != u.to && u.from.overlaps(&u.to))
             {
@@ -374,7 +398,7 @@ impl Program {
                     // Aliasing is checked above; only the arena bounds remain.
                     let (reads, writes) = instruction.regions();
                     for r in reads.iter().chain(&writes) {
-                        if r.end() > size {
+                        if !self.holds(r) {
                             return bad(format!("instruction {i} ({label}) reaches past the arena"));
                         }
                     }
@@ -382,7 +406,7 @@ impl Program {
                 }
             };
             for r in inputs.iter().chain(&outputs) {
-                if r.end() > size {
+                if !self.holds(r) {
                     return bad(format!("instruction {i} ({label}) reaches past the arena"));
                 }
             }

@@ -20,13 +20,18 @@ pub struct RankReport {
     pub params_bytes: usize,
     /// Gradients of the trainable parameters as the optimizer receives them (on this rank).
     pub grads_bytes: usize,
+    /// Optimizer states in the arena (none when offloaded).
     pub optimizer_bytes: usize,
+    /// Optimizer states offloaded to host memory outside the arena (`--offload-optimizer`).
+    #[serde(default)]
+    pub offloaded_optimizer_bytes: usize,
     /// Intermediate values live at once at the peak (gradients and collective results among
     /// them).
     pub activations_peak_bytes: usize,
     /// The largest host staging the rank's collectives need at once.
     pub comm_buffer_bytes: usize,
-    /// Everything the rank allocates: its arena plus the communication staging.
+    /// Everything the rank allocates on its device: its arena plus the communication staging
+    /// (offloaded optimizer states apart).
     pub peak_bytes: usize,
     /// Bytes this rank sends per step, by collective.
     pub comm_bytes_per_step: CommBytes,
@@ -97,6 +102,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
                 params_bytes: m.params_bytes,
                 grads_bytes,
                 optimizer_bytes: m.states_bytes,
+                offloaded_optimizer_bytes: m.host_pool_bytes,
                 activations_peak_bytes: m.activations_peak_bytes,
                 comm_buffer_bytes: staging,
                 peak_bytes: m.arena_bytes + staging,

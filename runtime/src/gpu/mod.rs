@@ -270,7 +270,11 @@ impl GpuDevice {
                     Prepared::Movement(runs)
                 }
                 Instruction::OptimizerStep { optimizer, dtype, tensors, .. } => {
-                    let chunks = crate::executor::optimizer_chunks(*dtype, tensors, base as usize);
+                    let chunks = crate::executor::optimizer_chunks(
+                        *dtype,
+                        tensors,
+                        crate::executor::Bases { arena: base as usize, host_pool: 0 },
+                    );
                     let address = upload_new(gpu.as_mut(), table_bytes(&chunks))?;
                     let constants = gpu.alloc(CONSTANTS_BYTES)?;
                     let rule = (rules.iter())
