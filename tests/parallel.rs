@@ -144,6 +144,22 @@ fn verify_accepts_gradients_that_are_zero_but_for_rounding() {
     assert!(report.contains("every gradient within 1e-5") && report.contains("trains like one device"), "{report}");
 }
 
+/// A bf16 plan is verified within bf16's tolerance by default (its gradients carry the rounding
+/// of 16-bit activations summed in another order), which `--tolerance` still overrides.
+#[test]
+fn verify_takes_the_plans_precision_into_account() {
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let plan = scratch("verify-bf16").join("gpt2.atp");
+    let model = fixture("gpt2", "model.onnx");
+    let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2"];
+    success(autotp(&[&args[..], &["--precision", "bf16", "-o", plan.to_str().unwrap()]].concat()));
+    let verify = ["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()];
+    let report = success(autotp(&verify));
+    assert!(report.contains("every gradient within 3e-2") && report.contains("trains like one device"), "{report}");
+    let strict = autotp(&[&verify[..], &["--tolerance", "1e-5"]].concat());
+    assert_eq!(strict.status.code(), Some(1), "{}", String::from_utf8_lossy(&strict.stdout));
+}
+
 /// Key/value projections with fewer heads than tp ranks are replicated, the query heads split:
 /// Llama's 2 key/value heads under `--tp 4` (separate projections), and the multi-query
 /// models' one head under `--tp 2`, whose fused projection trains as three parameters.
