@@ -214,6 +214,100 @@ fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
     layouts
 }
 
+/// What an offloaded multi-tensor step takes over from the nodes after it. Under fp16/bf16's
+/// skipping of non-finite steps every new value is kept by `select(finite, new, old)` (its
+/// update), and a 16-bit parameter is `select(finite, cast(new master), old)`: folded, the step
+/// runs in place only when `finite` holds, and writes the 16-bit copy itself (as DeepSpeed's
+/// CPU Adam does), so no kernel reads the offloaded states but the step.
+struct GuardedStep {
+    guard: ValueId,
+    /// The selects and casts the step does the work of.
+    folded: Vec<autotp_ir::NodeId>,
+    /// Per member of the group: the value its new master's 16-bit copy is (the cast's select)
+    /// and the parameter it updates.
+    copies: Vec<Option<(ValueId, ValueId)>>,
+}
+
+/// The [`GuardedStep`] of each multi-tensor step group (by its first node), when every one of
+/// them folds and no fusion group mixes folded nodes with others; else none.
+fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, GuardedStep> {
+    let mut consumers: Vec<Vec<autotp_ir::NodeId>> = vec![Vec::new(); graph.num_values()];
+    for (id, node) in graph.nodes() {
+        for v in &node.inputs {
+            consumers[v.index()].push(id);
+        }
+    }
+    let updates: HashMap<ValueId, ValueId> = graph.updates().iter().map(|&(target, value)| (value, target)).collect();
+    // `select(guard, value, old)` alone reading `value`, whose result updates `old`.
+    let kept_by_select = |value: ValueId, old: ValueId| -> Option<(autotp_ir::NodeId, ValueId)> {
+        let select = *consumers[value.index()].iter().find(|&&c| graph.node(c).op == Op::Select)?;
+        let node = graph.node(select);
+        (node.inputs[1] == value && node.inputs[2] == old && updates.get(&node.outputs[0]) == Some(&old))
+            .then_some((select, node.inputs[0]))
+    };
+    let mut guarded = HashMap::new();
+    for f in steps {
+        let mut step = GuardedStep { guard: ValueId(u32::MAX), folded: Vec::new(), copies: Vec::new() };
+        for member in f.node_ids() {
+            let node = graph.node(member);
+            let mut copy = None;
+            for (j, &new) in node.outputs.iter().enumerate() {
+                let old = node.inputs[if j == 0 { 0 } else { j + 1 }];
+                let Some((select, guard)) = kept_by_select(new, old) else { return HashMap::new() };
+                let mut expected = 1;
+                if j == 0 {
+                    let cast = consumers[new.index()].iter().copied().find(|&c| {
+                        matches!(graph.node(c).op, Op::Cast { to: autotp_ir::DType::BF16 | autotp_ir::DType::F16 })
+                    });
+                    if let Some(cast) = cast {
+                        let half = graph.node(cast).outputs[0];
+                        let Some(&param_select) = consumers[half.index()].first() else { return HashMap::new() };
+                        let param = graph.node(param_select).inputs[2];
+                        let Some((_, same)) = kept_by_select(half, param).filter(|&(s, _)| s == param_select) else {
+                            return HashMap::new();
+                        };
+                        if same != guard || consumers[half.index()].len() != 1 {
+                            return HashMap::new();
+                        }
+                        step.folded.extend([cast, param_select]);
+                        copy = Some((graph.node(param_select).outputs[0], param));
+                        expected = 2;
+                    }
+                }
+                if consumers[new.index()].len() != expected || (step.guard.0 != u32::MAX && step.guard != guard) {
+                    return HashMap::new();
+                }
+                step.guard = guard;
+                step.folded.push(select);
+            }
+            step.copies.push(copy);
+        }
+        guarded.insert(f.nodes.start, step);
+    }
+    let folded: HashSet<usize> = guarded.values().flat_map(|g| g.folded.iter().map(|n| n.index())).collect();
+    let mixed = graph.fusions().iter().any(|f| {
+        let inside = f.nodes.clone().filter(|n| folded.contains(n)).count();
+        inside > 0 && inside < f.nodes.len()
+    });
+    // In place, the old values must have no reader after the step but the step and the folded.
+    let read_after = steps.iter().any(|f| {
+        f.node_ids().any(|member| {
+            let node = graph.node(member);
+            let olds = (0..node.outputs.len()).map(|j| node.inputs[if j == 0 { 0 } else { j + 1 }]);
+            let params = guarded[&f.nodes.start].copies.iter().flatten().map(|&(_, param)| param);
+            olds.chain(params).any(|old| {
+                consumers[old.index()].iter().any(|c| {
+                    c.index() >= f.nodes.start && !f.nodes.contains(&c.index()) && !folded.contains(&c.index())
+                })
+            })
+        })
+    });
+    if mixed || read_after {
+        return HashMap::new();
+    }
+    guarded
+}
+
 /// Frees the regions of the values that die.
 fn release(dying: Vec<usize>, regions: &[Option<Region>], allocator: &mut Arena, live_bytes: &mut usize) {
     for v in dying {
@@ -319,15 +413,41 @@ fn lower_placed(
     for v in 0..graph.num_values() {
         last_use[root[v]] = last_use[root[v]].max(last_use[v]);
     }
-    // The fusion groups that are multi-tensor optimizer steps, by their first node.
+    // The fusion groups that are multi-tensor optimizer steps, by their first node; offloaded,
+    // guarded by the finiteness of the gradients and in place where that folds.
     let mut optimizer_steps: HashMap<usize, autotp_kernels::Optimizer> = HashMap::new();
+    let mut guarded = HashMap::new();
     if options.kernels == KernelChoice::Generated {
-        for f in graph.fusions() {
-            let nodes: Vec<_> = f.node_ids().collect();
-            if let Some(optimizer) = autotp_ir::lower::multi_tensor_optimizer(graph, &nodes) {
-                update_in_place(graph, f, &mut root, &mut last_use);
-                optimizer_steps.insert(f.nodes.start, optimizer);
+        let steps: Vec<(&autotp_ir::Fusion, autotp_kernels::Optimizer)> = (graph.fusions().iter())
+            .filter_map(|f| {
+                Some((f, autotp_ir::lower::multi_tensor_optimizer(graph, &f.node_ids().collect::<Vec<_>>())?))
+            })
+            .collect();
+        if options.offload_optimizer {
+            guarded = guarded_steps(graph, &steps.iter().map(|(f, _)| *f).collect::<Vec<_>>());
+        }
+        for (f, optimizer) in steps {
+            match guarded.get(&f.nodes.start) {
+                Some(step) => {
+                    for member in f.node_ids() {
+                        let node = graph.node(member);
+                        for (j, &new) in node.outputs.iter().enumerate() {
+                            root[new.index()] = root[node.inputs[if j == 0 { 0 } else { j + 1 }].index()];
+                        }
+                    }
+                    for &folded in &step.folded {
+                        let node = graph.node(folded);
+                        let old = if node.op == Op::Select { node.inputs[2] } else { node.outputs[0] };
+                        root[node.outputs[0].index()] = root[old.index()];
+                    }
+                    for &(copy, param) in step.copies.iter().flatten() {
+                        let Def::Node(select, _) = graph.value(copy).def else { unreachable!("a select's value") };
+                        root[graph.node(select).inputs[1].index()] = root[param.index()];
+                    }
+                }
+                None => update_in_place(graph, f, &mut root, &mut last_use),
             }
+            optimizer_steps.insert(f.nodes.start, optimizer);
         }
     }
     // A started collective's input lives until its wait (the communication thread reads it).
@@ -378,6 +498,7 @@ fn lower_placed(
                 .map(|member| OptimizerTensor {
                     inputs: graph.node(member).inputs[..tensor_inputs].iter().map(region).collect(),
                     outputs: vec![],
+                    copy: None,
                 })
                 .collect();
             for (member, tensor) in fusion.node_ids().zip(&mut tensors) {
@@ -395,6 +516,23 @@ fn lower_placed(
                     tensor.outputs.push(placed);
                 }
             }
+            // Guarded: the selects and casts after the step are its work, in place.
+            let mut guard = None;
+            if let Some(step) = guarded.get(&fusion.nodes.start) {
+                guard = Some(regions[root[step.guard.index()]].expect("the guard is computed before the step"));
+                for &folded in &step.folded {
+                    for &o in &graph.node(folded).outputs {
+                        regions[o.index()] = regions[root[o.index()]];
+                    }
+                    in_fused_group[folded.index()] = true;
+                }
+                for (tensor, copy) in tensors.iter_mut().zip(&step.copies) {
+                    if let Some((copy, _)) = copy {
+                        let region = regions[copy.index()].expect("the parameter's region");
+                        tensor.copy = Some((region, graph.ty(*copy).dtype));
+                    }
+                }
+            }
             memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
             let label = format!(
                 "fusion {}, nodes {}..{} ({})",
@@ -403,7 +541,7 @@ fn lower_placed(
                 fusion.nodes.end,
                 optimizer.multi_tensor_name()
             );
-            instructions.push(Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label });
+            instructions.push(Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, guard, label });
             for member in fusion.nodes.clone() {
                 in_fused_group[member] = true;
             }

@@ -524,7 +524,10 @@ impl Device for CpuDevice {
                 let now = self.clock.as_mut().expect("set for the run").now()?;
                 comm.send(rank, *to, *tag, region(input), now)?;
             }
-            Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label } => {
+            Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, guard, label } => {
+                if guard.is_some_and(|g| region(&g)[0] == 0) {
+                    return Ok(());
+                }
                 let scalars: Vec<&[u8]> = scalars.iter().map(region).collect();
                 let constants = autotp_kernels::optim::constants(optimizer, *dtype, &scalars)
                     .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
@@ -536,6 +539,7 @@ impl Device for CpuDevice {
                 // SAFETY: `validate` checked every tensor's regions (in the arena, of one
                 // size) and that outputs alias nothing but, exactly, their own inputs.
                 unsafe { run_optimizer_step(*entry, *dtype, &constants, tensors, bases) };
+                copy_masters(*dtype, tensors, bases, label)?;
             }
             Instruction::Recv { output, from, tag, label } => {
                 let (rank, comm) = self.communicator(label, "a recv")?;
@@ -763,6 +767,29 @@ unsafe fn run_optimizer_step(
         // inputs, and the chunks of one tensor are disjoint ranges).
         unsafe { entry.run(args.0, c..c + 1) };
     });
+}
+
+/// The 16-bit copies an offloaded step makes of its new parameters ([`OptimizerTensor::copy`]),
+/// with the cast kernel's rounding.
+///
+/// [`OptimizerTensor::copy`]: crate::OptimizerTensor::copy
+fn copy_masters(
+    dtype: autotp_kernels::DType,
+    tensors: &[crate::OptimizerTensor],
+    bases: Bases,
+    label: &str,
+) -> Result<(), RuntimeError> {
+    for t in tensors {
+        let Some((copy, to)) = &t.copy else { continue };
+        let cast = autotp_kernels::Kernel::Cast { from: dtype, to: *to };
+        // SAFETY: validated: the new parameter and its copy lie in the rank's memories, apart.
+        let (master, out) = unsafe {
+            let master = std::slice::from_raw_parts(bases.at(&t.outputs[0]), t.outputs[0].len);
+            (master, std::slice::from_raw_parts_mut(bases.at(copy), copy.len))
+        };
+        cast.run(&[master], &mut [out]).map_err(|source| RuntimeError::Kernel { label: label.to_string(), source })?;
+    }
+    Ok(())
 }
 
 /// The sequence number of the next collective on `op`'s axis (`shard_slice` meets no one and

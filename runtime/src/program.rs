@@ -131,6 +131,10 @@ pub enum Instruction {
         dtype: DType,
         scalars: Vec<Region>,
         tensors: Vec<OptimizerTensor>,
+        /// A bool: the step runs only when it is true (fp16/bf16 skip a step whose gradients are
+        /// not finite); otherwise every parameter and state is left as it was.
+        #[serde(default)]
+        guard: Option<Region>,
         label: String,
     },
 }
@@ -141,6 +145,11 @@ pub enum Instruction {
 pub struct OptimizerTensor {
     pub inputs: Vec<Region>,
     pub outputs: Vec<Region>,
+    /// The new parameter cast to a 16-bit type into this arena region too: a 16-bit model's
+    /// copy of its offloaded f32 master, made by the step as DeepSpeed's CPU Adam makes it
+    /// (rounded as the cast kernel rounds).
+    #[serde(default)]
+    pub copy: Option<(Region, DType)>,
 }
 
 /// The PTX of a program's kernels for one GPU architecture.
@@ -222,9 +231,9 @@ impl Instruction {
             Instruction::Wait { .. } => (vec![], vec![]),
             Instruction::Send { input, .. } => (vec![*input], vec![]),
             Instruction::Recv { output, .. } => (vec![], vec![*output]),
-            Instruction::OptimizerStep { scalars, tensors, .. } => (
-                scalars.iter().chain(tensors.iter().flat_map(|t| &t.inputs)).copied().collect(),
-                tensors.iter().flat_map(|t| t.outputs.iter().copied()).collect(),
+            Instruction::OptimizerStep { scalars, tensors, guard, .. } => (
+                scalars.iter().chain(guard).chain(tensors.iter().flat_map(|t| &t.inputs)).copied().collect(),
+                tensors.iter().flat_map(|t| t.outputs.iter().copied().chain(t.copy.map(|(r, _)| r))).collect(),
             ),
         }
     }
@@ -391,7 +400,10 @@ impl Program {
                     let (reads, writes) = instruction.regions();
                     (reads, writes, label)
                 }
-                Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label } => {
+                Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, guard, label } => {
+                    if guard.is_some_and(|g| g.len != 1) {
+                        return bad(format!("instruction {i} ({label}): its guard is not one bool"));
+                    }
                     if let Err(what) = check_optimizer_step(optimizer, *dtype, scalars, tensors) {
                         return bad(format!("instruction {i} ({label}): {what}"));
                     }
@@ -443,6 +455,14 @@ fn check_optimizer_step(
     let states = optimizer.num_states();
     for (k, t) in tensors.iter().enumerate() {
         let len = t.inputs.first().map_or(0, |r| r.len);
+        if let Some((copy, to)) = &t.copy {
+            if !matches!(to, DType::F16 | DType::BF16)
+                || copy.len * dtype.size() != len * to.size()
+                || copy.in_host_pool()
+            {
+                return Err(format!("tensor {k}'s copy does not fit a 16-bit copy of its parameter"));
+            }
+        }
         if t.inputs.len() != 2 + states
             || t.outputs.len() != 1 + states
             || t.inputs.iter().chain(&t.outputs).any(|r| r.len != len || r.offset % dtype.size() != 0)
@@ -470,7 +490,10 @@ fn check_optimizer_step(
     let writes: Vec<(usize, usize, Region)> = tensors
         .iter()
         .enumerate()
-        .flat_map(|(k, t)| t.outputs.iter().enumerate().map(move |(j, &o)| (k, j, o)))
+        .flat_map(|(k, t)| {
+            let copy = t.copy.map(|(r, _)| (k, t.outputs.len(), r));
+            t.outputs.iter().enumerate().map(move |(j, &o)| (k, j, o)).chain(copy)
+        })
         .collect();
     for (n, &(k, j, out)) in writes.iter().enumerate() {
         let clashes_with_read = reads.iter().any(|&(by, r)| r.overlaps(&out) && !(by == Some((k, j)) && r == out));
