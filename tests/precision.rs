@@ -166,6 +166,18 @@ fn mixed_precision_memory_is_deepspeeds() {
     let all_reduce = line.split("all-reduce ").nth(1).unwrap().split(", reduce-scatter").next().unwrap();
     let all_reduce: usize = all_reduce.replace(',', "").parse().unwrap();
     assert!(all_reduce >= 4 * n && all_reduce < 4 * n + 64, "{line}");
+    // ZeRO-3 gathers each 16-bit parameter for the forward and again for the backward: 2 bytes
+    // per parameter sent per rank over dp 2, half of f32's (the select that keeps a parameter on
+    // a skipped step reads its own shard, not a third gather).
+    let all_gather = |precision: &str| {
+        let flags = ["--micro-batch", "4", "--dp", "2", "--zero", "3", "--precision", precision];
+        let summary = compile("gpt2", &plan, &flags);
+        let line = summary.lines().find(|l| l.contains("communication per rank")).unwrap().to_string();
+        let bytes = line.split("all-gather ").nth(1).unwrap().split(';').next().unwrap().replace(',', "");
+        (bytes.parse::<usize>().unwrap(), line)
+    };
+    let ((bf16, line), (f32, _)) = (all_gather("bf16"), all_gather("f32"));
+    assert!((2 * bf16).abs_diff(f32) * 100 < f32, "bf16 {bf16}, f32 {f32}: {line}");
 }
 
 /// A bf16 run saved midway resumes bit-identically (the masters and the bf16 parameters are in

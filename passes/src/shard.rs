@@ -26,7 +26,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use autotp_ir::sharding::{axis_rule, computes_block, reshard};
 use autotp_ir::{
-    BinaryOp, Collective, Graph, Mesh, Op, Placement, ReduceOp, Reduction, Rewriter, Tensor, UnaryOp, ValueId,
+    BinaryOp, Collective, Def, Graph, Mesh, NodeId, Op, Placement, ReduceOp, Reduction, Rewriter, Tensor, UnaryOp,
+    ValueId,
 };
 
 use crate::{Pass, PassError};
@@ -275,12 +276,26 @@ fn place(
         origin: BTreeMap::new(),
         gather_params_on,
     };
-    for (_, node) in source.nodes() {
+    // The parameters a node makes the update of and reads itself (an optimizer, or the select
+    // that keeps a 16-bit parameter on a skipped step): it takes them as they are held.
+    let mut updated_by: BTreeMap<NodeId, Vec<ValueId>> = BTreeMap::new();
+    for &(target, value) in source.updates() {
+        if let Def::Node(n, _) = source.value(value).def {
+            if source.params().contains(&target) && source.node(n).inputs.contains(&target) {
+                updated_by.entry(n).or_default().push(target);
+            }
+        }
+    }
+    for (id, node) in source.nodes() {
         let mut inputs: Vec<ValueId> = node.inputs.iter().map(|&v| placer.rw.map(v)).collect();
         if let Some(z) = gather_params_on.filter(|_| !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. })) {
-            for v in inputs.iter_mut() {
+            let own = updated_by.get(&id).map_or(&[][..], Vec::as_slice);
+            for (v, old) in inputs.iter_mut().zip(&node.inputs) {
                 let g = placer.rw.graph();
-                if g.params().contains(v) && matches!(g.value(*v).placements[z], Placement::Shard(_)) {
+                if g.params().contains(v)
+                    && matches!(g.value(*v).placements[z], Placement::Shard(_))
+                    && !own.contains(old)
+                {
                     *v = placer.reshard(*v, z, Placement::Replicate)?;
                 }
             }
