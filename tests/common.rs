@@ -44,6 +44,20 @@ pub fn failure(out: std::process::Output) -> String {
     stderr
 }
 
+/// Runs `plan` to step `steps` over the committed tokens, writing `metrics` (`extra` added);
+/// asserts it succeeded.
+pub fn run_plan(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) {
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let steps = steps.to_string();
+    let args = [
+        &["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", &steps][..],
+        &["--metrics-out", metrics.to_str().unwrap()],
+        extra,
+    ]
+    .concat();
+    success(autotp(&args));
+}
+
 /// The `(step, loss)` of every line of a metrics file.
 pub fn losses(metrics: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(metrics)

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use crate::common::{autotp, failure, fixture, repo, scratch, success};
+use crate::common::{autotp, failure, fixture, repo, run_plan, scratch, success};
 
 /// Compiles the GPT-2 fixture at sequence length 32 with `flags`; the summary.
 fn compile(plan: &Path, flags: &[&str]) -> String {
@@ -23,15 +23,7 @@ fn compile(plan: &Path, flags: &[&str]) -> String {
 
 /// Runs `plan` to step `steps` (`extra` added); every metric line without its timings.
 fn run(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) -> Vec<serde_json::Value> {
-    let tokens = repo().join("tests/fixtures/train/tokens.bin");
-    let steps = steps.to_string();
-    let args = [
-        &["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", &steps][..],
-        &["--metrics-out", metrics.to_str().unwrap()],
-        extra,
-    ]
-    .concat();
-    success(autotp(&args));
+    run_plan(plan, metrics, steps, extra);
     let lines = std::fs::read_to_string(metrics).unwrap();
     lines
         .lines()

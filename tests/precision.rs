@@ -5,9 +5,9 @@
 //! scaling (overflowing steps skipped, the scale moving by DeepSpeed's or torch's rules), and the
 //! flags it refuses.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use crate::common::{autotp, failure, fixture, losses, repo, scratch, success};
+use crate::common::{autotp, failure, fixture, losses, repo, run_plan, scratch, success};
 
 const TRAINING: [&str; 8] = ["--seq-len", "32", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"];
 
@@ -23,15 +23,7 @@ fn compile(arch: &str, plan: &Path, flags: &[&str]) -> String {
 
 /// Runs `plan` for `steps` over the committed tokens (`extra` added); its losses.
 fn run(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) -> Vec<(u64, f64)> {
-    let tokens: PathBuf = repo().join("tests/fixtures/train/tokens.bin");
-    let steps = steps.to_string();
-    let args = [
-        &["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", &steps][..],
-        &["--metrics-out", metrics.to_str().unwrap()],
-        extra,
-    ]
-    .concat();
-    success(autotp(&args));
+    run_plan(plan, metrics, steps, extra);
     losses(metrics)
 }
 
