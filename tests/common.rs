@@ -45,8 +45,8 @@ pub fn failure(out: std::process::Output) -> String {
 }
 
 /// Runs `plan` to step `steps` over the committed tokens, writing `metrics` (`extra` added);
-/// asserts it succeeded.
-pub fn run_plan(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) {
+/// asserts it succeeded and returns what it printed on stderr (its progress and measurements).
+pub fn run_plan(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) -> String {
     let tokens = repo().join("tests/fixtures/train/tokens.bin");
     let steps = steps.to_string();
     let args = [
@@ -55,7 +55,10 @@ pub fn run_plan(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) {
         extra,
     ]
     .concat();
-    success(autotp(&args));
+    let out = autotp(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    success(out);
+    stderr
 }
 
 /// The `(step, loss)` of every line of a metrics file.

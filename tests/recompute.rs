@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use crate::common::{autotp, failure, fixture, losses, repo, scratch, success};
+use crate::common::{autotp, failure, fixture, losses, run_plan, scratch, success};
 
 /// Compiles `arch` at sequence length 128 with `flags`; the summary.
 fn compile(arch: &str, plan: &Path, flags: &[&str]) -> String {
@@ -25,21 +25,7 @@ fn compile(arch: &str, plan: &Path, flags: &[&str]) -> String {
 /// recomputation under ZeRO-3 with accumulation, 6.5-9.4%; first fit was 14% over on tp 2 x
 /// dp 2 and 41% on the latter).
 fn train(plan: &Path, metrics: &Path, save: &Path) -> Vec<(u64, f64)> {
-    let tokens = repo().join("tests/fixtures/train/tokens.bin");
-    let out = autotp(&[
-        "run",
-        plan.to_str().unwrap(),
-        "--data",
-        tokens.to_str().unwrap(),
-        "--steps",
-        "6",
-        "--metrics-out",
-        metrics.to_str().unwrap(),
-        "--save",
-        save.to_str().unwrap(),
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    success(out);
+    let stderr = run_plan(plan, metrics, 6, &["--save", save.to_str().unwrap()]);
     let measured: Vec<&str> = stderr.lines().filter(|l| l.starts_with("activations of rank")).collect();
     assert!(!measured.is_empty(), "{stderr}");
     for line in measured {

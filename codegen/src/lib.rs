@@ -132,6 +132,12 @@ fn fusion_outputs(graph: &Graph, fusion: &autotp_ir::Fusion, last_use: &[usize])
         .collect()
 }
 
+/// The input an optimizer node's output `j` is the new value of: the parameter (output 0) or
+/// a state (output `j`, after the parameter and its gradient).
+fn replaced_input(node: &autotp_ir::Node, j: usize) -> ValueId {
+    node.inputs[if j == 0 { 0 } else { j + 1 }]
+}
+
 /// Lets each output of a multi-tensor optimizer step `fusion` take its input's bytes (the
 /// parameter's for the new parameter, each state's for the new state) when the step reads that
 /// input last and only once: the update is then made in place, and the copy after the step and
@@ -149,7 +155,7 @@ fn update_in_place(graph: &Graph, fusion: &autotp_ir::Fusion, root: &mut [usize]
     for &n in &nodes {
         let node = graph.node(n);
         for (k, &output) in node.outputs.iter().enumerate() {
-            let input = root[node.inputs[if k == 0 { 0 } else { k + 1 }].index()];
+            let input = root[replaced_input(node, k).index()];
             let is_constant = matches!(
                 graph.value(ValueId(input as u32)).def,
                 Def::Node(c, _) if matches!(graph.node(c).op, Op::Constant { .. })
@@ -231,12 +237,7 @@ struct GuardedStep {
 /// The [`GuardedStep`] of each multi-tensor step group (by its first node), when every one of
 /// them folds and no fusion group mixes folded nodes with others; else none.
 fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, GuardedStep> {
-    let mut consumers: Vec<Vec<autotp_ir::NodeId>> = vec![Vec::new(); graph.num_values()];
-    for (id, node) in graph.nodes() {
-        for v in &node.inputs {
-            consumers[v.index()].push(id);
-        }
-    }
+    let consumers = graph.consumers();
     let updates: HashMap<ValueId, ValueId> = graph.updates().iter().map(|&(target, value)| (value, target)).collect();
     // `select(guard, value, old)` alone reading `value`, whose result updates `old`.
     let kept_by_select = |value: ValueId, old: ValueId| -> Option<(autotp_ir::NodeId, ValueId)> {
@@ -247,12 +248,12 @@ fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, 
     };
     let mut guarded = HashMap::new();
     for f in steps {
-        let mut step = GuardedStep { guard: ValueId(u32::MAX), folded: Vec::new(), copies: Vec::new() };
+        let (mut step_guard, mut folded, mut copies) = (None, Vec::new(), Vec::new());
         for member in f.node_ids() {
             let node = graph.node(member);
             let mut copy = None;
             for (j, &new) in node.outputs.iter().enumerate() {
-                let old = node.inputs[if j == 0 { 0 } else { j + 1 }];
+                let old = replaced_input(node, j);
                 let Some((select, guard)) = kept_by_select(new, old) else { return HashMap::new() };
                 let mut expected = 1;
                 if j == 0 {
@@ -269,20 +270,21 @@ fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, 
                         if same != guard || consumers[half.index()].len() != 1 {
                             return HashMap::new();
                         }
-                        step.folded.extend([cast, param_select]);
+                        folded.extend([cast, param_select]);
                         copy = Some((graph.node(param_select).outputs[0], param));
                         expected = 2;
                     }
                 }
-                if consumers[new.index()].len() != expected || (step.guard.0 != u32::MAX && step.guard != guard) {
+                if consumers[new.index()].len() != expected || step_guard.is_some_and(|g| g != guard) {
                     return HashMap::new();
                 }
-                step.guard = guard;
-                step.folded.push(select);
+                step_guard = Some(guard);
+                folded.push(select);
             }
-            step.copies.push(copy);
+            copies.push(copy);
         }
-        guarded.insert(f.nodes.start, step);
+        let Some(guard) = step_guard else { return HashMap::new() };
+        guarded.insert(f.nodes.start, GuardedStep { guard, folded, copies });
     }
     let folded: HashSet<usize> = guarded.values().flat_map(|g| g.folded.iter().map(|n| n.index())).collect();
     let mixed = graph.fusions().iter().any(|f| {
@@ -293,7 +295,7 @@ fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, 
     let read_after = steps.iter().any(|f| {
         f.node_ids().any(|member| {
             let node = graph.node(member);
-            let olds = (0..node.outputs.len()).map(|j| node.inputs[if j == 0 { 0 } else { j + 1 }]);
+            let olds = (0..node.outputs.len()).map(|j| replaced_input(node, j));
             let params = guarded[&f.nodes.start].copies.iter().flatten().map(|&(_, param)| param);
             olds.chain(params).any(|old| {
                 consumers[old.index()].iter().any(|c| {
@@ -432,7 +434,7 @@ fn lower_placed(
                     for member in f.node_ids() {
                         let node = graph.node(member);
                         for (j, &new) in node.outputs.iter().enumerate() {
-                            root[new.index()] = root[node.inputs[if j == 0 { 0 } else { j + 1 }].index()];
+                            root[new.index()] = root[replaced_input(node, j).index()];
                         }
                     }
                     for &folded in &step.folded {

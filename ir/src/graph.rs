@@ -179,6 +179,17 @@ impl Graph {
         self.values.len()
     }
 
+    /// Each value's readers, in graph order (a node reading a value twice is listed twice).
+    pub fn consumers(&self) -> Vec<Vec<NodeId>> {
+        let mut consumers = vec![Vec::new(); self.values.len()];
+        for (id, node) in self.nodes() {
+            for v in &node.inputs {
+                consumers[v.index()].push(id);
+            }
+        }
+        consumers
+    }
+
     pub fn num_nodes(&self) -> usize {
         self.nodes.len()
     }

@@ -159,6 +159,37 @@ pub(crate) fn activations(graph: &Graph) -> Vec<bool> {
     activation
 }
 
+/// For each forward position `k` (an index into `forward`, positions of `nodes`) where at most
+/// one `counted` value made before it is read at or after it: `k` and those values (none or
+/// one). The cuts of the forward pass where one activation, or none, crosses.
+pub(crate) fn single_activation_cuts(
+    nodes: &[&autotp_ir::Node],
+    forward: &[usize],
+    counted: &[bool],
+) -> Vec<(usize, Vec<ValueId>)> {
+    // Last forward position using each value.
+    let mut last_use = vec![None; counted.len()];
+    for (k, &i) in forward.iter().enumerate() {
+        for v in &nodes[i].inputs {
+            last_use[v.index()] = Some(k);
+        }
+    }
+    let mut cuts = Vec::new();
+    let mut live: Vec<ValueId> = Vec::new();
+    for (k, &i) in forward.iter().enumerate() {
+        live.retain(|v| last_use[v.index()].is_some_and(|last| last >= k));
+        if live.len() <= 1 {
+            cuts.push((k, live.clone()));
+        }
+        for &o in &nodes[i].outputs {
+            if counted[o.index()] && last_use[o.index()].is_some_and(|last| last > k) {
+                live.push(o);
+            }
+        }
+    }
+    cuts
+}
+
 impl Stages {
     /// Positions in `forward` of stage `s`'s nodes.
     pub fn range(&self, s: usize) -> std::ops::Range<usize> {
@@ -187,7 +218,8 @@ pub fn time_cost(graph: &Graph, node: &autotp_ir::Node) -> u64 {
     matmul_flops(graph, node).unwrap_or_else(|| ELEMENT_FLOPS * elements(graph, node))
 }
 
-fn matmul_flops(graph: &Graph, node: &autotp_ir::Node) -> Option<u64> {
+/// `2mnk` when `node` is a matmul.
+pub(crate) fn matmul_flops(graph: &Graph, node: &autotp_ir::Node) -> Option<u64> {
     let Op::MatMul { transpose_lhs, .. } = node.op else { return None };
     let lhs = &graph.ty(node.inputs[0]).shape;
     let k = if transpose_lhs { lhs[lhs.len() - 2] } else { lhs[lhs.len() - 1] };
@@ -246,25 +278,11 @@ pub fn partition(graph: &Graph, stages: usize, named: &[String], in_flight: &[us
         return Err(invalid(format!("the graph has no '{}' output to cut the forward pass of", crate::loss::LOSS)));
     }
     let activation = activations(graph);
-    // Last forward position using each value.
-    let mut last_use = vec![None; graph.num_values()];
-    for (k, &i) in forward.iter().enumerate() {
-        for v in &nodes[i].inputs {
-            last_use[v.index()] = Some(k);
-        }
-    }
     // Candidate cuts: before forward position k, exactly one activation crosses.
     let mut boundary_at: Vec<Option<ValueId>> = vec![None; forward.len()];
-    let mut live: Vec<ValueId> = Vec::new();
-    for (k, &i) in forward.iter().enumerate() {
-        live.retain(|v| last_use[v.index()].is_some_and(|last| last >= k));
+    for (k, live) in single_activation_cuts(&nodes, &forward, &activation) {
         if let [only] = live[..] {
             boundary_at[k] = Some(only);
-        }
-        for &o in &nodes[i].outputs {
-            if activation[o.index()] && last_use[o.index()].is_some_and(|last| last > k) {
-                live.push(o);
-            }
         }
     }
     let cost: Vec<u64> = forward.iter().map(|&i| flops(graph, nodes[i])).collect();

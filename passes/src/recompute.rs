@@ -68,23 +68,16 @@ pub enum Recomputed {
 
 /// One core attention block: its nodes in graph order (the score product first) and the
 /// product of the probabilities with the values, which reads them last in the forward.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AttentionBlock {
-    pub nodes: Vec<NodeId>,
-    pub probabilities_matmul: NodeId,
+struct AttentionBlock {
+    nodes: Vec<NodeId>,
+    probabilities_matmul: NodeId,
 }
 
 /// The most elementwise ops between the score product and the softmax.
 const MAX_CHAIN: usize = 12;
 
 /// The core attention blocks of `graph` whose values its backward reads.
-pub fn attention_blocks(graph: &Graph) -> Vec<AttentionBlock> {
-    let mut consumers: Vec<Vec<NodeId>> = vec![Vec::new(); graph.num_values()];
-    for (id, node) in graph.nodes() {
-        for &v in &node.inputs {
-            consumers[v.index()].push(id);
-        }
-    }
+fn attention_blocks(graph: &Graph, consumers: &[Vec<NodeId>]) -> Vec<AttentionBlock> {
     let producer = |v: ValueId| match graph.value(v).def {
         Def::Node(n, _) => Some(n),
         _ => None,
@@ -176,13 +169,8 @@ pub fn flops(graph: &Graph, blocks: &[Block]) -> u64 {
         let node = graph.node(n);
         let out = graph.ty(node.outputs[0]);
         total += match node.op {
-            Op::MatMul { transpose_lhs, .. } => {
-                let lhs = graph.ty(node.inputs[0]);
-                let k = lhs.shape[lhs.rank() - if transpose_lhs { 2 } else { 1 }];
-                2 * out.numel() as u64 * k as u64
-            }
             Op::Collective { .. } | Op::Wait => 0,
-            _ => out.numel() as u64,
+            _ => crate::pipeline::matmul_flops(graph, node).unwrap_or(out.numel() as u64),
         };
     }
     total
@@ -193,7 +181,8 @@ pub fn blocks(graph: &Graph, mode: Recompute) -> Vec<Block> {
     match mode {
         Recompute::None => Vec::new(),
         Recompute::Selective => {
-            attention_blocks(graph).iter().map(|block| attention_block(graph, block, &consumers(graph))).collect()
+            let consumers = graph.consumers();
+            attention_blocks(graph, &consumers).iter().map(|block| attention_block(graph, block, &consumers)).collect()
         }
         Recompute::Full { layers } => layer_blocks(graph, layers),
     }
@@ -203,16 +192,6 @@ pub fn blocks(graph: &Graph, mode: Recompute) -> Vec<Block> {
 /// position (in the result's order) a schedule may run it at: a clone's is the block's first.
 pub fn recompute(graph: &Graph, mode: Recompute) -> (Graph, Vec<usize>) {
     apply(graph, &blocks(graph, mode))
-}
-
-fn consumers(graph: &Graph) -> Vec<Vec<NodeId>> {
-    let mut consumers: Vec<Vec<NodeId>> = vec![Vec::new(); graph.num_values()];
-    for (id, node) in graph.nodes() {
-        for &v in &node.inputs {
-            consumers[v.index()].push(id);
-        }
-    }
-    consumers
 }
 
 /// A core attention block as a [`Block`]: every value it makes redirected, from the first node
@@ -275,25 +254,8 @@ fn layer_blocks(graph: &Graph, first: Option<usize>) -> Vec<Block> {
             computed[o.index()] = any && activation[o.index()] && graph.ty(o).rank() > 0;
         }
     }
-    let mut last_use = vec![None; graph.num_values()];
-    for (k, &i) in forward.iter().enumerate() {
-        for v in &nodes[i].inputs {
-            last_use[v.index()] = Some(k);
-        }
-    }
-    let mut cuts: Vec<usize> = Vec::new();
-    let mut live: Vec<ValueId> = Vec::new();
-    for (k, &i) in forward.iter().enumerate() {
-        live.retain(|v| last_use[v.index()].is_some_and(|last| last >= k));
-        if live.len() <= 1 {
-            cuts.push(k);
-        }
-        for &o in &nodes[i].outputs {
-            if computed[o.index()] && last_use[o.index()].is_some_and(|last| last > k) {
-                live.push(o);
-            }
-        }
-    }
+    let mut cuts: Vec<usize> =
+        crate::pipeline::single_activation_cuts(&nodes, &forward, &computed).into_iter().map(|(k, _)| k).collect();
     cuts.push(forward.len());
     // Layers: runs of pieces between cuts whose nodes use one layer's parameters, and the
     // pieces between them that compute on activations without parameters and pass no messages
@@ -329,7 +291,7 @@ fn layer_blocks(graph: &Graph, first: Option<usize>) -> Vec<Block> {
     numbers.sort();
     numbers.dedup();
     numbers.truncate(first.unwrap_or(usize::MAX));
-    let consumers = consumers(graph);
+    let consumers = graph.consumers();
     layers
         .iter()
         .filter(|layer| numbers.contains(&layer.number))
@@ -365,7 +327,7 @@ fn layer_blocks(graph: &Graph, first: Option<usize>) -> Vec<Block> {
                 }
                 clones.push(NodeId(i as u32));
                 needed.extend(match node.op {
-                    Op::Wait => started_collective(graph, node).1.inputs.clone(),
+                    Op::Wait => collective_start(graph, node).inputs.clone(),
                     _ => node.inputs.clone(),
                 });
             }
@@ -386,11 +348,10 @@ fn layer_blocks(graph: &Graph, first: Option<usize>) -> Vec<Block> {
         .collect()
 }
 
-/// The asynchronous collective a wait completes, and its start node.
-fn started_collective<'g>(graph: &'g Graph, wait: &autotp_ir::Node) -> (&'g Op, &'g autotp_ir::Node) {
+/// The start of the asynchronous collective a wait completes.
+fn collective_start<'g>(graph: &'g Graph, wait: &autotp_ir::Node) -> &'g autotp_ir::Node {
     let Def::Node(start, _) = graph.value(wait.inputs[0]).def else { unreachable!("a wait reads a start") };
-    let start = graph.node(start);
-    (&start.op, start)
+    graph.node(start)
 }
 
 /// `graph` with `blocks` recomputed (see [`recompute`]).
@@ -419,13 +380,13 @@ fn apply(graph: &Graph, blocks: &[Block]) -> (Graph, Vec<usize>) {
             for &n in &block.nodes {
                 let original = graph.node(n);
                 let (op, inputs) = match &original.op {
-                    Op::Wait => match started_collective(graph, original) {
-                        (Op::Collective { kind, axis, .. }, start) => {
-                            let op = Op::Collective { kind: *kind, axis: axis.clone(), start: false };
-                            (op, &start.inputs)
-                        }
-                        (op, _) => unreachable!("a wait completes a collective, not {}", op.name()),
-                    },
+                    Op::Wait => {
+                        let start = collective_start(graph, original);
+                        let Op::Collective { kind, axis, .. } = &start.op else {
+                            unreachable!("a wait completes a collective, not {}", start.op.name())
+                        };
+                        (Op::Collective { kind: *kind, axis: axis.clone(), start: false }, &start.inputs)
+                    }
                     op => (op.clone(), &original.inputs),
                 };
                 let inputs = inputs.iter().map(|i| cloned.get(i).copied().unwrap_or_else(|| rw.map(*i))).collect();

@@ -332,17 +332,13 @@ impl Executor {
     }
 
     /// Fills the arena's activations with [`CANARY`] so that [`Executor::touched_activation_bytes`]
-    /// counts what later runs write there; false on a GPU, where it is not watched.
-    pub fn watch_activations(&mut self) -> bool {
+    /// counts what later runs write there (on the CPU; a GPU's are not watched).
+    pub fn watch_activations(&mut self) {
         let start = self.program.activations_start();
-        match &mut self.device {
-            Backend::Cpu(cpu) => {
-                for word in cpu.arena.as_mut_slice()[start..].chunks_mut(8) {
-                    word.copy_from_slice(&CANARY.to_le_bytes()[..word.len()]);
-                }
-                true
+        if let Backend::Cpu(cpu) = &mut self.device {
+            for word in cpu.arena.as_mut_slice()[start..].chunks_mut(8) {
+                word.copy_from_slice(&CANARY.to_le_bytes()[..word.len()]);
             }
-            Backend::Gpu(_) => false,
         }
     }
 
@@ -524,10 +520,9 @@ impl Device for CpuDevice {
                 let now = self.clock.as_mut().expect("set for the run").now()?;
                 comm.send(rank, *to, *tag, region(input), now)?;
             }
-            Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, guard, label } => {
-                if guard.is_some_and(|g| region(&g)[0] == 0) {
-                    return Ok(());
-                }
+            // A guarded step whose guard is false (non-finite gradients) leaves everything as is.
+            Instruction::OptimizerStep { guard: Some(guard), .. } if region(guard)[0] == 0 => {}
+            Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label, .. } => {
                 let scalars: Vec<&[u8]> = scalars.iter().map(region).collect();
                 let constants = autotp_kernels::optim::constants(optimizer, *dtype, &scalars)
                     .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
