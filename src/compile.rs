@@ -29,6 +29,7 @@ use autotp_passes::split_fused::SplitFused;
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
 use autotp_runtime::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
+use autotp_runtime::nvme::NvmeOffload;
 use autotp_runtime::plan::RecomputeSummary;
 use autotp_runtime::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, TrainingConfig, TrainingPlan, WeightPart};
 use autotp_runtime::schedule::Schedule;
@@ -214,11 +215,27 @@ pub struct CompileFlags {
     #[serde(default)]
     pub recompute: RecomputeFlag,
     /// Where the optimizer's states (f32 masters, moments) and its step live: in the arena
-    /// (none), or in host memory outside it (cpu, as DeepSpeed's ZeRO-Offload; CPU ranks only
-    /// so far).
+    /// (none), in host memory outside it (cpu, as DeepSpeed's ZeRO-Offload), or in files under
+    /// --nvme-path streamed through the step in tiles (nvme, as ZeRO-Infinity); CPU ranks only
+    /// so far.
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub offload_optimizer: OffloadFlag,
+    /// With --offload-optimizer nvme: the directory of the optimizer state's files, one per
+    /// rank, removed when the run ends (`autotp run --nvme-path` may name another).
+    #[arg(long, value_name = "DIR")]
+    #[serde(default)]
+    pub nvme_path: Option<PathBuf>,
+    /// With --offload-optimizer nvme: parameter elements per tile of optimizer state streamed
+    /// through the step (DeepSpeed's sub_group_size) [default: 1e9].
+    #[arg(long, value_name = "ELEMENTS", value_parser = parse_count)]
+    #[serde(default)]
+    pub sub_group_size: Option<u64>,
+    /// With --offload-optimizer nvme: tiles in memory at once, so that reading the next,
+    /// updating one and writing the last overlap (DeepSpeed's buffer_count) [default: 4].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[serde(default)]
+    pub buffer_count: Option<u64>,
     /// With --recompute full: only the first K layers of each stage (Megatron's block method).
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     #[serde(default)]
@@ -247,6 +264,43 @@ pub enum OffloadFlag {
     #[default]
     None,
     Cpu,
+    Nvme,
+}
+
+/// A count as flags take it: an integer, or a decimal that is one (`1e9`).
+pub fn parse_count(text: &str) -> std::result::Result<u64, String> {
+    let value: f64 = text.trim().parse().map_err(|_| format!("'{text}' is not a number"))?;
+    if !(value >= 1.0 && value.fract() == 0.0 && value < 2f64.powi(63)) {
+        return Err(format!("'{text}' is not a positive whole number"));
+    }
+    Ok(value as u64)
+}
+
+/// Where the plan keeps its optimizer state in files (`--offload-optimizer nvme`), checked
+/// against the flags that only it takes.
+fn nvme_offload(flags: &CompileFlags) -> Result<Option<NvmeOffload>> {
+    if flags.offload_optimizer != OffloadFlag::Nvme {
+        let given = [
+            ("--nvme-path", flags.nvme_path.is_some()),
+            ("--sub-group-size", flags.sub_group_size.is_some()),
+            ("--buffer-count", flags.buffer_count.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+            bail!("{flag} applies to --offload-optimizer nvme");
+        }
+        return Ok(None);
+    }
+    if flags.kernels != Kernels::Generated {
+        bail!("--offload-optimizer nvme streams the state through the generated multi-tensor step: it needs --kernels generated");
+    }
+    let path = flags.nvme_path.as_ref().context(
+        "--offload-optimizer nvme keeps the optimizer state in files under --nvme-path DIR, which is missing",
+    )?;
+    Ok(Some(NvmeOffload {
+        path: std::path::absolute(path).with_context(|| format!("--nvme-path {}", path.display()))?,
+        tile_elements: flags.sub_group_size.map_or(autotp_runtime::nvme::DEFAULT_TILE_ELEMENTS, |n| n as usize),
+        buffer_count: flags.buffer_count.map_or(autotp_runtime::nvme::DEFAULT_BUFFER_COUNT, |n| n as usize),
+    }))
 }
 
 /// A byte count as flags take it: an integer or a decimal (`3e9`, `1.5`) with an optional unit
@@ -315,7 +369,7 @@ impl Precision {
 }
 
 /// `--kernels`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 enum Kernels {
     Generated,
     Builtin,
@@ -605,6 +659,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     if flags.zero > 0 && flags.dp < 2 {
         bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
     }
+    let nvme = nvme_offload(flags)?;
     let start = Instant::now();
     // The graph is imported for one micro-batch of every rank; `accumulate` or the pipeline
     // repeat it.
@@ -749,7 +804,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             Kernels::Generated => autotp_codegen::KernelChoice::Generated,
             Kernels::Builtin => autotp_codegen::KernelChoice::Builtin,
         };
-        let offload_optimizer = flags.offload_optimizer == OffloadFlag::Cpu;
+        let offload_optimizer = flags.offload_optimizer != OffloadFlag::None;
         let options = autotp_codegen::LowerOptions { kernels, ptx: false, offload_optimizer };
         let recompute = match flags.recompute {
             RecomputeFlag::None => Recompute::None,
@@ -820,6 +875,11 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         }
         let options = autotp_codegen::LowerOptions { kernels, ptx: generated, offload_optimizer };
         let program = autotp_codegen::lower_with(&graph, &options)?;
+        if let Some(nvme) = &nvme {
+            let stage = if pipelined { format!(" (stage {s})") } else { String::new() };
+            autotp_runtime::nvme::Layout::of(&program, nvme.tile_elements)
+                .map_err(|e| anyhow::anyhow!("--offload-optimizer nvme{stage}: {e}"))?;
+        }
         if let Some(cap) = flags.memory_cap.filter(|&cap| program.memory.arena_bytes as u64 > cap) {
             let stage = if pipelined { format!("stage {s}") } else { "each rank".to_string() };
             bail!(
@@ -862,12 +922,38 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             grad_accum_dtype: mixed.then(|| flags.grad_accum_dtype.unwrap_or(Precision::F32).dtype()),
             loss_scaler: loss_scaler(flags)?,
             recompute: (flags.recompute != RecomputeFlag::None).then_some(recomputed),
+            nvme,
         },
         model: ModelSource { name: model.graph.name.clone(), path },
     };
     plan.feeds()?;
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "compiled {}", flags.model.display());
     Ok(Compiled { plan, model, part_weights })
+}
+
+/// The summary's lines on the optimizer state in files: per stage, its tiles, the buffers in
+/// memory and the bytes each step reads and writes.
+fn nvme_lines(plan: &TrainingPlan, nvme: &NvmeOffload) -> Vec<String> {
+    let mut lines = vec![format!(
+        "  optimizer state on NVMe under {}: tiles of at most {} elements, {} buffers",
+        nvme.path.display(),
+        grouped(nvme.tile_elements),
+        nvme.buffer_count
+    )];
+    for (s, program) in plan.stages.iter().enumerate() {
+        let Ok(layout) = autotp_runtime::nvme::Layout::of(program, nvme.tile_elements) else { continue };
+        let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
+        let buffers = nvme.buffer_count.min(layout.tiles);
+        lines.push(format!(
+            "    {stage}{} tiles, {} bytes in memory ({buffers} x {}); {} bytes read and {} written per step",
+            layout.tiles,
+            grouped(buffers * layout.tile_bytes),
+            grouped(layout.tile_bytes),
+            grouped(layout.bytes_per_step),
+            grouped(layout.bytes_per_step),
+        ));
+    }
+    lines
 }
 
 /// The summary's lines on recomputation: per stage what it recomputes, at what cost, and the
@@ -1160,11 +1246,15 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
         );
     } else {
         let m = &p.memory;
+        let offloaded_label = match t.nvme {
+            Some(_) => "optimizer state offloaded (NVMe file)",
+            None => "optimizer state offloaded (host pool)",
+        };
         lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
         for (what, bytes) in [
             ("parameters", m.params_bytes),
             ("optimizer state", m.states_bytes),
-            ("optimizer state offloaded (host pool)", m.host_pool_bytes),
+            (offloaded_label, m.host_pool_bytes),
             ("gradients (inside activations)", rank.grads_bytes),
             ("activations peak (with gradients)", m.activations_peak_bytes),
             ("inputs", m.inputs_bytes),
@@ -1176,6 +1266,9 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
     }
     if let Some(r) = &plan.training.recompute {
         lines.extend(recompute_lines(plan, r));
+    }
+    if let Some(nvme) = &plan.training.nvme {
+        lines.extend(nvme_lines(plan, nvme));
     }
     let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
     let instructions = plan.stages.iter().flat_map(|p| p.instructions.iter().map(move |i| (p, i)));

@@ -67,7 +67,7 @@ enum Command {
     /// Compile a model into a training plan (.atp) and print its summary.
     Compile(Box<compile::CompileArgs>),
     /// Train a compiled plan on CPU over a token file.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Compile and run in one go.
     Train(Box<train::TrainArgs>),
     /// Write a checkpoint's weights into the original ONNX model and/or a safetensors file.

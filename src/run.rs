@@ -3,18 +3,21 @@
 //! (`--save`, `--save-every`, `--keep-last`) and `--resume`. `--steps N` is the step the run
 //! ends at: a run resumed from step k does steps k+1..=N.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use autotp_runtime::checkpoint::Checkpoint;
 use autotp_runtime::clock::Clock;
 use autotp_runtime::comm::CommBytes;
+use autotp_runtime::comm::MpiComm;
 use autotp_runtime::cuda::DeviceKind;
 use autotp_runtime::data::{TokenData, TokenDtype};
 use autotp_runtime::gpu::{GemmMath, GpuKind};
-use autotp_runtime::plan::PlanFile;
+use autotp_runtime::plan::{PlanFile, TrainingPlan};
 use autotp_runtime::trainer::{StepMetrics, Trainer};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -80,6 +83,10 @@ pub struct RunFlags {
     /// trains on the GPU the model it trains on the CPU.
     #[arg(long)]
     tf32: bool,
+    /// Where a plan compiled with --offload-optimizer nvme keeps its optimizer state's files,
+    /// instead of the directory it was compiled with.
+    #[arg(long, value_name = "DIR")]
+    nvme_path: Option<PathBuf>,
 }
 
 /// The seed of a fresh run without `--seed`.
@@ -104,6 +111,30 @@ impl RunFlags {
             }
             None => bail!("--device {} is not a device: cpu or cuda", self.device),
         }
+    }
+
+    /// Loads `plan` for this run: on the GPU `gpu` names or the CPU, as a process of `job` or
+    /// all ranks here, with `--nvme-path` in place of the plan's.
+    pub fn trainer(
+        &self,
+        mut plan: TrainingPlan,
+        weights: &BTreeMap<String, &[u8]>,
+        job: Option<&Arc<MpiComm>>,
+        gpu: Option<GpuKind>,
+    ) -> Result<Trainer> {
+        if let Some(path) = &self.nvme_path {
+            let nvme = plan.training.nvme.as_mut().context(
+                "--nvme-path: the plan keeps no optimizer state in files (compile it with --offload-optimizer nvme)",
+            )?;
+            nvme.path = std::path::absolute(path).with_context(|| format!("--nvme-path {}", path.display()))?;
+        }
+        let seed = self.seed();
+        Ok(match (job, gpu) {
+            (Some(job), Some(gpu)) => Trainer::for_process_on_gpu(plan, weights, seed, job.clone(), gpu)?,
+            (Some(job), None) => Trainer::for_process(plan, weights, seed, job.clone())?,
+            (None, Some(gpu)) => Trainer::on_gpu(plan, weights, seed, gpu)?,
+            (None, None) => Trainer::new(plan, weights, seed)?,
+        })
     }
 
     /// The seed for a fresh run (`--seed`, default [`DEFAULT_SEED`]).
@@ -134,13 +165,8 @@ pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
     let file = PlanFile::open(&args.plan)?;
     let job = crate::job::start(&file.plan, args.flags.comm_timeout)?;
     crate::job::run_in(job.as_ref(), || {
-        let (weights, seed) = (file.weights(), args.flags.seed());
-        let mut trainer = match (&job, gpu) {
-            (Some(job), Some(gpu)) => Trainer::for_process_on_gpu(file.plan.clone(), &weights, seed, job.clone(), gpu)?,
-            (Some(job), None) => Trainer::for_process(file.plan.clone(), &weights, seed, job.clone())?,
-            (None, Some(gpu)) => Trainer::on_gpu(file.plan.clone(), &weights, seed, gpu)?,
-            (None, None) => Trainer::new(file.plan.clone(), &weights, seed)?,
-        };
+        let weights = file.weights();
+        let mut trainer = args.flags.trainer(file.plan.clone(), &weights, job.as_ref(), gpu)?;
         drop(weights);
         drop(file);
         tracing::info!(seconds = started.elapsed().as_secs_f64(), plan = %args.plan.display(), "plan loaded");
@@ -246,6 +272,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     );
     let tokens_per_step = trainer.tokens_per_step();
     trainer.watch_activations();
+    let io_before = ProcessIo::now();
     let start = Instant::now();
     // Per step, each rank's share of the step spent idle: waiting for another stage, or done
     // before the others.
@@ -294,6 +321,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     }
     bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
+    let io = io_before.zip(ProcessIo::now()).map(|(before, after)| after.since(&before));
     let steps = flags.steps - first;
     // Every process of a job takes part in gathering the measured figures.
     // On a GPU the device's own count is worth comparing with the plan even for one rank.
@@ -317,6 +345,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         eprint!("{}", measured_against_plan(trainer, &measured, steps));
     }
     eprint!("{}", activations_against_plan(&trainer.touched_activations()));
+    eprint!("{}", nvme_against_counters(trainer, io, steps));
     if let Some(pipeline) = &trainer.training().pipeline {
         eprint!("{}", bubble_table(pipeline, trainer.stage_size(), clock, &median_per_rank(&idle_shares)));
     }
@@ -328,6 +357,72 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The storage bytes this process read and wrote, from Linux's per-process I/O counters
+/// (`/proc/self/io`): with direct I/O, exactly what went to and from the disk.
+#[derive(Clone, Copy, Debug)]
+struct ProcessIo {
+    read_bytes: u64,
+    write_bytes: u64,
+}
+
+impl ProcessIo {
+    /// The counters now; `None` where the system has none.
+    fn now() -> Option<ProcessIo> {
+        let text = std::fs::read_to_string("/proc/self/io").ok()?;
+        let field = |name: &str| {
+            text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(": ")?.trim().parse::<u64>().ok())
+        };
+        Some(ProcessIo { read_bytes: field("read_bytes")?, write_bytes: field("write_bytes")? })
+    }
+
+    fn since(&self, before: &ProcessIo) -> ProcessIo {
+        ProcessIo {
+            read_bytes: self.read_bytes.saturating_sub(before.read_bytes),
+            write_bytes: self.write_bytes.saturating_sub(before.write_bytes),
+        }
+    }
+}
+
+/// Per rank here whose optimizer state is in a file: its tiles, and the bytes its steps moved
+/// per step; then the process's I/O counters over the run beside them.
+fn nvme_against_counters(trainer: &Trainer, io: Option<ProcessIo>, steps: usize) -> String {
+    use crate::compile::grouped;
+    let files = trainer.nvme_status();
+    if files.is_empty() {
+        return String::new();
+    }
+    let mut out = String::new();
+    let (mut read, mut written) = (0, 0);
+    let per_step = |bytes: u64| grouped((bytes / steps.max(1) as u64) as usize);
+    for (rank, file) in &files {
+        let layout = file.layout;
+        let per_parameter = layout.state_bytes as f64 / layout.elements.max(1) as f64;
+        out += &format!(
+            "optimizer state on NVMe, rank {rank}: {} bytes in {} tiles ({per_parameter:.0} bytes per parameter + {} \
+             of padding to 4 KiB), {} buffers of {} bytes; the steps read {} and wrote {} bytes per step ({})\n",
+            grouped(layout.file_bytes),
+            layout.tiles,
+            grouped(layout.file_bytes - layout.state_bytes),
+            file.buffers,
+            grouped(layout.tile_bytes),
+            per_step(file.read),
+            per_step(file.written),
+            if file.direct { "direct I/O" } else { "through the page cache: the filesystem refuses O_DIRECT" },
+        );
+        (read, written) = (read + file.read, written + file.written);
+    }
+    if let Some(io) = io {
+        out += &format!(
+            "this process's I/O counters over {steps} steps: read_bytes {}, write_bytes {} (the steps' files: {} and {})\n",
+            grouped(io.read_bytes as usize),
+            grouped(io.write_bytes as usize),
+            grouped(read as usize),
+            grouped(written as usize)
+        );
+    }
+    out
 }
 
 /// The activation bytes each rank's runs wrote, against the plan's activation peak: what the

@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
-use autotp_runtime::trainer::Trainer;
 use clap::Args;
 
 use crate::compile::{self, CompileFlags};
@@ -38,15 +37,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let job = crate::job::start(&compiled.plan, args.run.comm_timeout)?;
     crate::job::run_in(job.as_ref(), || {
         let weights = compiled.weights();
-        let seed = args.run.seed();
-        let mut trainer = match (&job, gpu) {
-            (Some(job), Some(gpu)) => {
-                Trainer::for_process_on_gpu(compiled.plan.clone(), &weights, seed, job.clone(), gpu)?
-            }
-            (Some(job), None) => Trainer::for_process(compiled.plan.clone(), &weights, seed, job.clone())?,
-            (None, Some(gpu)) => Trainer::on_gpu(compiled.plan.clone(), &weights, seed, gpu)?,
-            (None, None) => Trainer::new(compiled.plan.clone(), &weights, seed)?,
-        };
+        let mut trainer = args.run.trainer(compiled.plan.clone(), &weights, job.as_ref(), gpu)?;
         // The trainer copied the weights into its arena; the model's memory map can go.
         drop(weights);
         drop(compiled);

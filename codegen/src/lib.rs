@@ -222,15 +222,17 @@ fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
 
 /// What an offloaded multi-tensor step takes over from the nodes after it. Under fp16/bf16's
 /// skipping of non-finite steps every new value is kept by `select(finite, new, old)` (its
-/// update), and a 16-bit parameter is `select(finite, cast(new master), old)`: folded, the step
-/// runs in place only when `finite` holds, and writes the 16-bit copy itself (as DeepSpeed's
-/// CPU Adam does), so no kernel reads the offloaded states but the step.
+/// update), and a 16-bit parameter is `select(finite, cast(new master), old)`, where `old` is
+/// the parameter or, under ZeRO 1/2, this rank's shard of it (a `shard_slice` that the select's
+/// result is all-gathered from): folded, the step runs in place only when `finite` holds, and
+/// writes the 16-bit copy over `old` itself (as DeepSpeed's CPU Adam does), so no kernel reads
+/// the offloaded states but the step.
 struct GuardedStep {
     guard: ValueId,
     /// The selects and casts the step does the work of.
     folded: Vec<autotp_ir::NodeId>,
     /// Per member of the group: the value its new master's 16-bit copy is (the cast's select)
-    /// and the parameter it updates.
+    /// and the old 16-bit value it replaces (the parameter, or its shard).
     copies: Vec<Option<(ValueId, ValueId)>>,
 }
 
@@ -239,12 +241,17 @@ struct GuardedStep {
 fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, GuardedStep> {
     let consumers = graph.consumers();
     let updates: HashMap<ValueId, ValueId> = graph.updates().iter().map(|&(target, value)| (value, target)).collect();
-    // `select(guard, value, old)` alone reading `value`, whose result updates `old`.
+    // `select(guard, value, old)` reading `value`, whose result updates `old`.
     let kept_by_select = |value: ValueId, old: ValueId| -> Option<(autotp_ir::NodeId, ValueId)> {
         let select = *consumers[value.index()].iter().find(|&&c| graph.node(c).op == Op::Select)?;
         let node = graph.node(select);
         (node.inputs[1] == value && node.inputs[2] == old && updates.get(&node.outputs[0]) == Some(&old))
             .then_some((select, node.inputs[0]))
+    };
+    // A parameter, or a value made before the step starting at node `first`.
+    let made_before = |v: ValueId, first: usize| match graph.value(v).def {
+        Def::Node(n, _) => n.index() < first && !matches!(graph.node(n).op, Op::Constant { .. }),
+        _ => graph.params().contains(&v),
     };
     let mut guarded = HashMap::new();
     for f in steps {
@@ -263,15 +270,17 @@ fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, 
                     if let Some(cast) = cast {
                         let half = graph.node(cast).outputs[0];
                         let Some(&param_select) = consumers[half.index()].first() else { return HashMap::new() };
-                        let param = graph.node(param_select).inputs[2];
-                        let Some((_, same)) = kept_by_select(half, param).filter(|&(s, _)| s == param_select) else {
-                            return HashMap::new();
-                        };
-                        if same != guard || consumers[half.index()].len() != 1 {
+                        let select = graph.node(param_select);
+                        let old = select.inputs[2];
+                        if select.op != Op::Select
+                            || select.inputs[..2] != [guard, half]
+                            || consumers[half.index()].len() != 1
+                            || !made_before(old, f.nodes.start)
+                        {
                             return HashMap::new();
                         }
                         folded.extend([cast, param_select]);
-                        copy = Some((graph.node(param_select).outputs[0], param));
+                        copy = Some((select.outputs[0], old));
                         expected = 2;
                     }
                 }
@@ -296,7 +305,7 @@ fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, 
         f.node_ids().any(|member| {
             let node = graph.node(member);
             let olds = (0..node.outputs.len()).map(|j| replaced_input(node, j));
-            let params = guarded[&f.nodes.start].copies.iter().flatten().map(|&(_, param)| param);
+            let params = guarded[&f.nodes.start].copies.iter().flatten().map(|&(_, old)| old);
             olds.chain(params).any(|old| {
                 consumers[old.index()].iter().any(|c| {
                     c.index() >= f.nodes.start && !f.nodes.contains(&c.index()) && !folded.contains(&c.index())
@@ -442,9 +451,13 @@ fn lower_placed(
                         let old = if node.op == Op::Select { node.inputs[2] } else { node.outputs[0] };
                         root[node.outputs[0].index()] = root[old.index()];
                     }
-                    for &(copy, param) in step.copies.iter().flatten() {
+                    for &(copy, old) in step.copies.iter().flatten() {
                         let Def::Node(select, _) = graph.value(copy).def else { unreachable!("a select's value") };
-                        root[graph.node(select).inputs[1].index()] = root[param.index()];
+                        let cast = graph.node(select).inputs[1];
+                        root[cast.index()] = root[old.index()];
+                        // A shard's region now holds the copy too: it lives as long as the copy.
+                        let held = root[old.index()];
+                        last_use[held] = last_use[held].max(last_use[copy.index()]).max(last_use[cast.index()]);
                     }
                 }
                 None => update_in_place(graph, f, &mut root, &mut last_use),

@@ -157,8 +157,11 @@ struct CpuDevice {
     /// The multi-tensor step of each update rule the program's optimizer steps apply.
     optimizer_steps: Vec<(OptimizerKernel, CpuKernel)>,
     arena: AlignedBuf,
-    /// Offloaded optimizer states (`--offload-optimizer cpu`), outside the arena.
+    /// Offloaded optimizer states (`--offload-optimizer cpu`), outside the arena; empty when
+    /// they are in `state_file`.
     host_pool: AlignedBuf,
+    /// The offloaded optimizer states in a file (`--offload-optimizer nvme`).
+    state_file: Option<crate::nvme::StateFile>,
     /// This rank and its communicator, for programs on a mesh.
     rank: Option<(usize, Arc<dyn Communicator>)>,
     /// Collectives issued so far on each mesh axis (their sequence numbers).
@@ -258,6 +261,7 @@ impl Executor {
             optimizer_steps,
             arena,
             host_pool,
+            state_file: None,
             rank,
             issued,
             profile: None,
@@ -356,11 +360,39 @@ impl Executor {
         }
     }
 
+    /// Moves the offloaded optimizer state (the host pool) into a file under `nvme.path`,
+    /// named for `rank` (see [`crate::nvme`]); on the CPU only.
+    pub fn offload_to_nvme(&mut self, nvme: &crate::nvme::NvmeOffload, rank: usize) -> Result<(), RuntimeError> {
+        let Backend::Cpu(cpu) = &mut self.device else {
+            return Err(RuntimeError::InvalidProgram("optimizer state on NVMe runs on CPU ranks only so far".into()));
+        };
+        if self.program.memory.host_pool_bytes == 0 || cpu.state_file.is_some() {
+            return Err(RuntimeError::InvalidProgram(
+                "the plan keeps no optimizer state outside the arena to put on NVMe".into(),
+            ));
+        }
+        let file = crate::nvme::StateFile::create(&self.program, nvme, rank, cpu.host_pool.as_slice())?;
+        cpu.host_pool = AlignedBuf::zeroed(0);
+        cpu.state_file = Some(file);
+        Ok(())
+    }
+
+    /// Where the optimizer state's file stands, when the state is on NVMe.
+    pub fn nvme_status(&self) -> Option<crate::nvme::NvmeStatus<'_>> {
+        match &self.device {
+            Backend::Cpu(cpu) => cpu.state_file.as_ref().map(crate::nvme::StateFile::status),
+            Backend::Gpu(_) => None,
+        }
+    }
+
     /// The current bytes of a parameter or state (downloaded from a GPU).
     pub fn read_slot(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, RuntimeError>> {
         let slot = self.program.params.iter().chain(&self.program.states).find(|s| s.name == name)?;
         Some(match &self.device {
-            Backend::Cpu(cpu) => Ok(Cow::Borrowed(cpu.bytes(&slot.region))),
+            Backend::Cpu(cpu) => match &cpu.state_file {
+                Some(file) if slot.region.in_host_pool() => file.read(&slot.region).map(Cow::Owned),
+                _ => Ok(Cow::Borrowed(cpu.bytes(&slot.region))),
+            },
             Backend::Gpu(gpu) => gpu.download_region(Stream::Compute, &slot.region).map(Cow::Owned),
         })
     }
@@ -383,10 +415,13 @@ impl Executor {
             });
         }
         match &mut self.device {
-            Backend::Cpu(cpu) => {
-                copy_in_parallel(cpu.bytes_mut(&slot.region), bytes);
-                Ok(())
-            }
+            Backend::Cpu(cpu) => match &cpu.state_file {
+                Some(file) if slot.region.in_host_pool() => file.write(&slot.region, bytes),
+                _ => {
+                    copy_in_parallel(cpu.bytes_mut(&slot.region), bytes);
+                    Ok(())
+                }
+            },
             Backend::Gpu(gpu) => gpu.upload_region(&slot.region, bytes),
         }
     }
@@ -457,6 +492,13 @@ impl CpuDevice {
         match region.in_host_pool() {
             true => &mut self.host_pool.as_mut_slice()[region.offset - crate::program::HOST_POOL..][..region.len],
             false => &mut self.arena.as_mut_slice()[region.offset..region.end()],
+        }
+    }
+
+    /// Adds the time since `started` to instruction `index`'s, when profiling.
+    fn profiled(&mut self, index: usize, started: Option<std::time::Instant>) {
+        if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {
+            profile[index] += started.elapsed();
         }
     }
 
@@ -531,10 +573,31 @@ impl Device for CpuDevice {
                     .iter()
                     .find(|(kind, _)| kind.optimizer == *optimizer && kind.dtype == *dtype)
                     .expect("every optimizer step's kernel is compiled at load");
-                // SAFETY: `validate` checked every tensor's regions (in the arena, of one
-                // size) and that outputs alias nothing but, exactly, their own inputs.
-                unsafe { run_optimizer_step(*entry, *dtype, &constants, tensors, bases) };
-                copy_masters(*dtype, tensors, bases, label)?;
+                let (entry, dtype) = (*entry, *dtype);
+                // The kernel loads its constants as `dtype`, so they need `dtype`'s alignment.
+                let constants = AlignedBuf::from_bytes(&constants);
+                match self.state_file.as_mut().filter(|f| f.layout().tiles(index).is_some()) {
+                    None => {
+                        // SAFETY: `validate` checked every tensor's regions (in the arena, of one
+                        // size) and that outputs alias nothing but, exactly, their own inputs.
+                        unsafe { run_chunks(entry, &constants, &optimizer_chunks(dtype, tensors, bases)) };
+                        copy_masters(dtype, tensors, bases, label)?;
+                    }
+                    Some(file) => {
+                        // Tensors with no state in the file update in the arena; the others,
+                        // tile by tile, in the file's buffers.
+                        let resident: Vec<_> =
+                            tensors.iter().filter(|t| !t.inputs.iter().any(Region::in_host_pool)).cloned().collect();
+                        // SAFETY: as above; `Layout::of` checked that the file's states are
+                        // updated in place and touched by nothing else.
+                        unsafe { run_chunks(entry, &constants, &optimizer_chunks(dtype, &resident, bases)) };
+                        copy_masters(dtype, &resident, bases, label)?;
+                        file.step(index, |tile, buffer| {
+                            // SAFETY: as above; the tile's pieces lie in `buffer` (its layout).
+                            unsafe { update_tile(entry, dtype, &constants, tensors, bases, tile, buffer, label) }
+                        })?;
+                    }
+                }
             }
             Instruction::Recv { output, from, tag, label } => {
                 let (rank, comm) = self.communicator(label, "a recv")?;
@@ -543,9 +606,7 @@ impl Device for CpuDevice {
                 self.clock.as_mut().expect("set for the run").received(sent_at, waiting.elapsed())?;
             }
         }
-        if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {
-            profile[index] += started.elapsed();
-        }
+        self.profiled(index, started);
         Ok(())
     }
 
@@ -701,6 +762,44 @@ impl Bases {
     }
 }
 
+/// The whole of tensor `t`'s update, for memories at `bases`.
+fn tensor_update(
+    dtype: autotp_kernels::DType,
+    t: &crate::OptimizerTensor,
+    bases: Bases,
+) -> autotp_kernels::optim::TensorUpdate {
+    let at = |r: &Region| bases.at(r);
+    let mut states = [std::ptr::null(); 2];
+    let mut states_out = [std::ptr::null_mut(); 2];
+    for (k, (input, output)) in t.inputs[2..].iter().zip(&t.outputs[1..]).enumerate() {
+        states[k] = at(input) as *const u8;
+        states_out[k] = at(output);
+    }
+    autotp_kernels::optim::TensorUpdate {
+        len: t.inputs[0].len / dtype.size(),
+        param: at(&t.inputs[0]),
+        grad: at(&t.inputs[1]),
+        states,
+        param_out: at(&t.outputs[0]),
+        states_out,
+    }
+}
+
+/// `update`'s elements `range` in chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`], appended to
+/// `chunks`.
+fn push_chunks(
+    dtype: autotp_kernels::DType,
+    update: &autotp_kernels::optim::TensorUpdate,
+    range: std::ops::Range<usize>,
+    chunks: &mut Vec<autotp_kernels::optim::TensorUpdate>,
+) {
+    for start in range.clone().step_by(OPTIMIZER_CHUNK_ELEMENTS) {
+        let end = (start + OPTIMIZER_CHUNK_ELEMENTS).min(range.end);
+        // SAFETY: the range lies within the tensor; `part` only offsets the addresses.
+        chunks.push(unsafe { update.part(dtype, start..end) });
+    }
+}
+
 /// An optimizer step's tensors cut into chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`], for
 /// memories at `bases` (the CPU's, or a GPU's device addresses: nothing is dereferenced).
 pub(crate) fn optimizer_chunks(
@@ -708,52 +807,23 @@ pub(crate) fn optimizer_chunks(
     tensors: &[crate::OptimizerTensor],
     bases: Bases,
 ) -> Vec<autotp_kernels::optim::TensorUpdate> {
-    use autotp_kernels::optim::TensorUpdate;
-    let at = |r: &Region| bases.at(r);
     let mut chunks = Vec::new();
     for t in tensors {
-        let mut states = [std::ptr::null(); 2];
-        let mut states_out = [std::ptr::null_mut(); 2];
-        for (k, (input, output)) in t.inputs[2..].iter().zip(&t.outputs[1..]).enumerate() {
-            states[k] = at(input) as *const u8;
-            states_out[k] = at(output);
-        }
-        let whole = TensorUpdate {
-            len: t.inputs[0].len / dtype.size(),
-            param: at(&t.inputs[0]),
-            grad: at(&t.inputs[1]),
-            states,
-            param_out: at(&t.outputs[0]),
-            states_out,
-        };
-        for start in (0..whole.len).step_by(OPTIMIZER_CHUNK_ELEMENTS) {
-            let end = (start + OPTIMIZER_CHUNK_ELEMENTS).min(whole.len);
-            // SAFETY: the range lies within the tensor; `part` only offsets the addresses.
-            chunks.push(unsafe { whole.part(dtype, start..end) });
-        }
+        let whole = tensor_update(dtype, t, bases);
+        push_chunks(dtype, &whole, 0..whole.len, &mut chunks);
     }
     chunks
 }
 
-/// One optimizer step's tensors, cut into chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`] that
-/// the generated multi-tensor kernel `entry` runs on the current rayon pool, with the step's
-/// `constants` ([`autotp_kernels::optim::constants`]).
+/// Runs the generated multi-tensor kernel `entry` over `chunks` on the current rayon pool,
+/// with the step's `constants` ([`autotp_kernels::optim::constants`], aligned for its dtype).
 ///
 /// # Safety
-/// `entry` is the compiled step of this update rule and `dtype`; the regions of `tensors` lie
-/// in the arena at `base` and alias as [`Instruction::OptimizerStep`] allows; no one else
-/// touches them meanwhile.
-unsafe fn run_optimizer_step(
-    entry: CpuKernel,
-    dtype: autotp_kernels::DType,
-    constants: &[u8],
-    tensors: &[crate::OptimizerTensor],
-    bases: Bases,
-) {
+/// `entry` is the compiled step of the chunks' update rule and dtype; the chunks' memory is
+/// valid, aliases as [`Instruction::OptimizerStep`] allows, and no one else touches it
+/// meanwhile.
+unsafe fn run_chunks(entry: CpuKernel, constants: &AlignedBuf, chunks: &[autotp_kernels::optim::TensorUpdate]) {
     use rayon::prelude::*;
-    let chunks = optimizer_chunks(dtype, tensors, bases);
-    // The kernel loads its constants as `dtype`, so they need `dtype`'s alignment.
-    let constants = AlignedBuf::from_bytes(constants);
     let args = [chunks.as_ptr() as *mut u8, constants.as_slice().as_ptr() as *mut u8];
     let shared = Buffers(&args);
     (0..chunks.len()).into_par_iter().for_each(|c| {
@@ -762,6 +832,59 @@ unsafe fn run_optimizer_step(
         // inputs, and the chunks of one tensor are disjoint ranges).
         unsafe { entry.run(args.0, c..c + 1) };
     });
+}
+
+/// One tile of an optimizer step whose states are in a file ([`crate::nvme`]): the pieces'
+/// offloaded states in `buffer`, the rest (gradients, f32 parameters, 16-bit copies) in the
+/// arena; then the 16-bit copies of the tile's new masters.
+///
+/// # Safety
+/// As [`run_chunks`]; `tile` is laid out in `buffer` as [`crate::nvme::Layout`] says.
+#[allow(clippy::too_many_arguments)]
+unsafe fn update_tile(
+    entry: CpuKernel,
+    dtype: autotp_kernels::DType,
+    constants: &AlignedBuf,
+    tensors: &[crate::OptimizerTensor],
+    bases: Bases,
+    tile: &crate::nvme::Tile,
+    buffer: &mut [u8],
+    label: &str,
+) -> Result<(), RuntimeError> {
+    let mut chunks = Vec::new();
+    for piece in &tile.pieces {
+        // SAFETY: the piece's elements lie within its tensor.
+        let mut update =
+            unsafe { tensor_update(dtype, &tensors[piece.tensor], bases).part(dtype, piece.elements.clone()) };
+        for &(k, at) in &piece.offloaded {
+            let p = buffer[at..].as_mut_ptr();
+            match k {
+                0 => (update.param, update.param_out) = (p, p),
+                k => (update.states[k - 2], update.states_out[k - 2]) = (p, p),
+            }
+        }
+        push_chunks(dtype, &update, 0..update.len, &mut chunks);
+    }
+    unsafe { run_chunks(entry, constants, &chunks) };
+    for piece in &tile.pieces {
+        let t = &tensors[piece.tensor];
+        let Some((copy, to)) = &t.copy else { continue };
+        let elements = piece.elements.clone();
+        let master: &[u8] = match piece.offloaded.iter().find(|(k, _)| *k == 0) {
+            Some(&(_, at)) => &buffer[at..at + elements.len() * dtype.size()],
+            // SAFETY: validated: the new parameter lies in the arena, apart from the copy.
+            None => unsafe {
+                let start = bases.at(&t.outputs[0]).add(elements.start * dtype.size());
+                std::slice::from_raw_parts(start, elements.len() * dtype.size())
+            },
+        };
+        // SAFETY: validated: the copy's region lies in the arena, apart from the master.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(bases.at(copy).add(elements.start * to.size()), elements.len() * to.size())
+        };
+        cast_master(dtype, *to, master, out, label)?;
+    }
+    Ok(())
 }
 
 /// The 16-bit copies an offloaded step makes of its new parameters ([`OptimizerTensor::copy`]),
@@ -776,15 +899,26 @@ fn copy_masters(
 ) -> Result<(), RuntimeError> {
     for t in tensors {
         let Some((copy, to)) = &t.copy else { continue };
-        let cast = autotp_kernels::Kernel::Cast { from: dtype, to: *to };
         // SAFETY: validated: the new parameter and its copy lie in the rank's memories, apart.
         let (master, out) = unsafe {
             let master = std::slice::from_raw_parts(bases.at(&t.outputs[0]), t.outputs[0].len);
             (master, std::slice::from_raw_parts_mut(bases.at(copy), copy.len))
         };
-        cast.run(&[master], &mut [out]).map_err(|source| RuntimeError::Kernel { label: label.to_string(), source })?;
+        cast_master(dtype, *to, master, out, label)?;
     }
     Ok(())
+}
+
+/// `master` (of `from`) cast to `to` into `out`, as the cast kernel rounds.
+fn cast_master(
+    from: autotp_kernels::DType,
+    to: autotp_kernels::DType,
+    master: &[u8],
+    out: &mut [u8],
+    label: &str,
+) -> Result<(), RuntimeError> {
+    let cast = autotp_kernels::Kernel::Cast { from, to };
+    cast.run(&[master], &mut [out]).map_err(|source| RuntimeError::Kernel { label: label.to_string(), source })
 }
 
 /// The sequence number of the next collective on `op`'s axis (`shard_slice` meets no one and

@@ -4,6 +4,7 @@
 //!   arena at planned offsets, with its [`MemoryPlan`]. It never refers to the IR.
 //! - [`Executor`]: runs a program on the CPU with the builtin kernels.
 //! - [`npy`]: reading and writing `.npy` files for inputs and outputs.
+//! - [`nvme`]: optimizer state in files, streamed through the step in tiles (`--offload-optimizer nvme`).
 //! - [`data`]: the training token stream and its windows (the data contract).
 //! - [`schedule`]: learning-rate schedules (constant; linear warmup then cosine).
 //! - [`plan`]: the compiled training plan and its `.atp` file.
@@ -36,6 +37,7 @@ pub mod gpu;
 pub mod launch;
 pub mod loss_scale;
 pub mod npy;
+pub mod nvme;
 pub mod plan;
 pub mod profile;
 mod program;

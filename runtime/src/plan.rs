@@ -105,6 +105,10 @@ pub struct TrainingConfig {
     /// What `--recompute` recomputes, and what it saves and costs.
     #[serde(default)]
     pub recompute: Option<RecomputeSummary>,
+    /// Where the offloaded optimizer state lives in files (`--offload-optimizer nvme`); the
+    /// programs are those of `--offload-optimizer cpu`, so this is outside the fingerprint.
+    #[serde(default)]
+    pub nvme: Option<crate::nvme::NvmeOffload>,
 }
 
 /// Activation recomputation in a plan (`--recompute`).

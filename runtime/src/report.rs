@@ -22,9 +22,16 @@ pub struct RankReport {
     pub grads_bytes: usize,
     /// Optimizer states in the arena (none when offloaded).
     pub optimizer_bytes: usize,
-    /// Optimizer states offloaded to host memory outside the arena (`--offload-optimizer`).
+    /// Optimizer states offloaded outside the arena (`--offload-optimizer`): to host memory,
+    /// or to a file.
     #[serde(default)]
     pub offloaded_optimizer_bytes: usize,
+    /// With the optimizer state in a file (`--offload-optimizer nvme`): the host memory of the
+    /// buffers its tiles stream through, and the bytes each step reads (and as many writes).
+    #[serde(default)]
+    pub nvme_buffer_bytes: usize,
+    #[serde(default)]
+    pub nvme_bytes_per_step: usize,
     /// Intermediate values live at once at the peak (gradients and collective results among
     /// them).
     pub activations_peak_bytes: usize,
@@ -95,6 +102,11 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
             None => 1,
         };
         let m = &p.memory;
+        let nvme = training.nvme.as_ref().and_then(|nvme| {
+            let layout = crate::nvme::Layout::of(p, nvme.tile_elements).ok()?;
+            Some((nvme.buffer_count.min(layout.tiles) * layout.tile_bytes, layout.bytes_per_step))
+        });
+        let (nvme_buffer_bytes, nvme_bytes_per_step) = nvme.unwrap_or_default();
         for rank in stage * stage_size..(stage + 1) * stage_size {
             ranks.push(RankReport {
                 rank,
@@ -103,6 +115,8 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
                 grads_bytes,
                 optimizer_bytes: m.states_bytes,
                 offloaded_optimizer_bytes: m.host_pool_bytes,
+                nvme_buffer_bytes,
+                nvme_bytes_per_step,
                 activations_peak_bytes: m.activations_peak_bytes,
                 comm_buffer_bytes: staging,
                 peak_bytes: m.arena_bytes + staging,

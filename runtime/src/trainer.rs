@@ -160,7 +160,7 @@ impl Trainer {
                 None => Executor::new(program),
             },
         };
-        let (ranks, first_rank, comm): (Vec<Executor>, usize, Option<Arc<dyn Communicator>>) = match &job {
+        let (mut ranks, first_rank, comm): (Vec<Executor>, usize, Option<Arc<dyn Communicator>>) = match &job {
             Some(job) => {
                 let rank = job.rank();
                 let comm: Arc<dyn Communicator> = job.clone();
@@ -179,6 +179,11 @@ impl Trainer {
                 (ranks, 0, Some(comm))
             }
         };
+        if let Some(nvme) = &training.nvme {
+            for (i, executor) in ranks.iter_mut().enumerate() {
+                executor.offload_to_nvme(nvme, first_rank + i)?;
+            }
+        }
         // Several ranks here share the cores; a process of a job gets its share of the node's.
         let pools = match &job {
             Some(job) => rank_pools(1, job.kernel_threads())?,
@@ -761,6 +766,12 @@ impl Trainer {
     /// The current parameters (global tensors), by name.
     pub fn params(&self) -> Result<Vec<SlotBytes<'_>>, RuntimeError> {
         self.param_slots().into_iter().map(|s| Ok((s.clone(), self.read_global(&s)?))).collect()
+    }
+
+    /// Each rank here whose optimizer state is in a file (`--offload-optimizer nvme`), and
+    /// where its file stands.
+    pub fn nvme_status(&self) -> Vec<(usize, crate::nvme::NvmeStatus<'_>)> {
+        (self.ranks.iter().enumerate()).filter_map(|(i, e)| Some((self.first_rank + i, e.nvme_status()?))).collect()
     }
 
     /// The current optimizer states (global tensors), by name.
