@@ -4,7 +4,13 @@
 //! JSON line per size: the median time of the step instruction alone (the executor's profile)
 //! over repetitions; `benches/adamw_step.sh` sets PyTorch's `AdamW(fused=True)` beside it.
 //!
-//!     cargo bench --bench adamw_step -- [TENSORS ELEMENTS]   (default 16 x 1,048,576 = 16.8M)
+//!     cargo bench --bench adamw_step -- [TENSORS ELEMENTS] [cpu | nvme=DIR,TILE,BUFFERS]
+//!
+//! (default 16 x 1,048,576 = 16.8M parameters, states in the arena). `cpu` puts the moments in
+//! the host pool (`--offload-optimizer cpu`); `nvme=DIR,TILE,BUFFERS` in a file under DIR,
+//! streamed in tiles of TILE elements through BUFFERS buffers (`--offload-optimizer nvme`):
+//! with one buffer nothing overlaps the update, with more the reads and writes of other tiles
+//! do.
 
 use std::time::Duration;
 
@@ -42,15 +48,31 @@ fn step_graph(tensors: usize, elements: usize) -> String {
     text + "}\n"
 }
 
+/// `nvme=DIR,TILE,BUFFERS`.
+fn nvme_offload(arg: &str) -> Option<autotp_runtime::nvme::NvmeOffload> {
+    let [dir, tile, buffers] = arg.strip_prefix("nvme=")?.split(',').collect::<Vec<_>>()[..] else {
+        panic!("{arg}: expected nvme=DIR,TILE,BUFFERS")
+    };
+    Some(autotp_runtime::nvme::NvmeOffload {
+        path: dir.into(),
+        tile_elements: tile.parse().expect("TILE elements"),
+        buffer_count: buffers.parse().expect("BUFFERS"),
+    })
+}
+
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let words: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<usize> = words.iter().filter_map(|a| a.parse().ok()).collect();
     let (tensors, elements) = match args[..] {
         [t, e] => (t, e),
         _ => (16, 1 << 20),
     };
+    let nvme = words.iter().find_map(|w| nvme_offload(w));
+    let offload = nvme.is_some() || words.iter().any(|w| w == "cpu");
     let mut graph = autotp_ir::text::parse(&step_graph(tensors, elements)).expect("a valid graph");
     autotp_passes::fusion::Fusion::default().run(&mut graph).expect("fusion");
-    let program = lower_with(&graph, &LowerOptions { kernels: KernelChoice::Generated, ..Default::default() }).unwrap();
+    let options = LowerOptions { kernels: KernelChoice::Generated, offload_optimizer: offload, ..Default::default() };
+    let program = lower_with(&graph, &options).unwrap();
     assert!(
         program.instructions.iter().filter(|i| matches!(i, Instruction::OptimizerStep { .. })).count() == 1,
         "one multi-tensor step"
@@ -71,6 +93,9 @@ fn main() {
         })
         .collect();
     let mut executor = Executor::new(program).unwrap();
+    if let Some(nvme) = &nvme {
+        executor.offload_to_nvme(nvme, 0).unwrap();
+    }
     executor.run(&inputs).unwrap();
     executor.enable_profile();
     let mut before = Duration::ZERO;
@@ -84,8 +109,14 @@ fn main() {
         })
         .collect();
     times.sort_by(f64::total_cmp);
+    let states = match &nvme {
+        Some(nvme) => format!("nvme tiles {} buffers {}", nvme.tile_elements, nvme.buffer_count),
+        None if offload => "cpu".to_string(),
+        None => "arena".to_string(),
+    };
     println!(
-        "{{\"impl\": \"autotp\", \"tensors\": {tensors}, \"elements\": {elements}, \"threads\": {}, \"seconds\": {}}}",
+        "{{\"impl\": \"autotp\", \"states\": \"{states}\", \"tensors\": {tensors}, \"elements\": {elements}, \
+         \"threads\": {}, \"seconds\": {}}}",
         rayon::current_num_threads(),
         times[REPEATS / 2]
     );
