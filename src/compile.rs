@@ -169,12 +169,18 @@ pub struct CompileFlags {
     #[serde(default)]
     pub precision: Precision,
     /// With --precision bf16/fp16: the type gradients are accumulated in over micro-batches
-    /// (f32 by default). They are reduced over data-parallel ranks in f32 (a partial sum is
-    /// widened before it is reduced), as Megatron does; DeepSpeed reduces bf16 gradients in
-    /// bf16 unless told otherwise.
+    /// (f32 by default).
     #[arg(long, value_enum, value_name = "f32|bf16|fp16")]
     #[serde(default)]
     pub grad_accum_dtype: Option<Precision>,
+    /// The type gradients are reduced in over data-parallel ranks (DeepSpeed's
+    /// communication_data_type): each rank's partial sum is cast to it, summed in it, and cast
+    /// back. By default gradients are reduced in the type they are accumulated in (f32 under
+    /// --precision bf16/fp16, as Megatron; DeepSpeed reduces bf16 gradients in bf16 unless
+    /// told otherwise).
+    #[arg(long, value_enum, value_name = "f32|bf16|fp16")]
+    #[serde(default)]
+    pub comm_dtype: Option<Precision>,
     /// With --precision fp16: whose dynamic loss scaling rules to follow: deepspeed
     /// (DynamicLossScaler: hysteresis, floor) or torch (torch.amp.GradScaler: back off on every
     /// overflow, grow every --loss-scale-window clean steps).
@@ -402,6 +408,7 @@ impl CompileFlags {
         (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);
         flags.pp_cuts.clear();
         (flags.reduce_bucket_size, flags.prefetch_bucket_size, flags.max_live_params) = (None, None, None);
+        flags.comm_dtype = None;
         flags.param_persistence_threshold = 0;
         flags
     }
@@ -646,6 +653,9 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         bucket_elements: flags.prefetch_bucket_size.unwrap_or(defaults.bucket_elements),
         max_live_elements: flags.max_live_params.unwrap_or(defaults.max_live_elements),
     };
+    if flags.comm_dtype.is_some() && flags.dp < 2 {
+        bail!("--comm-dtype is the type of data-parallel gradient reductions: it needs --dp 2 or more");
+    }
     if flags.reduce_bucket_size.is_some() && flags.dp < 2 {
         bail!("--reduce-bucket-size buckets data-parallel gradient reductions: it needs --dp 2 or more");
     }
@@ -655,6 +665,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         prefetch,
         // DeepSpeed's reduce_bucket_size default.
         reduce_bucket_elements: flags.reduce_bucket_size.unwrap_or(500_000_000),
+        comm_dtype: flags.comm_dtype.map(Precision::dtype),
     };
     if flags.zero > 0 && flags.dp < 2 {
         bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);

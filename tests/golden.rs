@@ -49,7 +49,14 @@ fn shard_spec(spec: &str) -> Shard {
             (name.to_string(), placements.split('/').map(placement).collect())
         })
         .collect();
-    Shard { mesh: Mesh { axes }, seeds, gather_params_on: None, scatter_early: false, bucket_elements: 0 }
+    Shard {
+        mesh: Mesh { axes },
+        seeds,
+        gather_params_on: None,
+        scatter_early: false,
+        bucket_elements: 0,
+        reduce_dtype: None,
+    }
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,

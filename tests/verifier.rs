@@ -128,3 +128,22 @@ fn bad_updates() {
         ],
     );
 }
+
+/// A partial sum may be rounded to a narrower type only for reductions over its axis to sum
+/// (`--comm-dtype`): read by anything else, or widened, the cast needs its input whole.
+#[test]
+fn narrowing_a_partial_sum_is_for_reductions_alone() {
+    let graph = |reader: &str, to: &str| {
+        format!(
+            "graph \"g\" mesh [dp=2] {{\n input %x : f32[4,8] {{dp = shard(0)}}\n param %w : f32[8,4]\n \
+             %0 = matmul %x, %w : f32[4,4] {{dp = shard(0)}}\n %1 = reduce_sum %0 {{axes = [0], keep_dims = false}} : f32[4] {{dp = partial(sum)}}\n \
+             %2 = cast %1 {{to = {to}}} : {to}[4] {{dp = partial(sum)}}\n %3 = {reader} : {to}[4]\n output \"y\" = %3\n}}"
+        )
+    };
+    assert_rejects(&graph("all_reduce %2 {axis = dp}", "bf16"), &[]);
+    assert_rejects(
+        &graph("exp %2", "bf16"),
+        &["%2 = cast: needs its inputs as [replicate] on mesh axis dp", "%3 = exp: needs its inputs as [replicate]"],
+    );
+    assert_rejects(&graph("all_reduce %2 {axis = dp}", "f64"), &[]);
+}

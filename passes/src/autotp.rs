@@ -343,6 +343,7 @@ impl AutoTp {
                 gather_params_on,
                 scatter_early,
                 bucket_elements: self.zero.reduce_bucket_elements,
+                reduce_dtype: self.zero.comm_dtype,
             }
             .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);

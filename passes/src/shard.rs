@@ -48,6 +48,10 @@ pub struct Shard {
     /// Gradient all-reduces are merged into buckets of up to this many elements
     /// (`--reduce-bucket-size`); 0 reduces each gradient on its own.
     pub bucket_elements: usize,
+    /// Gradient reductions over the data-parallel axis in this type (`--comm-dtype`, as
+    /// DeepSpeed's `communication_data_type`): cast to it before, back after. `None` reduces
+    /// each gradient in its own type.
+    pub reduce_dtype: Option<autotp_ir::DType>,
 }
 
 fn invalid(message: String) -> PassError {
@@ -238,7 +242,10 @@ impl Pass for Shard {
         let hints = Hints { eager: reductions(&first, &origin, self.scatter_early), blocks: blocks(&first, &origin) };
         let (placed, _) = place(&source, &self.mesh, Some(&hints), self.gather_params_on)?;
         let placed = crate::sink_slices::sink_slices(&placed)?;
-        let bucketed = bucket_reductions(&placed, self.bucket_elements)?;
+        let mut bucketed = bucket_reductions(&placed, self.bucket_elements)?;
+        if let Some(dtype) = self.reduce_dtype {
+            bucketed = reduce_gradients_in(&bucketed, dtype)?;
+        }
         let result = overlap_reductions(&bucketed)?;
         *graph = result;
         Ok(())
@@ -484,6 +491,47 @@ fn blocks(placed: &Graph, origin: &BTreeMap<ValueId, ValueId>) -> BTreeMap<(Valu
         }
     }
     found
+}
+
+/// Each gradient reduction over the data-parallel axis (a non-scalar float all-reduce or
+/// reduce-scatter there; the loss's sums are scalars) done in `dtype`: every rank casts its
+/// partial sum to `dtype`, the collective sums those, and the sum is cast back.
+fn reduce_gradients_in(graph: &Graph, dtype: autotp_ir::DType) -> Result<Graph, PassError> {
+    let mut rw = Rewriter::new(graph, |_| true);
+    for (id, node) in graph.nodes() {
+        let reduction = matches!(
+            &node.op,
+            Op::Collective { kind: Collective::AllReduce | Collective::ReduceScatter { .. }, axis, start: false }
+                if axis == autotp_ir::DATA_AXIS
+        );
+        let value = node.inputs.first().map(|&v| graph.value(v)).filter(|_| reduction);
+        let Some(value) = value.filter(|v| v.ty.dtype != dtype && v.ty.dtype.is_float() && v.ty.numel() > 1) else {
+            rw.copy_node(id);
+            continue;
+        };
+        let out = node.outputs[0];
+        let input = rw.map(node.inputs[0]);
+        let g = rw.graph();
+        // A partial sum widened from `dtype` is reduced as it was made (exactly the same bytes).
+        let widened_from = match g.value(input).def {
+            Def::Node(cast, _) if matches!(g.node(cast).op, Op::Cast { .. }) => Some(g.node(cast).inputs[0]),
+            _ => None,
+        };
+        let narrow = match widened_from.filter(|&v| g.ty(v).dtype == dtype) {
+            Some(narrow) => narrow,
+            None => {
+                let narrow = add(g, Op::Cast { to: dtype }, vec![input])?;
+                g.value_mut(narrow).placements = value.placements.clone();
+                narrow
+            }
+        };
+        let reduced = add(g, node.op.clone(), vec![narrow])?;
+        g.value_mut(reduced).placements = graph.value(out).placements.clone();
+        let wide = add(g, Op::Cast { to: value.ty.dtype }, vec![reduced])?;
+        g.value_mut(wide).placements = graph.value(out).placements.clone();
+        rw.set(out, wide);
+    }
+    Ok(rw.finish())
 }
 
 /// Makes each all-reduce and reduce-scatter that has work to overlap asynchronous: it starts

@@ -41,6 +41,9 @@ pub struct ZeroConfig {
     pub prefetch: Prefetch,
     /// Gradient all-reduces merge into buckets of up to this many elements; 0 for none.
     pub reduce_bucket_elements: usize,
+    /// The type gradients are reduced in over the data-parallel ranks (`--comm-dtype`), where
+    /// it is not their own.
+    pub comm_dtype: Option<autotp_ir::DType>,
 }
 
 pub struct Zero {
@@ -113,8 +116,15 @@ impl Pass for Zero {
             crate::present_inputs(graph, &self.batch_inputs).map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
         seed(graph, &mesh, 0, self.config, &mut seeds);
         let (gather_params_on, scatter_early) = shard_options(self.config.stage, 0);
-        Shard { mesh, seeds, gather_params_on, scatter_early, bucket_elements: self.config.reduce_bucket_elements }
-            .run(graph)?;
+        Shard {
+            mesh,
+            seeds,
+            gather_params_on,
+            scatter_early,
+            bucket_elements: self.config.reduce_bucket_elements,
+            reduce_dtype: self.config.comm_dtype,
+        }
+        .run(graph)?;
         if self.config.stage == 3 {
             *graph = schedule_prefetch(graph, self.config.prefetch)?;
         }

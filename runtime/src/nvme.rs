@@ -588,7 +588,10 @@ mod tests {
             .collect();
         assert_eq!(pieces, [vec![(0, 0..4, vec![(2, 0)])], vec![(0, 4..5, vec![(2, 0)]), (1, 0..3, vec![(2, 64)])]]);
         assert_eq!(tiles.iter().map(|t| (t.file_offset, t.len)).collect::<Vec<_>>(), [(0, BLOCK), (BLOCK, BLOCK)]);
-        assert_eq!((layout.file_bytes, layout.tile_bytes, layout.state_bytes, layout.elements), (2 * BLOCK, BLOCK, 32, 8));
+        assert_eq!(
+            (layout.file_bytes, layout.tile_bytes, layout.state_bytes, layout.elements),
+            (2 * BLOCK, BLOCK, 32, 8)
+        );
         // The second tensor's momentum (pool bytes 64..76) is at the second tile's offset 64.
         let second: Vec<_> = layout.pieces_of(&pooled(64, 12)).collect();
         assert_eq!(second, [(BLOCK + 64, 0..12)]);
