@@ -582,7 +582,8 @@ mod tests {
         let program = bare_program(vec![step()], vec![], 1024);
         let layout = Layout::of(&program, 4).unwrap();
         let tiles = layout.tiles(0).unwrap();
-        let pieces: Vec<Vec<(usize, Range<usize>, Vec<(usize, usize)>)>> = tiles
+        type Pieces = Vec<(usize, Range<usize>, Vec<(usize, usize)>)>;
+        let pieces: Vec<Pieces> = tiles
             .iter()
             .map(|t| t.pieces.iter().map(|p| (p.tensor, p.elements.clone(), p.offloaded.clone())).collect())
             .collect();
