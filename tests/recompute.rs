@@ -20,10 +20,11 @@ fn compile(arch: &str, plan: &Path, flags: &[&str]) -> String {
 }
 
 /// Six steps of `plan`; the losses. Every rank's activations, as `run` measures them (the
-/// arena bytes its runs wrote), are within 10% of the plan's peak (the live bytes' maximum,
-/// which placing values of many lifetimes need not reach: 0-2.4% here but for Llama's full
-/// recomputation under ZeRO-3 with accumulation, 6.5-9.4%; first fit was 14% over on tp 2 x
-/// dp 2 and 41% on the latter).
+/// arena bytes its runs wrote), are within 5% of the plan's peak (the live bytes' maximum, which
+/// placing values of many lifetimes need not reach). Here: 0.0% but for Llama's full
+/// recomputation under ZeRO-3 with accumulation, 3.0% (dp 2) and 3.6% (tp 2 x dp 2), and its
+/// pipeline's selective recomputation, 1.2%; first fit was 14% over on tp 2 x dp 2 and 41% on
+/// Llama's, placing the largest first 6.5-15.8% on Llama's.
 fn train(plan: &Path, metrics: &Path, save: &Path) -> Vec<(u64, f64)> {
     let stderr = run_plan(plan, metrics, 6, &["--save", save.to_str().unwrap()]);
     let measured: Vec<&str> = stderr.lines().filter(|l| l.starts_with("activations of rank")).collect();
@@ -32,7 +33,7 @@ fn train(plan: &Path, metrics: &Path, save: &Path) -> Vec<(u64, f64)> {
         let written = number(line.split(": ").nth(1).unwrap().split(' ').next().unwrap());
         let peak = number(line.split("plan's peak ").nth(1).unwrap().split(' ').next().unwrap());
         assert!(
-            written as f64 >= 0.99 * peak as f64 && written as f64 <= 1.10 * peak as f64,
+            written as f64 >= 0.99 * peak as f64 && written as f64 <= 1.05 * peak as f64,
             "{}: {line}",
             plan.display()
         );
