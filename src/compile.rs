@@ -213,10 +213,11 @@ pub struct CompileFlags {
     #[arg(long, default_value_t = 1.0)]
     #[serde(default = "one_f64")]
     pub min_loss_scale: f64,
-    /// Activations recomputed in the backward instead of kept: none; selective (core
-    /// attention: the scores, softmax and their 16-bit copy, as Megatron's selective
-    /// recomputation); full (every layer from its input, as Megatron's full recomputation);
-    /// auto (the cheapest of those that fits each rank in --memory-cap).
+    /// Activations recomputed in the backward instead of kept: none; elementwise (activation
+    /// functions, casts, bias adds whose inputs the backward keeps anyway: one FLOP per element);
+    /// selective (core attention: the scores, softmax and their 16-bit copy, as Megatron's
+    /// selective recomputation); full (every layer from its input, as Megatron's full
+    /// recomputation); auto (the cheapest of those that fits each rank in --memory-cap).
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub recompute: RecomputeFlag,
@@ -259,6 +260,7 @@ pub struct CompileFlags {
 pub enum RecomputeFlag {
     #[default]
     None,
+    Elementwise,
     Selective,
     Full,
     Auto,
@@ -819,6 +821,7 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         let options = autotp_codegen::LowerOptions { kernels, ptx: false, offload_optimizer };
         let recompute = match flags.recompute {
             RecomputeFlag::None => Recompute::None,
+            RecomputeFlag::Elementwise => Recompute::Elementwise,
             RecomputeFlag::Selective => Recompute::Selective,
             RecomputeFlag::Full => Recompute::Full { layers: flags.recompute_layers.map(|k| k as usize) },
             RecomputeFlag::Auto => {
@@ -842,17 +845,17 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
             let attention = autotp_passes::recompute::blocks(&graph, Recompute::Selective);
             let elements = attention.first().map_or(0, |b| match b.what {
                 Recomputed::Attention { probability_elements } => probability_elements,
-                Recomputed::Layer { .. } => 0,
+                Recomputed::Layer { .. } | Recomputed::Elementwise { .. } => 0,
             });
             recomputed.probability_elements.push(elements);
             let input = blocks.first().and_then(|b| match b.what {
                 Recomputed::Layer { input, .. } => input,
-                Recomputed::Attention { .. } => None,
+                Recomputed::Attention { .. } | Recomputed::Elementwise { .. } => None,
             });
             let numbers: BTreeSet<u64> = (blocks.iter())
                 .filter_map(|b| match b.what {
                     Recomputed::Layer { number, .. } => Some(number),
-                    Recomputed::Attention { .. } => None,
+                    Recomputed::Attention { .. } | Recomputed::Elementwise { .. } => None,
                 })
                 .collect();
             recomputed.layers.push(numbers.len());
@@ -980,7 +983,11 @@ fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
         let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
         let chosen = r.chosen.get(s).map_or(r.mode.as_str(), String::as_str);
         let blocks = r.blocks[s];
-        let what = if chosen.starts_with("full") { "layers" } else { "attention blocks" };
+        let what = match chosen {
+            "elementwise" => "elementwise ops",
+            "selective" => "attention blocks",
+            _ => "layers",
+        };
         lines.push(format!(
             "  recompute {chosen}: {stage}{blocks} {what} per step, +{} FLOPs; activations peak {} (without: {}, {:+.1}%)",
             grouped(r.flops[s] as usize),
@@ -1003,7 +1010,7 @@ fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
                 grouped(saved / layers),
                 grouped(34 * sbh + 5 * elements - 2 * sbh)
             ));
-        } else if elements > 0 {
+        } else if elements > 0 && chosen == "selective" {
             lines.push(format!(
                 "    saved per attention block {}; Korthikanti et al. 2022: 5as^2b = {} per layer in 16-bit \
                  (scores 2, softmax 2, dropout mask 1 byte per probability; no dropout here)",
@@ -1019,6 +1026,7 @@ fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
 fn recompute_flag_name(flag: RecomputeFlag) -> &'static str {
     match flag {
         RecomputeFlag::None => "none",
+        RecomputeFlag::Elementwise => "elementwise",
         RecomputeFlag::Selective => "selective",
         RecomputeFlag::Full => "full",
         RecomputeFlag::Auto => "auto",
@@ -1029,6 +1037,7 @@ fn recompute_flag_name(flag: RecomputeFlag) -> &'static str {
 fn recompute_name(recompute: Recompute) -> String {
     match recompute {
         Recompute::None => "none".into(),
+        Recompute::Elementwise => "elementwise".into(),
         Recompute::Selective => "selective".into(),
         Recompute::Full { layers: None } => "full".into(),
         Recompute::Full { layers: Some(k) } => format!("full (first {k} layers)"),
@@ -1036,8 +1045,8 @@ fn recompute_name(recompute: Recompute) -> String {
 }
 
 /// The cheapest recomputation that fits a rank of `graph` (a stage's step, sharded) in `cap`
-/// bytes: none, core attention, then whole layers, the first K of the stage for the smallest
-/// K that fits. Refused, with the smallest reachable arena, when every layer recomputed does
+/// bytes: none, elementwise ops, core attention, then whole layers, the first K of the stage
+/// for the smallest K that fits. Refused, with the smallest reachable arena, when every layer recomputed does
 /// not fit.
 fn fitting_recompute(
     graph: &Graph,
@@ -1055,7 +1064,7 @@ fn fitting_recompute(
         }
         Ok(autotp_codegen::lower_with(&graph, options)?.memory.arena_bytes as u64)
     };
-    for recompute in [Recompute::None, Recompute::Selective] {
+    for recompute in [Recompute::None, Recompute::Elementwise, Recompute::Selective] {
         if arena(recompute)? <= cap {
             return Ok(recompute);
         }

@@ -10,6 +10,13 @@
 //!   found from dataflow: a softmax whose probabilities (or their cast) a matmul reads (the
 //!   product with the values), walked back through elementwise ops, casts and reshapes
 //!   (scaling, masks, biases) to the matmul that made the scores.
+//! - `elementwise`: elementwise ops (activation functions, casts, bias adds, scalings) whose
+//!   inputs the backward keeps anyway: their outputs are made again from them right before the
+//!   backward first reads them, for one FLOP per element (as the min-cut rematerialization of
+//!   `torch.compile` and Megatron's recomputed activation functions do). A GELU's output, which
+//!   the next projection's weight gradient reads, is made again from its input, which the
+//!   GELU's own gradient reads; a 16-bit copy from the f32 value it was cast from. The cheapest
+//!   step of `auto`.
 //! - `full`: Megatron's full recomputation: only each layer's input is kept, and the whole layer
 //!   runs again before its backward (`--recompute-layers K`: the first K layers of each stage
 //!   only, Megatron's block method). A layer is found from dataflow and parameter names: the
@@ -35,6 +42,8 @@ pub enum Recompute {
     /// Nothing: every activation the backward reads is kept.
     #[default]
     None,
+    /// Elementwise ops whose inputs the backward keeps anyway.
+    Elementwise,
     /// Core attention (Megatron's `--recompute-activations`).
     Selective,
     /// Whole layers from their inputs (Megatron's `--recompute-granularity full`): every layer,
@@ -60,6 +69,8 @@ pub struct Block {
 /// What a [`Block`] is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Recomputed {
+    /// One elementwise op, with the elements it makes.
+    Elementwise { elements: usize },
     /// Core attention, with the elements of its probabilities (`a s^2 b`).
     Attention { probability_elements: usize },
     /// A layer (by its number), from its input (what is kept of it).
@@ -161,15 +172,15 @@ fn probability_elements(graph: &Graph, block: &AttentionBlock) -> usize {
         .map_or(0, |&n| graph.ty(graph.node(n).outputs[0]).numel())
 }
 
-/// The FLOPs of recomputing `blocks` once: `2mnk` per matmul, none for collectives, one per
-/// element otherwise.
+/// The FLOPs of recomputing `blocks` once: `2mnk` per matmul, none for collectives and
+/// reshapes, one per element otherwise.
 pub fn flops(graph: &Graph, blocks: &[Block]) -> u64 {
     let mut total = 0u64;
     for &n in blocks.iter().flat_map(|b| &b.nodes) {
         let node = graph.node(n);
         let out = graph.ty(node.outputs[0]);
         total += match node.op {
-            Op::Collective { .. } | Op::Wait => 0,
+            Op::Collective { .. } | Op::Wait | Op::Reshape { .. } => 0,
             _ => crate::pipeline::matmul_flops(graph, node).unwrap_or(out.numel() as u64),
         };
     }
@@ -184,8 +195,77 @@ pub fn blocks(graph: &Graph, mode: Recompute) -> Vec<Block> {
             let consumers = graph.consumers();
             attention_blocks(graph, &consumers).iter().map(|block| attention_block(graph, block, &consumers)).collect()
         }
+        Recompute::Elementwise => elementwise_blocks(graph),
         Recompute::Full { layers } => layer_blocks(graph, layers),
     }
+}
+
+/// The forward's elementwise ops whose output the backward reads, each made again (with the
+/// elementwise ops and reshapes it is made of) from values the backward keeps anyway:
+/// parameters, the batch, constants, or values a backward node at or after the first one
+/// reading the output reads too. A block reading what another redirects stays as it is (its
+/// clone would read the original, keeping it alive).
+fn elementwise_blocks(graph: &Graph) -> Vec<Block> {
+    let consumers = graph.consumers();
+    let mut is_forward = vec![false; graph.num_nodes()];
+    for i in crate::pipeline::forward_nodes(graph) {
+        is_forward[i] = true;
+    }
+    let producer = |v: ValueId| match graph.value(v).def {
+        Def::Node(n, _) => Some(n),
+        _ => None,
+    };
+    let is_data = |v: ValueId| producer(v).is_none_or(|n| matches!(graph.node(n).op, Op::Constant { .. }));
+    let elementwise =
+        |op: &Op| matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Gelu { .. } | Op::Cast { .. } | Op::Select);
+    let mut candidates: Vec<Block> = Vec::new();
+    for (id, node) in graph.nodes() {
+        let recomputable = elementwise(&node.op) || matches!(node.op, Op::Reshape { .. });
+        if !is_forward[id.index()] || !recomputable || node.outputs.len() != 1 {
+            continue;
+        }
+        let output = node.outputs[0];
+        let Some(&at) = consumers[output.index()].iter().filter(|c| !is_forward[c.index()]).min() else { continue };
+        let kept = |v: ValueId| is_data(v) || consumers[v.index()].iter().any(|&c| !is_forward[c.index()] && c >= at);
+        // Back from the output through elementwise ops and reshapes to kept values.
+        let mut nodes = BTreeSet::from([id]);
+        let mut open = vec![id];
+        let mut complete = true;
+        while let Some(n) = open.pop() {
+            for &v in &graph.node(n).inputs {
+                if kept(v) {
+                    continue;
+                }
+                match producer(v).filter(|&p| is_forward[p.index()]) {
+                    Some(p) if elementwise(&graph.node(p).op) || matches!(graph.node(p).op, Op::Reshape { .. }) => {
+                        if nodes.insert(p) {
+                            open.push(p);
+                        }
+                    }
+                    _ => complete = false,
+                }
+            }
+            if !complete || nodes.len() > MAX_CHAIN {
+                complete = false;
+                break;
+            }
+        }
+        // A reshape of a kept value is its bytes: nothing to save.
+        let computes = nodes.iter().any(|&n| elementwise(&graph.node(n).op));
+        if !complete || !computes || graph.ty(output).numel() < 2 {
+            continue;
+        }
+        let what = Recomputed::Elementwise { elements: graph.ty(output).numel() };
+        let nodes = nodes.into_iter().collect();
+        candidates.push(Block { nodes, redirected: BTreeSet::from([output]), at, held: BTreeSet::new(), what });
+    }
+    let redirected: BTreeSet<ValueId> = candidates.iter().flat_map(|b| b.redirected.iter().copied()).collect();
+    candidates.retain(|b| {
+        let made: BTreeSet<ValueId> = b.nodes.iter().flat_map(|&n| graph.node(n).outputs.iter().copied()).collect();
+        let mut reads = b.nodes.iter().flat_map(|&n| graph.node(n).inputs.iter());
+        !reads.any(|v| redirected.contains(v) && !made.contains(v))
+    });
+    candidates
 }
 
 /// `graph` with what `mode` recomputes recomputed, and per node of the result the earliest
