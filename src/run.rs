@@ -83,10 +83,6 @@ pub struct RunFlags {
     /// trains on the GPU the model it trains on the CPU.
     #[arg(long)]
     tf32: bool,
-    /// Where a plan compiled with --offload-optimizer nvme keeps its optimizer state's files,
-    /// instead of the directory it was compiled with.
-    #[arg(long, value_name = "DIR")]
-    nvme_path: Option<PathBuf>,
 }
 
 /// The seed of a fresh run without `--seed`.
@@ -114,15 +110,17 @@ impl RunFlags {
     }
 
     /// Loads `plan` for this run: on the GPU `gpu` names or the CPU, as a process of `job` or
-    /// all ranks here, with `--nvme-path` in place of the plan's.
+    /// all ranks here, with its optimizer state's files under `nvme_path` (`run --nvme-path`)
+    /// rather than where the plan says.
     pub fn trainer(
         &self,
         mut plan: TrainingPlan,
         weights: &BTreeMap<String, &[u8]>,
         job: Option<&Arc<MpiComm>>,
         gpu: Option<GpuKind>,
+        nvme_path: Option<&Path>,
     ) -> Result<Trainer> {
-        if let Some(path) = &self.nvme_path {
+        if let Some(path) = nvme_path {
             let nvme = plan.training.nvme.as_mut().context(
                 "--nvme-path: the plan keeps no optimizer state in files (compile it with --offload-optimizer nvme)",
             )?;
@@ -153,6 +151,10 @@ pub struct RunArgs {
     /// (as `mpirun -n N autotp run ...` would); N is the plan's rank count.
     #[arg(long, value_name = "N")]
     launch: Option<usize>,
+    /// Where a plan compiled with --offload-optimizer nvme keeps its optimizer state's files,
+    /// instead of the directory it was compiled with.
+    #[arg(long, value_name = "DIR")]
+    nvme_path: Option<PathBuf>,
 }
 
 /// `autotp run`; returns the exit status of the launched job with `--launch`.
@@ -166,7 +168,8 @@ pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
     let job = crate::job::start(&file.plan, args.flags.comm_timeout)?;
     crate::job::run_in(job.as_ref(), || {
         let weights = file.weights();
-        let mut trainer = args.flags.trainer(file.plan.clone(), &weights, job.as_ref(), gpu)?;
+        let mut trainer =
+            args.flags.trainer(file.plan.clone(), &weights, job.as_ref(), gpu, args.nvme_path.as_deref())?;
         drop(weights);
         drop(file);
         tracing::info!(seconds = started.elapsed().as_secs_f64(), plan = %args.plan.display(), "plan loaded");

@@ -37,7 +37,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let job = crate::job::start(&compiled.plan, args.run.comm_timeout)?;
     crate::job::run_in(job.as_ref(), || {
         let weights = compiled.weights();
-        let mut trainer = args.run.trainer(compiled.plan.clone(), &weights, job.as_ref(), gpu)?;
+        let mut trainer = args.run.trainer(compiled.plan.clone(), &weights, job.as_ref(), gpu, None)?;
         // The trainer copied the weights into its arena; the model's memory map can go.
         drop(weights);
         drop(compiled);
