@@ -17,6 +17,7 @@ mod kernel;
 pub mod kir;
 pub mod kir_movement;
 mod matmul;
+pub mod matmul_bf16;
 mod movement;
 mod nn;
 mod ops;

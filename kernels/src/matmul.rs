@@ -1,5 +1,7 @@
 //! Batched matrix multiplication with numpy batch broadcasting and transpose flags. f32 and
-//! f64 go through the `gemm` crate; half types are widened to f32; integers use a plain loop.
+//! f64 go through the `gemm` crate; bf16 runs on the CPU's bf16 instructions where it has them
+//! ([`crate::matmul_bf16`]); other half types, and bf16 elsewhere, are widened to f32 (rounded
+//! once at the end); integers use a plain loop.
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -229,6 +231,10 @@ pub(crate) fn matmul(dtype: DType, d: &MatMulDims, lhs: &[u8], rhs: &[u8], out: 
         DType::F32 => f32::gemm(d, &view(lhs), &view(rhs), view_mut(out)?),
         DType::F64 => f64::gemm(d, &view(lhs), &view(rhs), view_mut(out)?),
         DType::F16 | DType::BF16 => {
+            let native = dtype == DType::BF16 && crate::matmul_bf16::gemm(d, &view(lhs), &view(rhs), view_mut(out)?);
+            if native {
+                return Ok(());
+            }
             let mut result = vec![0f32; out.len() / 2];
             f32::gemm(d, &widen(dtype, lhs), &widen(dtype, rhs), &mut result);
             narrow(dtype, &result, out)?;
