@@ -41,6 +41,22 @@ fn train(plan: &Path, metrics: &Path, save: &Path) -> Vec<(u64, f64)> {
     losses(metrics)
 }
 
+/// Six steps of `kept` and of `again` give the same losses and the same final weights, bit for
+/// bit (their checkpoints under `dir`, named by `tag`).
+fn assert_trains_identically(dir: &Path, kept: &Path, again: &Path, tag: &str, label: &str) {
+    let (ck_kept, ck_again) = (dir.join(format!("ck-kept-{tag}")), dir.join(format!("ck-again-{tag}")));
+    let a = train(kept, &dir.join("kept.jsonl"), &ck_kept);
+    let b = train(again, &dir.join("again.jsonl"), &ck_again);
+    assert_eq!(a, b, "{label}: losses");
+    let (a, b) = (
+        autotp_runtime::checkpoint::Checkpoint::open(&ck_kept).unwrap(),
+        autotp_runtime::checkpoint::Checkpoint::open(&ck_again).unwrap(),
+    );
+    for t in a.params() {
+        assert!(t.bytes == b.tensor(&t.name).unwrap().bytes, "{label}: '{}' after 6 steps", t.name);
+    }
+}
+
 fn number(s: &str) -> usize {
     s.trim_matches(|c: char| !c.is_ascii_digit()).replace(',', "").parse::<usize>().unwrap()
 }
@@ -92,17 +108,7 @@ fn selective_recomputation_trains_bit_identically_with_less_memory() {
                 for &(blocks, with, without) in &lines {
                     assert!(blocks == 0 || with < without, "{label}: peak {with} with, {without} without");
                 }
-                let (ck_kept, ck_again) = (dir.join(format!("ck-kept-{l}")), dir.join(format!("ck-again-{l}")));
-                let a = train(&kept, &dir.join("kept.jsonl"), &ck_kept);
-                let b = train(&again, &dir.join("again.jsonl"), &ck_again);
-                assert_eq!(a, b, "{label}: losses");
-                let (a, b) = (
-                    autotp_runtime::checkpoint::Checkpoint::open(&ck_kept).unwrap(),
-                    autotp_runtime::checkpoint::Checkpoint::open(&ck_again).unwrap(),
-                );
-                for t in a.params() {
-                    assert!(t.bytes == b.tensor(&t.name).unwrap().bytes, "{label}: '{}' after 6 steps", t.name);
-                }
+                assert_trains_identically(&dir, &kept, &again, &format!("{l}"), &label);
             }
         }
     }
@@ -147,18 +153,7 @@ fn elementwise_recomputation_trains_bit_identically_with_less_memory() {
                 };
                 assert!(10 * flops(&summary, "elementwise") < flops(&selective, "selective"), "{label}\n{summary}");
             }
-            let (ck_kept, ck_again) =
-                (dir.join(format!("ck-kept-{arch}-{l}")), dir.join(format!("ck-again-{arch}-{l}")));
-            let a = train(&kept, &dir.join("kept.jsonl"), &ck_kept);
-            let b = train(&again, &dir.join("again.jsonl"), &ck_again);
-            assert_eq!(a, b, "{label}: losses");
-            let (a, b) = (
-                autotp_runtime::checkpoint::Checkpoint::open(&ck_kept).unwrap(),
-                autotp_runtime::checkpoint::Checkpoint::open(&ck_again).unwrap(),
-            );
-            for t in a.params() {
-                assert!(t.bytes == b.tensor(&t.name).unwrap().bytes, "{label}: '{}' after 6 steps", t.name);
-            }
+            assert_trains_identically(&dir, &kept, &again, &format!("{arch}-{l}"), &label);
         }
     }
 }
