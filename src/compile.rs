@@ -228,6 +228,14 @@ pub struct CompileFlags {
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub offload_optimizer: OffloadFlag,
+    /// A DeepSpeed configuration (ds_config.json) whose keys become these flags: batch sizes,
+    /// gradient_clipping, optimizer, fp16/bf16, communication_data_type, zero_optimization
+    /// (stage, buckets, offload_optimizer), activation_checkpointing (--recompute full),
+    /// tensor_parallel.autotp_size, pipeline.stages. A flag given too must agree; keys autotp
+    /// does not implement are listed in a warning.
+    #[arg(long, value_name = "ds_config.json")]
+    #[serde(default)]
+    pub deepspeed: Option<PathBuf>,
     /// With --offload-optimizer nvme: the directory of the optimizer state's files, one per
     /// rank, removed when the run ends (`autotp run --nvme-path` may name another).
     #[arg(long, value_name = "DIR")]

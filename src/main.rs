@@ -20,6 +20,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod bench_comm;
 mod compile;
+mod deepspeed;
 mod export;
 mod job;
 mod run;
@@ -224,7 +225,14 @@ fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("AUTOTP_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let args = match deepspeed::expand(std::env::args_os().collect()) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("error: {}", render(&e));
+            return ExitCode::FAILURE;
+        }
+    };
+    let cli = Cli::parse_from(args);
     let result = match &cli.command {
         Command::Import { model, shapes, output, simplify } => run_import(model, shapes, output.as_deref(), *simplify),
         Command::Infer { model, inputs, output_dir } => run_infer(model, inputs, output_dir),

@@ -26,6 +26,7 @@ mod cli;
 mod common;
 mod compile;
 mod conformance;
+mod deepspeed;
 mod fixtures;
 mod golden;
 mod gpu;
