@@ -109,17 +109,38 @@ pub struct CompileFlags {
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
-    /// constant, or cosine (linear warmup over --warmup-steps, then cosine decay to --min-lr,
-    /// as Hugging Face's get_cosine_schedule_with_warmup).
+    /// constant; cosine (linear warmup over --warmup-steps, then cosine decay to --min-lr, as
+    /// Hugging Face's get_cosine_schedule_with_warmup); or DeepSpeed's schedulers, step for
+    /// step: warmup (WarmupLR: --warmup-min-lr to --lr over --warmup-steps, --warmup-type log
+    /// or linear), warmup-decay (WarmupDecayLR: then linearly to 0 at --lr-decay-steps),
+    /// warmup-cosine (WarmupCosineLR: --warmup-min-ratio to 1 of --lr, then a cosine to
+    /// --cos-min-ratio at --lr-decay-steps).
     #[arg(long, default_value = "constant")]
     lr_schedule: String,
     #[arg(long, default_value_t = 0)]
     warmup_steps: usize,
     #[arg(long, default_value_t = 0.0)]
     min_lr: f64,
-    /// The step at which the cosine decay reaches --min-lr (default: the run's --steps).
+    /// The step at which the decay ends (default for cosine: the run's --steps; DeepSpeed's
+    /// total_num_steps).
     #[arg(long)]
     lr_decay_steps: Option<usize>,
+    /// DeepSpeed's warmup_min_lr (warmup, warmup-decay) [default: 0].
+    #[arg(long)]
+    #[serde(default)]
+    warmup_min_lr: Option<f64>,
+    /// DeepSpeed's warmup_type: log or linear (warmup, warmup-decay, warmup-cosine) [default: log].
+    #[arg(long)]
+    #[serde(default)]
+    warmup_type: Option<String>,
+    /// DeepSpeed's warmup_min_ratio (warmup-cosine) [default: 0].
+    #[arg(long)]
+    #[serde(default)]
+    warmup_min_ratio: Option<f64>,
+    /// DeepSpeed's cos_min_ratio (warmup-cosine) [default: 0.0001].
+    #[arg(long)]
+    #[serde(default)]
+    cos_min_ratio: Option<f64>,
     /// AdamW betas: B1,B2.
     #[arg(long, default_value = "0.9,0.999")]
     betas: String,
@@ -512,7 +533,28 @@ fn optimizer(flags: &CompileFlags) -> Result<(Optimizer, String)> {
 }
 
 fn schedule(flags: &CompileFlags) -> Result<Schedule> {
-    Ok(match flags.lr_schedule.as_str() {
+    let kind = flags.lr_schedule.as_str();
+    let deepspeed = matches!(kind, "warmup" | "warmup-decay" | "warmup-cosine");
+    let given = [
+        ("--warmup-min-lr", flags.warmup_min_lr.is_some(), matches!(kind, "warmup" | "warmup-decay")),
+        ("--warmup-type", flags.warmup_type.is_some(), deepspeed),
+        ("--warmup-min-ratio", flags.warmup_min_ratio.is_some(), kind == "warmup-cosine"),
+        ("--cos-min-ratio", flags.cos_min_ratio.is_some(), kind == "warmup-cosine"),
+    ];
+    if let Some((flag, ..)) = given.iter().find(|(_, given, applies)| *given && !applies) {
+        bail!("{flag} does not apply to --lr-schedule {kind}");
+    }
+    let log_warmup = match flags.warmup_type.as_deref() {
+        None | Some("log") => true,
+        Some("linear") => false,
+        Some(other) => bail!("--warmup-type '{other}' is not one of log, linear"),
+    };
+    let total_steps = || {
+        flags
+            .lr_decay_steps
+            .with_context(|| format!("--lr-schedule {kind} decays to --lr-decay-steps, which is missing"))
+    };
+    Ok(match kind {
         "constant" => Schedule::Constant { lr: flags.lr },
         "cosine" => Schedule::WarmupCosine {
             lr: flags.lr,
@@ -520,7 +562,22 @@ fn schedule(flags: &CompileFlags) -> Result<Schedule> {
             decay_steps: flags.lr_decay_steps,
             min_lr: flags.min_lr,
         },
-        other => bail!("--lr-schedule '{other}' is not one of constant, cosine"),
+        "warmup" | "warmup-decay" => Schedule::DeepSpeedWarmup {
+            min_lr: flags.warmup_min_lr.unwrap_or(0.0),
+            max_lr: flags.lr,
+            warmup_steps: flags.warmup_steps,
+            log_warmup,
+            total_steps: if kind == "warmup-decay" { Some(total_steps()?) } else { None },
+        },
+        "warmup-cosine" => Schedule::DeepSpeedWarmupCosine {
+            lr: flags.lr,
+            total_steps: total_steps()?,
+            warmup_min_ratio: flags.warmup_min_ratio.unwrap_or(0.0),
+            warmup_steps: flags.warmup_steps,
+            cos_min_ratio: flags.cos_min_ratio.unwrap_or(1e-4),
+            log_warmup,
+        },
+        other => bail!("--lr-schedule '{other}' is not one of constant, cosine, warmup, warmup-decay, warmup-cosine"),
     })
 }
 

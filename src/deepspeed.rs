@@ -3,8 +3,8 @@
 //! [`translate`]); the flags are added to the command line before it is parsed, so everything
 //! downstream sees ordinary flags (and checks them as it checks typed ones). A flag given on the
 //! command line too must agree with the file, else the command is refused naming both; keys
-//! autotp does not implement are listed in one warning; a learning-rate `scheduler` and
-//! `"auto"` values are refused (they would change the run silently).
+//! autotp does not implement are listed in one warning; schedulers other than DeepSpeed's
+//! warmup ones and `"auto"` values are refused (they would change the run silently).
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -42,10 +42,7 @@ pub fn translate(config: &Value, run_flags: bool) -> Result<(Vec<Translated>, Ve
             "communication_data_type" => add("--comm-dtype", Some(dtype(value, key)?), key),
             "steps_per_print" if run_flags => add("--log-every", Some(count(value, key)?), key),
             "optimizer" => optimizer(value, &mut add, &mut ignored)?,
-            "scheduler" => bail!(
-                "{key}: DeepSpeed's learning-rate schedulers are not mapped yet; remove it and give autotp's \
-                 --lr-schedule constant|cosine --warmup-steps --min-lr --lr-decay-steps"
-            ),
+            "scheduler" => scheduler(value, &mut add, &mut ignored)?,
             "fp16" | "bf16" => {
                 let section = object(value, key)?;
                 if section.get("enabled").is_some_and(|e| e == &Value::Bool(true)) {
@@ -91,7 +88,52 @@ pub fn translate(config: &Value, run_flags: bool) -> Result<(Vec<Translated>, Ve
             _ => ignored.push(key.clone()),
         }
     }
+    // A scheduler's warmup_max_lr is the learning rate DeepSpeed trains at, not the optimizer's.
+    if flags.iter().any(|t| t.flag == "--lr" && t.key.starts_with("scheduler.")) {
+        flags.retain(|t| t.flag != "--lr" || t.key.starts_with("scheduler."));
+    }
     Ok((flags, ignored))
+}
+
+/// `scheduler {type, params}`: WarmupLR, WarmupDecayLR or WarmupCosineLR as `--lr-schedule
+/// warmup|warmup-decay|warmup-cosine` and their parameters.
+fn scheduler(
+    value: &Value,
+    add: &mut impl FnMut(&'static str, Option<String>, &str),
+    ignored: &mut Vec<String>,
+) -> Result<()> {
+    let section = object(value, "scheduler")?;
+    let kind = section.get("type").and_then(Value::as_str).context("scheduler.type is missing")?;
+    let schedule = match kind {
+        "WarmupLR" => "warmup",
+        "WarmupDecayLR" => "warmup-decay",
+        "WarmupCosineLR" => "warmup-cosine",
+        _ => bail!(
+            "scheduler.type {kind}: autotp follows WarmupLR, WarmupDecayLR and WarmupCosineLR (or give --lr-schedule \
+             constant|cosine)"
+        ),
+    };
+    add("--lr-schedule", Some(schedule.into()), "scheduler.type");
+    let params = match section.get("params") {
+        Some(p) => object(p, "scheduler.params")?.clone(),
+        None => serde_json::Map::new(),
+    };
+    for (k, v) in &params {
+        let key = format!("scheduler.params.{k}");
+        match (k.as_str(), schedule) {
+            ("warmup_num_steps", _) => add("--warmup-steps", Some(count(v, &key)?), &key),
+            ("warmup_type", _) => add("--warmup-type", Some(text(v, &key)?), &key),
+            ("total_num_steps", "warmup-decay" | "warmup-cosine") => {
+                add("--lr-decay-steps", Some(count(v, &key)?), &key)
+            }
+            ("warmup_min_lr", "warmup" | "warmup-decay") => add("--warmup-min-lr", Some(text(v, &key)?), &key),
+            ("warmup_max_lr", "warmup" | "warmup-decay") => add("--lr", Some(text(v, &key)?), &key),
+            ("warmup_min_ratio", "warmup-cosine") => add("--warmup-min-ratio", Some(text(v, &key)?), &key),
+            ("cos_min_ratio", "warmup-cosine") => add("--cos-min-ratio", Some(text(v, &key)?), &key),
+            _ => ignored.push(key),
+        }
+    }
+    Ok(())
 }
 
 /// `optimizer {type, params}`: AdamW (DeepSpeed's `Adam` is AdamW unless `adam_w_mode` is

@@ -1,7 +1,8 @@
 //! `--deepspeed ds_config.json`: DeepSpeed's configuration keys become autotp's flags. Configs
 //! built from DeepSpeed's documentation examples (its config-json and ZeRO pages) compile to the
 //! very plan the equivalent flags make (same fingerprint); keys autotp does not implement are
-//! listed in one warning; a flag that contradicts the file, a scheduler and `"auto"` are refused.
+//! listed in one warning; a flag that contradicts the file, an unknown scheduler and `"auto"` are
+//! refused; DeepSpeed's warmup schedulers give its learning rates step for step.
 
 use std::path::Path;
 
@@ -148,8 +149,9 @@ fn deepspeed_configs_compile_to_the_plans_of_their_flags() {
     assert!(from_file.contains("optimizer state on NVMe") && from_file.contains("recompute full"), "{from_file}");
 }
 
-/// A flag that contradicts the file, a scheduler, and "auto" values are refused, naming them; a
-/// flag that agrees is fine; `train` takes steps_per_print as --log-every.
+/// A flag that contradicts the file, a scheduler autotp does not follow, and "auto" values are
+/// refused, naming them; a flag that agrees is fine; `train` takes steps_per_print as
+/// --log-every and WarmupLR's rates step for step.
 #[test]
 fn deepspeed_configs_refuse_contradictions_and_drive_train() {
     let dir = scratch("deepspeed-refusals");
@@ -168,20 +170,30 @@ fn deepspeed_configs_refuse_contradictions_and_drive_train() {
     let refused = failure(autotp(&compile_args(&["--zero", "1", "--deepspeed", &zero2])));
     assert!(refused.contains("--zero 1 on the command line contradicts zero_optimization.stage = 2"), "{refused}");
     success(autotp(&compile_args(&["--zero=2", "--deepspeed", &zero2])));
-    let scheduler = config(
-        &dir,
-        "s.json",
-        serde_json::json!({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}),
-    );
+    let scheduler = config(&dir, "s.json", serde_json::json!({"scheduler": {"type": "OneCycle", "params": {}}}));
     let refused = failure(autotp(&compile_args(&["--micro-batch", "4", "--deepspeed", &scheduler])));
-    assert!(refused.contains("schedulers are not mapped yet") && refused.contains("--lr-schedule"), "{refused}");
+    assert!(refused.contains("scheduler.type OneCycle") && refused.contains("WarmupCosineLR"), "{refused}");
     let auto = config(&dir, "a.json", serde_json::json!({"train_micro_batch_size_per_gpu": "auto"}));
     let refused = failure(autotp(&compile_args(&["--deepspeed", &auto])));
     assert!(refused.contains("train_micro_batch_size_per_gpu is \"auto\""), "{refused}");
 
-    let every_two =
-        config(&dir, "t.json", serde_json::json!({"train_micro_batch_size_per_gpu": 8, "steps_per_print": 2}));
+    // WarmupLR, linear, with the optimizer's lr overridden by warmup_max_lr as DeepSpeed does:
+    // DeepSpeed steps the scheduler after each optimizer step, so steps 1 and 2 both run at
+    // warmup_min_lr, step 3 at 1/5 of the way.
+    let every_two = config(
+        &dir,
+        "t.json",
+        serde_json::json!({
+            "train_micro_batch_size_per_gpu": 8,
+            "steps_per_print": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+            "scheduler": {"type": "WarmupLR", "params": {
+                "warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 5, "warmup_type": "linear"
+            }}
+        }),
+    );
     let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let metrics = dir.join("m.jsonl");
     let out = success(autotp(&[
         "train",
         model.to_str().unwrap(),
@@ -193,8 +205,17 @@ fn deepspeed_configs_refuse_contradictions_and_drive_train() {
         tokens.to_str().unwrap(),
         "--steps",
         "4",
+        "--metrics-out",
+        metrics.to_str().unwrap(),
     ]));
     let printed: Vec<&str> = out.lines().filter(|l| l.starts_with("step")).collect();
     assert_eq!(printed.len(), 3, "steps 1, 2 and 4: {out}");
     assert!(printed[1].contains(" 2/4") && printed[2].contains(" 4/4"), "{out}");
+    let lrs: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"].as_f64().unwrap())
+        .collect();
+    let want = [0.0, 0.0, 0.0002, 0.0004];
+    assert!(lrs.len() == 4 && lrs.iter().zip(want).all(|(got, want)| (got - want).abs() < 1e-12), "{lrs:?}");
 }
