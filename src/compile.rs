@@ -947,9 +947,19 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
                 }
             }
         }
-        for name in graph.states().iter().filter_map(|&s| graph.name_of(s)) {
+        for &state in graph.states() {
+            let Some(name) = graph.name_of(state) else { continue };
             if let Some(param) = name.strip_prefix(autotp_passes::optimize::MASTER_PREFIX) {
                 masters.insert(name.to_string(), param.to_string());
+            }
+            // A parameter's states (its master, its moments: `<kind>.<parameter>`) are stored
+            // in its model shape too, so a checkpoint reads the same under any layout.
+            let of_param = weight_shapes.iter().find(|(param, shape)| {
+                name.strip_suffix(param.as_str()).is_some_and(|prefix| prefix.ends_with('.'))
+                    && shape.iter().product::<usize>() == graph.ty(state).numel()
+            });
+            if let Some((_, shape)) = of_param {
+                weight_shapes.insert(name.to_string(), shape.clone());
             }
         }
         let options = autotp_codegen::LowerOptions { kernels, ptx: generated, offload_optimizer };

@@ -242,7 +242,13 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
             tracing::warn!("--seed is ignored: the checkpoint's seed {} continues", trainer.seed());
         }
         if trainer.reports() {
-            eprintln!("resumed from {} at step {}", checkpoint.dir.display(), trainer.completed_steps());
+            let relaid = if checkpoint.manifest.plan_fingerprint == trainer.fingerprint() {
+                String::new()
+            } else {
+                " (written by another parallel layout of this training: each rank read its block of every tensor)"
+                    .to_string()
+            };
+            eprintln!("resumed from {} at step {}{relaid}", checkpoint.dir.display(), trainer.completed_steps());
         }
     }
     let first = trainer.completed_steps();

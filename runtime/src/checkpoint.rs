@@ -429,13 +429,24 @@ impl Checkpoint {
         if block.len() != extent.iter().product::<usize>() * size {
             return None;
         }
-        if !self.manifest.shapes.contains_key(name) {
+        let Some(written) = self.manifest.shapes.get(name) else {
             // Stored whole.
             let (_, whole) = holders.first()?;
             if whole.bytes.len() != shape.iter().product::<usize>() * size {
                 return None;
             }
             extract_block(shape, offsets, extent, size, whole.bytes, block);
+            return Some(());
+        };
+        if written.len() != shape.len() {
+            // Blocks of another view of the tensor (a plan of another layout computing with
+            // `[in, 3, heads]` where this one has `[in, 3 heads]`): the same bytes whole, then
+            // this block of them.
+            let whole = self.tensor(name)?;
+            if whole.bytes.len() != shape.iter().product::<usize>() * size {
+                return None;
+            }
+            extract_block(shape, offsets, extent, size, &whole.bytes, block);
             return Some(());
         }
         let mut covered = 0;

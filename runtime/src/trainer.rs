@@ -516,12 +516,13 @@ impl Trainer {
     /// come from this same compiled plan.
     pub fn resume(&mut self, checkpoint: &Checkpoint) -> Result<(), RuntimeError> {
         let m = &checkpoint.manifest;
-        if m.plan_fingerprint != self.fingerprint {
+        if m.plan_fingerprint != self.fingerprint && !self.same_training(checkpoint) {
             return Err(RuntimeError::Checkpoint {
                 path: checkpoint.dir.clone(),
                 message: format!(
                     "was written by another compiled plan (model '{}' from {}, fingerprint {}) than this one \
-                     (model '{}' from {}, fingerprint {}){}; resume it with the plan it was trained with",
+                     (model '{}' from {}, fingerprint {}){}; resume it with the plan it was trained with, or \
+                     with another parallel layout of the same training",
                     m.model.name,
                     m.model.path.display(),
                     short(&m.plan_fingerprint),
@@ -570,6 +571,15 @@ impl Trainer {
         Ok(())
     }
 
+    /// Whether `checkpoint` was written by another layout of this training: the same model
+    /// (every parameter and state there, of its type and global shape), sequence length, global
+    /// batch, optimizer, clipping, schedule and frozen parameters. Its tensors are stored whole
+    /// (each rank's block at its place), so this plan's ranks read their own blocks of them, as
+    /// DeepSpeed's universal checkpoints let a run change its parallel layout.
+    fn same_training(&self, checkpoint: &Checkpoint) -> bool {
+        checkpoint.manifest.model.name == self.model.name && self.difference(checkpoint).is_empty()
+    }
+
     /// Why `checkpoint` does not fit, for the refusal message: the first tensor that differs,
     /// or the training settings that do.
     fn difference(&self, checkpoint: &Checkpoint) -> String {
@@ -592,8 +602,11 @@ impl Trainer {
         if theirs.seq_len != ours.seq_len {
             differ.push(format!("seq-len {} vs {}", theirs.seq_len, ours.seq_len));
         }
-        if theirs.micro_batch != ours.micro_batch {
-            differ.push(format!("micro-batch {} vs {}", theirs.micro_batch, ours.micro_batch));
+        if theirs.global_batch != ours.global_batch {
+            differ.push(format!("global batch {} vs {}", theirs.global_batch, ours.global_batch));
+        }
+        if theirs.schedule != ours.schedule {
+            differ.push(format!("lr schedule {} vs {}", theirs.schedule, ours.schedule));
         }
         if theirs.optimizer != ours.optimizer {
             differ.push(format!("optimizer {} vs {}", theirs.optimizer, ours.optimizer));
