@@ -103,6 +103,25 @@ fn product(a: Operand, b: Operand, m: usize, n: usize, k: usize, out: &mut [u16]
     // Panel p, pair q: the 32 columns' (row 2q, row 2q + 1) elements.
     let mut packed_b = vec![0u16; panels * pairs * NR * 2];
     let pack_b = |(p, panel): (usize, &mut [u16])| {
+        let columns = NR.min(n - p * NR);
+        if b.cols == 1 {
+            // Rows of `b` are contiguous: interleave two of them.
+            for q in 0..pairs {
+                let row = |r: usize| &b.data[(b.offset as isize + r as isize * b.rows) as usize + p * NR..][..columns];
+                let out = &mut panel[q * NR * 2..][..columns * 2];
+                let first = row(2 * q);
+                if 2 * q + 1 < k {
+                    for ((pair, &x), &y) in out.chunks_exact_mut(2).zip(first).zip(row(2 * q + 1)) {
+                        (pair[0], pair[1]) = (x, y);
+                    }
+                } else {
+                    for (pair, &x) in out.chunks_exact_mut(2).zip(first) {
+                        pair[0] = x;
+                    }
+                }
+            }
+            return;
+        }
         for q in 0..pairs {
             for j in 0..NR.min(n - p * NR) {
                 for t in 0..2.min(k - 2 * q) {
@@ -114,6 +133,16 @@ fn product(a: Operand, b: Operand, m: usize, n: usize, k: usize, out: &mut [u16]
     // Block r, pair q: each of its rows' (column 2q, column 2q + 1) elements.
     let mut packed_a = vec![0u16; blocks * pairs * MR * 2];
     let pack_a = |(r, block): (usize, &mut [u16])| {
+        if a.cols == 1 {
+            // Rows of `a` are contiguous: each row's pairs are its words, in order.
+            for i in 0..MR.min(m - r * MR) {
+                let row = &a.data[(a.offset as isize + (r * MR + i) as isize * a.rows) as usize..][..k];
+                for (q, pair) in row.chunks(2).enumerate() {
+                    block[(q * MR + i) * 2..][..pair.len()].copy_from_slice(pair);
+                }
+            }
+            return;
+        }
         for q in 0..pairs {
             for i in 0..MR.min(m - r * MR) {
                 for t in 0..2.min(k - 2 * q) {
