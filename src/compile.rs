@@ -1032,14 +1032,14 @@ fn nvme_lines(plan: &TrainingPlan, nvme: &NvmeOffload) -> Vec<String> {
     for (s, program) in plan.stages.iter().enumerate() {
         let Ok(layout) = autotp_runtime::nvme::Layout::of(program, nvme.tile_elements) else { continue };
         let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
-        let buffers = nvme.buffer_count.min(layout.tiles);
+        let buffers = layout.buffers(nvme.buffer_count);
         lines.push(format!(
             "    {stage}{} tiles, {} bytes in memory ({buffers} x {}); {} bytes read and {} written per step",
             layout.tiles,
             grouped(buffers * layout.tile_bytes),
             grouped(layout.tile_bytes),
-            grouped(layout.bytes_per_step),
-            grouped(layout.bytes_per_step),
+            grouped(layout.file_bytes),
+            grouped(layout.file_bytes),
         ));
     }
     lines

@@ -586,12 +586,11 @@ impl Device for CpuDevice {
                     Some(file) => {
                         // Tensors with no state in the file update in the arena; the others,
                         // tile by tile, in the file's buffers.
-                        let resident: Vec<_> =
-                            tensors.iter().filter(|t| !t.inputs.iter().any(Region::in_host_pool)).cloned().collect();
+                        let resident = || tensors.iter().filter(|t| !t.inputs.iter().any(Region::in_host_pool));
                         // SAFETY: as above; `Layout::of` checked that the file's states are
                         // updated in place and touched by nothing else.
-                        unsafe { run_chunks(entry, &constants, &optimizer_chunks(dtype, &resident, bases)) };
-                        copy_masters(dtype, &resident, bases, label)?;
+                        unsafe { run_chunks(entry, &constants, &optimizer_chunks(dtype, resident(), bases)) };
+                        copy_masters(dtype, resident(), bases, label)?;
                         file.step(index, |tile, buffer| {
                             // SAFETY: as above; the tile's pieces lie in `buffer` (its layout).
                             unsafe { update_tile(entry, dtype, &constants, tensors, bases, tile, buffer, label) }
@@ -802,9 +801,9 @@ fn push_chunks(
 
 /// An optimizer step's tensors cut into chunks of at most [`OPTIMIZER_CHUNK_ELEMENTS`], for
 /// memories at `bases` (the CPU's, or a GPU's device addresses: nothing is dereferenced).
-pub(crate) fn optimizer_chunks(
+pub(crate) fn optimizer_chunks<'a>(
     dtype: autotp_kernels::DType,
-    tensors: &[crate::OptimizerTensor],
+    tensors: impl IntoIterator<Item = &'a crate::OptimizerTensor>,
     bases: Bases,
 ) -> Vec<autotp_kernels::optim::TensorUpdate> {
     let mut chunks = Vec::new();
@@ -891,9 +890,9 @@ unsafe fn update_tile(
 /// with the cast kernel's rounding.
 ///
 /// [`OptimizerTensor::copy`]: crate::OptimizerTensor::copy
-fn copy_masters(
+fn copy_masters<'a>(
     dtype: autotp_kernels::DType,
-    tensors: &[crate::OptimizerTensor],
+    tensors: impl IntoIterator<Item = &'a crate::OptimizerTensor>,
     bases: Bases,
     label: &str,
 ) -> Result<(), RuntimeError> {

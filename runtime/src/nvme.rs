@@ -89,13 +89,11 @@ pub struct Layout {
     steps: BTreeMap<usize, Vec<Tile>>,
     /// Every offloaded byte range and its place in the file, by pool offset.
     segments: Vec<Segment>,
-    /// Bytes of the file.
+    /// Bytes of the file: what one run of every step reads, and writes (the states' bytes plus
+    /// each tile's padding to 4 KiB).
     pub file_bytes: usize,
     /// Bytes of the largest tile: what one buffer holds.
     pub tile_bytes: usize,
-    /// Bytes read (and as many written) by one run of every step: the states' bytes plus each
-    /// tile's padding to 4 KiB.
-    pub bytes_per_step: usize,
     /// The offloaded states' own bytes (without padding).
     pub state_bytes: usize,
     /// Parameter elements whose states are in the tiles.
@@ -178,16 +176,8 @@ impl Layout {
                 steps.insert(index, tiles);
             }
         }
-        let mut layout = Layout {
-            steps,
-            segments: Vec::new(),
-            file_bytes: 0,
-            tile_bytes: 0,
-            bytes_per_step: 0,
-            state_bytes: 0,
-            elements: 0,
-            tiles: 0,
-        };
+        let mut layout =
+            Layout { steps, segments: Vec::new(), file_bytes: 0, tile_bytes: 0, state_bytes: 0, elements: 0, tiles: 0 };
         for (&index, tiles) in &mut layout.steps {
             let Instruction::OptimizerStep { dtype, tensors, .. } = &program.instructions[index] else {
                 unreachable!("tiles are made for optimizer steps")
@@ -211,7 +201,6 @@ impl Layout {
             }
         }
         layout.tile_bytes = layout.tile_bytes.next_multiple_of(BLOCK);
-        layout.bytes_per_step = layout.file_bytes;
         layout.segments.sort_by_key(|s| s.pool);
         if layout.segments.windows(2).any(|w| w[0].pool + w[0].len > w[1].pool) {
             return Err("two optimizer tensors update the same offloaded state".into());
@@ -233,6 +222,13 @@ impl Layout {
             let (from, to) = (s.pool.max(start), (s.pool + s.len).min(end));
             (s.file + from - s.pool, from - start..to - start)
         })
+    }
+
+    /// Buffers a step streams its tiles through with `buffer_count` asked for: no more than
+    /// the most tiles of one step, at least one.
+    pub fn buffers(&self, buffer_count: usize) -> usize {
+        let most_tiles = self.steps.values().map(Vec::len).max().unwrap_or(0);
+        buffer_count.min(most_tiles).max(1)
     }
 
     /// The tiles of the step at instruction `index`, if it offloads.
@@ -378,11 +374,10 @@ impl StateFile {
     }
 
     pub fn status(&self) -> NvmeStatus<'_> {
-        let most_tiles = self.layout.steps.values().map(Vec::len).max().unwrap_or(0);
         NvmeStatus {
             layout: &self.layout,
             direct: self.direct,
-            buffers: self.buffer_count.min(most_tiles),
+            buffers: self.layout.buffers(self.buffer_count),
             read: self.moved.0,
             written: self.moved.1,
         }

@@ -104,7 +104,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
         let m = &p.memory;
         let nvme = training.nvme.as_ref().and_then(|nvme| {
             let layout = crate::nvme::Layout::of(p, nvme.tile_elements).ok()?;
-            Some((nvme.buffer_count.min(layout.tiles) * layout.tile_bytes, layout.bytes_per_step))
+            Some((layout.buffers(nvme.buffer_count) * layout.tile_bytes, layout.file_bytes))
         });
         let (nvme_buffer_bytes, nvme_bytes_per_step) = nvme.unwrap_or_default();
         for rank in stage * stage_size..(stage + 1) * stage_size {
