@@ -2,7 +2,8 @@
 //! against the portable path (widen both operands to f32, the f32 GEMM, round the result) and
 //! against the f32 GEMM alone, in the same run, on the shapes of a GPT-2 small step (4096
 //! tokens, hidden 768: the projections, their weight gradients, attention's batched products).
-//! Prints a Markdown table of median milliseconds per call.
+//! Prints a Markdown table of median milliseconds per call, or with `json` one JSON line per
+//! shape, which `benches/matmul_bf16.sh` sets PyTorch's bf16 `torch.matmul` beside.
 //!
 //!     cargo bench --bench matmul_bf16 [-- small]   (small: the fixture models' shapes;
 //!                                                 threads: RAYON_NUM_THREADS, default all cores)
@@ -59,6 +60,7 @@ fn median(mut call: impl FnMut()) -> f64 {
 fn main() {
     let numel = |batch: &[usize], rows: usize, cols: usize| batch.iter().product::<usize>() * rows * cols;
     let small = std::env::args().any(|a| a == "small");
+    let json = std::env::args().any(|a| a == "json");
     let tiny_shapes = [
         ("tiny gpt2 mlp up", dims(1, 256, 64, 256, false, false)),
         ("tiny gpt2 lm head", dims(1, 256, 64, 1000, false, true)),
@@ -75,9 +77,11 @@ fn main() {
         ("mlp up, weight gradient", dims(1, 768, 4096, 3072, true, false)),
         ("attention scores (48 heads x batch)", dims(48, 512, 64, 512, false, true)),
     ];
-    println!("native bf16 instructions: {}", autotp_kernels::matmul_bf16::native());
-    println!("| product | m x k x n | bf16 native ms | bf16 widened to f32 ms | f32 ms | widened / native |");
-    println!("|---|---|---|---|---|---|");
+    if !json {
+        println!("native bf16 instructions: {}", autotp_kernels::matmul_bf16::native());
+        println!("| product | m x k x n | bf16 native ms | bf16 widened to f32 ms | f32 ms | widened / native |");
+        println!("|---|---|---|---|---|---|");
+    }
     for (name, d) in if small { tiny_shapes.to_vec() } else { shapes.to_vec() } {
         let (a, b, c) = (numel(&d.lhs_batch, d.m, d.k), numel(&d.rhs_batch, d.k, d.n), numel(&d.batch, d.m, d.n));
         let (lhs, rhs) = (random(a, DType::BF16, 1), random(b, DType::BF16, 2));
@@ -99,6 +103,22 @@ fn main() {
         let (lhs32, rhs32) = (random(a, DType::F32, 1), random(b, DType::F32, 2));
         let f32_ms =
             median(|| f32_gemm.run(&[lhs32.as_slice(), rhs32.as_slice()], &mut [wide_out.as_mut_slice()]).unwrap());
+        if json {
+            println!(
+                "{{\"name\": \"{name}\", \"batch\": {}, \"m\": {}, \"k\": {}, \"n\": {}, \"transpose_lhs\": {}, \
+                 \"transpose_rhs\": {}, \"rhs_batched\": {}, \"native_ms\": {native_ms}, \"widened_ms\": {widened_ms}, \
+                 \"f32_ms\": {f32_ms}, \"native\": {}}}",
+                d.batch[0],
+                d.m,
+                d.k,
+                d.n,
+                d.transpose_lhs,
+                d.transpose_rhs,
+                d.rhs_batch[0] > 1,
+                autotp_kernels::matmul_bf16::native()
+            );
+            continue;
+        }
         println!(
             "| {name} | {} x {} x {} | {native_ms:.2} | {widened_ms:.2} | {f32_ms:.2} | {:.2} |",
             if d.batch[0] > 1 { format!("{} x {}", d.batch[0], d.m) } else { d.m.to_string() },
