@@ -279,6 +279,15 @@ fn a_stopped_process_ends_the_job() {
     assert!(took < Duration::from_secs(30), "took {took:?}");
     assert!(stderr.contains("rank 1 (pid") && stderr.contains("is stopped"), "{stderr}");
     resumes(&save);
+    // Stopped between writing its file and the barrier that commits the checkpoint: rank 0
+    // waits in a barrier, which waits long for slow disks but not for a rank seen stopped.
+    let stop = [("AUTOTP_STOP_DURING_CHECKPOINT", "1:4")];
+    let (status, stderr, took, save) = faulted_run("sigstop-save", None, &stop, &["--comm-timeout", "5"]);
+    assert!(!status.success());
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    assert!(stderr.contains("a barrier around a checkpoint") && stderr.contains("is stopped"), "{stderr}");
+    assert_eq!(autotp_runtime::checkpoint::Checkpoint::open(&save).unwrap().manifest.step, 2);
+    resumes(&save);
 }
 
 /// `bench-comm` checks every collective's result on every rank: as 2 MPI processes (and the

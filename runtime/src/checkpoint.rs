@@ -41,6 +41,7 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const TEMPORARY_PREFIX: &str = ".tmp-";
 const CRASH_VARIABLE: &str = "AUTOTP_CRASH_DURING_CHECKPOINT";
+const STOP_VARIABLE: &str = "AUTOTP_STOP_DURING_CHECKPOINT";
 
 /// Where the data stream stands after `step` steps.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -221,6 +222,18 @@ pub fn crash_if_asked(step: usize, staging: &Path) {
     if std::env::var(CRASH_VARIABLE).ok().and_then(|v| v.parse::<usize>().ok()) == Some(step) {
         eprintln!("{CRASH_VARIABLE}={step}: aborting while writing {}", staging.display());
         std::process::abort();
+    }
+}
+
+/// The test hook of a rank stopped mid-save: with `AUTOTP_STOP_DURING_CHECKPOINT=RANK:STEP`, the
+/// process of rank RANK stops itself (SIGSTOP) once it has written its file of step STEP.
+pub fn stop_if_asked(rank: usize, step: usize) {
+    let asked = std::env::var(STOP_VARIABLE).ok();
+    let asked = asked.as_deref().and_then(|v| v.split_once(':'));
+    if asked.and_then(|(r, s)| Some((r.parse::<usize>().ok()?, s.parse::<usize>().ok()?))) == Some((rank, step)) {
+        eprintln!("{STOP_VARIABLE}={rank}:{step}: rank {rank} stops");
+        // SAFETY: raise only sends a signal to this process.
+        unsafe { libc::raise(libc::SIGSTOP) };
     }
 }
 

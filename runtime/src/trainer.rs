@@ -931,6 +931,7 @@ impl Trainer {
         job.barrier()?;
         let (file, blocks) = self.rank_blocks(job.rank())?;
         checkpoint::write_file(&staging, &file, &saved_blocks(&blocks))?;
+        checkpoint::stop_if_asked(job.rank(), manifest.step);
         if job.rank() == 0 {
             checkpoint::crash_if_asked(manifest.step, &staging);
         }

@@ -83,10 +83,24 @@ struct Watch {
 /// watching costs no formatting on the hot path).
 #[derive(Clone, Copy)]
 enum Waiting {
-    Collective { rank: usize, kind: CollectiveKind, seq: u64, axis: usize },
-    Receive { rank: usize, tag: u64, from: usize },
-    Broadcast { root: usize },
+    Collective {
+        rank: usize,
+        kind: CollectiveKind,
+        seq: u64,
+        axis: usize,
+    },
+    Receive {
+        rank: usize,
+        tag: u64,
+        from: usize,
+    },
+    Broadcast {
+        root: usize,
+    },
     Exchange,
+    /// A barrier around a checkpoint write, which may take long on a slow disk: the watchdog
+    /// ends it early only when it sees a rank on this node stopped or gone.
+    Barrier,
 }
 
 impl std::fmt::Display for Waiting {
@@ -100,9 +114,14 @@ impl std::fmt::Display for Waiting {
             }
             Waiting::Broadcast { root } => write!(f, "a broadcast from rank {root}"),
             Waiting::Exchange => write!(f, "an exchange of every rank's figures"),
+            Waiting::Barrier => write!(f, "a barrier around a checkpoint"),
         }
     }
 }
+
+/// How many `--comm-timeout`s a barrier waits when no rank on this node is seen stopped or
+/// gone: the other ranks may be writing large checkpoint files.
+const BARRIER_TIMEOUTS: u32 = 20;
 
 const HEADER_BYTES: usize = 24;
 /// The MPI tag of pipeline messages (their own tags travel in the header).
@@ -294,8 +313,10 @@ impl MpiComm {
         }
     }
 
-    /// Waits for every rank (not watched: a rank may be writing a large checkpoint).
+    /// Waits for every rank. A rank may be writing a large checkpoint, so the barrier waits
+    /// `BARRIER_TIMEOUTS` timeouts unless a rank on this node is seen stopped or gone.
     pub fn barrier(&self) -> Result<(), RuntimeError> {
+        let _watched = self.watched(Waiting::Barrier);
         self.call("MPI_Barrier", unsafe { (self.lib.MPI_Barrier)(self.lib.comm_world) })
     }
 
@@ -431,16 +452,24 @@ impl MpiComm {
             .spawn(move || loop {
                 std::thread::sleep(Duration::from_millis(100).min(timeout / 4));
                 let Some(comm) = comm.upgrade() else { return };
-                let stuck = {
+                let stuck: Vec<(Waiting, Duration)> = {
                     let watch = watch.lock().expect("watch");
                     watch
                         .waiting
                         .iter()
-                        .find(|(_, _, since)| since.elapsed() > timeout)
-                        .map(|(_, what, since)| (*what, since.elapsed().as_secs_f64()))
+                        .filter(|(_, _, since)| since.elapsed() > timeout)
+                        .map(|(_, what, since)| (*what, since.elapsed()))
+                        .collect()
                 };
-                if let Some((what, waited)) = stuck {
-                    let seen = comm.local_peer_states();
+                if stuck.is_empty() {
+                    continue;
+                }
+                let seen = comm.local_peer_states();
+                let overdue = stuck.into_iter().find(|(what, waited)| {
+                    !matches!(what, Waiting::Barrier) || !seen.is_empty() || *waited > timeout * BARRIER_TIMEOUTS
+                });
+                if let Some((what, waited)) = overdue {
+                    let waited = waited.as_secs_f64();
                     let cause = if seen.is_empty() {
                         "a rank stopped, hangs or is far slower; if it is only slow, raise --comm-timeout".to_string()
                     } else {
