@@ -416,9 +416,12 @@ enum Kernels {
 pub struct CompileArgs {
     #[command(flatten)]
     flags: CompileFlags,
-    /// The plan to write.
-    #[arg(short, long, value_name = "OUT.atp")]
-    output: PathBuf,
+    /// The plan to write. Without it, nothing is written and the model's weights are not read
+    /// (they may be absent: external-data files missing, or exported with
+    /// `export_params=False`): the summary and `--report` show the plan's memory and
+    /// communication.
+    #[arg(short, long, value_name = "OUT.atp", required_unless_present = "report")]
+    output: Option<PathBuf>,
 }
 
 impl CompileFlags {
@@ -672,6 +675,22 @@ impl IrObserver<'_> {
 }
 
 pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
+    compile_with(flags, Weights::Read)
+}
+
+/// Whether a compile reads the model's weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Weights {
+    /// Into the plan: it can be written and trained.
+    Read,
+    /// Not at all: the model is imported shapes-only ([`ImportOptions::shapes_only`]), for the
+    /// memory and communication report (`compile --report` without `-o`, `autotp plan`); with
+    /// `layers`, cut to its first layers ([`autotp_passes::depth`]). No PTX is made.
+    ShapesOnly { layers: Option<usize> },
+}
+
+/// [`compile`], with or without the model's weights.
+pub fn compile_with(flags: &CompileFlags, weights: Weights) -> Result<Compiled> {
     let (optimizer, optimizer_description) = optimizer(flags)?;
     let schedule = schedule(flags)?;
     if flags.seq_len == 0
@@ -743,8 +762,20 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
     // repeat it.
     let micro_batch_rows = flags.micro_batch * flags.dp;
     let global_batch = micro_batch_rows * grad_accum;
-    let options = ImportOptions { batch: Some(micro_batch_rows), seq_len: Some(flags.seq_len), ..Default::default() };
+    let options = ImportOptions {
+        batch: Some(micro_batch_rows),
+        seq_len: Some(flags.seq_len),
+        shapes_only: weights != Weights::Read,
+        ..Default::default()
+    };
     let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
+    if let Weights::ShapesOnly { layers: Some(layers) } = weights {
+        model.graph = autotp_passes::depth::keep_layers(&model.graph, layers)?;
+    }
+    // The model's parameter shapes, which the passes may split.
+    let model_shapes: BTreeMap<String, Vec<usize>> = (model.graph.params().iter())
+        .filter_map(|&p| Some((model.graph.name_of(p)?.to_string(), model.graph.ty(p).shape.clone())))
+        .collect();
     let mut frozen = frozen(flags, &model.graph)?;
     let padding_rows = padding_rows(flags, &model)?;
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
@@ -937,13 +968,15 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
         }
         for &p in graph.params() {
             let Some(name) = graph.name_of(p) else { continue };
-            if let Some(weights) = model.weights.get(name).filter(|w| w.ty.shape != graph.ty(p).shape) {
-                weight_shapes.insert(name.to_string(), weights.ty.shape.clone());
+            if let Some(shape) = model_shapes.get(name).filter(|&shape| shape != &graph.ty(p).shape) {
+                weight_shapes.insert(name.to_string(), shape.clone());
             }
-            if !model.weights.contains_key(name) {
-                if let Some((part, bytes)) = weight_part(&model, name, &graph.ty(p).shape) {
+            if !model_shapes.contains_key(name) {
+                if let Some((part, bytes)) = weight_part(&model, &model_shapes, name, &graph.ty(p).shape) {
+                    if let Some(bytes) = bytes {
+                        part_weights.insert(name.to_string(), bytes);
+                    }
                     weight_parts.insert(name.to_string(), part);
-                    part_weights.insert(name.to_string(), bytes);
                 }
             }
         }
@@ -962,7 +995,9 @@ pub fn compile(flags: &CompileFlags) -> Result<Compiled> {
                 weight_shapes.insert(name.to_string(), shape.clone());
             }
         }
-        let options = autotp_codegen::LowerOptions { kernels, ptx: generated, offload_optimizer };
+        // PTX is for the plan file: a shapes-only compile writes none.
+        let ptx = generated && weights == Weights::Read;
+        let options = autotp_codegen::LowerOptions { kernels, ptx, offload_optimizer };
         let program = autotp_codegen::lower_with(&graph, &options)?;
         if let Some(nvme) = &nvme {
             let stage = if pipelined { format!(" (stage {s})") } else { String::new() };
@@ -1167,17 +1202,25 @@ fn fitting_recompute(
 }
 
 /// Where the parameter `name` of `shape` lies in a model weight, when it is one of the parts
-/// `split-fused` made ([`autotp_passes::split_fused::part_name`]), and its initial bytes.
-fn weight_part(model: &Model, name: &str, shape: &[usize]) -> Option<(WeightPart, Vec<u8>)> {
+/// `split-fused` made ([`autotp_passes::split_fused::part_name`]), and its initial bytes (when
+/// the weights were read).
+fn weight_part(
+    model: &Model,
+    model_shapes: &BTreeMap<String, Vec<usize>>,
+    name: &str,
+    shape: &[usize],
+) -> Option<(WeightPart, Option<Vec<u8>>)> {
     let (weight, features) = autotp_passes::split_fused::parse_part_name(name)?;
-    let whole = model.weights.get(weight)?;
-    let weight_shape = whole.ty.shape.clone();
+    let weight_shape = model_shapes.get(weight)?.clone();
     let dim = (0..shape.len()).find(|&d| shape[d] != weight_shape[d])?;
     let mut offsets = vec![0; shape.len()];
     offsets[dim] = features.start;
-    let size = whole.ty.dtype.size();
-    let mut bytes = vec![0u8; shape.iter().product::<usize>() * size];
-    autotp_kernels::shape::extract_block(&weight_shape, &offsets, shape, size, whole.bytes(), &mut bytes);
+    let bytes = model.weights.get(weight).map(|whole| {
+        let size = whole.ty.dtype.size();
+        let mut bytes = vec![0u8; shape.iter().product::<usize>() * size];
+        autotp_kernels::shape::extract_block(&weight_shape, &offsets, shape, size, whole.bytes(), &mut bytes);
+        bytes
+    });
     let part = WeightPart { weight: weight.to_string(), dim, start: features.start, weight_shape };
     Some((part, bytes))
 }
@@ -1423,13 +1466,19 @@ fn dump_kernels(dir: &Path, plan: &autotp_runtime::plan::TrainingPlan) -> Result
 }
 
 pub fn run(args: &CompileArgs) -> Result<()> {
-    let compiled = compile(&args.flags)?;
+    let weights = if args.output.is_some() { Weights::Read } else { Weights::ShapesOnly { layers: None } };
+    let compiled = compile_with(&args.flags, weights)?;
     if let Some(dir) = &args.flags.dump_kernels {
         dump_kernels(dir, &compiled.plan)?;
     }
-    autotp_runtime::plan::write(&args.output, &compiled.plan, &compiled.weights())?;
+    if let Some(output) = &args.output {
+        autotp_runtime::plan::write(output, &compiled.plan, &compiled.weights())?;
+    }
     let report = report(&args.flags, &compiled.plan)?;
     print!("{}", summary(&compiled.plan, &report));
-    println!("wrote {}", args.output.display());
+    match &args.output {
+        Some(output) => println!("wrote {}", output.display()),
+        None => println!("no plan written (no -o): the model's weights were not read"),
+    }
     Ok(())
 }

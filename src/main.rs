@@ -23,6 +23,7 @@ mod compile;
 mod deepspeed;
 mod export;
 mod job;
+mod plan;
 mod run;
 mod train;
 mod verify;
@@ -67,6 +68,9 @@ enum Command {
     },
     /// Compile a model into a training plan (.atp) and print its summary.
     Compile(Box<compile::CompileArgs>),
+    /// Choose a parallel layout for N devices: the fastest that fit, by the compiler's memory
+    /// plans of the model's first layers and a cost model (weights not needed).
+    Plan(Box<plan::PlanArgs>),
     /// Train a compiled plan on CPU over a token file.
     Run(Box<run::RunArgs>),
     /// Compile and run in one go.
@@ -110,7 +114,7 @@ impl ShapeFlags {
                 .collect::<Result<Vec<_>>>()?;
             input_shapes.insert(name.to_string(), dims);
         }
-        Ok(ImportOptions { batch: self.batch, seq_len: self.seq_len, input_shapes })
+        Ok(ImportOptions { batch: self.batch, seq_len: self.seq_len, input_shapes, shapes_only: false })
     }
 }
 
@@ -237,6 +241,7 @@ fn main() -> ExitCode {
         Command::Import { model, shapes, output, simplify } => run_import(model, shapes, output.as_deref(), *simplify),
         Command::Infer { model, inputs, output_dir } => run_infer(model, inputs, output_dir),
         Command::Compile(args) => compile::run(args),
+        Command::Plan(args) => plan::run(args),
         Command::Run(args) => match run::run(args) {
             Ok(Some(launched)) if !launched.success() => {
                 return ExitCode::from(launched.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(1));

@@ -36,6 +36,7 @@ mod offload;
 mod optimizers;
 mod parallel;
 mod pipeline;
+mod plan;
 mod precision;
 mod processes;
 mod recompute;

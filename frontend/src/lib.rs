@@ -4,7 +4,9 @@
 //! The importer binds symbolic dims from [`ImportOptions`] (batch at dim 0 and sequence at
 //! dim 1 of every input, or an explicit shape per input), converts node by node and folds
 //! everything computable at compile time, so the result has no shape arithmetic left.
-//! Weights are not copied: they are slices of the memory map.
+//! Weights are not copied: they are slices of the memory map. A shapes-only import
+//! ([`ImportOptions::shapes_only`]) reads no parameter data at all, so a model can be planned
+//! without its weights.
 
 mod error;
 pub mod onnx;
@@ -24,9 +26,16 @@ pub struct ImportOptions {
     pub seq_len: Option<usize>,
     /// Full shapes of named inputs; they override `batch` and `seq_len`.
     pub input_shapes: BTreeMap<String, Vec<usize>>,
+    /// Import the parameters' types without their data (for `autotp plan` and `compile
+    /// --report`): float initializers are parameters whether or not their data (inline or in
+    /// external files, which may be absent) is there, and so are float graph inputs whose
+    /// dims are all fixed, which is how `torch.onnx.export(..., export_params=False)` writes
+    /// parameters. [`Model::weights`] is then empty.
+    pub shapes_only: bool,
 }
 
-/// An imported model: the graph and the parameter tensors by name.
+/// An imported model: the graph and the parameter tensors by name (none when imported
+/// shapes-only: the graph's parameters have types alone).
 #[derive(Debug)]
 pub struct Model {
     pub graph: Graph,

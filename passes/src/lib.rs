@@ -9,6 +9,7 @@
 //! | `autotp`    | tensor parallelism found from dataflow (Megatron's split), then `shard` ([`autotp`]) |
 //! | `autodiff`  | appends the reverse-mode gradients of the loss ([`autodiff`])        |
 //! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
+//! | `depth` | not a pass: the model cut to its first layers, the proxies `autotp plan` compiles ([`depth`]) |
 //! | `expand-norms` | under `--tp`, a norm of a projection's output (OLMo 2's q/k norms) as arithmetic, so it splits ([`expand_norms`]) |
 //! | `fusion`    | groups elementwise and row-reduction ops into generated kernels ([`fusion`]) |
 //! | `loss`      | one scalar `loss` output: the model's, or mean cross-entropy ([`loss`]) |
@@ -26,6 +27,7 @@ pub mod accumulate;
 pub mod autodiff;
 pub mod autotp;
 pub mod dce;
+pub mod depth;
 pub mod expand_norms;
 pub mod fusion;
 pub mod loss;

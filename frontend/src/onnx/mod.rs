@@ -205,16 +205,33 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     };
     let mut external = tensor::ExternalFiles::new(path);
 
+    // Initializers are parameters (with `shapes_only`, their data is not read) or constants.
     let mut initializers = BTreeMap::new();
+    let mut params = Vec::new();
     for t in &graph.initializer {
-        initializers.insert(t.name.clone(), tensor::decode(t, &t.name, &mut external)?);
+        let ty = tensor::type_of(t, &t.name)?;
+        if options.shapes_only && is_parameter(&t.name, &ty) {
+            params.push((t.name.clone(), ty, None));
+            continue;
+        }
+        let tensor = tensor::decode(t, &t.name, &mut external)?;
+        if is_parameter(&t.name, &tensor.ty) {
+            params.push((t.name.clone(), tensor.ty.clone(), Some(tensor)));
+        } else {
+            initializers.insert(t.name.clone(), tensor);
+        }
     }
     for input in &graph.input {
-        if initializers.contains_key(&input.name) {
+        if initializers.contains_key(&input.name) || params.iter().any(|(name, _, _)| name == &input.name) {
             continue;
         }
         let ty = input_type(input, options)?;
-        let id = imp.graph.add_input(input.name.clone(), ty);
+        let exported_without_params = options.shapes_only && !options.input_shapes.contains_key(&input.name);
+        let id = if exported_without_params && is_fixed(input) && is_parameter(&input.name, &ty) {
+            imp.graph.add_param(input.name.clone(), ty)
+        } else {
+            imp.graph.add_input(input.name.clone(), ty)
+        };
         imp.env.insert(input.name.clone(), Sym::Value(id));
     }
     for name in options.input_shapes.keys() {
@@ -226,15 +243,15 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
         }
     }
     let mut weights = BTreeMap::new();
-    for t in &graph.initializer {
-        let tensor = initializers.remove(&t.name).expect("decoded above");
-        if tensor.dtype().is_float() && !is_constant_initializer(&t.name, &tensor) {
-            let id = imp.graph.add_param(t.name.clone(), tensor.ty.clone());
-            imp.env.insert(t.name.clone(), Sym::Value(id));
-            weights.insert(t.name.clone(), tensor);
-        } else {
-            imp.env.insert(t.name.clone(), Sym::Const(tensor));
+    for (name, ty, tensor) in params {
+        let id = imp.graph.add_param(name.clone(), ty);
+        imp.env.insert(name.clone(), Sym::Value(id));
+        if let Some(tensor) = tensor {
+            weights.insert(name, tensor);
         }
+    }
+    for (name, tensor) in initializers {
+        imp.env.insert(name, Sym::Const(tensor));
     }
 
     for node in &graph.node {
@@ -267,13 +284,23 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     Ok(Model { graph, weights })
 }
 
-/// Float initializers that PyTorch does not train, so autotp does not either: 0-d tensors
+/// Whether a float initializer is a parameter. Not those PyTorch does not train, so autotp
+/// does not either: 0-d tensors
 /// (constants `torch.export` lifts, such as a mask's fill value or a norm's epsilon) and the
 /// rotary embedding's frequencies (`inv_freq`, a non-persistent buffer that the legacy
 /// exporter bakes in and `torch.export` stores as an initializer). Everything else is a
 /// parameter; `--freeze` holds others still.
-fn is_constant_initializer(name: &str, tensor: &Tensor) -> bool {
-    tensor.shape().is_empty() || name.rsplit('.').next() == Some("inv_freq")
+fn is_parameter(name: &str, ty: &TensorType) -> bool {
+    ty.dtype.is_float() && !ty.shape.is_empty() && name.rsplit('.').next() != Some("inv_freq")
+}
+
+/// Whether every dim of a graph input is a fixed size (no symbolic dims).
+fn is_fixed(input: &proto::ValueInfoProto) -> bool {
+    let dims = match input.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+        Some(type_proto::Value::TensorType(t)) => t.shape.as_ref().map(|s| s.dim.as_slice()).unwrap_or(&[]),
+        _ => return false,
+    };
+    dims.iter().all(|d| matches!(d.value, Some(proto::tensor_shape_proto::dimension::Value::DimValue(_))))
 }
 
 /// The static type of a graph input: declared dims, bound symbolic dims, or `--input-shape`.

@@ -66,8 +66,8 @@ fn tensor_error(name: &str, message: impl Into<String>) -> FrontendError {
     FrontendError::Tensor { name: name.to_string(), message: message.into() }
 }
 
-/// Decodes a tensor, naming it `name` in errors.
-pub fn decode(t: &TensorProto, name: &str, external: &mut ExternalFiles) -> Result<Tensor, FrontendError> {
+/// A tensor's type, without reading its data; `name` names it in errors.
+pub fn type_of(t: &TensorProto, name: &str) -> Result<TensorType, FrontendError> {
     let dtype = dtype_from_onnx(t.data_type)
         .ok_or_else(|| tensor_error(name, format!("unsupported element type {}", onnx_type_name(t.data_type))))?;
     let shape = t
@@ -75,7 +75,13 @@ pub fn decode(t: &TensorProto, name: &str, external: &mut ExternalFiles) -> Resu
         .iter()
         .map(|&d| usize::try_from(d).map_err(|_| tensor_error(name, format!("negative dimension {d}"))))
         .collect::<Result<Vec<_>, _>>()?;
-    let ty = TensorType::new(dtype, shape);
+    Ok(TensorType::new(dtype, shape))
+}
+
+/// Decodes a tensor, naming it `name` in errors.
+pub fn decode(t: &TensorProto, name: &str, external: &mut ExternalFiles) -> Result<Tensor, FrontendError> {
+    let ty = type_of(t, name)?;
+    let dtype = ty.dtype;
     let expected = ty.size_bytes();
     let wrong_size =
         |got: usize| tensor_error(name, format!("has {got} bytes of data, its type {ty} needs {expected}"));

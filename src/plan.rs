@@ -1,0 +1,813 @@
+//! `autotp plan`: the parallel layout to compile, chosen before a GPU-hour is spent.
+//!
+//! It searches tp x pp x dp x ZeRO stage x micro-batch (gradient accumulation follows from the
+//! global batch) x recomputation for `--devices` devices, and prints the fastest layouts that
+//! fit `--memory-per-device`, why the others were refused, and the `autotp compile` flags of
+//! the best.
+//!
+//! **Memory and work come from the compiler.** The model is imported shapes-only (its weights
+//! need not exist) and cut to its first layer and to its first two ([`autotp_passes::depth`]);
+//! each cut is compiled for every tp, recomputation and micro-batch of 1 and 2 (one rank of tp,
+//! no dp, no pipeline). Every transformer layer has the same shapes, so the difference of the
+//! two cuts is one layer's exact bytes (parameters, gradients, optimizer state, activations),
+//! GEMM FLOPs and tp traffic, and the rest is the embedding and head; activations and work are
+//! linear in the micro-batch. A layout's stage of `n` layers then holds `n` layers' states,
+//! ZeRO's shards of them over dp (stage 1 and 2 the optimizer state, 3 the gradients and
+//! parameters, plus those gathered at once: up to DeepSpeed's 1e9), and `in_flight` micro-batches of `n` layers'
+//! activations (1F1B: `min(pp - s, micro-batches)` on stage `s`), or the optimizer step's
+//! temporaries when they are more. The two peaks are told apart by the values' lifetimes in
+//! the compiled programs ([`phase_peaks`]). The figures are the
+//! compiler's wherever the layout is one of the compiled cuts; elsewhere they are those cuts'
+//! figures added up, which leaves out how the memory plan packs the whole (the plan benchmark,
+//! `benches/plan.sh`, prints both for its layouts).
+//!
+//! **Time is a cost model** ([`Device`]): GEMM FLOPs at the device's rate, other kernels' bytes
+//! at its memory bandwidth, tp's collectives per micro-batch over the node's link (NVLink,
+//! shared memory), the pipeline's (micro-batches + stages - 1) slots of its slowest stage and its
+//! activation sends, and the data-parallel reduction (ZeRO 3: the gathers of every micro-batch
+//! too) over the node's link or InfiniBand when the dp group spans nodes, less what overlaps the
+//! last micro-batch's backward. CPU ranks share the machine's cores.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use autotp_frontend::ImportOptions;
+use autotp_kernels::Kernel;
+use autotp_runtime::{Instruction, Program};
+use clap::{Args, Parser};
+
+use crate::compile::{compile_with, parse_bytes, CompileFlags, Weights};
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// The ONNX model (its weights may be absent).
+    model: PathBuf,
+    /// Devices to lay the model out on.
+    #[arg(long)]
+    devices: usize,
+    /// Memory of each device: bytes, or with a unit (80GiB, 141GB).
+    #[arg(long, value_parser = parse_bytes)]
+    memory_per_device: u64,
+    /// Sequences per optimizer step, all devices together [default: --devices].
+    #[arg(long)]
+    global_batch: Option<usize>,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 2048)]
+    seq_len: usize,
+    /// The device the cost model times: h100, h200 (bf16 tensor cores, NVLink in nodes of 8,
+    /// InfiniBand between them) or cpu (ranks sharing this machine's cores).
+    #[arg(long, default_value = "h100", value_parser = ["h100", "h200", "cpu"])]
+    device: String,
+    /// How many of the fastest layouts that fit to print.
+    #[arg(long, default_value_t = 5)]
+    top: usize,
+    /// f32, bf16 or fp16 [default: bf16 on GPUs, f32 on cpu].
+    #[arg(long, value_parser = ["f32", "bf16", "fp16"])]
+    precision: Option<String>,
+    /// The micro-batch sizes to try.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    micro_batches: Vec<usize>,
+    /// The recomputations to try.
+    #[arg(long, value_delimiter = ',', default_value = "none,selective,full", value_parser = ["none", "elementwise", "selective", "full"])]
+    recompute: Vec<String>,
+    /// Devices per node: tp stays inside one; a dp group wider than one crosses InfiniBand
+    /// [default: 8 on GPUs, --devices on cpu].
+    #[arg(long)]
+    devices_per_node: Option<usize>,
+    /// Link bandwidths in GB/s per device: inside a node (NVLink; cpu: shared memory) and
+    /// between nodes (InfiniBand) [defaults: the device's].
+    #[arg(long)]
+    node_link_gbps: Option<f64>,
+    #[arg(long)]
+    network_gbps: Option<f64>,
+    /// Write every layout considered, with its figures or why it was refused, as JSON.
+    #[arg(long, value_name = "FILE.json")]
+    json: Option<PathBuf>,
+}
+
+/// What the cost model knows of a device.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Device {
+    pub name: String,
+    /// Dense GEMM FLOP/s a training step reaches (f32 on cpu, 16-bit tensor cores on GPUs).
+    pub gemm_flops: f64,
+    /// Bytes per second other kernels stream.
+    pub memory_bandwidth: f64,
+    /// Bytes per second per device inside a node, and between nodes.
+    pub node_link: f64,
+    pub network: f64,
+    /// Seconds each collective or message costs besides its bytes.
+    pub latency: f64,
+    /// Cores the ranks share (cpu); 0: each rank has its own device.
+    pub shared_cores: usize,
+}
+
+impl Device {
+    fn named(name: &str) -> Device {
+        let gpu = |gemm: f64, hbm: f64| Device {
+            name: name.to_string(),
+            // About half of the dense bf16 peak (989 TFLOP/s): what large training GEMMs reach.
+            gemm_flops: gemm,
+            memory_bandwidth: hbm,
+            // NVLink 4: 450 GB/s each way; InfiniBand NDR: 400 Gb/s per GPU.
+            node_link: 450e9,
+            network: 50e9,
+            latency: 10e-6,
+            shared_cores: 0,
+        };
+        match name {
+            "h100" => gpu(500e12, 3.35e12 * 0.8),
+            "h200" => gpu(500e12, 4.8e12 * 0.8),
+            _ => {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                Device {
+                    name: "cpu".into(),
+                    // Per core: AVX-512 f32 GEMMs, and what elementwise kernels stream.
+                    gemm_flops: 40e9 * cores as f64,
+                    memory_bandwidth: 8e9 * cores as f64,
+                    node_link: 8e9,
+                    network: 8e9,
+                    latency: 20e-6,
+                    shared_cores: cores,
+                }
+            }
+        }
+    }
+}
+
+/// A layout: the mesh and the step's shape.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Layout {
+    pub tp: usize,
+    pub pp: usize,
+    pub dp: usize,
+    pub zero: usize,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub recompute: String,
+}
+
+/// One device's planned memory (its fullest stage), in bytes.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct MemoryFigures {
+    pub params: f64,
+    pub grads: f64,
+    pub optimizer: f64,
+    pub activations: f64,
+    pub peak: f64,
+}
+
+/// A layout's predicted step.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Prediction {
+    pub step_seconds: f64,
+    pub compute_seconds: f64,
+    pub tp_seconds: f64,
+    pub pipeline_seconds: f64,
+    pub dp_seconds: f64,
+    pub bubble_fraction: f64,
+    pub memory: MemoryFigures,
+    /// Bytes one device sends per step (tp, dp and pipeline together).
+    pub comm_bytes: f64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Considered {
+    pub layout: Layout,
+    pub prediction: Option<Prediction>,
+    pub refused: Option<String>,
+}
+
+/// What one compiled cut of the model holds and does (one rank, one micro-batch).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+struct Figures {
+    params: f64,
+    grads: f64,
+    optimizer: f64,
+    /// Intermediate values live at the forward and backward's peak, less the gradients the
+    /// memory plan counts among them.
+    activations: f64,
+    /// Intermediate values live at the optimizer step's peak, less the gradients.
+    optimizer_transient: f64,
+    gemm_flops: f64,
+    other_bytes: f64,
+    tp_bytes: f64,
+}
+
+impl Figures {
+    fn of(program: &Program) -> Figures {
+        let m = &program.memory;
+        let (backward_peak, optimizer_peak) = phase_peaks(program);
+        let (mut gemm_flops, mut other_bytes, mut tp_bytes) = (0.0, 0.0, 0.0);
+        for instruction in &program.instructions {
+            match instruction {
+                Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
+                    tp_bytes += op.kind.bytes_sent(input.len, program.mesh[op.axis].size) as f64;
+                }
+                Instruction::Kernel { kernel: Kernel::MatMul { dims, .. }, .. } => {
+                    let batch: usize = dims.batch.iter().product();
+                    gemm_flops += 2.0 * (batch * dims.m * dims.k * dims.n) as f64;
+                }
+                Instruction::Kernel { inputs, outputs, .. } | Instruction::Generated { inputs, outputs, .. } => {
+                    other_bytes += inputs.iter().chain(outputs).map(|r| r.len as f64).sum::<f64>();
+                }
+                _ => {}
+            }
+        }
+        Figures {
+            params: m.params_bytes as f64,
+            grads: m.grads_bytes as f64,
+            optimizer: (m.states_bytes + m.host_pool_bytes) as f64,
+            activations: (backward_peak - m.grads_bytes as f64).max(0.0),
+            optimizer_transient: (optimizer_peak - m.grads_bytes as f64).max(0.0),
+            gemm_flops,
+            other_bytes,
+            tp_bytes,
+        }
+    }
+
+    fn combine(a: Figures, b: Figures, f: impl Fn(f64, f64) -> f64) -> Figures {
+        Figures {
+            params: f(a.params, b.params),
+            grads: f(a.grads, b.grads),
+            optimizer: f(a.optimizer, b.optimizer),
+            activations: f(a.activations, b.activations),
+            optimizer_transient: f(a.optimizer_transient, b.optimizer_transient),
+            gemm_flops: f(a.gemm_flops, b.gemm_flops),
+            other_bytes: f(a.other_bytes, b.other_bytes),
+            tp_bytes: f(a.tp_bytes, b.tp_bytes),
+        }
+    }
+}
+
+/// A model per layer and the rest, at a micro-batch of one, and what one more sequence adds
+/// (activations: what each sequence adds, from the cuts' micro-batch of two).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+struct Model {
+    layer: Figures,
+    rest: Figures,
+    layer_per_sequence: Figures,
+    rest_per_sequence: Figures,
+    /// Of `rest`: the bytes of parameters (and their gradients and states) on the first
+    /// stage (the token embedding); the others are on the last.
+    embedding_fraction: f64,
+    /// The bytes of one sequence's activation between two layers (the hidden state a
+    /// pipeline stage sends).
+    boundary_per_sequence: f64,
+    /// Bytes per parameter element.
+    param_bytes: f64,
+}
+
+impl Model {
+    /// One micro-batch of `micro_batch` sequences through `layers` layers.
+    fn stage(&self, layers: usize, micro_batch: usize, first: bool, last: bool, single: bool) -> Figures {
+        let extra = (micro_batch - 1) as f64;
+        let per_layer = Figures::combine(self.layer, self.layer_per_sequence, |a, b| a + extra * b);
+        let rest = Figures::combine(self.rest, self.rest_per_sequence, |a, b| a + extra * b);
+        let share = if single {
+            1.0
+        } else {
+            (if first { self.embedding_fraction } else { 0.0 })
+                + (if last { 1.0 - self.embedding_fraction } else { 0.0 })
+        };
+        // Activations, work and traffic of the rest belong to the head's stage (the
+        // embedding's gather is a small part); its parameters split by where they are read.
+        let work = if single || last { 1.0 } else { 0.0 };
+        let n = layers as f64;
+        Figures {
+            params: n * per_layer.params + share * rest.params,
+            grads: n * per_layer.grads + share * rest.grads,
+            optimizer: n * per_layer.optimizer + share * rest.optimizer,
+            activations: n * per_layer.activations + work * rest.activations,
+            optimizer_transient: n * per_layer.optimizer_transient + share * rest.optimizer_transient,
+            gemm_flops: n * per_layer.gemm_flops + work * rest.gemm_flops,
+            other_bytes: n * per_layer.other_bytes + work * rest.other_bytes,
+            tp_bytes: n * per_layer.tp_bytes + work * rest.tp_bytes,
+        }
+    }
+}
+
+/// A compiled cut of the model: tp, micro-batch, recomputation and layers kept.
+type Cut = (usize, usize, String, usize);
+
+/// `autotp compile` flags parsed as the command line would (the proxies' and the printed ones).
+#[derive(Parser)]
+struct Flags {
+    #[command(flatten)]
+    flags: CompileFlags,
+}
+
+fn compile_flags(args: &[String]) -> Result<CompileFlags> {
+    let argv = std::iter::once("autotp-compile".to_string()).chain(args.iter().cloned());
+    Ok(Flags::try_parse_from(argv).context("the planner's compile flags")?.flags)
+}
+
+/// The `autotp compile` arguments of a layout.
+fn layout_args(args: &PlanArgs, precision: &str, layout: &Layout, cuts: &[String]) -> Vec<String> {
+    let mut out = vec![args.model.display().to_string()];
+    let mut flag = |name: &str, value: String| out.extend([format!("--{name}"), value]);
+    flag("seq-len", args.seq_len.to_string());
+    flag("micro-batch", layout.micro_batch.to_string());
+    flag("grad-accum", layout.grad_accum.to_string());
+    for (name, value) in [("tp", layout.tp), ("pp", layout.pp), ("dp", layout.dp)] {
+        if value > 1 {
+            flag(name, value.to_string());
+        }
+    }
+    if layout.zero > 0 {
+        flag("zero", layout.zero.to_string());
+    }
+    if precision != "f32" {
+        flag("precision", precision.to_string());
+    }
+    if layout.recompute != "none" {
+        flag("recompute", layout.recompute.clone());
+    }
+    if !cuts.is_empty() {
+        flag("pp-cuts", cuts.join(","));
+    }
+    out
+}
+
+/// Layers per pipeline stage: as even as can be, the extra ones on the middle stages (the
+/// first holds the embedding, the last the head).
+fn stage_layers(layers: usize, pp: usize) -> Vec<usize> {
+    let mut counts = vec![layers / pp; pp];
+    let order: Vec<usize> = if pp > 2 { (1..pp - 1).chain([0, pp - 1]).collect() } else { (0..pp).collect() };
+    for &s in order.iter().cycle().take(layers % pp) {
+        counts[s] += 1;
+    }
+    counts
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
+}
+
+/// Runs the planner.
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let started = Instant::now();
+    if args.devices == 0 || args.seq_len == 0 || args.top == 0 {
+        bail!("--devices, --seq-len and --top must be at least 1");
+    }
+    if args.micro_batches.contains(&0) {
+        bail!("--micro-batches must be at least 1");
+    }
+    let gpu = args.device != "cpu";
+    let precision = args.precision.clone().unwrap_or_else(|| if gpu { "bf16" } else { "f32" }.to_string());
+    let mut device = Device::named(&args.device);
+    if let Some(gbps) = args.node_link_gbps {
+        device.node_link = gbps * 1e9;
+    }
+    if let Some(gbps) = args.network_gbps {
+        device.network = gbps * 1e9;
+    }
+    let per_node = args.devices_per_node.unwrap_or(if gpu { 8 } else { args.devices }).max(1);
+    let global_batch = args.global_batch.unwrap_or(args.devices);
+
+    let options =
+        ImportOptions { batch: Some(1), seq_len: Some(args.seq_len), shapes_only: true, ..Default::default() };
+    let imported = autotp_frontend::import_onnx(&args.model, &options)?;
+    let graph = &imported.graph;
+    let layers = autotp_passes::depth::layer_count(graph);
+    if layers < 2 {
+        bail!(
+            "{}: autotp plan needs a model of numbered layers (parameters named PREFIX.N.*), at least 2; it has {layers}",
+            args.model.display()
+        );
+    }
+    let numbered = autotp_passes::pipeline::numbered_layers(graph).expect("counted above");
+    let embeddings: Vec<String> =
+        autotp_passes::padding::embedding_tables(graph, &BTreeMap::new()).into_iter().map(|t| t.param).collect();
+    let param_count: usize = graph.params().iter().map(|&p| graph.ty(p).numel()).sum();
+    let rest_elements: usize = (graph.params().iter())
+        .filter(|&&p| graph.name_of(p).is_none_or(|n| numbered.number_of(n).is_none()))
+        .map(|&p| graph.ty(p).numel())
+        .sum();
+    let embedding_elements: usize = (graph.params().iter())
+        .filter(|&&p| graph.name_of(p).is_some_and(|n| embeddings.iter().any(|e| e == n)))
+        .map(|&p| graph.ty(p).numel())
+        .sum();
+    let hidden = (graph.params().iter())
+        .find(|&&p| graph.name_of(p).is_some_and(|n| embeddings.iter().any(|e| e == n)))
+        .map_or(0, |&p| graph.ty(p).shape[1]);
+    let activation_bytes = if precision == "f32" { 4 } else { 2 };
+    let boundary_per_sequence = (args.seq_len * hidden * activation_bytes) as f64;
+    let embedding_fraction = if rest_elements == 0 { 0.0 } else { embedding_elements as f64 / rest_elements as f64 };
+
+    // Every layout, and the cuts each needs compiled.
+    let mut layouts = Vec::new();
+    for tp in divisors(args.devices) {
+        for pp in divisors(args.devices / tp) {
+            let dp = args.devices / (tp * pp);
+            for zero in 0..=3 {
+                for &micro_batch in &args.micro_batches {
+                    for recompute in &args.recompute {
+                        let layout =
+                            Layout { tp, pp, dp, zero, micro_batch, grad_accum: 0, recompute: recompute.clone() };
+                        layouts.push(layout);
+                    }
+                }
+            }
+        }
+    }
+    let mut considered: Vec<Considered> = Vec::new();
+    let mut wanted: Vec<(usize, usize, String)> = Vec::new();
+    for mut layout in layouts {
+        let refused = if layout.tp > per_node {
+            Some(format!("tp {} is more than a node's {per_node} devices", layout.tp))
+        } else if layout.pp > layers {
+            Some(format!("pp {} is more stages than the model's {layers} layers", layout.pp))
+        } else if layout.zero > 0 && layout.dp < 2 {
+            Some(format!("ZeRO {} needs dp 2 or more", layout.zero))
+        } else if !global_batch.is_multiple_of(layout.dp * layout.micro_batch) {
+            Some(format!(
+                "the global batch {global_batch} is not a multiple of dp {} x micro-batch {}",
+                layout.dp, layout.micro_batch
+            ))
+        } else {
+            None
+        };
+        if refused.is_none() {
+            layout.grad_accum = global_batch / (layout.dp * layout.micro_batch);
+            for key in [(layout.tp, 1, layout.recompute.clone()), (layout.tp, 2, layout.recompute.clone())] {
+                if !wanted.contains(&key) {
+                    wanted.push(key);
+                }
+            }
+        }
+        considered.push(Considered { layout, prediction: None, refused });
+    }
+
+    // The cuts, compiled two at a time.
+    let cuts: Mutex<BTreeMap<Cut, Result<Figures, String>>> = Mutex::default();
+    let jobs: Vec<Cut> =
+        wanted.iter().flat_map(|(tp, mb, rc)| [1, 2].map(|depth| (*tp, *mb, rc.clone(), depth))).collect();
+    let next = Mutex::new(0usize);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len().max(1));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let job = {
+                    let mut next = next.lock().expect("jobs");
+                    let Some(job) = jobs.get(*next).cloned() else { return };
+                    *next += 1;
+                    job
+                };
+                let (tp, mb, recompute, depth) = job.clone();
+                let layout = Layout { tp, pp: 1, dp: 1, zero: 0, micro_batch: mb, grad_accum: 1, recompute };
+                let figures = compile_flags(&layout_args(args, &precision, &layout, &[]))
+                    .and_then(|flags| compile_with(&flags, Weights::ShapesOnly { layers: Some(depth) }))
+                    .map(|compiled| Figures::of(&compiled.plan.stages[0]))
+                    .map_err(|e| format!("{e:#}"));
+                cuts.lock().expect("cuts").insert(job, figures);
+            });
+        }
+    });
+    let cuts = cuts.into_inner().expect("cuts");
+    let model_of = |tp: usize, recompute: &str| -> Result<Model, String> {
+        let get = |mb: usize, depth: usize| cuts[&(tp, mb, recompute.to_string(), depth)].clone();
+        let (one, two) = (get(1, 1)?, get(1, 2)?);
+        let (one_b2, two_b2) = (get(2, 1)?, get(2, 2)?);
+        let layer = Figures::combine(two, one, |a, b| a - b);
+        let rest = Figures::combine(one, layer, |a, b| a - b);
+        let layer_b2 = Figures::combine(two_b2, one_b2, |a, b| a - b);
+        let rest_b2 = Figures::combine(one_b2, layer_b2, |a, b| a - b);
+        let mut layer_per_sequence = Figures::combine(layer_b2, layer, |a, b| a - b);
+        let mut rest_per_sequence = Figures::combine(rest_b2, rest, |a, b| a - b);
+        // Activations are proportional to the micro-batch, but the peak of one sequence may be
+        // a transient of the head's (logits) rather than what the layers keep: they are taken
+        // from the cuts of two sequences.
+        let (mut layer, mut rest) = (layer, rest);
+        layer.activations = (layer_b2.activations / 2.0).max(0.0);
+        layer_per_sequence.activations = layer.activations;
+        rest.activations = (rest_b2.activations / 2.0).max(0.0);
+        rest_per_sequence.activations = rest.activations;
+        Ok(Model {
+            layer,
+            rest,
+            layer_per_sequence,
+            rest_per_sequence,
+            embedding_fraction,
+            boundary_per_sequence,
+            param_bytes: activation_bytes as f64,
+        })
+    };
+
+    let mut models: BTreeMap<String, Model> = BTreeMap::new();
+    for c in considered.iter_mut().filter(|c| c.refused.is_none()) {
+        match model_of(c.layout.tp, &c.layout.recompute) {
+            Err(e) => c.refused = Some(first_line(&e)),
+            Ok(model) => {
+                models.insert(format!("tp {} recompute {}", c.layout.tp, c.layout.recompute), model);
+                let p = predict(&model, &c.layout, layers, &device, per_node, args.memory_per_device as f64);
+                match p {
+                    Ok(p) => c.prediction = Some(p),
+                    Err(why) => c.refused = Some(why),
+                }
+            }
+        }
+    }
+
+    let mut fitting: Vec<&Considered> = considered.iter().filter(|c| c.prediction.is_some()).collect();
+    fitting.sort_by(|a, b| {
+        let (pa, pb) = (a.prediction.as_ref().expect("fits"), b.prediction.as_ref().expect("fits"));
+        pa.step_seconds.total_cmp(&pb.step_seconds).then(pa.memory.peak.total_cmp(&pb.memory.peak))
+    });
+    let tokens = (global_batch * args.seq_len) as f64;
+    println!(
+        "plan: {} ({} parameters, {layers} layers) on {} {} devices of {} bytes each ({per_node} per node); \
+         global batch {global_batch} x seq-len {} = {tokens} tokens per step; {precision}",
+        args.model.display(),
+        group(param_count as u64),
+        args.devices,
+        device.name,
+        group(args.memory_per_device),
+        args.seq_len,
+    );
+    let compiled_cuts = cuts.len();
+    println!(
+        "searched {} layouts: {} fit, {} refused ({compiled_cuts} cuts of the model compiled in {:.1} s)",
+        considered.len(),
+        fitting.len(),
+        considered.len() - fitting.len(),
+        started.elapsed().as_secs_f64()
+    );
+    // Memory columns in GiB, or MiB for small devices.
+    let unit =
+        if args.memory_per_device >= 1 << 30 { ("GiB", (1u64 << 30) as f64) } else { ("MiB", (1u64 << 20) as f64) };
+    println!();
+    println!(
+        "{:>3} {:>3} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
+        "#",
+        "tp",
+        "pp",
+        "dp",
+        "zero",
+        "mb",
+        "acc",
+        "recompute",
+        "step (ms)",
+        "tokens/s",
+        "bubble",
+        "params",
+        "grads",
+        "optim",
+        "activ",
+        format!("peak {}", unit.0),
+        "comm MB"
+    );
+    for (i, c) in fitting.iter().take(args.top).enumerate() {
+        let (l, p) = (&c.layout, c.prediction.as_ref().expect("fits"));
+        println!(
+            "{:>3} {:>3} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.1}",
+            i + 1,
+            l.tp,
+            l.pp,
+            l.dp,
+            l.zero,
+            l.micro_batch,
+            l.grad_accum,
+            l.recompute,
+            1e3 * p.step_seconds,
+            tokens / p.step_seconds,
+            100.0 * p.bubble_fraction,
+            p.memory.params / unit.1,
+            p.memory.grads / unit.1,
+            p.memory.optimizer / unit.1,
+            p.memory.activations / unit.1,
+            p.memory.peak / unit.1,
+            p.comm_bytes / 1e6
+        );
+    }
+    if let Some(best) = fitting.first() {
+        let p = best.prediction.as_ref().expect("fits");
+        println!();
+        println!(
+            "best: compute {:.4} s, tp {:.4} s, pipeline bubble and sends {:.4} s, dp (exposed) {:.4} s per step",
+            p.compute_seconds, p.tp_seconds, p.pipeline_seconds, p.dp_seconds
+        );
+        let cuts = pipeline_cuts(&numbered, best.layout.pp, layers);
+        println!("  autotp compile {} -o plan.atp", layout_args(args, &precision, &best.layout, &cuts).join(" "));
+    } else {
+        println!("no layout fits {} bytes per device", group(args.memory_per_device));
+    }
+    // Refusals, by reason (numbers stripped), with a count and one example.
+    let mut reasons: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    for c in considered.iter() {
+        if let Some(why) = &c.refused {
+            let kind: String = why.chars().filter(|ch| !ch.is_ascii_digit() && *ch != '.').collect();
+            let entry = reasons.entry(kind).or_insert((0, why.clone()));
+            entry.0 += 1;
+        }
+    }
+    if !reasons.is_empty() {
+        println!();
+        println!("refused:");
+        let mut reasons: Vec<(usize, String)> = reasons.into_values().collect();
+        reasons.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        for (count, example) in reasons {
+            println!("  {count:>5} x {example}");
+        }
+    }
+    if let Some(path) = &args.json {
+        let json = serde_json::json!({"device": device, "layers": layers, "parameters": param_count,
+            "global_batch": global_batch, "seq_len": args.seq_len, "precision": precision, "models": models, "layouts": considered});
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `--pp-cuts` that give each stage [`stage_layers`]'s layers.
+fn pipeline_cuts(numbered: &autotp_passes::pipeline::NumberedLayers, pp: usize, layers: usize) -> Vec<String> {
+    let counts = stage_layers(layers, pp);
+    let mut first = 0;
+    let mut cuts = Vec::new();
+    for count in &counts[..pp - 1] {
+        first += count;
+        cuts.push(format!("{}.{}", numbered.prefix, numbered.numbers[first]));
+    }
+    cuts
+}
+
+/// A layout's memory and step time, or why it does not fit.
+fn predict(
+    model: &Model,
+    layout: &Layout,
+    layers: usize,
+    device: &Device,
+    per_node: usize,
+    memory: f64,
+) -> Result<Prediction, String> {
+    let Layout { tp, pp, dp, zero, micro_batch, grad_accum, .. } = *layout;
+    let counts = stage_layers(layers, pp);
+    let dpf = dp as f64;
+    let boundary = model.boundary_per_sequence * micro_batch as f64;
+    let mut worst = MemoryFigures::default();
+    let mut slot = 0.0f64;
+    let (mut tp_time, mut compute, mut dp_bytes_max) = (0.0f64, 0.0f64, 0.0f64);
+    let mut gathered_params = 0.0f64;
+    // Ranks of a stage sharing cores run their kernels that many times slower.
+    let sharing =
+        if device.shared_cores > 0 { ((tp * pp * dp) as f64 / device.shared_cores as f64).max(1.0) } else { 1.0 };
+    let node_groups =
+        |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
+    for (s, &n) in counts.iter().enumerate() {
+        let figures = model.stage(n, micro_batch, s == 0, s == pp - 1, pp == 1);
+        let in_flight = if pp == 1 { 1 } else { (pp - s).min(grad_accum) } as f64;
+        // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9).
+        let gathered = figures.params.min(1e9 * model.param_bytes);
+        let params = if zero == 3 { figures.params / dpf + gathered } else { figures.params };
+        // autotp reduce-scatters each gradient once it is made whole (no buckets): under ZeRO 2
+        // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
+        // keeps shards.
+        let grads = if zero == 3 { figures.grads / dpf } else { figures.grads };
+        let optimizer = if zero >= 1 { figures.optimizer / dpf } else { figures.optimizer };
+        // The forward and backward's peak, or the optimizer step's.
+        let activations = (in_flight * figures.activations).max(figures.optimizer_transient);
+        let peak = params + grads + optimizer + activations;
+        if peak > worst.peak {
+            worst = MemoryFigures { params, grads, optimizer, activations, peak };
+        }
+        let work = figures.gemm_flops / device.gemm_flops + figures.other_bytes / device.memory_bandwidth;
+        let tp_seconds =
+            if tp > 1 { figures.tp_bytes / node_groups(tp, 1) + device.latency * 4.0 * n as f64 } else { 0.0 };
+        // A middle stage receives and sends each micro-batch's activation and its gradient.
+        let sends = if pp > 1 { 2.0 * boundary / node_groups(pp, tp * dp) + 2.0 * device.latency } else { 0.0 };
+        let t = work * sharing + tp_seconds + sends;
+        if t > slot {
+            (slot, compute, tp_time) = (t, work * sharing, tp_seconds);
+        }
+        dp_bytes_max = dp_bytes_max.max(figures.grads);
+        gathered_params = gathered_params.max(figures.params);
+    }
+    if worst.peak > memory {
+        return Err(format!(
+            "out of memory: {} bytes per device, over {}",
+            group(worst.peak as u64),
+            group(memory as u64)
+        ));
+    }
+    let micro_batches = grad_accum as f64;
+    let slots = micro_batches + (pp - 1) as f64;
+    let bubble_fraction = (pp - 1) as f64 / slots;
+    let dp_link = node_groups(dp, tp);
+    let ring = 2.0 * (dpf - 1.0) / dpf;
+    let dp_volume = if dp > 1 {
+        let gradient_bytes = dp_bytes_max;
+        let gathers = if zero == 3 { (2.0 * micro_batches - 1.0) * gathered_params * (dpf - 1.0) / dpf } else { 0.0 };
+        ring * gradient_bytes + gathers
+    } else {
+        0.0
+    };
+    let dp_seconds_total = dp_volume / dp_link + if dp > 1 { device.latency * 2.0 * layers as f64 } else { 0.0 };
+    // The reduction of the last micro-batch's gradients overlaps its backward (two thirds of it).
+    let dp_seconds = (dp_seconds_total - 2.0 / 3.0 * slot).max(0.0);
+    let pipeline_seconds = slots * slot - micro_batches * slot;
+    let step_seconds = slots * slot + dp_seconds;
+    let tp_bytes_step: f64 = micro_batches * model.stage(counts[0], micro_batch, true, pp == 1, pp == 1).tp_bytes;
+    Ok(Prediction {
+        step_seconds,
+        compute_seconds: micro_batches * compute,
+        tp_seconds: micro_batches * tp_time,
+        pipeline_seconds,
+        dp_seconds,
+        bubble_fraction,
+        memory: worst,
+        comm_bytes: tp_bytes_step + dp_volume + if pp > 1 { 2.0 * micro_batches * boundary } else { 0.0 },
+    })
+}
+
+/// The most bytes of intermediate values live at once before the program's first optimizer
+/// step, and from it on. A value lives in its arena region from the instruction that writes it
+/// to the last that reads it before another value is written over it (the memory plan reuses a
+/// region only once its value is dead).
+fn phase_peaks(program: &Program) -> (f64, f64) {
+    let start = program.activations_start();
+    let steps = program.instructions.len();
+    let optimizer =
+        (program.instructions.iter()).position(|i| matches!(i, Instruction::OptimizerStep { .. })).unwrap_or(steps);
+    // Live values by offset: (end, written at, last read at).
+    let mut live: BTreeMap<usize, (usize, usize, usize)> = BTreeMap::new();
+    let mut lifetimes: Vec<(usize, usize, usize)> = Vec::new();
+    let overlapping = |live: &BTreeMap<usize, (usize, usize, usize)>, r: &autotp_runtime::Region| -> Vec<usize> {
+        live.range(..r.offset + r.len)
+            .filter(|(&offset, &(end, ..))| end > r.offset && offset < r.offset + r.len)
+            .map(|(&o, _)| o)
+            .collect()
+    };
+    for (t, instruction) in program.instructions.iter().enumerate() {
+        let (inputs, outputs) = instruction.regions();
+        for r in inputs.iter().filter(|r| r.offset >= start && r.len > 0 && !r.in_host_pool()) {
+            for offset in overlapping(&live, r) {
+                live.get_mut(&offset).expect("found").2 = t;
+            }
+        }
+        for r in outputs.iter().filter(|r| r.offset >= start && r.len > 0 && !r.in_host_pool()) {
+            if inputs.contains(r) {
+                continue;
+            }
+            for offset in overlapping(&live, r) {
+                let (end, written, read) = live.remove(&offset).expect("found");
+                lifetimes.push((written, read, end - offset));
+            }
+            live.insert(r.offset, (r.offset + r.len, t, t));
+        }
+    }
+    // What the step's updates copy into the parameters and states lives to the end.
+    for update in program.updates.iter().filter(|u| u.from.offset >= start && !u.from.in_host_pool()) {
+        for offset in overlapping(&live, &update.from) {
+            live.get_mut(&offset).expect("found").2 = steps.saturating_sub(1);
+        }
+    }
+    lifetimes.extend(live.iter().map(|(&offset, &(end, written, read))| (written, read, end - offset)));
+    let mut delta = vec![0i128; steps + 1];
+    for (written, read, bytes) in lifetimes {
+        delta[written] += bytes as i128;
+        delta[read + 1] -= bytes as i128;
+    }
+    let (mut now, mut before, mut after) = (0i128, 0i128, 0i128);
+    for (t, change) in delta.iter().take(steps).enumerate() {
+        now += change;
+        if t < optimizer {
+            before = before.max(now);
+        } else {
+            after = after.max(now);
+        }
+    }
+    (before as f64, after as f64)
+}
+
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().to_string()
+}
+
+/// `1234567` as `1,234,567`.
+fn group(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_get_their_share_of_layers() {
+        assert_eq!(stage_layers(80, 8), vec![10; 8]);
+        assert_eq!(stage_layers(10, 4), vec![2, 3, 3, 2]);
+        assert_eq!(stage_layers(5, 2), vec![3, 2]);
+        assert_eq!(stage_layers(4, 1), vec![4]);
+    }
+}

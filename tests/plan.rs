@@ -1,0 +1,160 @@
+//! `autotp plan` and the shapes-only import it stands on: models without their weights
+//! (external data absent, or exported with `export_params=False`), the cut to a model's first
+//! layers, and the search itself on a fixture and on the Llama-70B-shaped export.
+
+use std::collections::BTreeMap;
+
+use crate::common::{autotp, failure, fixture, scratch, success};
+
+fn shapes_only(batch: usize) -> autotp_frontend::ImportOptions {
+    autotp_frontend::ImportOptions { batch: Some(batch), seq_len: Some(8), shapes_only: true, ..Default::default() }
+}
+
+/// The Llama fixture with its weights in an external-data file that is then deleted.
+fn without_external_data(dir: &std::path::Path) -> std::path::PathBuf {
+    let original = fixture("llama", "model.onnx");
+    let exported =
+        autotp_frontend::onnx::export::with_weights(&original, &BTreeMap::new(), Some("model.data"), "model.data")
+            .unwrap();
+    assert!(exported.external_data.is_some());
+    let model = dir.join("model.onnx");
+    std::fs::write(&model, &exported.model).unwrap();
+    model
+}
+
+#[test]
+fn a_model_without_its_weights_compiles_for_the_report() {
+    let dir = scratch("plan-weightless");
+    let model = without_external_data(&dir);
+    let report = dir.join("report.json");
+    let flags = ["--seq-len", "8", "--micro-batch", "2", "--tp", "2", "--dp", "2", "--zero", "1"];
+    let m = model.to_str().unwrap();
+    let out = success(autotp(&[&["compile", m, "--report", report.to_str().unwrap()][..], &flags].concat()));
+    assert!(out.contains("no plan written (no -o): the model's weights were not read"), "{out}");
+    // The report equals the one of the model with its weights.
+    let whole = dir.join("whole.json");
+    let plan = dir.join("whole.atp");
+    let llama = fixture("llama", "model.onnx");
+    let args = ["compile", llama.to_str().unwrap(), "--report", whole.to_str().unwrap(), "-o", plan.to_str().unwrap()];
+    success(autotp(&[&args[..], &flags].concat()));
+    let read =
+        |p: &std::path::Path| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap();
+    assert_eq!(read(&report), read(&whole));
+    // Writing a plan needs the weights: the error names the missing file.
+    let err = failure(autotp(&[&["compile", m, "-o", dir.join("p.atp").to_str().unwrap()][..], &flags].concat()));
+    assert!(err.contains("model.data"), "{err}");
+
+    // An export without parameters: they are graph inputs of fixed shapes.
+    let weightless = fixture("plan", "llama_70b.onnx");
+    let imported = autotp_frontend::import_onnx(&weightless, &shapes_only(1)).unwrap();
+    let params: usize = imported.graph.params().iter().map(|&p| imported.graph.ty(p).numel()).sum();
+    assert_eq!(params, 70_553_706_496);
+    assert_eq!(imported.graph.inputs().len(), 1, "input_ids alone is an input");
+    assert!(imported.weights.is_empty());
+    // Without shapes-only, its parameters are inputs, not weights: nothing to train.
+    let plain = autotp_frontend::ImportOptions { shapes_only: false, ..shapes_only(1) };
+    let imported = autotp_frontend::import_onnx(&weightless, &plain).unwrap();
+    assert!(imported.graph.params().is_empty());
+}
+
+/// The 4-layer Llama fixture cut to 2 layers is the 2-layer fixture, op for op.
+#[test]
+fn a_model_cut_to_its_first_layers_is_the_shallower_model() {
+    let four = autotp_frontend::import_onnx(&fixture("llama", "model_4_layers.onnx"), &shapes_only(2)).unwrap();
+    let two = autotp_frontend::import_onnx(&fixture("llama", "model.onnx"), &shapes_only(2)).unwrap();
+    assert_eq!(autotp_passes::depth::layer_count(&four.graph), 4);
+    let cut = autotp_passes::depth::keep_layers(&four.graph, 2).unwrap();
+    assert_eq!(autotp_ir::text::print(&cut), autotp_ir::text::print(&two.graph));
+}
+
+fn plan_json(args: &[&str]) -> (String, serde_json::Value) {
+    let dir = scratch(&format!("plan-{}", args.len()));
+    let json = dir.join("plan.json");
+    let out = success(autotp(&[&["plan"][..], args, &["--json", json.to_str().unwrap()]].concat()));
+    (out, serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap())
+}
+
+/// On the Llama fixture (4 heads, 2 key-value heads, 2 layers): every layout of 8 devices is
+/// considered, the impossible ones are refused with their reason, and the best one's printed
+/// flags compile into a plan whose memory fits, as predicted.
+#[test]
+fn plan_ranks_the_layouts_that_fit_and_says_why_the_others_do_not() {
+    let model = fixture("llama", "model.onnx");
+    let budget = "1MiB";
+    let args = ["--devices", "8", "--memory-per-device", budget, "--device", "cpu", "--seq-len", "16"];
+    let (out, json) =
+        plan_json(&[&[model.to_str().unwrap()][..], &args, &["--global-batch", "16", "--top", "3"]].concat());
+    let layouts = json["layouts"].as_array().unwrap();
+    // tp 1, 2, 4, 8 x pp 1, 2, 4, 8 (of those dividing 8) x zero 0-3 x micro-batches 1, 2, 4, 8 x 3 recomputations.
+    assert_eq!(layouts.len(), 10 * 4 * 4 * 3, "{out}");
+    let refused = |needle: &str| layouts.iter().any(|l| l["refused"].as_str().is_some_and(|r| r.contains(needle)));
+    assert!(refused("more stages than the model's 2 layers"), "{out}");
+    assert!(refused("out of memory"), "{out}");
+    assert!(refused("ZeRO 1 needs dp 2 or more"), "{out}");
+    // tp 8 does not divide 4 heads: the compiler's own refusal.
+    let tp8 = layouts.iter().find(|l| l["layout"]["tp"] == 8 && l["layout"]["pp"] == 1).unwrap();
+    assert!(tp8["refused"].as_str().unwrap().contains("8"), "{tp8}");
+    assert!(out.contains("refused:"), "{out}");
+    // The table is in step-time order and the best one's flags compile.
+    let fitting: Vec<f64> = layouts.iter().filter_map(|l| l["prediction"]["step_seconds"].as_f64()).collect();
+    assert!(!fitting.is_empty());
+    let best = out.lines().find_map(|l| l.trim().strip_prefix("autotp compile ")).expect("the best's flags");
+    let dir = scratch("plan-best");
+    let report = dir.join("report.json");
+    let mut argv: Vec<String> = best.split_whitespace().map(str::to_string).collect();
+    argv.truncate(argv.len() - 2); // "-o plan.atp"
+    argv.insert(0, "compile".into());
+    argv.extend(["--report".into(), report.to_str().unwrap().into()]);
+    success(autotp(&argv));
+    assert!(report.exists());
+}
+
+/// Where a layout is one of the compiled cuts (the whole 2-layer model, tp 2, no dp or
+/// pipeline), the predicted peak is the compiler's: within the arena's alignment padding.
+#[test]
+fn plan_predicts_the_compilers_memory_where_the_layout_is_a_cut() {
+    let model = fixture("llama", "model.onnx");
+    let args =
+        ["--devices", "2", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2"];
+    let (_, json) =
+        plan_json(&[&[model.to_str().unwrap()][..], &args, &["--micro-batches", "2", "--recompute", "none"]].concat());
+    let layout = json["layouts"].as_array().unwrap().iter().find(|l| l["layout"]["tp"] == 2).unwrap();
+    let predicted = layout["prediction"]["memory"]["peak"].as_f64().unwrap();
+    let dir = scratch("plan-cut");
+    let report = dir.join("report.json");
+    let m = model.to_str().unwrap();
+    let flags = ["--seq-len", "16", "--micro-batch", "2", "--tp", "2", "--report", report.to_str().unwrap()];
+    success(autotp(&[&["compile", m][..], &flags].concat()));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    let arena =
+        report["ranks"][0]["peak_bytes"].as_f64().unwrap() - report["ranks"][0]["comm_buffer_bytes"].as_f64().unwrap();
+    assert!((arena - predicted).abs() / arena < 0.02, "predicted {predicted}, compiled {arena}");
+}
+
+/// The Llama-70B-shaped export (no weights) planned for 1024 H100s: tp 8 x pp 8 x dp 16 is among
+/// the layouts, and the best one fits 80 GiB.
+#[test]
+fn plan_lays_out_a_70b_model_on_1024_devices() {
+    let model = fixture("plan", "llama_70b.onnx");
+    let args = ["--devices", "1024", "--memory-per-device", "80GiB", "--seq-len", "4096", "--global-batch", "1024"];
+    let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args].concat());
+    assert!(out.contains("70,553,706,496 parameters, 80 layers"), "{out}");
+    let layouts = json["layouts"].as_array().unwrap();
+    let megatron = layouts.iter().find(|l| {
+        let l = &l["layout"];
+        l["tp"] == 8
+            && l["pp"] == 8
+            && l["dp"] == 16
+            && l["zero"] == 1
+            && l["micro_batch"] == 1
+            && l["recompute"] == "selective"
+    });
+    assert!(megatron.is_some_and(|l| l["prediction"].is_object()), "{megatron:?}");
+    let best = layouts
+        .iter()
+        .filter_map(|l| l["prediction"].as_object())
+        .min_by(|a, b| a["step_seconds"].as_f64().unwrap().total_cmp(&b["step_seconds"].as_f64().unwrap()))
+        .unwrap();
+    assert!(best["memory"]["peak"].as_f64().unwrap() <= 80.0 * (1u64 << 30) as f64);
+    assert!(out.contains("--pp-cuts m.model.layers.") || !out.contains("--pp "), "{out}");
+}
