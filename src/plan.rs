@@ -599,7 +599,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let mut reasons: BTreeMap<String, (usize, String)> = BTreeMap::new();
     for c in considered.iter() {
         if let Some(why) = &c.refused {
-            let kind: String = why.chars().filter(|ch| !ch.is_ascii_digit() && *ch != '.').collect();
+            let kind: String = why.chars().filter(|ch| !ch.is_ascii_digit() && !matches!(ch, '.' | ',')).collect();
             let entry = reasons.entry(kind).or_insert((0, why.clone()));
             entry.0 += 1;
         }
