@@ -39,7 +39,7 @@ use autotp_kernels::Kernel;
 use autotp_runtime::{Instruction, Program};
 use clap::{Args, Parser};
 
-use crate::compile::{compile_with, parse_bytes, CompileFlags, Weights};
+use crate::compile::{compile_with, grouped, parse_bytes, CompileFlags, Weights};
 
 #[derive(Args)]
 pub struct PlanArgs {
@@ -263,19 +263,15 @@ struct Model {
 
 impl Model {
     /// One micro-batch of `micro_batch` sequences through `layers` layers.
-    fn stage(&self, layers: usize, micro_batch: usize, first: bool, last: bool, single: bool) -> Figures {
+    fn stage(&self, layers: usize, micro_batch: usize, first: bool, last: bool) -> Figures {
         let extra = (micro_batch - 1) as f64;
         let per_layer = Figures::combine(self.layer, self.layer_per_sequence, |a, b| a + extra * b);
         let rest = Figures::combine(self.rest, self.rest_per_sequence, |a, b| a + extra * b);
-        let share = if single {
-            1.0
-        } else {
-            (if first { self.embedding_fraction } else { 0.0 })
-                + (if last { 1.0 - self.embedding_fraction } else { 0.0 })
-        };
+        let share = (if first { self.embedding_fraction } else { 0.0 })
+            + (if last { 1.0 - self.embedding_fraction } else { 0.0 });
         // Activations, work and traffic of the rest belong to the head's stage (the
         // embedding's gather is a small part); its parameters split by where they are read.
-        let work = if single || last { 1.0 } else { 0.0 };
+        let work = if last { 1.0 } else { 0.0 };
         let n = layers as f64;
         Figures {
             params: n * per_layer.params + share * rest.params,
@@ -522,10 +518,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         "plan: {} ({} parameters, {layers} layers) on {} {} devices of {} bytes each ({per_node} per node); \
          global batch {global_batch} x seq-len {} = {tokens} tokens per step; {precision}",
         args.model.display(),
-        group(param_count as u64),
+        grouped(param_count),
         args.devices,
         device.name,
-        group(args.memory_per_device),
+        grouped(args.memory_per_device as usize),
         args.seq_len,
     );
     let compiled_cuts = cuts.len();
@@ -593,7 +589,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         let cuts = pipeline_cuts(&numbered, best.layout.pp, layers);
         println!("  autotp compile {} -o plan.atp", layout_args(args, &precision, &best.layout, &cuts).join(" "));
     } else {
-        println!("no layout fits {} bytes per device", group(args.memory_per_device));
+        println!("no layout fits {} bytes per device", grouped(args.memory_per_device as usize));
     }
     // Refusals, by reason (numbers stripped), with a count and one example.
     let mut reasons: BTreeMap<String, (usize, String)> = BTreeMap::new();
@@ -649,7 +645,7 @@ fn predict(
     let boundary = model.boundary_per_sequence * micro_batch as f64;
     let mut worst = MemoryFigures::default();
     let mut slot = 0.0f64;
-    let (mut tp_time, mut compute, mut dp_bytes_max) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     let mut gathered_params = 0.0f64;
     // Ranks of a stage sharing cores run their kernels that many times slower.
     let sharing =
@@ -657,7 +653,7 @@ fn predict(
     let node_groups =
         |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
     for (s, &n) in counts.iter().enumerate() {
-        let figures = model.stage(n, micro_batch, s == 0, s == pp - 1, pp == 1);
+        let figures = model.stage(n, micro_batch, s == 0, s == pp - 1);
         let in_flight = if pp == 1 { 1 } else { (pp - s).min(grad_accum) } as f64;
         // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9).
         let gathered = figures.params.min(1e9 * model.param_bytes);
@@ -683,13 +679,14 @@ fn predict(
             (slot, compute, tp_time) = (t, work * sharing, tp_seconds);
         }
         dp_bytes_max = dp_bytes_max.max(figures.grads);
+        tp_bytes = tp_bytes.max(figures.tp_bytes);
         gathered_params = gathered_params.max(figures.params);
     }
     if worst.peak > memory {
         return Err(format!(
             "out of memory: {} bytes per device, over {}",
-            group(worst.peak as u64),
-            group(memory as u64)
+            grouped(worst.peak as usize),
+            grouped(memory as usize)
         ));
     }
     let micro_batches = grad_accum as f64;
@@ -709,7 +706,6 @@ fn predict(
     let dp_seconds = (dp_seconds_total - 2.0 / 3.0 * slot).max(0.0);
     let pipeline_seconds = slots * slot - micro_batches * slot;
     let step_seconds = slots * slot + dp_seconds;
-    let tp_bytes_step: f64 = micro_batches * model.stage(counts[0], micro_batch, true, pp == 1, pp == 1).tp_bytes;
     Ok(Prediction {
         step_seconds,
         compute_seconds: micro_batches * compute,
@@ -718,7 +714,7 @@ fn predict(
         dp_seconds,
         bubble_fraction,
         memory: worst,
-        comm_bytes: tp_bytes_step + dp_volume + if pp > 1 { 2.0 * micro_batches * boundary } else { 0.0 },
+        comm_bytes: micro_batches * tp_bytes + dp_volume + if pp > 1 { 2.0 * micro_batches * boundary } else { 0.0 },
     })
 }
 
@@ -784,19 +780,6 @@ fn phase_peaks(program: &Program) -> (f64, f64) {
 
 fn first_line(text: &str) -> String {
     text.lines().next().unwrap_or_default().to_string()
-}
-
-/// `1234567` as `1,234,567`.
-fn group(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, ch) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(ch);
-    }
-    out
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 
 use autotp_ir::{Graph, Rewriter, ValueId};
 
-use crate::pipeline::{activations, numbered_layers, single_activation_cuts};
+use crate::pipeline::{activations, needed_by, numbered_layers, single_activation_cuts};
 use crate::PassError;
 
 const PASS: &str = "depth";
@@ -39,22 +39,8 @@ pub fn keep_layers(graph: &Graph, keep: usize) -> Result<Graph, PassError> {
     }
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
     let roots: Vec<ValueId> = graph.outputs().iter().map(|(_, v)| *v).collect();
-    let consumers = graph.consumers();
-    // The forward: the nodes the outputs need, in graph order.
-    let mut needed = vec![false; graph.num_values()];
-    for v in &roots {
-        needed[v.index()] = true;
-    }
-    let mut forward = Vec::new();
-    for (i, node) in nodes.iter().enumerate().rev() {
-        if node.outputs.iter().any(|o| needed[o.index()]) {
-            forward.push(i);
-            for v in &node.inputs {
-                needed[v.index()] = true;
-            }
-        }
-    }
-    forward.reverse();
+    let needed = needed_by(&nodes, graph.num_values(), &roots, |_| true);
+    let forward: Vec<usize> = (0..nodes.len()).filter(|&i| needed[i]).collect();
     let activation = activations(graph);
     let counted: Vec<bool> =
         (0..graph.num_values()).map(|v| activation[v] && graph.ty(ValueId(v as u32)).rank() > 0).collect();
@@ -102,7 +88,6 @@ pub fn keep_layers(graph: &Graph, keep: usize) -> Result<Graph, PassError> {
             rw.set(output, kept);
         }
     }
-    debug_assert!(consumers[output.index()].iter().all(|c| c.index() > forward[end]));
     Ok(rw.finish().without_dead_code())
 }
 

@@ -119,7 +119,7 @@ pub(crate) fn forward_nodes(graph: &Graph) -> Vec<usize> {
 }
 
 /// The nodes (by position, among those `eligible`) that computing `roots` needs.
-fn needed_by(
+pub(crate) fn needed_by(
     nodes: &[&autotp_ir::Node],
     values: usize,
     roots: &[ValueId],
