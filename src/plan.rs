@@ -26,7 +26,8 @@
 //! shared memory), the pipeline's (micro-batches + stages - 1) slots of its slowest stage and its
 //! activation sends, and the data-parallel reduction (ZeRO 3: the gathers of every micro-batch
 //! too) over the node's link or InfiniBand when the dp group spans nodes, less what overlaps the
-//! last micro-batch's backward. CPU ranks share the machine's cores.
+//! last micro-batch's backward; every instruction costs a dispatch time. CPU ranks share the
+//! machine's cores: their step is the work of all ranks at the machine's rate.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -101,6 +102,9 @@ pub struct Device {
     pub network: f64,
     /// Seconds each collective or message costs besides its bytes.
     pub latency: f64,
+    /// Seconds each instruction costs besides its work (a kernel launch; on CPU ranks the
+    /// dispatch to the thread pool and its synchronisation).
+    pub instruction_seconds: f64,
     /// Cores the ranks share (cpu); 0: each rank has its own device.
     pub shared_cores: usize,
 }
@@ -116,6 +120,7 @@ impl Device {
             node_link: 450e9,
             network: 50e9,
             latency: 10e-6,
+            instruction_seconds: 4e-6,
             shared_cores: 0,
         };
         match name {
@@ -131,6 +136,7 @@ impl Device {
                     node_link: 8e9,
                     network: 8e9,
                     latency: 20e-6,
+                    instruction_seconds: 8e-6,
                     shared_cores: cores,
                 }
             }
@@ -179,6 +185,8 @@ pub struct Considered {
     pub layout: Layout,
     pub prediction: Option<Prediction>,
     pub refused: Option<String>,
+    /// The `autotp compile` arguments of a layout that fits (less `-o`).
+    pub compile_args: Option<Vec<String>>,
 }
 
 /// What one compiled cut of the model holds and does (one rank, one micro-batch).
@@ -195,6 +203,8 @@ struct Figures {
     gemm_flops: f64,
     other_bytes: f64,
     tp_bytes: f64,
+    /// Instructions the program runs (each costs the device's dispatch time).
+    instructions: f64,
 }
 
 impl Figures {
@@ -226,6 +236,7 @@ impl Figures {
             gemm_flops,
             other_bytes,
             tp_bytes,
+            instructions: program.instructions.len() as f64,
         }
     }
 
@@ -239,6 +250,7 @@ impl Figures {
             gemm_flops: f(a.gemm_flops, b.gemm_flops),
             other_bytes: f(a.other_bytes, b.other_bytes),
             tp_bytes: f(a.tp_bytes, b.tp_bytes),
+            instructions: f(a.instructions, b.instructions),
         }
     }
 }
@@ -282,6 +294,7 @@ impl Model {
             gemm_flops: n * per_layer.gemm_flops + work * rest.gemm_flops,
             other_bytes: n * per_layer.other_bytes + work * rest.other_bytes,
             tp_bytes: n * per_layer.tp_bytes + work * rest.tp_bytes,
+            instructions: n * per_layer.instructions + work * rest.instructions,
         }
     }
 }
@@ -435,7 +448,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                 }
             }
         }
-        considered.push(Considered { layout, prediction: None, refused });
+        considered.push(Considered { layout, prediction: None, refused, compile_args: None });
     }
 
     // The cuts, compiled two at a time.
@@ -501,7 +514,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                 models.insert(format!("tp {} recompute {}", c.layout.tp, c.layout.recompute), model);
                 let p = predict(&model, &c.layout, layers, &device, per_node, args.memory_per_device as f64);
                 match p {
-                    Ok(p) => c.prediction = Some(p),
+                    Ok(p) => {
+                        let cuts = pipeline_cuts(&numbered, c.layout.pp, layers);
+                        c.compile_args = Some(layout_args(args, &precision, &c.layout, &cuts));
+                        c.prediction = Some(p);
+                    }
                     Err(why) => c.refused = Some(why),
                 }
             }
@@ -586,8 +603,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "best: compute {:.4} s, tp {:.4} s, pipeline bubble and sends {:.4} s, dp (exposed) {:.4} s per step",
             p.compute_seconds, p.tp_seconds, p.pipeline_seconds, p.dp_seconds
         );
-        let cuts = pipeline_cuts(&numbered, best.layout.pp, layers);
-        println!("  autotp compile {} -o plan.atp", layout_args(args, &precision, &best.layout, &cuts).join(" "));
+        let flags = best.compile_args.as_ref().expect("a layout that fits has its flags");
+        println!("  autotp compile {} -o plan.atp", flags.join(" "));
     } else {
         println!("no layout fits {} bytes per device", grouped(args.memory_per_device as usize));
     }
@@ -647,9 +664,10 @@ fn predict(
     let mut slot = 0.0f64;
     let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     let mut gathered_params = 0.0f64;
-    // Ranks of a stage sharing cores run their kernels that many times slower.
-    let sharing =
-        if device.shared_cores > 0 { ((tp * pp * dp) as f64 / device.shared_cores as f64).max(1.0) } else { 1.0 };
+    // CPU ranks share the machine's cores: a step takes the work of every rank at the
+    // machine's rate (a pipeline's idle stages leave their cores to the others).
+    let mut machine_seconds = 0.0f64;
+    let ranks_per_stage = (tp * dp) as f64;
     let node_groups =
         |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
     for (s, &n) in counts.iter().enumerate() {
@@ -669,15 +687,18 @@ fn predict(
         if peak > worst.peak {
             worst = MemoryFigures { params, grads, optimizer, activations, peak };
         }
-        let work = figures.gemm_flops / device.gemm_flops + figures.other_bytes / device.memory_bandwidth;
+        let work = figures.gemm_flops / device.gemm_flops
+            + figures.other_bytes / device.memory_bandwidth
+            + figures.instructions * device.instruction_seconds;
         let tp_seconds =
             if tp > 1 { figures.tp_bytes / node_groups(tp, 1) + device.latency * 4.0 * n as f64 } else { 0.0 };
         // A middle stage receives and sends each micro-batch's activation and its gradient.
         let sends = if pp > 1 { 2.0 * boundary / node_groups(pp, tp * dp) + 2.0 * device.latency } else { 0.0 };
-        let t = work * sharing + tp_seconds + sends;
+        let t = work + tp_seconds + sends;
         if t > slot {
-            (slot, compute, tp_time) = (t, work * sharing, tp_seconds);
+            (slot, compute, tp_time) = (t, work, tp_seconds);
         }
+        machine_seconds += ranks_per_stage * grad_accum as f64 * t;
         dp_bytes_max = dp_bytes_max.max(figures.grads);
         tp_bytes = tp_bytes.max(figures.tp_bytes);
         gathered_params = gathered_params.max(figures.params);
@@ -704,11 +725,15 @@ fn predict(
     let dp_seconds_total = dp_volume / dp_link + if dp > 1 { device.latency * 2.0 * layers as f64 } else { 0.0 };
     // The reduction of the last micro-batch's gradients overlaps its backward (two thirds of it).
     let dp_seconds = (dp_seconds_total - 2.0 / 3.0 * slot).max(0.0);
-    let pipeline_seconds = slots * slot - micro_batches * slot;
-    let step_seconds = slots * slot + dp_seconds;
+    let (pipeline_seconds, busy) = if device.shared_cores > 0 {
+        (0.0, machine_seconds)
+    } else {
+        (slots * slot - micro_batches * slot, slots * slot)
+    };
+    let step_seconds = busy + dp_seconds;
     Ok(Prediction {
         step_seconds,
-        compute_seconds: micro_batches * compute,
+        compute_seconds: if device.shared_cores > 0 { machine_seconds } else { micro_batches * compute },
         tp_seconds: micro_batches * tp_time,
         pipeline_seconds,
         dp_seconds,
