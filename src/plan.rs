@@ -7,27 +7,29 @@
 //!
 //! **Memory and work come from the compiler.** The model is imported shapes-only (its weights
 //! need not exist) and cut to its first layer and to its first two ([`autotp_passes::depth`]);
-//! each cut is compiled for every tp, recomputation and micro-batch of 1 and 2 (one rank of tp,
+//! each cut is compiled for every tp, micro-batch and recomputation searched (one rank of tp,
 //! no dp, no pipeline). Every transformer layer has the same shapes, so the difference of the
-//! two cuts is one layer's exact bytes (parameters, gradients, optimizer state, activations),
-//! GEMM FLOPs and tp traffic, and the rest is the embedding and head; activations and work are
-//! linear in the micro-batch. A layout's stage of `n` layers then holds `n` layers' states,
-//! ZeRO's shards of them over dp (stage 1 and 2 the optimizer state, 3 the gradients and
-//! parameters, plus those gathered at once: up to DeepSpeed's 1e9), and `in_flight` micro-batches of `n` layers'
-//! activations (1F1B: `min(pp - s, micro-batches)` on stage `s`), or the optimizer step's
-//! temporaries when they are more. The two peaks are told apart by the values' lifetimes in
-//! the compiled programs ([`phase_peaks`]). The figures are the
-//! compiler's wherever the layout is one of the compiled cuts; elsewhere they are those cuts'
-//! figures added up, which leaves out how the memory plan packs the whole (the plan benchmark,
-//! `benches/plan.sh`, prints both for its layouts).
+//! two cuts is one layer's exact bytes (parameters, gradients, optimizer state, intermediate
+//! values), GEMM FLOPs and tp traffic, and the rest is the embedding and head. The values'
+//! lifetimes in each compiled program give the peaks of its forward, backward and optimizer
+//! step apart ([`phase_peaks`]). A layout's stage of `n` layers then holds `n` layers' states,
+//! ZeRO's shards of them over dp (stages 1 and 2 the optimizer state, 3 the gradients and
+//! parameters, plus those gathered at once: up to DeepSpeed's 1e9), and the largest of: its
+//! forward peak for the micro-batches in flight (1F1B: `min(pp - s, micro-batches)` on stage
+//! `s`) with the gradients accumulated so far; its backward peak; its optimizer step's. Where
+//! the layout is one of the compiled cuts the figures are the compiler's; elsewhere they leave
+//! out the data-parallel collectives' staging buffers and the pipeline's message buffers
+//! (`benches/plan.sh` prints the predicted and compiled peaks side by side).
 //!
-//! **Time is a cost model** ([`Device`]): GEMM FLOPs at the device's rate, other kernels' bytes
-//! at its memory bandwidth, tp's collectives per micro-batch over the node's link (NVLink,
-//! shared memory), the pipeline's (micro-batches + stages - 1) slots of its slowest stage and its
-//! activation sends, and the data-parallel reduction (ZeRO 3: the gathers of every micro-batch
-//! too) over the node's link or InfiniBand when the dp group spans nodes, less what overlaps the
-//! last micro-batch's backward; every instruction costs a dispatch time. CPU ranks share the
-//! machine's cores: their step is the work of all ranks at the machine's rate.
+//! **Time is a cost model** ([`Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
+//! few rows), other kernels' bytes at its memory bandwidth, a dispatch time per instruction,
+//! tp's collectives per micro-batch over the node's link (NVLink, shared memory), the
+//! pipeline's (micro-batches + stages - 1) slots of its slowest stage and its activation sends,
+//! and the data-parallel reduction (ZeRO 3: the gathers of every micro-batch too) over the
+//! node's link or InfiniBand when the dp group spans nodes, less what overlaps the last
+//! micro-batch's backward. CPU ranks share the machine's cores: their step is the work of all
+//! ranks at the machine's rate. The CPU figures are fitted to `benches/plan.sh`'s measured
+//! steps of gpt2-512; the GPU figures are the parts' data sheets, not yet measured.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -95,6 +97,9 @@ pub struct Device {
     pub name: String,
     /// Dense GEMM FLOP/s a training step reaches (f32 on cpu, 16-bit tensor cores on GPUs).
     pub gemm_flops: f64,
+    /// The output rows at which a GEMM runs at half that rate (a GEMM of `m` rows runs at
+    /// `m / (m + gemm_half_rows)` of it).
+    pub gemm_half_rows: f64,
     /// Bytes per second other kernels stream.
     pub memory_bandwidth: f64,
     /// Bytes per second per device inside a node, and between nodes.
@@ -115,6 +120,7 @@ impl Device {
             name: name.to_string(),
             // About half of the dense bf16 peak (989 TFLOP/s): what large training GEMMs reach.
             gemm_flops: gemm,
+            gemm_half_rows: 128.0,
             memory_bandwidth: hbm,
             // NVLink 4: 450 GB/s each way; InfiniBand NDR: 400 Gb/s per GPU.
             node_link: 450e9,
@@ -130,13 +136,15 @@ impl Device {
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
                 Device {
                     name: "cpu".into(),
-                    // Per core: AVX-512 f32 GEMMs, and what elementwise kernels stream.
-                    gemm_flops: 40e9 * cores as f64,
-                    memory_bandwidth: 8e9 * cores as f64,
-                    node_link: 8e9,
-                    network: 8e9,
+                    // Per core: AVX-512 f32 GEMMs, and what elementwise kernels stream (from
+                    // cache, mostly). Fitted to benches/plan.sh's measured steps.
+                    gemm_flops: 200e9 * cores as f64,
+                    gemm_half_rows: 64.0,
+                    memory_bandwidth: 20e9 * cores as f64,
+                    node_link: 20e9,
+                    network: 20e9,
                     latency: 20e-6,
-                    instruction_seconds: 8e-6,
+                    instruction_seconds: 3e-6,
                     shared_cores: cores,
                 }
             }
@@ -195,12 +203,17 @@ struct Figures {
     params: f64,
     grads: f64,
     optimizer: f64,
-    /// Intermediate values live at the forward and backward's peak, less the gradients the
-    /// memory plan counts among them.
-    activations: f64,
+    /// Intermediate values live at the forward's peak (up to the loss).
+    forward: f64,
+    /// Intermediate values live at the backward's peak, less the gradients (which the memory
+    /// plan counts among them).
+    backward: f64,
     /// Intermediate values live at the optimizer step's peak, less the gradients.
     optimizer_transient: f64,
     gemm_flops: f64,
+    /// The sum over GEMMs of their FLOPs per output row: a GEMM of few rows runs below the
+    /// device's rate ([`Device::gemm_half_rows`]).
+    gemm_flops_per_row: f64,
     other_bytes: f64,
     tp_bytes: f64,
     /// Instructions the program runs (each costs the device's dispatch time).
@@ -210,8 +223,8 @@ struct Figures {
 impl Figures {
     fn of(program: &Program) -> Figures {
         let m = &program.memory;
-        let (backward_peak, optimizer_peak) = phase_peaks(program);
-        let (mut gemm_flops, mut other_bytes, mut tp_bytes) = (0.0, 0.0, 0.0);
+        let peaks = phase_peaks(program);
+        let (mut gemm_flops, mut gemm_flops_per_row, mut other_bytes, mut tp_bytes) = (0.0, 0.0, 0.0, 0.0);
         for instruction in &program.instructions {
             match instruction {
                 Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
@@ -219,7 +232,9 @@ impl Figures {
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dims, .. }, .. } => {
                     let batch: usize = dims.batch.iter().product();
-                    gemm_flops += 2.0 * (batch * dims.m * dims.k * dims.n) as f64;
+                    let flops = 2.0 * (batch * dims.m * dims.k * dims.n) as f64;
+                    gemm_flops += flops;
+                    gemm_flops_per_row += flops / dims.m.max(1) as f64;
                 }
                 Instruction::Kernel { inputs, outputs, .. } | Instruction::Generated { inputs, outputs, .. } => {
                     other_bytes += inputs.iter().chain(outputs).map(|r| r.len as f64).sum::<f64>();
@@ -231,9 +246,11 @@ impl Figures {
             params: m.params_bytes as f64,
             grads: m.grads_bytes as f64,
             optimizer: (m.states_bytes + m.host_pool_bytes) as f64,
-            activations: (backward_peak - m.grads_bytes as f64).max(0.0),
-            optimizer_transient: (optimizer_peak - m.grads_bytes as f64).max(0.0),
+            forward: peaks.forward,
+            backward: (peaks.backward - m.grads_bytes as f64).max(0.0),
+            optimizer_transient: (peaks.optimizer - m.grads_bytes as f64).max(0.0),
             gemm_flops,
+            gemm_flops_per_row,
             other_bytes,
             tp_bytes,
             instructions: program.instructions.len() as f64,
@@ -245,9 +262,11 @@ impl Figures {
             params: f(a.params, b.params),
             grads: f(a.grads, b.grads),
             optimizer: f(a.optimizer, b.optimizer),
-            activations: f(a.activations, b.activations),
+            forward: f(a.forward, b.forward),
+            backward: f(a.backward, b.backward),
             optimizer_transient: f(a.optimizer_transient, b.optimizer_transient),
             gemm_flops: f(a.gemm_flops, b.gemm_flops),
+            gemm_flops_per_row: f(a.gemm_flops_per_row, b.gemm_flops_per_row),
             other_bytes: f(a.other_bytes, b.other_bytes),
             tp_bytes: f(a.tp_bytes, b.tp_bytes),
             instructions: f(a.instructions, b.instructions),
@@ -255,46 +274,47 @@ impl Figures {
     }
 }
 
-/// A model per layer and the rest, at a micro-batch of one, and what one more sequence adds
-/// (activations: what each sequence adds, from the cuts' micro-batch of two).
+/// A model per layer and the rest, at one micro-batch size, from its cuts of 1 and 2 layers.
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 struct Model {
     layer: Figures,
     rest: Figures,
-    layer_per_sequence: Figures,
-    rest_per_sequence: Figures,
+    /// What the backward's peak held beyond the forward's in the 2-layer cut (the head's
+    /// gradients of the logits; gradients made): added to a stage's forward peak, it bounds its
+    /// backward's when the saved activations of many layers outweigh the cut's.
+    backward_extra: f64,
     /// Of `rest`: the bytes of parameters (and their gradients and states) on the first
     /// stage (the token embedding); the others are on the last.
     embedding_fraction: f64,
-    /// The bytes of one sequence's activation between two layers (the hidden state a
+    /// The bytes of one micro-batch's activation between two layers (the hidden state a
     /// pipeline stage sends).
-    boundary_per_sequence: f64,
+    boundary: f64,
     /// Bytes per parameter element.
     param_bytes: f64,
 }
 
 impl Model {
-    /// One micro-batch of `micro_batch` sequences through `layers` layers.
-    fn stage(&self, layers: usize, micro_batch: usize, first: bool, last: bool) -> Figures {
-        let extra = (micro_batch - 1) as f64;
-        let per_layer = Figures::combine(self.layer, self.layer_per_sequence, |a, b| a + extra * b);
-        let rest = Figures::combine(self.rest, self.rest_per_sequence, |a, b| a + extra * b);
+    /// One micro-batch through a stage of `layers` layers, the first and/or the last.
+    fn stage(&self, layers: usize, first: bool, last: bool) -> Figures {
         let share = (if first { self.embedding_fraction } else { 0.0 })
             + (if last { 1.0 - self.embedding_fraction } else { 0.0 });
         // Activations, work and traffic of the rest belong to the head's stage (the
         // embedding's gather is a small part); its parameters split by where they are read.
         let work = if last { 1.0 } else { 0.0 };
         let n = layers as f64;
+        let (layer, rest) = (&self.layer, &self.rest);
         Figures {
-            params: n * per_layer.params + share * rest.params,
-            grads: n * per_layer.grads + share * rest.grads,
-            optimizer: n * per_layer.optimizer + share * rest.optimizer,
-            activations: n * per_layer.activations + work * rest.activations,
-            optimizer_transient: n * per_layer.optimizer_transient + share * rest.optimizer_transient,
-            gemm_flops: n * per_layer.gemm_flops + work * rest.gemm_flops,
-            other_bytes: n * per_layer.other_bytes + work * rest.other_bytes,
-            tp_bytes: n * per_layer.tp_bytes + work * rest.tp_bytes,
-            instructions: n * per_layer.instructions + work * rest.instructions,
+            params: n * layer.params + share * rest.params,
+            grads: n * layer.grads + share * rest.grads,
+            optimizer: n * layer.optimizer + share * rest.optimizer,
+            forward: n * layer.forward + work * rest.forward,
+            backward: n * layer.backward + work * rest.backward,
+            optimizer_transient: n * layer.optimizer_transient + share * rest.optimizer_transient,
+            gemm_flops: n * layer.gemm_flops + work * rest.gemm_flops,
+            gemm_flops_per_row: n * layer.gemm_flops_per_row + work * rest.gemm_flops_per_row,
+            other_bytes: n * layer.other_bytes + work * rest.other_bytes,
+            tp_bytes: n * layer.tp_bytes + work * rest.tp_bytes,
+            instructions: n * layer.instructions + work * rest.instructions,
         }
     }
 }
@@ -442,10 +462,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         };
         if refused.is_none() {
             layout.grad_accum = global_batch / (layout.dp * layout.micro_batch);
-            for key in [(layout.tp, 1, layout.recompute.clone()), (layout.tp, 2, layout.recompute.clone())] {
-                if !wanted.contains(&key) {
-                    wanted.push(key);
-                }
+            let key = (layout.tp, layout.micro_batch, layout.recompute.clone());
+            if !wanted.contains(&key) {
+                wanted.push(key);
             }
         }
         considered.push(Considered { layout, prediction: None, refused, compile_args: None });
@@ -477,41 +496,29 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
     });
     let cuts = cuts.into_inner().expect("cuts");
-    let model_of = |tp: usize, recompute: &str| -> Result<Model, String> {
-        let get = |mb: usize, depth: usize| cuts[&(tp, mb, recompute.to_string(), depth)].clone();
-        let (one, two) = (get(1, 1)?, get(1, 2)?);
-        let (one_b2, two_b2) = (get(2, 1)?, get(2, 2)?);
+    let model_of = |layout: &Layout| -> Result<Model, String> {
+        let get = |depth: usize| cuts[&(layout.tp, layout.micro_batch, layout.recompute.clone(), depth)].clone();
+        let (one, two) = (get(1)?, get(2)?);
         let layer = Figures::combine(two, one, |a, b| a - b);
         let rest = Figures::combine(one, layer, |a, b| a - b);
-        let layer_b2 = Figures::combine(two_b2, one_b2, |a, b| a - b);
-        let rest_b2 = Figures::combine(one_b2, layer_b2, |a, b| a - b);
-        let mut layer_per_sequence = Figures::combine(layer_b2, layer, |a, b| a - b);
-        let mut rest_per_sequence = Figures::combine(rest_b2, rest, |a, b| a - b);
-        // Activations are proportional to the micro-batch, but the peak of one sequence may be
-        // a transient of the head's (logits) rather than what the layers keep: they are taken
-        // from the cuts of two sequences.
-        let (mut layer, mut rest) = (layer, rest);
-        layer.activations = (layer_b2.activations / 2.0).max(0.0);
-        layer_per_sequence.activations = layer.activations;
-        rest.activations = (rest_b2.activations / 2.0).max(0.0);
-        rest_per_sequence.activations = rest.activations;
         Ok(Model {
             layer,
             rest,
-            layer_per_sequence,
-            rest_per_sequence,
+            backward_extra: (two.backward + two.grads - two.forward).max(0.0),
             embedding_fraction,
-            boundary_per_sequence,
+            boundary: boundary_per_sequence * layout.micro_batch as f64,
             param_bytes: activation_bytes as f64,
         })
     };
 
     let mut models: BTreeMap<String, Model> = BTreeMap::new();
     for c in considered.iter_mut().filter(|c| c.refused.is_none()) {
-        match model_of(c.layout.tp, &c.layout.recompute) {
+        match model_of(&c.layout) {
             Err(e) => c.refused = Some(first_line(&e)),
             Ok(model) => {
-                models.insert(format!("tp {} recompute {}", c.layout.tp, c.layout.recompute), model);
+                let key =
+                    format!("tp {} micro-batch {} recompute {}", c.layout.tp, c.layout.micro_batch, c.layout.recompute);
+                models.insert(key, model);
                 let p = predict(&model, &c.layout, layers, &device, per_node, args.memory_per_device as f64);
                 match p {
                     Ok(p) => {
@@ -656,10 +663,10 @@ fn predict(
     per_node: usize,
     memory: f64,
 ) -> Result<Prediction, String> {
-    let Layout { tp, pp, dp, zero, micro_batch, grad_accum, .. } = *layout;
+    let Layout { tp, pp, dp, zero, grad_accum, .. } = *layout;
     let counts = stage_layers(layers, pp);
     let dpf = dp as f64;
-    let boundary = model.boundary_per_sequence * micro_batch as f64;
+    let boundary = model.boundary;
     let mut worst = MemoryFigures::default();
     let mut slot = 0.0f64;
     let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
@@ -671,7 +678,7 @@ fn predict(
     let node_groups =
         |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
     for (s, &n) in counts.iter().enumerate() {
-        let figures = model.stage(n, micro_batch, s == 0, s == pp - 1);
+        let figures = model.stage(n, s == 0, s == pp - 1);
         let in_flight = if pp == 1 { 1 } else { (pp - s).min(grad_accum) } as f64;
         // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9).
         let gathered = figures.params.min(1e9 * model.param_bytes);
@@ -681,13 +688,20 @@ fn predict(
         // keeps shards.
         let grads = if zero == 3 { figures.grads / dpf } else { figures.grads };
         let optimizer = if zero >= 1 { figures.optimizer / dpf } else { figures.optimizer };
-        // The forward and backward's peak, or the optimizer step's.
-        let activations = (in_flight * figures.activations).max(figures.optimizer_transient);
-        let peak = params + grads + optimizer + activations;
+        // The peak of the forward (the micro-batches in flight), of the backward (the
+        // gradients made, and the other micro-batches' saved activations), or of the optimizer.
+        // With accumulation, the gradients summed so far live through the later forwards.
+        let accumulated = if grad_accum > 1 { grads } else { 0.0 };
+        let forward = in_flight * figures.forward + accumulated;
+        let backward = (grads + figures.backward).max(figures.forward + model.backward_extra)
+            + (in_flight - 1.0) * figures.forward;
+        let intermediate = forward.max(backward).max(grads + figures.optimizer_transient);
+        let activations = intermediate - grads;
+        let peak = params + optimizer + intermediate;
         if peak > worst.peak {
             worst = MemoryFigures { params, grads, optimizer, activations, peak };
         }
-        let work = figures.gemm_flops / device.gemm_flops
+        let work = (figures.gemm_flops + device.gemm_half_rows * figures.gemm_flops_per_row) / device.gemm_flops
             + figures.other_bytes / device.memory_bandwidth
             + figures.instructions * device.instruction_seconds;
         let tp_seconds =
@@ -743,15 +757,20 @@ fn predict(
     })
 }
 
-/// The most bytes of intermediate values live at once before the program's first optimizer
-/// step, and from it on. A value lives in its arena region from the instruction that writes it
+/// The most bytes of intermediate values live at once in a program's three phases: the
+/// forward (up to the instruction that writes the loss), the backward (to the first optimizer
+/// step) and the optimizer step. A value lives in its arena region from the instruction that writes it
 /// to the last that reads it before another value is written over it (the memory plan reuses a
 /// region only once its value is dead).
-fn phase_peaks(program: &Program) -> (f64, f64) {
+fn phase_peaks(program: &Program) -> Peaks {
     let start = program.activations_start();
     let steps = program.instructions.len();
     let optimizer =
         (program.instructions.iter()).position(|i| matches!(i, Instruction::OptimizerStep { .. })).unwrap_or(steps);
+    let loss = program.outputs.iter().find(|s| s.name == autotp_passes::loss::LOSS).map(|s| s.region);
+    let turn = (program.instructions.iter())
+        .position(|i| loss.is_some_and(|loss| i.regions().1.contains(&loss)))
+        .unwrap_or(optimizer);
     // Live values by offset: (end, written at, last read at).
     let mut live: BTreeMap<usize, (usize, usize, usize)> = BTreeMap::new();
     let mut lifetimes: Vec<(usize, usize, usize)> = Vec::new();
@@ -791,16 +810,28 @@ fn phase_peaks(program: &Program) -> (f64, f64) {
         delta[written] += bytes as i128;
         delta[read + 1] -= bytes as i128;
     }
-    let (mut now, mut before, mut after) = (0i128, 0i128, 0i128);
+    let mut peaks = Peaks::default();
+    let mut now = 0i128;
     for (t, change) in delta.iter().take(steps).enumerate() {
         now += change;
-        if t < optimizer {
-            before = before.max(now);
+        let phase = if t <= turn {
+            &mut peaks.forward
+        } else if t < optimizer {
+            &mut peaks.backward
         } else {
-            after = after.max(now);
-        }
+            &mut peaks.optimizer
+        };
+        *phase = phase.max(now as f64);
     }
-    (before as f64, after as f64)
+    peaks
+}
+
+/// [`phase_peaks`]'s bytes.
+#[derive(Default)]
+struct Peaks {
+    forward: f64,
+    backward: f64,
+    optimizer: f64,
 }
 
 fn first_line(text: &str) -> String {
