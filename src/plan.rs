@@ -16,10 +16,13 @@
 //! ZeRO's shards of them over dp (stages 1 and 2 the optimizer state, 3 the gradients and
 //! parameters, plus those gathered at once: up to DeepSpeed's 1e9), and the largest of: its
 //! forward peak for the micro-batches in flight (1F1B: `min(pp - s, micro-batches)` on stage
-//! `s`) with the gradients accumulated so far; its backward peak; its optimizer step's. Where
-//! the layout is one of the compiled cuts the figures are the compiler's; elsewhere they leave
-//! out the data-parallel collectives' staging buffers and the pipeline's message buffers
-//! (`benches/plan.sh` prints the predicted and compiled peaks side by side).
+//! `s`) with the gradients accumulated so far; its backward peak; its optimizer step's; plus
+//! its collectives' staging, from cuts compiled with dp 2 at the layout's ZeRO stage. Where the
+//! layout is one of the compiled cuts the figures are the compiler's; elsewhere, pipelines are
+//! the gap: a first stage under tp keeps its embedding whole, and stages hold message buffers,
+//! which no cut shows (up to 45% low on gpt2-512; `benches/plan.sh` prints predicted and
+//! compiled peaks side by side). `--verify N` compiles the best N layouts whole for their
+//! exact peaks.
 //!
 //! **Time is a cost model** ([`Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
 //! few rows), other kernels' bytes at its memory bandwidth, a dispatch time per instruction,
@@ -86,6 +89,12 @@ pub struct PlanArgs {
     node_link_gbps: Option<f64>,
     #[arg(long)]
     network_gbps: Option<f64>,
+    /// Compile the fastest N layouts that fit in full (shapes-only) and show their exact
+    /// per-device peak beside the prediction; one the compiler refuses or that does not fit
+    /// after all is refused, and the next is compiled in its place (up to 4N + 8 compiles).
+    /// Slow for large models with many micro-batches (the 70B model: about a minute a layout).
+    #[arg(long, default_value_t = 0)]
+    verify: usize,
     /// Write every layout considered, with its figures or why it was refused, as JSON.
     #[arg(long, value_name = "FILE.json")]
     json: Option<PathBuf>,
@@ -153,7 +162,7 @@ impl Device {
 }
 
 /// A layout: the mesh and the step's shape.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
 pub struct Layout {
     pub tp: usize,
     pub pp: usize,
@@ -171,6 +180,8 @@ pub struct MemoryFigures {
     pub grads: f64,
     pub optimizer: f64,
     pub activations: f64,
+    /// Host buffers the collectives stage through.
+    pub staging: f64,
     pub peak: f64,
 }
 
@@ -195,6 +206,8 @@ pub struct Considered {
     pub refused: Option<String>,
     /// The `autotp compile` arguments of a layout that fits (less `-o`).
     pub compile_args: Option<Vec<String>>,
+    /// With `--verify`: the compiled plan's largest per-device peak, in bytes.
+    pub compiled_peak: Option<f64>,
 }
 
 /// What one compiled cut of the model holds and does (one rank, one micro-batch).
@@ -218,6 +231,8 @@ struct Figures {
     tp_bytes: f64,
     /// Instructions the program runs (each costs the device's dispatch time).
     instructions: f64,
+    /// The largest host staging one of its collectives needs.
+    staging: f64,
 }
 
 impl Figures {
@@ -225,10 +240,12 @@ impl Figures {
         let m = &program.memory;
         let peaks = phase_peaks(program);
         let (mut gemm_flops, mut gemm_flops_per_row, mut other_bytes, mut tp_bytes) = (0.0, 0.0, 0.0, 0.0);
+        let mut staging = 0usize;
         for instruction in &program.instructions {
             match instruction {
                 Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
                     tp_bytes += op.kind.bytes_sent(input.len, program.mesh[op.axis].size) as f64;
+                    staging = staging.max(op.kind.staging_bytes(input.len));
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dims, .. }, .. } => {
                     let batch: usize = dims.batch.iter().product();
@@ -254,6 +271,7 @@ impl Figures {
             other_bytes,
             tp_bytes,
             instructions: program.instructions.len() as f64,
+            staging: staging as f64,
         }
     }
 
@@ -270,6 +288,7 @@ impl Figures {
             other_bytes: f(a.other_bytes, b.other_bytes),
             tp_bytes: f(a.tp_bytes, b.tp_bytes),
             instructions: f(a.instructions, b.instructions),
+            staging: f(a.staging, b.staging),
         }
     }
 }
@@ -291,6 +310,11 @@ struct Model {
     boundary: f64,
     /// Bytes per parameter element.
     param_bytes: f64,
+    /// The communication staging of a stage: tp's collectives (the largest, from the 2-layer
+    /// cut) and, with dp, the data-parallel reductions' (from cuts of dp 2, per layer and the
+    /// rest; up to three buckets of DeepSpeed's 5e8 elements).
+    tp_staging: f64,
+    dp_staging: Option<(Figures, Figures)>,
 }
 
 impl Model {
@@ -315,12 +339,38 @@ impl Model {
             other_bytes: n * layer.other_bytes + work * rest.other_bytes,
             tp_bytes: n * layer.tp_bytes + work * rest.tp_bytes,
             instructions: n * layer.instructions + work * rest.instructions,
+            staging: n * layer.staging + rest.staging,
         }
     }
 }
 
-/// A compiled cut of the model: tp, micro-batch, recomputation and layers kept.
-type Cut = (usize, usize, String, usize);
+/// A compiled cut of the model: its layout (one stage) and the layers kept.
+type Cut = (Layout, usize);
+
+/// The largest staging of the data-parallel reductions the planner assumes: three copies (a
+/// reduce-scatter's) of DeepSpeed's 5e8-element f32 bucket.
+const DP_STAGING_CAP: f64 = 3.0 * 5e8 * 4.0;
+
+/// The cut compiled for a layout's memory and work: its tp, micro-batch and recomputation on
+/// one stage, without dp.
+fn search_cut(layout: &Layout) -> Layout {
+    Layout { pp: 1, dp: 1, zero: 0, grad_accum: 1, ..layout.clone() }
+}
+
+/// The cut compiled for a data-parallel layout's staging: dp 2 at its ZeRO stage, with and
+/// without accumulation (reductions bucket differently), at the smallest micro-batch.
+fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout> {
+    let accumulates = layout.grad_accum > 1 || layout.pp > 1;
+    (layout.dp > 1).then(|| Layout {
+        tp: layout.tp,
+        pp: 1,
+        dp: 2,
+        zero: layout.zero,
+        micro_batch,
+        grad_accum: if accumulates { 2 } else { 1 },
+        recompute: "none".into(),
+    })
+}
 
 /// `autotp compile` flags parsed as the command line would (the proxies' and the printed ones).
 #[derive(Parser)]
@@ -444,7 +494,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
     }
     let mut considered: Vec<Considered> = Vec::new();
-    let mut wanted: Vec<(usize, usize, String)> = Vec::new();
+    let mut wanted: Vec<Layout> = Vec::new();
+    let smallest_micro_batch = *args.micro_batches.iter().min().expect("clap requires one");
     for mut layout in layouts {
         let refused = if layout.tp > per_node {
             Some(format!("tp {} is more than a node's {per_node} devices", layout.tp))
@@ -462,18 +513,18 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         };
         if refused.is_none() {
             layout.grad_accum = global_batch / (layout.dp * layout.micro_batch);
-            let key = (layout.tp, layout.micro_batch, layout.recompute.clone());
-            if !wanted.contains(&key) {
-                wanted.push(key);
+            for cut in std::iter::once(search_cut(&layout)).chain(staging_cut(&layout, smallest_micro_batch)) {
+                if !wanted.contains(&cut) {
+                    wanted.push(cut);
+                }
             }
         }
-        considered.push(Considered { layout, prediction: None, refused, compile_args: None });
+        considered.push(Considered { layout, prediction: None, refused, compile_args: None, compiled_peak: None });
     }
 
     // The cuts, compiled two at a time.
     let cuts: Mutex<BTreeMap<Cut, Result<Figures, String>>> = Mutex::default();
-    let jobs: Vec<Cut> =
-        wanted.iter().flat_map(|(tp, mb, rc)| [1, 2].map(|depth| (*tp, *mb, rc.clone(), depth))).collect();
+    let jobs: Vec<Cut> = wanted.iter().flat_map(|cut| [1, 2].map(|depth| (cut.clone(), depth))).collect();
     let next = Mutex::new(0usize);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len().max(1));
     std::thread::scope(|scope| {
@@ -485,10 +536,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                     *next += 1;
                     job
                 };
-                let (tp, mb, recompute, depth) = job.clone();
-                let layout = Layout { tp, pp: 1, dp: 1, zero: 0, micro_batch: mb, grad_accum: 1, recompute };
-                let figures = compile_flags(&layout_args(args, &precision, &layout, &[]))
-                    .and_then(|flags| compile_with(&flags, Weights::ShapesOnly { layers: Some(depth) }))
+                let (layout, depth) = &job;
+                let figures = compile_flags(&layout_args(args, &precision, layout, &[]))
+                    .and_then(|flags| compile_with(&flags, Weights::ShapesOnly { layers: Some(*depth) }))
                     .map(|compiled| Figures::of(&compiled.plan.stages[0]))
                     .map_err(|e| format!("{e:#}"));
                 cuts.lock().expect("cuts").insert(job, figures);
@@ -497,10 +547,16 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     });
     let cuts = cuts.into_inner().expect("cuts");
     let model_of = |layout: &Layout| -> Result<Model, String> {
-        let get = |depth: usize| cuts[&(layout.tp, layout.micro_batch, layout.recompute.clone(), depth)].clone();
-        let (one, two) = (get(1)?, get(2)?);
-        let layer = Figures::combine(two, one, |a, b| a - b);
-        let rest = Figures::combine(one, layer, |a, b| a - b);
+        let split = |cut: &Layout| -> Result<(Figures, Figures, Figures), String> {
+            let (one, two) = (cuts[&(cut.clone(), 1)].clone()?, cuts[&(cut.clone(), 2)].clone()?);
+            let layer = Figures::combine(two, one, |a, b| a - b);
+            Ok((layer, Figures::combine(one, layer, |a, b| a - b), two))
+        };
+        let (layer, rest, two) = split(&search_cut(layout))?;
+        let dp_staging = match staging_cut(layout, smallest_micro_batch) {
+            Some(cut) => split(&cut).map(|(layer, rest, _)| Some((layer, rest)))?,
+            None => None,
+        };
         Ok(Model {
             layer,
             rest,
@@ -508,6 +564,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             embedding_fraction,
             boundary: boundary_per_sequence * layout.micro_batch as f64,
             param_bytes: activation_bytes as f64,
+            tp_staging: two.staging,
+            dp_staging,
         })
     };
 
@@ -516,8 +574,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         match model_of(&c.layout) {
             Err(e) => c.refused = Some(first_line(&e)),
             Ok(model) => {
-                let key =
-                    format!("tp {} micro-batch {} recompute {}", c.layout.tp, c.layout.micro_batch, c.layout.recompute);
+                let key = format!(
+                    "tp {} micro-batch {} recompute {} zero {}",
+                    c.layout.tp, c.layout.micro_batch, c.layout.recompute, c.layout.zero
+                );
                 models.insert(key, model);
                 let p = predict(&model, &c.layout, layers, &device, per_node, args.memory_per_device as f64);
                 match p {
@@ -532,11 +592,44 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
     }
 
-    let mut fitting: Vec<&Considered> = considered.iter().filter(|c| c.prediction.is_some()).collect();
-    fitting.sort_by(|a, b| {
-        let (pa, pb) = (a.prediction.as_ref().expect("fits"), b.prediction.as_ref().expect("fits"));
+    let mut order: Vec<usize> = (0..considered.len()).filter(|&i| considered[i].prediction.is_some()).collect();
+    order.sort_by(|&a, &b| {
+        let (pa, pb) =
+            (considered[a].prediction.as_ref().expect("fits"), considered[b].prediction.as_ref().expect("fits"));
         pa.step_seconds.total_cmp(&pb.step_seconds).then(pa.memory.peak.total_cmp(&pb.memory.peak))
     });
+    let searched = started.elapsed().as_secs_f64();
+    // Compiles whole models until `--verify` fit, or four times as many (and 8) were tried.
+    let (mut verified, mut tried) = (0, 0);
+    for &i in &order {
+        if verified == args.verify || tried == 4 * args.verify + 8 {
+            break;
+        }
+        tried += 1;
+        let c = &mut considered[i];
+        let flags = compile_flags(c.compile_args.as_ref().expect("a layout that fits has its flags"))?;
+        match compile_with(&flags, Weights::ShapesOnly { layers: None }) {
+            Err(e) => c.refused = Some(format!("the compiler refuses it: {}", first_line(&format!("{e:#}")))),
+            Ok(compiled) => {
+                let report = autotp_runtime::report::report(&compiled.plan);
+                let peak = report.ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
+                c.compiled_peak = Some(peak as f64);
+                if peak as u64 > args.memory_per_device {
+                    c.refused = Some(format!(
+                        "out of memory when compiled: {} bytes per device, over {}",
+                        grouped(peak),
+                        grouped(args.memory_per_device as usize)
+                    ));
+                } else {
+                    verified += 1;
+                }
+            }
+        }
+        if c.refused.is_some() {
+            c.prediction = None;
+        }
+    }
+    let fitting: Vec<&Considered> = order.iter().map(|&i| &considered[i]).filter(|c| c.prediction.is_some()).collect();
     let tokens = (global_batch * args.seq_len) as f64;
     println!(
         "plan: {} ({} parameters, {layers} layers) on {} {} devices of {} bytes each ({per_node} per node); \
@@ -550,18 +643,23 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     );
     let compiled_cuts = cuts.len();
     println!(
-        "searched {} layouts: {} fit, {} refused ({compiled_cuts} cuts of the model compiled in {:.1} s)",
+        "searched {} layouts: {} fit, {} refused ({compiled_cuts} cuts of the model compiled in {searched:.1} s)",
         considered.len(),
         fitting.len(),
         considered.len() - fitting.len(),
-        started.elapsed().as_secs_f64()
     );
+    if args.verify > 0 {
+        println!(
+            "verified {verified} by compiling {tried} whole in {:.1} s (column 'compiled')",
+            started.elapsed().as_secs_f64() - searched
+        );
+    }
     // Memory columns in GiB, or MiB for small devices.
     let unit =
         if args.memory_per_device >= 1 << 30 { ("GiB", (1u64 << 30) as f64) } else { ("MiB", (1u64 << 20) as f64) };
     println!();
     println!(
-        "{:>3} {:>3} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
+        "{:>3} {:>3} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
         "#",
         "tp",
         "pp",
@@ -577,13 +675,15 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         "grads",
         "optim",
         "activ",
+        "staging",
         format!("peak {}", unit.0),
+        "compiled",
         "comm MB"
     );
     for (i, c) in fitting.iter().take(args.top).enumerate() {
         let (l, p) = (&c.layout, c.prediction.as_ref().expect("fits"));
         println!(
-            "{:>3} {:>3} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.1}",
+            "{:>3} {:>3} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>10.1}",
             i + 1,
             l.tp,
             l.pp,
@@ -599,7 +699,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             p.memory.grads / unit.1,
             p.memory.optimizer / unit.1,
             p.memory.activations / unit.1,
+            p.memory.staging / unit.1,
             p.memory.peak / unit.1,
+            c.compiled_peak.map_or("-".to_string(), |peak| format!("{:.2}", peak / unit.1)),
             p.comm_bytes / 1e6
         );
     }
@@ -697,9 +799,14 @@ fn predict(
             + (in_flight - 1.0) * figures.forward;
         let intermediate = forward.max(backward).max(grads + figures.optimizer_transient);
         let activations = intermediate - grads;
-        let peak = params + optimizer + intermediate;
+        let dp_staging = model.dp_staging.map_or(0.0, |(layer, rest)| {
+            let bytes = n as f64 * layer.staging + rest.staging;
+            bytes.min(DP_STAGING_CAP.max(layer.staging + rest.staging))
+        });
+        let staging = model.tp_staging.max(dp_staging);
+        let peak = params + optimizer + intermediate + staging;
         if peak > worst.peak {
-            worst = MemoryFigures { params, grads, optimizer, activations, peak };
+            worst = MemoryFigures { params, grads, optimizer, activations, staging, peak };
         }
         let work = (figures.gemm_flops + device.gemm_half_rows * figures.gemm_flops_per_row) / device.gemm_flops
             + figures.other_bytes / device.memory_bandwidth

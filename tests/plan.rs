@@ -80,10 +80,10 @@ fn plan_json(args: &[&str]) -> (String, serde_json::Value) {
 #[test]
 fn plan_ranks_the_layouts_that_fit_and_says_why_the_others_do_not() {
     let model = fixture("llama", "model.onnx");
-    let budget = "1MiB";
+    let budget = "3MiB";
     let args = ["--devices", "8", "--memory-per-device", budget, "--device", "cpu", "--seq-len", "16"];
-    let (out, json) =
-        plan_json(&[&[model.to_str().unwrap()][..], &args, &["--global-batch", "16", "--top", "3"]].concat());
+    let extra = ["--global-batch", "16", "--top", "3", "--verify", "2"];
+    let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &extra].concat());
     let layouts = json["layouts"].as_array().unwrap();
     // tp 1, 2, 4, 8 x pp 1, 2, 4, 8 (of those dividing 8) x zero 0-3 x micro-batches 1, 2, 4, 8 x 3 recomputations.
     assert_eq!(layouts.len(), 10 * 4 * 4 * 3, "{out}");
@@ -95,6 +95,16 @@ fn plan_ranks_the_layouts_that_fit_and_says_why_the_others_do_not() {
     let tp8 = layouts.iter().find(|l| l["layout"]["tp"] == 8 && l["layout"]["pp"] == 1).unwrap();
     assert!(tp8["refused"].as_str().unwrap().contains("8"), "{tp8}");
     assert!(out.contains("refused:"), "{out}");
+    // --verify: the two fastest that still fit once compiled whole carry their compiled peak;
+    // any compiled over the budget was refused.
+    let compiled: Vec<&serde_json::Value> = layouts.iter().filter(|l| l["compiled_peak"].is_number()).collect();
+    let fit: Vec<f64> =
+        compiled.iter().filter(|l| l["prediction"].is_object()).map(|l| l["compiled_peak"].as_f64().unwrap()).collect();
+    assert_eq!(fit.len(), 2, "{out}");
+    assert!(fit.iter().all(|&peak| peak <= (3 << 20) as f64), "{fit:?}");
+    for l in compiled.iter().filter(|l| l["prediction"].is_null()) {
+        assert!(l["refused"].as_str().unwrap().contains("when compiled"), "{l}");
+    }
     // The table is in step-time order and the best one's flags compile.
     let fitting: Vec<f64> = layouts.iter().filter_map(|l| l["prediction"]["step_seconds"].as_f64()).collect();
     assert!(!fitting.is_empty());
