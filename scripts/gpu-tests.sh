@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 18 that exist so far, on a machine with an NVIDIA GPU (driver 525+):
 # each fixture plan trains STEPS steps on --device cuda and on the CPU; the losses must agree
-# within TOLERANCE (relative) at every step: the generated kernels' PTX against their x86 form,
+# within TOLERANCE (relative) at the first step and CURVE_TOLERANCE at every step: the generated kernels' PTX against their x86 form,
 # the host side of the GPU device against the CPU executor. Where PyTorch's 30-step curve is
 # among the fixtures, the GPU's is held to the training contract against it (1e-5 relative at
 # step 1, 1e-3 at every step). Then a checkpoint written on the GPU
@@ -9,7 +9,8 @@
 # plans with their ranks sharing one GPU against the same plans on CPU ranks.
 #
 #   scripts/gpu-tests.sh [AUTOTP_BINARY]     (default: target/release/autotp, built if missing)
-#   env: STEPS (30), TOLERANCE (1e-5), AUTOTP_GPU=emulated to check this script without a GPU
+#   env: STEPS (30), TOLERANCE (1e-5: the first step), CURVE_TOLERANCE (1e-4: every step),
+#        AUTOTP_GPU=emulated to check this script without a GPU
 #
 # GEMMs use cuBLAS where libcublas.so.13 (or .12) loads (a CUDA toolkit, or pip's nvidia-cublas,
 # found through python3 and put on LD_LIBRARY_PATH here); otherwise they run on the host, with
@@ -21,23 +22,26 @@ export LD_LIBRARY_PATH=${CUBLAS:+$CUBLAS:}${LD_LIBRARY_PATH:-}
 BIN=${1:-target/release/autotp}
 STEPS=${STEPS:-30}
 TOLERANCE=${TOLERANCE:-1e-5}
+CURVE_TOLERANCE=${CURVE_TOLERANCE:-1e-4}
 [ -x "$BIN" ] || cargo build --release -q
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 TOKENS=tests/fixtures/train/tokens.bin
 status=0
 
-# compare A.jsonl B.jsonl LABEL: every step's loss within TOLERANCE, the largest difference printed.
+# compare A.jsonl B.jsonl LABEL: the first step's loss within TOLERANCE and every step's within
+# CURVE_TOLERANCE (cuBLAS sums GEMMs in another order than the CPU, and the difference grows
+# over the steps), the largest differences printed.
 compare() {
-  python3 - "$1" "$2" "$TOLERANCE" "$3" <<'PY' || status=1
+  python3 - "$1" "$2" "$TOLERANCE" "$CURVE_TOLERANCE" "$3" <<'PY' || status=1
 import json, sys
 a = [json.loads(l) for l in open(sys.argv[1])]
 b = [json.loads(l) for l in open(sys.argv[2])]
-tol, label = float(sys.argv[3]), sys.argv[4]
+tol, curve_tol, label = float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 assert [x["step"] for x in a] == [x["step"] for x in b], f"{label}: different steps"
-worst = max(abs(x["loss"] - y["loss"]) / max(abs(y["loss"]), 1e-30) for x, y in zip(a, b))
-print(f"{label:<40} steps {a[0]['step']}-{a[-1]['step']}  largest relative difference {worst:.2e}")
-sys.exit(0 if worst <= tol else 1)
+relative = [abs(x["loss"] - y["loss"]) / max(abs(y["loss"]), 1e-30) for x, y in zip(a, b)]
+print(f"{label:<40} steps {a[0]['step']}-{a[-1]['step']}  first {relative[0]:.2e}, largest {max(relative):.2e}")
+sys.exit(0 if relative[0] <= tol and max(relative) <= curve_tol else 1)
 PY
 }
 
@@ -98,7 +102,7 @@ for precision in bf16 fp16; do
   "$BIN" compile tests/fixtures/gpt2/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 --precision $precision -o "$plan" > /dev/null
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/$precision.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$precision.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
-  TOLERANCE=${TOLERANCE_16:-2e-3} compare "$WORK/$precision.cuda.jsonl" "$WORK/$precision.cpu.jsonl" "gpt2 $precision: cuda against cpu"
+  TOLERANCE=${TOLERANCE_16:-2e-3} CURVE_TOLERANCE=${TOLERANCE_16:-2e-3} compare "$WORK/$precision.cuda.jsonl" "$WORK/$precision.cpu.jsonl" "gpt2 $precision: cuda against cpu"
 done
 [ "$status" = 0 ] && echo "all GPU checks passed" || echo "GPU checks FAILED"
 exit "$status"

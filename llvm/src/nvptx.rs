@@ -5,7 +5,8 @@
 //! per buffer; a multi-tensor optimizer step is the entry
 //! [`OptimizerKernel::entry_name`](crate::optim::OptimizerKernel::entry_name) ([`crate::optim`]). Every entry is launched with [`BLOCK`] threads per block and any number of blocks. The outer
 //! dimension runs on blocks (block `b` takes rows `b, b + gridDim.x, ...`), the inner one on the
-//! block's threads (thread `t` takes `t, t + BLOCK, ...`). A `Reduce` stage folds each thread's
+//! block's threads (thread `t` takes `t, t + BLOCK, ...`); a kernel of map stages alone with
+//! few rows splits each row into [`blocks_per_row`] runs, one per block. A `Reduce` stage folds each thread's
 //! share, then the block: a butterfly of warp shuffles inside each warp, the warps' results
 //! through shared memory, folded by every thread in warp order, so every thread holds the same
 //! accumulator and the result does not depend on timing. A row stage's stores are made by
@@ -48,6 +49,25 @@ impl Arch {
 
 /// PTX ISA 8.0 (CUDA 12.0): new enough for sm_90, old enough for every driver since.
 const PTX_FEATURES: &str = "+ptx80";
+
+/// Work items per row (blocks a row may take): 1, except for a kernel of map stages alone
+/// whose rows are too few to fill a GPU (an elementwise kernel over a batch of 8, or one row
+/// of 38M gradients): its rows are split into runs of at least [`MIN_RUN`] elements, so that
+/// there are about [`FILL`] work items. A launch gives such a kernel `outer * blocks_per_row`
+/// blocks (see the runtime's CUDA device).
+pub fn blocks_per_row(kernel: &kir::Kernel) -> usize {
+    let map_only = kernel.stages.iter().all(|stage| matches!(stage, Stage::Map { .. }));
+    if !map_only || kernel.outer >= FILL {
+        return 1;
+    }
+    FILL.div_ceil(kernel.outer).min(kernel.inner.div_ceil(MIN_RUN)).max(1)
+}
+
+/// Work items that keep an H100's 132 multiprocessors busy several times over.
+pub const FILL: usize = 4096;
+
+/// The fewest inner elements a split row's work item takes: 4 per thread.
+pub const MIN_RUN: usize = 4 * BLOCK as usize;
 
 /// The entry point of kernel `index` in a module made by [`ptx`].
 pub fn entry_name(index: usize) -> String {
@@ -141,6 +161,34 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
     let block = special_register(e, "ctaid.x")?;
     let blocks = special_register(e, "nctaid.x")?;
     let (inner, stride) = (i64t.const_int(kernel.inner as u64, false), i64t.const_int(BLOCK as u64, false));
+    let parts = blocks_per_row(kernel);
+    if parts > 1 {
+        // Map stages alone, over few rows: work item `w` is part `w % parts` of row `w / parts`,
+        // a run of `chunk` inner elements (a multiple of BLOCK, so each thread keeps the same
+        // elements from stage to stage, as in a whole row).
+        let chunk = kernel.inner.div_ceil(parts).next_multiple_of(BLOCK as usize) as u64;
+        let (parts_v, chunk_v) = (i64t.const_int(parts as u64, false), i64t.const_int(chunk, false));
+        let items = i64t.const_int((kernel.outer * parts) as u64, false);
+        counted_loop(e, function, block, items, blocks, &[], |item, _| {
+            let outer = e.b.build_int_unsigned_div(item, parts_v, "")?;
+            let part = e.b.build_int_unsigned_rem(item, parts_v, "")?;
+            let begin = e.b.build_int_mul(part, chunk_v, "")?;
+            let end = e.b.build_int_add(begin, chunk_v, "")?;
+            let short = e.b.build_int_compare(IntPredicate::ULT, end, inner, "")?;
+            let end = e.b.build_select(short, end, inner, "")?.into_int_value();
+            let first = e.b.build_int_add(begin, thread, "")?;
+            for stage in &kernel.stages {
+                let Stage::Map { exprs, stores } = stage else { unreachable!("split kernels map alone") };
+                counted_loop(e, function, first, end, stride, &[], |i, _| {
+                    e.store_stage(&buffers, exprs, stores, &Position::row(1, outer, Some(i), &[]))?;
+                    Ok(vec![])
+                })?;
+            }
+            Ok(vec![])
+        })?;
+        e.b.build_return(None)?;
+        return Ok(function);
+    }
     counted_loop(e, function, block, i64t.const_int(kernel.outer as u64, false), blocks, &[], |outer, _| {
         let mut accs: Vec<V<'ctx>> = Vec::new();
         for stage in &kernel.stages {
@@ -314,6 +362,51 @@ mod tests {
             // Our own exp: no calls (libdevice, libm) anywhere.
             assert!(!ptx.contains("call"), "{ptx}");
         }
+    }
+
+    #[test]
+    fn elementwise_kernels_over_few_rows_split_their_rows_across_blocks() {
+        use autotp_kernels::kir::{Buffer, Expr, Fold, Index, Store};
+        use autotp_kernels::DType;
+        let kernel = |outer: usize, inner: usize, reduce: bool| {
+            let row = Index::row_major(inner);
+            let x = Expr::Load { buffer: 0, index: row.clone() };
+            let mut stages = vec![Stage::Map {
+                exprs: vec![x.clone(), Expr::Binary(autotp_kernels::BinaryOp::Mul, 0, 0)],
+                stores: vec![Store { buffer: 1, index: row, value: 1 }],
+            }];
+            if reduce {
+                stages.insert(0, Stage::Reduce { fold: Fold::Sum, exprs: vec![x], value: 0 });
+            }
+            let len = outer * inner;
+            kir::Kernel {
+                name: "square".into(),
+                buffers: vec![Buffer { dtype: DType::F32, len }, Buffer { dtype: DType::F32, len }],
+                num_inputs: 1,
+                outer,
+                inner,
+                stages,
+            }
+        };
+        // A batch of 8 rows of 3M elements: 512 runs per row (about FILL work items).
+        assert_eq!(blocks_per_row(&kernel(8, 3 << 20, false)), FILL / 8);
+        // One row of 38M gradients: FILL runs.
+        assert_eq!(blocks_per_row(&kernel(1, 38_000_000, false)), FILL);
+        // Short rows keep at least MIN_RUN elements per run.
+        assert_eq!(blocks_per_row(&kernel(8, 3000, false)), 3);
+        // Enough rows, or a reduction along the row: one block per row.
+        assert_eq!(blocks_per_row(&kernel(FILL, 3000, false)), 1);
+        assert_eq!(blocks_per_row(&kernel(8, 3 << 20, true)), 1);
+        // 6 rows: 683 runs each, 4098 work items in the loop's bound.
+        assert_eq!(blocks_per_row(&kernel(6, 3 << 20, false)), 683);
+        let ptx = ptx(&[kernel(6, 3 << 20, false), kernel(FILL, 3000, false)], &[], Arch::Sm90).unwrap();
+        let entry = |i: usize| {
+            let start = ptx.find(&format!(".entry {}", entry_name(i))).unwrap();
+            let rest = &ptx[start..];
+            rest[..rest[1..].find(".entry").map_or(rest.len(), |e| e + 1)].to_string()
+        };
+        assert!(entry(0).contains("4098"), "a split row: {}", entry(0));
+        assert!(!entry(1).contains("4098") && entry(1).contains("4096"), "whole rows: {}", entry(1));
     }
 
     #[test]

@@ -5,18 +5,21 @@
 //! [`Stream`]), the plan's PTX module for the device's architecture (sm_90 for compute
 //! capability 9 and above, sm_80 for 8.x; PTX is compiled by the driver for the device at
 //! load), the kernels' entries looked up once. Launches use [`autotp_llvm::nvptx::BLOCK`]
-//! threads and one block per row (or chunk), capped at [`MAX_BLOCKS`]: the kernels stride over
+//! threads and one block per row, or per run of a row for elementwise kernels over few rows
+//! ([`autotp_llvm::nvptx::blocks_per_row`]), capped at [`MAX_BLOCKS`]: the kernels stride over
 //! the rest. The builtin kernels' data movement ([`super::movement_plan`]) is compiled to PTX
-//! for the device when it opens (the runtime carries LLVM) and loaded as a second module. Events are made per record (timing off) and released at each synchronisation.
-//! GEMMs are cuBLAS's `gemmBatched` ([`GemmCall`]) on a handle made on first use with
+//! for the device when it opens (the runtime carries LLVM) and loaded as a second module.
+//! Events are made per record (timing off) and released at each synchronisation. Allocations
+//! are zeroed on the compute stream before anything else touches them.
+//! GEMMs are cuBLAS's ([`GemmCall`], the entry by its [`GemmLayout`]: `gemmEx`,
+//! `gemmStridedBatchedEx` or `gemmBatchedEx`) on a handle made on first use with
 //! `CUBLAS_DEFAULT_MATH` (f32 stays f32: no TF32) or, for [`GemmMath::Tf32`],
 //! `CUBLAS_TF32_TENSOR_OP_MATH`; without libcublas they run on the host.
 //!
 //! Nothing here runs without [`crate::cuda::probe`] having found a driver first: cudarc's
 //! loader panics when the library is missing.
 //!
-//! Not yet run on a GPU (this project's machines have lent one to no session that built it):
-//! the first GPU session runs `tests/gpu.rs`'s comparison on this device.
+//! First run on a GPU (an H100) in session 19: `scripts/gpu-tests.sh` passes on it.
 
 use std::ffi::{c_void, CString};
 
@@ -24,10 +27,21 @@ use cudarc::driver::{result, sys};
 
 use autotp_kernels::DType;
 
-use super::gemm::GemmCall;
+use super::gemm::{GemmCall, GemmLayout};
 use super::{Entry, GemmMath, GemmOperands, Gpu, GpuEvent};
 use crate::streams::Stream;
 use crate::{Program, RuntimeError};
+
+/// alpha and beta of the GEMMs, as host scalars of their compute type.
+static ONE_F32: f32 = 1.0;
+static ZERO_F32: f32 = 0.0;
+static ONE_F64: f64 = 1.0;
+static ZERO_F64: f64 = 0.0;
+
+/// A host scalar's address, as cuBLAS's `Ex` entries take alpha and beta.
+fn scalar<T>(value: &'static T) -> *const c_void {
+    value as *const T as *const c_void
+}
 
 /// Blocks per launch at most; a kernel's blocks stride over rows beyond it.
 pub const MAX_BLOCKS: usize = 1 << 16;
@@ -39,6 +53,9 @@ pub struct CudaGpu {
     streams: [sys::CUstream; 3],
     module: sys::CUmodule,
     kernels: Vec<sys::CUfunction>,
+    /// Blocks per row of each kernel and movement kernel ([`autotp_llvm::nvptx::blocks_per_row`]).
+    kernel_parts: Vec<usize>,
+    movement_parts: Vec<usize>,
     optimizer_steps: Vec<sys::CUfunction>,
     /// The builtin kernels' data movement ([`super::movement_plan`]), compiled at open.
     movement_module: sys::CUmodule,
@@ -108,6 +125,8 @@ impl CudaGpu {
             streams: [std::ptr::null_mut(); 3],
             module: std::ptr::null_mut(),
             kernels: Vec::new(),
+            kernel_parts: program.kernels.iter().map(autotp_llvm::nvptx::blocks_per_row).collect(),
+            movement_parts: Vec::new(),
             optimizer_steps: Vec::new(),
             movement_module: std::ptr::null_mut(),
             movement: Vec::new(),
@@ -152,6 +171,7 @@ impl CudaGpu {
             // SAFETY: a NUL-terminated PTX text, which the driver compiles for the device.
             gpu.movement_module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
                 .map_err(driver("cuModuleLoadData (the movement kernels)"))?;
+            gpu.movement_parts = movement.iter().map(autotp_llvm::nvptx::blocks_per_row).collect();
             gpu.movement = (0..movement.len())
                 .map(|i| function(gpu.movement_module, autotp_llvm::nvptx::entry_name(i)))
                 .collect::<Result<_, _>>()?;
@@ -202,12 +222,18 @@ impl CudaGpu {
 impl Gpu for CudaGpu {
     fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
         self.current()?;
-        // SAFETY: a fresh allocation of `bytes` (at least 1), zeroed before use.
+        // The zeroing must be complete before anything writes the allocation. `cuMemsetD8`
+        // (the legacy default stream) is asynchronous and does not order with our non-blocking
+        // streams: it zeroed uploads made after it (seen on an H100 with a 16 GB arena, where
+        // cuBLAS then read zeroed pointer arrays). So: zero on the compute stream and wait.
+        // SAFETY: a fresh allocation of `bytes` (at least 1) on one of our streams.
         let address = unsafe {
             let address = result::malloc_sync(bytes.max(1)).map_err(|e| {
                 RuntimeError::Device(format!("{}: cannot allocate {bytes} bytes: {e}", self.description))
             })?;
-            result::memset_d8_sync(address, 0, bytes.max(1)).map_err(driver("cuMemsetD8"))?;
+            let compute = self.stream(Stream::Compute);
+            result::memset_d8_async(address, 0, bytes.max(1), compute).map_err(driver("cuMemsetD8Async"))?;
+            result::stream::synchronize(compute).map_err(driver("cuStreamSynchronize"))?;
             address
         };
         self.allocations.push(address);
@@ -241,16 +267,18 @@ impl Gpu for CudaGpu {
             return Ok(());
         }
         self.current()?;
-        let function = match entry {
-            Entry::Kernel(i) => self.kernels.get(i),
-            Entry::OptimizerStep(i) => self.optimizer_steps.get(i),
-            Entry::Movement(i) => self.movement.get(i),
+        let (function, parts) = match entry {
+            Entry::Kernel(i) => (self.kernels.get(i), self.kernel_parts.get(i)),
+            Entry::OptimizerStep(i) => (self.optimizer_steps.get(i), Some(&1)),
+            Entry::Movement(i) => (self.movement.get(i), self.movement_parts.get(i)),
         };
-        let function = *function.ok_or_else(|| RuntimeError::Device(format!("the plan has no entry {entry:?}")))?;
+        let (function, parts) =
+            function.zip(parts).ok_or_else(|| RuntimeError::Device(format!("the plan has no entry {entry:?}")))?;
+        let (function, parts) = (*function, *parts);
         // Every parameter is 8 bytes: a device address, or (the chunk count) an i64.
         let mut values: Vec<u64> = args.to_vec();
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-        let blocks = rows.min(MAX_BLOCKS) as u32;
+        let blocks = (rows * parts).min(MAX_BLOCKS) as u32;
         // SAFETY: the entry's parameters are `args.len()` pointers (or the i64 count), as
         // `autotp_llvm::nvptx` declares them; the addresses are a validated program's regions.
         unsafe {
@@ -268,6 +296,7 @@ impl Gpu for CudaGpu {
 
     fn gemm(&mut self, stream: Stream, call: &GemmCall, operands: &GemmOperands) -> Result<bool, RuntimeError> {
         let Some(handle) = self.cublas()? else { return Ok(false) };
+        self.current()?;
         use cudarc::cublas::sys as blas;
         let op = |transpose: bool| {
             if transpose {
@@ -282,83 +311,94 @@ impl Gpu for CudaGpu {
         let (m, n, k, lda, ldb, ldc) =
             (int(call.m)?, int(call.n)?, int(call.k)?, int(call.lda)?, int(call.ldb)?, int(call.ldc)?);
         let count = int(call.products.len())?;
-        let [a, b, c] = operands.pointers;
-        // SAFETY: the pointer arrays hold `count` addresses inside the operands' regions, with
-        // the leading dimensions `GemmCall::of` derived from the operands' strides (tested
-        // against the builtin kernel); alpha and beta are host scalars (the default pointer mode).
+        let (ty, compute, one, zero) = match call.dtype {
+            DType::F32 => (
+                blas::cudaDataType::CUDA_R_32F,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                scalar(&ONE_F32),
+                scalar(&ZERO_F32),
+            ),
+            DType::F64 => (
+                blas::cudaDataType::CUDA_R_64F,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                scalar(&ONE_F64),
+                scalar(&ZERO_F64),
+            ),
+            // Mixed precision: 16-bit operands, products summed in f32, rounded once.
+            DType::BF16 => (
+                blas::cudaDataType::CUDA_R_16BF,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                scalar(&ONE_F32),
+                scalar(&ZERO_F32),
+            ),
+            DType::F16 => (
+                blas::cudaDataType::CUDA_R_16F,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                scalar(&ONE_F32),
+                scalar(&ZERO_F32),
+            ),
+            other => return Err(RuntimeError::Device(format!("cuBLAS GEMM of {other}"))),
+        };
+        let algorithm = blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        let size = call.dtype.size() as u64;
+        let first = |which: usize, base: u64| (base + call.products[0][which] as u64 * size) as *mut c_void;
+        let (a, b, c) = (first(0, operands.rhs.0), first(1, operands.lhs.0), first(2, operands.out.0));
+        let (ta, tb) = (op(call.transpose_a), op(call.transpose_b));
+        let layout = call.layout();
+        // SAFETY: the products lie inside the operands' regions, with the leading dimensions
+        // `GemmCall::of` derived from the operands' strides (tested against the builtin kernel);
+        // the first product's addresses and the uniform strides, or the pointer arrays made at
+        // load, give every product; alpha and beta are host scalars of the compute type (the
+        // default pointer mode).
         let status = unsafe {
             cudarc::cublas::result::set_stream(handle, self.stream(stream) as blas::cudaStream_t)
                 .map_err(|e| RuntimeError::Device(format!("cublasSetStream: {e:?}")))?;
-            match call.dtype {
-                DType::F32 => blas::cublasSgemmBatched(
-                    handle,
-                    op(call.transpose_a),
-                    op(call.transpose_b),
-                    m,
-                    n,
-                    k,
-                    &1.0f32,
-                    a as *const *const f32,
-                    lda,
-                    b as *const *const f32,
-                    ldb,
-                    &0.0f32,
-                    c as *const *mut f32,
-                    ldc,
-                    count,
+            match layout {
+                GemmLayout::One => blas::cublasGemmEx(
+                    handle, ta, tb, m, n, k, one, a, ty, lda, b, ty, ldb, zero, c, ty, ldc, compute, algorithm,
                 ),
-                DType::F64 => blas::cublasDgemmBatched(
-                    handle,
-                    op(call.transpose_a),
-                    op(call.transpose_b),
-                    m,
-                    n,
-                    k,
-                    &1.0f64,
-                    a as *const *const f64,
-                    lda,
-                    b as *const *const f64,
-                    ldb,
-                    &0.0f64,
-                    c as *const *mut f64,
-                    ldc,
-                    count,
+                GemmLayout::Strided([sa, sb, sc]) => blas::cublasGemmStridedBatchedEx(
+                    handle, ta, tb, m, n, k, one, a, ty, lda, sa, b, ty, ldb, sb, zero, c, ty, ldc, sc, count, compute,
+                    algorithm,
                 ),
-                // Mixed precision: 16-bit operands, products summed in f32, rounded once.
-                DType::BF16 | DType::F16 => {
-                    let ty = match call.dtype {
-                        DType::BF16 => blas::cudaDataType::CUDA_R_16BF,
-                        _ => blas::cudaDataType::CUDA_R_16F,
-                    };
+                GemmLayout::Pointers => {
+                    let [a, b, c] = operands.pointers;
                     blas::cublasGemmBatchedEx(
                         handle,
-                        op(call.transpose_a),
-                        op(call.transpose_b),
+                        ta,
+                        tb,
                         m,
                         n,
                         k,
-                        &1.0f32 as *const f32 as *const c_void,
+                        one,
                         a as *const *const c_void,
                         ty,
                         lda,
                         b as *const *const c_void,
                         ty,
                         ldb,
-                        &0.0f32 as *const f32 as *const c_void,
+                        zero,
                         c as *const *mut c_void,
                         ty,
                         ldc,
                         count,
-                        blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        compute,
+                        algorithm,
                     )
                 }
-                other => return Err(RuntimeError::Device(format!("cuBLAS GEMM of {other}"))),
             }
         };
         status
             .result()
-            .map_err(|e| RuntimeError::Device(format!("cuBLAS gemmBatched on {}: {e:?}", self.description)))?;
+            .map_err(|e| {
+                RuntimeError::Device(format!(
+                    "cuBLAS GEMM ({layout:?}, {} m {m} n {n} k {k}, op {}{}, ld {lda}/{ldb}/{ldc}, {count} products) on {}: {e:?}",
+                    call.dtype,
+                    if call.transpose_a { "T" } else { "N" },
+                    if call.transpose_b { "T" } else { "N" },
+                    self.description
+                ))
+            })?;
         Ok(true)
     }
 

@@ -11,6 +11,10 @@
 //! stride); one with neither has no cuBLAS form and its matmul stays on the host. The products of a batch are given by offsets (broadcast
 //! batch dims repeat an operand), or, when one rhs serves every batch of an untransposed,
 //! contiguous lhs, as one product of `batch x m` rows (as the CPU kernel does).
+//!
+//! Which cuBLAS entry runs a call is its [`GemmLayout`]: one product is a plain GEMM, products
+//! at uniform offsets a strided batch (PyTorch's `mm` and `bmm`), others the batched form over
+//! pointer arrays, whose kernels cuBLAS tunes for many small matrices.
 
 use autotp_kernels::{DType, MatMulDims};
 
@@ -33,6 +37,17 @@ pub struct GemmCall {
     pub products: Vec<[usize; 3]>,
     /// The matmul the call computes, as the builtin kernel has it (the emulated GPU runs this).
     pub dims: MatMulDims,
+}
+
+/// How a call's products lie, which picks its cuBLAS entry (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmLayout {
+    /// One product: `gemm`.
+    One,
+    /// Products at uniform element strides of `A`, `B` and `C`: `gemmStridedBatched`.
+    Strided([i64; 3]),
+    /// Anything else: `gemmBatched` over the pointer arrays.
+    Pointers,
 }
 
 /// cuBLAS's form of a `r x c` operand whose element `(i, j)` lies at `i * rows + j * cols`
@@ -99,6 +114,23 @@ impl GemmCall {
     }
 
     /// Evaluates the call as cuBLAS defines it, in f64 (the reference of the tests).
+    /// Which cuBLAS entry computes the call.
+    pub fn layout(&self) -> GemmLayout {
+        let offset = |p: usize, which: usize| self.products[p][which] as i64;
+        match self.products.len() {
+            0 | 1 => GemmLayout::One,
+            count => {
+                let strides = [0, 1, 2].map(|which| offset(1, which) - offset(0, which));
+                let uniform =
+                    (2..count).all(|p| (0..3).all(|which| offset(p, which) - offset(p - 1, which) == strides[which]));
+                match uniform {
+                    true => GemmLayout::Strided(strides),
+                    false => GemmLayout::Pointers,
+                }
+            }
+        }
+    }
+
     pub fn evaluate(&self, rhs: &[f64], lhs: &[f64], out: &mut [f64]) {
         let at = |x: &[f64], offset: usize, trans: bool, ld: usize, i: usize, j: usize| match trans {
             false => x[offset + i + j * ld],
@@ -189,6 +221,33 @@ mod tests {
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!((g - w).abs() <= 1e-12 * w.abs().max(1.0), "case {c} ({dims:?}), element {i}: {g} against {w}");
             }
+        }
+    }
+
+    #[test]
+    fn layouts_pick_the_plain_strided_or_pointer_entry_and_keep_every_product() {
+        let flat = dims(&[4], &[4], &[1], (3, 5, 2), (false, false));
+        let full = dims(&[2, 3], &[2, 3], &[2, 3], (4, 6, 5), (false, true));
+        let broadcast = dims(&[2, 3], &[1, 3], &[2, 1], (4, 6, 5), (false, false));
+        let plain = dims(&[], &[], &[], (5, 7, 3), (true, false));
+        let cases = [(flat, "one"), (full, "strided"), (broadcast, "pointers"), (plain, "one")];
+        for (dims, want) in cases {
+            let call = GemmCall::of(DType::F32, &dims).unwrap();
+            let got = match call.layout() {
+                GemmLayout::One => {
+                    assert_eq!(call.products.len(), 1);
+                    "one"
+                }
+                GemmLayout::Strided(strides) => {
+                    for (p, product) in call.products.iter().enumerate() {
+                        let at = |which: usize| call.products[0][which] as i64 + p as i64 * strides[which];
+                        assert_eq!(product.map(|x| x as i64), [at(0), at(1), at(2)], "product {p} of {dims:?}");
+                    }
+                    "strided"
+                }
+                GemmLayout::Pointers => "pointers",
+            };
+            assert_eq!(got, want, "{dims:?}: {:?}", call.products);
         }
     }
 

@@ -354,6 +354,38 @@ impl Device for GpuDevice {
     type Event = GpuEvent;
 
     fn launch(&mut self, program: &Program, index: usize, stream: Stream) -> Result<(), RuntimeError> {
+        self.launch_instruction(program, index, stream).map_err(|e| match e {
+            RuntimeError::Device(message) => RuntimeError::Device(format!(
+                "instruction {index} ({}): {message}",
+                program.instructions[index].label()
+            )),
+            other => other,
+        })
+    }
+
+    fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
+        self.gpu().record(stream)
+    }
+
+    fn wait(&mut self, stream: Stream, event: &GpuEvent) -> Result<(), RuntimeError> {
+        self.gpu().wait(stream, *event)
+    }
+
+    fn synchronize(&mut self) -> Result<(), RuntimeError> {
+        self.gpu().synchronize()
+    }
+
+    fn abort(&mut self, error: &RuntimeError) {
+        if let Some((rank, comm)) = &self.rank {
+            comm.abort(*rank, error);
+        }
+        let _ = self.gpu().synchronize();
+    }
+}
+
+impl GpuDevice {
+    /// [`Device::launch`] without the instruction named in its errors.
+    fn launch_instruction(&mut self, program: &Program, index: usize, stream: Stream) -> Result<(), RuntimeError> {
         match &program.instructions[index] {
             Instruction::Generated { kernel, inputs, outputs, .. } => {
                 let args: Vec<u64> = inputs.iter().chain(outputs).map(|r| self.address(r)).collect();
@@ -437,25 +469,6 @@ impl Device for GpuDevice {
                 self.gpu().upload(stream, address, &bytes)
             }
         }
-    }
-
-    fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
-        self.gpu().record(stream)
-    }
-
-    fn wait(&mut self, stream: Stream, event: &GpuEvent) -> Result<(), RuntimeError> {
-        self.gpu().wait(stream, *event)
-    }
-
-    fn synchronize(&mut self) -> Result<(), RuntimeError> {
-        self.gpu().synchronize()
-    }
-
-    fn abort(&mut self, error: &RuntimeError) {
-        if let Some((rank, comm)) = &self.rank {
-            comm.abort(*rank, error);
-        }
-        let _ = self.gpu().synchronize();
     }
 }
 
