@@ -72,7 +72,9 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
             .count();
         let moved: usize = autotp_runtime::gpu::movement_plan(&program).runs.iter().map(Vec::len).sum();
         assert!(moved >= 3, "{arch}: expand, concat and split run as movement kernels ({moved})");
-        assert_eq!(counts.launches.load(Ordering::Relaxed), 3 * (generated + moved), "{arch}: launches");
+        let indexed = autotp_runtime::gpu::indexed_plan(&program).of.iter().flatten().count();
+        assert!(indexed >= 2, "{arch}: the embedding's gather and scatter-add run on the GPU ({indexed})");
+        assert_eq!(counts.launches.load(Ordering::Relaxed), 3 * (generated + moved + indexed), "{arch}: launches");
         for slot in program.params.iter().chain(&program.states) {
             let on_gpu = gpu.read_slot(&slot.name).unwrap().unwrap();
             assert!(
@@ -82,6 +84,34 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
             );
         }
     }
+}
+
+/// A token id past the vocabulary stops the step on the GPU as on the CPU, naming the
+/// embedding's gather and the index: the GPU's gather reports it through its fault words once
+/// the streams are done, and the next step runs clean.
+#[test]
+fn an_index_out_of_range_on_the_gpu_is_the_cpu_kernels_error() {
+    let dir = scratch("emulated-gpu-index");
+    let plan_path = dir.join("gpt2.atp");
+    compile(&fixture("gpt2", "model.onnx"), &plan_path, &["--micro-batch", "2"]);
+    let file = PlanFile::open(&plan_path).unwrap();
+    let program = file.plan.stages[0].clone();
+    let mut cpu = Executor::new(program.clone()).unwrap();
+    let mut gpu =
+        Executor::on_gpu(program.clone(), Box::new(Emulator::new(&program, GemmMath::F32).unwrap()), None).unwrap();
+    for (name, bytes) in file.weights() {
+        cpu.load_slot(&name, bytes).unwrap();
+        gpu.load_slot(&name, bytes).unwrap();
+    }
+    let mut inputs = feeds(&program, 1);
+    let ids = program.inputs.iter().position(|slot| slot.name == "input_ids").unwrap();
+    inputs[ids].data[8..16].copy_from_slice(&5000i64.to_le_bytes());
+    let on_cpu = cpu.run(&inputs).unwrap_err().to_string();
+    let on_gpu = gpu.run(&inputs).unwrap_err().to_string();
+    assert!(on_cpu.contains("gather: index 5000 is out of range for a dimension of size 1000"), "{on_cpu}");
+    assert_eq!(on_gpu, on_cpu);
+    let clean = feeds(&program, 2);
+    assert!(gpu.run(&clean).is_ok(), "the fault words are cleared once reported");
 }
 
 /// `run --device cuda` end to end on the emulated GPU (`AUTOTP_GPU=emulated`): the same losses

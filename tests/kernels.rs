@@ -376,8 +376,8 @@ fn ptxas() -> std::path::PathBuf {
     })
 }
 
-/// All PTX the fixtures' plans carry (one rank, tp 2, dp 2 with ZeRO-3, pp 2) assembles with
-/// ptxas for sm_80 and sm_90.
+/// All PTX the fixtures' plans carry or a GPU makes for them when they load (one rank, tp 2,
+/// dp 2 with ZeRO-3, pp 2, bf16, fp16) assembles with ptxas for sm_80 and sm_90.
 #[test]
 fn fixture_plans_ptx_assembles_with_ptxas() {
     use crate::common::{autotp, fixture, scratch, success};
@@ -391,7 +391,7 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
         &["--precision", "bf16"],
         &["--precision", "fp16", "--dp", "2", "--zero", "2"],
     ];
-    let mut assembled = 0;
+    let (mut assembled, mut indexed_modules) = (0, 0);
     for arch in ["gpt2", "llama"] {
         for (l, layout) in layouts.iter().enumerate() {
             let model = fixture(arch, "model.onnx");
@@ -406,12 +406,21 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
             let plan = autotp_runtime::plan::PlanFile::open(&plan_path).unwrap().plan;
             for (s, program) in plan.stages.iter().enumerate() {
                 assert_eq!(program.ptx.len(), 2, "{arch} {layout:?} stage {s}: PTX for sm_80 and sm_90");
-                // The builtin kernels' data movement, which a GPU compiles when the plan loads.
+                // The builtin kernels' data movement and gathers and scatter-adds, which a GPU
+                // compiles when the plan loads.
                 let movement = autotp_runtime::gpu::movement_plan(program).kernels;
+                let indexed: Vec<_> =
+                    autotp_runtime::gpu::indexed_plan(program).kernels.into_iter().map(|(k, _)| k).collect();
+                indexed_modules += usize::from(!indexed.is_empty());
                 let mut modules = program.ptx.clone();
                 for gpu_arch in autotp_llvm::nvptx::Arch::ALL {
+                    let arch = gpu_arch.name().to_string();
                     let code = autotp_llvm::nvptx::ptx(&movement, &[], gpu_arch).unwrap();
-                    modules.push(autotp_runtime::PtxModule { arch: gpu_arch.name().to_string(), code });
+                    modules.push(autotp_runtime::PtxModule { arch: arch.clone(), code });
+                    if !indexed.is_empty() {
+                        let code = autotp_llvm::indexed::ptx(&indexed, gpu_arch).unwrap();
+                        modules.push(autotp_runtime::PtxModule { arch, code });
+                    }
                 }
                 for (m, module) in modules.iter().enumerate() {
                     let source = dir.join(format!("{arch}-{l}-{s}-{m}-{}.ptx", module.arch));
@@ -432,5 +441,6 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
             }
         }
     }
-    assert!(assembled >= 52, "{assembled} PTX modules assembled");
+    assert!(assembled >= 76, "{assembled} PTX modules assembled");
+    assert!(indexed_modules >= 12, "every plan's embedding gathers on the GPU ({indexed_modules} stages)");
 }

@@ -20,6 +20,7 @@
 
 pub mod cpu;
 pub mod emit;
+pub mod indexed;
 pub mod jit;
 pub mod math;
 pub mod nvptx;

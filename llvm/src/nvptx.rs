@@ -76,6 +76,26 @@ pub fn entry_name(index: usize) -> String {
 
 /// The PTX of `kernels` and `optimizer_steps` for `arch`, kernel `i` as [`entry_name`]`(i)`.
 pub fn ptx(kernels: &[kir::Kernel], optimizer_steps: &[OptimizerKernel], arch: Arch) -> Result<String, LlvmError> {
+    module_ptx(arch, |e| {
+        for (i, kernel) in kernels.iter().enumerate() {
+            kernel.check()?;
+            let function = define(e, &entry_name(i), kernel)?;
+            mark_kernel(e.ctx, e.module, function)?;
+        }
+        for step in optimizer_steps {
+            let function = define_optimizer_step(e, step, |name| special_register(e, name), BLOCK as u64)?;
+            mark_kernel(e.ctx, e.module, function)?;
+        }
+        Ok(())
+    })
+}
+
+/// A PTX module for `arch` of the entries `define` adds (each marked with [`mark_kernel`]),
+/// verified and optimised at O3.
+pub(crate) fn module_ptx(
+    arch: Arch,
+    define: impl FnOnce(&Emitter<'_, '_>) -> Result<(), LlvmError>,
+) -> Result<String, LlvmError> {
     Target::initialize_nvptx(&InitializationConfig::default());
     let triple = TargetTriple::create("nvptx64-nvidia-cuda");
     let target = Target::from_triple(&triple).map_err(|e| LlvmError::llvm("NVPTX target lookup", e))?;
@@ -94,16 +114,7 @@ pub fn ptx(kernels: &[kir::Kernel], optimizer_steps: &[OptimizerKernel], arch: A
     module.set_triple(&triple);
     module.set_data_layout(&machine.get_target_data().get_data_layout());
     let builder = ctx.create_builder();
-    let e = Emitter { ctx: &ctx, module: &module, b: &builder };
-    for (i, kernel) in kernels.iter().enumerate() {
-        kernel.check()?;
-        let function = define(&e, &entry_name(i), kernel)?;
-        mark_kernel(&ctx, &module, function)?;
-    }
-    for step in optimizer_steps {
-        let function = define_optimizer_step(&e, step, |name| special_register(&e, name), BLOCK as u64)?;
-        mark_kernel(&ctx, &module, function)?;
-    }
+    define(&Emitter { ctx: &ctx, module: &module, b: &builder })?;
     module.verify().map_err(|m| LlvmError::llvm("NVPTX verification", m))?;
     module
         .run_passes("default<O3>", &machine, crate::pass_options())
@@ -114,7 +125,7 @@ pub fn ptx(kernels: &[kir::Kernel], optimizer_steps: &[OptimizerKernel], arch: A
 }
 
 /// `!nvvm.annotations`: makes `function` a kernel entry point.
-fn mark_kernel<'ctx>(
+pub(crate) fn mark_kernel<'ctx>(
     ctx: &'ctx Context,
     module: &Module<'ctx>,
     function: FunctionValue<'ctx>,
@@ -130,7 +141,7 @@ fn mark_kernel<'ctx>(
 }
 
 /// A special register (`tid.x`, `ctaid.x`, `nctaid.x`) as i64.
-fn special_register<'ctx>(e: &Emitter<'_, 'ctx>, name: &str) -> Result<IntValue<'ctx>, LlvmError> {
+pub(crate) fn special_register<'ctx>(e: &Emitter<'_, 'ctx>, name: &str) -> Result<IntValue<'ctx>, LlvmError> {
     let value = call(e, &format!("llvm.nvvm.read.ptx.sreg.{name}"), &[])?
         .ok_or_else(|| LlvmError::llvm("NVPTX intrinsic", name))?
         .into_int_value();
@@ -239,7 +250,7 @@ fn shared_memory<'ctx>(e: &Emitter<'_, 'ctx>) -> Result<inkwell::values::Pointer
 }
 
 /// Runs `then` only where `condition` holds.
-fn if_then<'ctx>(
+pub(crate) fn if_then<'ctx>(
     e: &Emitter<'_, 'ctx>,
     function: FunctionValue<'ctx>,
     condition: IntValue<'ctx>,

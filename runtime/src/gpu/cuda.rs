@@ -60,6 +60,9 @@ pub struct CudaGpu {
     /// The builtin kernels' data movement ([`super::movement_plan`]), compiled at open.
     movement_module: sys::CUmodule,
     movement: Vec<sys::CUfunction>,
+    /// The gathers and scatter-adds ([`super::indexed_plan`]), compiled at open.
+    indexed_module: sys::CUmodule,
+    indexed: Vec<sys::CUfunction>,
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<sys::CUevent>,
     /// cuBLAS's handle once asked for (`Some(None)`: the library is missing).
@@ -130,6 +133,8 @@ impl CudaGpu {
             optimizer_steps: Vec::new(),
             movement_module: std::ptr::null_mut(),
             movement: Vec::new(),
+            indexed_module: std::ptr::null_mut(),
+            indexed: Vec::new(),
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
@@ -160,11 +165,23 @@ impl CudaGpu {
             .map(|k| function(gpu.module, k.entry_name()))
             .collect::<Result<_, _>>()?;
         let movement = super::movement_plan(program).kernels;
+        let arch = match arch {
+            "sm_90" => autotp_llvm::nvptx::Arch::Sm90,
+            _ => autotp_llvm::nvptx::Arch::Sm80,
+        };
+        let indexed: Vec<_> = super::indexed_plan(program).kernels.into_iter().map(|(k, _)| k).collect();
+        if !indexed.is_empty() {
+            let ptx = autotp_llvm::indexed::ptx(&indexed, arch)
+                .map_err(|e| RuntimeError::KernelCompile(format!("the gathers' and scatter-adds' PTX: {e}")))?;
+            let image = CString::new(ptx).expect("LLVM's PTX has no NUL");
+            // SAFETY: a NUL-terminated PTX text, which the driver compiles for the device.
+            gpu.indexed_module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+                .map_err(driver("cuModuleLoadData (the gathers and scatter-adds)"))?;
+            gpu.indexed = (0..indexed.len())
+                .map(|i| function(gpu.indexed_module, autotp_llvm::indexed::entry_name(i)))
+                .collect::<Result<_, _>>()?;
+        }
         if !movement.is_empty() {
-            let arch = match arch {
-                "sm_90" => autotp_llvm::nvptx::Arch::Sm90,
-                _ => autotp_llvm::nvptx::Arch::Sm80,
-            };
             let ptx = autotp_llvm::nvptx::ptx(&movement, &[], arch)
                 .map_err(|e| RuntimeError::KernelCompile(format!("the movement kernels' PTX: {e}")))?;
             let image = CString::new(ptx).expect("LLVM's PTX has no NUL");
@@ -256,6 +273,12 @@ impl Gpu for CudaGpu {
         }
     }
 
+    fn zero(&mut self, stream: Stream, address: u64, len: usize) -> Result<(), RuntimeError> {
+        self.current()?;
+        // SAFETY: the range lies in an allocation of this GPU.
+        unsafe { result::memset_d8_async(address, 0, len, self.stream(stream)) }.map_err(driver("cuMemsetD8Async"))
+    }
+
     fn copy(&mut self, stream: Stream, from: u64, to: u64, len: usize) -> Result<(), RuntimeError> {
         self.current()?;
         // SAFETY: both ranges lie in allocations of this GPU.
@@ -271,6 +294,7 @@ impl Gpu for CudaGpu {
             Entry::Kernel(i) => (self.kernels.get(i), self.kernel_parts.get(i)),
             Entry::OptimizerStep(i) => (self.optimizer_steps.get(i), Some(&1)),
             Entry::Movement(i) => (self.movement.get(i), self.movement_parts.get(i)),
+            Entry::Indexed(i) => (self.indexed.get(i), Some(&1)),
         };
         let (function, parts) =
             function.zip(parts).ok_or_else(|| RuntimeError::Device(format!("the plan has no entry {entry:?}")))?;
@@ -458,7 +482,7 @@ impl Drop for CudaGpu {
             for address in self.allocations.drain(..) {
                 let _ = result::free_sync(address);
             }
-            for module in [self.module, self.movement_module] {
+            for module in [self.module, self.movement_module, self.indexed_module] {
                 if !module.is_null() {
                     let _ = result::module::unload(module);
                 }

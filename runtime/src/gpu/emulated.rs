@@ -36,6 +36,8 @@ pub struct Emulator {
     kernels: Vec<CpuKernel>,
     optimizer_steps: Vec<CpuKernel>,
     movement: Vec<CpuKernel>,
+    /// The gathers and scatter-adds of [`super::indexed_plan`], run by their builtin kernels.
+    indexed: Vec<(autotp_llvm::indexed::IndexedKernel, Kernel)>,
     queues: [VecDeque<Op>; 3],
     /// Per event: whether it has completed, and the stream it was recorded on.
     events: Vec<(bool, Stream)>,
@@ -75,6 +77,7 @@ impl Emulator {
             kernels,
             optimizer_steps,
             movement,
+            indexed: super::indexed_plan(program).kernels,
             queues: Default::default(),
             events: Vec::new(),
             counts: Arc::default(),
@@ -129,6 +132,54 @@ impl Emulator {
         }
     }
 
+    /// A gather or scatter-add ([`Entry::Indexed`]): its builtin kernel over the device
+    /// buffers; an index out of range goes to the fault words, as on a GPU.
+    fn launch_indexed(&mut self, stream: Stream, entry: usize, args: &[u64]) -> Result<(), RuntimeError> {
+        let (shape, mut kernel) = (self.indexed.get(entry).cloned())
+            .ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no indexed entry {entry}")))?;
+        let &[a, b, out, fault, tag, start] = args else {
+            return Err(RuntimeError::Device("emulated GPU: an indexed kernel takes 6 arguments".into()));
+        };
+        if let Kernel::Gather { block: Some(block), .. } | Kernel::ScatterAdd { block: Some(block), .. } = &mut kernel {
+            block.start = start as usize;
+        }
+        let [a_len, b_len, out_len] = shape.buffer_bytes();
+        for (address, len) in [(a, a_len), (b, b_len), (out, out_len), (fault, 16)] {
+            self.check(address, len)?;
+        }
+        self.counts.launches.fetch_add(1, Ordering::Relaxed);
+        self.queue(
+            stream,
+            Box::new(move || {
+                // SAFETY: checked to lie in allocations; the device's regions of one
+                // instruction, whose output overlaps neither input.
+                let (a, b, out) = unsafe {
+                    (
+                        std::slice::from_raw_parts(a as *const u8, a_len),
+                        std::slice::from_raw_parts(b as *const u8, b_len),
+                        std::slice::from_raw_parts_mut(out as *mut u8, out_len),
+                    )
+                };
+                match kernel.run(&[a, b], &mut [out]) {
+                    Ok(()) => Ok(()),
+                    Err(autotp_kernels::KernelError::IndexOutOfRange { index, .. }) => {
+                        let words = fault as *mut i64;
+                        // SAFETY: checked: 16 bytes of an allocation, 8-aligned after the arena.
+                        unsafe {
+                            if *words.add(1) == 0 {
+                                *words = index;
+                                *words.add(1) = tag as i64;
+                            }
+                        }
+                        Ok(())
+                    }
+                    Err(e) => Err(RuntimeError::Device(format!("emulated GPU: {e}"))),
+                }
+            }),
+        );
+        Ok(())
+    }
+
     fn drain(&mut self, stream: Stream) -> Result<(), RuntimeError> {
         while !self.queues[stream as usize].is_empty() {
             self.run_next(stream, 0)?;
@@ -167,6 +218,19 @@ impl Gpu for Emulator {
         Ok(())
     }
 
+    fn zero(&mut self, stream: Stream, address: u64, len: usize) -> Result<(), RuntimeError> {
+        self.check(address, len)?;
+        // SAFETY: checked to lie in an allocation.
+        self.queue(
+            stream,
+            Box::new(move || {
+                unsafe { std::ptr::write_bytes(address as *mut u8, 0, len) };
+                Ok(())
+            }),
+        );
+        Ok(())
+    }
+
     fn copy(&mut self, stream: Stream, from: u64, to: u64, len: usize) -> Result<(), RuntimeError> {
         self.check(from, len)?;
         self.check(to, len)?;
@@ -183,6 +247,7 @@ impl Gpu for Emulator {
 
     fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError> {
         let (function, buffers, rows) = match entry {
+            Entry::Indexed(i) => return self.launch_indexed(stream, i, args),
             Entry::Kernel(i) => (self.kernels.get(i).copied(), args.to_vec(), rows),
             Entry::Movement(i) => (self.movement.get(i).copied(), args.to_vec(), rows),
             // The x86 form takes [table, constants] and runs the chunks it is given as rows.

@@ -14,6 +14,10 @@
 //!   where the GPU has cuBLAS and the operands a cuBLAS form;
 //! - a byte copy (a reshape's) is a device-to-device copy; expand, transpose, slice, pad,
 //!   concat and split are kernel-IR kernels ([`movement_plan`]) the GPU compiles when it opens;
+//! - a gather or scatter-add of f32/f64 (the embedding and its gradient) is an
+//!   [`Entry::Indexed`] kernel ([`autotp_llvm::indexed`], compiled when the GPU opens); an index
+//!   out of range lands in fault words after the arena, read when the streams are synchronised
+//!   and reported as the CPU's kernel reports it;
 //! - other builtin kernels (and those matmuls) run on the host: their inputs are
 //!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
 //! - collectives, sends and receives (until NCCL) go through host memory and the rank's
@@ -21,7 +25,7 @@
 //!   process) or have one each (processes), and every parallel plan runs, without overlap.
 //!
 //! [`Gpu`] is what a device provides: memory, copies, launches, GEMMs, streams and events. The
-//! CUDA driver ([`cuda::CudaGpu`], not yet run on a GPU) is one; [`emulated::Emulator`] is another, which runs on the host with the same
+//! CUDA driver ([`cuda::CudaGpu`]) is one; [`emulated::Emulator`] is another, which runs on the host with the same
 //! kernels compiled for x86 and streams that run nothing until the host needs a result (then
 //! only what that result depends on): a missing event or synchronisation in this module reads
 //! stale bytes there, so the host logic is tested without a GPU.
@@ -33,6 +37,7 @@ pub mod gemm;
 use std::sync::Arc;
 
 use autotp_kernels::{kir, AlignedBuf, Kernel};
+use autotp_llvm::indexed::{IndexedKernel, IndexedOp};
 
 use crate::clock::RankClock;
 use crate::comm::Communicator;
@@ -104,6 +109,43 @@ pub enum Entry {
     OptimizerStep(usize),
     /// [`MovementPlan::kernels`]`[i]`: as `Kernel`.
     Movement(usize),
+    /// [`IndexedPlan::kernels`]`[i]`: arguments are its `a`, `b` and `out` buffers, the fault
+    /// words, the launch's tag and the rank's first row ([`autotp_llvm::indexed`]); one index
+    /// row per block.
+    Indexed(usize),
+}
+
+/// The gathers and scatter-adds of a program's builtin kernels that run on the GPU
+/// ([`autotp_llvm::indexed`], compiled when a GPU opens); other element types stay on the host.
+pub struct IndexedPlan {
+    /// The distinct kernels, each with the builtin kernel it computes (the emulated GPU runs that).
+    pub kernels: Vec<(IndexedKernel, Kernel)>,
+    /// Per instruction, its entry in `kernels`.
+    pub of: Vec<Option<usize>>,
+}
+
+/// The indexed plan of `program`.
+pub fn indexed_plan(program: &Program) -> IndexedPlan {
+    let mut kernels: Vec<(IndexedKernel, Kernel)> = Vec::new();
+    let of = (program.instructions.iter())
+        .map(|instruction| {
+            let Instruction::Kernel { kernel, inputs, .. } = instruction else { return None };
+            let index_input = match kernel {
+                Kernel::Gather { .. } => 1,
+                Kernel::ScatterAdd { .. } => 0,
+                _ => return None,
+            };
+            let indexed = IndexedKernel::of(kernel, inputs.get(index_input)?.len)?;
+            Some(match kernels.iter().position(|(k, _)| *k == indexed) {
+                Some(i) => i,
+                None => {
+                    kernels.push((indexed, kernel.clone()));
+                    kernels.len() - 1
+                }
+            })
+        })
+        .collect();
+    IndexedPlan { kernels, of }
 }
 
 /// The data movement of a program's builtin kernels as kernel IR
@@ -168,6 +210,9 @@ pub trait Gpu: Send {
     /// Copies `len` bytes from `from` to `to` (not overlapping) in `stream`'s order.
     fn copy(&mut self, stream: Stream, from: u64, to: u64, len: usize) -> Result<(), RuntimeError>;
 
+    /// Sets `len` bytes at `address` to zero in `stream`'s order.
+    fn zero(&mut self, stream: Stream, address: u64, len: usize) -> Result<(), RuntimeError>;
+
     /// Launches `entry` on `rows` rows (blocks) with these arguments.
     fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError>;
 
@@ -218,7 +263,25 @@ enum Prepared {
     Movement(Vec<(usize, usize, Vec<u64>)>),
     OptimizerStep(ChunkTable),
     Gemm(Box<(GemmCall, GemmOperands)>),
+    Indexed(IndexedLaunch),
 }
+
+/// A gather's or scatter-add's launch ([`Entry::Indexed`]).
+struct IndexedLaunch {
+    entry: usize,
+    rows: usize,
+    /// The `a`, `b` and `out` buffers' addresses.
+    buffers: [u64; 3],
+    /// A scatter-add's output, zeroed before the launch.
+    zero: Option<(u64, usize)>,
+    /// 1 + its index in [`GpuDevice::fault_sources`].
+    tag: u64,
+    /// The global index of the first row this rank's kernel holds.
+    start: u64,
+}
+
+/// Bytes after the arena for the indexed kernels' fault words (an index and a tag, i64 each).
+const FAULT_BYTES: usize = 16;
 
 /// A program's instructions on a [`Gpu`] (see the module doc).
 pub struct GpuDevice {
@@ -238,6 +301,10 @@ pub struct GpuDevice {
     /// Device memory the program took when it loaded, by the driver's count of free memory
     /// before and after (the arena, chunk tables, GEMM pointer arrays, the allocator's rounding).
     pub(crate) held_bytes: usize,
+    /// The fault words of the indexed kernels (after the arena), and per tag (from 1) the
+    /// instruction's label, kernel name and index bound they report an out-of-range index with.
+    fault: u64,
+    fault_sources: Vec<(String, &'static str, usize)>,
 }
 
 impl GpuDevice {
@@ -249,14 +316,18 @@ impl GpuDevice {
         rank: Option<(usize, Arc<dyn Communicator>)>,
     ) -> Result<GpuDevice, RuntimeError> {
         let (free_before, _) = gpu.memory()?;
-        let base = gpu.alloc(program.memory.arena_bytes)?;
+        let arena_bytes = program.memory.arena_bytes.next_multiple_of(8);
+        let base = gpu.alloc(arena_bytes + FAULT_BYTES)?;
+        let fault = base + arena_bytes as u64;
+        let indexed = indexed_plan(program);
+        let mut fault_sources = Vec::new();
         for c in &program.constants {
             gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
         }
         let movement = movement_plan(program);
         let rules = program.optimizer_kernels();
         let mut prepared = Vec::with_capacity(program.instructions.len());
-        for (instruction, moves) in program.instructions.iter().zip(movement.runs) {
+        for ((instruction, moves), indexed_entry) in program.instructions.iter().zip(movement.runs).zip(indexed.of) {
             prepared.push(match instruction {
                 Instruction::Kernel { inputs, outputs, .. } if !moves.is_empty() => {
                     let at = |r: &Region| base + r.offset as u64;
@@ -281,6 +352,20 @@ impl GpuDevice {
                         .position(|k| k.optimizer == *optimizer && k.dtype == *dtype)
                         .expect("the step's rule is among the program's");
                     Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), rule, constants })
+                }
+                Instruction::Kernel { kernel, inputs, outputs, label } if indexed_entry.is_some() => {
+                    let entry = indexed_entry.expect("matched");
+                    let (shape, _) = &indexed.kernels[entry];
+                    let at = |r: &Region| base + r.offset as u64;
+                    fault_sources.push((label.clone(), kernel.name(), shape.global));
+                    Prepared::Indexed(IndexedLaunch {
+                        entry,
+                        rows: shape.rows(),
+                        buffers: [at(&inputs[0]), at(&inputs[1]), at(&outputs[0])],
+                        zero: (shape.op == IndexedOp::ScatterAdd).then(|| (at(&outputs[0]), outputs[0].len)),
+                        tag: fault_sources.len() as u64,
+                        start: IndexedKernel::start(kernel) as u64,
+                    })
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dtype, dims }, inputs, outputs, .. } => {
                     match GemmCall::of(*dtype, dims) {
@@ -307,7 +392,17 @@ impl GpuDevice {
         let (free_after, _) = gpu.memory()?;
         let held_bytes = free_before.saturating_sub(free_after);
         let issued = vec![0; program.mesh.len()];
-        Ok(GpuDevice { gpu: std::sync::Mutex::new(gpu), base, prepared, rank, issued, clock: None, held_bytes })
+        Ok(GpuDevice {
+            gpu: std::sync::Mutex::new(gpu),
+            base,
+            prepared,
+            rank,
+            issued,
+            clock: None,
+            held_bytes,
+            fault,
+            fault_sources,
+        })
     }
 
     fn communicator(&self, label: &str) -> Result<(usize, Arc<dyn Communicator>), RuntimeError> {
@@ -371,8 +466,29 @@ impl Device for GpuDevice {
         self.gpu().wait(stream, *event)
     }
 
+    /// Also reports an index out of range that an indexed kernel met (see
+    /// [`autotp_llvm::indexed`]), as the CPU's kernel would have, and clears it.
     fn synchronize(&mut self) -> Result<(), RuntimeError> {
-        self.gpu().synchronize()
+        self.gpu().synchronize()?;
+        if self.fault_sources.is_empty() {
+            return Ok(());
+        }
+        let mut words = [0u8; FAULT_BYTES];
+        let fault = self.fault;
+        self.gpu().download(Stream::Compute, fault, &mut words)?;
+        let [index, tag] = [0, 8].map(|at| i64::from_le_bytes(words[at..at + 8].try_into().expect("8 bytes")));
+        if tag == 0 {
+            return Ok(());
+        }
+        self.gpu().upload(Stream::Compute, fault, &[0; FAULT_BYTES])?;
+        let (label, kernel, bound) =
+            usize::try_from(tag - 1).ok().and_then(|source| self.fault_sources.get(source)).ok_or_else(|| {
+                RuntimeError::Device(format!("an indexed kernel reported fault tag {tag}, which none has"))
+            })?;
+        Err(RuntimeError::Kernel {
+            label: label.clone(),
+            source: autotp_kernels::KernelError::IndexOutOfRange { kernel, index, bound: *bound },
+        })
     }
 
     fn abort(&mut self, error: &RuntimeError) {
@@ -405,6 +521,14 @@ impl GpuDevice {
                         return Ok(());
                     }
                     Prepared::Gemm(gemm) if gpu.gemm(stream, &gemm.0, &gemm.1)? => return Ok(()),
+                    Prepared::Indexed(launch) => {
+                        if let Some((address, len)) = launch.zero {
+                            gpu.zero(stream, address, len)?;
+                        }
+                        let [a, b, out] = launch.buffers;
+                        let args = [a, b, out, self.fault, launch.tag, launch.start];
+                        return gpu.launch(stream, Entry::Indexed(launch.entry), launch.rows, &args);
+                    }
                     _ => {}
                 }
                 // Kernels write typed elements: their host buffers are aligned, as the arena is.
