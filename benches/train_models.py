@@ -3,12 +3,14 @@
 
     python benches/train_models.py export NAME OUT.onnx
         exports model NAME (random init, seed 0) for training, as make_fixtures.py does
-    python benches/train_models.py pytorch NAME TOKENS.bin STEPS MICRO_BATCH SEQ_LEN THREADS OUT.jsonl [MODE] [DEVICE]
+    python benches/train_models.py pytorch NAME TOKENS.bin STEPS MICRO_BATCH SEQ_LEN THREADS OUT.jsonl [MODE] [DEVICE] [PRECISION]
         trains it with the training contract (windows of S+1 with stride S, next-token labels,
         mean cross-entropy, AdamW lr 2e-3, betas 0.9/0.95, eps 1e-8, weight decay 0.01) and
         writes one JSON line per step with its wall time (forward, backward, optimizer step);
         MODE eager (default) or compile (torch.compile of the model), DEVICE cpu (default) or
-        cuda (f32 with TF32 off, the step timed to a device synchronisation)
+        cuda (TF32 off, the step timed to a device synchronisation), PRECISION f32 (default) or
+        bf16 (torch.autocast to bfloat16 around the forward and the loss: f32 parameters and
+        optimizer, as autotp's --precision bf16 keeps f32 masters)
 """
 import json
 import os
@@ -57,7 +59,7 @@ def export(name, out):
     make_fixtures.export(make_fixtures.Logits(m), (ids,), ["input_ids"], ["logits"], out)
 
 
-def pytorch(name, tokens_path, steps, g, s, threads, out, mode="eager", device="cpu"):
+def pytorch(name, tokens_path, steps, g, s, threads, out, mode="eager", device="cpu", precision="f32"):
     steps, g, s, threads = int(steps), int(g), int(s), int(threads)
     torch.set_num_threads(threads)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -75,8 +77,9 @@ def pytorch(name, tokens_path, steps, g, s, threads, out, mode="eager", device="
             ids, labels = torch.from_numpy(batch[:, :s]).to(device), torch.from_numpy(batch[:, 1:]).to(device)
             sync()
             start = time.perf_counter()
-            logits = forward(input_ids=ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                logits = forward(input_ids=ids).logits
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             opt.zero_grad()
             loss.backward()
             opt.step()

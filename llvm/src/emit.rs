@@ -260,7 +260,7 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
     }
 
     /// How `dtype` elements sit in memory (`u8` for bool, `i16` for bf16).
-    fn memory_type(&self, dtype: DType, width: u32) -> VectorType<'ctx> {
+    pub(crate) fn memory_type(&self, dtype: DType, width: u32) -> VectorType<'ctx> {
         match dtype {
             DType::F32 => self.ctx.f32_type().vec_type(width),
             DType::I64 => self.ctx.i64_type().vec_type(width),
@@ -337,12 +337,36 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
                 v
             }
         };
-        match buffer.dtype {
+        self.widen(buffer.dtype, raw)
+    }
+
+    /// `dtype` elements as they sit in memory ([`Emitter::memory_type`] lanes) as the values
+    /// expressions compute with: f32 for the 16-bit floats, bool for bool.
+    pub(crate) fn widen(&self, dtype: DType, raw: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let width = Self::width(raw);
+        match dtype {
             DType::Bool => self.icmp(IntPredicate::NE, raw, self.memory_type(DType::Bool, width).const_zero()),
             DType::F16 => Ok(self.b.build_float_ext(raw, self.f32_type(width), "")?),
             DType::BF16 => self.widen_bf16(raw),
             _ => Ok(raw),
         }
+    }
+
+    /// The inverse of [`Emitter::widen`]: computed values as `dtype`'s memory lanes, 16-bit
+    /// floats rounded to nearest even.
+    pub(crate) fn narrow(&self, dtype: DType, value: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let width = Self::width(value);
+        Ok(match dtype {
+            DType::Bool => self.b.build_int_z_extend(value, self.memory_type(DType::Bool, width), "")?,
+            DType::F16 => self.b.build_float_trunc(value, self.memory_type(DType::F16, width), "")?,
+            DType::BF16 => {
+                let rounded = self.round_bf16(value)?;
+                let bits = self.b.build_bit_cast(rounded, self.ctx.i32_type().vec_type(width), "")?;
+                let high = self.b.build_right_shift(bits.into_vector_value(), self.i32(width, 16), false, "")?;
+                self.b.build_int_truncate(high, self.memory_type(DType::BF16, width), "")?
+            }
+            _ => value,
+        })
     }
 
     fn store(
@@ -352,17 +376,7 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
         at: &Position<'ctx>,
         value: V<'ctx>,
     ) -> Result<(), LlvmError> {
-        let value = match buffer.dtype {
-            DType::Bool => self.b.build_int_z_extend(value, self.memory_type(DType::Bool, at.width), "")?,
-            DType::F16 => self.b.build_float_trunc(value, self.memory_type(DType::F16, at.width), "")?,
-            DType::BF16 => {
-                let rounded = self.round_bf16(value)?;
-                let bits = self.b.build_bit_cast(rounded, self.ctx.i32_type().vec_type(at.width), "")?;
-                let high = self.b.build_right_shift(bits.into_vector_value(), self.i32(at.width, 16), false, "")?;
-                self.b.build_int_truncate(high, self.memory_type(DType::BF16, at.width), "")?
-            }
-            _ => value,
-        };
+        let value = self.narrow(buffer.dtype, value)?;
         let align = buffer.dtype.size() as u32;
         match self.address(index, at)? {
             Address::Contiguous(offset) => {

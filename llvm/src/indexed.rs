@@ -41,8 +41,8 @@ pub enum IndexedOp {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct IndexedKernel {
     pub op: IndexedOp,
-    /// The elements': any type of 2, 4 or 8 bytes for a gather (it moves bits); f32 or f64 for
-    /// a scatter-add.
+    /// The elements': any type of 2, 4 or 8 bytes for a gather (it moves bits); f32, f64, bf16
+    /// or f16 for a scatter-add (16-bit updates summed in f32 and rounded once, as the CPU does).
     pub dtype: DType,
     /// i64 or i32.
     pub index_dtype: DType,
@@ -70,7 +70,7 @@ impl IndexedKernel {
         };
         let supported = match op {
             IndexedOp::Gather => matches!(dtype.size(), 2 | 4 | 8),
-            IndexedOp::ScatterAdd => matches!(dtype, DType::F32 | DType::F64),
+            IndexedOp::ScatterAdd => matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16),
         };
         if !supported || !matches!(index_dtype, DType::I64 | DType::I32) || axis >= shape.len() {
             return None;
@@ -174,9 +174,26 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, k: &IndexedKernel) -> Resul
         // SAFETY (of the generated code): the callers' indices lie inside the buffers.
         unsafe { b.build_in_bounds_gep(ty, buffer, &[index], "") }
     };
+    // The scatter-add's sums: f64 for f64, else f32; its elements in memory, and the
+    // conversions between the two (16-bit elements widened on load, rounded once on store).
     let float = match k.dtype {
         DType::F64 => ctx.f64_type(),
         _ => ctx.f32_type(),
+    };
+    let sixteen_bit = matches!(k.dtype, DType::BF16 | DType::F16);
+    let stored: inkwell::types::BasicTypeEnum<'ctx> = match sixteen_bit {
+        true => e.memory_type(k.dtype, 1).get_element_type(),
+        false => float.into(),
+    };
+    let widened = |raw: inkwell::values::BasicValueEnum<'ctx>| -> Result<_, LlvmError> {
+        Ok(match sixteen_bit {
+            true => e.lane(e.widen(k.dtype, e.splat(raw, 1)?)?, 0)?.into_float_value(),
+            false => raw.into_float_value(),
+        })
+    };
+    let narrowed = |value: inkwell::values::FloatValue<'ctx>| match sixteen_bit {
+        true => e.lane(e.narrow(k.dtype, e.splat(value.into(), 1)?)?, 0),
+        false => Ok(value.into()),
     };
     // Loop state of the scatter-add, promoted to registers by the optimiser.
     let named_before = b.build_alloca(ctx.bool_type(), "named_before")?;
@@ -235,15 +252,16 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, k: &IndexedKernel) -> Resul
                                     let update_row =
                                         b.build_int_add(b.build_int_mul(o, c(k.indices), "")?, later, "")?;
                                     let at = b.build_int_add(b.build_int_mul(update_row, c(k.inner), "")?, t, "")?;
-                                    let update = b.build_load(float, element(second, at, float.into())?, "")?;
+                                    let raw = b.build_load(stored, element(second, at, stored)?, "")?;
                                     let so_far = b.build_load(float, sum, "")?.into_float_value();
-                                    b.build_store(sum, b.build_float_add(so_far, update.into_float_value(), "")?)?;
+                                    b.build_store(sum, b.build_float_add(so_far, widened(raw)?, "")?)?;
                                     Ok(())
                                 })?;
                                 Ok(vec![])
                             })?;
-                            let total = b.build_load(float, sum, "")?;
-                            b.build_store(element(out, b.build_int_add(held_row, t, "")?, float.into())?, total)?;
+                            let total = narrowed(b.build_load(float, sum, "")?.into_float_value())?;
+                            let at = element(out, b.build_int_add(held_row, t, "")?, stored)?;
+                            b.build_store(at, total)?;
                             Ok(vec![])
                         })?;
                         Ok(())
@@ -278,20 +296,22 @@ mod tests {
         assert_eq!((got.outer, got.indices, got.inner, got.rows()), (1, 8192, 768, 8192));
         assert_eq!((IndexedKernel::start(&gather), got.held, got.global), (25129, 50257, 50257));
         assert_eq!(IndexedKernel::of(&scatter, 8192 * 8).unwrap().op, IndexedOp::ScatterAdd);
-        // 16-bit gradients are summed in f32 and rounded once: the host's kernel does that.
         let [gather16, scatter16] = embedding(DType::BF16, None);
         assert!(IndexedKernel::of(&gather16, 64).is_some());
-        assert!(IndexedKernel::of(&scatter16, 64).is_none());
+        assert!(IndexedKernel::of(&scatter16, 64).is_some());
+        let [gather8, scatter8] = [DType::U8, DType::I32].map(|dtype| embedding(dtype, None));
+        assert!(IndexedKernel::of(&gather8[0], 64).is_none(), "a one-byte gather stays on the host");
+        assert!(IndexedKernel::of(&scatter8[1], 64).is_none(), "an integer scatter-add stays on the host");
     }
 
     #[test]
     fn gathers_and_scatter_adds_become_ptx() {
-        let kernels: Vec<IndexedKernel> = [DType::F32, DType::F64, DType::BF16]
+        let kernels: Vec<IndexedKernel> = [DType::F32, DType::F64, DType::BF16, DType::F16]
             .into_iter()
             .flat_map(|dtype| embedding(dtype, None))
             .filter_map(|kernel| IndexedKernel::of(&kernel, 4096))
             .collect();
-        assert_eq!(kernels.len(), 5);
+        assert_eq!(kernels.len(), 8);
         for arch in Arch::ALL {
             let ptx = ptx(&kernels, arch).unwrap();
             for i in 0..kernels.len() {
