@@ -689,6 +689,21 @@ pub enum Weights {
     ShapesOnly { layers: Option<usize> },
 }
 
+/// A shapes-only import for a cut of the model: `autotp plan` compiles hundreds of cuts of one
+/// model at a few batch sizes, so each is imported once per process.
+fn imported_for_cuts(path: &Path, options: &ImportOptions) -> Result<autotp_frontend::Model> {
+    type Imports = BTreeMap<(PathBuf, Option<usize>, Option<usize>), autotp_frontend::Model>;
+    static IMPORTS: std::sync::OnceLock<std::sync::Mutex<Imports>> = std::sync::OnceLock::new();
+    let imports = IMPORTS.get_or_init(Default::default);
+    let key = (path.to_path_buf(), options.batch, options.seq_len);
+    if let Some(model) = imports.lock().expect("imports").get(&key) {
+        return Ok(model.clone());
+    }
+    let model = autotp_frontend::import_onnx(path, options)?;
+    imports.lock().expect("imports").insert(key, model.clone());
+    Ok(model)
+}
+
 /// [`compile`], with or without the model's weights.
 pub fn compile_with(flags: &CompileFlags, weights: Weights) -> Result<Compiled> {
     let (optimizer, optimizer_description) = optimizer(flags)?;
@@ -768,10 +783,14 @@ pub fn compile_with(flags: &CompileFlags, weights: Weights) -> Result<Compiled> 
         shapes_only: weights != Weights::Read,
         ..Default::default()
     };
-    let mut model = autotp_frontend::import_onnx(&flags.model, &options)?;
-    if let Weights::ShapesOnly { layers: Some(layers) } = weights {
-        model.graph = autotp_passes::depth::keep_layers(&model.graph, layers)?;
-    }
+    let mut model = match weights {
+        Weights::ShapesOnly { layers: Some(layers) } => {
+            let mut model = imported_for_cuts(&flags.model, &options)?;
+            model.graph = autotp_passes::depth::keep_layers(&model.graph, layers)?;
+            model
+        }
+        _ => autotp_frontend::import_onnx(&flags.model, &options)?,
+    };
     // The model's parameter shapes, which the passes may split.
     let model_shapes: BTreeMap<String, Vec<usize>> = (model.graph.params().iter())
         .filter_map(|&p| Some((model.graph.name_of(p)?.to_string(), model.graph.ty(p).shape.clone())))

@@ -36,7 +36,7 @@ pub struct ImportOptions {
 
 /// An imported model: the graph and the parameter tensors by name (none when imported
 /// shapes-only: the graph's parameters have types alone).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Model {
     pub graph: Graph,
     pub weights: BTreeMap<String, Tensor>,

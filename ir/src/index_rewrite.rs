@@ -16,9 +16,13 @@
 //! Sums are built as right-leaning chains in a fixed term order (by variable, then divisor)
 //! and the merge rules look at neighbours only, so there is no associativity or commutativity
 //! rule to blow the e-graph up; node and time limits bound each run regardless. An index whose
-//! best form is not a sum of terms again (never seen) keeps its original form. Tests: unit
+//! best form is not a sum of terms again (never seen) keeps its original form. The rules are
+//! built once, and each index's simplest form is remembered for the process (a model's layers,
+//! micro-batches and stages repeat the same indices; `autotp plan` compiles hundreds of cuts). Tests: unit
 //! tests below (every offset of random indices kept) and tests/golden/index_rewrites.txt.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use autotp_kernels::kir::{Expr, Index, Kernel, Stage, Term, Var};
@@ -125,7 +129,12 @@ fn contiguous(egraph: &mut IndexGraph, _: Id, subst: &Subst) -> bool {
     }
 }
 
-fn rules() -> Vec<Rewrite<IndexExpr, Bounds>> {
+fn rules() -> &'static [Rewrite<IndexExpr, Bounds>] {
+    static RULES: OnceLock<Vec<Rewrite<IndexExpr, Bounds>>> = OnceLock::new();
+    RULES.get_or_init(built_rules)
+}
+
+fn built_rules() -> Vec<Rewrite<IndexExpr, Bounds>> {
     vec![
         rw!("mod-below"; "(% ?x ?c)" => "?x" if below("?x", "?c")),
         rw!("div-div"; "(/ (/ ?x ?a) ?b)" => "(/ ?x (* ?a ?b))"),
@@ -290,13 +299,26 @@ fn term(expr: &RecExpr<IndexExpr>, id: Id, stride: usize) -> Option<Term> {
 
 /// `index` in its cheapest equal form for loop variables below `outer` and `inner`.
 pub fn simplify(index: &Index, outer: usize, inner: usize) -> Index {
+    type Known = HashMap<(Index, usize, usize), Index>;
+    static KNOWN: OnceLock<Mutex<Known>> = OnceLock::new();
+    let known = KNOWN.get_or_init(Mutex::default);
+    let key = (index.clone(), outer, inner);
+    if let Some(simplified) = known.lock().expect("simplified indices").get(&key) {
+        return simplified.clone();
+    }
+    let simplified = saturated(index, outer, inner);
+    known.lock().expect("simplified indices").entry(key).or_insert(simplified).clone()
+}
+
+/// [`simplify`]'s equality saturation.
+fn saturated(index: &Index, outer: usize, inner: usize) -> Index {
     let expr = to_expr(index);
     let runner = Runner::<IndexExpr, Bounds, ()>::new(Bounds { outer: outer as i64, inner: inner as i64 })
         .with_node_limit(2_000)
         .with_iter_limit(16)
         .with_time_limit(Duration::from_millis(50))
         .with_expr(&expr)
-        .run(&rules());
+        .run(rules());
     let extractor = egg::Extractor::new(&runner.egraph, OpCost);
     let (_, best) = extractor.find_best(runner.roots[0]);
     let mut simplified = from_expr(&best).unwrap_or_else(|| index.clone());

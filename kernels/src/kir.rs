@@ -130,14 +130,14 @@ pub struct Store {
 }
 
 /// The two loop variables.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Var {
     Outer,
     Inner,
 }
 
 /// An element offset: `base` plus the sum of the terms.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Index {
     #[serde(default)]
     pub base: usize,
@@ -145,7 +145,7 @@ pub struct Index {
 }
 
 /// `((((var / div) % modulo) + offset) % wrap) * stride`; a `None` modulo or wrap is skipped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Term {
     pub var: Var,
     pub div: usize,
