@@ -199,6 +199,31 @@ fn key_value_heads_fewer_than_tp_are_replicated() {
     }
 }
 
+/// With gradient accumulation each micro-batch looks its token ids up in a slice of the step's
+/// input: Llama's (untied) embedding is still split over the vocabulary, a rank holds the same
+/// parameter bytes as without accumulation, and `verify` finds every gradient as on one device.
+#[test]
+fn the_vocabulary_parallel_embedding_survives_accumulation() {
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let dir = scratch("vocab-accumulated");
+    let model = fixture("llama", "model.onnx");
+    let mut params = Vec::new();
+    for accumulation in ["1", "2"] {
+        let plan = dir.join(format!("acc{accumulation}.atp"));
+        let report = dir.join(format!("acc{accumulation}.json"));
+        let args = ["compile", model.to_str().unwrap(), "--seq-len", "16", "--micro-batch", "2", "--tp", "2"];
+        let extra = ["--grad-accum", accumulation, "--explain-tp", "--report", report.to_str().unwrap()];
+        let out = success(autotp(&[&args[..], &extra, &["-o", plan.to_str().unwrap()]].concat()));
+        let line = out.lines().find(|l| l.trim_start().starts_with("m.model.embed_tokens.weight ")).expect(&out);
+        assert!(line.contains("shard(0)") && line.contains("vocabulary-parallel embedding"), "{line}");
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        params.push(report["ranks"][0]["params_bytes"].as_u64().unwrap());
+        let verified = success(autotp(&["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()]));
+        assert!(verified.contains("every gradient within 1e-5"), "{verified}");
+    }
+    assert_eq!(params[0], params[1]);
+}
+
 #[test]
 fn a_failing_rank_stops_the_others() {
     // Rank 1's half of the first batch holds a token id past the vocabulary: its embedding

@@ -52,6 +52,15 @@ fn through_reshapes(graph: &Graph, mut v: ValueId) -> ValueId {
     v
 }
 
+/// The value ids of a lookup were taken from: through reshapes and slices (`accumulate` and the
+/// pipeline take each micro-batch's ids as a slice of the step's input).
+fn token_ids_source(graph: &Graph, mut v: ValueId) -> ValueId {
+    while let Some(node) = producer(graph, v).filter(|n| matches!(n.op, Op::Reshape { .. } | Op::Slice { .. })) {
+        v = node.inputs[0];
+    }
+    v
+}
+
 /// The LM head of a `[N, V]` cross-entropy's scores: (weight, its vocabulary dim).
 fn head_of(graph: &Graph, ce: &autotp_ir::Node) -> Option<(ValueId, usize)> {
     let scores = graph.ty(ce.inputs[0]);
@@ -80,7 +89,7 @@ pub(crate) fn find(graph: &Graph) -> Option<VocabSplit> {
     let mut embeddings = Vec::new();
     for (_, n) in graph.nodes() {
         let (Op::Gather { axis: 0 }, [table, ids]) = (&n.op, &n.inputs[..]) else { continue };
-        let by_input = graph.inputs().contains(&through_reshapes(graph, *ids));
+        let by_input = graph.inputs().contains(&token_ids_source(graph, *ids));
         let vocab_rows = graph.params().contains(table) && graph.ty(*table).shape[0] == vocab;
         if by_input && vocab_rows && !embeddings.contains(table) {
             embeddings.push(*table);
