@@ -435,21 +435,35 @@ impl Pipeline {
                         // gradient once both of its gradients are made.
                         Backward::Whole => (&[Part::InputGradient, Part::WeightGradients], &[]),
                     };
-                    copy_nodes(&mut g, d, &nodes, parts, before_send, map);
+                    // Each gradient is added into its sum as soon as it is made, so that one
+                    // micro-batch's gradients are not all alive beside the sums.
+                    let mut added = vec![false; grads.len()];
+                    let mut accumulate = |g: &mut Graph, map: &[Option<ValueId>], old: ValueId| {
+                        for (k, (_, value)) in grads.iter().enumerate() {
+                            if *value != old || added[k] {
+                                continue;
+                            }
+                            added[k] = true;
+                            let mut grad = map[old.index()].expect("computed");
+                            if let Some(dtype) = self.grad_dtype.filter(|&d| d != g.ty(grad).dtype) {
+                                grad = add(g, Op::Cast { to: dtype }, vec![grad])?;
+                            }
+                            sums[k] = Some(match sums[k] {
+                                Some(acc) => add(g, Op::Binary(BinaryOp::Add), vec![acc, grad])?,
+                                None => grad,
+                            });
+                        }
+                        Ok::<(), PassError>(())
+                    };
+                    copy_nodes_then(&mut g, d, &nodes, parts, before_send, map, &mut accumulate)?;
                     if let Some(pipe_in_grad) = pipe_in_grad {
                         let grad = map[pipe_in_grad.index()].expect("computed");
                         send(&mut g, grad, s - 1, gradient_tag(i), Gradient)?;
                     }
-                    copy_nodes(&mut g, d, &nodes, parts, after_send, map);
-                    for ((_, value), sum) in grads.iter().zip(sums.iter_mut()) {
-                        let mut grad = map[value.index()].expect("computed");
-                        if let Some(dtype) = self.grad_dtype.filter(|&d| d != g.ty(grad).dtype) {
-                            grad = add(&mut g, Op::Cast { to: dtype }, vec![grad])?;
-                        }
-                        *sum = Some(match *sum {
-                            Some(acc) => add(&mut g, Op::Binary(BinaryOp::Add), vec![acc, grad])?,
-                            None => grad,
-                        });
+                    copy_nodes_then(&mut g, d, &nodes, parts, after_send, map, &mut accumulate)?;
+                    // Gradients no backward node makes (inputs, constants).
+                    for (_, value) in &grads {
+                        accumulate(&mut g, map, *value)?;
                     }
                     // This micro-batch's values are no longer needed by the compiler either.
                     map.clear();
@@ -561,6 +575,20 @@ fn chunk_costs(d: &Graph, parts: &[Part]) -> ChunkCosts {
 
 /// Copies the nodes of `d` in `wanted` parts through `map`, in graph order.
 fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], parts: &[Part], wanted: &[Part], map: &mut [Option<ValueId>]) {
+    let nothing = &mut |_: &mut Graph, _: &[Option<ValueId>], _: ValueId| Ok(());
+    copy_nodes_then(g, d, nodes, parts, wanted, map, nothing).expect("nothing to fail");
+}
+
+/// [`copy_nodes`], calling `made` with each copied node's outputs (old ids) once it is copied.
+fn copy_nodes_then(
+    g: &mut Graph,
+    d: &Graph,
+    nodes: &[&Node],
+    parts: &[Part],
+    wanted: &[Part],
+    map: &mut [Option<ValueId>],
+    made: &mut impl FnMut(&mut Graph, &[Option<ValueId>], ValueId) -> Result<(), PassError>,
+) -> Result<(), PassError> {
     for (node, _) in nodes.iter().zip(parts).filter(|(_, p)| wanted.contains(p)) {
         let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
         let types = node.outputs.iter().map(|&o| d.ty(o).clone()).collect();
@@ -568,7 +596,11 @@ fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], parts: &[Part], wanted:
         for (&o, &n) in node.outputs.iter().zip(&g.node(new).outputs) {
             map[o.index()] = Some(n);
         }
+        for &o in &node.outputs {
+            made(g, map, o)?;
+        }
     }
+    Ok(())
 }
 
 /// Stage `s`'s forward graph: its nodes, reading the activation crossing the cut before it as
