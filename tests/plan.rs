@@ -68,7 +68,10 @@ fn a_model_cut_to_its_first_layers_is_the_shallower_model() {
 }
 
 fn plan_json(args: &[&str]) -> (String, serde_json::Value) {
-    let dir = scratch(&format!("plan-{}", args.len()));
+    // Tests run in parallel: each search gets its own directory.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(&args, &mut hasher);
+    let dir = scratch(&format!("plan-{:016x}", std::hash::Hasher::finish(&hasher)));
     let json = dir.join("plan.json");
     let out = success(autotp(&[&["plan"][..], args, &["--json", json.to_str().unwrap()]].concat()));
     (out, serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap())
