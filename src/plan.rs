@@ -362,7 +362,7 @@ struct PipelineModel {
 
 /// What a pipeline stage holds (one rank, dp 1, no ZeRO): parameters, gradients, optimizer
 /// states, its intermediate values at the peak less the gradients, and its inputs.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 struct StageMemory {
     params: f64,
     grads: f64,
@@ -666,7 +666,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let model_of = |layout: &Layout| -> Result<Model, String> {
         // A cut's stage: per layer, the rest, and its figures with 1 and 2 layers.
         let split = |cut: &Layout, stage: usize| -> Result<(Figures, Figures, Figures, Figures), String> {
-            let (one, two) = (cuts[&(cut.clone(), 1)].clone()?[stage], cuts[&(cut.clone(), 2)].clone()?[stage]);
+            let stage_of = |depth: usize| cuts[&(cut.clone(), depth)].as_ref().map(|stages| stages[stage]);
+            let (one, two) = (stage_of(1).map_err(Clone::clone)?, stage_of(2).map_err(Clone::clone)?);
             let layer = Figures::combine(two, one, |a, b| a - b);
             Ok((layer, Figures::combine(one, layer, |a, b| a - b), one, two))
         };

@@ -44,21 +44,22 @@ fn producer(graph: &Graph, v: ValueId) -> Option<&autotp_ir::Node> {
     }
 }
 
-/// `v` with the reshapes it was made by peeled off.
-fn through_reshapes(graph: &Graph, mut v: ValueId) -> ValueId {
-    while let Some(node) = producer(graph, v).filter(|n| matches!(n.op, Op::Reshape { .. })) {
+/// `v` with the nodes it was made by that `peel` accepts peeled off.
+fn source(graph: &Graph, mut v: ValueId, peel: fn(&Op) -> bool) -> ValueId {
+    while let Some(node) = producer(graph, v).filter(|n| peel(&n.op)) {
         v = node.inputs[0];
     }
     v
 }
 
-/// The value ids of a lookup were taken from: through reshapes and slices (`accumulate` and the
-/// pipeline take each micro-batch's ids as a slice of the step's input).
-fn token_ids_source(graph: &Graph, mut v: ValueId) -> ValueId {
-    while let Some(node) = producer(graph, v).filter(|n| matches!(n.op, Op::Reshape { .. } | Op::Slice { .. })) {
-        v = node.inputs[0];
-    }
-    v
+fn reshape(op: &Op) -> bool {
+    matches!(op, Op::Reshape { .. })
+}
+
+/// The ops between a lookup's ids and the step's input: reshapes, and the slice `accumulate`
+/// and the pipeline take each micro-batch's ids by.
+fn reshape_or_slice(op: &Op) -> bool {
+    matches!(op, Op::Reshape { .. } | Op::Slice { .. })
 }
 
 /// The LM head of a `[N, V]` cross-entropy's scores: (weight, its vocabulary dim).
@@ -67,7 +68,7 @@ fn head_of(graph: &Graph, ce: &autotp_ir::Node) -> Option<(ValueId, usize)> {
     if ce.inputs.len() != 2 || scores.rank() != 2 {
         return None;
     }
-    let matmul = producer(graph, through_reshapes(graph, ce.inputs[0]))?;
+    let matmul = producer(graph, source(graph, ce.inputs[0], reshape))?;
     let Op::MatMul { transpose_rhs, .. } = matmul.op else { return None };
     let weight = matmul.inputs[1];
     let out_dim = if transpose_rhs { graph.ty(weight).rank() - 2 } else { graph.ty(weight).rank() - 1 };
@@ -89,7 +90,7 @@ pub(crate) fn find(graph: &Graph) -> Option<VocabSplit> {
     let mut embeddings = Vec::new();
     for (_, n) in graph.nodes() {
         let (Op::Gather { axis: 0 }, [table, ids]) = (&n.op, &n.inputs[..]) else { continue };
-        let by_input = graph.inputs().contains(&token_ids_source(graph, *ids));
+        let by_input = graph.inputs().contains(&source(graph, *ids, reshape_or_slice));
         let vocab_rows = graph.params().contains(table) && graph.ty(*table).shape[0] == vocab;
         if by_input && vocab_rows && !embeddings.contains(table) {
             embeddings.push(*table);

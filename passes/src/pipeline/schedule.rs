@@ -374,6 +374,11 @@ impl Pipeline {
         let mut maps: Vec<Vec<Option<ValueId>>> = Vec::new();
         let mut loss_sum: Option<ValueId> = None;
         let mut sums: Vec<Option<ValueId>> = vec![None; grads.len()];
+        // The gradients (indices into `grads`) each value of the differentiated graph is.
+        let mut grads_of: BTreeMap<ValueId, Vec<usize>> = BTreeMap::new();
+        for (k, (_, value)) in grads.iter().enumerate() {
+            grads_of.entry(*value).or_default().push(k);
+        }
         let order = self.schedule.order(s, self.stages, m);
         for chunk in order {
             match chunk {
@@ -439,8 +444,8 @@ impl Pipeline {
                     // micro-batch's gradients are not all alive beside the sums.
                     let mut added = vec![false; grads.len()];
                     let mut accumulate = |g: &mut Graph, map: &[Option<ValueId>], old: ValueId| {
-                        for (k, (_, value)) in grads.iter().enumerate() {
-                            if *value != old || added[k] {
+                        for &k in grads_of.get(&old).into_iter().flatten() {
+                            if added[k] {
                                 continue;
                             }
                             added[k] = true;
