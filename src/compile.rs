@@ -767,6 +767,7 @@ pub fn compile_with(flags: &CompileFlags, weights: Weights) -> Result<Compiled> 
         // DeepSpeed's reduce_bucket_size default.
         reduce_bucket_elements: flags.reduce_bucket_size.unwrap_or(500_000_000),
         comm_dtype: flags.comm_dtype.map(Precision::dtype),
+        micro_batches: grad_accum,
     };
     if flags.zero > 0 && flags.dp < 2 {
         bail!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);

@@ -29,8 +29,7 @@
 //! micro-batch in flight beyond the cut's adds a layer's saved activations
 //! ([`PipelineModel`]). `benches/plan_memory.sh` compiles every layout that fits and prints
 //! predicted against compiled peaks; where they differ most, it is the arena's placement over
-//! the live peak (long pipelines), the data-parallel staging of a stage and ZeRO 3 with
-//! accumulation (the compiler keeps more there). `--verify N` compiles the best N layouts whole
+//! the live peak (long pipelines) and the data-parallel staging of a stage. `--verify N` compiles the best N layouts whole
 //! for their exact peaks.
 //!
 //! **Time is a cost model** ([`Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
@@ -947,9 +946,14 @@ fn predict(
             // The peak of the forward (the micro-batches in flight), of the backward (the
             // gradients made, and the other micro-batches' saved activations), or of the
             // optimizer. With accumulation, the gradients summed so far live through the later
-            // forwards and backwards (a backward's gradients are made beside them).
-            // The sums are whole at every ZeRO stage: the step reduces them once, at its end.
-            let accumulated = if grad_accum > 1 { held.grads } else { 0.0 };
+            // forwards and backwards (a backward's gradients are made beside them): whole at
+            // ZeRO 0 and 1 (reduced once, at the step's end), shards from ZeRO 2 (each
+            // micro-batch's gradients are reduce-scattered as they are made).
+            let accumulated = match (grad_accum > 1, zero >= 2) {
+                (false, _) => 0.0,
+                (true, false) => held.grads,
+                (true, true) => held.grads / dpf,
+            };
             let forward = in_flight * figures.forward + accumulated;
             let backward = (grads + figures.backward).max(figures.forward + model.backward_extra)
                 + (in_flight - 1.0) * figures.forward
@@ -998,13 +1002,17 @@ fn predict(
     let dp_volume = if dp > 1 {
         let gradient_bytes = dp_bytes_max;
         let gathers = if zero == 3 { (2.0 * micro_batches - 1.0) * gathered_params * (dpf - 1.0) / dpf } else { 0.0 };
-        ring * gradient_bytes + gathers
+        // From ZeRO 2 every micro-batch reduce-scatters its gradients.
+        let reductions = if zero >= 2 { (micro_batches + 1.0) / 2.0 } else { 1.0 };
+        reductions * ring * gradient_bytes + gathers
     } else {
         0.0
     };
     let dp_seconds_total = dp_volume / dp_link + if dp > 1 { device.latency * 2.0 * layers as f64 } else { 0.0 };
-    // The reduction of the last micro-batch's gradients overlaps its backward (two thirds of it).
-    let dp_seconds = (dp_seconds_total - 2.0 / 3.0 * slot).max(0.0);
+    // The reduction of the last micro-batch's gradients overlaps its backward (two thirds of
+    // it); from ZeRO 2, each micro-batch's overlaps its own.
+    let overlapped = if zero >= 2 { micro_batches } else { 1.0 };
+    let dp_seconds = (dp_seconds_total - overlapped * 2.0 / 3.0 * slot).max(0.0);
     let (pipeline_seconds, busy) = if device.shared_cores > 0 {
         (0.0, machine_seconds)
     } else {

@@ -54,6 +54,7 @@ fn shard_spec(spec: &str) -> Shard {
         seeds,
         gather_params_on: None,
         scatter_early: false,
+        micro_batches: 1,
         bucket_elements: 0,
         reduce_dtype: None,
     }

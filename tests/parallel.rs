@@ -484,14 +484,17 @@ fn gradient_accumulation_of_a_models_own_loss() {
     println!("gpt2 own loss, grad-accum 4: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
 }
 
-/// Accumulating keeps one micro-batch's activations alive, not the step's, and reduces the
-/// gradients once per step: the same reduce-scatter bytes as one micro-batch per step.
+/// Accumulating keeps one micro-batch's activations alive, not the step's. The gradients are
+/// reduced as DeepSpeed's stages reduce them: at ZeRO 1 the sums once per step (the same
+/// reduce-scatter bytes as one micro-batch per step, and whole sums of 4 bytes per parameter),
+/// at ZeRO 2 and 3 each micro-batch's as they are made (A times the bytes), summed as shards
+/// of 4 / dp bytes per parameter.
 #[test]
-fn gradient_accumulation_plans_one_reduction_per_step() {
+fn gradient_accumulation_reduces_as_deepspeed_does() {
     let dir = scratch("parallel-accum-plan");
     let plan = |name: &str, flags: &[&str]| {
         let report = dir.join(format!("{name}.json"));
-        let out = [&["--dp", "2", "--zero", "2", "--report", report.to_str().unwrap(), "-o", "/dev/null"][..], flags];
+        let out = [&["--dp", "2", "--report", report.to_str().unwrap(), "-o", "/dev/null"][..], flags];
         let model = fixture("gpt2", "model.onnx");
         let args = ["compile", model.to_str().unwrap(), "--seq-len", "32"];
         success(autotp(&[&args[..], &out.concat()].concat()));
@@ -502,19 +505,33 @@ fn gradient_accumulation_plans_one_reduction_per_step() {
             rank["comm_bytes_per_step"]["reduce_scatter"].as_u64().unwrap(),
         )
     };
-    let (whole_peak, whole_scattered) = plan("whole", &["--micro-batch", "8"]);
-    let (accumulated_peak, accumulated_scattered) = plan("accumulated", &["--micro-batch", "2", "--grad-accum", "4"]);
-    let (one_peak, _) = plan("one", &["--micro-batch", "2"]);
-    assert_eq!(accumulated_scattered, whole_scattered, "one reduction of the gradients per step");
-    assert!(accumulated_peak < whole_peak / 2, "{accumulated_peak} vs {whole_peak} without accumulation");
-    // One micro-batch's activations plus the gradient accumulators (4 bytes per parameter), the
-    // loss's, and the micro-batch's slices of the two token inputs (a plan of one micro-batch
-    // reads its inputs in place: 2 x 32 i64 per rank each).
-    let slices = 2 * 2 * 32 * 8;
-    assert!(
-        accumulated_peak <= one_peak + 4 * 172_288 + 64 + slices,
-        "{accumulated_peak} vs {one_peak} for one micro-batch"
-    );
+    const PARAMS: u64 = 172_288;
+    // The loss's sum, and the micro-batch's slices of the two token inputs (a plan of one
+    // micro-batch reads its inputs in place: 2 x 32 i64 per rank each).
+    let loss_and_slices = 64 + 2 * 2 * 32 * 8;
+    // ZeRO 3 prefetches no parameter ahead (a gather of the next micro-batch's would differ).
+    for (zero, prefetch, sums, reductions) in
+        [("1", "", 4 * PARAMS, 1), ("2", "", 2 * PARAMS, 4), ("3", "1", 2 * PARAMS, 4)]
+    {
+        let mut zero_flags = vec!["--zero", zero];
+        if !prefetch.is_empty() {
+            zero_flags.extend(["--prefetch-bucket-size", prefetch]);
+        }
+        let with = |more: &[&'static str]| [&zero_flags[..], more].concat();
+        let (whole_peak, whole_scattered) = plan(&format!("whole-{zero}"), &with(&["--micro-batch", "8"]));
+        let (accumulated_peak, accumulated_scattered) =
+            plan(&format!("accumulated-{zero}"), &with(&["--micro-batch", "2", "--grad-accum", "4"]));
+        let (one_peak, _) = plan(&format!("one-{zero}"), &with(&["--micro-batch", "2"]));
+        assert_eq!(accumulated_scattered, reductions * whole_scattered, "zero {zero}: reduce-scatter bytes");
+        assert!(
+            accumulated_peak < whole_peak / 2,
+            "zero {zero}: {accumulated_peak} vs {whole_peak} without accumulation"
+        );
+        assert!(
+            accumulated_peak <= one_peak + sums + loss_and_slices,
+            "zero {zero}: {accumulated_peak} vs {one_peak} for one micro-batch and {sums} of sums"
+        );
+    }
     let err = failure(compile_gpt2(&["--grad-accum", "0", "-o", "/dev/null"]));
     assert!(err.contains("--grad-accum"), "{err}");
     // DeepSpeed's train_batch_size: --global-batch sets the accumulation, and must agree.

@@ -5,9 +5,10 @@
 //! `[rows, A, ...]` (the step's `rows x A` sequences, as the data loader lays them out), and
 //! the forward and backward are repeated for micro-batch `i = [:, i]`, one after the other, each
 //! micro-batch's gradients added into one accumulator per parameter as soon as they are made.
-//! So one micro-batch's activations are alive at a time, and the gradients are reduced over
-//! data-parallel ranks once per step, after the accumulation (the sharding passes see one sum of
-//! partial gradients; at ZeRO 2-3 it is scattered into the shards there).
+//! So one micro-batch's activations are alive at a time. The sharding passes see sums of
+//! partial gradients: at ZeRO 0-1 they reduce the sums once per step, at ZeRO 2-3 they scatter
+//! each micro-batch's gradients into shards as they are made and sum the shards
+//! ([`crate::shard::Shard::micro_batches`]).
 //!
 //! The step's loss is the mean over every counted position of all micro-batches, as the
 //! single-device step over the whole batch computes it: a mean cross-entropy (or NLL) that

@@ -342,6 +342,7 @@ impl AutoTp {
                 seeds: seeds_for(&explained),
                 gather_params_on,
                 scatter_early,
+                micro_batches: self.zero.micro_batches,
                 bucket_elements: self.zero.reduce_bucket_elements,
                 reduce_dtype: self.zero.comm_dtype,
             }

@@ -45,6 +45,13 @@ pub struct Shard {
     /// Reduce-scatter a gradient into its shard where it is made (ZeRO stage 2 and 3), rather
     /// than at the optimizer, after the whole backward (stage 1 keeps full gradients).
     pub scatter_early: bool,
+    /// With `scatter_early`, a gradient that the step sums over this many micro-batches
+    /// (`accumulate`'s or the pipeline's running sums, `s_k = s_(k-1) + g_k`) is scattered term
+    /// by term: each micro-batch's gradient goes to its shard where it is made and the running
+    /// sum is a sum of shards, as DeepSpeed's stages 2 and 3 reduce-scatter every micro-batch.
+    /// No rank then holds a whole gradient beyond the micro-batch that makes it. 0 or 1: the
+    /// step is one micro-batch.
+    pub micro_batches: usize,
     /// Gradient all-reduces are merged into buckets of up to this many elements
     /// (`--reduce-bucket-size`); 0 reduces each gradient on its own.
     pub bucket_elements: usize,
@@ -239,7 +246,8 @@ impl Pass for Shard {
         // those right where they are made, so every consumer shares the one reduction (a
         // gradient feeding both a weight's update and the next layer's backward).
         let (first, origin) = place(&source, &self.mesh, None, self.gather_params_on)?;
-        let hints = Hints { eager: reductions(&first, &origin, self.scatter_early), blocks: blocks(&first, &origin) };
+        let scatter = self.scatter_early.then_some(self.micro_batches.max(1));
+        let hints = Hints { eager: reductions(&first, &origin, scatter), blocks: blocks(&first, &origin) };
         let (placed, _) = place(&source, &self.mesh, Some(&hints), self.gather_params_on)?;
         let placed = crate::sink_slices::sink_slices(&placed)?;
         let mut bucketed = bucket_reductions(&placed, self.bucket_elements)?;
@@ -382,21 +390,25 @@ fn place(
 
 /// Which partial sums to reduce where they are made, and to what, from a first placement.
 ///
-/// A reduce-scatter's input (a gradient on its way to a ZeRO shard) is traced back through
-/// shape-keeping linear ops to where the partial sum is made, and scattered there: the gradient
-/// goes straight to its shard, and what else reads it (the clipping norm) reads the shard.
+/// With `scatter` (`Some(micro-batches summed per step)`), a reduce-scatter's input (a gradient
+/// on its way to a ZeRO shard) is traced back through shape-keeping linear ops to where the
+/// partial sum is made, and scattered there: the gradient goes straight to its shard, and what
+/// else reads it (the clipping norm) reads the shard. A sum over micro-batches is followed down
+/// its running sums (the left operands of `micro-batches - 1` adds of two partial sums) and each
+/// term is scattered where it is made instead (the scatter is linear: the shards add up to the
+/// sum's shard).
 /// An all-reduce's input is traced back through any linear op; unless that reaches a value
 /// scattered already, the root is all-reduced once instead when it is no bigger than the
 /// reductions it replaces (one all-reduce of a layer's input gradient, not one per use).
 fn reductions(
     placed: &Graph,
     origin: &BTreeMap<ValueId, ValueId>,
-    scatter_early: bool,
+    scatter: Option<usize>,
 ) -> BTreeMap<(ValueId, usize), Placement> {
     let axis_of = |name: &str| placed.mesh.axes.iter().position(|a| a.name == name);
     let partial = |v: ValueId, a: usize| placed.value(v).placements[a] == Placement::PartialSum;
     // The chain of values from `v` back to where its partial sum is made, through single-output
-    // ops with one partial input (keeping the shape when `same_shape`), and not back through a
+    // ops with one partial input (keeping the shape and the dims' order when `same_shape`), and not back through a
     // widening cast: the sum is taken in the wider type (mixed precision's f32 reductions).
     let trace = |v: ValueId, a: usize, same_shape: bool| {
         let mut chain = vec![v];
@@ -407,7 +419,11 @@ fn reductions(
             if matches!(producer.op, Op::Cast { to } if autotp_ir::sharding::widens(placed.ty(only).dtype, to)) {
                 break;
             }
-            if same_shape && placed.ty(only).shape != placed.ty(v).shape {
+            // A scatter's dim must mean the same at the root: not through a transpose (of a
+            // square gradient, whose shape it keeps).
+            if same_shape
+                && (placed.ty(only).shape != placed.ty(v).shape || matches!(producer.op, Op::Transpose { .. }))
+            {
                 break;
             }
             chain.push(only);
@@ -428,9 +444,28 @@ fn reductions(
         .collect();
     let mut eager: BTreeMap<(ValueId, usize), Placement> = BTreeMap::new();
     let mut scattered = BTreeSet::new();
-    for &(v, a, target) in collectives.iter().filter(|_| scatter_early) {
-        if let Placement::Shard(_) = target {
-            let root = *trace(v, a, true).last().expect("not empty");
+    // The two partial operands of an add of `v`'s shape, when `v` is one.
+    let partial_terms = |v: ValueId, a: usize| {
+        let autotp_ir::Def::Node(p, _) = placed.value(v).def else { return None };
+        let node = placed.node(p);
+        let same = |t: ValueId| partial(t, a) && placed.ty(t).shape == placed.ty(v).shape;
+        match (&node.op, &node.inputs[..]) {
+            (Op::Binary(BinaryOp::Add), &[sum, term]) if same(sum) && same(term) => Some((sum, term)),
+            _ => None,
+        }
+    };
+    for &(v, a, target) in collectives.iter() {
+        let (Placement::Shard(_), Some(micro_batches)) = (target, scatter) else { continue };
+        let mut root = *trace(v, a, true).last().expect("not empty");
+        let mut roots = Vec::new();
+        for _ in 1..micro_batches {
+            let Some((sum, term)) = partial_terms(root, a) else { break };
+            scattered.insert((root, a));
+            roots.push(*trace(term, a, true).last().expect("not empty"));
+            root = *trace(sum, a, true).last().expect("not empty");
+        }
+        roots.push(root);
+        for root in roots {
             scattered.insert((root, a));
             eager.insert((root, a), target);
         }
@@ -613,6 +648,11 @@ fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
 /// the flattened values; a reduce-scatter bucket first lays each value out as `[n, numel / n]`
 /// (its scattered dim moved to the front), so row `r` of the concatenation is rank `r`'s shard
 /// of every member. Fewer, bigger collectives; the same bytes.
+///
+/// A bucket holds one micro-batch's gradients: it closes before a reduction whose result is
+/// summed into the same value as a member's (the same parameter's gradient of the next
+/// micro-batch, scattered term by term), as DeepSpeed flushes its bucket at the end of each
+/// backward; otherwise every micro-batch's whole gradients would wait for the last one's.
 fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, PassError> {
     if bucket_elements == 0 {
         return Ok(graph.clone());
@@ -620,6 +660,19 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
     let first_use = |v: ValueId, after: usize| {
         nodes.iter().enumerate().skip(after + 1).find(|(_, n)| n.inputs.contains(&v)).map_or(usize::MAX, |(i, _)| i)
+    };
+    let consumers = graph.consumers();
+    // Where a reduction's result ends up: followed through its only consumer while that makes
+    // one value of its shape (a running sum's adds, a weight, the mean's division).
+    let summed_into = |mut v: ValueId| {
+        while let [only] = consumers[v.index()][..] {
+            let node = graph.node(only);
+            match node.outputs[..] {
+                [out] if graph.ty(out).shape == graph.ty(v).shape => v = out,
+                _ => break,
+            }
+        }
+        v
     };
     /// The bucket being filled: its collective (reduce-scatter or all-reduce), axis, dtype,
     /// elements, and members (node index, first use of the result).
@@ -629,6 +682,8 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
         dtype: autotp_ir::DType,
         elements: usize,
         members: Vec<(usize, usize)>,
+        /// Where the members' results are summed into ([`summed_into`]).
+        sums: BTreeSet<ValueId>,
     }
     let mut buckets: Vec<Vec<(usize, usize)>> = Vec::new();
     let mut open: Option<Open> = None;
@@ -644,23 +699,27 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
         let whole_elsewhere = value.placements.iter().enumerate().all(|(b, p)| b == a || *p == Placement::Replicate);
         let elements = value.ty.numel();
         let used = first_use(node.outputs[0], i);
+        let sum = summed_into(node.outputs[0]);
         let fits = |b: &Open| {
             b.scatter == scatter
                 && b.axis == *axis
                 && b.dtype == value.ty.dtype
                 && b.elements + elements <= bucket_elements
                 && b.members.iter().all(|&(_, member_used)| member_used > i)
+                && !b.sums.contains(&sum)
         };
         match open.as_mut() {
             Some(bucket) if whole_elsewhere && fits(bucket) => {
                 bucket.elements += elements;
                 bucket.members.push((i, used));
+                bucket.sums.insert(sum);
             }
             _ => {
                 buckets.extend(open.take().map(|b| b.members));
                 if whole_elsewhere && elements <= bucket_elements {
                     let dtype = value.ty.dtype;
-                    open = Some(Open { scatter, axis: axis.clone(), dtype, elements, members: vec![(i, used)] });
+                    let (members, sums) = (vec![(i, used)], BTreeSet::from([sum]));
+                    open = Some(Open { scatter, axis: axis.clone(), dtype, elements, members, sums });
                 }
             }
         }

@@ -5,8 +5,8 @@
 //! |---|---|---|---|
 //! | 0 | whole on every rank | all-reduced | whole |
 //! | 1 | sharded over dp | reduce-scattered at the optimizer (full ones held until then) | whole; updated shards all-gathered |
-//! | 2 | sharded | reduce-scattered where they are made | whole; updated shards all-gathered |
-//! | 3 | sharded | reduce-scattered where they are made | sharded; all-gathered before each use (forward and again backward), released after |
+//! | 2 | sharded | reduce-scattered where they are made (each micro-batch's) | whole; updated shards all-gathered |
+//! | 3 | sharded | reduce-scattered where they are made (each micro-batch's) | sharded; all-gathered before each use (forward and again backward), released after |
 //!
 //! A tensor is sharded on its first dim that the dp ranks divide and that no other mesh axis
 //! already splits (tensor parallelism); one without such a dim stays whole on every rank. At
@@ -44,6 +44,10 @@ pub struct ZeroConfig {
     /// The type gradients are reduced in over the data-parallel ranks (`--comm-dtype`), where
     /// it is not their own.
     pub comm_dtype: Option<autotp_ir::DType>,
+    /// The micro-batches whose gradients each step sums (`--grad-accum`, or a pipeline's
+    /// micro-batches; 0 or 1: none). From stage 2 each micro-batch's gradients are
+    /// reduce-scattered as they are made and summed as shards ([`Shard::micro_batches`]).
+    pub micro_batches: usize,
 }
 
 pub struct Zero {
@@ -121,6 +125,7 @@ impl Pass for Zero {
             seeds,
             gather_params_on,
             scatter_early,
+            micro_batches: self.config.micro_batches,
             bucket_elements: self.config.reduce_bucket_elements,
             reduce_dtype: self.config.comm_dtype,
         }
@@ -151,7 +156,10 @@ impl Default for Prefetch {
 /// Turns every gather of a sharded parameter into an asynchronous `all_gather_start` issued
 /// ahead of its use and a `wait` where the gather was: each start goes as early as the budget
 /// allows (gathers in flight within `bucket_elements`, gathered parameters alive within
-/// `max_live_elements`; a gathered copy is released after its last use). A parameter that cannot
+/// `max_live_elements`; a gathered copy is released after its last use), in order, and not
+/// while an earlier copy of the same parameter is alive: as DeepSpeed holds at most one
+/// gathered copy of a parameter, so a small model's prefetch does not fetch the next
+/// micro-batch's (or the backward's) copies beside the current ones. A parameter that cannot
 /// be gathered within `max_live_elements` (alone, or beside the gathered parameters alive at its
 /// use) is refused.
 pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, PassError> {
@@ -178,6 +186,10 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
     let elements: Vec<usize> = gathers.iter().map(|&g| local_elements(nodes[g].outputs[0])).collect();
     let ends: Vec<usize> = gathers.iter().map(|&g| last_use[nodes[g].outputs[0].index()]).collect();
     let gather_index: BTreeMap<usize, usize> = gathers.iter().enumerate().map(|(j, &g)| (g, j)).collect();
+    // The previous gather of the same parameter: its copy must be dead before the next starts.
+    let mut last_of_param: BTreeMap<ValueId, usize> = BTreeMap::new();
+    let previous: Vec<Option<usize>> =
+        gathers.iter().enumerate().map(|(j, &g)| last_of_param.insert(nodes[g].inputs[0], j)).collect();
 
     let mut rw = autotp_ir::Rewriter::new(graph, |_| true);
     let mut started: Vec<Option<ValueId>> = vec![None; gathers.len()];
@@ -201,6 +213,7 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
         while next < gathers.len()
             && (in_flight == 0 || in_flight + elements[next] <= prefetch.bucket_elements)
             && live + elements[next] <= prefetch.max_live_elements
+            && previous[next].is_none_or(|p| ends[p] < i)
         {
             started[next] = Some(start(&mut rw, next)?);
             in_flight += elements[next];
