@@ -941,7 +941,9 @@ fn predict(
         // ZeRO's optimizer steps (stages 1 to 3) run on the rank's shards.
         let transient = if zero >= 1 { figures.optimizer_transient / dpf } else { figures.optimizer_transient };
         let intermediate = if model.pipeline.is_some() {
-            (grads + held.activations).max(grads + transient)
+            // The cut (dp 1) sums whole gradients; from ZeRO 2 a stage sums their shards.
+            let sums = if zero >= 2 && grad_accum > 1 { held.grads * (1.0 - 1.0 / dpf) } else { 0.0 };
+            (grads + held.activations - sums).max(grads + transient)
         } else {
             // The peak of the forward (the micro-batches in flight), of the backward (the
             // gradients made, and the other micro-batches' saved activations), or of the

@@ -12,16 +12,19 @@
 //!
 //! The step's loss is the mean over every counted position of all micro-batches, as the
 //! single-device step over the whole batch computes it: a mean cross-entropy (or NLL) that
-//! ignores a label index weighs micro-batch `i` by its count of counted labels; any other loss
-//! by `1 / A`. With fp16's loss scaling (a `loss_scale` input, the backward's seed), each
-//! micro-batch's backward starts from the scale times its weight instead, and the gradients are
-//! summed as they are: DeepSpeed's order, which keeps the 16-bit gradients the size of the
-//! whole step's.
+//! ignores a label index weighs micro-batch `i` by its share of the step's counted labels; any
+//! other loss by `1 / A`. Each micro-batch's loss and gradients are weighted as they are made,
+//! before they are added (DeepSpeed divides each micro-batch's loss by the accumulation steps),
+//! so every gradient term is used at the end of its own micro-batch: a reduce-scatter of it
+//! (ZeRO 2 and 3 scatter each micro-batch's) is waited for there, not a micro-batch later.
+//! With fp16's loss scaling (a `loss_scale` input, the backward's seed), each micro-batch's
+//! backward starts from the scale times its weight instead, and the gradients are summed as
+//! they are: DeepSpeed's order, which keeps the 16-bit gradients the size of the whole step's.
 //!
 //! Input phase: differentiated (`loss` and `grad.<param>` outputs). Output: the same, over `A`
 //! micro-batches. Tests: tests/golden/accumulate.ir, tests/parallel.rs.
 
-use autotp_ir::{BinaryOp, Graph, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp, ValueId};
+use autotp_ir::{BinaryOp, Def, Graph, NodeId, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp, ValueId};
 
 use crate::autodiff::GRAD_PREFIX;
 use crate::loss::LOSS;
@@ -135,66 +138,54 @@ impl Pass for Accumulate {
         }
         let counted = counted_loss(old);
         // fp16's loss scaling: each micro-batch's backward starts from the scale times its weight
-        // (as DeepSpeed divides the loss by the accumulation steps before scaling it, and as the
-        // pipeline pass does), so its 16-bit gradients are what the whole step's would be.
+        // (as the pipeline pass does), so its 16-bit gradients are what the whole step's would be.
         let scaled = old.inputs().iter().copied().find(|&v| old.name_of(v) == Some(crate::precision::LOSS_SCALE));
-        let whole_count = match (scaled, counted) {
-            (Some(_), Some((labels, ignored))) => {
-                let whole = batch.iter().find(|(o, _)| *o == labels).map(|(_, new)| *new);
-                let whole = whole.ok_or_else(|| invalid("the loss's labels are not a batch input".into()))?;
-                Some(count_labels(PASS, &mut g, whole, ignored, dtype)?)
+        // Each micro-batch's weight is its share of the step's counted labels (counted first,
+        // from the labels each micro-batch's loss reads: a model's own loss may shift them), or
+        // 1 / A. The counting makes its own slices, so that only scalars wait for the
+        // micro-batches (full recomputation cuts the forward where one activation crosses).
+        let label_nodes = counted.map(|(labels, _)| ancestors(old, labels)).unwrap_or_default();
+        let mut counts = Vec::with_capacity(steps);
+        if let Some((labels, ignored)) = counted {
+            let read = |v: ValueId| labels == v || label_nodes.iter().any(|&n| old.node(n).inputs.contains(&v));
+            for step in 0..steps {
+                let mut map = outer.clone();
+                for &(old_input, new_input) in batch.iter().filter(|(o, _)| read(*o)) {
+                    map[old_input.index()] = Some(micro_batch(PASS, &mut g, new_input, step)?);
+                }
+                copy_nodes(old, &mut g, &label_nodes, &mut map);
+                counts.push(count_labels(PASS, &mut g, map[labels.index()].expect("copied"), ignored, dtype)?);
             }
-            _ => None,
-        };
+        }
+        let mut total = None;
+        for &count in &counts {
+            total = Some(match total {
+                Some(t) => add(&mut g, Op::Binary(BinaryOp::Add), vec![t, count])?,
+                None => count,
+            });
+        }
         // Running sums: (output name, accumulated value).
         let mut sums: Vec<(String, Option<ValueId>)> = old.outputs().iter().map(|(n, _)| (n.clone(), None)).collect();
-        let mut total: Option<ValueId> = None;
+        let all_nodes: Vec<NodeId> = old.nodes().map(|(id, _)| id).collect();
         for step in 0..steps {
+            let weight = match (counts.get(step), total) {
+                (Some(&count), Some(total)) => add(&mut g, Op::Binary(BinaryOp::Div), vec![count, total])?,
+                _ => add(&mut g, Op::Constant { value: Tensor::full(dtype, vec![], 1.0 / steps as f64) }, vec![])?,
+            };
             let mut map = outer.clone();
             for &(old_input, new_input) in &batch {
                 map[old_input.index()] = Some(micro_batch(PASS, &mut g, new_input, step)?);
             }
-            let mut scaled_weight = None;
             if let Some(scale) = scaled {
-                let weight = match (counted, whole_count) {
-                    (Some((labels, ignored)), Some(whole)) => {
-                        let count = count_labels(PASS, &mut g, map[labels.index()].expect("sliced"), ignored, dtype)?;
-                        add(&mut g, Op::Binary(BinaryOp::Div), vec![count, whole])?
-                    }
-                    _ => add(&mut g, Op::Constant { value: Tensor::full(dtype, vec![], 1.0 / steps as f64) }, vec![])?,
-                };
                 let outer_scale = outer[scale.index()].expect("an input");
                 map[scale.index()] = Some(add(&mut g, Op::Binary(BinaryOp::Mul), vec![outer_scale, weight])?);
-                scaled_weight = Some(weight);
             }
-            for (_, node) in old.nodes() {
-                let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
-                let types = node.outputs.iter().map(|&o| old.ty(o).clone()).collect();
-                let new = g.add_node_typed(node.op.clone(), inputs, types);
-                for (&o, &n) in node.outputs.iter().zip(&g.node(new).outputs.clone()) {
-                    map[o.index()] = Some(n);
-                }
-            }
-            if let Some(weight) = scaled_weight {
-                self.add_weighted(old, &mut g, &map, weight, &mut sums)?;
-                continue;
-            }
-            // This micro-batch's weight: its counted labels, or 1.
-            let weight = match counted {
-                Some((labels, ignored)) => {
-                    let count = count_labels(PASS, &mut g, map[labels.index()].expect("copied"), ignored, dtype)?;
-                    total = Some(match total {
-                        Some(t) => add(&mut g, Op::Binary(BinaryOp::Add), vec![t, count])?,
-                        None => count,
-                    });
-                    Some(count)
-                }
-                None => None,
-            };
-            for ((_, old_value), (_, sum)) in old.outputs().iter().zip(sums.iter_mut()) {
+            copy_nodes(old, &mut g, &all_nodes, &mut map);
+            for ((name, old_value), (_, sum)) in old.outputs().iter().zip(sums.iter_mut()) {
                 let mut value = map[old_value.index()].expect("outputs are defined");
-                if let Some(w) = weight {
-                    let w = scalar_like(&mut g, w, value)?;
+                // A scaled backward's seed carried the weight already.
+                if name == LOSS || scaled.is_none() {
+                    let w = scalar_like(&mut g, weight, value)?;
                     value = add(&mut g, Op::Binary(BinaryOp::Mul), vec![value, w])?;
                 }
                 *sum = Some(match *sum {
@@ -203,50 +194,38 @@ impl Pass for Accumulate {
                 });
             }
         }
-        if scaled.is_some() {
-            for (name, sum) in sums {
-                g.add_output(name, sum.expect("at least one micro-batch"));
-            }
-            *graph = g;
-            return Ok(());
-        }
-        let total = match total {
-            Some(t) => t,
-            None => add(&mut g, Op::Constant { value: Tensor::full(dtype, vec![], steps as f64) }, vec![])?,
-        };
         for (name, sum) in sums {
-            let sum = sum.expect("at least one micro-batch");
-            let total = scalar_like(&mut g, total, sum)?;
-            let mean = add(&mut g, Op::Binary(BinaryOp::Div), vec![sum, total])?;
-            g.add_output(name, mean);
+            g.add_output(name, sum.expect("at least one micro-batch"));
         }
         *graph = g;
         Ok(())
     }
 }
 
-impl Accumulate {
-    /// Adds a loss-scaled micro-batch (copied into `map`) to the running `sums`: its loss
-    /// times its `weight`, its gradients as they are (their seed carried the weight).
-    fn add_weighted(
-        &self,
-        old: &Graph,
-        g: &mut Graph,
-        map: &[Option<ValueId>],
-        weight: ValueId,
-        sums: &mut [(String, Option<ValueId>)],
-    ) -> Result<(), PassError> {
-        for ((name, old_value), (_, sum)) in old.outputs().iter().zip(sums.iter_mut()) {
-            let mut value = map[old_value.index()].expect("outputs are defined");
-            if name == LOSS {
-                value = add(g, Op::Binary(BinaryOp::Mul), vec![value, weight])?;
+/// The nodes `v` is computed by, in graph order.
+fn ancestors(graph: &Graph, v: ValueId) -> Vec<NodeId> {
+    let mut needed = std::collections::BTreeSet::new();
+    let mut stack = vec![v];
+    while let Some(v) = stack.pop() {
+        if let Def::Node(n, _) = graph.value(v).def {
+            if needed.insert(n) {
+                stack.extend(&graph.node(n).inputs);
             }
-            *sum = Some(match *sum {
-                Some(s) => add(g, Op::Binary(BinaryOp::Add), vec![s, value])?,
-                None => value,
-            });
         }
-        Ok(())
+    }
+    needed.into_iter().collect()
+}
+
+/// Copies `nodes` of `old` into `g` through `map`.
+fn copy_nodes(old: &Graph, g: &mut Graph, nodes: &[NodeId], map: &mut [Option<ValueId>]) {
+    for &id in nodes {
+        let node = old.node(id);
+        let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
+        let types = node.outputs.iter().map(|&o| old.ty(o).clone()).collect();
+        let new = g.add_node_typed(node.op.clone(), inputs, types);
+        for (&o, &n) in node.outputs.iter().zip(&g.node(new).outputs) {
+            map[o.index()] = Some(n);
+        }
     }
 }
 

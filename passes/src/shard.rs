@@ -696,7 +696,10 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
         let input = node.inputs[0];
         let value = graph.value(input);
         let a = graph.mesh.axes.iter().position(|x| x.name == *axis).expect("verified axis");
-        let whole_elsewhere = value.placements.iter().enumerate().all(|(b, p)| b == a || *p == Placement::Replicate);
+        // A gradient, partial on the axis and whole on the others; not a scalar (the loss, whose
+        // reduction waiting for the gradients' would make the whole backward part of the forward).
+        let whole_elsewhere = value.placements.iter().enumerate().all(|(b, p)| b == a || *p == Placement::Replicate)
+            && value.ty.numel() > 1;
         let elements = value.ty.numel();
         let used = first_use(node.outputs[0], i);
         let sum = summed_into(node.outputs[0]);
