@@ -43,7 +43,8 @@ for c in plan["layouts"]:
 print(f"{'layout':<40} {'predicted MiB':>14} {'compiled MiB':>13} {'ratio':>6}")
 for name, _, _, p, m in rows:
     print(f"{name:<40} {p:>14.1f} {m:>13.1f} {p / m:>6.2f}")
-# ZeRO 3 with accumulation apart: the compiler keeps each micro-batch's gathered parameters.
+# ZeRO 3 with accumulation apart (the planner's weakest case until the compiler scattered each
+# micro-batch's gradients and gathered one copy of a parameter at a time).
 groups = (("pp 1", lambda pp, z3acc: pp == 1 and not z3acc), ("pp > 1", lambda pp, z3acc: pp > 1 and not z3acc),
           ("ZeRO 3 accumulating", lambda pp, z3acc: z3acc))
 for label, keep in groups:

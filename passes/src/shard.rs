@@ -573,10 +573,19 @@ fn reduce_gradients_in(graph: &Graph, dtype: autotp_ir::DType) -> Result<Graph, 
 /// where it was (as soon as its input is made) and is waited for just before its result is first
 /// needed, so a gradient's reduction runs while the backward goes on. Reshapes of a result still
 /// in flight move down with its wait. One needed right away stays synchronous.
+///
+/// A reduction holds its input until it is waited for, so at most [`REDUCTIONS_IN_FLIGHT`] are
+/// in flight on an axis: starting one more first waits for the oldest (collectives on one
+/// communicator complete in order, so it has had the time of the later ones' work). Without the
+/// bound a gradient made early in the backward (the LM head's) would stay whole until the end of
+/// it, where its reduced shard is first read.
+const REDUCTIONS_IN_FLIGHT: usize = 4;
+
 fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
     struct InFlight {
         result: ValueId,
         started: ValueId,
+        axis: String,
         /// Reshape nodes of the result, emitted after the wait.
         deferred: Vec<usize>,
     }
@@ -625,12 +634,19 @@ fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
         if reduction && !needed_next(node.outputs[0], i) {
             let out = node.outputs[0];
             let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a reduction") };
+            let on_axis: Vec<usize> = (0..flights.len())
+                .filter(|&f| flights[f].as_ref().is_some_and(|flight| &flight.axis == axis))
+                .collect();
+            if on_axis.len() >= REDUCTIONS_IN_FLIGHT {
+                let oldest = flights[on_axis[0]].take().expect("in flight");
+                land(&mut rw, oldest)?;
+            }
             let input = rw.map(node.inputs[0]);
             let g = rw.graph();
             let started = add(g, Op::Collective { kind: *kind, axis: axis.clone(), start: true }, vec![input])?;
             g.value_mut(started).placements = graph.value(out).placements.clone();
             pending.insert(out, flights.len());
-            flights.push(Some(InFlight { result: out, started, deferred: Vec::new() }));
+            flights.push(Some(InFlight { result: out, started, axis: axis.clone(), deferred: Vec::new() }));
         } else {
             rw.copy_node(autotp_ir::NodeId(i as u32));
         }
