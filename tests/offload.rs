@@ -233,7 +233,14 @@ fn nvme_steps_move_twelve_bytes_per_parameter_each_way() {
         .filter_map(|n| n.replace(',', "").parse().ok())
         .collect();
     // [steps, read_bytes, write_bytes, the files' read, the files' written]
-    assert_eq!(numbers, [steps, steps * planned, steps * planned, steps * planned, steps * planned], "{counters}");
+    let [counted_steps, read, written, files_read, files_written] = numbers[..] else { panic!("{counters}") };
+    assert_eq!([counted_steps, files_read, files_written], [steps, steps * planned, steps * planned], "{counters}");
+    // The kernel's counters are the whole process's: beside the files' bytes, a page or a few
+    // that something else wrote while the steps ran (seen once in CI: 4,096 more written).
+    let slack = 16 * 4096;
+    for (label, counted) in [("read_bytes", read), ("write_bytes", written)] {
+        assert!((steps * planned..=steps * planned + slack).contains(&counted), "{label}: {counters}");
+    }
 }
 
 /// An NVMe run saved midway resumes bit-identically, from its own checkpoint and from an
