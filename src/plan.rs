@@ -29,8 +29,8 @@
 //! micro-batch in flight beyond the cut's adds a layer's saved activations
 //! ([`PipelineModel`]). `benches/plan_memory.sh` compiles every layout that fits and prints
 //! predicted against compiled peaks; where they differ most, it is the arena's placement over
-//! the live peak (long pipelines) and the data-parallel staging of a stage. `--verify N` compiles the best N layouts whole
-//! for their exact peaks.
+//! the live peak (long pipelines) and the data-parallel staging of a stage. `--verify N`
+//! compiles the best N layouts whole for their exact peaks.
 //!
 //! **Time is a cost model** ([`Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
 //! few rows), other kernels' bytes at its memory bandwidth, a dispatch time per instruction,

@@ -24,7 +24,7 @@
 //! Input phase: differentiated (`loss` and `grad.<param>` outputs). Output: the same, over `A`
 //! micro-batches. Tests: tests/golden/accumulate.ir, tests/parallel.rs.
 
-use autotp_ir::{BinaryOp, Def, Graph, NodeId, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp, ValueId};
+use autotp_ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, Reduction, Tensor, TensorType, UnaryOp, ValueId};
 
 use crate::autodiff::GRAD_PREFIX;
 use crate::loss::LOSS;
@@ -144,7 +144,14 @@ impl Pass for Accumulate {
         // from the labels each micro-batch's loss reads: a model's own loss may shift them), or
         // 1 / A. The counting makes its own slices, so that only scalars wait for the
         // micro-batches (full recomputation cuts the forward where one activation crosses).
-        let label_nodes = counted.map(|(labels, _)| ancestors(old, labels)).unwrap_or_default();
+        let label_nodes: Vec<NodeId> = match counted {
+            Some((labels, _)) => {
+                let nodes: Vec<&autotp_ir::Node> = old.nodes().map(|(_, n)| n).collect();
+                let needed = crate::pipeline::needed_by(&nodes, old.num_values(), &[labels], |_| true);
+                (0..nodes.len()).filter(|&i| needed[i]).map(|i| NodeId(i as u32)).collect()
+            }
+            None => Vec::new(),
+        };
         let mut counts = Vec::with_capacity(steps);
         if let Some((labels, ignored)) = counted {
             let read = |v: ValueId| labels == v || label_nodes.iter().any(|&n| old.node(n).inputs.contains(&v));
@@ -200,20 +207,6 @@ impl Pass for Accumulate {
         *graph = g;
         Ok(())
     }
-}
-
-/// The nodes `v` is computed by, in graph order.
-fn ancestors(graph: &Graph, v: ValueId) -> Vec<NodeId> {
-    let mut needed = std::collections::BTreeSet::new();
-    let mut stack = vec![v];
-    while let Some(v) = stack.pop() {
-        if let Def::Node(n, _) = graph.value(v).def {
-            if needed.insert(n) {
-                stack.extend(&graph.node(n).inputs);
-            }
-        }
-    }
-    needed.into_iter().collect()
 }
 
 /// Copies `nodes` of `old` into `g` through `map`.

@@ -408,8 +408,9 @@ fn reductions(
     let axis_of = |name: &str| placed.mesh.axes.iter().position(|a| a.name == name);
     let partial = |v: ValueId, a: usize| placed.value(v).placements[a] == Placement::PartialSum;
     // The chain of values from `v` back to where its partial sum is made, through single-output
-    // ops with one partial input (keeping the shape and the dims' order when `same_shape`), and not back through a
-    // widening cast: the sum is taken in the wider type (mixed precision's f32 reductions).
+    // ops with one partial input (keeping the shape and the dims' order when `same_shape`), and
+    // not back through a widening cast: the sum is taken in the wider type (mixed precision's
+    // f32 reductions).
     let trace = |v: ValueId, a: usize, same_shape: bool| {
         let mut chain = vec![v];
         while let autotp_ir::Def::Node(p, _) = placed.value(*chain.last().expect("not empty")).def {
@@ -569,6 +570,9 @@ fn reduce_gradients_in(graph: &Graph, dtype: autotp_ir::DType) -> Result<Graph, 
     Ok(rw.finish())
 }
 
+/// The most reductions [`overlap_reductions`] keeps in flight on one mesh axis.
+const REDUCTIONS_IN_FLIGHT: usize = 4;
+
 /// Makes each all-reduce and reduce-scatter that has work to overlap asynchronous: it starts
 /// where it was (as soon as its input is made) and is waited for just before its result is first
 /// needed, so a gradient's reduction runs while the backward goes on. Reshapes of a result still
@@ -579,13 +583,10 @@ fn reduce_gradients_in(graph: &Graph, dtype: autotp_ir::DType) -> Result<Graph, 
 /// communicator complete in order, so it has had the time of the later ones' work). Without the
 /// bound a gradient made early in the backward (the LM head's) would stay whole until the end of
 /// it, where its reduced shard is first read.
-const REDUCTIONS_IN_FLIGHT: usize = 4;
-
 fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
     struct InFlight {
         result: ValueId,
         started: ValueId,
-        axis: String,
         /// Reshape nodes of the result, emitted after the wait.
         deferred: Vec<usize>,
     }
@@ -595,6 +596,7 @@ fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
     let needed_next = |v: ValueId, i: usize| nodes.get(i + 1).is_some_and(|n| n.inputs.contains(&v) && !is_view(n));
     let mut rw = Rewriter::new(graph, |_| true);
     let mut flights: Vec<Option<InFlight>> = Vec::new();
+    let mut started_on: BTreeMap<String, std::collections::VecDeque<usize>> = BTreeMap::new();
     // Old value (a result in flight or a deferred reshape of one) -> its flight.
     let mut pending: BTreeMap<ValueId, usize> = BTreeMap::new();
     let land = |rw: &mut Rewriter, flight: InFlight| -> Result<(), PassError> {
@@ -634,19 +636,20 @@ fn overlap_reductions(graph: &Graph) -> Result<Graph, PassError> {
         if reduction && !needed_next(node.outputs[0], i) {
             let out = node.outputs[0];
             let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a reduction") };
-            let on_axis: Vec<usize> = (0..flights.len())
-                .filter(|&f| flights[f].as_ref().is_some_and(|flight| &flight.axis == axis))
-                .collect();
+            // This axis's flights in start order (those landed since at their first use dropped).
+            let on_axis = started_on.entry(axis.clone()).or_default();
+            on_axis.retain(|&f| flights[f].is_some());
             if on_axis.len() >= REDUCTIONS_IN_FLIGHT {
-                let oldest = flights[on_axis[0]].take().expect("in flight");
-                land(&mut rw, oldest)?;
+                let oldest = on_axis.pop_front().expect("in flight");
+                land(&mut rw, flights[oldest].take().expect("in flight"))?;
             }
+            on_axis.push_back(flights.len());
             let input = rw.map(node.inputs[0]);
             let g = rw.graph();
             let started = add(g, Op::Collective { kind: *kind, axis: axis.clone(), start: true }, vec![input])?;
             g.value_mut(started).placements = graph.value(out).placements.clone();
             pending.insert(out, flights.len());
-            flights.push(Some(InFlight { result: out, started, axis: axis.clone(), deferred: Vec::new() }));
+            flights.push(Some(InFlight { result: out, started, deferred: Vec::new() }));
         } else {
             rw.copy_node(autotp_ir::NodeId(i as u32));
         }
