@@ -512,7 +512,46 @@ fn loss_scaler(flags: &CompileFlags) -> Result<Option<LossScaler>> {
     }))
 }
 
+/// Refuses a model whose gathers with indices known at import read past their table: a
+/// position embedding shorter than `--seq-len`, which would otherwise fail at the first step.
+fn check_constant_gathers(graph: &autotp_ir::Graph, flags: &CompileFlags) -> Result<()> {
+    for (id, node) in graph.nodes() {
+        let autotp_ir::Op::Gather { axis } = node.op else { continue };
+        let autotp_ir::Def::Node(made_by, _) = graph.value(node.inputs[1]).def else { continue };
+        let autotp_ir::Op::Constant { value } = &graph.node(made_by).op else { continue };
+        let size = graph.ty(node.inputs[0]).shape[axis] as i64;
+        let Some(index) = value.to_i64_vec().into_iter().find(|&i| i >= size || i < -size) else { continue };
+        let table = match graph.name_of(node.inputs[0]) {
+            Some(name) => format!("'{name}'"),
+            None => "its input".to_string(),
+        };
+        bail!(
+            "--seq-len {}: the model reads entry {index} of {table} (dim {axis} of size {size}; gather, node {}); \
+             a position table that long allows --seq-len {size} at most",
+            flags.seq_len,
+            id.index()
+        );
+    }
+    Ok(())
+}
+
+/// `flag`'s `value` if it is a finite number of at least 0, as `torch.optim` requires of a
+/// learning rate, eps, weight decay and momentum.
+fn non_negative(flag: &str, value: f64) -> Result<f64> {
+    if !(value.is_finite() && value >= 0.0) {
+        bail!("{flag} {value} is invalid: it must be a finite number of at least 0");
+    }
+    Ok(value)
+}
+
 fn optimizer(flags: &CompileFlags) -> Result<(Optimizer, String)> {
+    non_negative("--lr", flags.lr)?;
+    non_negative("--weight-decay", flags.weight_decay)?;
+    if let Some(clip) = flags.grad_clip {
+        if !(clip.is_finite() && clip > 0.0) {
+            bail!("--grad-clip {clip} is invalid: it must be a finite norm above 0 (leave it out not to clip)");
+        }
+    }
     Ok(match flags.optimizer.as_str() {
         "adamw" => {
             let betas: Vec<f64> = flags
@@ -522,12 +561,19 @@ fn optimizer(flags: &CompileFlags) -> Result<(Optimizer, String)> {
                 .collect::<Result<_, _>>()
                 .with_context(|| format!("--betas '{}' must be B1,B2", flags.betas))?;
             let [beta1, beta2] = betas[..] else { bail!("--betas '{}' must be two numbers, B1,B2", flags.betas) };
-            let (eps, weight_decay) = (flags.eps, flags.weight_decay);
+            if !betas.iter().all(|b| (0.0..1.0).contains(b)) {
+                bail!("--betas {beta1},{beta2} is invalid: each must be at least 0 and below 1");
+            }
+            let (eps, weight_decay) = (non_negative("--eps", flags.eps)?, flags.weight_decay);
             let description = format!("adamw(betas={beta1},{beta2} eps={eps:e} weight_decay={weight_decay})");
             (Optimizer::AdamW { beta1, beta2, eps, weight_decay }, description)
         }
         "sgd" => {
-            let (momentum, weight_decay, nesterov) = (flags.momentum, flags.weight_decay, flags.nesterov);
+            let (momentum, weight_decay, nesterov) =
+                (non_negative("--momentum", flags.momentum)?, flags.weight_decay, flags.nesterov);
+            if nesterov && momentum == 0.0 {
+                bail!("--nesterov needs a --momentum above 0");
+            }
             let description = format!("sgd(momentum={momentum} nesterov={nesterov} weight_decay={weight_decay})");
             (Optimizer::Sgd { momentum, weight_decay, nesterov }, description)
         }
@@ -546,6 +592,11 @@ fn schedule(flags: &CompileFlags) -> Result<Schedule> {
     ];
     if let Some((flag, ..)) = given.iter().find(|(_, given, applies)| *given && !applies) {
         bail!("{flag} does not apply to --lr-schedule {kind}");
+    }
+    non_negative("--min-lr", flags.min_lr)?;
+    let ratios = [("--warmup-min-ratio", flags.warmup_min_ratio), ("--cos-min-ratio", flags.cos_min_ratio)];
+    for (flag, value) in [("--warmup-min-lr", flags.warmup_min_lr)].into_iter().chain(ratios) {
+        value.map(|v| non_negative(flag, v)).transpose()?;
     }
     let log_warmup = match flags.warmup_type.as_deref() {
         None | Some("log") => true,
@@ -792,6 +843,7 @@ pub fn compile_with(flags: &CompileFlags, weights: Weights) -> Result<Compiled> 
         }
         _ => autotp_frontend::import_onnx(&flags.model, &options)?,
     };
+    check_constant_gathers(&model.graph, flags)?;
     // The model's parameter shapes, which the passes may split.
     let model_shapes: BTreeMap<String, Vec<usize>> = (model.graph.params().iter())
         .filter_map(|&p| Some((model.graph.name_of(p)?.to_string(), model.graph.ty(p).shape.clone())))

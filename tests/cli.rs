@@ -306,3 +306,45 @@ fn a_cuda_run_without_a_driver_names_the_library() {
         assert_eq!(err.trim().lines().count(), 1, "{command:?}: {err}");
     }
 }
+
+/// Optimizer and schedule values `torch.optim` refuses (a learning rate, eps, weight decay or
+/// momentum below 0, betas outside [0, 1), Nesterov without momentum), and values that are not
+/// finite, are refused by `compile`, naming the flag.
+#[test]
+fn optimizer_values_pytorch_refuses_are_refused() {
+    let model = fixture("gpt2", "model.onnx");
+    let out = temp_dir("optimizer-values").join("plan.atp");
+    let cases: [(&[&str], &str); 10] = [
+        (&["--lr=-1"], "--lr -1 is invalid: it must be a finite number of at least 0"),
+        (&["--lr", "nan"], "--lr NaN is invalid"),
+        (&["--lr", "inf"], "--lr inf is invalid"),
+        (&["--betas", "0.9,1.0"], "--betas 0.9,1 is invalid: each must be at least 0 and below 1"),
+        (&["--betas=-0.1,0.999"], "--betas -0.1,0.999 is invalid"),
+        (&["--eps=-1e-8"], "--eps -0.00000001 is invalid"),
+        (&["--weight-decay=-0.1"], "--weight-decay -0.1 is invalid"),
+        (&["--grad-clip", "0"], "--grad-clip 0 is invalid: it must be a finite norm above 0"),
+        (&["--optimizer", "sgd", "--nesterov"], "--nesterov needs a --momentum above 0"),
+        (&["--lr-schedule", "cosine", "--min-lr=-1e-5"], "--min-lr -0.00001 is invalid"),
+    ];
+    for (flags, expected) in cases {
+        let args = [&["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "2"][..], flags];
+        let err = fails(&[&args.concat()[..], &["-o", out.to_str().unwrap()]].concat());
+        assert!(err.contains(expected), "{flags:?}: {err}");
+    }
+    assert!(!out.exists(), "a refused plan is not written");
+}
+
+/// A sequence longer than the model's position table is refused when the plan is compiled, not
+/// at its first step.
+#[test]
+fn a_sequence_longer_than_the_position_table_is_refused() {
+    let model = fixture("gpt2", "model.onnx");
+    let out = temp_dir("seq-len").join("plan.atp");
+    let args = ["compile", model.to_str().unwrap(), "--seq-len", "129", "--micro-batch", "2"];
+    let err = fails(&[&args[..], &["-o", out.to_str().unwrap()]].concat());
+    assert!(
+        err.contains("--seq-len 129: the model reads entry 128 of 'm.transformer.wpe.weight' (dim 0 of size 128"),
+        "{err}"
+    );
+    assert!(err.contains("allows --seq-len 128 at most"), "{err}");
+}

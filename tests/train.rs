@@ -166,6 +166,14 @@ fn bad_training_input() {
     let err = failure(out);
     assert!(err.contains("holds 3 tokens, fewer than one window of seq-len + 1 = 33"), "{err}");
     let one_step = ["--micro-batch", "2", "--steps", "1"];
+    let dir = std::env::temp_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["train", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "2", "--steps", "1"])
+        .args(["--data", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = failure(out);
+    assert!(err.contains(&format!("{} is a directory, not a file of tokens", dir.display())), "{err}");
     let err = failure(autotp_train("gpt2", &[&one_step[..], &["--data-dtype", "u8"]].concat()));
     assert!(err.contains("unknown token dtype 'u8' (expected u16 or u32)"), "{err}");
     let err = failure(autotp_train("gpt2", &[&one_step[..], &["--optimizer", "lion"]].concat()));

@@ -41,6 +41,8 @@ impl TokenDtype {
 pub enum DataError {
     #[error("cannot read {path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("{0} is a directory, not a file of tokens")]
+    Directory(PathBuf),
     #[error("unknown token dtype '{0}' (expected u16 or u32)")]
     UnknownDtype(String),
     #[error(
@@ -71,6 +73,9 @@ impl TokenData {
     pub fn open(path: &Path, dtype: TokenDtype, seq_len: usize) -> Result<TokenData, DataError> {
         let io = |source| DataError::Io { path: path.to_path_buf(), source };
         let file = std::fs::File::open(path).map_err(io)?;
+        if file.metadata().map_err(io)?.is_dir() {
+            return Err(DataError::Directory(path.to_path_buf()));
+        }
         // SAFETY: read-only map of a data file that must not change during training.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         if map.len() % dtype.size() != 0 {
