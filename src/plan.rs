@@ -851,8 +851,6 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         );
         let flags = best.compile_args.as_ref().expect("a layout that fits has its flags");
         println!("  autotp compile {} -o plan.atp", flags.join(" "));
-    } else {
-        println!("no layout fits {} bytes per device", grouped(args.memory_per_device as usize));
     }
     // Refusals, by reason (numbers stripped), with a count and one example.
     let mut reasons: BTreeMap<String, (usize, String)> = BTreeMap::new();
@@ -877,6 +875,15 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "global_batch": global_batch, "seq_len": args.seq_len, "precision": precision, "models": models, "layouts": considered});
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if fitting.is_empty() {
+        // A failure to a script too, after the reasons above.
+        bail!(
+            "no layout of {} devices fits {} bytes per device ({} considered, all refused: above)",
+            args.devices,
+            grouped(args.memory_per_device as usize),
+            considered.len()
+        );
     }
     Ok(())
 }

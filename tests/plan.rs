@@ -122,6 +122,24 @@ fn plan_ranks_the_layouts_that_fit_and_says_why_the_others_do_not() {
     assert!(report.exists());
 }
 
+/// When no layout fits, `plan` still prints why each was refused and writes its JSON, then
+/// fails: a script that plans before it compiles stops there.
+#[test]
+fn plan_fails_when_no_layout_fits() {
+    let model = fixture("gpt2", "model.onnx");
+    let dir = scratch("plan-nothing-fits");
+    let json = dir.join("plan.json");
+    let args = ["--devices", "2", "--memory-per-device", "1KB", "--device", "cpu", "--seq-len", "16"];
+    let out = autotp(&[&["plan", model.to_str().unwrap()][..], &args, &["--json", json.to_str().unwrap()]].concat());
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("refused:") && stdout.contains("out of memory"), "{stdout}");
+    assert!(stderr.contains("no layout of 2 devices fits 1,000 bytes per device"), "{stderr}");
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    assert!(written["layouts"].as_array().unwrap().iter().all(|l| l["prediction"].is_null()));
+}
+
 /// Where a layout is one of the compiled cuts (the whole 2-layer model, tp 2, no dp or
 /// pipeline), the predicted peak is the compiler's: within the arena's alignment padding.
 #[test]
