@@ -306,7 +306,8 @@ pub fn expand(args: Vec<OsString>) -> Result<Vec<OsString>> {
             None if words.iter().any(|w| w == t.flag) => {}
             None => expanded.push(t.flag.into()),
             Some(value) => match given(&words, t.flag) {
-                None => expanded.extend([OsString::from(t.flag), OsString::from(value)]),
+                // `--flag=V`: a value such as -1 would otherwise read as a flag of its own.
+                None => expanded.push(OsString::from(format!("{}={value}", t.flag))),
                 Some(on_line) if same(&on_line, value) => {}
                 Some(on_line) => bail!(
                     "{} {on_line} on the command line contradicts {} = {value} in {}",

@@ -176,6 +176,10 @@ fn deepspeed_configs_refuse_contradictions_and_drive_train() {
     let auto = config(&dir, "a.json", serde_json::json!({"train_micro_batch_size_per_gpu": "auto"}));
     let refused = failure(autotp(&compile_args(&["--deepspeed", &auto])));
     assert!(refused.contains("train_micro_batch_size_per_gpu is \"auto\""), "{refused}");
+    // A negative value reaches the flag's own check (not clap, as a flag named -1).
+    let negative = config(&dir, "n.json", serde_json::json!({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}));
+    let refused = failure(autotp(&compile_args(&["--micro-batch", "4", "--deepspeed", &negative])));
+    assert!(refused.contains("--lr -1 is invalid: it must be a finite number of at least 0"), "{refused}");
 
     // WarmupLR, linear, with the optimizer's lr overridden by warmup_max_lr as DeepSpeed does:
     // DeepSpeed steps the scheduler after each optimizer step, so steps 1 and 2 both run at
