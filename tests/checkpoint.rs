@@ -155,6 +155,27 @@ fn a_checkpoint_of_another_plan_is_refused() {
 
     let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&dir.join("nothing-here"))]));
     assert!(err.contains("does not exist or is not a directory"), "{err}");
+
+    // A damaged checkpoint is refused, naming its file and what is wrong, never resumed from
+    // an older one in its place.
+    let step = std::fs::read_dir(&ckpt).unwrap().map(|e| e.unwrap().path()).find(|p| p.is_dir()).unwrap();
+    let manifest = step.join("manifest.json");
+    let damaged: [(&str, &[u8], &str); 3] = [
+        ("manifest.json", b"{", "manifest.json: is not JSON (damaged?)"),
+        ("manifest.json", b"{}", "manifest.json: names no format ('autotp-checkpoint/1' expected)"),
+        ("model.safetensors", b"\x01\x02", "model.safetensors: not a valid safetensors file"),
+    ];
+    let intact = std::fs::read(&manifest).unwrap();
+    for (file, bytes, expected) in damaged {
+        let path = step.join(file);
+        let kept = std::fs::read(&path).unwrap();
+        std::fs::write(&path, bytes).unwrap();
+        let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt)]));
+        assert!(err.contains(expected), "{file}: {err}");
+        std::fs::write(&path, kept).unwrap();
+    }
+    assert_eq!(std::fs::read(&manifest).unwrap(), intact);
+    success(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt)]));
 }
 
 /// A checkpoint resumes under another parallel layout of the same training (DeepSpeed's

@@ -359,11 +359,14 @@ impl Checkpoint {
         let dir = resolve(path)?;
         let manifest_path = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&manifest_path).map_err(io_error(&manifest_path, "read"))?;
-        let format = serde_json::from_str::<serde_json::Value>(&text)
-            .ok()
-            .and_then(|v| v.get("format").and_then(|f| f.as_str().map(str::to_string)));
-        if format.as_deref() != Some(FORMAT) {
-            return Err(checkpoint_error(&dir, format!("has format {format:?}; this autotp reads '{FORMAT}'")));
+        let json = serde_json::from_str::<serde_json::Value>(&text)
+            .map_err(|e| checkpoint_error(&manifest_path, format!("is not JSON (damaged?): {e}")))?;
+        match json.get("format").and_then(|f| f.as_str()) {
+            Some(FORMAT) => {}
+            Some(other) => {
+                return Err(checkpoint_error(&dir, format!("has format '{other}'; this autotp reads '{FORMAT}'")))
+            }
+            None => return Err(checkpoint_error(&manifest_path, format!("names no format ('{FORMAT}' expected)"))),
         }
         let manifest: Manifest = serde_json::from_str(&text)
             .map_err(|e| checkpoint_error(&manifest_path, format!("the manifest does not parse: {e}")))?;
