@@ -5,7 +5,7 @@
 //! master weights.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 use autotp_frontend::onnx::export::{with_weights, Weight};
@@ -33,9 +33,31 @@ pub struct ExportArgs {
     external_data: bool,
 }
 
+/// Whether `a` and `b` are one existing file.
+fn same_file(a: &Path, b: &Path) -> bool {
+    matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
+}
+
 pub fn run(args: &ExportArgs) -> Result<()> {
     let checkpoint = Checkpoint::open(&args.checkpoint)?;
     let manifest = &checkpoint.manifest;
+    // Nothing the user has is written over: the model the plan was compiled from, nor a file
+    // of the checkpoint being read.
+    let original = args.model.clone().unwrap_or_else(|| manifest.model.path.clone());
+    let checkpoint_files: Vec<PathBuf> = std::fs::read_dir(&checkpoint.dir)
+        .map(|entries| entries.filter_map(|e| Some(e.ok()?.path())).collect())
+        .unwrap_or_default();
+    for destination in args.output.iter().chain(&args.safetensors) {
+        if same_file(destination, &original) {
+            bail!(
+                "{} is the model the checkpoint was trained from: write the trained model to another file",
+                destination.display()
+            );
+        }
+        if checkpoint_files.iter().any(|f| same_file(destination, f)) {
+            bail!("{} is a file of the checkpoint being exported: write to another file", destination.display());
+        }
+    }
     // A mixed-precision run's weights are its f32 masters (full precision, as DeepSpeed's
     // zero_to_fp32 recovers them), not the 16-bit parameters rounded from them.
     let params: Vec<_> = (checkpoint.params().into_iter())
@@ -63,7 +85,6 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         println!("wrote {}: {} tensors from step {}", path.display(), params.len(), manifest.step);
     }
     if let Some(output) = &args.output {
-        let original = args.model.clone().unwrap_or_else(|| manifest.model.path.clone());
         if !original.is_file() {
             bail!(
                 "the checkpoint's model {} is not there any more: name the original with --model MODEL.onnx",

@@ -252,6 +252,22 @@ fn export_writes_the_trained_weights_into_the_model() {
 
     let err = failure(autotp(&["export", s(&ckpt), "-o", s(&onnx), "--model", s(&fixture("llama", "model.onnx"))]));
     assert!(err.contains("is not an initializer of") || err.contains("the trained weight"), "{err}");
+
+    // Nothing the user has is written over: the source model, a file of the checkpoint.
+    let model = dir.join("source.onnx");
+    std::fs::copy(fixture("gpt2", "model.onnx"), &model).unwrap();
+    let source = std::fs::read(&model).unwrap();
+    let err = failure(autotp(&["export", s(&ckpt), "-o", s(&model), "--model", s(&model)]));
+    assert!(err.contains("source.onnx is the model the checkpoint was trained from"), "{err}");
+    assert_eq!(std::fs::read(&model).unwrap(), source);
+    let shard = std::fs::read_dir(Checkpoint::open(&ckpt).unwrap().dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .unwrap();
+    let err = failure(autotp(&["export", s(&ckpt), "--safetensors", s(&shard)]));
+    assert!(err.contains("is a file of the checkpoint being exported"), "{err}");
+    Checkpoint::open(&ckpt).unwrap();
 }
 
 /// The first step of a cosine schedule has learning rate 0: the weights must not move. (The
