@@ -174,7 +174,7 @@ pub struct CompileFlags {
     print_after: Vec<String>,
     /// Write the per-rank memory and per-step communication plan as JSON.
     #[arg(long, value_name = "FILE.json")]
-    report: Option<PathBuf>,
+    pub report: Option<PathBuf>,
     /// Write every generated kernel's kernel IR (.kir) and optimised LLVM IR for this machine
     /// (.ll), and each stage's PTX module per GPU architecture (.ptx), into DIR.
     #[arg(long, value_name = "DIR")]
@@ -1538,6 +1538,9 @@ fn dump_kernels(dir: &Path, plan: &autotp_runtime::plan::TrainingPlan) -> Result
 }
 
 pub fn run(args: &CompileArgs) -> Result<()> {
+    for destination in args.output.iter().chain(&args.flags.report) {
+        crate::refuse_overwrite(destination, &args.flags.model, "the model being compiled")?;
+    }
     let weights = if args.output.is_some() { Weights::Read } else { Weights::ShapesOnly { layers: None } };
     let compiled = compile_with(&args.flags, weights)?;
     if let Some(dir) = &args.flags.dump_kernels {

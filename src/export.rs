@@ -5,7 +5,7 @@
 //! master weights.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use autotp_frontend::onnx::export::{with_weights, Weight};
@@ -33,11 +33,6 @@ pub struct ExportArgs {
     external_data: bool,
 }
 
-/// Whether `a` and `b` are one existing file.
-fn same_file(a: &Path, b: &Path) -> bool {
-    matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
-}
-
 pub fn run(args: &ExportArgs) -> Result<()> {
     let checkpoint = Checkpoint::open(&args.checkpoint)?;
     let manifest = &checkpoint.manifest;
@@ -48,14 +43,9 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         .map(|entries| entries.filter_map(|e| Some(e.ok()?.path())).collect())
         .unwrap_or_default();
     for destination in args.output.iter().chain(&args.safetensors) {
-        if same_file(destination, &original) {
-            bail!(
-                "{} is the model the checkpoint was trained from: write the trained model to another file",
-                destination.display()
-            );
-        }
-        if checkpoint_files.iter().any(|f| same_file(destination, f)) {
-            bail!("{} is a file of the checkpoint being exported: write to another file", destination.display());
+        crate::refuse_overwrite(destination, &original, "the model the checkpoint was trained from")?;
+        for file in &checkpoint_files {
+            crate::refuse_overwrite(destination, file, "a file of the checkpoint being exported")?;
         }
     }
     // A mixed-precision run's weights are its f32 masters (full precision, as DeepSpeed's

@@ -211,6 +211,17 @@ fn summary(t: &HostTensor) -> String {
 
 /// The error and its causes on one line. Library errors often repeat their cause in their own
 /// message; a cause the message already ends with is not repeated.
+/// Refuses to write `destination` over `kept` (an input the command reads): the same existing
+/// file, by any path. `what` says what `kept` is.
+pub(crate) fn refuse_overwrite(destination: &Path, kept: &Path, what: &str) -> Result<()> {
+    if let (Ok(a), Ok(b)) = (destination.canonicalize(), kept.canonicalize()) {
+        if a == b {
+            bail!("{} is {what}: write to another file", destination.display());
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn render(error: &anyhow::Error) -> String {
     let mut message = String::new();
     for cause in error.chain() {

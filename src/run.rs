@@ -36,7 +36,7 @@ pub struct RunFlags {
     /// Append one JSON object per step (step, loss, lr, step_seconds, tokens_per_second[,
     /// grad_norm]); a fresh run truncates the file, a resumed one appends.
     #[arg(long, value_name = "FILE.jsonl")]
-    metrics_out: Option<PathBuf>,
+    pub metrics_out: Option<PathBuf>,
     /// Save checkpoints under this directory: at the end, and every --save-every steps.
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
@@ -160,6 +160,9 @@ pub struct RunArgs {
 /// `autotp run`; returns the exit status of the launched job with `--launch`.
 pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
     let gpu = args.flags.gpu()?;
+    if let Some(metrics) = &args.flags.metrics_out {
+        crate::refuse_overwrite(metrics, &args.plan, "the plan being run")?;
+    }
     if let Some(processes) = args.launch {
         return crate::job::launch(processes).map(Some);
     }
@@ -222,6 +225,9 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
 pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if flags.save_every == Some(0) || flags.log_every == 0 {
         bail!("--save-every and --log-every must be at least 1");
+    }
+    if let Some(metrics) = &flags.metrics_out {
+        crate::refuse_overwrite(metrics, &flags.data, "the token file being trained on")?;
     }
     let dtype = TokenDtype::parse(&flags.data_dtype)?;
     let data = TokenData::open(&flags.data, dtype, trainer.training().seq_len)?;

@@ -25,6 +25,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     // Under a launcher every process compiles the same plan (compiling is deterministic); the
     // first alone writes and prints it.
     let gpu = args.run.gpu()?;
+    let written = args.output.iter().chain(&args.compile.report).chain(&args.run.metrics_out);
+    for destination in written {
+        crate::refuse_overwrite(destination, &args.compile.model, "the model being trained")?;
+    }
     let first = autotp_runtime::launch::discover()?.rank == 0;
     let compiled = compile::compile(&args.compile)?;
     if let (Some(path), true) = (&args.output, first) {

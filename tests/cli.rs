@@ -348,3 +348,45 @@ fn a_sequence_longer_than_the_position_table_is_refused() {
     );
     assert!(err.contains("allows --seq-len 128 at most"), "{err}");
 }
+
+/// A command never writes over a file it reads: the model (`compile -o`, `--report`,
+/// `train --metrics-out`), the plan or the token file (`run --metrics-out`). Each is refused
+/// before anything is written, and the file is as it was.
+#[test]
+fn outputs_never_overwrite_inputs() {
+    let dir = temp_dir("overwrite");
+    let model = dir.join("model.onnx");
+    std::fs::copy(fixture("gpt2", "model.onnx"), &model).unwrap();
+    let tokens = dir.join("tokens.bin");
+    std::fs::copy(crate::common::repo().join("tests/fixtures/train/tokens.bin"), &tokens).unwrap();
+    let plan = dir.join("plan.atp");
+    let (m, t, p) = (model.to_str().unwrap(), tokens.to_str().unwrap(), plan.to_str().unwrap());
+    let contract = ["--seq-len", "32", "--micro-batch", "2"];
+    let compiled = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args([&["compile", m][..], &contract, &["-o", p]].concat())
+        .output()
+        .unwrap();
+    assert!(compiled.status.success(), "{}", String::from_utf8_lossy(&compiled.stderr));
+    let kept: Vec<(PathBuf, Vec<u8>)> =
+        [&model, &tokens, &plan].iter().map(|f| (f.to_path_buf(), std::fs::read(f).unwrap())).collect();
+    let cases: [(Vec<&str>, &str); 5] = [
+        ([&["compile", m][..], &contract, &["-o", m]].concat(), "model.onnx is the model being compiled"),
+        ([&["compile", m][..], &contract, &["--report", m]].concat(), "model.onnx is the model being compiled"),
+        (
+            vec!["run", p, "--data", t, "--steps", "1", "--metrics-out", t],
+            "tokens.bin is the token file being trained on",
+        ),
+        (vec!["run", p, "--data", t, "--steps", "1", "--metrics-out", p], "plan.atp is the plan being run"),
+        (
+            [&["train", m][..], &contract, &["--data", t, "--steps", "1", "--metrics-out", m]].concat(),
+            "model.onnx is the model being trained",
+        ),
+    ];
+    for (args, expected) in cases {
+        let err = fails(&args);
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+    for (file, bytes) in kept {
+        assert_eq!(std::fs::read(&file).unwrap(), bytes, "{} changed", file.display());
+    }
+}
