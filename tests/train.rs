@@ -3,6 +3,7 @@
 //! weight decay 0.01), global batch 8, sequence 32, the contract's data windows and loss. The
 //! contract's tolerance: 1e-5 relative at step 1, 1e-3 at every step.
 
+use std::path::Path;
 use std::process::Command;
 
 use crate::common::{failure, fixture, repo};
@@ -156,24 +157,22 @@ fn llama_trains_like_pytorch() {
 #[test]
 fn bad_training_input() {
     let model = fixture("gpt2", "model.onnx");
+    let train_on = |data: &Path| {
+        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args(["train", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "2", "--steps", "1"])
+            .args(["--data", data.to_str().unwrap()])
+            .output()
+            .unwrap();
+        failure(out)
+    };
     let short = std::env::temp_dir().join(format!("autotp-short-{}.bin", std::process::id()));
     std::fs::write(&short, [1u8, 0, 2, 0, 3, 0]).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
-        .args(["train", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "2", "--steps", "1"])
-        .args(["--data", short.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let err = failure(out);
+    let err = train_on(&short);
     assert!(err.contains("holds 3 tokens, fewer than one window of seq-len + 1 = 33"), "{err}");
-    let one_step = ["--micro-batch", "2", "--steps", "1"];
     let dir = std::env::temp_dir();
-    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
-        .args(["train", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "2", "--steps", "1"])
-        .args(["--data", dir.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let err = failure(out);
+    let err = train_on(&dir);
     assert!(err.contains(&format!("{} is a directory, not a file of tokens", dir.display())), "{err}");
+    let one_step = ["--micro-batch", "2", "--steps", "1"];
     let err = failure(autotp_train("gpt2", &[&one_step[..], &["--data-dtype", "u8"]].concat()));
     assert!(err.contains("unknown token dtype 'u8' (expected u16 or u32)"), "{err}");
     let err = failure(autotp_train("gpt2", &[&one_step[..], &["--optimizer", "lion"]].concat()));
