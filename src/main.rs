@@ -209,8 +209,6 @@ fn summary(t: &HostTensor) -> String {
     format!("mean={mean:.6} max|x|={max:.6}")
 }
 
-/// The error and its causes on one line. Library errors often repeat their cause in their own
-/// message; a cause the message already ends with is not repeated.
 /// Refuses to write `destination` over `kept` (an input the command reads): the same existing
 /// file, by any path. `what` says what `kept` is.
 pub(crate) fn refuse_overwrite(destination: &Path, kept: &Path, what: &str) -> Result<()> {
@@ -222,6 +220,8 @@ pub(crate) fn refuse_overwrite(destination: &Path, kept: &Path, what: &str) -> R
     Ok(())
 }
 
+/// The error and its causes on one line. Library errors often repeat their cause in their own
+/// message; a cause the message already ends with is not repeated.
 pub(crate) fn render(error: &anyhow::Error) -> String {
     let mut message = String::new();
     for cause in error.chain() {

@@ -368,7 +368,7 @@ impl Checkpoint {
             }
             None => return Err(checkpoint_error(&manifest_path, format!("names no format ('{FORMAT}' expected)"))),
         }
-        let manifest: Manifest = serde_json::from_str(&text)
+        let manifest: Manifest = serde_json::from_value(json)
             .map_err(|e| checkpoint_error(&manifest_path, format!("the manifest does not parse: {e}")))?;
         let mut files = BTreeMap::new();
         for (file, names) in &manifest.files {
