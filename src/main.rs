@@ -240,6 +240,10 @@ fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("AUTOTP_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
+    if let Err(e) = autotp_kernels::isa::IsaLevel::configured() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let args = match deepspeed::expand(std::env::args_os().collect()) {
         Ok(args) => args,
         Err(e) => {

@@ -17,6 +17,7 @@
 //!   against the single-device step.
 //! - `gpu`: the GPU device's host side on the emulated GPU against the CPU executor.
 //! - `kernels`: every generated kernel against the builtin kernel of the same op.
+//! - `isa`: the kernel and training tests again at x86-64-v3 (AVX2) on an AVX-512 host.
 //! - `rewrites`: the egg rewrites of kernel index arithmetic against their golden file.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
 //!   `conformance`: rules, optimizers and ONNX node tests against references.
@@ -31,6 +32,7 @@ mod fixtures;
 mod golden;
 mod gpu;
 mod gradients;
+mod isa;
 mod kernels;
 mod offload;
 mod optimizers;

@@ -28,12 +28,15 @@ const BLOCKS_PER_TASK: usize = 8;
 /// Multiply-adds below which a product runs on the calling thread.
 const TINY: usize = 1 << 22;
 
-/// Whether this CPU has the bf16 dot-product instructions (checked once).
+/// Whether this CPU has the bf16 dot-product instructions and the active level
+/// ([`crate::isa::IsaLevel::active`]) allows AVX-512 (checked once).
 pub fn native() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static NATIVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *NATIVE.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16"))
+        *NATIVE.get_or_init(|| {
+            crate::isa::IsaLevel::active() >= crate::isa::IsaLevel::V4 && is_x86_feature_detected!("avx512bf16")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

@@ -243,17 +243,17 @@ impl<F: Float> Step<F> {
         }
     }
 
-    /// [`Step::apply`] compiled for AVX2 where the CPU has it (rustc's default x86-64 target
-    /// has SSE2 alone). The arithmetic is the same IEEE operations in the same order (rustc
+    /// [`Step::apply`] compiled for AVX2 where the active level has it (rustc's default x86-64
+    /// target has SSE2 alone). The arithmetic is the same IEEE operations in the same order (rustc
     /// never contracts to FMA), so the result is too.
     fn apply_fastest(&self, param: &mut [F], grad: &[F], first: &mut [F], second: &mut [F]) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if crate::isa::IsaLevel::active() >= crate::isa::IsaLevel::V3 {
             #[target_feature(enable = "avx2")]
             unsafe fn avx2<F: Float>(step: &Step<F>, param: &mut [F], grad: &[F], first: &mut [F], second: &mut [F]) {
                 step.apply(param, grad, first, second)
             }
-            // SAFETY: the CPU has AVX2 (checked above).
+            // SAFETY: the CPU has AVX2 (the active level is at most the host's).
             return unsafe { avx2(self, param, grad, first, second) };
         }
         self.apply(param, grad, first, second)

@@ -1,14 +1,15 @@
 //! The x86-64 target: each kernel becomes
 //! `void kernel(u8** buffers, i64 begin, i64 end)`, which runs rows `begin..end` of the loop
-//! nest. Every `Reduce` and `Map` stage is a loop over the inner dimension in steps of the host's
-//! vector width (16 f32 lanes with AVX-512, 8 with AVX2, else 4) and a scalar loop over the
-//! remaining tail; a row stage runs once. A kernel whose rows are contiguous and whose inner
+//! nest. Every `Reduce` and `Map` stage is a loop over the inner dimension in steps of the
+//! active level's vector width ([`IsaLevel`]: 16 f32 lanes with AVX-512, 8 with AVX2, else 4)
+//! and a scalar loop over the remaining tail; a row stage runs once. A kernel whose rows are contiguous and whose inner
 //! walk is strided (a reduction over leading dims, `x[i, o]`) runs lanes along rows instead:
 //! a block of rows per vector, the inner dimension one position at a time, so its loads are
 //! vectors, not gathers. The rows of one call run in order and each row's
 //! result depends only on its own elements, so how the runtime splits rows among threads never
 //! changes a result.
 
+use autotp_kernels::isa::IsaLevel;
 use autotp_kernels::kir::{self, Stage};
 use inkwell::context::Context;
 use inkwell::module::Module;
@@ -65,12 +66,19 @@ pub(crate) struct HostTarget {
 unsafe impl Send for HostTarget {}
 
 impl HostTarget {
+    /// The target for the active level ([`IsaLevel::configured`]): at the host's level, the
+    /// host CPU with all its features (LLVM's tuning for it); at a lower one, the level's
+    /// generic CPU (`x86-64-v3`), so the code is what an AVX2-only machine would run.
     pub fn detect() -> Result<HostTarget, LlvmError> {
+        let level = IsaLevel::configured().map_err(|e| LlvmError::llvm("target selection", e))?;
         Target::initialize_native(&InitializationConfig::default())
             .map_err(|e| LlvmError::llvm("initialisation", e))?;
         let triple = TargetMachine::get_default_triple();
-        let cpu = TargetMachine::get_host_cpu_name().to_string();
-        let features = TargetMachine::get_host_cpu_features().to_string();
+        let (cpu, features) = if level == IsaLevel::host() {
+            (TargetMachine::get_host_cpu_name().to_string(), TargetMachine::get_host_cpu_features().to_string())
+        } else {
+            (level.name().to_string(), String::new())
+        };
         let target = Target::from_triple(&triple).map_err(|e| LlvmError::llvm("target lookup", e))?;
         let machine = target
             .create_target_machine(
@@ -82,17 +90,15 @@ impl HostTarget {
                 CodeModel::Default,
             )
             .ok_or_else(|| LlvmError::llvm("target machine", format!("no target machine for {triple}")))?;
-        let has = |f: &str| features.split(',').any(|x| x == f);
-        let width = if has("+avx512f") {
-            16
-        } else if has("+avx2") {
-            8
-        } else {
-            4
-        };
+        let width = level.f32_lanes();
         let description = format!("{} {cpu} {features} w{width}", triple.as_str().to_string_lossy());
         Ok(HostTarget { machine, width, description })
     }
+}
+
+/// The f32 lanes of the vectors the JIT's kernels use (the active level's).
+pub fn vector_width() -> Result<u32, LlvmError> {
+    Ok(IsaLevel::configured().map_err(|e| LlvmError::llvm("target selection", e))?.f32_lanes())
 }
 
 /// Builds one module holding `functions` (each under its symbol), optimised for the host.
