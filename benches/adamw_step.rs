@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use autotp_codegen::{lower_with, KernelChoice, LowerOptions};
 use autotp_passes::Pass;
-use autotp_runtime::{Executor, HostTensor, Instruction};
+use autotp_program::Instruction;
+use autotp_runtime::{Executor, HostTensor};
 
 const REPEATS: usize = 21;
 
@@ -52,11 +53,11 @@ fn step_graph(sizes: &[usize]) -> String {
 }
 
 /// `nvme=DIR,TILE,BUFFERS`.
-fn nvme_offload(arg: &str) -> Option<autotp_runtime::nvme::NvmeOffload> {
+fn nvme_offload(arg: &str) -> Option<autotp_program::offload::NvmeOffload> {
     let [dir, tile, buffers] = arg.strip_prefix("nvme=")?.split(',').collect::<Vec<_>>()[..] else {
         panic!("{arg}: expected nvme=DIR,TILE,BUFFERS")
     };
-    Some(autotp_runtime::nvme::NvmeOffload {
+    Some(autotp_program::offload::NvmeOffload {
         path: dir.into(),
         tile_elements: tile.parse().expect("TILE elements"),
         buffer_count: buffers.parse().expect("BUFFERS"),

@@ -9,7 +9,8 @@
 use std::time::{Duration, Instant};
 
 use autotp_codegen::{lower_with, KernelChoice, LowerOptions};
-use autotp_runtime::{Executor, HostTensor, Instruction};
+use autotp_program::Instruction;
+use autotp_runtime::{Executor, HostTensor};
 use rayon::prelude::*;
 
 const REPEATS: usize = 15;

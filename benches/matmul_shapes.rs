@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use autotp_kernels::{AlignedBuf, DType, Kernel, MatMulDims};
-use autotp_runtime::plan::PlanFile;
-use autotp_runtime::Instruction;
+use autotp_program::plan::PlanFile;
+use autotp_program::Instruction;
 
 /// Repetitions of each shape (the median is reported), after one warm-up call.
 const REPEATS: usize = 21;

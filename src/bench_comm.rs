@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use autotp_kernels::{DType, Kernel, MatMulDims};
-use autotp_runtime::comm::{CollectiveKind, CollectiveOp, Communicator, LocalComm, MpiComm, Topology};
+use autotp_program::{Collective, CollectiveOp};
+use autotp_runtime::comm::{Communicator, LocalComm, MpiComm, Topology};
 use clap::Args;
 
 #[derive(Args)]
@@ -137,8 +138,7 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
             "collective", "MiB", "backend", "ms", "algbw GB/s", "busbw GB/s"
         );
     }
-    let kinds =
-        [CollectiveKind::AllReduce, CollectiveKind::AllGather { dim: 0 }, CollectiveKind::ReduceScatter { dim: 0 }];
+    let kinds = [Collective::AllReduce, Collective::AllGather { dim: 0 }, Collective::ReduceScatter { dim: 0 }];
     let per_round = args.iters.div_ceil(ROUNDS) as u64;
     let mut seq = 0u64;
     for &mib in &args.sizes {
@@ -185,7 +185,7 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
         }
         if ranks.job.is_some() {
             let raw = medians[ops.len()];
-            report(ranks, "MPI_Allreduce", mib, "raw", raw, bus_factor(CollectiveKind::AllReduce, n));
+            report(ranks, "MPI_Allreduce", mib, "raw", raw, bus_factor(Collective::AllReduce, n));
             if ranks.reports() {
                 println!("{:<16} {mib:>8} {:>9} {:>+9.1}%", "all_reduce/raw", "", 100.0 * (medians[0] / raw - 1.0));
             }
@@ -193,7 +193,7 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
     }
     // Overlap: an all-reduce of the largest size on a communication thread, beside matmuls.
     let mib = *args.sizes.iter().max().expect("checked non-empty");
-    let op = CollectiveOp { kind: CollectiveKind::AllReduce, axis: 0, dtype: DType::F32, shape: vec![(mib << 20) / 4] };
+    let op = CollectiveOp { kind: Collective::AllReduce, axis: 0, dtype: DType::F32, shape: vec![(mib << 20) / 4] };
     let comm_alone = ranks.slowest_one(|rank| time_collective(&*ranks.comm, rank, n, &op, seq..seq + 6))?;
     seq += 6;
     let product = matmul_seconds()?;
@@ -280,10 +280,10 @@ fn report(ranks: &Ranks, name: &str, mib: usize, backend: &str, seconds: f64, bu
 }
 
 /// nccl-tests' bus bandwidth factor: the share of the buffer each rank's link carries.
-fn bus_factor(kind: CollectiveKind, n: usize) -> f64 {
+fn bus_factor(kind: Collective, n: usize) -> f64 {
     let n = n as f64;
     match kind {
-        CollectiveKind::AllReduce => 2.0 * (n - 1.0) / n,
+        Collective::AllReduce => 2.0 * (n - 1.0) / n,
         _ => (n - 1.0) / n,
     }
 }
@@ -300,8 +300,8 @@ impl Buffers {
         let elements = op.shape[0];
         let input = (0..elements).map(|i| ((rank + 1) * (i % 7)) as f32).collect();
         let out_elements = match op.kind {
-            CollectiveKind::AllGather { .. } => elements * n,
-            CollectiveKind::ReduceScatter { .. } => elements / n,
+            Collective::AllGather { .. } => elements * n,
+            Collective::ReduceScatter { .. } => elements / n,
             _ => elements,
         };
         Buffers { input, output: vec![0f32; out_elements] }
@@ -328,10 +328,10 @@ impl Buffers {
         let ranks_sum = (n * (n + 1) / 2) as f32;
         let expected = |i: usize| -> f32 {
             match op.kind {
-                CollectiveKind::AllReduce => ranks_sum * (i % 7) as f32,
-                CollectiveKind::AllGather { .. } => ((i / elements + 1) * (i % elements % 7)) as f32,
-                CollectiveKind::ReduceScatter { .. } => ranks_sum * ((rank * out_elements + i) % 7) as f32,
-                CollectiveKind::ShardSlice { .. } => unreachable!("not benchmarked"),
+                Collective::AllReduce => ranks_sum * (i % 7) as f32,
+                Collective::AllGather { .. } => ((i / elements + 1) * (i % elements % 7)) as f32,
+                Collective::ReduceScatter { .. } => ranks_sum * ((rank * out_elements + i) % 7) as f32,
+                Collective::ShardSlice { .. } => unreachable!("not benchmarked"),
             }
         };
         if let Some(i) = (0..out_elements).find(|&i| self.output[i] != expected(i)) {

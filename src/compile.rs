@@ -28,11 +28,12 @@ use autotp_passes::recompute::{Recompute, Recomputed};
 use autotp_passes::split_fused::SplitFused;
 use autotp_passes::zero::{Prefetch, Zero, ZeroConfig};
 use autotp_passes::{Pass, PassManager};
-use autotp_runtime::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
-use autotp_runtime::nvme::NvmeOffload;
-use autotp_runtime::plan::RecomputeSummary;
-use autotp_runtime::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, TrainingConfig, TrainingPlan, WeightPart};
-use autotp_runtime::schedule::Schedule;
+use autotp_program::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
+use autotp_program::lr_schedule::LrSchedule;
+use autotp_program::offload::NvmeOffload;
+use autotp_program::plan::RecomputeSummary;
+use autotp_program::plan::{Labels, ModelSource, PaddingRow, PipelineConfig, TrainingConfig, TrainingPlan, WeightPart};
+use autotp_program::step::StepInput;
 use clap::Args;
 
 /// What to compile and how: shared by `compile` and `train`. The plan records them (less the
@@ -335,8 +336,8 @@ fn nvme_offload(flags: &CompileFlags) -> Result<Option<NvmeOffload>> {
     )?;
     Ok(Some(NvmeOffload {
         path: std::path::absolute(path).with_context(|| format!("--nvme-path {}", path.display()))?,
-        tile_elements: flags.sub_group_size.map_or(autotp_runtime::nvme::DEFAULT_TILE_ELEMENTS, |n| n as usize),
-        buffer_count: flags.buffer_count.map_or(autotp_runtime::nvme::DEFAULT_BUFFER_COUNT, |n| n as usize),
+        tile_elements: flags.sub_group_size.map_or(autotp_program::offload::DEFAULT_TILE_ELEMENTS, |n| n as usize),
+        buffer_count: flags.buffer_count.map_or(autotp_program::offload::DEFAULT_BUFFER_COUNT, |n| n as usize),
     }))
 }
 
@@ -581,7 +582,7 @@ fn optimizer(flags: &CompileFlags) -> Result<(Optimizer, String)> {
     })
 }
 
-fn schedule(flags: &CompileFlags) -> Result<Schedule> {
+fn lr_schedule(flags: &CompileFlags) -> Result<LrSchedule> {
     let kind = flags.lr_schedule.as_str();
     let deepspeed = matches!(kind, "warmup" | "warmup-decay" | "warmup-cosine");
     let given = [
@@ -609,21 +610,21 @@ fn schedule(flags: &CompileFlags) -> Result<Schedule> {
             .with_context(|| format!("--lr-schedule {kind} decays to --lr-decay-steps, which is missing"))
     };
     Ok(match kind {
-        "constant" => Schedule::Constant { lr: flags.lr },
-        "cosine" => Schedule::WarmupCosine {
+        "constant" => LrSchedule::Constant { lr: flags.lr },
+        "cosine" => LrSchedule::WarmupCosine {
             lr: flags.lr,
             warmup_steps: flags.warmup_steps,
             decay_steps: flags.lr_decay_steps,
             min_lr: flags.min_lr,
         },
-        "warmup" | "warmup-decay" => Schedule::DeepSpeedWarmup {
+        "warmup" | "warmup-decay" => LrSchedule::DeepSpeedWarmup {
             min_lr: flags.warmup_min_lr.unwrap_or(0.0),
             max_lr: flags.lr,
             warmup_steps: flags.warmup_steps,
             log_warmup,
             total_steps: if kind == "warmup-decay" { Some(total_steps()?) } else { None },
         },
-        "warmup-cosine" => Schedule::DeepSpeedWarmupCosine {
+        "warmup-cosine" => LrSchedule::DeepSpeedWarmupCosine {
             lr: flags.lr,
             total_steps: total_steps()?,
             warmup_min_ratio: flags.warmup_min_ratio.unwrap_or(0.0),
@@ -758,7 +759,7 @@ fn imported_for_cuts(path: &Path, options: &ImportOptions) -> Result<autotp_fron
 /// [`compile`], with or without the model's weights.
 pub fn compile_with(flags: &CompileFlags, weights: Weights) -> Result<Compiled> {
     let (optimizer, optimizer_description) = optimizer(flags)?;
-    let schedule = schedule(flags)?;
+    let schedule = lr_schedule(flags)?;
     if flags.seq_len == 0
         || flags.micro_batch == 0
         || flags.dp == 0
@@ -851,7 +852,7 @@ pub fn compile_with(flags: &CompileFlags, weights: Weights) -> Result<Compiled> 
     let mut frozen = frozen(flags, &model.graph)?;
     let padding_rows = padding_rows(flags, &model)?;
     let own_loss = model.graph.outputs().iter().any(|(n, _)| n == LOSS);
-    let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
+    let batch_inputs = vec![StepInput::InputIds.name().to_string(), LABELS.to_string()];
     let mut autodiff = Autodiff::new(LOSS);
     autodiff.frozen = frozen.clone();
     autodiff.padding_rows = padding_rows.iter().map(|p| (p.table.clone(), p.row)).collect();
@@ -1073,7 +1074,7 @@ pub fn compile_with(flags: &CompileFlags, weights: Weights) -> Result<Compiled> 
         let program = autotp_codegen::lower_with(&graph, &options)?;
         if let Some(nvme) = &nvme {
             let stage = if pipelined { format!(" (stage {s})") } else { String::new() };
-            autotp_runtime::nvme::Layout::of(&program, nvme.tile_elements)
+            autotp_program::offload::Layout::of(&program, nvme.tile_elements)
                 .map_err(|e| anyhow::anyhow!("--offload-optimizer nvme{stage}: {e}"))?;
         }
         if let Some(cap) = flags.memory_cap.filter(|&cap| program.memory.arena_bytes as u64 > cap) {
@@ -1137,7 +1138,7 @@ fn nvme_lines(plan: &TrainingPlan, nvme: &NvmeOffload) -> Vec<String> {
         nvme.buffer_count
     )];
     for (s, program) in plan.stages.iter().enumerate() {
-        let Ok(layout) = autotp_runtime::nvme::Layout::of(program, nvme.tile_elements) else { continue };
+        let Ok(layout) = autotp_program::offload::Layout::of(program, nvme.tile_elements) else { continue };
         let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
         let buffers = layout.buffers(nvme.buffer_count);
         lines.push(format!(
@@ -1353,26 +1354,26 @@ pub(crate) fn grouped(n: usize) -> String {
     out
 }
 
-/// The plan's per-rank report ([`autotp_runtime::report::report`]), written as JSON to
+/// The plan's per-rank report ([`autotp_program::report::report`]), written as JSON to
 /// `--report FILE.json` when the flags ask for it.
-pub fn report(flags: &CompileFlags, plan: &TrainingPlan) -> Result<autotp_runtime::report::Report> {
-    let report = autotp_runtime::report::report(plan);
+pub fn report(flags: &CompileFlags, plan: &TrainingPlan) -> Result<autotp_program::report::Report> {
+    let report = autotp_program::report::report(plan);
     if let Some(path) = &flags.report {
         let json = serde_json::to_string_pretty(&report)?;
-        autotp_runtime::tensor_file::write_atomic(path, json.as_bytes())?;
+        autotp_program::tensor_file::write_atomic(path, json.as_bytes())?;
     }
     Ok(report)
 }
 
 /// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`; a
 /// table by stage with a pipeline), kernels, communication.
-pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> String {
+pub fn summary(plan: &TrainingPlan, report: &autotp_program::report::Report) -> String {
     let p = &plan.stages[0];
     let rank = &report.ranks[0];
     let t = &plan.training;
-    let params: Vec<&autotp_runtime::Slot> = plan.params().into_iter().map(|(_, slot)| slot).collect();
-    let numel = |slots: &[&autotp_runtime::Slot]| slots.iter().map(|s| s.numel()).sum::<usize>();
-    let frozen_slots: Vec<&autotp_runtime::Slot> =
+    let params: Vec<&autotp_program::Slot> = plan.params().into_iter().map(|(_, slot)| slot).collect();
+    let numel = |slots: &[&autotp_program::Slot]| slots.iter().map(|s| s.numel()).sum::<usize>();
+    let frozen_slots: Vec<&autotp_program::Slot> =
         params.iter().copied().filter(|s| t.frozen.contains(&s.name)).collect();
     let total = numel(&params);
     let frozen = numel(&frozen_slots);
@@ -1484,14 +1485,14 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
     let instructions = plan.stages.iter().flat_map(|p| p.instructions.iter().map(move |i| (p, i)));
     for (program, instruction) in instructions {
         let name = match instruction {
-            autotp_runtime::Instruction::Kernel { kernel, .. } => kernel.name().to_string(),
-            autotp_runtime::Instruction::Generated { kernel, .. } => format!("gen.{}", program.kernels[*kernel].name),
-            autotp_runtime::Instruction::Collective { op, .. } => op.kind.name().to_string(),
-            autotp_runtime::Instruction::CollectiveStart { op, .. } => format!("{}_start", op.kind.name()),
-            autotp_runtime::Instruction::Wait { .. } => "wait".to_string(),
-            autotp_runtime::Instruction::Send { .. } => "send".to_string(),
-            autotp_runtime::Instruction::Recv { .. } => "recv".to_string(),
-            autotp_runtime::Instruction::OptimizerStep { optimizer, .. } => optimizer.multi_tensor_name(),
+            autotp_program::Instruction::Kernel { kernel, .. } => kernel.name().to_string(),
+            autotp_program::Instruction::Generated { kernel, .. } => format!("gen.{}", program.kernels[*kernel].name),
+            autotp_program::Instruction::Collective { op, .. } => op.kind.name().to_string(),
+            autotp_program::Instruction::CollectiveStart { op, .. } => format!("{}_start", op.kind.name()),
+            autotp_program::Instruction::Wait { .. } => "wait".to_string(),
+            autotp_program::Instruction::Send { .. } => "send".to_string(),
+            autotp_program::Instruction::Recv { .. } => "recv".to_string(),
+            autotp_program::Instruction::OptimizerStep { optimizer, .. } => optimizer.multi_tensor_name(),
         };
         *kernels.entry(name).or_default() += 1;
     }
@@ -1517,7 +1518,7 @@ pub fn summary(plan: &TrainingPlan, report: &autotp_runtime::report::Report) -> 
 
 /// `--dump-kernels DIR`: `[stageS-]kNNN-<name>.kir` and `.ll` per kernel, `[stageS-]<arch>.ptx`
 /// per stage and GPU architecture.
-fn dump_kernels(dir: &Path, plan: &autotp_runtime::plan::TrainingPlan) -> Result<()> {
+fn dump_kernels(dir: &Path, plan: &autotp_program::plan::TrainingPlan) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("--dump-kernels: cannot create {}", dir.display()))?;
     let write = |name: String, text: &str| {
         let path = dir.join(name);
@@ -1547,7 +1548,7 @@ pub fn run(args: &CompileArgs) -> Result<()> {
         dump_kernels(dir, &compiled.plan)?;
     }
     if let Some(output) = &args.output {
-        autotp_runtime::plan::write(output, &compiled.plan, &compiled.weights())?;
+        autotp_program::plan::write(output, &compiled.plan, &compiled.weights())?;
     }
     let report = report(&args.flags, &compiled.plan)?;
     print!("{}", summary(&compiled.plan, &report));

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use autotp_frontend::onnx::export::{with_weights, Weight};
 use autotp_passes::optimize::MASTER_PREFIX;
+use autotp_program::tensor_file;
 use autotp_runtime::checkpoint::{Checkpoint, StoredTensor};
-use autotp_runtime::tensor_file;
 use clap::{ArgGroup, Args};
 
 #[derive(Args)]

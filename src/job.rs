@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use autotp_program::plan::TrainingPlan;
 use autotp_runtime::comm::{MpiComm, Topology};
 use autotp_runtime::launch::{discover, Launcher};
-use autotp_runtime::plan::TrainingPlan;
 
 /// The process's job for `plan`: `None` alone, else this rank's communicator, with MPI
 /// initialised and the panic hook installed.

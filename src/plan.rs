@@ -50,7 +50,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use autotp_frontend::ImportOptions;
 use autotp_kernels::Kernel;
-use autotp_runtime::{Instruction, Program};
+use autotp_program::{Instruction, Program};
 use clap::{Args, Parser};
 
 use crate::compile::{compile_with, grouped, parse_bytes, CompileFlags, Weights};
@@ -748,7 +748,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         match compile_with(&flags, Weights::ShapesOnly { layers: None }) {
             Err(e) => c.refused = Some(format!("the compiler refuses it: {}", first_line(&format!("{e:#}")))),
             Ok(compiled) => {
-                let report = autotp_runtime::report::report(&compiled.plan);
+                let report = autotp_program::report::report(&compiled.plan);
                 let peak = report.ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
                 c.compiled_peak = Some(peak as f64);
                 if peak as u64 > args.memory_per_device {
@@ -1057,7 +1057,7 @@ fn phase_peaks(program: &Program) -> Peaks {
     // Live values by offset: (end, written at, last read at).
     let mut live: BTreeMap<usize, (usize, usize, usize)> = BTreeMap::new();
     let mut lifetimes: Vec<(usize, usize, usize)> = Vec::new();
-    let overlapping = |live: &BTreeMap<usize, (usize, usize, usize)>, r: &autotp_runtime::Region| -> Vec<usize> {
+    let overlapping = |live: &BTreeMap<usize, (usize, usize, usize)>, r: &autotp_program::Region| -> Vec<usize> {
         live.range(..r.offset + r.len)
             .filter(|(&offset, &(end, ..))| end > r.offset && offset < r.offset + r.len)
             .map(|(&o, _)| o)

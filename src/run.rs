@@ -10,14 +10,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use autotp_program::mesh::CommBytes;
+use autotp_program::plan::{PlanFile, TrainingPlan};
 use autotp_runtime::checkpoint::Checkpoint;
 use autotp_runtime::clock::Clock;
-use autotp_runtime::comm::CommBytes;
 use autotp_runtime::comm::MpiComm;
 use autotp_runtime::cuda::DeviceKind;
 use autotp_runtime::data::{TokenData, TokenDtype};
 use autotp_runtime::gpu::{GemmMath, GpuKind};
-use autotp_runtime::plan::{PlanFile, TrainingPlan};
 use autotp_runtime::trainer::{StepMetrics, Trainer};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -213,7 +213,7 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
     if let Some(scale) = m.loss_scale {
         record.insert("loss_scale".into(), scale.into());
     }
-    if m.scalars.iter().any(|(name, _)| name == "overflow") {
+    if m.scalars.iter().any(|(name, _)| name == autotp_program::step::StepOutput::Overflow.name()) {
         record.insert("skipped".into(), m.skipped.into());
     }
     record.insert("step_seconds".into(), m.seconds.into());
@@ -458,7 +458,7 @@ fn activations_against_plan(touched: &[(usize, usize, usize)]) -> String {
 /// A rank's time per step by op, and its slowest instructions.
 fn profile_table(
     rank: usize,
-    program: &autotp_runtime::Program,
+    program: &autotp_program::Program,
     times: &[std::time::Duration],
     steps: usize,
     seconds: f64,
@@ -501,7 +501,7 @@ fn median_per_rank(per_step: &[Vec<f64>]) -> Vec<f64> {
 /// the stage's ranks), beside the plan's; then the measured bubble, the busiest stage's idle
 /// share, beside (P-1)/(M+P-1).
 fn bubble_table(
-    pipeline: &autotp_runtime::plan::PipelineConfig,
+    pipeline: &autotp_program::plan::PipelineConfig,
     stage_size: usize,
     clock: Clock,
     idle: &[f64],
@@ -549,8 +549,8 @@ fn bubble_table(
 
 /// Each rank's measured peak memory and communication per step beside the plan's.
 fn measured_against_plan(trainer: &Trainer, measured: &[(usize, CommBytes)], steps: usize) -> String {
-    let programs: Vec<&autotp_runtime::Program> = (0..trainer.stages()).map(|s| trainer.stage_program(s)).collect();
-    let planned = autotp_runtime::report::report_of(&programs, trainer.training());
+    let programs: Vec<&autotp_program::Program> = (0..trainer.stages()).map(|s| trainer.stage_program(s)).collect();
+    let planned = autotp_program::report::report_of(&programs, trainer.training());
     let mut out = format!(
         "{:>5} {:>16} {:>16} {:>22} {:>22}\n",
         "rank", "planned peak", "measured peak", "planned comm/step", "measured comm/step"

@@ -32,7 +32,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let first = autotp_runtime::launch::discover()?.rank == 0;
     let compiled = compile::compile(&args.compile)?;
     if let (Some(path), true) = (&args.output, first) {
-        autotp_runtime::plan::write(path, &compiled.plan, &compiled.weights())?;
+        autotp_program::plan::write(path, &compiled.plan, &compiled.weights())?;
     }
     if first {
         let report = compile::report(&args.compile, &compiled.plan)?;

@@ -21,10 +21,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use autotp_kernels::Kernel;
+use autotp_program::plan::PlanFile;
+use autotp_program::{Instruction, Program, Region};
 use autotp_runtime::data::{TokenData, TokenDtype};
-use autotp_runtime::plan::PlanFile;
 use autotp_runtime::trainer::Trainer;
-use autotp_runtime::{Instruction, Program, Region};
 use clap::Args;
 
 use crate::compile::{compile, CompileFlags, Precision};

@@ -175,7 +175,7 @@ fn damaged_or_foreign_plans_are_refused() {
     let err = failure(run(&fixture("gpt2", "model.onnx")));
     assert!(err.contains("not a valid safetensors file"), "an ONNX file is not a plan: {err}");
     let checkpoint_file = dir.join("weights.safetensors");
-    autotp_runtime::tensor_file::write(&checkpoint_file, &[], Default::default()).unwrap();
+    autotp_program::tensor_file::write(&checkpoint_file, &[], Default::default()).unwrap();
     let err = failure(run(&checkpoint_file));
     assert!(err.contains("is not an autotp plan"), "{err}");
 }

@@ -7,10 +7,11 @@
 use std::sync::atomic::Ordering;
 
 use autotp_kernels::{DType, Kernel};
+use autotp_program::plan::PlanFile;
+use autotp_program::{Instruction, Program};
 use autotp_runtime::gpu::emulated::Emulator;
 use autotp_runtime::gpu::GemmMath;
-use autotp_runtime::plan::PlanFile;
-use autotp_runtime::{Executor, HostTensor, Instruction, Program};
+use autotp_runtime::{Executor, HostTensor};
 
 use crate::common::{autotp, fixture, scratch, success};
 

@@ -5,7 +5,8 @@
 
 use autotp_codegen::{lower_with, KernelChoice, LowerOptions};
 use autotp_ir::Tensor;
-use autotp_runtime::{Executor, HostTensor, Instruction};
+use autotp_program::Instruction;
+use autotp_runtime::{Executor, HostTensor};
 
 use crate::common::random_tensor;
 
@@ -487,7 +488,7 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
             ]
             .concat();
             success(autotp(&args));
-            let plan = autotp_runtime::plan::PlanFile::open(&plan_path).unwrap().plan;
+            let plan = autotp_program::plan::PlanFile::open(&plan_path).unwrap().plan;
             for (s, program) in plan.stages.iter().enumerate() {
                 assert_eq!(program.ptx.len(), 2, "{arch} {layout:?} stage {s}: PTX for sm_80 and sm_90");
                 // The builtin kernels' data movement and gathers and scatter-adds, which a GPU
@@ -500,10 +501,10 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
                 for gpu_arch in autotp_llvm::nvptx::Arch::ALL {
                     let arch = gpu_arch.name().to_string();
                     let code = autotp_llvm::nvptx::ptx(&movement, &[], gpu_arch).unwrap();
-                    modules.push(autotp_runtime::PtxModule { arch: arch.clone(), code });
+                    modules.push(autotp_program::PtxModule { arch: arch.clone(), code });
                     if !indexed.is_empty() {
                         let code = autotp_llvm::indexed::ptx(&indexed, gpu_arch).unwrap();
-                        modules.push(autotp_runtime::PtxModule { arch, code });
+                        modules.push(autotp_program::PtxModule { arch, code });
                     }
                 }
                 for (m, module) in modules.iter().enumerate() {

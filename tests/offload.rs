@@ -338,7 +338,7 @@ fn nvme_offload_errors_are_clear() {
     assert!(refused.contains(states.to_str().unwrap()), "{refused}");
 
     // The file cut short under a running trainer: the next step's read says so.
-    let file = autotp_runtime::plan::PlanFile::open(&plan).unwrap();
+    let file = autotp_program::plan::PlanFile::open(&plan).unwrap();
     let mut trainer = autotp_runtime::trainer::Trainer::new(file.plan.clone(), &file.weights(), 0).unwrap();
     let data = autotp_runtime::data::TokenData::open(&tokens, autotp_runtime::data::TokenDtype::U16, 32).unwrap();
     trainer.step(&data, 3).unwrap();

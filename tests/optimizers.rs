@@ -117,7 +117,7 @@ fn sgd_matches_torch() {
 /// place and is copied instead.
 fn multi_tensor_step(optimizer: &str, read_after: bool) {
     use autotp_codegen::{lower_with, KernelChoice, LowerOptions};
-    use autotp_runtime::Instruction;
+    use autotp_program::Instruction;
     // Sizes: one element, an odd vector tail, more than one task of the step (16K elements).
     let sizes = [1usize, 37, 40_000];
     let mut text = format!("graph \"multi_{optimizer}\" {{\n input %lr : f32[]\n input %step : f32[]\n");

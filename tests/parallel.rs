@@ -732,7 +732,7 @@ fn impossible_pipelines_are_refused() {
 /// the missing sum feeds.
 #[test]
 fn verify_names_the_first_wrong_gradient() {
-    use autotp_runtime::{plan, Instruction};
+    use autotp_program::{plan, Instruction};
     let dir = scratch("verify");
     let (compiled, planted) = (dir.join("tp2.atp"), dir.join("planted.atp"));
     let model = fixture("gpt2", "model.onnx");

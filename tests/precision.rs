@@ -187,7 +187,7 @@ fn bf16_checkpoints_resume_bit_identically_and_export_the_masters() {
 
     let exported = dir.join("w.safetensors");
     success(autotp(&["export", save.to_str().unwrap(), "--safetensors", exported.to_str().unwrap()]));
-    let file = autotp_runtime::tensor_file::TensorFile::open(&exported).unwrap();
+    let file = autotp_program::tensor_file::TensorFile::open(&exported).unwrap();
     let checkpoint = autotp_runtime::checkpoint::Checkpoint::open(&save).unwrap();
     let param = checkpoint.params().into_iter().next().unwrap();
     let master = checkpoint.tensor(&format!("master.{}", param.name)).unwrap();
@@ -220,7 +220,7 @@ fn mixed_precision_refuses_what_it_cannot_do() {
 /// update of 5000 steps with bursts of overflows, exactly, and DeepSpeed's stop at the floor.
 #[test]
 fn loss_scalers_follow_deepspeed_and_torch_exactly() {
-    use autotp_runtime::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
+    use autotp_program::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
     let text = std::fs::read_to_string(repo().join("tests/fixtures/loss_scale/traces.json")).unwrap();
     let traces: serde_json::Value = serde_json::from_str(&text).unwrap();
     let overflows: Vec<bool> = traces["overflows"].as_array().unwrap().iter().map(|o| o == 1).collect();
@@ -271,7 +271,7 @@ fn scaled_steps(metrics: &Path) -> Vec<(f64, f64, bool)> {
 /// every overflow.
 #[test]
 fn fp16_skips_overflowing_steps_and_moves_the_scale_by_the_scalers_rules() {
-    use autotp_runtime::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
+    use autotp_program::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
     let dir = scratch("precision-overflow");
     let flags = ["--micro-batch", "4", "--precision", "fp16", "--grad-clip", "1.0", "--initial-scale-power", "30"];
     let plan = dir.join("p.atp");

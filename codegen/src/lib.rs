@@ -17,11 +17,9 @@ pub mod memory;
 use std::collections::{HashMap, HashSet};
 
 use autotp_ir::sharding::local_type;
-use autotp_ir::{Collective, Def, Graph, Op, Placement, TensorType, ValueId};
-use autotp_runtime::comm::{CollectiveKind, CollectiveOp};
-use autotp_runtime::{
-    ConstantData, Instruction, MemoryPlan, MeshAxis, OptimizerTensor, Program, PtxModule, Region, Slot, SlotPlacement,
-    Update,
+use autotp_ir::{Def, Graph, Op, TensorType, ValueId};
+use autotp_program::{
+    CollectiveOp, ConstantData, Instruction, MemoryPlan, OptimizerTensor, Program, PtxModule, Region, Slot, Update,
 };
 
 use autotp_kernels::{Kernel, OperandLayout};
@@ -51,7 +49,7 @@ pub struct LowerOptions {
     pub kernels: KernelChoice,
     /// Also compile the generated kernels to PTX for every GPU architecture plans carry.
     pub ptx: bool,
-    /// Place the optimizer's states in the host pool ([`autotp_runtime::HOST_POOL`]) instead of
+    /// Place the optimizer's states in the host pool ([`autotp_program::HOST_POOL`]) instead of
     /// the arena (`--offload-optimizer cpu`).
     pub offload_optimizer: bool,
 }
@@ -63,16 +61,7 @@ pub(crate) fn local(graph: &Graph, v: ValueId) -> TensorType {
 
 fn slot(graph: &Graph, v: ValueId, name: String, region: Region) -> Slot {
     let ty = graph.ty(v);
-    let placements = graph
-        .value(v)
-        .placements
-        .iter()
-        .map(|p| match p {
-            Placement::Replicate => SlotPlacement::Replicate,
-            Placement::Shard(d) => SlotPlacement::Shard(*d),
-            Placement::PartialSum => SlotPlacement::PartialSum,
-        })
-        .collect();
+    let placements = graph.value(v).placements.clone();
     Slot { name, dtype: ty.dtype, shape: local(graph, v).shape, region, global_shape: ty.shape.clone(), placements }
 }
 
@@ -369,7 +358,7 @@ fn lower_placed(
     let params = dedicated.place(graph, graph.params(), &mut regions, &mut memory.params_bytes);
     let inputs = dedicated.place(graph, graph.inputs(), &mut regions, &mut memory.inputs_bytes);
     let states = if options.offload_optimizer {
-        let mut host_pool = Dedicated { next: autotp_runtime::HOST_POOL };
+        let mut host_pool = Dedicated { next: autotp_program::HOST_POOL };
         host_pool.place(graph, graph.states(), &mut regions, &mut memory.host_pool_bytes)
     } else {
         dedicated.place(graph, graph.states(), &mut regions, &mut memory.states_bytes)
@@ -616,12 +605,7 @@ fn lower_placed(
         if let Op::Collective { kind, axis, start } = &node.op {
             let input = local(graph, node.inputs[0]);
             let op = CollectiveOp {
-                kind: match *kind {
-                    Collective::AllReduce => CollectiveKind::AllReduce,
-                    Collective::AllGather { dim } => CollectiveKind::AllGather { dim },
-                    Collective::ReduceScatter { dim } => CollectiveKind::ReduceScatter { dim },
-                    Collective::ShardSlice { dim } => CollectiveKind::ShardSlice { dim },
-                },
+                kind: *kind,
                 axis: graph.mesh.axes.iter().position(|a| &a.name == axis).expect("verified: the axis exists"),
                 dtype: input.dtype,
                 shape: input.shape,
@@ -708,7 +692,7 @@ fn lower_placed(
         })
         .filter(|u| u.from != u.to)
         .collect();
-    let mesh = graph.mesh.axes.iter().map(|a| MeshAxis { name: a.name.clone(), size: a.size }).collect();
+    let mesh = graph.mesh.axes.clone();
     let program = Program {
         name: graph.name.clone(),
         mesh,

@@ -31,8 +31,9 @@ pub use autotp_kernels::shape::broadcast_shapes;
 pub use autotp_kernels::{
     scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, ScatterReduction, UnaryOp,
 };
+pub use autotp_program::mesh::Collective;
 pub use graph::{Def, Fusion, Graph, Node, NodeId, Rewriter, Value, ValueId};
-pub use op::{slice_len, Collective, Message, Op};
+pub use op::{slice_len, Message, Op};
 pub use tensor::Tensor;
 pub use types::{Mesh, MeshAxis, Placement, TensorType, DATA_AXIS};
 pub use verify::{verify, VerifyError, VerifyErrors};

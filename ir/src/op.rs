@@ -5,7 +5,7 @@
 
 use autotp_kernels::shape::broadcast_shapes;
 
-use crate::{BinaryOp, DType, GeluApprox, ReduceOp, Reduction, Tensor, TensorType, UnaryOp};
+use crate::{BinaryOp, Collective, DType, GeluApprox, ReduceOp, Reduction, Tensor, TensorType, UnaryOp};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
@@ -224,51 +224,6 @@ impl Message {
     /// Laid out as the batch (or else whole).
     pub fn batch_layout(self) -> bool {
         matches!(self, Message::Activation | Message::Gradient)
-    }
-}
-
-/// The collectives, as resharding steps along one mesh axis.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Collective {
-    /// partial(sum) -> replicate: every rank gets the sum.
-    AllReduce,
-    /// shard(dim) -> replicate: every rank gets the concatenation.
-    AllGather { dim: usize },
-    /// partial(sum) -> shard(dim): each rank gets its slice of the sum.
-    ReduceScatter { dim: usize },
-    /// replicate -> shard(dim): each rank keeps its own slice; no communication.
-    ShardSlice { dim: usize },
-}
-
-impl Collective {
-    pub fn name(self) -> &'static str {
-        match self {
-            Collective::AllReduce => "all_reduce",
-            Collective::AllGather { .. } => "all_gather",
-            Collective::ReduceScatter { .. } => "reduce_scatter",
-            Collective::ShardSlice { .. } => "shard_slice",
-        }
-    }
-
-    /// The tensor dim it shards or gathers, if any.
-    pub fn dim(self) -> Option<usize> {
-        match self {
-            Collective::AllReduce => None,
-            Collective::AllGather { dim } | Collective::ReduceScatter { dim } | Collective::ShardSlice { dim } => {
-                Some(dim)
-            }
-        }
-    }
-
-    /// The placement on the axis it takes, and the one it gives.
-    pub fn transition(self) -> (crate::Placement, crate::Placement) {
-        use crate::Placement::{PartialSum, Replicate, Shard};
-        match self {
-            Collective::AllReduce => (PartialSum, Replicate),
-            Collective::AllGather { dim } => (Shard(dim), Replicate),
-            Collective::ReduceScatter { dim } => (PartialSum, Shard(dim)),
-            Collective::ShardSlice { dim } => (Replicate, Shard(dim)),
-        }
     }
 }
 

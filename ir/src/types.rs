@@ -1,6 +1,7 @@
 //! Tensor types, device meshes and per-value placements.
 
 pub use autotp_kernels::DType;
+pub use autotp_program::mesh::{MeshAxis, Placement, DATA_AXIS};
 
 /// A static tensor type: element type and shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -42,38 +43,6 @@ impl std::fmt::Display for TensorType {
         }
         f.write_str("]")
     }
-}
-
-/// How a value is laid out along one mesh axis (the DTensor / GSPMD model).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Placement {
-    /// Every rank of the axis holds the whole value.
-    Replicate,
-    /// Each rank holds one contiguous slice along this tensor dimension.
-    Shard(usize),
-    /// Each rank holds a partial sum; the value is the sum over the axis.
-    PartialSum,
-}
-
-impl std::fmt::Display for Placement {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Placement::Replicate => f.write_str("replicate"),
-            Placement::Shard(d) => write!(f, "shard({d})"),
-            Placement::PartialSum => f.write_str("partial(sum)"),
-        }
-    }
-}
-
-/// The name of the data-parallel mesh axis: batch inputs (and pipeline messages laid out like
-/// them) are split along their dim 0 over it.
-pub const DATA_AXIS: &str = "dp";
-
-/// A named mesh axis and its size.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct MeshAxis {
-    pub name: String,
-    pub size: usize,
 }
 
 /// The device mesh a graph runs on. An empty mesh is one device.

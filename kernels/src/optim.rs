@@ -334,3 +334,31 @@ pub(crate) fn single_tensor(
     // are distinct `&mut` slices, so they overlap no input.
     unsafe { update(optimizer, dtype, scalars, &t) }
 }
+
+/// A multi-tensor step kernel (`autotp-llvm` emits it for the CPU and for GPUs): an update
+/// rule over parameters of one element type.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OptimizerKernel {
+    pub optimizer: Optimizer,
+    /// `f32` or `f64`.
+    pub dtype: DType,
+}
+
+impl OptimizerKernel {
+    /// The PTX entry point: `autotp_multi_tensor_adamw_f32`, and for SGD the parts of the rule
+    /// that the kernel applies (`autotp_multi_tensor_sgd_f32_wd_momentum_nesterov`).
+    pub fn entry_name(&self) -> String {
+        let mut name = format!("autotp_{}_{}", self.optimizer.multi_tensor_name(), self.dtype);
+        if let Optimizer::Sgd(c) = &self.optimizer {
+            for (part, applies) in [("wd", c.weight_decay != 0.0), ("momentum", c.momentum != 0.0)] {
+                if applies {
+                    name = format!("{name}_{part}");
+                }
+            }
+            if c.nesterov && c.momentum != 0.0 {
+                name.push_str("_nesterov");
+            }
+        }
+        name
+    }
+}

@@ -34,7 +34,7 @@ pub enum Function<'a> {
     /// A kernel of the kernel IR.
     Kernel(&'a autotp_kernels::kir::Kernel),
     /// A multi-tensor optimizer step.
-    OptimizerStep(&'a optim::OptimizerKernel),
+    OptimizerStep(&'a autotp_kernels::optim::OptimizerKernel),
 }
 
 /// O3 without loop unrolling: the emitters already write vector loops, and unrolling their

@@ -3,7 +3,7 @@
 //!
 //! Kernel `i` of the list is the entry `autotp_kernel_<i>(b0, b1, ...)`, one generic pointer
 //! per buffer; a multi-tensor optimizer step is the entry
-//! [`OptimizerKernel::entry_name`](crate::optim::OptimizerKernel::entry_name) ([`crate::optim`]). Every entry is launched with [`BLOCK`] threads per block and any number of blocks. The outer
+//! [`OptimizerKernel::entry_name`](autotp_kernels::optim::OptimizerKernel::entry_name) ([`crate::optim`]). Every entry is launched with [`BLOCK`] threads per block and any number of blocks. The outer
 //! dimension runs on blocks (block `b` takes rows `b, b + gridDim.x, ...`), the inner one on the
 //! block's threads (thread `t` takes `t, t + BLOCK, ...`); a kernel of map stages alone with
 //! few rows splits each row into [`blocks_per_row`] runs, one per block. A `Reduce` stage folds each thread's
@@ -21,8 +21,9 @@ use inkwell::values::{BasicMetadataValueEnum, FunctionValue, IntValue};
 use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
 
 use crate::emit::{counted_loop, Buffer, Buffers, Emitter, Position, V};
-use crate::optim::{define_nvptx as define_optimizer_step, OptimizerKernel};
+use crate::optim::define_nvptx as define_optimizer_step;
 use crate::LlvmError;
+use autotp_kernels::optim::OptimizerKernel;
 
 /// Threads per block every kernel is launched with.
 pub const BLOCK: u32 = 256;

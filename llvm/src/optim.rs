@@ -17,6 +17,7 @@
 //! An output not updated in place receives the new values directly (elements are read from the
 //! inputs and written to the outputs), so no copy precedes the step.
 
+use autotp_kernels::optim::OptimizerKernel;
 use autotp_kernels::optim::{num_constants, Optimizer};
 use autotp_kernels::DType;
 use inkwell::types::{BasicMetadataTypeEnum, BasicTypeEnum};
@@ -26,38 +27,19 @@ use inkwell::AddressSpace;
 use crate::emit::{counted_loop, Emitter, V};
 use crate::LlvmError;
 
-/// A multi-tensor step kernel: an update rule over parameters of one element type.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct OptimizerKernel {
-    pub optimizer: Optimizer,
-    /// `f32` or `f64`.
-    pub dtype: DType,
-}
-
 /// The words of a [`TensorUpdate`](autotp_kernels::optim::TensorUpdate) in the chunk table.
 const CHUNK_WORDS: u64 = 8;
 const LEN: u64 = 0;
 const INPUTS: [u64; 4] = [1, 2, 3, 4];
 const OUTPUTS: [u64; 3] = [5, 6, 7];
 
-impl OptimizerKernel {
-    /// The PTX entry point: `autotp_multi_tensor_adamw_f32`, and for SGD the parts of the rule
-    /// that the kernel applies (`autotp_multi_tensor_sgd_f32_wd_momentum_nesterov`).
-    pub fn entry_name(&self) -> String {
-        let mut name = format!("autotp_{}_{}", self.optimizer.multi_tensor_name(), self.dtype);
-        if let Optimizer::Sgd(c) = &self.optimizer {
-            for (part, applies) in [("wd", c.weight_decay != 0.0), ("momentum", c.momentum != 0.0)] {
-                if applies {
-                    name = format!("{name}_{part}");
-                }
-            }
-            if c.nesterov && c.momentum != 0.0 {
-                name.push_str("_nesterov");
-            }
-        }
-        name
-    }
+/// What the emitters need of a step kernel beyond its description.
+trait Emitted {
+    fn check(&self) -> Result<(), LlvmError>;
+    fn element_type<'ctx>(&self, e: &Emitter<'_, 'ctx>) -> BasicTypeEnum<'ctx>;
+}
 
+impl Emitted for OptimizerKernel {
     fn check(&self) -> Result<(), LlvmError> {
         match self.dtype {
             DType::F32 | DType::F64 => Ok(()),

@@ -10,12 +10,13 @@
 //! dropped (training does not read them). Tests: tests/golden/loss_*.ir.
 
 use autotp_ir::{DType, Graph, Op, Reduction, Rewriter, TensorType};
+use autotp_program::step::{StepInput, StepOutput};
 
 use crate::{Pass, PassError};
 
 /// The name of the loss output, and of the labels input the pass adds.
-pub const LOSS: &str = "loss";
-pub const LABELS: &str = "labels";
+pub const LOSS: &str = StepOutput::Loss.name();
+pub const LABELS: &str = StepInput::Labels.name();
 
 pub struct AttachLoss;
 

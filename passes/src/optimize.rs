@@ -21,6 +21,7 @@
 use std::collections::BTreeSet;
 
 use autotp_ir::{BinaryOp, DType, Graph, Message, Op, ReduceOp, Rewriter, Tensor, TensorType, UnaryOp, ValueId};
+use autotp_program::step::StepInput;
 
 use crate::autodiff::GRAD_PREFIX;
 use crate::{Pass, PassError};
@@ -66,7 +67,7 @@ pub struct StageNorm {
 
 /// The output that is 1 when a step's gradients were not all finite and its update was
 /// skipped ([`NonFinite::Skip`]), else 0.
-pub const OVERFLOW: &str = "overflow";
+pub const OVERFLOW: &str = autotp_program::step::StepOutput::Overflow.name();
 
 /// The tag of the overflow test's parts.
 const OVERFLOW_TAG: u64 = NORM_TAG + 1;
@@ -154,9 +155,9 @@ impl Pass for Optimize {
         };
         let mut rw = Rewriter::new(graph, |_| true);
         let scalar = TensorType::scalar(dtype);
-        let lr = rw.graph().add_input("lr", scalar.clone());
-        let step =
-            matches!(self.optimizer, Optimizer::AdamW { .. }).then(|| rw.graph().add_input("step", scalar.clone()));
+        let lr = rw.graph().add_input(StepInput::Lr.name(), scalar.clone());
+        let step = matches!(self.optimizer, Optimizer::AdamW { .. })
+            .then(|| rw.graph().add_input(StepInput::Step.name(), scalar.clone()));
         for (id, _) in graph.nodes() {
             rw.copy_node(id);
         }

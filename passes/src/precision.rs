@@ -38,7 +38,7 @@ use crate::{Pass, PassError};
 const PASS: &str = "precision";
 
 /// The graph input fp16's loss is scaled by (the gradient `autodiff` starts from).
-pub const LOSS_SCALE: &str = "loss_scale";
+pub const LOSS_SCALE: &str = autotp_program::step::StepInput::LossScale.name();
 
 /// The forward's cast policy for 16-bit weights of type `half` (bf16 or f16); with
 /// `loss_scaling`, also the scalar input [`LOSS_SCALE`] for `autodiff` to start from.

@@ -29,9 +29,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::plan::{ModelSource, TrainingConfig};
-use crate::tensor_file::{self, io_error, TensorFile, TensorRef};
 use crate::RuntimeError;
+use autotp_program::plan::{ModelSource, TrainingConfig};
+use autotp_program::tensor_file::{self, io_error, TensorFile, TensorRef};
 
 /// The checkpoint format this build reads and writes.
 pub const FORMAT: &str = "autotp-checkpoint/1";
@@ -88,7 +88,7 @@ pub struct Manifest {
     pub blocks: BTreeMap<String, BTreeMap<String, Vec<usize>>>,
     /// fp16's loss scaler as it stood after the last step.
     #[serde(default)]
-    pub loss_scaler: Option<crate::loss_scale::LossScaler>,
+    pub loss_scaler: Option<autotp_program::loss_scale::LossScaler>,
     /// Steps whose update was skipped for non-finite gradients (counted in `step`, not in the
     /// optimizer's steps).
     #[serde(default)]
@@ -214,7 +214,7 @@ pub fn staging_dir(dir: &Path, step: usize, job: u64) -> PathBuf {
 /// Writes one file of a save into its staging directory.
 pub fn write_file(staging: &Path, file: &str, blocks: &[SavedBlock<'_>]) -> Result<(), RuntimeError> {
     let tensors: Vec<TensorRef> = blocks.iter().map(|b| b.tensor.clone()).collect();
-    tensor_file::write(&staging.join(file), &tensors, BTreeMap::new())
+    Ok(tensor_file::write(&staging.join(file), &tensors, BTreeMap::new())?)
 }
 
 /// The test hook: with `AUTOTP_CRASH_DURING_CHECKPOINT=step`, aborts the process.

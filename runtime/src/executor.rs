@@ -9,14 +9,17 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 
 use autotp_kernels::AlignedBuf;
 
-use autotp_llvm::optim::OptimizerKernel;
+use autotp_kernels::optim::OptimizerKernel;
 use autotp_llvm::CpuKernel;
 
 use crate::clock::{Clock, RankClock, RunTime};
-use crate::comm::{CollectiveKind, CollectiveOp, Communicator};
+use autotp_program::{Collective, CollectiveOp};
+
+use crate::comm::Communicator;
 use crate::gpu::{Gpu, GpuDevice};
 use crate::streams::{Device, Stream, StreamSchedule};
-use crate::{Instruction, Program, Region, RuntimeError};
+use crate::RuntimeError;
+use autotp_program::{Instruction, Program, Region};
 
 /// An asynchronous collective handed to a rank's communication thread: raw pointers into the
 /// rank's arena.
@@ -362,7 +365,11 @@ impl Executor {
 
     /// Moves the offloaded optimizer state (the host pool) into a file under `nvme.path`,
     /// named for `rank` (see [`crate::nvme`]); on the CPU only.
-    pub fn offload_to_nvme(&mut self, nvme: &crate::nvme::NvmeOffload, rank: usize) -> Result<(), RuntimeError> {
+    pub fn offload_to_nvme(
+        &mut self,
+        nvme: &autotp_program::offload::NvmeOffload,
+        rank: usize,
+    ) -> Result<(), RuntimeError> {
         let Backend::Cpu(cpu) = &mut self.device else {
             return Err(RuntimeError::InvalidProgram("optimizer state on NVMe runs on CPU ranks only so far".into()));
         };
@@ -483,14 +490,14 @@ impl CpuDevice {
     /// The bytes of `region` (validated to lie in the arena or the host pool).
     fn bytes(&self, region: &Region) -> &[u8] {
         match region.in_host_pool() {
-            true => &self.host_pool.as_slice()[region.offset - crate::program::HOST_POOL..][..region.len],
+            true => &self.host_pool.as_slice()[region.offset - autotp_program::HOST_POOL..][..region.len],
             false => &self.arena.as_slice()[region.offset..region.end()],
         }
     }
 
     fn bytes_mut(&mut self, region: &Region) -> &mut [u8] {
         match region.in_host_pool() {
-            true => &mut self.host_pool.as_mut_slice()[region.offset - crate::program::HOST_POOL..][..region.len],
+            true => &mut self.host_pool.as_mut_slice()[region.offset - autotp_program::HOST_POOL..][..region.len],
             false => &mut self.arena.as_mut_slice()[region.offset..region.end()],
         }
     }
@@ -743,7 +750,7 @@ fn advise_huge_pages(bytes: &mut [u8]) {
 const OPTIMIZER_CHUNK_ELEMENTS: usize = 16_384;
 
 /// Where a rank's memories start: regions resolve to addresses in the arena or, for those in
-/// the host pool ([`crate::program::HOST_POOL`]), in the pool.
+/// the host pool ([`autotp_program::HOST_POOL`]), in the pool.
 #[derive(Clone, Copy)]
 pub(crate) struct Bases {
     pub arena: usize,
@@ -754,7 +761,7 @@ impl Bases {
     /// The address of `region` (nothing is dereferenced: a GPU's device addresses work too).
     pub fn at(&self, region: &Region) -> *mut u8 {
         if region.in_host_pool() {
-            self.host_pool.wrapping_add(region.offset - crate::program::HOST_POOL) as *mut u8
+            self.host_pool.wrapping_add(region.offset - autotp_program::HOST_POOL) as *mut u8
         } else {
             self.arena.wrapping_add(region.offset) as *mut u8
         }
@@ -764,7 +771,7 @@ impl Bases {
 /// The whole of tensor `t`'s update, for memories at `bases`.
 fn tensor_update(
     dtype: autotp_kernels::DType,
-    t: &crate::OptimizerTensor,
+    t: &autotp_program::OptimizerTensor,
     bases: Bases,
 ) -> autotp_kernels::optim::TensorUpdate {
     let at = |r: &Region| bases.at(r);
@@ -803,7 +810,7 @@ fn push_chunks(
 /// memories at `bases` (the CPU's, or a GPU's device addresses: nothing is dereferenced).
 pub(crate) fn optimizer_chunks<'a>(
     dtype: autotp_kernels::DType,
-    tensors: impl IntoIterator<Item = &'a crate::OptimizerTensor>,
+    tensors: impl IntoIterator<Item = &'a autotp_program::OptimizerTensor>,
     bases: Bases,
 ) -> Vec<autotp_kernels::optim::TensorUpdate> {
     let mut chunks = Vec::new();
@@ -844,9 +851,9 @@ unsafe fn update_tile(
     entry: CpuKernel,
     dtype: autotp_kernels::DType,
     constants: &AlignedBuf,
-    tensors: &[crate::OptimizerTensor],
+    tensors: &[autotp_program::OptimizerTensor],
     bases: Bases,
-    tile: &crate::nvme::Tile,
+    tile: &autotp_program::offload::Tile,
     buffer: &mut [u8],
     label: &str,
 ) -> Result<(), RuntimeError> {
@@ -889,10 +896,10 @@ unsafe fn update_tile(
 /// The 16-bit copies an offloaded step makes of its new parameters ([`OptimizerTensor::copy`]),
 /// with the cast kernel's rounding.
 ///
-/// [`OptimizerTensor::copy`]: crate::OptimizerTensor::copy
+/// [`OptimizerTensor::copy`]: autotp_program::OptimizerTensor::copy
 fn copy_masters<'a>(
     dtype: autotp_kernels::DType,
-    tensors: impl IntoIterator<Item = &'a crate::OptimizerTensor>,
+    tensors: impl IntoIterator<Item = &'a autotp_program::OptimizerTensor>,
     bases: Bases,
     label: &str,
 ) -> Result<(), RuntimeError> {
@@ -923,7 +930,7 @@ fn cast_master(
 /// The sequence number of the next collective on `op`'s axis (`shard_slice` meets no one and
 /// takes none).
 pub(crate) fn next_seq(issued: &mut [u64], op: &CollectiveOp) -> u64 {
-    if let CollectiveKind::ShardSlice { .. } = op.kind {
+    if let Collective::ShardSlice { .. } = op.kind {
         return 0;
     }
     let seq = issued[op.axis];

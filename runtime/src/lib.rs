@@ -1,28 +1,24 @@
-//! autotp-runtime: the Program format and its execution.
+//! autotp-runtime: executes [`autotp_program::Program`]s on devices, between ranks, and trains.
 //!
-//! - [`Program`]: slots (inputs, outputs, parameters), constants and instructions over one
-//!   arena at planned offsets, with its [`MemoryPlan`]. It never refers to the IR.
-//! - [`Executor`]: runs a program on the CPU with the builtin kernels.
-//! - [`npy`]: reading and writing `.npy` files for inputs and outputs.
-//! - [`nvme`]: optimizer state in files, streamed through the step in tiles (`--offload-optimizer nvme`).
-//! - [`data`]: the training token stream and its windows (the data contract).
-//! - [`schedule`]: learning-rate schedules (constant; linear warmup then cosine).
-//! - [`plan`]: the compiled training plan and its `.atp` file.
-//! - [`trainer`]: one training step after another over the token data; checkpoints.
-//! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically).
-//! - [`tensor_file`]: reading and atomically writing safetensors files.
-//! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads, byte counts).
-//! - [`gpu`]: a program on a GPU, the host's side (over the `Gpu` interface; an emulator for tests).
-//! - [`cuda`]: finding the CUDA driver and its GPUs (loaded at run time, never linked).
-//! - [`clock`]: how a rank times its run (wall time, or its own CPU time: `autotp run --clock`).
-//! - [`report`]: a plan's per-rank memory and per-step communication.
-//! - [`streams`]: a program's instructions on a device's streams, ordered by events.
-//! - [`profile`]: where a run's step time went, by op (`autotp run --profile`).
-//! - [`affinity`]: pinning threads to the cores this process may use (`autotp run --bind-cores`).
-//! - [`launch`]: this process's rank, world size and local rank, from its launcher's variables.
-//! - [`rendezvous`]: rank 0's bytes (NCCL's unique id) shared with every rank over TCP.
+//! - [`Executor`]: runs a program on the CPU (builtin kernels, the plan's generated kernels
+//!   JIT-compiled for this CPU at load).
+//! - [`gpu`]: a program on a GPU, the host's side (over the `Gpu` interface; an emulator for
+//!   tests); [`cuda`]: finding the CUDA driver and its GPUs (loaded at run time, never linked);
+//!   [`streams`]: a program's instructions on a device's streams, ordered by events.
+//! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads; `MpiComm`: processes);
+//!   [`launch`]: this process's rank, world size and local rank, from its launcher's variables;
+//!   [`rendezvous`]: rank 0's bytes (NCCL's unique id) shared with every rank over TCP.
+//! - [`trainer`]: one training step after another over the token data; [`checkpoint`]:
+//!   checkpoint directories (safetensors + JSON manifest, written atomically); [`data`]: the
+//!   training token stream and its windows (the data contract); [`nvme`]: optimizer state in
+//!   files, streamed through the step in tiles (`--offload-optimizer nvme`).
+//! - [`npy`]: reading and writing `.npy` files for inputs and outputs; [`clock`]: how a rank
+//!   times its run (`autotp run --clock`); [`profile`]: where a run's step time went, by op
+//!   (`autotp run --profile`); [`affinity`]: pinning threads to the cores this process may use
+//!   (`autotp run --bind-cores`).
 //!
-//! This is the only crate that allocates device memory or starts rank threads.
+//! This is the only crate that allocates device memory or starts rank threads. It selects no
+//! kernel: it runs what the program names.
 
 use std::path::PathBuf;
 
@@ -35,27 +31,19 @@ pub mod data;
 mod executor;
 pub mod gpu;
 pub mod launch;
-pub mod loss_scale;
 pub mod npy;
 pub mod nvme;
-pub mod plan;
 pub mod profile;
-mod program;
 pub mod rendezvous;
-pub mod report;
-pub mod schedule;
 pub mod streams;
-pub mod tensor_file;
 pub mod trainer;
 
 pub use executor::{Executor, HostTensor};
-pub use program::{
-    ConstantData, Instruction, MemoryPlan, MeshAxis, OptimizerTensor, Program, PtxModule, Region, Slot, SlotPlacement,
-    Update, HOST_POOL,
-};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
+    #[error(transparent)]
+    Program(#[from] autotp_program::ProgramError),
     #[error("invalid program: {0}")]
     InvalidProgram(String),
     /// Training cannot go on (an fp16 loss scale at its floor).

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::{Instruction, Program};
+use autotp_program::{Instruction, Program};
 
 /// The time of one kind of op (`matmul`, `all_reduce`, `wait`...) over a run.
 #[derive(Clone, Debug, PartialEq)]

@@ -27,8 +27,9 @@
 //! the events (vector clocks), so a device that honours streams and events computes what the
 //! instructions compute in program order. Every schedule is checked when a program loads.
 
-use crate::comm::CollectiveKind;
-use crate::{Instruction, Program, Region, RuntimeError};
+use crate::RuntimeError;
+use autotp_program::Collective;
+use autotp_program::{Instruction, Program, Region};
 
 /// A stream of a rank's device.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -91,7 +92,7 @@ impl StreamSchedule {
             let (reads, writes) = instruction.regions();
             let stream = match instruction {
                 // A shard slice meets no other rank: it is a copy.
-                Instruction::Collective { op, .. } if matches!(op.kind, CollectiveKind::ShardSlice { .. }) => {
+                Instruction::Collective { op, .. } if matches!(op.kind, Collective::ShardSlice { .. }) => {
                     Stream::Compute
                 }
                 Instruction::Collective { .. } | Instruction::CollectiveStart { .. } => Stream::Collectives,
@@ -276,9 +277,8 @@ pub(crate) fn drive<D: Device>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::CollectiveOp;
-    use crate::MeshAxis;
     use autotp_kernels::{DType, Kernel};
+    use autotp_program::{CollectiveOp, MeshAxis};
 
     fn region(offset: usize) -> Region {
         Region { offset, len: 24 }
@@ -294,13 +294,13 @@ mod tests {
     }
 
     fn program(instructions: Vec<Instruction>) -> Program {
-        let program = crate::program::bare_program(instructions, vec![MeshAxis { name: "dp".into(), size: 2 }], 256);
+        let program = Program::bare(instructions, vec![MeshAxis { name: "dp".into(), size: 2 }], 256);
         program.validate().unwrap();
         program
     }
 
     fn all_reduce(start: bool, input: usize, output: usize) -> Instruction {
-        let op = CollectiveOp { kind: CollectiveKind::AllReduce, axis: 0, dtype: DType::F32, shape: vec![6] };
+        let op = CollectiveOp { kind: Collective::AllReduce, axis: 0, dtype: DType::F32, shape: vec![6] };
         let (input, output, label) = (region(input), region(output), "all_reduce".to_string());
         match start {
             true => Instruction::CollectiveStart { op, input, output, label },

@@ -24,13 +24,17 @@ use autotp_kernels::{DType, Kernel};
 
 use crate::checkpoint::{self, Checkpoint, DataPosition, Manifest, RngState};
 use crate::clock::{Clock, RunTime};
-use crate::comm::{CommBytes, Communicator, LocalComm, MpiComm, Topology};
+use autotp_program::mesh::CommBytes;
+
+use crate::comm::{Communicator, LocalComm, MpiComm, Topology};
 use crate::data::TokenData;
 use crate::gpu::GpuKind;
-use crate::loss_scale::LossScaler;
-use crate::plan::{Feed, Labels, ModelSource, TrainingConfig, TrainingPlan};
-use crate::tensor_file::TensorRef;
-use crate::{Executor, HostTensor, RuntimeError, Slot, SlotPlacement};
+use crate::{Executor, HostTensor, RuntimeError};
+use autotp_program::loss_scale::LossScaler;
+use autotp_program::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
+use autotp_program::step::{StepInput, StepOutput};
+use autotp_program::tensor_file::TensorRef;
+use autotp_program::{Placement, Slot};
 
 /// What one step reported.
 #[derive(Clone, Debug, PartialEq)]
@@ -53,7 +57,7 @@ pub struct StepMetrics {
 }
 
 /// The program output that is 1 when a step's update was skipped (`passes::optimize::OVERFLOW`).
-pub const OVERFLOW_OUTPUT: &str = "overflow";
+pub const OVERFLOW_OUTPUT: &str = StepOutput::Overflow.name();
 
 pub struct Trainer {
     /// The executors of the ranks this process runs (ranks `first_rank..`), stage by stage:
@@ -63,7 +67,7 @@ pub struct Trainer {
     topology: Topology,
     /// Every stage's program, for what the trainer reads of all of them (slots, outputs); the
     /// executors hold their own, with the constants.
-    programs: Vec<crate::Program>,
+    programs: Vec<autotp_program::Program>,
     /// Each rank's kernel threads, when this process runs several ranks: the machine's cores
     /// shared out, so ranks do not queue on one pool.
     pools: Vec<rayon::ThreadPool>,
@@ -76,7 +80,7 @@ pub struct Trainer {
     model: ModelSource,
     fingerprint: String,
     /// What feeds each stage's inputs.
-    feeds: Vec<Vec<Feed>>,
+    feeds: Vec<Vec<StepInput>>,
     loss_index: usize,
     completed: usize,
     /// Of the completed steps, those whose update was skipped (non-finite gradients).
@@ -136,7 +140,7 @@ impl Trainer {
         let feeds = plan.feeds()?;
         let loss_index = plan.loss_index()?;
         let t = &plan.training;
-        for ids in plan.stages.iter().flat_map(|p| &p.inputs).filter(|s| s.name == "input_ids") {
+        for ids in plan.stages.iter().flat_map(|p| &p.inputs).filter(|s| s.name == StepInput::InputIds.name()) {
             if ids.global_shape != t.global_token_shape() {
                 return Err(RuntimeError::Plan(format!(
                     "feeds input_ids as {:?} on all ranks, but its global batch is {} x {} in {} micro-batches",
@@ -148,9 +152,9 @@ impl Trainer {
         let TrainingPlan { stages, training, model } = plan;
         let sizes: Vec<usize> = stages[0].mesh.iter().map(|a| a.size).collect();
         let topology = Topology::new(stages.len(), &sizes);
-        let programs: Vec<crate::Program> =
-            stages.iter().map(|p| crate::Program { constants: Vec::new(), ..p.clone() }).collect();
-        let load = |program: crate::Program, rank: Option<(usize, Arc<dyn Communicator>)>| match gpu {
+        let programs: Vec<autotp_program::Program> =
+            stages.iter().map(|p| autotp_program::Program { constants: Vec::new(), ..p.clone() }).collect();
+        let load = |program: autotp_program::Program, rank: Option<(usize, Arc<dyn Communicator>)>| match gpu {
             Some(kind) => {
                 let device = kind.open(&program)?;
                 Executor::on_gpu(program, device, rank)
@@ -257,7 +261,7 @@ impl Trainer {
 
     /// Every slot of the stages' `list` (parameters or states) once: the slot of the first
     /// stage holding it.
-    fn first_held(&self, list: impl Fn(&crate::Program) -> &[Slot]) -> Vec<Slot> {
+    fn first_held(&self, list: impl Fn(&autotp_program::Program) -> &[Slot]) -> Vec<Slot> {
         let mut seen = std::collections::BTreeSet::new();
         let mut slots = Vec::new();
         for program in &self.programs {
@@ -280,7 +284,7 @@ impl Trainer {
     }
 
     /// The program of pipeline stage `stage`.
-    pub fn stage_program(&self, stage: usize) -> &crate::Program {
+    pub fn stage_program(&self, stage: usize) -> &autotp_program::Program {
         &self.programs[stage]
     }
 
@@ -319,13 +323,13 @@ impl Trainer {
     /// Loads a parameter or state from its global bytes: each rank takes its block.
     fn load_global(&mut self, slot: &Slot, global: &[u8]) -> Result<(), RuntimeError> {
         let expected = slot.global_shape.iter().product::<usize>() * slot.dtype.size();
-        if global.len() != expected || slot.placements.contains(&SlotPlacement::PartialSum) {
+        if global.len() != expected || slot.placements.contains(&Placement::PartialSum) {
             return Err(RuntimeError::WrongSize { what: format!("'{}'", slot.name), expected, got: global.len() });
         }
         for rank in self.local_ranks() {
             // Each stage holding it places it its own way (a tied embedding's two uses).
             let Some(own) = self.held_by(rank, &slot.name) else { continue };
-            if own.global_shape != slot.global_shape || own.placements.contains(&SlotPlacement::PartialSum) {
+            if own.global_shape != slot.global_shape || own.placements.contains(&Placement::PartialSum) {
                 return Err(RuntimeError::Plan(format!("stages hold '{}' in different shapes", slot.name)));
             }
             let block = self.block(own, rank, global).into_owned();
@@ -364,12 +368,12 @@ impl Trainer {
     }
 
     /// The program of stage 0 (the only one without a pipeline).
-    pub fn program(&self) -> &crate::Program {
+    pub fn program(&self) -> &autotp_program::Program {
         &self.programs[0]
     }
 
     /// The program `rank` runs.
-    pub fn rank_program(&self, rank: usize) -> &crate::Program {
+    pub fn rank_program(&self, rank: usize) -> &autotp_program::Program {
         &self.programs[self.topology.stage(rank)]
     }
 
@@ -547,7 +551,7 @@ impl Trainer {
             // Each rank reads its own block (each stage holding it in its own placement).
             for rank in self.local_ranks() {
                 let Some(own) = self.held_by(rank, &slot.name) else { continue };
-                if own.placements.contains(&SlotPlacement::PartialSum) {
+                if own.placements.contains(&Placement::PartialSum) {
                     return Err(RuntimeError::Plan(format!(
                         "holds '{}' as partial sums, which cannot be loaded",
                         own.name
@@ -648,15 +652,15 @@ impl Trainer {
             data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         };
         let scalar = |v: f32| HostTensor { dtype: DType::F32, shape: vec![], data: v.to_le_bytes().to_vec() };
-        let global = |feed: &Feed| match feed {
-            Feed::InputIds => ids(&batch.input_ids),
-            Feed::Labels => match t.labels {
+        let global = |feed: &StepInput| match feed {
+            StepInput::InputIds => ids(&batch.input_ids),
+            StepInput::Labels => match t.labels {
                 Labels::NextTokens => ids(&batch.labels),
                 Labels::InputIds => ids(&batch.input_ids),
             },
-            Feed::Lr => scalar(lr as f32),
-            Feed::Step => scalar((optimizer_step + 1) as f32),
-            Feed::LossScale => scalar(loss_scale.expect("a loss scale input has a scaler") as f32),
+            StepInput::Lr => scalar(lr as f32),
+            StepInput::Step => scalar((optimizer_step + 1) as f32),
+            StepInput::LossScale => scalar(loss_scale.expect("a loss scale input has a scaler") as f32),
         };
         let global: Vec<Vec<HostTensor>> = self.feeds.iter().map(|feeds| feeds.iter().map(global).collect()).collect();
         let feeds: Vec<Vec<HostTensor>> = self
@@ -877,7 +881,7 @@ impl Trainer {
             .chain(&program.states)
             .filter(|slot| {
                 first_stage(&slot.name) == Some(stage)
-                    && slot.placements.iter().zip(&coords).all(|(p, &c)| *p != SlotPlacement::Replicate || c == 0)
+                    && slot.placements.iter().zip(&coords).all(|(p, &c)| *p != Placement::Replicate || c == 0)
             })
             .map(|slot| (slot, shard_block(&slot.global_shape, &slot.cuts(&program.mesh, &coords)).0))
             .collect()

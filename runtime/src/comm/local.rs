@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use autotp_kernels::Kernel;
 
-use super::{slice_for, sum, unexpected_message, CollectiveKind, CollectiveOp, CommBytes, Communicator, Topology};
+use super::{slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator, Topology};
 use crate::RuntimeError;
 
 /// One rendezvous round of a group.
@@ -183,7 +183,7 @@ impl Communicator for LocalComm {
         if kind.output_shape(shape, n).is_none() {
             return Err(RuntimeError::Comm(format!("{} of {shape:?} over {n} ranks", kind.name())));
         }
-        if let CollectiveKind::ShardSlice { dim } = kind {
+        if let Collective::ShardSlice { dim } = kind {
             return slice_for(dtype, shape, dim, coord, n, input, output).map_err(kernel_error);
         }
         self.staging_peak[rank].fetch_max(kind.staging_bytes(input.len()), Ordering::SeqCst);
@@ -192,12 +192,12 @@ impl Communicator for LocalComm {
         self.sent[rank].lock().expect("counters").count(kind, input.len(), n);
         let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
         let result = match kind {
-            CollectiveKind::AllGather { dim } => {
+            Collective::AllGather { dim } => {
                 let concat = Kernel::Concat { dtype, shapes: vec![shape.to_vec(); n], axis: dim };
                 concat.run(&refs, &mut [output]).map_err(kernel_error)
             }
-            CollectiveKind::AllReduce => sum(dtype, shape, &refs, output).map_err(kernel_error),
-            CollectiveKind::ReduceScatter { dim } => {
+            Collective::AllReduce => sum(dtype, shape, &refs, output).map_err(kernel_error),
+            Collective::ReduceScatter { dim } => {
                 // Only this rank's slice of the sum: the slice of every input, added.
                 let mut part_shape = shape.to_vec();
                 part_shape[dim] /= n;
@@ -214,7 +214,7 @@ impl Communicator for LocalComm {
                     sum(dtype, &part_shape, &parts, output).map_err(kernel_error)
                 }
             }
-            CollectiveKind::ShardSlice { .. } => unreachable!("handled above"),
+            Collective::ShardSlice { .. } => unreachable!("handled above"),
         };
         drop(refs);
         drop(inputs);

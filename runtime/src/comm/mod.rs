@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use autotp_kernels::DType;
-use serde::{Deserialize, Serialize};
+use autotp_program::mesh::{Collective, CollectiveOp, CommBytes};
 
 use crate::RuntimeError;
 
@@ -25,91 +25,6 @@ mod mpi_library;
 
 pub use local::LocalComm;
 pub use mpi::{MpiComm, MpiError};
-
-/// A collective along one mesh axis (see `autotp_ir::Collective`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum CollectiveKind {
-    /// partial sums -> the sum on every rank.
-    AllReduce,
-    /// shards along `dim` -> their concatenation on every rank.
-    AllGather { dim: usize },
-    /// partial sums -> each rank's slice along `dim` of the sum.
-    ReduceScatter { dim: usize },
-    /// whole value -> each rank's slice along `dim` (no communication).
-    ShardSlice { dim: usize },
-}
-
-impl CollectiveKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            CollectiveKind::AllReduce => "all_reduce",
-            CollectiveKind::AllGather { .. } => "all_gather",
-            CollectiveKind::ReduceScatter { .. } => "reduce_scatter",
-            CollectiveKind::ShardSlice { .. } => "shard_slice",
-        }
-    }
-
-    /// The local output shape for a local input `shape` over `n` ranks, if it is valid.
-    pub fn output_shape(self, shape: &[usize], n: usize) -> Option<Vec<usize>> {
-        let mut out = shape.to_vec();
-        match self {
-            CollectiveKind::AllReduce => {}
-            CollectiveKind::AllGather { dim } => *out.get_mut(dim)? *= n,
-            CollectiveKind::ReduceScatter { dim } | CollectiveKind::ShardSlice { dim } => {
-                let d = out.get_mut(dim)?;
-                if n == 0 || *d % n != 0 {
-                    return None;
-                }
-                *d /= n;
-            }
-        }
-        Some(out)
-    }
-
-    /// Bytes of host buffers one rank stages for an input of `bytes` in [`LocalComm`]: its
-    /// deposited copy, plus the sum for reductions (and the full sum a reduce-scatter slices).
-    pub fn staging_bytes(self, bytes: usize) -> usize {
-        match self {
-            CollectiveKind::AllReduce => 2 * bytes,
-            CollectiveKind::AllGather { .. } => bytes,
-            CollectiveKind::ReduceScatter { .. } => 3 * bytes,
-            CollectiveKind::ShardSlice { .. } => 0,
-        }
-    }
-
-    /// Bytes one rank sends for an input of `bytes` over `n` ranks, with ring algorithms:
-    /// all-reduce 2(n-1)/n of the buffer, all-gather (n-1) shards, reduce-scatter (n-1)/n.
-    pub fn bytes_sent(self, bytes: usize, n: usize) -> usize {
-        let n1 = n.saturating_sub(1);
-        match self {
-            CollectiveKind::AllReduce => 2 * n1 * bytes / n.max(1),
-            CollectiveKind::AllGather { .. } => n1 * bytes,
-            CollectiveKind::ReduceScatter { .. } => n1 * bytes / n.max(1),
-            CollectiveKind::ShardSlice { .. } => 0,
-        }
-    }
-}
-
-/// One collective as a program states it: what, along which mesh axis, over a local input of
-/// `shape`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CollectiveOp {
-    pub kind: CollectiveKind,
-    pub axis: usize,
-    pub dtype: DType,
-    pub shape: Vec<usize>,
-}
-
-/// Bytes sent by one rank, by collective, since the last reset.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CommBytes {
-    pub all_reduce: usize,
-    pub all_gather: usize,
-    pub reduce_scatter: usize,
-    /// Sent to other pipeline stages (activations, their gradients, shared weights' gradients).
-    #[serde(default)]
-    pub send: usize,
-}
 
 /// Where ranks sit: `stages` pipeline stages, each a mesh of these axis sizes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -204,19 +119,6 @@ pub trait Communicator: Send + Sync {
     fn staging_peak(&self, rank: usize) -> usize;
 
     fn reset_counts(&self);
-}
-
-impl CommBytes {
-    /// Counts `op` over a group of `n` ranks for an input of `bytes`.
-    pub fn count(&mut self, kind: CollectiveKind, bytes: usize, n: usize) {
-        let sent = kind.bytes_sent(bytes, n);
-        match kind {
-            CollectiveKind::AllReduce => self.all_reduce += sent,
-            CollectiveKind::AllGather { .. } => self.all_gather += sent,
-            CollectiveKind::ReduceScatter { .. } => self.reduce_scatter += sent,
-            CollectiveKind::ShardSlice { .. } => {}
-        }
-    }
 }
 
 /// The slice `kind` leaves to the rank at `coord` for a `shard_slice`, or a reduce-scatter's

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use autotp_kernels::{DType, Kernel};
 
 use super::mpi_library::{self, Handle, MpiLibrary, Status};
-use super::{slice_for, sum, unexpected_message, CollectiveKind, CollectiveOp, CommBytes, Communicator, Topology};
+use super::{slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator, Topology};
 use crate::RuntimeError;
 
 #[derive(Debug, thiserror::Error)]
@@ -85,7 +85,7 @@ struct Watch {
 enum Waiting {
     Collective {
         rank: usize,
-        kind: CollectiveKind,
+        kind: Collective,
         seq: u64,
         axis: usize,
     },
@@ -608,20 +608,20 @@ impl Communicator for MpiComm {
         if kind.output_shape(shape, n).is_none() {
             return Err(RuntimeError::Comm(format!("{} of {shape:?} over {n} ranks", kind.name())));
         }
-        if let CollectiveKind::ShardSlice { dim } = kind {
+        if let Collective::ShardSlice { dim } = kind {
             return slice_for(dtype, shape, dim, coord, n, input, output).map_err(kernel_error);
         }
         let native = matches!(dtype, DType::F32 | DType::F64 | DType::I64);
         // Staging: a reduce-scatter's sum, an inner all-gather's chunks, a 16-bit reduction's
         // inputs and sum.
         let staging = match kind {
-            CollectiveKind::AllReduce if native => 0,
-            CollectiveKind::AllReduce => (n + 1) * input.len(),
-            CollectiveKind::ReduceScatter { .. } if native => input.len(),
-            CollectiveKind::ReduceScatter { .. } => (n + 1) * input.len(),
-            CollectiveKind::AllGather { dim } if shape[..dim].iter().product::<usize>() == 1 => 0,
-            CollectiveKind::AllGather { .. } => n * input.len(),
-            CollectiveKind::ShardSlice { .. } => 0,
+            Collective::AllReduce if native => 0,
+            Collective::AllReduce => (n + 1) * input.len(),
+            Collective::ReduceScatter { .. } if native => input.len(),
+            Collective::ReduceScatter { .. } => (n + 1) * input.len(),
+            Collective::AllGather { dim } if shape[..dim].iter().product::<usize>() == 1 => 0,
+            Collective::AllGather { .. } => n * input.len(),
+            Collective::ShardSlice { .. } => 0,
         };
         self.staging_peak.fetch_max(staging, Ordering::SeqCst);
         let _watched = self.watched(Waiting::Collective { rank: self.rank, kind, seq, axis });
@@ -635,9 +635,9 @@ impl Communicator for MpiComm {
                 sum(dtype, shape, &inputs, into).map_err(kernel_error)
             };
             match kind {
-                CollectiveKind::AllReduce if native => self.all_reduce(group.comm, dtype, input, output),
-                CollectiveKind::AllReduce => gathered_sum(&mut gathered, output),
-                CollectiveKind::ReduceScatter { dim } => {
+                Collective::AllReduce if native => self.all_reduce(group.comm, dtype, input, output),
+                Collective::AllReduce => gathered_sum(&mut gathered, output),
+                Collective::ReduceScatter { dim } => {
                     let mut total = group.sum.lock().expect("staging");
                     let total = sized(&mut total, input.len());
                     if native {
@@ -647,17 +647,17 @@ impl Communicator for MpiComm {
                     }
                     slice_for(dtype, shape, dim, coord, n, total, output).map_err(kernel_error)
                 }
-                CollectiveKind::AllGather { dim } if shape[..dim].iter().product::<usize>() == 1 => {
+                Collective::AllGather { dim } if shape[..dim].iter().product::<usize>() == 1 => {
                     self.all_gather_bytes(group.comm, input, output)
                 }
-                CollectiveKind::AllGather { dim } => {
+                Collective::AllGather { dim } => {
                     let all = sized(&mut gathered, n * input.len());
                     self.all_gather_bytes(group.comm, input, all)?;
                     let chunks: Vec<&[u8]> = all.chunks(input.len()).collect();
                     let concat = Kernel::Concat { dtype, shapes: vec![shape.to_vec(); n], axis: dim };
                     concat.run(&chunks, &mut [output]).map_err(kernel_error)
                 }
-                CollectiveKind::ShardSlice { .. } => unreachable!("handled above"),
+                Collective::ShardSlice { .. } => unreachable!("handled above"),
             }
         })?;
         self.sent.lock().expect("counters").count(kind, input.len(), n);

@@ -30,7 +30,8 @@ use autotp_kernels::DType;
 use super::gemm::{GemmCall, GemmLayout};
 use super::{Entry, GemmMath, GemmOperands, Gpu, GpuEvent};
 use crate::streams::Stream;
-use crate::{Program, RuntimeError};
+use crate::RuntimeError;
+use autotp_program::Program;
 
 /// alpha and beta of the GEMMs, as host scalars of their compute type.
 static ONE_F32: f32 = 1.0;

@@ -20,7 +20,8 @@ use autotp_kernels::{DType, Kernel};
 use super::gemm::GemmCall;
 use super::{round_to_tf32, Entry, GemmMath, GemmOperands, Gpu, GpuEvent};
 use crate::streams::Stream;
-use crate::{Program, RuntimeError};
+use crate::RuntimeError;
+use autotp_program::Program;
 
 type Work = Box<dyn FnOnce() -> Result<(), RuntimeError> + Send>;
 

@@ -42,7 +42,8 @@ use autotp_llvm::indexed::{IndexedKernel, IndexedOp};
 use crate::clock::RankClock;
 use crate::comm::Communicator;
 use crate::streams::{Device, Stream};
-use crate::{Instruction, Program, Region, RuntimeError};
+use crate::RuntimeError;
+use autotp_program::{Instruction, Program, Region};
 use gemm::GemmCall;
 
 /// A new allocation holding `bytes`.
@@ -434,7 +435,7 @@ impl GpuDevice {
     }
 
     /// Applies a step's updates (device-to-device copies) in the compute stream's order.
-    pub(crate) fn apply_updates(&mut self, updates: &[crate::Update]) -> Result<(), RuntimeError> {
+    pub(crate) fn apply_updates(&mut self, updates: &[autotp_program::Update]) -> Result<(), RuntimeError> {
         for u in updates {
             let (from, to) = (self.address(&u.from), self.address(&u.to));
             if from != to {

@@ -3,11 +3,12 @@
 //! (the program's [`kir`] kernels, JIT-compiled when the program is loaded). The runtime knows
 //! nothing of the IR: codegen produces Programs.
 
+use autotp_kernels::optim::OptimizerKernel;
 use autotp_kernels::{kir, DType, Kernel, Optimizer};
 use serde::{Deserialize, Serialize};
 
-use crate::comm::CollectiveOp;
-use crate::RuntimeError;
+use crate::mesh::{CollectiveOp, MeshAxis, Placement};
+use crate::ProgramError;
 
 /// A region of the arena.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,18 +32,9 @@ impl Region {
         self.offset >= HOST_POOL
     }
 
-    pub(crate) fn overlaps(&self, other: &Region) -> bool {
+    pub fn overlaps(&self, other: &Region) -> bool {
         self.len > 0 && other.len > 0 && self.offset < other.end() && other.offset < self.end()
     }
-}
-
-/// How a slot is laid out along one mesh axis.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SlotPlacement {
-    Replicate,
-    /// Each rank of the axis holds one contiguous slice along this dim.
-    Shard(usize),
-    PartialSum,
 }
 
 /// A named tensor at a region: an input to feed, an output to read, or a parameter to load.
@@ -55,7 +47,7 @@ pub struct Slot {
     pub shape: Vec<usize>,
     pub region: Region,
     pub global_shape: Vec<usize>,
-    pub placements: Vec<SlotPlacement>,
+    pub placements: Vec<Placement>,
 }
 
 impl Slot {
@@ -70,7 +62,7 @@ impl Slot {
             .zip(mesh)
             .zip(coords)
             .filter_map(|((p, axis), &c)| match p {
-                SlotPlacement::Shard(d) => Some((*d, axis.size, c)),
+                Placement::Shard(d) => Some((*d, axis.size, c)),
                 _ => None,
             })
             .collect()
@@ -78,15 +70,8 @@ impl Slot {
 
     /// True when the slot is the same on every rank.
     pub fn is_replicated(&self) -> bool {
-        self.placements.iter().all(|p| *p == SlotPlacement::Replicate)
+        self.placements.iter().all(|p| *p == Placement::Replicate)
     }
-}
-
-/// A mesh axis: its name and number of ranks.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MeshAxis {
-    pub name: String,
-    pub size: usize,
 }
 
 /// Bytes written into the arena once, when the program is loaded.
@@ -240,6 +225,25 @@ impl Instruction {
 }
 
 impl Program {
+    /// A program of `instructions` alone over an arena of `arena_bytes`, with no slots or
+    /// kernels (for tests of instruction sequences).
+    pub fn bare(instructions: Vec<Instruction>, mesh: Vec<MeshAxis>, arena_bytes: usize) -> Program {
+        Program {
+            kernels: vec![],
+            ptx: vec![],
+            name: "p".into(),
+            mesh,
+            inputs: vec![],
+            outputs: vec![],
+            params: vec![],
+            states: vec![],
+            constants: vec![],
+            updates: vec![],
+            instructions,
+            memory: MemoryPlan { arena_bytes, ..Default::default() },
+        }
+    }
+
     /// Where the arena's activations start: after the parameters, states, inputs and constants,
     /// which have regions of their own; the memory plan reuses the rest.
     pub fn activations_start(&self) -> usize {
@@ -250,11 +254,11 @@ impl Program {
 
     /// The multi-tensor kernels that the program's optimizer steps need, one per update rule
     /// and dtype, in order of first use.
-    pub fn optimizer_kernels(&self) -> Vec<autotp_llvm::optim::OptimizerKernel> {
+    pub fn optimizer_kernels(&self) -> Vec<OptimizerKernel> {
         let mut kinds = Vec::new();
         for instruction in &self.instructions {
             if let Instruction::OptimizerStep { optimizer, dtype, .. } = instruction {
-                let kind = autotp_llvm::optim::OptimizerKernel { optimizer: optimizer.clone(), dtype: *dtype };
+                let kind = OptimizerKernel { optimizer: optimizer.clone(), dtype: *dtype };
                 if !kinds.contains(&kind) {
                     kinds.push(kind);
                 }
@@ -284,9 +288,9 @@ impl Program {
     /// Checks that every region is inside the arena (or the host pool), that each instruction's regions have the
     /// sizes its kernel implies, and that no instruction's outputs overlap its inputs or each
     /// other; the executor relies on this to hand kernels disjoint slices of the right length.
-    pub fn validate(&self) -> Result<(), RuntimeError> {
+    pub fn validate(&self) -> Result<(), ProgramError> {
         let size = self.memory.arena_bytes;
-        let bad = |what: String| Err(RuntimeError::InvalidProgram(what));
+        let bad = |what: String| Err(ProgramError::InvalidProgram(what));
 
         let slots = self.inputs.iter().chain(&self.outputs).chain(&self.params).chain(&self.states);
         for slot in slots {
@@ -504,25 +508,6 @@ fn check_optimizer_step(
     Ok(())
 }
 
-/// A program of `instructions` alone over an arena of `arena_bytes`, for tests.
-#[cfg(test)]
-pub(crate) fn bare_program(instructions: Vec<Instruction>, mesh: Vec<MeshAxis>, arena_bytes: usize) -> Program {
-    Program {
-        kernels: vec![],
-        ptx: vec![],
-        name: "p".into(),
-        mesh,
-        inputs: vec![],
-        outputs: vec![],
-        params: vec![],
-        states: vec![],
-        constants: vec![],
-        updates: vec![],
-        instructions,
-        memory: MemoryPlan { arena_bytes, ..Default::default() },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -534,7 +519,7 @@ mod tests {
             outputs: vec![Region { offset: 64, len: output_len }],
             label: "%3 = transpose".into(),
         };
-        bare_program(vec![transpose], vec![], 128)
+        Program::bare(vec![transpose], vec![], 128)
     }
 
     #[test]
@@ -550,8 +535,8 @@ mod tests {
     }
     #[test]
     fn a_started_collective_is_left_alone_until_its_wait() {
-        use crate::comm::{CollectiveKind, CollectiveOp};
-        let op = CollectiveOp { kind: CollectiveKind::AllReduce, axis: 0, dtype: DType::F32, shape: vec![2, 3] };
+        use crate::mesh::{Collective, CollectiveOp};
+        let op = CollectiveOp { kind: Collective::AllReduce, axis: 0, dtype: DType::F32, shape: vec![2, 3] };
         let start = Instruction::CollectiveStart {
             op,
             input: Region { offset: 0, len: 24 },

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use autotp_kernels::DType;
 
-use crate::RuntimeError;
+use crate::ProgramError;
 
 /// One tensor to write: a name, its type and its bytes (borrowed; nothing is copied).
 #[derive(Clone, Debug)]
@@ -53,23 +53,23 @@ fn from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
     })
 }
 
-/// Maps an I/O error on `path` to [`RuntimeError::Io`] ("cannot {action} {path}: ...").
-pub(crate) fn io_error(path: &Path, action: &'static str) -> impl FnOnce(std::io::Error) -> RuntimeError {
+/// Maps an I/O error on `path` to [`ProgramError::Io`] ("cannot {action} {path}: ...").
+pub fn io_error(path: &Path, action: &'static str) -> impl FnOnce(std::io::Error) -> ProgramError {
     let path = path.to_path_buf();
-    move |source| RuntimeError::Io { action, path, source }
+    move |source| ProgramError::Io { action, path, source }
 }
 
-fn file_error(path: &Path, message: impl Into<String>) -> RuntimeError {
-    RuntimeError::File { path: path.to_path_buf(), message: message.into() }
+fn file_error(path: &Path, message: impl Into<String>) -> ProgramError {
+    ProgramError::File { path: path.to_path_buf(), message: message.into() }
 }
 
 /// Flushes a directory entry (a rename or a new file in it) to disk.
-pub(crate) fn sync_dir(dir: &Path) -> Result<(), RuntimeError> {
+pub fn sync_dir(dir: &Path) -> Result<(), ProgramError> {
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_error(dir, "sync"))
 }
 
 /// The temporary sibling a file is written under before it is renamed into place.
-pub(crate) fn temporary_path(path: &Path) -> PathBuf {
+pub fn temporary_path(path: &Path) -> PathBuf {
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
@@ -88,7 +88,7 @@ fn staging_path(path: &Path) -> PathBuf {
 
 /// Fsyncs `temporary`, renames it to `path` and fsyncs the directory (nothing when the file was
 /// written in place, see [`staging_path`]).
-pub(crate) fn persist(temporary: &Path, path: &Path) -> Result<(), RuntimeError> {
+pub fn persist(temporary: &Path, path: &Path) -> Result<(), ProgramError> {
     if temporary == path {
         return Ok(());
     }
@@ -98,7 +98,7 @@ pub(crate) fn persist(temporary: &Path, path: &Path) -> Result<(), RuntimeError>
 }
 
 /// Writes small bytes (a manifest, a pointer file) atomically.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), RuntimeError> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ProgramError> {
     let temporary = staging_path(path);
     std::fs::write(&temporary, bytes).map_err(io_error(&temporary, "write"))?;
     persist(&temporary, path)
@@ -107,7 +107,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), RuntimeError> {
 /// Writes `tensors` and string `metadata` as one safetensors file, atomically. The layout is
 /// the `safetensors` crate's (tensors by descending alignment, then name; header padded to 8
 /// bytes); the file is streamed, so nothing is copied, and created with the user's umask.
-pub fn write(path: &Path, tensors: &[TensorRef], metadata: BTreeMap<String, String>) -> Result<(), RuntimeError> {
+pub fn write(path: &Path, tensors: &[TensorRef], metadata: BTreeMap<String, String>) -> Result<(), ProgramError> {
     let mut order: Vec<&TensorRef> = tensors.iter().collect();
     order.sort_by(|a, b| to_safetensors(b.dtype).cmp(&to_safetensors(a.dtype)).then(a.name.cmp(&b.name)));
     let mut header = serde_json::Map::new();
@@ -167,7 +167,7 @@ pub struct TensorFile {
 }
 
 impl TensorFile {
-    pub fn open(path: &Path) -> Result<TensorFile, RuntimeError> {
+    pub fn open(path: &Path) -> Result<TensorFile, ProgramError> {
         let file = std::fs::File::open(path).map_err(io_error(path, "read"))?;
         // SAFETY: read-only map; autotp only ever replaces these files by renaming a new one
         // over them, which leaves this mapping's inode intact. Populated at once (every reader
@@ -214,7 +214,7 @@ impl TensorFile {
     }
 
     /// The tensor `name`, which must have `dtype` and `shape`.
-    pub fn expect(&self, name: &str, dtype: DType, shape: &[usize]) -> Result<&[u8], RuntimeError> {
+    pub fn expect(&self, name: &str, dtype: DType, shape: &[usize]) -> Result<&[u8], ProgramError> {
         let t = self.get(name).ok_or_else(|| file_error(&self.path, format!("has no tensor '{name}'")))?;
         if t.dtype != dtype || t.shape != shape {
             return Err(file_error(

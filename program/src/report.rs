@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::comm::{CollectiveKind, CommBytes};
+use crate::mesh::{Collective, CommBytes};
 use crate::plan::TrainingPlan;
 use crate::Instruction;
 
@@ -79,10 +79,10 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
                     let n = p.mesh[op.axis].size;
                     let bytes = op.kind.bytes_sent(input.len, n);
                     match op.kind {
-                        CollectiveKind::AllReduce => comm.all_reduce += bytes,
-                        CollectiveKind::AllGather { .. } => comm.all_gather += bytes,
-                        CollectiveKind::ReduceScatter { .. } => comm.reduce_scatter += bytes,
-                        CollectiveKind::ShardSlice { .. } => {}
+                        Collective::AllReduce => comm.all_reduce += bytes,
+                        Collective::AllGather { .. } => comm.all_gather += bytes,
+                        Collective::ReduceScatter { .. } => comm.reduce_scatter += bytes,
+                        Collective::ShardSlice { .. } => {}
                     }
                     staging = staging.max(op.kind.staging_bytes(input.len));
                 }
@@ -103,7 +103,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
         };
         let m = &p.memory;
         let nvme = training.nvme.as_ref().and_then(|nvme| {
-            let layout = crate::nvme::Layout::of(p, nvme.tile_elements).ok()?;
+            let layout = crate::offload::Layout::of(p, nvme.tile_elements).ok()?;
             Some((layout.buffers(nvme.buffer_count) * layout.tile_bytes, layout.file_bytes))
         });
         let (nvme_buffer_bytes, nvme_bytes_per_step) = nvme.unwrap_or_default();

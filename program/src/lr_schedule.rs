@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
-pub enum Schedule {
+pub enum LrSchedule {
     Constant {
         lr: f64,
     },
@@ -56,12 +56,12 @@ fn deepspeed_warmup(i: i64, warmup: usize, log: bool) -> f64 {
     }
 }
 
-impl Schedule {
+impl LrSchedule {
     /// The learning rate of optimizer step `step` (0-based) in a run of `train_steps` steps.
     pub fn lr(&self, step: usize, train_steps: usize) -> f64 {
         match *self {
-            Schedule::Constant { lr } => lr,
-            Schedule::WarmupCosine { lr, warmup_steps, decay_steps, min_lr } => {
+            LrSchedule::Constant { lr } => lr,
+            LrSchedule::WarmupCosine { lr, warmup_steps, decay_steps, min_lr } => {
                 let total_steps = decay_steps.unwrap_or(train_steps);
                 if step < warmup_steps {
                     return lr * step as f64 / warmup_steps.max(1) as f64;
@@ -70,7 +70,7 @@ impl Schedule {
                 let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos());
                 min_lr + (lr - min_lr) * cosine
             }
-            Schedule::DeepSpeedWarmup { min_lr, max_lr, warmup_steps, log_warmup, total_steps } => {
+            LrSchedule::DeepSpeedWarmup { min_lr, max_lr, warmup_steps, log_warmup, total_steps } => {
                 let i = step as i64 - 1;
                 let warmup = warmup_steps.max(2);
                 let gamma = match total_steps {
@@ -81,7 +81,7 @@ impl Schedule {
                 };
                 min_lr + (max_lr - min_lr) * gamma
             }
-            Schedule::DeepSpeedWarmupCosine {
+            LrSchedule::DeepSpeedWarmupCosine {
                 lr,
                 total_steps,
                 warmup_min_ratio,
@@ -107,15 +107,15 @@ impl Schedule {
     }
 }
 
-impl std::fmt::Display for Schedule {
+impl std::fmt::Display for LrSchedule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
-            Schedule::Constant { lr } => write!(f, "constant {lr:e}"),
-            Schedule::WarmupCosine { lr, warmup_steps, decay_steps, min_lr } => {
+            LrSchedule::Constant { lr } => write!(f, "constant {lr:e}"),
+            LrSchedule::WarmupCosine { lr, warmup_steps, decay_steps, min_lr } => {
                 let over = decay_steps.map(|s| format!("{s} steps")).unwrap_or_else(|| "the run".into());
                 write!(f, "cosine {lr:e} (warmup {warmup_steps} steps, decay to {min_lr:e} over {over})")
             }
-            Schedule::DeepSpeedWarmup { min_lr, max_lr, warmup_steps, log_warmup, total_steps } => {
+            LrSchedule::DeepSpeedWarmup { min_lr, max_lr, warmup_steps, log_warmup, total_steps } => {
                 let kind = if log_warmup { "log" } else { "linear" };
                 write!(f, "DeepSpeed warmup {min_lr:e} to {max_lr:e} ({kind}, {warmup_steps} steps)")?;
                 match total_steps {
@@ -123,7 +123,7 @@ impl std::fmt::Display for Schedule {
                     None => Ok(()),
                 }
             }
-            Schedule::DeepSpeedWarmupCosine {
+            LrSchedule::DeepSpeedWarmupCosine {
                 lr,
                 total_steps,
                 warmup_min_ratio,
@@ -148,16 +148,16 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine() {
-        let s = Schedule::WarmupCosine { lr: 1.0, warmup_steps: 4, decay_steps: None, min_lr: 0.0 };
+        let s = LrSchedule::WarmupCosine { lr: 1.0, warmup_steps: 4, decay_steps: None, min_lr: 0.0 };
         let lrs: Vec<f64> = (0..=12).map(|i| s.lr(i, 12)).collect();
         assert_eq!(&lrs[..5], &[0.0, 0.25, 0.5, 0.75, 1.0]);
         assert!((lrs[8] - 0.5).abs() < 1e-12, "half way through the decay: {}", lrs[8]);
         assert!(lrs[12].abs() < 1e-12);
         assert!(lrs.windows(2).skip(4).all(|w| w[1] <= w[0]), "decays monotonically: {lrs:?}");
-        let floored = Schedule::WarmupCosine { lr: 1.0, warmup_steps: 0, decay_steps: Some(10), min_lr: 0.1 };
+        let floored = LrSchedule::WarmupCosine { lr: 1.0, warmup_steps: 0, decay_steps: Some(10), min_lr: 0.1 };
         assert!((floored.lr(10, 1000) - 0.1).abs() < 1e-12, "decay_steps overrides the run's length");
         assert!((floored.lr(0, 1000) - 1.0).abs() < 1e-12);
-        assert_eq!(Schedule::Constant { lr: 3e-4 }.lr(1000, 10), 3e-4);
+        assert_eq!(LrSchedule::Constant { lr: 3e-4 }.lr(1000, 10), 3e-4);
     }
 
     /// The learning rates of optimizer steps 0..15 under DeepSpeed's schedulers, from a Python
@@ -167,7 +167,7 @@ mod tests {
     fn deepspeed_schedules_step_as_deepspeed_steps_them() {
         let cases = [
             (
-                Schedule::DeepSpeedWarmup {
+                LrSchedule::DeepSpeedWarmup {
                     min_lr: 1e-5,
                     max_lr: 1e-3,
                     warmup_steps: 5,
@@ -177,7 +177,7 @@ mod tests {
                 vec![1e-05, 1e-05, 0.00043636979249265915, 0.0006857801325411255, 0.0008627395849853183, 0.001],
             ),
             (
-                Schedule::DeepSpeedWarmup {
+                LrSchedule::DeepSpeedWarmup {
                     min_lr: 0.0,
                     max_lr: 1e-3,
                     warmup_steps: 4,
@@ -201,7 +201,7 @@ mod tests {
                 ],
             ),
             (
-                Schedule::DeepSpeedWarmupCosine {
+                LrSchedule::DeepSpeedWarmupCosine {
                     lr: 1e-3,
                     total_steps: 12,
                     warmup_min_ratio: 0.1,

@@ -18,9 +18,10 @@ use std::path::{Path, PathBuf};
 use autotp_kernels::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::schedule::Schedule;
+use crate::lr_schedule::LrSchedule;
+use crate::step::StepInput;
 use crate::tensor_file::{self, TensorFile, TensorRef};
-use crate::{Program, RuntimeError, Slot};
+use crate::{Program, ProgramError, Slot};
 
 /// The `.atp` format this build reads and writes.
 pub const FORMAT: &str = "autotp-plan/2";
@@ -63,7 +64,7 @@ pub struct TrainingConfig {
     pub loss_output: String,
     /// The optimizer and its hyperparameters, for people (the program's kernels hold them).
     pub optimizer: String,
-    pub schedule: Schedule,
+    pub schedule: LrSchedule,
     pub grad_clip: Option<f64>,
     /// Parameters excluded from training (`--freeze`).
     pub frozen: Vec<String>,
@@ -108,7 +109,7 @@ pub struct TrainingConfig {
     /// Where the offloaded optimizer state lives in files (`--offload-optimizer nvme`); the
     /// programs are those of `--offload-optimizer cpu`, so this is outside the fingerprint.
     #[serde(default)]
-    pub nvme: Option<crate::nvme::NvmeOffload>,
+    pub nvme: Option<crate::offload::NvmeOffload>,
 }
 
 /// Activation recomputation in a plan (`--recompute`).
@@ -216,19 +217,6 @@ impl PipelineConfig {
     }
 }
 
-/// One input of the step program and what feeds it.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Feed {
-    InputIds,
-    Labels,
-    /// The learning rate of this step.
-    Lr,
-    /// The 1-based optimizer step (AdamW's bias correction).
-    Step,
-    /// fp16's loss scale of this step.
-    LossScale,
-}
-
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainingPlan {
     /// The step's program of each pipeline stage (one without a pipeline): every rank of stage
@@ -261,9 +249,9 @@ impl TrainingConfig {
 impl TrainingPlan {
     /// What feeds each stage's program inputs, in input order; an input the trainer cannot feed,
     /// or a missing loss output, is an error naming it.
-    pub fn feeds(&self) -> Result<Vec<Vec<Feed>>, RuntimeError> {
+    pub fn feeds(&self) -> Result<Vec<Vec<StepInput>>, ProgramError> {
         if self.stages.is_empty() {
-            return Err(RuntimeError::Plan("has no program".into()));
+            return Err(ProgramError::Plan("has no program".into()));
         }
         let t = &self.training;
         let tokens = t.token_shape(t.micro_batch);
@@ -271,21 +259,18 @@ impl TrainingPlan {
         for program in &self.stages {
             let mut feeds = Vec::new();
             for slot in &program.inputs {
-                let (feed, dtype, shape) = match slot.name.as_str() {
-                    "input_ids" => (Feed::InputIds, DType::I64, &tokens[..]),
-                    "labels" => (Feed::Labels, DType::I64, &tokens[..]),
-                    "lr" => (Feed::Lr, DType::F32, &[][..]),
-                    "step" => (Feed::Step, DType::F32, &[][..]),
-                    "loss_scale" if t.loss_scaler.is_some() => (Feed::LossScale, DType::F32, &[][..]),
-                    other => {
-                        return Err(RuntimeError::Plan(format!(
-                            "has an input '{other}' the trainer cannot feed (it feeds input_ids, labels, lr, step \
-                             and, with a loss scaler, loss_scale)"
-                        )))
-                    }
-                };
+                let feed = StepInput::from_name(&slot.name)
+                    .filter(|&input| input != StepInput::LossScale || t.loss_scaler.is_some())
+                    .ok_or_else(|| {
+                        ProgramError::Plan(format!(
+                            "has an input '{}' the trainer cannot feed (it feeds input_ids, labels, lr, step and, \
+                             with a loss scaler, loss_scale)",
+                            slot.name
+                        ))
+                    })?;
+                let (dtype, shape) = if feed.is_tokens() { (DType::I64, &tokens[..]) } else { (DType::F32, &[][..]) };
                 if slot.dtype != dtype || slot.shape != shape {
-                    return Err(RuntimeError::Plan(format!(
+                    return Err(ProgramError::Plan(format!(
                         "input '{}' is {}{:?}; the trainer feeds it as {dtype}{shape:?}",
                         slot.name, slot.dtype, slot.shape
                     )));
@@ -294,11 +279,11 @@ impl TrainingPlan {
             }
             all.push(feeds);
         }
-        if !all.iter().flatten().any(|f| *f == Feed::InputIds) {
-            return Err(RuntimeError::Plan("has no 'input_ids' input".into()));
+        if !all.iter().flatten().any(|f| *f == StepInput::InputIds) {
+            return Err(ProgramError::Plan("has no 'input_ids' input".into()));
         }
         if self.stages.iter().any(|p| p.mesh != self.stages[0].mesh) {
-            return Err(RuntimeError::Plan("has pipeline stages on different meshes".into()));
+            return Err(ProgramError::Plan("has pipeline stages on different meshes".into()));
         }
         self.loss_index()?;
         Ok(all)
@@ -310,13 +295,13 @@ impl TrainingPlan {
     }
 
     /// The position of the loss among the last stage's outputs.
-    pub fn loss_index(&self) -> Result<usize, RuntimeError> {
+    pub fn loss_index(&self) -> Result<usize, ProgramError> {
         let name = &self.training.loss_output;
         self.loss_stage()
             .outputs
             .iter()
             .position(|s| &s.name == name && s.dtype == DType::F32 && s.numel() == 1)
-            .ok_or_else(|| RuntimeError::Plan(format!("has no scalar f32 output '{name}' for the loss")))
+            .ok_or_else(|| ProgramError::Plan(format!("has no scalar f32 output '{name}' for the loss")))
     }
 
     /// Every parameter once, with the first stage holding it (a parameter two stages hold,
@@ -356,7 +341,7 @@ fn constant_name(stage: usize, index: usize) -> String {
 }
 
 /// Writes `plan` and the initial `weights` (by parameter name) as an `.atp` file, atomically.
-pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>) -> Result<(), RuntimeError> {
+pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>) -> Result<(), ProgramError> {
     for program in &plan.stages {
         program.validate()?;
     }
@@ -368,15 +353,15 @@ pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>
     let mut tensors = Vec::new();
     for (_, slot) in plan.params() {
         if slot.name.starts_with(CONSTANT_PREFIX) {
-            return Err(RuntimeError::Plan(format!("parameter '{}' uses a name reserved for constants", slot.name)));
+            return Err(ProgramError::Plan(format!("parameter '{}' uses a name reserved for constants", slot.name)));
         }
         let bytes = weights
             .get(&slot.name)
-            .ok_or_else(|| RuntimeError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
+            .ok_or_else(|| ProgramError::Plan(format!("parameter '{}' has no initial weights", slot.name)))?;
         let dtype = plan.training.initial_weights_dtype(slot);
         let expected = slot.global_shape.iter().product::<usize>() * dtype.size();
         if bytes.len() != expected {
-            return Err(RuntimeError::WrongSize {
+            return Err(ProgramError::WrongSize {
                 what: format!("the weights of '{}'", slot.name),
                 expected,
                 got: bytes.len(),
@@ -412,9 +397,9 @@ pub struct PlanFile {
 }
 
 impl PlanFile {
-    pub fn open(path: &Path) -> Result<PlanFile, RuntimeError> {
+    pub fn open(path: &Path) -> Result<PlanFile, ProgramError> {
         let file = TensorFile::open(path)?;
-        let bad = |message: String| RuntimeError::File { path: path.to_path_buf(), message };
+        let bad = |message: String| ProgramError::File { path: path.to_path_buf(), message };
         match file.metadata("autotp.format") {
             Some(FORMAT) => {}
             Some(other) => {

@@ -1,0 +1,160 @@
+//! The device mesh and what moves along it, defined once for the IR (which places values and
+//! inserts collectives) and for programs (whose slots carry placements and whose instructions
+//! run collectives): [`MeshAxis`], [`Placement`], [`Collective`] and the [`CollectiveOp`] a
+//! program states, with the bytes each moves ([`CommBytes`]).
+
+use autotp_kernels::DType;
+use serde::{Deserialize, Serialize};
+
+/// The name of the data-parallel mesh axis: batch inputs (and pipeline messages laid out like
+/// them) are split along their dim 0 over it.
+pub const DATA_AXIS: &str = "dp";
+
+/// A named mesh axis and its number of ranks.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MeshAxis {
+    pub name: String,
+    pub size: usize,
+}
+
+/// How a value is laid out along one mesh axis (the DTensor / GSPMD model).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Placement {
+    /// Every rank of the axis holds the whole value.
+    Replicate,
+    /// Each rank holds one contiguous slice along this tensor dimension.
+    Shard(usize),
+    /// Each rank holds a partial sum; the value is the sum over the axis.
+    PartialSum,
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Placement::Replicate => f.write_str("replicate"),
+            Placement::Shard(d) => write!(f, "shard({d})"),
+            Placement::PartialSum => f.write_str("partial(sum)"),
+        }
+    }
+}
+
+/// The collectives, as resharding steps along one mesh axis.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Collective {
+    /// partial(sum) -> replicate: every rank gets the sum.
+    AllReduce,
+    /// shard(dim) -> replicate: every rank gets the concatenation.
+    AllGather { dim: usize },
+    /// partial(sum) -> shard(dim): each rank gets its slice of the sum.
+    ReduceScatter { dim: usize },
+    /// replicate -> shard(dim): each rank keeps its own slice; no communication.
+    ShardSlice { dim: usize },
+}
+
+impl Collective {
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather { .. } => "all_gather",
+            Collective::ReduceScatter { .. } => "reduce_scatter",
+            Collective::ShardSlice { .. } => "shard_slice",
+        }
+    }
+
+    /// The tensor dim it shards or gathers, if any.
+    pub fn dim(self) -> Option<usize> {
+        match self {
+            Collective::AllReduce => None,
+            Collective::AllGather { dim } | Collective::ReduceScatter { dim } | Collective::ShardSlice { dim } => {
+                Some(dim)
+            }
+        }
+    }
+
+    /// The placement on the axis it takes, and the one it gives.
+    pub fn transition(self) -> (Placement, Placement) {
+        use Placement::{PartialSum, Replicate, Shard};
+        match self {
+            Collective::AllReduce => (PartialSum, Replicate),
+            Collective::AllGather { dim } => (Shard(dim), Replicate),
+            Collective::ReduceScatter { dim } => (PartialSum, Shard(dim)),
+            Collective::ShardSlice { dim } => (Replicate, Shard(dim)),
+        }
+    }
+
+    /// The local output shape for a local input `shape` over `n` ranks, if it is valid.
+    pub fn output_shape(self, shape: &[usize], n: usize) -> Option<Vec<usize>> {
+        let mut out = shape.to_vec();
+        match self {
+            Collective::AllReduce => {}
+            Collective::AllGather { dim } => *out.get_mut(dim)? *= n,
+            Collective::ReduceScatter { dim } | Collective::ShardSlice { dim } => {
+                let d = out.get_mut(dim)?;
+                if n == 0 || *d % n != 0 {
+                    return None;
+                }
+                *d /= n;
+            }
+        }
+        Some(out)
+    }
+
+    /// Bytes of host buffers one rank stages for an input of `bytes` when ranks are threads of
+    /// one process: its deposited copy, plus the sum for reductions (and the full sum a
+    /// reduce-scatter slices).
+    pub fn staging_bytes(self, bytes: usize) -> usize {
+        match self {
+            Collective::AllReduce => 2 * bytes,
+            Collective::AllGather { .. } => bytes,
+            Collective::ReduceScatter { .. } => 3 * bytes,
+            Collective::ShardSlice { .. } => 0,
+        }
+    }
+
+    /// Bytes one rank sends for an input of `bytes` over `n` ranks, with ring algorithms:
+    /// all-reduce 2(n-1)/n of the buffer, all-gather (n-1) shards, reduce-scatter (n-1)/n.
+    pub fn bytes_sent(self, bytes: usize, n: usize) -> usize {
+        let n1 = n.saturating_sub(1);
+        match self {
+            Collective::AllReduce => 2 * n1 * bytes / n.max(1),
+            Collective::AllGather { .. } => n1 * bytes,
+            Collective::ReduceScatter { .. } => n1 * bytes / n.max(1),
+            Collective::ShardSlice { .. } => 0,
+        }
+    }
+}
+
+/// One collective as a program states it: what, along which mesh axis (its index), over a
+/// local input of `shape`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectiveOp {
+    pub kind: Collective,
+    pub axis: usize,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+/// Bytes sent by one rank, by collective (per step in a report, since the last reset in a
+/// communicator).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommBytes {
+    pub all_reduce: usize,
+    pub all_gather: usize,
+    pub reduce_scatter: usize,
+    /// Sent to other pipeline stages (activations, their gradients, shared weights' gradients).
+    #[serde(default)]
+    pub send: usize,
+}
+
+impl CommBytes {
+    /// Counts `kind` over a group of `n` ranks for an input of `bytes`.
+    pub fn count(&mut self, kind: Collective, bytes: usize, n: usize) {
+        let sent = kind.bytes_sent(bytes, n);
+        match kind {
+            Collective::AllReduce => self.all_reduce += sent,
+            Collective::AllGather { .. } => self.all_gather += sent,
+            Collective::ReduceScatter { .. } => self.reduce_scatter += sent,
+            Collective::ShardSlice { .. } => {}
+        }
+    }
+}
