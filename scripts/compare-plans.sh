@@ -19,6 +19,10 @@ layouts=(
   "--recompute selective"
   "--offload-optimizer cpu --dp 2 --zero 2"
   "--tp 2 --dp 2 --zero 3 --kernels builtin"
+  "--recompute full --precision bf16 --grad-clip 1.0"
+  "--recompute auto --memory-cap 4MiB"
+  "--kernels builtin --recompute selective --optimizer sgd --momentum 0.9"
+  "--pp 2 --tp 2 --grad-accum 4 --schedule gpipe --lr-schedule cosine --warmup-steps 3"
 )
 differ=0 same=0
 for model in tests/fixtures/*/model.onnx; do

@@ -53,7 +53,11 @@ use autotp_kernels::Kernel;
 use autotp_program::{Instruction, Program};
 use clap::{Args, Parser};
 
-use crate::compile::{compile_with, grouped, parse_bytes, CompileFlags, Weights};
+use autotp_compiler::flags::parse_bytes;
+use autotp_compiler::summary::grouped;
+use autotp_compiler::{CompileFlags, Weights};
+
+use crate::compile::compile as compile_with;
 
 #[derive(Args)]
 pub struct PlanArgs {

@@ -403,7 +403,7 @@ impl ProcessIo {
 /// Per rank here whose optimizer state is in a file: its tiles, and the bytes its steps moved
 /// per step; then the process's I/O counters over the run beside them.
 fn nvme_against_counters(trainer: &Trainer, io: Option<ProcessIo>, steps: usize) -> String {
-    use crate::compile::grouped;
+    use autotp_compiler::summary::grouped;
     let files = trainer.nvme_status();
     if files.is_empty() {
         return String::new();
@@ -447,8 +447,8 @@ fn activations_against_plan(touched: &[(usize, usize, usize)]) -> String {
     for &(rank, written, peak) in touched {
         out += &format!(
             "activations of rank {rank}: {} bytes written in the arena, plan's peak {} ({:+.1}%)\n",
-            crate::compile::grouped(written),
-            crate::compile::grouped(peak),
+            autotp_compiler::summary::grouped(written),
+            autotp_compiler::summary::grouped(peak),
             100.0 * (written as f64 - peak as f64) / peak.max(1) as f64
         );
     }

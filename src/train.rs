@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use crate::compile::{self, CompileFlags};
+use autotp_compiler::{CompileFlags, Weights};
+
+use crate::compile;
 use crate::run::{self, RunFlags};
 
 #[derive(Args)]
@@ -30,13 +32,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         crate::refuse_overwrite(destination, &args.compile.model, "the model being trained")?;
     }
     let first = autotp_runtime::launch::discover()?.rank == 0;
-    let compiled = compile::compile(&args.compile)?;
+    let compiled = compile::compile(&args.compile, Weights::Read)?;
     if let (Some(path), true) = (&args.output, first) {
         autotp_program::plan::write(path, &compiled.plan, &compiled.weights())?;
     }
     if first {
         let report = compile::report(&args.compile, &compiled.plan)?;
-        eprint!("{}", compile::summary(&compiled.plan, &report));
+        eprint!("{}", autotp_compiler::summary::summary(&compiled.plan, &report));
     }
     let job = crate::job::start(&compiled.plan, args.run.comm_timeout)?;
     crate::job::run_in(job.as_ref(), || {

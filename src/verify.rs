@@ -27,7 +27,10 @@ use autotp_runtime::data::{TokenData, TokenDtype};
 use autotp_runtime::trainer::Trainer;
 use clap::Args;
 
-use crate::compile::{compile, CompileFlags, Precision};
+use autotp_compiler::flags::Precision;
+use autotp_compiler::{CompileFlags, Compiled, Weights};
+
+use crate::compile::compile;
 
 #[derive(Args)]
 pub struct VerifyArgs {
@@ -92,7 +95,7 @@ pub fn run(args: &VerifyArgs) -> Result<bool> {
     let tolerance = args.tolerance.unwrap_or(default_tolerance(flags.precision));
     flags.model = file.plan.model.path.clone();
     eprintln!("compiling {} for one device (micro-batch {})", flags.model.display(), flags.micro_batch);
-    let reference = compile(&flags)?;
+    let reference = compile(&flags, Weights::Read)?;
     let seed = crate::run::DEFAULT_SEED;
     let mut plan = Trainer::new(file.plan.clone(), &file.weights(), seed)?;
     let mut single = Trainer::new(reference.plan.clone(), &reference.weights(), seed)?;
@@ -208,7 +211,7 @@ fn compare_gradients(
     plan: &Trainer,
     single: &Trainer,
     before: &[(String, Vec<f64>)],
-    reference: &crate::compile::Compiled,
+    reference: &Compiled,
     tolerance: f64,
 ) -> Result<bool> {
     let makers = gradient_makers(&reference.plan.stages[0]);

@@ -724,6 +724,23 @@ fn impossible_pipelines_are_refused() {
     assert!(out.contains("pipeline: 2 stages, 1f1b schedule (whole backward)"), "{out}");
 }
 
+/// A mixture of experts pipelined and split over tensor-parallel ranks with the GPipe
+/// schedule: the split no longer stops on a stage's sends (nodes without outputs: it panicked),
+/// and `verify` compiles its one-device reference without the pipeline's schedule (it refused
+/// `--schedule gpipe` with one stage), then finds it training like one device.
+#[test]
+fn pipelined_tensor_parallel_experts_verify_against_one_device() {
+    let dir = scratch("pp-tp-moe");
+    let plan = dir.join("moe.atp");
+    let model = fixture("mixtral", "model.onnx");
+    let flags = ["--seq-len", "32", "--micro-batch", "4", "--pp", "2", "--tp", "2", "--grad-accum", "4"];
+    let schedule = ["--schedule", "gpipe", "-o", plan.to_str().unwrap()];
+    success(autotp(&[&["compile", model.to_str().unwrap()][..], &flags, &schedule].concat()));
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let report = success(autotp(&["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()]));
+    assert!(report.contains("every gradient within 1e-5") && report.contains("trains like one device"), "{report}");
+}
+
 /// `autotp verify` on a tensor-parallel GPT-2 plan: within tolerance as compiled. Then with a
 /// wrong split planted: the last backward all-reduce (the gradient entering the first block,
 /// summed over the ranks' halves of its heads) becomes a plain copy, so each rank goes on with

@@ -115,6 +115,8 @@ impl AutoTp {
         let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
         let is_param = |v: ValueId| graph.params().contains(&v);
         let is_norm = |n: usize| matches!(nodes[n].op, Op::LayerNorm { .. } | Op::RmsNorm { .. });
+        // A node of the forward pass (a pipeline stage's send has no output, and is not).
+        let in_forward = |n: usize| nodes[n].outputs.first().is_some_and(|o| forward[o.index()]);
 
         let mut uses = Vec::new();
         for (i, node) in nodes.iter().enumerate() {
@@ -149,13 +151,8 @@ impl AutoTp {
             let mut v = nodes[u.node].outputs[0];
             for _ in 0..8 {
                 // Its one consumer in the forward pass (the backward may read it too).
-                let consumers: Vec<usize> = users
-                    .get(&v)
-                    .into_iter()
-                    .flatten()
-                    .copied()
-                    .filter(|&c| forward[nodes[c].outputs[0].index()])
-                    .collect();
+                let consumers: Vec<usize> =
+                    users.get(&v).into_iter().flatten().copied().filter(|&c| in_forward(c)).collect();
                 let [c] = consumers[..] else { return false };
                 match nodes[c].op {
                     Op::Reshape { .. } | Op::Reduce { op: autotp_ir::ReduceOp::Sum, .. } => {}
@@ -185,7 +182,7 @@ impl AutoTp {
                     if rows.contains(&c) {
                         return true;
                     }
-                    if is_norm(c) || !seen.insert(c) || !forward[nodes[c].outputs[0].index()] {
+                    if is_norm(c) || !seen.insert(c) || !in_forward(c) {
                         continue;
                     }
                     // Not through indices (a router's choice of experts reaches the experts'
@@ -203,7 +200,7 @@ impl AutoTp {
             let mut products = BTreeSet::new();
             while let Some(v) = stack.pop() {
                 for &c in users.get(&v).into_iter().flatten() {
-                    if rows.contains(&c) || is_norm(c) || !seen.insert(c) || !forward[nodes[c].outputs[0].index()] {
+                    if rows.contains(&c) || is_norm(c) || !seen.insert(c) || !in_forward(c) {
                         continue;
                     }
                     let of_weights = nodes[c].inputs.iter().any(|&i| trace_param(graph, i, 0).is_some());

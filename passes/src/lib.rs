@@ -101,12 +101,17 @@ impl PassManager {
     /// The post-import cleanup: recognise composite ops, simplify with the e-graph rewrites,
     /// then drop what became dead.
     pub fn simplify_pipeline() -> PassManager {
-        PassManager::new(vec![
+        PassManager::new(PassManager::simplify_passes())
+    }
+
+    /// [`PassManager::simplify_pipeline`]'s passes, for a longer list.
+    pub fn simplify_passes() -> Vec<Box<dyn Pass>> {
+        vec![
             Box::new(recognize::Recognize),
             Box::new(peephole::Peephole { rules: peephole::Rules::Algebraic }),
             Box::new(unmerge_heads::UnmergeHeads),
             Box::new(dce::Dce),
-        ])
+        ]
     }
 
     /// The passes' names, in order (a pass may appear more than once).

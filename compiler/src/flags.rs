@@ -1,0 +1,417 @@
+//! The compile command's flags as the user gives them ([`CompileFlags`], parsed by clap in the
+//! CLI, read from a plan that recorded them, or written by the layout search as a command line),
+//! and the small parsers they share. [`crate::CompileOptions`] validates them.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use crate::CompileError;
+
+/// What to compile and how: shared by `compile` and `train`. The plan records them (less the
+/// inspection flags), so `verify` can compile the same model for one device.
+#[derive(Args, Clone, serde::Serialize, serde::Deserialize)]
+pub struct CompileFlags {
+    /// The ONNX model.
+    pub model: PathBuf,
+    /// Tokens per sequence (S).
+    #[arg(long)]
+    pub seq_len: usize,
+    /// Sequences per rank per forward pass; the global batch is micro-batch x grad-accum x dp.
+    #[arg(long)]
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step (gradient accumulation): each rank runs the forward and
+    /// backward this many times per step, summing gradients, and reduces them once [default: 1,
+    /// or what --global-batch implies]
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Sequences per optimizer step, all ranks and micro-batches together (DeepSpeed's
+    /// train_batch_size): sets --grad-accum to global-batch / (micro-batch x dp)
+    #[arg(long)]
+    pub global_batch: Option<usize>,
+    /// Data-parallel ranks (CPU threads): the batch is split over them and gradients are
+    /// all-reduced (ZeRO stage 0).
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Tensor-parallel ranks: each block's weights are split Megatron-style (found from the
+    /// dataflow); world size is dp x tp.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline stages: the model is cut into this many stages (the slowest as fast as it can
+    /// be, then the fullest as small; or at --pp-cuts), each run by its own ranks; the step's
+    /// --grad-accum micro-batches flow through them. World size is pp x dp x tp.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// The pipeline schedule: 1f1b (one forward, one backward: at most pp micro-batches in
+    /// flight) or gpipe (all forwards, then all backwards).
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: String,
+    /// When a pipeline stage's backward sends its input's gradient to the stage before: whole
+    /// (after the whole backward, as Megatron and DeepSpeed do: the textbook 1F1B and GPipe) or
+    /// split (as soon as it is made, then the weights' gradients: a shorter bubble, but the
+    /// output's gradient is held longer).
+    #[arg(long, default_value = "whole")]
+    pub pp_backward: String,
+    /// Where the pipeline stages start (pp - 1 of them): before the first use of a parameter
+    /// whose name starts with each prefix, e.g. model.layers.2. Comma-separated or repeated.
+    #[arg(long, value_name = "PREFIX", value_delimiter = ',')]
+    pub pp_cuts: Vec<String>,
+    /// ZeRO stage over the data-parallel ranks: 0 all-reduces gradients; 1 shards optimizer
+    /// state; 2 also reduce-scatters gradients into shards; 3 also shards parameters.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
+    /// Merge gradient all-reduces into buckets of up to this many elements; 0 reduces each
+    /// gradient on its own [default: 5e8].
+    #[arg(long, value_name = "ELEMENTS")]
+    pub reduce_bucket_size: Option<usize>,
+    /// With --zero 3, parameters of fewer elements stay whole on every rank.
+    #[arg(long, value_name = "ELEMENTS", default_value_t = 0)]
+    pub param_persistence_threshold: usize,
+    /// With --zero 3, elements of parameter gathers in flight at once [default: 5e7].
+    #[arg(long, value_name = "ELEMENTS")]
+    pub prefetch_bucket_size: Option<usize>,
+    /// With --zero 3, elements of gathered parameters alive at once [default: 1e9].
+    #[arg(long, value_name = "ELEMENTS")]
+    pub max_live_params: Option<usize>,
+    /// Print each weight the tensor-parallel split places, and why.
+    #[arg(long)]
+    pub explain_tp: bool,
+    /// adamw or sgd.
+    #[arg(long, default_value = "adamw")]
+    pub optimizer: String,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// constant; cosine (linear warmup over --warmup-steps, then cosine decay to --min-lr, as
+    /// Hugging Face's get_cosine_schedule_with_warmup); or DeepSpeed's schedulers, step for
+    /// step: warmup (WarmupLR: --warmup-min-lr to --lr over --warmup-steps, --warmup-type log
+    /// or linear), warmup-decay (WarmupDecayLR: then linearly to 0 at --lr-decay-steps),
+    /// warmup-cosine (WarmupCosineLR: --warmup-min-ratio to 1 of --lr, then a cosine to
+    /// --cos-min-ratio at --lr-decay-steps).
+    #[arg(long, default_value = "constant")]
+    pub lr_schedule: String,
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr: f64,
+    /// The step at which the decay ends (default for cosine: the run's --steps; DeepSpeed's
+    /// total_num_steps).
+    #[arg(long)]
+    pub lr_decay_steps: Option<usize>,
+    /// DeepSpeed's warmup_min_lr (warmup, warmup-decay) [default: 0].
+    #[arg(long)]
+    #[serde(default)]
+    pub warmup_min_lr: Option<f64>,
+    /// DeepSpeed's warmup_type: log or linear (warmup, warmup-decay, warmup-cosine) [default: log].
+    #[arg(long)]
+    #[serde(default)]
+    pub warmup_type: Option<String>,
+    /// DeepSpeed's warmup_min_ratio (warmup-cosine) [default: 0].
+    #[arg(long)]
+    #[serde(default)]
+    pub warmup_min_ratio: Option<f64>,
+    /// DeepSpeed's cos_min_ratio (warmup-cosine) [default: 0.0001].
+    #[arg(long)]
+    #[serde(default)]
+    pub cos_min_ratio: Option<f64>,
+    /// AdamW betas: B1,B2.
+    #[arg(long, default_value = "0.9,0.999")]
+    pub betas: String,
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f64,
+    #[arg(long)]
+    pub nesterov: bool,
+    /// Clip gradients to this global L2 norm.
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    /// Do not train the parameters whose (ONNX initializer) name this regular expression matches
+    /// anywhere; anchor it with ^...$ for whole names. Repeatable.
+    #[arg(long, value_name = "REGEX")]
+    pub freeze: Vec<String>,
+    /// An embedding table's padding row, which gets no gradient (PyTorch's
+    /// `nn.Embedding(padding_idx)`, which ONNX exports drop): N or none for every table (a
+    /// parameter read only by gathers), TABLE=N or TABLE=none for one. Default: a table's one
+    /// row that is exactly zero at import. Repeatable.
+    #[arg(long, value_name = "N|none|TABLE=N")]
+    pub padding_idx: Vec<String>,
+    /// Write the IR before the passes and after each one: DIR/00-import.ir, DIR/01-recognize.ir...
+    #[arg(long, value_name = "DIR")]
+    pub dump_ir: Option<PathBuf>,
+    /// Print the IR after this pass (every time it runs). Repeatable.
+    #[arg(long, value_name = "PASS")]
+    pub print_after: Vec<String>,
+    /// Write the per-rank memory and per-step communication plan as JSON.
+    #[arg(long, value_name = "FILE.json")]
+    pub report: Option<PathBuf>,
+    /// Write every generated kernel's kernel IR (.kir) and optimised LLVM IR for this machine
+    /// (.ll), and each stage's PTX module per GPU architecture (.ptx), into DIR.
+    #[arg(long, value_name = "DIR")]
+    pub dump_kernels: Option<PathBuf>,
+    /// Which kernels run the ops: generated (LLVM, where a generated kernel computes the op)
+    /// or builtin (the reference interpreter alone: the oracle to bisect a divergence against).
+    #[arg(long, value_enum, default_value = "generated")]
+    pub kernels: Kernels,
+    /// The parameters' and activations' type: f32, or bf16/fp16 mixed precision (16-bit
+    /// weights and activations, CUDA autocast's f32 ops, f32 master weights and moments in the
+    /// optimizer, as DeepSpeed's bf16/fp16 modes).
+    #[arg(long, value_enum, default_value = "f32")]
+    #[serde(default)]
+    pub precision: Precision,
+    /// With --precision bf16/fp16: the type gradients are accumulated in over micro-batches
+    /// (f32 by default).
+    #[arg(long, value_enum, value_name = "f32|bf16|fp16")]
+    #[serde(default)]
+    pub grad_accum_dtype: Option<Precision>,
+    /// The type gradients are reduced in over data-parallel ranks (DeepSpeed's
+    /// communication_data_type): each rank's partial sum is cast to it, summed in it, and cast
+    /// back. By default gradients are reduced in the type they are accumulated in (f32 under
+    /// --precision bf16/fp16, as Megatron; DeepSpeed reduces bf16 gradients in bf16 unless
+    /// told otherwise).
+    #[arg(long, value_enum, value_name = "f32|bf16|fp16")]
+    #[serde(default)]
+    pub comm_dtype: Option<Precision>,
+    /// With --precision fp16: whose dynamic loss scaling rules to follow: deepspeed
+    /// (DynamicLossScaler: hysteresis, floor) or torch (torch.amp.GradScaler: back off on every
+    /// overflow, grow every --loss-scale-window clean steps).
+    #[arg(long, value_enum, default_value = "deepspeed")]
+    #[serde(default)]
+    pub loss_scaler: LossScalerKind,
+    /// With --precision fp16: a fixed loss scale (DeepSpeed's `loss_scale` > 0); 0 scales
+    /// dynamically.
+    #[arg(long, default_value_t = 0.0)]
+    #[serde(default)]
+    pub loss_scale: f64,
+    /// The first dynamic loss scale is 2^this (DeepSpeed's `initial_scale_power`).
+    #[arg(long, default_value_t = 16)]
+    #[serde(default = "sixteen")]
+    pub initial_scale_power: u32,
+    /// Clean steps after which the dynamic scale doubles (DeepSpeed's `loss_scale_window`,
+    /// torch's `growth_interval`) [default: 1000 for deepspeed, 2000 for torch].
+    #[arg(long)]
+    #[serde(default)]
+    pub loss_scale_window: Option<u64>,
+    /// DeepSpeed's `hysteresis`: overflows the scale absorbs before it halves.
+    #[arg(long, default_value_t = 2)]
+    #[serde(default = "two")]
+    pub hysteresis: u32,
+    /// DeepSpeed's `consecutive_hysteresis`: every clean step refills the hysteresis.
+    #[arg(long)]
+    #[serde(default)]
+    pub consecutive_hysteresis: bool,
+    /// DeepSpeed's `min_loss_scale`: an overflow at this scale stops the run.
+    #[arg(long, default_value_t = 1.0)]
+    #[serde(default = "one_f64")]
+    pub min_loss_scale: f64,
+    /// Activations recomputed in the backward instead of kept: none; elementwise (activation
+    /// functions, casts, bias adds whose inputs the backward keeps anyway: one FLOP per element);
+    /// selective (core attention: the scores, softmax and their 16-bit copy, as Megatron's
+    /// selective recomputation); full (every layer from its input, as Megatron's full
+    /// recomputation); auto (the cheapest of those that fits each rank in --memory-cap).
+    #[arg(long, value_enum, default_value = "none")]
+    #[serde(default)]
+    pub recompute: RecomputeFlag,
+    /// Where the optimizer's states (f32 masters, moments) and its step live: in the arena
+    /// (none), in host memory outside it (cpu, as DeepSpeed's ZeRO-Offload), or in files under
+    /// --nvme-path streamed through the step in tiles (nvme, as ZeRO-Infinity); CPU ranks only
+    /// so far.
+    #[arg(long, value_enum, default_value = "none")]
+    #[serde(default)]
+    pub offload_optimizer: OffloadFlag,
+    /// A DeepSpeed configuration (ds_config.json) whose keys become these flags: batch sizes,
+    /// gradient_clipping, optimizer, fp16/bf16, communication_data_type, zero_optimization
+    /// (stage, buckets, offload_optimizer), activation_checkpointing (--recompute full),
+    /// tensor_parallel.autotp_size, pipeline.stages. A flag given too must agree; keys autotp
+    /// does not implement are listed in a warning.
+    #[arg(long, value_name = "ds_config.json")]
+    #[serde(default)]
+    pub deepspeed: Option<PathBuf>,
+    /// With --offload-optimizer nvme: the directory of the optimizer state's files, one per
+    /// rank, removed when the run ends (`autotp run --nvme-path` may name another).
+    #[arg(long, value_name = "DIR")]
+    #[serde(default)]
+    pub nvme_path: Option<PathBuf>,
+    /// With --offload-optimizer nvme: parameter elements per tile of optimizer state streamed
+    /// through the step (DeepSpeed's sub_group_size) [default: 1e9].
+    #[arg(long, value_name = "ELEMENTS", value_parser = parse_count)]
+    #[serde(default)]
+    pub sub_group_size: Option<u64>,
+    /// With --offload-optimizer nvme: tiles in memory at once, so that reading the next,
+    /// updating one and writing the last overlap (DeepSpeed's buffer_count) [default: 4].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[serde(default)]
+    pub buffer_count: Option<u64>,
+    /// With --recompute full: only the first K layers of each stage (Megatron's block method).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    #[serde(default)]
+    pub recompute_layers: Option<u64>,
+    /// The most bytes a rank's arena may take (parameters, optimizer state, activations,
+    /// inputs): a plan above it is refused; --recompute auto recomputes until it fits. Bytes,
+    /// with an optional unit: 8GiB, 512MiB, 2GB, 3e9.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    #[serde(default)]
+    pub memory_cap: Option<u64>,
+}
+
+/// `--recompute`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum RecomputeFlag {
+    #[default]
+    None,
+    Elementwise,
+    Selective,
+    Full,
+    Auto,
+}
+
+impl RecomputeFlag {
+    /// The value as the user spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RecomputeFlag::None => "none",
+            RecomputeFlag::Elementwise => "elementwise",
+            RecomputeFlag::Selective => "selective",
+            RecomputeFlag::Full => "full",
+            RecomputeFlag::Auto => "auto",
+        }
+    }
+}
+
+/// `--offload-optimizer`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum OffloadFlag {
+    #[default]
+    None,
+    Cpu,
+    Nvme,
+}
+
+/// A count as flags take it: an integer, or a decimal that is one (`1e9`).
+pub fn parse_count(text: &str) -> std::result::Result<u64, String> {
+    let value: f64 = text.trim().parse().map_err(|_| format!("'{text}' is not a number"))?;
+    if !(value >= 1.0 && value.fract() == 0.0 && value < 2f64.powi(63)) {
+        return Err(format!("'{text}' is not a positive whole number"));
+    }
+    Ok(value as u64)
+}
+
+/// A byte count as flags take it: an integer or a decimal (`3e9`, `1.5`) with an optional unit
+/// (B; kB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, TiB in powers of 1024).
+pub fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("'{other}' is not a unit of bytes (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")),
+    };
+    let value: f64 = number.trim().parse().map_err(|_| format!("'{text}' is not a number of bytes"))?;
+    let bytes = value * scale;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("'{text}' is not a positive number of bytes"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+fn sixteen() -> u32 {
+    16
+}
+
+fn two() -> u32 {
+    2
+}
+
+fn one_f64() -> f64 {
+    1.0
+}
+
+/// `--loss-scaler`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum LossScalerKind {
+    #[default]
+    Deepspeed,
+    Torch,
+}
+
+/// `--precision`, `--grad-accum-dtype`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+    Fp16,
+}
+
+impl Precision {
+    pub fn dtype(self) -> autotp_ir::DType {
+        match self {
+            Precision::F32 => autotp_ir::DType::F32,
+            Precision::Bf16 => autotp_ir::DType::BF16,
+            Precision::Fp16 => autotp_ir::DType::F16,
+        }
+    }
+}
+
+/// `--kernels`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum Kernels {
+    Generated,
+    Builtin,
+}
+
+impl CompileFlags {
+    /// The flags as the plan records them: what decides the step, without the inspection
+    /// flags (dumps, prints, reports), which change nothing.
+    pub fn recorded(&self) -> serde_json::Value {
+        let mut flags = self.clone();
+        (flags.dump_ir, flags.print_after, flags.report, flags.dump_kernels) = (None, vec![], None, None);
+        flags.explain_tp = false;
+        serde_json::to_value(&flags).expect("flags serialise")
+    }
+
+    /// The same model, optimizer and global batch on one device: every parallel flag reset,
+    /// one micro-batch of the whole global batch.
+    pub fn single_device(&self, global_batch: usize) -> CompileFlags {
+        let mut flags = self.clone();
+        (flags.dp, flags.tp, flags.pp, flags.zero) = (1, 1, 1, 0);
+        (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);
+        flags.pp_cuts.clear();
+        (flags.schedule, flags.pp_backward) = ("1f1b".to_string(), "whole".to_string());
+        (flags.reduce_bucket_size, flags.prefetch_bucket_size, flags.max_live_params) = (None, None, None);
+        flags.comm_dtype = None;
+        flags.param_persistence_threshold = 0;
+        flags
+    }
+
+    /// Flags a plan recorded ([`TrainingConfig::compile_flags`]).
+    pub fn from_recorded(value: &serde_json::Value) -> Result<CompileFlags, CompileError> {
+        serde_json::from_value(value.clone())
+            .map_err(|e| CompileError::Options(format!("the plan's recorded compile flags do not parse: {e}")))
+    }
+
+    /// Flags from a command line's words after `autotp compile` (the layout search writes
+    /// layouts so), with the command line's defaults.
+    pub fn parse_args(args: &[String]) -> Result<CompileFlags, CompileError> {
+        #[derive(clap::Parser)]
+        struct Command {
+            #[command(flatten)]
+            flags: CompileFlags,
+        }
+        let argv = std::iter::once("autotp-compile".to_string()).chain(args.iter().cloned());
+        <Command as clap::Parser>::try_parse_from(argv)
+            .map(|c| c.flags)
+            .map_err(|e| CompileError::Options(format!("compile flags {}: {e}", args.join(" "))))
+    }
+}

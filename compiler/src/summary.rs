@@ -1,0 +1,250 @@
+//! The compile summary `autotp compile` prints: the step's shape, parameters, per-rank memory
+//! by category (a table by stage with a pipeline), recomputation and offload figures beside
+//! the formulas they follow, instructions by kernel, communication, fingerprint.
+
+use std::collections::BTreeMap;
+
+use autotp_program::offload::NvmeOffload;
+use autotp_program::plan::{RecomputeSummary, TrainingPlan};
+use autotp_program::report::Report;
+
+/// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`; a
+/// table by stage with a pipeline), kernels, communication.
+pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
+    let p = &plan.stages[0];
+    let rank = &report.ranks[0];
+    let t = &plan.training;
+    let params: Vec<&autotp_program::Slot> = plan.params().into_iter().map(|(_, slot)| slot).collect();
+    let numel = |slots: &[&autotp_program::Slot]| slots.iter().map(|s| s.numel()).sum::<usize>();
+    let frozen_slots: Vec<&autotp_program::Slot> =
+        params.iter().copied().filter(|s| t.frozen.contains(&s.name)).collect();
+    let total = numel(&params);
+    let frozen = numel(&frozen_slots);
+    let stage_size: usize = p.mesh.iter().map(|a| a.size).product();
+    let mut layout = Vec::new();
+    if plan.stages.len() > 1 {
+        layout.push(format!("pp={}", plan.stages.len()));
+    }
+    layout.extend(p.mesh.iter().map(|a| format!("{}={}", a.name, a.size)));
+    let mut lines = vec![
+        format!("plan: {} ({})", plan.model.name, plan.model.path.display()),
+        format!(
+            "  step: {}micro-batch {} x seq-len {}{} = {} tokens; {}; lr {}{}",
+            if layout.is_empty() {
+                String::new()
+            } else {
+                format!("{} ({} ranks), ", layout.join(" x "), stage_size * plan.stages.len())
+            },
+            t.micro_batch,
+            t.seq_len,
+            if t.grad_accum > 1 { format!(" x {} micro-batches", t.grad_accum) } else { String::new() },
+            t.global_batch * t.seq_len,
+            t.optimizer,
+            t.schedule,
+            t.grad_clip.map(|c| format!("; grad-clip {c}")).unwrap_or_default()
+        ),
+        format!(
+            "  parameters: {} in {} tensors ({} trainable, {} frozen in {} tensors)",
+            grouped(total),
+            params.len(),
+            grouped(total - frozen),
+            grouped(frozen),
+            frozen_slots.len()
+        ),
+    ];
+    for padding in &t.padding_rows {
+        let why = if padding.detected { "its one zero row at import" } else { "--padding-idx" };
+        lines.push(format!("  padding row: {} row {} gets no gradient ({why})", padding.table, padding.row));
+    }
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    if let Some(pipeline) = &t.pipeline {
+        lines.push(format!(
+            "  pipeline: {} stages, {} schedule ({} backward) over {} micro-batches; bubble (P-1)/(M+P-1) = {:.1}% \
+             of a step",
+            plan.stages.len(),
+            pipeline.schedule,
+            pipeline.backward,
+            t.grad_accum,
+            100.0 * pipeline.bubble_fraction
+        ));
+        lines.push(format!(
+            "  {:<6} {:>14} {:>7} {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
+            "stage",
+            "forward FLOPs",
+            "idle",
+            "parameters",
+            "optimizer",
+            "activations peak",
+            "arena",
+            "in flight",
+            "sent/step"
+        ));
+        for (s, (program, rank)) in plan.stages.iter().zip(report.ranks.iter().step_by(stage_size)).enumerate() {
+            let m = &program.memory;
+            lines.push(format!(
+                "  {s:<6} {:>14} {:>6.1}% {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
+                grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
+                100.0 * pipeline.planned_idle(s),
+                grouped(m.params_bytes),
+                grouped(m.states_bytes + m.host_pool_bytes),
+                grouped(m.activations_peak_bytes),
+                grouped(m.arena_bytes),
+                rank.micro_batches_in_flight,
+                grouped(rank.comm_bytes_per_step.send)
+            ));
+        }
+        lines.push(
+            "  (bytes per rank of each stage; idle: the share of a step the schedule leaves the stage idle, \
+             by the cost model)"
+                .to_string(),
+        );
+    } else {
+        let m = &p.memory;
+        let offloaded_label = match t.nvme {
+            Some(_) => "optimizer state offloaded (NVMe file)",
+            None => "optimizer state offloaded (host pool)",
+        };
+        lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
+        for (what, bytes) in [
+            ("parameters", m.params_bytes),
+            ("optimizer state", m.states_bytes),
+            (offloaded_label, m.host_pool_bytes),
+            ("gradients (inside activations)", rank.grads_bytes),
+            ("activations peak (with gradients)", m.activations_peak_bytes),
+            ("inputs", m.inputs_bytes),
+            ("constants", m.constants_bytes),
+            ("total arena", m.arena_bytes),
+        ] {
+            lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
+        }
+    }
+    if let Some(r) = &plan.training.recompute {
+        lines.extend(recompute_lines(plan, r));
+    }
+    if let Some(nvme) = &plan.training.nvme {
+        lines.extend(nvme_lines(plan, nvme));
+    }
+    let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
+    let instructions = plan.stages.iter().flat_map(|p| p.instructions.iter().map(move |i| (p, i)));
+    for (program, instruction) in instructions {
+        let name = match instruction {
+            autotp_program::Instruction::Kernel { kernel, .. } => kernel.name().to_string(),
+            autotp_program::Instruction::Generated { kernel, .. } => format!("gen.{}", program.kernels[*kernel].name),
+            autotp_program::Instruction::Collective { op, .. } => op.kind.name().to_string(),
+            autotp_program::Instruction::CollectiveStart { op, .. } => format!("{}_start", op.kind.name()),
+            autotp_program::Instruction::Wait { .. } => "wait".to_string(),
+            autotp_program::Instruction::Send { .. } => "send".to_string(),
+            autotp_program::Instruction::Recv { .. } => "recv".to_string(),
+            autotp_program::Instruction::OptimizerStep { optimizer, .. } => optimizer.multi_tensor_name(),
+        };
+        *kernels.entry(name).or_default() += 1;
+    }
+    let mut by_count: Vec<(String, usize)> = kernels.into_iter().collect();
+    by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    let count: usize = plan.stages.iter().map(|p| p.instructions.len()).sum();
+    lines.push(format!("  instructions: {count} ({})", listed.join(", ")));
+    if !p.mesh.is_empty() {
+        let c = &rank.comm_bytes_per_step;
+        lines.push(format!(
+            "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}; staging {}; peak {}",
+            grouped(c.all_reduce),
+            grouped(c.reduce_scatter),
+            grouped(c.all_gather),
+            grouped(rank.comm_buffer_bytes),
+            grouped(rank.peak_bytes)
+        ));
+    }
+    lines.push(format!("  fingerprint: {}", plan.fingerprint()));
+    lines.join("\n") + "\n"
+}
+
+/// The summary's lines on the optimizer state in files: per stage, its tiles, the buffers in
+/// memory and the bytes each step reads and writes.
+fn nvme_lines(plan: &TrainingPlan, nvme: &NvmeOffload) -> Vec<String> {
+    let mut lines = vec![format!(
+        "  optimizer state on NVMe under {}: tiles of at most {} elements, {} buffers",
+        nvme.path.display(),
+        grouped(nvme.tile_elements),
+        nvme.buffer_count
+    )];
+    for (s, program) in plan.stages.iter().enumerate() {
+        let Ok(layout) = autotp_program::offload::Layout::of(program, nvme.tile_elements) else { continue };
+        let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
+        let buffers = layout.buffers(nvme.buffer_count);
+        lines.push(format!(
+            "    {stage}{} tiles, {} bytes in memory ({buffers} x {}); {} bytes read and {} written per step",
+            layout.tiles,
+            grouped(buffers * layout.tile_bytes),
+            grouped(layout.tile_bytes),
+            grouped(layout.file_bytes),
+            grouped(layout.file_bytes),
+        ));
+    }
+    lines
+}
+
+/// The summary's lines on recomputation: per stage what it recomputes, at what cost, and the
+/// activation peak with and without it, beside Korthikanti et al.'s formulas.
+fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
+    let mut lines = Vec::new();
+    if let Some(cap) = r.memory_cap {
+        let largest = plan.stages.iter().map(|p| p.memory.arena_bytes).max().unwrap_or(0);
+        lines.push(format!("  memory cap {} per rank: largest arena {}", grouped(cap as usize), grouped(largest)));
+    }
+    for (s, program) in plan.stages.iter().enumerate() {
+        let (with, without) = (program.memory.activations_peak_bytes, r.activations_peak_without[s]);
+        let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
+        let chosen = r.chosen.get(s).map_or(r.mode.as_str(), String::as_str);
+        let blocks = r.blocks[s];
+        let what = match chosen {
+            "elementwise" => "elementwise ops",
+            "selective" => "attention blocks",
+            _ => "layers",
+        };
+        lines.push(format!(
+            "  recompute {chosen}: {stage}{blocks} {what} per step, +{} FLOPs; activations peak {} (without: {}, {:+.1}%)",
+            grouped(r.flops[s] as usize),
+            grouped(with),
+            grouped(without),
+            100.0 * (with as f64 - without as f64) / without.max(1) as f64
+        ));
+        if blocks == 0 {
+            continue;
+        }
+        let elements = r.probability_elements.get(s).copied().unwrap_or(0);
+        let saved = without.saturating_sub(with);
+        if let Some(&(sbh, bytes)) = r.layer_inputs.get(s).filter(|i| i.0 > 0) {
+            let layers = r.layers.get(s).copied().unwrap_or(blocks).max(1);
+            lines.push(format!(
+                "    per layer: keeps its input, {} (Korthikanti et al. 2022: 2sbh = {} in 16-bit); the peak drops {} \
+                 per layer recomputed (their sbh(34 + 5as/h) - 2sbh = {} in 16-bit, with dropout masks)",
+                grouped(bytes),
+                grouped(2 * sbh),
+                grouped(saved / layers),
+                grouped(34 * sbh + 5 * elements - 2 * sbh)
+            ));
+        } else if elements > 0 && chosen == "selective" {
+            lines.push(format!(
+                "    saved per attention block {}; Korthikanti et al. 2022: 5as^2b = {} per layer in 16-bit \
+                 (scores 2, softmax 2, dropout mask 1 byte per probability; no dropout here)",
+                grouped(saved / blocks),
+                grouped(5 * elements)
+            ));
+        }
+    }
+    lines
+}
+
+/// `1234567` -> `1,234,567`.
+pub fn grouped(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
