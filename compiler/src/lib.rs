@@ -23,6 +23,7 @@ macro_rules! refuse {
 
 pub mod compile;
 pub mod flags;
+pub mod layout_search;
 pub mod options;
 pub mod recompute;
 pub mod steps;

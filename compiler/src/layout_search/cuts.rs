@@ -1,0 +1,124 @@
+//! The cuts of the model the search compiles (a layout's tp, micro-batch and recomputation on
+//! one stage; a cut of 2 stages for pipelines; dp 2 for the data-parallel staging), how a
+//! pipeline's layers fall on its stages, and a layout as `autotp compile` flags.
+
+use super::{Layout, SearchRequest};
+
+/// A compiled cut of the model: its layout (one stage) and the layers kept.
+pub(super) type Cut = (Layout, usize);
+
+/// The largest staging of the data-parallel reductions the planner assumes: three copies (a
+/// reduce-scatter's) of DeepSpeed's 5e8-element f32 bucket.
+pub(super) const DP_STAGING_CAP: f64 = 3.0 * 5e8 * 4.0;
+
+/// The cut compiled for a layout's memory and work: its tp, micro-batch and recomputation on
+/// one stage, without dp.
+pub(super) fn search_cut(layout: &Layout) -> Layout {
+    Layout { pp: 1, dp: 1, zero: 0, grad_accum: 1, ..layout.clone() }
+}
+
+/// The cut compiled for a pipelined layout's stages: 2 stages at its tp, micro-batch and
+/// recomputation, over one micro-batch (nothing accumulated) or, for a layout that accumulates,
+/// [`PIPELINE_CUT_MICRO_BATCHES`] (with 3, the first stage runs a forward after a backward: the
+/// steady state, where the gradients summed so far live beside the micro-batches in flight).
+/// Other counts of micro-batches differ by those in flight ([`PipelineModel::stage`]): one cut
+/// serves every pp, dp and ZeRO stage. None for a model of fewer than 4 layers (the cut keeps up
+/// to 2 a stage), whose stages are then slices of the one-stage cuts.
+pub(super) fn pipeline_cut(layout: &Layout, layers: usize) -> Option<Layout> {
+    (layout.pp > 1 && layers >= 4).then(|| Layout {
+        pp: 2,
+        dp: 1,
+        zero: 0,
+        grad_accum: if layout.grad_accum == 1 { 1 } else { PIPELINE_CUT_MICRO_BATCHES },
+        ..layout.clone()
+    })
+}
+
+/// The micro-batches a pipeline cut of an accumulating layout runs.
+pub(super) const PIPELINE_CUT_MICRO_BATCHES: usize = 3;
+
+/// The cut compiled for a data-parallel layout's staging: dp 2 at its ZeRO stage, with and
+/// without accumulation (reductions bucket differently), at the smallest micro-batch.
+pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout> {
+    let accumulates = layout.grad_accum > 1 || layout.pp > 1;
+    (layout.dp > 1).then(|| Layout {
+        tp: layout.tp,
+        pp: 1,
+        dp: 2,
+        zero: layout.zero,
+        micro_batch,
+        grad_accum: if accumulates { 2 } else { 1 },
+        recompute: "none".into(),
+    })
+}
+
+/// The `autotp compile` arguments of a layout.
+pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Layout, cuts: &[String]) -> Vec<String> {
+    let mut out = vec![request.model.display().to_string()];
+    let mut flag = |name: &str, value: String| out.extend([format!("--{name}"), value]);
+    flag("seq-len", request.seq_len.to_string());
+    flag("micro-batch", layout.micro_batch.to_string());
+    flag("grad-accum", layout.grad_accum.to_string());
+    for (name, value) in [("tp", layout.tp), ("pp", layout.pp), ("dp", layout.dp)] {
+        if value > 1 {
+            flag(name, value.to_string());
+        }
+    }
+    if layout.zero > 0 {
+        flag("zero", layout.zero.to_string());
+    }
+    if precision != "f32" {
+        flag("precision", precision.to_string());
+    }
+    if layout.recompute != "none" {
+        flag("recompute", layout.recompute.clone());
+    }
+    if !cuts.is_empty() {
+        flag("pp-cuts", cuts.join(","));
+    }
+    out
+}
+
+/// Layers per pipeline stage: as even as can be, the extra ones on the middle stages (the
+/// first holds the embedding, the last the head).
+pub(super) fn stage_layers(layers: usize, pp: usize) -> Vec<usize> {
+    let mut counts = vec![layers / pp; pp];
+    let order: Vec<usize> = if pp > 2 { (1..pp - 1).chain([0, pp - 1]).collect() } else { (0..pp).collect() };
+    for &s in order.iter().cycle().take(layers % pp) {
+        counts[s] += 1;
+    }
+    counts
+}
+
+pub(super) fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
+}
+
+/// `--pp-cuts` that give each stage [`stage_layers`]'s layers.
+pub(super) fn pipeline_cuts(
+    numbered: &autotp_passes::pipeline::NumberedLayers,
+    pp: usize,
+    layers: usize,
+) -> Vec<String> {
+    let counts = stage_layers(layers, pp);
+    let mut first = 0;
+    let mut cuts = Vec::new();
+    for count in &counts[..pp - 1] {
+        first += count;
+        cuts.push(format!("{}.{}", numbered.prefix, numbered.numbers[first]));
+    }
+    cuts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_get_their_share_of_layers() {
+        assert_eq!(stage_layers(80, 8), vec![10; 8]);
+        assert_eq!(stage_layers(10, 4), vec![2, 3, 3, 2]);
+        assert_eq!(stage_layers(5, 2), vec![3, 2]);
+        assert_eq!(stage_layers(4, 1), vec![4]);
+    }
+}

@@ -1,0 +1,304 @@
+//! What a compiled cut of the model holds and does ([`Figures`]: bytes by category, the peaks
+//! of its forward, backward and optimizer step, GEMM FLOPs, traffic), and the per-layer model
+//! of a layout's stages built from cuts of 1 and 2 layers ([`Model`], [`PipelineModel`]).
+
+use std::collections::BTreeMap;
+
+use autotp_kernels::Kernel;
+use autotp_program::{Instruction, Program};
+
+/// What one compiled cut of the model holds and does (one rank, one micro-batch).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Figures {
+    pub(super) params: f64,
+    pub(super) grads: f64,
+    pub(super) optimizer: f64,
+    /// Intermediate values live at the forward's peak (up to the loss).
+    pub(super) forward: f64,
+    /// Intermediate values live at the backward's peak, less the gradients (which the memory
+    /// plan counts among them).
+    pub(super) backward: f64,
+    /// Intermediate values live at the optimizer step's peak, less the gradients.
+    pub(super) optimizer_transient: f64,
+    /// Intermediate values live at their peak before the optimizer step (through the forwards
+    /// and backwards of all micro-batches), less the gradients.
+    pub(super) before_optimizer: f64,
+    /// The rest of the arena: the step's inputs (a pipeline stage's received activations and
+    /// gradients among them, a buffer per micro-batch), constants and alignment.
+    pub(super) inputs: f64,
+    pub(super) gemm_flops: f64,
+    /// The sum over GEMMs of their FLOPs per output row: a GEMM of few rows runs below the
+    /// device's rate ([`Device::gemm_half_rows`]).
+    pub(super) gemm_flops_per_row: f64,
+    pub(super) other_bytes: f64,
+    pub(super) tp_bytes: f64,
+    /// Instructions the program runs (each costs the device's dispatch time).
+    pub(super) instructions: f64,
+    /// The largest host staging one of its collectives needs.
+    pub(super) staging: f64,
+}
+
+impl Figures {
+    pub(super) fn of(program: &Program) -> Figures {
+        let m = &program.memory;
+        let peaks = phase_peaks(program);
+        let (mut gemm_flops, mut gemm_flops_per_row, mut other_bytes, mut tp_bytes) = (0.0, 0.0, 0.0, 0.0);
+        let mut staging = 0usize;
+        for instruction in &program.instructions {
+            match instruction {
+                Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
+                    tp_bytes += op.kind.bytes_sent(input.len, program.mesh[op.axis].size) as f64;
+                    staging = staging.max(op.kind.staging_bytes(input.len));
+                }
+                Instruction::Kernel { kernel: Kernel::MatMul { dims, .. }, .. } => {
+                    let batch: usize = dims.batch.iter().product();
+                    let flops = 2.0 * (batch * dims.m * dims.k * dims.n) as f64;
+                    gemm_flops += flops;
+                    gemm_flops_per_row += flops / dims.m.max(1) as f64;
+                }
+                Instruction::Kernel { inputs, outputs, .. } | Instruction::Generated { inputs, outputs, .. } => {
+                    other_bytes += inputs.iter().chain(outputs).map(|r| r.len as f64).sum::<f64>();
+                }
+                _ => {}
+            }
+        }
+        Figures {
+            params: m.params_bytes as f64,
+            grads: m.grads_bytes as f64,
+            optimizer: (m.states_bytes + m.host_pool_bytes) as f64,
+            forward: peaks.forward,
+            backward: (peaks.backward - m.grads_bytes as f64).max(0.0),
+            optimizer_transient: (peaks.optimizer - m.grads_bytes as f64).max(0.0),
+            before_optimizer: (peaks.forward.max(peaks.backward) - m.grads_bytes as f64).max(0.0),
+            inputs: m.arena_bytes.saturating_sub(m.params_bytes + m.states_bytes + m.activations_peak_bytes) as f64,
+            gemm_flops,
+            gemm_flops_per_row,
+            other_bytes,
+            tp_bytes,
+            instructions: program.instructions.len() as f64,
+            staging: staging as f64,
+        }
+    }
+
+    pub(super) fn combine(a: Figures, b: Figures, f: impl Fn(f64, f64) -> f64) -> Figures {
+        Figures {
+            params: f(a.params, b.params),
+            grads: f(a.grads, b.grads),
+            optimizer: f(a.optimizer, b.optimizer),
+            forward: f(a.forward, b.forward),
+            backward: f(a.backward, b.backward),
+            optimizer_transient: f(a.optimizer_transient, b.optimizer_transient),
+            before_optimizer: f(a.before_optimizer, b.before_optimizer),
+            inputs: f(a.inputs, b.inputs),
+            gemm_flops: f(a.gemm_flops, b.gemm_flops),
+            gemm_flops_per_row: f(a.gemm_flops_per_row, b.gemm_flops_per_row),
+            other_bytes: f(a.other_bytes, b.other_bytes),
+            tp_bytes: f(a.tp_bytes, b.tp_bytes),
+            instructions: f(a.instructions, b.instructions),
+            staging: f(a.staging, b.staging),
+        }
+    }
+}
+
+/// A model per layer and the rest, at one micro-batch size, from its cuts of 1 and 2 layers.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Model {
+    pub(super) layer: Figures,
+    pub(super) rest: Figures,
+    /// What the backward's peak held beyond the forward's in the 2-layer cut (the head's
+    /// gradients of the logits; gradients made): added to a stage's forward peak, it bounds its
+    /// backward's when the saved activations of many layers outweigh the cut's.
+    pub(super) backward_extra: f64,
+    /// Of `rest`: the bytes of parameters (and their gradients and states) on the first
+    /// stage (the token embedding); the others are on the last.
+    pub(super) embedding_fraction: f64,
+    /// The bytes of one micro-batch's activation between two layers (the hidden state a
+    /// pipeline stage sends).
+    pub(super) boundary: f64,
+    /// Bytes per parameter element.
+    pub(super) param_bytes: f64,
+    /// The communication staging of a stage: tp's collectives (the largest, from the 2-layer
+    /// cut) and, with dp, the data-parallel reductions' (from cuts of dp 2, per layer and the
+    /// rest; up to three buckets of DeepSpeed's 5e8 elements).
+    pub(super) tp_staging: f64,
+    pub(super) dp_staging: Option<(Figures, Figures)>,
+    /// With pp: the memory of its stages, from cuts of 2 stages.
+    pub(super) pipeline: Option<PipelineModel>,
+}
+
+/// The memory of pipeline stages, from the compiler's plans of a cut of 2 stages of 1 and of 2
+/// layers each ([`pipeline_cut`]: with 3 micro-batches the first stage holds 2 in flight, the
+/// last one). They differ from slices of the one-stage program: the first holds the embedding
+/// (whole under tp) and its gradient's temporaries, a tied embedding is held and its gradient
+/// exchanged on both ends, each micro-batch's gradients are added into sums. More micro-batches
+/// in flight add a layer's saved activations each.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct PipelineModel {
+    /// The first stage with 1 layer, and what each further layer adds.
+    pub(super) first: Figures,
+    pub(super) first_layer: Figures,
+    /// The last stage with 1 layer, and what each further layer adds.
+    pub(super) last: Figures,
+    pub(super) last_layer: Figures,
+    /// One micro-batch's saved activations of a layer: what a layer adds on the first stage
+    /// (2 in flight) beyond what it adds on the last (1), else a layer's forward peak in the
+    /// one-stage cut.
+    pub(super) layer_saved: f64,
+    /// The cut's micro-batches.
+    pub(super) micro_batches: f64,
+}
+
+/// What a pipeline stage holds (one rank, dp 1, no ZeRO): parameters, gradients, optimizer
+/// states, its intermediate values at the peak less the gradients, and its inputs.
+#[derive(Clone, Copy, Debug)]
+pub struct StageMemory {
+    pub(super) params: f64,
+    pub(super) grads: f64,
+    pub(super) optimizer: f64,
+    pub(super) activations: f64,
+    pub(super) inputs: f64,
+}
+
+impl PipelineModel {
+    /// Stage `s` of `pp` with `layers` layers, `in_flight` micro-batches and `micro_batches`
+    /// in the step.
+    pub(super) fn stage(&self, layers: usize, s: usize, pp: usize, in_flight: f64, micro_batches: f64) -> StageMemory {
+        let n = layers as f64;
+        let last = s + 1 == pp;
+        let (one, more, cut_in_flight) = if last {
+            (&self.last, &self.last_layer, 1.0)
+        } else {
+            (&self.first, &self.first_layer, self.micro_batches.min(2.0))
+        };
+        let at = |one: f64, more: f64| one + (n - 1.0) * more;
+        let mut memory = StageMemory {
+            params: at(one.params, more.params),
+            grads: at(one.grads, more.grads),
+            optimizer: at(one.optimizer, more.optimizer),
+            activations: at(one.before_optimizer, more.before_optimizer),
+            // Each micro-batch's inputs have their own buffers.
+            inputs: one.inputs * micro_batches / self.micro_batches,
+        };
+        if s > 0 && !last {
+            // A middle stage: the first stage's layers without its embedding.
+            memory = StageMemory {
+                params: n * more.params,
+                grads: n * more.grads,
+                optimizer: n * more.optimizer,
+                activations: n * more.before_optimizer,
+                inputs: memory.inputs,
+            };
+        }
+        // Each micro-batch in flight beyond the cut's keeps its saved activations.
+        memory.activations = (memory.activations + (in_flight - cut_in_flight) * n * self.layer_saved).max(0.0);
+        memory
+    }
+}
+
+impl Model {
+    /// One micro-batch through a stage of `layers` layers, the first and/or the last.
+    pub(super) fn stage(&self, layers: usize, first: bool, last: bool) -> Figures {
+        let share = (if first { self.embedding_fraction } else { 0.0 })
+            + (if last { 1.0 - self.embedding_fraction } else { 0.0 });
+        // Activations, work and traffic of the rest belong to the head's stage (the
+        // embedding's gather is a small part); its parameters split by where they are read.
+        let work = if last { 1.0 } else { 0.0 };
+        let n = layers as f64;
+        let (layer, rest) = (&self.layer, &self.rest);
+        Figures {
+            params: n * layer.params + share * rest.params,
+            grads: n * layer.grads + share * rest.grads,
+            optimizer: n * layer.optimizer + share * rest.optimizer,
+            forward: n * layer.forward + work * rest.forward,
+            backward: n * layer.backward + work * rest.backward,
+            optimizer_transient: n * layer.optimizer_transient + share * rest.optimizer_transient,
+            before_optimizer: n * layer.before_optimizer + work * rest.before_optimizer,
+            inputs: n * layer.inputs + rest.inputs,
+            gemm_flops: n * layer.gemm_flops + work * rest.gemm_flops,
+            gemm_flops_per_row: n * layer.gemm_flops_per_row + work * rest.gemm_flops_per_row,
+            other_bytes: n * layer.other_bytes + work * rest.other_bytes,
+            tp_bytes: n * layer.tp_bytes + work * rest.tp_bytes,
+            instructions: n * layer.instructions + work * rest.instructions,
+            staging: n * layer.staging + rest.staging,
+        }
+    }
+}
+
+/// The most bytes of intermediate values live at once in a program's three phases: the
+/// forward (up to the instruction that writes the loss), the backward (to the first optimizer
+/// step) and the optimizer step. A value lives in its arena region from the instruction that writes it
+/// to the last that reads it before another value is written over it (the memory plan reuses a
+/// region only once its value is dead).
+pub(super) fn phase_peaks(program: &Program) -> Peaks {
+    let start = program.activations_start();
+    let steps = program.instructions.len();
+    let optimizer =
+        (program.instructions.iter()).position(|i| matches!(i, Instruction::OptimizerStep { .. })).unwrap_or(steps);
+    let loss = program.outputs.iter().find(|s| s.name == autotp_passes::loss::LOSS).map(|s| s.region);
+    let turn = (program.instructions.iter())
+        .position(|i| loss.is_some_and(|loss| i.regions().1.contains(&loss)))
+        .unwrap_or(optimizer);
+    // Live values by offset: (end, written at, last read at).
+    let mut live: BTreeMap<usize, (usize, usize, usize)> = BTreeMap::new();
+    let mut lifetimes: Vec<(usize, usize, usize)> = Vec::new();
+    let overlapping = |live: &BTreeMap<usize, (usize, usize, usize)>, r: &autotp_program::Region| -> Vec<usize> {
+        live.range(..r.offset + r.len)
+            .filter(|(&offset, &(end, ..))| end > r.offset && offset < r.offset + r.len)
+            .map(|(&o, _)| o)
+            .collect()
+    };
+    for (t, instruction) in program.instructions.iter().enumerate() {
+        let (inputs, outputs) = instruction.regions();
+        for r in inputs.iter().filter(|r| r.offset >= start && r.len > 0 && !r.in_host_pool()) {
+            for offset in overlapping(&live, r) {
+                live.get_mut(&offset).expect("found").2 = t;
+            }
+        }
+        for r in outputs.iter().filter(|r| r.offset >= start && r.len > 0 && !r.in_host_pool()) {
+            if inputs.contains(r) {
+                continue;
+            }
+            for offset in overlapping(&live, r) {
+                let (end, written, read) = live.remove(&offset).expect("found");
+                lifetimes.push((written, read, end - offset));
+            }
+            live.insert(r.offset, (r.offset + r.len, t, t));
+        }
+    }
+    // What the step's updates copy into the parameters and states lives to the end.
+    for update in program.updates.iter().filter(|u| u.from.offset >= start && !u.from.in_host_pool()) {
+        for offset in overlapping(&live, &update.from) {
+            live.get_mut(&offset).expect("found").2 = steps.saturating_sub(1);
+        }
+    }
+    lifetimes.extend(live.iter().map(|(&offset, &(end, written, read))| (written, read, end - offset)));
+    let mut delta = vec![0i128; steps + 1];
+    for (written, read, bytes) in lifetimes {
+        delta[written] += bytes as i128;
+        delta[read + 1] -= bytes as i128;
+    }
+    let mut peaks = Peaks::default();
+    let mut now = 0i128;
+    for (t, change) in delta.iter().take(steps).enumerate() {
+        now += change;
+        // A stage without the loss (a pipeline's first) runs forwards and backwards to the
+        // optimizer's step: all of it is `forward`.
+        let phase = if t >= optimizer {
+            &mut peaks.optimizer
+        } else if t <= turn {
+            &mut peaks.forward
+        } else {
+            &mut peaks.backward
+        };
+        *phase = phase.max(now as f64);
+    }
+    peaks
+}
+
+/// [`phase_peaks`]'s bytes.
+#[derive(Default)]
+pub(super) struct Peaks {
+    pub(super) forward: f64,
+    pub(super) backward: f64,
+    pub(super) optimizer: f64,
+}

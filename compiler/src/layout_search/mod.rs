@@ -1,0 +1,447 @@
+//! The layout search (`autotp plan`): the parallel layout to compile, chosen before a GPU-hour
+//! is spent.
+//!
+//! It searches tp x pp x dp x ZeRO stage x micro-batch (gradient accumulation follows from the
+//! global batch) x recomputation for `--devices` devices, and returns every layout considered:
+//! those that fit `--memory-per-device`, fastest first, with the `autotp compile` flags of each,
+//! and why the others were refused. The CLI prints them.
+//!
+//! **Memory and work come from the compiler.** The model is imported shapes-only (its weights
+//! need not exist) and cut to its first layer and to its first two ([`autotp_passes::depth`]);
+//! each cut is compiled for every tp, micro-batch and recomputation searched (one rank of tp,
+//! no dp, no pipeline). Every transformer layer has the same shapes, so the difference of the
+//! two cuts is one layer's exact bytes (parameters, gradients, optimizer state, intermediate
+//! values), GEMM FLOPs and tp traffic, and the rest is the embedding and head. The values'
+//! lifetimes in each compiled program give the peaks of its forward, backward and optimizer
+//! step apart ([`figures::phase_peaks`]). A layout's stage of `n` layers then holds `n` layers' states,
+//! ZeRO's shards of them over dp (stages 1 and 2 the optimizer state, 3 the gradients and
+//! parameters, plus those gathered at once: up to DeepSpeed's 1e9), and the largest of: its
+//! forward peak for the micro-batches in flight (1F1B: `min(pp - s, micro-batches)` on stage
+//! `s`) with the gradients accumulated so far; its backward peak; its optimizer step's; plus
+//! its collectives' staging, from cuts compiled with dp 2 at the layout's ZeRO stage.
+//!
+//! A pipeline's stages are not slices of the one-stage program (a first stage under tp keeps
+//! its embedding whole, each micro-batch's gradients are added into sums, activations wait for
+//! the later stages' backwards), so pipelined layouts take their parameters, gradients, states
+//! and intermediate values from a cut of 2 stages of 1 and of 2 layers each, compiled at the
+//! layout's tp, micro-batch and recomputation over 3 micro-batches (1 when nothing
+//! accumulates): a stage's first layer and rest from its end of the cut, its further layers
+//! from the difference, a middle stage as the first without the embedding, and each
+//! micro-batch in flight beyond the cut's adds a layer's saved activations
+//! ([`figures::PipelineModel`]). `benches/plan_memory.sh` compiles every layout that fits and prints
+//! predicted against compiled peaks; where they differ most, it is the arena's placement over
+//! the live peak (long pipelines) and the data-parallel staging of a stage. `--verify N`
+//! compiles the best N layouts whole for their exact peaks.
+//!
+//! **Time is a cost model** ([`device::Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
+//! few rows), other kernels' bytes at its memory bandwidth, a dispatch time per instruction,
+//! tp's collectives per micro-batch over the node's link (NVLink, shared memory), the
+//! pipeline's (micro-batches + stages - 1) slots of its slowest stage and its activation sends,
+//! and the data-parallel reduction (ZeRO 3: the gathers of every micro-batch too) over the
+//! node's link or InfiniBand when the dp group spans nodes, less what overlaps the last
+//! micro-batch's backward. CPU ranks share the machine's cores: their step is the work of all
+//! ranks at the machine's rate. The CPU figures are fitted to `benches/plan.sh`'s measured
+//! steps of gpt2-512; the GPU figures are the parts' data sheets, not yet measured.
+
+mod cuts;
+mod device;
+mod figures;
+mod predict;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use autotp_frontend::ImportOptions;
+use autotp_passes::pipeline::NumberedLayers;
+
+pub use device::Device;
+pub use figures::Model;
+pub use predict::{Considered, Layout, MemoryFigures, Prediction};
+
+use crate::summary::grouped;
+use crate::{CompileError, CompileFlags, CompileOptions, Weights};
+use cuts::{divisors, layout_args, pipeline_cut, pipeline_cuts, search_cut, staging_cut, Cut};
+use figures::{Figures, PipelineModel};
+
+/// What to search: the `autotp plan` flags.
+#[derive(Clone, Debug)]
+pub struct SearchRequest {
+    /// The ONNX model (its weights may be absent).
+    pub model: PathBuf,
+    pub devices: usize,
+    pub memory_per_device: u64,
+    /// Sequences per optimizer step [default: `devices`].
+    pub global_batch: Option<usize>,
+    pub seq_len: usize,
+    /// `h100`, `h200` or `cpu`.
+    pub device: String,
+    /// `f32`, `bf16` or `fp16` [default: bf16 on GPUs, f32 on cpu].
+    pub precision: Option<String>,
+    pub micro_batches: Vec<usize>,
+    pub recompute: Vec<String>,
+    /// [default: 8 on GPUs, `devices` on cpu].
+    pub devices_per_node: Option<usize>,
+    pub node_link_gbps: Option<f64>,
+    pub network_gbps: Option<f64>,
+    /// Layouts to compile whole for their exact peak.
+    pub verify: usize,
+}
+
+/// Every layout considered, and what the search knows of the model and the devices.
+pub struct SearchResult {
+    pub device: Device,
+    pub precision: String,
+    pub global_batch: usize,
+    pub per_node: usize,
+    pub layers: usize,
+    pub parameters: usize,
+    /// Every layout, with its prediction or why it was refused.
+    pub considered: Vec<Considered>,
+    /// The layouts that fit (indices into `considered`), fastest first.
+    pub fitting: Vec<usize>,
+    /// The per-layer model of each tp, micro-batch, recomputation and ZeRO stage, by name.
+    pub models: BTreeMap<String, Model>,
+    /// Cuts of the model compiled, and the seconds the search took.
+    pub compiled_cuts: usize,
+    pub search_seconds: f64,
+    /// With `verify`: layouts compiled whole, those that fit, and the seconds it took.
+    pub verify_tried: usize,
+    pub verified: usize,
+    pub verify_seconds: f64,
+}
+
+/// What the search reads off the model: its layers and where its parameters are.
+struct ModelShape {
+    numbered: NumberedLayers,
+    layers: usize,
+    parameters: usize,
+    /// Of the parameters outside the layers, the share the token embedding holds.
+    embedding_fraction: f64,
+    /// The hidden size (the embedding table's width).
+    hidden: usize,
+}
+
+impl ModelShape {
+    fn of(request: &SearchRequest) -> Result<ModelShape, CompileError> {
+        let options =
+            ImportOptions { batch: Some(1), seq_len: Some(request.seq_len), shapes_only: true, ..Default::default() };
+        let imported = autotp_frontend::import_onnx(&request.model, &options)?;
+        let graph = &imported.graph;
+        let layers = autotp_passes::depth::layer_count(graph);
+        if layers < 2 {
+            refuse!(
+                "{}: autotp plan needs a model of numbered layers (parameters named PREFIX.N.*), at least 2; it has \
+                 {layers}",
+                request.model.display()
+            );
+        }
+        let numbered = autotp_passes::pipeline::numbered_layers(graph).expect("counted above");
+        let embeddings: Vec<String> =
+            autotp_passes::padding::embedding_tables(graph, &BTreeMap::new()).into_iter().map(|t| t.param).collect();
+        let is_embedding =
+            |p: &autotp_ir::ValueId| graph.name_of(*p).is_some_and(|n| embeddings.iter().any(|e| e == n));
+        let rest_elements: usize = (graph.params().iter())
+            .filter(|&&p| graph.name_of(p).is_none_or(|n| numbered.number_of(n).is_none()))
+            .map(|&p| graph.ty(p).numel())
+            .sum();
+        let embedding_elements: usize =
+            graph.params().iter().filter(|p| is_embedding(p)).map(|&p| graph.ty(p).numel()).sum();
+        Ok(ModelShape {
+            layers,
+            parameters: graph.params().iter().map(|&p| graph.ty(p).numel()).sum(),
+            embedding_fraction: if rest_elements == 0 { 0.0 } else { embedding_elements as f64 / rest_elements as f64 },
+            hidden: graph.params().iter().find(|p| is_embedding(p)).map_or(0, |&p| graph.ty(p).shape[1]),
+            numbered,
+        })
+    }
+}
+
+/// Searches the layouts `request` allows (see the module docs).
+pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
+    let started = Instant::now();
+    if request.devices == 0 || request.seq_len == 0 {
+        refuse!("--devices, --seq-len and --top must be at least 1");
+    }
+    if request.micro_batches.is_empty() || request.micro_batches.contains(&0) {
+        refuse!("--micro-batches must be at least 1");
+    }
+    let gpu = request.device != "cpu";
+    let precision = request.precision.clone().unwrap_or_else(|| if gpu { "bf16" } else { "f32" }.to_string());
+    let mut device = Device::named(&request.device);
+    if let Some(gbps) = request.node_link_gbps {
+        device.node_link = gbps * 1e9;
+    }
+    if let Some(gbps) = request.network_gbps {
+        device.network = gbps * 1e9;
+    }
+    let per_node = request.devices_per_node.unwrap_or(if gpu { 8 } else { request.devices }).max(1);
+    let global_batch = request.global_batch.unwrap_or(request.devices);
+    let shape = ModelShape::of(request)?;
+    let (mut considered, wanted) = enumerate_layouts(request, &shape, per_node, global_batch);
+    let cuts = compile_cuts(request, &precision, &shape.numbered, &wanted);
+    let activation_bytes = if precision == "f32" { 4 } else { 2 };
+    let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked above");
+    let mut models: BTreeMap<String, Model> = BTreeMap::new();
+    for c in considered.iter_mut().filter(|c| c.refused.is_none()) {
+        match model_of(&cuts, &c.layout, &shape, smallest_micro_batch, activation_bytes, request.seq_len) {
+            Err(e) => c.refused = Some(first_line(&e)),
+            Ok(model) => {
+                let key = format!(
+                    "tp {} micro-batch {} recompute {} zero {}",
+                    c.layout.tp, c.layout.micro_batch, c.layout.recompute, c.layout.zero
+                );
+                models.insert(key, model);
+                let memory = request.memory_per_device as f64;
+                match predict::predict(&model, &c.layout, shape.layers, &device, per_node, memory) {
+                    Ok(p) => {
+                        let cuts = pipeline_cuts(&shape.numbered, c.layout.pp, shape.layers);
+                        c.compile_args = Some(layout_args(request, &precision, &c.layout, &cuts));
+                        c.prediction = Some(p);
+                    }
+                    Err(why) => c.refused = Some(why),
+                }
+            }
+        }
+    }
+    let mut order: Vec<usize> = (0..considered.len()).filter(|&i| considered[i].prediction.is_some()).collect();
+    order.sort_by(|&a, &b| {
+        let (pa, pb) =
+            (considered[a].prediction.as_ref().expect("fits"), considered[b].prediction.as_ref().expect("fits"));
+        pa.step_seconds.total_cmp(&pb.step_seconds).then(pa.memory.peak.total_cmp(&pb.memory.peak))
+    });
+    let search_seconds = started.elapsed().as_secs_f64();
+    let (verified, verify_tried) = verify_best(request, &order, &mut considered)?;
+    let fitting = order.into_iter().filter(|&i| considered[i].prediction.is_some()).collect();
+    Ok(SearchResult {
+        device,
+        precision,
+        global_batch,
+        per_node,
+        layers: shape.layers,
+        parameters: shape.parameters,
+        considered,
+        fitting,
+        models,
+        compiled_cuts: cuts.len(),
+        search_seconds,
+        verify_tried,
+        verified,
+        verify_seconds: started.elapsed().as_secs_f64() - search_seconds,
+    })
+}
+
+/// Every layout of tp x pp x dp x ZeRO x micro-batch x recomputation, those refused at once
+/// with why, and the cuts the others need compiled.
+fn enumerate_layouts(
+    request: &SearchRequest,
+    shape: &ModelShape,
+    per_node: usize,
+    global_batch: usize,
+) -> (Vec<Considered>, Vec<Layout>) {
+    let layers = shape.layers;
+    let mut considered: Vec<Considered> = Vec::new();
+    let mut wanted: Vec<Layout> = Vec::new();
+    let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked by the caller");
+    for tp in divisors(request.devices) {
+        for pp in divisors(request.devices / tp) {
+            let dp = request.devices / (tp * pp);
+            for zero in 0..=3 {
+                for &micro_batch in &request.micro_batches {
+                    for recompute in &request.recompute {
+                        let mut layout =
+                            Layout { tp, pp, dp, zero, micro_batch, grad_accum: 0, recompute: recompute.clone() };
+                        let refused = if tp > per_node {
+                            Some(format!("tp {tp} is more than a node's {per_node} devices"))
+                        } else if pp > layers {
+                            Some(format!("pp {pp} is more stages than the model's {layers} layers"))
+                        } else if zero > 0 && dp < 2 {
+                            Some(format!("ZeRO {zero} needs dp 2 or more"))
+                        } else if !global_batch.is_multiple_of(dp * micro_batch) {
+                            Some(format!(
+                                "the global batch {global_batch} is not a multiple of dp {dp} x micro-batch {micro_batch}"
+                            ))
+                        } else {
+                            None
+                        };
+                        if refused.is_none() {
+                            layout.grad_accum = global_batch / (dp * micro_batch);
+                            let needed = [
+                                Some(search_cut(&layout)),
+                                staging_cut(&layout, smallest_micro_batch),
+                                pipeline_cut(&layout, layers),
+                            ];
+                            for cut in needed.into_iter().flatten() {
+                                if !wanted.contains(&cut) {
+                                    wanted.push(cut);
+                                }
+                            }
+                        }
+                        considered.push(Considered {
+                            layout,
+                            prediction: None,
+                            refused,
+                            compile_args: None,
+                            compiled_peak: None,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    (considered, wanted)
+}
+
+/// The figures of each stage of every wanted cut at depths 1 and 2 (layers a stage), compiled
+/// on the machine's cores; a cut the compiler refuses gives its reason.
+fn compile_cuts(
+    request: &SearchRequest,
+    precision: &str,
+    numbered: &NumberedLayers,
+    wanted: &[Layout],
+) -> BTreeMap<Cut, Result<Vec<Figures>, String>> {
+    let cuts: Mutex<BTreeMap<Cut, Result<Vec<Figures>, String>>> = Mutex::default();
+    let jobs: Vec<Cut> = wanted.iter().flat_map(|cut| [1, 2].map(|depth| (cut.clone(), depth))).collect();
+    let next = Mutex::new(0usize);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len().max(1));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let job = {
+                    let mut next = next.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    let Some(job) = jobs.get(*next).cloned() else { return };
+                    *next += 1;
+                    job
+                };
+                // `depth` layers a stage.
+                let (layout, depth) = &job;
+                let stage_cuts: Vec<String> =
+                    (1..layout.pp).map(|s| format!("{}.{}", numbered.prefix, numbered.numbers[s * depth])).collect();
+                let figures =
+                    compile_layout(&layout_args(request, precision, layout, &stage_cuts), Some(layout.pp * depth))
+                        .map(|plan| plan.stages.iter().map(Figures::of).collect())
+                        .map_err(|e| render_error(&e));
+                cuts.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(job, figures);
+            });
+        }
+    });
+    cuts.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The plan of `autotp compile ARGS`, shapes-only, cut to `layers` layers when given.
+fn compile_layout(args: &[String], layers: Option<usize>) -> Result<autotp_program::plan::TrainingPlan, CompileError> {
+    let options = CompileOptions::from_flags(&CompileFlags::parse_args(args)?)?;
+    Ok(crate::compile(&options, Weights::ShapesOnly { layers })?.plan)
+}
+
+/// A layout's per-layer model, from the cuts compiled for it.
+fn model_of(
+    cuts: &BTreeMap<Cut, Result<Vec<Figures>, String>>,
+    layout: &Layout,
+    shape: &ModelShape,
+    smallest_micro_batch: usize,
+    activation_bytes: usize,
+    seq_len: usize,
+) -> Result<Model, String> {
+    // A cut's stage: per layer, the rest, and its figures with 1 and 2 layers.
+    let split = |cut: &Layout, stage: usize| -> Result<(Figures, Figures, Figures, Figures), String> {
+        let stage_of = |depth: usize| cuts[&(cut.clone(), depth)].as_ref().map(|stages| stages[stage]);
+        let (one, two) = (stage_of(1).map_err(Clone::clone)?, stage_of(2).map_err(Clone::clone)?);
+        let layer = Figures::combine(two, one, |a, b| a - b);
+        Ok((layer, Figures::combine(one, layer, |a, b| a - b), one, two))
+    };
+    let (layer, rest, _, two) = split(&search_cut(layout), 0)?;
+    let dp_staging = match staging_cut(layout, smallest_micro_batch) {
+        Some(cut) => split(&cut, 0).map(|(layer, rest, _, _)| Some((layer, rest)))?,
+        None => None,
+    };
+    let pipeline = match pipeline_cut(layout, shape.layers) {
+        None => None,
+        Some(cut) => {
+            let (first_layer, _, first, _) = split(&cut, 0)?;
+            let (last_layer, _, last, _) = split(&cut, 1)?;
+            Some(PipelineModel {
+                first,
+                first_layer,
+                last,
+                last_layer,
+                layer_saved: match first_layer.before_optimizer - last_layer.before_optimizer {
+                    saved if cut.grad_accum >= 2 && saved > 0.0 => saved,
+                    _ => layer.forward,
+                },
+                micro_batches: cut.grad_accum as f64,
+            })
+        }
+    };
+    let boundary_per_sequence = (seq_len * shape.hidden * activation_bytes) as f64;
+    Ok(Model {
+        layer,
+        rest,
+        backward_extra: (two.backward + two.grads - two.forward).max(0.0),
+        embedding_fraction: shape.embedding_fraction,
+        boundary: boundary_per_sequence * layout.micro_batch as f64,
+        param_bytes: activation_bytes as f64,
+        tp_staging: two.staging,
+        dp_staging,
+        pipeline,
+    })
+}
+
+/// Compiles the fastest layouts whole (shapes-only) until `request.verify` fit, or four times
+/// as many (and 8) were tried: a layout the compiler refuses, or whose compiled peak does not
+/// fit, is refused. Returns (verified, tried).
+fn verify_best(
+    request: &SearchRequest,
+    order: &[usize],
+    considered: &mut [Considered],
+) -> Result<(usize, usize), CompileError> {
+    let (mut verified, mut tried) = (0, 0);
+    for &i in order {
+        if verified == request.verify || tried == 4 * request.verify + 8 {
+            break;
+        }
+        tried += 1;
+        let c = &mut considered[i];
+        let args = c.compile_args.as_ref().expect("a layout that fits has its flags");
+        match compile_layout(args, None) {
+            Err(e) => c.refused = Some(format!("the compiler refuses it: {}", first_line(&render_error(&e)))),
+            Ok(plan) => {
+                let report = autotp_program::report::report(&plan);
+                let peak = report.ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
+                c.compiled_peak = Some(peak as f64);
+                if peak as u64 > request.memory_per_device {
+                    c.refused = Some(format!(
+                        "out of memory when compiled: {} bytes per device, over {}",
+                        grouped(peak),
+                        grouped(request.memory_per_device as usize)
+                    ));
+                } else {
+                    verified += 1;
+                }
+            }
+        }
+        if c.refused.is_some() {
+            c.prediction = None;
+        }
+    }
+    Ok((verified, tried))
+}
+
+/// An error and its causes on one line; a cause the message already ends with is not repeated.
+pub fn render_error(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        let text = e.to_string();
+        if !message.ends_with(&text) {
+            message = format!("{message}: {text}");
+        }
+        cause = e.source();
+    }
+    message
+}
+
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().to_string()
+}

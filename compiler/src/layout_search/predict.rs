@@ -1,0 +1,199 @@
+//! A layout's predicted step ([`Prediction`]): its fullest device's memory by category, and
+//! its time by the cost model (GEMMs at the device's rate, other kernels at its bandwidth,
+//! dispatch per instruction, tp's collectives, the pipeline's slots and sends, the exposed
+//! data-parallel reduction); or why it does not fit.
+
+use crate::summary::grouped;
+
+use super::cuts::{stage_layers, DP_STAGING_CAP};
+use super::device::Device;
+use super::figures::{Model, StageMemory};
+
+/// A layout: the mesh and the step's shape.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct Layout {
+    pub tp: usize,
+    pub pp: usize,
+    pub dp: usize,
+    pub zero: usize,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub recompute: String,
+}
+
+/// One device's planned memory (its fullest stage), in bytes.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct MemoryFigures {
+    pub params: f64,
+    pub grads: f64,
+    pub optimizer: f64,
+    pub activations: f64,
+    /// Host buffers the collectives stage through.
+    pub staging: f64,
+    pub peak: f64,
+}
+
+/// A layout's predicted step.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Prediction {
+    pub step_seconds: f64,
+    pub compute_seconds: f64,
+    pub tp_seconds: f64,
+    pub pipeline_seconds: f64,
+    pub dp_seconds: f64,
+    pub bubble_fraction: f64,
+    pub memory: MemoryFigures,
+    /// Bytes one device sends per step (tp, dp and pipeline together).
+    pub comm_bytes: f64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Considered {
+    pub layout: Layout,
+    pub prediction: Option<Prediction>,
+    pub refused: Option<String>,
+    /// The `autotp compile` arguments of a layout that fits (less `-o`).
+    pub compile_args: Option<Vec<String>>,
+    /// With `--verify`: the compiled plan's largest per-device peak, in bytes.
+    pub compiled_peak: Option<f64>,
+}
+
+/// A layout's memory and step time, or why it does not fit.
+pub(super) fn predict(
+    model: &Model,
+    layout: &Layout,
+    layers: usize,
+    device: &Device,
+    per_node: usize,
+    memory: f64,
+) -> Result<Prediction, String> {
+    let Layout { tp, pp, dp, zero, grad_accum, .. } = *layout;
+    let counts = stage_layers(layers, pp);
+    let dpf = dp as f64;
+    let boundary = model.boundary;
+    let mut worst = MemoryFigures::default();
+    let mut slot = 0.0f64;
+    let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let mut gathered_params = 0.0f64;
+    // CPU ranks share the machine's cores: a step takes the work of every rank at the
+    // machine's rate (a pipeline's idle stages leave their cores to the others).
+    let mut machine_seconds = 0.0f64;
+    let ranks_per_stage = (tp * dp) as f64;
+    let node_groups =
+        |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
+    for (s, &n) in counts.iter().enumerate() {
+        let figures = model.stage(n, s == 0, s == pp - 1);
+        let in_flight = if pp == 1 { 1 } else { (pp - s).min(grad_accum) } as f64;
+        // A pipeline's stage from its cuts; without them, a slice of the one-stage cuts.
+        let held = match model.pipeline {
+            Some(pipeline) => pipeline.stage(n, s, pp, in_flight, grad_accum as f64),
+            None => StageMemory {
+                params: figures.params,
+                grads: figures.grads,
+                optimizer: figures.optimizer,
+                activations: 0.0,
+                inputs: 0.0,
+            },
+        };
+        // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9).
+        let gathered = held.params.min(1e9 * model.param_bytes);
+        let params = if zero == 3 { held.params / dpf + gathered } else { held.params };
+        // autotp reduce-scatters each gradient once it is made whole (no buckets): under ZeRO 2
+        // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
+        // keeps shards.
+        let grads = if zero == 3 { held.grads / dpf } else { held.grads };
+        let optimizer = if zero >= 1 { held.optimizer / dpf } else { held.optimizer };
+        // ZeRO's optimizer steps (stages 1 to 3) run on the rank's shards.
+        let transient = if zero >= 1 { figures.optimizer_transient / dpf } else { figures.optimizer_transient };
+        let intermediate = if model.pipeline.is_some() {
+            // The cut (dp 1) sums whole gradients; from ZeRO 2 a stage sums their shards.
+            let sums = if zero >= 2 && grad_accum > 1 { held.grads * (1.0 - 1.0 / dpf) } else { 0.0 };
+            (grads + held.activations - sums).max(grads + transient)
+        } else {
+            // The peak of the forward (the micro-batches in flight), of the backward (the
+            // gradients made, and the other micro-batches' saved activations), or of the
+            // optimizer. With accumulation, the gradients summed so far live through the later
+            // forwards and backwards (a backward's gradients are made beside them): whole at
+            // ZeRO 0 and 1 (reduced once, at the step's end), shards from ZeRO 2 (each
+            // micro-batch's gradients are reduce-scattered as they are made).
+            let accumulated = match (grad_accum > 1, zero >= 2) {
+                (false, _) => 0.0,
+                (true, false) => held.grads,
+                (true, true) => held.grads / dpf,
+            };
+            let forward = in_flight * figures.forward + accumulated;
+            let backward = (grads + figures.backward).max(figures.forward + model.backward_extra)
+                + (in_flight - 1.0) * figures.forward
+                + accumulated;
+            forward.max(backward).max(grads + transient)
+        };
+        let activations = intermediate - grads;
+
+        let dp_staging = model.dp_staging.map_or(0.0, |(layer, rest)| {
+            let bytes = n as f64 * layer.staging + rest.staging;
+            bytes.min(DP_STAGING_CAP.max(layer.staging + rest.staging))
+        });
+        let staging = model.tp_staging.max(dp_staging);
+        let peak = params + optimizer + intermediate + held.inputs + staging;
+        if peak > worst.peak {
+            worst = MemoryFigures { params, grads, optimizer, activations, staging, peak };
+        }
+        let work = (figures.gemm_flops + device.gemm_half_rows * figures.gemm_flops_per_row) / device.gemm_flops
+            + figures.other_bytes / device.memory_bandwidth
+            + figures.instructions * device.instruction_seconds;
+        let tp_seconds =
+            if tp > 1 { figures.tp_bytes / node_groups(tp, 1) + device.latency * 4.0 * n as f64 } else { 0.0 };
+        // A middle stage receives and sends each micro-batch's activation and its gradient.
+        let sends = if pp > 1 { 2.0 * boundary / node_groups(pp, tp * dp) + 2.0 * device.latency } else { 0.0 };
+        let t = work + tp_seconds + sends;
+        if t > slot {
+            (slot, compute, tp_time) = (t, work, tp_seconds);
+        }
+        machine_seconds += ranks_per_stage * grad_accum as f64 * t;
+        dp_bytes_max = dp_bytes_max.max(held.grads);
+        tp_bytes = tp_bytes.max(figures.tp_bytes);
+        gathered_params = gathered_params.max(held.params);
+    }
+    if worst.peak > memory {
+        return Err(format!(
+            "out of memory: {} bytes per device, over {}",
+            grouped(worst.peak as usize),
+            grouped(memory as usize)
+        ));
+    }
+    let micro_batches = grad_accum as f64;
+    let slots = micro_batches + (pp - 1) as f64;
+    let bubble_fraction = (pp - 1) as f64 / slots;
+    let dp_link = node_groups(dp, tp);
+    let ring = 2.0 * (dpf - 1.0) / dpf;
+    let dp_volume = if dp > 1 {
+        let gradient_bytes = dp_bytes_max;
+        let gathers = if zero == 3 { (2.0 * micro_batches - 1.0) * gathered_params * (dpf - 1.0) / dpf } else { 0.0 };
+        // From ZeRO 2 every micro-batch reduce-scatters its gradients.
+        let reductions = if zero >= 2 { (micro_batches + 1.0) / 2.0 } else { 1.0 };
+        reductions * ring * gradient_bytes + gathers
+    } else {
+        0.0
+    };
+    let dp_seconds_total = dp_volume / dp_link + if dp > 1 { device.latency * 2.0 * layers as f64 } else { 0.0 };
+    // The reduction of the last micro-batch's gradients overlaps its backward (two thirds of
+    // it); from ZeRO 2, each micro-batch's overlaps its own.
+    let overlapped = if zero >= 2 { micro_batches } else { 1.0 };
+    let dp_seconds = (dp_seconds_total - overlapped * 2.0 / 3.0 * slot).max(0.0);
+    let (pipeline_seconds, busy) = if device.shared_cores > 0 {
+        (0.0, machine_seconds)
+    } else {
+        (slots * slot - micro_batches * slot, slots * slot)
+    };
+    let step_seconds = busy + dp_seconds;
+    Ok(Prediction {
+        step_seconds,
+        compute_seconds: if device.shared_cores > 0 { machine_seconds } else { micro_batches * compute },
+        tp_seconds: micro_batches * tp_time,
+        pipeline_seconds,
+        dp_seconds,
+        bubble_fraction,
+        memory: worst,
+        comm_bytes: micro_batches * tp_bytes + dp_volume + if pp > 1 { 2.0 * micro_batches * boundary } else { 0.0 },
+    })
+}
