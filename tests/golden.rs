@@ -201,12 +201,12 @@ fn check_pipeline(
     input: &str,
     expected: &str,
 ) -> Result<(), String> {
-    use autotp_passes::pipeline::{Backward, Pipeline, Schedule};
+    use autotp_passes::pipeline::{Pipeline, PipelineBackward, PipelineSchedule};
     let parts: Vec<&str> = spec.split(':').collect();
     let stages = parts[0].parse().expect("pipeline:P:M");
     let micro_batches = parts[1].parse().expect("pipeline:P:M");
-    let schedule = if parts[2..].contains(&"gpipe") { Schedule::GPipe } else { Schedule::OneFOneB };
-    let backward = if parts[2..].contains(&"split") { Backward::Split } else { Backward::Whole };
+    let schedule = if parts[2..].contains(&"gpipe") { PipelineSchedule::GPipe } else { PipelineSchedule::OneFOneB };
+    let backward = if parts[2..].contains(&"split") { PipelineBackward::Split } else { PipelineBackward::Whole };
     let mut graph = input_graph.clone();
     PassManager::new(passes.iter().map(|p| pass_by_name(p)).collect()).run(&mut graph).map_err(|e| e.to_string())?;
     let batch_inputs = vec!["input_ids".to_string(), "labels".to_string()];

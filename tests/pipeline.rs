@@ -7,7 +7,7 @@ use autotp_ir::{Graph, Tensor};
 use autotp_passes::accumulate::Accumulate;
 use autotp_passes::autodiff::Autodiff;
 use autotp_passes::loss::{AttachLoss, LABELS, LOSS};
-use autotp_passes::pipeline::{partition, Backward, Pipeline, Schedule};
+use autotp_passes::pipeline::{partition, Pipeline, PipelineBackward, PipelineSchedule};
 use autotp_passes::PassManager;
 
 use crate::common::{fixture, max_abs_diff};
@@ -24,7 +24,7 @@ fn differentiated_model(arch: &str, file: &str) -> Graph {
 
 /// The pipeline pass over `stages` stages and `micro_batches` micro-batches, cut by the cost
 /// model, every parameter trained.
-fn pipeline(stages: usize, micro_batches: usize, schedule: Schedule, backward: Backward) -> Pipeline {
+fn pipeline(stages: usize, micro_batches: usize, schedule: PipelineSchedule, backward: PipelineBackward) -> Pipeline {
     Pipeline {
         stages,
         cuts: vec![],
@@ -81,7 +81,8 @@ fn among_the_fastest_cuts_the_fullest_stage_is_smallest() {
         let mut names: Vec<String> = (0..4).map(|i| format!("{layer}{i}")).collect();
         names.push(last.to_string());
         for stages in [3, 4] {
-            let in_flight: Vec<usize> = (0..stages).map(|s| Schedule::OneFOneB.in_flight(s, stages, 8)).collect();
+            let in_flight: Vec<usize> =
+                (0..stages).map(|s| PipelineSchedule::OneFOneB.in_flight(s, stages, 8)).collect();
             let balanced = partition(&graph, stages, &[], &in_flight).unwrap();
             let slowest = |s: &autotp_passes::pipeline::Stages| *s.time.iter().max().unwrap();
             let fullest = |s: &autotp_passes::pipeline::Stages| *s.memory.iter().max().unwrap();
@@ -112,7 +113,7 @@ fn among_the_fastest_cuts_the_fullest_stage_is_smallest() {
 #[test]
 fn cuts_of_equal_layers_fall_between_them() {
     let graph = with_loss("uniform", 16, 64).graph;
-    let (stages, _) = pipeline(4, 8, Schedule::OneFOneB, Backward::Whole).run(&graph).unwrap();
+    let (stages, _) = pipeline(4, 8, PipelineSchedule::OneFOneB, PipelineBackward::Whole).run(&graph).unwrap();
     // The parameters each stage graph holds.
     for (s, params) in stages.params.iter().enumerate() {
         let layers: Vec<&String> = params.iter().filter(|p| p.starts_with("layers.")).collect();
@@ -153,25 +154,25 @@ fn the_planned_bubble_follows_the_stages_costs() {
     use autotp_passes::pipeline::{bubble_fraction, stage_idle_fractions, ChunkCosts};
     let chunks = |forward, input_gradient, weight_gradients| ChunkCosts { forward, input_gradient, weight_gradients };
     // Equal stages whose backward sends at its end: the textbook bubble, either schedule.
-    for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
+    for schedule in [PipelineSchedule::OneFOneB, PipelineSchedule::GPipe] {
         for (stages, micro_batches) in [(2, 4), (4, 8), (3, 1)] {
             let mut costs = vec![chunks(5, 4, 6); stages];
             costs[0] = chunks(5, 0, 10);
-            for idle in stage_idle_fractions(schedule, Backward::Whole, &costs, micro_batches) {
+            for idle in stage_idle_fractions(schedule, PipelineBackward::Whole, &costs, micro_batches) {
                 assert!((idle - bubble_fraction(stages, micro_batches)).abs() < 1e-12, "{schedule:?}: {idle}");
             }
         }
     }
     // Costs 1 and 2 over 4 micro-batches: the step is 1 + 2 + 3 x 2 = 9 units of a chunk.
-    for backward in [Backward::Whole, Backward::Split] {
-        let idle = stage_idle_fractions(Schedule::OneFOneB, backward, &[chunks(1, 0, 2), chunks(2, 4, 0)], 4);
+    for backward in [PipelineBackward::Whole, PipelineBackward::Split] {
+        let idle = stage_idle_fractions(PipelineSchedule::OneFOneB, backward, &[chunks(1, 0, 2), chunks(2, 4, 0)], 4);
         assert!((idle[0] - 5.0 / 9.0).abs() < 1e-12 && (idle[1] - 1.0 / 9.0).abs() < 1e-12, "{idle:?}");
     }
     // Sending the input's gradient before the weights' shortens the way back: 1/7, not 1/5.
     let equal = [chunks(1, 0, 2), chunks(1, 1, 1)];
-    let idle = stage_idle_fractions(Schedule::OneFOneB, Backward::Split, &equal, 4);
+    let idle = stage_idle_fractions(PipelineSchedule::OneFOneB, PipelineBackward::Split, &equal, 4);
     assert!(idle.iter().all(|idle| (idle - 1.0 / 7.0).abs() < 1e-12), "{idle:?}");
-    let idle = stage_idle_fractions(Schedule::OneFOneB, Backward::Whole, &equal, 4);
+    let idle = stage_idle_fractions(PipelineSchedule::OneFOneB, PipelineBackward::Whole, &equal, 4);
     assert!(idle.iter().all(|idle| (idle - 1.0 / 5.0).abs() < 1e-12), "{idle:?}");
 }
 
@@ -180,8 +181,8 @@ fn the_planned_bubble_follows_the_stages_costs() {
 #[test]
 fn the_input_gradient_is_sent_before_the_weight_gradients() {
     let model = with_loss("gpt2", 2, 8);
-    for backward in [Backward::Split, Backward::Whole] {
-        let (stages, graphs) = pipeline(2, 2, Schedule::OneFOneB, backward).run(&model.graph).unwrap();
+    for backward in [PipelineBackward::Split, PipelineBackward::Whole] {
+        let (stages, graphs) = pipeline(2, 2, PipelineSchedule::OneFOneB, backward).run(&model.graph).unwrap();
         let last = &graphs[1];
         let nodes: Vec<&autotp_ir::Node> = last.nodes().map(|(_, n)| n).collect();
         let gradient_send = nodes
@@ -197,8 +198,12 @@ fn the_input_gradient_is_sent_before_the_weight_gradients() {
         let made_after =
             nodes[gradient_send + 1..next_recv].iter().filter(|n| matches!(n.op, autotp_ir::Op::MatMul { .. })).count();
         match backward {
-            Backward::Split => assert!(made_after > 0, "no matmul between the gradient's send and the next recv"),
-            Backward::Whole => assert_eq!(made_after, 0, "matmuls between the gradient's send and the next recv"),
+            PipelineBackward::Split => {
+                assert!(made_after > 0, "no matmul between the gradient's send and the next recv")
+            }
+            PipelineBackward::Whole => {
+                assert_eq!(made_after, 0, "matmuls between the gradient's send and the next recv")
+            }
         }
         let costs = stages.chunk_costs[1];
         assert!(costs.input_gradient > 0 && costs.weight_gradients > 0, "{costs:?}");
@@ -275,12 +280,12 @@ fn tokens(shape: &[usize], seed: i64) -> Tensor {
 fn stage_graphs_compute_the_accumulated_step() {
     let batch_inputs = vec!["input_ids".to_string(), LABELS.to_string()];
     for (arch, file, stages, micro_batches, schedule, backward) in [
-        ("gpt2", "model.onnx", 2, 4, Schedule::OneFOneB, Backward::Split),
-        ("gpt2", "model.onnx", 2, 3, Schedule::GPipe, Backward::Split),
-        ("llama", "model.onnx", 2, 4, Schedule::OneFOneB, Backward::Split),
-        ("llama", "model_4_layers.onnx", 4, 4, Schedule::OneFOneB, Backward::Split),
-        ("llama", "model_4_layers.onnx", 3, 4, Schedule::OneFOneB, Backward::Whole),
-        ("gpt_neox", "model_4_layers.onnx", 3, 2, Schedule::OneFOneB, Backward::Split),
+        ("gpt2", "model.onnx", 2, 4, PipelineSchedule::OneFOneB, PipelineBackward::Split),
+        ("gpt2", "model.onnx", 2, 3, PipelineSchedule::GPipe, PipelineBackward::Split),
+        ("llama", "model.onnx", 2, 4, PipelineSchedule::OneFOneB, PipelineBackward::Split),
+        ("llama", "model_4_layers.onnx", 4, 4, PipelineSchedule::OneFOneB, PipelineBackward::Split),
+        ("llama", "model_4_layers.onnx", 3, 4, PipelineSchedule::OneFOneB, PipelineBackward::Whole),
+        ("gpt_neox", "model_4_layers.onnx", 3, 2, PipelineSchedule::OneFOneB, PipelineBackward::Split),
     ] {
         let model = model_with_loss(arch, file, 2, 8);
         let graph = &model.graph;
@@ -332,7 +337,7 @@ fn stage_graphs_compute_the_accumulated_step() {
 /// exchanged and the clipping norm counts it once.
 #[test]
 fn stages_hold_the_parameters_they_recompute_from() {
-    let (stages, graphs) = pipeline(2, 2, Schedule::OneFOneB, Backward::Split).run(&tiny_lm()).unwrap();
+    let (stages, graphs) = pipeline(2, 2, PipelineSchedule::OneFOneB, PipelineBackward::Split).run(&tiny_lm()).unwrap();
     assert_eq!(stages.params, [vec!["embed".to_string(), "w".to_string()], vec!["embed".to_string()]]);
     // The transpose sits before the cut in the model, yet only the head's stage computes it.
     let transposes = |g: &Graph| g.nodes().filter(|(_, n)| n.op.name() == "transpose").count();

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use autotp_passes::optimize::Optimizer;
-use autotp_passes::pipeline::{Backward as PipelineBackward, Schedule as PipelineSchedule};
+use autotp_passes::pipeline::{PipelineBackward, PipelineSchedule};
 use autotp_passes::zero::{Prefetch, ZeroConfig};
 use autotp_program::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
 use autotp_program::lr_schedule::LrSchedule;

@@ -34,7 +34,8 @@ use crate::PassError;
 pub mod schedule;
 
 pub use schedule::{
-    bubble_fraction, stage_idle_fractions, Backward, Chunk, ChunkCosts, Pipeline, Schedule, PIPE_IN, PIPE_OUT,
+    bubble_fraction, stage_idle_fractions, Chunk, ChunkCosts, Pipeline, PipelineBackward, PipelineSchedule, PIPE_IN,
+    PIPE_OUT,
 };
 
 const PASS: &str = "pipeline";

@@ -14,7 +14,7 @@
 //! 3. The step graph of stage `s` repeats the stage's forward nodes for micro-batch `i`
 //!    (`F(i)`: recv the activation, forward, send the result) and its backward nodes (`B(i)`:
 //!    recv the gradient, the whole backward, send the input's gradient; or, with
-//!    [`Backward::Split`], the input's gradient, its send, then the weights' gradients, so the
+//!    [`PipelineBackward::Split`], the input's gradient, its send, then the weights' gradients, so the
 //!    stage before waits only for the first part) in the schedule's order, adding
 //!    each micro-batch's parameter gradients into one sum as they are made. Each `F(i)`'s
 //!    values that `B(i)` reads stay alive in between, so the memory planner holds one set of
@@ -53,7 +53,7 @@ pub const PIPE_OUT: &str = "pipe.out";
 
 /// The order the stages run their micro-batches' forward and backward chunks in.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Schedule {
+pub enum PipelineSchedule {
     /// One forward, one backward (PipeDream-flush, Megatron's and DeepSpeed's default): stage `s`
     /// runs `P - 1 - s` forwards ahead, then alternates, so it holds at most `P - s`
     /// micro-batches' activations.
@@ -64,7 +64,7 @@ pub enum Schedule {
 
 /// When a backward chunk sends its input's gradient to the stage before.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Backward {
+pub enum PipelineBackward {
     /// As soon as it is made, before the weights' gradients (zero-bubble pipelines' B/W split
     /// inside one chunk): the stage before starts its backward sooner, which shortens the bubble
     /// below (P-1)/(M+P-1); the output's gradient is held until the weights' gradients are made.
@@ -75,19 +75,19 @@ pub enum Backward {
     Whole,
 }
 
-impl Backward {
-    pub fn parse(name: &str) -> Option<Backward> {
+impl PipelineBackward {
+    pub fn parse(name: &str) -> Option<PipelineBackward> {
         match name {
-            "split" => Some(Backward::Split),
-            "whole" => Some(Backward::Whole),
+            "split" => Some(PipelineBackward::Split),
+            "whole" => Some(PipelineBackward::Whole),
             _ => None,
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            Backward::Split => "split",
-            Backward::Whole => "whole",
+            PipelineBackward::Split => "split",
+            PipelineBackward::Whole => "whole",
         }
     }
 }
@@ -96,22 +96,22 @@ impl Backward {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Chunk {
     Forward(usize),
-    Backward(usize),
+    PipelineBackward(usize),
 }
 
-impl Schedule {
-    pub fn parse(name: &str) -> Option<Schedule> {
+impl PipelineSchedule {
+    pub fn parse(name: &str) -> Option<PipelineSchedule> {
         match name {
-            "1f1b" => Some(Schedule::OneFOneB),
-            "gpipe" => Some(Schedule::GPipe),
+            "1f1b" => Some(PipelineSchedule::OneFOneB),
+            "gpipe" => Some(PipelineSchedule::GPipe),
             _ => None,
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            Schedule::OneFOneB => "1f1b",
-            Schedule::GPipe => "gpipe",
+            PipelineSchedule::OneFOneB => "1f1b",
+            PipelineSchedule::GPipe => "gpipe",
         }
     }
 
@@ -119,15 +119,15 @@ impl Schedule {
     pub fn order(self, stage: usize, stages: usize, micro_batches: usize) -> Vec<Chunk> {
         let m = micro_batches;
         match self {
-            Schedule::GPipe => (0..m).map(Chunk::Forward).chain((0..m).map(Chunk::Backward)).collect(),
-            Schedule::OneFOneB => {
+            PipelineSchedule::GPipe => (0..m).map(Chunk::Forward).chain((0..m).map(Chunk::PipelineBackward)).collect(),
+            PipelineSchedule::OneFOneB => {
                 let warmup = (stages - 1 - stage).min(m);
                 let mut order: Vec<Chunk> = (0..warmup).map(Chunk::Forward).collect();
                 for i in 0..m - warmup {
                     order.push(Chunk::Forward(warmup + i));
-                    order.push(Chunk::Backward(i));
+                    order.push(Chunk::PipelineBackward(i));
                 }
-                order.extend((m - warmup..m).map(Chunk::Backward));
+                order.extend((m - warmup..m).map(Chunk::PipelineBackward));
                 order
             }
         }
@@ -136,8 +136,8 @@ impl Schedule {
     /// The most micro-batches whose activations stage `stage` holds at once.
     pub fn in_flight(self, stage: usize, stages: usize, micro_batches: usize) -> usize {
         match self {
-            Schedule::GPipe => micro_batches,
-            Schedule::OneFOneB => (stages - stage).min(micro_batches),
+            PipelineSchedule::GPipe => micro_batches,
+            PipelineSchedule::OneFOneB => (stages - stage).min(micro_batches),
         }
     }
 }
@@ -173,18 +173,18 @@ impl ChunkCosts {
 /// every input gradient back to the first stage and its backward) plus `M - 1` micro-batches
 /// at the pace of the slowest stage (1F1B: its whole chunks; GPipe: its forwards, then its
 /// backwards); stage `s` works `M` times its chunks of it. With equal stages and
-/// [`Backward::Whole`], this is [`bubble_fraction`]; [`Backward::Split`] shortens the way back
+/// [`PipelineBackward::Whole`], this is [`bubble_fraction`]; [`PipelineBackward::Split`] shortens the way back
 /// to the input gradients' part of each backward.
 pub fn stage_idle_fractions(
-    schedule: Schedule,
-    backward: Backward,
+    schedule: PipelineSchedule,
+    backward: PipelineBackward,
     costs: &[ChunkCosts],
     micro_batches: usize,
 ) -> Vec<f64> {
     let slowest = |cost: fn(&ChunkCosts) -> u64| costs.iter().map(cost).max().unwrap_or(0);
     let through: u64 = match backward {
-        Backward::Whole => costs.iter().map(ChunkCosts::total).sum(),
-        Backward::Split => {
+        PipelineBackward::Whole => costs.iter().map(ChunkCosts::total).sum(),
+        PipelineBackward::Split => {
             costs.iter().map(|c| c.forward + c.input_gradient).sum::<u64>()
                 + costs.first().map_or(0, |first| first.weight_gradients)
         }
@@ -193,8 +193,8 @@ pub fn stage_idle_fractions(
     let step = through
         + rest
             * match schedule {
-                Schedule::OneFOneB => slowest(ChunkCosts::total),
-                Schedule::GPipe => slowest(|c| c.forward) + slowest(ChunkCosts::backward),
+                PipelineSchedule::OneFOneB => slowest(ChunkCosts::total),
+                PipelineSchedule::GPipe => slowest(|c| c.forward) + slowest(ChunkCosts::backward),
             };
     let share = |c: &ChunkCosts| micro_batches as f64 * c.total() as f64 / step as f64;
     costs.iter().map(|c| if step > 0 { 1.0 - share(c) } else { 0.0 }).collect()
@@ -208,8 +208,8 @@ pub struct Pipeline {
     pub cuts: Vec<String>,
     /// Micro-batches per step (`M`).
     pub micro_batches: usize,
-    pub schedule: Schedule,
-    pub backward: Backward,
+    pub schedule: PipelineSchedule,
+    pub backward: PipelineBackward,
     /// Graph inputs with a batch dim 0 (become `[rows, M, ...]`).
     pub batch_inputs: Vec<String>,
     /// Parameters that get no gradient (`--freeze`).
@@ -422,7 +422,7 @@ impl Pipeline {
                     maps.push(map);
                     debug_assert_eq!(maps.len(), i + 1);
                 }
-                Chunk::Backward(i) => {
+                Chunk::PipelineBackward(i) => {
                     let map = &mut maps[i];
                     map[cotangent.index()] = Some(if last {
                         let weight = weights[i].expect("the forward chunk comes first");
@@ -435,10 +435,10 @@ impl Pipeline {
                         add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), message: Gradient, ty }, vec![])?
                     });
                     let (before_send, after_send): (&[Part], &[Part]) = match self.backward {
-                        Backward::Split => (&[Part::InputGradient], &[Part::WeightGradients]),
+                        PipelineBackward::Split => (&[Part::InputGradient], &[Part::WeightGradients]),
                         // In the differentiated graph's order, which frees each layer's output
                         // gradient once both of its gradients are made.
-                        Backward::Whole => (&[Part::InputGradient, Part::WeightGradients], &[]),
+                        PipelineBackward::Whole => (&[Part::InputGradient, Part::WeightGradients], &[]),
                     };
                     // Each gradient is added into its sum as soon as it is made, so that one
                     // micro-batch's gradients are not all alive beside the sums.
@@ -548,7 +548,7 @@ enum Part {
 
 /// The part each node of the differentiated stage graph `d` runs in. The forward chunk: the
 /// nodes the stage's output needs. The backward chunk: the nodes the gradient sent to the
-/// stage before needs, and the rest (which [`Backward::Split`] runs after the send).
+/// stage before needs, and the rest (which [`PipelineBackward::Split`] runs after the send).
 fn chunk_parts(d: &Graph, last: bool) -> Vec<Part> {
     let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
     let output = |name: &str| d.outputs().iter().find(|(n, _)| n == name).map(|(_, v)| *v);
