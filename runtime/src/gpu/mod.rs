@@ -342,10 +342,10 @@ impl GpuDevice {
                     Prepared::Movement(runs)
                 }
                 Instruction::OptimizerStep { optimizer, dtype, tensors, .. } => {
-                    let chunks = crate::executor::optimizer_chunks(
+                    let chunks = crate::optimizer_step::optimizer_chunks(
                         *dtype,
                         tensors,
-                        crate::executor::Bases { arena: base as usize, host_pool: 0 },
+                        crate::optimizer_step::Bases { arena: base as usize, host_pool: 0 },
                     );
                     let address = upload_new(gpu.as_mut(), table_bytes(&chunks))?;
                     let constants = gpu.alloc(CONSTANTS_BYTES)?;
