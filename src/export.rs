@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use autotp_frontend::onnx::export::{with_weights, Weight};
 use autotp_passes::optimize::MASTER_PREFIX;
 use autotp_program::tensor_file;
-use autotp_runtime::checkpoint::{Checkpoint, StoredTensor};
+use autotp_train::checkpoint::{Checkpoint, StoredTensor};
 use clap::{ArgGroup, Args};
 
 #[derive(Args)]

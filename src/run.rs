@@ -12,13 +12,13 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use autotp_program::mesh::CommBytes;
 use autotp_program::plan::{PlanFile, TrainingPlan};
-use autotp_runtime::checkpoint::Checkpoint;
 use autotp_runtime::clock::Clock;
 use autotp_runtime::comm::MpiComm;
 use autotp_runtime::cuda::DeviceKind;
-use autotp_runtime::data::{TokenData, TokenDtype};
 use autotp_runtime::gpu::{GemmMath, GpuKind};
-use autotp_runtime::trainer::{StepMetrics, Trainer};
+use autotp_train::checkpoint::Checkpoint;
+use autotp_train::data::{TokenData, TokenDtype};
+use autotp_train::trainer::{StepMetrics, Trainer};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 

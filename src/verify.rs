@@ -23,8 +23,8 @@ use anyhow::{Context, Result};
 use autotp_kernels::Kernel;
 use autotp_program::plan::PlanFile;
 use autotp_program::{Instruction, Program, Region};
-use autotp_runtime::data::{TokenData, TokenDtype};
-use autotp_runtime::trainer::Trainer;
+use autotp_train::data::{TokenData, TokenDtype};
+use autotp_train::trainer::Trainer;
 use clap::Args;
 
 use autotp_compiler::flags::Precision;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use autotp_program::tensor_file::TensorFile;
-use autotp_runtime::checkpoint::Checkpoint;
+use autotp_train::checkpoint::Checkpoint;
 
 use crate::common::{autotp, bound, failure, fixture, losses, repo, scratch, success};
 

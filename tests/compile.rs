@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use autotp_runtime::checkpoint::Checkpoint;
+use autotp_train::checkpoint::Checkpoint;
 
 use crate::common::{autotp, bound, failure, fixture, repo, scratch, success};
 

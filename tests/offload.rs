@@ -117,8 +117,8 @@ fn offloaded_optimizer_checkpoints_resume_bit_identically() {
     assert_eq!(resumed, whole[5..], "resumed from step 5");
     run(&kept, &dir.join("kept.jsonl"), 5, &["--save", kept_save.to_str().unwrap()]);
     let (a, b) = (
-        autotp_runtime::checkpoint::Checkpoint::open(&save).unwrap(),
-        autotp_runtime::checkpoint::Checkpoint::open(&kept_save).unwrap(),
+        autotp_train::checkpoint::Checkpoint::open(&save).unwrap(),
+        autotp_train::checkpoint::Checkpoint::open(&kept_save).unwrap(),
     );
     let states = a.states();
     assert!(states.iter().any(|t| t.name.starts_with("master.")), "the masters are saved");
@@ -339,8 +339,8 @@ fn nvme_offload_errors_are_clear() {
 
     // The file cut short under a running trainer: the next step's read says so.
     let file = autotp_program::plan::PlanFile::open(&plan).unwrap();
-    let mut trainer = autotp_runtime::trainer::Trainer::new(file.plan.clone(), &file.weights(), 0).unwrap();
-    let data = autotp_runtime::data::TokenData::open(&tokens, autotp_runtime::data::TokenDtype::U16, 32).unwrap();
+    let mut trainer = autotp_train::trainer::Trainer::new(file.plan.clone(), &file.weights(), 0).unwrap();
+    let data = autotp_train::data::TokenData::open(&tokens, autotp_train::data::TokenDtype::U16, 32).unwrap();
     trainer.step(&data, 3).unwrap();
     let state_file = std::fs::read_dir(&states).unwrap().next().unwrap().unwrap().path();
     std::fs::OpenOptions::new().write(true).open(&state_file).unwrap().set_len(4096).unwrap();

@@ -188,7 +188,7 @@ fn bf16_checkpoints_resume_bit_identically_and_export_the_masters() {
     let exported = dir.join("w.safetensors");
     success(autotp(&["export", save.to_str().unwrap(), "--safetensors", exported.to_str().unwrap()]));
     let file = autotp_program::tensor_file::TensorFile::open(&exported).unwrap();
-    let checkpoint = autotp_runtime::checkpoint::Checkpoint::open(&save).unwrap();
+    let checkpoint = autotp_train::checkpoint::Checkpoint::open(&save).unwrap();
     let param = checkpoint.params().into_iter().next().unwrap();
     let master = checkpoint.tensor(&format!("master.{}", param.name)).unwrap();
     assert_eq!(param.dtype, autotp_kernels::DType::BF16);
@@ -298,7 +298,7 @@ fn fp16_skips_overflowing_steps_and_moves_the_scale_by_the_scalers_rules() {
     let save = dir.join("ck");
     let at = skipped / 2;
     run(&plan, &dir.join("first.jsonl"), at, &["--save", save.to_str().unwrap()]);
-    let checkpoint = autotp_runtime::checkpoint::Checkpoint::open(&save).unwrap();
+    let checkpoint = autotp_train::checkpoint::Checkpoint::open(&save).unwrap();
     assert_eq!(checkpoint.manifest.skipped_steps, at);
     let moment = checkpoint.tensor("adamw.m.m.transformer.wte.weight").unwrap();
     assert!(moment.bytes.iter().all(|&b| b == 0), "no moment moved while every step was skipped");

@@ -248,7 +248,7 @@ fn resumes(save: &Path) {
     let dir = save.parent().unwrap();
     let plan = dir.join("dp2.atp");
     let metrics = dir.join("resumed.jsonl");
-    let checkpoint = autotp_runtime::checkpoint::Checkpoint::open(save).unwrap();
+    let checkpoint = autotp_train::checkpoint::Checkpoint::open(save).unwrap();
     let step = checkpoint.manifest.step;
     success(autotp(&run_args(&plan, step + 1, &metrics, &["--resume", save.to_str().unwrap()])));
     assert_eq!(losses(&metrics).len(), 1);
@@ -286,7 +286,7 @@ fn a_stopped_process_ends_the_job() {
     assert!(!status.success());
     assert!(took < Duration::from_secs(30), "took {took:?}");
     assert!(stderr.contains("a barrier around a checkpoint") && stderr.contains("is stopped"), "{stderr}");
-    assert_eq!(autotp_runtime::checkpoint::Checkpoint::open(&save).unwrap().manifest.step, 2);
+    assert_eq!(autotp_train::checkpoint::Checkpoint::open(&save).unwrap().manifest.step, 2);
     resumes(&save);
 }
 

@@ -49,8 +49,8 @@ fn assert_trains_identically(dir: &Path, kept: &Path, again: &Path, tag: &str, l
     let b = train(again, &dir.join("again.jsonl"), &ck_again);
     assert_eq!(a, b, "{label}: losses");
     let (a, b) = (
-        autotp_runtime::checkpoint::Checkpoint::open(&ck_kept).unwrap(),
-        autotp_runtime::checkpoint::Checkpoint::open(&ck_again).unwrap(),
+        autotp_train::checkpoint::Checkpoint::open(&ck_kept).unwrap(),
+        autotp_train::checkpoint::Checkpoint::open(&ck_again).unwrap(),
     );
     for t in a.params() {
         assert!(t.bytes == b.tensor(&t.name).unwrap().bytes, "{label}: '{}' after 6 steps", t.name);
@@ -180,7 +180,7 @@ fn full_recomputation_trains_bit_identically_with_less_memory() {
             compile(arch, &kept, &flags);
             let ck_kept = dir.join(format!("ck-kept-{arch}-{l}"));
             let a = train(&kept, &dir.join("kept.jsonl"), &ck_kept);
-            let a_weights = autotp_runtime::checkpoint::Checkpoint::open(&ck_kept).unwrap();
+            let a_weights = autotp_train::checkpoint::Checkpoint::open(&ck_kept).unwrap();
             let micro_batches = if l >= 2 { 2 } else { 1 };
             for (mode, extra) in [("full", &[][..]), ("full (first 1 layers)", &["--recompute-layers", "1"][..])] {
                 let label = format!("{label} {mode}");
@@ -198,7 +198,7 @@ fn full_recomputation_trains_bit_identically_with_less_memory() {
                 let ck_again = dir.join(format!("ck-again-{arch}-{l}-{}", extra.len()));
                 let b = train(&again, &dir.join("again.jsonl"), &ck_again);
                 assert_eq!(a, b, "{label}: losses");
-                let b_weights = autotp_runtime::checkpoint::Checkpoint::open(&ck_again).unwrap();
+                let b_weights = autotp_train::checkpoint::Checkpoint::open(&ck_again).unwrap();
                 for t in a_weights.params() {
                     assert!(t.bytes == b_weights.tensor(&t.name).unwrap().bytes, "{label}: '{}' after 6 steps", t.name);
                 }

@@ -1,4 +1,5 @@
-//! autotp-runtime: executes [`autotp_program::Program`]s on devices, between ranks, and trains.
+//! autotp-runtime: executes [`autotp_program::Program`]s on devices and between ranks (the
+//! training loop over them is `autotp-train`).
 //!
 //! - [`Executor`]: runs a program on the CPU (builtin kernels, the plan's generated kernels
 //!   JIT-compiled for this CPU at load).
@@ -8,10 +9,8 @@
 //! - [`comm`]: collectives between ranks (`LocalComm`: ranks as threads; `MpiComm`: processes);
 //!   [`launch`]: this process's rank, world size and local rank, from its launcher's variables;
 //!   [`rendezvous`]: rank 0's bytes (NCCL's unique id) shared with every rank over TCP.
-//! - [`trainer`]: one training step after another over the token data; [`checkpoint`]:
-//!   checkpoint directories (safetensors + JSON manifest, written atomically); [`data`]: the
-//!   training token stream and its windows (the data contract); [`nvme`]: optimizer state in
-//!   files, streamed through the step in tiles (`--offload-optimizer nvme`).
+//! - [`nvme`]: optimizer state in files, streamed through the step in tiles
+//!   (`--offload-optimizer nvme`).
 //! - [`npy`]: reading and writing `.npy` files for inputs and outputs; [`clock`]: how a rank
 //!   times its run (`autotp run --clock`); [`profile`]: where a run's step time went, by op
 //!   (`autotp run --profile`); [`affinity`]: pinning threads to the cores this process may use
@@ -23,12 +22,10 @@
 use std::path::PathBuf;
 
 pub mod affinity;
-pub mod checkpoint;
 pub mod clock;
 pub mod comm;
 mod cpu;
 pub mod cuda;
-pub mod data;
 mod executor;
 pub mod gpu;
 pub mod launch;
@@ -38,7 +35,6 @@ mod optimizer_step;
 pub mod profile;
 pub mod rendezvous;
 pub mod streams;
-pub mod trainer;
 
 pub use executor::{Executor, HostTensor};
 
@@ -48,9 +44,6 @@ pub enum RuntimeError {
     Program(#[from] autotp_program::ProgramError),
     #[error("invalid program: {0}")]
     InvalidProgram(String),
-    /// Training cannot go on (an fp16 loss scale at its floor).
-    #[error("{0}")]
-    Training(String),
     #[error("the program has no parameter or state '{0}'")]
     UnknownParam(String),
     #[error("{what} has {got} bytes, expected {expected}")]
@@ -69,12 +62,8 @@ pub enum RuntimeError {
     Io { action: &'static str, path: PathBuf, source: std::io::Error },
     #[error("{path}: {message}")]
     File { path: PathBuf, message: String },
-    #[error("checkpoint {path}: {message}")]
-    Checkpoint { path: PathBuf, message: String },
     #[error("the training plan {0}")]
     Plan(String),
-    #[error(transparent)]
-    Data(#[from] data::DataError),
     #[error("{0}")]
     Device(String),
     #[error("communication: {0}")]

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::RuntimeError;
+use crate::TrainError;
 use autotp_program::plan::{ModelSource, TrainingConfig};
 use autotp_program::tensor_file::{self, io_error, TensorFile, TensorRef};
 
@@ -144,8 +144,8 @@ pub fn step_dir_name(step: usize) -> String {
     format!("step-{step:08}")
 }
 
-fn checkpoint_error(path: &Path, message: impl Into<String>) -> RuntimeError {
-    RuntimeError::Checkpoint { path: path.to_path_buf(), message: message.into() }
+fn checkpoint_error(path: &Path, message: impl Into<String>) -> TrainError {
+    TrainError::Checkpoint { path: path.to_path_buf(), message: message.into() }
 }
 
 /// Saves `model` (parameters) and `optimizer` (states) under `dir`, atomically, and points
@@ -157,7 +157,7 @@ pub fn save(
     model: &[TensorRef],
     optimizer: &[TensorRef],
     keep_last: Option<usize>,
-) -> Result<PathBuf, RuntimeError> {
+) -> Result<PathBuf, TrainError> {
     fn whole<'a>(tensors: &[TensorRef<'a>]) -> Vec<SavedBlock<'a>> {
         tensors.iter().map(|t| SavedBlock { tensor: t.clone(), offsets: None }).collect()
     }
@@ -178,7 +178,7 @@ pub fn save_files(
     params: Vec<String>,
     files: Vec<(String, Vec<SavedBlock<'_>>)>,
     keep_last: Option<usize>,
-) -> Result<PathBuf, RuntimeError> {
+) -> Result<PathBuf, TrainError> {
     let layout: Vec<FileLayout> = files
         .iter()
         .map(|(file, blocks)| {
@@ -198,7 +198,7 @@ pub fn save_files(
 /// Prepares a save of `step` under `dir` (created if missing, a killed save's leftovers
 /// removed) and returns the staging directory its files go to; `job` tells apart the staging
 /// directories of two runs saving to one place (a process id; rank 0's, in a job of several).
-pub fn stage(dir: &Path, step: usize, job: u64) -> Result<PathBuf, RuntimeError> {
+pub fn stage(dir: &Path, step: usize, job: u64) -> Result<PathBuf, TrainError> {
     std::fs::create_dir_all(dir).map_err(io_error(dir, "create"))?;
     remove_leftovers(dir)?;
     let staging = staging_dir(dir, step, job);
@@ -212,7 +212,7 @@ pub fn staging_dir(dir: &Path, step: usize, job: u64) -> PathBuf {
 }
 
 /// Writes one file of a save into its staging directory.
-pub fn write_file(staging: &Path, file: &str, blocks: &[SavedBlock<'_>]) -> Result<(), RuntimeError> {
+pub fn write_file(staging: &Path, file: &str, blocks: &[SavedBlock<'_>]) -> Result<(), TrainError> {
     let tensors: Vec<TensorRef> = blocks.iter().map(|b| b.tensor.clone()).collect();
     Ok(tensor_file::write(&staging.join(file), &tensors, BTreeMap::new())?)
 }
@@ -262,7 +262,7 @@ pub fn commit(
     staging: &Path,
     manifest: &Manifest,
     keep_last: Option<usize>,
-) -> Result<PathBuf, RuntimeError> {
+) -> Result<PathBuf, TrainError> {
     let name = step_dir_name(manifest.step);
     let json = serde_json::to_vec_pretty(manifest).expect("a manifest always serializes");
     tensor_file::write_atomic(&staging.join(MANIFEST), &json)?;
@@ -291,7 +291,7 @@ pub fn commit(
 }
 
 /// Removes staging directories and temporary files a killed save left behind.
-fn remove_leftovers(dir: &Path) -> Result<(), RuntimeError> {
+fn remove_leftovers(dir: &Path) -> Result<(), TrainError> {
     for entry in std::fs::read_dir(dir).map_err(io_error(dir, "read"))? {
         let entry = entry.map_err(io_error(dir, "read"))?;
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -305,7 +305,7 @@ fn remove_leftovers(dir: &Path) -> Result<(), RuntimeError> {
 }
 
 /// The step directories under `dir` that have a manifest, oldest first.
-fn complete_steps(dir: &Path) -> Result<Vec<(usize, PathBuf)>, RuntimeError> {
+fn complete_steps(dir: &Path) -> Result<Vec<(usize, PathBuf)>, TrainError> {
     let mut steps = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io_error(dir, "read"))? {
         let entry = entry.map_err(io_error(dir, "read"))?;
@@ -321,7 +321,7 @@ fn complete_steps(dir: &Path) -> Result<Vec<(usize, PathBuf)>, RuntimeError> {
 
 /// The step directory `path` names: itself if it holds a manifest, else what its `latest`
 /// points to (or its newest complete step directory).
-pub fn resolve(path: &Path) -> Result<PathBuf, RuntimeError> {
+pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
     if path.join(MANIFEST).is_file() {
         return Ok(path.to_path_buf());
     }
@@ -355,7 +355,7 @@ pub struct Checkpoint {
 impl Checkpoint {
     /// Opens the checkpoint at `path` (a save directory or one step directory) and checks that
     /// every tensor its manifest lists is there.
-    pub fn open(path: &Path) -> Result<Checkpoint, RuntimeError> {
+    pub fn open(path: &Path) -> Result<Checkpoint, TrainError> {
         let dir = resolve(path)?;
         let manifest_path = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&manifest_path).map_err(io_error(&manifest_path, "read"))?;

@@ -13,28 +13,28 @@
 //! number and the data, so resuming from a checkpoint of step k and running to step n gives
 //! bit-identical losses to an uninterrupted run (tests/checkpoint.rs checks it).
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use autotp_kernels::shape::{extract_block, insert_block, shard_block};
-use autotp_kernels::{DType, Kernel};
-
-use crate::checkpoint::{self, Checkpoint, DataPosition, Manifest, RngState};
-use crate::clock::{Clock, RunTime};
-use autotp_program::mesh::CommBytes;
-
-use crate::comm::{Communicator, LocalComm, MpiComm, Topology};
-use crate::data::TokenData;
-use crate::gpu::GpuKind;
-use crate::{Executor, HostTensor, RuntimeError};
+use autotp_kernels::DType;
 use autotp_program::loss_scale::LossScaler;
+use autotp_program::mesh::CommBytes;
 use autotp_program::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
 use autotp_program::step::{StepInput, StepOutput};
-use autotp_program::tensor_file::TensorRef;
-use autotp_program::{Placement, Slot};
+use autotp_program::Slot;
+use autotp_runtime::clock::{Clock, RunTime};
+use autotp_runtime::comm::{Communicator, LocalComm, MpiComm, Topology};
+use autotp_runtime::gpu::GpuKind;
+use autotp_runtime::{Executor, HostTensor, RuntimeError};
+
+use crate::data::TokenData;
+use crate::TrainError;
+
+mod state;
+
+use state::in_slot_type;
+pub use state::SlotBytes;
 
 /// What one step reported.
 #[derive(Clone, Debug, PartialEq)]
@@ -93,7 +93,7 @@ pub struct Trainer {
 impl Trainer {
     /// Loads `plan` with its initial `weights` (by parameter name), every rank a thread of this
     /// process; optimizer states start at zero and the step count at 0.
-    pub fn new(plan: TrainingPlan, weights: &BTreeMap<String, &[u8]>, seed: u64) -> Result<Trainer, RuntimeError> {
+    pub fn new(plan: TrainingPlan, weights: &BTreeMap<String, &[u8]>, seed: u64) -> Result<Trainer, TrainError> {
         Trainer::build(plan, weights, seed, None, None)
     }
 
@@ -104,7 +104,7 @@ impl Trainer {
         weights: &BTreeMap<String, &[u8]>,
         seed: u64,
         gpu: GpuKind,
-    ) -> Result<Trainer, RuntimeError> {
+    ) -> Result<Trainer, TrainError> {
         Trainer::build(plan, weights, seed, None, Some(gpu))
     }
 
@@ -115,7 +115,7 @@ impl Trainer {
         weights: &BTreeMap<String, &[u8]>,
         seed: u64,
         job: Arc<MpiComm>,
-    ) -> Result<Trainer, RuntimeError> {
+    ) -> Result<Trainer, TrainError> {
         Trainer::build(plan, weights, seed, Some(job), None)
     }
 
@@ -126,7 +126,7 @@ impl Trainer {
         seed: u64,
         job: Arc<MpiComm>,
         gpu: GpuKind,
-    ) -> Result<Trainer, RuntimeError> {
+    ) -> Result<Trainer, TrainError> {
         Trainer::build(plan, weights, seed, Some(job), Some(gpu))
     }
 
@@ -136,13 +136,13 @@ impl Trainer {
         seed: u64,
         job: Option<Arc<MpiComm>>,
         gpu: Option<GpuKind>,
-    ) -> Result<Trainer, RuntimeError> {
+    ) -> Result<Trainer, TrainError> {
         let feeds = plan.feeds()?;
         let loss_index = plan.loss_index()?;
         let t = &plan.training;
         for ids in plan.stages.iter().flat_map(|p| &p.inputs).filter(|s| s.name == StepInput::InputIds.name()) {
             if ids.global_shape != t.global_token_shape() {
-                return Err(RuntimeError::Plan(format!(
+                return Err(TrainError::Plan(format!(
                     "feeds input_ids as {:?} on all ranks, but its global batch is {} x {} in {} micro-batches",
                     ids.global_shape, t.global_batch, t.seq_len, t.grad_accum
                 )));
@@ -215,7 +215,7 @@ impl Trainer {
         };
         trainer.scaler = trainer.training.loss_scaler.clone();
         let initial = |name: &str| {
-            weights.get(name).ok_or_else(|| RuntimeError::Plan(format!("parameter '{name}' has no initial weights")))
+            weights.get(name).ok_or_else(|| TrainError::Plan(format!("parameter '{name}' has no initial weights")))
         };
         for slot in trainer.param_slots() {
             trainer.load_global(&slot, &in_slot_type(&slot, initial(&slot.name)?)?)?;
@@ -296,73 +296,6 @@ impl Trainer {
         self.topology.coordinates(rank)
     }
 
-    /// The parameter or state `name` as `rank`'s stage holds it (each stage holding one places
-    /// it its own way: a tied embedding's two uses).
-    fn held_by(&self, rank: usize, name: &str) -> Option<&Slot> {
-        let program = self.rank_program(rank);
-        program.params.iter().chain(&program.states).find(|s| s.name == name)
-    }
-
-    /// Rank `rank`'s block of a global tensor for `slot`.
-    fn block<'a>(&self, slot: &Slot, rank: usize, global: &'a [u8]) -> Cow<'a, [u8]> {
-        let cuts = slot.cuts(&self.program().mesh, &self.coordinates(rank));
-        if cuts.is_empty() {
-            return Cow::Borrowed(global);
-        }
-        let (offsets, extent) = shard_block(&slot.global_shape, &cuts);
-        let mut block = vec![0u8; slot.region.len];
-        extract_block(&slot.global_shape, &offsets, &extent, slot.dtype.size(), global, &mut block);
-        Cow::Owned(block)
-    }
-
-    /// The shape a parameter or state has in weight files (see `TrainingConfig::weight_shapes`).
-    fn stored_shape(&self, slot: &Slot) -> Vec<usize> {
-        self.training.weight_shapes.get(&slot.name).cloned().unwrap_or_else(|| slot.global_shape.clone())
-    }
-
-    /// Loads a parameter or state from its global bytes: each rank takes its block.
-    fn load_global(&mut self, slot: &Slot, global: &[u8]) -> Result<(), RuntimeError> {
-        let expected = slot.global_shape.iter().product::<usize>() * slot.dtype.size();
-        if global.len() != expected || slot.placements.contains(&Placement::PartialSum) {
-            return Err(RuntimeError::WrongSize { what: format!("'{}'", slot.name), expected, got: global.len() });
-        }
-        for rank in self.local_ranks() {
-            // Each stage holding it places it its own way (a tied embedding's two uses).
-            let Some(own) = self.held_by(rank, &slot.name) else { continue };
-            if own.global_shape != slot.global_shape || own.placements.contains(&Placement::PartialSum) {
-                return Err(RuntimeError::Plan(format!("stages hold '{}' in different shapes", slot.name)));
-            }
-            let block = self.block(own, rank, global).into_owned();
-            self.ranks[rank - self.first_rank].load_slot(&slot.name, &block)?;
-        }
-        Ok(())
-    }
-
-    /// The global bytes of a parameter or state, reassembled from the blocks of the first stage
-    /// holding it. Only a trainer that runs every rank has them all.
-    fn read_global(&self, slot: &Slot) -> Result<Cow<'_, [u8]>, RuntimeError> {
-        assert!(self.processes.is_none(), "a process of a job holds only its own rank's blocks");
-        // Which ranks hold it is the programs' to say: reading a slot may copy it off a GPU.
-        let holds = |r: usize| {
-            let program = self.ranks[r].program();
-            program.params.iter().chain(&program.states).any(|s| s.name == slot.name)
-        };
-        let first = (0..self.ranks.len()).find(|&r| holds(r));
-        let first = first.expect("a slot of a stage") / self.stage_size() * self.stage_size();
-        let local = |rank: usize| self.ranks[rank].read_slot(&slot.name).expect("a slot of the stage");
-        if slot.is_replicated() {
-            return local(first);
-        }
-        let size = slot.dtype.size();
-        let mut global = vec![0u8; slot.global_shape.iter().product::<usize>() * size];
-        for rank in first..first + self.stage_size() {
-            let cuts = slot.cuts(&self.program().mesh, &self.coordinates(rank));
-            let (offsets, extent) = shard_block(&slot.global_shape, &cuts);
-            insert_block(&slot.global_shape, &offsets, &extent, size, &local(rank)?, &mut global);
-        }
-        Ok(Cow::Owned(global))
-    }
-
     pub fn training(&self) -> &TrainingConfig {
         &self.training
     }
@@ -379,10 +312,10 @@ impl Trainer {
 
     /// Times the ranks' steps by `clock` from now on (see [`crate::clock`]). The CPU clock
     /// times pipeline stages of one rank each, and gives each rank one kernel thread.
-    pub fn set_clock(&mut self, clock: Clock) -> Result<(), RuntimeError> {
+    pub fn set_clock(&mut self, clock: Clock) -> Result<(), TrainError> {
         if clock == Clock::Cpu {
             if self.stages() < 2 || self.stage_size() > 1 {
-                return Err(RuntimeError::Plan(format!(
+                return Err(TrainError::Plan(format!(
                     "has {} stage(s) of {} rank(s), and the cpu clock times pipeline stages of one rank each \
                      (it does not see the waits of collectives)",
                     self.stages(),
@@ -402,13 +335,13 @@ impl Trainer {
     /// share of the cores this process may use; ranks wrap around when there are more ranks
     /// than cores), as DeepSpeed's `--bind_cores_to_rank` does; a process of a job, the share
     /// its place on the node gives it. A single rank pins the global kernel threads one per core.
-    pub fn bind_cores(&self) -> Result<(), RuntimeError> {
-        let cores = crate::affinity::allowed_cores()
-            .map_err(|e| RuntimeError::Plan(format!("cannot read which cores this process may use: {e}")))?;
+    pub fn bind_cores(&self) -> Result<(), TrainError> {
+        let cores = autotp_runtime::affinity::allowed_cores()
+            .map_err(|e| TrainError::Plan(format!("cannot read which cores this process may use: {e}")))?;
         let pin = |slot: usize| {
             let core = cores[slot % cores.len()];
-            crate::affinity::pin_current_thread(core)
-                .map_err(|e| RuntimeError::Plan(format!("cannot pin a kernel thread to core {core}: {e}")))
+            autotp_runtime::affinity::pin_current_thread(core)
+                .map_err(|e| TrainError::Plan(format!("cannot pin a kernel thread to core {core}: {e}")))
         };
         if self.pools.is_empty() {
             return rayon::broadcast(|ctx| pin(ctx.index())).into_iter().collect();
@@ -442,7 +375,7 @@ impl Trainer {
     /// What each rank of the job actually allocated (its arena plus the most communication
     /// staging it held) and the bytes it sent since the trainer was made, by collective. In a
     /// job of processes, every process takes part (they exchange their figures).
-    pub fn measured(&self) -> Result<Vec<(usize, CommBytes)>, RuntimeError> {
+    pub fn measured(&self) -> Result<Vec<(usize, CommBytes)>, TrainError> {
         let local: Vec<(usize, CommBytes)> = self
             .local_ranks()
             .map(|rank| {
@@ -516,124 +449,12 @@ impl Trainer {
         self.training.global_batch * self.training.seq_len
     }
 
-    /// Restores parameters, optimizer state, step and RNG state from `checkpoint`, which must
-    /// come from this same compiled plan.
-    pub fn resume(&mut self, checkpoint: &Checkpoint) -> Result<(), RuntimeError> {
-        let m = &checkpoint.manifest;
-        if m.plan_fingerprint != self.fingerprint && !self.same_training(checkpoint) {
-            return Err(RuntimeError::Checkpoint {
-                path: checkpoint.dir.clone(),
-                message: format!(
-                    "was written by another compiled plan (model '{}' from {}, fingerprint {}) than this one \
-                     (model '{}' from {}, fingerprint {}){}; resume it with the plan it was trained with, or \
-                     with another parallel layout of the same training",
-                    m.model.name,
-                    m.model.path.display(),
-                    short(&m.plan_fingerprint),
-                    self.model.name,
-                    self.model.path.display(),
-                    short(&self.fingerprint),
-                    self.difference(checkpoint)
-                ),
-            });
-        }
-        let error = |message: String| RuntimeError::Checkpoint { path: checkpoint.dir.clone(), message };
-        for slot in self.model_slots() {
-            let (dtype, stored) =
-                checkpoint.stored_type(&slot.name).ok_or_else(|| error(format!("has no tensor '{}'", slot.name)))?;
-            let shape = self.stored_shape(&slot);
-            if dtype != slot.dtype || stored != shape {
-                return Err(error(format!(
-                    "tensor '{}' is {dtype}{stored:?}, the plan needs {}{shape:?}",
-                    slot.name, slot.dtype
-                )));
-            }
-            // Each rank reads its own block (each stage holding it in its own placement).
-            for rank in self.local_ranks() {
-                let Some(own) = self.held_by(rank, &slot.name) else { continue };
-                if own.placements.contains(&Placement::PartialSum) {
-                    return Err(RuntimeError::Plan(format!(
-                        "holds '{}' as partial sums, which cannot be loaded",
-                        own.name
-                    )));
-                }
-                let (offsets, extent) =
-                    shard_block(&own.global_shape, &own.cuts(&self.program().mesh, &self.coordinates(rank)));
-                let mut block = vec![0u8; own.region.len];
-                checkpoint
-                    .read_block(&own.name, &own.global_shape, &offsets, &extent, &mut block)
-                    .ok_or_else(|| error(format!("does not hold all of rank {rank}'s block of '{}'", slot.name)))?;
-                self.ranks[rank - self.first_rank].load_slot(&slot.name, &block)?;
-            }
-        }
-        self.completed = m.step;
-        self.skipped = m.skipped_steps;
-        if self.scaler.is_some() {
-            self.scaler = Some(m.loss_scaler.clone().ok_or_else(|| error("holds no loss scaler state".into()))?);
-        }
-        self.seed = m.rng.seed;
-        Ok(())
-    }
-
-    /// Whether `checkpoint` was written by another layout of this training: the same model
-    /// (every parameter and state there, of its type and global shape), sequence length, global
-    /// batch, optimizer, clipping, schedule and frozen parameters. Its tensors are stored whole
-    /// (each rank's block at its place), so this plan's ranks read their own blocks of them, as
-    /// DeepSpeed's universal checkpoints let a run change its parallel layout.
-    fn same_training(&self, checkpoint: &Checkpoint) -> bool {
-        checkpoint.manifest.model.name == self.model.name && self.difference(checkpoint).is_empty()
-    }
-
-    /// Why `checkpoint` does not fit, for the refusal message: the first tensor that differs,
-    /// or the training settings that do.
-    fn difference(&self, checkpoint: &Checkpoint) -> String {
-        for slot in &self.model_slots() {
-            match checkpoint.stored_type(&slot.name) {
-                None => return format!(": the checkpoint has no tensor '{}'", slot.name),
-                Some((dtype, shape)) if dtype != slot.dtype || shape != self.stored_shape(slot) => {
-                    return format!(
-                        ": its '{}' is {dtype}{shape:?}, here it is {}{:?}",
-                        slot.name,
-                        slot.dtype,
-                        self.stored_shape(slot)
-                    )
-                }
-                Some(_) => {}
-            }
-        }
-        let (theirs, ours) = (&checkpoint.manifest.training, &self.training);
-        let mut differ = Vec::new();
-        if theirs.seq_len != ours.seq_len {
-            differ.push(format!("seq-len {} vs {}", theirs.seq_len, ours.seq_len));
-        }
-        if theirs.global_batch != ours.global_batch {
-            differ.push(format!("global batch {} vs {}", theirs.global_batch, ours.global_batch));
-        }
-        if theirs.schedule != ours.schedule {
-            differ.push(format!("lr schedule {} vs {}", theirs.schedule, ours.schedule));
-        }
-        if theirs.optimizer != ours.optimizer {
-            differ.push(format!("optimizer {} vs {}", theirs.optimizer, ours.optimizer));
-        }
-        if theirs.grad_clip != ours.grad_clip {
-            differ.push(format!("grad-clip {:?} vs {:?}", theirs.grad_clip, ours.grad_clip));
-        }
-        if theirs.frozen != ours.frozen {
-            differ.push("frozen parameters".to_string());
-        }
-        if differ.is_empty() {
-            String::new()
-        } else {
-            format!(": {}", differ.join(", "))
-        }
-    }
-
     /// Runs the next optimizer step. `train_steps` is the run's length, for schedules that decay
     /// over the run.
-    pub fn step(&mut self, data: &TokenData, train_steps: usize) -> Result<StepMetrics, RuntimeError> {
+    pub fn step(&mut self, data: &TokenData, train_steps: usize) -> Result<StepMetrics, TrainError> {
         let t = &self.training;
         if data.seq_len() != t.seq_len {
-            return Err(RuntimeError::Plan(format!(
+            return Err(TrainError::Plan(format!(
                 "was compiled for sequences of {} tokens; the data was cut into windows of {}",
                 t.seq_len,
                 data.seq_len()
@@ -716,7 +537,7 @@ impl Trainer {
         let skipped = scalars.iter().any(|(name, v)| name == OVERFLOW_OUTPUT && *v != 0.0);
         self.skipped += skipped as usize;
         if let Some(scaler) = &mut self.scaler {
-            scaler.update(skipped).map_err(|e| RuntimeError::Training(format!("step {}: {e}", step + 1)))?;
+            scaler.update(skipped).map_err(|e| TrainError::Training(format!("step {}: {e}", step + 1)))?;
         }
         Ok(StepMetrics { step: step + 1, lr, loss: values[0], scalars, seconds, idle, loss_scale, skipped })
     }
@@ -780,195 +601,11 @@ impl Trainer {
         }
     }
 
-    /// The current parameters (global tensors), by name.
-    pub fn params(&self) -> Result<Vec<SlotBytes<'_>>, RuntimeError> {
-        self.param_slots().into_iter().map(|s| Ok((s.clone(), self.read_global(&s)?))).collect()
-    }
-
     /// Each rank here whose optimizer state is in a file (`--offload-optimizer nvme`), and
     /// where its file stands.
-    pub fn nvme_status(&self) -> Vec<(usize, crate::nvme::NvmeStatus<'_>)> {
+    pub fn nvme_status(&self) -> Vec<(usize, autotp_runtime::nvme::NvmeStatus<'_>)> {
         (self.ranks.iter().enumerate()).filter_map(|(i, e)| Some((self.first_rank + i, e.nvme_status()?))).collect()
     }
-
-    /// The current optimizer states (global tensors), by name.
-    pub fn states(&self) -> Result<Vec<SlotBytes<'_>>, RuntimeError> {
-        self.first_held(|p| &p.states).into_iter().map(|s| Ok((s.clone(), self.read_global(&s)?))).collect()
-    }
-
-    /// The current parameters as the model has them: global tensors in their weight files'
-    /// shapes, parts joined into their weights.
-    pub fn model_params(&self) -> Result<Vec<checkpoint::StoredTensor<'_>>, RuntimeError> {
-        Ok(self.model_tensors(self.params()?))
-    }
-
-    /// The current optimizer states as [`Trainer::model_params`] gives the parameters.
-    pub fn model_states(&self) -> Result<Vec<checkpoint::StoredTensor<'_>>, RuntimeError> {
-        Ok(self.model_tensors(self.states()?))
-    }
-
-    fn model_tensors<'a>(&self, tensors: Vec<(Slot, Cow<'a, [u8]>)>) -> Vec<checkpoint::StoredTensor<'a>> {
-        let stored = tensors
-            .into_iter()
-            .map(|(slot, bytes)| checkpoint::StoredTensor {
-                shape: self.stored_shape(&slot),
-                name: slot.name,
-                dtype: slot.dtype,
-                bytes,
-            })
-            .collect();
-        checkpoint::join_parts(&self.training, stored)
-    }
-
-    /// Saves a checkpoint of the current state under `dir` (see [`checkpoint`]).
-    pub fn save(
-        &self,
-        dir: &Path,
-        data: &TokenData,
-        train_steps: usize,
-        keep_last: Option<usize>,
-    ) -> Result<PathBuf, RuntimeError> {
-        let manifest = Manifest {
-            format: checkpoint::FORMAT.to_string(),
-            step: self.completed,
-            plan_fingerprint: self.fingerprint.clone(),
-            model: self.model.clone(),
-            training: self.training.clone(),
-            train_steps,
-            data: DataPosition {
-                path: data.path().to_path_buf(),
-                dtype: data.dtype().name().to_string(),
-                tokens: data.tokens(),
-                windows: data.windows(),
-                next_window: (self.completed * self.training.global_batch) % data.windows(),
-            },
-            rng: RngState { seed: self.seed },
-            files: BTreeMap::new(),
-            params: Vec::new(),
-            shapes: BTreeMap::new(),
-            blocks: BTreeMap::new(),
-            loss_scaler: self.scaler.clone(),
-            skipped_steps: self.skipped,
-        };
-        if self.world_size() > 1 {
-            return self.save_shards(dir, &manifest, keep_last);
-        }
-        let (params, states) = (self.params()?, self.states()?);
-        let (mut params, states) = (refs(&params), refs(&states));
-        for t in &mut params {
-            if let Some(shape) = self.training.weight_shapes.get(&t.name) {
-                t.shape = shape.clone();
-            }
-        }
-        checkpoint::save(dir, &manifest, &params, &states, keep_last)
-    }
-}
-
-impl Trainer {
-    /// The slots `rank` writes to its checkpoint file, with their offsets in the global tensor:
-    /// the blocks of its stage's parameters and states that it owns. A block replicated over a
-    /// mesh axis is owned by that axis's rank 0, a slot two stages hold (tied embeddings) by
-    /// the first.
-    fn owned_blocks(&self, rank: usize) -> Vec<(&Slot, Vec<usize>)> {
-        let stage = self.topology.stage(rank);
-        let first_stage =
-            |name: &str| self.programs.iter().position(|p| p.params.iter().chain(&p.states).any(|s| s.name == name));
-        let coords = self.coordinates(rank);
-        let program = &self.programs[stage];
-        program
-            .params
-            .iter()
-            .chain(&program.states)
-            .filter(|slot| {
-                first_stage(&slot.name) == Some(stage)
-                    && slot.placements.iter().zip(&coords).all(|(p, &c)| *p != Placement::Replicate || c == 0)
-            })
-            .map(|slot| (slot, shard_block(&slot.global_shape, &slot.cuts(&program.mesh, &coords)).0))
-            .collect()
-    }
-
-    /// `rank`'s checkpoint file name and the bytes of the blocks it owns (downloaded from a
-    /// GPU), with their offsets in the global tensors.
-    fn rank_blocks(&self, rank: usize) -> Result<(String, Vec<RankBlock<'_>>), RuntimeError> {
-        let exec = self.executor(rank).expect("a rank of this process");
-        let blocks = (self.owned_blocks(rank).into_iter())
-            .map(|(slot, offsets)| Ok((slot, offsets, exec.read_slot(&slot.name).expect("a slot of the program")?)))
-            .collect::<Result<Vec<_>, RuntimeError>>()?;
-        Ok((rank_file_name(rank), blocks))
-    }
-
-    /// Saves each rank's blocks of parameters and states to its own file. In a job of
-    /// processes each writes its own, and rank 0 makes them a checkpoint once all are written.
-    fn save_shards(&self, dir: &Path, manifest: &Manifest, keep_last: Option<usize>) -> Result<PathBuf, RuntimeError> {
-        // The model's parameters: a weight trained in parts once.
-        let mut params: Vec<String> = Vec::new();
-        for slot in self.param_slots() {
-            let name = self.training.part_of(&slot.name).map_or(slot.name, |(weight, _)| weight);
-            if !params.contains(&name) {
-                params.push(name);
-            }
-        }
-        let Some(job) = &self.processes else {
-            let blocks = self.local_ranks().map(|rank| self.rank_blocks(rank)).collect::<Result<Vec<_>, _>>()?;
-            let files = blocks.iter().map(|(file, blocks)| (file.clone(), saved_blocks(blocks))).collect();
-            return checkpoint::save_files(dir, manifest, params, files, keep_last);
-        };
-        let layout: Vec<checkpoint::FileLayout> = (0..self.world_size())
-            .map(|rank| {
-                let blocks = self.owned_blocks(rank);
-                let tensors = blocks
-                    .into_iter()
-                    .map(|(slot, offsets)| (slot.name.clone(), Some((offsets, slot.global_shape.clone()))))
-                    .collect();
-                (rank_file_name(rank), tensors)
-            })
-            .collect();
-        // Rank 0 prepares the staging directory, named after its process id.
-        let mut id = (std::process::id() as u64).to_le_bytes();
-        job.broadcast(0, &mut id)?;
-        let job_id = u64::from_le_bytes(id);
-        let staging = if job.rank() == 0 {
-            checkpoint::stage(dir, manifest.step, job_id)?
-        } else {
-            checkpoint::staging_dir(dir, manifest.step, job_id)
-        };
-        job.barrier()?;
-        let (file, blocks) = self.rank_blocks(job.rank())?;
-        checkpoint::write_file(&staging, &file, &saved_blocks(&blocks))?;
-        checkpoint::stop_if_asked(job.rank(), manifest.step);
-        if job.rank() == 0 {
-            checkpoint::crash_if_asked(manifest.step, &staging);
-        }
-        job.barrier()?;
-        let target = if job.rank() == 0 {
-            checkpoint::commit(dir, &staging, &checkpoint::with_layout(manifest, params, &layout), keep_last)?
-        } else {
-            dir.join(checkpoint::step_dir_name(manifest.step))
-        };
-        job.barrier()?;
-        Ok(target)
-    }
-}
-
-/// The checkpoint file of a rank's blocks.
-/// A parameter's or state's slot and its current bytes (global, or one rank's block).
-pub type SlotBytes<'a> = (Slot, Cow<'a, [u8]>);
-
-/// A block a rank saves: its slot, its offsets in the global tensor, its bytes.
-type RankBlock<'a> = (&'a Slot, Vec<usize>, Cow<'a, [u8]>);
-
-/// Blocks of [`Trainer::rank_blocks`] as a checkpoint file's contents.
-fn saved_blocks<'a>(blocks: &'a [RankBlock<'_>]) -> Vec<checkpoint::SavedBlock<'a>> {
-    (blocks.iter())
-        .map(|(slot, offsets, bytes)| checkpoint::SavedBlock {
-            tensor: TensorRef { name: slot.name.clone(), dtype: slot.dtype, shape: slot.shape.clone(), bytes },
-            offsets: Some((offsets.clone(), slot.global_shape.clone())),
-        })
-        .collect()
-}
-
-fn rank_file_name(rank: usize) -> String {
-    format!("rank-{rank:05}.safetensors")
 }
 
 /// Kernel threads per rank when `ranks` ranks share the available cores (at least one each).
@@ -978,46 +615,19 @@ fn shared_cores(ranks: usize) -> usize {
 }
 
 /// A kernel thread pool of `threads` threads per rank.
-fn rank_pools(ranks: usize, threads: usize) -> Result<Vec<rayon::ThreadPool>, RuntimeError> {
+fn rank_pools(ranks: usize, threads: usize) -> Result<Vec<rayon::ThreadPool>, TrainError> {
     (0..ranks)
         .map(|rank| {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .thread_name(move |i| format!("autotp-rank{rank}-{i}"))
                 .build()
-                .map_err(|e| RuntimeError::Plan(format!("cannot start rank {rank}'s kernel threads: {e}")))
+                .map_err(|e| TrainError::Plan(format!("cannot start rank {rank}'s kernel threads: {e}")))
         })
         .collect()
-}
-
-/// Borrows global tensors as the checkpoint writer takes them.
-fn refs<'a>(tensors: &'a [(Slot, Cow<'_, [u8]>)]) -> Vec<TensorRef<'a>> {
-    tensors
-        .iter()
-        .map(|(s, bytes)| TensorRef { name: s.name.clone(), dtype: s.dtype, shape: s.global_shape.clone(), bytes })
-        .collect()
-}
-
-/// The first 12 hex digits of a fingerprint, enough to tell two apart in a message.
-fn short(fingerprint: &str) -> &str {
-    &fingerprint[..fingerprint.len().min(12)]
 }
 
 /// Little-endian f64s.
 fn f64s(bytes: &[u8]) -> Vec<f64> {
     bytes.chunks(8).map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
-}
-
-/// Initial weights (f32, as models are exported) in a slot's type: rounded to nearest for a
-/// 16-bit parameter of a mixed-precision plan; as they are where they already fit.
-fn in_slot_type<'a>(slot: &Slot, weights: &'a [u8]) -> Result<Cow<'a, [u8]>, RuntimeError> {
-    let elements = slot.global_shape.iter().product::<usize>();
-    if slot.dtype == DType::F32 || weights.len() != elements * DType::F32.size() {
-        return Ok(Cow::Borrowed(weights));
-    }
-    let mut converted = vec![0u8; elements * slot.dtype.size()];
-    Kernel::Cast { from: DType::F32, to: slot.dtype }
-        .run(&[weights], &mut [&mut converted])
-        .map_err(|source| RuntimeError::Kernel { label: format!("initial weights of '{}'", slot.name), source })?;
-    Ok(Cow::Owned(converted))
 }

@@ -1,0 +1,41 @@
+//! autotp-train: training a plan, step after step, on the runtime's devices and ranks.
+//!
+//! - [`trainer`]: [`trainer::Trainer`] loads a plan on this process's ranks (CPU threads or
+//!   GPUs; with MPI, one rank per process), feeds each step its batch, learning rate, step
+//!   number and loss scale, runs the ranks, moves the loss scaler, and saves and resumes
+//!   checkpoints (each rank's blocks; resuming under another layout of the same training).
+//! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically,
+//!   as DeepSpeed lays them out).
+//! - [`data`]: the training token stream and its windows (the data contract).
+//!
+//! Invariant: a resumed run is bit-identical to an uninterrupted one (a step depends only on
+//! the state before it, the step number and the data).
+
+pub mod checkpoint;
+pub mod data;
+pub mod trainer;
+
+use std::path::PathBuf;
+
+use autotp_program::ProgramError;
+use autotp_runtime::RuntimeError;
+
+/// Why training cannot start or go on.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error("the training plan {0}")]
+    Plan(String),
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint { path: PathBuf, message: String },
+    #[error("{what} has {got} bytes, expected {expected}")]
+    WrongSize { what: String, expected: usize, got: usize },
+    /// Training cannot go on (an fp16 loss scale at its floor).
+    #[error("{0}")]
+    Training(String),
+}
