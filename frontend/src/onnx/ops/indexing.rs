@@ -1,0 +1,142 @@
+//! Gathers and scatters, top-k and arg-max, cumulative sums, one-hots.
+
+use super::shape::slice_axis;
+use super::*;
+
+/// The node's outputs, or `None` when its op is not of this family.
+pub(super) fn convert(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    _external: &mut ExternalFiles,
+) -> Result<Option<Vec<Sym>>, FrontendError> {
+    let op_type = cx.node.op_type.as_str();
+    let one = |s: Sym| Ok(vec![s]);
+    let outputs: Result<Vec<Sym>, FrontendError> = match op_type {
+        "Gather" | "GatherElements" => {
+            let data = input(imp, cx, 0)?;
+            let idx = input(imp, cx, 1)?;
+            let axis = norm_axis(cx, attr_int(cx, "axis", 0), imp.ty(&data).rank())?;
+            let op = if op_type == "Gather" { Op::Gather { axis } } else { Op::GatherElements { axis } };
+            one(imp.emit1(cx, op, &[data, idx])?)
+        }
+        "CumSum" => {
+            let x = input(imp, cx, 0)?;
+            let axis_sym = input(imp, cx, 1)?;
+            let axis = constant(cx, &axis_sym, 1)?.get_i64(0);
+            let axis = norm_axis(cx, axis, imp.ty(&x).rank())?;
+            let (exclusive, reverse) = (attr_int(cx, "exclusive", 0) == 1, attr_int(cx, "reverse", 0) == 1);
+            one(imp.emit1(cx, Op::CumSum { axis, exclusive, reverse }, &[x])?)
+        }
+        "TopK" => {
+            let x = input(imp, cx, 0)?;
+            let k_sym = input(imp, cx, 1)?;
+            let k = constant(cx, &k_sym, 1)?.get_i64(0);
+            let k = usize::try_from(k).map_err(|_| cx.invalid(format!("k = {k} is negative")))?;
+            let axis = norm_axis(cx, attr_int(cx, "axis", -1), imp.ty(&x).rank())?;
+            // `sorted = 0` leaves the order to the implementation: sorted is one.
+            imp.emit(cx, Op::TopK { axis, k, largest: attr_int(cx, "largest", 1) == 1 }, &[x], 2)
+        }
+        "ArgMax" | "ArgMin" => {
+            // The index of the first extreme: `topk` with k = 1 keeps equal values in index
+            // order. The last one (`select_last_index`) is the first of the reversed axis.
+            let x = input(imp, cx, 0)?;
+            let shape = imp.ty(&x).shape;
+            let axis = norm_axis(cx, attr_int(cx, "axis", 0), shape.len())?;
+            let last = attr_int(cx, "select_last_index", 0) == 1;
+            let len = shape[axis];
+            let source = if last { slice_axis(imp, cx, x, axis, len.saturating_sub(1), -1, -1)? } else { x };
+            let largest = op_type == "ArgMax";
+            let mut index = imp.emit(cx, Op::TopK { axis, k: 1, largest }, &[source], 2)?.remove(1);
+            if last {
+                let top = Sym::Const(Tensor::full(DType::I64, vec![], len as f64 - 1.0));
+                index = imp.emit1(cx, Op::Binary(BinaryOp::Sub), &[top, index])?;
+            }
+            if attr_int(cx, "keepdims", 1) == 1 {
+                one(index)
+            } else {
+                let mut squeezed = shape;
+                squeezed.remove(axis);
+                one(imp.emit1(cx, Op::Reshape { shape: squeezed }, &[index])?)
+            }
+        }
+        "GatherND" => {
+            let data = input(imp, cx, 0)?;
+            let mut idx = input(imp, cx, 1)?;
+            let batch_dims =
+                usize::try_from(attr_int(cx, "batch_dims", 0)).map_err(|_| cx.invalid("batch_dims is negative"))?;
+            if batch_dims > 0 {
+                idx = prepend_batch_coordinates(imp, cx, idx, batch_dims)?;
+            }
+            one(imp.emit1(cx, Op::GatherNd, &[data, idx])?)
+        }
+        "ScatterND" => {
+            let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
+            let reduction = autotp_ir::ScatterReduction::from_name(&reduction)
+                .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))?;
+            let inputs = [input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?];
+            one(imp.emit1(cx, Op::ScatterNd { reduction }, &inputs)?)
+        }
+        "OneHot" => {
+            // where(unsqueeze(i mod depth, axis) == range(depth) along axis, on, off), negative
+            // indices counting from the end (an index outside [-depth, depth) is all off).
+            let indices = input(imp, cx, 0)?;
+            let depth_sym = input(imp, cx, 1)?;
+            let depth = constant(cx, &depth_sym, 1)?.get_f64(0);
+            if !depth.is_finite() || depth < 1.0 {
+                return Err(cx.invalid(format!("depth {depth} is not a positive number")));
+            }
+            let depth = depth as usize;
+            let values = input(imp, cx, 2)?;
+            let values = constant(cx, &values, 2)?.clone();
+            if values.numel() != 2 {
+                return Err(cx.invalid(format!("values has {} elements, expected [off, on]", values.numel())));
+            }
+            let it = imp.ty(&indices);
+            let axis = norm_axis(cx, attr_int(cx, "axis", -1), it.rank() + 1)?;
+            let scalar = |v: f64| Sym::Const(Tensor::full(it.dtype, vec![], v));
+            let negative = imp.emit1(cx, Op::Binary(BinaryOp::Less), &[indices.clone(), scalar(0.0)])?;
+            let wrapped = imp.emit1(cx, Op::Binary(BinaryOp::Add), &[indices.clone(), scalar(depth as f64)])?;
+            let index = imp.emit1(cx, Op::Select, &[negative, wrapped, indices])?;
+            let mut spread = it.shape.clone();
+            spread.insert(axis, 1);
+            let index = imp.emit1(cx, Op::Reshape { shape: spread }, &[index])?;
+            let mut range_shape = vec![1; it.rank() + 1];
+            range_shape[axis] = depth;
+            let range: Vec<f64> = (0..depth).map(|d| d as f64).collect();
+            let range = Tensor::from_f64_values(it.dtype, range_shape, &range);
+            let hot = imp.emit1(cx, Op::Binary(BinaryOp::Equal), &[index, Sym::Const(range)])?;
+            let pick = |k: usize| Sym::Const(Tensor::full(values.dtype(), vec![], values.get_f64(k)));
+            one(imp.emit1(cx, Op::Select, &[hot, pick(1), pick(0)])?)
+        }
+        _ => return Ok(None),
+    };
+    outputs.map(Some)
+}
+
+/// `GatherND`'s `batch_dims = b` as a plain gather: each row of indices `[B.., N.., k]` gets its
+/// batch coordinates in front, `[B.., N.., b + k]`, so it picks from its own batch entry.
+pub(super) fn prepend_batch_coordinates(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    idx: Sym,
+    batch_dims: usize,
+) -> Result<Sym, FrontendError> {
+    let ty = imp.ty(&idx);
+    if batch_dims + 1 > ty.rank() {
+        return Err(cx.invalid(format!("batch_dims {batch_dims} leaves no index dims in indices {ty}")));
+    }
+    let rows = &ty.shape[..ty.rank() - 1];
+    let mut coordinates = Vec::with_capacity(batch_dims);
+    for d in 0..batch_dims {
+        // Coordinate d of every row: a range along dim d, broadcast over the other dims.
+        let mut along = vec![1; ty.rank()];
+        along[d] = rows[d];
+        let values: Vec<f64> = (0..rows[d]).map(|i| i as f64).collect();
+        let range = Tensor::from_f64_values(ty.dtype, along, &values);
+        let mut full: Vec<usize> = rows.to_vec();
+        full.push(1);
+        coordinates.push(imp.emit1(cx, Op::Expand { shape: full }, &[Sym::Const(range)])?);
+    }
+    coordinates.push(idx);
+    imp.emit1(cx, Op::Concat { axis: ty.rank() - 1 }, &coordinates)
+}
