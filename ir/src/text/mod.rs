@@ -1,0 +1,53 @@
+//! The IR text format: one op per line, deterministic, with a parser such that
+//! `parse(&print(g)) == g` for every canonical graph.
+//!
+//! ```text
+//! graph "tiny" mesh [tp=2] {
+//!   input %input_ids : i64[4,32]
+//!   param %wte : f32[1000,64] {tp = shard(0)}
+//!   %0 = gather %wte, %input_ids {axis = 0} : f32[4,32,64]
+//!   %1 = constant splat<0.5> : f32[]
+//!   %2 = mul %0, %1 : f32[4,32,64]
+//!   output "hidden" = %2
+//! }
+//! ```
+//!
+//! A training step also declares `state %name : type` values (persistent, zero at the start)
+//! and, after its outputs, `update %target = %value` lines (a parameter or state takes a new
+//! value after each run):
+//!
+//! ```text
+//!   state %adamw.m.wte : f32[1000,64]
+//!   update %wte = %41
+//! ```
+//!
+//! Unnamed values print as `%N`, numbered densely in definition order; named values (inputs,
+//! parameters) print their name, quoted when it is not an identifier. Attributes print in a
+//! fixed order per op; placements other than `replicate` print after a value's type.
+
+mod parse;
+mod print;
+
+pub use parse::{parse, ParseError};
+pub use print::print;
+pub(crate) use print::ValueNames;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Graph, Op, Tensor, ValueId};
+
+    #[test]
+    fn float_constants_round_trip_exactly() {
+        let mut g = Graph::new("constants");
+        let values = [0.1f64, 1.0 / 3.0, -2.5e-300, f64::MAX];
+        g.add(Op::Constant { value: Tensor::from_pod(DType::F64, vec![4], &values) }, vec![]).unwrap();
+        g.add(Op::Constant { value: Tensor::from_pod(DType::F32, vec![2], &[0.1f32, 1.0e-38]) }, vec![]).unwrap();
+        let half = [half::bf16::from_f32(0.3), half::bf16::from_f32(-7.0)];
+        g.add(Op::Constant { value: Tensor::from_pod(DType::BF16, vec![2], &half) }, vec![]).unwrap();
+        let last = ValueId(g.num_values() as u32 - 1);
+        g.add_output("y", last);
+        let parsed = parse(&print(&g)).unwrap();
+        assert!(parsed == g, "constants changed:\n{}\n{}", print(&g), print(&parsed));
+    }
+}
