@@ -235,6 +235,15 @@ pub(crate) fn render(error: &anyhow::Error) -> String {
     message
 }
 
+/// Lets a closed standard output (`autotp plan ... | head`) end the process quietly, as it
+/// ends other command-line tools, instead of `println!` panicking on the write. Only for the
+/// commands that talk to no other process: Rust ignores SIGPIPE so that a socket whose peer
+/// died (a rank of a job) fails with an error the job reports, which those commands keep.
+fn quiet_on_closed_stdout() {
+    // SAFETY: restores the default disposition of one signal before any thread is started.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("AUTOTP_LOG").unwrap_or_else(|_| "warn".into()))
@@ -252,6 +261,9 @@ fn main() -> ExitCode {
         }
     };
     let cli = Cli::parse_from(args);
+    if matches!(cli.command, Command::Import { .. } | Command::Compile(_) | Command::Plan(_) | Command::Verify(_)) {
+        quiet_on_closed_stdout();
+    }
     let result = match &cli.command {
         Command::Import { model, shapes, output, simplify } => run_import(model, shapes, output.as_deref(), *simplify),
         Command::Infer { model, inputs, output_dir } => run_infer(model, inputs, output_dir),

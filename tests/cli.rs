@@ -390,3 +390,22 @@ fn outputs_never_overwrite_inputs() {
         assert_eq!(std::fs::read(&file).unwrap(), bytes, "{} changed", file.display());
     }
 }
+
+/// A command whose output is cut short (`autotp compile ... | head -1`) ends quietly, killed by
+/// SIGPIPE as other command-line tools are: no panic from a failed print.
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let model = fixture("gpt2", "model.onnx");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "-o", "/dev/null"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}: {stderr}", out.status);
+}
