@@ -20,6 +20,7 @@ pub mod index_rewrite;
 pub mod kernelgen;
 pub mod lower;
 mod op;
+mod shape_rules;
 pub mod sharding;
 pub mod spmd;
 mod tensor;

@@ -214,6 +214,315 @@ fn no_gradient(op: &Op, detail: &str) -> PassError {
     PassError::NoGradient { pass: PASS, op: op.name(), detail: format!(" {detail}") }
 }
 
+/// The gradient of a unary op's input: `d` times the op's derivative at `x0` (or from its
+/// output `y0` where that is cheaper); `None` where it is zero almost everywhere.
+fn unary_vjp(b: &mut B, u: UnaryOp, x0: ValueId, y0: ValueId, d: ValueId) -> Result<Option<ValueId>, PassError> {
+    let dtype = b.ty(x0).dtype;
+    Ok(match u {
+        UnaryOp::Neg => Some(b.un(UnaryOp::Neg, d)?),
+        UnaryOp::Abs => {
+            let s = b.un(UnaryOp::Sign, x0)?;
+            Some(b.mul(d, s)?)
+        }
+        UnaryOp::Exp => Some(b.mul(d, y0)?),
+        UnaryOp::Log => Some(b.div(d, x0)?),
+        UnaryOp::Sqrt => {
+            let half = b.scale(d, 0.5)?;
+            Some(b.div(half, y0)?)
+        }
+        UnaryOp::Rsqrt => {
+            let y2 = b.mul(y0, y0)?;
+            let y3 = b.mul(y2, y0)?;
+            let t = b.mul(d, y3)?;
+            Some(b.scale(t, -0.5)?)
+        }
+        UnaryOp::Reciprocal => {
+            let y2 = b.mul(y0, y0)?;
+            let t = b.mul(d, y2)?;
+            Some(b.un(UnaryOp::Neg, t)?)
+        }
+        UnaryOp::Tanh => {
+            let y2 = b.mul(y0, y0)?;
+            let one = b.scalar(dtype, 1.0)?;
+            let g = b.sub(one, y2)?;
+            Some(b.mul(d, g)?)
+        }
+        UnaryOp::Erf => {
+            let x2 = b.mul(x0, x0)?;
+            let nx2 = b.un(UnaryOp::Neg, x2)?;
+            let e = b.un(UnaryOp::Exp, nx2)?;
+            let g = b.scale(e, 2.0 / std::f64::consts::PI.sqrt())?;
+            Some(b.mul(d, g)?)
+        }
+        UnaryOp::Sigmoid => {
+            let one = b.scalar(dtype, 1.0)?;
+            let om = b.sub(one, y0)?;
+            let g = b.mul(y0, om)?;
+            Some(b.mul(d, g)?)
+        }
+        UnaryOp::Relu => {
+            let zero = b.scalar(dtype, 0.0)?;
+            let pos = b.bin(BinaryOp::Greater, x0, zero)?;
+            Some(b.mask(pos, d, false)?)
+        }
+        UnaryOp::Sin => {
+            let c = b.un(UnaryOp::Cos, x0)?;
+            Some(b.mul(d, c)?)
+        }
+        UnaryOp::Cos => {
+            let s = b.un(UnaryOp::Sin, x0)?;
+            let t = b.mul(d, s)?;
+            Some(b.un(UnaryOp::Neg, t)?)
+        }
+        // Piecewise constant: zero gradient almost everywhere.
+        UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign => None,
+        UnaryOp::Not => None,
+    })
+}
+
+/// The gradients of a binary op's operands `a` and `c` (broadcasting undone by `sum_to`),
+/// given its output `y0` and output gradient `d`; only those with `want` are made.
+fn binary_vjp(
+    b: &mut B,
+    op: &BinaryOp,
+    [a, c]: [ValueId; 2],
+    y0: ValueId,
+    d: ValueId,
+    want: &[bool],
+) -> Result<[Option<ValueId>; 2], PassError> {
+    let (sa, sc) = (b.ty(a).shape, b.ty(c).shape);
+    let (da, dc) = match op {
+        BinaryOp::Add => (Some(d), Some(d)),
+        BinaryOp::Sub => (Some(d), if want[1] { Some(b.un(UnaryOp::Neg, d)?) } else { None }),
+        BinaryOp::Mul => {
+            let da = if want[0] { Some(b.mul(d, c)?) } else { None };
+            let dc = if want[1] { Some(b.mul(d, a)?) } else { None };
+            (da, dc)
+        }
+        BinaryOp::Div => {
+            let da = if want[0] { Some(b.div(d, c)?) } else { None };
+            let dc = if want[1] {
+                let t = b.mul(d, y0)?;
+                let t = b.div(t, c)?;
+                Some(b.un(UnaryOp::Neg, t)?)
+            } else {
+                None
+            };
+            (da, dc)
+        }
+        BinaryOp::Pow => {
+            let da = if want[0] {
+                let one = b.scalar(b.ty(c).dtype, 1.0)?;
+                let cm1 = b.sub(c, one)?;
+                let p = b.bin(BinaryOp::Pow, a, cm1)?;
+                let t = b.mul(p, c)?;
+                Some(b.mul(d, t)?)
+            } else {
+                None
+            };
+            let dc = if want[1] {
+                let l = b.un(UnaryOp::Log, a)?;
+                let t = b.mul(y0, l)?;
+                Some(b.mul(d, t)?)
+            } else {
+                None
+            };
+            (da, dc)
+        }
+        BinaryOp::Max | BinaryOp::Min => {
+            let cmp = if *op == BinaryOp::Max { BinaryOp::GreaterEqual } else { BinaryOp::LessEqual };
+            let pick_a = b.bin(cmp, a, c)?;
+            let da = if want[0] { Some(b.mask(pick_a, d, false)?) } else { None };
+            let dc = if want[1] { Some(b.mask(pick_a, d, true)?) } else { None };
+            (da, dc)
+        }
+        BinaryOp::Mod => {
+            if want[1] {
+                return Err(no_gradient(&Op::Binary(*op), "with respect to the divisor"));
+            }
+            (Some(d), None)
+        }
+        _ => (None, None),
+    };
+    let da = if want[0] { da.map(|g| b.sum_to(g, &sa)).transpose()? } else { None };
+    let dc = if want[1] { dc.map(|g| b.sum_to(g, &sc)).transpose()? } else { None };
+    Ok([da, dc])
+}
+
+/// The gradient of a reduction's input `x0` (output `y0`, output gradient `d`): the gradient
+/// spread back over the reduced `axes` (shared equally by ties of a max or min).
+fn reduce_vjp(
+    b: &mut B,
+    r: ReduceOp,
+    axes: &[usize],
+    keep_dims: bool,
+    [x0, y0, d]: [ValueId; 3],
+) -> Result<ValueId, PassError> {
+    let xs = b.ty(x0).shape;
+    let kept: Vec<usize> = (0..xs.len()).map(|i| if axes.contains(&i) { 1 } else { xs[i] }).collect();
+    let dk = if keep_dims { d } else { b.reshape(d, &kept)? };
+    let count: usize = axes.iter().map(|&a| xs[a]).product();
+    Ok(match r {
+        ReduceOp::Sum => b.expand(dk, &xs)?,
+        ReduceOp::Mean => {
+            let e = b.expand(dk, &xs)?;
+            b.scale(e, 1.0 / count as f64)?
+        }
+        ReduceOp::Max | ReduceOp::Min => {
+            // Ties share the gradient equally, as torch.amax/amin.
+            let yk = if keep_dims { y0 } else { b.reshape(y0, &kept)? };
+            let hit = b.bin(BinaryOp::Equal, x0, yk)?;
+            let dtype = b.ty(x0).dtype;
+            let hit = b.op(Op::Cast { to: dtype }, vec![hit])?;
+            let n = b.reduce(ReduceOp::Sum, hit, axes.to_vec(), true)?;
+            let share = b.div(dk, n)?;
+            b.mul(hit, share)?
+        }
+        ReduceOp::Prod => {
+            let yk = if keep_dims { y0 } else { b.reshape(y0, &kept)? };
+            let t = b.mul(dk, yk)?;
+            b.div(t, x0)?
+        }
+    })
+}
+
+/// The gradients of a matmul's operands `a` and `c` (`op(A) op(B)`, the transposes `ta`,
+/// `tb`) for its output gradient `d`; only those with `want` are made.
+fn matmul_vjp(
+    b: &mut B,
+    [a, c]: [ValueId; 2],
+    d: ValueId,
+    (ta, tb): (bool, bool),
+    want: &[bool],
+) -> Result<[Option<ValueId>; 2], PassError> {
+    let mut out = [None, None];
+    if want[0] {
+        // d op(A) = dY op(B)^T
+        let g = if ta {
+            b.op(Op::MatMul { transpose_lhs: tb, transpose_rhs: true }, vec![c, d])?
+        } else {
+            b.op(Op::MatMul { transpose_lhs: false, transpose_rhs: !tb }, vec![d, c])?
+        };
+        out[0] = Some(b.sum_to(g, &b.ty(a).shape)?);
+    }
+    let (rank_a, rank_c) = (b.ty(a).rank(), b.ty(c).rank());
+    if want[1] && rank_c == 2 && rank_a > 2 && !ta {
+        // One B for every batch of A (a linear layer): its gradient sums op(A)^T dY over
+        // the batches, which is one product with the batches merged into the
+        // contraction, `[batch x m, k]^T [batch x m, n]`, not a batched product summed.
+        let (sa, sd) = (b.ty(a).shape, b.ty(d).shape);
+        let rows = sa[..rank_a - 1].iter().product::<usize>();
+        let a_rows = b.reshape(a, &[rows, sa[rank_a - 1]])?;
+        let d_rows = b.reshape(d, &[rows, sd[sd.len() - 1]])?;
+        let (lhs, rhs) = if tb { (d_rows, a_rows) } else { (a_rows, d_rows) };
+        out[1] = Some(b.op(Op::MatMul { transpose_lhs: true, transpose_rhs: false }, vec![lhs, rhs])?);
+    } else if want[1] {
+        // d op(B) = op(A)^T dY
+        let g = if tb {
+            b.op(Op::MatMul { transpose_lhs: true, transpose_rhs: ta }, vec![d, a])?
+        } else {
+            b.op(Op::MatMul { transpose_lhs: !ta, transpose_rhs: false }, vec![a, d])?
+        };
+        out[1] = Some(b.sum_to(g, &b.ty(c).shape)?);
+    }
+    Ok(out)
+}
+
+/// The gradient of a slice's input `x0` (output `y0`, output gradient `d`): strided dims
+/// spread first, then the unit-step slice padded back with zeros.
+fn slice_vjp(b: &mut B, starts: &[usize], steps: &[i64], [x0, y0, d]: [ValueId; 3]) -> Result<ValueId, PassError> {
+    let (xs, ys) = (b.ty(x0).shape, b.ty(y0).shape);
+    let mut g = d;
+    // Strided and reversed dims first, one at a time: each spreads its gradient to
+    // every `step`-th position (in forward order), leaving it a unit-step slice.
+    let mut first = starts.to_vec();
+    for dim in 0..xs.len() {
+        if steps[dim] != 1 && ys[dim] > 0 {
+            (g, first[dim]) = b.unstride(g, dim, starts[dim], steps[dim])?;
+        }
+    }
+    let gs = b.ty(g).shape;
+    let end: Vec<usize> = (0..xs.len()).map(|i| xs[i] - first[i] - gs[i]).collect();
+    Ok(if first.iter().all(|&f| f == 0) && end.iter().all(|&e| e == 0) {
+        g
+    } else {
+        b.op(Op::Pad { begin: first, end, value: 0.0 }, vec![g])?
+    })
+}
+
+/// The gradient of `gather_elements`' data (of `data_value`, read at `index` along `axis`): the
+/// output gradient `d` scattered back to the positions read.
+fn gather_elements_vjp(b: &mut B, axis: usize, [data_value, index, d]: [ValueId; 3]) -> Result<ValueId, PassError> {
+    // Scatter back to the index's positions; data larger than the indices outside
+    // `axis` gets zeros there.
+    let data = b.ty(data_value).shape;
+    let g = b.op(Op::ScatterElements { axis, size: data[axis] }, vec![index, d])?;
+    let scattered = b.ty(g).shape;
+    Ok(if scattered == data {
+        g
+    } else {
+        let end: Vec<usize> = data.iter().zip(&scattered).map(|(d, s)| d - s).collect();
+        b.op(Op::Pad { begin: vec![0; data.len()], end, value: 0.0 }, vec![g])?
+    })
+}
+
+/// The gradients of `scatter_nd`'s data and updates (`x`: data, indices, updates) for its
+/// output gradient `d`: overwritten elements take nothing from the data, each update its
+/// gradient's element; only those with `want` are made.
+fn scatter_nd_vjp(
+    b: &mut B,
+    reduction: ScatterReduction,
+    x: &[ValueId],
+    d: ValueId,
+    want: &[bool],
+) -> Result<[Option<ValueId>; 3], PassError> {
+    let mut out = [None, None, None];
+    match reduction {
+        ScatterReduction::None | ScatterReduction::Add => {}
+        _ => return Err(no_gradient(&Op::ScatterNd { reduction }, &format!("with reduction {}", reduction.name()))),
+    }
+    if want[0] {
+        out[0] = Some(if reduction == ScatterReduction::Add {
+            d
+        } else {
+            // Overwritten elements take nothing from the data.
+            let t = b.ty(x[2]);
+            let zeros = b.full(t.dtype, &t.shape, 0.0)?;
+            b.op(Op::ScatterNd { reduction: ScatterReduction::None }, vec![d, x[1], zeros])?
+        });
+    }
+    if want[2] {
+        out[2] = Some(b.op(Op::GatherNd, vec![d, x[1]])?);
+    }
+    Ok(out)
+}
+
+/// The gradients of a concat's inputs `x` along `axis`: each its slice of the output
+/// gradient `d`; only those with `want` are made.
+fn concat_vjp(
+    b: &mut B,
+    axis: usize,
+    x: &[ValueId],
+    d: ValueId,
+    want: &[bool],
+) -> Result<Vec<Option<ValueId>>, PassError> {
+    let mut out = vec![None; x.len()];
+    let ds = b.ty(d).shape;
+    let mut at = 0;
+    for (i, &xi) in x.iter().enumerate() {
+        let len = b.ty(xi).shape[axis];
+        if want[i] {
+            let mut starts = vec![0; ds.len()];
+            let mut ends: Vec<i64> = ds.iter().map(|&v| v as i64).collect();
+            starts[axis] = at;
+            ends[axis] = (at + len) as i64;
+            out[i] = Some(b.op(Op::Slice { starts, ends, steps: vec![1; ds.len()] }, vec![d])?);
+        }
+        at += len;
+    }
+    Ok(out)
+}
+
 /// The gradients of a node's inputs, given its inputs `x`, outputs `y` and output gradients
 /// `dy` (`None` where an output gets none). Only inputs with `want[i]` need a result.
 fn vjp(
@@ -234,133 +543,8 @@ fn vjp(
     let shape = |b: &B, v: ValueId| b.ty(v).shape;
     match op {
         Op::Constant { .. } => {}
-        Op::Unary(u) => {
-            let (x0, y0, d) = (x[0], y[0], d0());
-            let dtype = b.ty(x0).dtype;
-            out[0] = match u {
-                UnaryOp::Neg => Some(b.un(UnaryOp::Neg, d)?),
-                UnaryOp::Abs => {
-                    let s = b.un(UnaryOp::Sign, x0)?;
-                    Some(b.mul(d, s)?)
-                }
-                UnaryOp::Exp => Some(b.mul(d, y0)?),
-                UnaryOp::Log => Some(b.div(d, x0)?),
-                UnaryOp::Sqrt => {
-                    let half = b.scale(d, 0.5)?;
-                    Some(b.div(half, y0)?)
-                }
-                UnaryOp::Rsqrt => {
-                    let y2 = b.mul(y0, y0)?;
-                    let y3 = b.mul(y2, y0)?;
-                    let t = b.mul(d, y3)?;
-                    Some(b.scale(t, -0.5)?)
-                }
-                UnaryOp::Reciprocal => {
-                    let y2 = b.mul(y0, y0)?;
-                    let t = b.mul(d, y2)?;
-                    Some(b.un(UnaryOp::Neg, t)?)
-                }
-                UnaryOp::Tanh => {
-                    let y2 = b.mul(y0, y0)?;
-                    let one = b.scalar(dtype, 1.0)?;
-                    let g = b.sub(one, y2)?;
-                    Some(b.mul(d, g)?)
-                }
-                UnaryOp::Erf => {
-                    let x2 = b.mul(x0, x0)?;
-                    let nx2 = b.un(UnaryOp::Neg, x2)?;
-                    let e = b.un(UnaryOp::Exp, nx2)?;
-                    let g = b.scale(e, 2.0 / std::f64::consts::PI.sqrt())?;
-                    Some(b.mul(d, g)?)
-                }
-                UnaryOp::Sigmoid => {
-                    let one = b.scalar(dtype, 1.0)?;
-                    let om = b.sub(one, y0)?;
-                    let g = b.mul(y0, om)?;
-                    Some(b.mul(d, g)?)
-                }
-                UnaryOp::Relu => {
-                    let zero = b.scalar(dtype, 0.0)?;
-                    let pos = b.bin(BinaryOp::Greater, x0, zero)?;
-                    Some(b.mask(pos, d, false)?)
-                }
-                UnaryOp::Sin => {
-                    let c = b.un(UnaryOp::Cos, x0)?;
-                    Some(b.mul(d, c)?)
-                }
-                UnaryOp::Cos => {
-                    let s = b.un(UnaryOp::Sin, x0)?;
-                    let t = b.mul(d, s)?;
-                    Some(b.un(UnaryOp::Neg, t)?)
-                }
-                // Piecewise constant: zero gradient almost everywhere.
-                UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign => None,
-                UnaryOp::Not => None,
-            };
-        }
-        Op::Binary(op) => {
-            let (a, c, y0, d) = (x[0], x[1], y[0], d0());
-            let (sa, sc) = (shape(b, a), shape(b, c));
-            let (da, dc) = match op {
-                BinaryOp::Add => (Some(d), Some(d)),
-                BinaryOp::Sub => (Some(d), if want[1] { Some(b.un(UnaryOp::Neg, d)?) } else { None }),
-                BinaryOp::Mul => {
-                    let da = if want[0] { Some(b.mul(d, c)?) } else { None };
-                    let dc = if want[1] { Some(b.mul(d, a)?) } else { None };
-                    (da, dc)
-                }
-                BinaryOp::Div => {
-                    let da = if want[0] { Some(b.div(d, c)?) } else { None };
-                    let dc = if want[1] {
-                        let t = b.mul(d, y0)?;
-                        let t = b.div(t, c)?;
-                        Some(b.un(UnaryOp::Neg, t)?)
-                    } else {
-                        None
-                    };
-                    (da, dc)
-                }
-                BinaryOp::Pow => {
-                    let da = if want[0] {
-                        let one = b.scalar(b.ty(c).dtype, 1.0)?;
-                        let cm1 = b.sub(c, one)?;
-                        let p = b.bin(BinaryOp::Pow, a, cm1)?;
-                        let t = b.mul(p, c)?;
-                        Some(b.mul(d, t)?)
-                    } else {
-                        None
-                    };
-                    let dc = if want[1] {
-                        let l = b.un(UnaryOp::Log, a)?;
-                        let t = b.mul(y0, l)?;
-                        Some(b.mul(d, t)?)
-                    } else {
-                        None
-                    };
-                    (da, dc)
-                }
-                BinaryOp::Max | BinaryOp::Min => {
-                    let cmp = if *op == BinaryOp::Max { BinaryOp::GreaterEqual } else { BinaryOp::LessEqual };
-                    let pick_a = b.bin(cmp, a, c)?;
-                    let da = if want[0] { Some(b.mask(pick_a, d, false)?) } else { None };
-                    let dc = if want[1] { Some(b.mask(pick_a, d, true)?) } else { None };
-                    (da, dc)
-                }
-                BinaryOp::Mod => {
-                    if want[1] {
-                        return Err(no_gradient(&Op::Binary(*op), "with respect to the divisor"));
-                    }
-                    (Some(d), None)
-                }
-                _ => (None, None),
-            };
-            if want[0] {
-                out[0] = da.map(|g| b.sum_to(g, &sa)).transpose()?;
-            }
-            if want[1] {
-                out[1] = dc.map(|g| b.sum_to(g, &sc)).transpose()?;
-            }
-        }
+        Op::Unary(u) => out[0] = unary_vjp(b, *u, x[0], y[0], d0())?,
+        Op::Binary(op) => [out[0], out[1]] = binary_vjp(b, op, [x[0], x[1]], y[0], d0(), want)?,
         Op::Select => {
             let (cond, d) = (x[0], d0());
             if want[1] {
@@ -377,106 +561,17 @@ fn vjp(
             out[0] = Some(b.op(Op::Cast { to }, vec![d0()])?);
         }
         Op::Reduce { op: r, axes, keep_dims } => {
-            let (x0, y0, d) = (x[0], y[0], d0());
-            let xs = shape(b, x0);
-            let kept: Vec<usize> = (0..xs.len()).map(|i| if axes.contains(&i) { 1 } else { xs[i] }).collect();
-            let dk = if *keep_dims { d } else { b.reshape(d, &kept)? };
-            let count: usize = axes.iter().map(|&a| xs[a]).product();
-            out[0] = Some(match r {
-                ReduceOp::Sum => b.expand(dk, &xs)?,
-                ReduceOp::Mean => {
-                    let e = b.expand(dk, &xs)?;
-                    b.scale(e, 1.0 / count as f64)?
-                }
-                ReduceOp::Max | ReduceOp::Min => {
-                    // Ties share the gradient equally, as torch.amax/amin.
-                    let yk = if *keep_dims { y0 } else { b.reshape(y0, &kept)? };
-                    let hit = b.bin(BinaryOp::Equal, x0, yk)?;
-                    let dtype = b.ty(x0).dtype;
-                    let hit = b.op(Op::Cast { to: dtype }, vec![hit])?;
-                    let n = b.reduce(ReduceOp::Sum, hit, axes.clone(), true)?;
-                    let share = b.div(dk, n)?;
-                    b.mul(hit, share)?
-                }
-                ReduceOp::Prod => {
-                    let yk = if *keep_dims { y0 } else { b.reshape(y0, &kept)? };
-                    let t = b.mul(dk, yk)?;
-                    b.div(t, x0)?
-                }
-            });
+            out[0] = Some(reduce_vjp(b, *r, axes, *keep_dims, [x[0], y[0], d0()])?)
         }
         Op::MatMul { transpose_lhs: ta, transpose_rhs: tb } => {
-            let (a, c, d) = (x[0], x[1], d0());
-            let (ta, tb) = (*ta, *tb);
-            if want[0] {
-                // d op(A) = dY op(B)^T
-                let g = if ta {
-                    b.op(Op::MatMul { transpose_lhs: tb, transpose_rhs: true }, vec![c, d])?
-                } else {
-                    b.op(Op::MatMul { transpose_lhs: false, transpose_rhs: !tb }, vec![d, c])?
-                };
-                out[0] = Some(b.sum_to(g, &shape(b, a))?);
-            }
-            let (rank_a, rank_c) = (b.ty(a).rank(), b.ty(c).rank());
-            if want[1] && rank_c == 2 && rank_a > 2 && !ta {
-                // One B for every batch of A (a linear layer): its gradient sums op(A)^T dY over
-                // the batches, which is one product with the batches merged into the
-                // contraction, `[batch x m, k]^T [batch x m, n]`, not a batched product summed.
-                let (sa, sd) = (shape(b, a), shape(b, d));
-                let rows = sa[..rank_a - 1].iter().product::<usize>();
-                let a_rows = b.reshape(a, &[rows, sa[rank_a - 1]])?;
-                let d_rows = b.reshape(d, &[rows, sd[sd.len() - 1]])?;
-                let (lhs, rhs) = if tb { (d_rows, a_rows) } else { (a_rows, d_rows) };
-                out[1] = Some(b.op(Op::MatMul { transpose_lhs: true, transpose_rhs: false }, vec![lhs, rhs])?);
-            } else if want[1] {
-                // d op(B) = op(A)^T dY
-                let g = if tb {
-                    b.op(Op::MatMul { transpose_lhs: true, transpose_rhs: ta }, vec![d, a])?
-                } else {
-                    b.op(Op::MatMul { transpose_lhs: !ta, transpose_rhs: false }, vec![a, d])?
-                };
-                out[1] = Some(b.sum_to(g, &shape(b, c))?);
-            }
+            [out[0], out[1]] = matmul_vjp(b, [x[0], x[1]], d0(), (*ta, *tb), want)?;
         }
         Op::Reshape { .. } => out[0] = Some(b.reshape(d0(), &shape(b, x[0]))?),
         Op::Transpose { perm } => {
             out[0] = Some(b.op(Op::Transpose { perm: crate::inverse_permutation(perm) }, vec![d0()])?);
         }
-        Op::Slice { starts, steps, .. } => {
-            let (xs, ys) = (shape(b, x[0]), shape(b, y[0]));
-            let mut g = d0();
-            // Strided and reversed dims first, one at a time: each spreads its gradient to
-            // every `step`-th position (in forward order), leaving it a unit-step slice.
-            let mut first = starts.clone();
-            for dim in 0..xs.len() {
-                if steps[dim] != 1 && ys[dim] > 0 {
-                    (g, first[dim]) = b.unstride(g, dim, starts[dim], steps[dim])?;
-                }
-            }
-            let gs = shape(b, g);
-            let end: Vec<usize> = (0..xs.len()).map(|i| xs[i] - first[i] - gs[i]).collect();
-            out[0] = Some(if first.iter().all(|&f| f == 0) && end.iter().all(|&e| e == 0) {
-                g
-            } else {
-                b.op(Op::Pad { begin: first, end, value: 0.0 }, vec![g])?
-            });
-        }
-        Op::Concat { axis } => {
-            let d = d0();
-            let ds = shape(b, d);
-            let mut at = 0;
-            for (i, &xi) in x.iter().enumerate() {
-                let len = shape(b, xi)[*axis];
-                if want[i] {
-                    let mut starts = vec![0; ds.len()];
-                    let mut ends: Vec<i64> = ds.iter().map(|&v| v as i64).collect();
-                    starts[*axis] = at;
-                    ends[*axis] = (at + len) as i64;
-                    out[i] = Some(b.op(Op::Slice { starts, ends, steps: vec![1; ds.len()] }, vec![d])?);
-                }
-                at += len;
-            }
-        }
+        Op::Slice { starts, steps, .. } => out[0] = Some(slice_vjp(b, starts, steps, [x[0], y[0], d0()])?),
+        Op::Concat { axis } => out = concat_vjp(b, *axis, x, d0(), want)?,
         Op::Split { axis, .. } => {
             let mut parts = Vec::with_capacity(y.len());
             for (yi, dyi) in y.iter().zip(dy) {
@@ -504,17 +599,7 @@ fn vjp(
         }
         Op::GatherElements { axis } => {
             if want[0] {
-                // Scatter back to the index's positions; data larger than the indices outside
-                // `axis` gets zeros there.
-                let data = shape(b, x[0]);
-                let g = b.op(Op::ScatterElements { axis: *axis, size: data[*axis] }, vec![x[1], d0()])?;
-                let scattered = shape(b, g);
-                out[0] = Some(if scattered == data {
-                    g
-                } else {
-                    let end: Vec<usize> = data.iter().zip(&scattered).map(|(d, s)| d - s).collect();
-                    b.op(Op::Pad { begin: vec![0; data.len()], end, value: 0.0 }, vec![g])?
-                });
+                out[0] = Some(gather_elements_vjp(b, *axis, [x[0], x[1], d0()])?);
             }
         }
         Op::GatherNd => {
@@ -525,26 +610,7 @@ fn vjp(
                 out[0] = Some(b.op(op, vec![zeros, x[1], d0()])?);
             }
         }
-        Op::ScatterNd { reduction } => {
-            let d = d0();
-            match reduction {
-                ScatterReduction::None | ScatterReduction::Add => {}
-                _ => return Err(no_gradient(op, &format!("with reduction {}", reduction.name()))),
-            }
-            if want[0] {
-                out[0] = Some(if *reduction == ScatterReduction::Add {
-                    d
-                } else {
-                    // Overwritten elements take nothing from the data.
-                    let t = b.ty(x[2]);
-                    let zeros = b.full(t.dtype, &t.shape, 0.0)?;
-                    b.op(Op::ScatterNd { reduction: ScatterReduction::None }, vec![d, x[1], zeros])?
-                });
-            }
-            if want[2] {
-                out[2] = Some(b.op(Op::GatherNd, vec![d, x[1]])?);
-            }
-        }
+        Op::ScatterNd { reduction } => [out[0], out[1], out[2]] = scatter_nd_vjp(b, *reduction, x, d0(), want)?,
         Op::ScatterElements { axis, .. } => {
             if want[1] {
                 out[1] = Some(b.op(Op::GatherElements { axis: *axis }, vec![d0(), x[0]])?);
