@@ -1,10 +1,10 @@
 //! The egg rewrites, golden-tested: tests/golden/index_rewrites.txt lists index expressions of
-//! generated kernels as the kernel builder writes them and as `autotp_ir::index_rewrite`
+//! generated kernels as the kernel builder writes them and as `autotp_kernelgen::index_rewrite`
 //! simplifies them, one case per rule (the graph peepholes are golden IR files,
 //! tests/golden/peephole_*.ir). Every case also checks that each offset is kept.
 //! `AUTOTP_BLESS=1` rewrites the file.
 
-use autotp_ir::index_rewrite::simplify;
+use autotp_kernelgen::index_rewrite::simplify;
 use autotp_kernels::kir::{Index, Term, Var};
 
 use crate::common::repo;
@@ -12,7 +12,7 @@ use crate::common::repo;
 /// The kernel builder's naive index of a walk over `sizes` with element `strides` (one term
 /// per dim, the first `split` dims on the outer variable), and the variables' extents.
 fn walk(sizes: &[usize], strides: &[usize], split: usize) -> (Index, usize, usize) {
-    let index = autotp_ir::kernelgen::strided_index(sizes, strides, split);
+    let index = autotp_kernelgen::strided_index(sizes, strides, split);
     (index, sizes[..split].iter().product(), sizes[split..].iter().product())
 }
 
@@ -45,7 +45,7 @@ fn index_rewrites_match_their_golden_file() {
         ),
     ];
     let mut text = String::from(
-        "# Index rewrites (autotp_ir::index_rewrite): each case, the kernel builder's index, then\n\
+        "# Index rewrites (autotp_kernelgen::index_rewrite): each case, the kernel builder's index, then\n\
          # its simplest form for loop variables o < OUTER and i < INNER.\n",
     );
     for (what, (index, outer, inner)) in &cases {

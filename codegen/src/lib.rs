@@ -1,6 +1,6 @@
 //! autotp-codegen: lowers a verified IR graph to a runtime [`Program`].
 //!
-//! Each fusion group becomes one generated kernel ([`autotp_ir::kernelgen`]; its internal
+//! Each fusion group becomes one generated kernel ([`autotp_kernelgen`]; its internal
 //! values get no region), and each other node one instruction (but reshapes and waits, whose
 //! results share their input's region): a generated kernel where the kernel builder makes one
 //! (with [`KernelChoice::Generated`], the default), else the builtin kernel (chosen by
@@ -38,7 +38,7 @@ pub enum CodegenError {
 pub enum KernelChoice {
     /// The builtin kernels alone: the reference interpreter, the oracle of generated kernels.
     Builtin,
-    /// Generated kernels ([`autotp_ir::kernelgen`]) wherever one computes the op, builtin ones elsewhere.
+    /// Generated kernels ([`autotp_kernelgen`]) wherever one computes the op, builtin ones elsewhere.
     #[default]
     Generated,
 }
@@ -99,9 +99,9 @@ impl Dedicated {
 }
 
 /// The index of `kernel` in `kernels`, added if new (layers of one shape share kernels), with
-/// its index arithmetic simplified ([`autotp_ir::index_rewrite`]).
+/// its index arithmetic simplified ([`autotp_kernelgen::index_rewrite`]).
 fn intern(kernels: &mut Vec<autotp_kernels::kir::Kernel>, mut kernel: autotp_kernels::kir::Kernel) -> usize {
-    autotp_ir::index_rewrite::simplify_kernel(&mut kernel);
+    autotp_kernelgen::index_rewrite::simplify_kernel(&mut kernel);
     match kernels.iter().position(|k| *k == kernel) {
         Some(known) => known,
         None => {
@@ -555,7 +555,7 @@ fn lower_placed(
         let fused = fusion_at[id.index()].and_then(|f| {
             let nodes: Vec<_> = f.node_ids().collect();
             let outputs = fusion_outputs(graph, f, &last_use);
-            autotp_ir::kernelgen::try_build(graph, &nodes, &outputs).map(|built| (f, built, outputs))
+            autotp_kernelgen::try_build(graph, &nodes, &outputs).map(|built| (f, built, outputs))
         });
         if let Some((fusion, built, fused_outputs)) = fused {
             for o in &fused_outputs {
@@ -621,9 +621,8 @@ fn lower_placed(
             instructions.push(Instruction::Send { input: inputs[0], to, tag, label });
         } else if let Op::Recv { from, tag, .. } = node.op {
             instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });
-        } else if let Some([rows, total]) = (options.kernels == KernelChoice::Generated)
-            .then(|| autotp_ir::kernelgen::cross_entropy(graph, id))
-            .flatten()
+        } else if let Some([rows, total]) =
+            (options.kernels == KernelChoice::Generated).then(|| autotp_kernelgen::cross_entropy(graph, id)).flatten()
         {
             // Per-row losses and counts in a scratch region that dies with the loss kernel.
             let row_bytes = rows.buffers[2].len * 4;
@@ -649,7 +648,7 @@ fn lower_placed(
                 allocator.free(region.offset);
             }
         } else if let Some(built) = (options.kernels == KernelChoice::Generated)
-            .then(|| autotp_ir::kernelgen::try_build(graph, &[id], &node.outputs))
+            .then(|| autotp_kernelgen::try_build(graph, &[id], &node.outputs))
             .flatten()
         {
             let kernel = intern(&mut kernels, built.kernel);

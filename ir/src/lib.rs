@@ -2,7 +2,8 @@
 //!
 //! - [`Graph`]: values and nodes in arenas with typed ids ([`ValueId`], [`NodeId`]), static
 //!   [`TensorType`]s, a device [`Mesh`] and one [`Placement`] per value and mesh axis.
-//! - [`Op`]: the closed set of operations, each with typed attributes and a type rule.
+//! - [`Op`]: the closed set of operations, each with typed attributes and a shape rule
+//!   (`shape_rules.rs`, by op family).
 //! - [`verify`]: checks every invariant and reports all violations.
 //! - [`text`]: the deterministic text format; `text::parse(&text::print(g)) == g`.
 //! - [`eval`]: the reference evaluator (constant folding, test oracles) over [`Tensor`]s.
@@ -12,12 +13,11 @@
 //!
 //! Invariants: a verified graph defines every value exactly once, before its uses; every node's
 //! output types are what its op's rule infers from its inputs; parameters are floating point.
-//! The crate does no I/O and pulls in no protobuf, LLVM or CUDA.
+//! The crate does no I/O, holds no kernel IR (generated kernels are `autotp-kernelgen`'s) and
+//! pulls in no protobuf, LLVM or CUDA.
 
 pub mod eval;
 mod graph;
-pub mod index_rewrite;
-pub mod kernelgen;
 pub mod lower;
 mod op;
 mod shape_rules;

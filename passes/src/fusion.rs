@@ -6,7 +6,7 @@
 //! group of the fixtures' steps against its unfused ops).
 //!
 //! Legality is one question asked of the kernel builder: a group is legal exactly when
-//! [`autotp_ir::kernelgen::build`] builds it, which enforces XLA's rules (one iteration space;
+//! [`autotp_kernelgen::build`] builds it, which enforces XLA's rules (one iteration space;
 //! a max reduction's input is loaded, never recomputed; an expensive value is not recomputed by
 //! several stages). Benefit is greedy producer-consumer fusion: nodes are scheduled in a
 //! topological order that, after each node, takes next a ready node that joins the open group
@@ -21,7 +21,7 @@
 //! keep their relative order, so collectives are issued in the same order on every rank and
 //! pipeline messages in the order the schedule set.
 
-use autotp_ir::{kernelgen, lower};
+use autotp_ir::lower;
 use autotp_ir::{Def, Graph, NodeId, Op, Rewriter, ValueId};
 
 use crate::{Pass, PassError};
@@ -66,7 +66,7 @@ impl Pass for Fusion {
 /// Whether a kernel can compute `node` at all (alone).
 fn fusible(graph: &Graph, node: NodeId) -> bool {
     !matches!(graph.node(node).op, Op::Constant { .. })
-        && kernelgen::try_build(graph, &[node], &graph.node(node).outputs).is_some()
+        && autotp_kernelgen::try_build(graph, &[node], &graph.node(node).outputs).is_some()
 }
 
 /// The values of `group` that something outside it reads (or that leave the graph).
@@ -157,7 +157,7 @@ fn schedule(graph: &Graph, earliest: &[usize]) -> (Vec<NodeId>, Vec<usize>) {
                         let mut grown = group.clone();
                         grown.push(candidate);
                         let outputs = group_outputs(graph, &grown, &consumers, &leaves);
-                        kernelgen::build(graph, &grown, &outputs).is_ok()
+                        autotp_kernelgen::build(graph, &grown, &outputs).is_ok()
                     }
                 })
             })

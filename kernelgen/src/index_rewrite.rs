@@ -365,7 +365,7 @@ mod tests {
 
     /// The kernel builder's naive index of a walk over `sizes` with `strides`.
     fn naive(sizes: &[usize], strides: &[usize], split: usize) -> Index {
-        crate::kernelgen::strided_index(sizes, strides, split)
+        crate::group::strided_index(sizes, strides, split)
     }
 
     #[test]

@@ -25,8 +25,8 @@
 
 use std::collections::HashMap;
 
-use crate::sharding::local_type;
-use crate::{GeluApprox, Graph, NodeId, Op, ReduceOp, TensorType, ValueId};
+use autotp_ir::sharding::local_type;
+use autotp_ir::{GeluApprox, Graph, NodeId, Op, ReduceOp, TensorType, ValueId};
 use autotp_kernels::kir::{self, Expr, ExprRef, Fold, Index, Stage, Store, Term, Var};
 use autotp_kernels::{BinaryOp, DType, UnaryOp};
 
@@ -156,7 +156,7 @@ pub fn cross_entropy(graph: &Graph, node: NodeId) -> Option<[kir::Kernel; 2]> {
         || scores.dtype != DType::F32
         || labels.dtype != DType::I64
         || scores.shape.len() != 2
-        || reduction == crate::Reduction::None
+        || reduction == autotp_ir::Reduction::None
     {
         return None;
     }
@@ -231,7 +231,7 @@ pub fn cross_entropy(graph: &Graph, node: NodeId) -> Option<[kir::Kernel; 2]> {
     };
     let all = Index::linear(Var::Inner, 1);
     let loss = match reduction {
-        crate::Reduction::Mean => vec![Expr::Acc(0), Expr::Acc(1), Expr::Binary(BinaryOp::Div, 0, 1)],
+        autotp_ir::Reduction::Mean => vec![Expr::Acc(0), Expr::Acc(1), Expr::Binary(BinaryOp::Div, 0, 1)],
         _ => vec![Expr::Acc(0)],
     };
     let value = (loss.len() - 1) as ExprRef;

@@ -1,0 +1,15 @@
+//! autotp-kernelgen: the generated kernels' description, made from the IR. The IR knows no
+//! kernels; this crate, beside codegen, turns IR nodes into kernel IR ([`autotp_kernels::kir`])
+//! that `autotp-llvm` lowers for every target.
+//!
+//! - [`group`]: a group of nodes (a fusion group, or one node) as one kernel, or the
+//!   [`Refusal`] saying why not. The `fusion` pass asks it whether a group is legal (a group
+//!   is legal exactly when it builds), and codegen asks it for the kernel, so the two cannot
+//!   drift apart.
+//! - [`index_rewrite`]: equality saturation (egg) over the kernels' index arithmetic, which
+//!   codegen runs on every kernel before it stores it.
+
+pub mod group;
+pub mod index_rewrite;
+
+pub use group::{broadcast_index, build, cross_entropy, strided_index, try_build, Built, Refusal};
