@@ -23,6 +23,7 @@ layouts=(
   "--recompute auto --memory-cap 4MiB"
   "--kernels builtin --recompute selective --optimizer sgd --momentum 0.9"
   "--pp 2 --tp 2 --grad-accum 4 --schedule gpipe --lr-schedule cosine --warmup-steps 3"
+  "--precision bf16 --offload-optimizer cpu --dp 2 --zero 2 --grad-accum 2"
 )
 differ=0 same=0
 for model in tests/fixtures/*/model.onnx; do

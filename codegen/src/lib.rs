@@ -17,7 +17,7 @@ pub mod memory;
 use std::collections::{HashMap, HashSet};
 
 use autotp_ir::sharding::local_type;
-use autotp_ir::{Def, Graph, Op, TensorType, ValueId};
+use autotp_ir::{Def, Graph, NodeId, Op, TensorType, ValueId};
 use autotp_program::{
     CollectiveOp, ConstantData, Instruction, MemoryPlan, OptimizerTensor, Program, PtxModule, Region, Slot, Update,
 };
@@ -351,7 +351,6 @@ fn lower_placed(
     offsets: Option<Vec<usize>>,
 ) -> Result<(Program, Option<Vec<usize>>), CodegenError> {
     autotp_ir::verify(graph)?;
-    let mut kernels: Vec<autotp_kernels::kir::Kernel> = Vec::new();
     let mut regions: Vec<Option<Region>> = vec![None; graph.num_values()];
     let mut memory = MemoryPlan::default();
     let mut dedicated = Dedicated::default();
@@ -372,62 +371,138 @@ fn lower_placed(
             constants.push(ConstantData { region, bytes: value.bytes().to_vec() });
         }
     }
-
-    // Values that are another's bytes share its region: a wait's result is its start's output,
-    // and a reshape of an intermediate is the same bytes (no copy). `root` is the value whose
-    // region a value uses.
-    let mut root: Vec<usize> = (0..graph.num_values()).collect();
-    let is_intermediate =
-        |v: ValueId| matches!(graph.value(v).def, Def::Node(n, _) if !matches!(graph.node(n).op, Op::Constant { .. }));
-    for (_, node) in graph.nodes() {
-        let shares = match node.op {
-            Op::Wait => true,
-            Op::Reshape { .. } => is_intermediate(node.inputs[0]),
-            _ => false,
-        };
-        if shares {
-            root[node.outputs[0].index()] = root[node.inputs[0].index()];
-        }
-    }
-    // Transposes read by a matmul alone: the matmul reads their input in place through strides
-    // and they make nothing (their value is their input's bytes, like a reshape's).
-    let layouts = if options.kernels == KernelChoice::Generated { strided_operands(graph) } else { HashMap::new() };
-    for v in layouts.keys() {
-        let Def::Node(transpose, _) = graph.value(*v).def else { unreachable!("a transpose's value") };
-        root[v.index()] = root[graph.node(transpose).inputs[0].index()];
-    }
-    // Last reader of each region; graph outputs stay live to the end.
-    let end = graph.num_nodes();
-    let mut last_use = vec![0usize; graph.num_values()];
-    for (id, node) in graph.nodes() {
-        for v in &node.inputs {
-            last_use[v.index()] = id.index();
-        }
-    }
-    for (_, v) in graph.outputs() {
-        last_use[v.index()] = end;
-    }
-    for (_, v) in graph.updates() {
-        last_use[v.index()] = end;
-    }
-    for v in 0..graph.num_values() {
-        last_use[root[v]] = last_use[root[v]].max(last_use[v]);
-    }
-    // The fusion groups that are multi-tensor optimizer steps, by their first node; offloaded,
-    // guarded by the finiteness of the gradients and in place where that folds.
-    let mut optimizer_steps: HashMap<usize, autotp_kernels::Optimizer> = HashMap::new();
-    let mut guarded = HashMap::new();
+    let lifetimes = Lifetimes::of(graph, options);
+    let allocator = match offsets {
+        Some(offsets) => Arena::replaying(dedicated.next, offsets),
+        None => Arena::first_fit(dedicated.next),
+    };
+    let mut lowering = Lowering {
+        graph,
+        options,
+        regions,
+        by_last_use: vec![Vec::new(); graph.num_nodes() + 1],
+        lifetimes,
+        allocator,
+        live_bytes: 0,
+        memory,
+        instructions: Vec::new(),
+        kernels: Vec::new(),
+        start_instruction: vec![usize::MAX; graph.num_nodes()],
+        in_fused_group: vec![false; graph.num_nodes()],
+    };
+    // Fusion groups that lower to one kernel or optimizer step, by their first node.
+    let mut fusion_at: Vec<Option<&autotp_ir::Fusion>> = vec![None; graph.num_nodes()];
     if options.kernels == KernelChoice::Generated {
+        for f in graph.fusions() {
+            fusion_at[f.nodes.start] = Some(f);
+        }
+    }
+    for (id, node) in graph.nodes() {
+        if matches!(node.op, Op::Constant { .. }) {
+            continue;
+        }
+        // A node its group's kernel computes only releases what dies here.
+        if !lowering.in_fused_group[id.index()] {
+            let step = fusion_at[id.index()]
+                .and_then(|f| Some((f, lowering.lifetimes.optimizer_steps.remove(&f.nodes.start)?)));
+            if let Some((fusion, optimizer)) = step {
+                lowering.optimizer_step(id, fusion, optimizer);
+            } else if !fusion_at[id.index()].is_some_and(|f| lowering.fused_group(id, f)) {
+                lowering.node(id, node);
+            }
+        }
+        lowering.release(id);
+    }
+    lowering.finish(params, inputs, states, constants)
+}
+
+/// Which values share a region and until when each region is read.
+struct Lifetimes {
+    /// The value whose region each value uses (itself, or the value whose bytes it is: a
+    /// wait's start, a reshaped intermediate, a transpose a matmul reads through strides, an
+    /// optimizer step's output written over its input).
+    root: Vec<usize>,
+    /// The last node that reads each value (the end for graph outputs and updates).
+    last_use: Vec<usize>,
+    /// The fusion groups that are multi-tensor optimizer steps, by their first node.
+    optimizer_steps: HashMap<usize, autotp_kernels::Optimizer>,
+    /// Offloaded steps guarded by the finiteness of the gradients, by their first node.
+    guarded: HashMap<usize, GuardedStep>,
+    /// Transposes read by a matmul alone, and how the matmul reads their input in place.
+    layouts: HashMap<ValueId, OperandLayout>,
+}
+
+impl Lifetimes {
+    fn of(graph: &Graph, options: &LowerOptions) -> Lifetimes {
+        // Values that are another's bytes share its region: a wait's result is its start's
+        // output, and a reshape of an intermediate is the same bytes (no copy).
+        let mut root: Vec<usize> = (0..graph.num_values()).collect();
+        let is_intermediate = |v: ValueId| matches!(graph.value(v).def, Def::Node(n, _) if !matches!(graph.node(n).op, Op::Constant { .. }));
+        for (_, node) in graph.nodes() {
+            let shares = match node.op {
+                Op::Wait => true,
+                Op::Reshape { .. } => is_intermediate(node.inputs[0]),
+                _ => false,
+            };
+            if shares {
+                root[node.outputs[0].index()] = root[node.inputs[0].index()];
+            }
+        }
+        // Transposes read by a matmul alone: the matmul reads their input in place through
+        // strides and they make nothing (their value is their input's bytes, like a reshape's).
+        let generated = options.kernels == KernelChoice::Generated;
+        let layouts = if generated { strided_operands(graph) } else { HashMap::new() };
+        for v in layouts.keys() {
+            let Def::Node(transpose, _) = graph.value(*v).def else { unreachable!("a transpose's value") };
+            root[v.index()] = root[graph.node(transpose).inputs[0].index()];
+        }
+        // Last reader of each region; graph outputs stay live to the end.
+        let end = graph.num_nodes();
+        let mut last_use = vec![0usize; graph.num_values()];
+        for (id, node) in graph.nodes() {
+            for v in &node.inputs {
+                last_use[v.index()] = id.index();
+            }
+        }
+        for v in graph.outputs().iter().map(|(_, v)| v).chain(graph.updates().iter().map(|(_, v)| v)) {
+            last_use[v.index()] = end;
+        }
+        for v in 0..graph.num_values() {
+            last_use[root[v]] = last_use[root[v]].max(last_use[v]);
+        }
+        let mut lifetimes =
+            Lifetimes { root, last_use, optimizer_steps: HashMap::new(), guarded: HashMap::new(), layouts };
+        if generated {
+            lifetimes.optimizer_steps_in_place(graph, options);
+        }
+        // A started collective's input lives until its wait (the communication thread reads it).
+        for (id, node) in graph.nodes() {
+            if node.op == Op::Wait {
+                let Def::Node(start, _) = graph.value(node.inputs[0]).def else {
+                    unreachable!("verified: a wait waits for a start")
+                };
+                let input = lifetimes.root[graph.node(start).inputs[0].index()];
+                lifetimes.last_use[input] = lifetimes.last_use[input].max(id.index());
+            }
+        }
+        lifetimes
+    }
+
+    /// Finds the fusion groups that are multi-tensor optimizer steps and lets their outputs
+    /// take their inputs' regions; offloaded, guarded by the finiteness of the gradients and in
+    /// place where that folds.
+    fn optimizer_steps_in_place(&mut self, graph: &Graph, options: &LowerOptions) {
         let steps: Vec<(&autotp_ir::Fusion, autotp_kernels::Optimizer)> = (graph.fusions().iter())
             .filter_map(|f| {
                 Some((f, autotp_ir::lower::multi_tensor_optimizer(graph, &f.node_ids().collect::<Vec<_>>())?))
             })
             .collect();
         if options.offload_optimizer {
-            guarded = guarded_steps(graph, &steps.iter().map(|(f, _)| *f).collect::<Vec<_>>());
+            self.guarded = guarded_steps(graph, &steps.iter().map(|(f, _)| *f).collect::<Vec<_>>());
         }
+        let (root, last_use) = (&mut self.root, &mut self.last_use);
         for (f, optimizer) in steps {
-            match guarded.get(&f.nodes.start) {
+            match self.guarded.get(&f.nodes.start) {
                 Some(step) => {
                     for member in f.node_ids() {
                         let node = graph.node(member);
@@ -449,159 +524,169 @@ fn lower_placed(
                         last_use[held] = last_use[held].max(last_use[copy.index()]).max(last_use[cast.index()]);
                     }
                 }
-                None => update_in_place(graph, f, &mut root, &mut last_use),
+                None => update_in_place(graph, f, root, last_use),
             }
-            optimizer_steps.insert(f.nodes.start, optimizer);
+            self.optimizer_steps.insert(f.nodes.start, optimizer);
         }
     }
-    // A started collective's input lives until its wait (the communication thread reads it).
-    for (id, node) in graph.nodes() {
-        if node.op == Op::Wait {
-            let Def::Node(start, _) = graph.value(node.inputs[0]).def else {
-                unreachable!("verified: a wait waits for a start")
-            };
-            let input = root[graph.node(start).inputs[0].index()];
-            last_use[input] = last_use[input].max(id.index());
+}
+
+/// A graph being lowered: the regions placed and the instructions emitted so far.
+struct Lowering<'g> {
+    graph: &'g Graph,
+    options: &'g LowerOptions,
+    regions: Vec<Option<Region>>,
+    lifetimes: Lifetimes,
+    /// The values whose regions are freed after each node.
+    by_last_use: Vec<Vec<usize>>,
+    allocator: Arena,
+    live_bytes: usize,
+    memory: MemoryPlan,
+    instructions: Vec<Instruction>,
+    kernels: Vec<autotp_kernels::kir::Kernel>,
+    /// The instruction each started collective became (its wait names it).
+    start_instruction: Vec<usize>,
+    /// Nodes a group's kernel or optimizer step computes.
+    in_fused_group: Vec<bool>,
+}
+
+impl Lowering<'_> {
+    fn region(&self, v: &ValueId) -> Region {
+        self.regions[v.index()].expect("defined before use")
+    }
+
+    /// A new region for `o`, made at node `at`, freed after its last use.
+    fn allocate(&mut self, o: ValueId, at: usize) -> Region {
+        let len = local(self.graph, o).size_bytes();
+        let region = Region { offset: self.allocator.alloc(len), len };
+        self.live_bytes += len;
+        self.by_last_use[self.lifetimes.last_use[o.index()].max(at)].push(o.index());
+        self.regions[o.index()] = Some(region);
+        region
+    }
+
+    fn note_peak(&mut self) {
+        self.memory.activations_peak_bytes = self.memory.activations_peak_bytes.max(self.live_bytes);
+    }
+
+    /// Frees the regions of the values that die at node `id`.
+    fn release(&mut self, id: NodeId) {
+        release(
+            std::mem::take(&mut self.by_last_use[id.index()]),
+            &self.regions,
+            &mut self.allocator,
+            &mut self.live_bytes,
+        );
+    }
+
+    /// A fusion group of optimizer updates as one multi-tensor step (see [`Instruction::OptimizerStep`]).
+    fn optimizer_step(&mut self, id: NodeId, fusion: &autotp_ir::Fusion, optimizer: autotp_kernels::Optimizer) {
+        let graph = self.graph;
+        let node = graph.node(id);
+        // One rule, dtype and scalars for all (`multi_tensor_optimizer` checked it).
+        let tensor_inputs = 2 + optimizer.num_states();
+        let dtype = graph.ty(node.inputs[0]).dtype;
+        let scalars = node.inputs[tensor_inputs..].iter().map(|v| self.region(v)).collect();
+        let mut tensors: Vec<OptimizerTensor> = fusion
+            .node_ids()
+            .map(|member| OptimizerTensor {
+                inputs: graph.node(member).inputs[..tensor_inputs].iter().map(|v| self.region(v)).collect(),
+                outputs: vec![],
+                copy: None,
+            })
+            .collect();
+        for (member, tensor) in fusion.node_ids().zip(&mut tensors) {
+            for &o in &graph.node(member).outputs {
+                let root = self.lifetimes.root[o.index()];
+                let placed = if root != o.index() {
+                    let placed = self.regions[root].expect("an in-place output's input is placed");
+                    self.regions[o.index()] = Some(placed);
+                    placed
+                } else {
+                    self.allocate(o, id.index())
+                };
+                tensor.outputs.push(placed);
+            }
+        }
+        // Guarded: the selects and casts after the step are its work, in place.
+        let mut guard = None;
+        if let Some(step) = self.lifetimes.guarded.get(&fusion.nodes.start) {
+            let root = &self.lifetimes.root;
+            guard = Some(self.regions[root[step.guard.index()]].expect("the guard is computed before the step"));
+            for &folded in &step.folded {
+                for &o in &graph.node(folded).outputs {
+                    self.regions[o.index()] = self.regions[root[o.index()]];
+                }
+                self.in_fused_group[folded.index()] = true;
+            }
+            for (tensor, copy) in tensors.iter_mut().zip(&step.copies) {
+                if let Some((copy, _)) = copy {
+                    let region = self.regions[copy.index()].expect("the parameter's region");
+                    tensor.copy = Some((region, graph.ty(*copy).dtype));
+                }
+            }
+        }
+        self.note_peak();
+        let label = format!(
+            "fusion {}, nodes {}..{} ({})",
+            fusion.name,
+            fusion.nodes.start,
+            fusion.nodes.end,
+            optimizer.multi_tensor_name()
+        );
+        self.instructions.push(Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, guard, label });
+        for member in fusion.nodes.clone() {
+            self.in_fused_group[member] = true;
         }
     }
-    let mut by_last_use: Vec<Vec<usize>> = vec![Vec::new(); end + 1];
-    let mut allocator = match offsets {
-        Some(offsets) => Arena::replaying(dedicated.next, offsets),
-        None => Arena::first_fit(dedicated.next),
-    };
-    let mut live_bytes = 0usize;
-    let mut instructions = Vec::new();
-    let mut start_instruction = vec![usize::MAX; graph.num_nodes()];
-    // Fusion groups that lower to one generated kernel, built when their first node comes.
-    let mut in_fused_group = vec![false; graph.num_nodes()];
-    let mut fusion_at: Vec<Option<&autotp_ir::Fusion>> = vec![None; graph.num_nodes()];
-    if options.kernels == KernelChoice::Generated {
-        for f in graph.fusions() {
-            fusion_at[f.nodes.start] = Some(f);
+
+    /// A fusion group as one generated kernel, when the kernel builder makes one; `false` (and
+    /// nothing emitted) when it does not, and the group's nodes lower one by one.
+    fn fused_group(&mut self, id: NodeId, fusion: &autotp_ir::Fusion) -> bool {
+        let graph = self.graph;
+        let nodes: Vec<_> = fusion.node_ids().collect();
+        let fused_outputs = fusion_outputs(graph, fusion, &self.lifetimes.last_use);
+        let Some(built) = autotp_kernelgen::try_build(graph, &nodes, &fused_outputs) else { return false };
+        for o in &fused_outputs {
+            self.allocate(*o, id.index());
         }
+        self.note_peak();
+        let inputs = built.inputs.iter().map(|v| self.region(v)).collect();
+        let outputs = fused_outputs.iter().map(|v| self.region(v)).collect();
+        let kernel = intern(&mut self.kernels, built.kernel);
+        let label = format!(
+            "fusion {}, nodes {}..{} (fused:{})",
+            fusion.name, fusion.nodes.start, fusion.nodes.end, self.kernels[kernel].name
+        );
+        self.instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
+        for member in fusion.nodes.clone() {
+            self.in_fused_group[member] = true;
+        }
+        true
     }
-    for (id, node) in graph.nodes() {
-        if matches!(node.op, Op::Constant { .. }) {
-            continue;
-        }
-        if in_fused_group[id.index()] {
-            // Computed by its group's kernel: only release what dies here.
-            release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
-            continue;
-        }
-        if let Some((fusion, optimizer)) =
-            fusion_at[id.index()].and_then(|f| Some((f, optimizer_steps.remove(&f.nodes.start)?)))
-        {
-            let region = |v: &ValueId| regions[v.index()].expect("defined before use");
-            // One rule, dtype and scalars for all (`multi_tensor_optimizer` checked it).
-            let tensor_inputs = 2 + optimizer.num_states();
-            let dtype = graph.ty(node.inputs[0]).dtype;
-            let scalars = node.inputs[tensor_inputs..].iter().map(region).collect();
-            let mut tensors: Vec<OptimizerTensor> = fusion
-                .node_ids()
-                .map(|member| OptimizerTensor {
-                    inputs: graph.node(member).inputs[..tensor_inputs].iter().map(region).collect(),
-                    outputs: vec![],
-                    copy: None,
-                })
-                .collect();
-            for (member, tensor) in fusion.node_ids().zip(&mut tensors) {
-                for &o in &graph.node(member).outputs {
-                    let placed = if root[o.index()] != o.index() {
-                        regions[root[o.index()]].expect("an in-place output's input is placed")
-                    } else {
-                        let len = local(graph, o).size_bytes();
-                        let placed = Region { offset: allocator.alloc(len), len };
-                        live_bytes += len;
-                        by_last_use[last_use[o.index()].max(id.index())].push(o.index());
-                        placed
-                    };
-                    regions[o.index()] = Some(placed);
-                    tensor.outputs.push(placed);
-                }
-            }
-            // Guarded: the selects and casts after the step are its work, in place.
-            let mut guard = None;
-            if let Some(step) = guarded.get(&fusion.nodes.start) {
-                guard = Some(regions[root[step.guard.index()]].expect("the guard is computed before the step"));
-                for &folded in &step.folded {
-                    for &o in &graph.node(folded).outputs {
-                        regions[o.index()] = regions[root[o.index()]];
-                    }
-                    in_fused_group[folded.index()] = true;
-                }
-                for (tensor, copy) in tensors.iter_mut().zip(&step.copies) {
-                    if let Some((copy, _)) = copy {
-                        let region = regions[copy.index()].expect("the parameter's region");
-                        tensor.copy = Some((region, graph.ty(*copy).dtype));
-                    }
-                }
-            }
-            memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
-            let label = format!(
-                "fusion {}, nodes {}..{} ({})",
-                fusion.name,
-                fusion.nodes.start,
-                fusion.nodes.end,
-                optimizer.multi_tensor_name()
-            );
-            instructions.push(Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, guard, label });
-            for member in fusion.nodes.clone() {
-                in_fused_group[member] = true;
-            }
-            release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
-            continue;
-        }
-        let fused = fusion_at[id.index()].and_then(|f| {
-            let nodes: Vec<_> = f.node_ids().collect();
-            let outputs = fusion_outputs(graph, f, &last_use);
-            autotp_kernelgen::try_build(graph, &nodes, &outputs).map(|built| (f, built, outputs))
-        });
-        if let Some((fusion, built, fused_outputs)) = fused {
-            for o in &fused_outputs {
-                let len = local(graph, *o).size_bytes();
-                regions[o.index()] = Some(Region { offset: allocator.alloc(len), len });
-                live_bytes += len;
-                by_last_use[last_use[o.index()].max(id.index())].push(o.index());
-            }
-            memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
-            let region = |v: &ValueId| regions[v.index()].expect("defined before use");
-            let inputs = built.inputs.iter().map(region).collect();
-            let outputs = fused_outputs.iter().map(region).collect();
-            let kernel = intern(&mut kernels, built.kernel);
-            let label = format!(
-                "fusion {}, nodes {}..{} (fused:{})",
-                fusion.name, fusion.nodes.start, fusion.nodes.end, kernels[kernel].name
-            );
-            instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
-            for member in fusion.nodes.clone() {
-                in_fused_group[member] = true;
-            }
-            release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
-            continue;
-        }
-        let shared = node.outputs.first().filter(|o| root[o.index()] != o.index());
+
+    /// One node: a wait or a value sharing another's region, a collective, a pipeline message,
+    /// a generated kernel, or its builtin kernel.
+    fn node(&mut self, id: NodeId, node: &autotp_ir::Node) {
+        let graph = self.graph;
+        let shared = node.outputs.first().filter(|o| self.lifetimes.root[o.index()] != o.index());
         if let Some(&out) = shared {
-            regions[out.index()] = regions[root[out.index()]];
+            self.regions[out.index()] = self.regions[self.lifetimes.root[out.index()]];
             if node.op == Op::Wait {
                 let Def::Node(start, _) = graph.value(node.inputs[0]).def else { unreachable!("verified") };
                 let label = format!("node {} (wait)", id.index());
-                instructions.push(Instruction::Wait { start: start_instruction[start.index()], label });
+                self.instructions.push(Instruction::Wait { start: self.start_instruction[start.index()], label });
             }
-            release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
-            continue;
+            return;
         }
         for &o in &node.outputs {
-            let len = local(graph, o).size_bytes();
-            regions[o.index()] = Some(Region { offset: allocator.alloc(len), len });
-            live_bytes += len;
-            let dies = if last_use[o.index()] > id.index() { last_use[o.index()] } else { id.index() };
-            by_last_use[dies].push(o.index());
+            self.allocate(o, id.index());
         }
-        memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes);
+        self.note_peak();
         let label = format!("node {} ({})", id.index(), node.op.name());
-        let inputs: Vec<Region> = node.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect();
-        let outputs: Vec<Region> = node.outputs.iter().map(|v| regions[v.index()].expect("just placed")).collect();
+        let inputs: Vec<Region> = node.inputs.iter().map(|v| self.region(v)).collect();
+        let outputs: Vec<Region> = node.outputs.iter().map(|v| self.region(v)).collect();
+        let generated = self.options.kernels == KernelChoice::Generated;
         if let Op::Collective { kind, axis, start } = &node.op {
             let input = local(graph, node.inputs[0]);
             let op = CollectiveOp {
@@ -612,99 +697,117 @@ fn lower_placed(
             };
             let (input, output) = (inputs[0], outputs[0]);
             if *start {
-                start_instruction[id.index()] = instructions.len();
-                instructions.push(Instruction::CollectiveStart { op, input, output, label });
+                self.start_instruction[id.index()] = self.instructions.len();
+                self.instructions.push(Instruction::CollectiveStart { op, input, output, label });
             } else {
-                instructions.push(Instruction::Collective { op, input, output, label });
+                self.instructions.push(Instruction::Collective { op, input, output, label });
             }
         } else if let Op::Send { to, tag, .. } = node.op {
-            instructions.push(Instruction::Send { input: inputs[0], to, tag, label });
+            self.instructions.push(Instruction::Send { input: inputs[0], to, tag, label });
         } else if let Op::Recv { from, tag, .. } = node.op {
-            instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });
-        } else if let Some([rows, total]) =
-            (options.kernels == KernelChoice::Generated).then(|| autotp_kernelgen::cross_entropy(graph, id)).flatten()
+            self.instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });
+        } else if let Some([rows, total]) = generated.then(|| autotp_kernelgen::cross_entropy(graph, id)).flatten() {
+            self.cross_entropy(rows, total, inputs, outputs[0], label);
+        } else if let Some(built) =
+            generated.then(|| autotp_kernelgen::try_build(graph, &[id], &node.outputs)).flatten()
         {
-            // Per-row losses and counts in a scratch region that dies with the loss kernel.
-            let row_bytes = rows.buffers[2].len * 4;
-            let scratch = [allocator.alloc(row_bytes), allocator.alloc(row_bytes)]
-                .map(|offset| Region { offset, len: row_bytes });
-            memory.activations_peak_bytes = memory.activations_peak_bytes.max(live_bytes + 2 * row_bytes);
-            let rows = intern(&mut kernels, rows);
-            let total = intern(&mut kernels, total);
-            let loss = outputs[0];
-            instructions.push(Instruction::Generated {
-                kernel: rows,
-                inputs,
-                outputs: scratch.to_vec(),
-                label: label.clone(),
-            });
-            instructions.push(Instruction::Generated {
-                kernel: total,
-                inputs: scratch.to_vec(),
-                outputs: vec![loss],
-                label,
-            });
-            for region in scratch {
-                allocator.free(region.offset);
-            }
-        } else if let Some(built) = (options.kernels == KernelChoice::Generated)
-            .then(|| autotp_kernelgen::try_build(graph, &[id], &node.outputs))
-            .flatten()
-        {
-            let kernel = intern(&mut kernels, built.kernel);
-            let inputs = built.inputs.iter().map(|v| regions[v.index()].expect("defined before use")).collect();
-            instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
+            let kernel = intern(&mut self.kernels, built.kernel);
+            let inputs = built.inputs.iter().map(|v| self.region(v)).collect();
+            self.instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
         } else {
             let mut kernel = autotp_ir::lower::node_kernel(graph, node)
                 .expect("constants, collectives and pipeline communication are handled apart");
             if let Kernel::MatMul { dims, .. } = &mut kernel {
-                dims.lhs_layout = layouts.get(&node.inputs[0]).cloned();
-                dims.rhs_layout = layouts.get(&node.inputs[1]).cloned();
+                dims.lhs_layout = self.lifetimes.layouts.get(&node.inputs[0]).cloned();
+                dims.rhs_layout = self.lifetimes.layouts.get(&node.inputs[1]).cloned();
             }
-            instructions.push(Instruction::Kernel { kernel, inputs, outputs, label });
+            self.instructions.push(Instruction::Kernel { kernel, inputs, outputs, label });
         }
-        release(std::mem::take(&mut by_last_use[id.index()]), &regions, &mut allocator, &mut live_bytes);
     }
-    memory.arena_bytes = allocator.high_water();
-    memory.grads_bytes = graph
-        .nodes()
-        .filter(|(_, n)| matches!(n.op, Op::AdamW { .. } | Op::Sgd { .. }))
-        .map(|(_, n)| local(graph, n.inputs[1]).size_bytes())
-        .sum();
 
-    let outputs = graph
-        .outputs()
-        .iter()
-        .map(|(name, v)| {
-            // An output that is an input or parameter directly still has a region.
-            let region = regions[v.index()].expect("outputs are defined");
-            slot(graph, *v, name.clone(), region)
-        })
-        .collect();
-    // Updates made in place (the optimizer step wrote the target's own region) copy nothing.
-    let updates = graph
-        .updates()
-        .iter()
-        .map(|(target, value)| Update {
-            from: regions[value.index()].expect("update values are defined"),
-            to: regions[target.index()].expect("targets are parameters or states"),
-        })
-        .filter(|u| u.from != u.to)
-        .collect();
-    let mesh = graph.mesh.axes.clone();
-    let program = Program {
-        name: graph.name.clone(),
-        mesh,
-        inputs,
-        outputs,
-        params,
-        states,
-        constants,
-        updates,
-        instructions,
-        kernels,
-        ptx: Vec::new(),
-        memory,
-    };
-    Ok((program, allocator.planned()))
+    /// A mean cross-entropy as two generated kernels: per-row losses and counts into a
+    /// scratch region that dies with the second, which sums them into `loss`.
+    fn cross_entropy(
+        &mut self,
+        rows: autotp_kernels::kir::Kernel,
+        total: autotp_kernels::kir::Kernel,
+        inputs: Vec<Region>,
+        loss: Region,
+        label: String,
+    ) {
+        let row_bytes = rows.buffers[2].len * 4;
+        let scratch = [self.allocator.alloc(row_bytes), self.allocator.alloc(row_bytes)]
+            .map(|offset| Region { offset, len: row_bytes });
+        self.memory.activations_peak_bytes = self.memory.activations_peak_bytes.max(self.live_bytes + 2 * row_bytes);
+        let rows = intern(&mut self.kernels, rows);
+        let total = intern(&mut self.kernels, total);
+        self.instructions.push(Instruction::Generated {
+            kernel: rows,
+            inputs,
+            outputs: scratch.to_vec(),
+            label: label.clone(),
+        });
+        self.instructions.push(Instruction::Generated {
+            kernel: total,
+            inputs: scratch.to_vec(),
+            outputs: vec![loss],
+            label,
+        });
+        for region in scratch {
+            self.allocator.free(region.offset);
+        }
+    }
+
+    /// The program, with its outputs, updates and memory plan.
+    fn finish(
+        self,
+        params: Vec<Slot>,
+        inputs: Vec<Slot>,
+        states: Vec<Slot>,
+        constants: Vec<ConstantData>,
+    ) -> Result<(Program, Option<Vec<usize>>), CodegenError> {
+        let graph = self.graph;
+        let mut memory = self.memory;
+        memory.arena_bytes = self.allocator.high_water();
+        memory.grads_bytes = graph
+            .nodes()
+            .filter(|(_, n)| matches!(n.op, Op::AdamW { .. } | Op::Sgd { .. }))
+            .map(|(_, n)| local(graph, n.inputs[1]).size_bytes())
+            .sum();
+        let regions = &self.regions;
+        let outputs = graph
+            .outputs()
+            .iter()
+            .map(|(name, v)| {
+                // An output that is an input or parameter directly still has a region.
+                let region = regions[v.index()].expect("outputs are defined");
+                slot(graph, *v, name.clone(), region)
+            })
+            .collect();
+        // Updates made in place (the optimizer step wrote the target's own region) copy nothing.
+        let updates = graph
+            .updates()
+            .iter()
+            .map(|(target, value)| Update {
+                from: regions[value.index()].expect("update values are defined"),
+                to: regions[target.index()].expect("targets are parameters or states"),
+            })
+            .filter(|u| u.from != u.to)
+            .collect();
+        let program = Program {
+            name: graph.name.clone(),
+            mesh: graph.mesh.axes.clone(),
+            inputs,
+            outputs,
+            params,
+            states,
+            constants,
+            updates,
+            instructions: self.instructions,
+            kernels: self.kernels,
+            ptx: Vec::new(),
+            memory,
+        };
+        Ok((program, self.allocator.planned()))
+    }
 }
