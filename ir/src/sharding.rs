@@ -71,6 +71,151 @@ fn divisible(shape: &[usize], d: usize, n: usize) -> bool {
     shape.get(d).is_some_and(|&s| s % n == 0 && s >= n)
 }
 
+/// The rule of an elementwise op (with broadcasting): follow the biggest sharded operand, keep
+/// partial sums through linear ops, else replicate.
+fn elementwise_rule(op: &Op, inputs: &[&TensorType], out0: &[usize], current: &[Placement], n: usize) -> AxisRule {
+    use Placement::{PartialSum, Replicate, Shard};
+    let ni = inputs.len();
+    let all_partial = !current.is_empty() && current.iter().all(|p| *p == PartialSum);
+    let rank = out0.len();
+    // The output dim of an input's dim, when the input is not broadcast along it.
+    let out_dim = |i: usize, d: usize| {
+        let offset = rank - inputs[i].rank();
+        (inputs[i].shape[d] == out0[d + offset]).then_some(d + offset)
+    };
+    // Follow the biggest sharded operand (the activation, not a bias added to it).
+    let mut by_size: Vec<usize> = (0..ni).collect();
+    by_size.sort_by_key(|&i| std::cmp::Reverse(inputs[i].numel()));
+    let target = by_size.into_iter().find_map(|i| match current[i] {
+        Shard(d) => out_dim(i, d).filter(|&o| divisible(out0, o, n)),
+        _ => None,
+    });
+    if let Some(o) = target {
+        let needs = (0..ni)
+            .map(|i| {
+                let offset = rank - inputs[i].rank();
+                match o.checked_sub(offset) {
+                    Some(d) if inputs[i].shape[d] == out0[o] => Shard(d),
+                    _ => Replicate,
+                }
+            })
+            .collect();
+        return AxisRule { inputs: needs, outputs: vec![Shard(o)] };
+    }
+    let linear = match op {
+        Op::Unary(UnaryOp::Neg) => all_partial,
+        // A widening float cast of a partial sum is summed in the wider type (mixed
+        // precision's 16-bit gradients reduced in f32, as DeepSpeed and Megatron do).
+        Op::Cast { to } => all_partial && widens(inputs[0].dtype, *to),
+        Op::Binary(BinaryOp::Add | BinaryOp::Sub) => all_partial,
+        Op::Binary(BinaryOp::Mul) => {
+            matches!(current, [PartialSum, Replicate] | [Replicate, PartialSum])
+        }
+        Op::Binary(BinaryOp::Div) => matches!(current, [PartialSum, Replicate]),
+        _ => false,
+    };
+    if linear {
+        AxisRule { inputs: current.to_vec(), outputs: vec![PartialSum] }
+    } else {
+        AxisRule::replicated(ni, 1)
+    }
+}
+
+/// The rule of cross-entropy and NLL losses: scores `[N, C, ...]` and labels sharded on a
+/// position dim (never the classes); a mean over sharded positions is not a sum of local
+/// means, so only the per-position and summed losses follow a split.
+fn class_loss_rule(reduction: Reduction, current: &[Placement], ni: usize, no: usize) -> AxisRule {
+    use Placement::{PartialSum, Replicate, Shard};
+    // Scores [N, C, ...] sharded on a position dim (not the classes), labels alike. A mean
+    // over sharded positions is not a sum of local means: the pass rewrites it first.
+    let position = match current[0] {
+        Shard(d) if d != 1 => Some((d, if d == 0 { 0 } else { d - 1 })),
+        _ => match current[1] {
+            Shard(l) => Some((if l == 0 { 0 } else { l + 1 }, l)),
+            _ => None,
+        },
+    };
+    match (position, &reduction) {
+        (Some((d, l)), Reduction::None | Reduction::Sum) => {
+            let mut needs = vec![Shard(d), Shard(l)];
+            needs.extend(std::iter::repeat_n(Replicate, ni - 2));
+            let loss = if reduction == Reduction::Sum { PartialSum } else { Shard(l) };
+            let mut outs = vec![loss];
+            if no == 2 {
+                outs.push(Shard(d));
+            }
+            AxisRule { inputs: needs, outputs: outs }
+        }
+        _ => AxisRule::replicated(ni, no),
+    }
+}
+
+/// The rules of `gather_nd` and `scatter_nd`: indices that pick rows of the first `k` dims
+/// leave the sliced dims after them free to stay split.
+fn nd_rule(op: &Op, inputs: &[&TensorType], current: &[Placement]) -> AxisRule {
+    use Placement::{Replicate, Shard};
+    let k = *inputs[1].shape.last().unwrap_or(&0);
+    let batch = inputs[1].rank().saturating_sub(1);
+    if *op == Op::GatherNd {
+        return match current[0] {
+            Shard(d) if d >= k => AxisRule { inputs: vec![Shard(d), Replicate], outputs: vec![Shard(batch + d - k)] },
+            _ => AxisRule::replicated(2, 1),
+        };
+    }
+    let from_updates = match current[2] {
+        Shard(u) if u >= batch => Some(k + u - batch),
+        _ => None,
+    };
+    let d = match current[0] {
+        Shard(d) if d >= k => Some(d),
+        _ => from_updates,
+    };
+    match d {
+        Some(d) => AxisRule { inputs: vec![Shard(d), Replicate, Shard(batch + d - k)], outputs: vec![Shard(d)] },
+        None => AxisRule::replicated(3, 1),
+    }
+}
+
+/// The rules of `gather` (an embedding's lookup: a table split along the looked-up axis gives
+/// partial sums, each rank's rows) and of its gradient `scatter_add`.
+fn lookup_rule(op: &Op, inputs: &[&TensorType], current: &[Placement]) -> AxisRule {
+    use Placement::{PartialSum, Replicate, Shard};
+    match *op {
+        Op::Gather { axis } => {
+            let index_rank = inputs[1].rank();
+            match (current[0], current[1]) {
+                (_, Shard(i)) => AxisRule { inputs: vec![Replicate, Shard(i)], outputs: vec![Shard(axis + i)] },
+                (Shard(d), _) if d != axis => {
+                    let o = if d < axis { d } else { d + index_rank - 1 };
+                    AxisRule { inputs: vec![Shard(d), Replicate], outputs: vec![Shard(o)] }
+                }
+                (PartialSum, _) => AxisRule { inputs: vec![PartialSum, Replicate], outputs: vec![PartialSum] },
+                // The table split along the looked-up axis (a vocabulary-parallel embedding):
+                // each rank looks up the rows it holds and gives zeros for the others' (an
+                // `IndexBlock` kernel), so the ranks' results sum to the lookup.
+                (Shard(_), Replicate) => AxisRule { inputs: vec![current[0], Replicate], outputs: vec![PartialSum] },
+                _ => AxisRule::replicated(2, 1),
+            }
+        }
+        Op::ScatterAdd { axis, .. } => {
+            let index_rank = inputs[0].rank();
+            match (current[0], current[1]) {
+                (_, Shard(u)) if u >= axis && u < axis + index_rank => {
+                    AxisRule { inputs: vec![Shard(u - axis), Shard(u)], outputs: vec![PartialSum] }
+                }
+                (Shard(i), _) => AxisRule { inputs: vec![Shard(i), Shard(axis + i)], outputs: vec![PartialSum] },
+                (_, Shard(u)) => {
+                    let o = if u < axis { u } else { u + 1 - index_rank };
+                    AxisRule { inputs: vec![Replicate, Shard(u)], outputs: vec![Shard(o)] }
+                }
+                (_, PartialSum) => AxisRule { inputs: vec![Replicate, PartialSum], outputs: vec![PartialSum] },
+                _ => AxisRule::replicated(2, 1),
+            }
+        }
+        _ => unreachable!("axis_rule sends only gathers and scatter-adds here"),
+    }
+}
+
 /// The sharding rule of `op` along the mesh axis `axis`, for inputs arriving in `current`.
 /// Types are global. Rules follow a sharded input where the op allows it (so data parallelism
 /// and tensor parallelism flow through the graph without communication), keep partial sums
@@ -101,48 +246,7 @@ pub fn axis_rule(
         // A collective over another axis leaves this one as it is; so does waiting for one.
         Op::Collective { .. } | Op::Wait => AxisRule { inputs: current.to_vec(), outputs: current.to_vec() },
         Op::Unary(_) | Op::Binary(_) | Op::Select | Op::Cast { .. } | Op::Gelu { .. } => {
-            let rank = out0.len();
-            // The output dim of an input's dim, when the input is not broadcast along it.
-            let out_dim = |i: usize, d: usize| {
-                let offset = rank - inputs[i].rank();
-                (inputs[i].shape[d] == out0[d + offset]).then_some(d + offset)
-            };
-            // Follow the biggest sharded operand (the activation, not a bias added to it).
-            let mut by_size: Vec<usize> = (0..ni).collect();
-            by_size.sort_by_key(|&i| std::cmp::Reverse(inputs[i].numel()));
-            let target = by_size.into_iter().find_map(|i| match current[i] {
-                Shard(d) => out_dim(i, d).filter(|&o| divisible(out0, o, n)),
-                _ => None,
-            });
-            if let Some(o) = target {
-                let needs = (0..ni)
-                    .map(|i| {
-                        let offset = rank - inputs[i].rank();
-                        match o.checked_sub(offset) {
-                            Some(d) if inputs[i].shape[d] == out0[o] => Shard(d),
-                            _ => Replicate,
-                        }
-                    })
-                    .collect();
-                return AxisRule { inputs: needs, outputs: vec![Shard(o)] };
-            }
-            let linear = match op {
-                Op::Unary(UnaryOp::Neg) => all_partial,
-                // A widening float cast of a partial sum is summed in the wider type (mixed
-                // precision's 16-bit gradients reduced in f32, as DeepSpeed and Megatron do).
-                Op::Cast { to } => all_partial && widens(inputs[0].dtype, *to),
-                Op::Binary(BinaryOp::Add | BinaryOp::Sub) => all_partial,
-                Op::Binary(BinaryOp::Mul) => {
-                    matches!(current, [PartialSum, Replicate] | [Replicate, PartialSum])
-                }
-                Op::Binary(BinaryOp::Div) => matches!(current, [PartialSum, Replicate]),
-                _ => false,
-            };
-            if linear {
-                AxisRule { inputs: current.to_vec(), outputs: vec![PartialSum] }
-            } else {
-                AxisRule::replicated(ni, no)
-            }
+            elementwise_rule(op, inputs, out0, current, n)
         }
         Op::Reduce { op: reduce, axes, keep_dims } => match current[0] {
             Shard(d) if !axes.contains(&d) => {
@@ -203,37 +307,7 @@ pub fn axis_rule(
                 _ => AxisRule::replicated(1, 1),
             }
         }
-        Op::Gather { axis } => {
-            let index_rank = inputs[1].rank();
-            match (current[0], current[1]) {
-                (_, Shard(i)) => AxisRule { inputs: vec![Replicate, Shard(i)], outputs: vec![Shard(axis + i)] },
-                (Shard(d), _) if d != *axis => {
-                    let o = if d < *axis { d } else { d + index_rank - 1 };
-                    AxisRule { inputs: vec![Shard(d), Replicate], outputs: vec![Shard(o)] }
-                }
-                (PartialSum, _) => AxisRule { inputs: vec![PartialSum, Replicate], outputs: vec![PartialSum] },
-                // The table split along the looked-up axis (a vocabulary-parallel embedding):
-                // each rank looks up the rows it holds and gives zeros for the others' (an
-                // `IndexBlock` kernel), so the ranks' results sum to the lookup.
-                (Shard(_), Replicate) => AxisRule { inputs: vec![current[0], Replicate], outputs: vec![PartialSum] },
-                _ => AxisRule::replicated(2, 1),
-            }
-        }
-        Op::ScatterAdd { axis, .. } => {
-            let index_rank = inputs[0].rank();
-            match (current[0], current[1]) {
-                (_, Shard(u)) if u >= *axis && u < axis + index_rank => {
-                    AxisRule { inputs: vec![Shard(u - axis), Shard(u)], outputs: vec![PartialSum] }
-                }
-                (Shard(i), _) => AxisRule { inputs: vec![Shard(i), Shard(axis + i)], outputs: vec![PartialSum] },
-                (_, Shard(u)) => {
-                    let o = if u < *axis { u } else { u + 1 - index_rank };
-                    AxisRule { inputs: vec![Replicate, Shard(u)], outputs: vec![Shard(o)] }
-                }
-                (_, PartialSum) => AxisRule { inputs: vec![Replicate, PartialSum], outputs: vec![PartialSum] },
-                _ => AxisRule::replicated(2, 1),
-            }
-        }
+        Op::Gather { .. } | Op::ScatterAdd { .. } => lookup_rule(op, inputs, current),
         Op::Pad { begin, end, value } => match current[0] {
             Shard(d) if begin[d] == 0 && end[d] == 0 => AxisRule::all(1, 1, Shard(d)),
             PartialSum if *value == 0.0 => AxisRule::all(1, 1, PartialSum),
@@ -262,58 +336,9 @@ pub fn axis_rule(
             _ => AxisRule::replicated(ni, 1),
         },
         Op::CrossEntropy { reduction, .. } | Op::NllLoss { reduction, .. } => {
-            // Scores [N, C, ...] sharded on a position dim (not the classes), labels alike. A mean
-            // over sharded positions is not a sum of local means: the pass rewrites it first.
-            let position = match current[0] {
-                Shard(d) if d != 1 => Some((d, if d == 0 { 0 } else { d - 1 })),
-                _ => match current[1] {
-                    Shard(l) => Some((if l == 0 { 0 } else { l + 1 }, l)),
-                    _ => None,
-                },
-            };
-            match (position, reduction) {
-                (Some((d, l)), Reduction::None | Reduction::Sum) => {
-                    let mut needs = vec![Shard(d), Shard(l)];
-                    needs.extend(std::iter::repeat_n(Replicate, ni - 2));
-                    let loss = if *reduction == Reduction::Sum { PartialSum } else { Shard(l) };
-                    let mut outs = vec![loss];
-                    if no == 2 {
-                        outs.push(Shard(d));
-                    }
-                    AxisRule { inputs: needs, outputs: outs }
-                }
-                _ => AxisRule::replicated(ni, no),
-            }
+            class_loss_rule(*reduction, current, ni, no)
         }
-        // Indices that pick rows of the first k dims: the sliced dims after them keep a split.
-        Op::GatherNd => {
-            let k = *inputs[1].shape.last().unwrap_or(&0);
-            let batch = inputs[1].rank().saturating_sub(1);
-            match current[0] {
-                Shard(d) if d >= k => {
-                    AxisRule { inputs: vec![Shard(d), Replicate], outputs: vec![Shard(batch + d - k)] }
-                }
-                _ => AxisRule::replicated(2, 1),
-            }
-        }
-        Op::ScatterNd { .. } => {
-            let k = *inputs[1].shape.last().unwrap_or(&0);
-            let batch = inputs[1].rank().saturating_sub(1);
-            let from_updates = match current[2] {
-                Shard(u) if u >= batch => Some(k + u - batch),
-                _ => None,
-            };
-            let d = match current[0] {
-                Shard(d) if d >= k => Some(d),
-                _ => from_updates,
-            };
-            match d {
-                Some(d) => {
-                    AxisRule { inputs: vec![Shard(d), Replicate, Shard(batch + d - k)], outputs: vec![Shard(d)] }
-                }
-                None => AxisRule::replicated(3, 1),
-            }
-        }
+        Op::GatherNd | Op::ScatterNd { .. } => nd_rule(op, inputs, current),
         Op::GatherElements { .. } => AxisRule::replicated(ni, no),
         Op::ScatterElements { axis, .. } => match current[1] {
             Shard(d) if d != *axis => AxisRule::all(2, 1, Shard(d)),
