@@ -81,5 +81,5 @@ for spec in models:
     new = [step(f"{work}/{name}.new.{r}.jsonl") for r in range(1, rounds + 1)]
     assert old[-1][1] == new[-1][1], f"{name}: the builds' losses differ: {old[-1][1]} {new[-1][1]}"
     row(f"{name} {g}x{s} step (ms)", [o[0] for o in old], [n[0] for n in new])
-print(f"GPT-2 124M plans byte-identical: {same}; every model's loss after {len(models) and 'the run'} equal")
+print(f"GPT-2 124M plans byte-identical: {same}; every model's last loss equal on both builds")
 PY

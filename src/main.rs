@@ -220,19 +220,9 @@ pub(crate) fn refuse_overwrite(destination: &Path, kept: &Path, what: &str) -> R
     Ok(())
 }
 
-/// The error and its causes on one line. Library errors often repeat their cause in their own
-/// message; a cause the message already ends with is not repeated.
+/// The error and its causes on one line ([`autotp_compiler::render_error`]).
 pub(crate) fn render(error: &anyhow::Error) -> String {
-    let mut message = String::new();
-    for cause in error.chain() {
-        let text = cause.to_string();
-        if message.is_empty() {
-            message = text;
-        } else if !message.ends_with(&text) {
-            message = format!("{message}: {text}");
-        }
-    }
-    message
+    autotp_compiler::render_error(error.as_ref())
 }
 
 /// Lets a closed standard output (`autotp plan ... | head`) end the process quietly, as it

@@ -58,3 +58,18 @@ pub enum CompileError {
 pub(crate) fn refused(message: impl Into<String>) -> CompileError {
     CompileError::Options(message.into())
 }
+
+/// An error and its causes on one line, as the CLI prints them; a cause the message already
+/// ends with is not repeated (library errors often repeat their cause in their message).
+pub fn render_error(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        let text = e.to_string();
+        if !message.ends_with(&text) {
+            message = format!("{message}: {text}");
+        }
+        cause = e.source();
+    }
+    message
+}

@@ -4,8 +4,6 @@
 //! schedule, the micro-batches, ZeRO's and the pipeline's settings, the loss scaler, the
 //! offload files) is kept typed for the compile steps.
 
-use std::path::PathBuf;
-
 use autotp_passes::optimize::Optimizer;
 use autotp_passes::pipeline::{PipelineBackward, PipelineSchedule};
 use autotp_passes::zero::{Prefetch, ZeroConfig};
@@ -145,11 +143,6 @@ impl CompileOptions {
             Kernels::Generated => autotp_codegen::KernelChoice::Generated,
             Kernels::Builtin => autotp_codegen::KernelChoice::Builtin,
         }
-    }
-
-    /// The directory `--dump-ir` writes into.
-    pub fn dump_ir(&self) -> Option<&PathBuf> {
-        self.flags.dump_ir.as_ref()
     }
 }
 

@@ -35,14 +35,9 @@ impl Recomputation {
         }
     }
 
-    /// Whether anything may be recomputed (the plan then records what).
+    /// Whether anything may be recomputed (the plan then records what, and its figures).
     pub fn rewrites(&self) -> bool {
         self.flag != RecomputeFlag::None
-    }
-
-    /// Whether the plan records a summary.
-    pub fn recorded(&self) -> bool {
-        self.rewrites()
     }
 
     pub fn empty_summary(&self) -> RecomputeSummary {

@@ -43,15 +43,13 @@ use crate::{CompileError, CompileOptions};
 pub struct CompileState {
     /// The model's graph, or each pipeline stage's once the split has run.
     pub graphs: Vec<Graph>,
-    /// Whether the graphs are pipeline stages.
-    pub pipelined: bool,
     /// Each stage's part in the clipping norm (from the split).
     pub norms: Vec<Option<StageNorm>>,
     /// The pipeline's description for the plan (from the split).
     pub pipeline: Option<PipelineConfig>,
     /// What each stage recomputes, and what it saves and costs (from `fusion` or `recompute`).
     pub recompute: Option<RecomputeSummary>,
-    /// Per stage, each weight the tensor-parallel split placed and why (`--explain-tp`).
+    /// Per stage, each weight the tensor-parallel split placed and why (with `--explain-tp`).
     pub tp_explanations: Vec<Vec<TpExplanation>>,
     /// Each stage's program (from `lower`).
     pub programs: Vec<Program>,
@@ -67,10 +65,14 @@ pub struct TpExplanation {
 }
 
 impl CompileState {
+    /// Whether the graphs are pipeline stages (the split has run).
+    pub fn pipelined(&self) -> bool {
+        self.pipeline.is_some()
+    }
+
     pub fn new(graph: Graph) -> CompileState {
         CompileState {
             graphs: vec![graph],
-            pipelined: false,
             norms: vec![None],
             pipeline: None,
             recompute: None,
@@ -85,8 +87,9 @@ pub trait Step {
     /// The name `--print-after` and `--dump-ir` use.
     fn name(&self) -> &'static str;
     fn run(&self, state: &mut CompileState) -> Result<(), CompileError>;
-    /// Whether the step's result is graphs to show (every step but `lower`).
-    fn shows_graphs(&self) -> bool {
+    /// Whether the step rewrites the graphs, which are then verified and shown (every step
+    /// but `lower`, which reads them).
+    fn rewrites_graphs(&self) -> bool {
         true
     }
 }
@@ -170,13 +173,16 @@ impl Step for PipelineSplit {
             })
             .collect();
         state.graphs = graphs;
-        state.pipelined = true;
         Ok(())
     }
 }
 
-/// Tensor parallelism on each stage (AutoTP's split, then `shard`).
-struct TensorParallel(AutoTp);
+/// Tensor parallelism on each stage (AutoTP's split, then `shard`); with `explain`
+/// (`--explain-tp`), each weight's placement and why.
+struct TensorParallel {
+    autotp: AutoTp,
+    explain: bool,
+}
 
 impl Step for TensorParallel {
     fn name(&self) -> &'static str {
@@ -186,7 +192,11 @@ impl Step for TensorParallel {
     fn run(&self, state: &mut CompileState) -> Result<(), CompileError> {
         state.tp_explanations.clear();
         for graph in &mut state.graphs {
-            let (sharded, explained) = self.0.shard(graph)?;
+            let (sharded, explained) = self.autotp.shard(graph)?;
+            if !self.explain {
+                *graph = sharded;
+                continue;
+            }
             let mut rows: Vec<TpExplanation> = explained
                 .iter()
                 .map(|e| TpExplanation {
@@ -230,7 +240,7 @@ impl Step for RecomputeAndFuse {
     }
 
     fn run(&self, state: &mut CompileState) -> Result<(), CompileError> {
-        let pipelined = state.pipelined;
+        let pipelined = state.pipelined();
         let mut summary = self.recomputation.empty_summary();
         for (s, graph) in state.graphs.iter_mut().enumerate() {
             let recompute = choose_recompute(&self.recomputation, graph, pipelined.then_some(s), &mut summary)?;
@@ -240,7 +250,7 @@ impl Step for RecomputeAndFuse {
                 *graph = autotp_passes::recompute::recompute(graph, recompute).0;
             }
         }
-        state.recompute = self.recomputation.recorded().then_some(summary);
+        state.recompute = self.recomputation.rewrites().then_some(summary);
         Ok(())
     }
 }
@@ -259,12 +269,12 @@ impl Step for Lower {
         "lower"
     }
 
-    fn shows_graphs(&self) -> bool {
+    fn rewrites_graphs(&self) -> bool {
         false
     }
 
     fn run(&self, state: &mut CompileState) -> Result<(), CompileError> {
-        let pipelined = state.pipelined;
+        let pipelined = state.pipelined();
         for (s, graph) in state.graphs.iter().enumerate() {
             let program = autotp_codegen::lower_with(graph, &self.options)?;
             if let Some(tile_elements) = self.nvme_tile_elements {
@@ -353,7 +363,8 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
         steps.push(pass(Box::new(Zero { dp: flags.dp, config: options.zero, batch_inputs: batch_inputs.clone() })));
     }
     if flags.tp > 1 {
-        steps.push(Box::new(TensorParallel(AutoTp { tp: flags.tp, dp: flags.dp, zero: options.zero, batch_inputs })));
+        let autotp = AutoTp { tp: flags.tp, dp: flags.dp, zero: options.zero, batch_inputs };
+        steps.push(Box::new(TensorParallel { autotp, explain: flags.explain_tp }));
     }
     let generated = options.kernels() == autotp_codegen::KernelChoice::Generated;
     let offload_optimizer = flags.offload_optimizer != OffloadFlag::None;
@@ -384,7 +395,7 @@ pub struct Observer<'a> {
 impl Observer<'_> {
     fn observe(&mut self, index: usize, step: &str, state: &CompileState) -> Result<(), CompileError> {
         for (s, graph) in state.graphs.iter().enumerate() {
-            let stage = state.pipelined.then_some(s);
+            let stage = state.pipelined().then_some(s);
             if self.print_after.iter().any(|p| p == step) {
                 let of_stage = stage.map(|s| format!(", stage {s}")).unwrap_or_default();
                 println!("# IR after pass {index} ({step}{of_stage})");
@@ -411,7 +422,7 @@ pub fn run_steps(
     state: &mut CompileState,
     observer: &mut Observer,
 ) -> Result<Vec<(&'static str, f64)>, CompileError> {
-    let shown: Vec<&str> = steps.iter().filter(|s| s.shows_graphs()).map(|s| s.name()).collect();
+    let shown: Vec<&str> = steps.iter().filter(|s| s.rewrites_graphs()).map(|s| s.name()).collect();
     if let Some(unknown) = observer.print_after.iter().find(|p| !shown.contains(&p.as_str())) {
         return Err(CompileError::Options(format!(
             "--print-after '{unknown}': no such pass (the pipeline runs {})",
@@ -431,13 +442,15 @@ pub fn run_steps(
     for (i, step) in steps.iter().enumerate() {
         let start = Instant::now();
         step.run(state)?;
-        for graph in &state.graphs {
-            autotp_ir::verify(graph).map_err(|errors| PassError::Verify { pass: step.name(), errors })?;
+        if step.rewrites_graphs() {
+            for graph in &state.graphs {
+                autotp_ir::verify(graph).map_err(|errors| PassError::Verify { pass: step.name(), errors })?;
+            }
         }
         let elapsed = start.elapsed().as_secs_f64();
         tracing::debug!(step = step.name(), seconds = elapsed, "compile step");
         seconds.push((step.name(), elapsed));
-        if step.shows_graphs() {
+        if step.rewrites_graphs() {
             observer.observe(i + 1, step.name(), state)?;
         }
     }

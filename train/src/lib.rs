@@ -29,13 +29,16 @@ pub enum TrainError {
     Program(#[from] ProgramError),
     #[error(transparent)]
     Data(#[from] data::DataError),
-    #[error("the training plan {0}")]
-    Plan(String),
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: PathBuf, message: String },
-    #[error("{what} has {got} bytes, expected {expected}")]
-    WrongSize { what: String, expected: usize, got: usize },
     /// Training cannot go on (an fp16 loss scale at its floor).
     #[error("{0}")]
     Training(String),
+}
+
+impl TrainError {
+    /// The plan cannot be trained as it is (a [`ProgramError::Plan`]: "the training plan ...").
+    pub(crate) fn plan(message: String) -> TrainError {
+        TrainError::Program(ProgramError::Plan(message))
+    }
 }

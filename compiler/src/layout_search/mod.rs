@@ -321,7 +321,7 @@ fn compile_cuts(
                 let figures =
                     compile_layout(&layout_args(request, precision, layout, &stage_cuts), Some(layout.pp * depth))
                         .map(|plan| plan.stages.iter().map(Figures::of).collect())
-                        .map_err(|e| render_error(&e));
+                        .map_err(|e| crate::render_error(&e));
                 cuts.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(job, figures);
             });
         }
@@ -405,7 +405,7 @@ fn verify_best(
         let c = &mut considered[i];
         let args = c.compile_args.as_ref().expect("a layout that fits has its flags");
         match compile_layout(args, None) {
-            Err(e) => c.refused = Some(format!("the compiler refuses it: {}", first_line(&render_error(&e)))),
+            Err(e) => c.refused = Some(format!("the compiler refuses it: {}", first_line(&crate::render_error(&e)))),
             Ok(plan) => {
                 let report = autotp_program::report::report(&plan);
                 let peak = report.ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
@@ -426,20 +426,6 @@ fn verify_best(
         }
     }
     Ok((verified, tried))
-}
-
-/// An error and its causes on one line; a cause the message already ends with is not repeated.
-pub fn render_error(error: &dyn std::error::Error) -> String {
-    let mut message = error.to_string();
-    let mut cause = error.source();
-    while let Some(e) = cause {
-        let text = e.to_string();
-        if !message.ends_with(&text) {
-            message = format!("{message}: {text}");
-        }
-        cause = e.source();
-    }
-    message
 }
 
 fn first_line(text: &str) -> String {

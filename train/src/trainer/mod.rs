@@ -142,7 +142,7 @@ impl Trainer {
         let t = &plan.training;
         for ids in plan.stages.iter().flat_map(|p| &p.inputs).filter(|s| s.name == StepInput::InputIds.name()) {
             if ids.global_shape != t.global_token_shape() {
-                return Err(TrainError::Plan(format!(
+                return Err(TrainError::plan(format!(
                     "feeds input_ids as {:?} on all ranks, but its global batch is {} x {} in {} micro-batches",
                     ids.global_shape, t.global_batch, t.seq_len, t.grad_accum
                 )));
@@ -215,7 +215,7 @@ impl Trainer {
         };
         trainer.scaler = trainer.training.loss_scaler.clone();
         let initial = |name: &str| {
-            weights.get(name).ok_or_else(|| TrainError::Plan(format!("parameter '{name}' has no initial weights")))
+            weights.get(name).ok_or_else(|| TrainError::plan(format!("parameter '{name}' has no initial weights")))
         };
         for slot in trainer.param_slots() {
             trainer.load_global(&slot, &in_slot_type(&slot, initial(&slot.name)?)?)?;
@@ -315,7 +315,7 @@ impl Trainer {
     pub fn set_clock(&mut self, clock: Clock) -> Result<(), TrainError> {
         if clock == Clock::Cpu {
             if self.stages() < 2 || self.stage_size() > 1 {
-                return Err(TrainError::Plan(format!(
+                return Err(TrainError::plan(format!(
                     "has {} stage(s) of {} rank(s), and the cpu clock times pipeline stages of one rank each \
                      (it does not see the waits of collectives)",
                     self.stages(),
@@ -337,11 +337,11 @@ impl Trainer {
     /// its place on the node gives it. A single rank pins the global kernel threads one per core.
     pub fn bind_cores(&self) -> Result<(), TrainError> {
         let cores = autotp_runtime::affinity::allowed_cores()
-            .map_err(|e| TrainError::Plan(format!("cannot read which cores this process may use: {e}")))?;
+            .map_err(|e| TrainError::plan(format!("cannot read which cores this process may use: {e}")))?;
         let pin = |slot: usize| {
             let core = cores[slot % cores.len()];
             autotp_runtime::affinity::pin_current_thread(core)
-                .map_err(|e| TrainError::Plan(format!("cannot pin a kernel thread to core {core}: {e}")))
+                .map_err(|e| TrainError::plan(format!("cannot pin a kernel thread to core {core}: {e}")))
         };
         if self.pools.is_empty() {
             return rayon::broadcast(|ctx| pin(ctx.index())).into_iter().collect();
@@ -454,7 +454,7 @@ impl Trainer {
     pub fn step(&mut self, data: &TokenData, train_steps: usize) -> Result<StepMetrics, TrainError> {
         let t = &self.training;
         if data.seq_len() != t.seq_len {
-            return Err(TrainError::Plan(format!(
+            return Err(TrainError::plan(format!(
                 "was compiled for sequences of {} tokens; the data was cut into windows of {}",
                 t.seq_len,
                 data.seq_len()
@@ -622,7 +622,7 @@ fn rank_pools(ranks: usize, threads: usize) -> Result<Vec<rayon::ThreadPool>, Tr
                 .num_threads(threads)
                 .thread_name(move |i| format!("autotp-rank{rank}-{i}"))
                 .build()
-                .map_err(|e| TrainError::Plan(format!("cannot start rank {rank}'s kernel threads: {e}")))
+                .map_err(|e| TrainError::plan(format!("cannot start rank {rank}'s kernel threads: {e}")))
         })
         .collect()
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use autotp_kernels::shape::{extract_block, insert_block, shard_block};
 use autotp_kernels::{DType, Kernel};
 use autotp_program::tensor_file::TensorRef;
-use autotp_program::{Placement, Slot};
+use autotp_program::{Placement, ProgramError, Slot};
 use autotp_runtime::RuntimeError;
 
 use super::Trainer;
@@ -47,13 +47,15 @@ impl Trainer {
     pub(super) fn load_global(&mut self, slot: &Slot, global: &[u8]) -> Result<(), TrainError> {
         let expected = slot.global_shape.iter().product::<usize>() * slot.dtype.size();
         if global.len() != expected || slot.placements.contains(&Placement::PartialSum) {
-            return Err(TrainError::WrongSize { what: format!("'{}'", slot.name), expected, got: global.len() });
+            return Err(
+                ProgramError::WrongSize { what: format!("'{}'", slot.name), expected, got: global.len() }.into()
+            );
         }
         for rank in self.local_ranks() {
             // Each stage holding it places it its own way (a tied embedding's two uses).
             let Some(own) = self.held_by(rank, &slot.name) else { continue };
             if own.global_shape != slot.global_shape || own.placements.contains(&Placement::PartialSum) {
-                return Err(TrainError::Plan(format!("stages hold '{}' in different shapes", slot.name)));
+                return Err(TrainError::plan(format!("stages hold '{}' in different shapes", slot.name)));
             }
             let block = self.block(own, rank, global).into_owned();
             self.ranks[rank - self.first_rank].load_slot(&slot.name, &block)?;
@@ -122,7 +124,7 @@ impl Trainer {
             for rank in self.local_ranks() {
                 let Some(own) = self.held_by(rank, &slot.name) else { continue };
                 if own.placements.contains(&Placement::PartialSum) {
-                    return Err(TrainError::Plan(format!(
+                    return Err(TrainError::plan(format!(
                         "holds '{}' as partial sums, which cannot be loaded",
                         own.name
                     )));

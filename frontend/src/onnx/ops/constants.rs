@@ -9,7 +9,6 @@ pub(super) fn convert(
     external: &mut ExternalFiles,
 ) -> Result<Option<Vec<Sym>>, FrontendError> {
     let op_type = cx.node.op_type.as_str();
-    let one = |s: Sym| Ok(vec![s]);
     let outputs: Result<Vec<Sym>, FrontendError> = match op_type {
         "Constant" => {
             let a = cx.node.attribute.first().ok_or_else(|| cx.invalid("has no value attribute"))?;

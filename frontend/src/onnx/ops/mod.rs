@@ -246,6 +246,11 @@ pub(super) fn unsqueezed_shape(cx: &NodeCx, shape: &[usize], axes: &[i64]) -> Re
     Ok((0..rank).map(|d| if axes.contains(&d) { 1 } else { *rest.next().expect("counted") }).collect())
 }
 
+/// A node's one output.
+pub(super) fn one(s: Sym) -> Result<Vec<Sym>, FrontendError> {
+    Ok(vec![s])
+}
+
 /// Converts one node; returns one symbol per ONNX output.
 pub(super) fn convert(
     imp: &mut Importer,
@@ -260,7 +265,6 @@ pub(super) fn convert(
             opset: cx.opset,
         });
     }
-    let one = |s: Sym| Ok(vec![s]);
     if let Some(op) = unary_op(op_type) {
         let x = input(imp, cx, 0)?;
         return one(imp.emit1(cx, Op::Unary(op), &[x])?);

@@ -11,7 +11,6 @@ pub(super) fn convert(
     _external: &mut ExternalFiles,
 ) -> Result<Option<Vec<Sym>>, FrontendError> {
     let op_type = cx.node.op_type.as_str();
-    let one = |s: Sym| Ok(vec![s]);
     let outputs: Result<Vec<Sym>, FrontendError> = match op_type {
         "Einsum" => {
             let operands = (0..cx.node.input.len()).map(|i| input(imp, cx, i)).collect::<Result<Vec<_>, _>>()?;

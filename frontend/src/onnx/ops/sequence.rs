@@ -10,7 +10,6 @@ pub(super) fn convert(
     _external: &mut ExternalFiles,
 ) -> Result<Option<Vec<Sym>>, FrontendError> {
     let op_type = cx.node.op_type.as_str();
-    let one = |s: Sym| Ok(vec![s]);
     let outputs: Result<Vec<Sym>, FrontendError> = match op_type {
         "SplitToSequence" | "SequenceConstruct" => {
             let items = if op_type == "SequenceConstruct" {

@@ -9,7 +9,6 @@ pub(super) fn convert(
     _external: &mut ExternalFiles,
 ) -> Result<Option<Vec<Sym>>, FrontendError> {
     let op_type = cx.node.op_type.as_str();
-    let one = |s: Sym| Ok(vec![s]);
     let outputs: Result<Vec<Sym>, FrontendError> = match op_type {
         "Reshape" => {
             let x = input(imp, cx, 0)?;
