@@ -8,7 +8,8 @@
 #
 #   benches/train_models.sh [PYTHON]   PYTHON: a venv python with torch and transformers
 #                                      (default /tmp/fxvenv/bin/python; see tests/fixtures)
-#   env: ROUNDS (3), STEPS (20), WARMUP (5), THREADS (nproc), MODELS (all), KERNELS (generated)
+#   env: ROUNDS (3), STEPS (20), WARMUP (5), THREADS (nproc), MODELS (all), KERNELS (generated),
+#        MODE (eager, or compile: PyTorch's side under torch.compile; give it WARMUP=8)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-/tmp/fxvenv/bin/python}
@@ -17,6 +18,7 @@ STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-5}
 THREADS=${THREADS:-$(nproc)}
 KERNELS=${KERNELS:-generated}
+MODE=${MODE:-eager}
 MODELS=${MODELS:-"gpt2-tiny:8:32 llama-tiny:8:32 gpt2-wide:8:32 gpt2-512:8:128 llama-512:8:128"}
 WORK=${AUTOTP_BENCH_DIR:-/tmp/autotp-bench}
 TOKENS=tests/fixtures/train/tokens.bin
@@ -35,17 +37,17 @@ for round in $(seq 1 "$ROUNDS"); do
       --data "$TOKENS" --steps "$STEPS" --log-every "$STEPS" --metrics-out "$WORK/$name.autotp.$round.jsonl" \
       -o /dev/null > /dev/null 2>&1
     OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 "$PY" benches/train_models.py pytorch "$name" "$TOKENS" "$STEPS" \
-      "$g" "$s" "$THREADS" "$WORK/$name.pytorch.$round.jsonl" 2> /dev/null
+      "$g" "$s" "$THREADS" "$WORK/$name.pytorch.$round.jsonl" "$MODE" 2> /dev/null
   done
 done
 
-"$PY" - "$WORK" "$ROUNDS" "$WARMUP" "$THREADS" "$MODELS" <<'PY'
+"$PY" - "$WORK" "$ROUNDS" "$WARMUP" "$THREADS" "$MODELS" "$MODE" <<'PY'
 import json, statistics, sys
 work, rounds, warmup, threads, models = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5].split()
 def run(path):
     steps = [json.loads(line) for line in open(path)]
     return statistics.median(r["step_seconds"] for r in steps[warmup:]), steps[-1]["loss"]
-print(f"{threads} threads, {rounds} rounds; ms per step: median over rounds of each run's median")
+print(f"{threads} threads, {rounds} rounds, PyTorch {sys.argv[6]}; ms per step: median over rounds of each run's median")
 print(f"{'model':<12} {'batch':>7} {'autotp ms':>10} {'pytorch ms':>11} {'ratio':>6} {'range':>12} {'loss a/p':>16}")
 for spec in models:
     name, g, s = spec.split(":")
