@@ -112,24 +112,7 @@ pub fn run(args: &BenchCommArgs) -> Result<()> {
 fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
     let n = ranks.world;
     if let Some(job) = &ranks.job {
-        let place = autotp_runtime::launch::discover()?;
-        let mut id = [0u8; autotp_runtime::rendezvous::SHARED_BYTES];
-        if job.rank() == 0 {
-            // Random bytes: the low bits of the clock, mixed.
-            let mut state =
-                Instant::now().elapsed().as_nanos() as u64 ^ 0x9e37_79b9_7f4a_7c15 ^ std::process::id() as u64;
-            for b in &mut id {
-                state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-                *b = (state >> 56) as u8;
-            }
-        }
-        let root = (job.rank() == 0).then_some(&id);
-        let shared = autotp_runtime::rendezvous::share_from_root(Some(job), &place, root, Duration::from_secs(60))?;
-        let all = job.all_gather(&shared)?;
-        ensure!(all.chunks(shared.len()).all(|c| c == shared), "the ranks got different bytes from rank 0");
-        if ranks.reports() {
-            println!("bootstrap: rank 0's 128 bytes reached all {n} ranks through MPI");
-        }
+        check_bootstrap(ranks, job)?;
     }
     let backend = if ranks.job.is_some() { "mpi" } else { "threads" };
     if ranks.reports() {
@@ -191,6 +174,38 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
             }
         }
     }
+    overlap(ranks, args, backend, seq)
+}
+
+/// Checks the bootstrap a communicator starts from: rank 0's 128 random bytes reach every rank
+/// through the rendezvous.
+fn check_bootstrap(ranks: &Ranks, job: &MpiComm) -> Result<()> {
+    let n = ranks.world;
+    let place = autotp_runtime::launch::discover()?;
+    let mut id = [0u8; autotp_runtime::rendezvous::SHARED_BYTES];
+    if job.rank() == 0 {
+        // Random bytes: the low bits of the clock, mixed.
+        let mut state = Instant::now().elapsed().as_nanos() as u64 ^ 0x9e37_79b9_7f4a_7c15 ^ std::process::id() as u64;
+        for b in &mut id {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            *b = (state >> 56) as u8;
+        }
+    }
+    let root = (job.rank() == 0).then_some(&id);
+    let shared = autotp_runtime::rendezvous::share_from_root(Some(job), &place, root, Duration::from_secs(60))?;
+    let all = job.all_gather(&shared)?;
+    ensure!(all.chunks(shared.len()).all(|c| c == shared), "the ranks got different bytes from rank 0");
+    if ranks.reports() {
+        println!("bootstrap: rank 0's 128 bytes reached all {n} ranks through MPI");
+    }
+    Ok(())
+}
+
+/// How much of an all-reduce of the largest size hides behind matmuls: on a communication
+/// thread, and with MPI also driven by the compute thread (a non-blocking all-reduce tested
+/// between matmuls). `seq` is the next collective's sequence number.
+fn overlap(ranks: &Ranks, args: &BenchCommArgs, backend: &str, mut seq: u64) -> Result<()> {
+    let n = ranks.world;
     // Overlap: an all-reduce of the largest size on a communication thread, beside matmuls.
     let mib = *args.sizes.iter().max().expect("checked non-empty");
     let op = CollectiveOp { kind: Collective::AllReduce, axis: 0, dtype: DType::F32, shape: vec![(mib << 20) / 4] };

@@ -221,6 +221,36 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
     serde_json::Value::Object(record)
 }
 
+/// Resumes `trainer` from the checkpoint in `dir`, warning where this run's data or seed
+/// differs from the checkpoint's.
+fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path, data: &TokenData) -> Result<()> {
+    let checkpoint = Checkpoint::open(dir)?;
+    trainer.resume(&checkpoint)?;
+    let saved = &checkpoint.manifest.data;
+    if saved.tokens != data.tokens() {
+        tracing::warn!(
+            "resuming on different data: the checkpoint was trained on {} ({} tokens), this run reads {} ({} tokens)",
+            saved.path.display(),
+            saved.tokens,
+            data.path().display(),
+            data.tokens()
+        );
+    }
+    if flags.seed.is_some_and(|s| s != trainer.seed()) {
+        tracing::warn!("--seed is ignored: the checkpoint's seed {} continues", trainer.seed());
+    }
+    if trainer.reports() {
+        let relaid = if checkpoint.manifest.plan_fingerprint == trainer.fingerprint() {
+            String::new()
+        } else {
+            " (written by another parallel layout of this training: each rank read its block of every tensor)"
+                .to_string()
+        };
+        eprintln!("resumed from {} at step {}{relaid}", checkpoint.dir.display(), trainer.completed_steps());
+    }
+    Ok(())
+}
+
 /// Runs `trainer` to step `flags.steps` over the data, resuming and saving as asked.
 pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if flags.save_every == Some(0) || flags.log_every == 0 {
@@ -232,30 +262,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     let dtype = TokenDtype::parse(&flags.data_dtype)?;
     let data = TokenData::open(&flags.data, dtype, trainer.training().seq_len)?;
     if let Some(dir) = &flags.resume {
-        let checkpoint = Checkpoint::open(dir)?;
-        trainer.resume(&checkpoint)?;
-        let saved = &checkpoint.manifest.data;
-        if saved.tokens != data.tokens() {
-            tracing::warn!(
-                "resuming on different data: the checkpoint was trained on {} ({} tokens), this run reads {} ({} tokens)",
-                saved.path.display(),
-                saved.tokens,
-                data.path().display(),
-                data.tokens()
-            );
-        }
-        if flags.seed.is_some_and(|s| s != trainer.seed()) {
-            tracing::warn!("--seed is ignored: the checkpoint's seed {} continues", trainer.seed());
-        }
-        if trainer.reports() {
-            let relaid = if checkpoint.manifest.plan_fingerprint == trainer.fingerprint() {
-                String::new()
-            } else {
-                " (written by another parallel layout of this training: each rank read its block of every tensor)"
-                    .to_string()
-            };
-            eprintln!("resumed from {} at step {}{relaid}", checkpoint.dir.display(), trainer.completed_steps());
-        }
+        resume(trainer, flags, dir, &data)?;
     }
     let first = trainer.completed_steps();
     if first >= flags.steps {

@@ -60,6 +60,35 @@ fn product(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 
+/// `shape` as `[outer, len, inner]` around `axis`.
+fn around_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
+    (product(&shape[..axis]), shape[axis], product(&shape[axis + 1..]))
+}
+
+/// The dims of a (batched) matmul of `lhs` by `rhs` giving `out`, the operands' batch dims
+/// padded on the left with ones to the result's.
+fn matmul_dims(lhs: &[usize], rhs: &[usize], out: &[usize], transpose_lhs: bool, transpose_rhs: bool) -> MatMulDims {
+    let batch = out[..out.len() - 2].to_vec();
+    let pad = |s: &[usize]| {
+        let mut b = vec![1; batch.len() - (s.len() - 2)];
+        b.extend(&s[..s.len() - 2]);
+        b
+    };
+    let k = if transpose_lhs { lhs[lhs.len() - 2] } else { lhs[lhs.len() - 1] };
+    MatMulDims {
+        lhs_batch: pad(lhs),
+        rhs_batch: pad(rhs),
+        m: out[out.len() - 2],
+        n: out[out.len() - 1],
+        k,
+        batch,
+        transpose_lhs,
+        transpose_rhs,
+        lhs_layout: None,
+        rhs_layout: None,
+    }
+}
+
 /// The kernel for `op`, or `None` for ops that are not kernels: constants (data written at load
 /// time), collectives and pipeline sends and receives (communication, run by the runtime's
 /// comm). The kernel's shapes come
@@ -87,32 +116,10 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
         },
         Op::Cast { to } => Kernel::Cast { from: dtype, to: *to },
         Op::Reduce { op, axes, .. } => Kernel::Reduce { op: *op, dtype, shape: shape(), axes: axes.clone() },
-        Op::MatMul { transpose_lhs, transpose_rhs } => {
-            let out = &outputs[0].shape;
-            let batch = out[..out.len() - 2].to_vec();
-            let pad = |s: &[usize]| {
-                let mut b = vec![1; batch.len() - (s.len() - 2)];
-                b.extend(&s[..s.len() - 2]);
-                b
-            };
-            let (lhs, rhs) = (&inputs[0].shape, &inputs[1].shape);
-            let k = if *transpose_lhs { lhs[lhs.len() - 2] } else { lhs[lhs.len() - 1] };
-            Kernel::MatMul {
-                dtype,
-                dims: MatMulDims {
-                    lhs_batch: pad(lhs),
-                    rhs_batch: pad(rhs),
-                    m: out[out.len() - 2],
-                    n: out[out.len() - 1],
-                    k,
-                    batch,
-                    transpose_lhs: *transpose_lhs,
-                    transpose_rhs: *transpose_rhs,
-                    lhs_layout: None,
-                    rhs_layout: None,
-                },
-            }
-        }
+        Op::MatMul { transpose_lhs, transpose_rhs } => Kernel::MatMul {
+            dtype,
+            dims: matmul_dims(&inputs[0].shape, &inputs[1].shape, &outputs[0].shape, *transpose_lhs, *transpose_rhs),
+        },
         Op::Reshape { .. } => Kernel::Copy,
         Op::Transpose { perm } => Kernel::Transpose { dtype, shape: shape(), perm: perm.clone() },
         Op::Slice { starts, steps, .. } => {
@@ -160,15 +167,8 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             axis: *axis,
         },
         Op::TopK { axis, k, largest } => {
-            let s = &inputs[0].shape;
-            Kernel::TopK {
-                dtype: inputs[0].dtype,
-                outer: s[..*axis].iter().product(),
-                len: s[*axis],
-                inner: s[*axis + 1..].iter().product(),
-                k: *k,
-                largest: *largest,
-            }
+            let (outer, len, inner) = around_axis(&shape(), *axis);
+            Kernel::TopK { dtype, outer, len, inner, k: *k, largest: *largest }
         }
         Op::GatherElements { axis } => Kernel::GatherElements {
             dtype,
@@ -182,25 +182,12 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
         }
         Op::Triangle { upper, k } => Kernel::Triangle { dtype, shape: shape(), k: *k, upper: *upper },
         Op::CumSum { axis, exclusive, reverse } => {
-            let s = shape();
-            Kernel::CumSum {
-                dtype,
-                outer: s[..*axis].iter().product(),
-                len: s[*axis],
-                inner: s[*axis + 1..].iter().product(),
-                exclusive: *exclusive,
-                reverse: *reverse,
-            }
+            let (outer, len, inner) = around_axis(&shape(), *axis);
+            Kernel::CumSum { dtype, outer, len, inner, exclusive: *exclusive, reverse: *reverse }
         }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
-            let s = shape();
-            Kernel::Softmax {
-                dtype,
-                outer: product(&s[..*axis]),
-                len: s[*axis],
-                inner: product(&s[axis + 1..]),
-                log: matches!(op, Op::LogSoftmax { .. }),
-            }
+            let (outer, len, inner) = around_axis(&shape(), *axis);
+            Kernel::Softmax { dtype, outer, len, inner, log: matches!(op, Op::LogSoftmax { .. }) }
         }
         Op::LayerNorm { axis, eps } => {
             Kernel::LayerNorm { dtype, cols: product(&shape()[*axis..]), eps: *eps, bias: inputs.len() == 3 }

@@ -36,9 +36,24 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
     let names = crate::text::ValueNames::new(graph);
     let mut errors = Vec::new();
     let mut err = |at: String, message: String| errors.push(VerifyError { at, message });
-    let mut defined = vec![false; graph.num_values()];
-    let mut seen_names = std::collections::BTreeMap::new();
+    let mut defined = check_declarations(graph, &names, &mut err);
+    check_values(graph, &names, &mut err);
+    check_nodes(graph, &names, &mut defined, &mut err);
+    check_outputs_and_updates(graph, &names, &defined, &mut err);
+    check_waits(graph, &names, &mut err);
+    check_placed_outputs_and_updates(graph, &names, &mut err);
+    check_fusions(graph, &mut err);
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(VerifyErrors(errors))
+    }
+}
 
+/// Inputs, parameters and states are defined as what they are listed as; returns which values
+/// they define.
+fn check_declarations(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, String)) -> Vec<bool> {
+    let mut defined = vec![false; graph.num_values()];
     for (i, &v) in graph.inputs().iter().enumerate() {
         if graph.value(v).def != Def::Input(i) {
             err(names.get(v), format!("is listed as input {i} but is not defined as one"));
@@ -60,6 +75,12 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
         }
         defined[v.index()] = true;
     }
+    defined
+}
+
+/// Names are unique; placements match the mesh and divide the dims they shard.
+fn check_values(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, String)) {
+    let mut seen_names = std::collections::BTreeMap::new();
     for (id, value) in graph.values() {
         if let Some(name) = &value.name {
             if let Some(prev) = seen_names.insert(name.clone(), id) {
@@ -97,6 +118,11 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             }
         }
     }
+}
+
+/// Every node's inputs are defined before it, its outputs once by it, with the types and
+/// placements its op's rules give.
+fn check_nodes(graph: &Graph, names: &ValueNames, defined: &mut [bool], err: &mut impl FnMut(String, String)) {
     let placements_ok = graph.values().all(|(_, v)| v.placements.len() == graph.mesh.axes.len());
     for (id, node) in graph.nodes() {
         let at = names.node(graph, id);
@@ -134,11 +160,21 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
                     }
                 }
                 if types_ok && placements_ok {
-                    check_placements(graph, node, &at, &mut err);
+                    check_placements(graph, node, &at, &mut *err);
                 }
             }
         }
     }
+}
+
+/// Outputs and updates refer to defined values; an update sets a parameter or state once, with
+/// its type.
+fn check_outputs_and_updates(
+    graph: &Graph,
+    names: &ValueNames,
+    defined: &[bool],
+    err: &mut impl FnMut(String, String),
+) {
     for (name, v) in graph.outputs() {
         if v.index() >= graph.num_values() || !defined[v.index()] {
             err(format!("output \"{name}\""), "refers to a value that is not defined".into());
@@ -169,7 +205,10 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             err(at, "is updated twice".into());
         }
     }
-    check_waits(graph, &names, &mut err);
+}
+
+/// Outputs are replicated, and an update's value is placed like its target.
+fn check_placed_outputs_and_updates(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, String)) {
     for (name, v) in graph.outputs() {
         if v.index() < graph.num_values() && graph.value(*v).placements.iter().any(|p| *p != Placement::Replicate) {
             err(format!("output \"{name}\""), "must be replicated on every mesh axis".into());
@@ -183,6 +222,11 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
             err(format!("update {}", names.get(*target)), "takes a value placed differently from it".into());
         }
     }
+}
+
+/// Fusions cover ordered, disjoint node ranges of kernel work; one holding optimizer updates is
+/// one multi-tensor step.
+fn check_fusions(graph: &Graph, err: &mut impl FnMut(String, String)) {
     let mut previous_end = 0;
     for fusion in graph.fusions() {
         let at = format!("fusion {}", fusion.name);
@@ -207,11 +251,6 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
                 err(at.clone(), format!("holds {}, which is not a kernel's work", op.name()));
             }
         }
-    }
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(VerifyErrors(errors))
     }
 }
 

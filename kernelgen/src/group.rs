@@ -459,6 +459,33 @@ impl StageBuilder {
     fn binary(&mut self, op: BinaryOp, a: ExprRef, b: ExprRef) -> ExprRef {
         self.push(Expr::Binary(op, a, b))
     }
+
+    /// `gelu(x) = x/2 (1 + erf(x/sqrt 2))`, or with `tanh(sqrt(2/pi) (x + 0.044715 x^3))` for
+    /// the tanh approximation.
+    fn gelu(&mut self, x: ExprRef, approx: GeluApprox) -> ExprRef {
+        let half = self.f32(0.5);
+        let one = self.f32(1.0);
+        let inner = match approx {
+            GeluApprox::None => {
+                let c = self.f32(std::f32::consts::FRAC_1_SQRT_2);
+                let scaled = self.binary(BinaryOp::Mul, x, c);
+                self.unary(UnaryOp::Erf, scaled)
+            }
+            GeluApprox::Tanh => {
+                let c = self.f32((2.0 / std::f64::consts::PI).sqrt() as f32);
+                let a = self.f32(0.044715);
+                let ax = self.binary(BinaryOp::Mul, a, x);
+                let axx = self.binary(BinaryOp::Mul, ax, x);
+                let axxx = self.binary(BinaryOp::Mul, axx, x);
+                let sum = self.binary(BinaryOp::Add, x, axxx);
+                let scaled = self.binary(BinaryOp::Mul, c, sum);
+                self.unary(UnaryOp::Tanh, scaled)
+            }
+        };
+        let hx = self.binary(BinaryOp::Mul, half, x);
+        let one_plus = self.binary(BinaryOp::Add, one, inner);
+        self.binary(BinaryOp::Mul, hx, one_plus)
+    }
 }
 
 struct Builder<'g> {
@@ -563,66 +590,18 @@ impl Builder<'_> {
             }
             // A transpose reads its input (from memory, not the group) with permuted strides.
             Op::Transpose { perm } if !self.producer.contains_key(&input(0)) => {
-                let x = input(0);
-                let ty = (self.ty)(x);
-                kir::scalar_type(ty.dtype)?;
-                let own = autotp_kernels::shape::strides(&ty.shape);
-                let strides: Vec<usize> = perm.iter().map(|&p| own[p]).collect();
-                if strides.len() != self.space.shape.len() || (self.ty)(v).shape != self.space.shape {
-                    return None;
-                }
-                let index = self.space.index_with_strides(&strides);
-                if stage.row && index.uses(Var::Inner) {
-                    return None;
-                }
-                let buffer = self.buffer(x);
-                stage.push(Expr::Load { buffer, index })
+                self.transposed_read(stage, input(0), v, perm)?
             }
             // A slice reads its input (from memory) from its start with its steps.
             Op::Slice { starts, steps, .. } if !self.producer.contains_key(&input(0)) => {
-                let x = input(0);
-                let ty = (self.ty)(x);
-                kir::scalar_type(ty.dtype)?;
-                if (self.ty)(v).shape != self.space.shape {
-                    return None;
-                }
-                let own = autotp_kernels::shape::strides(&ty.shape);
-                let strides: Vec<usize> = own.iter().zip(steps).map(|(&s, &step)| s * step as usize).collect();
-                let mut index = self.space.index_with_strides(&strides);
-                index.base = starts.iter().zip(&own).map(|(&start, &s)| start * s).sum();
-                if stage.row && index.uses(Var::Inner) {
-                    return None;
-                }
-                let buffer = self.buffer(x);
-                stage.push(Expr::Load { buffer, index })
+                self.sliced_read(stage, input(0), v, starts, steps)?
             }
             Op::Pad { begin, value, .. } if !self.producer.contains_key(&input(0)) => {
                 self.pad(stage, input(0), v, begin, *value)?
             }
             Op::Gelu { approx } if float(v) => {
                 let x = self.value(stage, input(0))?;
-                let half = stage.f32(0.5);
-                let one = stage.f32(1.0);
-                let inner = match approx {
-                    GeluApprox::None => {
-                        let c = stage.f32(std::f32::consts::FRAC_1_SQRT_2);
-                        let scaled = stage.binary(BinaryOp::Mul, x, c);
-                        stage.unary(UnaryOp::Erf, scaled)
-                    }
-                    GeluApprox::Tanh => {
-                        let c = stage.f32((2.0 / std::f64::consts::PI).sqrt() as f32);
-                        let a = stage.f32(0.044715);
-                        let ax = stage.binary(BinaryOp::Mul, a, x);
-                        let axx = stage.binary(BinaryOp::Mul, ax, x);
-                        let axxx = stage.binary(BinaryOp::Mul, axx, x);
-                        let sum = stage.binary(BinaryOp::Add, x, axxx);
-                        let scaled = stage.binary(BinaryOp::Mul, c, sum);
-                        stage.unary(UnaryOp::Tanh, scaled)
-                    }
-                };
-                let hx = stage.binary(BinaryOp::Mul, half, x);
-                let one_plus = stage.binary(BinaryOp::Add, one, inner);
-                stage.binary(BinaryOp::Mul, hx, one_plus)
+                stage.gelu(x, *approx)
             }
             Op::Reduce { op, .. } if float(v) => {
                 let x = input(0);
@@ -637,57 +616,10 @@ impl Builder<'_> {
                 }
             }
             Op::Softmax { .. } | Op::LogSoftmax { .. } if float(v) => {
-                let x = input(0);
-                let max = self.reduction(n, 0, Fold::Max, |b, s| b.value(s, x))?;
-                let sum = self.reduction(n, 1, Fold::Sum, |b, s| {
-                    let x = b.value(s, x)?;
-                    let m = s.push(Expr::Acc(max));
-                    let shifted = s.binary(BinaryOp::Sub, x, m);
-                    Some(s.unary(UnaryOp::Exp, shifted))
-                })?;
-                let x = self.value(stage, x)?;
-                let m = stage.push(Expr::Acc(max));
-                let s = stage.push(Expr::Acc(sum));
-                let shifted = stage.binary(BinaryOp::Sub, x, m);
-                if matches!(node.op, Op::LogSoftmax { .. }) {
-                    let log_sum = stage.unary(UnaryOp::Log, s);
-                    stage.binary(BinaryOp::Sub, shifted, log_sum)
-                } else {
-                    let e = stage.unary(UnaryOp::Exp, shifted);
-                    let one = stage.f32(1.0);
-                    let inv = stage.binary(BinaryOp::Div, one, s);
-                    stage.binary(BinaryOp::Mul, e, inv)
-                }
+                let log = matches!(node.op, Op::LogSoftmax { .. });
+                self.softmax(stage, n, input(0), log)?
             }
-            Op::LayerNorm { eps, .. } if float(v) => {
-                let x = input(0);
-                let sum = self.reduction(n, 0, Fold::Sum, |b, s| b.value(s, x))?;
-                let mean = |s: &mut StageBuilder| {
-                    let acc = s.push(Expr::Acc(sum));
-                    let c = s.f32(cols);
-                    s.binary(BinaryOp::Div, acc, c)
-                };
-                let squares = self.reduction(n, 1, Fold::Sum, |b, s| {
-                    let x = b.value(s, x)?;
-                    let m = mean(s);
-                    let d = s.binary(BinaryOp::Sub, x, m);
-                    Some(s.binary(BinaryOp::Mul, d, d))
-                })?;
-                let xv = self.value(stage, x)?;
-                let m = mean(stage);
-                let centered = stage.binary(BinaryOp::Sub, xv, m);
-                let inv = self.inverse_root(stage, squares, *eps);
-                let normal = stage.binary(BinaryOp::Mul, centered, inv);
-                let scale = self.value(stage, input(1))?;
-                let scaled = stage.binary(BinaryOp::Mul, normal, scale);
-                match node.inputs.get(2) {
-                    Some(&bias) => {
-                        let bias = self.value(stage, bias)?;
-                        stage.binary(BinaryOp::Add, scaled, bias)
-                    }
-                    None => scaled,
-                }
-            }
+            Op::LayerNorm { eps, .. } if float(v) => self.layer_norm(stage, n, *eps)?,
             Op::RmsNorm { eps, .. } if float(v) => {
                 let x = input(0);
                 let squares = self.reduction(n, 0, Fold::Sum, |b, s| {
@@ -710,6 +642,107 @@ impl Builder<'_> {
         };
         stage.memo.insert(v, e);
         Some(e)
+    }
+
+    /// `v`, the transpose by `perm` of `x` in memory: `x` read with permuted strides.
+    fn transposed_read(&mut self, stage: &mut StageBuilder, x: ValueId, v: ValueId, perm: &[usize]) -> Option<ExprRef> {
+        let ty = (self.ty)(x);
+        kir::scalar_type(ty.dtype)?;
+        let own = autotp_kernels::shape::strides(&ty.shape);
+        let strides: Vec<usize> = perm.iter().map(|&p| own[p]).collect();
+        if strides.len() != self.space.shape.len() || (self.ty)(v).shape != self.space.shape {
+            return None;
+        }
+        let index = self.space.index_with_strides(&strides);
+        if stage.row && index.uses(Var::Inner) {
+            return None;
+        }
+        let buffer = self.buffer(x);
+        Some(stage.push(Expr::Load { buffer, index }))
+    }
+
+    /// `v`, a slice of `x` in memory: `x` read from `starts` with its strides times `steps`.
+    fn sliced_read(
+        &mut self,
+        stage: &mut StageBuilder,
+        x: ValueId,
+        v: ValueId,
+        starts: &[usize],
+        steps: &[i64],
+    ) -> Option<ExprRef> {
+        let ty = (self.ty)(x);
+        kir::scalar_type(ty.dtype)?;
+        if (self.ty)(v).shape != self.space.shape {
+            return None;
+        }
+        let own = autotp_kernels::shape::strides(&ty.shape);
+        let strides: Vec<usize> = own.iter().zip(steps).map(|(&s, &step)| s * step as usize).collect();
+        let mut index = self.space.index_with_strides(&strides);
+        index.base = starts.iter().zip(&own).map(|(&start, &s)| start * s).sum();
+        if stage.row && index.uses(Var::Inner) {
+            return None;
+        }
+        let buffer = self.buffer(x);
+        Some(stage.push(Expr::Load { buffer, index }))
+    }
+
+    /// The (log-)softmax node `n` of `x` over the row: a max reduction, a sum of the shifted
+    /// exponentials, then each element.
+    fn softmax(&mut self, stage: &mut StageBuilder, n: NodeId, x: ValueId, log: bool) -> Option<ExprRef> {
+        let max = self.reduction(n, 0, Fold::Max, |b, s| b.value(s, x))?;
+        let sum = self.reduction(n, 1, Fold::Sum, |b, s| {
+            let x = b.value(s, x)?;
+            let m = s.push(Expr::Acc(max));
+            let shifted = s.binary(BinaryOp::Sub, x, m);
+            Some(s.unary(UnaryOp::Exp, shifted))
+        })?;
+        let x = self.value(stage, x)?;
+        let m = stage.push(Expr::Acc(max));
+        let s = stage.push(Expr::Acc(sum));
+        let shifted = stage.binary(BinaryOp::Sub, x, m);
+        Some(if log {
+            let log_sum = stage.unary(UnaryOp::Log, s);
+            stage.binary(BinaryOp::Sub, shifted, log_sum)
+        } else {
+            let e = stage.unary(UnaryOp::Exp, shifted);
+            let one = stage.f32(1.0);
+            let inv = stage.binary(BinaryOp::Div, one, s);
+            stage.binary(BinaryOp::Mul, e, inv)
+        })
+    }
+
+    /// The layer norm node `n` (inputs x, scale, bias?): a sum for the mean, a sum of the
+    /// centred squares, then each element.
+    fn layer_norm(&mut self, stage: &mut StageBuilder, n: NodeId, eps: f64) -> Option<ExprRef> {
+        let node = self.graph.node(n);
+        let (x, scale, bias) = (node.inputs[0], node.inputs[1], node.inputs.get(2).copied());
+        let cols = self.space.inner as f32;
+        let sum = self.reduction(n, 0, Fold::Sum, |b, s| b.value(s, x))?;
+        let mean = |s: &mut StageBuilder| {
+            let acc = s.push(Expr::Acc(sum));
+            let c = s.f32(cols);
+            s.binary(BinaryOp::Div, acc, c)
+        };
+        let squares = self.reduction(n, 1, Fold::Sum, |b, s| {
+            let x = b.value(s, x)?;
+            let m = mean(s);
+            let d = s.binary(BinaryOp::Sub, x, m);
+            Some(s.binary(BinaryOp::Mul, d, d))
+        })?;
+        let xv = self.value(stage, x)?;
+        let m = mean(stage);
+        let centered = stage.binary(BinaryOp::Sub, xv, m);
+        let inv = self.inverse_root(stage, squares, eps);
+        let normal = stage.binary(BinaryOp::Mul, centered, inv);
+        let scale = self.value(stage, scale)?;
+        let scaled = stage.binary(BinaryOp::Mul, normal, scale);
+        Some(match bias {
+            Some(bias) => {
+                let bias = self.value(stage, bias)?;
+                stage.binary(BinaryOp::Add, scaled, bias)
+            }
+            None => scaled,
+        })
     }
 
     /// `x` padded to `v`'s shape, `begin` elements before each dim: the input read at its

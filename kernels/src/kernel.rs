@@ -166,209 +166,97 @@ impl Kernel {
     /// sizes), and that its axes and permutations are in range. A program loaded from a file runs
     /// this on every instruction before the first step, so `run` never indexes out of bounds.
     pub fn check_buffers(&self, inputs: &[usize], outputs: &[usize]) -> Result<(), KernelError> {
-        let fail = Err(KernelError::BufferSize { kernel: self.name() });
-        let bytes = |dtype: DType, shape: &[usize]| crate::numel(shape) * dtype.size();
-        let exact = |want_in: &[usize], want_out: &[usize]| {
-            if inputs == want_in && outputs == want_out {
-                Ok(())
-            } else {
-                Err(KernelError::BufferSize { kernel: self.name() })
-            }
-        };
-        // Elementwise kernels without shapes: one input and one output of equal, whole size.
-        let same = |size: usize| match (inputs, outputs) {
-            ([i], [o]) if i == o && i % size == 0 => Ok(()),
-            _ => Err(KernelError::BufferSize { kernel: self.name() }),
-        };
-        let axis_ok = |axis: usize, rank: usize| axis < rank;
+        let check = Buffers { kernel: self.name(), inputs, outputs };
         match self {
-            Kernel::Unary { dtype, .. } | Kernel::Gelu { dtype, .. } => same(dtype.size()),
-            Kernel::Copy => same(1),
+            Kernel::Unary { dtype, .. } | Kernel::Gelu { dtype, .. } => check.same(dtype.size()),
+            Kernel::Copy => check.same(1),
             Kernel::Cast { from, to } => match (inputs, outputs) {
                 ([i], [o]) if i % from.size() == 0 && i / from.size() * to.size() == *o => Ok(()),
-                _ => fail,
+                _ => check.fail(),
             },
             Kernel::Binary { op, dtype, lhs, rhs, out } => {
                 let out_dtype = if op.is_comparison() { DType::Bool } else { *dtype };
-                exact(&[bytes(*dtype, lhs), bytes(*dtype, rhs)], &[bytes(out_dtype, out)])
+                check.exact(&[bytes(*dtype, lhs), bytes(*dtype, rhs)], &[bytes(out_dtype, out)])
             }
             Kernel::Select { dtype, cond, x, y, out } => {
-                exact(&[bytes(DType::Bool, cond), bytes(*dtype, x), bytes(*dtype, y)], &[bytes(*dtype, out)])
+                check.exact(&[bytes(DType::Bool, cond), bytes(*dtype, x), bytes(*dtype, y)], &[bytes(*dtype, out)])
             }
             Kernel::Reduce { dtype, shape, axes, .. } => {
-                if axes.iter().any(|&a| !axis_ok(a, shape.len())) {
-                    return fail;
-                }
+                check.require(axes.iter().all(|&a| a < shape.len()))?;
                 let kept: usize = shape.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, d)| d).product();
-                exact(&[bytes(*dtype, shape)], &[kept * dtype.size()])
+                check.exact(&[bytes(*dtype, shape)], &[kept * dtype.size()])
             }
-            Kernel::MatMul { dtype, dims } => {
-                let batch = |b: &[usize]| b.iter().product::<usize>();
-                if dims.lhs_batch.len() != dims.batch.len()
-                    || dims.rhs_batch.len() != dims.batch.len()
-                    || !dims.layouts_in_bounds()
-                {
-                    return fail;
-                }
-                let size = dtype.size();
-                exact(
-                    &[batch(&dims.lhs_batch) * dims.m * dims.k * size, batch(&dims.rhs_batch) * dims.k * dims.n * size],
-                    &[batch(&dims.batch) * dims.m * dims.n * size],
-                )
-            }
+            Kernel::MatMul { dtype, dims } => check.matmul(*dtype, dims),
             Kernel::Transpose { dtype, shape, perm } => {
                 let mut sorted = perm.clone();
                 sorted.sort_unstable();
-                if sorted != (0..shape.len()).collect::<Vec<_>>() {
-                    return fail;
-                }
-                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, shape)])
+                check.require(sorted == (0..shape.len()).collect::<Vec<_>>())?;
+                check.exact(&[bytes(*dtype, shape)], &[bytes(*dtype, shape)])
             }
             Kernel::Slice { dtype, shape, starts, steps, out } => {
-                let in_range = starts.len() == shape.len()
-                    && steps.len() == shape.len()
-                    && out.len() == shape.len()
-                    && (0..shape.len()).all(|d| {
-                        out[d] == 0 || {
-                            let last = starts[d] as i64 + steps[d] * (out[d] as i64 - 1);
-                            starts[d] < shape[d] && last >= 0 && (last as usize) < shape[d]
-                        }
-                    });
-                if !in_range {
-                    return fail;
-                }
-                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
+                check.require(slice_in_range(shape, starts, steps, out))?;
+                check.exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
             }
-            Kernel::Concat { dtype, shapes, axis } => {
-                let Some(first) = shapes.first() else { return fail };
-                let compatible = axis_ok(*axis, first.len())
-                    && shapes
-                        .iter()
-                        .all(|s| s.len() == first.len() && (0..s.len()).all(|d| d == *axis || s[d] == first[d]));
-                if !compatible {
-                    return fail;
-                }
-                let ins: Vec<usize> = shapes.iter().map(|s| bytes(*dtype, s)).collect();
-                exact(&ins, &[ins.iter().sum()])
-            }
-            Kernel::Split { dtype, shape, axis, sizes } => {
-                if !axis_ok(*axis, shape.len()) || sizes.iter().sum::<usize>() != shape[*axis] {
-                    return fail;
-                }
-                let outs: Vec<usize> = sizes
-                    .iter()
-                    .map(|&n| {
-                        let mut s = shape.clone();
-                        s[*axis] = n;
-                        bytes(*dtype, &s)
-                    })
-                    .collect();
-                exact(&[bytes(*dtype, shape)], &outs)
-            }
+            Kernel::Concat { dtype, shapes, axis } => check.concat(*dtype, shapes, *axis),
+            Kernel::Split { dtype, shape, axis, sizes } => check.split(*dtype, shape, *axis, sizes),
             Kernel::Expand { dtype, shape, out } => {
-                if crate::shape::broadcast_shapes(shape, out).as_deref() != Some(&out[..]) {
-                    return fail;
-                }
-                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
+                check.require(crate::shape::broadcast_shapes(shape, out).as_deref() == Some(&out[..]))?;
+                check.exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
             }
             Kernel::Gather { dtype, index_dtype, data, axis, .. } => {
-                let ([data_len, index_len], [out_len]) = (inputs, outputs) else { return fail };
-                if !axis_ok(*axis, data.len()) || index_len % index_dtype.size() != 0 {
-                    return fail;
-                }
-                let rows = crate::numel(&data[..*axis]) * crate::numel(&data[axis + 1..]);
-                let want = rows * (index_len / index_dtype.size()) * dtype.size();
-                if *data_len == bytes(*dtype, data) && *out_len == want {
-                    Ok(())
-                } else {
-                    fail
-                }
+                let ([data_len, index_len], [out_len]) = (inputs, outputs) else { return check.fail() };
+                let want = check.indexed_rows_bytes(*dtype, *index_dtype, data, *axis, *index_len)?;
+                check.require(*data_len == bytes(*dtype, data) && *out_len == want)
             }
             Kernel::ScatterAdd { dtype, index_dtype, out, axis, .. } => {
-                let ([index_len, updates_len], [out_len]) = (inputs, outputs) else { return fail };
-                if !axis_ok(*axis, out.len()) || index_len % index_dtype.size() != 0 {
-                    return fail;
-                }
-                let rows = crate::numel(&out[..*axis]) * crate::numel(&out[axis + 1..]);
-                let want = rows * (index_len / index_dtype.size()) * dtype.size();
-                if *updates_len == want && *out_len == bytes(*dtype, out) {
-                    Ok(())
-                } else {
-                    fail
-                }
+                let ([index_len, updates_len], [out_len]) = (inputs, outputs) else { return check.fail() };
+                let want = check.indexed_rows_bytes(*dtype, *index_dtype, out, *axis, *index_len)?;
+                check.require(*updates_len == want && *out_len == bytes(*dtype, out))
             }
-            Kernel::GatherNd { dtype, index_dtype, data, indices }
-            | Kernel::ScatterNd { dtype, index_dtype, data, indices, .. } => {
-                let Some(&k) = indices.last() else { return fail };
-                if k > data.len() {
-                    return fail;
-                }
-                let slice: usize = data[k..].iter().product();
-                let picked = indices[..indices.len() - 1].iter().product::<usize>() * slice * dtype.size();
-                let (data_bytes, index_bytes) = (bytes(*dtype, data), bytes(*index_dtype, indices));
-                if matches!(self, Kernel::GatherNd { .. }) {
-                    exact(&[data_bytes, index_bytes], &[picked])
-                } else {
-                    exact(&[data_bytes, index_bytes, picked], &[data_bytes])
-                }
+            Kernel::GatherNd { dtype, index_dtype, data, indices } => {
+                let picked = check.nd_picked_bytes(*dtype, data, indices)?;
+                check.exact(&[bytes(*dtype, data), bytes(*index_dtype, indices)], &[picked])
+            }
+            Kernel::ScatterNd { dtype, index_dtype, data, indices, .. } => {
+                let picked = check.nd_picked_bytes(*dtype, data, indices)?;
+                let data_bytes = bytes(*dtype, data);
+                check.exact(&[data_bytes, bytes(*index_dtype, indices), picked], &[data_bytes])
             }
             Kernel::ScatterElements { dtype, index_dtype, updates, out, axis } => {
                 let same_outside_axis = (0..out.len()).all(|d| d == *axis || updates[d] == out[d]);
-                if !axis_ok(*axis, out.len()) || updates.len() != out.len() || !same_outside_axis {
-                    return fail;
-                }
-                exact(&[bytes(*index_dtype, updates), bytes(*dtype, updates)], &[bytes(*dtype, out)])
+                check.require(*axis < out.len() && updates.len() == out.len() && same_outside_axis)?;
+                check.exact(&[bytes(*index_dtype, updates), bytes(*dtype, updates)], &[bytes(*dtype, out)])
             }
             Kernel::TopK { dtype, outer, len, inner, k, .. } => {
-                if k > len {
-                    return fail;
-                }
-                exact(&[outer * len * inner * dtype.size()], &[outer * k * inner * dtype.size(), outer * k * inner * 8])
+                check.require(k <= len)?;
+                let values = outer * k * inner * dtype.size();
+                check.exact(&[outer * len * inner * dtype.size()], &[values, outer * k * inner * 8])
             }
             Kernel::GatherElements { dtype, index_dtype, data, indices, axis } => {
-                if !axis_ok(*axis, data.len()) || data.len() != indices.len() {
-                    return fail;
-                }
-                exact(&[bytes(*dtype, data), bytes(*index_dtype, indices)], &[bytes(*dtype, indices)])
+                check.require(*axis < data.len() && data.len() == indices.len())?;
+                check.exact(&[bytes(*dtype, data), bytes(*index_dtype, indices)], &[bytes(*dtype, indices)])
             }
             Kernel::Pad { dtype, shape, begin, out, .. } => {
                 let fits = shape.len() == out.len()
                     && begin.len() == shape.len()
                     && (0..shape.len()).all(|d| begin[d] + shape[d] <= out[d]);
-                if !fits {
-                    return fail;
-                }
-                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
+                check.require(fits)?;
+                check.exact(&[bytes(*dtype, shape)], &[bytes(*dtype, out)])
             }
             Kernel::Triangle { dtype, shape, .. } => {
-                if shape.len() < 2 {
-                    return fail;
-                }
-                exact(&[bytes(*dtype, shape)], &[bytes(*dtype, shape)])
+                check.require(shape.len() >= 2)?;
+                check.exact(&[bytes(*dtype, shape)], &[bytes(*dtype, shape)])
             }
             Kernel::Softmax { dtype, outer, len, inner, .. } | Kernel::CumSum { dtype, outer, len, inner, .. } => {
                 let n = outer * len * inner * dtype.size();
-                exact(&[n], &[n])
+                check.exact(&[n], &[n])
             }
-            Kernel::LayerNorm { dtype, cols, bias, .. } => {
-                let row = cols * dtype.size();
-                let params = if *bias { &inputs[1..] } else { inputs.get(1..2).unwrap_or_default() };
-                match (inputs.first(), outputs) {
-                    (Some(x), [y]) if x == y && row > 0 && x % row == 0 && params.iter().all(|&p| p == row) => {
-                        if inputs.len() == if *bias { 3 } else { 2 } {
-                            Ok(())
-                        } else {
-                            fail
-                        }
-                    }
-                    _ => fail,
-                }
-            }
+            Kernel::LayerNorm { dtype, cols, bias, .. } => check.layer_norm(*dtype, *cols, *bias),
             Kernel::RmsNorm { dtype, cols, .. } => {
                 let row = cols * dtype.size();
                 match (inputs, outputs) {
                     ([x, scale], [y]) if x == y && row > 0 && x % row == 0 && *scale == row => Ok(()),
-                    _ => fail,
+                    _ => check.fail(),
                 }
             }
             Kernel::CrossEntropy { dtype, label_dtype, dims, weighted, log_prob } => {
@@ -381,7 +269,7 @@ impl Kernel {
                 if *log_prob {
                     outs.push(scores);
                 }
-                exact(&ins, &outs)
+                check.exact(&ins, &outs)
             }
             Kernel::NllLoss { dtype, label_dtype, dims, weighted } => {
                 let mut ins =
@@ -389,188 +277,137 @@ impl Kernel {
                 if *weighted {
                     ins.push(dims.classes * dtype.size());
                 }
-                exact(&ins, &[self::loss_bytes(*dtype, dims)])
+                check.exact(&ins, &[self::loss_bytes(*dtype, dims)])
             }
-            Kernel::AdamW { dtype, .. } => match (inputs, outputs) {
-                ([p, g, m, v, lr, step], [p2, m2, v2])
-                    if [g, m, v, p2, m2, v2].iter().all(|&&x| x == *p)
-                        && *lr == dtype.size()
-                        && *step == dtype.size()
-                        && p % dtype.size() == 0 =>
-                {
-                    Ok(())
-                }
-                _ => fail,
-            },
-            Kernel::Sgd { dtype, .. } => match (inputs, outputs) {
-                ([p, g, buf, lr], [p2, buf2])
-                    if [g, buf, p2, buf2].iter().all(|&&x| x == *p) && *lr == dtype.size() && p % dtype.size() == 0 =>
-                {
-                    Ok(())
-                }
-                _ => fail,
-            },
+            Kernel::AdamW { dtype, .. } => check.optimizer(*dtype, 2, 2),
+            Kernel::Sgd { dtype, .. } => check.optimizer(*dtype, 1, 1),
         }
+    }
+
+    /// How many inputs and outputs `run` reads and writes at least; `None` for the optimizer
+    /// steps, whose kernels check their own.
+    fn arity(&self) -> Option<(usize, usize)> {
+        Some(match self {
+            Kernel::Unary { .. }
+            | Kernel::Cast { .. }
+            | Kernel::Reduce { .. }
+            | Kernel::Copy
+            | Kernel::Transpose { .. }
+            | Kernel::Slice { .. }
+            | Kernel::Expand { .. }
+            | Kernel::Pad { .. }
+            | Kernel::CumSum { .. }
+            | Kernel::Triangle { .. }
+            | Kernel::Softmax { .. }
+            | Kernel::Gelu { .. } => (1, 1),
+            Kernel::Binary { .. }
+            | Kernel::MatMul { .. }
+            | Kernel::Gather { .. }
+            | Kernel::ScatterAdd { .. }
+            | Kernel::GatherNd { .. }
+            | Kernel::ScatterElements { .. }
+            | Kernel::GatherElements { .. }
+            | Kernel::RmsNorm { .. } => (2, 1),
+            Kernel::Select { .. } | Kernel::ScatterNd { .. } => (3, 1),
+            Kernel::Concat { shapes, .. } => (shapes.len(), 1),
+            Kernel::Split { sizes, .. } => (1, sizes.len()),
+            Kernel::TopK { .. } => (1, 2),
+            Kernel::LayerNorm { bias, .. } => (if *bias { 3 } else { 2 }, 1),
+            Kernel::CrossEntropy { weighted, log_prob, .. } => {
+                (if *weighted { 3 } else { 2 }, if *log_prob { 2 } else { 1 })
+            }
+            Kernel::NllLoss { weighted, .. } => (if *weighted { 3 } else { 2 }, 1),
+            Kernel::AdamW { .. } | Kernel::Sgd { .. } => return None,
+        })
     }
 
     /// Runs the kernel. The slices must have the sizes the descriptor implies.
     pub fn run(&self, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<(), KernelError> {
-        let arity = |n_in: usize, n_out: usize| {
+        use crate::{elementwise, movement, nn, reduce};
+        if let Some((n_in, n_out)) = self.arity() {
             if inputs.len() < n_in || outputs.len() < n_out {
-                Err(KernelError::Arity { kernel: self.name(), inputs: inputs.len(), outputs: outputs.len() })
-            } else {
-                Ok(())
+                return Err(KernelError::Arity { kernel: self.name(), inputs: inputs.len(), outputs: outputs.len() });
             }
-        };
+        }
         match self {
-            Kernel::Unary { op, dtype } => {
-                arity(1, 1)?;
-                crate::elementwise::unary(*op, *dtype, inputs[0], outputs[0])
-            }
+            Kernel::Unary { op, dtype } => elementwise::unary(*op, *dtype, inputs[0], outputs[0]),
             Kernel::Binary { op, dtype, lhs, rhs, out } => {
-                arity(2, 1)?;
                 let shapes = BinaryShapes { lhs, rhs, out };
-                crate::elementwise::binary(*op, *dtype, &shapes, inputs[0], inputs[1], outputs[0])
+                elementwise::binary(*op, *dtype, &shapes, inputs[0], inputs[1], outputs[0])
             }
             Kernel::Select { dtype, cond, x, y, out } => {
-                arity(3, 1)?;
-                crate::elementwise::select(*dtype, [cond, x, y], out, inputs[0], inputs[1], inputs[2], outputs[0])
+                elementwise::select(*dtype, [cond, x, y], out, inputs[0], inputs[1], inputs[2], outputs[0])
             }
-            Kernel::Cast { from, to } => {
-                arity(1, 1)?;
-                crate::elementwise::cast(*from, *to, inputs[0], outputs[0])
-            }
+            Kernel::Cast { from, to } => elementwise::cast(*from, *to, inputs[0], outputs[0]),
             Kernel::Reduce { op, dtype, shape, axes } => {
-                arity(1, 1)?;
-                crate::reduce::reduce(*op, *dtype, shape, axes, inputs[0], outputs[0])
+                reduce::reduce(*op, *dtype, shape, axes, inputs[0], outputs[0])
             }
-            Kernel::MatMul { dtype, dims } => {
-                arity(2, 1)?;
-                crate::matmul::matmul(*dtype, dims, inputs[0], inputs[1], outputs[0])
-            }
+            Kernel::MatMul { dtype, dims } => crate::matmul::matmul(*dtype, dims, inputs[0], inputs[1], outputs[0]),
             Kernel::Copy => {
-                arity(1, 1)?;
                 if inputs[0].len() != outputs[0].len() {
                     return Err(KernelError::BufferSize { kernel: "copy" });
                 }
                 outputs[0].copy_from_slice(inputs[0]);
                 Ok(())
             }
-            Kernel::Transpose { dtype, shape, perm } => {
-                arity(1, 1)?;
-                crate::movement::transpose(*dtype, shape, perm, inputs[0], outputs[0])
-            }
+            Kernel::Transpose { dtype, shape, perm } => movement::transpose(*dtype, shape, perm, inputs[0], outputs[0]),
             Kernel::Slice { dtype, shape, starts, steps, out } => {
-                arity(1, 1)?;
-                crate::movement::slice(*dtype, shape, starts, steps, out, inputs[0], outputs[0])
+                movement::slice(*dtype, shape, starts, steps, out, inputs[0], outputs[0])
             }
-            Kernel::Concat { dtype, shapes, axis } => {
-                arity(shapes.len(), 1)?;
-                crate::movement::concat(*dtype, shapes, *axis, inputs, outputs[0])
-            }
+            Kernel::Concat { dtype, shapes, axis } => movement::concat(*dtype, shapes, *axis, inputs, outputs[0]),
             Kernel::Split { dtype, shape, axis, sizes } => {
-                arity(1, sizes.len())?;
-                crate::movement::split(*dtype, shape, *axis, sizes, inputs[0], outputs)
+                movement::split(*dtype, shape, *axis, sizes, inputs[0], outputs)
             }
-            Kernel::Expand { dtype, shape, out } => {
-                arity(1, 1)?;
-                crate::movement::expand(*dtype, shape, out, inputs[0], outputs[0])
-            }
+            Kernel::Expand { dtype, shape, out } => movement::expand(*dtype, shape, out, inputs[0], outputs[0]),
             Kernel::Gather { dtype, index_dtype, data, axis, block } => {
-                arity(2, 1)?;
                 let rows = Kernel::rows(data, *axis, block);
-                crate::movement::gather(*dtype, *index_dtype, data, *axis, rows, inputs[0], inputs[1], outputs[0])
+                movement::gather(*dtype, *index_dtype, data, *axis, rows, inputs[0], inputs[1], outputs[0])
             }
             Kernel::ScatterAdd { dtype, index_dtype, out, axis, block } => {
-                arity(2, 1)?;
                 let rows = Kernel::rows(out, *axis, block);
-                crate::movement::scatter_add(*dtype, *index_dtype, out, *axis, rows, inputs[0], inputs[1], outputs[0])
+                movement::scatter_add(*dtype, *index_dtype, out, *axis, rows, inputs[0], inputs[1], outputs[0])
             }
             Kernel::GatherNd { dtype, index_dtype, data, indices } => {
-                arity(2, 1)?;
-                crate::movement::gather_nd(*dtype, *index_dtype, data, indices, inputs[0], inputs[1], outputs[0])
+                movement::gather_nd(*dtype, *index_dtype, data, indices, inputs[0], inputs[1], outputs[0])
             }
             Kernel::ScatterNd { dtype, index_dtype, data, indices, reduction } => {
-                arity(3, 1)?;
                 let (data_in, idx, updates) = (inputs[0], inputs[1], inputs[2]);
-                crate::movement::scatter_nd(
-                    *dtype,
-                    *index_dtype,
-                    data,
-                    indices,
-                    *reduction,
-                    data_in,
-                    idx,
-                    updates,
-                    outputs[0],
-                )
+                movement::scatter_nd(*dtype, *index_dtype, data, indices, *reduction, data_in, idx, updates, outputs[0])
             }
             Kernel::ScatterElements { dtype, index_dtype, updates, out, axis } => {
-                arity(2, 1)?;
-                crate::movement::scatter_elements(
-                    *dtype,
-                    *index_dtype,
-                    updates,
-                    out,
-                    *axis,
-                    inputs[0],
-                    inputs[1],
-                    outputs[0],
-                )
+                let (idx, values) = (inputs[0], inputs[1]);
+                movement::scatter_elements(*dtype, *index_dtype, updates, out, *axis, idx, values, outputs[0])
             }
             Kernel::TopK { dtype, len, inner, k, largest, .. } => {
-                arity(1, 2)?;
-                let [values, indices] = outputs else { unreachable!("arity checked") };
-                crate::reduce::top_k(*dtype, *len, *inner, *k, *largest, inputs[0], values, indices)
+                let [values, indices, ..] = outputs else { unreachable!("arity checked") };
+                reduce::top_k(*dtype, *len, *inner, *k, *largest, inputs[0], values, indices)
             }
             Kernel::GatherElements { dtype, index_dtype, data, indices, axis } => {
-                arity(2, 1)?;
-                crate::movement::gather_elements(
-                    *dtype,
-                    *index_dtype,
-                    data,
-                    indices,
-                    *axis,
-                    inputs[0],
-                    inputs[1],
-                    outputs[0],
-                )
+                let (table, idx) = (inputs[0], inputs[1]);
+                movement::gather_elements(*dtype, *index_dtype, data, indices, *axis, table, idx, outputs[0])
             }
             Kernel::Pad { dtype, shape, begin, out, value } => {
-                arity(1, 1)?;
-                crate::movement::pad(*dtype, shape, begin, out, *value, inputs[0], outputs[0])
+                movement::pad(*dtype, shape, begin, out, *value, inputs[0], outputs[0])
             }
             Kernel::CumSum { dtype, len, inner, exclusive, reverse, .. } => {
-                arity(1, 1)?;
-                crate::reduce::cumsum(*dtype, *len, *inner, *exclusive, *reverse, inputs[0], outputs[0])
+                reduce::cumsum(*dtype, *len, *inner, *exclusive, *reverse, inputs[0], outputs[0])
             }
             Kernel::Triangle { dtype, shape, k, upper } => {
-                arity(1, 1)?;
-                crate::movement::triangle(*dtype, shape, *k, *upper, inputs[0], outputs[0])
+                movement::triangle(*dtype, shape, *k, *upper, inputs[0], outputs[0])
             }
             Kernel::Softmax { dtype, outer, len, inner, log } => {
-                arity(1, 1)?;
-                crate::nn::softmax(*dtype, *outer, *len, *inner, *log, inputs[0], outputs[0])
+                nn::softmax(*dtype, *outer, *len, *inner, *log, inputs[0], outputs[0])
             }
             Kernel::LayerNorm { dtype, cols, eps, bias } => {
-                arity(if *bias { 3 } else { 2 }, 1)?;
-                crate::nn::layer_norm(*dtype, *cols, *eps, inputs[0], inputs[1], bias.then(|| inputs[2]), outputs[0])
+                nn::layer_norm(*dtype, *cols, *eps, inputs[0], inputs[1], bias.then(|| inputs[2]), outputs[0])
             }
-            Kernel::RmsNorm { dtype, cols, eps } => {
-                arity(2, 1)?;
-                crate::nn::rms_norm(*dtype, *cols, *eps, inputs[0], inputs[1], outputs[0])
-            }
-            Kernel::Gelu { dtype, approx } => {
-                arity(1, 1)?;
-                crate::nn::gelu(*dtype, *approx, inputs[0], outputs[0])
-            }
+            Kernel::RmsNorm { dtype, cols, eps } => nn::rms_norm(*dtype, *cols, *eps, inputs[0], inputs[1], outputs[0]),
+            Kernel::Gelu { dtype, approx } => nn::gelu(*dtype, *approx, inputs[0], outputs[0]),
             Kernel::CrossEntropy { dtype, label_dtype, dims, weighted, log_prob } => {
-                let n_in = if *weighted { 3 } else { 2 };
-                arity(n_in, if *log_prob { 2 } else { 1 })?;
                 let (loss, rest) = outputs.split_first_mut().expect("arity checked");
                 let log_prob = if *log_prob { rest.first_mut().map(|b| &mut **b) } else { None };
                 let weights = weighted.then(|| inputs[2]);
-                crate::nn::cross_entropy(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, loss, log_prob)
+                nn::cross_entropy(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, loss, log_prob)
             }
             Kernel::AdamW { dtype, config } => {
                 crate::optim::single_tensor(*dtype, &Optimizer::AdamW(config.clone()), inputs, outputs)
@@ -579,11 +416,149 @@ impl Kernel {
                 crate::optim::single_tensor(*dtype, &Optimizer::Sgd(config.clone()), inputs, outputs)
             }
             Kernel::NllLoss { dtype, label_dtype, dims, weighted } => {
-                arity(if *weighted { 3 } else { 2 }, 1)?;
                 let weights = weighted.then(|| inputs[2]);
-                crate::nn::nll_loss(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, outputs[0])
+                nn::nll_loss(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, outputs[0])
             }
         }
+    }
+}
+
+/// The bytes of a `dtype` tensor of `shape`.
+fn bytes(dtype: DType, shape: &[usize]) -> usize {
+    crate::numel(shape) * dtype.size()
+}
+
+/// Whether every element a slice reads lies inside its input.
+fn slice_in_range(shape: &[usize], starts: &[usize], steps: &[i64], out: &[usize]) -> bool {
+    starts.len() == shape.len()
+        && steps.len() == shape.len()
+        && out.len() == shape.len()
+        && (0..shape.len()).all(|d| {
+            out[d] == 0 || {
+                let last = starts[d] as i64 + steps[d] * (out[d] as i64 - 1);
+                starts[d] < shape[d] && last >= 0 && (last as usize) < shape[d]
+            }
+        })
+}
+
+/// The byte lengths of one instruction's buffers, checked against what a kernel implies; every
+/// failure is a [`KernelError::BufferSize`] naming the kernel.
+struct Buffers<'a> {
+    kernel: &'static str,
+    inputs: &'a [usize],
+    outputs: &'a [usize],
+}
+
+impl Buffers<'_> {
+    fn fail(&self) -> Result<(), KernelError> {
+        Err(KernelError::BufferSize { kernel: self.kernel })
+    }
+
+    fn require(&self, holds: bool) -> Result<(), KernelError> {
+        if holds {
+            Ok(())
+        } else {
+            self.fail()
+        }
+    }
+
+    /// Exactly these inputs and outputs.
+    fn exact(&self, inputs: &[usize], outputs: &[usize]) -> Result<(), KernelError> {
+        self.require(self.inputs == inputs && self.outputs == outputs)
+    }
+
+    /// Elementwise kernels without shapes: one input and one output of equal, whole size.
+    fn same(&self, element: usize) -> Result<(), KernelError> {
+        match (self.inputs, self.outputs) {
+            ([i], [o]) if i == o && i % element == 0 => Ok(()),
+            _ => self.fail(),
+        }
+    }
+
+    fn matmul(&self, dtype: DType, dims: &MatMulDims) -> Result<(), KernelError> {
+        let batch = |b: &[usize]| b.iter().product::<usize>();
+        self.require(
+            dims.lhs_batch.len() == dims.batch.len()
+                && dims.rhs_batch.len() == dims.batch.len()
+                && dims.layouts_in_bounds(),
+        )?;
+        let size = dtype.size();
+        self.exact(
+            &[batch(&dims.lhs_batch) * dims.m * dims.k * size, batch(&dims.rhs_batch) * dims.k * dims.n * size],
+            &[batch(&dims.batch) * dims.m * dims.n * size],
+        )
+    }
+
+    fn concat(&self, dtype: DType, shapes: &[Vec<usize>], axis: usize) -> Result<(), KernelError> {
+        let Some(first) = shapes.first() else { return self.fail() };
+        self.require(
+            axis < first.len()
+                && shapes.iter().all(|s| s.len() == first.len() && (0..s.len()).all(|d| d == axis || s[d] == first[d])),
+        )?;
+        let ins: Vec<usize> = shapes.iter().map(|s| bytes(dtype, s)).collect();
+        self.exact(&ins, &[ins.iter().sum()])
+    }
+
+    fn split(&self, dtype: DType, shape: &[usize], axis: usize, sizes: &[usize]) -> Result<(), KernelError> {
+        self.require(axis < shape.len() && sizes.iter().sum::<usize>() == shape[axis])?;
+        let outs: Vec<usize> = sizes
+            .iter()
+            .map(|&n| {
+                let mut s = shape.to_vec();
+                s[axis] = n;
+                bytes(dtype, &s)
+            })
+            .collect();
+        self.exact(&[bytes(dtype, shape)], &outs)
+    }
+
+    /// The bytes a gather writes (or a scatter-add reads) for `index_len` bytes of indices into
+    /// `axis` of `table`.
+    fn indexed_rows_bytes(
+        &self,
+        dtype: DType,
+        index_dtype: DType,
+        table: &[usize],
+        axis: usize,
+        index_len: usize,
+    ) -> Result<usize, KernelError> {
+        self.require(axis < table.len() && index_len.is_multiple_of(index_dtype.size()))?;
+        let rows = crate::numel(&table[..axis]) * crate::numel(&table[axis + 1..]);
+        Ok(rows * (index_len / index_dtype.size()) * dtype.size())
+    }
+
+    /// The bytes of the slices an ONNX `GatherND` picks (or a `ScatterND` writes).
+    fn nd_picked_bytes(&self, dtype: DType, data: &[usize], indices: &[usize]) -> Result<usize, KernelError> {
+        let Some(&k) = indices.last() else { return Err(KernelError::BufferSize { kernel: self.kernel }) };
+        self.require(k <= data.len())?;
+        let slice: usize = data[k..].iter().product();
+        Ok(indices[..indices.len() - 1].iter().product::<usize>() * slice * dtype.size())
+    }
+
+    fn layer_norm(&self, dtype: DType, cols: usize, bias: bool) -> Result<(), KernelError> {
+        let row = cols * dtype.size();
+        let inputs = self.inputs;
+        let params = if bias { &inputs[1..] } else { inputs.get(1..2).unwrap_or_default() };
+        match (inputs.first(), self.outputs) {
+            (Some(x), [y]) if x == y && row > 0 && x % row == 0 && params.iter().all(|&p| p == row) => {
+                self.require(inputs.len() == if bias { 3 } else { 2 })
+            }
+            _ => self.fail(),
+        }
+    }
+
+    /// A single-tensor optimizer step: param, grad, `states` states and `scalars` scalars in;
+    /// param and states out, every tensor the param's size.
+    fn optimizer(&self, dtype: DType, states: usize, scalars: usize) -> Result<(), KernelError> {
+        let Some(&param) = self.inputs.first() else { return self.fail() };
+        let tensors_in = &self.inputs[..(2 + states).min(self.inputs.len())];
+        self.require(
+            self.inputs.len() == 2 + states + scalars
+                && self.outputs.len() == 1 + states
+                && tensors_in.iter().chain(self.outputs).all(|&len| len == param)
+                && self.inputs[2 + states..].iter().all(|&s| s == dtype.size())
+                && param % dtype.size() == 0,
+        )
     }
 }
 

@@ -129,6 +129,146 @@ fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError
     crate::add_op(PASS, g, op, inputs)
 }
 
+impl Optimize {
+    /// DeepSpeed's overflow test: the sum of every gradient is not finite (x - x is 0 only for
+    /// finite x). Returns the boolean `finite` and the `overflow` output (1 or 0 in `dtype`).
+    fn finite_check(&self, g: &mut Graph, grads: &[ValueId], dtype: DType) -> Result<(ValueId, ValueId), PassError> {
+        let mut total = constant(g, dtype, 0.0)?;
+        for &grad in grads {
+            let axes = (0..g.ty(grad).rank()).collect();
+            let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![grad])?;
+            total = add(g, Op::Binary(BinaryOp::Add), vec![total, s])?;
+        }
+        if let Some(stage) = &self.stage {
+            total = across_stages(g, stage, total, OVERFLOW_TAG)?;
+        }
+        let nothing = add(g, Op::Binary(BinaryOp::Sub), vec![total, total])?;
+        let zero = constant(g, dtype, 0.0)?;
+        let finite = add(g, Op::Binary(BinaryOp::Equal), vec![nothing, zero])?;
+        let overflow = add(g, Op::Unary(UnaryOp::Not), vec![finite])?;
+        Ok((finite, add(g, Op::Cast { to: dtype }, vec![overflow])?))
+    }
+
+    /// Scales `grads` to a global L2 norm of at most `clip` (those not `counted` are left out of
+    /// the norm), unscaling them by `loss_scale` in the same multiplier; returns the norm.
+    fn clip_gradients(
+        &self,
+        g: &mut Graph,
+        grads: &mut [ValueId],
+        counted: &[bool],
+        clip: f64,
+        loss_scale: Option<ValueId>,
+        dtype: DType,
+    ) -> Result<ValueId, PassError> {
+        let mut total = None;
+        for (_, &grad) in counted.iter().zip(grads.iter()).filter(|(counted, _)| **counted) {
+            let sq = add(g, Op::Binary(BinaryOp::Mul), vec![grad, grad])?;
+            let axes = (0..g.ty(grad).rank()).collect();
+            let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![sq])?;
+            total = Some(match total {
+                Some(t) => add(g, Op::Binary(BinaryOp::Add), vec![t, s])?,
+                None => s,
+            });
+        }
+        let mut total = match total {
+            Some(t) => t,
+            None => constant(g, dtype, 0.0)?,
+        };
+        if let Some(stage) = &self.stage {
+            total = across_stages(g, stage, total, NORM_TAG)?;
+        }
+        let norm = add(g, Op::Unary(UnaryOp::Sqrt), vec![total])?;
+        let eps = constant(g, dtype, 1e-6)?;
+        let max_norm = constant(g, dtype, clip)?;
+        let one = constant(g, dtype, 1.0)?;
+        let (norm, coef) = match loss_scale {
+            None => {
+                let denom = add(g, Op::Binary(BinaryOp::Add), vec![norm, eps])?;
+                let coef = add(g, Op::Binary(BinaryOp::Div), vec![max_norm, denom])?;
+                (norm, add(g, Op::Binary(BinaryOp::Min), vec![coef, one])?)
+            }
+            // DeepSpeed's `unscale_and_clip_grads`: the norm of the scaled gradients over the
+            // scale, and one multiplier 1 / (scale * max(1, (norm + 1e-6) / clip)).
+            Some(scale) => {
+                let norm = add(g, Op::Binary(BinaryOp::Div), vec![norm, scale])?;
+                let over = add(g, Op::Binary(BinaryOp::Add), vec![norm, eps])?;
+                let over = add(g, Op::Binary(BinaryOp::Div), vec![over, max_norm])?;
+                let clip_factor = add(g, Op::Binary(BinaryOp::Max), vec![over, one])?;
+                let combined = add(g, Op::Binary(BinaryOp::Mul), vec![scale, clip_factor])?;
+                (norm, add(g, Op::Unary(UnaryOp::Reciprocal), vec![combined])?)
+            }
+        };
+        for grad in grads {
+            *grad = add(g, Op::Binary(BinaryOp::Mul), vec![*grad, coef])?;
+        }
+        Ok(norm)
+    }
+
+    /// Adds the optimizer step of parameter `p` (of `graph`, the differentiated graph) with
+    /// gradient `grad` (in the new graph), and its states; pushes each `(target, new value)`.
+    fn update(
+        &self,
+        rw: &mut Rewriter,
+        graph: &Graph,
+        (p, grad): (ValueId, ValueId),
+        scalars: &StepScalars,
+        updates: &mut Vec<(ValueId, ValueId)>,
+    ) -> Result<(), PassError> {
+        let StepScalars { dtype, lr, step } = *scalars;
+        let invalid = |message: String| PassError::Invalid { pass: PASS, message };
+        let name = graph.name_of(p).unwrap_or("").to_string();
+        let param_ty = graph.ty(p).clone();
+        let ty = TensorType::new(dtype, param_ty.shape.clone());
+        let g = rw.graph();
+        let (param, master) = match param_ty.dtype == dtype {
+            true => (rw.map(p), None),
+            false => (g.add_state(format!("{MASTER_PREFIX}{name}"), ty.clone()), Some(rw.map(p))),
+        };
+        let g = rw.graph();
+        let updated = match self.optimizer {
+            Optimizer::AdamW { beta1, beta2, eps, weight_decay } => {
+                let m = g.add_state(format!("adamw.m.{name}"), ty.clone());
+                let v = g.add_state(format!("adamw.v.{name}"), ty.clone());
+                let inputs = vec![param, grad, m, v, lr, step.expect("adamw has a step input")];
+                let node = g
+                    .add_node(Op::AdamW { beta1, beta2, eps, weight_decay }, inputs, 3)
+                    .map_err(|m| invalid(format!("adamw for '{name}': {m}")))?;
+                let outs = g.node(node).outputs.clone();
+                updates.extend([(m, outs[1]), (v, outs[2])]);
+                outs[0]
+            }
+            Optimizer::Sgd { momentum, weight_decay, nesterov } => {
+                let buf = g.add_state(format!("sgd.momentum.{name}"), ty.clone());
+                let node = g
+                    .add_node(Op::Sgd { momentum, weight_decay, nesterov }, vec![param, grad, buf, lr], 2)
+                    .map_err(|m| invalid(format!("sgd for '{name}': {m}")))?;
+                let outs = g.node(node).outputs.clone();
+                updates.push((buf, outs[1]));
+                outs[0]
+            }
+        };
+        updates.push((param, updated));
+        if let Some(half) = master {
+            let rounded = add(g, Op::Cast { to: param_ty.dtype }, vec![updated])?;
+            updates.push((half, rounded));
+        }
+        Ok(())
+    }
+}
+
+/// The optimizer's arithmetic type and the step's scalar inputs.
+#[derive(Copy, Clone)]
+struct StepScalars {
+    dtype: DType,
+    lr: ValueId,
+    /// AdamW's (1-based) step.
+    step: Option<ValueId>,
+}
+
+fn constant(g: &mut Graph, dtype: DType, value: f64) -> Result<ValueId, PassError> {
+    add(g, Op::Constant { value: Tensor::full(dtype, vec![], value) }, vec![])
+}
+
 impl Pass for Optimize {
     fn name(&self) -> &'static str {
         PASS
@@ -185,26 +325,11 @@ impl Pass for Optimize {
             ),
             _ => None,
         };
-        let constant = |g: &mut Graph, v: f64| add(g, Op::Constant { value: Tensor::full(dtype, vec![], v) }, vec![]);
-        // DeepSpeed's overflow test: the sum of every gradient is not finite (x - x is 0 only
-        // for finite x).
         let finite = match self.nonfinite {
             NonFinite::Apply => None,
             NonFinite::Skip | NonFinite::SkipScaled => {
-                let mut total = constant(g, 0.0)?;
-                for &grad in &grads {
-                    let axes = (0..g.ty(grad).rank()).collect();
-                    let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![grad])?;
-                    total = add(g, Op::Binary(BinaryOp::Add), vec![total, s])?;
-                }
-                if let Some(stage) = &self.stage {
-                    total = across_stages(g, stage, total, OVERFLOW_TAG)?;
-                }
-                let nothing = add(g, Op::Binary(BinaryOp::Sub), vec![total, total])?;
-                let zero = constant(g, 0.0)?;
-                let finite = add(g, Op::Binary(BinaryOp::Equal), vec![nothing, zero])?;
-                let overflow = add(g, Op::Unary(UnaryOp::Not), vec![finite])?;
-                outputs.push((OVERFLOW.into(), add(g, Op::Cast { to: dtype }, vec![overflow])?));
+                let (finite, overflow) = self.finite_check(g, &grads, dtype)?;
+                outputs.push((OVERFLOW.into(), overflow));
                 Some(finite)
             }
         };
@@ -215,91 +340,20 @@ impl Pass for Optimize {
             }
         }
         if let Some(clip) = self.grad_clip {
-            let mut total = None;
-            let counted = |p: ValueId| {
-                let name = graph.name_of(p).unwrap_or("");
-                self.stage.as_ref().is_none_or(|s| !s.counted_elsewhere.contains(name))
-            };
-            for (_, &grad) in pairs.iter().zip(&grads).filter(|((p, _), _)| counted(*p)) {
-                let sq = add(g, Op::Binary(BinaryOp::Mul), vec![grad, grad])?;
-                let axes = (0..g.ty(grad).rank()).collect();
-                let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![sq])?;
-                total = Some(match total {
-                    Some(t) => add(g, Op::Binary(BinaryOp::Add), vec![t, s])?,
-                    None => s,
-                });
-            }
-            let mut total = match total {
-                Some(t) => t,
-                None => constant(g, 0.0)?,
-            };
-            if let Some(stage) = &self.stage {
-                total = across_stages(g, stage, total, NORM_TAG)?;
-            }
-            let norm = add(g, Op::Unary(UnaryOp::Sqrt), vec![total])?;
-            let eps = constant(g, 1e-6)?;
-            let max_norm = constant(g, clip)?;
-            let one = constant(g, 1.0)?;
-            let (norm, coef) = match loss_scale {
-                None => {
-                    let denom = add(g, Op::Binary(BinaryOp::Add), vec![norm, eps])?;
-                    let coef = add(g, Op::Binary(BinaryOp::Div), vec![max_norm, denom])?;
-                    (norm, add(g, Op::Binary(BinaryOp::Min), vec![coef, one])?)
-                }
-                // DeepSpeed's `unscale_and_clip_grads`: the norm of the scaled gradients over
-                // the scale, and one multiplier 1 / (scale * max(1, (norm + 1e-6) / clip)).
-                Some(scale) => {
-                    let norm = add(g, Op::Binary(BinaryOp::Div), vec![norm, scale])?;
-                    let over = add(g, Op::Binary(BinaryOp::Add), vec![norm, eps])?;
-                    let over = add(g, Op::Binary(BinaryOp::Div), vec![over, max_norm])?;
-                    let clip_factor = add(g, Op::Binary(BinaryOp::Max), vec![over, one])?;
-                    let combined = add(g, Op::Binary(BinaryOp::Mul), vec![scale, clip_factor])?;
-                    (norm, add(g, Op::Unary(UnaryOp::Reciprocal), vec![combined])?)
-                }
-            };
-            for grad in &mut grads {
-                *grad = add(g, Op::Binary(BinaryOp::Mul), vec![*grad, coef])?;
-            }
+            let counted: Vec<bool> = pairs
+                .iter()
+                .map(|&(p, _)| {
+                    let name = graph.name_of(p).unwrap_or("");
+                    self.stage.as_ref().is_none_or(|s| !s.counted_elsewhere.contains(name))
+                })
+                .collect();
+            let norm = self.clip_gradients(g, &mut grads, &counted, clip, loss_scale, dtype)?;
             outputs.push(("grad_norm".into(), norm));
         }
+        let scalars = StepScalars { dtype, lr, step };
         let mut updates = Vec::new();
         for (&(p, _), &grad) in pairs.iter().zip(&grads) {
-            let name = graph.name_of(p).unwrap_or("").to_string();
-            let param_ty = graph.ty(p).clone();
-            let ty = TensorType::new(dtype, param_ty.shape.clone());
-            let g = rw.graph();
-            let (param, master) = match param_ty.dtype == dtype {
-                true => (rw.map(p), None),
-                false => (g.add_state(format!("{MASTER_PREFIX}{name}"), ty.clone()), Some(rw.map(p))),
-            };
-            let g = rw.graph();
-            let updated = match self.optimizer {
-                Optimizer::AdamW { beta1, beta2, eps, weight_decay } => {
-                    let m = g.add_state(format!("adamw.m.{name}"), ty.clone());
-                    let v = g.add_state(format!("adamw.v.{name}"), ty.clone());
-                    let inputs = vec![param, grad, m, v, lr, step.expect("adamw has a step input")];
-                    let node = g
-                        .add_node(Op::AdamW { beta1, beta2, eps, weight_decay }, inputs, 3)
-                        .map_err(|m| invalid(format!("adamw for '{name}': {m}")))?;
-                    let outs = g.node(node).outputs.clone();
-                    updates.extend([(m, outs[1]), (v, outs[2])]);
-                    outs[0]
-                }
-                Optimizer::Sgd { momentum, weight_decay, nesterov } => {
-                    let buf = g.add_state(format!("sgd.momentum.{name}"), ty.clone());
-                    let node = g
-                        .add_node(Op::Sgd { momentum, weight_decay, nesterov }, vec![param, grad, buf, lr], 2)
-                        .map_err(|m| invalid(format!("sgd for '{name}': {m}")))?;
-                    let outs = g.node(node).outputs.clone();
-                    updates.push((buf, outs[1]));
-                    outs[0]
-                }
-            };
-            updates.push((param, updated));
-            if let Some(half) = master {
-                let rounded = add(g, Op::Cast { to: param_ty.dtype }, vec![updated])?;
-                updates.push((half, rounded));
-            }
+            self.update(&mut rw, graph, (p, grad), &scalars, &mut updates)?;
         }
         if let Some(finite) = finite {
             let g = rw.graph();

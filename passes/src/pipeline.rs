@@ -32,6 +32,7 @@ use crate::autodiff::Autodiff;
 use crate::PassError;
 
 pub mod schedule;
+mod step_graph;
 
 pub use schedule::{
     bubble_fraction, stage_idle_fractions, Chunk, ChunkCosts, Pipeline, PipelineBackward, PipelineSchedule, PIPE_IN,

@@ -676,6 +676,29 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
     if bucket_elements == 0 {
         return Ok(graph.clone());
     }
+    let buckets = reduction_buckets(graph, bucket_elements);
+    if buckets.is_empty() {
+        return Ok(graph.clone());
+    }
+    let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
+    // The last member's position -> its bucket; other members are dropped where they were.
+    let emit_at: BTreeMap<usize, &Vec<(usize, usize)>> =
+        buckets.iter().map(|members| (members.last().expect("two or more").0, members)).collect();
+    let merged: BTreeSet<usize> = buckets.iter().flatten().map(|&(i, _)| i).collect();
+    let mut rw = Rewriter::new(graph, |_| true);
+    for (i, node) in nodes.iter().enumerate() {
+        if !merged.contains(&i) {
+            rw.copy_node(autotp_ir::NodeId(i as u32));
+        } else if let Some(members) = emit_at.get(&i) {
+            emit_bucket(&mut rw, graph, &nodes, node, members)?;
+        }
+    }
+    Ok(rw.finish())
+}
+
+/// The buckets of [`bucket_reductions`], each two or more members (node index, first use of
+/// the result) in graph order.
+fn reduction_buckets(graph: &Graph, bucket_elements: usize) -> Vec<Vec<(usize, usize)>> {
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
     let first_use = |v: ValueId, after: usize| {
         nodes.iter().enumerate().skip(after + 1).find(|(_, n)| n.inputs.contains(&v)).map_or(usize::MAX, |(i, _)| i)
@@ -748,82 +771,79 @@ fn bucket_reductions(graph: &Graph, bucket_elements: usize) -> Result<Graph, Pas
     }
     buckets.extend(open.map(|b| b.members));
     buckets.retain(|members| members.len() > 1);
-    if buckets.is_empty() {
-        return Ok(graph.clone());
+    buckets
+}
+
+/// One bucket's collective, in place of its last member `node`: the members laid out and
+/// concatenated, reduced once, split and shaped back into each member's result.
+fn emit_bucket(
+    rw: &mut Rewriter,
+    graph: &Graph,
+    nodes: &[&autotp_ir::Node],
+    node: &autotp_ir::Node,
+    members: &[(usize, usize)],
+) -> Result<(), PassError> {
+    let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a reduction") };
+    let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
+    let ranks = graph.mesh.axes[a].size;
+    let scatter = matches!(kind, Collective::ReduceScatter { .. });
+    let mut partial = graph.mesh.replicated();
+    partial[a] = Placement::PartialSum;
+    let mut reduced_placements = graph.mesh.replicated();
+    if scatter {
+        reduced_placements[a] = Placement::Shard(0);
     }
-    // The last member's position -> its bucket; other members are dropped where they were.
-    let emit_at: BTreeMap<usize, &Vec<(usize, usize)>> =
-        buckets.iter().map(|members| (members.last().expect("two or more").0, members)).collect();
-    let merged: BTreeSet<usize> = buckets.iter().flatten().map(|&(i, _)| i).collect();
-    let mut rw = Rewriter::new(graph, |_| true);
-    for (i, node) in nodes.iter().enumerate() {
-        if !merged.contains(&i) {
-            rw.copy_node(autotp_ir::NodeId(i as u32));
-            continue;
-        }
-        let Some(members) = emit_at.get(&i) else { continue };
-        let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a reduction") };
-        let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
-        let ranks = graph.mesh.axes[a].size;
-        let scatter = matches!(kind, Collective::ReduceScatter { .. });
-        let mut partial = graph.mesh.replicated();
-        partial[a] = Placement::PartialSum;
-        let mut reduced_placements = graph.mesh.replicated();
-        if scatter {
-            reduced_placements[a] = Placement::Shard(0);
-        }
-        let place = |g: &mut Graph, v: ValueId, p: &[Placement]| g.value_mut(v).placements = p.to_vec();
-        // Each member laid out for the concatenation: flat, or [ranks, numel / ranks] with its
-        // scattered dim in front; the permutation that brought it there.
-        let mut laid_out = Vec::new();
-        let mut fronts = Vec::new();
-        for &(m, _) in members.iter() {
-            let mut v = rw.map(nodes[m].inputs[0]);
-            let g = rw.graph();
-            let numel = g.ty(v).numel();
-            let front = match nodes[m].op {
-                Op::Collective { kind: Collective::ReduceScatter { dim }, .. } if dim != 0 => {
-                    let mut perm: Vec<usize> = (0..g.ty(v).rank()).filter(|&d| d != dim).collect();
-                    perm.insert(0, dim);
-                    v = add(g, Op::Transpose { perm: perm.clone() }, vec![v])?;
-                    place(g, v, &partial);
-                    Some(perm)
-                }
-                _ => None,
-            };
-            let shape = if scatter { vec![ranks, numel / ranks] } else { vec![numel] };
-            let flat = add(g, Op::Reshape { shape }, vec![v])?;
-            place(g, flat, &partial);
-            laid_out.push(flat);
-            fronts.push(front);
-        }
-        let along = usize::from(scatter);
+    let place = |g: &mut Graph, v: ValueId, p: &[Placement]| g.value_mut(v).placements = p.to_vec();
+    // Each member laid out for the concatenation: flat, or [ranks, numel / ranks] with its
+    // scattered dim in front; the permutation that brought it there.
+    let mut laid_out = Vec::new();
+    let mut fronts = Vec::new();
+    for &(m, _) in members.iter() {
+        let mut v = rw.map(nodes[m].inputs[0]);
         let g = rw.graph();
-        let concat = add(g, Op::Concat { axis: along }, laid_out.clone())?;
-        place(g, concat, &partial);
-        let kind = if scatter { Collective::ReduceScatter { dim: 0 } } else { Collective::AllReduce };
-        let reduced = add(g, Op::Collective { kind, axis: axis.clone(), start: false }, vec![concat])?;
-        place(g, reduced, &reduced_placements);
-        let sizes: Vec<usize> = laid_out.iter().map(|&f| g.ty(f).shape[along]).collect();
-        let split = g.add_node(Op::Split { axis: along, sizes }, vec![reduced], laid_out.len()).map_err(invalid)?;
-        let parts = g.node(split).outputs.clone();
-        for ((&(m, _), part), front) in members.iter().zip(parts).zip(fronts) {
-            let out = nodes[m].outputs[0];
-            let g = rw.graph();
-            place(g, part, &reduced_placements);
-            let shape = graph.ty(out).shape.clone();
-            let result = match front {
-                Some(perm) => {
-                    let fronted: Vec<usize> = perm.iter().map(|&d| shape[d]).collect();
-                    let shaped = add(g, Op::Reshape { shape: fronted }, vec![part])?;
-                    place(g, shaped, &reduced_placements);
-                    add(g, Op::Transpose { perm: crate::inverse_permutation(&perm) }, vec![shaped])?
-                }
-                None => add(g, Op::Reshape { shape }, vec![part])?,
-            };
-            place(g, result, &graph.value(out).placements);
-            rw.set(out, result);
-        }
+        let numel = g.ty(v).numel();
+        let front = match nodes[m].op {
+            Op::Collective { kind: Collective::ReduceScatter { dim }, .. } if dim != 0 => {
+                let mut perm: Vec<usize> = (0..g.ty(v).rank()).filter(|&d| d != dim).collect();
+                perm.insert(0, dim);
+                v = add(g, Op::Transpose { perm: perm.clone() }, vec![v])?;
+                place(g, v, &partial);
+                Some(perm)
+            }
+            _ => None,
+        };
+        let shape = if scatter { vec![ranks, numel / ranks] } else { vec![numel] };
+        let flat = add(g, Op::Reshape { shape }, vec![v])?;
+        place(g, flat, &partial);
+        laid_out.push(flat);
+        fronts.push(front);
     }
-    Ok(rw.finish())
+    let along = usize::from(scatter);
+    let g = rw.graph();
+    let concat = add(g, Op::Concat { axis: along }, laid_out.clone())?;
+    place(g, concat, &partial);
+    let kind = if scatter { Collective::ReduceScatter { dim: 0 } } else { Collective::AllReduce };
+    let reduced = add(g, Op::Collective { kind, axis: axis.clone(), start: false }, vec![concat])?;
+    place(g, reduced, &reduced_placements);
+    let sizes: Vec<usize> = laid_out.iter().map(|&f| g.ty(f).shape[along]).collect();
+    let split = g.add_node(Op::Split { axis: along, sizes }, vec![reduced], laid_out.len()).map_err(invalid)?;
+    let parts = g.node(split).outputs.clone();
+    for ((&(m, _), part), front) in members.iter().zip(parts).zip(fronts) {
+        let out = nodes[m].outputs[0];
+        let g = rw.graph();
+        place(g, part, &reduced_placements);
+        let shape = graph.ty(out).shape.clone();
+        let result = match front {
+            Some(perm) => {
+                let fronted: Vec<usize> = perm.iter().map(|&d| shape[d]).collect();
+                let shaped = add(g, Op::Reshape { shape: fronted }, vec![part])?;
+                place(g, shaped, &reduced_placements);
+                add(g, Op::Transpose { perm: crate::inverse_permutation(&perm) }, vec![shaped])?
+            }
+            None => add(g, Op::Reshape { shape }, vec![part])?,
+        };
+        place(g, result, &graph.value(out).placements);
+        rw.set(out, result);
+    }
+    Ok(())
 }

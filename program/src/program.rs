@@ -289,9 +289,36 @@ impl Program {
     /// sizes its kernel implies, and that no instruction's outputs overlap its inputs or each
     /// other; the executor relies on this to hand kernels disjoint slices of the right length.
     pub fn validate(&self) -> Result<(), ProgramError> {
+        self.validate_data()?;
+        let bad = |what: String| Err(ProgramError::InvalidProgram(what));
+        let mut waited = vec![false; self.instructions.len()];
+        for (i, instruction) in self.instructions.iter().enumerate() {
+            let Some((inputs, outputs, label)) = self.instruction_operands(i, instruction, &mut waited)? else {
+                continue;
+            };
+            for r in inputs.iter().chain(&outputs) {
+                if !self.holds(r) {
+                    return bad(format!("instruction {i} ({label}) reaches past the arena"));
+                }
+            }
+            for (j, o) in outputs.iter().enumerate() {
+                if inputs.iter().any(|r| r.overlaps(o)) || outputs[j + 1..].iter().any(|r| r.overlaps(o)) {
+                    return bad(format!("instruction {i} ({label}) writes over one of its own operands"));
+                }
+            }
+        }
+        for (i, instruction) in self.instructions.iter().enumerate() {
+            if matches!(instruction, Instruction::CollectiveStart { .. }) && !waited[i] {
+                return bad(format!("the collective started at instruction {i} is never waited for"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The slots, constants and updates: inside the arena (or the host pool) with their sizes.
+    fn validate_data(&self) -> Result<(), ProgramError> {
         let size = self.memory.arena_bytes;
         let bad = |what: String| Err(ProgramError::InvalidProgram(what));
-
         let slots = self.inputs.iter().chain(&self.outputs).chain(&self.params).chain(&self.states);
         for slot in slots {
             if !self.holds(&slot.region) {
@@ -325,121 +352,117 @@ impl Program {
                 return bad(format!("an update from offset {} to {} is out of place", u.from.offset, u.to.offset));
             }
         }
-        let mut waited = vec![false; self.instructions.len()];
-        for (i, instruction) in self.instructions.iter().enumerate() {
-            let (inputs, outputs, label) = match instruction {
-                Instruction::Kernel { kernel, inputs, outputs, label } => {
-                    let lengths = |regions: &[Region]| regions.iter().map(|r| r.len).collect::<Vec<_>>();
-                    if let Err(e) = kernel.check_buffers(&lengths(inputs), &lengths(outputs)) {
-                        return bad(format!("instruction {i} ({label}): {e}"));
-                    }
-                    (inputs.clone(), outputs.clone(), label)
-                }
-                Instruction::Generated { kernel, inputs, outputs, label } => {
-                    let Some(k) = self.kernels.get(*kernel) else {
-                        return bad(format!("instruction {i} ({label}) runs kernel {kernel}, which does not exist"));
-                    };
-                    if let Err(e) = k.check() {
-                        return bad(format!("instruction {i} ({label}): {e}"));
-                    }
-                    let regions = inputs.iter().chain(outputs);
-                    if inputs.len() != k.num_inputs
-                        || regions.clone().count() != k.buffers.len()
-                        || regions
-                            .clone()
-                            .zip(&k.buffers)
-                            .any(|(r, b)| r.len != b.len * b.dtype.size() || r.offset % b.dtype.size() != 0)
-                    {
-                        return bad(format!("instruction {i} ({label}): its regions do not fit kernel {}", k.name));
-                    }
-                    (inputs.clone(), outputs.clone(), label)
-                }
-                Instruction::Collective { op, input, output, label }
-                | Instruction::CollectiveStart { op, input, output, label } => {
-                    let CollectiveOp { kind, axis, dtype, shape } = op;
-                    let n = match self.mesh.get(*axis) {
-                        Some(a) => a.size,
-                        None => {
-                            return bad(format!(
-                                "instruction {i} ({label}) names mesh axis {axis}, which does not exist"
-                            ))
-                        }
-                    };
-                    let out_shape = kind.output_shape(shape, n);
-                    let bytes = |s: &[usize]| s.iter().product::<usize>() * dtype.size();
-                    if input.len != bytes(shape) || out_shape.is_none_or(|s| output.len != bytes(&s)) {
-                        return bad(format!(
-                            "instruction {i} ({label}): its regions do not fit {} of {shape:?}",
-                            kind.name()
-                        ));
-                    }
-                    (vec![*input], vec![*output], label)
-                }
-                Instruction::Wait { start, label } => {
-                    let Some(Instruction::CollectiveStart { input, output, .. }) =
-                        self.instructions.get(*start).filter(|_| *start < i)
-                    else {
-                        return bad(format!(
-                            "instruction {i} ({label}) waits for instruction {start}, not an earlier start"
-                        ));
-                    };
-                    if std::mem::replace(&mut waited[*start], true) {
-                        return bad(format!("instruction {i} ({label}) waits a second time for instruction {start}"));
-                    }
-                    // In between, nothing may write the start's input or touch its output.
-                    for (k, between) in self.instructions[start + 1..i].iter().enumerate() {
-                        let (reads, writes) = between.regions();
-                        if writes.iter().any(|w| w.overlaps(input) || w.overlaps(output))
-                            || reads.iter().any(|r| r.overlaps(output))
-                        {
-                            return bad(format!(
-                                "instruction {} uses the regions of the collective started at {start} before its wait at {i}",
-                                start + 1 + k
-                            ));
-                        }
-                    }
-                    (vec![], vec![], label)
-                }
-                Instruction::Send { label, .. } | Instruction::Recv { label, .. } => {
-                    let (reads, writes) = instruction.regions();
-                    (reads, writes, label)
-                }
-                Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, guard, label } => {
-                    if guard.is_some_and(|g| g.len != 1) {
-                        return bad(format!("instruction {i} ({label}): its guard is not one bool"));
-                    }
-                    if let Err(what) = check_optimizer_step(optimizer, *dtype, scalars, tensors) {
-                        return bad(format!("instruction {i} ({label}): {what}"));
-                    }
-                    // Aliasing is checked above; only the arena bounds remain.
-                    let (reads, writes) = instruction.regions();
-                    for r in reads.iter().chain(&writes) {
-                        if !self.holds(r) {
-                            return bad(format!("instruction {i} ({label}) reaches past the arena"));
-                        }
-                    }
-                    continue;
-                }
-            };
-            for r in inputs.iter().chain(&outputs) {
-                if !self.holds(r) {
-                    return bad(format!("instruction {i} ({label}) reaches past the arena"));
-                }
-            }
-            for (j, o) in outputs.iter().enumerate() {
-                if inputs.iter().any(|r| r.overlaps(o)) || outputs[j + 1..].iter().any(|r| r.overlaps(o)) {
-                    return bad(format!("instruction {i} ({label}) writes over one of its own operands"));
-                }
-            }
-        }
-        for (i, instruction) in self.instructions.iter().enumerate() {
-            if matches!(instruction, Instruction::CollectiveStart { .. }) && !waited[i] {
-                return bad(format!("the collective started at instruction {i} is never waited for"));
-            }
-        }
         Ok(())
     }
+
+    /// Checks instruction `i` against its kernel, collective or start; returns the regions it
+    /// reads and writes (`None` for an optimizer step, whose aliasing rules are its own and
+    /// already checked).
+    fn instruction_operands<'a>(
+        &self,
+        i: usize,
+        instruction: &'a Instruction,
+        waited: &mut [bool],
+    ) -> Result<Option<Operands<'a>>, ProgramError> {
+        let bad = |what: String| Err(ProgramError::InvalidProgram(what));
+        let (inputs, outputs, label) = match instruction {
+            Instruction::Kernel { kernel, inputs, outputs, label } => {
+                let lengths = |regions: &[Region]| regions.iter().map(|r| r.len).collect::<Vec<_>>();
+                if let Err(e) = kernel.check_buffers(&lengths(inputs), &lengths(outputs)) {
+                    return bad(format!("instruction {i} ({label}): {e}"));
+                }
+                (inputs.clone(), outputs.clone(), label)
+            }
+            Instruction::Generated { kernel, inputs, outputs, label } => {
+                let Some(k) = self.kernels.get(*kernel) else {
+                    return bad(format!("instruction {i} ({label}) runs kernel {kernel}, which does not exist"));
+                };
+                if let Err(e) = k.check() {
+                    return bad(format!("instruction {i} ({label}): {e}"));
+                }
+                let regions = inputs.iter().chain(outputs);
+                if inputs.len() != k.num_inputs
+                    || regions.clone().count() != k.buffers.len()
+                    || regions
+                        .clone()
+                        .zip(&k.buffers)
+                        .any(|(r, b)| r.len != b.len * b.dtype.size() || r.offset % b.dtype.size() != 0)
+                {
+                    return bad(format!("instruction {i} ({label}): its regions do not fit kernel {}", k.name));
+                }
+                (inputs.clone(), outputs.clone(), label)
+            }
+            Instruction::Collective { op, input, output, label }
+            | Instruction::CollectiveStart { op, input, output, label } => {
+                let CollectiveOp { kind, axis, dtype, shape } = op;
+                let n = match self.mesh.get(*axis) {
+                    Some(a) => a.size,
+                    None => {
+                        return bad(format!("instruction {i} ({label}) names mesh axis {axis}, which does not exist"))
+                    }
+                };
+                let out_shape = kind.output_shape(shape, n);
+                let bytes = |s: &[usize]| s.iter().product::<usize>() * dtype.size();
+                if input.len != bytes(shape) || out_shape.is_none_or(|s| output.len != bytes(&s)) {
+                    return bad(format!(
+                        "instruction {i} ({label}): its regions do not fit {} of {shape:?}",
+                        kind.name()
+                    ));
+                }
+                (vec![*input], vec![*output], label)
+            }
+            Instruction::Wait { start, label } => {
+                let Some(Instruction::CollectiveStart { input, output, .. }) =
+                    self.instructions.get(*start).filter(|_| *start < i)
+                else {
+                    return bad(format!(
+                        "instruction {i} ({label}) waits for instruction {start}, not an earlier start"
+                    ));
+                };
+                if std::mem::replace(&mut waited[*start], true) {
+                    return bad(format!("instruction {i} ({label}) waits a second time for instruction {start}"));
+                }
+                // In between, nothing may write the start's input or touch its output.
+                for (k, between) in self.instructions[start + 1..i].iter().enumerate() {
+                    let (reads, writes) = between.regions();
+                    if writes.iter().any(|w| w.overlaps(input) || w.overlaps(output))
+                        || reads.iter().any(|r| r.overlaps(output))
+                    {
+                        return bad(format!(
+                            "instruction {} uses the regions of the collective started at {start} before its wait at {i}",
+                            start + 1 + k
+                        ));
+                    }
+                }
+                (vec![], vec![], label)
+            }
+            Instruction::Send { label, .. } | Instruction::Recv { label, .. } => {
+                let (reads, writes) = instruction.regions();
+                (reads, writes, label)
+            }
+            Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, guard, label } => {
+                if guard.is_some_and(|g| g.len != 1) {
+                    return bad(format!("instruction {i} ({label}): its guard is not one bool"));
+                }
+                if let Err(what) = check_optimizer_step(optimizer, *dtype, scalars, tensors) {
+                    return bad(format!("instruction {i} ({label}): {what}"));
+                }
+                // Aliasing is checked above; only the arena bounds remain.
+                let (reads, writes) = instruction.regions();
+                for r in reads.iter().chain(&writes) {
+                    if !self.holds(r) {
+                        return bad(format!("instruction {i} ({label}) reaches past the arena"));
+                    }
+                }
+                return Ok(None);
+            }
+        };
+        Ok(Some((inputs, outputs, label.as_str())))
+    }
 }
+
+/// The regions an instruction reads and writes, and its label.
+type Operands<'a> = (Vec<Region>, Vec<Region>, &'a str);
 
 /// The shape and aliasing rules of an optimizer step: every tensor's regions hold the same
 /// number of `dtype` elements, aligned for it; each output is its own input or apart from every

@@ -35,11 +35,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use autotp_ir::Message::{self, Activation, Gradient, SharedGradient};
-use autotp_ir::{BinaryOp, DType, Def, Graph, Node, Op, Tensor, TensorType, ValueId};
+use autotp_ir::{DType, Def, Graph, Node, ValueId};
 
-use super::{activations, invalid, needed_by, partition, time_cost, Stages};
-use crate::accumulate::{count_labels, counted_loss, micro_batch};
+use super::step_graph::{chunk_costs, chunk_parts, Part, StepGraph};
+use super::{activations, invalid, partition, Stages};
 use crate::autodiff::{Autodiff, GRAD_PREFIX};
 use crate::loss::LOSS;
 use crate::{Pass, PassError};
@@ -96,7 +95,7 @@ impl PipelineBackward {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Chunk {
     Forward(usize),
-    PipelineBackward(usize),
+    Backward(usize),
 }
 
 impl PipelineSchedule {
@@ -119,15 +118,15 @@ impl PipelineSchedule {
     pub fn order(self, stage: usize, stages: usize, micro_batches: usize) -> Vec<Chunk> {
         let m = micro_batches;
         match self {
-            PipelineSchedule::GPipe => (0..m).map(Chunk::Forward).chain((0..m).map(Chunk::PipelineBackward)).collect(),
+            PipelineSchedule::GPipe => (0..m).map(Chunk::Forward).chain((0..m).map(Chunk::Backward)).collect(),
             PipelineSchedule::OneFOneB => {
                 let warmup = (stages - 1 - stage).min(m);
                 let mut order: Vec<Chunk> = (0..warmup).map(Chunk::Forward).collect();
                 for i in 0..m - warmup {
                     order.push(Chunk::Forward(warmup + i));
-                    order.push(Chunk::PipelineBackward(i));
+                    order.push(Chunk::Backward(i));
                 }
-                order.extend((m - warmup..m).map(Chunk::PipelineBackward));
+                order.extend((m - warmup..m).map(Chunk::Backward));
                 order
             }
         }
@@ -308,304 +307,15 @@ impl Pipeline {
         holders: &BTreeMap<String, Vec<usize>>,
         shared: &[String],
     ) -> Result<Graph, PassError> {
-        let m = self.micro_batches;
-        let last = self.last(s);
-        let output_name = if last { LOSS } else { PIPE_OUT };
-        let find_output = |name: &str| d.outputs().iter().find(|(n, _)| n == name).map(|(_, v)| *v);
-        let output = find_output(output_name).expect("the stage's output");
-        let cotangent_name = format!("{GRAD_PREFIX}{output_name}");
-        let input_named = |name: &str| d.inputs().iter().copied().find(|&v| d.name_of(v) == Some(name));
-        let cotangent = input_named(&cotangent_name).expect("added by differentiate");
-        let pipe_in = input_named(PIPE_IN);
-        let pipe_in_grad = find_output(&format!("{GRAD_PREFIX}{PIPE_IN}"));
-        let grads: Vec<(String, ValueId)> = d
-            .outputs()
-            .iter()
-            .filter(|(n, _)| n.starts_with(GRAD_PREFIX) && n[GRAD_PREFIX.len()..] != *PIPE_IN)
-            .cloned()
-            .collect();
-        let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
-
-        let mut g = Graph::new(d.name.clone());
-        let mut outer: Vec<Option<ValueId>> = vec![None; d.num_values()];
-        let mut batch = Vec::new();
-        for &i in d.inputs() {
-            if Some(i) == pipe_in || i == cotangent {
-                continue;
-            }
-            let name = d.name_of(i).unwrap_or("").to_string();
-            let ty = d.ty(i).clone();
-            if self.batch_inputs.contains(&name) {
-                if ty.rank() == 0 {
-                    return Err(invalid(format!("batch input '{name}' {ty} has no batch dim")));
-                }
-                let mut shape = ty.shape.clone();
-                shape.insert(1, m);
-                batch.push((i, g.add_input(name, TensorType::new(ty.dtype, shape))));
-            } else {
-                outer[i.index()] = Some(g.add_input(name, ty));
-            }
-        }
-        for &p in d.params() {
-            outer[p.index()] = Some(g.add_param(d.name_of(p).unwrap_or(""), d.ty(p).clone()));
-        }
-        let add = |g: &mut Graph, op: Op, inputs: Vec<ValueId>| crate::add_op(PASS, g, op, inputs);
-        // Every stage unscales its gradients by it (`optimize`); the last starts its backward
-        // from it.
-        let loss_scale = match self.loss_scaling {
-            true => Some(
-                (g.inputs().iter().copied().find(|&v| g.name_of(v) == Some(crate::precision::LOSS_SCALE)))
-                    .unwrap_or_else(|| g.add_input(crate::precision::LOSS_SCALE, TensorType::scalar(DType::F32))),
-            ),
-            false => None,
-        };
-        let loss_dtype = d.ty(output).dtype;
-        // Micro-batch weights in the mean loss: counted labels over the step's, or 1 / M.
-        let counted = if last { counted_loss(d) } else { None };
-        let total = match counted {
-            Some((labels, ignored)) => {
-                let whole = batch.iter().find(|(old, _)| *old == labels).map(|(_, new)| *new);
-                let whole = whole.ok_or_else(|| invalid("the loss's labels are not a batch input".into()))?;
-                Some(count_labels(PASS, &mut g, whole, ignored, loss_dtype)?)
-            }
-            None => None,
-        };
-        let mut weights: Vec<Option<ValueId>> = vec![None; m];
-        let mut maps: Vec<Vec<Option<ValueId>>> = Vec::new();
-        let mut loss_sum: Option<ValueId> = None;
-        let mut sums: Vec<Option<ValueId>> = vec![None; grads.len()];
-        // The gradients (indices into `grads`) each value of the differentiated graph is.
-        let mut grads_of: BTreeMap<ValueId, Vec<usize>> = BTreeMap::new();
-        for (k, (_, value)) in grads.iter().enumerate() {
-            grads_of.entry(*value).or_default().push(k);
-        }
-        let order = self.schedule.order(s, self.stages, m);
-        for chunk in order {
+        let mut step = StepGraph::new(self, s, d, parts)?;
+        for chunk in self.schedule.order(s, self.stages, self.micro_batches) {
             match chunk {
-                Chunk::Forward(i) => {
-                    let mut map = outer.clone();
-                    for &(old, new) in &batch {
-                        map[old.index()] = Some(micro_batch(PASS, &mut g, new, i)?);
-                    }
-                    if let Some(pipe_in) = pipe_in {
-                        let ty = d.ty(pipe_in).clone();
-                        let received = add(
-                            &mut g,
-                            Op::Recv { from: s - 1, tag: activation_tag(i), message: Activation, ty },
-                            vec![],
-                        )?;
-                        map[pipe_in.index()] = Some(received);
-                    }
-                    copy_nodes(&mut g, d, &nodes, parts, &[Part::Forward], &mut map);
-                    let out = map[output.index()].expect("computed");
-                    if last {
-                        let weight = match (counted, total) {
-                            (Some((labels, ignored)), Some(total)) => {
-                                let labels = map[labels.index()].expect("sliced");
-                                let count = count_labels(PASS, &mut g, labels, ignored, loss_dtype)?;
-                                add(&mut g, Op::Binary(BinaryOp::Div), vec![count, total])?
-                            }
-                            _ => {
-                                let value = Tensor::full(loss_dtype, vec![], 1.0 / m as f64);
-                                add(&mut g, Op::Constant { value }, vec![])?
-                            }
-                        };
-                        weights[i] = Some(weight);
-                        let weighted = add(&mut g, Op::Binary(BinaryOp::Mul), vec![out, weight])?;
-                        loss_sum = Some(match loss_sum {
-                            Some(sum) => add(&mut g, Op::Binary(BinaryOp::Add), vec![sum, weighted])?,
-                            None => weighted,
-                        });
-                    } else {
-                        send(&mut g, out, s + 1, activation_tag(i), Activation)?;
-                    }
-                    maps.push(map);
-                    debug_assert_eq!(maps.len(), i + 1);
-                }
-                Chunk::PipelineBackward(i) => {
-                    let map = &mut maps[i];
-                    map[cotangent.index()] = Some(if last {
-                        let weight = weights[i].expect("the forward chunk comes first");
-                        match loss_scale {
-                            Some(scale) => add(&mut g, Op::Binary(BinaryOp::Mul), vec![weight, scale])?,
-                            None => weight,
-                        }
-                    } else {
-                        let ty = d.ty(cotangent).clone();
-                        add(&mut g, Op::Recv { from: s + 1, tag: gradient_tag(i), message: Gradient, ty }, vec![])?
-                    });
-                    let (before_send, after_send): (&[Part], &[Part]) = match self.backward {
-                        PipelineBackward::Split => (&[Part::InputGradient], &[Part::WeightGradients]),
-                        // In the differentiated graph's order, which frees each layer's output
-                        // gradient once both of its gradients are made.
-                        PipelineBackward::Whole => (&[Part::InputGradient, Part::WeightGradients], &[]),
-                    };
-                    // Each gradient is added into its sum as soon as it is made, so that one
-                    // micro-batch's gradients are not all alive beside the sums.
-                    let mut added = vec![false; grads.len()];
-                    let mut accumulate = |g: &mut Graph, map: &[Option<ValueId>], old: ValueId| {
-                        for &k in grads_of.get(&old).into_iter().flatten() {
-                            if added[k] {
-                                continue;
-                            }
-                            added[k] = true;
-                            let mut grad = map[old.index()].expect("computed");
-                            if let Some(dtype) = self.grad_dtype.filter(|&d| d != g.ty(grad).dtype) {
-                                grad = add(g, Op::Cast { to: dtype }, vec![grad])?;
-                            }
-                            sums[k] = Some(match sums[k] {
-                                Some(acc) => add(g, Op::Binary(BinaryOp::Add), vec![acc, grad])?,
-                                None => grad,
-                            });
-                        }
-                        Ok::<(), PassError>(())
-                    };
-                    copy_nodes_then(&mut g, d, &nodes, parts, before_send, map, &mut accumulate)?;
-                    if let Some(pipe_in_grad) = pipe_in_grad {
-                        let grad = map[pipe_in_grad.index()].expect("computed");
-                        send(&mut g, grad, s - 1, gradient_tag(i), Gradient)?;
-                    }
-                    copy_nodes_then(&mut g, d, &nodes, parts, after_send, map, &mut accumulate)?;
-                    // Gradients no backward node makes (inputs, constants).
-                    for (_, value) in &grads {
-                        accumulate(&mut g, map, *value)?;
-                    }
-                    // This micro-batch's values are no longer needed by the compiler either.
-                    map.clear();
-                }
+                Chunk::Forward(i) => step.forward(i)?,
+                Chunk::Backward(i) => step.backward(i)?,
             }
         }
-        let mut sums: Vec<ValueId> = sums.into_iter().map(|v| v.expect("at least one micro-batch")).collect();
-        // Shared parameters: send this stage's sum to the other holders, then add every holder's
-        // in stage order.
-        let tag_of = |name: &str| shared_tag(m, shared.iter().position(|p| p == name).expect("a shared parameter"));
-        for ((name, _), &sum) in grads.iter().zip(&sums) {
-            let param = &name[GRAD_PREFIX.len()..];
-            for &other in holders[param].iter().filter(|&&h| h != s) {
-                send(&mut g, sum, other, tag_of(param), SharedGradient)?;
-            }
-        }
-        for ((name, _), sum) in grads.iter().zip(sums.iter_mut()) {
-            let param = &name[GRAD_PREFIX.len()..];
-            if holders[param].len() < 2 {
-                continue;
-            }
-            let mut total: Option<ValueId> = None;
-            for &h in &holders[param] {
-                let part = if h == s {
-                    *sum
-                } else {
-                    let ty = g.ty(*sum).clone();
-                    add(&mut g, Op::Recv { from: h, tag: tag_of(param), message: SharedGradient, ty }, vec![])?
-                };
-                total = Some(match total {
-                    Some(t) => add(&mut g, Op::Binary(BinaryOp::Add), vec![t, part])?,
-                    None => part,
-                });
-            }
-            *sum = total.expect("two holders");
-        }
-        if let Some(loss) = loss_sum {
-            g.add_output(LOSS, loss);
-        }
-        for ((name, _), sum) in grads.iter().zip(sums) {
-            g.add_output(name.clone(), sum);
-        }
-        Ok(g)
+        step.finish(holders, shared)
     }
-}
-
-/// Appends `send value` to stage `to`.
-fn send(g: &mut Graph, value: ValueId, to: usize, tag: u64, message: Message) -> Result<(), PassError> {
-    g.add_node(Op::Send { to, tag, message }, vec![value], 0).map_err(|e| invalid(format!("send: {e}")))?;
-    Ok(())
-}
-
-/// Tags of the messages between stages: micro-batch `i`'s activation and its gradient, then
-/// one per shared parameter's gradient.
-fn activation_tag(i: usize) -> u64 {
-    2 * i as u64
-}
-
-fn gradient_tag(i: usize) -> u64 {
-    2 * i as u64 + 1
-}
-
-fn shared_tag(micro_batches: usize, index: usize) -> u64 {
-    (2 * micro_batches + index) as u64
-}
-
-/// Which part of a micro-batch's chunks a node of the differentiated stage graph runs in.
-#[derive(Copy, Clone, PartialEq, Eq)]
-enum Part {
-    /// The forward chunk: what the stage's output needs.
-    Forward,
-    /// The part of the backward chunk the gradient sent to the stage before needs.
-    InputGradient,
-    /// The rest of the backward chunk.
-    WeightGradients,
-}
-
-/// The part each node of the differentiated stage graph `d` runs in. The forward chunk: the
-/// nodes the stage's output needs. The backward chunk: the nodes the gradient sent to the
-/// stage before needs, and the rest (which [`PipelineBackward::Split`] runs after the send).
-fn chunk_parts(d: &Graph, last: bool) -> Vec<Part> {
-    let nodes: Vec<&Node> = d.nodes().map(|(_, n)| n).collect();
-    let output = |name: &str| d.outputs().iter().find(|(n, _)| n == name).map(|(_, v)| *v);
-    let stage_output = output(if last { LOSS } else { PIPE_OUT }).expect("the stage's output");
-    let pipe_in_grad = output(&format!("{GRAD_PREFIX}{PIPE_IN}"));
-    let forward = needed_by(&nodes, d.num_values(), &[stage_output], |_| true);
-    let input_gradient = needed_by(&nodes, d.num_values(), pipe_in_grad.as_slice(), |i| !forward[i]);
-    let part = |i: usize| match (forward[i], input_gradient[i]) {
-        (true, _) => Part::Forward,
-        (false, true) => Part::InputGradient,
-        (false, false) => Part::WeightGradients,
-    };
-    (0..nodes.len()).map(part).collect()
-}
-
-/// The differentiated stage graph's work per micro-batch, by part.
-fn chunk_costs(d: &Graph, parts: &[Part]) -> ChunkCosts {
-    let mut costs = ChunkCosts::default();
-    for ((_, node), part) in d.nodes().zip(parts) {
-        let cost = time_cost(d, node);
-        match part {
-            Part::Forward => costs.forward += cost,
-            Part::InputGradient => costs.input_gradient += cost,
-            Part::WeightGradients => costs.weight_gradients += cost,
-        }
-    }
-    costs
-}
-
-/// Copies the nodes of `d` in `wanted` parts through `map`, in graph order.
-fn copy_nodes(g: &mut Graph, d: &Graph, nodes: &[&Node], parts: &[Part], wanted: &[Part], map: &mut [Option<ValueId>]) {
-    let nothing = &mut |_: &mut Graph, _: &[Option<ValueId>], _: ValueId| Ok(());
-    copy_nodes_then(g, d, nodes, parts, wanted, map, nothing).expect("nothing to fail");
-}
-
-/// [`copy_nodes`], calling `made` with each copied node's outputs (old ids) once it is copied.
-fn copy_nodes_then(
-    g: &mut Graph,
-    d: &Graph,
-    nodes: &[&Node],
-    parts: &[Part],
-    wanted: &[Part],
-    map: &mut [Option<ValueId>],
-    made: &mut impl FnMut(&mut Graph, &[Option<ValueId>], ValueId) -> Result<(), PassError>,
-) -> Result<(), PassError> {
-    for (node, _) in nodes.iter().zip(parts).filter(|(_, p)| wanted.contains(p)) {
-        let inputs = node.inputs.iter().map(|v| map[v.index()].expect("defined before use")).collect();
-        let types = node.outputs.iter().map(|&o| d.ty(o).clone()).collect();
-        let new = g.add_node_typed(node.op.clone(), inputs, types);
-        for (&o, &n) in node.outputs.iter().zip(&g.node(new).outputs) {
-            map[o.index()] = Some(n);
-        }
-        for &o in &node.outputs {
-            made(g, map, o)?;
-        }
-    }
-    Ok(())
 }
 
 /// Stage `s`'s forward graph: its nodes, reading the activation crossing the cut before it as
