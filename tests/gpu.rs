@@ -7,6 +7,7 @@
 use std::sync::atomic::Ordering;
 
 use autotp_kernels::{DType, Kernel};
+use autotp_program::gpu::GpuForm;
 use autotp_program::plan::PlanFile;
 use autotp_program::{Instruction, Program};
 use autotp_runtime::gpu::emulated::Emulator;
@@ -71,9 +72,13 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
         let generated = (program.instructions.iter())
             .filter(|i| matches!(i, Instruction::Generated { .. } | Instruction::OptimizerStep { .. }))
             .count();
-        let moved: usize = autotp_runtime::gpu::movement_plan(&program).runs.iter().map(Vec::len).sum();
+        let forms = (program.instructions.iter()).filter_map(|i| match i {
+            Instruction::Kernel { gpu, .. } => gpu.as_ref(),
+            _ => None,
+        });
+        let moved: usize = forms.clone().map(|f| if let GpuForm::Movement(runs) = f { runs.len() } else { 0 }).sum();
         assert!(moved >= 3, "{arch}: expand, concat and split run as movement kernels ({moved})");
-        let indexed = autotp_runtime::gpu::indexed_plan(&program).of.iter().flatten().count();
+        let indexed = forms.filter(|f| matches!(f, GpuForm::Indexed(_))).count();
         assert!(indexed >= 2, "{arch}: the embedding's gather and scatter-add run on the GPU ({indexed})");
         assert_eq!(counts.launches.load(Ordering::Relaxed), 3 * (generated + moved + indexed), "{arch}: launches");
         for slot in program.params.iter().chain(&program.states) {

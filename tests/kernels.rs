@@ -461,8 +461,8 @@ fn ptxas() -> std::path::PathBuf {
     })
 }
 
-/// All PTX the fixtures' plans carry or a GPU makes for them when they load (one rank, tp 2,
-/// dp 2 with ZeRO-3, pp 2, bf16, fp16) assembles with ptxas for sm_80 and sm_90.
+/// All PTX the fixtures' plans carry (one rank, tp 2, dp 2 with ZeRO-3, pp 2, bf16, fp16),
+/// the builtin kernels' GPU forms included, assembles with ptxas for sm_80 and sm_90.
 #[test]
 fn fixture_plans_ptx_assembles_with_ptxas() {
     use crate::common::{autotp, fixture, scratch, success};
@@ -491,19 +491,23 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
             let plan = autotp_program::plan::PlanFile::open(&plan_path).unwrap().plan;
             for (s, program) in plan.stages.iter().enumerate() {
                 assert_eq!(program.ptx.len(), 2, "{arch} {layout:?} stage {s}: PTX for sm_80 and sm_90");
-                // The builtin kernels' data movement and gathers and scatter-adds, which a GPU
-                // compiles when the plan loads.
-                let movement = autotp_runtime::gpu::movement_plan(program).kernels;
-                let indexed: Vec<_> =
-                    autotp_runtime::gpu::indexed_plan(program).kernels.into_iter().map(|(k, _)| k).collect();
+                // The builtin kernels' data movement and gathers and scatter-adds, which the
+                // plan's modules hold; also assembled on their own.
+                let (movement, indexed) = (&program.gpu_kernels.movement, &program.gpu_kernels.indexed);
                 indexed_modules += usize::from(!indexed.is_empty());
+                for module in &program.ptx {
+                    let entries = (0..movement.len()).map(autotp_llvm::nvptx::movement_entry_name);
+                    for entry in entries.chain((0..indexed.len()).map(autotp_llvm::indexed::entry_name)) {
+                        assert!(module.code.contains(&format!(".entry {entry}(")), "{} lacks {entry}", module.arch);
+                    }
+                }
                 let mut modules = program.ptx.clone();
                 for gpu_arch in autotp_llvm::nvptx::Arch::ALL {
                     let arch = gpu_arch.name().to_string();
-                    let code = autotp_llvm::nvptx::ptx(&movement, &[], gpu_arch).unwrap();
+                    let code = autotp_llvm::nvptx::ptx(movement, &[], gpu_arch).unwrap();
                     modules.push(autotp_program::PtxModule { arch: arch.clone(), code });
                     if !indexed.is_empty() {
-                        let code = autotp_llvm::indexed::ptx(&indexed, gpu_arch).unwrap();
+                        let code = autotp_llvm::indexed::ptx(indexed, gpu_arch).unwrap();
                         modules.push(autotp_program::PtxModule { arch, code });
                     }
                 }

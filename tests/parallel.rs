@@ -775,8 +775,13 @@ fn verify_names_the_first_wrong_gradient() {
         unreachable!()
     };
     let copy = autotp_kernels::Kernel::Copy;
-    program.instructions[start] =
-        Instruction::Kernel { kernel: copy, inputs: vec![input], outputs: vec![output], label: "planted".into() };
+    program.instructions[start] = Instruction::Kernel {
+        kernel: copy,
+        inputs: vec![input],
+        outputs: vec![output],
+        label: "planted".into(),
+        gpu: None,
+    };
     program.instructions.remove(wait);
     for instruction in &mut program.instructions {
         if let Instruction::Wait { start, .. } = instruction {

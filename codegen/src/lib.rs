@@ -12,6 +12,7 @@
 //! regions from a liveness-based first-fit plan ([`memory`]); the plan's byte counts are the
 //! compile-time memory report, per rank.
 
+pub mod gpu_kernels;
 pub mod memory;
 
 use std::collections::{HashMap, HashSet};
@@ -47,7 +48,10 @@ pub enum KernelChoice {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LowerOptions {
     pub kernels: KernelChoice,
-    /// Also compile the generated kernels to PTX for every GPU architecture plans carry.
+    /// Choose the builtin kernels' GPU forms ([`gpu_kernels`]) for the plan.
+    pub gpu_kernels: bool,
+    /// Also compile them, the generated kernels and the optimizer steps to PTX for every GPU
+    /// architecture plans carry (implies `gpu_kernels`).
     pub ptx: bool,
     /// Place the optimizer's states in the host pool ([`autotp_program::HOST_POOL`]) instead of
     /// the arena (`--offload-optimizer cpu`).
@@ -329,17 +333,39 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
     if let Some(offsets) = planned {
         program = lower_placed(graph, options, Some(offsets))?.0;
     }
-    let optimizer_kernels = program.optimizer_kernels();
-    if options.ptx && !(program.kernels.is_empty() && optimizer_kernels.is_empty()) {
-        program.ptx = autotp_llvm::nvptx::Arch::ALL
-            .iter()
-            .map(|&arch| {
-                let code = autotp_llvm::nvptx::ptx(&program.kernels, &optimizer_kernels, arch)?;
-                Ok(PtxModule { arch: arch.name().to_string(), code })
-            })
-            .collect::<Result<Vec<_>, autotp_llvm::LlvmError>>()?;
+    if options.gpu_kernels || options.ptx {
+        gpu_kernels::choose_gpu_forms(&mut program);
+    }
+    if options.ptx {
+        program.ptx = ptx_modules(&program)?;
     }
     Ok(program)
+}
+
+/// `program`'s PTX, one module per architecture, of every kernel a GPU runs: generated kernels,
+/// optimizer steps and the builtin kernels' GPU forms. The architectures compile on threads of
+/// their own (each an LLVM context of its own).
+fn ptx_modules(program: &Program) -> Result<Vec<PtxModule>, CodegenError> {
+    let optimizer_steps = program.optimizer_kernels();
+    let entries = autotp_llvm::nvptx::GpuEntries {
+        kernels: &program.kernels,
+        optimizer_steps: &optimizer_steps,
+        movement: &program.gpu_kernels.movement,
+        indexed: &program.gpu_kernels.indexed,
+    };
+    if entries.is_empty() {
+        return Ok(Vec::new());
+    }
+    let compile = |arch: autotp_llvm::nvptx::Arch| {
+        let code = autotp_llvm::nvptx::program_ptx(&entries, arch)?;
+        Ok(PtxModule { arch: arch.name().to_string(), code })
+    };
+    let compile = &compile;
+    std::thread::scope(|scope| {
+        let threads: Vec<_> =
+            autotp_llvm::nvptx::Arch::ALL.iter().map(|&arch| scope.spawn(move || compile(arch))).collect();
+        threads.into_iter().map(|t| t.join().expect("a PTX thread panicked")).collect()
+    })
 }
 
 /// Lowers `graph`, its activations placed first fit, or at `offsets` (in allocation order);
@@ -721,7 +747,7 @@ impl Lowering<'_> {
                 dims.lhs_layout = self.lifetimes.layouts.get(&node.inputs[0]).cloned();
                 dims.rhs_layout = self.lifetimes.layouts.get(&node.inputs[1]).cloned();
             }
-            self.instructions.push(Instruction::Kernel { kernel, inputs, outputs, label });
+            self.instructions.push(Instruction::Kernel { kernel, inputs, outputs, label, gpu: None });
         }
     }
 
@@ -805,6 +831,7 @@ impl Lowering<'_> {
             updates,
             instructions: self.instructions,
             kernels: self.kernels,
+            gpu_kernels: Default::default(),
             ptx: Vec::new(),
             memory,
         };

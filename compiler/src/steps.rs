@@ -368,14 +368,20 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
     }
     let generated = options.kernels() == autotp_codegen::KernelChoice::Generated;
     let offload_optimizer = flags.offload_optimizer != OffloadFlag::None;
-    let measure = autotp_codegen::LowerOptions { kernels: options.kernels(), ptx: false, offload_optimizer };
+    let measure =
+        autotp_codegen::LowerOptions { kernels: options.kernels(), gpu_kernels: false, ptx: false, offload_optimizer };
     let recomputation = Recomputation::new(options, measure);
     if generated || recomputation.rewrites() {
         steps.push(Box::new(RecomputeAndFuse { recomputation, generated }));
     }
-    // PTX is for the plan file: a shapes-only compile makes none.
-    let lower =
-        autotp_codegen::LowerOptions { kernels: options.kernels(), ptx: generated && weights_read, offload_optimizer };
+    // The GPU forms and PTX are for the plan file: a shapes-only compile makes none. A plan of
+    // builtin kernels carries the GPU forms (the emulated GPU runs them) but no PTX.
+    let lower = autotp_codegen::LowerOptions {
+        kernels: options.kernels(),
+        gpu_kernels: weights_read,
+        ptx: generated && weights_read,
+        offload_optimizer,
+    };
     steps.push(Box::new(Lower {
         options: lower,
         nvme_tile_elements: options.nvme.as_ref().map(|n| n.tile_elements),

@@ -3,6 +3,7 @@
 //! - [`DType`] and the elementwise/reduction op kinds ([`UnaryOp`], [`BinaryOp`], [`ReduceOp`]).
 //! - [`Kernel`]: one builtin kernel with static shapes, and `Kernel::run` over byte slices.
 //! - [`kir`]: the kernel IR of generated kernels (a loop nest the `autotp-llvm` crate lowers).
+//! - [`indexed`]: gathers and scatter-adds in the form a GPU kernel runs them.
 //! - [`isa`]: the x86-64 level autotp's own CPU code runs at (`AUTOTP_CPU_ISA` lowers it).
 //! - [`AlignedBuf`]: the 64-byte aligned host buffer every producer of kernel outputs uses.
 //!
@@ -14,6 +15,7 @@
 mod buffer;
 mod dtype;
 mod elementwise;
+pub mod indexed;
 pub mod isa;
 mod kernel;
 pub mod kir;

@@ -22,98 +22,14 @@
 //! `start` i64, `start` the global index of the rank's first row (ranks of one plan share the
 //! entry).
 
-use autotp_kernels::{DType, Kernel};
+pub use autotp_kernels::indexed::{IndexedKernel, IndexedOp};
+use autotp_kernels::DType;
 use inkwell::values::{FunctionValue, IntValue, PointerValue};
 use inkwell::{AddressSpace, IntPredicate};
 
 use crate::emit::{counted_loop, Emitter};
-use crate::nvptx::{if_then, mark_kernel, module_ptx, special_register, Arch, BLOCK};
+use crate::nvptx::{if_then, special_register, Arch, BLOCK};
 use crate::LlvmError;
-
-/// Which of the two.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum IndexedOp {
-    Gather,
-    ScatterAdd,
-}
-
-/// A gather or scatter-add kernel's shape (see the module doc).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct IndexedKernel {
-    pub op: IndexedOp,
-    /// The elements': any type of 2, 4 or 8 bytes for a gather (it moves bits); f32, f64, bf16
-    /// or f16 for a scatter-add (16-bit updates summed in f32 and rounded once, as the CPU does).
-    pub dtype: DType,
-    /// i64 or i32.
-    pub index_dtype: DType,
-    pub outer: usize,
-    pub indices: usize,
-    pub inner: usize,
-    /// The table's (gather) or output's (scatter-add) rows: how many this kernel holds (from
-    /// the launch's `start`), and the whole axis.
-    pub held: usize,
-    pub global: usize,
-}
-
-impl IndexedKernel {
-    /// The GPU form of a builtin `kernel` whose index buffer holds `index_bytes`, where it has
-    /// one (other element types stay on the host).
-    pub fn of(kernel: &Kernel, index_bytes: usize) -> Option<IndexedKernel> {
-        let (op, dtype, index_dtype, shape, axis, block) = match kernel {
-            Kernel::Gather { dtype, index_dtype, data, axis, block } => {
-                (IndexedOp::Gather, *dtype, *index_dtype, data, *axis, block)
-            }
-            Kernel::ScatterAdd { dtype, index_dtype, out, axis, block } => {
-                (IndexedOp::ScatterAdd, *dtype, *index_dtype, out, *axis, block)
-            }
-            _ => return None,
-        };
-        let supported = match op {
-            IndexedOp::Gather => matches!(dtype.size(), 2 | 4 | 8),
-            IndexedOp::ScatterAdd => matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16),
-        };
-        if !supported || !matches!(index_dtype, DType::I64 | DType::I32) || axis >= shape.len() {
-            return None;
-        }
-        let held = shape[axis];
-        let global = block.as_ref().map_or(held, |b| b.global_len);
-        Some(IndexedKernel {
-            op,
-            dtype,
-            index_dtype,
-            outer: shape[..axis].iter().product(),
-            indices: index_bytes / index_dtype.size(),
-            inner: shape[axis + 1..].iter().product(),
-            held,
-            global,
-        })
-    }
-
-    /// The global index of the first row `kernel` (a gather or scatter-add) holds: its launch's
-    /// `start`.
-    pub fn start(kernel: &Kernel) -> usize {
-        match kernel {
-            Kernel::Gather { block: Some(b), .. } | Kernel::ScatterAdd { block: Some(b), .. } => b.start,
-            _ => 0,
-        }
-    }
-
-    /// Work items (blocks' worth of rows) one launch runs.
-    pub fn rows(&self) -> usize {
-        self.outer * self.indices
-    }
-
-    /// The byte lengths of the entry's `a`, `b` and `out` buffers.
-    pub fn buffer_bytes(&self) -> [usize; 3] {
-        let (size, index_size) = (self.dtype.size(), self.index_dtype.size());
-        let held = self.outer * self.held * self.inner * size;
-        let picked = self.outer * self.indices * self.inner * size;
-        match self.op {
-            IndexedOp::Gather => [held, self.indices * index_size, picked],
-            IndexedOp::ScatterAdd => [self.indices * index_size, picked, held],
-        }
-    }
-}
 
 /// The entry point of kernel `index` in a module made by [`ptx`].
 pub fn entry_name(index: usize) -> String {
@@ -122,13 +38,7 @@ pub fn entry_name(index: usize) -> String {
 
 /// The PTX of `kernels` for `arch`, kernel `i` as [`entry_name`]`(i)`.
 pub fn ptx(kernels: &[IndexedKernel], arch: Arch) -> Result<String, LlvmError> {
-    module_ptx(arch, |e| {
-        for (i, kernel) in kernels.iter().enumerate() {
-            let function = define(e, &entry_name(i), kernel)?;
-            mark_kernel(e.ctx, e.module, function)?;
-        }
-        Ok(())
-    })
+    crate::nvptx::program_ptx(&crate::nvptx::GpuEntries { indexed: kernels, ..Default::default() }, arch)
 }
 
 /// The integer type of `dtype`'s size (2, 4 or 8 bytes, as [`IndexedKernel::of`] allows).
@@ -140,7 +50,11 @@ fn integer_of(ctx: &inkwell::context::Context, dtype: DType) -> inkwell::types::
     }
 }
 
-fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, k: &IndexedKernel) -> Result<FunctionValue<'ctx>, LlvmError> {
+pub(crate) fn define<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    k: &IndexedKernel,
+) -> Result<FunctionValue<'ctx>, LlvmError> {
     let (ctx, b) = (e.ctx, e.b);
     let (ptr, i64t) = (ctx.ptr_type(AddressSpace::default()), ctx.i64_type());
     let fn_type =
@@ -278,7 +192,7 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, k: &IndexedKernel) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use autotp_kernels::IndexBlock;
+    use autotp_kernels::{IndexBlock, Kernel};
 
     fn embedding(dtype: DType, block: Option<IndexBlock>) -> [Kernel; 2] {
         let shape = vec![50257, 768];

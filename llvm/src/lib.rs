@@ -11,7 +11,8 @@
 //!   kernel already compiled.
 //! - [`nvptx`]: CUDA. A plan's kernels as one PTX module per GPU architecture (sm_80, sm_90),
 //!   made when the plan is compiled: rows on blocks, the inner dimension on threads, row
-//!   reductions with warp shuffles.
+//!   reductions with warp shuffles. The module also holds the optimizer steps and the builtin
+//!   kernels' GPU forms: data movement and [`indexed`] gathers and scatter-adds.
 //! - [`optim`]: the multi-tensor optimizer step (AdamW, SGD) over a table of chunks, for both
 //!   targets, bit-identical to the Rust kernels.
 //!

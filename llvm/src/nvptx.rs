@@ -1,8 +1,9 @@
 //! The NVPTX target: a plan's kernels as one PTX module, made at compile time and stored in the
-//! plan for the CUDA runtime.
+//! plan for the CUDA runtime ([`program_ptx`] of its [`GpuEntries`]).
 //!
 //! Kernel `i` of the list is the entry `autotp_kernel_<i>(b0, b1, ...)`, one generic pointer
-//! per buffer; a multi-tensor optimizer step is the entry
+//! per buffer (movement kernel `i`: `autotp_movement_<i>`, the same way; gathers and
+//! scatter-adds are [`crate::indexed`]'s entries); a multi-tensor optimizer step is the entry
 //! [`OptimizerKernel::entry_name`](autotp_kernels::optim::OptimizerKernel::entry_name) ([`crate::optim`]). Every entry is launched with [`BLOCK`] threads per block and any number of blocks. The outer
 //! dimension runs on blocks (block `b` takes rows `b, b + gridDim.x, ...`), the inner one on the
 //! block's threads (thread `t` takes `t, t + BLOCK, ...`); a kernel of map stages alone with
@@ -75,16 +76,54 @@ pub fn entry_name(index: usize) -> String {
     format!("autotp_kernel_{index}")
 }
 
+/// The entry point of movement kernel `index` ([`GpuEntries::movement`]).
+pub fn movement_entry_name(index: usize) -> String {
+    format!("autotp_movement_{index}")
+}
+
+/// Everything a program runs on a GPU, for one PTX module.
+#[derive(Clone, Copy, Default)]
+pub struct GpuEntries<'a> {
+    /// The generated kernels: entry [`entry_name`]`(i)`.
+    pub kernels: &'a [kir::Kernel],
+    /// The multi-tensor optimizer steps: entry `OptimizerKernel::entry_name`.
+    pub optimizer_steps: &'a [OptimizerKernel],
+    /// The builtin kernels' data movement: entry [`movement_entry_name`]`(i)`.
+    pub movement: &'a [kir::Kernel],
+    /// The gathers and scatter-adds: entry [`crate::indexed::entry_name`]`(i)`.
+    pub indexed: &'a [crate::indexed::IndexedKernel],
+}
+
+impl GpuEntries<'_> {
+    pub fn is_empty(&self) -> bool {
+        self.kernels.is_empty()
+            && self.optimizer_steps.is_empty()
+            && self.movement.is_empty()
+            && self.indexed.is_empty()
+    }
+}
+
 /// The PTX of `kernels` and `optimizer_steps` for `arch`, kernel `i` as [`entry_name`]`(i)`.
 pub fn ptx(kernels: &[kir::Kernel], optimizer_steps: &[OptimizerKernel], arch: Arch) -> Result<String, LlvmError> {
+    program_ptx(&GpuEntries { kernels, optimizer_steps, ..GpuEntries::default() }, arch)
+}
+
+/// The PTX of every entry of `entries` for `arch`, in one module.
+pub fn program_ptx(entries: &GpuEntries, arch: Arch) -> Result<String, LlvmError> {
     module_ptx(arch, |e| {
-        for (i, kernel) in kernels.iter().enumerate() {
+        let named_kernels = (entries.kernels.iter().enumerate().map(|(i, k)| (entry_name(i), k)))
+            .chain(entries.movement.iter().enumerate().map(|(i, k)| (movement_entry_name(i), k)));
+        for (name, kernel) in named_kernels {
             kernel.check()?;
-            let function = define(e, &entry_name(i), kernel)?;
+            let function = define(e, &name, kernel)?;
             mark_kernel(e.ctx, e.module, function)?;
         }
-        for step in optimizer_steps {
+        for step in entries.optimizer_steps {
             let function = define_optimizer_step(e, step, |name| special_register(e, name), BLOCK as u64)?;
+            mark_kernel(e.ctx, e.module, function)?;
+        }
+        for (i, kernel) in entries.indexed.iter().enumerate() {
+            let function = crate::indexed::define(e, &crate::indexed::entry_name(i), kernel)?;
             mark_kernel(e.ctx, e.module, function)?;
         }
         Ok(())
@@ -97,7 +136,9 @@ pub(crate) fn module_ptx(
     arch: Arch,
     define: impl FnOnce(&Emitter<'_, '_>) -> Result<(), LlvmError>,
 ) -> Result<String, LlvmError> {
-    Target::initialize_nvptx(&InitializationConfig::default());
+    // LLVM's target registry is not thread-safe to initialise; modules may be made on threads.
+    static INITIALISED: std::sync::Once = std::sync::Once::new();
+    INITIALISED.call_once(|| Target::initialize_nvptx(&InitializationConfig::default()));
     let triple = TargetTriple::create("nvptx64-nvidia-cuda");
     let target = Target::from_triple(&triple).map_err(|e| LlvmError::llvm("NVPTX target lookup", e))?;
     let machine = target

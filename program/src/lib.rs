@@ -4,6 +4,8 @@
 //!   planned offsets (builtin kernels, generated kernels, GEMMs, collectives, pipeline sends,
 //!   optimizer steps), its slots, constants and [`MemoryPlan`]; [`Program::validate`] proves
 //!   every region in bounds and every instruction's operands apart before anything runs.
+//! - [`gpu`]: the builtin kernels a GPU runs as entries of the plan's PTX, chosen at compile
+//!   time.
 //! - [`mesh`]: the device mesh, placements and collectives, defined once for the IR and for
 //!   programs.
 //! - [`step`]: the step's inputs and outputs that the trainer feeds and reads.
@@ -18,6 +20,7 @@
 //! plan read from a file is validated (fingerprint, regions, feeds) before it is returned. This
 //! crate depends on `autotp-kernels` alone among autotp's crates.
 
+pub mod gpu;
 pub mod loss_scale;
 pub mod lr_schedule;
 pub mod mesh;

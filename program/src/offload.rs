@@ -290,6 +290,7 @@ mod tests {
             inputs: vec![pooled(0, 20)],
             outputs: vec![Region { offset: 256, len: 20 }],
             label: "node 12 (copy)".into(),
+            gpu: None,
         };
         let error = Layout::of(&Program::bare(vec![step(), copy], vec![], 1024), 4).unwrap_err();
         assert_eq!(error, "node 12 (copy): reads or writes optimizer state outside the optimizer step");

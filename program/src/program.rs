@@ -7,6 +7,7 @@ use autotp_kernels::optim::OptimizerKernel;
 use autotp_kernels::{kir, DType, Kernel, Optimizer};
 use serde::{Deserialize, Serialize};
 
+use crate::gpu::{GpuForm, GpuKernels};
 use crate::mesh::{CollectiveOp, MeshAxis, Placement};
 use crate::ProgramError;
 
@@ -92,7 +93,16 @@ pub struct Update {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Instruction {
     /// Runs a builtin kernel. `label` names the IR op it came from, for profiles and errors.
-    Kernel { kernel: Kernel, inputs: Vec<Region>, outputs: Vec<Region>, label: String },
+    /// `gpu`: how a GPU runs it, as entries of the plan's PTX (chosen by codegen); `None`: on
+    /// the host.
+    Kernel {
+        kernel: Kernel,
+        inputs: Vec<Region>,
+        outputs: Vec<Region>,
+        label: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu: Option<GpuForm>,
+    },
     /// Runs the program's generated kernel `kernel` (an index into `Program::kernels`) on its
     /// buffers: `inputs`, then `outputs`.
     Generated { kernel: usize, inputs: Vec<Region>, outputs: Vec<Region>, label: String },
@@ -181,8 +191,13 @@ pub struct Program {
     /// The generated kernels that `Generated` instructions run.
     #[serde(default)]
     pub kernels: Vec<kir::Kernel>,
-    /// `kernels` compiled for CUDA GPUs, one PTX module per architecture (kernel `i` is the
-    /// entry `autotp_llvm::nvptx::entry_name(i)`); empty when the plan was made without them.
+    /// The builtin kernels a GPU runs as entries of `ptx` (data movement, gathers and
+    /// scatter-adds); empty when the plan was made without PTX.
+    #[serde(default, skip_serializing_if = "GpuKernels::is_empty")]
+    pub gpu_kernels: GpuKernels,
+    /// `kernels`, the optimizer steps and `gpu_kernels` compiled for CUDA GPUs, one PTX module
+    /// per architecture (kernel `i` is the entry `autotp_llvm::nvptx::entry_name(i)`); empty
+    /// when the plan was made without them.
     #[serde(default)]
     pub ptx: Vec<PtxModule>,
     pub memory: MemoryPlan,
@@ -230,6 +245,7 @@ impl Program {
     pub fn bare(instructions: Vec<Instruction>, mesh: Vec<MeshAxis>, arena_bytes: usize) -> Program {
         Program {
             kernels: vec![],
+            gpu_kernels: GpuKernels::default(),
             ptx: vec![],
             name: "p".into(),
             mesh,
@@ -315,10 +331,16 @@ impl Program {
         Ok(())
     }
 
-    /// The slots, constants and updates: inside the arena (or the host pool) with their sizes.
+    /// The slots, constants and updates: inside the arena (or the host pool) with their sizes;
+    /// the GPU's movement kernels inside their buffers.
     fn validate_data(&self) -> Result<(), ProgramError> {
         let size = self.memory.arena_bytes;
         let bad = |what: String| Err(ProgramError::InvalidProgram(what));
+        for kernel in &self.gpu_kernels.movement {
+            if let Err(e) = kernel.check() {
+                return bad(format!("movement kernel {}: {e}", kernel.name));
+            }
+        }
         let slots = self.inputs.iter().chain(&self.outputs).chain(&self.params).chain(&self.states);
         for slot in slots {
             if !self.holds(&slot.region) {
@@ -366,10 +388,15 @@ impl Program {
     ) -> Result<Option<Operands<'a>>, ProgramError> {
         let bad = |what: String| Err(ProgramError::InvalidProgram(what));
         let (inputs, outputs, label) = match instruction {
-            Instruction::Kernel { kernel, inputs, outputs, label } => {
+            Instruction::Kernel { kernel, inputs, outputs, label, gpu } => {
                 let lengths = |regions: &[Region]| regions.iter().map(|r| r.len).collect::<Vec<_>>();
                 if let Err(e) = kernel.check_buffers(&lengths(inputs), &lengths(outputs)) {
                     return bad(format!("instruction {i} ({label}): {e}"));
+                }
+                if let Some(Err(e)) =
+                    gpu.as_ref().map(|form| self.gpu_kernels.check_form(form, kernel, inputs, outputs))
+                {
+                    return bad(format!("instruction {i} ({label}): its GPU form {e}"));
                 }
                 (inputs.clone(), outputs.clone(), label)
             }
@@ -541,6 +568,7 @@ mod tests {
             inputs: vec![Region { offset: 0, len: 24 }],
             outputs: vec![Region { offset: 64, len: output_len }],
             label: "%3 = transpose".into(),
+            gpu: None,
         };
         Program::bare(vec![transpose], vec![], 128)
     }
@@ -571,6 +599,7 @@ mod tests {
             inputs: vec![Region { offset: 32, len: 24 }],
             outputs: vec![Region { offset: 64, len: 24 }],
             label: "too early".into(),
+            gpu: None,
         };
         let wait = Instruction::Wait { start: 0, label: "wait".into() };
         let mut p = program(Kernel::Copy, 24);

@@ -290,6 +290,7 @@ mod tests {
             inputs: vec![region(from)],
             outputs: vec![region(to)],
             label: format!("copy {from}->{to}"),
+            gpu: None,
         }
     }
 

@@ -158,7 +158,7 @@ impl Device for CpuDevice {
         let region = |r: &Region| unsafe { std::slice::from_raw_parts(bases.at(r), r.len) };
         let region_mut = |r: &Region| unsafe { std::slice::from_raw_parts_mut(bases.at(r), r.len) };
         match instruction {
-            Instruction::Kernel { kernel, inputs, outputs, label } => {
+            Instruction::Kernel { kernel, inputs, outputs, label, .. } => {
                 let ins: Vec<&[u8]> = inputs.iter().map(region).collect();
                 let mut outs: Vec<&mut [u8]> = outputs.iter().map(region_mut).collect();
                 kernel.run(&ins, &mut outs).map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;

@@ -7,8 +7,8 @@
 //! load), the kernels' entries looked up once. Launches use [`autotp_llvm::nvptx::BLOCK`]
 //! threads and one block per row, or per run of a row for elementwise kernels over few rows
 //! ([`autotp_llvm::nvptx::blocks_per_row`]), capped at [`MAX_BLOCKS`]: the kernels stride over
-//! the rest. The builtin kernels' data movement ([`super::movement_plan`]) is compiled to PTX
-//! for the device when it opens (the runtime carries LLVM) and loaded as a second module.
+//! the rest. The same module holds the builtin kernels' data movement and their gathers and
+//! scatter-adds (the program's `gpu_kernels`, chosen when the plan was compiled).
 //! Events are made per record (timing off) and released at each synchronisation. Allocations
 //! are zeroed on the compute stream before anything else touches them.
 //! GEMMs are cuBLAS's ([`GemmCall`], the entry by its [`GemmLayout`]: `gemmEx`,
@@ -18,8 +18,6 @@
 //!
 //! Nothing here runs without [`crate::cuda::probe`] having found a driver first: cudarc's
 //! loader panics when the library is missing.
-//!
-//! First run on a GPU (an H100) in session 19: `scripts/gpu-tests.sh` passes on it.
 
 use std::ffi::{c_void, CString};
 
@@ -58,11 +56,9 @@ pub struct CudaGpu {
     kernel_parts: Vec<usize>,
     movement_parts: Vec<usize>,
     optimizer_steps: Vec<sys::CUfunction>,
-    /// The builtin kernels' data movement ([`super::movement_plan`]), compiled at open.
-    movement_module: sys::CUmodule,
+    /// The builtin kernels' data movement and their gathers and scatter-adds (the program's
+    /// `gpu_kernels`), entries of `module`.
     movement: Vec<sys::CUfunction>,
-    /// The gathers and scatter-adds ([`super::indexed_plan`]), compiled at open.
-    indexed_module: sys::CUmodule,
     indexed: Vec<sys::CUfunction>,
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<sys::CUevent>,
@@ -132,9 +128,7 @@ impl CudaGpu {
             kernel_parts: program.kernels.iter().map(autotp_llvm::nvptx::blocks_per_row).collect(),
             movement_parts: Vec::new(),
             optimizer_steps: Vec::new(),
-            movement_module: std::ptr::null_mut(),
             movement: Vec::new(),
-            indexed_module: std::ptr::null_mut(),
             indexed: Vec::new(),
             allocations: Vec::new(),
             events: Vec::new(),
@@ -165,35 +159,14 @@ impl CudaGpu {
             .iter()
             .map(|k| function(gpu.module, k.entry_name()))
             .collect::<Result<_, _>>()?;
-        let movement = super::movement_plan(program).kernels;
-        let arch = match arch {
-            "sm_90" => autotp_llvm::nvptx::Arch::Sm90,
-            _ => autotp_llvm::nvptx::Arch::Sm80,
-        };
-        let indexed: Vec<_> = super::indexed_plan(program).kernels.into_iter().map(|(k, _)| k).collect();
-        if !indexed.is_empty() {
-            let ptx = autotp_llvm::indexed::ptx(&indexed, arch)
-                .map_err(|e| RuntimeError::KernelCompile(format!("the gathers' and scatter-adds' PTX: {e}")))?;
-            let image = CString::new(ptx).expect("LLVM's PTX has no NUL");
-            // SAFETY: a NUL-terminated PTX text, which the driver compiles for the device.
-            gpu.indexed_module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
-                .map_err(driver("cuModuleLoadData (the gathers and scatter-adds)"))?;
-            gpu.indexed = (0..indexed.len())
-                .map(|i| function(gpu.indexed_module, autotp_llvm::indexed::entry_name(i)))
-                .collect::<Result<_, _>>()?;
-        }
-        if !movement.is_empty() {
-            let ptx = autotp_llvm::nvptx::ptx(&movement, &[], arch)
-                .map_err(|e| RuntimeError::KernelCompile(format!("the movement kernels' PTX: {e}")))?;
-            let image = CString::new(ptx).expect("LLVM's PTX has no NUL");
-            // SAFETY: a NUL-terminated PTX text, which the driver compiles for the device.
-            gpu.movement_module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
-                .map_err(driver("cuModuleLoadData (the movement kernels)"))?;
-            gpu.movement_parts = movement.iter().map(autotp_llvm::nvptx::blocks_per_row).collect();
-            gpu.movement = (0..movement.len())
-                .map(|i| function(gpu.movement_module, autotp_llvm::nvptx::entry_name(i)))
-                .collect::<Result<_, _>>()?;
-        }
+        let gpu_kernels = &program.gpu_kernels;
+        gpu.movement_parts = gpu_kernels.movement.iter().map(autotp_llvm::nvptx::blocks_per_row).collect();
+        gpu.movement = (0..gpu_kernels.movement.len())
+            .map(|i| function(gpu.module, autotp_llvm::nvptx::movement_entry_name(i)))
+            .collect::<Result<_, _>>()?;
+        gpu.indexed = (0..gpu_kernels.indexed.len())
+            .map(|i| function(gpu.module, autotp_llvm::indexed::entry_name(i)))
+            .collect::<Result<_, _>>()?;
         Ok(gpu)
     }
 
@@ -483,10 +456,8 @@ impl Drop for CudaGpu {
             for address in self.allocations.drain(..) {
                 let _ = result::free_sync(address);
             }
-            for module in [self.module, self.movement_module, self.indexed_module] {
-                if !module.is_null() {
-                    let _ = result::module::unload(module);
-                }
+            if !self.module.is_null() {
+                let _ = result::module::unload(self.module);
             }
             for stream in self.streams {
                 if !stream.is_null() {

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use autotp_kernels::AlignedBuf;
 use autotp_llvm::CpuKernel;
 
+use autotp_kernels::indexed::IndexedKernel;
 use autotp_kernels::{DType, Kernel};
 
 use super::gemm::GemmCall;
@@ -37,8 +38,8 @@ pub struct Emulator {
     kernels: Vec<CpuKernel>,
     optimizer_steps: Vec<CpuKernel>,
     movement: Vec<CpuKernel>,
-    /// The gathers and scatter-adds of [`super::indexed_plan`], run by their builtin kernels.
-    indexed: Vec<(autotp_llvm::indexed::IndexedKernel, Kernel)>,
+    /// The program's gathers and scatter-adds, run by their builtin kernels.
+    indexed: Vec<IndexedKernel>,
     queues: [VecDeque<Op>; 3],
     /// Per event: whether it has completed, and the stream it was recorded on.
     events: Vec<(bool, Stream)>,
@@ -61,7 +62,7 @@ impl Emulator {
     /// multiplying as `math` says.
     pub fn new(program: &Program, math: GemmMath) -> Result<Emulator, RuntimeError> {
         let steps = program.optimizer_kernels();
-        let movement = super::movement_plan(program).kernels;
+        let movement = &program.gpu_kernels.movement;
         let functions: Vec<autotp_llvm::Function> = (program.kernels.iter().map(autotp_llvm::Function::Kernel))
             .chain(steps.iter().map(autotp_llvm::Function::OptimizerStep))
             .chain(movement.iter().map(autotp_llvm::Function::Kernel))
@@ -78,7 +79,7 @@ impl Emulator {
             kernels,
             optimizer_steps,
             movement,
-            indexed: super::indexed_plan(program).kernels,
+            indexed: program.gpu_kernels.indexed.clone(),
             queues: Default::default(),
             events: Vec::new(),
             counts: Arc::default(),
@@ -136,14 +137,12 @@ impl Emulator {
     /// A gather or scatter-add ([`Entry::Indexed`]): its builtin kernel over the device
     /// buffers; an index out of range goes to the fault words, as on a GPU.
     fn launch_indexed(&mut self, stream: Stream, entry: usize, args: &[u64]) -> Result<(), RuntimeError> {
-        let (shape, mut kernel) = (self.indexed.get(entry).cloned())
+        let shape = (self.indexed.get(entry).cloned())
             .ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no indexed entry {entry}")))?;
         let &[a, b, out, fault, tag, start] = args else {
             return Err(RuntimeError::Device("emulated GPU: an indexed kernel takes 6 arguments".into()));
         };
-        if let Kernel::Gather { block: Some(block), .. } | Kernel::ScatterAdd { block: Some(block), .. } = &mut kernel {
-            block.start = start as usize;
-        }
+        let kernel = shape.builtin(start as usize);
         let [a_len, b_len, out_len] = shape.buffer_bytes();
         for (address, len) in [(a, a_len), (b, b_len), (out, out_len), (fault, 16)] {
             self.check(address, len)?;

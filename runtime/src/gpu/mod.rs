@@ -12,12 +12,13 @@
 //!   device (a small copy, the one synchronisation inside a step);
 //! - a matmul is a cuBLAS batched GEMM ([`gemm::GemmCall`], its pointer arrays made at load),
 //!   where the GPU has cuBLAS and the operands a cuBLAS form;
-//! - a byte copy (a reshape's) is a device-to-device copy; expand, transpose, slice, pad,
-//!   concat and split are kernel-IR kernels ([`movement_plan`]) the GPU compiles when it opens;
-//! - a gather or scatter-add of f32/f64 (the embedding and its gradient) is an
-//!   [`Entry::Indexed`] kernel ([`autotp_llvm::indexed`], compiled when the GPU opens); an index
-//!   out of range lands in fault words after the arena, read when the streams are synchronised
-//!   and reported as the CPU's kernel reports it;
+//! - a byte copy (a reshape's) is a device-to-device copy;
+//! - a builtin kernel with a GPU form (`Instruction::Kernel`'s `gpu`, chosen by codegen) runs
+//!   as that form's entries of the plan's PTX: expand, transpose, slice, pad, concat and
+//!   split as movement kernels ([`Entry::Movement`]), a gather or scatter-add (the embedding and
+//!   its gradient) as an [`Entry::Indexed`] kernel ([`autotp_llvm::indexed`]); an index out of
+//!   range lands in fault words after the arena, read when the streams are synchronised and
+//!   reported as the CPU's kernel reports it;
 //! - other builtin kernels (and those matmuls) run on the host: their inputs are
 //!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
 //! - collectives, sends and receives (until NCCL) go through host memory and the rank's
@@ -36,8 +37,9 @@ pub mod gemm;
 
 use std::sync::Arc;
 
-use autotp_kernels::{kir, AlignedBuf, Kernel};
-use autotp_llvm::indexed::{IndexedKernel, IndexedOp};
+use autotp_kernels::indexed::{IndexedKernel, IndexedOp};
+use autotp_kernels::{AlignedBuf, Kernel};
+use autotp_program::gpu::GpuForm;
 
 use crate::clock::RankClock;
 use crate::comm::Communicator;
@@ -108,86 +110,12 @@ pub enum Entry {
     /// The `i`th of `Program::optimizer_kernels()`: arguments are the chunk table's address,
     /// the number of chunks and the constants' address; one chunk per block.
     OptimizerStep(usize),
-    /// [`MovementPlan::kernels`]`[i]`: as `Kernel`.
+    /// `GpuKernels::movement[i]` (the program's `gpu_kernels`): as `Kernel`.
     Movement(usize),
-    /// [`IndexedPlan::kernels`]`[i]`: arguments are its `a`, `b` and `out` buffers, the fault
+    /// `GpuKernels::indexed[i]`: arguments are its `a`, `b` and `out` buffers, the fault
     /// words, the launch's tag and the rank's first row ([`autotp_llvm::indexed`]); one index
     /// row per block.
     Indexed(usize),
-}
-
-/// The gathers and scatter-adds of a program's builtin kernels that run on the GPU
-/// ([`autotp_llvm::indexed`], compiled when a GPU opens); other element types stay on the host.
-pub struct IndexedPlan {
-    /// The distinct kernels, each with the builtin kernel it computes (the emulated GPU runs that).
-    pub kernels: Vec<(IndexedKernel, Kernel)>,
-    /// Per instruction, its entry in `kernels`.
-    pub of: Vec<Option<usize>>,
-}
-
-/// The indexed plan of `program`.
-pub fn indexed_plan(program: &Program) -> IndexedPlan {
-    let mut kernels: Vec<(IndexedKernel, Kernel)> = Vec::new();
-    let of = (program.instructions.iter())
-        .map(|instruction| {
-            let Instruction::Kernel { kernel, inputs, .. } = instruction else { return None };
-            let index_input = match kernel {
-                Kernel::Gather { .. } => 1,
-                Kernel::ScatterAdd { .. } => 0,
-                _ => return None,
-            };
-            let indexed = IndexedKernel::of(kernel, inputs.get(index_input)?.len)?;
-            Some(match kernels.iter().position(|(k, _)| *k == indexed) {
-                Some(i) => i,
-                None => {
-                    kernels.push((indexed, kernel.clone()));
-                    kernels.len() - 1
-                }
-            })
-        })
-        .collect();
-    IndexedPlan { kernels, of }
-}
-
-/// The data movement of a program's builtin kernels as kernel IR
-/// ([`autotp_kernels::kir_movement`]), which a GPU compiles when it opens.
-pub struct MovementPlan {
-    /// The distinct kernels (equal ones, of layers of one shape, listed once).
-    pub kernels: Vec<kir::Kernel>,
-    /// Per instruction, the kernels it runs, in order.
-    pub runs: Vec<Vec<MovementRun>>,
-}
-
-/// One launch of a movement kernel for an instruction.
-pub struct MovementRun {
-    /// An index into [`MovementPlan::kernels`].
-    pub kernel: usize,
-    /// Its buffers: positions in the instruction's inputs, then in its outputs.
-    pub inputs: Vec<usize>,
-    pub outputs: Vec<usize>,
-}
-
-/// The movement plan of `program`.
-pub fn movement_plan(program: &Program) -> MovementPlan {
-    let mut kernels: Vec<kir::Kernel> = Vec::new();
-    let mut runs = Vec::with_capacity(program.instructions.len());
-    for instruction in &program.instructions {
-        let mut here = Vec::new();
-        if let Instruction::Kernel { kernel, .. } = instruction {
-            for moved in autotp_kernels::kir_movement::movement_kernels(kernel).unwrap_or_default() {
-                let index = match kernels.iter().position(|k| *k == moved.kernel) {
-                    Some(i) => i,
-                    None => {
-                        kernels.push(moved.kernel);
-                        kernels.len() - 1
-                    }
-                };
-                here.push(MovementRun { kernel: index, inputs: moved.inputs, outputs: moved.outputs });
-            }
-        }
-        runs.push(here);
-    }
-    MovementPlan { kernels, runs }
 }
 
 /// An event recorded by a [`Gpu`]: a handle the GPU gave out, valid until its next
@@ -260,7 +188,7 @@ struct ChunkTable {
 /// What an instruction needs on the device, made when the program loads.
 enum Prepared {
     Nothing,
-    /// Movement kernels (entries of [`movement_plan`]) with their buffers' addresses.
+    /// Movement kernels (`GpuKernels::movement` entries) with their rows and buffers' addresses.
     Movement(Vec<(usize, usize, Vec<u64>)>),
     OptimizerStep(ChunkTable),
     Gemm(Box<(GemmCall, GemmOperands)>),
@@ -320,23 +248,22 @@ impl GpuDevice {
         let arena_bytes = program.memory.arena_bytes.next_multiple_of(8);
         let base = gpu.alloc(arena_bytes + FAULT_BYTES)?;
         let fault = base + arena_bytes as u64;
-        let indexed = indexed_plan(program);
         let mut fault_sources = Vec::new();
         for c in &program.constants {
             gpu.upload(Stream::Compute, base + c.region.offset as u64, &c.bytes)?;
         }
-        let movement = movement_plan(program);
+        let gpu_kernels = &program.gpu_kernels;
         let rules = program.optimizer_kernels();
         let mut prepared = Vec::with_capacity(program.instructions.len());
-        for ((instruction, moves), indexed_entry) in program.instructions.iter().zip(movement.runs).zip(indexed.of) {
+        for instruction in &program.instructions {
             prepared.push(match instruction {
-                Instruction::Kernel { inputs, outputs, .. } if !moves.is_empty() => {
+                Instruction::Kernel { inputs, outputs, gpu: Some(GpuForm::Movement(moves)), .. } => {
                     let at = |r: &Region| base + r.offset as u64;
-                    let runs = (moves.into_iter())
+                    let runs = (moves.iter())
                         .map(|run| {
                             let buffers = (run.inputs.iter().map(|&i| at(&inputs[i])))
                                 .chain(run.outputs.iter().map(|&o| at(&outputs[o])));
-                            (run.kernel, movement.kernels[run.kernel].outer, buffers.collect())
+                            (run.kernel, gpu_kernels.movement[run.kernel].outer, buffers.collect())
                         })
                         .collect();
                     Prepared::Movement(runs)
@@ -354,9 +281,9 @@ impl GpuDevice {
                         .expect("the step's rule is among the program's");
                     Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), rule, constants })
                 }
-                Instruction::Kernel { kernel, inputs, outputs, label } if indexed_entry.is_some() => {
-                    let entry = indexed_entry.expect("matched");
-                    let (shape, _) = &indexed.kernels[entry];
+                Instruction::Kernel { kernel, inputs, outputs, label, gpu: Some(GpuForm::Indexed(entry)) } => {
+                    let entry = *entry;
+                    let shape = &gpu_kernels.indexed[entry];
                     let at = |r: &Region| base + r.offset as u64;
                     fault_sources.push((label.clone(), kernel.name(), shape.global));
                     Prepared::Indexed(IndexedLaunch {
@@ -508,7 +435,7 @@ impl GpuDevice {
                 let args: Vec<u64> = inputs.iter().chain(outputs).map(|r| self.address(r)).collect();
                 self.gpu().launch(stream, Entry::Kernel(*kernel), program.kernels[*kernel].outer, &args)
             }
-            Instruction::Kernel { kernel, inputs, outputs, label } => {
+            Instruction::Kernel { kernel, inputs, outputs, label, .. } => {
                 if let (Kernel::Copy, [input], [output]) = (kernel, inputs.as_slice(), outputs.as_slice()) {
                     let (from, to) = (self.address(input), self.address(output));
                     return self.gpu().copy(stream, from, to, output.len);

@@ -1,0 +1,206 @@
+//! The builtin kernels a GPU runs as entries of the plan's PTX, chosen by codegen and carried
+//! by the plan, so the runtime on a GPU selects nothing: a builtin-kernel instruction with a
+//! [`GpuForm`] runs as that form's launches, any other on the host. The forms' kernels are
+//! listed once per program in [`GpuKernels`].
+//!
+//! - Data movement (expand, transpose, slice, pad, concat, split) as kernel IR
+//!   ([`autotp_kernels::kir_movement`]): entry `autotp_movement_<i>` of the PTX module for
+//!   movement kernel `i`, one launch per [`MovementRun`] over the instruction's buffers.
+//! - Gathers and scatter-adds (the embedding and its gradient) as [`IndexedKernel`]s: entry
+//!   `autotp_indexed_<i>` for indexed kernel `i` (`autotp_llvm::indexed` describes its arguments).
+//!
+//! `Program::validate` checks a plan read from a file: movement kernels stay inside their
+//! buffers (`kir::Kernel::check`) and each form fits its instruction ([`GpuKernels::check_form`]:
+//! the buffers a movement run names, the indexed kernel its builtin kernel's).
+
+use autotp_kernels::indexed::IndexedKernel;
+use autotp_kernels::{kir, Kernel};
+use serde::{Deserialize, Serialize};
+
+use crate::Region;
+
+/// The GPU forms of a program's builtin kernels (see the module doc).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuKernels {
+    /// The distinct movement kernels (equal ones, of layers of one shape, listed once).
+    pub movement: Vec<kir::Kernel>,
+    /// The distinct gathers and scatter-adds.
+    pub indexed: Vec<IndexedKernel>,
+}
+
+/// How a GPU runs one builtin-kernel instruction (`Instruction::Kernel::gpu`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GpuForm {
+    /// Movement kernels, launched in order.
+    Movement(Vec<MovementRun>),
+    /// [`GpuKernels::indexed`]`[i]` over the instruction's two inputs and its output.
+    Indexed(usize),
+}
+
+/// One launch of a movement kernel for an instruction.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MovementRun {
+    /// An index into [`GpuKernels::movement`].
+    pub kernel: usize,
+    /// Its buffers: positions in the instruction's inputs, then in its outputs.
+    pub inputs: Vec<usize>,
+    pub outputs: Vec<usize>,
+}
+
+impl GpuKernels {
+    /// Whether there is nothing for a GPU to run.
+    pub fn is_empty(&self) -> bool {
+        self.movement.is_empty() && self.indexed.is_empty()
+    }
+
+    /// The index-buffer position of a builtin gather (1) or scatter-add (0), `None` for other
+    /// kernels.
+    pub fn index_input(kernel: &Kernel) -> Option<usize> {
+        match kernel {
+            Kernel::Gather { .. } => Some(1),
+            Kernel::ScatterAdd { .. } => Some(0),
+            _ => None,
+        }
+    }
+
+    /// Checks that `form` fits the builtin `kernel` over `inputs` and `outputs` (see the module
+    /// doc); the error says how it does not.
+    pub fn check_form(
+        &self,
+        form: &GpuForm,
+        kernel: &Kernel,
+        inputs: &[Region],
+        outputs: &[Region],
+    ) -> Result<(), String> {
+        match form {
+            GpuForm::Movement(runs) => {
+                for run in runs {
+                    let Some(moved) = self.movement.get(run.kernel) else {
+                        return Err(format!("runs movement kernel {}, which does not exist", run.kernel));
+                    };
+                    let pick = |positions: &[usize], regions: &[Region]| -> Option<Vec<Region>> {
+                        positions.iter().map(|&p| regions.get(p).copied()).collect()
+                    };
+                    let (Some(ins), Some(outs)) = (pick(&run.inputs, inputs), pick(&run.outputs, outputs)) else {
+                        return Err("names a buffer the instruction does not have".into());
+                    };
+                    let regions = ins.iter().chain(&outs);
+                    if ins.len() != moved.num_inputs
+                        || regions.clone().count() != moved.buffers.len()
+                        || regions
+                            .zip(&moved.buffers)
+                            .any(|(r, b)| r.len != b.len * b.dtype.size() || !r.offset.is_multiple_of(b.dtype.size()))
+                    {
+                        return Err(format!("does not fit movement kernel {}", moved.name));
+                    }
+                }
+            }
+            GpuForm::Indexed(k) => {
+                let expected = Self::index_input(kernel)
+                    .and_then(|at| inputs.get(at))
+                    .and_then(|index| IndexedKernel::of(kernel, index.len));
+                if self.indexed.get(*k).is_none() || expected.as_ref() != self.indexed.get(*k) {
+                    return Err(format!("names indexed kernel {k}, which is not its {}'s", kernel.name()));
+                }
+                if inputs.len() != 2 || outputs.len() != 1 {
+                    return Err("needs two inputs and one output".into());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use autotp_kernels::DType;
+
+    use super::*;
+    use crate::{Instruction, Program};
+
+    fn region(offset: usize, len: usize) -> Region {
+        Region { offset, len }
+    }
+
+    /// An expand of f32[1, 4] to [3, 4] and a gather of 2 i64 indices from an f32[5, 4] table,
+    /// each with its GPU form.
+    fn program() -> Program {
+        let expand = Kernel::Expand { dtype: DType::F32, shape: vec![1, 4], out: vec![3, 4] };
+        let gather =
+            Kernel::Gather { dtype: DType::F32, index_dtype: DType::I64, data: vec![5, 4], axis: 0, block: None };
+        let mut gpu_kernels = GpuKernels::default();
+        let moved = autotp_kernels::kir_movement::movement_kernels(&expand).unwrap().remove(0);
+        gpu_kernels.movement.push(moved.kernel);
+        let run = MovementRun { kernel: 0, inputs: moved.inputs, outputs: moved.outputs };
+        gpu_kernels.indexed.push(IndexedKernel::of(&gather, 16).unwrap());
+        let instructions = vec![
+            Instruction::Kernel {
+                kernel: expand,
+                inputs: vec![region(0, 16)],
+                outputs: vec![region(64, 48)],
+                label: "node 0 (expand)".into(),
+                gpu: Some(GpuForm::Movement(vec![run])),
+            },
+            Instruction::Kernel {
+                kernel: gather,
+                inputs: vec![region(128, 80), region(256, 16)],
+                outputs: vec![region(320, 32)],
+                label: "node 1 (gather)".into(),
+                gpu: Some(GpuForm::Indexed(0)),
+            },
+        ];
+        let mut program = Program::bare(instructions, vec![], 512);
+        program.gpu_kernels = gpu_kernels;
+        program
+    }
+
+    fn refusal(program: &Program) -> String {
+        program.validate().expect_err("refused").to_string()
+    }
+
+    fn form(program: &mut Program, i: usize) -> &mut GpuForm {
+        let Instruction::Kernel { gpu: Some(form), .. } = &mut program.instructions[i] else { unreachable!() };
+        form
+    }
+
+    #[test]
+    fn gpu_forms_that_fit_their_instructions_validate() {
+        program().validate().unwrap();
+    }
+
+    #[test]
+    fn gpu_forms_that_do_not_fit_are_refused_naming_the_instruction() {
+        let mut missing_kernel = program();
+        *form(&mut missing_kernel, 0) =
+            GpuForm::Movement(vec![MovementRun { kernel: 3, inputs: vec![0], outputs: vec![0] }]);
+        let message = refusal(&missing_kernel);
+        assert!(
+            message.contains("instruction 0 (node 0 (expand))") && message.contains("movement kernel 3"),
+            "{message}"
+        );
+
+        let mut missing_buffer = program();
+        let GpuForm::Movement(runs) = form(&mut missing_buffer, 0) else { unreachable!() };
+        runs[0].outputs = vec![1];
+        assert!(refusal(&missing_buffer).contains("names a buffer the instruction does not have"));
+
+        let mut other_movement = program();
+        let wider = Kernel::Expand { dtype: DType::F32, shape: vec![1, 8], out: vec![3, 8] };
+        let moved = autotp_kernels::kir_movement::movement_kernels(&wider).unwrap().remove(0);
+        other_movement.gpu_kernels.movement[0] = moved.kernel;
+        assert!(refusal(&other_movement).contains("does not fit movement kernel"));
+
+        let mut other_shape = program();
+        other_shape.gpu_kernels.indexed[0].indices = 3;
+        let message = refusal(&other_shape);
+        assert!(
+            message.contains("instruction 1 (node 1 (gather))") && message.contains("not its gather's"),
+            "{message}"
+        );
+
+        let mut on_the_expand = program();
+        *form(&mut on_the_expand, 0) = GpuForm::Indexed(0);
+        assert!(refusal(&on_the_expand).contains("not its expand's"));
+    }
+}
