@@ -1,7 +1,8 @@
 //! autotp-compiler: the compile driver as a library. The CLI's `compile`, `train`, `plan` and
 //! `verify`, the benches and the tests all compile through it.
 //!
-//! - [`flags`]: [`CompileFlags`], the compile command's flags as given (plans record them).
+//! - [`flags`]: [`CompileFlags`], the compile command's flags as given (plans record them);
+//!   [`deepspeed`]: a DeepSpeed configuration as those flags.
 //! - [`options`]: [`CompileOptions::from_flags`], every refusal of the flags made in one place,
 //!   and what they decide, typed.
 //! - [`steps`]: the compile as a list of named steps (graph passes, the pipeline split,
@@ -22,6 +23,7 @@ macro_rules! refuse {
 }
 
 pub mod compile;
+pub mod deepspeed;
 pub mod flags;
 pub mod layout_search;
 pub mod options;
@@ -50,6 +52,9 @@ pub enum CompileError {
     Codegen(#[from] autotp_codegen::CodegenError),
     #[error(transparent)]
     Program(#[from] autotp_program::ProgramError),
+    /// A DeepSpeed configuration autotp refuses (`--deepspeed`).
+    #[error("--deepspeed {}: {message}", path.display())]
+    DeepSpeed { path: PathBuf, message: String },
     #[error("{flag}: cannot {action} {path}: {source}")]
     Io { flag: &'static str, action: &'static str, path: PathBuf, source: std::io::Error },
 }
