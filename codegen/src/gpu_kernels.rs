@@ -3,6 +3,10 @@
 //! ([`autotp_kernels::kir_movement`]), and the gathers and scatter-adds that have an
 //! [`IndexedKernel`] form. Equal kernels (of layers of one shape) are listed once. The plan's
 //! PTX holds them; a GPU runs every other builtin kernel on the host.
+//!
+//! [`idle_launches`] finds the kernels that would leave a GPU's multiprocessors idle (fewer
+//! blocks than it has, over more than a million elements: a whole-tensor reduction on one
+//! block), which the compile summary lists.
 
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_program::gpu::{GpuForm, GpuKernels, MovementRun};
@@ -42,5 +46,113 @@ fn index_of<T: PartialEq>(list: &mut Vec<T>, item: T) -> usize {
             list.push(item);
             list.len() - 1
         }
+    }
+}
+
+/// A kernel that leaves multiprocessors of the target GPU idle: it launches fewer blocks than
+/// the GPU has multiprocessors while its work exceeds [`IDLE_WORK`] elements.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdleLaunch {
+    /// The kernel's name (the ops it was made from).
+    pub kernel: String,
+    pub blocks: usize,
+    /// Elements of its loop nest (rows x inner).
+    pub elements: usize,
+    /// Its instructions in the program: launches per step.
+    pub per_step: usize,
+}
+
+/// The work above which a kernel should fill the GPU.
+pub const IDLE_WORK: usize = 1_000_000;
+
+/// The GPU with the most multiprocessors among the architectures plans carry PTX for, and how
+/// many it has: the GPU [`idle_launches`] checks against.
+pub fn largest_target_gpu() -> (&'static str, usize) {
+    (autotp_llvm::nvptx::Arch::ALL.iter().map(|arch| arch.largest_gpu()))
+        .max_by_key(|&(_, multiprocessors)| multiprocessors)
+        .expect("at least one architecture")
+}
+
+/// The generated and movement kernels of `program` that launch fewer blocks than a GPU of
+/// `multiprocessors` has, over more than [`IDLE_WORK`] elements (one entry per kernel, in the
+/// program's order).
+pub fn idle_launches(program: &Program, multiprocessors: usize) -> Vec<IdleLaunch> {
+    use autotp_llvm::nvptx::{blocks_per_row, launch_blocks};
+    let mut per_step: std::collections::HashMap<(bool, usize), usize> = Default::default();
+    for instruction in &program.instructions {
+        match instruction {
+            Instruction::Generated { kernel, .. } => *per_step.entry((false, *kernel)).or_default() += 1,
+            Instruction::Kernel { gpu: Some(GpuForm::Movement(runs)), .. } => {
+                for run in runs {
+                    *per_step.entry((true, run.kernel)).or_default() += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    let kernels = (program.kernels.iter().enumerate().map(|(i, k)| ((false, i), k)))
+        .chain(program.gpu_kernels.movement.iter().enumerate().map(|(i, k)| ((true, i), k)));
+    kernels
+        .filter_map(|(key, kernel)| {
+            let blocks = launch_blocks(kernel.outer, blocks_per_row(kernel));
+            let elements = kernel.outer * kernel.inner;
+            (blocks < multiprocessors && elements > IDLE_WORK).then(|| IdleLaunch {
+                kernel: kernel.name.clone(),
+                blocks,
+                elements,
+                per_step: per_step.get(&key).copied().unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use autotp_kernels::kir::{Expr, Fold, Index, Stage, Store, Term, Var};
+    use autotp_kernels::{kir, DType};
+    use autotp_program::Region;
+
+    use super::*;
+
+    /// A kernel of `outer` rows of `inner` f32: a map (`y = x`) or a row sum (`y[row] = sum x`).
+    fn kernel(name: &str, outer: usize, inner: usize, reduce: bool) -> kir::Kernel {
+        let along = |var: Var, stride: usize| Term { var, div: 1, modulo: None, offset: 0, wrap: None, stride };
+        let element = Index { base: 0, terms: vec![along(Var::Outer, inner), along(Var::Inner, 1)] };
+        let row = Index { base: 0, terms: vec![along(Var::Outer, 1)] };
+        let load = Expr::Load { buffer: 0, index: element.clone() };
+        let stages = match reduce {
+            false => {
+                vec![Stage::Map { exprs: vec![load], stores: vec![Store { buffer: 1, index: element, value: 0 }] }]
+            }
+            true => vec![
+                Stage::Reduce { fold: Fold::Sum, exprs: vec![load], value: 0 },
+                Stage::Row { exprs: vec![Expr::Acc(0)], stores: vec![Store { buffer: 1, index: row, value: 0 }] },
+            ],
+        };
+        let out = if reduce { outer } else { outer * inner };
+        let buffers =
+            vec![kir::Buffer { dtype: DType::F32, len: outer * inner }, kir::Buffer { dtype: DType::F32, len: out }];
+        kir::Kernel { name: name.into(), buffers, num_inputs: 1, outer, inner, stages }
+    }
+
+    /// A whole-tensor sum of 4M elements runs on one block: flagged, with its launches per
+    /// step. A map over one row of 4M splits the row across blocks, and a sum of 1M rows has a
+    /// block per row: neither is.
+    #[test]
+    fn whole_tensor_reductions_leave_the_gpu_idle() {
+        let mut program = Program::bare(vec![], vec![], 0);
+        program.kernels =
+            vec![kernel("sum", 1, 4 << 20, true), kernel("copy", 1, 4 << 20, false), kernel("rows", 1 << 20, 4, true)];
+        let regions = |n: usize| vec![Region { offset: 0, len: n }];
+        for kernel in [0, 0, 1, 2] {
+            program.instructions.push(Instruction::Generated {
+                kernel,
+                inputs: regions(4),
+                outputs: regions(4),
+                label: "node".into(),
+            });
+        }
+        let idle = idle_launches(&program, 132);
+        assert_eq!(idle, [IdleLaunch { kernel: "sum".into(), blocks: 1, elements: 4 << 20, per_step: 2 }]);
     }
 }

@@ -144,6 +144,7 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
     let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
     let count: usize = plan.stages.iter().map(|p| p.instructions.len()).sum();
     lines.push(format!("  instructions: {count} ({})", listed.join(", ")));
+    lines.extend(idle_gpu_lines(plan));
     if !p.mesh.is_empty() {
         let c = &rank.comm_bytes_per_step;
         lines.push(format!(
@@ -157,6 +158,30 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
     }
     lines.push(format!("  fingerprint: {}", plan.fingerprint()));
     lines.join("\n") + "\n"
+}
+
+/// The summary's line on the kernels that would leave a GPU's multiprocessors idle, for a plan
+/// that carries PTX (`autotp_codegen::gpu_kernels::idle_launches`); none when there are none.
+fn idle_gpu_lines(plan: &TrainingPlan) -> Vec<String> {
+    use autotp_codegen::gpu_kernels::{idle_launches, largest_target_gpu};
+    let (gpu, multiprocessors) = largest_target_gpu();
+    let mut idle: Vec<String> = Vec::new();
+    for (s, program) in plan.stages.iter().enumerate().filter(|(_, p)| !p.ptx.is_empty()) {
+        let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
+        idle.extend(idle_launches(program, multiprocessors).into_iter().map(|k| {
+            let blocks = if k.blocks == 1 { "1 block".to_string() } else { format!("{} blocks", k.blocks) };
+            format!("{stage}{} ({blocks} for {} elements, {} per step)", k.kernel, grouped(k.elements), k.per_step)
+        }));
+    }
+    if idle.is_empty() {
+        return Vec::new();
+    }
+    vec![format!(
+        "  idle GPU: {} kernels launch fewer blocks than an {gpu} has multiprocessors ({multiprocessors}) over more than \
+         a million elements: {}",
+        idle.len(),
+        idle.join(", ")
+    )]
 }
 
 /// The summary's lines on the optimizer state in files: per stage, its tiles, the buffers in

@@ -41,6 +41,15 @@ pub enum Arch {
 impl Arch {
     pub const ALL: [Arch; 2] = [Arch::Sm80, Arch::Sm90];
 
+    /// The GPU of the architecture whose multiprocessors are most, and how many: a kernel
+    /// launching fewer blocks leaves some of them idle.
+    pub fn largest_gpu(self) -> (&'static str, usize) {
+        match self {
+            Arch::Sm80 => ("A100", 108),
+            Arch::Sm90 => ("H100", 132),
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Arch::Sm80 => "sm_80",
@@ -63,6 +72,14 @@ pub fn blocks_per_row(kernel: &kir::Kernel) -> usize {
         return 1;
     }
     FILL.div_ceil(kernel.outer).min(kernel.inner.div_ceil(MIN_RUN)).max(1)
+}
+
+/// Blocks per launch at most; a kernel's blocks stride over rows beyond it.
+pub const MAX_BLOCKS: usize = 1 << 16;
+
+/// The blocks one launch of `rows` rows of a kernel taking `parts` blocks a row runs on.
+pub fn launch_blocks(rows: usize, parts: usize) -> usize {
+    (rows * parts).min(MAX_BLOCKS)
 }
 
 /// Work items that keep an H100's 132 multiprocessors busy several times over.

@@ -6,7 +6,7 @@
 //! capability 9 and above, sm_80 for 8.x; PTX is compiled by the driver for the device at
 //! load), the kernels' entries looked up once. Launches use [`autotp_llvm::nvptx::BLOCK`]
 //! threads and one block per row, or per run of a row for elementwise kernels over few rows
-//! ([`autotp_llvm::nvptx::blocks_per_row`]), capped at [`MAX_BLOCKS`]: the kernels stride over
+//! ([`autotp_llvm::nvptx::blocks_per_row`]), capped at [`autotp_llvm::nvptx::MAX_BLOCKS`]: the kernels stride over
 //! the rest. The same module holds the builtin kernels' data movement and their gathers and
 //! scatter-adds (the program's `gpu_kernels`, chosen when the plan was compiled).
 //! Events are made per record (timing off) and released at each synchronisation. Allocations
@@ -41,9 +41,6 @@ static ZERO_F64: f64 = 0.0;
 fn scalar<T>(value: &'static T) -> *const c_void {
     value as *const T as *const c_void
 }
-
-/// Blocks per launch at most; a kernel's blocks stride over rows beyond it.
-pub const MAX_BLOCKS: usize = 1 << 16;
 
 /// A CUDA GPU (see the module doc).
 pub struct CudaGpu {
@@ -276,7 +273,7 @@ impl Gpu for CudaGpu {
         // Every parameter is 8 bytes: a device address, or (the chunk count) an i64.
         let mut values: Vec<u64> = args.to_vec();
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-        let blocks = (rows * parts).min(MAX_BLOCKS) as u32;
+        let blocks = autotp_llvm::nvptx::launch_blocks(rows, parts) as u32;
         // SAFETY: the entry's parameters are `args.len()` pointers (or the i64 count), as
         // `autotp_llvm::nvptx` declares them; the addresses are a validated program's regions.
         unsafe {
