@@ -307,6 +307,30 @@ fn row_reductions_match_the_builtin_kernels() {
     }
 }
 
+/// Sums and maxima over whole tensors of more than 2^20 elements run as two kernels (partials
+/// over rows, then their total: `autotp_kernelgen::split`), within a sum's rounding bound of
+/// the builtin kernel; so does the overflow test of a 16-bit gradient (a sum, the cast it reads,
+/// and the test on the total), whose cast values are stored too.
+#[test]
+fn whole_tensor_reductions_split_across_rows_match_the_builtin_kernels() {
+    let terms = 1024 * 1536;
+    for (op, tol) in [("sum", Tolerance::Sum { terms }), ("mean", Tolerance::Sum { terms }), ("max", EXACT)] {
+        let text = format!(
+            "graph \"whole\" {{\n  input %x : f32[1024,1536]\n  \
+             %0 = reduce_{op} %x {{axes = [0, 1], keep_dims = false}} : f32[]\n  output \"y\" = %0\n}}\n"
+        );
+        check(&text, 2, tol);
+    }
+    let overflow = "graph \"overflow\" {\n  input %g : bf16[1024,1536]\n  \
+                    %0 = cast %g {to = f32} : f32[1024,1536]\n  \
+                    %1 = reduce_sum %0 {axes = [0, 1], keep_dims = false} : f32[]\n  \
+                    %2 = sub %1, %1 : f32[]\n  %3 = constant splat<0> : f32[]\n  %4 = equal %2, %3 : bool[]\n  \
+                    output \"finite\" = %4\n  output \"g32\" = %0\n}\n";
+    for (name, got, want) in outputs_both_ways(overflow, 2, true) {
+        assert_eq!(got, want, "{name}: the cast is exact and the sum of bf16 values finite either way");
+    }
+}
+
 #[test]
 fn softmax_and_norms_match_the_builtin_kernels() {
     for shape in ["[3,1]", "[3,5]", "[2,7,37]", "[2,3,17,17]", "[4,1000]"] {

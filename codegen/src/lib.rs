@@ -679,12 +679,11 @@ impl Lowering<'_> {
         self.note_peak();
         let inputs = built.inputs.iter().map(|v| self.region(v)).collect();
         let outputs = fused_outputs.iter().map(|v| self.region(v)).collect();
-        let kernel = intern(&mut self.kernels, built.kernel);
         let label = format!(
             "fusion {}, nodes {}..{} (fused:{})",
-            fusion.name, fusion.nodes.start, fusion.nodes.end, self.kernels[kernel].name
+            fusion.name, fusion.nodes.start, fusion.nodes.end, built.kernel.name
         );
-        self.instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
+        self.generated(built.kernel, inputs, outputs, label);
         for member in fusion.nodes.clone() {
             self.in_fused_group[member] = true;
         }
@@ -737,9 +736,8 @@ impl Lowering<'_> {
         } else if let Some(built) =
             generated.then(|| autotp_kernelgen::try_build(graph, &[id], &node.outputs)).flatten()
         {
-            let kernel = intern(&mut self.kernels, built.kernel);
             let inputs = built.inputs.iter().map(|v| self.region(v)).collect();
-            self.instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
+            self.generated(built.kernel, inputs, outputs, label);
         } else {
             let mut kernel = autotp_ir::lower::node_kernel(graph, node)
                 .expect("constants, collectives and pipeline communication are handled apart");
@@ -749,6 +747,38 @@ impl Lowering<'_> {
             }
             self.instructions.push(Instruction::Kernel { kernel, inputs, outputs, label, gpu: None });
         }
+    }
+
+    /// A generated kernel over `inputs` and `outputs`; a whole-tensor reduction as its partials
+    /// and total kernels ([`autotp_kernelgen::split`]), the partials in a scratch region that
+    /// dies with the second.
+    fn generated(
+        &mut self,
+        mut kernel: autotp_kernels::kir::Kernel,
+        inputs: Vec<Region>,
+        outputs: Vec<Region>,
+        label: String,
+    ) {
+        autotp_kernelgen::index_rewrite::simplify_kernel(&mut kernel);
+        let Some([partials, total]) = autotp_kernelgen::split::split_whole_reduction(&kernel) else {
+            let kernel = intern(&mut self.kernels, kernel);
+            self.instructions.push(Instruction::Generated { kernel, inputs, outputs, label });
+            return;
+        };
+        let scratch = partials.buffers.last().expect("the partials' scratch buffer");
+        let bytes = scratch.len * scratch.dtype.size();
+        let scratch = Region { offset: self.allocator.alloc(bytes), len: bytes };
+        self.memory.activations_peak_bytes = self.memory.activations_peak_bytes.max(self.live_bytes + bytes);
+        let (partials, total) = (intern(&mut self.kernels, partials), intern(&mut self.kernels, total));
+        let with_scratch = |regions: &[Region]| regions.iter().copied().chain([scratch]).collect();
+        self.instructions.push(Instruction::Generated {
+            kernel: partials,
+            inputs: inputs.clone(),
+            outputs: with_scratch(&outputs),
+            label: label.clone(),
+        });
+        self.instructions.push(Instruction::Generated { kernel: total, inputs: with_scratch(&inputs), outputs, label });
+        self.allocator.free(scratch.offset);
     }
 
     /// A mean cross-entropy as two generated kernels: per-row losses and counts into a

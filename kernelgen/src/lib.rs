@@ -8,8 +8,11 @@
 //!   drift apart.
 //! - [`index_rewrite`]: equality saturation (egg) over the kernels' index arithmetic, which
 //!   codegen runs on every kernel before it stores it.
+//! - [`split`]: a whole-tensor reduction as two kernels (partial sums over rows, then their
+//!   total), so that it fills a GPU and a CPU's threads.
 
 pub mod group;
 pub mod index_rewrite;
+pub mod split;
 
 pub use group::{broadcast_index, build, cross_entropy, strided_index, try_build, Built, Refusal};
