@@ -485,8 +485,64 @@ fn ptxas() -> std::path::PathBuf {
     })
 }
 
+/// A step's clipped, guarded updates (`select(finite, grad * coef, old)` for 60 tensors of one
+/// shape, `coef` and `finite` computed once, which fusion groups together) become kernels of
+/// at most `autotp_kernelgen::MAX_BUFFERS` buffers, none of which spills registers on either
+/// architecture; one kernel of all 182 buffers spilled.
+#[test]
+fn wide_fusion_groups_do_not_spill_registers() {
+    let ptxas = ptxas();
+    let mut text = String::from(
+        "graph \"guarded\" {\n  input %total : f32[]\n  %coef = reciprocal %total : f32[]\n  \
+         %nothing = sub %total, %total : f32[]\n  %zero = constant splat<0> : f32[]\n  \
+         %finite = equal %nothing, %zero : bool[]\n",
+    );
+    for i in 0..60 {
+        text.push_str(&format!("  input %g{i} : f32[4096]\n  input %p{i} : f32[4096]\n"));
+    }
+    for i in 0..60 {
+        text.push_str(&format!(
+            "  %c{i} = mul %g{i}, %coef : f32[4096]\n  %s{i} = select %finite, %c{i}, %p{i} : f32[4096]\n"
+        ));
+    }
+    for i in 0..60 {
+        text.push_str(&format!("  output \"s{i}\" = %s{i}\n"));
+    }
+    let mut graph = autotp_ir::text::parse(&(text + "}\n")).unwrap();
+    autotp_passes::PassManager::new(vec![Box::new(autotp_passes::fusion::Fusion::default())]).run(&mut graph).unwrap();
+    let options = LowerOptions { kernels: KernelChoice::Generated, ptx: true, ..Default::default() };
+    let program = lower_with(&graph, &options).unwrap();
+    let generated = program.instructions.iter().filter(|i| matches!(i, Instruction::Generated { .. })).count();
+    assert!((6..60).contains(&generated), "{generated} generated kernels");
+    assert!(program.kernels.iter().all(|k| k.buffers.len() <= autotp_kernelgen::MAX_BUFFERS));
+    let dir = crate::common::scratch("wide-groups");
+    for module in &program.ptx {
+        let source = dir.join(format!("{}.ptx", module.arch));
+        std::fs::write(&source, &module.code).unwrap();
+        let out = std::process::Command::new(&ptxas)
+            .args(["-v", &format!("-arch={}", module.arch), source.to_str().unwrap(), "-o", "/dev/null"])
+            .output()
+            .unwrap();
+        let report = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{report}");
+        assert_eq!(register_use(&report).1, 0, "{}: entries spill registers:\n{report}", module.arch);
+    }
+}
+
+/// The most registers an entry of a `ptxas -v` report uses, and the bytes its entries spill.
+fn register_use(report: &str) -> (usize, usize) {
+    let number_before = |line: &str, what: &str| -> Option<usize> {
+        let before = &line[..line.find(what)?];
+        before.split_whitespace().last()?.parse().ok()
+    };
+    let registers = report.lines().filter_map(|l| number_before(l, " registers")).max().unwrap_or(0);
+    let spills = report.lines().filter_map(|l| number_before(l, " bytes spill stores")).sum();
+    (registers, spills)
+}
+
 /// All PTX the fixtures' plans carry (one rank, tp 2, dp 2 with ZeRO-3, pp 2, bf16, fp16),
-/// the builtin kernels' GPU forms included, assembles with ptxas for sm_80 and sm_90.
+/// the builtin kernels' GPU forms included, assembles with ptxas for sm_80 and sm_90, and no
+/// entry spills registers (`ptxas -v`).
 #[test]
 fn fixture_plans_ptx_assembles_with_ptxas() {
     use crate::common::{autotp, fixture, scratch, success};
@@ -500,7 +556,7 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
         &["--precision", "bf16"],
         &["--precision", "fp16", "--dp", "2", "--zero", "2"],
     ];
-    let (mut assembled, mut indexed_modules) = (0, 0);
+    let (mut assembled, mut indexed_modules, mut most_registers) = (0, 0, 0);
     for arch in ["gpt2", "llama"] {
         for (l, layout) in layouts.iter().enumerate() {
             let model = fixture(arch, "model.onnx");
@@ -539,21 +595,26 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
                     let source = dir.join(format!("{arch}-{l}-{s}-{m}-{}.ptx", module.arch));
                     std::fs::write(&source, &module.code).unwrap();
                     let out = std::process::Command::new(&ptxas)
-                        .args([&format!("-arch={}", module.arch), source.to_str().unwrap(), "-o", "/dev/null"])
+                        .args(["-v", &format!("-arch={}", module.arch), source.to_str().unwrap(), "-o", "/dev/null"])
                         .output()
                         .unwrap();
+                    let report =
+                        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
                     assert!(
                         out.status.success(),
-                        "ptxas -arch={} failed on {}:\n{}",
+                        "ptxas -arch={} failed on {}:\n{report}",
                         module.arch,
-                        source.display(),
-                        String::from_utf8_lossy(&out.stderr)
+                        source.display()
                     );
+                    let (registers, spills) = register_use(&report);
+                    assert_eq!(spills, 0, "{}: entries spill registers ({}):\n{report}", source.display(), module.arch);
+                    most_registers = most_registers.max(registers);
                     assembled += 1;
                 }
             }
         }
     }
     assert!(assembled >= 76, "{assembled} PTX modules assembled");
+    assert!(most_registers > 0 && most_registers < 255, "{most_registers} registers at most");
     assert!(indexed_modules >= 12, "every plan's embedding gathers on the GPU ({indexed_modules} stages)");
 }

@@ -48,7 +48,15 @@ pub enum Refusal {
     MaxProducer,
     /// A value of an expensive op would be computed by more than one stage.
     Recomputed,
+    /// More buffers than [`MAX_BUFFERS`].
+    Buffers,
 }
+
+/// The most buffers one kernel takes. A GPU thread keeps every buffer's address in registers:
+/// the bf16 guarded updates of GPT-2 124M's same-shaped parameters, fused into kernels of 109
+/// buffers, took all 255 registers and spilled up to 1,868 bytes (`ptxas -v`), where kernels of
+/// 26 buffers took 128 registers.
+pub const MAX_BUFFERS: usize = 32;
 
 /// The kernel computing `outputs` from the group `nodes` (in graph order), or why there is
 /// none.
@@ -109,6 +117,9 @@ pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Result<Bui
     }
     if !map_stores.is_empty() {
         builder.stages.push(Stage::Map { exprs: map.exprs, stores: store(map_stores) });
+    }
+    if builder.inputs.len() + outputs.len() > MAX_BUFFERS {
+        return Err(Refusal::Buffers);
     }
     let mut buffers: Vec<kir::Buffer> =
         builder.inputs.iter().map(|&v| kir::Buffer { dtype: ty(v).dtype, len: ty(v).numel() }).collect();
@@ -825,6 +836,31 @@ impl Builder<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A group of elementwise ops reading one input and a parameter each builds up to
+    /// [`MAX_BUFFERS`] buffers and is refused beyond.
+    #[test]
+    fn a_kernel_takes_at_most_max_buffers() {
+        let group = |n: usize| {
+            let mut text = String::from("graph \"g\" {\n  input %x : f32[4,8]\n");
+            for i in 0..n {
+                text.push_str(&format!("  param %p{i} : f32[4,8]\n"));
+            }
+            for i in 0..n {
+                text.push_str(&format!("  %{i} = add %x, %p{i} : f32[4,8]\n"));
+            }
+            for i in 0..n {
+                text.push_str(&format!("  output \"y{i}\" = %{i}\n"));
+            }
+            let graph = autotp_ir::text::parse(&(text + "}\n")).unwrap();
+            let nodes: Vec<NodeId> = graph.nodes().map(|(id, _)| id).collect();
+            let outputs: Vec<ValueId> = graph.outputs().iter().map(|(_, v)| *v).collect();
+            build(&graph, &nodes, &outputs).map(|built| built.kernel.buffers.len())
+        };
+        let widest = (MAX_BUFFERS - 1) / 2;
+        assert_eq!(group(widest), Ok(2 * widest + 1));
+        assert_eq!(group(widest + 1), Err(Refusal::Buffers));
+    }
 
     fn offsets(index: &Index, outer: usize, inner: usize) -> Vec<usize> {
         (0..outer).flat_map(|o| (0..inner).map(move |i| (o, i))).map(|(o, i)| index.offset(o, i)).collect()

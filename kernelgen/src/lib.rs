@@ -15,4 +15,4 @@ pub mod group;
 pub mod index_rewrite;
 pub mod split;
 
-pub use group::{broadcast_index, build, cross_entropy, strided_index, try_build, Built, Refusal};
+pub use group::{broadcast_index, build, cross_entropy, strided_index, try_build, Built, Refusal, MAX_BUFFERS};
