@@ -259,6 +259,21 @@ fn integer_comparisons_match_the_builtin_kernels() {
     check(text, 1, EXACT);
 }
 
+/// `not` on bools is a generated kernel, alone and in the overflow test's chain (`x - x == 0`,
+/// negated, as f32), so the overflow decision stays on the device.
+#[test]
+fn bool_negation_matches_the_builtin_kernel() {
+    for shape in SHAPES {
+        let text = format!(
+            "graph \"not\" {{\n  input %x : f32{shape}\n  %0 = sub %x, %x : f32{shape}\n  \
+             %1 = constant splat<0> : f32{shape}\n  %2 = equal %0, %1 : bool{shape}\n  \
+             %3 = not %2 : bool{shape}\n  %4 = cast %3 {{to = f32}} : f32{shape}\n  output \"not\" = %3\n  \
+             output \"overflow\" = %4\n}}\n"
+        );
+        check(&text, 4, EXACT);
+    }
+}
+
 #[test]
 fn selects_and_gelus_match_the_builtin_kernels() {
     let select = "graph \"select\" {
@@ -328,6 +343,28 @@ fn whole_tensor_reductions_split_across_rows_match_the_builtin_kernels() {
                     output \"finite\" = %4\n  output \"g32\" = %0\n}\n";
     for (name, got, want) in outputs_both_ways(overflow, 2, true) {
         assert_eq!(got, want, "{name}: the cast is exact and the sum of bf16 values finite either way");
+    }
+}
+
+/// Sums, means and maxima over middle dims (grouped-query attention's key and value gradients
+/// sum over the heads sharing them) are generated kernels whose rows are the kept dims.
+#[test]
+fn middle_dim_reductions_match_the_builtin_kernels() {
+    for (shape, keep, axes) in [
+        ("[4,2,2,32,16]", "[4,2,1,32,16]", "[2]"),
+        ("[2,7,37]", "[2,1,37]", "[1]"),
+        ("[3,4,5,6]", "[3,1,1,6]", "[1, 2]"),
+    ] {
+        let dims =
+            |s: &str| -> Vec<usize> { s.trim_matches(['[', ']']).split(',').map(|d| d.parse().unwrap()).collect() };
+        let terms = dims(shape).iter().product::<usize>() / dims(keep).iter().product::<usize>();
+        for (op, tol) in [("sum", Tolerance::Sum { terms }), ("mean", Tolerance::Sum { terms }), ("max", EXACT)] {
+            let text = format!(
+                "graph \"reduce\" {{\n  input %x : f32{shape}\n  \
+                 %0 = reduce_{op} %x {{axes = {axes}, keep_dims = true}} : f32{keep}\n  output \"y\" = %0\n}}\n"
+            );
+            check(&text, 1, tol);
+        }
     }
 }
 

@@ -308,7 +308,7 @@ fn node_layout(op: &Op, input: &TensorType) -> Result<Option<(Vec<usize>, usize)
     let rank = input.shape.len();
     let trailing = |from: usize| Some(((0..rank).collect::<Vec<_>>(), from));
     let layout = match op {
-        Op::Unary(op) if !matches!(op, UnaryOp::Sin | UnaryOp::Cos | UnaryOp::Not) => None,
+        Op::Unary(op) if !matches!(op, UnaryOp::Sin | UnaryOp::Cos) => None,
         Op::Binary(
             BinaryOp::Add
             | BinaryOp::Sub
@@ -333,12 +333,12 @@ fn node_layout(op: &Op, input: &TensorType) -> Result<Option<(Vec<usize>, usize)
             }
             if last + 1 == rank {
                 trailing(first)
-            } else if first == 0 {
-                // Over leading dims (a bias gradient): the kept dims are the rows.
-                let perm: Vec<usize> = (last + 1..rank).chain(0..=last).collect();
-                Some((perm, rank - last - 1))
             } else {
-                return Err(Refusal::Unsupported);
+                // Over leading dims (a bias gradient) or middle ones (grouped-query attention's
+                // key and value gradients, summed over the heads sharing them): the kept dims,
+                // in order, are the rows.
+                let perm: Vec<usize> = (0..first).chain(last + 1..rank).chain(first..=last).collect();
+                Some((perm, rank - (last - first + 1)))
             }
         }
         Op::Softmax { axis } | Op::LogSoftmax { axis } if *axis + 1 == rank => trailing(*axis),
@@ -578,6 +578,11 @@ impl Builder<'_> {
             Op::Unary(op) if float(v) => {
                 let x = self.value(stage, input(0))?;
                 stage.unary(*op, x)
+            }
+            // The overflow test's `not finite`, so that it stays on the device.
+            Op::Unary(UnaryOp::Not) if (self.ty)(v).dtype == DType::Bool => {
+                let x = self.value(stage, input(0))?;
+                stage.unary(UnaryOp::Not, x)
             }
             Op::Binary(op) if float(input(0)) || (op.is_comparison() && (self.ty)(input(0)).dtype == DType::I64) => {
                 let a = self.value(stage, input(0))?;
