@@ -296,19 +296,10 @@ fn selects_and_gelus_match_the_builtin_kernels() {
     }
 }
 
-#[test]
-fn row_reductions_match_the_builtin_kernels() {
-    for (shape, keep, axes) in [
-        ("[5,3]", "[5,1]", "[1]"),
-        ("[2,7,37]", "[2,7,1]", "[2]"),
-        ("[2,7,37]", "[2,1,1]", "[1, 2]"),
-        ("[3,2000]", "[3,1]", "[1]"),
-        // Over leading dims: bias gradients.
-        ("[5,3]", "[1,3]", "[0]"),
-        ("[2,7,37]", "[1,7,37]", "[0]"),
-        ("[2,7,37]", "[1,1,37]", "[0, 1]"),
-        ("[1000,3]", "[1,3]", "[0]"),
-    ] {
+/// Each `(shape, kept shape, axes)` reduced by sum, mean and max, as one generated kernel
+/// against the builtin one (sums and means within their rounding bound, maxima exact).
+fn check_reductions(cases: &[(&str, &str, &str)]) {
+    for &(shape, keep, axes) in cases {
         let dims =
             |s: &str| -> Vec<usize> { s.trim_matches(['[', ']']).split(',').map(|d| d.parse().unwrap()).collect() };
         let terms = dims(shape).iter().product::<usize>() / dims(keep).iter().product::<usize>();
@@ -320,6 +311,21 @@ fn row_reductions_match_the_builtin_kernels() {
             check(&text, 1, tol);
         }
     }
+}
+
+#[test]
+fn row_reductions_match_the_builtin_kernels() {
+    check_reductions(&[
+        ("[5,3]", "[5,1]", "[1]"),
+        ("[2,7,37]", "[2,7,1]", "[2]"),
+        ("[2,7,37]", "[2,1,1]", "[1, 2]"),
+        ("[3,2000]", "[3,1]", "[1]"),
+        // Over leading dims: bias gradients.
+        ("[5,3]", "[1,3]", "[0]"),
+        ("[2,7,37]", "[1,7,37]", "[0]"),
+        ("[2,7,37]", "[1,1,37]", "[0, 1]"),
+        ("[1000,3]", "[1,3]", "[0]"),
+    ]);
 }
 
 /// Sums and maxima over whole tensors of more than 2^20 elements run as two kernels (partials
@@ -350,22 +356,11 @@ fn whole_tensor_reductions_split_across_rows_match_the_builtin_kernels() {
 /// sum over the heads sharing them) are generated kernels whose rows are the kept dims.
 #[test]
 fn middle_dim_reductions_match_the_builtin_kernels() {
-    for (shape, keep, axes) in [
+    check_reductions(&[
         ("[4,2,2,32,16]", "[4,2,1,32,16]", "[2]"),
         ("[2,7,37]", "[2,1,37]", "[1]"),
         ("[3,4,5,6]", "[3,1,1,6]", "[1, 2]"),
-    ] {
-        let dims =
-            |s: &str| -> Vec<usize> { s.trim_matches(['[', ']']).split(',').map(|d| d.parse().unwrap()).collect() };
-        let terms = dims(shape).iter().product::<usize>() / dims(keep).iter().product::<usize>();
-        for (op, tol) in [("sum", Tolerance::Sum { terms }), ("mean", Tolerance::Sum { terms }), ("max", EXACT)] {
-            let text = format!(
-                "graph \"reduce\" {{\n  input %x : f32{shape}\n  \
-                 %0 = reduce_{op} %x {{axes = {axes}, keep_dims = true}} : f32{keep}\n  output \"y\" = %0\n}}\n"
-            );
-            check(&text, 1, tol);
-        }
-    }
+    ]);
 }
 
 #[test]
@@ -556,14 +551,20 @@ fn wide_fusion_groups_do_not_spill_registers() {
     for module in &program.ptx {
         let source = dir.join(format!("{}.ptx", module.arch));
         std::fs::write(&source, &module.code).unwrap();
-        let out = std::process::Command::new(&ptxas)
-            .args(["-v", &format!("-arch={}", module.arch), source.to_str().unwrap(), "-o", "/dev/null"])
-            .output()
-            .unwrap();
-        let report = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{report}");
+        let report = assemble(&ptxas, &source, &module.arch);
         assert_eq!(register_use(&report).1, 0, "{}: entries spill registers:\n{report}", module.arch);
     }
+}
+
+/// `ptxas -v` on the PTX file `source` for `arch`, which must assemble: its report.
+fn assemble(ptxas: &std::path::Path, source: &std::path::Path, arch: &str) -> String {
+    let out = std::process::Command::new(ptxas)
+        .args(["-v", &format!("-arch={arch}"), source.to_str().unwrap(), "-o", "/dev/null"])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "ptxas -arch={arch} failed on {}:\n{report}", source.display());
+    report
 }
 
 /// The most registers an entry of a `ptxas -v` report uses, and the bytes its entries spill.
@@ -631,18 +632,7 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
                 for (m, module) in modules.iter().enumerate() {
                     let source = dir.join(format!("{arch}-{l}-{s}-{m}-{}.ptx", module.arch));
                     std::fs::write(&source, &module.code).unwrap();
-                    let out = std::process::Command::new(&ptxas)
-                        .args(["-v", &format!("-arch={}", module.arch), source.to_str().unwrap(), "-o", "/dev/null"])
-                        .output()
-                        .unwrap();
-                    let report =
-                        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
-                    assert!(
-                        out.status.success(),
-                        "ptxas -arch={} failed on {}:\n{report}",
-                        module.arch,
-                        source.display()
-                    );
+                    let report = assemble(&ptxas, &source, &module.arch);
                     let (registers, spills) = register_use(&report);
                     assert_eq!(spills, 0, "{}: entries spill registers ({}):\n{report}", source.display(), module.arch);
                     most_registers = most_registers.max(registers);

@@ -9,7 +9,7 @@
 //! block), which the compile summary lists.
 
 use autotp_kernels::indexed::IndexedKernel;
-use autotp_program::gpu::{GpuForm, GpuKernels, MovementRun};
+use autotp_program::gpu::{GpuForm, MovementRun};
 use autotp_program::{Instruction, Program};
 
 /// Sets the GPU form of each of `program`'s builtin kernels that has one, listing the forms'
@@ -18,7 +18,7 @@ pub fn choose_gpu_forms(program: &mut Program) {
     let table = &mut program.gpu_kernels;
     for instruction in &mut program.instructions {
         let Instruction::Kernel { kernel, inputs, gpu, .. } = instruction else { continue };
-        let indexed = GpuKernels::index_input(kernel)
+        let indexed = IndexedKernel::index_input(kernel)
             .and_then(|at| inputs.get(at))
             .and_then(|index| IndexedKernel::of(kernel, index.len));
         *gpu = match indexed {

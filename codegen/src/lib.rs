@@ -766,9 +766,7 @@ impl Lowering<'_> {
             return;
         };
         let scratch = partials.buffers.last().expect("the partials' scratch buffer");
-        let bytes = scratch.len * scratch.dtype.size();
-        let scratch = Region { offset: self.allocator.alloc(bytes), len: bytes };
-        self.memory.activations_peak_bytes = self.memory.activations_peak_bytes.max(self.live_bytes + bytes);
+        let [scratch] = self.scratch([scratch.len * scratch.dtype.size()]);
         let (partials, total) = (intern(&mut self.kernels, partials), intern(&mut self.kernels, total));
         let with_scratch = |regions: &[Region]| regions.iter().copied().chain([scratch]).collect();
         self.instructions.push(Instruction::Generated {
@@ -778,7 +776,7 @@ impl Lowering<'_> {
             label: label.clone(),
         });
         self.instructions.push(Instruction::Generated { kernel: total, inputs: with_scratch(&inputs), outputs, label });
-        self.allocator.free(scratch.offset);
+        self.free_scratch(&[scratch]);
     }
 
     /// A mean cross-entropy as two generated kernels: per-row losses and counts into a
@@ -792,9 +790,7 @@ impl Lowering<'_> {
         label: String,
     ) {
         let row_bytes = rows.buffers[2].len * 4;
-        let scratch = [self.allocator.alloc(row_bytes), self.allocator.alloc(row_bytes)]
-            .map(|offset| Region { offset, len: row_bytes });
-        self.memory.activations_peak_bytes = self.memory.activations_peak_bytes.max(self.live_bytes + 2 * row_bytes);
+        let scratch = self.scratch([row_bytes; 2]);
         let rows = intern(&mut self.kernels, rows);
         let total = intern(&mut self.kernels, total);
         self.instructions.push(Instruction::Generated {
@@ -809,7 +805,21 @@ impl Lowering<'_> {
             outputs: vec![loss],
             label,
         });
-        for region in scratch {
+        self.free_scratch(&scratch);
+    }
+
+    /// Regions of these byte lengths for the two kernels of one node or group to pass values
+    /// through (counted in the activations' peak), freed by [`Lowering::free_scratch`] after
+    /// the second.
+    fn scratch<const N: usize>(&mut self, bytes: [usize; N]) -> [Region; N] {
+        let regions = bytes.map(|len| Region { offset: self.allocator.alloc(len), len });
+        let total: usize = bytes.iter().sum();
+        self.memory.activations_peak_bytes = self.memory.activations_peak_bytes.max(self.live_bytes + total);
+        regions
+    }
+
+    fn free_scratch(&mut self, regions: &[Region]) {
+        for region in regions {
             self.allocator.free(region.offset);
         }
     }

@@ -68,6 +68,16 @@ impl IndexedKernel {
         })
     }
 
+    /// The position of the index buffer among a builtin gather's (1) or scatter-add's (0)
+    /// inputs, `None` for other kernels.
+    pub fn index_input(kernel: &Kernel) -> Option<usize> {
+        match kernel {
+            Kernel::Gather { .. } => Some(1),
+            Kernel::ScatterAdd { .. } => Some(0),
+            _ => None,
+        }
+    }
+
     /// The global index of the first row `kernel` (a gather or scatter-add) holds: its launch's
     /// `start`.
     pub fn start(kernel: &Kernel) -> usize {

@@ -54,16 +54,6 @@ impl GpuKernels {
         self.movement.is_empty() && self.indexed.is_empty()
     }
 
-    /// The index-buffer position of a builtin gather (1) or scatter-add (0), `None` for other
-    /// kernels.
-    pub fn index_input(kernel: &Kernel) -> Option<usize> {
-        match kernel {
-            Kernel::Gather { .. } => Some(1),
-            Kernel::ScatterAdd { .. } => Some(0),
-            _ => None,
-        }
-    }
-
     /// Checks that `form` fits the builtin `kernel` over `inputs` and `outputs` (see the module
     /// doc); the error says how it does not.
     pub fn check_form(
@@ -97,7 +87,7 @@ impl GpuKernels {
                 }
             }
             GpuForm::Indexed(k) => {
-                let expected = Self::index_input(kernel)
+                let expected = IndexedKernel::index_input(kernel)
                     .and_then(|at| inputs.get(at))
                     .and_then(|index| IndexedKernel::of(kernel, index.len));
                 if self.indexed.get(*k).is_none() || expected.as_ref() != self.indexed.get(*k) {
