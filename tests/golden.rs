@@ -84,6 +84,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             },
         }),
         "recognize" => Box::new(Recognize),
+        "attention" => Box::new(autotp_passes::attention::FuseAttention),
         "precision" => {
             let (dtype, scaled) = argument.split_once(':').map_or((argument, false), |(d, s)| (d, s == "scaled"));
             Box::new(autotp_passes::precision::Precision {

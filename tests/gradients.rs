@@ -465,6 +465,35 @@ fn composite_ops() {
     }
 }
 
+/// Fused attention (`q`, `k`, `v` trained; the bias a constant) under every mask, with one
+/// key/value head shared by the query heads.
+#[test]
+fn attention() {
+    use autotp_ir::AttentionMask;
+    for seed in SEEDS {
+        let mut rng = Rng(seed + 950);
+        let (q_len, d, dv) = (1 + rng.dim(), rng.dim(), rng.dim());
+        for (mask, kv_heads, bias) in [
+            (AttentionMask::None, 3, false),
+            (AttentionMask::Causal, 1, true),
+            (AttentionMask::SlidingWindow { window: 2 }, 3, true),
+        ] {
+            let mut case = Case::new();
+            let q = case.param(&mut rng, &[2, 3, q_len, d], -1.0, 1.0);
+            let k = case.param(&mut rng, &[2, kv_heads, q_len, d], -1.0, 1.0);
+            let v = case.param(&mut rng, &[2, kv_heads, q_len, dv], -1.0, 1.0);
+            let mut inputs = vec![q, k, v];
+            if bias {
+                inputs.push(case.constant(rng.tensor(&[1, 3, q_len, q_len], -1.0, 1.0)));
+            }
+            let node = case.graph.add_node(Op::Attention { scale: 0.7, mask }, inputs, 2).unwrap();
+            let out = case.graph.node(node).outputs[0];
+            output(&mut case, out);
+            check(&format!("attention {mask:?} kv heads {kv_heads} bias {bias} q_len {q_len}"), case, &mut rng);
+        }
+    }
+}
+
 #[test]
 fn classification_losses() {
     for seed in SEEDS {

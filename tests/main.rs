@@ -22,6 +22,7 @@
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
 //!   `conformance`: rules, optimizers and ONNX node tests against references.
 
+mod attention;
 mod checkpoint;
 mod cli;
 mod common;

@@ -156,6 +156,13 @@ pub struct CompileFlags {
     /// or builtin (the reference interpreter alone: the oracle to bisect a divergence against).
     #[arg(long, value_enum, default_value = "generated")]
     pub kernels: Kernels,
+    /// How attention runs: `fused` computes each attention the compile finds in the model
+    /// (q k^T, scale, causal/sliding-window/additive masks, softmax, @ v) as one op that never
+    /// stores the scores (FlashAttention-2's algorithm: activations linear in the sequence);
+    /// `unfused` keeps the exported matmuls and softmax.
+    #[arg(long, value_enum, default_value = "unfused")]
+    #[serde(default)]
+    pub attention: AttentionFlag,
     /// The parameters' and activations' type: f32, or bf16/fp16 mixed precision (16-bit
     /// weights and activations, CUDA autocast's f32 ops, f32 master weights and moments in the
     /// optimizer, as DeepSpeed's bf16/fp16 modes).
@@ -362,6 +369,14 @@ impl Precision {
             Precision::Fp16 => autotp_ir::DType::F16,
         }
     }
+}
+
+/// `--attention`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum AttentionFlag {
+    Fused,
+    #[default]
+    Unfused,
 }
 
 /// `--kernels`.

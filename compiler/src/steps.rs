@@ -7,6 +7,7 @@
 //! | step | on | what it does |
 //! |---|---|---|
 //! | `recognize`, `peephole`, `unmerge-heads`, `dce` | the model | the simplification every import gets ([`PassManager::simplify_passes`]) |
+//! | `attention`, `dce` | the model | with `--attention fused`: attention as one op |
 //! | `loss` | the model | attaches the loss |
 //! | `split-fused`, `expand-norms` | the model | under `--tp`: fused projections per part, split norms as arithmetic |
 //! | `precision` | the model | mixed precision's casts (`--precision bf16|fp16`) |
@@ -35,7 +36,7 @@ use autotp_program::plan::{PipelineConfig, RecomputeSummary};
 use autotp_program::step::StepInput;
 use autotp_program::Program;
 
-use crate::flags::{OffloadFlag, Precision};
+use crate::flags::{AttentionFlag, OffloadFlag, Precision};
 use crate::recompute::{choose_recompute, Recomputation};
 use crate::{CompileError, CompileOptions};
 
@@ -314,6 +315,10 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
     autodiff.padding_rows = model.padding_rows.clone();
     let pass = |p: Box<dyn Pass>| -> Box<dyn Step> { Box::new(GraphPass(p)) };
     let mut steps: Vec<Box<dyn Step>> = PassManager::simplify_passes().into_iter().map(pass).collect();
+    if flags.attention == AttentionFlag::Fused {
+        steps.push(pass(Box::new(autotp_passes::attention::FuseAttention)));
+        steps.push(pass(Box::new(autotp_passes::dce::Dce)));
+    }
     steps.push(pass(Box::new(autotp_passes::loss::AttachLoss)));
     if flags.tp > 1 {
         steps.push(pass(Box::new(autotp_passes::split_fused::SplitFused)));

@@ -30,7 +30,8 @@ mod verify;
 
 pub use autotp_kernels::shape::broadcast_shapes;
 pub use autotp_kernels::{
-    scalar_bytes, AlignedBuf, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, ScatterReduction, UnaryOp,
+    scalar_bytes, AlignedBuf, AttentionMask, BinaryOp, DType, GeluApprox, ReduceOp, Reduction, ScatterReduction,
+    UnaryOp,
 };
 pub use autotp_program::mesh::Collective;
 pub use graph::{Def, Fusion, Graph, Node, NodeId, Rewriter, Value, ValueId};

@@ -3,7 +3,7 @@
 //! Adding a variant is a compile error everywhere an op must be handled: the type rule here,
 //! the text format, the reference kernels (`lower.rs`) and, later, autodiff and sharding.
 
-use crate::{BinaryOp, Collective, DType, GeluApprox, ReduceOp, Reduction, Tensor, TensorType, UnaryOp};
+use crate::{AttentionMask, BinaryOp, Collective, DType, GeluApprox, ReduceOp, Reduction, Tensor, TensorType, UnaryOp};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
@@ -113,6 +113,21 @@ pub enum Op {
     },
     LogSoftmax {
         axis: usize,
+    },
+    /// `attention q, k, v[, bias] {scale, mask} -> out, lse`: `softmax(q k^T * scale + bias +
+    /// mask) v` over the last two dims, for every index of the leading ones (those of `k` and
+    /// `v` are 1 where they broadcast), computed without the `[.., Sq, Sk]` scores; `lse`
+    /// (`[.., Sq]`, f32, or f64 for f64) is each query's log-sum-exp, from which the backward
+    /// recomputes them.
+    Attention {
+        scale: f64,
+        mask: AttentionMask,
+    },
+    /// `attention_grad q, k, v[, bias], out, lse, d_out {scale, mask} -> dq, dk, dv`: the
+    /// attention's backward (the bias gets no gradient).
+    AttentionGrad {
+        scale: f64,
+        mask: AttentionMask,
     },
     /// `layer_norm x, scale[, bias]` over the dims from `axis` on.
     LayerNorm {
@@ -255,6 +270,8 @@ impl Op {
             Op::Triangle { upper: false, .. } => "tril".into(),
             Op::Softmax { .. } => "softmax".into(),
             Op::LogSoftmax { .. } => "log_softmax".into(),
+            Op::Attention { .. } => "attention".into(),
+            Op::AttentionGrad { .. } => "attention_grad".into(),
             Op::LayerNorm { .. } => "layer_norm".into(),
             Op::RmsNorm { .. } => "rms_norm".into(),
             Op::Gelu { .. } => "gelu".into(),

@@ -6,6 +6,7 @@ use autotp_kernels::shape::broadcast_shapes;
 
 use crate::op::{check_index_dtype, float_only, slice_len};
 use crate::{BinaryOp, DType, Op, Reduction, TensorType};
+use autotp_kernels::AttentionDims;
 
 /// Output types for the given input types, or why the inputs are invalid (see [`Op::infer`]).
 pub(crate) fn infer(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Result<Vec<TensorType>, String> {
@@ -18,6 +19,8 @@ pub(crate) fn infer(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Re
             | Op::Sgd { .. }
             | Op::Send { .. }
             | Op::TopK { .. }
+            | Op::Attention { .. }
+            | Op::AttentionGrad { .. }
     ) && num_outputs != 1
     {
         return Err(format!("has {num_outputs} outputs, expects 1"));
@@ -54,7 +57,68 @@ pub(crate) fn infer(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Re
         Op::AdamW { .. } | Op::Sgd { .. } | Op::Collective { .. } | Op::Wait | Op::Send { .. } | Op::Recv { .. } => {
             training(this, inputs, num_outputs)
         }
+        Op::Attention { .. } | Op::AttentionGrad { .. } => attention(this, inputs, num_outputs),
     }
+}
+
+/// The shapes of `attention q, k, v[, bias]`, or why they do not fit together.
+pub(crate) fn attention_dims(
+    q: &TensorType,
+    k: &TensorType,
+    v: &TensorType,
+    bias: Option<&TensorType>,
+) -> Result<AttentionDims, String> {
+    float_only(q)?;
+    let rank = q.rank();
+    if rank < 2 || k.rank() != rank || v.rank() != rank {
+        return Err(format!("q, k and v must have one rank of at least 2, got {q}, {k} and {v}"));
+    }
+    if [k, v].iter().chain(&bias).any(|t| t.dtype != q.dtype) {
+        return Err(format!("q, k, v and the bias must have one dtype, got {q}, {k} and {v}"));
+    }
+    let lead = rank - 2;
+    let dims = AttentionDims {
+        lead: q.shape[..lead].to_vec(),
+        kv_lead: k.shape[..lead].to_vec(),
+        q_len: q.shape[lead],
+        kv_len: k.shape[lead],
+        head_dim: q.shape[lead + 1],
+        value_dim: v.shape[lead + 1],
+        bias: bias.map(|b| b.shape.clone()),
+    };
+    if k.shape[lead + 1] != dims.head_dim || v.shape[..=lead] != k.shape[..=lead] || !dims.is_valid() {
+        return Err(format!(
+            "needs q [.., Sq, D], k [.., Sk, D] and v [.., Sk, Dv] with k's and v's leading dims 1 or q's (and a bias \
+             broadcasting to [.., Sq, Sk]), got {q}, {k}, {v}{}",
+            bias.map(|b| format!(" and {b}")).unwrap_or_default()
+        ));
+    }
+    Ok(dims)
+}
+
+fn attention(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Result<Vec<TensorType>, String> {
+    let forward = matches!(this, Op::Attention { .. });
+    let (base, outputs) = if forward { (3, 2) } else { (6, 3) };
+    expect_arity(inputs, base, base + 1)?;
+    if num_outputs != outputs {
+        return Err(format!("has {num_outputs} outputs, expects {outputs}"));
+    }
+    let with_bias = inputs.len() > base;
+    let dims = attention_dims(inputs[0], inputs[1], inputs[2], with_bias.then(|| inputs[3]))?;
+    let dtype = inputs[0].dtype;
+    let mut out = dims.lead.clone();
+    out.extend([dims.q_len, dims.value_dim]);
+    let out = TensorType::new(dtype, out);
+    let lse = TensorType::new(autotp_kernels::attention::lse_dtype(dtype), out.shape[..out.rank() - 1].to_vec());
+    if forward {
+        return Ok(vec![out, lse]);
+    }
+    let at = 3 + usize::from(with_bias);
+    let expected = [&out, &lse, &out];
+    if inputs[at..].iter().zip(expected).any(|(got, want)| *got != want) {
+        return Err(format!("out, lse and d_out must be {out}, {lse} and {out}"));
+    }
+    Ok(inputs[..3].iter().map(|&t| t.clone()).collect())
 }
 
 fn expect_arity(inputs: &[&TensorType], lo: usize, hi: usize) -> Result<(), String> {

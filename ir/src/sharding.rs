@@ -260,6 +260,7 @@ pub fn axis_rule(
         Op::MatMul { transpose_lhs, transpose_rhs } => {
             matmul_rule(inputs, out0, current, n, *transpose_lhs, *transpose_rhs)
         }
+        Op::Attention { .. } | Op::AttentionGrad { .. } => attention_rule(op, inputs, current, n),
         Op::Reshape { .. } => match current[0] {
             Shard(d) => match reshape_dim(&inputs[0].shape, out0, d) {
                 Some(o) if divisible(out0, o, n) => AxisRule { inputs: vec![Shard(d)], outputs: vec![Shard(o)] },
@@ -426,6 +427,33 @@ fn matmul_rule(
     }
 }
 
+/// Attention runs independently for every index of its leading dims (batch, heads), so it runs
+/// on shards of one of them: the query-shaped operands and results and the log-sum-exp split
+/// there, and the key, value and bias split too, or stay whole where they broadcast (one
+/// key/value head for the query heads of every rank). The backward's gradient of such a shared
+/// key or value is then each rank's part of a sum. Anything else runs whole.
+fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], n: usize) -> AxisRule {
+    use Placement::{PartialSum, Replicate, Shard};
+    let forward = matches!(op, Op::Attention { .. });
+    let with_bias = inputs.len() == if forward { 4 } else { 7 };
+    let outputs = if forward { 2 } else { 3 };
+    let q = &inputs[0].shape;
+    let lead = q.len() - 2;
+    let split = current.iter().zip(inputs).find_map(|(p, t)| match p {
+        Shard(d) if *d < lead && t.shape[*d] == q[*d] && divisible(q, *d, n) => Some(*d),
+        _ => None,
+    });
+    let Some(d) = split else { return AxisRule::replicated(inputs.len(), outputs) };
+    let follows = |t: &TensorType| if t.shape[d] == q[d] { Shard(d) } else { Replicate };
+    let mut ins: Vec<Placement> = inputs[..3 + usize::from(with_bias)].iter().map(|t| follows(t)).collect();
+    if forward {
+        return AxisRule { inputs: ins, outputs: vec![Shard(d), Shard(d)] };
+    }
+    ins.extend([Shard(d); 3]);
+    let gradient = |t: &TensorType| if t.shape[d] == q[d] { Shard(d) } else { PartialSum };
+    AxisRule { inputs: ins, outputs: vec![Shard(d), gradient(inputs[1]), gradient(inputs[2])] }
+}
+
 /// The output dim a sharded input dim `d` of a reshape maps to, when the shards stay contiguous
 /// blocks: `d` must be the outermost non-unit dim of its group of merged/split dims, and the
 /// result is the outermost non-unit output dim of that group.
@@ -515,6 +543,31 @@ mod tests {
         );
         // A partial lhs stays partial through a replicated weight.
         assert_eq!(rule([PartialSum, Replicate]).outputs, [PartialSum]);
+    }
+
+    #[test]
+    fn attention_runs_on_shards_of_its_heads() {
+        use Placement::*;
+        let mask = crate::AttentionMask::Causal;
+        let (q, kv, lse) = (t(&[2, 4, 8, 16]), t(&[2, 1, 8, 16]), t(&[2, 4, 8]));
+        let tp = MeshAxis { name: "tp".into(), size: 2 };
+        let forward = Op::Attention { scale: 0.25, mask };
+        let rule = |p: [Placement; 3]| axis_rule(&forward, &[&q, &kv, &kv], &[&q, &lse], &p, &tp);
+        // Heads split; the one key/value head stays whole on every rank.
+        assert_eq!(
+            rule([Shard(1), Replicate, Replicate]),
+            AxisRule { inputs: vec![Shard(1), Replicate, Replicate], outputs: vec![Shard(1), Shard(1)] }
+        );
+        assert_eq!(rule([Shard(0), Shard(0), Shard(0)]).outputs, [Shard(0), Shard(0)]);
+        // Not along the sequence or the head dim, nor a pending sum.
+        assert_eq!(rule([Shard(3), Replicate, Replicate]), AxisRule::replicated(3, 2));
+        assert_eq!(rule([PartialSum, Replicate, Replicate]), AxisRule::replicated(3, 2));
+        // The shared key/value head's gradients: each rank's part of a sum over the heads.
+        let backward = Op::AttentionGrad { scale: 0.25, mask };
+        let ins = [&q, &kv, &kv, &q, &lse, &q];
+        let current = [Shard(1), Replicate, Replicate, Shard(1), Shard(1), Shard(1)];
+        let r = axis_rule(&backward, &ins, &[&q, &kv, &kv], &current, &tp);
+        assert_eq!(r.outputs, [Shard(1), PartialSum, PartialSum]);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::attention::{lse_dtype, AttentionDims, AttentionMask};
 use crate::elementwise::BinaryShapes;
 use crate::nn::ClassLossDims;
 use crate::optim::{AdamWConfig, Optimizer, SgdConfig};
@@ -89,6 +90,10 @@ pub enum Kernel {
     Sgd { dtype: DType, config: SgdConfig },
     /// `[log_probs, labels, weights?] -> [loss]`
     NllLoss { dtype: DType, label_dtype: DType, dims: ClassLossDims, weighted: bool },
+    /// `[q, k, v, bias?] -> [out, lse (f32)]`: attention without the scores (`attention.rs`).
+    Attention { dtype: DType, dims: AttentionDims, scale: f64, mask: AttentionMask },
+    /// `[q, k, v, bias?, out, lse, d_out] -> [dq, dk, dv]`: its backward.
+    AttentionGrad { dtype: DType, dims: AttentionDims, scale: f64, mask: AttentionMask },
 }
 
 /// One rank's block, along the indexed axis, of a table split over a mesh axis (a
@@ -157,6 +162,8 @@ impl Kernel {
             Kernel::Gelu { .. } => "gelu",
             Kernel::CrossEntropy { .. } => "cross_entropy",
             Kernel::NllLoss { .. } => "nll_loss",
+            Kernel::Attention { .. } => "attention",
+            Kernel::AttentionGrad { .. } => "attention_grad",
             Kernel::AdamW { .. } => "adamw",
             Kernel::Sgd { .. } => "sgd",
         }
@@ -279,6 +286,21 @@ impl Kernel {
                 }
                 check.exact(&ins, &[self::loss_bytes(*dtype, dims)])
             }
+            Kernel::Attention { dtype, dims, .. } => {
+                check.require(dims.is_valid())?;
+                let [q, k, v, bias, out, lse] = dims.numels().map(|n| n * dtype.size());
+                let mut ins = vec![q, k, v];
+                ins.extend(dims.bias.is_some().then_some(bias));
+                check.exact(&ins, &[out, lse / dtype.size() * lse_dtype(*dtype).size()])
+            }
+            Kernel::AttentionGrad { dtype, dims, .. } => {
+                check.require(dims.is_valid())?;
+                let [q, k, v, bias, out, lse] = dims.numels().map(|n| n * dtype.size());
+                let mut ins = vec![q, k, v];
+                ins.extend(dims.bias.is_some().then_some(bias));
+                ins.extend([out, lse / dtype.size() * lse_dtype(*dtype).size(), out]);
+                check.exact(&ins, &[q, k, v])
+            }
             Kernel::AdamW { dtype, .. } => check.optimizer(*dtype, 2, 2),
             Kernel::Sgd { dtype, .. } => check.optimizer(*dtype, 1, 1),
         }
@@ -317,6 +339,8 @@ impl Kernel {
                 (if *weighted { 3 } else { 2 }, if *log_prob { 2 } else { 1 })
             }
             Kernel::NllLoss { weighted, .. } => (if *weighted { 3 } else { 2 }, 1),
+            Kernel::Attention { dims, .. } => (3 + usize::from(dims.bias.is_some()), 2),
+            Kernel::AttentionGrad { dims, .. } => (6 + usize::from(dims.bias.is_some()), 3),
             Kernel::AdamW { .. } | Kernel::Sgd { .. } => return None,
         })
     }
@@ -418,6 +442,13 @@ impl Kernel {
             Kernel::NllLoss { dtype, label_dtype, dims, weighted } => {
                 let weights = weighted.then(|| inputs[2]);
                 nn::nll_loss(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, outputs[0])
+            }
+            Kernel::Attention { dtype, dims, scale, mask } => {
+                let [out, lse, ..] = outputs else { unreachable!("arity checked") };
+                crate::attention::forward(*dtype, dims, *scale, *mask, inputs, out, lse)
+            }
+            Kernel::AttentionGrad { dtype, dims, scale, mask } => {
+                crate::attention::backward(*dtype, dims, *scale, *mask, inputs, outputs)
             }
         }
     }

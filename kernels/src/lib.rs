@@ -2,6 +2,7 @@
 //!
 //! - [`DType`] and the elementwise/reduction op kinds ([`UnaryOp`], [`BinaryOp`], [`ReduceOp`]).
 //! - [`Kernel`]: one builtin kernel with static shapes, and `Kernel::run` over byte slices.
+//! - [`attention`]: attention forward and backward without the scores (FlashAttention's algorithm).
 //! - [`kir`]: the kernel IR of generated kernels (a loop nest the `autotp-llvm` crate lowers).
 //! - [`indexed`]: gathers and scatter-adds in the form a GPU kernel runs them.
 //! - [`isa`]: the x86-64 level autotp's own CPU code runs at (`AUTOTP_CPU_ISA` lowers it).
@@ -12,6 +13,7 @@
 //! user data: an index out of range or an unsupported dtype is a [`KernelError`].
 //! Kernels use rayon for data parallelism and the `gemm` crate for matrix products.
 
+pub mod attention;
 mod buffer;
 mod dtype;
 mod elementwise;
@@ -30,6 +32,7 @@ mod reduce;
 mod scalar;
 pub mod shape;
 
+pub use attention::{AttentionDims, AttentionMask};
 pub use buffer::{view, view_mut, AlignedBuf};
 pub use dtype::DType;
 pub use kernel::{IndexBlock, Kernel};

@@ -62,7 +62,8 @@ struct Column {
     /// Its output features.
     features: usize,
     /// The products of two activations its result reaches in the block: attention's scores and
-    /// their use, shared by the query, key and value projections, none for an MLP's.
+    /// their use (or the fused attention), shared by the query, key and value projections, none
+    /// for an MLP's.
     activation_products: BTreeSet<usize>,
 }
 
@@ -204,7 +205,12 @@ impl AutoTp {
                         continue;
                     }
                     let of_weights = nodes[c].inputs.iter().any(|&i| trace_param(graph, i, 0).is_some());
-                    if matches!(nodes[c].op, Op::MatMul { .. }) && !of_weights {
+                    let product = match nodes[c].op {
+                        Op::MatMul { .. } => !of_weights,
+                        Op::Attention { .. } => true,
+                        _ => false,
+                    };
+                    if product {
                         products.insert(c);
                     }
                     stack.extend(nodes[c].outputs.iter().copied());

@@ -24,6 +24,7 @@
 //! | `zero`      | data parallelism with ZeRO stages 0-3, as seeds for `shard` ([`zero`]) |
 
 pub mod accumulate;
+pub mod attention;
 pub mod autodiff;
 pub mod autotp;
 pub mod dce;

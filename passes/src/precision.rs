@@ -5,7 +5,8 @@
 //! follows the forward's dtypes, as autograd does under autocast):
 //!
 //! - every f32 parameter becomes 16-bit (the optimizer keeps an f32 master copy: `optimize`);
-//! - **16-bit ops** compute in 16-bit (f32 accumulation inside the kernel): matmuls;
+//! - **16-bit ops** compute in 16-bit (f32 accumulation inside the kernel): matmuls and fused
+//!   attention (whose softmax is f32 inside, as SDPA under autocast);
 //! - **f32 ops** compute in f32 and give f32: softmax, log_softmax, layer_norm, rms_norm,
 //!   cross-entropy and nll_loss, exp, log, rsqrt, reciprocal, pow, cumsum, and sum, mean and
 //!   prod reductions (CUDA autocast's fp32 list; PyTorch's CPU autocast keeps softmax and
@@ -57,7 +58,7 @@ enum Policy {
 
 fn policy(op: &Op) -> Policy {
     match op {
-        Op::MatMul { .. } => Policy::Half,
+        Op::MatMul { .. } | Op::Attention { .. } => Policy::Half,
         Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::LayerNorm { .. }

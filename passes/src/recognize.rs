@@ -26,14 +26,15 @@ struct Match {
     inputs: Vec<ValueId>,
 }
 
-struct View<'g> {
-    graph: &'g Graph,
-    producer: Vec<Option<NodeId>>,
-    users: Vec<Vec<NodeId>>,
+/// The graph with each value's producer and users, for matching patterns.
+pub(crate) struct View<'g> {
+    pub(crate) graph: &'g Graph,
+    pub(crate) producer: Vec<Option<NodeId>>,
+    pub(crate) users: Vec<Vec<NodeId>>,
 }
 
 impl<'g> View<'g> {
-    fn new(graph: &'g Graph) -> View<'g> {
+    pub(crate) fn new(graph: &'g Graph) -> View<'g> {
         let mut producer = vec![None; graph.num_values()];
         let mut users = vec![Vec::new(); graph.num_values()];
         for (id, node) in graph.nodes() {
@@ -47,13 +48,13 @@ impl<'g> View<'g> {
         View { graph, producer, users }
     }
 
-    fn op(&self, v: ValueId) -> Option<(&'g Op, &'g [ValueId])> {
+    pub(crate) fn op(&self, v: ValueId) -> Option<(&'g Op, &'g [ValueId])> {
         let node = self.graph.node(self.producer[v.index()]?);
         Some((&node.op, &node.inputs))
     }
 
     /// The value of a constant whose elements are all equal.
-    fn scalar(&self, v: ValueId) -> Option<f64> {
+    pub(crate) fn scalar(&self, v: ValueId) -> Option<f64> {
         match self.op(v)? {
             (Op::Constant { value }, _) if value.numel() >= 1 && (value.numel() == 1 || value.is_splat()) => {
                 Some(value.get_f64(0))

@@ -50,4 +50,30 @@ mod tests {
         let parsed = parse(&print(&g)).unwrap();
         assert!(parsed == g, "constants changed:\n{}\n{}", print(&g), print(&parsed));
     }
+
+    #[test]
+    fn attention_ops_round_trip() {
+        use crate::{AttentionMask, TensorType};
+        let text = |mask: AttentionMask| {
+            let mut g = Graph::new("attention");
+            let t = |shape: &[usize]| TensorType::new(DType::F32, shape.to_vec());
+            let (q, k, v) =
+                (g.add_input("q", t(&[2, 4, 3])), g.add_input("k", t(&[1, 4, 3])), g.add_input("v", t(&[1, 4, 2])));
+            let forward = g.add_node(Op::Attention { scale: 0.125, mask }, vec![q, k, v], 2).unwrap();
+            let [out, lse] = g.node(forward).outputs[..] else { unreachable!() };
+            let backward =
+                g.add_node(Op::AttentionGrad { scale: 0.125, mask }, vec![q, k, v, out, lse, out], 3).unwrap();
+            for (i, &o) in g.node(backward).outputs.clone().iter().enumerate() {
+                g.add_output(format!("d{i}"), o);
+            }
+            g
+        };
+        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 3 }] {
+            let g = text(mask);
+            let printed = print(&g);
+            assert!(parse(&printed).unwrap() == g, "{printed}");
+        }
+        let bad = print(&text(AttentionMask::Causal)).replace("causal", "diagonal");
+        assert!(parse(&bad).unwrap_err().to_string().contains("unknown attention mask 'diagonal'"), "{bad}");
+    }
 }

@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 
 use crate::{
-    BinaryOp, Collective, DType, GeluApprox, Graph, Mesh, MeshAxis, Message, Op, Placement, ReduceOp, Reduction,
-    Tensor, TensorType, UnaryOp, ValueId,
+    AttentionMask, BinaryOp, Collective, DType, GeluApprox, Graph, Mesh, MeshAxis, Message, Op, Placement, ReduceOp,
+    Reduction, Tensor, TensorType, UnaryOp, ValueId,
 };
 
 use super::print::Attr;
@@ -598,6 +598,16 @@ fn take_usize(attrs: &mut BTreeMap<String, Attr>, key: &str) -> Result<usize, St
     usize::try_from(v).map_err(|_| format!("'{key}' must be non-negative"))
 }
 
+/// An attention's `mask = none | causal | sliding_window` (the last with `window = W`).
+fn take_mask(attrs: &mut BTreeMap<String, Attr>) -> Result<AttentionMask, String> {
+    match take_word(attrs, "mask")?.as_str() {
+        "none" => Ok(AttentionMask::None),
+        "causal" => Ok(AttentionMask::Causal),
+        "sliding_window" => Ok(AttentionMask::SlidingWindow { window: take_usize(attrs, "window")? }),
+        other => Err(format!("unknown attention mask '{other}' (none, causal or sliding_window)")),
+    }
+}
+
 fn take_message(attrs: &mut BTreeMap<String, Attr>) -> Result<Message, String> {
     let word = take_word(attrs, "message")?;
     Message::from_name(&word)
@@ -703,6 +713,14 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
                 _ => Collective::ShardSlice { dim: take_usize(a, "dim")? },
             };
             Op::Collective { kind, axis: take_word(a, "axis")?, start }
+        }
+        "attention" | "attention_grad" => {
+            let (scale, mask) = (take_float(a, "scale")?, take_mask(a)?);
+            if name == "attention" {
+                Op::Attention { scale, mask }
+            } else {
+                Op::AttentionGrad { scale, mask }
+            }
         }
         "softmax" => Op::Softmax { axis: take_usize(a, "axis")? },
         "log_softmax" => Op::LogSoftmax { axis: take_usize(a, "axis")? },

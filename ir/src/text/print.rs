@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use crate::{DType, GeluApprox, Graph, NodeId, Op, Placement, Tensor, ValueId};
+use crate::{AttentionMask, DType, GeluApprox, Graph, NodeId, Op, Placement, Tensor, ValueId};
 
 /// Display names of a graph's values.
 pub(crate) struct ValueNames {
@@ -153,6 +153,18 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         | Op::Softmax { axis }
         | Op::LogSoftmax { axis } => {
             vec![("axis", Attr::Int(*axis as i64))]
+        }
+        Op::Attention { scale, mask } | Op::AttentionGrad { scale, mask } => {
+            let mut a = vec![("scale", Attr::Float(*scale))];
+            match mask {
+                AttentionMask::None => a.push(("mask", Attr::Word("none".into()))),
+                AttentionMask::Causal => a.push(("mask", Attr::Word("causal".into()))),
+                AttentionMask::SlidingWindow { window } => {
+                    a.push(("mask", Attr::Word("sliding_window".into())));
+                    a.push(("window", Attr::Int(*window as i64)));
+                }
+            }
+            a
         }
         Op::AdamW { beta1, beta2, eps, weight_decay } => vec![
             ("beta1", Attr::Float(*beta1)),

@@ -80,6 +80,16 @@ impl B<'_> {
             .map_err(|m| PassError::Invalid { pass: PASS, message: format!("gradient of {}: {name}: {m}", self.op) })
     }
 
+    /// The outputs of a node of `op` with `num_outputs` results.
+    fn ops(&mut self, op: Op, inputs: Vec<ValueId>, num_outputs: usize) -> Result<Vec<ValueId>, PassError> {
+        let name = op.name();
+        let node = self
+            .g
+            .add_node(op, inputs, num_outputs)
+            .map_err(|m| PassError::Invalid { pass: PASS, message: format!("gradient of {}: {name}: {m}", self.op) })?;
+        Ok(self.g.node(node).outputs.clone())
+    }
+
     fn ty(&self, v: ValueId) -> TensorType {
         self.g.ty(v).clone()
     }

@@ -332,7 +332,7 @@ pub(super) fn vjp(
     let mut out = vec![None; x.len()];
     // Multi-output ops handle missing output gradients themselves; the rest have one output.
     let d = match op {
-        Op::Split { .. } | Op::CrossEntropy { .. } | Op::TopK { .. } => None,
+        Op::Split { .. } | Op::CrossEntropy { .. } | Op::TopK { .. } | Op::Attention { .. } => None,
         _ => Some(dy[0].expect("the caller skips nodes without output gradients")),
     };
     let d0 = || d.expect("single-output op");
@@ -452,6 +452,20 @@ pub(super) fn vjp(
             let t = b.mul(p, s)?;
             out[0] = Some(b.sub(d, t)?);
         }
+        // The backward recomputes the probabilities from the log-sum-exp (FlashAttention-2); the
+        // log-sum-exp itself is only ever read by it.
+        Op::Attention { scale, mask } => {
+            if want.get(3) == Some(&true) {
+                return Err(no_gradient(op, "for its bias (attention is fused only with a bias that needs none)"));
+            }
+            if let Some(d_out) = dy[0] {
+                let mut inputs = x.to_vec();
+                inputs.extend([y[0], y[1], d_out]);
+                let grads = b.ops(Op::AttentionGrad { scale: *scale, mask: *mask }, inputs, 3)?;
+                out[..3].iter_mut().zip(grads).for_each(|(o, g)| *o = Some(g));
+            }
+        }
+        Op::AttentionGrad { .. } => return Err(no_gradient(op, "(a backward op is not differentiated again)")),
         Op::LayerNorm { axis, eps } => layer_norm_vjp(b, x, d0(), *axis, *eps, want, &mut out)?,
         Op::RmsNorm { axis, eps } => rms_norm_vjp(b, x, d0(), *axis, *eps, want, &mut out)?,
         Op::Gelu { approx } => out[0] = Some(gelu_vjp(b, x[0], d0(), *approx)?),

@@ -1,0 +1,480 @@
+//! Scaled dot-product attention as one kernel, forward and backward, without the scores.
+//!
+//! `out = softmax(q k^T * scale + bias + mask) v` for every index of the leading dims (batch,
+//! heads, ...), with `q [.., Sq, D]`, `k [.., Sk, D]`, `v [.., Sk, Dv]`; the leading dims of `k`
+//! and `v` are 1 where they broadcast (one key/value head serving several query heads, as
+//! multi-query and grouped-query attention do). The forward also writes each query's
+//! log-sum-exp (f32; f64 for f64), from which the backward recomputes every probability
+//! instead of reading a stored `Sq x Sk` matrix (FlashAttention-2's algorithm): per query row,
+//! `p_j = exp(s_j - lse)`, `dP_j = dout . v_j`, `dS_j = p_j (dP_j - dout . out)`, then
+//! `dq = scale sum_j dS_j k_j`, `dk_j = scale sum_i dS_ij q_i`, `dv_j = sum_i p_ij dout_i`.
+//! Memory beyond the operands is one row of scores per task: linear in the sequence.
+//!
+//! These are the builtin kernels, the oracle of generated ones: operands are widened to f64 and
+//! scores, sums and products computed in f64. Query rows run in parallel for `out`, `lse` and
+//! `dq`; key rows in parallel for `dk` and `dv` (each sums over the query heads that share it),
+//! so results never depend on the thread count.
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use std::borrow::Cow;
+
+use crate::scalar::{narrow, widen};
+use crate::shape::rows_per_task;
+use crate::{view, view_mut, DType, KernelError};
+
+/// Which keys a query may attend to, beyond an additive bias (positions from 0 in both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum AttentionMask {
+    /// Every key.
+    None,
+    /// Keys at or before the query: `j <= i`.
+    Causal,
+    /// The `window` keys ending at the query: `i - window < j <= i` (Mistral's sliding window).
+    SlidingWindow { window: usize },
+}
+
+impl AttentionMask {
+    /// The keys query `i` attends to, of `kv_len`.
+    pub fn keys(self, i: usize, kv_len: usize) -> std::ops::Range<usize> {
+        match self {
+            AttentionMask::None => 0..kv_len,
+            AttentionMask::Causal => 0..(i + 1).min(kv_len),
+            AttentionMask::SlidingWindow { window } => (i + 1).saturating_sub(window).min(kv_len)..(i + 1).min(kv_len),
+        }
+    }
+
+    /// The queries, of `q_len`, that attend to key `j`.
+    pub fn queries(self, j: usize, q_len: usize) -> std::ops::Range<usize> {
+        match self {
+            AttentionMask::None => 0..q_len,
+            AttentionMask::Causal => j.min(q_len)..q_len,
+            AttentionMask::SlidingWindow { window } => j.min(q_len)..(j + window).min(q_len),
+        }
+    }
+}
+
+/// The shapes of one attention.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttentionDims {
+    /// The query's leading dims; `out` and `lse` have them too.
+    pub lead: Vec<usize>,
+    /// The key's and value's leading dims: each 1 (broadcast) or `lead`'s.
+    pub kv_lead: Vec<usize>,
+    pub q_len: usize,
+    pub kv_len: usize,
+    /// The query's and key's last dim.
+    pub head_dim: usize,
+    /// The value's and output's last dim.
+    pub value_dim: usize,
+    /// The additive bias's shape, broadcasting to `[lead.., q_len, kv_len]` (same rank).
+    pub bias: Option<Vec<usize>>,
+}
+
+impl AttentionDims {
+    pub fn batch(&self) -> usize {
+        crate::numel(&self.lead)
+    }
+
+    fn kv_batch(&self) -> usize {
+        crate::numel(&self.kv_lead)
+    }
+
+    /// The element counts of `q`, `k`, `v`, the bias (0 without), `out` and `lse`.
+    pub fn numels(&self) -> [usize; 6] {
+        let b = self.batch();
+        let kb = self.kv_batch();
+        let bias = self.bias.as_deref().map_or(0, crate::numel);
+        [
+            b * self.q_len * self.head_dim,
+            kb * self.kv_len * self.head_dim,
+            kb * self.kv_len * self.value_dim,
+            bias,
+            b * self.q_len * self.value_dim,
+            b * self.q_len,
+        ]
+    }
+
+    /// Whether the leading dims and the bias broadcast as they must.
+    pub fn is_valid(&self) -> bool {
+        let broadcasts = |from: &[usize], to: &[usize]| {
+            from.len() == to.len() && from.iter().zip(to).all(|(&f, &t)| f == 1 || f == t)
+        };
+        let bias_ok = self.bias.as_deref().is_none_or(|bias| {
+            let mut full = self.lead.clone();
+            full.extend([self.q_len, self.kv_len]);
+            broadcasts(bias, &full)
+        });
+        broadcasts(&self.kv_lead, &self.lead) && bias_ok && self.head_dim > 0 && self.value_dim > 0
+    }
+
+    /// For each leading index of the query, the leading index of a broadcast operand of shape
+    /// `from` (its dims 1 or `lead`'s).
+    fn sources(&self, from: &[usize]) -> Vec<usize> {
+        let mut strides = vec![0; from.len()];
+        let mut stride = 1;
+        for d in (0..from.len()).rev() {
+            strides[d] = if from[d] == 1 { 0 } else { stride };
+            stride *= from[d];
+        }
+        (0..self.batch())
+            .map(|mut flat| {
+                let mut at = 0;
+                for d in (0..self.lead.len()).rev() {
+                    at += (flat % self.lead[d]) * strides[d];
+                    flat /= self.lead[d];
+                }
+                at
+            })
+            .collect()
+    }
+}
+
+/// The type of the log-sum-exp of an attention of `dtype`: f32, or f64 for f64.
+pub fn lse_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// The bias, indexable by (query batch index, query, key).
+struct Bias<'a> {
+    values: &'a [f64],
+    /// Per query batch index: the offset of its `[q_len, kv_len]` block.
+    offsets: Vec<usize>,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl Bias<'_> {
+    fn at(&self, b: usize, i: usize, j: usize) -> f64 {
+        self.values[self.offsets[b] + i * self.row_stride + j * self.col_stride]
+    }
+}
+
+/// The operands of one attention, widened to f64.
+struct Operands<'a> {
+    dims: &'a AttentionDims,
+    scale: f64,
+    q: &'a [f64],
+    k: &'a [f64],
+    v: &'a [f64],
+    bias: Option<Bias<'a>>,
+    /// Per query batch index, its key/value batch index.
+    kv_of: Vec<usize>,
+}
+
+impl<'a> Operands<'a> {
+    fn new(dims: &'a AttentionDims, scale: f64, [q, k, v]: [&'a [f64]; 3], bias: Option<&'a [f64]>) -> Operands<'a> {
+        let bias = bias.zip(dims.bias.as_deref()).map(|(values, shape)| {
+            let rank = shape.len();
+            let (rows, cols) = (shape[rank - 2], shape[rank - 1]);
+            let block = rows * cols;
+            let offsets = dims.sources(&shape[..rank - 2]).into_iter().map(|b| b * block).collect();
+            Bias { values, offsets, row_stride: if rows == 1 { 0 } else { cols }, col_stride: usize::from(cols != 1) }
+        });
+        Operands { dims, scale, q, k, v, bias, kv_of: dims.sources(&dims.kv_lead) }
+    }
+
+    fn q_row(&self, b: usize, i: usize) -> &[f64] {
+        let d = self.dims.head_dim;
+        &self.q[(b * self.dims.q_len + i) * d..][..d]
+    }
+
+    fn k_row(&self, kb: usize, j: usize) -> &[f64] {
+        let d = self.dims.head_dim;
+        &self.k[(kb * self.dims.kv_len + j) * d..][..d]
+    }
+
+    fn v_row(&self, kb: usize, j: usize) -> &[f64] {
+        let d = self.dims.value_dim;
+        &self.v[(kb * self.dims.kv_len + j) * d..][..d]
+    }
+
+    /// The score of query `i` of batch index `b` for key `j`.
+    fn score(&self, b: usize, i: usize, j: usize) -> f64 {
+        let s = dot(self.q_row(b, i), self.k_row(self.kv_of[b], j)) * self.scale;
+        self.bias.as_ref().map_or(s, |bias| s + bias.at(b, i, j))
+    }
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x * y).sum()
+}
+
+/// Widens a float buffer to f64 (linear in the operands, against the quadratic work).
+fn widened<'b>(kernel: &'static str, dtype: DType, bytes: &'b [u8]) -> Result<Cow<'b, [f64]>, KernelError> {
+    let wide = |x: &[f32]| x.iter().map(|&x| x as f64).collect();
+    match dtype {
+        DType::F64 => Ok(view::<f64>(bytes)),
+        DType::F32 => Ok(Cow::Owned(wide(&view::<f32>(bytes)))),
+        DType::BF16 | DType::F16 => Ok(Cow::Owned(wide(&widen(dtype, bytes)))),
+        other => Err(KernelError::Unsupported { kernel, what: format!("{other}") }),
+    }
+}
+
+/// Writes f64 values into an output of `dtype` (rounded once).
+fn store(dtype: DType, values: &[f64], out: &mut [u8]) -> Result<(), KernelError> {
+    match dtype {
+        DType::F64 => view_mut::<f64>(out)?.copy_from_slice(values),
+        DType::F32 => view_mut::<f32>(out)?.iter_mut().zip(values).for_each(|(o, &x)| *o = x as f32),
+        _ => narrow(dtype, &values.iter().map(|&x| x as f32).collect::<Vec<_>>(), out)?,
+    }
+    Ok(())
+}
+
+/// `[q, k, v, bias?] -> [out, lse]`.
+pub(crate) fn forward(
+    dtype: DType,
+    dims: &AttentionDims,
+    scale: f64,
+    mask: AttentionMask,
+    inputs: &[&[u8]],
+    out: &mut [u8],
+    lse: &mut [u8],
+) -> Result<(), KernelError> {
+    const KERNEL: &str = "attention";
+    let [q, k, v] = [0, 1, 2].map(|i| widened(KERNEL, dtype, inputs[i]));
+    let (q, k, v) = (q?, k?, v?);
+    let bias = inputs.get(3).map(|b| widened(KERNEL, dtype, b)).transpose()?;
+    let ops = Operands::new(dims, scale, [&q, &k, &v], bias.as_deref());
+    let (dv, sq, sk) = (dims.value_dim, dims.q_len, dims.kv_len);
+    let mut values = vec![0f64; dims.batch() * sq * dv];
+    let mut log_sums = vec![0f64; dims.batch() * sq];
+    let rows = rows_per_task(sk * dv);
+    values.par_chunks_mut(dv).zip(log_sums.par_iter_mut()).with_min_len(rows).enumerate().for_each(
+        |(row, (o, lse))| {
+            let (b, i) = (row / sq, row % sq);
+            let keys = mask.keys(i, sk);
+            let scores: Vec<f64> = keys.clone().map(|j| ops.score(b, i, j)).collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let log_sum = max + scores.iter().map(|s| (s - max).exp()).sum::<f64>().ln();
+            for (j, s) in keys.zip(&scores) {
+                let p = (s - log_sum).exp();
+                for (a, &x) in o.iter_mut().zip(ops.v_row(ops.kv_of[b], j)) {
+                    *a += p * x;
+                }
+            }
+            *lse = log_sum;
+        },
+    );
+    store(dtype, &values, out)?;
+    store(lse_dtype(dtype), &log_sums, lse)
+}
+
+/// `[q, k, v, bias?, out, lse, d_out] -> [dq, dk, dv]`.
+pub(crate) fn backward(
+    dtype: DType,
+    dims: &AttentionDims,
+    scale: f64,
+    mask: AttentionMask,
+    inputs: &[&[u8]],
+    outputs: &mut [&mut [u8]],
+) -> Result<(), KernelError> {
+    const KERNEL: &str = "attention_grad";
+    let with_bias = usize::from(dims.bias.is_some());
+    let [q, k, v] = [0, 1, 2].map(|i| widened(KERNEL, dtype, inputs[i]));
+    let (q, k, v) = (q?, k?, v?);
+    let bias = (with_bias == 1).then(|| widened(KERNEL, dtype, inputs[3])).transpose()?;
+    let out = widened(KERNEL, dtype, inputs[3 + with_bias])?;
+    let lse = widened(KERNEL, lse_dtype(dtype), inputs[4 + with_bias])?;
+    let d_out = widened(KERNEL, dtype, inputs[5 + with_bias])?;
+    let ops = Operands::new(dims, scale, [&q, &k, &v], bias.as_deref());
+    let (d, dv, sq, sk) = (dims.head_dim, dims.value_dim, dims.q_len, dims.kv_len);
+    let d_out_row = |b: usize, i: usize| &d_out[(b * sq + i) * dv..][..dv];
+    // dout . out per query row (FlashAttention's D).
+    let delta: Vec<f64> = (0..dims.batch() * sq).map(|r| dot(&d_out[r * dv..][..dv], &out[r * dv..][..dv])).collect();
+    // p and dS of query i of batch index b for key j.
+    let probability_and_ds = |b: usize, i: usize, j: usize| {
+        let p = (ops.score(b, i, j) - lse[b * sq + i]).exp();
+        let dp = dot(d_out_row(b, i), ops.v_row(ops.kv_of[b], j));
+        (p, p * (dp - delta[b * sq + i]))
+    };
+
+    let mut dq = vec![0f64; dims.batch() * sq * d];
+    dq.par_chunks_mut(d).with_min_len(rows_per_task(sk * d)).enumerate().for_each(|(row, dq)| {
+        let (b, i) = (row / sq, row % sq);
+        for j in mask.keys(i, sk) {
+            let (_, ds) = probability_and_ds(b, i, j);
+            for (a, &x) in dq.iter_mut().zip(ops.k_row(ops.kv_of[b], j)) {
+                *a += ds * x;
+            }
+        }
+        dq.iter_mut().for_each(|a| *a *= scale);
+    });
+
+    // Each key/value batch index's query batch indices, in order.
+    let mut sharing = vec![Vec::new(); dims.kv_batch()];
+    for (b, &kb) in ops.kv_of.iter().enumerate() {
+        sharing[kb].push(b);
+    }
+    let mut dk = vec![0f64; dims.kv_batch() * sk * d];
+    let mut dvs = vec![0f64; dims.kv_batch() * sk * dv];
+    let rows = rows_per_task(sq * (d + dv));
+    dk.par_chunks_mut(d).zip(dvs.par_chunks_mut(dv)).with_min_len(rows).enumerate().for_each(|(row, (dk, dv))| {
+        let (kb, j) = (row / sk, row % sk);
+        for &b in &sharing[kb] {
+            for i in mask.queries(j, sq) {
+                let (p, ds) = probability_and_ds(b, i, j);
+                dk.iter_mut().zip(ops.q_row(b, i)).for_each(|(a, &x)| *a += ds * x);
+                dv.iter_mut().zip(d_out_row(b, i)).for_each(|(a, &x)| *a += p * x);
+            }
+        }
+        dk.iter_mut().for_each(|a| *a *= scale);
+    });
+    let [dq_out, dk_out, dv_out, ..] = outputs else { unreachable!("arity checked") };
+    store(dtype, &dq, dq_out)?;
+    store(dtype, &dk, dk_out)?;
+    store(dtype, &dvs, dv_out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Attention as the unfused graph computes it: the whole score matrix, masked with -inf,
+    /// softmax, then products; gradients through the same matrices.
+    struct Unfused {
+        out: Vec<f64>,
+        dq: Vec<f64>,
+        dk: Vec<f64>,
+        dv: Vec<f64>,
+    }
+
+    fn unfused(dims: &AttentionDims, scale: f64, mask: AttentionMask, x: &[Vec<f32>; 5]) -> Unfused {
+        let [q, k, v, bias, d_out] = x.clone().map(|t| t.iter().map(|&x| x as f64).collect::<Vec<f64>>());
+        let ops = Operands::new(dims, scale, [&q, &k, &v], dims.bias.as_ref().map(|_| &bias[..]));
+        let (d, dv, sq, sk) = (dims.head_dim, dims.value_dim, dims.q_len, dims.kv_len);
+        let kb_len = dims.kv_batch();
+        let mut r = Unfused {
+            out: vec![0.0; dims.batch() * sq * dv],
+            dq: vec![0.0; dims.batch() * sq * d],
+            dk: vec![0.0; kb_len * sk * d],
+            dv: vec![0.0; kb_len * sk * dv],
+        };
+        for b in 0..dims.batch() {
+            let kb = ops.kv_of[b];
+            for i in 0..sq {
+                let keys = mask.keys(i, sk);
+                let s: Vec<f64> =
+                    (0..sk).map(|j| if keys.contains(&j) { ops.score(b, i, j) } else { f64::NEG_INFINITY }).collect();
+                let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = s.iter().map(|x| (x - max).exp()).sum();
+                let p: Vec<f64> = s.iter().map(|x| (x - max).exp() / total).collect();
+                let g = &d_out[(b * sq + i) * dv..][..dv];
+                let dp: Vec<f64> = (0..sk).map(|j| dot(g, ops.v_row(kb, j))).collect();
+                let pdp: f64 = (0..sk).map(|j| p[j] * dp[j]).sum();
+                for j in 0..sk {
+                    let ds = p[j] * (dp[j] - pdp) * scale;
+                    for (e, (&v, &g)) in ops.v_row(kb, j).iter().zip(g).enumerate() {
+                        r.out[(b * sq + i) * dv + e] += p[j] * v;
+                        r.dv[(kb * sk + j) * dv + e] += p[j] * g;
+                    }
+                    for (e, (&k, &q)) in ops.k_row(kb, j).iter().zip(ops.q_row(b, i)).enumerate() {
+                        r.dq[(b * sq + i) * d + e] += ds * k;
+                        r.dk[(kb * sk + j) * d + e] += ds * q;
+                    }
+                }
+            }
+        }
+        r
+    }
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn bytes(x: &[f32]) -> Vec<u8> {
+        bytemuck::cast_slice(x).to_vec()
+    }
+
+    fn floats(x: &[u8]) -> Vec<f32> {
+        bytemuck::pod_collect_to_vec(x)
+    }
+
+    fn assert_close(name: &str, got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (n, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-5 * w.abs().max(1.0), "{name}[{n}]: {g} against {w}");
+        }
+    }
+
+    fn check(dims: AttentionDims, mask: AttentionMask) {
+        let scale = 0.3;
+        let [q, k, v, bias, out, _] = dims.numels();
+        let x = [values(q, 1), values(k, 2), values(v, 3), values(bias, 4), values(out, 5)];
+        let want = unfused(&dims, scale, mask, &x);
+        let fwd = Kernel::Attention { dtype: DType::F32, dims: dims.clone(), scale, mask };
+        let mut inputs = vec![bytes(&x[0]), bytes(&x[1]), bytes(&x[2])];
+        if dims.bias.is_some() {
+            inputs.push(bytes(&x[3]));
+        }
+        let (mut o, mut lse) = (vec![0u8; out * 4], vec![0u8; dims.batch() * dims.q_len * 4]);
+        let refs: Vec<&[u8]> = inputs.iter().map(|b| &b[..]).collect();
+        fwd.check_buffers(&refs.iter().map(|b| b.len()).collect::<Vec<_>>(), &[o.len(), lse.len()]).unwrap();
+        fwd.run(&refs, &mut [&mut o, &mut lse]).unwrap();
+        assert_close("out", &floats(&o), &want.out);
+
+        let bwd = Kernel::AttentionGrad { dtype: DType::F32, dims: dims.clone(), scale, mask };
+        inputs.extend([o.clone(), lse.clone(), bytes(&x[4])]);
+        let refs: Vec<&[u8]> = inputs.iter().map(|b| &b[..]).collect();
+        let (mut dq, mut dk, mut dv) = (vec![0u8; q * 4], vec![0u8; k * 4], vec![0u8; v * 4]);
+        bwd.check_buffers(&refs.iter().map(|b| b.len()).collect::<Vec<_>>(), &[dq.len(), dk.len(), dv.len()]).unwrap();
+        bwd.run(&refs, &mut [&mut dq, &mut dk, &mut dv]).unwrap();
+        assert_close("dq", &floats(&dq), &want.dq);
+        assert_close("dk", &floats(&dk), &want.dk);
+        assert_close("dv", &floats(&dv), &want.dv);
+    }
+
+    fn dims(lead: &[usize], kv_lead: &[usize], q_len: usize, kv_len: usize, bias: Option<Vec<usize>>) -> AttentionDims {
+        AttentionDims { lead: lead.to_vec(), kv_lead: kv_lead.to_vec(), q_len, kv_len, head_dim: 5, value_dim: 3, bias }
+    }
+
+    use crate::Kernel;
+
+    #[test]
+    fn matches_the_unfused_computation_for_every_mask() {
+        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 3 }] {
+            check(dims(&[2, 3], &[2, 3], 7, 7, None), mask);
+        }
+        check(dims(&[2], &[2], 4, 6, None), AttentionMask::None);
+    }
+
+    #[test]
+    fn shared_key_value_heads_and_a_broadcast_bias() {
+        // Multi-query (one key/value head for three query heads) and grouped broadcast over
+        // the batch; an ALiBi-like bias per head, and a padding mask per batch entry.
+        check(dims(&[2, 3], &[2, 1], 6, 6, Some(vec![1, 3, 6, 6])), AttentionMask::Causal);
+        check(dims(&[2, 3], &[1, 3], 5, 5, Some(vec![2, 1, 1, 5])), AttentionMask::None);
+    }
+
+    #[test]
+    fn masks_list_the_same_pairs_both_ways() {
+        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 2 }] {
+            for (sq, sk) in [(5, 5), (3, 6), (6, 3)] {
+                for i in 0..sq {
+                    for j in 0..sk {
+                        assert_eq!(mask.keys(i, sk).contains(&j), mask.queries(j, sq).contains(&i), "{mask:?} {i} {j}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_shapes_that_do_not_broadcast() {
+        let bad = dims(&[2, 3], &[2, 2], 4, 4, None);
+        let kernel = Kernel::Attention { dtype: DType::F32, dims: bad.clone(), scale: 1.0, mask: AttentionMask::None };
+        let [q, k, v, _, out, lse] = bad.numels().map(|n| n * 4);
+        assert!(kernel.check_buffers(&[q, k, v], &[out, lse]).is_err());
+    }
+}

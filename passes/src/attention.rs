@@ -1,0 +1,289 @@
+//! `attention`: scaled dot-product attention, found from dataflow, as one `attention` op.
+//!
+//! Exports write attention as `softmax(q @ k^T * c + m) @ v`: a matmul of two activations, a
+//! scale (`mul` or `div` by a scalar constant), additive masks, a softmax over the last dim and a
+//! second matmul. The pass replaces each such chain whose intermediate values nothing else reads
+//! by `attention q, k, v[, bias] {scale, mask}`, which computes it without the `[.., Sq, Sk]`
+//! scores (its backward recomputes them tile by tile from the log-sum-exp), so the activations
+//! it saves grow linearly with the sequence.
+//!
+//! Each additive term is classified: a constant of zeros and "minus infinity" (at most
+//! `-1e30`, as `torch.finfo.min` is) that keeps exactly the keys `j <= i`, or the last `W` of
+//! them, becomes the op's `causal` or `sliding_window` mask (a row can never be all masked then,
+//! so `-inf` and `finfo.min` give the same probabilities); other terms that no parameter reaches
+//! (ALiBi's slopes, a padding mask from the inputs) are summed into the `bias` operand. A chain
+//! with a term that a parameter reaches (its gradient would be the scores' own) stays unfused, as
+//! does a scale applied after a mask, a softmax whose probabilities something else reads (a model
+//! that outputs its attentions), or operands whose leading dims do not line up (`k` and `v` may
+//! broadcast where they are 1: multi-query and grouped-query attention).
+//!
+//! Input phase: imported (before `loss`; `compile --attention fused`). The replaced nodes are left
+//! for `dce`. Tests: tests/golden/attention_*.ir; tests/attention.rs (training against the
+//! unfused graph).
+
+use autotp_ir::{AttentionMask, BinaryOp, Def, Graph, NodeId, Op, Rewriter, Tensor, ValueId};
+
+use crate::recognize::View;
+use crate::{Pass, PassError};
+
+pub struct FuseAttention;
+
+/// An additive term that is at most this is a masked key.
+const MASKED: f64 = -1e30;
+
+/// One attention found: the second matmul's node and what replaces it.
+struct Found {
+    root: NodeId,
+    q: ValueId,
+    /// The key as the first matmul reads it, and whether it is `k^T` (the op takes `k`).
+    k: ValueId,
+    k_transposed: bool,
+    v: ValueId,
+    scale: f64,
+    mask: AttentionMask,
+    biases: Vec<ValueId>,
+}
+
+impl<'g> View<'g> {
+    /// The only user of `v`, when it has exactly one and is not a graph output.
+    fn single_user(&self, v: ValueId) -> Option<NodeId> {
+        let is_output = self.graph.outputs().iter().any(|(_, o)| *o == v);
+        match self.users[v.index()].as_slice() {
+            [only] if !is_output => Some(*only),
+            _ => None,
+        }
+    }
+
+    /// Whether a parameter's value reaches `v`.
+    fn reaches_param(&self, v: ValueId) -> bool {
+        let mut stack = vec![v];
+        let mut seen = std::collections::BTreeSet::new();
+        while let Some(v) = stack.pop() {
+            if !seen.insert(v) {
+                continue;
+            }
+            match self.graph.value(v).def {
+                Def::Param(_) | Def::State(_) => return true,
+                Def::Input(_) => {}
+                Def::Node(n, _) => stack.extend(self.graph.node(n).inputs.iter().copied()),
+            }
+        }
+        false
+    }
+
+    /// Attention ending at `out = matmul(p, v)`.
+    fn attention(&self, root: NodeId) -> Option<Found> {
+        let node = self.graph.node(root);
+        let (Op::MatMul { transpose_lhs: false, transpose_rhs: false }, [p, v]) = (&node.op, &node.inputs[..]) else {
+            return None;
+        };
+        let rank = self.graph.ty(*p).rank();
+        let (Op::Softmax { axis }, [mut x]) = self.op(*p)? else { return None };
+        if *axis + 1 != rank || self.single_user(*p) != Some(root) {
+            return None;
+        }
+        let scores_shape = self.graph.ty(x).shape.clone();
+        let mut terms = Vec::new();
+        let mut scale = 1.0;
+        // Walking back from the softmax: the masks are added after the scale.
+        let mut scaled = false;
+        loop {
+            let (op, inputs) = self.op(x)?;
+            self.single_user(x)?;
+            match (op, inputs) {
+                (Op::Binary(BinaryOp::Add), [a, b]) if !scaled => {
+                    // The scores come from the weights; an additive term that a parameter
+                    // reaches would need the scores' gradient.
+                    let (rest, term) = match (self.reaches_param(*a), self.reaches_param(*b)) {
+                        (true, false) => (*a, *b),
+                        (false, true) => (*b, *a),
+                        _ => return None,
+                    };
+                    if self.graph.ty(rest).shape != scores_shape {
+                        return None;
+                    }
+                    terms.push(term);
+                    x = rest;
+                }
+                (Op::Binary(BinaryOp::Mul), [a, b]) => {
+                    let (rest, c) = match (self.scalar(*b), self.scalar(*a)) {
+                        (Some(c), _) => (*a, c),
+                        (None, Some(c)) => (*b, c),
+                        _ => return None,
+                    };
+                    scale *= c;
+                    scaled = true;
+                    x = rest;
+                }
+                (Op::Binary(BinaryOp::Div), [a, c]) => {
+                    scale /= self.scalar(*c)?;
+                    scaled = true;
+                    x = *a;
+                }
+                (Op::MatMul { transpose_lhs: false, transpose_rhs }, [q, k]) => {
+                    return self.found(root, (*q, *k, *transpose_rhs), *v, scale, terms);
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    fn found(
+        &self,
+        root: NodeId,
+        (q, k, k_transposed_by_flag): (ValueId, ValueId, bool),
+        v: ValueId,
+        scale: f64,
+        terms: Vec<ValueId>,
+    ) -> Option<Found> {
+        let ty = |v: ValueId| self.graph.ty(v);
+        let (qt, kt, vt) = (ty(q), ty(k), ty(v));
+        let rank = qt.rank();
+        if kt.rank() != rank
+            || vt.rank() != rank
+            || !qt.dtype.is_float()
+            || kt.dtype != qt.dtype
+            || vt.dtype != qt.dtype
+        {
+            return None;
+        }
+        let lead = rank - 2;
+        // k as the op takes it, [.., Sk, D].
+        let mut k_shape = kt.shape.clone();
+        if !k_transposed_by_flag {
+            k_shape.swap(lead, lead + 1);
+        }
+        let dims_fit = (0..lead).all(|d| (k_shape[d] == qt.shape[d] || k_shape[d] == 1) && vt.shape[d] == k_shape[d])
+            && k_shape[lead + 1] == qt.shape[lead + 1]
+            && vt.shape[lead] == k_shape[lead];
+        if !dims_fit {
+            return None;
+        }
+        let (q_len, kv_len) = (qt.shape[lead], k_shape[lead]);
+        let mut mask = AttentionMask::None;
+        let mut biases = Vec::new();
+        for term in terms {
+            match self.mask_of(term, q_len, kv_len) {
+                Some(m) if mask == AttentionMask::None => mask = m,
+                _ => biases.push(term),
+            }
+        }
+        if biases.iter().any(|&b| ty(b).dtype != qt.dtype || ty(b).rank() > rank) {
+            return None;
+        }
+        Some(Found { root, q, k, k_transposed: !k_transposed_by_flag, v, scale, mask, biases })
+    }
+
+    /// The mask a constant term is: zeros where keys are kept, at most [`MASKED`] elsewhere,
+    /// the same for every leading index.
+    fn mask_of(&self, term: ValueId, q_len: usize, kv_len: usize) -> Option<AttentionMask> {
+        let (Op::Constant { value }, _) = self.op(term)? else { return None };
+        let shape = value.shape();
+        let (rows, cols) = match shape {
+            [.., r, c] => (*r, *c),
+            _ => return None,
+        };
+        if rows != q_len || cols != kv_len {
+            return None;
+        }
+        // Which keys the last query keeps: a window ending at it (or every key up to it).
+        let last = q_len.checked_sub(1)?;
+        let kept = |t: &Tensor, base: usize, i: usize, j: usize| t.get_f64(base + i * cols + j) == 0.0;
+        let window = (0..kv_len).filter(|&j| kept(value, 0, last, j)).count();
+        let mask = if window > last { AttentionMask::Causal } else { AttentionMask::SlidingWindow { window } };
+        let block = rows * cols;
+        let fits = (0..value.numel() / block.max(1)).all(|b| {
+            (0..rows).all(|i| {
+                let keys = mask.keys(i, cols);
+                (0..cols).all(|j| {
+                    let x = value.get_f64(b * block + i * cols + j);
+                    if keys.contains(&j) {
+                        x == 0.0
+                    } else {
+                        x <= MASKED
+                    }
+                })
+            })
+        });
+        (fits && window > 0).then_some(mask)
+    }
+}
+
+impl Pass for FuseAttention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let view = View::new(graph);
+        let found: Vec<Found> = graph.nodes().filter_map(|(id, _)| view.attention(id)).collect();
+        if found.is_empty() {
+            return Ok(());
+        }
+        let old = &*graph;
+        let mut rw = Rewriter::new(old, |_| true);
+        let invalid = |message: String| PassError::Invalid { pass: "attention", message };
+        for (id, node) in old.nodes() {
+            let Some(f) = found.iter().find(|f| f.root == id) else {
+                rw.copy_node(id);
+                continue;
+            };
+            let rank = old.ty(f.q).rank();
+            let mut inputs = vec![rw.map(f.q), key(&mut rw, old, f.k, f.k_transposed).map_err(&invalid)?, rw.map(f.v)];
+            if let Some(bias) = bias(&mut rw, &f.biases, rank).map_err(&invalid)? {
+                inputs.push(bias);
+            }
+            let g = rw.graph();
+            let op = Op::Attention { scale: f.scale, mask: f.mask };
+            let attention = g.add_node(op, inputs, 2).map_err(|m| invalid(format!("attention: {m}")))?;
+            let out = g.node(attention).outputs[0];
+            rw.set(node.outputs[0], out);
+        }
+        tracing::debug!(count = found.len(), "fused attention");
+        *graph = rw.finish();
+        Ok(())
+    }
+}
+
+/// The key as `[.., Sk, D]`: `k` itself, or `k^T` transposed back (one transpose, composed
+/// with the one that made `k^T` when there is one).
+fn key(rw: &mut Rewriter, old: &Graph, k: ValueId, transposed: bool) -> Result<ValueId, String> {
+    if !transposed {
+        return Ok(rw.map(k));
+    }
+    let rank = old.ty(k).rank();
+    let mut swap: Vec<usize> = (0..rank).collect();
+    swap.swap(rank - 2, rank - 1);
+    let (source, perm) = match old.value(k).def {
+        Def::Node(n, _) => match &old.node(n).op {
+            Op::Transpose { perm } => (old.node(n).inputs[0], swap.iter().map(|&s| perm[s]).collect()),
+            _ => (k, swap),
+        },
+        _ => (k, swap),
+    };
+    let source = rw.map(source);
+    if perm.iter().enumerate().all(|(i, &p)| i == p) {
+        return Ok(source);
+    }
+    rw.graph().add(Op::Transpose { perm }, vec![source])
+}
+
+/// The additive terms that are not the mask, summed and given the scores' rank.
+fn bias(rw: &mut Rewriter, terms: &[ValueId], rank: usize) -> Result<Option<ValueId>, String> {
+    let mut sum: Option<ValueId> = None;
+    for &t in terms {
+        let t = rw.map(t);
+        sum = Some(match sum {
+            None => t,
+            Some(s) => rw.graph().add(Op::Binary(BinaryOp::Add), vec![s, t])?,
+        });
+    }
+    let Some(sum) = sum else { return Ok(None) };
+    let shape = rw.graph().ty(sum).shape.clone();
+    if shape.len() == rank {
+        return Ok(Some(sum));
+    }
+    let mut full = vec![1; rank - shape.len()];
+    full.extend(shape);
+    rw.graph().add(Op::Reshape { shape: full }, vec![sum]).map(Some)
+}
