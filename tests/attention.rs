@@ -32,8 +32,9 @@ fn relative(a: f64, b: f64) -> f64 {
 #[test]
 fn fused_attention_trains_like_the_unfused_graph() {
     let dir = scratch("attention-curves");
-    let cases: [(&str, &[&str], usize); 6] = [
+    let cases: [(&str, &[&str], usize); 7] = [
         ("gpt2", &[], 2),
+        ("gpt2", &["--kernels", "builtin"], 2),
         ("llama", &[], 2),
         ("bloom", &["--tp", "2"], 2),
         ("falcon_mqa", &["--tp", "2"], 2),

@@ -6,8 +6,9 @@
 use autotp_kernels::isa::{IsaLevel, ISA_VARIABLE};
 
 /// The test modules whose results depend on the level: generated kernels, training (every step
-/// runs them) and mixed precision (bf16 GEMMs), and this module's check of the JIT's target.
-const LEVEL_DEPENDENT: [&str; 4] = ["kernels::", "train::", "precision::", "isa::"];
+/// runs them), mixed precision (bf16 GEMMs), fused attention (its generated passes) and this
+/// module's check of the JIT's target.
+const LEVEL_DEPENDENT: [&str; 5] = ["kernels::", "train::", "precision::", "isa::", "attention::"];
 
 /// Inside the child: the JIT's vectors are the requested level's.
 #[test]

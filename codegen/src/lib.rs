@@ -741,9 +741,13 @@ impl Lowering<'_> {
         } else {
             let mut kernel = autotp_ir::lower::node_kernel(graph, node)
                 .expect("constants, collectives and pipeline communication are handled apart");
-            if let Kernel::MatMul { dims, .. } = &mut kernel {
-                dims.lhs_layout = self.lifetimes.layouts.get(&node.inputs[0]).cloned();
-                dims.rhs_layout = self.lifetimes.layouts.get(&node.inputs[1]).cloned();
+            match &mut kernel {
+                Kernel::MatMul { dims, .. } => {
+                    dims.lhs_layout = self.lifetimes.layouts.get(&node.inputs[0]).cloned();
+                    dims.rhs_layout = self.lifetimes.layouts.get(&node.inputs[1]).cloned();
+                }
+                Kernel::Attention { generated: g, .. } | Kernel::AttentionGrad { generated: g, .. } => *g = generated,
+                _ => {}
             }
             self.instructions.push(Instruction::Kernel { kernel, inputs, outputs, label, gpu: None });
         }

@@ -195,8 +195,8 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             let dims = crate::shape_rules::attention_dims(inputs[0], inputs[1], inputs[2], bias).ok()?;
             let (scale, mask) = (*scale, *mask);
             match op {
-                Op::Attention { .. } => Kernel::Attention { dtype, dims, scale, mask },
-                _ => Kernel::AttentionGrad { dtype, dims, scale, mask },
+                Op::Attention { .. } => Kernel::Attention { dtype, dims, scale, mask, generated: false },
+                _ => Kernel::AttentionGrad { dtype, dims, scale, mask, generated: false },
             }
         }
         Op::LayerNorm { axis, eps } => {

@@ -77,7 +77,7 @@ impl AttentionDims {
         crate::numel(&self.lead)
     }
 
-    fn kv_batch(&self) -> usize {
+    pub fn kv_batch(&self) -> usize {
         crate::numel(&self.kv_lead)
     }
 
@@ -137,6 +137,98 @@ pub fn lse_dtype(dtype: DType) -> DType {
         DType::F64
     } else {
         DType::F32
+    }
+}
+
+/// Which part of an attention a generated function computes, and over which rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum AttentionPass {
+    /// `out` and `lse`, one query row at a time.
+    Forward,
+    /// The backward's `dq`, one query row at a time.
+    QueryGrad,
+    /// The backward's `dk` and `dv`, one key row at a time (over every query head sharing it).
+    KeyValueGrad,
+}
+
+/// One generated attention function (`autotp-llvm` emits it): its entry runs rows
+/// `begin..end` of its pass over the kernel's buffers (inputs, then outputs) followed by
+/// [`AttentionFunction::table`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AttentionFunction {
+    pub dtype: DType,
+    pub dims: AttentionDims,
+    pub scale: f64,
+    pub mask: AttentionMask,
+    pub pass: AttentionPass,
+}
+
+impl AttentionFunction {
+    /// The functions that compute `kernel` (the forward, or the backward's two passes), when
+    /// it is an attention the generated code handles (f32 and 16-bit floats).
+    pub fn of(kernel: &crate::Kernel) -> Option<Vec<AttentionFunction>> {
+        let (dtype, dims, scale, mask, passes): (_, _, _, _, &[AttentionPass]) = match kernel {
+            crate::Kernel::Attention { dtype, dims, scale, mask, .. } => {
+                (dtype, dims, scale, mask, &[AttentionPass::Forward])
+            }
+            crate::Kernel::AttentionGrad { dtype, dims, scale, mask, .. } => {
+                (dtype, dims, scale, mask, &[AttentionPass::QueryGrad, AttentionPass::KeyValueGrad])
+            }
+            _ => return None,
+        };
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || !dims.is_valid() {
+            return None;
+        }
+        let function = |pass| AttentionFunction { dtype: *dtype, dims: dims.clone(), scale: *scale, mask: *mask, pass };
+        Some(passes.iter().map(|&p| function(p)).collect())
+    }
+
+    /// The rows (queries, or keys) of the pass.
+    fn rows(&self) -> (usize, usize) {
+        match self.pass {
+            AttentionPass::Forward | AttentionPass::QueryGrad => (self.dims.batch(), self.dims.q_len),
+            AttentionPass::KeyValueGrad => (self.dims.kv_batch(), self.dims.kv_len),
+        }
+    }
+
+    /// The rows of one unit of work, which share the vectors they load: 4, 2 or 1, dividing a
+    /// head's rows.
+    pub fn rows_per_unit(&self) -> usize {
+        let len = self.rows().1;
+        [4, 2, 1].into_iter().find(|&r| len.is_multiple_of(r)).expect("1 divides")
+    }
+
+    /// The units the entry runs, `begin..end` of `0..units()`.
+    pub fn units(&self) -> usize {
+        let (batch, len) = self.rows();
+        batch * len / self.rows_per_unit()
+    }
+
+    /// The query heads that share one key/value head.
+    pub fn group(&self) -> usize {
+        self.dims.batch() / self.dims.kv_batch()
+    }
+
+    /// What the generated code looks up instead of computing broadcast indices: per query
+    /// batch index its key/value batch index, then per query batch index the offset of its
+    /// bias block (0 without a bias), then per key/value batch index the [`Self::group`] query
+    /// batch indices that share it, in order.
+    pub fn table(&self) -> Vec<i64> {
+        let dims = &self.dims;
+        let kv_of = dims.sources(&dims.kv_lead);
+        let bias_of = match dims.bias.as_deref() {
+            Some(shape) => {
+                let block = shape[shape.len() - 2] * shape[shape.len() - 1];
+                dims.sources(&shape[..shape.len() - 2]).into_iter().map(|b| b * block).collect()
+            }
+            None => vec![0; dims.batch()],
+        };
+        let mut sharing = vec![Vec::new(); dims.kv_batch()];
+        for (b, &kb) in kv_of.iter().enumerate() {
+            sharing[kb].push(b);
+        }
+        let table = kv_of.iter().chain(&bias_of).chain(sharing.iter().flatten());
+        table.map(|&x| x as i64).collect()
     }
 }
 
@@ -413,7 +505,7 @@ mod tests {
         let [q, k, v, bias, out, _] = dims.numels();
         let x = [values(q, 1), values(k, 2), values(v, 3), values(bias, 4), values(out, 5)];
         let want = unfused(&dims, scale, mask, &x);
-        let fwd = Kernel::Attention { dtype: DType::F32, dims: dims.clone(), scale, mask };
+        let fwd = Kernel::Attention { dtype: DType::F32, dims: dims.clone(), scale, mask, generated: false };
         let mut inputs = vec![bytes(&x[0]), bytes(&x[1]), bytes(&x[2])];
         if dims.bias.is_some() {
             inputs.push(bytes(&x[3]));
@@ -424,7 +516,7 @@ mod tests {
         fwd.run(&refs, &mut [&mut o, &mut lse]).unwrap();
         assert_close("out", &floats(&o), &want.out);
 
-        let bwd = Kernel::AttentionGrad { dtype: DType::F32, dims: dims.clone(), scale, mask };
+        let bwd = Kernel::AttentionGrad { dtype: DType::F32, dims: dims.clone(), scale, mask, generated: false };
         inputs.extend([o.clone(), lse.clone(), bytes(&x[4])]);
         let refs: Vec<&[u8]> = inputs.iter().map(|b| &b[..]).collect();
         let (mut dq, mut dk, mut dv) = (vec![0u8; q * 4], vec![0u8; k * 4], vec![0u8; v * 4]);
@@ -473,7 +565,13 @@ mod tests {
     #[test]
     fn refuses_shapes_that_do_not_broadcast() {
         let bad = dims(&[2, 3], &[2, 2], 4, 4, None);
-        let kernel = Kernel::Attention { dtype: DType::F32, dims: bad.clone(), scale: 1.0, mask: AttentionMask::None };
+        let kernel = Kernel::Attention {
+            dtype: DType::F32,
+            dims: bad.clone(),
+            scale: 1.0,
+            mask: AttentionMask::None,
+            generated: false,
+        };
         let [q, k, v, _, out, lse] = bad.numels().map(|n| n * 4);
         assert!(kernel.check_buffers(&[q, k, v], &[out, lse]).is_err());
     }

@@ -91,9 +91,25 @@ pub enum Kernel {
     /// `[log_probs, labels, weights?] -> [loss]`
     NllLoss { dtype: DType, label_dtype: DType, dims: ClassLossDims, weighted: bool },
     /// `[q, k, v, bias?] -> [out, lse (f32)]`: attention without the scores (`attention.rs`).
-    Attention { dtype: DType, dims: AttentionDims, scale: f64, mask: AttentionMask },
+    /// `generated`: run by the generated functions ([`crate::attention::AttentionFunction`])
+    /// on a target that has them (codegen's choice); this kernel otherwise.
+    Attention {
+        dtype: DType,
+        dims: AttentionDims,
+        scale: f64,
+        mask: AttentionMask,
+        #[serde(default)]
+        generated: bool,
+    },
     /// `[q, k, v, bias?, out, lse, d_out] -> [dq, dk, dv]`: its backward.
-    AttentionGrad { dtype: DType, dims: AttentionDims, scale: f64, mask: AttentionMask },
+    AttentionGrad {
+        dtype: DType,
+        dims: AttentionDims,
+        scale: f64,
+        mask: AttentionMask,
+        #[serde(default)]
+        generated: bool,
+    },
 }
 
 /// One rank's block, along the indexed axis, of a table split over a mesh axis (a
@@ -443,11 +459,11 @@ impl Kernel {
                 let weights = weighted.then(|| inputs[2]);
                 nn::nll_loss(*dtype, *label_dtype, dims, inputs[0], inputs[1], weights, outputs[0])
             }
-            Kernel::Attention { dtype, dims, scale, mask } => {
+            Kernel::Attention { dtype, dims, scale, mask, .. } => {
                 let [out, lse, ..] = outputs else { unreachable!("arity checked") };
                 crate::attention::forward(*dtype, dims, *scale, *mask, inputs, out, lse)
             }
-            Kernel::AttentionGrad { dtype, dims, scale, mask } => {
+            Kernel::AttentionGrad { dtype, dims, scale, mask, .. } => {
                 crate::attention::backward(*dtype, dims, *scale, *mask, inputs, outputs)
             }
         }

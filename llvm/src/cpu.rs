@@ -121,6 +121,9 @@ fn build_module<'ctx>(
             Function::OptimizerStep(step) => {
                 crate::optim::define_cpu(&e, symbol, step, target.width)?;
             }
+            Function::Attention(attention) => {
+                crate::attention::define_cpu(&e, symbol, attention, target.width)?;
+            }
         }
     }
     module.verify().map_err(|m| LlvmError::llvm("verification", m))?;

@@ -13,12 +13,15 @@
 //!   made when the plan is compiled: rows on blocks, the inner dimension on threads, row
 //!   reductions with warp shuffles. The module also holds the optimizer steps and the builtin
 //!   kernels' GPU forms: data movement and [`indexed`] gathers and scatter-adds.
+//! - [`attention`]: attention's forward and backward passes on x86, blocks of keys with an
+//!   online softmax, never the scores matrix.
 //! - [`optim`]: the multi-tensor optimizer step (AdamW, SGD) over a table of chunks, for both
 //!   targets, bit-identical to the Rust kernels.
 //!
 //! Fast-math flags are never set: attention masks use -inf and NaN must propagate, so only
 //! exact rewrites happen, and `fma` appears only where the polynomials ask for it.
 
+pub mod attention;
 pub mod cpu;
 pub mod emit;
 pub mod indexed;
@@ -36,6 +39,8 @@ pub enum Function<'a> {
     Kernel(&'a autotp_kernels::kir::Kernel),
     /// A multi-tensor optimizer step.
     OptimizerStep(&'a autotp_kernels::optim::OptimizerKernel),
+    /// A pass of an attention (x86 only, for now).
+    Attention(&'a autotp_kernels::attention::AttentionFunction),
 }
 
 /// O3 without loop unrolling: the emitters already write vector loops, and unrolling their

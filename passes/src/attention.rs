@@ -8,8 +8,9 @@
 //! it saves grow linearly with the sequence.
 //!
 //! Each additive term is classified: a constant of zeros and "minus infinity" (at most
-//! `-1e30`, as `torch.finfo.min` is) that keeps exactly the keys `j <= i`, or the last `W` of
-//! them, becomes the op's `causal` or `sliding_window` mask (a row can never be all masked then,
+//! `-1e30`, as `torch.finfo.min` is; a constant, or a `select` between the two on a constant
+//! boolean triangle, expanded) that keeps exactly the keys `j <= i`, or the last `W` of them,
+//! becomes the op's `causal` or `sliding_window` mask (a row can never be all masked then,
 //! so `-inf` and `finfo.min` give the same probabilities); other terms that no parameter reaches
 //! (ALiBi's slopes, a padding mask from the inputs) are summed into the `bias` operand. A chain
 //! with a term that a parameter reaches (its gradient would be the scores' own) stays unfused, as
@@ -21,7 +22,7 @@
 //! for `dce`. Tests: tests/golden/attention_*.ir; tests/attention.rs (training against the
 //! unfused graph).
 
-use autotp_ir::{AttentionMask, BinaryOp, Def, Graph, NodeId, Op, Rewriter, Tensor, ValueId};
+use autotp_ir::{AttentionMask, BinaryOp, Def, Graph, NodeId, Op, Rewriter, ValueId};
 
 use crate::recognize::View;
 use crate::{Pass, PassError};
@@ -174,13 +175,34 @@ impl<'g> View<'g> {
         Some(Found { root, q, k, k_transposed: !k_transposed_by_flag, v, scale, mask, biases })
     }
 
+    /// The values of a constant term (`[.., rows, cols]`, leading dims unexpanded): a constant,
+    /// or `select` between two scalar constants on a constant condition (how exports write a
+    /// causal mask from a boolean triangle), through `expand`s of the leading dims.
+    fn constant_values(&self, term: ValueId) -> Option<(Vec<usize>, Vec<f64>)> {
+        match self.op(term)? {
+            (Op::Constant { value }, _) => {
+                Some((value.shape().to_vec(), (0..value.numel()).map(|i| value.get_f64(i)).collect()))
+            }
+            (Op::Expand { shape }, [x]) => {
+                let (inner, values) = self.constant_values(*x)?;
+                let keeps_rows = inner.len() >= 2 && shape.ends_with(&inner[inner.len() - 2..]);
+                keeps_rows.then_some((inner, values))
+            }
+            (Op::Select, [condition, on_true, on_false]) => {
+                let (a, b) = (self.scalar(*on_true)?, self.scalar(*on_false)?);
+                let (shape, condition) = self.constant_values(*condition)?;
+                Some((shape, condition.into_iter().map(|c| if c != 0.0 { a } else { b }).collect()))
+            }
+            _ => None,
+        }
+    }
+
     /// The mask a constant term is: zeros where keys are kept, at most [`MASKED`] elsewhere,
     /// the same for every leading index.
     fn mask_of(&self, term: ValueId, q_len: usize, kv_len: usize) -> Option<AttentionMask> {
-        let (Op::Constant { value }, _) = self.op(term)? else { return None };
-        let shape = value.shape();
-        let (rows, cols) = match shape {
-            [.., r, c] => (*r, *c),
+        let (shape, values) = self.constant_values(term)?;
+        let (rows, cols) = match shape[..] {
+            [.., r, c] => (r, c),
             _ => return None,
         };
         if rows != q_len || cols != kv_len {
@@ -188,19 +210,17 @@ impl<'g> View<'g> {
         }
         // Which keys the last query keeps: a window ending at it (or every key up to it).
         let last = q_len.checked_sub(1)?;
-        let kept = |t: &Tensor, base: usize, i: usize, j: usize| t.get_f64(base + i * cols + j) == 0.0;
-        let window = (0..kv_len).filter(|&j| kept(value, 0, last, j)).count();
+        let window = (0..kv_len).filter(|&j| values[last * cols + j] == 0.0).count();
         let mask = if window > last { AttentionMask::Causal } else { AttentionMask::SlidingWindow { window } };
         let block = rows * cols;
-        let fits = (0..value.numel() / block.max(1)).all(|b| {
+        let fits = values.chunks(block).all(|values| {
             (0..rows).all(|i| {
                 let keys = mask.keys(i, cols);
                 (0..cols).all(|j| {
-                    let x = value.get_f64(b * block + i * cols + j);
                     if keys.contains(&j) {
-                        x == 0.0
+                        values[i * cols + j] == 0.0
                     } else {
-                        x <= MASKED
+                        values[i * cols + j] <= MASKED
                     }
                 })
             })

@@ -1,16 +1,19 @@
 //! The CPU as a device: one arena per program (per rank), parameters and constants loaded
 //! once, then instructions run in program order: builtin kernels (multi-threaded with rayon
-//! inside), generated kernels (JIT-compiled by `autotp-llvm` when the program loads, their rows
-//! split over the rank's rayon pool), optimizer steps (the multi-tensor kernel over chunks, or
-//! tile by tile through an NVMe state file), collectives through the rank's communicator (the
-//! asynchronous ones on its communication thread, [`comm_thread`]) and pipeline messages.
+//! inside), generated kernels and attention's generated passes (JIT-compiled by `autotp-llvm`
+//! when the program loads, their rows split over the rank's rayon pool), optimizer steps (the
+//! multi-tensor kernel over chunks, or tile by tile through an NVMe state file), collectives
+//! through the rank's communicator (the asynchronous ones on its communication thread,
+//! [`comm_thread`]) and pipeline messages.
 
 mod comm_thread;
 
 use std::sync::Arc;
 
+use autotp_kernels::attention::AttentionFunction;
 use autotp_kernels::optim::OptimizerKernel;
 use autotp_kernels::AlignedBuf;
+use autotp_kernels::Kernel;
 use autotp_llvm::CpuKernel;
 use autotp_program::{Instruction, Program, Region};
 
@@ -33,6 +36,8 @@ pub(crate) struct CpuDevice {
     pub(crate) generated: Vec<GeneratedKernel>,
     /// The multi-tensor step of each update rule the program's optimizer steps apply.
     pub(crate) optimizer_steps: Vec<(OptimizerKernel, CpuKernel)>,
+    /// The generated passes of each attention instruction that has them, by instruction.
+    pub(crate) attention: std::collections::BTreeMap<usize, AttentionRun>,
     pub(crate) arena: AlignedBuf,
     /// Offloaded optimizer states (`--offload-optimizer cpu`), outside the arena; empty when
     /// they are in `state_file`.
@@ -75,14 +80,24 @@ impl CpuDevice {
         };
         let issued = vec![0; program.mesh.len()];
         let step_kinds = program.optimizer_kernels();
+        let attention_functions = attention_functions(program);
         let functions: Vec<autotp_llvm::Function> = (program.kernels.iter().map(autotp_llvm::Function::Kernel))
             .chain(step_kinds.iter().map(autotp_llvm::Function::OptimizerStep))
+            .chain(attention_functions.iter().map(|(_, f)| autotp_llvm::Function::Attention(f)))
             .collect();
         let mut entries = if functions.is_empty() {
             Vec::new()
         } else {
             autotp_llvm::compile_cpu_functions(&functions).map_err(|e| RuntimeError::KernelCompile(e.to_string()))?
         };
+        let attention_entries = entries.split_off(program.kernels.len() + step_kinds.len());
+        let mut attention: std::collections::BTreeMap<usize, AttentionRun> = Default::default();
+        for ((index, function), entry) in attention_functions.into_iter().zip(attention_entries) {
+            let query_rows = function.dims.batch() * function.dims.q_len;
+            let run =
+                attention.entry(index).or_insert_with(|| AttentionRun { passes: vec![], delta: vec![0.0; query_rows] });
+            run.passes.push(AttentionPass::new(function, entry));
+        }
         let optimizer_steps = step_kinds.into_iter().zip(entries.split_off(program.kernels.len())).collect();
         let generated = entries
             .into_iter()
@@ -94,6 +109,7 @@ impl CpuDevice {
             comm_thread,
             generated,
             optimizer_steps,
+            attention,
             arena,
             host_pool,
             state_file: None,
@@ -158,6 +174,17 @@ impl Device for CpuDevice {
         let region = |r: &Region| unsafe { std::slice::from_raw_parts(bases.at(r), r.len) };
         let region_mut = |r: &Region| unsafe { std::slice::from_raw_parts_mut(bases.at(r), r.len) };
         match instruction {
+            Instruction::Kernel { inputs, outputs, .. } if self.attention.contains_key(&index) => {
+                let run = self.attention.get_mut(&index).expect("checked");
+                let mut buffers: Vec<*mut u8> = inputs.iter().chain(outputs).map(|r| bases.at(r)).collect();
+                buffers.extend([std::ptr::null_mut(), run.delta.as_mut_ptr() as *mut u8]);
+                for pass in &run.passes {
+                    // SAFETY: `validate` checked the regions against the kernel's buffer sizes
+                    // (`Kernel::check_buffers`), which are what its passes address; the scratch
+                    // has a value per query row.
+                    unsafe { pass.run(&mut buffers) };
+                }
+            }
             Instruction::Kernel { kernel, inputs, outputs, label, .. } => {
                 let ins: Vec<&[u8]> = inputs.iter().map(region).collect();
                 let mut outs: Vec<&mut [u8]> = outputs.iter().map(region_mut).collect();
@@ -284,6 +311,68 @@ fn rows_per_task(kernel: &autotp_kernels::kir::Kernel) -> usize {
         rows.next_multiple_of(64)
     } else {
         rows
+    }
+}
+
+/// The generated attention functions of `program`'s attention instructions that codegen gave
+/// to generated code, with their instructions' indices.
+fn attention_functions(program: &Program) -> Vec<(usize, AttentionFunction)> {
+    let mut functions = Vec::new();
+    for (index, instruction) in program.instructions.iter().enumerate() {
+        let Instruction::Kernel { kernel, .. } = instruction else { continue };
+        let generated =
+            matches!(kernel, Kernel::Attention { generated: true, .. } | Kernel::AttentionGrad { generated: true, .. });
+        if let Some(passes) = generated.then(|| AttentionFunction::of(kernel)).flatten() {
+            functions.extend(passes.into_iter().map(|f| (index, f)));
+        }
+    }
+    functions
+}
+
+/// An attention instruction's generated passes, run in order, and their scratch (`dout . out`
+/// per query row, from the backward's first pass for its second).
+pub(crate) struct AttentionRun {
+    passes: Vec<AttentionPass>,
+    delta: Vec<f32>,
+}
+
+/// One generated pass of an attention, its table and how its units of rows split into tasks.
+pub(crate) struct AttentionPass {
+    entry: CpuKernel,
+    table: Vec<i64>,
+    units: usize,
+    units_per_task: usize,
+}
+
+impl AttentionPass {
+    fn new(function: AttentionFunction, entry: CpuKernel) -> AttentionPass {
+        // A unit's rows meet every key (or query) of their head: about 64K multiply-adds per task.
+        let dims = &function.dims;
+        let per_unit = function.rows_per_unit() * dims.kv_len.max(dims.q_len) * (dims.head_dim + dims.value_dim);
+        AttentionPass {
+            entry,
+            table: function.table(),
+            units: function.units(),
+            units_per_task: (65_536 / per_unit).max(1),
+        }
+    }
+
+    /// Runs all units on the current rayon pool over `buffers` (the instruction's inputs, then
+    /// outputs, then the table's place, which this sets, and the scratch).
+    ///
+    /// # Safety
+    /// The buffers must have the sizes of the attention kernel the pass was made from, and its
+    /// outputs must overlap nothing else.
+    unsafe fn run(&self, buffers: &mut [*mut u8]) {
+        use rayon::prelude::*;
+        let table = buffers.len() - 2;
+        buffers[table] = self.table.as_ptr() as *mut u8;
+        let shared = Buffers(buffers);
+        let (units, per_task, entry) = (self.units, self.units_per_task, self.entry);
+        (0..units.div_ceil(per_task)).into_par_iter().for_each(|t| {
+            let buffers = &shared;
+            unsafe { entry.run(buffers.0, t * per_task..((t + 1) * per_task).min(units)) };
+        });
     }
 }
 

@@ -1,0 +1,723 @@
+//! Attention as generated code for x86 ([`AttentionFunction`]): the forward and the two
+//! passes of the backward, each `void f(u8** buffers, i64 begin, i64 end)` over rows
+//! `begin..end`, buffers in the kernel's order (inputs, outputs), then the function's table and
+//! a scratch of one f32 per query row (`dout . out`, from `dq`'s pass for `dk`'s and `dv`'s).
+//!
+//! A row is one query (forward, `dq`) or one key (`dk`, `dv`). Its vectors (q, k, v, out, dout)
+//! sit in registers as vectors of `w` lanes (the widest that divides both head dims, up to the
+//! host's width), and the keys (or queries) it meets are taken a block of `W` (the host's
+//! width) at a time: the block's scores as one vector of `W` lanes (a dot product per lane,
+//! summed as a tree of halves), masked lanes and lanes past the range set to -inf, then one
+//! vectorised exponential for the block and an online softmax (the running maximum and sum
+//! rescaled per block, FlashAttention's), and the probabilities' products accumulated a lane
+//! at a time. Every row's result depends on its own elements in a fixed order, never on how rows
+//! are split among threads. Scores and sums are f32 (the builtin kernel, the oracle, is f64);
+//! 16-bit operands load widened and results store rounded to nearest even.
+//!
+//! The forward keeps each query's log-sum-exp; `dq` recomputes each probability from it (and
+//! keeps `dout . out`), and `dk`/`dv` recompute the probability of every query that sees the
+//! key, over all query heads that share the key/value head (the table lists them), so no pass
+//! writes another's rows and no `Sq x Sk` matrix exists.
+
+use autotp_kernels::attention::{AttentionFunction, AttentionMask, AttentionPass};
+use autotp_kernels::DType;
+use inkwell::types::{BasicType, VectorType};
+use inkwell::values::{FunctionValue, IntValue, PointerValue};
+use inkwell::{AddressSpace, IntPredicate};
+
+use crate::emit::{counted_loop, Emitter, V};
+use crate::{math, LlvmError};
+
+/// The function's buffers, in the kernel's order.
+struct Buffers<'ctx> {
+    q: PointerValue<'ctx>,
+    k: PointerValue<'ctx>,
+    v: PointerValue<'ctx>,
+    bias: Option<PointerValue<'ctx>>,
+    out: PointerValue<'ctx>,
+    lse: PointerValue<'ctx>,
+    d_out: Option<PointerValue<'ctx>>,
+    /// The outputs of the backward: dq, dk, dv.
+    grads: [Option<PointerValue<'ctx>>; 3],
+    table: PointerValue<'ctx>,
+    /// `dout . out` of every query row (f32), written by `dq`'s pass for `dk`'s and `dv`'s.
+    delta: PointerValue<'ctx>,
+}
+
+struct Attention<'a, 'b, 'ctx> {
+    e: &'a Emitter<'b, 'ctx>,
+    function: FunctionValue<'ctx>,
+    f: &'a AttentionFunction,
+    buffers: Buffers<'ctx>,
+    /// Lanes of a head-dim vector.
+    w: u32,
+    /// Keys (or queries) per block.
+    block: u32,
+}
+
+/// Appends the function `symbol` computing `f` for a host with `width` f32 lanes.
+pub(crate) fn define_cpu<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    f: &AttentionFunction,
+    width: u32,
+) -> Result<FunctionValue<'ctx>, LlvmError> {
+    if !matches!(f.dtype, DType::F32 | DType::BF16 | DType::F16) || !f.dims.is_valid() {
+        return Err(LlvmError::llvm("attention", format!("no generated attention for {} or these shapes", f.dtype)));
+    }
+    let ctx = e.ctx;
+    let ptr = ctx.ptr_type(AddressSpace::default());
+    let i64t = ctx.i64_type();
+    let fn_type = ctx.void_type().fn_type(&[ptr.into(), i64t.into(), i64t.into()], false);
+    let function = e.module.add_function(symbol, fn_type, None);
+    e.b.position_at_end(ctx.append_basic_block(function, "entry"));
+    let array = function.get_nth_param(0).expect("declared").into_pointer_value();
+    let begin = function.get_nth_param(1).expect("declared").into_int_value();
+    let end = function.get_nth_param(2).expect("declared").into_int_value();
+    let mut next = 0u64;
+    let mut take = || -> Result<PointerValue<'ctx>, LlvmError> {
+        // SAFETY (of the generated code): the caller passes one pointer per buffer.
+        let slot = unsafe { e.b.build_in_bounds_gep(ptr, array, &[i64t.const_int(next, false)], "")? };
+        next += 1;
+        Ok(e.b.build_load(ptr, slot, "")?.into_pointer_value())
+    };
+    let (q, k, v) = (take()?, take()?, take()?);
+    let bias = f.dims.bias.is_some().then(&mut take).transpose()?;
+    let (out, lse) = (take()?, take()?);
+    let backward = f.pass != AttentionPass::Forward;
+    let d_out = backward.then(&mut take).transpose()?;
+    let grads = if backward { [Some(take()?), Some(take()?), Some(take()?)] } else { [None; 3] };
+    let (table, delta) = (take()?, take()?);
+    let buffers = Buffers { q, k, v, bias, out, lse, d_out, grads, table, delta };
+    let mut w = width;
+    while w > 1 && !(f.dims.head_dim.is_multiple_of(w as usize) && f.dims.value_dim.is_multiple_of(w as usize)) {
+        w /= 2;
+    }
+    let a = Attention { e, function, f, buffers, w, block: width };
+    counted_loop(e, function, begin, end, i64t.const_int(1, false), &[], |row, _| {
+        match f.pass {
+            AttentionPass::Forward => a.forward_rows(row)?,
+            AttentionPass::QueryGrad => a.query_grad_rows(row)?,
+            AttentionPass::KeyValueGrad => a.key_value_grad_rows(row)?,
+        }
+        Ok(vec![])
+    })?;
+    e.b.build_return(None)?;
+    Ok(function)
+}
+
+impl<'ctx> Attention<'_, '_, 'ctx> {
+    fn int(&self, x: usize) -> IntValue<'ctx> {
+        self.e.ctx.i64_type().const_int(x as u64, false)
+    }
+
+    fn add(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        Ok(self.e.b.build_int_add(a, b, "")?)
+    }
+
+    fn mul(&self, a: IntValue<'ctx>, b: usize) -> Result<IntValue<'ctx>, LlvmError> {
+        Ok(self.e.b.build_int_mul(a, self.int(b), "")?)
+    }
+
+    fn min(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let less = self.e.b.build_int_compare(IntPredicate::SLT, a, b, "")?;
+        Ok(self.e.b.build_select(less, a, b, "")?.into_int_value())
+    }
+
+    fn max(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let greater = self.e.b.build_int_compare(IntPredicate::SGT, a, b, "")?;
+        Ok(self.e.b.build_select(greater, a, b, "")?.into_int_value())
+    }
+
+    /// Entry `at` of the table.
+    fn table(&self, at: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let i64t = self.e.ctx.i64_type();
+        // SAFETY (of the generated code): the table has the entries `AttentionFunction::table` lists.
+        let slot = unsafe { self.e.b.build_in_bounds_gep(i64t, self.buffers.table, &[at], "")? };
+        Ok(self.e.b.build_load(i64t, slot, "")?.into_int_value())
+    }
+
+    /// `width` elements of `dtype` at element `offset` of `base`, as f32.
+    fn load(
+        &self,
+        base: PointerValue<'ctx>,
+        dtype: DType,
+        offset: IntValue<'ctx>,
+        width: u32,
+    ) -> Result<V<'ctx>, LlvmError> {
+        let e = self.e;
+        let element = e.memory_type(dtype, 1).get_element_type();
+        // SAFETY (of the generated code): the rows addressed lie inside the kernel's buffers.
+        let at = unsafe { e.b.build_in_bounds_gep(element.as_basic_type_enum(), base, &[offset], "")? };
+        let raw = e.b.build_load(e.memory_type(dtype, width), at, "")?;
+        if let Some(instruction) = inkwell::values::BasicValue::as_instruction_value(&raw) {
+            let _ = instruction.set_alignment(dtype.size() as u32);
+        }
+        e.widen(dtype, raw.into_vector_value())
+    }
+
+    fn store(
+        &self,
+        base: PointerValue<'ctx>,
+        dtype: DType,
+        offset: IntValue<'ctx>,
+        value: V<'ctx>,
+    ) -> Result<(), LlvmError> {
+        let e = self.e;
+        let element = e.memory_type(dtype, 1).get_element_type();
+        // SAFETY (of the generated code): as in `load`.
+        let at = unsafe { e.b.build_in_bounds_gep(element.as_basic_type_enum(), base, &[offset], "")? };
+        let _ = e.b.build_store(at, e.narrow(dtype, value)?)?.set_alignment(dtype.size() as u32);
+        Ok(())
+    }
+
+    /// Row `row` of a `[rows, len]` operand as vectors of `w` lanes.
+    fn load_row(
+        &self,
+        base: PointerValue<'ctx>,
+        dtype: DType,
+        row: IntValue<'ctx>,
+        len: usize,
+    ) -> Result<Vec<V<'ctx>>, LlvmError> {
+        let start = self.mul(row, len)?;
+        (0..len / self.w as usize)
+            .map(|c| self.load(base, dtype, self.add(start, self.int(c * self.w as usize))?, self.w))
+            .collect()
+    }
+
+    fn store_row(
+        &self,
+        base: PointerValue<'ctx>,
+        row: IntValue<'ctx>,
+        len: usize,
+        values: &[V<'ctx>],
+    ) -> Result<(), LlvmError> {
+        let start = self.mul(row, len)?;
+        for (c, &value) in values.iter().enumerate() {
+            self.store(base, self.f.dtype, self.add(start, self.int(c * self.w as usize))?, value)?;
+        }
+        Ok(())
+    }
+
+    /// The lanes of `v` folded into one (`<1 x float>`) as a tree of halves.
+    fn tree(
+        &self,
+        v: V<'ctx>,
+        fold: impl Fn(V<'ctx>, V<'ctx>) -> Result<V<'ctx>, LlvmError>,
+    ) -> Result<V<'ctx>, LlvmError> {
+        let e = self.e;
+        let mut v = v;
+        while Emitter::width(v) > 1 {
+            let half = Emitter::width(v) / 2;
+            let lanes = |from: u32| {
+                let i32t = e.ctx.i32_type();
+                inkwell::types::VectorType::const_vector(
+                    &(from..from + half).map(|l| i32t.const_int(l as u64, false)).collect::<Vec<_>>(),
+                )
+            };
+            let low = e.b.build_shuffle_vector(v, v, lanes(0), "")?;
+            let high = e.b.build_shuffle_vector(v, v, lanes(half), "")?;
+            v = fold(low, high)?;
+        }
+        Ok(v)
+    }
+
+    fn sum(&self, v: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        self.tree(v, |a, b| self.e.fadd(a, b))
+    }
+
+    /// `a . b` (`<1 x float>`).
+    fn dot(&self, a: &[V<'ctx>], b: &[V<'ctx>]) -> Result<V<'ctx>, LlvmError> {
+        self.sum(self.partial_dot(a, b)?)
+    }
+
+    /// `acc + a * x` for a scalar `a` (`<1 x float>`).
+    fn axpy(&self, acc: &[V<'ctx>], a: V<'ctx>, x: &[V<'ctx>]) -> Result<Vec<V<'ctx>>, LlvmError> {
+        let a = self.e.broadcast(a, self.w)?;
+        acc.iter().zip(x).map(|(&acc, &x)| self.e.fma(a, x, acc)).collect()
+    }
+
+    fn scaled(&self, values: &[V<'ctx>], by: V<'ctx>) -> Result<Vec<V<'ctx>>, LlvmError> {
+        let by = self.e.broadcast(by, self.w)?;
+        values.iter().map(|&v| self.e.fmul(v, by)).collect()
+    }
+
+    /// The scalars `lane(c)` for `c` in `0..block`, as one vector.
+    fn gather(&self, lanes: &[V<'ctx>]) -> Result<V<'ctx>, LlvmError> {
+        let e = self.e;
+        let mut v = e.f32_type(lanes.len() as u32).get_undef();
+        for (c, &x) in lanes.iter().enumerate() {
+            v = e.b.build_insert_element(v, e.lane(x, 0)?, e.ctx.i32_type().const_int(c as u64, false), "")?;
+        }
+        Ok(v)
+    }
+
+    fn lane(&self, v: V<'ctx>, c: usize) -> Result<V<'ctx>, LlvmError> {
+        self.e.splat(self.e.lane(v, c as u32)?, 1)
+    }
+
+    /// `a . b` before its lanes are summed (`w` lanes).
+    fn partial_dot(&self, a: &[V<'ctx>], b: &[V<'ctx>]) -> Result<V<'ctx>, LlvmError> {
+        let mut acc = self.e.fmul(a[0], b[0])?;
+        for (&x, &y) in a.iter().zip(b).skip(1) {
+            acc = self.e.fma(x, y, acc)?;
+        }
+        Ok(acc)
+    }
+
+    /// One dot product per lane of a block (`pairs[c]` for lane `c`). With as many lanes per
+    /// head-dim vector as the block has, the partial sums are reduced together, a block of
+    /// vectors into one (halves of pairs added level by level: `W - 1` additions for `W` dots
+    /// instead of `W log W`); otherwise each dot is summed alone.
+    fn dots(&self, pairs: &[(&[V<'ctx>], &[V<'ctx>])]) -> Result<V<'ctx>, LlvmError> {
+        let partials: Vec<V<'ctx>> = pairs.iter().map(|(a, b)| self.partial_dot(a, b)).collect::<Result<_, _>>()?;
+        if self.w != self.block || pairs.len() != self.block as usize {
+            let sums: Vec<V<'ctx>> = partials.into_iter().map(|p| self.sum(p)).collect::<Result<_, _>>()?;
+            return self.gather(&sums);
+        }
+        let (e, n) = (self.e, self.block as usize);
+        let i32t = e.ctx.i32_type();
+        let indices = |lanes: &[usize]| {
+            VectorType::const_vector(&lanes.iter().map(|&l| i32t.const_int(l as u64, false)).collect::<Vec<_>>())
+        };
+        // Each vector with the dots its segments hold, in order.
+        let mut level: Vec<(V<'ctx>, Vec<usize>)> =
+            partials.into_iter().enumerate().map(|(c, v)| (v, vec![c])).collect();
+        while level.len() > 1 {
+            let mut next = Vec::new();
+            for pair in level.chunks(2) {
+                let ((s, s_dots), (t, t_dots)) = (&pair[0], &pair[1]);
+                let size = n / s_dots.len();
+                let half = size / 2;
+                let (mut low, mut high, mut dots) = (Vec::new(), Vec::new(), Vec::new());
+                for k in 0..s_dots.len() {
+                    let start = k * size;
+                    low.extend((start..start + half).chain(n + start..n + start + half));
+                    high.extend((start + half..start + size).chain(n + start + half..n + start + size));
+                    dots.extend([s_dots[k], t_dots[k]]);
+                }
+                let x = e.b.build_shuffle_vector(*s, *t, indices(&low), "")?;
+                let y = e.b.build_shuffle_vector(*s, *t, indices(&high), "")?;
+                next.push((e.fadd(x, y)?, dots));
+            }
+            level = next;
+        }
+        let (sums, dots) = &level[0];
+        let lane_of: Vec<usize> = (0..n).map(|c| dots.iter().position(|&d| d == c).expect("every dot")).collect();
+        Ok(e.b.build_shuffle_vector(*sums, *sums, indices(&lane_of), "")?)
+    }
+
+    /// The scores of a block: `dots * scale + bias`, the bias of query `queries[c]` (or the
+    /// one query) and key `keys[c]` (or the one key) in lane `c`.
+    fn scores(
+        &self,
+        dots: V<'ctx>,
+        b: IntValue<'ctx>,
+        queries: &[IntValue<'ctx>],
+        keys: &[IntValue<'ctx>],
+    ) -> Result<V<'ctx>, LlvmError> {
+        let e = self.e;
+        let s = e.fmul(dots, e.f32(self.block, self.f.scale as f32))?;
+        let (Some(bias), Some(shape)) = (self.buffers.bias, self.f.dims.bias.as_deref()) else { return Ok(s) };
+        let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+        let block_start = self.table(self.add(self.int(self.f.dims.batch()), b)?)?;
+        let mut lanes = Vec::new();
+        for c in 0..self.block as usize {
+            let (i, j) = (queries[c.min(queries.len() - 1)], keys[c.min(keys.len() - 1)]);
+            let row = if rows == 1 { self.int(0) } else { self.mul(i, cols)? };
+            let col = if cols == 1 { self.int(0) } else { j };
+            lanes.push(self.load(bias, self.f.dtype, self.add(self.add(block_start, row)?, col)?, 1)?);
+        }
+        e.fadd(s, self.gather(&lanes)?)
+    }
+
+    /// Element `at` of an f32 buffer for every lane.
+    fn lanes_of(&self, base: PointerValue<'ctx>, at: &[IntValue<'ctx>]) -> Result<V<'ctx>, LlvmError> {
+        let values: Vec<V<'ctx>> = at.iter().map(|&a| self.load(base, DType::F32, a, 1)).collect::<Result<_, _>>()?;
+        self.gather(&values)
+    }
+
+    /// The keys query `i` sees: `[lo, hi)`.
+    fn keys(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+        let kv_len = self.int(self.f.dims.kv_len);
+        let after = self.add(i, self.int(1))?;
+        Ok(match self.f.mask {
+            AttentionMask::None => (self.int(0), kv_len),
+            AttentionMask::Causal => (self.int(0), self.min(after, kv_len)?),
+            AttentionMask::SlidingWindow { window } => {
+                let lo = self.max(self.e.b.build_int_sub(after, self.int(window), "")?, self.int(0))?;
+                (self.min(lo, kv_len)?, self.min(after, kv_len)?)
+            }
+        })
+    }
+
+    /// The queries that see key `j`: `[lo, hi)`.
+    fn queries(&self, j: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+        let q_len = self.int(self.f.dims.q_len);
+        Ok(match self.f.mask {
+            AttentionMask::None => (self.int(0), q_len),
+            AttentionMask::Causal => (self.min(j, q_len)?, q_len),
+            AttentionMask::SlidingWindow { window } => {
+                (self.min(j, q_len)?, self.min(self.add(j, self.int(window))?, q_len)?)
+            }
+        })
+    }
+
+    /// Runs `body` over blocks of `self.block` positions of `[lo, hi)`: the positions, each
+    /// clamped into the range (a lane past it is masked by the caller), and the block's first
+    /// position; with `carried` values.
+    fn blocks(
+        &self,
+        (lo, hi): (IntValue<'ctx>, IntValue<'ctx>),
+        carried: &[V<'ctx>],
+        mut body: impl FnMut(&[IntValue<'ctx>], IntValue<'ctx>, &[V<'ctx>]) -> Result<Vec<V<'ctx>>, LlvmError>,
+    ) -> Result<Vec<V<'ctx>>, LlvmError> {
+        let e = self.e;
+        let last = e.b.build_int_sub(hi, self.int(1), "")?;
+        let step = self.int(self.block as usize);
+        counted_loop(e, self.function, lo, hi, step, carried, |start, carried| {
+            let positions: Vec<IntValue<'ctx>> = (0..self.block as usize)
+                .map(|c| self.min(self.add(start, self.int(c))?, last))
+                .collect::<Result<_, _>>()?;
+            body(&positions, start, carried)
+        })
+    }
+
+    /// `scores` where the block from `start` lies in `[lo, hi)`, -inf elsewhere.
+    fn masked(
+        &self,
+        scores: V<'ctx>,
+        start: IntValue<'ctx>,
+        (lo, hi): (IntValue<'ctx>, IntValue<'ctx>),
+    ) -> Result<V<'ctx>, LlvmError> {
+        let e = self.e;
+        let i64t = e.ctx.i64_type();
+        let steps =
+            VectorType::const_vector(&(0..self.block).map(|c| i64t.const_int(c as u64, false)).collect::<Vec<_>>());
+        let at = e.b.build_int_add(e.splat(start.into(), self.block)?, steps, "")?;
+        let above = e.icmp(IntPredicate::SGE, at, e.splat(lo.into(), self.block)?)?;
+        let below = e.icmp(IntPredicate::SLT, at, e.splat(hi.into(), self.block)?)?;
+        let valid = e.b.build_and(above, below, "")?;
+        e.select(valid, scores, e.f32(self.block, f32::NEG_INFINITY))
+    }
+
+    /// The rows of unit `unit` of a pass over `len`-long rows of `rows_per_unit` each: the
+    /// batch index they share and their positions.
+    fn unit_rows(&self, unit: IntValue<'ctx>, len: usize) -> Result<(IntValue<'ctx>, Vec<IntValue<'ctx>>), LlvmError> {
+        let per_unit = self.f.rows_per_unit();
+        let first = self.mul(unit, per_unit)?;
+        let batch = self.e.b.build_int_unsigned_div(first, self.int(len), "")?;
+        let at = self.e.b.build_int_unsigned_rem(first, self.int(len), "")?;
+        let positions = (0..per_unit).map(|r| self.add(at, self.int(r))).collect::<Result<_, _>>()?;
+        Ok((batch, positions))
+    }
+
+    fn kv_row(&self, kb: IntValue<'ctx>, j: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        self.add(self.mul(kb, self.f.dims.kv_len)?, j)
+    }
+
+    fn query(&self, b: IntValue<'ctx>, i: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        self.add(self.mul(b, self.f.dims.q_len)?, i)
+    }
+
+    /// `[lo, hi)` of the first range and the last: the union of ranges that move forward.
+    fn union(ranges: &[(IntValue<'ctx>, IntValue<'ctx>)]) -> (IntValue<'ctx>, IntValue<'ctx>) {
+        (ranges[0].0, ranges[ranges.len() - 1].1)
+    }
+
+    /// `out` and `lse` of a unit of queries: an online softmax over blocks of keys, each key's
+    /// vectors loaded once for the unit's queries.
+    fn forward_rows(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
+        let (e, dims, dtype) = (self.e, &self.f.dims, self.f.dtype);
+        let (b, queries) = self.unit_rows(unit, dims.q_len)?;
+        let kb = self.table(b)?;
+        let rows: Vec<IntValue<'ctx>> = queries.iter().map(|&i| self.query(b, i)).collect::<Result<_, _>>()?;
+        let qs: Vec<Vec<V<'ctx>>> = rows
+            .iter()
+            .map(|&row| self.load_row(self.buffers.q, dtype, row, dims.head_dim))
+            .collect::<Result<_, _>>()?;
+        let ranges: Vec<_> = queries.iter().map(|&i| self.keys(i)).collect::<Result<_, _>>()?;
+        let values = dims.value_dim / self.w as usize;
+        let per_row = 2 + values;
+        let mut init = Vec::new();
+        for _ in &rows {
+            init.extend([e.f32(1, f32::NEG_INFINITY), e.f32(1, 0.0)]);
+            init.extend(std::iter::repeat_n(e.f32(self.w, 0.0), values));
+        }
+        let done = self.blocks(Self::union(&ranges), &init, |keys, start, carried| {
+            let ks: Vec<Vec<V<'ctx>>> = (keys.iter())
+                .map(|&j| self.load_row(self.buffers.k, dtype, self.kv_row(kb, j)?, dims.head_dim))
+                .collect::<Result<_, _>>()?;
+            let (mut next, mut ps) = (Vec::new(), Vec::new());
+            for (r, q) in qs.iter().enumerate() {
+                let (max, sum, acc) =
+                    (carried[r * per_row], carried[r * per_row + 1], &carried[r * per_row + 2..(r + 1) * per_row]);
+                let pairs: Vec<_> = ks.iter().map(|k| (&q[..], &k[..])).collect();
+                let scores = self.masked(self.scores(self.dots(&pairs)?, b, &[queries[r]], keys)?, start, ranges[r])?;
+                let new_max = e.fmax(max, self.tree(scores, |a, b| e.fmax(a, b))?)?;
+                let correction = math::exp(e, e.fsub(max, new_max)?)?;
+                let p = math::exp(e, e.fsub(scores, e.broadcast(new_max, self.block)?)?)?;
+                next.extend([new_max, e.fma(sum, correction, self.sum(p)?)?]);
+                next.extend(self.scaled(acc, correction)?);
+                ps.push(p);
+            }
+            for (c, &j) in keys.iter().enumerate() {
+                let v = self.load_row(self.buffers.v, dtype, self.kv_row(kb, j)?, dims.value_dim)?;
+                for (r, p) in ps.iter().enumerate() {
+                    let acc = self.axpy(&next[r * per_row + 2..(r + 1) * per_row], self.lane(*p, c)?, &v)?;
+                    next.splice(r * per_row + 2..(r + 1) * per_row, acc);
+                }
+            }
+            Ok(next)
+        })?;
+        for (r, &row) in rows.iter().enumerate() {
+            let (max, sum) = (done[r * per_row], done[r * per_row + 1]);
+            let out = self.scaled(&done[r * per_row + 2..(r + 1) * per_row], e.fdiv(e.f32(1, 1.0), sum)?)?;
+            self.store_row(self.buffers.out, row, dims.value_dim, &out)?;
+            self.store(self.buffers.lse, DType::F32, row, e.fadd(max, math::log(e, sum)?)?)?;
+        }
+        Ok(())
+    }
+
+    /// `dq` of a unit of queries: `scale * sum_j p_j (dout . v_j - dout . out) k_j`; each
+    /// query's `dout . out` kept for the next pass.
+    fn query_grad_rows(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
+        let (e, dims, dtype) = (self.e, &self.f.dims, self.f.dtype);
+        let d_out = self.buffers.d_out.expect("the backward has d_out");
+        let (b, queries) = self.unit_rows(unit, dims.q_len)?;
+        let kb = self.table(b)?;
+        let (mut qs, mut gs, mut deltas, mut lses, mut rows) = (vec![], vec![], vec![], vec![], vec![]);
+        for &i in &queries {
+            let row = self.query(b, i)?;
+            let (q, g) = (
+                self.load_row(self.buffers.q, dtype, row, dims.head_dim)?,
+                self.load_row(d_out, dtype, row, dims.value_dim)?,
+            );
+            let delta = self.dot(&g, &self.load_row(self.buffers.out, dtype, row, dims.value_dim)?)?;
+            self.store(self.buffers.delta, DType::F32, row, delta)?;
+            deltas.push(e.broadcast(delta, self.block)?);
+            lses.push(e.broadcast(self.load(self.buffers.lse, DType::F32, row, 1)?, self.block)?);
+            qs.push(q);
+            gs.push(g);
+            rows.push(row);
+        }
+        let ranges: Vec<_> = queries.iter().map(|&i| self.keys(i)).collect::<Result<_, _>>()?;
+        let heads = dims.head_dim / self.w as usize;
+        let init = vec![e.f32(self.w, 0.0); heads * rows.len()];
+        let dq = self.blocks(Self::union(&ranges), &init, |keys, start, dq| {
+            let (mut ks, mut vs) = (Vec::new(), Vec::new());
+            for &j in keys {
+                let at = self.kv_row(kb, j)?;
+                ks.push(self.load_row(self.buffers.k, dtype, at, dims.head_dim)?);
+                vs.push(self.load_row(self.buffers.v, dtype, at, dims.value_dim)?);
+            }
+            let mut dq = dq.to_vec();
+            for r in 0..rows.len() {
+                let qk: Vec<_> = ks.iter().map(|k| (&qs[r][..], &k[..])).collect();
+                let gv: Vec<_> = vs.iter().map(|v| (&gs[r][..], &v[..])).collect();
+                let scores = self.masked(self.scores(self.dots(&qk)?, b, &[queries[r]], keys)?, start, ranges[r])?;
+                let p = math::exp(e, e.fsub(scores, lses[r])?)?;
+                let ds = e.fmul(p, e.fsub(self.dots(&gv)?, deltas[r])?)?;
+                let mut acc = dq[r * heads..(r + 1) * heads].to_vec();
+                for (c, k) in ks.iter().enumerate() {
+                    acc = self.axpy(&acc, self.lane(ds, c)?, k)?;
+                }
+                dq.splice(r * heads..(r + 1) * heads, acc);
+            }
+            Ok(dq)
+        })?;
+        let dq_out = self.buffers.grads[0].expect("the backward has dq");
+        for (r, &row) in rows.iter().enumerate() {
+            let dq = self.scaled(&dq[r * heads..(r + 1) * heads], e.f32(1, self.f.scale as f32))?;
+            self.store_row(dq_out, row, dims.head_dim, &dq)?;
+        }
+        Ok(())
+    }
+
+    /// `dk` and `dv` of a unit of keys, over the queries of every query head sharing their
+    /// head: `dv = sum_i p_i dout_i`, `dk = scale * sum_i p_i (dout_i . v - dout_i . out_i) q_i`;
+    /// each query's vectors loaded once for the unit's keys.
+    fn key_value_grad_rows(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
+        let (e, dims, dtype) = (self.e, &self.f.dims, self.f.dtype);
+        let d_out = self.buffers.d_out.expect("the backward has d_out");
+        let (kb, keys) = self.unit_rows(unit, dims.kv_len)?;
+        let rows: Vec<IntValue<'ctx>> = keys.iter().map(|&j| self.kv_row(kb, j)).collect::<Result<_, _>>()?;
+        let ks: Vec<Vec<V<'ctx>>> = rows
+            .iter()
+            .map(|&row| self.load_row(self.buffers.k, dtype, row, dims.head_dim))
+            .collect::<Result<_, _>>()?;
+        let vs: Vec<Vec<V<'ctx>>> = rows
+            .iter()
+            .map(|&row| self.load_row(self.buffers.v, dtype, row, dims.value_dim))
+            .collect::<Result<_, _>>()?;
+        let ranges: Vec<_> = keys.iter().map(|&j| self.queries(j)).collect::<Result<_, _>>()?;
+        let (heads, values) = (dims.head_dim / self.w as usize, dims.value_dim / self.w as usize);
+        let per_key = heads + values;
+        let group = self.f.group();
+        let sharing = self.add(self.int(2 * dims.batch()), self.mul(kb, group)?)?;
+        let init = vec![e.f32(self.w, 0.0); per_key * rows.len()];
+        let done = counted_loop(e, self.function, self.int(0), self.int(group), self.int(1), &init, |g, carried| {
+            let b = self.table(self.add(sharing, g)?)?;
+            self.blocks(Self::union(&ranges), carried, |positions, start, carried| {
+                let (mut query_rows, mut qs, mut gs) = (Vec::new(), Vec::new(), Vec::new());
+                for &i in positions {
+                    let query = self.query(b, i)?;
+                    qs.push(self.load_row(self.buffers.q, dtype, query, dims.head_dim)?);
+                    gs.push(self.load_row(d_out, dtype, query, dims.value_dim)?);
+                    query_rows.push(query);
+                }
+                let lse = self.lanes_of(self.buffers.lse, &query_rows)?;
+                let delta = self.lanes_of(self.buffers.delta, &query_rows)?;
+                let mut next = carried.to_vec();
+                for r in 0..rows.len() {
+                    let qk: Vec<_> = qs.iter().map(|q| (&q[..], &ks[r][..])).collect();
+                    let gv: Vec<_> = gs.iter().map(|g| (&g[..], &vs[r][..])).collect();
+                    let scores =
+                        self.masked(self.scores(self.dots(&qk)?, b, positions, &[keys[r]])?, start, ranges[r])?;
+                    let p = math::exp(e, e.fsub(scores, lse)?)?;
+                    let ds = e.fmul(p, e.fsub(self.dots(&gv)?, delta)?)?;
+                    let (mut dk, mut dv) = (
+                        next[r * per_key..r * per_key + heads].to_vec(),
+                        next[r * per_key + heads..(r + 1) * per_key].to_vec(),
+                    );
+                    for c in 0..positions.len() {
+                        dk = self.axpy(&dk, self.lane(ds, c)?, &qs[c])?;
+                        dv = self.axpy(&dv, self.lane(p, c)?, &gs[c])?;
+                    }
+                    next.splice(r * per_key..(r + 1) * per_key, [dk, dv].concat());
+                }
+                Ok(next)
+            })
+        })?;
+        let [_, dk_out, dv_out] = self.buffers.grads.map(|g| g.expect("the backward has its gradients"));
+        for (r, &row) in rows.iter().enumerate() {
+            let dk = self.scaled(&done[r * per_key..r * per_key + heads], e.f32(1, self.f.scale as f32))?;
+            self.store_row(dk_out, row, dims.head_dim, &dk)?;
+            self.store_row(dv_out, row, dims.value_dim, &done[r * per_key + heads..(r + 1) * per_key])?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask};
+    use autotp_kernels::{AlignedBuf, DType, Kernel};
+
+    use crate::{compile_cpu_functions, Function};
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed;
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// `x` as a buffer of `dtype` (rounded as the cast kernel rounds).
+    fn buffer(dtype: DType, x: &[f32]) -> AlignedBuf {
+        let wide: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut out = AlignedBuf::zeroed(x.len() * dtype.size());
+        Kernel::Cast { from: DType::F32, to: dtype }.run(&[&wide], &mut [out.as_mut_slice()]).unwrap();
+        out
+    }
+
+    fn floats(dtype: DType, b: &AlignedBuf) -> Vec<f32> {
+        let mut wide = AlignedBuf::zeroed(b.len() / dtype.size() * 4);
+        Kernel::Cast { from: dtype, to: DType::F32 }.run(&[b.as_slice()], &mut [wide.as_mut_slice()]).unwrap();
+        wide.as_slice().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    /// Runs `kernel` as the builtin and as the generated functions; both outputs.
+    fn both(kernel: &Kernel, inputs: &[AlignedBuf], output_bytes: &[usize]) -> [Vec<AlignedBuf>; 2] {
+        let ins: Vec<&[u8]> = inputs.iter().map(|b| b.as_slice()).collect();
+        let mut builtin: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
+        let mut outs: Vec<&mut [u8]> = builtin.iter_mut().map(|b| b.as_mut_slice()).collect();
+        kernel.run(&ins, &mut outs).unwrap();
+        let functions = AttentionFunction::of(kernel).unwrap();
+        let entries = compile_cpu_functions(&functions.iter().map(Function::Attention).collect::<Vec<_>>()).unwrap();
+        let mut generated: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
+        let mut delta = vec![0f32; functions[0].dims.batch() * functions[0].dims.q_len];
+        for (f, entry) in functions.iter().zip(entries) {
+            let table = f.table();
+            let mut pointers: Vec<*mut u8> = inputs.iter().map(|b| b.as_slice().as_ptr() as *mut u8).collect();
+            pointers.extend(generated.iter_mut().map(|b| b.as_mut_slice().as_mut_ptr()));
+            pointers.push(table.as_ptr() as *mut u8);
+            pointers.push(delta.as_mut_ptr() as *mut u8);
+            // SAFETY: the buffers have the kernel's sizes; the rows split into two calls as a
+            // thread pool would split them.
+            unsafe {
+                entry.run(&pointers, 0..f.units() / 2);
+                entry.run(&pointers, f.units() / 2..f.units());
+            }
+        }
+        [builtin, generated]
+    }
+
+    fn assert_close(label: &str, dtype: DType, want: &AlignedBuf, got: &AlignedBuf, tolerance: f32) {
+        let (want, got) = (floats(dtype, want), floats(dtype, got));
+        for (n, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!((w - g).abs() <= tolerance * w.abs().max(1.0), "{label}[{n}]: generated {g}, builtin {w}");
+        }
+    }
+
+    fn check(dtype: DType, dims: AttentionDims, mask: AttentionMask) {
+        let label = format!("{dtype} {mask:?} {dims:?}");
+        // f32 against the f64 oracle; 16-bit results may differ by one rounding.
+        let tolerance = if dtype == DType::F32 { 2e-5 } else { 1e-2 };
+        let [q, k, v, bias, out, lse] = dims.numels();
+        let mut inputs: Vec<AlignedBuf> =
+            [(q, 1), (k, 2), (v, 3)].iter().map(|&(n, seed)| buffer(dtype, &values(n, seed))).collect();
+        if dims.bias.is_some() {
+            inputs.push(buffer(dtype, &values(bias, 4)));
+        }
+        let scale = 0.37;
+        let forward = Kernel::Attention { dtype, dims: dims.clone(), scale, mask, generated: true };
+        let [builtin, generated] = both(&forward, &inputs, &[out * dtype.size(), lse * 4]);
+        assert_close(&format!("{label} out"), dtype, &builtin[0], &generated[0], tolerance);
+        assert_close(&format!("{label} lse"), DType::F32, &builtin[1], &generated[1], 2e-5);
+        inputs.extend(builtin);
+        inputs.push(buffer(dtype, &values(out, 5)));
+        let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale, mask, generated: true };
+        let [builtin, generated] = both(&backward, &inputs, &[q * dtype.size(), k * dtype.size(), v * dtype.size()]);
+        for (name, (want, got)) in ["dq", "dk", "dv"].iter().zip(builtin.iter().zip(&generated)) {
+            assert_close(&format!("{label} {name}"), dtype, want, got, tolerance);
+        }
+    }
+
+    fn dims(
+        kv_lead: &[usize],
+        len: usize,
+        head_dim: usize,
+        value_dim: usize,
+        bias: Option<Vec<usize>>,
+    ) -> AttentionDims {
+        AttentionDims {
+            lead: vec![2, 3],
+            kv_lead: kv_lead.to_vec(),
+            q_len: len,
+            kv_len: len,
+            head_dim,
+            value_dim,
+            bias,
+        }
+    }
+
+    #[test]
+    fn generated_attention_matches_the_builtin_kernel() {
+        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 5 }] {
+            check(DType::F32, dims(&[2, 3], 36, 64, 64, None), mask);
+            check(DType::F32, dims(&[2, 1], 37, 32, 16, None), mask);
+        }
+        // Units of 4, 2 and 1 rows (36, 22, 37 and 19); one key/value head for three query
+        // heads; per-head and per-batch biases; head dims not a multiple of the vector width.
+        check(DType::F32, dims(&[2, 1], 22, 16, 8, Some(vec![1, 3, 22, 22])), AttentionMask::Causal);
+        check(DType::F32, dims(&[1, 3], 19, 12, 4, Some(vec![2, 1, 1, 19])), AttentionMask::None);
+        check(DType::F32, dims(&[2, 3], 9, 3, 5, None), AttentionMask::Causal);
+        for dtype in [DType::BF16, DType::F16] {
+            check(dtype, dims(&[2, 1], 32, 32, 32, None), AttentionMask::Causal);
+        }
+    }
+}
