@@ -9,7 +9,8 @@
 #   benches/train_models.sh [PYTHON]   PYTHON: a venv python with torch and transformers
 #                                      (default /tmp/fxvenv/bin/python; see tests/fixtures)
 #   env: ROUNDS (3), STEPS (20), WARMUP (5), THREADS (nproc), MODELS (all), KERNELS (generated),
-#        MODE (eager, or compile: PyTorch's side under torch.compile; give it WARMUP=8)
+#        MODE (eager, or compile: PyTorch's side under torch.compile; give it WARMUP=8),
+#        AUTOTP_FLAGS (extra flags of autotp train, e.g. "--attention fused")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-/tmp/fxvenv/bin/python}
@@ -19,6 +20,7 @@ WARMUP=${WARMUP:-5}
 THREADS=${THREADS:-$(nproc)}
 KERNELS=${KERNELS:-generated}
 MODE=${MODE:-eager}
+AUTOTP_FLAGS=${AUTOTP_FLAGS:-}
 MODELS=${MODELS:-"gpt2-tiny:8:32 llama-tiny:8:32 gpt2-wide:8:32 gpt2-512:8:128 llama-512:8:128"}
 WORK=${AUTOTP_BENCH_DIR:-/tmp/autotp-bench}
 TOKENS=tests/fixtures/train/tokens.bin
@@ -32,7 +34,7 @@ done
 for round in $(seq 1 "$ROUNDS"); do
   for spec in $MODELS; do
     IFS=: read -r name g s <<< "$spec"
-    RAYON_NUM_THREADS=$THREADS target/release/autotp train "$WORK/$name.onnx" --kernels "$KERNELS" \
+    RAYON_NUM_THREADS=$THREADS target/release/autotp train "$WORK/$name.onnx" --kernels "$KERNELS" $AUTOTP_FLAGS \
       --seq-len "$s" --micro-batch "$g" --lr 2e-3 --betas 0.9,0.95 --eps 1e-8 --weight-decay 0.01 \
       --data "$TOKENS" --steps "$STEPS" --log-every "$STEPS" --metrics-out "$WORK/$name.autotp.$round.jsonl" \
       -o /dev/null > /dev/null 2>&1
