@@ -1,7 +1,8 @@
 //! Fused attention (`compile --attention fused`): every attention the compile finds runs as one
 //! op that never stores the scores, and trains the model the exported matmuls and softmax
 //! train (1e-5 relative at step 1, 1e-3 over 30 steps), alone and under tensor and data
-//! parallelism, in f32 and bf16, while the activations it keeps grow linearly with the sequence.
+//! parallelism, in f32 and bf16, on the CPU and the emulated GPU, while the activations it keeps
+//! grow linearly with the sequence.
 
 use std::path::Path;
 
@@ -93,4 +94,39 @@ fn fused_attention_activations_grow_linearly_with_the_sequence() {
     assert!(fused_128 / fused_64 <= 2.001, "fused: {fused_64} -> {fused_128}");
     assert!(unfused_128 / unfused_64 > 2.1, "unfused: {unfused_64} -> {unfused_128}");
     assert!(fused_128 < unfused_128, "{fused_128} against {unfused_128}");
+}
+
+/// On the (emulated) GPU a fused attention runs as the plan's GPU passes (a thread per row, one
+/// lane wide; `dk` and `dv` apart), which the emulator runs as the same descriptions compiled
+/// for x86: the curve stays the CPU's (its passes are cut otherwise, so sums differ in order).
+#[test]
+fn fused_attention_runs_its_gpu_passes_on_the_emulated_gpu() {
+    let dir = scratch("attention-gpu");
+    for arch in ["llama", "falcon_mqa"] {
+        let plan = dir.join(format!("{arch}.atp"));
+        compile(arch, 32, &plan, &["--attention", "fused"]);
+        let program = autotp_program::plan::PlanFile::open(&plan).unwrap().plan.stages[0].clone();
+        let passes: usize = (program.instructions.iter())
+            .map(|i| match i {
+                autotp_program::Instruction::Kernel {
+                    gpu: Some(autotp_program::gpu::GpuForm::Attention(p)), ..
+                } => p.len(),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(passes, 2 * 4, "{arch}: forward, dq, dk and dv of 2 layers run on the GPU");
+        let want = train(&plan, &dir.join("cpu.jsonl"));
+        let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+        let metrics = dir.join("gpu.jsonl");
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+        command.args(["run", plan.to_str().unwrap(), "--device", "cuda", "--data", tokens.to_str().unwrap()]);
+        command.args(["--steps", "30", "--metrics-out", metrics.to_str().unwrap()]);
+        success(command.env("AUTOTP_GPU", "emulated").output().unwrap());
+        let got: Vec<f64> = losses(&metrics).into_iter().map(|(_, loss)| loss).collect();
+        assert_eq!(got.len(), want.len(), "{arch}");
+        assert!(relative(got[0], want[0]) <= 1e-5, "{arch}: step 1 {} against {}", got[0], want[0]);
+        for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(relative(*g, *w) <= 1e-3, "{arch}: step {} {g} against {w}", step + 1);
+        }
+    }
 }

@@ -556,6 +556,55 @@ fn wide_fusion_groups_do_not_spill_registers() {
     }
 }
 
+/// Fused attention's GPU passes (forward, `dq`, `dk`/`dv`) at GPT-2 124M's shapes (12 heads of
+/// 64, 1024 tokens, causal) in bf16 and f32, and with a bias, assemble for sm_80 and sm_90
+/// without spilling registers (a thread holds a row of q, k, v or dout and its accumulators).
+#[test]
+fn attention_ptx_assembles_without_spills() {
+    use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask, AttentionTarget};
+    use autotp_kernels::{DType, Kernel};
+    let ptxas = ptxas();
+    let dims = AttentionDims {
+        lead: vec![8, 12],
+        kv_lead: vec![8, 12],
+        q_len: 1024,
+        kv_len: 1024,
+        head_dim: 64,
+        value_dim: 64,
+        bias: None,
+    };
+    let with_bias = AttentionDims { bias: Some(vec![1, 12, 1024, 1024]), ..dims.clone() };
+    let mut functions = Vec::new();
+    for (dtype, dims) in [(DType::BF16, &dims), (DType::F32, &dims), (DType::BF16, &with_bias)] {
+        for kernel in [
+            Kernel::Attention { dtype, dims: dims.clone(), scale: 0.125, mask: AttentionMask::Causal, generated: true },
+            Kernel::AttentionGrad {
+                dtype,
+                dims: dims.clone(),
+                scale: 0.125,
+                mask: AttentionMask::Causal,
+                generated: true,
+            },
+        ] {
+            functions.extend(AttentionFunction::of(&kernel, AttentionTarget::Gpu).unwrap());
+        }
+    }
+    let dir = crate::common::scratch("attention-ptx");
+    for arch in autotp_llvm::nvptx::Arch::ALL {
+        let entries = autotp_llvm::nvptx::GpuEntries { attention: &functions, ..Default::default() };
+        let code = autotp_llvm::nvptx::program_ptx(&entries, arch).unwrap();
+        for i in 0..functions.len() {
+            assert!(code.contains(&format!(".entry {}(", autotp_llvm::attention::entry_name(i))));
+        }
+        let source = dir.join(format!("{}.ptx", arch.name()));
+        std::fs::write(&source, &code).unwrap();
+        let report = assemble(&ptxas, &source, arch.name());
+        let (registers, spills) = register_use(&report);
+        assert_eq!(spills, 0, "{}: attention spills registers:\n{report}", arch.name());
+        assert!(registers <= 255, "{}: {registers} registers", arch.name());
+    }
+}
+
 /// `ptxas -v` on the PTX file `source` for `arch`, which must assemble: its report.
 fn assemble(ptxas: &std::path::Path, source: &std::path::Path, arch: &str) -> String {
     let out = std::process::Command::new(ptxas)
@@ -586,13 +635,14 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
     use crate::common::{autotp, fixture, scratch, success};
     let ptxas = ptxas();
     let dir = scratch("ptxas");
-    let layouts: [&[&str]; 6] = [
+    let layouts: [&[&str]; 7] = [
         &[],
         &["--tp", "2"],
         &["--dp", "2", "--zero", "3"],
         &["--pp", "2", "--grad-accum", "2"],
         &["--precision", "bf16"],
         &["--precision", "fp16", "--dp", "2", "--zero", "2"],
+        &["--attention", "fused", "--precision", "bf16"],
     ];
     let (mut assembled, mut indexed_modules, mut most_registers) = (0, 0, 0);
     for arch in ["gpt2", "llama"] {

@@ -1,13 +1,14 @@
 //! The GPU forms of a program's builtin kernels ([`autotp_program::gpu::GpuKernels`]), chosen
 //! here once, at compile time: each builtin kernel's data movement as kernel IR
-//! ([`autotp_kernels::kir_movement`]), and the gathers and scatter-adds that have an
-//! [`IndexedKernel`] form. Equal kernels (of layers of one shape) are listed once. The plan's
+//! ([`autotp_kernels::kir_movement`]), the gathers and scatter-adds that have an
+//! [`IndexedKernel`] form, and fused attention's passes ([`AttentionFunction`]). Equal kernels (of layers of one shape) are listed once. The plan's
 //! PTX holds them; a GPU runs every other builtin kernel on the host.
 //!
 //! [`idle_launches`] finds the kernels that would leave a GPU's multiprocessors idle (fewer
 //! blocks than it has, over more than a million elements: a whole-tensor reduction on one
 //! block), which the compile summary lists.
 
+use autotp_kernels::attention::{AttentionFunction, AttentionTarget};
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_program::gpu::{GpuForm, MovementRun};
 use autotp_program::{Instruction, Program};
@@ -18,6 +19,11 @@ pub fn choose_gpu_forms(program: &mut Program) {
     let table = &mut program.gpu_kernels;
     for instruction in &mut program.instructions {
         let Instruction::Kernel { kernel, inputs, gpu, .. } = instruction else { continue };
+        if let Some(passes) = gpu_attention(kernel) {
+            let entries = passes.into_iter().map(|f| index_of(&mut table.attention, f)).collect();
+            *gpu = Some(GpuForm::Attention(entries));
+            continue;
+        }
         let indexed = IndexedKernel::index_input(kernel)
             .and_then(|at| inputs.get(at))
             .and_then(|index| IndexedKernel::of(kernel, index.len));
@@ -36,6 +42,14 @@ pub fn choose_gpu_forms(program: &mut Program) {
             }
         };
     }
+}
+
+/// Fused attention's passes for a GPU, where codegen gave the kernel to generated code.
+fn gpu_attention(kernel: &autotp_kernels::Kernel) -> Option<Vec<AttentionFunction>> {
+    use autotp_kernels::Kernel;
+    let generated =
+        matches!(kernel, Kernel::Attention { generated: true, .. } | Kernel::AttentionGrad { generated: true, .. });
+    generated.then(|| AttentionFunction::of(kernel, AttentionTarget::Gpu)).flatten()
 }
 
 /// The position of `item` in `list`, appended if new.

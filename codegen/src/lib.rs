@@ -352,6 +352,7 @@ fn ptx_modules(program: &Program) -> Result<Vec<PtxModule>, CodegenError> {
         optimizer_steps: &optimizer_steps,
         movement: &program.gpu_kernels.movement,
         indexed: &program.gpu_kernels.indexed,
+        attention: &program.gpu_kernels.attention,
     };
     if entries.is_empty() {
         return Ok(Vec::new());

@@ -141,7 +141,7 @@ pub fn lse_dtype(dtype: DType) -> DType {
 }
 
 /// Which part of an attention a generated function computes, and over which rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AttentionPass {
     /// `out` and `lse`, one query row at a time.
     Forward,
@@ -149,59 +149,89 @@ pub enum AttentionPass {
     QueryGrad,
     /// The backward's `dk` and `dv`, one key row at a time (over every query head sharing it).
     KeyValueGrad,
+    /// `dk` alone, and `dv` alone (a GPU thread's registers hold one key's accumulators).
+    KeyGrad,
+    ValueGrad,
 }
 
-/// One generated attention function (`autotp-llvm` emits it): its entry runs rows
-/// `begin..end` of its pass over the kernel's buffers (inputs, then outputs) followed by
-/// [`AttentionFunction::table`].
-#[derive(Clone, Debug, PartialEq, Serialize)]
+impl AttentionPass {
+    /// Whether its rows are keys (else queries).
+    pub fn over_keys(self) -> bool {
+        matches!(self, AttentionPass::KeyValueGrad | AttentionPass::KeyGrad | AttentionPass::ValueGrad)
+    }
+}
+
+/// The target generated attention runs on, which decides how its work is cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AttentionTarget {
+    /// x86: units of up to 4 rows sharing their loads; `dk` and `dv` in one pass.
+    Cpu,
+    /// A GPU thread per row, one lane wide; `dk` and `dv` in passes of their own. (x86 runs
+    /// this cut too, for the emulated GPU.)
+    Gpu,
+}
+
+/// One generated attention function (`autotp-llvm` emits it): its entry runs units
+/// `begin..end` of its pass (on x86; a GPU thread per unit) over the kernel's buffers (inputs,
+/// then outputs) followed by [`AttentionFunction::table`] and a scratch of one f32 per query
+/// row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AttentionFunction {
     pub dtype: DType,
     pub dims: AttentionDims,
     pub scale: f64,
     pub mask: AttentionMask,
     pub pass: AttentionPass,
+    /// The rows of one unit of work, which share the vectors they load (a divisor of a head's
+    /// rows).
+    pub unit_rows: usize,
+    /// The target the work is cut for.
+    pub target: AttentionTarget,
 }
 
 impl AttentionFunction {
-    /// The functions that compute `kernel` (the forward, or the backward's two passes), when
-    /// it is an attention the generated code handles (f32 and 16-bit floats).
-    pub fn of(kernel: &crate::Kernel) -> Option<Vec<AttentionFunction>> {
+    /// The functions that compute `kernel` on `target` (the forward, or the backward's passes),
+    /// when it is an attention the generated code handles (f32 and 16-bit floats). On x86 a
+    /// unit is the largest of 4, 2 and 1 rows that divides a head's rows.
+    pub fn of(kernel: &crate::Kernel, target: AttentionTarget) -> Option<Vec<AttentionFunction>> {
+        use AttentionPass::*;
+        let backward: &[AttentionPass] = match target {
+            AttentionTarget::Cpu => &[QueryGrad, KeyValueGrad],
+            AttentionTarget::Gpu => &[QueryGrad, KeyGrad, ValueGrad],
+        };
         let (dtype, dims, scale, mask, passes): (_, _, _, _, &[AttentionPass]) = match kernel {
-            crate::Kernel::Attention { dtype, dims, scale, mask, .. } => {
-                (dtype, dims, scale, mask, &[AttentionPass::Forward])
-            }
-            crate::Kernel::AttentionGrad { dtype, dims, scale, mask, .. } => {
-                (dtype, dims, scale, mask, &[AttentionPass::QueryGrad, AttentionPass::KeyValueGrad])
-            }
+            crate::Kernel::Attention { dtype, dims, scale, mask, .. } => (dtype, dims, scale, mask, &[Forward]),
+            crate::Kernel::AttentionGrad { dtype, dims, scale, mask, .. } => (dtype, dims, scale, mask, backward),
             _ => return None,
+        };
+        let max_unit_rows = match target {
+            AttentionTarget::Cpu => 4,
+            AttentionTarget::Gpu => 1,
         };
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || !dims.is_valid() {
             return None;
         }
-        let function = |pass| AttentionFunction { dtype: *dtype, dims: dims.clone(), scale: *scale, mask: *mask, pass };
+        let function = |pass: AttentionPass| {
+            let len = if pass.over_keys() { dims.kv_len } else { dims.q_len };
+            let unit_rows = [4, 2, 1].into_iter().find(|&r| r <= max_unit_rows && len.is_multiple_of(r));
+            let unit_rows = unit_rows.expect("1 divides");
+            AttentionFunction { dtype: *dtype, dims: dims.clone(), scale: *scale, mask: *mask, pass, unit_rows, target }
+        };
         Some(passes.iter().map(|&p| function(p)).collect())
     }
 
     /// The rows (queries, or keys) of the pass.
     fn rows(&self) -> (usize, usize) {
-        match self.pass {
-            AttentionPass::Forward | AttentionPass::QueryGrad => (self.dims.batch(), self.dims.q_len),
-            AttentionPass::KeyValueGrad => (self.dims.kv_batch(), self.dims.kv_len),
+        match self.pass.over_keys() {
+            false => (self.dims.batch(), self.dims.q_len),
+            true => (self.dims.kv_batch(), self.dims.kv_len),
         }
-    }
-
-    /// The rows of one unit of work, which share the vectors they load: 4, 2 or 1, dividing a
-    /// head's rows.
-    pub fn rows_per_unit(&self) -> usize {
-        let len = self.rows().1;
-        [4, 2, 1].into_iter().find(|&r| len.is_multiple_of(r)).expect("1 divides")
     }
 
     /// The units the entry runs, `begin..end` of `0..units()`.
     pub fn units(&self) -> usize {
         let (batch, len) = self.rows();
-        batch * len / self.rows_per_unit()
+        batch * len / self.unit_rows
     }
 
     /// The query heads that share one key/value head.

@@ -19,14 +19,26 @@
 //! key, over all query heads that share the key/value head (the table lists them), so no pass
 //! writes another's rows and no `Sq x Sk` matrix exists.
 
-use autotp_kernels::attention::{AttentionFunction, AttentionMask, AttentionPass};
+use autotp_kernels::attention::{AttentionFunction, AttentionMask, AttentionPass, AttentionTarget};
 use autotp_kernels::DType;
 use inkwell::types::{BasicType, VectorType};
 use inkwell::values::{FunctionValue, IntValue, PointerValue};
 use inkwell::{AddressSpace, IntPredicate};
 
 use crate::emit::{counted_loop, Emitter, V};
+use crate::nvptx::special_register;
 use crate::{math, LlvmError};
+
+/// A row of an operand ([`Attention::load_row`]).
+struct Row<'ctx> {
+    base: PointerValue<'ctx>,
+    dtype: DType,
+    /// Its first element.
+    start: IntValue<'ctx>,
+    /// Its vectors of `w` lanes.
+    chunks: usize,
+    loaded: Option<Vec<V<'ctx>>>,
+}
 
 /// The function's buffers, in the kernel's order.
 struct Buffers<'ctx> {
@@ -53,18 +65,40 @@ struct Attention<'a, 'b, 'ctx> {
     w: u32,
     /// Keys (or queries) per block.
     block: u32,
+    /// Whether the function is for NVPTX (else x86, where a GPU's cut of the work runs too: the
+    /// emulated GPU).
+    nvptx: bool,
 }
 
-/// Appends the function `symbol` computing `f` for a host with `width` f32 lanes.
+/// The entry point of attention function `index` in a plan's PTX module.
+pub fn entry_name(index: usize) -> String {
+    format!("autotp_attention_{index}")
+}
+
+/// How many buffers `f`'s entry takes: the kernel's inputs and outputs, the table, the scratch.
+pub fn buffer_count(f: &AttentionFunction) -> usize {
+    let bias = usize::from(f.dims.bias.is_some());
+    let kernel = if f.pass == AttentionPass::Forward { 3 + bias + 2 } else { 6 + bias + 3 };
+    kernel + 2
+}
+
+fn check(f: &AttentionFunction) -> Result<(), LlvmError> {
+    if !matches!(f.dtype, DType::F32 | DType::BF16 | DType::F16) || !f.dims.is_valid() {
+        return Err(LlvmError::llvm("attention", format!("no generated attention for {} or these shapes", f.dtype)));
+    }
+    Ok(())
+}
+
+/// Appends the function `symbol` computing `f` for a host with `width` f32 lanes (one for a
+/// GPU's cut of the work, which then runs here as on a GPU's thread):
+/// `void f(u8** buffers, i64 begin, i64 end)` over units `begin..end`.
 pub(crate) fn define_cpu<'ctx>(
     e: &Emitter<'_, 'ctx>,
     symbol: &str,
     f: &AttentionFunction,
     width: u32,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
-    if !matches!(f.dtype, DType::F32 | DType::BF16 | DType::F16) || !f.dims.is_valid() {
-        return Err(LlvmError::llvm("attention", format!("no generated attention for {} or these shapes", f.dtype)));
-    }
+    check(f)?;
     let ctx = e.ctx;
     let ptr = ctx.ptr_type(AddressSpace::default());
     let i64t = ctx.i64_type();
@@ -74,36 +108,95 @@ pub(crate) fn define_cpu<'ctx>(
     let array = function.get_nth_param(0).expect("declared").into_pointer_value();
     let begin = function.get_nth_param(1).expect("declared").into_int_value();
     let end = function.get_nth_param(2).expect("declared").into_int_value();
-    let mut next = 0u64;
-    let mut take = || -> Result<PointerValue<'ctx>, LlvmError> {
-        // SAFETY (of the generated code): the caller passes one pointer per buffer.
-        let slot = unsafe { e.b.build_in_bounds_gep(ptr, array, &[i64t.const_int(next, false)], "")? };
-        next += 1;
-        Ok(e.b.build_load(ptr, slot, "")?.into_pointer_value())
-    };
-    let (q, k, v) = (take()?, take()?, take()?);
-    let bias = f.dims.bias.is_some().then(&mut take).transpose()?;
-    let (out, lse) = (take()?, take()?);
-    let backward = f.pass != AttentionPass::Forward;
-    let d_out = backward.then(&mut take).transpose()?;
-    let grads = if backward { [Some(take()?), Some(take()?), Some(take()?)] } else { [None; 3] };
-    let (table, delta) = (take()?, take()?);
-    let buffers = Buffers { q, k, v, bias, out, lse, d_out, grads, table, delta };
-    let mut w = width;
-    while w > 1 && !(f.dims.head_dim.is_multiple_of(w as usize) && f.dims.value_dim.is_multiple_of(w as usize)) {
-        w /= 2;
-    }
-    let a = Attention { e, function, f, buffers, w, block: width };
-    counted_loop(e, function, begin, end, i64t.const_int(1, false), &[], |row, _| {
-        match f.pass {
-            AttentionPass::Forward => a.forward_rows(row)?,
-            AttentionPass::QueryGrad => a.query_grad_rows(row)?,
-            AttentionPass::KeyValueGrad => a.key_value_grad_rows(row)?,
-        }
+    let pointers = (0..buffer_count(f) as u64)
+        .map(|n| {
+            // SAFETY (of the generated code): the caller passes one pointer per buffer.
+            let slot = unsafe { e.b.build_in_bounds_gep(ptr, array, &[i64t.const_int(n, false)], "")? };
+            Ok(e.b.build_load(ptr, slot, "")?.into_pointer_value())
+        })
+        .collect::<Result<Vec<_>, LlvmError>>()?;
+    let width = if f.target == AttentionTarget::Gpu { 1 } else { width };
+    let a = Attention::new(e, function, f, &pointers, width, false);
+    counted_loop(e, function, begin, end, i64t.const_int(1, false), &[], |unit, _| {
+        a.unit(unit)?;
         Ok(vec![])
     })?;
     e.b.build_return(None)?;
     Ok(function)
+}
+
+/// Appends the GPU entry `symbol` computing `f`: `void f(b0, b1, ..., i64 units)`, one
+/// generic pointer per buffer; thread `t` of the grid runs units `t, t + threads, ...`, its
+/// vectors one lane wide (a thread's registers hold a row). Launched with
+/// [`crate::nvptx::BLOCK`] threads per block.
+pub(crate) fn define_nvptx<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    f: &AttentionFunction,
+) -> Result<FunctionValue<'ctx>, LlvmError> {
+    check(f)?;
+    let ctx = e.ctx;
+    let ptr = ctx.ptr_type(AddressSpace::default());
+    let i64t = ctx.i64_type();
+    let mut params: Vec<inkwell::types::BasicMetadataTypeEnum> = vec![ptr.into(); buffer_count(f)];
+    params.push(i64t.into());
+    let function = e.module.add_function(symbol, ctx.void_type().fn_type(&params, false), None);
+    e.b.position_at_end(ctx.append_basic_block(function, "entry"));
+    let pointers: Vec<PointerValue<'ctx>> = (0..buffer_count(f) as u32)
+        .map(|n| function.get_nth_param(n).expect("declared").into_pointer_value())
+        .collect();
+    let units = function.get_nth_param(buffer_count(f) as u32).expect("declared").into_int_value();
+    let block = i64t.const_int(crate::nvptx::BLOCK as u64, false);
+    let thread = special_register(e, "tid.x")?;
+    let first = e.b.build_int_add(e.b.build_int_mul(special_register(e, "ctaid.x")?, block, "")?, thread, "")?;
+    let stride = e.b.build_int_mul(special_register(e, "nctaid.x")?, block, "")?;
+    let a = Attention::new(e, function, f, &pointers, 1, true);
+    counted_loop(e, function, first, units, stride, &[], |unit, _| {
+        a.unit(unit)?;
+        Ok(vec![])
+    })?;
+    e.b.build_return(None)?;
+    Ok(function)
+}
+
+impl<'a, 'b, 'ctx> Attention<'a, 'b, 'ctx> {
+    /// The emitter of `f` over these buffers ([`buffer_count`] of them, in order), vectors of up
+    /// to `width` lanes, for NVPTX or x86.
+    fn new(
+        e: &'a Emitter<'b, 'ctx>,
+        function: FunctionValue<'ctx>,
+        f: &'a AttentionFunction,
+        pointers: &[PointerValue<'ctx>],
+        width: u32,
+        nvptx: bool,
+    ) -> Attention<'a, 'b, 'ctx> {
+        let mut next = pointers.iter().copied();
+        let mut take = || next.next().expect("buffer_count pointers");
+        let (q, k, v) = (take(), take(), take());
+        let bias = f.dims.bias.is_some().then(&mut take);
+        let (out, lse) = (take(), take());
+        let backward = f.pass != AttentionPass::Forward;
+        let d_out = backward.then(&mut take);
+        let grads = if backward { [Some(take()), Some(take()), Some(take())] } else { [None; 3] };
+        let (table, delta) = (take(), take());
+        let buffers = Buffers { q, k, v, bias, out, lse, d_out, grads, table, delta };
+        let mut w = width;
+        while w > 1 && !(f.dims.head_dim.is_multiple_of(w as usize) && f.dims.value_dim.is_multiple_of(w as usize)) {
+            w /= 2;
+        }
+        Attention { e, function, f, buffers, w, block: width, nvptx }
+    }
+
+    /// One unit of the function's pass.
+    fn unit(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
+        match self.f.pass {
+            AttentionPass::Forward => self.forward_rows(unit),
+            AttentionPass::QueryGrad => self.query_grad_rows(unit),
+            AttentionPass::KeyValueGrad | AttentionPass::KeyGrad | AttentionPass::ValueGrad => {
+                self.key_value_grad_rows(unit)
+            }
+        }
+    }
 }
 
 impl<'ctx> Attention<'_, '_, 'ctx> {
@@ -171,18 +264,47 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         Ok(())
     }
 
-    /// Row `row` of a `[rows, len]` operand as vectors of `w` lanes.
+    /// Row `row` of a `[rows, len]` operand: loaded now as vectors of `w` lanes on x86 (the
+    /// unit's rows reuse them), where each vector is used on a GPU (a thread's registers hold
+    /// its accumulators; the cache serves the reloads).
     fn load_row(
         &self,
         base: PointerValue<'ctx>,
         dtype: DType,
         row: IntValue<'ctx>,
         len: usize,
-    ) -> Result<Vec<V<'ctx>>, LlvmError> {
+    ) -> Result<Row<'ctx>, LlvmError> {
         let start = self.mul(row, len)?;
-        (0..len / self.w as usize)
-            .map(|c| self.load(base, dtype, self.add(start, self.int(c * self.w as usize))?, self.w))
-            .collect()
+        let chunks = len / self.w as usize;
+        let mut row = Row { base, dtype, start, chunks, loaded: None };
+        if self.block > 1 {
+            row.loaded = Some((0..chunks).map(|c| self.chunk(&row, c)).collect::<Result<_, _>>()?);
+        }
+        Ok(row)
+    }
+
+    /// Vector `c` of `row`.
+    fn chunk(&self, row: &Row<'ctx>, c: usize) -> Result<V<'ctx>, LlvmError> {
+        match &row.loaded {
+            Some(vectors) => Ok(vectors[c]),
+            None => {
+                let at = self.opaque(self.add(row.start, self.int(c * self.w as usize))?)?;
+                self.load(row.base, row.dtype, at, self.w)
+            }
+        }
+    }
+
+    /// `x`, through an assembly move the optimiser cannot see through: a load at it stays
+    /// where it is used instead of being hoisted out of the loop into a register for good.
+    fn opaque(&self, x: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        if !self.nvptx {
+            return Ok(x);
+        }
+        let (ctx, i64t) = (self.e.ctx, self.e.ctx.i64_type());
+        let ty = i64t.fn_type(&[i64t.into()], false);
+        let asm = ctx.create_inline_asm(ty, "mov.b64 $0, $1;".into(), "=l,l".into(), true, false, None, false);
+        let call = self.e.b.build_indirect_call(ty, asm, &[x.into()], "")?;
+        Ok(call.try_as_basic_value().basic().expect("returns i64").into_int_value())
     }
 
     fn store_row(
@@ -227,14 +349,14 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
     }
 
     /// `a . b` (`<1 x float>`).
-    fn dot(&self, a: &[V<'ctx>], b: &[V<'ctx>]) -> Result<V<'ctx>, LlvmError> {
+    fn dot(&self, a: &Row<'ctx>, b: &Row<'ctx>) -> Result<V<'ctx>, LlvmError> {
         self.sum(self.partial_dot(a, b)?)
     }
 
     /// `acc + a * x` for a scalar `a` (`<1 x float>`).
-    fn axpy(&self, acc: &[V<'ctx>], a: V<'ctx>, x: &[V<'ctx>]) -> Result<Vec<V<'ctx>>, LlvmError> {
+    fn axpy(&self, acc: &[V<'ctx>], a: V<'ctx>, x: &Row<'ctx>) -> Result<Vec<V<'ctx>>, LlvmError> {
         let a = self.e.broadcast(a, self.w)?;
-        acc.iter().zip(x).map(|(&acc, &x)| self.e.fma(a, x, acc)).collect()
+        acc.iter().enumerate().map(|(c, &acc)| self.e.fma(a, self.chunk(x, c)?, acc)).collect()
     }
 
     fn scaled(&self, values: &[V<'ctx>], by: V<'ctx>) -> Result<Vec<V<'ctx>>, LlvmError> {
@@ -256,11 +378,24 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         self.e.splat(self.e.lane(v, c as u32)?, 1)
     }
 
-    /// `a . b` before its lanes are summed (`w` lanes).
-    fn partial_dot(&self, a: &[V<'ctx>], b: &[V<'ctx>]) -> Result<V<'ctx>, LlvmError> {
-        let mut acc = self.e.fmul(a[0], b[0])?;
-        for (&x, &y) in a.iter().zip(b).skip(1) {
-            acc = self.e.fma(x, y, acc)?;
+    /// `a . b` before its lanes are summed (`w` lanes): over rows in registers, a chain of
+    /// multiply-adds; over rows in memory (GPU), a loop that loads a pair of elements per step,
+    /// so that a thread's registers hold no operand row.
+    fn partial_dot(&self, a: &Row<'ctx>, b: &Row<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let e = self.e;
+        if a.loaded.is_none() && b.loaded.is_none() {
+            let w = self.int(self.w as usize);
+            let end = self.int(a.chunks * self.w as usize);
+            let sum = counted_loop(e, self.function, self.int(0), end, w, &[e.f32(self.w, 0.0)], |at, acc| {
+                let x = self.load(a.base, a.dtype, self.add(a.start, at)?, self.w)?;
+                let y = self.load(b.base, b.dtype, self.add(b.start, at)?, self.w)?;
+                Ok(vec![e.fma(x, y, acc[0])?])
+            })?;
+            return Ok(sum[0]);
+        }
+        let mut acc = e.fmul(self.chunk(a, 0)?, self.chunk(b, 0)?)?;
+        for c in 1..a.chunks {
+            acc = e.fma(self.chunk(a, c)?, self.chunk(b, c)?, acc)?;
         }
         Ok(acc)
     }
@@ -269,7 +404,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
     /// head-dim vector as the block has, the partial sums are reduced together, a block of
     /// vectors into one (halves of pairs added level by level: `W - 1` additions for `W` dots
     /// instead of `W log W`); otherwise each dot is summed alone.
-    fn dots(&self, pairs: &[(&[V<'ctx>], &[V<'ctx>])]) -> Result<V<'ctx>, LlvmError> {
+    fn dots(&self, pairs: &[(&Row<'ctx>, &Row<'ctx>)]) -> Result<V<'ctx>, LlvmError> {
         let partials: Vec<V<'ctx>> = pairs.iter().map(|(a, b)| self.partial_dot(a, b)).collect::<Result<_, _>>()?;
         if self.w != self.block || pairs.len() != self.block as usize {
             let sums: Vec<V<'ctx>> = partials.into_iter().map(|p| self.sum(p)).collect::<Result<_, _>>()?;
@@ -404,7 +539,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
     /// The rows of unit `unit` of a pass over `len`-long rows of `rows_per_unit` each: the
     /// batch index they share and their positions.
     fn unit_rows(&self, unit: IntValue<'ctx>, len: usize) -> Result<(IntValue<'ctx>, Vec<IntValue<'ctx>>), LlvmError> {
-        let per_unit = self.f.rows_per_unit();
+        let per_unit = self.f.unit_rows;
         let first = self.mul(unit, per_unit)?;
         let batch = self.e.b.build_int_unsigned_div(first, self.int(len), "")?;
         let at = self.e.b.build_int_unsigned_rem(first, self.int(len), "")?;
@@ -432,7 +567,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         let (b, queries) = self.unit_rows(unit, dims.q_len)?;
         let kb = self.table(b)?;
         let rows: Vec<IntValue<'ctx>> = queries.iter().map(|&i| self.query(b, i)).collect::<Result<_, _>>()?;
-        let qs: Vec<Vec<V<'ctx>>> = rows
+        let qs: Vec<Row<'ctx>> = rows
             .iter()
             .map(|&row| self.load_row(self.buffers.q, dtype, row, dims.head_dim))
             .collect::<Result<_, _>>()?;
@@ -445,14 +580,14 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
             init.extend(std::iter::repeat_n(e.f32(self.w, 0.0), values));
         }
         let done = self.blocks(Self::union(&ranges), &init, |keys, start, carried| {
-            let ks: Vec<Vec<V<'ctx>>> = (keys.iter())
+            let ks: Vec<Row<'ctx>> = (keys.iter())
                 .map(|&j| self.load_row(self.buffers.k, dtype, self.kv_row(kb, j)?, dims.head_dim))
                 .collect::<Result<_, _>>()?;
             let (mut next, mut ps) = (Vec::new(), Vec::new());
             for (r, q) in qs.iter().enumerate() {
                 let (max, sum, acc) =
                     (carried[r * per_row], carried[r * per_row + 1], &carried[r * per_row + 2..(r + 1) * per_row]);
-                let pairs: Vec<_> = ks.iter().map(|k| (&q[..], &k[..])).collect();
+                let pairs: Vec<_> = ks.iter().map(|k| (q, k)).collect();
                 let scores = self.masked(self.scores(self.dots(&pairs)?, b, &[queries[r]], keys)?, start, ranges[r])?;
                 let new_max = e.fmax(max, self.tree(scores, |a, b| e.fmax(a, b))?)?;
                 let correction = math::exp(e, e.fsub(max, new_max)?)?;
@@ -513,8 +648,8 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
             }
             let mut dq = dq.to_vec();
             for r in 0..rows.len() {
-                let qk: Vec<_> = ks.iter().map(|k| (&qs[r][..], &k[..])).collect();
-                let gv: Vec<_> = vs.iter().map(|v| (&gs[r][..], &v[..])).collect();
+                let qk: Vec<_> = ks.iter().map(|k| (&qs[r], k)).collect();
+                let gv: Vec<_> = vs.iter().map(|v| (&gs[r], v)).collect();
                 let scores = self.masked(self.scores(self.dots(&qk)?, b, &[queries[r]], keys)?, start, ranges[r])?;
                 let p = math::exp(e, e.fsub(scores, lses[r])?)?;
                 let ds = e.fmul(p, e.fsub(self.dots(&gv)?, deltas[r])?)?;
@@ -534,24 +669,30 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         Ok(())
     }
 
-    /// `dk` and `dv` of a unit of keys, over the queries of every query head sharing their
-    /// head: `dv = sum_i p_i dout_i`, `dk = scale * sum_i p_i (dout_i . v - dout_i . out_i) q_i`;
+    /// `dk` and `dv` (or one of them, as the pass says) of a unit of keys, over the queries of
+    /// every query head sharing their head: `dv = sum_i p_i dout_i`, `dk = scale * sum_i p_i (dout_i . v - dout_i . out_i) q_i`;
     /// each query's vectors loaded once for the unit's keys.
     fn key_value_grad_rows(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
         let (e, dims, dtype) = (self.e, &self.f.dims, self.f.dtype);
         let d_out = self.buffers.d_out.expect("the backward has d_out");
         let (kb, keys) = self.unit_rows(unit, dims.kv_len)?;
         let rows: Vec<IntValue<'ctx>> = keys.iter().map(|&j| self.kv_row(kb, j)).collect::<Result<_, _>>()?;
-        let ks: Vec<Vec<V<'ctx>>> = rows
+        let ks: Vec<Row<'ctx>> = rows
             .iter()
             .map(|&row| self.load_row(self.buffers.k, dtype, row, dims.head_dim))
             .collect::<Result<_, _>>()?;
-        let vs: Vec<Vec<V<'ctx>>> = rows
+        let vs: Vec<Row<'ctx>> = rows
             .iter()
             .map(|&row| self.load_row(self.buffers.v, dtype, row, dims.value_dim))
             .collect::<Result<_, _>>()?;
         let ranges: Vec<_> = keys.iter().map(|&j| self.queries(j)).collect::<Result<_, _>>()?;
-        let (heads, values) = (dims.head_dim / self.w as usize, dims.value_dim / self.w as usize);
+        let (with_dk, with_dv) = match self.f.pass {
+            AttentionPass::KeyGrad => (true, false),
+            AttentionPass::ValueGrad => (false, true),
+            _ => (true, true),
+        };
+        let heads = if with_dk { dims.head_dim / self.w as usize } else { 0 };
+        let values = if with_dv { dims.value_dim / self.w as usize } else { 0 };
         let per_key = heads + values;
         let group = self.f.group();
         let sharing = self.add(self.int(2 * dims.batch()), self.mul(kb, group)?)?;
@@ -570,19 +711,23 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
                 let delta = self.lanes_of(self.buffers.delta, &query_rows)?;
                 let mut next = carried.to_vec();
                 for r in 0..rows.len() {
-                    let qk: Vec<_> = qs.iter().map(|q| (&q[..], &ks[r][..])).collect();
-                    let gv: Vec<_> = gs.iter().map(|g| (&g[..], &vs[r][..])).collect();
+                    let qk: Vec<_> = qs.iter().map(|q| (q, &ks[r])).collect();
+                    let gv: Vec<_> = gs.iter().map(|g| (g, &vs[r])).collect();
                     let scores =
                         self.masked(self.scores(self.dots(&qk)?, b, positions, &[keys[r]])?, start, ranges[r])?;
                     let p = math::exp(e, e.fsub(scores, lse)?)?;
-                    let ds = e.fmul(p, e.fsub(self.dots(&gv)?, delta)?)?;
                     let (mut dk, mut dv) = (
                         next[r * per_key..r * per_key + heads].to_vec(),
                         next[r * per_key + heads..(r + 1) * per_key].to_vec(),
                     );
-                    for c in 0..positions.len() {
-                        dk = self.axpy(&dk, self.lane(ds, c)?, &qs[c])?;
-                        dv = self.axpy(&dv, self.lane(p, c)?, &gs[c])?;
+                    if with_dk {
+                        let ds = e.fmul(p, e.fsub(self.dots(&gv)?, delta)?)?;
+                        for (c, q) in qs.iter().enumerate() {
+                            dk = self.axpy(&dk, self.lane(ds, c)?, q)?;
+                        }
+                    }
+                    for (c, g) in gs.iter().enumerate().filter(|_| with_dv) {
+                        dv = self.axpy(&dv, self.lane(p, c)?, g)?;
                     }
                     next.splice(r * per_key..(r + 1) * per_key, [dk, dv].concat());
                 }
@@ -591,9 +736,13 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         })?;
         let [_, dk_out, dv_out] = self.buffers.grads.map(|g| g.expect("the backward has its gradients"));
         for (r, &row) in rows.iter().enumerate() {
-            let dk = self.scaled(&done[r * per_key..r * per_key + heads], e.f32(1, self.f.scale as f32))?;
-            self.store_row(dk_out, row, dims.head_dim, &dk)?;
-            self.store_row(dv_out, row, dims.value_dim, &done[r * per_key + heads..(r + 1) * per_key])?;
+            if with_dk {
+                let dk = self.scaled(&done[r * per_key..r * per_key + heads], e.f32(1, self.f.scale as f32))?;
+                self.store_row(dk_out, row, dims.head_dim, &dk)?;
+            }
+            if with_dv {
+                self.store_row(dv_out, row, dims.value_dim, &done[r * per_key + heads..(r + 1) * per_key])?;
+            }
         }
         Ok(())
     }
@@ -601,7 +750,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
 
 #[cfg(test)]
 mod tests {
-    use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask};
+    use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask, AttentionTarget};
     use autotp_kernels::{AlignedBuf, DType, Kernel};
 
     use crate::{compile_cpu_functions, Function};
@@ -630,13 +779,19 @@ mod tests {
         wide.as_slice().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     }
 
-    /// Runs `kernel` as the builtin and as the generated functions; both outputs.
-    fn both(kernel: &Kernel, inputs: &[AlignedBuf], output_bytes: &[usize]) -> [Vec<AlignedBuf>; 2] {
+    /// Runs `kernel` as the builtin and as the generated functions cut for `target` (compiled
+    /// for x86 either way); both outputs.
+    fn both(
+        kernel: &Kernel,
+        target: AttentionTarget,
+        inputs: &[AlignedBuf],
+        output_bytes: &[usize],
+    ) -> [Vec<AlignedBuf>; 2] {
         let ins: Vec<&[u8]> = inputs.iter().map(|b| b.as_slice()).collect();
         let mut builtin: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
         let mut outs: Vec<&mut [u8]> = builtin.iter_mut().map(|b| b.as_mut_slice()).collect();
         kernel.run(&ins, &mut outs).unwrap();
-        let functions = AttentionFunction::of(kernel).unwrap();
+        let functions = AttentionFunction::of(kernel, target).unwrap();
         let entries = compile_cpu_functions(&functions.iter().map(Function::Attention).collect::<Vec<_>>()).unwrap();
         let mut generated: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
         let mut delta = vec![0f32; functions[0].dims.batch() * functions[0].dims.q_len];
@@ -675,15 +830,20 @@ mod tests {
         }
         let scale = 0.37;
         let forward = Kernel::Attention { dtype, dims: dims.clone(), scale, mask, generated: true };
-        let [builtin, generated] = both(&forward, &inputs, &[out * dtype.size(), lse * 4]);
-        assert_close(&format!("{label} out"), dtype, &builtin[0], &generated[0], tolerance);
-        assert_close(&format!("{label} lse"), DType::F32, &builtin[1], &generated[1], 2e-5);
-        inputs.extend(builtin);
-        inputs.push(buffer(dtype, &values(out, 5)));
         let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale, mask, generated: true };
-        let [builtin, generated] = both(&backward, &inputs, &[q * dtype.size(), k * dtype.size(), v * dtype.size()]);
-        for (name, (want, got)) in ["dq", "dk", "dv"].iter().zip(builtin.iter().zip(&generated)) {
-            assert_close(&format!("{label} {name}"), dtype, want, got, tolerance);
+        for target in [AttentionTarget::Cpu, AttentionTarget::Gpu] {
+            let label = format!("{label} {target:?}");
+            let mut inputs = inputs.clone();
+            let [builtin, generated] = both(&forward, target, &inputs, &[out * dtype.size(), lse * 4]);
+            assert_close(&format!("{label} out"), dtype, &builtin[0], &generated[0], tolerance);
+            assert_close(&format!("{label} lse"), DType::F32, &builtin[1], &generated[1], 2e-5);
+            inputs.extend(builtin);
+            inputs.push(buffer(dtype, &values(out, 5)));
+            let grads = [q * dtype.size(), k * dtype.size(), v * dtype.size()];
+            let [builtin, generated] = both(&backward, target, &inputs, &grads);
+            for (name, (want, got)) in ["dq", "dk", "dv"].iter().zip(builtin.iter().zip(&generated)) {
+                assert_close(&format!("{label} {name}"), dtype, want, got, tolerance);
+            }
         }
     }
 

@@ -3,7 +3,8 @@
 //!
 //! Kernel `i` of the list is the entry `autotp_kernel_<i>(b0, b1, ...)`, one generic pointer
 //! per buffer (movement kernel `i`: `autotp_movement_<i>`, the same way; gathers and
-//! scatter-adds are [`crate::indexed`]'s entries); a multi-tensor optimizer step is the entry
+//! scatter-adds are [`crate::indexed`]'s entries, fused attention's passes
+//! [`crate::attention`]'s); a multi-tensor optimizer step is the entry
 //! [`OptimizerKernel::entry_name`](autotp_kernels::optim::OptimizerKernel::entry_name) ([`crate::optim`]). Every entry is launched with [`BLOCK`] threads per block and any number of blocks. The outer
 //! dimension runs on blocks (block `b` takes rows `b, b + gridDim.x, ...`), the inner one on the
 //! block's threads (thread `t` takes `t, t + BLOCK, ...`); a kernel of map stages alone with
@@ -109,6 +110,8 @@ pub struct GpuEntries<'a> {
     pub movement: &'a [kir::Kernel],
     /// The gathers and scatter-adds: entry [`crate::indexed::entry_name`]`(i)`.
     pub indexed: &'a [crate::indexed::IndexedKernel],
+    /// Fused attention's passes: entry [`crate::attention::entry_name`]`(i)`.
+    pub attention: &'a [autotp_kernels::attention::AttentionFunction],
 }
 
 impl GpuEntries<'_> {
@@ -117,6 +120,7 @@ impl GpuEntries<'_> {
             && self.optimizer_steps.is_empty()
             && self.movement.is_empty()
             && self.indexed.is_empty()
+            && self.attention.is_empty()
     }
 }
 
@@ -141,6 +145,10 @@ pub fn program_ptx(entries: &GpuEntries, arch: Arch) -> Result<String, LlvmError
         }
         for (i, kernel) in entries.indexed.iter().enumerate() {
             let function = crate::indexed::define(e, &crate::indexed::entry_name(i), kernel)?;
+            mark_kernel(e.ctx, e.module, function)?;
+        }
+        for (i, attention) in entries.attention.iter().enumerate() {
+            let function = crate::attention::define_nvptx(e, &crate::attention::entry_name(i), attention)?;
             mark_kernel(e.ctx, e.module, function)?;
         }
         Ok(())

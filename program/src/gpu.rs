@@ -8,11 +8,14 @@
 //!   movement kernel `i`, one launch per [`MovementRun`] over the instruction's buffers.
 //! - Gathers and scatter-adds (the embedding and its gradient) as [`IndexedKernel`]s: entry
 //!   `autotp_indexed_<i>` for indexed kernel `i` (`autotp_llvm::indexed` describes its arguments).
+//! - Fused attention's passes as [`AttentionFunction`]s: entry `autotp_attention_<i>`
+//!   (`autotp_llvm::attention` describes its arguments).
 //!
 //! `Program::validate` checks a plan read from a file: movement kernels stay inside their
 //! buffers (`kir::Kernel::check`) and each form fits its instruction ([`GpuKernels::check_form`]:
 //! the buffers a movement run names, the indexed kernel its builtin kernel's).
 
+use autotp_kernels::attention::{AttentionFunction, AttentionTarget};
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_kernels::{kir, Kernel};
 use serde::{Deserialize, Serialize};
@@ -26,6 +29,9 @@ pub struct GpuKernels {
     pub movement: Vec<kir::Kernel>,
     /// The distinct gathers and scatter-adds.
     pub indexed: Vec<IndexedKernel>,
+    /// The distinct passes of fused attention.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention: Vec<AttentionFunction>,
 }
 
 /// How a GPU runs one builtin-kernel instruction (`Instruction::Kernel::gpu`).
@@ -36,6 +42,10 @@ pub enum GpuForm {
     Movement(Vec<MovementRun>),
     /// [`GpuKernels::indexed`]`[i]` over the instruction's two inputs and its output.
     Indexed(usize),
+    /// [`GpuKernels::attention`]`[i]` for each pass in order, over the instruction's inputs and
+    /// outputs, the pass's table and a scratch of one f32 per query row (the runtime makes
+    /// both).
+    Attention(Vec<usize>),
 }
 
 /// One launch of a movement kernel for an instruction.
@@ -51,7 +61,7 @@ pub struct MovementRun {
 impl GpuKernels {
     /// Whether there is nothing for a GPU to run.
     pub fn is_empty(&self) -> bool {
-        self.movement.is_empty() && self.indexed.is_empty()
+        self.movement.is_empty() && self.indexed.is_empty() && self.attention.is_empty()
     }
 
     /// Checks that `form` fits the builtin `kernel` over `inputs` and `outputs` (see the module
@@ -95,6 +105,17 @@ impl GpuKernels {
                 }
                 if inputs.len() != 2 || outputs.len() != 1 {
                     return Err("needs two inputs and one output".into());
+                }
+            }
+            GpuForm::Attention(passes) => {
+                let functions: Option<Vec<&AttentionFunction>> =
+                    passes.iter().map(|&i| self.attention.get(i)).collect();
+                let Some(functions) = functions else {
+                    return Err("names an attention function that does not exist".into());
+                };
+                let expected = AttentionFunction::of(kernel, AttentionTarget::Gpu).unwrap_or_default();
+                if functions.len() != expected.len() || functions.iter().zip(&expected).any(|(f, e)| *f != e) {
+                    return Err(format!("its attention functions are not its {}'s", kernel.name()));
                 }
             }
         }
@@ -192,5 +213,41 @@ mod tests {
         let mut on_the_expand = program();
         *form(&mut on_the_expand, 0) = GpuForm::Indexed(0);
         assert!(refusal(&on_the_expand).contains("not its expand's"));
+    }
+
+    /// An attention's GPU form names its passes, each cut for the GPU from its kernel.
+    #[test]
+    fn attention_forms_name_their_kernels_passes() {
+        use autotp_kernels::attention::{AttentionDims, AttentionMask};
+        let dims = AttentionDims {
+            lead: vec![2],
+            kv_lead: vec![2],
+            q_len: 4,
+            kv_len: 4,
+            head_dim: 8,
+            value_dim: 8,
+            bias: None,
+        };
+        let (dtype, mask) = (DType::F32, AttentionMask::Causal);
+        let kernel = Kernel::Attention { dtype, dims: dims.clone(), scale: 0.5, mask, generated: true };
+        let passes = AttentionFunction::of(&kernel, AttentionTarget::Gpu).unwrap();
+        let attention = Instruction::Kernel {
+            kernel,
+            inputs: vec![region(0, 256), region(256, 256), region(512, 256)],
+            outputs: vec![region(768, 256), region(1024, 32)],
+            label: "node 0 (attention)".into(),
+            gpu: Some(GpuForm::Attention(vec![0])),
+        };
+        let mut program = Program::bare(vec![attention], vec![], 1088);
+        program.gpu_kernels.attention = passes;
+        program.validate().unwrap();
+
+        let mut missing = program.clone();
+        *form(&mut missing, 0) = GpuForm::Attention(vec![1]);
+        assert!(refusal(&missing).contains("an attention function that does not exist"));
+        let mut other = program.clone();
+        other.gpu_kernels.attention[0].mask = AttentionMask::None;
+        let message = refusal(&other);
+        assert!(message.contains("node 0 (attention)") && message.contains("not its attention's"), "{message}");
     }
 }

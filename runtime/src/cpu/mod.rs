@@ -10,7 +10,7 @@ mod comm_thread;
 
 use std::sync::Arc;
 
-use autotp_kernels::attention::AttentionFunction;
+use autotp_kernels::attention::{AttentionFunction, AttentionTarget};
 use autotp_kernels::optim::OptimizerKernel;
 use autotp_kernels::AlignedBuf;
 use autotp_kernels::Kernel;
@@ -322,7 +322,7 @@ fn attention_functions(program: &Program) -> Vec<(usize, AttentionFunction)> {
         let Instruction::Kernel { kernel, .. } = instruction else { continue };
         let generated =
             matches!(kernel, Kernel::Attention { generated: true, .. } | Kernel::AttentionGrad { generated: true, .. });
-        if let Some(passes) = generated.then(|| AttentionFunction::of(kernel)).flatten() {
+        if let Some(passes) = generated.then(|| AttentionFunction::of(kernel, AttentionTarget::Cpu)).flatten() {
             functions.extend(passes.into_iter().map(|f| (index, f)));
         }
     }
@@ -348,7 +348,7 @@ impl AttentionPass {
     fn new(function: AttentionFunction, entry: CpuKernel) -> AttentionPass {
         // A unit's rows meet every key (or query) of their head: about 64K multiply-adds per task.
         let dims = &function.dims;
-        let per_unit = function.rows_per_unit() * dims.kv_len.max(dims.q_len) * (dims.head_dim + dims.value_dim);
+        let per_unit = function.unit_rows * dims.kv_len.max(dims.q_len) * (dims.head_dim + dims.value_dim);
         AttentionPass {
             entry,
             table: function.table(),

@@ -57,6 +57,8 @@ pub struct CudaGpu {
     /// `gpu_kernels`), entries of `module`.
     movement: Vec<sys::CUfunction>,
     indexed: Vec<sys::CUfunction>,
+    /// Fused attention's passes (`gpu_kernels.attention`), entries of `module`.
+    attention: Vec<sys::CUfunction>,
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<sys::CUevent>,
     /// cuBLAS's handle once asked for (`Some(None)`: the library is missing).
@@ -127,6 +129,7 @@ impl CudaGpu {
             optimizer_steps: Vec::new(),
             movement: Vec::new(),
             indexed: Vec::new(),
+            attention: Vec::new(),
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
@@ -163,6 +166,9 @@ impl CudaGpu {
             .collect::<Result<_, _>>()?;
         gpu.indexed = (0..gpu_kernels.indexed.len())
             .map(|i| function(gpu.module, autotp_llvm::indexed::entry_name(i)))
+            .collect::<Result<_, _>>()?;
+        gpu.attention = (0..gpu_kernels.attention.len())
+            .map(|i| function(gpu.module, autotp_llvm::attention::entry_name(i)))
             .collect::<Result<_, _>>()?;
         Ok(gpu)
     }
@@ -266,6 +272,7 @@ impl Gpu for CudaGpu {
             Entry::OptimizerStep(i) => (self.optimizer_steps.get(i), Some(&1)),
             Entry::Movement(i) => (self.movement.get(i), self.movement_parts.get(i)),
             Entry::Indexed(i) => (self.indexed.get(i), Some(&1)),
+            Entry::Attention(i) => (self.attention.get(i), Some(&1)),
         };
         let (function, parts) =
             function.zip(parts).ok_or_else(|| RuntimeError::Device(format!("the plan has no entry {entry:?}")))?;

@@ -2,7 +2,7 @@
 //!
 //! Device memory is host memory (a device address is a host address); the program's kernels
 //! are the same kernel IR compiled for x86 (launched over all their rows, as a grid of one block
-//! per row would run them). Streams are lazy: an operation is queued and runs only when the host
+//! per row would run them), fused attention's passes the same descriptions compiled for x86. Streams are lazy: an operation is queued and runs only when the host
 //! needs its result (a download, a synchronisation), and then only the operations that result
 //! depends on by stream order and events, in that order. So a result read without the wait
 //! or synchronisation that orders it after its producer comes out stale, as it may on a GPU,
@@ -40,6 +40,8 @@ pub struct Emulator {
     movement: Vec<CpuKernel>,
     /// The program's gathers and scatter-adds, run by their builtin kernels.
     indexed: Vec<IndexedKernel>,
+    /// Fused attention's passes, compiled for x86 from the GPU's descriptions.
+    attention: Vec<CpuKernel>,
     queues: [VecDeque<Op>; 3],
     /// Per event: whether it has completed, and the stream it was recorded on.
     events: Vec<(bool, Stream)>,
@@ -66,12 +68,14 @@ impl Emulator {
         let functions: Vec<autotp_llvm::Function> = (program.kernels.iter().map(autotp_llvm::Function::Kernel))
             .chain(steps.iter().map(autotp_llvm::Function::OptimizerStep))
             .chain(movement.iter().map(autotp_llvm::Function::Kernel))
+            .chain(program.gpu_kernels.attention.iter().map(autotp_llvm::Function::Attention))
             .collect();
         let mut kernels = match functions.is_empty() {
             true => Vec::new(),
             false => autotp_llvm::compile_cpu_functions(&functions)
                 .map_err(|e| RuntimeError::KernelCompile(e.to_string()))?,
         };
+        let attention = kernels.split_off(program.kernels.len() + steps.len() + movement.len());
         let movement = kernels.split_off(program.kernels.len() + steps.len());
         let optimizer_steps = kernels.split_off(program.kernels.len());
         Ok(Emulator {
@@ -80,6 +84,7 @@ impl Emulator {
             optimizer_steps,
             movement,
             indexed: program.gpu_kernels.indexed.clone(),
+            attention,
             queues: Default::default(),
             events: Vec::new(),
             counts: Arc::default(),
@@ -248,6 +253,12 @@ impl Gpu for Emulator {
     fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError> {
         let (function, buffers, rows) = match entry {
             Entry::Indexed(i) => return self.launch_indexed(stream, i, args),
+            // The x86 form takes the same buffers and runs the units it is given (the last
+            // argument) as rows.
+            Entry::Attention(i) => match args.split_last() {
+                Some((units, buffers)) => (self.attention.get(i).copied(), buffers.to_vec(), *units as usize),
+                None => return Err(RuntimeError::Device("emulated GPU: an attention pass takes its units".into())),
+            },
             Entry::Kernel(i) => (self.kernels.get(i).copied(), args.to_vec(), rows),
             Entry::Movement(i) => (self.movement.get(i).copied(), args.to_vec(), rows),
             // The x86 form takes [table, constants] and runs the chunks it is given as rows.

@@ -116,6 +116,9 @@ pub enum Entry {
     /// words, the launch's tag and the rank's first row ([`autotp_llvm::indexed`]); one index
     /// row per block.
     Indexed(usize),
+    /// `GpuKernels::attention[i]`: arguments are the instruction's buffers, the pass's table and
+    /// scratch, and the number of units ([`autotp_llvm::attention`]); a thread per unit.
+    Attention(usize),
 }
 
 /// An event recorded by a [`Gpu`]: a handle the GPU gave out, valid until its next
@@ -193,6 +196,8 @@ enum Prepared {
     OptimizerStep(ChunkTable),
     Gemm(Box<(GemmCall, GemmOperands)>),
     Indexed(IndexedLaunch),
+    /// Fused attention's passes: each entry with its arguments (the last the units).
+    Attention(Vec<(usize, Vec<u64>)>),
 }
 
 /// A gather's or scatter-add's launch ([`Entry::Indexed`]).
@@ -294,6 +299,22 @@ impl GpuDevice {
                         tag: fault_sources.len() as u64,
                         start: IndexedKernel::start(kernel) as u64,
                     })
+                }
+                Instruction::Kernel { inputs, outputs, gpu: Some(GpuForm::Attention(passes)), .. } => {
+                    let at = |r: &Region| base + r.offset as u64;
+                    let buffers: Vec<u64> = inputs.iter().chain(outputs).map(at).collect();
+                    let functions = passes.iter().map(|&i| (i, &gpu_kernels.attention[i]));
+                    let query_rows = functions.clone().map(|(_, f)| f.dims.batch() * f.dims.q_len).max().unwrap_or(0);
+                    let scratch = gpu.alloc(query_rows * 4)?;
+                    let launches = functions
+                        .map(|(entry, f)| {
+                            let table: Vec<u8> = f.table().iter().flat_map(|x| x.to_le_bytes()).collect();
+                            let mut args = buffers.clone();
+                            args.extend([upload_new(gpu.as_mut(), &table)?, scratch, f.units() as u64]);
+                            Ok((entry, args))
+                        })
+                        .collect::<Result<_, RuntimeError>>()?;
+                    Prepared::Attention(launches)
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dtype, dims }, inputs, outputs, .. } => {
                     match GemmCall::of(*dtype, dims) {
@@ -449,6 +470,14 @@ impl GpuDevice {
                         return Ok(());
                     }
                     Prepared::Gemm(gemm) if gpu.gemm(stream, &gemm.0, &gemm.1)? => return Ok(()),
+                    Prepared::Attention(launches) => {
+                        for (entry, args) in launches {
+                            let units = *args.last().expect("the units") as usize;
+                            let blocks = units.div_ceil(autotp_llvm::nvptx::BLOCK as usize);
+                            gpu.launch(stream, Entry::Attention(*entry), blocks, args)?;
+                        }
+                        return Ok(());
+                    }
                     Prepared::Indexed(launch) => {
                         if let Some((address, len)) = launch.zero {
                             gpu.zero(stream, address, len)?;
