@@ -16,7 +16,8 @@
 //! (the same op, hyperparameters, lr and step, dtype) form one group, which codegen runs as one
 //! multi-tensor step updating every parameter and state in place (tests/golden/fusion_optimizer.ir).
 //! First, a transpose of the last two dims feeding a matmul becomes the matmul's transpose flag
-//! (no materialised transpose in front of a GEMM), for operands held whole on every rank.
+//! (no materialised transpose in front of a GEMM), for operands held whole on every rank, and a
+//! cast after a reshape moves before it (so it fuses into the kernel making the reshaped value).
 //! Nodes that cannot be in a kernel (matmuls, data movement, collectives, sends and receives)
 //! keep their relative order, so collectives are issued in the same order on every rank and
 //! pipeline messages in the order the schedule set.
@@ -43,6 +44,7 @@ impl Pass for Fusion {
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         *graph = crate::peephole::rewrite(graph, crate::peephole::Rules::Gemm);
+        *graph = casts_before_reshapes(graph);
         let (recomputed, earliest) = crate::recompute::recompute(graph, self.recompute);
         *graph = recomputed;
         let (order, groups) = schedule(graph, &earliest);
@@ -61,6 +63,54 @@ impl Pass for Fusion {
         *graph = fused;
         Ok(())
     }
+}
+
+/// `cast(reshape(x))` as `reshape(cast(x))` where nothing else reads the reshape and only
+/// matmuls read the cast: the cast then joins the kernel that makes `x` (a norm's output cast
+/// to 16 bits, reshaped for the matmul that reads it), where it would otherwise be a kernel of
+/// its own. (A cast that a kernel reads joins that kernel already.) Both orders give the same
+/// bytes: a reshape moves none.
+fn casts_before_reshapes(graph: &Graph) -> Graph {
+    let mut readers: Vec<Vec<&Op>> = vec![Vec::new(); graph.num_values()];
+    for (_, node) in graph.nodes() {
+        node.inputs.iter().for_each(|v| readers[v.index()].push(&node.op));
+    }
+    let outputs: Vec<ValueId> = graph.outputs().iter().map(|(_, v)| *v).collect();
+    let sunk = |node: &autotp_ir::Node| -> Option<NodeId> {
+        let (Op::Cast { .. }, [reshaped]) = (&node.op, &node.inputs[..]) else { return None };
+        let Def::Node(reshape, _) = graph.value(*reshaped).def else { return None };
+        let only_here = readers[reshaped.index()].len() == 1 && !outputs.contains(reshaped);
+        let into_matmuls = !outputs.contains(&node.outputs[0])
+            && readers[node.outputs[0].index()].iter().all(|op| matches!(op, Op::MatMul { .. }));
+        (matches!(graph.node(reshape).op, Op::Reshape { .. }) && only_here && into_matmuls).then_some(reshape)
+    };
+    let moved: Vec<NodeId> = graph.nodes().filter_map(|(_, node)| sunk(node)).collect();
+    if moved.is_empty() {
+        return graph.clone();
+    }
+    let mut rewriter = Rewriter::new(graph, |_| true);
+    for (id, node) in graph.nodes() {
+        if moved.contains(&id) {
+            continue;
+        }
+        let Some(reshape) = sunk(node) else {
+            rewriter.copy_node(id);
+            continue;
+        };
+        let x = graph.node(reshape).inputs[0];
+        let (old_x, out) = (graph.value(x), graph.value(node.outputs[0]));
+        let cast_type = autotp_ir::TensorType::new(out.ty.dtype, old_x.ty.shape.clone());
+        let new_x = rewriter.map(x);
+        let g = rewriter.graph();
+        let cast = g.add_node_typed(node.op.clone(), vec![new_x], vec![cast_type]);
+        let cast = g.node(cast).outputs[0];
+        g.value_mut(cast).placements = old_x.placements.clone();
+        let reshaped = g.add_node_typed(graph.node(reshape).op.clone(), vec![cast], vec![out.ty.clone()]);
+        let reshaped = g.node(reshaped).outputs[0];
+        (g.value_mut(reshaped).placements, g.value_mut(reshaped).name) = (out.placements.clone(), out.name.clone());
+        rewriter.set(node.outputs[0], reshaped);
+    }
+    rewriter.finish()
 }
 
 /// Whether a kernel can compute `node` at all (alone).
