@@ -1,18 +1,22 @@
-//! Attention as generated code for x86 ([`AttentionFunction`]): the forward and the two
-//! passes of the backward, each `void f(u8** buffers, i64 begin, i64 end)` over rows
-//! `begin..end`, buffers in the kernel's order (inputs, outputs), then the function's table and
-//! a scratch of one f32 per query row (`dout . out`, from `dq`'s pass for `dk`'s and `dv`'s).
+//! Attention as generated code ([`AttentionFunction`]), for x86 and NVPTX from one emitter: the
+//! forward and the passes of the backward, each over units of rows `begin..end` (x86: `void
+//! f(u8** buffers, i64 begin, i64 end)`; GPU: [`define_nvptx`]), buffers in the kernel's order
+//! (inputs, outputs), then the function's table and a scratch of one f32 per query row
+//! (`dout . out`, from `dq`'s pass for `dk`'s and `dv`'s).
 //!
-//! A row is one query (forward, `dq`) or one key (`dk`, `dv`). Its vectors (q, k, v, out, dout)
-//! sit in registers as vectors of `w` lanes (the widest that divides both head dims, up to the
-//! host's width), and the keys (or queries) it meets are taken a block of `W` (the host's
-//! width) at a time: the block's scores as one vector of `W` lanes (a dot product per lane,
-//! summed as a tree of halves), masked lanes and lanes past the range set to -inf, then one
-//! vectorised exponential for the block and an online softmax (the running maximum and sum
-//! rescaled per block, FlashAttention's), and the probabilities' products accumulated a lane
-//! at a time. Every row's result depends on its own elements in a fixed order, never on how rows
-//! are split among threads. Scores and sums are f32 (the builtin kernel, the oracle, is f64);
-//! 16-bit operands load widened and results store rounded to nearest even.
+//! A row is one query (forward, `dq`) or one key (`dk`, `dv`). On x86 a unit's rows (up to 4)
+//! hold their vectors (q, k, v, out, dout) in registers as vectors of `w` lanes (the widest
+//! that divides both head dims, up to the host's width), and the keys (or queries) they meet
+//! are taken a block of `W` (the host's width) at a time: the block's scores as one vector of
+//! `W` lanes (the `W` dot products reduced together), masked lanes and lanes past the range
+//! set to -inf, then one vectorised exponential for the block and an online softmax (the
+//! running maximum and sum rescaled per block, FlashAttention's), and the probabilities'
+//! products accumulated a lane at a time. On a GPU a thread runs one row, one lane wide: its
+//! registers hold the row's accumulators, operands are read where they are used and dot
+//! products are loops, so that nothing spills. Every row's result depends on its own elements
+//! in a fixed order, never on how rows are split among threads. Scores and sums are f32 (the
+//! builtin kernel, the oracle, is f64); 16-bit operands load widened and results store rounded
+//! to nearest even.
 //!
 //! The forward keeps each query's log-sum-exp; `dq` recomputes each probability from it (and
 //! keeps `dout . out`), and `dk`/`dv` recompute the probability of every query that sees the
@@ -117,11 +121,7 @@ pub(crate) fn define_cpu<'ctx>(
         .collect::<Result<Vec<_>, LlvmError>>()?;
     let width = if f.target == AttentionTarget::Gpu { 1 } else { width };
     let a = Attention::new(e, function, f, &pointers, width, false);
-    counted_loop(e, function, begin, end, i64t.const_int(1, false), &[], |unit, _| {
-        a.unit(unit)?;
-        Ok(vec![])
-    })?;
-    e.b.build_return(None)?;
+    a.units((begin, end), i64t.const_int(1, false))?;
     Ok(function)
 }
 
@@ -151,11 +151,7 @@ pub(crate) fn define_nvptx<'ctx>(
     let first = e.b.build_int_add(e.b.build_int_mul(special_register(e, "ctaid.x")?, block, "")?, thread, "")?;
     let stride = e.b.build_int_mul(special_register(e, "nctaid.x")?, block, "")?;
     let a = Attention::new(e, function, f, &pointers, 1, true);
-    counted_loop(e, function, first, units, stride, &[], |unit, _| {
-        a.unit(unit)?;
-        Ok(vec![])
-    })?;
-    e.b.build_return(None)?;
+    a.units((first, units), stride)?;
     Ok(function)
 }
 
@@ -185,6 +181,16 @@ impl<'a, 'b, 'ctx> Attention<'a, 'b, 'ctx> {
             w /= 2;
         }
         Attention { e, function, f, buffers, w, block: width, nvptx }
+    }
+
+    /// Units `from, from + step, ...` before `to`, then the function's return.
+    fn units(&self, (from, to): (IntValue<'ctx>, IntValue<'ctx>), step: IntValue<'ctx>) -> Result<(), LlvmError> {
+        counted_loop(self.e, self.function, from, to, step, &[], |unit, _| {
+            self.unit(unit)?;
+            Ok(vec![])
+        })?;
+        self.e.b.build_return(None)?;
+        Ok(())
     }
 
     /// One unit of the function's pass.
@@ -230,6 +236,18 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         Ok(self.e.b.build_load(i64t, slot, "")?.into_int_value())
     }
 
+    /// The address of element `offset` of a `dtype` buffer at `base`.
+    fn element(
+        &self,
+        base: PointerValue<'ctx>,
+        dtype: DType,
+        offset: IntValue<'ctx>,
+    ) -> Result<PointerValue<'ctx>, LlvmError> {
+        let element = self.e.memory_type(dtype, 1).get_element_type();
+        // SAFETY (of the generated code): the rows addressed lie inside the kernel's buffers.
+        Ok(unsafe { self.e.b.build_in_bounds_gep(element.as_basic_type_enum(), base, &[offset], "")? })
+    }
+
     /// `width` elements of `dtype` at element `offset` of `base`, as f32.
     fn load(
         &self,
@@ -239,10 +257,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         width: u32,
     ) -> Result<V<'ctx>, LlvmError> {
         let e = self.e;
-        let element = e.memory_type(dtype, 1).get_element_type();
-        // SAFETY (of the generated code): the rows addressed lie inside the kernel's buffers.
-        let at = unsafe { e.b.build_in_bounds_gep(element.as_basic_type_enum(), base, &[offset], "")? };
-        let raw = e.b.build_load(e.memory_type(dtype, width), at, "")?;
+        let raw = e.b.build_load(e.memory_type(dtype, width), self.element(base, dtype, offset)?, "")?;
         if let Some(instruction) = inkwell::values::BasicValue::as_instruction_value(&raw) {
             let _ = instruction.set_alignment(dtype.size() as u32);
         }
@@ -256,11 +271,8 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         offset: IntValue<'ctx>,
         value: V<'ctx>,
     ) -> Result<(), LlvmError> {
-        let e = self.e;
-        let element = e.memory_type(dtype, 1).get_element_type();
-        // SAFETY (of the generated code): as in `load`.
-        let at = unsafe { e.b.build_in_bounds_gep(element.as_basic_type_enum(), base, &[offset], "")? };
-        let _ = e.b.build_store(at, e.narrow(dtype, value)?)?.set_alignment(dtype.size() as u32);
+        let at = self.element(base, dtype, offset)?;
+        let _ = self.e.b.build_store(at, self.e.narrow(dtype, value)?)?.set_alignment(dtype.size() as u32);
         Ok(())
     }
 

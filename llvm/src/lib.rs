@@ -13,8 +13,8 @@
 //!   made when the plan is compiled: rows on blocks, the inner dimension on threads, row
 //!   reductions with warp shuffles. The module also holds the optimizer steps and the builtin
 //!   kernels' GPU forms: data movement and [`indexed`] gathers and scatter-adds.
-//! - [`attention`]: attention's forward and backward passes on x86, blocks of keys with an
-//!   online softmax, never the scores matrix.
+//! - [`attention`]: fused attention's forward and backward passes for x86 and NVPTX, an online
+//!   softmax over blocks of keys, never the scores matrix.
 //! - [`optim`]: the multi-tensor optimizer step (AdamW, SGD) over a table of chunks, for both
 //!   targets, bit-identical to the Rust kernels.
 //!
@@ -39,7 +39,7 @@ pub enum Function<'a> {
     Kernel(&'a autotp_kernels::kir::Kernel),
     /// A multi-tensor optimizer step.
     OptimizerStep(&'a autotp_kernels::optim::OptimizerKernel),
-    /// A pass of an attention (x86 only, for now).
+    /// A pass of a fused attention (cut for x86, or for a GPU: the emulated GPU runs that here).
     Attention(&'a autotp_kernels::attention::AttentionFunction),
 }
 
