@@ -6,7 +6,8 @@
 # among the fixtures, the GPU's is held to the training contract against it (1e-5 relative at
 # step 1, 1e-3 at every step). Then a checkpoint written on the GPU
 # is resumed on the CPU and the reverse, each against the uninterrupted CPU run; and parallel
-# plans with their ranks sharing one GPU against the same plans on CPU ranks.
+# plans with their ranks sharing one GPU against the same plans on CPU ranks; and fused
+# attention's GPU passes against the CPU's.
 #
 #   scripts/gpu-tests.sh [AUTOTP_BINARY]     (default: target/release/autotp, built if missing)
 #   env: STEPS (30), TOLERANCE (1e-5: the first step), CURVE_TOLERANCE (1e-4: every step),
@@ -103,6 +104,19 @@ for precision in bf16 fp16; do
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/$precision.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$precision.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
   TOLERANCE=${TOLERANCE_16:-2e-3} CURVE_TOLERANCE=${TOLERANCE_16:-2e-3} compare "$WORK/$precision.cuda.jsonl" "$WORK/$precision.cpu.jsonl" "gpt2 $precision: cuda against cpu"
+done
+# Fused attention: the plan's GPU passes (a thread per row) against the CPU's x86 passes, one
+# rank, a shared key/value head, tensor parallelism, bf16.
+for case in "llama" "falcon_mqa" "falcon_mqa --tp 2" "gpt2 --precision bf16"; do
+  read -r arch flags <<< "$case"
+  plan=$WORK/fused.atp
+  # shellcheck disable=SC2086
+  "$BIN" compile tests/fixtures/$arch/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 --attention fused $flags -o "$plan" > /dev/null
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/fused.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/fused.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
+  tolerance=$TOLERANCE curve=$CURVE_TOLERANCE
+  [[ "$flags" == *bf16* ]] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
+  TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/fused.cuda.jsonl" "$WORK/fused.cpu.jsonl" "$arch${flags:+ $flags} fused attention: cuda against cpu"
 done
 [ "$status" = 0 ] && echo "all GPU checks passed" || echo "GPU checks FAILED"
 exit "$status"

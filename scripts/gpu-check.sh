@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The one script a session lent a GPU runs (issue 35): every GPU check and table in one go,
+# well under 8 minutes on an H100 or H200 with the release binary carried over (the device
+# machine builds nothing; it links LLVM statically):
+#
+#   1. scripts/gpu-tests.sh (STEPS=12): every fixture and layout on --device cuda against the
+#      CPU, checkpoints across devices, mixed precision, fused attention's GPU passes;
+#   2. benches/gpu_step.sh: GPT-2 124M, 8 x 1024, against PyTorch eager and torch.compile in
+#      f32 and bf16, then bf16 with --attention fused (PyTorch's runs reused);
+#   3. the device and driver, for the README's tables.
+#
+#   scripts/gpu-check.sh [AUTOTP_BINARY]   (default target/release/autotp)
+#   env: STEPS (12 for the tests, 20 for the benches)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=${1:-target/release/autotp}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+start=$SECONDS
+STEPS=${STEPS:-12} scripts/gpu-tests.sh "$BIN"
+tests=$?
+echo "gpu-tests: $((SECONDS - start)) s"
+for precision in f32 bf16; do
+  STEPS=20 WARMUP=5 PRECISION=$precision benches/gpu_step.sh "$BIN"
+done
+STEPS=20 WARMUP=5 PRECISION=bf16 TORCH=0 AUTOTP_FLAGS="--attention fused" benches/gpu_step.sh "$BIN"
+echo "gpu-check: $((SECONDS - start)) s; tests $([ "$tests" = 0 ] && echo passed || echo FAILED)"
+exit "$tests"
