@@ -599,9 +599,7 @@ fn attention_ptx_assembles_without_spills() {
         let source = dir.join(format!("{}.ptx", arch.name()));
         std::fs::write(&source, &code).unwrap();
         let report = assemble(&ptxas, &source, arch.name());
-        let (registers, spills) = register_use(&report);
-        assert_eq!(spills, 0, "{}: attention spills registers:\n{report}", arch.name());
-        assert!(registers <= 255, "{}: {registers} registers", arch.name());
+        assert_eq!(register_use(&report).1, 0, "{}: attention spills registers:\n{report}", arch.name());
     }
 }
 

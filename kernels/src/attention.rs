@@ -77,6 +77,11 @@ impl AttentionDims {
         crate::numel(&self.lead)
     }
 
+    /// The query rows: `out`'s and `lse`'s rows.
+    pub fn query_rows(&self) -> usize {
+        self.batch() * self.q_len
+    }
+
     pub fn kv_batch(&self) -> usize {
         crate::numel(&self.kv_lead)
     }
@@ -109,15 +114,10 @@ impl AttentionDims {
         broadcasts(&self.kv_lead, &self.lead) && bias_ok && self.head_dim > 0 && self.value_dim > 0
     }
 
-    /// For each leading index of the query, the leading index of a broadcast operand of shape
-    /// `from` (its dims 1 or `lead`'s).
-    fn sources(&self, from: &[usize]) -> Vec<usize> {
-        let mut strides = vec![0; from.len()];
-        let mut stride = 1;
-        for d in (0..from.len()).rev() {
-            strides[d] = if from[d] == 1 { 0 } else { stride };
-            stride *= from[d];
-        }
+    /// For each leading index of the query, the index of its element in a broadcast of leading
+    /// dims `from` (each 1 or `lead`'s), times `block`.
+    fn sources(&self, from: &[usize], block: usize) -> Vec<usize> {
+        let strides = crate::shape::broadcast_strides(from, &self.lead);
         (0..self.batch())
             .map(|mut flat| {
                 let mut at = 0;
@@ -125,9 +125,22 @@ impl AttentionDims {
                     at += (flat % self.lead[d]) * strides[d];
                     flat /= self.lead[d];
                 }
-                at
+                at * block
             })
             .collect()
+    }
+
+    /// Per query batch index, its key/value batch index.
+    fn kv_of(&self) -> Vec<usize> {
+        self.sources(&self.kv_lead, 1)
+    }
+
+    /// Per query batch index, the offset of its `[rows, cols]` block of the bias (0 without).
+    fn bias_blocks(&self) -> Vec<usize> {
+        match self.bias.as_deref() {
+            Some([lead @ .., rows, cols]) => self.sources(lead, rows * cols),
+            _ => vec![0; self.batch()],
+        }
     }
 }
 
@@ -245,14 +258,7 @@ impl AttentionFunction {
     /// batch indices that share it, in order.
     pub fn table(&self) -> Vec<i64> {
         let dims = &self.dims;
-        let kv_of = dims.sources(&dims.kv_lead);
-        let bias_of = match dims.bias.as_deref() {
-            Some(shape) => {
-                let block = shape[shape.len() - 2] * shape[shape.len() - 1];
-                dims.sources(&shape[..shape.len() - 2]).into_iter().map(|b| b * block).collect()
-            }
-            None => vec![0; dims.batch()],
-        };
+        let (kv_of, bias_of) = (dims.kv_of(), dims.bias_blocks());
         let mut sharing = vec![Vec::new(); dims.kv_batch()];
         for (b, &kb) in kv_of.iter().enumerate() {
             sharing[kb].push(b);
@@ -292,13 +298,11 @@ struct Operands<'a> {
 impl<'a> Operands<'a> {
     fn new(dims: &'a AttentionDims, scale: f64, [q, k, v]: [&'a [f64]; 3], bias: Option<&'a [f64]>) -> Operands<'a> {
         let bias = bias.zip(dims.bias.as_deref()).map(|(values, shape)| {
-            let rank = shape.len();
-            let (rows, cols) = (shape[rank - 2], shape[rank - 1]);
-            let block = rows * cols;
-            let offsets = dims.sources(&shape[..rank - 2]).into_iter().map(|b| b * block).collect();
+            let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+            let offsets = dims.bias_blocks();
             Bias { values, offsets, row_stride: if rows == 1 { 0 } else { cols }, col_stride: usize::from(cols != 1) }
         });
-        Operands { dims, scale, q, k, v, bias, kv_of: dims.sources(&dims.kv_lead) }
+        Operands { dims, scale, q, k, v, bias, kv_of: dims.kv_of() }
     }
 
     fn q_row(&self, b: usize, i: usize) -> &[f64] {

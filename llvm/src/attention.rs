@@ -25,11 +25,11 @@
 
 use autotp_kernels::attention::{AttentionFunction, AttentionMask, AttentionPass, AttentionTarget};
 use autotp_kernels::DType;
-use inkwell::types::{BasicType, VectorType};
+use inkwell::types::VectorType;
 use inkwell::values::{FunctionValue, IntValue, PointerValue};
 use inkwell::{AddressSpace, IntPredicate};
 
-use crate::emit::{counted_loop, Emitter, V};
+use crate::emit::{counted_loop, Buffer, Emitter, V};
 use crate::nvptx::special_register;
 use crate::{math, LlvmError};
 
@@ -236,18 +236,6 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         Ok(self.e.b.build_load(i64t, slot, "")?.into_int_value())
     }
 
-    /// The address of element `offset` of a `dtype` buffer at `base`.
-    fn element(
-        &self,
-        base: PointerValue<'ctx>,
-        dtype: DType,
-        offset: IntValue<'ctx>,
-    ) -> Result<PointerValue<'ctx>, LlvmError> {
-        let element = self.e.memory_type(dtype, 1).get_element_type();
-        // SAFETY (of the generated code): the rows addressed lie inside the kernel's buffers.
-        Ok(unsafe { self.e.b.build_in_bounds_gep(element.as_basic_type_enum(), base, &[offset], "")? })
-    }
-
     /// `width` elements of `dtype` at element `offset` of `base`, as f32.
     fn load(
         &self,
@@ -257,7 +245,8 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         width: u32,
     ) -> Result<V<'ctx>, LlvmError> {
         let e = self.e;
-        let raw = e.b.build_load(e.memory_type(dtype, width), self.element(base, dtype, offset)?, "")?;
+        let at = e.element_pointer(&Buffer { pointer: base, dtype }, offset)?;
+        let raw = e.b.build_load(e.memory_type(dtype, width), at, "")?;
         if let Some(instruction) = inkwell::values::BasicValue::as_instruction_value(&raw) {
             let _ = instruction.set_alignment(dtype.size() as u32);
         }
@@ -271,7 +260,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         offset: IntValue<'ctx>,
         value: V<'ctx>,
     ) -> Result<(), LlvmError> {
-        let at = self.element(base, dtype, offset)?;
+        let at = self.e.element_pointer(&Buffer { pointer: base, dtype }, offset)?;
         let _ = self.e.b.build_store(at, self.e.narrow(dtype, value)?)?.set_alignment(dtype.size() as u32);
         Ok(())
     }

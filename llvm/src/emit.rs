@@ -247,7 +247,11 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
         Ok(Address::Lanes(lanes))
     }
 
-    fn element_pointer(&self, buffer: &Buffer<'ctx>, offset: IntValue<'ctx>) -> Result<PointerValue<'ctx>, LlvmError> {
+    pub(crate) fn element_pointer(
+        &self,
+        buffer: &Buffer<'ctx>,
+        offset: IntValue<'ctx>,
+    ) -> Result<PointerValue<'ctx>, LlvmError> {
         // SAFETY (of the generated code): `Kernel::check` proved every offset in bounds.
         Ok(unsafe {
             self.b.build_in_bounds_gep(

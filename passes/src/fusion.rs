@@ -44,7 +44,9 @@ impl Pass for Fusion {
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         *graph = crate::peephole::rewrite(graph, crate::peephole::Rules::Gemm);
-        *graph = casts_before_reshapes(graph);
+        if let Some(moved) = casts_before_reshapes(graph) {
+            *graph = moved;
+        }
         let (recomputed, earliest) = crate::recompute::recompute(graph, self.recompute);
         *graph = recomputed;
         let (order, groups) = schedule(graph, &earliest);
@@ -69,8 +71,8 @@ impl Pass for Fusion {
 /// matmuls read the cast: the cast then joins the kernel that makes `x` (a norm's output cast
 /// to 16 bits, reshaped for the matmul that reads it), where it would otherwise be a kernel of
 /// its own. (A cast that a kernel reads joins that kernel already.) Both orders give the same
-/// bytes: a reshape moves none.
-fn casts_before_reshapes(graph: &Graph) -> Graph {
+/// bytes: a reshape moves none. `None` when there is no such cast.
+fn casts_before_reshapes(graph: &Graph) -> Option<Graph> {
     let mut readers: Vec<Vec<&Op>> = vec![Vec::new(); graph.num_values()];
     for (_, node) in graph.nodes() {
         node.inputs.iter().for_each(|v| readers[v.index()].push(&node.op));
@@ -86,7 +88,7 @@ fn casts_before_reshapes(graph: &Graph) -> Graph {
     };
     let moved: Vec<NodeId> = graph.nodes().filter_map(|(_, node)| sunk(node)).collect();
     if moved.is_empty() {
-        return graph.clone();
+        return None;
     }
     let mut rewriter = Rewriter::new(graph, |_| true);
     for (id, node) in graph.nodes() {
@@ -110,7 +112,7 @@ fn casts_before_reshapes(graph: &Graph) -> Graph {
         (g.value_mut(reshaped).placements, g.value_mut(reshaped).name) = (out.placements.clone(), out.name.clone());
         rewriter.set(node.outputs[0], reshaped);
     }
-    rewriter.finish()
+    Some(rewriter.finish())
 }
 
 /// Whether a kernel can compute `node` at all (alone).

@@ -93,10 +93,12 @@ impl CpuDevice {
         let attention_entries = entries.split_off(program.kernels.len() + step_kinds.len());
         let mut attention: std::collections::BTreeMap<usize, AttentionRun> = Default::default();
         for ((index, function), entry) in attention_functions.into_iter().zip(attention_entries) {
-            let query_rows = function.dims.batch() * function.dims.q_len;
-            let run =
-                attention.entry(index).or_insert_with(|| AttentionRun { passes: vec![], delta: vec![0.0; query_rows] });
-            run.passes.push(AttentionPass::new(function, entry));
+            let run = attention.entry(index).or_insert_with(|| AttentionRun {
+                passes: vec![],
+                table: function.table(),
+                delta: vec![0.0; function.dims.query_rows()],
+            });
+            run.passes.push(AttentionPass::new(&function, entry));
         }
         let optimizer_steps = step_kinds.into_iter().zip(entries.split_off(program.kernels.len())).collect();
         let generated = entries
@@ -177,12 +179,12 @@ impl Device for CpuDevice {
             Instruction::Kernel { inputs, outputs, .. } if self.attention.contains_key(&index) => {
                 let run = self.attention.get_mut(&index).expect("checked");
                 let mut buffers: Vec<*mut u8> = inputs.iter().chain(outputs).map(|r| bases.at(r)).collect();
-                buffers.extend([std::ptr::null_mut(), run.delta.as_mut_ptr() as *mut u8]);
+                buffers.extend([run.table.as_ptr() as *mut u8, run.delta.as_mut_ptr() as *mut u8]);
                 for pass in &run.passes {
                     // SAFETY: `validate` checked the regions against the kernel's buffer sizes
                     // (`Kernel::check_buffers`), which are what its passes address; the scratch
                     // has a value per query row.
-                    unsafe { pass.run(&mut buffers) };
+                    unsafe { pass.run(&buffers) };
                 }
             }
             Instruction::Kernel { kernel, inputs, outputs, label, .. } => {
@@ -329,44 +331,38 @@ fn attention_functions(program: &Program) -> Vec<(usize, AttentionFunction)> {
     functions
 }
 
-/// An attention instruction's generated passes, run in order, and their scratch (`dout . out`
-/// per query row, from the backward's first pass for its second).
+/// An attention instruction's generated passes, run in order, their table
+/// ([`AttentionFunction::table`], the same for every pass of a kernel) and their scratch
+/// (`dout . out` per query row, from the backward's first pass for its second).
 pub(crate) struct AttentionRun {
     passes: Vec<AttentionPass>,
+    table: Vec<i64>,
     delta: Vec<f32>,
 }
 
-/// One generated pass of an attention, its table and how its units of rows split into tasks.
+/// One generated pass of an attention and how its units of rows split into tasks.
 pub(crate) struct AttentionPass {
     entry: CpuKernel,
-    table: Vec<i64>,
     units: usize,
     units_per_task: usize,
 }
 
 impl AttentionPass {
-    fn new(function: AttentionFunction, entry: CpuKernel) -> AttentionPass {
+    fn new(function: &AttentionFunction, entry: CpuKernel) -> AttentionPass {
         // A unit's rows meet every key (or query) of their head: about 64K multiply-adds per task.
         let dims = &function.dims;
         let per_unit = function.unit_rows * dims.kv_len.max(dims.q_len) * (dims.head_dim + dims.value_dim);
-        AttentionPass {
-            entry,
-            table: function.table(),
-            units: function.units(),
-            units_per_task: (65_536 / per_unit).max(1),
-        }
+        AttentionPass { entry, units: function.units(), units_per_task: (65_536 / per_unit).max(1) }
     }
 
     /// Runs all units on the current rayon pool over `buffers` (the instruction's inputs, then
-    /// outputs, then the table's place, which this sets, and the scratch).
+    /// outputs, then the table and the scratch).
     ///
     /// # Safety
     /// The buffers must have the sizes of the attention kernel the pass was made from, and its
     /// outputs must overlap nothing else.
-    unsafe fn run(&self, buffers: &mut [*mut u8]) {
+    unsafe fn run(&self, buffers: &[*mut u8]) {
         use rayon::prelude::*;
-        let table = buffers.len() - 2;
-        buffers[table] = self.table.as_ptr() as *mut u8;
         let shared = Buffers(buffers);
         let (units, per_task, entry) = (self.units, self.units_per_task, self.entry);
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|t| {

@@ -303,17 +303,18 @@ impl GpuDevice {
                 Instruction::Kernel { inputs, outputs, gpu: Some(GpuForm::Attention(passes)), .. } => {
                     let at = |r: &Region| base + r.offset as u64;
                     let buffers: Vec<u64> = inputs.iter().chain(outputs).map(at).collect();
-                    let functions = passes.iter().map(|&i| (i, &gpu_kernels.attention[i]));
-                    let query_rows = functions.clone().map(|(_, f)| f.dims.batch() * f.dims.q_len).max().unwrap_or(0);
-                    let scratch = gpu.alloc(query_rows * 4)?;
-                    let launches = functions
-                        .map(|(entry, f)| {
-                            let table: Vec<u8> = f.table().iter().flat_map(|x| x.to_le_bytes()).collect();
+                    // The passes of one kernel share its shapes: one table and one scratch.
+                    let first = &gpu_kernels.attention[passes[0]];
+                    let table: Vec<u8> = first.table().iter().flat_map(|x| x.to_le_bytes()).collect();
+                    let table = upload_new(gpu.as_mut(), &table)?;
+                    let scratch = gpu.alloc(first.dims.query_rows() * 4)?;
+                    let launches = (passes.iter())
+                        .map(|&entry| {
                             let mut args = buffers.clone();
-                            args.extend([upload_new(gpu.as_mut(), &table)?, scratch, f.units() as u64]);
-                            Ok((entry, args))
+                            args.extend([table, scratch, gpu_kernels.attention[entry].units() as u64]);
+                            (entry, args)
                         })
-                        .collect::<Result<_, RuntimeError>>()?;
+                        .collect();
                     Prepared::Attention(launches)
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dtype, dims }, inputs, outputs, .. } => {
