@@ -29,17 +29,18 @@ pub fn choose_gpu_forms(program: &mut Program) {
             .and_then(|index| IndexedKernel::of(kernel, index.len));
         *gpu = match indexed {
             Some(indexed) => Some(GpuForm::Indexed(index_of(&mut table.indexed, indexed))),
-            None => {
-                let moves = autotp_kernels::kir_movement::movement_kernels(kernel).unwrap_or_default();
-                let runs: Vec<MovementRun> = (moves.into_iter())
-                    .map(|moved| MovementRun {
-                        kernel: index_of(&mut table.movement, moved.kernel),
-                        inputs: moved.inputs,
-                        outputs: moved.outputs,
-                    })
-                    .collect();
-                (!runs.is_empty()).then_some(GpuForm::Movement(runs))
-            }
+            // A movement with nothing to write is a form of no launches.
+            None => autotp_kernels::kir_movement::movement_kernels(kernel).map(|moves| {
+                GpuForm::Movement(
+                    (moves.into_iter())
+                        .map(|moved| MovementRun {
+                            kernel: index_of(&mut table.movement, moved.kernel),
+                            inputs: moved.inputs,
+                            outputs: moved.outputs,
+                        })
+                        .collect(),
+                )
+            }),
         };
     }
 }

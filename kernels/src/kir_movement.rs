@@ -7,8 +7,10 @@
 //! pad value by comparing its coordinate along the padded or concatenated dim with the inputs'
 //! ranges (an input's coordinate wraps inside its length, as kernelgen's pad does, so every read
 //! is in bounds and [`kir::Kernel::check`] proves it). Elements are moved, never computed, so
-//! the results are the builtin kernels' bit for bit. Element types: f32, i64 and bool (those
-//! the kernel IR loads); other kernels, negative slice steps and empty tensors have no form here.
+//! the results are the builtin kernels' bit for bit. Element types: those the kernel IR loads;
+//! other kernels and negative slice steps have no form here. Empty tensors (a partial rotary
+//! embedding's empty pass-through part) need none: an empty output is no kernel at all, an
+//! empty part of a split or concat is left out, and a pad of an empty input is a fill.
 
 use crate::kir::{self, Expr, Index, Stage, Store, Term, Var};
 use crate::shape::{broadcast_strides, strides};
@@ -116,6 +118,11 @@ pub fn movement_kernels(kernel: &Kernel) -> Option<Vec<MovementKernel>> {
     let single = |k: kir::Kernel| Some(vec![MovementKernel { kernel: k, inputs: vec![0], outputs: vec![0] }]);
     let numel = |shape: &[usize]| shape.iter().product::<usize>();
     let kernels = match kernel {
+        _ if writes_nothing(kernel) => Vec::new(),
+        Kernel::Pad { dtype, shape, out, value, .. } if usable(*dtype, out) && numel(shape) == 0 => {
+            let space = Space { shape: out };
+            single(space.kernel("fill", *dtype, vec![0], vec![constant(*dtype, *value)?]))?
+        }
         Kernel::Expand { dtype, shape, out } if usable(*dtype, out) && numel(shape) > 0 => {
             let space = Space { shape: out };
             let load = Expr::Load { buffer: 0, index: space.index(0, &broadcast_strides(shape, out)) };
@@ -209,6 +216,9 @@ pub fn movement_kernels(kernel: &Kernel) -> Option<Vec<MovementKernel>> {
             for (j, &size) in sizes.iter().enumerate() {
                 let mut out = shape.clone();
                 out[*axis] = size;
+                if out.contains(&0) {
+                    continue;
+                }
                 if !usable(*dtype, &out) {
                     return None;
                 }
@@ -223,6 +233,21 @@ pub fn movement_kernels(kernel: &Kernel) -> Option<Vec<MovementKernel>> {
         _ => return None,
     };
     kernels.iter().all(|k| k.kernel.check().is_ok()).then_some(kernels)
+}
+
+/// Whether `kernel` is a movement whose outputs are all empty.
+fn writes_nothing(kernel: &Kernel) -> bool {
+    match kernel {
+        Kernel::Expand { out, .. } | Kernel::Slice { out, .. } | Kernel::Pad { out, .. } => out.contains(&0),
+        Kernel::Transpose { shape, .. } => shape.contains(&0),
+        Kernel::Concat { shapes, axis, .. } => {
+            let along: usize = shapes.iter().map(|s| s.get(*axis).copied().unwrap_or(0)).sum();
+            let across = shapes.first().is_some_and(|s| s.iter().enumerate().any(|(d, &n)| d != *axis && n == 0));
+            along == 0 || across
+        }
+        Kernel::Split { shape, .. } => shape.contains(&0),
+        _ => false,
+    }
 }
 
 /// Whether the kernel IR moves elements of `dtype` into a non-empty output of `shape`.

@@ -1,8 +1,10 @@
 //! Optimizer updates with torch.optim's semantics: the builtin single-tensor `adamw` and `sgd`
 //! kernels, and what the generated multi-tensor step (`autotp_llvm::optim`, as Apex's and
-//! DeepSpeed's fused optimizers) shares with them: the chunk layout ([`TensorUpdate`]) and the
-//! step's constants ([`constants`]). The generated step repeats the per-element arithmetic
-//! below operation for operation, so it is bit-identical to these kernels (tested).
+//! DeepSpeed's fused optimizers) shares with them: the chunk layout ([`TensorUpdate`]) and how
+//! the step's constants follow from its scalars (below, with [`power`]). The generated step
+//! computes those constants itself from the scalars in device memory, and repeats the
+//! per-element arithmetic below operation for operation, so it is bit-identical to these
+//! kernels (tested) and a GPU's step never waits for the host.
 //!
 //! AdamW (decoupled weight decay, bias correction), at step `t` (1-based) with learning rate
 //! `lr`:  p *= 1 - lr*wd;  m = lerp(m, g, 1 - b1);  v = b2*v + (1 - b2)*g^2;
@@ -13,7 +15,9 @@
 //!        p -= lr * d.   A zero `buf` on the first step gives torch's `buf = d`.
 //!
 //! Scalars are computed in f64 and rounded to the element type once, as torch does with
-//! Python-float hyperparameters.
+//! Python-float hyperparameters. `b^t` is [`power`]: repeated squaring over the bits of the
+//! whole step count, IEEE multiplications that every target performs alike (a libm `pow`
+//! differs between targets in the last bit).
 
 use serde::{Deserialize, Serialize};
 
@@ -129,31 +133,19 @@ unsafe fn update(optimizer: &Optimizer, dtype: DType, scalars: &[&[u8]], t: &Ten
     }
 }
 
-/// The step's constants as the generated multi-tensor kernels take them, in `dtype`'s bytes:
-/// AdamW `[decay, 1 - b1, b2, 1 - b2, step_size, sqrt(1 - b2^t), eps]` (as in the module doc);
-/// SGD `[lr, weight_decay, momentum]` (a kernel made for an SGD without weight decay or momentum
-/// ignores those). Rounded from f64 exactly as the Rust kernels round them.
-pub fn constants(optimizer: &Optimizer, dtype: DType, scalars: &[&[u8]]) -> Result<Vec<u8>, KernelError> {
-    fn bytes<F: Float>(optimizer: &Optimizer, scalars: &[&[u8]]) -> Result<Vec<u8>, KernelError> {
-        let values = Step::<F>::new(optimizer, scalars)?.constants();
-        Ok(bytemuck::cast_slice(&values).to_vec())
+/// `base^exponent` by repeated squaring: for each bit of `exponent` from the lowest, the
+/// result is multiplied by the current square where the bit is set, then the square squared.
+/// The generated step (`autotp_llvm::optim`) performs the same multiplications in the same order.
+pub fn power(base: f64, exponent: u64) -> f64 {
+    let (mut result, mut square, mut rest) = (1.0, base, exponent);
+    while rest > 0 {
+        if rest & 1 == 1 {
+            result *= square;
+        }
+        square *= square;
+        rest >>= 1;
     }
-    match dtype {
-        DType::F32 => bytes::<f32>(optimizer, scalars),
-        DType::F64 => bytes::<f64>(optimizer, scalars),
-        other => Err(KernelError::Unsupported {
-            kernel: optimizer.name(),
-            what: format!("{other} parameters (keep f32 master weights)"),
-        }),
-    }
-}
-
-/// How many constants [`constants`] gives for `optimizer`.
-pub fn num_constants(optimizer: &Optimizer) -> usize {
-    match optimizer {
-        Optimizer::AdamW(_) => 7,
-        Optimizer::Sgd(_) => 3,
-    }
+    result
 }
 
 fn scalar_of<F: Float>(bytes: &[u8]) -> f64 {
@@ -174,14 +166,15 @@ impl<F: Float> Step<F> {
         let lr = scalar_of::<F>(scalars[0]);
         Ok(match optimizer {
             Optimizer::AdamW(c) => {
-                let t = scalar_of::<F>(scalars[1]);
+                // A whole step count (`as` saturates, as the generated step's conversion does).
+                let t = scalar_of::<F>(scalars[1]) as u64;
                 Step::AdamW {
                     decay: F::from_f64(1.0 - lr * c.weight_decay),
                     one_minus_b1: F::from_f64(1.0 - c.beta1),
                     b2: F::from_f64(c.beta2),
                     one_minus_b2: F::from_f64(1.0 - c.beta2),
-                    step_size: F::from_f64(lr / (1.0 - c.beta1.powf(t))),
-                    bias2_sqrt: F::from_f64((1.0 - c.beta2.powf(t)).sqrt()),
+                    step_size: F::from_f64(lr / (1.0 - power(c.beta1, t))),
+                    bias2_sqrt: F::from_f64((1.0 - power(c.beta2, t)).sqrt()),
                     eps: F::from_f64(c.eps),
                 }
             }
@@ -192,18 +185,6 @@ impl<F: Float> Step<F> {
                 nesterov: c.nesterov,
             },
         })
-    }
-
-    /// See [`constants`].
-    fn constants(&self) -> Vec<F> {
-        match *self {
-            Step::AdamW { decay, one_minus_b1, b2, one_minus_b2, step_size, bias2_sqrt, eps } => {
-                vec![decay, one_minus_b1, b2, one_minus_b2, step_size, bias2_sqrt, eps]
-            }
-            Step::Sgd { lr, weight_decay, momentum, .. } => {
-                vec![lr, weight_decay.unwrap_or(F::zero()), momentum.unwrap_or(F::zero())]
-            }
-        }
     }
 
     /// Updates `param` and the states (`second` is empty for SGD) in place.
@@ -360,5 +341,33 @@ impl OptimizerKernel {
             }
         }
         name
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::power;
+
+    /// Repeated squaring is exact where the power is representable, within `exponent` ulps of
+    /// the exact power elsewhere (each squaring doubles the relative error so far), and the
+    /// bias corrections it gives round to the same f32 as a libm `pow`'s over the steps of a
+    /// run.
+    #[test]
+    fn power_by_squaring_is_the_power() {
+        assert_eq!(power(0.9, 0), 1.0);
+        assert_eq!(power(2.0, 10), 1024.0);
+        assert_eq!(power(0.5, 1074), f64::from_bits(1), "the smallest subnormal");
+        for (base, exponent) in [(0.9f64, 1u64), (0.9, 3), (0.999, 1000), (0.9999, 123_457), (0.99999, 1 << 23)] {
+            let exact = base.powf(exponent as f64);
+            let error = (power(base, exponent) - exact).abs() / exact;
+            assert!(error < exponent as f64 * f64::EPSILON, "{base}^{exponent}: relative error {error:e}");
+        }
+        for base in [0.9f64, 0.95, 0.999] {
+            for t in 1..=20_000 {
+                let (squared, pow) = (1.0 - power(base, t), 1.0 - base.powf(t as f64));
+                assert_eq!(squared as f32, pow as f32, "1 - {base}^{t}");
+                assert_eq!(squared.sqrt() as f32, pow.sqrt() as f32, "sqrt(1 - {base}^{t})");
+            }
+        }
     }
 }

@@ -4,25 +4,27 @@
 //! launch (CUDA) or one pass of the thread pool (x86).
 //!
 //! The per-element arithmetic is [`autotp_kernels::optim`]'s, operation for operation and in
-//! the same order, with the step's constants ([`autotp_kernels::optim::constants`]: learning
-//! rate and bias corrections rounded from f64 on the host) read from a small array. No
+//! the same order. So are the step's constants: each entry reads the step's scalars (the
+//! learning rate, and AdamW's step count) where the program keeps them and computes the bias
+//! corrections in f64 as the Rust kernels do, with [`autotp_kernels::optim::power`]'s
+//! multiplications, so the host never reads a scalar back to prepare a GPU's step. No
 //! operation is contracted or approximated (`sqrt` and division are IEEE on both targets), so
 //! the generated step is bit-identical to the Rust kernels; the test checks it on x86.
 //!
-//! - x86: `void k(u8** args, i64 begin, i64 end)` with `args = [chunks, constants]` runs chunks
-//!   `begin..end` in order, vectors of the host's width and a scalar tail.
-//! - NVPTX: `void k(TensorUpdate* chunks, i64 num_chunks, F* constants)`, block `b` takes
+//! - x86: `void k(u8** args, i64 begin, i64 end)` with `args = [chunks, scalars...]` runs
+//!   chunks `begin..end` in order, vectors of the host's width and a scalar tail.
+//! - NVPTX: `void k(TensorUpdate* chunks, i64 num_chunks, F* scalars...)`, block `b` takes
 //!   chunks `b, b + gridDim.x, ...`, thread `t` elements `t, t + BLOCK, ...` of each.
 //!
 //! An output not updated in place receives the new values directly (elements are read from the
 //! inputs and written to the outputs), so no copy precedes the step.
 
+use autotp_kernels::optim::Optimizer;
 use autotp_kernels::optim::OptimizerKernel;
-use autotp_kernels::optim::{num_constants, Optimizer};
 use autotp_kernels::DType;
 use inkwell::types::{BasicMetadataTypeEnum, BasicTypeEnum};
 use inkwell::values::{FunctionValue, IntValue, PointerValue};
-use inkwell::AddressSpace;
+use inkwell::{AddressSpace, IntPredicate};
 
 use crate::emit::{counted_loop, Emitter, V};
 use crate::LlvmError;
@@ -88,22 +90,107 @@ fn load_chunk<'ctx>(
     })
 }
 
-/// Loads the step's constants as `width`-lane splats.
-fn load_constants<'ctx>(
+/// The step's constants, computed in f64 from its scalars as `autotp_kernels::optim` computes
+/// them and rounded to the element type once: AdamW `[decay, 1 - b1, b2, 1 - b2, step_size,
+/// sqrt(1 - b2^t), eps]`, SGD `[lr, weight_decay, momentum]`. `scalars` point at the step's
+/// scalars ([`Optimizer::num_scalars`], of the element type).
+fn step_constants<'ctx>(
     e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
     kernel: &OptimizerKernel,
-    constants: PointerValue<'ctx>,
-    width: u32,
+    scalars: &[PointerValue<'ctx>],
 ) -> Result<Vec<V<'ctx>>, LlvmError> {
     let ty = kernel.element_type(e);
-    (0..num_constants(&kernel.optimizer))
-        .map(|k| {
-            // SAFETY (of the generated code): the caller passes `num_constants` constants.
-            let at =
-                unsafe { e.b.build_in_bounds_gep(ty, constants, &[e.ctx.i64_type().const_int(k as u64, false)], "")? };
-            e.splat(e.b.build_load(ty, at, "")?, width)
+    let f64t = e.ctx.f64_type();
+    let wide = |x: f64| -> Result<V<'ctx>, LlvmError> { e.splat(f64t.const_float(x).into(), 1) };
+    // A constant rounded on the host as the Rust kernels round it.
+    let fixed = |x: f64| -> Result<V<'ctx>, LlvmError> {
+        let value = match kernel.dtype {
+            DType::F64 => f64t.const_float(x),
+            _ => e.ctx.f32_type().const_float(x as f32 as f64),
+        };
+        e.splat(value.into(), 1)
+    };
+    let narrow = |x: V<'ctx>| -> Result<V<'ctx>, LlvmError> {
+        Ok(match kernel.dtype {
+            DType::F64 => x,
+            _ => e.b.build_float_trunc(x, e.ctx.f32_type().vec_type(1), "")?,
         })
-        .collect()
+    };
+    let scalar = |k: usize| -> Result<V<'ctx>, LlvmError> {
+        let pointer = scalars.get(k).ok_or_else(|| LlvmError::llvm("optimizer kernel", "a scalar is missing"))?;
+        let value = e.splat(e.b.build_load(ty, *pointer, "")?, 1)?;
+        Ok(match kernel.dtype {
+            DType::F64 => value,
+            _ => e.b.build_float_ext(value, f64t.vec_type(1), "")?,
+        })
+    };
+    let lr = scalar(0)?;
+    match &kernel.optimizer {
+        Optimizer::AdamW(c) => {
+            let steps = whole_steps(e, scalar(1)?)?;
+            let one = wide(1.0)?;
+            let decay = e.fsub(one, e.fmul(lr, wide(c.weight_decay)?)?)?;
+            let step_size = e.fdiv(lr, e.fsub(one, power(e, function, c.beta1, steps)?)?)?;
+            let bias2 = e.fsub(one, power(e, function, c.beta2, steps)?)?;
+            let bias2_sqrt = e.intrinsic("llvm.sqrt", &[bias2])?;
+            Ok(vec![
+                narrow(decay)?,
+                fixed(1.0 - c.beta1)?,
+                fixed(c.beta2)?,
+                fixed(1.0 - c.beta2)?,
+                narrow(step_size)?,
+                narrow(bias2_sqrt)?,
+                fixed(c.eps)?,
+            ])
+        }
+        Optimizer::Sgd(c) => Ok(vec![narrow(lr)?, fixed(c.weight_decay)?, fixed(c.momentum)?]),
+    }
+}
+
+/// `t` (f64) as a whole count, saturating as Rust's `as u64` does (NaN and negatives 0).
+fn whole_steps<'ctx>(e: &Emitter<'_, 'ctx>, t: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+    let name = "llvm.fptoui.sat";
+    let intrinsic = inkwell::intrinsics::Intrinsic::find(name).ok_or_else(|| LlvmError::llvm("intrinsic", name))?;
+    let types = [e.ctx.i64_type().vec_type(1).into(), t.get_type().into()];
+    let function =
+        intrinsic.get_declaration(e.module, &types).ok_or_else(|| LlvmError::llvm("intrinsic declaration", name))?;
+    let call = e.b.build_call(function, &[t.into()], "")?;
+    Ok(call.try_as_basic_value().basic().ok_or_else(|| LlvmError::llvm("intrinsic call", name))?.into_vector_value())
+}
+
+/// `base^steps` as [`autotp_kernels::optim::power`] computes it: over the 64 bits of `steps`
+/// from the lowest, the result times the current square where the bit is set, then the square
+/// squared (bits past the highest set one multiply nothing in).
+fn power<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    base: f64,
+    steps: V<'ctx>,
+) -> Result<V<'ctx>, LlvmError> {
+    let i64t = e.ctx.i64_type();
+    let start =
+        [e.splat(e.ctx.f64_type().const_float(1.0).into(), 1)?, e.splat(e.ctx.f64_type().const_float(base).into(), 1)?];
+    let done = counted_loop(
+        e,
+        function,
+        i64t.const_zero(),
+        i64t.const_int(64, false),
+        i64t.const_int(1, false),
+        &start,
+        |bit, carried| {
+            let [result, square] = carried else { unreachable!("two carried values") };
+            let shifted = e.b.build_right_shift(steps, e.splat(bit.into(), 1)?, false, "")?;
+            let set = e.icmp(IntPredicate::NE, e.b.build_and(shifted, e.i64(1, 1), "")?, e.i64(1, 0))?;
+            Ok(vec![e.select(set, e.fmul(*result, *square)?, *result)?, e.fmul(*square, *square)?])
+        },
+    )?;
+    Ok(done[0])
+}
+
+/// The step's constants ([`step_constants`]) as `width`-lane splats.
+fn splat_constants<'ctx>(e: &Emitter<'_, 'ctx>, constants: &[V<'ctx>], width: u32) -> Result<Vec<V<'ctx>>, LlvmError> {
+    constants.iter().map(|&c| e.broadcast(c, width)).collect()
 }
 
 /// Updates elements `at..at + width` of `chunk`.
@@ -191,7 +278,7 @@ fn declare<'ctx>(
     Ok(function)
 }
 
-/// The x86 form: `void k(u8** args, i64 begin, i64 end)`, `args = [chunks, constants]`.
+/// The x86 form: `void k(u8** args, i64 begin, i64 end)`, `args = [chunks, scalars...]`.
 pub(crate) fn define_cpu<'ctx>(
     e: &Emitter<'_, 'ctx>,
     symbol: &str,
@@ -203,14 +290,15 @@ pub(crate) fn define_cpu<'ctx>(
     let args = function.get_nth_param(0).expect("declared").into_pointer_value();
     let begin = function.get_nth_param(1).expect("declared").into_int_value();
     let end = function.get_nth_param(2).expect("declared").into_int_value();
-    let arg = |k: u64| -> Result<PointerValue<'ctx>, LlvmError> {
-        // SAFETY (of the generated code): the caller passes two pointers.
-        let at = unsafe { e.b.build_in_bounds_gep(ptr, args, &[i64t.const_int(k, false)], "")? };
+    let arg = |k: usize| -> Result<PointerValue<'ctx>, LlvmError> {
+        // SAFETY (of the generated code): the caller passes the table and the scalars.
+        let at = unsafe { e.b.build_in_bounds_gep(ptr, args, &[i64t.const_int(k as u64, false)], "")? };
         Ok(e.b.build_load(ptr, at, "")?.into_pointer_value())
     };
-    let (table, constants) = (arg(0)?, arg(1)?);
-    let wide = load_constants(e, kernel, constants, width)?;
-    let narrow = load_constants(e, kernel, constants, 1)?;
+    let table = arg(0)?;
+    let scalars = (1..=kernel.optimizer.num_scalars()).map(arg).collect::<Result<Vec<_>, _>>()?;
+    let narrow = step_constants(e, function, kernel, &scalars)?;
+    let wide = splat_constants(e, &narrow, width)?;
     let one = i64t.const_int(1, false);
     counted_loop(e, function, begin, end, one, &[], |index, _| {
         let chunk = load_chunk(e, table, index)?;
@@ -238,7 +326,7 @@ pub(crate) fn define_cpu<'ctx>(
     Ok(function)
 }
 
-/// The NVPTX form: `void k(TensorUpdate* chunks, i64 num_chunks, F* constants)`, with
+/// The NVPTX form: `void k(TensorUpdate* chunks, i64 num_chunks, F* scalars...)`, with
 /// `special_register("tid.x")` and so on reading the thread's coordinates.
 pub(crate) fn define_nvptx<'ctx>(
     e: &Emitter<'_, 'ctx>,
@@ -247,10 +335,14 @@ pub(crate) fn define_nvptx<'ctx>(
     threads_per_block: u64,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
     let (i64t, ptr) = (e.ctx.i64_type(), e.ctx.ptr_type(AddressSpace::default()));
-    let function = declare(e, kernel, &kernel.entry_name(), &[ptr.into(), i64t.into(), ptr.into()])?;
+    let mut params: Vec<BasicMetadataTypeEnum> = vec![ptr.into(), i64t.into()];
+    params.extend(std::iter::repeat_n(BasicMetadataTypeEnum::from(ptr), kernel.optimizer.num_scalars()));
+    let function = declare(e, kernel, &kernel.entry_name(), &params)?;
     let table = function.get_nth_param(0).expect("declared").into_pointer_value();
     let num_chunks = function.get_nth_param(1).expect("declared").into_int_value();
-    let constants = load_constants(e, kernel, function.get_nth_param(2).expect("declared").into_pointer_value(), 1)?;
+    let scalars: Vec<PointerValue> =
+        (2..params.len() as u32).map(|k| function.get_nth_param(k).expect("declared").into_pointer_value()).collect();
+    let constants = step_constants(e, function, kernel, &scalars)?;
     let (thread, block, blocks) =
         (special_register("tid.x")?, special_register("ctaid.x")?, special_register("nctaid.x")?);
     counted_loop(e, function, block, num_chunks, blocks, &[], |index, _| {

@@ -226,22 +226,19 @@ impl Device for CpuDevice {
             // A guarded step whose guard is false (non-finite gradients) leaves everything as is.
             Instruction::OptimizerStep { guard: Some(guard), .. } if region(guard)[0] == 0 => {}
             Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label, .. } => {
-                let scalars: Vec<&[u8]> = scalars.iter().map(region).collect();
-                let constants = autotp_kernels::optim::constants(optimizer, *dtype, &scalars)
-                    .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
+                // The kernel reads its scalars, of `dtype`, where the arena keeps them (aligned).
+                let scalars: Vec<*mut u8> = scalars.iter().map(|r| bases.at(r)).collect();
                 let (_, entry) = self
                     .optimizer_steps
                     .iter()
                     .find(|(kind, _)| kind.optimizer == *optimizer && kind.dtype == *dtype)
                     .expect("every optimizer step's kernel is compiled at load");
                 let (entry, dtype) = (*entry, *dtype);
-                // The kernel loads its constants as `dtype`, so they need `dtype`'s alignment.
-                let constants = AlignedBuf::from_bytes(&constants);
                 match self.state_file.as_mut().filter(|f| f.layout().tiles(index).is_some()) {
                     None => {
                         // SAFETY: `validate` checked every tensor's regions (in the arena, of one
                         // size) and that outputs alias nothing but, exactly, their own inputs.
-                        unsafe { run_chunks(entry, &constants, &optimizer_chunks(dtype, tensors, bases)) };
+                        unsafe { run_chunks(entry, &scalars, &optimizer_chunks(dtype, tensors, bases)) };
                         copy_masters(dtype, tensors, bases, label)?;
                     }
                     Some(file) => {
@@ -250,11 +247,11 @@ impl Device for CpuDevice {
                         let resident = || tensors.iter().filter(|t| !t.inputs.iter().any(Region::in_host_pool));
                         // SAFETY: as above; `Layout::of` checked that the file's states are
                         // updated in place and touched by nothing else.
-                        unsafe { run_chunks(entry, &constants, &optimizer_chunks(dtype, resident(), bases)) };
+                        unsafe { run_chunks(entry, &scalars, &optimizer_chunks(dtype, resident(), bases)) };
                         copy_masters(dtype, resident(), bases, label)?;
                         file.step(index, |tile, buffer| {
                             // SAFETY: as above; the tile's pieces lie in `buffer` (its layout).
-                            unsafe { update_tile(entry, dtype, &constants, tensors, bases, tile, buffer, label) }
+                            unsafe { update_tile(entry, dtype, &scalars, tensors, bases, tile, buffer, label) }
                         })?;
                     }
                 }
@@ -440,15 +437,15 @@ fn advise_huge_pages(bytes: &mut [u8]) {
 }
 
 /// Runs the generated multi-tensor kernel `entry` over `chunks` on the current rayon pool,
-/// with the step's `constants` ([`autotp_kernels::optim::constants`], aligned for its dtype).
+/// with the step's `scalars` (learning rate, step: one element of the chunks' dtype each).
 ///
 /// # Safety
-/// `entry` is the compiled step of the chunks' update rule and dtype; the chunks' memory is
-/// valid, aliases as [`Instruction::OptimizerStep`] allows, and no one else touches it
-/// meanwhile.
-unsafe fn run_chunks(entry: CpuKernel, constants: &AlignedBuf, chunks: &[autotp_kernels::optim::TensorUpdate]) {
+/// `entry` is the compiled step of the chunks' update rule and dtype; the scalars and the
+/// chunks' memory are valid and aligned, the chunks alias as [`Instruction::OptimizerStep`]
+/// allows, and no one else touches them meanwhile.
+unsafe fn run_chunks(entry: CpuKernel, scalars: &[*mut u8], chunks: &[autotp_kernels::optim::TensorUpdate]) {
     use rayon::prelude::*;
-    let args = [chunks.as_ptr() as *mut u8, constants.as_slice().as_ptr() as *mut u8];
+    let args: Vec<*mut u8> = std::iter::once(chunks.as_ptr() as *mut u8).chain(scalars.iter().copied()).collect();
     let shared = Buffers(&args);
     (0..chunks.len()).into_par_iter().for_each(|c| {
         let args = &shared;
@@ -468,7 +465,7 @@ unsafe fn run_chunks(entry: CpuKernel, constants: &AlignedBuf, chunks: &[autotp_
 unsafe fn update_tile(
     entry: CpuKernel,
     dtype: autotp_kernels::DType,
-    constants: &AlignedBuf,
+    scalars: &[*mut u8],
     tensors: &[autotp_program::OptimizerTensor],
     bases: Bases,
     tile: &autotp_program::offload::Tile,
@@ -489,7 +486,7 @@ unsafe fn update_tile(
         }
         push_chunks(dtype, &update, 0..update.len, &mut chunks);
     }
-    unsafe { run_chunks(entry, constants, &chunks) };
+    unsafe { run_chunks(entry, scalars, &chunks) };
     for piece in &tile.pieces {
         let t = &tensors[piece.tensor];
         let Some((copy, to)) = &t.copy else { continue };

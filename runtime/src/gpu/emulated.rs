@@ -57,6 +57,8 @@ pub struct Counts {
     pub launches: AtomicUsize,
     /// GEMMs (matmuls that would run on cuBLAS).
     pub gemms: AtomicUsize,
+    /// Copies to the host (each waits for its stream).
+    pub downloads: AtomicUsize,
 }
 
 impl Emulator {
@@ -217,6 +219,7 @@ impl Gpu for Emulator {
 
     fn download(&mut self, stream: Stream, address: u64, into: &mut [u8]) -> Result<(), RuntimeError> {
         self.check(address, into.len())?;
+        self.counts.downloads.fetch_add(1, Ordering::Relaxed);
         self.drain(stream)?;
         // SAFETY: checked to lie in an allocation; nothing else runs meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(address as *const u8, into.as_mut_ptr(), into.len()) };
@@ -261,12 +264,13 @@ impl Gpu for Emulator {
             },
             Entry::Kernel(i) => (self.kernels.get(i).copied(), args.to_vec(), rows),
             Entry::Movement(i) => (self.movement.get(i).copied(), args.to_vec(), rows),
-            // The x86 form takes [table, constants] and runs the chunks it is given as rows.
+            // The x86 form takes [table, scalars...] and runs the chunks it is given as rows.
             Entry::OptimizerStep(i) => match args {
-                [table, chunks, constants] => {
-                    (self.optimizer_steps.get(i).copied(), vec![*table, *constants], *chunks as usize)
+                [table, chunks, scalars @ ..] => {
+                    let buffers = std::iter::once(*table).chain(scalars.iter().copied()).collect();
+                    (self.optimizer_steps.get(i).copied(), buffers, *chunks as usize)
                 }
-                _ => return Err(RuntimeError::Device("emulated GPU: an optimizer step takes 3 arguments".into())),
+                _ => return Err(RuntimeError::Device("emulated GPU: an optimizer step takes its table".into())),
             },
         };
         let function = function.ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no entry {entry:?}")))?;

@@ -7,9 +7,9 @@
 //! - a generated kernel is the plan's kernel entry ([`Entry::Kernel`]) over its buffers' device
 //!   addresses, one row per block;
 //! - an optimizer step is the multi-tensor entry ([`Entry::OptimizerStep`]) over a table of
-//!   chunks built once at load in device memory (the same chunks as the CPU's); its constants
-//!   are made on the host from the step's learning rate and step number, read back from the
-//!   device (a small copy, the one synchronisation inside a step);
+//!   chunks built once at load in device memory (the same chunks as the CPU's) and the step's
+//!   scalars where the arena keeps them: the kernel computes the learning rate's and bias
+//!   corrections' constants itself, so the host reads nothing back inside a step;
 //! - a matmul is a cuBLAS batched GEMM ([`gemm::GemmCall`], its pointer arrays made at load),
 //!   where the GPU has cuBLAS and the operands a cuBLAS form;
 //! - a byte copy (a reshape's) is a device-to-device copy;
@@ -108,7 +108,7 @@ pub enum Entry {
     /// `Program::kernels[i]`: arguments are its buffers' addresses; one row per block.
     Kernel(usize),
     /// The `i`th of `Program::optimizer_kernels()`: arguments are the chunk table's address,
-    /// the number of chunks and the constants' address; one chunk per block.
+    /// the number of chunks and the step's scalars' addresses; one chunk per block.
     OptimizerStep(usize),
     /// `GpuKernels::movement[i]` (the program's `gpu_kernels`): as `Kernel`.
     Movement(usize),
@@ -175,17 +175,12 @@ pub struct GemmOperands {
     pub pointers: [u64; 3],
 }
 
-/// Device bytes for an optimizer step's constants (AdamW's are a few scalars).
-const CONSTANTS_BYTES: usize = 256;
-
 /// An optimizer step's chunk table in device memory.
 struct ChunkTable {
     address: u64,
     chunks: usize,
     /// The step's update rule: its index in `Program::optimizer_kernels()` (its entry).
     rule: usize,
-    /// Device memory for the step's constants (one rule's, as many bytes as it has).
-    constants: u64,
 }
 
 /// What an instruction needs on the device, made when the program loads.
@@ -280,11 +275,10 @@ impl GpuDevice {
                         crate::optimizer_step::Bases { arena: base as usize, host_pool: 0 },
                     );
                     let address = upload_new(gpu.as_mut(), table_bytes(&chunks))?;
-                    let constants = gpu.alloc(CONSTANTS_BYTES)?;
                     let rule = (rules.iter())
                         .position(|k| k.optimizer == *optimizer && k.dtype == *dtype)
                         .expect("the step's rule is among the program's");
-                    Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), rule, constants })
+                    Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), rule })
                 }
                 Instruction::Kernel { kernel, inputs, outputs, label, gpu: Some(GpuForm::Indexed(entry)) } => {
                     let entry = *entry;
@@ -505,22 +499,17 @@ impl GpuDevice {
                 }
                 Ok(())
             }
-            Instruction::OptimizerStep { optimizer, dtype, scalars, label, .. } => {
-                let values = scalars.iter().map(|r| self.download_region(stream, r)).collect::<Result<Vec<_>, _>>()?;
-                let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
-                let constants = autotp_kernels::optim::constants(optimizer, *dtype, &values)
-                    .map_err(|source| RuntimeError::Kernel { label: label.clone(), source })?;
-                if constants.len() > CONSTANTS_BYTES {
-                    return Err(RuntimeError::InvalidProgram(format!(
-                        "{label}: the step's constants exceed {CONSTANTS_BYTES} bytes"
-                    )));
-                }
+            Instruction::OptimizerStep { guard: Some(_), label, .. } => Err(RuntimeError::InvalidProgram(format!(
+                "{label}: a guarded step (an offloaded optimizer's) runs on CPU ranks only so far"
+            ))),
+            Instruction::OptimizerStep { scalars, .. } => {
                 let Prepared::OptimizerStep(table) = &self.prepared[index] else {
                     unreachable!("a table per optimizer step, made at load")
                 };
-                let (address, chunks, rule, constants_at) = (table.address, table.chunks, table.rule, table.constants);
-                self.gpu().upload(stream, constants_at, &constants)?;
-                self.gpu().launch(stream, Entry::OptimizerStep(rule), chunks, &[address, chunks as u64, constants_at])
+                let (entry, chunks) = (Entry::OptimizerStep(table.rule), table.chunks);
+                let mut args = vec![table.address, chunks as u64];
+                args.extend(scalars.iter().map(|r| self.address(r)));
+                self.gpu().launch(stream, entry, chunks, &args)
             }
             Instruction::Wait { .. } => Ok(()),
             // Until NCCL, communication goes through host memory, in the stream's order: a
