@@ -45,7 +45,8 @@ fn compile(model: &std::path::Path, plan: &std::path::Path, flags: &[&str]) {
 #[test]
 fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
     let dir = scratch("emulated-gpu");
-    for (arch, kernels) in [("gpt2", "generated"), ("llama", "generated"), ("gptj", "generated"), ("gpt2", "builtin")] {
+    let plans = [("gpt2", "generated"), ("llama", "generated"), ("gptj", "generated"), ("mixtral", "generated")];
+    for (arch, kernels) in plans.into_iter().chain([("gpt2", "builtin")]) {
         let plan_path = dir.join(format!("{arch}-{kernels}.atp"));
         let model = fixture(arch, "model.onnx");
         compile(&model, &plan_path, &["--micro-batch", "4", "--kernels", kernels]);
@@ -79,9 +80,14 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
         });
         let moved: usize = forms.clone().map(|f| if let GpuForm::Movement(runs) = f { runs.len() } else { 0 }).sum();
         assert!(moved >= 3, "{arch}: expand, concat and split run as movement kernels ({moved})");
-        let indexed = forms.filter(|f| matches!(f, GpuForm::Indexed(_))).count();
+        let indexed = forms.clone().filter(|f| matches!(f, GpuForm::Indexed(_))).count();
         assert!(indexed >= 2, "{arch}: the embedding's gather and scatter-add run on the GPU ({indexed})");
-        assert_eq!(counts.launches.load(Ordering::Relaxed), 3 * (generated + moved + indexed), "{arch}: launches");
+        let axis = forms.filter(|f| matches!(f, GpuForm::Axis(_))).count();
+        if arch == "mixtral" {
+            assert!(axis >= 4, "{arch}: the routers' top-k and its gradient's scatter run on the GPU ({axis})");
+        }
+        let launches = generated + moved + indexed + axis;
+        assert_eq!(counts.launches.load(Ordering::Relaxed), 3 * launches, "{arch}: launches");
         // With generated kernels nothing inside a step waits for the host: it reads back its
         // outputs, and the gathers' fault words once the streams are done.
         let downloads = counts.downloads.load(Ordering::Relaxed) - downloads_before;
@@ -95,6 +101,34 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
                 "{arch} ({kernels} kernels): {} after 3 steps",
                 slot.name
             );
+        }
+    }
+}
+
+/// Every fixture's step stays on a GPU: in bf16 with fused attention, and in f32, no builtin
+/// kernel of its plan runs on the host but matmuls, and every matmul has a cuBLAS call.
+#[test]
+fn every_fixtures_step_stays_on_the_gpu() {
+    let dir = scratch("gpu-forms");
+    let models = std::fs::read_dir(crate::common::repo().join("tests/fixtures")).unwrap();
+    let mut models: Vec<_> = models.map(|e| e.unwrap().path().join("model.onnx")).filter(|m| m.exists()).collect();
+    models.sort();
+    assert!(models.len() >= 14, "{} fixtures", models.len());
+    for model in &models {
+        let arch = model.parent().unwrap().file_name().unwrap().to_string_lossy().into_owned();
+        for (name, flags) in [("f32", &[][..]), ("bf16", &["--precision", "bf16", "--attention", "fused"][..])] {
+            let plan = dir.join(format!("{arch}-{name}.atp"));
+            compile(model, &plan, &[&["--micro-batch", "2"][..], flags].concat());
+            let program = PlanFile::open(&plan).unwrap().plan.stages.remove(0);
+            for instruction in &program.instructions {
+                let Instruction::Kernel { kernel, gpu: None, label, .. } = instruction else { continue };
+                let on_cublas = match kernel {
+                    Kernel::MatMul { dtype, dims } => autotp_runtime::gpu::gemm::GemmCall::of(*dtype, dims).is_some(),
+                    Kernel::Copy => true,
+                    _ => false,
+                };
+                assert!(on_cublas, "{arch} {name}: {label} runs on the host");
+            }
         }
     }
 }

@@ -625,9 +625,9 @@ fn register_use(report: &str) -> (usize, usize) {
     (registers, spills)
 }
 
-/// All PTX the fixtures' plans carry (one rank, tp 2, dp 2 with ZeRO-3, pp 2, bf16, fp16),
-/// the builtin kernels' GPU forms included, assembles with ptxas for sm_80 and sm_90, and no
-/// entry spills registers (`ptxas -v`).
+/// All PTX the fixtures' plans carry (one rank, tp 2, dp 2 with ZeRO-3, pp 2, bf16, fp16; a
+/// mixture of experts' routing), the builtin kernels' GPU forms included, assembles with ptxas
+/// for sm_80 and sm_90, and no entry spills registers (`ptxas -v`).
 #[test]
 fn fixture_plans_ptx_assembles_with_ptxas() {
     use crate::common::{autotp, fixture, scratch, success};
@@ -642,8 +642,9 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
         &["--precision", "fp16", "--dp", "2", "--zero", "2"],
         &["--attention", "fused", "--precision", "bf16"],
     ];
-    let (mut assembled, mut indexed_modules, mut most_registers) = (0, 0, 0);
-    for arch in ["gpt2", "llama"] {
+    let (mut assembled, mut indexed_modules, mut most_registers, mut axis_entries) = (0, 0, 0, 0);
+    let routing: [&[&str]; 2] = [&[], &["--precision", "bf16"]];
+    for (arch, layouts) in [("gpt2", &layouts[..]), ("llama", &layouts[..]), ("mixtral", &routing[..])] {
         for (l, layout) in layouts.iter().enumerate() {
             let model = fixture(arch, "model.onnx");
             let plan_path = dir.join(format!("{arch}-{l}.atp"));
@@ -661,9 +662,11 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
                 // plan's modules hold; also assembled on their own.
                 let (movement, indexed) = (&program.gpu_kernels.movement, &program.gpu_kernels.indexed);
                 indexed_modules += usize::from(!indexed.is_empty());
+                axis_entries += program.gpu_kernels.axis.len();
                 for module in &program.ptx {
                     let entries = (0..movement.len()).map(autotp_llvm::nvptx::movement_entry_name);
-                    for entry in entries.chain((0..indexed.len()).map(autotp_llvm::indexed::entry_name)) {
+                    let entries = entries.chain((0..indexed.len()).map(autotp_llvm::indexed::entry_name));
+                    for entry in entries.chain((0..program.gpu_kernels.axis.len()).map(autotp_llvm::axis::entry_name)) {
                         assert!(module.code.contains(&format!(".entry {entry}(")), "{} lacks {entry}", module.arch);
                     }
                 }
@@ -692,4 +695,5 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
     assert!(assembled >= 76, "{assembled} PTX modules assembled");
     assert!(most_registers > 0 && most_registers < 255, "{most_registers} registers at most");
     assert!(indexed_modules >= 12, "every plan's embedding gathers on the GPU ({indexed_modules} stages)");
+    assert!(axis_entries >= 4, "mixtral's top-k and scatter-elements are entries ({axis_entries})");
 }

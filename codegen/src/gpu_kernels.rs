@@ -1,7 +1,8 @@
 //! The GPU forms of a program's builtin kernels ([`autotp_program::gpu::GpuKernels`]), chosen
 //! here once, at compile time: each builtin kernel's data movement as kernel IR
 //! ([`autotp_kernels::kir_movement`]), the gathers and scatter-adds that have an
-//! [`IndexedKernel`] form, and fused attention's passes ([`AttentionFunction`]). Equal kernels (of layers of one shape) are listed once. The plan's
+//! [`IndexedKernel`] form, fused attention's passes ([`AttentionFunction`]), and top-ks and
+//! scatter-elements ([`AxisKernel`]). Equal kernels (of layers of one shape) are listed once. The plan's
 //! PTX holds them; a GPU runs every other builtin kernel on the host.
 //!
 //! [`idle_launches`] finds the kernels that would leave a GPU's multiprocessors idle (fewer
@@ -9,6 +10,7 @@
 //! block), which the compile summary lists.
 
 use autotp_kernels::attention::{AttentionFunction, AttentionTarget};
+use autotp_kernels::axis::AxisKernel;
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_program::gpu::{GpuForm, MovementRun};
 use autotp_program::{Instruction, Program};
@@ -22,6 +24,10 @@ pub fn choose_gpu_forms(program: &mut Program) {
         if let Some(passes) = gpu_attention(kernel) {
             let entries = passes.into_iter().map(|f| index_of(&mut table.attention, f)).collect();
             *gpu = Some(GpuForm::Attention(entries));
+            continue;
+        }
+        if let Some(axis) = AxisKernel::of(kernel) {
+            *gpu = Some(GpuForm::Axis(index_of(&mut table.axis, axis)));
             continue;
         }
         let indexed = IndexedKernel::index_input(kernel)

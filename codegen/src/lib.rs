@@ -353,6 +353,7 @@ fn ptx_modules(program: &Program) -> Result<Vec<PtxModule>, CodegenError> {
         movement: &program.gpu_kernels.movement,
         indexed: &program.gpu_kernels.indexed,
         attention: &program.gpu_kernels.attention,
+        axis: &program.gpu_kernels.axis,
     };
     if entries.is_empty() {
         return Ok(Vec::new());

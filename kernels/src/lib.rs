@@ -14,6 +14,7 @@
 //! Kernels use rayon for data parallelism and the `gemm` crate for matrix products.
 
 pub mod attention;
+pub mod axis;
 mod buffer;
 mod dtype;
 mod elementwise;

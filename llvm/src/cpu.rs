@@ -124,6 +124,9 @@ fn build_module<'ctx>(
             Function::Attention(attention) => {
                 crate::attention::define_cpu(&e, symbol, attention, target.width)?;
             }
+            Function::Axis(kernel) => {
+                crate::axis::define_cpu(&e, symbol, kernel)?;
+            }
         }
     }
     module.verify().map_err(|m| LlvmError::llvm("verification", m))?;

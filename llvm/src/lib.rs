@@ -12,7 +12,8 @@
 //! - [`nvptx`]: CUDA. A plan's kernels as one PTX module per GPU architecture (sm_80, sm_90),
 //!   made when the plan is compiled: rows on blocks, the inner dimension on threads, row
 //!   reductions with warp shuffles. The module also holds the optimizer steps and the builtin
-//!   kernels' GPU forms: data movement and [`indexed`] gathers and scatter-adds.
+//!   kernels' GPU forms: data movement, [`indexed`] gathers and scatter-adds, and [`axis`]
+//!   top-k and scatter-elements (a mixture of experts' routing).
 //! - [`attention`]: fused attention's forward and backward passes for x86 and NVPTX, an online
 //!   softmax over blocks of keys, never the scores matrix.
 //! - [`optim`]: the multi-tensor optimizer step (AdamW, SGD) over a table of chunks, for both
@@ -22,6 +23,7 @@
 //! exact rewrites happen, and `fma` appears only where the polynomials ask for it.
 
 pub mod attention;
+pub mod axis;
 pub mod cpu;
 pub mod emit;
 pub mod indexed;
@@ -41,6 +43,8 @@ pub enum Function<'a> {
     OptimizerStep(&'a autotp_kernels::optim::OptimizerKernel),
     /// A pass of a fused attention (cut for x86, or for a GPU: the emulated GPU runs that here).
     Attention(&'a autotp_kernels::attention::AttentionFunction),
+    /// A top-k or scatter-elements in a GPU's form (the emulated GPU runs it here).
+    Axis(&'a autotp_kernels::axis::AxisKernel),
 }
 
 /// O3 without loop unrolling: the emitters already write vector loops, and unrolling their

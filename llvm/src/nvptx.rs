@@ -112,6 +112,8 @@ pub struct GpuEntries<'a> {
     pub indexed: &'a [crate::indexed::IndexedKernel],
     /// Fused attention's passes: entry [`crate::attention::entry_name`]`(i)`.
     pub attention: &'a [autotp_kernels::attention::AttentionFunction],
+    /// The top-ks and scatter-elements: entry [`crate::axis::entry_name`]`(i)`.
+    pub axis: &'a [autotp_kernels::axis::AxisKernel],
 }
 
 impl GpuEntries<'_> {
@@ -121,6 +123,7 @@ impl GpuEntries<'_> {
             && self.movement.is_empty()
             && self.indexed.is_empty()
             && self.attention.is_empty()
+            && self.axis.is_empty()
     }
 }
 
@@ -149,6 +152,10 @@ pub fn program_ptx(entries: &GpuEntries, arch: Arch) -> Result<String, LlvmError
         }
         for (i, attention) in entries.attention.iter().enumerate() {
             let function = crate::attention::define_nvptx(e, &crate::attention::entry_name(i), attention)?;
+            mark_kernel(e.ctx, e.module, function)?;
+        }
+        for (i, kernel) in entries.axis.iter().enumerate() {
+            let function = crate::axis::define_nvptx(e, &crate::axis::entry_name(i), kernel)?;
             mark_kernel(e.ctx, e.module, function)?;
         }
         Ok(())

@@ -10,12 +10,16 @@
 //!   `autotp_indexed_<i>` for indexed kernel `i` (`autotp_llvm::indexed` describes its arguments).
 //! - Fused attention's passes as [`AttentionFunction`]s: entry `autotp_attention_<i>`
 //!   (`autotp_llvm::attention` describes its arguments).
+//! - Top-k and scatter-elements (a mixture of experts' routing and its gradient) as
+//!   [`AxisKernel`]s: entry `autotp_axis_<i>` (`autotp_llvm::axis` describes its arguments).
 //!
 //! `Program::validate` checks a plan read from a file: movement kernels stay inside their
 //! buffers (`kir::Kernel::check`) and each form fits its instruction ([`GpuKernels::check_form`]:
-//! the buffers a movement run names, the indexed kernel its builtin kernel's).
+//! the buffers a movement run names, the indexed, attention or axis kernel its builtin
+//! kernel's).
 
 use autotp_kernels::attention::{AttentionFunction, AttentionTarget};
+use autotp_kernels::axis::AxisKernel;
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_kernels::{kir, Kernel};
 use serde::{Deserialize, Serialize};
@@ -32,6 +36,9 @@ pub struct GpuKernels {
     /// The distinct passes of fused attention.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attention: Vec<AttentionFunction>,
+    /// The distinct top-ks and scatter-elements.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub axis: Vec<AxisKernel>,
 }
 
 /// How a GPU runs one builtin-kernel instruction (`Instruction::Kernel::gpu`).
@@ -46,6 +53,8 @@ pub enum GpuForm {
     /// outputs, the pass's table and a scratch of one f32 per query row (the runtime makes
     /// both).
     Attention(Vec<usize>),
+    /// [`GpuKernels::axis`]`[i]` over the instruction's inputs and outputs.
+    Axis(usize),
 }
 
 /// One launch of a movement kernel for an instruction.
@@ -61,7 +70,7 @@ pub struct MovementRun {
 impl GpuKernels {
     /// Whether there is nothing for a GPU to run.
     pub fn is_empty(&self) -> bool {
-        self.movement.is_empty() && self.indexed.is_empty() && self.attention.is_empty()
+        self.movement.is_empty() && self.indexed.is_empty() && self.attention.is_empty() && self.axis.is_empty()
     }
 
     /// Checks that `form` fits the builtin `kernel` over `inputs` and `outputs` (see the module
@@ -116,6 +125,15 @@ impl GpuKernels {
                 let expected = AttentionFunction::of(kernel, AttentionTarget::Gpu).unwrap_or_default();
                 if functions.len() != expected.len() || functions.iter().zip(&expected).any(|(f, e)| *f != e) {
                     return Err(format!("its attention functions are not its {}'s", kernel.name()));
+                }
+            }
+            GpuForm::Axis(k) => {
+                let Some(axis) = self.axis.get(*k) else {
+                    return Err(format!("names axis kernel {k}, which does not exist"));
+                };
+                // The buffers fit the builtin kernel (checked before), so they fit its form.
+                if AxisKernel::of(kernel).as_ref() != Some(axis) {
+                    return Err(format!("names axis kernel {k}, which is not its {}'s", kernel.name()));
                 }
             }
         }
@@ -249,5 +267,30 @@ mod tests {
         other.gpu_kernels.attention[0].mask = AttentionMask::None;
         let message = refusal(&other);
         assert!(message.contains("node 0 (attention)") && message.contains("not its attention's"), "{message}");
+    }
+
+    /// A top-k's form names its own axis kernel.
+    #[test]
+    fn axis_forms_name_their_kernel_over_its_buffers() {
+        let top_k = Kernel::TopK { dtype: DType::F32, outer: 4, len: 8, inner: 1, k: 2, largest: true };
+        let axis = AxisKernel::of(&top_k).unwrap();
+        let instruction = Instruction::Kernel {
+            kernel: top_k,
+            inputs: vec![region(0, 128)],
+            outputs: vec![region(128, 32), region(192, 64)],
+            label: "node 0 (topk)".into(),
+            gpu: Some(GpuForm::Axis(0)),
+        };
+        let mut program = Program::bare(vec![instruction], vec![], 256);
+        program.gpu_kernels.axis.push(axis);
+        program.validate().unwrap();
+
+        let mut missing = program.clone();
+        *form(&mut missing, 0) = GpuForm::Axis(1);
+        assert!(refusal(&missing).contains("axis kernel 1, which does not exist"));
+        let mut other = program.clone();
+        other.gpu_kernels.axis[0].op = autotp_kernels::axis::AxisOp::TopK { k: 2, largest: false };
+        let message = refusal(&other);
+        assert!(message.contains("node 0 (topk)") && message.contains("not its topk's"), "{message}");
     }
 }

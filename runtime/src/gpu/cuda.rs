@@ -59,6 +59,8 @@ pub struct CudaGpu {
     indexed: Vec<sys::CUfunction>,
     /// Fused attention's passes (`gpu_kernels.attention`), entries of `module`.
     attention: Vec<sys::CUfunction>,
+    /// `GpuKernels::axis`' entries.
+    axis: Vec<sys::CUfunction>,
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<sys::CUevent>,
     /// cuBLAS's handle once asked for (`Some(None)`: the library is missing).
@@ -130,6 +132,7 @@ impl CudaGpu {
             movement: Vec::new(),
             indexed: Vec::new(),
             attention: Vec::new(),
+            axis: Vec::new(),
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
@@ -169,6 +172,9 @@ impl CudaGpu {
             .collect::<Result<_, _>>()?;
         gpu.attention = (0..gpu_kernels.attention.len())
             .map(|i| function(gpu.module, autotp_llvm::attention::entry_name(i)))
+            .collect::<Result<_, _>>()?;
+        gpu.axis = (0..gpu_kernels.axis.len())
+            .map(|i| function(gpu.module, autotp_llvm::axis::entry_name(i)))
             .collect::<Result<_, _>>()?;
         Ok(gpu)
     }
@@ -273,6 +279,7 @@ impl Gpu for CudaGpu {
             Entry::Movement(i) => (self.movement.get(i), self.movement_parts.get(i)),
             Entry::Indexed(i) => (self.indexed.get(i), Some(&1)),
             Entry::Attention(i) => (self.attention.get(i), Some(&1)),
+            Entry::Axis(i) => (self.axis.get(i), Some(&1)),
         };
         let (function, parts) =
             function.zip(parts).ok_or_else(|| RuntimeError::Device(format!("the plan has no entry {entry:?}")))?;

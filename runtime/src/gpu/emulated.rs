@@ -2,11 +2,12 @@
 //!
 //! Device memory is host memory (a device address is a host address); the program's kernels
 //! are the same kernel IR compiled for x86 (launched over all their rows, as a grid of one block
-//! per row would run them), fused attention's passes the same descriptions compiled for x86. Streams are lazy: an operation is queued and runs only when the host
-//! needs its result (a download, a synchronisation), and then only the operations that result
-//! depends on by stream order and events, in that order. So a result read without the wait
-//! or synchronisation that orders it after its producer comes out stale, as it may on a GPU,
-//! but deterministically.
+//! per row would run them), fused attention's passes and the top-ks and scatter-elements the
+//! same descriptions compiled for x86, gathers and scatter-adds their builtin kernels. Streams
+//! are lazy: an operation is queued and runs only when the host needs its result (a download,
+//! a synchronisation), and then only the operations that result depends on by stream order
+//! and events, in that order. So a result read without the wait or synchronisation that
+//! orders it after its producer comes out stale, as it may on a GPU, but deterministically.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,6 +43,8 @@ pub struct Emulator {
     indexed: Vec<IndexedKernel>,
     /// Fused attention's passes, compiled for x86 from the GPU's descriptions.
     attention: Vec<CpuKernel>,
+    /// Top-ks and scatter-elements, the GPU's code compiled for x86.
+    axis: Vec<CpuKernel>,
     queues: [VecDeque<Op>; 3],
     /// Per event: whether it has completed, and the stream it was recorded on.
     events: Vec<(bool, Stream)>,
@@ -71,12 +74,14 @@ impl Emulator {
             .chain(steps.iter().map(autotp_llvm::Function::OptimizerStep))
             .chain(movement.iter().map(autotp_llvm::Function::Kernel))
             .chain(program.gpu_kernels.attention.iter().map(autotp_llvm::Function::Attention))
+            .chain(program.gpu_kernels.axis.iter().map(autotp_llvm::Function::Axis))
             .collect();
         let mut kernels = match functions.is_empty() {
             true => Vec::new(),
             false => autotp_llvm::compile_cpu_functions(&functions)
                 .map_err(|e| RuntimeError::KernelCompile(e.to_string()))?,
         };
+        let axis = kernels.split_off(kernels.len() - program.gpu_kernels.axis.len());
         let attention = kernels.split_off(program.kernels.len() + steps.len() + movement.len());
         let movement = kernels.split_off(program.kernels.len() + steps.len());
         let optimizer_steps = kernels.split_off(program.kernels.len());
@@ -87,6 +92,7 @@ impl Emulator {
             movement,
             indexed: program.gpu_kernels.indexed.clone(),
             attention,
+            axis,
             queues: Default::default(),
             events: Vec::new(),
             counts: Arc::default(),
@@ -261,6 +267,11 @@ impl Gpu for Emulator {
             Entry::Attention(i) => match args.split_last() {
                 Some((units, buffers)) => (self.attention.get(i).copied(), buffers.to_vec(), *units as usize),
                 None => return Err(RuntimeError::Device("emulated GPU: an attention pass takes its units".into())),
+            },
+            // The x86 form takes the same words and runs the items it is given (the last).
+            Entry::Axis(i) => match args.split_last() {
+                Some((items, words)) => (self.axis.get(i).copied(), words.to_vec(), *items as usize),
+                None => return Err(RuntimeError::Device("emulated GPU: an axis kernel takes its items".into())),
             },
             Entry::Kernel(i) => (self.kernels.get(i).copied(), args.to_vec(), rows),
             Entry::Movement(i) => (self.movement.get(i).copied(), args.to_vec(), rows),

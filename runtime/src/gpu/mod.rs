@@ -16,9 +16,10 @@
 //! - a builtin kernel with a GPU form (`Instruction::Kernel`'s `gpu`, chosen by codegen) runs
 //!   as that form's entries of the plan's PTX: expand, transpose, slice, pad, concat and
 //!   split as movement kernels ([`Entry::Movement`]), a gather or scatter-add (the embedding and
-//!   its gradient) as an [`Entry::Indexed`] kernel ([`autotp_llvm::indexed`]); an index out of
-//!   range lands in fault words after the arena, read when the streams are synchronised and
-//!   reported as the CPU's kernel reports it;
+//!   its gradient) as an [`Entry::Indexed`] kernel ([`autotp_llvm::indexed`]), a top-k or
+//!   scatter-elements (a mixture of experts' routing) as an [`Entry::Axis`] kernel
+//!   ([`autotp_llvm::axis`]); an index out of range lands in fault words after the arena, read
+//!   when the streams are synchronised and reported as the CPU's kernel reports it;
 //! - other builtin kernels (and those matmuls) run on the host: their inputs are
 //!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
 //! - collectives, sends and receives (until NCCL) go through host memory and the rank's
@@ -119,6 +120,10 @@ pub enum Entry {
     /// `GpuKernels::attention[i]`: arguments are the instruction's buffers, the pass's table and
     /// scratch, and the number of units ([`autotp_llvm::attention`]); a thread per unit.
     Attention(usize),
+    /// `GpuKernels::axis[i]`: arguments are the instruction's buffers, the fault words and the
+    /// launch's tag where it faults, and the number of items ([`autotp_llvm::axis`]); a thread
+    /// per item.
+    Axis(usize),
 }
 
 /// An event recorded by a [`Gpu`]: a handle the GPU gave out, valid until its next
@@ -193,6 +198,8 @@ enum Prepared {
     Indexed(IndexedLaunch),
     /// Fused attention's passes: each entry with its arguments (the last the units).
     Attention(Vec<(usize, Vec<u64>)>),
+    /// A top-k or scatter-elements: its entry and arguments (the last the items).
+    Axis(usize, Vec<u64>),
 }
 
 /// A gather's or scatter-add's launch ([`Entry::Indexed`]).
@@ -310,6 +317,16 @@ impl GpuDevice {
                         })
                         .collect();
                     Prepared::Attention(launches)
+                }
+                Instruction::Kernel { kernel, inputs, outputs, label, gpu: Some(GpuForm::Axis(entry)) } => {
+                    let form = &gpu_kernels.axis[*entry];
+                    let mut args: Vec<u64> = inputs.iter().chain(outputs).map(|r| base + r.offset as u64).collect();
+                    if form.faults() {
+                        fault_sources.push((label.clone(), kernel.name(), form.out_len));
+                        args.extend([fault, fault_sources.len() as u64]);
+                    }
+                    args.push(form.items() as u64);
+                    Prepared::Axis(*entry, args)
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dtype, dims }, inputs, outputs, .. } => {
                     match GemmCall::of(*dtype, dims) {
@@ -472,6 +489,11 @@ impl GpuDevice {
                             gpu.launch(stream, Entry::Attention(*entry), blocks, args)?;
                         }
                         return Ok(());
+                    }
+                    Prepared::Axis(entry, args) => {
+                        let items = *args.last().expect("the items") as usize;
+                        let blocks = items.div_ceil(autotp_llvm::nvptx::BLOCK as usize);
+                        return gpu.launch(stream, Entry::Axis(*entry), blocks, args);
                     }
                     Prepared::Indexed(launch) => {
                         if let Some((address, len)) = launch.zero {
