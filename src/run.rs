@@ -18,7 +18,7 @@ use autotp_runtime::cuda::DeviceKind;
 use autotp_runtime::gpu::{GemmMath, GpuKind};
 use autotp_train::checkpoint::Checkpoint;
 use autotp_train::data::{TokenData, TokenDtype};
-use autotp_train::trainer::{StepMetrics, Trainer};
+use autotp_train::trainer::{Measured, StepMetrics, Trainer};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -70,8 +70,9 @@ pub struct RunFlags {
     clock: String,
     /// In a job of processes (mpirun, srun, --launch): seconds one collective or pipeline
     /// message may wait for the other ranks before the job ends, naming the rank that waited
-    /// (a rank that stopped or hangs would block the others forever). Raise it for models whose
-    /// pipeline stages take longer than this per micro-batch.
+    /// (a rank that stopped or hangs would block the others forever). On GPUs with NCCL: seconds
+    /// one wait on the device may last before the communicators are aborted. Raise it for
+    /// models whose pipeline stages (or steps, on GPUs) take longer than this.
     #[arg(long, value_name = "SECONDS", default_value_t = 25.0)]
     pub comm_timeout: f64,
     /// Where the ranks run: cpu (threads or processes of this machine) or cuda (one GPU per
@@ -127,12 +128,16 @@ impl RunFlags {
             nvme.path = std::path::absolute(path).with_context(|| format!("--nvme-path {}", path.display()))?;
         }
         let seed = self.seed();
-        Ok(match (job, gpu) {
+        let mut trainer = match (job, gpu) {
             (Some(job), Some(gpu)) => Trainer::for_process_on_gpu(plan, weights, seed, job.clone(), gpu)?,
             (Some(job), None) => Trainer::for_process(plan, weights, seed, job.clone())?,
             (None, Some(gpu)) => Trainer::on_gpu(plan, weights, seed, gpu)?,
             (None, None) => Trainer::new(plan, weights, seed)?,
-        })
+        };
+        if self.comm_timeout > 0.0 && self.comm_timeout.is_finite() {
+            trainer.set_comm_timeout(std::time::Duration::from_secs_f64(self.comm_timeout));
+        }
+        Ok(trainer)
     }
 
     /// The seed for a fresh run (`--seed`, default [`DEFAULT_SEED`]).
@@ -279,6 +284,9 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     };
     if flags.profile {
         trainer.enable_profile();
+    }
+    if let Some(line) = trainer.communication().filter(|_| reports) {
+        eprintln!("{line}");
     }
     let clock =
         Clock::parse(&flags.clock).with_context(|| format!("--clock '{}' is not one of wall, cpu", flags.clock))?;
@@ -555,19 +563,26 @@ fn bubble_table(
 }
 
 /// Each rank's measured peak memory and communication per step beside the plan's.
-fn measured_against_plan(trainer: &Trainer, measured: &[(usize, CommBytes)], steps: usize) -> String {
+/// Each rank's planned and measured peak memory and communication per step. A rank whose
+/// collectives NCCL carried is planned with the device scratch of its strided collectives in
+/// place of the host staging it never holds.
+fn measured_against_plan(trainer: &Trainer, measured: &[Measured], steps: usize) -> String {
     let programs: Vec<&autotp_program::Program> = (0..trainer.stages()).map(|s| trainer.stage_program(s)).collect();
     let planned = autotp_program::report::report_of(&programs, trainer.training());
     let mut out = format!(
         "{:>5} {:>16} {:>16} {:>22} {:>22}\n",
         "rank", "planned peak", "measured peak", "planned comm/step", "measured comm/step"
     );
-    for (rank, (peak, sent)) in measured.iter().enumerate() {
+    for (rank, Measured { peak, sent, nccl }) in measured.iter().enumerate() {
         let plan = &planned.ranks[rank];
         let total = |c: &CommBytes| c.all_reduce + c.all_gather + c.reduce_scatter + c.send;
+        let planned_peak = match nccl {
+            true => plan.peak_bytes - plan.comm_buffer_bytes + plan.nccl_scratch_bytes,
+            false => plan.peak_bytes,
+        };
         out += &format!(
             "{rank:>5} {:>16} {:>16} {:>22} {:>22}\n",
-            plan.peak_bytes,
+            planned_peak,
             peak,
             total(&plan.comm_bytes_per_step),
             total(sent) / steps.max(1)

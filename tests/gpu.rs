@@ -246,8 +246,11 @@ fn mixed_precision_plans_on_the_emulated_gpu_train_like_the_cpu() {
     }
 }
 
-/// Plans on a mesh on emulated GPUs (one per rank; communication through host memory until
-/// NCCL): the CPU ranks' losses, bit for bit, as threads of one process and as MPI processes.
+/// Plans on a mesh on emulated GPUs (one per rank): the CPU ranks' losses, bit for bit, as
+/// threads of one process, whose collectives run on the emulated NCCL (its sums in the CPU's
+/// rank order; strided blocks through 2-D copies), and as MPI processes, which the emulated NCCL
+/// cannot join, through host memory. `run` says which, and its measured communication is the
+/// planned.
 #[test]
 fn parallel_plans_on_emulated_gpus_train_like_cpu_ranks() {
     let dir = scratch("emulated-gpu-mesh");
@@ -270,15 +273,58 @@ fn parallel_plans_on_emulated_gpus_train_like_cpu_ranks() {
             if let Some(n) = processes {
                 command.args(["--launch", n]);
             }
-            success(command.env("AUTOTP_GPU", "emulated").output().unwrap());
-            crate::common::losses(&metrics)
+            let out = command.env("AUTOTP_GPU", "emulated").output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            success(out);
+            (crate::common::losses(&metrics), stderr)
         };
-        let cpu = run("cpu", None);
-        assert_eq!(run("cuda", None), cpu, "{layout:?}: ranks as threads on emulated GPUs");
+        let (cpu, _) = run("cpu", None);
+        let (threads, said) = run("cuda", None);
+        assert_eq!(threads, cpu, "{layout:?}: ranks as threads on emulated GPUs");
+        let mesh_axes = layout.iter().filter(|f| ["--dp", "--tp"].contains(f)).count();
+        assert_eq!(said.matches(" over NCCL").count(), mesh_axes, "{layout:?}:\n{said}");
+        // Planned and measured bytes per step agree (the last two columns of each rank's row).
+        let rows: Vec<Vec<&str>> = (said.lines())
+            .skip_while(|l| !l.contains("planned comm/step"))
+            .skip(1)
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .take_while(|f| f.len() == 5)
+            .collect();
+        assert!(!rows.is_empty() && rows.iter().all(|f| f[3] == f[4]), "{layout:?}:\n{said}");
         if l == 1 {
-            assert_eq!(run("cuda", Some("2")), cpu, "{layout:?}: ranks as MPI processes on emulated GPUs");
+            let (processes, said) = run("cuda", Some("2"));
+            assert_eq!(processes, cpu, "{layout:?}: ranks as MPI processes on emulated GPUs");
+            assert!(
+                said.contains("tp through host memory (the emulated NCCL joins threads of one process only)"),
+                "{said}"
+            );
         }
     }
+}
+
+/// A rank's fault on its device in a data-parallel job over the emulated NCCL ends the run
+/// cleanly: a token past the vocabulary in the second rank's half of step 2 is reported with
+/// the index named, within seconds.
+#[test]
+fn a_device_fault_ends_a_job_over_nccl() {
+    let dir = scratch("emulated-gpu-abort");
+    let plan = dir.join("dp2.atp");
+    compile(&fixture("gpt2", "model.onnx"), &plan, &["--micro-batch", "4", "--dp", "2", "--zero", "2"]);
+    let mut tokens = std::fs::read(crate::common::repo().join("tests/fixtures/train/tokens.bin")).unwrap();
+    // Step 2 reads windows 8..16 of 16 tokens; the second rank's half starts at window 12.
+    let at = 13 * 16 + 5;
+    tokens[2 * at..2 * at + 2].copy_from_slice(&5000u16.to_le_bytes());
+    let data = dir.join("tokens.bin");
+    std::fs::write(&data, tokens).unwrap();
+    let started = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["run", plan.to_str().unwrap(), "--data", data.to_str().unwrap(), "--steps", "3", "--device", "cuda"])
+        .env("AUTOTP_GPU", "emulated")
+        .output()
+        .unwrap();
+    let stderr = crate::common::failure(out);
+    assert!(stderr.contains("index 5000 is out of range"), "{stderr}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "took {:?}", started.elapsed());
 }
 
 /// What a rank on the (emulated) GPU holds is what the plan reports, within 2%: the device's

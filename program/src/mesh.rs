@@ -134,6 +134,28 @@ pub struct CollectiveOp {
     pub shape: Vec<usize>,
 }
 
+impl CollectiveOp {
+    /// The dims before `dim` (the rows of one rank's block, strided when more than one) and the
+    /// bytes of one row from `dim` on.
+    pub fn rows_along(&self, dim: usize) -> (usize, usize) {
+        let outer = self.shape[..dim.min(self.shape.len())].iter().product();
+        let row = self.shape[dim.min(self.shape.len())..].iter().product::<usize>() * self.dtype.size();
+        (outer, row)
+    }
+
+    /// Bytes of device scratch it needs over `n` ranks on NCCL, which gathers and scatters
+    /// contiguous blocks: a gather's or reduce-scatter's whole buffer where its blocks are
+    /// strided (the runtime's `gpu::collectives`), else none.
+    pub fn device_scratch_bytes(&self, n: usize) -> usize {
+        let numel: usize = self.shape.iter().product();
+        match self.kind {
+            Collective::AllGather { dim } if self.rows_along(dim).0 > 1 => numel * n * self.dtype.size(),
+            Collective::ReduceScatter { dim } if self.rows_along(dim).0 > 1 => numel * self.dtype.size(),
+            _ => 0,
+        }
+    }
+}
+
 /// Bytes sent by one rank, by collective (per step in a report, since the last reset in a
 /// communicator).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,6 +169,26 @@ pub struct CommBytes {
 }
 
 impl CommBytes {
+    /// These counts less `earlier`'s (each at least 0): what was sent since.
+    pub fn minus(&self, earlier: &CommBytes) -> CommBytes {
+        CommBytes {
+            all_reduce: self.all_reduce.saturating_sub(earlier.all_reduce),
+            all_gather: self.all_gather.saturating_sub(earlier.all_gather),
+            reduce_scatter: self.reduce_scatter.saturating_sub(earlier.reduce_scatter),
+            send: self.send.saturating_sub(earlier.send),
+        }
+    }
+
+    /// These counts and `other`'s together.
+    pub fn plus(&self, other: &CommBytes) -> CommBytes {
+        CommBytes {
+            all_reduce: self.all_reduce + other.all_reduce,
+            all_gather: self.all_gather + other.all_gather,
+            reduce_scatter: self.reduce_scatter + other.reduce_scatter,
+            send: self.send + other.send,
+        }
+    }
+
     /// Counts `kind` over a group of `n` ranks for an input of `bytes`.
     pub fn count(&mut self, kind: Collective, bytes: usize, n: usize) {
         let sent = kind.bytes_sent(bytes, n);

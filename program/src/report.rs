@@ -37,6 +37,9 @@ pub struct RankReport {
     pub activations_peak_bytes: usize,
     /// The largest host staging the rank's collectives need at once.
     pub comm_buffer_bytes: usize,
+    /// The device scratch its strided collectives need when they run on NCCL instead (GPUs).
+    #[serde(default)]
+    pub nccl_scratch_bytes: usize,
     /// Everything the rank allocates on its device: its arena plus the communication staging
     /// (offloaded optimizer states apart).
     pub peak_bytes: usize,
@@ -72,7 +75,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
     let mut total = CommBytes::default();
     for (stage, p) in stages.iter().enumerate() {
         let mut comm = CommBytes::default();
-        let mut staging = 0;
+        let (mut staging, mut scratch) = (0, 0);
         for instruction in &p.instructions {
             match instruction {
                 Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
@@ -85,6 +88,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
                         Collective::ShardSlice { .. } => {}
                     }
                     staging = staging.max(op.kind.staging_bytes(input.len));
+                    scratch = scratch.max(op.device_scratch_bytes(n));
                 }
                 Instruction::Send { input, .. } => comm.send += input.len,
                 _ => {}
@@ -119,6 +123,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
                 nvme_bytes_per_step,
                 activations_peak_bytes: m.activations_peak_bytes,
                 comm_buffer_bytes: staging,
+                nccl_scratch_bytes: scratch,
                 peak_bytes: m.arena_bytes + staging,
                 comm_bytes_per_step: comm.clone(),
                 micro_batches_in_flight: in_flight,

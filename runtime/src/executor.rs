@@ -43,7 +43,7 @@ pub struct Executor {
 /// The device an executor runs its program on.
 enum Backend {
     Cpu(Box<CpuDevice>),
-    Gpu(GpuDevice),
+    Gpu(Box<GpuDevice>),
 }
 
 impl Executor {
@@ -119,7 +119,7 @@ impl Executor {
             ));
         }
         let (program, schedule) = Executor::prepare(program, &rank)?;
-        let device = Backend::Gpu(GpuDevice::load(&program, gpu, rank)?);
+        let device = Backend::Gpu(Box::new(GpuDevice::load(&program, gpu, rank)?));
         Ok(Executor { program, schedule, device, clock: Clock::Wall, last_run: RunTime::default() })
     }
 
@@ -161,6 +161,31 @@ impl Executor {
         match &self.device {
             Backend::Cpu(cpu) => cpu.arena.len(),
             Backend::Gpu(gpu) => gpu.held_bytes,
+        }
+    }
+
+    /// The bytes `sent` says this rank's host communicator sent, corrected for the device: less
+    /// what the NCCL bootstrap sent through it, plus what its NCCL collectives sent.
+    pub fn comm_sent(&self, sent: autotp_program::mesh::CommBytes) -> autotp_program::mesh::CommBytes {
+        match &self.device {
+            Backend::Cpu(_) => sent,
+            Backend::Gpu(gpu) => sent.minus(&gpu.bootstrap_sent).plus(&gpu.nccl_sent),
+        }
+    }
+
+    /// Bounds how long a wait on a GPU may last while NCCL collectives are in flight (see
+    /// `gpu::watchdog`); nothing elsewhere (host communicators have timeouts of their own).
+    pub fn set_comm_timeout(&mut self, timeout: std::time::Duration) {
+        if let Backend::Gpu(gpu) = &mut self.device {
+            gpu.set_comm_timeout(timeout);
+        }
+    }
+
+    /// How each mesh axis's collectives travel (on a GPU; empty on the CPU or without a mesh).
+    pub fn axis_paths(&self) -> &[crate::gpu::AxisPath] {
+        match &self.device {
+            Backend::Cpu(_) => &[],
+            Backend::Gpu(gpu) => &gpu.paths,
         }
     }
 
@@ -286,7 +311,7 @@ impl Executor {
                     gpu.upload_region(&slot.region, &t.data)?;
                 }
                 gpu.clock = Some(RankClock::start(self.clock)?);
-                let result = crate::streams::drive(gpu, &self.program, &self.schedule);
+                let result = crate::streams::drive(gpu.as_mut(), &self.program, &self.schedule);
                 let clock = gpu.clock.take().expect("set for the run");
                 result?;
                 gpu.apply_updates(&self.program.updates)?;

@@ -16,6 +16,12 @@
 //! `CUBLAS_DEFAULT_MATH` (f32 stays f32: no TF32) or, for [`GemmMath::Tf32`],
 //! `CUBLAS_TF32_TENSOR_OP_MATH`; without libcublas they run on the host.
 //!
+//! Collectives between GPUs are NCCL's (cudarc's `nccl::result`, loaded at run time when
+//! `libnccl.so` is on the library path: pip's NCCL ships `libnccl.so.2`, so a `libnccl.so` link
+//! is needed): communicators made with `ncclCommInitRank` from ids the ranks share through the
+//! host communicator, calls enqueued on our streams, aborted with `ncclCommAbort` from any
+//! thread. Rows moved for strided collectives are `cuMemcpy2DAsync` copies.
+//!
 //! Nothing here runs without [`crate::cuda::probe`] having found a driver first: cudarc's
 //! loader panics when the library is missing.
 
@@ -25,8 +31,9 @@ use cudarc::driver::{result, sys};
 
 use autotp_kernels::DType;
 
+use super::collectives::{Copy2d, NcclCall};
 use super::gemm::{GemmCall, GemmLayout};
-use super::{Entry, GemmMath, GemmOperands, Gpu, GpuEvent};
+use super::{Entry, GemmMath, GemmOperands, Gpu, GpuEvent, NcclAborter, NcclId, NcclReach};
 use crate::streams::Stream;
 use crate::RuntimeError;
 use autotp_program::Program;
@@ -59,6 +66,9 @@ pub struct CudaGpu {
     indexed: Vec<sys::CUfunction>,
     /// Fused attention's passes (`gpu_kernels.attention`), entries of `module`.
     attention: Vec<sys::CUfunction>,
+    /// NCCL communicators joined, and whether an aborter aborted them (then they are freed).
+    communicators: Vec<NcclComm>,
+    aborted: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// `GpuKernels::axis`' entries.
     axis: Vec<sys::CUfunction>,
     allocations: Vec<sys::CUdeviceptr>,
@@ -73,6 +83,38 @@ pub struct CudaGpu {
 // SAFETY: the handles are the driver's, usable from any thread once the context is current
 // (every method makes it current first); the executor uses the GPU from one thread at a time.
 unsafe impl Send for CudaGpu {}
+
+/// An NCCL communicator's handle, which any thread may abort.
+#[derive(Clone, Copy)]
+struct NcclComm(cudarc::nccl::sys::ncclComm_t);
+
+// SAFETY: NCCL allows `ncclCommAbort` from another thread while calls wait on the communicator;
+// nothing else is done with a handle off the GPU's thread.
+unsafe impl Send for NcclComm {}
+unsafe impl Sync for NcclComm {}
+
+/// NCCL's element type for `dtype`; a gather moves the bytes of any.
+fn nccl_type(dtype: DType, reduces: bool) -> Result<cudarc::nccl::sys::ncclDataType_t, RuntimeError> {
+    use cudarc::nccl::sys::ncclDataType_t as T;
+    Ok(match dtype {
+        DType::F32 => T::ncclFloat32,
+        DType::F64 => T::ncclFloat64,
+        DType::F16 => T::ncclFloat16,
+        DType::BF16 => T::ncclBfloat16,
+        DType::I64 => T::ncclInt64,
+        DType::I32 => T::ncclInt32,
+        _ if !reduces => T::ncclUint8,
+        other => return Err(RuntimeError::Device(format!("NCCL cannot sum {other} elements"))),
+    })
+}
+
+/// `call`'s counts for NCCL: in elements, or bytes where a gather moves a type NCCL lacks.
+fn nccl_count(count: usize, dtype: DType, nccl: cudarc::nccl::sys::ncclDataType_t) -> usize {
+    match nccl {
+        cudarc::nccl::sys::ncclDataType_t::ncclUint8 => count * dtype.size(),
+        _ => count,
+    }
+}
 
 fn driver(call: &str) -> impl Fn(result::DriverError) -> RuntimeError + '_ {
     move |e| RuntimeError::Device(format!("CUDA {call} failed: {e}"))
@@ -133,6 +175,8 @@ impl CudaGpu {
             indexed: Vec::new(),
             attention: Vec::new(),
             axis: Vec::new(),
+            communicators: Vec::new(),
+            aborted: Default::default(),
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
@@ -451,6 +495,107 @@ impl Gpu for CudaGpu {
         self.current()?;
         result::mem_get_info().map_err(driver("cuMemGetInfo"))
     }
+
+    fn copy_2d(&mut self, stream: Stream, copy: &Copy2d) -> Result<(), RuntimeError> {
+        if copy.rows == 0 || copy.width == 0 {
+            return Ok(());
+        }
+        self.current()?;
+        let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        let parameters = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: device,
+            srcHost: std::ptr::null(),
+            srcDevice: copy.from,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: copy.from_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: device,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: copy.to,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: copy.to_pitch,
+            WidthInBytes: copy.width,
+            Height: copy.rows,
+        };
+        // SAFETY: both ranges lie in allocations of this GPU (the program's validated regions).
+        unsafe { sys::cuMemcpy2DAsync_v2(&parameters, self.stream(stream)) }.result().map_err(driver("cuMemcpy2DAsync"))
+    }
+
+    fn nccl_reach(&mut self) -> NcclReach {
+        // SAFETY: a library probe (it loads nothing else and never panics).
+        match unsafe { cudarc::nccl::sys::is_culib_present() } {
+            true => NcclReach::Anywhere,
+            false => NcclReach::Unavailable,
+        }
+    }
+
+    fn device_uuid(&mut self) -> Result<[u8; 16], RuntimeError> {
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: a device of this driver.
+        unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, self.device) }.result().map_err(driver("cuDeviceGetUuid"))?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    fn nccl_id(&mut self) -> Result<NcclId, RuntimeError> {
+        let id =
+            cudarc::nccl::result::get_uniqueid().map_err(|e| RuntimeError::Comm(format!("ncclGetUniqueId: {e:?}")))?;
+        Ok(id.internal.map(|b| b as u8))
+    }
+
+    fn nccl_join(&mut self, id: &NcclId, ranks: usize, rank: usize) -> Result<usize, RuntimeError> {
+        self.current()?;
+        let id = cudarc::nccl::sys::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: every rank of the communicator calls this with the same id, on its own device.
+        unsafe { cudarc::nccl::result::comm_init_rank(&mut comm, ranks as i32, id, rank as i32) }
+            .map_err(|e| RuntimeError::Comm(format!("ncclCommInitRank (rank {rank} of {ranks}): {e:?}")))?;
+        self.communicators.push(NcclComm(comm));
+        Ok(self.communicators.len() - 1)
+    }
+
+    fn nccl(&mut self, stream: Stream, comm: usize, call: &NcclCall) -> Result<(), RuntimeError> {
+        use cudarc::nccl::{result as nccl, sys::ncclRedOp_t::ncclSum};
+        self.current()?;
+        let NcclComm(handle) = *(self.communicators.get(comm))
+            .ok_or_else(|| RuntimeError::Device(format!("no NCCL communicator {comm}")))?;
+        let on = self.stream(stream) as cudarc::nccl::sys::cudaStream_t;
+        let pointer = |address: u64| address as *mut c_void;
+        // SAFETY: the buffers are the program's regions (and scratch) on this device; every
+        // rank issues the same calls in the same order on the communicator.
+        let issued = unsafe {
+            match *call {
+                NcclCall::AllReduce { send, recv, count, dtype } => {
+                    let ty = nccl_type(dtype, true)?;
+                    nccl::all_reduce(pointer(send), pointer(recv), count, ty, ncclSum, handle, on)
+                }
+                NcclCall::AllGather { send, recv, count, dtype } => {
+                    let ty = nccl_type(dtype, false)?;
+                    nccl::all_gather(pointer(send), pointer(recv), nccl_count(count, dtype, ty), ty, handle, on)
+                }
+                NcclCall::ReduceScatter { send, recv, count, dtype } => {
+                    let ty = nccl_type(dtype, true)?;
+                    nccl::reduce_scatter(pointer(send), pointer(recv), count, ty, ncclSum, handle, on)
+                }
+            }
+        };
+        issued.map(|_| ()).map_err(|e| RuntimeError::Comm(format!("NCCL {call:?}: {e:?}")))
+    }
+
+    fn nccl_aborter(&mut self) -> NcclAborter {
+        let (communicators, aborted) = (self.communicators.clone(), self.aborted.clone());
+        Box::new(move || {
+            if aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            for NcclComm(handle) in &communicators {
+                // SAFETY: a communicator this GPU joined; NCCL allows aborting from any thread.
+                let _ = unsafe { cudarc::nccl::result::comm_abort(*handle) };
+            }
+        })
+    }
 }
 
 impl Drop for CudaGpu {
@@ -463,6 +608,10 @@ impl Drop for CudaGpu {
         unsafe {
             if let Some(Some(handle)) = self.blas.take() {
                 let _ = cudarc::cublas::result::destroy_handle(handle);
+            }
+            let aborted = self.aborted.load(std::sync::atomic::Ordering::SeqCst);
+            for NcclComm(handle) in self.communicators.drain(..).filter(|_| !aborted) {
+                let _ = cudarc::nccl::result::comm_destroy(handle);
             }
             for address in self.allocations.drain(..) {
                 let _ = result::free_sync(address);

@@ -19,8 +19,10 @@ use autotp_llvm::CpuKernel;
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_kernels::{DType, Kernel};
 
+use super::collectives::{Copy2d, NcclCall};
+use super::emulated_nccl::{self, Group};
 use super::gemm::GemmCall;
-use super::{round_to_tf32, Entry, GemmMath, GemmOperands, Gpu, GpuEvent};
+use super::{round_to_tf32, Entry, GemmMath, GemmOperands, Gpu, GpuEvent, NcclAborter, NcclId, NcclReach};
 use crate::streams::Stream;
 use crate::RuntimeError;
 use autotp_program::Program;
@@ -51,6 +53,10 @@ pub struct Emulator {
     /// What ran on it, shared with whoever asks (the emulator itself moves into an executor).
     pub counts: Arc<Counts>,
     math: GemmMath,
+    /// This emulated device's identity (its process and a count).
+    uuid: [u8; 16],
+    /// The communicators joined: the group, this GPU's rank in it, its calls issued so far.
+    communicators: Vec<(Arc<Group>, usize, u64)>,
 }
 
 /// Work issued to an [`Emulator`] so far.
@@ -62,6 +68,8 @@ pub struct Counts {
     pub gemms: AtomicUsize,
     /// Copies to the host (each waits for its stream).
     pub downloads: AtomicUsize,
+    /// NCCL calls issued.
+    pub nccl_calls: AtomicUsize,
 }
 
 impl Emulator {
@@ -97,6 +105,14 @@ impl Emulator {
             events: Vec::new(),
             counts: Arc::default(),
             math,
+            uuid: {
+                static DEVICES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let mut uuid = [0u8; 16];
+                uuid[..4].copy_from_slice(&std::process::id().to_le_bytes());
+                uuid[8..].copy_from_slice(&DEVICES.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+                uuid
+            },
+            communicators: Vec::new(),
         })
     }
 
@@ -367,6 +383,72 @@ impl Gpu for Emulator {
     /// What the emulator holds, out of no limit.
     fn memory(&mut self) -> Result<(usize, usize), RuntimeError> {
         Ok((usize::MAX - self.allocated(), usize::MAX))
+    }
+
+    fn copy_2d(&mut self, stream: Stream, copy: &Copy2d) -> Result<(), RuntimeError> {
+        let Copy2d { from, from_pitch, to, to_pitch, width, rows } = *copy;
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        let span = |pitch: usize| (rows - 1) * pitch + width;
+        self.check(from, span(from_pitch))?;
+        self.check(to, span(to_pitch))?;
+        self.queue(
+            stream,
+            Box::new(move || {
+                for row in 0..rows {
+                    // SAFETY: checked: every row lies in an allocation.
+                    unsafe {
+                        std::ptr::copy(
+                            (from as *const u8).add(row * from_pitch),
+                            (to as *mut u8).add(row * to_pitch),
+                            width,
+                        )
+                    };
+                }
+                Ok(())
+            }),
+        );
+        Ok(())
+    }
+
+    fn nccl_reach(&mut self) -> NcclReach {
+        NcclReach::Process
+    }
+
+    fn device_uuid(&mut self) -> Result<[u8; 16], RuntimeError> {
+        Ok(self.uuid)
+    }
+
+    fn nccl_id(&mut self) -> Result<NcclId, RuntimeError> {
+        Ok(emulated_nccl::new_id())
+    }
+
+    fn nccl_join(&mut self, id: &NcclId, ranks: usize, rank: usize) -> Result<usize, RuntimeError> {
+        let group = emulated_nccl::join(id, ranks)?;
+        self.communicators.push((group, rank, 0));
+        Ok(self.communicators.len() - 1)
+    }
+
+    fn nccl(&mut self, stream: Stream, comm: usize, call: &NcclCall) -> Result<(), RuntimeError> {
+        let (group, ..) = (self.communicators.get(comm))
+            .ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no NCCL communicator {comm}")))?;
+        for (address, len) in call.buffers(group.ranks()) {
+            self.check(address, len)?;
+        }
+        let (group, rank, issued) = &mut self.communicators[comm];
+        let (group, rank, number, call) = (group.clone(), *rank, *issued, *call);
+        *issued += 1;
+        self.counts.nccl_calls.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the buffers are checked to lie in allocations; the device issues a call's
+        // buffers to nothing else on other streams until the call's event (the schedule).
+        self.queue(stream, Box::new(move || unsafe { group.call(rank, number, call) }));
+        Ok(())
+    }
+
+    fn nccl_aborter(&mut self) -> NcclAborter {
+        let groups: Vec<Arc<Group>> = self.communicators.iter().map(|(group, ..)| group.clone()).collect();
+        Box::new(move || groups.iter().for_each(|group| group.abort()))
     }
 }
 

@@ -22,9 +22,17 @@
 //!   when the streams are synchronised and reported as the CPU's kernel reports it;
 //! - other builtin kernels (and those matmuls) run on the host: their inputs are
 //!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
-//! - collectives, sends and receives (until NCCL) go through host memory and the rank's
-//!   communicator, in their stream's order: ranks on a mesh may share one GPU (threads of one
-//!   process) or have one each (processes), and every parallel plan runs, without overlap.
+//! - collectives run on the device where every rank of their group has NCCL and a GPU of its
+//!   own: when the program loads, the ranks of each group share a record (NCCL or not, process,
+//!   device) through the host communicator, and, where NCCL serves them all, the group's first
+//!   rank makes a communicator id for the others to join (`bootstrap_nccl`). Each collective
+//!   is then its [`collectives::device_steps`] (NCCL calls, and 2-D copies where a rank's block
+//!   is strided) on the collectives stream, overlapping compute until its wait; a shard slice
+//!   is a 2-D copy on any path. A failing rank aborts the communicators, and a wait on the
+//!   device past `--comm-timeout` does too (`watchdog`). Other groups (ranks sharing one GPU,
+//!   which NCCL refuses, or without the library), and pipeline sends and receives, go through
+//!   host memory and the rank's communicator in their stream's order, without overlap; `run`
+//!   says which path each mesh axis took.
 //!
 //! [`Gpu`] is what a device provides: memory, copies, launches, GEMMs, streams and events. The
 //! CUDA driver ([`cuda::CudaGpu`]) is one; [`emulated::Emulator`] is another, which runs on the host with the same
@@ -32,9 +40,12 @@
 //! only what that result depends on): a missing event or synchronisation in this module reads
 //! stale bytes there, so the host logic is tested without a GPU.
 
+pub mod collectives;
 pub mod cuda;
 pub mod emulated;
+mod emulated_nccl;
 pub mod gemm;
+mod watchdog;
 
 use std::sync::Arc;
 
@@ -47,6 +58,7 @@ use crate::comm::Communicator;
 use crate::streams::{Device, Stream};
 use crate::RuntimeError;
 use autotp_program::{Instruction, Program, Region};
+use collectives::{Copy2d, DeviceStep, NcclCall};
 use gemm::GemmCall;
 
 /// A new allocation holding `bytes`.
@@ -126,6 +138,25 @@ pub enum Entry {
     Axis(usize),
 }
 
+/// An NCCL communicator's unique id (`ncclUniqueId`): 128 bytes that one rank makes and the
+/// others receive through the host communicator.
+pub type NcclId = [u8; 128];
+
+/// Which ranks a GPU's NCCL can join in one communicator (never two on one device).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum NcclReach {
+    /// The GPU has no NCCL (the library is missing).
+    Unavailable,
+    /// Ranks that are threads of this process (the emulated GPU's).
+    Process,
+    /// Ranks anywhere (NCCL itself).
+    Anywhere,
+}
+
+/// Aborts the communicators a GPU has joined, from any thread, even while another thread waits
+/// on them (`ncclCommAbort`): their waiting and later calls fail.
+pub type NcclAborter = Box<dyn Fn() + Send + Sync>;
+
 /// An event recorded by a [`Gpu`]: a handle the GPU gave out, valid until its next
 /// [`Gpu::synchronize`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -166,6 +197,28 @@ pub trait Gpu: Send {
 
     /// Bytes of device memory free and in total (the driver's figures).
     fn memory(&mut self) -> Result<(usize, usize), RuntimeError>;
+
+    /// Copies `copy`'s rows in `stream`'s order.
+    fn copy_2d(&mut self, stream: Stream, copy: &Copy2d) -> Result<(), RuntimeError>;
+
+    /// Which ranks this GPU's NCCL can join.
+    fn nccl_reach(&mut self) -> NcclReach;
+
+    /// The device's identity: ranks whose GPUs share one cannot share a communicator.
+    fn device_uuid(&mut self) -> Result<[u8; 16], RuntimeError>;
+
+    /// A new communicator's id (where [`Gpu::nccl_reach`] allows NCCL).
+    fn nccl_id(&mut self) -> Result<NcclId, RuntimeError>;
+
+    /// Joins communicator `id` as `rank` of `ranks` (every rank of it calls this at once, as
+    /// `ncclCommInitRank`); returns the communicator's handle for [`Gpu::nccl`].
+    fn nccl_join(&mut self, id: &NcclId, ranks: usize, rank: usize) -> Result<usize, RuntimeError>;
+
+    /// Issues `call` on communicator `comm` in `stream`'s order.
+    fn nccl(&mut self, stream: Stream, comm: usize, call: &NcclCall) -> Result<(), RuntimeError>;
+
+    /// What aborts the communicators joined so far.
+    fn nccl_aborter(&mut self) -> NcclAborter;
 }
 
 /// Where a [`GemmCall`]'s operands lie on the device.
@@ -200,6 +253,104 @@ enum Prepared {
     Attention(Vec<(usize, Vec<u64>)>),
     /// A top-k or scatter-elements: its entry and arguments (the last the items).
     Axis(usize, Vec<u64>),
+    /// A collective on the device: its steps, and the NCCL communicator of its mesh axis (none
+    /// for a shard slice, which meets no one).
+    Collective {
+        steps: Vec<DeviceStep>,
+        nccl: Option<usize>,
+    },
+}
+
+/// How a rank's collectives on one mesh axis travel, decided with the other ranks of its group
+/// when the program loads (`bootstrap_nccl`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AxisPath {
+    /// On the device, NCCL communicator `comm` (a handle of the [`Gpu`]).
+    Nccl { comm: usize },
+    /// Through host memory and the rank's communicator, for this reason.
+    Host { why: &'static str },
+}
+
+/// Bytes of the record each rank shares to decide its groups' [`AxisPath`]s: its NCCL reach, its
+/// process (pid and host) and its device's identity.
+const RECORD_BYTES: usize = 32;
+
+/// This rank's record (see [`RECORD_BYTES`]).
+fn bootstrap_record(gpu: &mut dyn Gpu) -> Result<[u8; RECORD_BYTES], RuntimeError> {
+    let mut record = [0u8; RECORD_BYTES];
+    record[0] = match gpu.nccl_reach() {
+        NcclReach::Unavailable => 0,
+        NcclReach::Process => 1,
+        NcclReach::Anywhere => 2,
+    };
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host_hash = host.trim().bytes().fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
+    record[1..5].copy_from_slice(&std::process::id().to_le_bytes());
+    record[5..9].copy_from_slice(&host_hash.to_le_bytes());
+    record[9..25].copy_from_slice(&gpu.device_uuid()?);
+    Ok(record)
+}
+
+/// Whether a group whose ranks shared `records` communicates through NCCL: every rank has it,
+/// no two share a device (NCCL refuses them), and, for an NCCL of one process, all are in it.
+fn nccl_decision(records: &[u8]) -> Result<(), &'static str> {
+    let records: Vec<&[u8]> = records.chunks(RECORD_BYTES).collect();
+    if records.iter().any(|r| r[0] == 0) {
+        return Err("a rank's GPU has no NCCL library");
+    }
+    let devices: std::collections::BTreeSet<&[u8]> = records.iter().map(|r| &r[9..25]).collect();
+    if devices.len() < records.len() {
+        return Err("its ranks share a GPU, which NCCL refuses");
+    }
+    let processes: std::collections::BTreeSet<&[u8]> = records.iter().map(|r| &r[1..9]).collect();
+    if records.iter().any(|r| r[0] == 1) && processes.len() > 1 {
+        return Err("the emulated NCCL joins threads of one process only");
+    }
+    Ok(())
+}
+
+/// Decides each mesh axis's [`AxisPath`] for `rank` with the other ranks of its groups (an
+/// all-gather of [`bootstrap_record`]s through the host communicator), and joins an NCCL
+/// communicator for each group that uses one: its first rank makes the id, shared with an
+/// all-gather of 128 bytes. Every rank of a group calls this at once; `issued` counts the host
+/// collectives it makes.
+fn bootstrap_nccl(
+    gpu: &mut dyn Gpu,
+    mesh: &[autotp_program::mesh::MeshAxis],
+    rank: usize,
+    comm: &dyn Communicator,
+    issued: &mut [u64],
+) -> Result<Vec<AxisPath>, RuntimeError> {
+    use autotp_program::mesh::{Collective, CollectiveOp};
+    let coordinates = comm.topology().coordinates(rank);
+    let record = bootstrap_record(gpu)?;
+    let gather = |axis: usize, bytes: &[u8], issued: &mut [u64]| -> Result<Vec<u8>, RuntimeError> {
+        let op = CollectiveOp {
+            kind: Collective::AllGather { dim: 0 },
+            axis,
+            dtype: autotp_kernels::DType::U8,
+            shape: vec![bytes.len()],
+        };
+        let seq = crate::executor::next_seq(issued, &op);
+        let mut all = vec![0u8; bytes.len() * mesh[axis].size];
+        comm.collective(rank, &op, seq, bytes, &mut all)?;
+        Ok(all)
+    };
+    let mut paths = Vec::with_capacity(mesh.len());
+    for (axis, mesh_axis) in mesh.iter().enumerate() {
+        let records = gather(axis, &record, issued)?;
+        paths.push(match nccl_decision(&records) {
+            Ok(()) => {
+                let coordinate = coordinates[axis];
+                let id = if coordinate == 0 { gpu.nccl_id()? } else { [0; 128] };
+                let ids = gather(axis, &id, issued)?;
+                let id: NcclId = ids[..128].try_into().expect("128 bytes");
+                AxisPath::Nccl { comm: gpu.nccl_join(&id, mesh_axis.size, coordinate)? }
+            }
+            Err(why) => AxisPath::Host { why },
+        });
+    }
+    Ok(paths)
 }
 
 /// A gather's or scatter-add's launch ([`Entry::Indexed`]).
@@ -241,6 +392,16 @@ pub struct GpuDevice {
     /// instruction's label, kernel name and index bound they report an out-of-range index with.
     fault: u64,
     fault_sources: Vec<(String, &'static str, usize)>,
+    /// How each mesh axis's collectives travel (empty without a mesh).
+    pub(crate) paths: Vec<AxisPath>,
+    /// Aborts the NCCL communicators joined, when a rank fails.
+    aborter: Option<Arc<NcclAborter>>,
+    /// Aborts them when a wait on the device lasts past `--comm-timeout` (once it is set).
+    watchdog: Option<watchdog::Watchdog>,
+    /// The bytes this rank's NCCL collectives sent, counted as [`CommBytes`] counts them, and
+    /// those its host communicator sent while the communicators were made.
+    pub(crate) nccl_sent: autotp_program::mesh::CommBytes,
+    pub(crate) bootstrap_sent: autotp_program::mesh::CommBytes,
 }
 
 impl GpuDevice {
@@ -261,6 +422,30 @@ impl GpuDevice {
         }
         let gpu_kernels = &program.gpu_kernels;
         let rules = program.optimizer_kernels();
+        let mut issued = vec![0; program.mesh.len()];
+        let (mut paths, mut bootstrap_sent, mut coordinates) = (Vec::new(), Default::default(), Vec::new());
+        if let Some((rank, comm)) = &rank {
+            let before = comm.bytes_sent(*rank);
+            paths = bootstrap_nccl(gpu.as_mut(), &program.mesh, *rank, comm.as_ref(), &mut issued)?;
+            bootstrap_sent = comm.bytes_sent(*rank).minus(&before);
+            coordinates = comm.topology().coordinates(*rank);
+        }
+        // The scratch of the strided collectives on the device: they all run on the collectives
+        // stream, one after another.
+        let scratch_bytes = (program.instructions.iter())
+            .filter_map(|i| match i {
+                Instruction::Collective { op, .. } | Instruction::CollectiveStart { op, .. } => {
+                    Some(op.device_scratch_bytes(program.mesh[op.axis].size))
+                }
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let uses_nccl = paths.iter().any(|p| matches!(p, AxisPath::Nccl { .. }));
+        let scratch = match uses_nccl && scratch_bytes > 0 {
+            true => gpu.alloc(scratch_bytes)?,
+            false => 0,
+        };
         let mut prepared = Vec::with_capacity(program.instructions.len());
         for instruction in &program.instructions {
             prepared.push(match instruction {
@@ -318,6 +503,36 @@ impl GpuDevice {
                         .collect();
                     Prepared::Attention(launches)
                 }
+                Instruction::Collective { op, input, output, label }
+                | Instruction::CollectiveStart { op, input, output, label }
+                    if !coordinates.is_empty() =>
+                {
+                    let nccl = match paths.get(op.axis) {
+                        Some(AxisPath::Nccl { comm }) => Some(*comm),
+                        _ => None,
+                    };
+                    let shard_slice = matches!(op.kind, autotp_program::mesh::Collective::ShardSlice { .. });
+                    match nccl.is_some() || shard_slice {
+                        true => {
+                            let at = collectives::Operands {
+                                input: base + input.offset as u64,
+                                output: base + output.offset as u64,
+                                scratch,
+                            };
+                            let n = program.mesh[op.axis].size;
+                            let steps =
+                                collectives::device_steps(op, n, coordinates[op.axis], at).ok_or_else(|| {
+                                    RuntimeError::InvalidProgram(format!(
+                                        "{label}: {} of {:?} over {n} ranks",
+                                        op.kind.name(),
+                                        op.shape
+                                    ))
+                                })?;
+                            Prepared::Collective { steps, nccl: nccl.filter(|_| !shard_slice) }
+                        }
+                        false => Prepared::Nothing,
+                    }
+                }
                 Instruction::Kernel { kernel, inputs, outputs, label, gpu: Some(GpuForm::Axis(entry)) } => {
                     let form = &gpu_kernels.axis[*entry];
                     let mut args: Vec<u64> = inputs.iter().chain(outputs).map(|r| base + r.offset as u64).collect();
@@ -352,7 +567,7 @@ impl GpuDevice {
         gpu.synchronize()?;
         let (free_after, _) = gpu.memory()?;
         let held_bytes = free_before.saturating_sub(free_after);
-        let issued = vec![0; program.mesh.len()];
+        let aborter = uses_nccl.then(|| Arc::new(gpu.nccl_aborter()));
         Ok(GpuDevice {
             gpu: std::sync::Mutex::new(gpu),
             base,
@@ -363,6 +578,11 @@ impl GpuDevice {
             held_bytes,
             fault,
             fault_sources,
+            paths,
+            aborter,
+            watchdog: None,
+            nccl_sent: Default::default(),
+            bootstrap_sent,
         })
     }
 
@@ -390,8 +610,21 @@ impl GpuDevice {
     pub(crate) fn download_region(&self, stream: Stream, region: &Region) -> Result<Vec<u8>, RuntimeError> {
         let mut bytes = vec![0; region.len];
         let mut gpu = self.gpu.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        gpu.download(stream, self.address(region), &mut bytes)?;
+        self.waiting(|| gpu.download(stream, self.address(region), &mut bytes))?;
         Ok(bytes)
+    }
+
+    /// Runs `wait`, a wait on the device, under the NCCL watchdog where there is one.
+    fn waiting<T>(&self, wait: impl FnOnce() -> Result<T, RuntimeError>) -> Result<T, RuntimeError> {
+        match &self.watchdog {
+            Some(watchdog) => watchdog.waiting(wait),
+            None => wait(),
+        }
+    }
+
+    /// Starts the NCCL watchdog (see [`watchdog`]) with `timeout`, where the device uses NCCL.
+    pub(crate) fn set_comm_timeout(&mut self, timeout: std::time::Duration) {
+        self.watchdog = self.aborter.clone().map(|abort| watchdog::Watchdog::start(abort, timeout));
     }
 
     /// Applies a step's updates (device-to-device copies) in the compute stream's order.
@@ -430,7 +663,11 @@ impl Device for GpuDevice {
     /// Also reports an index out of range that an indexed kernel met (see
     /// [`autotp_llvm::indexed`]), as the CPU's kernel would have, and clears it.
     fn synchronize(&mut self) -> Result<(), RuntimeError> {
-        self.gpu().synchronize()?;
+        let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match &self.watchdog {
+            Some(watchdog) => watchdog.waiting(|| gpu.synchronize())?,
+            None => gpu.synchronize()?,
+        }
         if self.fault_sources.is_empty() {
             return Ok(());
         }
@@ -453,6 +690,9 @@ impl Device for GpuDevice {
     }
 
     fn abort(&mut self, error: &RuntimeError) {
+        if let Some(abort) = &self.aborter {
+            abort();
+        }
         if let Some((rank, comm)) = &self.rank {
             comm.abort(*rank, error);
         }
@@ -536,6 +776,23 @@ impl GpuDevice {
             Instruction::Wait { .. } => Ok(()),
             // Until NCCL, communication goes through host memory, in the stream's order: a
             // started collective is done by the time its launch returns.
+            Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. }
+                if matches!(self.prepared[index], Prepared::Collective { .. }) =>
+            {
+                let Prepared::Collective { steps, nccl } = &self.prepared[index] else { unreachable!("matched") };
+                let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+                for step in steps {
+                    match (step, nccl) {
+                        (DeviceStep::Copy2d(copy), _) => gpu.copy_2d(stream, copy)?,
+                        (DeviceStep::Nccl(call), Some(comm)) => gpu.nccl(stream, *comm, call)?,
+                        (DeviceStep::Nccl(_), None) => unreachable!("a shard slice has no NCCL call"),
+                    }
+                }
+                if nccl.is_some() {
+                    self.nccl_sent.count(op.kind, input.len, program.mesh[op.axis].size);
+                }
+                Ok(())
+            }
             Instruction::Collective { op, input, output, label }
             | Instruction::CollectiveStart { op, input, output, label } => {
                 let (rank, comm) = self.communicator(label)?;

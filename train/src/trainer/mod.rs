@@ -25,6 +25,7 @@ use autotp_program::step::{StepInput, StepOutput};
 use autotp_program::Slot;
 use autotp_runtime::clock::{Clock, RunTime};
 use autotp_runtime::comm::{Communicator, LocalComm, MpiComm, Topology};
+use autotp_runtime::gpu::AxisPath;
 use autotp_runtime::gpu::GpuKind;
 use autotp_runtime::{Executor, HostTensor, RuntimeError};
 
@@ -58,6 +59,17 @@ pub struct StepMetrics {
 
 /// The program output that is 1 when a step's update was skipped (`passes::optimize::OVERFLOW`).
 pub const OVERFLOW_OUTPUT: &str = StepOutput::Overflow.name();
+
+/// What one rank actually held and sent ([`Trainer::measured`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Measured {
+    /// Its arena (on a GPU, the device memory its program took) plus its largest host staging.
+    pub peak: usize,
+    /// Bytes sent since the trainer was made, by collective.
+    pub sent: CommBytes,
+    /// Whether NCCL carried every collective (then its staging is device scratch, in `peak`).
+    pub nccl: bool,
+}
 
 pub struct Trainer {
     /// The executors of the ranks this process runs (ranks `first_rank..`), stage by stage:
@@ -177,10 +189,37 @@ impl Trainer {
             }
             None => {
                 let comm: Arc<dyn Communicator> = LocalComm::pipeline(stages.len(), &sizes);
-                let ranks = (0..topology.world_size())
-                    .map(|r| load(stages[topology.stage(r)].clone(), Some((r, comm.clone()))))
-                    .collect::<Result<Vec<_>, _>>()?;
-                (ranks, 0, Some(comm))
+                let load_rank = |r: usize| {
+                    let loaded = load(stages[topology.stage(r)].clone(), Some((r, comm.clone())));
+                    if let Err(e) = &loaded {
+                        comm.abort(r, e);
+                    }
+                    loaded
+                };
+                // GPU ranks load together: they decide how to communicate (and join NCCL
+                // communicators) with each other as they load.
+                let ranks: Vec<Result<Executor, RuntimeError>> = match gpu {
+                    Some(_) => std::thread::scope(|scope| {
+                        let loads: Vec<_> =
+                            (0..topology.world_size()).map(|r| scope.spawn(move || load_rank(r))).collect();
+                        loads.into_iter().map(|l| l.join().expect("a rank's load does not panic")).collect()
+                    }),
+                    None => (0..topology.world_size()).map(load_rank).collect(),
+                };
+                // A rank's own error before those it made the others see.
+                let mut errors: Vec<RuntimeError> = Vec::new();
+                let mut loaded = Vec::new();
+                for rank in ranks {
+                    match rank {
+                        Ok(executor) => loaded.push(executor),
+                        Err(e) => errors.push(e),
+                    }
+                }
+                errors.sort_by_key(|e| matches!(e, RuntimeError::PeerFailed | RuntimeError::Comm(_)));
+                if let Some(first) = errors.into_iter().next() {
+                    return Err(first.into());
+                }
+                (loaded, 0, Some(comm))
             }
         };
         if let Some(nvme) = &training.nvme {
@@ -373,22 +412,31 @@ impl Trainer {
     }
 
     /// What each rank of the job actually allocated (its arena plus the most communication
-    /// staging it held) and the bytes it sent since the trainer was made, by collective. In a
-    /// job of processes, every process takes part (they exchange their figures).
-    pub fn measured(&self) -> Result<Vec<(usize, CommBytes)>, TrainError> {
-        let local: Vec<(usize, CommBytes)> = self
+    /// staging it held), the bytes it sent since the trainer was made, by collective, and
+    /// whether NCCL carried its collectives. In a job of processes, every process takes part
+    /// (they exchange their figures).
+    pub fn measured(&self) -> Result<Vec<Measured>, TrainError> {
+        let local: Vec<Measured> = self
             .local_ranks()
             .map(|rank| {
-                let arena = self.executor(rank).expect("a local rank").arena_bytes();
+                let executor = self.executor(rank).expect("a local rank");
+                let arena = executor.arena_bytes();
+                let paths = executor.axis_paths();
+                let nccl = !paths.is_empty() && paths.iter().all(|p| matches!(p, AxisPath::Nccl { .. }));
                 match &self.comm {
-                    Some(comm) => (arena + comm.staging_peak(rank), comm.bytes_sent(rank)),
-                    None => (arena, CommBytes::default()),
+                    Some(comm) => Measured {
+                        peak: arena + comm.staging_peak(rank),
+                        sent: executor.comm_sent(comm.bytes_sent(rank)),
+                        nccl,
+                    },
+                    None => Measured { peak: arena, sent: CommBytes::default(), nccl },
                 }
             })
             .collect();
         let Some(job) = &self.processes else { return Ok(local) };
-        let [(peak, sent)] = &local[..] else { unreachable!("a process runs one rank") };
-        let figures = [*peak, sent.all_reduce, sent.all_gather, sent.reduce_scatter, sent.send];
+        let [m] = &local[..] else { unreachable!("a process runs one rank") };
+        let figures =
+            [m.peak, m.sent.all_reduce, m.sent.all_gather, m.sent.reduce_scatter, m.sent.send, m.nccl as usize];
         let bytes: Vec<u8> = figures.iter().flat_map(|&f| (f as u64).to_le_bytes()).collect();
         let all = job.all_gather(&bytes)?;
         Ok(all
@@ -397,9 +445,35 @@ impl Trainer {
                 let f: Vec<usize> =
                     rank.chunks(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize).collect();
                 let sent = CommBytes { all_reduce: f[1], all_gather: f[2], reduce_scatter: f[3], send: f[4] };
-                (f[0], sent)
+                Measured { peak: f[0], sent, nccl: f[5] == 1 }
             })
             .collect())
+    }
+
+    /// How long a wait on a GPU may last while NCCL collectives are in flight before the
+    /// communicators are aborted ([`Executor::set_comm_timeout`]).
+    pub fn set_comm_timeout(&mut self, timeout: std::time::Duration) {
+        for executor in &mut self.ranks {
+            executor.set_comm_timeout(timeout);
+        }
+    }
+
+    /// How the first rank here communicates on each mesh axis, on GPUs: one line, `None` on CPU
+    /// ranks or without a mesh.
+    pub fn communication(&self) -> Option<String> {
+        let executor = self.ranks.first()?;
+        let mesh = &executor.program().mesh;
+        let paths = executor.axis_paths();
+        if paths.is_empty() {
+            return None;
+        }
+        let axes: Vec<String> = (mesh.iter().zip(paths))
+            .map(|(axis, path)| match path {
+                AxisPath::Nccl { .. } => format!("{} over NCCL", axis.name),
+                AxisPath::Host { why } => format!("{} through host memory ({why})", axis.name),
+            })
+            .collect();
+        Some(format!("GPU communication: {}", axes.join("; ")))
     }
 
     /// Starts watching what this process's ranks write into their arenas' activations (CPU
