@@ -7,7 +7,9 @@
 # step 1, 1e-3 at every step). Then a checkpoint written on the GPU
 # is resumed on the CPU and the reverse, each against the uninterrupted CPU run; and parallel
 # plans with their ranks sharing one GPU against the same plans on CPU ranks; and fused
-# attention's GPU passes against the CPU's.
+# attention's GPU passes against the CPU's; a mixture of experts' routing (top-k and
+# scatter-elements kernels) and GPT-J's partial rotary (empty slices, fills); NCCL's calls on a
+# communicator of one rank (bench-comm: a one-GPU machine can check no more of NCCL).
 #
 #   scripts/gpu-tests.sh [AUTOTP_BINARY]     (default: target/release/autotp, built if missing)
 #   env: STEPS (30), TOLERANCE (1e-5: the first step), CURVE_TOLERANCE (1e-4: every step),
@@ -20,13 +22,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CUBLAS=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
 export LD_LIBRARY_PATH=${CUBLAS:+$CUBLAS:}${LD_LIBRARY_PATH:-}
+# NCCL: pip's nvidia-nccl ships libnccl.so.2 alone, and cudarc loads libnccl.so: a link to it.
+NCCL_LIB=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+NCCL_LINKS=$(mktemp -d)
+if [ -n "$NCCL_LIB" ] && [ -e "$NCCL_LIB/libnccl.so.2" ]; then
+  ln -s "$NCCL_LIB/libnccl.so.2" "$NCCL_LINKS/libnccl.so"
+  export LD_LIBRARY_PATH=$NCCL_LINKS:$LD_LIBRARY_PATH
+fi
 BIN=${1:-target/release/autotp}
 STEPS=${STEPS:-30}
 TOLERANCE=${TOLERANCE:-1e-5}
 CURVE_TOLERANCE=${CURVE_TOLERANCE:-1e-4}
 [ -x "$BIN" ] || cargo build --release -q
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+trap 'rm -rf "$WORK" "$NCCL_LINKS"' EXIT
 TOKENS=tests/fixtures/train/tokens.bin
 status=0
 
@@ -82,8 +91,9 @@ for arch in gpt2 llama gpt_neox; do
   run --steps "$STEPS" --device cuda --resume "$WORK/$arch.ck-cpu" --metrics-out "$WORK/$arch.resumed-cuda.jsonl"
   compare "$WORK/$arch.resumed-cuda.jsonl" "$WORK/$arch.cpu-rest.jsonl" "$arch: cpu checkpoint resumed on cuda"
 done
-# Plans on a mesh, every rank a thread with its own streams on GPU 0 (communication through host
-# memory until NCCL), against the same plan's CPU ranks.
+# Plans on a mesh, every rank a thread with its own streams on GPU 0 (sharing one GPU, which
+# NCCL refuses: communication through host memory, as run says), against the same plan's CPU
+# ranks.
 for layout in "--dp 2 --zero 3" "--tp 2" "--pp 2 --grad-accum 2" "--tp 2 --dp 2 --zero 3"; do
   plan=$WORK/layout.atp
   # shellcheck disable=SC2086
@@ -95,6 +105,7 @@ for layout in "--dp 2 --zero 3" "--tp 2" "--pp 2 --grad-accum 2" "--tp 2 --dp 2 
   run --device cpu --metrics-out "$WORK/layout.cpu.jsonl"
   run --device cuda --metrics-out "$WORK/layout.cuda.jsonl"
   compare "$WORK/layout.cuda.jsonl" "$WORK/layout.cpu.jsonl" "gpt2 $layout: cuda against cpu"
+  grep -h "GPU communication" "$WORK/stderr" || true
 done
 # Mixed precision: 16-bit kernels and cuBLAS's 16-bit GEMMs (f32 sums in another order than the
 # CPU's), against the CPU within TOLERANCE_16.
@@ -118,5 +129,17 @@ for case in "llama" "falcon_mqa" "falcon_mqa --tp 2" "gpt2 --precision bf16"; do
   [[ "$flags" == *bf16* ]] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
   TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/fused.cuda.jsonl" "$WORK/fused.cpu.jsonl" "$arch${flags:+ $flags} fused attention: cuda against cpu"
 done
+# Every builtin on the GPU: mixtral's router (top-k, scatter-elements) and GPT-J's partial
+# rotary (empty slices and pads).
+for arch in mixtral gptj; do
+  plan=$WORK/$arch-forms.atp
+  "$BIN" compile tests/fixtures/$arch/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 -o "$plan" > /dev/null
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/forms.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/forms.cuda.jsonl" > /dev/null 2> "$WORK/stderr" \
+    || { cat "$WORK/stderr"; status=1; }
+  compare "$WORK/forms.cuda.jsonl" "$WORK/forms.cpu.jsonl" "$arch: cuda against cpu"
+done
+# NCCL on a communicator of one rank: every call checked on device buffers.
+"$BIN" bench-comm --device cuda --ranks 1 --sizes 4,64 --iters 10 || { echo "NCCL: bench-comm FAILED"; status=1; }
 [ "$status" = 0 ] && echo "all GPU checks passed" || echo "GPU checks FAILED"
 exit "$status"

@@ -14,6 +14,12 @@
 //! driven by the compute thread (`MPI_Test` between matmuls), no communication thread. Under
 //! MPI it first checks the bootstrap a GPU communicator needs: 128 random bytes of rank 0 reach
 //! every rank.
+//!
+//! With `--device cuda` it measures NCCL instead, as nccl-tests does: each rank on its GPU (the
+//! local rank's, or rank `r`'s for threads) joins one communicator as a run's ranks do
+//! (`autotp_runtime::gpu::bootstrap_nccl`), and each collective is checked and timed on device
+//! buffers. One rank is allowed there (a one-GPU machine: NCCL's calls on a communicator of
+//! one); `AUTOTP_GPU=emulated` runs it on emulated GPUs.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,6 +41,9 @@ pub struct BenchCommArgs {
     /// Ranks as threads of this process (without a launcher).
     #[arg(long, default_value_t = 2)]
     ranks: usize,
+    /// cpu: the ranks' communicator on host buffers; cuda: NCCL on GPU buffers.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
 }
 
 /// The ranks this process drives and what they share.
@@ -98,10 +107,14 @@ pub fn run(args: &BenchCommArgs) -> Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(job.kernel_threads()).build_global()?;
         Ranks { comm: job.clone(), job: Some(job), world: place.world_size }
     } else {
-        ensure!(args.ranks >= 2, "--ranks {}: at least 2", args.ranks);
+        let least = if args.device == "cuda" { 1 } else { 2 };
+        ensure!(args.ranks >= least, "--ranks {}: at least {least}", args.ranks);
         Ranks { comm: LocalComm::new(&[args.ranks]), job: None, world: args.ranks }
     };
-    let result = bench(&ranks, args);
+    let result = match args.device.as_str() {
+        "cuda" => bench_nccl(&ranks, args),
+        _ => bench(&ranks, args),
+    };
     match (&ranks.job, result) {
         (Some(job), Err(e)) => job.abort_job(&crate::render(&e)),
         (Some(job), Ok(())) => Ok(job.finalize()?),
@@ -175,6 +188,81 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
         }
     }
     overlap(ranks, args, backend, seq)
+}
+
+/// `--device cuda`: every collective on NCCL, checked and timed on device buffers (see the
+/// module doc).
+fn bench_nccl(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
+    use autotp_runtime::gpu::collectives::NcclCall;
+    use autotp_runtime::gpu::{AxisPath, GemmMath, GpuKind};
+    use autotp_runtime::streams::Stream;
+    let n = ranks.world;
+    let emulated = std::env::var("AUTOTP_GPU").as_deref() == Ok("emulated");
+    if !emulated {
+        autotp_runtime::cuda::probe()?;
+    }
+    let ordinal = |rank: usize| match &ranks.job {
+        Some(_) => autotp_runtime::launch::discover().map(|place| place.local_rank),
+        None => Ok(rank),
+    };
+    if ranks.reports() {
+        println!(
+            "{:<16} {:>8} {:>9} {:>10} {:>12} {:>12}",
+            "collective", "MiB", "backend", "ms", "algbw GB/s", "busbw GB/s"
+        );
+    }
+    let kinds = [Collective::AllReduce, Collective::AllGather { dim: 0 }, Collective::ReduceScatter { dim: 0 }];
+    let mut ops = Vec::new();
+    for &mib in &args.sizes {
+        let elements = (mib << 20) / 4;
+        ensure!(elements % n == 0, "{mib} MiB does not split over {n} ranks");
+        ops.extend(kinds.iter().map(|&kind| CollectiveOp { kind, axis: 0, dtype: DType::F32, shape: vec![elements] }));
+    }
+    // Each rank: its GPU, one communicator, then every size and collective (seconds per call).
+    let seconds = ranks.slowest(|rank| {
+        let kind = match emulated {
+            true => GpuKind::Emulated { math: GemmMath::F32 },
+            false => GpuKind::Cuda { ordinal: ordinal(rank)?, math: GemmMath::F32 },
+        };
+        let mut gpu = kind.open(&autotp_program::Program::bare(vec![], vec![], 0))?;
+        let mesh = [autotp_program::mesh::MeshAxis { name: "world".into(), size: n }];
+        let paths = autotp_runtime::gpu::bootstrap_nccl(gpu.as_mut(), &mesh, rank, &*ranks.comm, &mut [0])?;
+        let comm = match &paths[0] {
+            AxisPath::Nccl { comm } => *comm,
+            AxisPath::Host { why } => bail!("NCCL cannot join these ranks: {why}"),
+        };
+        let mut times = Vec::new();
+        for op in &ops {
+            let mut buffers = Buffers::new(rank, n, op);
+            let input = gpu.alloc(buffers.input.len() * 4)?;
+            let output = gpu.alloc(buffers.output.len() * 4)?;
+            gpu.upload(Stream::Collectives, input, bytes(&buffers.input))?;
+            let (send, recv, dtype) = (input, output, DType::F32);
+            let call = match op.kind {
+                Collective::AllReduce => NcclCall::AllReduce { send, recv, count: buffers.input.len(), dtype },
+                Collective::AllGather { .. } => NcclCall::AllGather { send, recv, count: buffers.input.len(), dtype },
+                _ => NcclCall::ReduceScatter { send, recv, count: buffers.output.len(), dtype },
+            };
+            let mut run = |calls: usize| -> Result<f64> {
+                let start = Instant::now();
+                for _ in 0..calls {
+                    gpu.nccl(Stream::Collectives, comm, &call)?;
+                }
+                gpu.synchronize()?;
+                Ok(start.elapsed().as_secs_f64() / calls as f64)
+            };
+            run(3)?;
+            times.push(run(args.iters)?);
+            gpu.download(Stream::Collectives, output, bytes_mut(&mut buffers.output))?;
+            buffers.check(rank, n, op)?;
+        }
+        Ok(times)
+    })?;
+    for (op, time) in ops.iter().zip(seconds) {
+        let mib = (op.shape[0] * 4) >> 20;
+        report(ranks, op.kind.name(), mib, "nccl", time, bus_factor(op.kind, n));
+    }
+    Ok(())
 }
 
 /// Checks the bootstrap a communicator starts from: rank 0's 128 random bytes reach every rank

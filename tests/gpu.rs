@@ -370,3 +370,20 @@ fn device_memory_is_the_planned_memory() {
         }
     }
 }
+
+/// `bench-comm --device cuda` checks every collective on NCCL, here 3 ranks on emulated GPUs
+/// over the emulated NCCL (and one rank, as on a one-GPU machine), and times them.
+#[test]
+fn bench_comm_checks_nccl_collectives_on_emulated_gpus() {
+    for ranks in ["3", "1"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args(["bench-comm", "--device", "cuda", "--ranks", ranks, "--sizes", "3", "--iters", "2"])
+            .env("AUTOTP_GPU", "emulated")
+            .output()
+            .unwrap();
+        let out = success(out);
+        for row in ["all_reduce", "all_gather", "reduce_scatter"] {
+            assert!(out.lines().any(|l| l.starts_with(row) && l.contains(" nccl ")), "{ranks} ranks, {row}: {out}");
+        }
+    }
+}

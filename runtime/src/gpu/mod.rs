@@ -313,8 +313,8 @@ fn nccl_decision(records: &[u8]) -> Result<(), &'static str> {
 /// all-gather of [`bootstrap_record`]s through the host communicator), and joins an NCCL
 /// communicator for each group that uses one: its first rank makes the id, shared with an
 /// all-gather of 128 bytes. Every rank of a group calls this at once; `issued` counts the host
-/// collectives it makes.
-fn bootstrap_nccl(
+/// collectives it makes on each axis (their sequence numbers).
+pub fn bootstrap_nccl(
     gpu: &mut dyn Gpu,
     mesh: &[autotp_program::mesh::MeshAxis],
     rank: usize,
