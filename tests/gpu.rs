@@ -387,3 +387,34 @@ fn bench_comm_checks_nccl_collectives_on_emulated_gpus() {
         }
     }
 }
+
+/// `--offload-optimizer cpu` on emulated GPUs (ZeRO-Offload): the GPU computes the gradients
+/// and the host updates the offloaded states with the CPU's kernel, so the losses are the CPU
+/// ranks' bit for bit: f32 (states offloaded, parameters on the GPU), bf16 (f32 masters
+/// offloaded, their bf16 copies uploaded, the step guarded against non-finite gradients), and
+/// dp 2 with ZeRO-2 over the emulated NCCL. A checkpoint written on the GPU resumes on the CPU.
+#[test]
+fn an_offloaded_optimizer_on_the_emulated_gpu_trains_like_the_cpu() {
+    let dir = scratch("emulated-gpu-offload");
+    let model = fixture("gpt2", "model.onnx");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let layouts: [&[&str]; 3] = [&[], &["--precision", "bf16"], &["--dp", "2", "--zero", "2"]];
+    for (l, layout) in layouts.iter().enumerate() {
+        let plan = dir.join(format!("offload-{l}.atp"));
+        compile(&model, &plan, &[&["--micro-batch", "4", "--offload-optimizer", "cpu"][..], layout].concat());
+        let run = |device: &str, steps: &str, name: &str, extra: &[&str]| {
+            let metrics = dir.join(format!("offload-{l}-{name}.jsonl"));
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+            command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", steps]);
+            command.args(["--device", device, "--metrics-out", metrics.to_str().unwrap()]).args(extra);
+            success(command.env("AUTOTP_GPU", "emulated").output().unwrap());
+            crate::common::losses(&metrics)
+        };
+        let cpu = run("cpu", "6", "cpu", &[]);
+        assert_eq!(run("cuda", "6", "cuda", &[]), cpu, "{layout:?}: offloaded on the emulated GPU");
+        let save = dir.join(format!("offload-{l}-save"));
+        run("cuda", "3", "first", &["--save", save.to_str().unwrap()]);
+        let resumed = run("cpu", "6", "resumed", &["--resume", save.to_str().unwrap()]);
+        assert_eq!(resumed, cpu[3..], "{layout:?}: resumed on the CPU from the GPU's checkpoint");
+    }
+}

@@ -127,17 +127,19 @@ fn offloaded_optimizer_checkpoints_resume_bit_identically() {
     }
 }
 
-/// On a GPU the offloaded optimizer is refused when the plan loads, saying so.
+/// On a GPU the optimizer state in files is refused when the plan loads, saying so (a host pool
+/// runs there: `tests/gpu.rs`).
 #[test]
-fn offloaded_optimizer_is_refused_on_a_gpu() {
-    let dir = scratch("offload-cpu-gpu");
+fn optimizer_state_on_nvme_is_refused_on_a_gpu() {
+    let dir = scratch("offload-nvme-gpu");
     let plan = dir.join("p.atp");
-    compile(&plan, &["--micro-batch", "4", "--offload-optimizer", "cpu"]);
+    let files = nvme_dir("gpu");
+    compile(&plan, &[&["--micro-batch", "4"][..], &nvme_flags(&files)].concat());
     let tokens = repo().join("tests/fixtures/train/tokens.bin");
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
     command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "1"]);
     let refused = failure(command.args(["--device", "cuda"]).env("AUTOTP_GPU", "emulated").output().unwrap());
-    assert!(refused.contains("--offload-optimizer"), "{refused}");
+    assert!(refused.contains("optimizer state on NVMe runs on CPU ranks only so far"), "{refused}");
 }
 
 /// A directory for state files on the checkout's filesystem (the system's temporary directory

@@ -113,11 +113,6 @@ impl Executor {
         gpu: Box<dyn Gpu>,
         rank: Option<(usize, Arc<dyn Communicator>)>,
     ) -> Result<Executor, RuntimeError> {
-        if program.memory.host_pool_bytes > 0 {
-            return Err(RuntimeError::InvalidProgram(
-                "the plan offloads its optimizer (--offload-optimizer), which runs on CPU ranks only so far".into(),
-            ));
-        }
         let (program, schedule) = Executor::prepare(program, &rank)?;
         let device = Backend::Gpu(Box::new(GpuDevice::load(&program, gpu, rank)?));
         Ok(Executor { program, schedule, device, clock: Clock::Wall, last_run: RunTime::default() })

@@ -443,7 +443,7 @@ fn advise_huge_pages(bytes: &mut [u8]) {
 /// `entry` is the compiled step of the chunks' update rule and dtype; the scalars and the
 /// chunks' memory are valid and aligned, the chunks alias as [`Instruction::OptimizerStep`]
 /// allows, and no one else touches them meanwhile.
-unsafe fn run_chunks(entry: CpuKernel, scalars: &[*mut u8], chunks: &[autotp_kernels::optim::TensorUpdate]) {
+pub(crate) unsafe fn run_chunks(entry: CpuKernel, scalars: &[*mut u8], chunks: &[autotp_kernels::optim::TensorUpdate]) {
     use rayon::prelude::*;
     let args: Vec<*mut u8> = std::iter::once(chunks.as_ptr() as *mut u8).chain(scalars.iter().copied()).collect();
     let shared = Buffers(&args);
@@ -531,7 +531,7 @@ fn copy_masters<'a>(
 }
 
 /// `master` (of `from`) cast to `to` into `out`, as the cast kernel rounds.
-fn cast_master(
+pub(crate) fn cast_master(
     from: autotp_kernels::DType,
     to: autotp_kernels::DType,
     master: &[u8],

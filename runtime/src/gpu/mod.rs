@@ -9,7 +9,10 @@
 //! - an optimizer step is the multi-tensor entry ([`Entry::OptimizerStep`]) over a table of
 //!   chunks built once at load in device memory (the same chunks as the CPU's) and the step's
 //!   scalars where the arena keeps them: the kernel computes the learning rate's and bias
-//!   corrections' constants itself, so the host reads nothing back inside a step;
+//!   corrections' constants itself, so the host reads nothing back inside a step. An offloaded
+//!   optimizer's tensors (states in the host pool) are updated by the host instead, with the
+//!   CPU's kernel, their gradients downloaded and new parameters uploaded in groups that
+//!   overlap the update (`offload`);
 //! - a matmul is a cuBLAS batched GEMM ([`gemm::GemmCall`], its pointer arrays made at load),
 //!   where the GPU has cuBLAS and the operands a cuBLAS form;
 //! - a byte copy (a reshape's) is a device-to-device copy;
@@ -45,6 +48,7 @@ pub mod cuda;
 pub mod emulated;
 mod emulated_nccl;
 pub mod gemm;
+mod offload;
 mod watchdog;
 
 use std::sync::Arc;
@@ -239,6 +243,8 @@ struct ChunkTable {
     chunks: usize,
     /// The step's update rule: its index in `Program::optimizer_kernels()` (its entry).
     rule: usize,
+    /// Its tensors whose states are in the host pool, which the host updates.
+    offloaded: Option<offload::OffloadedStep>,
 }
 
 /// What an instruction needs on the device, made when the program loads.
@@ -377,6 +383,8 @@ pub struct GpuDevice {
     gpu: std::sync::Mutex<Box<dyn Gpu>>,
     /// The arena's device address.
     base: u64,
+    /// An offloaded optimizer's states, in host memory (ZeRO-Offload; `offload`).
+    host_pool: AlignedBuf,
     /// What each instruction (by index) had made for it at load.
     prepared: Vec<Prepared>,
     /// This rank and its communicator, for programs on a mesh.
@@ -460,17 +468,36 @@ impl GpuDevice {
                         .collect();
                     Prepared::Movement(runs)
                 }
-                Instruction::OptimizerStep { optimizer, dtype, tensors, .. } => {
+                Instruction::OptimizerStep { optimizer, dtype, tensors, label, .. } => {
+                    // The device updates the tensors it holds whole; the host, those offloaded.
+                    let resident = tensors.iter().filter(|t| !offload::offloaded(t));
+                    if resident.clone().any(|t| t.copy.is_some()) {
+                        return Err(RuntimeError::InvalidProgram(format!(
+                            "{label}: a tensor updated on the GPU asks for a 16-bit copy"
+                        )));
+                    }
                     let chunks = crate::optimizer_step::optimizer_chunks(
                         *dtype,
-                        tensors,
+                        resident,
                         crate::optimizer_step::Bases { arena: base as usize, host_pool: 0 },
                     );
                     let address = upload_new(gpu.as_mut(), table_bytes(&chunks))?;
                     let rule = (rules.iter())
                         .position(|k| k.optimizer == *optimizer && k.dtype == *dtype)
                         .expect("the step's rule is among the program's");
-                    Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), rule })
+                    let offloaded = match tensors.iter().any(offload::offloaded) {
+                        true => {
+                            let kind =
+                                autotp_kernels::optim::OptimizerKernel { optimizer: optimizer.clone(), dtype: *dtype };
+                            let kernel =
+                                autotp_llvm::compile_cpu_functions(&[autotp_llvm::Function::OptimizerStep(&kind)])
+                                    .map_err(|e| RuntimeError::KernelCompile(e.to_string()))?
+                                    .remove(0);
+                            Some(offload::OffloadedStep::new(*dtype, tensors, kernel, offload::GROUP_ELEMENTS))
+                        }
+                        false => None,
+                    };
+                    Prepared::OptimizerStep(ChunkTable { address, chunks: chunks.len(), rule, offloaded })
                 }
                 Instruction::Kernel { kernel, inputs, outputs, label, gpu: Some(GpuForm::Indexed(entry)) } => {
                     let entry = *entry;
@@ -571,6 +598,7 @@ impl GpuDevice {
         Ok(GpuDevice {
             gpu: std::sync::Mutex::new(gpu),
             base,
+            host_pool: AlignedBuf::zeroed(program.memory.host_pool_bytes),
             prepared,
             rank,
             issued,
@@ -602,12 +630,21 @@ impl GpuDevice {
 
     /// Copies `bytes` into `region` in the compute stream's order.
     pub(crate) fn upload_region(&mut self, region: &Region, bytes: &[u8]) -> Result<(), RuntimeError> {
+        if region.in_host_pool() {
+            let at = region.offset - autotp_program::HOST_POOL;
+            self.host_pool.as_mut_slice()[at..at + region.len].copy_from_slice(bytes);
+            return Ok(());
+        }
         let address = self.address(region);
         self.gpu().upload(Stream::Compute, address, bytes)
     }
 
     /// The bytes of `region` once `stream` has reached this point.
     pub(crate) fn download_region(&self, stream: Stream, region: &Region) -> Result<Vec<u8>, RuntimeError> {
+        if region.in_host_pool() {
+            let at = region.offset - autotp_program::HOST_POOL;
+            return Ok(self.host_pool.as_slice()[at..at + region.len].to_vec());
+        }
         let mut bytes = vec![0; region.len];
         let mut gpu = self.gpu.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         self.waiting(|| gpu.download(stream, self.address(region), &mut bytes))?;
@@ -761,17 +798,31 @@ impl GpuDevice {
                 }
                 Ok(())
             }
-            Instruction::OptimizerStep { guard: Some(_), label, .. } => Err(RuntimeError::InvalidProgram(format!(
-                "{label}: a guarded step (an offloaded optimizer's) runs on CPU ranks only so far"
-            ))),
-            Instruction::OptimizerStep { scalars, .. } => {
+            Instruction::OptimizerStep { scalars, guard, dtype, tensors, label, .. } => {
+                // A guarded step whose guard is false (non-finite gradients) leaves everything.
+                if let Some(guard) = guard {
+                    if self.download_region(stream, guard)?[0] == 0 {
+                        return Ok(());
+                    }
+                }
                 let Prepared::OptimizerStep(table) = &self.prepared[index] else {
                     unreachable!("a table per optimizer step, made at load")
                 };
-                let (entry, chunks) = (Entry::OptimizerStep(table.rule), table.chunks);
-                let mut args = vec![table.address, chunks as u64];
-                args.extend(scalars.iter().map(|r| self.address(r)));
-                self.gpu().launch(stream, entry, chunks, &args)
+                let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+                if table.chunks > 0 {
+                    let mut args = vec![table.address, table.chunks as u64];
+                    args.extend(scalars.iter().map(|r| self.base + r.offset as u64));
+                    gpu.launch(stream, Entry::OptimizerStep(table.rule), table.chunks, &args)?;
+                }
+                let Some(offloaded) = &table.offloaded else { return Ok(()) };
+                let mut values = Vec::with_capacity(scalars.len());
+                for region in scalars {
+                    let mut value = AlignedBuf::zeroed(region.len);
+                    gpu.download(stream, self.base + region.offset as u64, value.as_mut_slice())?;
+                    values.push(value);
+                }
+                let host_pool = self.host_pool.as_mut_slice();
+                offloaded.run(&self.gpu, stream, self.base, host_pool, *dtype, tensors, &values, label)
             }
             Instruction::Wait { .. } => Ok(()),
             // Until NCCL, communication goes through host memory, in the stream's order: a
