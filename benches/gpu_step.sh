@@ -9,8 +9,9 @@
 #
 #   benches/gpu_step.sh [AUTOTP_BINARY]   (default target/release/autotp, built if missing)
 #   env: PYTHON (python3), STEPS (30), WARMUP (5), MICRO_BATCH (8), SEQ_LEN (1024), PRECISION (f32),
-#        AUTOTP_FLAGS (extra flags of autotp compile, e.g. "--attention fused"), TORCH (1; 0 skips
-#        PyTorch's runs and reuses the last ones)
+#        AUTOTP_FLAGS (extra flags of autotp compile, e.g. "--attention fused"), RUN_FLAGS (extra
+#        flags of autotp run, e.g. "--cuda-graph"), TORCH (1; 0 skips PyTorch's runs and reuses
+#        the last ones)
 #
 # The plan is compiled there from an export made there (the 124M export is too large to carry).
 set -euo pipefail
@@ -23,6 +24,7 @@ MICRO_BATCH=${MICRO_BATCH:-8}
 SEQ_LEN=${SEQ_LEN:-1024}
 PRECISION=${PRECISION:-f32}
 AUTOTP_FLAGS=${AUTOTP_FLAGS:-}
+RUN_FLAGS=${RUN_FLAGS:-}
 TORCH=${TORCH:-1}
 WORK=${AUTOTP_BENCH_DIR:-/tmp/autotp-gpu-bench}
 TOKENS=tests/fixtures/train/tokens.bin
@@ -37,7 +39,7 @@ export LD_LIBRARY_PATH=${CUBLAS:+$CUBLAS:}${LD_LIBRARY_PATH:-}
   --lr 2e-3 --betas 0.9,0.95 --eps 1e-8 --weight-decay 0.01 --precision "$PRECISION" $AUTOTP_FLAGS \
   -o "$WORK/gpt2-124m-$PRECISION.atp" > /dev/null
 "$BIN" run "$WORK/gpt2-124m-$PRECISION.atp" --device cuda --data "$TOKENS" --steps "$STEPS" --log-every "$STEPS" \
-  --metrics-out "$WORK/autotp.jsonl" > /dev/null
+  --metrics-out "$WORK/autotp.jsonl" $RUN_FLAGS > /dev/null
 for mode in eager compile; do
   [ "$TORCH" = 1 ] || [ ! -f "$WORK/torch-$mode.jsonl" ] || continue
   HF_HUB_OFFLINE=1 "$PY" benches/train_models.py pytorch gpt2-124m "$TOKENS" "$STEPS" "$MICRO_BATCH" \

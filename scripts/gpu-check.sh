@@ -6,7 +6,8 @@
 #   1. scripts/gpu-tests.sh (STEPS=12): every fixture and layout on --device cuda against the
 #      CPU, checkpoints across devices, mixed precision, fused attention's GPU passes;
 #   2. benches/gpu_step.sh: GPT-2 124M, 8 x 1024, against PyTorch eager and torch.compile in
-#      f32 and bf16, then bf16 with --attention fused (PyTorch's runs reused);
+#      f32 and bf16, then bf16 with --attention fused and with --cuda-graph (PyTorch's runs
+#      reused);
 #   3. the device and driver, for the README's tables.
 #
 #   scripts/gpu-check.sh [AUTOTP_BINARY]   (default target/release/autotp)
@@ -23,5 +24,6 @@ for precision in f32 bf16; do
   STEPS=20 WARMUP=5 PRECISION=$precision benches/gpu_step.sh "$BIN"
 done
 STEPS=20 WARMUP=5 PRECISION=bf16 TORCH=0 AUTOTP_FLAGS="--attention fused" benches/gpu_step.sh "$BIN"
+STEPS=20 WARMUP=5 PRECISION=bf16 TORCH=0 RUN_FLAGS="--cuda-graph" benches/gpu_step.sh "$BIN"
 echo "gpu-check: $((SECONDS - start)) s; tests $([ "$tests" = 0 ] && echo passed || echo FAILED)"
 exit "$tests"

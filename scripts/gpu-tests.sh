@@ -139,6 +139,17 @@ for arch in mixtral gptj; do
     || { cat "$WORK/stderr"; status=1; }
   compare "$WORK/forms.cuda.jsonl" "$WORK/forms.cpu.jsonl" "$arch: cuda against cpu"
 done
+# --cuda-graph: the step captured and replayed against the CPU (f32 and bf16).
+for precision in f32 bf16; do
+  plan=$WORK/graph-$precision.atp
+  "$BIN" compile tests/fixtures/gpt2/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 --precision $precision -o "$plan" > /dev/null
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/graph.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --cuda-graph --metrics-out "$WORK/graph.cuda.jsonl" > /dev/null 2> "$WORK/stderr" \
+    || { cat "$WORK/stderr"; status=1; }
+  tolerance=$TOLERANCE curve=$CURVE_TOLERANCE
+  [ "$precision" = bf16 ] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
+  TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/graph.cuda.jsonl" "$WORK/graph.cpu.jsonl" "gpt2 $precision --cuda-graph: cuda against cpu"
+done
 # NCCL on a communicator of one rank: every call checked on device buffers.
 "$BIN" bench-comm --device cuda --ranks 1 --sizes 4,64 --iters 10 || { echo "NCCL: bench-comm FAILED"; status=1; }
 [ "$status" = 0 ] && echo "all GPU checks passed" || echo "GPU checks FAILED"

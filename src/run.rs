@@ -84,6 +84,12 @@ pub struct RunFlags {
     /// trains on the GPU the model it trains on the CPU.
     #[arg(long)]
     tf32: bool,
+    /// With --device cuda: every step after the first runs as one CUDA graph, captured from the
+    /// second (no launch costs, as torch.compile's mode="reduce-overhead"). Refused, naming the
+    /// instruction, for a plan whose step needs the host (host kernels, host-memory
+    /// communication, pipeline messages, an offloaded optimizer).
+    #[arg(long)]
+    cuda_graph: bool,
 }
 
 /// The seed of a fresh run without `--seed`.
@@ -97,6 +103,7 @@ impl RunFlags {
         let math = if self.tf32 { GemmMath::Tf32 } else { GemmMath::F32 };
         match DeviceKind::parse(&self.device) {
             Some(DeviceKind::Cpu) if self.tf32 => bail!("--tf32 needs --device cuda (the CPU has no TF32)"),
+            Some(DeviceKind::Cpu) if self.cuda_graph => bail!("--cuda-graph needs --device cuda"),
             Some(DeviceKind::Cpu) => Ok(None),
             Some(DeviceKind::Cuda) if std::env::var("AUTOTP_GPU").as_deref() == Ok("emulated") => {
                 Ok(Some(GpuKind::Emulated { math }))
@@ -136,6 +143,9 @@ impl RunFlags {
         };
         if self.comm_timeout > 0.0 && self.comm_timeout.is_finite() {
             trainer.set_comm_timeout(std::time::Duration::from_secs_f64(self.comm_timeout));
+        }
+        if self.cuda_graph {
+            trainer.use_cuda_graph()?;
         }
         Ok(trainer)
     }

@@ -418,3 +418,73 @@ fn an_offloaded_optimizer_on_the_emulated_gpu_trains_like_the_cpu() {
         assert_eq!(resumed, cpu[3..], "{layout:?}: resumed on the CPU from the GPU's checkpoint");
     }
 }
+
+/// `--cuda-graph` on the emulated GPU, which enforces CUDA's capture rules: the first step runs
+/// as usual, the second is captured and replayed, and every later step is the replay alone (the
+/// host issues no launch); the outputs and weights are the CPU's bit for bit. Over the emulated
+/// NCCL too (dp 2 ZeRO-3, tp 2: collectives on the collectives stream, joined back into the
+/// capture), and in bf16; refused for a plan whose step needs the host, naming the instruction.
+#[test]
+fn steps_replay_as_a_cuda_graph_on_the_emulated_gpu() {
+    let dir = scratch("emulated-gpu-graph");
+    for arch in ["gpt2", "llama", "mixtral"] {
+        let plan_path = dir.join(format!("{arch}.atp"));
+        compile(&fixture(arch, "model.onnx"), &plan_path, &["--micro-batch", "4"]);
+        let file = PlanFile::open(&plan_path).unwrap();
+        let program = file.plan.stages[0].clone();
+        let mut cpu = Executor::new(program.clone()).unwrap();
+        let emulator = Emulator::new(&program, GemmMath::F32).unwrap();
+        let counts = emulator.counts.clone();
+        let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator), None).unwrap();
+        gpu.use_cuda_graph().unwrap();
+        for (name, bytes) in file.weights() {
+            cpu.load_slot(&name, bytes).unwrap();
+            gpu.load_slot(&name, bytes).unwrap();
+        }
+        let mut issued = Vec::new();
+        for step in 1..=4 {
+            let inputs = feeds(&program, step);
+            assert_eq!(gpu.run(&inputs).unwrap(), cpu.run(&inputs).unwrap(), "{arch} step {step}");
+            issued.push(counts.launches.load(Ordering::Relaxed) + counts.gemms.load(Ordering::Relaxed));
+        }
+        assert!(
+            issued[0] > 0 && issued[1] == 2 * issued[0],
+            "{arch}: the first two steps issue everything: {issued:?}"
+        );
+        assert_eq!(issued[3], issued[1], "{arch}: replays issue nothing: {issued:?}");
+        for slot in program.params.iter().chain(&program.states) {
+            let on_gpu = gpu.read_slot(&slot.name).unwrap().unwrap();
+            assert!(on_gpu == cpu.read_slot(&slot.name).unwrap().unwrap(), "{arch}: {} after 4 steps", slot.name);
+        }
+    }
+
+    let model = fixture("gpt2", "model.onnx");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let run = |plan: &std::path::Path, device: &str, extra: &[&str]| {
+        let metrics =
+            dir.join(format!("{}-{device}-{}.jsonl", plan.file_stem().unwrap().to_string_lossy(), extra.len()));
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+        command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "5"]);
+        command.args(["--device", device, "--metrics-out", metrics.to_str().unwrap()]).args(extra);
+        let out = command.env("AUTOTP_GPU", "emulated").output().unwrap();
+        (
+            out.status.success().then(|| crate::common::losses(&metrics)),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let layouts =
+        [("dp2", &["--dp", "2", "--zero", "3"][..]), ("tp2", &["--tp", "2"]), ("bf16", &["--precision", "bf16"])];
+    for (name, layout) in layouts {
+        let plan = dir.join(format!("{name}.atp"));
+        compile(&model, &plan, &[&["--micro-batch", "4"][..], layout].concat());
+        let (cpu, _) = run(&plan, "cpu", &[]);
+        let (graph, stderr) = run(&plan, "cuda", &["--cuda-graph"]);
+        assert_eq!(graph, cpu, "{name} with --cuda-graph:\n{stderr}");
+    }
+    let plan = dir.join("offload.atp");
+    compile(&model, &plan, &["--micro-batch", "4", "--offload-optimizer", "cpu"]);
+    let (refused, stderr) = run(&plan, "cuda", &["--cuda-graph"]);
+    assert!(refused.is_none(), "{stderr}");
+    assert!(stderr.contains("--cuda-graph: a step cannot be one CUDA graph: instruction"), "{stderr}");
+    assert!(stderr.contains("updates offloaded optimizer state on the host"), "{stderr}");
+}

@@ -176,6 +176,15 @@ impl Executor {
         }
     }
 
+    /// Runs every step after the first as a CUDA graph captured from the second
+    /// (`--cuda-graph`); refused, naming why, for a program whose steps need the host.
+    pub fn use_cuda_graph(&mut self) -> Result<(), RuntimeError> {
+        match &mut self.device {
+            Backend::Gpu(gpu) => gpu.use_graph(),
+            Backend::Cpu(_) => Err(RuntimeError::InvalidProgram("--cuda-graph needs --device cuda".into())),
+        }
+    }
+
     /// How each mesh axis's collectives travel (on a GPU; empty on the CPU or without a mesh).
     pub fn axis_paths(&self) -> &[crate::gpu::AxisPath] {
         match &self.device {
@@ -306,10 +315,9 @@ impl Executor {
                     gpu.upload_region(&slot.region, &t.data)?;
                 }
                 gpu.clock = Some(RankClock::start(self.clock)?);
-                let result = crate::streams::drive(gpu.as_mut(), &self.program, &self.schedule);
+                let result = gpu.step(&self.program, &self.schedule);
                 let clock = gpu.clock.take().expect("set for the run");
                 result?;
-                gpu.apply_updates(&self.program.updates)?;
                 let outputs = (self.program.outputs.iter())
                     .map(|s| gpu.download_region(Stream::Compute, &s.region))
                     .collect::<Result<Vec<_>, _>>()?;

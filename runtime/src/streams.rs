@@ -246,6 +246,26 @@ pub(crate) trait Device {
     fn abort(&mut self, error: &RuntimeError);
 }
 
+/// Issues `schedule`'s operations (of `program`) to `device`, without waiting for them.
+pub(crate) fn issue<D: Device>(
+    device: &mut D,
+    program: &Program,
+    schedule: &StreamSchedule,
+) -> Result<(), RuntimeError> {
+    let mut events: Vec<Option<D::Event>> = (0..schedule.events).map(|_| None).collect();
+    for op in &schedule.ops {
+        match *op {
+            StreamOp::Launch { stream, instruction } => device.launch(program, instruction, stream)?,
+            StreamOp::Record { stream, event } => events[event] = Some(device.record(stream)?),
+            StreamOp::Wait { stream, event } => {
+                let recorded = events[event].as_ref().expect("checked: events are recorded before their waits");
+                device.wait(stream, recorded)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs `schedule` (of `program`) on `device` and synchronises it; on an error, aborts the
 /// device before returning the error.
 pub(crate) fn drive<D: Device>(
@@ -253,21 +273,7 @@ pub(crate) fn drive<D: Device>(
     program: &Program,
     schedule: &StreamSchedule,
 ) -> Result<(), RuntimeError> {
-    let mut events: Vec<Option<D::Event>> = (0..schedule.events).map(|_| None).collect();
-    let mut run = || {
-        for op in &schedule.ops {
-            match *op {
-                StreamOp::Launch { stream, instruction } => device.launch(program, instruction, stream)?,
-                StreamOp::Record { stream, event } => events[event] = Some(device.record(stream)?),
-                StreamOp::Wait { stream, event } => {
-                    let recorded = events[event].as_ref().expect("checked: events are recorded before their waits");
-                    device.wait(stream, recorded)?;
-                }
-            }
-        }
-        device.synchronize()
-    };
-    let result = run();
+    let result = issue(device, program, schedule).and_then(|()| device.synchronize());
     if let Err(e) = &result {
         device.abort(e);
     }

@@ -44,6 +44,9 @@ static ZERO_F32: f32 = 0.0;
 static ONE_F64: f64 = 1.0;
 static ZERO_F64: f64 = 0.0;
 
+/// cuBLAS's workspace: what NVIDIA recommends for Hopper (32 MiB), more than enough for Ampere.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
 /// A host scalar's address, as cuBLAS's `Ex` entries take alpha and beta.
 fn scalar<T>(value: &'static T) -> *const c_void {
     value as *const T as *const c_void
@@ -66,6 +69,8 @@ pub struct CudaGpu {
     indexed: Vec<sys::CUfunction>,
     /// Fused attention's passes (`gpu_kernels.attention`), entries of `module`.
     attention: Vec<sys::CUfunction>,
+    /// Captured graphs, instantiated (`CUgraphExec`).
+    graphs: Vec<sys::CUgraphExec>,
     /// NCCL communicators joined, and whether an aborter aborted them (then they are freed).
     communicators: Vec<NcclComm>,
     aborted: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -175,6 +180,7 @@ impl CudaGpu {
             indexed: Vec::new(),
             attention: Vec::new(),
             axis: Vec::new(),
+            graphs: Vec::new(),
             communicators: Vec::new(),
             aborted: Default::default(),
             allocations: Vec::new(),
@@ -244,6 +250,13 @@ impl CudaGpu {
             unsafe { blas::cublasSetMathMode(handle, mode) }
                 .result()
                 .map_err(|e| RuntimeError::Device(format!("cublasSetMathMode: {e:?}")))?;
+            // A workspace of our own, so that no GEMM allocates one later, inside a captured
+            // graph (`--cuda-graph`), where allocating is not allowed.
+            let workspace = self.alloc(CUBLAS_WORKSPACE_BYTES)?;
+            // SAFETY: an allocation of this GPU, for the handle's life (the GPU's).
+            unsafe { blas::cublasSetWorkspace_v2(handle, workspace as *mut c_void, CUBLAS_WORKSPACE_BYTES) }
+                .result()
+                .map_err(|e| RuntimeError::Device(format!("cublasSetWorkspace: {e:?}")))?;
             Some(handle)
         } else {
             tracing::warn!("cuBLAS (libcublas) could not be loaded: GEMMs run on the host");
@@ -584,6 +597,52 @@ impl Gpu for CudaGpu {
         issued.map(|_| ()).map_err(|e| RuntimeError::Comm(format!("NCCL {call:?}: {e:?}")))
     }
 
+    fn begin_capture(&mut self) -> Result<(), RuntimeError> {
+        self.current()?;
+        // Relaxed: other ranks' threads may allocate or synchronise meanwhile.
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: one of our streams, not capturing.
+        unsafe { sys::cuStreamBeginCapture_v2(self.stream(Stream::Compute), mode) }
+            .result()
+            .map_err(driver("cuStreamBeginCapture"))
+    }
+
+    fn end_capture(&mut self) -> Result<usize, RuntimeError> {
+        self.current()?;
+        // The streams that joined the capture (by waiting on its events) join back.
+        for stream in [Stream::Collectives, Stream::Peer] {
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: one of our streams.
+            unsafe { sys::cuStreamIsCapturing(self.stream(stream), &mut status) }
+                .result()
+                .map_err(driver("cuStreamIsCapturing"))?;
+            if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+                let event = self.record(stream)?;
+                self.wait(Stream::Compute, event)?;
+            }
+        }
+        let mut graph = std::ptr::null_mut();
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: the capture this GPU began; the graph is freed once instantiated.
+        unsafe {
+            sys::cuStreamEndCapture(self.stream(Stream::Compute), &mut graph)
+                .result()
+                .map_err(driver("cuStreamEndCapture"))?;
+            let instantiated = sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0).result();
+            let _ = sys::cuGraphDestroy(graph);
+            instantiated.map_err(driver("cuGraphInstantiate"))?;
+        }
+        self.graphs.push(exec);
+        Ok(self.graphs.len() - 1)
+    }
+
+    fn replay(&mut self, graph: usize) -> Result<(), RuntimeError> {
+        self.current()?;
+        let exec = *self.graphs.get(graph).ok_or_else(|| RuntimeError::Device(format!("no CUDA graph {graph}")))?;
+        // SAFETY: an instantiated graph of this GPU, over its allocations.
+        unsafe { sys::cuGraphLaunch(exec, self.stream(Stream::Compute)) }.result().map_err(driver("cuGraphLaunch"))
+    }
+
     fn nccl_aborter(&mut self) -> NcclAborter {
         let (communicators, aborted) = (self.communicators.clone(), self.aborted.clone());
         Box::new(move || {
@@ -608,6 +667,9 @@ impl Drop for CudaGpu {
         unsafe {
             if let Some(Some(handle)) = self.blas.take() {
                 let _ = cudarc::cublas::result::destroy_handle(handle);
+            }
+            for exec in self.graphs.drain(..) {
+                let _ = sys::cuGraphExecDestroy(exec);
             }
             let aborted = self.aborted.load(std::sync::atomic::Ordering::SeqCst);
             for NcclComm(handle) in self.communicators.drain(..).filter(|_| !aborted) {

@@ -27,8 +27,9 @@ use crate::streams::Stream;
 use crate::RuntimeError;
 use autotp_program::Program;
 
-type Work = Box<dyn FnOnce() -> Result<(), RuntimeError> + Send>;
+type Work = Arc<dyn Fn() -> Result<(), RuntimeError> + Send + Sync>;
 
+#[derive(Clone)]
 enum Op {
     Run(Work),
     Signal(usize),
@@ -55,9 +56,28 @@ pub struct Emulator {
     math: GemmMath,
     /// This emulated device's identity (its process and a count).
     uuid: [u8; 16],
-    /// The communicators joined: the group, this GPU's rank in it, its calls issued so far.
-    communicators: Vec<(Arc<Group>, usize, u64)>,
+    /// The graph being captured, and those captured (see [`Capture`]).
+    capturing: Option<Capture>,
+    graphs: Vec<Capture>,
+    /// The communicators joined: the group, this GPU's rank in it, and its calls run so far
+    /// (a call takes its number when it runs, so a replayed graph's calls are numbered anew).
+    communicators: Vec<(Arc<Group>, usize, Arc<std::sync::atomic::AtomicU64>)>,
 }
+
+/// A captured graph: each stream's operations, their events numbered from 0 in the capture, and
+/// the stream each of those events is recorded on. Replaying it queues the operations again
+/// with fresh events. The rules of CUDA's stream capture are enforced, so the device's capture
+/// is tested here: a stream other than the compute stream joins by waiting on a captured event
+/// before anything else, an event from before the capture is never waited on, and nothing is
+/// copied from or to the host.
+#[derive(Clone, Default)]
+struct Capture {
+    ops: [Vec<Op>; 3],
+    events: Vec<Stream>,
+}
+
+/// The bit that marks an event recorded while capturing (numbered in its capture).
+const CAPTURED: usize = 1 << 40;
 
 /// Work issued to an [`Emulator`] so far.
 #[derive(Debug, Default)]
@@ -113,6 +133,8 @@ impl Emulator {
                 uuid
             },
             communicators: Vec::new(),
+            capturing: None,
+            graphs: Vec::new(),
         })
     }
 
@@ -133,8 +155,34 @@ impl Emulator {
         }
     }
 
-    fn queue(&mut self, stream: Stream, work: Work) {
-        self.queues[stream as usize].push_back(Op::Run(work));
+    fn queue(&mut self, stream: Stream, work: Work) -> Result<(), RuntimeError> {
+        self.push(stream, Op::Run(work))
+    }
+
+    /// Queues `op` on `stream`, or records it in the capture under way.
+    fn push(&mut self, stream: Stream, op: Op) -> Result<(), RuntimeError> {
+        match &mut self.capturing {
+            None => self.queues[stream as usize].push_back(op),
+            Some(capture) => {
+                let ops = &mut capture.ops[stream as usize];
+                if stream != Stream::Compute && ops.is_empty() && !matches!(op, Op::WaitFor(_)) {
+                    return Err(RuntimeError::Device(format!(
+                        "emulated GPU: the {} stream is used in a capture before it waits on a captured event",
+                        stream.name()
+                    )));
+                }
+                ops.push(op);
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a host copy while capturing (a graph cannot hold one from pageable memory).
+    fn no_capture(&self, what: &str) -> Result<(), RuntimeError> {
+        match self.capturing {
+            Some(_) => Err(RuntimeError::Device(format!("emulated GPU: {what} while capturing a graph"))),
+            None => Ok(()),
+        }
     }
 
     /// Runs the next operation of `stream`, or, when it waits for an event not yet complete,
@@ -179,7 +227,7 @@ impl Emulator {
         self.counts.launches.fetch_add(1, Ordering::Relaxed);
         self.queue(
             stream,
-            Box::new(move || {
+            Arc::new(move || {
                 // SAFETY: checked to lie in allocations; the device's regions of one
                 // instruction, whose output overlaps neither input.
                 let (a, b, out) = unsafe {
@@ -205,8 +253,7 @@ impl Emulator {
                     Err(e) => Err(RuntimeError::Device(format!("emulated GPU: {e}"))),
                 }
             }),
-        );
-        Ok(())
+        )
     }
 
     fn drain(&mut self, stream: Stream) -> Result<(), RuntimeError> {
@@ -226,20 +273,21 @@ impl Gpu for Emulator {
     }
 
     fn upload(&mut self, stream: Stream, address: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
+        self.no_capture("an upload from the host")?;
         self.check(address, bytes.len())?;
         let bytes = bytes.to_vec();
         // SAFETY: checked to lie in an allocation, which lives as long as the emulator.
         self.queue(
             stream,
-            Box::new(move || {
+            Arc::new(move || {
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), address as *mut u8, bytes.len()) };
                 Ok(())
             }),
-        );
-        Ok(())
+        )
     }
 
     fn download(&mut self, stream: Stream, address: u64, into: &mut [u8]) -> Result<(), RuntimeError> {
+        self.no_capture("a download to the host")?;
         self.check(address, into.len())?;
         self.counts.downloads.fetch_add(1, Ordering::Relaxed);
         self.drain(stream)?;
@@ -253,12 +301,11 @@ impl Gpu for Emulator {
         // SAFETY: checked to lie in an allocation.
         self.queue(
             stream,
-            Box::new(move || {
+            Arc::new(move || {
                 unsafe { std::ptr::write_bytes(address as *mut u8, 0, len) };
                 Ok(())
             }),
-        );
-        Ok(())
+        )
     }
 
     fn copy(&mut self, stream: Stream, from: u64, to: u64, len: usize) -> Result<(), RuntimeError> {
@@ -267,12 +314,11 @@ impl Gpu for Emulator {
         // SAFETY: both checked to lie in allocations.
         self.queue(
             stream,
-            Box::new(move || {
+            Arc::new(move || {
                 unsafe { std::ptr::copy(from as *const u8, to as *mut u8, len) };
                 Ok(())
             }),
-        );
-        Ok(())
+        )
     }
 
     fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError> {
@@ -304,15 +350,14 @@ impl Gpu for Emulator {
         self.counts.launches.fetch_add(1, Ordering::Relaxed);
         self.queue(
             stream,
-            Box::new(move || {
+            Arc::new(move || {
                 let buffers: Vec<*mut u8> = buffers.iter().map(|&a| a as *mut u8).collect();
                 // SAFETY: the device passes the regions of a validated program in its arena (each
                 // kernel's accesses are bounded by `kir::Kernel::check`) or its chunk tables.
                 unsafe { function.run(&buffers, 0..rows) };
                 Ok(())
             }),
-        );
-        Ok(())
+        )
     }
 
     /// Runs the builtin matmul the call stands for (`GemmCall::dims`; the call's own numbers are
@@ -331,7 +376,7 @@ impl Gpu for Emulator {
         self.counts.gemms.fetch_add(1, Ordering::Relaxed);
         self.queue(
             stream,
-            Box::new(move || {
+            Arc::new(move || {
                 // SAFETY: checked to lie in allocations; the device's regions of one instruction,
                 // whose output overlaps neither input (`Program::validate`).
                 let (lhs, rhs, out) = unsafe {
@@ -353,11 +398,17 @@ impl Gpu for Emulator {
                     .run(&[lhs, rhs], &mut [out])
                     .map_err(|source| RuntimeError::Kernel { label: "emulated GEMM".into(), source })
             }),
-        );
+        )?;
         Ok(true)
     }
 
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
+        if let Some(capture) = &mut self.capturing {
+            let event = capture.events.len();
+            capture.events.push(stream);
+            self.push(stream, Op::Signal(event))?;
+            return Ok(GpuEvent(CAPTURED | event));
+        }
         let event = self.events.len();
         self.events.push((false, stream));
         self.queues[stream as usize].push_back(Op::Signal(event));
@@ -365,6 +416,15 @@ impl Gpu for Emulator {
     }
 
     fn wait(&mut self, stream: Stream, event: GpuEvent) -> Result<(), RuntimeError> {
+        if let Some(capture) = &self.capturing {
+            let captured = event.0 & !CAPTURED;
+            if event.0 & CAPTURED == 0 || captured >= capture.events.len() {
+                return Err(RuntimeError::Device(
+                    "emulated GPU: a capture waits on an event recorded outside it".into(),
+                ));
+            }
+            return self.push(stream, Op::WaitFor(captured));
+        }
         if event.0 >= self.events.len() {
             return Err(RuntimeError::Device(format!("emulated GPU: event {} was never recorded", event.0)));
         }
@@ -373,6 +433,7 @@ impl Gpu for Emulator {
     }
 
     fn synchronize(&mut self) -> Result<(), RuntimeError> {
+        self.no_capture("a synchronisation")?;
         for stream in Stream::ALL {
             self.drain(stream)?;
         }
@@ -395,7 +456,7 @@ impl Gpu for Emulator {
         self.check(to, span(to_pitch))?;
         self.queue(
             stream,
-            Box::new(move || {
+            Arc::new(move || {
                 for row in 0..rows {
                     // SAFETY: checked: every row lies in an allocation.
                     unsafe {
@@ -408,8 +469,7 @@ impl Gpu for Emulator {
                 }
                 Ok(())
             }),
-        );
-        Ok(())
+        )
     }
 
     fn nccl_reach(&mut self) -> NcclReach {
@@ -426,7 +486,7 @@ impl Gpu for Emulator {
 
     fn nccl_join(&mut self, id: &NcclId, ranks: usize, rank: usize) -> Result<usize, RuntimeError> {
         let group = emulated_nccl::join(id, ranks)?;
-        self.communicators.push((group, rank, 0));
+        self.communicators.push((group, rank, Arc::default()));
         Ok(self.communicators.len() - 1)
     }
 
@@ -436,13 +496,53 @@ impl Gpu for Emulator {
         for (address, len) in call.buffers(group.ranks()) {
             self.check(address, len)?;
         }
-        let (group, rank, issued) = &mut self.communicators[comm];
-        let (group, rank, number, call) = (group.clone(), *rank, *issued, *call);
-        *issued += 1;
+        let (group, rank, calls) = &self.communicators[comm];
+        let (group, rank, calls, call) = (group.clone(), *rank, calls.clone(), *call);
         self.counts.nccl_calls.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the buffers are checked to lie in allocations; the device issues a call's
-        // buffers to nothing else on other streams until the call's event (the schedule).
-        self.queue(stream, Box::new(move || unsafe { group.call(rank, number, call) }));
+        self.queue(
+            stream,
+            Arc::new(move || {
+                let number = calls.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: the buffers are checked to lie in allocations; the device gives a
+                // call's buffers to nothing else on other streams until the call's event.
+                unsafe { group.call(rank, number, call) }
+            }),
+        )
+    }
+
+    fn begin_capture(&mut self) -> Result<(), RuntimeError> {
+        self.no_capture("a second capture")?;
+        self.capturing = Some(Capture::default());
+        Ok(())
+    }
+
+    fn end_capture(&mut self) -> Result<usize, RuntimeError> {
+        for stream in [Stream::Collectives, Stream::Peer] {
+            let joined = self.capturing.as_ref().is_some_and(|c| !c.ops[stream as usize].is_empty());
+            if joined {
+                let event = self.record(stream)?;
+                self.wait(Stream::Compute, event)?;
+            }
+        }
+        let capture =
+            (self.capturing.take()).ok_or_else(|| RuntimeError::Device("emulated GPU: no capture under way".into()))?;
+        self.graphs.push(capture);
+        Ok(self.graphs.len() - 1)
+    }
+
+    fn replay(&mut self, graph: usize) -> Result<(), RuntimeError> {
+        self.no_capture("a replay")?;
+        let graph = (self.graphs.get(graph).cloned())
+            .ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no graph {graph}")))?;
+        let first = self.events.len();
+        self.events.extend(graph.events.iter().map(|&stream| (false, stream)));
+        for (queue, ops) in self.queues.iter_mut().zip(graph.ops) {
+            queue.extend(ops.into_iter().map(|op| match op {
+                Op::Signal(event) => Op::Signal(first + event),
+                Op::WaitFor(event) => Op::WaitFor(first + event),
+                run => run,
+            }));
+        }
         Ok(())
     }
 

@@ -223,6 +223,18 @@ pub trait Gpu: Send {
 
     /// What aborts the communicators joined so far.
     fn nccl_aborter(&mut self) -> NcclAborter;
+
+    /// Starts capturing a graph (`cuStreamBeginCapture`): what is issued from now on is recorded,
+    /// not run. Other streams join the capture when they wait on an event recorded in it;
+    /// nothing may be copied from or to the host meanwhile.
+    fn begin_capture(&mut self) -> Result<(), RuntimeError>;
+
+    /// Ends the capture, the streams that joined it joined back into the compute stream first,
+    /// and returns the graph's handle, ready to run.
+    fn end_capture(&mut self) -> Result<usize, RuntimeError>;
+
+    /// Runs captured graph `graph` on the compute stream (`cuGraphLaunch`).
+    fn replay(&mut self, graph: usize) -> Result<(), RuntimeError>;
 }
 
 /// Where a [`GemmCall`]'s operands lie on the device.
@@ -265,6 +277,46 @@ enum Prepared {
         steps: Vec<DeviceStep>,
         nccl: Option<usize>,
     },
+}
+
+/// Where a device stands with `--cuda-graph`: off; the first step running as usual (cuBLAS and
+/// NCCL set themselves up outside any capture); the next captured as a graph and replayed;
+/// then every step the graph's replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StepGraph {
+    Off,
+    Warming,
+    Capture,
+    Replay(usize),
+}
+
+/// Why a program's step cannot be one CUDA graph: the first instruction that copies through the
+/// host or waits on it (a graph holds device work alone).
+fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &[AxisPath]) -> Option<String> {
+    program.instructions.iter().zip(prepared).enumerate().find_map(|(i, (instruction, prepared))| {
+        let label = instruction.label();
+        let why = match (instruction, prepared) {
+            (Instruction::Kernel { kernel: Kernel::Copy, .. }, _) => return None,
+            (Instruction::Kernel { .. }, Prepared::Nothing) => "runs on the host".to_string(),
+            (Instruction::Collective { op, .. } | Instruction::CollectiveStart { op, .. }, Prepared::Nothing) => {
+                match paths.get(op.axis) {
+                    Some(AxisPath::Host { why }) => format!("communicates through host memory ({why})"),
+                    _ => "communicates through host memory".to_string(),
+                }
+            }
+            (Instruction::Send { .. } | Instruction::Recv { .. }, _) => {
+                "is a pipeline message, which goes through host memory".to_string()
+            }
+            (Instruction::OptimizerStep { guard: Some(_), .. }, _) => {
+                "reads its guard back (an offloaded optimizer's step)".to_string()
+            }
+            (_, Prepared::OptimizerStep(ChunkTable { offloaded: Some(_), .. })) => {
+                "updates offloaded optimizer state on the host".to_string()
+            }
+            _ => return None,
+        };
+        Some(format!("instruction {i} ({label}) {why}"))
+    })
 }
 
 /// How a rank's collectives on one mesh axis travel, decided with the other ranks of its group
@@ -406,6 +458,10 @@ pub struct GpuDevice {
     aborter: Option<Arc<NcclAborter>>,
     /// Aborts them when a wait on the device lasts past `--comm-timeout` (once it is set).
     watchdog: Option<watchdog::Watchdog>,
+    /// Whether steps run as a CUDA graph (`--cuda-graph`), and why they cannot: the first
+    /// instruction that needs the host.
+    graph: StepGraph,
+    capture_blocker: Option<String>,
     /// The bytes this rank's NCCL collectives sent, counted as [`CommBytes`] counts them, and
     /// those its host communicator sent while the communicators were made.
     pub(crate) nccl_sent: autotp_program::mesh::CommBytes,
@@ -595,6 +651,7 @@ impl GpuDevice {
         let (free_after, _) = gpu.memory()?;
         let held_bytes = free_before.saturating_sub(free_after);
         let aborter = uses_nccl.then(|| Arc::new(gpu.nccl_aborter()));
+        let capture_blocker = capture_blocker(program, &prepared, &paths);
         Ok(GpuDevice {
             gpu: std::sync::Mutex::new(gpu),
             base,
@@ -609,6 +666,8 @@ impl GpuDevice {
             paths,
             aborter,
             watchdog: None,
+            graph: StepGraph::Off,
+            capture_blocker,
             nccl_sent: Default::default(),
             bootstrap_sent,
         })
@@ -657,6 +716,58 @@ impl GpuDevice {
             Some(watchdog) => watchdog.waiting(wait),
             None => wait(),
         }
+    }
+
+    /// Runs steps as a CUDA graph from now on (see [`StepGraph`]); refused, naming the first
+    /// instruction that needs the host, where a step cannot be one.
+    pub(crate) fn use_graph(&mut self) -> Result<(), RuntimeError> {
+        if let Some(why) = &self.capture_blocker {
+            return Err(RuntimeError::InvalidProgram(format!("--cuda-graph: a step cannot be one CUDA graph: {why}")));
+        }
+        self.graph = StepGraph::Warming;
+        Ok(())
+    }
+
+    /// Runs one step of `program` (its inputs uploaded) by `schedule`, with its updates, and
+    /// waits for it: issued instruction by instruction, or as the captured graph.
+    pub(crate) fn step(
+        &mut self,
+        program: &Program,
+        schedule: &crate::streams::StreamSchedule,
+    ) -> Result<(), RuntimeError> {
+        match self.graph {
+            StepGraph::Off | StepGraph::Warming => {
+                crate::streams::drive(self, program, schedule)?;
+                self.apply_updates(&program.updates)?;
+                if self.graph == StepGraph::Warming {
+                    self.graph = StepGraph::Capture;
+                }
+                Ok(())
+            }
+            StepGraph::Capture => {
+                self.gpu().begin_capture()?;
+                let issued =
+                    crate::streams::issue(self, program, schedule).and_then(|()| self.apply_updates(&program.updates));
+                // The capture ends whatever happened, so the streams run again.
+                let graph = self.gpu().end_capture();
+                let graph = issued.and(graph).map_err(|e| match e {
+                    RuntimeError::Device(message) => RuntimeError::Device(format!("capturing the step: {message}")),
+                    other => other,
+                })?;
+                self.graph = StepGraph::Replay(graph);
+                self.replay(graph)
+            }
+            StepGraph::Replay(graph) => self.replay(graph),
+        }
+    }
+
+    /// Runs captured graph `graph` and waits for it (reporting an indexed kernel's fault).
+    fn replay(&mut self, graph: usize) -> Result<(), RuntimeError> {
+        let result = self.gpu().replay(graph).and_then(|()| Device::synchronize(self));
+        if let Err(e) = &result {
+            Device::abort(self, e);
+        }
+        result
     }
 
     /// Starts the NCCL watchdog (see [`watchdog`]) with `timeout`, where the device uses NCCL.

@@ -458,6 +458,14 @@ impl Trainer {
         }
     }
 
+    /// Runs every rank's steps after the first as a CUDA graph ([`Executor::use_cuda_graph`]).
+    pub fn use_cuda_graph(&mut self) -> Result<(), TrainError> {
+        for executor in &mut self.ranks {
+            executor.use_cuda_graph()?;
+        }
+        Ok(())
+    }
+
     /// How the first rank here communicates on each mesh axis, on GPUs: one line, `None` on CPU
     /// ranks or without a mesh.
     pub fn communication(&self) -> Option<String> {
