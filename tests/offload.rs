@@ -82,7 +82,13 @@ fn offloaded_optimizer_trains_bit_identically() {
             assert!(states > 0);
             assert_eq!(figure(&summary, "optimizer state"), 0, "{summary}");
             assert_eq!(figure(&summary, "optimizer state offloaded (host pool)"), states, "{summary}");
-            assert_eq!(figure(&kept_summary, "total arena") - figure(&summary, "total arena"), states);
+            // The arena loses the states; the activations' peak may differ besides (the in-place
+            // step sets it where the kept plan's peak lies elsewhere).
+            let activations = |summary: &str| figure(summary, "activations peak (with gradients)") as i64;
+            let arena_drop = figure(&kept_summary, "total arena") as i64 - figure(&summary, "total arena") as i64;
+            let expected = states as i64 + activations(&kept_summary) - activations(&summary);
+            // Up to the arena's rounding to its alignment.
+            assert!((arena_drop - expected).abs() < 256, "{arena_drop} vs {expected}: {summary}");
         }
     }
 }

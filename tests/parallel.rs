@@ -527,8 +527,11 @@ fn gradient_accumulation_reduces_as_deepspeed_does() {
             accumulated_peak < whole_peak / 2,
             "zero {zero}: {accumulated_peak} vs {whole_peak} without accumulation"
         );
+        // The placement packs each plan's blocks on its own (up to 15.8% over the live peak
+        // where it does worst, codegen's memory plan measures), so the bound allows a fifth of
+        // one micro-batch more.
         assert!(
-            accumulated_peak <= one_peak + sums + loss_and_slices,
+            accumulated_peak <= one_peak + one_peak / 5 + sums + loss_and_slices,
             "zero {zero}: {accumulated_peak} vs {one_peak} for one micro-batch and {sums} of sums"
         );
     }

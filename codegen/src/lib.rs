@@ -674,6 +674,24 @@ impl Lowering<'_> {
         let graph = self.graph;
         let nodes: Vec<_> = fusion.node_ids().collect();
         let fused_outputs = fusion_outputs(graph, fusion, &self.lifetimes.last_use);
+        // A cross-entropy reading a cast of its 16-bit scores: its two kernels read them.
+        if let Some([rows, total]) = autotp_kernelgen::cross_entropy(graph, &nodes) {
+            let (cast, ce) = (graph.node(nodes[0]), graph.node(nodes[1]));
+            let &[loss] = &fused_outputs[..] else { return false };
+            self.allocate(loss, id.index());
+            self.note_peak();
+            let inputs = vec![self.region(&cast.inputs[0]), self.region(&ce.inputs[1])];
+            let label = format!(
+                "fusion {}, nodes {}..{} (fused:cast+cross_entropy)",
+                fusion.name, fusion.nodes.start, fusion.nodes.end
+            );
+            let loss = self.region(&loss);
+            self.cross_entropy(rows, total, inputs, loss, label);
+            for member in fusion.nodes.clone() {
+                self.in_fused_group[member] = true;
+            }
+            return true;
+        }
         let Some(built) = autotp_kernelgen::try_build(graph, &nodes, &fused_outputs) else { return false };
         for o in &fused_outputs {
             self.allocate(*o, id.index());
@@ -733,7 +751,7 @@ impl Lowering<'_> {
             self.instructions.push(Instruction::Send { input: inputs[0], to, tag, label });
         } else if let Op::Recv { from, tag, .. } = node.op {
             self.instructions.push(Instruction::Recv { output: outputs[0], from, tag, label });
-        } else if let Some([rows, total]) = generated.then(|| autotp_kernelgen::cross_entropy(graph, id)).flatten() {
+        } else if let Some([rows, total]) = generated.then(|| autotp_kernelgen::cross_entropy(graph, &[id])).flatten() {
             self.cross_entropy(rows, total, inputs, outputs[0], label);
         } else if let Some(built) =
             generated.then(|| autotp_kernelgen::try_build(graph, &[id], &node.outputs)).flatten()

@@ -67,7 +67,14 @@ pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Result<Bui
         let node = graph.node(n);
         let max_reduction =
             matches!(node.op, Op::Reduce { op: ReduceOp::Max, .. } | Op::Softmax { .. } | Op::LogSoftmax { .. });
-        if max_reduction && nodes.iter().any(|&m| graph.node(m).outputs.contains(&node.inputs[0])) {
+        // A cast of a loaded value is a load (it widens, or rounds, as it reads): the one
+        // producer a max reduction's input may have in the group.
+        let loaded_cast = |m: NodeId| {
+            let producer = graph.node(m);
+            matches!(producer.op, Op::Cast { .. })
+                && !nodes.iter().any(|&k| graph.node(k).outputs.contains(&producer.inputs[0]))
+        };
+        if max_reduction && nodes.iter().any(|&m| graph.node(m).outputs.contains(&node.inputs[0]) && !loaded_cast(m)) {
             return Err(Refusal::MaxProducer);
         }
     }
@@ -155,10 +162,16 @@ pub fn try_build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option
 /// A mean or summed cross-entropy over `[n, classes]` scores as two kernels: per row, the
 /// negative log-likelihood of its label and whether it counts (`[n]` each, ignored labels give
 /// 0 and do not count; a label outside the classes gives NaN, so a bad label cannot pass
-/// silently), then their sums and the loss. `None` for other forms (weights, the
-/// log-probability output, classes not last, no reduction).
-pub fn cross_entropy(graph: &Graph, node: NodeId) -> Option<[kir::Kernel; 2]> {
-    let node = graph.node(node);
+/// silently), then their sums and the loss. `nodes` is the cross-entropy node, or a cast of
+/// 16-bit scores to f32 and the cross-entropy reading it, whose kernels then read the 16-bit
+/// scores and widen them as they load (a bf16 model's logits, never stored in f32). `None` for
+/// other forms (weights, the log-probability output, classes not last, no reduction).
+pub fn cross_entropy(graph: &Graph, nodes: &[NodeId]) -> Option<[kir::Kernel; 2]> {
+    let (cast, node) = match nodes {
+        [ce] => (None, graph.node(*ce)),
+        [cast, ce] => (Some(graph.node(*cast)), graph.node(*ce)),
+        _ => return None,
+    };
     let Op::CrossEntropy { ignore_index, reduction } = node.op else { return None };
     let ty = |v: ValueId| local_type(&graph.mesh, graph.ty(v), &graph.value(v).placements);
     let (scores, labels) = (ty(node.inputs[0]), ty(node.inputs[1]));
@@ -171,6 +184,18 @@ pub fn cross_entropy(graph: &Graph, node: NodeId) -> Option<[kir::Kernel; 2]> {
     {
         return None;
     }
+    // The scores as the kernels load them: f32, or the 16-bit values the cast widens.
+    let loaded = match cast {
+        None => DType::F32,
+        Some(cast) => {
+            let from = ty(cast.inputs[0]).dtype;
+            let widens = matches!(cast.op, Op::Cast { to: DType::F32 }) && matches!(from, DType::BF16 | DType::F16);
+            if !widens || cast.outputs[0] != node.inputs[0] {
+                return None;
+            }
+            from
+        }
+    };
     let (n, classes) = (scores.shape[0], scores.shape[1]);
     if n == 0 || classes == 0 {
         return None;
@@ -181,7 +206,12 @@ pub fn cross_entropy(graph: &Graph, node: NodeId) -> Option<[kir::Kernel; 2]> {
     let label = Expr::Load { buffer: 1, index: row.clone() };
     let rows = kir::Kernel {
         name: "cross_entropy_rows".into(),
-        buffers: vec![f32_buffer(n * classes), kir::Buffer { dtype: DType::I64, len: n }, f32_buffer(n), f32_buffer(n)],
+        buffers: vec![
+            kir::Buffer { dtype: loaded, len: n * classes },
+            kir::Buffer { dtype: DType::I64, len: n },
+            f32_buffer(n),
+            f32_buffer(n),
+        ],
         num_inputs: 2,
         outer: n,
         inner: classes,

@@ -16,8 +16,12 @@
 //! (the same op, hyperparameters, lr and step, dtype) form one group, which codegen runs as one
 //! multi-tensor step updating every parameter and state in place (tests/golden/fusion_optimizer.ir).
 //! First, a transpose of the last two dims feeding a matmul becomes the matmul's transpose flag
-//! (no materialised transpose in front of a GEMM), for operands held whole on every rank, and a
-//! cast after a reshape moves before it (so it fuses into the kernel making the reshaped value).
+//! (no materialised transpose in front of a GEMM), for operands held whole on every rank, a
+//! cast after a reshape moves before it (so it fuses into the kernel making the reshaped value),
+//! and a 16-bit value widened to f32 for several kernels gets a cast per reader (each kernel
+//! widens it as it loads). After the schedule, a group whose results one later group alone
+//! reads joins it where that keeps memory down (`sink_into_readers`: the labels' one-hot goes
+//! into the softmax gradient's kernel, a cast of the logits into the cross-entropy's).
 //! Nodes that cannot be in a kernel (matmuls, data movement, collectives, sends and receives)
 //! keep their relative order, so collectives are issued in the same order on every rank and
 //! pipeline messages in the order the schedule set.
@@ -47,9 +51,13 @@ impl Pass for Fusion {
         if let Some(moved) = casts_before_reshapes(graph) {
             *graph = moved;
         }
+        if let Some(copied) = widening_casts_per_reader(graph) {
+            *graph = copied;
+        }
         let (recomputed, earliest) = crate::recompute::recompute(graph, self.recompute);
         *graph = recomputed;
         let (order, groups) = schedule(graph, &earliest);
+        let (order, groups) = sink_into_readers(graph, order, groups);
         let mut rewriter = Rewriter::new(graph, |_| true);
         for &n in &order {
             rewriter.copy_node(n);
@@ -113,6 +121,148 @@ fn casts_before_reshapes(graph: &Graph) -> Option<Graph> {
         rewriter.set(node.outputs[0], reshaped);
     }
     Some(rewriter.finish())
+}
+
+/// A 16-bit value widened to f32 that several kernels read (a bf16 model's logits, which the
+/// loss and its gradient's softmax both read) is widened again in each of those kernels from
+/// the 16-bit value, instead of stored in f32 once: a copy of the cast per reader, where every
+/// reader can take it in its kernel (else the f32 value is stored anyway, and stays the one).
+/// Widening is exact, so the results are the same bytes. `None` when there is no such cast.
+fn widening_casts_per_reader(graph: &Graph) -> Option<Graph> {
+    use autotp_ir::DType;
+    let consumers = graph.consumers();
+    let outputs: Vec<ValueId> = graph.outputs().iter().map(|(_, v)| *v).collect();
+    // For each such cast, the readers that take their own copy.
+    let mut copies: std::collections::BTreeMap<NodeId, Vec<NodeId>> = Default::default();
+    for (id, node) in graph.nodes() {
+        let (Op::Cast { to: DType::F32 }, [x]) = (&node.op, &node.inputs[..]) else { continue };
+        let widened = node.outputs[0];
+        let readers = &consumers[widened.index()];
+        if !matches!(graph.ty(*x).dtype, DType::BF16 | DType::F16) || readers.len() < 2 || outputs.contains(&widened) {
+            continue;
+        }
+        let takes = |r: NodeId| {
+            autotp_kernelgen::try_build(graph, &[id, r], &graph.node(r).outputs).is_some()
+                || autotp_kernelgen::cross_entropy(graph, &[id, r]).is_some()
+        };
+        if readers.iter().all(|&r| takes(r)) {
+            copies.insert(id, readers.clone());
+        }
+    }
+    if copies.is_empty() {
+        return None;
+    }
+    let takes: std::collections::BTreeMap<NodeId, Vec<NodeId>> = copies
+        .iter()
+        .flat_map(|(&cast, readers)| readers.iter().map(move |&r| (r, cast)))
+        .fold(Default::default(), |mut by_reader: std::collections::BTreeMap<NodeId, Vec<NodeId>>, (r, cast)| {
+            by_reader.entry(r).or_default().push(cast);
+            by_reader
+        });
+    let mut rewriter = Rewriter::new(graph, |_| true);
+    for (id, _) in graph.nodes() {
+        if let Some(casts) = takes.get(&id) {
+            for &cast in casts {
+                let original = graph.node(cast);
+                let widened = graph.value(original.outputs[0]);
+                let input = rewriter.map(original.inputs[0]);
+                let g = rewriter.graph();
+                let copy = g.add_node_typed(original.op.clone(), vec![input], vec![widened.ty.clone()]);
+                let copy = g.node(copy).outputs[0];
+                g.value_mut(copy).placements = widened.placements.clone();
+                rewriter.set(original.outputs[0], copy);
+            }
+        }
+        if !copies.contains_key(&id) {
+            rewriter.copy_node(id);
+        }
+    }
+    Some(rewriter.finish().without_dead_code())
+}
+
+/// Each group whose results only one later group reads joins that group, where the two are one
+/// kernel and the activations the move keeps alive longer are at most a quarter of the bytes of
+/// its results, which are then never stored (results updated in place, or regions reused, make
+/// the saving smaller than those bytes, so the margin keeps the peak from growing): a one-hot
+/// of the labels is made in the kernel that subtracts it from the softmax, and a bf16 model's
+/// logits widened where the cross-entropy reads them, instead of stored in f32 between two
+/// kernels. Moving a group later is always in order: what it reads is made
+/// before it, and nothing between it and the group that reads its results reads them.
+fn sink_into_readers(graph: &Graph, order: Vec<NodeId>, groups: Vec<usize>) -> (Vec<NodeId>, Vec<usize>) {
+    let consumers = graph.consumers();
+    let mut leaves = vec![false; graph.num_values()];
+    for (_, v) in graph.outputs() {
+        leaves[v.index()] = true;
+    }
+    for (t, v) in graph.updates() {
+        leaves[t.index()] = true;
+        leaves[v.index()] = true;
+    }
+    let mut spans: Vec<Vec<NodeId>> = Vec::with_capacity(groups.len());
+    let mut at = 0;
+    for len in groups {
+        spans.push(order[at..at + len].to_vec());
+        at += len;
+    }
+    // A generated kernel (or the two of a cross-entropy reading a cast of its scores).
+    let kernel = |span: &[NodeId]| {
+        span.iter().all(|&n| !matches!(graph.node(n).op, Op::Constant { .. }) && !is_update(graph, n))
+            && (autotp_kernelgen::try_build(graph, span, &group_outputs(graph, span, &consumers, &leaves)).is_some()
+                || autotp_kernelgen::cross_entropy(graph, span).is_some())
+    };
+    let bytes = |v: ValueId| graph.ty(v).numel() * graph.ty(v).dtype.size();
+    let mut g = 0;
+    while g < spans.len() {
+        let results: Vec<ValueId> = spans[g].iter().flat_map(|&n| graph.node(n).outputs.iter().copied()).collect();
+        let readers: Vec<NodeId> = (results.iter())
+            .flat_map(|v| consumers[v.index()].iter().copied())
+            .filter(|r| !spans[g].contains(r))
+            .collect();
+        let target = readers.first().and_then(|r| spans.iter().position(|s| s.contains(r)));
+        let sinkable = |h: usize| {
+            let mut merged = spans[g].clone();
+            merged.extend(&spans[h]);
+            // Activations that nothing at or after the reading group reads, which would now
+            // live until it.
+            let mut inputs: Vec<ValueId> =
+                spans[g].iter().flat_map(|&n| graph.node(n).inputs.iter().copied()).collect();
+            inputs.sort();
+            inputs.dedup();
+            let extended: usize = (inputs.into_iter())
+                .filter(|v| matches!(graph.value(*v).def, Def::Node(p, _) if !matches!(graph.node(p).op, Op::Constant { .. })))
+                .filter(|v| !leaves[v.index()] && !results.contains(v))
+                .filter(|v| {
+                    consumers[v.index()]
+                        .iter()
+                        .filter(|c| !spans[g].contains(c))
+                        .all(|c| spans.iter().position(|s| s.contains(c)).is_some_and(|at| at < h))
+                })
+                .map(bytes)
+                .sum();
+            let freed: usize = results.iter().copied().map(bytes).sum();
+            h > g
+                && results.iter().all(|v| !leaves[v.index()])
+                && readers.iter().all(|r| spans[h].contains(r))
+                && merged.len() <= MAX_GROUP
+                && 4 * extended <= freed
+                && kernel(&spans[g])
+                && kernel(&merged)
+        };
+        match target.filter(|&h| sinkable(h)) {
+            Some(h) => {
+                let moved = spans.remove(g);
+                spans[h - 1].splice(0..0, moved);
+            }
+            None => g += 1,
+        }
+    }
+    let groups = spans.iter().map(Vec::len).collect();
+    (spans.into_iter().flatten().collect(), groups)
+}
+
+/// Whether `node` is an optimizer update (those form the multi-tensor steps).
+fn is_update(graph: &Graph, node: NodeId) -> bool {
+    lower::optimizer_of(&graph.node(node).op).is_some()
 }
 
 /// Whether a kernel can compute `node` at all (alone).
@@ -276,13 +426,21 @@ fn multi_tensor_steps(graph: &Graph, updates: std::collections::BTreeSet<usize>)
     steps
 }
 
-/// Whether `candidate` reads a value the group makes, or an activation (a value some node
-/// makes, not a constant) the group also reads. Sharing a parameter or an input is no reason
-/// to join: it would hoist, say, the backward's transpose of a weight next to the forward's,
-/// keeping its result alive through the whole step.
+/// Whether `candidate` reads a value the group makes, or (but for a copy of a cast it has) an
+/// activation (a value some node makes, not a constant) the group also reads. Sharing a parameter or an input is no
+/// reason to join: it would hoist, say, the backward's transpose of a weight next to the
+/// forward's, keeping its result alive through the whole step.
 fn connected(graph: &Graph, group: &[NodeId], candidate: NodeId) -> bool {
     let activation = |v: &ValueId| matches!(graph.value(*v).def, Def::Node(n, _) if !matches!(graph.node(n).op, Op::Constant { .. }));
+    // A copy of a cast the group has (`widening_casts_per_reader`) is its reader's kernel's to
+    // take: the same input is no reason for it to join.
+    let node = graph.node(candidate);
+    let copy = matches!(node.op, Op::Cast { .. })
+        && group.iter().any(|&g| graph.node(g).op == node.op && graph.node(g).inputs == node.inputs);
+    let shares = !copy;
     graph.node(candidate).inputs.iter().any(|v| {
-        group.iter().any(|&g| graph.node(g).outputs.contains(v) || (activation(v) && graph.node(g).inputs.contains(v)))
+        group.iter().any(|&g| {
+            graph.node(g).outputs.contains(v) || (shares && activation(v) && graph.node(g).inputs.contains(v))
+        })
     })
 }
