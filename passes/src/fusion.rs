@@ -190,14 +190,7 @@ fn widening_casts_per_reader(graph: &Graph) -> Option<Graph> {
 /// before it, and nothing between it and the group that reads its results reads them.
 fn sink_into_readers(graph: &Graph, order: Vec<NodeId>, groups: Vec<usize>) -> (Vec<NodeId>, Vec<usize>) {
     let consumers = graph.consumers();
-    let mut leaves = vec![false; graph.num_values()];
-    for (_, v) in graph.outputs() {
-        leaves[v.index()] = true;
-    }
-    for (t, v) in graph.updates() {
-        leaves[t.index()] = true;
-        leaves[v.index()] = true;
-    }
+    let leaves = leaves(graph);
     let mut spans: Vec<Vec<NodeId>> = Vec::with_capacity(groups.len());
     let mut at = 0;
     for len in groups {
@@ -260,6 +253,19 @@ fn sink_into_readers(graph: &Graph, order: Vec<NodeId>, groups: Vec<usize>) -> (
     (spans.into_iter().flatten().collect(), groups)
 }
 
+/// Per value, whether it leaves the step (an output, or an update's target or value).
+fn leaves(graph: &Graph) -> Vec<bool> {
+    let mut leaves = vec![false; graph.num_values()];
+    for (_, v) in graph.outputs() {
+        leaves[v.index()] = true;
+    }
+    for (t, v) in graph.updates() {
+        leaves[t.index()] = true;
+        leaves[v.index()] = true;
+    }
+    leaves
+}
+
 /// Whether `node` is an optimizer update (those form the multi-tensor steps).
 fn is_update(graph: &Graph, node: NodeId) -> bool {
     lower::optimizer_of(&graph.node(node).op).is_some()
@@ -296,14 +302,7 @@ fn schedule(graph: &Graph, earliest: &[usize]) -> (Vec<NodeId>, Vec<usize>) {
             }
         }
     }
-    let mut leaves = vec![false; graph.num_values()];
-    for (_, v) in graph.outputs() {
-        leaves[v.index()] = true;
-    }
-    for (t, v) in graph.updates() {
-        leaves[t.index()] = true;
-        leaves[v.index()] = true;
-    }
+    let leaves = leaves(graph);
     let fusible: Vec<bool> = graph.nodes().map(|(id, _)| fusible(graph, id)).collect();
     let updates: Vec<bool> = graph.nodes().map(|(_, n)| lower::optimizer_of(&n.op).is_some()).collect();
 

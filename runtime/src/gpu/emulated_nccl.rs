@@ -144,51 +144,40 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
             .map_err(|source| RuntimeError::Kernel { label: "NCCL sum".into(), source })?;
         Ok(total)
     };
-    match calls[0] {
-        NcclCall::AllReduce { count, dtype, .. } => {
-            let bytes = count * dtype.size();
-            let mut sends = Vec::with_capacity(n);
-            for call in calls {
-                let NcclCall::AllReduce { send, count: c, dtype: d, .. } = *call else { return Err(mismatch()) };
-                if (c, d) != (count, dtype) {
-                    return Err(mismatch());
-                }
-                sends.push(read(send, bytes));
+    // Every rank's send buffer, of one call's kind, count and type (checked).
+    let (count, dtype) = match calls[0] {
+        NcclCall::AllReduce { count, dtype, .. }
+        | NcclCall::AllGather { count, dtype, .. }
+        | NcclCall::ReduceScatter { count, dtype, .. } => (count, dtype),
+    };
+    let mut sends = Vec::with_capacity(n);
+    for call in calls {
+        let (send, bytes) = match (*call, calls[0]) {
+            (NcclCall::AllReduce { send, count: c, dtype: d, .. }, NcclCall::AllReduce { .. })
+            | (NcclCall::AllGather { send, count: c, dtype: d, .. }, NcclCall::AllGather { .. })
+                if (c, d) == (count, dtype) =>
+            {
+                (send, c * d.size())
             }
-            let total = sum(dtype, &sends)?;
-            for call in calls {
-                let NcclCall::AllReduce { recv, .. } = *call else { unreachable!("checked") };
-                write(recv, &total);
+            (NcclCall::ReduceScatter { send, count: c, dtype: d, .. }, NcclCall::ReduceScatter { .. })
+                if (c, d) == (count, dtype) =>
+            {
+                (send, n * c * d.size())
             }
-        }
-        NcclCall::AllGather { count, dtype, .. } => {
-            let bytes = count * dtype.size();
-            let mut sends = Vec::with_capacity(n);
-            for call in calls {
-                let NcclCall::AllGather { send, count: c, dtype: d, .. } = *call else { return Err(mismatch()) };
-                if (c, d) != (count, dtype) {
-                    return Err(mismatch());
-                }
-                sends.push(read(send, bytes));
-            }
-            let gathered = sends.concat();
-            for call in calls {
-                let NcclCall::AllGather { recv, .. } = *call else { unreachable!("checked") };
-                write(recv, &gathered);
-            }
-        }
-        NcclCall::ReduceScatter { count, dtype, .. } => {
-            let block = count * dtype.size();
-            let mut sends = Vec::with_capacity(n);
-            for call in calls {
-                let NcclCall::ReduceScatter { send, count: c, dtype: d, .. } = *call else { return Err(mismatch()) };
-                if (c, d) != (count, dtype) {
-                    return Err(mismatch());
-                }
-                sends.push(read(send, block * n));
-            }
-            for (rank, call) in calls.iter().enumerate() {
-                let NcclCall::ReduceScatter { recv, .. } = *call else { unreachable!("checked") };
+            _ => return Err(mismatch()),
+        };
+        sends.push(read(send, bytes));
+    }
+    let block = count * dtype.size();
+    let whole = match calls[0] {
+        NcclCall::AllReduce { .. } => sum(dtype, &sends)?,
+        NcclCall::AllGather { .. } => sends.concat(),
+        NcclCall::ReduceScatter { .. } => Vec::new(),
+    };
+    for (rank, call) in calls.iter().enumerate() {
+        match *call {
+            NcclCall::AllReduce { recv, .. } | NcclCall::AllGather { recv, .. } => write(recv, &whole),
+            NcclCall::ReduceScatter { recv, .. } => {
                 let blocks: Vec<Vec<u8>> = sends.iter().map(|s| s[rank * block..(rank + 1) * block].to_vec()).collect();
                 write(recv, &sum(dtype, &blocks)?);
             }
