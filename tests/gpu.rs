@@ -42,6 +42,24 @@ fn compile(model: &std::path::Path, plan: &std::path::Path, flags: &[&str]) {
     success(autotp(&args.concat()));
 }
 
+/// The first stage of the plan at `plan_path`, loaded with its weights on the CPU and on an
+/// emulated GPU, with the emulator's counts.
+fn on_cpu_and_emulated_gpu(
+    plan_path: &std::path::Path,
+) -> (Program, Executor, Executor, std::sync::Arc<autotp_runtime::gpu::emulated::Counts>) {
+    let file = PlanFile::open(plan_path).unwrap();
+    let program = file.plan.stages[0].clone();
+    let mut cpu = Executor::new(program.clone()).unwrap();
+    let emulator = Emulator::new(&program, GemmMath::F32).unwrap();
+    let counts = emulator.counts.clone();
+    let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator), None).unwrap();
+    for (name, bytes) in file.weights() {
+        cpu.load_slot(&name, bytes).unwrap();
+        gpu.load_slot(&name, bytes).unwrap();
+    }
+    (program, cpu, gpu, counts)
+}
+
 #[test]
 fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
     let dir = scratch("emulated-gpu");
@@ -50,16 +68,7 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
         let plan_path = dir.join(format!("{arch}-{kernels}.atp"));
         let model = fixture(arch, "model.onnx");
         compile(&model, &plan_path, &["--micro-batch", "4", "--kernels", kernels]);
-        let file = PlanFile::open(&plan_path).unwrap();
-        let program = file.plan.stages[0].clone();
-        let mut cpu = Executor::new(program.clone()).unwrap();
-        let emulator = Emulator::new(&program, GemmMath::F32).unwrap();
-        let counts = emulator.counts.clone();
-        let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator), None).unwrap();
-        for (name, bytes) in file.weights() {
-            cpu.load_slot(&name, bytes).unwrap();
-            gpu.load_slot(&name, bytes).unwrap();
-        }
+        let (program, mut cpu, mut gpu, counts) = on_cpu_and_emulated_gpu(&plan_path);
         let downloads_before = counts.downloads.load(Ordering::Relaxed);
         for step in 1..=3 {
             let inputs = feeds(&program, step);
@@ -430,17 +439,8 @@ fn steps_replay_as_a_cuda_graph_on_the_emulated_gpu() {
     for arch in ["gpt2", "llama", "mixtral"] {
         let plan_path = dir.join(format!("{arch}.atp"));
         compile(&fixture(arch, "model.onnx"), &plan_path, &["--micro-batch", "4"]);
-        let file = PlanFile::open(&plan_path).unwrap();
-        let program = file.plan.stages[0].clone();
-        let mut cpu = Executor::new(program.clone()).unwrap();
-        let emulator = Emulator::new(&program, GemmMath::F32).unwrap();
-        let counts = emulator.counts.clone();
-        let mut gpu = Executor::on_gpu(program.clone(), Box::new(emulator), None).unwrap();
+        let (program, mut cpu, mut gpu, counts) = on_cpu_and_emulated_gpu(&plan_path);
         gpu.use_cuda_graph().unwrap();
-        for (name, bytes) in file.weights() {
-            cpu.load_slot(&name, bytes).unwrap();
-            gpu.load_slot(&name, bytes).unwrap();
-        }
         let mut issued = Vec::new();
         for step in 1..=4 {
             let inputs = feeds(&program, step);

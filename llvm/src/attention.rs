@@ -103,26 +103,12 @@ pub(crate) fn define_cpu<'ctx>(
     width: u32,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
     check(f)?;
-    let ctx = e.ctx;
-    let ptr = ctx.ptr_type(AddressSpace::default());
-    let i64t = ctx.i64_type();
-    let fn_type = ctx.void_type().fn_type(&[ptr.into(), i64t.into(), i64t.into()], false);
-    let function = e.module.add_function(symbol, fn_type, None);
-    e.b.position_at_end(ctx.append_basic_block(function, "entry"));
-    let array = function.get_nth_param(0).expect("declared").into_pointer_value();
-    let begin = function.get_nth_param(1).expect("declared").into_int_value();
-    let end = function.get_nth_param(2).expect("declared").into_int_value();
-    let pointers = (0..buffer_count(f) as u64)
-        .map(|n| {
-            // SAFETY (of the generated code): the caller passes one pointer per buffer.
-            let slot = unsafe { e.b.build_in_bounds_gep(ptr, array, &[i64t.const_int(n, false)], "")? };
-            Ok(e.b.build_load(ptr, slot, "")?.into_pointer_value())
-        })
-        .collect::<Result<Vec<_>, LlvmError>>()?;
+    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
+    let pointers = (0..buffer_count(f)).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
     let width = if f.target == AttentionTarget::Gpu { 1 } else { width };
-    let a = Attention::new(e, function, f, &pointers, width, false);
-    a.units((begin, end), i64t.const_int(1, false))?;
-    Ok(function)
+    let a = Attention::new(e, entry.function, f, &pointers, width, false);
+    a.units((entry.begin, entry.end), e.ctx.i64_type().const_int(1, false))?;
+    Ok(entry.function)
 }
 
 /// Appends the GPU entry `symbol` computing `f`: `void f(b0, b1, ..., i64 units)`, one

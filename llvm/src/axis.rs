@@ -42,25 +42,14 @@ pub(crate) fn define_cpu<'ctx>(
     symbol: &str,
     kernel: &AxisKernel,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
-    let (ptr, i64t) = (e.ctx.ptr_type(AddressSpace::default()), e.ctx.i64_type());
-    let function =
-        e.module.add_function(symbol, e.ctx.void_type().fn_type(&[ptr.into(), i64t.into(), i64t.into()], false), None);
-    e.b.position_at_end(e.ctx.append_basic_block(function, "entry"));
-    let args = function.get_nth_param(0).expect("declared").into_pointer_value();
-    let word = |n: usize, ty: BasicTypeEnum<'ctx>| -> Result<_, LlvmError> {
-        // SAFETY (of the generated code): the caller passes every word of the entry.
-        let at = unsafe { e.b.build_in_bounds_gep(i64t, args, &[i64t.const_int(n as u64, false)], "")? };
-        Ok(e.b.build_load(ty, at, "")?)
-    };
-    let pointers = (0..pointer_count(kernel))
-        .map(|n| Ok(word(n, ptr.into())?.into_pointer_value()))
-        .collect::<Result<_, LlvmError>>()?;
+    let i64t = e.ctx.i64_type();
+    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
+    let (function, begin, end) = (entry.function, entry.begin, entry.end);
+    let pointers = (0..pointer_count(kernel)).map(|n| entry.pointer(e, n)).collect::<Result<_, LlvmError>>()?;
     let tag = match kernel.faults() {
-        true => word(pointer_count(kernel), i64t.into())?.into_int_value(),
+        true => entry.word(e, pointer_count(kernel), i64t.into())?.into_int_value(),
         false => i64t.const_zero(),
     };
-    let begin = function.get_nth_param(1).expect("declared").into_int_value();
-    let end = function.get_nth_param(2).expect("declared").into_int_value();
     let emitter = Axis { e, function, kernel, pointers, tag };
     counted_loop(e, function, begin, end, i64t.const_int(1, false), &[], |w, _| {
         emitter.item(w)?;

@@ -156,28 +156,65 @@ pub fn llvm_ir(kernel: &kir::Kernel) -> Result<String, LlvmError> {
 }
 
 /// Appends the function `symbol` computing `kernel`.
+/// The entry every x86 function of the JIT has, `void symbol(u64* args, i64 begin, i64 end)`:
+/// the argument words (buffers' addresses, or integers), and the range of rows, units or items
+/// to run. [`CpuEntry::declare`] adds it and positions the builder in its first block.
+pub(crate) struct CpuEntry<'ctx> {
+    pub function: FunctionValue<'ctx>,
+    args: inkwell::values::PointerValue<'ctx>,
+    pub begin: inkwell::values::IntValue<'ctx>,
+    pub end: inkwell::values::IntValue<'ctx>,
+}
+
+impl<'ctx> CpuEntry<'ctx> {
+    pub(crate) fn declare(e: &Emitter<'_, 'ctx>, symbol: &str) -> Result<CpuEntry<'ctx>, LlvmError> {
+        let (ptr, i64t) = (e.ctx.ptr_type(AddressSpace::default()), e.ctx.i64_type());
+        let fn_type = e.ctx.void_type().fn_type(&[ptr.into(), i64t.into(), i64t.into()], false);
+        let function = e.module.add_function(symbol, fn_type, None);
+        e.b.position_at_end(e.ctx.append_basic_block(function, "entry"));
+        Ok(CpuEntry {
+            function,
+            args: function.get_nth_param(0).expect("declared").into_pointer_value(),
+            begin: function.get_nth_param(1).expect("declared").into_int_value(),
+            end: function.get_nth_param(2).expect("declared").into_int_value(),
+        })
+    }
+
+    /// Argument word `k`, as a value of `ty`.
+    pub(crate) fn word(
+        &self,
+        e: &Emitter<'_, 'ctx>,
+        k: usize,
+        ty: inkwell::types::BasicTypeEnum<'ctx>,
+    ) -> Result<inkwell::values::BasicValueEnum<'ctx>, LlvmError> {
+        let i64t = e.ctx.i64_type();
+        // SAFETY (of the generated code): the caller passes every word its function reads.
+        let at = unsafe { e.b.build_in_bounds_gep(i64t, self.args, &[i64t.const_int(k as u64, false)], "")? };
+        Ok(e.b.build_load(ty, at, "")?)
+    }
+
+    /// Argument word `k`, an address.
+    pub(crate) fn pointer(
+        &self,
+        e: &Emitter<'_, 'ctx>,
+        k: usize,
+    ) -> Result<inkwell::values::PointerValue<'ctx>, LlvmError> {
+        Ok(self.word(e, k, e.ctx.ptr_type(AddressSpace::default()).into())?.into_pointer_value())
+    }
+}
+
 fn define<'ctx>(
     e: &Emitter<'_, 'ctx>,
     symbol: &str,
     kernel: &kir::Kernel,
     width: u32,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
-    let ctx = e.ctx;
-    let ptr = ctx.ptr_type(AddressSpace::default());
-    let i64t = ctx.i64_type();
-    let fn_type = ctx.void_type().fn_type(&[ptr.into(), i64t.into(), i64t.into()], false);
-    let function = e.module.add_function(symbol, fn_type, None);
-    let entry = ctx.append_basic_block(function, "entry");
-    e.b.position_at_end(entry);
-    let array = function.get_nth_param(0).expect("declared").into_pointer_value();
-    let begin = function.get_nth_param(1).expect("declared").into_int_value();
-    let end = function.get_nth_param(2).expect("declared").into_int_value();
+    let i64t = e.ctx.i64_type();
+    let entry = CpuEntry::declare(e, symbol)?;
+    let (function, begin, end) = (entry.function, entry.begin, entry.end);
     let mut buffers = Vec::new();
     for (b, buffer) in kernel.buffers.iter().enumerate() {
-        // SAFETY (of the generated code): the caller passes one pointer per buffer.
-        let slot = unsafe { e.b.build_in_bounds_gep(ptr, array, &[i64t.const_int(b as u64, false)], "")? };
-        let pointer = e.b.build_load(ptr, slot, "")?.into_pointer_value();
-        buffers.push(Buffer { pointer, dtype: buffer.dtype });
+        buffers.push(Buffer { pointer: entry.pointer(e, b)?, dtype: buffer.dtype });
     }
     let buffers = Buffers(buffers);
     let one = i64t.const_int(1, false);

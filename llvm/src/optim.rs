@@ -159,9 +159,9 @@ fn whole_steps<'ctx>(e: &Emitter<'_, 'ctx>, t: V<'ctx>) -> Result<V<'ctx>, LlvmE
     Ok(call.try_as_basic_value().basic().ok_or_else(|| LlvmError::llvm("intrinsic call", name))?.into_vector_value())
 }
 
-/// `base^steps` as [`autotp_kernels::optim::power`] computes it: over the 64 bits of `steps`
-/// from the lowest, the result times the current square where the bit is set, then the square
-/// squared (bits past the highest set one multiply nothing in).
+/// `base^steps` as [`autotp_kernels::optim::power`] computes it: over the bits of `steps` from
+/// the lowest up to its highest set bit, the result times the current square where the bit is
+/// set, then the square squared.
 fn power<'ctx>(
     e: &Emitter<'_, 'ctx>,
     function: FunctionValue<'ctx>,
@@ -171,20 +171,23 @@ fn power<'ctx>(
     let i64t = e.ctx.i64_type();
     let start =
         [e.splat(e.ctx.f64_type().const_float(1.0).into(), 1)?, e.splat(e.ctx.f64_type().const_float(base).into(), 1)?];
-    let done = counted_loop(
-        e,
-        function,
-        i64t.const_zero(),
-        i64t.const_int(64, false),
-        i64t.const_int(1, false),
-        &start,
-        |bit, carried| {
-            let [result, square] = carried else { unreachable!("two carried values") };
-            let shifted = e.b.build_right_shift(steps, e.splat(bit.into(), 1)?, false, "")?;
-            let set = e.icmp(IntPredicate::NE, e.b.build_and(shifted, e.i64(1, 1), "")?, e.i64(1, 0))?;
-            Ok(vec![e.select(set, e.fmul(*result, *square)?, *result)?, e.fmul(*square, *square)?])
-        },
-    )?;
+    // Up to the highest set bit (64 minus the leading zeros): a step count's ~log2(t) bits.
+    let ctlz = inkwell::intrinsics::Intrinsic::find("llvm.ctlz")
+        .and_then(|f| f.get_declaration(e.module, &[i64t.into()]))
+        .ok_or_else(|| LlvmError::llvm("intrinsic declaration", "llvm.ctlz"))?;
+    let n = e.lane(steps, 0)?;
+    let zero_is_defined = e.ctx.bool_type().const_zero();
+    let leading_zeros = e.b.build_call(ctlz, &[n.into(), zero_is_defined.into()], "")?;
+    let leading_zeros = (leading_zeros.try_as_basic_value().basic())
+        .ok_or_else(|| LlvmError::llvm("intrinsic call", "llvm.ctlz"))?
+        .into_int_value();
+    let bits = e.b.build_int_sub(i64t.const_int(64, false), leading_zeros, "")?;
+    let done = counted_loop(e, function, i64t.const_zero(), bits, i64t.const_int(1, false), &start, |bit, carried| {
+        let [result, square] = carried else { unreachable!("two carried values") };
+        let shifted = e.b.build_right_shift(steps, e.splat(bit.into(), 1)?, false, "")?;
+        let set = e.icmp(IntPredicate::NE, e.b.build_and(shifted, e.i64(1, 1), "")?, e.i64(1, 0))?;
+        Ok(vec![e.select(set, e.fmul(*result, *square)?, *result)?, e.fmul(*square, *square)?])
+    })?;
     Ok(done[0])
 }
 
@@ -285,18 +288,12 @@ pub(crate) fn define_cpu<'ctx>(
     kernel: &OptimizerKernel,
     width: u32,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
-    let (i64t, ptr) = (e.ctx.i64_type(), e.ctx.ptr_type(AddressSpace::default()));
-    let function = declare(e, kernel, symbol, &[ptr.into(), i64t.into(), i64t.into()])?;
-    let args = function.get_nth_param(0).expect("declared").into_pointer_value();
-    let begin = function.get_nth_param(1).expect("declared").into_int_value();
-    let end = function.get_nth_param(2).expect("declared").into_int_value();
-    let arg = |k: usize| -> Result<PointerValue<'ctx>, LlvmError> {
-        // SAFETY (of the generated code): the caller passes the table and the scalars.
-        let at = unsafe { e.b.build_in_bounds_gep(ptr, args, &[i64t.const_int(k as u64, false)], "")? };
-        Ok(e.b.build_load(ptr, at, "")?.into_pointer_value())
-    };
-    let table = arg(0)?;
-    let scalars = (1..=kernel.optimizer.num_scalars()).map(arg).collect::<Result<Vec<_>, _>>()?;
+    kernel.check()?;
+    let i64t = e.ctx.i64_type();
+    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
+    let (function, begin, end) = (entry.function, entry.begin, entry.end);
+    let table = entry.pointer(e, 0)?;
+    let scalars = (1..=kernel.optimizer.num_scalars()).map(|k| entry.pointer(e, k)).collect::<Result<Vec<_>, _>>()?;
     let narrow = step_constants(e, function, kernel, &scalars)?;
     let wide = splat_constants(e, &narrow, width)?;
     let one = i64t.const_int(1, false);

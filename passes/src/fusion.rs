@@ -152,13 +152,13 @@ fn widening_casts_per_reader(graph: &Graph) -> Option<Graph> {
     if copies.is_empty() {
         return None;
     }
-    let takes: std::collections::BTreeMap<NodeId, Vec<NodeId>> = copies
-        .iter()
-        .flat_map(|(&cast, readers)| readers.iter().map(move |&r| (r, cast)))
-        .fold(Default::default(), |mut by_reader: std::collections::BTreeMap<NodeId, Vec<NodeId>>, (r, cast)| {
-            by_reader.entry(r).or_default().push(cast);
-            by_reader
-        });
+    // For each reader, the casts it takes a copy of.
+    let mut takes: std::collections::BTreeMap<NodeId, Vec<NodeId>> = Default::default();
+    for (&cast, readers) in &copies {
+        for &reader in readers {
+            takes.entry(reader).or_default().push(cast);
+        }
+    }
     let mut rewriter = Rewriter::new(graph, |_| true);
     for (id, _) in graph.nodes() {
         if let Some(casts) = takes.get(&id) {

@@ -88,8 +88,6 @@ pub struct Counts {
     pub gemms: AtomicUsize,
     /// Copies to the host (each waits for its stream).
     pub downloads: AtomicUsize,
-    /// NCCL calls issued.
-    pub nccl_calls: AtomicUsize,
 }
 
 impl Emulator {
@@ -498,7 +496,6 @@ impl Gpu for Emulator {
         }
         let (group, rank, calls) = &self.communicators[comm];
         let (group, rank, calls, call) = (group.clone(), *rank, calls.clone(), *call);
-        self.counts.nccl_calls.fetch_add(1, Ordering::Relaxed);
         self.queue(
             stream,
             Arc::new(move || {

@@ -48,8 +48,13 @@ pub mod cuda;
 pub mod emulated;
 mod emulated_nccl;
 pub mod gemm;
+mod graph;
+mod nccl;
 mod offload;
 mod watchdog;
+
+use graph::StepGraph;
+pub use nccl::{bootstrap_nccl, AxisPath};
 
 use std::sync::Arc;
 
@@ -277,138 +282,6 @@ enum Prepared {
         steps: Vec<DeviceStep>,
         nccl: Option<usize>,
     },
-}
-
-/// Where a device stands with `--cuda-graph`: off; the first step running as usual (cuBLAS and
-/// NCCL set themselves up outside any capture); the next captured as a graph and replayed;
-/// then every step the graph's replay.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum StepGraph {
-    Off,
-    Warming,
-    Capture,
-    Replay(usize),
-}
-
-/// Why a program's step cannot be one CUDA graph: the first instruction that copies through the
-/// host or waits on it (a graph holds device work alone).
-fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &[AxisPath]) -> Option<String> {
-    program.instructions.iter().zip(prepared).enumerate().find_map(|(i, (instruction, prepared))| {
-        let label = instruction.label();
-        let why = match (instruction, prepared) {
-            (Instruction::Kernel { kernel: Kernel::Copy, .. }, _) => return None,
-            (Instruction::Kernel { .. }, Prepared::Nothing) => "runs on the host".to_string(),
-            (Instruction::Collective { op, .. } | Instruction::CollectiveStart { op, .. }, Prepared::Nothing) => {
-                match paths.get(op.axis) {
-                    Some(AxisPath::Host { why }) => format!("communicates through host memory ({why})"),
-                    _ => "communicates through host memory".to_string(),
-                }
-            }
-            (Instruction::Send { .. } | Instruction::Recv { .. }, _) => {
-                "is a pipeline message, which goes through host memory".to_string()
-            }
-            (Instruction::OptimizerStep { guard: Some(_), .. }, _) => {
-                "reads its guard back (an offloaded optimizer's step)".to_string()
-            }
-            (_, Prepared::OptimizerStep(ChunkTable { offloaded: Some(_), .. })) => {
-                "updates offloaded optimizer state on the host".to_string()
-            }
-            _ => return None,
-        };
-        Some(format!("instruction {i} ({label}) {why}"))
-    })
-}
-
-/// How a rank's collectives on one mesh axis travel, decided with the other ranks of its group
-/// when the program loads (`bootstrap_nccl`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum AxisPath {
-    /// On the device, NCCL communicator `comm` (a handle of the [`Gpu`]).
-    Nccl { comm: usize },
-    /// Through host memory and the rank's communicator, for this reason.
-    Host { why: &'static str },
-}
-
-/// Bytes of the record each rank shares to decide its groups' [`AxisPath`]s: its NCCL reach, its
-/// process (pid and host) and its device's identity.
-const RECORD_BYTES: usize = 32;
-
-/// This rank's record (see [`RECORD_BYTES`]).
-fn bootstrap_record(gpu: &mut dyn Gpu) -> Result<[u8; RECORD_BYTES], RuntimeError> {
-    let mut record = [0u8; RECORD_BYTES];
-    record[0] = match gpu.nccl_reach() {
-        NcclReach::Unavailable => 0,
-        NcclReach::Process => 1,
-        NcclReach::Anywhere => 2,
-    };
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let host_hash = host.trim().bytes().fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
-    record[1..5].copy_from_slice(&std::process::id().to_le_bytes());
-    record[5..9].copy_from_slice(&host_hash.to_le_bytes());
-    record[9..25].copy_from_slice(&gpu.device_uuid()?);
-    Ok(record)
-}
-
-/// Whether a group whose ranks shared `records` communicates through NCCL: every rank has it,
-/// no two share a device (NCCL refuses them), and, for an NCCL of one process, all are in it.
-fn nccl_decision(records: &[u8]) -> Result<(), &'static str> {
-    let records: Vec<&[u8]> = records.chunks(RECORD_BYTES).collect();
-    if records.iter().any(|r| r[0] == 0) {
-        return Err("a rank's GPU has no NCCL library");
-    }
-    let devices: std::collections::BTreeSet<&[u8]> = records.iter().map(|r| &r[9..25]).collect();
-    if devices.len() < records.len() {
-        return Err("its ranks share a GPU, which NCCL refuses");
-    }
-    let processes: std::collections::BTreeSet<&[u8]> = records.iter().map(|r| &r[1..9]).collect();
-    if records.iter().any(|r| r[0] == 1) && processes.len() > 1 {
-        return Err("the emulated NCCL joins threads of one process only");
-    }
-    Ok(())
-}
-
-/// Decides each mesh axis's [`AxisPath`] for `rank` with the other ranks of its groups (an
-/// all-gather of [`bootstrap_record`]s through the host communicator), and joins an NCCL
-/// communicator for each group that uses one: its first rank makes the id, shared with an
-/// all-gather of 128 bytes. Every rank of a group calls this at once; `issued` counts the host
-/// collectives it makes on each axis (their sequence numbers).
-pub fn bootstrap_nccl(
-    gpu: &mut dyn Gpu,
-    mesh: &[autotp_program::mesh::MeshAxis],
-    rank: usize,
-    comm: &dyn Communicator,
-    issued: &mut [u64],
-) -> Result<Vec<AxisPath>, RuntimeError> {
-    use autotp_program::mesh::{Collective, CollectiveOp};
-    let coordinates = comm.topology().coordinates(rank);
-    let record = bootstrap_record(gpu)?;
-    let gather = |axis: usize, bytes: &[u8], issued: &mut [u64]| -> Result<Vec<u8>, RuntimeError> {
-        let op = CollectiveOp {
-            kind: Collective::AllGather { dim: 0 },
-            axis,
-            dtype: autotp_kernels::DType::U8,
-            shape: vec![bytes.len()],
-        };
-        let seq = crate::executor::next_seq(issued, &op);
-        let mut all = vec![0u8; bytes.len() * mesh[axis].size];
-        comm.collective(rank, &op, seq, bytes, &mut all)?;
-        Ok(all)
-    };
-    let mut paths = Vec::with_capacity(mesh.len());
-    for (axis, mesh_axis) in mesh.iter().enumerate() {
-        let records = gather(axis, &record, issued)?;
-        paths.push(match nccl_decision(&records) {
-            Ok(()) => {
-                let coordinate = coordinates[axis];
-                let id = if coordinate == 0 { gpu.nccl_id()? } else { [0; 128] };
-                let ids = gather(axis, &id, issued)?;
-                let id: NcclId = ids[..128].try_into().expect("128 bytes");
-                AxisPath::Nccl { comm: gpu.nccl_join(&id, mesh_axis.size, coordinate)? }
-            }
-            Err(why) => AxisPath::Host { why },
-        });
-    }
-    Ok(paths)
 }
 
 /// A gather's or scatter-add's launch ([`Entry::Indexed`]).
@@ -651,7 +524,7 @@ impl GpuDevice {
         let (free_after, _) = gpu.memory()?;
         let held_bytes = free_before.saturating_sub(free_after);
         let aborter = uses_nccl.then(|| Arc::new(gpu.nccl_aborter()));
-        let capture_blocker = capture_blocker(program, &prepared, &paths);
+        let capture_blocker = graph::capture_blocker(program, &prepared, &paths);
         Ok(GpuDevice {
             gpu: std::sync::Mutex::new(gpu),
             base,
@@ -716,58 +589,6 @@ impl GpuDevice {
             Some(watchdog) => watchdog.waiting(wait),
             None => wait(),
         }
-    }
-
-    /// Runs steps as a CUDA graph from now on (see [`StepGraph`]); refused, naming the first
-    /// instruction that needs the host, where a step cannot be one.
-    pub(crate) fn use_graph(&mut self) -> Result<(), RuntimeError> {
-        if let Some(why) = &self.capture_blocker {
-            return Err(RuntimeError::InvalidProgram(format!("--cuda-graph: a step cannot be one CUDA graph: {why}")));
-        }
-        self.graph = StepGraph::Warming;
-        Ok(())
-    }
-
-    /// Runs one step of `program` (its inputs uploaded) by `schedule`, with its updates, and
-    /// waits for it: issued instruction by instruction, or as the captured graph.
-    pub(crate) fn step(
-        &mut self,
-        program: &Program,
-        schedule: &crate::streams::StreamSchedule,
-    ) -> Result<(), RuntimeError> {
-        match self.graph {
-            StepGraph::Off | StepGraph::Warming => {
-                crate::streams::drive(self, program, schedule)?;
-                self.apply_updates(&program.updates)?;
-                if self.graph == StepGraph::Warming {
-                    self.graph = StepGraph::Capture;
-                }
-                Ok(())
-            }
-            StepGraph::Capture => {
-                self.gpu().begin_capture()?;
-                let issued =
-                    crate::streams::issue(self, program, schedule).and_then(|()| self.apply_updates(&program.updates));
-                // The capture ends whatever happened, so the streams run again.
-                let graph = self.gpu().end_capture();
-                let graph = issued.and(graph).map_err(|e| match e {
-                    RuntimeError::Device(message) => RuntimeError::Device(format!("capturing the step: {message}")),
-                    other => other,
-                })?;
-                self.graph = StepGraph::Replay(graph);
-                self.replay(graph)
-            }
-            StepGraph::Replay(graph) => self.replay(graph),
-        }
-    }
-
-    /// Runs captured graph `graph` and waits for it (reporting an indexed kernel's fault).
-    fn replay(&mut self, graph: usize) -> Result<(), RuntimeError> {
-        let result = self.gpu().replay(graph).and_then(|()| Device::synchronize(self));
-        if let Err(e) = &result {
-            Device::abort(self, e);
-        }
-        result
     }
 
     /// Starts the NCCL watchdog (see [`watchdog`]) with `timeout`, where the device uses NCCL.

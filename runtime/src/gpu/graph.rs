@@ -1,0 +1,106 @@
+//! `--cuda-graph`: a device's steps after the first as one CUDA graph. The first step runs as
+//! usual (cuBLAS and NCCL set themselves up outside any capture), the second is captured
+//! ([`Gpu::begin_capture`] ... [`Gpu::end_capture`]) and replayed, and every later step is the
+//! replay alone: the host issues one launch per step. A program whose step copies through the
+//! host or waits on it cannot be one graph ([`capture_blocker`]); asking for it is refused.
+
+use autotp_kernels::Kernel;
+use autotp_program::{Instruction, Program};
+
+use super::{AxisPath, ChunkTable, GpuDevice, Prepared};
+use crate::streams::Device;
+use crate::RuntimeError;
+
+/// Where a device stands with `--cuda-graph`: off; the first step running as usual (cuBLAS and
+/// NCCL set themselves up outside any capture); the next captured as a graph and replayed;
+/// then every step the graph's replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StepGraph {
+    Off,
+    Warming,
+    Capture,
+    Replay(usize),
+}
+
+/// Why a program's step cannot be one CUDA graph: the first instruction that copies through the
+/// host or waits on it (a graph holds device work alone).
+pub(super) fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &[AxisPath]) -> Option<String> {
+    program.instructions.iter().zip(prepared).enumerate().find_map(|(i, (instruction, prepared))| {
+        let label = instruction.label();
+        let why = match (instruction, prepared) {
+            (Instruction::Kernel { kernel: Kernel::Copy, .. }, _) => return None,
+            (Instruction::Kernel { .. }, Prepared::Nothing) => "runs on the host".to_string(),
+            (Instruction::Collective { op, .. } | Instruction::CollectiveStart { op, .. }, Prepared::Nothing) => {
+                match paths.get(op.axis) {
+                    Some(AxisPath::Host { why }) => format!("communicates through host memory ({why})"),
+                    _ => "communicates through host memory".to_string(),
+                }
+            }
+            (Instruction::Send { .. } | Instruction::Recv { .. }, _) => {
+                "is a pipeline message, which goes through host memory".to_string()
+            }
+            (Instruction::OptimizerStep { guard: Some(_), .. }, _) => {
+                "reads its guard back (an offloaded optimizer's step)".to_string()
+            }
+            (_, Prepared::OptimizerStep(ChunkTable { offloaded: Some(_), .. })) => {
+                "updates offloaded optimizer state on the host".to_string()
+            }
+            _ => return None,
+        };
+        Some(format!("instruction {i} ({label}) {why}"))
+    })
+}
+
+impl GpuDevice {
+    /// Runs steps as a CUDA graph from now on (see [`StepGraph`]); refused, naming the first
+    /// instruction that needs the host, where a step cannot be one.
+    pub(crate) fn use_graph(&mut self) -> Result<(), RuntimeError> {
+        if let Some(why) = &self.capture_blocker {
+            return Err(RuntimeError::InvalidProgram(format!("--cuda-graph: a step cannot be one CUDA graph: {why}")));
+        }
+        self.graph = StepGraph::Warming;
+        Ok(())
+    }
+
+    /// Runs one step of `program` (its inputs uploaded) by `schedule`, with its updates, and
+    /// waits for it: issued instruction by instruction, or as the captured graph.
+    pub(crate) fn step(
+        &mut self,
+        program: &Program,
+        schedule: &crate::streams::StreamSchedule,
+    ) -> Result<(), RuntimeError> {
+        match self.graph {
+            StepGraph::Off | StepGraph::Warming => {
+                crate::streams::drive(self, program, schedule)?;
+                self.apply_updates(&program.updates)?;
+                if self.graph == StepGraph::Warming {
+                    self.graph = StepGraph::Capture;
+                }
+                Ok(())
+            }
+            StepGraph::Capture => {
+                self.gpu().begin_capture()?;
+                let issued =
+                    crate::streams::issue(self, program, schedule).and_then(|()| self.apply_updates(&program.updates));
+                // The capture ends whatever happened, so the streams run again.
+                let graph = self.gpu().end_capture();
+                let graph = issued.and(graph).map_err(|e| match e {
+                    RuntimeError::Device(message) => RuntimeError::Device(format!("capturing the step: {message}")),
+                    other => other,
+                })?;
+                self.graph = StepGraph::Replay(graph);
+                self.replay(graph)
+            }
+            StepGraph::Replay(graph) => self.replay(graph),
+        }
+    }
+
+    /// Runs captured graph `graph` and waits for it (reporting an indexed kernel's fault).
+    fn replay(&mut self, graph: usize) -> Result<(), RuntimeError> {
+        let result = self.gpu().replay(graph).and_then(|()| Device::synchronize(self));
+        if let Err(e) = &result {
+            Device::abort(self, e);
+        }
+        result
+    }
+}

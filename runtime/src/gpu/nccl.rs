@@ -1,0 +1,99 @@
+//! NCCL between GPUs: which path each mesh axis's collectives take, decided by the ranks of
+//! each group together when a program loads, and the communicators of those that take NCCL.
+//! The collectives' device steps are [`super::collectives`]; the calls, the [`Gpu`]'s.
+
+use super::{Gpu, NcclId, NcclReach};
+use crate::comm::Communicator;
+use crate::RuntimeError;
+
+/// How a rank's collectives on one mesh axis travel, decided with the other ranks of its group
+/// when the program loads (`bootstrap_nccl`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AxisPath {
+    /// On the device, NCCL communicator `comm` (a handle of the [`Gpu`]).
+    Nccl { comm: usize },
+    /// Through host memory and the rank's communicator, for this reason.
+    Host { why: &'static str },
+}
+
+/// Bytes of the record each rank shares to decide its groups' [`AxisPath`]s: its NCCL reach, its
+/// process (pid and host) and its device's identity.
+const RECORD_BYTES: usize = 32;
+
+/// This rank's record (see [`RECORD_BYTES`]).
+fn bootstrap_record(gpu: &mut dyn Gpu) -> Result<[u8; RECORD_BYTES], RuntimeError> {
+    let mut record = [0u8; RECORD_BYTES];
+    record[0] = match gpu.nccl_reach() {
+        NcclReach::Unavailable => 0,
+        NcclReach::Process => 1,
+        NcclReach::Anywhere => 2,
+    };
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host_hash = host.trim().bytes().fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
+    record[1..5].copy_from_slice(&std::process::id().to_le_bytes());
+    record[5..9].copy_from_slice(&host_hash.to_le_bytes());
+    record[9..25].copy_from_slice(&gpu.device_uuid()?);
+    Ok(record)
+}
+
+/// Whether a group whose ranks shared `records` communicates through NCCL: every rank has it,
+/// no two share a device (NCCL refuses them), and, for an NCCL of one process, all are in it.
+fn nccl_decision(records: &[u8]) -> Result<(), &'static str> {
+    let records: Vec<&[u8]> = records.chunks(RECORD_BYTES).collect();
+    if records.iter().any(|r| r[0] == 0) {
+        return Err("a rank's GPU has no NCCL library");
+    }
+    let devices: std::collections::BTreeSet<&[u8]> = records.iter().map(|r| &r[9..25]).collect();
+    if devices.len() < records.len() {
+        return Err("its ranks share a GPU, which NCCL refuses");
+    }
+    let processes: std::collections::BTreeSet<&[u8]> = records.iter().map(|r| &r[1..9]).collect();
+    if records.iter().any(|r| r[0] == 1) && processes.len() > 1 {
+        return Err("the emulated NCCL joins threads of one process only");
+    }
+    Ok(())
+}
+
+/// Decides each mesh axis's [`AxisPath`] for `rank` with the other ranks of its groups (an
+/// all-gather of `bootstrap_record`s through the host communicator), and joins an NCCL
+/// communicator for each group that uses one: its first rank makes the id, shared with an
+/// all-gather of 128 bytes. Every rank of a group calls this at once; `issued` counts the host
+/// collectives it makes on each axis (their sequence numbers).
+pub fn bootstrap_nccl(
+    gpu: &mut dyn Gpu,
+    mesh: &[autotp_program::mesh::MeshAxis],
+    rank: usize,
+    comm: &dyn Communicator,
+    issued: &mut [u64],
+) -> Result<Vec<AxisPath>, RuntimeError> {
+    use autotp_program::mesh::{Collective, CollectiveOp};
+    let coordinates = comm.topology().coordinates(rank);
+    let record = bootstrap_record(gpu)?;
+    let gather = |axis: usize, bytes: &[u8], issued: &mut [u64]| -> Result<Vec<u8>, RuntimeError> {
+        let op = CollectiveOp {
+            kind: Collective::AllGather { dim: 0 },
+            axis,
+            dtype: autotp_kernels::DType::U8,
+            shape: vec![bytes.len()],
+        };
+        let seq = crate::executor::next_seq(issued, &op);
+        let mut all = vec![0u8; bytes.len() * mesh[axis].size];
+        comm.collective(rank, &op, seq, bytes, &mut all)?;
+        Ok(all)
+    };
+    let mut paths = Vec::with_capacity(mesh.len());
+    for (axis, mesh_axis) in mesh.iter().enumerate() {
+        let records = gather(axis, &record, issued)?;
+        paths.push(match nccl_decision(&records) {
+            Ok(()) => {
+                let coordinate = coordinates[axis];
+                let id = if coordinate == 0 { gpu.nccl_id()? } else { [0; 128] };
+                let ids = gather(axis, &id, issued)?;
+                let id: NcclId = ids[..128].try_into().expect("128 bytes");
+                AxisPath::Nccl { comm: gpu.nccl_join(&id, mesh_axis.size, coordinate)? }
+            }
+            Err(why) => AxisPath::Host { why },
+        });
+    }
+    Ok(paths)
+}
