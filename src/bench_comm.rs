@@ -194,7 +194,7 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
 /// module doc).
 fn bench_nccl(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
     use autotp_runtime::gpu::collectives::NcclCall;
-    use autotp_runtime::gpu::{AxisPath, GemmMath, GpuKind};
+    use autotp_runtime::gpu::{CommPath, GemmMath, GpuKind};
     use autotp_runtime::streams::Stream;
     let n = ranks.world;
     let emulated = std::env::var("AUTOTP_GPU").as_deref() == Ok("emulated");
@@ -228,8 +228,8 @@ fn bench_nccl(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
         let mesh = [autotp_program::mesh::MeshAxis { name: "world".into(), size: n }];
         let paths = autotp_runtime::gpu::bootstrap_nccl(gpu.as_mut(), &mesh, rank, &*ranks.comm, &mut [0])?;
         let comm = match &paths[0] {
-            AxisPath::Nccl { comm } => *comm,
-            AxisPath::Host { why } => bail!("NCCL cannot join these ranks: {why}"),
+            CommPath::Nccl { comm } => *comm,
+            CommPath::Host { why } => bail!("NCCL cannot join these ranks: {why}"),
         };
         let mut times = Vec::new();
         for op in &ops {

@@ -255,21 +255,23 @@ fn mixed_precision_plans_on_the_emulated_gpu_train_like_the_cpu() {
     }
 }
 
-/// Plans on a mesh on emulated GPUs (one per rank): the CPU ranks' losses, bit for bit, as
-/// threads of one process, whose collectives run on the emulated NCCL (its sums in the CPU's
-/// rank order; strided blocks through 2-D copies), and as MPI processes, which the emulated NCCL
-/// cannot join, through host memory. `run` says which, and its measured communication is the
-/// planned.
+/// Plans on a mesh or in pipeline stages on emulated GPUs (one per rank): the CPU ranks' losses,
+/// bit for bit, as threads of one process, whose collectives and pipeline messages run on the
+/// emulated NCCL (its sums in the CPU's rank order; strided blocks through 2-D copies; each
+/// stage-to-stage direction a communicator of its own), and as MPI processes, which the emulated
+/// NCCL cannot join, through host memory. `run` says which, its measured communication is the
+/// planned, and it measures the stages' idle shares on NCCL's path too.
 #[test]
 fn parallel_plans_on_emulated_gpus_train_like_cpu_ranks() {
     let dir = scratch("emulated-gpu-mesh");
     let model = fixture("gpt2", "model.onnx");
     let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
-    let layouts: [&[&str]; 4] = [
+    let layouts: [&[&str]; 5] = [
         &["--dp", "2", "--zero", "3"],
         &["--tp", "2"],
         &["--pp", "2", "--grad-accum", "2"],
         &["--tp", "2", "--dp", "2", "--zero", "3"],
+        &["--pp", "2", "--dp", "2", "--zero", "1", "--grad-accum", "4", "--grad-clip", "0.5"],
     ];
     for (l, layout) in layouts.iter().enumerate() {
         let plan = dir.join(format!("layout-{l}.atp"));
@@ -291,7 +293,13 @@ fn parallel_plans_on_emulated_gpus_train_like_cpu_ranks() {
         let (threads, said) = run("cuda", None);
         assert_eq!(threads, cpu, "{layout:?}: ranks as threads on emulated GPUs");
         let mesh_axes = layout.iter().filter(|f| ["--dp", "--tp"].contains(f)).count();
-        assert_eq!(said.matches(" over NCCL").count(), mesh_axes, "{layout:?}:\n{said}");
+        // A pipeline of two stages: the first rank's links to the second stage and back.
+        let links = 2 * usize::from(layout.contains(&"--pp"));
+        assert_eq!(said.matches(" over NCCL").count(), mesh_axes + links, "{layout:?}:\n{said}");
+        if links > 0 {
+            assert!(said.contains("pipeline stage 0 to 1 over NCCL; pipeline stage 1 to 0 over NCCL"), "{said}");
+            assert!(said.contains("bubble      (stage "), "{said}");
+        }
         // Planned and measured bytes per step agree (the last two columns of each rank's row).
         let rows: Vec<Vec<&str>> = (said.lines())
             .skip_while(|l| !l.contains("planned comm/step"))
@@ -300,13 +308,12 @@ fn parallel_plans_on_emulated_gpus_train_like_cpu_ranks() {
             .take_while(|f| f.len() == 5)
             .collect();
         assert!(!rows.is_empty() && rows.iter().all(|f| f[3] == f[4]), "{layout:?}:\n{said}");
-        if l == 1 {
+        if l == 1 || l == 2 {
             let (processes, said) = run("cuda", Some("2"));
             assert_eq!(processes, cpu, "{layout:?}: ranks as MPI processes on emulated GPUs");
-            assert!(
-                said.contains("tp through host memory (the emulated NCCL joins threads of one process only)"),
-                "{said}"
-            );
+            let path = if l == 1 { "tp" } else { "pipeline stage 0 to 1" };
+            let why = "through host memory (the emulated NCCL joins threads of one process only)";
+            assert!(said.contains(&format!("{path} {why}")), "{said}");
         }
     }
 }

@@ -37,7 +37,8 @@ pub struct RankReport {
     pub activations_peak_bytes: usize,
     /// The largest host staging the rank's collectives need at once.
     pub comm_buffer_bytes: usize,
-    /// The device scratch its strided collectives need when they run on NCCL instead (GPUs).
+    /// The device memory NCCL's path needs instead (GPUs): the scratch of its strided
+    /// collectives, and a staging copy of each pipeline message it sends.
     #[serde(default)]
     pub nccl_scratch_bytes: usize,
     /// Everything the rank allocates on its device: its arena plus the communication staging
@@ -75,7 +76,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
     let mut total = CommBytes::default();
     for (stage, p) in stages.iter().enumerate() {
         let mut comm = CommBytes::default();
-        let (mut staging, mut scratch) = (0, 0);
+        let (mut staging, mut scratch, mut sends_staging) = (0, 0, 0);
         for instruction in &p.instructions {
             match instruction {
                 Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
@@ -90,10 +91,14 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
                     staging = staging.max(op.kind.staging_bytes(input.len));
                     scratch = scratch.max(op.device_scratch_bytes(n));
                 }
-                Instruction::Send { input, .. } => comm.send += input.len,
+                Instruction::Send { input, .. } => {
+                    comm.send += input.len;
+                    sends_staging += input.len;
+                }
                 _ => {}
             }
         }
+        scratch += sends_staging;
         // Gradients as the optimizer receives them; ZeRO stage 1 holds them whole until then.
         let grads_bytes = if training.zero_stage == 1 {
             let trained = p.params.iter().filter(|s| !training.frozen.contains(&s.name));

@@ -91,6 +91,12 @@ impl RankClock {
         Ok(())
     }
 
+    /// Accounts for `waited` that a device's stream spent waiting for messages (a GPU's receives
+    /// over NCCL, timed by its events: the host did not block for them).
+    pub fn waited_on_device(&mut self, waited: Duration) {
+        self.waited += waited;
+    }
+
     pub fn finish(&self) -> Result<RunTime, RuntimeError> {
         Ok(RunTime { length: self.now()?, waited: self.waited })
     }

@@ -186,10 +186,18 @@ impl Executor {
     }
 
     /// How each mesh axis's collectives travel (on a GPU; empty on the CPU or without a mesh).
-    pub fn axis_paths(&self) -> &[crate::gpu::AxisPath] {
+    pub fn axis_paths(&self) -> &[crate::gpu::CommPath] {
         match &self.device {
             Backend::Cpu(_) => &[],
             Backend::Gpu(gpu) => &gpu.paths,
+        }
+    }
+
+    /// How each pipeline link's messages travel (on a GPU; empty on the CPU or without stages).
+    pub fn link_paths(&self) -> &[(crate::gpu::Link, crate::gpu::CommPath)] {
+        match &self.device {
+            Backend::Cpu(_) => &[],
+            Backend::Gpu(gpu) => &gpu.links,
         }
     }
 

@@ -1,6 +1,6 @@
 //! Where a program's instructions run: the streams of a device and the events that order them.
 //!
-//! A rank's device has three streams, each running what it is given in order:
+//! A rank's device has three streams that schedules use, each running what it is given in order:
 //! - [`Stream::Compute`]: kernels, GEMMs, the optimizer step and receives;
 //! - [`Stream::Collectives`]: every collective, in program order (one stream, so NCCL sees
 //!   each communicator's operations in the same order on every rank). Those a program starts
@@ -9,6 +9,11 @@
 //! - [`Stream::Peer`]: pipeline sends, so a send never holds up the stage's compute (with
 //!   synchronous sends, two stages sending to each other before receiving would deadlock, which
 //!   1F1B's steady state does; Megatron pairs them with `batch_isend_irecv` for this reason).
+//!
+//! and a fourth, [`Stream::Transfer`], that a GPU device keeps to itself: over NCCL a send is a
+//! copy into a staging buffer on the peer stream, then the NCCL send from there on the transfer
+//! stream (NCCL's send returns only once the peer receives, so nothing a schedule orders may wait
+//! for it).
 //!
 //! [`StreamSchedule::of`] turns the instruction list into stream operations: launches, and
 //! events recorded on one stream and waited on by another. A start waits on the compute stream's
@@ -37,10 +42,15 @@ pub enum Stream {
     Compute,
     Collectives,
     Peer,
+    /// A GPU's NCCL sends of pipeline messages (see the module doc); no schedule uses it.
+    Transfer,
 }
 
+/// Per stream, a count (the vector clocks of [`StreamSchedule::check`]).
+type Counts = [usize; Stream::ALL.len()];
+
 impl Stream {
-    pub const ALL: [Stream; 3] = [Stream::Compute, Stream::Collectives, Stream::Peer];
+    pub const ALL: [Stream; 4] = [Stream::Compute, Stream::Collectives, Stream::Peer, Stream::Transfer];
 
     fn index(self) -> usize {
         self as usize
@@ -51,6 +61,7 @@ impl Stream {
             Stream::Compute => "compute",
             Stream::Collectives => "collectives",
             Stream::Peer => "peer",
+            Stream::Transfer => "transfer",
         }
     }
 }
@@ -148,10 +159,10 @@ impl StreamSchedule {
         let bad = |what: String| Err(RuntimeError::InvalidProgram(format!("stream schedule: {what}")));
         // Per stream, the vector clock of what it has seen: entry `s` counts stream s's
         // launches that happen before the stream's next operation.
-        let mut clocks = [[0usize; 3]; 3];
-        let mut events: Vec<Option<[usize; 3]>> = vec![None; self.events];
+        let mut clocks: [Counts; Stream::ALL.len()] = Default::default();
+        let mut events: Vec<Option<Counts>> = vec![None; self.events];
         // Per launched instruction: its stream, its position there, the clock it ran with.
-        let mut launched: Vec<(usize, Stream, usize, [usize; 3])> = Vec::new();
+        let mut launched: Vec<(usize, Stream, usize, Counts)> = Vec::new();
         for op in &self.ops {
             match *op {
                 StreamOp::Launch { stream, instruction } => {

@@ -23,20 +23,28 @@ pub enum NcclCall {
     AllGather { send: u64, recv: u64, count: usize, dtype: DType },
     /// `recv` = block `rank` (of `count` elements) of the sum of every rank's `send`.
     ReduceScatter { send: u64, recv: u64, count: usize, dtype: DType },
+    /// `bytes` bytes at `send` to rank `peer`, whose matching [`NcclCall::Recv`] (its next from
+    /// this rank) receives them: a pipeline message.
+    Send { send: u64, bytes: usize, peer: usize },
+    /// `bytes` bytes from rank `peer` into `recv`.
+    Recv { recv: u64, bytes: usize, peer: usize },
 }
 
 impl NcclCall {
-    /// Its send and receive buffers, (address, bytes), on a communicator of `ranks`.
-    pub fn buffers(&self, ranks: usize) -> [(u64, usize); 2] {
+    /// The device buffers it reads and writes, (address, bytes), on a communicator of `ranks`.
+    pub fn buffers(&self, ranks: usize) -> Vec<(u64, usize)> {
         match *self {
+            NcclCall::Send { send: address, bytes, .. } | NcclCall::Recv { recv: address, bytes, .. } => {
+                vec![(address, bytes)]
+            }
             NcclCall::AllReduce { send, recv, count, dtype } => {
-                [(send, count * dtype.size()), (recv, count * dtype.size())]
+                vec![(send, count * dtype.size()), (recv, count * dtype.size())]
             }
             NcclCall::AllGather { send, recv, count, dtype } => {
-                [(send, count * dtype.size()), (recv, ranks * count * dtype.size())]
+                vec![(send, count * dtype.size()), (recv, ranks * count * dtype.size())]
             }
             NcclCall::ReduceScatter { send, recv, count, dtype } => {
-                [(send, ranks * count * dtype.size()), (recv, count * dtype.size())]
+                vec![(send, ranks * count * dtype.size()), (recv, count * dtype.size())]
             }
         }
     }
@@ -179,6 +187,7 @@ mod tests {
                                     (send, count)
                                 }
                                 NcclCall::ReduceScatter { send, count, .. } => (send, count * n),
+                                NcclCall::Send { .. } | NcclCall::Recv { .. } => panic!("no collective"),
                             };
                             memories[rank][send as usize..][..count * dtype.size()].to_vec()
                         })
@@ -204,6 +213,7 @@ mod tests {
                                 let block = count * dtype.size();
                                 (recv, sum(rank * block..(rank + 1) * block))
                             }
+                            NcclCall::Send { .. } | NcclCall::Recv { .. } => unreachable!("no collective"),
                         };
                         memory[recv as usize..][..bytes.len()].copy_from_slice(&bytes);
                     }

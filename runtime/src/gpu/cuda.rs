@@ -1,7 +1,7 @@
 //! The CUDA driver as a [`Gpu`] (cudarc's `driver::result`, loaded at run time).
 //!
 //! One GPU per executor: the device's primary context (made current on whichever thread calls,
-//! since the trainer runs ranks on threads of its own), three non-blocking streams (one per
+//! since the trainer runs ranks on threads of its own), four non-blocking streams (one per
 //! [`Stream`]), the plan's PTX module for the device's architecture (sm_90 for compute
 //! capability 9 and above, sm_80 for 8.x; PTX is compiled by the driver for the device at
 //! load), the kernels' entries looked up once. Launches use [`autotp_llvm::nvptx::BLOCK`]
@@ -56,7 +56,7 @@ fn scalar<T>(value: &'static T) -> *const c_void {
 pub struct CudaGpu {
     device: sys::CUdevice,
     context: sys::CUcontext,
-    streams: [sys::CUstream; 3],
+    streams: [sys::CUstream; Stream::ALL.len()],
     module: sys::CUmodule,
     kernels: Vec<sys::CUfunction>,
     /// Blocks per row of each kernel and movement kernel ([`autotp_llvm::nvptx::blocks_per_row`]).
@@ -170,7 +170,7 @@ impl CudaGpu {
         let mut gpu = CudaGpu {
             device,
             context,
-            streams: [std::ptr::null_mut(); 3],
+            streams: [std::ptr::null_mut(); Stream::ALL.len()],
             module: std::ptr::null_mut(),
             kernels: Vec::new(),
             kernel_parts: program.kernels.iter().map(autotp_llvm::nvptx::blocks_per_row).collect(),
@@ -273,6 +273,16 @@ impl CudaGpu {
 
     fn stream(&self, stream: Stream) -> sys::CUstream {
         self.streams[stream as usize]
+    }
+
+    /// A new event made with `flags`, recorded on `stream` (kept until the next synchronisation).
+    fn record_event(&mut self, stream: Stream, flags: sys::CUevent_flags) -> Result<GpuEvent, RuntimeError> {
+        self.current()?;
+        let event = result::event::create(flags).map_err(driver("cuEventCreate"))?;
+        self.events.push(event);
+        // SAFETY: a fresh event and one of this GPU's streams.
+        unsafe { result::event::record(event, self.stream(stream)) }.map_err(driver("cuEventRecord"))?;
+        Ok(GpuEvent(self.events.len() - 1))
     }
 }
 
@@ -469,13 +479,25 @@ impl Gpu for CudaGpu {
     }
 
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
+        self.record_event(stream, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+    }
+
+    fn record_timed(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
+        self.record_event(stream, sys::CUevent_flags::CU_EVENT_DEFAULT)
+    }
+
+    fn elapsed(&mut self, start: GpuEvent, end: GpuEvent) -> Result<std::time::Duration, RuntimeError> {
         self.current()?;
-        let event =
-            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(driver("cuEventCreate"))?;
-        self.events.push(event);
-        // SAFETY: a fresh event and one of this GPU's streams.
-        unsafe { result::event::record(event, self.stream(stream)) }.map_err(driver("cuEventRecord"))?;
-        Ok(GpuEvent(self.events.len() - 1))
+        let event = |e: GpuEvent| {
+            self.events.get(e.0).copied().ok_or_else(|| RuntimeError::Device(format!("no CUDA event {}", e.0)))
+        };
+        let (start, end) = (event(start)?, event(end)?);
+        // SAFETY: recorded timed events, kept until the next synchronisation.
+        let milliseconds = unsafe {
+            result::event::synchronize(end).map_err(driver("cuEventSynchronize"))?;
+            result::event::elapsed(start, end).map_err(driver("cuEventElapsedTime"))?
+        };
+        Ok(std::time::Duration::from_secs_f64(f64::from(milliseconds.max(0.0)) * 1e-3))
     }
 
     fn wait(&mut self, stream: Stream, event: GpuEvent) -> Result<(), RuntimeError> {
@@ -570,7 +592,8 @@ impl Gpu for CudaGpu {
     }
 
     fn nccl(&mut self, stream: Stream, comm: usize, call: &NcclCall) -> Result<(), RuntimeError> {
-        use cudarc::nccl::{result as nccl, sys::ncclRedOp_t::ncclSum};
+        use cudarc::nccl::result as nccl;
+        use cudarc::nccl::sys::{ncclDataType_t::ncclUint8, ncclRedOp_t::ncclSum};
         self.current()?;
         let NcclComm(handle) = *(self.communicators.get(comm))
             .ok_or_else(|| RuntimeError::Device(format!("no NCCL communicator {comm}")))?;
@@ -592,6 +615,12 @@ impl Gpu for CudaGpu {
                     let ty = nccl_type(dtype, true)?;
                     nccl::reduce_scatter(pointer(send), pointer(recv), count, ty, ncclSum, handle, on)
                 }
+                NcclCall::Send { send, bytes, peer } => {
+                    nccl::send(pointer(send), bytes, ncclUint8, peer as i32, handle, on)
+                }
+                NcclCall::Recv { recv, bytes, peer } => {
+                    nccl::recv(pointer(recv), bytes, ncclUint8, peer as i32, handle, on)
+                }
             }
         };
         issued.map(|_| ()).map_err(|e| RuntimeError::Comm(format!("NCCL {call:?}: {e:?}")))
@@ -610,7 +639,7 @@ impl Gpu for CudaGpu {
     fn end_capture(&mut self) -> Result<usize, RuntimeError> {
         self.current()?;
         // The streams that joined the capture (by waiting on its events) join back.
-        for stream in [Stream::Collectives, Stream::Peer] {
+        for stream in [Stream::Collectives, Stream::Peer, Stream::Transfer] {
             let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
             // SAFETY: one of our streams.
             unsafe { sys::cuStreamIsCapturing(self.stream(stream), &mut status) }

@@ -32,8 +32,21 @@ type Work = Arc<dyn Fn() -> Result<(), RuntimeError> + Send + Sync>;
 #[derive(Clone)]
 enum Op {
     Run(Work),
+    /// A point-to-point receive: before it waits for its message, the sends issued before it
+    /// (on [`Stream::Transfer`], up to this event) run, as they would meanwhile on a GPU.
+    Receive {
+        sends_before: usize,
+        work: Work,
+    },
     Signal(usize),
     WaitFor(usize),
+}
+
+/// An event: when it completed (if it has), and the stream it was recorded on.
+#[derive(Clone, Copy)]
+struct Event {
+    done: Option<std::time::Instant>,
+    stream: Stream,
 }
 
 /// The emulated GPU (see the module doc).
@@ -48,9 +61,8 @@ pub struct Emulator {
     attention: Vec<CpuKernel>,
     /// Top-ks and scatter-elements, the GPU's code compiled for x86.
     axis: Vec<CpuKernel>,
-    queues: [VecDeque<Op>; 3],
-    /// Per event: whether it has completed, and the stream it was recorded on.
-    events: Vec<(bool, Stream)>,
+    queues: [VecDeque<Op>; Stream::ALL.len()],
+    events: Vec<Event>,
     /// What ran on it, shared with whoever asks (the emulator itself moves into an executor).
     pub counts: Arc<Counts>,
     math: GemmMath,
@@ -72,7 +84,7 @@ pub struct Emulator {
 /// copied from or to the host.
 #[derive(Clone, Default)]
 struct Capture {
-    ops: [Vec<Op>; 3],
+    ops: [Vec<Op>; Stream::ALL.len()],
     events: Vec<Stream>,
 }
 
@@ -190,15 +202,22 @@ impl Emulator {
             return Err(RuntimeError::Device("emulated GPU: the streams wait for each other (deadlock)".into()));
         }
         if let Some(Op::WaitFor(event)) = self.queues[stream as usize].front() {
-            let (done, recorded_on) = self.events[*event];
-            if !done {
+            let Event { done, stream: recorded_on } = self.events[*event];
+            if done.is_none() {
                 return self.run_next(recorded_on, depth + 1);
             }
         }
         match self.queues[stream as usize].pop_front() {
             Some(Op::Run(work)) => work(),
+            Some(Op::Receive { sends_before, work }) => {
+                // Those sends wait on nothing after this receive in its stream's order.
+                while self.events[sends_before].done.is_none() {
+                    self.run_next(Stream::Transfer, 0)?;
+                }
+                work()
+            }
             Some(Op::Signal(event)) => {
-                self.events[event].0 = true;
+                self.events[event].done = Some(std::time::Instant::now());
                 Ok(())
             }
             Some(Op::WaitFor(_)) => Ok(()),
@@ -408,7 +427,7 @@ impl Gpu for Emulator {
             return Ok(GpuEvent(CAPTURED | event));
         }
         let event = self.events.len();
-        self.events.push((false, stream));
+        self.events.push(Event { done: None, stream });
         self.queues[stream as usize].push_back(Op::Signal(event));
         Ok(GpuEvent(event))
     }
@@ -496,15 +515,39 @@ impl Gpu for Emulator {
         }
         let (group, rank, calls) = &self.communicators[comm];
         let (group, rank, calls, call) = (group.clone(), *rank, calls.clone(), *call);
-        self.queue(
-            stream,
-            Arc::new(move || {
-                let number = calls.fetch_add(1, Ordering::Relaxed);
-                // SAFETY: the buffers are checked to lie in allocations; the device gives a
-                // call's buffers to nothing else on other streams until the call's event.
-                unsafe { group.call(rank, number, call) }
-            }),
-        )
+        let point_to_point = matches!(call, NcclCall::Send { .. } | NcclCall::Recv { .. });
+        let work: Work = Arc::new(move || {
+            let number = calls.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: the buffers are checked to lie in allocations; the device gives a call's
+            // buffers to nothing else on other streams until the call's event.
+            match point_to_point {
+                true => unsafe { group.exchange(rank, number, call) },
+                false => unsafe { group.call(rank, number, call) },
+            }
+        });
+        if !matches!(call, NcclCall::Recv { .. }) {
+            return self.queue(stream, work);
+        }
+        self.no_capture("a point-to-point receive")?;
+        let sends_before = self.record(Stream::Transfer)?.0;
+        self.push(stream, Op::Receive { sends_before, work })
+    }
+
+    fn record_timed(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
+        self.record(stream)
+    }
+
+    fn elapsed(&mut self, start: GpuEvent, end: GpuEvent) -> Result<std::time::Duration, RuntimeError> {
+        if start.0.max(end.0) >= self.events.len() {
+            return Err(RuntimeError::Device("emulated GPU: the elapsed time of an event never recorded".into()));
+        }
+        for event in [start.0, end.0] {
+            while self.events[event].done.is_none() {
+                self.run_next(self.events[event].stream, 0)?;
+            }
+        }
+        let at = |event: usize| self.events[event].done.expect("reached");
+        Ok(at(end.0).saturating_duration_since(at(start.0)))
     }
 
     fn begin_capture(&mut self) -> Result<(), RuntimeError> {
@@ -514,7 +557,7 @@ impl Gpu for Emulator {
     }
 
     fn end_capture(&mut self) -> Result<usize, RuntimeError> {
-        for stream in [Stream::Collectives, Stream::Peer] {
+        for stream in [Stream::Collectives, Stream::Peer, Stream::Transfer] {
             let joined = self.capturing.as_ref().is_some_and(|c| !c.ops[stream as usize].is_empty());
             if joined {
                 let event = self.record(stream)?;
@@ -532,7 +575,7 @@ impl Gpu for Emulator {
         let graph = (self.graphs.get(graph).cloned())
             .ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no graph {graph}")))?;
         let first = self.events.len();
-        self.events.extend(graph.events.iter().map(|&stream| (false, stream)));
+        self.events.extend(graph.events.iter().map(|&stream| Event { done: None, stream }));
         for (queue, ops) in self.queues.iter_mut().zip(graph.ops) {
             queue.extend(ops.into_iter().map(|op| match op {
                 Op::Signal(event) => Op::Signal(first + event),

@@ -9,6 +9,12 @@
 //! before writing any output, and sums in rank order as the threads' communicator does
 //! ([`crate::comm`]), so results are the CPU's bit for bit. A rank that aborts its communicators
 //! makes the others' waiting and later calls fail instead of hanging, as `ncclCommAbort` does.
+//!
+//! Point-to-point calls (pipeline messages) meet through a mailbox instead: a send leaves a copy
+//! of its bytes under its number (the sender's count of sends to that peer) and returns; the
+//! receive of the same number waits for it. A send that returns before its receive is posted is
+//! more than NCCL promises, so the GPU device never relies on it: its NCCL sends run on a stream
+//! of their own that nothing else waits for ([`crate::streams::Stream::Transfer`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,6 +40,8 @@ struct State {
     posted: BTreeMap<u64, Vec<Option<NcclCall>>>,
     /// Calls performed, by number: the ranks that have not yet returned from them.
     performed: BTreeMap<u64, usize>,
+    /// Point-to-point messages sent and not yet received: by (sender, receiver, number).
+    mail: BTreeMap<(usize, usize, u64), Vec<u8>>,
     aborted: bool,
 }
 
@@ -89,6 +97,42 @@ impl Group {
     pub(crate) fn abort(&self) {
         self.state.lock().expect("the group").aborted = true;
         self.wake.notify_all();
+    }
+
+    /// Rank `rank`'s `number`th point-to-point call to or from its peer (see the module doc):
+    /// a send returns once its bytes are posted, a receive once they are in its buffer.
+    ///
+    /// # Safety
+    /// The call's buffer is valid host memory of its length, untouched by others meanwhile.
+    pub(crate) unsafe fn exchange(&self, rank: usize, number: u64, call: NcclCall) -> Result<(), RuntimeError> {
+        let mut state = self.state.lock().expect("the group");
+        match call {
+            NcclCall::Send { send, bytes, peer } => {
+                // SAFETY: the caller's buffer, of this length.
+                let message = unsafe { std::slice::from_raw_parts(send as *const u8, bytes) }.to_vec();
+                state.mail.insert((rank, peer, number), message);
+                self.wake.notify_all();
+                Ok(())
+            }
+            NcclCall::Recv { recv, bytes, peer } => loop {
+                if let Some(message) = state.mail.remove(&(peer, rank, number)) {
+                    if message.len() != bytes {
+                        return Err(RuntimeError::Comm(format!(
+                            "rank {rank} receives {bytes} bytes from rank {peer}, which sent {}",
+                            message.len()
+                        )));
+                    }
+                    // SAFETY: the caller's buffer, of this length.
+                    unsafe { std::ptr::copy_nonoverlapping(message.as_ptr(), recv as *mut u8, bytes) };
+                    return Ok(());
+                }
+                if state.aborted {
+                    return Err(RuntimeError::PeerFailed);
+                }
+                state = self.wake.wait_timeout(state, POLL).expect("the group").0;
+            },
+            other => Err(RuntimeError::Comm(format!("NCCL {other:?} is not a point-to-point call"))),
+        }
     }
 
     /// Rank `rank`'s call number `number` (see the module doc); returns once it is performed.
@@ -149,6 +193,7 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
         NcclCall::AllReduce { count, dtype, .. }
         | NcclCall::AllGather { count, dtype, .. }
         | NcclCall::ReduceScatter { count, dtype, .. } => (count, dtype),
+        NcclCall::Send { .. } | NcclCall::Recv { .. } => return Err(mismatch()),
     };
     let mut sends = Vec::with_capacity(n);
     for call in calls {
@@ -172,7 +217,7 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
     let whole = match calls[0] {
         NcclCall::AllReduce { .. } => sum(dtype, &sends)?,
         NcclCall::AllGather { .. } => sends.concat(),
-        NcclCall::ReduceScatter { .. } => Vec::new(),
+        NcclCall::ReduceScatter { .. } | NcclCall::Send { .. } | NcclCall::Recv { .. } => Vec::new(),
     };
     for (rank, call) in calls.iter().enumerate() {
         match *call {
@@ -181,6 +226,7 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
                 let blocks: Vec<Vec<u8>> = sends.iter().map(|s| s[rank * block..(rank + 1) * block].to_vec()).collect();
                 write(recv, &sum(dtype, &blocks)?);
             }
+            NcclCall::Send { .. } | NcclCall::Recv { .. } => return Err(mismatch()),
         }
     }
     Ok(())
@@ -230,6 +276,51 @@ mod tests {
             });
             std::thread::sleep(Duration::from_millis(100));
             groups[1].abort();
+            waiter.join().unwrap()
+        });
+        assert!(matches!(waiting, Err(RuntimeError::PeerFailed)), "{waiting:?}");
+    }
+
+    /// A send posts its bytes and returns before the receive exists; receives take messages by
+    /// number, whatever order they are sent in; a receive of another length fails; a waiting
+    /// receive ends when the sender aborts.
+    #[test]
+    fn point_to_point_messages_meet_by_number() {
+        let id = new_id();
+        let (sender, receiver) = (join(&id, 2).unwrap(), join(&id, 2).unwrap());
+        let messages = [[1u8, 2, 3], [4, 5, 6]];
+        let send = |number: u64| {
+            let message = &messages[number as usize % 2];
+            let call = NcclCall::Send { send: message.as_ptr() as u64, bytes: 3, peer: 1 };
+            // SAFETY: `messages` outlives the call, which copies it.
+            unsafe { sender.exchange(0, number, call) }
+        };
+        send(1).unwrap();
+        send(0).unwrap();
+        let mut into = [[0u8; 3]; 2];
+        for (number, buffer) in into.iter_mut().enumerate() {
+            let call = NcclCall::Recv { recv: buffer.as_mut_ptr() as u64, bytes: 3, peer: 0 };
+            // SAFETY: `buffer` lives through the call.
+            unsafe { receiver.exchange(1, number as u64, call) }.unwrap();
+        }
+        assert_eq!(into, messages);
+
+        send(2).unwrap();
+        let mut short = [0u8; 2];
+        let call = NcclCall::Recv { recv: short.as_mut_ptr() as u64, bytes: 2, peer: 0 };
+        // SAFETY: as above.
+        let wrong = unsafe { receiver.exchange(1, 2, call) };
+        assert!(matches!(&wrong, Err(RuntimeError::Comm(m)) if m.contains("which sent 3")), "{wrong:?}");
+
+        let waiting = std::thread::scope(|scope| {
+            let waiter = scope.spawn(|| {
+                let mut buffer = [0u8; 3];
+                let call = NcclCall::Recv { recv: buffer.as_mut_ptr() as u64, bytes: 3, peer: 0 };
+                // SAFETY: as above.
+                unsafe { receiver.exchange(1, 3, call) }
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            sender.abort();
             waiter.join().unwrap()
         });
         assert!(matches!(waiting, Err(RuntimeError::PeerFailed)), "{waiting:?}");

@@ -7,7 +7,7 @@
 use autotp_kernels::Kernel;
 use autotp_program::{Instruction, Program};
 
-use super::{AxisPath, ChunkTable, GpuDevice, Prepared};
+use super::{ChunkTable, CommPath, GpuDevice, Prepared};
 use crate::streams::Device;
 use crate::RuntimeError;
 
@@ -24,7 +24,7 @@ pub(crate) enum StepGraph {
 
 /// Why a program's step cannot be one CUDA graph: the first instruction that copies through the
 /// host or waits on it (a graph holds device work alone).
-pub(super) fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &[AxisPath]) -> Option<String> {
+pub(super) fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &[CommPath]) -> Option<String> {
     program.instructions.iter().zip(prepared).enumerate().find_map(|(i, (instruction, prepared))| {
         let label = instruction.label();
         let why = match (instruction, prepared) {
@@ -32,12 +32,17 @@ pub(super) fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &
             (Instruction::Kernel { .. }, Prepared::Nothing) => "runs on the host".to_string(),
             (Instruction::Collective { op, .. } | Instruction::CollectiveStart { op, .. }, Prepared::Nothing) => {
                 match paths.get(op.axis) {
-                    Some(AxisPath::Host { why }) => format!("communicates through host memory ({why})"),
+                    Some(CommPath::Host { why }) => format!("communicates through host memory ({why})"),
                     _ => "communicates through host memory".to_string(),
                 }
             }
+            (Instruction::Send { .. } | Instruction::Recv { .. }, Prepared::Nothing) => {
+                "is a pipeline message through host memory".to_string()
+            }
             (Instruction::Send { .. } | Instruction::Recv { .. }, _) => {
-                "is a pipeline message, which goes through host memory".to_string()
+                "is a pipeline message over NCCL, whose wait is timed (for the stages' idle shares) by events \
+                 that a graph does not hold"
+                    .to_string()
             }
             (Instruction::OptimizerStep { guard: Some(_), .. }, _) => {
                 "reads its guard back (an offloaded optimizer's step)".to_string()

@@ -32,10 +32,16 @@
 //!   is then its [`collectives::device_steps`] (NCCL calls, and 2-D copies where a rank's block
 //!   is strided) on the collectives stream, overlapping compute until its wait; a shard slice
 //!   is a 2-D copy on any path. A failing rank aborts the communicators, and a wait on the
-//!   device past `--comm-timeout` does too (`watchdog`). Other groups (ranks sharing one GPU,
-//!   which NCCL refuses, or without the library), and pipeline sends and receives, go through
-//!   host memory and the rank's communicator in their stream's order, without overlap; `run`
-//!   says which path each mesh axis took.
+//!   device past `--comm-timeout` does too (`watchdog`);
+//! - pipeline messages run on NCCL where both ends of their link (one direction between two
+//!   stages) can, each link a communicator of two ranks (`bootstrap_links`): a send copies its
+//!   bytes to a staging buffer of its own on the peer stream, and NCCL sends them from there on
+//!   [`Stream::Transfer`], which nothing waits for, so a stage's compute never waits for its
+//!   peer to receive; a receive runs on the compute stream between two timed events, whose
+//!   interval the run's clock counts as waiting (the stages' idle shares);
+//! - other groups and links (ranks sharing one GPU, which NCCL refuses, or without the
+//!   library) go through host memory and the rank's communicator in their stream's order,
+//!   without overlap; `run` says which path each mesh axis and link took.
 //!
 //! [`Gpu`] is what a device provides: memory, copies, launches, GEMMs, streams and events. The
 //! CUDA driver ([`cuda::CudaGpu`]) is one; [`emulated::Emulator`] is another, which runs on the host with the same
@@ -54,7 +60,7 @@ mod offload;
 mod watchdog;
 
 use graph::StepGraph;
-pub use nccl::{bootstrap_nccl, AxisPath};
+pub use nccl::{bootstrap_links, bootstrap_nccl, CommPath, Link};
 
 use std::sync::Arc;
 
@@ -200,6 +206,14 @@ pub trait Gpu: Send {
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError>;
     fn wait(&mut self, stream: Stream, event: GpuEvent) -> Result<(), RuntimeError>;
 
+    /// An event as [`Gpu::record`] records it, which also keeps the time it completes at, for
+    /// [`Gpu::elapsed`].
+    fn record_timed(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError>;
+
+    /// The time from timed event `start` to timed event `end`, once `end` has completed (this
+    /// waits for it).
+    fn elapsed(&mut self, start: GpuEvent, end: GpuEvent) -> Result<std::time::Duration, RuntimeError>;
+
     /// Returns once every stream has run everything issued on it; events recorded before are
     /// released.
     fn synchronize(&mut self) -> Result<(), RuntimeError>;
@@ -282,6 +296,16 @@ enum Prepared {
         steps: Vec<DeviceStep>,
         nccl: Option<usize>,
     },
+    /// A pipeline send over NCCL: the staging buffer its bytes are copied to (NCCL sends from
+    /// there on [`Stream::Transfer`]), and its link's communicator.
+    Send {
+        staging: u64,
+        comm: usize,
+    },
+    /// A pipeline receive over NCCL, on its link's communicator.
+    Recv {
+        comm: usize,
+    },
 }
 
 /// A gather's or scatter-add's launch ([`Entry::Indexed`]).
@@ -325,8 +349,13 @@ pub struct GpuDevice {
     /// instruction's label, kernel name and index bound they report an out-of-range index with.
     fault: u64,
     fault_sources: Vec<(String, &'static str, usize)>,
-    /// How each mesh axis's collectives travel (empty without a mesh).
-    pub(crate) paths: Vec<AxisPath>,
+    /// How each mesh axis's collectives travel (empty without a mesh), and each pipeline link's
+    /// messages.
+    pub(crate) paths: Vec<CommPath>,
+    pub(crate) links: Vec<(Link, CommPath)>,
+    /// The timed events around each receive over NCCL in the run under way: the time between
+    /// them is the compute stream's wait, which the run's clock counts.
+    receive_waits: Vec<(GpuEvent, GpuEvent)>,
     /// Aborts the NCCL communicators joined, when a rank fails.
     aborter: Option<Arc<NcclAborter>>,
     /// Aborts them when a wait on the device lasts past `--comm-timeout` (once it is set).
@@ -360,13 +389,25 @@ impl GpuDevice {
         let gpu_kernels = &program.gpu_kernels;
         let rules = program.optimizer_kernels();
         let mut issued = vec![0; program.mesh.len()];
-        let (mut paths, mut bootstrap_sent, mut coordinates) = (Vec::new(), Default::default(), Vec::new());
+        let (mut paths, mut links, mut bootstrap_sent, mut coordinates) =
+            (Vec::new(), Vec::new(), Default::default(), Vec::new());
         if let Some((rank, comm)) = &rank {
             let before = comm.bytes_sent(*rank);
             paths = bootstrap_nccl(gpu.as_mut(), &program.mesh, *rank, comm.as_ref(), &mut issued)?;
+            links = bootstrap_links(
+                gpu.as_mut(),
+                &pipeline_links(program, comm.topology().stage(*rank))?,
+                *rank,
+                comm.as_ref(),
+            )?;
             bootstrap_sent = comm.bytes_sent(*rank).minus(&before);
             coordinates = comm.topology().coordinates(*rank);
         }
+        let link_comm = |link: Link| match links.iter().find(|(l, _)| *l == link) {
+            Some((_, CommPath::Nccl { comm })) => Some(*comm),
+            _ => None,
+        };
+        let stage = rank.as_ref().map(|(rank, comm)| comm.topology().stage(*rank));
         // The scratch of the strided collectives on the device: they all run on the collectives
         // stream, one after another.
         let scratch_bytes = (program.instructions.iter())
@@ -378,7 +419,8 @@ impl GpuDevice {
             })
             .max()
             .unwrap_or(0);
-        let uses_nccl = paths.iter().any(|p| matches!(p, AxisPath::Nccl { .. }));
+        let uses_nccl =
+            paths.iter().chain(links.iter().map(|(_, path)| path)).any(|p| matches!(p, CommPath::Nccl { .. }));
         let scratch = match uses_nccl && scratch_bytes > 0 {
             true => gpu.alloc(scratch_bytes)?,
             false => 0,
@@ -464,7 +506,7 @@ impl GpuDevice {
                     if !coordinates.is_empty() =>
                 {
                     let nccl = match paths.get(op.axis) {
-                        Some(AxisPath::Nccl { comm }) => Some(*comm),
+                        Some(CommPath::Nccl { comm }) => Some(*comm),
                         _ => None,
                     };
                     let shard_slice = matches!(op.kind, autotp_program::mesh::Collective::ShardSlice { .. });
@@ -489,6 +531,14 @@ impl GpuDevice {
                         false => Prepared::Nothing,
                     }
                 }
+                Instruction::Send { input, to, .. } => match stage.and_then(|from| link_comm(Link { from, to: *to })) {
+                    Some(comm) => Prepared::Send { staging: gpu.alloc(input.len)?, comm },
+                    None => Prepared::Nothing,
+                },
+                Instruction::Recv { from, .. } => match stage.and_then(|to| link_comm(Link { from: *from, to })) {
+                    Some(comm) => Prepared::Recv { comm },
+                    None => Prepared::Nothing,
+                },
                 Instruction::Kernel { kernel, inputs, outputs, label, gpu: Some(GpuForm::Axis(entry)) } => {
                     let form = &gpu_kernels.axis[*entry];
                     let mut args: Vec<u64> = inputs.iter().chain(outputs).map(|r| base + r.offset as u64).collect();
@@ -537,6 +587,8 @@ impl GpuDevice {
             fault,
             fault_sources,
             paths,
+            links,
+            receive_waits: Vec::new(),
             aborter,
             watchdog: None,
             graph: StepGraph::Off,
@@ -631,11 +683,25 @@ impl Device for GpuDevice {
 
     /// Also reports an index out of range that an indexed kernel met (see
     /// [`autotp_llvm::indexed`]), as the CPU's kernel would have, and clears it.
+    ///
+    /// The compute stream's waits for messages over NCCL are added to the run's clock.
     fn synchronize(&mut self) -> Result<(), RuntimeError> {
         let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match &self.watchdog {
-            Some(watchdog) => watchdog.waiting(|| gpu.synchronize())?,
-            None => gpu.synchronize()?,
+        let receive_waits = std::mem::take(&mut self.receive_waits);
+        let mut finish = || -> Result<std::time::Duration, RuntimeError> {
+            let mut waited = std::time::Duration::ZERO;
+            for &(before, after) in &receive_waits {
+                waited += gpu.elapsed(before, after)?;
+            }
+            gpu.synchronize()?;
+            Ok(waited)
+        };
+        let waited = match &self.watchdog {
+            Some(watchdog) => watchdog.waiting(finish)?,
+            None => finish()?,
+        };
+        if let Some(clock) = &mut self.clock {
+            clock.waited_on_device(waited);
         }
         if self.fault_sources.is_empty() {
             return Ok(());
@@ -665,6 +731,7 @@ impl Device for GpuDevice {
         if let Some((rank, comm)) = &self.rank {
             comm.abort(*rank, error);
         }
+        self.receive_waits.clear();
         let _ = self.gpu().synchronize();
     }
 }
@@ -786,6 +853,27 @@ impl GpuDevice {
                 let address = self.address(output);
                 self.gpu().upload(stream, address, &received)
             }
+            Instruction::Send { input, .. } if matches!(self.prepared[index], Prepared::Send { .. }) => {
+                let Prepared::Send { staging, comm } = self.prepared[index] else { unreachable!("matched") };
+                let address = self.address(input);
+                let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+                gpu.copy(stream, address, staging, input.len)?;
+                let staged = gpu.record(stream)?;
+                gpu.wait(Stream::Transfer, staged)?;
+                gpu.nccl(Stream::Transfer, comm, &NcclCall::Send { send: staging, bytes: input.len, peer: 1 })?;
+                self.nccl_sent.send += input.len;
+                Ok(())
+            }
+            Instruction::Recv { output, .. } if matches!(self.prepared[index], Prepared::Recv { .. }) => {
+                let Prepared::Recv { comm } = self.prepared[index] else { unreachable!("matched") };
+                let address = self.address(output);
+                let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+                let before = gpu.record_timed(stream)?;
+                gpu.nccl(stream, comm, &NcclCall::Recv { recv: address, bytes: output.len, peer: 0 })?;
+                let after = gpu.record_timed(stream)?;
+                self.receive_waits.push((before, after));
+                Ok(())
+            }
             Instruction::Send { input, to, tag, label } => {
                 let (rank, comm) = self.communicator(label)?;
                 let bytes = self.download_region(stream, input)?;
@@ -803,6 +891,24 @@ impl GpuDevice {
             }
         }
     }
+}
+
+/// The pipeline links (see [`Link`]) that `program`, on stage `stage`, sends or receives over;
+/// refused where a message's tag is one of those that set links up.
+fn pipeline_links(program: &Program, stage: usize) -> Result<Vec<Link>, RuntimeError> {
+    let mut links = Vec::new();
+    for instruction in &program.instructions {
+        let (link, tag, label) = match instruction {
+            Instruction::Send { to, tag, label, .. } => (Link { from: stage, to: *to }, *tag, label),
+            Instruction::Recv { from, tag, label, .. } => (Link { from: *from, to: stage }, *tag, label),
+            _ => continue,
+        };
+        if tag >= nccl::LINK_RECORD_TAG {
+            return Err(RuntimeError::InvalidProgram(format!("{label}: message tag {tag} is reserved")));
+        }
+        links.push(link);
+    }
+    Ok(links)
 }
 
 #[cfg(test)]

@@ -1,22 +1,32 @@
-//! NCCL between GPUs: which path each mesh axis's collectives take, decided by the ranks of
-//! each group together when a program loads, and the communicators of those that take NCCL.
-//! The collectives' device steps are [`super::collectives`]; the calls, the [`Gpu`]'s.
+//! NCCL between GPUs: which path each mesh axis's collectives and each pipeline link's messages
+//! take, decided by the ranks involved together when a program loads, and the communicators of
+//! those that take NCCL. The collectives' device steps are [`super::collectives`]; the calls,
+//! the [`Gpu`]'s.
+//!
+//! A pipeline link is one direction between two stages (a rank and its mesh position on the
+//! other stage), with a communicator of two ranks of its own, the sender rank 0: a rank's
+//! sends and receives never share a communicator, so its NCCL sends (on a stream of their own)
+//! and receives (on the compute stream) need no order between them. The two ranks of a link
+//! share their records and the id with pipeline messages through the host communicator, and
+//! every rank takes its links in one order (by the stages' pair, then the direction), so that
+//! two ranks never wait on each other's different communicators.
 
 use super::{Gpu, NcclId, NcclReach};
 use crate::comm::Communicator;
 use crate::RuntimeError;
 
-/// How a rank's collectives on one mesh axis travel, decided with the other ranks of its group
-/// when the program loads (`bootstrap_nccl`).
+/// How a rank's collectives on one mesh axis, or its messages over one pipeline link, travel,
+/// decided with the other ranks of its group when the program loads ([`bootstrap_nccl`],
+/// [`bootstrap_links`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum AxisPath {
+pub enum CommPath {
     /// On the device, NCCL communicator `comm` (a handle of the [`Gpu`]).
     Nccl { comm: usize },
     /// Through host memory and the rank's communicator, for this reason.
     Host { why: &'static str },
 }
 
-/// Bytes of the record each rank shares to decide its groups' [`AxisPath`]s: its NCCL reach, its
+/// Bytes of the record each rank shares to decide its groups' [`CommPath`]s: its NCCL reach, its
 /// process (pid and host) and its device's identity.
 const RECORD_BYTES: usize = 32;
 
@@ -54,7 +64,7 @@ fn nccl_decision(records: &[u8]) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// Decides each mesh axis's [`AxisPath`] for `rank` with the other ranks of its groups (an
+/// Decides each mesh axis's [`CommPath`] for `rank` with the other ranks of its groups (an
 /// all-gather of `bootstrap_record`s through the host communicator), and joins an NCCL
 /// communicator for each group that uses one: its first rank makes the id, shared with an
 /// all-gather of 128 bytes. Every rank of a group calls this at once; `issued` counts the host
@@ -65,7 +75,7 @@ pub fn bootstrap_nccl(
     rank: usize,
     comm: &dyn Communicator,
     issued: &mut [u64],
-) -> Result<Vec<AxisPath>, RuntimeError> {
+) -> Result<Vec<CommPath>, RuntimeError> {
     use autotp_program::mesh::{Collective, CollectiveOp};
     let coordinates = comm.topology().coordinates(rank);
     let record = bootstrap_record(gpu)?;
@@ -90,10 +100,74 @@ pub fn bootstrap_nccl(
                 let id = if coordinate == 0 { gpu.nccl_id()? } else { [0; 128] };
                 let ids = gather(axis, &id, issued)?;
                 let id: NcclId = ids[..128].try_into().expect("128 bytes");
-                AxisPath::Nccl { comm: gpu.nccl_join(&id, mesh_axis.size, coordinate)? }
+                CommPath::Nccl { comm: gpu.nccl_join(&id, mesh_axis.size, coordinate)? }
             }
-            Err(why) => AxisPath::Host { why },
+            Err(why) => CommPath::Host { why },
         });
+    }
+    Ok(paths)
+}
+
+/// The tags of the pipeline messages that set up a link (a program's tags are below them).
+pub const LINK_RECORD_TAG: u64 = u64::MAX - 1;
+pub const LINK_ID_TAG: u64 = u64::MAX;
+
+/// A pipeline link: messages from stage `from` to stage `to` (of one mesh position).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Link {
+    pub from: usize,
+    pub to: usize,
+}
+
+impl Link {
+    /// The order every rank takes its links in: by the pair of stages, then the direction.
+    fn order(&self) -> (usize, usize, usize) {
+        (self.from.min(self.to), self.from.max(self.to), self.from)
+    }
+}
+
+/// Decides the [`CommPath`] of each of `links` (the pipeline links `rank`'s program sends or
+/// receives over) with the rank at its other end, and joins the NCCL communicator of each that
+/// takes NCCL (see the module doc). Every rank calls this at once, after [`bootstrap_nccl`].
+pub fn bootstrap_links(
+    gpu: &mut dyn Gpu,
+    links: &[Link],
+    rank: usize,
+    comm: &dyn Communicator,
+) -> Result<Vec<(Link, CommPath)>, RuntimeError> {
+    let stage = comm.topology().stage(rank);
+    let record = bootstrap_record(gpu)?;
+    let mut ordered = links.to_vec();
+    ordered.sort_by_key(Link::order);
+    ordered.dedup();
+    let mut paths = Vec::with_capacity(ordered.len());
+    for link in ordered {
+        let sends = link.from == stage;
+        let peer = if sends { link.to } else { link.from };
+        comm.send(rank, peer, LINK_RECORD_TAG, &record, std::time::Duration::ZERO)?;
+        let mut theirs = [0u8; RECORD_BYTES];
+        comm.recv(rank, peer, LINK_RECORD_TAG, &mut theirs)?;
+        let records = match sends {
+            true => [record, theirs].concat(),
+            false => [theirs, record].concat(),
+        };
+        let path = match nccl_decision(&records) {
+            Ok(()) => {
+                let mut id: NcclId = [0; 128];
+                match sends {
+                    true => {
+                        id = gpu.nccl_id()?;
+                        comm.send(rank, peer, LINK_ID_TAG, &id, std::time::Duration::ZERO)?;
+                    }
+                    false => {
+                        comm.recv(rank, peer, LINK_ID_TAG, &mut id)?;
+                    }
+                }
+                CommPath::Nccl { comm: gpu.nccl_join(&id, 2, usize::from(!sends))? }
+            }
+            Err(why) => CommPath::Host { why },
+        };
+        paths.push((link, path));
     }
     Ok(paths)
 }

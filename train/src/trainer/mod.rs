@@ -25,7 +25,7 @@ use autotp_program::step::{StepInput, StepOutput};
 use autotp_program::Slot;
 use autotp_runtime::clock::{Clock, RunTime};
 use autotp_runtime::comm::{Communicator, LocalComm, MpiComm, Topology};
-use autotp_runtime::gpu::AxisPath;
+use autotp_runtime::gpu::CommPath;
 use autotp_runtime::gpu::GpuKind;
 use autotp_runtime::{Executor, HostTensor, RuntimeError};
 
@@ -413,7 +413,7 @@ impl Trainer {
 
     /// What each rank of the job actually allocated (its arena plus the most communication
     /// staging it held), the bytes it sent since the trainer was made, by collective, and
-    /// whether NCCL carried its collectives. In a job of processes, every process takes part
+    /// whether NCCL carried its collectives and pipeline messages. In a job of processes, every process takes part
     /// (they exchange their figures).
     pub fn measured(&self) -> Result<Vec<Measured>, TrainError> {
         let local: Vec<Measured> = self
@@ -421,8 +421,8 @@ impl Trainer {
             .map(|rank| {
                 let executor = self.executor(rank).expect("a local rank");
                 let arena = executor.arena_bytes();
-                let paths = executor.axis_paths();
-                let nccl = !paths.is_empty() && paths.iter().all(|p| matches!(p, AxisPath::Nccl { .. }));
+                let mut paths = executor.axis_paths().iter().chain(executor.link_paths().iter().map(|(_, path)| path));
+                let nccl = paths.clone().next().is_some() && paths.all(|p| matches!(p, CommPath::Nccl { .. }));
                 match &self.comm {
                     Some(comm) => Measured {
                         peak: arena + comm.staging_peak(rank),
@@ -466,22 +466,23 @@ impl Trainer {
         Ok(())
     }
 
-    /// How the first rank here communicates on each mesh axis, on GPUs: one line, `None` on CPU
-    /// ranks or without a mesh.
+    /// How the first rank here communicates on each mesh axis and pipeline link, on GPUs: one
+    /// line, `None` on CPU ranks or without a mesh or stages.
     pub fn communication(&self) -> Option<String> {
         let executor = self.ranks.first()?;
         let mesh = &executor.program().mesh;
-        let paths = executor.axis_paths();
-        if paths.is_empty() {
-            return None;
+        let said = |what: String, path: &CommPath| match path {
+            CommPath::Nccl { .. } => format!("{what} over NCCL"),
+            CommPath::Host { why } => format!("{what} through host memory ({why})"),
+        };
+        let axes = (mesh.iter().zip(executor.axis_paths())).map(|(axis, path)| said(axis.name.clone(), path));
+        let links = (executor.link_paths().iter())
+            .map(|(link, path)| said(format!("pipeline stage {} to {}", link.from, link.to), path));
+        let paths: Vec<String> = axes.chain(links).collect();
+        match paths.is_empty() {
+            true => None,
+            false => Some(format!("GPU communication: {}", paths.join("; "))),
         }
-        let axes: Vec<String> = (mesh.iter().zip(paths))
-            .map(|(axis, path)| match path {
-                AxisPath::Nccl { .. } => format!("{} over NCCL", axis.name),
-                AxisPath::Host { why } => format!("{} through host memory ({why})", axis.name),
-            })
-            .collect();
-        Some(format!("GPU communication: {}", axes.join("; ")))
     }
 
     /// Starts watching what this process's ranks write into their arenas' activations (CPU
