@@ -57,6 +57,8 @@ pub struct CudaGpu {
     device: sys::CUdevice,
     context: sys::CUcontext,
     streams: [sys::CUstream; Stream::ALL.len()],
+    /// Host memory page-locked by [`Gpu::pin_host`], unregistered when the GPU is dropped.
+    pinned: Vec<usize>,
     module: sys::CUmodule,
     kernels: Vec<sys::CUfunction>,
     /// Blocks per row of each kernel and movement kernel ([`autotp_llvm::nvptx::blocks_per_row`]).
@@ -171,6 +173,7 @@ impl CudaGpu {
             device,
             context,
             streams: [std::ptr::null_mut(); Stream::ALL.len()],
+            pinned: Vec::new(),
             module: std::ptr::null_mut(),
             kernels: Vec::new(),
             kernel_parts: program.kernels.iter().map(autotp_llvm::nvptx::blocks_per_row).collect(),
@@ -310,8 +313,22 @@ impl Gpu for CudaGpu {
     fn upload(&mut self, stream: Stream, address: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
         self.current()?;
         // SAFETY: the caller's address lies in an allocation of this GPU. From pageable host
-        // memory the driver stages the bytes before returning, so they may be reused at once.
+        // memory the driver stages the bytes before returning, so they may be reused at once;
+        // from pinned memory the copy runs in the stream's order, as `Gpu::upload` says.
         unsafe { result::memcpy_htod_async(address, bytes, self.stream(stream)) }.map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    fn pin_host(&mut self, address: usize, len: usize) -> Result<(), RuntimeError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.current()?;
+        // SAFETY: host memory the caller keeps alive longer than this GPU, which unregisters it.
+        unsafe { sys::cuMemHostRegister_v2(address as *mut c_void, len, 0) }
+            .result()
+            .map_err(driver("cuMemHostRegister"))?;
+        self.pinned.push(address);
+        Ok(())
     }
 
     fn download(&mut self, stream: Stream, address: u64, into: &mut [u8]) -> Result<(), RuntimeError> {
@@ -706,6 +723,9 @@ impl Drop for CudaGpu {
             }
             for address in self.allocations.drain(..) {
                 let _ = result::free_sync(address);
+            }
+            for address in self.pinned.drain(..) {
+                let _ = sys::cuMemHostUnregister(address as *mut c_void);
             }
             if !self.module.is_null() {
                 let _ = result::module::unload(self.module);

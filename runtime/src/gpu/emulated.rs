@@ -74,6 +74,8 @@ pub struct Emulator {
     /// The communicators joined: the group, this GPU's rank in it, and its calls run so far
     /// (a call takes its number when it runs, so a replayed graph's calls are numbered anew).
     communicators: Vec<(Arc<Group>, usize, Arc<std::sync::atomic::AtomicU64>)>,
+    /// Host memory pinned by [`Gpu::pin_host`]: (address, bytes).
+    pinned: Vec<(usize, usize)>,
 }
 
 /// A captured graph: each stream's operations, their events numbered from 0 in the capture, and
@@ -143,6 +145,7 @@ impl Emulator {
                 uuid
             },
             communicators: Vec::new(),
+            pinned: Vec::new(),
             capturing: None,
             graphs: Vec::new(),
         })
@@ -289,18 +292,29 @@ impl Gpu for Emulator {
         Ok(address)
     }
 
+    /// From pinned memory the copy reads the host bytes when it runs, as a GPU's does, so bytes
+    /// changed before their stream reaches the copy arrive changed here too.
     fn upload(&mut self, stream: Stream, address: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
         self.no_capture("an upload from the host")?;
         self.check(address, bytes.len())?;
-        let bytes = bytes.to_vec();
-        // SAFETY: checked to lie in an allocation, which lives as long as the emulator.
+        let (from, len) = (bytes.as_ptr() as usize, bytes.len());
+        let pinned = self.pinned.iter().any(|&(start, pinned)| from >= start && from + len <= start + pinned);
+        let copied = (!pinned).then(|| bytes.to_vec());
+        // SAFETY: checked to lie in an allocation, which lives as long as the emulator; pinned
+        // host memory outlives it too (`Gpu::pin_host`).
         self.queue(
             stream,
             Arc::new(move || {
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), address as *mut u8, bytes.len()) };
+                let from = copied.as_ref().map_or(from as *const u8, |c| c.as_ptr());
+                unsafe { std::ptr::copy_nonoverlapping(from, address as *mut u8, len) };
                 Ok(())
             }),
         )
+    }
+
+    fn pin_host(&mut self, address: usize, len: usize) -> Result<(), RuntimeError> {
+        self.pinned.push((address, len));
+        Ok(())
     }
 
     fn download(&mut self, stream: Stream, address: u64, into: &mut [u8]) -> Result<(), RuntimeError> {

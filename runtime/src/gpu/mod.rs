@@ -183,8 +183,15 @@ pub trait Gpu: Send {
     /// A zeroed allocation of `bytes`; it lives as long as the `Gpu`.
     fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError>;
 
-    /// Copies `bytes` to `address` in `stream`'s order (the host bytes may be reused at once).
+    /// Copies `bytes` to `address` in `stream`'s order. The host bytes may be reused at once,
+    /// unless they are pinned ([`Gpu::pin_host`]): then the copy reads them when the stream
+    /// reaches it, and they must not change before.
     fn upload(&mut self, stream: Stream, address: u64, bytes: &[u8]) -> Result<(), RuntimeError>;
+
+    /// Page-locks `len` host bytes at `address` (`cuMemHostRegister`), which must live longer
+    /// than the `Gpu`: copies from and to them run at the bus's full speed, and uploads from them
+    /// run in their stream's order without a copy on the host (see [`Gpu::upload`]).
+    fn pin_host(&mut self, address: usize, len: usize) -> Result<(), RuntimeError>;
 
     /// Copies `into.len()` bytes at `address` once `stream` has reached this point, and returns
     /// when they are in `into`.
@@ -464,7 +471,8 @@ impl GpuDevice {
                                 autotp_llvm::compile_cpu_functions(&[autotp_llvm::Function::OptimizerStep(&kind)])
                                     .map_err(|e| RuntimeError::KernelCompile(e.to_string()))?
                                     .remove(0);
-                            Some(offload::OffloadedStep::new(*dtype, tensors, kernel, offload::GROUP_ELEMENTS))
+                            let group = offload::GROUP_ELEMENTS;
+                            Some(offload::OffloadedStep::new(gpu.as_mut(), *dtype, tensors, kernel, group)?)
                         }
                         false => None,
                     };

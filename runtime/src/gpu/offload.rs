@@ -9,6 +9,10 @@
 //! pool, and the arena-resident results (the new parameters, or a 16-bit model's copies of the
 //! new masters, cast as the CPU casts them) are uploaded in the stream's order. A thread
 //! downloads group `g + 1` while the host updates group `g`, so the copies overlap the update.
+//! The staging is [`STAGING_BUFFERS`] buffers made once and pinned ([`Gpu::pin_host`]), taken
+//! in turn: uploads from a pinned buffer read it when the stream reaches them, and the next
+//! download into the same buffer is issued after them on the same stream, so it cannot
+//! overwrite them first.
 //! The step's scalars (and its guard, under fp16/bf16's skipping of non-finite steps) are read
 //! back first; a false guard skips the step, as on the CPU.
 
@@ -27,6 +31,10 @@ use crate::RuntimeError;
 /// Elements of a group: large enough that a copy's fixed cost is small, small enough that the
 /// first download and last upload, which nothing overlaps, are short.
 pub(crate) const GROUP_ELEMENTS: usize = 1 << 22;
+
+/// Staging buffers of a step: one being updated and uploaded, one downloaded and waiting, one
+/// being downloaded.
+const STAGING_BUFFERS: usize = 3;
 
 /// One piece of an arena region that a group stages on the host.
 #[derive(Clone, Copy, Debug)]
@@ -62,17 +70,22 @@ pub(crate) struct OffloadedStep {
     groups: Vec<Group>,
     /// The generated x86 kernel of the step's update rule.
     kernel: CpuKernel,
+    /// The pinned staging buffers, each as large as the largest group's staging; locked for a
+    /// whole step, so that nothing frees them while a copy may still read them.
+    staging: Mutex<Vec<AlignedBuf>>,
 }
 
 impl OffloadedStep {
     /// The groups of at most `group_elements` elements (the runtime's are [`GROUP_ELEMENTS`]) of
-    /// `tensors`' offloaded ones (those with a region in the host pool).
+    /// `tensors`' offloaded ones (those with a region in the host pool), with their staging
+    /// pinned on `gpu`.
     pub(crate) fn new(
+        gpu: &mut dyn Gpu,
         dtype: DType,
         tensors: &[OptimizerTensor],
         kernel: CpuKernel,
         group_elements: usize,
-    ) -> OffloadedStep {
+    ) -> Result<OffloadedStep, RuntimeError> {
         let size = dtype.size();
         let mut groups = vec![Group { pieces: Vec::new(), bytes: 0 }];
         let mut filled = 0;
@@ -110,7 +123,12 @@ impl OffloadedStep {
             }
         }
         groups.retain(|g| !g.pieces.is_empty());
-        OffloadedStep { groups, kernel }
+        let largest = groups.iter().map(|g| g.bytes).max().unwrap_or(0);
+        let mut staging: Vec<AlignedBuf> = (0..STAGING_BUFFERS).map(|_| AlignedBuf::zeroed(largest)).collect();
+        for buffer in &mut staging {
+            gpu.pin_host(buffer.as_mut_slice().as_mut_ptr() as usize, buffer.len())?;
+        }
+        Ok(OffloadedStep { groups, kernel, staging: Mutex::new(staging) })
     }
 
     /// Runs the step's offloaded part on `stream` (see the module doc): `base` is the arena's
@@ -128,22 +146,38 @@ impl OffloadedStep {
         label: &str,
     ) -> Result<(), RuntimeError> {
         let lock = || gpu.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let download = |group: &Group| -> Result<AlignedBuf, RuntimeError> {
-            let mut staging = AlignedBuf::zeroed(group.bytes);
+        let mut buffers = self.staging.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Each buffer's start and length: the download thread and this one use a buffer in
+        // turn, handing its index over a channel.
+        let buffers: Vec<(usize, usize)> =
+            buffers.iter_mut().map(|b| (b.as_mut_slice().as_mut_ptr() as usize, b.len())).collect();
+        let staging_of = |buffer: usize| -> &mut [u8] {
+            let (start, len) = buffers[buffer];
+            // SAFETY: one of the step's buffers, held by the lock above for the whole step, and
+            // used by one thread at a time (the index is handed over).
+            unsafe { std::slice::from_raw_parts_mut(start as *mut u8, len) }
+        };
+        let download = |group: &Group, buffer: usize| -> Result<usize, RuntimeError> {
+            let staging = staging_of(buffer);
             let mut gpu = lock();
             for staged in group.pieces.iter().flat_map(|p| p.inputs.iter().flatten()) {
-                let into = &mut staging.as_mut_slice()[staged.at..staged.at + staged.region.len];
+                let into = &mut staging[staged.at..staged.at + staged.region.len];
                 gpu.download(stream, base + staged.region.offset as u64, into)?;
             }
-            Ok(staging)
+            Ok(buffer)
         };
         let scalar_pointers: Vec<*mut u8> = scalars.iter().map(|s| s.as_slice().as_ptr() as *mut u8).collect();
         let pool = host_pool.as_mut_ptr() as usize;
         std::thread::scope(|scope| -> Result<(), RuntimeError> {
-            let (ready, staged) = std::sync::mpsc::sync_channel::<Result<AlignedBuf, RuntimeError>>(1);
+            let (ready, staged) = std::sync::mpsc::sync_channel::<Result<usize, RuntimeError>>(1);
+            let (free, freed) = std::sync::mpsc::sync_channel::<usize>(STAGING_BUFFERS);
+            for buffer in 0..STAGING_BUFFERS {
+                free.send(buffer).expect("room for every buffer");
+            }
             let downloads = scope.spawn(move || {
                 for group in &self.groups {
-                    let downloaded = download(group);
+                    let Ok(buffer) = freed.recv() else { return };
+                    let downloaded = download(group, buffer);
                     let failed = downloaded.is_err();
                     if ready.send(downloaded).is_err() || failed {
                         return;
@@ -151,10 +185,11 @@ impl OffloadedStep {
                 }
             });
             for group in &self.groups {
-                let mut staging = staged
+                let buffer = staged
                     .recv()
                     .map_err(|_| RuntimeError::Device("the offloaded step's download thread stopped".into()))??;
-                let stage_base = staging.as_mut_slice().as_mut_ptr() as usize;
+                let staging = staging_of(buffer);
+                let stage_base = staging.as_mut_ptr() as usize;
                 let updates: Vec<TensorUpdate> =
                     group.pieces.iter().map(|p| p.update(dtype, &tensors[p.tensor], pool, stage_base)).collect();
                 let mut chunks = Vec::new();
@@ -169,7 +204,7 @@ impl OffloadedStep {
                     for (j, output) in piece.outputs.iter().enumerate() {
                         // An arena output updated in place went back into its input's staging.
                         if let Some(staged) = output.or(piece.inputs[input_of(j)]) {
-                            let bytes = &staging.as_slice()[staged.at..staged.at + staged.region.len];
+                            let bytes = &staging[staged.at..staged.at + staged.region.len];
                             gpu.upload(stream, base + staged.region.offset as u64, bytes)?;
                         }
                     }
@@ -181,6 +216,9 @@ impl OffloadedStep {
                         gpu.upload(stream, base + staged.region.offset as u64, &cast)?;
                     }
                 }
+                drop(gpu);
+                // The download thread may be done and gone: then nothing needs the buffer.
+                let _ = free.send(buffer);
             }
             drop(staged);
             downloads.join().expect("the download thread does not panic");
@@ -282,7 +320,7 @@ mod tests {
         let kind = OptimizerKernel { optimizer: Optimizer::AdamW(config.clone()), dtype: DType::F32 };
         let kernel =
             autotp_llvm::compile_cpu_functions(&[autotp_llvm::Function::OptimizerStep(&kind)]).unwrap().remove(0);
-        let step = OffloadedStep::new(DType::F32, &tensors, kernel, 4);
+        let step = OffloadedStep::new(gpu.as_mut(), DType::F32, &tensors, kernel, 4).unwrap();
         assert_eq!(step.groups.len(), numel.div_ceil(4));
         let scalars = [AlignedBuf::from_bytes(&2e-3f32.to_le_bytes()), AlignedBuf::from_bytes(&3f32.to_le_bytes())];
         let gpu = Mutex::new(gpu);
