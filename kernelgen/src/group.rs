@@ -219,27 +219,10 @@ pub fn cross_entropy(graph: &Graph, nodes: &[NodeId]) -> Option<[kir::Kernel; 2]
             Stage::Reduce { fold: Fold::Max, exprs: vec![score.clone()], value: 0 },
             Stage::Reduce {
                 fold: Fold::Sum,
-                exprs: vec![
-                    score.clone(),
-                    Expr::Acc(0),
-                    Expr::Binary(BinaryOp::Sub, 0, 1),
-                    Expr::Unary(UnaryOp::Exp, 2),
-                ],
+                exprs: vec![score, Expr::Acc(0), Expr::Binary(BinaryOp::Sub, 0, 1), Expr::Unary(UnaryOp::Exp, 2)],
                 value: 3,
             },
-            // The label's score: the one element whose column is the label.
-            Stage::Reduce {
-                fold: Fold::Sum,
-                exprs: vec![
-                    score,
-                    label.clone(),
-                    Expr::Var(Var::Inner),
-                    Expr::Binary(BinaryOp::Equal, 2, 1),
-                    Expr::F32(0.0),
-                    Expr::Select(3, 0, 4),
-                ],
-                value: 5,
-            },
+            // The label's score is picked (clamped into the row; a label outside it gives NaN).
             Stage::Row {
                 exprs: vec![
                     label,
@@ -249,7 +232,7 @@ pub fn cross_entropy(graph: &Graph, nodes: &[NodeId]) -> Option<[kir::Kernel; 2]
                     Expr::Unary(UnaryOp::Log, 3),
                     Expr::Acc(0),
                     Expr::Binary(BinaryOp::Add, 4, 5),
-                    Expr::Acc(2),
+                    Expr::Pick { buffer: 0, index: Index::linear(Var::Outer, classes), offset: 0, bound: classes },
                     Expr::Binary(BinaryOp::Sub, 6, 7),
                     Expr::I64(0),
                     Expr::Binary(BinaryOp::Less, 0, 9),

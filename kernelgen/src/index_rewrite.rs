@@ -345,7 +345,7 @@ pub fn simplify_kernel(kernel: &mut Kernel) {
             Stage::Map { exprs, stores } | Stage::Row { exprs, stores } => (exprs, Some(stores)),
         };
         for e in exprs.iter_mut() {
-            if let Expr::Load { index, .. } | Expr::Coord(index) = e {
+            if let Expr::Load { index, .. } | Expr::Pick { index, .. } | Expr::Coord(index) = e {
                 simplify_memo(index);
             }
         }

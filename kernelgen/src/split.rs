@@ -112,6 +112,8 @@ fn split_exprs(exprs: &[Expr], num_inputs: usize, chunk: usize) -> Option<Vec<Ex
     (exprs.iter())
         .map(|expr| match expr {
             Expr::Load { buffer, .. } if *buffer >= num_inputs => None,
+            // A picked element's place is a value's, which the chunks cannot follow.
+            Expr::Pick { .. } => None,
             Expr::Load { buffer, index } => Some(Expr::Load { buffer: *buffer, index: split_index(index, chunk)? }),
             Expr::Coord(index) => Some(Expr::Coord(split_index(index, chunk)?)),
             Expr::Acc(_) | Expr::Var(_) => None,
@@ -125,6 +127,7 @@ fn reads_loop_variables(expr: &Expr) -> bool {
     match expr {
         Expr::Var(_) => true,
         Expr::Load { index, .. } | Expr::Coord(index) => !index.terms.is_empty(),
+        Expr::Pick { .. } => true,
         _ => false,
     }
 }

@@ -23,8 +23,10 @@
 //! Memory is addressed by [`Index`]: a base plus terms `((((var / div) % modulo) + offset) %
 //! wrap) * stride` over the two loop variables, which express contiguous rows, broadcasting,
 //! transposed and sliced reads and padding (a wrapped coordinate, read only where a
-//! [`Expr::Coord`] comparison says it is inside) without any data-dependent address, so [`Kernel::check`] proves every access in bounds
-//! before a kernel runs.
+//! [`Expr::Coord`] comparison says it is inside) without any data-dependent address, so
+//! [`Kernel::check`] proves every access in bounds before a kernel runs. The one
+//! data-dependent read, [`Expr::Pick`] (a row's element chosen by a value, as cross-entropy
+//! reads its label's score), clamps its value into a range the check bounds too.
 //!
 //! The targets (x86 through the LLVM JIT, NVPTX for CUDA) live in the `autotp-llvm` crate; both
 //! lower this one description.
@@ -89,6 +91,15 @@ pub enum Expr {
     Load {
         buffer: usize,
         index: Index,
+    },
+    /// The element of input `buffer` at `index` plus the i64 value `offset` clamped to
+    /// `0..bound` (the caller tells a value outside apart itself): a row's element chosen by a
+    /// value, such as the score of a row's label.
+    Pick {
+        buffer: usize,
+        index: Index,
+        offset: ExprRef,
+        bound: usize,
     },
     /// The `k`-th accumulator of this row (from an earlier `Reduce` stage).
     Acc(usize),
@@ -313,6 +324,20 @@ impl Kernel {
                         in_bounds(buffer, index)?;
                         scalar_type(self.buffers[buffer].dtype)
                     }
+                    Expr::Pick { buffer, ref index, offset, bound } => {
+                        if buffer >= self.num_inputs {
+                            return fail(format!("stage {s} picks from buffer {buffer}, which is not an input"));
+                        }
+                        if row && index.uses(Var::Inner) {
+                            return fail(format!("row stage {s} reads along the inner dimension"));
+                        }
+                        let last = Index { base: index.base + bound.saturating_sub(1), terms: index.terms.clone() };
+                        in_bounds(buffer, &last)?;
+                        match (bound, at(offset)) {
+                            (1.., Some(ScalarType::I64)) => scalar_type(self.buffers[buffer].dtype),
+                            _ => None,
+                        }
+                    }
                     Expr::Acc(k) => (k < accumulators).then_some(ScalarType::F32),
                     Expr::Var(v) => (!(row && v == Var::Inner)).then_some(ScalarType::I64),
                     Expr::Coord(ref index) => (!(row && index.uses(Var::Inner))).then_some(ScalarType::I64),
@@ -436,6 +461,9 @@ impl std::fmt::Display for Expr {
             Expr::F32(x) => write!(f, "{x:?}"),
             Expr::I64(x) => write!(f, "{x}i64"),
             Expr::Load { buffer, index } => write!(f, "load %b{buffer}[{index}]"),
+            Expr::Pick { buffer, index, offset, bound } => {
+                write!(f, "pick %b{buffer}[{index} + clamp(%{offset}, 0..{bound})]")
+            }
             Expr::Acc(k) => write!(f, "acc{k}"),
             Expr::Var(Var::Outer) => write!(f, "o"),
             Expr::Var(Var::Inner) => write!(f, "i"),
@@ -491,6 +519,33 @@ mod tests {
 
     /// `max_offset`, which `check` relies on for memory safety, is never below an offset some
     /// loop position reaches (and, for these indices, exactly the largest).
+    /// A pick is bounded by its clamp: one whose last element lies past its buffer, or whose
+    /// offset is not an i64, is refused.
+    #[test]
+    fn a_pick_is_checked_in_bounds_with_an_integer_offset() {
+        let kernel = |bound: usize, offset: Expr| Kernel {
+            name: "pick".into(),
+            buffers: vec![
+                Buffer { dtype: DType::F32, len: 12 },
+                Buffer { dtype: DType::I64, len: 3 },
+                Buffer { dtype: DType::F32, len: 3 },
+            ],
+            num_inputs: 2,
+            outer: 3,
+            inner: 4,
+            stages: vec![Stage::Row {
+                exprs: vec![offset, Expr::Pick { buffer: 0, index: Index::linear(Var::Outer, 4), offset: 0, bound }],
+                stores: vec![Store { buffer: 2, index: Index::linear(Var::Outer, 1), value: 1 }],
+            }],
+        };
+        let label = Expr::Load { buffer: 1, index: Index::linear(Var::Outer, 1) };
+        assert!(kernel(4, label.clone()).check().is_ok());
+        let past = kernel(5, label.clone()).check().unwrap_err();
+        assert!(past.what.contains("reaches past its 12 elements"), "{past:?}");
+        assert!(kernel(0, label).check().is_err(), "an empty range");
+        assert!(kernel(4, Expr::F32(1.0)).check().is_err(), "a float offset");
+    }
+
     #[test]
     fn max_offset_bounds_every_reachable_offset() {
         let mut wrapped = Term::new(Var::Inner, 2, Some(5), 3);

@@ -255,7 +255,7 @@ pub fn lanes_on_outer(kernel: &kir::Kernel) -> bool {
                 Stage::Map { exprs, stores } | Stage::Row { exprs, stores } => (exprs, stores),
             };
             let loads = exprs.iter().filter_map(|e| match e {
-                kir::Expr::Load { index, .. } | kir::Expr::Coord(index) => Some(index),
+                kir::Expr::Load { index, .. } | kir::Expr::Pick { index, .. } | kir::Expr::Coord(index) => Some(index),
                 _ => None,
             });
             loads.chain(stores.iter().map(|s| &s.index))
@@ -289,6 +289,7 @@ fn rows_as_lanes<'ctx>(
         inner: i,
         accs: accs.to_vec(),
         lanes_on_outer: true,
+        aligned: false,
     };
     for stage in &kernel.stages {
         match stage {
@@ -365,4 +366,55 @@ fn row_with_lanes_inside<'ctx>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use autotp_kernels::kir::{Buffer, Expr, Index, Kernel, Stage, Store, Var};
+    use autotp_kernels::DType;
+
+    /// [`Expr::Pick`] at the host's width: in a map stage (every lane of a row picks the row's
+    /// element) and in a row stage, an offset outside the row clamped to its ends.
+    #[test]
+    fn a_pick_reads_each_rows_chosen_element_clamped_into_the_row() {
+        let (rows, columns) = (5usize, 19usize);
+        let values: Vec<f32> = (0..rows * columns).map(|i| i as f32 * 0.5).collect();
+        let chosen: [i64; 5] = [3, -4, 18, 40, 0];
+        let pick = Expr::Pick { buffer: 0, index: Index::linear(Var::Outer, columns), offset: 0, bound: columns };
+        let label = Expr::Load { buffer: 1, index: Index::linear(Var::Outer, 1) };
+        let kernel = Kernel {
+            name: "pick".into(),
+            buffers: vec![
+                Buffer { dtype: DType::F32, len: rows * columns },
+                Buffer { dtype: DType::I64, len: rows },
+                Buffer { dtype: DType::F32, len: rows * columns },
+                Buffer { dtype: DType::F32, len: rows },
+            ],
+            num_inputs: 2,
+            outer: rows,
+            inner: columns,
+            stages: vec![
+                Stage::Map {
+                    exprs: vec![label.clone(), pick.clone()],
+                    stores: vec![Store { buffer: 2, index: Index::row_major(columns), value: 1 }],
+                },
+                Stage::Row {
+                    exprs: vec![label, pick],
+                    stores: vec![Store { buffer: 3, index: Index::linear(Var::Outer, 1), value: 1 }],
+                },
+            ],
+        };
+        kernel.check().unwrap();
+        let compiled = crate::compile_cpu(std::slice::from_ref(&kernel)).unwrap();
+        let (mut spread, mut picked) = (vec![0f32; rows * columns], vec![0f32; rows]);
+        let buffers = [values.as_ptr(), chosen.as_ptr().cast(), spread.as_mut_ptr().cast(), picked.as_mut_ptr().cast()]
+            .map(|p: *const f32| p as *mut u8);
+        // SAFETY: the buffers match the kernel's.
+        unsafe { compiled[0].run(&buffers, 0..rows) };
+        for (row, &c) in chosen.iter().enumerate() {
+            let want = values[row * columns + c.clamp(0, columns as i64 - 1) as usize];
+            assert_eq!(picked[row], want, "row {row}, offset {c}");
+            assert!(spread[row * columns..(row + 1) * columns].iter().all(|&x| x == want), "row {row}");
+        }
+    }
 }

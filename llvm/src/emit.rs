@@ -38,12 +38,31 @@ pub struct Position<'ctx> {
     /// The row's accumulators so far: `<1 x float>`, or one lane per row with `lanes_on_outer`.
     pub accs: Vec<V<'ctx>>,
     pub lanes_on_outer: bool,
+    /// Whether the inner position is a multiple of `width` and every buffer starts at a multiple
+    /// of `width` elements' bytes: contiguous accesses whose index keeps that alignment are then
+    /// aligned to their whole vector ([`vector_aligned`]), which a GPU needs for its 16-byte
+    /// loads and stores.
+    pub aligned: bool,
 }
 
 impl<'ctx> Position<'ctx> {
     /// Lanes along the inner dimension of one row.
     pub fn row(width: u32, outer: IntValue<'ctx>, inner: Option<IntValue<'ctx>>, accs: &[V<'ctx>]) -> Position<'ctx> {
-        Position { width, outer, inner, accs: accs.to_vec(), lanes_on_outer: false }
+        Position { width, outer, inner, accs: accs.to_vec(), lanes_on_outer: false, aligned: false }
+    }
+
+    /// As [`Position::row`], at an inner position that is a multiple of `width`, in buffers
+    /// aligned to vectors of `width` elements (see [`Position::aligned`]).
+    pub fn aligned_row(width: u32, outer: IntValue<'ctx>, inner: IntValue<'ctx>, accs: &[V<'ctx>]) -> Position<'ctx> {
+        Position { aligned: true, ..Position::row(width, outer, Some(inner), accs) }
+    }
+
+    /// The alignment in bytes of a contiguous access by `index` to elements of `size` bytes.
+    fn alignment(&self, index: &Index, size: usize) -> u32 {
+        match self.aligned && !self.lanes_on_outer && vector_aligned(index, self.width as usize) {
+            true => self.width * size as u32,
+            false => size as u32,
+        }
     }
 
     /// The variable the lanes run along, its value at lane 0, and the other variable's value.
@@ -54,6 +73,17 @@ impl<'ctx> Position<'ctx> {
             (Var::Inner, self.inner, Some(self.outer))
         }
     }
+}
+
+/// Whether `index` at an inner position that is a multiple of `width` is a multiple of `width`
+/// itself: its base and every outer term's stride are (each term is a whole number times its
+/// stride), and its inner terms are the plain position.
+pub fn vector_aligned(index: &Index, width: usize) -> bool {
+    let inner_plain = (index.terms.iter().filter(|t| t.var == Var::Inner))
+        .all(|t| t.div <= 1 && t.modulo.is_none() && t.offset == 0 && t.wrap.is_none() && t.stride == 1);
+    inner_plain
+        && index.base.is_multiple_of(width)
+        && index.terms.iter().filter(|t| t.var == Var::Outer).all(|t| t.stride.is_multiple_of(width))
 }
 
 impl<'a, 'ctx> Emitter<'a, 'ctx> {
@@ -329,7 +359,7 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
                     self.element_pointer(buffer, offset)?,
                     "",
                 )?;
-                set_alignment(load, align);
+                set_alignment(load, at.alignment(index, buffer.dtype.size()));
                 load.into_vector_value()
             }
             Address::Lanes(offsets) => {
@@ -341,6 +371,43 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
                 v
             }
         };
+        self.widen(buffer.dtype, raw)
+    }
+
+    /// [`Expr::Pick`]: per lane, the element at the lane's `index` plus its `offset` clamped to
+    /// `0..bound`, loaded one lane at a time.
+    fn pick(
+        &self,
+        buffer: &Buffer<'ctx>,
+        index: &Index,
+        offset: V<'ctx>,
+        bound: usize,
+        at: &Position<'ctx>,
+    ) -> Result<V<'ctx>, LlvmError> {
+        let width = at.width;
+        let i64t = self.ctx.i64_type();
+        let starts: Vec<IntValue<'ctx>> = match self.address(index, at)? {
+            Address::Splat(start) => vec![start; width as usize],
+            Address::Contiguous(start) => (0..width)
+                .map(|l| self.b.build_int_add(start, i64t.const_int(l as u64, false), ""))
+                .collect::<Result<_, _>>()?,
+            Address::Lanes(starts) => starts,
+        };
+        let element = self.memory_type(buffer.dtype, 1).get_element_type();
+        let mut raw = self.memory_type(buffer.dtype, width).get_undef();
+        for (lane, start) in starts.into_iter().enumerate() {
+            let lane_index = i64t.const_int(lane as u64, false);
+            let chosen = self.b.build_extract_element(offset, lane_index, "")?.into_int_value();
+            let negative = self.b.build_int_compare(IntPredicate::SLT, chosen, i64t.const_zero(), "")?;
+            let chosen = self.b.build_select(negative, i64t.const_zero(), chosen, "")?.into_int_value();
+            let last = i64t.const_int(bound as u64 - 1, false);
+            let past = self.b.build_int_compare(IntPredicate::SGT, chosen, last, "")?;
+            let chosen = self.b.build_select(past, last, chosen, "")?.into_int_value();
+            let at = self.b.build_int_add(start, chosen, "")?;
+            let load = self.b.build_load(element, self.element_pointer(buffer, at)?, "")?;
+            set_alignment(load, buffer.dtype.size() as u32);
+            raw = self.b.build_insert_element(raw, load, self.ctx.i32_type().const_int(lane as u64, false), "")?;
+        }
         self.widen(buffer.dtype, raw)
     }
 
@@ -385,7 +452,7 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
         match self.address(index, at)? {
             Address::Contiguous(offset) => {
                 let store = self.b.build_store(self.element_pointer(buffer, offset)?, value)?;
-                let _ = store.set_alignment(align);
+                let _ = store.set_alignment(at.alignment(index, buffer.dtype.size()));
             }
             Address::Splat(offset) => {
                 let last = self.lane(value, at.width - 1)?;
@@ -418,6 +485,9 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
                 Expr::F32(x) => self.f32(width, x),
                 Expr::I64(x) => self.i64(width, x),
                 Expr::Load { buffer, ref index } => self.load(&kernel.0[buffer], index, at)?,
+                Expr::Pick { buffer, ref index, offset, bound } => {
+                    self.pick(&kernel.0[buffer], index, v(offset), bound, at)?
+                }
                 Expr::Acc(k) if at.lanes_on_outer => at.accs[k],
                 Expr::Acc(k) => self.broadcast(at.accs[k], width)?,
                 Expr::Var(var) => {

@@ -12,8 +12,12 @@
 //! share, then the block: a butterfly of warp shuffles inside each warp, the warps' results
 //! through shared memory, folded by every thread in warp order, so every thread holds the same
 //! accumulator and the result does not depend on timing. A row stage's stores are made by
-//! thread 0. Expressions and the transcendentals are those of the x86 target ([`crate::emit`],
-//! [`crate::math`]) at width 1.
+//! thread 0. A `Map` stage's threads take [`MAP_LANES`] consecutive elements at a time, so that
+//! its contiguous accesses are 16-byte loads and stores of f32 (`ld.global.v4.f32`), where every
+//! buffer is aligned for them (checked when the kernel starts; else one element at a time), and
+//! the row's last elements short of a vector one at a time; every element is computed as
+//! alone, so the results do not change. Expressions and the transcendentals are those of the
+//! x86 target ([`crate::emit`], [`crate::math`]), at width 1 in reductions and row stages.
 
 use autotp_kernels::kir::{self, Stage};
 use inkwell::context::Context;
@@ -29,6 +33,9 @@ use autotp_kernels::optim::OptimizerKernel;
 
 /// Threads per block every kernel is launched with.
 pub const BLOCK: u32 = 256;
+
+/// Elements a thread's vector accesses in a `Map` stage cover: 16 bytes of f32.
+pub const MAP_LANES: u32 = 4;
 
 /// The GPU architectures plans carry PTX for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -246,12 +253,13 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
     let block = special_register(e, "ctaid.x")?;
     let blocks = special_register(e, "nctaid.x")?;
     let (inner, stride) = (i64t.const_int(kernel.inner as u64, false), i64t.const_int(BLOCK as u64, false));
+    let aligned = vectors_aligned(e, &buffers)?;
     let parts = blocks_per_row(kernel);
     if parts > 1 {
         // Map stages alone, over few rows: work item `w` is part `w % parts` of row `w / parts`,
-        // a run of `chunk` inner elements (a multiple of BLOCK, so each thread keeps the same
-        // elements from stage to stage, as in a whole row).
-        let chunk = kernel.inner.div_ceil(parts).next_multiple_of(BLOCK as usize) as u64;
+        // a run of `chunk` inner elements (a multiple of BLOCK vectors, so that each run starts
+        // aligned).
+        let chunk = kernel.inner.div_ceil(parts).next_multiple_of((BLOCK * MAP_LANES) as usize) as u64;
         let (parts_v, chunk_v) = (i64t.const_int(parts as u64, false), i64t.const_int(chunk, false));
         let items = i64t.const_int((kernel.outer * parts) as u64, false);
         counted_loop(e, function, block, items, blocks, &[], |item, _| {
@@ -261,13 +269,10 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
             let end = e.b.build_int_add(begin, chunk_v, "")?;
             let short = e.b.build_int_compare(IntPredicate::ULT, end, inner, "")?;
             let end = e.b.build_select(short, end, inner, "")?.into_int_value();
-            let first = e.b.build_int_add(begin, thread, "")?;
             for stage in &kernel.stages {
                 let Stage::Map { exprs, stores } = stage else { unreachable!("split kernels map alone") };
-                counted_loop(e, function, first, end, stride, &[], |i, _| {
-                    e.store_stage(&buffers, exprs, stores, &Position::row(1, outer, Some(i), &[]))?;
-                    Ok(vec![])
-                })?;
+                let map = MapRun { buffers: &buffers, exprs, stores, outer, accs: &[] };
+                map.emit(e, function, (begin, end), thread, aligned)?;
             }
             Ok(vec![])
         })?;
@@ -288,10 +293,8 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
                     accs.push(block_fold(e, function, shared, thread, *fold, partial[0])?);
                 }
                 Stage::Map { exprs, stores } => {
-                    counted_loop(e, function, thread, inner, stride, &[], |i, _| {
-                        e.store_stage(&buffers, exprs, stores, &Position::row(1, outer, Some(i), &accs))?;
-                        Ok(vec![])
-                    })?;
+                    let map = MapRun { buffers: &buffers, exprs, stores, outer, accs: &accs };
+                    map.emit(e, function, (i64t.const_zero(), inner), thread, aligned)?;
                 }
                 Stage::Row { exprs, stores } => {
                     let at = Position::row(1, outer, None, &accs);
@@ -305,6 +308,62 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
     })?;
     e.b.build_return(None)?;
     Ok(function)
+}
+
+/// Whether every buffer starts at a multiple of [`MAP_LANES`] elements' bytes (the arena's
+/// regions do; a buffer inside one need not).
+fn vectors_aligned<'ctx>(e: &Emitter<'_, 'ctx>, buffers: &Buffers<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+    let i64t = e.ctx.i64_type();
+    let mut misaligned = i64t.const_zero();
+    for buffer in &buffers.0 {
+        let address = e.b.build_ptr_to_int(buffer.pointer, i64t, "")?;
+        let mask = i64t.const_int((MAP_LANES as usize * buffer.dtype.size()) as u64 - 1, false);
+        misaligned = e.b.build_or(misaligned, e.b.build_and(address, mask, "")?, "")?;
+    }
+    Ok(e.b.build_int_compare(IntPredicate::EQ, misaligned, i64t.const_zero(), "")?)
+}
+
+/// A `Map` stage over one run of a row.
+struct MapRun<'a, 'ctx> {
+    buffers: &'a Buffers<'ctx>,
+    exprs: &'a [kir::Expr],
+    stores: &'a [kir::Store],
+    outer: IntValue<'ctx>,
+    accs: &'a [V<'ctx>],
+}
+
+impl<'ctx> MapRun<'_, 'ctx> {
+    /// The stage over inner elements `begin..end` (`begin` a multiple of [`MAP_LANES`]) by the
+    /// block's threads: where `aligned`, vectors of [`MAP_LANES`] from `begin` (thread `t` takes
+    /// the `t`-th, then every [`BLOCK`]-th), then the elements short of a vector one by one;
+    /// else every element one by one.
+    fn emit(
+        &self,
+        e: &Emitter<'_, 'ctx>,
+        function: FunctionValue<'ctx>,
+        (begin, end): (IntValue<'ctx>, IntValue<'ctx>),
+        thread: IntValue<'ctx>,
+        aligned: IntValue<'ctx>,
+    ) -> Result<(), LlvmError> {
+        let i64t = e.ctx.i64_type();
+        let lanes = i64t.const_int(MAP_LANES as u64, false);
+        let short = e.b.build_int_unsigned_rem(e.b.build_int_sub(end, begin, "")?, lanes, "")?;
+        let vectors_end = e.b.build_int_sub(end, short, "")?;
+        let vectors_end = e.b.build_select(aligned, vectors_end, begin, "")?.into_int_value();
+        let first = e.b.build_int_add(begin, e.b.build_int_mul(thread, lanes, "")?, "")?;
+        let step = i64t.const_int((BLOCK * MAP_LANES) as u64, false);
+        counted_loop(e, function, first, vectors_end, step, &[], |i, _| {
+            let at = Position::aligned_row(MAP_LANES, self.outer, i, self.accs);
+            e.store_stage(self.buffers, self.exprs, self.stores, &at)?;
+            Ok(vec![])
+        })?;
+        let first = e.b.build_int_add(vectors_end, thread, "")?;
+        counted_loop(e, function, first, end, i64t.const_int(BLOCK as u64, false), &[], |i, _| {
+            e.store_stage(self.buffers, self.exprs, self.stores, &Position::row(1, self.outer, Some(i), self.accs))?;
+            Ok(vec![])
+        })?;
+        Ok(())
+    }
 }
 
 /// The block's shared scratch: one f32 per warp.
@@ -492,6 +551,66 @@ mod tests {
         };
         assert!(entry(0).contains("4098"), "a split row: {}", entry(0));
         assert!(!entry(1).contains("4098") && entry(1).contains("4096"), "whole rows: {}", entry(1));
+    }
+
+    /// A map stage's contiguous accesses become 16-byte vector loads and stores (8-byte ones of
+    /// bf16), in whole rows and in split ones, besides the one-element form for buffers not so
+    /// aligned and the rows' last elements; rows whose starts are not aligned, and a shifted
+    /// read, stay element by element.
+    #[test]
+    fn map_stages_load_and_store_vectors_of_four() {
+        use autotp_kernels::kir::{Buffer, Expr, Index, Store};
+        use autotp_kernels::{BinaryOp, DType};
+        let kernel = |dtype: DType, outer: usize, inner: usize| {
+            let row = Index::row_major(inner);
+            let len = outer * inner;
+            kir::Kernel {
+                name: "add".into(),
+                buffers: vec![Buffer { dtype, len }, Buffer { dtype, len }, Buffer { dtype, len }],
+                num_inputs: 2,
+                outer,
+                inner,
+                stages: vec![Stage::Map {
+                    exprs: vec![
+                        Expr::Load { buffer: 0, index: row.clone() },
+                        Expr::Load { buffer: 1, index: row.clone() },
+                        Expr::Binary(BinaryOp::Add, 0, 1),
+                    ],
+                    stores: vec![Store { buffer: 2, index: row, value: 2 }],
+                }],
+            }
+        };
+        let kernels = [
+            kernel(DType::F32, 8, 3 << 20),
+            kernel(DType::F32, FILL, 1000),
+            kernel(DType::BF16, FILL, 768),
+            kernel(DType::F32, FILL, 1003),
+        ];
+        let ptx = ptx(&kernels, &[], Arch::Sm90).unwrap();
+        let entry = |i: usize| {
+            let start = ptx.find(&format!(".entry {}", entry_name(i))).unwrap();
+            let rest = &ptx[start..];
+            rest[..rest[1..].find(".entry").map_or(rest.len(), |e| e + 1)].to_string()
+        };
+        for i in 0..2 {
+            let code = entry(i);
+            assert!(code.contains("ld.global.v4.f32") && code.contains("st.global.v4.f32"), "{code}");
+            assert!(code.contains("ld.global.f32") && code.contains("st.global.f32"), "one at a time too: {code}");
+        }
+        assert!(entry(2).contains("ld.global.v4.u16") && entry(2).contains("st.global.v4.u16"), "{}", entry(2));
+        assert!(!entry(3).contains(".v4."), "rows of 1003 never start aligned: {}", entry(3));
+
+        let mut shifted = kernel(DType::F32, FILL, 1024);
+        let Stage::Map { exprs, .. } = &mut shifted.stages[0] else { unreachable!() };
+        exprs[0] = Expr::Load { buffer: 0, index: Index { base: 1, ..Index::row_major(1024) } };
+        shifted.buffers[0].len += 1;
+        let code = ptx_of(&shifted);
+        assert!(code.contains("ld.global.v4.f32"), "the aligned input: {code}");
+        assert_eq!(code.matches("ld.global.v4.f32").count(), 1, "the shifted one element by element: {code}");
+    }
+
+    fn ptx_of(kernel: &kir::Kernel) -> String {
+        ptx(std::slice::from_ref(kernel), &[], Arch::Sm90).unwrap()
     }
 
     #[test]
