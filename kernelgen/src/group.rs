@@ -87,7 +87,14 @@ pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Result<Bui
         stages: Vec::new(),
         stage_values: Vec::new(),
         inputs: Vec::new(),
+        softmax_outputs: HashMap::new(),
     };
+    for (o, &v) in outputs.iter().enumerate() {
+        let softmax = builder.producer.get(&v).is_some_and(|&n| matches!(graph.node(n).op, Op::Softmax { .. }));
+        if softmax && ty(v).dtype == DType::F32 && ty(v).shape == builder.space.shape {
+            builder.softmax_outputs.insert(v, o);
+        }
+    }
     let mut map = StageBuilder::new(false);
     let mut row = StageBuilder::new(true);
     let mut map_stores = Vec::new();
@@ -124,6 +131,9 @@ pub fn build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Result<Bui
     }
     if !map_stores.is_empty() {
         builder.stages.push(Stage::Map { exprs: map.exprs, stores: store(map_stores) });
+    }
+    for stage in &mut builder.stages {
+        renumber_outputs(stage, num_inputs);
     }
     if builder.inputs.len() + outputs.len() > MAX_BUFFERS {
         return Err(Refusal::Buffers);
@@ -430,6 +440,28 @@ impl Space {
     }
 }
 
+/// `stage` with its [`OUTPUT_BUFFER`] numbers made the outputs' numbers after `num_inputs`
+/// inputs.
+fn renumber_outputs(stage: &mut Stage, num_inputs: usize) {
+    let renumber = |buffer: &mut usize| {
+        if *buffer >= OUTPUT_BUFFER {
+            *buffer = num_inputs + (*buffer - OUTPUT_BUFFER);
+        }
+    };
+    let (exprs, stores) = match stage {
+        Stage::Reduce { exprs, .. } => (exprs, None),
+        Stage::Map { exprs, stores } | Stage::Row { exprs, stores } => (exprs, Some(stores)),
+    };
+    for expr in exprs {
+        if let Expr::Load { buffer, .. } = expr {
+            renumber(buffer);
+        }
+    }
+    for store in stores.into_iter().flatten() {
+        renumber(&mut store.buffer);
+    }
+}
+
 /// The index of an input of shape `input` broadcast into `space` (row-major, right-aligned).
 pub fn broadcast_index(input: &[usize], space: &[usize], split: usize) -> Index {
     strided_index(space, &autotp_kernels::shape::broadcast_strides(input, space), split)
@@ -524,7 +556,14 @@ struct Builder<'g> {
     /// The group's values each finished stage computes.
     stage_values: Vec<Vec<ValueId>>,
     inputs: Vec<ValueId>,
+    /// Softmax results that are f32 outputs of the whole space, by value: their output's
+    /// position. Such a softmax keeps its exponentials in the output ([`Builder::softmax`]).
+    softmax_outputs: HashMap<ValueId, usize>,
 }
+
+/// The buffer number that stands for output `o` while the inputs are still being found
+/// ([`Builder::output_buffer`]); `build` renumbers it `inputs + o`.
+const OUTPUT_BUFFER: usize = usize::MAX / 2;
 
 impl Builder<'_> {
     fn load(&mut self, stage: &mut StageBuilder, v: ValueId) -> Option<ExprRef> {
@@ -541,6 +580,11 @@ impl Builder<'_> {
         }
         let buffer = self.buffer(v);
         Some(stage.push(Expr::Load { buffer, index }))
+    }
+
+    /// The buffer of output `o`, as a stage reads it back (see [`OUTPUT_BUFFER`]).
+    fn output_buffer(&self, o: usize) -> usize {
+        OUTPUT_BUFFER + o
     }
 
     /// The input buffer holding `v`, added if new.
@@ -717,8 +761,33 @@ impl Builder<'_> {
 
     /// The (log-)softmax node `n` of `x` over the row: a max reduction, a sum of the shifted
     /// exponentials, then each element.
+    /// The softmax (or log-softmax) node `n` of `x`: its maximum, the sum of its exponentials,
+    /// then each element. A softmax that is an f32 output of the whole space stores its
+    /// exponentials in the output in a map stage of their own, which the sum and the last stage
+    /// read back, so each is computed once (else twice: for the sum and for the element).
     fn softmax(&mut self, stage: &mut StageBuilder, n: NodeId, x: ValueId, log: bool) -> Option<ExprRef> {
         let max = self.reduction(n, 0, Fold::Max, |b, s| b.value(s, x))?;
+        let output = self.graph.node(n).outputs[0];
+        if let Some(&o) = self.softmax_outputs.get(&output).filter(|_| !log && !stage.row) {
+            let (buffer, index) = (self.output_buffer(o), self.space.index(&self.space.shape));
+            let exponential = Expr::Load { buffer, index: index.clone() };
+            if !self.reductions.contains_key(&(n, 1)) {
+                let mut exponentials = StageBuilder::new(false);
+                let xv = self.value(&mut exponentials, x)?;
+                let m = exponentials.push(Expr::Acc(max));
+                let shifted = exponentials.binary(BinaryOp::Sub, xv, m);
+                let value = exponentials.unary(UnaryOp::Exp, shifted);
+                self.stage_values.push(exponentials.memo.keys().copied().collect());
+                let stores = vec![Store { buffer, index, value }];
+                self.stages.push(Stage::Map { exprs: exponentials.exprs, stores });
+            }
+            let sum = self.reduction(n, 1, Fold::Sum, |_, s| Some(s.push(exponential.clone())))?;
+            let e = stage.push(exponential);
+            let s = stage.push(Expr::Acc(sum));
+            let one = stage.f32(1.0);
+            let inv = stage.binary(BinaryOp::Div, one, s);
+            return Some(stage.binary(BinaryOp::Mul, e, inv));
+        }
         let sum = self.reduction(n, 1, Fold::Sum, |b, s| {
             let x = b.value(s, x)?;
             let m = s.push(Expr::Acc(max));

@@ -28,6 +28,11 @@
 //! data-dependent read, [`Expr::Pick`] (a row's element chosen by a value, as cross-entropy
 //! reads its label's score), clamps its value into a range the check bounds too.
 //!
+//! A stage reads inputs, and also an output that an earlier `Map` stage stored at the very same
+//! index ([`Stage::reads_outputs`]: each element of it read where it was written, as softmax
+//! keeps its exponentials in its output to scale them afterwards rather than compute them
+//! twice); a GPU's block synchronises before such a stage.
+//!
 //! The targets (x86 through the LLVM JIT, NVPTX for CUDA) live in the `autotp-llvm` crate; both
 //! lower this one description.
 
@@ -67,6 +72,19 @@ pub enum Stage {
     Map { exprs: Vec<Expr>, stores: Vec<Store> },
     /// Stores values once per row; its expressions may not use the inner variable.
     Row { exprs: Vec<Expr>, stores: Vec<Store> },
+}
+
+impl Stage {
+    pub fn exprs(&self) -> &[Expr] {
+        match self {
+            Stage::Reduce { exprs, .. } | Stage::Map { exprs, .. } | Stage::Row { exprs, .. } => exprs,
+        }
+    }
+
+    /// Whether the stage loads one of the kernel's outputs (stored by an earlier stage: checked).
+    pub fn reads_outputs(&self, num_inputs: usize) -> bool {
+        self.exprs().iter().any(|e| matches!(e, Expr::Load { buffer, .. } if *buffer >= num_inputs))
+    }
 }
 
 /// How a `Reduce` stage combines its values (f32).
@@ -303,6 +321,8 @@ impl Kernel {
             Ok(())
         };
         let mut accumulators = 0;
+        // The outputs' elements earlier map stages stored: (buffer, index).
+        let mut stored: Vec<(usize, Index)> = Vec::new();
         for (s, stage) in self.stages.iter().enumerate() {
             let (exprs, row) = match stage {
                 Stage::Reduce { exprs, .. } | Stage::Map { exprs, .. } => (exprs, false),
@@ -315,8 +335,12 @@ impl Kernel {
                     Expr::F32(_) => Some(ScalarType::F32),
                     Expr::I64(_) => Some(ScalarType::I64),
                     Expr::Load { buffer, ref index } => {
-                        if buffer >= self.num_inputs {
-                            return fail(format!("stage {s} loads buffer {buffer}, which is not an input"));
+                        let stored_before = stored.iter().any(|(b, at)| *b == buffer && at == index);
+                        if buffer >= self.num_inputs && !stored_before {
+                            return fail(format!(
+                                "stage {s} loads buffer {buffer}, which is not an input nor stored there by an \
+                                 earlier map stage"
+                            ));
                         }
                         if row && index.uses(Var::Inner) {
                             return fail(format!("row stage {s} reads along the inner dimension"));
@@ -415,6 +439,9 @@ impl Kernel {
                                 store.buffer
                             ));
                         }
+                    }
+                    if let Stage::Map { stores: map_stores, .. } = stage {
+                        stored.extend(map_stores.iter().map(|store| (store.buffer, store.index.clone())));
                     }
                 }
             }
@@ -519,6 +546,36 @@ mod tests {
 
     /// `max_offset`, which `check` relies on for memory safety, is never below an offset some
     /// loop position reaches (and, for these indices, exactly the largest).
+    /// A stage may read an output back only where an earlier map stage stored it, at the same
+    /// index.
+    #[test]
+    fn an_output_is_read_back_only_where_a_map_stage_stored_it() {
+        let row = Index::row_major(4);
+        let kernel = |stored_at: Index, read_at: Index, map_first: bool| {
+            let store = Stage::Map {
+                exprs: vec![Expr::Load { buffer: 0, index: row.clone() }],
+                stores: vec![Store { buffer: 1, index: stored_at, value: 0 }],
+            };
+            let read =
+                Stage::Reduce { fold: Fold::Sum, exprs: vec![Expr::Load { buffer: 1, index: read_at }], value: 0 };
+            Kernel {
+                name: "read back".into(),
+                buffers: vec![Buffer { dtype: DType::F32, len: 12 }, Buffer { dtype: DType::F32, len: 12 }],
+                num_inputs: 1,
+                outer: 3,
+                inner: 4,
+                stages: if map_first { vec![store, read] } else { vec![read, store] },
+            }
+        };
+        let ok = kernel(row.clone(), row.clone(), true);
+        assert!(ok.check().is_ok());
+        assert!(ok.stages[1].reads_outputs(1) && !ok.stages[0].reads_outputs(1));
+        let shifted = Index { base: 1, ..Index::row_major(3) };
+        assert!(kernel(row.clone(), shifted, true).check().is_err(), "another index");
+        let before = kernel(row.clone(), row.clone(), false).check().unwrap_err();
+        assert!(before.what.contains("not an input nor stored there"), "{before:?}");
+    }
+
     /// A pick is bounded by its clamp: one whose last element lies past its buffer, or whose
     /// offset is not an i64, is refused.
     #[test]

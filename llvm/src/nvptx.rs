@@ -12,7 +12,8 @@
 //! share, then the block: a butterfly of warp shuffles inside each warp, the warps' results
 //! through shared memory, folded by every thread in warp order, so every thread holds the same
 //! accumulator and the result does not depend on timing. A row stage's stores are made by
-//! thread 0. A `Map` stage's threads take [`MAP_LANES`] consecutive elements at a time, so that
+//! thread 0. A stage that reads an output an earlier stage stored waits at a block barrier
+//! first. A `Map` stage's threads take [`MAP_LANES`] consecutive elements at a time, so that
 //! its contiguous accesses are 16-byte loads and stores of f32 (`ld.global.v4.f32`), where every
 //! buffer is aligned for them (checked when the kernel starts; else one element at a time), and
 //! the row's last elements short of a vector one at a time; every element is computed as
@@ -271,6 +272,9 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
             let end = e.b.build_select(short, end, inner, "")?.into_int_value();
             for stage in &kernel.stages {
                 let Stage::Map { exprs, stores } = stage else { unreachable!("split kernels map alone") };
+                if stage.reads_outputs(kernel.num_inputs) {
+                    call(e, "llvm.nvvm.barrier0", &[])?;
+                }
                 let map = MapRun { buffers: &buffers, exprs, stores, outer, accs: &[] };
                 map.emit(e, function, (begin, end), thread, aligned)?;
             }
@@ -282,6 +286,10 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
     counted_loop(e, function, block, i64t.const_int(kernel.outer as u64, false), blocks, &[], |outer, _| {
         let mut accs: Vec<V<'ctx>> = Vec::new();
         for stage in &kernel.stages {
+            // The outputs it reads were stored by other threads of the block.
+            if stage.reads_outputs(kernel.num_inputs) {
+                call(e, "llvm.nvvm.barrier0", &[])?;
+            }
             match stage {
                 Stage::Reduce { fold, exprs, value } => {
                     let start = e.fold_start(*fold, 1);
