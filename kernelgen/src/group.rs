@@ -527,15 +527,18 @@ impl StageBuilder {
                 let scaled = self.binary(BinaryOp::Mul, x, c);
                 self.unary(UnaryOp::Erf, scaled)
             }
+            // 0.5 * x * (1 + tanh(u)) is x * sigmoid(2u): one exponential and one division,
+            // where tanh takes a polynomial besides, and no cancellation where tanh(u) is near -1.
             GeluApprox::Tanh => {
-                let c = self.f32((2.0 / std::f64::consts::PI).sqrt() as f32);
+                let c = self.f32((8.0 / std::f64::consts::PI).sqrt() as f32);
                 let a = self.f32(0.044715);
                 let ax = self.binary(BinaryOp::Mul, a, x);
                 let axx = self.binary(BinaryOp::Mul, ax, x);
                 let axxx = self.binary(BinaryOp::Mul, axx, x);
                 let sum = self.binary(BinaryOp::Add, x, axxx);
                 let scaled = self.binary(BinaryOp::Mul, c, sum);
-                self.unary(UnaryOp::Tanh, scaled)
+                let gate = self.unary(UnaryOp::Sigmoid, scaled);
+                return self.binary(BinaryOp::Mul, x, gate);
             }
         };
         let hx = self.binary(BinaryOp::Mul, half, x);
