@@ -6,13 +6,16 @@
 //!   [`Refusal`] saying why not. The `fusion` pass asks it whether a group is legal (a group
 //!   is legal exactly when it builds), and codegen asks it for the kernel, so the two cannot
 //!   drift apart.
+//! - [`cross_entropy`]: a cross-entropy loss as its two kernels (per row, then the loss).
 //! - [`index_rewrite`]: equality saturation (egg) over the kernels' index arithmetic, which
 //!   codegen runs on every kernel before it stores it.
 //! - [`split`]: a whole-tensor reduction as two kernels (partial sums over rows, then their
 //!   total), so that it fills a GPU and a CPU's threads.
 
+pub mod cross_entropy;
 pub mod group;
 pub mod index_rewrite;
 pub mod split;
 
-pub use group::{broadcast_index, build, cross_entropy, strided_index, try_build, Built, Refusal, MAX_BUFFERS};
+pub use cross_entropy::cross_entropy;
+pub use group::{broadcast_index, build, strided_index, try_build, Built, Refusal, MAX_BUFFERS};

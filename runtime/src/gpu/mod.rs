@@ -426,9 +426,9 @@ impl GpuDevice {
             })
             .max()
             .unwrap_or(0);
-        let uses_nccl =
-            paths.iter().chain(links.iter().map(|(_, path)| path)).any(|p| matches!(p, CommPath::Nccl { .. }));
-        let scratch = match uses_nccl && scratch_bytes > 0 {
+        let on_nccl = |path: &CommPath| matches!(path, CommPath::Nccl { .. });
+        let uses_nccl = paths.iter().chain(links.iter().map(|(_, path)| path)).any(on_nccl);
+        let scratch = match paths.iter().any(on_nccl) && scratch_bytes > 0 {
             true => gpu.alloc(scratch_bytes)?,
             false => 0,
         };
