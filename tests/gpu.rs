@@ -494,4 +494,9 @@ fn steps_replay_as_a_cuda_graph_on_the_emulated_gpu() {
     assert!(refused.is_none(), "{stderr}");
     assert!(stderr.contains("--cuda-graph: a step cannot be one CUDA graph: instruction"), "{stderr}");
     assert!(stderr.contains("updates offloaded optimizer state on the host"), "{stderr}");
+    let plan = dir.join("pp2.atp");
+    compile(&model, &plan, &["--micro-batch", "4", "--pp", "2", "--grad-accum", "2"]);
+    let (refused, stderr) = run(&plan, "cuda", &["--cuda-graph"]);
+    assert!(refused.is_none(), "{stderr}");
+    assert!(stderr.contains("is a pipeline message over NCCL, whose wait is timed"), "{stderr}");
 }
