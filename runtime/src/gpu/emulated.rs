@@ -276,6 +276,16 @@ impl Emulator {
         )
     }
 
+    /// When recorded event `event` completed, running its stream up to it first.
+    fn reached(&mut self, event: usize) -> Result<std::time::Instant, RuntimeError> {
+        loop {
+            if let Some(at) = self.events[event].done {
+                return Ok(at);
+            }
+            self.run_next(self.events[event].stream, 0)?;
+        }
+    }
+
     fn drain(&mut self, stream: Stream) -> Result<(), RuntimeError> {
         while !self.queues[stream as usize].is_empty() {
             self.run_next(stream, 0)?;
@@ -555,13 +565,8 @@ impl Gpu for Emulator {
         if start.0.max(end.0) >= self.events.len() {
             return Err(RuntimeError::Device("emulated GPU: the elapsed time of an event never recorded".into()));
         }
-        for event in [start.0, end.0] {
-            while self.events[event].done.is_none() {
-                self.run_next(self.events[event].stream, 0)?;
-            }
-        }
-        let at = |event: usize| self.events[event].done.expect("reached");
-        Ok(at(end.0).saturating_duration_since(at(start.0)))
+        let from = self.reached(start.0)?;
+        Ok(self.reached(end.0)?.saturating_duration_since(from))
     }
 
     fn begin_capture(&mut self) -> Result<(), RuntimeError> {

@@ -172,7 +172,7 @@ impl OffloadedStep {
             let (ready, staged) = std::sync::mpsc::sync_channel::<Result<usize, RuntimeError>>(1);
             let (free, freed) = std::sync::mpsc::sync_channel::<usize>(STAGING_BUFFERS);
             for buffer in 0..STAGING_BUFFERS {
-                free.send(buffer).expect("room for every buffer");
+                free.send(buffer).map_err(|_| RuntimeError::Device("the offloaded step's buffers".into()))?;
             }
             let downloads = scope.spawn(move || {
                 for group in &self.groups {
