@@ -17,7 +17,7 @@
 //!
 //! With `--device cuda` it measures NCCL instead, as nccl-tests does: each rank on its GPU (the
 //! local rank's, or rank `r`'s for threads) joins one communicator as a run's ranks do
-//! (`autotp_runtime::gpu::bootstrap_nccl`), and each collective is checked and timed on device
+//! (`autotp_runtime::gpu::bootstrap`), and each collective is checked and timed on device
 //! buffers. One rank is allowed there (a one-GPU machine: NCCL's calls on a communicator of
 //! one); `AUTOTP_GPU=emulated` runs it on emulated GPUs.
 
@@ -226,8 +226,8 @@ fn bench_nccl(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
         };
         let mut gpu = kind.open(&autotp_program::Program::bare(vec![], vec![], 0))?;
         let mesh = [autotp_program::mesh::MeshAxis { name: "world".into(), size: n }];
-        let paths = autotp_runtime::gpu::bootstrap_nccl(gpu.as_mut(), &mesh, rank, &*ranks.comm, &mut [0])?;
-        let comm = match &paths[0] {
+        let paths = autotp_runtime::gpu::bootstrap(gpu.as_mut(), &mesh, &[], rank, &*ranks.comm, &mut [0])?;
+        let comm = match &paths.axes[0] {
             CommPath::Nccl { comm } => *comm,
             CommPath::Host { why } => bail!("NCCL cannot join these ranks: {why}"),
         };

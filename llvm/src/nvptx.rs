@@ -272,9 +272,7 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
             let end = e.b.build_select(short, end, inner, "")?.into_int_value();
             for stage in &kernel.stages {
                 let Stage::Map { exprs, stores } = stage else { unreachable!("split kernels map alone") };
-                if stage.reads_outputs(kernel.num_inputs) {
-                    call(e, "llvm.nvvm.barrier0", &[])?;
-                }
+                wait_for_stored_outputs(e, kernel, stage)?;
                 let map = MapRun { buffers: &buffers, exprs, stores, outer, accs: &[] };
                 map.emit(e, function, (begin, end), thread, aligned)?;
             }
@@ -286,10 +284,7 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
     counted_loop(e, function, block, i64t.const_int(kernel.outer as u64, false), blocks, &[], |outer, _| {
         let mut accs: Vec<V<'ctx>> = Vec::new();
         for stage in &kernel.stages {
-            // The outputs it reads were stored by other threads of the block.
-            if stage.reads_outputs(kernel.num_inputs) {
-                call(e, "llvm.nvvm.barrier0", &[])?;
-            }
+            wait_for_stored_outputs(e, kernel, stage)?;
             match stage {
                 Stage::Reduce { fold, exprs, value } => {
                     let start = e.fold_start(*fold, 1);
@@ -316,6 +311,14 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
     })?;
     e.b.build_return(None)?;
     Ok(function)
+}
+
+/// A block barrier before `stage` where it reads outputs that an earlier stage's threads stored.
+fn wait_for_stored_outputs(e: &Emitter<'_, '_>, kernel: &kir::Kernel, stage: &Stage) -> Result<(), LlvmError> {
+    if stage.reads_outputs(kernel.num_inputs) {
+        call(e, "llvm.nvvm.barrier0", &[])?;
+    }
+    Ok(())
 }
 
 /// Whether every buffer starts at a multiple of [`MAP_LANES`] elements' bytes (the arena's

@@ -628,17 +628,18 @@ mod tests {
     /// An upload from pinned memory reads it when its stream runs the copy, as a GPU's DMA
     /// does; from other memory, when it is issued.
     #[test]
-    fn an_upload_from_pinned_memory_reads_it_when_the_stream_runs() {
-        let mut gpu = Emulator::new(&Program::bare(vec![], vec![], 0), GemmMath::F32).unwrap();
-        let device = gpu.alloc(8).unwrap();
+    fn an_upload_from_pinned_memory_reads_it_when_the_stream_runs() -> Result<(), RuntimeError> {
+        let mut gpu = Emulator::new(&Program::bare(vec![], vec![], 0), GemmMath::F32)?;
+        let device = gpu.alloc(8)?;
         let (mut pinned, mut pageable) = (AlignedBuf::from_bytes(&[1; 4]), AlignedBuf::from_bytes(&[1; 4]));
-        gpu.pin_host(pinned.as_mut_slice().as_mut_ptr() as usize, 4).unwrap();
-        gpu.upload(Stream::Compute, device, pinned.as_slice()).unwrap();
-        gpu.upload(Stream::Compute, device + 4, pageable.as_slice()).unwrap();
+        gpu.pin_host(pinned.as_mut_slice().as_mut_ptr() as usize, 4)?;
+        gpu.upload(Stream::Compute, device, pinned.as_slice())?;
+        gpu.upload(Stream::Compute, device + 4, pageable.as_slice())?;
         pinned.as_mut_slice().fill(2);
         pageable.as_mut_slice().fill(2);
         let mut back = [0u8; 8];
-        gpu.download(Stream::Compute, device, &mut back).unwrap();
+        gpu.download(Stream::Compute, device, &mut back)?;
         assert_eq!(back, [2, 2, 2, 2, 1, 1, 1, 1]);
+        Ok(())
     }
 }

@@ -28,13 +28,13 @@
 //! - collectives run on the device where every rank of their group has NCCL and a GPU of its
 //!   own: when the program loads, the ranks of each group share a record (NCCL or not, process,
 //!   device) through the host communicator, and, where NCCL serves them all, the group's first
-//!   rank makes a communicator id for the others to join (`bootstrap_nccl`). Each collective
+//!   rank makes a communicator id for the others to join (`bootstrap`). Each collective
 //!   is then its [`collectives::device_steps`] (NCCL calls, and 2-D copies where a rank's block
 //!   is strided) on the collectives stream, overlapping compute until its wait; a shard slice
 //!   is a 2-D copy on any path. A failing rank aborts the communicators, and a wait on the
 //!   device past `--comm-timeout` does too (`watchdog`);
 //! - pipeline messages run on NCCL where both ends of their link (one direction between two
-//!   stages) can, each link a communicator of two ranks (`bootstrap_links`): a send copies its
+//!   stages) can, each link a communicator of two ranks (`bootstrap`): a send copies its
 //!   bytes to a staging buffer of its own on the peer stream, and NCCL sends them from there on
 //!   [`Stream::Transfer`], which nothing waits for, so a stage's compute never waits for its
 //!   peer to receive; a receive runs on the compute stream between two timed events, whose
@@ -60,7 +60,7 @@ mod offload;
 mod watchdog;
 
 use graph::StepGraph;
-pub use nccl::{bootstrap_links, bootstrap_nccl, CommPath, Link};
+pub use nccl::{bootstrap, CommPath, Link, Paths};
 
 use std::sync::Arc;
 
@@ -400,13 +400,9 @@ impl GpuDevice {
             (Vec::new(), Vec::new(), Default::default(), Vec::new());
         if let Some((rank, comm)) = &rank {
             let before = comm.bytes_sent(*rank);
-            paths = bootstrap_nccl(gpu.as_mut(), &program.mesh, *rank, comm.as_ref(), &mut issued)?;
-            links = bootstrap_links(
-                gpu.as_mut(),
-                &pipeline_links(program, comm.topology().stage(*rank))?,
-                *rank,
-                comm.as_ref(),
-            )?;
+            let stage_links = pipeline_links(program, comm.topology().stage(*rank))?;
+            let made = bootstrap(gpu.as_mut(), &program.mesh, &stage_links, *rank, comm.as_ref(), &mut issued)?;
+            (paths, links) = (made.axes, made.links);
             bootstrap_sent = comm.bytes_sent(*rank).minus(&before);
             coordinates = comm.topology().coordinates(*rank);
         }

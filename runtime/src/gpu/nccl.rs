@@ -16,8 +16,7 @@ use crate::comm::Communicator;
 use crate::RuntimeError;
 
 /// How a rank's collectives on one mesh axis, or its messages over one pipeline link, travel,
-/// decided with the other ranks of its group when the program loads ([`bootstrap_nccl`],
-/// [`bootstrap_links`]).
+/// decided with the other ranks of its group when the program loads ([`bootstrap`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CommPath {
     /// On the device, NCCL communicator `comm` (a handle of the [`Gpu`]).
@@ -64,13 +63,38 @@ fn nccl_decision(records: &[u8]) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// Decides each mesh axis's [`CommPath`] for `rank` with the other ranks of its groups (an
-/// all-gather of `bootstrap_record`s through the host communicator), and joins an NCCL
-/// communicator for each group that uses one: its first rank makes the id, shared with an
-/// all-gather of 128 bytes. Every rank of a group calls this at once; `issued` counts the host
-/// collectives it makes on each axis (their sequence numbers).
-pub fn bootstrap_nccl(
+/// How a rank's collectives on each mesh axis, and its messages over each pipeline link, travel
+/// ([`bootstrap`]).
+pub struct Paths {
+    pub axes: Vec<CommPath>,
+    pub links: Vec<(Link, CommPath)>,
+}
+
+/// Decides the [`CommPath`] of each of `mesh`'s axes and of each of `links` (the pipeline links
+/// `rank`'s program sends or receives over) with the ranks at their other ends, through the
+/// host communicator, and joins the NCCL communicators of those that take NCCL. Every rank of
+/// the job calls this at once; `issued` counts the host collectives it makes on each axis
+/// (their sequence numbers).
+pub fn bootstrap(
     gpu: &mut dyn Gpu,
+    mesh: &[autotp_program::mesh::MeshAxis],
+    links: &[Link],
+    rank: usize,
+    comm: &dyn Communicator,
+    issued: &mut [u64],
+) -> Result<Paths, RuntimeError> {
+    let record = bootstrap_record(gpu)?;
+    let axes = axis_paths(gpu, &record, mesh, rank, comm, issued)?;
+    let links = link_paths(gpu, &record, links, rank, comm)?;
+    Ok(Paths { axes, links })
+}
+
+/// Each mesh axis's [`CommPath`], decided with the other ranks of the axis's group (an
+/// all-gather of their records), and an NCCL communicator joined for each group that takes
+/// NCCL: its first rank makes the id, shared with an all-gather of 128 bytes.
+fn axis_paths(
+    gpu: &mut dyn Gpu,
+    record: &[u8; RECORD_BYTES],
     mesh: &[autotp_program::mesh::MeshAxis],
     rank: usize,
     comm: &dyn Communicator,
@@ -78,7 +102,6 @@ pub fn bootstrap_nccl(
 ) -> Result<Vec<CommPath>, RuntimeError> {
     use autotp_program::mesh::{Collective, CollectiveOp};
     let coordinates = comm.topology().coordinates(rank);
-    let record = bootstrap_record(gpu)?;
     let gather = |axis: usize, bytes: &[u8], issued: &mut [u64]| -> Result<Vec<u8>, RuntimeError> {
         let op = CollectiveOp {
             kind: Collective::AllGather { dim: 0 },
@@ -93,7 +116,7 @@ pub fn bootstrap_nccl(
     };
     let mut paths = Vec::with_capacity(mesh.len());
     for (axis, mesh_axis) in mesh.iter().enumerate() {
-        let records = gather(axis, &record, issued)?;
+        let records = gather(axis, record, issued)?;
         paths.push(match nccl_decision(&records) {
             Ok(()) => {
                 let coordinate = coordinates[axis];
@@ -126,17 +149,16 @@ impl Link {
     }
 }
 
-/// Decides the [`CommPath`] of each of `links` (the pipeline links `rank`'s program sends or
-/// receives over) with the rank at its other end, and joins the NCCL communicator of each that
-/// takes NCCL (see the module doc). Every rank calls this at once, after [`bootstrap_nccl`].
-pub fn bootstrap_links(
+/// Each pipeline link's [`CommPath`], decided with the rank at its other end, and the NCCL
+/// communicator of each that takes NCCL joined (see the module doc).
+fn link_paths(
     gpu: &mut dyn Gpu,
+    record: &[u8; RECORD_BYTES],
     links: &[Link],
     rank: usize,
     comm: &dyn Communicator,
 ) -> Result<Vec<(Link, CommPath)>, RuntimeError> {
     let stage = comm.topology().stage(rank);
-    let record = bootstrap_record(gpu)?;
     let mut ordered = links.to_vec();
     ordered.sort_by_key(Link::order);
     ordered.dedup();
@@ -144,12 +166,12 @@ pub fn bootstrap_links(
     for link in ordered {
         let sends = link.from == stage;
         let peer = if sends { link.to } else { link.from };
-        comm.send(rank, peer, LINK_RECORD_TAG, &record, std::time::Duration::ZERO)?;
+        comm.send(rank, peer, LINK_RECORD_TAG, record, std::time::Duration::ZERO)?;
         let mut theirs = [0u8; RECORD_BYTES];
         comm.recv(rank, peer, LINK_RECORD_TAG, &mut theirs)?;
         let records = match sends {
-            true => [record, theirs].concat(),
-            false => [theirs, record].concat(),
+            true => [*record, theirs].concat(),
+            false => [theirs, *record].concat(),
         };
         let path = match nccl_decision(&records) {
             Ok(()) => {

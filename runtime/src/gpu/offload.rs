@@ -289,7 +289,7 @@ mod tests {
     /// of 4 elements, so pieces straddle groups and the download thread runs ahead: the
     /// parameters and moments are the builtin AdamW kernel's, bit for bit.
     #[test]
-    fn groups_of_an_offloaded_step_update_like_the_builtin_kernel() {
+    fn groups_of_an_offloaded_step_update_like_the_builtin_kernel() -> Result<(), RuntimeError> {
         let sizes = [5usize, 13, 7];
         let numel: usize = sizes.iter().sum();
         let config = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
@@ -320,7 +320,7 @@ mod tests {
         let kind = OptimizerKernel { optimizer: Optimizer::AdamW(config.clone()), dtype: DType::F32 };
         let kernel =
             autotp_llvm::compile_cpu_functions(&[autotp_llvm::Function::OptimizerStep(&kind)]).unwrap().remove(0);
-        let step = OffloadedStep::new(gpu.as_mut(), DType::F32, &tensors, kernel, 4).unwrap();
+        let step = OffloadedStep::new(gpu.as_mut(), DType::F32, &tensors, kernel, 4)?;
         assert_eq!(step.groups.len(), numel.div_ceil(4));
         let scalars = [AlignedBuf::from_bytes(&2e-3f32.to_le_bytes()), AlignedBuf::from_bytes(&3f32.to_le_bytes())];
         let gpu = Mutex::new(gpu);
@@ -342,5 +342,6 @@ mod tests {
             assert_eq!(&host_pool[numel * 4 + span.start..numel * 4 + span.end], v_out.as_slice(), "second moments");
             at += n;
         }
+        Ok(())
     }
 }
