@@ -116,8 +116,8 @@ for precision in bf16 fp16; do
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$precision.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
   TOLERANCE=${TOLERANCE_16:-2e-3} CURVE_TOLERANCE=${TOLERANCE_16:-2e-3} compare "$WORK/$precision.cuda.jsonl" "$WORK/$precision.cpu.jsonl" "gpt2 $precision: cuda against cpu"
 done
-# Fused attention: the plan's GPU passes (a thread per row) against the CPU's x86 passes, one
-# rank, a shared key/value head, tensor parallelism, bf16.
+# Fused attention: the plan's GPU passes (f32: a thread per row; bf16: tiles on tensor cores)
+# against the CPU's x86 passes, one rank, a shared key/value head, tensor parallelism, bf16.
 for case in "llama" "falcon_mqa" "falcon_mqa --tp 2" "gpt2 --precision bf16"; do
   read -r arch flags <<< "$case"
   plan=$WORK/fused.atp

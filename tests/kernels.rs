@@ -557,11 +557,14 @@ fn wide_fusion_groups_do_not_spill_registers() {
 }
 
 /// Fused attention's GPU passes (forward, `dq`, `dk`/`dv`) at GPT-2 124M's shapes (12 heads of
-/// 64, 1024 tokens, causal) in bf16 and f32, and with a bias, assemble for sm_80 and sm_90
-/// without spilling registers (a thread holds a row of q, k, v or dout and its accumulators).
+/// 64, 1024 tokens, causal) in bf16 and f32, and with a bias, and with Llama's heads of 128
+/// (grouped) in fp16, assemble for sm_80 and sm_90 without spilling registers (an f32 thread
+/// holds a row of q, k, v or dout and its accumulators; a 16-bit warp its 16 rows' fragments).
+/// Every 16-bit pass multiplies on tensor cores: `mma.sync` for every product, the operands
+/// it multiplies through transposed with `ldmatrix.trans`, tiles in shared memory.
 #[test]
 fn attention_ptx_assembles_without_spills() {
-    use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask, AttentionTarget};
+    use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask, AttentionPass, AttentionTarget};
     use autotp_kernels::{DType, Kernel};
     let ptxas = ptxas();
     let dims = AttentionDims {
@@ -574,8 +577,11 @@ fn attention_ptx_assembles_without_spills() {
         bias: None,
     };
     let with_bias = AttentionDims { bias: Some(vec![1, 12, 1024, 1024]), ..dims.clone() };
+    let wide =
+        AttentionDims { lead: vec![2, 8, 4], kv_lead: vec![2, 8, 1], head_dim: 128, value_dim: 128, ..dims.clone() };
     let mut functions = Vec::new();
-    for (dtype, dims) in [(DType::BF16, &dims), (DType::F32, &dims), (DType::BF16, &with_bias)] {
+    let cases = [(DType::BF16, &dims), (DType::F32, &dims), (DType::BF16, &with_bias), (DType::F16, &wide)];
+    for (dtype, dims) in cases {
         for kernel in [
             Kernel::Attention { dtype, dims: dims.clone(), scale: 0.125, mask: AttentionMask::Causal, generated: true },
             Kernel::AttentionGrad {
@@ -600,6 +606,27 @@ fn attention_ptx_assembles_without_spills() {
         std::fs::write(&source, &code).unwrap();
         let report = assemble(&ptxas, &source, arch.name());
         assert_eq!(register_use(&report).1, 0, "{}: attention spills registers:\n{report}", arch.name());
+        let tiled: Vec<_> = functions.iter().filter(|f| f.tensor_cores).collect();
+        assert_eq!(tiled.len(), 2 * 3 + 4, "every 16-bit pass runs on tensor cores");
+        for operands in [DType::BF16, DType::F16] {
+            let instruction = format!("mma.sync.aligned.m16n8k16.row.col.f32.{operands}.{operands}.f32");
+            // Per column tile, a product with a tile's rows (q k^T) is 8 groups of 8 columns x
+            // head_dim / 16 steps, one through a tile (p v) 4 steps of 16 columns x head_dim / 8
+            // groups of head dims: head_dim / 2 each.
+            let expected: usize = (tiled.iter().filter(|f| f.dtype == operands))
+                .map(|f| {
+                    let products = match f.pass {
+                        AttentionPass::Forward | AttentionPass::ValueGrad => 2,
+                        AttentionPass::QueryGrad | AttentionPass::KeyGrad => 3,
+                        AttentionPass::KeyValueGrad => 4,
+                    };
+                    products * f.dims.head_dim / 2
+                })
+                .sum();
+            assert_eq!(code.matches(&instruction).count(), expected, "{}: {instruction}", arch.name());
+        }
+        assert!(code.contains("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"), "{}", arch.name());
+        assert!(report.contains("bytes smem"), "{}: the key tiles live in shared memory:\n{report}", arch.name());
     }
 }
 

@@ -51,6 +51,9 @@ pub fn choose_gpu_forms(program: &mut Program) {
     }
 }
 
+// Tensor-core attention loads its operands' rows 16 bytes at a time from where their regions start.
+const _: () = assert!(crate::memory::ALIGN.is_multiple_of(16), "regions start 16-byte aligned");
+
 /// Fused attention's passes for a GPU, where codegen gave the kernel to generated code.
 fn gpu_attention(kernel: &autotp_kernels::Kernel) -> Option<Vec<AttentionFunction>> {
     use autotp_kernels::Kernel;

@@ -179,13 +179,15 @@ impl AttentionPass {
 pub enum AttentionTarget {
     /// x86: units of up to 4 rows sharing their loads; `dk` and `dv` in one pass.
     Cpu,
-    /// A GPU thread per row, one lane wide; `dk` and `dv` in passes of their own. (x86 runs
-    /// this cut too, for the emulated GPU.)
+    /// 16-bit operands with head dims tensor cores take: a block of warps per tile of rows
+    /// ([`AttentionFunction::tensor_cores`]); otherwise a GPU thread per row, one lane wide, `dk`
+    /// and `dv` in passes of their own. (x86 runs these cuts too, for the emulated GPU.)
     Gpu,
 }
 
 /// One generated attention function (`autotp-llvm` emits it): its entry runs units
-/// `begin..end` of its pass (on x86; a GPU thread per unit) over the kernel's buffers (inputs,
+/// `begin..end` of its pass (on x86; on a GPU [`AttentionFunction::threads_per_unit`] threads
+/// per unit) over the kernel's buffers (inputs,
 /// then outputs) followed by [`AttentionFunction::table`] and a scratch of one f32 per query
 /// row.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -200,7 +202,28 @@ pub struct AttentionFunction {
     pub unit_rows: usize,
     /// The target the work is cut for.
     pub target: AttentionTarget,
+    /// A GPU pass on tensor cores (see [`AttentionFunction::fits_tensor_cores`]): a unit is a
+    /// tile of [`TENSOR_CORE_ROW_TILE`] rows (queries, or keys) of one batch index (the last
+    /// tile of a head short where the rows run out), computed by one block of warps, 16 rows
+    /// each, with `mma.sync` over [`TENSOR_CORE_COLUMN_TILE`] keys (or queries) at a time; the
+    /// probabilities and their gradients multiply the next operand rounded to the dtype, as
+    /// tensor cores take them. On x86 (the emulated GPU) a tile's rows run one at a time,
+    /// rounded the same way.
+    pub tensor_cores: bool,
 }
+
+/// The rows of one tensor-core tile: 16 per warp of a 256-thread block.
+pub const TENSOR_CORE_ROW_TILE: usize = 128;
+
+/// The keys (or queries) a tensor-core pass holds in shared memory at a time.
+pub const TENSOR_CORE_COLUMN_TILE: usize = 64;
+
+/// The largest head dim the tensor-core passes hold in registers.
+pub const TENSOR_CORE_MAX_HEAD_DIM: usize = 128;
+
+/// The largest head dim whose `dk` and `dv` one tensor-core pass accumulates together (beyond,
+/// a pass each).
+pub const TENSOR_CORE_JOINT_KEY_VALUE_GRAD: usize = 64;
 
 impl AttentionFunction {
     /// The functions that compute `kernel` on `target` (the forward, or the backward's passes),
@@ -208,14 +231,18 @@ impl AttentionFunction {
     /// unit is the largest of 4, 2 and 1 rows that divides a head's rows.
     pub fn of(kernel: &crate::Kernel, target: AttentionTarget) -> Option<Vec<AttentionFunction>> {
         use AttentionPass::*;
-        let backward: &[AttentionPass] = match target {
-            AttentionTarget::Cpu => &[QueryGrad, KeyValueGrad],
-            AttentionTarget::Gpu => &[QueryGrad, KeyGrad, ValueGrad],
-        };
-        let (dtype, dims, scale, mask, passes): (_, _, _, _, &[AttentionPass]) = match kernel {
-            crate::Kernel::Attention { dtype, dims, scale, mask, .. } => (dtype, dims, scale, mask, &[Forward]),
-            crate::Kernel::AttentionGrad { dtype, dims, scale, mask, .. } => (dtype, dims, scale, mask, backward),
+        let (dtype, dims, scale, mask, forward) = match kernel {
+            crate::Kernel::Attention { dtype, dims, scale, mask, .. } => (dtype, dims, scale, mask, true),
+            crate::Kernel::AttentionGrad { dtype, dims, scale, mask, .. } => (dtype, dims, scale, mask, false),
             _ => return None,
+        };
+        let tensor_cores = target == AttentionTarget::Gpu && Self::fits_tensor_cores(*dtype, dims);
+        let joint =
+            target == AttentionTarget::Cpu || (tensor_cores && dims.head_dim <= TENSOR_CORE_JOINT_KEY_VALUE_GRAD);
+        let passes: &[AttentionPass] = match (forward, joint) {
+            (true, _) => &[Forward],
+            (false, true) => &[QueryGrad, KeyValueGrad],
+            (false, false) => &[QueryGrad, KeyGrad, ValueGrad],
         };
         let max_unit_rows = match target {
             AttentionTarget::Cpu => 4,
@@ -228,13 +255,29 @@ impl AttentionFunction {
             let len = if pass.over_keys() { dims.kv_len } else { dims.q_len };
             let unit_rows = [4, 2, 1].into_iter().find(|&r| r <= max_unit_rows && len.is_multiple_of(r));
             let unit_rows = unit_rows.expect("1 divides");
-            AttentionFunction { dtype: *dtype, dims: dims.clone(), scale: *scale, mask: *mask, pass, unit_rows, target }
+            let (dtype, dims, scale, mask) = (*dtype, dims.clone(), *scale, *mask);
+            AttentionFunction { dtype, dims, scale, mask, pass, unit_rows, target, tensor_cores }
         };
         Some(passes.iter().map(|&p| function(p)).collect())
     }
 
-    /// The rows (queries, or keys) of the pass.
-    fn rows(&self) -> (usize, usize) {
+    /// Whether a GPU runs an attention of `dtype` and `dims` on tensor cores:
+    /// 16-bit operands (`mma.sync` m16n8k16 takes bf16 and f16), equal head dims that are a
+    /// multiple of 16 (an `mma`'s depth) up to [`TENSOR_CORE_MAX_HEAD_DIM`].
+    pub fn fits_tensor_cores(dtype: DType, dims: &AttentionDims) -> bool {
+        matches!(dtype, DType::BF16 | DType::F16)
+            && dims.head_dim == dims.value_dim
+            && dims.head_dim.is_multiple_of(16)
+            && dims.head_dim <= TENSOR_CORE_MAX_HEAD_DIM
+    }
+
+    /// The tiles of a head's rows a tensor-core pass runs.
+    pub fn tiles_per_head(&self) -> usize {
+        self.rows().1.div_ceil(TENSOR_CORE_ROW_TILE)
+    }
+
+    /// The rows (queries, or keys) of the pass: batch indices and rows per index.
+    pub fn rows(&self) -> (usize, usize) {
         match self.pass.over_keys() {
             false => (self.dims.batch(), self.dims.q_len),
             true => (self.dims.kv_batch(), self.dims.kv_len),
@@ -244,7 +287,18 @@ impl AttentionFunction {
     /// The units the entry runs, `begin..end` of `0..units()`.
     pub fn units(&self) -> usize {
         let (batch, len) = self.rows();
-        batch * len / self.unit_rows
+        match self.tensor_cores {
+            true => batch * self.tiles_per_head(),
+            false => batch * len / self.unit_rows,
+        }
+    }
+
+    /// The GPU threads one unit takes: a block for a tensor-core tile, else one.
+    pub fn threads_per_unit(&self) -> usize {
+        match self.tensor_cores {
+            true => TENSOR_CORE_ROW_TILE / 16 * 32,
+            false => 1,
+        }
     }
 
     /// The query heads that share one key/value head.

@@ -11,9 +11,12 @@
 //! `W` lanes (the `W` dot products reduced together), masked lanes and lanes past the range
 //! set to -inf, then one vectorised exponential for the block and an online softmax (the
 //! running maximum and sum rescaled per block, FlashAttention's), and the probabilities'
-//! products accumulated a lane at a time. On a GPU a thread runs one row, one lane wide: its
-//! registers hold the row's accumulators, operands are read where they are used and dot
-//! products are loops, so that nothing spills. Every row's result depends on its own elements
+//! products accumulated a lane at a time. On a GPU, 16-bit attention whose head dims tensor
+//! cores take runs in tiles of rows on them ([`crate::attention_tiles`]; here, for the emulated
+//! GPU, a tile's rows one at a time, the tensor cores' operands rounded as they are); other
+//! attention a thread per row, one lane wide: its registers hold the row's accumulators,
+//! operands are read where they are used and dot products are loops, so that nothing spills.
+//! Every row's result depends on its own elements
 //! in a fixed order, never on how rows are split among threads. Scores and sums are f32 (the
 //! builtin kernel, the oracle, is f64); 16-bit operands load widened and results store rounded
 //! to nearest even.
@@ -23,7 +26,9 @@
 //! key, over all query heads that share the key/value head (the table lists them), so no pass
 //! writes another's rows and no `Sq x Sk` matrix exists.
 
-use autotp_kernels::attention::{AttentionFunction, AttentionMask, AttentionPass, AttentionTarget};
+use autotp_kernels::attention::{
+    AttentionFunction, AttentionMask, AttentionPass, AttentionTarget, TENSOR_CORE_ROW_TILE,
+};
 use autotp_kernels::DType;
 use inkwell::types::VectorType;
 use inkwell::values::{FunctionValue, IntValue, PointerValue};
@@ -121,6 +126,9 @@ pub(crate) fn define_nvptx<'ctx>(
     f: &AttentionFunction,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
     check(f)?;
+    if f.tensor_cores {
+        return crate::attention_tiles::define_nvptx(e, symbol, f);
+    }
     let ctx = e.ctx;
     let ptr = ctx.ptr_type(AddressSpace::default());
     let i64t = ctx.i64_type();
@@ -181,6 +189,14 @@ impl<'a, 'b, 'ctx> Attention<'a, 'b, 'ctx> {
 
     /// One unit of the function's pass.
     fn unit(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
+        if self.f.tensor_cores {
+            return self.tile(unit);
+        }
+        self.rows(unit)
+    }
+
+    /// A unit of rows of the pass.
+    fn rows(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
         match self.f.pass {
             AttentionPass::Forward => self.forward_rows(unit),
             AttentionPass::QueryGrad => self.query_grad_rows(unit),
@@ -583,6 +599,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
                 next.extend(self.scaled(acc, correction)?);
                 ps.push(p);
             }
+            let ps: Vec<V<'ctx>> = ps.into_iter().map(|p| self.operand(p)).collect::<Result<_, _>>()?;
             for (c, &j) in keys.iter().enumerate() {
                 let v = self.load_row(self.buffers.v, dtype, self.kv_row(kb, j)?, dims.value_dim)?;
                 for (r, p) in ps.iter().enumerate() {
@@ -599,6 +616,29 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
             self.store(self.buffers.lse, DType::F32, row, e.fadd(max, math::log(e, sum)?)?)?;
         }
         Ok(())
+    }
+
+    /// The rows of a tensor-core pass's tile (a unit), one at a time (x86: the emulated GPU's
+    /// form of [`crate::attention_tiles`]).
+    fn tile(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
+        let (_, len) = self.f.rows();
+        let tiles = self.f.tiles_per_head();
+        let b = self.e.b.build_int_unsigned_div(unit, self.int(tiles), "")?;
+        let first = self.mul(self.e.b.build_int_unsigned_rem(unit, self.int(tiles), "")?, TENSOR_CORE_ROW_TILE)?;
+        let end = self.min(self.add(first, self.int(TENSOR_CORE_ROW_TILE))?, self.int(len))?;
+        counted_loop(self.e, self.function, first, end, self.int(1), &[], |i, _| {
+            self.rows(self.add(self.mul(b, len)?, i)?)?;
+            Ok(vec![])
+        })?;
+        Ok(())
+    }
+
+    /// `x` as a tensor core's operand: rounded to the dtype where the pass runs on them.
+    fn operand(&self, x: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        match self.f.tensor_cores {
+            true => self.e.widen(self.f.dtype, self.e.narrow(self.f.dtype, x)?),
+            false => Ok(x),
+        }
     }
 
     /// `dq` of a unit of queries: `scale * sum_j p_j (dout . v_j - dout . out) k_j`; each
@@ -639,7 +679,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
                 let gv: Vec<_> = vs.iter().map(|v| (&gs[r], v)).collect();
                 let scores = self.masked(self.scores(self.dots(&qk)?, b, &[queries[r]], keys)?, start, ranges[r])?;
                 let p = math::exp(e, e.fsub(scores, lses[r])?)?;
-                let ds = e.fmul(p, e.fsub(self.dots(&gv)?, deltas[r])?)?;
+                let ds = self.operand(e.fmul(p, e.fsub(self.dots(&gv)?, deltas[r])?)?)?;
                 let mut acc = dq[r * heads..(r + 1) * heads].to_vec();
                 for (c, k) in ks.iter().enumerate() {
                     acc = self.axpy(&acc, self.lane(ds, c)?, k)?;
@@ -708,11 +748,12 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
                         next[r * per_key + heads..(r + 1) * per_key].to_vec(),
                     );
                     if with_dk {
-                        let ds = e.fmul(p, e.fsub(self.dots(&gv)?, delta)?)?;
+                        let ds = self.operand(e.fmul(p, e.fsub(self.dots(&gv)?, delta)?)?)?;
                         for (c, q) in qs.iter().enumerate() {
                             dk = self.axpy(&dk, self.lane(ds, c)?, q)?;
                         }
                     }
+                    let p = self.operand(p)?;
                     for (c, g) in gs.iter().enumerate().filter(|_| with_dv) {
                         dv = self.axpy(&dv, self.lane(p, c)?, g)?;
                     }
@@ -866,5 +907,31 @@ mod tests {
         for dtype in [DType::BF16, DType::F16] {
             check(dtype, dims(&[2, 1], 32, 32, 32, None), AttentionMask::Causal);
         }
+    }
+
+    /// The GPU's tensor-core forward as the emulated GPU runs it: tiles of 128 queries, the last
+    /// of a head short (150 = 128 + 22), every mask, shared key/value heads and a bias.
+    #[test]
+    fn tensor_core_tiles_match_the_builtin_kernel() {
+        let forward = |dtype, dims: &AttentionDims| {
+            let kernel = Kernel::Attention {
+                dtype,
+                dims: dims.clone(),
+                scale: 0.3,
+                mask: AttentionMask::Causal,
+                generated: true,
+            };
+            AttentionFunction::of(&kernel, AttentionTarget::Gpu).unwrap().remove(0)
+        };
+        let short = dims(&[2, 1], 150, 16, 16, None);
+        let tiles = forward(DType::BF16, &short);
+        assert!(tiles.tensor_cores);
+        assert_eq!((tiles.units(), tiles.threads_per_unit()), (2 * 3 * 2, 256));
+        assert!(!forward(DType::F32, &short).tensor_cores, "f32 has no m16n8k16");
+        assert!(!forward(DType::BF16, &dims(&[2, 1], 150, 24, 24, None)).tensor_cores, "24 is no multiple of 16");
+        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 40 }] {
+            check(DType::BF16, short.clone(), mask);
+        }
+        check(DType::F16, dims(&[2, 3], 130, 32, 32, Some(vec![1, 3, 130, 130])), AttentionMask::Causal);
     }
 }

@@ -23,6 +23,7 @@
 //! exact rewrites happen, and `fma` appears only where the polynomials ask for it.
 
 pub mod attention;
+pub mod attention_tiles;
 pub mod axis;
 pub mod cpu;
 pub mod emit;

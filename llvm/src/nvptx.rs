@@ -411,7 +411,7 @@ pub(crate) fn if_then<'ctx>(
 }
 
 /// A call of the (not overloaded) intrinsic `name`; its result, if it has one.
-fn call<'ctx>(
+pub(crate) fn call<'ctx>(
     e: &Emitter<'_, 'ctx>,
     name: &str,
     args: &[BasicMetadataValueEnum<'ctx>],

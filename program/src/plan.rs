@@ -24,7 +24,7 @@ use crate::tensor_file::{self, TensorFile, TensorRef};
 use crate::{Program, ProgramError, Slot};
 
 /// The `.atp` format this build reads and writes.
-pub const FORMAT: &str = "autotp-plan/2";
+pub const FORMAT: &str = "autotp-plan/3";
 const CONSTANT_PREFIX: &str = "autotp.constant.";
 
 /// Where the model's weights came from.

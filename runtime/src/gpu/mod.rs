@@ -293,8 +293,9 @@ enum Prepared {
     OptimizerStep(ChunkTable),
     Gemm(Box<(GemmCall, GemmOperands)>),
     Indexed(IndexedLaunch),
-    /// Fused attention's passes: each entry with its arguments (the last the units).
-    Attention(Vec<(usize, Vec<u64>)>),
+    /// Fused attention's passes: each entry with the blocks it launches and its arguments (the
+    /// last the units).
+    Attention(Vec<(usize, usize, Vec<u64>)>),
     /// A top-k or scatter-elements: its entry and arguments (the last the items).
     Axis(usize, Vec<u64>),
     /// A collective on the device: its steps, and the NCCL communicator of its mesh axis (none
@@ -498,9 +499,11 @@ impl GpuDevice {
                     let scratch = gpu.alloc(first.dims.query_rows() * 4)?;
                     let launches = (passes.iter())
                         .map(|&entry| {
+                            let function = &gpu_kernels.attention[entry];
                             let mut args = buffers.clone();
-                            args.extend([table, scratch, gpu_kernels.attention[entry].units() as u64]);
-                            (entry, args)
+                            args.extend([table, scratch, function.units() as u64]);
+                            let threads = function.units() * function.threads_per_unit();
+                            (entry, threads.div_ceil(autotp_llvm::nvptx::BLOCK as usize), args)
                         })
                         .collect();
                     Prepared::Attention(launches)
@@ -763,10 +766,8 @@ impl GpuDevice {
                     }
                     Prepared::Gemm(gemm) if gpu.gemm(stream, &gemm.0, &gemm.1)? => return Ok(()),
                     Prepared::Attention(launches) => {
-                        for (entry, args) in launches {
-                            let units = *args.last().expect("the units") as usize;
-                            let blocks = units.div_ceil(autotp_llvm::nvptx::BLOCK as usize);
-                            gpu.launch(stream, Entry::Attention(*entry), blocks, args)?;
+                        for (entry, blocks, args) in launches {
+                            gpu.launch(stream, Entry::Attention(*entry), *blocks, args)?;
                         }
                         return Ok(());
                     }

@@ -1,0 +1,838 @@
+//! Fused attention on tensor cores, for NVPTX (sm_80 and later): FlashAttention-2's algorithm
+//! on `mma.sync.m16n8k16` with 16-bit operands and f32 accumulators, for the
+//! [`AttentionFunction`]s whose `tensor_cores` [`AttentionFunction::of`] sets: the forward, the
+//! backward's `dq`, and its `dk` and `dv` (in one pass, or a pass each for heads over
+//! [`TENSOR_CORE_JOINT_KEY_VALUE_GRAD`]).
+//!
+//! A block of 8 warps takes a tile of [`TENSOR_CORE_ROW_TILE`] rows of one batch index (a unit;
+//! block `b` takes units `b, b + gridDim.x, ...`): queries for the forward and `dq`, keys for
+//! `dk` and `dv`. Warp `w` takes rows `16w..16w+16`, whose operands (q and dout; k and v) stay in
+//! registers as `mma` A fragments for the whole tile. Over the columns the rows see (keys; or
+//! queries, of every query head sharing the key's head), [`TENSOR_CORE_COLUMN_TILE`] at a time:
+//!
+//! 1. the block copies the columns' two operands (k and v; or q and dout) into shared memory
+//!    (16-byte loads; rows past the sequence are zeros), rows padded by 8 elements so that the
+//!    fragments' reads meet no bank conflicts;
+//! 2. each warp's products with them (`q k^T`, `dout v^T`; `k q^T`, `v dout^T`: 16 x 64, f32)
+//!    are `mma`s whose B fragments are pairs of elements read from shared memory; scores are
+//!    scaled, biased and masked (-inf) as the row kernels do;
+//! 3. the forward's online softmax: each row's maximum over the quad of threads that hold it
+//!    (two warp shuffles), the running sums and the output rescaled by `exp(old max - new
+//!    max)`; the backward recomputes `p = exp(s - lse)` and `ds = p (dp - dout . out)`;
+//! 4. `p` (or `ds`), rounded to the dtype, is an A fragment as it is (an `mma`'s C fragment of
+//!    two adjacent 8-column tiles is the A fragment of 16 columns), multiplied by the shared
+//!    tile's other operand (`p v`, `ds k`; `p^T dout`, `ds^T q`), whose B fragments
+//!    `ldmatrix.trans` loads transposed.
+//!
+//! The forward gathers each row's sum over its quad at the end, divides the output by it and
+//! stores it rounded, with the log-sum-exp for the backward; `dq` stores `dout . out` of its
+//! rows for the `dk` pass. Thread `lane` of a warp holds rows `lane / 4` and `lane / 4 + 8` of its
+//! 16, and of every 8 columns (or head dims) the two from `2 (lane % 4)`: the `mma` fragment
+//! layout of PTX's ISA. Sums over columns are f32 (the exponentials [`crate::math`]'s
+//! polynomials, as on x86); only the products inside an `mma` are the hardware's. The emulated
+//! GPU runs the rows of a tile one at a time (`crate::attention`), rounding the same operands.
+//!
+//! Every buffer starts 16-byte aligned (the memory plan aligns every region to 64 bytes and a
+//! GPU allocation to 256), and a row of `d` 16-bit elements with `d` a multiple of 16 is 32
+//! bytes long, so the vector accesses are aligned.
+
+#[cfg(doc)]
+use autotp_kernels::attention::TENSOR_CORE_JOINT_KEY_VALUE_GRAD;
+use autotp_kernels::attention::{
+    AttentionFunction, AttentionMask, AttentionPass, TENSOR_CORE_COLUMN_TILE, TENSOR_CORE_ROW_TILE,
+};
+use autotp_kernels::DType;
+use inkwell::module::Linkage;
+use inkwell::types::{BasicType, VectorType};
+use inkwell::values::{BasicMetadataValueEnum, FunctionValue, IntValue, PointerValue};
+use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
+
+use crate::emit::{counted_loop, Emitter, V};
+use crate::nvptx::{call, if_then, special_register, BLOCK};
+use crate::{math, LlvmError};
+
+const WARPS: usize = BLOCK as usize / 32;
+const _: () = assert!(WARPS * 16 == TENSOR_CORE_ROW_TILE, "a warp takes 16 rows of a tile");
+
+/// Groups of 8 columns (an `mma`'s N) per column tile.
+const COLUMN_GROUPS: usize = TENSOR_CORE_COLUMN_TILE / 8;
+
+/// Elements of padding after each row of an operand in shared memory (16 bytes).
+const ROW_PADDING: usize = 8;
+
+/// Appends the GPU entry `symbol` computing `f` (a tensor-core pass): `void f(b0, b1, ...,
+/// i64 units)` with the buffers of [`crate::attention::buffer_count`], launched with
+/// [`BLOCK`] threads per block.
+pub(crate) fn define_nvptx<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    f: &AttentionFunction,
+) -> Result<FunctionValue<'ctx>, LlvmError> {
+    if !(f.tensor_cores && AttentionFunction::fits_tensor_cores(f.dtype, &f.dims)) {
+        return Err(LlvmError::llvm("attention", format!("no tensor-core attention for {} or these shapes", f.dtype)));
+    }
+    let ctx = e.ctx;
+    let ptr = ctx.ptr_type(AddressSpace::default());
+    let count = crate::attention::buffer_count(f);
+    let mut params: Vec<inkwell::types::BasicMetadataTypeEnum> = vec![ptr.into(); count];
+    params.push(ctx.i64_type().into());
+    let function = e.module.add_function(symbol, ctx.void_type().fn_type(&params, false), None);
+    e.b.position_at_end(ctx.append_basic_block(function, "entry"));
+    let mut pointers = (0..count as u32).map(|n| function.get_nth_param(n).expect("declared").into_pointer_value());
+    let mut take = || pointers.next().expect("buffer_count pointers");
+    let (q, k, v) = (take(), take(), take());
+    let bias = f.dims.bias.is_some().then(&mut take);
+    let (out, lse) = (take(), take());
+    let backward = f.pass != AttentionPass::Forward;
+    let d_out = backward.then(&mut take);
+    let grads = if backward { [Some(take()), Some(take()), Some(take())] } else { [None; 3] };
+    let (table, delta) = (take(), take());
+    let ops = Operands { q, k, v, bias, out, lse, d_out, grads, table, delta };
+    let units = function.get_nth_param(count as u32).expect("declared").into_int_value();
+    let tiles = Tiles::new(e, function, f, symbol, ops)?;
+    let first = special_register(e, "ctaid.x")?;
+    let stride = special_register(e, "nctaid.x")?;
+    counted_loop(e, function, first, units, stride, &[], |unit, _| {
+        tiles.unit(unit)?;
+        Ok(vec![])
+    })?;
+    e.b.build_return(None)?;
+    Ok(function)
+}
+
+/// The entry's buffers, as `crate::attention` takes them.
+struct Operands<'ctx> {
+    q: PointerValue<'ctx>,
+    k: PointerValue<'ctx>,
+    v: PointerValue<'ctx>,
+    bias: Option<PointerValue<'ctx>>,
+    out: PointerValue<'ctx>,
+    lse: PointerValue<'ctx>,
+    d_out: Option<PointerValue<'ctx>>,
+    /// dq, dk, dv.
+    grads: [Option<PointerValue<'ctx>>; 3],
+    table: PointerValue<'ctx>,
+    /// `dout . out` per query row (f32).
+    delta: PointerValue<'ctx>,
+}
+
+/// A warp's 16 rows of a unit: the thread's two (`lane / 4` and `+ 8`), as positions in the
+/// head and clamped into it for loads, and the head's first row in its operands.
+struct Rows<'ctx> {
+    head: IntValue<'ctx>,
+    /// The head's first row: `head * len`.
+    head_start: IntValue<'ctx>,
+    positions: [IntValue<'ctx>; 2],
+    clamped: [IntValue<'ctx>; 2],
+    /// The tile's first and last row (clamped).
+    tile: (IntValue<'ctx>, IntValue<'ctx>),
+    /// The columns each row sees: `[lo, hi)`.
+    ranges: [(IntValue<'ctx>, IntValue<'ctx>); 2],
+}
+
+/// A tile of columns in shared memory: its first column, and the query head the columns (or,
+/// for the forward and `dq`, the rows) belong to.
+struct Columns<'ctx> {
+    start: IntValue<'ctx>,
+    query_head: IntValue<'ctx>,
+}
+
+/// The emitter of one tensor-core pass, with the thread's place in its block.
+struct Tiles<'a, 'b, 'ctx> {
+    e: &'a Emitter<'b, 'ctx>,
+    function: FunctionValue<'ctx>,
+    f: &'a AttentionFunction,
+    ops: Operands<'ctx>,
+    /// Shared memory: the column tile's two operands, one after the other (i16 elements, rows
+    /// of `stride`).
+    shared: PointerValue<'ctx>,
+    stride: usize,
+    thread: IntValue<'ctx>,
+    warp: IntValue<'ctx>,
+    lane: IntValue<'ctx>,
+    /// `lane / 4`: the first of the thread's two rows of a fragment.
+    group: IntValue<'ctx>,
+    /// `lane % 4`: its pair of columns in every 8.
+    pair: IntValue<'ctx>,
+}
+
+impl<'a, 'b, 'ctx> Tiles<'a, 'b, 'ctx> {
+    fn new(
+        e: &'a Emitter<'b, 'ctx>,
+        function: FunctionValue<'ctx>,
+        f: &'a AttentionFunction,
+        symbol: &str,
+        ops: Operands<'ctx>,
+    ) -> Result<Tiles<'a, 'b, 'ctx>, LlvmError> {
+        let stride = f.dims.head_dim + ROW_PADDING;
+        let ty = e.ctx.i16_type().array_type((2 * TENSOR_CORE_COLUMN_TILE * stride) as u32);
+        let global = e.module.add_global(ty, Some(AddressSpace::from(3u16)), &format!("{symbol}_column_tile"));
+        global.set_linkage(Linkage::Internal);
+        global.set_initializer(&ty.get_undef());
+        global.set_alignment(16);
+        let i64t = e.ctx.i64_type();
+        let thread = special_register(e, "tid.x")?;
+        let lane = e.b.build_and(thread, i64t.const_int(31, false), "")?;
+        Ok(Tiles {
+            e,
+            function,
+            f,
+            ops,
+            shared: global.as_pointer_value(),
+            stride,
+            thread,
+            warp: e.b.build_right_shift(thread, i64t.const_int(5, false), false, "")?,
+            lane,
+            group: e.b.build_right_shift(lane, i64t.const_int(2, false), false, "")?,
+            pair: e.b.build_and(lane, i64t.const_int(3, false), "")?,
+        })
+    }
+}
+
+impl<'ctx> Tiles<'_, '_, 'ctx> {
+    fn int(&self, x: usize) -> IntValue<'ctx> {
+        self.e.ctx.i64_type().const_int(x as u64, false)
+    }
+
+    fn add(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        Ok(self.e.b.build_int_add(a, b, "")?)
+    }
+
+    fn add_const(&self, a: IntValue<'ctx>, b: usize) -> Result<IntValue<'ctx>, LlvmError> {
+        self.add(a, self.int(b))
+    }
+
+    fn mul(&self, a: IntValue<'ctx>, b: usize) -> Result<IntValue<'ctx>, LlvmError> {
+        Ok(self.e.b.build_int_mul(a, self.int(b), "")?)
+    }
+
+    fn min(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let less = self.e.b.build_int_compare(IntPredicate::SLT, a, b, "")?;
+        Ok(self.e.b.build_select(less, a, b, "")?.into_int_value())
+    }
+
+    fn max(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let greater = self.e.b.build_int_compare(IntPredicate::SGT, a, b, "")?;
+        Ok(self.e.b.build_select(greater, a, b, "")?.into_int_value())
+    }
+
+    /// A pointer to element `at` of `T`s at `base` (`T` the element type of `ty`).
+    fn element(
+        &self,
+        ty: impl BasicType<'ctx>,
+        base: PointerValue<'ctx>,
+        at: IntValue<'ctx>,
+    ) -> Result<PointerValue<'ctx>, LlvmError> {
+        // SAFETY (of the generated code): every offset is clamped into its buffer.
+        Ok(unsafe { self.e.b.build_in_bounds_gep(ty, base, &[at], "")? })
+    }
+
+    /// The two 16-bit elements at element `at` (even) of `base` as one i32.
+    fn load_pair(&self, base: PointerValue<'ctx>, at: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let (i16t, i32t) = (self.e.ctx.i16_type(), self.e.ctx.i32_type());
+        let load = self.e.b.build_load(i32t, self.element(i16t, base, at)?, "")?;
+        if let Some(instruction) = inkwell::values::BasicValue::as_instruction_value(&load) {
+            let _ = instruction.set_alignment(4);
+        }
+        Ok(load.into_int_value())
+    }
+
+    /// Two f32 (lanes 0 and 1 of `x`) rounded to the dtype (to nearest even, as
+    /// [`Emitter::narrow`] rounds), as the i32 an `mma` operand takes (lane 0 in the low half):
+    /// one `cvt.rn.bf16x2.f32` (or `f16x2`).
+    fn pack(&self, x: V<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let (e, f32t, i32t) = (self.e, self.e.ctx.f32_type(), self.e.ctx.i32_type());
+        let ty = i32t.fn_type(&[f32t.into(), f32t.into()], false);
+        let text = format!("cvt.rn.{}x2.f32 $0, $1, $2;", self.f.dtype);
+        let asm = e.ctx.create_inline_asm(ty, text, "=r,f,f".into(), false, false, None, false);
+        let call = e.b.build_indirect_call(ty, asm, &[e.lane(x, 1)?.into(), e.lane(x, 0)?.into()], "")?;
+        Ok(call.try_as_basic_value().basic().expect("returns a word").into_int_value())
+    }
+
+    /// Lanes `lanes` of `a` (and `b`, numbered after `a`'s).
+    fn shuffle(&self, a: V<'ctx>, b: V<'ctx>, lanes: &[u32]) -> Result<V<'ctx>, LlvmError> {
+        let i32t = self.e.ctx.i32_type();
+        let mask =
+            VectorType::const_vector(&lanes.iter().map(|&l| i32t.const_int(l as u64, false)).collect::<Vec<_>>());
+        Ok(self.e.b.build_shuffle_vector(a, b, mask, "")?)
+    }
+
+    /// `x` folded with the values of the other threads of its quad (lanes differing in their two
+    /// lowest bits), every lane of `x` alone: the same result in all four.
+    fn quad_fold(
+        &self,
+        x: V<'ctx>,
+        fold: impl Fn(V<'ctx>, V<'ctx>) -> Result<V<'ctx>, LlvmError>,
+    ) -> Result<V<'ctx>, LlvmError> {
+        let (e, i32t) = (self.e, self.e.ctx.i32_type());
+        let mut x = x;
+        for offset in [1u64, 2] {
+            let mut other = e.f32_type(Emitter::width(x)).get_undef();
+            for l in 0..Emitter::width(x) {
+                let args: [BasicMetadataValueEnum; 4] = [
+                    i32t.const_all_ones().into(),
+                    e.lane(x, l)?.into(),
+                    i32t.const_int(offset, false).into(),
+                    i32t.const_int(31, false).into(),
+                ];
+                let shuffled = call(e, "llvm.nvvm.shfl.sync.bfly.f32", &args)?
+                    .ok_or_else(|| LlvmError::llvm("NVPTX shuffle", "no value"))?;
+                other = e.b.build_insert_element(other, shuffled, i32t.const_int(l as u64, false), "")?;
+            }
+            x = fold(x, other)?;
+        }
+        Ok(x)
+    }
+
+    /// `c + a b` on tensor cores: `a` a 16 x 16 fragment (4 registers of two elements), `b` a
+    /// 16 x 8 one (2 registers), `c` the 16 x 8 f32 accumulator's 4 elements.
+    fn mma(&self, a: &[IntValue<'ctx>; 4], b: [IntValue<'ctx>; 2], c: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let (e, f32t, i32t) = (self.e, self.e.ctx.f32_type(), self.e.ctx.i32_type());
+        let operand = match self.f.dtype {
+            DType::F16 => "f16",
+            _ => "bf16",
+        };
+        let result = e.ctx.struct_type(&[f32t.into(); 4], false);
+        let mut params: Vec<inkwell::types::BasicMetadataTypeEnum> = vec![i32t.into(); 6];
+        params.extend([inkwell::types::BasicMetadataTypeEnum::from(f32t); 4]);
+        let ty = result.fn_type(&params, false);
+        let text = format!(
+            "mma.sync.aligned.m16n8k16.row.col.f32.{operand}.{operand}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, \
+             {{$8,$9}}, {{$10,$11,$12,$13}};"
+        );
+        let constraints = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f".to_string();
+        let asm = e.ctx.create_inline_asm(ty, text, constraints, false, false, None, false);
+        let mut args: Vec<BasicMetadataValueEnum> = a.iter().chain(&b).map(|&x| x.into()).collect();
+        for l in 0..4 {
+            args.push(e.lane(c, l)?.into());
+        }
+        let call = e.b.build_indirect_call(ty, asm, &args, "")?;
+        let value = call.try_as_basic_value().basic().expect("returns four floats").into_struct_value();
+        let mut d = e.f32_type(4).get_undef();
+        for l in 0..4 {
+            let x = e.b.build_extract_value(value, l, "")?;
+            d = e.b.build_insert_element(d, x, i32t.const_int(l as u64, false), "")?;
+        }
+        Ok(d)
+    }
+
+    /// `ldmatrix.x4.trans` from shared memory: four 8 x 8 matrices of 16-bit elements, the row
+    /// this thread names at `address` (a row of matrix `lane / 8`), each received transposed.
+    fn load_matrices_transposed(&self, address: PointerValue<'ctx>) -> Result<[IntValue<'ctx>; 4], LlvmError> {
+        let (e, i32t, i64t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type());
+        let result = e.ctx.struct_type(&[i32t.into(); 4], false);
+        let ty = result.fn_type(&[i64t.into()], false);
+        let text = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];".to_string();
+        let asm = e.ctx.create_inline_asm(ty, text, "=r,=r,=r,=r,l,~{memory}".into(), true, false, None, false);
+        let at = e.b.build_ptr_to_int(address, i64t, "")?;
+        let call = e.b.build_indirect_call(ty, asm, &[at.into()], "")?;
+        let value = call.try_as_basic_value().basic().expect("returns four words").into_struct_value();
+        let word = |l: u32| -> Result<IntValue<'ctx>, LlvmError> {
+            Ok(e.b.build_extract_value(value, l, "")?.into_int_value())
+        };
+        Ok([word(0)?, word(1)?, word(2)?, word(3)?])
+    }
+
+    /// The keys query `i` sees: `[lo, hi)`.
+    fn keys(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+        let kv_len = self.int(self.f.dims.kv_len);
+        let after = self.add_const(i, 1)?;
+        Ok(match self.f.mask {
+            AttentionMask::None => (self.int(0), kv_len),
+            AttentionMask::Causal => (self.int(0), self.min(after, kv_len)?),
+            AttentionMask::SlidingWindow { window } => {
+                let lo = self.max(self.e.b.build_int_sub(after, self.int(window), "")?, self.int(0))?;
+                (self.min(lo, kv_len)?, self.min(after, kv_len)?)
+            }
+        })
+    }
+
+    /// The queries that see key `j`: `[lo, hi)`.
+    fn queries(&self, j: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+        let q_len = self.int(self.f.dims.q_len);
+        Ok(match self.f.mask {
+            AttentionMask::None => (self.int(0), q_len),
+            AttentionMask::Causal => (self.min(j, q_len)?, q_len),
+            AttentionMask::SlidingWindow { window } => {
+                (self.min(j, q_len)?, self.min(self.add_const(j, window)?, q_len)?)
+            }
+        })
+    }
+
+    /// The columns row `i` sees: keys, or (over keys) queries.
+    fn columns_of(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+        match self.f.pass.over_keys() {
+            true => self.queries(i),
+            false => self.keys(i),
+        }
+    }
+
+    /// The columns' sequence length: queries' over keys, else keys'.
+    fn column_len(&self) -> usize {
+        match self.f.pass.over_keys() {
+            true => self.f.dims.q_len,
+            false => self.f.dims.kv_len,
+        }
+    }
+
+    /// Entry `at` of the table.
+    fn table(&self, at: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let i64t = self.e.ctx.i64_type();
+        Ok(self.e.b.build_load(i64t, self.element(i64t, self.ops.table, at)?, "")?.into_int_value())
+    }
+
+    /// One unit: a tile of rows.
+    fn unit(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
+        let e = self.e;
+        let (_, len) = self.f.rows();
+        let tiles = self.int(self.f.tiles_per_head());
+        let head = e.b.build_int_unsigned_div(unit, tiles, "")?;
+        let first = self.mul(e.b.build_int_unsigned_rem(unit, tiles, "")?, TENSOR_CORE_ROW_TILE)?;
+        let last = self.int(len - 1);
+        let a = self.add(self.add(first, self.mul(self.warp, 16)?)?, self.group)?;
+        let positions = [a, self.add_const(a, 8)?];
+        let clamped = [self.min(positions[0], last)?, self.min(positions[1], last)?];
+        let tile_last = self.min(self.add_const(first, TENSOR_CORE_ROW_TILE - 1)?, last)?;
+        let rows = Rows {
+            head,
+            head_start: self.mul(head, len)?,
+            positions,
+            clamped,
+            tile: (first, tile_last),
+            ranges: [self.columns_of(clamped[0])?, self.columns_of(clamped[1])?],
+        };
+        match self.f.pass {
+            AttentionPass::Forward => self.forward(&rows),
+            AttentionPass::QueryGrad => self.query_grad(&rows),
+            AttentionPass::KeyValueGrad | AttentionPass::KeyGrad | AttentionPass::ValueGrad => {
+                self.key_value_grad(&rows)
+            }
+        }
+    }
+
+    /// The columns the tile's rows see: from its first row's first to its last row's end.
+    fn column_range(&self, rows: &Rows<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+        Ok((self.columns_of(rows.tile.0)?.0, self.columns_of(rows.tile.1)?.1))
+    }
+
+    /// The first element of the thread's row `r` (clamped) in a `[.., len, d]` operand.
+    fn row_start(&self, rows: &Rows<'ctx>, r: usize) -> Result<IntValue<'ctx>, LlvmError> {
+        self.mul(self.add(rows.head_start, rows.clamped[r])?, self.f.dims.head_dim)
+    }
+
+    /// The rows' elements of a `[.., len, d]` operand as A fragments: per 16 of `d`, the words
+    /// of (row a, 2t), (row b, 2t), (row a, 2t + 8), (row b, 2t + 8).
+    fn fragments(&self, base: PointerValue<'ctx>, rows: &Rows<'ctx>) -> Result<Vec<[IntValue<'ctx>; 4]>, LlvmError> {
+        let starts = [self.row_start(rows, 0)?, self.row_start(rows, 1)?];
+        let column = self.mul(self.pair, 2)?;
+        (0..self.f.dims.head_dim / 16)
+            .map(|step| {
+                let at = |r: usize, offset: usize| self.add(starts[r], self.add_const(column, step * 16 + offset)?);
+                Ok([
+                    self.load_pair(base, at(0, 0)?)?,
+                    self.load_pair(base, at(1, 0)?)?,
+                    self.load_pair(base, at(0, 8)?)?,
+                    self.load_pair(base, at(1, 8)?)?,
+                ])
+            })
+            .collect()
+    }
+
+    /// Copies rows `start..start + TENSOR_CORE_COLUMN_TILE` of the two `[.., len, d]` operands
+    /// `sources` (of the head whose first row is `head_start`) into shared memory, zeros past
+    /// `len`, between barriers (no warp still reads the last tile; every warp sees the whole of
+    /// this one).
+    fn load_columns(
+        &self,
+        sources: [PointerValue<'ctx>; 2],
+        head_start: IntValue<'ctx>,
+        start: IntValue<'ctx>,
+        len: usize,
+    ) -> Result<(), LlvmError> {
+        let (e, d) = (self.e, self.f.dims.head_dim);
+        let (i16t, v4) = (e.ctx.i16_type(), e.ctx.i32_type().vec_type(4));
+        call(e, "llvm.nvvm.barrier0", &[])?;
+        let chunks_per_row = d / 8;
+        let chunks = TENSOR_CORE_COLUMN_TILE * chunks_per_row;
+        for round in 0..chunks.div_ceil(BLOCK as usize) {
+            let chunk = self.add_const(self.thread, round * BLOCK as usize)?;
+            let copy = || -> Result<(), LlvmError> {
+                let row = e.b.build_int_unsigned_div(chunk, self.int(chunks_per_row), "")?;
+                let column = self.mul(e.b.build_int_unsigned_rem(chunk, self.int(chunks_per_row), "")?, 8)?;
+                let position = self.add(start, row)?;
+                let inside = e.b.build_int_compare(IntPredicate::SLT, position, self.int(len), "")?;
+                let position = self.min(position, self.int(len - 1))?;
+                let from = self.add(self.mul(self.add(head_start, position)?, d)?, column)?;
+                let to = self.add(self.mul(row, self.stride)?, column)?;
+                for (slot, source) in sources.into_iter().enumerate() {
+                    let load = e.b.build_load(v4, self.element(i16t, source, from)?, "")?;
+                    if let Some(instruction) = inkwell::values::BasicValue::as_instruction_value(&load) {
+                        let _ = instruction.set_alignment(16);
+                    }
+                    let value = e.b.build_select(inside, load.into_vector_value(), v4.const_zero(), "")?;
+                    let at = self.add_const(to, slot * TENSOR_CORE_COLUMN_TILE * self.stride)?;
+                    let _ = e.b.build_store(self.element(i16t, self.shared, at)?, value)?.set_alignment(16);
+                }
+                Ok(())
+            };
+            if (round + 1) * BLOCK as usize <= chunks {
+                copy()?;
+            } else {
+                let inside = e.b.build_int_compare(IntPredicate::ULT, chunk, self.int(chunks), "")?;
+                if_then(e, self.function, inside, copy)?;
+            }
+        }
+        call(e, "llvm.nvvm.barrier0", &[])?;
+        Ok(())
+    }
+
+    /// The warp's rows times the shared tile `slot`'s rows, transposed (`q k^T`): per group of 8
+    /// columns, the C fragment (f32).
+    fn products(&self, a: &[[IntValue<'ctx>; 4]], slot: usize) -> Result<Vec<V<'ctx>>, LlvmError> {
+        let column = self.mul(self.pair, 2)?;
+        (0..COLUMN_GROUPS)
+            .map(|group| {
+                let row = self.add_const(self.group, group * 8)?;
+                let start = self.add(self.mul(row, self.stride)?, column)?;
+                let start = self.add_const(start, slot * TENSOR_CORE_COLUMN_TILE * self.stride)?;
+                let mut acc = self.e.f32(4, 0.0);
+                for (step, a) in a.iter().enumerate() {
+                    let b0 = self.load_pair(self.shared, self.add_const(start, step * 16)?)?;
+                    let b1 = self.load_pair(self.shared, self.add_const(start, step * 16 + 8)?)?;
+                    acc = self.mma(a, [b0, b1], acc)?;
+                }
+                Ok(acc)
+            })
+            .collect()
+    }
+
+    /// `acc += x tile` for the shared tile `slot` (`p v`): `x` the column groups' C fragments,
+    /// rounded into A fragments; `acc` the `d / 8` fragments of the warp's rows.
+    fn accumulate(&self, x: &[V<'ctx>], slot: usize, acc: &mut [V<'ctx>]) -> Result<(), LlvmError> {
+        let e = self.e;
+        // Matrix `lane / 8` of an ldmatrix.x4: columns +0 or +8 of 16, head dims +0 or +8.
+        let lane_row = self.add(
+            self.mul(e.b.build_and(e.b.build_right_shift(self.lane, self.int(3), false, "")?, self.int(1), "")?, 8)?,
+            e.b.build_and(self.lane, self.int(7), "")?,
+        )?;
+        let lane_dim = self.mul(e.b.build_right_shift(self.lane, self.int(4), false, "")?, 8)?;
+        let tile = slot * TENSOR_CORE_COLUMN_TILE * self.stride;
+        for step in 0..TENSOR_CORE_COLUMN_TILE / 16 {
+            let (low, high) = (x[2 * step], x[2 * step + 1]);
+            let a = [
+                self.pack(self.shuffle(low, low, &[0, 1])?)?,
+                self.pack(self.shuffle(low, low, &[2, 3])?)?,
+                self.pack(self.shuffle(high, high, &[0, 1])?)?,
+                self.pack(self.shuffle(high, high, &[2, 3])?)?,
+            ];
+            let row = self.add_const(lane_row, step * 16)?;
+            for dims in (0..acc.len()).step_by(2) {
+                let at = self.add(self.add_const(self.mul(row, self.stride)?, tile + dims * 8)?, lane_dim)?;
+                let [b0, b1, b2, b3] =
+                    self.load_matrices_transposed(self.element(e.ctx.i16_type(), self.shared, at)?)?;
+                acc[dims] = self.mma(&a, [b0, b1], acc[dims])?;
+                acc[dims + 1] = self.mma(&a, [b2, b3], acc[dims + 1])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The columns of group `group` of a tile from `start`: lanes row a's `2t`, `2t + 1`, then
+    /// row b's (the same two).
+    fn group_columns(&self, start: IntValue<'ctx>, group: usize) -> Result<[IntValue<'ctx>; 4], LlvmError> {
+        let first = self.add(self.add_const(start, group * 8)?, self.mul(self.pair, 2)?)?;
+        let second = self.add_const(first, 1)?;
+        Ok([first, second, first, second])
+    }
+
+    /// A group's scores: `acc * scale + bias`, -inf where the column is masked for the row.
+    fn scores(
+        &self,
+        acc: V<'ctx>,
+        rows: &Rows<'ctx>,
+        columns: &Columns<'ctx>,
+        group: usize,
+    ) -> Result<V<'ctx>, LlvmError> {
+        let (e, dims) = (self.e, &self.f.dims);
+        let i32t = e.ctx.i32_type();
+        let mut s = e.fmul(acc, e.f32(4, self.f.scale as f32))?;
+        let cols = self.group_columns(columns.start, group)?;
+        if let (Some(bias), Some(shape)) = (self.ops.bias, dims.bias.as_deref()) {
+            let (bias_rows, bias_cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+            let block_start = self.table(self.add_const(columns.query_head, dims.batch())?)?;
+            let memory = e.memory_type(self.f.dtype, 1);
+            let mut lanes = e.f32_type(4).get_undef();
+            for (l, &col) in cols.iter().enumerate() {
+                let col = self.min(col, self.int(self.column_len() - 1))?;
+                let row = rows.clamped[l / 2];
+                let (query, key) = if self.f.pass.over_keys() { (col, row) } else { (row, col) };
+                let row_offset = if bias_rows == 1 { self.int(0) } else { self.mul(query, bias_cols)? };
+                let col_offset = if bias_cols == 1 { self.int(0) } else { key };
+                let at = self.add(self.add(block_start, row_offset)?, col_offset)?;
+                let raw = e.b.build_load(memory, self.element(memory, bias, at)?, "")?;
+                let x = e.widen(self.f.dtype, raw.into_vector_value())?;
+                lanes = e.b.build_insert_element(lanes, e.lane(x, 0)?, i32t.const_int(l as u64, false), "")?;
+            }
+            s = e.fadd(s, lanes)?;
+        }
+        let mut valid = e.ctx.bool_type().vec_type(4).get_undef();
+        for (l, &col) in cols.iter().enumerate() {
+            let (lo, hi) = rows.ranges[l / 2];
+            let above = e.b.build_int_compare(IntPredicate::SGE, col, lo, "")?;
+            let below = e.b.build_int_compare(IntPredicate::SLT, col, hi, "")?;
+            let inside = e.b.build_and(above, below, "")?;
+            valid = e.b.build_insert_element(valid, inside, i32t.const_int(l as u64, false), "")?;
+        }
+        e.select(valid, s, e.f32(4, f32::NEG_INFINITY))
+    }
+
+    /// A per-query f32 (lse, `dout . out`) of a group's columns (queries), lanes as
+    /// [`Tiles::group_columns`].
+    fn column_values(
+        &self,
+        base: PointerValue<'ctx>,
+        columns: &Columns<'ctx>,
+        group: usize,
+    ) -> Result<V<'ctx>, LlvmError> {
+        let (e, q_len) = (self.e, self.f.dims.q_len);
+        let head_start = self.mul(columns.query_head, q_len)?;
+        let mut lanes = e.f32_type(4).get_undef();
+        for (l, &col) in self.group_columns(columns.start, group)?.iter().enumerate() {
+            let at = self.add(head_start, self.min(col, self.int(q_len - 1))?)?;
+            let x = e.b.build_load(e.ctx.f32_type(), self.element(e.ctx.f32_type(), base, at)?, "")?;
+            lanes = e.b.build_insert_element(lanes, x, e.ctx.i32_type().const_int(l as u64, false), "")?;
+        }
+        Ok(lanes)
+    }
+
+    /// `value(r)` (lanes `r` of `values`, scaled by `scale`) stored at the thread's row `r` of a
+    /// `[.., len, d]` output, its `d / 8` fragments rounded in pairs; rows past the sequence
+    /// store nothing. `also` runs for each stored row (its position in the operand).
+    fn store_rows(
+        &self,
+        base: PointerValue<'ctx>,
+        rows: &Rows<'ctx>,
+        values: &[V<'ctx>],
+        scale: [V<'ctx>; 2],
+        also: impl Fn(usize, IntValue<'ctx>) -> Result<(), LlvmError>,
+    ) -> Result<(), LlvmError> {
+        let (e, dims) = (self.e, &self.f.dims);
+        let (_, len) = self.f.rows();
+        let column = self.mul(self.pair, 2)?;
+        for (r, &position) in rows.positions.iter().enumerate() {
+            let inside = e.b.build_int_compare(IntPredicate::SLT, position, self.int(len), "")?;
+            if_then(e, self.function, inside, || {
+                let row = self.add(rows.head_start, position)?;
+                let start = self.add(self.mul(row, dims.head_dim)?, column)?;
+                for (group, &value) in values.iter().enumerate() {
+                    let lanes = self.shuffle(value, value, &[2 * r as u32, 2 * r as u32 + 1])?;
+                    let pair = self.pack(e.fmul(lanes, scale[r])?)?;
+                    let at = self.add_const(start, group * 8)?;
+                    let _ = e.b.build_store(self.element(e.ctx.i16_type(), base, at)?, pair)?.set_alignment(4);
+                }
+                also(r, row)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// `x` (one f32 per row) stored at `base[row]` by the first thread of the row's quad.
+    fn store_per_row(
+        &self,
+        base: PointerValue<'ctx>,
+        r: usize,
+        row: IntValue<'ctx>,
+        x: V<'ctx>,
+    ) -> Result<(), LlvmError> {
+        let e = self.e;
+        let first_of_quad = e.b.build_int_compare(IntPredicate::EQ, self.pair, self.int(0), "")?;
+        if_then(e, self.function, first_of_quad, || {
+            let value = e.lane(x, r as u32)?;
+            let _ = e.b.build_store(self.element(e.ctx.f32_type(), base, row)?, value)?;
+            Ok(())
+        })
+    }
+
+    /// `out` and `lse` of a tile of queries: an online softmax over tiles of keys.
+    fn forward(&self, rows: &Rows<'ctx>) -> Result<(), LlvmError> {
+        let (e, dims) = (self.e, &self.f.dims);
+        let q = self.fragments(self.ops.q, rows)?;
+        let kv_head_start = self.mul(self.table(rows.head)?, dims.kv_len)?;
+        let mut init = vec![e.f32(2, f32::NEG_INFINITY), e.f32(2, 0.0)];
+        init.extend(std::iter::repeat_n(e.f32(4, 0.0), dims.value_dim / 8));
+        let step = self.int(TENSOR_CORE_COLUMN_TILE);
+        let done = counted_loop(
+            e,
+            self.function,
+            self.column_range(rows)?.0,
+            self.column_range(rows)?.1,
+            step,
+            &init,
+            |start, carried| {
+                self.load_columns([self.ops.k, self.ops.v], kv_head_start, start, dims.kv_len)?;
+                let columns = Columns { start, query_head: rows.head };
+                let scores: Vec<V<'ctx>> = (self.products(&q, 0)?.into_iter().enumerate())
+                    .map(|(group, acc)| self.scores(acc, rows, &columns, group))
+                    .collect::<Result<_, _>>()?;
+                let (max, sum) = (carried[0], carried[1]);
+                let tile_max = self.row_fold(&scores, |x, y| e.fmax(x, y))?;
+                let new_max = e.fmax(max, self.quad_fold(tile_max, |x, y| e.fmax(x, y))?)?;
+                // A row that has seen only masked keys subtracts 0, not -inf (its exponentials are 0).
+                let none = e.fcmp(FloatPredicate::OEQ, new_max, e.f32(2, f32::NEG_INFINITY))?;
+                let base = e.select(none, e.f32(2, 0.0), new_max)?;
+                let correction = math::exp(e, e.fsub(max, base)?)?;
+                let base = self.shuffle(base, base, &[0, 0, 1, 1])?;
+                let ps: Vec<V<'ctx>> =
+                    scores.iter().map(|&s| math::exp(e, e.fsub(s, base)?)).collect::<Result<_, _>>()?;
+                let mut next = vec![new_max, e.fma(sum, correction, self.row_fold(&ps, |x, y| e.fadd(x, y))?)?];
+                let correction = self.shuffle(correction, correction, &[0, 0, 1, 1])?;
+                let mut outputs: Vec<V<'ctx>> =
+                    carried[2..].iter().map(|&o| e.fmul(o, correction)).collect::<Result<_, _>>()?;
+                self.accumulate(&ps, 1, &mut outputs)?;
+                next.extend(outputs);
+                Ok(next)
+            },
+        )?;
+        let sum = self.quad_fold(done[1], |x, y| e.fadd(x, y))?;
+        let inverse = e.fdiv(e.f32(2, 1.0), sum)?;
+        let lse = e.fadd(done[0], math::log(e, sum)?)?;
+        let scale = [e.broadcast(inverse, 2)?, self.shuffle(inverse, inverse, &[1, 1])?];
+        self.store_rows(self.ops.out, rows, &done[2..], scale, |r, row| self.store_per_row(self.ops.lse, r, row, lse))
+    }
+
+    /// The lanes of the groups' fragments folded per row: `<2 x f32>`, row a's then row b's
+    /// (the thread's own columns only).
+    fn row_fold(
+        &self,
+        groups: &[V<'ctx>],
+        fold: impl Fn(V<'ctx>, V<'ctx>) -> Result<V<'ctx>, LlvmError>,
+    ) -> Result<V<'ctx>, LlvmError> {
+        let mut x = groups[0];
+        for &g in &groups[1..] {
+            x = fold(x, g)?;
+        }
+        fold(self.shuffle(x, x, &[0, 2])?, self.shuffle(x, x, &[1, 3])?)
+    }
+
+    /// `dq` of a tile of queries: `scale sum_j p_j (dout . v_j - dout . out) k_j`; each row's
+    /// `dout . out` stored for the `dk` pass.
+    fn query_grad(&self, rows: &Rows<'ctx>) -> Result<(), LlvmError> {
+        let (e, dims) = (self.e, &self.f.dims);
+        let d_out = self.ops.d_out.expect("the backward has d_out");
+        let q = self.fragments(self.ops.q, rows)?;
+        let g = self.fragments(d_out, rows)?;
+        let delta = self.quad_fold(self.row_dot(d_out, self.ops.out, rows)?, |x, y| e.fadd(x, y))?;
+        let mut lse = e.f32_type(2).get_undef();
+        for r in 0..2 {
+            let at = self.add(rows.head_start, rows.clamped[r])?;
+            let x = e.b.build_load(e.ctx.f32_type(), self.element(e.ctx.f32_type(), self.ops.lse, at)?, "")?;
+            lse = e.b.build_insert_element(lse, x, e.ctx.i32_type().const_int(r as u64, false), "")?;
+        }
+        let lse = self.shuffle(lse, lse, &[0, 0, 1, 1])?;
+        let delta4 = self.shuffle(delta, delta, &[0, 0, 1, 1])?;
+        let kv_head_start = self.mul(self.table(rows.head)?, dims.kv_len)?;
+        let init = vec![e.f32(4, 0.0); dims.head_dim / 8];
+        let (lo, hi) = self.column_range(rows)?;
+        let step = self.int(TENSOR_CORE_COLUMN_TILE);
+        let dq = counted_loop(e, self.function, lo, hi, step, &init, |start, dq| {
+            self.load_columns([self.ops.k, self.ops.v], kv_head_start, start, dims.kv_len)?;
+            let columns = Columns { start, query_head: rows.head };
+            let (scores, dps) = (self.products(&q, 0)?, self.products(&g, 1)?);
+            let mut ds = Vec::new();
+            for (group, (acc, dp)) in scores.into_iter().zip(dps).enumerate() {
+                let p = math::exp(e, e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?;
+                ds.push(e.fmul(p, e.fsub(dp, delta4)?)?);
+            }
+            let mut dq = dq.to_vec();
+            self.accumulate(&ds, 0, &mut dq)?;
+            Ok(dq)
+        })?;
+        let scale = e.f32(2, self.f.scale as f32);
+        let dq_out = self.ops.grads[0].expect("the backward has dq");
+        self.store_rows(dq_out, rows, &dq, [scale, scale], |r, row| self.store_per_row(self.ops.delta, r, row, delta))
+    }
+
+    /// `a . b` of the thread's rows over its own elements of them (`<2 x f32>`; summed over the
+    /// quad, the rows' whole dot products).
+    fn row_dot(&self, a: PointerValue<'ctx>, b: PointerValue<'ctx>, rows: &Rows<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let e = self.e;
+        let memory = e.memory_type(self.f.dtype, 2);
+        let column = self.mul(self.pair, 2)?;
+        let mut sums = Vec::new();
+        for r in 0..2 {
+            let start = self.add(self.row_start(rows, r)?, column)?;
+            let mut acc = e.f32(2, 0.0);
+            for offset in (0..self.f.dims.head_dim).step_by(8) {
+                let at = self.add_const(start, offset)?;
+                let load = |base: PointerValue<'ctx>| -> Result<V<'ctx>, LlvmError> {
+                    let raw = e.b.build_load(memory, self.element(memory.get_element_type(), base, at)?, "")?;
+                    if let Some(instruction) = inkwell::values::BasicValue::as_instruction_value(&raw) {
+                        let _ = instruction.set_alignment(4);
+                    }
+                    e.widen(self.f.dtype, raw.into_vector_value())
+                };
+                acc = e.fma(load(a)?, load(b)?, acc)?;
+            }
+            sums.push(acc);
+        }
+        let both = self.shuffle(sums[0], sums[1], &[0, 2])?;
+        e.fadd(both, self.shuffle(sums[0], sums[1], &[1, 3])?)
+    }
+
+    /// `dk` and `dv` (or one of them, as the pass says) of a tile of keys, over the queries of
+    /// every query head sharing their head: `dv = sum_i p_i dout_i`,
+    /// `dk = scale sum_i p_i (dout_i . v - dout_i . out_i) q_i`.
+    fn key_value_grad(&self, rows: &Rows<'ctx>) -> Result<(), LlvmError> {
+        let (e, dims) = (self.e, &self.f.dims);
+        let d_out = self.ops.d_out.expect("the backward has d_out");
+        let (with_dk, with_dv) = match self.f.pass {
+            AttentionPass::KeyGrad => (true, false),
+            AttentionPass::ValueGrad => (false, true),
+            _ => (true, true),
+        };
+        let k = self.fragments(self.ops.k, rows)?;
+        let v = if with_dk { self.fragments(self.ops.v, rows)? } else { Vec::new() };
+        let groups = dims.head_dim / 8;
+        let dk_len = if with_dk { groups } else { 0 };
+        let init = vec![e.f32(4, 0.0); dk_len + if with_dv { groups } else { 0 }];
+        let sharing = self.add(self.int(2 * dims.batch()), self.mul(rows.head, self.f.group())?)?;
+        let (lo, hi) = self.column_range(rows)?;
+        let step = self.int(TENSOR_CORE_COLUMN_TILE);
+        let done =
+            counted_loop(e, self.function, self.int(0), self.int(self.f.group()), self.int(1), &init, |g, carried| {
+                let query_head = self.table(self.add(sharing, g)?)?;
+                let head_start = self.mul(query_head, dims.q_len)?;
+                counted_loop(e, self.function, lo, hi, step, carried, |start, carried| {
+                    self.load_columns([self.ops.q, d_out], head_start, start, dims.q_len)?;
+                    let columns = Columns { start, query_head };
+                    let mut ps = Vec::new();
+                    for (group, acc) in self.products(&k, 0)?.into_iter().enumerate() {
+                        let lse = self.column_values(self.ops.lse, &columns, group)?;
+                        ps.push(math::exp(e, e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?);
+                    }
+                    let (mut dk, mut dv) = (carried[..dk_len].to_vec(), carried[dk_len..].to_vec());
+                    if with_dk {
+                        let mut ds = Vec::new();
+                        for (group, (p, dp)) in ps.iter().zip(self.products(&v, 1)?).enumerate() {
+                            let delta = self.column_values(self.ops.delta, &columns, group)?;
+                            ds.push(e.fmul(*p, e.fsub(dp, delta)?)?);
+                        }
+                        self.accumulate(&ds, 0, &mut dk)?;
+                    }
+                    if with_dv {
+                        self.accumulate(&ps, 1, &mut dv)?;
+                    }
+                    Ok([dk, dv].concat())
+                })
+            })?;
+        let [_, dk_out, dv_out] = self.ops.grads.map(|g| g.expect("the backward has its gradients"));
+        let (scale, one) = (e.f32(2, self.f.scale as f32), e.f32(2, 1.0));
+        if with_dk {
+            self.store_rows(dk_out, rows, &done[..dk_len], [scale, scale], |_, _| Ok(()))?;
+        }
+        if with_dv {
+            self.store_rows(dv_out, rows, &done[dk_len..], [one, one], |_, _| Ok(()))?;
+        }
+        Ok(())
+    }
+}
