@@ -107,7 +107,7 @@ fn main() {
         executor.offload_to_nvme(nvme, 0).unwrap();
     }
     executor.run(&inputs).unwrap();
-    executor.enable_profile();
+    executor.enable_profile().unwrap();
     let mut before = Duration::ZERO;
     let mut times: Vec<f64> = (0..REPEATS)
         .map(|_| {

@@ -53,7 +53,7 @@ fn kernel_seconds(text: &str) -> (f64, usize) {
     // The instructions' own time (the executor's profile), not the feeding of inputs and the
     // copying out of outputs around them.
     let mut before = Duration::ZERO;
-    executor.enable_profile();
+    executor.enable_profile().unwrap();
     let times = (0..REPEATS)
         .map(|_| {
             executor.run(&inputs).unwrap();

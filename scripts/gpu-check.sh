@@ -6,8 +6,8 @@
 #   1. scripts/gpu-tests.sh (STEPS=12): every fixture and layout on --device cuda against the
 #      CPU, checkpoints across devices, mixed precision, fused attention's GPU passes;
 #   2. benches/gpu_step.sh: GPT-2 124M, 8 x 1024, against PyTorch eager and torch.compile in
-#      f32 and bf16, then bf16 with --attention fused and with --cuda-graph (PyTorch's runs
-#      reused);
+#      f32 and bf16, then bf16 with --attention fused (and its --profile by op, with fused
+#      attention's TFLOP/s) and with --cuda-graph (PyTorch's runs reused);
 #   3. the device and driver, for the README's tables.
 #
 #   scripts/gpu-check.sh [AUTOTP_BINARY]   (default target/release/autotp)
@@ -24,6 +24,15 @@ for precision in f32 bf16; do
   STEPS=20 WARMUP=5 PRECISION=$precision benches/gpu_step.sh "$BIN"
 done
 STEPS=20 WARMUP=5 PRECISION=bf16 TORCH=0 AUTOTP_FLAGS="--attention fused" benches/gpu_step.sh "$BIN"
+# Where the fused bf16 step's device time goes (--profile: CUDA events around every
+# instruction), and fused attention's throughput: causal GPT-2 124M, 12 layers of
+# 8 x 12 heads x 1024^2 x 64, forward 2 * 8 * 12 * 1024^2 * 64 FLOP a layer (half of the four
+# products' 4 b h s^2 d), the backward 2.5 times that (FlashAttention's count).
+"$BIN" run "${AUTOTP_BENCH_DIR:-/tmp/autotp-gpu-bench}/gpt2-124m-bf16.atp" --device cuda \
+  --data tests/fixtures/train/tokens.bin --steps 8 --profile | tee /tmp/autotp-profile.txt | head -40
+awk '$1 == "attention" || $1 == "attention_grad" {
+  flop = 12 * 2 * 8 * 12 * 1024 * 1024 * 64 * ($1 == "attention" ? 1 : 2.5)
+  printf "fused %s: %.3f ms per step, %.1f TFLOP/s\n", $1, $3, flop / ($3 * 1e-3) / 1e12 }' /tmp/autotp-profile.txt
 STEPS=20 WARMUP=5 PRECISION=bf16 TORCH=0 RUN_FLAGS="--cuda-graph" benches/gpu_step.sh "$BIN"
 echo "gpu-check: $((SECONDS - start)) s; tests $([ "$tests" = 0 ] && echo passed || echo FAILED)"
 exit "$tests"

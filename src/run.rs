@@ -104,6 +104,9 @@ impl RunFlags {
         match DeviceKind::parse(&self.device) {
             Some(DeviceKind::Cpu) if self.tf32 => bail!("--tf32 needs --device cuda (the CPU has no TF32)"),
             Some(DeviceKind::Cpu) if self.cuda_graph => bail!("--cuda-graph needs --device cuda"),
+            Some(DeviceKind::Cuda) if self.cuda_graph && self.profile => {
+                bail!("--profile times each instruction between CUDA events, which a CUDA graph's replay has not: drop --cuda-graph to profile")
+            }
             Some(DeviceKind::Cpu) => Ok(None),
             Some(DeviceKind::Cuda) if std::env::var("AUTOTP_GPU").as_deref() == Ok("emulated") => {
                 Ok(Some(GpuKind::Emulated { math }))
@@ -293,7 +296,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         _ => None,
     };
     if flags.profile {
-        trainer.enable_profile();
+        trainer.enable_profile()?;
     }
     if let Some(line) = trainer.communication().filter(|_| reports) {
         eprintln!("{line}");

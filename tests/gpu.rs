@@ -500,3 +500,63 @@ fn steps_replay_as_a_cuda_graph_on_the_emulated_gpu() {
     assert!(refused.is_none(), "{stderr}");
     assert!(stderr.contains("is a pipeline message over NCCL, whose wait is timed"), "{stderr}");
 }
+
+/// `--profile` on a GPU times every instruction between timed events on its stream: a fused
+/// attention plan reports device time for each of its attention passes and trains as
+/// unprofiled; `run --profile` prints the time by op (bf16: the tensor-core passes); with a CUDA
+/// graph it is refused either way round, and on the command line.
+#[test]
+fn a_gpu_profile_times_every_instruction_on_the_device() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = scratch("emulated-gpu-profile");
+    let plan = dir.join("gpt2.atp");
+    compile(&fixture("gpt2", "model.onnx"), &plan, &["--micro-batch", "4", "--attention", "fused"]);
+    let (program, mut cpu, mut gpu, _) = on_cpu_and_emulated_gpu(&plan);
+    gpu.enable_profile()?;
+    for step in 1..=2 {
+        let inputs = feeds(&program, step);
+        assert_eq!(gpu.run(&inputs)?, cpu.run(&inputs)?, "step {step}");
+    }
+    let times = gpu.profile().ok_or("a GPU profile")?;
+    assert_eq!(times.len(), program.instructions.len());
+    let attention: Vec<_> = (program.instructions.iter().zip(times))
+        .filter(|(i, _)| matches!(i, Instruction::Kernel { gpu: Some(GpuForm::Attention(_)), .. }))
+        .collect();
+    assert_eq!(attention.len(), 4, "two layers' forward and backward");
+    for (instruction, time) in attention {
+        assert!(!time.is_zero(), "{}: no device time", instruction.label());
+    }
+    let refused = gpu.use_cuda_graph().err().ok_or("a graph after --profile is refused")?;
+    assert!(refused.to_string().contains("drop --cuda-graph to profile"), "{refused}");
+    let (_, _, mut graph, _) = on_cpu_and_emulated_gpu(&plan);
+    graph.use_cuda_graph()?;
+    assert!(graph.enable_profile().is_err(), "--profile after a graph is refused");
+
+    let bf16 = dir.join("bf16.atp");
+    compile(
+        &fixture("gpt2", "model.onnx"),
+        &bf16,
+        &["--micro-batch", "4", "--precision", "bf16", "--attention", "fused"],
+    );
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let run = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args(["run", bf16.to_str().unwrap_or_default(), "--data", tokens.to_str().unwrap_or_default()])
+            .args(["--steps", "2", "--device", "cuda", "--profile"])
+            .args(extra)
+            .env("AUTOTP_GPU", "emulated")
+            .output()
+    };
+    let out = run(&[])?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for op in ["attention", "attention_grad"] {
+        let line =
+            stdout.lines().find(|l| l.split_whitespace().next() == Some(op)).ok_or(format!("{op}:\n{stdout}"))?;
+        let ms: f64 = line.split_whitespace().nth(2).ok_or("ms")?.parse()?;
+        assert!(ms > 0.0, "{line}");
+    }
+    let out = run(&["--cuda-graph"])?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("drop --cuda-graph to profile"));
+    Ok(())
+}

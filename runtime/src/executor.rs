@@ -122,20 +122,25 @@ impl Executor {
         &self.program
     }
 
-    /// Times every instruction from now on ([`Executor::profile`]); on the CPU only (a GPU's
-    /// instructions run after the host has issued them).
-    pub fn enable_profile(&mut self) {
-        if let Backend::Cpu(cpu) = &mut self.device {
-            cpu.profile = Some(vec![std::time::Duration::ZERO; self.program.instructions.len()]);
+    /// Times every instruction from now on ([`Executor::profile`]); refused on a GPU whose
+    /// steps run as a CUDA graph.
+    pub fn enable_profile(&mut self) -> Result<(), RuntimeError> {
+        let instructions = self.program.instructions.len();
+        match &mut self.device {
+            Backend::Cpu(cpu) => cpu.profile = Some(vec![std::time::Duration::ZERO; instructions]),
+            Backend::Gpu(gpu) => gpu.enable_profile(instructions)?,
         }
+        Ok(())
     }
 
-    /// The time spent in each instruction (in program order) since profiling was enabled: on
-    /// the thread that runs the program (a started collective counts only its hand-off).
+    /// The time spent in each instruction (in program order) since profiling was enabled. On
+    /// the CPU, on the thread that runs the program (a started collective counts only its
+    /// hand-off); on a GPU, on the device, from when the instruction's stream reaches it
+    /// (after the waits that order it) to when its work ends.
     pub fn profile(&self) -> Option<&[std::time::Duration]> {
         match &self.device {
             Backend::Cpu(cpu) => cpu.profile.as_deref(),
-            Backend::Gpu(_) => None,
+            Backend::Gpu(gpu) => gpu.profile.as_deref(),
         }
     }
 

@@ -11,6 +11,11 @@ use super::{ChunkTable, CommPath, GpuDevice, Prepared};
 use crate::streams::Device;
 use crate::RuntimeError;
 
+/// Why `--profile` and `--cuda-graph` do not go together.
+const PROFILE_IN_GRAPH: &str =
+    "--profile times each instruction between CUDA events, which a step replayed as a CUDA graph has not: drop \
+     --cuda-graph to profile";
+
 /// Where a device stands with `--cuda-graph`: off; the first step running as usual (cuBLAS and
 /// NCCL set themselves up outside any capture); the next captured as a graph and replayed;
 /// then every step the graph's replay.
@@ -57,11 +62,24 @@ pub(super) fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &
 }
 
 impl GpuDevice {
+    /// Times each instruction of its steps from now on (`--profile`), with a pair of timed events
+    /// around it; refused for steps run as a CUDA graph, which replays without them.
+    pub(crate) fn enable_profile(&mut self, instructions: usize) -> Result<(), RuntimeError> {
+        if self.graph != StepGraph::Off {
+            return Err(RuntimeError::InvalidProgram(PROFILE_IN_GRAPH.into()));
+        }
+        self.profile = Some(vec![std::time::Duration::ZERO; instructions]);
+        Ok(())
+    }
+
     /// Runs steps as a CUDA graph from now on (see [`StepGraph`]); refused, naming the first
     /// instruction that needs the host, where a step cannot be one.
     pub(crate) fn use_graph(&mut self) -> Result<(), RuntimeError> {
         if let Some(why) = &self.capture_blocker {
             return Err(RuntimeError::InvalidProgram(format!("--cuda-graph: a step cannot be one CUDA graph: {why}")));
+        }
+        if self.profile.is_some() {
+            return Err(RuntimeError::InvalidProgram(PROFILE_IN_GRAPH.into()));
         }
         self.graph = StepGraph::Warming;
         Ok(())

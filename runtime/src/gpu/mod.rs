@@ -364,6 +364,10 @@ pub struct GpuDevice {
     /// The timed events around each receive over NCCL in the run under way: the time between
     /// them is the compute stream's wait, which the run's clock counts.
     receive_waits: Vec<(GpuEvent, GpuEvent)>,
+    /// `--profile`: each instruction's device time so far (from when its stream reaches it to
+    /// when its work ends), and the timed events around the instructions of the run under way.
+    pub(crate) profile: Option<Vec<std::time::Duration>>,
+    timed: Vec<(usize, GpuEvent, GpuEvent)>,
     /// Aborts the NCCL communicators joined, when a rank fails.
     aborter: Option<Arc<NcclAborter>>,
     /// Aborts them when a wait on the device lasts past `--comm-timeout` (once it is set).
@@ -596,6 +600,8 @@ impl GpuDevice {
             paths,
             links,
             receive_waits: Vec::new(),
+            profile: None,
+            timed: Vec::new(),
             aborter,
             watchdog: None,
             graph: StepGraph::Off,
@@ -671,13 +677,19 @@ impl Device for GpuDevice {
     type Event = GpuEvent;
 
     fn launch(&mut self, program: &Program, index: usize, stream: Stream) -> Result<(), RuntimeError> {
+        let before = self.profile.is_some().then(|| self.gpu().record_timed(stream)).transpose()?;
         self.launch_instruction(program, index, stream).map_err(|e| match e {
             RuntimeError::Device(message) => RuntimeError::Device(format!(
                 "instruction {index} ({}): {message}",
                 program.instructions[index].label()
             )),
             other => other,
-        })
+        })?;
+        if let Some(before) = before {
+            let after = self.gpu().record_timed(stream)?;
+            self.timed.push((index, before, after));
+        }
+        Ok(())
     }
 
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
@@ -695,10 +707,17 @@ impl Device for GpuDevice {
     fn synchronize(&mut self) -> Result<(), RuntimeError> {
         let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
         let receive_waits = std::mem::take(&mut self.receive_waits);
+        let timed = std::mem::take(&mut self.timed);
+        let profile = &mut self.profile;
         let mut finish = || -> Result<std::time::Duration, RuntimeError> {
             let mut waited = std::time::Duration::ZERO;
             for &(before, after) in &receive_waits {
                 waited += gpu.elapsed(before, after)?;
+            }
+            if let Some(times) = profile.as_mut() {
+                for &(index, before, after) in &timed {
+                    times[index] += gpu.elapsed(before, after)?;
+                }
             }
             gpu.synchronize()?;
             Ok(waited)
@@ -739,6 +758,7 @@ impl Device for GpuDevice {
             comm.abort(*rank, error);
         }
         self.receive_waits.clear();
+        self.timed.clear();
         let _ = self.gpu().synchronize();
     }
 }

@@ -394,11 +394,13 @@ impl Trainer {
             .collect()
     }
 
-    /// Times every instruction of every rank from now on ([`Trainer::profile`]).
-    pub fn enable_profile(&mut self) {
+    /// Times every instruction of every rank from now on ([`Trainer::profile`]); refused for
+    /// GPU steps run as a CUDA graph.
+    pub fn enable_profile(&mut self) -> Result<(), TrainError> {
         for rank in &mut self.ranks {
-            rank.enable_profile();
+            rank.enable_profile()?;
         }
+        Ok(())
     }
 
     /// The time `rank` spent in each of its program's instructions since profiling was enabled.
