@@ -5,7 +5,9 @@
 //! A group computes over one iteration space: the shape of its row reductions' input (`[rows,
 //! cols]` with the reduced trailing dims as `cols`), or for a purely elementwise group the shape
 //! of its results. Every value the group makes is either *full* (the space's shape) or a *row*
-//! value (one per row: a reduction's result, or arithmetic on those). Inputs from outside the
+//! value (one per row: a reduction's result, or arithmetic on those); an elementwise group may
+//! also make a cheap value of a shape that broadcasts into the space (a bf16 weight widened),
+//! computed at every element it is read at, never stored. Inputs from outside the
 //! group are loaded through their broadcast into the space ([`broadcast_index`]), so a bias
 //! `[h]`, a mask `[1, 1, s, s]` or a row statistic `[b, s, 1]` is read in place.
 //!
@@ -20,7 +22,7 @@
 //! needed by more than one stage.
 //!
 //! [`build`] refuses, with a [`Refusal`], anything it does not handle (other dtypes, ops,
-//! reductions not over trailing dims, a value broadcast inside the group); codegen then uses
+//! reductions not over trailing dims, an expensive value broadcast inside the group); codegen then uses
 //! the builtin kernel of each node.
 
 use std::collections::HashMap;
@@ -271,11 +273,21 @@ impl Space {
         let (shape, perm, split) = match reduced {
             Some(found) => found,
             None => {
-                // Elementwise: the space is the results' shape.
+                // Elementwise: the space is the results' shape. A cheap value of a shape that
+                // broadcasts into it (a bf16 weight widened for the kernel reading it) is
+                // computed where it is read, at the broadcast index of its inputs.
                 let last = graph.node(*nodes.last().ok_or(Refusal::Unsupported)?).outputs[0];
                 let shape = ty(last).shape;
                 for &n in nodes {
-                    if graph.node(n).outputs.iter().any(|&o| ty(o).shape != shape) {
+                    let node = graph.node(n);
+                    let fits = |o: &ValueId| {
+                        let own = ty(*o).shape;
+                        own == shape
+                            || (!is_expensive(&node.op)
+                                && own.len() <= shape.len()
+                                && autotp_kernels::shape::broadcast_shapes(&own, &shape).as_ref() == Some(&shape))
+                    };
+                    if !node.outputs.iter().all(fits) {
                         return Err(Refusal::Spaces);
                     }
                 }

@@ -18,8 +18,8 @@
 //! First, a transpose of the last two dims feeding a matmul becomes the matmul's transpose flag
 //! (no materialised transpose in front of a GEMM), for operands held whole on every rank, a
 //! cast after a reshape moves before it (so it fuses into the kernel making the reshaped value),
-//! and a 16-bit value widened to f32 for several kernels gets a cast per reader (each kernel
-//! widens it as it loads). After the schedule, a group whose results one later group alone
+//! a widening cast before a reshape moves after it, and a 16-bit value widened to f32 for
+//! several kernels gets a cast per reader (each kernel widens it as it loads). After the schedule, a group whose results one later group alone
 //! reads joins it where that keeps memory down (`sink_into_readers`: the labels' one-hot goes
 //! into the softmax gradient's kernel, a cast of the logits into the cross-entropy's).
 //! Nodes that cannot be in a kernel (matmuls, data movement, collectives, sends and receives)
@@ -49,6 +49,9 @@ impl Pass for Fusion {
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         *graph = crate::peephole::rewrite(graph, crate::peephole::Rules::Gemm);
         if let Some(moved) = casts_before_reshapes(graph) {
+            *graph = moved;
+        }
+        if let Some(moved) = widening_casts_after_reshapes(graph) {
             *graph = moved;
         }
         if let Some(copied) = widening_casts_per_reader(graph) {
@@ -119,6 +122,54 @@ fn casts_before_reshapes(graph: &Graph) -> Option<Graph> {
         let reshaped = g.node(reshaped).outputs[0];
         (g.value_mut(reshaped).placements, g.value_mut(reshaped).name) = (out.placements.clone(), out.name.clone());
         rewriter.set(node.outputs[0], reshaped);
+    }
+    Some(rewriter.finish())
+}
+
+/// `reshape(cast(x))` as `cast(reshape(x))` where `x` is 16-bit, the cast widens it to f32 and
+/// only the reshape reads the cast: the widening then sits beside the kernels that read the
+/// reshaped value, which each take a copy of it ([`widening_casts_per_reader`]: a bf16 GEMM's
+/// result that the backward's elementwise kernels and a bias gradient read), where it would
+/// otherwise be a kernel of its own storing the value in f32. `None` when there is no such cast.
+fn widening_casts_after_reshapes(graph: &Graph) -> Option<Graph> {
+    use autotp_ir::DType;
+    let consumers = graph.consumers();
+    let outputs: Vec<ValueId> = graph.outputs().iter().map(|(_, v)| *v).collect();
+    // The cast before the reshape `node`, where it moves after it.
+    let widened = |node: &autotp_ir::Node| -> Option<NodeId> {
+        let (Op::Reshape { .. }, [wide]) = (&node.op, &node.inputs[..]) else { return None };
+        let Def::Node(cast, _) = graph.value(*wide).def else { return None };
+        let (Op::Cast { to: DType::F32 }, [narrow]) = (&graph.node(cast).op, &graph.node(cast).inputs[..]) else {
+            return None;
+        };
+        let sixteen_bits = matches!(graph.ty(*narrow).dtype, DType::BF16 | DType::F16);
+        (sixteen_bits && consumers[wide.index()].len() == 1 && !outputs.contains(wide)).then_some(cast)
+    };
+    let moved: Vec<NodeId> = graph.nodes().filter_map(|(_, node)| widened(node)).collect();
+    if moved.is_empty() {
+        return None;
+    }
+    let mut rewriter = Rewriter::new(graph, |_| true);
+    for (id, node) in graph.nodes() {
+        if moved.contains(&id) {
+            continue;
+        }
+        let Some(cast) = widened(node) else {
+            rewriter.copy_node(id);
+            continue;
+        };
+        let x = graph.node(cast).inputs[0];
+        let out = graph.value(node.outputs[0]);
+        let narrow_type = autotp_ir::TensorType::new(graph.ty(x).dtype, out.ty.shape.clone());
+        let new_x = rewriter.map(x);
+        let g = rewriter.graph();
+        let reshaped = g.add_node_typed(node.op.clone(), vec![new_x], vec![narrow_type]);
+        let reshaped = g.node(reshaped).outputs[0];
+        g.value_mut(reshaped).placements = out.placements.clone();
+        let wide = g.add_node_typed(graph.node(cast).op.clone(), vec![reshaped], vec![out.ty.clone()]);
+        let wide = g.node(wide).outputs[0];
+        (g.value_mut(wide).placements, g.value_mut(wide).name) = (out.placements.clone(), out.name.clone());
+        rewriter.set(node.outputs[0], wide);
     }
     Some(rewriter.finish())
 }
