@@ -1,6 +1,6 @@
 //! Attention as generated code ([`AttentionFunction`]), for x86 and NVPTX from one emitter: the
 //! forward and the passes of the backward, each over units of rows `begin..end` (x86: `void
-//! f(u8** buffers, i64 begin, i64 end)`; GPU: [`define_nvptx`]), buffers in the kernel's order
+//! f(u8** buffers, i64 begin, i64 end)`; GPU: `define_nvptx`), buffers in the kernel's order
 //! (inputs, outputs), then the function's table and a scratch of one f32 per query row
 //! (`dout . out`, from `dq`'s pass for `dk`'s and `dv`'s).
 //!
@@ -933,5 +933,69 @@ mod tests {
             check(DType::BF16, short.clone(), mask);
         }
         check(DType::F16, dims(&[2, 3], 130, 32, 32, Some(vec![1, 3, 130, 130])), AttentionMask::Causal);
+    }
+
+    /// The tensor-core passes as a GPU runs them, their warps' `mma`, `ldmatrix`, shuffles and
+    /// barriers simulated on host threads ([`crate::warp_simulator`]), on fewer blocks than
+    /// units: two query heads sharing a key/value head, tiles of 150 rows (the second short)
+    /// and 64 keys (the third short), and an fp16 bias under a sliding window.
+    #[test]
+    fn simulated_tensor_core_passes_match_the_builtin_kernel() {
+        let cases = [
+            (DType::BF16, AttentionDims { lead: vec![1, 2], kv_lead: vec![1, 1], ..dims(&[], 150, 32, 32, None) }),
+            (
+                DType::F16,
+                AttentionDims {
+                    lead: vec![1, 2],
+                    kv_lead: vec![1, 2],
+                    ..dims(&[], 40, 16, 16, Some(vec![1, 2, 40, 40]))
+                },
+            ),
+        ];
+        for (dtype, dims) in cases {
+            let mask =
+                if dims.bias.is_some() { AttentionMask::SlidingWindow { window: 9 } } else { AttentionMask::Causal };
+            let label = format!("{dtype} {mask:?} {dims:?}");
+            let [q, k, v, bias, out, lse] = dims.numels();
+            let mut inputs: Vec<AlignedBuf> =
+                [(q, 1), (k, 2), (v, 3)].iter().map(|&(n, seed)| buffer(dtype, &values(n, seed))).collect();
+            if dims.bias.is_some() {
+                inputs.push(buffer(dtype, &values(bias, 4)));
+            }
+            let (scale, generated) = (0.37, true);
+            let forward = Kernel::Attention { dtype, dims: dims.clone(), scale, mask, generated };
+            let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale, mask, generated };
+            let run = |kernel: &Kernel, inputs: &[AlignedBuf], output_bytes: &[usize]| {
+                let ins: Vec<&[u8]> = inputs.iter().map(|b| b.as_slice()).collect();
+                let mut builtin: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
+                let mut outs: Vec<&mut [u8]> = builtin.iter_mut().map(|b| b.as_mut_slice()).collect();
+                kernel.run(&ins, &mut outs).unwrap();
+                let functions = AttentionFunction::of(kernel, AttentionTarget::Gpu).unwrap();
+                assert!(functions.iter().all(|f| f.tensor_cores), "{label}");
+                let simulated: Vec<Function> = functions.iter().map(Function::SimulatedAttention).collect();
+                let entries = compile_cpu_functions(&simulated).unwrap();
+                let mut generated: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
+                let mut delta = vec![0f32; dims.query_rows()];
+                for (f, entry) in functions.iter().zip(entries) {
+                    let table = f.table();
+                    let mut pointers: Vec<*mut u8> = inputs.iter().map(|b| b.as_slice().as_ptr() as *mut u8).collect();
+                    pointers.extend(generated.iter_mut().map(|b| b.as_mut_slice().as_mut_ptr()));
+                    pointers.push(table.as_ptr() as *mut u8);
+                    pointers.push(delta.as_mut_ptr() as *mut u8);
+                    // SAFETY: the buffers have the kernel's sizes.
+                    unsafe { crate::warp_simulator::launch(entry, f, &pointers, f.units().min(3)) };
+                }
+                (builtin, generated)
+            };
+            let (builtin, generated) = run(&forward, &inputs, &[out * dtype.size(), lse * 4]);
+            assert_close(&format!("{label} out"), dtype, &builtin[0], &generated[0], 1e-2);
+            assert_close(&format!("{label} lse"), DType::F32, &builtin[1], &generated[1], 1e-5);
+            inputs.extend(builtin);
+            inputs.push(buffer(dtype, &values(out, 5)));
+            let (builtin, generated) = run(&backward, &inputs, &[q * dtype.size(), k * dtype.size(), v * dtype.size()]);
+            for (name, (want, got)) in ["dq", "dk", "dv"].iter().zip(builtin.iter().zip(&generated)) {
+                assert_close(&format!("{label} {name}"), dtype, want, got, 2e-2);
+            }
+        }
     }
 }

@@ -30,7 +30,9 @@
 //! 16, and of every 8 columns (or head dims) the two from `2 (lane % 4)`: the `mma` fragment
 //! layout of PTX's ISA. Sums over columns are f32 (the exponentials [`crate::math`]'s
 //! polynomials, as on x86); only the products inside an `mma` are the hardware's. The emulated
-//! GPU runs the rows of a tile one at a time (`crate::attention`), rounding the same operands.
+//! GPU runs the rows of a tile one at a time (`crate::attention`), rounding the same operands;
+//! the tests run these passes as they are, built for the host with the warp operations simulated
+//! (`define_simulated`, [`crate::warp_simulator`]).
 //!
 //! Every buffer starts 16-byte aligned (the memory plan aligns every region to 64 bytes and a
 //! GPU allocation to 256), and a row of `d` 16-bit elements with `d` a multiple of 16 is 32
@@ -89,15 +91,90 @@ pub(crate) fn define_nvptx<'ctx>(
     let (table, delta) = (take(), take());
     let ops = Operands { q, k, v, bias, out, lse, d_out, grads, table, delta };
     let units = function.get_nth_param(count as u32).expect("declared").into_int_value();
-    let tiles = Tiles::new(e, function, f, symbol, ops)?;
+    let stride = f.dims.head_dim + ROW_PADDING;
+    let ty = e.ctx.i16_type().array_type((2 * TENSOR_CORE_COLUMN_TILE * stride) as u32);
+    let global = e.module.add_global(ty, Some(AddressSpace::from(3u16)), &format!("{symbol}_column_tile"));
+    global.set_linkage(Linkage::Internal);
+    global.set_initializer(&ty.get_undef());
+    global.set_alignment(16);
+    let place = Place { thread: special_register(e, "tid.x")?, shared: global.as_pointer_value(), lanes: Lanes::Nvptx };
+    let tiles = Tiles::new(e, function, f, ops, place)?;
     let first = special_register(e, "ctaid.x")?;
-    let stride = special_register(e, "nctaid.x")?;
-    counted_loop(e, function, first, units, stride, &[], |unit, _| {
+    let blocks = special_register(e, "nctaid.x")?;
+    counted_loop(e, function, first, units, blocks, &[], |unit, _| {
         tiles.unit(unit)?;
         Ok(vec![])
     })?;
     e.b.build_return(None)?;
     Ok(function)
+}
+
+/// Appends `f` (a tensor-core pass) as the host function `symbol` that one thread of a
+/// simulated GPU block runs ([`crate::warp_simulator`]): `void f(u8** buffers, i64 block, i64
+/// thread)`, the buffers of [`crate::attention::buffer_count`] followed by the
+/// [`SimulatedBlock`](crate::warp_simulator::SimulatedBlock).
+pub(crate) fn define_simulated<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    f: &AttentionFunction,
+) -> Result<FunctionValue<'ctx>, LlvmError> {
+    use crate::warp_simulator::word;
+    if !(f.tensor_cores && AttentionFunction::fits_tensor_cores(f.dtype, &f.dims)) {
+        return Err(LlvmError::llvm("attention", format!("no tensor-core attention for {} or these shapes", f.dtype)));
+    }
+    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
+    let count = crate::attention::buffer_count(f);
+    let pointers = (0..count).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
+    let mut take = pointers.into_iter();
+    let mut take = || take.next().expect("buffer_count pointers");
+    let (q, k, v) = (take(), take(), take());
+    let bias = f.dims.bias.is_some().then(&mut take);
+    let (out, lse) = (take(), take());
+    let backward = f.pass != AttentionPass::Forward;
+    let d_out = backward.then(&mut take);
+    let grads = if backward { [Some(take()), Some(take()), Some(take())] } else { [None; 3] };
+    let (table, delta) = (take(), take());
+    let ops = Operands { q, k, v, bias, out, lse, d_out, grads, table, delta };
+    let context = entry.pointer(e, count)?;
+    let (i32t, f32t, ptr) = (e.ctx.i32_type(), e.ctx.f32_type(), e.ctx.ptr_type(AddressSpace::default()));
+    let context_word = |w: usize, ty: inkwell::types::BasicTypeEnum<'ctx>| -> Result<_, LlvmError> {
+        let i64t = e.ctx.i64_type();
+        // SAFETY (of the generated code): the simulator passes a SimulatedBlock, whose leading
+        // words these are.
+        let at = unsafe { e.b.build_in_bounds_gep(i64t, context, &[i64t.const_int(w as u64, false)], "")? };
+        Ok(e.b.build_load(ty, at, "")?)
+    };
+    let shared = context_word(word::SHARED, ptr.into())?.into_pointer_value();
+    let blocks = context_word(word::BLOCKS, e.ctx.i64_type().into())?.into_int_value();
+    let lanes = Lanes::Simulated {
+        context,
+        words: e.b.build_array_alloca(i32t, i32t.const_int(6, false), "")?,
+        acc: e.b.build_array_alloca(f32t, i32t.const_int(4, false), "")?,
+    };
+    let place = Place { thread: entry.end, shared, lanes };
+    let tiles = Tiles::new(e, entry.function, f, ops, place)?;
+    let units = e.ctx.i64_type().const_int(f.units() as u64, false);
+    counted_loop(e, entry.function, entry.begin, units, blocks, &[], |unit, _| {
+        tiles.unit(unit)?;
+        Ok(vec![])
+    })?;
+    e.b.build_return(None)?;
+    Ok(entry.function)
+}
+
+/// Where a pass's code runs: a GPU's threads, or host threads simulating a block's
+/// ([`crate::warp_simulator`]), whose warp operations are calls through the simulated block's
+/// words, with room for an `mma`'s operands (6 words, 4 floats) made once at the entry.
+enum Lanes<'ctx> {
+    Nvptx,
+    Simulated { context: PointerValue<'ctx>, words: PointerValue<'ctx>, acc: PointerValue<'ctx> },
+}
+
+/// A thread's place: its index in the block, the block's shared memory, and the lanes' kind.
+struct Place<'ctx> {
+    thread: IntValue<'ctx>,
+    shared: PointerValue<'ctx>,
+    lanes: Lanes<'ctx>,
 }
 
 /// The entry's buffers, as `crate::attention` takes them.
@@ -147,6 +224,7 @@ struct Tiles<'a, 'b, 'ctx> {
     /// of `stride`).
     shared: PointerValue<'ctx>,
     stride: usize,
+    lanes: Lanes<'ctx>,
     thread: IntValue<'ctx>,
     warp: IntValue<'ctx>,
     lane: IntValue<'ctx>,
@@ -161,25 +239,20 @@ impl<'a, 'b, 'ctx> Tiles<'a, 'b, 'ctx> {
         e: &'a Emitter<'b, 'ctx>,
         function: FunctionValue<'ctx>,
         f: &'a AttentionFunction,
-        symbol: &str,
         ops: Operands<'ctx>,
+        place: Place<'ctx>,
     ) -> Result<Tiles<'a, 'b, 'ctx>, LlvmError> {
-        let stride = f.dims.head_dim + ROW_PADDING;
-        let ty = e.ctx.i16_type().array_type((2 * TENSOR_CORE_COLUMN_TILE * stride) as u32);
-        let global = e.module.add_global(ty, Some(AddressSpace::from(3u16)), &format!("{symbol}_column_tile"));
-        global.set_linkage(Linkage::Internal);
-        global.set_initializer(&ty.get_undef());
-        global.set_alignment(16);
         let i64t = e.ctx.i64_type();
-        let thread = special_register(e, "tid.x")?;
+        let Place { thread, shared, lanes } = place;
         let lane = e.b.build_and(thread, i64t.const_int(31, false), "")?;
         Ok(Tiles {
             e,
             function,
             f,
             ops,
-            shared: global.as_pointer_value(),
-            stride,
+            shared,
+            stride: f.dims.head_dim + ROW_PADDING,
+            lanes,
             thread,
             warp: e.b.build_right_shift(thread, i64t.const_int(5, false), false, "")?,
             lane,
@@ -239,14 +312,74 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
 
     /// Two f32 (lanes 0 and 1 of `x`) rounded to the dtype (to nearest even, as
     /// [`Emitter::narrow`] rounds), as the i32 an `mma` operand takes (lane 0 in the low half):
-    /// one `cvt.rn.bf16x2.f32` (or `f16x2`).
+    /// on a GPU one `cvt.rn.bf16x2.f32` (or `f16x2`).
     fn pack(&self, x: V<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
         let (e, f32t, i32t) = (self.e, self.e.ctx.f32_type(), self.e.ctx.i32_type());
+        if let Lanes::Simulated { .. } = self.lanes {
+            let narrow = e.narrow(self.f.dtype, self.shuffle(x, x, &[0, 1])?)?;
+            return Ok(e.b.build_bit_cast(narrow, i32t, "")?.into_int_value());
+        }
         let ty = i32t.fn_type(&[f32t.into(), f32t.into()], false);
         let text = format!("cvt.rn.{}x2.f32 $0, $1, $2;", self.f.dtype);
         let asm = e.ctx.create_inline_asm(ty, text, "=r,f,f".into(), false, false, None, false);
         let call = e.b.build_indirect_call(ty, asm, &[e.lane(x, 1)?.into(), e.lane(x, 0)?.into()], "")?;
         Ok(call.try_as_basic_value().basic().expect("returns a word").into_int_value())
+    }
+
+    /// A call of the simulated block's operation at word `w` with `(block, thread, args..)`.
+    fn simulated(
+        &self,
+        w: usize,
+        ty: inkwell::types::FunctionType<'ctx>,
+        args: &[BasicMetadataValueEnum<'ctx>],
+    ) -> Result<inkwell::values::CallSiteValue<'ctx>, LlvmError> {
+        let Lanes::Simulated { context, .. } = self.lanes else {
+            return Err(LlvmError::llvm("attention", "a simulated warp operation on a GPU"));
+        };
+        let (e, i64t) = (self.e, self.e.ctx.i64_type());
+        let operation =
+            e.b.build_load(e.ctx.ptr_type(AddressSpace::default()), self.element(i64t, context, self.int(w))?, "")?;
+        let mut all: Vec<BasicMetadataValueEnum<'ctx>> = vec![context.into(), self.thread.into()];
+        all.extend_from_slice(args);
+        Ok(e.b.build_indirect_call(ty, operation.into_pointer_value(), &all, "")?)
+    }
+
+    /// A barrier of the block's threads (`bar.sync 0`).
+    fn barrier(&self) -> Result<(), LlvmError> {
+        if let Lanes::Simulated { .. } = self.lanes {
+            let (ptr, i64t) = (self.e.ctx.ptr_type(AddressSpace::default()), self.e.ctx.i64_type());
+            let ty = self.e.ctx.void_type().fn_type(&[ptr.into(), i64t.into()], false);
+            self.simulated(crate::warp_simulator::word::BARRIER, ty, &[])?;
+            return Ok(());
+        }
+        call(self.e, "llvm.nvvm.barrier0", &[])?;
+        Ok(())
+    }
+
+    /// The f32 `x` of lane `lane ^ offset` (`shfl.sync.bfly`, every lane of the warp taking part).
+    fn shuffle_xor(
+        &self,
+        x: inkwell::values::BasicValueEnum<'ctx>,
+        offset: u64,
+    ) -> Result<inkwell::values::BasicValueEnum<'ctx>, LlvmError> {
+        let (e, i32t, i64t, f32t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type(), self.e.ctx.f32_type());
+        if let Lanes::Simulated { .. } = self.lanes {
+            let ptr = e.ctx.ptr_type(AddressSpace::default());
+            let ty = f32t.fn_type(&[ptr.into(), i64t.into(), f32t.into(), i64t.into()], false);
+            let call = self.simulated(
+                crate::warp_simulator::word::SHUFFLE,
+                ty,
+                &[x.into(), self.int(offset as usize).into()],
+            )?;
+            return Ok(call.try_as_basic_value().basic().expect("returns a float"));
+        }
+        let args: [BasicMetadataValueEnum; 4] = [
+            i32t.const_all_ones().into(),
+            x.into(),
+            i32t.const_int(offset, false).into(),
+            i32t.const_int(31, false).into(),
+        ];
+        call(e, "llvm.nvvm.shfl.sync.bfly.f32", &args)?.ok_or_else(|| LlvmError::llvm("NVPTX shuffle", "no value"))
     }
 
     /// Lanes `lanes` of `a` (and `b`, numbered after `a`'s).
@@ -269,14 +402,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         for offset in [1u64, 2] {
             let mut other = e.f32_type(Emitter::width(x)).get_undef();
             for l in 0..Emitter::width(x) {
-                let args: [BasicMetadataValueEnum; 4] = [
-                    i32t.const_all_ones().into(),
-                    e.lane(x, l)?.into(),
-                    i32t.const_int(offset, false).into(),
-                    i32t.const_int(31, false).into(),
-                ];
-                let shuffled = call(e, "llvm.nvvm.shfl.sync.bfly.f32", &args)?
-                    .ok_or_else(|| LlvmError::llvm("NVPTX shuffle", "no value"))?;
+                let shuffled = self.shuffle_xor(e.lane(x, l)?, offset)?;
                 other = e.b.build_insert_element(other, shuffled, i32t.const_int(l as u64, false), "")?;
             }
             x = fold(x, other)?;
@@ -288,6 +414,23 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
     /// 16 x 8 one (2 registers), `c` the 16 x 8 f32 accumulator's 4 elements.
     fn mma(&self, a: &[IntValue<'ctx>; 4], b: [IntValue<'ctx>; 2], c: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
         let (e, f32t, i32t) = (self.e, self.e.ctx.f32_type(), self.e.ctx.i32_type());
+        if let Lanes::Simulated { words, acc, .. } = self.lanes {
+            for (w, &word) in a.iter().chain(&b).enumerate() {
+                e.b.build_store(self.element(i32t, words, self.int(w))?, word)?;
+            }
+            for l in 0..4 {
+                e.b.build_store(self.element(f32t, acc, self.int(l))?, e.lane(c, l as u32)?)?;
+            }
+            let (ptr, i64t) = (e.ctx.ptr_type(AddressSpace::default()), e.ctx.i64_type());
+            let ty = e.ctx.void_type().fn_type(&[ptr.into(), i64t.into(), ptr.into(), ptr.into()], false);
+            self.simulated(crate::warp_simulator::word::MMA, ty, &[words.into(), acc.into()])?;
+            let mut d = e.f32_type(4).get_undef();
+            for l in 0..4 {
+                let x = e.b.build_load(f32t, self.element(f32t, acc, self.int(l))?, "")?;
+                d = e.b.build_insert_element(d, x, i32t.const_int(l as u64, false), "")?;
+            }
+            return Ok(d);
+        }
         let operand = match self.f.dtype {
             DType::F16 => "f16",
             _ => "bf16",
@@ -320,6 +463,15 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
     /// this thread names at `address` (a row of matrix `lane / 8`), each received transposed.
     fn load_matrices_transposed(&self, address: PointerValue<'ctx>) -> Result<[IntValue<'ctx>; 4], LlvmError> {
         let (e, i32t, i64t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type());
+        if let Lanes::Simulated { words, .. } = self.lanes {
+            let ptr = e.ctx.ptr_type(AddressSpace::default());
+            let ty = e.ctx.void_type().fn_type(&[ptr.into(), i64t.into(), ptr.into(), ptr.into()], false);
+            self.simulated(crate::warp_simulator::word::LOAD_MATRICES_TRANSPOSED, ty, &[address.into(), words.into()])?;
+            let word = |w: usize| -> Result<IntValue<'ctx>, LlvmError> {
+                Ok(e.b.build_load(i32t, self.element(i32t, words, self.int(w))?, "")?.into_int_value())
+            };
+            return Ok([word(0)?, word(1)?, word(2)?, word(3)?]);
+        }
         let result = e.ctx.struct_type(&[i32t.into(); 4], false);
         let ty = result.fn_type(&[i64t.into()], false);
         let text = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];".to_string();
@@ -451,7 +603,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
     ) -> Result<(), LlvmError> {
         let (e, d) = (self.e, self.f.dims.head_dim);
         let (i16t, v4) = (e.ctx.i16_type(), e.ctx.i32_type().vec_type(4));
-        call(e, "llvm.nvvm.barrier0", &[])?;
+        self.barrier()?;
         let chunks_per_row = d / 8;
         let chunks = TENSOR_CORE_COLUMN_TILE * chunks_per_row;
         for round in 0..chunks.div_ceil(BLOCK as usize) {
@@ -482,7 +634,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
                 if_then(e, self.function, inside, copy)?;
             }
         }
-        call(e, "llvm.nvvm.barrier0", &[])?;
+        self.barrier()?;
         Ok(())
     }
 

@@ -127,6 +127,9 @@ fn build_module<'ctx>(
             Function::Axis(kernel) => {
                 crate::axis::define_cpu(&e, symbol, kernel)?;
             }
+            Function::SimulatedAttention(attention) => {
+                crate::attention_tiles::define_simulated(&e, symbol, attention)?;
+            }
         }
     }
     module.verify().map_err(|m| LlvmError::llvm("verification", m))?;

@@ -105,7 +105,10 @@ impl Jit {
                 unnamed.name.clear();
                 serde_json::to_vec(&Function::Kernel(&unnamed))
             }
-            Function::OptimizerStep(_) | Function::Attention(_) | Function::Axis(_) => serde_json::to_vec(&function),
+            Function::OptimizerStep(_)
+            | Function::Attention(_)
+            | Function::Axis(_)
+            | Function::SimulatedAttention(_) => serde_json::to_vec(&function),
         };
         hash.update(description.expect("kernels serialise"));
         hash.update(self.target.description.as_bytes());

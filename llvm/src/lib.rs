@@ -32,6 +32,7 @@ pub mod jit;
 pub mod math;
 pub mod nvptx;
 pub mod optim;
+pub mod warp_simulator;
 
 pub use cpu::{compile_cpu, compile_cpu_functions, CpuKernel};
 
@@ -46,6 +47,9 @@ pub enum Function<'a> {
     Attention(&'a autotp_kernels::attention::AttentionFunction),
     /// A top-k or scatter-elements in a GPU's form (the emulated GPU runs it here).
     Axis(&'a autotp_kernels::axis::AxisKernel),
+    /// A tensor-core attention pass as one thread of a simulated GPU block runs it
+    /// ([`warp_simulator`]; tests).
+    SimulatedAttention(&'a autotp_kernels::attention::AttentionFunction),
 }
 
 /// O3 without loop unrolling: the emitters already write vector loops, and unrolling their

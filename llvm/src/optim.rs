@@ -1,5 +1,5 @@
 //! The multi-tensor optimizer step as generated code: one kernel per update rule that walks a
-//! table of chunks, each a [`TensorUpdate`] (a piece of one parameter with its gradient and
+//! table of chunks, each a [`TensorUpdate`](autotp_kernels::optim::TensorUpdate) (a piece of one parameter with its gradient and
 //! states), as Apex's `multi_tensor_apply` does. Every parameter of a step is updated by one
 //! launch (CUDA) or one pass of the thread pool (x86).
 //!
