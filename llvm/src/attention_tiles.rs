@@ -28,8 +28,10 @@
 //! stores it rounded, with the log-sum-exp for the backward; `dq` stores `dout . out` of its
 //! rows for the `dk` pass. Thread `lane` of a warp holds rows `lane / 4` and `lane / 4 + 8` of its
 //! 16, and of every 8 columns (or head dims) the two from `2 (lane % 4)`: the `mma` fragment
-//! layout of PTX's ISA. Sums over columns are f32 (the exponentials [`crate::math`]'s
-//! polynomials, as on x86); only the products inside an `mma` are the hardware's. The emulated
+//! layout of PTX's ISA. Sums over columns are f32; the exponentials are the hardware's
+//! `ex2.approx` (2 ulps, where the row kernels and x86 use [`crate::math`]'s polynomial of 1
+//! ulp: FlashAttention's choice, as the probabilities are rounded to 16 bits for the next
+//! product anyway), and the products inside an `mma` are summed in the hardware's order. The emulated
 //! GPU runs the rows of a tile one at a time (`crate::attention`), rounding the same operands;
 //! the tests run these passes as they are, built for the host with the warp operations simulated
 //! (`define_simulated`, [`crate::warp_simulator`]).
@@ -342,6 +344,30 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         let mut all: Vec<BasicMetadataValueEnum<'ctx>> = vec![context.into(), self.thread.into()];
         all.extend_from_slice(args);
         Ok(e.b.build_indirect_call(ty, operation.into_pointer_value(), &all, "")?)
+    }
+
+    /// `e^x` lane by lane as the hardware's `2^(x log2 e)` (`ex2.approx.ftz.f32`, one
+    /// instruction on the special function unit, within 2 ulps; subnormal results flush to 0):
+    /// the exponentials of the scores, which the tensor cores take rounded to 16 bits anyway.
+    fn exp(&self, x: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+        let (e, f32t, i32t) = (self.e, self.e.ctx.f32_type(), self.e.ctx.i32_type());
+        let scaled = e.fmul(x, e.f32(Emitter::width(x), std::f32::consts::LOG2_E))?;
+        let mut result = e.f32_type(Emitter::width(x)).get_undef();
+        for l in 0..Emitter::width(x) {
+            let lane = e.lane(scaled, l)?;
+            let power = match self.lanes {
+                Lanes::Simulated { .. } => {
+                    let ptr = e.ctx.ptr_type(AddressSpace::default());
+                    let ty = f32t.fn_type(&[ptr.into(), e.ctx.i64_type().into(), f32t.into()], false);
+                    let call = self.simulated(crate::warp_simulator::word::EXP2, ty, &[lane.into()])?;
+                    call.try_as_basic_value().basic().expect("returns a float")
+                }
+                Lanes::Nvptx => call(e, "llvm.nvvm.ex2.approx.ftz.f", &[lane.into()])?
+                    .ok_or_else(|| LlvmError::llvm("NVPTX exp2", "no value"))?,
+            };
+            result = e.b.build_insert_element(result, power, i32t.const_int(l as u64, false), "")?;
+        }
+        Ok(result)
     }
 
     /// A barrier of the block's threads (`bar.sync 0`).
@@ -832,10 +858,9 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
                 // A row that has seen only masked keys subtracts 0, not -inf (its exponentials are 0).
                 let none = e.fcmp(FloatPredicate::OEQ, new_max, e.f32(2, f32::NEG_INFINITY))?;
                 let base = e.select(none, e.f32(2, 0.0), new_max)?;
-                let correction = math::exp(e, e.fsub(max, base)?)?;
+                let correction = self.exp(e.fsub(max, base)?)?;
                 let base = self.shuffle(base, base, &[0, 0, 1, 1])?;
-                let ps: Vec<V<'ctx>> =
-                    scores.iter().map(|&s| math::exp(e, e.fsub(s, base)?)).collect::<Result<_, _>>()?;
+                let ps: Vec<V<'ctx>> = scores.iter().map(|&s| self.exp(e.fsub(s, base)?)).collect::<Result<_, _>>()?;
                 let mut next = vec![new_max, e.fma(sum, correction, self.row_fold(&ps, |x, y| e.fadd(x, y))?)?];
                 let correction = self.shuffle(correction, correction, &[0, 0, 1, 1])?;
                 let mut outputs: Vec<V<'ctx>> =
@@ -892,7 +917,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
             let (scores, dps) = (self.products(&q, 0)?, self.products(&g, 1)?);
             let mut ds = Vec::new();
             for (group, (acc, dp)) in scores.into_iter().zip(dps).enumerate() {
-                let p = math::exp(e, e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?;
+                let p = self.exp(e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?;
                 ds.push(e.fmul(p, e.fsub(dp, delta4)?)?);
             }
             let mut dq = dq.to_vec();
@@ -960,7 +985,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
                     let mut ps = Vec::new();
                     for (group, acc) in self.products(&k, 0)?.into_iter().enumerate() {
                         let lse = self.column_values(self.ops.lse, &columns, group)?;
-                        ps.push(math::exp(e, e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?);
+                        ps.push(self.exp(e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?);
                     }
                     let (mut dk, mut dv) = (carried[..dk_len].to_vec(), carried[dk_len..].to_vec());
                     if with_dk {

@@ -18,7 +18,8 @@
 //! - `ldmatrix.sync.m8n8.x4.trans.b16`: lanes `8m..8m+8` name the rows of matrix `m`, each 8
 //!   16-bit elements; lane `l` receives word `m` holding elements `(2t, g)` and `(2t + 1, g)` of
 //!   matrix `m`;
-//! - `shfl.sync.bfly`: lane `l` receives lane `l ^ offset`'s value.
+//! - `shfl.sync.bfly`: lane `l` receives lane `l ^ offset`'s value;
+//! - `ex2.approx.ftz.f32`: the host's `exp2`, a subnormal result flushed to 0.
 //!
 //! A simulated launch is slow (every warp operation is two barriers of 32 host threads) and is
 //! for tests of small shapes only.
@@ -41,6 +42,7 @@ pub struct SimulatedBlock {
     shuffle: extern "C" fn(&SimulatedBlock, i64, f32, i64) -> f32,
     mma: extern "C" fn(&SimulatedBlock, i64, *const i32, *mut f32),
     load_matrices_transposed: extern "C" fn(&SimulatedBlock, i64, *const u8, *mut i32),
+    exp2: extern "C" fn(&SimulatedBlock, i64, f32) -> f32,
     dtype: DType,
     block_barrier: Barrier,
     warps: Vec<Warp>,
@@ -54,6 +56,7 @@ pub(crate) mod word {
     pub const SHUFFLE: usize = 3;
     pub const MMA: usize = 4;
     pub const LOAD_MATRICES_TRANSPOSED: usize = 5;
+    pub const EXP2: usize = 6;
 }
 
 /// What a warp's lanes put down for a warp operation.
@@ -79,6 +82,7 @@ impl SimulatedBlock {
             shuffle,
             mma,
             load_matrices_transposed,
+            exp2,
             dtype,
             block_barrier: Barrier::new(THREADS),
             warps: (0..THREADS / 32)
@@ -103,6 +107,16 @@ impl SimulatedBlock {
             DType::F16 => half::f16::from_bits(bits).to_f32(),
             _ => f32::from_bits(u32::from(bits) << 16),
         }
+    }
+}
+
+/// `ex2.approx.ftz.f32`: 2^x, subnormal results flushed to 0.
+extern "C" fn exp2(_block: &SimulatedBlock, _thread: i64, x: f32) -> f32 {
+    let power = x.exp2();
+    if power != 0.0 && power.abs() < f32::MIN_POSITIVE {
+        0.0
+    } else {
+        power
     }
 }
 
