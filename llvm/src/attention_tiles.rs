@@ -14,8 +14,8 @@
 //!    (16-byte loads; rows past the sequence are zeros), rows padded by 8 elements so that the
 //!    fragments' reads meet no bank conflicts;
 //! 2. each warp's products with them (`q k^T`, `dout v^T`; `k q^T`, `v dout^T`: 16 x 64, f32)
-//!    are `mma`s whose B fragments are pairs of elements read from shared memory; scores are
-//!    scaled, biased and masked (-inf) as the row kernels do;
+//!    are `mma`s whose B fragments `ldmatrix` loads from shared memory; scores are scaled,
+//!    biased and masked (-inf) as the row kernels do;
 //! 3. the forward's online softmax: each row's maximum over the quad of threads that hold it
 //!    (two warp shuffles), the running sums and the output rescaled by `exp(old max - new
 //!    max)`; the backward recomputes `p = exp(s - lse)` and `ds = p (dp - dout . out)`;
@@ -485,14 +485,17 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         Ok(d)
     }
 
-    /// `ldmatrix.x4.trans` from shared memory: four 8 x 8 matrices of 16-bit elements, the row
-    /// this thread names at `address` (a row of matrix `lane / 8`), each received transposed.
-    fn load_matrices_transposed(&self, address: PointerValue<'ctx>) -> Result<[IntValue<'ctx>; 4], LlvmError> {
+    /// `ldmatrix.x4` from shared memory: four 8 x 8 matrices of 16-bit elements, the row this
+    /// thread names at `address` (row `lane % 8` of matrix `lane / 8`); word `m` holds matrix
+    /// `m`'s elements `(g, 2t)` and `(g, 2t + 1)`, or with `transposed` (`.trans`) `(2t, g)` and
+    /// `(2t + 1, g)`: B fragments of rows in shared memory, or of their transpose.
+    fn load_matrices(&self, address: PointerValue<'ctx>, transposed: bool) -> Result<[IntValue<'ctx>; 4], LlvmError> {
         let (e, i32t, i64t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type());
         if let Lanes::Simulated { words, .. } = self.lanes {
             let ptr = e.ctx.ptr_type(AddressSpace::default());
-            let ty = e.ctx.void_type().fn_type(&[ptr.into(), i64t.into(), ptr.into(), ptr.into()], false);
-            self.simulated(crate::warp_simulator::word::LOAD_MATRICES_TRANSPOSED, ty, &[address.into(), words.into()])?;
+            let ty = e.ctx.void_type().fn_type(&[ptr.into(), i64t.into(), ptr.into(), i64t.into(), ptr.into()], false);
+            let args = [address.into(), self.int(usize::from(transposed)).into(), words.into()];
+            self.simulated(crate::warp_simulator::word::LOAD_MATRICES, ty, &args)?;
             let word = |w: usize| -> Result<IntValue<'ctx>, LlvmError> {
                 Ok(e.b.build_load(i32t, self.element(i32t, words, self.int(w))?, "")?.into_int_value())
             };
@@ -500,7 +503,8 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         }
         let result = e.ctx.struct_type(&[i32t.into(); 4], false);
         let ty = result.fn_type(&[i64t.into()], false);
-        let text = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];".to_string();
+        let trans = if transposed { ".trans" } else { "" };
+        let text = format!("ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{$0,$1,$2,$3}}, [$4];");
         let asm = e.ctx.create_inline_asm(ty, text, "=r,=r,=r,=r,l,~{memory}".into(), true, false, None, false);
         let at = e.b.build_ptr_to_int(address, i64t, "")?;
         let call = e.b.build_indirect_call(ty, asm, &[at.into()], "")?;
@@ -665,23 +669,32 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
     }
 
     /// The warp's rows times the shared tile `slot`'s rows, transposed (`q k^T`): per group of 8
-    /// columns, the C fragment (f32).
+    /// columns, the C fragment (f32). Each `ldmatrix.x4` loads the B fragments of two groups for
+    /// one step of 16: matrix `lane / 8` is group `+ lane / 16`'s rows, head dims `+ 8` for odd
+    /// `lane / 8`.
     fn products(&self, a: &[[IntValue<'ctx>; 4]], slot: usize) -> Result<Vec<V<'ctx>>, LlvmError> {
-        let column = self.mul(self.pair, 2)?;
-        (0..COLUMN_GROUPS)
-            .map(|group| {
-                let row = self.add_const(self.group, group * 8)?;
-                let start = self.add(self.mul(row, self.stride)?, column)?;
-                let start = self.add_const(start, slot * TENSOR_CORE_COLUMN_TILE * self.stride)?;
-                let mut acc = self.e.f32(4, 0.0);
-                for (step, a) in a.iter().enumerate() {
-                    let b0 = self.load_pair(self.shared, self.add_const(start, step * 16)?)?;
-                    let b1 = self.load_pair(self.shared, self.add_const(start, step * 16 + 8)?)?;
-                    acc = self.mma(a, [b0, b1], acc)?;
-                }
-                Ok(acc)
-            })
-            .collect()
+        let e = self.e;
+        let lane_row = self.add(
+            self.mul(e.b.build_right_shift(self.lane, self.int(4), false, "")?, 8)?,
+            e.b.build_and(self.lane, self.int(7), "")?,
+        )?;
+        let lane_dim =
+            self.mul(e.b.build_and(e.b.build_right_shift(self.lane, self.int(3), false, "")?, self.int(1), "")?, 8)?;
+        let tile = slot * TENSOR_CORE_COLUMN_TILE * self.stride;
+        let mut products = Vec::new();
+        for pair in (0..COLUMN_GROUPS).step_by(2) {
+            let row = self.add_const(lane_row, pair * 8)?;
+            let start = self.add(self.add_const(self.mul(row, self.stride)?, tile)?, lane_dim)?;
+            let (mut low, mut high) = (e.f32(4, 0.0), e.f32(4, 0.0));
+            for (step, a) in a.iter().enumerate() {
+                let at = self.add_const(start, step * 16)?;
+                let [b0, b1, b2, b3] = self.load_matrices(self.element(e.ctx.i16_type(), self.shared, at)?, false)?;
+                low = self.mma(a, [b0, b1], low)?;
+                high = self.mma(a, [b2, b3], high)?;
+            }
+            products.extend([low, high]);
+        }
+        Ok(products)
     }
 
     /// `acc += x tile` for the shared tile `slot` (`p v`): `x` the column groups' C fragments,
@@ -706,8 +719,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
             let row = self.add_const(lane_row, step * 16)?;
             for dims in (0..acc.len()).step_by(2) {
                 let at = self.add(self.add_const(self.mul(row, self.stride)?, tile + dims * 8)?, lane_dim)?;
-                let [b0, b1, b2, b3] =
-                    self.load_matrices_transposed(self.element(e.ctx.i16_type(), self.shared, at)?)?;
+                let [b0, b1, b2, b3] = self.load_matrices(self.element(e.ctx.i16_type(), self.shared, at)?, true)?;
                 acc[dims] = self.mma(&a, [b0, b1], acc[dims])?;
                 acc[dims + 1] = self.mma(&a, [b2, b3], acc[dims + 1])?;
             }

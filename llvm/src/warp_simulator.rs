@@ -15,9 +15,9 @@
 //!   lower index in the low half of each word), and C's and D's `(g, 2t)`, `(g, 2t + 1)`,
 //!   `(g + 8, 2t)`, `(g + 8, 2t + 1)`; the products are summed in f32 (a GPU's order within one
 //!   `mma` is its own, so results may differ from it in the last bits);
-//! - `ldmatrix.sync.m8n8.x4.trans.b16`: lanes `8m..8m+8` name the rows of matrix `m`, each 8
-//!   16-bit elements; lane `l` receives word `m` holding elements `(2t, g)` and `(2t + 1, g)` of
-//!   matrix `m`;
+//! - `ldmatrix.sync.m8n8.x4[.trans].b16`: lanes `8m..8m+8` name the rows of matrix `m`, each 8
+//!   16-bit elements; lane `l` receives word `m` holding elements `(g, 2t)` and `(g, 2t + 1)`
+//!   of matrix `m`, or with `.trans` `(2t, g)` and `(2t + 1, g)`;
 //! - `shfl.sync.bfly`: lane `l` receives lane `l ^ offset`'s value;
 //! - `ex2.approx.ftz.f32`: the host's `exp2`, a subnormal result flushed to 0.
 //!
@@ -41,7 +41,7 @@ pub struct SimulatedBlock {
     barrier: extern "C" fn(&SimulatedBlock, i64),
     shuffle: extern "C" fn(&SimulatedBlock, i64, f32, i64) -> f32,
     mma: extern "C" fn(&SimulatedBlock, i64, *const i32, *mut f32),
-    load_matrices_transposed: extern "C" fn(&SimulatedBlock, i64, *const u8, *mut i32),
+    load_matrices: extern "C" fn(&SimulatedBlock, i64, *const u8, i64, *mut i32),
     exp2: extern "C" fn(&SimulatedBlock, i64, f32) -> f32,
     dtype: DType,
     block_barrier: Barrier,
@@ -55,7 +55,7 @@ pub(crate) mod word {
     pub const BARRIER: usize = 2;
     pub const SHUFFLE: usize = 3;
     pub const MMA: usize = 4;
-    pub const LOAD_MATRICES_TRANSPOSED: usize = 5;
+    pub const LOAD_MATRICES: usize = 5;
     pub const EXP2: usize = 6;
 }
 
@@ -81,7 +81,7 @@ impl SimulatedBlock {
             barrier,
             shuffle,
             mma,
-            load_matrices_transposed,
+            load_matrices,
             exp2,
             dtype,
             block_barrier: Barrier::new(THREADS),
@@ -169,7 +169,7 @@ extern "C" fn mma(block: &SimulatedBlock, thread: i64, words: *const i32, acc: *
     acc.copy_from_slice(&d);
 }
 
-extern "C" fn load_matrices_transposed(block: &SimulatedBlock, thread: i64, address: *const u8, out: *mut i32) {
+extern "C" fn load_matrices(block: &SimulatedBlock, thread: i64, address: *const u8, transposed: i64, out: *mut i32) {
     let words = block.exchange(
         thread,
         |slot| slot.address = address as usize,
@@ -181,8 +181,12 @@ extern "C" fn load_matrices_transposed(block: &SimulatedBlock, thread: i64, addr
             };
             (0..4)
                 .map(|m| {
-                    let (first, second) = (slots[8 * m + 2 * t].address, slots[8 * m + 2 * t + 1].address);
-                    (u32::from(element(second, g)) << 16 | u32::from(element(first, g))) as i32
+                    let rows = |r: usize| slots[8 * m + r].address;
+                    let (low, high) = match transposed != 0 {
+                        true => (element(rows(2 * t), g), element(rows(2 * t + 1), g)),
+                        false => (element(rows(g), 2 * t), element(rows(g), 2 * t + 1)),
+                    };
+                    (u32::from(high) << 16 | u32::from(low)) as i32
                 })
                 .collect::<Vec<i32>>()
         },
