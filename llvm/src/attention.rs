@@ -938,7 +938,8 @@ mod tests {
     /// The tensor-core passes as a GPU runs them, their warps' `mma`, `ldmatrix`, shuffles and
     /// barriers simulated on host threads ([`crate::warp_simulator`]), on fewer blocks than
     /// units: two query heads sharing a key/value head, tiles of 150 rows (the second short)
-    /// and 64 keys (the third short), and an fp16 bias under a sliding window.
+    /// and 64 keys (the third short), an fp16 bias under a sliding window, and heads of 96 (one
+    /// stage of shared memory; the others copy the next tile while working on this one).
     #[test]
     fn simulated_tensor_core_passes_match_the_builtin_kernel() {
         let cases = [
@@ -951,6 +952,8 @@ mod tests {
                     ..dims(&[], 40, 16, 16, Some(vec![1, 2, 40, 40]))
                 },
             ),
+            // Heads of 96: one stage of shared memory (two would pass 48 KiB), dk and dv apart.
+            (DType::BF16, AttentionDims { lead: vec![1, 1], kv_lead: vec![1, 1], ..dims(&[], 70, 96, 96, None) }),
         ];
         for (dtype, dims) in cases {
             let mask =

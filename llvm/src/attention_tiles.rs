@@ -11,8 +11,9 @@
 //! queries, of every query head sharing the key's head), [`TENSOR_CORE_COLUMN_TILE`] at a time:
 //!
 //! 1. the block copies the columns' two operands (k and v; or q and dout) into shared memory
-//!    (16-byte loads; rows past the sequence are zeros), rows padded by 8 elements so that the
-//!    fragments' reads meet no bank conflicts;
+//!    (16 bytes per thread at a time; rows past the sequence are zeros), rows padded by 8
+//!    elements so that the fragments' reads meet no bank conflicts; where two tiles fit in
+//!    shared memory, the next tile's copy is issued (`cp.async`) before this one's work;
 //! 2. each warp's products with them (`q k^T`, `dout v^T`; `k q^T`, `v dout^T`: 16 x 64, f32)
 //!    are `mma`s whose B fragments `ldmatrix` loads from shared memory; scores are scaled,
 //!    biased and masked (-inf) as the row kernels do;
@@ -64,6 +65,25 @@ const COLUMN_GROUPS: usize = TENSOR_CORE_COLUMN_TILE / 8;
 /// Elements of padding after each row of an operand in shared memory (16 bytes).
 const ROW_PADDING: usize = 8;
 
+/// The most static shared memory a block may have.
+const MAX_SHARED_BYTES: usize = 48 * 1024;
+
+/// The column tiles a pass holds in shared memory at once: two where they fit (the next one's
+/// copy, `cp.async`, overlaps the work on this one), else one.
+fn stages(f: &AttentionFunction) -> usize {
+    let tile = 2 * TENSOR_CORE_COLUMN_TILE * (f.dims.head_dim + ROW_PADDING) * 2;
+    if 2 * tile <= MAX_SHARED_BYTES {
+        2
+    } else {
+        1
+    }
+}
+
+/// The bytes of shared memory a pass's block takes: its stages of both operands' tiles.
+pub(crate) fn shared_bytes(f: &AttentionFunction) -> usize {
+    stages(f) * 2 * TENSOR_CORE_COLUMN_TILE * (f.dims.head_dim + ROW_PADDING) * 2
+}
+
 /// Appends the GPU entry `symbol` computing `f` (a tensor-core pass): `void f(b0, b1, ...,
 /// i64 units)` with the buffers of [`crate::attention::buffer_count`], launched with
 /// [`BLOCK`] threads per block.
@@ -93,8 +113,7 @@ pub(crate) fn define_nvptx<'ctx>(
     let (table, delta) = (take(), take());
     let ops = Operands { q, k, v, bias, out, lse, d_out, grads, table, delta };
     let units = function.get_nth_param(count as u32).expect("declared").into_int_value();
-    let stride = f.dims.head_dim + ROW_PADDING;
-    let ty = e.ctx.i16_type().array_type((2 * TENSOR_CORE_COLUMN_TILE * stride) as u32);
+    let ty = e.ctx.i16_type().array_type((shared_bytes(f) / 2) as u32);
     let global = e.module.add_global(ty, Some(AddressSpace::from(3u16)), &format!("{symbol}_column_tile"));
     global.set_linkage(Linkage::Internal);
     global.set_initializer(&ty.get_undef());
@@ -620,20 +639,84 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
             .collect()
     }
 
+    /// Runs `body` over the column tiles from `lo` before `hi` of the two `[.., len, d]` operands
+    /// `sources` (of the head whose first row is `head_start`), each tile in shared memory when
+    /// it runs: its first column, where the two operands' tiles start in shared memory, and the
+    /// carried values. With two stages, tile `t + 1`'s copy (`cp.async`) is issued before tile
+    /// `t`'s work, into the stage tile `t - 1` used, which a barrier after each tile's work frees;
+    /// with one, each tile is copied between two barriers.
+    #[allow(clippy::too_many_arguments)]
+    fn column_tiles(
+        &self,
+        (lo, hi): (IntValue<'ctx>, IntValue<'ctx>),
+        sources: [PointerValue<'ctx>; 2],
+        head_start: IntValue<'ctx>,
+        len: usize,
+        init: &[V<'ctx>],
+        mut body: impl FnMut(IntValue<'ctx>, [IntValue<'ctx>; 2], &[V<'ctx>]) -> Result<Vec<V<'ctx>>, LlvmError>,
+    ) -> Result<Vec<V<'ctx>>, LlvmError> {
+        let e = self.e;
+        let operand = TENSOR_CORE_COLUMN_TILE * self.stride;
+        let step = self.int(TENSOR_CORE_COLUMN_TILE);
+        if stages(self.f) == 1 {
+            return counted_loop(e, self.function, lo, hi, step, init, |start, carried| {
+                self.barrier()?;
+                self.copy_tile(sources, head_start, start, len, self.int(0))?;
+                self.barrier()?;
+                body(start, [self.int(0), self.int(operand)], carried)
+            });
+        }
+        let any = e.b.build_int_compare(IntPredicate::SLT, lo, hi, "")?;
+        if_then(e, self.function, any, || {
+            self.copy_tile(sources, head_start, lo, len, self.int(0))?;
+            self.async_copies("cp.async.commit_group;")
+        })?;
+        counted_loop(e, self.function, lo, hi, step, init, |start, carried| {
+            let index = e.b.build_int_unsigned_div(e.b.build_int_sub(start, lo, "")?, step, "")?;
+            let stage = e.b.build_and(index, self.int(1), "")?;
+            let this = self.mul(stage, 2 * operand)?;
+            let other = self.mul(e.b.build_xor(stage, self.int(1), "")?, 2 * operand)?;
+            let next = self.add(start, step)?;
+            let more = e.b.build_int_compare(IntPredicate::SLT, next, hi, "")?;
+            if_then(e, self.function, more, || self.copy_tile(sources, head_start, next, len, other))?;
+            // An empty group where there is no next tile: waiting for all groups but the newest
+            // is then waiting for this tile's.
+            self.async_copies("cp.async.commit_group;")?;
+            self.async_copies("cp.async.wait_group 1;")?;
+            self.barrier()?;
+            let done = body(start, [this, self.add_const(this, operand)?], carried)?;
+            self.barrier()?;
+            Ok(done)
+        })
+    }
+
+    /// `text`, a `cp.async` bookkeeping instruction (on a GPU; the simulated block copies at
+    /// once, so it has nothing to wait for).
+    fn async_copies(&self, text: &str) -> Result<(), LlvmError> {
+        if let Lanes::Simulated { .. } = self.lanes {
+            return Ok(());
+        }
+        let ty = self.e.ctx.void_type().fn_type(&[], false);
+        let asm = self.e.ctx.create_inline_asm(ty, text.into(), "~{memory}".into(), true, false, None, false);
+        self.e.b.build_indirect_call(ty, asm, &[], "")?;
+        Ok(())
+    }
+
     /// Copies rows `start..start + TENSOR_CORE_COLUMN_TILE` of the two `[.., len, d]` operands
-    /// `sources` (of the head whose first row is `head_start`) into shared memory, zeros past
-    /// `len`, between barriers (no warp still reads the last tile; every warp sees the whole of
-    /// this one).
-    fn load_columns(
+    /// `sources` (of the head whose first row is `head_start`) into the stage at element `stage`
+    /// of shared memory, 16 bytes per thread at a time, zeros past `len`: with two stages as
+    /// `cp.async` (its source size 0 past `len`), else loads and stores.
+    fn copy_tile(
         &self,
         sources: [PointerValue<'ctx>; 2],
         head_start: IntValue<'ctx>,
         start: IntValue<'ctx>,
         len: usize,
+        stage: IntValue<'ctx>,
     ) -> Result<(), LlvmError> {
         let (e, d) = (self.e, self.f.dims.head_dim);
         let (i16t, v4) = (e.ctx.i16_type(), e.ctx.i32_type().vec_type(4));
-        self.barrier()?;
+        let asynchronous = stages(self.f) == 2 && matches!(self.lanes, Lanes::Nvptx);
         let chunks_per_row = d / 8;
         let chunks = TENSOR_CORE_COLUMN_TILE * chunks_per_row;
         for round in 0..chunks.div_ceil(BLOCK as usize) {
@@ -645,15 +728,20 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
                 let inside = e.b.build_int_compare(IntPredicate::SLT, position, self.int(len), "")?;
                 let position = self.min(position, self.int(len - 1))?;
                 let from = self.add(self.mul(self.add(head_start, position)?, d)?, column)?;
-                let to = self.add(self.mul(row, self.stride)?, column)?;
+                let to = self.add(self.add(self.mul(row, self.stride)?, column)?, stage)?;
                 for (slot, source) in sources.into_iter().enumerate() {
-                    let load = e.b.build_load(v4, self.element(i16t, source, from)?, "")?;
+                    let at = self.add_const(to, slot * TENSOR_CORE_COLUMN_TILE * self.stride)?;
+                    let (to, from) = (self.element(i16t, self.shared, at)?, self.element(i16t, source, from)?);
+                    if asynchronous {
+                        self.copy_async(to, from, inside)?;
+                        continue;
+                    }
+                    let load = e.b.build_load(v4, from, "")?;
                     if let Some(instruction) = inkwell::values::BasicValue::as_instruction_value(&load) {
                         let _ = instruction.set_alignment(16);
                     }
                     let value = e.b.build_select(inside, load.into_vector_value(), v4.const_zero(), "")?;
-                    let at = self.add_const(to, slot * TENSOR_CORE_COLUMN_TILE * self.stride)?;
-                    let _ = e.b.build_store(self.element(i16t, self.shared, at)?, value)?.set_alignment(16);
+                    let _ = e.b.build_store(to, value)?.set_alignment(16);
                 }
                 Ok(())
             };
@@ -664,15 +752,33 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
                 if_then(e, self.function, inside, copy)?;
             }
         }
-        self.barrier()?;
         Ok(())
     }
 
-    /// The warp's rows times the shared tile `slot`'s rows, transposed (`q k^T`): per group of 8
+    /// `cp.async.cg.shared.global`: 16 bytes from global `from` to shared `to`, or 16 zeros
+    /// where `inside` is false (a source size of 0).
+    fn copy_async(
+        &self,
+        to: PointerValue<'ctx>,
+        from: PointerValue<'ctx>,
+        inside: IntValue<'ctx>,
+    ) -> Result<(), LlvmError> {
+        let (e, i32t, i64t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type());
+        let global = e.b.build_address_space_cast(from, e.ctx.ptr_type(AddressSpace::from(1u16)), "")?;
+        let (to, from) = (e.b.build_ptr_to_int(to, i64t, "")?, e.b.build_ptr_to_int(global, i64t, "")?);
+        let size = e.b.build_select(inside, i32t.const_int(16, false), i32t.const_zero(), "")?;
+        let ty = e.ctx.void_type().fn_type(&[i64t.into(), i64t.into(), i32t.into()], false);
+        let text = "cp.async.cg.shared.global [$0], [$1], 16, $2;".to_string();
+        let asm = e.ctx.create_inline_asm(ty, text, "l,l,r,~{memory}".into(), true, false, None, false);
+        e.b.build_indirect_call(ty, asm, &[to.into(), from.into(), size.into()], "")?;
+        Ok(())
+    }
+
+    /// The warp's rows times the rows of the shared tile at element `tile`, transposed (`q k^T`): per group of 8
     /// columns, the C fragment (f32). Each `ldmatrix.x4` loads the B fragments of two groups for
     /// one step of 16: matrix `lane / 8` is group `+ lane / 16`'s rows, head dims `+ 8` for odd
     /// `lane / 8`.
-    fn products(&self, a: &[[IntValue<'ctx>; 4]], slot: usize) -> Result<Vec<V<'ctx>>, LlvmError> {
+    fn products(&self, a: &[[IntValue<'ctx>; 4]], tile: IntValue<'ctx>) -> Result<Vec<V<'ctx>>, LlvmError> {
         let e = self.e;
         let lane_row = self.add(
             self.mul(e.b.build_right_shift(self.lane, self.int(4), false, "")?, 8)?,
@@ -680,11 +786,10 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         )?;
         let lane_dim =
             self.mul(e.b.build_and(e.b.build_right_shift(self.lane, self.int(3), false, "")?, self.int(1), "")?, 8)?;
-        let tile = slot * TENSOR_CORE_COLUMN_TILE * self.stride;
         let mut products = Vec::new();
         for pair in (0..COLUMN_GROUPS).step_by(2) {
             let row = self.add_const(lane_row, pair * 8)?;
-            let start = self.add(self.add_const(self.mul(row, self.stride)?, tile)?, lane_dim)?;
+            let start = self.add(self.add(self.mul(row, self.stride)?, tile)?, lane_dim)?;
             let (mut low, mut high) = (e.f32(4, 0.0), e.f32(4, 0.0));
             for (step, a) in a.iter().enumerate() {
                 let at = self.add_const(start, step * 16)?;
@@ -697,9 +802,9 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         Ok(products)
     }
 
-    /// `acc += x tile` for the shared tile `slot` (`p v`): `x` the column groups' C fragments,
+    /// `acc += x tile` for the shared tile at element `tile` (`p v`): `x` the column groups' C fragments,
     /// rounded into A fragments; `acc` the `d / 8` fragments of the warp's rows.
-    fn accumulate(&self, x: &[V<'ctx>], slot: usize, acc: &mut [V<'ctx>]) -> Result<(), LlvmError> {
+    fn accumulate(&self, x: &[V<'ctx>], tile: IntValue<'ctx>, acc: &mut [V<'ctx>]) -> Result<(), LlvmError> {
         let e = self.e;
         // Matrix `lane / 8` of an ldmatrix.x4: columns +0 or +8 of 16, head dims +0 or +8.
         let lane_row = self.add(
@@ -707,7 +812,6 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
             e.b.build_and(self.lane, self.int(7), "")?,
         )?;
         let lane_dim = self.mul(e.b.build_right_shift(self.lane, self.int(4), false, "")?, 8)?;
-        let tile = slot * TENSOR_CORE_COLUMN_TILE * self.stride;
         for step in 0..TENSOR_CORE_COLUMN_TILE / 16 {
             let (low, high) = (x[2 * step], x[2 * step + 1]);
             let a = [
@@ -718,7 +822,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
             ];
             let row = self.add_const(lane_row, step * 16)?;
             for dims in (0..acc.len()).step_by(2) {
-                let at = self.add(self.add_const(self.mul(row, self.stride)?, tile + dims * 8)?, lane_dim)?;
+                let at = self.add(self.add_const(self.add(self.mul(row, self.stride)?, tile)?, dims * 8)?, lane_dim)?;
                 let [b0, b1, b2, b3] = self.load_matrices(self.element(e.ctx.i16_type(), self.shared, at)?, true)?;
                 acc[dims] = self.mma(&a, [b0, b1], acc[dims])?;
                 acc[dims + 1] = self.mma(&a, [b2, b3], acc[dims + 1])?;
@@ -850,18 +954,17 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         let kv_head_start = self.mul(self.table(rows.head)?, dims.kv_len)?;
         let mut init = vec![e.f32(2, f32::NEG_INFINITY), e.f32(2, 0.0)];
         init.extend(std::iter::repeat_n(e.f32(4, 0.0), dims.value_dim / 8));
-        let step = self.int(TENSOR_CORE_COLUMN_TILE);
-        let done = counted_loop(
-            e,
-            self.function,
-            self.column_range(rows)?.0,
-            self.column_range(rows)?.1,
-            step,
+        let sources = [self.ops.k, self.ops.v];
+        let range = self.column_range(rows)?;
+        let done = self.column_tiles(
+            range,
+            sources,
+            kv_head_start,
+            dims.kv_len,
             &init,
-            |start, carried| {
-                self.load_columns([self.ops.k, self.ops.v], kv_head_start, start, dims.kv_len)?;
+            |start, [k_tile, v_tile], carried| {
                 let columns = Columns { start, query_head: rows.head };
-                let scores: Vec<V<'ctx>> = (self.products(&q, 0)?.into_iter().enumerate())
+                let scores: Vec<V<'ctx>> = (self.products(&q, k_tile)?.into_iter().enumerate())
                     .map(|(group, acc)| self.scores(acc, rows, &columns, group))
                     .collect::<Result<_, _>>()?;
                 let (max, sum) = (carried[0], carried[1]);
@@ -877,7 +980,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
                 let correction = self.shuffle(correction, correction, &[0, 0, 1, 1])?;
                 let mut outputs: Vec<V<'ctx>> =
                     carried[2..].iter().map(|&o| e.fmul(o, correction)).collect::<Result<_, _>>()?;
-                self.accumulate(&ps, 1, &mut outputs)?;
+                self.accumulate(&ps, v_tile, &mut outputs)?;
                 next.extend(outputs);
                 Ok(next)
             },
@@ -921,21 +1024,20 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         let delta4 = self.shuffle(delta, delta, &[0, 0, 1, 1])?;
         let kv_head_start = self.mul(self.table(rows.head)?, dims.kv_len)?;
         let init = vec![e.f32(4, 0.0); dims.head_dim / 8];
-        let (lo, hi) = self.column_range(rows)?;
-        let step = self.int(TENSOR_CORE_COLUMN_TILE);
-        let dq = counted_loop(e, self.function, lo, hi, step, &init, |start, dq| {
-            self.load_columns([self.ops.k, self.ops.v], kv_head_start, start, dims.kv_len)?;
-            let columns = Columns { start, query_head: rows.head };
-            let (scores, dps) = (self.products(&q, 0)?, self.products(&g, 1)?);
-            let mut ds = Vec::new();
-            for (group, (acc, dp)) in scores.into_iter().zip(dps).enumerate() {
-                let p = self.exp(e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?;
-                ds.push(e.fmul(p, e.fsub(dp, delta4)?)?);
-            }
-            let mut dq = dq.to_vec();
-            self.accumulate(&ds, 0, &mut dq)?;
-            Ok(dq)
-        })?;
+        let (range, sources) = (self.column_range(rows)?, [self.ops.k, self.ops.v]);
+        let dq =
+            self.column_tiles(range, sources, kv_head_start, dims.kv_len, &init, |start, [k_tile, v_tile], dq| {
+                let columns = Columns { start, query_head: rows.head };
+                let (scores, dps) = (self.products(&q, k_tile)?, self.products(&g, v_tile)?);
+                let mut ds = Vec::new();
+                for (group, (acc, dp)) in scores.into_iter().zip(dps).enumerate() {
+                    let p = self.exp(e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?;
+                    ds.push(e.fmul(p, e.fsub(dp, delta4)?)?);
+                }
+                let mut dq = dq.to_vec();
+                self.accumulate(&ds, k_tile, &mut dq)?;
+                Ok(dq)
+            })?;
         let scale = e.f32(2, self.f.scale as f32);
         let dq_out = self.ops.grads[0].expect("the backward has dq");
         self.store_rows(dq_out, rows, &dq, [scale, scale], |r, row| self.store_per_row(self.ops.delta, r, row, delta))
@@ -985,34 +1087,39 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         let dk_len = if with_dk { groups } else { 0 };
         let init = vec![e.f32(4, 0.0); dk_len + if with_dv { groups } else { 0 }];
         let sharing = self.add(self.int(2 * dims.batch()), self.mul(rows.head, self.f.group())?)?;
-        let (lo, hi) = self.column_range(rows)?;
-        let step = self.int(TENSOR_CORE_COLUMN_TILE);
+        let (range, sources) = (self.column_range(rows)?, [self.ops.q, d_out]);
         let done =
             counted_loop(e, self.function, self.int(0), self.int(self.f.group()), self.int(1), &init, |g, carried| {
                 let query_head = self.table(self.add(sharing, g)?)?;
                 let head_start = self.mul(query_head, dims.q_len)?;
-                counted_loop(e, self.function, lo, hi, step, carried, |start, carried| {
-                    self.load_columns([self.ops.q, d_out], head_start, start, dims.q_len)?;
-                    let columns = Columns { start, query_head };
-                    let mut ps = Vec::new();
-                    for (group, acc) in self.products(&k, 0)?.into_iter().enumerate() {
-                        let lse = self.column_values(self.ops.lse, &columns, group)?;
-                        ps.push(self.exp(e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?);
-                    }
-                    let (mut dk, mut dv) = (carried[..dk_len].to_vec(), carried[dk_len..].to_vec());
-                    if with_dk {
-                        let mut ds = Vec::new();
-                        for (group, (p, dp)) in ps.iter().zip(self.products(&v, 1)?).enumerate() {
-                            let delta = self.column_values(self.ops.delta, &columns, group)?;
-                            ds.push(e.fmul(*p, e.fsub(dp, delta)?)?);
+                self.column_tiles(
+                    range,
+                    sources,
+                    head_start,
+                    dims.q_len,
+                    carried,
+                    |start, [q_tile, d_out_tile], carried| {
+                        let columns = Columns { start, query_head };
+                        let mut ps = Vec::new();
+                        for (group, acc) in self.products(&k, q_tile)?.into_iter().enumerate() {
+                            let lse = self.column_values(self.ops.lse, &columns, group)?;
+                            ps.push(self.exp(e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?);
                         }
-                        self.accumulate(&ds, 0, &mut dk)?;
-                    }
-                    if with_dv {
-                        self.accumulate(&ps, 1, &mut dv)?;
-                    }
-                    Ok([dk, dv].concat())
-                })
+                        let (mut dk, mut dv) = (carried[..dk_len].to_vec(), carried[dk_len..].to_vec());
+                        if with_dk {
+                            let mut ds = Vec::new();
+                            for (group, (p, dp)) in ps.iter().zip(self.products(&v, d_out_tile)?).enumerate() {
+                                let delta = self.column_values(self.ops.delta, &columns, group)?;
+                                ds.push(e.fmul(*p, e.fsub(dp, delta)?)?);
+                            }
+                            self.accumulate(&ds, q_tile, &mut dk)?;
+                        }
+                        if with_dv {
+                            self.accumulate(&ps, d_out_tile, &mut dv)?;
+                        }
+                        Ok([dk, dv].concat())
+                    },
+                )
             })?;
         let [_, dk_out, dv_out] = self.ops.grads.map(|g| g.expect("the backward has its gradients"));
         let (scale, one) = (e.f32(2, self.f.scale as f32), e.f32(2, 1.0));

@@ -209,8 +209,7 @@ pub unsafe fn launch(
     buffers: &[*mut u8],
     blocks: usize,
 ) {
-    let stride = f.dims.head_dim + 8;
-    let mut shared = vec![0u8; 2 * autotp_kernels::attention::TENSOR_CORE_COLUMN_TILE * stride * 2];
+    let mut shared = vec![0u8; crate::attention_tiles::shared_bytes(f)];
     for b in 0..blocks {
         let block = SimulatedBlock::new(&mut shared, blocks, f.dtype);
         let mut words: Vec<usize> = buffers.iter().map(|&p| p as usize).collect();
