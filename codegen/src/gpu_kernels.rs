@@ -99,7 +99,8 @@ pub fn largest_target_gpu() -> (&'static str, usize) {
 
 /// The generated and movement kernels of `program` that launch fewer blocks than a GPU of
 /// `multiprocessors` has, over more than [`IDLE_WORK`] elements (one entry per kernel, in the
-/// program's order).
+/// program's order), then fused attention's passes that do, over more than [`IDLE_WORK`]
+/// scores (rows times the keys or queries each meets, all of them).
 pub fn idle_launches(program: &Program, multiprocessors: usize) -> Vec<IdleLaunch> {
     use autotp_llvm::nvptx::{blocks_per_row, launch_blocks};
     let mut per_step: std::collections::HashMap<(bool, usize), usize> = Default::default();
@@ -116,7 +117,7 @@ pub fn idle_launches(program: &Program, multiprocessors: usize) -> Vec<IdleLaunc
     }
     let kernels = (program.kernels.iter().enumerate().map(|(i, k)| ((false, i), k)))
         .chain(program.gpu_kernels.movement.iter().enumerate().map(|(i, k)| ((true, i), k)));
-    kernels
+    let mut idle: Vec<IdleLaunch> = kernels
         .filter_map(|(key, kernel)| {
             let blocks = launch_blocks(kernel.outer, blocks_per_row(kernel));
             let elements = kernel.outer * kernel.inner;
@@ -127,7 +128,23 @@ pub fn idle_launches(program: &Program, multiprocessors: usize) -> Vec<IdleLaunc
                 per_step: per_step.get(&key).copied().unwrap_or(0),
             })
         })
-        .collect()
+        .collect();
+    let mut attention_per_step = vec![0; program.gpu_kernels.attention.len()];
+    for instruction in &program.instructions {
+        if let Instruction::Kernel { gpu: Some(GpuForm::Attention(passes)), .. } = instruction {
+            passes.iter().for_each(|&p| attention_per_step[p] += 1);
+        }
+    }
+    for (f, per_step) in program.gpu_kernels.attention.iter().zip(attention_per_step) {
+        let threads = f.units() * f.threads_per_unit();
+        let blocks = launch_blocks(threads.div_ceil(autotp_llvm::nvptx::BLOCK as usize), 1);
+        let elements = f.dims.query_rows() * f.dims.kv_len;
+        if blocks < multiprocessors && elements > IDLE_WORK {
+            let cut = if f.tensor_cores { ", tensor cores" } else { "" };
+            idle.push(IdleLaunch { kernel: format!("attention {:?}{cut}", f.pass), blocks, elements, per_step });
+        }
+    }
+    idle
 }
 
 #[cfg(test)]
@@ -178,5 +195,50 @@ mod tests {
         }
         let idle = idle_launches(&program, 132);
         assert_eq!(idle, [IdleLaunch { kernel: "sum".into(), blocks: 1, elements: 4 << 20, per_step: 2 }]);
+    }
+
+    /// Fused attention's passes count too: one sequence of 1024 tokens and 12 heads of 64 in
+    /// bf16 is 96 tiles of 128 queries, a block each, for 12M scores: flagged on an H100's 132
+    /// multiprocessors; a micro-batch of 8 (768 blocks) is not.
+    #[test]
+    fn attention_over_few_tiles_leaves_the_gpu_idle() {
+        use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask, AttentionTarget};
+        use autotp_kernels::Kernel;
+        let flagged = |batch: usize| {
+            let dims = AttentionDims {
+                lead: vec![batch, 12],
+                kv_lead: vec![batch, 12],
+                q_len: 1024,
+                kv_len: 1024,
+                head_dim: 64,
+                value_dim: 64,
+                bias: None,
+            };
+            let kernel = Kernel::Attention {
+                dtype: DType::BF16,
+                dims,
+                scale: 0.125,
+                mask: AttentionMask::Causal,
+                generated: true,
+            };
+            let mut program = Program::bare(vec![], vec![], 0);
+            program.gpu_kernels.attention = AttentionFunction::of(&kernel, AttentionTarget::Gpu).unwrap_or_default();
+            program.instructions.push(Instruction::Kernel {
+                kernel,
+                inputs: vec![],
+                outputs: vec![],
+                gpu: Some(GpuForm::Attention(vec![0])),
+                label: "node".into(),
+            });
+            idle_launches(&program, 132)
+        };
+        let one = IdleLaunch {
+            kernel: "attention Forward, tensor cores".into(),
+            blocks: 96,
+            elements: 12 << 20,
+            per_step: 1,
+        };
+        assert_eq!(flagged(1), [one]);
+        assert_eq!(flagged(8), []);
     }
 }
