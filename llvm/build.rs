@@ -4,7 +4,8 @@
 use std::hash::Hasher;
 
 fn main() {
-    let mut files: Vec<_> = std::fs::read_dir("src").expect("src exists").flatten().map(|e| e.path()).collect();
+    let mut files = Vec::new();
+    sources(std::path::Path::new("src"), &mut files);
     files.sort();
     // FNV-1a over the file names and contents: a build script should not need a crypto crate.
     let mut hash = Fnv(0xcbf2_9ce4_8422_2325);
@@ -14,6 +15,18 @@ fn main() {
         hash.write(&std::fs::read(file).expect("source readable"));
     }
     println!("cargo:rustc-env=AUTOTP_CODEGEN_HASH={:016x}", hash.finish());
+}
+
+/// Every file under `dir`, its subdirectories' included.
+fn sources(dir: &std::path::Path, files: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("src exists").flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            sources(&path, files);
+        } else {
+            files.push(path);
+        }
+    }
 }
 
 struct Fnv(u64);

@@ -46,15 +46,17 @@ use autotp_kernels::attention::TENSOR_CORE_JOINT_KEY_VALUE_GRAD;
 use autotp_kernels::attention::{
     AttentionFunction, AttentionMask, AttentionPass, TENSOR_CORE_COLUMN_TILE, TENSOR_CORE_ROW_TILE,
 };
-use autotp_kernels::DType;
 use inkwell::module::Linkage;
 use inkwell::types::{BasicType, VectorType};
-use inkwell::values::{BasicMetadataValueEnum, FunctionValue, IntValue, PointerValue};
-use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
+use inkwell::values::{FunctionValue, IntValue, PointerValue};
+use inkwell::{AddressSpace, IntPredicate};
+
+mod passes;
+mod warp;
 
 use crate::emit::{counted_loop, Emitter, V};
-use crate::nvptx::{call, if_then, special_register, BLOCK};
-use crate::{math, LlvmError};
+use crate::nvptx::{if_then, special_register, BLOCK};
+use crate::LlvmError;
 
 const WARPS: usize = BLOCK as usize / 32;
 const _: () = assert!(WARPS * 16 == TENSOR_CORE_ROW_TILE, "a warp takes 16 rows of a tile");
@@ -331,207 +333,12 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         Ok(load.into_int_value())
     }
 
-    /// Two f32 (lanes 0 and 1 of `x`) rounded to the dtype (to nearest even, as
-    /// [`Emitter::narrow`] rounds), as the i32 an `mma` operand takes (lane 0 in the low half):
-    /// on a GPU one `cvt.rn.bf16x2.f32` (or `f16x2`).
-    fn pack(&self, x: V<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
-        let (e, f32t, i32t) = (self.e, self.e.ctx.f32_type(), self.e.ctx.i32_type());
-        if let Lanes::Simulated { .. } = self.lanes {
-            let narrow = e.narrow(self.f.dtype, self.shuffle(x, x, &[0, 1])?)?;
-            return Ok(e.b.build_bit_cast(narrow, i32t, "")?.into_int_value());
-        }
-        let ty = i32t.fn_type(&[f32t.into(), f32t.into()], false);
-        let text = format!("cvt.rn.{}x2.f32 $0, $1, $2;", self.f.dtype);
-        let asm = e.ctx.create_inline_asm(ty, text, "=r,f,f".into(), false, false, None, false);
-        let call = e.b.build_indirect_call(ty, asm, &[e.lane(x, 1)?.into(), e.lane(x, 0)?.into()], "")?;
-        Ok(call.try_as_basic_value().basic().expect("returns a word").into_int_value())
-    }
-
-    /// A call of the simulated block's operation at word `w` with `(block, thread, args..)`.
-    fn simulated(
-        &self,
-        w: usize,
-        ty: inkwell::types::FunctionType<'ctx>,
-        args: &[BasicMetadataValueEnum<'ctx>],
-    ) -> Result<inkwell::values::CallSiteValue<'ctx>, LlvmError> {
-        let Lanes::Simulated { context, .. } = self.lanes else {
-            return Err(LlvmError::llvm("attention", "a simulated warp operation on a GPU"));
-        };
-        let (e, i64t) = (self.e, self.e.ctx.i64_type());
-        let operation =
-            e.b.build_load(e.ctx.ptr_type(AddressSpace::default()), self.element(i64t, context, self.int(w))?, "")?;
-        let mut all: Vec<BasicMetadataValueEnum<'ctx>> = vec![context.into(), self.thread.into()];
-        all.extend_from_slice(args);
-        Ok(e.b.build_indirect_call(ty, operation.into_pointer_value(), &all, "")?)
-    }
-
-    /// `e^x` lane by lane as the hardware's `2^(x log2 e)` (`ex2.approx.ftz.f32`, one
-    /// instruction on the special function unit, within 2 ulps; subnormal results flush to 0):
-    /// the exponentials of the scores, which the tensor cores take rounded to 16 bits anyway.
-    fn exp(&self, x: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
-        let (e, f32t, i32t) = (self.e, self.e.ctx.f32_type(), self.e.ctx.i32_type());
-        let scaled = e.fmul(x, e.f32(Emitter::width(x), std::f32::consts::LOG2_E))?;
-        let mut result = e.f32_type(Emitter::width(x)).get_undef();
-        for l in 0..Emitter::width(x) {
-            let lane = e.lane(scaled, l)?;
-            let power = match self.lanes {
-                Lanes::Simulated { .. } => {
-                    let ptr = e.ctx.ptr_type(AddressSpace::default());
-                    let ty = f32t.fn_type(&[ptr.into(), e.ctx.i64_type().into(), f32t.into()], false);
-                    let call = self.simulated(crate::warp_simulator::word::EXP2, ty, &[lane.into()])?;
-                    call.try_as_basic_value().basic().expect("returns a float")
-                }
-                Lanes::Nvptx => call(e, "llvm.nvvm.ex2.approx.ftz.f", &[lane.into()])?
-                    .ok_or_else(|| LlvmError::llvm("NVPTX exp2", "no value"))?,
-            };
-            result = e.b.build_insert_element(result, power, i32t.const_int(l as u64, false), "")?;
-        }
-        Ok(result)
-    }
-
-    /// A barrier of the block's threads (`bar.sync 0`).
-    fn barrier(&self) -> Result<(), LlvmError> {
-        if let Lanes::Simulated { .. } = self.lanes {
-            let (ptr, i64t) = (self.e.ctx.ptr_type(AddressSpace::default()), self.e.ctx.i64_type());
-            let ty = self.e.ctx.void_type().fn_type(&[ptr.into(), i64t.into()], false);
-            self.simulated(crate::warp_simulator::word::BARRIER, ty, &[])?;
-            return Ok(());
-        }
-        call(self.e, "llvm.nvvm.barrier0", &[])?;
-        Ok(())
-    }
-
-    /// The f32 `x` of lane `lane ^ offset` (`shfl.sync.bfly`, every lane of the warp taking part).
-    fn shuffle_xor(
-        &self,
-        x: inkwell::values::BasicValueEnum<'ctx>,
-        offset: u64,
-    ) -> Result<inkwell::values::BasicValueEnum<'ctx>, LlvmError> {
-        let (e, i32t, i64t, f32t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type(), self.e.ctx.f32_type());
-        if let Lanes::Simulated { .. } = self.lanes {
-            let ptr = e.ctx.ptr_type(AddressSpace::default());
-            let ty = f32t.fn_type(&[ptr.into(), i64t.into(), f32t.into(), i64t.into()], false);
-            let call = self.simulated(
-                crate::warp_simulator::word::SHUFFLE,
-                ty,
-                &[x.into(), self.int(offset as usize).into()],
-            )?;
-            return Ok(call.try_as_basic_value().basic().expect("returns a float"));
-        }
-        let args: [BasicMetadataValueEnum; 4] = [
-            i32t.const_all_ones().into(),
-            x.into(),
-            i32t.const_int(offset, false).into(),
-            i32t.const_int(31, false).into(),
-        ];
-        call(e, "llvm.nvvm.shfl.sync.bfly.f32", &args)?.ok_or_else(|| LlvmError::llvm("NVPTX shuffle", "no value"))
-    }
-
     /// Lanes `lanes` of `a` (and `b`, numbered after `a`'s).
     fn shuffle(&self, a: V<'ctx>, b: V<'ctx>, lanes: &[u32]) -> Result<V<'ctx>, LlvmError> {
         let i32t = self.e.ctx.i32_type();
         let mask =
             VectorType::const_vector(&lanes.iter().map(|&l| i32t.const_int(l as u64, false)).collect::<Vec<_>>());
         Ok(self.e.b.build_shuffle_vector(a, b, mask, "")?)
-    }
-
-    /// `x` folded with the values of the other threads of its quad (lanes differing in their two
-    /// lowest bits), every lane of `x` alone: the same result in all four.
-    fn quad_fold(
-        &self,
-        x: V<'ctx>,
-        fold: impl Fn(V<'ctx>, V<'ctx>) -> Result<V<'ctx>, LlvmError>,
-    ) -> Result<V<'ctx>, LlvmError> {
-        let (e, i32t) = (self.e, self.e.ctx.i32_type());
-        let mut x = x;
-        for offset in [1u64, 2] {
-            let mut other = e.f32_type(Emitter::width(x)).get_undef();
-            for l in 0..Emitter::width(x) {
-                let shuffled = self.shuffle_xor(e.lane(x, l)?, offset)?;
-                other = e.b.build_insert_element(other, shuffled, i32t.const_int(l as u64, false), "")?;
-            }
-            x = fold(x, other)?;
-        }
-        Ok(x)
-    }
-
-    /// `c + a b` on tensor cores: `a` a 16 x 16 fragment (4 registers of two elements), `b` a
-    /// 16 x 8 one (2 registers), `c` the 16 x 8 f32 accumulator's 4 elements.
-    fn mma(&self, a: &[IntValue<'ctx>; 4], b: [IntValue<'ctx>; 2], c: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
-        let (e, f32t, i32t) = (self.e, self.e.ctx.f32_type(), self.e.ctx.i32_type());
-        if let Lanes::Simulated { words, acc, .. } = self.lanes {
-            for (w, &word) in a.iter().chain(&b).enumerate() {
-                e.b.build_store(self.element(i32t, words, self.int(w))?, word)?;
-            }
-            for l in 0..4 {
-                e.b.build_store(self.element(f32t, acc, self.int(l))?, e.lane(c, l as u32)?)?;
-            }
-            let (ptr, i64t) = (e.ctx.ptr_type(AddressSpace::default()), e.ctx.i64_type());
-            let ty = e.ctx.void_type().fn_type(&[ptr.into(), i64t.into(), ptr.into(), ptr.into()], false);
-            self.simulated(crate::warp_simulator::word::MMA, ty, &[words.into(), acc.into()])?;
-            let mut d = e.f32_type(4).get_undef();
-            for l in 0..4 {
-                let x = e.b.build_load(f32t, self.element(f32t, acc, self.int(l))?, "")?;
-                d = e.b.build_insert_element(d, x, i32t.const_int(l as u64, false), "")?;
-            }
-            return Ok(d);
-        }
-        let operand = match self.f.dtype {
-            DType::F16 => "f16",
-            _ => "bf16",
-        };
-        let result = e.ctx.struct_type(&[f32t.into(); 4], false);
-        let mut params: Vec<inkwell::types::BasicMetadataTypeEnum> = vec![i32t.into(); 6];
-        params.extend([inkwell::types::BasicMetadataTypeEnum::from(f32t); 4]);
-        let ty = result.fn_type(&params, false);
-        let text = format!(
-            "mma.sync.aligned.m16n8k16.row.col.f32.{operand}.{operand}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, \
-             {{$8,$9}}, {{$10,$11,$12,$13}};"
-        );
-        let constraints = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f".to_string();
-        let asm = e.ctx.create_inline_asm(ty, text, constraints, false, false, None, false);
-        let mut args: Vec<BasicMetadataValueEnum> = a.iter().chain(&b).map(|&x| x.into()).collect();
-        for l in 0..4 {
-            args.push(e.lane(c, l)?.into());
-        }
-        let call = e.b.build_indirect_call(ty, asm, &args, "")?;
-        let value = call.try_as_basic_value().basic().expect("returns four floats").into_struct_value();
-        let mut d = e.f32_type(4).get_undef();
-        for l in 0..4 {
-            let x = e.b.build_extract_value(value, l, "")?;
-            d = e.b.build_insert_element(d, x, i32t.const_int(l as u64, false), "")?;
-        }
-        Ok(d)
-    }
-
-    /// `ldmatrix.x4` from shared memory: four 8 x 8 matrices of 16-bit elements, the row this
-    /// thread names at `address` (row `lane % 8` of matrix `lane / 8`); word `m` holds matrix
-    /// `m`'s elements `(g, 2t)` and `(g, 2t + 1)`, or with `transposed` (`.trans`) `(2t, g)` and
-    /// `(2t + 1, g)`: B fragments of rows in shared memory, or of their transpose.
-    fn load_matrices(&self, address: PointerValue<'ctx>, transposed: bool) -> Result<[IntValue<'ctx>; 4], LlvmError> {
-        let (e, i32t, i64t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type());
-        if let Lanes::Simulated { words, .. } = self.lanes {
-            let ptr = e.ctx.ptr_type(AddressSpace::default());
-            let ty = e.ctx.void_type().fn_type(&[ptr.into(), i64t.into(), ptr.into(), i64t.into(), ptr.into()], false);
-            let args = [address.into(), self.int(usize::from(transposed)).into(), words.into()];
-            self.simulated(crate::warp_simulator::word::LOAD_MATRICES, ty, &args)?;
-            let word = |w: usize| -> Result<IntValue<'ctx>, LlvmError> {
-                Ok(e.b.build_load(i32t, self.element(i32t, words, self.int(w))?, "")?.into_int_value())
-            };
-            return Ok([word(0)?, word(1)?, word(2)?, word(3)?]);
-        }
-        let result = e.ctx.struct_type(&[i32t.into(); 4], false);
-        let ty = result.fn_type(&[i64t.into()], false);
-        let trans = if transposed { ".trans" } else { "" };
-        let text = format!("ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{$0,$1,$2,$3}}, [$4];");
-        let asm = e.ctx.create_inline_asm(ty, text, "=r,=r,=r,=r,l,~{memory}".into(), true, false, None, false);
-        let at = e.b.build_ptr_to_int(address, i64t, "")?;
-        let call = e.b.build_indirect_call(ty, asm, &[at.into()], "")?;
-        let value = call.try_as_basic_value().basic().expect("returns four words").into_struct_value();
-        let word = |l: u32| -> Result<IntValue<'ctx>, LlvmError> {
-            Ok(e.b.build_extract_value(value, l, "")?.into_int_value())
-        };
-        Ok([word(0)?, word(1)?, word(2)?, word(3)?])
     }
 
     /// The keys query `i` sees: `[lo, hi)`.
@@ -690,18 +497,6 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         })
     }
 
-    /// `text`, a `cp.async` bookkeeping instruction (on a GPU; the simulated block copies at
-    /// once, so it has nothing to wait for).
-    fn async_copies(&self, text: &str) -> Result<(), LlvmError> {
-        if let Lanes::Simulated { .. } = self.lanes {
-            return Ok(());
-        }
-        let ty = self.e.ctx.void_type().fn_type(&[], false);
-        let asm = self.e.ctx.create_inline_asm(ty, text.into(), "~{memory}".into(), true, false, None, false);
-        self.e.b.build_indirect_call(ty, asm, &[], "")?;
-        Ok(())
-    }
-
     /// Copies rows `start..start + TENSOR_CORE_COLUMN_TILE` of the two `[.., len, d]` operands
     /// `sources` (of the head whose first row is `head_start`) into the stage at element `stage`
     /// of shared memory, 16 bytes per thread at a time, zeros past `len`: with two stages as
@@ -752,25 +547,6 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
                 if_then(e, self.function, inside, copy)?;
             }
         }
-        Ok(())
-    }
-
-    /// `cp.async.cg.shared.global`: 16 bytes from global `from` to shared `to`, or 16 zeros
-    /// where `inside` is false (a source size of 0).
-    fn copy_async(
-        &self,
-        to: PointerValue<'ctx>,
-        from: PointerValue<'ctx>,
-        inside: IntValue<'ctx>,
-    ) -> Result<(), LlvmError> {
-        let (e, i32t, i64t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type());
-        let global = e.b.build_address_space_cast(from, e.ctx.ptr_type(AddressSpace::from(1u16)), "")?;
-        let (to, from) = (e.b.build_ptr_to_int(to, i64t, "")?, e.b.build_ptr_to_int(global, i64t, "")?);
-        let size = e.b.build_select(inside, i32t.const_int(16, false), i32t.const_zero(), "")?;
-        let ty = e.ctx.void_type().fn_type(&[i64t.into(), i64t.into(), i32t.into()], false);
-        let text = "cp.async.cg.shared.global [$0], [$1], 16, $2;".to_string();
-        let asm = e.ctx.create_inline_asm(ty, text, "l,l,r,~{memory}".into(), true, false, None, false);
-        e.b.build_indirect_call(ty, asm, &[to.into(), from.into(), size.into()], "")?;
         Ok(())
     }
 
@@ -945,190 +721,5 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
             let _ = e.b.build_store(self.element(e.ctx.f32_type(), base, row)?, value)?;
             Ok(())
         })
-    }
-
-    /// `out` and `lse` of a tile of queries: an online softmax over tiles of keys.
-    fn forward(&self, rows: &Rows<'ctx>) -> Result<(), LlvmError> {
-        let (e, dims) = (self.e, &self.f.dims);
-        let q = self.fragments(self.ops.q, rows)?;
-        let kv_head_start = self.mul(self.table(rows.head)?, dims.kv_len)?;
-        let mut init = vec![e.f32(2, f32::NEG_INFINITY), e.f32(2, 0.0)];
-        init.extend(std::iter::repeat_n(e.f32(4, 0.0), dims.value_dim / 8));
-        let sources = [self.ops.k, self.ops.v];
-        let range = self.column_range(rows)?;
-        let done = self.column_tiles(
-            range,
-            sources,
-            kv_head_start,
-            dims.kv_len,
-            &init,
-            |start, [k_tile, v_tile], carried| {
-                let columns = Columns { start, query_head: rows.head };
-                let scores: Vec<V<'ctx>> = (self.products(&q, k_tile)?.into_iter().enumerate())
-                    .map(|(group, acc)| self.scores(acc, rows, &columns, group))
-                    .collect::<Result<_, _>>()?;
-                let (max, sum) = (carried[0], carried[1]);
-                let tile_max = self.row_fold(&scores, |x, y| e.fmax(x, y))?;
-                let new_max = e.fmax(max, self.quad_fold(tile_max, |x, y| e.fmax(x, y))?)?;
-                // A row that has seen only masked keys subtracts 0, not -inf (its exponentials are 0).
-                let none = e.fcmp(FloatPredicate::OEQ, new_max, e.f32(2, f32::NEG_INFINITY))?;
-                let base = e.select(none, e.f32(2, 0.0), new_max)?;
-                let correction = self.exp(e.fsub(max, base)?)?;
-                let base = self.shuffle(base, base, &[0, 0, 1, 1])?;
-                let ps: Vec<V<'ctx>> = scores.iter().map(|&s| self.exp(e.fsub(s, base)?)).collect::<Result<_, _>>()?;
-                let mut next = vec![new_max, e.fma(sum, correction, self.row_fold(&ps, |x, y| e.fadd(x, y))?)?];
-                let correction = self.shuffle(correction, correction, &[0, 0, 1, 1])?;
-                let mut outputs: Vec<V<'ctx>> =
-                    carried[2..].iter().map(|&o| e.fmul(o, correction)).collect::<Result<_, _>>()?;
-                self.accumulate(&ps, v_tile, &mut outputs)?;
-                next.extend(outputs);
-                Ok(next)
-            },
-        )?;
-        let sum = self.quad_fold(done[1], |x, y| e.fadd(x, y))?;
-        let inverse = e.fdiv(e.f32(2, 1.0), sum)?;
-        let lse = e.fadd(done[0], math::log(e, sum)?)?;
-        let scale = [e.broadcast(inverse, 2)?, self.shuffle(inverse, inverse, &[1, 1])?];
-        self.store_rows(self.ops.out, rows, &done[2..], scale, |r, row| self.store_per_row(self.ops.lse, r, row, lse))
-    }
-
-    /// The lanes of the groups' fragments folded per row: `<2 x f32>`, row a's then row b's
-    /// (the thread's own columns only).
-    fn row_fold(
-        &self,
-        groups: &[V<'ctx>],
-        fold: impl Fn(V<'ctx>, V<'ctx>) -> Result<V<'ctx>, LlvmError>,
-    ) -> Result<V<'ctx>, LlvmError> {
-        let mut x = groups[0];
-        for &g in &groups[1..] {
-            x = fold(x, g)?;
-        }
-        fold(self.shuffle(x, x, &[0, 2])?, self.shuffle(x, x, &[1, 3])?)
-    }
-
-    /// `dq` of a tile of queries: `scale sum_j p_j (dout . v_j - dout . out) k_j`; each row's
-    /// `dout . out` stored for the `dk` pass.
-    fn query_grad(&self, rows: &Rows<'ctx>) -> Result<(), LlvmError> {
-        let (e, dims) = (self.e, &self.f.dims);
-        let d_out = self.ops.d_out.expect("the backward has d_out");
-        let q = self.fragments(self.ops.q, rows)?;
-        let g = self.fragments(d_out, rows)?;
-        let delta = self.quad_fold(self.row_dot(d_out, self.ops.out, rows)?, |x, y| e.fadd(x, y))?;
-        let mut lse = e.f32_type(2).get_undef();
-        for r in 0..2 {
-            let at = self.add(rows.head_start, rows.clamped[r])?;
-            let x = e.b.build_load(e.ctx.f32_type(), self.element(e.ctx.f32_type(), self.ops.lse, at)?, "")?;
-            lse = e.b.build_insert_element(lse, x, e.ctx.i32_type().const_int(r as u64, false), "")?;
-        }
-        let lse = self.shuffle(lse, lse, &[0, 0, 1, 1])?;
-        let delta4 = self.shuffle(delta, delta, &[0, 0, 1, 1])?;
-        let kv_head_start = self.mul(self.table(rows.head)?, dims.kv_len)?;
-        let init = vec![e.f32(4, 0.0); dims.head_dim / 8];
-        let (range, sources) = (self.column_range(rows)?, [self.ops.k, self.ops.v]);
-        let dq =
-            self.column_tiles(range, sources, kv_head_start, dims.kv_len, &init, |start, [k_tile, v_tile], dq| {
-                let columns = Columns { start, query_head: rows.head };
-                let (scores, dps) = (self.products(&q, k_tile)?, self.products(&g, v_tile)?);
-                let mut ds = Vec::new();
-                for (group, (acc, dp)) in scores.into_iter().zip(dps).enumerate() {
-                    let p = self.exp(e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?;
-                    ds.push(e.fmul(p, e.fsub(dp, delta4)?)?);
-                }
-                let mut dq = dq.to_vec();
-                self.accumulate(&ds, k_tile, &mut dq)?;
-                Ok(dq)
-            })?;
-        let scale = e.f32(2, self.f.scale as f32);
-        let dq_out = self.ops.grads[0].expect("the backward has dq");
-        self.store_rows(dq_out, rows, &dq, [scale, scale], |r, row| self.store_per_row(self.ops.delta, r, row, delta))
-    }
-
-    /// `a . b` of the thread's rows over its own elements of them (`<2 x f32>`; summed over the
-    /// quad, the rows' whole dot products).
-    fn row_dot(&self, a: PointerValue<'ctx>, b: PointerValue<'ctx>, rows: &Rows<'ctx>) -> Result<V<'ctx>, LlvmError> {
-        let e = self.e;
-        let memory = e.memory_type(self.f.dtype, 2);
-        let column = self.mul(self.pair, 2)?;
-        let mut sums = Vec::new();
-        for r in 0..2 {
-            let start = self.add(self.row_start(rows, r)?, column)?;
-            let mut acc = e.f32(2, 0.0);
-            for offset in (0..self.f.dims.head_dim).step_by(8) {
-                let at = self.add_const(start, offset)?;
-                let load = |base: PointerValue<'ctx>| -> Result<V<'ctx>, LlvmError> {
-                    let raw = e.b.build_load(memory, self.element(memory.get_element_type(), base, at)?, "")?;
-                    if let Some(instruction) = inkwell::values::BasicValue::as_instruction_value(&raw) {
-                        let _ = instruction.set_alignment(4);
-                    }
-                    e.widen(self.f.dtype, raw.into_vector_value())
-                };
-                acc = e.fma(load(a)?, load(b)?, acc)?;
-            }
-            sums.push(acc);
-        }
-        let both = self.shuffle(sums[0], sums[1], &[0, 2])?;
-        e.fadd(both, self.shuffle(sums[0], sums[1], &[1, 3])?)
-    }
-
-    /// `dk` and `dv` (or one of them, as the pass says) of a tile of keys, over the queries of
-    /// every query head sharing their head: `dv = sum_i p_i dout_i`,
-    /// `dk = scale sum_i p_i (dout_i . v - dout_i . out_i) q_i`.
-    fn key_value_grad(&self, rows: &Rows<'ctx>) -> Result<(), LlvmError> {
-        let (e, dims) = (self.e, &self.f.dims);
-        let d_out = self.ops.d_out.expect("the backward has d_out");
-        let (with_dk, with_dv) = match self.f.pass {
-            AttentionPass::KeyGrad => (true, false),
-            AttentionPass::ValueGrad => (false, true),
-            _ => (true, true),
-        };
-        let k = self.fragments(self.ops.k, rows)?;
-        let v = if with_dk { self.fragments(self.ops.v, rows)? } else { Vec::new() };
-        let groups = dims.head_dim / 8;
-        let dk_len = if with_dk { groups } else { 0 };
-        let init = vec![e.f32(4, 0.0); dk_len + if with_dv { groups } else { 0 }];
-        let sharing = self.add(self.int(2 * dims.batch()), self.mul(rows.head, self.f.group())?)?;
-        let (range, sources) = (self.column_range(rows)?, [self.ops.q, d_out]);
-        let done =
-            counted_loop(e, self.function, self.int(0), self.int(self.f.group()), self.int(1), &init, |g, carried| {
-                let query_head = self.table(self.add(sharing, g)?)?;
-                let head_start = self.mul(query_head, dims.q_len)?;
-                self.column_tiles(
-                    range,
-                    sources,
-                    head_start,
-                    dims.q_len,
-                    carried,
-                    |start, [q_tile, d_out_tile], carried| {
-                        let columns = Columns { start, query_head };
-                        let mut ps = Vec::new();
-                        for (group, acc) in self.products(&k, q_tile)?.into_iter().enumerate() {
-                            let lse = self.column_values(self.ops.lse, &columns, group)?;
-                            ps.push(self.exp(e.fsub(self.scores(acc, rows, &columns, group)?, lse)?)?);
-                        }
-                        let (mut dk, mut dv) = (carried[..dk_len].to_vec(), carried[dk_len..].to_vec());
-                        if with_dk {
-                            let mut ds = Vec::new();
-                            for (group, (p, dp)) in ps.iter().zip(self.products(&v, d_out_tile)?).enumerate() {
-                                let delta = self.column_values(self.ops.delta, &columns, group)?;
-                                ds.push(e.fmul(*p, e.fsub(dp, delta)?)?);
-                            }
-                            self.accumulate(&ds, q_tile, &mut dk)?;
-                        }
-                        if with_dv {
-                            self.accumulate(&ps, d_out_tile, &mut dv)?;
-                        }
-                        Ok([dk, dv].concat())
-                    },
-                )
-            })?;
-        let [_, dk_out, dv_out] = self.ops.grads.map(|g| g.expect("the backward has its gradients"));
-        let (scale, one) = (e.f32(2, self.f.scale as f32), e.f32(2, 1.0));
-        if with_dk {
-            self.store_rows(dk_out, rows, &done[..dk_len], [scale, scale], |_, _| Ok(()))?;
-        }
-        if with_dv {
-            self.store_rows(dv_out, rows, &done[dk_len..], [one, one], |_, _| Ok(()))?;
-        }
-        Ok(())
     }
 }
