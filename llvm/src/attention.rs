@@ -50,19 +50,92 @@ struct Row<'ctx> {
 }
 
 /// The function's buffers, in the kernel's order.
-struct Buffers<'ctx> {
-    q: PointerValue<'ctx>,
-    k: PointerValue<'ctx>,
-    v: PointerValue<'ctx>,
-    bias: Option<PointerValue<'ctx>>,
-    out: PointerValue<'ctx>,
-    lse: PointerValue<'ctx>,
-    d_out: Option<PointerValue<'ctx>>,
+pub(crate) struct Buffers<'ctx> {
+    pub q: PointerValue<'ctx>,
+    pub k: PointerValue<'ctx>,
+    pub v: PointerValue<'ctx>,
+    pub bias: Option<PointerValue<'ctx>>,
+    pub out: PointerValue<'ctx>,
+    pub lse: PointerValue<'ctx>,
+    pub d_out: Option<PointerValue<'ctx>>,
     /// The outputs of the backward: dq, dk, dv.
-    grads: [Option<PointerValue<'ctx>>; 3],
-    table: PointerValue<'ctx>,
+    pub grads: [Option<PointerValue<'ctx>>; 3],
+    pub table: PointerValue<'ctx>,
     /// `dout . out` of every query row (f32), written by `dq`'s pass for `dk`'s and `dv`'s.
-    delta: PointerValue<'ctx>,
+    pub delta: PointerValue<'ctx>,
+}
+
+impl<'ctx> Buffers<'ctx> {
+    /// `f`'s buffers from its [`buffer_count`] pointers, in order.
+    pub(crate) fn take(f: &AttentionFunction, pointers: impl IntoIterator<Item = PointerValue<'ctx>>) -> Buffers<'ctx> {
+        let mut next = pointers.into_iter();
+        let mut take = || next.next().expect("buffer_count pointers");
+        let (q, k, v) = (take(), take(), take());
+        let bias = f.dims.bias.is_some().then(&mut take);
+        let (out, lse) = (take(), take());
+        let backward = f.pass != AttentionPass::Forward;
+        let d_out = backward.then(&mut take);
+        let grads = if backward { [Some(take()), Some(take()), Some(take())] } else { [None; 3] };
+        let (table, delta) = (take(), take());
+        Buffers { q, k, v, bias, out, lse, d_out, grads, table, delta }
+    }
+}
+
+/// The keys query `i` sees under `mask`, of `kv_len`: `[lo, hi)`.
+pub(crate) fn mask_keys<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    mask: AttentionMask,
+    kv_len: usize,
+    i: IntValue<'ctx>,
+) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+    let int = |x: usize| e.ctx.i64_type().const_int(x as u64, false);
+    let after = e.b.build_int_add(i, int(1), "")?;
+    Ok(match mask {
+        AttentionMask::None => (int(0), int(kv_len)),
+        AttentionMask::Causal => (int(0), int_min(e, after, int(kv_len))?),
+        AttentionMask::SlidingWindow { window } => {
+            let lo = int_max(e, e.b.build_int_sub(after, int(window), "")?, int(0))?;
+            (int_min(e, lo, int(kv_len))?, int_min(e, after, int(kv_len))?)
+        }
+    })
+}
+
+/// The queries, of `q_len`, that see key `j` under `mask`: `[lo, hi)`.
+pub(crate) fn mask_queries<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    mask: AttentionMask,
+    q_len: usize,
+    j: IntValue<'ctx>,
+) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+    let int = |x: usize| e.ctx.i64_type().const_int(x as u64, false);
+    Ok(match mask {
+        AttentionMask::None => (int(0), int(q_len)),
+        AttentionMask::Causal => (int_min(e, j, int(q_len))?, int(q_len)),
+        AttentionMask::SlidingWindow { window } => {
+            let hi = int_min(e, e.b.build_int_add(j, int(window), "")?, int(q_len))?;
+            (int_min(e, j, int(q_len))?, hi)
+        }
+    })
+}
+
+/// The smaller of two signed integers.
+pub(crate) fn int_min<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    a: IntValue<'ctx>,
+    b: IntValue<'ctx>,
+) -> Result<IntValue<'ctx>, LlvmError> {
+    let less = e.b.build_int_compare(IntPredicate::SLT, a, b, "")?;
+    Ok(e.b.build_select(less, a, b, "")?.into_int_value())
+}
+
+/// The larger of two signed integers.
+pub(crate) fn int_max<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    a: IntValue<'ctx>,
+    b: IntValue<'ctx>,
+) -> Result<IntValue<'ctx>, LlvmError> {
+    let greater = e.b.build_int_compare(IntPredicate::SGT, a, b, "")?;
+    Ok(e.b.build_select(greater, a, b, "")?.into_int_value())
 }
 
 struct Attention<'a, 'b, 'ctx> {
@@ -160,16 +233,7 @@ impl<'a, 'b, 'ctx> Attention<'a, 'b, 'ctx> {
         width: u32,
         nvptx: bool,
     ) -> Attention<'a, 'b, 'ctx> {
-        let mut next = pointers.iter().copied();
-        let mut take = || next.next().expect("buffer_count pointers");
-        let (q, k, v) = (take(), take(), take());
-        let bias = f.dims.bias.is_some().then(&mut take);
-        let (out, lse) = (take(), take());
-        let backward = f.pass != AttentionPass::Forward;
-        let d_out = backward.then(&mut take);
-        let grads = if backward { [Some(take()), Some(take()), Some(take())] } else { [None; 3] };
-        let (table, delta) = (take(), take());
-        let buffers = Buffers { q, k, v, bias, out, lse, d_out, grads, table, delta };
+        let buffers = Buffers::take(f, pointers.iter().copied());
         let mut w = width;
         while w > 1 && !(f.dims.head_dim.is_multiple_of(w as usize) && f.dims.value_dim.is_multiple_of(w as usize)) {
             w /= 2;
@@ -221,13 +285,7 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
     }
 
     fn min(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
-        let less = self.e.b.build_int_compare(IntPredicate::SLT, a, b, "")?;
-        Ok(self.e.b.build_select(less, a, b, "")?.into_int_value())
-    }
-
-    fn max(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
-        let greater = self.e.b.build_int_compare(IntPredicate::SGT, a, b, "")?;
-        Ok(self.e.b.build_select(greater, a, b, "")?.into_int_value())
+        int_min(self.e, a, b)
     }
 
     /// Entry `at` of the table.
@@ -477,28 +535,12 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
 
     /// The keys query `i` sees: `[lo, hi)`.
     fn keys(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
-        let kv_len = self.int(self.f.dims.kv_len);
-        let after = self.add(i, self.int(1))?;
-        Ok(match self.f.mask {
-            AttentionMask::None => (self.int(0), kv_len),
-            AttentionMask::Causal => (self.int(0), self.min(after, kv_len)?),
-            AttentionMask::SlidingWindow { window } => {
-                let lo = self.max(self.e.b.build_int_sub(after, self.int(window), "")?, self.int(0))?;
-                (self.min(lo, kv_len)?, self.min(after, kv_len)?)
-            }
-        })
+        mask_keys(self.e, self.f.mask, self.f.dims.kv_len, i)
     }
 
     /// The queries that see key `j`: `[lo, hi)`.
     fn queries(&self, j: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
-        let q_len = self.int(self.f.dims.q_len);
-        Ok(match self.f.mask {
-            AttentionMask::None => (self.int(0), q_len),
-            AttentionMask::Causal => (self.min(j, q_len)?, q_len),
-            AttentionMask::SlidingWindow { window } => {
-                (self.min(j, q_len)?, self.min(self.add(j, self.int(window))?, q_len)?)
-            }
-        })
+        mask_queries(self.e, self.f.mask, self.f.dims.q_len, j)
     }
 
     /// Runs `body` over blocks of `self.block` positions of `[lo, hi)`: the positions, each
@@ -777,228 +819,4 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
 }
 
 #[cfg(test)]
-mod tests {
-    use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask, AttentionTarget};
-    use autotp_kernels::{AlignedBuf, DType, Kernel};
-
-    use crate::{compile_cpu_functions, Function};
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed;
-        (0..n)
-            .map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    /// `x` as a buffer of `dtype` (rounded as the cast kernel rounds).
-    fn buffer(dtype: DType, x: &[f32]) -> AlignedBuf {
-        let wide: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let mut out = AlignedBuf::zeroed(x.len() * dtype.size());
-        Kernel::Cast { from: DType::F32, to: dtype }.run(&[&wide], &mut [out.as_mut_slice()]).unwrap();
-        out
-    }
-
-    fn floats(dtype: DType, b: &AlignedBuf) -> Vec<f32> {
-        let mut wide = AlignedBuf::zeroed(b.len() / dtype.size() * 4);
-        Kernel::Cast { from: dtype, to: DType::F32 }.run(&[b.as_slice()], &mut [wide.as_mut_slice()]).unwrap();
-        wide.as_slice().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-    }
-
-    /// Runs `kernel` as the builtin and as the generated functions cut for `target` (compiled
-    /// for x86 either way); both outputs.
-    fn both(
-        kernel: &Kernel,
-        target: AttentionTarget,
-        inputs: &[AlignedBuf],
-        output_bytes: &[usize],
-    ) -> [Vec<AlignedBuf>; 2] {
-        let ins: Vec<&[u8]> = inputs.iter().map(|b| b.as_slice()).collect();
-        let mut builtin: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
-        let mut outs: Vec<&mut [u8]> = builtin.iter_mut().map(|b| b.as_mut_slice()).collect();
-        kernel.run(&ins, &mut outs).unwrap();
-        let functions = AttentionFunction::of(kernel, target).unwrap();
-        let entries = compile_cpu_functions(&functions.iter().map(Function::Attention).collect::<Vec<_>>()).unwrap();
-        let mut generated: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
-        let mut delta = vec![0f32; functions[0].dims.batch() * functions[0].dims.q_len];
-        for (f, entry) in functions.iter().zip(entries) {
-            let table = f.table();
-            let mut pointers: Vec<*mut u8> = inputs.iter().map(|b| b.as_slice().as_ptr() as *mut u8).collect();
-            pointers.extend(generated.iter_mut().map(|b| b.as_mut_slice().as_mut_ptr()));
-            pointers.push(table.as_ptr() as *mut u8);
-            pointers.push(delta.as_mut_ptr() as *mut u8);
-            // SAFETY: the buffers have the kernel's sizes; the rows split into two calls as a
-            // thread pool would split them.
-            unsafe {
-                entry.run(&pointers, 0..f.units() / 2);
-                entry.run(&pointers, f.units() / 2..f.units());
-            }
-        }
-        [builtin, generated]
-    }
-
-    fn assert_close(label: &str, dtype: DType, want: &AlignedBuf, got: &AlignedBuf, tolerance: f32) {
-        let (want, got) = (floats(dtype, want), floats(dtype, got));
-        for (n, (w, g)) in want.iter().zip(&got).enumerate() {
-            assert!((w - g).abs() <= tolerance * w.abs().max(1.0), "{label}[{n}]: generated {g}, builtin {w}");
-        }
-    }
-
-    fn check(dtype: DType, dims: AttentionDims, mask: AttentionMask) {
-        let label = format!("{dtype} {mask:?} {dims:?}");
-        // f32 against the f64 oracle; 16-bit results may differ by one rounding.
-        let tolerance = if dtype == DType::F32 { 2e-5 } else { 1e-2 };
-        let [q, k, v, bias, out, lse] = dims.numels();
-        let mut inputs: Vec<AlignedBuf> =
-            [(q, 1), (k, 2), (v, 3)].iter().map(|&(n, seed)| buffer(dtype, &values(n, seed))).collect();
-        if dims.bias.is_some() {
-            inputs.push(buffer(dtype, &values(bias, 4)));
-        }
-        let scale = 0.37;
-        let forward = Kernel::Attention { dtype, dims: dims.clone(), scale, mask, generated: true };
-        let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale, mask, generated: true };
-        for target in [AttentionTarget::Cpu, AttentionTarget::Gpu] {
-            let label = format!("{label} {target:?}");
-            let mut inputs = inputs.clone();
-            let [builtin, generated] = both(&forward, target, &inputs, &[out * dtype.size(), lse * 4]);
-            assert_close(&format!("{label} out"), dtype, &builtin[0], &generated[0], tolerance);
-            assert_close(&format!("{label} lse"), DType::F32, &builtin[1], &generated[1], 2e-5);
-            inputs.extend(builtin);
-            inputs.push(buffer(dtype, &values(out, 5)));
-            let grads = [q * dtype.size(), k * dtype.size(), v * dtype.size()];
-            let [builtin, generated] = both(&backward, target, &inputs, &grads);
-            for (name, (want, got)) in ["dq", "dk", "dv"].iter().zip(builtin.iter().zip(&generated)) {
-                assert_close(&format!("{label} {name}"), dtype, want, got, tolerance);
-            }
-        }
-    }
-
-    fn dims(
-        kv_lead: &[usize],
-        len: usize,
-        head_dim: usize,
-        value_dim: usize,
-        bias: Option<Vec<usize>>,
-    ) -> AttentionDims {
-        AttentionDims {
-            lead: vec![2, 3],
-            kv_lead: kv_lead.to_vec(),
-            q_len: len,
-            kv_len: len,
-            head_dim,
-            value_dim,
-            bias,
-        }
-    }
-
-    #[test]
-    fn generated_attention_matches_the_builtin_kernel() {
-        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 5 }] {
-            check(DType::F32, dims(&[2, 3], 36, 64, 64, None), mask);
-            check(DType::F32, dims(&[2, 1], 37, 32, 16, None), mask);
-        }
-        // Units of 4, 2 and 1 rows (36, 22, 37 and 19); one key/value head for three query
-        // heads; per-head and per-batch biases; head dims not a multiple of the vector width.
-        check(DType::F32, dims(&[2, 1], 22, 16, 8, Some(vec![1, 3, 22, 22])), AttentionMask::Causal);
-        check(DType::F32, dims(&[1, 3], 19, 12, 4, Some(vec![2, 1, 1, 19])), AttentionMask::None);
-        check(DType::F32, dims(&[2, 3], 9, 3, 5, None), AttentionMask::Causal);
-        for dtype in [DType::BF16, DType::F16] {
-            check(dtype, dims(&[2, 1], 32, 32, 32, None), AttentionMask::Causal);
-        }
-    }
-
-    /// The GPU's tensor-core forward as the emulated GPU runs it: tiles of 128 queries, the last
-    /// of a head short (150 = 128 + 22), every mask, shared key/value heads and a bias.
-    #[test]
-    fn tensor_core_tiles_match_the_builtin_kernel() {
-        let forward = |dtype, dims: &AttentionDims| {
-            let kernel = Kernel::Attention {
-                dtype,
-                dims: dims.clone(),
-                scale: 0.3,
-                mask: AttentionMask::Causal,
-                generated: true,
-            };
-            AttentionFunction::of(&kernel, AttentionTarget::Gpu).unwrap().remove(0)
-        };
-        let short = dims(&[2, 1], 150, 16, 16, None);
-        let tiles = forward(DType::BF16, &short);
-        assert!(tiles.tensor_cores);
-        assert_eq!((tiles.units(), tiles.threads_per_unit()), (2 * 3 * 2, 256));
-        assert!(!forward(DType::F32, &short).tensor_cores, "f32 has no m16n8k16");
-        assert!(!forward(DType::BF16, &dims(&[2, 1], 150, 24, 24, None)).tensor_cores, "24 is no multiple of 16");
-        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 40 }] {
-            check(DType::BF16, short.clone(), mask);
-        }
-        check(DType::F16, dims(&[2, 3], 130, 32, 32, Some(vec![1, 3, 130, 130])), AttentionMask::Causal);
-    }
-
-    /// The tensor-core passes as a GPU runs them, their warps' `mma`, `ldmatrix`, shuffles and
-    /// barriers simulated on host threads ([`crate::warp_simulator`]), on fewer blocks than
-    /// units: two query heads sharing a key/value head, tiles of 150 rows (the second short)
-    /// and 64 keys (the third short), an fp16 bias under a sliding window, and heads of 96 (one
-    /// stage of shared memory; the others copy the next tile while working on this one).
-    #[test]
-    fn simulated_tensor_core_passes_match_the_builtin_kernel() {
-        let cases = [
-            (DType::BF16, AttentionDims { lead: vec![1, 2], kv_lead: vec![1, 1], ..dims(&[], 150, 32, 32, None) }),
-            (
-                DType::F16,
-                AttentionDims {
-                    lead: vec![1, 2],
-                    kv_lead: vec![1, 2],
-                    ..dims(&[], 40, 16, 16, Some(vec![1, 2, 40, 40]))
-                },
-            ),
-            // Heads of 96: one stage of shared memory (two would pass 48 KiB), dk and dv apart.
-            (DType::BF16, AttentionDims { lead: vec![1, 1], kv_lead: vec![1, 1], ..dims(&[], 70, 96, 96, None) }),
-        ];
-        for (dtype, dims) in cases {
-            let mask =
-                if dims.bias.is_some() { AttentionMask::SlidingWindow { window: 9 } } else { AttentionMask::Causal };
-            let label = format!("{dtype} {mask:?} {dims:?}");
-            let [q, k, v, bias, out, lse] = dims.numels();
-            let mut inputs: Vec<AlignedBuf> =
-                [(q, 1), (k, 2), (v, 3)].iter().map(|&(n, seed)| buffer(dtype, &values(n, seed))).collect();
-            if dims.bias.is_some() {
-                inputs.push(buffer(dtype, &values(bias, 4)));
-            }
-            let (scale, generated) = (0.37, true);
-            let forward = Kernel::Attention { dtype, dims: dims.clone(), scale, mask, generated };
-            let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale, mask, generated };
-            let run = |kernel: &Kernel, inputs: &[AlignedBuf], output_bytes: &[usize]| {
-                let ins: Vec<&[u8]> = inputs.iter().map(|b| b.as_slice()).collect();
-                let mut builtin: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
-                let mut outs: Vec<&mut [u8]> = builtin.iter_mut().map(|b| b.as_mut_slice()).collect();
-                kernel.run(&ins, &mut outs).unwrap();
-                let functions = AttentionFunction::of(kernel, AttentionTarget::Gpu).unwrap();
-                assert!(functions.iter().all(|f| f.tensor_cores), "{label}");
-                let simulated: Vec<Function> = functions.iter().map(Function::SimulatedAttention).collect();
-                let entries = compile_cpu_functions(&simulated).unwrap();
-                let mut generated: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
-                let mut delta = vec![0f32; dims.query_rows()];
-                for (f, entry) in functions.iter().zip(entries) {
-                    let table = f.table();
-                    let mut pointers: Vec<*mut u8> = inputs.iter().map(|b| b.as_slice().as_ptr() as *mut u8).collect();
-                    pointers.extend(generated.iter_mut().map(|b| b.as_mut_slice().as_mut_ptr()));
-                    pointers.push(table.as_ptr() as *mut u8);
-                    pointers.push(delta.as_mut_ptr() as *mut u8);
-                    // SAFETY: the buffers have the kernel's sizes.
-                    unsafe { crate::warp_simulator::launch(entry, f, &pointers, f.units().min(3)) };
-                }
-                (builtin, generated)
-            };
-            let (builtin, generated) = run(&forward, &inputs, &[out * dtype.size(), lse * 4]);
-            assert_close(&format!("{label} out"), dtype, &builtin[0], &generated[0], 1e-2);
-            assert_close(&format!("{label} lse"), DType::F32, &builtin[1], &generated[1], 1e-5);
-            inputs.extend(builtin);
-            inputs.push(buffer(dtype, &values(out, 5)));
-            let (builtin, generated) = run(&backward, &inputs, &[q * dtype.size(), k * dtype.size(), v * dtype.size()]);
-            for (name, (want, got)) in ["dq", "dk", "dv"].iter().zip(builtin.iter().zip(&generated)) {
-                assert_close(&format!("{label} {name}"), dtype, want, got, 2e-2);
-            }
-        }
-    }
-}
+mod tests;

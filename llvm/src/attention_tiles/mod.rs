@@ -43,9 +43,7 @@
 
 #[cfg(doc)]
 use autotp_kernels::attention::TENSOR_CORE_JOINT_KEY_VALUE_GRAD;
-use autotp_kernels::attention::{
-    AttentionFunction, AttentionMask, AttentionPass, TENSOR_CORE_COLUMN_TILE, TENSOR_CORE_ROW_TILE,
-};
+use autotp_kernels::attention::{AttentionFunction, AttentionPass, TENSOR_CORE_COLUMN_TILE, TENSOR_CORE_ROW_TILE};
 use inkwell::module::Linkage;
 use inkwell::types::{BasicType, VectorType};
 use inkwell::values::{FunctionValue, IntValue, PointerValue};
@@ -54,6 +52,7 @@ use inkwell::{AddressSpace, IntPredicate};
 mod passes;
 mod warp;
 
+use crate::attention::Buffers;
 use crate::emit::{counted_loop, Emitter, V};
 use crate::nvptx::{if_then, special_register, BLOCK};
 use crate::LlvmError;
@@ -86,6 +85,14 @@ pub(crate) fn shared_bytes(f: &AttentionFunction) -> usize {
     stages(f) * 2 * TENSOR_CORE_COLUMN_TILE * (f.dims.head_dim + ROW_PADDING) * 2
 }
 
+/// Whether `f` is a tensor-core pass these shapes allow.
+fn check(f: &AttentionFunction) -> Result<(), LlvmError> {
+    if !(f.tensor_cores && AttentionFunction::fits_tensor_cores(f.dtype, &f.dims)) {
+        return Err(LlvmError::llvm("attention", format!("no tensor-core attention for {} or these shapes", f.dtype)));
+    }
+    Ok(())
+}
+
 /// Appends the GPU entry `symbol` computing `f` (a tensor-core pass): `void f(b0, b1, ...,
 /// i64 units)` with the buffers of [`crate::attention::buffer_count`], launched with
 /// [`BLOCK`] threads per block.
@@ -94,9 +101,7 @@ pub(crate) fn define_nvptx<'ctx>(
     symbol: &str,
     f: &AttentionFunction,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
-    if !(f.tensor_cores && AttentionFunction::fits_tensor_cores(f.dtype, &f.dims)) {
-        return Err(LlvmError::llvm("attention", format!("no tensor-core attention for {} or these shapes", f.dtype)));
-    }
+    check(f)?;
     let ctx = e.ctx;
     let ptr = ctx.ptr_type(AddressSpace::default());
     let count = crate::attention::buffer_count(f);
@@ -104,16 +109,8 @@ pub(crate) fn define_nvptx<'ctx>(
     params.push(ctx.i64_type().into());
     let function = e.module.add_function(symbol, ctx.void_type().fn_type(&params, false), None);
     e.b.position_at_end(ctx.append_basic_block(function, "entry"));
-    let mut pointers = (0..count as u32).map(|n| function.get_nth_param(n).expect("declared").into_pointer_value());
-    let mut take = || pointers.next().expect("buffer_count pointers");
-    let (q, k, v) = (take(), take(), take());
-    let bias = f.dims.bias.is_some().then(&mut take);
-    let (out, lse) = (take(), take());
-    let backward = f.pass != AttentionPass::Forward;
-    let d_out = backward.then(&mut take);
-    let grads = if backward { [Some(take()), Some(take()), Some(take())] } else { [None; 3] };
-    let (table, delta) = (take(), take());
-    let ops = Operands { q, k, v, bias, out, lse, d_out, grads, table, delta };
+    let pointers = (0..count as u32).map(|n| function.get_nth_param(n).expect("declared").into_pointer_value());
+    let ops = Buffers::take(f, pointers);
     let units = function.get_nth_param(count as u32).expect("declared").into_int_value();
     let ty = e.ctx.i16_type().array_type((shared_bytes(f) / 2) as u32);
     let global = e.module.add_global(ty, Some(AddressSpace::from(3u16)), &format!("{symbol}_column_tile"));
@@ -142,22 +139,11 @@ pub(crate) fn define_simulated<'ctx>(
     f: &AttentionFunction,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
     use crate::warp_simulator::word;
-    if !(f.tensor_cores && AttentionFunction::fits_tensor_cores(f.dtype, &f.dims)) {
-        return Err(LlvmError::llvm("attention", format!("no tensor-core attention for {} or these shapes", f.dtype)));
-    }
+    check(f)?;
     let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
     let count = crate::attention::buffer_count(f);
     let pointers = (0..count).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
-    let mut take = pointers.into_iter();
-    let mut take = || take.next().expect("buffer_count pointers");
-    let (q, k, v) = (take(), take(), take());
-    let bias = f.dims.bias.is_some().then(&mut take);
-    let (out, lse) = (take(), take());
-    let backward = f.pass != AttentionPass::Forward;
-    let d_out = backward.then(&mut take);
-    let grads = if backward { [Some(take()), Some(take()), Some(take())] } else { [None; 3] };
-    let (table, delta) = (take(), take());
-    let ops = Operands { q, k, v, bias, out, lse, d_out, grads, table, delta };
+    let ops = Buffers::take(f, pointers);
     let context = entry.pointer(e, count)?;
     let (i32t, f32t, ptr) = (e.ctx.i32_type(), e.ctx.f32_type(), e.ctx.ptr_type(AddressSpace::default()));
     let context_word = |w: usize, ty: inkwell::types::BasicTypeEnum<'ctx>| -> Result<_, LlvmError> {
@@ -200,22 +186,6 @@ struct Place<'ctx> {
     lanes: Lanes<'ctx>,
 }
 
-/// The entry's buffers, as `crate::attention` takes them.
-struct Operands<'ctx> {
-    q: PointerValue<'ctx>,
-    k: PointerValue<'ctx>,
-    v: PointerValue<'ctx>,
-    bias: Option<PointerValue<'ctx>>,
-    out: PointerValue<'ctx>,
-    lse: PointerValue<'ctx>,
-    d_out: Option<PointerValue<'ctx>>,
-    /// dq, dk, dv.
-    grads: [Option<PointerValue<'ctx>>; 3],
-    table: PointerValue<'ctx>,
-    /// `dout . out` per query row (f32).
-    delta: PointerValue<'ctx>,
-}
-
 /// A warp's 16 rows of a unit: the thread's two (`lane / 4` and `+ 8`), as positions in the
 /// head and clamped into it for loads, and the head's first row in its operands.
 struct Rows<'ctx> {
@@ -242,7 +212,7 @@ struct Tiles<'a, 'b, 'ctx> {
     e: &'a Emitter<'b, 'ctx>,
     function: FunctionValue<'ctx>,
     f: &'a AttentionFunction,
-    ops: Operands<'ctx>,
+    ops: Buffers<'ctx>,
     /// Shared memory: the column tile's two operands, one after the other (i16 elements, rows
     /// of `stride`).
     shared: PointerValue<'ctx>,
@@ -262,7 +232,7 @@ impl<'a, 'b, 'ctx> Tiles<'a, 'b, 'ctx> {
         e: &'a Emitter<'b, 'ctx>,
         function: FunctionValue<'ctx>,
         f: &'a AttentionFunction,
-        ops: Operands<'ctx>,
+        ops: Buffers<'ctx>,
         place: Place<'ctx>,
     ) -> Result<Tiles<'a, 'b, 'ctx>, LlvmError> {
         let i64t = e.ctx.i64_type();
@@ -303,13 +273,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
     }
 
     fn min(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
-        let less = self.e.b.build_int_compare(IntPredicate::SLT, a, b, "")?;
-        Ok(self.e.b.build_select(less, a, b, "")?.into_int_value())
-    }
-
-    fn max(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
-        let greater = self.e.b.build_int_compare(IntPredicate::SGT, a, b, "")?;
-        Ok(self.e.b.build_select(greater, a, b, "")?.into_int_value())
+        crate::attention::int_min(self.e, a, b)
     }
 
     /// A pointer to element `at` of `T`s at `base` (`T` the element type of `ty`).
@@ -341,37 +305,12 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         Ok(self.e.b.build_shuffle_vector(a, b, mask, "")?)
     }
 
-    /// The keys query `i` sees: `[lo, hi)`.
-    fn keys(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
-        let kv_len = self.int(self.f.dims.kv_len);
-        let after = self.add_const(i, 1)?;
-        Ok(match self.f.mask {
-            AttentionMask::None => (self.int(0), kv_len),
-            AttentionMask::Causal => (self.int(0), self.min(after, kv_len)?),
-            AttentionMask::SlidingWindow { window } => {
-                let lo = self.max(self.e.b.build_int_sub(after, self.int(window), "")?, self.int(0))?;
-                (self.min(lo, kv_len)?, self.min(after, kv_len)?)
-            }
-        })
-    }
-
-    /// The queries that see key `j`: `[lo, hi)`.
-    fn queries(&self, j: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
-        let q_len = self.int(self.f.dims.q_len);
-        Ok(match self.f.mask {
-            AttentionMask::None => (self.int(0), q_len),
-            AttentionMask::Causal => (self.min(j, q_len)?, q_len),
-            AttentionMask::SlidingWindow { window } => {
-                (self.min(j, q_len)?, self.min(self.add_const(j, window)?, q_len)?)
-            }
-        })
-    }
-
     /// The columns row `i` sees: keys, or (over keys) queries.
     fn columns_of(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+        let (mask, dims) = (self.f.mask, &self.f.dims);
         match self.f.pass.over_keys() {
-            true => self.queries(i),
-            false => self.keys(i),
+            true => crate::attention::mask_queries(self.e, mask, dims.q_len, i),
+            false => crate::attention::mask_keys(self.e, mask, dims.kv_len, i),
         }
     }
 

@@ -1,0 +1,196 @@
+//! Generated attention against the builtin kernel, the oracle: both targets' cuts compiled for
+//! x86, and the GPU's tensor-core passes on simulated blocks ([`crate::warp_simulator`]).
+
+use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask, AttentionTarget};
+use autotp_kernels::{AlignedBuf, DType, Kernel};
+
+use crate::{compile_cpu_functions, Function};
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `x` as a buffer of `dtype` (rounded as the cast kernel rounds).
+fn buffer(dtype: DType, x: &[f32]) -> AlignedBuf {
+    let wide: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut out = AlignedBuf::zeroed(x.len() * dtype.size());
+    Kernel::Cast { from: DType::F32, to: dtype }.run(&[&wide], &mut [out.as_mut_slice()]).unwrap();
+    out
+}
+
+fn floats(dtype: DType, b: &AlignedBuf) -> Vec<f32> {
+    let mut wide = AlignedBuf::zeroed(b.len() / dtype.size() * 4);
+    Kernel::Cast { from: dtype, to: DType::F32 }.run(&[b.as_slice()], &mut [wide.as_mut_slice()]).unwrap();
+    wide.as_slice().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// How a test runs the generated functions.
+#[derive(Clone, Copy, PartialEq)]
+enum Runner {
+    /// Compiled for x86, their units in two calls, as a thread pool splits them.
+    Halves,
+    /// A GPU's tensor-core passes on simulated blocks (three, fewer than most passes'
+    /// units), their warp operations included ([`crate::warp_simulator`]).
+    SimulatedBlocks,
+}
+
+/// Runs `kernel` as the builtin and as the generated functions cut for `target`, run by
+/// `runner`; both outputs.
+fn both(
+    kernel: &Kernel,
+    target: AttentionTarget,
+    inputs: &[AlignedBuf],
+    output_bytes: &[usize],
+    runner: Runner,
+) -> [Vec<AlignedBuf>; 2] {
+    let ins: Vec<&[u8]> = inputs.iter().map(|b| b.as_slice()).collect();
+    let mut builtin: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
+    let mut outs: Vec<&mut [u8]> = builtin.iter_mut().map(|b| b.as_mut_slice()).collect();
+    kernel.run(&ins, &mut outs).unwrap();
+    let functions = AttentionFunction::of(kernel, target).unwrap();
+    let compiled: Vec<Function> = match runner {
+        Runner::Halves => functions.iter().map(Function::Attention).collect(),
+        Runner::SimulatedBlocks => functions.iter().map(Function::SimulatedAttention).collect(),
+    };
+    let entries = compile_cpu_functions(&compiled).unwrap();
+    let mut generated: Vec<AlignedBuf> = output_bytes.iter().map(|&n| AlignedBuf::zeroed(n)).collect();
+    let mut delta = vec![0f32; functions[0].dims.batch() * functions[0].dims.q_len];
+    for (f, entry) in functions.iter().zip(entries) {
+        let table = f.table();
+        let mut pointers: Vec<*mut u8> = inputs.iter().map(|b| b.as_slice().as_ptr() as *mut u8).collect();
+        pointers.extend(generated.iter_mut().map(|b| b.as_mut_slice().as_mut_ptr()));
+        pointers.push(table.as_ptr() as *mut u8);
+        pointers.push(delta.as_mut_ptr() as *mut u8);
+        // SAFETY: the buffers have the kernel's sizes.
+        unsafe {
+            match runner {
+                Runner::Halves => {
+                    entry.run(&pointers, 0..f.units() / 2);
+                    entry.run(&pointers, f.units() / 2..f.units());
+                }
+                Runner::SimulatedBlocks => crate::warp_simulator::launch(entry, f, &pointers, f.units().min(3)),
+            }
+        }
+    }
+    [builtin, generated]
+}
+
+fn assert_close(label: &str, dtype: DType, want: &AlignedBuf, got: &AlignedBuf, tolerance: f32) {
+    let (want, got) = (floats(dtype, want), floats(dtype, got));
+    for (n, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert!((w - g).abs() <= tolerance * w.abs().max(1.0), "{label}[{n}]: generated {g}, builtin {w}");
+    }
+}
+
+/// The generated functions of both targets against the builtin kernel.
+fn check(dtype: DType, dims: AttentionDims, mask: AttentionMask) {
+    check_runs(dtype, dims, mask, &[(AttentionTarget::Cpu, Runner::Halves), (AttentionTarget::Gpu, Runner::Halves)]);
+}
+
+/// The forward and backward of attention `(dtype, dims, mask)` as the generated functions
+/// of each `(target, runner)` compute them, against the builtin kernel: f32 within 2e-5 of
+/// the f64 oracle, 16-bit results within a rounding (gradients on tensor cores within two:
+/// `p` and `ds` are rounded too).
+fn check_runs(dtype: DType, dims: AttentionDims, mask: AttentionMask, runs: &[(AttentionTarget, Runner)]) {
+    let label = format!("{dtype} {mask:?} {dims:?}");
+    let [q, k, v, bias, out, lse] = dims.numels();
+    let mut inputs: Vec<AlignedBuf> =
+        [(q, 1), (k, 2), (v, 3)].iter().map(|&(n, seed)| buffer(dtype, &values(n, seed))).collect();
+    if dims.bias.is_some() {
+        inputs.push(buffer(dtype, &values(bias, 4)));
+    }
+    let scale = 0.37;
+    let forward = Kernel::Attention { dtype, dims: dims.clone(), scale, mask, generated: true };
+    let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale, mask, generated: true };
+    for &(target, runner) in runs {
+        let label = format!("{label} {target:?}");
+        let tolerance = match (dtype, runner) {
+            (DType::F32, _) => 2e-5,
+            (_, Runner::Halves) => 1e-2,
+            (_, Runner::SimulatedBlocks) => 2e-2,
+        };
+        let mut inputs = inputs.clone();
+        let [builtin, generated] = both(&forward, target, &inputs, &[out * dtype.size(), lse * 4], runner);
+        assert_close(&format!("{label} out"), dtype, &builtin[0], &generated[0], 1e-2_f32.min(tolerance));
+        assert_close(&format!("{label} lse"), DType::F32, &builtin[1], &generated[1], 2e-5);
+        inputs.extend(builtin);
+        inputs.push(buffer(dtype, &values(out, 5)));
+        let grads = [q * dtype.size(), k * dtype.size(), v * dtype.size()];
+        let [builtin, generated] = both(&backward, target, &inputs, &grads, runner);
+        for (name, (want, got)) in ["dq", "dk", "dv"].iter().zip(builtin.iter().zip(&generated)) {
+            assert_close(&format!("{label} {name}"), dtype, want, got, tolerance);
+        }
+    }
+}
+
+fn dims(kv_lead: &[usize], len: usize, head_dim: usize, value_dim: usize, bias: Option<Vec<usize>>) -> AttentionDims {
+    AttentionDims { lead: vec![2, 3], kv_lead: kv_lead.to_vec(), q_len: len, kv_len: len, head_dim, value_dim, bias }
+}
+
+#[test]
+fn generated_attention_matches_the_builtin_kernel() {
+    for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 5 }] {
+        check(DType::F32, dims(&[2, 3], 36, 64, 64, None), mask);
+        check(DType::F32, dims(&[2, 1], 37, 32, 16, None), mask);
+    }
+    // Units of 4, 2 and 1 rows (36, 22, 37 and 19); one key/value head for three query
+    // heads; per-head and per-batch biases; head dims not a multiple of the vector width.
+    check(DType::F32, dims(&[2, 1], 22, 16, 8, Some(vec![1, 3, 22, 22])), AttentionMask::Causal);
+    check(DType::F32, dims(&[1, 3], 19, 12, 4, Some(vec![2, 1, 1, 19])), AttentionMask::None);
+    check(DType::F32, dims(&[2, 3], 9, 3, 5, None), AttentionMask::Causal);
+    for dtype in [DType::BF16, DType::F16] {
+        check(dtype, dims(&[2, 1], 32, 32, 32, None), AttentionMask::Causal);
+    }
+}
+
+/// The GPU's tensor-core forward as the emulated GPU runs it: tiles of 128 queries, the last
+/// of a head short (150 = 128 + 22), every mask, shared key/value heads and a bias.
+#[test]
+fn tensor_core_tiles_match_the_builtin_kernel() {
+    let forward = |dtype, dims: &AttentionDims| {
+        let kernel =
+            Kernel::Attention { dtype, dims: dims.clone(), scale: 0.3, mask: AttentionMask::Causal, generated: true };
+        AttentionFunction::of(&kernel, AttentionTarget::Gpu).unwrap().remove(0)
+    };
+    let short = dims(&[2, 1], 150, 16, 16, None);
+    let tiles = forward(DType::BF16, &short);
+    assert!(tiles.tensor_cores);
+    assert_eq!((tiles.units(), tiles.threads_per_unit()), (2 * 3 * 2, 256));
+    assert!(!forward(DType::F32, &short).tensor_cores, "f32 has no m16n8k16");
+    assert!(!forward(DType::BF16, &dims(&[2, 1], 150, 24, 24, None)).tensor_cores, "24 is no multiple of 16");
+    for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 40 }] {
+        check(DType::BF16, short.clone(), mask);
+    }
+    check(DType::F16, dims(&[2, 3], 130, 32, 32, Some(vec![1, 3, 130, 130])), AttentionMask::Causal);
+}
+
+/// The tensor-core passes as a GPU runs them, their warps' `mma`, `ldmatrix`, shuffles and
+/// barriers simulated on host threads ([`crate::warp_simulator`]), on fewer blocks than
+/// units: two query heads sharing a key/value head, tiles of 150 rows (the second short)
+/// and 64 keys (the third short), an fp16 bias under a sliding window, and heads of 96 (one
+/// stage of shared memory; the others copy the next tile while working on this one).
+#[test]
+fn simulated_tensor_core_passes_match_the_builtin_kernel() {
+    let cases = [
+        (DType::BF16, AttentionDims { lead: vec![1, 2], kv_lead: vec![1, 1], ..dims(&[], 150, 32, 32, None) }),
+        (
+            DType::F16,
+            AttentionDims { lead: vec![1, 2], kv_lead: vec![1, 2], ..dims(&[], 40, 16, 16, Some(vec![1, 2, 40, 40])) },
+        ),
+        // Heads of 96: one stage of shared memory (two would pass 48 KiB), dk and dv apart.
+        (DType::BF16, AttentionDims { lead: vec![1, 1], kv_lead: vec![1, 1], ..dims(&[], 70, 96, 96, None) }),
+    ];
+    for (dtype, dims) in cases {
+        let mask = if dims.bias.is_some() { AttentionMask::SlidingWindow { window: 9 } } else { AttentionMask::Causal };
+        let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale: 0.37, mask, generated: true };
+        let passes = AttentionFunction::of(&backward, AttentionTarget::Gpu).unwrap();
+        assert!(passes.iter().all(|f| f.tensor_cores), "{dims:?}");
+        check_runs(dtype, dims, mask, &[(AttentionTarget::Gpu, Runner::SimulatedBlocks)]);
+    }
+}
