@@ -22,8 +22,8 @@
 //! needed by more than one stage.
 //!
 //! [`build`] refuses, with a [`Refusal`], anything it does not handle (other dtypes, ops,
-//! reductions not over trailing dims, an expensive value broadcast inside the group); codegen then uses
-//! the builtin kernel of each node.
+//! reductions not over trailing dims, an expensive value broadcast inside the group); codegen
+//! then uses the builtin kernel of each node.
 
 use std::collections::HashMap;
 

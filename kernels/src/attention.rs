@@ -187,9 +187,8 @@ pub enum AttentionTarget {
 
 /// One generated attention function (`autotp-llvm` emits it): its entry runs units
 /// `begin..end` of its pass (on x86; on a GPU [`AttentionFunction::threads_per_unit`] threads
-/// per unit) over the kernel's buffers (inputs,
-/// then outputs) followed by [`AttentionFunction::table`] and a scratch of one f32 per query
-/// row.
+/// per unit) over the kernel's buffers (inputs, then outputs) followed by
+/// [`AttentionFunction::table`] and a scratch of one f32 per query row.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AttentionFunction {
     pub dtype: DType,

@@ -136,8 +136,9 @@ fn halves(word: i32) -> [u16; 2] {
 extern "C" fn mma(block: &SimulatedBlock, thread: i64, words: *const i32, acc: *mut f32) {
     // SAFETY: the generated code passes 6 words (a's 4, b's 2) and 4 floats.
     let (words, acc) = unsafe { (std::slice::from_raw_parts(words, 6), std::slice::from_raw_parts_mut(acc, 4)) };
-    let mine =
-        Slot { words: words.try_into().expect("6 words"), acc: acc.try_into().expect("4 floats"), ..Slot::default() };
+    let mut mine = Slot::default();
+    mine.words.copy_from_slice(words);
+    mine.acc.copy_from_slice(acc);
     let d = block.exchange(
         thread,
         |slot| *slot = mine,
