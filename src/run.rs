@@ -493,11 +493,14 @@ fn profile_table(
 ) -> String {
     let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps.max(1) as f64;
     let step_ms = seconds * 1e3 / steps.max(1) as f64;
+    let rows = autotp_runtime::profile::by_op(program, times);
+    let width = rows.iter().map(|row| row.op.len()).max().unwrap_or(0).max(20);
     let mut out = format!("profile of rank {rank}, {steps} steps ({step_ms:.2} ms per step):\n");
-    out += &format!("  {:<20} {:>12} {:>12} {:>8}\n", "op", "instructions", "ms per step", "share");
-    for row in autotp_runtime::profile::by_op(program, times) {
+    out += &format!("  {:<width$} {:>12} {:>12} {:>8}\n", "op", "instructions", "ms per step", "share");
+    for row in rows {
         let ms = per_step(row.total);
-        out += &format!("  {:<20} {:>12} {:>12.3} {:>7.1}%\n", row.op, row.instructions, ms, 100.0 * ms / step_ms);
+        let share = 100.0 * ms / step_ms;
+        out += &format!("  {:<width$} {:>12} {:>12.3} {:>7.1}%\n", row.op, row.instructions, ms, share);
     }
     out += "  slowest instructions (ms per step):\n";
     for (label, time) in autotp_runtime::profile::slowest(program, times, 5) {
