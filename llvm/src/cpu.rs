@@ -127,6 +127,10 @@ fn build_module<'ctx>(
             Function::Axis(kernel) => {
                 crate::axis::define_cpu(&e, symbol, kernel)?;
             }
+            Function::SimulatedKernel(kernel) => {
+                kernel.check()?;
+                crate::nvptx::define_simulated(&e, symbol, kernel)?;
+            }
             Function::SimulatedAttention(attention) => {
                 crate::attention_tiles::define_simulated(&e, symbol, attention)?;
             }

@@ -29,6 +29,7 @@ pub mod cpu;
 pub mod emit;
 pub mod indexed;
 pub mod jit;
+mod lanes;
 pub mod math;
 pub mod nvptx;
 pub mod optim;
@@ -47,6 +48,9 @@ pub enum Function<'a> {
     Attention(&'a autotp_kernels::attention::AttentionFunction),
     /// A top-k or scatter-elements in a GPU's form (the emulated GPU runs it here).
     Axis(&'a autotp_kernels::axis::AxisKernel),
+    /// A kernel as one thread of a simulated GPU block runs its NVPTX form ([`warp_simulator`];
+    /// tests).
+    SimulatedKernel(&'a autotp_kernels::kir::Kernel),
     /// A tensor-core attention pass as one thread of a simulated GPU block runs it
     /// ([`warp_simulator`]; tests).
     SimulatedAttention(&'a autotp_kernels::attention::AttentionFunction),

@@ -18,7 +18,8 @@
 //! buffer is aligned for them (checked when the kernel starts; else one element at a time), and
 //! the row's last elements short of a vector one at a time; every element is computed as
 //! alone, so the results do not change. Expressions and the transcendentals are those of the
-//! x86 target ([`crate::emit`], [`crate::math`]), at width 1 in reductions and row stages.
+//! x86 target ([`crate::emit`], [`crate::math`]), at width 1 in reductions and row stages. The
+//! same code runs in the tests on simulated blocks ([`crate::warp_simulator`]).
 
 use autotp_kernels::kir::{self, Stage};
 use inkwell::context::Context;
@@ -28,6 +29,7 @@ use inkwell::values::{BasicMetadataValueEnum, FunctionValue, IntValue};
 use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
 
 use crate::emit::{counted_loop, Buffer, Buffers, Emitter, Position, V};
+use crate::lanes::Lanes;
 use crate::optim::define_nvptx as define_optimizer_step;
 use crate::LlvmError;
 use autotp_kernels::optim::OptimizerKernel;
@@ -237,22 +239,73 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
     let function = e.module.add_function(symbol, ctx.void_type().fn_type(&params, false), None);
     let entry = ctx.append_basic_block(function, "entry");
     e.b.position_at_end(entry);
+    let pointers = (0..kernel.buffers.len() as u32)
+        .map(|b| function.get_nth_param(b).expect("declared").into_pointer_value())
+        .collect();
+    let place = Place {
+        thread: special_register(e, "tid.x")?,
+        block: special_register(e, "ctaid.x")?,
+        blocks: special_register(e, "nctaid.x")?,
+        shared: shared_memory(e)?,
+        lanes: Lanes::Nvptx,
+    };
+    define_body(e, function, kernel, pointers, &place)?;
+    Ok(function)
+}
+
+/// Appends `kernel` as the host function `symbol` that one thread of a simulated GPU block runs
+/// ([`crate::warp_simulator`]): `void f(u8** buffers, i64 block, i64 thread)`, the kernel's
+/// buffers followed by the [`SimulatedBlock`](crate::warp_simulator::SimulatedBlock) (shared
+/// memory of [`SHARED_BYTES`]), the same code as on a GPU.
+pub(crate) fn define_simulated<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    kernel: &kir::Kernel,
+) -> Result<FunctionValue<'ctx>, LlvmError> {
+    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
+    let count = kernel.buffers.len();
+    let pointers = (0..count).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
+    let simulated = Lanes::simulated(e, &entry, count)?;
+    let place = Place {
+        thread: entry.end,
+        block: entry.begin,
+        blocks: simulated.blocks,
+        shared: simulated.shared,
+        lanes: simulated.lanes,
+    };
+    define_body(e, entry.function, kernel, pointers, &place)?;
+    Ok(entry.function)
+}
+
+/// Bytes of shared memory a kernel's block uses: one f32 per warp for its folds.
+pub const SHARED_BYTES: usize = (BLOCK / 32) as usize * 4;
+
+/// A thread's place in the grid: its index in the block, its block, the grid's blocks, the
+/// block's shared memory and how it reaches the others ([`Lanes`]).
+struct Place<'ctx> {
+    thread: IntValue<'ctx>,
+    block: IntValue<'ctx>,
+    blocks: IntValue<'ctx>,
+    shared: inkwell::values::PointerValue<'ctx>,
+    lanes: Lanes<'ctx>,
+}
+
+/// The kernel's code in `function` (positioned at its entry), over `pointers` (its buffers).
+fn define_body<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    kernel: &kir::Kernel,
+    pointers: Vec<inkwell::values::PointerValue<'ctx>>,
+    place: &Place<'ctx>,
+) -> Result<(), LlvmError> {
+    let ctx = e.ctx;
     let buffers = Buffers(
-        kernel
-            .buffers
-            .iter()
-            .enumerate()
-            .map(|(b, buffer)| Buffer {
-                pointer: function.get_nth_param(b as u32).expect("declared").into_pointer_value(),
-                dtype: buffer.dtype,
-            })
+        (kernel.buffers.iter().zip(pointers))
+            .map(|(buffer, pointer)| Buffer { pointer, dtype: buffer.dtype })
             .collect(),
     );
-    let shared = shared_memory(e)?;
+    let (thread, block, blocks) = (place.thread, place.block, place.blocks);
     let i64t = ctx.i64_type();
-    let thread = special_register(e, "tid.x")?;
-    let block = special_register(e, "ctaid.x")?;
-    let blocks = special_register(e, "nctaid.x")?;
     let (inner, stride) = (i64t.const_int(kernel.inner as u64, false), i64t.const_int(BLOCK as u64, false));
     let aligned = vectors_aligned(e, &buffers)?;
     let parts = blocks_per_row(kernel);
@@ -272,19 +325,19 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
             let end = e.b.build_select(short, end, inner, "")?.into_int_value();
             for stage in &kernel.stages {
                 let Stage::Map { exprs, stores } = stage else { unreachable!("split kernels map alone") };
-                wait_for_stored_outputs(e, kernel, stage)?;
+                wait_for_stored_outputs(e, kernel, stage, place)?;
                 let map = MapRun { buffers: &buffers, exprs, stores, outer, accs: &[] };
                 map.emit(e, function, (begin, end), thread, aligned)?;
             }
             Ok(vec![])
         })?;
         e.b.build_return(None)?;
-        return Ok(function);
+        return Ok(());
     }
     counted_loop(e, function, block, i64t.const_int(kernel.outer as u64, false), blocks, &[], |outer, _| {
         let mut accs: Vec<V<'ctx>> = Vec::new();
         for stage in &kernel.stages {
-            wait_for_stored_outputs(e, kernel, stage)?;
+            wait_for_stored_outputs(e, kernel, stage, place)?;
             match stage {
                 Stage::Reduce { fold, exprs, value } => {
                     let start = e.fold_start(*fold, 1);
@@ -293,7 +346,7 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
                         let values = e.exprs(&buffers, exprs, &at)?;
                         Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
                     })?;
-                    accs.push(block_fold(e, function, shared, thread, *fold, partial[0])?);
+                    accs.push(block_fold(e, function, place, *fold, partial[0])?);
                 }
                 Stage::Map { exprs, stores } => {
                     let map = MapRun { buffers: &buffers, exprs, stores, outer, accs: &accs };
@@ -310,13 +363,18 @@ fn define<'ctx>(e: &Emitter<'_, 'ctx>, symbol: &str, kernel: &kir::Kernel) -> Re
         Ok(vec![])
     })?;
     e.b.build_return(None)?;
-    Ok(function)
+    Ok(())
 }
 
 /// A block barrier before `stage` where it reads outputs that an earlier stage's threads stored.
-fn wait_for_stored_outputs(e: &Emitter<'_, '_>, kernel: &kir::Kernel, stage: &Stage) -> Result<(), LlvmError> {
+fn wait_for_stored_outputs<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    kernel: &kir::Kernel,
+    stage: &Stage,
+    place: &Place<'ctx>,
+) -> Result<(), LlvmError> {
     if stage.reads_outputs(kernel.num_inputs) {
-        call(e, "llvm.nvvm.barrier0", &[])?;
+        place.lanes.barrier(e, place.thread)?;
     }
     Ok(())
 }
@@ -426,23 +484,15 @@ pub(crate) fn call<'ctx>(
 fn block_fold<'ctx>(
     e: &Emitter<'_, 'ctx>,
     function: FunctionValue<'ctx>,
-    shared: inkwell::values::PointerValue<'ctx>,
-    thread: IntValue<'ctx>,
+    place: &Place<'ctx>,
     fold: kir::Fold,
     partial: V<'ctx>,
 ) -> Result<V<'ctx>, LlvmError> {
-    let (i32t, i64t, f32t) = (e.ctx.i32_type(), e.ctx.i64_type(), e.ctx.f32_type());
+    let (i64t, f32t) = (e.ctx.i64_type(), e.ctx.f32_type());
+    let (shared, thread) = (place.shared, place.thread);
     let mut value = partial;
     for offset in [16u64, 8, 4, 2, 1] {
-        let x = e.lane(value, 0)?;
-        let args = [
-            i32t.const_all_ones().into(),
-            x.into(),
-            i32t.const_int(offset, false).into(),
-            i32t.const_int(31, false).into(),
-        ];
-        let other = call(e, "llvm.nvvm.shfl.sync.bfly.f32", &args)?
-            .ok_or_else(|| LlvmError::llvm("NVPTX shuffle", "no value"))?;
+        let other = place.lanes.shuffle_xor(e, thread, e.lane(value, 0)?, offset)?;
         value = e.fold(fold, value, e.splat(other, 1)?)?;
     }
     let array = f32t.array_type(BLOCK / 32);
@@ -458,14 +508,14 @@ fn block_fold<'ctx>(
         e.b.build_store(slot(warp)?, x)?;
         Ok(())
     })?;
-    call(e, "llvm.nvvm.barrier0", &[])?;
+    place.lanes.barrier(e, thread)?;
     let mut total = e.fold_start(fold, 1);
     for w in 0..(BLOCK / 32) as u64 {
         let x = e.b.build_load(f32t, slot(i64t.const_int(w, false))?, "")?;
         total = e.fold(fold, total, e.splat(x, 1)?)?;
     }
     // Every thread has read the warps' results before the next fold overwrites them.
-    call(e, "llvm.nvvm.barrier0", &[])?;
+    place.lanes.barrier(e, thread)?;
     Ok(total)
 }
 
@@ -618,6 +668,116 @@ mod tests {
         let code = ptx_of(&shifted);
         assert!(code.contains("ld.global.v4.f32"), "the aligned input: {code}");
         assert_eq!(code.matches("ld.global.v4.f32").count(), 1, "the shifted one element by element: {code}");
+    }
+
+    /// Generated kernels as a GPU runs their code, on simulated blocks ([`crate::warp_simulator`],
+    /// three, striding over more work items), against the same kernels compiled for x86: an add
+    /// over rows split across blocks, in f32 and bf16, with its buffers aligned (vectors of four)
+    /// and not (one element at a time); and a softmax whose sum reads back the exponentials it
+    /// stored (a barrier first), its maxima and sums folded across the block. Elementwise results
+    /// are the same bits; the sums' order differs.
+    #[test]
+    fn kernels_on_simulated_blocks_compute_what_x86_does() {
+        use autotp_kernels::kir::{Buffer, Expr, Fold, Index, Store};
+        use autotp_kernels::{AlignedBuf, BinaryOp, DType, UnaryOp};
+        let add = |dtype: DType, outer: usize, inner: usize| {
+            let (row, len) = (Index::row_major(inner), outer * inner);
+            kir::Kernel {
+                name: "add".into(),
+                buffers: vec![Buffer { dtype, len }, Buffer { dtype, len }, Buffer { dtype, len }],
+                num_inputs: 2,
+                outer,
+                inner,
+                stages: vec![Stage::Map {
+                    exprs: vec![
+                        Expr::Load { buffer: 0, index: row.clone() },
+                        Expr::Load { buffer: 1, index: row.clone() },
+                        Expr::Binary(BinaryOp::Add, 0, 1),
+                    ],
+                    stores: vec![Store { buffer: 2, index: row, value: 2 }],
+                }],
+            }
+        };
+        let (outer, inner) = (6, 1000);
+        let row = Index::row_major(inner);
+        let (x, stored) = (Expr::Load { buffer: 0, index: row.clone() }, Expr::Load { buffer: 1, index: row.clone() });
+        let softmax = kir::Kernel {
+            name: "softmax".into(),
+            buffers: vec![
+                Buffer { dtype: DType::F32, len: outer * inner },
+                Buffer { dtype: DType::F32, len: outer * inner },
+            ],
+            num_inputs: 1,
+            outer,
+            inner,
+            stages: vec![
+                Stage::Reduce { fold: Fold::Max, exprs: vec![x.clone()], value: 0 },
+                Stage::Map {
+                    exprs: vec![x, Expr::Acc(0), Expr::Binary(BinaryOp::Sub, 0, 1), Expr::Unary(UnaryOp::Exp, 2)],
+                    stores: vec![Store { buffer: 1, index: row.clone(), value: 3 }],
+                },
+                Stage::Reduce { fold: Fold::Sum, exprs: vec![stored.clone()], value: 0 },
+                Stage::Map {
+                    exprs: vec![stored, Expr::Acc(1), Expr::Binary(BinaryOp::Div, 0, 1)],
+                    stores: vec![Store { buffer: 1, index: row, value: 2 }],
+                },
+            ],
+        };
+        let cases = [
+            (add(DType::F32, 2, 5000), 0),
+            (add(DType::BF16, 3, 3000), 0),
+            (add(DType::F32, 2, 5000), 1),
+            (softmax, 0),
+        ];
+        for (kernel, shift) in cases {
+            let label = format!("{} {} x {} shifted {shift}", kernel.name, kernel.buffers[0].dtype, kernel.inner);
+            let size = kernel.buffers[0].dtype.size();
+            // Each buffer `shift` elements past an aligned start.
+            let mut storage: Vec<AlignedBuf> =
+                kernel.buffers.iter().map(|b| AlignedBuf::zeroed((b.len + 1) * size)).collect();
+            for (b, buffer) in storage.iter_mut().enumerate().take(kernel.num_inputs) {
+                for (i, byte) in buffer.as_mut_slice().iter_mut().enumerate() {
+                    // Small finite values of either width: bf16's high byte stays below 0x40.
+                    *byte = if i % 2 == 1 && size == 2 { ((i * 7 + b) % 60) as u8 } else { ((i * 13 + b) % 251) as u8 };
+                }
+                if size == 4 {
+                    for (i, x) in buffer.as_mut_slice().chunks_mut(4).enumerate() {
+                        x.copy_from_slice(&(((i * 37 + b) % 101) as f32 / 25.0 - 2.0).to_le_bytes());
+                    }
+                }
+            }
+            let run = |function: crate::Function, simulated: bool| -> Vec<Vec<u8>> {
+                let entry = crate::compile_cpu_functions(&[function]).unwrap()[0];
+                let mut buffers = storage.clone();
+                let pointers: Vec<*mut u8> =
+                    buffers.iter_mut().map(|b| b.as_mut_slice()[shift * size..].as_mut_ptr()).collect();
+                let blocks = launch_blocks(kernel.outer, blocks_per_row(&kernel)).min(3);
+                // SAFETY: each buffer holds the kernel's elements after the shift.
+                unsafe {
+                    match simulated {
+                        true => crate::warp_simulator::launch(entry, &pointers, blocks, SHARED_BYTES, DType::F32),
+                        false => entry.run(&pointers, 0..kernel.outer),
+                    }
+                }
+                buffers[kernel.num_inputs..].iter().map(|b| b.as_slice().to_vec()).collect()
+            };
+            let (x86, gpu) =
+                (run(crate::Function::Kernel(&kernel), false), run(crate::Function::SimulatedKernel(&kernel), true));
+            if kernel.name == "add" {
+                assert!(blocks_per_row(&kernel) > 1, "{label}: rows split across blocks");
+                assert!(x86 == gpu, "{label}: the same bits");
+                continue;
+            }
+            let floats = |bytes: &[u8]| -> Vec<f32> {
+                bytes.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            };
+            for (n, (want, got)) in floats(&x86[0]).iter().zip(floats(&gpu[0])).enumerate() {
+                assert!(
+                    (want - got).abs() <= 1e-6 * want.abs().max(1e-3),
+                    "{label}[{n}]: {got} on the GPU, {want} on x86"
+                );
+            }
+        }
     }
 
     fn ptx_of(kernel: &kir::Kernel) -> String {

@@ -1,10 +1,13 @@
-//! A GPU block's threads simulated on host threads, so that tests run the tensor-core
-//! attention passes ([`crate::attention_tiles`]) as a GPU would, warp-level operations
-//! included, on a machine without one.
+//! A GPU block's threads simulated on host threads, so that tests run generated GPU code as a GPU
+//! would, warp-level operations included, on a machine without one: the kernels of the kernel
+//! IR ([`crate::nvptx`]: block folds through warp shuffles and shared memory, barriers, rows
+//! split across blocks, vectors of four) and the tensor-core attention passes
+//! ([`crate::attention_tiles`]).
 //!
-//! The pass is compiled for the host as [`crate::Function::SimulatedAttention`]: the same
-//! emitter, with the GPU's special registers, barriers, shuffles, `mma.sync`, `ldmatrix` and
-//! shared memory replaced by a [`SimulatedBlock`] passed as its last buffer. Its entry is
+//! The code is compiled for the host as [`crate::Function::SimulatedKernel`] or
+//! [`crate::Function::SimulatedAttention`]: the same emitter, with the GPU's special registers,
+//! barriers, shuffles, `mma.sync`, `ldmatrix`, `ex2` and shared memory replaced by a
+//! [`SimulatedBlock`] passed as its last buffer (`crate::lanes`). Its entry is
 //! `f(buffers, block, thread)`; [`launch`] starts a thread per GPU thread of each block and
 //! each warp's operations meet at a barrier of the warp's 32 threads, where every lane puts its
 //! operands and takes its result as PTX's ISA defines the operation:
@@ -196,23 +199,23 @@ extern "C" fn load_matrices(block: &SimulatedBlock, thread: i64, address: *const
     unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), out, 4) };
 }
 
-/// Runs a simulated pass `entry` (compiled from a tensor-core
-/// [`AttentionFunction`](autotp_kernels::attention::AttentionFunction) as
-/// [`crate::Function::SimulatedAttention`])
-/// over its units on `blocks` simulated blocks, one after the other, a host thread per GPU
-/// thread: `buffers` are the pass's (as [`crate::attention::buffer_count`] counts them).
+/// Runs `entry` (a kernel or a tensor-core attention pass compiled as
+/// [`crate::Function::SimulatedKernel`] or [`crate::Function::SimulatedAttention`]) on `blocks`
+/// simulated blocks, one after the other, a host thread per GPU thread, each block with
+/// `shared_bytes` of shared memory; `dtype` is what its `mma`s multiply (bf16 or f16).
 ///
 /// # Safety
-/// As [`crate::cpu::CpuKernel::run`]: the buffers must be the pass's, of its sizes.
+/// As [`crate::cpu::CpuKernel::run`]: `buffers` must be the entry's, of its sizes.
 pub unsafe fn launch(
     entry: crate::cpu::CpuKernel,
-    f: &autotp_kernels::attention::AttentionFunction,
     buffers: &[*mut u8],
     blocks: usize,
+    shared_bytes: usize,
+    dtype: DType,
 ) {
-    let mut shared = vec![0u8; crate::attention_tiles::shared_bytes(f)];
+    let mut shared = vec![0u8; shared_bytes];
     for b in 0..blocks {
-        let block = SimulatedBlock::new(&mut shared, blocks, f.dtype);
+        let block = SimulatedBlock::new(&mut shared, blocks, dtype);
         let mut words: Vec<usize> = buffers.iter().map(|&p| p as usize).collect();
         words.push(&block as *const SimulatedBlock as usize);
         std::thread::scope(|scope| {
@@ -226,4 +229,17 @@ pub unsafe fn launch(
             }
         });
     }
+}
+
+/// [`launch`] of a tensor-core attention pass `f`, with the shared memory it takes.
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_attention(
+    entry: crate::cpu::CpuKernel,
+    f: &autotp_kernels::attention::AttentionFunction,
+    buffers: &[*mut u8],
+    blocks: usize,
+) {
+    unsafe { launch(entry, buffers, blocks, crate::attention_tiles::shared_bytes(f), f.dtype) }
 }

@@ -74,7 +74,9 @@ fn both(
                     entry.run(&pointers, 0..f.units() / 2);
                     entry.run(&pointers, f.units() / 2..f.units());
                 }
-                Runner::SimulatedBlocks => crate::warp_simulator::launch(entry, f, &pointers, f.units().min(3)),
+                Runner::SimulatedBlocks => {
+                    crate::warp_simulator::launch_attention(entry, f, &pointers, f.units().min(3))
+                }
             }
         }
     }

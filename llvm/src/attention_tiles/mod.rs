@@ -54,6 +54,7 @@ mod warp;
 
 use crate::attention::Buffers;
 use crate::emit::{counted_loop, Emitter, V};
+use crate::lanes::Lanes;
 use crate::nvptx::{if_then, special_register, BLOCK};
 use crate::LlvmError;
 
@@ -138,28 +139,13 @@ pub(crate) fn define_simulated<'ctx>(
     symbol: &str,
     f: &AttentionFunction,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
-    use crate::warp_simulator::word;
     check(f)?;
     let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
     let count = crate::attention::buffer_count(f);
     let pointers = (0..count).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
     let ops = Buffers::take(f, pointers);
-    let context = entry.pointer(e, count)?;
-    let (i32t, f32t, ptr) = (e.ctx.i32_type(), e.ctx.f32_type(), e.ctx.ptr_type(AddressSpace::default()));
-    let context_word = |w: usize, ty: inkwell::types::BasicTypeEnum<'ctx>| -> Result<_, LlvmError> {
-        let i64t = e.ctx.i64_type();
-        // SAFETY (of the generated code): the simulator passes a SimulatedBlock, whose leading
-        // words these are.
-        let at = unsafe { e.b.build_in_bounds_gep(i64t, context, &[i64t.const_int(w as u64, false)], "")? };
-        Ok(e.b.build_load(ty, at, "")?)
-    };
-    let shared = context_word(word::SHARED, ptr.into())?.into_pointer_value();
-    let blocks = context_word(word::BLOCKS, e.ctx.i64_type().into())?.into_int_value();
-    let lanes = Lanes::Simulated {
-        context,
-        words: e.b.build_array_alloca(i32t, i32t.const_int(6, false), "")?,
-        acc: e.b.build_array_alloca(f32t, i32t.const_int(4, false), "")?,
-    };
+    let simulated = Lanes::simulated(e, &entry, count)?;
+    let (shared, lanes, blocks) = (simulated.shared, simulated.lanes, simulated.blocks);
     let place = Place { thread: entry.end, shared, lanes };
     let tiles = Tiles::new(e, entry.function, f, ops, place)?;
     let units = e.ctx.i64_type().const_int(f.units() as u64, false);
@@ -169,14 +155,6 @@ pub(crate) fn define_simulated<'ctx>(
     })?;
     e.b.build_return(None)?;
     Ok(entry.function)
-}
-
-/// Where a pass's code runs: a GPU's threads, or host threads simulating a block's
-/// ([`crate::warp_simulator`]), whose warp operations are calls through the simulated block's
-/// words, with room for an `mma`'s operands (6 words, 4 floats) made once at the entry.
-enum Lanes<'ctx> {
-    Nvptx,
-    Simulated { context: PointerValue<'ctx>, words: PointerValue<'ctx>, acc: PointerValue<'ctx> },
 }
 
 /// A thread's place: its index in the block, the block's shared memory, and the lanes' kind.

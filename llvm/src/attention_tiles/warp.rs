@@ -7,8 +7,9 @@ use autotp_kernels::DType;
 use inkwell::values::{BasicMetadataValueEnum, IntValue, PointerValue};
 use inkwell::AddressSpace;
 
-use super::{Lanes, Tiles};
+use super::Tiles;
 use crate::emit::{Emitter, V};
+use crate::lanes::Lanes;
 use crate::nvptx::call;
 use crate::LlvmError;
 
@@ -36,15 +37,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         ty: inkwell::types::FunctionType<'ctx>,
         args: &[BasicMetadataValueEnum<'ctx>],
     ) -> Result<inkwell::values::CallSiteValue<'ctx>, LlvmError> {
-        let Lanes::Simulated { context, .. } = self.lanes else {
-            return Err(LlvmError::llvm("attention", "a simulated warp operation on a GPU"));
-        };
-        let (e, i64t) = (self.e, self.e.ctx.i64_type());
-        let operation =
-            e.b.build_load(e.ctx.ptr_type(AddressSpace::default()), self.element(i64t, context, self.int(w))?, "")?;
-        let mut all: Vec<BasicMetadataValueEnum<'ctx>> = vec![context.into(), self.thread.into()];
-        all.extend_from_slice(args);
-        Ok(e.b.build_indirect_call(ty, operation.into_pointer_value(), &all, "")?)
+        self.lanes.call(self.e, self.thread, w, ty, args)
     }
 
     /// `e^x` lane by lane as the hardware's `2^(x log2 e)` (`ex2.approx.ftz.f32`, one
@@ -73,14 +66,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
 
     /// A barrier of the block's threads (`bar.sync 0`).
     pub(super) fn barrier(&self) -> Result<(), LlvmError> {
-        if let Lanes::Simulated { .. } = self.lanes {
-            let (ptr, i64t) = (self.e.ctx.ptr_type(AddressSpace::default()), self.e.ctx.i64_type());
-            let ty = self.e.ctx.void_type().fn_type(&[ptr.into(), i64t.into()], false);
-            self.simulated(crate::warp_simulator::word::BARRIER, ty, &[])?;
-            return Ok(());
-        }
-        call(self.e, "llvm.nvvm.barrier0", &[])?;
-        Ok(())
+        self.lanes.barrier(self.e, self.thread)
     }
 
     /// The f32 `x` of lane `lane ^ offset` (`shfl.sync.bfly`, every lane of the warp taking part).
@@ -89,24 +75,7 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
         x: inkwell::values::BasicValueEnum<'ctx>,
         offset: u64,
     ) -> Result<inkwell::values::BasicValueEnum<'ctx>, LlvmError> {
-        let (e, i32t, i64t, f32t) = (self.e, self.e.ctx.i32_type(), self.e.ctx.i64_type(), self.e.ctx.f32_type());
-        if let Lanes::Simulated { .. } = self.lanes {
-            let ptr = e.ctx.ptr_type(AddressSpace::default());
-            let ty = f32t.fn_type(&[ptr.into(), i64t.into(), f32t.into(), i64t.into()], false);
-            let call = self.simulated(
-                crate::warp_simulator::word::SHUFFLE,
-                ty,
-                &[x.into(), self.int(offset as usize).into()],
-            )?;
-            return Ok(call.try_as_basic_value().basic().expect("returns a float"));
-        }
-        let args: [BasicMetadataValueEnum; 4] = [
-            i32t.const_all_ones().into(),
-            x.into(),
-            i32t.const_int(offset, false).into(),
-            i32t.const_int(31, false).into(),
-        ];
-        call(e, "llvm.nvvm.shfl.sync.bfly.f32", &args)?.ok_or_else(|| LlvmError::llvm("NVPTX shuffle", "no value"))
+        self.lanes.shuffle_xor(self.e, self.thread, x, offset)
     }
 
     /// `x` folded with the values of the other threads of its quad (lanes differing in their two
