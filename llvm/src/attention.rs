@@ -189,6 +189,24 @@ pub(crate) fn define_cpu<'ctx>(
     Ok(entry.function)
 }
 
+/// Declares the GPU entry `symbol` of `f`, `void f(b0, b1, ..., i64 units)` (a generic pointer
+/// per buffer of [`buffer_count`]), positioned at its start: it, its buffers and its units.
+pub(crate) fn declare_gpu_entry<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    f: &AttentionFunction,
+) -> (FunctionValue<'ctx>, Vec<PointerValue<'ctx>>, IntValue<'ctx>) {
+    let (ctx, count) = (e.ctx, buffer_count(f));
+    let mut params: Vec<inkwell::types::BasicMetadataTypeEnum> =
+        vec![ctx.ptr_type(AddressSpace::default()).into(); count];
+    params.push(ctx.i64_type().into());
+    let function = e.module.add_function(symbol, ctx.void_type().fn_type(&params, false), None);
+    e.b.position_at_end(ctx.append_basic_block(function, "entry"));
+    let pointers = (0..count as u32).map(|n| function.get_nth_param(n).expect("declared").into_pointer_value());
+    let units = function.get_nth_param(count as u32).expect("declared").into_int_value();
+    (function, pointers.collect(), units)
+}
+
 /// Appends the GPU entry `symbol` computing `f`: `void f(b0, b1, ..., i64 units)`, one
 /// generic pointer per buffer; thread `t` of the grid runs units `t, t + threads, ...`, its
 /// vectors one lane wide (a thread's registers hold a row). Launched with
@@ -202,17 +220,8 @@ pub(crate) fn define_nvptx<'ctx>(
     if f.tensor_cores {
         return crate::attention_tiles::define_nvptx(e, symbol, f);
     }
-    let ctx = e.ctx;
-    let ptr = ctx.ptr_type(AddressSpace::default());
-    let i64t = ctx.i64_type();
-    let mut params: Vec<inkwell::types::BasicMetadataTypeEnum> = vec![ptr.into(); buffer_count(f)];
-    params.push(i64t.into());
-    let function = e.module.add_function(symbol, ctx.void_type().fn_type(&params, false), None);
-    e.b.position_at_end(ctx.append_basic_block(function, "entry"));
-    let pointers: Vec<PointerValue<'ctx>> = (0..buffer_count(f) as u32)
-        .map(|n| function.get_nth_param(n).expect("declared").into_pointer_value())
-        .collect();
-    let units = function.get_nth_param(buffer_count(f) as u32).expect("declared").into_int_value();
+    let (function, pointers, units) = declare_gpu_entry(e, symbol, f);
+    let i64t = e.ctx.i64_type();
     let block = i64t.const_int(crate::nvptx::BLOCK as u64, false);
     let thread = special_register(e, "tid.x")?;
     let first = e.b.build_int_add(e.b.build_int_mul(special_register(e, "ctaid.x")?, block, "")?, thread, "")?;

@@ -620,27 +620,9 @@ mod tests {
     /// read, stay element by element.
     #[test]
     fn map_stages_load_and_store_vectors_of_four() {
-        use autotp_kernels::kir::{Buffer, Expr, Index, Store};
-        use autotp_kernels::{BinaryOp, DType};
-        let kernel = |dtype: DType, outer: usize, inner: usize| {
-            let row = Index::row_major(inner);
-            let len = outer * inner;
-            kir::Kernel {
-                name: "add".into(),
-                buffers: vec![Buffer { dtype, len }, Buffer { dtype, len }, Buffer { dtype, len }],
-                num_inputs: 2,
-                outer,
-                inner,
-                stages: vec![Stage::Map {
-                    exprs: vec![
-                        Expr::Load { buffer: 0, index: row.clone() },
-                        Expr::Load { buffer: 1, index: row.clone() },
-                        Expr::Binary(BinaryOp::Add, 0, 1),
-                    ],
-                    stores: vec![Store { buffer: 2, index: row, value: 2 }],
-                }],
-            }
-        };
+        use autotp_kernels::kir::{Expr, Index};
+        use autotp_kernels::DType;
+        let kernel = add_kernel;
         let kernels = [
             kernel(DType::F32, 8, 3 << 20),
             kernel(DType::F32, FILL, 1000),
@@ -680,24 +662,7 @@ mod tests {
     fn kernels_on_simulated_blocks_compute_what_x86_does() {
         use autotp_kernels::kir::{Buffer, Expr, Fold, Index, Store};
         use autotp_kernels::{AlignedBuf, BinaryOp, DType, UnaryOp};
-        let add = |dtype: DType, outer: usize, inner: usize| {
-            let (row, len) = (Index::row_major(inner), outer * inner);
-            kir::Kernel {
-                name: "add".into(),
-                buffers: vec![Buffer { dtype, len }, Buffer { dtype, len }, Buffer { dtype, len }],
-                num_inputs: 2,
-                outer,
-                inner,
-                stages: vec![Stage::Map {
-                    exprs: vec![
-                        Expr::Load { buffer: 0, index: row.clone() },
-                        Expr::Load { buffer: 1, index: row.clone() },
-                        Expr::Binary(BinaryOp::Add, 0, 1),
-                    ],
-                    stores: vec![Store { buffer: 2, index: row, value: 2 }],
-                }],
-            }
-        };
+        let add = add_kernel;
         let (outer, inner) = (6, 1000);
         let row = Index::row_major(inner);
         let (x, stored) = (Expr::Load { buffer: 0, index: row.clone() }, Expr::Load { buffer: 1, index: row.clone() });
@@ -777,6 +742,27 @@ mod tests {
                     "{label}[{n}]: {got} on the GPU, {want} on x86"
                 );
             }
+        }
+    }
+
+    /// `out = a + b` over `outer` rows of `inner` elements of `dtype`.
+    fn add_kernel(dtype: autotp_kernels::DType, outer: usize, inner: usize) -> kir::Kernel {
+        use autotp_kernels::kir::{Buffer, Expr, Index, Store};
+        let (row, len) = (Index::row_major(inner), outer * inner);
+        kir::Kernel {
+            name: "add".into(),
+            buffers: vec![Buffer { dtype, len }, Buffer { dtype, len }, Buffer { dtype, len }],
+            num_inputs: 2,
+            outer,
+            inner,
+            stages: vec![Stage::Map {
+                exprs: vec![
+                    Expr::Load { buffer: 0, index: row.clone() },
+                    Expr::Load { buffer: 1, index: row.clone() },
+                    Expr::Binary(autotp_kernels::BinaryOp::Add, 0, 1),
+                ],
+                stores: vec![Store { buffer: 2, index: row, value: 2 }],
+            }],
         }
     }
 

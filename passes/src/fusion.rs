@@ -97,33 +97,7 @@ fn casts_before_reshapes(graph: &Graph) -> Option<Graph> {
             && readers[node.outputs[0].index()].iter().all(|op| matches!(op, Op::MatMul { .. }));
         (matches!(graph.node(reshape).op, Op::Reshape { .. }) && only_here && into_matmuls).then_some(reshape)
     };
-    let moved: Vec<NodeId> = graph.nodes().filter_map(|(_, node)| sunk(node)).collect();
-    if moved.is_empty() {
-        return None;
-    }
-    let mut rewriter = Rewriter::new(graph, |_| true);
-    for (id, node) in graph.nodes() {
-        if moved.contains(&id) {
-            continue;
-        }
-        let Some(reshape) = sunk(node) else {
-            rewriter.copy_node(id);
-            continue;
-        };
-        let x = graph.node(reshape).inputs[0];
-        let (old_x, out) = (graph.value(x), graph.value(node.outputs[0]));
-        let cast_type = autotp_ir::TensorType::new(out.ty.dtype, old_x.ty.shape.clone());
-        let new_x = rewriter.map(x);
-        let g = rewriter.graph();
-        let cast = g.add_node_typed(node.op.clone(), vec![new_x], vec![cast_type]);
-        let cast = g.node(cast).outputs[0];
-        g.value_mut(cast).placements = old_x.placements.clone();
-        let reshaped = g.add_node_typed(graph.node(reshape).op.clone(), vec![cast], vec![out.ty.clone()]);
-        let reshaped = g.node(reshaped).outputs[0];
-        (g.value_mut(reshaped).placements, g.value_mut(reshaped).name) = (out.placements.clone(), out.name.clone());
-        rewriter.set(node.outputs[0], reshaped);
-    }
-    Some(rewriter.finish())
+    swap_cast_and_reshape(graph, sunk)
 }
 
 /// `reshape(cast(x))` as `cast(reshape(x))` where `x` is 16-bit, the cast widens it to f32 and
@@ -145,7 +119,15 @@ fn widening_casts_after_reshapes(graph: &Graph) -> Option<Graph> {
         let sixteen_bits = matches!(graph.ty(*narrow).dtype, DType::BF16 | DType::F16);
         (sixteen_bits && consumers[wide.index()].len() == 1 && !outputs.contains(wide)).then_some(cast)
     };
-    let moved: Vec<NodeId> = graph.nodes().filter_map(|(_, node)| widened(node)).collect();
+    swap_cast_and_reshape(graph, widened)
+}
+
+/// Each `outer(inner(x))`, where `matched` pairs node `outer` with the node `inner` (a cast and a
+/// reshape, either way round) whose value only it reads, as `inner(outer(x))`: the first of the
+/// new pair has `x`'s placements where it keeps `x`'s shape (else the outer's), the second the
+/// outer's type, placements and name. `None` when nothing matches.
+fn swap_cast_and_reshape(graph: &Graph, matched: impl Fn(&autotp_ir::Node) -> Option<NodeId>) -> Option<Graph> {
+    let moved: Vec<NodeId> = graph.nodes().filter_map(|(_, node)| matched(node)).collect();
     if moved.is_empty() {
         return None;
     }
@@ -154,22 +136,25 @@ fn widening_casts_after_reshapes(graph: &Graph) -> Option<Graph> {
         if moved.contains(&id) {
             continue;
         }
-        let Some(cast) = widened(node) else {
+        let Some(inner) = matched(node) else {
             rewriter.copy_node(id);
             continue;
         };
-        let x = graph.node(cast).inputs[0];
-        let out = graph.value(node.outputs[0]);
-        let narrow_type = autotp_ir::TensorType::new(graph.ty(x).dtype, out.ty.shape.clone());
+        let x = graph.node(inner).inputs[0];
+        let (old_x, out) = (graph.value(x), graph.value(node.outputs[0]));
+        let dtype = if matches!(node.op, Op::Cast { .. }) { out.ty.dtype } else { old_x.ty.dtype };
+        let shape = if matches!(node.op, Op::Reshape { .. }) { &out.ty.shape } else { &old_x.ty.shape };
+        let placements = if *shape == old_x.ty.shape { &old_x.placements } else { &out.placements };
+        let first_type = autotp_ir::TensorType::new(dtype, shape.clone());
         let new_x = rewriter.map(x);
         let g = rewriter.graph();
-        let reshaped = g.add_node_typed(node.op.clone(), vec![new_x], vec![narrow_type]);
-        let reshaped = g.node(reshaped).outputs[0];
-        g.value_mut(reshaped).placements = out.placements.clone();
-        let wide = g.add_node_typed(graph.node(cast).op.clone(), vec![reshaped], vec![out.ty.clone()]);
-        let wide = g.node(wide).outputs[0];
-        (g.value_mut(wide).placements, g.value_mut(wide).name) = (out.placements.clone(), out.name.clone());
-        rewriter.set(node.outputs[0], wide);
+        let first = g.add_node_typed(node.op.clone(), vec![new_x], vec![first_type]);
+        let first = g.node(first).outputs[0];
+        g.value_mut(first).placements = placements.clone();
+        let second = g.add_node_typed(graph.node(inner).op.clone(), vec![first], vec![out.ty.clone()]);
+        let second = g.node(second).outputs[0];
+        (g.value_mut(second).placements, g.value_mut(second).name) = (out.placements.clone(), out.name.clone());
+        rewriter.set(node.outputs[0], second);
     }
     Some(rewriter.finish())
 }

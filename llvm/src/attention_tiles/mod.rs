@@ -103,16 +103,8 @@ pub(crate) fn define_nvptx<'ctx>(
     f: &AttentionFunction,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
     check(f)?;
-    let ctx = e.ctx;
-    let ptr = ctx.ptr_type(AddressSpace::default());
-    let count = crate::attention::buffer_count(f);
-    let mut params: Vec<inkwell::types::BasicMetadataTypeEnum> = vec![ptr.into(); count];
-    params.push(ctx.i64_type().into());
-    let function = e.module.add_function(symbol, ctx.void_type().fn_type(&params, false), None);
-    e.b.position_at_end(ctx.append_basic_block(function, "entry"));
-    let pointers = (0..count as u32).map(|n| function.get_nth_param(n).expect("declared").into_pointer_value());
+    let (function, pointers, units) = crate::attention::declare_gpu_entry(e, symbol, f);
     let ops = Buffers::take(f, pointers);
-    let units = function.get_nth_param(count as u32).expect("declared").into_int_value();
     let ty = e.ctx.i16_type().array_type((shared_bytes(f) / 2) as u32);
     let global = e.module.add_global(ty, Some(AddressSpace::from(3u16)), &format!("{symbol}_column_tile"));
     global.set_linkage(Linkage::Internal);
