@@ -10,8 +10,8 @@
 #   benches/gpu_step.sh [AUTOTP_BINARY]   (default target/release/autotp, built if missing)
 #   env: PYTHON (python3), STEPS (30), WARMUP (5), MICRO_BATCH (8), SEQ_LEN (1024), PRECISION (f32),
 #        AUTOTP_FLAGS (extra flags of autotp compile, e.g. "--attention fused"), RUN_FLAGS (extra
-#        flags of autotp run, e.g. "--cuda-graph"), TORCH (1; 0 skips PyTorch's runs and reuses
-#        the last ones)
+#        flags of autotp run, e.g. "--cuda-graph"), TORCH (1; 0 reuses PyTorch's last runs in
+#        this precision where there are some)
 #
 # The plan is compiled there from an export made there (the 124M export is too large to carry).
 set -euo pipefail
@@ -41,9 +41,9 @@ export LD_LIBRARY_PATH=${CUBLAS:+$CUBLAS:}${LD_LIBRARY_PATH:-}
 "$BIN" run "$WORK/gpt2-124m-$PRECISION.atp" --device cuda --data "$TOKENS" --steps "$STEPS" --log-every "$STEPS" \
   --metrics-out "$WORK/autotp.jsonl" $RUN_FLAGS > /dev/null
 for mode in eager compile; do
-  [ "$TORCH" = 1 ] || [ ! -f "$WORK/torch-$mode.jsonl" ] || continue
+  [ "$TORCH" = 1 ] || [ ! -f "$WORK/torch-$mode-$PRECISION.jsonl" ] || continue
   HF_HUB_OFFLINE=1 "$PY" benches/train_models.py pytorch gpt2-124m "$TOKENS" "$STEPS" "$MICRO_BATCH" \
-    "$SEQ_LEN" "$(nproc)" "$WORK/torch-$mode.jsonl" "$mode" cuda "$PRECISION" 2> /dev/null
+    "$SEQ_LEN" "$(nproc)" "$WORK/torch-$mode-$PRECISION.jsonl" "$mode" cuda "$PRECISION" 2> /dev/null
 done
 
 "$PY" - "$WORK" "$WARMUP" "$MICRO_BATCH" "$SEQ_LEN" "$PRECISION" "$AUTOTP_FLAGS" <<'PY'
@@ -53,7 +53,7 @@ def times(path):
     steps = [json.loads(line) for line in open(path)]
     return statistics.median(r["step_seconds"] for r in steps[warmup:]), steps[-1]["loss"]
 rows = {name: times(f"{work}/{file}.jsonl") for name, file in
-        (("autotp", "autotp"), ("torch eager", "torch-eager"), ("torch.compile", "torch-compile"))}
+        (("autotp", "autotp"), ("torch eager", f"torch-eager-{precision}"), ("torch.compile", f"torch-compile-{precision}"))}
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
 print(f"GPT-2 124M, {'f32 (TF32 off)' if precision == 'f32' else precision}, micro-batch {g} x seq-len {s}, {gpu}"
       + (f", autotp {flags}" if flags else ""))

@@ -5,9 +5,10 @@
 #
 #   1. scripts/gpu-tests.sh (STEPS=12): every fixture and layout on --device cuda against the
 #      CPU, checkpoints across devices, mixed precision, fused attention's GPU passes;
-#   2. benches/gpu_step.sh: GPT-2 124M, 8 x 1024, against PyTorch eager and torch.compile in
-#      f32 and bf16, then bf16 with --attention fused (and its --profile by op, with fused
-#      attention's TFLOP/s) and with --cuda-graph (PyTorch's runs reused);
+#   2. benches/gpu_step.sh: GPT-2 124M, 8 x 1024, autotp with --attention unfused in f32 and
+#      bf16, then with fused attention (the default) against PyTorch eager and torch.compile in
+#      f32 and bf16 (and the bf16 step's --profile by op, with fused attention's TFLOP/s), and
+#      bf16 with --cuda-graph (PyTorch's runs reused);
 #   3. the device and driver, for the README's tables.
 #
 #   scripts/gpu-check.sh [AUTOTP_BINARY]   (default target/release/autotp)
@@ -20,10 +21,13 @@ start=$SECONDS
 STEPS=${STEPS:-12} scripts/gpu-tests.sh "$BIN"
 tests=$?
 echo "gpu-tests: $((SECONDS - start)) s"
+# PyTorch runs once per precision (the first run of each), the other reuses its steps; the
+# last plan compiled is the fused bf16 one profiled below.
+rm -f "${AUTOTP_BENCH_DIR:-/tmp/autotp-gpu-bench}"/torch-*.jsonl
 for precision in f32 bf16; do
-  STEPS=20 WARMUP=5 PRECISION=$precision benches/gpu_step.sh "$BIN"
+  STEPS=20 WARMUP=5 PRECISION=$precision TORCH=0 AUTOTP_FLAGS="--attention unfused" benches/gpu_step.sh "$BIN"
+  STEPS=20 WARMUP=5 PRECISION=$precision TORCH=0 benches/gpu_step.sh "$BIN"
 done
-STEPS=20 WARMUP=5 PRECISION=bf16 TORCH=0 AUTOTP_FLAGS="--attention fused" benches/gpu_step.sh "$BIN"
 # Where the fused bf16 step's device time goes (--profile: CUDA events around every
 # instruction), and fused attention's throughput: causal GPT-2 124M, 12 layers of
 # 8 x 12 heads x 1024^2 x 64, forward 2 * 8 * 12 * 1024^2 * 64 FLOP a layer (half of the four

@@ -116,18 +116,20 @@ for precision in bf16 fp16; do
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$precision.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
   TOLERANCE=${TOLERANCE_16:-2e-3} CURVE_TOLERANCE=${TOLERANCE_16:-2e-3} compare "$WORK/$precision.cuda.jsonl" "$WORK/$precision.cpu.jsonl" "gpt2 $precision: cuda against cpu"
 done
-# Fused attention: the plan's GPU passes (f32: a thread per row; bf16: tiles on tensor cores)
-# against the CPU's x86 passes, one rank, a shared key/value head, tensor parallelism, bf16.
-for case in "llama" "falcon_mqa" "falcon_mqa --tp 2" "gpt2 --precision bf16"; do
+# Fused attention (the default): the plan's GPU passes (f32: a thread per row; bf16: tiles on
+# tensor cores) against the CPU's x86 passes, one rank, a shared key/value head, tensor
+# parallelism, bf16; then the exported matmuls and softmax (--attention unfused).
+for case in "llama" "falcon_mqa" "falcon_mqa --tp 2" "gpt2 --precision bf16" "gpt2 --attention unfused" \
+  "gpt2 --precision bf16 --attention unfused"; do
   read -r arch flags <<< "$case"
   plan=$WORK/fused.atp
   # shellcheck disable=SC2086
-  "$BIN" compile tests/fixtures/$arch/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 --attention fused $flags -o "$plan" > /dev/null
+  "$BIN" compile tests/fixtures/$arch/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 $flags -o "$plan" > /dev/null
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/fused.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/fused.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
   tolerance=$TOLERANCE curve=$CURVE_TOLERANCE
   [[ "$flags" == *bf16* ]] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
-  TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/fused.cuda.jsonl" "$WORK/fused.cpu.jsonl" "$arch${flags:+ $flags} fused attention: cuda against cpu"
+  TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/fused.cuda.jsonl" "$WORK/fused.cpu.jsonl" "$arch${flags:+ $flags} attention: cuda against cpu"
 done
 # Every builtin on the GPU: mixtral's router (top-k, scatter-elements) and GPT-J's partial
 # rotary (empty slices and pads).

@@ -45,8 +45,8 @@ fn fused_attention_trains_like_the_unfused_graph() {
     for (arch, flags, layers) in cases {
         let label = format!("{arch} {flags:?}");
         let (unfused, fused) = (dir.join("unfused.atp"), dir.join("fused.atp"));
-        compile(arch, 32, &unfused, flags);
-        let summary = compile(arch, 32, &fused, &[flags, &["--attention", "fused"]].concat());
+        compile(arch, 32, &unfused, &[flags, &["--attention", "unfused"]].concat());
+        let summary = compile(arch, 32, &fused, flags);
         assert!(
             summary.contains(&format!(" attention {layers},"))
                 && summary.contains(&format!(" attention_grad {layers},")),

@@ -30,7 +30,7 @@ fn summary_and_ir_dumps() {
         "matmul",
         "multi_tensor_adamw 1",
         "fingerprint: ",
-        "# IR after pass 5 (loss)",
+        "# IR after pass 7 (loss)",
         "output \"loss\" = ",
     ] {
         assert!(out.contains(expected), "summary lacks '{expected}':\n{out}");
@@ -38,7 +38,7 @@ fn summary_and_ir_dumps() {
     // A reshape is the same bytes under another shape: it shares its input's region, no copy;
     // only the reshape of the labels (a trainer's buffer) is copied (`peephole` removed the
     // input ids' reshape to their own shape).
-    let reshapes = std::fs::read_to_string(dumps.join("08-dce.ir")).unwrap().matches(" = reshape ").count();
+    let reshapes = std::fs::read_to_string(dumps.join("10-dce.ir")).unwrap().matches(" = reshape ").count();
     assert!(reshapes > 20 && out.contains(" copy 1,"), "{reshapes} reshapes:\n{out}");
     let mut files: Vec<String> =
         std::fs::read_dir(&dumps).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
@@ -51,11 +51,13 @@ fn summary_and_ir_dumps() {
             "02-peephole.ir",
             "03-unmerge-heads.ir",
             "04-dce.ir",
-            "05-loss.ir",
-            "06-autodiff.ir",
-            "07-optimize.ir",
-            "08-dce.ir",
-            "09-fusion.ir"
+            "05-attention.ir",
+            "06-dce.ir",
+            "07-loss.ir",
+            "08-autodiff.ir",
+            "09-optimize.ir",
+            "10-dce.ir",
+            "11-fusion.ir"
         ]
     );
     // Every dump is valid IR.
@@ -67,7 +69,8 @@ fn summary_and_ir_dumps() {
     let err = failure(autotp(&compile_args(&model, &["--print-after", "zero", "-o", s(&plan)])));
     assert!(
         err.contains(
-            "--print-after 'zero': no such pass (the pipeline runs recognize, peephole, unmerge-heads, dce, loss"
+            "--print-after 'zero': no such pass (the pipeline runs recognize, peephole, unmerge-heads, dce, \
+             attention, dce, loss"
         ),
         "{err}"
     );
@@ -85,18 +88,19 @@ fn pipeline_ir_dumps_are_per_stage() {
         [&compile_args(&model, &flags)[..], &["--dump-ir", s(&dumps), "--print-after", "pipeline", "-o", "/dev/null"]];
     let out = success(autotp(&args.concat()));
     assert!(
-        out.contains("# IR after pass 6 (pipeline, stage 0)") && out.contains("# IR after pass 6 (pipeline, stage 1)")
+        out.contains("# IR after pass 8 (pipeline, stage 0)") && out.contains("# IR after pass 8 (pipeline, stage 1)")
     );
     let mut files: Vec<String> =
         std::fs::read_dir(&dumps).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     files.sort();
     let per_stage = |name: &str| [format!("{name}.stage0.ir"), format!("{name}.stage1.ir")];
     let mut expected: Vec<String> =
-        ["00-import.ir", "01-recognize.ir", "02-peephole.ir", "03-unmerge-heads.ir", "04-dce.ir", "05-loss.ir"]
+        ["import", "recognize", "peephole", "unmerge-heads", "dce", "attention", "dce", "loss"]
             .iter()
-            .map(|f| f.to_string())
+            .enumerate()
+            .map(|(n, pass)| format!("{n:02}-{pass}.ir"))
             .collect();
-    for name in ["06-pipeline", "07-optimize", "08-dce", "09-zero", "10-fusion"] {
+    for name in ["08-pipeline", "09-optimize", "10-dce", "11-zero", "12-fusion"] {
         expected.extend(per_stage(name));
     }
     expected.sort();
@@ -107,7 +111,7 @@ fn pipeline_ir_dumps_are_per_stage() {
         autotp_ir::verify(&graph).unwrap_or_else(|e| panic!("{f}: {e}"));
     }
     // The data-parallel stage 1 receives its rows of each activation and sends their gradients.
-    let stage1 = std::fs::read_to_string(dumps.join("09-zero.stage1.ir")).unwrap();
+    let stage1 = std::fs::read_to_string(dumps.join("11-zero.stage1.ir")).unwrap();
     assert!(
         stage1.contains("= recv {from = 0, tag = 0, message = activation} : f32[8,32,64] {dp = shard(0)}"),
         "{stage1}"

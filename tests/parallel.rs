@@ -29,17 +29,16 @@ fn train_model(dir: &Path, arch: &str, file: &str, micro_batch: usize, parallel:
     losses(&metrics).into_iter().map(|(_, loss)| loss).collect()
 }
 
-/// How many collectives of `kind` a compile summary lists, run in place or started and waited.
+/// How many collectives of `kind` the first stage's instructions in a compile summary hold,
+/// run in place or started and waited (`instructions: N (name count, ...)`).
 fn collectives(summary: &str, kind: &str) -> usize {
-    [format!(" {kind} "), format!(" {kind}_start ")]
-        .iter()
-        .map(|k| {
-            summary
-                .split(k.as_str())
-                .nth(1)
-                .and_then(|rest| rest.split([',', ')']).next()?.trim().parse::<usize>().ok())
-                .unwrap_or(0)
-        })
+    let line = summary.lines().find(|l| l.trim_start().starts_with("instructions: ")).unwrap_or_default();
+    let counts = line.split_once('(').map_or("", |(_, rest)| rest.trim_end_matches(')'));
+    let started = format!("{kind}_start");
+    (counts.split(", "))
+        .filter_map(|entry| entry.rsplit_once(' '))
+        .filter(|(name, _)| *name == kind || *name == started)
+        .map(|(_, count)| count.parse::<usize>().unwrap_or(0))
         .sum()
 }
 

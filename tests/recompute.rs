@@ -7,11 +7,12 @@ use std::path::Path;
 
 use crate::common::{autotp, failure, fixture, losses, run_plan, scratch, success};
 
-/// Compiles `arch` at sequence length 128 with `flags`; the summary.
+/// Compiles `arch` at sequence length 128 with `flags`, attention unfused (the exported
+/// scores and softmax: what selective recomputation makes again); the summary.
 fn compile(arch: &str, plan: &Path, flags: &[&str]) -> String {
     let model = fixture(arch, "model.onnx");
     let args = [
-        &["compile", model.to_str().unwrap(), "--seq-len", "128", "--lr", "2e-3"][..],
+        &["compile", model.to_str().unwrap(), "--seq-len", "128", "--lr", "2e-3", "--attention", "unfused"][..],
         flags,
         &["-o", plan.to_str().unwrap()],
     ]
@@ -112,6 +113,16 @@ fn selective_recomputation_trains_bit_identically_with_less_memory() {
             }
         }
     }
+    // Fused attention (the default) keeps no scores: selective recomputation finds nothing to
+    // make again, and says why.
+    let model = fixture("gpt2", "model.onnx");
+    let args = ["compile", model.to_str().unwrap(), "--seq-len", "128", "--micro-batch", "8"];
+    let summary = success(autotp(&[&args[..], &["--recompute", "selective", "-o", "/dev/null"]].concat()));
+    assert!(
+        summary.contains("recompute selective: 0 attention blocks per step")
+            && summary.contains("fused attention keeps no scores or probabilities"),
+        "{summary}"
+    );
 }
 
 /// The arena a summary gives each rank (the largest, over stages).
@@ -264,7 +275,7 @@ fn auto_recomputation_fits_the_memory_cap() {
         let cap = cap.to_string();
         let model = fixture("gpt2", "model.onnx");
         let args = [
-            &["compile", model.to_str().unwrap(), "--seq-len", "128", "--lr", "2e-3"][..],
+            &["compile", model.to_str().unwrap(), "--seq-len", "128", "--lr", "2e-3", "--attention", "unfused"][..],
             &flags,
             &["--recompute", "auto", "--memory-cap", &cap, "-o", plan.to_str().unwrap()],
         ]
@@ -283,7 +294,7 @@ fn auto_recomputation_fits_the_memory_cap() {
     let model = fixture("gpt2", "model.onnx");
     let cap = (arenas[0] - 1).to_string();
     let args = [
-        &["compile", model.to_str().unwrap(), "--seq-len", "128"][..],
+        &["compile", model.to_str().unwrap(), "--seq-len", "128", "--attention", "unfused"][..],
         &flags,
         &["--memory-cap", &cap, "-o", plan.to_str().unwrap()],
     ]

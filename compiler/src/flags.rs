@@ -160,7 +160,7 @@ pub struct CompileFlags {
     /// (q k^T, scale, causal/sliding-window/additive masks, softmax, @ v) as one op that never
     /// stores the scores (FlashAttention-2's algorithm: activations linear in the sequence);
     /// `unfused` keeps the exported matmuls and softmax.
-    #[arg(long, value_enum, default_value = "unfused")]
+    #[arg(long, value_enum, default_value = "fused")]
     #[serde(default)]
     pub attention: AttentionFlag,
     /// The parameters' and activations' type: f32, or bf16/fp16 mixed precision (16-bit
@@ -374,8 +374,8 @@ impl Precision {
 /// `--attention`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 pub enum AttentionFlag {
-    Fused,
     #[default]
+    Fused,
     Unfused,
 }
 

@@ -235,6 +235,19 @@ fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
             100.0 * (with as f64 - without as f64) / without.max(1) as f64
         ));
         if blocks == 0 {
+            let fused = program.instructions.iter().any(|i| {
+                matches!(
+                    i,
+                    autotp_program::Instruction::Kernel { kernel: autotp_kernels::Kernel::Attention { .. }, .. }
+                )
+            });
+            if chosen == "selective" && fused {
+                lines.push(
+                    "    fused attention keeps no scores or probabilities: nothing for selective recomputation to \
+                     make again (Megatron's selective recomputation with flash attention)"
+                        .to_string(),
+                );
+            }
             continue;
         }
         let elements = r.probability_elements.get(s).copied().unwrap_or(0);
