@@ -33,10 +33,13 @@ fn relative(a: f64, b: f64) -> f64 {
 #[test]
 fn fused_attention_trains_like_the_unfused_graph() {
     let dir = scratch("attention-curves");
-    let cases: [(&str, &[&str], usize); 7] = [
+    // Llama's and Qwen2's key/value heads are repeated for their query heads (grouped-query
+    // attention): the fused op reads them unrepeated, split over tp with the query heads.
+    let cases: [(&str, &[&str], usize); 8] = [
         ("gpt2", &[], 2),
         ("gpt2", &["--kernels", "builtin"], 2),
         ("llama", &[], 2),
+        ("qwen2", &["--tp", "2"], 2),
         ("bloom", &["--tp", "2"], 2),
         ("falcon_mqa", &["--tp", "2"], 2),
         ("mixtral", &["--dp", "2", "--zero", "3"], 2),

@@ -16,7 +16,10 @@
 //! with a term that a parameter reaches (its gradient would be the scores' own) stays unfused, as
 //! does a scale applied after a mask, a softmax whose probabilities something else reads (a model
 //! that outputs its attentions), or operands whose leading dims do not line up (`k` and `v` may
-//! broadcast where they are 1: multi-query and grouped-query attention).
+//! broadcast where they are 1: multi-query attention). Grouped-query attention's keys and values
+//! repeated per query head (`repeat_kv`) are read before the repetition: the query's heads
+//! become `[Hkv, G]` (a reshape), the unrepeated key and value broadcast over `G`, so neither
+//! the repeated copies nor the gradient's sum over them exist.
 //!
 //! Input phase: imported (before `loss`; `compile --attention fused`). The replaced nodes are left
 //! for `dce`. Tests: tests/golden/attention_*.ir; tests/attention.rs (training against the
@@ -43,6 +46,21 @@ struct Found {
     scale: f64,
     mask: AttentionMask,
     biases: Vec<ValueId>,
+    /// The key's and value's heads before they were repeated, where both were.
+    grouped: Option<[Repeated; 2]>,
+}
+
+/// A key or value whose heads were repeated for grouped-query attention (Hugging Face's
+/// `repeat_kv`: a `reshape` to `[.., Hkv, 1, S, D]`, an `expand` to `[.., Hkv, G, S, D]` and a
+/// `reshape` to `[.., Hkv * G, S, D]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Repeated {
+    /// The `[.., Hkv, 1, S, D]` value before the `expand`.
+    unexpanded: ValueId,
+    /// The heads' dim in the query's shape.
+    dim: usize,
+    /// `G`: the query heads that share one key/value head.
+    group: usize,
 }
 
 impl<'g> View<'g> {
@@ -172,7 +190,49 @@ impl<'g> View<'g> {
         if biases.iter().any(|&b| ty(b).dtype != qt.dtype || ty(b).rank() > rank) {
             return None;
         }
-        Some(Found { root, q, k, k_transposed: !k_transposed_by_flag, v, scale, mask, biases })
+        let k_transposed = !k_transposed_by_flag;
+        let grouped = self.untransposed_key(k, k_transposed).and_then(|key| {
+            let (k, v) = (self.repeated(key)?, self.repeated(v)?);
+            (k.dim == v.dim && k.group == v.group && k.dim < lead).then_some([k, v])
+        });
+        Some(Found { root, q, k, k_transposed, v, scale, mask, biases, grouped })
+    }
+
+    /// The key as `[.., Sk, D]` where the graph holds it so: `k` itself, or the input of the
+    /// transpose that made `k^T`.
+    fn untransposed_key(&self, k: ValueId, transposed: bool) -> Option<ValueId> {
+        if !transposed {
+            return Some(k);
+        }
+        let (Op::Transpose { perm }, [key]) = self.op(k)? else { return None };
+        let rank = perm.len();
+        let swaps_last_two = (0..rank).all(|d| match d {
+            _ if d + 2 < rank => perm[d] == d,
+            _ if d + 2 == rank => perm[d] == rank - 1,
+            _ => perm[d] == rank - 2,
+        });
+        swaps_last_two.then_some(*key)
+    }
+
+    /// `x` as the heads of a key or value repeated ([`Repeated`]), where it is one.
+    fn repeated(&self, x: ValueId) -> Option<Repeated> {
+        let (Op::Reshape { .. }, [expanded]) = self.op(x)? else { return None };
+        let (Op::Expand { .. }, [unexpanded]) = self.op(*expanded)? else { return None };
+        let shape = &self.graph.ty(x).shape;
+        let (wide, narrow) = (&self.graph.ty(*expanded).shape, &self.graph.ty(*unexpanded).shape);
+        if wide.len() != shape.len() + 1 || narrow.len() != wide.len() {
+            return None;
+        }
+        (0..shape.len()).find_map(|dim| {
+            let group = wide[dim + 1];
+            let fits = narrow[dim + 1] == 1
+                && group > 1
+                && (0..wide.len()).all(|d| d == dim + 1 || wide[d] == narrow[d])
+                && shape[..dim] == wide[..dim]
+                && shape[dim] == wide[dim] * group
+                && shape[dim + 1..] == wide[dim + 2..];
+            fits.then_some(Repeated { unexpanded: *unexpanded, dim, group })
+        })
     }
 
     /// The values of a constant term (`[.., rows, cols]`, leading dims unexpanded): a constant,
@@ -249,14 +309,29 @@ impl Pass for FuseAttention {
                 continue;
             };
             let rank = old.ty(f.q).rank();
-            let mut inputs = vec![rw.map(f.q), key(&mut rw, old, f.k, f.k_transposed).map_err(&invalid)?, rw.map(f.v)];
-            if let Some(bias) = bias(&mut rw, &f.biases, rank).map_err(&invalid)? {
+            let mut inputs = match f.grouped {
+                // The query's heads as [.., Hkv, G]: the unrepeated key and value broadcast
+                // over G, and each query head meets its own key/value head.
+                Some([k, v]) => {
+                    let q = rw.map(f.q);
+                    let shape = grouped_shape(&old.ty(f.q).shape, k);
+                    let q = rw.graph().add(Op::Reshape { shape }, vec![q]).map_err(&invalid)?;
+                    vec![q, rw.map(k.unexpanded), rw.map(v.unexpanded)]
+                }
+                None => vec![rw.map(f.q), key(&mut rw, old, f.k, f.k_transposed).map_err(&invalid)?, rw.map(f.v)],
+            };
+            let grouped_key = f.grouped.map(|[k, _]| k);
+            if let Some(bias) = bias(&mut rw, &f.biases, rank, grouped_key).map_err(&invalid)? {
                 inputs.push(bias);
             }
             let g = rw.graph();
             let op = Op::Attention { scale: f.scale, mask: f.mask };
             let attention = g.add_node(op, inputs, 2).map_err(|m| invalid(format!("attention: {m}")))?;
-            let out = g.node(attention).outputs[0];
+            let mut out = g.node(attention).outputs[0];
+            if f.grouped.is_some() {
+                let shape = old.ty(node.outputs[0]).shape.clone();
+                out = g.add(Op::Reshape { shape }, vec![out]).map_err(&invalid)?;
+            }
             rw.set(node.outputs[0], out);
         }
         tracing::debug!(count = found.len(), "fused attention");
@@ -288,8 +363,26 @@ fn key(rw: &mut Rewriter, old: &Graph, k: ValueId, transposed: bool) -> Result<V
     rw.graph().add(Op::Transpose { perm }, vec![source])
 }
 
-/// The additive terms that are not the mask, summed and given the scores' rank.
-fn bias(rw: &mut Rewriter, terms: &[ValueId], rank: usize) -> Result<Option<ValueId>, String> {
+/// `shape` (a query's, or a bias's that broadcasts against the scores) with its heads' dim as
+/// `[Hkv, G]` for the grouped key/value heads `heads`, or `[1, 1]` where it broadcasts.
+fn grouped_shape(shape: &[usize], heads: Repeated) -> Vec<usize> {
+    let mut shape = shape.to_vec();
+    let split = match shape[heads.dim] {
+        1 => [1, 1],
+        h => [h / heads.group, heads.group],
+    };
+    shape.splice(heads.dim..=heads.dim, split);
+    shape
+}
+
+/// The additive terms that are not the mask, summed and given the scores' rank (with the
+/// heads grouped as the query's are, for grouped key/value heads).
+fn bias(
+    rw: &mut Rewriter,
+    terms: &[ValueId],
+    rank: usize,
+    grouped: Option<Repeated>,
+) -> Result<Option<ValueId>, String> {
     let mut sum: Option<ValueId> = None;
     for &t in terms {
         let t = rw.map(t);
@@ -300,10 +393,13 @@ fn bias(rw: &mut Rewriter, terms: &[ValueId], rank: usize) -> Result<Option<Valu
     }
     let Some(sum) = sum else { return Ok(None) };
     let shape = rw.graph().ty(sum).shape.clone();
-    if shape.len() == rank {
+    let mut full = vec![1; rank - shape.len()];
+    full.extend(&shape);
+    if let Some(heads) = grouped {
+        full = grouped_shape(&full, heads);
+    }
+    if full == shape {
         return Ok(Some(sum));
     }
-    let mut full = vec![1; rank - shape.len()];
-    full.extend(shape);
     rw.graph().add(Op::Reshape { shape: full }, vec![sum]).map(Some)
 }
