@@ -320,7 +320,9 @@ fn rows_as_lanes<'ctx>(
     Ok(())
 }
 
-/// Row `outer`, its inner dimension in vectors of `width` lanes and a scalar tail.
+/// Row `outer`, its inner dimension in vectors of `width` lanes and a scalar tail. A kernel
+/// that passes over its rows more than once (softmax, norms, cross-entropy) prefetches the next
+/// row's elements that its first pass reads during its second pass, which works from the cache.
 fn row_with_lanes_inside<'ctx>(
     e: &Emitter<'_, 'ctx>,
     function: FunctionValue<'ctx>,
@@ -333,7 +335,23 @@ fn row_with_lanes_inside<'ctx>(
     let inner = kernel.inner as u64;
     let vector_end = inner - inner % width as u64;
     let mut accs: Vec<V<'ctx>> = Vec::new();
-    for stage in &kernel.stages {
+    let next_row = e.b.build_int_add(outer, i64t.const_int(1, false), "")?;
+    let passes: Vec<usize> =
+        (kernel.stages.iter().enumerate()).filter(|(_, s)| !matches!(s, Stage::Row { .. })).map(|(n, _)| n).collect();
+    // The first pass's loads, prefetched a row ahead during the second pass.
+    let ahead = match passes[..] {
+        [first, second, ..] => Some((second, kernel.stages[first].exprs())),
+        _ => None,
+    };
+    for (n, stage) in kernel.stages.iter().enumerate() {
+        let prefetch = |i: IntValue<'ctx>, w: u32| -> Result<(), LlvmError> {
+            match ahead {
+                Some((pass, exprs)) if pass == n && w > 1 => {
+                    e.prefetch_loads(buffers, exprs, &Position::row(w, next_row, Some(i), &accs))
+                }
+                _ => Ok(()),
+            }
+        };
         // The vector loop over [0, vector_end), then the scalar tail.
         let parts = [(0, vector_end, width), (vector_end, inner, 1)];
         match stage {
@@ -347,6 +365,7 @@ fn row_with_lanes_inside<'ctx>(
                     let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
                     let step = i64t.const_int(w as u64, false);
                     let folded = counted_loop(e, function, from, to, step, &[start], |i, carried| {
+                        prefetch(i, w)?;
                         let values = e.exprs(buffers, exprs, &Position::row(w, outer, Some(i), &accs))?;
                         Ok(vec![e.fold(*fold, carried[0], values[*value as usize])?])
                     })?;
@@ -362,6 +381,7 @@ fn row_with_lanes_inside<'ctx>(
                     let (from, to) = (i64t.const_int(from, false), i64t.const_int(to, false));
                     let step = i64t.const_int(w as u64, false);
                     counted_loop(e, function, from, to, step, &[], |i, _| {
+                        prefetch(i, w)?;
                         e.store_stage(buffers, exprs, stores, &Position::row(w, outer, Some(i), &accs))?;
                         Ok(vec![])
                     })?;
@@ -377,8 +397,50 @@ fn row_with_lanes_inside<'ctx>(
 
 #[cfg(test)]
 mod tests {
-    use autotp_kernels::kir::{Buffer, Expr, Index, Kernel, Stage, Store, Var};
+    use autotp_kernels::kir::{Buffer, Expr, Fold, Index, Kernel, Stage, Store, Var};
     use autotp_kernels::DType;
+
+    /// A kernel that passes over each row twice (a row's maximum, then `x - max`) prefetches the
+    /// next row during its second pass; one that passes once leaves it to the hardware.
+    #[test]
+    fn a_second_pass_over_the_rows_prefetches_the_next_row() {
+        let (rows, columns) = (4usize, 64usize);
+        let x = Expr::Load { buffer: 0, index: Index::row_major(columns) };
+        let store = Store { buffer: 1, index: Index::row_major(columns), value: 2 };
+        let buffers =
+            vec![Buffer { dtype: DType::F32, len: rows * columns }, Buffer { dtype: DType::F32, len: rows * columns }];
+        let two_passes = Kernel {
+            name: "shifted".into(),
+            buffers: buffers.clone(),
+            num_inputs: 1,
+            outer: rows,
+            inner: columns,
+            stages: vec![
+                Stage::Reduce { fold: Fold::Max, exprs: vec![x.clone()], value: 0 },
+                Stage::Map {
+                    exprs: vec![x.clone(), Expr::Acc(0), Expr::Binary(autotp_kernels::BinaryOp::Sub, 0, 1)],
+                    stores: vec![store.clone()],
+                },
+            ],
+        };
+        let one_pass = Kernel {
+            name: "copied".into(),
+            stages: vec![Stage::Map { exprs: vec![x], stores: vec![Store { value: 0, ..store }] }],
+            ..two_passes.clone()
+        };
+        assert!(super::llvm_ir(&two_passes).unwrap().contains("@llvm.prefetch"));
+        assert!(!super::llvm_ir(&one_pass).unwrap().contains("@llvm.prefetch"));
+        let compiled = crate::compile_cpu(std::slice::from_ref(&two_passes)).unwrap();
+        let input: Vec<f32> = (0..rows * columns).map(|i| ((i * 37) % 11) as f32).collect();
+        let mut output = vec![0f32; rows * columns];
+        let pointers = [input.as_ptr() as *mut u8, output.as_mut_ptr().cast()];
+        // SAFETY: the buffers match the kernel's; the last row's prefetch reads nothing.
+        unsafe { compiled[0].run(&pointers, 0..rows) };
+        for (row, (x, y)) in input.chunks(columns).zip(output.chunks(columns)).enumerate() {
+            let max = x.iter().copied().fold(f32::MIN, f32::max);
+            assert!(x.iter().zip(y).all(|(a, b)| a - max == *b), "row {row}");
+        }
+    }
 
     /// [`Expr::Pick`] at the host's width: in a map stage (every lane of a row picks the row's
     /// element) and in a row stage, an offset outside the row clamped to its ends.

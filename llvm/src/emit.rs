@@ -470,6 +470,30 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
         Ok(())
     }
 
+    /// Prefetches, for reading into every cache level, the elements that `exprs`' loads
+    /// contiguous along the inner dimension read at `at`, issued for a row ahead of the one a
+    /// kernel works on: that row's fetch from memory then overlaps the work on this one.
+    pub fn prefetch_loads(&self, kernel: &Buffers<'ctx>, exprs: &[Expr], at: &Position<'ctx>) -> Result<(), LlvmError> {
+        let (i32t, ptr) = (self.ctx.i32_type(), self.ctx.ptr_type(inkwell::AddressSpace::default()));
+        let prefetch = inkwell::intrinsics::Intrinsic::find("llvm.prefetch")
+            .and_then(|i| i.get_declaration(self.module, &[ptr.into()]))
+            .ok_or_else(|| LlvmError::llvm("intrinsic declaration", "llvm.prefetch"))?;
+        for expr in exprs {
+            let Expr::Load { buffer, ref index } = *expr else { continue };
+            let Address::Contiguous(offset) = self.address(index, at)? else { continue };
+            let buffer = &kernel.0[buffer];
+            let element = self.memory_type(buffer.dtype, 1).get_element_type();
+            // Not `inbounds`: the row ahead may lie past the buffer, where a prefetch, which
+            // never faults, does nothing.
+            // SAFETY (of the generated code): the pointer is only prefetched, never dereferenced.
+            let pointer = unsafe { self.b.build_gep(element, buffer.pointer, &[offset], "")? };
+            let (read, keep_in_all_levels, data) =
+                (i32t.const_zero(), i32t.const_int(3, false), i32t.const_int(1, false));
+            self.b.build_call(prefetch, &[pointer.into(), read.into(), keep_in_all_levels.into(), data.into()], "")?;
+        }
+        Ok(())
+    }
+
     /// Evaluates a stage's expressions at `at`.
     pub fn exprs(
         &self,
