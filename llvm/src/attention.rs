@@ -231,6 +231,34 @@ pub(crate) fn define_nvptx<'ctx>(
     Ok(function)
 }
 
+/// Appends `f` as the host function `symbol` that one thread of a simulated GPU block runs
+/// ([`crate::warp_simulator`]): `void f(u8** buffers, i64 block, i64 thread)`, the buffers of
+/// [`buffer_count`] followed by the
+/// [`SimulatedBlock`](crate::warp_simulator::SimulatedBlock). A tensor-core pass is
+/// [`crate::attention_tiles::define_simulated`]'s; any other takes the units a GPU's thread
+/// takes in [`define_nvptx`], one lane wide.
+pub(crate) fn define_simulated<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    f: &AttentionFunction,
+) -> Result<FunctionValue<'ctx>, LlvmError> {
+    if f.tensor_cores {
+        return crate::attention_tiles::define_simulated(e, symbol, f);
+    }
+    check(f)?;
+    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
+    let count = buffer_count(f);
+    let pointers = (0..count).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
+    let blocks = crate::lanes::Lanes::simulated(e, &entry, count)?.blocks;
+    let i64t = e.ctx.i64_type();
+    let block = i64t.const_int(crate::nvptx::BLOCK as u64, false);
+    let first = e.b.build_int_add(e.b.build_int_mul(entry.begin, block, "")?, entry.end, "")?;
+    let stride = e.b.build_int_mul(blocks, block, "")?;
+    let a = Attention::new(e, entry.function, f, &pointers, 1, false);
+    a.units((first, i64t.const_int(f.units() as u64, false)), stride)?;
+    Ok(entry.function)
+}
+
 impl<'a, 'b, 'ctx> Attention<'a, 'b, 'ctx> {
     /// The emitter of `f` over these buffers ([`buffer_count`] of them, in order), vectors of up
     /// to `width` lanes, for NVPTX or x86.

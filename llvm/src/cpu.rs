@@ -132,7 +132,7 @@ fn build_module<'ctx>(
                 crate::nvptx::define_simulated(&e, symbol, kernel)?;
             }
             Function::SimulatedAttention(attention) => {
-                crate::attention_tiles::define_simulated(&e, symbol, attention)?;
+                crate::attention::define_simulated(&e, symbol, attention)?;
             }
         }
     }

@@ -51,7 +51,7 @@ pub enum Function<'a> {
     /// A kernel as one thread of a simulated GPU block runs its NVPTX form ([`warp_simulator`];
     /// tests).
     SimulatedKernel(&'a autotp_kernels::kir::Kernel),
-    /// A tensor-core attention pass as one thread of a simulated GPU block runs it
+    /// An attention pass as one thread of a simulated GPU block runs its NVPTX form
     /// ([`warp_simulator`]; tests).
     SimulatedAttention(&'a autotp_kernels::attention::AttentionFunction),
 }

@@ -231,7 +231,8 @@ pub unsafe fn launch(
     }
 }
 
-/// [`launch`] of a tensor-core attention pass `f`, with the shared memory it takes.
+/// [`launch`] of an attention pass `f` compiled as [`crate::Function::SimulatedAttention`],
+/// with the shared memory it takes (none a thread per row).
 ///
 /// # Safety
 /// As [`launch`].
@@ -241,5 +242,6 @@ pub unsafe fn launch_attention(
     buffers: &[*mut u8],
     blocks: usize,
 ) {
-    unsafe { launch(entry, buffers, blocks, crate::attention_tiles::shared_bytes(f), f.dtype) }
+    let shared_bytes = if f.tensor_cores { crate::attention_tiles::shared_bytes(f) } else { 0 };
+    unsafe { launch(entry, buffers, blocks, shared_bytes, f.dtype) }
 }

@@ -35,8 +35,8 @@ fn floats(dtype: DType, b: &AlignedBuf) -> Vec<f32> {
 enum Runner {
     /// Compiled for x86, their units in two calls, as a thread pool splits them.
     Halves,
-    /// A GPU's tensor-core passes on simulated blocks (three, fewer than most passes'
-    /// units), their warp operations included ([`crate::warp_simulator`]).
+    /// A GPU's passes on simulated blocks (three, fewer than most passes' units), their warp
+    /// operations included ([`crate::warp_simulator`]).
     SimulatedBlocks,
 }
 
@@ -170,6 +170,25 @@ fn tensor_core_tiles_match_the_builtin_kernel() {
         check(DType::BF16, short.clone(), mask);
     }
     check(DType::F16, dims(&[2, 3], 130, 32, 32, Some(vec![1, 3, 130, 130])), AttentionMask::Causal);
+}
+
+/// The passes that run a thread per row (f32, and 16-bit heads tensor cores do not take) as a
+/// GPU runs them: 150 rows of 6 heads on three blocks of 256 threads, so that threads take a
+/// second row, shared key/value heads, a sliding window and a bias.
+#[test]
+fn simulated_thread_per_row_passes_match_the_builtin_kernel() {
+    let cases = [
+        (DType::F32, dims(&[2, 1], 150, 32, 16, None), AttentionMask::Causal),
+        (DType::F32, dims(&[2, 3], 150, 8, 8, Some(vec![1, 3, 150, 150])), AttentionMask::SlidingWindow { window: 7 }),
+        (DType::BF16, dims(&[2, 1], 150, 24, 24, None), AttentionMask::Causal),
+    ];
+    for (dtype, dims, mask) in cases {
+        let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale: 0.37, mask, generated: true };
+        let passes = AttentionFunction::of(&backward, AttentionTarget::Gpu).unwrap();
+        assert!(passes.iter().all(|f| !f.tensor_cores), "{dims:?}");
+        assert!(passes[0].units() > 3 * 256, "{dims:?}: dq's threads take a second row");
+        check_runs(dtype, dims, mask, &[(AttentionTarget::Gpu, Runner::SimulatedBlocks)]);
+    }
 }
 
 /// The tensor-core passes as a GPU runs them, their warps' `mma`, `ldmatrix`, shuffles and
