@@ -64,7 +64,8 @@ fn shard_spec(spec: &str) -> Shard {
 /// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
-/// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `fusion` /
+/// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
+/// `attention:tp=N` (for a graph tp will split N ways), `fusion` /
 /// `fusion:selective` / `fusion:full` (with recomputation).
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
@@ -84,7 +85,9 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             },
         }),
         "recognize" => Box::new(Recognize),
-        "attention" => Box::new(autotp_passes::attention::FuseAttention),
+        "attention" => Box::new(autotp_passes::attention::FuseAttention {
+            tensor_parallel: argument.strip_prefix("tp=").map_or(1, |tp| tp.parse().expect("attention:tp=N")),
+        }),
         "precision" => {
             let (dtype, scaled) = argument.split_once(':').map_or((argument, false), |(d, s)| (d, s == "scaled"));
             Box::new(autotp_passes::precision::Precision {

@@ -316,7 +316,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
     let pass = |p: Box<dyn Pass>| -> Box<dyn Step> { Box::new(GraphPass(p)) };
     let mut steps: Vec<Box<dyn Step>> = PassManager::simplify_passes().into_iter().map(pass).collect();
     if flags.attention == AttentionFlag::Fused {
-        steps.push(pass(Box::new(autotp_passes::attention::FuseAttention)));
+        steps.push(pass(Box::new(autotp_passes::attention::FuseAttention { tensor_parallel: flags.tp })));
         steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     }
     steps.push(pass(Box::new(autotp_passes::loss::AttachLoss)));

@@ -21,7 +21,7 @@
 //! become `[Hkv, G]` (a reshape), the unrepeated key and value broadcast over `G`, so neither
 //! the repeated copies nor the gradient's sum over them exist.
 //!
-//! Input phase: imported (before `loss`; `compile --attention fused`). The replaced nodes are left
+//! Input phase: imported (before `loss`; unless `compile --attention unfused`). The replaced nodes are left
 //! for `dce`. Tests: tests/golden/attention_*.ir; tests/attention.rs (training against the
 //! unfused graph).
 
@@ -30,7 +30,20 @@ use autotp_ir::{AttentionMask, BinaryOp, Def, Graph, NodeId, Op, Rewriter, Value
 use crate::recognize::View;
 use crate::{Pass, PassError};
 
-pub struct FuseAttention;
+/// The pass, for a graph that tensor parallelism will split `tensor_parallel` ways: grouped
+/// key/value heads are read unrepeated only where it divides their count (a rank's query heads
+/// are then whole groups); otherwise (fewer key/value heads than ranks, which `autotp`
+/// replicates) the op reads them repeated, split with the query heads.
+#[derive(Clone, Copy, Debug)]
+pub struct FuseAttention {
+    pub tensor_parallel: usize,
+}
+
+impl Default for FuseAttention {
+    fn default() -> FuseAttention {
+        FuseAttention { tensor_parallel: 1 }
+    }
+}
 
 /// An additive term that is at most this is a masked key.
 const MASKED: f64 = -1e30;
@@ -91,7 +104,7 @@ impl<'g> View<'g> {
     }
 
     /// Attention ending at `out = matmul(p, v)`.
-    fn attention(&self, root: NodeId) -> Option<Found> {
+    fn attention(&self, root: NodeId, tensor_parallel: usize) -> Option<Found> {
         let node = self.graph.node(root);
         let (Op::MatMul { transpose_lhs: false, transpose_rhs: false }, [p, v]) = (&node.op, &node.inputs[..]) else {
             return None;
@@ -140,7 +153,11 @@ impl<'g> View<'g> {
                     x = *a;
                 }
                 (Op::MatMul { transpose_lhs: false, transpose_rhs }, [q, k]) => {
-                    return self.found(root, (*q, *k, *transpose_rhs), *v, scale, terms);
+                    let found = self.found(root, (*q, *k, *transpose_rhs), *v, scale, terms)?;
+                    let whole_groups = |heads: &[Repeated; 2]| {
+                        (self.graph.ty(found.q).shape[heads[0].dim] / heads[0].group).is_multiple_of(tensor_parallel)
+                    };
+                    return Some(Found { grouped: found.grouped.filter(whole_groups), ..found });
                 }
                 _ => return None,
             }
@@ -296,7 +313,7 @@ impl Pass for FuseAttention {
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         let view = View::new(graph);
-        let found: Vec<Found> = graph.nodes().filter_map(|(id, _)| view.attention(id)).collect();
+        let found: Vec<Found> = graph.nodes().filter_map(|(id, _)| view.attention(id, self.tensor_parallel)).collect();
         if found.is_empty() {
             return Ok(());
         }
