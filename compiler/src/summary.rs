@@ -4,9 +4,11 @@
 
 use std::collections::BTreeMap;
 
+use autotp_kernels::Kernel;
 use autotp_program::offload::NvmeOffload;
 use autotp_program::plan::{RecomputeSummary, TrainingPlan};
 use autotp_program::report::Report;
+use autotp_program::Instruction;
 
 /// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`; a
 /// table by stage with a pipeline), kernels, communication.
@@ -128,14 +130,14 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
     let instructions = plan.stages.iter().flat_map(|p| p.instructions.iter().map(move |i| (p, i)));
     for (program, instruction) in instructions {
         let name = match instruction {
-            autotp_program::Instruction::Kernel { kernel, .. } => kernel.name().to_string(),
-            autotp_program::Instruction::Generated { kernel, .. } => format!("gen.{}", program.kernels[*kernel].name),
-            autotp_program::Instruction::Collective { op, .. } => op.kind.name().to_string(),
-            autotp_program::Instruction::CollectiveStart { op, .. } => format!("{}_start", op.kind.name()),
-            autotp_program::Instruction::Wait { .. } => "wait".to_string(),
-            autotp_program::Instruction::Send { .. } => "send".to_string(),
-            autotp_program::Instruction::Recv { .. } => "recv".to_string(),
-            autotp_program::Instruction::OptimizerStep { optimizer, .. } => optimizer.multi_tensor_name(),
+            Instruction::Kernel { kernel, .. } => kernel.name().to_string(),
+            Instruction::Generated { kernel, .. } => format!("gen.{}", program.kernels[*kernel].name),
+            Instruction::Collective { op, .. } => op.kind.name().to_string(),
+            Instruction::CollectiveStart { op, .. } => format!("{}_start", op.kind.name()),
+            Instruction::Wait { .. } => "wait".to_string(),
+            Instruction::Send { .. } => "send".to_string(),
+            Instruction::Recv { .. } => "recv".to_string(),
+            Instruction::OptimizerStep { optimizer, .. } => optimizer.multi_tensor_name(),
         };
         *kernels.entry(name).or_default() += 1;
     }
@@ -235,13 +237,8 @@ fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
             100.0 * (with as f64 - without as f64) / without.max(1) as f64
         ));
         if blocks == 0 {
-            let fused = program.instructions.iter().any(|i| {
-                matches!(
-                    i,
-                    autotp_program::Instruction::Kernel { kernel: autotp_kernels::Kernel::Attention { .. }, .. }
-                )
-            });
-            if chosen == "selective" && fused {
+            let fused = |i: &Instruction| matches!(i, Instruction::Kernel { kernel: Kernel::Attention { .. }, .. });
+            if chosen == "selective" && program.instructions.iter().any(fused) {
                 lines.push(
                     "    fused attention keeps no scores or probabilities: nothing for selective recomputation to \
                      make again (Megatron's selective recomputation with flash attention)"

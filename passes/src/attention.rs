@@ -21,9 +21,9 @@
 //! become `[Hkv, G]` (a reshape), the unrepeated key and value broadcast over `G`, so neither
 //! the repeated copies nor the gradient's sum over them exist.
 //!
-//! Input phase: imported (before `loss`; unless `compile --attention unfused`). The replaced nodes are left
-//! for `dce`. Tests: tests/golden/attention_*.ir; tests/attention.rs (training against the
-//! unfused graph).
+//! Input phase: imported (before `loss`; unless `compile --attention unfused`). The replaced
+//! nodes are left for `dce`. Tests: tests/golden/attention_*.ir; tests/attention.rs (training
+//! against the unfused graph).
 
 use autotp_ir::{AttentionMask, BinaryOp, Def, Graph, NodeId, Op, Rewriter, ValueId};
 
@@ -222,13 +222,9 @@ impl<'g> View<'g> {
             return Some(k);
         }
         let (Op::Transpose { perm }, [key]) = self.op(k)? else { return None };
-        let rank = perm.len();
-        let swaps_last_two = (0..rank).all(|d| match d {
-            _ if d + 2 < rank => perm[d] == d,
-            _ if d + 2 == rank => perm[d] == rank - 1,
-            _ => perm[d] == rank - 2,
-        });
-        swaps_last_two.then_some(*key)
+        let mut last_two_swapped: Vec<usize> = (0..perm.len()).collect();
+        last_two_swapped.swap(perm.len() - 2, perm.len() - 1);
+        (*perm == last_two_swapped).then_some(*key)
     }
 
     /// `x` as the heads of a key or value repeated ([`Repeated`]), where it is one.
