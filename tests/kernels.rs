@@ -157,6 +157,8 @@ fn unary_ops_match_the_builtin_kernels() {
             ("tanh", 10.0, 2e-7),
             ("erf", 4.0, 4e-7),
             ("sigmoid", 100.0, 4e-7),
+            ("softplus", 100.0, 4e-7),
+            ("softplus", 1.0, 4e-7),
             ("relu", 1.0, 0.0),
             ("floor", 10.0, 0.0),
             ("ceil", 10.0, 0.0),

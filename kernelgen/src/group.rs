@@ -175,7 +175,7 @@ pub fn try_build(graph: &Graph, nodes: &[NodeId], outputs: &[ValueId]) -> Option
 fn is_expensive(op: &Op) -> bool {
     matches!(
         op,
-        Op::Unary(UnaryOp::Exp | UnaryOp::Log | UnaryOp::Tanh | UnaryOp::Erf | UnaryOp::Sigmoid)
+        Op::Unary(UnaryOp::Exp | UnaryOp::Log | UnaryOp::Tanh | UnaryOp::Erf | UnaryOp::Sigmoid | UnaryOp::Softplus)
             | Op::Gelu { .. }
             | Op::Softmax { .. }
             | Op::LogSoftmax { .. }

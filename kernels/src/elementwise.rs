@@ -24,6 +24,11 @@ fn unary_float<T: num_float::Float>(op: UnaryOp, input: &[T], out: &mut [T]) {
         Tanh => map_unary(input, out, |a| a.tanh()),
         Erf => map_unary(input, out, |a| a.error_function()),
         Sigmoid => map_unary(input, out, |a| T::one() / (T::one() + (-a).exp())),
+        // max(x, 0) + log(1 + exp(-|x|)): no overflow, and exp(x) itself far below zero.
+        Softplus => map_unary(input, out, |a| {
+            let positive = if a > T::zero() { a } else { T::zero() };
+            positive + (-a.abs()).exp().ln_1p()
+        }),
         Relu => map_unary(input, out, |a| if a > T::zero() { a } else { T::zero() }),
         Sin => map_unary(input, out, |a| a.sin()),
         Cos => map_unary(input, out, |a| a.cos()),
@@ -300,6 +305,7 @@ pub(crate) mod num_float {
         fn abs(self) -> Self;
         fn exp(self) -> Self;
         fn ln(self) -> Self;
+        fn ln_1p(self) -> Self;
         fn sqrt(self) -> Self;
         fn tanh(self) -> Self;
         fn error_function(self) -> Self;
@@ -324,6 +330,9 @@ pub(crate) mod num_float {
                 }
                 fn ln(self) -> Self {
                     <$t>::ln(self)
+                }
+                fn ln_1p(self) -> Self {
+                    <$t>::ln_1p(self)
                 }
                 fn sqrt(self) -> Self {
                     <$t>::sqrt(self)

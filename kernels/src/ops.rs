@@ -30,7 +30,7 @@ named_enum!(
         Neg => "neg", Abs => "abs", Exp => "exp", Log => "log", Sqrt => "sqrt",
         Rsqrt => "rsqrt", Reciprocal => "reciprocal", Tanh => "tanh", Erf => "erf",
         Sigmoid => "sigmoid", Relu => "relu", Sin => "sin", Cos => "cos", Floor => "floor",
-        Ceil => "ceil", Round => "round", Sign => "sign", Not => "not",
+        Ceil => "ceil", Round => "round", Sign => "sign", Not => "not", Softplus => "softplus",
     }
 );
 

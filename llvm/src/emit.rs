@@ -618,6 +618,7 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
             UnaryOp::Tanh => math::tanh(self, a),
             UnaryOp::Erf => math::erf(self, a),
             UnaryOp::Sigmoid => math::sigmoid(self, a),
+            UnaryOp::Softplus => math::softplus(self, a),
             UnaryOp::Relu => self.select(self.fcmp(FloatPredicate::OGT, a, zero)?, a, zero),
             UnaryOp::Floor => self.intrinsic("llvm.floor", &[a]),
             UnaryOp::Ceil => self.intrinsic("llvm.ceil", &[a]),

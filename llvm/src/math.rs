@@ -13,6 +13,7 @@
 //! | `tanh` | odd polynomial below 0.625 (Cephes `tanhf`), else 1 - 2 / (exp(2x) + 1) | 1 ulp |
 //! | `erf` | odd polynomial below 0.875 (Cephes `erff`); degree-13 fit around 2.4 up to 3.95; 1 above | 3 ulps |
 //! | `sigmoid` | 1 / (1 + exp(-\|x\|)), times exp(x) for negative x | 3 ulps |
+//! | `softplus` | max(x, 0) + log1p(exp(-\|x\|)), log1p(t) as log(u) t / (u - 1) with u = 1 + t (Goldberg) | 3 ulps |
 //!
 //! NaN propagates through every function; infinities give the limits (exp(-inf) = 0, log(0) =
 //! -inf, log of a negative number is NaN).
@@ -197,6 +198,19 @@ pub fn sigmoid<'ctx>(e: &Emitter<'_, 'ctx>, x: V<'ctx>) -> Result<V<'ctx>, LlvmE
     e.select(negative, e.fmul(t, s)?, s)
 }
 
+/// `log(1 + exp(x))`: `max(x, 0) + log1p(exp(-|x|))`, so that nothing overflows and far below
+/// zero the result is `exp(x)` to the last bit. `log1p(t)` is `log(u) * t / (u - 1)` with
+/// `u = 1 + t` rounded (Goldberg's: the quotient corrects `u`'s rounding), or `t` where `u` is 1.
+pub fn softplus<'ctx>(e: &Emitter<'_, 'ctx>, x: V<'ctx>) -> Result<V<'ctx>, LlvmError> {
+    let width = Emitter::width(x);
+    let one = e.f32(width, 1.0);
+    let t = exp(e, e.b.build_float_neg(e.intrinsic("llvm.fabs", &[x])?, "")?)?;
+    let u = e.fadd(one, t)?;
+    let corrected = e.fmul(log(e, u)?, e.fdiv(t, e.fsub(u, one)?)?)?;
+    let log1p = e.select(e.fcmp(FloatPredicate::OEQ, u, one)?, t, corrected)?;
+    e.fadd(e.fmax(x, e.f32(width, 0.0))?, log1p)
+}
+
 #[cfg(test)]
 mod tests {
     use autotp_kernels::kir::{Buffer, Expr, Index, Kernel, Stage, Store};
@@ -258,12 +272,13 @@ mod tests {
     #[test]
     fn transcendentals_are_within_their_documented_ulps() {
         type Case = (UnaryOp, fn(f64) -> f64, u64);
-        let cases: [Case; 5] = [
+        let cases: [Case; 6] = [
             (UnaryOp::Exp, f64::exp, 1),
             (UnaryOp::Log, f64::ln, 1),
             (UnaryOp::Tanh, f64::tanh, 1),
             (UnaryOp::Erf, libm::erf, 3),
             (UnaryOp::Sigmoid, |x| 1.0 / (1.0 + (-x).exp()), 3),
+            (UnaryOp::Softplus, |x| x.max(0.0) + (-x.abs()).exp().ln_1p(), 3),
         ];
         for (op, reference, bound) in cases {
             let (error, at) = max_ulps(op, reference, 251);

@@ -67,7 +67,7 @@ fn policy(op: &Op) -> Policy {
         | Op::NllLoss { .. }
         | Op::CumSum { .. }
         | Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod, .. }
-        | Op::Unary(UnaryOp::Exp | UnaryOp::Log | UnaryOp::Rsqrt | UnaryOp::Reciprocal)
+        | Op::Unary(UnaryOp::Exp | UnaryOp::Log | UnaryOp::Rsqrt | UnaryOp::Reciprocal | UnaryOp::Softplus)
         | Op::Binary(BinaryOp::Pow) => Policy::F32,
         _ => Policy::Promote,
     }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Regenerates tests/conformance/cases: the ONNX backend node test cases of every op type the
-frontend supports (SUPPORTED_OPS in frontend/src/onnx/ops.rs), written in the layout the old
+frontend supports (SUPPORTED_OPS in frontend/src/onnx/ops/mod.rs), written in the layout the old
 onnx wheels shipped (model.onnx, test_data_set_N/{input,output}_K.pb).
 
 Recent onnx wheels no longer ship the data, but they ship the generators; this script runs them
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def supported_ops():
-    src = open(os.path.join(ROOT, "frontend/src/onnx/ops.rs")).read()
+    src = open(os.path.join(ROOT, "frontend/src/onnx/ops/mod.rs")).read()
     block = re.search(r"pub const SUPPORTED_OPS: &\[&str\] = &\[(.*?)\];", src, re.S).group(1)
     return set(re.findall(r'"(\w+)"', block))
 

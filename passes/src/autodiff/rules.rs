@@ -56,6 +56,10 @@ fn unary_vjp(b: &mut B, u: UnaryOp, x0: ValueId, y0: ValueId, d: ValueId) -> Res
             let g = b.mul(y0, om)?;
             Some(b.mul(d, g)?)
         }
+        UnaryOp::Softplus => {
+            let s = b.un(UnaryOp::Sigmoid, x0)?;
+            Some(b.mul(d, s)?)
+        }
         UnaryOp::Relu => {
             let zero = b.scalar(dtype, 0.0)?;
             let pos = b.bin(BinaryOp::Greater, x0, zero)?;

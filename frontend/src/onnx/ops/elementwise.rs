@@ -1,4 +1,4 @@
-//! Elementwise ops, casts, selects, reductions (`Reduce*`), GELU and dropout.
+//! Elementwise ops, casts, selects, clips, reductions (`Reduce*`), GELU and dropout.
 
 use super::*;
 
@@ -19,6 +19,19 @@ pub(super) fn convert(
                 acc = imp.emit1(cx, Op::Binary(op), &[acc, next])?;
             }
             one(acc)
+        }
+        // numpy's clip as PyTorch's clamp computes it, gradient included: a max with the lower
+        // bound, the input first (at a tie the gradient passes to the input), then a min with
+        // the upper (a lower bound above the upper gives the upper, as ONNX says).
+        "Clip" => {
+            let mut y = input(imp, cx, 0)?;
+            if let Some(low) = opt_input(imp, cx, 1)? {
+                y = imp.emit1(cx, Op::Binary(BinaryOp::Max), &[y, low])?;
+            }
+            if let Some(high) = opt_input(imp, cx, 2)? {
+                y = imp.emit1(cx, Op::Binary(BinaryOp::Min), &[y, high])?;
+            }
+            one(y)
         }
         "Mod" => {
             let a = input(imp, cx, 0)?;
