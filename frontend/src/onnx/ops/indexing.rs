@@ -75,6 +75,44 @@ pub(super) fn convert(
             let inputs = [input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?];
             one(imp.emit1(cx, Op::ScatterNd { reduction }, &inputs)?)
         }
+        // ScatterND with every update's full coordinates: its own position, with its index in
+        // place of coordinate `axis` (a negative index counting from the end).
+        "ScatterElements" => {
+            let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
+            let reduction = autotp_ir::ScatterReduction::from_name(&reduction)
+                .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))?;
+            let (data, idx, updates) = (input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?);
+            let (dt, it) = (imp.ty(&data), imp.ty(&idx));
+            let axis = norm_axis(cx, attr_int(cx, "axis", 0), dt.rank())?;
+            if it.rank() != dt.rank() {
+                return Err(cx.invalid(format!("indices {it} and data {dt} differ in rank")));
+            }
+            let scalar = |v: f64| Sym::Const(Tensor::full(it.dtype, vec![], v));
+            let negative = imp.emit1(cx, Op::Binary(BinaryOp::Less), &[idx.clone(), scalar(0.0)])?;
+            let wrapped = imp.emit1(cx, Op::Binary(BinaryOp::Add), &[idx.clone(), scalar(dt.shape[axis] as f64)])?;
+            let idx = imp.emit1(cx, Op::Select, &[negative, wrapped, idx])?;
+            let mut column = it.shape.clone();
+            column.push(1);
+            let mut coordinates = Vec::with_capacity(it.rank());
+            for d in 0..it.rank() {
+                if d == axis {
+                    coordinates.push(imp.emit1(
+                        cx,
+                        Op::Reshape { shape: column.clone() },
+                        std::slice::from_ref(&idx),
+                    )?);
+                    continue;
+                }
+                // Coordinate d of every update: a range along dim d, broadcast over the others.
+                let mut along = vec![1; it.rank() + 1];
+                along[d] = it.shape[d];
+                let values: Vec<f64> = (0..it.shape[d]).map(|i| i as f64).collect();
+                let range = Sym::Const(Tensor::from_f64_values(it.dtype, along, &values));
+                coordinates.push(imp.emit1(cx, Op::Expand { shape: column.clone() }, &[range])?);
+            }
+            let coordinates = imp.emit1(cx, Op::Concat { axis: it.rank() }, &coordinates)?;
+            one(imp.emit1(cx, Op::ScatterNd { reduction }, &[data, coordinates, updates])?)
+        }
         "OneHot" => {
             // where(unsqueeze(i mod depth, axis) == range(depth) along axis, on, off), negative
             // indices counting from the end (an index outside [-depth, depth) is all off).

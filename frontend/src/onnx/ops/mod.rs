@@ -84,6 +84,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Reshape",
     "RotaryEmbedding",
     "Round",
+    "ScatterElements",
     "ScatterND",
     "SequenceAt",
     "SequenceConstruct",
