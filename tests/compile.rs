@@ -212,3 +212,40 @@ fn dump_kernels_and_the_builtin_oracle() {
         failure(autotp(&compile_args(&model, &["--kernels", "builtin", "--print-after", "fusion", "-o", "/dev/null"])));
     assert!(err.contains("--print-after 'fusion': no such pass"), "{err}");
 }
+
+/// A padding row the export records in the model's metadata (`autotp.padding_idx`: what a
+/// pretrained embedding, whose padding row is not zero, needs) is taken and named as the
+/// reason; `--padding-idx` overrides it; a malformed entry or an unknown table is refused
+/// naming the key.
+#[test]
+fn padding_rows_from_the_models_metadata() {
+    use autotp_frontend::onnx::proto::{ModelProto, StringStringEntryProto};
+    use prost::Message;
+    let dir = scratch("padding-metadata");
+    let bytes = std::fs::read(fixture("llama", "model.onnx")).unwrap();
+    let with_metadata = |value: &str, name: &str| {
+        let mut model = ModelProto::decode(bytes.as_slice()).unwrap();
+        let key = autotp_frontend::PADDING_IDX_METADATA.to_string();
+        model.metadata_props.push(StringStringEntryProto { key, value: value.into() });
+        let path = dir.join(format!("{name}.onnx"));
+        std::fs::write(&path, model.encode_to_vec()).unwrap();
+        path
+    };
+    let compile = |model: &Path, extra: &[&str]| autotp(&compile_args(model, &[extra, &["-o", "/dev/null"]].concat()));
+    let recorded = with_metadata("m.model.embed_tokens.weight=3", "recorded");
+    let out = success(compile(&recorded, &[]));
+    assert!(
+        out.contains(
+            "padding row: m.model.embed_tokens.weight row 3 gets no gradient (the model's metadata 'autotp.padding_idx')"
+        ),
+        "{out}"
+    );
+    let out = success(compile(&recorded, &["--padding-idx", "none"]));
+    assert!(!out.contains("padding row"), "{out}");
+    let out = success(compile(&recorded, &["--padding-idx", "m.model.embed_tokens.weight=5"]));
+    assert!(out.contains("m.model.embed_tokens.weight row 5 gets no gradient (--padding-idx)"), "{out}");
+    let err = failure(compile(&with_metadata("3, wte=x", "malformed"), &[]));
+    assert!(err.contains("the model's metadata 'autotp.padding_idx' = '3, wte=x': 'wte=x' is not N"), "{err}");
+    let err = failure(compile(&with_metadata("lm_head=1", "unknown"), &[]));
+    assert!(err.contains("the model's metadata: 'lm_head' is not an embedding table"), "{err}");
+}

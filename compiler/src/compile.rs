@@ -242,11 +242,26 @@ fn check_constant_gathers(graph: &Graph, seq_len: usize) -> Result<(), CompileEr
     Ok(())
 }
 
-/// The embedding tables' padding rows: `--padding-idx`, else each table's one zero row.
+/// The embedding tables' padding rows: `--padding-idx`, else the model's metadata
+/// ([`autotp_frontend::PADDING_IDX_METADATA`]), else each table's one zero row.
 fn padding_rows(padding_idx: &[String], model: &Model) -> Result<Vec<PaddingRow>, CompileError> {
+    use autotp_frontend::PADDING_IDX_METADATA;
     use autotp_passes::padding::{choose_padding_rows, embedding_tables, PaddingFlag};
-    let parsed: Vec<PaddingFlag> =
-        padding_idx.iter().map(|f| f.parse()).collect::<Result<_, String>>().map_err(CompileError::Options)?;
+    let recorded = model.metadata.get(PADDING_IDX_METADATA).map_or("", String::as_str);
+    let mut parsed: Vec<PaddingFlag> = (recorded.split(',').map(str::trim).filter(|e| !e.is_empty()))
+        .map(|entry| {
+            let flag: PaddingFlag = entry.parse().map_err(|_| {
+                CompileError::Options(format!(
+                    "the model's metadata '{PADDING_IDX_METADATA}' = '{recorded}': '{entry}' is not N, none, TABLE=N \
+                     or TABLE=none (N a row index)"
+                ))
+            })?;
+            Ok(PaddingFlag { from_metadata: true, ..flag })
+        })
+        .collect::<Result<_, CompileError>>()?;
+    for flag in padding_idx {
+        parsed.push(flag.parse().map_err(CompileError::Options)?);
+    }
     let tables = embedding_tables(&model.graph, &model.weights);
     let (rows, ambiguous) = choose_padding_rows(&tables, &parsed).map_err(CompileError::Options)?;
     for table in ambiguous {
@@ -259,7 +274,10 @@ fn padding_rows(padding_idx: &[String], model: &Model) -> Result<Vec<PaddingRow>
             table.param
         );
     }
-    Ok(rows.into_iter().map(|r| PaddingRow { table: r.table, row: r.row, detected: r.detected }).collect())
+    Ok(rows
+        .into_iter()
+        .map(|r| PaddingRow { table: r.table, row: r.row, detected: r.detected, from_metadata: r.from_metadata })
+        .collect())
 }
 
 /// The parameters `--freeze` names; each expression must match at least one.

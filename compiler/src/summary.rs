@@ -55,7 +55,11 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
         ),
     ];
     for padding in &t.padding_rows {
-        let why = if padding.detected { "its one zero row at import" } else { "--padding-idx" };
+        let why = match (padding.detected, padding.from_metadata) {
+            (true, _) => "its one zero row at import".to_string(),
+            (false, true) => format!("the model's metadata '{}'", autotp_frontend::PADDING_IDX_METADATA),
+            (false, false) => "--padding-idx".to_string(),
+        };
         lines.push(format!("  padding row: {} row {} gets no gradient ({why})", padding.table, padding.row));
     }
     let mib = |b: usize| b as f64 / (1 << 20) as f64;

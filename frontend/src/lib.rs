@@ -34,12 +34,20 @@ pub struct ImportOptions {
     pub shapes_only: bool,
 }
 
-/// An imported model: the graph and the parameter tensors by name (none when imported
-/// shapes-only: the graph's parameters have types alone).
+/// An imported model: the graph, the parameter tensors by name (none when imported
+/// shapes-only: the graph's parameters have types alone), and the file's metadata (ONNX's
+/// `metadata_props`, key to value).
 #[derive(Clone, Debug)]
 pub struct Model {
     pub graph: Graph,
     pub weights: BTreeMap<String, Tensor>,
+    pub metadata: BTreeMap<String, String>,
 }
+
+/// The metadata key under which an export records its embedding tables' padding rows, which
+/// ONNX drops with `nn.Embedding`'s `padding_idx`: comma-separated entries spelled as
+/// `--padding-idx` takes them (`N`, `none`, `TABLE=N`, `TABLE=none`; TABLE the initializer's
+/// name).
+pub const PADDING_IDX_METADATA: &str = "autotp.padding_idx";
 
 pub use onnx::import_file as import_onnx;

@@ -80,6 +80,9 @@ pub struct PaddingFlag {
     /// `None`: every embedding table.
     pub table: Option<String>,
     pub choice: PaddingChoice,
+    /// Read from the model's metadata ([`PaddingRow::from_metadata`]) rather than given as
+    /// `--padding-idx`.
+    pub from_metadata: bool,
 }
 
 impl std::str::FromStr for PaddingFlag {
@@ -96,7 +99,7 @@ impl std::str::FromStr for PaddingFlag {
                 format!("--padding-idx '{text}': expected N, none, TABLE=N or TABLE=none (N a row index)")
             })?),
         };
-        Ok(PaddingFlag { table, choice })
+        Ok(PaddingFlag { table, choice, from_metadata: false })
     }
 }
 
@@ -105,13 +108,16 @@ impl std::str::FromStr for PaddingFlag {
 pub struct PaddingRow {
     pub table: String,
     pub row: usize,
-    /// `true` when it was found (the table's one zero row), `false` when `--padding-idx` set it.
+    /// `true` when it was found (the table's one zero row), `false` when `--padding-idx` or
+    /// the model's metadata set it.
     pub detected: bool,
+    /// Set by the model's metadata (`autotp.padding_idx`), not by `--padding-idx`.
+    pub from_metadata: bool,
 }
 
-/// The padding rows of `tables` under `flags` (later flags override earlier ones; a flag
-/// naming a table overrides one for every table), and the tables whose several zero rows were
-/// left alone (to be reported).
+/// The padding rows of `tables` under `flags` (`--padding-idx` overrides the model's metadata;
+/// within either, later flags override earlier ones and a flag naming a table overrides one for
+/// every table), and the tables whose several zero rows were left alone (to be reported).
 pub fn choose_padding_rows<'t>(
     tables: &'t [EmbeddingTable],
     flags: &[PaddingFlag],
@@ -120,8 +126,9 @@ pub fn choose_padding_rows<'t>(
         if let Some(name) = &flag.table {
             if !tables.iter().any(|t| &t.param == name) {
                 let known: Vec<&str> = tables.iter().map(|t| t.param.as_str()).collect();
+                let source = if flag.from_metadata { "the model's metadata" } else { "--padding-idx" };
                 return Err(format!(
-                    "--padding-idx: '{name}' is not an embedding table (a parameter read only by gathers); \
+                    "{source}: '{name}' is not an embedding table (a parameter read only by gathers); \
                      the model's are: {}",
                     if known.is_empty() { "none".to_string() } else { known.join(", ") }
                 ));
@@ -131,20 +138,28 @@ pub fn choose_padding_rows<'t>(
     let mut rows = Vec::new();
     let mut ambiguous = Vec::new();
     for table in tables {
-        let for_all = flags.iter().rev().find(|f| f.table.is_none());
-        let for_this = flags.iter().rev().find(|f| f.table.as_deref() == Some(table.param.as_str()));
-        let choice = for_this.or(for_all).map_or(&PaddingChoice::Detect, |f| &f.choice);
-        match *choice {
+        // The command line's flags before the model's metadata, whatever they name; among
+        // either's, one naming the table before one for every table, the last first.
+        let among = |from_metadata: bool| {
+            let of = || flags.iter().rev().filter(move |f| f.from_metadata == from_metadata);
+            let for_this = of().find(|f| f.table.as_deref() == Some(table.param.as_str()));
+            for_this.or_else(|| of().find(|f| f.table.is_none()))
+        };
+        let flag = among(false).or_else(|| among(true));
+        let from_metadata = flag.is_some_and(|f| f.from_metadata);
+        match flag.map_or(&PaddingChoice::Detect, |f| &f.choice) {
             PaddingChoice::None => {}
-            PaddingChoice::Row(row) if row >= table.rows => {
-                return Err(format!(
-                    "--padding-idx {row}: the embedding table '{}' has {} rows",
-                    table.param, table.rows
-                ));
+            &PaddingChoice::Row(row) if row >= table.rows => {
+                let source = if from_metadata { "the model's metadata: padding index" } else { "--padding-idx" };
+                return Err(format!("{source} {row}: the embedding table '{}' has {} rows", table.param, table.rows));
             }
-            PaddingChoice::Row(row) => rows.push(PaddingRow { table: table.param.clone(), row, detected: false }),
+            &PaddingChoice::Row(row) => {
+                rows.push(PaddingRow { table: table.param.clone(), row, detected: false, from_metadata })
+            }
             PaddingChoice::Detect => match table.zero_rows[..] {
-                [row] => rows.push(PaddingRow { table: table.param.clone(), row, detected: true }),
+                [row] => {
+                    rows.push(PaddingRow { table: table.param.clone(), row, detected: true, from_metadata: false })
+                }
                 [] => {}
                 _ => ambiguous.push(table),
             },

@@ -177,8 +177,12 @@ impl TrainingConfig {
 pub struct PaddingRow {
     pub table: String,
     pub row: usize,
-    /// Found (the table's one zero row at import) rather than set by `--padding-idx`.
+    /// Found (the table's one zero row at import) rather than set by `--padding-idx` or the
+    /// model's metadata.
     pub detected: bool,
+    /// Set by the model's metadata (`autotp.padding_idx`).
+    #[serde(default)]
+    pub from_metadata: bool,
 }
 
 /// The pipeline's stages and schedule (`--pp`, `--schedule`); its micro-batches are the step's

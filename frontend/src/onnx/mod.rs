@@ -281,7 +281,8 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     let graph = imp.graph.without_dead_code();
     weights.retain(|name, _| graph.params().iter().any(|&p| graph.name_of(p) == Some(name)));
     autotp_ir::verify(&graph)?;
-    Ok(Model { graph, weights })
+    let metadata = model.metadata_props.iter().map(|p| (p.key.clone(), p.value.clone())).collect();
+    Ok(Model { graph, weights, metadata })
 }
 
 /// Whether a float initializer is a parameter. Not those PyTorch does not train, so autotp
