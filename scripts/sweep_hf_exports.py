@@ -78,6 +78,7 @@ ARCHITECTURES = {
     "biogpt": {},
     "persimmon": {},
     "mpt": dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128),
+    "apertus": {},
 }
 
 
@@ -179,7 +180,7 @@ def main():
     args = parser.parse_args()
     opsets = [int(o) for o in args.opsets.split(",")]
     types = args.types or list(ARCHITECTURES)
-    supported = set(re.findall(r'"([A-Za-z]+)"', open(os.path.join(ROOT, "frontend/src/onnx/ops.rs")).read()))
+    supported = set(re.findall(r'"([A-Za-z]+)"', open(os.path.join(ROOT, "frontend/src/onnx/ops/mod.rs")).read()))
     used = collections.defaultdict(set)
     exporter = "torch.export (dynamo)" if args.dynamo else "legacy exporter"
     print(f"| model type | opset ({exporter}) | ops | logits vs PyTorch | one-rank plan | `--tp 2` plan |")
