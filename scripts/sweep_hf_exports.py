@@ -79,6 +79,8 @@ ARCHITECTURES = {
     "persimmon": {},
     "mpt": dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128),
     "apertus": {},
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -93,7 +95,7 @@ def tiny_model(model_type):
         if isinstance(getattr(cfg, k), float):
             setattr(cfg, k, 0.0)
     cfg._attn_implementation = "eager"
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
         cfg._experts_implementation = "batched_mm"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
