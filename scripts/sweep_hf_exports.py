@@ -81,6 +81,9 @@ ARCHITECTURES = {
     "apertus": {},
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v3": dict(head_dim=8, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                        n_group=2, topk_group=1, first_k_dense_replace=1),
 }
 
 
@@ -95,7 +98,7 @@ def tiny_model(model_type):
         if isinstance(getattr(cfg, k), float):
             setattr(cfg, k, 0.0)
     cfg._attn_implementation = "eager"
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"):
         cfg._experts_implementation = "batched_mm"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
