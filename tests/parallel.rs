@@ -121,6 +121,13 @@ fn impossible_tensor_parallel_splits_are_refused() {
         let err = compile(arch, "8");
         assert!(err.contains("tp=8 cannot split the blocks") && err.contains(query), "{arch}: {err}");
         assert!(err.contains("the reshape makes 4 heads of it, which tp=8 does not divide"), "{arch}: {err}");
+        // And how the weights it names were placed, as --explain-tp would have said.
+        let placed =
+            format!("(the split weights: 'm.{}", if arch == "llama" { "model.layers.0" } else { "transformer.h.0" });
+        assert!(
+            err.contains(&placed) && err.contains("shard(0), column-parallel: reads a normalised"),
+            "{arch}: {err}"
+        );
     }
     // 3 does not divide the 64 hidden features of a 4-head model.
     let err = compile("gpt_neox", "3");

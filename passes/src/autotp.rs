@@ -380,7 +380,7 @@ impl AutoTp {
                     });
                     followers.clear();
                 }
-                None => return Err(invalid(gather.message)),
+                None => return Err(invalid(refusal(gather, &explained))),
             }
         }
         Err(invalid("the weight placements did not settle".into()))
@@ -570,6 +570,19 @@ fn forward_gather(graph: &Graph, tp: usize) -> Option<ForwardGather> {
         return Some(ForwardGather { message, weights, reshape_heads, gathered: shape[*dim] });
     }
     None
+}
+
+/// Why `gather` refuses the split, with how the split weights it names were placed (what
+/// `--explain-tp` would have said of them).
+fn refusal(gather: ForwardGather, explained: &[Explained]) -> String {
+    let placed: Vec<String> = (gather.weights.iter())
+        .filter_map(|(weight, _)| explained.iter().find(|e| &e.weight == weight))
+        .map(|e| format!("'{}' {}, {}", e.weight, e.placement, e.reason))
+        .collect();
+    match placed.is_empty() {
+        true => gather.message,
+        false => format!("{} (the split weights: {})", gather.message, placed.join("; ")),
+    }
 }
 
 /// The weight to replicate so that `gather` is not needed, and its heads: the nearest
