@@ -221,20 +221,45 @@ pub(crate) fn define_nvptx<'ctx>(
         return crate::attention_tiles::define_nvptx(e, symbol, f);
     }
     let (function, pointers, units) = declare_gpu_entry(e, symbol, f);
-    let i64t = e.ctx.i64_type();
-    let block = i64t.const_int(crate::nvptx::BLOCK as u64, false);
-    let thread = special_register(e, "tid.x")?;
-    let first = e.b.build_int_add(e.b.build_int_mul(special_register(e, "ctaid.x")?, block, "")?, thread, "")?;
-    let stride = e.b.build_int_mul(special_register(e, "nctaid.x")?, block, "")?;
+    let (block, thread) = (special_register(e, "ctaid.x")?, special_register(e, "tid.x")?);
+    let (first, stride) = grid_stride(e, block, thread, special_register(e, "nctaid.x")?)?;
     let a = Attention::new(e, function, f, &pointers, 1, true);
     a.units((first, units), stride)?;
     Ok(function)
 }
 
-/// Appends `f` as the host function `symbol` that one thread of a simulated GPU block runs
+/// A grid's thread's first unit and its stride over units, a thread per unit: thread `thread`
+/// of block `block` of `blocks` (of [`crate::nvptx::BLOCK`] threads) takes units `block *
+/// BLOCK + thread`, then every `blocks * BLOCK`.
+fn grid_stride<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    block: IntValue<'ctx>,
+    thread: IntValue<'ctx>,
+    blocks: IntValue<'ctx>,
+) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+    let threads = e.ctx.i64_type().const_int(crate::nvptx::BLOCK as u64, false);
+    let first = e.b.build_int_add(e.b.build_int_mul(block, threads, "")?, thread, "")?;
+    Ok((first, e.b.build_int_mul(blocks, threads, "")?))
+}
+
+/// Declares the host function `symbol` that one thread of a simulated GPU block runs for `f`
 /// ([`crate::warp_simulator`]): `void f(u8** buffers, i64 block, i64 thread)`, the buffers of
-/// [`buffer_count`] followed by the
-/// [`SimulatedBlock`](crate::warp_simulator::SimulatedBlock). A tensor-core pass is
+/// [`buffer_count`] followed by the [`SimulatedBlock`](crate::warp_simulator::SimulatedBlock);
+/// the entry, its buffers' pointers and the simulated block.
+pub(crate) fn declare_simulated_entry<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    symbol: &str,
+    f: &AttentionFunction,
+) -> Result<(crate::cpu::CpuEntry<'ctx>, Vec<PointerValue<'ctx>>, crate::lanes::SimulatedPlace<'ctx>), LlvmError> {
+    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
+    let count = buffer_count(f);
+    let pointers = (0..count).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
+    let simulated = crate::lanes::Lanes::simulated(e, &entry, count)?;
+    Ok((entry, pointers, simulated))
+}
+
+/// Appends `f` as the host function `symbol` that one thread of a simulated GPU block runs
+/// ([`declare_simulated_entry`]). A tensor-core pass is
 /// [`crate::attention_tiles::define_simulated`]'s; any other takes the units a GPU's thread
 /// takes in [`define_nvptx`], one lane wide.
 pub(crate) fn define_simulated<'ctx>(
@@ -246,16 +271,10 @@ pub(crate) fn define_simulated<'ctx>(
         return crate::attention_tiles::define_simulated(e, symbol, f);
     }
     check(f)?;
-    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
-    let count = buffer_count(f);
-    let pointers = (0..count).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
-    let blocks = crate::lanes::Lanes::simulated(e, &entry, count)?.blocks;
-    let i64t = e.ctx.i64_type();
-    let block = i64t.const_int(crate::nvptx::BLOCK as u64, false);
-    let first = e.b.build_int_add(e.b.build_int_mul(entry.begin, block, "")?, entry.end, "")?;
-    let stride = e.b.build_int_mul(blocks, block, "")?;
+    let (entry, pointers, simulated) = declare_simulated_entry(e, symbol, f)?;
+    let (first, stride) = grid_stride(e, entry.begin, entry.end, simulated.blocks)?;
     let a = Attention::new(e, entry.function, f, &pointers, 1, false);
-    a.units((first, i64t.const_int(f.units() as u64, false)), stride)?;
+    a.units((first, e.ctx.i64_type().const_int(f.units() as u64, false)), stride)?;
     Ok(entry.function)
 }
 

@@ -335,18 +335,19 @@ fn row_with_lanes_inside<'ctx>(
     let inner = kernel.inner as u64;
     let vector_end = inner - inner % width as u64;
     let mut accs: Vec<V<'ctx>> = Vec::new();
-    let next_row = e.b.build_int_add(outer, i64t.const_int(1, false), "")?;
     let passes: Vec<usize> =
         (kernel.stages.iter().enumerate()).filter(|(_, s)| !matches!(s, Stage::Row { .. })).map(|(n, _)| n).collect();
     // The first pass's loads, prefetched a row ahead during the second pass.
     let ahead = match passes[..] {
-        [first, second, ..] => Some((second, kernel.stages[first].exprs())),
+        [first, second, ..] => {
+            Some((second, kernel.stages[first].exprs(), e.b.build_int_add(outer, i64t.const_int(1, false), "")?))
+        }
         _ => None,
     };
     for (n, stage) in kernel.stages.iter().enumerate() {
         let prefetch = |i: IntValue<'ctx>, w: u32| -> Result<(), LlvmError> {
             match ahead {
-                Some((pass, exprs)) if pass == n && w > 1 => {
+                Some((pass, exprs, next_row)) if pass == n && w > 1 => {
                     e.prefetch_loads(buffers, exprs, &Position::row(w, next_row, Some(i), &accs))
                 }
                 _ => Ok(()),

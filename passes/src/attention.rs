@@ -153,11 +153,7 @@ impl<'g> View<'g> {
                     x = *a;
                 }
                 (Op::MatMul { transpose_lhs: false, transpose_rhs }, [q, k]) => {
-                    let found = self.found(root, (*q, *k, *transpose_rhs), *v, scale, terms)?;
-                    let whole_groups = |heads: &[Repeated; 2]| {
-                        (self.graph.ty(found.q).shape[heads[0].dim] / heads[0].group).is_multiple_of(tensor_parallel)
-                    };
-                    return Some(Found { grouped: found.grouped.filter(whole_groups), ..found });
+                    return self.found(root, (*q, *k, *transpose_rhs), *v, scale, terms, tensor_parallel);
                 }
                 _ => return None,
             }
@@ -171,6 +167,7 @@ impl<'g> View<'g> {
         v: ValueId,
         scale: f64,
         terms: Vec<ValueId>,
+        tensor_parallel: usize,
     ) -> Option<Found> {
         let ty = |v: ValueId| self.graph.ty(v);
         let (qt, kt, vt) = (ty(q), ty(k), ty(v));
@@ -208,9 +205,11 @@ impl<'g> View<'g> {
             return None;
         }
         let k_transposed = !k_transposed_by_flag;
+        // Read unrepeated only where tp splits whole groups of query heads.
         let grouped = self.untransposed_key(k, k_transposed).and_then(|key| {
             let (k, v) = (self.repeated(key)?, self.repeated(v)?);
-            (k.dim == v.dim && k.group == v.group && k.dim < lead).then_some([k, v])
+            let whole_groups = (qt.shape[k.dim] / k.group).is_multiple_of(tensor_parallel);
+            (k.dim == v.dim && k.group == v.group && k.dim < lead && whole_groups).then_some([k, v])
         });
         Some(Found { root, q, k, k_transposed, v, scale, mask, biases, grouped })
     }

@@ -123,20 +123,15 @@ pub(crate) fn define_nvptx<'ctx>(
 }
 
 /// Appends `f` (a tensor-core pass) as the host function `symbol` that one thread of a
-/// simulated GPU block runs ([`crate::warp_simulator`]): `void f(u8** buffers, i64 block, i64
-/// thread)`, the buffers of [`crate::attention::buffer_count`] followed by the
-/// [`SimulatedBlock`](crate::warp_simulator::SimulatedBlock).
+/// simulated GPU block runs ([`crate::attention::declare_simulated_entry`]).
 pub(crate) fn define_simulated<'ctx>(
     e: &Emitter<'_, 'ctx>,
     symbol: &str,
     f: &AttentionFunction,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
     check(f)?;
-    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
-    let count = crate::attention::buffer_count(f);
-    let pointers = (0..count).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
+    let (entry, pointers, simulated) = crate::attention::declare_simulated_entry(e, symbol, f)?;
     let ops = Buffers::take(f, pointers);
-    let simulated = Lanes::simulated(e, &entry, count)?;
     let (shared, lanes, blocks) = (simulated.shared, simulated.lanes, simulated.blocks);
     let place = Place { thread: entry.end, shared, lanes };
     let tiles = Tiles::new(e, entry.function, f, ops, place)?;
