@@ -466,6 +466,77 @@ fn composite_ops() {
     }
 }
 
+/// One ONNX `Conv` node whose input, weight and bias are all f64 initializers (so all are
+/// parameters), imported as the frontend decomposes it.
+fn imported_conv(rng: &mut Rng, x: &[usize], w: &[usize], attributes: &[(&str, Vec<i64>)]) -> Case {
+    use autotp_frontend::onnx::proto;
+    use prost::Message;
+    let initializer = |rng: &mut Rng, name: &str, shape: &[usize]| {
+        let values = rng.tensor(shape, -1.0, 1.0);
+        proto::TensorProto {
+            name: name.into(),
+            dims: shape.iter().map(|&d| d as i64).collect(),
+            data_type: 11, // DOUBLE
+            raw_data: values.bytes().to_vec().into(),
+            ..Default::default()
+        }
+    };
+    let attribute = |(name, ints): &(&str, Vec<i64>)| proto::AttributeProto {
+        name: (*name).into(),
+        r#type: if *name == "group" { 2 } else { 7 }, // INT, INTS
+        i: ints[0],
+        ints: ints.clone(),
+        ..Default::default()
+    };
+    let model = proto::ModelProto {
+        ir_version: 8,
+        opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 17 }],
+        graph: Some(proto::GraphProto {
+            name: "conv".into(),
+            node: vec![proto::NodeProto {
+                op_type: "Conv".into(),
+                name: "the_conv".into(),
+                input: vec!["x".into(), "w".into(), "b".into()],
+                output: vec!["y".into()],
+                attribute: attributes.iter().map(attribute).collect(),
+                ..Default::default()
+            }],
+            initializer: vec![initializer(rng, "x", x), initializer(rng, "w", w), initializer(rng, "b", &w[..1])],
+            output: vec![proto::ValueInfoProto { name: "y".into(), ..Default::default() }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let path = std::path::Path::new("conv.onnx");
+    let imported = autotp_frontend::onnx::import_bytes(model.encode_to_vec().into(), path, &Default::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    Case { graph: imported.graph, params: imported.weights }
+}
+
+/// `Conv` imported as its taps: depthwise (causal 1-D, with a channel multiplier), grouped with
+/// strides and dilations (im2col), and dense 2-D with asymmetric padding. The input, weight and
+/// bias gradients against central differences.
+#[test]
+fn imported_convolutions() {
+    let forms: [(&str, &[usize], &[usize], Vec<(&str, Vec<i64>)>); 4] = [
+        ("depthwise causal 1-D", &[2, 4, 6], &[4, 1, 3], vec![("group", vec![4]), ("pads", vec![2, 2])]),
+        ("depthwise x2 1-D", &[1, 2, 5], &[4, 1, 2], vec![("group", vec![2])]),
+        (
+            "grouped strided dilated 1-D",
+            &[2, 4, 7],
+            &[6, 2, 2],
+            vec![("group", vec![2]), ("pads", vec![1, 0]), ("strides", vec![2]), ("dilations", vec![2])],
+        ),
+        ("dense 2-D", &[1, 3, 4, 4], &[2, 3, 2, 2], vec![("pads", vec![1, 0, 0, 1]), ("strides", vec![1, 2])]),
+    ];
+    let mut rng = Rng(1200);
+    for (label, x, w, attributes) in forms {
+        let case = imported_conv(&mut rng, x, w, &attributes);
+        assert_eq!(case.params.len(), 3, "{label}: the input, weight and bias are parameters");
+        check(label, case, &mut rng);
+    }
+}
+
 /// Fused attention (`q`, `k`, `v` trained; the bias a constant) under every mask, with one
 /// key/value head shared by the query heads.
 #[test]

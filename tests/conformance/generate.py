@@ -11,7 +11,9 @@ Recent onnx wheels no longer ship the data, but they ship the generators; this s
 
 A case belongs to the op its name is about (the longest ONNX op name, in snake case, that
 prefixes it; a few ops have irregular case names, see ALIASES). Every case of a supported op is
-vendored, `_expanded` variants included. Every vendored case must pass the
+vendored, `_expanded` variants included, and `test_autotp_*` cases of the forms the sweep's
+models use that onnx's cases lack (outputs from onnx's reference evaluator, a fixed seed). Every
+vendored case must pass the
 conformance test or be listed, with its reason, in tests/conformance/manifest.txt.
 """
 import os
@@ -51,6 +53,7 @@ ALIASES = {
     "ScatterND": ["scatternd", "scatter_nd"],
     "ArgMax": ["argmax"],
     "ArgMin": ["argmin"],
+    "Conv": ["basic_conv"],
 }
 
 
@@ -83,6 +86,34 @@ def write_tensor(path, value, name):
         f.write(proto.SerializeToString())
 
 
+# Forms of ops that the sweep's models use and onnx's node tests do not cover (onnx's Conv cases
+# are all 2-D with one channel): the model and onnx's reference evaluator's outputs.
+CONV_FORMS = {
+    "depthwise_causal_1d": ([2, 8, 6], [8, 1, 3], dict(group=8, pads=[2, 2])),
+    "depthwise_multiplier_1d": ([1, 2, 5], [4, 1, 2], dict(group=2)),
+    "grouped_strided_dilated_1d": ([2, 4, 9], [6, 2, 3], dict(group=2, pads=[1, 2], strides=[2], dilations=[2])),
+    "same_lower_1d": ([1, 3, 7], [2, 3, 4], dict(auto_pad="SAME_LOWER", strides=[2])),
+    "dense_2d": ([2, 3, 5, 4], [4, 3, 2, 3], dict(pads=[1, 0, 0, 1], strides=[1, 2], dilations=[2, 1])),
+    "depthwise_2d": ([1, 3, 4, 4], [3, 1, 3, 3], dict(group=3, auto_pad="SAME_UPPER")),
+}
+
+
+def autotp_cases():
+    """`test_autotp_<op>_<form>` cases: (name, model, [(inputs, outputs)])."""
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+    rng = np.random.default_rng(0)
+    for form, (x_shape, w_shape, attributes) in CONV_FORMS.items():
+        node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attributes)
+        floats = lambda name, shape: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
+        graph = helper.make_graph([node], form, [floats("x", x_shape), floats("w", w_shape), floats("b", w_shape[:1])],
+                                  [floats("y", None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        inputs = [rng.standard_normal(s).astype(np.float32) for s in (x_shape, w_shape, w_shape[:1])]
+        outputs = ReferenceEvaluator(model).run(None, dict(zip("xwb", inputs)))
+        yield f"test_autotp_conv_{form}", model, [(inputs, outputs)]
+
+
 def main():
     ops = supported_ops()
     prefixes = []
@@ -95,22 +126,21 @@ def main():
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     written = 0
-    for case in sorted(collect_testcases(), key=lambda c: c.name):
-        if case_op(case.name, prefixes) not in ops:
-            continue
-        case_dir = os.path.join(out, case.name)
+    cases = [(c.name, c.model, c.data_sets or []) for c in collect_testcases() if case_op(c.name, prefixes) in ops]
+    for name, model, data_sets in sorted([*cases, *autotp_cases()], key=lambda c: c[0]):
+        case_dir = os.path.join(out, name)
         os.makedirs(case_dir)
         with open(os.path.join(case_dir, "model.onnx"), "wb") as f:
-            f.write(case.model.SerializeToString())
-        for i, (inputs, outputs) in enumerate(case.data_sets or []):
+            f.write(model.SerializeToString())
+        for i, (inputs, outputs) in enumerate(data_sets):
             if not all(is_tensor(v) for v in list(inputs) + list(outputs)):
                 # Sequence or optional values: the IR has only tensors; the model is kept so
                 # the case is still run (and fails with a message naming the input).
                 continue
             ds = os.path.join(case_dir, f"test_data_set_{i}")
             os.makedirs(ds)
-            graph_inputs = [v.name for v in case.model.graph.input]
-            graph_outputs = [v.name for v in case.model.graph.output]
+            graph_inputs = [v.name for v in model.graph.input]
+            graph_outputs = [v.name for v in model.graph.output]
             for k, v in enumerate(inputs):
                 write_tensor(os.path.join(ds, f"input_{k}.pb"), v, graph_inputs[k])
             for k, v in enumerate(outputs):

@@ -2,7 +2,7 @@
 //! conventions (attributes that became inputs: Split, Squeeze/Unsqueeze, Reduce*, Pad, Slice,
 //! Dropout). [`convert`] takes the elementwise tables here (unary, binary, reductions), then
 //! asks each family in turn: [`elementwise`], [`constants`], [`shape`], [`sequence`],
-//! [`indexing`], [`nn`] (with [`einsum`]). A new op goes in its family's `match` and in
+//! [`indexing`], [`nn`] (with [`einsum`] and [`conv`]). A new op goes in its family's `match` and in
 //! [`SUPPORTED_OPS`]; the attribute and input helpers below serve every family.
 
 use autotp_ir::{BinaryOp, DType, GeluApprox, Op, ReduceOp, Reduction, Tensor, UnaryOp};
@@ -13,6 +13,7 @@ use super::{Importer, NodeCx, Sym};
 use crate::FrontendError;
 
 mod constants;
+mod conv;
 mod einsum;
 mod elementwise;
 mod indexing;
@@ -36,6 +37,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "ConcatFromSequence",
     "Constant",
     "ConstantOfShape",
+    "Conv",
     "Cos",
     "CumSum",
     "Div",

@@ -1,4 +1,5 @@
-//! Matrix products, softmax, norms, rotary embeddings, the losses.
+//! Matrix products, convolutions (in [`super::conv`]), softmax, norms, rotary embeddings, the
+//! losses.
 
 use super::einsum::einsum;
 use super::shape::slice_last;
@@ -68,6 +69,7 @@ pub(super) fn convert(
             one(imp.emit1(cx, Op::RmsNorm { axis, eps }, &[x, scale])?)
         }
         "RotaryEmbedding" => convert_rotary_embedding(imp, cx),
+        "Conv" => super::conv::convert_conv(imp, cx),
         "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => {
             let mut inputs = vec![input(imp, cx, 0)?, input(imp, cx, 1)?];
             inputs.extend(opt_input(imp, cx, 2)?);
