@@ -5,7 +5,8 @@
 //! What reads the parts: one `split` of the output features, or slices and single-index
 //! gathers that together cover them (Falcon reshapes to `[b, s, heads + 2, d]` and takes
 //! `[..., :-2, :]`, `[..., [-2], :]` and `[..., [-1], :]`), through reshapes that keep the
-//! features whole.
+//! features whole, or through one transpose that moves the features axis (LFM2's gated short
+//! convolution transposes its `in_proj` to channels first and chunks it into B, C and x).
 //!
 //! - **Equal parts** (GPT-2; BigCode with multi-head attention): the parameter keeps its bytes
 //!   and is viewed `[in, k, n]` (`[k, n, in]` for an `[out, in]` weight), its bias `[k, n]`;
@@ -58,6 +59,8 @@ struct Fused {
     features_dim: usize,
     add: Option<usize>,
     reshapes: Vec<usize>,
+    /// A transpose after the reshapes, which the readers read: each part is transposed so.
+    transpose: Option<usize>,
     readers: Vec<usize>,
     weight: ValueId,
     bias: Option<ValueId>,
@@ -79,19 +82,25 @@ impl Fused {
             .chain(self.path.iter().copied())
             .chain(self.add)
             .chain(self.reshapes.iter().copied())
+            .chain(self.transpose)
             .chain(self.readers.iter().copied())
     }
 }
 
 /// The output features each output of `reader` holds, when it reads whole rows of features:
-/// `shape` is the value it reads, whose dims from some axis on hold the `features` features.
+/// `shape` is the value it reads, whose dims from some axis on hold the `features` features,
+/// or whose axis `features_axis` holds them (a transposed projection).
 fn read_features(
     graph: &Graph,
     reader: &Node,
     shape: &[usize],
     features: usize,
+    features_axis: Option<usize>,
 ) -> Option<Vec<(ValueId, Range<usize>)>> {
     let unit = |axis: usize| -> Option<usize> {
+        if let Some(whole) = features_axis {
+            return (axis == whole && shape[axis] == features).then_some(1);
+        }
         let inner: usize = shape[axis + 1..].iter().product();
         (shape[axis] * inner == features).then_some(inner)
     };
@@ -179,9 +188,14 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
         let operand_features = if weight_on_left { operand_rank - 2 } else { operand_rank - 1 };
         let Some((_, features_dim)) = crate::autotp::trace_param(graph, operand, operand_features) else { continue };
         let features = graph.ty(operand).shape[operand_features];
-        // Forward through the bias and reshapes, each the only reader of what it reads.
+        // Forward through the bias, reshapes and a transpose, each the only reader of what it
+        // reads.
         let (mut v, mut add, mut bias, mut reshapes) = (node.outputs[0], None, None, Vec::new());
+        let (mut transpose, mut features_axis) = (None, None);
         while let ([c], 1) = (&consumers[v.index()][..], uses[v.index()]) {
+            if transpose.is_some() {
+                break;
+            }
             match &nodes[*c].op {
                 Op::Binary(BinaryOp::Add) if add.is_none() && reshapes.is_empty() => {
                     let other = if nodes[*c].inputs[0] == v { nodes[*c].inputs[1] } else { nodes[*c].inputs[0] };
@@ -191,6 +205,11 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
                     (add, bias) = (Some(*c), Some(other));
                 }
                 Op::Reshape { .. } => reshapes.push(*c),
+                // Only while the features are still the last axis, whole.
+                Op::Transpose { perm } if graph.ty(v).shape.last() == Some(&features) => {
+                    transpose = Some(*c);
+                    features_axis = perm.iter().position(|&a| a == perm.len() - 1);
+                }
                 _ => break,
             }
             v = nodes[*c].outputs[0];
@@ -201,7 +220,7 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
         let shape = &graph.ty(v).shape;
         let mut reads = Vec::new();
         let readers = consumers[v.index()].clone();
-        let all_read = readers.iter().all(|&r| match read_features(graph, nodes[r], shape, features) {
+        let all_read = readers.iter().all(|&r| match read_features(graph, nodes[r], shape, features, features_axis) {
             Some(list) => {
                 reads.extend(list);
                 true
@@ -226,6 +245,7 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
                 features_dim,
                 add,
                 reshapes,
+                transpose,
                 readers,
                 weight,
                 bias,
@@ -330,6 +350,9 @@ fn rewrite(
         if let Some(b) = f.bias {
             let b = part_of(rw, b, 0)?;
             y = add(rw.graph(), Op::Binary(BinaryOp::Add), vec![y, b])?;
+        }
+        if let Some(t) = f.transpose {
+            y = add(rw.graph(), source.node(NodeId(t as u32)).op.clone(), vec![y])?;
         }
         projections.push(y);
     }
