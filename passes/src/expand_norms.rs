@@ -2,8 +2,10 @@
 //! over all heads at once) is written as the arithmetic it stands for, so that under tensor
 //! parallelism the projection's features stay split: each rank sums the squares of its
 //! features, one all-reduce completes the sum, and each rank normalises its own features. The
-//! composite norm would need the features whole. Norms of the residual stream, and of a
-//! block's output on its way into it (Gemma 2's post-norms), are left alone.
+//! composite norm would need the features whole. Norms of the residual stream, of a block's
+//! output on its way into it (Gemma 2's post-norms), and of a low-rank latent that another
+//! projection reads (multi-head latent attention's `q_a_layernorm` and `kv_a_layernorm`, whose
+//! down-projections stay whole on every rank) are left alone.
 //! Runs before autodiff, only under tensor parallelism. Tests: tests/golden/expand_norms.ir.
 
 use autotp_ir::{BinaryOp, Def, Graph, Op, ReduceOp, Rewriter, Tensor, UnaryOp, ValueId};
@@ -43,6 +45,27 @@ fn feeds_residual(graph: &Graph, v: ValueId) -> bool {
     })
 }
 
+/// Whether `v`, through reshapes, is the activation operand of a projection: the norm closes a
+/// low-rank bottleneck (DeepSeek's latent attention), and its down-projection is replicated.
+fn feeds_projection(graph: &Graph, v: ValueId) -> bool {
+    let mut stack = vec![v];
+    while let Some(v) = stack.pop() {
+        for (_, n) in graph.nodes().filter(|(_, n)| n.inputs.contains(&v)) {
+            match n.op {
+                Op::Reshape { .. } => stack.push(n.outputs[0]),
+                Op::MatMul { .. } => {
+                    let weight = n.inputs.iter().filter(|&&i| i != v);
+                    if weight.into_iter().any(|&i| crate::autotp::trace_param(graph, i, 0).is_some()) {
+                        return true;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    false
+}
+
 impl Pass for ExpandNorms {
     fn name(&self) -> &'static str {
         PASS
@@ -55,6 +78,7 @@ impl Pass for ExpandNorms {
                 matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
                     && is_projection(graph, n.inputs[0])
                     && !feeds_residual(graph, n.outputs[0])
+                    && !feeds_projection(graph, n.outputs[0])
             })
             .collect();
         if !expand.contains(&true) {
