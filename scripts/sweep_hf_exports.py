@@ -5,21 +5,30 @@ exporter, training mode, no constant folding, dynamic batch and sequence axes) a
 opsets, lists the ONNX ops each export uses, compares autotp's logits with PyTorch's, compiles
 a one-rank training plan, and compiles a `--tp 2` plan and checks it with `autotp verify`.
 Prints a markdown table (the README's list of what was checked) and the ops that autotp does
-not import.
+not import. `--catalogue` takes every model type of transformers' causal-LM mapping (multimodal
+families by their text model); its rows are also appended to
+/tmp/autotp-sweep/results-<exporter>.jsonl, and model types already there are skipped, so a
+long sweep resumes where it stopped (`--table` prints the table of that file).
 
     python3 -m venv /tmp/fxvenv
     /tmp/fxvenv/bin/pip install torch==2.15.0 transformers==5.23.0 onnx==1.23.2 onnxscript numpy
     cargo build --release
     HF_HUB_OFFLINE=1 /tmp/fxvenv/bin/python scripts/sweep_hf_exports.py [--opsets 14,17,20] [MODEL_TYPE...]
     HF_HUB_OFFLINE=1 /tmp/fxvenv/bin/python scripts/sweep_hf_exports.py --dynamo --opsets 18,23
+    HF_HUB_OFFLINE=1 /tmp/fxvenv/bin/python scripts/sweep_hf_exports.py --catalogue --opsets 17
 
 Exports go to /tmp/autotp-sweep/<model_type>/{opset,dynamo}/ (reused when present), each with
-its input_ids.npy and PyTorch's logits.npy.
+its input_ids.npy and PyTorch's logits.npy, and a second input (input_ids2.npy, logits2.npy)
+that routes a mixture of experts differently, so an export that baked the routing in differs.
+`AUTOTP=path` runs another autotp binary than target/release/autotp (a copy, so that a long
+sweep survives rebuilding).
 """
 import argparse
 import collections
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -34,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
 # The fixtures' Logits wrapper, and their workaround for the legacy exporter on transformers 5.
 from make_fixtures import Logits  # noqa: E402
-AUTOTP = os.path.join(ROOT, "target", "release", "autotp")
+AUTOTP = os.environ.get("AUTOTP", os.path.join(ROOT, "target", "release", "autotp"))
 OUT = "/tmp/autotp-sweep"
 VOCAB = 1000
 
@@ -84,21 +93,52 @@ ARCHITECTURES = {
     "deepseek_v3": dict(head_dim=8, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                         n_group=2, topk_group=1, first_k_dense_replace=1),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
 }
 
 
+# Mixture-of-experts configs name their sizes in several ways; each name present is set small.
+MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_topk=2,
+           moe_intermediate_size=32, shared_expert_intermediate_size=64, expert_intermediate_size=32)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
+
+
+def text_config(cfg):
+    """A multimodal family's text config (its `text_config`), else `cfg`."""
+    return getattr(cfg, "text_config", None) or cfg
+
+
 def tiny_model(model_type):
-    kwargs = {**SMALL, **ARCHITECTURES[model_type]}
+    """The architecture built tiny and random. A multimodal family (a config with a
+    `text_config`) is built as its text model: its own model type when the causal-LM mapping
+    lists that, else the text config's model class."""
+    kwargs = {**SMALL, **ARCHITECTURES.get(model_type, {})}
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
     except AttributeError:  # a config whose head_dim is derived (Falcon)
         del kwargs["head_dim"]
         cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
+    cfg = text_config(cfg)
+    if cfg.model_type != model_type:
+        cfg = transformers.AutoConfig.for_model(cfg.model_type, **kwargs)
+    moe = model_type in MOE_TYPES or any(hasattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if moe and model_type not in ARCHITECTURES:
+        for key, value in MOE.items():
+            if isinstance(getattr(cfg, key, None), int):
+                setattr(cfg, key, value)
+    layers = cfg.num_hidden_layers if isinstance(getattr(cfg, "num_hidden_layers", None), int) else None
+    kinds = getattr(cfg, "layer_types", None)
+    if layers and isinstance(kinds, list) and kinds and len(kinds) != layers:
+        distinct = list(dict.fromkeys(kinds))  # keep one layer of each kind
+        cfg.layer_types = [distinct[i % len(distinct)] for i in range(max(layers, len(distinct)))]
+        cfg.num_hidden_layers = len(cfg.layer_types)
     for k in [k for k in vars(cfg) if "dropout" in k or k.endswith("pdrop") or k == "layerdrop"]:
         if isinstance(getattr(cfg, k), float):
             setattr(cfg, k, 0.0)
+    if hasattr(cfg, "is_decoder"):  # encoder families' causal heads (BERT's, RoBERTa's) want it
+        cfg.is_decoder = True
     cfg._attn_implementation = "eager"
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"):
+    if moe:
         cfg._experts_implementation = "batched_mm"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -106,16 +146,33 @@ def tiny_model(model_type):
     return model
 
 
+class Timeout(Exception):
+    pass
+
+
+def with_timeout(seconds, f, *args):
+    def expired(*_):
+        raise Timeout(f"took over {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        return f(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def export(model, path, opset, dynamo):
     """Exports `model` (the legacy exporter in training mode, or torch.export's) and saves
     PyTorch's logits for input_ids beside it."""
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 16))
-    with torch.no_grad():
-        logits = Logits(model)(ids)
     directory = os.path.dirname(path)
-    np.save(os.path.join(directory, "input_ids.npy"), ids.numpy())
-    np.save(os.path.join(directory, "logits.npy"), logits.numpy())
+    for suffix, input_ids in (("", ids), ("2", torch.randint(0, VOCAB, (2, 16)))):
+        with torch.no_grad():
+            logits = Logits(model)(input_ids)
+        np.save(os.path.join(directory, f"input_ids{suffix}.npy"), input_ids.numpy())
+        np.save(os.path.join(directory, f"logits{suffix}.npy"), logits.float().numpy())
     if dynamo:
         dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}
         # Without the ONNX optimizer: it merges initializers of equal value (every freshly
@@ -152,16 +209,21 @@ def autotp(*args):
 
 
 def logits_check(path):
-    """autotp's logits for the saved input_ids against PyTorch's: the largest difference over
-    the largest logit."""
+    """autotp's logits for the saved inputs against PyTorch's: the largest difference over the
+    largest logit, of both inputs."""
     directory = os.path.dirname(path)
-    out = os.path.join(directory, "autotp")
-    error = autotp("infer", path, "--input", f"input_ids={directory}/input_ids.npy", "--output-dir", out)
-    if error:
-        return error
-    got, want = np.load(os.path.join(out, "logits.npy")), np.load(os.path.join(directory, "logits.npy"))
-    relative = float(np.abs(got - want).max() / np.abs(want).max())
-    return f"{'ok' if relative <= 1e-4 else 'DIFFERS'} ({relative:.1e})"
+    worst = 0.0
+    for suffix in ("", "2"):
+        ids = os.path.join(directory, f"input_ids{suffix}.npy")
+        if not os.path.exists(ids):
+            continue
+        out = os.path.join(directory, f"autotp{suffix}")
+        error = autotp("infer", path, "--input", f"input_ids={ids}", "--output-dir", out)
+        if error:
+            return error
+        got, want = np.load(os.path.join(out, "logits.npy")), np.load(os.path.join(directory, f"logits{suffix}.npy"))
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    return f"{'ok' if worst <= 1e-4 else 'DIFFERS'} ({worst:.1e})"
 
 
 def training_checks(path):
@@ -177,38 +239,75 @@ def training_checks(path):
     return one, tp
 
 
+def catalogue():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def sweep_one(model_type, opset, dynamo):
+    """One export's row: model type, opset, op count, logits, one-rank plan, tp 2 plan (a
+    failure's reason in the first column it reaches)."""
+    exporter = "dynamo" if dynamo else "opset"
+    path = os.path.join(OUT, model_type, exporter, f"{exporter}{opset}.onnx")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    row = dict(model_type=model_type, opset=opset, ops=[], logits="", one="", tp="")
+    stage = "build"
+    try:
+        if not os.path.exists(path):
+            model = with_timeout(300, tiny_model, model_type)
+            stage = "export"
+            with_timeout(900, export, model, path, opset, dynamo)
+    except Exception as e:  # noqa: BLE001 - the table reports any failure
+        row["logits"] = f"{stage} failed: {type(e).__name__}: {' '.join(str(e).split())[:140]}"
+        if os.path.exists(path):
+            os.remove(path)
+        return row
+    row["ops"] = sorted(ops_of(path))
+    row["logits"] = logits_check(path)
+    row["one"], row["tp"] = training_checks(path)
+    return row
+
+
+def print_row(row):
+    ops = len(row["ops"]) or ""
+    print(f"| {row['model_type']} | {row['opset']} | {ops} | {row['logits']} | {row['one']} | {row['tp']} |")
+    sys.stdout.flush()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--opsets", default="14,17,20")
     parser.add_argument("--dynamo", action="store_true", help="torch.export's exporter (opsets 18 and up)")
+    parser.add_argument("--catalogue", action="store_true", help="every causal LM of transformers, resumable")
+    parser.add_argument("--table", action="store_true", help="print the catalogue's table so far")
     parser.add_argument("types", nargs="*")
     args = parser.parse_args()
     opsets = [int(o) for o in args.opsets.split(",")]
-    types = args.types or list(ARCHITECTURES)
+    exporter = "dynamo" if args.dynamo else "opset"
+    results = os.path.join(OUT, f"results-{exporter}.jsonl")
+    done = []
+    if (args.catalogue or args.table) and os.path.exists(results):
+        done = [json.loads(line) for line in open(results)]
+    types = args.types or (catalogue() if args.catalogue or args.table else list(ARCHITECTURES))
     supported = set(re.findall(r'"([A-Za-z]+)"', open(os.path.join(ROOT, "frontend/src/onnx/ops/mod.rs")).read()))
     used = collections.defaultdict(set)
-    exporter = "torch.export (dynamo)" if args.dynamo else "legacy exporter"
-    print(f"| model type | opset ({exporter}) | ops | logits vs PyTorch | one-rank plan | `--tp 2` plan |")
+    title = "torch.export (dynamo)" if args.dynamo else "legacy exporter"
+    print(f"| model type | opset ({title}) | ops | logits vs PyTorch | one-rank plan | `--tp 2` plan |")
     print("|---|---|---|---|---|---|")
     for model_type in types:
         for opset in opsets:
-            exporter = "dynamo" if args.dynamo else "opset"
-            path = os.path.join(OUT, model_type, exporter, f"{exporter}{opset}.onnx")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            try:
-                if not os.path.exists(path):
-                    export(tiny_model(model_type), path, opset, args.dynamo)
-            except Exception as e:  # noqa: BLE001 - the table reports any failure
-                print(f"| {model_type} | {opset} | | export failed: {type(e).__name__}: {str(e)[:120]} | | |")
-                sys.stdout.flush()
-                continue
-            ops = ops_of(path)
-            for op in ops:
-                used[op].add(model_type)
-            logits = logits_check(path)
-            one, tp = training_checks(path)
-            print(f"| {model_type} | {opset} | {len(ops)} | {logits} | {one} | {tp} |")
-            sys.stdout.flush()
+            previous = [r for r in done if r["model_type"] == model_type and r["opset"] == opset]
+            if previous or args.table:
+                row = previous[-1] if previous else None
+            else:
+                row = sweep_one(model_type, opset, args.dynamo)
+                if args.catalogue:
+                    with open(results, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+            if row:
+                for op in row["ops"]:
+                    used[op].add(model_type)
+                print_row(row)
     print()
     print("ops used:", ", ".join(sorted(used)))
     missing = sorted(op for op in used if op not in supported)
