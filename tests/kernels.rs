@@ -261,6 +261,40 @@ fn integer_comparisons_match_the_builtin_kernels() {
     check(text, 1, EXACT);
 }
 
+/// A router's gathers and masks as generated kernels, so that a GPU runs them: elements of a
+/// row picked by i64 indices (negative ones from the end), index arithmetic and selects on
+/// i64, a float mask cast to bool, and a sum over two dims apart (gpt-oss's sink gradient).
+#[test]
+fn routing_gathers_and_masks_match_the_builtin_kernels() {
+    let text = "graph \"routing\" {
+  input %x : f32[37,5]
+  input %i : i64[37,3]
+  %0 = constant dense<[2]> : i64[]
+  %1 = sub %i, %0 : i64[37,3]
+  %2 = gather_elements %x, %i {axis = 1} : f32[37,3]
+  %3 = gather_elements %x, %1 {axis = 1} : f32[37,3]
+  %4 = constant dense<[0]> : i64[]
+  %5 = less %1, %4 : bool[37,3]
+  %6 = constant dense<[5]> : i64[]
+  %7 = add %1, %6 : i64[37,3]
+  %8 = select %5, %7, %1 : i64[37,3]
+  %9 = cast %x {to = bool} : bool[37,5]
+  output \"picked\" = %2
+  output \"from_end\" = %3
+  output \"wrapped\" = %8
+  output \"mask\" = %9
+}
+";
+    check(text, 4, EXACT);
+    let sums = "graph \"sink_gradient\" {
+  input %g : f32[4,5,6,1]
+  %0 = reduce_sum %g {axes = [0, 2], keep_dims = true} : f32[1,5,1,1]
+  output \"y\" = %0
+}
+";
+    check(sums, 1, Tolerance::Sum { terms: 24 });
+}
+
 /// `not` on bools is a generated kernel, alone and in the overflow test's chain (`x - x == 0`,
 /// negated, as f32), so the overflow decision stays on the device.
 #[test]

@@ -232,21 +232,22 @@ fn node_layout(op: &Op, input: &TensorType) -> Result<Option<(Vec<usize>, usize)
         ) => None,
         Op::Select | Op::Cast { .. } | Op::Gelu { .. } | Op::Transpose { .. } => None,
         Op::Slice { steps, .. } if steps.iter().all(|&s| s > 0) => None,
-        Op::Pad { .. } => None,
+        Op::Pad { .. } | Op::GatherElements { .. } => None,
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Max, axes, .. } => {
             let first = *axes.first().ok_or(Refusal::Unsupported)?;
             let last = *axes.last().ok_or(Refusal::Unsupported)?;
-            if !axes.iter().copied().eq(first..=last) {
-                return Err(Refusal::Unsupported);
-            }
-            if last + 1 == rank {
+            if axes.iter().copied().eq(first..rank) {
                 trailing(first)
             } else {
-                // Over leading dims (a bias gradient) or middle ones (grouped-query attention's
-                // key and value gradients, summed over the heads sharing them): the kept dims,
-                // in order, are the rows.
-                let perm: Vec<usize> = (0..first).chain(last + 1..rank).chain(first..=last).collect();
-                Some((perm, rank - (last - first + 1)))
+                // Over leading dims (a bias gradient), middle ones (grouped-query attention's
+                // key and value gradients, summed over the heads sharing them) or several
+                // apart (gpt-oss's sink logits, summed over the batch and the queries): the
+                // kept dims, in order, are the rows.
+                if last >= rank || axes.windows(2).any(|w| w[0] >= w[1]) {
+                    return Err(Refusal::Unsupported);
+                }
+                let perm: Vec<usize> = (0..rank).filter(|d| !axes.contains(d)).chain(axes.iter().copied()).collect();
+                Some((perm, rank - axes.len()))
             }
         }
         Op::Softmax { axis } | Op::LogSoftmax { axis } if *axis + 1 == rank => trailing(*axis),
@@ -544,7 +545,15 @@ impl Builder<'_> {
                 let b = self.value(stage, input(1))?;
                 stage.binary(*op, a, b)
             }
-            Op::Select if float(v) => {
+            // Index arithmetic (wrapping negative indices, as ScatterElements' import does).
+            Op::Binary(op @ (BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Max | BinaryOp::Min))
+                if (self.ty)(input(0)).dtype == DType::I64 =>
+            {
+                let a = self.value(stage, input(0))?;
+                let b = self.value(stage, input(1))?;
+                stage.binary(*op, a, b)
+            }
+            Op::Select if float(v) || (self.ty)(v).dtype == DType::I64 => {
                 let c = self.value(stage, input(0))?;
                 let a = self.value(stage, input(1))?;
                 let b = self.value(stage, input(2))?;
@@ -559,6 +568,13 @@ impl Builder<'_> {
                     _ => return None,
                 }
             }
+            // To bool: not equal to zero (a mask computed in floats, as DeepSeek-V3's groups).
+            Op::Cast { to: DType::Bool } if float(input(0)) => {
+                let x = self.value(stage, input(0))?;
+                let zero = stage.f32(0.0);
+                let is_zero = stage.binary(BinaryOp::Equal, x, zero);
+                stage.unary(UnaryOp::Not, is_zero)
+            }
             // A transpose reads its input (from memory, not the group) with permuted strides.
             Op::Transpose { perm } if !self.producer.contains_key(&input(0)) => {
                 self.transposed_read(stage, input(0), v, perm)?
@@ -569,6 +585,14 @@ impl Builder<'_> {
             }
             Op::Pad { begin, value, .. } if !self.producer.contains_key(&input(0)) => {
                 self.pad(stage, input(0), v, begin, *value)?
+            }
+            // Elements of each row of `data` (in memory) chosen by the indices (a router's
+            // weights of its chosen experts).
+            Op::GatherElements { axis } if float(v) && *axis + 1 == (self.ty)(v).rank() => {
+                if self.producer.contains_key(&input(0)) {
+                    return None;
+                }
+                self.picked(stage, input(0), input(1), v)?
             }
             Op::Gelu { approx } if float(v) => {
                 let x = self.value(stage, input(0))?;
@@ -606,7 +630,10 @@ impl Builder<'_> {
             _ => return None,
         };
         // An op with a 16-bit result rounds it (reads of 16-bit memory are exact already).
-        let reads = matches!(node.op, Op::Transpose { .. } | Op::Slice { .. } | Op::Pad { .. } | Op::Select);
+        let reads = matches!(
+            node.op,
+            Op::Transpose { .. } | Op::Slice { .. } | Op::Pad { .. } | Op::Select | Op::GatherElements { .. }
+        );
         let e = match (self.ty)(v).dtype {
             dtype @ (DType::BF16 | DType::F16) if !reads => stage.push(Expr::Round(dtype, e)),
             _ => e,
@@ -655,6 +682,37 @@ impl Builder<'_> {
         }
         let buffer = self.buffer(x);
         Some(stage.push(Expr::Load { buffer, index }))
+    }
+
+    /// `v`, the elements of the last dim of `data` (in memory) at `indices` (negative ones
+    /// counting from the end): a pick from each element's row of `data`; an index outside the
+    /// row gives NaN (the builtin kernel's error).
+    fn picked(&mut self, stage: &mut StageBuilder, data: ValueId, indices: ValueId, v: ValueId) -> Option<ExprRef> {
+        let ty = (self.ty)(data);
+        kir::scalar_type(ty.dtype)?;
+        if (self.ty)(v).shape != self.space.shape || (self.ty)(indices).dtype != DType::I64 {
+            return None;
+        }
+        let width = *ty.shape.last()?;
+        let mut strides = autotp_kernels::shape::strides(&ty.shape);
+        *strides.last_mut()? = 0;
+        let row = self.space.index_with_strides(&strides);
+        if stage.row && row.uses(Var::Inner) {
+            return None;
+        }
+        let index = self.value(stage, indices)?;
+        let zero = stage.push(Expr::I64(0));
+        let size = stage.push(Expr::I64(width as i64));
+        let negative = stage.binary(BinaryOp::Less, index, zero);
+        let from_end = stage.binary(BinaryOp::Add, index, size);
+        let index = stage.push(Expr::Select(negative, from_end, index));
+        let below = stage.binary(BinaryOp::Less, index, zero);
+        let past = stage.binary(BinaryOp::GreaterEqual, index, size);
+        let outside = stage.binary(BinaryOp::Or, below, past);
+        let buffer = self.buffer(data);
+        let picked = stage.push(Expr::Pick { buffer, index: row, offset: index, bound: width });
+        let nan = stage.f32(f32::NAN);
+        Some(stage.push(Expr::Select(outside, nan, picked)))
     }
 
     /// The (log-)softmax node `n` of `x` over the row: a max reduction, a sum of the shifted

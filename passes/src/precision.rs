@@ -68,7 +68,11 @@ fn policy(op: &Op) -> Policy {
         | Op::CumSum { .. }
         | Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod, .. }
         | Op::Unary(UnaryOp::Exp | UnaryOp::Log | UnaryOp::Rsqrt | UnaryOp::Reciprocal | UnaryOp::Softplus)
-        | Op::Binary(BinaryOp::Pow) => Policy::F32,
+        | Op::Binary(BinaryOp::Pow)
+        // Their gradients are scatters that sum in f32 (no 16-bit form on the CPU or a GPU);
+        // the gather and the selection themselves are exact either way.
+        | Op::GatherElements { .. }
+        | Op::TopK { .. } => Policy::F32,
         _ => Policy::Promote,
     }
 }
