@@ -98,11 +98,42 @@ CONV_FORMS = {
 }
 
 
+def block_indices(data_shape, axis, start, length):
+    """ScatterND indices writing `length` elements of `axis` from `start`, every other axis
+    whole, each update's full coordinates (as the legacy exporter writes `x[..., a:b] = u`)."""
+    shape = list(data_shape)
+    shape[axis] = length
+    grid = np.indices(shape).reshape(len(shape), -1).T
+    grid[:, axis] += start
+    return grid.reshape(*shape, len(shape)).astype(np.int64)
+
+
+# ScatterND forms the frontend imports as a slice assignment (a concat): full coordinates of a
+# block on the last axis, rows of the first axis, and a block that is not contiguous (a scatter).
+SCATTER_FORMS = {
+    "block_last_axis": ([2, 3, 6], block_indices([2, 3, 6], 2, 2, 3)),
+    "block_rows": ([6, 4], np.array([[2], [3]], dtype=np.int64)),
+    "strided_not_a_block": ([2, 6], block_indices([2, 3], 1, 0, 3) * np.array([1, 2])),
+}
+
+
 def autotp_cases():
     """`test_autotp_<op>_<form>` cases: (name, model, [(inputs, outputs)])."""
     from onnx import helper
     from onnx.reference import ReferenceEvaluator
     rng = np.random.default_rng(0)
+    for form, (data_shape, indices) in SCATTER_FORMS.items():
+        updates_shape = list(indices.shape[:-1]) + list(data_shape[indices.shape[-1]:])
+        node = helper.make_node("ScatterND", ["data", "indices", "updates"], ["y"])
+        floats = lambda name, shape: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
+        # The indices an initializer: the constant an export has.
+        graph = helper.make_graph([node], form, [floats("data", data_shape), floats("updates", updates_shape)],
+                                  [floats("y", None)], initializer=[numpy_helper.from_array(indices, "indices")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        inputs = [rng.standard_normal(data_shape).astype(np.float32),
+                  rng.standard_normal(updates_shape).astype(np.float32)]
+        outputs = ReferenceEvaluator(model).run(None, dict(zip(["data", "updates"], inputs)))
+        yield f"test_autotp_scatternd_{form}", model, [(inputs, outputs)]
     for form, (x_shape, w_shape, attributes) in CONV_FORMS.items():
         node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attributes)
         floats = lambda name, shape: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)

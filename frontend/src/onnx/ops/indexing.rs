@@ -66,53 +66,33 @@ pub(super) fn convert(
             if batch_dims > 0 {
                 idx = prepend_batch_coordinates(imp, cx, idx, batch_dims)?;
             }
-            one(imp.emit1(cx, Op::GatherNd, &[data, idx])?)
+            // One coordinate an index (torch.export's `weight[experts]`): rows looked up by
+            // index, the `gather` that passes recognise as a lookup (of experts' weights, say).
+            let index_shape = imp.ty(&idx).shape;
+            if let [outer @ .., 1] = &index_shape[..] {
+                let rows = imp.emit1(cx, Op::Reshape { shape: outer.to_vec() }, &[idx])?;
+                one(imp.emit1(cx, Op::Gather { axis: 0 }, &[data, rows])?)
+            } else {
+                one(imp.emit1(cx, Op::GatherNd, &[data, idx])?)
+            }
         }
         "ScatterND" => {
             let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
             let reduction = autotp_ir::ScatterReduction::from_name(&reduction)
                 .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))?;
-            let inputs = [input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?];
-            one(imp.emit1(cx, Op::ScatterNd { reduction }, &inputs)?)
-        }
-        // ScatterND with every update's full coordinates: its own position, with its index in
-        // place of coordinate `axis` (a negative index counting from the end).
-        "ScatterElements" => {
-            let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
-            let reduction = autotp_ir::ScatterReduction::from_name(&reduction)
-                .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))?;
-            let (data, idx, updates) = (input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?);
-            let (dt, it) = (imp.ty(&data), imp.ty(&idx));
-            let axis = norm_axis(cx, attr_int(cx, "axis", 0), dt.rank())?;
-            if it.rank() != dt.rank() {
-                return Err(cx.invalid(format!("indices {it} and data {dt} differ in rank")));
-            }
-            let scalar = |v: f64| Sym::Const(Tensor::full(it.dtype, vec![], v));
-            let negative = imp.emit1(cx, Op::Binary(BinaryOp::Less), &[idx.clone(), scalar(0.0)])?;
-            let wrapped = imp.emit1(cx, Op::Binary(BinaryOp::Add), &[idx.clone(), scalar(dt.shape[axis] as f64)])?;
-            let idx = imp.emit1(cx, Op::Select, &[negative, wrapped, idx])?;
-            let mut column = it.shape.clone();
-            column.push(1);
-            let mut coordinates = Vec::with_capacity(it.rank());
-            for d in 0..it.rank() {
-                if d == axis {
-                    coordinates.push(imp.emit1(
-                        cx,
-                        Op::Reshape { shape: column.clone() },
-                        std::slice::from_ref(&idx),
-                    )?);
-                    continue;
+            let [data, idx, updates] = [input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?];
+            let block = match (&idx, reduction) {
+                (Sym::Const(indices), autotp_ir::ScatterReduction::None) => {
+                    assigned_block(indices, &imp.ty(&data).shape, &imp.ty(&updates).shape)
                 }
-                // Coordinate d of every update: a range along dim d, broadcast over the others.
-                let mut along = vec![1; it.rank() + 1];
-                along[d] = it.shape[d];
-                let values: Vec<f64> = (0..it.shape[d]).map(|i| i as f64).collect();
-                let range = Sym::Const(Tensor::from_f64_values(it.dtype, along, &values));
-                coordinates.push(imp.emit1(cx, Op::Expand { shape: column.clone() }, &[range])?);
+                _ => None,
+            };
+            match block {
+                Some((axis, start)) => one(assign_block(imp, cx, data, updates, axis, start)?),
+                None => one(imp.emit1(cx, Op::ScatterNd { reduction }, &[data, idx, updates])?),
             }
-            let coordinates = imp.emit1(cx, Op::Concat { axis: it.rank() }, &coordinates)?;
-            one(imp.emit1(cx, Op::ScatterNd { reduction }, &[data, coordinates, updates])?)
         }
+        "ScatterElements" => convert_scatter_elements(imp, cx),
         "OneHot" => {
             // where(unsqueeze(i mod depth, axis) == range(depth) along axis, on, off), negative
             // indices counting from the end (an index outside [-depth, depth) is all off).
@@ -176,4 +156,166 @@ pub(super) fn prepend_batch_coordinates(
     }
     coordinates.push(idx);
     imp.emit1(cx, Op::Concat { axis: ty.rank() - 1 }, &coordinates)
+}
+
+/// ScatterElements as a ScatterND with every update's full coordinates: its own position, with
+/// its index in place of coordinate `axis` (a negative index counting from the end); one value
+/// scattered at indices a `topk` chose, as a mask ([`scatter_one_value`]).
+fn convert_scatter_elements(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
+    let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
+    let reduction = autotp_ir::ScatterReduction::from_name(&reduction)
+        .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))?;
+    let (data, idx, updates) = (input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?);
+    let (dt, it) = (imp.ty(&data), imp.ty(&idx));
+    let axis = norm_axis(cx, attr_int(cx, "axis", 0), dt.rank())?;
+    if it.rank() != dt.rank() {
+        return Err(cx.invalid(format!("indices {it} and data {dt} differ in rank")));
+    }
+    let same_value = matches!(&updates, Sym::Const(u) if u.is_splat());
+    let beside_axis = (0..dt.rank()).all(|d| d == axis || it.shape[d] == dt.shape[d]);
+    if reduction == autotp_ir::ScatterReduction::None && same_value && beside_axis && non_negative(imp, &idx) {
+        return one(scatter_one_value(imp, cx, data, idx, &updates, axis)?);
+    }
+    let idx = if non_negative(imp, &idx) {
+        idx
+    } else {
+        let scalar = |v: f64| Sym::Const(Tensor::full(it.dtype, vec![], v));
+        let negative = imp.emit1(cx, Op::Binary(BinaryOp::Less), &[idx.clone(), scalar(0.0)])?;
+        let size = scalar(dt.shape[axis] as f64);
+        let wrapped = imp.emit1(cx, Op::Binary(BinaryOp::Add), &[idx.clone(), size])?;
+        imp.emit1(cx, Op::Select, &[negative, wrapped, idx])?
+    };
+    let mut column = it.shape.clone();
+    column.push(1);
+    let mut coordinates = Vec::with_capacity(it.rank());
+    for d in 0..it.rank() {
+        if d == axis {
+            coordinates.push(imp.emit1(cx, Op::Reshape { shape: column.clone() }, std::slice::from_ref(&idx))?);
+            continue;
+        }
+        // Coordinate d of every update: a range along dim d, broadcast over the others.
+        let mut along = vec![1; it.rank() + 1];
+        along[d] = it.shape[d];
+        let values: Vec<f64> = (0..it.shape[d]).map(|i| i as f64).collect();
+        let range = Sym::Const(Tensor::from_f64_values(it.dtype, along, &values));
+        coordinates.push(imp.emit1(cx, Op::Expand { shape: column.clone() }, &[range])?);
+    }
+    let coordinates = imp.emit1(cx, Op::Concat { axis: it.rank() }, &coordinates)?;
+    one(imp.emit1(cx, Op::ScatterNd { reduction }, &[data, coordinates, updates])?)
+}
+
+/// ScatterElements of one value (DeepSeek-V3's group mask: ones at the chosen groups of
+/// zeros): where any index along `axis` names a position, the value, else the data. Built
+/// from a comparison with the positions, a maximum over the indices and a select, which a
+/// GPU runs as generated kernels (it has no scatter).
+fn scatter_one_value(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    data: Sym,
+    idx: Sym,
+    updates: &Sym,
+    axis: usize,
+) -> Result<Sym, FrontendError> {
+    let (dt, it) = (imp.ty(&data), imp.ty(&idx));
+    let Sym::Const(value) = updates else { return Err(cx.invalid("the updates are not a constant")) };
+    let mut column = it.shape.clone();
+    column.insert(axis + 1, 1);
+    let idx = imp.emit1(cx, Op::Reshape { shape: column }, &[idx])?;
+    let mut along = vec![1; dt.rank() + 1];
+    along[axis + 1] = dt.shape[axis];
+    let positions: Vec<f64> = (0..dt.shape[axis]).map(|i| i as f64).collect();
+    let positions = Sym::Const(Tensor::from_f64_values(it.dtype, along, &positions));
+    let named = imp.emit1(cx, Op::Binary(BinaryOp::Equal), &[idx, positions])?;
+    let named = imp.emit1(cx, Op::Cast { to: DType::F32 }, &[named])?;
+    let any = imp.emit1(cx, Op::Reduce { op: ReduceOp::Max, axes: vec![axis], keep_dims: false }, &[named])?;
+    let half = Sym::Const(Tensor::full(DType::F32, vec![], 0.5));
+    let chosen = imp.emit1(cx, Op::Binary(BinaryOp::Greater), &[any, half])?;
+    let value = Sym::Const(Tensor::full(dt.dtype, vec![], value.get_f64(0)));
+    imp.emit1(cx, Op::Select, &[chosen, value, data])
+}
+
+/// Whether indices are known not to be negative: constants that are not, or positions that a
+/// `topk` chose (a router's experts or groups), through reshapes and broadcasts. Negative
+/// indices need arithmetic on integers, which runs on the host of a GPU plan.
+fn non_negative(imp: &Importer, idx: &Sym) -> bool {
+    let mut v = match idx {
+        Sym::Const(t) => return t.to_i64_vec().iter().all(|&i| i >= 0),
+        Sym::Value(v) => *v,
+    };
+    loop {
+        let autotp_ir::Def::Node(n, output) = imp.graph.value(v).def else { return false };
+        let node = imp.graph.node(n);
+        match node.op {
+            Op::TopK { .. } => return output == 1,
+            Op::Reshape { .. } | Op::Expand { .. } | Op::Transpose { .. } => v = node.inputs[0],
+            _ => return false,
+        }
+    }
+}
+
+/// Where constant ScatterND indices write a block that is whole on every axis but one (as
+/// `x[..., a:b] = u` exports: every update's own coordinates, offset on that axis): the axis and
+/// the block's start on it. `None` for any other pattern (repeated, permuted or scattered
+/// positions), which stays a scatter.
+fn assigned_block(indices: &Tensor, data: &[usize], updates: &[usize]) -> Option<(usize, usize)> {
+    let (&depth, positions) = indices.shape().split_last()?;
+    if depth == 0 || depth > data.len() || positions != &updates[..positions.len()] || positions.len() != depth {
+        return None;
+    }
+    if updates.len() != data.len() {
+        return None;
+    }
+    // At most one axis may be narrower than the data's; the others must be whole.
+    let narrow: Vec<usize> = (0..data.len()).filter(|&d| updates[d] != data[d]).collect();
+    let axis = match narrow[..] {
+        [] => 0,
+        [axis] if axis < depth => axis,
+        _ => return None,
+    };
+    let values = indices.to_i64_vec();
+    let start = usize::try_from(*values.get(axis)?).ok()?;
+    if start + updates[axis] > data[axis] {
+        return None;
+    }
+    // Every update's coordinates in row-major order, offset by `start` on `axis`.
+    let mut coordinate = vec![0usize; depth];
+    for tuple in values.chunks(depth) {
+        let expected = coordinate.iter().enumerate().map(|(d, &c)| (c + if d == axis { start } else { 0 }) as i64);
+        if !tuple.iter().copied().eq(expected) {
+            return None;
+        }
+        for d in (0..depth).rev() {
+            coordinate[d] += 1;
+            if coordinate[d] < positions[d] {
+                break;
+            }
+            coordinate[d] = 0;
+        }
+    }
+    Some((axis, start))
+}
+
+/// `data` with its elements `start..start + len` of `axis` replaced by `updates`: the data
+/// before, the updates and the data after, concatenated.
+fn assign_block(
+    imp: &mut Importer,
+    cx: &NodeCx,
+    data: Sym,
+    updates: Sym,
+    axis: usize,
+    start: usize,
+) -> Result<Sym, FrontendError> {
+    let (size, len) = (imp.ty(&data).shape[axis], imp.ty(&updates).shape[axis]);
+    let mut pieces = Vec::new();
+    if start > 0 {
+        pieces.push(slice_axis(imp, cx, data.clone(), axis, 0, start as i64, 1)?);
+    }
+    pieces.push(updates);
+    if start + len < size {
+        pieces.push(slice_axis(imp, cx, data, axis, start + len, size as i64, 1)?);
+    }
+    if pieces.len() == 1 {
+        return Ok(pieces.remove(0));
+    }
+    imp.emit1(cx, Op::Concat { axis }, &pieces)
 }
