@@ -279,6 +279,16 @@ pub fn axis_rule(
             Shard(d) if starts[d] == 0 && steps[d] == 1 && out0[d] == inputs[0].shape[d] => {
                 AxisRule::all(1, 1, Shard(d))
             }
+            // One of every `step` elements of the whole dim (half of an interleaved pair):
+            // each rank's block, a multiple of `step` long, holds its share of the result.
+            Shard(d)
+                if steps[d] > 1
+                    && starts[d] < steps[d] as usize
+                    && out0[d] * steps[d] as usize == inputs[0].shape[d]
+                    && divisible(&inputs[0].shape, d, axis.size * steps[d] as usize) =>
+            {
+                AxisRule::all(1, 1, Shard(d))
+            }
             PartialSum => AxisRule::all(1, 1, PartialSum),
             _ => AxisRule::replicated(1, 1),
         },
@@ -414,12 +424,14 @@ fn matmul_rule(
         (_, Shard(d)) if d == rhs_n => rule(Replicate, Shard(d), Shard(ro - 1)),
         (Shard(d), _) if d == lhs_k => rule(Shard(d), Shard(rhs_k), PartialSum),
         (_, Shard(d)) if d == rhs_k => rule(Shard(lhs_k), Shard(d), PartialSum),
+        // A batch dim of the rhs; the lhs split there too, or broadcast (a weight times a
+        // transposed batch of activations: `(x w^T)^T = w x^T`).
         (_, Shard(d)) => {
             let o = d + ro - rr;
-            match batch_of(lhs, o) {
-                Some(l) if divisible(out, o, n) => rule(Shard(l), Shard(d), Shard(o)),
-                _ => AxisRule::replicated(2, 1),
+            if rhs[d] != out[o] || !divisible(out, o, n) {
+                return AxisRule::replicated(2, 1);
             }
+            rule(batch_of(lhs, o).map_or(Replicate, Shard), Shard(d), Shard(o))
         }
         (PartialSum, Replicate) | (PartialSum, PartialSum) => rule(PartialSum, Replicate, PartialSum),
         (Replicate, PartialSum) => rule(Replicate, PartialSum, PartialSum),
@@ -543,6 +555,25 @@ mod tests {
         );
         // A partial lhs stays partial through a replicated weight.
         assert_eq!(rule([PartialSum, Replicate]).outputs, [PartialSum]);
+        // A weight times a batch of activations split on the batch: the weight broadcasts.
+        let (w, x, y) = (t(&[32, 16]), t(&[4, 16, 8]), t(&[4, 32, 8]));
+        let swapped = axis_rule(&op, &[&w, &x], &[&y], &[Replicate, Shard(0)], &tp);
+        assert_eq!(swapped, AxisRule { inputs: vec![Replicate, Shard(0)], outputs: vec![Shard(0)] });
+    }
+
+    #[test]
+    fn interleaved_halves_keep_a_split() {
+        use Placement::*;
+        let tp = MeshAxis { name: "tp".into(), size: 2 };
+        let slice = |start: usize, width: usize| {
+            let op = Op::Slice { starts: vec![0, start], ends: vec![4, width as i64], steps: vec![1, 2] };
+            axis_rule(&op, &[&t(&[4, width])], &[&t(&[4, width / 2])], &[Shard(1)], &tp)
+        };
+        // Each rank's 4 of 8 hold 2 of the even (or odd) elements, in order.
+        assert_eq!(slice(0, 8), AxisRule::all(1, 1, Shard(1)));
+        assert_eq!(slice(1, 8), AxisRule::all(1, 1, Shard(1)));
+        // Blocks of 3 do not start on an even element.
+        assert_eq!(slice(1, 6), AxisRule::replicated(1, 1));
     }
 
     #[test]

@@ -171,7 +171,17 @@ impl B<'_> {
     /// The gradient `g` of a slice along `dim` that took `n` elements from `start` in steps of
     /// `step` (negative: backwards), spread to consecutive positions `first..`: the elements
     /// in forward order with `|step| - 1` zeros after each but the last. Returns it and `first`.
-    fn unstride(&mut self, g: ValueId, dim: usize, start: usize, step: i64) -> Result<(ValueId, usize), PassError> {
+    /// A slice that takes one of every `step` of all `size` elements (an interleaved pair's
+    /// half, as gpt-oss's gate and up) spreads to all of them at once, `first` 0: each element
+    /// padded to `step` on both sides, which keeps a split of `dim` (every rank its rows).
+    fn unstride(
+        &mut self,
+        g: ValueId,
+        dim: usize,
+        start: usize,
+        step: i64,
+        size: usize,
+    ) -> Result<(ValueId, usize), PassError> {
         let shape = self.ty(g).shape;
         let n = shape[dim];
         let stride = step.unsigned_abs() as usize;
@@ -190,15 +200,19 @@ impl B<'_> {
         }
         // [.., n, ..] -> [.., n, 1, ..] -> pad to [.., n, stride, ..] -> [.., n*stride, ..],
         // then drop the zeros after the last element.
+        let interleaved = step > 0 && start < stride && n * stride == size;
         let mut column = shape.clone();
         column.insert(dim + 1, 1);
         let g = self.reshape(g, &column)?;
-        let mut end = vec![0; column.len()];
-        end[dim + 1] = stride - 1;
-        let g = self.op(Op::Pad { begin: vec![0; column.len()], end, value: 0.0 }, vec![g])?;
+        let (mut begin, mut end) = (vec![0; column.len()], vec![0; column.len()]);
+        (begin[dim + 1], end[dim + 1]) = if interleaved { (start, stride - 1 - start) } else { (0, stride - 1) };
+        let g = self.op(Op::Pad { begin, end, value: 0.0 }, vec![g])?;
         let mut spread = shape.clone();
         spread[dim] = n * stride;
         let g = self.reshape(g, &spread)?;
+        if interleaved {
+            return Ok((g, 0));
+        }
         let mut ends: Vec<i64> = spread.iter().map(|&d| d as i64).collect();
         ends[dim] = ((n - 1) * stride + 1) as i64;
         let g = self.op(Op::Slice { starts: vec![0; spread.len()], ends, steps: vec![1; spread.len()] }, vec![g])?;

@@ -238,7 +238,7 @@ fn slice_vjp(b: &mut B, starts: &[usize], steps: &[i64], [x0, y0, d]: [ValueId; 
     let mut first = starts.to_vec();
     for dim in 0..xs.len() {
         if steps[dim] != 1 && ys[dim] > 0 {
-            (g, first[dim]) = b.unstride(g, dim, starts[dim], steps[dim])?;
+            (g, first[dim]) = b.unstride(g, dim, starts[dim], steps[dim], xs[dim])?;
         }
     }
     let gs = b.ty(g).shape;
