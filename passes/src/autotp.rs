@@ -3,7 +3,8 @@
 //! The pass finds Megatron's pattern in every block without looking at names: a *row-parallel*
 //! weight is one whose matmul result (plus its bias) is added back into the residual stream; a
 //! *column-parallel* weight is one whose matmul reads a normalised hidden state and whose result
-//! reaches a row-parallel matmul before the next normalisation. Column weights are split on
+//! reaches a row-parallel matmul before the next normalisation (of all its features: a per-head
+//! norm is inside the block). Column weights are split on
 //! their output features, row weights on their input features (through the `transpose` an
 //! export puts on `[out, in]` weights). Everything else follows from the sharding rules: the
 //! heads split with the projections, attention runs per head, the row matmul gives partial
@@ -28,7 +29,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use autotp_ir::{BinaryOp, Collective, Graph, Mesh, MeshAxis, Op, Placement, ValueId};
+use autotp_ir::{BinaryOp, Collective, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ValueId};
 
 use crate::shard::Shard;
 use crate::{Pass, PassError};
@@ -65,6 +66,10 @@ struct Column {
     /// their use (or the fused attention), shared by the query, key and value projections, none
     /// for an MLP's.
     activation_products: BTreeSet<usize>,
+    /// The heads its result is reshaped into, where a reshape says: 1 where the reshape keeps
+    /// the features whole and inserts a unit heads dim (a key shared by every query head, as
+    /// multi-query attention's and latent attention's rotary key).
+    heads: Option<usize>,
 }
 
 /// A matmul of the forward pass with a weight operand: a parameter (possibly transposed), or
@@ -145,9 +150,26 @@ impl AutoTp {
                 uses.push(WeightUse { node: i, param, activation, out_dim, in_dim });
             }
         }
-        // Row-parallel: the result (plus a bias parameter, through reshapes, through the
-        // routing weights' scaling and the sum over a token's experts, through a post-norm) is
-        // added to a non-parameter value of its type: the residual stream.
+        // Whether `a` is computed before `v` and feeds it: the block's input, for a value that
+        // the block computes from it.
+        let feeds = |a: ValueId, v: ValueId| {
+            let mut stack = vec![v];
+            let mut seen = BTreeSet::new();
+            while let Some(v) = stack.pop() {
+                if v == a {
+                    return true;
+                }
+                if let Some(&p) = producer.get(&v) {
+                    stack.extend(nodes[p].inputs.iter().copied().filter(|&i| seen.insert(i)));
+                }
+            }
+            false
+        };
+        // Row-parallel: the result (plus biases, through reshapes, through the routing weights'
+        // scaling and the sum over a token's experts, beside another branch's result, through a
+        // post-norm) is added to the residual stream: the value of its type that the block
+        // read. What else it is added to is a bias (a parameter, or experts' biases looked up
+        // by expert, as gpt-oss's) or a parallel branch (a shared expert, a parallel MLP).
         let is_row = |u: &WeightUse| {
             let mut v = nodes[u.node].outputs[0];
             for _ in 0..8 {
@@ -163,8 +185,10 @@ impl AutoTp {
                     Op::Binary(BinaryOp::Mul) if nodes[c].inputs[0] != nodes[c].inputs[1] => {}
                     Op::Binary(BinaryOp::Add) => {
                         let other = if nodes[c].inputs[0] == v { nodes[c].inputs[1] } else { nodes[c].inputs[0] };
-                        if !is_param(other) {
-                            return graph.ty(other) == graph.ty(nodes[c].outputs[0]) && graph.ty(other) == graph.ty(v);
+                        let same_type =
+                            graph.ty(other) == graph.ty(nodes[c].outputs[0]) && graph.ty(other) == graph.ty(v);
+                        if !is_param(other) && same_type && feeds(other, v) {
+                            return true;
                         }
                     }
                     _ => return false,
@@ -175,7 +199,15 @@ impl AutoTp {
         };
         let rows: BTreeSet<usize> = uses.iter().filter(|u| is_row(u)).map(|u| u.node).collect();
         // Column-parallel: reads a norm's output and reaches a row matmul before another norm.
-        let reaches_row = |start: ValueId| {
+        // A norm over fewer elements than the projection's features is a per-head norm (Qwen 3's
+        // and LFM2's query and key norms), inside the block.
+        let ends_block = |c: usize, features: usize| match nodes[c].op {
+            Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => {
+                graph.ty(nodes[c].inputs[0]).shape[axis..].iter().product::<usize>() >= features
+            }
+            _ => false,
+        };
+        let reaches_row = |start: ValueId, features: usize| {
             let mut stack = vec![start];
             let mut seen = BTreeSet::new();
             while let Some(v) = stack.pop() {
@@ -183,7 +215,7 @@ impl AutoTp {
                     if rows.contains(&c) {
                         return true;
                     }
-                    if is_norm(c) || !seen.insert(c) || !in_forward(c) {
+                    if ends_block(c, features) || !seen.insert(c) || !in_forward(c) {
                         continue;
                     }
                     // Not through indices (a router's choice of experts reaches the experts'
@@ -221,6 +253,7 @@ impl AutoTp {
         let mut plan = Vec::new();
         let mut columns = BTreeMap::new();
         let mut planned = BTreeSet::new();
+        let mut unsplit = Vec::new();
         for u in &uses {
             let name = graph.name_of(u.param).unwrap_or("").to_string();
             // The activation operand, through reshapes and broadcasts (each token's copy for
@@ -236,10 +269,11 @@ impl AutoTp {
             let (placement, reason) = if rows.contains(&u.node) {
                 let Some(in_dim) = u.in_dim else { continue };
                 (Placement::Shard(in_dim), "row-parallel: its matmul result returns to the residual stream")
-            } else if reads_norm && reaches_row(nodes[u.node].outputs[0]) {
+            } else if reads_norm && reaches_row(nodes[u.node].outputs[0], graph.ty(u.param).shape[u.out_dim]) {
                 let column = Column {
                     features: graph.ty(u.param).shape[u.out_dim],
                     activation_products: activation_products(nodes[u.node].outputs[0]),
+                    heads: heads_made(graph, &users, &nodes, nodes[u.node].outputs[0]),
                 };
                 columns.insert(name.clone(), column);
                 (
@@ -247,10 +281,43 @@ impl AutoTp {
                     "column-parallel: reads a normalised hidden state and feeds a row-parallel matmul",
                 )
             } else {
+                if reads_norm {
+                    unsplit.push(u);
+                }
                 continue;
             };
             if planned.insert(u.param) {
                 plan.push(Explained { weight: name, placement, reason: reason.into() });
+            }
+        }
+        // A down-projection whose normalised output a column-parallel matmul reads (latent
+        // attention's q_a_proj and kv_a_proj): replicated, said so.
+        let through_reshapes = |mut v: ValueId| -> Vec<usize> {
+            loop {
+                let readers = users.get(&v).cloned().unwrap_or_default();
+                match readers[..] {
+                    [r] if matches!(nodes[r].op, Op::Reshape { .. }) => v = nodes[r].outputs[0],
+                    _ => return readers,
+                }
+            }
+        };
+        let column_nodes: BTreeSet<usize> = uses
+            .iter()
+            .filter(|w| columns.contains_key(graph.name_of(w.param).unwrap_or("")))
+            .map(|w| w.node)
+            .collect();
+        for u in unsplit {
+            let latent = through_reshapes(nodes[u.node].outputs[0])
+                .into_iter()
+                .any(|n| is_norm(n) && through_reshapes(nodes[n].outputs[0]).iter().any(|m| column_nodes.contains(m)));
+            if latent && planned.insert(u.param) {
+                plan.push(Explained {
+                    weight: graph.name_of(u.param).unwrap_or("").to_string(),
+                    placement: Placement::Replicate,
+                    reason: "low-rank down-projection (latent attention): replicated; the split up-projection \
+                             reads its normalised output"
+                        .into(),
+                });
             }
         }
         (plan, columns)
@@ -353,9 +420,9 @@ impl AutoTp {
             let sliced = sliced_params(&sharded, tp_axis);
             if !sliced.is_empty() {
                 followers.extend(sliced.into_iter().map(|(weight, placement)| Explained {
+                    reason: follower_reason(graph, &weight),
                     weight,
                     placement,
-                    reason: "follows its consumer (split rather than sliced every step)".into(),
                 }));
                 continue;
             }
@@ -410,6 +477,32 @@ fn param_by_name(graph: &Graph, name: &str) -> ValueId {
     *graph.params().iter().find(|&&p| graph.name_of(p) == Some(name)).expect("planned from the graph's parameters")
 }
 
+/// Why a parameter that the rules would slice is split: what its first reader past its views
+/// does with it.
+fn follower_reason(graph: &Graph, name: &str) -> String {
+    let mut v = param_by_name(graph, name);
+    let consumers = graph.consumers();
+    let forward = forward_values(graph);
+    let reader = loop {
+        let in_forward = |c: &&NodeId| graph.node(**c).outputs.first().is_some_and(|o| forward[o.index()]);
+        let [c] = consumers[v.index()].iter().filter(in_forward).copied().collect::<Vec<_>>()[..] else { break None };
+        let node = graph.node(c);
+        match node.op {
+            Op::Reshape { .. } | Op::Expand { .. } | Op::Transpose { .. } | Op::Cast { .. } => v = node.outputs[0],
+            _ => break Some(&node.op),
+        }
+    };
+    let what = match reader {
+        Some(Op::Concat { .. }) => "per-head logits joined to the split heads' attention scores (attention sinks)",
+        Some(Op::Split { .. }) => "per-channel taps of split channels (a depthwise convolution)",
+        Some(Op::Binary(BinaryOp::Add)) => "a bias of split features",
+        Some(Op::Gather { .. }) => "experts' biases of split features, looked up by expert",
+        Some(Op::LayerNorm { .. } | Op::RmsNorm { .. }) => "a norm's scale over split features",
+        _ => "read with split values",
+    };
+    format!("follows its consumer: {what}, split with them rather than sliced every step")
+}
+
 /// Parameters that a `shard_slice` on the tp axis cuts (directly or through a view), with the
 /// placement they should have instead.
 fn sliced_params(graph: &Graph, tp_axis: usize) -> Vec<(String, Placement)> {
@@ -444,8 +537,9 @@ fn looks_up_weights(graph: &Graph, mut v: ValueId) -> bool {
     false
 }
 
-/// The parameter `v` is a view of (through transposes, unit-dim reshapes, slices that keep
-/// `dim` whole, lookups of rows by index and gathers over other mesh axes), and the parameter
+/// The parameter `v` is a view of (through transposes, unit-dim reshapes, slices and splits
+/// that keep `dim` whole, broadcasts that keep it, lookups of rows by index and gathers over other mesh
+/// axes), and the parameter
 /// dim that `dim` of `v` is.
 pub(crate) fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Option<(ValueId, usize)> {
     for _ in 0..4 {
@@ -454,14 +548,23 @@ pub(crate) fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Opti
         }
         let node = match graph.value(v).def {
             autotp_ir::Def::Node(n, 0) => graph.node(n),
+            autotp_ir::Def::Node(n, _) if matches!(graph.node(n).op, Op::Split { .. }) => graph.node(n),
             _ => return None,
         };
         let input = *node.inputs.first()?;
         let (from, to) = (&graph.ty(input).shape, &graph.ty(v).shape);
         dim = match &node.op {
+            // A part of a split keeps the dims it does not cut (a depthwise convolution's taps).
+            Op::Split { axis, .. } if *axis != dim => dim,
             Op::Transpose { perm } => perm[dim],
             Op::Slice { starts, steps, .. } if starts[dim] == 0 && steps[dim] == 1 && from[dim] == to[dim] => dim,
             Op::Reshape { .. } => unit_reshape_dim(from, to, dim)?,
+            // A broadcast keeps the dims it does not widen (gpt-oss's per-head sink logits,
+            // broadcast over the batch and the queries).
+            Op::Expand { .. } => {
+                let d = dim.checked_sub(to.len() - from.len())?;
+                (from[d] == to[dim]).then_some(d)?
+            }
             // A copy gathered over another axis (a ZeRO-3 parameter) is still the parameter.
             Op::Collective { kind: Collective::AllGather { .. }, .. } => dim,
             // Rows looked up by index (a mixture of experts' weights, by expert): the other
@@ -596,11 +699,37 @@ fn key_value_to_replicate(
     tp: usize,
 ) -> Option<(String, usize)> {
     let (weight, column) = gather.weights.iter().find_map(|(w, _)| Some((w, columns.get(w)?)))?;
-    let heads = gather.reshape_heads.unwrap_or(column.features / gather.gathered.max(1));
+    let heads = gather.reshape_heads.or(column.heads).unwrap_or(column.features / gather.gathered.max(1));
     let beside_query = columns.values().any(|other| {
         other.features > column.features && !other.activation_products.is_disjoint(&column.activation_products)
     });
     (heads < tp && beside_query).then(|| (weight.clone(), heads))
+}
+
+/// The heads that the first reshape of a projection's result `v` (after a bias) makes of its
+/// features (its last dim): 1 where it keeps them whole in a new last dim and inserts unit dims.
+fn heads_made(
+    graph: &Graph,
+    users: &BTreeMap<ValueId, Vec<usize>>,
+    nodes: &[&autotp_ir::Node],
+    mut v: ValueId,
+) -> Option<usize> {
+    for _ in 0..2 {
+        let [c] = users.get(&v).map(Vec::as_slice)? else { return None };
+        match nodes[*c].op {
+            Op::Binary(BinaryOp::Add) => v = nodes[*c].outputs[0],
+            Op::Reshape { .. } => {
+                let (from, to) = (&graph.ty(v).shape, &graph.ty(nodes[*c].outputs[0]).shape);
+                let features = *from.last()?;
+                if to.last() == Some(&features) && to.len() > from.len() {
+                    return Some(1);
+                }
+                return leading_dim_at(from, to, from.len() - 1).filter(|&h| h < features);
+            }
+            _ => return None,
+        }
+    }
+    None
 }
 
 /// The size of the output dim of a reshape from `from` to `to` that starts where dim `dim`
