@@ -3,7 +3,8 @@
 //! zero-padded input that position reads.
 //!
 //! - A depthwise convolution (one input channel a group, as Mamba's and LFM2's gated short
-//!   convolutions are) is the sum over taps of `slice * weight[:, 0, tap]`: elementwise, so the
+//!   convolutions are) is the sum over taps of `slice * weight[:, 0, tap]` (the weight read
+//!   once, as `[Cout, K]`, and split into its taps): elementwise, so the
 //!   fusion pass makes it one generated kernel and each channel stays local to its slice (a
 //!   tensor-parallel split of the channels needs no communication).
 //! - Any other grouping stacks the taps (`[N, G, Cin/G * K, P]`, "im2col") and multiplies them
@@ -170,15 +171,12 @@ pub(super) fn convert_conv(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, 
 fn depthwise(imp: &mut Importer, cx: &NodeCx, conv: &ConvShape, w: &Sym, taps: Vec<Sym>) -> Result<Sym, FrontendError> {
     let spatial = conv.kernel.len();
     let multiplier = conv.out_channels / conv.groups;
-    let w_shape = imp.ty(w).shape;
+    // The weight read once (one use: one ZeRO-3 gather), as `[Cout, K]` split into its taps.
+    let kernel_size = taps.len();
+    let w = imp.emit1(cx, Op::Reshape { shape: vec![conv.out_channels, kernel_size] }, std::slice::from_ref(w))?;
+    let w_taps = imp.emit(cx, Op::Split { axis: 1, sizes: vec![1; kernel_size] }, &[w], kernel_size)?;
     let mut sum: Option<Sym> = None;
-    for (tap, x_tap) in conv.taps().into_iter().zip(taps) {
-        let mut starts = vec![0; w_shape.len()];
-        let mut ends: Vec<i64> = w_shape.iter().map(|&d| d as i64).collect();
-        for d in 0..spatial {
-            (starts[2 + d], ends[2 + d]) = (tap[d], tap[d] as i64 + 1);
-        }
-        let w_tap = imp.emit1(cx, Op::Slice { starts, ends, steps: vec![1; w_shape.len()] }, &[w.clone()])?;
+    for (x_tap, w_tap) in taps.into_iter().zip(w_taps) {
         let product = if multiplier == 1 {
             let shape = [vec![conv.out_channels], vec![1; spatial]].concat();
             let w_tap = imp.emit1(cx, Op::Reshape { shape }, &[w_tap])?;
@@ -219,7 +217,7 @@ fn im2col(imp: &mut Importer, cx: &NodeCx, conv: &ConvShape, w: &Sym, taps: Vec<
         &[stacked],
     )?;
     let w_shape = vec![conv.groups, conv.out_channels / conv.groups, in_per_group * kernel_size];
-    let w = imp.emit1(cx, Op::Reshape { shape: w_shape }, &[w.clone()])?;
+    let w = imp.emit1(cx, Op::Reshape { shape: w_shape }, std::slice::from_ref(w))?;
     let product = imp.emit1(cx, Op::MatMul { transpose_lhs: false, transpose_rhs: false }, &[w, stacked])?;
     let shape = [vec![conv.batch, conv.out_channels], conv.output.clone()].concat();
     imp.emit1(cx, Op::Reshape { shape }, &[product])
