@@ -299,6 +299,21 @@ fn data_movement() {
                 }),
             ),
             (
+                "interleaved halves",
+                Box::new(|c, _, x| {
+                    // One of every two of a whole even dim, from 0 and from 1 (gpt-oss's gate
+                    // and up): the gradient spreads back without a slice.
+                    let doubled = c.op(Op::Concat { axis: 2 }, vec![x, x]);
+                    let s = c.graph.ty(doubled).shape.clone();
+                    let half = |c: &mut Case, start: usize| {
+                        let ends = s.iter().map(|&d| d as i64).collect();
+                        c.op(Op::Slice { starts: vec![0, 0, start], ends, steps: vec![1, 1, 2] }, vec![doubled])
+                    };
+                    let (even, odd) = (half(c, 0), half(c, 1));
+                    c.op(Op::Binary(BinaryOp::Mul), vec![even, odd])
+                }),
+            ),
+            (
                 "concat",
                 Box::new(|c, r, x| {
                     let mut s = c.graph.ty(x).shape.clone();
@@ -466,9 +481,19 @@ fn composite_ops() {
     }
 }
 
-/// One ONNX `Conv` node whose input, weight and bias are all f64 initializers (so all are
-/// parameters), imported as the frontend decomposes it.
-fn imported_conv(rng: &mut Rng, x: &[usize], w: &[usize], attributes: &[(&str, Vec<i64>)]) -> Case {
+/// A convolution to check: its label, input shape, weight shape and attributes.
+type ConvForm<'a> = (&'a str, &'a [usize], &'a [usize], Vec<(&'a str, Vec<i64>)>);
+
+/// One ONNX node of type `op_type` whose inputs are all f64 initializers of the given names
+/// and shapes (so all are parameters), as the frontend imports it; its output is `y`. An
+/// attribute named in `scalars` is an INT, any other INTS.
+fn imported_node(
+    rng: &mut Rng,
+    op_type: &str,
+    inputs: &[(&str, &[usize])],
+    attributes: &[(&str, Vec<i64>)],
+    scalars: &[&str],
+) -> Case {
     use autotp_frontend::onnx::proto;
     use prost::Message;
     let initializer = |rng: &mut Rng, name: &str, shape: &[usize]| {
@@ -483,7 +508,7 @@ fn imported_conv(rng: &mut Rng, x: &[usize], w: &[usize], attributes: &[(&str, V
     };
     let attribute = |(name, ints): &(&str, Vec<i64>)| proto::AttributeProto {
         name: (*name).into(),
-        r#type: if *name == "group" { 2 } else { 7 }, // INT, INTS
+        r#type: if scalars.contains(name) { 2 } else { 7 }, // INT, INTS
         i: ints[0],
         ints: ints.clone(),
         ..Default::default()
@@ -492,24 +517,25 @@ fn imported_conv(rng: &mut Rng, x: &[usize], w: &[usize], attributes: &[(&str, V
         ir_version: 8,
         opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 17 }],
         graph: Some(proto::GraphProto {
-            name: "conv".into(),
+            name: op_type.into(),
             node: vec![proto::NodeProto {
-                op_type: "Conv".into(),
-                name: "the_conv".into(),
-                input: vec!["x".into(), "w".into(), "b".into()],
+                op_type: op_type.into(),
+                name: format!("the_{op_type}"),
+                input: inputs.iter().map(|(name, _)| (*name).into()).collect(),
                 output: vec!["y".into()],
                 attribute: attributes.iter().map(attribute).collect(),
                 ..Default::default()
             }],
-            initializer: vec![initializer(rng, "x", x), initializer(rng, "w", w), initializer(rng, "b", &w[..1])],
+            initializer: inputs.iter().map(|(name, shape)| initializer(rng, name, shape)).collect(),
             output: vec![proto::ValueInfoProto { name: "y".into(), ..Default::default() }],
             ..Default::default()
         }),
         ..Default::default()
     };
-    let path = std::path::Path::new("conv.onnx");
+    let path = std::path::Path::new("node.onnx");
     let imported = autotp_frontend::onnx::import_bytes(model.encode_to_vec().into(), path, &Default::default())
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap_or_else(|e| panic!("{op_type}: {e}"));
+    assert_eq!(imported.weights.len(), inputs.len(), "{op_type}: every input is a parameter");
     Case { graph: imported.graph, params: imported.weights }
 }
 
@@ -518,7 +544,7 @@ fn imported_conv(rng: &mut Rng, x: &[usize], w: &[usize], attributes: &[(&str, V
 /// bias gradients against central differences.
 #[test]
 fn imported_convolutions() {
-    let forms: [(&str, &[usize], &[usize], Vec<(&str, Vec<i64>)>); 4] = [
+    let forms: [ConvForm; 4] = [
         ("depthwise causal 1-D", &[2, 4, 6], &[4, 1, 3], vec![("group", vec![4]), ("pads", vec![2, 2])]),
         ("depthwise x2 1-D", &[1, 2, 5], &[4, 1, 2], vec![("group", vec![2])]),
         (
@@ -531,10 +557,31 @@ fn imported_convolutions() {
     ];
     let mut rng = Rng(1200);
     for (label, x, w, attributes) in forms {
-        let case = imported_conv(&mut rng, x, w, &attributes);
-        assert_eq!(case.params.len(), 3, "{label}: the input, weight and bias are parameters");
+        let inputs: [(&str, &[usize]); 3] = [("x", x), ("w", w), ("b", &w[..1])];
+        let case = imported_node(&mut rng, "Conv", &inputs, &attributes, &["group"]);
         check(label, case, &mut rng);
     }
+}
+
+/// The reductions ONNX composes from a sum (`ReduceLogSumExp` from the maximum), imported as
+/// that arithmetic, over one axis and two, kept or not; `ReduceLogSum` of positive terms.
+#[test]
+fn imported_composite_reductions() {
+    let mut rng = Rng(1300);
+    for op in ["ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp"] {
+        for (axes, keep) in [(vec![1], 1), (vec![0, 2], 0)] {
+            let attributes = [("axes", axes.clone()), ("keepdims", vec![keep])];
+            let case = imported_node(&mut rng, op, &[("x", &[2, 3, 4])], &attributes, &["keepdims"]);
+            check(&format!("{op} {axes:?} keepdims {keep}"), case, &mut rng);
+        }
+    }
+    let attributes = [("axes", vec![2]), ("keepdims", vec![1])];
+    let mut case = imported_node(&mut rng, "ReduceLogSum", &[("x", &[2, 3, 4])], &attributes, &["keepdims"]);
+    for value in case.params.values_mut() {
+        let positive: Vec<f64> = value.to_f64_vec().iter().map(|v| v + 2.0).collect();
+        *value = Tensor::from_pod(DType::F64, value.shape().to_vec(), &positive);
+    }
+    check("ReduceLogSum", case, &mut rng);
 }
 
 /// Fused attention (`q`, `k`, `v` trained; the bias a constant) under every mask, with one

@@ -104,15 +104,106 @@ pub(super) fn convert(
 
 pub(super) fn convert_reduce(imp: &mut Importer, cx: &NodeCx, op: ReduceOp) -> Result<Vec<Sym>, FrontendError> {
     let x = input(imp, cx, 0)?;
-    let rank = imp.ty(&x).rank();
+    let Some((axes, keep_dims)) = reduce_axes(imp, cx, imp.ty(&x).rank())? else { return one(x) };
+    Ok(vec![imp.emit1(cx, Op::Reduce { op, axes, keep_dims }, &[x])?])
+}
+
+/// A reduction's axes and `keepdims`; `None` for an empty list with `noop_with_empty_axes`.
+fn reduce_axes(imp: &Importer, cx: &NodeCx, rank: usize) -> Result<Option<(Vec<usize>, bool)>, FrontendError> {
     // ReduceSum takes axes as an input from opset 13, the others from opset 18.
     let axes_as_input = cx.node.op_type == "ReduceSum" || cx.opset >= 18;
     let axes = if axes_as_input { const_ints(imp, cx, 1)? } else { attr_ints(cx, "axes") };
     let axes = match axes {
         Some(a) if !a.is_empty() => norm_axes(cx, &a, rank)?,
-        _ if attr_int(cx, "noop_with_empty_axes", 0) == 1 => return Ok(vec![x]),
+        _ if attr_int(cx, "noop_with_empty_axes", 0) == 1 => return Ok(None),
         _ => (0..rank).collect(),
     };
-    let keep_dims = attr_int(cx, "keepdims", 1) == 1;
-    Ok(vec![imp.emit1(cx, Op::Reduce { op, axes, keep_dims }, &[x])?])
+    Ok(Some((axes, attr_int(cx, "keepdims", 1) == 1)))
+}
+
+/// The reductions ONNX composes from a sum: `ReduceSumSquare`, `ReduceL1`, `ReduceL2`,
+/// `ReduceLogSum`, and `ReduceLogSumExp` (from the maximum: `m + log(sum(exp(x - m)))`, `m`
+/// taken as 0 where it is infinite, as `torch.logsumexp`); `None` for another op. An empty
+/// axis list with `noop_with_empty_axes` gives the elementwise part alone, as ONNX's
+/// reference does.
+pub(super) fn convert_composite_reduce(imp: &mut Importer, cx: &NodeCx) -> Result<Option<Vec<Sym>>, FrontendError> {
+    let op_type = cx.node.op_type.as_str();
+    if !matches!(op_type, "ReduceSumSquare" | "ReduceL1" | "ReduceL2" | "ReduceLogSum" | "ReduceLogSumExp") {
+        return Ok(None);
+    }
+    let x = input(imp, cx, 0)?;
+    let ty = imp.ty(&x);
+    if !ty.dtype.is_float() {
+        return Err(cx.invalid(format!("{op_type} of {} is not supported (only floats)", ty.dtype)));
+    }
+    let scalar = |v: f64| Sym::Const(Tensor::full(ty.dtype, vec![], v));
+    let reduced = reduce_axes(imp, cx, ty.rank())?;
+    let sum = |imp: &mut Importer, v: Sym| -> Result<Sym, FrontendError> {
+        match &reduced {
+            Some((axes, keep_dims)) => {
+                imp.emit1(cx, Op::Reduce { op: ReduceOp::Sum, axes: axes.clone(), keep_dims: *keep_dims }, &[v])
+            }
+            None => Ok(v),
+        }
+    };
+    let y = match op_type {
+        "ReduceSumSquare" | "ReduceL2" => {
+            let square = imp.emit1(cx, Op::Binary(BinaryOp::Mul), &[x.clone(), x])?;
+            let total = sum(imp, square)?;
+            if op_type == "ReduceL2" {
+                imp.emit1(cx, Op::Unary(UnaryOp::Sqrt), &[total])?
+            } else {
+                total
+            }
+        }
+        "ReduceL1" => {
+            let magnitude = imp.emit1(cx, Op::Unary(UnaryOp::Abs), &[x])?;
+            sum(imp, magnitude)?
+        }
+        "ReduceLogSum" => {
+            let total = sum(imp, x)?;
+            imp.emit1(cx, Op::Unary(UnaryOp::Log), &[total])?
+        }
+        _ => {
+            let Some((axes, keep_dims)) = reduced.clone() else {
+                return Ok(Some(vec![x]));
+            };
+            if axes.iter().any(|&a| ty.shape[a] == 0) {
+                // The log of an empty sum.
+                let mut shape = reduced_shape(&ty.shape, &reduced);
+                if keep_dims {
+                    shape = ty.shape.iter().enumerate().map(|(d, &n)| if axes.contains(&d) { 1 } else { n }).collect();
+                }
+                return Ok(Some(vec![Sym::Const(Tensor::full(ty.dtype, shape, f64::NEG_INFINITY))]));
+            }
+            let max = imp.emit1(
+                cx,
+                Op::Reduce { op: ReduceOp::Max, axes: axes.clone(), keep_dims: true },
+                std::slice::from_ref(&x),
+            )?;
+            let magnitude = imp.emit1(cx, Op::Unary(UnaryOp::Abs), std::slice::from_ref(&max))?;
+            let infinite = imp.emit1(cx, Op::Binary(BinaryOp::Equal), &[magnitude, scalar(f64::INFINITY)])?;
+            let max = imp.emit1(cx, Op::Select, &[infinite, scalar(0.0), max])?;
+            let shifted = imp.emit1(cx, Op::Binary(BinaryOp::Sub), &[x, max.clone()])?;
+            let exp = imp.emit1(cx, Op::Unary(UnaryOp::Exp), &[shifted])?;
+            let total = imp.emit1(cx, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: true }, &[exp])?;
+            let log = imp.emit1(cx, Op::Unary(UnaryOp::Log), &[total])?;
+            let y = imp.emit1(cx, Op::Binary(BinaryOp::Add), &[log, max])?;
+            if keep_dims {
+                y
+            } else {
+                let shape = reduced_shape(&ty.shape, &reduced);
+                imp.emit1(cx, Op::Reshape { shape }, &[y])?
+            }
+        }
+    };
+    Ok(Some(vec![y]))
+}
+
+/// The shape left by a reduction without `keepdims`.
+fn reduced_shape(shape: &[usize], reduced: &Option<(Vec<usize>, bool)>) -> Vec<usize> {
+    match reduced {
+        Some((axes, _)) => (0..shape.len()).filter(|d| !axes.contains(d)).map(|d| shape[d]).collect(),
+        None => shape.to_vec(),
+    }
 }

@@ -77,11 +77,16 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "RMSNormalization",
     "Range",
     "Reciprocal",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
     "ReduceMax",
     "ReduceMean",
     "ReduceMin",
     "ReduceProd",
     "ReduceSum",
+    "ReduceSumSquare",
     "Relu",
     "Reshape",
     "RotaryEmbedding",
@@ -287,6 +292,9 @@ pub(super) fn convert(
     }
     if let Some(op) = reduce_op(op_type) {
         return elementwise::convert_reduce(imp, cx, op);
+    }
+    if let Some(outputs) = elementwise::convert_composite_reduce(imp, cx)? {
+        return Ok(outputs);
     }
     let families =
         [elementwise::convert, constants::convert, shape::convert, sequence::convert, indexing::convert, nn::convert];

@@ -53,10 +53,17 @@ pub(super) fn convert(
         "Transpose" => {
             let x = input(imp, cx, 0)?;
             let rank = imp.ty(&x).rank();
+            // Negative entries count from the end (numpy's, and torch.export's for Mamba 2's
+            // scan).
             let perm = match attr_ints(cx, "perm") {
-                Some(p) => dims(&p, cx, "perm")?,
+                Some(p) => p.iter().map(|&a| norm_axis(cx, a, rank)).collect::<Result<Vec<_>, _>>()?,
                 None => (0..rank).rev().collect(),
             };
+            let mut sorted = perm.clone();
+            sorted.sort_unstable();
+            if !sorted.iter().copied().eq(0..rank) {
+                return Err(cx.invalid(format!("perm {perm:?} is not a permutation of {rank} axes")));
+            }
             one(imp.emit1(cx, Op::Transpose { perm }, &[x])?)
         }
         "Concat" => {
