@@ -31,8 +31,21 @@ fn run(arch: &str, file: &str, inputs: &[&str]) -> Vec<autotp_ir::Tensor> {
 #[test]
 fn logits_match_pytorch() {
     // llama_pad: padding tokens in the input (its padding row is zero, like any embedding row);
-    // then issue 16's model families.
-    let families = ["llama_pad", "gptj", "bloom", "opt", "mixtral", "falcon_mqa", "bigcode_mqa", "olmo2"];
+    // then issue 16's model families and issue 36's designs.
+    let families = [
+        "llama_pad",
+        "gptj",
+        "bloom",
+        "opt",
+        "mixtral",
+        "falcon_mqa",
+        "bigcode_mqa",
+        "olmo2",
+        "deepseek_v3",
+        "gpt_oss",
+        "lfm2",
+        "apertus",
+    ];
     for arch in ARCHES.iter().chain(&families) {
         let out = run(arch, "model.onnx", &["input_ids"]);
         let reference = read_npy(&fixture(arch, "logits.npy"));

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::common::{failure, fixture, repo};
+use crate::common::{autotp, failure, fixture, repo, success};
 
 /// Runs `autotp train` on an architecture's logits export over the committed token file.
 fn autotp_train(arch: &str, args: &[&str]) -> std::process::Output {
@@ -98,6 +98,78 @@ fn model_families_train_like_pytorch() {
         for (micro_batch, layout) in layouts {
             let (relative, _) = curve_against_pytorch(family, "tokens.bin", micro_batch, layout);
             assert_within_contract(&format!("{family} {}", layout.join(" ")), &relative);
+        }
+    }
+}
+
+/// Issue 36's designs (tests/fixtures/make_fixtures.py `design_configs`) against PyTorch's
+/// curves on one rank, tp 2, dp 2 with ZeRO-3, a 2-stage pipeline and tp 2 x dp 2 with ZeRO-3:
+/// DeepSeek-V3 (multi-head latent attention, group-limited routing, a shared expert beside the
+/// routed ones), gpt-oss (attention sinks, interleaved clamped SwiGLU experts with biases),
+/// LFM2 (a gated depthwise convolution) and Apertus (xIELU); and in bf16. `--explain-tp` says
+/// what tp 2 did with each design's weights.
+#[test]
+fn new_designs_train_like_pytorch() {
+    let explained: [(&str, &[&str]); 4] = [
+        (
+            "deepseek_v3",
+            &[
+                "m.model.layers.1.self_attn.q_a_proj.weight         replicate  low-rank down-projection (latent attention)",
+                "m.model.layers.1.self_attn.kv_a_proj_with_mqa.weight[0:16] replicate  low-rank down-projection",
+                "m.model.layers.1.self_attn.kv_a_proj_with_mqa.weight[16:24] replicate  key/value projection with 1 head",
+                "m.model.layers.1.self_attn.q_b_proj.weight         shard(0)   column-parallel",
+                "m.model.layers.1.self_attn.kv_b_proj.weight        shard(0)   column-parallel",
+                "m.model.layers.1.self_attn.o_proj.weight           shard(1)   row-parallel",
+                "m.model.layers.1.mlp.experts.gate_up_proj          shard(2)   column-parallel",
+                "m.model.layers.1.mlp.experts.down_proj             shard(2)   row-parallel",
+                "m.model.layers.1.mlp.shared_experts.gate_proj.weight shard(0)   column-parallel",
+                "m.model.layers.1.mlp.shared_experts.down_proj.weight shard(1)   row-parallel",
+            ],
+        ),
+        (
+            "gpt_oss",
+            &[
+                "m.model.layers.0.self_attn.sinks                   shard(0)   follows its consumer: per-head logits joined",
+                "m.model.layers.0.mlp.experts.gate_up_proj          shard(2)   column-parallel",
+                "m.model.layers.0.mlp.experts.down_proj             shard(1)   row-parallel",
+                "m.model.layers.0.mlp.experts.gate_up_proj_bias     shard(1)   follows its consumer: experts' biases",
+            ],
+        ),
+        (
+            "lfm2",
+            &[
+                "m.model.layers.0.conv.in_proj.weight               shard(1)   column-parallel",
+                "m.model.layers.0.conv.conv.weight                  shard(0)   follows its consumer: per-channel taps",
+                "m.model.layers.0.conv.out_proj.weight              shard(1)   row-parallel",
+                "m.model.layers.1.self_attn.q_proj.weight           shard(0)   column-parallel",
+            ],
+        ),
+        ("apertus", &["m.model.layers.0.mlp.up_proj.weight                shard(0)   column-parallel"]),
+    ];
+    for (family, lines) in explained {
+        let model = fixture(family, "model.onnx");
+        let flags = ["--seq-len", "32", "--micro-batch", "8", "--tp", "2", "--explain-tp", "-o", "/dev/null"];
+        let out = success(autotp(&[&["compile", model.to_str().unwrap()][..], &flags].concat()));
+        for line in lines {
+            assert!(out.contains(line), "{family}: no '{line}' in\n{out}");
+        }
+        let layouts: [(usize, &[&str]); 5] = [
+            (8, &[]),
+            (8, &["--tp", "2"]),
+            (4, &["--dp", "2", "--zero", "3"]),
+            (2, &["--pp", "2", "--grad-accum", "4"]),
+            (4, &["--tp", "2", "--dp", "2", "--zero", "3"]),
+        ];
+        for (micro_batch, layout) in layouts {
+            let (relative, _) = curve_against_pytorch(family, "tokens.bin", micro_batch, layout);
+            assert_within_contract(&format!("{family} {}", layout.join(" ")), &relative);
+        }
+        // bf16 mixed precision (the routers' top-k and gathers in f32, whose gradients are f32
+        // scatters) runs on one rank and at tp 2, within bf16's rounding of the f32 curve.
+        for layout in [&["--precision", "bf16"][..], &["--precision", "bf16", "--tp", "2"]] {
+            let (relative, _) = curve_against_pytorch(family, "tokens.bin", 8, layout);
+            let worst = relative.iter().copied().fold(0f64, f64::max);
+            assert!(worst <= 1e-2, "{family} {}: {worst:.2e} from the f32 curve", layout.join(" "));
         }
     }
 }
