@@ -170,13 +170,13 @@ impl AutoTp {
         // post-norm) is added to the residual stream: the value of its type that the block
         // read. What else it is added to is a bias (a parameter, or experts' biases looked up
         // by expert, as gpt-oss's) or a parallel branch (a shared expert, a parallel MLP).
-        let is_row = |u: &WeightUse| {
+        let residual_of = |u: &WeightUse| -> Option<ValueId> {
             let mut v = nodes[u.node].outputs[0];
             for _ in 0..8 {
                 // Its one consumer in the forward pass (the backward may read it too).
                 let consumers: Vec<usize> =
                     users.get(&v).into_iter().flatten().copied().filter(|&c| in_forward(c)).collect();
-                let [c] = consumers[..] else { return false };
+                let [c] = consumers[..] else { return None };
                 match nodes[c].op {
                     Op::Reshape { .. } | Op::Reduce { op: autotp_ir::ReduceOp::Sum, .. } => {}
                     // A norm of the block's output before the residual add (Gemma 2's
@@ -188,16 +188,35 @@ impl AutoTp {
                         let same_type =
                             graph.ty(other) == graph.ty(nodes[c].outputs[0]) && graph.ty(other) == graph.ty(v);
                         if !is_param(other) && same_type && feeds(other, v) {
-                            return true;
+                            return Some(other);
                         }
                     }
-                    _ => return false,
+                    _ => return None,
                 }
                 v = nodes[c].outputs[0];
             }
-            false
+            None
         };
-        let rows: BTreeSet<usize> = uses.iter().filter(|u| is_row(u)).map(|u| u.node).collect();
+        let mut rows = BTreeSet::new();
+        let mut residuals = BTreeSet::new();
+        for u in &uses {
+            if let Some(residual) = residual_of(u) {
+                rows.insert(u.node);
+                residuals.insert(residual);
+            }
+        }
+        // A projection whose result (plus its bias) is the residual stream itself (ELECTRA's
+        // and RemBERT's embedding projections, which post-norm blocks add back to) keeps its
+        // features whole.
+        let makes_residual = |u: &WeightUse| {
+            let out = nodes[u.node].outputs[0];
+            residuals.contains(&out)
+                || users.get(&out).into_iter().flatten().any(|&c| {
+                    matches!(nodes[c].op, Op::Binary(BinaryOp::Add))
+                        && nodes[c].inputs.iter().any(|&i| is_param(i))
+                        && residuals.contains(&nodes[c].outputs[0])
+                })
+        };
         // Column-parallel: reads a norm's output and reaches a row matmul before another norm.
         // A norm over fewer elements than the projection's features is a per-head norm (Qwen 3's
         // and LFM2's query and key norms), inside the block.
@@ -269,7 +288,10 @@ impl AutoTp {
             let (placement, reason) = if rows.contains(&u.node) {
                 let Some(in_dim) = u.in_dim else { continue };
                 (Placement::Shard(in_dim), "row-parallel: its matmul result returns to the residual stream")
-            } else if reads_norm && reaches_row(nodes[u.node].outputs[0], graph.ty(u.param).shape[u.out_dim]) {
+            } else if reads_norm
+                && !makes_residual(u)
+                && reaches_row(nodes[u.node].outputs[0], graph.ty(u.param).shape[u.out_dim])
+            {
                 let column = Column {
                     features: graph.ty(u.param).shape[u.out_dim],
                     activation_products: activation_products(nodes[u.node].outputs[0]),
