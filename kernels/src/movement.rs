@@ -388,6 +388,19 @@ pub(crate) fn scatter_nd(
     use crate::ScatterReduction as R;
     let (offsets, slice) = nd_offsets(index_dtype, indices, index_shape, data_shape, "scatter_nd")?;
     out.copy_from_slice(data);
+    // Bools (a mask built by index_put): plain stores, and `or` / `and` for add / mul.
+    if dtype == DType::Bool {
+        for (r, off) in offsets.into_iter().enumerate() {
+            for (o, &u) in out[off..off + slice].iter_mut().zip(&updates[r * slice..(r + 1) * slice]) {
+                *o = match reduction {
+                    R::None => u,
+                    R::Add | R::Max => u8::from(*o != 0 || u != 0),
+                    R::Mul | R::Min => u8::from(*o != 0 && u != 0),
+                };
+            }
+        }
+        return Ok(());
+    }
     crate::scalar::with_num_type!(dtype, T => {
         let updates = view::<T>(updates);
         let out = view_mut::<T>(out)?;
@@ -484,4 +497,27 @@ pub(crate) fn triangle(
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ScatterReduction;
+
+    /// A bool mask built by `index_put` (torch.export's): rows of `true` stored over `false`,
+    /// and `or` as the sum.
+    #[test]
+    fn scatter_nd_stores_bools() {
+        let data = [0u8; 6];
+        let indices: Vec<u8> = [2i64, 0].iter().flat_map(|i| i.to_le_bytes()).collect();
+        let updates = [1u8, 0, 1, 1];
+        let mut out = [9u8; 6];
+        let run = |reduction, out: &mut [u8]| {
+            scatter_nd(DType::Bool, DType::I64, &[3, 2], &[2, 1], reduction, &data, &indices, &updates, out)
+        };
+        run(ScatterReduction::None, &mut out).unwrap();
+        assert_eq!(out, [1, 1, 0, 0, 1, 0]);
+        run(ScatterReduction::Add, &mut out).unwrap();
+        assert_eq!(out, [1, 1, 0, 0, 1, 0]);
+    }
 }
