@@ -31,10 +31,13 @@ type Leading = Vec<usize>;
 
 /// A merge: `[lead.., rest..] -> [prod(lead), rest..]` with at least two leading dims.
 fn merged_leading(input: &[usize], output: &[usize]) -> Option<Leading> {
+    // A reshape to a scalar or a vector merges nothing (and would leave no dims to slice).
+    if output.len() < 2 {
+        return None;
+    }
     let k = input.len().checked_sub(output.len())? + 1;
     let lead = &input[..k];
     let merges = k >= 2
-        && output.len() >= 2
         && input[k..] == output[1..]
         && lead.iter().product::<usize>() == output[0]
         && lead.iter().filter(|&&d| d > 1).count() >= 2;
