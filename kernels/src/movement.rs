@@ -507,7 +507,7 @@ mod tests {
     /// A bool mask built by `index_put` (torch.export's): rows of `true` stored over `false`,
     /// and `or` as the sum.
     #[test]
-    fn scatter_nd_stores_bools() {
+    fn scatter_nd_stores_bools() -> Result<(), KernelError> {
         let data = [0u8; 6];
         let indices: Vec<u8> = [2i64, 0].iter().flat_map(|i| i.to_le_bytes()).collect();
         let updates = [1u8, 0, 1, 1];
@@ -515,9 +515,10 @@ mod tests {
         let run = |reduction, out: &mut [u8]| {
             scatter_nd(DType::Bool, DType::I64, &[3, 2], &[2, 1], reduction, &data, &indices, &updates, out)
         };
-        run(ScatterReduction::None, &mut out).unwrap();
+        run(ScatterReduction::None, &mut out)?;
         assert_eq!(out, [1, 1, 0, 0, 1, 0]);
-        run(ScatterReduction::Add, &mut out).unwrap();
+        run(ScatterReduction::Add, &mut out)?;
         assert_eq!(out, [1, 1, 0, 0, 1, 0]);
+        Ok(())
     }
 }

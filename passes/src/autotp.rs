@@ -4,9 +4,8 @@
 //! weight is one whose matmul result (plus its bias) is added back into the residual stream; a
 //! *column-parallel* weight is one whose matmul reads a normalised hidden state and whose result
 //! reaches a row-parallel matmul before the next normalisation (of all its features: a per-head
-//! norm is inside the block). Column weights are split on
-//! their output features, row weights on their input features (through the `transpose` an
-//! export puts on `[out, in]` weights). Everything else follows from the sharding rules: the
+//! norm is inside the block). Column weights are split on their output features, row weights
+//! on their input features (through the `transpose` an export puts on `[out, in]` weights). Everything else follows from the sharding rules: the
 //! heads split with the projections, attention runs per head, the row matmul gives partial
 //! sums that one all-reduce completes. Parameters that the rules would otherwise slice on every
 //! step (biases of column layers, say) are split too, until none is.
