@@ -440,8 +440,9 @@ impl AutoTp {
             .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);
             if !sliced.is_empty() {
+                let (consumers, forward) = (graph.consumers(), forward_values(graph));
                 followers.extend(sliced.into_iter().map(|(weight, placement)| Explained {
-                    reason: follower_reason(graph, &weight),
+                    reason: follower_reason(graph, &consumers, &forward, &weight),
                     weight,
                     placement,
                 }));
@@ -499,11 +500,9 @@ fn param_by_name(graph: &Graph, name: &str) -> ValueId {
 }
 
 /// Why a parameter that the rules would slice is split: what its first reader past its views
-/// does with it.
-fn follower_reason(graph: &Graph, name: &str) -> String {
+/// (in the forward pass: `forward`, by [`forward_values`]) does with it.
+fn follower_reason(graph: &Graph, consumers: &[Vec<NodeId>], forward: &[bool], name: &str) -> String {
     let mut v = param_by_name(graph, name);
-    let consumers = graph.consumers();
-    let forward = forward_values(graph);
     let reader = loop {
         let in_forward = |c: &&NodeId| graph.node(**c).outputs.first().is_some_and(|o| forward[o.index()]);
         let [c] = consumers[v.index()].iter().filter(in_forward).copied().collect::<Vec<_>>()[..] else { break None };

@@ -8,7 +8,7 @@
 //! down-projections stay whole on every rank) are left alone.
 //! Runs before autodiff, only under tensor parallelism. Tests: tests/golden/expand_norms.ir.
 
-use autotp_ir::{BinaryOp, Def, Graph, Op, ReduceOp, Rewriter, Tensor, UnaryOp, ValueId};
+use autotp_ir::{BinaryOp, Def, Graph, NodeId, Op, ReduceOp, Rewriter, Tensor, UnaryOp, ValueId};
 
 use crate::{Pass, PassError};
 
@@ -47,10 +47,10 @@ fn feeds_residual(graph: &Graph, v: ValueId) -> bool {
 
 /// Whether `v`, through reshapes, is the activation operand of a projection: the norm closes a
 /// low-rank bottleneck (DeepSeek's latent attention), and its down-projection is replicated.
-fn feeds_projection(graph: &Graph, v: ValueId) -> bool {
+fn feeds_projection(graph: &Graph, consumers: &[Vec<NodeId>], v: ValueId) -> bool {
     let mut stack = vec![v];
     while let Some(v) = stack.pop() {
-        for (_, n) in graph.nodes().filter(|(_, n)| n.inputs.contains(&v)) {
+        for n in consumers[v.index()].iter().map(|&c| graph.node(c)) {
             match n.op {
                 Op::Reshape { .. } => stack.push(n.outputs[0]),
                 Op::MatMul { .. } => {
@@ -72,13 +72,14 @@ impl Pass for ExpandNorms {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let consumers = graph.consumers();
         let expand: Vec<bool> = graph
             .nodes()
             .map(|(_, n)| {
                 matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
                     && is_projection(graph, n.inputs[0])
                     && !feeds_residual(graph, n.outputs[0])
-                    && !feeds_projection(graph, n.outputs[0])
+                    && !feeds_projection(graph, &consumers, n.outputs[0])
             })
             .collect();
         if !expand.contains(&true) {

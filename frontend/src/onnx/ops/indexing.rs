@@ -77,9 +77,7 @@ pub(super) fn convert(
             }
         }
         "ScatterND" => {
-            let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
-            let reduction = autotp_ir::ScatterReduction::from_name(&reduction)
-                .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))?;
+            let reduction = scatter_reduction(cx)?;
             let [data, idx, updates] = [input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?];
             let block = match (&idx, reduction) {
                 (Sym::Const(indices), autotp_ir::ScatterReduction::None) => {
@@ -158,25 +156,32 @@ pub(super) fn prepend_batch_coordinates(
     imp.emit1(cx, Op::Concat { axis: ty.rank() - 1 }, &coordinates)
 }
 
+/// ONNX's scatter `reduction` attribute (`none` when absent).
+fn scatter_reduction(cx: &NodeCx) -> Result<autotp_ir::ScatterReduction, FrontendError> {
+    let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
+    autotp_ir::ScatterReduction::from_name(&reduction)
+        .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))
+}
+
 /// ScatterElements as a ScatterND with every update's full coordinates: its own position, with
 /// its index in place of coordinate `axis` (a negative index counting from the end); one value
 /// scattered at indices a `topk` chose, as a mask ([`scatter_one_value`]).
 fn convert_scatter_elements(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, FrontendError> {
-    let reduction = attr_string(cx, "reduction").unwrap_or_else(|| "none".into());
-    let reduction = autotp_ir::ScatterReduction::from_name(&reduction)
-        .ok_or_else(|| cx.invalid(format!("unknown reduction '{reduction}'")))?;
+    let reduction = scatter_reduction(cx)?;
     let (data, idx, updates) = (input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?);
     let (dt, it) = (imp.ty(&data), imp.ty(&idx));
     let axis = norm_axis(cx, attr_int(cx, "axis", 0), dt.rank())?;
     if it.rank() != dt.rank() {
         return Err(cx.invalid(format!("indices {it} and data {dt} differ in rank")));
     }
-    let same_value = matches!(&updates, Sym::Const(u) if u.is_splat());
+    let non_negative = non_negative(imp, &idx);
     let beside_axis = (0..dt.rank()).all(|d| d == axis || it.shape[d] == dt.shape[d]);
-    if reduction == autotp_ir::ScatterReduction::None && same_value && beside_axis && non_negative(imp, &idx) {
-        return one(scatter_one_value(imp, cx, data, idx, &updates, axis)?);
+    if let Sym::Const(u) = &updates {
+        if reduction == autotp_ir::ScatterReduction::None && u.is_splat() && beside_axis && non_negative {
+            return one(scatter_one_value(imp, cx, data, idx, u.get_f64(0), axis)?);
+        }
     }
-    let idx = if non_negative(imp, &idx) {
+    let idx = if non_negative {
         idx
     } else {
         let scalar = |v: f64| Sym::Const(Tensor::full(it.dtype, vec![], v));
@@ -213,11 +218,10 @@ fn scatter_one_value(
     cx: &NodeCx,
     data: Sym,
     idx: Sym,
-    updates: &Sym,
+    value: f64,
     axis: usize,
 ) -> Result<Sym, FrontendError> {
     let (dt, it) = (imp.ty(&data), imp.ty(&idx));
-    let Sym::Const(value) = updates else { return Err(cx.invalid("the updates are not a constant")) };
     let mut column = it.shape.clone();
     column.insert(axis + 1, 1);
     let idx = imp.emit1(cx, Op::Reshape { shape: column }, &[idx])?;
@@ -230,7 +234,7 @@ fn scatter_one_value(
     let any = imp.emit1(cx, Op::Reduce { op: ReduceOp::Max, axes: vec![axis], keep_dims: false }, &[named])?;
     let half = Sym::Const(Tensor::full(DType::F32, vec![], 0.5));
     let chosen = imp.emit1(cx, Op::Binary(BinaryOp::Greater), &[any, half])?;
-    let value = Sym::Const(Tensor::full(dt.dtype, vec![], value.get_f64(0)));
+    let value = Sym::Const(Tensor::full(dt.dtype, vec![], value));
     imp.emit1(cx, Op::Select, &[chosen, value, data])
 }
 
@@ -259,10 +263,8 @@ fn non_negative(imp: &Importer, idx: &Sym) -> bool {
 /// positions), which stays a scatter.
 fn assigned_block(indices: &Tensor, data: &[usize], updates: &[usize]) -> Option<(usize, usize)> {
     let (&depth, positions) = indices.shape().split_last()?;
-    if depth == 0 || depth > data.len() || positions != &updates[..positions.len()] || positions.len() != depth {
-        return None;
-    }
-    if updates.len() != data.len() {
+    let full_coordinates = depth > 0 && depth <= data.len() && positions.len() == depth;
+    if !full_coordinates || updates.len() != data.len() || positions != &updates[..depth] {
         return None;
     }
     // At most one axis may be narrower than the data's; the others must be whole.
