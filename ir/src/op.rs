@@ -358,4 +358,19 @@ mod tests {
         let bad = Op::MatMul { transpose_lhs: false, transpose_rhs: false };
         assert!(bad.infer(&[&a, &b], 1).unwrap_err().contains("contraction dims differ"));
     }
+
+    /// `and`/`or`/`xor`/`not` are logical on bools and bitwise on integers; floats are refused.
+    #[test]
+    fn logical_ops_take_bools_and_integers() {
+        let ints = TensorType::new(DType::I32, vec![2, 3]);
+        let row = TensorType::new(DType::I32, vec![3]);
+        let or = Op::Binary(BinaryOp::Or);
+        assert_eq!(or.infer(&[&ints, &row], 1).unwrap(), vec![ints.clone()]);
+        assert_eq!(Op::Unary(UnaryOp::Not).infer(&[&ints], 1).unwrap(), vec![ints.clone()]);
+        let floats = TensorType::new(DType::F32, vec![3]);
+        assert!(or.infer(&[&floats, &floats], 1).unwrap_err().contains("or needs bool or integer operands, got f32"));
+        assert!(Op::Unary(UnaryOp::Not).infer(&[&floats], 1).unwrap_err().contains("not is not defined on f32"));
+        let bools = TensorType::new(DType::Bool, vec![3]);
+        assert!(Op::Unary(UnaryOp::Neg).infer(&[&bools], 1).unwrap_err().contains("neg is not defined on bool"));
+    }
 }

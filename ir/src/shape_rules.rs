@@ -152,7 +152,7 @@ fn elementwise(this: &Op, inputs: &[&TensorType], _num_outputs: usize) -> Result
         Op::Unary(op) => {
             expect_arity(inputs, 1, 1)?;
             let t = inputs[0];
-            if op.is_logical() != (t.dtype == DType::Bool) {
+            if (op.is_logical() && t.dtype.is_float()) || (!op.is_logical() && t.dtype == DType::Bool) {
                 return Err(format!("{} is not defined on {}", op.name(), t.dtype));
             }
             if op.needs_float() && !t.dtype.is_float() {
@@ -166,8 +166,8 @@ fn elementwise(this: &Op, inputs: &[&TensorType], _num_outputs: usize) -> Result
             if a.dtype != b.dtype {
                 return Err(format!("operand dtypes differ: {} and {}", a.dtype, b.dtype));
             }
-            if op.is_logical() && a.dtype != DType::Bool {
-                return Err(format!("{} needs bool operands, got {}", op.name(), a.dtype));
+            if op.is_logical() && a.dtype.is_float() {
+                return Err(format!("{} needs bool or integer operands, got {}", op.name(), a.dtype));
             }
             if a.dtype == DType::Bool && !op.is_logical() && *op != BinaryOp::Equal {
                 return Err(format!("{} is not defined on bool", op.name()));

@@ -53,6 +53,7 @@ fn unary_int<T: Num>(op: UnaryOp, input: &[T], out: &mut [T]) -> Result<(), Kern
         UnaryOp::Neg => map_unary(input, out, |a| a.neg()),
         UnaryOp::Abs => map_unary(input, out, |a| if a < T::zero() { a.neg() } else { a }),
         UnaryOp::Relu => map_unary(input, out, |a| if a < T::zero() { T::zero() } else { a }),
+        UnaryOp::Not => map_unary(input, out, T::bit_not),
         UnaryOp::Sign => map_unary(input, out, |a| {
             T::from_f64(if a > T::zero() {
                 1.0
@@ -73,7 +74,9 @@ pub(crate) fn unary(op: UnaryOp, dtype: DType, input: &[u8], out: &mut [u8]) -> 
             map_unary(input, out, |a: u8| (a == 0) as u8);
             Ok(())
         }
-        _ if op == UnaryOp::Not => Err(KernelError::Unsupported { kernel: "unary", what: format!("not on {dtype}") }),
+        _ if op == UnaryOp::Not && dtype.is_float() => {
+            Err(KernelError::Unsupported { kernel: "unary", what: format!("not on {dtype}") })
+        }
         DType::F32 => {
             unary_float::<f32>(op, &view(input), view_mut(out)?);
             Ok(())
@@ -163,8 +166,11 @@ fn binary_num<T: Num>(
         BinaryOp::LessEqual => compare!(|a, b| a <= b),
         BinaryOp::Greater => compare!(|a, b| a > b),
         BinaryOp::GreaterEqual => compare!(|a, b| a >= b),
+        BinaryOp::And if T::IS_INTEGER => arith!(T::bit_and),
+        BinaryOp::Or if T::IS_INTEGER => arith!(T::bit_or),
+        BinaryOp::Xor if T::IS_INTEGER => arith!(T::bit_xor),
         BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
-            return Err(KernelError::Unsupported { kernel: "binary", what: format!("{} on numbers", op.name()) })
+            return Err(KernelError::Unsupported { kernel: "binary", what: format!("{} on floats", op.name()) })
         }
     }
     Ok(())

@@ -657,4 +657,34 @@ mod tests {
         scatter.run(&[&indices, &updates], &mut [&mut grad]).unwrap();
         assert_eq!(f32s(&grad), [7.0, 8.0, 1.0, 2.0]);
     }
+
+    /// Integer `and`/`or`/`xor` are bitwise, broadcasting (CPM-Ant's masks: `context | causal`),
+    /// and `not` flips every bit; on floats both are refused, not computed on their bits.
+    #[test]
+    fn bitwise_ops_on_integers() {
+        let lhs: Vec<u8> = [0b1100i32, 0b1010, -1, 0, 5, 6].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let rhs: Vec<u8> = [0b0110i32, 1, 0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let i32s = |bytes: &[u8]| -> Vec<i32> {
+            bytes.chunks(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        };
+        let mut results = Vec::new();
+        for op in [BinaryOp::And, BinaryOp::Or, BinaryOp::Xor] {
+            let kernel = Kernel::Binary { op, dtype: DType::I32, lhs: vec![2, 3], rhs: vec![3], out: vec![2, 3] };
+            let mut out = vec![0u8; 6 * 4];
+            kernel.run(&[&lhs, &rhs], &mut [&mut out]).unwrap();
+            results.push(i32s(&out));
+        }
+        assert_eq!(results[0], [0b0100, 0, 0, 0, 1, 0]);
+        assert_eq!(results[1], [0b1110, 0b1011, -1, 0b0110, 5, 6]);
+        assert_eq!(results[2], [0b1010, 0b1011, -1, 0b0110, 4, 6]);
+
+        let mut out = vec![0u8; 6 * 4];
+        Kernel::Unary { op: UnaryOp::Not, dtype: DType::I32 }.run(&[&lhs], &mut [&mut out]).unwrap();
+        assert_eq!(i32s(&out), [!0b1100, !0b1010, 0, -1, !5, !6]);
+
+        let floats = Kernel::Binary { op: BinaryOp::Or, dtype: DType::F32, lhs: vec![3], rhs: vec![3], out: vec![3] };
+        let mut out = vec![0u8; 3 * 4];
+        assert!(floats.run(&[&rhs, &rhs], &mut [&mut out]).is_err());
+        assert!(Kernel::Unary { op: UnaryOp::Not, dtype: DType::F32 }.run(&[&rhs], &mut [&mut out]).is_err());
+    }
 }

@@ -65,7 +65,8 @@ named_enum!(
 );
 
 impl UnaryOp {
-    /// True for ops defined on booleans only.
+    /// True for ops that are logical on booleans and bitwise on integers (`not`, as `~` in
+    /// PyTorch), and not defined on floats.
     pub fn is_logical(self) -> bool {
         matches!(self, UnaryOp::Not)
     }
@@ -85,7 +86,8 @@ impl BinaryOp {
         )
     }
 
-    /// True for ops defined on booleans only.
+    /// True for ops that are logical on booleans and bitwise on integers (`and`, `or`, `xor`,
+    /// as `&`, `|`, `^` in PyTorch), and not defined on floats.
     pub fn is_logical(self) -> bool {
         matches!(self, BinaryOp::And | BinaryOp::Or | BinaryOp::Xor)
     }

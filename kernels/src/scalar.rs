@@ -19,6 +19,11 @@ pub(crate) trait Num: Pod + PartialOrd + Send + Sync + 'static {
     fn neg(self) -> Self;
     fn zero() -> Self;
     fn is_nan(self) -> bool;
+    /// Bitwise and, or, xor and not: integers only (the kernels refuse them on floats).
+    fn bit_and(self, o: Self) -> Self;
+    fn bit_or(self, o: Self) -> Self;
+    fn bit_xor(self, o: Self) -> Self;
+    fn bit_not(self) -> Self;
     fn max_of(self, o: Self) -> Self {
         // NaN propagates, as in torch.maximum.
         if self > o || self.is_nan() {
@@ -77,6 +82,18 @@ macro_rules! impl_float {
             fn zero() -> Self {
                 0.0
             }
+            fn bit_and(self, o: Self) -> Self {
+                <$t>::from_bits(self.to_bits() & o.to_bits())
+            }
+            fn bit_or(self, o: Self) -> Self {
+                <$t>::from_bits(self.to_bits() | o.to_bits())
+            }
+            fn bit_xor(self, o: Self) -> Self {
+                <$t>::from_bits(self.to_bits() ^ o.to_bits())
+            }
+            fn bit_not(self) -> Self {
+                <$t>::from_bits(!self.to_bits())
+            }
         }
     };
 }
@@ -130,6 +147,18 @@ macro_rules! impl_int {
             }
             fn zero() -> Self {
                 0
+            }
+            fn bit_and(self, o: Self) -> Self {
+                self & o
+            }
+            fn bit_or(self, o: Self) -> Self {
+                self | o
+            }
+            fn bit_xor(self, o: Self) -> Self {
+                self ^ o
+            }
+            fn bit_not(self) -> Self {
+                !self
             }
         }
     };

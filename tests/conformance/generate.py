@@ -143,6 +143,34 @@ def autotp_cases():
         inputs = [rng.standard_normal(s).astype(np.float32) for s in (x_shape, w_shape, w_shape[:1])]
         outputs = ReferenceEvaluator(model).run(None, dict(zip("xwb", inputs)))
         yield f"test_autotp_conv_{form}", model, [(inputs, outputs)]
+    for form, x_shape in IF_FORMS.items():
+        yield f"test_autotp_if_{form}", *squeeze_if(x_shape, rng)
+
+
+# The legacy exporter's `squeeze` of a dim it cannot see: If(shape[1] == 1, Squeeze, Identity),
+# the condition decided by the input's static shape (both branches).
+IF_FORMS = {"squeeze_taken": [3, 1, 4], "squeeze_not_taken": [3, 2, 4]}
+
+
+def squeeze_if(x_shape, rng):
+    """A model squeezing dim 1 of `x` when it is 1, its data set from onnx's reference evaluator."""
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+    ints = lambda name, values: numpy_helper.from_array(np.array(values, dtype=np.int64), name)
+    floats = lambda name, shape: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
+    then_branch = helper.make_graph([helper.make_node("Squeeze", ["x", "axes"], ["squeezed"])], "then", [],
+                                    [floats("squeezed", None)], initializer=[ints("axes", [1])])
+    else_branch = helper.make_graph([helper.make_node("Identity", ["x"], ["kept"])], "else", [], [floats("kept", None)])
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["dim"], axis=0),
+             helper.make_node("Equal", ["dim", "one"], ["is_one"]),
+             helper.make_node("If", ["is_one"], ["picked"], then_branch=then_branch, else_branch=else_branch),
+             helper.make_node("Neg", ["picked"], ["y"])]
+    graph = helper.make_graph(nodes, "squeeze_if", [floats("x", x_shape)], [floats("y", None)],
+                              initializer=[ints("one", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inputs = [rng.standard_normal(x_shape).astype(np.float32)]
+    return model, [(inputs, ReferenceEvaluator(model).run(None, {"x": inputs[0]}))]
 
 
 def main():

@@ -13,6 +13,7 @@ use super::{Importer, NodeCx, Sym};
 use crate::FrontendError;
 
 mod constants;
+mod control;
 mod conv;
 mod einsum;
 mod elementwise;
@@ -29,6 +30,10 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "And",
     "ArgMax",
     "ArgMin",
+    "BitwiseAnd",
+    "BitwiseNot",
+    "BitwiseOr",
+    "BitwiseXor",
     "Cast",
     "CastLike",
     "Ceil",
@@ -57,6 +62,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Greater",
     "GreaterOrEqual",
     "Identity",
+    "If",
     "LayerNormalization",
     "Less",
     "LessOrEqual",
@@ -214,7 +220,7 @@ pub(super) fn unary_op(op_type: &str) -> Option<UnaryOp> {
         "Ceil" => UnaryOp::Ceil,
         "Round" => UnaryOp::Round,
         "Sign" => UnaryOp::Sign,
-        "Not" => UnaryOp::Not,
+        "Not" | "BitwiseNot" => UnaryOp::Not,
         _ => return None,
     })
 }
@@ -231,9 +237,9 @@ pub(super) fn binary_op(op_type: &str) -> Option<BinaryOp> {
         "LessOrEqual" => BinaryOp::LessEqual,
         "Greater" => BinaryOp::Greater,
         "GreaterOrEqual" => BinaryOp::GreaterEqual,
-        "And" => BinaryOp::And,
-        "Or" => BinaryOp::Or,
-        "Xor" => BinaryOp::Xor,
+        "And" | "BitwiseAnd" => BinaryOp::And,
+        "Or" | "BitwiseOr" => BinaryOp::Or,
+        "Xor" | "BitwiseXor" => BinaryOp::Xor,
         _ => return None,
     })
 }
@@ -296,8 +302,15 @@ pub(super) fn convert(
     if let Some(outputs) = elementwise::convert_composite_reduce(imp, cx)? {
         return Ok(outputs);
     }
-    let families =
-        [elementwise::convert, constants::convert, shape::convert, sequence::convert, indexing::convert, nn::convert];
+    let families = [
+        elementwise::convert,
+        constants::convert,
+        shape::convert,
+        sequence::convert,
+        indexing::convert,
+        nn::convert,
+        control::convert,
+    ];
     for family in families {
         if let Some(outputs) = family(imp, cx, external)? {
             return Ok(outputs);
