@@ -218,6 +218,19 @@ fn transposes_match_the_builtin_kernels() {
     }
 }
 
+/// One transposed weight read through strides by two matmuls of other batch ranks (ProphetNet's
+/// relative-position projection, read by its main and its n-gram streams): each matmul pads
+/// the operand's batch dims to its own rank. The layout of one used to serve both, and the
+/// program was refused as invalid.
+#[test]
+fn a_transpose_read_by_matmuls_of_two_batch_ranks() {
+    let text = "graph \"shared_transpose\" {\n  input %a : f32[2,3,8]\n  input %b : f32[2,4,3,8]\n  \
+                param %w : f32[5,8]\n  %0 = transpose %w {perm = [1, 0]} : f32[8,5]\n  \
+                %1 = matmul %a, %0 : f32[2,3,5]\n  %2 = matmul %b, %0 : f32[2,4,3,5]\n  \
+                output \"main\" = %1\n  output \"ngram\" = %2\n}\n";
+    check(text, 0, Tolerance::Relative(1e-6));
+}
+
 #[test]
 fn slices_and_pads_match_the_builtin_kernels() {
     // Rotary embeddings' halves (a slice of the last dim) and their gradients (a pad back).

@@ -190,7 +190,6 @@ fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
         if !matches!(node.op, Op::MatMul { .. }) {
             continue;
         }
-        let batch_rank = local(graph, node.outputs[0]).shape.len() - 2;
         for &v in &node.inputs {
             let Def::Node(t, _) = graph.value(v).def else { continue };
             let Op::Transpose { perm } = &graph.node(t).op else { continue };
@@ -202,15 +201,21 @@ fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
             let stored_strides = autotp_kernels::shape::strides(&stored);
             let stride = |j: usize| stored_strides[perm[j]];
             let rank = perm.len();
-            // The operand's batch dims are the output's last ones (numpy broadcasting).
-            let mut batch = vec![0; batch_rank];
-            for j in 0..rank - 2 {
-                batch[batch_rank - (rank - 2) + j] = if shape[j] == 1 { 0 } else { stride(j) };
-            }
+            // The operand's own batch dims; each matmul reading it pads them to its batch rank
+            // ([`at_batch_rank`]), as two matmuls of other ranks may read one transpose.
+            let batch = (0..rank - 2).map(|j| if shape[j] == 1 { 0 } else { stride(j) }).collect();
             layouts.insert(v, OperandLayout { batch, rows: stride(rank - 2), cols: stride(rank - 1) });
         }
     }
     layouts
+}
+
+/// `layout` read by a matmul of `batch_rank` batch dims: the operand's batch dims are the
+/// output's last ones (numpy broadcasting), the leading ones broadcast (stride 0).
+fn at_batch_rank(layout: &OperandLayout, batch_rank: usize) -> OperandLayout {
+    let mut batch = vec![0; batch_rank.saturating_sub(layout.batch.len())];
+    batch.extend(&layout.batch);
+    OperandLayout { batch, ..layout.clone() }
 }
 
 /// What an offloaded multi-tensor step takes over from the nodes after it. Under fp16/bf16's
@@ -763,8 +768,10 @@ impl Lowering<'_> {
                 .expect("constants, collectives and pipeline communication are handled apart");
             match &mut kernel {
                 Kernel::MatMul { dims, .. } => {
-                    dims.lhs_layout = self.lifetimes.layouts.get(&node.inputs[0]).cloned();
-                    dims.rhs_layout = self.lifetimes.layouts.get(&node.inputs[1]).cloned();
+                    let layout =
+                        |v: &ValueId| self.lifetimes.layouts.get(v).map(|l| at_batch_rank(l, dims.batch.len()));
+                    dims.lhs_layout = layout(&node.inputs[0]);
+                    dims.rhs_layout = layout(&node.inputs[1]);
                 }
                 Kernel::Attention { generated: g, .. } | Kernel::AttentionGrad { generated: g, .. } => *g = generated,
                 _ => {}
