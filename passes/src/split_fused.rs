@@ -7,6 +7,8 @@
 //! `[..., :-2, :]`, `[..., [-2], :]` and `[..., [-1], :]`), through reshapes that keep the
 //! features whole, or through one transpose that moves the features axis (LFM2's gated short
 //! convolution transposes its `in_proj` to channels first and chunks it into B, C and x).
+//! Elementwise ops of the whole output by scalar constants before the reshapes (DBRX clamps its
+//! fused `Wqkv` to `±clip_qkv`) are applied to each part.
 //!
 //! - **Equal parts** (GPT-2; BigCode with multi-head attention): the parameter keeps its bytes
 //!   and is viewed `[in, k, n]` (`[k, n, in]` for an `[out, in]` weight), its bias `[k, n]`;
@@ -58,6 +60,8 @@ struct Fused {
     /// The weight's dim that holds the output features.
     features_dim: usize,
     add: Option<usize>,
+    /// Elementwise ops of the whole output with scalar constants (a clamp), in order.
+    elementwise: Vec<usize>,
     reshapes: Vec<usize>,
     /// A transpose after the reshapes, which the readers read: each part is transposed so.
     transpose: Option<usize>,
@@ -81,6 +85,7 @@ impl Fused {
             .into_iter()
             .chain(self.path.iter().copied())
             .chain(self.add)
+            .chain(self.elementwise.iter().copied())
             .chain(self.reshapes.iter().copied())
             .chain(self.transpose)
             .chain(self.readers.iter().copied())
@@ -160,6 +165,12 @@ fn weight_path(graph: &Graph, operand: ValueId, uses: &[usize]) -> Option<(Value
     (uses[v.index()] == 1).then_some((v, path))
 }
 
+/// Whether `v` is a constant of one element.
+fn is_scalar_constant(graph: &Graph, v: ValueId) -> bool {
+    matches!(graph.value(v).def, Def::Node(n, _) if matches!(graph.node(n).op, Op::Constant { .. }))
+        && graph.ty(v).numel() == 1
+}
+
 fn find_fused(graph: &Graph) -> Vec<Fused> {
     let nodes: Vec<&Node> = graph.nodes().map(|(_, n)| n).collect();
     let uses = graph.use_counts();
@@ -191,6 +202,7 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
         // Forward through the bias, reshapes and a transpose, each the only reader of what it
         // reads.
         let (mut v, mut add, mut bias, mut reshapes) = (node.outputs[0], None, None, Vec::new());
+        let mut elementwise = Vec::new();
         let (mut transpose, mut features_axis) = (None, None);
         while let ([c], 1) = (&consumers[v.index()][..], uses[v.index()]) {
             if transpose.is_some() {
@@ -203,6 +215,13 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
                         break;
                     }
                     (add, bias) = (Some(*c), Some(other));
+                }
+                Op::Unary(_) | Op::Binary(_)
+                    if reshapes.is_empty()
+                        && graph.ty(nodes[*c].outputs[0]) == graph.ty(v)
+                        && nodes[*c].inputs.iter().all(|&i| i == v || is_scalar_constant(graph, i)) =>
+                {
+                    elementwise.push(*c)
                 }
                 Op::Reshape { .. } => reshapes.push(*c),
                 // Only while the features are still the last axis, whole.
@@ -244,6 +263,7 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
                 path,
                 features_dim,
                 add,
+                elementwise,
                 reshapes,
                 transpose,
                 readers,
@@ -350,6 +370,13 @@ fn rewrite(
         if let Some(b) = f.bias {
             let b = part_of(rw, b, 0)?;
             y = add(rw.graph(), Op::Binary(BinaryOp::Add), vec![y, b])?;
+        }
+        for &e in &f.elementwise {
+            let node = source.node(NodeId(e as u32));
+            // Every input but the fused output is a scalar constant.
+            let inputs =
+                node.inputs.iter().map(|&i| if is_scalar_constant(source, i) { rw.map(i) } else { y }).collect();
+            y = add(rw.graph(), node.op.clone(), inputs)?;
         }
         if let Some(t) = f.transpose {
             y = add(rw.graph(), source.node(NodeId(t as u32)).op.clone(), vec![y])?;
