@@ -56,6 +56,9 @@ SMALL = dict(
     num_key_value_heads=2, max_position_embeddings=128, use_cache=False, tie_word_embeddings=False,
     head_dim=16,
 )
+UNSET = object()
+GEMMA3N = dict(num_kv_shared_layers=0, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+               intermediate_size=[128, 128], laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0, 0.0])
 ARCHITECTURES = {
     "gpt2": dict(n_positions=128, n_inner=128),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),
@@ -104,9 +107,26 @@ ARCHITECTURES = {
     # Its default init_std of 1.0 makes a random model's logits ~30 and its f32 gradients as far
     # as 1e-4 from f64 in PyTorch itself, past what `verify` allows a layout (1e-5).
     "cpmant": dict(init_std=0.02),
-    "dots3_note": dict(num_key_value_heads=4),
+    "dots3_note": dict(num_key_value_heads=4, vision_config=dict(adapter_out_dim=64),
+                       audio_config=dict(adapter_out_dim=64)),
     "dots3_note_text": dict(num_key_value_heads=4),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    # The catalogue's models that did not build tiny with the shared sizes alone: each with what
+    # its config needs (UNSET: the config's own value, where setting one is refused).
+    "xlnet": dict(max_position_embeddings=UNSET, d_head=16, d_inner=128),
+    "prophetnet": dict(num_hidden_layers=UNSET, num_encoder_layers=2, num_decoder_layers=2, encoder_ffn_dim=128,
+                       decoder_ffn_dim=128, num_encoder_attention_heads=4, num_decoder_attention_heads=4),
+    "zamba": dict(num_hidden_layers=3),  # two Mamba layers, then the shared attention
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                  first_k_dense_replace=1, n_group=1, topk_group=1),
+    "gemma3n_text": GEMMA3N,
+    "gemma3n": GEMMA3N,
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "musicgen": dict(num_codebooks=1, ffn_dim=128),  # one codebook: [batch, sequence] ids
+    "musicgen_melody": dict(num_codebooks=1, ffn_dim=128),
+    "dbrx": dict(d_model=64, attn_config=dict(kv_n_heads=2, clip_qkv=8.0),
+                 ffn_config=dict(hidden_size=64, ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
     "whisper": dict(d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                     decoder_ffn_dim=128, encoder_layers=2, decoder_layers=2),
 }
@@ -134,13 +154,34 @@ def longcat_dense_experts(self, hidden_states, top_k_index, top_k_weights):
     return (weights[:, :routed, None] * out).sum(1) + weights[:, routed:].sum(1, keepdim=True) * hidden_states
 
 
+def dbrx_dense_experts(self, hidden_states, top_k_index, top_k_weights):
+    """DBRX's experts without their loop over the experts hit, as LongCat-Flash's."""
+    batch = hidden_states.shape[0]
+    x = hidden_states.reshape(-1, self.hidden_size)
+    weights = (torch.nn.functional.one_hot(top_k_index, self.num_experts) * top_k_weights[..., None]).sum(1)
+    w1, v1, w2 = (p.view(self.num_experts, self.ffn_hidden_size, self.hidden_size)
+                  for p in (self.mlp.w1, self.mlp.v1, self.mlp.w2))
+    gate = self.mlp.activation_fn(torch.einsum("th,efh->tef", x, w1))
+    out = torch.einsum("tef,efh->teh", gate * torch.einsum("th,efh->tef", x, v1), w2)
+    return (weights[..., None] * out).sum(1).view(batch, -1, self.hidden_size)
+
+
 # Experts modules that take no `_experts_implementation`, by class name: a forward that traces
 # without baking the routing in.
-DENSE_EXPERTS = {"LongcatFlashExperts": longcat_dense_experts}
+DENSE_EXPERTS = {"LongcatFlashExperts": longcat_dense_experts, "DbrxExperts": dbrx_dense_experts}
+
+
+def fix_config(cfg):
+    """What transformers' own code needs and its config lacks: DBRX's attention reads a
+    `rope_theta` that its attention config no longer carries."""
+    if cfg.model_type == "dbrx":
+        object.__setattr__(cfg.attn_config, "rope_theta", cfg.rope_parameters["rope_theta"])
 
 
 def text_config(cfg):
-    """A multimodal family's text config (its `text_config`), else `cfg`."""
+    """A multimodal family's text config (its `text_config`; MusicGen's `decoder`), else `cfg`."""
+    if cfg.model_type in ("musicgen", "musicgen_melody"):
+        return cfg.decoder
     return getattr(cfg, "text_config", None) or cfg
 
 
@@ -148,7 +189,7 @@ def tiny_model(model_type):
     """The architecture built tiny and random. A multimodal family (a config with a
     `text_config`) is built as its text model: its own model type when the causal-LM mapping
     lists that, else the text config's model class."""
-    kwargs = {**SMALL, **ARCHITECTURES.get(model_type, {})}
+    kwargs = {k: v for k, v in {**SMALL, **ARCHITECTURES.get(model_type, {})}.items() if v is not UNSET}
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
     except AttributeError:  # a config whose head_dim is derived (Falcon)
@@ -179,6 +220,7 @@ def tiny_model(model_type):
             setattr(cfg, key, [v if v < VOCAB else 0 for v in value])
     if hasattr(cfg, "is_decoder"):  # encoder families' causal heads (BERT's, RoBERTa's) want it
         cfg.is_decoder = True
+    fix_config(cfg)
     cfg._attn_implementation = "eager"
     if moe:
         cfg._experts_implementation = "batched_mm"
