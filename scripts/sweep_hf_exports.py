@@ -433,9 +433,26 @@ def verdict(row):
     return f"passes (logits {logits[4:-1]}, verify at tp 2)"
 
 
+OUTCOMES = ("pass", "refuse tp 2", "need what autotp lacks", "fail in the exporters", "do not build tiny")
+
+
+def outcome(row):
+    """Where one export got to, by the order of OUTCOMES (the first is the furthest)."""
+    if row is None:
+        return len(OUTCOMES)
+    logits, one, tp = row["logits"], row["one"], row["tp"]
+    if logits.startswith("ok") and one == "ok":
+        return 0 if tp == "verify ok" else 1
+    if "unsupported op" in logits or "must be a constant" in logits:
+        return 2
+    if "build failed" in logits or "took over" in logits or "died" in logits:
+        return 4
+    return 3
+
+
 def readme_table():
-    """The README's table: every model type with its legacy export's result, and torch.export's
-    where the sweep ran it."""
+    """The README's table: every model type with its legacy export's result and torch.export's,
+    then how many model types got how far with either."""
     def load(exporter):
         path = os.path.join(OUT, f"results-{exporter}.jsonl")
         rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -443,8 +460,12 @@ def readme_table():
     legacy, dynamo = load("opset"), load("dynamo")
     print("| model type | legacy exporter (opset 17) | torch.export (opset 18) |")
     print("|---|---|---|")
+    best = collections.Counter()
     for model_type in catalogue():
         print(f"| {model_type} | {verdict(legacy.get(model_type))} | {verdict(dynamo.get(model_type))} |")
+        best[min(outcome(legacy.get(model_type)), outcome(dynamo.get(model_type)))] += 1
+    print()
+    print(", ".join(f"{best[i]} {name}" for i, name in enumerate(OUTCOMES)) + f" (of {len(catalogue())})")
 
 
 def main():
