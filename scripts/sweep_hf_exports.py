@@ -3,7 +3,10 @@
 (no network: models come from configs), exports it for training as a user would (legacy
 exporter, training mode, no constant folding, dynamic batch and sequence axes) at several
 opsets, lists the ONNX ops each export uses, compares autotp's logits with PyTorch's, compiles
-a one-rank training plan, and compiles a `--tp 2` plan and checks it with `autotp verify`.
+a one-rank training plan and trains it 5 AdamW steps against PyTorch's curve of the same
+model (the training contract: 1e-5 at step 1, 1e-3 at every step; the export's float buffers
+named in its metadata, `autotp.buffers`, so that autotp does not train what PyTorch does
+not), and compiles a `--tp 2` plan and checks it with `autotp verify`.
 Prints a markdown table (the README's list of what was checked) and the ops that autotp does
 not import. `--catalogue` takes every model type of transformers' causal-LM mapping (multimodal
 families by their text model); its rows are also appended to
@@ -357,23 +360,21 @@ def catalogue():
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def build_and_export_apart(model_type, path, opset, dynamo, memory_gib=12, seconds=900):
-    """Builds and exports in a child process under a memory limit and a time limit (a config
-    that is not tiny must not take the sweep down): None, or why it failed."""
-    report = path + ".failure"
+def run_apart(work, report, memory_gib=12, seconds=900):
+    """Runs `work(stage)` in a child process under a memory limit and a time limit (a config
+    that is not tiny must not take the sweep down): None, or why it failed. `work` sets
+    `stage[0]` to name the step it is in."""
     pid = os.fork()
     if pid == 0:
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (memory_gib << 30, memory_gib << 30))
-        stage = "build"
+        stage = ["build"]
         try:
-            model = tiny_model(model_type)
-            stage = "export"
-            export(model, path, opset, dynamo)
+            work(stage)
             os._exit(0)
         except BaseException as e:  # noqa: BLE001 - the table reports any failure
             with open(report, "w") as f:
-                f.write(f"{stage} failed: {type(e).__name__}: {' '.join(str(e).split())[:140]}")
+                f.write(f"{stage[0]} failed: {type(e).__name__}: {' '.join(str(e).split())[:140]}")
             os._exit(1)
     for _ in range(seconds):
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -393,6 +394,97 @@ def build_and_export_apart(model_type, path, opset, dynamo, memory_gib=12, secon
     return f"build or export died (status {status}; over {memory_gib} GiB of memory?)"
 
 
+def build_and_export_apart(model_type, path, opset, dynamo):
+    """Builds the tiny model and exports it, apart: None, or why it failed."""
+    def work(stage):
+        model = tiny_model(model_type)
+        stage[0] = "export"
+        export(model, path, opset, dynamo)
+    return run_apart(work, path + ".failure")
+
+
+# The training check: the fixtures' contract (tests/fixtures/make_training_fixtures.py) at the
+# sweep's size: windows of S+1 tokens with stride S, step s taking windows (s*G + j) mod W,
+# mean cross-entropy of the logits, AdamW.
+CURVE_STEPS, CURVE_G, CURVE_S = 5, 2, 16
+ADAMW = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+TOKENS = os.path.join(ROOT, "tests/fixtures/train/tokens.bin")
+
+
+def pytorch_curve(model):
+    """The losses of CURVE_STEPS AdamW steps of `model` under the training contract."""
+    tokens = np.fromfile(TOKENS, dtype=np.uint16)
+    windows = (len(tokens) - 1) // CURVE_S
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False, **ADAMW)
+    losses = []
+    for step in range(CURVE_STEPS):
+        idx = [(step * CURVE_G + j) % windows for j in range(CURVE_G)]
+        batch = np.stack([tokens[w * CURVE_S: w * CURVE_S + CURVE_S + 1] for w in idx]).astype(np.int64)
+        ids, labels = torch.from_numpy(batch[:, :CURVE_S]), torch.from_numpy(batch[:, 1:])
+        logits = Logits(model)(ids)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def buffers_of(model, path):
+    """The initializers of the export at `path` that are the model's float buffers (which
+    PyTorch does not train), by their ONNX names (the `Logits` wrapper's `m.` prefix)."""
+    names = {f"m.{name}" for name, b in model.named_buffers() if b.is_floating_point() and b.dim() > 0}
+    return sorted(t.name for t in onnx.load(path, load_external_data=False).graph.initializer if t.name in names)
+
+
+def annotate_apart(model_type, path):
+    """Apart, as the export: names the export's buffers in its metadata (`autotp.buffers`, so
+    that autotp does not train them either) and writes PyTorch's curve beside the model
+    type's exports (curve.json), each unless already done. None, or why it failed."""
+    curve = os.path.join(OUT, model_type, "curve.json")
+    exported = onnx.load(path, load_external_data=False)
+    annotated = any(p.key == "autotp.buffers" for p in exported.metadata_props)
+    if annotated and os.path.exists(curve):
+        return None
+
+    def work(stage):
+        model = tiny_model(model_type)
+        if not annotated:
+            entry = exported.metadata_props.add()
+            entry.key, entry.value = "autotp.buffers", ",".join(buffers_of(model, path))
+            onnx.save(exported, path)
+        if not os.path.exists(curve):
+            stage[0] = "PyTorch's training"
+            with open(curve, "w") as f:
+                json.dump(pytorch_curve(model), f)
+    return run_apart(work, path + ".failure")
+
+
+def curve_check(path):
+    """autotp's curve of the export against PyTorch's: "ok (...)" within the training contract
+    (1e-5 at step 1, 1e-3 at every step), else how far it is, or autotp's error."""
+    model_type = os.path.basename(os.path.dirname(os.path.dirname(path)))
+    failure = annotate_apart(model_type, path)
+    if failure:
+        return failure
+    with open(os.path.join(OUT, model_type, "curve.json")) as f:
+        want = json.load(f)
+    metrics = path.replace(".onnx", "-metrics.jsonl")
+    error = autotp("train", path, "--seq-len", str(CURVE_S), "--micro-batch", str(CURVE_G), "--steps",
+                   str(CURVE_STEPS), "--data", TOKENS, "--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8",
+                   "--weight-decay", "0.01", "--metrics-out", metrics)
+    if error:
+        return error
+    with open(metrics) as f:
+        got = [json.loads(line)["loss"] for line in f]
+    relative = [abs(g - w) / abs(w) for g, w in zip(got, want)]
+    worst = max(relative)
+    if len(got) != len(want) or relative[0] > 1e-5 or worst > 1e-3:
+        step = relative.index(worst) + 1
+        return f"trains unlike PyTorch: step 1 {relative[0]:.1e}, step {step} {worst:.1e} relative"
+    return f"ok ({worst:.1e})"
+
+
 def sweep_one(model_type, opset, dynamo):
     """One export's row: model type, opset, op count, logits, one-rank plan, tp 2 plan (a
     failure's reason in the first column it reaches)."""
@@ -410,6 +502,8 @@ def sweep_one(model_type, opset, dynamo):
     row["ops"] = sorted(ops_of(path))
     row["logits"] = logits_check(path)
     row["one"], row["tp"] = training_checks(path)
+    if row["one"] == "ok":
+        row["curve"] = curve_check(path)
     return row
 
 
@@ -428,12 +522,17 @@ def verdict(row):
         return logits
     if one != "ok":
         return f"logits {logits[3:]}; one-rank plan: {one}"
+    curve = row.get("curve", "")
+    if not curve.startswith("ok"):
+        return f"logits {logits[3:]}; one rank: {curve or 'not trained'}"
+    trains = f"{CURVE_STEPS} steps within {curve[4:-1]} of PyTorch"
     if tp != "verify ok":
-        return f"logits {logits[3:]}, trains on one rank; tp 2: {tp.removeprefix('pass ').removeprefix(chr(39) + 'autotp' + chr(39) + ': ')}"
-    return f"passes (logits {logits[4:-1]}, verify at tp 2)"
+        return f"logits {logits[3:]}, {trains}; tp 2: {tp.removeprefix('pass ').removeprefix(chr(39) + 'autotp' + chr(39) + ': ')}"
+    return f"passes (logits {logits[4:-1]}, {trains}, verify at tp 2)"
 
 
-OUTCOMES = ("pass", "refuse tp 2", "need what autotp lacks", "fail in the exporters", "do not build tiny")
+OUTCOMES = ("pass", "refuse tp 2", "train unlike PyTorch", "need what autotp lacks", "fail in the exporters",
+            "do not build tiny")
 
 
 def outcome(row):
@@ -442,12 +541,14 @@ def outcome(row):
         return len(OUTCOMES)
     logits, one, tp = row["logits"], row["one"], row["tp"]
     if logits.startswith("ok") and one == "ok":
+        if not row.get("curve", "").startswith("ok"):
+            return 2
         return 0 if tp == "verify ok" else 1
     if "unsupported op" in logits or "must be a constant" in logits:
-        return 2
+        return 3
     if "build failed" in logits or "took over" in logits or "died" in logits:
-        return 4
-    return 3
+        return 5
+    return 4
 
 
 def readme_table():

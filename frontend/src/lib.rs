@@ -50,4 +50,9 @@ pub struct Model {
 /// name).
 pub const PADDING_IDX_METADATA: &str = "autotp.padding_idx";
 
+/// The metadata key under which an export records the initializers that are the model's
+/// buffers (comma-separated names): tensors PyTorch keeps but does not train (MiniMax's decay
+/// rates, a registered mask), which the importer then takes as constants, not parameters.
+pub const BUFFERS_METADATA: &str = "autotp.buffers";
+
 pub use onnx::import_file as import_onnx;

@@ -206,6 +206,13 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     let mut external = tensor::ExternalFiles::new(path);
 
     // Initializers are parameters (with `shapes_only`, their data is not read) or constants.
+    let buffers: std::collections::BTreeSet<&str> = model
+        .metadata_props
+        .iter()
+        .filter(|p| p.key == crate::BUFFERS_METADATA)
+        .flat_map(|p| p.value.split(',').map(str::trim).filter(|name| !name.is_empty()))
+        .collect();
+    let is_parameter = |name: &str, ty: &TensorType| is_parameter(name, ty) && !buffers.contains(name);
     let mut initializers = BTreeMap::new();
     let mut params = Vec::new();
     for t in &graph.initializer {
@@ -290,7 +297,8 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
 /// (constants `torch.export` lifts, such as a mask's fill value or a norm's epsilon) and the
 /// rotary embedding's frequencies (`inv_freq`, a non-persistent buffer that the legacy
 /// exporter bakes in and `torch.export` stores as an initializer). Everything else is a
-/// parameter; `--freeze` holds others still.
+/// parameter; `--freeze` holds others still, and an export names its buffers in the model's
+/// metadata (`autotp.buffers`).
 fn is_parameter(name: &str, ty: &TensorType) -> bool {
     ty.dtype.is_float() && !ty.shape.is_empty() && name.rsplit('.').next() != Some("inv_freq")
 }
@@ -428,5 +436,15 @@ mod tests {
         let params: Vec<&str> = imported.graph.params().iter().filter_map(|&p| imported.graph.name_of(p)).collect();
         assert_eq!(params, ["w"]);
         assert_eq!(imported.weights.keys().collect::<Vec<_>>(), ["w"]);
+
+        // An export that names `w` a buffer in the metadata: a constant, nothing to train.
+        let mut with_buffers = model.clone();
+        with_buffers.metadata_props =
+            vec![proto::StringStringEntryProto { key: crate::BUFFERS_METADATA.into(), value: "w, other".into() }];
+        let imported =
+            import_bytes(with_buffers.encode_to_vec().into(), Path::new("buffers.onnx"), &ImportOptions::default())
+                .map_err(|e| e.to_string());
+        let imported = imported.as_ref().map(|m| (m.graph.params().len(), m.weights.len()));
+        assert_eq!(imported, Ok((0, 0)));
     }
 }
