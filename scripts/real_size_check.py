@@ -42,13 +42,12 @@ import transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
-from make_fixtures import Logits, export, seeded_model  # noqa: E402
+from make_fixtures import Logits, contract_curve, export, seeded_model  # noqa: E402
 
 AUTOTP = os.environ.get("AUTOTP", os.path.join(ROOT, "target", "release", "autotp"))
 OUT = "/tmp/autotp-real-size"
 SEQ = 512
 GLOBAL_BATCH = 4
-ADAMW = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 TOKENS = 2_000_000
 
 # (key, name, autotp flags); every layout trains GLOBAL_BATCH sequences a step.
@@ -89,22 +88,13 @@ def real_text_tokens(vocab, count):
 
 def pytorch_curve(model, tokens, steps):
     """The contract's AdamW steps of `model` over `tokens`: the loss and seconds per step."""
-    windows = (len(tokens) - 1) // SEQ
-    opt = torch.optim.AdamW(model.parameters(), foreach=False, **ADAMW)
-    losses, seconds = [], []
-    for step in range(steps):
-        start = time.perf_counter()
-        idx = [(step * GLOBAL_BATCH + j) % windows for j in range(GLOBAL_BATCH)]
-        batch = np.stack([tokens[w * SEQ: w * SEQ + SEQ + 1] for w in idx]).astype(np.int64)
-        ids, labels = torch.from_numpy(batch[:, :SEQ]), torch.from_numpy(batch[:, 1:])
-        logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        seconds.append(time.perf_counter() - start)
-        print(f"  pytorch step {step + 1}: loss {losses[-1]:.6f} ({seconds[-1]:.1f} s)", flush=True)
+    seconds, start = [], [time.perf_counter()]
+
+    def on_step(step, loss):
+        seconds.append(time.perf_counter() - start[0])
+        start[0] = time.perf_counter()
+        print(f"  pytorch step {step + 1}: loss {loss:.6f} ({seconds[-1]:.1f} s)", flush=True)
+    losses = contract_curve(model, tokens, GLOBAL_BATCH, SEQ, steps, on_step)
     return losses, seconds
 
 

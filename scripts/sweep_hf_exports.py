@@ -47,7 +47,7 @@ import transformers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
 # The fixtures' Logits wrapper, and their workaround for the legacy exporter on transformers 5.
-from make_fixtures import Logits  # noqa: E402
+from make_fixtures import Logits, contract_curve  # noqa: E402
 AUTOTP = os.environ.get("AUTOTP", os.path.join(ROOT, "target", "release", "autotp"))
 OUT = "/tmp/autotp-sweep"
 VOCAB = 1000
@@ -403,31 +403,15 @@ def build_and_export_apart(model_type, path, opset, dynamo):
     return run_apart(work, path + ".failure")
 
 
-# The training check: the fixtures' contract (tests/fixtures/make_training_fixtures.py) at the
-# sweep's size: windows of S+1 tokens with stride S, step s taking windows (s*G + j) mod W,
-# mean cross-entropy of the logits, AdamW.
+# The training check: the fixtures' contract (tests/fixtures/make_fixtures.contract_curve) at
+# the sweep's size.
 CURVE_STEPS, CURVE_G, CURVE_S = 5, 2, 16
-ADAMW = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 TOKENS = os.path.join(ROOT, "tests/fixtures/train/tokens.bin")
 
 
 def pytorch_curve(model):
     """The losses of CURVE_STEPS AdamW steps of `model` under the training contract."""
-    tokens = np.fromfile(TOKENS, dtype=np.uint16)
-    windows = (len(tokens) - 1) // CURVE_S
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False, **ADAMW)
-    losses = []
-    for step in range(CURVE_STEPS):
-        idx = [(step * CURVE_G + j) % windows for j in range(CURVE_G)]
-        batch = np.stack([tokens[w * CURVE_S: w * CURVE_S + CURVE_S + 1] for w in idx]).astype(np.int64)
-        ids, labels = torch.from_numpy(batch[:, :CURVE_S]), torch.from_numpy(batch[:, 1:])
-        logits = Logits(model)(ids)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return contract_curve(model, np.fromfile(TOKENS, dtype=np.uint16), CURVE_G, CURVE_S, CURVE_STEPS)
 
 
 def buffers_of(model, path):
