@@ -493,7 +493,8 @@ def sweep_one(model_type, opset, dynamo):
 
 def print_row(row):
     ops = len(row["ops"]) or ""
-    print(f"| {row['model_type']} | {row['opset']} | {ops} | {row['logits']} | {row['one']} | {row['tp']} |")
+    print(f"| {row['model_type']} | {row['opset']} | {ops} | {row['logits']} | {row['one']} | {row.get('curve', '')} "
+          f"| {row['tp']} |")
     sys.stdout.flush()
 
 
@@ -575,8 +576,9 @@ def main():
     supported = set(re.findall(r'"([A-Za-z]+)"', open(os.path.join(ROOT, "frontend/src/onnx/ops/mod.rs")).read()))
     used = collections.defaultdict(set)
     title = "torch.export (dynamo)" if args.dynamo else "legacy exporter"
-    print(f"| model type | opset ({title}) | ops | logits vs PyTorch | one-rank plan | `--tp 2` plan |")
-    print("|---|---|---|---|---|---|")
+    print(f"| model type | opset ({title}) | ops | logits vs PyTorch | one-rank plan | {CURVE_STEPS} steps vs PyTorch "
+          "| `--tp 2` plan |")
+    print("|---|---|---|---|---|---|---|")
     for model_type in types:
         for opset in opsets:
             previous = [r for r in done if r["model_type"] == model_type and r["opset"] == opset]
