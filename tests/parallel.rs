@@ -205,6 +205,23 @@ fn key_value_heads_fewer_than_tp_are_replicated() {
     }
 }
 
+/// OLMo 2's query and key norms are over all heads, which tp splits: `expand-norms` writes them
+/// as arithmetic whose sums one all-reduce completes, their scales split with the features, and
+/// `--explain-tp` says so rather than only that they follow their consumers.
+#[test]
+fn norms_over_split_features_are_explained() {
+    let model = fixture("olmo2", "model.onnx");
+    let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "8", "--tp", "2"];
+    let out = success(autotp(&[&args[..], &["--explain-tp", "-o", "/dev/null"]].concat()));
+    for weight in ["m.model.layers.0.self_attn.q_norm.weight", "m.model.layers.1.self_attn.k_norm.weight"] {
+        let line = out.lines().find(|l| l.trim_start().starts_with(&format!("{weight} "))).unwrap_or_default();
+        assert!(
+            line.contains("shard(0)") && line.contains("the scale of a norm over split features, expanded"),
+            "{weight}: {out}"
+        );
+    }
+}
+
 /// With gradient accumulation each micro-batch looks its token ids up in a slice of the step's
 /// input: Llama's (untied) embedding is still split over the vocabulary, a rank holds the same
 /// parameter bytes as without accumulation, and `verify` finds every gradient as on one device.

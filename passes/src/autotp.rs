@@ -518,9 +518,31 @@ fn follower_reason(graph: &Graph, consumers: &[Vec<NodeId>], forward: &[bool], n
         Some(Op::Binary(BinaryOp::Add)) => "a bias of split features",
         Some(Op::Gather { .. }) => "experts' biases of split features, looked up by expert",
         Some(Op::LayerNorm { .. } | Op::RmsNorm { .. }) => "a norm's scale over split features",
+        Some(Op::Binary(BinaryOp::Mul)) if scales_normalised(graph, consumers, v) => {
+            "the scale of a norm over split features, expanded so that its sums are completed over tp"
+        }
         _ => "read with split values",
     };
     format!("follows its consumer: {what}, split with them rather than sliced every step")
+}
+
+/// Whether `v` multiplies a normalised value: `x * rsqrt(...)`, what `expand-norms` writes
+/// for a norm over split features (BitNet's sub-norms, OLMo 2's query and key norms).
+fn scales_normalised(graph: &Graph, consumers: &[Vec<NodeId>], v: ValueId) -> bool {
+    let made_by_rsqrt = |x: ValueId| {
+        matches!(graph.value(x).def, autotp_ir::Def::Node(n, _)
+            if matches!(graph.node(n).op, Op::Unary(autotp_ir::UnaryOp::Rsqrt)))
+    };
+    consumers[v.index()].iter().map(|&c| graph.node(c)).any(|mul| {
+        mul.inputs.iter().filter(|&&x| x != v).any(|&x| match graph.value(x).def {
+            autotp_ir::Def::Node(n, _) => {
+                let normalised = graph.node(n);
+                matches!(normalised.op, Op::Binary(BinaryOp::Mul))
+                    && normalised.inputs.iter().any(|&i| made_by_rsqrt(i))
+            }
+            _ => false,
+        })
+    })
 }
 
 /// Parameters that a `shard_slice` on the tp axis cuts (directly or through a view), with the
