@@ -222,6 +222,24 @@ fn norms_over_split_features_are_explained() {
     }
 }
 
+/// Under bf16 a block reads a cast of its f32 norm and returns a cast of its 16-bit result to
+/// the f32 residual stream (BLOOM's layer norms run in f32): `autotp` finds the block through
+/// the casts, and `verify` finds the tp 2 plan training like one device. It was refused ("no
+/// Megatron block").
+#[test]
+fn mixed_precision_blocks_are_found_through_casts() {
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let plan = scratch("bloom-bf16").join("bloom.atp");
+    let model = fixture("bloom", "model.onnx");
+    let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "8", "--tp", "2"];
+    let out =
+        success(autotp(&[&args[..], &["--precision", "bf16", "--explain-tp", "-o", plan.to_str().unwrap()]].concat()));
+    let dense = out.lines().find(|l| l.trim_start().starts_with("m.transformer.h.0.self_attention.dense.weight "));
+    assert!(dense.is_some_and(|l| l.contains("shard(1)") && l.contains("row-parallel")), "{out}");
+    let report = success(autotp(&["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()]));
+    assert!(report.contains("trains like one device"), "{report}");
+}
+
 /// With gradient accumulation each micro-batch looks its token ids up in a slice of the step's
 /// input: Llama's (untied) embedding is still split over the vocabulary, a rank holds the same
 /// parameter bytes as without accumulation, and `verify` finds every gradient as on one device.

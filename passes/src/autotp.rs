@@ -164,7 +164,7 @@ impl AutoTp {
             }
             false
         };
-        // Row-parallel: the result (plus biases, through reshapes, through the routing weights'
+        // Row-parallel: the result (plus biases, through reshapes and casts, through the routing weights'
         // scaling and the sum over a token's experts, beside another branch's result, through a
         // post-norm) is added to the residual stream: the value of its type that the block
         // read. What else it is added to is a bias (a parameter, or experts' biases looked up
@@ -177,7 +177,8 @@ impl AutoTp {
                     users.get(&v).into_iter().flatten().copied().filter(|&c| in_forward(c)).collect();
                 let [c] = consumers[..] else { return None };
                 match nodes[c].op {
-                    Op::Reshape { .. } | Op::Reduce { op: autotp_ir::ReduceOp::Sum, .. } => {}
+                    // A cast of mixed precision: a 16-bit result joins an f32 residual stream.
+                    Op::Reshape { .. } | Op::Cast { .. } | Op::Reduce { op: autotp_ir::ReduceOp::Sum, .. } => {}
                     // A norm of the block's output before the residual add (Gemma 2's
                     // post-norms): the partial sums are reduced before it.
                     Op::LayerNorm { .. } | Op::RmsNorm { .. } if nodes[c].inputs[0] == v => {}
@@ -279,7 +280,7 @@ impl AutoTp {
             let mut activation = u.activation;
             while let Some(&p) = producer.get(&activation) {
                 match nodes[p].op {
-                    Op::Reshape { .. } | Op::Expand { .. } => activation = nodes[p].inputs[0],
+                    Op::Reshape { .. } | Op::Expand { .. } | Op::Cast { .. } => activation = nodes[p].inputs[0],
                     _ => break,
                 }
             }
