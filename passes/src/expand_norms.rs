@@ -5,11 +5,11 @@
 //! composite norm would need the features whole. Norms of the residual stream, of a block's
 //! output on its way into it (Gemma 2's post-norms), and of a low-rank latent that another
 //! projection reads (multi-head latent attention's `q_a_layernorm` and `kv_a_layernorm`, whose
-//! down-projections stay whole on every rank) are left alone. So is a norm inside a block
-//! (BitNet's `attn_sub_norm` of the attention's output and `ffn_sub_norm` of the gated unit,
-//! each before its row-parallel projection): made by attention or a product of two
-//! activations, it reads the split features and feeds a projection.
-//! Runs before autodiff, only under tensor parallelism. Tests: tests/golden/expand_norms.ir.
+//! down-projections stay whole on every rank) are left alone. A norm inside a block is
+//! expanded too (BitNet's `attn_sub_norm` of the attention's output and `ffn_sub_norm` of the
+//! gated unit, each before its row-parallel projection): made by attention or a product of
+//! two activations, it reads the split features and feeds a projection.
+//! Runs before autodiff, only under tensor parallelism. Tests: tests/golden/expand_norms*.ir.
 
 use autotp_ir::{BinaryOp, Def, Graph, NodeId, Op, ReduceOp, Rewriter, Tensor, UnaryOp, ValueId};
 
@@ -73,8 +73,9 @@ fn feeds_projection(graph: &Graph, consumers: &[Vec<NodeId>], v: ValueId) -> boo
 /// of two activations: the probabilities times the values), by a product of two activations
 /// (a gated unit), or by reshapes, transposes, concats and sums of such values (a linear
 /// attention's chunks). A residual sum adds a projection's output to the stream, and an
-/// embedding is a gather: neither is.
-fn made_inside_block(graph: &Graph, v: ValueId) -> bool {
+/// embedding is a gather: neither is. The patterns are shallow; the search stops at a depth of
+/// `depth` nodes (a residual stream's chain of sums is as deep as the model).
+fn made_inside_block(graph: &Graph, v: ValueId, depth: usize) -> bool {
     let is_activation = |v: ValueId| {
         !graph.params().contains(&v)
             && !matches!(graph.value(v).def, Def::Node(n, _) if matches!(graph.node(n).op, Op::Constant { .. }))
@@ -82,9 +83,10 @@ fn made_inside_block(graph: &Graph, v: ValueId) -> bool {
     };
     let Def::Node(n, _) = graph.value(v).def else { return false };
     let node = graph.node(n);
+    let inside = |i: &ValueId| depth > 0 && made_inside_block(graph, *i, depth - 1);
     match node.op {
-        Op::Reshape { .. } | Op::Transpose { .. } => made_inside_block(graph, node.inputs[0]),
-        Op::Concat { .. } | Op::Binary(BinaryOp::Add) => node.inputs.iter().all(|&i| made_inside_block(graph, i)),
+        Op::Reshape { .. } | Op::Transpose { .. } => inside(&node.inputs[0]),
+        Op::Concat { .. } | Op::Binary(BinaryOp::Add) => node.inputs.iter().all(inside),
         Op::Attention { .. } => true,
         Op::MatMul { .. } | Op::Binary(BinaryOp::Mul) => node.inputs.iter().all(|&i| is_activation(i)),
         _ => false,
@@ -108,7 +110,7 @@ impl Pass for ExpandNorms {
                     && !feeds_residual(graph, n.outputs[0])
                     && !feeds_projection(graph, &consumers, n.outputs[0]);
                 let inside_block =
-                    made_inside_block(graph, n.inputs[0]) && feeds_projection(graph, &consumers, n.outputs[0]);
+                    made_inside_block(graph, n.inputs[0], 16) && feeds_projection(graph, &consumers, n.outputs[0]);
                 of_projection || inside_block
             })
             .collect();

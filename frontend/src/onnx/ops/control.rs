@@ -1,6 +1,6 @@
 //! `If` whose condition is known at import. The legacy exporter writes one for a `squeeze` of a
-//! dim whose size it cannot see (`If(shape[d] == 1, Squeeze, Identity)`, LongCat-Flash's
-//! experts), and the static shapes autotp imports with decide it. The taken branch's nodes are
+//! dim whose size it cannot see (`If(shape[d] == 1, Squeeze, Identity)`, as in LongCat-Flash's
+//! loop over its experts), and the static shapes autotp imports with decide it. The taken branch's nodes are
 //! converted in place: a branch reads the enclosing graph's values by name, and ONNX names are
 //! unique across subgraphs. A condition computed from the data is refused, naming the node:
 //! autotp compiles one static graph.
