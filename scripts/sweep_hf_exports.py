@@ -507,9 +507,12 @@ def verdict(row):
         return logits
     if one != "ok":
         return f"logits {logits[3:]}; one-rank plan: {one}"
-    curve = row.get("curve", "")
+    if "curve" not in row:  # a row of a sweep before the training check
+        tp_result = "verify at tp 2" if tp == "verify ok" else f"tp 2: {tp}"
+        return f"logits {logits[3:]}, {tp_result} (not trained against PyTorch)"
+    curve = row["curve"]
     if not curve.startswith("ok"):
-        return f"logits {logits[3:]}; one rank: {curve or 'not trained'}"
+        return f"logits {logits[3:]}; one rank: {curve}"
     trains = f"{CURVE_STEPS} steps within {curve[4:-1]} of PyTorch"
     if tp != "verify ok":
         return f"logits {logits[3:]}, {trains}; tp 2: {tp.removeprefix('pass ').removeprefix(chr(39) + 'autotp' + chr(39) + ': ')}"
@@ -526,7 +529,7 @@ def outcome(row):
         return len(OUTCOMES)
     logits, one, tp = row["logits"], row["one"], row["tp"]
     if logits.startswith("ok") and one == "ok":
-        if not row.get("curve", "").startswith("ok"):
+        if not row.get("curve", "ok").startswith("ok"):
             return 2
         return 0 if tp == "verify ok" else 1
     if "unsupported op" in logits or "must be a constant" in logits:
