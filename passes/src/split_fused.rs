@@ -209,7 +209,8 @@ fn find_fused(graph: &Graph) -> Vec<Fused> {
                 break;
             }
             match &nodes[*c].op {
-                Op::Binary(BinaryOp::Add) if add.is_none() && reshapes.is_empty() => {
+                // The bias, before any elementwise op (each part adds its bias first).
+                Op::Binary(BinaryOp::Add) if add.is_none() && elementwise.is_empty() && reshapes.is_empty() => {
                     let other = if nodes[*c].inputs[0] == v { nodes[*c].inputs[1] } else { nodes[*c].inputs[0] };
                     if !is_param(other) || graph.ty(other).shape != [features] || uses[other.index()] != 1 {
                         break;
