@@ -414,11 +414,11 @@ def pytorch_curve(model):
     return contract_curve(model, np.fromfile(TOKENS, dtype=np.uint16), CURVE_G, CURVE_S, CURVE_STEPS)
 
 
-def buffers_of(model, path):
-    """The initializers of the export at `path` that are the model's float buffers (which
+def buffers_of(model, exported):
+    """The initializers of the ONNX model `exported` that are the model's float buffers (which
     PyTorch does not train), by their ONNX names (the `Logits` wrapper's `m.` prefix)."""
     names = {f"m.{name}" for name, b in model.named_buffers() if b.is_floating_point() and b.dim() > 0}
-    return sorted(t.name for t in onnx.load(path, load_external_data=False).graph.initializer if t.name in names)
+    return sorted(t.name for t in exported.graph.initializer if t.name in names)
 
 
 def annotate_apart(model_type, path):
@@ -435,7 +435,7 @@ def annotate_apart(model_type, path):
         model = tiny_model(model_type)
         if not annotated:
             entry = exported.metadata_props.add()
-            entry.key, entry.value = "autotp.buffers", ",".join(buffers_of(model, path))
+            entry.key, entry.value = "autotp.buffers", ",".join(buffers_of(model, exported))
             onnx.save(exported, path)
         if not os.path.exists(curve):
             stage[0] = "PyTorch's training"

@@ -166,6 +166,11 @@ fn verify_takes_the_plans_precision_into_account() {
     assert_eq!(strict.status.code(), Some(1), "{}", String::from_utf8_lossy(&strict.stdout));
 }
 
+/// The `--explain-tp` line of `weight` in a compile's output.
+fn explained<'a>(out: &'a str, weight: &str) -> Option<&'a str> {
+    out.lines().find(|l| l.trim_start().strip_prefix(weight).is_some_and(|rest| rest.starts_with(' ')))
+}
+
 /// Key/value projections with fewer heads than tp ranks are replicated, the query heads split:
 /// Llama's 2 key/value heads under `--tp 4` (separate projections), and the multi-query
 /// models' one head under `--tp 2`, whose fused projection trains as three parameters.
@@ -193,9 +198,7 @@ fn key_value_heads_fewer_than_tp_are_replicated() {
         let plan = dir.join(format!("{arch}.atp"));
         let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "8", "--tp", tp];
         let out = success(autotp(&[&args[..], &["--explain-tp", "-o", plan.to_str().unwrap()]].concat()));
-        let line = |weight: &str| {
-            out.lines().find(|l| l.trim_start().starts_with(&format!("{weight} "))).unwrap_or_else(|| panic!("{out}"))
-        };
+        let line = |weight: &str| explained(&out, weight).unwrap_or_else(|| panic!("{out}"));
         assert!(line(query).contains("shard(0)") && line(query).contains("column-parallel"), "{arch}: {out}");
         let heads = if arch == "llama" { "2 heads" } else { "1 head " };
         let kv = line(key_value);
@@ -214,7 +217,7 @@ fn norms_over_split_features_are_explained() {
     let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "8", "--tp", "2"];
     let out = success(autotp(&[&args[..], &["--explain-tp", "-o", "/dev/null"]].concat()));
     for weight in ["m.model.layers.0.self_attn.q_norm.weight", "m.model.layers.1.self_attn.k_norm.weight"] {
-        let line = out.lines().find(|l| l.trim_start().starts_with(&format!("{weight} "))).unwrap_or_default();
+        let line = explained(&out, weight).unwrap_or_default();
         assert!(
             line.contains("shard(0)") && line.contains("the scale of a norm over split features, expanded"),
             "{weight}: {out}"
@@ -234,7 +237,7 @@ fn mixed_precision_blocks_are_found_through_casts() {
     let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "8", "--tp", "2"];
     let out =
         success(autotp(&[&args[..], &["--precision", "bf16", "--explain-tp", "-o", plan.to_str().unwrap()]].concat()));
-    let dense = out.lines().find(|l| l.trim_start().starts_with("m.transformer.h.0.self_attention.dense.weight "));
+    let dense = explained(&out, "m.transformer.h.0.self_attention.dense.weight");
     assert!(dense.is_some_and(|l| l.contains("shard(1)") && l.contains("row-parallel")), "{out}");
     let report = success(autotp(&["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()]));
     assert!(report.contains("trains like one device"), "{report}");

@@ -106,11 +106,9 @@ impl Pass for ExpandNorms {
                 if !matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. }) {
                     return false;
                 }
-                let of_projection = is_projection(graph, n.inputs[0])
-                    && !feeds_residual(graph, n.outputs[0])
-                    && !feeds_projection(graph, &consumers, n.outputs[0]);
-                let inside_block =
-                    made_inside_block(graph, n.inputs[0], 16) && feeds_projection(graph, &consumers, n.outputs[0]);
+                let feeds = feeds_projection(graph, &consumers, n.outputs[0]);
+                let of_projection = is_projection(graph, n.inputs[0]) && !feeds_residual(graph, n.outputs[0]) && !feeds;
+                let inside_block = feeds && made_inside_block(graph, n.inputs[0], 16);
                 of_projection || inside_block
             })
             .collect();
