@@ -61,7 +61,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
 /// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
@@ -117,12 +117,16 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             }
             Box::new(autotp_passes::zero::Zero { dp, config, batch_inputs: vec!["input_ids".into(), "labels".into()] })
         }
-        "autotp" => Box::new(autotp_passes::autotp::AutoTp {
-            tp: argument.parse().expect("autotp:TP"),
-            dp: 1,
-            zero: Default::default(),
-            batch_inputs: vec![],
-        }),
+        "autotp" => {
+            let (tp, replicate) = argument.split_once(':').map_or((argument, ""), |(tp, r)| (tp, r));
+            Box::new(autotp_passes::autotp::AutoTp {
+                tp: tp.parse().expect("autotp:TP[:replicate-unsplittable]"),
+                dp: 1,
+                zero: Default::default(),
+                batch_inputs: vec![],
+                replicate_unsplittable: replicate == "replicate-unsplittable",
+            })
+        }
         "autodiff" => {
             let mut pass = Autodiff::new("loss");
             if let Some(frozen) = argument.strip_prefix("freeze=") {

@@ -208,6 +208,32 @@ fn key_value_heads_fewer_than_tp_are_replicated() {
     }
 }
 
+/// `--tp-replicate-unsplittable`: Llama's attention, whose 4 heads tp=8 cannot split, stays
+/// whole on every rank while its MLPs split 8 ways, said so by `--explain-tp`, and the plan
+/// trains like one device.
+#[test]
+fn unsplittable_blocks_are_replicated_on_request() {
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let dir = scratch("replicate-unsplittable");
+    let (model, plan) = (fixture("llama", "model.onnx"), dir.join("llama.atp"));
+    let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "8", "--tp", "8"];
+    let refused = failure(autotp(&[&args[..], &["-o", "/dev/null"]].concat()));
+    assert!(refused.contains("--tp-replicate-unsplittable keeps such a block whole"), "{refused}");
+    let flags = ["--tp-replicate-unsplittable", "--explain-tp", "-o", plan.to_str().unwrap()];
+    let out = success(autotp(&[&args[..], &flags].concat()));
+    let line = |weight: &str| explained(&out, &format!("m.model.layers.1.{weight}")).unwrap_or_else(|| panic!("{out}"));
+    // The key and value projections, with 2 heads, are replicated first, as always.
+    for weight in ["self_attn.k_proj.weight", "self_attn.v_proj.weight"] {
+        assert!(line(weight).contains("replicate  key/value projection with 2 heads"), "{out}");
+    }
+    let query = line("self_attn.q_proj.weight");
+    assert!(query.contains("replicate  replicated with its block"), "{query}");
+    assert!(query.contains("the reshape makes 4 heads of it, which tp=8 does not divide"), "{query}");
+    assert!(line("mlp.up_proj.weight").contains("shard(0)") && line("mlp.down_proj.weight").contains("shard(1)"));
+    let report = success(autotp(&["verify", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap()]));
+    assert!(report.contains("every gradient within 1e-5") && report.contains("trains like one device"), "{report}");
+}
+
 /// OLMo 2's query and key norms are over all heads, which tp splits: `expand-norms` writes them
 /// as arithmetic whose sums one all-reduce completes, their scales split with the features, and
 /// `--explain-tp` says so rather than only that they follow their consumers.

@@ -143,7 +143,13 @@ fn tensor_and_zero_parallel_steps_match_one_device() {
     use autotp_passes::autotp::AutoTp;
     for (arch, zero) in [("gpt2", 3), ("gpt2", 1), ("gpt_neox", 3), ("llama", 0)] {
         let zero = autotp_passes::zero::ZeroConfig { stage: zero, ..Default::default() };
-        let autotp = AutoTp { tp: 2, dp: 2, zero, batch_inputs: vec!["input_ids".into(), "labels".into()] };
+        let autotp = AutoTp {
+            tp: 2,
+            dp: 2,
+            zero,
+            batch_inputs: vec!["input_ids".into(), "labels".into()],
+            replicate_unsplittable: false,
+        };
         let (loss, tensors) = compare(arch, autotp);
         println!(
             "{arch} tp=2 dp=2 zero {}: loss {loss:.2e}, parameters and states {tensors:.2e} (worst relative)",
@@ -164,7 +170,9 @@ fn no_rank_holds_the_whole_vocabulary() {
             let (mut graph, _) = training_step_with(arch, true);
             let batch_inputs = vec!["input_ids".into(), "labels".into()];
             let zero = ZeroConfig { stage: 1, ..Default::default() };
-            AutoTp { tp: 2, dp, zero, batch_inputs }.run(&mut graph).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            AutoTp { tp: 2, dp, zero, batch_inputs, replicate_unsplittable: false }
+                .run(&mut graph)
+                .unwrap_or_else(|e| panic!("{arch}: {e}"));
             let tp = graph.mesh.axes.len() - 1;
             let vocab = 1000;
             for (id, value) in graph.values() {
@@ -218,7 +226,13 @@ fn an_indivisible_vocabulary_is_refused() {
             stage: None,
             nonfinite: Default::default(),
         }),
-        Box::new(AutoTp { tp: 2, dp: 1, zero: ZeroConfig::default(), batch_inputs: vec![] }),
+        Box::new(AutoTp {
+            tp: 2,
+            dp: 1,
+            zero: ZeroConfig::default(),
+            batch_inputs: vec![],
+            replicate_unsplittable: false,
+        }),
     ];
     let error = PassManager::new(passes).run(&mut graph).unwrap_err().to_string();
     assert!(error.contains("'embed'") && error.contains("15") && error.contains("vocabulary"), "{error}");

@@ -76,6 +76,13 @@ pub struct CompileFlags {
     /// Print each weight the tensor-parallel split places, and why.
     #[arg(long)]
     pub explain_tp: bool,
+    /// Keep the blocks whose split does not hold (a state-space mixer's unequal projection,
+    /// heads tp does not divide) replicated, each rank computing them whole, as DeepSpeed
+    /// AutoTP leaves the layers it does not know, instead of refusing the layout;
+    /// --explain-tp names their weights and why.
+    #[arg(long)]
+    #[serde(default)]
+    pub tp_replicate_unsplittable: bool,
     /// adamw or sgd.
     #[arg(long, default_value = "adamw")]
     pub optimizer: String,

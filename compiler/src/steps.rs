@@ -368,7 +368,13 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
         steps.push(pass(Box::new(Zero { dp: flags.dp, config: options.zero, batch_inputs: batch_inputs.clone() })));
     }
     if flags.tp > 1 {
-        let autotp = AutoTp { tp: flags.tp, dp: flags.dp, zero: options.zero, batch_inputs };
+        let autotp = AutoTp {
+            tp: flags.tp,
+            dp: flags.dp,
+            zero: options.zero,
+            batch_inputs,
+            replicate_unsplittable: flags.tp_replicate_unsplittable,
+        };
         steps.push(Box::new(TensorParallel { autotp, explain: flags.explain_tp }));
     }
     let generated = options.kernels() == autotp_codegen::KernelChoice::Generated;

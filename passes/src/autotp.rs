@@ -19,7 +19,11 @@
 //! split cannot hold inside a block, the forward pass would need an all-gather there. A
 //! key/value projection with fewer heads than tp (multi-query and grouped-query attention) is
 //! then replicated, its gradient summed over tp, as DeepSpeed AutoTP does; any other such split
-//! is refused with the value and why (tp not dividing the heads, a norm over split features).
+//! is refused with the value and why (tp not dividing the heads, a norm over split features),
+//! or, with `replicate_unsplittable` (`--tp-replicate-unsplittable`), the split weights of the
+//! block that computes the value stay whole on every rank, as DeepSpeed AutoTP leaves the
+//! layers it does not know: the rest of the model still splits, and the block's row-parallel
+//! projection reads each rank's slice of its replicated input.
 //! The token embedding, the LM head and the cross-entropy split over the vocabulary
 //! ([`crate::vocab`]).
 //!
@@ -43,6 +47,9 @@ pub struct AutoTp {
     pub zero: crate::zero::ZeroConfig,
     /// Graph inputs sharded over `dp` on their batch dim.
     pub batch_inputs: Vec<String>,
+    /// Keep a block whose split does not hold replicated (`--tp-replicate-unsplittable`), as
+    /// DeepSpeed AutoTP leaves the layers it does not know, instead of refusing the layout.
+    pub replicate_unsplittable: bool,
 }
 
 /// Why a weight got its placement, for `--explain-tp`.
@@ -420,7 +427,7 @@ impl AutoTp {
         let mut replicated: Vec<Explained> = Vec::new();
         let mut followers: Vec<Explained> = Vec::new();
         // Each round replicates a weight or adds followers: a bound on the rounds, not a limit.
-        for _ in 0..4 * (columns.len() + 2) {
+        for _ in 0..4 * (planned.len() + 2) {
             let explained: Vec<Explained> = planned
                 .iter()
                 .filter(|e| !replicated.iter().any(|r| r.weight == e.weight))
@@ -440,6 +447,9 @@ impl AutoTp {
             }
             .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);
+            // A weight replicated with its block stays whole, however the rules would slice it.
+            let sliced: Vec<(String, Placement)> =
+                sliced.into_iter().filter(|(w, _)| !replicated.iter().any(|r| &r.weight == w)).collect();
             if !sliced.is_empty() {
                 let (consumers, forward) = (graph.consumers(), forward_values(graph));
                 followers.extend(sliced.into_iter().map(|(weight, placement)| Explained {
@@ -470,7 +480,27 @@ impl AutoTp {
                     });
                     followers.clear();
                 }
-                None => return Err(invalid(refusal(gather, &explained))),
+                // The block's weights, planned and followers, stay whole on every rank.
+                None if self.replicate_unsplittable => {
+                    let block: Vec<&String> =
+                        gather.block.iter().filter(|w| !replicated.iter().any(|r| &r.weight == *w)).collect();
+                    if block.is_empty() {
+                        return Err(invalid(refusal(gather, &explained)));
+                    }
+                    let why = gather.message.split_once(": ").map_or(gather.message.as_str(), |(_, why)| why);
+                    replicated.extend(block.into_iter().map(|weight| Explained {
+                        weight: weight.clone(),
+                        placement: Placement::Replicate,
+                        reason: format!(
+                            "replicated with its block (--tp-replicate-unsplittable): the block cannot be split: {why}"
+                        ),
+                    }));
+                    followers.clear();
+                }
+                None => {
+                    let hint = "; --tp-replicate-unsplittable keeps such a block whole on every rank instead";
+                    return Err(invalid(format!("{}{hint}", refusal(gather, &explained))));
+                }
             }
         }
         Err(invalid("the weight placements did not settle".into()))
@@ -649,6 +679,10 @@ struct ForwardGather {
     reshape_heads: Option<usize>,
     /// The gathered dim's size.
     gathered: usize,
+    /// The split parameters of the block that computes the gathered value: those it is
+    /// computed from within the values split over tp (back to the replicated values that
+    /// enter the block).
+    block: BTreeSet<String>,
 }
 
 /// The first all-gather over tp that the forward pass needs, if any: the value it gathers,
@@ -713,7 +747,8 @@ fn forward_gather(graph: &Graph, tp: usize) -> Option<ForwardGather> {
             "tp={tp} cannot split the blocks: {consumer} needs dim {dim} of {}{computed_with} whole{into}: {why}",
             graph.ty(input)
         );
-        return Some(ForwardGather { message, weights, reshape_heads, gathered: shape[*dim] });
+        let block = block_weights(graph, input);
+        return Some(ForwardGather { message, weights, reshape_heads, gathered: shape[*dim], block });
     }
     None
 }
@@ -805,6 +840,29 @@ fn split_weights_upstream(graph: &Graph, v: ValueId) -> Vec<(String, usize)> {
         }
         if let Some(n) = producer.get(&v) {
             queue.extend(n.inputs.iter().copied().filter(|i| seen.insert(*i)));
+        }
+    }
+    found
+}
+
+/// The tp-split parameters that `v` is computed from through values that are not replicated
+/// over tp: the weights of the block that computes it.
+fn block_weights(graph: &Graph, v: ValueId) -> BTreeSet<String> {
+    let producer: BTreeMap<ValueId, &autotp_ir::Node> =
+        graph.nodes().flat_map(|(_, n)| n.outputs.iter().map(move |&o| (o, n))).collect();
+    let mut stack = vec![v];
+    let mut seen = BTreeSet::from([v]);
+    let mut found = BTreeSet::new();
+    while let Some(v) = stack.pop() {
+        // tp is the mesh's last axis.
+        if matches!(graph.value(v).placements.last(), None | Some(Placement::Replicate)) {
+            continue;
+        }
+        if graph.params().contains(&v) {
+            found.insert(graph.name_of(v).unwrap_or("").to_string());
+        }
+        if let Some(n) = producer.get(&v) {
+            stack.extend(n.inputs.iter().copied().filter(|i| seen.insert(*i)));
         }
     }
     found
