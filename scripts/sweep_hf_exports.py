@@ -62,6 +62,8 @@ SMALL = dict(
 UNSET = object()
 GEMMA3N = dict(num_kv_shared_layers=0, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
                intermediate_size=[128, 128], laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0, 0.0])
+BLT_LOCAL = dict(vocab_size=VOCAB, hidden_size=64, hidden_size_global=128, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 ARCHITECTURES = {
     "gpt2": dict(n_positions=128, n_inner=128),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),
@@ -130,6 +132,11 @@ ARCHITECTURES = {
     "musicgen_melody": dict(num_codebooks=1, ffn_dim=128),
     "dbrx": dict(d_model=64, attn_config=dict(kv_n_heads=2, clip_qkv=8.0),
                  ffn_config=dict(hidden_size=64, ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
+    # Byte-level: a local encoder and decoder around a global transformer over patches, each
+    # config its own, and hash embeddings of byte n-grams (500002 rows by default).
+    "blt": dict(encoder_hash_byte_group_vocab=VOCAB, max_position_embeddings=128,
+                encoder_config=BLT_LOCAL, decoder_config=BLT_LOCAL, patcher_config=BLT_LOCAL,
+                global_config=dict(BLT_LOCAL, hidden_size=128)),
     "whisper": dict(d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                     decoder_ffn_dim=128, encoder_layers=2, decoder_layers=2),
 }
@@ -169,9 +176,28 @@ def dbrx_dense_experts(self, hidden_states, top_k_index, top_k_weights):
     return (weights[..., None] * out).sum(1).view(batch, -1, self.hidden_size)
 
 
+def jetmoe_unsorted_routing(self, hidden_states):
+    """JetMoE's router without its sort of the tokens by expert (and the list of tokens per
+    expert that a trace bakes in): each of a token's top k slots stays in place, and where the
+    experts read the list they read each slot's expert instead (`jetmoe_dense_experts`)."""
+    logits = self.layer(hidden_states).float()
+    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    slots = torch.arange(top_k_indices.numel(), device=hidden_states.device)
+    return slots, slots.div(self.top_k, rounding_mode="trunc"), top_k_gates.flatten(), top_k_indices.flatten(), logits
+
+
+def jetmoe_dense_experts(self, inputs, slot_experts):
+    """JetMoE's experts (of its MoE and of its attention experts) on every slot, each slot's
+    output taken from its own expert (`slot_experts`, from `jetmoe_unsorted_routing`)."""
+    selected = torch.nn.functional.one_hot(slot_experts, self.num_experts).to(inputs.dtype)
+    return torch.einsum("te,teo->to", selected, torch.einsum("ti,eoi->teo", inputs, self.weight))
+
+
 # Experts modules that take no `_experts_implementation`, by class name: a forward that traces
 # without baking the routing in.
-DENSE_EXPERTS = {"LongcatFlashExperts": longcat_dense_experts, "DbrxExperts": dbrx_dense_experts}
+DENSE_EXPERTS = {"LongcatFlashExperts": longcat_dense_experts, "DbrxExperts": dbrx_dense_experts,
+                 "JetMoeTopKGating": jetmoe_unsorted_routing, "JetMoeParallelExperts": jetmoe_dense_experts}
 
 
 def fix_config(cfg):
@@ -342,16 +368,27 @@ def reference_verdict(path, ids, got, want):
     return f"onnx's reference evaluator differs from autotp ({to_autotp:.1e}) and PyTorch ({to_torch:.1e})"
 
 
+REPLICATED = "verify ok, its unsplittable blocks replicated: "
+
+
 def training_checks(path):
     """Compiles a one-rank plan and a `--tp 2` plan; the latter checked by `autotp verify`
-    against the one-device program over two steps."""
+    against the one-device program over two steps. A `--tp 2` refused for a block it cannot
+    split is compiled again with `--tp-replicate-unsplittable` and verified: REPLICATED, then
+    the refusal."""
     plan = path.replace(".onnx", "-tp2.atp")
     common = ["--seq-len", "16", "--micro-batch", "2"]
+    tokens = os.path.join(ROOT, "tests/fixtures/train/tokens.bin")
     one = autotp("compile", path, *common, "-o", "/dev/null") or "ok"
     tp = autotp("compile", path, *common, "--tp", "2", "-o", plan)
     if tp is None:
-        tokens = os.path.join(ROOT, "tests/fixtures/train/tokens.bin")
         tp = autotp("verify", plan, "--data", tokens, "--steps", "2") or "verify ok"
+    elif "cannot split the blocks" in tp:
+        refusal = tp.split("; --tp-replicate-unsplittable")[0]
+        replicated = autotp("compile", path, *common, "--tp", "2", "--tp-replicate-unsplittable", "-o", plan)
+        if replicated is None:
+            replicated = autotp("verify", plan, "--data", tokens, "--steps", "2")
+        tp = f"{refusal}; replicating its blocks: {replicated}" if replicated else REPLICATED + refusal
     return one, tp
 
 
@@ -373,6 +410,8 @@ def run_apart(work, report, memory_gib=12, seconds=900):
             work(stage)
             os._exit(0)
         except BaseException as e:  # noqa: BLE001 - the table reports any failure
+            while e.__cause__ is not None:  # torch.export's errors wrap the one that says why
+                e = e.__cause__
             with open(report, "w") as f:
                 f.write(f"{stage[0]} failed: {type(e).__name__}: {' '.join(str(e).split())[:140]}")
             os._exit(1)
@@ -514,12 +553,15 @@ def verdict(row):
     if not curve.startswith("ok"):
         return f"logits {logits[3:]}; one rank: {curve}"
     trains = f"{CURVE_STEPS} steps within {curve[4:-1]} of PyTorch"
+    if tp.startswith(REPLICATED):
+        why = tp.removeprefix(REPLICATED).removeprefix("pass 'autotp': ")
+        return f"logits {logits[3:]}, {trains}, verify at tp 2 with --tp-replicate-unsplittable ({why})"
     if tp != "verify ok":
         return f"logits {logits[3:]}, {trains}; tp 2: {tp.removeprefix('pass ').removeprefix(chr(39) + 'autotp' + chr(39) + ': ')}"
     return f"passes (logits {logits[4:-1]}, {trains}, verify at tp 2)"
 
 
-OUTCOMES = ("pass", "refuse tp 2", "train unlike PyTorch", "need what autotp lacks", "fail in the exporters",
+OUTCOMES = ("pass", "pass at tp 2 replicating the blocks it cannot split", "refuse tp 2", "train unlike PyTorch", "need what autotp lacks", "fail in the exporters",
             "do not build tiny")
 
 
@@ -530,13 +572,15 @@ def outcome(row):
     logits, one, tp = row["logits"], row["one"], row["tp"]
     if logits.startswith("ok") and one == "ok":
         if not row.get("curve", "ok").startswith("ok"):
-            return 2
-        return 0 if tp == "verify ok" else 1
+            return OUTCOMES.index("train unlike PyTorch")
+        if tp.startswith(REPLICATED):
+            return 1
+        return 0 if tp == "verify ok" else OUTCOMES.index("refuse tp 2")
     if "unsupported op" in logits or "must be a constant" in logits:
-        return 3
+        return OUTCOMES.index("need what autotp lacks")
     if "build failed" in logits or "took over" in logits or "died" in logits:
-        return 5
-    return 4
+        return OUTCOMES.index("do not build tiny")
+    return OUTCOMES.index("fail in the exporters")
 
 
 def readme_table():
