@@ -141,10 +141,11 @@ pub struct CompileFlags {
     #[arg(long, value_name = "REGEX")]
     pub freeze: Vec<String>,
     /// An embedding table's padding row, which gets no gradient (PyTorch's
-    /// `nn.Embedding(padding_idx)`, which ONNX exports drop): N or none for every table (a
-    /// parameter read only by gathers), TABLE=N or TABLE=none for one. Default: the rows the
-    /// model's metadata records (`autotp.padding_idx`, the same spellings comma-separated), else
-    /// a table's one row that is exactly zero at import. Repeatable; overrides the metadata.
+    /// `nn.Embedding(padding_idx)`, which ONNX exports drop; a tied LM head still trains the
+    /// row): N or none for every table (a parameter read by gathers), TABLE=N or TABLE=none
+    /// for one. Default: the rows the model's metadata records (`autotp.padding_idx`, the same
+    /// spellings comma-separated), else the one row of zeros at import of a table not tied to
+    /// the LM head. Repeatable; overrides the metadata.
     #[arg(long, value_name = "N|none|TABLE=N")]
     pub padding_idx: Vec<String>,
     /// Write the IR before the passes and after each one: DIR/00-import.ir, DIR/01-recognize.ir...

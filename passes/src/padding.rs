@@ -4,14 +4,18 @@
 //! gives row `padding_idx` a gradient. The row is zero at initialisation, and under AdamW it
 //! stays zero; under weight decay alone a non-zero row only decays. The ONNX exporter drops
 //! `padding_idx` (with a warning), so this module recovers it:
-//! - an *embedding table* is a parameter read only as the data of axis-0 gathers (a table tied
-//!   to the output projection is read by a matmul too, and PyTorch trains all its rows);
-//! - its padding row is its one row that is exactly zero at import. With several zero rows
-//!   nothing is guessed: the user says which with `--padding-idx`.
+//! - an *embedding table* is a 2-D parameter read as the data of axis-0 gathers; *tied* when
+//!   something else reads it too (the output projection of tied embeddings);
+//! - its padding row is what `--padding-idx` or the model's metadata (`autotp.padding_idx`)
+//!   says, else, for a table that is not tied, its one row that is exactly zero at import. With
+//!   several zero rows nothing is guessed: the user says which with `--padding-idx`. A tied
+//!   table's zero row is not taken for one (its row may be zero for other reasons, and the
+//!   output projection trains it anyway).
 //!
 //! [`Autodiff::padding_rows`](crate::autodiff::Autodiff::padding_rows) then gives that row no
 //! gradient: the gather's incoming gradient is zeroed where the index is the padding row, before
-//! the scatter-add. That is PyTorch's `embedding_backward` with `padding_idx`. It is an
+//! the scatter-add. That is PyTorch's `embedding_backward` with `padding_idx`; a tied table's
+//! other readers (the LM head) still give the row their gradient, as in PyTorch. It is an
 //! elementwise mask over values every rank has, so it holds under every parallel layout
 //! (vocabulary-parallel tables, ZeRO shards, pipeline stages).
 
@@ -19,11 +23,13 @@ use std::collections::BTreeMap;
 
 use autotp_ir::{Graph, Op, Tensor};
 
-/// A parameter read only by axis-0 gathers.
+/// A 2-D parameter read by axis-0 gathers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EmbeddingTable {
     pub param: String,
     pub rows: usize,
+    /// Read by other ops too (the output projection of tied embeddings).
+    pub tied: bool,
     /// Its rows that are exactly zero (±0) at import, in order.
     pub zero_rows: Vec<usize>,
 }
@@ -48,12 +54,12 @@ pub fn embedding_tables(graph: &Graph, weights: &BTreeMap<String, Tensor>) -> Ve
     graph
         .params()
         .iter()
-        .filter(|p| gathered[p.index()] && !other_use[p.index()] && graph.ty(**p).shape.len() == 2)
+        .filter(|p| gathered[p.index()] && graph.ty(**p).shape.len() == 2)
         .map(|&p| {
             let param = graph.name_of(p).unwrap_or_default().to_string();
             let shape = &graph.ty(p).shape;
             let zero_rows = weights.get(&param).map_or_else(Vec::new, |t| zero_rows(t, shape[0], shape[1]));
-            EmbeddingTable { param, rows: shape[0], zero_rows }
+            EmbeddingTable { param, rows: shape[0], tied: other_use[p.index()], zero_rows }
         })
         .collect()
 }
@@ -128,8 +134,8 @@ pub fn choose_padding_rows<'t>(
                 let known: Vec<&str> = tables.iter().map(|t| t.param.as_str()).collect();
                 let source = if flag.from_metadata { "the model's metadata" } else { "--padding-idx" };
                 return Err(format!(
-                    "{source}: '{name}' is not an embedding table (a parameter read only by gathers); \
-                     the model's are: {}",
+                    "{source}: '{name}' is not an embedding table (a parameter read by gathers); the \
+                     model's are: {}",
                     if known.is_empty() { "none".to_string() } else { known.join(", ") }
                 ));
             }
@@ -156,6 +162,7 @@ pub fn choose_padding_rows<'t>(
             &PaddingChoice::Row(row) => {
                 rows.push(PaddingRow { table: table.param.clone(), row, detected: false, from_metadata })
             }
+            PaddingChoice::Detect if table.tied => {}
             PaddingChoice::Detect => match table.zero_rows[..] {
                 [row] => {
                     rows.push(PaddingRow { table: table.param.clone(), row, detected: true, from_metadata: false })
@@ -173,7 +180,7 @@ mod tests {
     use super::*;
 
     fn table(param: &str, zero_rows: &[usize]) -> EmbeddingTable {
-        EmbeddingTable { param: param.into(), rows: 10, zero_rows: zero_rows.to_vec() }
+        EmbeddingTable { param: param.into(), rows: 10, tied: false, zero_rows: zero_rows.to_vec() }
     }
 
     #[test]
@@ -196,6 +203,10 @@ mod tests {
         assert_eq!(err, "--padding-idx 10: the embedding table 'tok' has 10 rows");
         let err = choose_padding_rows(&tables, &[flag("wte=1")]).unwrap_err();
         assert!(err.contains("'wte' is not an embedding table") && err.contains("tok, pos, seg"), "{err}");
+        // A tied table's zero row is not guessed to be its padding row; a flag sets one.
+        let tied = [EmbeddingTable { tied: true, ..table("wte", &[0]) }];
+        assert_eq!(choose_padding_rows(&tied, &[]).unwrap().0, vec![]);
+        assert_eq!(choose_padding_rows(&tied, &[flag("0")]).unwrap().0[0].row, 0);
         let err = "x".parse::<PaddingFlag>().unwrap_err();
         assert!(err.contains("--padding-idx 'x': expected N, none"), "{err}");
     }

@@ -138,8 +138,10 @@ impl ModelShape {
             );
         }
         let numbered = autotp_passes::pipeline::numbered_layers(graph).expect("counted above");
-        let embeddings: Vec<String> =
-            autotp_passes::padding::embedding_tables(graph, &BTreeMap::new()).into_iter().map(|t| t.param).collect();
+        let embeddings: Vec<String> = (autotp_passes::padding::embedding_tables(graph, &BTreeMap::new()).into_iter())
+            .filter(|t| !t.tied)
+            .map(|t| t.param)
+            .collect();
         let is_embedding =
             |p: &autotp_ir::ValueId| graph.name_of(*p).is_some_and(|n| embeddings.iter().any(|e| e == n));
         let rest_elements: usize = (graph.params().iter())
