@@ -46,8 +46,11 @@ import transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
-# The fixtures' Logits wrapper, and their workaround for the legacy exporter on transformers 5.
-from make_fixtures import Logits, contract_curve  # noqa: E402
+# The fixtures' training contract, and the export helper's wrapper, experts and export.
+from make_fixtures import contract_curve  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from export_hf import DENSE_EXPERTS, Logits  # noqa: E402
+from export_hf import export as export_for_training  # noqa: E402
 AUTOTP = os.environ.get("AUTOTP", os.path.join(ROOT, "target", "release", "autotp"))
 OUT = "/tmp/autotp-sweep"
 VOCAB = 1000
@@ -152,54 +155,6 @@ MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_exper
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 
-def longcat_dense_experts(self, hidden_states, top_k_index, top_k_weights):
-    """LongCat-Flash's experts without their loop over the experts a batch hits (which a trace
-    bakes in, with `nonzero` and a branch per expert): every routed expert runs on every token,
-    weighted by the routing (zero off the token's top k), and the zero-computation experts pass
-    the token through. PyTorch's model is patched too, so both sides compute this."""
-    routed = self.num_routed_experts
-    weights = (torch.nn.functional.one_hot(top_k_index, self.total_experts) * top_k_weights[..., None]).sum(1)
-    gate, up = torch.einsum("th,eoh->teo", hidden_states, self.gate_up_proj[:routed]).chunk(2, dim=-1)
-    out = torch.einsum("tei,ehi->teh", self.act_fn(gate) * up, self.down_proj)
-    return (weights[:, :routed, None] * out).sum(1) + weights[:, routed:].sum(1, keepdim=True) * hidden_states
-
-
-def dbrx_dense_experts(self, hidden_states, top_k_index, top_k_weights):
-    """DBRX's experts without their loop over the experts hit, as LongCat-Flash's."""
-    batch = hidden_states.shape[0]
-    x = hidden_states.reshape(-1, self.hidden_size)
-    weights = (torch.nn.functional.one_hot(top_k_index, self.num_experts) * top_k_weights[..., None]).sum(1)
-    w1, v1, w2 = (p.view(self.num_experts, self.ffn_hidden_size, self.hidden_size)
-                  for p in (self.mlp.w1, self.mlp.v1, self.mlp.w2))
-    gate = self.mlp.activation_fn(torch.einsum("th,efh->tef", x, w1))
-    out = torch.einsum("tef,efh->teh", gate * torch.einsum("th,efh->tef", x, v1), w2)
-    return (weights[..., None] * out).sum(1).view(batch, -1, self.hidden_size)
-
-
-def jetmoe_unsorted_routing(self, hidden_states):
-    """JetMoE's router without its sort of the tokens by expert (and the list of tokens per
-    expert that a trace bakes in): each of a token's top k slots stays in place, and where the
-    experts read the list they read each slot's expert instead (`jetmoe_dense_experts`)."""
-    logits = self.layer(hidden_states).float()
-    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
-    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
-    slots = torch.arange(top_k_indices.numel(), device=hidden_states.device)
-    return slots, slots.div(self.top_k, rounding_mode="trunc"), top_k_gates.flatten(), top_k_indices.flatten(), logits
-
-
-def jetmoe_dense_experts(self, inputs, slot_experts):
-    """JetMoE's experts (of its MoE and of its attention experts) on every slot, each slot's
-    output taken from its own expert (`slot_experts`, from `jetmoe_unsorted_routing`)."""
-    selected = torch.nn.functional.one_hot(slot_experts, self.num_experts).to(inputs.dtype)
-    return torch.einsum("te,teo->to", selected, torch.einsum("ti,eoi->teo", inputs, self.weight))
-
-
-# Experts modules that take no `_experts_implementation`, by class name: a forward that traces
-# without baking the routing in.
-DENSE_EXPERTS = {"LongcatFlashExperts": longcat_dense_experts, "DbrxExperts": dbrx_dense_experts,
-                 "JetMoeTopKGating": jetmoe_unsorted_routing, "JetMoeParallelExperts": jetmoe_dense_experts}
-
-
 def fix_config(cfg):
     """What transformers' own code needs and its config lacks: DBRX's attention reads a
     `rope_theta` that its attention config no longer carries."""
@@ -269,8 +224,8 @@ def tiny_model(model_type):
 
 
 def export(model, path, opset, dynamo):
-    """Exports `model` (the legacy exporter in training mode, or torch.export's) and saves
-    PyTorch's logits for input_ids beside it."""
+    """Exports `model` as scripts/export_hf.py does (the legacy exporter in training mode, or
+    torch.export's) and saves PyTorch's logits for input_ids beside it."""
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 16))
     directory = os.path.dirname(path)
@@ -279,18 +234,7 @@ def export(model, path, opset, dynamo):
             logits = Logits(model)(input_ids)
         np.save(os.path.join(directory, f"input_ids{suffix}.npy"), input_ids.numpy())
         np.save(os.path.join(directory, f"logits{suffix}.npy"), logits.float().numpy())
-    if dynamo:
-        dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}
-        # Without the ONNX optimizer: it merges initializers of equal value (every freshly
-        # initialised bias into one), which ties parameters PyTorch trains apart.
-        torch.onnx.export(Logits(model), (ids,), path, input_names=["input_ids"], output_names=["logits"],
-                          dynamic_shapes={"input_ids": dims}, opset_version=opset, dynamo=True,
-                          external_data=False, optimize=False)
-        return
-    torch.onnx.export(Logits(model), (ids,), path, input_names=["input_ids"], output_names=["logits"],
-                      dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}},
-                      opset_version=opset, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
-                      do_constant_folding=False)
+    export_for_training(model, path, "dynamo" if dynamo else "legacy", opset, ids)
 
 
 def ops_of(path):

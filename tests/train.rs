@@ -216,6 +216,55 @@ fn padding_rows_train_like_pytorch() {
     );
 }
 
+/// A model exported by scripts/export_hf.py from a Hugging Face directory (the fixture's maker,
+/// tests/fixtures/make_hf_export_fixture.py: a tiny Llama with tied embeddings and a padding
+/// token) carries what ONNX drops in its metadata, and trains like PyTorch's model of that
+/// directory: its padding row, read from the metadata, gets the tied LM head's gradient and
+/// none from the lookups.
+#[test]
+fn a_hugging_face_export_trains_like_pytorch() {
+    let model = fixture("hf_export", "model.onnx");
+    let options = autotp_frontend::ImportOptions { batch: Some(2), seq_len: Some(16), ..Default::default() };
+    let imported = autotp_frontend::import_onnx(&model, &options).unwrap_or_else(|e| panic!("{e}"));
+    let metadata = |key: &str| imported.metadata.get(key).cloned().unwrap_or_default();
+    assert_eq!(metadata("autotp.hf_class"), "LlamaForCausalLM");
+    let names: serde_json::Value = serde_json::from_str(&metadata("autotp.hf_parameters")).unwrap_or_default();
+    assert_eq!(
+        names["m.model.embed_tokens.weight"],
+        serde_json::json!(["lm_head.weight", "model.embed_tokens.weight"])
+    );
+    assert_eq!(names["m.model.norm.weight"], serde_json::json!(["model.norm.weight"]));
+    let curve = std::fs::read_to_string(fixture("hf_export", "curve.json")).unwrap_or_default();
+    let want: Vec<f64> = serde_json::from_str(&curve).unwrap_or_default();
+    let metrics = std::env::temp_dir().join(format!("autotp-hf-export-{}.jsonl", std::process::id()));
+    let train = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args(["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2"])
+            .args(["--data", repo().join("tests/fixtures/train/tokens_pad.bin").to_str().unwrap_or_default()])
+            .args(["--steps", "5", "--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"])
+            .args(["--metrics-out", metrics.to_str().unwrap_or_default()])
+            .args(extra)
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // `train` prints the compile summary on stderr (stdout carries the steps).
+        let summary = String::from_utf8_lossy(&out.stderr).into_owned();
+        let got: Vec<f64> = (std::fs::read_to_string(&metrics).unwrap_or_default().lines())
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+            .collect();
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        let relative: Vec<f64> = got.iter().zip(&want).map(|(g, w)| (g - w).abs() / w.abs()).collect();
+        (relative, summary)
+    };
+    let (relative, summary) = train(&[]);
+    assert_within_contract("hf_export", &relative);
+    let padding = "padding row: m.model.embed_tokens.weight row 0 gets no gradient (the model's metadata";
+    assert!(summary.contains(padding), "{summary}");
+    let (relative, _) = train(&["--padding-idx", "none"]);
+    let worst = relative.iter().copied().fold(0f64, f64::max);
+    assert!(worst > 1e-3, "training the padding row should leave the contract (worst {worst:.2e})");
+}
+
 #[test]
 fn gpt2_trains_like_pytorch() {
     train_matches_pytorch("gpt2");
