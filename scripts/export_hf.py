@@ -20,7 +20,8 @@ What autotp needs and ONNX drops is recorded in the model's `metadata_props`:
   autotp.padding_idx      each embedding's padding row (`nn.Embedding(padding_idx=...)`)
   autotp.hf_class         the Hugging Face class (`LlamaForCausalLM`)
   autotp.hf_parameters    JSON: each initializer's name to the model's own parameter names
-                          (the wrapper's `m.` prefix removed; a tied weight lists every name)
+                          (the wrapper's `m.` prefix removed; a tied weight lists every name,
+                          first the one `save_pretrained` keeps)
 
 The export's logits are checked against PyTorch's on two inputs with `autotp infer` (the
 binary at --autotp, else target/release/autotp), or onnx's reference evaluator without one;
@@ -158,14 +159,16 @@ def export(model, path, exporter, opset, example, external=False):
 
 def parameter_names(model, initializers):
     """Each initializer that is one of the model's parameters, to every name the model gives
-    that tensor (a tied weight has several), without the wrapper's `m.` prefix."""
+    that tensor (a tied weight has several: the one `save_pretrained` keeps first), without the
+    wrapper's `m.` prefix."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})  # the names tied to another's
     by_tensor = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(p.data_ptr(), []).append(name)
     names = {}
     for name, p in model.named_parameters():
         if f"m.{name}" in initializers:
-            names[f"m.{name}"] = sorted(by_tensor[p.data_ptr()])
+            names[f"m.{name}"] = sorted(by_tensor[p.data_ptr()], key=lambda n: (n in tied, n))
     return names
 
 

@@ -270,6 +270,47 @@ fn export_writes_the_trained_weights_into_the_model() {
     Checkpoint::open(&ckpt).unwrap();
 }
 
+/// `export --hf` of a model that scripts/export_hf.py exported (the hf_export fixture, a Llama
+/// with tied embeddings): model.safetensors under the model's own names (the tied weight once,
+/// under the name `save_pretrained` keeps), bf16 on request, and the export's config.json and
+/// tokenizer.json beside it. A model without the names is refused, naming the metadata.
+#[test]
+fn export_writes_a_hugging_face_directory() {
+    let dir = scratch("export-hf");
+    let plan = compile("hf_export", &dir, &[]);
+    let ckpt = dir.join("ckpt");
+    success(run(&plan, &["--steps", "2", "--save", s(&ckpt)]));
+    let (hf, hf16) = (dir.join("hf"), dir.join("hf16"));
+    let out = success(autotp(&["export", s(&ckpt), "--hf", s(&hf)]));
+    assert!(out.contains("(LlamaForCausalLM): model.safetensors (20 tensors in f32, step 2)"), "{out}");
+    success(autotp(&["export", s(&ckpt), "--hf", s(&hf16), "--dtype", "bf16"]));
+    let checkpoint = Checkpoint::open(&ckpt).unwrap();
+    let weights = TensorFile::open(&hf.join("model.safetensors")).unwrap();
+    let weights16 = TensorFile::open(&hf16.join("model.safetensors")).unwrap();
+    let names: Vec<&str> = weights.names().collect();
+    assert!(names.contains(&"model.embed_tokens.weight") && !names.contains(&"lm_head.weight"), "{names:?}");
+    assert_eq!(names.len(), checkpoint.params().len());
+    assert_eq!(weights.metadata("format"), Some("pt"));
+    for t in checkpoint.params() {
+        let name = t.name.strip_prefix("m.").unwrap();
+        assert_eq!(weights.get(name).unwrap().bytes, &*t.bytes, "{name}");
+        let half = weights16.get(name).unwrap();
+        assert_eq!(half.dtype, autotp_ir::DType::BF16);
+        // bf16 keeps an f32's upper 16 bits, rounded to nearest even: within half an ulp (2^-8).
+        let first = f32::from_le_bytes(t.bytes[..4].try_into().unwrap());
+        let rounded = f32::from_bits(u32::from(u16::from_le_bytes(half.bytes[..2].try_into().unwrap())) << 16);
+        assert!((first - rounded).abs() <= first.abs() / 256.0, "{name}: {first} as bf16 {rounded}");
+    }
+    for file in ["config.json", "tokenizer.json"] {
+        assert_eq!(std::fs::read(hf.join(file)).unwrap(), std::fs::read(fixture("hf_export", file)).unwrap());
+    }
+    let plan = compile("gpt2", &dir, &[]);
+    let gpt2 = dir.join("gpt2-ckpt");
+    success(run(&plan, &["--steps", "1", "--save", s(&gpt2)]));
+    let err = failure(autotp(&["export", s(&gpt2), "--hf", s(&dir.join("gpt2-hf"))]));
+    assert!(err.contains("records no Hugging Face parameter names (metadata 'autotp.hf_parameters')"), "{err}");
+}
+
 /// The first step of a cosine schedule has learning rate 0: the weights must not move. (The
 /// step's `lr` input must carry the schedule, not the peak.)
 #[test]

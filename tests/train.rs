@@ -231,7 +231,7 @@ fn a_hugging_face_export_trains_like_pytorch() {
     let names: serde_json::Value = serde_json::from_str(&metadata("autotp.hf_parameters")).unwrap_or_default();
     assert_eq!(
         names["m.model.embed_tokens.weight"],
-        serde_json::json!(["lm_head.weight", "model.embed_tokens.weight"])
+        serde_json::json!(["model.embed_tokens.weight", "lm_head.weight"])
     );
     assert_eq!(names["m.model.norm.weight"], serde_json::json!(["model.norm.weight"]));
     let curve = std::fs::read_to_string(fixture("hf_export", "curve.json")).unwrap_or_default();

@@ -55,4 +55,15 @@ pub const PADDING_IDX_METADATA: &str = "autotp.padding_idx";
 /// rates, a registered mask), which the importer then takes as constants, not parameters.
 pub const BUFFERS_METADATA: &str = "autotp.buffers";
 
+/// The metadata key under which scripts/export_hf.py records the Hugging Face class of the
+/// exported model (`LlamaForCausalLM`).
+pub const HF_CLASS_METADATA: &str = "autotp.hf_class";
+
+/// The metadata key under which scripts/export_hf.py records the model's own parameter names:
+/// JSON, each initializer's name to the names the Hugging Face model gives that tensor (a tied
+/// weight has several, the one `save_pretrained` keeps first). `autotp export --hf` writes
+/// the trained weights under them.
+pub const HF_PARAMETERS_METADATA: &str = "autotp.hf_parameters";
+
 pub use onnx::import_file as import_onnx;
+pub use onnx::metadata as onnx_metadata;

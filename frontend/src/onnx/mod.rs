@@ -153,6 +153,13 @@ pub fn input_names(path: &Path) -> Result<Vec<String>, FrontendError> {
     Ok(graph.input.iter().filter(|i| !initializers.contains(i.name.as_str())).map(|i| i.name.clone()).collect())
 }
 
+/// A model file's `metadata_props`, key to value.
+pub fn metadata(path: &Path) -> Result<std::collections::BTreeMap<String, String>, FrontendError> {
+    let model = ModelProto::decode(map_file(path)?)
+        .map_err(|e| FrontendError::Decode { path: path.to_path_buf(), message: e.to_string() })?;
+    Ok(model.metadata_props.into_iter().map(|p| (p.key, p.value)).collect())
+}
+
 /// Reads and imports an ONNX model file.
 pub fn import_file(path: &Path, options: &ImportOptions) -> Result<Model, FrontendError> {
     import_bytes(map_file(path)?, path, options)
