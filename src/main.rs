@@ -6,7 +6,8 @@
 //!     autotp compile MODEL.onnx --seq-len 32 --micro-batch 8 [optimizer flags] -o PLAN.atp
 //!     autotp run PLAN.atp --data tokens.bin --steps 30 [--save DIR] [--resume DIR]
 //!     autotp train MODEL.onnx [compile flags] [run flags]
-//!     autotp export CKPT_DIR -o OUT.onnx [--safetensors OUT.safetensors]
+//!     autotp export CKPT_DIR -o OUT.onnx [--safetensors OUT.safetensors] [--hf DIR]
+//!     autotp data prepare INPUT... --tokenizer tokenizer.json -o PREFIX
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod bench_comm;
 mod compile;
+mod data;
 mod deepspeed;
 mod export;
 mod job;
@@ -75,8 +77,12 @@ enum Command {
     Run(Box<run::RunArgs>),
     /// Compile and run in one go.
     Train(Box<train::TrainArgs>),
-    /// Write a checkpoint's weights into the original ONNX model and/or a safetensors file.
+    /// Write a checkpoint's weights into the original ONNX model, a safetensors file and/or a
+    /// Hugging Face model directory.
     Export(export::ExportArgs),
+    /// Prepare training data: `data prepare` tokenizes text into a Megatron-LM indexed dataset.
+    #[command(subcommand)]
+    Data(data::DataCommand),
     /// Run a plan and the one-device program of its model side by side: losses per step,
     /// gradients at step 1, the first parameter that differs (exit status 1 when one does).
     Verify(verify::VerifyArgs),
@@ -268,6 +274,7 @@ fn main() -> ExitCode {
         },
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
+        Command::Data(command) => data::run(command),
         Command::BenchComm(args) => bench_comm::run(args),
         Command::Verify(args) => match verify::run(args) {
             Ok(true) => Ok(()),

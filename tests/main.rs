@@ -6,6 +6,7 @@
 //! - `cli`: the command line on bad input: one clear line, non-zero exit, no panic.
 //! - `compile`: `autotp compile`'s summary, IR dumps, `--freeze`, damaged plans.
 //! - `checkpoint`: save, resume (bit-identical), a save killed midway, refusal, export.
+//! - `data`: `autotp data prepare` (text to Megatron's indexed dataset) against `tokenizers`.
 //! - `parallel`: data parallelism on CPU rank threads against the single-rank run.
 //! - `pipeline`: where the forward pass is cut into pipeline stages.
 //! - `precision`: bf16 mixed precision against f32, one rank, its memory and checkpoints.
@@ -28,6 +29,7 @@ mod cli;
 mod common;
 mod compile;
 mod conformance;
+mod data;
 mod deepspeed;
 mod fixtures;
 mod golden;

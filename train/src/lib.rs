@@ -7,12 +7,15 @@
 //! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically,
 //!   as DeepSpeed lays them out).
 //! - [`data`]: the training token stream and its windows (the data contract).
+//! - [`indexed`]: Megatron-LM's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), written by
+//!   `autotp data prepare`.
 //!
 //! Invariant: a resumed run is bit-identical to an uninterrupted one (a step depends only on
 //! the state before it, the step number and the data).
 
 pub mod checkpoint;
 pub mod data;
+pub mod indexed;
 pub mod trainer;
 
 use std::path::PathBuf;
