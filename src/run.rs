@@ -17,7 +17,8 @@ use autotp_runtime::comm::MpiComm;
 use autotp_runtime::cuda::DeviceKind;
 use autotp_runtime::gpu::{GemmMath, GpuKind};
 use autotp_train::checkpoint::Checkpoint;
-use autotp_train::data::{TokenData, TokenDtype};
+use autotp_train::data::TokenDtype;
+use autotp_train::dataset::{Split, TrainingData};
 use autotp_train::trainer::{Measured, StepMetrics, Trainer};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -25,11 +26,18 @@ use indicatif::{ProgressBar, ProgressStyle};
 /// How to train: shared by `run` and `train`.
 #[derive(Args)]
 pub struct RunFlags {
-    /// Token stream: little-endian u16 (or --data-dtype u32).
-    #[arg(long)]
+    /// The training data: a raw token file (little-endian u16, or --data-dtype u32: the
+    /// contract's windows in order), a Megatron-LM indexed dataset's prefix (PREFIX.bin +
+    /// PREFIX.idx, `autotp data prepare`: samples over its documents shuffled by the seed, epoch
+    /// after epoch), or a weighted blend of prefixes ("0.3 A 0.7 B", as Megatron's --data-path).
+    #[arg(long, value_name = "FILE|PREFIX|\"W1 PREFIX1 W2 PREFIX2 ...\"")]
     data: PathBuf,
     #[arg(long, default_value = "u16")]
     data_dtype: String,
+    /// Train, validation and test parts of each Megatron dataset's documents, in order
+    /// (Megatron's --split, e.g. 969,30,1); training reads the first [default: all of it].
+    #[arg(long, value_name = "TRAIN,VALID,TEST")]
+    split: Option<String>,
     /// Train until this optimizer step (counted from the start of training, resumed or not).
     #[arg(long)]
     steps: usize,
@@ -241,9 +249,11 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
 
 /// Resumes `trainer` from the checkpoint in `dir`, warning where this run's data or seed
 /// differs from the checkpoint's.
-fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path, data: &TokenData) -> Result<()> {
+fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path) -> Result<()> {
     let checkpoint = Checkpoint::open(dir)?;
     trainer.resume(&checkpoint)?;
+    // The data's sample order follows the seed, which the checkpoint's restores.
+    let data = open_data(flags, trainer)?;
     let saved = &checkpoint.manifest.data;
     if saved.tokens != data.tokens() {
         tracing::warn!(
@@ -269,6 +279,14 @@ fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path, data: &TokenData)
     Ok(())
 }
 
+/// The training data `--data` names, its samples in the order of the trainer's seed.
+fn open_data(flags: &RunFlags, trainer: &Trainer) -> Result<TrainingData> {
+    let split = flags.split.as_deref().map(Split::parse).transpose()?;
+    let dtype = TokenDtype::parse(&flags.data_dtype)?;
+    let spec = flags.data.to_string_lossy();
+    Ok(TrainingData::open(&spec, dtype, trainer.training().seq_len, trainer.seed(), split, 0)?)
+}
+
 /// Runs `trainer` to step `flags.steps` over the data, resuming and saving as asked.
 pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if flags.save_every == Some(0) || flags.log_every == 0 {
@@ -277,11 +295,10 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if let Some(metrics) = &flags.metrics_out {
         crate::refuse_overwrite(metrics, &flags.data, "the token file being trained on")?;
     }
-    let dtype = TokenDtype::parse(&flags.data_dtype)?;
-    let data = TokenData::open(&flags.data, dtype, trainer.training().seq_len)?;
     if let Some(dir) = &flags.resume {
-        resume(trainer, flags, dir, &data)?;
+        resume(trainer, flags, dir)?;
     }
+    let data = open_data(flags, trainer)?;
     let first = trainer.completed_steps();
     if first >= flags.steps {
         if trainer.reports() {

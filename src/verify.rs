@@ -23,7 +23,8 @@ use anyhow::{Context, Result};
 use autotp_kernels::Kernel;
 use autotp_program::plan::PlanFile;
 use autotp_program::{Instruction, Program, Region};
-use autotp_train::data::{TokenData, TokenDtype};
+use autotp_train::data::TokenDtype;
+use autotp_train::dataset::TrainingData;
 use autotp_train::trainer::Trainer;
 use clap::Args;
 
@@ -99,7 +100,8 @@ pub fn run(args: &VerifyArgs) -> Result<bool> {
     let seed = crate::run::DEFAULT_SEED;
     let mut plan = Trainer::new(file.plan.clone(), &file.weights(), seed)?;
     let mut single = Trainer::new(reference.plan.clone(), &reference.weights(), seed)?;
-    let data = TokenData::open(&args.data, TokenDtype::parse(&args.data_dtype)?, plan.training().seq_len)?;
+    let dtype = TokenDtype::parse(&args.data_dtype)?;
+    let data = TrainingData::open(&args.data.to_string_lossy(), dtype, plan.training().seq_len, seed, None, 0)?;
 
     let before: Vec<(String, Vec<f64>)> = params(&single)?;
     let mut agree = true;

@@ -348,7 +348,9 @@ fn nvme_offload_errors_are_clear() {
     // The file cut short under a running trainer: the next step's read says so.
     let file = autotp_program::plan::PlanFile::open(&plan).unwrap();
     let mut trainer = autotp_train::trainer::Trainer::new(file.plan.clone(), &file.weights(), 0).unwrap();
-    let data = autotp_train::data::TokenData::open(&tokens, autotp_train::data::TokenDtype::U16, 32).unwrap();
+    let data = autotp_train::dataset::TrainingData::Stream(
+        autotp_train::data::TokenData::open(&tokens, autotp_train::data::TokenDtype::U16, 32).unwrap(),
+    );
     trainer.step(&data, 3).unwrap();
     let state_file = std::fs::read_dir(&states).unwrap().next().unwrap().unwrap().path();
     std::fs::OpenOptions::new().write(true).open(&state_file).unwrap().set_len(4096).unwrap();

@@ -51,6 +51,9 @@ pub enum DataError {
     Misaligned { path: PathBuf, bytes: usize, dtype: &'static str, size: usize },
     #[error("{path} holds {tokens} tokens, fewer than one window of seq-len + 1 = {window}")]
     TooShort { path: PathBuf, tokens: usize, window: usize },
+    /// A `--data` or `--split` that does not say what it must.
+    #[error("{0}")]
+    Spec(String),
     /// A Megatron indexed dataset ([`crate::indexed`]) that cannot be written or read.
     #[error("{path} {message}")]
     Indexed { path: PathBuf, message: String },

@@ -263,6 +263,11 @@ impl IndexedDataset {
         &self.documents
     }
 
+    /// The length of sequence `i` in tokens.
+    pub fn sequence_length(&self, i: usize) -> usize {
+        self.lengths[i].max(0) as usize
+    }
+
     /// The tokens of sequence `i`.
     pub fn sequence(&self, i: usize) -> Vec<u32> {
         let start = self.pointers[i] as usize;

@@ -7,6 +7,8 @@
 //! - [`checkpoint`]: checkpoint directories (safetensors + JSON manifest, written atomically,
 //!   as DeepSpeed lays them out).
 //! - [`data`]: the training token stream and its windows (the data contract).
+//! - [`dataset`]: what `--data` names: a raw token file, or Megatron indexed datasets (a
+//!   prefix, a weighted blend), their `--split`, samples shuffled by the seed epoch by epoch.
 //! - [`indexed`]: Megatron-LM's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), written by
 //!   `autotp data prepare`.
 //!
@@ -15,6 +17,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod dataset;
 pub mod indexed;
 pub mod trainer;
 

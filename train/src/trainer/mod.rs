@@ -29,7 +29,7 @@ use autotp_runtime::gpu::CommPath;
 use autotp_runtime::gpu::GpuKind;
 use autotp_runtime::{Executor, HostTensor, RuntimeError};
 
-use crate::data::TokenData;
+use crate::dataset::TrainingData;
 use crate::TrainError;
 
 mod state;
@@ -536,7 +536,7 @@ impl Trainer {
 
     /// Runs the next optimizer step. `train_steps` is the run's length, for schedules that decay
     /// over the run.
-    pub fn step(&mut self, data: &TokenData, train_steps: usize) -> Result<StepMetrics, TrainError> {
+    pub fn step(&mut self, data: &TrainingData, train_steps: usize) -> Result<StepMetrics, TrainError> {
         let t = &self.training;
         if data.seq_len() != t.seq_len {
             return Err(TrainError::plan(format!(

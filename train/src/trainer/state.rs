@@ -15,7 +15,7 @@ use autotp_runtime::RuntimeError;
 
 use super::Trainer;
 use crate::checkpoint::{self, Checkpoint, DataPosition, Manifest, RngState};
-use crate::data::TokenData;
+use crate::dataset::TrainingData;
 use crate::TrainError;
 
 impl Trainer {
@@ -238,7 +238,7 @@ impl Trainer {
     pub fn save(
         &self,
         dir: &Path,
-        data: &TokenData,
+        data: &TrainingData,
         train_steps: usize,
         keep_last: Option<usize>,
     ) -> Result<PathBuf, TrainError> {
@@ -250,8 +250,8 @@ impl Trainer {
             training: self.training.clone(),
             train_steps,
             data: DataPosition {
-                path: data.path().to_path_buf(),
-                dtype: data.dtype().name().to_string(),
+                path: data.path(),
+                dtype: data.dtype_name().to_string(),
                 tokens: data.tokens(),
                 windows: data.windows(),
                 next_window: (self.completed * self.training.global_batch) % data.windows(),
