@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
 # The fixtures' training contract, and the export helper's wrapper, experts and export.
 from make_fixtures import contract_curve  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from export_hf import DENSE_EXPERTS, Logits  # noqa: E402
+from export_hf import Logits, traceable  # noqa: E402
 from export_hf import export as export_for_training  # noqa: E402
 AUTOTP = os.environ.get("AUTOTP", os.path.join(ROOT, "target", "release", "autotp"))
 OUT = "/tmp/autotp-sweep"
@@ -215,12 +215,7 @@ def tiny_model(model_type):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         torch.manual_seed(0)
         model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._from_config(cfg)
-    for module in model.modules():
-        dense = DENSE_EXPERTS.get(type(module).__name__)
-        if dense:
-            module.forward = dense.__get__(module)
-    model.train()
-    return model
+    return traceable(model)
 
 
 def export(model, path, opset, dynamo):
