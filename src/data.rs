@@ -65,8 +65,14 @@ const BATCH_DOCUMENTS: usize = 1024;
 const BATCH_BYTES: usize = 16 << 20;
 
 fn prepare(args: &PrepareArgs) -> Result<()> {
-    let tokenizer = tokenizers::Tokenizer::from_file(&args.tokenizer)
+    let mut tokenizer = tokenizers::Tokenizer::from_file(&args.tokenizer)
         .map_err(|e| anyhow::anyhow!("{}: not a tokenizer file: {e}", args.tokenizer.display()))?;
+    // A tokenizer.json may carry padding or truncation settings: a document is neither (as
+    // `tokenizer(text)` in Python, which sets them per call).
+    tokenizer.with_padding(None);
+    tokenizer
+        .with_truncation(None)
+        .map_err(|e| anyhow::anyhow!("{}: cannot turn its truncation off: {e}", args.tokenizer.display()))?;
     let eod = if args.no_eod { None } else { Some(end_of_document(args, &tokenizer)?) };
     for input in &args.inputs {
         match extension(input) {
@@ -155,6 +161,12 @@ fn end_of_document(args: &PrepareArgs, tokenizer: &tokenizers::Tokenizer) -> Res
             serde_json::from_str(&text).with_context(|| format!("{}: not JSON", config.display()))?;
         let eos = &json["eos_token_id"];
         if let Some(id) = eos.as_u64().or_else(|| eos.as_array().and_then(|a| a.first()?.as_u64())) {
+            if id as usize >= vocab {
+                bail!(
+                    "{}: eos_token_id {id} is not an id of the tokenizer (under {vocab}); name one with --eod",
+                    config.display()
+                );
+            }
             return Ok(id as u32);
         }
     }
