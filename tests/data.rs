@@ -1,6 +1,7 @@
 //! `autotp data prepare`: text to Megatron-LM's indexed dataset, against the ids the
-//! `tokenizers` Python package gives the same documents (tests/fixtures/hf_export/corpus_ids.json,
-//! from make_hf_export_fixture.py), and its errors.
+//! `tokenizers` Python package gives the same documents and the files Megatron's own builder
+//! writes for them (tests/fixtures/hf_export/corpus_ids.json and corpus_megatron.{bin,idx},
+//! from make_hf_export_fixture.py), its errors, and training on its datasets.
 
 use autotp_train::indexed::{paths, IndexedDataset, IndexedDtype};
 
@@ -26,7 +27,9 @@ fn text_and_json_lines_become_megatrons_indexed_dataset() {
     let (from_text, from_json) = (dir.join("text"), dir.join("json"));
     // The end-of-document id 1 comes from the config.json beside the tokenizer.
     let out = success(prepare(&[&txt], &["--lines", "--workers", "2"], &from_text));
-    assert!(out.contains("40 documents, 11886 tokens (uint16 per token, vocabulary 1000, end of document 1)"), "{out}");
+    let tokens: usize = want.iter().map(Vec::len).sum();
+    let summary = format!("40 documents, {tokens} tokens (uint16 per token, vocabulary 1000, end of document 1)");
+    assert!(out.contains(&summary), "{out}");
     success(prepare(&[&jsonl], &[], &from_json));
     for prefix in [&from_text, &from_json] {
         let dataset = IndexedDataset::open(prefix).unwrap_or_else(|e| panic!("{e}"));
@@ -35,9 +38,17 @@ fn text_and_json_lines_become_megatrons_indexed_dataset() {
         let got: Vec<Vec<u32>> = (0..40).map(|i| dataset.sequence(i)).collect();
         assert_eq!(got, want);
     }
+    // Byte for byte what Megatron's own IndexedDatasetBuilder writes for those ids.
     let (bin, idx) = paths(&from_text);
-    assert_eq!(std::fs::read(&bin).ok(), std::fs::read(paths(&from_json).0).ok());
-    assert_eq!(std::fs::read(&idx).unwrap_or_default()[..10], *b"MMIDIDX\x00\x00\x01");
+    let megatron = paths(&fixture("hf_export", "corpus_megatron"));
+    for (ours, theirs) in [(&bin, &megatron.0), (&idx, &megatron.1), (&paths(&from_json).0, &megatron.0)] {
+        assert!(
+            std::fs::read(ours).ok() == std::fs::read(theirs).ok(),
+            "{} differs from {}",
+            ours.display(),
+            theirs.display()
+        );
+    }
 
     // Two inputs in order; another end of document; none.
     let both = dir.join("both");
