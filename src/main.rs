@@ -8,6 +8,7 @@
 //!     autotp train MODEL.onnx [compile flags] [run flags]
 //!     autotp export CKPT_DIR -o OUT.onnx [--safetensors OUT.safetensors] [--hf DIR]
 //!     autotp data prepare INPUT... --tokenizer tokenizer.json -o PREFIX
+//!     autotp generate MODEL.onnx [--checkpoint CKPT] --tokenizer tokenizer.json --prompt TEXT
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,6 +25,7 @@ mod compile;
 mod data;
 mod deepspeed;
 mod export;
+mod generate;
 mod job;
 mod plan;
 mod run;
@@ -80,6 +82,9 @@ enum Command {
     /// Write a checkpoint's weights into the original ONNX model, a safetensors file and/or a
     /// Hugging Face model directory.
     Export(export::ExportArgs),
+    /// Print a continuation of a prompt by a model (or a checkpoint of it): greedy, or sampled
+    /// with --temperature and --top-k.
+    Generate(generate::GenerateArgs),
     /// Prepare training data: `data prepare` tokenizes text into a Megatron-LM indexed dataset.
     #[command(subcommand)]
     Data(data::DataCommand),
@@ -275,6 +280,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
         Command::Data(command) => data::run(command),
+        Command::Generate(args) => generate::run(args),
         Command::BenchComm(args) => bench_comm::run(args),
         Command::Verify(args) => match verify::run(args) {
             Ok(true) => Ok(()),

@@ -265,6 +265,66 @@ fn a_hugging_face_export_trains_like_pytorch() {
     assert!(worst > 1e-3, "training the padding row should leave the contract (worst {worst:.2e})");
 }
 
+/// `autotp generate`: greedy decoding of the hf_export fixture gives PyTorch's
+/// `generate(do_sample=False)` ids (generation.json); sampling is fixed by its seed, and
+/// `--checkpoint` takes trained weights.
+#[test]
+fn generate_decodes_like_pytorch() {
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("hf_export", "generation.json")).unwrap_or_default())
+            .unwrap_or_default();
+    let prompt = expected["prompt"].as_str().unwrap_or_default();
+    let (model, tokenizer) = (fixture("hf_export", "model.onnx"), fixture("hf_export", "tokenizer.json"));
+    let generate = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args([
+                "generate",
+                model.to_str().unwrap_or_default(),
+                "--tokenizer",
+                tokenizer.to_str().unwrap_or_default(),
+            ])
+            .args(["--prompt", prompt, "--max-new-tokens", "8"])
+            .args(extra)
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let ids = stderr.lines().find_map(|l| l.strip_prefix("generated ids: ")).unwrap_or_default().to_string();
+        (ids, String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let (greedy, text) = generate(&[]);
+    assert_eq!(greedy, expected["new_ids"].to_string().replace(',', ", "));
+    assert!(text.starts_with(prompt) && text.len() > prompt.len() + 8, "{text}");
+    let sampled = generate(&["--temperature", "1", "--top-k", "50", "--seed", "3"]);
+    assert_eq!(sampled, generate(&["--temperature", "1", "--top-k", "50", "--seed", "3"]));
+    assert_ne!(sampled.0, greedy);
+
+    let dir = crate::common::scratch("generate");
+    let ckpt = dir.join("ckpt");
+    let tokens = repo().join("tests/fixtures/train/tokens_pad.bin");
+    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2", "--steps", "20"])
+        .args([
+            "--lr",
+            "1e-2",
+            "--data",
+            tokens.to_str().unwrap_or_default(),
+            "--save",
+            ckpt.to_str().unwrap_or_default(),
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (trained, _) = generate(&["--checkpoint", ckpt.to_str().unwrap_or_default()]);
+    assert_ne!(trained, greedy, "20 steps at lr 1e-2 change what the model writes");
+    let bad = Command::new(env!("CARGO_BIN_EXE_autotp"))
+        .args(["generate", model.to_str().unwrap_or_default(), "--tokenizer", tokenizer.to_str().unwrap_or_default()])
+        .args(["--prompt", "x", "--temperature=-1"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--temperature -1: expected 0 (greedy) or more"));
+}
+
 #[test]
 fn gpt2_trains_like_pytorch() {
     train_matches_pytorch("gpt2");
