@@ -118,7 +118,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             Box::new(autotp_passes::zero::Zero { dp, config, batch_inputs: vec!["input_ids".into(), "labels".into()] })
         }
         "autotp" => {
-            let (tp, replicate) = argument.split_once(':').map_or((argument, ""), |(tp, r)| (tp, r));
+            let (tp, replicate) = argument.split_once(":").unwrap_or((argument, ""));
             Box::new(autotp_passes::autotp::AutoTp {
                 tp: tp.parse().expect("autotp:TP[:replicate-unsplittable]"),
                 dp: 1,

@@ -487,12 +487,12 @@ impl AutoTp {
                     if block.is_empty() {
                         return Err(invalid(refusal(gather, &explained)));
                     }
-                    let why = gather.message.split_once(": ").map_or(gather.message.as_str(), |(_, why)| why);
                     replicated.extend(block.into_iter().map(|weight| Explained {
                         weight: weight.clone(),
                         placement: Placement::Replicate,
                         reason: format!(
-                            "replicated with its block (--tp-replicate-unsplittable): the block cannot be split: {why}"
+                            "replicated with its block (--tp-replicate-unsplittable): the block cannot be split: {}",
+                            gather.need
                         ),
                     }));
                     followers.clear();
@@ -672,6 +672,8 @@ fn unit_reshape_dim(input: &[usize], output: &[usize], dim: usize) -> Option<usi
 struct ForwardGather {
     /// What is gathered, for which consumer, and why.
     message: String,
+    /// The message without its "tp=N cannot split the blocks: ": the consumer's need and why.
+    need: String,
     /// The split weights the gathered value is computed with, nearest first, with their
     /// sizes along their split dims.
     weights: Vec<(String, usize)>,
@@ -682,7 +684,7 @@ struct ForwardGather {
     /// The split parameters of the block that computes the gathered value: those it is
     /// computed from within the values split over tp (back to the replicated values that
     /// enter the block).
-    block: BTreeSet<String>,
+    block: Vec<String>,
 }
 
 /// The first all-gather over tp that the forward pass needs, if any: the value it gathers,
@@ -709,7 +711,7 @@ fn forward_gather(graph: &Graph, tp: usize) -> Option<ForwardGather> {
                 (format!("{} (node {})", n.op.name(), cid.index()), n.outputs.first().map(|&o| graph.ty(o).to_string()))
             })
             .unwrap_or_else(|| ("an output".into(), None));
-        let weights = split_weights_upstream(graph, input);
+        let weights = split_weights_upstream(graph, input, Upstream::Everything);
         let computed_with =
             weights.first().map(|(w, _)| format!(" (computed with the split weight '{w}')")).unwrap_or_default();
         let into = result.map(|r| format!(" into {r}")).unwrap_or_default();
@@ -743,12 +745,10 @@ fn forward_gather(graph: &Graph, tp: usize) -> Option<ForwardGather> {
             },
             (None, true) => unequal_parts(),
         };
-        let message = format!(
-            "tp={tp} cannot split the blocks: {consumer} needs dim {dim} of {}{computed_with} whole{into}: {why}",
-            graph.ty(input)
-        );
-        let block = block_weights(graph, input);
-        return Some(ForwardGather { message, weights, reshape_heads, gathered: shape[*dim], block });
+        let need = format!("{consumer} needs dim {dim} of {}{computed_with} whole{into}: {why}", graph.ty(input));
+        let message = format!("tp={tp} cannot split the blocks: {need}");
+        let block = split_weights_upstream(graph, input, Upstream::WithinBlock).into_iter().map(|(w, _)| w).collect();
+        return Some(ForwardGather { message, need, weights, reshape_heads, gathered: shape[*dim], block });
     }
     None
 }
@@ -822,47 +822,36 @@ fn unequal_parts() -> String {
     "its parts do not line up with the ranks' equal blocks".into()
 }
 
+/// How far back [`split_weights_upstream`] looks.
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Upstream {
+    /// Every value `v` is computed from.
+    Everything,
+    /// Only through values split over tp: the block that computes `v`, back to the replicated
+    /// values that enter it.
+    WithinBlock,
+}
+
 /// The tp-split parameters `v` is computed from, nearest first, and their sizes along their
 /// split dims.
-fn split_weights_upstream(graph: &Graph, v: ValueId) -> Vec<(String, usize)> {
+fn split_weights_upstream(graph: &Graph, v: ValueId, upstream: Upstream) -> Vec<(String, usize)> {
     let producer: BTreeMap<ValueId, &autotp_ir::Node> =
         graph.nodes().flat_map(|(_, n)| n.outputs.iter().map(move |&o| (o, n))).collect();
     let mut queue = std::collections::VecDeque::from([v]);
-    let mut seen = BTreeSet::new();
+    let mut seen = BTreeSet::from([v]);
     let mut found = Vec::new();
     while let Some(v) = queue.pop_front() {
-        if graph.params().contains(&v) {
-            let value = graph.value(v);
-            // tp is the mesh's last axis.
-            if let Some(&Placement::Shard(d)) = value.placements.last() {
-                found.push((graph.name_of(v).unwrap_or("").to_string(), value.ty.shape[d]));
-            }
+        let value = graph.value(v);
+        // tp is the mesh's last axis.
+        let split = value.placements.last().filter(|p| **p != Placement::Replicate);
+        if upstream == Upstream::WithinBlock && split.is_none() {
+            continue;
+        }
+        if let (true, Some(&Placement::Shard(d))) = (graph.params().contains(&v), split) {
+            found.push((graph.name_of(v).unwrap_or("").to_string(), value.ty.shape[d]));
         }
         if let Some(n) = producer.get(&v) {
             queue.extend(n.inputs.iter().copied().filter(|i| seen.insert(*i)));
-        }
-    }
-    found
-}
-
-/// The tp-split parameters that `v` is computed from through values that are not replicated
-/// over tp: the weights of the block that computes it.
-fn block_weights(graph: &Graph, v: ValueId) -> BTreeSet<String> {
-    let producer: BTreeMap<ValueId, &autotp_ir::Node> =
-        graph.nodes().flat_map(|(_, n)| n.outputs.iter().map(move |&o| (o, n))).collect();
-    let mut stack = vec![v];
-    let mut seen = BTreeSet::from([v]);
-    let mut found = BTreeSet::new();
-    while let Some(v) = stack.pop() {
-        // tp is the mesh's last axis.
-        if matches!(graph.value(v).placements.last(), None | Some(Placement::Replicate)) {
-            continue;
-        }
-        if graph.params().contains(&v) {
-            found.insert(graph.name_of(v).unwrap_or("").to_string());
-        }
-        if let Some(n) = producer.get(&v) {
-            stack.extend(n.inputs.iter().copied().filter(|i| seen.insert(*i)));
         }
     }
     found

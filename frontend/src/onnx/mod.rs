@@ -144,10 +144,15 @@ impl Importer {
     }
 }
 
+/// A model file's protobuf, undecoded tensors and all.
+fn read_model(path: &Path) -> Result<ModelProto, FrontendError> {
+    ModelProto::decode(map_file(path)?)
+        .map_err(|e| FrontendError::Decode { path: path.to_path_buf(), message: e.to_string() })
+}
+
 /// The names of a model's graph inputs that are not initializers, in order.
 pub fn input_names(path: &Path) -> Result<Vec<String>, FrontendError> {
-    let model = ModelProto::decode(map_file(path)?)
-        .map_err(|e| FrontendError::Decode { path: path.to_path_buf(), message: e.to_string() })?;
+    let model = read_model(path)?;
     let graph = model.graph.unwrap_or_default();
     let initializers: std::collections::BTreeSet<&str> = graph.initializer.iter().map(|t| t.name.as_str()).collect();
     Ok(graph.input.iter().filter(|i| !initializers.contains(i.name.as_str())).map(|i| i.name.clone()).collect())
@@ -155,9 +160,7 @@ pub fn input_names(path: &Path) -> Result<Vec<String>, FrontendError> {
 
 /// A model file's `metadata_props`, key to value.
 pub fn metadata(path: &Path) -> Result<std::collections::BTreeMap<String, String>, FrontendError> {
-    let model = ModelProto::decode(map_file(path)?)
-        .map_err(|e| FrontendError::Decode { path: path.to_path_buf(), message: e.to_string() })?;
-    Ok(model.metadata_props.into_iter().map(|p| (p.key, p.value)).collect())
+    Ok(read_model(path)?.metadata_props.into_iter().map(|p| (p.key, p.value)).collect())
 }
 
 /// Reads and imports an ONNX model file.
