@@ -45,6 +45,18 @@ pub struct ExportArgs {
     dtype: String,
 }
 
+/// A checkpoint's trained parameters: a mixed-precision run's are its f32 masters (full
+/// precision, as DeepSpeed's zero_to_fp32 recovers them), not the 16-bit parameters rounded
+/// from them.
+pub(crate) fn trained_params(checkpoint: &Checkpoint) -> Vec<StoredTensor<'_>> {
+    (checkpoint.params().into_iter())
+        .map(|t| match checkpoint.tensor(&format!("{MASTER_PREFIX}{}", t.name)) {
+            Some(master) => StoredTensor { name: t.name, ..master },
+            None => t,
+        })
+        .collect()
+}
+
 pub fn run(args: &ExportArgs) -> Result<()> {
     let checkpoint = Checkpoint::open(&args.checkpoint)?;
     let manifest = &checkpoint.manifest;
@@ -64,14 +76,13 @@ pub fn run(args: &ExportArgs) -> Result<()> {
             crate::refuse_overwrite(destination, file, "a file of the checkpoint being exported")?;
         }
     }
-    // A mixed-precision run's weights are its f32 masters (full precision, as DeepSpeed's
-    // zero_to_fp32 recovers them), not the 16-bit parameters rounded from them.
-    let params: Vec<_> = (checkpoint.params().into_iter())
-        .map(|t| match checkpoint.tensor(&format!("{MASTER_PREFIX}{}", t.name)) {
-            Some(master) => StoredTensor { name: t.name, ..master },
-            None => t,
-        })
-        .collect();
+    if (args.output.is_some() || args.hf.is_some()) && !original.is_file() {
+        bail!(
+            "the checkpoint's model {} is not there any more: name the original with --model MODEL.onnx",
+            original.display()
+        );
+    }
+    let params = trained_params(&checkpoint);
     if let Some(path) = &args.safetensors {
         let metadata = BTreeMap::from([
             ("format".to_string(), "pt".to_string()),
@@ -94,12 +105,6 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         write_hugging_face(dir, &original, &params, &args.dtype, manifest.step)?;
     }
     if let Some(output) = &args.output {
-        if !original.is_file() {
-            bail!(
-                "the checkpoint's model {} is not there any more: name the original with --model MODEL.onnx",
-                original.display()
-            );
-        }
         let weights: BTreeMap<String, Weight> = params
             .iter()
             .map(|t| (t.name.clone(), Weight { dtype: t.dtype, shape: t.shape.clone(), bytes: &t.bytes }))
@@ -130,17 +135,13 @@ pub fn run(args: &ExportArgs) -> Result<()> {
 /// beside the original model.
 fn write_hugging_face(dir: &Path, original: &Path, params: &[StoredTensor], dtype: &str, step: usize) -> Result<()> {
     use autotp_frontend::{HF_CLASS_METADATA, HF_PARAMETERS_METADATA};
-    let dtype = match dtype {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        other => bail!("--dtype {other}: expected f32, bf16 or f16"),
+    let Some(dtype) = DType::from_name(dtype).filter(|d| matches!(d, DType::F32 | DType::BF16 | DType::F16)) else {
+        bail!("--dtype {dtype}: expected f32, bf16 or f16");
     };
-    if !original.is_file() {
-        bail!(
-            "the checkpoint's model {} is not there any more: name the original with --model MODEL.onnx",
-            original.display()
-        );
+    let (config, tokenizer) = (original.with_file_name("config.json"), original.with_file_name("tokenizer.json"));
+    // DIR may be the original's own directory: its files are not copied onto themselves.
+    for (copy, source) in [(dir.join("config.json"), &config), (dir.join("tokenizer.json"), &tokenizer)] {
+        crate::refuse_overwrite(&copy, source, "the file --hf copies there")?;
     }
     let metadata = autotp_frontend::onnx_metadata(original)?;
     let Some(recorded) = metadata.get(HF_PARAMETERS_METADATA) else {
@@ -156,7 +157,6 @@ fn write_hugging_face(dir: &Path, original: &Path, params: &[StoredTensor], dtyp
             original.display()
         )
     })?;
-    let config = original.with_file_name("config.json");
     if !config.is_file() {
         bail!(
             "no config.json beside {}: --hf copies the one scripts/export_hf.py writes there (or put the model's \
@@ -203,7 +203,6 @@ fn write_hugging_face(dir: &Path, original: &Path, params: &[StoredTensor], dtyp
         BTreeMap::from([("format".to_string(), "pt".to_string())]),
     )?;
     std::fs::copy(&config, dir.join("config.json"))?;
-    let tokenizer = original.with_file_name("tokenizer.json");
     if tokenizer.is_file() {
         std::fs::copy(&tokenizer, dir.join("tokenizer.json"))?;
     }

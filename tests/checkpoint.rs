@@ -304,6 +304,19 @@ fn export_writes_a_hugging_face_directory() {
     for file in ["config.json", "tokenizer.json"] {
         assert_eq!(std::fs::read(hf.join(file)).unwrap(), std::fs::read(fixture("hf_export", file)).unwrap());
     }
+    // --hf into the original model's own directory would copy its config.json onto itself.
+    let beside = dir.join("beside");
+    std::fs::create_dir_all(&beside).unwrap();
+    for file in ["model.onnx", "config.json", "tokenizer.json"] {
+        std::fs::copy(fixture("hf_export", file), beside.join(file)).unwrap();
+    }
+    let model = beside.join("model.onnx");
+    let err = failure(autotp(&["export", s(&ckpt), "--hf", s(&beside), "--model", s(&model)]));
+    assert!(err.contains("config.json is the file --hf copies there"), "{err}");
+    assert_eq!(
+        std::fs::read(beside.join("config.json")).unwrap(),
+        std::fs::read(fixture("hf_export", "config.json")).unwrap()
+    );
     let plan = compile("gpt2", &dir, &[]);
     let gpt2 = dir.join("gpt2-ckpt");
     success(run(&plan, &["--steps", "1", "--save", s(&gpt2)]));
