@@ -156,19 +156,14 @@ fn end_of_document(args: &PrepareArgs, tokenizer: &tokenizers::Tokenizer) -> Res
         };
     }
     let config = args.tokenizer.with_file_name("config.json");
-    if let Ok(text) = std::fs::read_to_string(&config) {
-        let json: serde_json::Value =
-            serde_json::from_str(&text).with_context(|| format!("{}: not JSON", config.display()))?;
-        let eos = &json["eos_token_id"];
-        if let Some(id) = eos.as_u64().or_else(|| eos.as_array().and_then(|a| a.first()?.as_u64())) {
-            if id as usize >= vocab {
-                bail!(
-                    "{}: eos_token_id {id} is not an id of the tokenizer (under {vocab}); name one with --eod",
-                    config.display()
-                );
-            }
-            return Ok(id as u32);
+    if let Some(id) = config_eos(&args.tokenizer)? {
+        if id as usize >= vocab {
+            bail!(
+                "{}: eos_token_id {id} is not an id of the tokenizer (under {vocab}); name one with --eod",
+                config.display()
+            );
         }
+        return Ok(id);
     }
     ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"].iter().find_map(|t| tokenizer.token_to_id(t)).with_context(
         || {
@@ -179,6 +174,16 @@ fn end_of_document(args: &PrepareArgs, tokenizer: &tokenizers::Tokenizer) -> Res
             )
         },
     )
+}
+
+/// `eos_token_id` of the config.json beside `tokenizer` (a list's first), if there is one.
+pub(crate) fn config_eos(tokenizer: &Path) -> Result<Option<u32>> {
+    let config = tokenizer.with_file_name("config.json");
+    let Ok(text) = std::fs::read_to_string(&config) else { return Ok(None) };
+    let json: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", config.display()))?;
+    let eos = &json["eos_token_id"];
+    Ok(eos.as_u64().or_else(|| eos.as_array()?.first()?.as_u64()).map(|id| id as u32))
 }
 
 /// One document's text and the bytes of input it took.

@@ -13,9 +13,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use autotp_frontend::ImportOptions;
 use autotp_ir::DType;
-use autotp_passes::optimize::MASTER_PREFIX;
-use autotp_runtime::{Executor, HostTensor};
+use autotp_runtime::HostTensor;
 use autotp_train::checkpoint::Checkpoint;
+use autotp_train::dataset::SplitMix64;
 use clap::Args;
 
 #[derive(Args)]
@@ -50,7 +50,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{}: not a tokenizer file: {e}", args.tokenizer.display()))?;
     let encoding =
         tokenizer.encode(args.prompt.as_str(), true).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
-    let prompt: Vec<i64> = encoding.get_ids().iter().map(|&id| i64::from(id)).collect();
+    let prompt: Vec<u32> = encoding.get_ids().to_vec();
     if prompt.is_empty() {
         bail!("--prompt '{}' has no tokens", args.prompt);
     }
@@ -64,31 +64,22 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         );
     };
     let options = ImportOptions { input_shapes: [(input.clone(), vec![1, length])].into(), ..ImportOptions::default() };
-    let mut imported = autotp_frontend::import_onnx(&args.model, &options)?;
-    autotp_passes::PassManager::simplify_pipeline().run(&mut imported.graph)?;
-    let program = autotp_codegen::lower(&imported.graph)?;
-    let mut executor = Executor::new(program)?;
-    for (name, tensor) in &imported.weights {
-        executor.load_slot(name, tensor.bytes())?;
-    }
+    let mut executor = crate::forward_executor(&args.model, &options)?;
     if let Some(dir) = &args.checkpoint {
         let checkpoint = Checkpoint::open(dir)?;
-        for t in checkpoint.params() {
-            let master = checkpoint.tensor(&format!("{MASTER_PREFIX}{}", t.name));
-            let bytes = master.as_ref().map_or(&t.bytes, |m| &m.bytes);
-            executor.load_slot(&t.name, bytes).with_context(|| format!("the checkpoint's '{}'", t.name))?;
+        for t in crate::export::trained_params(&checkpoint) {
+            executor.load_slot(&t.name, &t.bytes).with_context(|| format!("the checkpoint's '{}'", t.name))?;
         }
     }
-    let eos = end_of_text(&args.tokenizer);
+    let eos = crate::data::config_eos(&args.tokenizer)?;
     let mut ids = prompt.clone();
-    let mut rng = args.seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut rng = SplitMix64::new(args.seed);
     while ids.len() < length {
-        let mut padded = ids.clone();
-        padded.resize(length, 0);
+        let padded = ids.iter().copied().chain(std::iter::repeat(0)).take(length);
         let feed = HostTensor {
             dtype: DType::I64,
             shape: vec![1, length],
-            data: padded.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            data: padded.flat_map(|id| i64::from(id).to_le_bytes()).collect(),
         };
         let outputs = executor.run(&[feed])?;
         let logits = outputs.first().context("the model has no output")?;
@@ -106,32 +97,21 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         let next = if args.temperature == 0.0 { argmax(&scores) } else { sample(&scores, args, &mut rng) };
-        ids.push(next as i64);
+        ids.push(next as u32);
         if eos == Some(next as u32) {
             break;
         }
     }
-    let new: Vec<u32> = ids[prompt.len()..].iter().map(|&id| id as u32).collect();
-    let decode = |ids: &[i64]| {
-        let ids: Vec<u32> = ids.iter().map(|&id| id as u32).collect();
-        tokenizer.decode(&ids, true).map_err(|e| anyhow::anyhow!("decoding: {e}"))
-    };
+    let new = &ids[prompt.len()..];
+    let decode = |ids: &[u32]| tokenizer.decode(ids, true).map_err(|e| anyhow::anyhow!("decoding: {e}"));
     // The continuation as the whole sequence decodes it (spaces between words included).
     let (whole, before) = (decode(&ids)?, decode(&prompt)?);
     let continuation = whole
         .strip_prefix(before.as_str())
-        .map_or_else(|| format!(" {}", decode(&ids[prompt.len()..]).unwrap_or_default()), str::to_string);
+        .map_or_else(|| format!(" {}", decode(new).unwrap_or_default()), str::to_string);
     eprintln!("generated ids: {new:?}");
     println!("{}{continuation}", args.prompt);
     Ok(())
-}
-
-/// The end-of-text id from the config.json beside the tokenizer, if it names one.
-fn end_of_text(tokenizer: &std::path::Path) -> Option<u32> {
-    let text = std::fs::read_to_string(tokenizer.with_file_name("config.json")).ok()?;
-    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let eos = &json["eos_token_id"];
-    eos.as_u64().or_else(|| eos.as_array()?.first()?.as_u64()).map(|id| id as u32)
 }
 
 /// The first likeliest token (as torch.argmax).
@@ -140,7 +120,7 @@ fn argmax(scores: &[f32]) -> usize {
 }
 
 /// A token drawn from softmax(scores / temperature) over the top k.
-fn sample(scores: &[f32], args: &GenerateArgs, state: &mut u64) -> usize {
+fn sample(scores: &[f32], args: &GenerateArgs, rng: &mut SplitMix64) -> usize {
     let mut order: Vec<usize> = (0..scores.len()).collect();
     order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
     if args.top_k > 0 {
@@ -148,13 +128,7 @@ fn sample(scores: &[f32], args: &GenerateArgs, state: &mut u64) -> usize {
     }
     let top = f64::from(scores[order[0]]);
     let weights: Vec<f64> = order.iter().map(|&i| ((f64::from(scores[i]) - top) / args.temperature).exp()).collect();
-    // SplitMix64, for a draw that does not change with a crate.
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    let uniform = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64;
-    let mut left = uniform * weights.iter().sum::<f64>();
+    let mut left = rng.uniform() * weights.iter().sum::<f64>();
     for (&i, w) in order.iter().zip(&weights) {
         left -= w;
         if left <= 0.0 {

@@ -173,20 +173,14 @@ fn run_infer(model: &Path, inputs: &[String], output_dir: &Path) -> Result<()> {
         input_shapes: given.iter().map(|(name, t)| (name.clone(), t.shape.clone())).collect(),
         ..ImportOptions::default()
     };
-    let mut imported = import(model, &options)?;
-    autotp_passes::PassManager::simplify_pipeline().run(&mut imported.graph)?;
-    let program = autotp_codegen::lower(&imported.graph)?;
+    let mut executor = forward_executor(model, &options)?;
     let mut feed = Vec::new();
-    for slot in &program.inputs {
+    for slot in &executor.program().inputs {
         let t = given.remove(&slot.name).expect("every model input was checked to be given");
         if t.dtype != slot.dtype {
             bail!("input '{}': the file holds {}, the model takes {}", slot.name, t.dtype, slot.dtype);
         }
         feed.push(t);
-    }
-    let mut executor = Executor::new(program)?;
-    for (name, tensor) in &imported.weights {
-        executor.load_slot(name, tensor.bytes())?;
     }
     let start = Instant::now();
     let outputs = executor.run(&feed)?;
@@ -198,6 +192,18 @@ fn run_infer(model: &Path, inputs: &[String], output_dir: &Path) -> Result<()> {
         println!("{}: {}{:?} {} -> {}", slot.name, tensor.dtype, tensor.shape, summary(tensor), path.display());
     }
     Ok(())
+}
+
+/// The model's forward pass at the shapes `options` bind, simplified, lowered and loaded with
+/// the model's weights, ready to run (`infer`, `generate`).
+pub(crate) fn forward_executor(model: &Path, options: &ImportOptions) -> Result<Executor> {
+    let mut imported = import(model, options)?;
+    autotp_passes::PassManager::simplify_pipeline().run(&mut imported.graph)?;
+    let mut executor = Executor::new(autotp_codegen::lower(&imported.graph)?)?;
+    for (name, tensor) in &imported.weights {
+        executor.load_slot(name, tensor.bytes())?;
+    }
+    Ok(executor)
 }
 
 /// Keeps an output name usable as a file name.

@@ -247,12 +247,12 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
     serde_json::Value::Object(record)
 }
 
-/// Resumes `trainer` from the checkpoint in `dir`, warning where this run's data or seed
-/// differs from the checkpoint's.
-fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path) -> Result<()> {
+/// Resumes `trainer` from the checkpoint in `dir` and opens the data (whose sample order
+/// follows the seed the checkpoint restores), warning where this run's data or seed differs
+/// from the checkpoint's.
+fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path) -> Result<TrainingData> {
     let checkpoint = Checkpoint::open(dir)?;
     trainer.resume(&checkpoint)?;
-    // The data's sample order follows the seed, which the checkpoint's restores.
     let data = open_data(flags, trainer)?;
     let saved = &checkpoint.manifest.data;
     if saved.tokens != data.tokens() {
@@ -276,7 +276,7 @@ fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path) -> Result<()> {
         };
         eprintln!("resumed from {} at step {}{relaid}", checkpoint.dir.display(), trainer.completed_steps());
     }
-    Ok(())
+    Ok(data)
 }
 
 /// The training data `--data` names, its samples in the order of the trainer's seed.
@@ -295,10 +295,10 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if let Some(metrics) = &flags.metrics_out {
         crate::refuse_overwrite(metrics, &flags.data, "the token file being trained on")?;
     }
-    if let Some(dir) = &flags.resume {
-        resume(trainer, flags, dir)?;
-    }
-    let data = open_data(flags, trainer)?;
+    let data = match &flags.resume {
+        Some(dir) => resume(trainer, flags, dir)?,
+        None => open_data(flags, trainer)?,
+    };
     let first = trainer.completed_steps();
     if first >= flags.steps {
         if trainer.reports() {

@@ -237,15 +237,13 @@ fn a_hugging_face_export_trains_like_pytorch() {
     let curve = std::fs::read_to_string(fixture("hf_export", "curve.json")).unwrap_or_default();
     let want: Vec<f64> = serde_json::from_str(&curve).unwrap_or_default();
     let metrics = std::env::temp_dir().join(format!("autotp-hf-export-{}.jsonl", std::process::id()));
+    let tokens = repo().join("tests/fixtures/train/tokens_pad.bin");
     let train = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
-            .args(["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2"])
-            .args(["--data", repo().join("tests/fixtures/train/tokens_pad.bin").to_str().unwrap_or_default()])
-            .args(["--steps", "5", "--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"])
-            .args(["--metrics-out", metrics.to_str().unwrap_or_default()])
-            .args(extra)
-            .output()
-            .unwrap_or_else(|e| panic!("{e}"));
+        let mut args = vec!["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2"];
+        args.extend(["--data", tokens.to_str().unwrap_or_default(), "--steps", "5", "--lr", "2e-3"]);
+        args.extend(["--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"]);
+        args.extend(["--metrics-out", metrics.to_str().unwrap_or_default()]);
+        let out = autotp(&[&args[..], extra].concat());
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         // `train` prints the compile summary on stderr (stdout carries the steps).
         let summary = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -275,18 +273,10 @@ fn generate_decodes_like_pytorch() {
             .unwrap_or_default();
     let prompt = expected["prompt"].as_str().unwrap_or_default();
     let (model, tokenizer) = (fixture("hf_export", "model.onnx"), fixture("hf_export", "tokenizer.json"));
+    let command =
+        ["generate", model.to_str().unwrap_or_default(), "--tokenizer", tokenizer.to_str().unwrap_or_default()];
     let generate = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
-            .args([
-                "generate",
-                model.to_str().unwrap_or_default(),
-                "--tokenizer",
-                tokenizer.to_str().unwrap_or_default(),
-            ])
-            .args(["--prompt", prompt, "--max-new-tokens", "8"])
-            .args(extra)
-            .output()
-            .unwrap_or_else(|e| panic!("{e}"));
+        let out = autotp(&[&command[..], &["--prompt", prompt, "--max-new-tokens", "8"], extra].concat());
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         let ids = stderr.lines().find_map(|l| l.strip_prefix("generated ids: ")).unwrap_or_default().to_string();
@@ -302,27 +292,26 @@ fn generate_decodes_like_pytorch() {
     let dir = crate::common::scratch("generate");
     let ckpt = dir.join("ckpt");
     let tokens = repo().join("tests/fixtures/train/tokens_pad.bin");
-    let out = Command::new(env!("CARGO_BIN_EXE_autotp"))
-        .args(["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2", "--steps", "20"])
-        .args([
-            "--lr",
-            "1e-2",
-            "--data",
-            tokens.to_str().unwrap_or_default(),
-            "--save",
-            ckpt.to_str().unwrap_or_default(),
-        ])
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    success(autotp(&[
+        "train",
+        model.to_str().unwrap_or_default(),
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "20",
+        "--lr",
+        "1e-2",
+        "--data",
+        tokens.to_str().unwrap_or_default(),
+        "--save",
+        ckpt.to_str().unwrap_or_default(),
+    ]));
     let (trained, _) = generate(&["--checkpoint", ckpt.to_str().unwrap_or_default()]);
     assert_ne!(trained, greedy, "20 steps at lr 1e-2 change what the model writes");
-    let bad = Command::new(env!("CARGO_BIN_EXE_autotp"))
-        .args(["generate", model.to_str().unwrap_or_default(), "--tokenizer", tokenizer.to_str().unwrap_or_default()])
-        .args(["--prompt", "x", "--temperature=-1"])
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("--temperature -1: expected 0 (greedy) or more"));
+    let bad = failure(autotp(&[&command[..], &["--prompt", "x", "--temperature=-1"]].concat()));
+    assert!(bad.contains("--temperature -1: expected 0 (greedy) or more"), "{bad}");
 }
 
 #[test]

@@ -132,8 +132,10 @@ impl TrainingData {
             TrainingData::Stream(data) => data.batch(step, global_batch),
             TrainingData::Indexed(blend) => {
                 let s = self.seq_len();
-                let mut batch = Batch { input_ids: Vec::with_capacity(global_batch * s), labels: Vec::new() };
-                batch.labels.reserve(global_batch * s);
+                let mut batch = Batch {
+                    input_ids: Vec::with_capacity(global_batch * s),
+                    labels: Vec::with_capacity(global_batch * s),
+                };
                 for j in 0..global_batch {
                     let sample = blend.sample(step * global_batch + j);
                     batch.input_ids.extend(sample[..s].iter().map(|&t| i64::from(t)));
@@ -214,8 +216,8 @@ impl Blend {
 /// One indexed dataset's documents of a split, as samples of seq + 1 tokens.
 struct DocumentSamples {
     dataset: IndexedDataset,
-    /// The split's documents, each its range of sequences.
-    documents: Vec<(usize, usize)>,
+    /// The split's documents: each its range of sequences and its tokens.
+    documents: Vec<(std::ops::Range<usize>, usize)>,
     seq_len: usize,
     seed: u64,
     /// Tokens of the split's documents.
@@ -238,14 +240,15 @@ impl DocumentSamples {
     fn open(prefix: &Path, seq_len: usize, seed: u64, split: Option<Split>, part: usize) -> Result<Self, DataError> {
         let dataset = IndexedDataset::open(prefix)?;
         let boundaries = dataset.document_boundaries();
-        let all: Vec<(usize, usize)> = boundaries
+        let all: Vec<std::ops::Range<usize>> = boundaries
             .windows(2)
-            .map(|w| (w[0].max(0) as usize, (w[1].max(0) as usize).min(dataset.sequences())))
+            .map(|w| w[0].max(0) as usize..(w[1].max(0) as usize).min(dataset.sequences()))
             .collect();
         let (start, end) = split.map_or((0, all.len()), |s| s.range(part, all.len()));
-        let documents = all[start..end].to_vec();
-        let length = |&(a, b): &(usize, usize)| (a..b).map(|s| dataset.sequence_length(s)).sum::<usize>();
-        let tokens: usize = documents.iter().map(length).sum();
+        let documents: Vec<(std::ops::Range<usize>, usize)> = (all[start..end].iter())
+            .map(|sequences| (sequences.clone(), sequences.clone().map(|s| dataset.sequence_length(s)).sum()))
+            .collect();
+        let tokens: usize = documents.iter().map(|(_, length)| length).sum();
         let samples = tokens.saturating_sub(1) / seq_len.max(1);
         if samples == 0 {
             return Err(DataError::Spec(format!(
@@ -267,42 +270,54 @@ impl DocumentSamples {
             *epoch = Some(self.epoch(number));
         }
         let Some(epoch) = epoch.as_ref() else { return Vec::new() };
-        let mut at = epoch.permutation[within] * self.seq_len;
-        let mut tokens = Vec::with_capacity(self.seq_len + 1);
-        // The document holding token `at` of the concatenation, then on to the next ones.
-        let mut d = epoch.starts.partition_point(|&s| s <= at) - 1;
-        while tokens.len() < self.seq_len + 1 && d < epoch.order.len() {
-            let (first, last) = self.documents[epoch.order[d]];
-            let document: Vec<u32> = (first..last).flat_map(|s| self.dataset.sequence(s)).collect();
-            let offset = at - epoch.starts[d];
-            let take = (self.seq_len + 1 - tokens.len()).min(document.len().saturating_sub(offset));
-            tokens.extend_from_slice(&document[offset..offset + take]);
-            at += take;
-            d += 1;
+        let (at, want) = (epoch.permutation[within] * self.seq_len, self.seq_len + 1);
+        let mut tokens = Vec::with_capacity(want);
+        // The document holding token `at` of the concatenation, then on to the next ones,
+        // reading only the sample's tokens of each sequence.
+        let d = epoch.starts.partition_point(|&s| s <= at) - 1;
+        let mut offset = at - epoch.starts[d];
+        for &document in &epoch.order[d..] {
+            for s in self.documents[document].0.clone() {
+                let length = self.dataset.sequence_length(s);
+                if offset >= length {
+                    offset -= length;
+                    continue;
+                }
+                let take = (want - tokens.len()).min(length - offset);
+                tokens.extend(self.dataset.tokens(s, offset..offset + take));
+                offset = 0;
+                if tokens.len() == want {
+                    return tokens;
+                }
+            }
         }
         tokens
     }
 
     fn epoch(&self, number: usize) -> Epoch {
-        let mut rng = SplitMix64(self.seed ^ (number as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut rng = SplitMix64::new(self.seed ^ (number as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let order = rng.permutation(self.documents.len());
         let mut starts = Vec::with_capacity(order.len());
         let mut at = 0;
         for &d in &order {
             starts.push(at);
-            let (first, last) = self.documents[d];
-            at += (first..last).map(|s| self.dataset.sequence_length(s)).sum::<usize>();
+            at += self.documents[d].1;
         }
         let permutation = rng.permutation(self.samples);
         Epoch { number, order, starts, permutation }
     }
 }
 
-/// SplitMix64: a small, fixed generator, so that the order does not change with a crate.
-struct SplitMix64(u64);
+/// SplitMix64: a small, fixed generator, so that an order or a draw does not change with a
+/// crate (the samples here, `autotp generate`'s sampling).
+pub struct SplitMix64(u64);
 
 impl SplitMix64 {
-    fn next(&mut self) -> u64 {
+    pub fn new(seed: u64) -> SplitMix64 {
+        SplitMix64(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -310,11 +325,16 @@ impl SplitMix64 {
         z ^ (z >> 31)
     }
 
+    /// Uniform in [0, 1), from the top 53 bits.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
     /// A Fisher-Yates permutation of 0..n.
-    fn permutation(&mut self, n: usize) -> Vec<usize> {
+    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..n).collect();
         for i in (1..n).rev() {
-            order.swap(i, (self.next() % (i as u64 + 1)) as usize);
+            order.swap(i, (self.next_u64() % (i as u64 + 1)) as usize);
         }
         order
     }

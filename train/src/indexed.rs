@@ -270,8 +270,14 @@ impl IndexedDataset {
 
     /// The tokens of sequence `i`.
     pub fn sequence(&self, i: usize) -> Vec<u32> {
-        let start = self.pointers[i] as usize;
-        let bytes = &self.bin[start..start + self.lengths[i] as usize * self.dtype.size()];
+        self.tokens(i, 0..self.sequence_length(i))
+    }
+
+    /// Tokens `range` of sequence `i`.
+    pub fn tokens(&self, i: usize, range: std::ops::Range<usize>) -> Vec<u32> {
+        let size = self.dtype.size();
+        let start = self.pointers[i] as usize + range.start * size;
+        let bytes = &self.bin[start..start + range.len() * size];
         match self.dtype {
             IndexedDtype::U16 => bytes.chunks_exact(2).map(|b| u32::from(u16::from_le_bytes([b[0], b[1]]))).collect(),
             IndexedDtype::I32 => {
