@@ -181,14 +181,19 @@ def padding_rows(model):
     return ",".join(entries)
 
 
+def buffers_of(model, initializers):
+    """The initializers (by name) that are the model's float buffers, which PyTorch does not
+    train, by their ONNX names (the `Logits` wrapper's `m.` prefix)."""
+    return sorted(f"m.{name}" for name, b in model.named_buffers()
+                  if b.is_floating_point() and b.dim() > 0 and f"m.{name}" in initializers)
+
+
 def record_metadata(path, model):
     """Writes what autotp needs and ONNX drops into the export's `metadata_props`."""
     exported = onnx.load(path, load_external_data=False)
     initializers = {t.name for t in exported.graph.initializer}
-    buffers = sorted(f"m.{name}" for name, b in model.named_buffers()
-                     if b.is_floating_point() and b.dim() > 0 and f"m.{name}" in initializers)
     entries = {
-        "autotp.buffers": ",".join(buffers),
+        "autotp.buffers": ",".join(buffers_of(model, initializers)),
         "autotp.padding_idx": padding_rows(model),
         "autotp.hf_class": type(model).__name__,
         "autotp.hf_parameters": json.dumps(parameter_names(model, initializers), sort_keys=True),

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
 # The fixtures' training contract, and the export helper's wrapper, experts and export.
 from make_fixtures import contract_curve  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from export_hf import Logits, traceable  # noqa: E402
+from export_hf import Logits, buffers_of, traceable  # noqa: E402
 from export_hf import export as export_for_training  # noqa: E402
 AUTOTP = os.environ.get("AUTOTP", os.path.join(ROOT, "target", "release", "autotp"))
 OUT = "/tmp/autotp-sweep"
@@ -392,13 +392,6 @@ def pytorch_curve(model):
     return contract_curve(model, np.fromfile(TOKENS, dtype=np.uint16), CURVE_G, CURVE_S, CURVE_STEPS)
 
 
-def buffers_of(model, exported):
-    """The initializers of the ONNX model `exported` that are the model's float buffers (which
-    PyTorch does not train), by their ONNX names (the `Logits` wrapper's `m.` prefix)."""
-    names = {f"m.{name}" for name, b in model.named_buffers() if b.is_floating_point() and b.dim() > 0}
-    return sorted(t.name for t in exported.graph.initializer if t.name in names)
-
-
 def annotate_apart(model_type, path):
     """Apart, as the export: names the export's buffers in its metadata (`autotp.buffers`, so
     that autotp does not train them either) and writes PyTorch's curve beside the model
@@ -413,7 +406,8 @@ def annotate_apart(model_type, path):
         model = tiny_model(model_type)
         if not annotated:
             entry = exported.metadata_props.add()
-            entry.key, entry.value = "autotp.buffers", ",".join(buffers_of(model, exported))
+            initializers = {t.name for t in exported.graph.initializer}
+            entry.key, entry.value = "autotp.buffers", ",".join(buffers_of(model, initializers))
             onnx.save(exported, path)
         if not os.path.exists(curve):
             stage[0] = "PyTorch's training"
