@@ -133,6 +133,21 @@ fn offloaded_optimizer_checkpoints_resume_bit_identically() {
     }
 }
 
+/// A model whose states' sizes are not multiples of the alignment (DeepSeek-V3's fixture) keeps
+/// them in a host pool that holds their aligned regions, and trains as it does without offload.
+#[test]
+fn offloaded_optimizer_holds_unaligned_states() {
+    let dir = scratch("offload-cpu-unaligned");
+    let model = fixture("deepseek_v3", "model.onnx");
+    let metrics = |plan: &Path, flags: &[&str]| {
+        let args = [&["compile", model.to_str().unwrap(), "--seq-len", "16", "--micro-batch", "2"][..], flags];
+        success(autotp(&[&args.concat()[..], &["-o", plan.to_str().unwrap()]].concat()));
+        run(plan, &plan.with_extension("jsonl"), 3, &[])
+    };
+    let kept = metrics(&dir.join("kept.atp"), &[]);
+    assert_eq!(metrics(&dir.join("offloaded.atp"), &["--offload-optimizer", "cpu"]), kept);
+}
+
 /// On a GPU the optimizer state in files is refused when the plan loads, saying so (a host pool
 /// runs there: `tests/gpu.rs`).
 #[test]
