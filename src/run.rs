@@ -19,7 +19,8 @@ use autotp_runtime::gpu::{GemmMath, GpuKind};
 use autotp_train::checkpoint::Checkpoint;
 use autotp_train::data::TokenDtype;
 use autotp_train::dataset::{Split, TrainingData};
-use autotp_train::trainer::{Measured, StepMetrics, Trainer};
+use autotp_train::tensorboard::EventWriter;
+use autotp_train::trainer::{EvalMetrics, Measured, StepMetrics, Trainer};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -41,10 +42,28 @@ pub struct RunFlags {
     /// Train until this optimizer step (counted from the start of training, resumed or not).
     #[arg(long)]
     steps: usize,
+    /// Compute the validation loss and perplexity every N steps and after the last: the plan's
+    /// evaluation step (the forward pass on the training layout; no gradient, no optimizer
+    /// state touched) on the first --eval-iters global batches of the validation data.
+    #[arg(long, value_name = "N")]
+    eval_every: Option<usize>,
+    /// Global batches per validation.
+    #[arg(long, value_name = "K", default_value_t = 10, requires = "eval_every")]
+    eval_iters: usize,
+    /// The validation data, as --data names it [default: the --split's validation part of
+    /// --data].
+    #[arg(long, value_name = "FILE|PREFIX|\"W1 PREFIX1 ...\"", requires = "eval_every")]
+    eval_data: Option<PathBuf>,
     /// Append one JSON object per step (step, loss, lr, step_seconds, tokens_per_second[,
-    /// grad_norm]); a fresh run truncates the file, a resumed one appends.
+    /// grad_norm, loss_scale, eval_loss, eval_perplexity]); a fresh run truncates the file, a
+    /// resumed one appends.
     #[arg(long, value_name = "FILE.jsonl")]
     pub metrics_out: Option<PathBuf>,
+    /// Write TensorBoard event files under this directory (`tensorboard --logdir DIR`): per
+    /// step train/{loss, lr, grad_norm, loss_scale, tokens_per_second, step_seconds},
+    /// validation/{loss, perplexity} and memory/{device_bytes, host_rss_bytes}.
+    #[arg(long, value_name = "DIR")]
+    tensorboard: Option<PathBuf>,
     /// Save checkpoints under this directory: at the end, and every --save-every steps.
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
@@ -228,7 +247,7 @@ fn open_metrics(path: &Path, append: bool) -> Result<std::fs::File> {
     options.open(path).with_context(|| format!("cannot write {}", path.display()))
 }
 
-fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value {
+fn metrics_record(m: &StepMetrics, tokens_per_second: f64, eval: Option<&EvalMetrics>) -> serde_json::Value {
     let mut record = serde_json::Map::new();
     record.insert("step".into(), m.step.into());
     record.insert("loss".into(), m.loss.into());
@@ -244,7 +263,40 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64) -> serde_json::Value 
     }
     record.insert("step_seconds".into(), m.seconds.into());
     record.insert("tokens_per_second".into(), tokens_per_second.into());
+    if let Some(eval) = eval {
+        record.insert("eval_loss".into(), eval.loss.into());
+        record.insert("eval_perplexity".into(), eval.perplexity.into());
+    }
     serde_json::Value::Object(record)
+}
+
+/// A step's scalars for TensorBoard, by tag.
+fn tensorboard_scalars(
+    m: &StepMetrics,
+    tokens_per_second: f64,
+    eval: Option<&EvalMetrics>,
+) -> Vec<(&'static str, f64)> {
+    let mut scalars = vec![("train/loss", m.loss), ("train/lr", m.lr)];
+    if let Some((_, norm)) =
+        m.scalars.iter().find(|(name, _)| name == autotp_program::step::StepOutput::GradNorm.name())
+    {
+        scalars.push(("train/grad_norm", *norm));
+    }
+    scalars.extend(m.loss_scale.map(|scale| ("train/loss_scale", scale)));
+    scalars.extend([("train/tokens_per_second", tokens_per_second), ("train/step_seconds", m.seconds)]);
+    if let Some(eval) = eval {
+        scalars.extend([("validation/loss", eval.loss), ("validation/perplexity", eval.perplexity)]);
+    }
+    scalars
+}
+
+/// This process's resident memory (`/proc/self/statm`), where the system says.
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * u64::try_from(page).ok()?)
 }
 
 /// Resumes `trainer` from the checkpoint in `dir` and opens the data (whose sample order
@@ -287,6 +339,33 @@ fn open_data(flags: &RunFlags, trainer: &Trainer) -> Result<TrainingData> {
     Ok(TrainingData::open(&spec, dtype, trainer.training().seq_len, trainer.seed(), split, 0)?)
 }
 
+/// The validation data of `--eval-every`: `--eval-data`, else the `--split`'s validation part
+/// of `--data`.
+fn open_eval_data(flags: &RunFlags, trainer: &Trainer) -> Result<Option<TrainingData>> {
+    let Some(every) = flags.eval_every else { return Ok(None) };
+    if every == 0 || flags.eval_iters == 0 {
+        bail!("--eval-every and --eval-iters must be at least 1");
+    }
+    let dtype = TokenDtype::parse(&flags.data_dtype)?;
+    let (seq_len, seed) = (trainer.training().seq_len, trainer.seed());
+    let data = match &flags.eval_data {
+        Some(spec) => TrainingData::open(&spec.to_string_lossy(), dtype, seq_len, seed, None, 0)
+            .with_context(|| format!("--eval-data {}", spec.display()))?,
+        None => {
+            let split = flags.split.as_deref().map(Split::parse).transpose()?;
+            if !split.is_some_and(|s| s.weights[1] > 0.0) {
+                bail!(
+                    "--eval-every needs validation data: --eval-data, or --split with a validation part of --data's \
+                     documents (969,30,1)"
+                );
+            }
+            TrainingData::open(&flags.data.to_string_lossy(), dtype, seq_len, seed, split, 1)
+                .context("the --split's validation part")?
+        }
+    };
+    Ok(Some(data))
+}
+
 /// Runs `trainer` to step `flags.steps` over the data, resuming and saving as asked.
 pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     if flags.save_every == Some(0) || flags.log_every == 0 {
@@ -299,6 +378,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         Some(dir) => resume(trainer, flags, dir)?,
         None => open_data(flags, trainer)?,
     };
+    let eval_data = open_eval_data(flags, trainer)?;
     let first = trainer.completed_steps();
     if first >= flags.steps {
         if trainer.reports() {
@@ -310,6 +390,10 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     let reports = trainer.reports();
     let mut metrics = match &flags.metrics_out {
         Some(path) if reports => Some(open_metrics(path, flags.resume.is_some())?),
+        _ => None,
+    };
+    let mut events = match &flags.tensorboard {
+        Some(dir) if reports => Some(EventWriter::create(dir)?),
         _ => None,
     };
     if flags.profile {
@@ -367,8 +451,34 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
                 )
             });
         }
+        let evaluated = match (&eval_data, flags.eval_every) {
+            (Some(data), Some(every)) if m.step % every == 0 || m.step == flags.steps => {
+                let eval = trainer.evaluate(data, flags.eval_iters)?;
+                if reports {
+                    bar.suspend(|| {
+                        println!(
+                            "validation at step {}: loss {:.6} perplexity {:.3} ({} batches, {:.1} ms)",
+                            m.step,
+                            eval.loss,
+                            eval.perplexity,
+                            eval.batches,
+                            eval.seconds * 1e3
+                        )
+                    });
+                }
+                Some(eval)
+            }
+            _ => None,
+        };
         if let Some(file) = &mut metrics {
-            writeln!(file, "{}", metrics_record(&m, tokens_per_second)).context("cannot write metrics")?;
+            writeln!(file, "{}", metrics_record(&m, tokens_per_second, evaluated.as_ref()))
+                .context("cannot write metrics")?;
+        }
+        if let Some(events) = &mut events {
+            let memory = [("memory/device_bytes", trainer.local_arena_bytes() as f64)];
+            let rss = resident_bytes().map(|b| ("memory/host_rss_bytes", b as f64));
+            let scalars = tensorboard_scalars(&m, tokens_per_second, evaluated.as_ref());
+            events.scalars(m.step as u64, &[&scalars[..], &memory, rss.as_slice()].concat())?;
         }
         if let Some(dir) = &flags.save {
             if m.step == flags.steps || flags.save_every.is_some_and(|k| m.step % k == 0) {

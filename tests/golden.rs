@@ -115,7 +115,12 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
                 config.prefetch =
                     autotp_passes::zero::Prefetch { bucket_elements: bucket, max_live_elements: max_live };
             }
-            Box::new(autotp_passes::zero::Zero { dp, config, batch_inputs: vec!["input_ids".into(), "labels".into()] })
+            Box::new(autotp_passes::zero::Zero {
+                dp,
+                config,
+                batch_inputs: vec!["input_ids".into(), "labels".into()],
+                param_placements: Default::default(),
+            })
         }
         "autotp" => {
             let (tp, replicate) = argument.split_once(":").unwrap_or((argument, ""));
@@ -125,6 +130,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
                 zero: Default::default(),
                 batch_inputs: vec![],
                 replicate_unsplittable: replicate == "replicate-unsplittable",
+                param_placements: Default::default(),
             })
         }
         "autodiff" => {
@@ -229,6 +235,7 @@ fn check_pipeline(
         padding_rows: Default::default(),
         grad_dtype: None,
         loss_scaling: false,
+        forward_only: false,
     };
     let (_, graphs) = pipeline.run(&graph).map_err(|e| e.to_string())?;
     let printed: String =

@@ -20,6 +20,10 @@
 //! - `kernels`: every generated kernel against the builtin kernel of the same op.
 //! - `isa`: the kernel and training tests again at x86-64-v3 (AVX2) on an AVX-512 host.
 //! - `rewrites`: the egg rewrites of kernel index arithmetic against their golden file.
+//! - `tensorboard`: `--tensorboard`'s event files against the metrics, and a file TensorBoard
+//!   wrote.
+//! - `validation`: `--eval-every`'s evaluation step against the training step's loss, on
+//!   every layout.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
 //!   `conformance`: rules, optimizers and ONNX node tests against references.
 
@@ -47,5 +51,7 @@ mod processes;
 mod recompute;
 mod rewrites;
 mod sharding;
+mod tensorboard;
 mod train;
+mod validation;
 mod verifier;

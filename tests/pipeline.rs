@@ -36,6 +36,7 @@ fn pipeline(stages: usize, micro_batches: usize, schedule: PipelineSchedule, bac
         padding_rows: Default::default(),
         grad_dtype: None,
         loss_scaling: false,
+        forward_only: false,
     }
 }
 

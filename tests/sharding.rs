@@ -114,7 +114,12 @@ fn compare(arch: &str, shard: impl Pass + 'static) -> (f64, f64) {
 
 /// Data parallelism with ZeRO stage 0: the batch inputs sharded over `dp` ranks.
 fn data_parallel(dp: usize) -> Zero {
-    Zero { dp, config: ZeroConfig::default(), batch_inputs: vec!["input_ids".into(), "labels".into()] }
+    Zero {
+        dp,
+        config: ZeroConfig::default(),
+        batch_inputs: vec!["input_ids".into(), "labels".into()],
+        param_placements: Default::default(),
+    }
 }
 
 #[test]
@@ -149,6 +154,7 @@ fn tensor_and_zero_parallel_steps_match_one_device() {
             zero,
             batch_inputs: vec!["input_ids".into(), "labels".into()],
             replicate_unsplittable: false,
+            param_placements: Default::default(),
         };
         let (loss, tensors) = compare(arch, autotp);
         println!(
@@ -170,9 +176,16 @@ fn no_rank_holds_the_whole_vocabulary() {
             let (mut graph, _) = training_step_with(arch, true);
             let batch_inputs = vec!["input_ids".into(), "labels".into()];
             let zero = ZeroConfig { stage: 1, ..Default::default() };
-            AutoTp { tp: 2, dp, zero, batch_inputs, replicate_unsplittable: false }
-                .run(&mut graph)
-                .unwrap_or_else(|e| panic!("{arch}: {e}"));
+            AutoTp {
+                tp: 2,
+                dp,
+                zero,
+                batch_inputs,
+                replicate_unsplittable: false,
+                param_placements: Default::default(),
+            }
+            .run(&mut graph)
+            .unwrap_or_else(|e| panic!("{arch}: {e}"));
             let tp = graph.mesh.axes.len() - 1;
             let vocab = 1000;
             for (id, value) in graph.values() {
@@ -232,6 +245,7 @@ fn an_indivisible_vocabulary_is_refused() {
             zero: ZeroConfig::default(),
             batch_inputs: vec![],
             replicate_unsplittable: false,
+            param_placements: Default::default(),
         }),
     ];
     let error = PassManager::new(passes).run(&mut graph).unwrap_err().to_string();

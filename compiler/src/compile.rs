@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use autotp_frontend::{ImportOptions, Model};
 use autotp_ir::{Graph, Tensor};
-use autotp_program::plan::{Labels, ModelSource, PaddingRow, TrainingConfig, TrainingPlan, WeightPart};
+use autotp_program::plan::{Evaluation, Labels, ModelSource, PaddingRow, TrainingConfig, TrainingPlan, WeightPart};
 
-use crate::steps::{run_steps, steps, CompileState, ModelFacts, Observer, TpExplanation};
+use crate::steps::{run_steps, steps, CompileState, ModelFacts, Observer, Purpose, TpExplanation};
 use crate::{CompileError, CompileOptions};
 
 /// Whether a compile reads the model's weights.
@@ -79,11 +79,22 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
         frozen: frozen.clone(),
         padding_rows: padding_rows.iter().map(|p| (p.table.clone(), p.row)).collect(),
     };
-    let steps = steps(options, &facts, weights == Weights::Read);
+    let steps = steps(options, &facts, weights == Weights::Read, Purpose::Train);
     let name = model.graph.name.clone();
-    let mut state = CompileState::new(std::mem::replace(&mut model.graph, Graph::new(name.clone())));
+    let imported = std::mem::replace(&mut model.graph, Graph::new(name.clone()));
+    // A plan that will run validates too; a report needs only the training step.
+    let evaluated = (weights == Weights::Read).then(|| imported.clone());
+    let mut state = CompileState::new(imported);
     let mut observer = Observer { dump_dir: flags.dump_ir.as_deref(), print_after: &flags.print_after };
-    let step_seconds = run_steps(&steps, &mut state, &mut observer)?;
+    let mut step_seconds = run_steps(&steps, &mut state, &mut observer)?;
+    let evaluation = match evaluated {
+        Some(graph) => {
+            let (evaluation, seconds) = compile_evaluation(options, &facts, graph, &state.programs);
+            step_seconds.push(("evaluation", seconds));
+            evaluation
+        }
+        None => Evaluation::Refused("the plan was compiled shapes-only".into()),
+    };
 
     let mut origins = WeightOrigins::default();
     for graph in &state.graphs {
@@ -98,6 +109,7 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
     let path = std::fs::canonicalize(&flags.model).unwrap_or_else(|_| flags.model.clone());
     let plan = TrainingPlan {
         stages: state.programs,
+        evaluation,
         training: TrainingConfig {
             seq_len: flags.seq_len,
             micro_batch: flags.micro_batch,
@@ -124,6 +136,7 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
         model: ModelSource { name, path },
     };
     plan.feeds()?;
+    plan.check_evaluation()?;
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "compiled {}", flags.model.display());
     Ok(Compiled {
         plan,
@@ -132,6 +145,34 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
         tp_explanations: state.tp_explanations,
         step_seconds,
     })
+}
+
+/// The validation step's programs ([`Purpose::Evaluate`]) and the seconds they took. A compile
+/// that trains but cannot evaluate still makes its plan: the plan records why it has no
+/// evaluation, `run --eval-every` says so, and the compile warns.
+fn compile_evaluation(
+    options: &CompileOptions,
+    facts: &ModelFacts,
+    graph: Graph,
+    training: &[autotp_program::Program],
+) -> (Evaluation, f64) {
+    let start = Instant::now();
+    let placed = |p: &autotp_program::Program| {
+        p.params.iter().map(|slot| (slot.name.clone(), slot.placements.clone())).collect()
+    };
+    let param_placements = training.iter().map(placed).collect();
+    let steps = steps(options, facts, true, Purpose::Evaluate { param_placements });
+    let mut state = CompileState::new(graph);
+    let mut observer = Observer { dump_dir: None, print_after: &[] };
+    let evaluation = match run_steps(&steps, &mut state, &mut observer) {
+        Ok(_) => Evaluation::Programs(state.programs),
+        Err(e) => {
+            let why = crate::render_error(&e);
+            tracing::warn!("the plan has no validation step (run --eval-every refuses it): {why}");
+            Evaluation::Refused(why)
+        }
+    };
+    (evaluation, start.elapsed().as_secs_f64())
 }
 
 /// Where the plan's parameters and states come from in the model's weights.

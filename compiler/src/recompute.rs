@@ -35,6 +35,11 @@ impl Recomputation {
         }
     }
 
+    /// Nothing recomputed (a step without a backward).
+    pub fn none(measure: LowerOptions) -> Recomputation {
+        Recomputation { flag: RecomputeFlag::None, layers: None, memory_cap: None, measure }
+    }
+
     /// Whether anything may be recomputed (the plan then records what, and its figures).
     pub fn rewrites(&self) -> bool {
         self.flag != RecomputeFlag::None

@@ -18,12 +18,19 @@
 //! | `fusion` or `recompute` | each stage | generated kernels' groups, with what `--recompute` recomputes |
 //! | `lower` | each stage -> a program | codegen: kernels, the memory plan |
 //!
-//! Tests: tests/compile.rs (dumps, names, refusals), tests/golden (passes alone).
+//! The validation step ([`Purpose::Evaluate`]) runs the same list without `autodiff`,
+//! `optimize`, gradient accumulation's types and recomputation; its pipeline runs the forward
+//! chunks alone, on the training step's cuts, and its sharding steps place each parameter as
+//! the training programs do.
+//!
+//! Tests: tests/compile.rs (dumps, names, refusals), tests/golden (passes alone),
+//! tests/validation.rs (the validation step on every layout).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
-use autotp_ir::Graph;
+use autotp_ir::{Graph, Placement};
 use autotp_passes::accumulate::Accumulate;
 use autotp_passes::autodiff::Autodiff;
 use autotp_passes::autotp::AutoTp;
@@ -178,11 +185,34 @@ impl Step for PipelineSplit {
     }
 }
 
+/// Data parallelism and ZeRO on each stage; each stage's parameters placed as
+/// `param_placements[stage]` says where it is given ([`Purpose::Evaluate`]).
+struct DataParallel {
+    zero: Zero,
+    param_placements: Vec<BTreeMap<String, Vec<Placement>>>,
+}
+
+impl Step for DataParallel {
+    fn name(&self) -> &'static str {
+        self.zero.name()
+    }
+
+    fn run(&self, state: &mut CompileState) -> Result<(), CompileError> {
+        for (s, graph) in state.graphs.iter_mut().enumerate() {
+            let held = self.param_placements.get(s).cloned().unwrap_or_default();
+            Zero { param_placements: held, batch_inputs: self.zero.batch_inputs.clone(), ..self.zero }.run(graph)?;
+        }
+        Ok(())
+    }
+}
+
 /// Tensor parallelism on each stage (AutoTP's split, then `shard`); with `explain`
-/// (`--explain-tp`), each weight's placement and why.
+/// (`--explain-tp`), each weight's placement and why; each stage's parameters placed as
+/// `param_placements[stage]` says where it is given ([`Purpose::Evaluate`]).
 struct TensorParallel {
     autotp: AutoTp,
     explain: bool,
+    param_placements: Vec<BTreeMap<String, Vec<Placement>>>,
 }
 
 impl Step for TensorParallel {
@@ -192,8 +222,13 @@ impl Step for TensorParallel {
 
     fn run(&self, state: &mut CompileState) -> Result<(), CompileError> {
         state.tp_explanations.clear();
-        for graph in &mut state.graphs {
-            let (sharded, explained) = self.autotp.shard(graph)?;
+        for (s, graph) in state.graphs.iter_mut().enumerate() {
+            let autotp = AutoTp {
+                batch_inputs: self.autotp.batch_inputs.clone(),
+                param_placements: self.param_placements.get(s).cloned().unwrap_or_default(),
+                ..self.autotp
+            };
+            let (sharded, explained) = autotp.shard(graph)?;
             if !self.explain {
                 *graph = sharded;
                 continue;
@@ -306,9 +341,26 @@ pub struct ModelFacts {
     pub padding_rows: std::collections::BTreeMap<String, usize>,
 }
 
+/// What a compile's programs do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// One optimizer step: forward, backward, update.
+    Train,
+    /// The validation step: the training step's forward and loss on the same layout (the
+    /// same stages and parameter blocks), no gradient and no optimizer state. Each stage holds
+    /// its parameters as the training programs place them (`param_placements[stage]`, by
+    /// name; ZeRO-3 finds what it shards from the optimizer, which this step lacks).
+    Evaluate { param_placements: Vec<BTreeMap<String, Vec<Placement>>> },
+}
+
 /// The compile's steps for `options`, in order.
-pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -> Vec<Box<dyn Step>> {
+pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, purpose: Purpose) -> Vec<Box<dyn Step>> {
     let flags = &options.flags;
+    let train = purpose == Purpose::Train;
+    let param_placements = match purpose {
+        Purpose::Train => Vec::new(),
+        Purpose::Evaluate { param_placements } => param_placements,
+    };
     let batch_inputs = vec![StepInput::InputIds.name().to_string(), StepInput::Labels.name().to_string()];
     let mut autodiff = Autodiff::new(autotp_passes::loss::LOSS);
     autodiff.frozen = model.frozen.clone();
@@ -344,10 +396,13 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
             padding_rows: model.padding_rows.clone(),
             grad_dtype: options.grad_accum_dtype(),
             loss_scaling,
+            forward_only: !train,
         })));
     } else {
-        steps.push(pass(Box::new(autodiff)));
-        if let Some(dtype) = options.grad_accum_dtype() {
+        if train {
+            steps.push(pass(Box::new(autodiff)));
+        }
+        if let Some(dtype) = options.grad_accum_dtype().filter(|_| train) {
             steps.push(pass(Box::new(autotp_passes::precision::GradAccumulation { dtype })));
         }
         if options.grad_accum > 1 {
@@ -362,10 +417,22 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
         Precision::Bf16 => NonFinite::Skip,
         Precision::Fp16 => NonFinite::SkipScaled,
     };
-    steps.push(Box::new(OptimizeStep { optimizer: options.optimizer.clone(), grad_clip: flags.grad_clip, nonfinite }));
+    if train {
+        steps.push(Box::new(OptimizeStep {
+            optimizer: options.optimizer.clone(),
+            grad_clip: flags.grad_clip,
+            nonfinite,
+        }));
+    }
     steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     if flags.dp > 1 && flags.tp == 1 {
-        steps.push(pass(Box::new(Zero { dp: flags.dp, config: options.zero, batch_inputs: batch_inputs.clone() })));
+        let zero = Zero {
+            dp: flags.dp,
+            config: options.zero,
+            batch_inputs: batch_inputs.clone(),
+            param_placements: BTreeMap::new(),
+        };
+        steps.push(Box::new(DataParallel { zero, param_placements: param_placements.clone() }));
     }
     if flags.tp > 1 {
         let autotp = AutoTp {
@@ -374,14 +441,16 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
             zero: options.zero,
             batch_inputs,
             replicate_unsplittable: flags.tp_replicate_unsplittable,
+            param_placements: BTreeMap::new(),
         };
-        steps.push(Box::new(TensorParallel { autotp, explain: flags.explain_tp }));
+        steps.push(Box::new(TensorParallel { autotp, explain: flags.explain_tp, param_placements }));
     }
     let generated = options.kernels() == autotp_codegen::KernelChoice::Generated;
-    let offload_optimizer = flags.offload_optimizer != OffloadFlag::None;
+    let offload_optimizer = train && flags.offload_optimizer != OffloadFlag::None;
     let measure =
         autotp_codegen::LowerOptions { kernels: options.kernels(), gpu_kernels: false, ptx: false, offload_optimizer };
-    let recomputation = Recomputation::new(options, measure);
+    // The evaluation step keeps no activation for a backward: nothing to recompute.
+    let recomputation = if train { Recomputation::new(options, measure) } else { Recomputation::none(measure) };
     if generated || recomputation.rewrites() {
         steps.push(Box::new(RecomputeAndFuse { recomputation, generated }));
     }
@@ -395,8 +464,8 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool) -
     };
     steps.push(Box::new(Lower {
         options: lower,
-        nvme_tile_elements: options.nvme.as_ref().map(|n| n.tile_elements),
-        memory_cap: flags.memory_cap,
+        nvme_tile_elements: options.nvme.as_ref().map(|n| n.tile_elements).filter(|_| train),
+        memory_cap: flags.memory_cap.filter(|_| train),
         recompute_flag: flags.recompute.name(),
     }));
     steps

@@ -162,8 +162,22 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
             grouped(rank.peak_bytes)
         ));
     }
+    lines.push(validation_line(&plan.evaluation));
     lines.push(format!("  fingerprint: {}", plan.fingerprint()));
     lines.join("\n") + "\n"
+}
+
+/// The summary's line on the validation step (`run --eval-every`): what its arena adds per
+/// rank while it is loaded, or why the plan has none.
+fn validation_line(evaluation: &autotp_program::plan::Evaluation) -> String {
+    use autotp_program::plan::Evaluation;
+    match evaluation {
+        Evaluation::Programs(programs) => {
+            let arena = programs.iter().map(|p| p.memory.arena_bytes).max().unwrap_or(0);
+            format!("  validation step: forward only, its own arena of {} bytes per rank once loaded", grouped(arena))
+        }
+        Evaluation::Refused(why) => format!("  validation step: none ({why})"),
+    }
 }
 
 /// The summary's line on the kernels that would leave a GPU's multiprocessors idle, for a plan

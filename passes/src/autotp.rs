@@ -50,6 +50,8 @@ pub struct AutoTp {
     /// Keep a block whose split does not hold replicated (`--tp-replicate-unsplittable`), as
     /// DeepSpeed AutoTP leaves the layers it does not know, instead of refusing the layout.
     pub replicate_unsplittable: bool,
+    /// Parameters' placements decided elsewhere, over ZeRO's ([`crate::zero::Zero`]'s field).
+    pub param_placements: BTreeMap<String, Vec<Placement>>,
 }
 
 /// Why a weight got its placement, for `--explain-tp`.
@@ -418,6 +420,7 @@ impl AutoTp {
             if self.dp > 1 {
                 crate::zero::seed(graph, &mesh, 0, self.zero, &mut seeds);
             }
+            seeds.extend(self.param_placements.clone());
             seeds
         };
         let (gather_params_on, scatter_early) =

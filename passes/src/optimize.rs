@@ -348,7 +348,7 @@ impl Pass for Optimize {
                 })
                 .collect();
             let norm = self.clip_gradients(g, &mut grads, &counted, clip, loss_scale, dtype)?;
-            outputs.push(("grad_norm".into(), norm));
+            outputs.push((autotp_program::step::StepOutput::GradNorm.name().into(), norm));
         }
         let scalars = StepScalars { dtype, lr, step };
         let mut updates = Vec::new();

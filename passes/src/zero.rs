@@ -55,6 +55,9 @@ pub struct Zero {
     pub config: ZeroConfig,
     /// Graph inputs sharded over dp on their batch dim.
     pub batch_inputs: Vec<String>,
+    /// Parameters' placements decided elsewhere, over ZeRO's: the evaluation step, which has
+    /// no optimizer to say what ZeRO-3 shards, holds the blocks its training step holds.
+    pub param_placements: BTreeMap<String, Vec<Placement>>,
 }
 
 /// Each trainable parameter and its optimizer states, from the graph's optimizer ops.
@@ -119,6 +122,7 @@ impl Pass for Zero {
         let mut seeds: BTreeMap<String, Vec<Placement>> =
             crate::present_inputs(graph, &self.batch_inputs).map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
         seed(graph, &mesh, 0, self.config, &mut seeds);
+        seeds.extend(self.param_placements.clone());
         let (gather_params_on, scatter_early) = shard_options(self.config.stage, 0);
         Shard {
             mesh,

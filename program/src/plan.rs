@@ -1,16 +1,18 @@
 //! The compiled training plan (`TrainingPlan`) and its file, `.atp`.
 //!
 //! A plan is everything `autotp run` needs besides the data: the [`Program`] of one training
-//! step (one per pipeline stage), how to feed it ([`TrainingConfig`]: batch, labels, schedule)
-//! and where the model came from ([`ModelSource`], for `autotp export`).
+//! step (one per pipeline stage), the validation step's programs on the same layout
+//! ([`Evaluation`]), how to feed them ([`TrainingConfig`]: batch, labels, schedule) and where
+//! the model came from ([`ModelSource`], for `autotp export`).
 //!
 //! An `.atp` file is a safetensors file, so any safetensors reader can open it:
 //! - tensors: the initial weights, by parameter name (the ONNX initializer names; a parameter
 //!   two stages hold is stored once), and the programs' constants as `u8` tensors named
-//!   `autotp.constant.<stage>.<index>`;
+//!   `autotp.constant.<program>.<index>` (the training stages' programs, then the
+//!   evaluation's);
 //! - header metadata: `autotp.format` ([`FORMAT`]), `autotp.plan` (the plan as JSON, constants'
-//!   bytes left out) and `autotp.fingerprint` (the plan's fingerprint, checked on load, so a
-//!   damaged file is refused rather than run).
+//!   bytes left out) and `autotp.fingerprint` (the fingerprint of every program, checked on
+//!   load, so a damaged file is refused rather than run).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,7 +26,7 @@ use crate::tensor_file::{self, TensorFile, TensorRef};
 use crate::{Program, ProgramError, Slot};
 
 /// The `.atp` format this build reads and writes.
-pub const FORMAT: &str = "autotp-plan/3";
+pub const FORMAT: &str = "autotp-plan/4";
 const CONSTANT_PREFIX: &str = "autotp.constant.";
 
 /// Where the model's weights came from.
@@ -226,8 +228,38 @@ pub struct TrainingPlan {
     /// The step's program of each pipeline stage (one without a pipeline): every rank of stage
     /// `s` runs `stages[s]`, all on the same mesh.
     pub stages: Vec<Program>,
+    pub evaluation: Evaluation,
     pub training: TrainingConfig,
     pub model: ModelSource,
+}
+
+/// The validation step (`run --eval-every`): the training step's forward pass and mean loss on
+/// one step's batch (the same token inputs), no gradient and no optimizer state, compiled
+/// for the same layout so that each rank's program holds the same parameter blocks as its
+/// training program and reads them from it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Evaluation {
+    /// One program per pipeline stage, as `stages`.
+    Programs(Vec<Program>),
+    /// Why the plan has none (the compile said so too).
+    Refused(String),
+}
+
+impl Evaluation {
+    pub fn programs(&self) -> &[Program] {
+        match self {
+            Evaluation::Programs(programs) => programs,
+            Evaluation::Refused(_) => &[],
+        }
+    }
+
+    fn programs_mut(&mut self) -> &mut [Program] {
+        match self {
+            Evaluation::Programs(programs) => programs,
+            Evaluation::Refused(_) => &mut [],
+        }
+    }
 }
 
 impl TrainingConfig {
@@ -324,13 +356,79 @@ impl TrainingPlan {
     }
 
     /// A SHA-256 over the stages' programs: the program's own fingerprint without a pipeline.
+    /// What a checkpoint records of the plan that trained it.
     pub fn fingerprint(&self) -> String {
         if let [only] = &self.stages[..] {
             return only.fingerprint();
         }
-        use sha2::Digest;
-        let joined: Vec<String> = self.stages.iter().map(Program::fingerprint).collect();
-        sha2::Sha256::digest(joined.join(",").as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+        joined_fingerprint(&self.stages)
+    }
+
+    /// The training programs' [`TrainingPlan::fingerprint`] with the evaluation's: what the
+    /// `.atp` file is checked against.
+    fn file_fingerprint(&self) -> String {
+        match self.evaluation.programs() {
+            [] => self.fingerprint(),
+            programs => {
+                use sha2::Digest;
+                let joined = format!("{},{}", self.fingerprint(), joined_fingerprint(programs));
+                sha2::Sha256::digest(joined.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+            }
+        }
+    }
+
+    /// Every program: the training stages', then the evaluation's.
+    fn programs(&self) -> impl Iterator<Item = &Program> {
+        self.stages.iter().chain(self.evaluation.programs())
+    }
+
+    /// Checks that each evaluation program feeds like its stage's training program and holds
+    /// the same parameter blocks (the trainer copies them over before it evaluates).
+    pub fn check_evaluation(&self) -> Result<(), ProgramError> {
+        let programs = self.evaluation.programs();
+        if programs.is_empty() {
+            return Ok(());
+        }
+        if programs.len() != self.stages.len() {
+            return Err(ProgramError::Plan(format!(
+                "has {} evaluation programs for {} stages",
+                programs.len(),
+                self.stages.len()
+            )));
+        }
+        for (stage, (eval, train)) in programs.iter().zip(&self.stages).enumerate() {
+            let mismatch = |what: String| ProgramError::Plan(format!("stage {stage}'s evaluation program {what}"));
+            if eval.mesh != train.mesh {
+                return Err(mismatch("is on another mesh".into()));
+            }
+            let held = |slot: &Slot| format!("{}{:?} placed {:?}", slot.dtype, slot.shape, slot.placements);
+            for slot in &eval.params {
+                match train.params.iter().find(|t| t.name == slot.name) {
+                    Some(t) if held(t) == held(slot) && t.global_shape == slot.global_shape => {}
+                    Some(t) => {
+                        return Err(mismatch(format!(
+                            "holds '{}' as {}, its training program as {}",
+                            slot.name,
+                            held(slot),
+                            held(t)
+                        )))
+                    }
+                    None => return Err(mismatch(format!("holds '{}', which its training program lacks", slot.name))),
+                }
+            }
+            for slot in &eval.inputs {
+                let fed = train.inputs.iter().find(|t| t.name == slot.name);
+                if !fed.is_some_and(|t| t.dtype == slot.dtype && t.shape == slot.shape) {
+                    return Err(mismatch(format!("has an input '{}' its training program lacks", slot.name)));
+                }
+            }
+        }
+        let last = programs.last().expect("checked non-empty");
+        let name = &self.training.loss_output;
+        if !last.outputs.iter().any(|s| &s.name == name && s.dtype == DType::F32 && s.numel() == 1) {
+            return Err(ProgramError::Plan(format!("'s evaluation program has no scalar f32 output '{name}'")));
+        }
+        Ok(())
     }
 
     /// Parameters plus states, in bytes: what a checkpoint holds.
@@ -340,20 +438,31 @@ impl TrainingPlan {
     }
 }
 
-fn constant_name(stage: usize, index: usize) -> String {
-    format!("{CONSTANT_PREFIX}{stage}.{index}")
+/// A SHA-256 over several programs' fingerprints.
+fn joined_fingerprint(programs: &[Program]) -> String {
+    use sha2::Digest;
+    let joined: Vec<String> = programs.iter().map(Program::fingerprint).collect();
+    sha2::Sha256::digest(joined.join(",").as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Constant `index` of the plan's program `program` (training stages first, then evaluation).
+fn constant_name(program: usize, index: usize) -> String {
+    format!("{CONSTANT_PREFIX}{program}.{index}")
 }
 
 /// Writes `plan` and the initial `weights` (by parameter name) as an `.atp` file, atomically.
 pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>) -> Result<(), ProgramError> {
-    for program in &plan.stages {
+    for program in plan.programs() {
         program.validate()?;
     }
     plan.feeds()?;
-    let fingerprint = plan.fingerprint();
+    plan.check_evaluation()?;
+    let fingerprint = plan.file_fingerprint();
     let mut header = plan.clone();
-    let constants: Vec<Vec<crate::ConstantData>> =
-        header.stages.iter_mut().map(|p| std::mem::take(&mut p.constants)).collect();
+    let constants: Vec<Vec<crate::ConstantData>> = (header.stages.iter_mut())
+        .chain(header.evaluation.programs_mut())
+        .map(|p| std::mem::take(&mut p.constants))
+        .collect();
     let mut tensors = Vec::new();
     for (_, slot) in plan.params() {
         if slot.name.starts_with(CONSTANT_PREFIX) {
@@ -421,23 +530,26 @@ impl PlanFile {
         let json = file.metadata("autotp.plan").ok_or_else(|| bad("has no autotp.plan in its header".into()))?;
         let Header { mut plan, constant_regions } =
             serde_json::from_str(json).map_err(|e| bad(format!("its plan does not parse: {e}")))?;
-        if constant_regions.len() != plan.stages.len() {
-            return Err(bad("is damaged: its constants do not match its stages".into()));
+        let programs = plan.stages.len() + plan.evaluation.programs().len();
+        if constant_regions.len() != programs {
+            return Err(bad("is damaged: its constants do not match its programs".into()));
         }
-        for (stage, (program, regions)) in plan.stages.iter_mut().zip(constant_regions).enumerate() {
+        let all = plan.stages.iter_mut().chain(plan.evaluation.programs_mut());
+        for (p, (program, regions)) in all.zip(constant_regions).enumerate() {
             for (i, region) in regions.into_iter().enumerate() {
-                let bytes = file.expect(&constant_name(stage, i), DType::U8, &[region.len])?.to_vec();
+                let bytes = file.expect(&constant_name(p, i), DType::U8, &[region.len])?.to_vec();
                 program.constants.push(crate::ConstantData { region, bytes });
             }
         }
-        let fingerprint = plan.fingerprint();
-        if file.metadata("autotp.fingerprint") != Some(fingerprint.as_str()) {
+        if file.metadata("autotp.fingerprint") != Some(plan.file_fingerprint().as_str()) {
             return Err(bad("is damaged: its program does not match the fingerprint it was written with".into()));
         }
-        for program in &plan.stages {
+        for program in plan.programs() {
             program.validate()?;
         }
         plan.feeds()?;
+        plan.check_evaluation()?;
+        let fingerprint = plan.fingerprint();
         for (_, slot) in plan.params() {
             file.expect(&slot.name, plan.training.initial_weights_dtype(slot), &slot.global_shape)?;
         }

@@ -51,6 +51,8 @@ pub enum StepOutput {
     /// Whether the reduced gradients held an inf or NaN (mixed precision skips that step), a
     /// `bool` scalar.
     Overflow,
+    /// The gradients' global norm before clipping (`--grad-clip`), an `f32` scalar.
+    GradNorm,
 }
 
 impl StepOutput {
@@ -59,6 +61,7 @@ impl StepOutput {
         match self {
             StepOutput::Loss => "loss",
             StepOutput::Overflow => "overflow",
+            StepOutput::GradNorm => "grad_norm",
         }
     }
 }

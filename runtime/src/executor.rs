@@ -164,6 +164,34 @@ impl Executor {
         }
     }
 
+    /// Collectives this rank has issued on each mesh axis: the sequence numbers its next ones
+    /// take on the communicator.
+    pub fn collectives_issued(&self) -> &[u64] {
+        match &self.device {
+            Backend::Cpu(cpu) => &cpu.issued,
+            Backend::Gpu(gpu) => &gpu.issued,
+        }
+    }
+
+    /// Continues another executor's collectives on the same communicator (the rank's
+    /// validation program between its training steps): its next collectives take the sequence
+    /// numbers after `issued` ([`Executor::collectives_issued`]).
+    pub fn continue_collectives(&mut self, issued: &[u64]) -> Result<(), RuntimeError> {
+        let own = match &mut self.device {
+            Backend::Cpu(cpu) => &mut cpu.issued,
+            Backend::Gpu(gpu) => &mut gpu.issued,
+        };
+        if own.len() != issued.len() {
+            return Err(RuntimeError::InvalidProgram(format!(
+                "a program on {} mesh axes cannot continue the collectives of one on {}",
+                own.len(),
+                issued.len()
+            )));
+        }
+        own.copy_from_slice(issued);
+        Ok(())
+    }
+
     /// The bytes `sent` says this rank's host communicator sent, corrected for the device: less
     /// what the NCCL bootstrap sent through it, plus what its NCCL collectives sent.
     pub fn comm_sent(&self, sent: autotp_program::mesh::CommBytes) -> autotp_program::mesh::CommBytes {

@@ -11,6 +11,7 @@
 //!   prefix, a weighted blend), their `--split`, samples shuffled by the seed epoch by epoch.
 //! - [`indexed`]: Megatron-LM's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), written by
 //!   `autotp data prepare`.
+//! - [`tensorboard`]: TensorBoard event files of the steps' scalars (`run --tensorboard`).
 //!
 //! Invariant: a resumed run is bit-identical to an uninterrupted one (a step depends only on
 //! the state before it, the step number and the data).
@@ -19,6 +20,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod dataset;
 pub mod indexed;
+pub mod tensorboard;
 pub mod trainer;
 
 use std::path::PathBuf;

@@ -221,6 +221,10 @@ pub struct Pipeline {
     /// fp16 loss scaling: the last stage's backward starts from the micro-batch's weight times
     /// the input [`crate::precision::LOSS_SCALE`].
     pub loss_scaling: bool,
+    /// The evaluation step: every micro-batch's forward chunk in order, the loss and no
+    /// gradient. The stages are cut as the training step's are (the cost model counts the
+    /// backward), so each holds the same parameters.
+    pub forward_only: bool,
 }
 
 impl Pipeline {
@@ -308,6 +312,12 @@ impl Pipeline {
         shared: &[String],
     ) -> Result<Graph, PassError> {
         let mut step = StepGraph::new(self, s, d, parts)?;
+        if self.forward_only {
+            for i in 0..self.micro_batches {
+                step.forward(i)?;
+            }
+            return Ok(step.finish_forward());
+        }
         for chunk in self.schedule.order(s, self.stages, self.micro_batches) {
             match chunk {
                 Chunk::Forward(i) => step.forward(i)?,

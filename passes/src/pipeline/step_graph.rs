@@ -238,6 +238,14 @@ impl<'a> StepGraph<'a> {
         Ok(())
     }
 
+    /// The evaluation step's graph: the loss alone (the last stage), after the forward chunks.
+    pub(super) fn finish_forward(mut self) -> Graph {
+        if let Some(loss) = self.loss_sum {
+            self.g.add_output(LOSS, loss);
+        }
+        self.g
+    }
+
     /// The step graph: the loss, and each parameter's gradient summed over the micro-batches
     /// (for a parameter several stages hold, over their sums too, added in stage order).
     pub(super) fn finish(

@@ -347,7 +347,7 @@ pub struct GpuDevice {
     /// This rank and its communicator, for programs on a mesh.
     rank: Option<(usize, Arc<dyn Communicator>)>,
     /// Collectives issued so far on each mesh axis (their sequence numbers).
-    issued: Vec<u64>,
+    pub(crate) issued: Vec<u64>,
     /// The clock of the run under way (pipeline messages are stamped with it).
     pub(crate) clock: Option<RankClock>,
     /// Device memory the program took when it loaded, by the driver's count of free memory

@@ -20,7 +20,7 @@ use std::time::Instant;
 use autotp_kernels::DType;
 use autotp_program::loss_scale::LossScaler;
 use autotp_program::mesh::CommBytes;
-use autotp_program::plan::{Labels, ModelSource, TrainingConfig, TrainingPlan};
+use autotp_program::plan::{Evaluation, Labels, ModelSource, TrainingConfig, TrainingPlan};
 use autotp_program::step::{StepInput, StepOutput};
 use autotp_program::Slot;
 use autotp_runtime::clock::{Clock, RunTime};
@@ -29,11 +29,14 @@ use autotp_runtime::gpu::CommPath;
 use autotp_runtime::gpu::GpuKind;
 use autotp_runtime::{Executor, HostTensor, RuntimeError};
 
+use crate::data::Batch;
 use crate::dataset::TrainingData;
 use crate::TrainError;
 
+mod evaluate;
 mod state;
 
+pub use evaluate::EvalMetrics;
 use state::in_slot_type;
 pub use state::SlotBytes;
 
@@ -75,6 +78,15 @@ pub struct Trainer {
     /// The executors of the ranks this process runs (ranks `first_rank..`), stage by stage:
     /// every rank, or (one rank per process) its own.
     ranks: Vec<Executor>,
+    /// The plan's validation step, loaded at the first evaluation ([`Trainer::evaluate`]).
+    evaluation: Evaluation,
+    /// Its executors, as `ranks`: empty until the first evaluation.
+    evaluators: Vec<Executor>,
+    /// What the evaluators communicate on: rank threads have a communicator of their own, a
+    /// process of a job shares the job's (see [`evaluate`]).
+    evaluation_comm: Option<Arc<dyn Communicator>>,
+    /// The GPUs the ranks run on, for the evaluators.
+    gpu: Option<GpuKind>,
     first_rank: usize,
     topology: Topology,
     /// Every stage's program, for what the trainer reads of all of them (slots, outputs); the
@@ -91,8 +103,6 @@ pub struct Trainer {
     training: TrainingConfig,
     model: ModelSource,
     fingerprint: String,
-    /// What feeds each stage's inputs.
-    feeds: Vec<Vec<StepInput>>,
     loss_index: usize,
     completed: usize,
     /// Of the completed steps, those whose update was skipped (non-finite gradients).
@@ -149,7 +159,7 @@ impl Trainer {
         job: Option<Arc<MpiComm>>,
         gpu: Option<GpuKind>,
     ) -> Result<Trainer, TrainError> {
-        let feeds = plan.feeds()?;
+        plan.feeds()?;
         let loss_index = plan.loss_index()?;
         let t = &plan.training;
         for ids in plan.stages.iter().flat_map(|p| &p.inputs).filter(|s| s.name == StepInput::InputIds.name()) {
@@ -161,67 +171,17 @@ impl Trainer {
             }
         }
         let fingerprint = plan.fingerprint();
-        let TrainingPlan { stages, training, model } = plan;
+        let TrainingPlan { stages, evaluation, training, model } = plan;
         let sizes: Vec<usize> = stages[0].mesh.iter().map(|a| a.size).collect();
         let topology = Topology::new(stages.len(), &sizes);
         let programs: Vec<autotp_program::Program> =
             stages.iter().map(|p| autotp_program::Program { constants: Vec::new(), ..p.clone() }).collect();
-        let load = |program: autotp_program::Program, rank: Option<(usize, Arc<dyn Communicator>)>| match gpu {
-            Some(kind) => {
-                let device = kind.open(&program)?;
-                Executor::on_gpu(program, device, rank)
-            }
-            None => match rank {
-                Some((r, comm)) => Executor::for_rank(program, r, comm),
-                None => Executor::new(program),
-            },
+        let comm = match &job {
+            Some(job) => Some(job.clone() as Arc<dyn Communicator>),
+            None if topology.world_size() <= 1 => None,
+            None => Some(LocalComm::pipeline(stages.len(), &sizes) as Arc<dyn Communicator>),
         };
-        let (mut ranks, first_rank, comm): (Vec<Executor>, usize, Option<Arc<dyn Communicator>>) = match &job {
-            Some(job) => {
-                let rank = job.rank();
-                let comm: Arc<dyn Communicator> = job.clone();
-                let program = stages.into_iter().nth(topology.stage(rank)).expect("a stage per rank");
-                (vec![load(program, Some((rank, comm.clone())))?], rank, Some(comm))
-            }
-            None if topology.world_size() <= 1 => {
-                let program = stages.into_iter().next().expect("one program");
-                (vec![load(program, None)?], 0, None)
-            }
-            None => {
-                let comm: Arc<dyn Communicator> = LocalComm::pipeline(stages.len(), &sizes);
-                let load_rank = |r: usize| {
-                    let loaded = load(stages[topology.stage(r)].clone(), Some((r, comm.clone())));
-                    if let Err(e) = &loaded {
-                        comm.abort(r, e);
-                    }
-                    loaded
-                };
-                // GPU ranks load together: they decide how to communicate (and join NCCL
-                // communicators) with each other as they load.
-                let ranks: Vec<Result<Executor, RuntimeError>> = match gpu {
-                    Some(_) => std::thread::scope(|scope| {
-                        let loads: Vec<_> =
-                            (0..topology.world_size()).map(|r| scope.spawn(move || load_rank(r))).collect();
-                        loads.into_iter().map(|l| l.join().expect("a rank's load does not panic")).collect()
-                    }),
-                    None => (0..topology.world_size()).map(load_rank).collect(),
-                };
-                // A rank's own error before those it made the others see.
-                let mut errors: Vec<RuntimeError> = Vec::new();
-                let mut loaded = Vec::new();
-                for rank in ranks {
-                    match rank {
-                        Ok(executor) => loaded.push(executor),
-                        Err(e) => errors.push(e),
-                    }
-                }
-                errors.sort_by_key(|e| matches!(e, RuntimeError::PeerFailed | RuntimeError::Comm(_)));
-                if let Some(first) = errors.into_iter().next() {
-                    return Err(first.into());
-                }
-                (loaded, 0, Some(comm))
-            }
-        };
+        let (mut ranks, first_rank) = load_ranks(stages, &topology, &job, gpu, &comm)?;
         if let Some(nvme) = &training.nvme {
             for (i, executor) in ranks.iter_mut().enumerate() {
                 executor.offload_to_nvme(nvme, first_rank + i)?;
@@ -235,6 +195,10 @@ impl Trainer {
         };
         let mut trainer = Trainer {
             ranks,
+            evaluation,
+            evaluators: Vec::new(),
+            evaluation_comm: None,
+            gpu,
             first_rank,
             topology,
             programs,
@@ -245,7 +209,6 @@ impl Trainer {
             training,
             model,
             fingerprint,
-            feeds,
             loss_index,
             completed: 0,
             skipped: 0,
@@ -413,6 +376,12 @@ impl Trainer {
         self.topology.world_size()
     }
 
+    /// The arenas of this process's ranks, training and validation programs together: their
+    /// memory on the device.
+    pub fn local_arena_bytes(&self) -> usize {
+        self.ranks.iter().chain(&self.evaluators).map(Executor::arena_bytes).sum()
+    }
+
     /// What each rank of the job actually allocated (its arena plus the most communication
     /// staging it held), the bytes it sent since the trainer was made, by collective, and
     /// whether NCCL carried its collectives and pipeline messages. In a job of processes, every process takes part
@@ -551,42 +520,10 @@ impl Trainer {
         let optimizer_step = step - self.skipped;
         let lr = t.schedule.lr(optimizer_step, train_steps);
         let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
-        let tokens = t.global_token_shape();
-        let ids = |values: &[i64]| HostTensor {
-            dtype: DType::I64,
-            shape: tokens.clone(),
-            data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        };
-        let scalar = |v: f32| HostTensor { dtype: DType::F32, shape: vec![], data: v.to_le_bytes().to_vec() };
-        let global = |feed: &StepInput| match feed {
-            StepInput::InputIds => ids(&batch.input_ids),
-            StepInput::Labels => match t.labels {
-                Labels::NextTokens => ids(&batch.labels),
-                Labels::InputIds => ids(&batch.input_ids),
-            },
-            StepInput::Lr => scalar(lr as f32),
-            StepInput::Step => scalar((optimizer_step + 1) as f32),
-            StepInput::LossScale => scalar(loss_scale.expect("a loss scale input has a scaler") as f32),
-        };
-        let global: Vec<Vec<HostTensor>> = self.feeds.iter().map(|feeds| feeds.iter().map(global).collect()).collect();
-        let feeds: Vec<Vec<HostTensor>> = self
-            .local_ranks()
-            .map(|rank| {
-                let stage = self.topology.stage(rank);
-                self.rank_program(rank)
-                    .inputs
-                    .iter()
-                    .zip(&global[stage])
-                    .map(|(slot, g)| HostTensor {
-                        dtype: g.dtype,
-                        shape: slot.shape.clone(),
-                        data: self.block(slot, rank, &g.data).into_owned(),
-                    })
-                    .collect()
-            })
-            .collect();
+        let inputs = StepInputs { batch: &batch, lr, step: optimizer_step + 1, loss_scale };
+        let feeds = self.rank_feeds(&self.programs, &inputs);
         let start = Instant::now();
-        let outputs = self.run_ranks(&feeds)?;
+        let outputs = self.run_ranks(Programs::Training, &feeds)?;
         let seconds = start.elapsed().as_secs_f64();
         self.completed += 1;
         let runs: Vec<RunTime> = self.ranks.iter().map(Executor::last_run).collect();
@@ -633,22 +570,69 @@ impl Trainer {
         self.world_size() - self.stage_size()
     }
 
-    /// Runs this process's ranks on their feeds (each a thread when there are several); returns
-    /// the outputs of the reporting rank, if it is one of them. A failing rank aborts the
-    /// others' communication.
-    fn run_ranks(&mut self, feeds: &[Vec<HostTensor>]) -> Result<Option<Vec<HostTensor>>, RuntimeError> {
+    /// Each local rank's block of every input of its stage's program among `programs` (the
+    /// training or the evaluation step's), from the step's global `inputs`.
+    fn rank_feeds(&self, programs: &[autotp_program::Program], inputs: &StepInputs) -> Vec<Vec<HostTensor>> {
+        let t = &self.training;
+        let tokens = t.global_token_shape();
+        let ids = |values: &[i64]| HostTensor {
+            dtype: DType::I64,
+            shape: tokens.clone(),
+            data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        let scalar = |v: f32| HostTensor { dtype: DType::F32, shape: vec![], data: v.to_le_bytes().to_vec() };
+        let global = |feed: StepInput| match feed {
+            StepInput::InputIds => ids(&inputs.batch.input_ids),
+            StepInput::Labels => match t.labels {
+                Labels::NextTokens => ids(&inputs.batch.labels),
+                Labels::InputIds => ids(&inputs.batch.input_ids),
+            },
+            StepInput::Lr => scalar(inputs.lr as f32),
+            StepInput::Step => scalar(inputs.step as f32),
+            StepInput::LossScale => scalar(inputs.loss_scale.expect("a loss scale input has a scaler") as f32),
+        };
+        let fed = programs.iter().flat_map(|p| &p.inputs).filter_map(|slot| StepInput::from_name(&slot.name));
+        let globals: BTreeMap<StepInput, HostTensor> = fed.map(|feed| (feed, global(feed))).collect();
+        self.local_ranks()
+            .map(|rank| {
+                (programs[self.topology.stage(rank)].inputs.iter())
+                    .map(|slot| {
+                        let feed = StepInput::from_name(&slot.name).expect("checked when the plan was loaded");
+                        let g = &globals[&feed];
+                        HostTensor {
+                            dtype: g.dtype,
+                            shape: slot.shape.clone(),
+                            data: self.block(slot, rank, &g.data).into_owned(),
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Runs this process's ranks of `programs` on their feeds (each a thread when there are
+    /// several); returns the outputs of the reporting rank, if it is one of them. A failing
+    /// rank aborts the others' communication.
+    fn run_ranks(
+        &mut self,
+        programs: Programs,
+        feeds: &[Vec<HostTensor>],
+    ) -> Result<Option<Vec<HostTensor>>, RuntimeError> {
         let reporting = self.reporting_rank();
-        if let [only] = &mut self.ranks[..] {
+        let (executors, comm) = match programs {
+            Programs::Training => (&mut self.ranks, &self.comm),
+            Programs::Evaluation => (&mut self.evaluators, &self.evaluation_comm),
+        };
+        if let [only] = &mut executors[..] {
             let outputs = match self.pools.first() {
                 Some(pool) => pool.install(|| only.run(&feeds[0]))?,
                 None => only.run(&feeds[0])?,
             };
             return Ok((self.first_rank == reporting).then_some(outputs));
         }
-        let comm = self.comm.clone().expect("several ranks have a communicator");
+        let comm = comm.clone().expect("several ranks have a communicator");
         let results: Vec<Result<Vec<HostTensor>, RuntimeError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .ranks
+            let handles: Vec<_> = executors
                 .iter_mut()
                 .zip(feeds)
                 .zip(&self.pools)
@@ -690,6 +674,87 @@ impl Trainer {
     /// where its file stands.
     pub fn nvme_status(&self) -> Vec<(usize, autotp_runtime::nvme::NvmeStatus<'_>)> {
         (self.ranks.iter().enumerate()).filter_map(|(i, e)| Some((self.first_rank + i, e.nvme_status()?))).collect()
+    }
+}
+
+/// The step's global inputs besides the parameters.
+struct StepInputs<'a> {
+    batch: &'a Batch,
+    lr: f64,
+    /// The optimizer step, 1-based.
+    step: usize,
+    loss_scale: Option<f64>,
+}
+
+/// Which of the plan's programs the ranks run.
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Programs {
+    Training,
+    Evaluation,
+}
+
+/// Loads the executors of the ranks this process runs of the `stages` (every rank here, or in a
+/// job of processes its own) on `comm`; returns them and the first one's rank. A rank that
+/// fails to load aborts the others' communication, and its own error is the one returned.
+fn load_ranks(
+    stages: Vec<autotp_program::Program>,
+    topology: &Topology,
+    job: &Option<Arc<MpiComm>>,
+    gpu: Option<GpuKind>,
+    comm: &Option<Arc<dyn Communicator>>,
+) -> Result<(Vec<Executor>, usize), TrainError> {
+    let load = |program: autotp_program::Program, rank: Option<(usize, Arc<dyn Communicator>)>| match gpu {
+        Some(kind) => {
+            let device = kind.open(&program)?;
+            Executor::on_gpu(program, device, rank)
+        }
+        None => match rank {
+            Some((r, comm)) => Executor::for_rank(program, r, comm),
+            None => Executor::new(program),
+        },
+    };
+    match (job, comm) {
+        (Some(job), Some(comm)) => {
+            let rank = job.rank();
+            let program = stages.into_iter().nth(topology.stage(rank)).expect("a stage per rank");
+            Ok((vec![load(program, Some((rank, comm.clone())))?], rank))
+        }
+        (None, Some(comm)) => {
+            let load_rank = |r: usize| {
+                let loaded = load(stages[topology.stage(r)].clone(), Some((r, comm.clone())));
+                if let Err(e) = &loaded {
+                    comm.abort(r, e);
+                }
+                loaded
+            };
+            // GPU ranks load together: they decide how to communicate (and join NCCL
+            // communicators) with each other as they load.
+            let ranks: Vec<Result<Executor, RuntimeError>> = match gpu {
+                Some(_) => std::thread::scope(|scope| {
+                    let loads: Vec<_> = (0..topology.world_size()).map(|r| scope.spawn(move || load_rank(r))).collect();
+                    loads.into_iter().map(|l| l.join().expect("a rank's load does not panic")).collect()
+                }),
+                None => (0..topology.world_size()).map(load_rank).collect(),
+            };
+            // A rank's own error before those it made the others see.
+            let mut errors: Vec<RuntimeError> = Vec::new();
+            let mut loaded = Vec::new();
+            for rank in ranks {
+                match rank {
+                    Ok(executor) => loaded.push(executor),
+                    Err(e) => errors.push(e),
+                }
+            }
+            errors.sort_by_key(|e| matches!(e, RuntimeError::PeerFailed | RuntimeError::Comm(_)));
+            match errors.into_iter().next() {
+                Some(first) => Err(first.into()),
+                None => Ok((loaded, 0)),
+            }
+        }
+        (_, None) => {
+            let program = stages.into_iter().next().expect("one program");
+            Ok((vec![load(program, None)?], 0))
+        }
     }
 }
 
