@@ -148,3 +148,38 @@ fn validation_runs_on_processes_and_gpus() {
         assert!(relative(*on_gpu, *on_cpu) <= 1e-6, "the emulated GPU's {on_gpu} against the CPU's {on_cpu}");
     }
 }
+
+/// The README's main job in small (examples/kjv: its corpus, tokenizer and GPT, as run.sh runs
+/// them): 60 steps on two ranks, the training and the validation loss both falling.
+#[test]
+fn the_main_jobs_example_learns_its_corpus() {
+    let dir = scratch("validation-kjv");
+    let example = crate::common::repo().join("examples/kjv");
+    let prefix = dir.join("kjv");
+    let path = |name: &str| example.join(name).display().to_string();
+    success(autotp(&[
+        "data",
+        "prepare",
+        &path("chapters.jsonl"),
+        "--tokenizer",
+        &path("tokenizer.json"),
+        "-o",
+        prefix.to_str().unwrap_or_default(),
+    ]));
+    let metrics = dir.join("kjv.jsonl");
+    let mut args = vec!["train".to_string(), path("model.onnx")];
+    args.extend(["--seq-len", "128", "--micro-batch", "8", "--dp", "2", "--steps", "60"].map(String::from));
+    args.extend(
+        ["--lr", "3e-3", "--lr-schedule", "cosine", "--warmup-steps", "10", "--min-lr", "3e-4", "--grad-clip", "1.0"]
+            .map(String::from),
+    );
+    args.extend(["--data".into(), prefix.display().to_string(), "--split".into(), "95,5,0".into()]);
+    args.extend(["--eval-every", "20", "--eval-iters", "4", "--metrics-out"].map(String::from));
+    args.push(metrics.display().to_string());
+    success(autotp(&args));
+    let records = records(&metrics);
+    let last_ten = records[50..].iter().map(|r| r.1).sum::<f64>() / 10.0;
+    assert!(last_ten < records[0].1 - 2.0, "training loss {} -> {last_ten} over the last 10 steps", records[0].1);
+    let validation: Vec<f64> = records.iter().filter_map(|r| r.2).collect();
+    assert!(validation.len() == 3 && validation.windows(2).all(|w| w[1] < w[0]), "validation losses {validation:?}");
+}
