@@ -64,6 +64,14 @@ pub struct RunFlags {
     /// validation/{loss, perplexity} and memory/{device_bytes, host_rss_bytes}.
     #[arg(long, value_name = "DIR")]
     tensorboard: Option<PathBuf>,
+    /// Write a Chrome/Perfetto trace of the --trace-steps (open it in ui.perfetto.dev): a
+    /// process per rank, a thread per stream, a span per kernel, GEMM, collective, pipeline send
+    /// and receive, optimizer step and wait. CPU ranks.
+    #[arg(long, value_name = "FILE.json")]
+    trace: Option<PathBuf>,
+    /// The steps --trace records: FIRST-LAST or one step.
+    #[arg(long, value_name = "FIRST-LAST", default_value = "2-3", requires = "trace")]
+    trace_steps: String,
     /// Save checkpoints under this directory: at the end, and every --save-every steps.
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
@@ -270,6 +278,21 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64, eval: Option<&EvalMet
     serde_json::Value::Object(record)
 }
 
+/// The steps `--trace-steps` names (`FIRST-LAST` or one step, 1-based), within the steps this
+/// run trains (after `first`, up to `steps`).
+fn trace_steps(text: &str, first: usize, steps: usize) -> Result<std::ops::RangeInclusive<usize>> {
+    let parse = |s: &str| s.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    let range = match text.split_once('-') {
+        Some((a, b)) => parse(a).zip(parse(b)).filter(|(a, b)| a <= b),
+        None => parse(text).map(|n| (n, n)),
+    };
+    let (a, b) = range.with_context(|| format!("--trace-steps '{text}' is not FIRST-LAST or a step (1-based)"))?;
+    if a <= first || a > steps {
+        bail!("--trace-steps {a}-{b}: this run trains steps {}-{steps}", first + 1);
+    }
+    Ok(a..=b.min(steps))
+}
+
 /// A step's scalars for TensorBoard, by tag.
 fn tensorboard_scalars(
     m: &StepMetrics,
@@ -380,6 +403,10 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     };
     let eval_data = open_eval_data(flags, trainer)?;
     let first = trainer.completed_steps();
+    let traced = match &flags.trace {
+        Some(path) => Some((path, trace_steps(&flags.trace_steps, first, flags.steps)?)),
+        None => None,
+    };
     if first >= flags.steps {
         if trainer.reports() {
             println!("already at step {first}, at or past --steps {}: nothing to train", flags.steps);
@@ -428,7 +455,18 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
                 panic!("{PANIC_VARIABLE} asked rank {rank} to panic at step {at}");
             }
         }
+        if traced.as_ref().is_some_and(|(_, steps)| *steps.start() == step + 1) {
+            trainer.start_trace().context("--trace")?;
+        }
         let m = trainer.step(&data, flags.steps)?;
+        if let Some((path, steps)) = traced.as_ref().filter(|(_, steps)| *steps.end() == m.step) {
+            let ranks = trainer.finish_trace()?;
+            if reports {
+                let trace = autotp_train::trace::chrome_trace(&ranks).to_string();
+                std::fs::write(path, trace).with_context(|| format!("cannot write --trace {}", path.display()))?;
+                bar.suspend(|| eprintln!("wrote {} (steps {}-{})", path.display(), steps.start(), steps.end()));
+            }
+        }
         idle_shares.push(m.idle.clone());
         let tokens_per_second = ((m.step - first) * tokens_per_step) as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, tokens_per_second));

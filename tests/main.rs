@@ -20,8 +20,8 @@
 //! - `kernels`: every generated kernel against the builtin kernel of the same op.
 //! - `isa`: the kernel and training tests again at x86-64-v3 (AVX2) on an AVX-512 host.
 //! - `rewrites`: the egg rewrites of kernel index arithmetic against their golden file.
-//! - `tensorboard`: `--tensorboard`'s event files against the metrics, and a file TensorBoard
-//!   wrote.
+//! - `monitoring`: `--tensorboard`'s event files against the metrics and a file TensorBoard
+//!   wrote; `--trace`'s Chrome/Perfetto timeline.
 //! - `validation`: `--eval-every`'s evaluation step against the training step's loss, on
 //!   every layout.
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
@@ -41,6 +41,7 @@ mod gpu;
 mod gradients;
 mod isa;
 mod kernels;
+mod monitoring;
 mod offload;
 mod optimizers;
 mod parallel;
@@ -51,7 +52,6 @@ mod processes;
 mod recompute;
 mod rewrites;
 mod sharding;
-mod tensorboard;
 mod train;
 mod validation;
 mod verifier;

@@ -133,6 +133,38 @@ impl Executor {
         Ok(())
     }
 
+    /// Records a timeline of every run from now on ([`Executor::take_trace`]); CPU ranks only.
+    pub fn enable_trace(&mut self, clock: crate::trace::TraceClock) -> Result<(), RuntimeError> {
+        match &mut self.device {
+            Backend::Cpu(cpu) => {
+                cpu.trace = Some((clock, Vec::new()));
+                Ok(())
+            }
+            Backend::Gpu(_) => Err(RuntimeError::Device(
+                "--trace records CPU ranks' timelines; on GPUs use Nsight Systems (nsys profile autotp run ...) or \
+                 --profile"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Stops recording the timeline; the spans recorded stay until taken.
+    pub fn disable_trace(&mut self) -> Vec<crate::trace::Span> {
+        let spans = self.take_trace();
+        if let Backend::Cpu(cpu) = &mut self.device {
+            cpu.trace = None;
+        }
+        spans
+    }
+
+    /// The spans recorded since tracing began or the last call.
+    pub fn take_trace(&mut self) -> Vec<crate::trace::Span> {
+        match &mut self.device {
+            Backend::Cpu(cpu) => cpu.take_spans(),
+            Backend::Gpu(_) => Vec::new(),
+        }
+    }
+
     /// The time spent in each instruction (in program order) since profiling was enabled. On
     /// the CPU, on the thread that runs the program (a started collective counts only its
     /// hand-off); on a GPU, on the device, from when the instruction's stream reaches it

@@ -13,7 +13,8 @@
 //!   (`--offload-optimizer nvme`).
 //! - [`npy`]: reading and writing `.npy` files for inputs and outputs; [`clock`]: how a rank
 //!   times its run (`autotp run --clock`); [`profile`]: where a run's step time went, by op
-//!   (`autotp run --profile`); [`affinity`]: pinning threads to the cores this process may use
+//!   (`autotp run --profile`); [`trace`]: a timeline of a rank's streams (`autotp run --trace`);
+//!   [`affinity`]: pinning threads to the cores this process may use
 //!   (`autotp run --bind-cores`).
 //!
 //! This is the only crate that allocates device memory or starts rank threads. It selects no
@@ -35,6 +36,7 @@ mod optimizer_step;
 pub mod profile;
 pub mod rendezvous;
 pub mod streams;
+pub mod trace;
 
 pub use executor::{Executor, HostTensor};
 

@@ -12,6 +12,7 @@
 //! - [`indexed`]: Megatron-LM's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), written by
 //!   `autotp data prepare`.
 //! - [`tensorboard`]: TensorBoard event files of the steps' scalars (`run --tensorboard`).
+//! - [`trace`]: the ranks' timelines as a Chrome/Perfetto trace (`run --trace`).
 //!
 //! Invariant: a resumed run is bit-identical to an uninterrupted one (a step depends only on
 //! the state before it, the step number and the data).
@@ -21,6 +22,7 @@ pub mod data;
 pub mod dataset;
 pub mod indexed;
 pub mod tensorboard;
+pub mod trace;
 pub mod trainer;
 
 use std::path::PathBuf;

@@ -2,6 +2,7 @@
 //! the rank starts, in order, on raw pointers into the rank's arena.
 
 use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::Instant;
 
 use autotp_program::CollectiveOp;
 
@@ -15,7 +16,13 @@ pub(crate) struct Job {
     pub seq: u64,
     pub input: (usize, usize),
     pub output: (usize, usize),
+    /// The instruction's label, when the rank is tracing: the thread then records when it ran
+    /// the job ([`CommThread::take_spans`]).
+    pub traced: Option<String>,
 }
+
+/// A job the thread ran while tracing: its collective, label, start and end.
+pub(crate) type JobSpan = (&'static str, String, Instant, Instant);
 
 // SAFETY: the pointers address the executor's arena, which outlives every job (a run
 // synchronises the thread before it returns, and the thread is joined before the arena is
@@ -37,6 +44,7 @@ struct Progress {
 pub(crate) struct CommThread {
     jobs: mpsc::Sender<Job>,
     progress: Arc<(Mutex<Progress>, Condvar)>,
+    spans: Arc<Mutex<Vec<JobSpan>>>,
     /// Jobs handed to the thread so far.
     pub started: u64,
     handle: Option<std::thread::JoinHandle<()>>,
@@ -47,6 +55,8 @@ impl CommThread {
         let (jobs, queue) = mpsc::channel::<Job>();
         let progress = Arc::new((Mutex::new(Progress::default()), Condvar::new()));
         let reported = progress.clone();
+        let spans: Arc<Mutex<Vec<JobSpan>>> = Arc::default();
+        let traced = spans.clone();
         let handle = std::thread::Builder::new()
             .name(format!("autotp-comm-{rank}"))
             .spawn(move || {
@@ -54,7 +64,12 @@ impl CommThread {
                     // SAFETY: see `Job`: the regions stay valid and untouched until completion.
                     let input = unsafe { std::slice::from_raw_parts(job.input.0 as *const u8, job.input.1) };
                     let output = unsafe { std::slice::from_raw_parts_mut(job.output.0 as *mut u8, job.output.1) };
+                    let started = Instant::now();
                     let result = comm.collective(rank, &job.op, job.seq, input, output);
+                    if let Some(label) = job.traced {
+                        let span = (job.op.kind.name(), label, started, Instant::now());
+                        traced.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(span);
+                    }
                     if let Err(e) = &result {
                         comm.abort(rank, e);
                     }
@@ -71,13 +86,18 @@ impl CommThread {
                 }
             })
             .expect("a communication thread starts");
-        CommThread { jobs, progress, started: 0, handle: Some(handle) }
+        CommThread { jobs, progress, spans, started: 0, handle: Some(handle) }
     }
 
     pub(crate) fn start(&mut self, job: Job) -> Result<(), RuntimeError> {
         self.jobs.send(job).map_err(|_| RuntimeError::Comm("the communication thread stopped".into()))?;
         self.started += 1;
         Ok(())
+    }
+
+    /// The spans of the traced jobs finished since the last call.
+    pub(crate) fn take_spans(&self) -> Vec<JobSpan> {
+        std::mem::take(&mut *self.spans.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 
     /// Blocks until the first `jobs` jobs have finished; fails if one of them failed.

@@ -22,6 +22,7 @@ use crate::comm::Communicator;
 use crate::executor::next_seq;
 use crate::optimizer_step::{optimizer_chunks, push_chunks, tensor_update, Bases};
 use crate::streams::{Device, Stream};
+use crate::trace::{Span, TraceClock};
 use crate::RuntimeError;
 use comm_thread::{CommThread, Job};
 
@@ -50,6 +51,8 @@ pub(crate) struct CpuDevice {
     pub(crate) issued: Vec<u64>,
     /// Time spent in each instruction over all runs, when profiling.
     pub(crate) profile: Option<Vec<std::time::Duration>>,
+    /// The timeline of the runs since tracing began, when tracing ([`crate::trace`]).
+    pub(crate) trace: Option<(TraceClock, Vec<Span>)>,
     /// The clock of the run under way.
     pub(crate) clock: Option<RankClock>,
 }
@@ -118,6 +121,7 @@ impl CpuDevice {
             rank,
             issued,
             profile: None,
+            trace: None,
             clock: None,
         })
     }
@@ -145,11 +149,30 @@ impl CpuDevice {
         }
     }
 
-    /// Adds the time since `started` to instruction `index`'s, when profiling.
-    fn profiled(&mut self, index: usize, started: Option<std::time::Instant>) {
-        if let (Some(started), Some(profile)) = (started, self.profile.as_mut()) {
+    /// Adds the time since `started` to instruction `index`'s, when profiling, and its span
+    /// on `stream`, when tracing (a started collective's is its communication thread's).
+    fn profiled(&mut self, program: &Program, index: usize, stream: Stream, started: Option<std::time::Instant>) {
+        let Some(started) = started else { return };
+        if let Some(profile) = self.profile.as_mut() {
             profile[index] += started.elapsed();
         }
+        let instruction = &program.instructions[index];
+        let handed_off = matches!(instruction, Instruction::CollectiveStart { .. } | Instruction::Wait { .. });
+        if let Some((clock, spans)) = self.trace.as_mut().filter(|_| !handed_off) {
+            spans.push(clock.instruction(stream, instruction, started, std::time::Instant::now()));
+        }
+    }
+
+    /// The spans recorded since the last call (the communication thread's included), when
+    /// tracing.
+    pub(crate) fn take_spans(&mut self) -> Vec<Span> {
+        let Some((clock, spans)) = self.trace.as_mut() else { return Vec::new() };
+        let mut taken = std::mem::take(spans);
+        for (name, label, start, end) in self.comm_thread.iter().flat_map(CommThread::take_spans) {
+            taken.push(clock.span(Stream::Collectives, name.to_string(), "collective", label, start, end));
+        }
+        taken.sort_by_key(|span| span.start_ns);
+        taken
     }
 
     fn communicator(&self, label: &str, what: &str) -> Result<(usize, Arc<dyn Communicator>), RuntimeError> {
@@ -164,9 +187,9 @@ impl CpuDevice {
 impl Device for CpuDevice {
     type Event = CpuEvent;
 
-    fn launch(&mut self, program: &Program, index: usize, _stream: Stream) -> Result<(), RuntimeError> {
+    fn launch(&mut self, program: &Program, index: usize, stream: Stream) -> Result<(), RuntimeError> {
         let instruction = &program.instructions[index];
-        let started = self.profile.is_some().then(std::time::Instant::now);
+        let started = (self.profile.is_some() || self.trace.is_some()).then(std::time::Instant::now);
         let bases = self.bases();
         // SAFETY: `Program::validate` checked every region is inside the arena and that an
         // instruction's outputs overlap neither its inputs nor each other, so these slices
@@ -214,6 +237,7 @@ impl Device for CpuDevice {
                     seq,
                     input: (bases.at(input) as usize, input.len),
                     output: (bases.at(output) as usize, output.len),
+                    traced: self.trace.is_some().then(|| label.clone()),
                 })?;
             }
             // Its start's completion is what the schedule waits for before it.
@@ -263,7 +287,7 @@ impl Device for CpuDevice {
                 self.clock.as_mut().expect("set for the run").received(sent_at, waiting.elapsed())?;
             }
         }
-        self.profiled(index, started);
+        self.profiled(program, index, stream, started);
         Ok(())
     }
 
@@ -274,9 +298,17 @@ impl Device for CpuDevice {
         })
     }
 
-    fn wait(&mut self, _stream: Stream, event: &CpuEvent) -> Result<(), RuntimeError> {
+    fn wait(&mut self, stream: Stream, event: &CpuEvent) -> Result<(), RuntimeError> {
         match (event, &self.comm_thread) {
-            (CpuEvent::CollectivesFinished(jobs), Some(thread)) => thread.wait_for(*jobs),
+            (CpuEvent::CollectivesFinished(jobs), Some(thread)) => {
+                let started = std::time::Instant::now();
+                let waited = thread.wait_for(*jobs);
+                if let Some((clock, spans)) = self.trace.as_mut() {
+                    let label = format!("{stream:?} waits for collective {jobs}").to_lowercase();
+                    spans.push(clock.span(stream, "wait".into(), "wait", label, started, std::time::Instant::now()));
+                }
+                waited
+            }
             _ => Ok(()),
         }
     }

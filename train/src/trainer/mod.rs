@@ -35,6 +35,7 @@ use crate::TrainError;
 
 mod evaluate;
 mod state;
+mod timeline;
 
 pub use evaluate::EvalMetrics;
 use state::in_slot_type;

@@ -1,6 +1,7 @@
-//! `run --tensorboard DIR`: TensorBoard event files, read back with autotp's reader, which
-//! reads a file TensorBoard's own writer made (tests/fixtures/tensorboard, from
-//! make_tensorboard_fixture.py) exactly.
+//! What people look at during a run: `run --tensorboard DIR`'s TensorBoard event files, read
+//! back with autotp's reader, which reads a file TensorBoard's own writer made
+//! (tests/fixtures/tensorboard, from make_tensorboard_fixture.py) exactly; and `run --trace`'s
+//! Chrome/Perfetto timeline.
 
 use std::path::{Path, PathBuf};
 
@@ -94,4 +95,76 @@ fn run_writes_each_steps_scalars() {
     let resumed: Vec<Scalar> = files.iter().flat_map(|f| read_scalars(f).expect("reads")).collect();
     let steps: Vec<i64> = resumed.iter().filter(|s| s.tag == "train/loss").map(|s| s.step).collect();
     assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+}
+
+/// `--trace` of a pp 2 x dp 2 ZeRO-3 run: valid Trace Event Format JSON with a process per rank
+/// (named with its stage) and a thread per stream; GEMMs, generated kernels, all-gathers,
+/// pipeline sends and receives and the optimizer in their lanes; each rank's compute lane one
+/// span after another; the same lanes from ranks run as MPI processes.
+#[test]
+fn run_writes_a_chrome_trace_of_each_rank_and_stream() {
+    let dir = scratch("trace");
+    let model = fixture("hf_export", "model.onnx");
+    let corpus = fixture("hf_export", "corpus_megatron");
+    let plan = dir.join("plan.atp");
+    let layout = ["--micro-batch", "1", "--pp", "2", "--dp", "2", "--zero", "3", "--grad-accum", "2"];
+    let compile = [&["compile", model.to_str().unwrap_or_default(), "--seq-len", "16"][..], &layout];
+    success(autotp(&[&compile.concat()[..], &["-o", plan.to_str().unwrap_or_default()]].concat()));
+    let trace = |name: &str, extra: &[&str]| -> Vec<serde_json::Value> {
+        let path = dir.join(name);
+        let args = ["run", plan.to_str().unwrap_or_default(), "--data", corpus.to_str().unwrap_or_default()];
+        let stderr = String::from_utf8_lossy(
+            &autotp(&[&args[..], &["--steps", "4", "--trace", path.to_str().unwrap_or_default()], extra].concat())
+                .stderr,
+        )
+        .into_owned();
+        assert!(stderr.contains("(steps 2-3)"), "{stderr}");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("the trace")).expect("the trace is JSON");
+        json["traceEvents"].as_array().expect("traceEvents").clone()
+    };
+    for (name, extra) in [("threads.json", &[][..]), ("processes.json", &["--launch", "4"][..])] {
+        let events = trace(name, extra);
+        let names: Vec<&str> = (events.iter())
+            .filter(|e| e["name"] == "process_name")
+            .filter_map(|e| e["args"]["name"].as_str())
+            .collect();
+        assert_eq!(names, ["rank 0 (stage 0)", "rank 1 (stage 0)", "rank 2 (stage 1)", "rank 3 (stage 1)"], "{name}");
+        let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+        for span in &spans {
+            let (ts, dur) = (span["ts"].as_f64().expect("ts"), span["dur"].as_f64().expect("dur"));
+            assert!(ts >= 0.0 && dur >= 0.0 && span["pid"].as_u64().expect("pid") < 4, "{span}");
+        }
+        let in_lane = |category: &str, lane: u64| spans.iter().any(|s| s["cat"] == category && s["tid"] == lane);
+        assert!(in_lane("gemm", 0) && in_lane("generated", 0) && in_lane("optimizer", 0), "{name}");
+        assert!(in_lane("collective", 1) && in_lane("wait", 0), "{name}: ZeRO-3's all-gathers and their waits");
+        // Sends go out on the peer stream; a receive blocks the compute stream until it arrives.
+        assert!(in_lane("send", 2) && in_lane("recv", 0), "{name}: the pipeline's messages");
+        for rank in 0..4u64 {
+            let mut compute: Vec<(f64, f64)> = (spans.iter())
+                .filter(|s| s["pid"] == rank && s["tid"] == 0)
+                .map(|s| (s["ts"].as_f64().unwrap_or(0.0), s["dur"].as_f64().unwrap_or(0.0)))
+                .collect();
+            compute.sort_by(|a, b| a.0.total_cmp(&b.0));
+            // Chrome traces carry microseconds as decimals: allow their rounding.
+            assert!(
+                compute.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0 + 1e-3),
+                "{name}: rank {rank}'s compute spans overlap"
+            );
+        }
+    }
+    let past = autotp(&[
+        "run",
+        plan.to_str().unwrap_or_default(),
+        "--data",
+        corpus.to_str().unwrap_or_default(),
+        "--steps",
+        "4",
+        "--trace",
+        dir.join("past.json").to_str().unwrap_or_default(),
+        "--trace-steps",
+        "5-6",
+    ]);
+    let err = crate::common::failure(past);
+    assert!(err.contains("--trace-steps 5-6: this run trains steps 1-4"), "{err}");
 }
