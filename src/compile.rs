@@ -79,11 +79,20 @@ pub fn run(args: &CompileArgs) -> Result<()> {
         dump_kernels(dir, &compiled.plan)?;
     }
     if let Some(output) = &args.output {
-        autotp_program::plan::write(output, &compiled.plan, &compiled.weights())?;
+        autotp_program::plan::write(output, &compiled.plan, &compiled.weights(), &compiled.weight_references())?;
     }
     let report = report(&args.flags, &compiled.plan)?;
     print!("{}", autotp_compiler::summary::summary(&compiled.plan, &report));
+    let named = compiled.weight_references();
+    let files: std::collections::BTreeSet<String> = named.values().map(|r| r.file.display().to_string()).collect();
     match &args.output {
+        Some(output) if !named.is_empty() => println!(
+            "wrote {} (it reads {} of its initial weights from {}, checked by size and CRC-32C when it loads; \
+             --embed-weights copies them into the plan)",
+            output.display(),
+            named.len(),
+            files.into_iter().collect::<Vec<_>>().join(", ")
+        ),
         Some(output) => println!("wrote {}", output.display()),
         None => println!("no plan written (no -o): the model's weights were not read"),
     }

@@ -34,7 +34,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let first = autotp_runtime::launch::discover()?.rank == 0;
     let compiled = compile::compile(&args.compile, Weights::Read)?;
     if let (Some(path), true) = (&args.output, first) {
-        autotp_program::plan::write(path, &compiled.plan, &compiled.weights())?;
+        autotp_program::plan::write(path, &compiled.plan, &compiled.weights(), &compiled.weight_references())?;
     }
     if first {
         let report = compile::report(&args.compile, &compiled.plan)?;

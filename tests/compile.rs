@@ -249,3 +249,55 @@ fn padding_rows_from_the_models_metadata() {
     let err = failure(compile(&with_metadata("lm_head=1", "unknown"), &[]));
     assert!(err.contains("the model's metadata: 'lm_head' is not an embedding table"), "{err}");
 }
+
+/// A plan names the initial weights where the model keeps them, here its external-data file:
+/// it is smaller than the one that carries them (`--embed-weights`) by about their size,
+/// trains bit-identically to it, and is refused, naming the file, once that file changed or
+/// is gone.
+#[test]
+fn plans_name_the_models_weights_files() {
+    let dir = scratch("compile-weight-files");
+    let gpt2 = fixture("gpt2", "model.onnx");
+    let (first, ckpt) = (dir.join("first.atp"), dir.join("ckpt"));
+    success(autotp(&compile_args(&gpt2, &["--embed-weights", "-o", s(&first)])));
+    let tokens = repo().join("tests/fixtures/train/tokens.bin");
+    let run = |plan: &Path, metrics: &Path, extra: &[&str]| {
+        let args = ["run", s(plan), "--data", s(&tokens), "--steps", "5", "--metrics-out", s(metrics)];
+        autotp(&[&args[..], extra].concat())
+    };
+    success(run(&first, &dir.join("first.jsonl"), &["--save", s(&ckpt)]));
+    // A model whose weights are in an external-data file.
+    let model = dir.join("model.onnx");
+    success(autotp(&["export", s(&ckpt), "-o", s(&model), "--external-data"]));
+    let data = dir.join("model.onnx.data");
+    let (named, embedded) = (dir.join("named.atp"), dir.join("embedded.atp"));
+    success(autotp(&compile_args(&model, &["-o", s(&named)])));
+    success(autotp(&compile_args(&model, &["--embed-weights", "-o", s(&embedded)])));
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    assert!(
+        size(&named) + size(&data) * 9 / 10 < size(&embedded),
+        "{} + {} against {}",
+        size(&named),
+        size(&data),
+        size(&embedded)
+    );
+    let file = autotp_program::plan::PlanFile::open(&named).unwrap();
+    let files: Vec<&Path> = file.weight_files().iter().map(|f| f.path.as_path()).collect();
+    assert_eq!(files, [data.canonicalize().unwrap()]);
+    drop(file);
+    let losses = |metrics: &Path| crate::common::losses(metrics);
+    success(run(&named, &dir.join("named.jsonl"), &[]));
+    success(run(&embedded, &dir.join("embedded.jsonl"), &[]));
+    assert_eq!(losses(&dir.join("named.jsonl")), losses(&dir.join("embedded.jsonl")));
+
+    let mut bytes = std::fs::read(&data).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x10;
+    std::fs::write(&data, &bytes).unwrap();
+    let err = failure(run(&named, &dir.join("changed.jsonl"), &[]));
+    assert!(err.contains(s(&data.canonicalize().unwrap())) && err.contains("it changed"), "{err}");
+    success(run(&embedded, &dir.join("embedded-again.jsonl"), &[]));
+    std::fs::remove_file(&data).unwrap();
+    let err = failure(run(&named, &dir.join("gone.jsonl"), &[]));
+    assert!(err.contains("cannot read this weights file the plan names"), "{err}");
+}

@@ -862,7 +862,7 @@ fn verify_names_the_first_wrong_gradient() {
         }
     }
     let borrowed = weights.iter().map(|(name, bytes)| (name.clone(), bytes.as_slice())).collect();
-    plan::write(&planted, &training, &borrowed).unwrap();
+    plan::write(&planted, &training, &borrowed, &Default::default()).unwrap();
     let out = verify(&planted);
     let report = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{report}\n{}", String::from_utf8_lossy(&out.stderr));

@@ -11,6 +11,7 @@ use std::time::Instant;
 use autotp_frontend::{ImportOptions, Model};
 use autotp_ir::{Graph, Tensor};
 use autotp_program::plan::{Evaluation, Labels, ModelSource, PaddingRow, TrainingConfig, TrainingPlan, WeightPart};
+use autotp_program::weight_files::WeightReference;
 
 use crate::steps::{run_steps, steps, CompileState, ModelFacts, Observer, Purpose, TpExplanation};
 use crate::{CompileError, CompileOptions};
@@ -33,6 +34,10 @@ pub struct Compiled {
     pub model_weights: BTreeMap<String, Tensor>,
     /// The initial weights of parameters that are parts of a model weight.
     pub part_weights: BTreeMap<String, Vec<u8>>,
+    /// Where the model's weights lie in its files, by parameter name.
+    pub weight_locations: BTreeMap<String, autotp_frontend::WeightLocation>,
+    /// Whether the plan file carries its initial weights (`--embed-weights`).
+    pub embed_weights: bool,
     /// Per stage, each weight tensor parallelism placed and why (`--explain-tp`).
     pub tp_explanations: Vec<Vec<TpExplanation>>,
     /// Each step's name and seconds.
@@ -40,6 +45,21 @@ pub struct Compiled {
 }
 
 impl Compiled {
+    /// The initial weights the plan file names in the model's files instead of carrying
+    /// them: every model weight the plan starts a parameter from as it is, unless
+    /// `--embed-weights` (the parts of a fused projection are computed, so carried).
+    pub fn weight_references(&self) -> BTreeMap<String, WeightReference> {
+        if self.embed_weights {
+            return BTreeMap::new();
+        }
+        let params: std::collections::BTreeSet<&str> =
+            self.plan.params().iter().map(|(_, s)| s.name.as_str()).collect();
+        (self.weight_locations.iter())
+            .filter(|(name, _)| params.contains(name.as_str()) && !self.part_weights.contains_key(*name))
+            .map(|(name, at)| (name.clone(), WeightReference { file: at.file.clone(), offset: at.offset }))
+            .collect()
+    }
+
     /// The initial weights by parameter name (slices of the memory-mapped model).
     pub fn weights(&self) -> BTreeMap<String, &[u8]> {
         let parts = self.part_weights.iter().map(|(name, bytes)| (name.clone(), &bytes[..]));
@@ -140,6 +160,8 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "compiled {}", flags.model.display());
     Ok(Compiled {
         plan,
+        weight_locations: model.weight_locations,
+        embed_weights: flags.embed_weights,
         model_weights: model.weights,
         part_weights: origins.part_weights,
         tp_explanations: state.tp_explanations,

@@ -83,6 +83,12 @@ pub struct CompileFlags {
     #[arg(long)]
     #[serde(default)]
     pub tp_replicate_unsplittable: bool,
+    /// Copy the initial weights into the plan, a self-contained file to ship, instead of naming
+    /// them where the model keeps them (its file, its external data) with each file's size and
+    /// checksum.
+    #[arg(long)]
+    #[serde(default)]
+    pub embed_weights: bool,
     /// adamw or sgd.
     #[arg(long, default_value = "adamw")]
     pub optimizer: String,
@@ -401,7 +407,7 @@ impl CompileFlags {
     pub fn recorded(&self) -> serde_json::Value {
         let mut flags = self.clone();
         (flags.dump_ir, flags.print_after, flags.report, flags.dump_kernels) = (None, vec![], None, None);
-        flags.explain_tp = false;
+        (flags.explain_tp, flags.embed_weights) = (false, false);
         serde_json::to_value(&flags).expect("flags serialise")
     }
 

@@ -42,6 +42,17 @@ pub struct Model {
     pub graph: Graph,
     pub weights: BTreeMap<String, Tensor>,
     pub metadata: BTreeMap<String, String>,
+    /// Where each weight's bytes lie in a file as they are (the model file's raw data, or an
+    /// external-data file): a plan can name them there instead of copying them.
+    pub weight_locations: BTreeMap<String, WeightLocation>,
+}
+
+/// A weight's bytes in a file: `length` bytes (the tensor's) from `offset`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WeightLocation {
+    /// Absolute.
+    pub file: std::path::PathBuf,
+    pub offset: u64,
 }
 
 /// The metadata key under which an export records its embedding tables' padding rows, which

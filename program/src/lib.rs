@@ -10,7 +10,8 @@
 //!   programs.
 //! - [`step`]: the step's inputs and outputs that the trainer feeds and reads.
 //! - [`plan`]: the compiled training plan (a program per pipeline stage and how to train it)
-//!   and its `.atp` file; [`tensor_file`]: the safetensors files plans and checkpoints use.
+//!   and its `.atp` file; [`tensor_file`]: the safetensors files plans and checkpoints use;
+//!   [`weight_files`]: the model's files a plan reads its initial weights from.
 //! - What a plan tells the trainer: [`lr_schedule`] (learning-rate schedules), [`loss_scale`]
 //!   (fp16 loss scalers and their rules), [`offload`] (the optimizer state's file layout).
 //! - [`report`]: a plan's per-rank memory and per-step communication, read off its programs.
@@ -30,6 +31,7 @@ mod program;
 pub mod report;
 pub mod step;
 pub mod tensor_file;
+pub mod weight_files;
 
 use std::path::PathBuf;
 

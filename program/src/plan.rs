@@ -11,8 +11,13 @@
 //!   `autotp.constant.<program>.<index>` (the training stages' programs, then the
 //!   evaluation's);
 //! - header metadata: `autotp.format` ([`FORMAT`]), `autotp.plan` (the plan as JSON, constants'
-//!   bytes left out) and `autotp.fingerprint` (the fingerprint of every program, checked on
-//!   load, so a damaged file is refused rather than run).
+//!   bytes left out), `autotp.weight_files` (the files that hold the initial weights the plan
+//!   does not carry, [`crate::weight_files`]) and `autotp.fingerprint` (of every program and
+//!   the weights files' record, checked on load, so a damaged file is refused rather than run).
+//!
+//! By default a plan names the initial weights where the model keeps them (compile
+//! `--embed-weights` copies them in): the file holds the programs and the weights that are in
+//! no file as they are (the parts of a fused projection).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::lr_schedule::LrSchedule;
 use crate::step::StepInput;
 use crate::tensor_file::{self, TensorFile, TensorRef};
+use crate::weight_files::{WeightFiles, WeightReference};
 use crate::{Program, ProgramError, Slot};
 
 /// The `.atp` format this build reads and writes.
@@ -450,8 +456,15 @@ fn constant_name(program: usize, index: usize) -> String {
     format!("{CONSTANT_PREFIX}{program}.{index}")
 }
 
-/// Writes `plan` and the initial `weights` (by parameter name) as an `.atp` file, atomically.
-pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>) -> Result<(), ProgramError> {
+/// Writes `plan` and the initial `weights` (by parameter name) as an `.atp` file, atomically;
+/// the parameters `references` names are not copied but named where they are
+/// ([`crate::weight_files`]), and must hold the same bytes there.
+pub fn write(
+    path: &Path,
+    plan: &TrainingPlan,
+    weights: &BTreeMap<String, &[u8]>,
+    references: &BTreeMap<String, WeightReference>,
+) -> Result<(), ProgramError> {
     for program in plan.programs() {
         program.validate()?;
     }
@@ -480,8 +493,11 @@ pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>
                 got: bytes.len(),
             });
         }
-        tensors.push(TensorRef { name: slot.name.clone(), dtype, shape: slot.global_shape.clone(), bytes });
+        if !references.contains_key(&slot.name) {
+            tensors.push(TensorRef { name: slot.name.clone(), dtype, shape: slot.global_shape.clone(), bytes });
+        }
     }
+    let weight_files = WeightFiles::record(references)?;
     // The header keeps each constant's region; its bytes become a tensor.
     let mut regions = Vec::with_capacity(constants.len());
     for (stage, stage_constants) in constants.iter().enumerate() {
@@ -494,19 +510,31 @@ pub fn write(path: &Path, plan: &TrainingPlan, weights: &BTreeMap<String, &[u8]>
         regions.push(stage_regions);
     }
     let plan_json = serde_json::json!({ "plan": header, "constant_regions": regions });
+    let weight_files = serde_json::to_string(&weight_files).expect("serialisable");
     let metadata = BTreeMap::from([
         ("autotp.format".to_string(), FORMAT.to_string()),
         ("autotp.plan".to_string(), plan_json.to_string()),
-        ("autotp.fingerprint".to_string(), fingerprint),
+        ("autotp.fingerprint".to_string(), with_weight_files(&fingerprint, &weight_files)),
+        ("autotp.weight_files".to_string(), weight_files),
     ]);
     tensor_file::write(path, &tensors, metadata)
 }
 
-/// An opened `.atp` file: the plan, and the initial weights still memory-mapped.
+/// The fingerprint a file records: the programs' with the record of its weights files.
+fn with_weight_files(fingerprint: &str, weight_files: &str) -> String {
+    use sha2::Digest;
+    let joined = format!("{fingerprint},{weight_files}");
+    sha2::Sha256::digest(joined.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// An opened `.atp` file: the plan, and the initial weights still memory-mapped (in the file,
+/// or in the weights files it names).
 pub struct PlanFile {
     pub plan: TrainingPlan,
     pub fingerprint: String,
     file: TensorFile,
+    weight_files: WeightFiles,
+    weight_maps: Vec<memmap2::Mmap>,
 }
 
 impl PlanFile {
@@ -541,27 +569,59 @@ impl PlanFile {
                 program.constants.push(crate::ConstantData { region, bytes });
             }
         }
-        if file.metadata("autotp.fingerprint") != Some(plan.file_fingerprint().as_str()) {
+        let recorded = file.metadata("autotp.weight_files").unwrap_or("{}");
+        if file.metadata("autotp.fingerprint") != Some(with_weight_files(&plan.file_fingerprint(), recorded).as_str()) {
             return Err(bad("is damaged: its program does not match the fingerprint it was written with".into()));
         }
+        let weight_files: WeightFiles =
+            serde_json::from_str(recorded).map_err(|e| bad(format!("its autotp.weight_files does not parse: {e}")))?;
         for program in plan.programs() {
             program.validate()?;
         }
         plan.feeds()?;
         plan.check_evaluation()?;
         let fingerprint = plan.fingerprint();
+        let weight_maps = weight_files.open()?;
         for (_, slot) in plan.params() {
-            file.expect(&slot.name, plan.training.initial_weights_dtype(slot), &slot.global_shape)?;
+            let dtype = plan.training.initial_weights_dtype(slot);
+            match weight_files.tensors.get(&slot.name) {
+                None => {
+                    file.expect(&slot.name, dtype, &slot.global_shape)?;
+                }
+                Some(&(index, offset)) => {
+                    let length = slot.global_shape.iter().product::<usize>() * dtype.size();
+                    let (map, weights_file) =
+                        weight_maps.get(index).zip(weight_files.files.get(index)).ok_or_else(|| {
+                            bad(format!("names weights file {index} for '{}', which it does not list", slot.name))
+                        })?;
+                    if offset.checked_add(length as u64).is_none_or(|end| end > map.len() as u64) {
+                        return Err(ProgramError::File {
+                            path: weights_file.path.clone(),
+                            message: format!("holds no {length} bytes at {offset} for '{}'", slot.name),
+                        });
+                    }
+                }
+            }
         }
-        Ok(PlanFile { plan, fingerprint, file })
+        Ok(PlanFile { plan, fingerprint, file, weight_files, weight_maps })
     }
 
-    /// The initial weights, by parameter name, as slices of the file.
+    /// The initial weights, by parameter name, as slices of the file or of the weights files it
+    /// names.
     pub fn weights(&self) -> BTreeMap<String, &[u8]> {
-        self.plan
-            .params()
-            .into_iter()
-            .map(|(_, slot)| (slot.name.clone(), self.file.get(&slot.name).expect("checked at open").bytes))
-            .collect()
+        let bytes = |slot: &Slot| match self.weight_files.tensors.get(&slot.name) {
+            Some(&(index, offset)) => {
+                let length =
+                    slot.global_shape.iter().product::<usize>() * self.plan.training.initial_weights_dtype(slot).size();
+                &self.weight_maps[index][offset as usize..offset as usize + length]
+            }
+            None => self.file.get(&slot.name).expect("checked at open").bytes,
+        };
+        self.plan.params().into_iter().map(|(_, slot)| (slot.name.clone(), bytes(slot))).collect()
+    }
+
+    /// The weights files the plan reads its initial weights from (none when it carries them).
+    pub fn weight_files(&self) -> &[crate::weight_files::WeightFile] {
+        &self.weight_files.files
     }
 }

@@ -183,6 +183,7 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     if bytes.is_empty() {
         return Err(decode_error("the file is empty".into()));
     }
+    let file_bytes = bytes.clone();
     let model = ModelProto::decode(bytes).map_err(|e| decode_error(e.to_string()))?;
     let graph = model.graph.as_ref().ok_or_else(|| decode_error("it has no graph".into()))?;
     let mut opset = None;
@@ -299,7 +300,35 @@ pub fn import_bytes(bytes: Bytes, path: &Path, options: &ImportOptions) -> Resul
     weights.retain(|name, _| graph.params().iter().any(|&p| graph.name_of(p) == Some(name)));
     autotp_ir::verify(&graph)?;
     let metadata = model.metadata_props.iter().map(|p| (p.key.clone(), p.value.clone())).collect();
-    Ok(Model { graph, weights, metadata })
+    let files = std::iter::once((path.to_path_buf(), &file_bytes)).chain(external.mapped());
+    let weight_locations = weight_locations(&weights, files.collect());
+    Ok(Model { graph, weights, metadata, weight_locations })
+}
+
+/// Where each weight's bytes lie in one of `files` (a zero-copy slice of its map), by absolute
+/// path; weights the importer copied (typed fields) have none.
+fn weight_locations(
+    weights: &BTreeMap<String, Tensor>,
+    files: Vec<(std::path::PathBuf, &Bytes)>,
+) -> BTreeMap<String, crate::WeightLocation> {
+    let files: Vec<(std::path::PathBuf, std::ops::Range<usize>)> = (files.into_iter())
+        .filter(|(_, bytes)| !bytes.is_empty())
+        .filter_map(|(path, bytes)| {
+            let start = bytes.as_ptr() as usize;
+            Some((std::fs::canonicalize(path).ok()?, start..start + bytes.len()))
+        })
+        .collect();
+    let mut locations = BTreeMap::new();
+    for (name, tensor) in weights {
+        let bytes = tensor.bytes();
+        let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+        let within = files.iter().find(|(_, range)| range.start <= start && end <= range.end && !bytes.is_empty());
+        if let Some((file, range)) = within {
+            let offset = (start - range.start) as u64;
+            locations.insert(name.clone(), crate::WeightLocation { file: file.clone(), offset });
+        }
+    }
+    locations
 }
 
 /// Whether a float initializer is a parameter. Not those PyTorch does not train, so autotp

@@ -45,6 +45,11 @@ impl ExternalFiles {
         ExternalFiles { dir: model_path.parent().map(Path::to_path_buf).unwrap_or_default(), maps: BTreeMap::new() }
     }
 
+    /// Each mapped file's path and bytes.
+    pub fn mapped(&self) -> impl Iterator<Item = (PathBuf, &Bytes)> {
+        self.maps.iter().map(|(location, bytes)| (self.dir.join(location), bytes))
+    }
+
     fn file(&mut self, location: &str, tensor: &str) -> Result<Bytes, FrontendError> {
         if let Some(b) = self.maps.get(location) {
             return Ok(b.clone());

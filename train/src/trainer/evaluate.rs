@@ -43,14 +43,8 @@ impl Trainer {
             Evaluation::Programs(programs) => programs,
             Evaluation::Refused(why) => return Err(TrainError::plan(format!("has no validation step: {why}"))),
         };
+        self.check_windows(data, "validation data")?;
         let t = &self.training;
-        if data.seq_len() != t.seq_len {
-            return Err(TrainError::plan(format!(
-                "was compiled for sequences of {} tokens; the validation data was cut into windows of {}",
-                t.seq_len,
-                data.seq_len()
-            )));
-        }
         if batches == 0 {
             return Err(TrainError::plan("evaluates at least one batch (--eval-iters 0)".into()));
         }

@@ -507,14 +507,8 @@ impl Trainer {
     /// Runs the next optimizer step. `train_steps` is the run's length, for schedules that decay
     /// over the run.
     pub fn step(&mut self, data: &TrainingData, train_steps: usize) -> Result<StepMetrics, TrainError> {
+        self.check_windows(data, "data")?;
         let t = &self.training;
-        if data.seq_len() != t.seq_len {
-            return Err(TrainError::plan(format!(
-                "was compiled for sequences of {} tokens; the data was cut into windows of {}",
-                t.seq_len,
-                data.seq_len()
-            )));
-        }
         let step = self.completed;
         let batch = data.batch(step, t.global_batch);
         // A skipped step moves neither AdamW's step nor the schedule (as DeepSpeed).
@@ -569,6 +563,18 @@ impl Trainer {
     /// over the mesh).
     fn reporting_rank(&self) -> usize {
         self.world_size() - self.stage_size()
+    }
+
+    /// Refuses `data` (`what` names it) cut into windows of another length than the plan's.
+    fn check_windows(&self, data: &TrainingData, what: &str) -> Result<(), TrainError> {
+        let seq_len = self.training.seq_len;
+        if data.seq_len() == seq_len {
+            return Ok(());
+        }
+        Err(TrainError::plan(format!(
+            "was compiled for sequences of {seq_len} tokens; the {what} was cut into windows of {}",
+            data.seq_len()
+        )))
     }
 
     /// Each local rank's block of every input of its stage's program among `programs` (the
