@@ -117,8 +117,8 @@ fn validation_needs_validation_data() {
     assert!(err.contains("--eval-data") && err.contains("missing"), "{err}");
 }
 
-/// Ranks as MPI processes and ranks on the emulated GPU validate as rank threads do (tp 2 x dp 2
-/// ZeRO-3): the same validation losses.
+/// Ranks as MPI processes and ranks on emulated GPUs (threads and processes) validate as rank
+/// threads do (tp 2 x dp 2 ZeRO-3): the same validation losses.
 #[test]
 fn validation_runs_on_processes_and_gpus() {
     let dir = scratch("validation-devices");
@@ -143,9 +143,18 @@ fn validation_runs_on_processes_and_gpus() {
     let threads = run("threads", &[], false);
     assert_eq!(threads.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4]);
     assert_eq!(run("processes", &["--launch", "4"], false), threads, "processes against threads");
-    let gpu = run("gpu", &["--device", "cuda"], true);
-    for ((_, on_gpu), (_, on_cpu)) in gpu.iter().zip(&threads) {
-        assert!(relative(*on_gpu, *on_cpu) <= 1e-6, "the emulated GPU's {on_gpu} against the CPU's {on_cpu}");
+    // GPU ranks of a job join their NCCL communicators through the job's when the validation
+    // step loads, between training steps.
+    for (name, extra) in [("gpu", &["--device", "cuda"][..]), ("gpu-processes", &["--device", "cuda", "--launch", "4"])]
+    {
+        let gpu = run(name, extra, true);
+        assert_eq!(gpu.len(), threads.len(), "{name}");
+        for ((_, on_gpu), (_, on_cpu)) in gpu.iter().zip(&threads) {
+            assert!(
+                relative(*on_gpu, *on_cpu) <= 1e-6,
+                "{name}: the emulated GPU's {on_gpu} against the CPU's {on_cpu}"
+            );
+        }
     }
 }
 

@@ -113,8 +113,21 @@ impl Executor {
         gpu: Box<dyn Gpu>,
         rank: Option<(usize, Arc<dyn Communicator>)>,
     ) -> Result<Executor, RuntimeError> {
+        let issued = vec![0; program.mesh.len()];
+        Executor::on_gpu_continuing(program, gpu, rank, issued)
+    }
+
+    /// [`Executor::on_gpu`] continuing another executor's collectives on the same communicator
+    /// ([`Executor::continue_collectives`]) from the load on: joining NCCL communicators at
+    /// load takes collectives of their own.
+    pub fn on_gpu_continuing(
+        program: Program,
+        gpu: Box<dyn Gpu>,
+        rank: Option<(usize, Arc<dyn Communicator>)>,
+        issued: Vec<u64>,
+    ) -> Result<Executor, RuntimeError> {
         let (program, schedule) = Executor::prepare(program, &rank)?;
-        let device = Backend::Gpu(Box::new(GpuDevice::load(&program, gpu, rank)?));
+        let device = Backend::Gpu(Box::new(GpuDevice::load(&program, gpu, rank, issued)?));
         Ok(Executor { program, schedule, device, clock: Clock::Wall, last_run: RunTime::default() })
     }
 

@@ -389,6 +389,7 @@ impl GpuDevice {
         program: &Program,
         mut gpu: Box<dyn Gpu>,
         rank: Option<(usize, Arc<dyn Communicator>)>,
+        mut issued: Vec<u64>,
     ) -> Result<GpuDevice, RuntimeError> {
         let (free_before, _) = gpu.memory()?;
         let arena_bytes = program.memory.arena_bytes.next_multiple_of(8);
@@ -400,7 +401,13 @@ impl GpuDevice {
         }
         let gpu_kernels = &program.gpu_kernels;
         let rules = program.optimizer_kernels();
-        let mut issued = vec![0; program.mesh.len()];
+        if issued.len() != program.mesh.len() {
+            return Err(RuntimeError::InvalidProgram(format!(
+                "a program on {} mesh axes cannot continue the collectives of one on {}",
+                program.mesh.len(),
+                issued.len()
+            )));
+        }
         let (mut paths, mut links, mut bootstrap_sent, mut coordinates) =
             (Vec::new(), Vec::new(), Default::default(), Vec::new());
         if let Some((rank, comm)) = &rank {

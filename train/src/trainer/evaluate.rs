@@ -7,14 +7,13 @@
 //! before each evaluation every rank copies its blocks across (its own memory, no
 //! communication). Nothing flows back: no gradient is made, no optimizer state, loss scale or
 //! step count is touched, and a training run with evaluations is bit-identical to one without
-//! (tests/data.rs checks it). The batches are the same ones at every evaluation, so the losses of
+//! (tests/validation.rs checks it). The batches are the same ones at every evaluation, so the losses of
 //! one run compare with each other (Megatron's validation iterator moves on instead).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use autotp_program::plan::Evaluation;
-use std::sync::Arc;
-
 use autotp_runtime::comm::{Communicator, LocalComm};
 use autotp_runtime::HostTensor;
 
@@ -91,30 +90,27 @@ impl Trainer {
         let loss = total / batches as f64;
         Ok(EvalMetrics { loss, perplexity: loss.exp(), batches, seconds: start.elapsed().as_secs_f64() })
     }
-}
 
-impl Trainer {
     /// Loads the evaluation `programs` on this process's ranks. Rank threads get a
     /// communicator of their own. A process of a job shares the job's, its evaluation and
     /// training programs taking turns: each continues the sequence numbers of the other's
-    /// collectives. GPU processes of a job are refused: loading joins NCCL communicators
-    /// through the job's, from the first sequence numbers.
+    /// collectives, from the evaluation program's load on (a GPU joins its NCCL communicators
+    /// then).
     fn load_evaluators(&mut self, programs: Vec<autotp_program::Program>) -> Result<(), TrainError> {
-        let comm =
-            match (&self.processes, &self.comm) {
-                (Some(_), _) if self.gpu.is_some() => return Err(TrainError::plan(
-                    "cannot validate in a job of GPU processes yet (--eval-every): run its ranks as threads of one \
-                     process, or validate the checkpoints"
-                        .into(),
-                )),
-                (Some(_), comm) => comm.clone(),
-                (None, Some(_)) => {
-                    let sizes: Vec<usize> = programs[0].mesh.iter().map(|a| a.size).collect();
-                    Some(LocalComm::pipeline(programs.len(), &sizes) as Arc<dyn Communicator>)
-                }
-                (None, None) => None,
-            };
-        let (evaluators, _) = load_ranks(programs, &self.topology, &self.processes, self.gpu, &comm)?;
+        let comm = match (&self.processes, &self.comm) {
+            (Some(_), comm) => comm.clone(),
+            (None, Some(_)) => {
+                let sizes: Vec<usize> = programs[0].mesh.iter().map(|a| a.size).collect();
+                Some(LocalComm::pipeline(programs.len(), &sizes) as Arc<dyn Communicator>)
+            }
+            (None, None) => None,
+        };
+        let continuing = self.processes.as_ref().map(|_| self.ranks[0].collectives_issued().to_vec());
+        let (evaluators, _) =
+            load_ranks(programs, &self.topology, &self.processes, self.gpu, &comm, continuing.as_deref())?;
+        if continuing.is_some() {
+            self.ranks[0].continue_collectives(evaluators[0].collectives_issued())?;
+        }
         self.evaluators = evaluators;
         self.evaluation_comm = comm;
         Ok(())

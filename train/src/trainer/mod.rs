@@ -182,7 +182,7 @@ impl Trainer {
             None if topology.world_size() <= 1 => None,
             None => Some(LocalComm::pipeline(stages.len(), &sizes) as Arc<dyn Communicator>),
         };
-        let (mut ranks, first_rank) = load_ranks(stages, &topology, &job, gpu, &comm)?;
+        let (mut ranks, first_rank) = load_ranks(stages, &topology, &job, gpu, &comm, None)?;
         if let Some(nvme) = &training.nvme {
             for (i, executor) in ranks.iter_mut().enumerate() {
                 executor.offload_to_nvme(nvme, first_rank + i)?;
@@ -701,7 +701,9 @@ enum Programs {
 }
 
 /// Loads the executors of the ranks this process runs of the `stages` (every rank here, or in a
-/// job of processes its own) on `comm`; returns them and the first one's rank. A rank that
+/// job of processes its own) on `comm`; returns them and the first one's rank. A GPU rank of a
+/// job loading beside another program on the job's communicator continues its collectives
+/// from `continuing`. A rank that
 /// fails to load aborts the others' communication, and its own error is the one returned.
 fn load_ranks(
     stages: Vec<autotp_program::Program>,
@@ -709,16 +711,24 @@ fn load_ranks(
     job: &Option<Arc<MpiComm>>,
     gpu: Option<GpuKind>,
     comm: &Option<Arc<dyn Communicator>>,
+    continuing: Option<&[u64]>,
 ) -> Result<(Vec<Executor>, usize), TrainError> {
-    let load = |program: autotp_program::Program, rank: Option<(usize, Arc<dyn Communicator>)>| match gpu {
-        Some(kind) => {
-            let device = kind.open(&program)?;
-            Executor::on_gpu(program, device, rank)
+    let load = |program: autotp_program::Program, rank: Option<(usize, Arc<dyn Communicator>)>| {
+        let issued = continuing.map_or_else(|| vec![0; program.mesh.len()], <[u64]>::to_vec);
+        match gpu {
+            Some(kind) => {
+                let device = kind.open(&program)?;
+                Executor::on_gpu_continuing(program, device, rank, issued)
+            }
+            None => {
+                let mut executor = match rank {
+                    Some((r, comm)) => Executor::for_rank(program, r, comm)?,
+                    None => Executor::new(program)?,
+                };
+                executor.continue_collectives(&issued)?;
+                Ok(executor)
+            }
         }
-        None => match rank {
-            Some((r, comm)) => Executor::for_rank(program, r, comm),
-            None => Executor::new(program),
-        },
     };
     match (job, comm) {
         (Some(job), Some(comm)) => {
