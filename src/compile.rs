@@ -78,12 +78,12 @@ pub fn run(args: &CompileArgs) -> Result<()> {
     if let Some(dir) = &args.flags.dump_kernels {
         dump_kernels(dir, &compiled.plan)?;
     }
+    let named = compiled.weight_references();
     if let Some(output) = &args.output {
-        autotp_program::plan::write(output, &compiled.plan, &compiled.weights(), &compiled.weight_references())?;
+        autotp_program::plan::write(output, &compiled.plan, &compiled.weights(), &named)?;
     }
     let report = report(&args.flags, &compiled.plan)?;
     print!("{}", autotp_compiler::summary::summary(&compiled.plan, &report));
-    let named = compiled.weight_references();
     let files: std::collections::BTreeSet<String> = named.values().map(|r| r.file.display().to_string()).collect();
     match &args.output {
         Some(output) if !named.is_empty() => println!(

@@ -273,7 +273,7 @@ fn metrics_record(m: &StepMetrics, tokens_per_second: f64, eval: Option<&EvalMet
     record.insert("tokens_per_second".into(), tokens_per_second.into());
     if let Some(eval) = eval {
         record.insert("eval_loss".into(), eval.loss.into());
-        record.insert("eval_perplexity".into(), eval.perplexity.into());
+        record.insert("eval_perplexity".into(), eval.perplexity().into());
     }
     serde_json::Value::Object(record)
 }
@@ -308,7 +308,7 @@ fn tensorboard_scalars(
     scalars.extend(m.loss_scale.map(|scale| ("train/loss_scale", scale)));
     scalars.extend([("train/tokens_per_second", tokens_per_second), ("train/step_seconds", m.seconds)]);
     if let Some(eval) = eval {
-        scalars.extend([("validation/loss", eval.loss), ("validation/perplexity", eval.perplexity)]);
+        scalars.extend([("validation/loss", eval.loss), ("validation/perplexity", eval.perplexity())]);
     }
     scalars
 }
@@ -357,9 +357,21 @@ fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path) -> Result<Trainin
 /// The training data `--data` names, its samples in the order of the trainer's seed.
 fn open_data(flags: &RunFlags, trainer: &Trainer) -> Result<TrainingData> {
     let split = flags.split.as_deref().map(Split::parse).transpose()?;
+    open_part(flags, trainer, &flags.data, split, 0)
+}
+
+/// The data `spec` names (as `--data`), part `part` of `split` for Megatron datasets, in the
+/// sample order of the trainer's seed.
+fn open_part(
+    flags: &RunFlags,
+    trainer: &Trainer,
+    spec: &Path,
+    split: Option<Split>,
+    part: usize,
+) -> Result<TrainingData> {
     let dtype = TokenDtype::parse(&flags.data_dtype)?;
-    let spec = flags.data.to_string_lossy();
-    Ok(TrainingData::open(&spec, dtype, trainer.training().seq_len, trainer.seed(), split, 0)?)
+    let (seq_len, seed) = (trainer.training().seq_len, trainer.seed());
+    Ok(TrainingData::open(&spec.to_string_lossy(), dtype, seq_len, seed, split, part)?)
 }
 
 /// The validation data of `--eval-every`: `--eval-data`, else the `--split`'s validation part
@@ -369,11 +381,10 @@ fn open_eval_data(flags: &RunFlags, trainer: &Trainer) -> Result<Option<Training
     if every == 0 || flags.eval_iters == 0 {
         bail!("--eval-every and --eval-iters must be at least 1");
     }
-    let dtype = TokenDtype::parse(&flags.data_dtype)?;
-    let (seq_len, seed) = (trainer.training().seq_len, trainer.seed());
     let data = match &flags.eval_data {
-        Some(spec) => TrainingData::open(&spec.to_string_lossy(), dtype, seq_len, seed, None, 0)
-            .with_context(|| format!("--eval-data {}", spec.display()))?,
+        Some(spec) => {
+            open_part(flags, trainer, spec, None, 0).with_context(|| format!("--eval-data {}", spec.display()))?
+        }
         None => {
             let split = flags.split.as_deref().map(Split::parse).transpose()?;
             if !split.is_some_and(|s| s.weights[1] > 0.0) {
@@ -382,8 +393,7 @@ fn open_eval_data(flags: &RunFlags, trainer: &Trainer) -> Result<Option<Training
                      documents (969,30,1)"
                 );
             }
-            TrainingData::open(&flags.data.to_string_lossy(), dtype, seq_len, seed, split, 1)
-                .context("the --split's validation part")?
+            open_part(flags, trainer, &flags.data, split, 1).context("the --split's validation part")?
         }
     };
     Ok(Some(data))
@@ -498,7 +508,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
                             "validation at step {}: loss {:.6} perplexity {:.3} ({} batches, {:.1} ms)",
                             m.step,
                             eval.loss,
-                            eval.perplexity,
+                            eval.perplexity(),
                             eval.batches,
                             eval.seconds * 1e3
                         )

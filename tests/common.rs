@@ -31,6 +31,14 @@ pub fn autotp<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Output {
 }
 
 /// Asserts that a run succeeded and returns its stdout.
+/// `autotp train` of the tiny exported Llama (tests/fixtures/hf_export) at sequence 16, `args`
+/// added.
+pub fn train_hf_export(args: &[&str]) -> std::process::Output {
+    let model = fixture("hf_export", "model.onnx");
+    let base = ["train", model.to_str().unwrap_or_default(), "--seq-len", "16"];
+    autotp(&[&base[..], args].concat())
+}
+
 pub fn success(out: std::process::Output) -> String {
     assert!(out.status.success(), "autotp failed:\n{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()

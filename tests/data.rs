@@ -5,7 +5,7 @@
 
 use autotp_train::indexed::{paths, IndexedDataset, IndexedDtype};
 
-use crate::common::{autotp, failure, fixture, scratch, success};
+use crate::common::{autotp, failure, fixture, scratch, success, train_hf_export};
 
 fn prepare(inputs: &[&std::path::Path], extra: &[&str], prefix: &std::path::Path) -> std::process::Output {
     let tokenizer = fixture("hf_export", "tokenizer.json");
@@ -93,13 +93,19 @@ fn training_reads_megatron_datasets_and_resumes_their_order() {
     let (prefix, other) = (dir.join("corpus"), dir.join("other"));
     success(prepare(&[&fixture("hf_export", "corpus.jsonl")], &[], &prefix));
     success(prepare(&[&fixture("hf_export", "corpus.txt")], &["--lines", "--eod", "<unk>"], &other));
-    let model = fixture("hf_export", "model.onnx");
     let train = |data: &str, extra: &[&str], name: &str| {
         let metrics = dir.join(format!("{name}.jsonl"));
-        let mut args = vec!["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2"];
-        args.extend(["--lr", "2e-3", "--data", data, "--metrics-out", metrics.to_str().unwrap_or_default()]);
-        args.extend(extra);
-        success(autotp(&args));
+        let args = [
+            "--micro-batch",
+            "2",
+            "--lr",
+            "2e-3",
+            "--data",
+            data,
+            "--metrics-out",
+            metrics.to_str().unwrap_or_default(),
+        ];
+        success(train_hf_export(&[&args[..], extra].concat()));
         crate::common::losses(&metrics).into_iter().map(|(_, loss)| loss).collect::<Vec<f64>>()
     };
     let corpus = prefix.display().to_string();
@@ -114,19 +120,8 @@ fn training_reads_megatron_datasets_and_resumes_their_order() {
     let blend = format!("0.3 {} 0.7 {}", prefix.display(), other.display());
     let blended = train(&blend, &["--steps", "4", "--split", "90,10"], "blend");
     assert_eq!(blended.len(), 4);
-    let err = failure(autotp(&[
-        "train",
-        model.to_str().unwrap_or_default(),
-        "--seq-len",
-        "16",
-        "--micro-batch",
-        "2",
-        "--steps",
-        "1",
-        "--data",
-        &fixture("train", "tokens.bin").display().to_string(),
-        "--split",
-        "969,30,1",
-    ]));
+    let tokens = fixture("train", "tokens.bin").display().to_string();
+    let err =
+        failure(train_hf_export(&["--micro-batch", "2", "--steps", "1", "--data", &tokens, "--split", "969,30,1"]));
     assert!(err.contains("--split divides a Megatron dataset's documents"), "{err}");
 }

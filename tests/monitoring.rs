@@ -49,10 +49,9 @@ fn tensorboards_own_event_file_reads_back() {
 fn run_writes_each_steps_scalars() {
     let dir = scratch("tensorboard-run");
     let (events, metrics, save) = (dir.join("tb"), dir.join("metrics.jsonl"), dir.join("ckpt"));
-    let model = fixture("hf_export", "model.onnx");
     let corpus = fixture("hf_export", "corpus_megatron");
     let run = |steps: &str, extra: &[&str]| {
-        let mut args = vec!["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2"];
+        let mut args = vec!["--micro-batch", "2"];
         args.extend(["--grad-clip", "1.0", "--data", corpus.to_str().unwrap_or_default(), "--split", "80,20,0"]);
         args.extend(["--steps", steps, "--eval-every", "2", "--tensorboard", events.to_str().unwrap_or_default()]);
         args.extend([
@@ -61,7 +60,7 @@ fn run_writes_each_steps_scalars() {
             "--save",
             save.to_str().unwrap_or_default(),
         ]);
-        success(autotp(&[&args[..], extra].concat()));
+        success(crate::common::train_hf_export(&[&args[..], extra].concat()));
     };
     run("4", &[]);
     let files = event_files(&events);

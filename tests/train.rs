@@ -239,11 +239,11 @@ fn a_hugging_face_export_trains_like_pytorch() {
     let metrics = std::env::temp_dir().join(format!("autotp-hf-export-{}.jsonl", std::process::id()));
     let tokens = repo().join("tests/fixtures/train/tokens_pad.bin");
     let train = |extra: &[&str]| {
-        let mut args = vec!["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2"];
+        let mut args = vec!["--micro-batch", "2"];
         args.extend(["--data", tokens.to_str().unwrap_or_default(), "--steps", "5", "--lr", "2e-3"]);
         args.extend(["--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"]);
         args.extend(["--metrics-out", metrics.to_str().unwrap_or_default()]);
-        let out = autotp(&[&args[..], extra].concat());
+        let out = crate::common::train_hf_export(&[&args[..], extra].concat());
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         // `train` prints the compile summary on stderr (stdout carries the steps).
         let summary = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -292,11 +292,8 @@ fn generate_decodes_like_pytorch() {
     let dir = crate::common::scratch("generate");
     let ckpt = dir.join("ckpt");
     let tokens = repo().join("tests/fixtures/train/tokens_pad.bin");
-    success(autotp(&[
-        "train",
-        model.to_str().unwrap_or_default(),
-        "--seq-len",
-        "16",
+    let (tokens, ckpt) = (tokens.to_str().unwrap_or_default(), ckpt.to_str().unwrap_or_default());
+    success(crate::common::train_hf_export(&[
         "--micro-batch",
         "2",
         "--steps",
@@ -304,11 +301,11 @@ fn generate_decodes_like_pytorch() {
         "--lr",
         "1e-2",
         "--data",
-        tokens.to_str().unwrap_or_default(),
+        tokens,
         "--save",
-        ckpt.to_str().unwrap_or_default(),
+        ckpt,
     ]));
-    let (trained, _) = generate(&["--checkpoint", ckpt.to_str().unwrap_or_default()]);
+    let (trained, _) = generate(&["--checkpoint", ckpt]);
     assert_ne!(trained, greedy, "20 steps at lr 1e-2 change what the model writes");
     let bad = failure(autotp(&[&command[..], &["--prompt", "x", "--temperature=-1"]].concat()));
     assert!(bad.contains("--temperature -1: expected 0 (greedy) or more"), "{bad}");

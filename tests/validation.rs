@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use crate::common::{autotp, failure, fixture, scratch, success};
+use crate::common::{autotp, failure, fixture, scratch, success, train_hf_export};
 
 /// Each metrics line's step, training loss and validation loss (where there was one).
 fn records(metrics: &Path) -> Vec<(u64, f64, Option<f64>)> {
@@ -25,14 +25,10 @@ fn records(metrics: &Path) -> Vec<(u64, f64, Option<f64>)> {
 /// `autotp train` of the tiny exported Llama on its Megatron corpus, global batch 4; returns the
 /// metrics and what it printed.
 fn train(dir: &Path, name: &str, layout: &[&str], extra: &[&str]) -> (Vec<(u64, f64, Option<f64>)>, String) {
-    let model = fixture("hf_export", "model.onnx");
     let corpus = fixture("hf_export", "corpus_megatron");
     let metrics = dir.join(format!("{name}.jsonl"));
-    let mut args = vec!["train", model.to_str().unwrap_or_default(), "--seq-len", "16"];
-    args.extend(["--data", corpus.to_str().unwrap_or_default(), "--metrics-out", metrics.to_str().unwrap_or_default()]);
-    args.extend(layout);
-    args.extend(extra);
-    let stdout = success(autotp(&args));
+    let data = ["--data", corpus.to_str().unwrap_or_default(), "--metrics-out", metrics.to_str().unwrap_or_default()];
+    let stdout = success(train_hf_export(&[&data[..], layout, extra].concat()));
     (records(&metrics), stdout)
 }
 
@@ -99,21 +95,17 @@ fn validation_leaves_training_bit_identical() {
 #[test]
 fn validation_needs_validation_data() {
     let dir = scratch("validation-refused");
-    let model = fixture("hf_export", "model.onnx");
     let corpus = fixture("hf_export", "corpus_megatron");
-    let base = ["train", model.to_str().unwrap_or_default(), "--seq-len", "16", "--micro-batch", "2", "--steps", "1"];
-    let data = ["--data", corpus.to_str().unwrap_or_default()];
-    let err = failure(autotp(&[&base[..], &data, &["--eval-every", "1"]].concat()));
+    let data = ["--micro-batch", "2", "--steps", "1", "--data", corpus.to_str().unwrap_or_default()];
+    let refused = |extra: &[&str]| failure(train_hf_export(&[&data[..], extra].concat()));
+    let err = refused(&["--eval-every", "1"]);
     assert!(err.contains("--eval-every needs validation data: --eval-data, or --split"), "{err}");
-    let err = failure(autotp(&[&base[..], &data, &["--eval-every", "1", "--split", "100,0,0"]].concat()));
+    let err = refused(&["--eval-every", "1", "--split", "100,0,0"]);
     assert!(err.contains("--eval-every needs validation data"), "{err}");
-    let err =
-        failure(autotp(&[&base[..], &data, &["--eval-every", "1", "--eval-iters", "0", "--split", "9,1"]].concat()));
+    let err = refused(&["--eval-every", "1", "--eval-iters", "0", "--split", "9,1"]);
     assert!(err.contains("--eval-iters must be at least 1"), "{err}");
     let missing = dir.join("missing");
-    let err = failure(autotp(
-        &[&base[..], &data, &["--eval-every", "1", "--eval-data", missing.to_str().unwrap_or_default()]].concat(),
-    ));
+    let err = refused(&["--eval-every", "1", "--eval-data", missing.to_str().unwrap_or_default()]);
     assert!(err.contains("--eval-data") && err.contains("missing"), "{err}");
 }
 

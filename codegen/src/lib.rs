@@ -391,7 +391,7 @@ fn lower_placed(
     let inputs = dedicated.place(graph, graph.inputs(), &mut regions, &mut memory.inputs_bytes);
     let states = if options.offload_optimizer {
         let mut host_pool = Dedicated { next: autotp_program::HOST_POOL };
-        let slots = host_pool.place(graph, graph.states(), &mut regions, &mut memory.host_pool_bytes);
+        let slots = host_pool.place(graph, graph.states(), &mut regions, &mut 0);
         // The pool holds the states' aligned regions, not only their bytes.
         memory.host_pool_bytes = host_pool.next - autotp_program::HOST_POOL;
         slots

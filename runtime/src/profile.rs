@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use autotp_program::{Instruction, Program};
+use autotp_program::Program;
 
 /// The time of one kind of op (`matmul`, `all_reduce`, `wait`...) over a run.
 #[derive(Clone, Debug, PartialEq)]
@@ -15,17 +15,11 @@ pub struct OpTime {
     pub total: Duration,
 }
 
-/// The IR op an instruction came from: its label is `node N (op)`.
-fn op_of(instruction: &Instruction) -> String {
-    let label = instruction.label();
-    label.rsplit_once('(').and_then(|(_, op)| op.strip_suffix(')')).unwrap_or(label).to_string()
-}
-
 /// `times` (one per instruction of `program`) summed by op, the slowest first.
 pub fn by_op(program: &Program, times: &[Duration]) -> Vec<OpTime> {
     let mut ops: BTreeMap<String, OpTime> = BTreeMap::new();
     for (instruction, &time) in program.instructions.iter().zip(times) {
-        let op = op_of(instruction);
+        let op = crate::trace::op_of(instruction.label());
         let entry = ops.entry(op.clone()).or_insert(OpTime { op, instructions: 0, total: Duration::ZERO });
         entry.instructions += 1;
         entry.total += time;

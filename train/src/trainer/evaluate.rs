@@ -15,9 +15,8 @@ use std::time::Instant;
 
 use autotp_program::plan::Evaluation;
 use autotp_runtime::comm::{Communicator, LocalComm};
-use autotp_runtime::HostTensor;
 
-use super::{load_ranks, Programs, StepInputs, Trainer};
+use super::{first_f32, load_ranks, Programs, StepInputs, Trainer};
 use crate::dataset::TrainingData;
 use crate::TrainError;
 
@@ -26,11 +25,16 @@ use crate::TrainError;
 pub struct EvalMetrics {
     /// The mean of the batches' mean losses.
     pub loss: f64,
-    /// `exp(loss)`.
-    pub perplexity: f64,
     /// Global batches evaluated.
     pub batches: usize,
     pub seconds: f64,
+}
+
+impl EvalMetrics {
+    /// `exp(loss)`.
+    pub fn perplexity(&self) -> f64 {
+        self.loss.exp()
+    }
 }
 
 impl Trainer {
@@ -88,7 +92,7 @@ impl Trainer {
             }
         }
         let loss = total / batches as f64;
-        Ok(EvalMetrics { loss, perplexity: loss.exp(), batches, seconds: start.elapsed().as_secs_f64() })
+        Ok(EvalMetrics { loss, batches, seconds: start.elapsed().as_secs_f64() })
     }
 
     /// Loads the evaluation `programs` on this process's ranks. Rank threads get a
@@ -115,9 +119,4 @@ impl Trainer {
         self.evaluation_comm = comm;
         Ok(())
     }
-}
-
-/// The first f32 of an output, as f64.
-fn first_f32(tensor: &HostTensor) -> f64 {
-    f32::from_le_bytes(tensor.data[..4].try_into().expect("a scalar f32 output")) as f64
 }

@@ -538,7 +538,7 @@ impl Trainer {
             .collect();
         let mut values: Vec<f64> = match &outputs {
             Some(outputs) => {
-                let value = |i: usize| f32::from_le_bytes(outputs[i].data[..4].try_into().expect("4 bytes")) as f64;
+                let value = |i: usize| first_f32(&outputs[i]);
                 std::iter::once(self.loss_index).chain(scalar_outputs.iter().copied()).map(value).collect()
             }
             None => vec![0.0; 1 + scalar_outputs.len()],
@@ -598,8 +598,9 @@ impl Trainer {
             StepInput::Step => scalar(inputs.step as f32),
             StepInput::LossScale => scalar(inputs.loss_scale.expect("a loss scale input has a scaler") as f32),
         };
-        let fed = programs.iter().flat_map(|p| &p.inputs).filter_map(|slot| StepInput::from_name(&slot.name));
-        let globals: BTreeMap<StepInput, HostTensor> = fed.map(|feed| (feed, global(feed))).collect();
+        let fed: std::collections::BTreeSet<StepInput> =
+            programs.iter().flat_map(|p| &p.inputs).filter_map(|slot| StepInput::from_name(&slot.name)).collect();
+        let globals: BTreeMap<StepInput, HostTensor> = fed.into_iter().map(|feed| (feed, global(feed))).collect();
         self.local_ranks()
             .map(|rank| {
                 (programs[self.topology.stage(rank)].inputs.iter())
@@ -713,21 +714,21 @@ fn load_ranks(
     comm: &Option<Arc<dyn Communicator>>,
     continuing: Option<&[u64]>,
 ) -> Result<(Vec<Executor>, usize), TrainError> {
-    let load = |program: autotp_program::Program, rank: Option<(usize, Arc<dyn Communicator>)>| {
-        let issued = continuing.map_or_else(|| vec![0; program.mesh.len()], <[u64]>::to_vec);
-        match gpu {
-            Some(kind) => {
-                let device = kind.open(&program)?;
-                Executor::on_gpu_continuing(program, device, rank, issued)
+    let load = |program: autotp_program::Program, rank: Option<(usize, Arc<dyn Communicator>)>| match gpu {
+        Some(kind) => {
+            let device = kind.open(&program)?;
+            let issued = continuing.map_or_else(|| vec![0; program.mesh.len()], <[u64]>::to_vec);
+            Executor::on_gpu_continuing(program, device, rank, issued)
+        }
+        None => {
+            let mut executor = match rank {
+                Some((r, comm)) => Executor::for_rank(program, r, comm)?,
+                None => Executor::new(program)?,
+            };
+            if let Some(issued) = continuing {
+                executor.continue_collectives(issued)?;
             }
-            None => {
-                let mut executor = match rank {
-                    Some((r, comm)) => Executor::for_rank(program, r, comm)?,
-                    None => Executor::new(program)?,
-                };
-                executor.continue_collectives(&issued)?;
-                Ok(executor)
-            }
+            Ok(executor)
         }
     };
     match (job, comm) {
@@ -792,6 +793,11 @@ fn rank_pools(ranks: usize, threads: usize) -> Result<Vec<rayon::ThreadPool>, Tr
                 .map_err(|e| TrainError::plan(format!("cannot start rank {rank}'s kernel threads: {e}")))
         })
         .collect()
+}
+
+/// The first f32 of an output (a scalar's value), as f64.
+fn first_f32(tensor: &HostTensor) -> f64 {
+    f32::from_le_bytes(tensor.data[..4].try_into().expect("a scalar f32 output")) as f64
 }
 
 /// Little-endian f64s.
