@@ -705,7 +705,7 @@ fn median_per_rank(per_step: &[Vec<f64>]) -> Vec<f64> {
 /// Each pipeline stage's measured idle share of a step (the step's time less the time the stage
 /// ran its program but for waiting on the stages beside it; the median over steps, the mean over
 /// the stage's ranks), beside the plan's; then the measured bubble, the busiest stage's idle
-/// share, beside (P-1)/(M+P-1).
+/// share, beside the equal stages' bubble ((P-1)/(V*M+P-1) with V model chunks per stage).
 fn bubble_table(
     pipeline: &autotp_program::plan::PipelineConfig,
     stage_size: usize,
@@ -720,8 +720,12 @@ fn bubble_table(
         clock.name()
     );
     out += &format!(
-        "{:>6} {:>14} {:>12} {:>14} {:>14}\n",
-        "stage", "forward FLOPs", "measured", "these stages", "(P-1)/(M+P-1)"
+        "{:>6} {:>14} {:>12} {:>14} {:>16}\n",
+        "stage",
+        "forward FLOPs",
+        "measured",
+        "these stages",
+        pipeline.bubble_formula()
     );
     let equal = 100.0 * pipeline.bubble_fraction;
     let mut planned = Vec::new();
@@ -730,7 +734,7 @@ fn bubble_table(
         measured.push(ranks.iter().sum::<f64>() / ranks.len() as f64);
         planned.push(100.0 * pipeline.planned_idle(stage));
         out += &format!(
-            "{stage:>6} {:>14} {:>11.1}% {:>13.1}% {equal:>13.1}%\n",
+            "{stage:>6} {:>14} {:>11.1}% {:>13.1}% {equal:>15.1}%\n",
             pipeline.stage_flops.get(stage).copied().unwrap_or(0),
             100.0 * measured[stage],
             planned[stage]
@@ -738,10 +742,10 @@ fn bubble_table(
     }
     let all = measured.iter().sum::<f64>() / measured.len().max(1) as f64;
     let all_planned = planned.iter().sum::<f64>() / planned.len().max(1) as f64;
-    out += &format!("{:>6} {:>14} {:>11.1}% {all_planned:>13.1}% {equal:>13.1}%\n", "all", "", 100.0 * all);
+    out += &format!("{:>6} {:>14} {:>11.1}% {all_planned:>13.1}% {equal:>15.1}%\n", "all", "", 100.0 * all);
     if let Some((busiest, busiest_idle)) = measured.iter().copied().enumerate().min_by(|a, b| a.1.total_cmp(&b.1)) {
         out += &format!(
-            "{:>6} {:>14} {:>11.1}% {:>13.1}% {equal:>13.1}%\n",
+            "{:>6} {:>14} {:>11.1}% {:>13.1}% {equal:>15.1}%\n",
             "bubble",
             format!("(stage {busiest})"),
             100.0 * busiest_idle,

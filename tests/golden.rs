@@ -206,7 +206,8 @@ fn check(path: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// A golden file ending in the pipeline pass (`spec` is `P:M[:gpipe][:split]`).
+/// A golden file ending in the pipeline pass (`spec` is `P:M[:gpipe|:zb-h1][:split][:vV]`, `V`
+/// model chunks per stage).
 fn check_pipeline(
     path: &Path,
     input_graph: &autotp_ir::Graph,
@@ -219,13 +220,15 @@ fn check_pipeline(
     let parts: Vec<&str> = spec.split(':').collect();
     let stages = parts[0].parse().expect("pipeline:P:M");
     let micro_batches = parts[1].parse().expect("pipeline:P:M");
-    let schedule = if parts[2..].contains(&"gpipe") { PipelineSchedule::GPipe } else { PipelineSchedule::OneFOneB };
+    let schedule = parts[2..].iter().find_map(|p| PipelineSchedule::parse(p)).unwrap_or(PipelineSchedule::OneFOneB);
     let backward = if parts[2..].contains(&"split") { PipelineBackward::Split } else { PipelineBackward::Whole };
+    let virtual_stages = parts[2..].iter().find_map(|p| p.strip_prefix('v')?.parse().ok()).unwrap_or(1);
     let mut graph = input_graph.clone();
     PassManager::new(passes.iter().map(|p| pass_by_name(p)).collect()).run(&mut graph).map_err(|e| e.to_string())?;
     let batch_inputs = vec!["input_ids".to_string(), "labels".to_string()];
     let pipeline = Pipeline {
         stages,
+        virtual_stages,
         cuts: vec![],
         micro_batches,
         schedule,

@@ -46,6 +46,7 @@ mod offload;
 mod optimizers;
 mod parallel;
 mod pipeline;
+mod pipeline_schedules;
 mod plan;
 mod precision;
 mod processes;

@@ -15,7 +15,7 @@ fn train(dir: &Path, arch: &str, micro_batch: usize, parallel: &[&str]) -> Vec<f
 }
 
 /// [`train`] with another of the fixture's model files.
-fn train_model(dir: &Path, arch: &str, file: &str, micro_batch: usize, parallel: &[&str]) -> Vec<f64> {
+pub(crate) fn train_model(dir: &Path, arch: &str, file: &str, micro_batch: usize, parallel: &[&str]) -> Vec<f64> {
     let metrics = dir.join(format!("{arch}-{file}{}.jsonl", parallel.join("")));
     let micro = micro_batch.to_string();
     let model = fixture(arch, file);
@@ -54,7 +54,7 @@ fn read_report(path: &Path) -> serde_json::Value {
 }
 
 /// Asserts the contract's tolerance and returns (step 1, worst) relative differences.
-fn within_contract(label: &str, got: &[f64], want: &[f64]) -> (f64, f64) {
+pub(crate) fn within_contract(label: &str, got: &[f64], want: &[f64]) -> (f64, f64) {
     assert_eq!(got.len(), want.len(), "{label}");
     let relative: Vec<f64> = got.iter().zip(want).map(|(g, w)| (g - w).abs() / w.abs()).collect();
     let worst = relative.iter().copied().fold(0f64, f64::max);

@@ -27,6 +27,7 @@ fn differentiated_model(arch: &str, file: &str) -> Graph {
 fn pipeline(stages: usize, micro_batches: usize, schedule: PipelineSchedule, backward: PipelineBackward) -> Pipeline {
     Pipeline {
         stages,
+        virtual_stages: 1,
         cuts: vec![],
         micro_batches,
         schedule,
@@ -83,7 +84,7 @@ fn among_the_fastest_cuts_the_fullest_stage_is_smallest() {
         names.push(last.to_string());
         for stages in [3, 4] {
             let in_flight: Vec<usize> =
-                (0..stages).map(|s| PipelineSchedule::OneFOneB.in_flight(s, stages, 8)).collect();
+                (0..stages).map(|s| PipelineSchedule::OneFOneB.in_flight(s, stages, 1, 8)).collect();
             let balanced = partition(&graph, stages, &[], &in_flight).unwrap();
             let slowest = |s: &autotp_passes::pipeline::Stages| *s.time.iter().max().unwrap();
             let fullest = |s: &autotp_passes::pipeline::Stages| *s.memory.iter().max().unwrap();
@@ -154,27 +155,97 @@ fn in_order(names: &[String], k: usize) -> Vec<Vec<String>> {
 fn the_planned_bubble_follows_the_stages_costs() {
     use autotp_passes::pipeline::{bubble_fraction, stage_idle_fractions, ChunkCosts};
     let chunks = |forward, input_gradient, weight_gradients| ChunkCosts { forward, input_gradient, weight_gradients };
+    let idle = |schedule, backward, costs: &[ChunkCosts], stages, micro_batches| {
+        stage_idle_fractions(schedule, backward, costs, stages, micro_batches).unwrap()
+    };
     // Equal stages whose backward sends at its end: the textbook bubble, either schedule.
     for schedule in [PipelineSchedule::OneFOneB, PipelineSchedule::GPipe] {
         for (stages, micro_batches) in [(2, 4), (4, 8), (3, 1)] {
             let mut costs = vec![chunks(5, 4, 6); stages];
             costs[0] = chunks(5, 0, 10);
-            for idle in stage_idle_fractions(schedule, PipelineBackward::Whole, &costs, micro_batches) {
-                assert!((idle - bubble_fraction(stages, micro_batches)).abs() < 1e-12, "{schedule:?}: {idle}");
+            for idle in idle(schedule, PipelineBackward::Whole, &costs, stages, micro_batches) {
+                assert!((idle - bubble_fraction(stages, 1, micro_batches)).abs() < 1e-12, "{schedule:?}: {idle}");
             }
         }
     }
     // Costs 1 and 2 over 4 micro-batches: the step is 1 + 2 + 3 x 2 = 9 units of a chunk.
     for backward in [PipelineBackward::Whole, PipelineBackward::Split] {
-        let idle = stage_idle_fractions(PipelineSchedule::OneFOneB, backward, &[chunks(1, 0, 2), chunks(2, 4, 0)], 4);
+        let idle = idle(PipelineSchedule::OneFOneB, backward, &[chunks(1, 0, 2), chunks(2, 4, 0)], 2, 4);
         assert!((idle[0] - 5.0 / 9.0).abs() < 1e-12 && (idle[1] - 1.0 / 9.0).abs() < 1e-12, "{idle:?}");
     }
     // Sending the input's gradient before the weights' shortens the way back: 1/7, not 1/5.
     let equal = [chunks(1, 0, 2), chunks(1, 1, 1)];
-    let idle = stage_idle_fractions(PipelineSchedule::OneFOneB, PipelineBackward::Split, &equal, 4);
-    assert!(idle.iter().all(|idle| (idle - 1.0 / 7.0).abs() < 1e-12), "{idle:?}");
-    let idle = stage_idle_fractions(PipelineSchedule::OneFOneB, PipelineBackward::Whole, &equal, 4);
-    assert!(idle.iter().all(|idle| (idle - 1.0 / 5.0).abs() < 1e-12), "{idle:?}");
+    let split = idle(PipelineSchedule::OneFOneB, PipelineBackward::Split, &equal, 2, 4);
+    assert!(split.iter().all(|idle| (idle - 1.0 / 7.0).abs() < 1e-12), "{split:?}");
+    let whole = idle(PipelineSchedule::OneFOneB, PipelineBackward::Whole, &equal, 2, 4);
+    assert!(whole.iter().all(|idle| (idle - 1.0 / 5.0).abs() < 1e-12), "{whole:?}");
+}
+
+/// Megatron's interleaved 1F1B over `V` model chunks per rank: with equal chunks, every rank
+/// idles `(P - 1) / (V M + P - 1)` of the step (the bubble `(P - 1) / (V M)` of the ideal
+/// time), and holds the activations Megatron's warmup implies.
+#[test]
+fn interleaving_divides_the_bubble_by_the_virtual_stages() {
+    use autotp_passes::pipeline::{bubble_fraction, chunks_in_flight, stage_idle_fractions, ChunkCosts};
+    for (stages, virtual_stages, micro_batches) in [(2, 2, 4), (2, 2, 2), (4, 2, 8), (2, 3, 6), (4, 4, 16), (3, 2, 9)] {
+        let mut costs =
+            vec![ChunkCosts { forward: 2, input_gradient: 2, weight_gradients: 2 }; stages * virtual_stages];
+        costs[0] = ChunkCosts { forward: 2, input_gradient: 0, weight_gradients: 4 };
+        let idle =
+            stage_idle_fractions(PipelineSchedule::OneFOneB, PipelineBackward::Whole, &costs, stages, micro_batches)
+                .unwrap();
+        let textbook = bubble_fraction(stages, virtual_stages, micro_batches);
+        for (rank, idle) in idle.iter().enumerate() {
+            assert!(
+                (idle - textbook).abs() < 1e-12,
+                "P {stages} V {virtual_stages} M {micro_batches} rank {rank}: {idle} against {textbook}"
+            );
+        }
+        assert!(textbook < bubble_fraction(stages, 1, micro_batches));
+        for rank in 0..stages {
+            let order = PipelineSchedule::OneFOneB.order(rank, stages, virtual_stages, micro_batches);
+            // Every chunk of every micro-batch, once forward and once backward.
+            assert_eq!(order.len(), 2 * virtual_stages * micro_batches);
+            let held = chunks_in_flight(&order, virtual_stages).total;
+            let warmup = if micro_batches == stages {
+                virtual_stages * micro_batches
+            } else {
+                2 * (stages - 1 - rank) + (virtual_stages - 1) * stages + 1
+            };
+            assert_eq!(held, warmup.min(virtual_stages * micro_batches), "rank {rank}");
+        }
+    }
+}
+
+/// ZB-H1 with `F = B = W`: every stage's bubble is `(P - 1)(F + B - W)`, a third of 1F1B's
+/// `(P - 1)(F + B + W)`, and no stage holds more than `P` micro-batches' activations.
+#[test]
+fn zero_bubble_h1_shrinks_the_bubble_to_a_third() {
+    use autotp_passes::pipeline::{stage_idle_fractions, ChunkCosts};
+    for (stages, micro_batches) in [(2, 4), (4, 8), (4, 4), (3, 12)] {
+        let mut costs = vec![ChunkCosts { forward: 1, input_gradient: 1, weight_gradients: 1 }; stages];
+        costs[0] = ChunkCosts { forward: 1, input_gradient: 0, weight_gradients: 2 };
+        let work = 3.0 * micro_batches as f64;
+        let bubble = |idle: f64| idle * work / (1.0 - idle);
+        let zb = stage_idle_fractions(
+            PipelineSchedule::ZeroBubbleH1,
+            PipelineBackward::Split,
+            &costs,
+            stages,
+            micro_batches,
+        )
+        .unwrap();
+        let one_f_one_b =
+            stage_idle_fractions(PipelineSchedule::OneFOneB, PipelineBackward::Whole, &costs, stages, micro_batches)
+                .unwrap();
+        for rank in 0..stages {
+            let want = (stages - 1) as f64;
+            assert!((bubble(zb[rank]) - want).abs() < 1e-9, "P {stages} M {micro_batches} rank {rank}: {zb:?}");
+            assert!((bubble(one_f_one_b[rank]) - 3.0 * want).abs() < 1e-9, "{one_f_one_b:?}");
+            let in_flight = PipelineSchedule::ZeroBubbleH1.in_flight(rank, stages, 1, micro_batches);
+            assert_eq!(in_flight, stages.min(micro_batches), "rank {rank}");
+        }
+    }
 }
 
 /// A split backward chunk sends the input's gradient before it computes the weights'

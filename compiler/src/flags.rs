@@ -42,16 +42,25 @@ pub struct CompileFlags {
     /// --grad-accum micro-batches flow through them. World size is pp x dp x tp.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Model chunks per pipeline rank (Megatron's virtual pipeline stages): the model is cut
+    /// into pp x V chunks and rank r holds chunks r, r + pp, ...; the interleaved 1F1B
+    /// schedule runs them, and the bubble falls to (pp-1)/(V x M) of the ideal step. Needs
+    /// --schedule 1f1b and --grad-accum a multiple of --pp.
+    #[arg(long, value_name = "V", default_value_t = 1)]
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
     /// The pipeline schedule: 1f1b (one forward, one backward: at most pp micro-batches in
-    /// flight) or gpipe (all forwards, then all backwards).
+    /// flight; interleaved with --virtual-stages), gpipe (all forwards, then all backwards) or
+    /// zb-h1 (zero-bubble H1: the weights' gradients apart from the input's, deferred to fill
+    /// the bubble; pp micro-batches in flight on every stage; needs --pp-backward split).
     #[arg(long, default_value = "1f1b")]
     pub schedule: String,
     /// When a pipeline stage's backward sends its input's gradient to the stage before: whole
     /// (after the whole backward, as Megatron and DeepSpeed do: the textbook 1F1B and GPipe) or
     /// split (as soon as it is made, then the weights' gradients: a shorter bubble, but the
-    /// output's gradient is held longer).
-    #[arg(long, default_value = "whole")]
-    pub pp_backward: String,
+    /// output's gradient is held longer). Default: whole, split under --schedule zb-h1.
+    #[arg(long)]
+    pub pp_backward: Option<String>,
     /// Where the pipeline stages start (pp - 1 of them): before the first use of a parameter
     /// whose name starts with each prefix, e.g. model.layers.2. Comma-separated or repeated.
     #[arg(long, value_name = "PREFIX", value_delimiter = ',')]
@@ -355,6 +364,11 @@ fn two() -> u32 {
     2
 }
 
+/// Plans written before `--virtual-stages` ran one model chunk per stage.
+fn one() -> usize {
+    1
+}
+
 fn one_f64() -> f64 {
     1.0
 }
@@ -418,7 +432,7 @@ impl CompileFlags {
         (flags.dp, flags.tp, flags.pp, flags.zero) = (1, 1, 1, 0);
         (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);
         flags.pp_cuts.clear();
-        (flags.schedule, flags.pp_backward) = ("1f1b".to_string(), "whole".to_string());
+        (flags.schedule, flags.pp_backward, flags.virtual_stages) = ("1f1b".to_string(), None, 1);
         (flags.reduce_bucket_size, flags.prefetch_bucket_size, flags.max_live_params) = (None, None, None);
         flags.comm_dtype = None;
         flags.param_persistence_threshold = 0;

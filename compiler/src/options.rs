@@ -51,15 +51,27 @@ impl CompileOptions {
         }
         let grad_accum = grad_accum(flags)?;
         let pipeline_schedule = PipelineSchedule::parse(&flags.schedule)
-            .ok_or_else(|| refused(format!("--schedule '{}' is not one of 1f1b, gpipe", flags.schedule)))?;
-        let pipeline_backward = PipelineBackward::parse(&flags.pp_backward)
-            .ok_or_else(|| refused(format!("--pp-backward '{}' is not one of split, whole", flags.pp_backward)))?;
+            .ok_or_else(|| refused(format!("--schedule '{}' is not one of 1f1b, gpipe, zb-h1", flags.schedule)))?;
+        let zero_bubble = pipeline_schedule == PipelineSchedule::ZeroBubbleH1;
+        let pipeline_backward = match &flags.pp_backward {
+            None if zero_bubble => PipelineBackward::Split,
+            None => PipelineBackward::Whole,
+            Some(name) => PipelineBackward::parse(name)
+                .ok_or_else(|| refused(format!("--pp-backward '{name}' is not one of split, whole")))?,
+        };
+        if zero_bubble && pipeline_backward == PipelineBackward::Whole {
+            refuse!("--schedule zb-h1 runs the weights' gradients apart from the input's: --pp-backward whole contradicts it");
+        }
         if flags.pp == 1
             && (!flags.pp_cuts.is_empty()
                 || pipeline_schedule != PipelineSchedule::OneFOneB
-                || pipeline_backward != PipelineBackward::Whole)
+                || pipeline_backward != PipelineBackward::Whole
+                || flags.virtual_stages != 1)
         {
-            refuse!("--pp-cuts, --schedule and --pp-backward place pipeline stages: they need --pp 2 or more");
+            refuse!(
+                "--pp-cuts, --schedule, --pp-backward and --virtual-stages place pipeline stages: they need --pp 2 or \
+                 more"
+            );
         }
         if flags.explain_tp && flags.tp < 2 {
             refuse!("--explain-tp needs --tp 2 or more");

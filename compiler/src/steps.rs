@@ -157,24 +157,32 @@ impl Step for PipelineSplit {
         let [graph] = &state.graphs[..] else { unreachable!("the split runs once, on the model") };
         let (stages, graphs) = pipeline.run(graph)?;
         tracing::debug!(boundaries = ?stages.boundaries, "pipeline cuts");
-        let (p, m, schedule) = (pipeline.stages, pipeline.micro_batches, pipeline.schedule);
+        let (p, v, m, schedule) = (pipeline.stages, pipeline.virtual_stages, pipeline.micro_batches, pipeline.schedule);
+        let stage_idle = stage_idle_fractions(schedule, pipeline.backward, &stages.chunk_costs, p, m).map_err(|e| {
+            autotp_passes::PassError::Invalid {
+                pass: "pipeline",
+                message: format!("the {} schedule: {e}", schedule.name()),
+            }
+        })?;
         state.pipeline = Some(PipelineConfig {
             schedule: schedule.name().to_string(),
             backward: pipeline.backward.name().to_string(),
-            stage_flops: stages.flops.clone(),
+            virtual_stages: v,
+            stage_flops: pipeline.rank_flops(&stages),
             in_flight: pipeline.in_flight(),
-            bubble_fraction: bubble_fraction(p, m),
-            stage_idle: stage_idle_fractions(schedule, pipeline.backward, &stages.chunk_costs, m),
+            bubble_fraction: bubble_fraction(p, v, m),
+            stage_idle,
         });
         // A parameter two stages hold counts in the clipping norm on the first.
+        let params = pipeline.rank_params(&stages);
         state.norms = (0..p)
             .map(|s| {
                 Some(StageNorm {
                     stage: s,
                     stages: p,
-                    counted_elsewhere: stages.params[s]
+                    counted_elsewhere: params[s]
                         .iter()
-                        .filter(|param| stages.params[..s].iter().any(|earlier| earlier.contains(param)))
+                        .filter(|param| params[..s].iter().any(|earlier| earlier.contains(param)))
                         .cloned()
                         .collect(),
                 })
@@ -387,6 +395,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     if flags.pp > 1 {
         steps.push(Box::new(PipelineSplit(Pipeline {
             stages: flags.pp,
+            virtual_stages: flags.virtual_stages,
             cuts: flags.pp_cuts.clone(),
             micro_batches: options.grad_accum,
             schedule: options.pipeline_schedule,

@@ -64,13 +64,19 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
     }
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     if let Some(pipeline) = &t.pipeline {
+        let interleaved = if pipeline.virtual_stages > 1 {
+            format!(" x {} model chunks per stage (interleaved)", pipeline.virtual_stages)
+        } else {
+            String::new()
+        };
         lines.push(format!(
-            "  pipeline: {} stages, {} schedule ({} backward) over {} micro-batches; bubble (P-1)/(M+P-1) = {:.1}% \
+            "  pipeline: {} stages{interleaved}, {} schedule ({} backward) over {} micro-batches; bubble {} = {:.1}% \
              of a step",
             plan.stages.len(),
             pipeline.schedule,
             pipeline.backward,
             t.grad_accum,
+            pipeline.bubble_formula(),
             100.0 * pipeline.bubble_fraction
         ));
         lines.push(format!(

@@ -35,8 +35,8 @@ pub mod schedule;
 mod step_graph;
 
 pub use schedule::{
-    bubble_fraction, stage_idle_fractions, Chunk, ChunkCosts, Pipeline, PipelineBackward, PipelineSchedule, PIPE_IN,
-    PIPE_OUT,
+    bubble_fraction, chunks_in_flight, stage_idle_fractions, Chunk, ChunkCosts, ChunksInFlight, Pipeline,
+    PipelineBackward, PipelineSchedule, Work, PIPE_IN, PIPE_OUT,
 };
 
 const PASS: &str = "pipeline";

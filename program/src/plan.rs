@@ -197,17 +197,21 @@ pub struct PaddingRow {
 /// `grad_accum`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PipelineConfig {
-    /// `1f1b` or `gpipe`.
+    /// `1f1b` (interleaved with virtual stages), `gpipe` or `zb-h1`.
     pub schedule: String,
     /// When a backward chunk sends its input's gradient: `split` (before the weights'
     /// gradients) or `whole` (after them).
     #[serde(default = "split_backward")]
     pub backward: String,
+    /// Model chunks per rank (`--virtual-stages`; 1 in plans written before it existed).
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
     /// Each stage's forward cost by the partition's model (FLOPs per micro-batch).
     pub stage_flops: Vec<u64>,
     /// The most micro-batches whose activations each stage holds at once.
     pub in_flight: Vec<usize>,
-    /// The idle fraction of a step the schedule implies with equal stages: (P-1)/(M+P-1).
+    /// The idle fraction of a step the schedule implies with equal stages: (P-1)/(V M+P-1),
+    /// the bubble (P-1)/(V M) of the ideal step as a share of the step.
     pub bubble_fraction: f64,
     /// Each stage's idle fraction of a step the schedule implies with these stages' costs (a
     /// stage faster than the slowest waits for it every micro-batch; a backward that sends the
@@ -226,6 +230,15 @@ impl PipelineConfig {
     /// bubble for a plan written without it).
     pub fn planned_idle(&self, stage: usize) -> f64 {
         self.stage_idle.get(stage).copied().unwrap_or(self.bubble_fraction)
+    }
+
+    /// How [`PipelineConfig::bubble_fraction`] was computed, for tables.
+    pub fn bubble_formula(&self) -> &'static str {
+        if self.virtual_stages > 1 {
+            "(P-1)/(V*M+P-1)"
+        } else {
+            "(P-1)/(M+P-1)"
+        }
     }
 }
 

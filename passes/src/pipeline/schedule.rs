@@ -1,6 +1,13 @@
-//! The pipeline's stage graphs (`--pp P --schedule 1f1b|gpipe`): one step graph per stage,
-//! running the step's `M` micro-batches (`--grad-accum M`) in the schedule's order and passing
-//! activations and their gradients to the neighbouring stages with `send`/`recv`.
+//! The pipeline's stage graphs (`--pp P --schedule 1f1b|gpipe|zb-h1 --virtual-stages V`): one
+//! step graph per stage (rank of the pipeline), running the step's `M` micro-batches
+//! (`--grad-accum M`) in the schedule's order and passing activations and their gradients to
+//! the neighbouring stages with `send`/`recv`.
+//!
+//! With `V` virtual stages (Megatron's interleaved pipeline) the model is cut into `P * V`
+//! chunks and rank `r` holds chunks `r, r + P, ...`; everything below is per chunk (virtual
+//! stage), and one rank's step graph holds its `V` chunks' copies, interleaved in the schedule's
+//! order. [`PipelineSchedule::order`] gives each rank's order; [`stage_idle_fractions`] runs
+//! the orders against the chunks' costs (it is also the proof that no order waits forever).
 //!
 //! Built from the imported graph with its `loss` (before autodiff):
 //! 1. [`partition`](super::partition) cuts the forward pass; stage `s` gets a forward graph of its
@@ -37,7 +44,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use autotp_ir::{DType, Def, Graph, Node, ValueId};
 
-use super::step_graph::{chunk_costs, chunk_parts, Part, StepGraph};
+use super::step_graph::{chunk_costs, chunk_parts, ModelChunk, Part, StepGraph};
 use super::{activations, invalid, partition, Stages};
 use crate::autodiff::{Autodiff, GRAD_PREFIX};
 use crate::loss::LOSS;
@@ -55,10 +62,18 @@ pub const PIPE_OUT: &str = "pipe.out";
 pub enum PipelineSchedule {
     /// One forward, one backward (PipeDream-flush, Megatron's and DeepSpeed's default): stage `s`
     /// runs `P - 1 - s` forwards ahead, then alternates, so it holds at most `P - s`
-    /// micro-batches' activations.
+    /// micro-batches' activations. With virtual stages ([`Pipeline::virtual_stages`] `V`),
+    /// Megatron's interleaved 1F1B: each rank runs its `V` model chunks in turn, groups of `P`
+    /// micro-batches at a time, `2(P - 1 - s) + (V - 1)P` forward chunks ahead.
     OneFOneB,
     /// Every forward, then every backward: `M` micro-batches' activations held.
     GPipe,
+    /// Zero-bubble ZB-H1 (Qi et al., 2024): the backward split into `B`, the input's gradient
+    /// (sent at once), and `W`, the weights' gradients, which stage `s` defers by `s`
+    /// micro-batches to fill the time it would wait; every stage holds at most `P`
+    /// micro-batches' activations (1F1B's first stage's count) and the bubble falls from
+    /// `(P - 1)(F + B + W)` to `(P - 1)(F + B - W)`.
+    ZeroBubbleH1,
 }
 
 /// When a backward chunk sends its input's gradient to the stage before.
@@ -91,11 +106,32 @@ impl PipelineBackward {
     }
 }
 
-/// One stage's part of micro-batch `i`.
+/// What a scheduled chunk runs of its micro-batch.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Chunk {
-    Forward(usize),
-    Backward(usize),
+pub enum Work {
+    Forward,
+    /// The whole backward, sending the input's gradient as [`PipelineBackward`] says.
+    Backward,
+    /// [`PipelineSchedule::ZeroBubbleH1`]'s `B`: the input's gradient, then its send.
+    InputGradient,
+    /// [`PipelineSchedule::ZeroBubbleH1`]'s `W`: the weights' gradients, which frees the
+    /// micro-batch's activations.
+    WeightGradients,
+}
+
+/// One rank's part of micro-batch `micro_batch` on its model chunk `model_chunk` (virtual
+/// stage `model_chunk * P + rank`; always 0 without virtual stages).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub work: Work,
+    pub model_chunk: usize,
+    pub micro_batch: usize,
+}
+
+impl Chunk {
+    fn new(work: Work, model_chunk: usize, micro_batch: usize) -> Chunk {
+        Chunk { work, model_chunk, micro_batch }
+    }
 }
 
 impl PipelineSchedule {
@@ -103,6 +139,7 @@ impl PipelineSchedule {
         match name {
             "1f1b" => Some(PipelineSchedule::OneFOneB),
             "gpipe" => Some(PipelineSchedule::GPipe),
+            "zb-h1" => Some(PipelineSchedule::ZeroBubbleH1),
             _ => None,
         }
     }
@@ -111,40 +148,125 @@ impl PipelineSchedule {
         match self {
             PipelineSchedule::OneFOneB => "1f1b",
             PipelineSchedule::GPipe => "gpipe",
+            PipelineSchedule::ZeroBubbleH1 => "zb-h1",
         }
     }
 
-    /// The chunks stage `stage` of `stages` runs, in order, for `micro_batches`.
-    pub fn order(self, stage: usize, stages: usize, micro_batches: usize) -> Vec<Chunk> {
+    /// The chunks rank `stage` of `stages` runs, in order, for `micro_batches`, each rank
+    /// holding `virtual_stages` model chunks (only [`PipelineSchedule::OneFOneB`] interleaves
+    /// more than one; `Pipeline::run` refuses the others, and `M` not a multiple of `P`).
+    pub fn order(self, stage: usize, stages: usize, virtual_stages: usize, micro_batches: usize) -> Vec<Chunk> {
         let m = micro_batches;
+        let forward = |i| Chunk::new(Work::Forward, 0, i);
+        let backward = |i| Chunk::new(Work::Backward, 0, i);
         match self {
-            PipelineSchedule::GPipe => (0..m).map(Chunk::Forward).chain((0..m).map(Chunk::Backward)).collect(),
+            PipelineSchedule::OneFOneB if virtual_stages > 1 => interleaved(stage, stages, virtual_stages, m),
+            PipelineSchedule::GPipe => (0..m).map(forward).chain((0..m).map(backward)).collect(),
             PipelineSchedule::OneFOneB => {
                 let warmup = (stages - 1 - stage).min(m);
-                let mut order: Vec<Chunk> = (0..warmup).map(Chunk::Forward).collect();
+                let mut order: Vec<Chunk> = (0..warmup).map(forward).collect();
                 for i in 0..m - warmup {
-                    order.push(Chunk::Forward(warmup + i));
-                    order.push(Chunk::Backward(i));
+                    order.push(forward(warmup + i));
+                    order.push(backward(i));
                 }
-                order.extend((m - warmup..m).map(Chunk::Backward));
+                order.extend((m - warmup..m).map(backward));
+                order
+            }
+            PipelineSchedule::ZeroBubbleH1 => {
+                let (input, weights) =
+                    (|i| Chunk::new(Work::InputGradient, 0, i), |i| Chunk::new(Work::WeightGradients, 0, i));
+                let warmup = (stages - stage).min(m);
+                let mut order: Vec<Chunk> = (0..warmup).map(forward).collect();
+                let (mut f, mut b, mut w) = (warmup, 0, 0);
+                // Stage `s` defers its first `s` W's: the gradient goes back sooner.
+                while f < m && b < stage {
+                    order.extend([input(b), forward(f)]);
+                    (b, f) = (b + 1, f + 1);
+                }
+                while f < m {
+                    order.extend([input(b), weights(w), forward(f)]);
+                    (b, w, f) = (b + 1, w + 1, f + 1);
+                }
+                while b < m {
+                    order.extend([input(b), weights(w)]);
+                    (b, w) = (b + 1, w + 1);
+                }
+                order.extend((w..m).map(weights));
                 order
             }
         }
     }
 
-    /// The most micro-batches whose activations stage `stage` holds at once.
-    pub fn in_flight(self, stage: usize, stages: usize, micro_batches: usize) -> usize {
-        match self {
-            PipelineSchedule::GPipe => micro_batches,
-            PipelineSchedule::OneFOneB => (stages - stage).min(micro_batches),
-        }
+    /// The most micro-batches whose activations stage `stage` holds at once (with virtual
+    /// stages, the most model chunks' activations over `V`, rounded up).
+    pub fn in_flight(self, stage: usize, stages: usize, virtual_stages: usize, micro_batches: usize) -> usize {
+        let held = chunks_in_flight(&self.order(stage, stages, virtual_stages, micro_batches), virtual_stages);
+        held.total.div_ceil(virtual_stages)
     }
 }
 
+/// Megatron's interleaved 1F1B for rank `stage` (`forward_backward_pipelining_with_interleaving`):
+/// the `V * M` forward chunks in groups of `P` micro-batches per model chunk (chunk 0 of
+/// micro-batches 0..P, chunk 1 of the same, ..., then the next `P` micro-batches), the backward
+/// chunks in the same order with the model chunks reversed; `2(P - 1 - s) + (V - 1)P` forwards
+/// ahead (all of them when `M = P`), then one forward, one backward.
+fn interleaved(stage: usize, stages: usize, virtual_stages: usize, micro_batches: usize) -> Vec<Chunk> {
+    let (p, v) = (stages, virtual_stages);
+    let total = v * micro_batches;
+    let chunk_of = |k: usize, forward: bool| {
+        let chunk = (k % (p * v)) / p;
+        if forward {
+            chunk
+        } else {
+            v - 1 - chunk
+        }
+    };
+    let micro_of = |k: usize| (k / (p * v)) * p + k % p;
+    let forward = |k| Chunk::new(Work::Forward, chunk_of(k, true), micro_of(k));
+    let backward = |k| Chunk::new(Work::Backward, chunk_of(k, false), micro_of(k));
+    let warmup = if micro_batches == p { total } else { (2 * (p - 1 - stage) + (v - 1) * p).min(total) };
+    let mut order: Vec<Chunk> = (0..warmup).map(forward).collect();
+    for k in 0..total - warmup {
+        order.push(forward(warmup + k));
+        order.push(backward(k));
+    }
+    order.extend((total - warmup..total).map(backward));
+    order
+}
+
+/// The activations a rank's `order` holds at its fullest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunksInFlight {
+    /// The most forward chunks alive at once (each a micro-batch's activations of one model
+    /// chunk).
+    pub total: usize,
+    /// The most alive at once of each model chunk.
+    pub per_model_chunk: Vec<usize>,
+}
+
+/// How many forward chunks of `order` are alive (run, their backward not finished) at most.
+pub fn chunks_in_flight(order: &[Chunk], virtual_stages: usize) -> ChunksInFlight {
+    let mut alive = vec![0usize; virtual_stages];
+    let mut most = ChunksInFlight { total: 0, per_model_chunk: vec![0; virtual_stages] };
+    for chunk in order {
+        let held = &mut alive[chunk.model_chunk];
+        match chunk.work {
+            Work::Forward => *held += 1,
+            Work::Backward | Work::WeightGradients => *held -= 1,
+            Work::InputGradient => {}
+        }
+        most.per_model_chunk[chunk.model_chunk] = most.per_model_chunk[chunk.model_chunk].max(*held);
+        most.total = most.total.max(alive.iter().sum());
+    }
+    most
+}
+
 /// The fraction of a step a stage idles when every stage's forward and backward chunks take
-/// equal times: `(P - 1) / (M + P - 1)`, for 1F1B and GPipe alike.
-pub fn bubble_fraction(stages: usize, micro_batches: usize) -> f64 {
-    (stages - 1) as f64 / (micro_batches + stages - 1) as f64
+/// equal times: `(P - 1) / (V M + P - 1)` for 1F1B (interleaved over `V` virtual stages per
+/// rank) and GPipe, the textbook bubble `(P - 1) / (V M)` of the ideal time as a share of the
+/// step.
+pub fn bubble_fraction(stages: usize, virtual_stages: usize, micro_batches: usize) -> f64 {
+    (stages - 1) as f64 / (virtual_stages * micro_batches + stages - 1) as f64
 }
 
 /// A stage's work per micro-batch by the partition's cost model ([`time_cost`]).
@@ -159,51 +281,93 @@ pub struct ChunkCosts {
 
 impl ChunkCosts {
     pub fn total(&self) -> u64 {
-        self.forward + self.backward()
-    }
-
-    fn backward(&self) -> u64 {
-        self.input_gradient + self.weight_gradients
+        self.forward + self.input_gradient + self.weight_gradients
     }
 }
 
-/// Each stage's idle fraction of a step when its chunks take time in proportion to their
-/// costs. The step is one micro-batch's way through the pipeline (every stage's forward, then
-/// every input gradient back to the first stage and its backward) plus `M - 1` micro-batches
-/// at the pace of the slowest stage (1F1B: its whole chunks; GPipe: its forwards, then its
-/// backwards); stage `s` works `M` times its chunks of it. With equal stages and
-/// [`PipelineBackward::Whole`], this is [`bubble_fraction`]; [`PipelineBackward::Split`] shortens the way back
-/// to the input gradients' part of each backward.
+/// Each rank's idle fraction of a step, by running the schedule's orders with each chunk
+/// taking its cost's time and messages arriving as they are sent: the step ends when the last
+/// rank finishes, and a rank idles while it waits for an activation or a gradient. `costs` are
+/// each virtual stage's (`P * V` of them, virtual stage `c * P + r` being rank `r`'s model
+/// chunk `c`). An error names the rank and chunk that would wait forever (no schedule here
+/// does).
 pub fn stage_idle_fractions(
     schedule: PipelineSchedule,
     backward: PipelineBackward,
     costs: &[ChunkCosts],
+    stages: usize,
     micro_batches: usize,
-) -> Vec<f64> {
-    let slowest = |cost: fn(&ChunkCosts) -> u64| costs.iter().map(cost).max().unwrap_or(0);
-    let through: u64 = match backward {
-        PipelineBackward::Whole => costs.iter().map(ChunkCosts::total).sum(),
-        PipelineBackward::Split => {
-            costs.iter().map(|c| c.forward + c.input_gradient).sum::<u64>()
-                + costs.first().map_or(0, |first| first.weight_gradients)
+) -> Result<Vec<f64>, String> {
+    let virtual_stages = costs.len() / stages.max(1);
+    let orders: Vec<Vec<Chunk>> =
+        (0..stages).map(|r| schedule.order(r, stages, virtual_stages, micro_batches)).collect();
+    let virtual_of = |rank: usize, chunk: &Chunk| chunk.model_chunk * stages + rank;
+    // When each virtual stage's activation and input gradient of each micro-batch was sent.
+    let (mut activation_sent, mut gradient_sent) =
+        (vec![vec![None; micro_batches]; costs.len()], vec![vec![None; micro_batches]; costs.len()]);
+    let mut clock = vec![0u64; stages];
+    let mut next = vec![0usize; stages];
+    let mut busy = vec![0u64; stages];
+    loop {
+        let mut progressed = false;
+        for rank in 0..stages {
+            while let Some(chunk) = orders[rank].get(next[rank]) {
+                let stage = virtual_of(rank, chunk);
+                let cost = costs[stage];
+                let i = chunk.micro_batch;
+                let ready = match chunk.work {
+                    Work::Forward if stage == 0 => Some(0),
+                    Work::Forward => activation_sent[stage - 1][i],
+                    Work::Backward | Work::InputGradient if stage + 1 == costs.len() => Some(0),
+                    Work::Backward | Work::InputGradient => gradient_sent[stage + 1][i],
+                    Work::WeightGradients => Some(0),
+                };
+                let Some(ready) = ready else { break };
+                let start = clock[rank].max(ready);
+                let (sent, took) = match chunk.work {
+                    Work::Forward => (start + cost.forward, cost.forward),
+                    Work::InputGradient => (start + cost.input_gradient, cost.input_gradient),
+                    Work::WeightGradients => (0, cost.weight_gradients),
+                    Work::Backward => {
+                        let whole = cost.input_gradient + cost.weight_gradients;
+                        match backward {
+                            PipelineBackward::Split => (start + cost.input_gradient, whole),
+                            PipelineBackward::Whole => (start + whole, whole),
+                        }
+                    }
+                };
+                match chunk.work {
+                    Work::Forward => activation_sent[stage][i] = Some(sent),
+                    Work::Backward | Work::InputGradient => gradient_sent[stage][i] = Some(sent),
+                    Work::WeightGradients => {}
+                }
+                clock[rank] = start + took;
+                busy[rank] += took;
+                next[rank] += 1;
+                progressed = true;
+            }
         }
-    };
-    let rest = micro_batches.saturating_sub(1) as u64;
-    let step = through
-        + rest
-            * match schedule {
-                PipelineSchedule::OneFOneB => slowest(ChunkCosts::total),
-                PipelineSchedule::GPipe => slowest(|c| c.forward) + slowest(ChunkCosts::backward),
-            };
-    let share = |c: &ChunkCosts| micro_batches as f64 * c.total() as f64 / step as f64;
-    costs.iter().map(|c| if step > 0 { 1.0 - share(c) } else { 0.0 }).collect()
+        if (0..stages).all(|r| next[r] == orders[r].len()) {
+            break;
+        }
+        if !progressed {
+            let rank = (0..stages).find(|&r| next[r] < orders[r].len()).expect("one is waiting");
+            return Err(format!("rank {rank} waits forever at {:?}", orders[rank][next[rank]]));
+        }
+    }
+    let step = clock.iter().copied().max().unwrap_or(0);
+    Ok(busy.iter().map(|&b| if step > 0 { 1.0 - b as f64 / step as f64 } else { 0.0 }).collect())
 }
 
 /// The pipeline pass: an imported graph with a `loss` output -> one graph per stage.
 pub struct Pipeline {
+    /// Ranks along the pipeline (`P`).
     pub stages: usize,
-    /// Parameter-name prefixes to cut before (`--pp-cuts`), or empty to balance by the cost
-    /// model.
+    /// Model chunks per rank (`V`, `--virtual-stages`): the model is cut into `P * V` virtual
+    /// stages and rank `r` holds `r, r + P, ...`, run by the interleaved 1F1B schedule.
+    pub virtual_stages: usize,
+    /// Parameter-name prefixes to cut before (`--pp-cuts`, `P * V - 1` of them), or empty to
+    /// balance by the cost model.
     pub cuts: Vec<String>,
     /// Micro-batches per step (`M`).
     pub micro_batches: usize,
@@ -228,21 +392,33 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// The cuts and the stage graphs; `Stages::params` lists the parameters each stage graph
-    /// holds (those it recomputes a value from included).
+    /// The cuts (of the `P * V` virtual stages) and each rank's step graph; `Stages::params`
+    /// lists the parameters each virtual stage holds (those it recomputes a value from
+    /// included), [`Pipeline::rank_params`] each rank's.
     pub fn run(&self, graph: &Graph) -> Result<(Stages, Vec<Graph>), PassError> {
-        if self.micro_batches == 0 {
-            return Err(invalid("--grad-accum (the micro-batches the pipeline interleaves) must be at least 1".into()));
+        self.check()?;
+        let virtual_count = self.stages * self.virtual_stages;
+        if let Some(layers) = super::numbered_layers(graph).filter(|l| l.numbers.len() < virtual_count) {
+            if self.virtual_stages > 1 {
+                return Err(invalid(format!(
+                    "--pp {} --virtual-stages {} cuts the model into {virtual_count} chunks, more than its {} layers \
+                     ({}.*); use fewer virtual stages",
+                    self.stages,
+                    self.virtual_stages,
+                    layers.numbers.len(),
+                    layers.prefix
+                )));
+            }
         }
-        let mut stages = partition(graph, self.stages, &self.cuts, &self.in_flight())?;
+        let mut stages = partition(graph, virtual_count, &self.cuts, &self.chunks_in_flight())?;
         let activation = activations(graph);
         let mut differentiated = Vec::new();
-        for s in 0..self.stages {
-            let forward = forward_graph(graph, &stages, s, &activation)?;
-            differentiated.push(self.differentiate(s, forward)?);
+        for v in 0..virtual_count {
+            let forward = forward_graph(graph, &stages, v, &activation)?;
+            differentiated.push(self.differentiate(v, forward)?);
         }
         let parts: Vec<Vec<Part>> =
-            differentiated.iter().enumerate().map(|(s, d)| chunk_parts(d, self.last(s))).collect();
+            differentiated.iter().enumerate().map(|(v, d)| chunk_parts(d, self.last(v))).collect();
         stages.chunk_costs = differentiated.iter().zip(&parts).map(|(d, parts)| chunk_costs(d, parts)).collect();
         stages.params = differentiated
             .iter()
@@ -253,40 +429,121 @@ impl Pipeline {
                 names
             })
             .collect();
-        // The stages holding each trained parameter.
+        // The ranks holding each trained parameter.
         let mut holders: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-        for (s, d) in differentiated.iter().enumerate() {
+        for (v, d) in differentiated.iter().enumerate() {
             for (name, _) in d.outputs() {
                 if let Some(param) = name.strip_prefix(GRAD_PREFIX) {
                     if param != PIPE_IN {
-                        holders.entry(param.to_string()).or_default().push(s);
+                        let ranks = holders.entry(param.to_string()).or_default();
+                        let rank = v % self.stages;
+                        if !ranks.contains(&rank) {
+                            ranks.push(rank);
+                        }
                     }
                 }
             }
         }
+        for ranks in holders.values_mut() {
+            ranks.sort();
+        }
         let shared: Vec<String> = holders.iter().filter(|(_, h)| h.len() > 1).map(|(p, _)| p.clone()).collect();
         let mut graphs = Vec::new();
-        for (s, d) in differentiated.iter().enumerate() {
-            let step = self.step_graph(s, d, &parts[s], &holders, &shared)?;
+        for rank in 0..self.stages {
+            let chunks: Vec<ModelChunk> = (0..self.virtual_stages)
+                .map(|c| {
+                    let v = c * self.stages + rank;
+                    ModelChunk { virtual_stage: v, d: &differentiated[v], parts: &parts[v] }
+                })
+                .collect();
+            let step = self.step_graph(rank, chunks, &holders, &shared)?;
             autotp_ir::verify(&step).map_err(|errors| PassError::Verify { pass: PASS, errors })?;
             graphs.push(step);
         }
         Ok((stages, graphs))
     }
 
-    /// The most micro-batches whose activations each stage holds at once.
+    /// Refuses what the schedules cannot run.
+    fn check(&self) -> Result<(), PassError> {
+        let (p, v, m) = (self.stages, self.virtual_stages, self.micro_batches);
+        if m == 0 {
+            return Err(invalid("--grad-accum (the micro-batches the pipeline interleaves) must be at least 1".into()));
+        }
+        if v == 0 {
+            return Err(invalid("--virtual-stages must be at least 1".into()));
+        }
+        if v > 1 && self.schedule != PipelineSchedule::OneFOneB {
+            return Err(invalid(format!(
+                "--virtual-stages {v} runs Megatron's interleaved 1F1B; --schedule {} has no interleaved form",
+                self.schedule.name()
+            )));
+        }
+        if v > 1 && (p < 2 || m % p != 0) {
+            return Err(invalid(format!(
+                "--virtual-stages {v} interleaves groups of --pp micro-batches: --grad-accum {m} must be a multiple \
+                 of --pp {p} (and --pp at least 2), as in Megatron"
+            )));
+        }
+        if self.schedule == PipelineSchedule::ZeroBubbleH1 && self.backward == PipelineBackward::Whole {
+            return Err(invalid(
+                "--schedule zb-h1 runs the weights' gradients apart from the input's: it needs --pp-backward split"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Each rank's order of chunks.
+    pub fn order(&self, rank: usize) -> Vec<Chunk> {
+        self.schedule.order(rank, self.stages, self.virtual_stages, self.micro_batches)
+    }
+
+    /// The most micro-batches whose activations each rank holds at once.
     pub fn in_flight(&self) -> Vec<usize> {
-        (0..self.stages).map(|s| self.schedule.in_flight(s, self.stages, self.micro_batches)).collect()
+        (0..self.stages)
+            .map(|r| self.schedule.in_flight(r, self.stages, self.virtual_stages, self.micro_batches))
+            .collect()
     }
 
-    fn last(&self, s: usize) -> bool {
-        s + 1 == self.stages
+    /// The most micro-batches whose activations each virtual stage holds at once (the
+    /// partition's memory model).
+    fn chunks_in_flight(&self) -> Vec<usize> {
+        let per_rank: Vec<ChunksInFlight> =
+            (0..self.stages).map(|r| chunks_in_flight(&self.order(r), self.virtual_stages)).collect();
+        (0..self.stages * self.virtual_stages)
+            .map(|v| per_rank[v % self.stages].per_model_chunk[v / self.stages])
+            .collect()
     }
 
-    /// Stage `s`'s forward graph with its backward: the gradient of its output is the input
-    /// `grad.<output>`, and `pipe.in` gets a gradient output too.
-    fn differentiate(&self, s: usize, mut g: Graph) -> Result<Graph, PassError> {
-        let output = if self.last(s) { LOSS } else { PIPE_OUT };
+    /// The parameters each rank holds: its virtual stages' (`stages.params`), in name order.
+    pub fn rank_params(&self, stages: &Stages) -> Vec<Vec<String>> {
+        (0..self.stages)
+            .map(|rank| {
+                let mut names: Vec<String> = (0..self.virtual_stages)
+                    .flat_map(|c| stages.params[c * self.stages + rank].iter().cloned())
+                    .collect();
+                names.sort();
+                names.dedup();
+                names
+            })
+            .collect()
+    }
+
+    /// Each rank's forward FLOPs per micro-batch: its virtual stages' summed.
+    pub fn rank_flops(&self, stages: &Stages) -> Vec<u64> {
+        (0..self.stages)
+            .map(|rank| (0..self.virtual_stages).map(|c| stages.flops[c * self.stages + rank]).sum())
+            .collect()
+    }
+
+    fn last(&self, v: usize) -> bool {
+        v + 1 == self.stages * self.virtual_stages
+    }
+
+    /// Virtual stage `v`'s forward graph with its backward: the gradient of its output is the
+    /// input `grad.<output>`, and `pipe.in` gets a gradient output too.
+    fn differentiate(&self, v: usize, mut g: Graph) -> Result<Graph, PassError> {
+        let output = if self.last(v) { LOSS } else { PIPE_OUT };
         let value = g.outputs().iter().find(|(n, _)| n == output).map(|(_, v)| *v).expect("the stage's output");
         let cotangent = format!("{GRAD_PREFIX}{output}");
         g.add_input(cotangent.clone(), g.ty(value).clone());
@@ -294,34 +551,37 @@ impl Pipeline {
         autodiff.frozen = self.frozen.clone();
         autodiff.padding_rows = self.padding_rows.clone();
         autodiff.cotangent = Some(cotangent);
-        if s > 0 {
+        if v > 0 {
             autodiff.wrt_inputs = vec![PIPE_IN.to_string()];
         }
         autodiff.run(&mut g)?;
         Ok(g)
     }
 
-    /// Stage `s`'s step: the chunks of every micro-batch in schedule order, each node of `d`
-    /// in its part.
+    /// Rank `rank`'s step: the chunks of every micro-batch on each of its model chunks in
+    /// schedule order.
     fn step_graph(
         &self,
-        s: usize,
-        d: &Graph,
-        parts: &[Part],
+        rank: usize,
+        chunks: Vec<ModelChunk>,
         holders: &BTreeMap<String, Vec<usize>>,
         shared: &[String],
     ) -> Result<Graph, PassError> {
-        let mut step = StepGraph::new(self, s, d, parts)?;
+        let mut step = StepGraph::new(self, rank, chunks)?;
         if self.forward_only {
-            for i in 0..self.micro_batches {
-                step.forward(i)?;
+            // Each micro-batch through the rank's model chunks in the training order of forwards.
+            for chunk in self.order(rank).into_iter().filter(|c| c.work == Work::Forward) {
+                step.forward(chunk.model_chunk, chunk.micro_batch)?;
             }
             return Ok(step.finish_forward());
         }
-        for chunk in self.schedule.order(s, self.stages, self.micro_batches) {
-            match chunk {
-                Chunk::Forward(i) => step.forward(i)?,
-                Chunk::Backward(i) => step.backward(i)?,
+        for chunk in self.order(rank) {
+            let (c, i) = (chunk.model_chunk, chunk.micro_batch);
+            match chunk.work {
+                Work::Forward => step.forward(c, i)?,
+                Work::Backward => step.backward(c, i)?,
+                Work::InputGradient => step.input_gradient(c, i)?,
+                Work::WeightGradients => step.weight_gradients(c, i)?,
             }
         }
         step.finish(holders, shared)
