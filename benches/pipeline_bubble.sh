@@ -4,10 +4,12 @@
 # waiting on the stage beside it) as a share of the step. "bubble" is the busiest stage's idle
 # share (every other stage waits for it; their idle beyond it is imbalance: the LM head makes the
 # last stage a little slower), measured against the plan for the stages' own costs and against
-# the textbook (P-1)/(M+P-1) (diff is against it); "all stages" is the mean over stages. For
+# the textbook (P-1)/(V*M+P-1) (diff is against it); "all stages" is the mean over stages. For
 # 1F1B and GPipe, each with the backward sending its input's gradient when the whole backward is
 # done (whole: the default, the textbook schedules the formula describes) and before the weights'
-# gradients (split, whose bubble is shorter than the formula's).
+# gradients (split, whose bubble is shorter than the formula's); Megatron's interleaved 1F1B
+# with V = 2 model chunks per stage (--virtual-stages 2), whose formula is (P-1)/(2M+P-1); and
+# zero-bubble ZB-H1 (its bubble (P-1)(F+B-W), below the formula's for 1F1B).
 #
 #     benches/pipeline_bubble.sh [STEPS] [ROUNDS]
 #
@@ -44,10 +46,10 @@ for stages in 2 4; do
     if [ "$stages" -gt "$cores" ]; then
         clock=cpu
     fi
-    for variant in "1f1b whole" "1f1b split" "gpipe whole" "gpipe split"; do
+    for variant in "1f1b whole 1" "1f1b split 1" "gpipe whole 1" "gpipe split 1" "1f1b whole 2" "zb-h1 split 1"; do
         for m in 4 8 16; do
             configs+=("$stages $m $variant $clock")
-            if [ "$clock" = wall ] && [ "$variant" = "1f1b whole" ] && [ "$stages" -le 2 ]; then
+            if [ "$clock" = wall ] && [ "$variant" = "1f1b whole 1" ] && [ "$stages" -le 2 ]; then
                 configs+=("$stages $m $variant cpu")
             fi
         done
@@ -57,11 +59,11 @@ results="$out/results.txt"
 : > "$results"
 for round in $(seq "$rounds"); do
     for config in "${configs[@]}"; do
-        read -r stages m schedule backward clock <<< "$config"
-        plan="$out/pp$stages-m$m-$schedule-$backward.atp"
+        read -r stages m schedule backward virtual clock <<< "$config"
+        plan="$out/pp$stages-v$virtual-m$m-$schedule-$backward.atp"
         if [ "$round" = 1 ]; then
             target/release/autotp compile tests/fixtures/uniform/model.onnx --seq-len 64 --micro-batch 16 \
-                --grad-accum "$m" --pp "$stages" --schedule "$schedule" --pp-backward "$backward" \
+                --grad-accum "$m" --pp "$stages" --virtual-stages "$virtual" --schedule "$schedule" --pp-backward "$backward" \
                 -o "$plan" > /dev/null
         fi
         confine=()
@@ -81,16 +83,16 @@ python3 - "$results" <<'PY'
 import statistics, sys
 rows = {}
 for line in open(sys.argv[1]):
-    p, m, schedule, backward, clock, all_, bubble, plan, formula, ms = line.split()
-    rows.setdefault((p, m, schedule, backward, clock), []).append(
+    p, m, schedule, backward, v, clock, all_, bubble, plan, formula, ms = line.split()
+    rows.setdefault((p, m, schedule, backward, v, clock), []).append(
         (float(all_), float(bubble), float(plan), float(formula), float(ms)))
-print(f"{'P':<3} {'M':<3} {'schedule':<8} {'backward':<8} {'clock':<5} {'all stages':>10} {'bubble':>7} "
-      f"{'bubble range':>13} {'bubble plan':>11} {'(P-1)/(M+P-1)':>13} {'diff':>6} {'ms/step':>8}")
-for (p, m, schedule, backward, clock), runs in rows.items():
+print(f"{'P':<3} {'M':<3} {'schedule':<8} {'backward':<8} {'V':<2} {'clock':<5} {'all stages':>10} {'bubble':>7} "
+      f"{'bubble range':>13} {'bubble plan':>11} {'(P-1)/(VM+P-1)':>14} {'diff':>6} {'ms/step':>8}")
+for (p, m, schedule, backward, v, clock), runs in rows.items():
     median = lambda i: statistics.median(r[i] for r in runs)
     low, high = min(r[1] for r in runs), max(r[1] for r in runs)
-    print(f"{p:<3} {m:<3} {schedule:<8} {backward:<8} {clock:<5} {median(0):>9.1f}% {median(1):>6.1f}% "
-          f"{f'{low:.1f}..{high:.1f}%':>13} {median(2):>10.1f}% {median(3):>12.1f}% {median(1) - median(3):>+6.1f} "
+    print(f"{p:<3} {m:<3} {schedule:<8} {backward:<8} {v:<2} {clock:<5} {median(0):>9.1f}% {median(1):>6.1f}% "
+          f"{f'{low:.1f}..{high:.1f}%':>13} {median(2):>10.1f}% {median(3):>13.1f}% {median(1) - median(3):>+6.1f} "
           f"{median(4):>8.1f}")
 print("(ms/step is wall time; under the cpu clock the stages share one core)")
 PY

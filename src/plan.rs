@@ -117,10 +117,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         if args.memory_per_device >= 1 << 30 { ("GiB", (1u64 << 30) as f64) } else { ("MiB", (1u64 << 20) as f64) };
     println!();
     println!(
-        "{:>3} {:>3} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
+        "{:>3} {:>3} {:>3} {:>8} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
         "#",
         "tp",
         "pp",
+        "schedule",
         "dp",
         "zero",
         "mb",
@@ -141,10 +142,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     for (i, c) in fitting.iter().take(args.top).enumerate() {
         let (l, p) = (&c.layout, c.prediction.as_ref().expect("fits"));
         println!(
-            "{:>3} {:>3} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>10.1}",
+            "{:>3} {:>3} {:>3} {:>8} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>10.1}",
             i + 1,
             l.tp,
             l.pp,
+            schedule_label(l),
             l.dp,
             l.zero,
             l.micro_batch,
@@ -207,4 +209,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A layout's pipeline schedule in the table: `-` without a pipeline, `1f1b`, `zb-h1`, or the
+/// interleaved `1f1b x V`.
+fn schedule_label(layout: &autotp_compiler::layout_search::Layout) -> String {
+    match (layout.pp, layout.virtual_stages) {
+        (1, _) => "-".to_string(),
+        (_, 1) => layout.schedule.clone(),
+        (_, v) => format!("{} x{v}", layout.schedule),
+    }
 }

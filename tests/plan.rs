@@ -88,8 +88,9 @@ fn plan_ranks_the_layouts_that_fit_and_says_why_the_others_do_not() {
     let extra = ["--global-batch", "16", "--top", "3", "--verify", "2"];
     let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &extra].concat());
     let layouts = json["layouts"].as_array().unwrap();
-    // tp 1, 2, 4, 8 x pp 1, 2, 4, 8 (of those dividing 8) x zero 0-3 x micro-batches 1, 2, 4, 8 x 3 recomputations.
-    assert_eq!(layouts.len(), 10 * 4 * 4 * 3, "{out}");
+    // tp 1, 2, 4, 8 x pp 1, 2, 4, 8 (of those dividing 8; each pipeline under 1F1B and ZB-H1, too
+    // few layers to interleave) x zero 0-3 x micro-batches 1, 2, 4, 8 x 3 recomputations.
+    assert_eq!(layouts.len(), 16 * 4 * 4 * 3, "{out}");
     let refused = |needle: &str| layouts.iter().any(|l| l["refused"].as_str().is_some_and(|r| r.contains(needle)));
     assert!(refused("more stages than the model's 2 layers"), "{out}");
     assert!(refused("out of memory"), "{out}");
@@ -163,9 +164,10 @@ fn plan_predicts_the_compilers_memory_where_the_layout_is_a_cut() {
 }
 
 /// Pipelined layouts of the 4-layer fixtures (stages of 1 and 2 layers, up to 8 micro-batches,
-/// dp and every ZeRO stage, recomputation): the predicted peak is within 20-25% of the compiled
-/// plan's, from the compiled 2-stage cuts (stages as slices of the one-stage model were off by
-/// up to half).
+/// dp and every ZeRO stage, recomputation; 1F1B, ZB-H1 and interleaved over 2 model chunks):
+/// the predicted peak is within 20-25% of the compiled plan's under 1F1B, from the compiled
+/// 2-stage cuts (stages as slices of the one-stage model were off by up to half), and within
+/// 25-40% under the others (0.85-1.22 ZB-H1, 0.81-1.36 interleaved, on 2026-11-28).
 #[test]
 fn plan_predicts_the_compilers_memory_of_pipeline_stages() {
     for model in ["llama", "gpt2"] {
@@ -191,7 +193,11 @@ fn plan_predicts_the_compilers_memory_of_pipeline_stages() {
             let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
             let compiled = report["ranks"].as_array().unwrap().iter().map(|r| r["peak_bytes"].as_f64().unwrap());
             let ratio = c["prediction"]["memory"]["peak"].as_f64().unwrap() / compiled.fold(0.0, f64::max);
-            assert!((0.8..=1.25).contains(&ratio), "{model} {l}: predicted / compiled peak {ratio:.3}");
+            // ZB-H1's deferred weight gradients and interleaving's model chunks in flight are
+            // extrapolated from a cut compiled under plain 1F1B ([`Layout::in_flight`]): their
+            // band is wider.
+            let band = if l["schedule"] == "1f1b" && l["virtual_stages"] == 1 { 0.8..=1.25 } else { 0.75..=1.4 };
+            assert!(band.contains(&ratio), "{model} {l}: predicted / compiled peak {ratio:.3}");
             checked += 1;
         }
         assert!(checked >= 15, "{model}: {checked} pipelined layouts fit");
@@ -216,6 +222,8 @@ fn plan_lays_out_a_70b_model_on_1024_devices() {
             && l["zero"] == 1
             && l["micro_batch"] == 1
             && l["recompute"] == "full"
+            && l["schedule"] == "1f1b"
+            && l["virtual_stages"] == 1
     });
     assert!(megatron.is_some_and(|l| l["prediction"].is_object()), "{megatron:?}");
     let best = layouts

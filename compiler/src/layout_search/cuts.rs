@@ -14,7 +14,13 @@ pub(super) const DP_STAGING_CAP: f64 = 3.0 * 5e8 * 4.0;
 /// The cut compiled for a layout's memory and work: its tp, micro-batch and recomputation on
 /// one stage, without dp.
 pub(super) fn search_cut(layout: &Layout) -> Layout {
-    Layout { pp: 1, dp: 1, zero: 0, grad_accum: 1, ..layout.clone() }
+    Layout { pp: 1, dp: 1, zero: 0, grad_accum: 1, ..one_chunk(layout) }
+}
+
+/// `layout` under plain 1F1B: the schedule and the model chunks change what a stage holds in
+/// flight and how long the pipeline idles, which the search predicts from the same cuts.
+fn one_chunk(layout: &Layout) -> Layout {
+    Layout { schedule: "1f1b".into(), virtual_stages: 1, ..layout.clone() }
 }
 
 /// The cut compiled for a pipelined layout's stages: 2 stages at its tp, micro-batch and
@@ -30,7 +36,7 @@ pub(super) fn pipeline_cut(layout: &Layout, layers: usize) -> Option<Layout> {
         dp: 1,
         zero: 0,
         grad_accum: if layout.grad_accum == 1 { 1 } else { PIPELINE_CUT_MICRO_BATCHES },
-        ..layout.clone()
+        ..one_chunk(layout)
     })
 }
 
@@ -49,6 +55,8 @@ pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout>
         micro_batch,
         grad_accum: if accumulates { 2 } else { 1 },
         recompute: "none".into(),
+        schedule: "1f1b".into(),
+        virtual_stages: 1,
     })
 }
 
@@ -73,6 +81,12 @@ pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Lay
     if layout.recompute != "none" {
         flag("recompute", layout.recompute.clone());
     }
+    if layout.schedule != "1f1b" {
+        flag("schedule", layout.schedule.clone());
+    }
+    if layout.virtual_stages > 1 {
+        flag("virtual-stages", layout.virtual_stages.to_string());
+    }
     if !cuts.is_empty() {
         flag("pp-cuts", cuts.join(","));
     }
@@ -94,7 +108,8 @@ pub(super) fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
 }
 
-/// `--pp-cuts` that give each stage [`stage_layers`]'s layers.
+/// `--pp-cuts` that give each of `pp` stages (virtual stages, with model chunks)
+/// [`stage_layers`]'s layers.
 pub(super) fn pipeline_cuts(
     numbered: &autotp_passes::pipeline::NumberedLayers,
     pp: usize,

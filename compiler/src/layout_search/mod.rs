@@ -2,7 +2,8 @@
 //! is spent.
 //!
 //! It searches tp x pp x dp x ZeRO stage x micro-batch (gradient accumulation follows from the
-//! global batch) x recomputation for `--devices` devices, and returns every layout considered:
+//! global batch) x recomputation x pipeline schedule (1F1B, ZB-H1, interleaved 1F1B with 2 or 4
+//! model chunks per stage) for `--devices` devices, and returns every layout considered:
 //! those that fit `--memory-per-device`, fastest first, with the `autotp compile` flags of each,
 //! and why the others were refused. The CLI prints them.
 //!
@@ -17,7 +18,7 @@
 //! ZeRO's shards of them over dp (stages 1 and 2 the optimizer state, 3 the gradients and
 //! parameters, plus those gathered at once: up to DeepSpeed's 1e9), and the largest of: its
 //! forward peak for the micro-batches in flight (1F1B: `min(pp - s, micro-batches)` on stage
-//! `s`) with the gradients accumulated so far; its backward peak; its optimizer step's; plus
+//! `s`; ZB-H1 and interleaving hold more, [`Layout::in_flight`]) with the gradients accumulated so far; its backward peak; its optimizer step's; plus
 //! its collectives' staging, from cuts compiled with dp 2 at the layout's ZeRO stage.
 //!
 //! A pipeline's stages are not slices of the one-stage program (a first stage under tp keeps
@@ -36,7 +37,9 @@
 //! **Time is a cost model** ([`device::Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
 //! few rows), other kernels' bytes at its memory bandwidth, a dispatch time per instruction,
 //! tp's collectives per micro-batch over the node's link (NVLink, shared memory), the
-//! pipeline's (micro-batches + stages - 1) slots of its slowest stage and its activation sends,
+//! pipeline's (micro-batches + stages - 1) slots of its slowest stage (the fill and drain
+//! divided by the model chunks interleaved, a third of it under ZB-H1: [`Layout::bubble_slots`])
+//! and its activation sends (once per model chunk),
 //! and the data-parallel reduction (ZeRO 3: the gathers of every micro-batch too) over the
 //! node's link or InfiniBand when the dp group spans nodes, less what overlaps the last
 //! micro-batch's backward. CPU ranks share the machine's cores: their step is the work of all
@@ -198,7 +201,7 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
                 let memory = request.memory_per_device as f64;
                 match predict::predict(&model, &c.layout, shape.layers, &device, per_node, memory) {
                     Ok(p) => {
-                        let cuts = pipeline_cuts(&shape.numbered, c.layout.pp, shape.layers);
+                        let cuts = pipeline_cuts(&shape.numbered, c.layout.pp * c.layout.virtual_stages, shape.layers);
                         c.compile_args = Some(layout_args(request, &precision, &c.layout, &cuts));
                         c.prediction = Some(p);
                     }
@@ -252,47 +255,81 @@ fn enumerate_layouts(
             for zero in 0..=3 {
                 for &micro_batch in &request.micro_batches {
                     for recompute in &request.recompute {
-                        let mut layout =
-                            Layout { tp, pp, dp, zero, micro_batch, grad_accum: 0, recompute: recompute.clone() };
-                        let refused = if tp > per_node {
-                            Some(format!("tp {tp} is more than a node's {per_node} devices"))
-                        } else if pp > layers {
-                            Some(format!("pp {pp} is more stages than the model's {layers} layers"))
-                        } else if zero > 0 && dp < 2 {
-                            Some(format!("ZeRO {zero} needs dp 2 or more"))
-                        } else if !global_batch.is_multiple_of(dp * micro_batch) {
-                            Some(format!(
+                        for (schedule, virtual_stages) in pipeline_schedules(pp, layers) {
+                            let mut layout = Layout {
+                                tp,
+                                pp,
+                                dp,
+                                zero,
+                                micro_batch,
+                                grad_accum: 0,
+                                recompute: recompute.clone(),
+                                schedule: schedule.to_string(),
+                                virtual_stages,
+                            };
+                            let grad_accum = global_batch / (dp * micro_batch).max(1);
+                            let refused = if tp > per_node {
+                                Some(format!("tp {tp} is more than a node's {per_node} devices"))
+                            } else if pp > layers {
+                                Some(format!("pp {pp} is more stages than the model's {layers} layers"))
+                            } else if zero > 0 && dp < 2 {
+                                Some(format!("ZeRO {zero} needs dp 2 or more"))
+                            } else if !global_batch.is_multiple_of(dp * micro_batch) {
+                                Some(format!(
                                 "the global batch {global_batch} is not a multiple of dp {dp} x micro-batch {micro_batch}"
                             ))
-                        } else {
-                            None
-                        };
-                        if refused.is_none() {
-                            layout.grad_accum = global_batch / (dp * micro_batch);
-                            let needed = [
-                                Some(search_cut(&layout)),
-                                staging_cut(&layout, smallest_micro_batch),
-                                pipeline_cut(&layout, layers),
-                            ];
-                            for cut in needed.into_iter().flatten() {
-                                if !wanted.contains(&cut) {
-                                    wanted.push(cut);
+                            } else if virtual_stages > 1 && (!grad_accum.is_multiple_of(pp) || grad_accum == pp) {
+                                Some(format!(
+                                    "interleaving {virtual_stages} model chunks needs micro-batches ({grad_accum}) a \
+                                     multiple of pp {pp} and more than it (with as many, every forward runs first)"
+                                ))
+                            } else if schedule == "zb-h1" && *recompute != "none" {
+                                Some(format!(
+                                    "ZB-H1 holds each deferred weight-gradient chunk's recomputed layers, which the \
+                                     search does not model: --recompute {recompute} is searched under 1F1B"
+                                ))
+                            } else {
+                                None
+                            };
+                            if refused.is_none() {
+                                layout.grad_accum = global_batch / (dp * micro_batch);
+                                let needed = [
+                                    Some(search_cut(&layout)),
+                                    staging_cut(&layout, smallest_micro_batch),
+                                    pipeline_cut(&layout, layers),
+                                ];
+                                for cut in needed.into_iter().flatten() {
+                                    if !wanted.contains(&cut) {
+                                        wanted.push(cut);
+                                    }
                                 }
                             }
+                            considered.push(Considered {
+                                layout,
+                                prediction: None,
+                                refused,
+                                compile_args: None,
+                                compiled_peak: None,
+                            });
                         }
-                        considered.push(Considered {
-                            layout,
-                            prediction: None,
-                            refused,
-                            compile_args: None,
-                            compiled_peak: None,
-                        });
                     }
                 }
             }
         }
     }
     (considered, wanted)
+}
+
+/// The pipeline schedules searched for `pp` stages of a model of `layers` layers, with the
+/// model chunks per stage: 1F1B; for a pipeline, ZB-H1 and Megatron's interleaved 1F1B with 2
+/// and 4 chunks per stage where there are layers enough.
+fn pipeline_schedules(pp: usize, layers: usize) -> Vec<(&'static str, usize)> {
+    let mut schedules = vec![("1f1b", 1)];
+    if pp > 1 {
+        schedules.push(("zb-h1", 1));
+        schedules.extend([2, 4].into_iter().filter(|v| pp * v <= layers).map(|v| ("1f1b", v)));
+    }
+    schedules
 }
 
 /// The figures of each stage of every wanted cut at depths 1 and 2 (layers a stage), compiled

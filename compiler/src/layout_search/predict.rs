@@ -19,6 +19,43 @@ pub struct Layout {
     pub micro_batch: usize,
     pub grad_accum: usize,
     pub recompute: String,
+    /// The pipeline's schedule (`1f1b` or `zb-h1`; `1f1b` without a pipeline).
+    pub schedule: String,
+    /// Model chunks per pipeline stage (`--virtual-stages`; interleaved 1F1B when above 1).
+    pub virtual_stages: usize,
+}
+
+impl Layout {
+    /// The micro-batches whose activations stage `s` holds at once: 1F1B's `min(pp - s, M)`;
+    /// ZB-H1's `min(pp, M)` on every stage, and half a micro-batch more for each of the `s`
+    /// weight-gradient chunks it defers (their output gradients wait for them; fitted to the
+    /// compiled fixtures' peaks); interleaved 1F1B's model chunks in flight
+    /// (`2(pp - 1 - s) + (V - 1)pp + 1`, at most `V M`) over `V`.
+    pub(super) fn in_flight(&self, s: usize) -> f64 {
+        let (pp, m, v) = (self.pp, self.grad_accum, self.virtual_stages);
+        if pp == 1 {
+            1.0
+        } else if self.schedule == "zb-h1" {
+            pp.min(m) as f64 + 0.5 * s.min(m) as f64
+        } else if v > 1 {
+            let chunks = if m == pp { v * m } else { (2 * (pp - 1 - s) + (v - 1) * pp + 1).min(v * m) };
+            chunks as f64 / v as f64
+        } else {
+            (pp - s).min(m) as f64
+        }
+    }
+
+    /// The pipeline's fill and drain, in slots of its slowest stage's micro-batch: `pp - 1`
+    /// under 1F1B, `(pp - 1) / V` interleaved, and ZB-H1's `(pp - 1)(F + B - W)` with its
+    /// forward, input-gradient and weight-gradient parts taken as equal, `(pp - 1) / 3`.
+    pub(super) fn bubble_slots(&self) -> f64 {
+        let fill = (self.pp - 1) as f64;
+        if self.schedule == "zb-h1" {
+            fill / 3.0
+        } else {
+            fill / self.virtual_stages as f64
+        }
+    }
 }
 
 /// One device's planned memory (its fullest stage), in bytes.
@@ -83,7 +120,7 @@ pub(super) fn predict(
         |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
     for (s, &n) in counts.iter().enumerate() {
         let figures = model.stage(n, s == 0, s == pp - 1);
-        let in_flight = if pp == 1 { 1 } else { (pp - s).min(grad_accum) } as f64;
+        let in_flight = layout.in_flight(s);
         // A pipeline's stage from its cuts; without them, a slice of the one-stage cuts.
         let held = match model.pipeline {
             Some(pipeline) => pipeline.stage(n, s, pp, in_flight, grad_accum as f64),
@@ -143,8 +180,11 @@ pub(super) fn predict(
             + figures.instructions * device.instruction_seconds;
         let tp_seconds =
             if tp > 1 { figures.tp_bytes / node_groups(tp, 1) + device.latency * 4.0 * n as f64 } else { 0.0 };
-        // A middle stage receives and sends each micro-batch's activation and its gradient.
-        let sends = if pp > 1 { 2.0 * boundary / node_groups(pp, tp * dp) + 2.0 * device.latency } else { 0.0 };
+        // A middle stage receives and sends each micro-batch's activation and its gradient, once
+        // per model chunk.
+        let chunks = layout.virtual_stages as f64;
+        let sends =
+            if pp > 1 { chunks * (2.0 * boundary / node_groups(pp, tp * dp) + 2.0 * device.latency) } else { 0.0 };
         let t = work + tp_seconds + sends;
         if t > slot {
             (slot, compute, tp_time) = (t, work, tp_seconds);
@@ -162,8 +202,8 @@ pub(super) fn predict(
         ));
     }
     let micro_batches = grad_accum as f64;
-    let slots = micro_batches + (pp - 1) as f64;
-    let bubble_fraction = (pp - 1) as f64 / slots;
+    let slots = micro_batches + layout.bubble_slots();
+    let bubble_fraction = layout.bubble_slots() / slots;
     let dp_link = node_groups(dp, tp);
     let ring = 2.0 * (dpf - 1.0) / dpf;
     let dp_volume = if dp > 1 {
@@ -194,6 +234,8 @@ pub(super) fn predict(
         dp_seconds,
         bubble_fraction,
         memory: worst,
-        comm_bytes: micro_batches * tp_bytes + dp_volume + if pp > 1 { 2.0 * micro_batches * boundary } else { 0.0 },
+        comm_bytes: micro_batches * tp_bytes
+            + dp_volume
+            + if pp > 1 { 2.0 * layout.virtual_stages as f64 * micro_batches * boundary } else { 0.0 },
     })
 }
