@@ -57,6 +57,7 @@ fn shard_spec(spec: &str) -> Shard {
         micro_batches: 1,
         bucket_elements: 0,
         reduce_dtype: None,
+        sequence_parallel: None,
     }
 }
 
@@ -123,14 +124,18 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             })
         }
         "autotp" => {
-            let (tp, replicate) = argument.split_once(":").unwrap_or((argument, ""));
+            // autotp:TP[:replicate-unsplittable][:sp=SEQ_LEN]
+            let mut parts = argument.split(':');
+            let tp = parts.next().and_then(|tp| tp.parse().ok()).expect("autotp:TP");
+            let options: Vec<&str> = parts.collect();
             Box::new(autotp_passes::autotp::AutoTp {
-                tp: tp.parse().expect("autotp:TP[:replicate-unsplittable]"),
+                tp,
                 dp: 1,
                 zero: Default::default(),
                 batch_inputs: vec![],
-                replicate_unsplittable: replicate == "replicate-unsplittable",
+                replicate_unsplittable: options.contains(&"replicate-unsplittable"),
                 param_placements: Default::default(),
+                sequence_parallel: options.iter().find_map(|o| o.strip_prefix("sp=")?.parse().ok()),
             })
         }
         "autodiff" => {

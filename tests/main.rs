@@ -52,6 +52,7 @@ mod precision;
 mod processes;
 mod recompute;
 mod rewrites;
+mod sequence_parallel;
 mod sharding;
 mod train;
 mod validation;

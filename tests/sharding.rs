@@ -154,6 +154,7 @@ fn tensor_and_zero_parallel_steps_match_one_device() {
             zero,
             batch_inputs: vec!["input_ids".into(), "labels".into()],
             replicate_unsplittable: false,
+            sequence_parallel: None,
             param_placements: Default::default(),
         };
         let (loss, tensors) = compare(arch, autotp);
@@ -182,6 +183,7 @@ fn no_rank_holds_the_whole_vocabulary() {
                 zero,
                 batch_inputs,
                 replicate_unsplittable: false,
+                sequence_parallel: None,
                 param_placements: Default::default(),
             }
             .run(&mut graph)
@@ -245,6 +247,7 @@ fn an_indivisible_vocabulary_is_refused() {
             zero: ZeroConfig::default(),
             batch_inputs: vec![],
             replicate_unsplittable: false,
+            sequence_parallel: None,
             param_placements: Default::default(),
         }),
     ];

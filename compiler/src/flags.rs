@@ -29,6 +29,13 @@ pub struct CompileFlags {
     /// train_batch_size): sets --grad-accum to global-batch / (micro-batch x dp)
     #[arg(long)]
     pub global_batch: Option<usize>,
+    /// Megatron's sequence parallelism with --tp: the hidden states between the blocks (the
+    /// residual stream, norms, elementwise ops) are split over the tp ranks by tokens; each
+    /// all-reduce of a block's output becomes a reduce-scatter, and an all-gather precedes the
+    /// column-parallel GEMMs. Needs --tp 2 or more and --seq-len divisible by it.
+    #[arg(long)]
+    #[serde(default)]
+    pub sequence_parallel: bool,
     /// Data-parallel ranks (CPU threads): the batch is split over them and gradients are
     /// all-reduced (ZeRO stage 0).
     #[arg(long, default_value_t = 1)]
@@ -430,6 +437,7 @@ impl CompileFlags {
     pub fn single_device(&self, global_batch: usize) -> CompileFlags {
         let mut flags = self.clone();
         (flags.dp, flags.tp, flags.pp, flags.zero) = (1, 1, 1, 0);
+        flags.sequence_parallel = false;
         (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);
         flags.pp_cuts.clear();
         (flags.schedule, flags.pp_backward, flags.virtual_stages) = ("1f1b".to_string(), None, 1);

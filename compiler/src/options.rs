@@ -76,6 +76,16 @@ impl CompileOptions {
         if flags.explain_tp && flags.tp < 2 {
             refuse!("--explain-tp needs --tp 2 or more");
         }
+        if flags.sequence_parallel && flags.tp < 2 {
+            refuse!("--sequence-parallel splits tensor parallelism's hidden states by tokens: it needs --tp 2 or more");
+        }
+        if flags.sequence_parallel && !flags.seq_len.is_multiple_of(flags.tp) {
+            refuse!(
+                "--sequence-parallel splits each sequence's {} tokens over --tp {}: they must divide",
+                flags.seq_len,
+                flags.tp
+            );
+        }
         if let (Some(k), false) = (flags.recompute_layers, flags.recompute == RecomputeFlag::Full) {
             refuse!(
                 "--recompute-layers {k} chooses the layers of --recompute full, not --recompute {}",

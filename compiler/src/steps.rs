@@ -451,6 +451,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
             batch_inputs,
             replicate_unsplittable: flags.tp_replicate_unsplittable,
             param_placements: BTreeMap::new(),
+            sequence_parallel: flags.sequence_parallel.then_some(flags.seq_len),
         };
         steps.push(Box::new(TensorParallel { autotp, explain: flags.explain_tp, param_placements }));
     }

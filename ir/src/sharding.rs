@@ -420,6 +420,10 @@ fn matmul_rule(
             }
             rule(Shard(d), batch_of(rhs, o).map_or(Replicate, Shard), Shard(o))
         }
+        // Activations split by rows (sequence parallelism's tokens) into a weight split by
+        // columns: the activations are gathered, as Megatron's sequence parallelism does before
+        // a column-parallel GEMM, and the weight stays split.
+        (Shard(d), Shard(e)) if d == lhs_m && e == rhs_n => rule(Replicate, Shard(e), Shard(ro - 1)),
         (Shard(d), _) if d == lhs_m => rule(Shard(d), Replicate, Shard(ro - 2)),
         (_, Shard(d)) if d == rhs_n => rule(Replicate, Shard(d), Shard(ro - 1)),
         (Shard(d), _) if d == lhs_k => rule(Shard(d), Shard(rhs_k), PartialSum),

@@ -52,6 +52,9 @@ pub struct AutoTp {
     pub replicate_unsplittable: bool,
     /// Parameters' placements decided elsewhere, over ZeRO's ([`crate::zero::Zero`]'s field).
     pub param_placements: BTreeMap<String, Vec<Placement>>,
+    /// Megatron's sequence parallelism (`--sequence-parallel`): the tokens per sequence, whose
+    /// hidden states between the blocks are split over tp ([`crate::shard::SequenceParallel`]).
+    pub sequence_parallel: Option<usize>,
 }
 
 /// Why a weight got its placement, for `--explain-tp`.
@@ -92,9 +95,109 @@ struct WeightUse {
     in_dim: Option<usize>,
 }
 
+/// Sequence parallelism's hidden states are `[batch, seq, features]`; a projection that
+/// computes on flattened tokens (GPT-2's `addmm` on `[batch * seq, features]`) adds its bias
+/// before the reshape back. The bias is added after the reshape instead, so that the partial
+/// sum of a row-parallel projection reaches a hidden state's shape before anything needs it
+/// whole, and is reduce-scattered over tokens there: `reshape(x + b)` becomes
+/// `reshape(x) + b` where `b` runs along the last dim, which the reshape keeps.
+fn bias_adds_after_reshapes(graph: &Graph, seq_len: usize) -> Result<Graph, PassError> {
+    let consumers = graph.consumers();
+    let sunk: BTreeMap<NodeId, (ValueId, ValueId)> =
+        graph.nodes().filter_map(|(id, node)| Some((id, sinkable_bias(graph, &consumers, node, seq_len)?))).collect();
+    // The adds moved after their reshapes.
+    let moved: BTreeSet<ValueId> = sunk.keys().map(|&id| graph.node(id).inputs[0]).collect();
+    let mut rw = autotp_ir::Rewriter::new(graph, |_| true);
+    for (id, node) in graph.nodes() {
+        if node.outputs.iter().any(|o| moved.contains(o)) {
+            continue;
+        }
+        let Some(&(x, bias)) = sunk.get(&id) else {
+            rw.copy_node(id);
+            continue;
+        };
+        let (x, bias) = (rw.map(x), rw.map(bias));
+        let g = rw.graph();
+        let reshaped = crate::add_op(PASS, g, node.op.clone(), vec![x])?;
+        let added = crate::add_op(PASS, g, Op::Binary(BinaryOp::Add), vec![reshaped, bias])?;
+        rw.set(node.outputs[0], added);
+    }
+    Ok(rw.finish())
+}
+
+/// Sequence parallelism gathers a hidden state again for the backward rather than hold the
+/// forward's gathered copy ([`crate::shard::Shard::sequence_parallel`]). A backward node that
+/// reads the forward's reshape of a hidden state (GPT-2's weight gradients read the flattened
+/// tokens) would hold it all the same: it reads a reshape of its own instead, made in the
+/// backward from the hidden state, one per forward reshape.
+fn reshapes_for_the_backward(graph: &Graph, seq_len: usize) -> Result<Graph, PassError> {
+    let forward = forward_values(graph);
+    // The forward reshape making `v` and the hidden state it reshapes.
+    let reshaped_tokens = |v: ValueId| -> Option<(&Op, ValueId)> {
+        let autotp_ir::Def::Node(reshape, 0) = graph.value(v).def else { return None };
+        let reshape = graph.node(reshape);
+        let tokens = *reshape.inputs.first()?;
+        let ty = graph.ty(tokens);
+        let hidden_state = ty.rank() == 3 && ty.shape[1] == seq_len && ty.dtype.is_float();
+        (matches!(reshape.op, Op::Reshape { .. }) && forward[v.index()] && hidden_state)
+            .then_some((&reshape.op, tokens))
+    };
+    let mut rw = autotp_ir::Rewriter::new(graph, |_| true);
+    let mut copies: BTreeMap<ValueId, ValueId> = BTreeMap::new();
+    for (id, node) in graph.nodes() {
+        let backward = !node.outputs.iter().any(|o| forward[o.index()]);
+        if !backward || !node.inputs.iter().any(|&v| reshaped_tokens(v).is_some()) {
+            rw.copy_node(id);
+            continue;
+        }
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &v in &node.inputs {
+            let input = match (reshaped_tokens(v), copies.get(&v)) {
+                (None, _) => rw.map(v),
+                (Some(_), Some(&copy)) => copy,
+                (Some((reshape, tokens)), None) => {
+                    let tokens = rw.map(tokens);
+                    let copy = crate::add_op(PASS, rw.graph(), reshape.clone(), vec![tokens])?;
+                    copies.insert(v, copy);
+                    copy
+                }
+            };
+            inputs.push(input);
+        }
+        let types = node.outputs.iter().map(|&o| graph.ty(o).clone()).collect();
+        let g = rw.graph();
+        let new = g.add_node_typed(node.op.clone(), inputs, types);
+        let outputs = g.node(new).outputs.clone();
+        for (&old, new) in node.outputs.iter().zip(outputs) {
+            rw.graph().value_mut(new).name = graph.value(old).name.clone();
+            rw.set(old, new);
+        }
+    }
+    Ok(rw.finish())
+}
+
+/// `(x, b)` when `node` reshapes `x + b` (its only use) into a hidden state, `b` running along
+/// the last dim ([`bias_adds_after_reshapes`]).
+fn sinkable_bias(
+    graph: &Graph,
+    consumers: &[Vec<NodeId>],
+    node: &autotp_ir::Node,
+    seq_len: usize,
+) -> Option<(ValueId, ValueId)> {
+    let (Op::Reshape { .. }, &[sum]) = (&node.op, &node.inputs[..]) else { return None };
+    let autotp_ir::Def::Node(add, 0) = graph.value(sum).def else { return None };
+    let add = graph.node(add);
+    let (Op::Binary(BinaryOp::Add), &[x, bias]) = (&add.op, &add.inputs[..]) else { return None };
+    let (from, to, bias_ty) = (graph.ty(sum), graph.ty(node.outputs[0]), graph.ty(bias));
+    let hidden_state = to.rank() == 3 && to.shape[1] == seq_len;
+    let along_features =
+        bias_ty.rank() == 1 && from.shape.last() == to.shape.last() && to.shape.last() == Some(&bias_ty.shape[0]);
+    (consumers[sum.index()].len() == 1 && hidden_state && along_features).then_some((x, bias))
+}
+
 /// Values the loss depends on (the forward pass and the loss), or on a pipeline stage the
 /// activations it sends on.
-fn forward_values(graph: &Graph) -> Vec<bool> {
+pub(crate) fn forward_values(graph: &Graph) -> Vec<bool> {
     let mut needed = vec![false; graph.num_values()];
     for (name, v) in graph.outputs() {
         if name == crate::loss::LOSS {
@@ -398,10 +501,14 @@ impl AutoTp {
                 }
             }
         }
-        let split_step = match &vocab {
+        let mut split_step = match &vocab {
             Some(split) => crate::vocab::split_cross_entropy(graph, split, self.tp)?,
             None => graph.clone(),
         };
+        if let Some(seq_len) = self.sequence_parallel {
+            split_step = bias_adds_after_reshapes(&split_step, seq_len)?;
+            split_step = reshapes_for_the_backward(&split_step, seq_len)?;
+        }
         let graph = &split_step;
         let seeds_for = |explained: &[Explained]| {
             let mut seeds: BTreeMap<String, Vec<Placement>> = BTreeMap::new();
@@ -425,6 +532,8 @@ impl AutoTp {
         };
         let (gather_params_on, scatter_early) =
             if self.dp > 1 { crate::zero::shard_options(self.zero.stage, 0) } else { (None, false) };
+        let sequence_parallel =
+            self.sequence_parallel.map(|seq_len| crate::shard::SequenceParallel { axis: tp_axis, seq_len });
         // Key/value projections with fewer heads than ranks are replicated (found when their
         // split does not hold); parameters the rules would slice follow their consumers.
         let mut replicated: Vec<Explained> = Vec::new();
@@ -447,6 +556,7 @@ impl AutoTp {
                 micro_batches: self.zero.micro_batches,
                 bucket_elements: self.zero.reduce_bucket_elements,
                 reduce_dtype: self.zero.comm_dtype,
+                sequence_parallel,
             }
             .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);
@@ -462,7 +572,7 @@ impl AutoTp {
                 }));
                 continue;
             }
-            let Some(gather) = forward_gather(&sharded, self.tp) else {
+            let Some(gather) = forward_gather(&sharded, self.tp, sequence_parallel) else {
                 if self.dp > 1 && self.zero.stage == 3 {
                     sharded = crate::zero::schedule_prefetch(&sharded, self.zero.prefetch)?;
                 }
@@ -693,11 +803,19 @@ struct ForwardGather {
 /// The first all-gather over tp that the forward pass needs, if any: the value it gathers,
 /// its consumer and why (heads not divisible by tp, a reshape merging the split dim with
 /// leading ones, or parts that do not line up with the ranks' blocks).
-fn forward_gather(graph: &Graph, tp: usize) -> Option<ForwardGather> {
+fn forward_gather(
+    graph: &Graph,
+    tp: usize,
+    sequence_parallel: Option<crate::shard::SequenceParallel>,
+) -> Option<ForwardGather> {
     let forward = forward_values(graph);
     for (_, node) in graph.nodes() {
         let Op::Collective { kind: Collective::AllGather { dim }, axis, .. } = &node.op else { continue };
         if axis != "tp" || !forward[node.outputs[0].index()] {
+            continue;
+        }
+        // Sequence parallelism gathers each rank's tokens by design.
+        if sequence_parallel.is_some_and(|sp| sp.gathers_tokens(graph.ty(node.inputs[0]), *dim)) {
             continue;
         }
         // Each rank's maximum of its block of the vocabulary (the split cross-entropy's row

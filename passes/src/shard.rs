@@ -59,6 +59,41 @@ pub struct Shard {
     /// DeepSpeed's `communication_data_type`): cast to it before, back after. `None` reduces
     /// each gradient in its own type.
     pub reduce_dtype: Option<autotp_ir::DType>,
+    /// Megatron's sequence parallelism on a tensor-parallel axis: partial sums of hidden states
+    /// are reduce-scattered over the sequence rather than all-reduced, so the residual stream,
+    /// norms and elementwise ops between the blocks run on each rank's tokens and the
+    /// column-parallel GEMMs gather them.
+    pub sequence_parallel: Option<SequenceParallel>,
+}
+
+/// Where sequence parallelism splits ([`Shard::sequence_parallel`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SequenceParallel {
+    /// The mesh axis (tensor parallelism's).
+    pub axis: usize,
+    /// Tokens per sequence: a hidden state is a `[batch, seq_len, features]` value.
+    pub seq_len: usize,
+}
+
+/// The sequence dim of a value sequence parallelism splits.
+pub const SEQUENCE_DIM: usize = 1;
+
+impl SequenceParallel {
+    /// Whether `ty` is a hidden state (`[batch, seq_len, features]`, floating point) whose
+    /// tokens divide over `ranks`.
+    pub fn holds_tokens(&self, ty: &autotp_ir::TensorType, ranks: usize) -> bool {
+        ty.rank() == 3
+            && ty.dtype.is_float()
+            && ty.shape[SEQUENCE_DIM] == self.seq_len
+            && self.seq_len.is_multiple_of(ranks)
+    }
+
+    /// Whether gathering dim `dim` of `ty` gathers tokens: a dim of the sequence's length, not
+    /// the features (a hidden state's tokens; a replicated key or value projection computed on
+    /// each rank's tokens, `[batch, heads, seq, head_dim]`).
+    pub fn gathers_tokens(&self, ty: &autotp_ir::TensorType, dim: usize) -> bool {
+        dim + 1 < ty.rank() && ty.shape[dim] == self.seq_len
+    }
 }
 
 fn invalid(message: String) -> PassError {
@@ -124,10 +159,19 @@ struct Placer<'g> {
     mesh: Mesh,
     /// (value, axis, placement) -> the value resharded, so consumers share one collective.
     resharded: BTreeMap<(ValueId, usize, Placement), ValueId>,
+    /// The backward's own gathers of tokens, likewise ([`Placer::sequence_parallel`]).
+    regathered: BTreeMap<(ValueId, usize, Placement), ValueId>,
     /// New node outputs -> the source values they place.
     origin: BTreeMap<ValueId, ValueId>,
     /// See [`Shard::gather_params_on`].
     gather_params_on: Option<usize>,
+    /// See [`Shard::sequence_parallel`]: a backward node gathers the tokens it reads anew
+    /// (sharing the gathers of other backward nodes), so the forward's gathered copy is not
+    /// held for it, as Megatron gathers a column-parallel GEMM's input again for its weight's
+    /// gradient.
+    sequence_parallel: Option<SequenceParallel>,
+    /// Whether the node being placed is in the backward (after the loss).
+    in_backward: bool,
 }
 
 impl Placer<'_> {
@@ -148,7 +192,14 @@ impl Placer<'_> {
             return Ok(v);
         }
         let fresh = self.gather_params_on.is_some() && self.rw.graph().params().contains(&v);
-        if let Some(&done) = self.resharded.get(&(v, a, to)).filter(|_| !fresh) {
+        let regathered = self.in_backward
+            && from == Placement::Shard(SEQUENCE_DIM)
+            && to == Placement::Replicate
+            && self
+                .sequence_parallel
+                .is_some_and(|sp| sp.axis == a && sp.holds_tokens(self.rw.graph().ty(v), self.mesh.axes[a].size));
+        let cache = if regathered { &self.regathered } else { &self.resharded };
+        if let Some(&done) = cache.get(&(v, a, to)).filter(|_| !fresh) {
             return Ok(done);
         }
         let axis = self.mesh.axes[a].name.clone();
@@ -163,7 +214,8 @@ impl Placer<'_> {
             g.value_mut(next).placements = placements;
             current = next;
         }
-        self.resharded.insert((v, a, to), current);
+        let cache = if regathered { &mut self.regathered } else { &mut self.resharded };
+        cache.insert((v, a, to), current);
         Ok(current)
     }
 
@@ -245,10 +297,11 @@ impl Pass for Shard {
         // Place once to learn which partial sums some consumer needs whole, then again reducing
         // those right where they are made, so every consumer shares the one reduction (a
         // gradient feeding both a weight's update and the next layer's backward).
-        let (first, origin) = place(&source, &self.mesh, None, self.gather_params_on)?;
+        let (first, origin) = place(&source, &self.mesh, None, self.gather_params_on, None)?;
         let scatter = self.scatter_early.then_some(self.micro_batches.max(1));
-        let hints = Hints { eager: reductions(&first, &origin, scatter), blocks: blocks(&first, &origin) };
-        let (placed, _) = place(&source, &self.mesh, Some(&hints), self.gather_params_on)?;
+        let eager = reductions(&first, &origin, scatter, self.sequence_parallel);
+        let hints = Hints { eager, blocks: blocks(&first, &origin) };
+        let (placed, _) = place(&source, &self.mesh, Some(&hints), self.gather_params_on, self.sequence_parallel)?;
         let placed = crate::sink_slices::sink_slices(&placed)?;
         let mut bucketed = bucket_reductions(&placed, self.bucket_elements)?;
         if let Some(dtype) = self.reduce_dtype {
@@ -279,6 +332,7 @@ fn place(
     mesh: &Mesh,
     hints: Option<&Hints>,
     gather_params_on: Option<usize>,
+    sequence_parallel: Option<SequenceParallel>,
 ) -> Result<(Graph, BTreeMap<ValueId, ValueId>), PassError> {
     let no_hints = Hints::default();
     let discovering = hints.is_none();
@@ -288,9 +342,13 @@ fn place(
         rw: Rewriter::new(source, |_| true),
         mesh: mesh.clone(),
         resharded: BTreeMap::new(),
+        regathered: BTreeMap::new(),
         origin: BTreeMap::new(),
         gather_params_on,
+        sequence_parallel,
+        in_backward: false,
     };
+    let forward = crate::autotp::forward_values(source);
     // The parameters a node makes the update of and reads itself (an optimizer, or the select
     // that keeps a 16-bit parameter on a skipped step): it takes them as they are held.
     let mut updated_by: BTreeMap<NodeId, Vec<ValueId>> = BTreeMap::new();
@@ -302,6 +360,7 @@ fn place(
         }
     }
     for (id, node) in source.nodes() {
+        placer.in_backward = !node.outputs.iter().any(|o| forward[o.index()]);
         let mut inputs: Vec<ValueId> = node.inputs.iter().map(|&v| placer.rw.map(v)).collect();
         if let Some(z) = gather_params_on.filter(|_| !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. })) {
             let own = updated_by.get(&id).map_or(&[][..], Vec::as_slice);
@@ -324,6 +383,22 @@ fn place(
                 if let Some(&reduced) = placer.resharded.get(&(*v, a, Placement::Replicate)) {
                     if placer.rw.graph().value(*v).placements[a] == Placement::PartialSum {
                         *v = reduced;
+                    }
+                }
+            }
+            // An embedding's gradient (a scatter-add into the table, or just its block of a
+            // vocabulary-parallel table) reads whole what sequence parallelism split by tokens,
+            // as Megatron gathers the embedding output's gradient: gathering the tokens'
+            // gradients moves fewer bytes than reducing the table.
+            let block = node.outputs.first().is_some_and(|o| blocks.contains_key(&(*o, a)));
+            let into_table = block || matches!(node.op, Op::ScatterAdd { .. });
+            if let Some(sp) = sequence_parallel.filter(|sp| sp.axis == a && into_table) {
+                for v in inputs.iter_mut() {
+                    let g = placer.rw.graph();
+                    if g.value(*v).placements[a] == Placement::Shard(SEQUENCE_DIM)
+                        && sp.holds_tokens(g.ty(*v), axis.size)
+                    {
+                        *v = placer.reshard(*v, a, Placement::Replicate)?;
                     }
                 }
             }
@@ -399,11 +474,13 @@ fn place(
 /// sum's shard).
 /// An all-reduce's input is traced back through any linear op; unless that reaches a value
 /// scattered already, the root is all-reduced once instead when it is no bigger than the
-/// reductions it replaces (one all-reduce of a layer's input gradient, not one per use).
+/// reductions it replaces (one all-reduce of a layer's input gradient, not one per use); under
+/// `sequence_parallel`, a hidden state's is reduce-scattered over its tokens instead.
 fn reductions(
     placed: &Graph,
     origin: &BTreeMap<ValueId, ValueId>,
     scatter: Option<usize>,
+    sequence_parallel: Option<SequenceParallel>,
 ) -> BTreeMap<(ValueId, usize), Placement> {
     let axis_of = |name: &str| placed.mesh.axes.iter().position(|a| a.name == name);
     let partial = |v: ValueId, a: usize| placed.value(v).placements[a] == Placement::PartialSum;
@@ -486,6 +563,23 @@ fn reductions(
         entry.1.push(v);
     }
     for ((root, a), (bytes, reduced)) in replaced {
+        // Sequence parallelism: a hidden state is scattered over its tokens instead, at the
+        // value nearest the root on each reduced value's way back that is one (the root, or the
+        // reshape of a flattened root), so the values reduced from one root share a scatter.
+        let holds_tokens = |v: ValueId| {
+            sequence_parallel.is_some_and(|sp| sp.axis == a && sp.holds_tokens(placed.ty(v), placed.mesh.axes[a].size))
+        };
+        let scattered_at: Vec<Option<ValueId>> =
+            reduced.iter().map(|&v| trace(v, a, false).into_iter().rev().find(|&c| holds_tokens(c))).collect();
+        if scattered_at.iter().any(Option::is_some) {
+            for (&v, at) in reduced.iter().zip(scattered_at) {
+                match at {
+                    Some(at) => eager.insert((at, a), Placement::Shard(SEQUENCE_DIM)),
+                    None => eager.insert((v, a), Placement::Replicate),
+                };
+            }
+            continue;
+        }
         let chosen = if placed.ty(root).size_bytes() <= bytes { vec![root] } else { reduced };
         for v in chosen {
             eager.insert((v, a), Placement::Replicate);

@@ -132,6 +132,7 @@ impl Pass for Zero {
             micro_batches: self.config.micro_batches,
             bucket_elements: self.config.reduce_bucket_elements,
             reduce_dtype: self.config.comm_dtype,
+            sequence_parallel: None,
         }
         .run(graph)?;
         if self.config.stage == 3 {
