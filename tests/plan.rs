@@ -89,8 +89,9 @@ fn plan_ranks_the_layouts_that_fit_and_says_why_the_others_do_not() {
     let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &extra].concat());
     let layouts = json["layouts"].as_array().unwrap();
     // tp 1, 2, 4, 8 x pp 1, 2, 4, 8 (of those dividing 8; each pipeline under 1F1B and ZB-H1, too
-    // few layers to interleave) x zero 0-3 x micro-batches 1, 2, 4, 8 x 3 recomputations.
-    assert_eq!(layouts.len(), 16 * 4 * 4 * 3, "{out}");
+    // few layers to interleave; tp 2 and up with and without sequence parallelism) x zero 0-3 x
+    // micro-batches 1, 2, 4, 8 x 3 recomputations.
+    assert_eq!(layouts.len(), 25 * 4 * 4 * 3, "{out}");
     let refused = |needle: &str| layouts.iter().any(|l| l["refused"].as_str().is_some_and(|r| r.contains(needle)));
     assert!(refused("more stages than the model's 2 layers"), "{out}");
     assert!(refused("out of memory"), "{out}");
@@ -150,17 +151,31 @@ fn plan_predicts_the_compilers_memory_where_the_layout_is_a_cut() {
         ["--devices", "2", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2"];
     let (_, json) =
         plan_json(&[&[model.to_str().unwrap()][..], &args, &["--micro-batches", "2", "--recompute", "none"]].concat());
-    let layout = json["layouts"].as_array().unwrap().iter().find(|l| l["layout"]["tp"] == 2).unwrap();
-    let predicted = layout["prediction"]["memory"]["peak"].as_f64().unwrap();
-    let dir = scratch("plan-cut");
-    let report = dir.join("report.json");
-    let m = model.to_str().unwrap();
-    let flags = ["--seq-len", "16", "--micro-batch", "2", "--tp", "2", "--report", report.to_str().unwrap()];
-    success(autotp(&[&["compile", m][..], &flags].concat()));
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
-    let arena =
-        report["ranks"][0]["peak_bytes"].as_f64().unwrap() - report["ranks"][0]["comm_buffer_bytes"].as_f64().unwrap();
-    assert!((arena - predicted).abs() / arena < 0.02, "predicted {predicted}, compiled {arena}");
+    // With sequence parallelism too: its cut is compiled with it.
+    for sequence_parallel in [false, true] {
+        let layout = json["layouts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["layout"]["tp"] == 2 && l["layout"]["sequence_parallel"] == sequence_parallel);
+        let predicted = layout.unwrap()["prediction"]["memory"]["peak"].as_f64().unwrap();
+        let dir = scratch("plan-cut");
+        let report = dir.join("report.json");
+        let m = model.to_str().unwrap();
+        let mut flags =
+            vec!["--seq-len", "16", "--micro-batch", "2", "--tp", "2", "--report", report.to_str().unwrap()];
+        if sequence_parallel {
+            flags.push("--sequence-parallel");
+        }
+        success(autotp(&[&["compile", m][..], &flags].concat()));
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+        let arena = report["ranks"][0]["peak_bytes"].as_f64().unwrap()
+            - report["ranks"][0]["comm_buffer_bytes"].as_f64().unwrap();
+        assert!(
+            (arena - predicted).abs() / arena < 0.02,
+            "sp {sequence_parallel}: predicted {predicted}, compiled {arena}"
+        );
+    }
 }
 
 /// Pipelined layouts of the 4-layer fixtures (stages of 1 and 2 layers, up to 8 micro-batches,
@@ -224,6 +239,7 @@ fn plan_lays_out_a_70b_model_on_1024_devices() {
             && l["recompute"] == "full"
             && l["schedule"] == "1f1b"
             && l["virtual_stages"] == 1
+            && l["sequence_parallel"] == false
     });
     assert!(megatron.is_some_and(|l| l["prediction"].is_object()), "{megatron:?}");
     let best = layouts

@@ -57,6 +57,7 @@ pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout>
         recompute: "none".into(),
         schedule: "1f1b".into(),
         virtual_stages: 1,
+        sequence_parallel: layout.sequence_parallel,
     })
 }
 
@@ -89,6 +90,9 @@ pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Lay
     }
     if !cuts.is_empty() {
         flag("pp-cuts", cuts.join(","));
+    }
+    if layout.sequence_parallel {
+        out.push("--sequence-parallel".into());
     }
     out
 }

@@ -3,7 +3,8 @@
 //!
 //! It searches tp x pp x dp x ZeRO stage x micro-batch (gradient accumulation follows from the
 //! global batch) x recomputation x pipeline schedule (1F1B, ZB-H1, interleaved 1F1B with 2 or 4
-//! model chunks per stage) for `--devices` devices, and returns every layout considered:
+//! model chunks per stage) x sequence parallelism (with tp; its cuts are compiled with it, so
+//! a layer's activations and traffic are its own) for `--devices` devices, and returns every layout considered:
 //! those that fit `--memory-per-device`, fastest first, with the `autotp compile` flags of each,
 //! and why the others were refused. The CLI prints them.
 //!
@@ -255,7 +256,11 @@ fn enumerate_layouts(
             for zero in 0..=3 {
                 for &micro_batch in &request.micro_batches {
                     for recompute in &request.recompute {
-                        for (schedule, virtual_stages) in pipeline_schedules(pp, layers) {
+                        for ((schedule, virtual_stages), sequence_parallel) in pipeline_schedules(pp, layers)
+                            .into_iter()
+                            .flat_map(|s| [false, true].map(|sp| (s, sp)))
+                            .filter(|&(_, sp)| !sp || tp > 1)
+                        {
                             let mut layout = Layout {
                                 tp,
                                 pp,
@@ -266,6 +271,7 @@ fn enumerate_layouts(
                                 recompute: recompute.clone(),
                                 schedule: schedule.to_string(),
                                 virtual_stages,
+                                sequence_parallel,
                             };
                             let grad_accum = global_batch / (dp * micro_batch).max(1);
                             let refused = if tp > per_node {
@@ -282,6 +288,12 @@ fn enumerate_layouts(
                                 Some(format!(
                                     "interleaving {virtual_stages} model chunks needs micro-batches ({grad_accum}) a \
                                      multiple of pp {pp} and more than it (with as many, every forward runs first)"
+                                ))
+                            } else if sequence_parallel && !request.seq_len.is_multiple_of(tp) {
+                                Some(format!(
+                                    "sequence parallelism splits each sequence's {} tokens over tp {tp}: they do not \
+                                     divide",
+                                    request.seq_len
                                 ))
                             } else if schedule == "zb-h1" && *recompute != "none" {
                                 Some(format!(

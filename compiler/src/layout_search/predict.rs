@@ -23,6 +23,8 @@ pub struct Layout {
     pub schedule: String,
     /// Model chunks per pipeline stage (`--virtual-stages`; interleaved 1F1B when above 1).
     pub virtual_stages: usize,
+    /// Megatron's sequence parallelism with tp (`--sequence-parallel`).
+    pub sequence_parallel: bool,
 }
 
 impl Layout {
