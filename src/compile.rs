@@ -32,6 +32,16 @@ pub fn compile(flags: &CompileFlags, weights: Weights) -> Result<Compiled> {
                 println!("  {:<50} {:<10} {}", e.weight, e.placement, e.reason);
             }
         }
+        if flags.sequence_parallel {
+            println!(
+                "sequence parallelism: the hidden states between the blocks (the residual stream, and the norms and \
+                 biases on it) run on each rank's {} of the {} tokens of a sequence; partial sums of hidden states are \
+                 reduce-scattered over the tokens, gathered before each column-parallel GEMM, and gathered again in \
+                 the backward; the replicated weights they use get their gradients all-reduced over tp",
+                flags.seq_len / flags.tp,
+                flags.seq_len
+            );
+        }
     }
     Ok(compiled)
 }

@@ -91,9 +91,15 @@ fn sequence_parallelism_moves_the_bytes_tensor_parallelism_moves() {
     assert_eq!(ag - regathers - rs, ag_tp, "all-gathers {ag}, reduce-scatters {rs}");
 }
 
+/// `--explain-tp` says what sequence parallelism does; it needs tp and tokens tp divides.
 #[test]
-fn sequence_parallelism_is_refused_without_its_tokens_split() {
+fn sequence_parallelism_is_explained_and_refused_without_its_tokens_split() {
     let model = crate::common::fixture("gpt2", "model.onnx");
+    let m = model.to_str().unwrap();
+    let flags = ["--micro-batch", "4", "--seq-len", "32", "--tp", "4", "--sequence-parallel", "--explain-tp"];
+    let out = crate::common::success(crate::common::autotp(&[&["compile", m, "-o", "/dev/null"][..], &flags].concat()));
+    assert!(out.contains("sequence parallelism: the hidden states between the blocks"), "{out}");
+    assert!(out.contains("run on each rank's 8 of the 32 tokens of a sequence"), "{out}");
     let compile = |extra: &[&str]| {
         let args = [&["compile", model.to_str().unwrap(), "--micro-batch", "4", "-o", "/dev/null"][..], extra];
         crate::common::failure(crate::common::autotp(&args.concat()))
