@@ -45,6 +45,7 @@ mod monitoring;
 mod offload;
 mod optimizers;
 mod parallel;
+mod param_offload;
 mod pipeline;
 mod pipeline_schedules;
 mod plan;

@@ -56,6 +56,18 @@ pub struct LowerOptions {
     /// Place the optimizer's states in the host pool ([`autotp_program::HOST_POOL`]) instead of
     /// the arena (`--offload-optimizer cpu`).
     pub offload_optimizer: bool,
+    /// Place the parameters sharded over the data-parallel axis (ZeRO-3's shards) in the host
+    /// pool (`--offload-param cpu`, DeepSpeed's `offload_param`): the gathers read them from
+    /// there, the optimizer updates them there, and the arena holds only the gathered copies in
+    /// flight.
+    pub offload_params: bool,
+}
+
+/// Whether `--offload-param` keeps parameter `p` in the host pool: ZeRO-3 shards it over the
+/// data-parallel axis.
+fn offloaded_param(graph: &Graph, p: ValueId) -> bool {
+    let data_axis = graph.mesh.axes.iter().position(|a| a.name == autotp_ir::DATA_AXIS);
+    data_axis.is_some_and(|a| matches!(graph.value(p).placements[a], autotp_ir::Placement::Shard(_)))
 }
 
 /// The type one rank holds of `v`.
@@ -387,17 +399,21 @@ fn lower_placed(
     let mut regions: Vec<Option<Region>> = vec![None; graph.num_values()];
     let mut memory = MemoryPlan::default();
     let mut dedicated = Dedicated::default();
-    let params = dedicated.place(graph, graph.params(), &mut regions, &mut memory.params_bytes);
+    let mut host_pool = Dedicated { next: autotp_program::HOST_POOL };
+    let params = (graph.params().iter())
+        .flat_map(|&p| match options.offload_params && offloaded_param(graph, p) {
+            true => host_pool.place(graph, &[p], &mut regions, &mut memory.offloaded_params_bytes),
+            false => dedicated.place(graph, &[p], &mut regions, &mut memory.params_bytes),
+        })
+        .collect();
     let inputs = dedicated.place(graph, graph.inputs(), &mut regions, &mut memory.inputs_bytes);
     let states = if options.offload_optimizer {
-        let mut host_pool = Dedicated { next: autotp_program::HOST_POOL };
-        let slots = host_pool.place(graph, graph.states(), &mut regions, &mut 0);
-        // The pool holds the states' aligned regions, not only their bytes.
-        memory.host_pool_bytes = host_pool.next - autotp_program::HOST_POOL;
-        slots
+        host_pool.place(graph, graph.states(), &mut regions, &mut 0)
     } else {
         dedicated.place(graph, graph.states(), &mut regions, &mut memory.states_bytes)
     };
+    // The pool holds the aligned regions, not only their bytes.
+    memory.host_pool_bytes = host_pool.next - autotp_program::HOST_POOL;
     let mut constants = Vec::new();
     for (_, node) in graph.nodes() {
         if let Op::Constant { value } = &node.op {
@@ -869,6 +885,13 @@ impl Lowering<'_> {
         let graph = self.graph;
         let mut memory = self.memory;
         memory.arena_bytes = self.allocator.high_water();
+        let offloaded: Vec<Region> = params.iter().map(|s| s.region).filter(Region::in_host_pool).collect();
+        memory.param_fetch_bytes = (self.instructions.iter())
+            .filter(|i| !matches!(i, Instruction::OptimizerStep { .. }))
+            .flat_map(|i| i.regions().0)
+            .filter(|r| offloaded.contains(r))
+            .map(|r| r.len)
+            .sum();
         memory.grads_bytes = graph
             .nodes()
             .filter(|(_, n)| matches!(n.op, Op::AdamW { .. } | Op::Sgd { .. }))

@@ -278,7 +278,8 @@ fn fp16(
     Ok(())
 }
 
-/// `zero_optimization`: the stage, its buckets and thresholds, and the optimizer's offload.
+/// `zero_optimization`: the stage, its buckets and thresholds, and the optimizer's and the
+/// parameters' offload.
 fn zero(
     value: &Value,
     add: &mut impl FnMut(&'static str, Option<String>, &str),
@@ -306,6 +307,20 @@ fn zero(
                         ("device", other) => fail!("{key} {other}: autotp offloads to cpu or nvme"),
                         ("nvme_path", "nvme") => add("--nvme-path", Some(text(ov, &key)?), &key),
                         ("buffer_count", "nvme") => add("--buffer-count", Some(count(ov, &key)?), &key),
+                        _ => ignored.push(key),
+                    }
+                }
+            }
+            "offload_param" => {
+                let param = object(v, &key)?;
+                for (o, ov) in param {
+                    let key = format!("{key}.{o}");
+                    match (o.as_str(), ov.as_str()) {
+                        ("device", Some(device @ ("cpu" | "nvme"))) => {
+                            add("--offload-param", Some(device.into()), &key)
+                        }
+                        ("device", Some("none")) => {}
+                        ("device", _) => fail!("{key} {ov}: autotp offloads parameters to cpu (or nvme)"),
                         _ => ignored.push(key),
                     }
                 }

@@ -260,9 +260,16 @@ pub struct CompileFlags {
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub offload_optimizer: OffloadFlag,
+    /// Where ZeRO-3's parameter shards live (DeepSpeed's offload_param): in the arena (none) or
+    /// in host memory outside it (cpu), read by their gathers and updated there, so the arena
+    /// holds only the gathered parameters in flight; needs --zero 3. CPU ranks only so far (a
+    /// GPU plan refuses it at load); nvme is not implemented yet.
+    #[arg(long, value_enum, default_value = "none")]
+    #[serde(default)]
+    pub offload_param: OffloadFlag,
     /// A DeepSpeed configuration (ds_config.json) whose keys become these flags: batch sizes,
     /// gradient_clipping, optimizer, fp16/bf16, communication_data_type, zero_optimization
-    /// (stage, buckets, offload_optimizer), activation_checkpointing (--recompute full),
+    /// (stage, buckets, offload_optimizer, offload_param), activation_checkpointing (--recompute full),
     /// tensor_parallel.autotp_size, pipeline.stages. A flag given too must agree; keys autotp
     /// does not implement are listed in a warning.
     #[arg(long, value_name = "ds_config.json")]

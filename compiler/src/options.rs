@@ -127,6 +127,22 @@ impl CompileOptions {
             refuse!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
         }
         let nvme = nvme_offload(flags)?;
+        match flags.offload_param {
+            OffloadFlag::None => {}
+            OffloadFlag::Nvme => refuse!(
+                "--offload-param nvme: autotp keeps offloaded parameters in host memory only so far; use \
+                 --offload-param cpu"
+            ),
+            OffloadFlag::Cpu if flags.zero != 3 => refuse!(
+                "--offload-param cpu offloads ZeRO-3's parameter shards: it needs --zero 3 (and --dp 2 or more), as \
+                 DeepSpeed's offload_param does"
+            ),
+            OffloadFlag::Cpu if flags.offload_optimizer == OffloadFlag::Nvme => refuse!(
+                "--offload-param cpu with --offload-optimizer nvme: the optimizer's files would hold the \
+                 parameters too, which autotp does not do yet; use --offload-optimizer cpu or none"
+            ),
+            OffloadFlag::Cpu => {}
+        }
         let mixed = flags.precision != Precision::F32;
         if !mixed && flags.grad_accum_dtype.is_some() {
             refuse!("--grad-accum-dtype applies to --precision bf16 or fp16 (f32 gradients are accumulated in f32)");

@@ -457,8 +457,14 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     }
     let generated = options.kernels() == autotp_codegen::KernelChoice::Generated;
     let offload_optimizer = train && flags.offload_optimizer != OffloadFlag::None;
-    let measure =
-        autotp_codegen::LowerOptions { kernels: options.kernels(), gpu_kernels: false, ptx: false, offload_optimizer };
+    let offload_params = flags.offload_param == OffloadFlag::Cpu;
+    let measure = autotp_codegen::LowerOptions {
+        kernels: options.kernels(),
+        gpu_kernels: false,
+        ptx: false,
+        offload_optimizer,
+        offload_params,
+    };
     // The evaluation step keeps no activation for a backward: nothing to recompute.
     let recomputation = if train { Recomputation::new(options, measure) } else { Recomputation::none(measure) };
     if generated || recomputation.rewrites() {
@@ -471,6 +477,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
         gpu_kernels: weights_read,
         ptx: generated && weights_read,
         offload_optimizer,
+        offload_params,
     };
     steps.push(Box::new(Lower {
         options: lower,

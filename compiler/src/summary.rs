@@ -98,7 +98,7 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
                 grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
                 100.0 * pipeline.planned_idle(s),
                 grouped(m.params_bytes),
-                grouped(m.states_bytes + m.host_pool_bytes),
+                grouped(m.states_bytes + m.host_pool_bytes - m.offloaded_params_bytes),
                 grouped(m.activations_peak_bytes),
                 grouped(m.arena_bytes),
                 rank.micro_batches_in_flight,
@@ -117,18 +117,33 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
             None => "optimizer state offloaded (host pool)",
         };
         lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
-        for (what, bytes) in [
-            ("parameters", m.params_bytes),
+        let mut rows = vec![("parameters", m.params_bytes)];
+        if m.offloaded_params_bytes > 0 {
+            rows.push(("parameters offloaded (host pool)", m.offloaded_params_bytes));
+        }
+        for (what, bytes) in rows.into_iter().chain([
             ("optimizer state", m.states_bytes),
-            (offloaded_label, m.host_pool_bytes),
+            (offloaded_label, m.host_pool_bytes - m.offloaded_params_bytes),
             ("gradients (inside activations)", rank.grads_bytes),
             ("activations peak (with gradients)", m.activations_peak_bytes),
             ("inputs", m.inputs_bytes),
             ("constants", m.constants_bytes),
             ("total arena", m.arena_bytes),
-        ] {
+        ]) {
             lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
         }
+    }
+    for (s, program) in plan.stages.iter().enumerate().filter(|(_, p)| p.memory.offloaded_params_bytes > 0) {
+        let m = &program.memory;
+        let stage = if plan.stages.len() > 1 { format!(" (stage {s})") } else { String::new() };
+        lines.push(format!(
+            "  parameter offload{stage}: {} bytes of ZeRO-3 shards per rank in host memory; arena {} bytes instead of {}; \
+             {} bytes read from them per step by their gathers",
+            grouped(m.offloaded_params_bytes),
+            grouped(m.arena_bytes),
+            grouped(m.arena_bytes + m.offloaded_params_bytes),
+            grouped(m.param_fetch_bytes)
+        ));
     }
     if let Some(r) = &plan.training.recompute {
         lines.extend(recompute_lines(plan, r));

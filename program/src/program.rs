@@ -170,9 +170,18 @@ pub struct MemoryPlan {
     pub grads_bytes: usize,
     /// The arena size: everything above, plus alignment padding.
     pub arena_bytes: usize,
-    /// Optimizer states offloaded to the host pool (`--offload-optimizer`), outside the arena.
+    /// The host pool's bytes (`--offload-optimizer`'s states, `--offload-param`'s parameter
+    /// shards), outside the arena.
     #[serde(default)]
     pub host_pool_bytes: usize,
+    /// Parameters in the host pool (`--offload-param cpu`; inside `host_pool_bytes`, not in
+    /// `params_bytes`).
+    #[serde(default)]
+    pub offloaded_params_bytes: usize,
+    /// Bytes a step reads from offloaded parameters outside the optimizer step (the gathers of
+    /// ZeRO-3's shards, each a fetch from host memory).
+    #[serde(default)]
+    pub param_fetch_bytes: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

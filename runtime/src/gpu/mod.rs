@@ -391,6 +391,13 @@ impl GpuDevice {
         rank: Option<(usize, Arc<dyn Communicator>)>,
         mut issued: Vec<u64>,
     ) -> Result<GpuDevice, RuntimeError> {
+        if program.memory.offloaded_params_bytes > 0 {
+            return Err(RuntimeError::Plan(format!(
+                "keeps {} bytes of parameters in host memory (--offload-param cpu), which GPU ranks do not fetch \
+                 yet: run it on CPU ranks (--device cpu), or compile without --offload-param",
+                program.memory.offloaded_params_bytes
+            )));
+        }
         let (free_before, _) = gpu.memory()?;
         let arena_bytes = program.memory.arena_bytes.next_multiple_of(8);
         let base = gpu.alloc(arena_bytes + FAULT_BYTES)?;
