@@ -1,6 +1,6 @@
 //! Megatron's interleaved pipeline (`--virtual-stages`) and the zero-bubble ZB-H1 schedule
 //! (`--schedule zb-h1`) train the 4-layer fixtures as one rank does, alone and with tensor and
-//! data parallelism; an interleaved run resumes bit-identically and under a plain pipeline; the
+//! data parallelism (ZeRO 1 to 3, sequence parallelism); an interleaved run resumes bit-identically and under a plain pipeline; the
 //! compile summary and `run` report the interleaved bubble; what the schedules cannot run is
 //! refused.
 
@@ -22,6 +22,10 @@ fn interleaved_and_zero_bubble_pipelines_train_like_one_rank() {
         (2, &["--pp", "2", "--schedule", "zb-h1", "--grad-accum", "4"]),
         (1, &["--pp", "4", "--schedule", "zb-h1", "--grad-accum", "8"]),
         (2, &["--pp", "2", "--schedule", "zb-h1", "--grad-accum", "2", "--tp", "2", "--dp", "2", "--zero", "1"]),
+        (1, &["--pp", "2", "--virtual-stages", "2", "--grad-accum", "4", "--dp", "2", "--zero", "3"]),
+        (2, &["--pp", "2", "--virtual-stages", "2", "--grad-accum", "2", "--tp", "2", "--dp", "2", "--zero", "2"]),
+        (1, &["--pp", "2", "--schedule", "zb-h1", "--grad-accum", "4", "--dp", "2", "--zero", "3"]),
+        (2, &["--pp", "2", "--virtual-stages", "2", "--grad-accum", "4", "--tp", "2", "--sequence-parallel"]),
     ];
     for arch in ["gpt2", "llama"] {
         let single = train_model(&dir, arch, "model_4_layers.onnx", 8, &[]);
