@@ -151,3 +151,23 @@ fn impossible_schedules_are_refused() {
         assert_eq!(err.trim().lines().count(), 1, "{flags:?}: {err}");
     }
 }
+
+/// Interleaved pp 2 x dp 2 ZeRO 3 as four MPI processes trains bit-identically to rank threads.
+#[test]
+fn an_interleaved_pipeline_runs_as_processes_like_threads() {
+    let dir = scratch("pipeline-interleaved-processes");
+    let plan = compile(
+        &dir,
+        "interleaved-dp2",
+        &["--micro-batch", "2", "--pp", "2", "--virtual-stages", "2", "--grad-accum", "4", "--dp", "2", "--zero", "3"],
+    );
+    let (threads, processes) = (dir.join("threads.jsonl"), dir.join("processes.jsonl"));
+    for file in [&threads, &processes] {
+        let _ = std::fs::remove_file(file);
+    }
+    run_plan(&plan, &threads, 10, &[]);
+    run_plan(&plan, &processes, 10, &["--launch", "4"]);
+    let (threads, processes) = (losses(&threads), losses(&processes));
+    assert_eq!(threads.len(), 10);
+    assert_eq!(processes, threads);
+}

@@ -69,6 +69,8 @@ fn processes_train_like_threads() {
         ("llama", "tp2", 8, &["--tp", "2"]),
         ("llama", "pp2", 2, &["--pp", "2", "--grad-accum", "4"]),
         ("llama", "tp2-dp2-zero3", 4, &["--tp", "2", "--dp", "2", "--zero", "3"]),
+        ("gpt2", "pp2-zb-h1", 2, &["--pp", "2", "--schedule", "zb-h1", "--grad-accum", "4"]),
+        ("gpt2", "tp2-dp2-sequence-parallel", 4, &["--tp", "2", "--dp", "2", "--sequence-parallel"]),
     ];
     for &(arch, layout, micro_batch, parallel) in layouts {
         let name = format!("{arch}-{layout}");
