@@ -14,7 +14,7 @@ use std::path::Path;
 use crate::common::{autotp, failure, fixture, repo, run_plan, scratch, success};
 
 /// Compiles the GPT-2 fixture at sequence length 32 with `flags`; the summary.
-fn compile(plan: &Path, flags: &[&str]) -> String {
+pub(crate) fn compile(plan: &Path, flags: &[&str]) -> String {
     let model = fixture("gpt2", "model.onnx");
     let args = [
         &["compile", model.to_str().unwrap(), "--seq-len", "32", "--lr", "2e-3", "--grad-clip", "1.0"][..],
@@ -26,7 +26,7 @@ fn compile(plan: &Path, flags: &[&str]) -> String {
 }
 
 /// Runs `plan` to step `steps` (`extra` added); every metric line without its timings.
-fn run(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) -> Vec<serde_json::Value> {
+pub(crate) fn run(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) -> Vec<serde_json::Value> {
     run_plan(plan, metrics, steps, extra);
     let lines = std::fs::read_to_string(metrics).unwrap();
     lines

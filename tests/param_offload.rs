@@ -5,38 +5,12 @@
 //! bytes; the bytes read from them per step are their gathers' inputs; checkpoints resume
 //! bit-identically; `--deepspeed` maps `offload_param`; what is not implemented is refused.
 
-use std::path::Path;
+use crate::common::{autotp, failure, fixture, repo, scratch};
+use crate::offload::{compile, run};
 
-use crate::common::{autotp, failure, fixture, repo, run_plan, scratch, success};
-
-/// Compiles the GPT-2 fixture at sequence length 32 with `flags`; the summary.
-fn compile(plan: &Path, flags: &[&str]) -> String {
-    let model = fixture("gpt2", "model.onnx");
-    let args = [
-        &["compile", model.to_str().unwrap(), "--seq-len", "32", "--lr", "2e-3", "--grad-clip", "1.0"][..],
-        flags,
-        &["-o", plan.to_str().unwrap()],
-    ]
-    .concat();
-    success(autotp(&args))
-}
-
-/// Every metric line of a run without its timings.
-fn metrics(path: &Path) -> Vec<serde_json::Value> {
-    let lines = std::fs::read_to_string(path).unwrap();
-    lines
-        .lines()
-        .map(|l| {
-            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.as_object_mut().unwrap().retain(|k, _| !k.contains("seconds") && !k.contains("per_second"));
-            v
-        })
-        .collect()
-}
-
-/// The number after `what` on the summary's memory table (the first line of `what`, spaces and
-/// a number).
-fn figure(summary: &str, what: &str) -> usize {
+/// The number on the summary's memory table row `what` (the first line of `what`, spaces and a
+/// number; not `parameters: N in ...`).
+fn memory_row(summary: &str, what: &str) -> usize {
     let row = |l: &&str| l.strip_prefix(what).is_some_and(|rest| rest.starts_with("  "));
     let line = summary.lines().map(str::trim_start).find(row).unwrap_or_else(|| panic!("{what}: {summary}"));
     line[what.len()..].split_whitespace().next().unwrap().replace(',', "").parse().unwrap()
@@ -60,19 +34,22 @@ fn offloaded_parameters_train_bit_identically_in_a_smaller_arena() {
         // Validation reads the offloaded shards too.
         let tokens = repo().join("tests/fixtures/train/tokens.bin");
         let validate = ["--eval-every", "10", "--eval-iters", "1", "--eval-data", tokens.to_str().unwrap()];
-        run_plan(&kept, &a, 30, &validate);
-        run_plan(&offloaded, &b, 30, &validate);
-        assert!(metrics(&b).iter().any(|m| m.get("eval_loss").is_some()));
-        assert_eq!(metrics(&a), metrics(&b), "{layout:?}");
+        let (kept_metrics, offloaded_metrics) = (run(&kept, &a, 30, &validate), run(&offloaded, &b, 30, &validate));
+        assert!(offloaded_metrics.iter().any(|m| m.get("eval_loss").is_some()));
+        assert_eq!(kept_metrics, offloaded_metrics, "{layout:?}");
         if layout.contains(&"--pp") {
             assert!(summary.contains("parameter offload (stage 1): "), "{summary}");
             continue;
         }
-        let shards = figure(&summary, "parameters offloaded (host pool)");
+        let shards = memory_row(&summary, "parameters offloaded (host pool)");
         assert!(shards > 0, "{summary}");
         // Parameters ZeRO-3 keeps whole (too small to divide) stay in the arena.
-        assert_eq!(figure(&kept_summary, "parameters"), figure(&summary, "parameters") + shards, "{summary}");
-        assert_eq!(figure(&kept_summary, "total arena") - figure(&summary, "total arena"), shards, "{layout:?}");
+        assert_eq!(memory_row(&kept_summary, "parameters"), memory_row(&summary, "parameters") + shards, "{summary}");
+        assert_eq!(
+            memory_row(&kept_summary, "total arena") - memory_row(&summary, "total arena"),
+            shards,
+            "{layout:?}"
+        );
         println!("{layout:?}: {shards} bytes of shards offloaded, 30 steps bit-identical");
     }
 }
@@ -105,10 +82,9 @@ fn offloaded_parameters_resume_bit_identically() {
         let _ = std::fs::remove_file(f);
     }
     let _ = std::fs::remove_dir_all(&ckpt);
-    run_plan(&plan, &straight, 10, &[]);
-    run_plan(&plan, &first, 5, &["--save", ckpt.to_str().unwrap()]);
-    run_plan(&plan, &rest, 10, &["--resume", ckpt.to_str().unwrap()]);
-    assert_eq!(metrics(&rest), metrics(&straight)[5..]);
+    let straight = run(&plan, &straight, 10, &[]);
+    run(&plan, &first, 5, &["--save", ckpt.to_str().unwrap()]);
+    assert_eq!(run(&plan, &rest, 10, &["--resume", ckpt.to_str().unwrap()]), straight[5..]);
 }
 
 #[test]
