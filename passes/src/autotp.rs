@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use autotp_ir::{BinaryOp, Collective, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ValueId};
 
-use crate::shard::Shard;
+use crate::shard::{forward_values, Shard};
 use crate::{Pass, PassError};
 
 const PASS: &str = "autotp";
@@ -193,27 +193,6 @@ fn sinkable_bias(
     let along_features =
         bias_ty.rank() == 1 && from.shape.last() == to.shape.last() && to.shape.last() == Some(&bias_ty.shape[0]);
     (consumers[sum.index()].len() == 1 && hidden_state && along_features).then_some((x, bias))
-}
-
-/// Values the loss depends on (the forward pass and the loss), or on a pipeline stage the
-/// activations it sends on.
-pub(crate) fn forward_values(graph: &Graph) -> Vec<bool> {
-    let mut needed = vec![false; graph.num_values()];
-    for (name, v) in graph.outputs() {
-        if name == crate::loss::LOSS {
-            needed[v.index()] = true;
-        }
-    }
-    let nodes: Vec<_> = graph.nodes().collect();
-    for (_, node) in nodes.into_iter().rev() {
-        let sends_activation = matches!(node.op, Op::Send { message: autotp_ir::Message::Activation, .. });
-        if sends_activation || node.outputs.iter().any(|o| needed[o.index()]) {
-            for v in &node.inputs {
-                needed[v.index()] = true;
-            }
-        }
-    }
-    needed
 }
 
 impl AutoTp {

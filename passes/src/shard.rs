@@ -96,6 +96,27 @@ impl SequenceParallel {
     }
 }
 
+/// Values the loss depends on (the forward pass and the loss), or on a pipeline stage the
+/// activations it sends on.
+pub(crate) fn forward_values(graph: &Graph) -> Vec<bool> {
+    let mut needed = vec![false; graph.num_values()];
+    for (name, v) in graph.outputs() {
+        if name == crate::loss::LOSS {
+            needed[v.index()] = true;
+        }
+    }
+    let nodes: Vec<_> = graph.nodes().collect();
+    for (_, node) in nodes.into_iter().rev() {
+        let sends_activation = matches!(node.op, Op::Send { message: autotp_ir::Message::Activation, .. });
+        if sends_activation || node.outputs.iter().any(|o| needed[o.index()]) {
+            for v in &node.inputs {
+                needed[v.index()] = true;
+            }
+        }
+    }
+    needed
+}
+
 fn invalid(message: String) -> PassError {
     PassError::Invalid { pass: PASS, message }
 }
@@ -348,7 +369,7 @@ fn place(
         sequence_parallel,
         in_backward: false,
     };
-    let forward = crate::autotp::forward_values(source);
+    let forward = forward_values(source);
     // The parameters a node makes the update of and reads itself (an optimizer, or the select
     // that keeps a 16-bit parameter on a skipped step): it takes them as they are held.
     let mut updated_by: BTreeMap<NodeId, Vec<ValueId>> = BTreeMap::new();
