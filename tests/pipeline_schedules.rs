@@ -171,3 +171,45 @@ fn an_interleaved_pipeline_runs_as_processes_like_threads() {
     assert_eq!(threads.len(), 10);
     assert_eq!(processes, threads);
 }
+
+/// Megatron's flag names (`--tensor-model-parallel-size`, `--virtual-pipeline-model-parallel-size`,
+/// ...) compile the plan autotp's names compile.
+#[test]
+fn megatrons_flag_names_compile_the_same_plan() {
+    let model = fixture("gpt2", "model_4_layers.onnx");
+    let fingerprint = |flags: &[&str]| {
+        let args = [&["compile", s(&model)][..], flags, &["--sequence-parallel", "-o", "/dev/null"]].concat();
+        let summary = success(autotp(&args));
+        let line = summary.lines().find_map(|l| l.trim().strip_prefix("fingerprint: "));
+        line.unwrap_or_else(|| panic!("{summary}")).to_string()
+    };
+    let megatron = fingerprint(&[
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--virtual-pipeline-model-parallel-size",
+        "2",
+    ]);
+    let autotp_names = fingerprint(&[
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--global-batch",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--virtual-stages",
+        "2",
+    ]);
+    assert_eq!(megatron, autotp_names);
+}

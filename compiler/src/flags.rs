@@ -14,11 +14,13 @@ use crate::CompileError;
 pub struct CompileFlags {
     /// The ONNX model.
     pub model: PathBuf,
-    /// Tokens per sequence (S).
-    #[arg(long)]
+    /// Tokens per sequence (S). Megatron's name, --seq-length, is taken too (as are its
+    /// --micro-batch-size, --global-batch-size, --tensor-model-parallel-size,
+    /// --pipeline-model-parallel-size and --virtual-pipeline-model-parallel-size).
+    #[arg(long, visible_alias = "seq-length")]
     pub seq_len: usize,
     /// Sequences per rank per forward pass; the global batch is micro-batch x grad-accum x dp.
-    #[arg(long)]
+    #[arg(long, visible_alias = "micro-batch-size")]
     pub micro_batch: usize,
     /// Micro-batches per optimizer step (gradient accumulation): each rank runs the forward and
     /// backward this many times per step, summing gradients, and reduces them once [default: 1,
@@ -27,7 +29,7 @@ pub struct CompileFlags {
     pub grad_accum: Option<usize>,
     /// Sequences per optimizer step, all ranks and micro-batches together (DeepSpeed's
     /// train_batch_size): sets --grad-accum to global-batch / (micro-batch x dp)
-    #[arg(long)]
+    #[arg(long, visible_alias = "global-batch-size")]
     pub global_batch: Option<usize>,
     /// Megatron's sequence parallelism with --tp: the hidden states between the blocks (the
     /// residual stream, norms, elementwise ops) are split over the tp ranks by tokens; each
@@ -42,18 +44,18 @@ pub struct CompileFlags {
     pub dp: usize,
     /// Tensor-parallel ranks: each block's weights are split Megatron-style (found from the
     /// dataflow); world size is dp x tp.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, visible_alias = "tensor-model-parallel-size", default_value_t = 1)]
     pub tp: usize,
     /// Pipeline stages: the model is cut into this many stages (the slowest as fast as it can
     /// be, then the fullest as small; or at --pp-cuts), each run by its own ranks; the step's
     /// --grad-accum micro-batches flow through them. World size is pp x dp x tp.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, visible_alias = "pipeline-model-parallel-size", default_value_t = 1)]
     pub pp: usize,
     /// Model chunks per pipeline rank (Megatron's virtual pipeline stages): the model is cut
     /// into pp x V chunks and rank r holds chunks r, r + pp, ...; the interleaved 1F1B
     /// schedule runs them, and the bubble falls to (pp-1)/(V x M) of the ideal step. Needs
     /// --schedule 1f1b and --grad-accum a multiple of --pp.
-    #[arg(long, value_name = "V", default_value_t = 1)]
+    #[arg(long, visible_alias = "virtual-pipeline-model-parallel-size", value_name = "V", default_value_t = 1)]
     #[serde(default = "one")]
     pub virtual_stages: usize,
     /// The pipeline schedule: 1f1b (one forward, one backward: at most pp micro-batches in
