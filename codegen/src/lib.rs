@@ -885,11 +885,12 @@ impl Lowering<'_> {
         let graph = self.graph;
         let mut memory = self.memory;
         memory.arena_bytes = self.allocator.high_water();
-        let offloaded: Vec<Region> = params.iter().map(|s| s.region).filter(Region::in_host_pool).collect();
+        let offloaded: std::collections::BTreeSet<usize> =
+            params.iter().filter(|s| s.region.in_host_pool()).map(|s| s.region.offset).collect();
         memory.param_fetch_bytes = (self.instructions.iter())
             .filter(|i| !matches!(i, Instruction::OptimizerStep { .. }))
             .flat_map(|i| i.regions().0)
-            .filter(|r| offloaded.contains(r))
+            .filter(|r| offloaded.contains(&r.offset))
             .map(|r| r.len)
             .sum();
         memory.grads_bytes = graph

@@ -450,11 +450,8 @@ impl Pipeline {
         let shared: Vec<String> = holders.iter().filter(|(_, h)| h.len() > 1).map(|(p, _)| p.clone()).collect();
         let mut graphs = Vec::new();
         for rank in 0..self.stages {
-            let chunks: Vec<ModelChunk> = (0..self.virtual_stages)
-                .map(|c| {
-                    let v = c * self.stages + rank;
-                    ModelChunk { virtual_stage: v, d: &differentiated[v], parts: &parts[v] }
-                })
+            let chunks: Vec<ModelChunk> = (self.virtual_stages_of(rank))
+                .map(|v| ModelChunk { virtual_stage: v, d: &differentiated[v], parts: &parts[v] })
                 .collect();
             let step = self.step_graph(rank, chunks, &holders, &shared)?;
             autotp_ir::verify(&step).map_err(|errors| PassError::Verify { pass: PASS, errors })?;
@@ -519,9 +516,8 @@ impl Pipeline {
     pub fn rank_params(&self, stages: &Stages) -> Vec<Vec<String>> {
         (0..self.stages)
             .map(|rank| {
-                let mut names: Vec<String> = (0..self.virtual_stages)
-                    .flat_map(|c| stages.params[c * self.stages + rank].iter().cloned())
-                    .collect();
+                let mut names: Vec<String> =
+                    self.virtual_stages_of(rank).flat_map(|v| stages.params[v].iter().cloned()).collect();
                 names.sort();
                 names.dedup();
                 names
@@ -531,9 +527,12 @@ impl Pipeline {
 
     /// Each rank's forward FLOPs per micro-batch: its virtual stages' summed.
     pub fn rank_flops(&self, stages: &Stages) -> Vec<u64> {
-        (0..self.stages)
-            .map(|rank| (0..self.virtual_stages).map(|c| stages.flops[c * self.stages + rank]).sum())
-            .collect()
+        (0..self.stages).map(|rank| self.virtual_stages_of(rank).map(|v| stages.flops[v]).sum()).collect()
+    }
+
+    /// Rank `rank`'s virtual stages, in model-chunk order: `rank, rank + P, ...`.
+    fn virtual_stages_of(&self, rank: usize) -> impl Iterator<Item = usize> {
+        (rank..self.stages * self.virtual_stages).step_by(self.stages)
     }
 
     fn last(&self, v: usize) -> bool {
