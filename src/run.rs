@@ -156,7 +156,7 @@ impl RunFlags {
     }
 
     /// Loads `plan` for this run: on the GPU `gpu` names or the CPU, as a process of `job` or
-    /// all ranks here, with its optimizer state's files under `nvme_path` (`run --nvme-path`)
+    /// all ranks here, with its optimizer state's or parameters' files under `nvme_path` (`run --nvme-path`)
     /// rather than where the plan says.
     pub fn trainer(
         &self,
@@ -167,10 +167,20 @@ impl RunFlags {
         nvme_path: Option<&Path>,
     ) -> Result<Trainer> {
         if let Some(path) = nvme_path {
-            let nvme = plan.training.nvme.as_mut().context(
-                "--nvme-path: the plan keeps no optimizer state in files (compile it with --offload-optimizer nvme)",
-            )?;
-            nvme.path = std::path::absolute(path).with_context(|| format!("--nvme-path {}", path.display()))?;
+            let training = &mut plan.training;
+            if training.nvme.is_none() && training.nvme_params.is_none() {
+                bail!(
+                    "--nvme-path: the plan keeps nothing in files (compile it with --offload-optimizer nvme or \
+                     --offload-param nvme)"
+                );
+            }
+            let path = std::path::absolute(path).with_context(|| format!("--nvme-path {}", path.display()))?;
+            if let Some(nvme) = training.nvme.as_mut() {
+                nvme.path = path.clone();
+            }
+            if let Some(settings) = training.nvme_params.as_mut() {
+                settings.path = path;
+            }
         }
         let seed = self.seed();
         let mut trainer = match (job, gpu) {
@@ -603,17 +613,36 @@ impl ProcessIo {
     }
 }
 
-/// Per rank here whose optimizer state is in a file: its tiles, and the bytes its steps moved
-/// per step; then the process's I/O counters over the run beside them.
+/// Per rank here whose optimizer state or parameters are in a file: its layout, and the bytes
+/// its steps moved per step; then the process's I/O counters over the run beside them.
 fn nvme_against_counters(trainer: &Trainer, io: Option<ProcessIo>, steps: usize) -> String {
     use autotp_compiler::summary::grouped;
-    let files = trainer.nvme_status();
-    if files.is_empty() {
+    let (files, param_files) = (trainer.nvme_status(), trainer.param_file_status());
+    if files.is_empty() && param_files.is_empty() {
         return String::new();
     }
     let mut out = String::new();
     let (mut read, mut written) = (0, 0);
     let per_step = |bytes: u64| grouped((bytes / steps.max(1) as u64) as usize);
+    let how =
+        |direct: bool| if direct { "direct I/O" } else { "through the page cache: the filesystem refuses O_DIRECT" };
+    for (rank, file) in &param_files {
+        let swap = file.swap;
+        out += &format!(
+            "parameters on NVMe, rank {rank}: {} shards, {} bytes; at most {} in memory ({} bytes); the steps read {} \
+             and wrote {} bytes per step, planned {} and {} ({})\n",
+            swap.params.len(),
+            grouped(swap.file_bytes),
+            swap.peak_params,
+            grouped(swap.peak_bytes),
+            per_step(file.read),
+            per_step(file.written),
+            grouped(swap.read_bytes),
+            grouped(swap.written_bytes),
+            how(file.direct),
+        );
+        (read, written) = (read + file.read, written + file.written);
+    }
     for (rank, file) in &files {
         let layout = file.layout;
         let per_parameter = layout.state_bytes as f64 / layout.elements.max(1) as f64;
@@ -627,7 +656,7 @@ fn nvme_against_counters(trainer: &Trainer, io: Option<ProcessIo>, steps: usize)
             grouped(layout.tile_bytes),
             per_step(file.read),
             per_step(file.written),
-            if file.direct { "direct I/O" } else { "through the page cache: the filesystem refuses O_DIRECT" },
+            how(file.direct),
         );
         (read, written) = (read + file.read, written + file.written);
     }

@@ -346,7 +346,7 @@ fn nvme_offload_errors_are_clear() {
         "--nvme-path",
         states.to_str().unwrap(),
     ]));
-    assert!(refused.contains("--nvme-path: the plan keeps no optimizer state in files"), "{refused}");
+    assert!(refused.contains("--nvme-path: the plan keeps nothing in files"), "{refused}");
 
     // A file size limit below the state's 2 MB: the allocation is refused when the plan loads
     // (as a full disk refuses it), naming the file.
@@ -357,7 +357,7 @@ fn nvme_offload_errors_are_clear() {
         .output()
         .unwrap();
     let refused = failure(out);
-    assert!(refused.contains("cannot allocate the optimizer state's bytes in"), "{refused}");
+    assert!(refused.contains("cannot allocate the offloaded bytes in"), "{refused}");
     assert!(refused.contains(states.to_str().unwrap()), "{refused}");
 
     // The file cut short under a running trainer: the next step's read says so.
@@ -370,7 +370,7 @@ fn nvme_offload_errors_are_clear() {
     let state_file = std::fs::read_dir(&states).unwrap().next().unwrap().unwrap().path();
     std::fs::OpenOptions::new().write(true).open(&state_file).unwrap().set_len(4096).unwrap();
     let error = trainer.step(&data, 3).unwrap_err().to_string();
-    assert!(error.contains("short read of optimizer state"), "{error}");
+    assert!(error.contains("short read of offloaded state"), "{error}");
     assert!(error.contains(state_file.to_str().unwrap()), "{error}");
     drop(trainer);
     assert!(!state_file.exists(), "the trainer removes its file");

@@ -1,9 +1,13 @@
-//! Parameter offload (`--offload-param cpu`, DeepSpeed's `offload_param`): ZeRO-3's parameter
-//! shards live in host memory outside the arena, read by their gathers and updated there by
-//! the optimizer. Training is bit-identical to keeping them in the arena, under dp, tp and pp,
-//! with the optimizer offloaded too and in bf16, validation included; the arena shrinks by exactly the shards'
-//! bytes; the bytes read from them per step are their gathers' inputs; checkpoints resume
+//! Parameter offload (`--offload-param cpu|nvme`, DeepSpeed's `offload_param`): ZeRO-3's
+//! parameter shards live in host memory outside the arena, or in files, read by their gathers
+//! and updated by the optimizer. Training is bit-identical to keeping them in the arena (cpu)
+//! and to keeping them in host memory (nvme), under dp, tp and pp, with the optimizer
+//! offloaded too and in bf16 and fp16, validation included; the arena shrinks by exactly the
+//! shards' bytes; the bytes read from them per step are their gathers' inputs, and the bytes a
+//! step moves through the files are the compile-time schedule's; checkpoints resume
 //! bit-identically; `--deepspeed` maps `offload_param`; what is not implemented is refused.
+
+use std::path::Path;
 
 use crate::common::{autotp, failure, fixture, repo, scratch};
 use crate::offload::{compile, run};
@@ -108,16 +112,125 @@ fn deepspeed_maps_offload_param() {
         line.unwrap_or_else(|| panic!("{summary}")).to_string()
     };
     assert_eq!(fingerprint(&from_file), fingerprint(&by_hand));
+    // offload_param to NVMe with DeepSpeed's buffer settings.
+    let nvme_dir = scratch("param-offload-deepspeed-files");
     let nvme = dir.join("nvme.json");
-    let ds = serde_json::json!({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}});
+    let ds = serde_json::json!({
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_prefetch_bucket_size": 1,
+            "offload_param": {
+                "device": "nvme", "nvme_path": nvme_dir, "buffer_count": 3, "buffer_size": 1e6, "max_in_cpu": 0
+            }
+        }
+    });
     std::fs::write(&nvme, ds.to_string()).unwrap();
-    let model = fixture("gpt2", "model.onnx");
-    let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2"];
-    let err = failure(autotp(&[&args[..], &["--deepspeed", nvme.to_str().unwrap(), "-o", "/dev/null"]].concat()));
-    assert!(
-        err.contains("--offload-param nvme: autotp keeps offloaded parameters in host memory only so far"),
-        "{err}"
-    );
+    let from_file = compile(&plan, &["--dp", "2", "--deepspeed", nvme.to_str().unwrap()]);
+    assert!(from_file.contains("--buffer-count 3"), "{from_file}");
+    let nvme = in_files(&nvme_dir, 0);
+    let nvme: Vec<&str> = nvme.iter().map(String::as_str).collect();
+    let by_hand = compile(&plan, &[&ZERO3[..], &nvme, &["--buffer-count", "3", "--micro-batch", "4"]].concat());
+    assert_eq!(fingerprint(&from_file), fingerprint(&by_hand));
+}
+
+/// ZeRO-3 at dp 2, gathering one shard at a time.
+const ZERO3: [&str; 6] = ["--dp", "2", "--zero", "3", "--prefetch-bucket-size", "1"];
+
+/// Shards in files under `files`, all but the first `max_in_cpu` elements' (`--max-in-cpu`).
+fn in_files(files: &Path, max_in_cpu: usize) -> Vec<String> {
+    let flags = ["--offload-param", "nvme", "--buffer-size", "1e6", "--max-in-cpu"].map(String::from);
+    flags.into_iter().chain([max_in_cpu.to_string(), "--nvme-path".into(), files.display().to_string()]).collect()
+}
+
+/// What a run's "parameters on NVMe, rank R" line says.
+#[derive(Debug, PartialEq)]
+struct Moved {
+    file_bytes: usize,
+    read_per_step: usize,
+    written_per_step: usize,
+    planned_read: usize,
+    planned_written: usize,
+}
+
+fn moved(stderr: &str, rank: usize) -> Moved {
+    let prefix = format!("parameters on NVMe, rank {rank}: ");
+    let line = stderr.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("{stderr}"));
+    let numbers: Vec<usize> = (line.split(|c: char| !c.is_ascii_digit() && c != ','))
+        .filter_map(|n| n.replace(',', "").parse().ok())
+        .collect();
+    // Shards, bytes, shards in memory, their bytes, read, written, planned read and written.
+    let [_, file_bytes, _, _, read_per_step, written_per_step, planned_read, planned_written] = numbers[..8] else {
+        panic!("{line}")
+    };
+    Moved { file_bytes, read_per_step, written_per_step, planned_read, planned_written }
+}
+
+/// Shards in files train as shards in memory do (`--offload-param cpu`), step for step,
+/// under dp, tp and pp, in bf16 and fp16 (whose skipped steps move the shards as planned),
+/// with some kept in memory (`--max-in-cpu`); each step moves the bytes the schedule plans,
+/// and writes back every shard in the file once.
+#[test]
+fn parameters_in_files_train_bit_identically() {
+    let dir = scratch("param-nvme");
+    let files = scratch("param-nvme-files");
+    // (the layout, --buffer-count, --max-in-cpu)
+    let layouts: [(&[&str], &str, usize); 5] = [
+        (&["--micro-batch", "4"], "2", 0),
+        (&["--micro-batch", "4", "--precision", "bf16", "--offload-optimizer", "cpu"], "3", 40000),
+        (&["--micro-batch", "4", "--precision", "fp16", "--initial-scale-power", "24"], "4", 0),
+        (&["--tp", "2", "--micro-batch", "8"], "2", 0),
+        (&["--pp", "2", "--grad-accum", "2", "--micro-batch", "2"], "2", 0),
+    ];
+    for (layout, buffer_count, max_in_cpu) in layouts {
+        let (kept, offloaded) = (dir.join("kept.atp"), dir.join("offloaded.atp"));
+        let kept_summary = compile(&kept, &[&ZERO3[..], layout, &["--offload-param", "cpu"]].concat());
+        let nvme = in_files(&files, max_in_cpu);
+        let nvme: Vec<&str> = nvme.iter().map(String::as_str).collect();
+        let summary = compile(&offloaded, &[&ZERO3[..], layout, &nvme, &["--buffer-count", buffer_count]].concat());
+        let kept_metrics = run(&kept, &dir.join("kept.jsonl"), 30, &[]);
+        let metrics = dir.join("offloaded.jsonl");
+        let stderr = crate::common::run_plan(&offloaded, &metrics, 30, &[]);
+        assert_eq!(kept_metrics, run(&offloaded, &metrics, 30, &[]), "{layout:?}");
+        if layout.contains(&"fp16") {
+            assert!(kept_metrics.iter().any(|m| m["skipped"] == true), "fp16 from 2^24 skips its first steps");
+        }
+        let moved = moved(&stderr, 0);
+        assert_eq!((moved.read_per_step, moved.written_per_step), (moved.planned_read, moved.planned_written));
+        if layout.contains(&"--pp") {
+            assert!(summary.contains("parameter offload (stage 1): "), "{summary}");
+            continue;
+        }
+        // Each shard is read by its forward's gather, its backward's and the step, less what
+        // a use finds still in memory.
+        assert_eq!(moved.written_per_step, moved.file_bytes, "{stderr}");
+        assert!((2 * moved.file_bytes..=3 * moved.file_bytes).contains(&moved.read_per_step), "{moved:?}");
+        let in_file = memory_row(&summary, "parameters offloaded (NVMe file)");
+        let in_host = match max_in_cpu {
+            0 => 0,
+            _ => memory_row(&summary, "parameters offloaded (host pool)"),
+        };
+        assert_eq!(memory_row(&kept_summary, "parameters offloaded (host pool)"), in_host + in_file, "{summary}");
+        assert_eq!(memory_row(&kept_summary, "total arena"), memory_row(&summary, "total arena"), "{layout:?}");
+        println!("{layout:?}: {in_file} bytes of shards in the file; {moved:?}");
+    }
+    assert_eq!(std::fs::read_dir(&files).unwrap().count(), 0, "the runs removed their files");
+}
+
+#[test]
+fn parameters_in_files_resume_bit_identically() {
+    let dir = scratch("param-nvme-resume");
+    let files = scratch("param-nvme-resume-files");
+    let plan = dir.join("p.atp");
+    let nvme = in_files(&files, 0);
+    let nvme: Vec<&str> = nvme.iter().map(String::as_str).collect();
+    compile(&plan, &[&ZERO3[..], &nvme, &["--buffer-count", "2", "--micro-batch", "4"]].concat());
+    let (straight, first, rest, ckpt) =
+        (dir.join("straight.jsonl"), dir.join("first.jsonl"), dir.join("rest.jsonl"), dir.join("ckpt"));
+    let _ = std::fs::remove_dir_all(&ckpt);
+    let straight = run(&plan, &straight, 10, &[]);
+    run(&plan, &first, 5, &["--save", ckpt.to_str().unwrap()]);
+    assert_eq!(run(&plan, &rest, 10, &["--resume", ckpt.to_str().unwrap()]), straight[5..]);
 }
 
 #[test]
@@ -128,14 +241,39 @@ fn what_parameter_offload_does_not_do_is_refused() {
         let args = [&["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4"][..], flags];
         failure(autotp(&[&args.concat()[..], &["-o", "/dev/null"]].concat()))
     };
-    let cases: [(&[&str], &str); 3] = [
+    let cases: [(&[&str], &str); 6] = [
         (
             &["--dp", "2", "--zero", "2", "--offload-param", "cpu"],
             "--offload-param cpu offloads ZeRO-3's parameter shards: it needs --zero 3",
         ),
         (
             &["--dp", "2", "--zero", "3", "--offload-param", "nvme"],
-            "--offload-param nvme: autotp keeps offloaded parameters in host memory only so far",
+            "--offload-param nvme keeps parameter shards in files under --nvme-path DIR, which is missing",
+        ),
+        (
+            &["--dp", "2", "--zero", "3", "--offload-param", "nvme", "--nvme-path", "/tmp", "--buffer-size", "100", "--max-in-cpu", "0"],
+            "--offload-param nvme: parameter 'm.transformer.wte.weight' has 32000 elements on each rank, more than --buffer-size 100",
+        ),
+        (
+            &["--dp", "2", "--zero", "3", "--offload-param", "cpu", "--max-in-cpu", "0"],
+            "--max-in-cpu applies to --offload-param nvme",
+        ),
+        (
+            &[
+                "--dp",
+                "2",
+                "--zero",
+                "3",
+                "--offload-param",
+                "nvme",
+                "--nvme-path",
+                "/tmp",
+                "--max-in-cpu",
+                "0",
+                "--buffer-count",
+                "1",
+            ],
+            "more than --buffer-count 1 (raise it, or lower --prefetch-bucket-size",
         ),
         (
             &[

@@ -61,6 +61,11 @@ pub struct LowerOptions {
     /// there, the optimizer updates them there, and the arena holds only the gathered copies in
     /// flight.
     pub offload_params: bool,
+    /// With `offload_params`: the most elements of them kept in host memory, the first in
+    /// parameter order (`--max-in-cpu`); the others go on pages of their own at the end of the
+    /// host pool, which the runtime keeps in a file (`--offload-param nvme`,
+    /// [`autotp_program::param_file`]). None keeps them all in memory.
+    pub max_params_in_cpu: Option<usize>,
 }
 
 /// Whether `--offload-param` keeps parameter `p` in the host pool: ZeRO-3 shards it over the
@@ -400,18 +405,49 @@ fn lower_placed(
     let mut memory = MemoryPlan::default();
     let mut dedicated = Dedicated::default();
     let mut host_pool = Dedicated { next: autotp_program::HOST_POOL };
-    let params = (graph.params().iter())
-        .flat_map(|&p| match options.offload_params && offloaded_param(graph, p) {
-            true => host_pool.place(graph, &[p], &mut regions, &mut memory.offloaded_params_bytes),
-            false => dedicated.place(graph, &[p], &mut regions, &mut memory.params_bytes),
-        })
-        .collect();
+    let mut in_cpu_left = options.max_params_in_cpu.unwrap_or(usize::MAX);
+    let mut in_file = Vec::new();
+    for &p in graph.params() {
+        if !(options.offload_params && offloaded_param(graph, p)) {
+            dedicated.place(graph, &[p], &mut regions, &mut memory.params_bytes);
+            continue;
+        }
+        let elements = local(graph, p).numel();
+        match elements <= in_cpu_left {
+            true => {
+                in_cpu_left -= elements;
+                host_pool.place(graph, &[p], &mut regions, &mut memory.offloaded_params_bytes);
+            }
+            false => {
+                in_cpu_left = 0;
+                in_file.push(p);
+            }
+        }
+    }
     let inputs = dedicated.place(graph, graph.inputs(), &mut regions, &mut memory.inputs_bytes);
     let states = if options.offload_optimizer {
         host_pool.place(graph, graph.states(), &mut regions, &mut 0)
     } else {
         dedicated.place(graph, graph.states(), &mut regions, &mut memory.states_bytes)
     };
+    if !in_file.is_empty() {
+        // Each shard in the file on pages of its own: direct reads and writes, and pages the
+        // runtime gives back between uses.
+        let page = autotp_program::offload::BLOCK;
+        host_pool.next = host_pool.next.next_multiple_of(page);
+        let tail = host_pool.next;
+        for &p in &in_file {
+            host_pool.place(graph, &[p], &mut regions, &mut memory.offloaded_params_bytes);
+            host_pool.next = host_pool.next.next_multiple_of(page);
+        }
+        memory.nvme_params_bytes = host_pool.next - tail;
+    }
+    let params = (graph.params().iter())
+        .map(|&p| {
+            let region = regions[p.index()].expect("placed above");
+            slot(graph, p, graph.name_of(p).unwrap_or("").to_string(), region)
+        })
+        .collect();
     // The pool holds the aligned regions, not only their bytes.
     memory.host_pool_bytes = host_pool.next - autotp_program::HOST_POOL;
     let mut constants = Vec::new();

@@ -152,6 +152,7 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
             loss_scaler: options.loss_scaler.clone(),
             recompute: state.recompute,
             nvme: options.nvme.clone(),
+            nvme_params: options.nvme_params.clone(),
         },
         model: ModelSource { name, path },
     };

@@ -313,14 +313,17 @@ fn zero(
             }
             "offload_param" => {
                 let param = object(v, &key)?;
+                let device = param.get("device").and_then(Value::as_str).unwrap_or("none");
                 for (o, ov) in param {
                     let key = format!("{key}.{o}");
-                    match (o.as_str(), ov.as_str()) {
-                        ("device", Some(device @ ("cpu" | "nvme"))) => {
-                            add("--offload-param", Some(device.into()), &key)
-                        }
-                        ("device", Some("none")) => {}
-                        ("device", _) => fail!("{key} {ov}: autotp offloads parameters to cpu (or nvme)"),
+                    match (o.as_str(), device) {
+                        ("device", "cpu" | "nvme") => add("--offload-param", Some(device.into()), &key),
+                        ("device", "none") => {}
+                        ("device", _) => fail!("{key} {ov}: autotp offloads parameters to cpu or nvme"),
+                        ("nvme_path", "nvme") => add("--nvme-path", Some(text(ov, &key)?), &key),
+                        ("buffer_count", "nvme") => add("--buffer-count", Some(count(ov, &key)?), &key),
+                        ("buffer_size", "nvme") => add("--buffer-size", Some(count(ov, &key)?), &key),
+                        ("max_in_cpu", "nvme") => add("--max-in-cpu", Some(count(ov, &key)?), &key),
                         _ => ignored.push(key),
                     }
                 }

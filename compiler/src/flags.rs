@@ -262,10 +262,11 @@ pub struct CompileFlags {
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub offload_optimizer: OffloadFlag,
-    /// Where ZeRO-3's parameter shards live (DeepSpeed's offload_param): in the arena (none) or
-    /// in host memory outside it (cpu), read by their gathers and updated there, so the arena
-    /// holds only the gathered parameters in flight; needs --zero 3. CPU ranks only so far (a
-    /// GPU plan refuses it at load); nvme is not implemented yet.
+    /// Where ZeRO-3's parameter shards live (DeepSpeed's offload_param): in the arena (none), in
+    /// host memory outside it (cpu), read by their gathers and updated there, so the arena
+    /// holds only the gathered parameters in flight, or in files under --nvme-path (nvme), each
+    /// shard fetched ahead of its uses and released after, at most --buffer-count in memory;
+    /// needs --zero 3. CPU ranks only so far (a GPU plan refuses it at load).
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub offload_param: OffloadFlag,
@@ -277,8 +278,9 @@ pub struct CompileFlags {
     #[arg(long, value_name = "ds_config.json")]
     #[serde(default)]
     pub deepspeed: Option<PathBuf>,
-    /// With --offload-optimizer nvme: the directory of the optimizer state's files, one per
-    /// rank, removed when the run ends (`autotp run --nvme-path` may name another).
+    /// With --offload-optimizer nvme or --offload-param nvme: the directory of the optimizer
+    /// state's or the parameters' files, one per rank, removed when the run ends (`autotp run
+    /// --nvme-path` may name another).
     #[arg(long, value_name = "DIR")]
     #[serde(default)]
     pub nvme_path: Option<PathBuf>,
@@ -288,10 +290,22 @@ pub struct CompileFlags {
     #[serde(default)]
     pub sub_group_size: Option<u64>,
     /// With --offload-optimizer nvme: tiles in memory at once, so that reading the next,
-    /// updating one and writing the last overlap (DeepSpeed's buffer_count) [default: 4].
+    /// updating one and writing the last overlap [default: 4]; with --offload-param nvme:
+    /// parameter shards in memory at once, fetched ahead of their uses [default: 5]
+    /// (DeepSpeed's buffer_count).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     #[serde(default)]
     pub buffer_count: Option<u64>,
+    /// With --offload-param nvme: the most elements of one rank's shard of a parameter
+    /// (DeepSpeed's buffer_size) [default: 1e8].
+    #[arg(long, value_name = "ELEMENTS", value_parser = parse_count)]
+    #[serde(default)]
+    pub buffer_size: Option<u64>,
+    /// With --offload-param nvme: parameter elements each rank keeps in host memory instead,
+    /// the first in parameter order (DeepSpeed's max_in_cpu) [default: 1e9].
+    #[arg(long, value_name = "ELEMENTS", value_parser = parse_count_or_zero)]
+    #[serde(default)]
+    pub max_in_cpu: Option<u64>,
     /// With --recompute full: only the first K layers of each stage (Megatron's block method).
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     #[serde(default)]
@@ -328,13 +342,24 @@ impl RecomputeFlag {
     }
 }
 
-/// `--offload-optimizer`.
+/// `--offload-optimizer`, `--offload-param`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 pub enum OffloadFlag {
     #[default]
     None,
     Cpu,
     Nvme,
+}
+
+impl OffloadFlag {
+    /// The value as the user spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            OffloadFlag::None => "none",
+            OffloadFlag::Cpu => "cpu",
+            OffloadFlag::Nvme => "nvme",
+        }
+    }
 }
 
 /// A count as flags take it: an integer, or a decimal that is one (`1e9`).
@@ -344,6 +369,14 @@ pub fn parse_count(text: &str) -> std::result::Result<u64, String> {
         return Err(format!("'{text}' is not a positive whole number"));
     }
     Ok(value as u64)
+}
+
+/// As [`parse_count`], zero allowed.
+pub fn parse_count_or_zero(text: &str) -> std::result::Result<u64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(0.0) => Ok(0),
+        _ => parse_count(text),
+    }
 }
 
 /// A byte count as flags take it: an integer or a decimal (`3e9`, `1.5`) with an optional unit

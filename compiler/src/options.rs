@@ -10,6 +10,7 @@ use autotp_passes::zero::{Prefetch, ZeroConfig};
 use autotp_program::loss_scale::{DeepSpeedScaler, LossScaler, TorchScaler};
 use autotp_program::lr_schedule::LrSchedule;
 use autotp_program::offload::NvmeOffload;
+use autotp_program::param_file::NvmeParams;
 
 use crate::flags::{CompileFlags, Kernels, LossScalerKind, OffloadFlag, Precision, RecomputeFlag};
 use crate::{refused, CompileError};
@@ -33,6 +34,7 @@ pub struct CompileOptions {
     /// fp16's loss scaler in its initial state.
     pub loss_scaler: Option<LossScaler>,
     pub nvme: Option<NvmeOffload>,
+    pub nvme_params: Option<NvmeParams>,
 }
 
 impl CompileOptions {
@@ -127,21 +129,20 @@ impl CompileOptions {
             refuse!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
         }
         let nvme = nvme_offload(flags)?;
+        let nvme_params = nvme_params(flags)?;
         match flags.offload_param {
             OffloadFlag::None => {}
-            OffloadFlag::Nvme => refuse!(
-                "--offload-param nvme: autotp keeps offloaded parameters in host memory only so far; use \
-                 --offload-param cpu"
+            offload if flags.zero != 3 => refuse!(
+                "--offload-param {} offloads ZeRO-3's parameter shards: it needs --zero 3 (and --dp 2 or more), as \
+                 DeepSpeed's offload_param does",
+                offload.name()
             ),
-            OffloadFlag::Cpu if flags.zero != 3 => refuse!(
-                "--offload-param cpu offloads ZeRO-3's parameter shards: it needs --zero 3 (and --dp 2 or more), as \
-                 DeepSpeed's offload_param does"
+            offload if flags.offload_optimizer == OffloadFlag::Nvme => refuse!(
+                "--offload-param {} with --offload-optimizer nvme: the optimizer's files would hold the \
+                 parameters too, which autotp does not do yet; use --offload-optimizer cpu or none",
+                offload.name()
             ),
-            OffloadFlag::Cpu if flags.offload_optimizer == OffloadFlag::Nvme => refuse!(
-                "--offload-param cpu with --offload-optimizer nvme: the optimizer's files would hold the \
-                 parameters too, which autotp does not do yet; use --offload-optimizer cpu or none"
-            ),
-            OffloadFlag::Cpu => {}
+            OffloadFlag::Cpu | OffloadFlag::Nvme => {}
         }
         let mixed = flags.precision != Precision::F32;
         if !mixed && flags.grad_accum_dtype.is_some() {
@@ -162,6 +163,7 @@ impl CompileOptions {
             zero,
             loss_scaler: loss_scaler(flags)?,
             nvme,
+            nvme_params,
         })
     }
 
@@ -188,13 +190,14 @@ impl CompileOptions {
 /// against the flags that only it takes.
 fn nvme_offload(flags: &CompileFlags) -> Result<Option<NvmeOffload>, CompileError> {
     if flags.offload_optimizer != OffloadFlag::Nvme {
-        let given = [
-            ("--nvme-path", flags.nvme_path.is_some()),
-            ("--sub-group-size", flags.sub_group_size.is_some()),
-            ("--buffer-count", flags.buffer_count.is_some()),
-        ];
-        if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
-            refuse!("{flag} applies to --offload-optimizer nvme");
+        if flags.sub_group_size.is_some() {
+            refuse!("--sub-group-size applies to --offload-optimizer nvme");
+        }
+        if flags.offload_param != OffloadFlag::Nvme {
+            let given = [("--nvme-path", flags.nvme_path.is_some()), ("--buffer-count", flags.buffer_count.is_some())];
+            if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+                refuse!("{flag} applies to --offload-optimizer nvme or --offload-param nvme");
+            }
         }
         return Ok(None);
     }
@@ -208,6 +211,28 @@ fn nvme_offload(flags: &CompileFlags) -> Result<Option<NvmeOffload>, CompileErro
         path: std::path::absolute(path).map_err(|e| refused(format!("--nvme-path {}: {e}", path.display())))?,
         tile_elements: flags.sub_group_size.map_or(autotp_program::offload::DEFAULT_TILE_ELEMENTS, |n| n as usize),
         buffer_count: flags.buffer_count.map_or(autotp_program::offload::DEFAULT_BUFFER_COUNT, |n| n as usize),
+    }))
+}
+
+/// Where the plan keeps parameter shards in files (`--offload-param nvme`), checked against
+/// the flags that only it takes.
+fn nvme_params(flags: &CompileFlags) -> Result<Option<NvmeParams>, CompileError> {
+    use autotp_program::param_file::{DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, DEFAULT_MAX_IN_CPU};
+    if flags.offload_param != OffloadFlag::Nvme {
+        let given = [("--buffer-size", flags.buffer_size.is_some()), ("--max-in-cpu", flags.max_in_cpu.is_some())];
+        if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+            refuse!("{flag} applies to --offload-param nvme");
+        }
+        return Ok(None);
+    }
+    let path = flags.nvme_path.as_ref().ok_or_else(|| {
+        refused("--offload-param nvme keeps parameter shards in files under --nvme-path DIR, which is missing")
+    })?;
+    Ok(Some(NvmeParams {
+        path: std::path::absolute(path).map_err(|e| refused(format!("--nvme-path {}: {e}", path.display())))?,
+        buffer_count: flags.buffer_count.map_or(DEFAULT_BUFFER_COUNT, |n| n as usize),
+        buffer_size: flags.buffer_size.map_or(DEFAULT_BUFFER_SIZE, |n| n as usize),
+        max_in_cpu: flags.max_in_cpu.map_or(DEFAULT_MAX_IN_CPU, |n| n as usize),
     }))
 }
 

@@ -303,6 +303,8 @@ impl Step for RecomputeAndFuse {
 struct Lower {
     options: autotp_codegen::LowerOptions,
     nvme_tile_elements: Option<usize>,
+    /// `--offload-param nvme`'s buffers: (count, elements each).
+    nvme_param_buffers: Option<(usize, usize)>,
     memory_cap: Option<u64>,
     /// How the summary names what each stage recomputes, for the memory cap's refusal.
     recompute_flag: &'static str,
@@ -325,6 +327,11 @@ impl Step for Lower {
                 let stage = if pipelined { format!(" (stage {s})") } else { String::new() };
                 autotp_program::offload::Layout::of(&program, tile_elements)
                     .map_err(|e| CompileError::Options(format!("--offload-optimizer nvme{stage}: {e}")))?;
+            }
+            if let Some((count, size)) = self.nvme_param_buffers {
+                let stage = if pipelined { format!(" (stage {s})") } else { String::new() };
+                autotp_program::param_file::ParamSwap::of(&program, count, size)
+                    .map_err(|e| CompileError::Options(format!("--offload-param nvme{stage}: {e}")))?;
             }
             if let Some(cap) = self.memory_cap.filter(|&cap| program.memory.arena_bytes as u64 > cap) {
                 let stage = if pipelined { format!("stage {s}") } else { "each rank".to_string() };
@@ -457,13 +464,16 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     }
     let generated = options.kernels() == autotp_codegen::KernelChoice::Generated;
     let offload_optimizer = train && flags.offload_optimizer != OffloadFlag::None;
-    let offload_params = flags.offload_param == OffloadFlag::Cpu;
+    let offload_params = flags.offload_param != OffloadFlag::None;
+    // The evaluation step keeps its copy of the parameters in host memory.
+    let max_params_in_cpu = options.nvme_params.as_ref().filter(|_| train).map(|n| n.max_in_cpu);
     let measure = autotp_codegen::LowerOptions {
         kernels: options.kernels(),
         gpu_kernels: false,
         ptx: false,
         offload_optimizer,
         offload_params,
+        max_params_in_cpu,
     };
     // The evaluation step keeps no activation for a backward: nothing to recompute.
     let recomputation = if train { Recomputation::new(options, measure) } else { Recomputation::none(measure) };
@@ -478,10 +488,12 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
         ptx: generated && weights_read,
         offload_optimizer,
         offload_params,
+        max_params_in_cpu,
     };
     steps.push(Box::new(Lower {
         options: lower,
         nvme_tile_elements: options.nvme.as_ref().map(|n| n.tile_elements).filter(|_| train),
+        nvme_param_buffers: options.nvme_params.as_ref().map(|n| (n.buffer_count, n.buffer_size)).filter(|_| train),
         memory_cap: flags.memory_cap.filter(|_| train),
         recompute_flag: flags.recompute.name(),
     }));

@@ -6,9 +6,10 @@ use std::collections::BTreeMap;
 
 use autotp_kernels::Kernel;
 use autotp_program::offload::NvmeOffload;
+use autotp_program::param_file::ParamSwap;
 use autotp_program::plan::{RecomputeSummary, TrainingPlan};
 use autotp_program::report::Report;
-use autotp_program::Instruction;
+use autotp_program::{Instruction, Program, HOST_POOL};
 
 /// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`; a
 /// table by stage with a pipeline), kernels, communication.
@@ -98,7 +99,7 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
                 grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
                 100.0 * pipeline.planned_idle(s),
                 grouped(m.params_bytes),
-                grouped(m.states_bytes + m.host_pool_bytes - m.offloaded_params_bytes),
+                grouped(m.states_bytes + offloaded_states_bytes(program)),
                 grouped(m.activations_peak_bytes),
                 grouped(m.arena_bytes),
                 rank.micro_batches_in_flight,
@@ -118,12 +119,16 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
         };
         lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
         let mut rows = vec![("parameters", m.params_bytes)];
-        if m.offloaded_params_bytes > 0 {
-            rows.push(("parameters offloaded (host pool)", m.offloaded_params_bytes));
+        let in_file = params_in_file_bytes(p);
+        if m.offloaded_params_bytes > in_file {
+            rows.push(("parameters offloaded (host pool)", m.offloaded_params_bytes - in_file));
+        }
+        if in_file > 0 {
+            rows.push(("parameters offloaded (NVMe file)", in_file));
         }
         for (what, bytes) in rows.into_iter().chain([
             ("optimizer state", m.states_bytes),
-            (offloaded_label, m.host_pool_bytes - m.offloaded_params_bytes),
+            (offloaded_label, offloaded_states_bytes(p)),
             ("gradients (inside activations)", rank.grads_bytes),
             ("activations peak (with gradients)", m.activations_peak_bytes),
             ("inputs", m.inputs_bytes),
@@ -133,11 +138,29 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
             lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
         }
     }
-    for (s, program) in plan.stages.iter().enumerate().filter(|(_, p)| p.memory.offloaded_params_bytes > 0) {
-        let m = &program.memory;
+    for (s, swap) in param_swaps(plan) {
+        let m = &plan.stages[s].memory;
         let stage = if plan.stages.len() > 1 { format!(" (stage {s})") } else { String::new() };
+        let where_ = match (&swap, &plan.training.nvme_params) {
+            (Some(swap), Some(settings)) => {
+                let in_file = params_in_file_bytes(&plan.stages[s]);
+                format!(
+                    "{} in host memory and {} in a file under {} (at most {} shards, {} bytes, in memory at once, of \
+                     --buffer-count {}); the file is read {} bytes and written {} bytes per step",
+                    grouped(m.offloaded_params_bytes - in_file),
+                    grouped(in_file),
+                    settings.path.display(),
+                    swap.peak_params,
+                    grouped(swap.peak_bytes),
+                    settings.buffer_count,
+                    grouped(swap.read_bytes),
+                    grouped(swap.written_bytes),
+                )
+            }
+            _ => "in host memory".to_string(),
+        };
         lines.push(format!(
-            "  parameter offload{stage}: {} bytes of ZeRO-3 shards per rank in host memory; arena {} bytes instead of {}; \
+            "  parameter offload{stage}: {} bytes of ZeRO-3 shards per rank, {where_}; arena {} bytes instead of {}; \
              {} bytes read from them per step by their gathers",
             grouped(m.offloaded_params_bytes),
             grouped(m.arena_bytes),
@@ -321,4 +344,29 @@ pub fn grouped(n: usize) -> String {
         out.push(c);
     }
     out
+}
+
+/// Each stage that offloads parameters, with the schedule of its shards in a file when
+/// `--offload-param nvme` keeps some there.
+fn param_swaps(plan: &TrainingPlan) -> Vec<(usize, Option<ParamSwap>)> {
+    let settings = plan.training.nvme_params.as_ref();
+    (plan.stages.iter().enumerate())
+        .filter(|(_, p)| p.memory.offloaded_params_bytes > 0)
+        .map(|(s, p)| {
+            let swap = settings.and_then(|n| ParamSwap::of(p, n.buffer_count, n.buffer_size).ok().flatten());
+            (s, swap)
+        })
+        .collect()
+}
+
+/// The bytes of a program's parameter shards in a file (`--offload-param nvme`): those in the
+/// host pool's last `nvme_params_bytes`.
+fn params_in_file_bytes(program: &Program) -> usize {
+    let tail = HOST_POOL + program.memory.host_pool_bytes - program.memory.nvme_params_bytes;
+    program.params.iter().filter(|s| s.region.in_host_pool() && s.region.offset >= tail).map(|s| s.region.len).sum()
+}
+
+/// The bytes of optimizer state in the host pool (`--offload-optimizer`).
+fn offloaded_states_bytes(program: &Program) -> usize {
+    program.states.iter().filter(|s| s.region.in_host_pool()).map(|s| s.region.len).sum()
 }

@@ -26,6 +26,7 @@ pub mod loss_scale;
 pub mod lr_schedule;
 pub mod mesh;
 pub mod offload;
+pub mod param_file;
 pub mod plan;
 mod program;
 pub mod report;

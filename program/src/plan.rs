@@ -118,6 +118,9 @@ pub struct TrainingConfig {
     /// programs are those of `--offload-optimizer cpu`, so this is outside the fingerprint.
     #[serde(default)]
     pub nvme: Option<crate::offload::NvmeOffload>,
+    /// Where parameter shards live in files (`--offload-param nvme`).
+    #[serde(default)]
+    pub nvme_params: Option<crate::param_file::NvmeParams>,
 }
 
 /// Activation recomputation in a plan (`--recompute`).

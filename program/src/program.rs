@@ -182,6 +182,11 @@ pub struct MemoryPlan {
     /// ZeRO-3's shards, each a fetch from host memory).
     #[serde(default)]
     pub param_fetch_bytes: usize,
+    /// The host pool's last bytes, the parameter shards a rank keeps in a file
+    /// (`--offload-param nvme`; inside `offloaded_params_bytes`), each on pages of its own
+    /// ([`crate::param_file`]).
+    #[serde(default)]
+    pub nvme_params_bytes: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -519,10 +524,9 @@ fn check_optimizer_step(
     for (k, t) in tensors.iter().enumerate() {
         let len = t.inputs.first().map_or(0, |r| r.len);
         if let Some((copy, to)) = &t.copy {
-            if !matches!(to, DType::F16 | DType::BF16)
-                || copy.len * dtype.size() != len * to.size()
-                || copy.in_host_pool()
-            {
+            // The copy is the 16-bit parameter: in the host pool when the parameters are
+            // offloaded too (`--offload-param`, which GPU ranks refuse).
+            if !matches!(to, DType::F16 | DType::BF16) || copy.len * dtype.size() != len * to.size() {
                 return Err(format!("tensor {k}'s copy does not fit a 16-bit copy of its parameter"));
             }
         }

@@ -6,7 +6,6 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use autotp_kernels::AlignedBuf;
 use autotp_program::{Collective, CollectiveOp, Instruction, Program};
 
 use crate::clock::{Clock, RankClock, RunTime};
@@ -320,9 +319,34 @@ impl Executor {
             ));
         }
         let file = crate::nvme::StateFile::create(&self.program, nvme, rank, cpu.host_pool.as_slice())?;
-        cpu.host_pool = AlignedBuf::zeroed(0);
+        cpu.host_pool = crate::param_file::Pages::zeroed(0)?;
         cpu.state_file = Some(file);
         Ok(())
+    }
+
+    /// Moves the parameter shards at the end of the host pool into a file under
+    /// `settings.path`, named for `rank` (see [`crate::param_file`]); on the CPU only.
+    pub fn offload_params_to_nvme(
+        &mut self,
+        settings: &autotp_program::param_file::NvmeParams,
+        rank: usize,
+    ) -> Result<(), RuntimeError> {
+        let Backend::Cpu(cpu) = &mut self.device else {
+            return Err(RuntimeError::InvalidProgram("parameters on NVMe run on CPU ranks only so far".into()));
+        };
+        if cpu.param_file.is_some() {
+            return Err(RuntimeError::InvalidProgram("the parameters are in a file already".into()));
+        }
+        cpu.param_file = Some(crate::param_file::ParamFile::create(&self.program, settings, rank, &mut cpu.host_pool)?);
+        Ok(())
+    }
+
+    /// Where the parameter file stands, when parameter shards are on NVMe.
+    pub fn param_file_status(&self) -> Option<crate::param_file::ParamFileStatus<'_>> {
+        match &self.device {
+            Backend::Cpu(cpu) => cpu.param_file.as_ref().map(crate::param_file::ParamFile::status),
+            Backend::Gpu(_) => None,
+        }
     }
 
     /// Where the optimizer state's file stands, when the state is on NVMe.
@@ -337,8 +361,9 @@ impl Executor {
     pub fn read_slot(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, RuntimeError>> {
         let slot = self.program.params.iter().chain(&self.program.states).find(|s| s.name == name)?;
         Some(match &self.device {
-            Backend::Cpu(cpu) => match &cpu.state_file {
-                Some(file) if slot.region.in_host_pool() => file.read(&slot.region).map(Cow::Owned),
+            Backend::Cpu(cpu) => match (&cpu.state_file, cpu.param_file.as_ref().and_then(|f| f.read(&slot.region))) {
+                (_, Some(shard)) => shard.map(Cow::Owned),
+                (Some(file), None) if slot.region.in_host_pool() => file.read(&slot.region).map(Cow::Owned),
                 _ => Ok(Cow::Borrowed(cpu.bytes(&slot.region))),
             },
             Backend::Gpu(gpu) => gpu.download_region(Stream::Compute, &slot.region).map(Cow::Owned),
@@ -363,13 +388,16 @@ impl Executor {
             });
         }
         match &mut self.device {
-            Backend::Cpu(cpu) => match &cpu.state_file {
-                Some(file) if slot.region.in_host_pool() => file.write(&slot.region, bytes),
-                _ => {
-                    copy_in_parallel(cpu.bytes_mut(&slot.region), bytes);
-                    Ok(())
+            Backend::Cpu(cpu) => {
+                match (&cpu.state_file, cpu.param_file.as_ref().and_then(|f| f.write(&slot.region, bytes))) {
+                    (_, Some(written)) => written,
+                    (Some(file), None) if slot.region.in_host_pool() => file.write(&slot.region, bytes),
+                    _ => {
+                        copy_in_parallel(cpu.bytes_mut(&slot.region), bytes);
+                        Ok(())
+                    }
                 }
-            },
+            }
             Backend::Gpu(gpu) => gpu.upload_region(&slot.region, bytes),
         }
     }
@@ -383,14 +411,26 @@ impl Executor {
                     cpu.arena.as_mut_slice()[slot.region.offset..slot.region.end()].copy_from_slice(&t.data);
                 }
                 cpu.clock = Some(RankClock::start(self.clock)?);
-                let result = crate::streams::drive(cpu.as_mut(), &self.program, &self.schedule);
+                let mut result = crate::streams::drive(cpu.as_mut(), &self.program, &self.schedule);
+                if let Some(file) = cpu.param_file.as_mut() {
+                    // Written back before anyone reads a shard from the file between runs.
+                    result = result.and(file.drain());
+                }
                 let clock = cpu.clock.take().expect("set for the run");
                 result?;
                 let bases = cpu.bases();
-                for u in &self.program.updates {
+                for (k, u) in self.program.updates.iter().enumerate() {
+                    if let Some(file) = cpu.param_file.as_mut().filter(|f| f.writes_update(k)) {
+                        // SAFETY: `from` is validated in the arena or the host pool's memory.
+                        file.write_update(k, unsafe { std::slice::from_raw_parts(bases.at(&u.from), u.from.len) })?;
+                        continue;
+                    }
                     // SAFETY: validated in the arena or the host pool; `from` and `to` are equal
                     // or disjoint.
                     unsafe { std::ptr::copy(bases.at(&u.from), bases.at(&u.to), u.from.len) };
+                }
+                if let Some(file) = cpu.param_file.as_mut() {
+                    file.drain()?;
                 }
                 self.last_run = clock.finish()?;
                 let arena = cpu.arena.as_slice();

@@ -10,7 +10,8 @@
 //!   [`launch`]: this process's rank, world size and local rank, from its launcher's variables;
 //!   [`rendezvous`]: rank 0's bytes (NCCL's unique id) shared with every rank over TCP.
 //! - [`nvme`]: optimizer state in files, streamed through the step in tiles
-//!   (`--offload-optimizer nvme`).
+//!   (`--offload-optimizer nvme`); [`param_file`]: parameter shards in files, fetched ahead of
+//!   their uses (`--offload-param nvme`).
 //! - [`npy`]: reading and writing `.npy` files for inputs and outputs; [`clock`]: how a rank
 //!   times its run (`autotp run --clock`); [`profile`]: where a run's step time went, by op
 //!   (`autotp run --profile`); [`trace`]: a timeline of a rank's streams (`autotp run --trace`);
@@ -33,6 +34,7 @@ pub mod launch;
 pub mod npy;
 pub mod nvme;
 mod optimizer_step;
+pub mod param_file;
 pub mod profile;
 pub mod rendezvous;
 pub mod streams;

@@ -99,39 +99,8 @@ impl StateFile {
     pub fn create(program: &Program, nvme: &NvmeOffload, rank: usize, pool: &[u8]) -> Result<StateFile, RuntimeError> {
         let layout = Layout::of(program, nvme.tile_elements)
             .map_err(|e| RuntimeError::InvalidProgram(format!("optimizer state on NVMe: {e}")))?;
-        match std::fs::metadata(&nvme.path) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => return Err(nvme_path_error(&nvme.path, "is not a directory")),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(nvme_path_error(&nvme.path, "no such directory"))
-            }
-            Err(source) => return Err(RuntimeError::Io { action: "open", path: nvme.path.clone(), source }),
-        }
-        let path = nvme.path.join(format!("autotp-{}-rank{rank}.optimizer", std::process::id()));
-        let open = |flags: i32| {
-            std::fs::OpenOptions::new().read(true).write(true).create_new(true).custom_flags(flags).open(&path)
-        };
-        let (file, direct) = match open(libc::O_DIRECT) {
-            Ok(file) => (file, true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                let file =
-                    open(0).map_err(|source| RuntimeError::Io { action: "create", path: path.clone(), source })?;
-                (file, false)
-            }
-            Err(source) => return Err(RuntimeError::Io { action: "create", path, source }),
-        };
-        let cleanup = |error: RuntimeError| {
-            let _ = std::fs::remove_file(&path);
-            error
-        };
-        allocate(&file, layout.file_bytes).map_err(|source| {
-            cleanup(RuntimeError::Io { action: "allocate the optimizer state's bytes in", path: path.clone(), source })
-        })?;
-        let buffered = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|source| cleanup(RuntimeError::Io { action: "open", path: path.clone(), source }))?;
+        let name = format!("autotp-{}-rank{rank}.optimizer", std::process::id());
+        let Scratch { file, buffered, direct, path } = Scratch::create(&nvme.path, &name, layout.file_bytes)?;
         let buffer_count = nvme.buffer_count.max(1);
         let state =
             StateFile { path, file, buffered, direct, layout, buffers: Vec::new(), buffer_count, moved: (0, 0) };
@@ -284,7 +253,62 @@ impl Drop for StateFile {
 fn nvme_path_error(path: &Path, what: &str) -> RuntimeError {
     RuntimeError::File {
         path: path.to_path_buf(),
-        message: format!("{what}: --nvme-path must name an existing directory for the optimizer state's files"),
+        message: format!("{what}: --nvme-path must name an existing directory for the offloaded files"),
+    }
+}
+
+/// A scratch file of offloaded state, open twice.
+pub(crate) struct Scratch {
+    /// Opened with `O_DIRECT` where the filesystem allows it.
+    pub file: File,
+    /// Through the page cache: reads and writes that need not be block-aligned.
+    pub buffered: File,
+    /// Whether `file` is direct.
+    pub direct: bool,
+    pub path: PathBuf,
+}
+
+impl Scratch {
+    /// Creates the scratch file `name` in directory `dir` with `len` bytes reserved.
+    pub fn create(dir: &Path, name: &str, len: usize) -> Result<Scratch, RuntimeError> {
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(nvme_path_error(dir, "is not a directory")),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(nvme_path_error(dir, "no such directory"))
+            }
+            Err(source) => return Err(RuntimeError::Io { action: "open", path: dir.to_path_buf(), source }),
+        }
+        let path = dir.join(name);
+        let open = |flags: i32| {
+            std::fs::OpenOptions::new().read(true).write(true).create_new(true).custom_flags(flags).open(&path)
+        };
+        let (file, direct) = match open(libc::O_DIRECT) {
+            Ok(file) => (file, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                let file =
+                    open(0).map_err(|source| RuntimeError::Io { action: "create", path: path.clone(), source })?;
+                (file, false)
+            }
+            Err(source) => return Err(RuntimeError::Io { action: "create", path, source }),
+        };
+        let buffered = allocate(&file, len)
+            .map_err(|source| RuntimeError::Io {
+                action: "allocate the offloaded bytes in",
+                path: path.clone(),
+                source,
+            })
+            .and_then(|()| {
+                let reopened = std::fs::OpenOptions::new().read(true).write(true).open(&path);
+                reopened.map_err(|source| RuntimeError::Io { action: "open", path: path.clone(), source })
+            });
+        match buffered {
+            Ok(buffered) => Ok(Scratch { file, buffered, direct, path }),
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
     }
 }
 
@@ -304,7 +328,7 @@ fn allocate(file: &File, len: usize) -> std::io::Result<()> {
 }
 
 /// Fills `bytes` from `file` at `offset`; a file that ends first is a short read.
-fn read_fully(file: &File, path: &Path, bytes: &mut [u8], offset: usize) -> Result<(), RuntimeError> {
+pub(crate) fn read_fully(file: &File, path: &Path, bytes: &mut [u8], offset: usize) -> Result<(), RuntimeError> {
     let mut done = 0;
     while done < bytes.len() {
         match file.read_at(&mut bytes[done..], (offset + done) as u64) {
@@ -312,7 +336,7 @@ fn read_fully(file: &File, path: &Path, bytes: &mut [u8], offset: usize) -> Resu
                 return Err(RuntimeError::File {
                     path: path.to_path_buf(),
                     message: format!(
-                        "short read of optimizer state: {done} of {} bytes at offset {offset} (the file was truncated \
+                        "short read of offloaded state: {done} of {} bytes at offset {offset} (the file was truncated \
                          or replaced while training)",
                         bytes.len()
                     ),
@@ -321,7 +345,7 @@ fn read_fully(file: &File, path: &Path, bytes: &mut [u8], offset: usize) -> Resu
             Ok(n) => done += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(source) => {
-                return Err(RuntimeError::Io { action: "read optimizer state from", path: path.to_path_buf(), source })
+                return Err(RuntimeError::Io { action: "read offloaded state from", path: path.to_path_buf(), source })
             }
         }
     }

@@ -40,9 +40,12 @@ pub(crate) struct CpuDevice {
     /// The generated passes of each attention instruction that has them, by instruction.
     pub(crate) attention: std::collections::BTreeMap<usize, AttentionRun>,
     pub(crate) arena: AlignedBuf,
-    /// Offloaded optimizer states (`--offload-optimizer cpu`), outside the arena; empty when
-    /// they are in `state_file`.
-    pub(crate) host_pool: AlignedBuf,
+    /// The parameter shards in a file (`--offload-param nvme`). Declared before the host pool,
+    /// whose pages its I/O thread reads into, so that it is dropped (the thread joined) first.
+    pub(crate) param_file: Option<crate::param_file::ParamFile>,
+    /// Offloaded optimizer states (`--offload-optimizer cpu`) and parameter shards
+    /// (`--offload-param`), outside the arena; empty when the states are in `state_file`.
+    pub(crate) host_pool: crate::param_file::Pages,
     /// The offloaded optimizer states in a file (`--offload-optimizer nvme`).
     pub(crate) state_file: Option<crate::nvme::StateFile>,
     /// This rank and its communicator, for programs on a mesh.
@@ -109,13 +112,14 @@ impl CpuDevice {
             .zip(&program.kernels)
             .map(|(entry, k)| GeneratedKernel { entry, outer: k.outer, rows_per_task: rows_per_task(k) })
             .collect();
-        let host_pool = AlignedBuf::zeroed(program.memory.host_pool_bytes);
+        let host_pool = crate::param_file::Pages::zeroed(program.memory.host_pool_bytes)?;
         Ok(CpuDevice {
             comm_thread,
             generated,
             optimizer_steps,
             attention,
             arena,
+            param_file: None,
             host_pool,
             state_file: None,
             rank,
@@ -175,6 +179,14 @@ impl CpuDevice {
         taken
     }
 
+    /// The compiled multi-tensor step of `optimizer` over `dtype`.
+    fn optimizer_entry(&self, optimizer: &autotp_kernels::Optimizer, dtype: autotp_kernels::DType) -> CpuKernel {
+        let (_, entry) = (self.optimizer_steps.iter())
+            .find(|(kind, _)| kind.optimizer == *optimizer && kind.dtype == dtype)
+            .expect("every optimizer step's kernel is compiled at load");
+        *entry
+    }
+
     fn communicator(&self, label: &str, what: &str) -> Result<(usize, Arc<dyn Communicator>), RuntimeError> {
         let (rank, comm) = self
             .rank
@@ -198,6 +210,9 @@ impl Device for CpuDevice {
         // schedule is checked race-free).
         let region = |r: &Region| unsafe { std::slice::from_raw_parts(bases.at(r), r.len) };
         let region_mut = |r: &Region| unsafe { std::slice::from_raw_parts_mut(bases.at(r), r.len) };
+        if let Some(file) = self.param_file.as_mut() {
+            file.before(index)?;
+        }
         match instruction {
             Instruction::Kernel { inputs, outputs, .. } if self.attention.contains_key(&index) => {
                 let run = self.attention.get_mut(&index).expect("checked");
@@ -247,17 +262,35 @@ impl Device for CpuDevice {
                 let now = self.clock.as_mut().expect("set for the run").now()?;
                 comm.send(rank, *to, *tag, region(input), now)?;
             }
-            // A guarded step whose guard is false (non-finite gradients) leaves everything as is.
-            Instruction::OptimizerStep { guard: Some(guard), .. } if region(guard)[0] == 0 => {}
+            // A guarded step whose guard is false (non-finite gradients) leaves everything as is
+            // (its shards in a file move as planned).
+            Instruction::OptimizerStep { guard: Some(guard), .. } if region(guard)[0] == 0 => {
+                if let Some(file) = self.param_file.as_mut() {
+                    file.update_tensors(index, |_| Ok(()))?;
+                }
+            }
+            Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label, .. }
+                if self.param_file.as_ref().is_some_and(|f| f.swaps(index).is_some()) =>
+            {
+                let scalars: Vec<*mut u8> = scalars.iter().map(|r| bases.at(r)).collect();
+                let entry = self.optimizer_entry(optimizer, *dtype);
+                let file = self.param_file.as_mut().expect("checked");
+                let in_file: Vec<usize> =
+                    file.swaps(index).map(|s| s.tensors.iter().map(|t| t.0).collect()).unwrap_or_default();
+                let in_memory = || tensors.iter().enumerate().filter(|(t, _)| !in_file.contains(t)).map(|(_, t)| t);
+                // SAFETY: as the step below; the shards of the tensors updated one by one are in
+                // memory from their swaps before to their swaps after.
+                unsafe { run_chunks(entry, &scalars, &optimizer_chunks(*dtype, in_memory(), bases)) };
+                copy_masters(*dtype, in_memory(), bases, label)?;
+                file.update_tensors(index, |t| {
+                    unsafe { run_chunks(entry, &scalars, &optimizer_chunks(*dtype, [&tensors[t]], bases)) };
+                    copy_masters(*dtype, [&tensors[t]], bases, label)
+                })?;
+            }
             Instruction::OptimizerStep { optimizer, dtype, scalars, tensors, label, .. } => {
                 // The kernel reads its scalars, of `dtype`, where the arena keeps them (aligned).
                 let scalars: Vec<*mut u8> = scalars.iter().map(|r| bases.at(r)).collect();
-                let (_, entry) = self
-                    .optimizer_steps
-                    .iter()
-                    .find(|(kind, _)| kind.optimizer == *optimizer && kind.dtype == *dtype)
-                    .expect("every optimizer step's kernel is compiled at load");
-                let (entry, dtype) = (*entry, *dtype);
+                let (entry, dtype) = (self.optimizer_entry(optimizer, *dtype), *dtype);
                 match self.state_file.as_mut().filter(|f| f.layout().tiles(index).is_some()) {
                     None => {
                         // SAFETY: `validate` checked every tensor's regions (in the arena, of one
@@ -286,6 +319,9 @@ impl Device for CpuDevice {
                 let sent_at = comm.recv(rank, *from, *tag, region_mut(output))?;
                 self.clock.as_mut().expect("set for the run").received(sent_at, waiting.elapsed())?;
             }
+        }
+        if let Some(file) = self.param_file.as_mut() {
+            file.after(index)?;
         }
         self.profiled(program, index, stream, started);
         Ok(())

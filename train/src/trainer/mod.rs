@@ -188,6 +188,11 @@ impl Trainer {
                 executor.offload_to_nvme(nvme, first_rank + i)?;
             }
         }
+        if let Some(settings) = &training.nvme_params {
+            for (i, executor) in ranks.iter_mut().enumerate() {
+                executor.offload_params_to_nvme(settings, first_rank + i)?;
+            }
+        }
         // Several ranks here share the cores; a process of a job gets its share of the node's.
         let pools = match &job {
             Some(job) => rank_pools(1, job.kernel_threads())?,
@@ -676,6 +681,14 @@ impl Trainer {
             Some(e) => Err(e),
             None => Ok(Some(outputs.expect("the reporting rank returned outputs"))),
         }
+    }
+
+    /// Each rank here whose parameter shards are in a file (`--offload-param nvme`), and
+    /// where its file stands.
+    pub fn param_file_status(&self) -> Vec<(usize, autotp_runtime::param_file::ParamFileStatus<'_>)> {
+        (self.ranks.iter().enumerate())
+            .filter_map(|(i, e)| Some((self.first_rank + i, e.param_file_status()?)))
+            .collect()
     }
 
     /// Each rank here whose optimizer state is in a file (`--offload-optimizer nvme`), and
