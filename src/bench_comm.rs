@@ -7,7 +7,7 @@
 //! For each collective and size it checks every rank's result (exact small integers), then
 //! prints the slowest rank's mean time per call over `--iters` calls after warm-up, the
 //! algorithm bandwidth (buffer bytes / time) and the bus bandwidth (nccl-tests' convention:
-//! all-reduce x 2(n-1)/n, all-gather and reduce-scatter x (n-1)/n). Then the overlap of an
+//! all-reduce x 2(n-1)/n, all-gather, reduce-scatter and all-to-all x (n-1)/n). Then the overlap of an
 //! all-reduce run on a communication thread (as the executor runs asynchronous collectives)
 //! with matrix products on the calling thread: 100% when the pair takes as long as the longer
 //! alone, 0% when it takes the sum; under MPI also the same all-reduce started non-blocking and
@@ -134,16 +134,12 @@ fn bench(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
             "collective", "MiB", "backend", "ms", "algbw GB/s", "busbw GB/s"
         );
     }
-    let kinds = [Collective::AllReduce, Collective::AllGather { dim: 0 }, Collective::ReduceScatter { dim: 0 }];
     let per_round = args.iters.div_ceil(ROUNDS) as u64;
     let mut seq = 0u64;
     for &mib in &args.sizes {
         let elements = (mib << 20) / 4;
         ensure!(elements % n == 0, "{mib} MiB does not split over {n} ranks");
-        let ops: Vec<CollectiveOp> = kinds
-            .iter()
-            .map(|&kind| CollectiveOp { kind, axis: 0, dtype: DType::F32, shape: vec![elements] })
-            .collect();
+        let ops: Vec<CollectiveOp> = KINDS.iter().map(|&kind| op_of(kind, elements, n)).collect();
         let first = seq;
         let medians = ranks.slowest(|rank| {
             let mut buffers: Vec<Buffers> = ops.iter().map(|op| Buffers::new(rank, n, op)).collect();
@@ -211,12 +207,11 @@ fn bench_nccl(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
             "collective", "MiB", "backend", "ms", "algbw GB/s", "busbw GB/s"
         );
     }
-    let kinds = [Collective::AllReduce, Collective::AllGather { dim: 0 }, Collective::ReduceScatter { dim: 0 }];
     let mut ops = Vec::new();
     for &mib in &args.sizes {
         let elements = (mib << 20) / 4;
         ensure!(elements % n == 0, "{mib} MiB does not split over {n} ranks");
-        ops.extend(kinds.iter().map(|&kind| CollectiveOp { kind, axis: 0, dtype: DType::F32, shape: vec![elements] }));
+        ops.extend(KINDS.iter().map(|&kind| op_of(kind, elements, n)));
     }
     // Each rank: its GPU, one communicator, then every size and collective (seconds per call).
     let seconds = ranks.slowest(|rank| {
@@ -241,6 +236,8 @@ fn bench_nccl(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
             let call = match op.kind {
                 Collective::AllReduce => NcclCall::AllReduce { send, recv, count: buffers.input.len(), dtype },
                 Collective::AllGather { .. } => NcclCall::AllGather { send, recv, count: buffers.input.len(), dtype },
+                // Pieces along dim 0 of [n, m], placed along dim 1 of [1, n * m]: contiguous.
+                Collective::AllToAll { .. } => NcclCall::AllToAll { send, recv, count: buffers.input.len() / n, dtype },
                 _ => NcclCall::ReduceScatter { send, recv, count: buffers.output.len(), dtype },
             };
             let mut run = |calls: usize| -> Result<f64> {
@@ -259,7 +256,7 @@ fn bench_nccl(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
         Ok(times)
     })?;
     for (op, time) in ops.iter().zip(seconds) {
-        let mib = (op.shape[0] * 4) >> 20;
+        let mib = (op.shape.iter().product::<usize>() * 4) >> 20;
         report(ranks, op.kind.name(), mib, "nccl", time, bus_factor(op.kind, n));
     }
     Ok(())
@@ -391,6 +388,24 @@ fn bus_factor(kind: Collective, n: usize) -> f64 {
     }
 }
 
+/// The collectives `bench-comm` checks and times.
+const KINDS: [Collective; 4] = [
+    Collective::AllReduce,
+    Collective::AllGather { dim: 0 },
+    Collective::ReduceScatter { dim: 0 },
+    Collective::AllToAll { split: 0, concat: 1 },
+];
+
+/// `kind` over `elements` f32 per rank: a vector, or for an all-to-all `[n, elements / n]`
+/// (row j to rank j; the rows received side by side).
+fn op_of(kind: Collective, elements: usize, n: usize) -> CollectiveOp {
+    let shape = match kind {
+        Collective::AllToAll { .. } => vec![n, elements / n],
+        _ => vec![elements],
+    };
+    CollectiveOp { kind, axis: 0, dtype: DType::F32, shape }
+}
+
 /// A rank's input and output of one collective. Rank r's element i is (r + 1) * (i mod 7):
 /// small integers every sum keeps exact.
 struct Buffers {
@@ -400,7 +415,7 @@ struct Buffers {
 
 impl Buffers {
     fn new(rank: usize, n: usize, op: &CollectiveOp) -> Buffers {
-        let elements = op.shape[0];
+        let elements: usize = op.shape.iter().product();
         let input = (0..elements).map(|i| ((rank + 1) * (i % 7)) as f32).collect();
         let out_elements = match op.kind {
             Collective::AllGather { .. } => elements * n,
@@ -434,6 +449,11 @@ impl Buffers {
                 Collective::AllReduce => ranks_sum * (i % 7) as f32,
                 Collective::AllGather { .. } => ((i / elements + 1) * (i % elements % 7)) as f32,
                 Collective::ReduceScatter { .. } => ranks_sum * ((rank * out_elements + i) % 7) as f32,
+                // Rank `from`'s row `rank` of its [n, m] block, m = elements / n.
+                Collective::AllToAll { .. } => {
+                    let (from, m) = (i / (elements / n), elements / n);
+                    ((from + 1) * ((rank * m + i % m) % 7)) as f32
+                }
                 Collective::ShardSlice { .. } => unreachable!("not benchmarked"),
             }
         };

@@ -799,7 +799,7 @@ fn measured_against_plan(trainer: &Trainer, measured: &[Measured], steps: usize)
     );
     for (rank, Measured { peak, sent, nccl }) in measured.iter().enumerate() {
         let plan = &planned.ranks[rank];
-        let total = |c: &CommBytes| c.all_reduce + c.all_gather + c.reduce_scatter + c.send;
+        let total = CommBytes::total;
         let planned_peak = match nccl {
             true => plan.peak_bytes - plan.comm_buffer_bytes + plan.nccl_scratch_bytes,
             false => plan.peak_bytes,

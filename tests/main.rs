@@ -27,6 +27,7 @@
 //! - `train`: `autotp train` against PyTorch's loss curves; `gradients`, `optimizers`,
 //!   `conformance`: rules, optimizers and ONNX node tests against references.
 
+mod all_to_all;
 mod attention;
 mod checkpoint;
 mod cli;

@@ -292,7 +292,7 @@ fn a_stopped_process_ends_the_job() {
     resumes(&save);
 }
 
-/// `bench-comm` checks every collective's result on every rank: as 2 MPI processes (and the
+/// `bench-comm` checks every collective's result (all-to-all included) on every rank: as 2 MPI processes (and the
 /// bootstrap: rank 0's 128 random bytes reach both) and as 3 threads.
 #[test]
 fn bench_comm_checks_the_collectives() {
@@ -300,7 +300,7 @@ fn bench_comm_checks_the_collectives() {
     let args = ["bench-comm", "--sizes", "1,3", "--iters", "2"];
     let out = success(mpirun().args(["-n", "2", exe]).args(args).output().unwrap());
     assert!(out.contains("bootstrap: rank 0's 128 bytes reached all 2 ranks through MPI"), "{out}");
-    for row in ["all_reduce", "all_gather", "reduce_scatter", "MPI_Allreduce", "overlap (mpi)"] {
+    for row in ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "MPI_Allreduce", "overlap (mpi)"] {
         assert!(out.contains(row), "{row}: {out}");
     }
     let out = success(autotp(&["bench-comm", "--ranks", "3", "--sizes", "3", "--iters", "2"]));

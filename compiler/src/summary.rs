@@ -197,8 +197,12 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
     lines.extend(idle_gpu_lines(plan));
     if !p.mesh.is_empty() {
         let c = &rank.comm_bytes_per_step;
+        let all_to_all = match c.all_to_all {
+            0 => String::new(),
+            bytes => format!(", all-to-all {}", grouped(bytes)),
+        };
         lines.push(format!(
-            "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}; staging {}; peak {}",
+            "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}{all_to_all}; staging {}; peak {}",
             grouped(c.all_reduce),
             grouped(c.reduce_scatter),
             grouped(c.all_gather),

@@ -535,7 +535,7 @@ fn training(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Result<Vec
         }
         Op::Collective { kind, .. } => {
             expect_arity(inputs, 1, 1)?;
-            if let Some(dim) = kind.dim() {
+            for (_, dim) in kind.dims() {
                 axis_ok(dim, inputs[0].rank())?;
             }
             one(inputs[0].clone())

@@ -129,6 +129,18 @@ fn collective(
                     results[r] = Some(gathered.clone());
                 }
             }
+            Collective::AllToAll { split, concat } => {
+                // Member c gets piece c (along `split`) of every member's block, in order.
+                let mut piece = in_type.shape.clone();
+                piece[split] /= size;
+                for (c, &r) in group.iter().enumerate() {
+                    let mut offsets = vec![0; ty.rank()];
+                    offsets[split] = c * piece[split];
+                    let pieces = members.iter().map(|m| block(m, &offsets, &piece)).collect::<Result<Vec<_>, _>>()?;
+                    let pieces: Vec<&Tensor> = pieces.iter().collect();
+                    results[r] = Some(kernel_op(Op::Concat { axis: concat }, &pieces, out_type.clone())?);
+                }
+            }
             Collective::ShardSlice { dim } => {
                 for (c, &r) in group.iter().enumerate() {
                     let mut offsets = vec![0; ty.rank()];

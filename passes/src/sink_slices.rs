@@ -60,6 +60,7 @@ pub(crate) fn operands_along(
             let keeps_dim = match kind {
                 Collective::AllReduce => true,
                 Collective::AllGather { dim: d } | Collective::ReduceScatter { dim: d } => *d != dim,
+                Collective::AllToAll { split, concat } => *split != dim && *concat != dim,
                 Collective::ShardSlice { .. } => false,
             };
             keeps_dim.then(|| vec![(0, dim)])

@@ -49,6 +49,10 @@ pub enum Collective {
     ReduceScatter { dim: usize },
     /// replicate -> shard(dim): each rank keeps its own slice; no communication.
     ShardSlice { dim: usize },
+    /// shard(concat) -> shard(split): each rank cuts its block along `split` into one piece per
+    /// rank, sends piece j to rank j, and concatenates the pieces it gets along `concat`, in
+    /// rank order (MPI's and torch's all-to-all with equal pieces; `split != concat`).
+    AllToAll { split: usize, concat: usize },
 }
 
 impl Collective {
@@ -58,16 +62,18 @@ impl Collective {
             Collective::AllGather { .. } => "all_gather",
             Collective::ReduceScatter { .. } => "reduce_scatter",
             Collective::ShardSlice { .. } => "shard_slice",
+            Collective::AllToAll { .. } => "all_to_all",
         }
     }
 
-    /// The tensor dim it shards or gathers, if any.
-    pub fn dim(self) -> Option<usize> {
+    /// The tensor dims it shards or gathers, by attribute name (`dim`; `split` and `concat`).
+    pub fn dims(self) -> Vec<(&'static str, usize)> {
         match self {
-            Collective::AllReduce => None,
+            Collective::AllReduce => vec![],
             Collective::AllGather { dim } | Collective::ReduceScatter { dim } | Collective::ShardSlice { dim } => {
-                Some(dim)
+                vec![("dim", dim)]
             }
+            Collective::AllToAll { split, concat } => vec![("split", split), ("concat", concat)],
         }
     }
 
@@ -79,6 +85,7 @@ impl Collective {
             Collective::AllGather { dim } => (Shard(dim), Replicate),
             Collective::ReduceScatter { dim } => (PartialSum, Shard(dim)),
             Collective::ShardSlice { dim } => (Replicate, Shard(dim)),
+            Collective::AllToAll { split, concat } => (Shard(concat), Shard(split)),
         }
     }
 
@@ -95,6 +102,13 @@ impl Collective {
                 }
                 *d /= n;
             }
+            Collective::AllToAll { split, concat } => {
+                if split == concat || concat >= out.len() || n == 0 || *out.get(split)? % n != 0 {
+                    return None;
+                }
+                out[split] /= n;
+                out[concat] *= n;
+            }
         }
         Some(out)
     }
@@ -108,17 +122,20 @@ impl Collective {
             Collective::AllGather { .. } => bytes,
             Collective::ReduceScatter { .. } => 3 * bytes,
             Collective::ShardSlice { .. } => 0,
+            // The deposited copy, and the pieces this rank takes from every one.
+            Collective::AllToAll { .. } => 2 * bytes,
         }
     }
 
     /// Bytes one rank sends for an input of `bytes` over `n` ranks, with ring algorithms:
-    /// all-reduce 2(n-1)/n of the buffer, all-gather (n-1) shards, reduce-scatter (n-1)/n.
+    /// all-reduce 2(n-1)/n of the buffer, all-gather (n-1) shards, reduce-scatter (n-1)/n;
+    /// all-to-all (n-1)/n (every piece but its own, each sent once).
     pub fn bytes_sent(self, bytes: usize, n: usize) -> usize {
         let n1 = n.saturating_sub(1);
         match self {
             Collective::AllReduce => 2 * n1 * bytes / n.max(1),
             Collective::AllGather { .. } => n1 * bytes,
-            Collective::ReduceScatter { .. } => n1 * bytes / n.max(1),
+            Collective::ReduceScatter { .. } | Collective::AllToAll { .. } => n1 * bytes / n.max(1),
             Collective::ShardSlice { .. } => 0,
         }
     }
@@ -151,6 +168,8 @@ impl CollectiveOp {
         match self.kind {
             Collective::AllGather { dim } if self.rows_along(dim).0 > 1 => numel * n * self.dtype.size(),
             Collective::ReduceScatter { dim } if self.rows_along(dim).0 > 1 => numel * self.dtype.size(),
+            // The pieces packed to send, and those received before they are placed.
+            Collective::AllToAll { .. } => 2 * numel * self.dtype.size(),
             _ => 0,
         }
     }
@@ -163,6 +182,8 @@ pub struct CommBytes {
     pub all_reduce: usize,
     pub all_gather: usize,
     pub reduce_scatter: usize,
+    #[serde(default)]
+    pub all_to_all: usize,
     /// Sent to other pipeline stages (activations, their gradients, shared weights' gradients).
     #[serde(default)]
     pub send: usize,
@@ -175,6 +196,7 @@ impl CommBytes {
             all_reduce: self.all_reduce.saturating_sub(earlier.all_reduce),
             all_gather: self.all_gather.saturating_sub(earlier.all_gather),
             reduce_scatter: self.reduce_scatter.saturating_sub(earlier.reduce_scatter),
+            all_to_all: self.all_to_all.saturating_sub(earlier.all_to_all),
             send: self.send.saturating_sub(earlier.send),
         }
     }
@@ -185,8 +207,14 @@ impl CommBytes {
             all_reduce: self.all_reduce + other.all_reduce,
             all_gather: self.all_gather + other.all_gather,
             reduce_scatter: self.reduce_scatter + other.reduce_scatter,
+            all_to_all: self.all_to_all + other.all_to_all,
             send: self.send + other.send,
         }
+    }
+
+    /// Every byte sent, collectives and pipeline messages.
+    pub fn total(&self) -> usize {
+        self.all_reduce + self.all_gather + self.reduce_scatter + self.all_to_all + self.send
     }
 
     /// Counts `kind` over a group of `n` ranks for an input of `bytes`.
@@ -196,6 +224,7 @@ impl CommBytes {
             Collective::AllReduce => self.all_reduce += sent,
             Collective::AllGather { .. } => self.all_gather += sent,
             Collective::ReduceScatter { .. } => self.reduce_scatter += sent,
+            Collective::AllToAll { .. } => self.all_to_all += sent,
             Collective::ShardSlice { .. } => {}
         }
     }

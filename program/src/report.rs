@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::mesh::{Collective, CommBytes};
+use crate::mesh::CommBytes;
 use crate::plan::TrainingPlan;
 use crate::Instruction;
 
@@ -81,13 +81,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
             match instruction {
                 Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
                     let n = p.mesh[op.axis].size;
-                    let bytes = op.kind.bytes_sent(input.len, n);
-                    match op.kind {
-                        Collective::AllReduce => comm.all_reduce += bytes,
-                        Collective::AllGather { .. } => comm.all_gather += bytes,
-                        Collective::ReduceScatter { .. } => comm.reduce_scatter += bytes,
-                        Collective::ShardSlice { .. } => {}
-                    }
+                    comm.count(op.kind, input.len, n);
                     staging = staging.max(op.kind.staging_bytes(input.len));
                     scratch = scratch.max(op.device_scratch_bytes(n));
                 }
@@ -137,6 +131,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
         total.all_reduce += comm.all_reduce * stage_size;
         total.all_gather += comm.all_gather * stage_size;
         total.reduce_scatter += comm.reduce_scatter * stage_size;
+        total.all_to_all += comm.all_to_all * stage_size;
         total.send += comm.send * stage_size;
     }
     Report {

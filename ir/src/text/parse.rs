@@ -702,7 +702,7 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         "wait" => Op::Wait,
         "send" => Op::Send { to: take_usize(a, "to")?, tag: take_usize(a, "tag")? as u64, message: take_message(a)? },
         collective
-            if ["all_reduce", "all_gather", "reduce_scatter", "shard_slice"]
+            if ["all_reduce", "all_gather", "reduce_scatter", "shard_slice", "all_to_all"]
                 .contains(&collective.strip_suffix("_start").unwrap_or(collective)) =>
         {
             let start = collective.ends_with("_start");
@@ -710,6 +710,9 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
                 "all_reduce" => Collective::AllReduce,
                 "all_gather" => Collective::AllGather { dim: take_usize(a, "dim")? },
                 "reduce_scatter" => Collective::ReduceScatter { dim: take_usize(a, "dim")? },
+                "all_to_all" => {
+                    Collective::AllToAll { split: take_usize(a, "split")?, concat: take_usize(a, "concat")? }
+                }
                 _ => Collective::ShardSlice { dim: take_usize(a, "dim")? },
             };
             Op::Collective { kind, axis: take_word(a, "axis")?, start }

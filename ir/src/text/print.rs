@@ -216,8 +216,8 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         ],
         Op::Collective { kind, axis, .. } => {
             let mut a = vec![("axis", Attr::Word(axis.clone()))];
-            if let Some(dim) = kind.dim() {
-                a.push(("dim", Attr::Int(dim as i64)));
+            for (name, dim) in kind.dims() {
+                a.push((name, Attr::Int(dim as i64)));
             }
             a
         }

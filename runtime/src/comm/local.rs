@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use autotp_kernels::Kernel;
 
-use super::{slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator, Topology};
+use super::{
+    place_pieces, slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator, Topology,
+};
 use crate::RuntimeError;
 
 /// One rendezvous round of a group.
@@ -213,6 +215,14 @@ impl Communicator for LocalComm {
                     let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
                     sum(dtype, &part_shape, &parts, output).map_err(kernel_error)
                 }
+            }
+            Collective::AllToAll { split, concat } => {
+                let mut pieces = vec![vec![0u8; input.len() / n]; n];
+                for (piece, input) in pieces.iter_mut().zip(&refs) {
+                    slice_for(dtype, shape, split, coord, n, input, piece).map_err(kernel_error)?;
+                }
+                let pieces: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
+                place_pieces(dtype, shape, (split, concat), &pieces, output).map_err(kernel_error)
             }
             Collective::ShardSlice { .. } => unreachable!("handled above"),
         };

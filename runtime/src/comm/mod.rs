@@ -141,6 +141,37 @@ pub(crate) fn slice_for(
     slice.run(&[input], &mut [output])
 }
 
+/// An all-to-all's pieces of a block of `shape` (cut along `split` into `n`), one after the
+/// other in `packed`: piece j is what goes to rank j.
+pub(crate) fn pack_pieces(
+    dtype: DType,
+    shape: &[usize],
+    split: usize,
+    n: usize,
+    input: &[u8],
+    packed: &mut [u8],
+) -> Result<(), autotp_kernels::KernelError> {
+    let piece = input.len() / n;
+    for (j, out) in packed.chunks_mut(piece).enumerate() {
+        slice_for(dtype, shape, split, j, n, input, out)?;
+    }
+    Ok(())
+}
+
+/// An all-to-all's output: the `pieces` received (each a block of `shape` cut along `split`,
+/// in rank order) concatenated along `concat`.
+pub(crate) fn place_pieces(
+    dtype: DType,
+    shape: &[usize],
+    (split, concat): (usize, usize),
+    pieces: &[&[u8]],
+    output: &mut [u8],
+) -> Result<(), autotp_kernels::KernelError> {
+    let mut piece = shape.to_vec();
+    piece[split] /= pieces.len();
+    autotp_kernels::Kernel::Concat { dtype, shapes: vec![piece; pieces.len()], axis: concat }.run(pieces, &mut [output])
+}
+
 /// The error of a pipeline message that is not the one the receiver's program expects.
 pub(crate) fn unexpected_message(
     rank: usize,

@@ -34,7 +34,10 @@ use std::time::{Duration, Instant};
 use autotp_kernels::{DType, Kernel};
 
 use super::mpi_library::{self, Handle, MpiLibrary, Status};
-use super::{slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator, Topology};
+use super::{
+    pack_pieces, place_pieces, slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator,
+    Topology,
+};
 use crate::RuntimeError;
 
 #[derive(Debug, thiserror::Error)]
@@ -543,6 +546,30 @@ impl MpiComm {
         self.call("MPI_Allgather", rc)
     }
 
+    /// `MPI_Alltoall` of equal pieces over the `n` ranks of `comm`: piece j of `packed` to rank
+    /// j, rank i's piece for this one into piece i of `received`.
+    fn all_to_all_bytes(&self, comm: Handle, n: usize, packed: &[u8], received: &mut [u8]) -> Result<(), RuntimeError> {
+        let piece = packed.len() / n;
+        if piece > i32::MAX as usize {
+            return Err(RuntimeError::Comm(format!(
+                "an all-to-all of {piece} bytes per piece: the MPI backend sends at most 2 GiB per piece in one call"
+            )));
+        }
+        // SAFETY: both buffers hold n pieces of `piece` bytes, as the call reads and writes.
+        let rc = unsafe {
+            (self.lib.MPI_Alltoall)(
+                packed.as_ptr().cast(),
+                piece as c_int,
+                self.lib.byte,
+                received.as_mut_ptr().cast(),
+                piece as c_int,
+                self.lib.byte,
+                comm,
+            )
+        };
+        self.call("MPI_Alltoall", rc)
+    }
+
     /// Receives the next pipeline message from `peer` (of `buffer`'s length) into `buffer`.
     fn recv_bytes(&self, peer: c_int, buffer: &mut [u8]) -> Result<(), RuntimeError> {
         let mut status = Status::default();
@@ -622,6 +649,8 @@ impl Communicator for MpiComm {
             Collective::AllGather { dim } if shape[..dim].iter().product::<usize>() == 1 => 0,
             Collective::AllGather { .. } => n * input.len(),
             Collective::ShardSlice { .. } => 0,
+            // The pieces packed to send, and those received.
+            Collective::AllToAll { .. } => 2 * input.len(),
         };
         self.staging_peak.fetch_max(staging, Ordering::SeqCst);
         let _watched = self.watched(Waiting::Collective { rank: self.rank, kind, seq, axis });
@@ -656,6 +685,15 @@ impl Communicator for MpiComm {
                     let chunks: Vec<&[u8]> = all.chunks(input.len()).collect();
                     let concat = Kernel::Concat { dtype, shapes: vec![shape.to_vec(); n], axis: dim };
                     concat.run(&chunks, &mut [output]).map_err(kernel_error)
+                }
+                Collective::AllToAll { split, concat } => {
+                    let mut received = group.sum.lock().expect("staging");
+                    let packed = sized(&mut gathered, input.len());
+                    pack_pieces(dtype, shape, split, n, input, packed).map_err(kernel_error)?;
+                    let received = sized(&mut received, input.len());
+                    self.all_to_all_bytes(group.comm, n, packed, received)?;
+                    let pieces: Vec<&[u8]> = received.chunks(input.len() / n).collect();
+                    place_pieces(dtype, shape, (split, concat), &pieces, output).map_err(kernel_error)
                 }
                 Collective::ShardSlice { .. } => unreachable!("handled above"),
             }

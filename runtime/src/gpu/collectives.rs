@@ -23,6 +23,9 @@ pub enum NcclCall {
     AllGather { send: u64, recv: u64, count: usize, dtype: DType },
     /// `recv` = block `rank` (of `count` elements) of the sum of every rank's `send`.
     ReduceScatter { send: u64, recv: u64, count: usize, dtype: DType },
+    /// Piece j (`count` elements) of `send` to rank j, rank i's piece for this one into piece
+    /// i of `recv`: grouped sends and receives (NCCL has no all-to-all call).
+    AllToAll { send: u64, recv: u64, count: usize, dtype: DType },
     /// `bytes` bytes at `send` to rank `peer`, whose matching [`NcclCall::Recv`] (its next from
     /// this rank) receives them: a pipeline message.
     Send { send: u64, bytes: usize, peer: usize },
@@ -45,6 +48,9 @@ impl NcclCall {
             }
             NcclCall::ReduceScatter { send, recv, count, dtype } => {
                 vec![(send, ranks * count * dtype.size()), (recv, count * dtype.size())]
+            }
+            NcclCall::AllToAll { send, recv, count, dtype } => {
+                vec![(send, ranks * count * dtype.size()), (recv, ranks * count * dtype.size())]
             }
         }
     }
@@ -138,6 +144,50 @@ pub fn device_steps(op: &CollectiveOp, n: usize, coord: usize, at: Operands) -> 
             let scatter = NcclCall::ReduceScatter { send: at.scratch, recv: at.output, count, dtype };
             pack.chain(std::iter::once(DeviceStep::Nccl(scatter))).collect()
         }
+        Collective::AllToAll { split, concat } => {
+            // Pieces are packed rank-major into the scratch's first half (unless they are
+            // already: nothing before `split` but ones), exchanged into its second half, and
+            // placed along `concat` (unless that is the received order already).
+            let bytes = numel * dtype.size();
+            let (piece_bytes, (outer, row)) = (bytes / n, op.rows_along(split));
+            let mut steps = Vec::new();
+            let send = match outer {
+                1 => at.input,
+                _ => {
+                    let piece = row / n;
+                    steps.extend((0..n).map(|j| {
+                        DeviceStep::Copy2d(Copy2d {
+                            from: at.input + (j * piece) as u64,
+                            from_pitch: row,
+                            to: at.scratch + (j * piece_bytes) as u64,
+                            to_pitch: piece,
+                            width: piece,
+                            rows: outer,
+                        })
+                    }));
+                    at.scratch
+                }
+            };
+            let mut piece_shape = op.shape.clone();
+            piece_shape[split] /= n;
+            let placed_outer: usize = piece_shape[..concat].iter().product();
+            let piece_row = piece_shape[concat..].iter().product::<usize>() * dtype.size();
+            let recv = if placed_outer == 1 { at.output } else { at.scratch + bytes as u64 };
+            steps.push(DeviceStep::Nccl(NcclCall::AllToAll { send, recv, count: numel / n, dtype }));
+            if placed_outer > 1 {
+                steps.extend((0..n).map(|i| {
+                    DeviceStep::Copy2d(Copy2d {
+                        from: recv + (i * piece_bytes) as u64,
+                        from_pitch: piece_row,
+                        to: at.output + (i * piece_row) as u64,
+                        to_pitch: n * piece_row,
+                        width: piece_row,
+                        rows: placed_outer,
+                    })
+                }));
+            }
+            steps
+        }
         Collective::ShardSlice { dim } => {
             let (outer, row) = op.rows_along(dim);
             let piece = row / n;
@@ -186,7 +236,8 @@ mod tests {
                                 NcclCall::AllReduce { send, count, .. } | NcclCall::AllGather { send, count, .. } => {
                                     (send, count)
                                 }
-                                NcclCall::ReduceScatter { send, count, .. } => (send, count * n),
+                                NcclCall::ReduceScatter { send, count, .. }
+                                | NcclCall::AllToAll { send, count, .. } => (send, count * n),
                                 NcclCall::Send { .. } | NcclCall::Recv { .. } => panic!("no collective"),
                             };
                             memories[rank][send as usize..][..count * dtype.size()].to_vec()
@@ -213,6 +264,10 @@ mod tests {
                                 let block = count * dtype.size();
                                 (recv, sum(rank * block..(rank + 1) * block))
                             }
+                            NcclCall::AllToAll { recv, count, .. } => {
+                                let block = count * dtype.size();
+                                (recv, sends.iter().flat_map(|send| send[rank * block..][..block].to_vec()).collect())
+                            }
                             NcclCall::Send { .. } | NcclCall::Recv { .. } => unreachable!("no collective"),
                         };
                         memory[recv as usize..][..bytes.len()].copy_from_slice(&bytes);
@@ -225,24 +280,27 @@ mod tests {
     const OUT: u64 = 1 << 16;
     const SCRATCH: u64 = 1 << 17;
 
-    /// Every collective, flat and strided, over 2 and 3 ranks: the steps compute what the
-    /// threads' communicator computes, bit for bit.
+    /// Every collective (all-to-all between every pair of dims), flat and strided, over 2 and 3
+    /// ranks: the steps compute what the threads' communicator computes, bit for bit.
     #[test]
     fn device_steps_compute_the_host_collectives() {
         let shapes = [vec![6, 4], vec![2, 6, 3], vec![1, 12, 2]];
-        let kinds = |dim| {
+        let kinds = |dim, rank| {
+            let all_to_all = (0..rank).filter(move |&concat| concat != dim);
             [
                 Collective::AllReduce,
                 Collective::AllGather { dim },
                 Collective::ReduceScatter { dim },
                 Collective::ShardSlice { dim },
             ]
+            .into_iter()
+            .chain(all_to_all.map(move |concat| Collective::AllToAll { split: dim, concat }))
         };
         let mut strided = 0;
         for n in [2, 3] {
             for shape in &shapes {
                 for dim in 0..shape.len() {
-                    for kind in kinds(dim) {
+                    for kind in kinds(dim, shape.len()) {
                         let op = CollectiveOp { kind, axis: 0, dtype: DType::F32, shape: shape.clone() };
                         let Some(out_shape) = kind.output_shape(shape, n) else { continue };
                         let numel: usize = shape.iter().product();

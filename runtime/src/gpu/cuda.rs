@@ -632,6 +632,25 @@ impl Gpu for CudaGpu {
                     let ty = nccl_type(dtype, true)?;
                     nccl::reduce_scatter(pointer(send), pointer(recv), count, ty, ncclSum, handle, on)
                 }
+                NcclCall::AllToAll { send, recv, count, dtype } => {
+                    let ty = nccl_type(dtype, false)?;
+                    let (count, piece) = (nccl_count(count, dtype, ty), (count * dtype.size()) as u64);
+                    let ranks =
+                        nccl::comm_count(handle).map_err(|e| RuntimeError::Comm(format!("ncclCommCount: {e:?}")))?;
+                    nccl::group_start().map_err(|e| RuntimeError::Comm(format!("ncclGroupStart: {e:?}")))?;
+                    let mut issued = Ok(cudarc::nccl::result::NcclStatus::Success);
+                    for peer in 0..ranks {
+                        let at = peer as u64 * piece;
+                        issued = nccl::send(pointer(send + at), count, ty, peer, handle, on)
+                            .and_then(|_| nccl::recv(pointer(recv + at), count, ty, peer, handle, on));
+                        if issued.is_err() {
+                            break;
+                        }
+                    }
+                    // The group is closed whatever happened inside it.
+                    let ended = nccl::group_end();
+                    issued.and(ended)
+                }
                 NcclCall::Send { send, bytes, peer } => {
                     nccl::send(pointer(send), bytes, ncclUint8, peer as i32, handle, on)
                 }

@@ -192,7 +192,8 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
     let (count, dtype) = match calls[0] {
         NcclCall::AllReduce { count, dtype, .. }
         | NcclCall::AllGather { count, dtype, .. }
-        | NcclCall::ReduceScatter { count, dtype, .. } => (count, dtype),
+        | NcclCall::ReduceScatter { count, dtype, .. }
+        | NcclCall::AllToAll { count, dtype, .. } => (count, dtype),
         NcclCall::Send { .. } | NcclCall::Recv { .. } => return Err(mismatch()),
     };
     let mut sends = Vec::with_capacity(n);
@@ -205,6 +206,7 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
                 (send, c * d.size())
             }
             (NcclCall::ReduceScatter { send, count: c, dtype: d, .. }, NcclCall::ReduceScatter { .. })
+            | (NcclCall::AllToAll { send, count: c, dtype: d, .. }, NcclCall::AllToAll { .. })
                 if (c, d) == (count, dtype) =>
             {
                 (send, n * c * d.size())
@@ -217,7 +219,9 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
     let whole = match calls[0] {
         NcclCall::AllReduce { .. } => sum(dtype, &sends)?,
         NcclCall::AllGather { .. } => sends.concat(),
-        NcclCall::ReduceScatter { .. } | NcclCall::Send { .. } | NcclCall::Recv { .. } => Vec::new(),
+        NcclCall::ReduceScatter { .. } | NcclCall::AllToAll { .. } | NcclCall::Send { .. } | NcclCall::Recv { .. } => {
+            Vec::new()
+        }
     };
     for (rank, call) in calls.iter().enumerate() {
         match *call {
@@ -225,6 +229,10 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
             NcclCall::ReduceScatter { recv, .. } => {
                 let blocks: Vec<Vec<u8>> = sends.iter().map(|s| s[rank * block..(rank + 1) * block].to_vec()).collect();
                 write(recv, &sum(dtype, &blocks)?);
+            }
+            NcclCall::AllToAll { recv, .. } => {
+                let pieces: Vec<&[u8]> = sends.iter().map(|s| &s[rank * block..(rank + 1) * block]).collect();
+                write(recv, &pieces.concat());
             }
             NcclCall::Send { .. } | NcclCall::Recv { .. } => return Err(mismatch()),
         }

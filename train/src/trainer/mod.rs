@@ -412,8 +412,16 @@ impl Trainer {
             .collect();
         let Some(job) = &self.processes else { return Ok(local) };
         let [m] = &local[..] else { unreachable!("a process runs one rank") };
-        let figures =
-            [m.peak, m.sent.all_reduce, m.sent.all_gather, m.sent.reduce_scatter, m.sent.send, m.nccl as usize];
+        let sent = &m.sent;
+        let figures = [
+            m.peak,
+            sent.all_reduce,
+            sent.all_gather,
+            sent.reduce_scatter,
+            sent.send,
+            m.nccl as usize,
+            sent.all_to_all,
+        ];
         let bytes: Vec<u8> = figures.iter().flat_map(|&f| (f as u64).to_le_bytes()).collect();
         let all = job.all_gather(&bytes)?;
         Ok(all
@@ -421,7 +429,13 @@ impl Trainer {
             .map(|rank| {
                 let f: Vec<usize> =
                     rank.chunks(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize).collect();
-                let sent = CommBytes { all_reduce: f[1], all_gather: f[2], reduce_scatter: f[3], send: f[4] };
+                let sent = CommBytes {
+                    all_reduce: f[1],
+                    all_gather: f[2],
+                    reduce_scatter: f[3],
+                    send: f[4],
+                    all_to_all: f[6],
+                };
                 Measured { peak: f[0], sent, nccl: f[5] == 1 }
             })
             .collect())
