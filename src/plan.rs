@@ -117,7 +117,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         if args.memory_per_device >= 1 << 30 { ("GiB", (1u64 << 30) as f64) } else { ("MiB", (1u64 << 20) as f64) };
     println!();
     println!(
-        "{:>3} {:>3} {:>2} {:>3} {:>8} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
+        "{:>3} {:>3} {:>2} {:>3} {:>8} {:>4} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
         "#",
         "tp",
         "sp",
@@ -125,6 +125,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         "schedule",
         "dp",
         "zero",
+        "off",
         "mb",
         "acc",
         "recompute",
@@ -143,7 +144,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     for (i, c) in fitting.iter().take(args.top).enumerate() {
         let (l, p) = (&c.layout, c.prediction.as_ref().expect("fits"));
         println!(
-            "{:>3} {:>3} {:>2} {:>3} {:>8} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>10.1}",
+            "{:>3} {:>3} {:>2} {:>3} {:>8} {:>4} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>10.1}",
             i + 1,
             l.tp,
             if l.sequence_parallel { "sp" } else { "-" },
@@ -151,6 +152,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             schedule_label(l),
             l.dp,
             l.zero,
+            if l.offload_optimizer { "cpu" } else { "-" },
             l.micro_batch,
             l.grad_accum,
             l.recompute,
@@ -174,6 +176,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "best: compute {:.4} s, tp {:.4} s, pipeline bubble and sends {:.4} s, dp (exposed) {:.4} s per step",
             p.compute_seconds, p.tp_seconds, p.pipeline_seconds, p.dp_seconds
         );
+        if best.layout.offload_optimizer {
+            println!(
+                "  the optimizer offloaded: {:.4} s per step on the host, its states {:.2} {} per device in host memory",
+                p.offload_seconds,
+                p.memory.host_optimizer / unit.1,
+                unit.0
+            );
+        }
         let flags = best.compile_args.as_ref().expect("a layout that fits has its flags");
         println!("  autotp compile {} -o plan.atp", flags.join(" "));
     }

@@ -240,6 +240,7 @@ fn plan_lays_out_a_70b_model_on_1024_devices() {
             && l["schedule"] == "1f1b"
             && l["virtual_stages"] == 1
             && l["sequence_parallel"] == false
+            && l["offload_optimizer"] == false
     });
     assert!(megatron.is_some_and(|l| l["prediction"].is_object()), "{megatron:?}");
     let best = layouts
@@ -249,4 +250,36 @@ fn plan_lays_out_a_70b_model_on_1024_devices() {
         .unwrap();
     assert!(best["memory"]["peak"].as_f64().unwrap() <= 80.0 * (1u64 << 30) as f64);
     assert!(out.contains("--pp-cuts m.model.layers.") || !out.contains("--pp "), "{out}");
+}
+
+/// The Llama-70B-shaped export on one node of 8 H100s: no layout holds its optimizer state on
+/// the devices (12 bytes a parameter, 105 GB a device at best), so every layout that fits
+/// offloads it (ZeRO-Offload), with the states' bytes in host memory and the host's step in the
+/// step time; the best one's flags say `--offload-optimizer cpu`.
+#[test]
+fn plan_offloads_the_optimizer_where_nothing_else_fits() {
+    let model = fixture("plan", "llama_70b.onnx");
+    let args = ["--devices", "8", "--memory-per-device", "80GiB", "--seq-len", "4096", "--global-batch", "8"];
+    let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args].concat());
+    let layouts = json["layouts"].as_array().unwrap();
+    let fitting: Vec<&serde_json::Value> = layouts.iter().filter(|l| l["prediction"].is_object()).collect();
+    assert!(!fitting.is_empty(), "{out}");
+    for l in &fitting {
+        assert_eq!(l["layout"]["offload_optimizer"], true, "{l}");
+        let (memory, prediction) = (&l["prediction"]["memory"], &l["prediction"]);
+        assert_eq!(memory["optimizer"].as_f64(), Some(0.0), "{l}");
+        // f32 masters and two moments of a device's share of the parameters (dp 1: tp x pp
+        // shares; the first and last stages hold the embedding and head besides).
+        let share = 12.0 * 70_553_706_496.0 / 8.0;
+        let host = memory["host_optimizer"].as_f64().unwrap();
+        assert!((0.95 * share..1.25 * share).contains(&host), "{host} bytes of states, {share} a share: {l}");
+        let offload = prediction["offload_seconds"].as_f64().unwrap();
+        assert!(offload > 0.0 && offload < prediction["step_seconds"].as_f64().unwrap(), "{l}");
+    }
+    let on_device = layouts.iter().filter(|l| l["layout"]["offload_optimizer"] == false);
+    assert!(on_device.clone().count() > 0 && on_device.clone().all(|l| l["prediction"].is_null()), "{out}");
+    assert!(on_device.filter_map(|l| l["refused"].as_str()).any(|why| why.starts_with("out of memory")), "{out}");
+    let best = out.lines().find_map(|l| l.trim().strip_prefix("autotp compile ")).expect("the best's flags");
+    assert!(best.contains("--offload-optimizer cpu"), "{best}");
+    assert!(out.contains("the optimizer offloaded: "), "{out}");
 }

@@ -17,10 +17,11 @@ pub(super) fn search_cut(layout: &Layout) -> Layout {
     Layout { pp: 1, dp: 1, zero: 0, grad_accum: 1, ..one_chunk(layout) }
 }
 
-/// `layout` under plain 1F1B: the schedule and the model chunks change what a stage holds in
-/// flight and how long the pipeline idles, which the search predicts from the same cuts.
+/// `layout` under plain 1F1B, its optimizer on the device: the schedule and the model chunks
+/// change what a stage holds in flight and how long the pipeline idles, and an offloaded
+/// optimizer where its states and step are, which the search predicts from the same cuts.
 fn one_chunk(layout: &Layout) -> Layout {
-    Layout { schedule: "1f1b".into(), virtual_stages: 1, ..layout.clone() }
+    Layout { schedule: "1f1b".into(), virtual_stages: 1, offload_optimizer: false, ..layout.clone() }
 }
 
 /// The cut compiled for a pipelined layout's stages: 2 stages at its tp, micro-batch and
@@ -58,6 +59,7 @@ pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout>
         schedule: "1f1b".into(),
         virtual_stages: 1,
         sequence_parallel: layout.sequence_parallel,
+        offload_optimizer: false,
     })
 }
 
@@ -90,6 +92,9 @@ pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Lay
     }
     if !cuts.is_empty() {
         flag("pp-cuts", cuts.join(","));
+    }
+    if layout.offload_optimizer {
+        flag("offload-optimizer", "cpu".into());
     }
     if layout.sequence_parallel {
         out.push("--sequence-parallel".into());

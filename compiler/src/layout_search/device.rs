@@ -22,6 +22,10 @@ pub struct Device {
     pub instruction_seconds: f64,
     /// Cores the ranks share (cpu); 0: each rank has its own device.
     pub shared_cores: usize,
+    /// Bytes per second each way between a device and its host (0: the host is the device).
+    pub host_link: f64,
+    /// Bytes per second an offloaded optimizer step streams through host memory, per device.
+    pub host_update_bandwidth: f64,
 }
 
 impl Device {
@@ -38,6 +42,10 @@ impl Device {
             latency: 10e-6,
             instruction_seconds: 4e-6,
             shared_cores: 0,
+            // PCIe 5 x16 (64 GB/s each way) at 80%; a two-socket host's DDR5 (about 600 GB/s)
+            // shared by 8 devices, at half of it for the step's streams.
+            host_link: 64e9 * 0.8,
+            host_update_bandwidth: 600e9 / 8.0 * 0.5,
         };
         match name {
             "h100" => gpu(500e12, 3.35e12 * 0.8),
@@ -56,6 +64,8 @@ impl Device {
                     latency: 20e-6,
                     instruction_seconds: 3e-6,
                     shared_cores: cores,
+                    host_link: 0.0,
+                    host_update_bandwidth: 20e9 * cores as f64,
                 }
             }
         }

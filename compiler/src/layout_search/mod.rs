@@ -250,16 +250,20 @@ fn enumerate_layouts(
     let mut considered: Vec<Considered> = Vec::new();
     let mut wanted: Vec<Layout> = Vec::new();
     let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked by the caller");
+    // ZeRO-Offload frees a GPU's memory; CPU ranks' host is the memory they run in.
+    let offloads: &[bool] = if request.device == "cpu" { &[false] } else { &[false, true] };
     for tp in divisors(request.devices) {
         for pp in divisors(request.devices / tp) {
             let dp = request.devices / (tp * pp);
             for zero in 0..=3 {
                 for &micro_batch in &request.micro_batches {
                     for recompute in &request.recompute {
-                        for ((schedule, virtual_stages), sequence_parallel) in pipeline_schedules(pp, layers)
-                            .into_iter()
-                            .flat_map(|s| [false, true].map(|sp| (s, sp)))
-                            .filter(|&(_, sp)| !sp || tp > 1)
+                        for (((schedule, virtual_stages), sequence_parallel), offload_optimizer) in
+                            pipeline_schedules(pp, layers)
+                                .into_iter()
+                                .flat_map(|s| [false, true].map(|sp| (s, sp)))
+                                .filter(|&(_, sp)| !sp || tp > 1)
+                                .flat_map(|s| offloads.iter().map(move |&offload| (s, offload)))
                         {
                             let mut layout = Layout {
                                 tp,
@@ -272,6 +276,7 @@ fn enumerate_layouts(
                                 schedule: schedule.to_string(),
                                 virtual_stages,
                                 sequence_parallel,
+                                offload_optimizer,
                             };
                             let grad_accum = global_batch / (dp * micro_batch).max(1);
                             let refused = if tp > per_node {

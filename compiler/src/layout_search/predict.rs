@@ -1,7 +1,7 @@
 //! A layout's predicted step ([`Prediction`]): its fullest device's memory by category, and
 //! its time by the cost model (GEMMs at the device's rate, other kernels at its bandwidth,
 //! dispatch per instruction, tp's collectives, the pipeline's slots and sends, the exposed
-//! data-parallel reduction); or why it does not fit.
+//! data-parallel reduction, an offloaded optimizer's step); or why it does not fit.
 
 use crate::summary::grouped;
 
@@ -25,6 +25,9 @@ pub struct Layout {
     pub virtual_stages: usize,
     /// Megatron's sequence parallelism with tp (`--sequence-parallel`).
     pub sequence_parallel: bool,
+    /// The optimizer's states and step in host memory (`--offload-optimizer cpu`,
+    /// ZeRO-Offload); searched on GPUs (on CPU ranks the host is the same memory).
+    pub offload_optimizer: bool,
 }
 
 impl Layout {
@@ -70,6 +73,8 @@ pub struct MemoryFigures {
     /// Host buffers the collectives stage through.
     pub staging: f64,
     pub peak: f64,
+    /// The optimizer's states in host memory (`--offload-optimizer`), not in `peak`.
+    pub host_optimizer: f64,
 }
 
 /// A layout's predicted step.
@@ -80,6 +85,10 @@ pub struct Prediction {
     pub tp_seconds: f64,
     pub pipeline_seconds: f64,
     pub dp_seconds: f64,
+    /// The offloaded optimizer step: its gradients down and parameters up over the host link,
+    /// or its update at the host's bandwidth, whichever is longer (they overlap, group by
+    /// group).
+    pub offload_seconds: f64,
     pub bubble_fraction: f64,
     pub memory: MemoryFigures,
     /// Bytes one device sends per step (tp, dp and pipeline together).
@@ -114,6 +123,7 @@ pub(super) fn predict(
     let mut slot = 0.0f64;
     let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     let mut gathered_params = 0.0f64;
+    let mut offload = 0.0f64;
     // CPU ranks share the machine's cores: a step takes the work of every rank at the
     // machine's rate (a pipeline's idle stages leave their cores to the others).
     let mut machine_seconds = 0.0f64;
@@ -141,9 +151,15 @@ pub(super) fn predict(
         // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
         // keeps shards.
         let grads = if zero == 3 { held.grads / dpf } else { held.grads };
-        let optimizer = if zero >= 1 { held.optimizer / dpf } else { held.optimizer };
-        // ZeRO's optimizer steps (stages 1 to 3) run on the rank's shards.
-        let transient = if zero >= 1 { figures.optimizer_transient / dpf } else { figures.optimizer_transient };
+        let sharded_optimizer = if zero >= 1 { held.optimizer / dpf } else { held.optimizer };
+        // ZeRO's optimizer steps (stages 1 to 3) run on the rank's shards; an offloaded step
+        // runs in host memory, in place.
+        let (optimizer, transient) = match layout.offload_optimizer {
+            true => (0.0, 0.0),
+            false if zero >= 1 => (sharded_optimizer, figures.optimizer_transient / dpf),
+            false => (sharded_optimizer, figures.optimizer_transient),
+        };
+        let host_optimizer = if layout.offload_optimizer { sharded_optimizer } else { 0.0 };
         let intermediate = if model.pipeline.is_some() {
             // The cut (dp 1) sums whole gradients; from ZeRO 2 a stage sums their shards.
             let sums = if zero >= 2 && grad_accum > 1 { held.grads * (1.0 - 1.0 / dpf) } else { 0.0 };
@@ -175,7 +191,15 @@ pub(super) fn predict(
         let staging = model.tp_staging.max(dp_staging);
         let peak = params + optimizer + intermediate + held.inputs + staging;
         if peak > worst.peak {
-            worst = MemoryFigures { params, grads, optimizer, activations, staging, peak };
+            worst = MemoryFigures { params, grads, optimizer, activations, staging, peak, host_optimizer };
+        }
+        if layout.offload_optimizer {
+            // The rank's shard: its gradients down and parameters up; the host reads and writes
+            // the states and reads the gradients.
+            let shard = |bytes: f64| if zero >= 1 { bytes / dpf } else { bytes };
+            let moved = shard(held.grads) + shard(held.params);
+            let updated = 2.0 * sharded_optimizer + shard(held.grads);
+            offload = offload.max((moved / device.host_link).max(updated / device.host_update_bandwidth));
         }
         let work = (figures.gemm_flops + device.gemm_half_rows * figures.gemm_flops_per_row) / device.gemm_flops
             + figures.other_bytes / device.memory_bandwidth
@@ -227,13 +251,14 @@ pub(super) fn predict(
     } else {
         (slots * slot - micro_batches * slot, slots * slot)
     };
-    let step_seconds = busy + dp_seconds;
+    let step_seconds = busy + dp_seconds + offload;
     Ok(Prediction {
         step_seconds,
         compute_seconds: if device.shared_cores > 0 { machine_seconds } else { micro_batches * compute },
         tp_seconds: micro_batches * tp_time,
         pipeline_seconds,
         dp_seconds,
+        offload_seconds: offload,
         bubble_fraction,
         memory: worst,
         comm_bytes: micro_batches * tp_bytes
