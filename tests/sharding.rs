@@ -254,3 +254,26 @@ fn an_indivisible_vocabulary_is_refused() {
     let error = PassManager::new(passes).run(&mut graph).unwrap_err().to_string();
     assert!(error.contains("'embed'") && error.contains("15") && error.contains("vocabulary"), "{error}");
 }
+
+/// A step whose tokens are split over a mesh axis (the sequence, as context parallelism splits
+/// it): the `shard` pass places every value of the forward, backward and optimizer step so
+/// that the SPMD reference computes what one device does (Llama: rotary tables and a causal
+/// mask; GPT-2: learned positions).
+#[test]
+fn a_step_with_its_sequence_split_matches_one_device() {
+    use autotp_ir::{Mesh, MeshAxis, Placement};
+    for arch in ["llama", "gpt2"] {
+        let shard = autotp_passes::shard::Shard {
+            mesh: Mesh { axes: vec![MeshAxis { name: "cp".into(), size: 2 }] },
+            seeds: ["input_ids", "labels"].map(|name| (name.to_string(), vec![Placement::Shard(1)])).into(),
+            gather_params_on: None,
+            scatter_early: false,
+            micro_batches: 1,
+            bucket_elements: 0,
+            reduce_dtype: None,
+            sequence_parallel: None,
+        };
+        let (loss, tensors) = compare(arch, shard);
+        println!("{arch}: loss within {loss:.1e}, parameters and states within {tensors:.1e}");
+    }
+}

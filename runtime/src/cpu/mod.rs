@@ -275,14 +275,17 @@ impl Device for CpuDevice {
                 let scalars: Vec<*mut u8> = scalars.iter().map(|r| bases.at(r)).collect();
                 let entry = self.optimizer_entry(optimizer, *dtype);
                 let file = self.param_file.as_mut().expect("checked");
-                let in_file: Vec<usize> =
-                    file.swaps(index).map(|s| s.tensors.iter().map(|t| t.0).collect()).unwrap_or_default();
-                let in_memory = || tensors.iter().enumerate().filter(|(t, _)| !in_file.contains(t)).map(|(_, t)| t);
-                // SAFETY: as the step below; the shards of the tensors updated one by one are in
-                // memory from their swaps before to their swaps after.
+                let mut in_file = vec![false; tensors.len()];
+                for &(t, ..) in file.swaps(index).map_or(&[][..], |s| &s.tensors) {
+                    in_file[t] = true;
+                }
+                let in_memory = || tensors.iter().zip(&in_file).filter(|(_, &f)| !f).map(|(t, _)| t);
+                // SAFETY: as the step below.
                 unsafe { run_chunks(entry, &scalars, &optimizer_chunks(*dtype, in_memory(), bases)) };
                 copy_masters(*dtype, in_memory(), bases, label)?;
                 file.update_tensors(index, |t| {
+                    // SAFETY: as the step below; the tensor's shard is in memory between its
+                    // swaps before and after this update.
                     unsafe { run_chunks(entry, &scalars, &optimizer_chunks(*dtype, [&tensors[t]], bases)) };
                     copy_masters(*dtype, [&tensors[t]], bases, label)
                 })?;
