@@ -393,7 +393,7 @@ impl GpuDevice {
     ) -> Result<GpuDevice, RuntimeError> {
         if program.memory.offloaded_params_bytes > 0 {
             return Err(RuntimeError::Plan(format!(
-                "keeps {} bytes of parameters in host memory (--offload-param cpu), which GPU ranks do not fetch \
+                "keeps {} bytes of parameters off the device (--offload-param), which GPU ranks do not fetch \
                  yet: run it on CPU ranks (--device cpu), or compile without --offload-param",
                 program.memory.offloaded_params_bytes
             )));
