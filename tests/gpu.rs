@@ -412,13 +412,22 @@ fn bench_comm_checks_nccl_collectives_on_emulated_gpus() {
 /// and the host updates the offloaded states with the CPU's kernel, so the losses are the CPU
 /// ranks' bit for bit: f32 (states offloaded, parameters on the GPU), bf16 (f32 masters
 /// offloaded, their bf16 copies uploaded, the step guarded against non-finite gradients), and
-/// dp 2 with ZeRO-2 over the emulated NCCL. A checkpoint written on the GPU resumes on the CPU.
+/// dp 2 with ZeRO-2 over the emulated NCCL; and with ZeRO-3's parameter shards in host memory
+/// too (`--offload-param cpu`: each uploaded before NCCL gathers it, updated in the pool, a
+/// bf16 model's copies cast there). A checkpoint written on the GPU resumes on the CPU.
 #[test]
 fn an_offloaded_optimizer_on_the_emulated_gpu_trains_like_the_cpu() {
     let dir = scratch("emulated-gpu-offload");
     let model = fixture("gpt2", "model.onnx");
     let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
-    let layouts: [&[&str]; 3] = [&[], &["--precision", "bf16"], &["--dp", "2", "--zero", "2"]];
+    let zero3_params = ["--dp", "2", "--zero", "3", "--offload-param", "cpu"];
+    let layouts: [&[&str]; 5] = [
+        &[],
+        &["--precision", "bf16"],
+        &["--dp", "2", "--zero", "2"],
+        &zero3_params,
+        &[&zero3_params[..], &["--precision", "bf16"]].concat(),
+    ];
     for (l, layout) in layouts.iter().enumerate() {
         let plan = dir.join(format!("offload-{l}.atp"));
         compile(&model, &plan, &[&["--micro-batch", "4", "--offload-optimizer", "cpu"][..], layout].concat());

@@ -266,7 +266,9 @@ pub struct CompileFlags {
     /// host memory outside it (cpu), read by their gathers and updated there, so the arena
     /// holds only the gathered parameters in flight, or in files under --nvme-path (nvme), each
     /// shard fetched ahead of its uses and released after, at most --buffer-count in memory;
-    /// needs --zero 3. CPU ranks only so far (a GPU plan refuses it at load).
+    /// needs --zero 3. GPU ranks upload host memory's shards before their gathers and update
+    /// them in the host's optimizer step; nvme is CPU ranks only so far (a GPU plan refuses it
+    /// at load).
     #[arg(long, value_enum, default_value = "none")]
     #[serde(default)]
     pub offload_param: OffloadFlag,

@@ -55,6 +55,9 @@ pub(super) fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &
             (_, Prepared::OptimizerStep(ChunkTable { offloaded: Some(_), .. })) => {
                 "updates offloaded optimizer state on the host".to_string()
             }
+            (_, Prepared::Collective { fetched: Some(_), .. }) => {
+                "uploads an offloaded parameter shard from host memory first".to_string()
+            }
             _ => return None,
         };
         Some(format!("instruction {i} ({label}) {why}"))

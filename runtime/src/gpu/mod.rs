@@ -303,6 +303,9 @@ enum Prepared {
     Collective {
         steps: Vec<DeviceStep>,
         nccl: Option<usize>,
+        /// An input in the host pool (an offloaded parameter shard) and the device buffer it
+        /// is uploaded to first, which the steps read.
+        fetched: Option<(Region, u64)>,
     },
     /// A pipeline send over NCCL: the staging buffer its bytes are copied to (NCCL sends from
     /// there on [`Stream::Transfer`]), and its link's communicator.
@@ -391,11 +394,17 @@ impl GpuDevice {
         rank: Option<(usize, Arc<dyn Communicator>)>,
         mut issued: Vec<u64>,
     ) -> Result<GpuDevice, RuntimeError> {
-        if program.memory.offloaded_params_bytes > 0 {
+        if program.memory.nvme_params_bytes > 0 {
             return Err(RuntimeError::Plan(format!(
-                "keeps {} bytes of parameters off the device (--offload-param), which GPU ranks do not fetch \
-                 yet: run it on CPU ranks (--device cpu), or compile without --offload-param",
-                program.memory.offloaded_params_bytes
+                "keeps {} bytes of parameters in files (--offload-param nvme), which GPU ranks do not fetch yet: \
+                 run it on CPU ranks (--device cpu), or compile with --offload-param cpu",
+                program.memory.nvme_params_bytes
+            )));
+        }
+        if let Some(reader) = offload::offloaded_param_reader(program) {
+            return Err(RuntimeError::Plan(format!(
+                "{reader} reads parameters offloaded to host memory (--offload-param), which GPU ranks fetch only \
+                 for their gathers and update only in the host's optimizer step"
             )));
         }
         let (free_before, _) = gpu.memory()?;
@@ -443,6 +452,20 @@ impl GpuDevice {
             .unwrap_or(0);
         let on_nccl = |path: &CommPath| matches!(path, CommPath::Nccl { .. });
         let uses_nccl = paths.iter().chain(links.iter().map(|(_, path)| path)).any(on_nccl);
+        // Offloaded parameter shards are uploaded here before NCCL gathers them.
+        let fetch_bytes = (program.instructions.iter())
+            .filter_map(|i| match i {
+                Instruction::Collective { input, .. } | Instruction::CollectiveStart { input, .. } => Some(input),
+                _ => None,
+            })
+            .filter(|input| input.in_host_pool())
+            .map(|input| input.len)
+            .max()
+            .unwrap_or(0);
+        let fetch = match paths.iter().any(on_nccl) && fetch_bytes > 0 {
+            true => gpu.alloc(fetch_bytes)?,
+            false => 0,
+        };
         let scratch = match paths.iter().any(on_nccl) && scratch_bytes > 0 {
             true => gpu.alloc(scratch_bytes)?,
             false => 0,
@@ -537,8 +560,9 @@ impl GpuDevice {
                     let shard_slice = matches!(op.kind, autotp_program::mesh::Collective::ShardSlice { .. });
                     match nccl.is_some() || shard_slice {
                         true => {
+                            let fetched = input.in_host_pool().then_some((*input, fetch));
                             let at = collectives::Operands {
-                                input: base + input.offset as u64,
+                                input: fetched.map_or(base + input.offset as u64, |(_, to)| to),
                                 output: base + output.offset as u64,
                                 scratch,
                             };
@@ -551,7 +575,7 @@ impl GpuDevice {
                                         op.shape
                                     ))
                                 })?;
-                            Prepared::Collective { steps, nccl: nccl.filter(|_| !shard_slice) }
+                            Prepared::Collective { steps, nccl: nccl.filter(|_| !shard_slice), fetched }
                         }
                         false => Prepared::Nothing,
                     }
@@ -868,8 +892,15 @@ impl GpuDevice {
             Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. }
                 if matches!(self.prepared[index], Prepared::Collective { .. }) =>
             {
-                let Prepared::Collective { steps, nccl } = &self.prepared[index] else { unreachable!("matched") };
+                let Prepared::Collective { steps, nccl, fetched } = &self.prepared[index] else {
+                    unreachable!("matched")
+                };
                 let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+                if let Some((region, to)) = fetched {
+                    // From pageable memory: the driver takes the bytes before this returns.
+                    let at = region.offset - autotp_program::HOST_POOL;
+                    gpu.upload(stream, *to, &self.host_pool.as_slice()[at..at + region.len])?;
+                }
                 for step in steps {
                     match (step, nccl) {
                         (DeviceStep::Copy2d(copy), _) => gpu.copy_2d(stream, copy)?,

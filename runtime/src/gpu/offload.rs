@@ -14,7 +14,10 @@
 //! download into the same buffer is issued after them on the same stream, so it cannot
 //! overwrite them first.
 //! The step's scalars (and its guard, under fp16/bf16's skipping of non-finite steps) are read
-//! back first; a false guard skips the step, as on the CPU.
+//! back first; a false guard skips the step, as on the CPU. Parameter shards in the pool
+//! (`--offload-param cpu`) are updated there, and a 16-bit model's copies cast there; the
+//! device uploads them before each gather ([`offloaded_param_reader`] refuses a program that
+//! reads them otherwise).
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -54,8 +57,20 @@ struct Piece {
     inputs: Vec<Option<Staged>>,
     /// Outputs not updated in place, staged apart.
     outputs: Vec<Option<Staged>>,
-    /// The 16-bit copy's piece, cast from the new master into staging.
-    copy: Option<(Staged, DType)>,
+    /// The 16-bit copy's piece, cast from the new master: into staging and uploaded, or (an
+    /// offloaded parameter's, `--offload-param`) into the host pool.
+    copy: Option<(CopyTo, DType)>,
+}
+
+/// Where a piece of a 16-bit copy goes.
+#[derive(Clone, Copy, Debug)]
+enum CopyTo {
+    Staged(Staged),
+    /// `len` bytes of the host pool at `start`.
+    InPool {
+        start: usize,
+        len: usize,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -115,8 +130,13 @@ impl OffloadedStep {
                         false => stage(r, size),
                     })
                     .collect();
-                let copy =
-                    tensor.copy.map(|(region, to)| (stage(&region, to.size()).expect("copies are in the arena"), to));
+                let copy = tensor.copy.map(|(region, to)| match stage(&region, to.size()) {
+                    Some(staged) => (CopyTo::Staged(staged), to),
+                    None => {
+                        let at = region.offset - autotp_program::HOST_POOL + start * to.size();
+                        (CopyTo::InPool { start: at, len: (end - start) * to.size() }, to)
+                    }
+                });
                 group.pieces.push(Piece { tensor: t, elements: start..end, inputs, outputs, copy });
                 filled += end - start;
                 start = end;
@@ -208,12 +228,22 @@ impl OffloadedStep {
                             gpu.upload(stream, base + staged.region.offset as u64, bytes)?;
                         }
                     }
-                    if let Some((staged, to)) = piece.copy {
+                    if let Some((copy, to)) = piece.copy {
                         // SAFETY: the new master's piece, in the pool or this group's staging.
                         let master = unsafe { std::slice::from_raw_parts(update.param_out, update.len * dtype.size()) };
-                        let mut cast = vec![0u8; staged.region.len];
-                        crate::cpu::cast_master(dtype, to, master, &mut cast, label)?;
-                        gpu.upload(stream, base + staged.region.offset as u64, &cast)?;
+                        match copy {
+                            CopyTo::Staged(staged) => {
+                                let mut cast = vec![0u8; staged.region.len];
+                                crate::cpu::cast_master(dtype, to, master, &mut cast, label)?;
+                                gpu.upload(stream, base + staged.region.offset as u64, &cast)?;
+                            }
+                            CopyTo::InPool { start, len } => {
+                                // SAFETY: a piece of the host pool apart from the master (the
+                                // program's regions are validated disjoint).
+                                let into = unsafe { std::slice::from_raw_parts_mut((pool + start) as *mut u8, len) };
+                                crate::cpu::cast_master(dtype, to, master, into, label)?;
+                            }
+                        }
                     }
                 }
                 drop(gpu);
@@ -273,6 +303,24 @@ impl Piece {
             states_out,
         }
     }
+}
+
+/// The first instruction that reads or writes an offloaded parameter where a GPU rank cannot:
+/// anything but a collective's input (uploaded first) or an optimizer step (the host's).
+pub(crate) fn offloaded_param_reader(program: &autotp_program::Program) -> Option<String> {
+    let offloaded: Vec<&Region> = program.params.iter().map(|s| &s.region).filter(|r| r.in_host_pool()).collect();
+    program.instructions.iter().find_map(|instruction| {
+        let touched = match instruction {
+            autotp_program::Instruction::Collective { output, .. }
+            | autotp_program::Instruction::CollectiveStart { output, .. } => vec![*output],
+            autotp_program::Instruction::OptimizerStep { .. } => vec![],
+            _ => {
+                let (inputs, outputs) = instruction.regions();
+                inputs.into_iter().chain(outputs).collect()
+            }
+        };
+        touched.iter().any(|r| offloaded.iter().any(|p| p.overlaps(r))).then(|| instruction.label().to_string())
+    })
 }
 
 #[cfg(test)]
