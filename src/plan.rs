@@ -152,7 +152,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             schedule_label(l),
             l.dp,
             l.zero,
-            if l.offload_optimizer { "cpu" } else { "-" },
+            match (l.offload_optimizer, l.offload_param) {
+                (_, true) => "o+p",
+                (true, false) => "o",
+                _ => "-",
+            },
             l.micro_batch,
             l.grad_accum,
             l.recompute,
@@ -178,9 +182,12 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         );
         if best.layout.offload_optimizer {
             println!(
-                "  the optimizer offloaded: {:.4} s per step on the host, its states {:.2} {} per device in host memory",
+                "  offloaded: {:.4} s per step on the host and its link; {:.2} {} of optimizer states and {:.2} {} of \
+                 parameter shards per device in host memory",
                 p.offload_seconds,
                 p.memory.host_optimizer / unit.1,
+                unit.0,
+                p.memory.host_params / unit.1,
                 unit.0
             );
         }

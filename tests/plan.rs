@@ -281,5 +281,56 @@ fn plan_offloads_the_optimizer_where_nothing_else_fits() {
     assert!(on_device.filter_map(|l| l["refused"].as_str()).any(|why| why.starts_with("out of memory")), "{out}");
     let best = out.lines().find_map(|l| l.trim().strip_prefix("autotp compile ")).expect("the best's flags");
     assert!(best.contains("--offload-optimizer cpu"), "{best}");
-    assert!(out.contains("the optimizer offloaded: "), "{out}");
+    assert!(out.contains("  offloaded: ") && out.contains("GiB of optimizer states"), "{out}");
+}
+
+/// On GPUs the search offloads ZeRO-3's parameter shards too (with the optimizer): on the Llama
+/// fixture with 2 MiB per H100, every layout that fits offloads its optimizer, some only fit with
+/// their shards in host memory as well, and such a layout holds its twin's parameters less
+/// exactly the shards it moves to the host, whose uploads before the gathers add to its step.
+/// Its flags compile.
+#[test]
+fn plan_offloads_parameter_shards_with_zero_3() {
+    let model = fixture("llama", "model.onnx");
+    let args = ["--devices", "4", "--memory-per-device", "2MiB", "--device", "h100", "--seq-len", "16"];
+    let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &["--global-batch", "8"]].concat());
+    let layouts = json["layouts"].as_array().unwrap();
+    let fits = |l: &&serde_json::Value| l["prediction"].is_object();
+    assert!(layouts.iter().filter(fits).all(|l| l["layout"]["offload_optimizer"] == true), "{out}");
+    let with_shards: Vec<&serde_json::Value> =
+        layouts.iter().filter(fits).filter(|l| l["layout"]["offload_param"] == true).collect();
+    assert!(!with_shards.is_empty(), "{out}");
+    let mut compared = 0;
+    for l in &with_shards {
+        assert_eq!(l["layout"]["zero"], 3, "{l}");
+        let twin = layouts.iter().find(|t| {
+            let mut layout = l["layout"].clone();
+            layout["offload_param"] = false.into();
+            t["layout"] == layout
+        });
+        let twin = twin.expect("every layout is searched with its shards on the device too");
+        let memory = &l["prediction"]["memory"];
+        let host = memory["host_params"].as_f64().unwrap();
+        assert!(host > 0.0, "{l}");
+        match twin["prediction"].as_object() {
+            // One stage: the same stage is the fullest in both.
+            Some(p) if l["layout"]["pp"] == 1 => {
+                let on_device = p["memory"]["params"].as_f64().unwrap();
+                assert!((on_device - memory["params"].as_f64().unwrap() - host).abs() < 1.0, "{l}\n{twin}");
+                assert!(l["prediction"]["offload_seconds"].as_f64() > p["offload_seconds"].as_f64(), "{l}");
+                compared += 1;
+            }
+            Some(_) => {}
+            None => assert!(twin["refused"].as_str().unwrap().starts_with("out of memory"), "{twin}"),
+        }
+    }
+    assert!(compared > 0 || with_shards.iter().any(|l| l["layout"]["pp"] != 1), "{out}");
+    let args = with_shards[0]["compile_args"].as_array().unwrap();
+    let mut argv: Vec<String> = args.iter().map(|a| a.as_str().unwrap().to_string()).collect();
+    assert!(argv.windows(2).any(|w| w[0] == "--offload-param" && w[1] == "cpu"), "{argv:?}");
+    argv.insert(0, "compile".into());
+    let plan = scratch("plan-offload-param").join("plan.atp");
+    argv.extend(["-o".into(), plan.to_str().unwrap().into()]);
+    let compiled = success(autotp(&argv));
+    assert!(compiled.contains("parameter offload: "), "{compiled}");
 }

@@ -21,7 +21,13 @@ pub(super) fn search_cut(layout: &Layout) -> Layout {
 /// change what a stage holds in flight and how long the pipeline idles, and an offloaded
 /// optimizer where its states and step are, which the search predicts from the same cuts.
 fn one_chunk(layout: &Layout) -> Layout {
-    Layout { schedule: "1f1b".into(), virtual_stages: 1, offload_optimizer: false, ..layout.clone() }
+    Layout {
+        schedule: "1f1b".into(),
+        virtual_stages: 1,
+        offload_optimizer: false,
+        offload_param: false,
+        ..layout.clone()
+    }
 }
 
 /// The cut compiled for a pipelined layout's stages: 2 stages at its tp, micro-batch and
@@ -60,6 +66,7 @@ pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout>
         virtual_stages: 1,
         sequence_parallel: layout.sequence_parallel,
         offload_optimizer: false,
+        offload_param: false,
     })
 }
 
@@ -95,6 +102,9 @@ pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Lay
     }
     if layout.offload_optimizer {
         flag("offload-optimizer", "cpu".into());
+    }
+    if layout.offload_param {
+        flag("offload-param", "cpu".into());
     }
     if layout.sequence_parallel {
         out.push("--sequence-parallel".into());

@@ -250,20 +250,23 @@ fn enumerate_layouts(
     let mut considered: Vec<Considered> = Vec::new();
     let mut wanted: Vec<Layout> = Vec::new();
     let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked by the caller");
-    // ZeRO-Offload frees a GPU's memory; CPU ranks' host is the memory they run in.
-    let offloads: &[bool] = if request.device == "cpu" { &[false] } else { &[false, true] };
+    // ZeRO-Offload frees a GPU's memory (the optimizer; with ZeRO-3 its parameter shards too);
+    // CPU ranks' host is the memory they run in. (optimizer, parameters)
+    let offloads: &[(bool, bool)] =
+        if request.device == "cpu" { &[(false, false)] } else { &[(false, false), (true, false), (true, true)] };
     for tp in divisors(request.devices) {
         for pp in divisors(request.devices / tp) {
             let dp = request.devices / (tp * pp);
             for zero in 0..=3 {
                 for &micro_batch in &request.micro_batches {
                     for recompute in &request.recompute {
-                        for (((schedule, virtual_stages), sequence_parallel), offload_optimizer) in
+                        for (((schedule, virtual_stages), sequence_parallel), (offload_optimizer, offload_param)) in
                             pipeline_schedules(pp, layers)
                                 .into_iter()
                                 .flat_map(|s| [false, true].map(|sp| (s, sp)))
                                 .filter(|&(_, sp)| !sp || tp > 1)
                                 .flat_map(|s| offloads.iter().map(move |&offload| (s, offload)))
+                                .filter(|&(_, (_, param))| !param || zero == 3)
                         {
                             let mut layout = Layout {
                                 tp,
@@ -277,6 +280,7 @@ fn enumerate_layouts(
                                 virtual_stages,
                                 sequence_parallel,
                                 offload_optimizer,
+                                offload_param,
                             };
                             let grad_accum = global_batch / (dp * micro_batch).max(1);
                             let refused = if tp > per_node {

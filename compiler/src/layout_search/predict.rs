@@ -28,6 +28,9 @@ pub struct Layout {
     /// The optimizer's states and step in host memory (`--offload-optimizer cpu`,
     /// ZeRO-Offload); searched on GPUs (on CPU ranks the host is the same memory).
     pub offload_optimizer: bool,
+    /// ZeRO-3's parameter shards in host memory too (`--offload-param cpu`), each uploaded
+    /// before its gathers; searched with the optimizer offloaded.
+    pub offload_param: bool,
 }
 
 impl Layout {
@@ -75,6 +78,8 @@ pub struct MemoryFigures {
     pub peak: f64,
     /// The optimizer's states in host memory (`--offload-optimizer`), not in `peak`.
     pub host_optimizer: f64,
+    /// The parameter shards in host memory (`--offload-param`), not in `peak`.
+    pub host_params: f64,
 }
 
 /// A layout's predicted step.
@@ -87,7 +92,7 @@ pub struct Prediction {
     pub dp_seconds: f64,
     /// The offloaded optimizer step: its gradients down and parameters up over the host link,
     /// or its update at the host's bandwidth, whichever is longer (they overlap, group by
-    /// group).
+    /// group); and the uploads of offloaded parameter shards before their gathers.
     pub offload_seconds: f64,
     pub bubble_fraction: f64,
     pub memory: MemoryFigures,
@@ -123,7 +128,7 @@ pub(super) fn predict(
     let mut slot = 0.0f64;
     let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     let mut gathered_params = 0.0f64;
-    let mut offload = 0.0f64;
+    let (mut offload, mut fetch) = (0.0f64, 0.0f64);
     // CPU ranks share the machine's cores: a step takes the work of every rank at the
     // machine's rate (a pipeline's idle stages leave their cores to the others).
     let mut machine_seconds = 0.0f64;
@@ -146,7 +151,9 @@ pub(super) fn predict(
         };
         // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9).
         let gathered = held.params.min(1e9 * model.param_bytes);
-        let params = if zero == 3 { held.params / dpf + gathered } else { held.params };
+        let shards = if zero == 3 { held.params / dpf } else { 0.0 };
+        let host_params = if layout.offload_param { shards } else { 0.0 };
+        let params = if zero == 3 { shards - host_params + gathered } else { held.params };
         // autotp reduce-scatters each gradient once it is made whole (no buckets): under ZeRO 2
         // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
         // keeps shards.
@@ -191,15 +198,22 @@ pub(super) fn predict(
         let staging = model.tp_staging.max(dp_staging);
         let peak = params + optimizer + intermediate + held.inputs + staging;
         if peak > worst.peak {
-            worst = MemoryFigures { params, grads, optimizer, activations, staging, peak, host_optimizer };
+            worst = MemoryFigures { params, grads, optimizer, activations, staging, peak, host_optimizer, host_params };
         }
         if layout.offload_optimizer {
             // The rank's shard: its gradients down and parameters up; the host reads and writes
             // the states and reads the gradients.
             let shard = |bytes: f64| if zero >= 1 { bytes / dpf } else { bytes };
-            let moved = shard(held.grads) + shard(held.params);
+            // Parameters in host memory are updated there, not uploaded after the step.
+            let moved = shard(held.grads) + if layout.offload_param { 0.0 } else { shard(held.params) };
             let updated = 2.0 * sharded_optimizer + shard(held.grads);
             offload = offload.max((moved / device.host_link).max(updated / device.host_update_bandwidth));
+        }
+        if layout.offload_param {
+            // Each of the step's gathers (a forward's and a backward's per micro-batch, less
+            // the last forward's, kept) first uploads the rank's shards.
+            let gathers = 2.0 * grad_accum as f64 - 1.0;
+            fetch = fetch.max(gathers * host_params / device.host_link);
         }
         let work = (figures.gemm_flops + device.gemm_half_rows * figures.gemm_flops_per_row) / device.gemm_flops
             + figures.other_bytes / device.memory_bandwidth
@@ -251,6 +265,9 @@ pub(super) fn predict(
     } else {
         (slots * slot - micro_batches * slot, slots * slot)
     };
+    // The uploads of offloaded shards share the host link with nothing else of the step, but
+    // the gathers wait for them: counted in full.
+    let offload = offload + fetch;
     let step_seconds = busy + dp_seconds + offload;
     Ok(Prediction {
         step_seconds,
