@@ -156,8 +156,8 @@ impl RunFlags {
     }
 
     /// Loads `plan` for this run: on the GPU `gpu` names or the CPU, as a process of `job` or
-    /// all ranks here, with its optimizer state's or parameters' files under `nvme_path` (`run --nvme-path`)
-    /// rather than where the plan says.
+    /// all ranks here, with its optimizer state's or parameters' files under `nvme_path`
+    /// (`run --nvme-path`) rather than where the plan says.
     pub fn trainer(
         &self,
         mut plan: TrainingPlan,

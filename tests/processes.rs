@@ -292,8 +292,8 @@ fn a_stopped_process_ends_the_job() {
     resumes(&save);
 }
 
-/// `bench-comm` checks every collective's result (all-to-all included) on every rank: as 2 MPI processes (and the
-/// bootstrap: rank 0's 128 random bytes reach both) and as 3 threads.
+/// `bench-comm` checks every collective's result (all-to-all included) on every rank: as 2 MPI
+/// processes (and the bootstrap: rank 0's 128 random bytes reach both) and as 3 threads.
 #[test]
 fn bench_comm_checks_the_collectives() {
     let exe = env!("CARGO_BIN_EXE_autotp");
