@@ -188,12 +188,14 @@ impl ParamFile {
             workers.push(Worker { requests: Some(requests), done, thread: Some(thread), issued: 0, completed: 0 });
         }
         let last = vec![0; swap.params.len()];
-        let mut io = Io { workers, pool: pool_start, last, moved: (0, 0) };
-        for p in 0..swap.params.len() {
-            io.issue(&swap.params, p, |at, len, _| Request::Release { at, len });
+        let io = Io { workers, pool: pool_start, last, moved: (0, 0) };
+        // From here on, an error drops the file: its threads are joined and it is removed.
+        let mut made = ParamFile { path, buffered, direct, swap, io };
+        for p in 0..made.swap.params.len() {
+            made.io.issue(&made.swap.params, p, |at, len, _| Request::Release { at, len });
         }
-        io.drain()?;
-        Ok(ParamFile { path, buffered, direct, swap, io })
+        made.io.drain()?;
+        Ok(made)
     }
 
     pub fn status(&self) -> ParamFileStatus<'_> {
