@@ -2,7 +2,8 @@
 //! parameter shards live in host memory outside the arena, or in files, read by their gathers
 //! and updated by the optimizer. Training is bit-identical to keeping them in the arena (cpu)
 //! and to keeping them in host memory (nvme), under dp, tp and pp, with the optimizer
-//! offloaded too and in bf16 and fp16, validation included; the arena shrinks by exactly the
+//! offloaded too (to host memory or, beside shards in host memory, to files) and in bf16 and
+//! fp16, validation included; the arena shrinks by exactly the
 //! shards' bytes; the bytes read from them per step are their gathers' inputs, and the bytes a
 //! step moves through the files are the compile-time schedule's; checkpoints resume
 //! bit-identically; `--deepspeed` maps `offload_param`; what is not implemented is refused.
@@ -23,10 +24,14 @@ fn memory_row(summary: &str, what: &str) -> usize {
 #[test]
 fn offloaded_parameters_train_bit_identically_in_a_smaller_arena() {
     let dir = scratch("param-offload");
-    let layouts: [&[&str]; 5] = [
+    let states = scratch("param-offload-optimizer-files");
+    let optimizer_nvme = ["--offload-optimizer", "nvme", "--nvme-path", states.to_str().unwrap()];
+    let layouts: [&[&str]; 7] = [
         &["--micro-batch", "4", "--dp", "2", "--zero", "3"],
         &["--micro-batch", "4", "--dp", "2", "--zero", "3", "--precision", "bf16"],
         &["--micro-batch", "4", "--dp", "2", "--zero", "3", "--offload-optimizer", "cpu"],
+        &[&["--micro-batch", "4", "--dp", "2", "--zero", "3"][..], &optimizer_nvme].concat(),
+        &[&["--micro-batch", "4", "--dp", "2", "--zero", "3", "--precision", "bf16"][..], &optimizer_nvme].concat(),
         &["--micro-batch", "8", "--dp", "2", "--tp", "2", "--zero", "3"],
         &["--micro-batch", "2", "--dp", "2", "--pp", "2", "--grad-accum", "2", "--zero", "3"],
     ];
@@ -282,13 +287,13 @@ fn what_parameter_offload_does_not_do_is_refused() {
                 "--zero",
                 "3",
                 "--offload-param",
-                "cpu",
+                "nvme",
                 "--offload-optimizer",
                 "nvme",
                 "--nvme-path",
                 "/tmp",
             ],
-            "--offload-param cpu with --offload-optimizer nvme",
+            "--offload-param nvme with --offload-optimizer nvme",
         ),
     ];
     for (flags, want) in cases {

@@ -137,10 +137,9 @@ impl CompileOptions {
                  DeepSpeed's offload_param does",
                 offload.name()
             ),
-            offload if flags.offload_optimizer == OffloadFlag::Nvme => refuse!(
-                "--offload-param {} with --offload-optimizer nvme: the optimizer's files would hold the \
-                 parameters too, which autotp does not do yet; use --offload-optimizer cpu or none",
-                offload.name()
+            OffloadFlag::Nvme if flags.offload_optimizer == OffloadFlag::Nvme => refuse!(
+                "--offload-param nvme with --offload-optimizer nvme: the optimizer's files would hold the \
+                 parameters' too, which autotp does not do yet; keep one of them in host memory (cpu)"
             ),
             OffloadFlag::Cpu | OffloadFlag::Nvme => {}
         }

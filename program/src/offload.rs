@@ -10,9 +10,9 @@
 //! aligned. Tiles follow each other in the file, each padded to 4 KiB so that it is one aligned
 //! direct read and one direct write.
 //!
-//! Only optimizer steps may touch the host pool, each offloaded state updated in place (codegen
-//! folds fp16/bf16's skip-selects into the step to make it so); [`Layout::of`] refuses other
-//! programs.
+//! Only optimizer steps may touch the states, each updated in place (codegen folds fp16/bf16's
+//! skip-selects into the step to make it so); [`Layout::of`] refuses other programs. Parameter
+//! shards in the host pool (`--offload-param cpu`, placed before the states) stay in memory.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -97,8 +97,11 @@ impl Layout {
         if tile_elements == 0 {
             return Err("a tile needs at least one element (--sub-group-size)".into());
         }
+        // The pool's optimizer states; parameters there (`--offload-param cpu`) stay in memory.
+        let states: Vec<Region> = program.states.iter().map(|s| s.region).filter(Region::in_host_pool).collect();
+        let is_state = |r: &Region| states.iter().any(|s| s.overlaps(r));
         for u in &program.updates {
-            if (u.from.in_host_pool() || u.to.in_host_pool()) && u.from != u.to {
+            if (is_state(&u.from) || is_state(&u.to)) && u.from != u.to {
                 return Err(format!(
                     "an update copies {} bytes of offloaded optimizer state after the step",
                     u.from.len
@@ -109,7 +112,7 @@ impl Layout {
         for (index, instruction) in program.instructions.iter().enumerate() {
             let Instruction::OptimizerStep { dtype, tensors, label, .. } = instruction else {
                 let (inputs, outputs) = instruction.regions();
-                if inputs.iter().chain(&outputs).any(Region::in_host_pool) {
+                if inputs.iter().chain(&outputs).any(is_state) {
                     return Err(format!(
                         "{}: reads or writes optimizer state outside the optimizer step",
                         instruction.label()
@@ -122,14 +125,13 @@ impl Layout {
             let mut payload = 0;
             let mut filled = tile_elements;
             for (t, tensor) in tensors.iter().enumerate() {
-                let offloaded: Vec<usize> =
-                    (0..tensor.inputs.len()).filter(|&k| tensor.inputs[k].in_host_pool()).collect();
+                let offloaded: Vec<usize> = (0..tensor.inputs.len()).filter(|&k| is_state(&tensor.inputs[k])).collect();
                 let in_place = |k: usize| {
                     let output = if k == 0 { 0 } else { k - 1 };
                     k != 1 && tensor.outputs.get(output) == Some(&tensor.inputs[k])
                 };
                 let written = tensor.outputs.iter().chain(tensor.copy.as_ref().map(|(r, _)| r));
-                let outside = written.filter(|r| r.in_host_pool()).count() != offloaded.len();
+                let outside = written.filter(|r| is_state(r)).count() != offloaded.len();
                 if offloaded.iter().any(|&k| !in_place(k)) || outside {
                     return Err(format!("{label}: a tensor's offloaded state is not updated in place"));
                 }
@@ -260,10 +262,24 @@ mod tests {
         }
     }
 
+    /// A program of `instructions` whose states are [`step`]'s momenta in the host pool.
+    fn with_momenta(instructions: Vec<Instruction>) -> Program {
+        let mut program = Program::bare(instructions, vec![], 1024);
+        let momentum = |name: &str, region: Region| crate::Slot {
+            name: name.into(),
+            dtype: DType::F32,
+            shape: vec![region.len / 4],
+            region,
+            global_shape: vec![region.len / 4],
+            placements: vec![],
+        };
+        program.states = vec![momentum("m0", pooled(0, 20)), momentum("m1", pooled(64, 12))];
+        program
+    }
+
     #[test]
     fn tiles_cut_tensors_at_the_tile_size_and_pad_to_blocks() {
-        let program = Program::bare(vec![step()], vec![], 1024);
-        let layout = Layout::of(&program, 4).unwrap();
+        let layout = Layout::of(&with_momenta(vec![step()]), 4).unwrap();
         let tiles = layout.tiles(0).unwrap();
         type Pieces = Vec<(usize, Range<usize>, Vec<(usize, usize)>)>;
         let pieces: Vec<Pieces> = tiles
@@ -292,14 +308,23 @@ mod tests {
             label: "node 12 (copy)".into(),
             gpu: None,
         };
-        let error = Layout::of(&Program::bare(vec![step(), copy], vec![], 1024), 4).unwrap_err();
+        let error = Layout::of(&with_momenta(vec![step(), copy]), 4).unwrap_err();
         assert_eq!(error, "node 12 (copy): reads or writes optimizer state outside the optimizer step");
+        // A parameter shard in the pool (`--offload-param cpu`) may be read: it stays in memory.
+        let gather = Instruction::Kernel {
+            kernel: Kernel::Copy,
+            inputs: vec![pooled(128, 16)],
+            outputs: vec![Region { offset: 256, len: 16 }],
+            label: "node 13 (gather)".into(),
+            gpu: None,
+        };
+        assert!(Layout::of(&with_momenta(vec![step(), gather]), 4).is_ok());
         let Instruction::OptimizerStep { mut tensors, optimizer, dtype, scalars, guard, label } = step() else {
             unreachable!()
         };
         tensors[1].outputs[1] = Region { offset: 256, len: 12 };
         let moved = Instruction::OptimizerStep { tensors, optimizer, dtype, scalars, guard, label };
-        let error = Layout::of(&Program::bare(vec![moved], vec![], 1024), 4).unwrap_err();
+        let error = Layout::of(&with_momenta(vec![moved]), 4).unwrap_err();
         assert_eq!(error, "node 9 (sgd): a tensor's offloaded state is not updated in place");
     }
 }

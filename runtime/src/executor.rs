@@ -319,7 +319,13 @@ impl Executor {
             ));
         }
         let file = crate::nvme::StateFile::create(&self.program, nvme, rank, cpu.host_pool.as_slice())?;
-        cpu.host_pool = crate::param_file::Pages::zeroed(0)?;
+        // Parameter shards in the pool (`--offload-param cpu`) are placed before the states and
+        // stay in memory.
+        let states = self.program.states.iter().filter(|s| s.region.in_host_pool());
+        let kept = states.map(|s| s.region.offset - autotp_program::HOST_POOL).min().unwrap_or(0);
+        let mut pool = crate::param_file::Pages::zeroed(kept)?;
+        pool.as_mut_slice().copy_from_slice(&cpu.host_pool.as_slice()[..kept]);
+        cpu.host_pool = pool;
         cpu.state_file = Some(file);
         Ok(())
     }
@@ -363,7 +369,7 @@ impl Executor {
         Some(match &self.device {
             Backend::Cpu(cpu) => match (&cpu.state_file, cpu.param_file.as_ref().and_then(|f| f.read(&slot.region))) {
                 (_, Some(shard)) => shard.map(Cow::Owned),
-                (Some(file), None) if slot.region.in_host_pool() => file.read(&slot.region).map(Cow::Owned),
+                (Some(file), None) if in_state_file(&self.program, slot) => file.read(&slot.region).map(Cow::Owned),
                 _ => Ok(Cow::Borrowed(cpu.bytes(&slot.region))),
             },
             Backend::Gpu(gpu) => gpu.download_region(Stream::Compute, &slot.region).map(Cow::Owned),
@@ -391,7 +397,7 @@ impl Executor {
             Backend::Cpu(cpu) => {
                 match (&cpu.state_file, cpu.param_file.as_ref().and_then(|f| f.write(&slot.region, bytes))) {
                     (_, Some(written)) => written,
-                    (Some(file), None) if slot.region.in_host_pool() => file.write(&slot.region, bytes),
+                    (Some(file), None) if in_state_file(&self.program, slot) => file.write(&slot.region, bytes),
                     _ => {
                         copy_in_parallel(cpu.bytes_mut(&slot.region), bytes);
                         Ok(())
@@ -484,4 +490,10 @@ pub(crate) fn next_seq(issued: &mut [u64], op: &CollectiveOp) -> u64 {
     let seq = issued[op.axis];
     issued[op.axis] += 1;
     seq
+}
+
+/// Whether `slot` is an optimizer state in the host pool: in the state file when the optimizer
+/// is on NVMe (parameters in the pool stay in memory).
+fn in_state_file(program: &Program, slot: &autotp_program::Slot) -> bool {
+    slot.region.in_host_pool() && program.states.iter().any(|s| s.region == slot.region)
 }

@@ -570,7 +570,8 @@ unsafe fn update_tile(
                 std::slice::from_raw_parts(start, elements.len() * dtype.size())
             },
         };
-        // SAFETY: validated: the copy's region lies in the arena, apart from the master.
+        // SAFETY: validated: the copy's region lies in the arena or (an offloaded parameter's)
+        // the host pool's memory, apart from the master.
         let out = unsafe {
             std::slice::from_raw_parts_mut(bases.at(copy).add(elements.start * to.size()), elements.len() * to.size())
         };
