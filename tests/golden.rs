@@ -49,16 +49,7 @@ fn shard_spec(spec: &str) -> Shard {
             (name.to_string(), placements.split('/').map(placement).collect())
         })
         .collect();
-    Shard {
-        mesh: Mesh { axes },
-        seeds,
-        gather_params_on: None,
-        scatter_early: false,
-        micro_batches: 1,
-        bucket_elements: 0,
-        reduce_dtype: None,
-        sequence_parallel: None,
-    }
+    Shard::seeded(Mesh { axes }, seeds)
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,

@@ -263,16 +263,9 @@ fn an_indivisible_vocabulary_is_refused() {
 fn a_step_with_its_sequence_split_matches_one_device() {
     use autotp_ir::{Mesh, MeshAxis, Placement};
     for arch in ["llama", "gpt2"] {
-        let shard = autotp_passes::shard::Shard {
-            mesh: Mesh { axes: vec![MeshAxis { name: "cp".into(), size: 2 }] },
-            seeds: ["input_ids", "labels"].map(|name| (name.to_string(), vec![Placement::Shard(1)])).into(),
-            gather_params_on: None,
-            scatter_early: false,
-            micro_batches: 1,
-            bucket_elements: 0,
-            reduce_dtype: None,
-            sequence_parallel: None,
-        };
+        let mesh = Mesh { axes: vec![MeshAxis { name: "cp".into(), size: 2 }] };
+        let seeds = ["input_ids", "labels"].map(|name| (name.to_string(), vec![Placement::Shard(1)]));
+        let shard = autotp_passes::shard::Shard::seeded(mesh, seeds.into());
         let (loss, tensors) = compare(arch, shard);
         println!("{arch}: loss within {loss:.1e}, parameters and states within {tensors:.1e}");
     }

@@ -66,6 +66,23 @@ pub struct Shard {
     pub sequence_parallel: Option<SequenceParallel>,
 }
 
+impl Shard {
+    /// Placements from `seeds` alone on `mesh`: no ZeRO gathers or early scatters, each
+    /// gradient reduced on its own in its own type, no sequence parallelism.
+    pub fn seeded(mesh: Mesh, seeds: BTreeMap<String, Vec<Placement>>) -> Shard {
+        Shard {
+            mesh,
+            seeds,
+            gather_params_on: None,
+            scatter_early: false,
+            micro_batches: 1,
+            bucket_elements: 0,
+            reduce_dtype: None,
+            sequence_parallel: None,
+        }
+    }
+}
+
 /// Where sequence parallelism splits ([`Shard::sequence_parallel`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SequenceParallel {

@@ -49,8 +49,6 @@ pub struct NvmeParams {
 /// A parameter shard in a rank's file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FileParam {
-    /// Its slot's name.
-    pub name: String,
     /// Where the program addresses it (in the host pool's tail).
     pub region: Region,
     /// Where it is in the file.
@@ -136,7 +134,7 @@ impl ParamSwap {
             }
             let file_offset = slot.region.offset - HOST_POOL - resident_bytes;
             let file_len = slot.region.len.next_multiple_of(BLOCK);
-            params.push(FileParam { name: slot.name.clone(), region: slot.region, file_offset, file_len });
+            params.push(FileParam { region: slot.region, file_offset, file_len });
         }
         params.sort_by_key(|p| p.region.offset);
         let param_of = |r: &Region| -> Result<Option<usize>, String> {
