@@ -79,6 +79,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "recognize" => Box::new(Recognize),
         "attention" => Box::new(autotp_passes::attention::FuseAttention {
             tensor_parallel: argument.strip_prefix("tp=").map_or(1, |tp| tp.parse().expect("attention:tp=N")),
+            queries_split: argument == "cp",
         }),
         "precision" => {
             let (dtype, scaled) = argument.split_once(':').map_or((argument, false), |(d, s)| (d, s == "scaled"));
@@ -109,6 +110,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             }
             Box::new(autotp_passes::zero::Zero {
                 dp,
+                cp: 1,
                 config,
                 batch_inputs: vec!["input_ids".into(), "labels".into()],
                 param_placements: Default::default(),
@@ -122,6 +124,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             Box::new(autotp_passes::autotp::AutoTp {
                 tp,
                 dp: 1,
+                cp: 1,
                 zero: Default::default(),
                 batch_inputs: vec![],
                 replicate_unsplittable: options.contains(&"replicate-unsplittable"),

@@ -34,6 +34,7 @@ mod cli;
 mod common;
 mod compile;
 mod conformance;
+mod context_parallel;
 mod data;
 mod deepspeed;
 mod fixtures;

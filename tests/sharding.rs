@@ -116,6 +116,7 @@ fn compare(arch: &str, shard: impl Pass + 'static) -> (f64, f64) {
 fn data_parallel(dp: usize) -> Zero {
     Zero {
         dp,
+        cp: 1,
         config: ZeroConfig::default(),
         batch_inputs: vec!["input_ids".into(), "labels".into()],
         param_placements: Default::default(),
@@ -151,6 +152,7 @@ fn tensor_and_zero_parallel_steps_match_one_device() {
         let autotp = AutoTp {
             tp: 2,
             dp: 2,
+            cp: 1,
             zero,
             batch_inputs: vec!["input_ids".into(), "labels".into()],
             replicate_unsplittable: false,
@@ -180,6 +182,7 @@ fn no_rank_holds_the_whole_vocabulary() {
             AutoTp {
                 tp: 2,
                 dp,
+                cp: 1,
                 zero,
                 batch_inputs,
                 replicate_unsplittable: false,
@@ -244,6 +247,7 @@ fn an_indivisible_vocabulary_is_refused() {
         Box::new(AutoTp {
             tp: 2,
             dp: 1,
+            cp: 1,
             zero: ZeroConfig::default(),
             batch_inputs: vec![],
             replicate_unsplittable: false,

@@ -42,6 +42,14 @@ pub struct CompileFlags {
     /// all-reduced (ZeRO stage 0).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
+    /// Context-parallel ranks (Megatron's --context-parallel-size): each sequence is split over
+    /// them, every op runs on its rank's tokens, and attention computes its rank's queries over
+    /// keys and values all-gathered from the others (their gradients reduce-scattered back).
+    /// Weight gradients are summed over them as over dp. World size is pp x dp x cp x tp.
+    /// Needs --seq-len divisible by it.
+    #[arg(long, visible_alias = "context-parallel-size", default_value_t = 1)]
+    #[serde(default = "one")]
+    pub cp: usize,
     /// Tensor-parallel ranks: each block's weights are split Megatron-style (found from the
     /// dataflow); world size is dp x tp.
     #[arg(long, visible_alias = "tensor-model-parallel-size", default_value_t = 1)]
@@ -480,7 +488,7 @@ impl CompileFlags {
     /// one micro-batch of the whole global batch.
     pub fn single_device(&self, global_batch: usize) -> CompileFlags {
         let mut flags = self.clone();
-        (flags.dp, flags.tp, flags.pp, flags.zero) = (1, 1, 1, 0);
+        (flags.dp, flags.cp, flags.tp, flags.pp, flags.zero) = (1, 1, 1, 1, 0);
         flags.sequence_parallel = false;
         (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);
         flags.pp_cuts.clear();

@@ -45,11 +45,12 @@ impl CompileOptions {
         if flags.seq_len == 0
             || flags.micro_batch == 0
             || flags.dp == 0
+            || flags.cp == 0
             || flags.tp == 0
             || flags.pp == 0
             || flags.grad_accum == Some(0)
         {
-            refuse!("--seq-len, --micro-batch, --grad-accum, --dp, --tp and --pp must be at least 1");
+            refuse!("--seq-len, --micro-batch, --grad-accum, --dp, --cp, --tp and --pp must be at least 1");
         }
         let grad_accum = grad_accum(flags)?;
         let pipeline_schedule = PipelineSchedule::parse(&flags.schedule)
@@ -87,6 +88,28 @@ impl CompileOptions {
                 flags.seq_len,
                 flags.tp
             );
+        }
+        if flags.cp > 1 {
+            if !flags.seq_len.is_multiple_of(flags.cp) {
+                refuse!("--cp {} splits each sequence's {} tokens: they must divide", flags.cp, flags.seq_len);
+            }
+            // A micro-batch of several sequences is flattened to rows of tokens (the loss,
+            // projections' weight gradients), whose rows of one rank are then not one block.
+            if flags.micro_batch > 1 {
+                refuse!(
+                    "--cp {} splits one sequence at a time over its ranks (a micro-batch of 1, as Megatron runs \
+                     context parallelism), not --micro-batch {}: give --micro-batch 1 and more sequences per step \
+                     with --grad-accum or --global-batch",
+                    flags.cp,
+                    flags.micro_batch
+                );
+            }
+            if flags.sequence_parallel {
+                refuse!(
+                    "--sequence-parallel and --cp both split a sequence's tokens (over tp and over cp): autotp \
+                     splits them over one of the two"
+                );
+            }
         }
         if let (Some(k), false) = (flags.recompute_layers, flags.recompute == RecomputeFlag::Full) {
             refuse!(

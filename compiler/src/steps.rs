@@ -383,7 +383,10 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     let pass = |p: Box<dyn Pass>| -> Box<dyn Step> { Box::new(GraphPass(p)) };
     let mut steps: Vec<Box<dyn Step>> = PassManager::simplify_passes().into_iter().map(pass).collect();
     if flags.attention == AttentionFlag::Fused {
-        steps.push(pass(Box::new(autotp_passes::attention::FuseAttention { tensor_parallel: flags.tp })));
+        steps.push(pass(Box::new(autotp_passes::attention::FuseAttention {
+            tensor_parallel: flags.tp,
+            queries_split: flags.cp > 1,
+        })));
         steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     }
     steps.push(pass(Box::new(autotp_passes::loss::AttachLoss)));
@@ -441,9 +444,10 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
         }));
     }
     steps.push(pass(Box::new(autotp_passes::dce::Dce)));
-    if flags.dp > 1 && flags.tp == 1 {
+    if (flags.dp > 1 || flags.cp > 1) && flags.tp == 1 {
         let zero = Zero {
             dp: flags.dp,
+            cp: flags.cp,
             config: options.zero,
             batch_inputs: batch_inputs.clone(),
             param_placements: BTreeMap::new(),
@@ -454,6 +458,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
         let autotp = AutoTp {
             tp: flags.tp,
             dp: flags.dp,
+            cp: flags.cp,
             zero: options.zero,
             batch_inputs,
             replicate_unsplittable: flags.tp_replicate_unsplittable,

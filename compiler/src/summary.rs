@@ -210,9 +210,56 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
             grouped(rank.peak_bytes)
         ));
     }
+    lines.extend(context_parallel_lines(plan));
     lines.push(validation_line(&plan.evaluation));
     lines.push(format!("  fingerprint: {}", plan.fingerprint()));
     lines.join("\n") + "\n"
+}
+
+/// The summary's lines on context parallelism (`--cp`), one per stage: how each sequence is
+/// split, and the collectives over `cp` per rank per step with the bytes each kind sends:
+/// attention's keys and values all-gathered, their gradients reduce-scattered, the weights'
+/// gradients all-reduced.
+fn context_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
+    let t = &plan.training;
+    let mut lines = Vec::new();
+    for (s, program) in plan.stages.iter().enumerate() {
+        let Some(axis) = program.mesh.iter().position(|a| a.name == autotp_program::mesh::CONTEXT_AXIS) else {
+            continue;
+        };
+        let n = program.mesh[axis].size;
+        let mut sent: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+        for instruction in &program.instructions {
+            let (Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. }) =
+                instruction
+            else {
+                continue;
+            };
+            if op.axis == axis {
+                let entry = sent.entry(op.kind.name()).or_default();
+                entry.0 += 1;
+                entry.1 += op.kind.bytes_sent(input.len, n);
+            }
+        }
+        let kinds: Vec<String> = [
+            ("all_gather", "all-gathers of keys and values"),
+            ("reduce_scatter", "reduce-scatters of their gradients"),
+            ("all_reduce", "all-reduces of weight gradients and the loss"),
+        ]
+        .iter()
+        .filter_map(|(kind, what)| sent.get(kind).map(|(count, bytes)| format!("{count} {what} ({})", grouped(*bytes))))
+        .collect();
+        let stage = if plan.stages.len() > 1 { format!(", stage {s}") } else { String::new() };
+        lines.push(format!(
+            "  context parallelism{stage}: each sequence's {} tokens split over cp={n} ({} per rank); attention takes \
+             each rank's queries over the keys and values of all",
+            t.seq_len,
+            t.seq_len / n,
+        ));
+        let kinds = if kinds.is_empty() { "none".to_string() } else { kinds.join(", ") };
+        lines.push(format!("    over cp, per rank per step (bytes sent): {kinds}"));
+    }
+    lines
 }
 
 /// The summary's line on the validation step (`run --eval-every`): what its arena adds per

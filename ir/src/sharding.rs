@@ -51,10 +51,17 @@ impl AxisRule {
     }
 }
 
-/// The placement on `axis` of a pipeline message of `shape`.
+/// The placement on `axis` of a pipeline message of `shape`: an activation or gradient (a
+/// `[batch, seq, ..]` hidden state) split like the batch inputs, its batch over the data-parallel
+/// axis and its tokens over the context-parallel one.
 fn message_placement(message: crate::Message, shape: &[usize], axis: &MeshAxis) -> Placement {
-    if message.batch_layout() && axis.name == crate::DATA_AXIS && divisible(shape, 0, axis.size) {
-        Placement::Shard(0)
+    let dim = match axis.name.as_str() {
+        crate::DATA_AXIS => 0,
+        crate::CONTEXT_AXIS => 1,
+        _ => return Placement::Replicate,
+    };
+    if message.batch_layout() && divisible(shape, dim, axis.size) {
+        Placement::Shard(dim)
     } else {
         Placement::Replicate
     }
@@ -447,10 +454,19 @@ fn matmul_rule(
 /// on shards of one of them: the query-shaped operands and results and the log-sum-exp split
 /// there, and the key, value and bias split too, or stay whole where they broadcast (one
 /// key/value head for the query heads of every rank). The backward's gradient of such a shared
-/// key or value is then each rank's part of a sum. Anything else runs whole.
+/// key or value is then each rank's part of a sum.
+///
+/// It also runs independently for every query, when no mask depends on the query's position
+/// (a causal mask is then a bias operand, whose rows split with the queries): the queries split
+/// over their sequence (context parallelism), each rank attends over the whole key and value,
+/// and their gradients are each rank's part of a sum. Anything else runs whole.
 fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], n: usize) -> AxisRule {
     use Placement::{PartialSum, Replicate, Shard};
-    let forward = matches!(op, Op::Attention { .. });
+    let (forward, mask) = match op {
+        Op::Attention { mask, .. } => (true, *mask),
+        Op::AttentionGrad { mask, .. } => (false, *mask),
+        _ => unreachable!("attention_rule is called for attention ops"),
+    };
     let with_bias = inputs.len() == if forward { 4 } else { 7 };
     let outputs = if forward { 2 } else { 3 };
     let q = &inputs[0].shape;
@@ -459,15 +475,29 @@ fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], n: usi
         Shard(d) if *d < lead && t.shape[*d] == q[*d] && divisible(q, *d, n) => Some(*d),
         _ => None,
     });
-    let Some(d) = split else { return AxisRule::replicated(inputs.len(), outputs) };
-    let follows = |t: &TensorType| if t.shape[d] == q[d] { Shard(d) } else { Replicate };
-    let mut ins: Vec<Placement> = inputs[..3 + usize::from(with_bias)].iter().map(|t| follows(t)).collect();
+    let queries_split = current[0] == Shard(lead) && mask == crate::AttentionMask::None && divisible(q, lead, n);
+    let (d, shared) = match split {
+        Some(d) => (d, Replicate),
+        None if queries_split => (lead, Replicate),
+        None => return AxisRule::replicated(inputs.len(), outputs),
+    };
+    // The query's rows: a key or value has none when the queries split (it is whole).
+    let follows = |i: usize, t: &TensorType| {
+        let keys = (1..3).contains(&i) && d == lead;
+        if t.shape[d] == q[d] && !keys {
+            Shard(d)
+        } else {
+            shared
+        }
+    };
+    let mut ins: Vec<Placement> =
+        inputs[..3 + usize::from(with_bias)].iter().enumerate().map(|(i, t)| follows(i, t)).collect();
     if forward {
         return AxisRule { inputs: ins, outputs: vec![Shard(d), Shard(d)] };
     }
     ins.extend([Shard(d); 3]);
-    let gradient = |t: &TensorType| if t.shape[d] == q[d] { Shard(d) } else { PartialSum };
-    AxisRule { inputs: ins, outputs: vec![Shard(d), gradient(inputs[1]), gradient(inputs[2])] }
+    let gradient = |i: usize, t: &TensorType| if follows(i, t) == Shard(d) { Shard(d) } else { PartialSum };
+    AxisRule { inputs: ins, outputs: vec![Shard(d), gradient(1, inputs[1]), gradient(2, inputs[2])] }
 }
 
 /// The output dim a sharded input dim `d` of a reshape maps to, when the shards stay contiguous
@@ -603,6 +633,31 @@ mod tests {
         let current = [Shard(1), Replicate, Replicate, Shard(1), Shard(1), Shard(1)];
         let r = axis_rule(&backward, &ins, &[&q, &kv, &kv], &current, &tp);
         assert_eq!(r.outputs, [Shard(1), PartialSum, PartialSum]);
+    }
+
+    #[test]
+    fn attention_without_a_positional_mask_runs_on_shards_of_its_queries() {
+        use Placement::*;
+        let (q, kv, lse, bias) = (t(&[2, 4, 8, 16]), t(&[2, 4, 8, 16]), t(&[2, 4, 8]), t(&[2, 1, 8, 8]));
+        let cp = MeshAxis { name: "cp".into(), size: 2 };
+        let scale = 0.25;
+        let forward = Op::Attention { scale, mask: crate::AttentionMask::None };
+        let current = [Shard(2), Shard(2), Shard(2), Replicate];
+        let r = axis_rule(&forward, &[&q, &kv, &kv, &bias], &[&q, &lse], &current, &cp);
+        // Every rank's queries over the whole key and value; the mask's rows split with them.
+        assert_eq!(
+            r,
+            AxisRule { inputs: vec![Shard(2), Replicate, Replicate, Shard(2)], outputs: vec![Shard(2), Shard(2)] }
+        );
+        let backward = Op::AttentionGrad { scale, mask: crate::AttentionMask::None };
+        let ins = [&q, &kv, &kv, &bias, &q, &lse, &q];
+        let current = [Shard(2), Replicate, Replicate, Shard(2), Shard(2), Shard(2), Shard(2)];
+        let r = axis_rule(&backward, &ins, &[&q, &kv, &kv], &current, &cp);
+        assert_eq!(r.outputs, [Shard(2), PartialSum, PartialSum]);
+        // A causal mask is the query's position: such attention runs whole.
+        let causal = Op::Attention { scale, mask: crate::AttentionMask::Causal };
+        let r = axis_rule(&causal, &[&q, &kv, &kv], &[&q, &lse], &[Shard(2), Shard(2), Shard(2)], &cp);
+        assert_eq!(r, AxisRule::replicated(3, 2));
     }
 
     #[test]

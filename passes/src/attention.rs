@@ -34,14 +34,20 @@ use crate::{Pass, PassError};
 /// key/value heads are read unrepeated only where it divides their count (a rank's query heads
 /// are then whole groups); otherwise (fewer key/value heads than ranks, which `autotp`
 /// replicates) the op reads them repeated, split with the query heads.
+///
+/// Where context parallelism will split the queries over their sequence (`queries_split`), a
+/// causal or sliding-window mask stays a bias operand: the op's own masks are the query's
+/// position in the whole sequence, which a rank holding some of the queries does not know, while
+/// a bias's rows split with them ([`autotp_ir::sharding`]'s attention rule).
 #[derive(Clone, Copy, Debug)]
 pub struct FuseAttention {
     pub tensor_parallel: usize,
+    pub queries_split: bool,
 }
 
 impl Default for FuseAttention {
     fn default() -> FuseAttention {
-        FuseAttention { tensor_parallel: 1 }
+        FuseAttention { tensor_parallel: 1, queries_split: false }
     }
 }
 
@@ -104,7 +110,7 @@ impl<'g> View<'g> {
     }
 
     /// Attention ending at `out = matmul(p, v)`.
-    fn attention(&self, root: NodeId, tensor_parallel: usize) -> Option<Found> {
+    fn attention(&self, root: NodeId, fuse: &FuseAttention) -> Option<Found> {
         let node = self.graph.node(root);
         let (Op::MatMul { transpose_lhs: false, transpose_rhs: false }, [p, v]) = (&node.op, &node.inputs[..]) else {
             return None;
@@ -153,7 +159,7 @@ impl<'g> View<'g> {
                     x = *a;
                 }
                 (Op::MatMul { transpose_lhs: false, transpose_rhs }, [q, k]) => {
-                    return self.found(root, (*q, *k, *transpose_rhs), *v, scale, terms, tensor_parallel);
+                    return self.found(root, (*q, *k, *transpose_rhs), *v, scale, terms, fuse);
                 }
                 _ => return None,
             }
@@ -167,7 +173,7 @@ impl<'g> View<'g> {
         v: ValueId,
         scale: f64,
         terms: Vec<ValueId>,
-        tensor_parallel: usize,
+        fuse: &FuseAttention,
     ) -> Option<Found> {
         let ty = |v: ValueId| self.graph.ty(v);
         let (qt, kt, vt) = (ty(q), ty(k), ty(v));
@@ -196,7 +202,7 @@ impl<'g> View<'g> {
         let mut mask = AttentionMask::None;
         let mut biases = Vec::new();
         for term in terms {
-            match self.mask_of(term, q_len, kv_len) {
+            match self.mask_of(term, q_len, kv_len).filter(|_| !fuse.queries_split) {
                 Some(m) if mask == AttentionMask::None => mask = m,
                 _ => biases.push(term),
             }
@@ -208,7 +214,7 @@ impl<'g> View<'g> {
         // Read unrepeated only where tp splits whole groups of query heads.
         let grouped = self.untransposed_key(k, k_transposed).and_then(|key| {
             let (k, v) = (self.repeated(key)?, self.repeated(v)?);
-            let whole_groups = (qt.shape[k.dim] / k.group).is_multiple_of(tensor_parallel);
+            let whole_groups = (qt.shape[k.dim] / k.group).is_multiple_of(fuse.tensor_parallel);
             (k.dim == v.dim && k.group == v.group && k.dim < lead && whole_groups).then_some([k, v])
         });
         Some(Found { root, q, k, k_transposed, v, scale, mask, biases, grouped })
@@ -308,7 +314,7 @@ impl Pass for FuseAttention {
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         let view = View::new(graph);
-        let found: Vec<Found> = graph.nodes().filter_map(|(id, _)| view.attention(id, self.tensor_parallel)).collect();
+        let found: Vec<Found> = graph.nodes().filter_map(|(id, _)| view.attention(id, self)).collect();
         if found.is_empty() {
             return Ok(());
         }

@@ -32,7 +32,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use autotp_ir::{BinaryOp, Collective, Graph, Mesh, MeshAxis, NodeId, Op, Placement, ValueId};
+use autotp_ir::{BinaryOp, Collective, Graph, Mesh, NodeId, Op, Placement, ValueId};
 
 use crate::shard::{forward_values, Shard};
 use crate::{Pass, PassError};
@@ -43,6 +43,9 @@ pub struct AutoTp {
     pub tp: usize,
     /// Data-parallel ranks beside the tensor-parallel ones (1 for none).
     pub dp: usize,
+    /// Context-parallel ranks (1 for none): each sequence split over them
+    /// ([`crate::zero::batch_placement`]).
+    pub cp: usize,
     /// ZeRO over the data-parallel ranks.
     pub zero: crate::zero::ZeroConfig,
     /// Graph inputs sharded over `dp` on their batch dim.
@@ -437,12 +440,7 @@ impl AutoTp {
     }
 
     fn mesh(&self) -> Mesh {
-        let mut axes = Vec::new();
-        if self.dp > 1 {
-            axes.push(MeshAxis { name: autotp_ir::DATA_AXIS.into(), size: self.dp });
-        }
-        axes.push(MeshAxis { name: "tp".into(), size: self.tp });
-        Mesh { axes }
+        crate::zero::mesh(self.dp, self.cp, self.tp)
     }
 
     /// Splits the planned weights, then the parameters the rules slice, until none is sliced;
@@ -492,11 +490,7 @@ impl AutoTp {
         let seeds_for = |explained: &[Explained]| {
             let mut seeds: BTreeMap<String, Vec<Placement>> = BTreeMap::new();
             for name in crate::present_inputs(graph, &self.batch_inputs) {
-                let mut p = mesh.replicated();
-                if self.dp > 1 {
-                    p[0] = Placement::Shard(0);
-                }
-                seeds.insert(name.clone(), p);
+                seeds.insert(name.clone(), crate::zero::batch_placement(&mesh, crate::zero::input_rank(graph, name)));
             }
             for e in explained {
                 let mut p = mesh.replicated();

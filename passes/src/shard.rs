@@ -514,6 +514,11 @@ fn place(
 /// scattered already, the root is all-reduced once instead when it is no bigger than the
 /// reductions it replaces (one all-reduce of a layer's input gradient, not one per use); under
 /// `sequence_parallel`, a hidden state's is reduce-scattered over its tokens instead.
+///
+/// On the context-parallel axis, attention's key and value gradients (each rank's part of a sum
+/// over its queries) are reduce-scattered over the keys' sequence where they are made, as
+/// Megatron's context parallelism returns them: the projections' backward then runs on each
+/// rank's tokens, and the scatter moves the keys' and values' bytes, not the hidden state's.
 fn reductions(
     placed: &Graph,
     origin: &BTreeMap<ValueId, ValueId>,
@@ -560,6 +565,17 @@ fn reductions(
         .collect();
     let mut eager: BTreeMap<(ValueId, usize), Placement> = BTreeMap::new();
     let mut scattered = BTreeSet::new();
+    if let Some(a) = axis_of(autotp_ir::CONTEXT_AXIS) {
+        for (_, node) in placed.nodes().filter(|(_, n)| matches!(n.op, Op::AttentionGrad { .. })) {
+            for &gradient in node.outputs[1..].iter().filter(|&&g| partial(g, a)) {
+                let keys = placed.ty(gradient).rank() - 2;
+                if placed.ty(gradient).shape[keys].is_multiple_of(placed.mesh.axes[a].size) {
+                    eager.insert((gradient, a), Placement::Shard(keys));
+                    scattered.insert((gradient, a));
+                }
+            }
+        }
+    }
     // The two partial operands of an add of `v`'s shape, when `v` is one.
     let partial_terms = |v: ValueId, a: usize| {
         let autotp_ir::Def::Node(p, _) = placed.value(v).def else { return None };

@@ -19,7 +19,11 @@
 //! its use within `--prefetch-bucket-size` and `--max-live-params` ([`schedule_prefetch`]), and
 //! a `wait` at the use.
 //!
-//! Input phase: a training step (after `optimize`). Output: the step on the mesh `[dp]`.
+//! With context parallelism (`cp` > 1) the batch inputs are also split over their sequence on a
+//! `cp` axis ([`batch_placement`]); ZeRO shards over `dp` alone.
+//!
+//! Input phase: a training step (after `optimize`). Output: the step on the mesh `[dp, cp]`
+//! (each axis where it has more than one rank).
 //! Tests: tests/golden/zero_*.ir, tests/parallel.rs.
 
 use std::collections::BTreeMap;
@@ -52,6 +56,8 @@ pub struct ZeroConfig {
 
 pub struct Zero {
     pub dp: usize,
+    /// Context-parallel ranks (1 for none): each sequence split over them.
+    pub cp: usize,
     pub config: ZeroConfig,
     /// Graph inputs sharded over dp on their batch dim.
     pub batch_inputs: Vec<String>,
@@ -63,6 +69,31 @@ pub struct Zero {
 /// Each trainable parameter and its optimizer states, from the graph's optimizer ops.
 fn optimized(graph: &Graph) -> Vec<(ValueId, Vec<ValueId>)> {
     graph.nodes().filter_map(|(_, node)| trained_by(graph, node)).collect()
+}
+
+/// Where a batch input of `rank` dims (token ids or labels: `[batch, seq]`, or `[batch,
+/// micro-batches, seq]` when a step accumulates) lies on `mesh`: its batch split over the
+/// data-parallel axis and its sequence (the last dim) over the context-parallel axis, where they
+/// are.
+pub fn batch_placement(mesh: &Mesh, rank: usize) -> Vec<Placement> {
+    let split = |axis: &MeshAxis| match axis.name.as_str() {
+        autotp_ir::DATA_AXIS => Placement::Shard(0),
+        autotp_ir::CONTEXT_AXIS => Placement::Shard(rank - 1),
+        _ => Placement::Replicate,
+    };
+    mesh.axes.iter().map(split).collect()
+}
+
+/// The rank of graph input `name`.
+pub(crate) fn input_rank(graph: &Graph, name: &str) -> usize {
+    graph.inputs().iter().find(|&&v| graph.name_of(v) == Some(name)).map_or(0, |&v| graph.ty(v).rank())
+}
+
+/// The mesh `[dp, cp, tp]`: each axis where it has more than one rank, in Megatron's order,
+/// tp innermost.
+pub fn mesh(dp: usize, cp: usize, tp: usize) -> Mesh {
+    let axes = [(autotp_ir::DATA_AXIS, dp), (autotp_ir::CONTEXT_AXIS, cp), ("tp", tp)];
+    Mesh { axes: axes.iter().filter(|a| a.1 > 1).map(|&(name, size)| MeshAxis { name: name.into(), size }).collect() }
 }
 
 /// Adds ZeRO's placements on mesh axis `dp_axis` to `seeds` (which may already split
@@ -118,10 +149,16 @@ impl Pass for Zero {
         if self.config.stage > 3 {
             return Err(invalid(format!("--zero {} is not a ZeRO stage (0, 1, 2 or 3)", self.config.stage)));
         }
-        let mesh = Mesh { axes: vec![MeshAxis { name: autotp_ir::DATA_AXIS.into(), size: self.dp }] };
-        let mut seeds: BTreeMap<String, Vec<Placement>> =
-            crate::present_inputs(graph, &self.batch_inputs).map(|n| (n.clone(), vec![Placement::Shard(0)])).collect();
-        seed(graph, &mesh, 0, self.config, &mut seeds);
+        if self.config.stage > 0 && self.dp < 2 {
+            return Err(invalid(format!("--zero {} shards over dp: it needs dp 2 or more", self.config.stage)));
+        }
+        let mesh = mesh(self.dp, self.cp, 1);
+        let mut seeds: BTreeMap<String, Vec<Placement>> = crate::present_inputs(graph, &self.batch_inputs)
+            .map(|n| (n.clone(), batch_placement(&mesh, input_rank(graph, n))))
+            .collect();
+        if self.config.stage > 0 {
+            seed(graph, &mesh, 0, self.config, &mut seeds);
+        }
         seeds.extend(self.param_placements.clone());
         let (gather_params_on, scatter_early) = shard_options(self.config.stage, 0);
         Shard {

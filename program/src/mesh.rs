@@ -10,6 +10,10 @@ use serde::{Deserialize, Serialize};
 /// them) are split along their dim 0 over it.
 pub const DATA_AXIS: &str = "dp";
 
+/// The name of the context-parallel mesh axis: batch inputs are split along their dim 1 (the
+/// sequence) over it.
+pub const CONTEXT_AXIS: &str = "cp";
+
 /// A named mesh axis and its number of ranks.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MeshAxis {

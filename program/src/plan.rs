@@ -326,7 +326,15 @@ impl TrainingPlan {
                             slot.name
                         ))
                     })?;
-                let (dtype, shape) = if feed.is_tokens() { (DType::I64, &tokens[..]) } else { (DType::F32, &[][..]) };
+                // Context parallelism splits each rank's sequences over their tokens.
+                let context_split: usize = (program.mesh.iter().zip(&slot.placements))
+                    .filter(|(_, p)| **p == crate::mesh::Placement::Shard(tokens.len() - 1))
+                    .map(|(axis, _)| axis.size)
+                    .product();
+                let mut rank_tokens = tokens.clone();
+                *rank_tokens.last_mut().expect("token shapes end with the sequence") /= context_split;
+                let (dtype, shape) =
+                    if feed.is_tokens() { (DType::I64, &rank_tokens[..]) } else { (DType::F32, &[][..]) };
                 if slot.dtype != dtype || slot.shape != shape {
                     return Err(ProgramError::Plan(format!(
                         "input '{}' is {}{:?}; the trainer feeds it as {dtype}{shape:?}",

@@ -1,0 +1,102 @@
+//! Context parallelism (`--cp N`): each sequence split over N ranks, attention taking each
+//! rank's queries over the keys and values all-gathered from every rank. It trains the
+//! fixtures as one rank does, alone and with tensor, data (ZeRO 1 and 3) and pipeline
+//! parallelism; it moves the keys' and values' bytes the formula says, and each rank holds a
+//! share of the activations.
+
+use crate::parallel::{train_model, within_contract};
+
+/// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank.
+#[test]
+fn context_parallelism_trains_like_one_rank() {
+    let dir = crate::common::scratch("context-parallel");
+    let layouts: &[&[&str]] = &[
+        &["--cp", "2", "--grad-accum", "8"],
+        &["--cp", "4", "--grad-accum", "8"],
+        &["--cp", "2", "--tp", "2", "--grad-accum", "8"],
+        &["--cp", "2", "--dp", "2", "--zero", "1", "--grad-accum", "4"],
+        &["--cp", "2", "--dp", "2", "--zero", "3", "--grad-accum", "4"],
+        &["--cp", "2", "--pp", "2", "--grad-accum", "8"],
+    ];
+    for arch in ["llama", "gpt2"] {
+        let single = train_model(&dir, arch, "model.onnx", 8, &[]);
+        for flags in layouts {
+            let got = train_model(&dir, arch, "model.onnx", 1, flags);
+            let label = format!("{arch} micro-batch 1 {}", flags.join(" "));
+            let (first, worst) = within_contract(&label, &got, &single);
+            println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
+    }
+}
+
+/// One compile of `arch`'s fixture cut to `layers` layers (one sequence of `seq_len` tokens)
+/// over `--cp cp`: rank 0's activation peak, its bytes sent per step by all-reduces,
+/// reduce-scatters and all-gathers, and its parameters' bytes.
+fn compiled(arch: &str, layers: usize, seq_len: usize, cp: usize) -> (i64, [i64; 3], i64) {
+    let model = crate::common::fixture(arch, "model.onnx");
+    let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--seq-len".into(), seq_len.to_string(), "--cp".into(), cp.to_string()])
+        .collect();
+    let flags = autotp_compiler::CompileFlags::parse_args(&args).unwrap();
+    let options = autotp_compiler::CompileOptions::from_flags(&flags).unwrap();
+    let compiled =
+        autotp_compiler::compile(&options, autotp_compiler::Weights::ShapesOnly { layers: Some(layers) }).unwrap();
+    let report = autotp_program::report::report(&compiled.plan);
+    let sent = &report.ranks[0].comm_bytes_per_step;
+    let memory = &compiled.plan.stages[0].memory;
+    let sent = [sent.all_reduce as i64, sent.reduce_scatter as i64, sent.all_gather as i64];
+    (memory.activations_peak_bytes as i64, sent, memory.params_bytes as i64)
+}
+
+/// Per layer, each rank all-gathers the key and the value (`b x h_kv x s x d` each, f32) and
+/// reduce-scatters their gradients: `2 x 4bh_kv sd x (N-1)/N` bytes sent each way. The weights'
+/// gradients (and the loss) are all-reduced over cp as over dp: `2 (N-1)/N` of their bytes.
+#[test]
+fn context_parallelism_moves_the_keys_and_values_the_formula_says() {
+    // (arch, tokens, key/value heads, head dim): GPT-2's position table has 128 rows.
+    for (arch, s, kv_heads, head_dim) in [("llama", 1024i64, 2i64, 16i64), ("gpt2", 128, 4, 16)] {
+        for n in [2i64, 4] {
+            let (_, [ar, rs, ag], params) = compiled(arch, 2, s as usize, n as usize);
+            let key_value = 2 * 4 * kv_heads * s * head_dim * (n - 1) / n;
+            println!("{arch} cp {n}: all-gathers {ag}, reduce-scatters {rs}, all-reduces {ar} bytes per rank");
+            assert_eq!(ag, 2 * key_value, "{arch} cp {n}: all-gathers");
+            assert_eq!(rs, 2 * key_value, "{arch} cp {n}: reduce-scatters");
+            let loss = 2 * (n - 1) * 4 / n;
+            assert_eq!(ar, 2 * (n - 1) * params / n + loss, "{arch} cp {n}: all-reduces");
+        }
+    }
+}
+
+/// `--cp` splits one sequence at a time, over tokens it divides, and not with Megatron's
+/// sequence parallelism; the summary says what it does.
+#[test]
+fn context_parallelism_is_summarised_and_refused_where_it_cannot_split() {
+    let model = crate::common::fixture("llama", "model.onnx");
+    let m = model.to_str().unwrap();
+    let out = crate::common::success(crate::common::autotp(&[
+        "compile",
+        m,
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "1",
+        "--cp",
+        "4",
+        "-o",
+        "/dev/null",
+    ]));
+    assert!(out.contains("context parallelism: each sequence's 32 tokens split over cp=4 (8 per rank)"), "{out}");
+    assert!(out.contains("4 all-gathers of keys and values (12,288)"), "{out}");
+    let compile = |extra: &[&str]| {
+        let args = [&["compile", m, "-o", "/dev/null"][..], extra];
+        crate::common::failure(crate::common::autotp(&args.concat()))
+    };
+    let err = compile(&["--seq-len", "30", "--micro-batch", "1", "--cp", "4"]);
+    assert!(err.contains("--cp 4 splits each sequence's 30 tokens: they must divide"), "{err}");
+    let err = compile(&["--seq-len", "32", "--micro-batch", "2", "--cp", "2"]);
+    assert!(err.contains("give --micro-batch 1 and more sequences per step with --grad-accum"), "{err}");
+    let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "2", "--tp", "2", "--sequence-parallel"]);
+    assert!(err.contains("--sequence-parallel and --cp both split a sequence's tokens"), "{err}");
+}
