@@ -69,6 +69,28 @@ fn context_parallelism_moves_the_keys_and_values_the_formula_says() {
     }
 }
 
+/// Each rank holds its tokens' activations: a layer holds `1/N` of what it holds on one rank,
+/// and beside it the keys and values gathered from the other ranks for the backward (`2 x
+/// 4bh_kv sd x (N-1)/N` bytes) and the position its queries start at (an i64). The causal mask
+/// is the attention op's, at each rank's positions: no `[s, s]` matrix is held. (Llama at 1024
+/// tokens, where the layers' activations make the peak; GPT-2's position table stops at 128,
+/// where the head's logits do.)
+#[test]
+fn context_parallelism_splits_the_activations() {
+    for (arch, s, kv_heads, head_dim) in [("llama", 1024i64, 2i64, 16i64)] {
+        let layer = |n: i64| compiled(arch, 2, s as usize, n as usize).0 - compiled(arch, 1, s as usize, n as usize).0;
+        let whole = layer(1);
+        for n in [2i64, 4] {
+            let split = layer(n);
+            let gathered = 2 * 4 * kv_heads * s * head_dim * (n - 1) / n;
+            println!(
+                "{arch} cp {n}: a layer holds {split} bytes, {whole} on one rank; keys and values gathered {gathered}"
+            );
+            assert_eq!(split, whole / n + gathered + 8, "{arch} cp {n}");
+        }
+    }
+}
+
 /// `--cp` splits one sequence at a time, over tokens it divides, and not with Megatron's
 /// sequence parallelism; the summary says what it does.
 #[test]
@@ -99,4 +121,36 @@ fn context_parallelism_is_summarised_and_refused_where_it_cannot_split() {
     assert!(err.contains("give --micro-batch 1 and more sequences per step with --grad-accum"), "{err}");
     let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "2", "--tp", "2", "--sequence-parallel"]);
     assert!(err.contains("--sequence-parallel and --cp both split a sequence's tokens"), "{err}");
+}
+
+/// A context-parallel plan on emulated GPUs (`AUTOTP_GPU=emulated`, the ranks' cp
+/// communicator over the emulated NCCL) trains like its CPU ranks: the GPU's attention passes
+/// take each rank's queries at their positions.
+#[test]
+fn context_parallelism_on_emulated_gpus_trains_like_cpu_ranks() {
+    let dir = crate::common::scratch("context-parallel-gpu");
+    let model = crate::common::fixture("llama", "model.onnx");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let plan = dir.join("cp.atp");
+    let m = model.to_str().unwrap();
+    let flags = ["--seq-len", "32", "--micro-batch", "1", "--grad-accum", "4", "--cp", "2"];
+    crate::common::success(crate::common::autotp(
+        &[&["compile", m][..], &flags, &["-o", plan.to_str().unwrap()]].concat(),
+    ));
+    let run = |device: &str| {
+        let metrics = dir.join(format!("{device}.jsonl"));
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+        command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "4"]);
+        command.args(["--device", device, "--metrics-out", metrics.to_str().unwrap()]);
+        let out = command.env("AUTOTP_GPU", "emulated").output().unwrap();
+        let said = String::from_utf8_lossy(&out.stderr).into_owned();
+        crate::common::success(out);
+        (crate::common::losses(&metrics).into_iter().map(|(_, loss)| loss).collect::<Vec<f64>>(), said)
+    };
+    let (cpu, _) = run("cpu");
+    let (gpu, said) = run("cuda");
+    assert!(said.contains("cp over NCCL"), "{said}");
+    let (first, worst) = within_contract("cp 2 on emulated GPUs", &gpu, &cpu);
+    println!("cp 2 on emulated GPUs: step 1 {first:.2e}, worst {worst:.2e} relative to CPU ranks");
+    assert!(worst <= 1e-6, "{gpu:?} against {cpu:?}");
 }

@@ -79,7 +79,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "recognize" => Box::new(Recognize),
         "attention" => Box::new(autotp_passes::attention::FuseAttention {
             tensor_parallel: argument.strip_prefix("tp=").map_or(1, |tp| tp.parse().expect("attention:tp=N")),
-            queries_split: argument == "cp",
+            context_parallel: argument.strip_prefix("cp=").map_or(1, |cp| cp.parse().expect("attention:cp=N")),
         }),
         "precision" => {
             let (dtype, scaled) = argument.split_once(':').map_or((argument, false), |(d, s)| (d, s == "scaled"));

@@ -611,6 +611,8 @@ fn wide_fusion_groups_do_not_spill_registers() {
 /// holds a row of q, k, v or dout and its accumulators; a 16-bit warp its 16 rows' fragments).
 /// Every 16-bit pass multiplies on tensor cores: `mma.sync` for every product, its B
 /// fragments from the tiles in shared memory through `ldmatrix` (`.trans` for `p v`'s kind).
+/// A context-parallel rank's passes (queries from a position an operand gives) assemble too;
+/// its `dk`/`dv` tile pass, at 255 registers, may spill one (the queries' start).
 #[test]
 fn attention_ptx_assembles_without_spills() {
     use autotp_kernels::attention::{AttentionDims, AttentionFunction, AttentionMask, AttentionPass, AttentionTarget};
@@ -624,12 +626,21 @@ fn attention_ptx_assembles_without_spills() {
         head_dim: 64,
         value_dim: 64,
         bias: None,
+        query_runs: None,
     };
     let with_bias = AttentionDims { bias: Some(vec![1, 12, 1024, 1024]), ..dims.clone() };
     let wide =
         AttentionDims { lead: vec![2, 8, 4], kv_lead: vec![2, 8, 1], head_dim: 128, value_dim: 128, ..dims.clone() };
+    // A context-parallel rank's queries, from the position an operand gives.
+    let positioned = AttentionDims { query_runs: Some(1), ..dims.clone() };
     let mut functions = Vec::new();
-    let cases = [(DType::BF16, &dims), (DType::F32, &dims), (DType::BF16, &with_bias), (DType::F16, &wide)];
+    let cases = [
+        (DType::BF16, &dims),
+        (DType::F32, &dims),
+        (DType::BF16, &with_bias),
+        (DType::F16, &wide),
+        (DType::BF16, &positioned),
+    ];
     for (dtype, dims) in cases {
         for kernel in [
             Kernel::Attention { dtype, dims: dims.clone(), scale: 0.125, mask: AttentionMask::Causal, generated: true },
@@ -654,9 +665,15 @@ fn attention_ptx_assembles_without_spills() {
         let source = dir.join(format!("{}.ptx", arch.name()));
         std::fs::write(&source, &code).unwrap();
         let report = assemble(&ptxas, &source, arch.name());
-        assert_eq!(register_use(&report).1, 0, "{}: attention spills registers:\n{report}", arch.name());
+        let positioned = autotp_llvm::attention::entry_name(functions.len() - 1);
+        let spills = spills_by_entry(&report);
+        assert_eq!(spills.len(), functions.len(), "a spill count per entry:\n{report}");
+        for (entry, spilled) in spills {
+            let allowed = if entry == positioned { 4 } else { 0 };
+            assert!(spilled <= allowed, "{}: {entry} spills {spilled} bytes:\n{report}", arch.name());
+        }
         let tiled: Vec<_> = functions.iter().filter(|f| f.tensor_cores).collect();
-        assert_eq!(tiled.len(), 2 * 3 + 4, "every 16-bit pass runs on tensor cores");
+        assert_eq!(tiled.len(), 3 * 3 + 4, "every 16-bit pass runs on tensor cores");
         for operands in [DType::BF16, DType::F16] {
             let instruction = format!("mma.sync.aligned.m16n8k16.row.col.f32.{operands}.{operands}.f32");
             // Per column tile, a product with a tile's rows (q k^T) is 8 groups of 8 columns x
@@ -693,6 +710,22 @@ fn assemble(ptxas: &std::path::Path, source: &std::path::Path, arch: &str) -> St
 }
 
 /// The most registers an entry of a `ptxas -v` report uses, and the bytes its entries spill.
+/// Each entry's bytes of spill stores in a `ptxas -v` report.
+fn spills_by_entry(report: &str) -> Vec<(String, usize)> {
+    let mut spills = Vec::new();
+    let mut entry = String::new();
+    for line in report.lines() {
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            entry = rest.trim().to_string();
+        }
+        if let Some(before) = line.find(" bytes spill stores").map(|at| &line[..at]) {
+            let bytes = before.split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or(usize::MAX);
+            spills.push((entry.clone(), bytes));
+        }
+    }
+    spills
+}
+
 fn register_use(report: &str) -> (usize, usize) {
     let number_before = |line: &str, what: &str| -> Option<usize> {
         let before = &line[..line.find(what)?];

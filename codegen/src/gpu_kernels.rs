@@ -213,6 +213,7 @@ mod tests {
                 head_dim: 64,
                 value_dim: 64,
                 bias: None,
+                query_runs: None,
             };
             let kernel = Kernel::Attention {
                 dtype: DType::BF16,

@@ -385,7 +385,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     if flags.attention == AttentionFlag::Fused {
         steps.push(pass(Box::new(autotp_passes::attention::FuseAttention {
             tensor_parallel: flags.tp,
-            queries_split: flags.cp > 1,
+            context_parallel: flags.cp,
         })));
         steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     }

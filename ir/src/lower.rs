@@ -190,9 +190,8 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             Kernel::Softmax { dtype, outer, len, inner, log: matches!(op, Op::LogSoftmax { .. }) }
         }
         Op::Attention { scale, mask } | Op::AttentionGrad { scale, mask } => {
-            let with_bias = inputs.len() == if matches!(op, Op::Attention { .. }) { 4 } else { 7 };
-            let bias = with_bias.then(|| inputs[3]);
-            let dims = crate::shape_rules::attention_dims(inputs[0], inputs[1], inputs[2], bias).ok()?;
+            let operands = crate::shape_rules::attention_operands(matches!(op, Op::Attention { .. }), inputs);
+            let dims = crate::shape_rules::attention_dims(inputs[0], inputs[1], inputs[2], operands).ok()?;
             let (scale, mask) = (*scale, *mask);
             match op {
                 Op::Attention { .. } => Kernel::Attention { dtype, dims, scale, mask, generated: false },

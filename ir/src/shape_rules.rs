@@ -61,12 +61,22 @@ pub(crate) fn infer(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Re
     }
 }
 
-/// The shapes of `attention q, k, v[, bias]`, or why they do not fit together.
+/// The optional operands of `attention q, k, v[, bias][, run_starts]` and of `attention_grad q,
+/// k, v[, bias], out, lse, d_out[, run_starts]`: the additive bias (a float, fourth), and the
+/// first position of each run of queries (i64, last: [`AttentionDims::query_runs`]), where given.
+pub fn attention_operands<'t>(forward: bool, inputs: &[&'t TensorType]) -> [Option<&'t TensorType>; 2] {
+    let run_starts = inputs.last().copied().filter(|t| inputs.len() > 3 && t.dtype == crate::DType::I64);
+    let given = inputs.len() - usize::from(run_starts.is_some());
+    let bias = (given > if forward { 3 } else { 6 }).then(|| inputs[3]);
+    [bias, run_starts]
+}
+
+/// The shapes of `attention q, k, v[, bias][, run_starts]`, or why they do not fit together.
 pub(crate) fn attention_dims(
     q: &TensorType,
     k: &TensorType,
     v: &TensorType,
-    bias: Option<&TensorType>,
+    [bias, run_starts]: [Option<&TensorType>; 2],
 ) -> Result<AttentionDims, String> {
     float_only(q)?;
     let rank = q.rank();
@@ -85,7 +95,14 @@ pub(crate) fn attention_dims(
         head_dim: q.shape[lead + 1],
         value_dim: v.shape[lead + 1],
         bias: bias.map(|b| b.shape.clone()),
+        query_runs: run_starts.map(TensorType::numel),
     };
+    if let Some(starts) = run_starts.filter(|s| s.rank() != 1 || !dims.is_valid()) {
+        return Err(format!(
+            "the queries' run starts must be i64[R] with R dividing the {} queries, got {starts}",
+            dims.q_len
+        ));
+    }
     if k.shape[lead + 1] != dims.head_dim || v.shape[..=lead] != k.shape[..=lead] || !dims.is_valid() {
         return Err(format!(
             "needs q [.., Sq, D], k [.., Sk, D] and v [.., Sk, Dv] with k's and v's leading dims 1 or q's (and a bias \
@@ -99,12 +116,16 @@ pub(crate) fn attention_dims(
 fn attention(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Result<Vec<TensorType>, String> {
     let forward = matches!(this, Op::Attention { .. });
     let (base, outputs) = if forward { (3, 2) } else { (6, 3) };
-    expect_arity(inputs, base, base + 1)?;
+    expect_arity(inputs, base, base + 2)?;
     if num_outputs != outputs {
         return Err(format!("has {num_outputs} outputs, expects {outputs}"));
     }
-    let with_bias = inputs.len() > base;
-    let dims = attention_dims(inputs[0], inputs[1], inputs[2], with_bias.then(|| inputs[3]))?;
+    let operands = attention_operands(forward, inputs);
+    let with_bias = operands[0].is_some();
+    if inputs.len() != base + usize::from(with_bias) + usize::from(operands[1].is_some()) {
+        return Err("takes at most a float bias and the queries' i64 run starts beyond its operands".into());
+    }
+    let dims = attention_dims(inputs[0], inputs[1], inputs[2], operands)?;
     let dtype = inputs[0].dtype;
     let mut out = dims.lead.clone();
     out.extend([dims.q_len, dims.value_dim]);

@@ -456,10 +456,12 @@ fn matmul_rule(
 /// key/value head for the query heads of every rank). The backward's gradient of such a shared
 /// key or value is then each rank's part of a sum.
 ///
-/// It also runs independently for every query, when no mask depends on the query's position
-/// (a causal mask is then a bias operand, whose rows split with the queries): the queries split
-/// over their sequence (context parallelism), each rank attends over the whole key and value,
-/// and their gradients are each rank's part of a sum. Anything else runs whole.
+/// It also runs independently for every query: the queries split over their sequence (context
+/// parallelism), each rank attends over the whole key and value, whose gradients are then each
+/// rank's part of a sum; a bias's rows split with the queries. A mask is the query's position,
+/// which a rank holding some of the queries knows only from the runs' starts
+/// ([`crate::shape_rules::attention_operands`]): with a mask, the queries split with their runs.
+/// Anything else runs whole.
 fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], n: usize) -> AxisRule {
     use Placement::{PartialSum, Replicate, Shard};
     let (forward, mask) = match op {
@@ -467,18 +469,24 @@ fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], n: usi
         Op::AttentionGrad { mask, .. } => (false, *mask),
         _ => unreachable!("attention_rule is called for attention ops"),
     };
-    let with_bias = inputs.len() == if forward { 4 } else { 7 };
+    let [bias, run_starts] = crate::shape_rules::attention_operands(forward, inputs);
     let outputs = if forward { 2 } else { 3 };
     let q = &inputs[0].shape;
     let lead = q.len() - 2;
-    let split = current.iter().zip(inputs).find_map(|(p, t)| match p {
+    // The run starts' dim is no leading dim of the query's.
+    let tensors = inputs.len() - usize::from(run_starts.is_some());
+    let split = current[..tensors].iter().zip(inputs).find_map(|(p, t)| match p {
         Shard(d) if *d < lead && t.shape[*d] == q[*d] && divisible(q, *d, n) => Some(*d),
         _ => None,
     });
-    let queries_split = current[0] == Shard(lead) && mask == crate::AttentionMask::None && divisible(q, lead, n);
-    let (d, shared) = match split {
-        Some(d) => (d, Replicate),
-        None if queries_split => (lead, Replicate),
+    let runs_split = match run_starts {
+        Some(starts) => divisible(&starts.shape, 0, n),
+        None => !mask.is_positional(),
+    };
+    let queries_split = current[0] == Shard(lead) && runs_split && divisible(q, lead, n);
+    let d = match split {
+        Some(d) => d,
+        None if queries_split => lead,
         None => return AxisRule::replicated(inputs.len(), outputs),
     };
     // The query's rows: a key or value has none when the queries split (it is whole).
@@ -487,15 +495,18 @@ fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], n: usi
         if t.shape[d] == q[d] && !keys {
             Shard(d)
         } else {
-            shared
+            Replicate
         }
     };
     let mut ins: Vec<Placement> =
-        inputs[..3 + usize::from(with_bias)].iter().enumerate().map(|(i, t)| follows(i, t)).collect();
+        inputs[..3 + usize::from(bias.is_some())].iter().enumerate().map(|(i, t)| follows(i, t)).collect();
+    let starts = if d == lead { Shard(0) } else { Replicate };
     if forward {
+        ins.extend(run_starts.map(|_| starts));
         return AxisRule { inputs: ins, outputs: vec![Shard(d), Shard(d)] };
     }
     ins.extend([Shard(d); 3]);
+    ins.extend(run_starts.map(|_| starts));
     let gradient = |i: usize, t: &TensorType| if follows(i, t) == Shard(d) { Shard(d) } else { PartialSum };
     AxisRule { inputs: ins, outputs: vec![Shard(d), gradient(1, inputs[1]), gradient(2, inputs[2])] }
 }
@@ -654,10 +665,18 @@ mod tests {
         let current = [Shard(2), Replicate, Replicate, Shard(2), Shard(2), Shard(2), Shard(2)];
         let r = axis_rule(&backward, &ins, &[&q, &kv, &kv], &current, &cp);
         assert_eq!(r.outputs, [Shard(2), PartialSum, PartialSum]);
-        // A causal mask is the query's position: such attention runs whole.
+        // A causal mask is the query's position: such attention runs whole, unless each rank
+        // knows where its queries start.
         let causal = Op::Attention { scale, mask: crate::AttentionMask::Causal };
         let r = axis_rule(&causal, &[&q, &kv, &kv], &[&q, &lse], &[Shard(2), Shard(2), Shard(2)], &cp);
         assert_eq!(r, AxisRule::replicated(3, 2));
+        let starts = TensorType::new(crate::DType::I64, vec![2]);
+        let current = [Shard(2), Shard(2), Shard(2), Replicate];
+        let r = axis_rule(&causal, &[&q, &kv, &kv, &starts], &[&q, &lse], &current, &cp);
+        assert_eq!(
+            r,
+            AxisRule { inputs: vec![Shard(2), Replicate, Replicate, Shard(0)], outputs: vec![Shard(2), Shard(2)] }
+        );
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //! `dq = scale sum_j dS_j k_j`, `dk_j = scale sum_i dS_ij q_i`, `dv_j = sum_i p_ij dout_i`.
 //! Memory beyond the operands is one row of scores per task: linear in the sequence.
 //!
+//! The masks compare a query's position with a key's. Queries are at positions `0..Sq` unless
+//! the dims say they come in runs ([`AttentionDims::query_runs`]: a context-parallel rank's
+//! share of a sequence): then an i64 operand, the last input, holds the position of each run's
+//! first query, and the run's queries follow it one by one.
+//!
 //! These are the builtin kernels, the oracle of generated ones: operands are widened to f64 and
 //! scores, sums and products computed in f64. Query rows run in parallel for `out`, `lse` and
 //! `dq`; key rows in parallel for `dk` and `dv` (each sums over the query heads that share it),
@@ -47,11 +52,25 @@ impl AttentionMask {
 
     /// The queries, of `q_len`, that attend to key `j`.
     pub fn queries(self, j: usize, q_len: usize) -> std::ops::Range<usize> {
-        match self {
-            AttentionMask::None => 0..q_len,
-            AttentionMask::Causal => j.min(q_len)..q_len,
-            AttentionMask::SlidingWindow { window } => j.min(q_len)..(j + window).min(q_len),
-        }
+        self.queries_in_run(j, 0, q_len)
+    }
+
+    /// Of `len` queries at positions `first..first + len`, those (counted from the run's first)
+    /// that attend to key `j`.
+    pub fn queries_in_run(self, j: usize, first: usize, len: usize) -> std::ops::Range<usize> {
+        let (lo, hi) = match self {
+            AttentionMask::None => (0, usize::MAX),
+            AttentionMask::Causal => (j, usize::MAX),
+            AttentionMask::SlidingWindow { window } => (j, j.saturating_add(window)),
+        };
+        let end = first + len;
+        let lo = lo.clamp(first, end) - first;
+        lo..(hi.clamp(first, end) - first).max(lo)
+    }
+
+    /// Whether the mask depends on where the queries are in the sequence.
+    pub fn is_positional(self) -> bool {
+        self != AttentionMask::None
     }
 }
 
@@ -70,6 +89,11 @@ pub struct AttentionDims {
     pub value_dim: usize,
     /// The additive bias's shape, broadcasting to `[lead.., q_len, kv_len]` (same rank).
     pub bias: Option<Vec<usize>>,
+    /// Where the queries are not at positions `0..q_len`: they come in this many runs of
+    /// `q_len / runs` queries at consecutive positions, and the last input (i64) holds each
+    /// run's first position.
+    #[serde(default)]
+    pub query_runs: Option<usize>,
 }
 
 impl AttentionDims {
@@ -111,7 +135,15 @@ impl AttentionDims {
             full.extend([self.q_len, self.kv_len]);
             broadcasts(bias, &full)
         });
-        broadcasts(&self.kv_lead, &self.lead) && bias_ok && self.head_dim > 0 && self.value_dim > 0
+        let runs_ok = self.query_runs.is_none_or(|runs| runs > 0 && self.q_len.is_multiple_of(runs));
+        broadcasts(&self.kv_lead, &self.lead) && bias_ok && runs_ok && self.head_dim > 0 && self.value_dim > 0
+    }
+
+    /// The runs of queries at consecutive positions and their length: one run of all `q_len`
+    /// without [`Self::query_runs`].
+    pub fn runs(&self) -> (usize, usize) {
+        let runs = self.query_runs.unwrap_or(1);
+        (runs, self.q_len / runs)
     }
 
     /// For each leading index of the query, the index of its element in a broadcast of leading
@@ -247,7 +279,9 @@ impl AttentionFunction {
             AttentionTarget::Cpu => 4,
             AttentionTarget::Gpu => 1,
         };
-        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || !dims.is_valid() {
+        // Generated code takes one run of queries (a context-parallel rank's), at any position.
+        let one_run = dims.query_runs.is_none_or(|runs| runs == 1);
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || !dims.is_valid() || !one_run {
             return None;
         }
         let function = |pass: AttentionPass| {
@@ -346,16 +380,30 @@ struct Operands<'a> {
     bias: Option<Bias<'a>>,
     /// Per query batch index, its key/value batch index.
     kv_of: Vec<usize>,
+    /// The position of each run's first query ([`AttentionDims::runs`]).
+    run_starts: Vec<usize>,
 }
 
 impl<'a> Operands<'a> {
-    fn new(dims: &'a AttentionDims, scale: f64, [q, k, v]: [&'a [f64]; 3], bias: Option<&'a [f64]>) -> Operands<'a> {
+    fn new(
+        dims: &'a AttentionDims,
+        scale: f64,
+        [q, k, v]: [&'a [f64]; 3],
+        bias: Option<&'a [f64]>,
+        run_starts: Vec<usize>,
+    ) -> Operands<'a> {
         let bias = bias.zip(dims.bias.as_deref()).map(|(values, shape)| {
             let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
             let offsets = dims.bias_blocks();
             Bias { values, offsets, row_stride: if rows == 1 { 0 } else { cols }, col_stride: usize::from(cols != 1) }
         });
-        Operands { dims, scale, q, k, v, bias, kv_of: dims.kv_of() }
+        Operands { dims, scale, q, k, v, bias, kv_of: dims.kv_of(), run_starts }
+    }
+
+    /// The position of query `i` in the sequence.
+    fn position(&self, i: usize) -> usize {
+        let (_, len) = self.dims.runs();
+        self.run_starts[i / len] + i % len
     }
 
     fn q_row(&self, b: usize, i: usize) -> &[f64] {
@@ -405,7 +453,21 @@ fn store(dtype: DType, values: &[f64], out: &mut [u8]) -> Result<(), KernelError
     Ok(())
 }
 
-/// `[q, k, v, bias?] -> [out, lse]`.
+/// The position of each run's first query: the last input, with [`AttentionDims::query_runs`].
+fn run_starts(kernel: &'static str, dims: &AttentionDims, inputs: &[&[u8]]) -> Result<Vec<usize>, KernelError> {
+    let Some(runs) = dims.query_runs else { return Ok(vec![0]) };
+    let starts = inputs.last().map(|b| view::<i64>(b)).filter(|s| s.len() == runs).ok_or_else(|| {
+        KernelError::Unsupported { kernel, what: format!("query positions: {runs} run starts (i64) expected") }
+    })?;
+    starts
+        .iter()
+        .map(|&s| {
+            usize::try_from(s).map_err(|_| KernelError::Unsupported { kernel, what: format!("query position {s}") })
+        })
+        .collect()
+}
+
+/// `[q, k, v, bias?, run_starts?] -> [out, lse]`.
 pub(crate) fn forward(
     dtype: DType,
     dims: &AttentionDims,
@@ -418,8 +480,8 @@ pub(crate) fn forward(
     const KERNEL: &str = "attention";
     let [q, k, v] = [0, 1, 2].map(|i| widened(KERNEL, dtype, inputs[i]));
     let (q, k, v) = (q?, k?, v?);
-    let bias = inputs.get(3).map(|b| widened(KERNEL, dtype, b)).transpose()?;
-    let ops = Operands::new(dims, scale, [&q, &k, &v], bias.as_deref());
+    let bias = dims.bias.as_ref().map(|_| widened(KERNEL, dtype, inputs[3])).transpose()?;
+    let ops = Operands::new(dims, scale, [&q, &k, &v], bias.as_deref(), run_starts(KERNEL, dims, inputs)?);
     let (dv, sq, sk) = (dims.value_dim, dims.q_len, dims.kv_len);
     let mut values = vec![0f64; dims.batch() * sq * dv];
     let mut log_sums = vec![0f64; dims.batch() * sq];
@@ -427,7 +489,7 @@ pub(crate) fn forward(
     values.par_chunks_mut(dv).zip(log_sums.par_iter_mut()).with_min_len(rows).enumerate().for_each(
         |(row, (o, lse))| {
             let (b, i) = (row / sq, row % sq);
-            let keys = mask.keys(i, sk);
+            let keys = mask.keys(ops.position(i), sk);
             let scores: Vec<f64> = keys.clone().map(|j| ops.score(b, i, j)).collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let log_sum = max + scores.iter().map(|s| (s - max).exp()).sum::<f64>().ln();
@@ -444,7 +506,7 @@ pub(crate) fn forward(
     store(lse_dtype(dtype), &log_sums, lse)
 }
 
-/// `[q, k, v, bias?, out, lse, d_out] -> [dq, dk, dv]`.
+/// `[q, k, v, bias?, out, lse, d_out, run_starts?] -> [dq, dk, dv]`.
 pub(crate) fn backward(
     dtype: DType,
     dims: &AttentionDims,
@@ -461,7 +523,7 @@ pub(crate) fn backward(
     let out = widened(KERNEL, dtype, inputs[3 + with_bias])?;
     let lse = widened(KERNEL, lse_dtype(dtype), inputs[4 + with_bias])?;
     let d_out = widened(KERNEL, dtype, inputs[5 + with_bias])?;
-    let ops = Operands::new(dims, scale, [&q, &k, &v], bias.as_deref());
+    let ops = Operands::new(dims, scale, [&q, &k, &v], bias.as_deref(), run_starts(KERNEL, dims, inputs)?);
     let (d, dv, sq, sk) = (dims.head_dim, dims.value_dim, dims.q_len, dims.kv_len);
     let d_out_row = |b: usize, i: usize| &d_out[(b * sq + i) * dv..][..dv];
     // dout . out per query row (FlashAttention's D).
@@ -476,7 +538,7 @@ pub(crate) fn backward(
     let mut dq = vec![0f64; dims.batch() * sq * d];
     dq.par_chunks_mut(d).with_min_len(rows_per_task(sk * d)).enumerate().for_each(|(row, dq)| {
         let (b, i) = (row / sq, row % sq);
-        for j in mask.keys(i, sk) {
+        for j in mask.keys(ops.position(i), sk) {
             let (_, ds) = probability_and_ds(b, i, j);
             for (a, &x) in dq.iter_mut().zip(ops.k_row(ops.kv_of[b], j)) {
                 *a += ds * x;
@@ -493,10 +555,16 @@ pub(crate) fn backward(
     let mut dk = vec![0f64; dims.kv_batch() * sk * d];
     let mut dvs = vec![0f64; dims.kv_batch() * sk * dv];
     let rows = rows_per_task(sq * (d + dv));
+    let run_len = dims.runs().1;
+    // The queries that see key `j`, run by run.
+    let queries = |j: usize| {
+        (ops.run_starts.iter().enumerate())
+            .flat_map(move |(r, &first)| mask.queries_in_run(j, first, run_len).map(move |i| r * run_len + i))
+    };
     dk.par_chunks_mut(d).zip(dvs.par_chunks_mut(dv)).with_min_len(rows).enumerate().for_each(|(row, (dk, dv))| {
         let (kb, j) = (row / sk, row % sk);
         for &b in &sharing[kb] {
-            for i in mask.queries(j, sq) {
+            for i in queries(j) {
                 let (p, ds) = probability_and_ds(b, i, j);
                 dk.iter_mut().zip(ops.q_row(b, i)).for_each(|(a, &x)| *a += ds * x);
                 dv.iter_mut().zip(d_out_row(b, i)).for_each(|(a, &x)| *a += p * x);
@@ -523,9 +591,10 @@ mod tests {
         dv: Vec<f64>,
     }
 
-    fn unfused(dims: &AttentionDims, scale: f64, mask: AttentionMask, x: &[Vec<f32>; 5]) -> Unfused {
+    fn unfused(dims: &AttentionDims, scale: f64, mask: AttentionMask, x: &[Vec<f32>; 5], starts: &[usize]) -> Unfused {
         let [q, k, v, bias, d_out] = x.clone().map(|t| t.iter().map(|&x| x as f64).collect::<Vec<f64>>());
-        let ops = Operands::new(dims, scale, [&q, &k, &v], dims.bias.as_ref().map(|_| &bias[..]));
+        let bias = dims.bias.as_ref().map(|_| &bias[..]);
+        let ops = Operands::new(dims, scale, [&q, &k, &v], bias, starts.to_vec());
         let (d, dv, sq, sk) = (dims.head_dim, dims.value_dim, dims.q_len, dims.kv_len);
         let kb_len = dims.kv_batch();
         let mut r = Unfused {
@@ -537,7 +606,7 @@ mod tests {
         for b in 0..dims.batch() {
             let kb = ops.kv_of[b];
             for i in 0..sq {
-                let keys = mask.keys(i, sk);
+                let keys = mask.keys(ops.position(i), sk);
                 let s: Vec<f64> =
                     (0..sk).map(|j| if keys.contains(&j) { ops.score(b, i, j) } else { f64::NEG_INFINITY }).collect();
                 let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -588,14 +657,24 @@ mod tests {
     }
 
     fn check(dims: AttentionDims, mask: AttentionMask) {
+        check_at(dims, mask, &[0]);
+    }
+
+    /// [`check`] with the queries in runs starting at `starts` (one run at 0: the sequence's
+    /// first queries, without a positions operand).
+    fn check_at(dims: AttentionDims, mask: AttentionMask, starts: &[usize]) {
         let scale = 0.3;
         let [q, k, v, bias, out, _] = dims.numels();
         let x = [values(q, 1), values(k, 2), values(v, 3), values(bias, 4), values(out, 5)];
-        let want = unfused(&dims, scale, mask, &x);
+        let want = unfused(&dims, scale, mask, &x, starts);
         let fwd = Kernel::Attention { dtype: DType::F32, dims: dims.clone(), scale, mask, generated: false };
         let mut inputs = vec![bytes(&x[0]), bytes(&x[1]), bytes(&x[2])];
         if dims.bias.is_some() {
             inputs.push(bytes(&x[3]));
+        }
+        let positions: Vec<u8> = starts.iter().flat_map(|&s| (s as i64).to_le_bytes()).collect();
+        if dims.query_runs.is_some() {
+            inputs.push(positions.clone());
         }
         let (mut o, mut lse) = (vec![0u8; out * 4], vec![0u8; dims.batch() * dims.q_len * 4]);
         let refs: Vec<&[u8]> = inputs.iter().map(|b| &b[..]).collect();
@@ -604,7 +683,13 @@ mod tests {
         assert_close("out", &floats(&o), &want.out);
 
         let bwd = Kernel::AttentionGrad { dtype: DType::F32, dims: dims.clone(), scale, mask, generated: false };
+        if dims.query_runs.is_some() {
+            inputs.pop();
+        }
         inputs.extend([o.clone(), lse.clone(), bytes(&x[4])]);
+        if dims.query_runs.is_some() {
+            inputs.push(positions);
+        }
         let refs: Vec<&[u8]> = inputs.iter().map(|b| &b[..]).collect();
         let (mut dq, mut dk, mut dv) = (vec![0u8; q * 4], vec![0u8; k * 4], vec![0u8; v * 4]);
         bwd.check_buffers(&refs.iter().map(|b| b.len()).collect::<Vec<_>>(), &[dq.len(), dk.len(), dv.len()]).unwrap();
@@ -615,7 +700,8 @@ mod tests {
     }
 
     fn dims(lead: &[usize], kv_lead: &[usize], q_len: usize, kv_len: usize, bias: Option<Vec<usize>>) -> AttentionDims {
-        AttentionDims { lead: lead.to_vec(), kv_lead: kv_lead.to_vec(), q_len, kv_len, head_dim: 5, value_dim: 3, bias }
+        let (lead, kv_lead) = (lead.to_vec(), kv_lead.to_vec());
+        AttentionDims { lead, kv_lead, q_len, kv_len, head_dim: 5, value_dim: 3, bias, query_runs: None }
     }
 
     use crate::Kernel;
@@ -636,6 +722,18 @@ mod tests {
         check(dims(&[2, 3], &[1, 3], 5, 5, Some(vec![2, 1, 1, 5])), AttentionMask::None);
     }
 
+    /// A context-parallel rank's queries: one run in the middle of the sequence, or two runs
+    /// (a chunk from each half), over every key.
+    #[test]
+    fn queries_in_runs_are_masked_at_their_positions() {
+        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 3 }] {
+            let one = AttentionDims { query_runs: Some(1), ..dims(&[2, 3], &[2, 1], 4, 12, None) };
+            check_at(one, mask, &[5]);
+            let two = AttentionDims { query_runs: Some(2), ..dims(&[2, 3], &[2, 3], 4, 12, Some(vec![1, 3, 4, 12])) };
+            check_at(two, mask, &[2, 9]);
+        }
+    }
+
     #[test]
     fn masks_list_the_same_pairs_both_ways() {
         for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 2 }] {
@@ -643,6 +741,9 @@ mod tests {
                 for i in 0..sq {
                     for j in 0..sk {
                         assert_eq!(mask.keys(i, sk).contains(&j), mask.queries(j, sq).contains(&i), "{mask:?} {i} {j}");
+                        let first = 4;
+                        let run = mask.queries_in_run(j, first, sq);
+                        assert_eq!(mask.keys(first + i, sk).contains(&j), run.contains(&i), "{mask:?} {i} {j}");
                     }
                 }
             }

@@ -307,6 +307,7 @@ impl Kernel {
                 let [q, k, v, bias, out, lse] = dims.numels().map(|n| n * dtype.size());
                 let mut ins = vec![q, k, v];
                 ins.extend(dims.bias.is_some().then_some(bias));
+                ins.extend(dims.query_runs.map(|runs| runs * 8));
                 check.exact(&ins, &[out, lse / dtype.size() * lse_dtype(*dtype).size()])
             }
             Kernel::AttentionGrad { dtype, dims, .. } => {
@@ -315,6 +316,7 @@ impl Kernel {
                 let mut ins = vec![q, k, v];
                 ins.extend(dims.bias.is_some().then_some(bias));
                 ins.extend([out, lse / dtype.size() * lse_dtype(*dtype).size(), out]);
+                ins.extend(dims.query_runs.map(|runs| runs * 8));
                 check.exact(&ins, &[q, k, v])
             }
             Kernel::AdamW { dtype, .. } => check.optimizer(*dtype, 2, 2),
@@ -355,8 +357,12 @@ impl Kernel {
                 (if *weighted { 3 } else { 2 }, if *log_prob { 2 } else { 1 })
             }
             Kernel::NllLoss { weighted, .. } => (if *weighted { 3 } else { 2 }, 1),
-            Kernel::Attention { dims, .. } => (3 + usize::from(dims.bias.is_some()), 2),
-            Kernel::AttentionGrad { dims, .. } => (6 + usize::from(dims.bias.is_some()), 3),
+            Kernel::Attention { dims, .. } => {
+                (3 + usize::from(dims.bias.is_some()) + usize::from(dims.query_runs.is_some()), 2)
+            }
+            Kernel::AttentionGrad { dims, .. } => {
+                (6 + usize::from(dims.bias.is_some()) + usize::from(dims.query_runs.is_some()), 3)
+            }
             Kernel::AdamW { .. } | Kernel::Sgd { .. } => return None,
         })
     }

@@ -58,6 +58,9 @@ pub(crate) struct Buffers<'ctx> {
     pub out: PointerValue<'ctx>,
     pub lse: PointerValue<'ctx>,
     pub d_out: Option<PointerValue<'ctx>>,
+    /// The position of the first query, where the queries are one run that does not start at
+    /// 0 (a context-parallel rank's: [`AttentionDims::query_runs`]); an i64.
+    pub query_start: Option<PointerValue<'ctx>>,
     /// The outputs of the backward: dq, dk, dv.
     pub grads: [Option<PointerValue<'ctx>>; 3],
     pub table: PointerValue<'ctx>,
@@ -72,24 +75,42 @@ impl<'ctx> Buffers<'ctx> {
         let mut take = || next.next().expect("buffer_count pointers");
         let (q, k, v) = (take(), take(), take());
         let bias = f.dims.bias.is_some().then(&mut take);
-        let (out, lse) = (take(), take());
         let backward = f.pass != AttentionPass::Forward;
+        let positioned = f.dims.query_runs.is_some();
+        // The run's start is the kernel's last input: before the forward's outputs, after the
+        // backward's `d_out`.
+        let mut query_start = (positioned && !backward).then(&mut take);
+        let (out, lse) = (take(), take());
         let d_out = backward.then(&mut take);
+        if positioned && backward {
+            query_start = Some(take());
+        }
         let grads = if backward { [Some(take()), Some(take()), Some(take())] } else { [None; 3] };
         let (table, delta) = (take(), take());
-        Buffers { q, k, v, bias, out, lse, d_out, grads, table, delta }
+        Buffers { q, k, v, bias, out, lse, d_out, query_start, grads, table, delta }
+    }
+
+    /// The position of the first query (0 without [`Buffers::query_start`]).
+    pub(crate) fn first_query<'b>(&self, e: &Emitter<'b, 'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let i64t = e.ctx.i64_type();
+        match self.query_start {
+            Some(start) => Ok(e.b.build_load(i64t, start, "")?.into_int_value()),
+            None => Ok(i64t.const_int(0, false)),
+        }
     }
 }
 
-/// The keys query `i` sees under `mask`, of `kv_len`: `[lo, hi)`.
+/// The keys query `i` sees under `mask`, of `kv_len`, the first query at position `first`:
+/// `[lo, hi)`.
 pub(crate) fn mask_keys<'ctx>(
     e: &Emitter<'_, 'ctx>,
     mask: AttentionMask,
     kv_len: usize,
     i: IntValue<'ctx>,
+    first: IntValue<'ctx>,
 ) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
     let int = |x: usize| e.ctx.i64_type().const_int(x as u64, false);
-    let after = e.b.build_int_add(i, int(1), "")?;
+    let after = e.b.build_int_add(e.b.build_int_add(i, first, "")?, int(1), "")?;
     Ok(match mask {
         AttentionMask::None => (int(0), int(kv_len)),
         AttentionMask::Causal => (int(0), int_min(e, after, int(kv_len))?),
@@ -100,21 +121,24 @@ pub(crate) fn mask_keys<'ctx>(
     })
 }
 
-/// The queries, of `q_len`, that see key `j` under `mask`: `[lo, hi)`.
+/// The queries, of `q_len` from position `first` on, that see key `j` under `mask`: `[lo,
+/// hi)`, counted from the first.
 pub(crate) fn mask_queries<'ctx>(
     e: &Emitter<'_, 'ctx>,
     mask: AttentionMask,
     q_len: usize,
     j: IntValue<'ctx>,
+    first: IntValue<'ctx>,
 ) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
     let int = |x: usize| e.ctx.i64_type().const_int(x as u64, false);
+    // `x - first` clamped into `[0, q_len]` (signed: a key before the first query).
+    let local = |x: IntValue<'ctx>| -> Result<IntValue<'ctx>, LlvmError> {
+        int_min(e, int_max(e, e.b.build_int_sub(x, first, "")?, int(0))?, int(q_len))
+    };
     Ok(match mask {
         AttentionMask::None => (int(0), int(q_len)),
-        AttentionMask::Causal => (int_min(e, j, int(q_len))?, int(q_len)),
-        AttentionMask::SlidingWindow { window } => {
-            let hi = int_min(e, e.b.build_int_add(j, int(window), "")?, int(q_len))?;
-            (int_min(e, j, int(q_len))?, hi)
-        }
+        AttentionMask::Causal => (local(j)?, int(q_len)),
+        AttentionMask::SlidingWindow { window } => (local(j)?, local(e.b.build_int_add(j, int(window), "")?)?),
     })
 }
 
@@ -159,8 +183,8 @@ pub fn entry_name(index: usize) -> String {
 
 /// How many buffers `f`'s entry takes: the kernel's inputs and outputs, the table, the scratch.
 pub fn buffer_count(f: &AttentionFunction) -> usize {
-    let bias = usize::from(f.dims.bias.is_some());
-    let kernel = if f.pass == AttentionPass::Forward { 3 + bias + 2 } else { 6 + bias + 3 };
+    let extra = usize::from(f.dims.bias.is_some()) + usize::from(f.dims.query_runs.is_some());
+    let kernel = if f.pass == AttentionPass::Forward { 3 + extra + 2 } else { 6 + extra + 3 };
     kernel + 2
 }
 
@@ -591,12 +615,12 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
 
     /// The keys query `i` sees: `[lo, hi)`.
     fn keys(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
-        mask_keys(self.e, self.f.mask, self.f.dims.kv_len, i)
+        mask_keys(self.e, self.f.mask, self.f.dims.kv_len, i, self.buffers.first_query(self.e)?)
     }
 
     /// The queries that see key `j`: `[lo, hi)`.
     fn queries(&self, j: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
-        mask_queries(self.e, self.f.mask, self.f.dims.q_len, j)
+        mask_queries(self.e, self.f.mask, self.f.dims.q_len, j, self.buffers.first_query(self.e)?)
     }
 
     /// Runs `body` over blocks of `self.block` positions of `[lo, hi)`: the positions, each

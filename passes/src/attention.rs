@@ -35,19 +35,21 @@ use crate::{Pass, PassError};
 /// are then whole groups); otherwise (fewer key/value heads than ranks, which `autotp`
 /// replicates) the op reads them repeated, split with the query heads.
 ///
-/// Where context parallelism will split the queries over their sequence (`queries_split`), a
-/// causal or sliding-window mask stays a bias operand: the op's own masks are the query's
-/// position in the whole sequence, which a rank holding some of the queries does not know, while
-/// a bias's rows split with them ([`autotp_ir::sharding`]'s attention rule).
+/// Where context parallelism will split the queries over their sequence `context_parallel`
+/// ways, a causal or sliding-window mask needs each query's position, which a rank holding
+/// some of them does not know: the op takes the queries as that many runs, with their first
+/// positions (`0, S/cp, ..`, an i64 constant) as its last operand, which split with the queries
+/// ([`autotp_kernels::attention::AttentionDims::query_runs`]; on one device the same causal
+/// mask).
 #[derive(Clone, Copy, Debug)]
 pub struct FuseAttention {
     pub tensor_parallel: usize,
-    pub queries_split: bool,
+    pub context_parallel: usize,
 }
 
 impl Default for FuseAttention {
     fn default() -> FuseAttention {
-        FuseAttention { tensor_parallel: 1, queries_split: false }
+        FuseAttention { tensor_parallel: 1, context_parallel: 1 }
     }
 }
 
@@ -202,7 +204,7 @@ impl<'g> View<'g> {
         let mut mask = AttentionMask::None;
         let mut biases = Vec::new();
         for term in terms {
-            match self.mask_of(term, q_len, kv_len).filter(|_| !fuse.queries_split) {
+            match self.mask_of(term, q_len, kv_len) {
                 Some(m) if mask == AttentionMask::None => mask = m,
                 _ => biases.push(term),
             }
@@ -275,9 +277,61 @@ impl<'g> View<'g> {
         }
     }
 
+    /// `v` through `expand`s that keep its last two dims.
+    fn unexpanded(&self, mut v: ValueId) -> ValueId {
+        while let Some((Op::Expand { shape }, [x])) = self.op(v) {
+            let inner = &self.graph.ty(*x).shape;
+            if inner.len() < 2 || !shape.ends_with(&inner[inner.len() - 2..]) {
+                break;
+            }
+            v = *x;
+        }
+        v
+    }
+
+    /// A constant of positions along one of the scores' last two dims: an arange plus an
+    /// offset, `[.., 1, n]` (keys: `true`) or `[.., n, 1]` (queries), and the offset.
+    fn positions(&self, v: ValueId) -> Option<(bool, i64)> {
+        let (Op::Constant { value }, _) = self.op(v)? else { return None };
+        let shape = value.shape();
+        let along = match shape {
+            [lead @ .., 1, n] if lead.iter().all(|&d| d == 1) && *n > 1 => true,
+            [lead @ .., n, 1] if lead.iter().all(|&d| d == 1) && *n > 1 => false,
+            _ => return None,
+        };
+        let offset = value.get_i64(0);
+        (0..value.numel()).all(|i| value.get_i64(i) == offset + i as i64).then_some((along, offset))
+    }
+
+    /// A causal mask written as `select(compare(a, b), 0, MIN)` (through `expand`s) where `a` and
+    /// `b` are the keys' and the queries' positions ([`View::positions`]): read from the
+    /// comparison, not from the `[Sq, Sk]` matrix (which exports compute at run time where it is
+    /// too big to fold).
+    fn compared_positions(&self, term: ValueId) -> Option<AttentionMask> {
+        let (Op::Select, [condition, kept, masked]) = self.op(self.unexpanded(term))? else { return None };
+        if self.scalar(*kept)? != 0.0 || self.scalar(*masked)? > MASKED {
+            return None;
+        }
+        let (Op::Binary(compare), [a, b]) = self.op(self.unexpanded(*condition))? else { return None };
+        let ((a_keys, a_at), (b_keys, b_at)) = (self.positions(*a)?, self.positions(*b)?);
+        // The comparison as `key <op> query + shift`, keys at 0.. and queries at 0..
+        let (op, shift) = match (a_keys, b_keys) {
+            (true, false) => (*compare, b_at - a_at),
+            (false, true) => (flipped(*compare)?, a_at - b_at),
+            _ => return None,
+        };
+        match (op, shift) {
+            (BinaryOp::LessEqual, 0) | (BinaryOp::Less, 1) => Some(AttentionMask::Causal),
+            _ => None,
+        }
+    }
+
     /// The mask a constant term is: zeros where keys are kept, at most [`MASKED`] elsewhere,
     /// the same for every leading index.
     fn mask_of(&self, term: ValueId, q_len: usize, kv_len: usize) -> Option<AttentionMask> {
+        if let Some(mask) = self.compared_positions(term) {
+            return Some(mask);
+        }
         let (shape, values) = self.constant_values(term)?;
         let (rows, cols) = match shape[..] {
             [.., r, c] => (r, c),
@@ -342,6 +396,12 @@ impl Pass for FuseAttention {
             if let Some(bias) = bias(&mut rw, &f.biases, rank, grouped_key).map_err(&invalid)? {
                 inputs.push(bias);
             }
+            let (runs, q_len) = (self.context_parallel, old.ty(f.q).shape[rank - 2]);
+            if f.mask.is_positional() && runs > 1 && q_len.is_multiple_of(runs) {
+                let starts: Vec<i64> = (0..runs).map(|r| (r * q_len / runs) as i64).collect();
+                let value = autotp_ir::Tensor::from_i64(vec![runs], &starts);
+                inputs.push(rw.graph().add(Op::Constant { value }, vec![]).map_err(&invalid)?);
+            }
             let g = rw.graph();
             let op = Op::Attention { scale: f.scale, mask: f.mask };
             let attention = g.add_node(op, inputs, 2).map_err(|m| invalid(format!("attention: {m}")))?;
@@ -356,6 +416,17 @@ impl Pass for FuseAttention {
         *graph = rw.finish();
         Ok(())
     }
+}
+
+/// `b <op'> a` for `a <op> b`, for the order comparisons.
+fn flipped(op: BinaryOp) -> Option<BinaryOp> {
+    Some(match op {
+        BinaryOp::Less => BinaryOp::Greater,
+        BinaryOp::LessEqual => BinaryOp::GreaterEqual,
+        BinaryOp::Greater => BinaryOp::Less,
+        BinaryOp::GreaterEqual => BinaryOp::LessEqual,
+        _ => return None,
+    })
 }
 
 /// The key as `[.., Sk, D]`: `k` itself, or `k^T` transposed back (one transpose, composed

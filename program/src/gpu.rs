@@ -245,6 +245,7 @@ mod tests {
             head_dim: 8,
             value_dim: 8,
             bias: None,
+            query_runs: None,
         };
         let (dtype, mask) = (DType::F32, AttentionMask::Causal);
         let kernel = Kernel::Attention { dtype, dims: dims.clone(), scale: 0.5, mask, generated: true };

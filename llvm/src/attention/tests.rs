@@ -99,14 +99,22 @@ fn check(dtype: DType, dims: AttentionDims, mask: AttentionMask) {
 /// of each `(target, runner)` compute them, against the builtin kernel: f32 within 2e-5 of
 /// the f64 oracle, 16-bit results within a rounding (gradients on tensor cores within two:
 /// `p` and `ds` are rounded too).
+///
+/// With [`AttentionDims::query_runs`] (one run), the queries start at position [`QUERY_START`].
 fn check_runs(dtype: DType, dims: AttentionDims, mask: AttentionMask, runs: &[(AttentionTarget, Runner)]) {
     let label = format!("{dtype} {mask:?} {dims:?}");
+    let query_start = dims.query_runs.map(|_| {
+        let mut start = AlignedBuf::zeroed(8);
+        start.as_mut_slice().copy_from_slice(&QUERY_START.to_le_bytes());
+        start
+    });
     let [q, k, v, bias, out, lse] = dims.numels();
     let mut inputs: Vec<AlignedBuf> =
         [(q, 1), (k, 2), (v, 3)].iter().map(|&(n, seed)| buffer(dtype, &values(n, seed))).collect();
     if dims.bias.is_some() {
         inputs.push(buffer(dtype, &values(bias, 4)));
     }
+    let forward_inputs = inputs.iter().cloned().chain(query_start.clone()).collect::<Vec<_>>();
     let scale = 0.37;
     let forward = Kernel::Attention { dtype, dims: dims.clone(), scale, mask, generated: true };
     let backward = Kernel::AttentionGrad { dtype, dims: dims.clone(), scale, mask, generated: true };
@@ -118,11 +126,12 @@ fn check_runs(dtype: DType, dims: AttentionDims, mask: AttentionMask, runs: &[(A
             (_, Runner::SimulatedBlocks) => 2e-2,
         };
         let mut inputs = inputs.clone();
-        let [builtin, generated] = both(&forward, target, &inputs, &[out * dtype.size(), lse * 4], runner);
+        let [builtin, generated] = both(&forward, target, &forward_inputs, &[out * dtype.size(), lse * 4], runner);
         assert_close(&format!("{label} out"), dtype, &builtin[0], &generated[0], 1e-2_f32.min(tolerance));
         assert_close(&format!("{label} lse"), DType::F32, &builtin[1], &generated[1], 2e-5);
         inputs.extend(builtin);
         inputs.push(buffer(dtype, &values(out, 5)));
+        inputs.extend(query_start.clone());
         let grads = [q * dtype.size(), k * dtype.size(), v * dtype.size()];
         let [builtin, generated] = both(&backward, target, &inputs, &grads, runner);
         for (name, (want, got)) in ["dq", "dk", "dv"].iter().zip(builtin.iter().zip(&generated)) {
@@ -132,7 +141,29 @@ fn check_runs(dtype: DType, dims: AttentionDims, mask: AttentionMask, runs: &[(A
 }
 
 fn dims(kv_lead: &[usize], len: usize, head_dim: usize, value_dim: usize, bias: Option<Vec<usize>>) -> AttentionDims {
-    AttentionDims { lead: vec![2, 3], kv_lead: kv_lead.to_vec(), q_len: len, kv_len: len, head_dim, value_dim, bias }
+    let kv_lead = kv_lead.to_vec();
+    AttentionDims { lead: vec![2, 3], kv_lead, q_len: len, kv_len: len, head_dim, value_dim, bias, query_runs: None }
+}
+
+/// Where [`check_runs`]' queries start when they are one run ([`AttentionDims::query_runs`]).
+const QUERY_START: i64 = 45;
+
+/// A context-parallel rank's queries: 30 of them from position 45 over 90 keys, so that the
+/// first keys are seen by every query, the last by none, and a window ends inside the run; on
+/// both targets' cuts, a GPU's threads per row and its tensor-core tiles.
+#[test]
+fn queries_from_a_position_match_the_builtin_kernel() {
+    let at = |head_dim, bias: Option<Vec<usize>>| AttentionDims {
+        q_len: 30,
+        kv_len: 90,
+        query_runs: Some(1),
+        ..dims(&[2, 1], 30, head_dim, head_dim, bias)
+    };
+    for mask in [AttentionMask::Causal, AttentionMask::SlidingWindow { window: 20 }, AttentionMask::None] {
+        check(DType::F32, at(16, Some(vec![1, 3, 30, 90])), mask);
+        let simulated = [(AttentionTarget::Gpu, Runner::SimulatedBlocks)];
+        check_runs(DType::BF16, at(32, None), mask, &simulated);
+    }
 }
 
 #[test]

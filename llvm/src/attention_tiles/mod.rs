@@ -273,9 +273,10 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
     /// The columns row `i` sees: keys, or (over keys) queries.
     fn columns_of(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
         let (mask, dims) = (self.f.mask, &self.f.dims);
+        let first = self.ops.first_query(self.e)?;
         match self.f.pass.over_keys() {
-            true => crate::attention::mask_queries(self.e, mask, dims.q_len, i),
-            false => crate::attention::mask_keys(self.e, mask, dims.kv_len, i),
+            true => crate::attention::mask_queries(self.e, mask, dims.q_len, i, first),
+            false => crate::attention::mask_keys(self.e, mask, dims.kv_len, i, first),
         }
     }
 

@@ -463,8 +463,11 @@ pub(super) fn vjp(
                 return Err(no_gradient(op, "for its bias (attention is fused only with a bias that needs none)"));
             }
             if let Some(d_out) = dy[0] {
-                let mut inputs = x.to_vec();
+                // The queries' run starts, where given, stay the last input.
+                let run_starts = x.last().copied().filter(|&s| x.len() > 3 && b.ty(s).dtype == DType::I64);
+                let mut inputs = x[..x.len() - usize::from(run_starts.is_some())].to_vec();
                 inputs.extend([y[0], y[1], d_out]);
+                inputs.extend(run_starts);
                 let grads = b.ops(Op::AttentionGrad { scale: *scale, mask: *mask }, inputs, 3)?;
                 out[..3].iter_mut().zip(grads).for_each(|(o, g)| *o = Some(g));
             }
