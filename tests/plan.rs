@@ -88,10 +88,10 @@ fn plan_ranks_the_layouts_that_fit_and_says_why_the_others_do_not() {
     let extra = ["--global-batch", "16", "--top", "3", "--verify", "2"];
     let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &extra].concat());
     let layouts = json["layouts"].as_array().unwrap();
-    // tp 1, 2, 4, 8 x pp 1, 2, 4, 8 (of those dividing 8; each pipeline under 1F1B and ZB-H1, too
-    // few layers to interleave; tp 2 and up with and without sequence parallelism) x zero 0-3 x
-    // micro-batches 1, 2, 4, 8 x 3 recomputations.
-    assert_eq!(layouts.len(), 25 * 4 * 4 * 3, "{out}");
+    // tp 1, 2, 4, 8 x cp 1, 2, 4, 8 x pp 1, 2, 4, 8 (of those dividing 8; each pipeline under
+    // 1F1B and ZB-H1, too few layers to interleave; tp 2 and up without cp with and without
+    // sequence parallelism: 39 meshes) x zero 0-3 x micro-batches 1, 2, 4, 8 x 3 recomputations.
+    assert_eq!(layouts.len(), 39 * 4 * 4 * 3, "{out}");
     let refused = |needle: &str| layouts.iter().any(|l| l["refused"].as_str().is_some_and(|r| r.contains(needle)));
     assert!(refused("more stages than the model's 2 layers"), "{out}");
     assert!(refused("out of memory"), "{out}");
@@ -333,4 +333,32 @@ fn plan_offloads_parameter_shards_with_zero_3() {
     argv.extend(["-o".into(), plan.to_str().unwrap().into()]);
     let compiled = success(autotp(&argv));
     assert!(compiled.contains("parameter offload: "), "{compiled}");
+}
+
+/// Context parallelism in the search: one sequence of 1024 tokens on 4 H100s of 6 MiB (the
+/// Llama fixture, no recomputation) fits only split, and splits over too few heads for tp alone
+/// to win: the best layout is cp 4, its compiled peak is its predicted one within 2%, and a cp
+/// layout of a micro-batch above 1 is refused with why.
+#[test]
+fn plan_splits_a_long_sequence_over_context_parallel_ranks() {
+    let model = fixture("llama", "model.onnx");
+    let args = ["--devices", "4", "--memory-per-device", "6MiB", "--device", "h100", "--seq-len", "1024"];
+    let extra = ["--global-batch", "1", "--recompute", "none", "--verify", "1"];
+    let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &extra].concat());
+    let best = out.lines().find_map(|l| l.trim().strip_prefix("autotp compile ")).expect("the best's flags");
+    assert!(best.contains("--cp 4") && best.contains("--micro-batch 1"), "{out}");
+    let layouts = json["layouts"].as_array().unwrap();
+    let verified = layouts.iter().find(|l| l["compiled_peak"].is_number()).expect("the best compiled whole");
+    assert_eq!(verified["layout"]["cp"], 4, "{verified}");
+    let (predicted, compiled) =
+        (verified["prediction"]["memory"]["peak"].as_f64().unwrap(), verified["compiled_peak"].as_f64().unwrap());
+    assert!((compiled / predicted - 1.0).abs() < 0.02, "predicted {predicted}, compiled {compiled}");
+    // Every layout that fits splits the sequence or the heads; the best of tp's is slower.
+    let fitting: Vec<&serde_json::Value> = layouts.iter().filter(|l| l["prediction"].is_object()).collect();
+    assert!(fitting.iter().all(|l| l["layout"]["cp"] != 1 || l["layout"]["tp"] != 1), "{out}");
+    let step = |l: &&serde_json::Value| l["prediction"]["step_seconds"].as_f64().unwrap();
+    let tp_best = fitting.iter().filter(|l| l["layout"]["cp"] == 1).map(step).fold(f64::INFINITY, f64::min);
+    assert!(step(&verified) < tp_best, "{out}");
+    let why = "cp 2 splits one sequence at a time: it needs micro-batch 1, not 2";
+    assert!(layouts.iter().any(|l| l["refused"] == why), "{out}");
 }

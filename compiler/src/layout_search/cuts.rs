@@ -56,6 +56,8 @@ pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout>
     let accumulates = layout.grad_accum > 1 || layout.pp > 1;
     (layout.dp > 1).then(|| Layout {
         tp: layout.tp,
+        // The reductions over dp are of whole gradients, which cp leaves whole.
+        cp: 1,
         pp: 1,
         dp: 2,
         zero: layout.zero,
@@ -77,7 +79,7 @@ pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Lay
     flag("seq-len", request.seq_len.to_string());
     flag("micro-batch", layout.micro_batch.to_string());
     flag("grad-accum", layout.grad_accum.to_string());
-    for (name, value) in [("tp", layout.tp), ("pp", layout.pp), ("dp", layout.dp)] {
+    for (name, value) in [("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp), ("dp", layout.dp)] {
         if value > 1 {
             flag(name, value.to_string());
         }

@@ -31,7 +31,15 @@ pub struct Figures {
     /// device's rate ([`Device::gemm_half_rows`]).
     pub(super) gemm_flops_per_row: f64,
     pub(super) other_bytes: f64,
+    /// Bytes sent per micro-batch by the collectives inside the step on axes other than cp:
+    /// tp's.
     pub(super) tp_bytes: f64,
+    /// Bytes sent per micro-batch over the context-parallel axis: the keys' and values'
+    /// gathers and their gradients' scatters.
+    pub(super) cp_bytes: f64,
+    /// Bytes sent once a step by the all-reduces over the context-parallel axis (the weights'
+    /// gradients, summed over cp as over dp).
+    pub(super) cp_reduce_bytes: f64,
     /// Instructions the program runs (each costs the device's dispatch time).
     pub(super) instructions: f64,
     /// The largest host staging one of its collectives needs.
@@ -43,11 +51,18 @@ impl Figures {
         let m = &program.memory;
         let peaks = phase_peaks(program);
         let (mut gemm_flops, mut gemm_flops_per_row, mut other_bytes, mut tp_bytes) = (0.0, 0.0, 0.0, 0.0);
+        let (mut cp_bytes, mut cp_reduce_bytes) = (0.0, 0.0);
         let mut staging = 0usize;
         for instruction in &program.instructions {
             match instruction {
                 Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
-                    tp_bytes += op.kind.bytes_sent(input.len, program.mesh[op.axis].size) as f64;
+                    let axis = &program.mesh[op.axis];
+                    let sent = op.kind.bytes_sent(input.len, axis.size) as f64;
+                    match (axis.name == autotp_program::mesh::CONTEXT_AXIS, op.kind) {
+                        (true, autotp_program::mesh::Collective::AllReduce) => cp_reduce_bytes += sent,
+                        (true, _) => cp_bytes += sent,
+                        (false, _) => tp_bytes += sent,
+                    }
                     staging = staging.max(op.kind.staging_bytes(input.len));
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dims, .. }, .. } => {
@@ -75,6 +90,8 @@ impl Figures {
             gemm_flops_per_row,
             other_bytes,
             tp_bytes,
+            cp_bytes,
+            cp_reduce_bytes,
             instructions: program.instructions.len() as f64,
             staging: staging as f64,
         }
@@ -94,6 +111,8 @@ impl Figures {
             gemm_flops_per_row: f(a.gemm_flops_per_row, b.gemm_flops_per_row),
             other_bytes: f(a.other_bytes, b.other_bytes),
             tp_bytes: f(a.tp_bytes, b.tp_bytes),
+            cp_bytes: f(a.cp_bytes, b.cp_bytes),
+            cp_reduce_bytes: f(a.cp_reduce_bytes, b.cp_reduce_bytes),
             instructions: f(a.instructions, b.instructions),
             staging: f(a.staging, b.staging),
         }
@@ -218,6 +237,9 @@ impl Model {
             gemm_flops_per_row: n * layer.gemm_flops_per_row + work * rest.gemm_flops_per_row,
             other_bytes: n * layer.other_bytes + work * rest.other_bytes,
             tp_bytes: n * layer.tp_bytes + work * rest.tp_bytes,
+            cp_bytes: n * layer.cp_bytes + work * rest.cp_bytes,
+            // The gradients reduced are the stage's parameters'.
+            cp_reduce_bytes: n * layer.cp_reduce_bytes + share * rest.cp_reduce_bytes,
             instructions: n * layer.instructions + work * rest.instructions,
             staging: n * layer.staging + rest.staging,
         }

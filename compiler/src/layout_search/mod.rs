@@ -4,7 +4,8 @@
 //! It searches tp x pp x dp x ZeRO stage x micro-batch (gradient accumulation follows from the
 //! global batch) x recomputation x pipeline schedule (1F1B, ZB-H1, interleaved 1F1B with 2 or 4
 //! model chunks per stage) x sequence parallelism (with tp; its cuts are compiled with it, so
-//! a layer's activations and traffic are its own) for `--devices` devices, and returns every layout considered:
+//! a layer's activations and traffic are its own) x context parallelism (cp 1, 2, 4, 8 at a
+//! micro-batch of 1; compiled with it likewise) for `--devices` devices, and returns every layout considered:
 //! those that fit `--memory-per-device`, fastest first, with the `autotp compile` flags of each,
 //! and why the others were refused. The CLI prints them.
 //!
@@ -37,7 +38,9 @@
 //!
 //! **Time is a cost model** ([`device::Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
 //! few rows), other kernels' bytes at its memory bandwidth, a dispatch time per instruction,
-//! tp's collectives per micro-batch over the node's link (NVLink, shared memory), the
+//! tp's collectives per micro-batch over the node's link (NVLink, shared memory), cp's gathers
+//! of keys and values and scatters of their gradients per micro-batch and its reduction of the
+//! weights' gradients per step over the link its group spans, the
 //! pipeline's (micro-batches + stages - 1) slots of its slowest stage (the fill and drain
 //! divided by the model chunks interleaved, a third of it under ZB-H1: [`Layout::bubble_slots`])
 //! and its activation sends (once per model chunk),
@@ -195,8 +198,8 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
             Err(e) => c.refused = Some(first_line(&e)),
             Ok(model) => {
                 let key = format!(
-                    "tp {} micro-batch {} recompute {} zero {}",
-                    c.layout.tp, c.layout.micro_batch, c.layout.recompute, c.layout.zero
+                    "tp {} cp {} micro-batch {} recompute {} zero {}",
+                    c.layout.tp, c.layout.cp, c.layout.micro_batch, c.layout.recompute, c.layout.zero
                 );
                 models.insert(key, model);
                 let memory = request.memory_per_device as f64;
@@ -254,9 +257,12 @@ fn enumerate_layouts(
     // CPU ranks' host is the memory they run in. (optimizer, parameters)
     let offloads: &[(bool, bool)] =
         if request.device == "cpu" { &[(false, false)] } else { &[(false, false), (true, false), (true, true)] };
-    for tp in divisors(request.devices) {
-        for pp in divisors(request.devices / tp) {
-            let dp = request.devices / (tp * pp);
+    for (tp, cp) in divisors(request.devices)
+        .into_iter()
+        .flat_map(|tp| context_parallel_sizes(request, tp).into_iter().map(move |cp| (tp, cp)))
+    {
+        for pp in divisors(request.devices / (tp * cp)) {
+            let dp = request.devices / (tp * cp * pp);
             for zero in 0..=3 {
                 for &micro_batch in &request.micro_batches {
                     for recompute in &request.recompute {
@@ -264,12 +270,13 @@ fn enumerate_layouts(
                             pipeline_schedules(pp, layers)
                                 .into_iter()
                                 .flat_map(|s| [false, true].map(|sp| (s, sp)))
-                                .filter(|&(_, sp)| !sp || tp > 1)
+                                .filter(|&(_, sp)| !sp || (tp > 1 && cp == 1))
                                 .flat_map(|s| offloads.iter().map(move |&offload| (s, offload)))
                                 .filter(|&(_, (_, param))| !param || zero == 3)
                         {
                             let mut layout = Layout {
                                 tp,
+                                cp,
                                 pp,
                                 dp,
                                 zero,
@@ -287,6 +294,10 @@ fn enumerate_layouts(
                                 Some(format!("tp {tp} is more than a node's {per_node} devices"))
                             } else if pp > layers {
                                 Some(format!("pp {pp} is more stages than the model's {layers} layers"))
+                            } else if cp > 1 && micro_batch > 1 {
+                                Some(format!(
+                                    "cp {cp} splits one sequence at a time: it needs micro-batch 1, not {micro_batch}"
+                                ))
                             } else if zero > 0 && dp < 2 {
                                 Some(format!("ZeRO {zero} needs dp 2 or more"))
                             } else if !global_batch.is_multiple_of(dp * micro_batch) {
@@ -339,6 +350,14 @@ fn enumerate_layouts(
         }
     }
     (considered, wanted)
+}
+
+/// The context-parallel sizes searched beside tensor parallelism of `tp`: 1, and 2, 4 and 8
+/// where they divide the sequence and the devices left (a node's worth: the gathers of keys and
+/// values are on every layer's path).
+fn context_parallel_sizes(request: &SearchRequest, tp: usize) -> Vec<usize> {
+    let left = request.devices / tp;
+    [1, 2, 4, 8].into_iter().filter(|&cp| left.is_multiple_of(cp) && request.seq_len.is_multiple_of(cp)).collect()
 }
 
 /// The pipeline schedules searched for `pp` stages of a model of `layers` layers, with the
@@ -440,7 +459,8 @@ fn model_of(
         rest,
         backward_extra: (two.backward + two.grads - two.forward).max(0.0),
         embedding_fraction: shape.embedding_fraction,
-        boundary: boundary_per_sequence * layout.micro_batch as f64,
+        // A rank sends its tokens' share of the hidden state.
+        boundary: boundary_per_sequence * layout.micro_batch as f64 / layout.cp as f64,
         param_bytes: activation_bytes as f64,
         tp_staging: two.staging,
         dp_staging,

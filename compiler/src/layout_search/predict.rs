@@ -13,6 +13,8 @@ use super::figures::{Model, StageMemory};
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
 pub struct Layout {
     pub tp: usize,
+    /// Context-parallel ranks (`--cp`): each sequence split over them.
+    pub cp: usize,
     pub pp: usize,
     pub dp: usize,
     pub zero: usize,
@@ -88,6 +90,9 @@ pub struct Prediction {
     pub step_seconds: f64,
     pub compute_seconds: f64,
     pub tp_seconds: f64,
+    /// Context parallelism's gathers of keys and values and scatters of their gradients, per
+    /// step (the weights' gradients' reduction over cp is in `dp_seconds`).
+    pub cp_seconds: f64,
     pub pipeline_seconds: f64,
     pub dp_seconds: f64,
     /// The offloaded optimizer step: its gradients down and parameters up over the host link,
@@ -120,19 +125,20 @@ pub(super) fn predict(
     per_node: usize,
     memory: f64,
 ) -> Result<Prediction, String> {
-    let Layout { tp, pp, dp, zero, grad_accum, .. } = *layout;
+    let Layout { tp, cp, pp, dp, zero, grad_accum, .. } = *layout;
     let counts = stage_layers(layers, pp);
     let dpf = dp as f64;
     let boundary = model.boundary;
     let mut worst = MemoryFigures::default();
     let mut slot = 0.0f64;
     let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let (mut cp_time, mut cp_bytes, mut cp_reduce_bytes) = (0.0f64, 0.0f64, 0.0f64);
     let mut gathered_params = 0.0f64;
     let (mut offload, mut fetch) = (0.0f64, 0.0f64);
     // CPU ranks share the machine's cores: a step takes the work of every rank at the
     // machine's rate (a pipeline's idle stages leave their cores to the others).
     let mut machine_seconds = 0.0f64;
-    let ranks_per_stage = (tp * dp) as f64;
+    let ranks_per_stage = (tp * cp * dp) as f64;
     let node_groups =
         |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
     for (s, &n) in counts.iter().enumerate() {
@@ -220,15 +226,20 @@ pub(super) fn predict(
             + figures.instructions * device.instruction_seconds;
         let tp_seconds =
             if tp > 1 { figures.tp_bytes / node_groups(tp, 1) + device.latency * 4.0 * n as f64 } else { 0.0 };
+        // Each layer gathers its key and value and scatters their gradients over cp.
+        let cp_seconds =
+            if cp > 1 { figures.cp_bytes / node_groups(cp, tp) + device.latency * 4.0 * n as f64 } else { 0.0 };
         // A middle stage receives and sends each micro-batch's activation and its gradient, once
         // per model chunk.
         let chunks = layout.virtual_stages as f64;
         let sends =
-            if pp > 1 { chunks * (2.0 * boundary / node_groups(pp, tp * dp) + 2.0 * device.latency) } else { 0.0 };
-        let t = work + tp_seconds + sends;
+            if pp > 1 { chunks * (2.0 * boundary / node_groups(pp, tp * cp * dp) + 2.0 * device.latency) } else { 0.0 };
+        let t = work + tp_seconds + cp_seconds + sends;
         if t > slot {
-            (slot, compute, tp_time) = (t, work, tp_seconds);
+            (slot, compute, tp_time, cp_time) = (t, work, tp_seconds, cp_seconds);
         }
+        cp_bytes = cp_bytes.max(figures.cp_bytes);
+        cp_reduce_bytes = cp_reduce_bytes.max(figures.cp_reduce_bytes);
         machine_seconds += ranks_per_stage * grad_accum as f64 * t;
         dp_bytes_max = dp_bytes_max.max(held.grads);
         tp_bytes = tp_bytes.max(figures.tp_bytes);
@@ -244,7 +255,7 @@ pub(super) fn predict(
     let micro_batches = grad_accum as f64;
     let slots = micro_batches + layout.bubble_slots();
     let bubble_fraction = layout.bubble_slots() / slots;
-    let dp_link = node_groups(dp, tp);
+    let dp_link = node_groups(dp, tp * cp);
     let ring = 2.0 * (dpf - 1.0) / dpf;
     let dp_volume = if dp > 1 {
         let gradient_bytes = dp_bytes_max;
@@ -255,7 +266,11 @@ pub(super) fn predict(
     } else {
         0.0
     };
-    let dp_seconds_total = dp_volume / dp_link + if dp > 1 { device.latency * 2.0 * layers as f64 } else { 0.0 };
+    // The weights' gradients are summed over cp too, over its own link.
+    let cp_reduce_seconds =
+        if cp > 1 { cp_reduce_bytes / node_groups(cp, tp) + device.latency * 2.0 * layers as f64 } else { 0.0 };
+    let dp_seconds_total =
+        dp_volume / dp_link + if dp > 1 { device.latency * 2.0 * layers as f64 } else { 0.0 } + cp_reduce_seconds;
     // The reduction of the last micro-batch's gradients overlaps its backward (two thirds of
     // it); from ZeRO 2, each micro-batch's overlaps its own.
     let overlapped = if zero >= 2 { micro_batches } else { 1.0 };
@@ -273,12 +288,14 @@ pub(super) fn predict(
         step_seconds,
         compute_seconds: if device.shared_cores > 0 { machine_seconds } else { micro_batches * compute },
         tp_seconds: micro_batches * tp_time,
+        cp_seconds: micro_batches * cp_time,
         pipeline_seconds,
         dp_seconds,
         offload_seconds: offload,
         bubble_fraction,
         memory: worst,
-        comm_bytes: micro_batches * tp_bytes
+        comm_bytes: micro_batches * (tp_bytes + cp_bytes)
+            + cp_reduce_bytes
             + dp_volume
             + if pp > 1 { 2.0 * layout.virtual_stages as f64 * micro_batches * boundary } else { 0.0 },
     })
