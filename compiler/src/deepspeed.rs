@@ -119,6 +119,9 @@ fn translate(config: &Value, run_flags: bool) -> Result<(Vec<Translated>, Vec<St
                 }
             }
             "communication_data_type" => add("--comm-dtype", Some(dtype(value, key)?), key),
+            // DeepSpeed-Ulysses splits each sequence over these ranks, as context parallelism
+            // does (which all-gathers keys and values rather than exchange heads all-to-all).
+            "sequence_parallel_size" => add("--cp", Some(count(value, key)?), key),
             "steps_per_print" if run_flags => add("--log-every", Some(count(value, key)?), key),
             "optimizer" => optimizer(value, &mut add, &mut ignored)?,
             "scheduler" => scheduler(value, &mut add, &mut ignored)?,
@@ -409,6 +412,7 @@ mod tests {
         let config = serde_json::json!({
             "train_micro_batch_size_per_gpu": 4,
             "gradient_accumulation_steps": 2,
+            "sequence_parallel_size": 2,
             "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8},
             "bf16": {"enabled": true},
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
@@ -419,7 +423,7 @@ mod tests {
             ["model.onnx", "--seq-len", "32"].iter().chain(extra).map(|w| w.to_string()).collect()
         };
         let flags = CompileFlags::with_deepspeed(&path, &line(&["--dp", "2"])).unwrap();
-        assert_eq!((flags.micro_batch, flags.grad_accum, flags.zero, flags.dp), (4, Some(2), 2, 2));
+        assert_eq!((flags.micro_batch, flags.grad_accum, flags.zero, flags.dp, flags.cp), (4, Some(2), 2, 2, 2));
         assert_eq!(flags.reduce_bucket_size, Some(500_000_000));
         assert_eq!((flags.lr, flags.betas.as_str()), (3e-4, "0.9,0.95"));
         assert_eq!(DeepSpeedConfig::read(&path, false).unwrap().ignored, ["wall_clock_breakdown"]);

@@ -41,12 +41,13 @@ pub enum AttentionMask {
 }
 
 impl AttentionMask {
-    /// The keys query `i` attends to, of `kv_len`.
+    /// The keys the query at position `i` attends to, of `kv_len`.
     pub fn keys(self, i: usize, kv_len: usize) -> std::ops::Range<usize> {
+        let after = i.saturating_add(1);
         match self {
             AttentionMask::None => 0..kv_len,
-            AttentionMask::Causal => 0..(i + 1).min(kv_len),
-            AttentionMask::SlidingWindow { window } => (i + 1).saturating_sub(window).min(kv_len)..(i + 1).min(kv_len),
+            AttentionMask::Causal => 0..after.min(kv_len),
+            AttentionMask::SlidingWindow { window } => after.saturating_sub(window).min(kv_len)..after.min(kv_len),
         }
     }
 
@@ -63,7 +64,7 @@ impl AttentionMask {
             AttentionMask::Causal => (j, usize::MAX),
             AttentionMask::SlidingWindow { window } => (j, j.saturating_add(window)),
         };
-        let end = first + len;
+        let end = first.saturating_add(len);
         let lo = lo.clamp(first, end) - first;
         lo..(hi.clamp(first, end) - first).max(lo)
     }
@@ -403,7 +404,7 @@ impl<'a> Operands<'a> {
     /// The position of query `i` in the sequence.
     fn position(&self, i: usize) -> usize {
         let (_, len) = self.dims.runs();
-        self.run_starts[i / len] + i % len
+        self.run_starts[i / len].saturating_add(i % len)
     }
 
     fn q_row(&self, b: usize, i: usize) -> &[f64] {
