@@ -1,8 +1,9 @@
 //! Context parallelism (`--cp N`): each sequence split over N ranks, attention taking each
-//! rank's queries over the keys and values all-gathered from every rank. It trains the
-//! fixtures as one rank does, alone and with tensor, data (ZeRO 1 and 3) and pipeline
-//! parallelism; it moves the keys' and values' bytes the formula says, and each rank holds a
-//! share of the activations.
+//! rank's queries over the keys and values all-gathered from every rank, or (`--cp-comm-type
+//! a2a`, DeepSpeed-Ulysses) each rank's heads over the whole sequence, exchanged all-to-all. It
+//! trains the fixtures as one rank does, alone and with tensor, data (ZeRO 1 and 3) and
+//! pipeline parallelism; it moves the bytes the formulas say, and each rank holds a share of the
+//! activations.
 
 use crate::parallel::{train_model, within_contract};
 
@@ -17,6 +18,9 @@ fn context_parallelism_trains_like_one_rank() {
         &["--cp", "2", "--dp", "2", "--zero", "1", "--grad-accum", "4"],
         &["--cp", "2", "--dp", "2", "--zero", "3", "--grad-accum", "4"],
         &["--cp", "2", "--pp", "2", "--grad-accum", "8"],
+        &["--cp", "2", "--cp-comm-type", "a2a", "--grad-accum", "8"],
+        &["--cp", "2", "--cp-comm-type", "a2a", "--dp", "2", "--zero", "3", "--grad-accum", "4"],
+        &["--cp", "2", "--cp-comm-type", "a2a", "--pp", "2", "--grad-accum", "8"],
     ];
     for arch in ["llama", "gpt2"] {
         let single = train_model(&dir, arch, "model.onnx", 8, &[]);
@@ -65,6 +69,38 @@ fn context_parallelism_moves_the_keys_and_values_the_formula_says() {
             assert_eq!(rs, 2 * key_value, "{arch} cp {n}: reduce-scatters");
             let loss = 2 * (n - 1) * 4 / n;
             assert_eq!(ar, 2 * (n - 1) * params / n + loss, "{arch} cp {n}: all-reduces");
+        }
+    }
+}
+
+/// Ulysses (`--cp-comm-type a2a`): per layer each rank exchanges its tokens' query, key and
+/// value for its heads' whole sequence and the output back, and the backward the gradients
+/// likewise: `2 x (2h + 2h_kv) x 4 (s/N) d x (N-1)/N` bytes sent all-to-all, nothing gathered.
+/// (GPT-2 at cp 4: one head a rank.)
+#[test]
+fn ulysses_exchanges_the_heads_the_formula_says() {
+    for (arch, s, heads, kv_heads, head_dim, cps) in
+        [("llama", 1024i64, 4i64, 2i64, 16i64, &[2i64][..]), ("gpt2", 128, 4, 4, 16, &[2, 4])]
+    {
+        for &n in cps {
+            let model = crate::common::fixture(arch, "model.onnx");
+            let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", "1", "--cp-comm-type", "a2a"]
+                .iter()
+                .map(|s| s.to_string())
+                .chain(["--seq-len".into(), s.to_string(), "--cp".into(), n.to_string()])
+                .collect();
+            let flags = autotp_compiler::CompileFlags::parse_args(&args).unwrap();
+            let options = autotp_compiler::CompileOptions::from_flags(&flags).unwrap();
+            let weights = autotp_compiler::Weights::ShapesOnly { layers: Some(2) };
+            let plan = autotp_compiler::compile(&options, weights).unwrap().plan;
+            let sent = autotp_program::report::report(&plan).ranks[0].comm_bytes_per_step.clone();
+            let per_layer = 2 * (2 * heads + 2 * kv_heads) * 4 * (s / n) * head_dim * (n - 1) / n;
+            println!(
+                "{arch} cp {n} a2a: all-to-all {} bytes per rank, all-gather {}",
+                sent.all_to_all, sent.all_gather
+            );
+            assert_eq!(sent.all_to_all as i64, 2 * per_layer, "{arch} cp {n}");
+            assert_eq!((sent.all_gather, sent.reduce_scatter), (0, 0), "{arch} cp {n}");
         }
     }
 }
@@ -121,19 +157,29 @@ fn context_parallelism_is_summarised_and_refused_where_it_cannot_split() {
     assert!(err.contains("give --micro-batch 1 and more sequences per step with --grad-accum"), "{err}");
     let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "2", "--tp", "2", "--sequence-parallel"]);
     assert!(err.contains("--sequence-parallel and --cp both split a sequence's tokens"), "{err}");
+    let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "2", "--tp", "2", "--cp-comm-type", "a2a"]);
+    assert!(err.contains("--cp-comm-type a2a splits attention's heads over cp: with --tp"), "{err}");
+    let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "2", "--cp-comm-type", "ring"]);
+    assert!(err.contains("--cp-comm-type 'ring' is not one of all_gather, a2a"), "{err}");
 }
 
-/// A context-parallel plan on emulated GPUs (`AUTOTP_GPU=emulated`, the ranks' cp
-/// communicator over the emulated NCCL) trains like its CPU ranks: the GPU's attention passes
-/// take each rank's queries at their positions.
+/// Context-parallel plans on emulated GPUs (`AUTOTP_GPU=emulated`, the ranks' cp communicator
+/// over the emulated NCCL) train like their CPU ranks: the GPU's attention passes take each
+/// rank's queries at their positions; Ulysses' all-to-alls run on NCCL.
 #[test]
 fn context_parallelism_on_emulated_gpus_trains_like_cpu_ranks() {
-    let dir = crate::common::scratch("context-parallel-gpu");
+    for comm in ["all_gather", "a2a"] {
+        on_emulated_gpus(comm);
+    }
+}
+
+fn on_emulated_gpus(comm: &str) {
+    let dir = crate::common::scratch(&format!("context-parallel-gpu-{comm}"));
     let model = crate::common::fixture("llama", "model.onnx");
     let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
     let plan = dir.join("cp.atp");
     let m = model.to_str().unwrap();
-    let flags = ["--seq-len", "32", "--micro-batch", "1", "--grad-accum", "4", "--cp", "2"];
+    let flags = ["--seq-len", "32", "--micro-batch", "1", "--grad-accum", "4", "--cp", "2", "--cp-comm-type", comm];
     crate::common::success(crate::common::autotp(
         &[&["compile", m][..], &flags, &["-o", plan.to_str().unwrap()]].concat(),
     ));
@@ -150,7 +196,7 @@ fn context_parallelism_on_emulated_gpus_trains_like_cpu_ranks() {
     let (cpu, _) = run("cpu");
     let (gpu, said) = run("cuda");
     assert!(said.contains("cp over NCCL"), "{said}");
-    let (first, worst) = within_contract("cp 2 on emulated GPUs", &gpu, &cpu);
-    println!("cp 2 on emulated GPUs: step 1 {first:.2e}, worst {worst:.2e} relative to CPU ranks");
+    let (first, worst) = within_contract(&format!("cp 2 {comm} on emulated GPUs"), &gpu, &cpu);
+    println!("cp 2 {comm} on emulated GPUs: step 1 {first:.2e}, worst {worst:.2e} relative to CPU ranks");
     assert!(worst <= 1e-6, "{gpu:?} against {cpu:?}");
 }

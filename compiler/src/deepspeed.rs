@@ -119,9 +119,12 @@ fn translate(config: &Value, run_flags: bool) -> Result<(Vec<Translated>, Vec<St
                 }
             }
             "communication_data_type" => add("--comm-dtype", Some(dtype(value, key)?), key),
-            // DeepSpeed-Ulysses splits each sequence over these ranks, as context parallelism
-            // does (which all-gathers keys and values rather than exchange heads all-to-all).
-            "sequence_parallel_size" => add("--cp", Some(count(value, key)?), key),
+            // DeepSpeed-Ulysses: each sequence split over these ranks, attention's heads over them
+            // all-to-all.
+            "sequence_parallel_size" => {
+                add("--cp", Some(count(value, key)?), key);
+                add("--cp-comm-type", Some("a2a".into()), key);
+            }
             "steps_per_print" if run_flags => add("--log-every", Some(count(value, key)?), key),
             "optimizer" => optimizer(value, &mut add, &mut ignored)?,
             "scheduler" => scheduler(value, &mut add, &mut ignored)?,

@@ -50,6 +50,14 @@ pub struct CompileFlags {
     #[arg(long, visible_alias = "context-parallel-size", default_value_t = 1)]
     #[serde(default = "one")]
     pub cp: usize,
+    /// How --cp's attention meets the other ranks' tokens (Megatron's --cp-comm-type):
+    /// all_gather (each rank's queries over the keys and values all-gathered) or a2a
+    /// (DeepSpeed-Ulysses: the queries, keys and values exchanged all-to-all so that each rank
+    /// attends over the whole sequence for 1/cp of the heads, whose causal work is then even;
+    /// needs heads cp divides, and no --tp).
+    #[arg(long, default_value = "all_gather")]
+    #[serde(default = "all_gather")]
+    pub cp_comm_type: String,
     /// Tensor-parallel ranks: each block's weights are split Megatron-style (found from the
     /// dataflow); world size is dp x tp.
     #[arg(long, visible_alias = "tensor-model-parallel-size", default_value_t = 1)]
@@ -424,6 +432,10 @@ fn two() -> u32 {
 }
 
 /// Plans written before `--virtual-stages` ran one model chunk per stage.
+fn all_gather() -> String {
+    "all_gather".into()
+}
+
 fn one() -> usize {
     1
 }
@@ -489,6 +501,7 @@ impl CompileFlags {
     pub fn single_device(&self, global_batch: usize) -> CompileFlags {
         let mut flags = self.clone();
         (flags.dp, flags.cp, flags.tp, flags.pp, flags.zero) = (1, 1, 1, 1, 0);
+        flags.cp_comm_type = all_gather();
         flags.sequence_parallel = false;
         (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);
         flags.pp_cuts.clear();

@@ -89,6 +89,14 @@ impl CompileOptions {
                 flags.tp
             );
         }
+        if !["all_gather", "a2a"].contains(&flags.cp_comm_type.as_str()) {
+            refuse!("--cp-comm-type '{}' is not one of all_gather, a2a", flags.cp_comm_type);
+        }
+        if flags.cp_comm_type == "a2a" && flags.tp > 1 {
+            refuse!(
+                "--cp-comm-type a2a splits attention's heads over cp: with --tp, which splits them too, use all_gather"
+            );
+        }
         if flags.cp > 1 {
             if !flags.seq_len.is_multiple_of(flags.cp) {
                 refuse!("--cp {} splits each sequence's {} tokens: they must divide", flags.cp, flags.seq_len);

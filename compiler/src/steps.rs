@@ -385,7 +385,8 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     if flags.attention == AttentionFlag::Fused {
         steps.push(pass(Box::new(autotp_passes::attention::FuseAttention {
             tensor_parallel: flags.tp,
-            context_parallel: flags.cp,
+            // Ulysses' attention sees the whole sequence: its queries start at 0.
+            context_parallel: if flags.cp_comm_type == "a2a" { 1 } else { flags.cp },
         })));
         steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     }

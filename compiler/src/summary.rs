@@ -244,15 +244,20 @@ fn context_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
         let kinds: Vec<String> = [
             ("all_gather", "all-gathers of keys and values"),
             ("reduce_scatter", "reduce-scatters of their gradients"),
+            ("all_to_all", "all-to-alls of attention's operands, results and their gradients"),
             ("all_reduce", "all-reduces of weight gradients and the loss"),
         ]
         .iter()
         .filter_map(|(kind, what)| sent.get(kind).map(|(count, bytes)| format!("{count} {what} ({})", grouped(*bytes))))
         .collect();
         let stage = if plan.stages.len() > 1 { format!(", stage {s}") } else { String::new() };
+        let attention = if sent.contains_key("all_to_all") {
+            "attention runs over the whole sequence for 1/cp of the heads, exchanged all-to-all (Ulysses)"
+        } else {
+            "attention takes each rank's queries over the keys and values of all"
+        };
         lines.push(format!(
-            "  context parallelism{stage}: each sequence's {} tokens split over cp={n} ({} per rank); attention takes \
-             each rank's queries over the keys and values of all",
+            "  context parallelism{stage}: each sequence's {} tokens split over cp={n} ({} per rank); {attention}",
             t.seq_len,
             t.seq_len / n,
         ));

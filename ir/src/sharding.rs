@@ -267,7 +267,7 @@ pub fn axis_rule(
         Op::MatMul { transpose_lhs, transpose_rhs } => {
             matmul_rule(inputs, out0, current, n, *transpose_lhs, *transpose_rhs)
         }
-        Op::Attention { .. } | Op::AttentionGrad { .. } => attention_rule(op, inputs, current, n),
+        Op::Attention { .. } | Op::AttentionGrad { .. } => attention_rule(op, inputs, current, axis),
         Op::Reshape { .. } => match current[0] {
             Shard(d) => match reshape_dim(&inputs[0].shape, out0, d) {
                 Some(o) if divisible(out0, o, n) => AxisRule { inputs: vec![Shard(d)], outputs: vec![Shard(o)] },
@@ -461,8 +461,13 @@ fn matmul_rule(
 /// rank's part of a sum; a bias's rows split with the queries. A mask is the query's position,
 /// which a rank holding some of the queries knows only from the runs' starts
 /// ([`crate::shape_rules::attention_operands`]): with a mask, the queries split with their runs.
+///
+/// On the context-parallel axis, queries split over their sequence with a mask and no runs
+/// (DeepSpeed-Ulysses, `--cp-comm-type a2a`) are taken by their heads instead: each rank
+/// attends over the whole sequence for its heads (the shard pass exchanges them all-to-all).
 /// Anything else runs whole.
-fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], n: usize) -> AxisRule {
+fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], axis: &MeshAxis) -> AxisRule {
+    let n = axis.size;
     use Placement::{PartialSum, Replicate, Shard};
     let (forward, mask) = match op {
         Op::Attention { mask, .. } => (true, *mask),
@@ -484,10 +489,15 @@ fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], n: usi
         None => !mask.is_positional(),
     };
     let queries_split = current[0] == Shard(lead) && runs_split && divisible(q, lead, n);
-    let d = match split {
-        Some(d) => d,
-        None if queries_split => lead,
-        None => return AxisRule::replicated(inputs.len(), outputs),
+    // Ulysses: the first heads dim (after the batch) that the ranks divide.
+    let heads = (axis.name == crate::CONTEXT_AXIS && current[0] == Shard(lead) && run_starts.is_none())
+        .then(|| (1..lead).find(|&d| divisible(q, d, n)))
+        .flatten();
+    let d = match (split, heads) {
+        (Some(d), _) => d,
+        _ if queries_split => lead,
+        (None, Some(d)) => d,
+        (None, None) => return AxisRule::replicated(inputs.len(), outputs),
     };
     // The query's rows: a key or value has none when the queries split (it is whole).
     let follows = |i: usize, t: &TensorType| {

@@ -241,7 +241,15 @@ impl Placer<'_> {
             return Ok(done);
         }
         let axis = self.mesh.axes[a].name.clone();
-        let steps = reshard(from, to)
+        // Over cp, one split becomes another by one exchange (Ulysses' heads and tokens).
+        let exchanged = match (from, to) {
+            (Placement::Shard(concat), Placement::Shard(split)) if axis == autotp_ir::CONTEXT_AXIS => {
+                Some(vec![Collective::AllToAll { split, concat }])
+            }
+            _ => None,
+        };
+        let steps = exchanged
+            .or_else(|| reshard(from, to))
             .ok_or_else(|| invalid(format!("no collective takes a value from {from} to {to} on mesh axis {axis}")))?;
         let mut current = v;
         for kind in steps {
@@ -469,10 +477,16 @@ fn place(
         for (&new, placements) in outs.iter().zip(out_placements) {
             g.value_mut(new).placements = placements;
         }
+        let ulysses = ulysses_outputs(&node.op, &outs, placer.rw.graph());
         for (&old, new) in node.outputs.iter().zip(outs) {
             placer.rw.graph().value_mut(new).name = source.value(old).name.clone();
             placer.origin.insert(new, old);
             let mut placed = new;
+            if let Some(&(a, tokens, heads)) = ulysses.get(&new) {
+                placed = placer.reshard(new, a, Placement::Shard(tokens))?;
+                // A consumer that takes it by heads (the backward's `out`) takes this one.
+                placer.resharded.insert((placed, a, Placement::Shard(heads)), new);
+            }
             for a in 0..mesh.axes.len() {
                 if let Some(&target) = eager.get(&(old, a)) {
                     if placer.rw.graph().value(placed).placements[a] == Placement::PartialSum {
@@ -499,6 +513,31 @@ fn place(
         result.add_output(name, v);
     }
     Ok((result, origin))
+}
+
+/// DeepSpeed-Ulysses: the outputs of an attention placed by heads over cp that go back to
+/// their tokens' split as soon as they are made (the forward's `out`; the backward's `dq`,
+/// `dk`, `dv`), by output: the axis, the tokens' dim and the heads' dim. The log-sum-exp stays
+/// by heads: only the backward, by heads too, reads it.
+fn ulysses_outputs(op: &Op, outputs: &[ValueId], graph: &Graph) -> BTreeMap<ValueId, (usize, usize, usize)> {
+    let Some(a) = graph.mesh.axes.iter().position(|a| a.name == autotp_ir::CONTEXT_AXIS) else {
+        return BTreeMap::new();
+    };
+    let returned = match op {
+        Op::Attention { .. } => &outputs[..1],
+        Op::AttentionGrad { .. } => outputs,
+        _ => return BTreeMap::new(),
+    };
+    let mut by_heads = BTreeMap::new();
+    for &v in returned {
+        let tokens = graph.ty(v).rank() - 2;
+        if let Placement::Shard(heads) = graph.value(v).placements[a] {
+            if heads < tokens {
+                by_heads.insert(v, (a, tokens, heads));
+            }
+        }
+    }
+    by_heads
 }
 
 /// Which partial sums to reduce where they are made, and to what, from a first placement.
