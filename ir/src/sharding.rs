@@ -675,11 +675,9 @@ mod tests {
         let current = [Shard(2), Replicate, Replicate, Shard(2), Shard(2), Shard(2), Shard(2)];
         let r = axis_rule(&backward, &ins, &[&q, &kv, &kv], &current, &cp);
         assert_eq!(r.outputs, [Shard(2), PartialSum, PartialSum]);
-        // A causal mask is the query's position: such attention runs whole, unless each rank
-        // knows where its queries start.
+        // A causal mask is the query's position: the queries split where each rank knows where
+        // its queries start (without, Ulysses takes the heads: the next test).
         let causal = Op::Attention { scale, mask: crate::AttentionMask::Causal };
-        let r = axis_rule(&causal, &[&q, &kv, &kv], &[&q, &lse], &[Shard(2), Shard(2), Shard(2)], &cp);
-        assert_eq!(r, AxisRule::replicated(3, 2));
         let starts = TensorType::new(crate::DType::I64, vec![2]);
         let current = [Shard(2), Shard(2), Shard(2), Replicate];
         let r = axis_rule(&causal, &[&q, &kv, &kv, &starts], &[&q, &lse], &current, &cp);
@@ -687,6 +685,25 @@ mod tests {
             r,
             AxisRule { inputs: vec![Shard(2), Replicate, Replicate, Shard(0)], outputs: vec![Shard(2), Shard(2)] }
         );
+    }
+
+    /// Over the context-parallel axis, causal attention without run starts is taken by its
+    /// heads (DeepSpeed-Ulysses), its gradients too; over any other axis it runs whole.
+    #[test]
+    fn causal_attention_without_run_starts_runs_on_shards_of_its_heads_over_cp() {
+        use Placement::*;
+        let (q, kv, lse) = (t(&[1, 4, 8, 16]), t(&[1, 4, 8, 16]), t(&[1, 4, 8]));
+        let causal = Op::Attention { scale: 0.25, mask: crate::AttentionMask::Causal };
+        let tokens = [Shard(2), Shard(2), Shard(2)];
+        let cp = MeshAxis { name: "cp".into(), size: 2 };
+        let r = axis_rule(&causal, &[&q, &kv, &kv], &[&q, &lse], &tokens, &cp);
+        assert_eq!(r, AxisRule { inputs: vec![Shard(1); 3], outputs: vec![Shard(1), Shard(1)] });
+        let backward = Op::AttentionGrad { scale: 0.25, mask: crate::AttentionMask::Causal };
+        let current = [Shard(2), Shard(2), Shard(2), Shard(2), Shard(2), Shard(2)];
+        let r = axis_rule(&backward, &[&q, &kv, &kv, &q, &lse, &q], &[&q, &kv, &kv], &current, &cp);
+        assert_eq!(r.outputs, [Shard(1), Shard(1), Shard(1)]);
+        let other = MeshAxis { name: "sp".into(), size: 2 };
+        assert_eq!(axis_rule(&causal, &[&q, &kv, &kv], &[&q, &lse], &tokens, &other), AxisRule::replicated(3, 2));
     }
 
     #[test]
