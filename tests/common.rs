@@ -52,6 +52,14 @@ pub fn failure(out: std::process::Output) -> String {
     stderr
 }
 
+/// The plan of `autotp compile ARGS` (the model and flags, without `-o`), shapes-only and cut
+/// to `layers` layers, compiled in this process.
+pub fn compile_shapes(args: &[String], layers: usize) -> autotp_program::plan::TrainingPlan {
+    let flags = autotp_compiler::CompileFlags::parse_args(args).unwrap();
+    let options = autotp_compiler::CompileOptions::from_flags(&flags).unwrap();
+    autotp_compiler::compile(&options, autotp_compiler::Weights::ShapesOnly { layers: Some(layers) }).unwrap().plan
+}
+
 /// Runs `plan` to step `steps` over the committed tokens, writing `metrics` (`extra` added);
 /// asserts it succeeded and returns what it printed on stderr (its progress and measurements).
 pub fn run_plan(plan: &Path, metrics: &Path, steps: usize, extra: &[&str]) -> String {

@@ -43,13 +43,10 @@ fn compiled(arch: &str, layers: usize, seq_len: usize, cp: usize) -> (i64, [i64;
         .map(|s| s.to_string())
         .chain(["--seq-len".into(), seq_len.to_string(), "--cp".into(), cp.to_string()])
         .collect();
-    let flags = autotp_compiler::CompileFlags::parse_args(&args).unwrap();
-    let options = autotp_compiler::CompileOptions::from_flags(&flags).unwrap();
-    let compiled =
-        autotp_compiler::compile(&options, autotp_compiler::Weights::ShapesOnly { layers: Some(layers) }).unwrap();
-    let report = autotp_program::report::report(&compiled.plan);
+    let plan = crate::common::compile_shapes(&args, layers);
+    let report = autotp_program::report::report(&plan);
     let sent = &report.ranks[0].comm_bytes_per_step;
-    let memory = &compiled.plan.stages[0].memory;
+    let memory = &plan.stages[0].memory;
     let sent = [sent.all_reduce as i64, sent.reduce_scatter as i64, sent.all_gather as i64];
     (memory.activations_peak_bytes as i64, sent, memory.params_bytes as i64)
 }
@@ -89,10 +86,7 @@ fn ulysses_exchanges_the_heads_the_formula_says() {
                 .map(|s| s.to_string())
                 .chain(["--seq-len".into(), s.to_string(), "--cp".into(), n.to_string()])
                 .collect();
-            let flags = autotp_compiler::CompileFlags::parse_args(&args).unwrap();
-            let options = autotp_compiler::CompileOptions::from_flags(&flags).unwrap();
-            let weights = autotp_compiler::Weights::ShapesOnly { layers: Some(2) };
-            let plan = autotp_compiler::compile(&options, weights).unwrap().plan;
+            let plan = crate::common::compile_shapes(&args, 2);
             let sent = autotp_program::report::report(&plan).ranks[0].comm_bytes_per_step.clone();
             let per_layer = 2 * (2 * heads + 2 * kv_heads) * 4 * (s / n) * head_dim * (n - 1) / n;
             println!(

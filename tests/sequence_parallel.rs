@@ -35,13 +35,10 @@ fn compiled(arch: &str, layers: usize, flags: &[&str]) -> (i64, [i64; 3]) {
     let mut args: Vec<String> =
         [model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4"].iter().map(|s| s.to_string()).collect();
     args.extend(flags.iter().map(|s| s.to_string()));
-    let flags = autotp_compiler::CompileFlags::parse_args(&args).unwrap();
-    let options = autotp_compiler::CompileOptions::from_flags(&flags).unwrap();
-    let compiled =
-        autotp_compiler::compile(&options, autotp_compiler::Weights::ShapesOnly { layers: Some(layers) }).unwrap();
-    let report = autotp_program::report::report(&compiled.plan);
+    let plan = crate::common::compile_shapes(&args, layers);
+    let report = autotp_program::report::report(&plan);
     let sent = &report.ranks[0].comm_bytes_per_step;
-    let peak = compiled.plan.stages[0].memory.activations_peak_bytes as i64;
+    let peak = plan.stages[0].memory.activations_peak_bytes as i64;
     (peak, [sent.all_reduce as i64, sent.reduce_scatter as i64, sent.all_gather as i64])
 }
 
