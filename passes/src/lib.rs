@@ -27,6 +27,7 @@ pub mod accumulate;
 pub mod attention;
 pub mod autodiff;
 pub mod autotp;
+mod context_parallel;
 pub mod dce;
 pub mod depth;
 pub mod expand_norms;

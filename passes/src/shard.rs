@@ -241,14 +241,7 @@ impl Placer<'_> {
             return Ok(done);
         }
         let axis = self.mesh.axes[a].name.clone();
-        // Over cp, one split becomes another by one exchange (Ulysses' heads and tokens).
-        let exchanged = match (from, to) {
-            (Placement::Shard(concat), Placement::Shard(split)) if axis == autotp_ir::CONTEXT_AXIS => {
-                Some(vec![Collective::AllToAll { split, concat }])
-            }
-            _ => None,
-        };
-        let steps = exchanged
+        let steps = crate::context_parallel::exchange(&axis, from, to)
             .or_else(|| reshard(from, to))
             .ok_or_else(|| invalid(format!("no collective takes a value from {from} to {to} on mesh axis {axis}")))?;
         let mut current = v;
@@ -477,7 +470,7 @@ fn place(
         for (&new, placements) in outs.iter().zip(out_placements) {
             g.value_mut(new).placements = placements;
         }
-        let ulysses = ulysses_outputs(&node.op, &outs, placer.rw.graph());
+        let ulysses = crate::context_parallel::ulysses_outputs(&node.op, &outs, placer.rw.graph());
         for (&old, new) in node.outputs.iter().zip(outs) {
             placer.rw.graph().value_mut(new).name = source.value(old).name.clone();
             placer.origin.insert(new, old);
@@ -515,31 +508,6 @@ fn place(
     Ok((result, origin))
 }
 
-/// DeepSpeed-Ulysses: the outputs of an attention placed by heads over cp that go back to
-/// their tokens' split as soon as they are made (the forward's `out`; the backward's `dq`,
-/// `dk`, `dv`), by output: the axis, the tokens' dim and the heads' dim. The log-sum-exp stays
-/// by heads: only the backward, by heads too, reads it.
-fn ulysses_outputs(op: &Op, outputs: &[ValueId], graph: &Graph) -> BTreeMap<ValueId, (usize, usize, usize)> {
-    let Some(a) = graph.mesh.axes.iter().position(|a| a.name == autotp_ir::CONTEXT_AXIS) else {
-        return BTreeMap::new();
-    };
-    let returned = match op {
-        Op::Attention { .. } => &outputs[..1],
-        Op::AttentionGrad { .. } => outputs,
-        _ => return BTreeMap::new(),
-    };
-    let mut by_heads = BTreeMap::new();
-    for &v in returned {
-        let tokens = graph.ty(v).rank() - 2;
-        if let Placement::Shard(heads) = graph.value(v).placements[a] {
-            if heads < tokens {
-                by_heads.insert(v, (a, tokens, heads));
-            }
-        }
-    }
-    by_heads
-}
-
 /// Which partial sums to reduce where they are made, and to what, from a first placement.
 ///
 /// With `scatter` (`Some(micro-batches summed per step)`), a reduce-scatter's input (a gradient
@@ -554,10 +522,8 @@ fn ulysses_outputs(op: &Op, outputs: &[ValueId], graph: &Graph) -> BTreeMap<Valu
 /// reductions it replaces (one all-reduce of a layer's input gradient, not one per use); under
 /// `sequence_parallel`, a hidden state's is reduce-scattered over its tokens instead.
 ///
-/// On the context-parallel axis, attention's key and value gradients (each rank's part of a sum
-/// over its queries) are reduce-scattered over the keys' sequence where they are made, as
-/// Megatron's context parallelism returns them: the projections' backward then runs on each
-/// rank's tokens, and the scatter moves the keys' and values' bytes, not the hidden state's.
+/// On the context-parallel axis, attention's key and value gradients are reduce-scattered where
+/// they are made ([`crate::context_parallel::key_value_gradients`]).
 fn reductions(
     placed: &Graph,
     origin: &BTreeMap<ValueId, ValueId>,
@@ -604,16 +570,9 @@ fn reductions(
         .collect();
     let mut eager: BTreeMap<(ValueId, usize), Placement> = BTreeMap::new();
     let mut scattered = BTreeSet::new();
-    if let Some(a) = axis_of(autotp_ir::CONTEXT_AXIS) {
-        for (_, node) in placed.nodes().filter(|(_, n)| matches!(n.op, Op::AttentionGrad { .. })) {
-            for &gradient in node.outputs[1..].iter().filter(|&&g| partial(g, a)) {
-                let keys = placed.ty(gradient).rank() - 2;
-                if placed.ty(gradient).shape[keys].is_multiple_of(placed.mesh.axes[a].size) {
-                    eager.insert((gradient, a), Placement::Shard(keys));
-                    scattered.insert((gradient, a));
-                }
-            }
-        }
+    for (gradient, a, keys) in crate::context_parallel::key_value_gradients(placed) {
+        eager.insert((gradient, a), keys);
+        scattered.insert((gradient, a));
     }
     // The two partial operands of an add of `v`'s shape, when `v` is one.
     let partial_terms = |v: ValueId, a: usize| {
