@@ -118,6 +118,17 @@ impl CompileOptions {
                      splits them over one of the two"
                 );
             }
+            // The step flattens its sequences' tokens into rows (the loss, the weights'
+            // gradients): dp's and cp's splits would nest in one dim, which no placement holds.
+            if flags.dp > 1 {
+                refuse!(
+                    "--cp {} with --dp {}: the step flattens its sequences and their tokens into one dim of rows \
+                     (the loss, the weights' gradients), which dp and cp would split together; autotp splits a \
+                     dim over one mesh axis, so --cp runs without --dp for now",
+                    flags.cp,
+                    flags.dp
+                );
+            }
         }
         if let (Some(k), false) = (flags.recompute_layers, flags.recompute == RecomputeFlag::Full) {
             refuse!(

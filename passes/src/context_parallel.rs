@@ -72,3 +72,22 @@ pub(crate) fn ulysses_outputs(op: &Op, outputs: &[ValueId], graph: &Graph) -> BT
     }
     by_heads
 }
+
+/// Every attention forward runs on shards over cp (of its queries, or of its heads): one that
+/// would run whole on every rank (its heads not divisible for Ulysses, say) is refused, naming
+/// it, rather than compiled into a plan that gathers the whole sequence on every rank.
+pub(crate) fn check_attention_split(graph: &Graph) -> Result<(), String> {
+    let Some(a) = graph.mesh.axes.iter().position(|a| a.name == autotp_ir::CONTEXT_AXIS) else { return Ok(()) };
+    let cp = graph.mesh.axes[a].size;
+    for (id, node) in graph.nodes().filter(|(_, n)| matches!(n.op, Op::Attention { .. })) {
+        if graph.value(node.inputs[0]).placements[a] == Placement::Replicate {
+            return Err(format!(
+                "attention (node {}) would run whole on every cp rank: cp={cp} divides neither its queries' heads \
+                 {:?} (--cp-comm-type a2a) nor their runs (all_gather)",
+                id.index(),
+                graph.ty(node.inputs[0]).shape
+            ));
+        }
+    }
+    Ok(())
+}

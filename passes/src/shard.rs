@@ -346,6 +346,7 @@ impl Pass for Shard {
         if let Some(dtype) = self.reduce_dtype {
             bucketed = reduce_gradients_in(&bucketed, dtype)?;
         }
+        crate::context_parallel::check_attention_split(&bucketed).map_err(invalid)?;
         let result = overlap_reductions(&bucketed)?;
         *graph = result;
         Ok(())

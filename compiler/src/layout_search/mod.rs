@@ -5,7 +5,8 @@
 //! global batch) x recomputation x pipeline schedule (1F1B, ZB-H1, interleaved 1F1B with 2 or 4
 //! model chunks per stage) x sequence parallelism (with tp; its cuts are compiled with it, so
 //! a layer's activations and traffic are its own) x context parallelism (cp 1, 2, 4, 8 at a
-//! micro-batch of 1; compiled with it likewise) for `--devices` devices, and returns every layout considered:
+//! micro-batch of 1, without dp, its all-gather form; compiled with it likewise) for
+//! `--devices` devices, and returns every layout considered:
 //! those that fit `--memory-per-device`, fastest first, with the `autotp compile` flags of each,
 //! and why the others were refused. The CLI prints them.
 //!
@@ -294,6 +295,8 @@ fn enumerate_layouts(
                                 Some(format!("tp {tp} is more than a node's {per_node} devices"))
                             } else if pp > layers {
                                 Some(format!("pp {pp} is more stages than the model's {layers} layers"))
+                            } else if cp > 1 && dp > 1 {
+                                Some(format!("cp {cp} with dp {dp}: autotp runs context parallelism without dp"))
                             } else if cp > 1 && micro_batch > 1 {
                                 Some(format!(
                                     "cp {cp} splits one sequence at a time: it needs micro-batch 1, not {micro_batch}"
