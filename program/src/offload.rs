@@ -243,6 +243,18 @@ mod tests {
 
     /// An SGD-with-momentum step over f32 tensors of 5 and 3 elements: parameters and
     /// gradients in the arena, momenta in the host pool.
+    /// A copy of `input` to the arena (offset 256), labelled `label`.
+    fn copy_to_arena(input: Region, label: &str) -> Instruction {
+        let output = Region { offset: 256, len: input.len };
+        Instruction::Kernel {
+            kernel: Kernel::Copy,
+            inputs: vec![input],
+            outputs: vec![output],
+            label: label.into(),
+            gpu: None,
+        }
+    }
+
     fn step() -> Instruction {
         let tensor = |arena: usize, pool: usize, n: usize| {
             let (param, momentum) = (Region { offset: arena, len: 4 * n }, pooled(pool, 4 * n));
@@ -301,23 +313,11 @@ mod tests {
 
     #[test]
     fn only_in_place_optimizer_steps_may_touch_the_file() {
-        let copy = Instruction::Kernel {
-            kernel: Kernel::Copy,
-            inputs: vec![pooled(0, 20)],
-            outputs: vec![Region { offset: 256, len: 20 }],
-            label: "node 12 (copy)".into(),
-            gpu: None,
-        };
+        let copy = copy_to_arena(pooled(0, 20), "node 12 (copy)");
         let error = Layout::of(&with_momenta(vec![step(), copy]), 4).unwrap_err();
         assert_eq!(error, "node 12 (copy): reads or writes optimizer state outside the optimizer step");
         // A parameter shard in the pool (`--offload-param cpu`) may be read: it stays in memory.
-        let gather = Instruction::Kernel {
-            kernel: Kernel::Copy,
-            inputs: vec![pooled(128, 16)],
-            outputs: vec![Region { offset: 256, len: 16 }],
-            label: "node 13 (gather)".into(),
-            gpu: None,
-        };
+        let gather = copy_to_arena(pooled(128, 16), "node 13 (gather)");
         assert!(Layout::of(&with_momenta(vec![step(), gather]), 4).is_ok());
         let Instruction::OptimizerStep { mut tensors, optimizer, dtype, scalars, guard, label } = step() else {
             unreachable!()
