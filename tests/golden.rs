@@ -53,7 +53,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
 /// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
@@ -95,6 +95,9 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "shard" => Box::new(shard_spec(argument)),
         "split-fused" => Box::new(autotp_passes::split_fused::SplitFused),
         "expand-norms" => Box::new(autotp_passes::expand_norms::ExpandNorms),
+        "expert-dispatch" => Box::new(autotp_passes::expert_dispatch::DispatchExperts {
+            ranks: argument.parse().expect("expert-dispatch:RANKS"),
+        }),
         "unmerge-heads" => Box::new(autotp_passes::unmerge_heads::UnmergeHeads),
         "accumulate" => Box::new(autotp_passes::accumulate::Accumulate {
             micro_batches: argument.parse().expect("accumulate:A"),

@@ -37,6 +37,7 @@ mod conformance;
 mod context_parallel;
 mod data;
 mod deepspeed;
+mod expert_parallel;
 mod fixtures;
 mod golden;
 mod gpu;

@@ -10,6 +10,7 @@
 //! | `autodiff`  | appends the reverse-mode gradients of the loss ([`autodiff`])        |
 //! | `dce`       | removes nodes and parameters no output depends on ([`dce`])          |
 //! | `depth` | not a pass: the model cut to its first layers, the proxies `autotp plan` compiles ([`depth`]) |
+//! | `expert-dispatch` | a mixture of experts' per-pair computation in expert parallelism's dispatched layout ([`expert_dispatch`]) |
 //! | `expand-norms` | under `--tp`, a norm of a projection's output (OLMo 2's q/k norms) as arithmetic, so it splits ([`expand_norms`]) |
 //! | `fusion`    | groups elementwise and row-reduction ops into generated kernels ([`fusion`]) |
 //! | `loss`      | one scalar `loss` output: the model's, or mean cross-entropy ([`loss`]) |
@@ -31,6 +32,7 @@ mod context_parallel;
 pub mod dce;
 pub mod depth;
 pub mod expand_norms;
+pub mod expert_dispatch;
 pub mod fusion;
 pub mod loss;
 pub mod optimize;

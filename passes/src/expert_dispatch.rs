@@ -1,0 +1,362 @@
+//! `expert-dispatch`: a mixture of experts' per-pair computation moved into the layout expert
+//! parallelism exchanges by all-to-all (`--ep N`), on the global graph, before autodiff.
+//!
+//! A batched-experts export looks each (token, choice) pair's expert weights up by expert
+//! (`gather {axis = 0}` of an `[E, ..]` parameter by the router's top-k indices, `[P]` pairs)
+//! and computes every pair's MLP row by row. With `n` ranks holding `E/n` experts each and the
+//! pairs split over the same ranks by their tokens (`P/n` each, batch-major), each rank sends
+//! each pair to the rank holding its expert:
+//!
+//! - `dest = expert / (E/n)` and each pair's `slot` among the pairs its rank sends to the same
+//!   destination (an exclusive running count of a one-hot), so `pos = dest * P/n + slot` is its
+//!   row in its rank's send buffer `[n_dst * P/n, ..]`; dropless, as Megatron's default: a
+//!   destination's block has room for every pair its source holds.
+//! - Every per-pair value entering the computation (the tokens' hidden states, the experts'
+//!   ids, a routing weight) is scattered into the send buffers, `[n_src, n_dst * P/n, ..]`, and
+//!   read in the destinations' order, `[n_dst, n_src, P/n, ..]` flattened to `Q = n * P` rows:
+//!   over a mesh axis that splits the sources on dim 0 this transpose is one all-to-all.
+//! - The computation runs unchanged on the `Q` rows (padding rows are zeros, with expert 0);
+//!   each value leaving it goes back to its pairs by the reverse transpose and a gather at
+//!   `pos`.
+//!
+//! The rewrite is exact: every pair's row is computed by the same ops on the same numbers, and
+//! no padding row is read back. Autodiff then differentiates the scatters, transposes and
+//! gathers as it does any other op.
+//!
+//! The computation is found from dataflow: it starts at the expert lookups and takes each op
+//! that keeps rows apart along dim 0 (elementwise ops, GEMMs batched or with rows on dim 0,
+//! reshapes, slices, reductions and softmaxes that keep dim 0), reading per-pair values or
+//! values with no pair dim; it ends where an op mixes pairs (the sum over a token's choices).
+//!
+//! Tests: tests/golden/expert_dispatch.ir, tests/expert_parallel.rs.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use autotp_ir::{BinaryOp, DType, Def, Graph, NodeId, Op, ReduceOp, Rewriter, Tensor, ValueId};
+
+use crate::{Pass, PassError};
+
+/// Moves every mixture of experts' per-pair computation into the dispatched layout of `ranks`
+/// expert-parallel ranks.
+pub struct DispatchExperts {
+    pub ranks: usize,
+}
+
+fn invalid(message: String) -> PassError {
+    PassError::Invalid { pass: "expert-dispatch", message }
+}
+
+/// One mixture of experts: the router's choices (`ids`, i64 `[P]`), its experts' count, and
+/// the per-pair computation's nodes.
+struct Mixture {
+    ids: ValueId,
+    experts: usize,
+    region: BTreeSet<NodeId>,
+}
+
+/// The pairs' count of a per-pair value: its dim 0.
+fn leading(graph: &Graph, v: ValueId) -> Option<usize> {
+    graph.ty(v).shape.first().copied()
+}
+
+/// Whether `v` is a top-k's indices, through reshapes.
+fn chosen_by_top_k(graph: &Graph, mut v: ValueId) -> bool {
+    loop {
+        let Def::Node(n, output) = graph.value(v).def else { return false };
+        match &graph.node(n).op {
+            Op::Reshape { .. } => v = graph.node(n).inputs[0],
+            Op::TopK { .. } => return output == 1,
+            _ => return false,
+        }
+    }
+}
+
+/// The expert lookups of `graph`, by the choices they look up with: `gather {axis = 0}` of a
+/// parameter by rank-1 top-k indices.
+fn lookups(graph: &Graph) -> BTreeMap<ValueId, Vec<NodeId>> {
+    let mut found: BTreeMap<ValueId, Vec<NodeId>> = BTreeMap::new();
+    for (id, node) in graph.nodes() {
+        let (Op::Gather { axis: 0 }, [table, ids]) = (&node.op, &node.inputs[..]) else { continue };
+        if graph.params().contains(table) && graph.ty(*ids).rank() == 1 && chosen_by_top_k(graph, *ids) {
+            found.entry(*ids).or_default().push(id);
+        }
+    }
+    found
+}
+
+/// Whether `node` computes each row along dim 0 (of `pairs` rows) from the same row of its
+/// per-pair inputs alone; `per_pair(v)` says which inputs are per-pair.
+fn keeps_rows(graph: &Graph, node: &autotp_ir::Node, pairs: usize, per_pair: &dyn Fn(ValueId) -> bool) -> bool {
+    let rank_of = |v: ValueId| graph.ty(v).rank();
+    let out_rank = node.outputs.first().map_or(0, |&o| rank_of(o));
+    if out_rank == 0 || node.outputs.iter().any(|&o| leading(graph, o) != Some(pairs)) {
+        return false;
+    }
+    // Each input is per-pair (dim 0 aligned with the output's), or has no pair dim: lower rank
+    // (broadcast over dim 0) or dim 0 of 1.
+    let aligned = |v: ValueId| {
+        if per_pair(v) {
+            rank_of(v) == out_rank
+        } else {
+            rank_of(v) < out_rank || leading(graph, v) == Some(1)
+        }
+    };
+    match &node.op {
+        Op::Unary(_) | Op::Cast { .. } | Op::Gelu { .. } | Op::Binary(_) | Op::Select => {
+            node.inputs.iter().all(|&v| aligned(v))
+        }
+        Op::MatMul { transpose_lhs, .. } if out_rank == 2 => {
+            // [P, K] x [K, N]: rows of the lhs, a weight on the right.
+            let (lhs, rhs) = (node.inputs[0], node.inputs[1]);
+            !transpose_lhs && per_pair(lhs) && !per_pair(rhs)
+        }
+        Op::MatMul { .. } => node.inputs.iter().all(|&v| aligned(v)),
+        Op::Reshape { shape } => shape.first() == Some(&pairs),
+        Op::Expand { shape } => shape.first() == Some(&pairs) && aligned(node.inputs[0]),
+        Op::Slice { starts, ends, steps } => starts[0] == 0 && ends[0] == pairs as i64 && steps[0] == 1,
+        Op::Transpose { perm } => perm[0] == 0,
+        Op::Reduce { axes, .. } => !axes.contains(&0),
+        Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Split { axis, .. } => *axis != 0,
+        Op::Concat { axis } => *axis != 0 && node.inputs.iter().all(|&v| aligned(v)),
+        _ => false,
+    }
+}
+
+/// The mixtures of `graph`: each group of lookups by the same choices, with the computation
+/// that follows them pair by pair.
+fn mixtures(graph: &Graph) -> Result<Vec<Mixture>, PassError> {
+    let mut found = Vec::new();
+    for (ids, nodes) in lookups(graph) {
+        let pairs = graph.ty(ids).shape[0];
+        let experts = graph.ty(graph.node(nodes[0]).inputs[0]).shape[0];
+        if let Some(&other) = nodes.iter().find(|&&n| graph.ty(graph.node(n).inputs[0]).shape[0] != experts) {
+            return Err(invalid(format!(
+                "the expert lookups by one router's choices look up tables of {} and {} experts ({} and {})",
+                experts,
+                graph.ty(graph.node(other).inputs[0]).shape[0],
+                graph.name_of(graph.node(nodes[0]).inputs[0]).unwrap_or("?"),
+                graph.name_of(graph.node(other).inputs[0]).unwrap_or("?"),
+            )));
+        }
+        let mut region: BTreeSet<NodeId> = nodes.iter().copied().collect();
+        let mut values: BTreeSet<ValueId> = nodes.iter().map(|&n| graph.node(n).outputs[0]).collect();
+        for (id, node) in graph.nodes() {
+            if region.contains(&id) || !node.inputs.iter().any(|v| values.contains(v)) {
+                continue;
+            }
+            let per_pair =
+                |v: ValueId| values.contains(&v) || leading(graph, v) == Some(pairs) && graph.ty(v).rank() > 0;
+            if keeps_rows(graph, node, pairs, &per_pair) {
+                region.insert(id);
+                values.extend(node.outputs.iter().copied());
+            }
+        }
+        found.push(Mixture { ids, experts, region });
+    }
+    Ok(found)
+}
+
+/// The dispatch of one mixture's pairs over `ranks`: where each pair goes, and the values
+/// moved so far.
+struct Dispatch {
+    ranks: usize,
+    pairs: usize,
+    /// Each pair's row in its rank's send buffer, i64 `[n, P/n, 1]`.
+    position: ValueId,
+    /// `position` broadcast to `[n, P/n, width]`, by width.
+    positions: BTreeMap<usize, ValueId>,
+    /// Per-pair values (new ids) in the dispatched layout, by their undispatched value.
+    dispatched: BTreeMap<ValueId, ValueId>,
+}
+
+fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError> {
+    crate::add_op("expert-dispatch", g, op, inputs)
+}
+
+fn constant(g: &mut Graph, value: Tensor) -> Result<ValueId, PassError> {
+    add(g, Op::Constant { value }, vec![])
+}
+
+impl Dispatch {
+    /// The positions of the pairs chosen by `ids` (new id, i64 `[P]`) among `experts`.
+    fn new(g: &mut Graph, ids: ValueId, experts: usize, ranks: usize) -> Result<Dispatch, PassError> {
+        let pairs = g.ty(ids).shape[0];
+        let per_rank = pairs / ranks;
+        let ids = add(g, Op::Reshape { shape: vec![ranks, per_rank, 1] }, vec![ids])?;
+        let block = constant(g, Tensor::from_i64(vec![], &[(experts / ranks) as i64]))?;
+        let dest = add(g, Op::Binary(BinaryOp::Div), vec![ids, block])?;
+        let ranks_seq = constant(g, Tensor::from_i64(vec![ranks], &(0..ranks as i64).collect::<Vec<_>>()))?;
+        let one_hot = add(g, Op::Binary(BinaryOp::Equal), vec![dest, ranks_seq])?;
+        let one_hot = add(g, Op::Cast { to: DType::F32 }, vec![one_hot])?;
+        let before = add(g, Op::CumSum { axis: 1, exclusive: true, reverse: false }, vec![one_hot])?;
+        let own = add(g, Op::Binary(BinaryOp::Mul), vec![before, one_hot])?;
+        let slot = add(g, Op::Reduce { op: ReduceOp::Sum, axes: vec![2], keep_dims: true }, vec![own])?;
+        let slot = add(g, Op::Cast { to: DType::I64 }, vec![slot])?;
+        let stride = constant(g, Tensor::from_i64(vec![], &[per_rank as i64]))?;
+        let start = add(g, Op::Binary(BinaryOp::Mul), vec![dest, stride])?;
+        let position = add(g, Op::Binary(BinaryOp::Add), vec![start, slot])?;
+        Ok(Dispatch { ranks, pairs, position, positions: BTreeMap::new(), dispatched: BTreeMap::new() })
+    }
+
+    fn position_for(&mut self, g: &mut Graph, width: usize) -> Result<ValueId, PassError> {
+        if width == 1 {
+            return Ok(self.position);
+        }
+        if let Some(&p) = self.positions.get(&width) {
+            return Ok(p);
+        }
+        let shape = vec![self.ranks, self.pairs / self.ranks, width];
+        let p = add(g, Op::Expand { shape }, vec![self.position])?;
+        self.positions.insert(width, p);
+        Ok(p)
+    }
+
+    /// `value` (new id, `[P, ..]`) in the dispatched layout, `[n * P, ..]`.
+    fn send(&mut self, g: &mut Graph, value: ValueId) -> Result<ValueId, PassError> {
+        let (n, per_rank) = (self.ranks, self.pairs / self.ranks);
+        let ty = g.ty(value).clone();
+        let rest = &ty.shape[1..];
+        let width = rest.iter().product::<usize>();
+        let float = ty.dtype.is_float();
+        let mut rows = add(g, Op::Reshape { shape: vec![n, per_rank, width] }, vec![value])?;
+        if !float {
+            // Indices travel as floats (exact below 2^24); scatters move floats.
+            rows = add(g, Op::Cast { to: DType::F32 }, vec![rows])?;
+        }
+        let position = self.position_for(g, width)?;
+        let buffers = add(g, Op::ScatterElements { axis: 1, size: n * per_rank }, vec![position, rows])?;
+        let buffers = add(g, Op::Reshape { shape: vec![n, n, per_rank, width] }, vec![buffers])?;
+        let received = add(g, Op::Transpose { perm: vec![1, 0, 2, 3] }, vec![buffers])?;
+        let mut shape = vec![n * self.pairs];
+        shape.extend(rest);
+        let mut out = add(g, Op::Reshape { shape }, vec![received])?;
+        if !float {
+            out = add(g, Op::Cast { to: ty.dtype }, vec![out])?;
+        }
+        Ok(out)
+    }
+
+    /// `value` (new id, dispatched `[n * P, ..]`) back at its pairs, `[P, ..]`.
+    fn gather_back(&mut self, g: &mut Graph, value: ValueId) -> Result<ValueId, PassError> {
+        let (n, per_rank) = (self.ranks, self.pairs / self.ranks);
+        let ty = g.ty(value).clone();
+        let rest = &ty.shape[1..];
+        let width = rest.iter().product::<usize>();
+        let rows = add(g, Op::Reshape { shape: vec![n, n, per_rank, width] }, vec![value])?;
+        let returned = add(g, Op::Transpose { perm: vec![1, 0, 2, 3] }, vec![rows])?;
+        let buffers = add(g, Op::Reshape { shape: vec![n, n * per_rank, width] }, vec![returned])?;
+        let position = self.position_for(g, width)?;
+        let picked = add(g, Op::GatherElements { axis: 1 }, vec![buffers, position])?;
+        let mut shape = vec![self.pairs];
+        shape.extend(rest);
+        add(g, Op::Reshape { shape }, vec![picked])
+    }
+}
+
+/// `op` with its attributes that name dim 0's length (`pairs`) naming `rows` instead.
+fn with_rows(op: &Op, pairs: usize, rows: usize) -> Op {
+    let mut op = op.clone();
+    match &mut op {
+        Op::Reshape { shape } | Op::Expand { shape } if shape.first() == Some(&pairs) => shape[0] = rows,
+        Op::Slice { ends, .. } => ends[0] = rows as i64,
+        _ => {}
+    }
+    op
+}
+
+impl Pass for DispatchExperts {
+    fn name(&self) -> &'static str {
+        "expert-dispatch"
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
+        let n = self.ranks;
+        if n < 2 {
+            return Ok(());
+        }
+        let found = mixtures(graph)?;
+        if found.is_empty() {
+            return Err(invalid(format!(
+                "--ep {n} splits a mixture of experts, and this model has none (no parameter looked up by a router's top-k choices)"
+            )));
+        }
+        for mixture in &found {
+            let pairs = graph.ty(mixture.ids).shape[0];
+            if !mixture.experts.is_multiple_of(n) || !pairs.is_multiple_of(n) {
+                return Err(invalid(format!(
+                    "--ep {n} must divide the experts ({}) and the (token, choice) pairs ({pairs}) of the mixture routed by {}",
+                    mixture.experts,
+                    describe(graph, mixture.ids)
+                )));
+            }
+        }
+        let region_of: BTreeMap<NodeId, usize> =
+            found.iter().enumerate().flat_map(|(i, m)| m.region.iter().map(move |&n| (n, i))).collect();
+        let old = &*graph;
+        let mut rw = Rewriter::new(old, |_| true);
+        let mut dispatches: Vec<Option<Dispatch>> = found.iter().map(|_| None).collect();
+        // Per-pair values inside a region, old id -> new dispatched id.
+        let mut inside: BTreeMap<ValueId, ValueId> = BTreeMap::new();
+        let consumers = old.consumers();
+        let outputs: BTreeSet<ValueId> = old.outputs().iter().map(|(_, v)| *v).collect();
+        for (id, node) in old.nodes() {
+            let Some(&m) = region_of.get(&id) else {
+                rw.copy_node(id);
+                continue;
+            };
+            let mixture = &found[m];
+            let pairs = old.ty(mixture.ids).shape[0];
+            if dispatches[m].is_none() {
+                let ids = rw.map(mixture.ids);
+                dispatches[m] = Some(Dispatch::new(rw.graph(), ids, mixture.experts, n)?);
+            }
+            let Some(dispatch) = dispatches[m].as_mut() else { continue };
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for &v in &node.inputs {
+                let new = match inside.get(&v) {
+                    Some(&d) => d,
+                    None if leading(old, v) == Some(pairs) && old.ty(v).rank() > 0 && !old.params().contains(&v) => {
+                        let undispatched = rw.map(v);
+                        match dispatch.dispatched.get(&undispatched) {
+                            Some(&d) => d,
+                            None => {
+                                let d = dispatch.send(rw.graph(), undispatched)?;
+                                dispatch.dispatched.insert(undispatched, d);
+                                d
+                            }
+                        }
+                    }
+                    None => rw.map(v),
+                };
+                inputs.push(new);
+            }
+            let op = with_rows(&node.op, pairs, n * pairs);
+            let g = rw.graph();
+            let new = g
+                .add_node(op, inputs, node.outputs.len())
+                .map_err(|e| invalid(format!("{} in a mixture's computation: {e}", node.op.name())))?;
+            let new_outputs = g.node(new).outputs.clone();
+            for (&o, &d) in node.outputs.iter().zip(&new_outputs) {
+                inside.insert(o, d);
+                let leaves = outputs.contains(&o) || consumers[o.index()].iter().any(|c| region_of.get(c) != Some(&m));
+                if leaves {
+                    let back = dispatch.gather_back(rw.graph(), d)?;
+                    rw.set(o, back);
+                }
+            }
+        }
+        *graph = rw.finish();
+        Ok(())
+    }
+}
+
+/// The parameters a router's choices `ids` look up, for messages.
+fn describe(graph: &Graph, ids: ValueId) -> String {
+    let names: Vec<&str> = lookups(graph)
+        .get(&ids)
+        .into_iter()
+        .flatten()
+        .filter_map(|&n| graph.name_of(graph.node(n).inputs[0]))
+        .collect();
+    names.join(", ")
+}
