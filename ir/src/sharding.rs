@@ -357,7 +357,14 @@ pub fn axis_rule(
             class_loss_rule(*reduction, current, ni, no)
         }
         Op::GatherNd | Op::ScatterNd { .. } => nd_rule(op, inputs, current),
-        Op::GatherElements { .. } => AxisRule::replicated(ni, no),
+        // Elements picked along `axis` from the same position on every other dim: a split of
+        // another dim the data and the indices share splits both alike.
+        Op::GatherElements { axis } => match (current[0], current[1]) {
+            (Shard(d), _) | (_, Shard(d)) if d != *axis && inputs[0].shape[d] == inputs[1].shape[d] => {
+                AxisRule::all(2, 1, Shard(d))
+            }
+            _ => AxisRule::replicated(ni, no),
+        },
         Op::ScatterElements { axis, .. } => match current[1] {
             Shard(d) if d != *axis => AxisRule::all(2, 1, Shard(d)),
             _ => AxisRule::replicated(2, 1),
@@ -704,6 +711,21 @@ mod tests {
         assert_eq!(r.outputs, [Shard(1), Shard(1), Shard(1)]);
         let other = MeshAxis { name: "sp".into(), size: 2 };
         assert_eq!(axis_rule(&causal, &[&q, &kv, &kv], &[&q, &lse], &tokens, &other), AxisRule::replicated(3, 2));
+    }
+
+    #[test]
+    fn gather_elements_keeps_a_split_of_another_dim() {
+        use Placement::*;
+        let (data, idx) = (t(&[2, 8, 3]), TensorType::new(DType::I64, vec![2, 4, 3]));
+        let dp = MeshAxis { name: "dp".into(), size: 2 };
+        let op = Op::GatherElements { axis: 1 };
+        let out = t(&[2, 4, 3]);
+        let rule = axis_rule(&op, &[&data, &idx], &[&out], &[Replicate, Shard(0)], &dp);
+        assert_eq!(rule, AxisRule::all(2, 1, Shard(0)));
+        // Along the picked axis, or where the indices cover part of a dim, it needs them whole.
+        assert_eq!(axis_rule(&op, &[&data, &idx], &[&out], &[Shard(1), Shard(1)], &dp), AxisRule::replicated(2, 1));
+        let wide = t(&[2, 8, 6]);
+        assert_eq!(axis_rule(&op, &[&wide, &idx], &[&out], &[Shard(2), Shard(2)], &dp), AxisRule::replicated(2, 1));
     }
 
     #[test]
