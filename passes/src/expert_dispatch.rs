@@ -59,6 +59,12 @@ fn leading(graph: &Graph, v: ValueId) -> Option<usize> {
     graph.ty(v).shape.first().copied()
 }
 
+/// Whether `v`, made outside a mixture's computation, is one of its per-pair inputs: a value
+/// (not a parameter) with a dim 0 of `pairs`.
+fn is_pair_value(graph: &Graph, v: ValueId, pairs: usize) -> bool {
+    leading(graph, v) == Some(pairs) && !graph.params().contains(&v)
+}
+
 /// Whether `v` is a top-k's indices, through reshapes.
 fn chosen_by_top_k(graph: &Graph, mut v: ValueId) -> bool {
     loop {
@@ -144,8 +150,7 @@ fn mixtures(graph: &Graph) -> Result<Vec<Mixture>, PassError> {
             if region.contains(&id) || !node.inputs.iter().any(|v| values.contains(v)) {
                 continue;
             }
-            let per_pair =
-                |v: ValueId| values.contains(&v) || leading(graph, v) == Some(pairs) && graph.ty(v).rank() > 0;
+            let per_pair = |v: ValueId| values.contains(&v) || is_pair_value(graph, v, pairs);
             if keeps_rows(graph, node, pairs, &per_pair) {
                 region.insert(id);
                 values.extend(node.outputs.iter().copied());
@@ -315,7 +320,7 @@ impl Pass for DispatchExperts {
             for &v in &node.inputs {
                 let new = match inside.get(&v) {
                     Some(&d) => d,
-                    None if leading(old, v) == Some(pairs) && old.ty(v).rank() > 0 && !old.params().contains(&v) => {
+                    None if is_pair_value(old, v, pairs) => {
                         let undispatched = rw.map(v);
                         match dispatch.dispatched.get(&undispatched) {
                             Some(&d) => d,
