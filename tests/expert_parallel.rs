@@ -1,6 +1,8 @@
-//! Expert parallelism's token dispatch (`expert-dispatch`): the Mixtral and DeepSeek-V3
-//! fixtures with their experts' per-pair computation moved into the dispatched layout of 2 and
-//! 4 ranks compute the same logits, loss and gradients as the model does undispatched.
+//! Expert parallelism (`--ep N` with `--dp N`): the token dispatch (`expert-dispatch`) on the
+//! global graph computes the same logits, loss and gradients as the model undispatched; the
+//! Mixtral fixture and DeepSeek-V3's (a shared expert beside the routed ones) train as one
+//! rank does with their experts split by expert, alone and under ZeRO; each rank holds its
+//! experts alone and sends the bytes the formula says all-to-all.
 
 use std::collections::BTreeMap;
 
@@ -11,6 +13,7 @@ use autotp_passes::expert_dispatch::DispatchExperts;
 use autotp_passes::{Pass, PassManager};
 
 use crate::common::{fixture, max_abs_diff, read_npy};
+use crate::parallel::{train_model, within_contract};
 
 /// The fixture `arch`'s training graph (simplified, its loss attached, differentiated), with
 /// its experts dispatched over `ranks` first when there are more than one; and its weights.
@@ -72,4 +75,85 @@ fn dispatch_refuses_a_model_without_experts_and_an_uneven_split() {
     let mut mixtral = autotp_frontend::import_onnx(&fixture("mixtral", "model.onnx"), &options).unwrap();
     let error = DispatchExperts { ranks: 3 }.run(&mut mixtral.graph).unwrap_err().to_string();
     assert!(error.contains("--ep 3 must divide the experts (4)") && error.contains("experts.gate_up_proj"), "{error}");
+}
+
+/// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank.
+#[test]
+fn expert_parallelism_trains_like_one_rank() {
+    let dir = crate::common::scratch("expert-parallel");
+    let layouts: &[&[&str]] = &[
+        &["--dp", "2", "--ep", "2"],
+        &["--dp", "4", "--ep", "4"],
+        &["--dp", "2", "--ep", "2", "--zero", "1"],
+        &["--dp", "2", "--ep", "2", "--zero", "3"],
+        &["--dp", "4", "--ep", "4", "--zero", "3"],
+    ];
+    for arch in ["mixtral", "deepseek_v3"] {
+        let single = train_model(&dir, arch, "model.onnx", 8, &[]);
+        for flags in layouts {
+            let micro_batch = 8 / flags[1].parse::<usize>().unwrap();
+            let got = train_model(&dir, arch, "model.onnx", micro_batch, flags);
+            let label = format!("{arch} {}", flags.join(" "));
+            let (first, worst) = within_contract(&label, &got, &single);
+            println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
+    }
+}
+
+/// Rank 0's parameter bytes and bytes sent all-to-all per step, for the Mixtral fixture at
+/// micro-batch 4 x seq-len 16 per rank over `flags`.
+fn mixtral_per_rank(flags: &[&str]) -> (usize, usize) {
+    let model = fixture("mixtral", "model.onnx");
+    let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", "4", "--seq-len", "16"]
+        .iter()
+        .chain(flags)
+        .map(|s| s.to_string())
+        .collect();
+    let plan = crate::common::compile_shapes(&args, 2);
+    let report = autotp_program::report::report(&plan);
+    (plan.stages[0].memory.params_bytes, report.ranks[0].comm_bytes_per_step.all_to_all)
+}
+
+/// Each rank holds `1/n` of every layer's experts (Mixtral: 4 experts of `[256, 64]` and
+/// `[64, 128]` f32 weights in each of 2 layers) and the rest of the model whole. Per layer each
+/// rank exchanges send buffers of `n x P/n` rows (dropless: room for every pair of its own
+/// with any one destination; `P/n` = 64 tokens x 2 choices) and sends `(n-1)/n` of them: the
+/// forward sends each pair's hidden state, expert id and routing weight (`H + 2` floats) and
+/// gets its result back (`H`); the backward returns the result's gradient (`H`) and sends the
+/// hidden state's and routing weight's (`H + 1`).
+#[test]
+fn expert_parallelism_holds_its_experts_and_exchanges_the_pairs_the_formula_says() {
+    let (hidden, layers, pairs_per_rank) = (64, 2, 64 * 2);
+    let expert_bytes = layers * 4 * (256 * 64 + 64 * 128) * 4;
+    for n in [2usize, 4] {
+        let ranks = n.to_string();
+        let (dp_params, dp_exchanged) = mixtral_per_rank(&["--dp", &ranks]);
+        let (ep_params, exchanged) = mixtral_per_rank(&["--dp", &ranks, "--ep", &ranks]);
+        println!("ep {n}: parameters {ep_params} bytes per rank (dp alone {dp_params}), all-to-all {exchanged}");
+        assert_eq!(dp_exchanged, 0, "dp {n} alone exchanges nothing");
+        assert_eq!(dp_params - ep_params, expert_bytes * (n - 1) / n, "ep {n}: each rank holds 1/{n} of the experts");
+        let floats = (hidden + 2) + hidden + hidden + (hidden + 1);
+        assert_eq!(exchanged, layers * (n - 1) * pairs_per_rank * floats * 4, "ep {n}: all-to-all bytes");
+    }
+}
+
+#[test]
+fn expert_parallelism_refuses_layouts_it_does_not_build() {
+    let plan = crate::common::scratch("expert-parallel-refusals").join("plan.atp");
+    let compile_model = |arch: &str, flags: &[&str]| {
+        let model = fixture(arch, "model.onnx");
+        let mut args = vec!["compile", model.to_str().unwrap(), "--seq-len", "16", "--micro-batch", "4"];
+        args.extend(flags);
+        args.extend(["-o", plan.to_str().unwrap()]);
+        crate::common::failure(crate::common::autotp(&args))
+    };
+    let compile = |flags: &[&str]| compile_model("mixtral", flags);
+    let message = compile(&["--ep", "2"]);
+    assert!(message.contains("--ep 2 splits the experts over the data-parallel ranks: it needs --dp 2"), "{message}");
+    let message = compile(&["--dp", "4", "--ep", "2"]);
+    assert!(message.contains("--dp 4 would need expert-data-parallel groups"), "{message}");
+    let message = compile(&["--dp", "2", "--ep", "2", "--tp", "2"]);
+    assert!(message.contains("--ep 2 with --tp 2"), "{message}");
+    let message = compile_model("llama", &["--dp", "2", "--ep", "2"]);
+    assert!(message.contains("this model has none"), "{message}");
 }

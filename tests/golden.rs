@@ -53,7 +53,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE]` or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep]` or
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
 /// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
@@ -104,7 +104,13 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             batch_inputs: vec!["input_ids".into(), "labels".into()],
         }),
         "zero" => {
-            let mut parts = argument.split(':').map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE]"));
+            // A trailing `:ep`: the experts split by expert over dp (`--ep` = `--dp`).
+            let (argument, expert_parallel) = match argument.strip_suffix(":ep") {
+                Some(rest) => (rest, true),
+                None => (argument, false),
+            };
+            let mut parts =
+                argument.split(':').map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep]"));
             let (dp, stage) = (parts.next().unwrap(), parts.next().unwrap() as u8);
             let mut config = autotp_passes::zero::ZeroConfig { stage, ..Default::default() };
             if let (Some(bucket), Some(max_live)) = (parts.next(), parts.next()) {
@@ -117,6 +123,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
                 config,
                 batch_inputs: vec!["input_ids".into(), "labels".into()],
                 param_placements: Default::default(),
+                expert_parallel,
             })
         }
         "autotp" => {

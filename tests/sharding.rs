@@ -120,6 +120,7 @@ fn data_parallel(dp: usize) -> Zero {
         config: ZeroConfig::default(),
         batch_inputs: vec!["input_ids".into(), "labels".into()],
         param_placements: Default::default(),
+        expert_parallel: false,
     }
 }
 

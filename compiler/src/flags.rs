@@ -58,6 +58,13 @@ pub struct CompileFlags {
     #[arg(long, default_value = "all_gather")]
     #[serde(default = "all_gather")]
     pub cp_comm_type: String,
+    /// Expert-parallel ranks for a mixture of experts (Megatron's
+    /// --expert-model-parallel-size): each holds 1/ep of every layer's experts, and each
+    /// (token, choice) pair is sent by all-to-all to the rank of its expert and back,
+    /// dropless. The ranks are data-parallel for the rest of the model: needs --dp equal to it.
+    #[arg(long, visible_alias = "expert-model-parallel-size", default_value_t = 1)]
+    #[serde(default = "one")]
+    pub ep: usize,
     /// Tensor-parallel ranks: each block's weights are split Megatron-style (found from the
     /// dataflow); world size is dp x tp.
     #[arg(long, visible_alias = "tensor-model-parallel-size", default_value_t = 1)]
@@ -500,7 +507,7 @@ impl CompileFlags {
     /// one micro-batch of the whole global batch.
     pub fn single_device(&self, global_batch: usize) -> CompileFlags {
         let mut flags = self.clone();
-        (flags.dp, flags.cp, flags.tp, flags.pp, flags.zero) = (1, 1, 1, 1, 0);
+        (flags.dp, flags.cp, flags.tp, flags.pp, flags.zero, flags.ep) = (1, 1, 1, 1, 0, 1);
         flags.cp_comm_type = all_gather();
         flags.sequence_parallel = false;
         (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);

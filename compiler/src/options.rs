@@ -46,12 +46,14 @@ impl CompileOptions {
             || flags.micro_batch == 0
             || flags.dp == 0
             || flags.cp == 0
+            || flags.ep == 0
             || flags.tp == 0
             || flags.pp == 0
             || flags.grad_accum == Some(0)
         {
-            refuse!("--seq-len, --micro-batch, --grad-accum, --dp, --cp, --tp and --pp must be at least 1");
+            refuse!("--seq-len, --micro-batch, --grad-accum, --dp, --cp, --ep, --tp and --pp must be at least 1");
         }
+        expert_parallel(flags)?;
         let grad_accum = grad_accum(flags)?;
         let pipeline_schedule = PipelineSchedule::parse(&flags.schedule)
             .ok_or_else(|| refused(format!("--schedule '{}' is not one of 1f1b, gpipe, zb-h1", flags.schedule)))?;
@@ -438,4 +440,30 @@ fn grad_accum(flags: &CompileFlags) -> Result<usize, CompileError> {
         ),
         _ => Ok(implied),
     }
+}
+
+/// Refuses the `--ep` layouts autotp does not build yet: expert parallelism splits the
+/// experts over the data-parallel ranks themselves (Megatron's expert-data-parallel size 1).
+fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
+    if flags.ep == 1 {
+        return Ok(());
+    }
+    if flags.dp != flags.ep {
+        refuse!(
+            "--ep {} splits the experts over the data-parallel ranks: it needs --dp {} (--dp {} would need \
+             expert-data-parallel groups, which autotp does not build yet)",
+            flags.ep,
+            flags.ep,
+            flags.dp
+        );
+    }
+    for (flag, size) in [("--tp", flags.tp), ("--pp", flags.pp), ("--cp", flags.cp)] {
+        if size > 1 {
+            refuse!(
+                "--ep {} with {flag} {size}: autotp runs expert parallelism beside data parallelism alone for now",
+                flags.ep
+            );
+        }
+    }
+    Ok(())
 }

@@ -391,6 +391,9 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
         steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     }
     steps.push(pass(Box::new(autotp_passes::loss::AttachLoss)));
+    if flags.ep > 1 {
+        steps.push(pass(Box::new(autotp_passes::expert_dispatch::DispatchExperts { ranks: flags.ep })));
+    }
     if flags.tp > 1 {
         steps.push(pass(Box::new(autotp_passes::split_fused::SplitFused)));
         steps.push(pass(Box::new(autotp_passes::expand_norms::ExpandNorms)));
@@ -452,6 +455,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
             config: options.zero,
             batch_inputs: batch_inputs.clone(),
             param_placements: BTreeMap::new(),
+            expert_parallel: flags.ep > 1,
         };
         steps.push(Box::new(DataParallel { zero, param_placements: param_placements.clone() }));
     }

@@ -211,6 +211,7 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
         ));
     }
     lines.extend(context_parallel_lines(plan));
+    lines.extend(expert_parallel_lines(plan));
     lines.push(validation_line(&plan.evaluation));
     lines.push(format!("  fingerprint: {}", plan.fingerprint()));
     lines.join("\n") + "\n"
@@ -263,6 +264,39 @@ fn context_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
         ));
         let kinds = if kinds.is_empty() { "none".to_string() } else { kinds.join(", ") };
         lines.push(format!("    over cp, per rank per step (bytes sent): {kinds}"));
+    }
+    lines
+}
+
+/// The summary's line on expert parallelism (`--ep`, over dp), one per stage that exchanges
+/// pairs: the exchanges per rank per step and the bytes they send.
+fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (s, program) in plan.stages.iter().enumerate() {
+        let Some(axis) = program.mesh.iter().position(|a| a.name == autotp_program::mesh::DATA_AXIS) else {
+            continue;
+        };
+        let n = program.mesh[axis].size;
+        let (mut count, mut bytes) = (0, 0);
+        for instruction in &program.instructions {
+            if let Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } =
+                instruction
+            {
+                if op.axis == axis && op.kind.name() == "all_to_all" {
+                    count += 1;
+                    bytes += op.kind.bytes_sent(input.len, n);
+                }
+            }
+        }
+        if count > 0 {
+            let stage = if plan.stages.len() > 1 { format!(", stage {s}") } else { String::new() };
+            lines.push(format!(
+                "  expert parallelism{stage}: the experts split by expert over dp={n}; each (token, choice) pair sent \
+                 to its expert's rank and back: {count} all-to-alls per rank per step ({} bytes sent; dropless: \
+                 room for every pair of a rank with each destination)",
+                grouped(bytes)
+            ));
+        }
     }
     lines
 }

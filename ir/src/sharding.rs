@@ -14,7 +14,29 @@
 //! every node against its rule, so a graph that verifies computes on its mesh what the
 //! single-device graph computes.
 
-use crate::{BinaryOp, Collective, Mesh, MeshAxis, Op, Placement, ReduceOp, Reduction, TensorType, UnaryOp};
+use crate::{
+    BinaryOp, Collective, DType, Def, Graph, Mesh, MeshAxis, Op, Placement, ReduceOp, Reduction, TensorType, UnaryOp,
+    ValueId,
+};
+
+/// The exchange that brought `ids` to their ranks, where `ids` are expert parallelism's
+/// dispatched experts' ids: a cast to i64 of a reshape of the send buffers `[n, n, P/n, 1]`
+/// transposed from the sources' order to the destinations' (`[1, 0, 2, 3]`), as
+/// `autotp_passes::expert_dispatch` makes them. Each destination's rows are the pairs whose
+/// expert it holds, so a lookup by them in a table split by expert over the exchange's axis
+/// reads its own block alone; the verifier accepts such a lookup and its gradient's scatter on
+/// the block (`IndexBlock` kernels), which no rule gives for indices in general.
+pub fn dispatched_by(graph: &Graph, ids: ValueId) -> Option<ValueId> {
+    let made_by = |v: ValueId| match graph.value(v).def {
+        Def::Node(n, _) => Some(graph.node(n)),
+        _ => None,
+    };
+    let cast = made_by(ids).filter(|n| matches!(n.op, Op::Cast { to: DType::I64 }))?;
+    let reshape = made_by(cast.inputs[0]).filter(|n| matches!(n.op, Op::Reshape { .. }))?;
+    let exchange = made_by(reshape.inputs[0])?;
+    let square = graph.ty(exchange.inputs[0]).shape.get(..2).is_some_and(|d| d[0] == d[1]);
+    (matches!(&exchange.op, Op::Transpose { perm } if perm[..] == [1, 0, 2, 3]) && square).then_some(reshape.inputs[0])
+}
 
 /// The shape one rank holds of a value of global `shape` with `placements` on `mesh`.
 pub fn local_shape(mesh: &Mesh, shape: &[usize], placements: &[Placement]) -> Vec<usize> {

@@ -312,6 +312,27 @@ fn rounds_before_reduction(graph: &Graph, node: &crate::Node, a: usize) -> bool 
         })
 }
 
+/// Whether `node` is an expert lookup by dispatched ids (or its gradient's scatter into the
+/// table), placed as expert parallelism runs it on mesh axis `a`: the table, the ids and the
+/// result split alike on their first dim, the ids by destination
+/// ([`crate::sharding::dispatched_by`]).
+fn looks_up_its_own_experts(
+    graph: &Graph,
+    node: &crate::Node,
+    a: usize,
+    current: &[Placement],
+    actual: &[Placement],
+) -> bool {
+    let ids = match (&node.op, &node.inputs[..]) {
+        (Op::Gather { axis: 0 }, [_, ids]) | (Op::ScatterAdd { axis: 0, .. }, [ids, _]) => *ids,
+        _ => return false,
+    };
+    let by_destination = crate::sharding::dispatched_by(graph, ids)
+        .is_some_and(|exchanged| graph.value(exchanged).placements[a] == Placement::Shard(0));
+    let split = Placement::Shard(0);
+    by_destination && current.iter().chain(actual).all(|p| *p == split)
+}
+
 /// Whether a node's output placements are its rule's, or a block the op computes directly
 /// where the rule gives a replicated output ([`crate::sharding::computes_block`]).
 fn outputs_follow(
@@ -340,6 +361,9 @@ fn check_placements(graph: &Graph, node: &crate::Node, at: &str, err: &mut impl 
     for (a, axis) in graph.mesh.axes.iter().enumerate() {
         let current: Vec<Placement> = node.inputs.iter().map(|&v| graph.value(v).placements[a]).collect();
         let actual: Vec<Placement> = node.outputs.iter().map(|&v| graph.value(v).placements[a]).collect();
+        if looks_up_its_own_experts(graph, node, a, &current, &actual) {
+            continue;
+        }
         let rule = crate::sharding::axis_rule(&node.op, &types, &out_types, &current, axis);
         if rule.inputs != current && rounds_before_reduction(graph, node, a) {
             continue;

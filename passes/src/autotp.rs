@@ -530,6 +530,7 @@ impl AutoTp {
                 bucket_elements: self.zero.reduce_bucket_elements,
                 reduce_dtype: self.zero.comm_dtype,
                 sequence_parallel,
+                experts: None,
             }
             .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);

@@ -18,11 +18,12 @@ use std::collections::BTreeMap;
 
 use autotp_ir::{Collective, Graph, Op, Placement, ValueId};
 
-/// Over the context-parallel axis (named `axis`), a value split on one dim is split on another
-/// by one exchange (Ulysses' tokens and heads); `None` elsewhere.
-pub(crate) fn exchange(axis: &str, from: Placement, to: Placement) -> Option<Vec<Collective>> {
+/// Over an axis that `exchanges` (the context-parallel axis: Ulysses' tokens and heads; expert
+/// parallelism's: pairs to their experts), a value split on one dim is split on another by one
+/// all-to-all; `None` elsewhere.
+pub(crate) fn exchange(exchanges: bool, from: Placement, to: Placement) -> Option<Vec<Collective>> {
     match (from, to) {
-        (Placement::Shard(concat), Placement::Shard(split)) if axis == autotp_ir::CONTEXT_AXIS => {
+        (Placement::Shard(concat), Placement::Shard(split)) if exchanges => {
             Some(vec![Collective::AllToAll { split, concat }])
         }
         _ => None,

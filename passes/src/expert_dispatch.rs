@@ -365,3 +365,96 @@ fn describe(graph: &Graph, ids: ValueId) -> String {
         .collect();
     names.join(", ")
 }
+
+/// Expert parallelism's placement over a data-parallel mesh axis (`--ep`, equal to `--dp`): the
+/// experts' tables split by expert over `axis`, each rank computing the pairs dispatched to
+/// its experts. Set on [`crate::shard::Shard::experts`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExpertParallel {
+    pub axis: usize,
+    /// The experts' tables (parameters looked up by expert), by name ([`expert_tables`]).
+    pub tables: BTreeSet<String>,
+}
+
+/// The parameters a dispatched mixture looks its experts up in, by name: tables read (through
+/// casts) by `gather {axis = 0}` with the dispatched experts' ids
+/// ([`autotp_ir::sharding::dispatched_by`]).
+pub fn expert_tables(graph: &Graph) -> BTreeSet<String> {
+    let mut tables = BTreeSet::new();
+    for (_, node) in graph.nodes() {
+        let (Op::Gather { axis: 0 }, [table, ids]) = (&node.op, &node.inputs[..]) else { continue };
+        let table = through_casts(graph, *table);
+        if autotp_ir::sharding::dispatched_by(graph, *ids).is_some() && graph.params().contains(&table) {
+            tables.extend(graph.name_of(table).map(str::to_string));
+        }
+    }
+    tables
+}
+
+/// `v` with the casts it was made by peeled off (a parameter's 16-bit copy).
+fn through_casts(graph: &Graph, mut v: ValueId) -> ValueId {
+    while let Def::Node(n, _) = graph.value(v).def {
+        match graph.node(n).op {
+            Op::Cast { .. } => v = graph.node(n).inputs[0],
+            _ => break,
+        }
+    }
+    v
+}
+
+/// Whether `op` is the dispatch's change between the sources' and the destinations' order of
+/// the send buffers `[n, n, P/n, width]`.
+fn is_exchange(op: &Op) -> bool {
+    matches!(op, Op::Transpose { perm } if perm[..] == [1, 0, 2, 3])
+}
+
+impl ExpertParallel {
+    /// The ids (in `source`, the graph being placed) of the dispatched pairs' experts: what the
+    /// experts' lookups and their gradients index by.
+    pub(crate) fn dispatched_ids(&self, source: &Graph) -> BTreeSet<ValueId> {
+        source
+            .nodes()
+            .filter_map(|(_, node)| match (&node.op, &node.inputs[..]) {
+                (Op::Gather { axis: 0 }, [table, ids]) => {
+                    let name = source.name_of(through_casts(source, *table));
+                    name.is_some_and(|n| self.tables.contains(n)).then_some(*ids)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The placement rule over the expert axis of `node` (in the graph being placed, whose
+    /// `dispatched` ids [`ExpertParallel::dispatched_ids`] gives), where expert parallelism
+    /// decides it; `None` leaves it to [`autotp_ir::sharding::axis_rule`]:
+    ///
+    /// - an expert lookup, and its gradient's scatter into the table, run on the rank's block
+    ///   of experts: each rank's dispatched pairs all choose its own experts;
+    /// - the change to the destinations' order (and back, and their gradients) takes the send
+    ///   buffers split by destination: one all-to-all.
+    pub(crate) fn rule(
+        &self,
+        node: &autotp_ir::Node,
+        axis: usize,
+        size: usize,
+        dispatched: &BTreeSet<ValueId>,
+        source: &Graph,
+    ) -> Option<autotp_ir::sharding::AxisRule> {
+        use autotp_ir::Placement::Shard;
+        if axis != self.axis {
+            return None;
+        }
+        let all =
+            |inputs: usize| autotp_ir::sharding::AxisRule { inputs: vec![Shard(0); inputs], outputs: vec![Shard(0)] };
+        match (&node.op, &node.inputs[..]) {
+            (Op::Gather { axis: 0 }, [_, ids]) if dispatched.contains(ids) => Some(all(2)),
+            (Op::ScatterAdd { axis: 0, .. }, [ids, _]) if dispatched.contains(ids) => Some(all(2)),
+            (op, [buffers])
+                if is_exchange(op) && source.ty(*buffers).shape[..2] == [size, size] && !dispatched.is_empty() =>
+            {
+                Some(autotp_ir::sharding::AxisRule { inputs: vec![Shard(1)], outputs: vec![Shard(0)] })
+            }
+            _ => None,
+        }
+    }
+}

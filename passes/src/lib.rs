@@ -42,6 +42,7 @@ pub mod pipeline;
 pub mod precision;
 pub mod recognize;
 pub mod recompute;
+mod reduction_buckets;
 pub mod shard;
 mod sink_slices;
 pub mod split_fused;

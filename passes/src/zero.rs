@@ -30,6 +30,7 @@ use std::collections::BTreeMap;
 
 use autotp_ir::{Graph, Mesh, MeshAxis, Op, Placement, ValueId};
 
+use crate::expert_dispatch::{expert_tables, ExpertParallel};
 use crate::optimize::trained_by;
 use crate::shard::Shard;
 use crate::{Pass, PassError};
@@ -64,6 +65,9 @@ pub struct Zero {
     /// Parameters' placements decided elsewhere, over ZeRO's: the evaluation step, which has
     /// no optimizer to say what ZeRO-3 shards, holds the blocks its training step holds.
     pub param_placements: BTreeMap<String, Vec<Placement>>,
+    /// Expert parallelism over dp (`--ep` = `--dp`): the experts' tables of the dispatched
+    /// mixtures ([`crate::expert_dispatch`]) split by expert over dp; ZeRO leaves them so.
+    pub expert_parallel: bool,
 }
 
 /// Each trainable parameter and its optimizer states, from the graph's optimizer ops.
@@ -113,6 +117,10 @@ pub fn seed(
     for (param, states) in optimized(graph) {
         let name = graph.name_of(param).unwrap_or("").to_string();
         let placements = seeds.get(&name).cloned().unwrap_or_else(|| mesh.replicated());
+        if placements[dp_axis] != Placement::Replicate {
+            // Split over dp already (experts by expert): its states follow it.
+            continue;
+        }
         let shape = &graph.ty(param).shape;
         let local = autotp_ir::sharding::local_shape(mesh, shape, &placements);
         let taken = |d: usize| placements.contains(&Placement::Shard(d));
@@ -156,6 +164,12 @@ impl Pass for Zero {
         let mut seeds: BTreeMap<String, Vec<Placement>> = crate::present_inputs(graph, &self.batch_inputs)
             .map(|n| (n.clone(), batch_placement(&mesh, input_rank(graph, n))))
             .collect();
+        let experts = self.expert_parallel.then(|| ExpertParallel { axis: 0, tables: expert_tables(graph) });
+        for table in experts.iter().flat_map(|e| &e.tables) {
+            let mut by_expert = mesh.replicated();
+            by_expert[0] = Placement::Shard(0);
+            seeds.insert(table.clone(), by_expert);
+        }
         if self.config.stage > 0 {
             seed(graph, &mesh, 0, self.config, &mut seeds);
         }
@@ -170,6 +184,7 @@ impl Pass for Zero {
             bucket_elements: self.config.reduce_bucket_elements,
             reduce_dtype: self.config.comm_dtype,
             sequence_parallel: None,
+            experts,
         }
         .run(graph)?;
         if self.config.stage == 3 {
