@@ -1,8 +1,10 @@
 //! Expert parallelism (`--ep N` with `--dp N`): the token dispatch (`expert-dispatch`) on the
 //! global graph computes the same logits, loss and gradients as the model undispatched; the
-//! Mixtral fixture and DeepSeek-V3's (a shared expert beside the routed ones) train as one
-//! rank does with their experts split by expert, alone and under ZeRO; each rank holds its
-//! experts alone and sends the bytes the formula says all-to-all.
+//! Mixtral, DeepSeek-V3 (a shared expert beside the routed ones) and gpt-oss (experts with
+//! biases, each table looked up by its own copy of the choices) fixtures train as one
+//! rank does with their experts split by expert, alone, under ZeRO, with tensor and pipeline
+//! parallelism; checkpoints resume under ep and under dp; each rank holds its experts alone and
+//! sends the bytes the formula says all-to-all.
 
 use std::collections::BTreeMap;
 
@@ -12,7 +14,7 @@ use autotp_passes::autodiff::{Autodiff, GRAD_PREFIX};
 use autotp_passes::expert_dispatch::DispatchExperts;
 use autotp_passes::{Pass, PassManager};
 
-use crate::common::{fixture, max_abs_diff, read_npy};
+use crate::common::{fixture, losses, max_abs_diff, read_npy, run_plan};
 use crate::parallel::{train_model, within_contract};
 
 /// The fixture `arch`'s training graph (simplified, its loss attached, differentiated), with
@@ -36,7 +38,7 @@ fn count(graph: &Graph, pick: fn(&Op) -> bool) -> usize {
 
 #[test]
 fn dispatched_experts_train_as_the_undispatched_model() {
-    for arch in ["mixtral", "deepseek_v3"] {
+    for arch in ["mixtral", "deepseek_v3", "gpt_oss"] {
         let ids = read_npy(&fixture(arch, "input_ids.npy"));
         let inputs = [ids.clone(), ids];
         let (reference_graph, weights) = training_graph(arch, 1);
@@ -77,27 +79,59 @@ fn dispatch_refuses_a_model_without_experts_and_an_uneven_split() {
     assert!(error.contains("--ep 3 must divide the experts (4)") && error.contains("experts.gate_up_proj"), "{error}");
 }
 
-/// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank.
+/// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank: expert
+/// parallelism alone, under ZeRO, with tensor parallelism (the experts split over ep and tp)
+/// and with a pipeline.
 #[test]
 fn expert_parallelism_trains_like_one_rank() {
     let dir = crate::common::scratch("expert-parallel");
-    let layouts: &[&[&str]] = &[
-        &["--dp", "2", "--ep", "2"],
-        &["--dp", "4", "--ep", "4"],
-        &["--dp", "2", "--ep", "2", "--zero", "1"],
-        &["--dp", "2", "--ep", "2", "--zero", "3"],
-        &["--dp", "4", "--ep", "4", "--zero", "3"],
+    let layouts: &[(usize, &[&str])] = &[
+        (4, &["--dp", "2", "--ep", "2"]),
+        (2, &["--dp", "4", "--ep", "4"]),
+        (4, &["--dp", "2", "--ep", "2", "--zero", "1"]),
+        (4, &["--dp", "2", "--ep", "2", "--zero", "3"]),
+        (2, &["--dp", "4", "--ep", "4", "--zero", "3"]),
+        (4, &["--dp", "2", "--ep", "2", "--tp", "2"]),
+        (4, &["--dp", "2", "--ep", "2", "--tp", "2", "--zero", "1"]),
+        (2, &["--dp", "2", "--ep", "2", "--pp", "2", "--grad-accum", "2"]),
     ];
-    for arch in ["mixtral", "deepseek_v3"] {
+    for arch in ["mixtral", "deepseek_v3", "gpt_oss"] {
         let single = train_model(&dir, arch, "model.onnx", 8, &[]);
-        for flags in layouts {
-            let micro_batch = 8 / flags[1].parse::<usize>().unwrap();
+        for &(micro_batch, flags) in layouts {
             let got = train_model(&dir, arch, "model.onnx", micro_batch, flags);
             let label = format!("{arch} {}", flags.join(" "));
             let (first, worst) = within_contract(&label, &got, &single);
             println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
         }
     }
+}
+
+/// A checkpoint of an expert-parallel run resumes bit-identically, and under plain data
+/// parallelism (each rank's experts gathered into whole tables) continues the same curve.
+#[test]
+fn expert_parallel_checkpoints_resume_under_ep_and_under_dp() {
+    let dir = crate::common::scratch("expert-parallel-checkpoint");
+    let model = fixture("mixtral", "model.onnx");
+    let plan = |name: &str, flags: &[&str]| {
+        let path = dir.join(name);
+        let mut args = vec!["compile", model.to_str().unwrap(), "--seq-len", "16", "--micro-batch", "4"];
+        args.extend(flags);
+        args.extend(["-o", path.to_str().unwrap()]);
+        crate::common::success(crate::common::autotp(&args));
+        path
+    };
+    let (ep, dp) = (plan("ep.atp", &["--dp", "2", "--ep", "2"]), plan("dp.atp", &["--dp", "2"]));
+    let (checkpoints, straight) = (dir.join("checkpoints"), dir.join("straight.jsonl"));
+    run_plan(&ep, &straight, 6, &[]);
+    run_plan(&ep, &dir.join("first.jsonl"), 3, &["--save", checkpoints.to_str().unwrap()]);
+    let (resumed_ep, resumed_dp) = (dir.join("resumed-ep.jsonl"), dir.join("resumed-dp.jsonl"));
+    run_plan(&ep, &resumed_ep, 6, &["--resume", checkpoints.to_str().unwrap()]);
+    run_plan(&dp, &resumed_dp, 6, &["--resume", checkpoints.to_str().unwrap()]);
+    let last = |path: &std::path::Path| losses(path).into_iter().map(|(_, l)| l).collect::<Vec<f64>>();
+    let want = last(&straight)[3..].to_vec();
+    assert_eq!(last(&resumed_ep), want, "resumed under ep 2");
+    let (_, worst) = within_contract("resumed under dp 2", &last(&resumed_dp), &want);
+    println!("resumed under dp 2: worst {worst:.2e} relative to ep 2 straight");
 }
 
 /// Rank 0's parameter bytes and bytes sent all-to-all per step, for the Mixtral fixture at
@@ -152,8 +186,8 @@ fn expert_parallelism_refuses_layouts_it_does_not_build() {
     assert!(message.contains("--ep 2 splits the experts over the data-parallel ranks: it needs --dp 2"), "{message}");
     let message = compile(&["--dp", "4", "--ep", "2"]);
     assert!(message.contains("--dp 4 would need expert-data-parallel groups"), "{message}");
-    let message = compile(&["--dp", "2", "--ep", "2", "--tp", "2"]);
-    assert!(message.contains("--ep 2 with --tp 2"), "{message}");
+    let message = compile(&["--dp", "2", "--ep", "2", "--cp", "2"]);
+    assert!(message.contains("--ep 2 with --cp 2"), "{message}");
     let message = compile_model("llama", &["--dp", "2", "--ep", "2"]);
     assert!(message.contains("this model has none"), "{message}");
 }

@@ -140,6 +140,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
                 replicate_unsplittable: options.contains(&"replicate-unsplittable"),
                 param_placements: Default::default(),
                 sequence_parallel: options.iter().find_map(|o| o.strip_prefix("sp=")?.parse().ok()),
+                expert_parallel: false,
             })
         }
         "autodiff" => {

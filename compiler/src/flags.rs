@@ -61,7 +61,8 @@ pub struct CompileFlags {
     /// Expert-parallel ranks for a mixture of experts (Megatron's
     /// --expert-model-parallel-size): each holds 1/ep of every layer's experts, and each
     /// (token, choice) pair is sent by all-to-all to the rank of its expert and back,
-    /// dropless. The ranks are data-parallel for the rest of the model: needs --dp equal to it.
+    /// dropless. The ranks are data-parallel for the rest of the model: needs --dp equal to it
+    /// (combines with --tp, whose ranks split each expert, --pp and ZeRO).
     #[arg(long, visible_alias = "expert-model-parallel-size", default_value_t = 1)]
     #[serde(default = "one")]
     pub ep: usize,

@@ -443,7 +443,8 @@ fn grad_accum(flags: &CompileFlags) -> Result<usize, CompileError> {
 }
 
 /// Refuses the `--ep` layouts autotp does not build yet: expert parallelism splits the
-/// experts over the data-parallel ranks themselves (Megatron's expert-data-parallel size 1).
+/// experts over the data-parallel ranks themselves (Megatron's expert-data-parallel size 1),
+/// and context parallelism runs without dp.
 fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
     if flags.ep == 1 {
         return Ok(());
@@ -457,13 +458,12 @@ fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
             flags.dp
         );
     }
-    for (flag, size) in [("--tp", flags.tp), ("--pp", flags.pp), ("--cp", flags.cp)] {
-        if size > 1 {
-            refuse!(
-                "--ep {} with {flag} {size}: autotp runs expert parallelism beside data parallelism alone for now",
-                flags.ep
-            );
-        }
+    if flags.cp > 1 {
+        refuse!(
+            "--ep {} with --cp {}: expert parallelism splits the experts over dp, and --cp runs without --dp for now",
+            flags.ep,
+            flags.cp
+        );
     }
     Ok(())
 }

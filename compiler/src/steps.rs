@@ -469,6 +469,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
             replicate_unsplittable: flags.tp_replicate_unsplittable,
             param_placements: BTreeMap::new(),
             sequence_parallel: flags.sequence_parallel.then_some(flags.seq_len),
+            expert_parallel: flags.ep > 1,
         };
         steps.push(Box::new(TensorParallel { autotp, explain: flags.explain_tp, param_placements }));
     }

@@ -58,6 +58,9 @@ pub struct AutoTp {
     /// Megatron's sequence parallelism (`--sequence-parallel`): the tokens per sequence, whose
     /// hidden states between the blocks are split over tp ([`crate::shard::SequenceParallel`]).
     pub sequence_parallel: Option<usize>,
+    /// Expert parallelism over dp (`--ep` = `--dp`): the experts' tables split by expert over
+    /// dp as well ([`crate::zero::Zero::expert_parallel`]).
+    pub expert_parallel: bool,
 }
 
 /// Why a weight got its placement, for `--explain-tp`.
@@ -265,7 +268,7 @@ impl AutoTp {
         // by expert, as gpt-oss's) or a parallel branch (a shared expert, a parallel MLP).
         let residual_of = |u: &WeightUse| -> Option<ValueId> {
             let mut v = nodes[u.node].outputs[0];
-            for _ in 0..8 {
+            for _ in 0..12 {
                 // Its one consumer in the forward pass (the backward may read it too).
                 let consumers: Vec<usize> =
                     users.get(&v).into_iter().flatten().copied().filter(|&c| in_forward(c)).collect();
@@ -273,6 +276,8 @@ impl AutoTp {
                 match nodes[c].op {
                     // A cast of mixed precision: a 16-bit result joins an f32 residual stream.
                     Op::Reshape { .. } | Op::Cast { .. } | Op::Reduce { op: autotp_ir::ReduceOp::Sum, .. } => {}
+                    // Expert parallelism's pairs on their way back from their experts' ranks.
+                    Op::Transpose { .. } | Op::GatherElements { .. } if nodes[c].inputs[0] == v => {}
                     // A norm of the block's output before the residual add (Gemma 2's
                     // post-norms): the partial sums are reduced before it.
                     Op::LayerNorm { .. } | Op::RmsNorm { .. } if nodes[c].inputs[0] == v => {}
@@ -370,11 +375,15 @@ impl AutoTp {
         for u in &uses {
             let name = graph.name_of(u.param).unwrap_or("").to_string();
             // The activation operand, through reshapes and broadcasts (each token's copy for
-            // each of its experts), is a norm's output.
+            // each of its experts, sent to its expert's rank under expert parallelism), is a
+            // norm's output.
             let mut activation = u.activation;
             while let Some(&p) = producer.get(&activation) {
                 match nodes[p].op {
-                    Op::Reshape { .. } | Op::Expand { .. } | Op::Cast { .. } => activation = nodes[p].inputs[0],
+                    Op::Reshape { .. } | Op::Expand { .. } | Op::Cast { .. } | Op::Transpose { .. } => {
+                        activation = nodes[p].inputs[0]
+                    }
+                    Op::ScatterElements { .. } => activation = nodes[p].inputs[1],
                     _ => break,
                 }
             }
@@ -487,6 +496,10 @@ impl AutoTp {
             split_step = reshapes_for_the_backward(&split_step, seq_len)?;
         }
         let graph = &split_step;
+        let experts = (self.expert_parallel && self.dp > 1).then(|| crate::expert_dispatch::ExpertParallel {
+            axis: 0,
+            tables: crate::expert_dispatch::expert_tables(graph),
+        });
         let seeds_for = |explained: &[Explained]| {
             let mut seeds: BTreeMap<String, Vec<Placement>> = BTreeMap::new();
             for name in crate::present_inputs(graph, &self.batch_inputs) {
@@ -496,6 +509,10 @@ impl AutoTp {
                 let mut p = mesh.replicated();
                 p[tp_axis] = e.placement;
                 seeds.insert(e.weight.clone(), p);
+            }
+            for table in experts.iter().flat_map(|e| &e.tables) {
+                let by_expert = seeds.entry(table.clone()).or_insert_with(|| mesh.replicated());
+                by_expert[0] = Placement::Shard(0);
             }
             if self.dp > 1 {
                 crate::zero::seed(graph, &mesh, 0, self.zero, &mut seeds);
@@ -530,7 +547,7 @@ impl AutoTp {
                 bucket_elements: self.zero.reduce_bucket_elements,
                 reduce_dtype: self.zero.comm_dtype,
                 sequence_parallel,
-                experts: None,
+                experts: experts.clone(),
             }
             .run(&mut sharded)?;
             let sliced = sliced_params(&sharded, tp_axis);

@@ -50,7 +50,12 @@ fn invalid(message: String) -> PassError {
 /// the per-pair computation's nodes.
 struct Mixture {
     ids: ValueId,
+    /// Every lookup's ids: `ids` or a copy of it (gpt-oss's exports look up each table by its
+    /// own reshape of the choices).
+    aliases: BTreeSet<ValueId>,
     experts: usize,
+    /// The tables looked up, for messages.
+    tables: Vec<String>,
     region: BTreeSet<NodeId>,
 }
 
@@ -65,26 +70,32 @@ fn is_pair_value(graph: &Graph, v: ValueId, pairs: usize) -> bool {
     leading(graph, v) == Some(pairs) && !graph.params().contains(&v)
 }
 
-/// Whether `v` is a top-k's indices, through reshapes.
-fn chosen_by_top_k(graph: &Graph, mut v: ValueId) -> bool {
+/// The top-k whose indices `v` is, through the ops that copy them unchanged: reshapes,
+/// broadcasts to the same element count, and one-input concatenations.
+fn top_k_choosing(graph: &Graph, mut v: ValueId) -> Option<NodeId> {
     loop {
-        let Def::Node(n, output) = graph.value(v).def else { return false };
-        match &graph.node(n).op {
-            Op::Reshape { .. } => v = graph.node(n).inputs[0],
-            Op::TopK { .. } => return output == 1,
-            _ => return false,
+        let Def::Node(n, output) = graph.value(v).def else { return None };
+        let node = graph.node(n);
+        match &node.op {
+            Op::Reshape { .. } => {}
+            Op::Expand { .. } if graph.ty(node.inputs[0]).numel() == graph.ty(v).numel() => {}
+            Op::Concat { .. } if node.inputs.len() == 1 => {}
+            Op::TopK { .. } => return (output == 1).then_some(n),
+            _ => return None,
         }
+        v = node.inputs[0];
     }
 }
 
-/// The expert lookups of `graph`, by the choices they look up with: `gather {axis = 0}` of a
-/// parameter by rank-1 top-k indices.
-fn lookups(graph: &Graph) -> BTreeMap<ValueId, Vec<NodeId>> {
-    let mut found: BTreeMap<ValueId, Vec<NodeId>> = BTreeMap::new();
+/// The expert lookups of `graph`, by the top-k whose choices they look up with: `gather
+/// {axis = 0}` of a parameter by rank-1 top-k indices.
+fn lookups(graph: &Graph) -> BTreeMap<NodeId, Vec<NodeId>> {
+    let mut found: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
     for (id, node) in graph.nodes() {
         let (Op::Gather { axis: 0 }, [table, ids]) = (&node.op, &node.inputs[..]) else { continue };
-        if graph.params().contains(table) && graph.ty(*ids).rank() == 1 && chosen_by_top_k(graph, *ids) {
-            found.entry(*ids).or_default().push(id);
+        let param = graph.params().contains(&table_param(graph, *table));
+        if let Some(top_k) = top_k_choosing(graph, *ids).filter(|_| param && graph.ty(*ids).rank() == 1) {
+            found.entry(top_k).or_default().push(id);
         }
     }
     found
@@ -132,18 +143,30 @@ fn keeps_rows(graph: &Graph, node: &autotp_ir::Node, pairs: usize, per_pair: &dy
 /// that follows them pair by pair.
 fn mixtures(graph: &Graph) -> Result<Vec<Mixture>, PassError> {
     let mut found = Vec::new();
-    for (ids, nodes) in lookups(graph) {
+    for nodes in lookups(graph).into_values() {
+        let ids = graph.node(nodes[0]).inputs[1];
         let pairs = graph.ty(ids).shape[0];
         let experts = graph.ty(graph.node(nodes[0]).inputs[0]).shape[0];
-        if let Some(&other) = nodes.iter().find(|&&n| graph.ty(graph.node(n).inputs[0]).shape[0] != experts) {
+        let tables: Vec<String> = nodes
+            .iter()
+            .map(|&n| graph.name_of(table_param(graph, graph.node(n).inputs[0])).unwrap_or("?").to_string())
+            .collect();
+        let mismatched = |&n: &NodeId| {
+            let node = graph.node(n);
+            graph.ty(node.inputs[0]).shape[0] != experts || graph.ty(node.inputs[1]).shape[0] != pairs
+        };
+        if let Some(other) = nodes.iter().position(mismatched) {
             return Err(invalid(format!(
-                "the expert lookups by one router's choices look up tables of {} and {} experts ({} and {})",
-                experts,
-                graph.ty(graph.node(other).inputs[0]).shape[0],
-                graph.name_of(graph.node(nodes[0]).inputs[0]).unwrap_or("?"),
-                graph.name_of(graph.node(other).inputs[0]).unwrap_or("?"),
+                "the expert lookups by one router's choices differ in their experts or pairs: {} {} by {} and {} {} by {}",
+                tables[0],
+                graph.ty(graph.node(nodes[0]).inputs[0]),
+                graph.ty(ids),
+                tables[other],
+                graph.ty(graph.node(nodes[other]).inputs[0]),
+                graph.ty(graph.node(nodes[other]).inputs[1]),
             )));
         }
+        let aliases = nodes.iter().map(|&n| graph.node(n).inputs[1]).collect();
         let mut region: BTreeSet<NodeId> = nodes.iter().copied().collect();
         let mut values: BTreeSet<ValueId> = nodes.iter().map(|&n| graph.node(n).outputs[0]).collect();
         for (id, node) in graph.nodes() {
@@ -156,7 +179,7 @@ fn mixtures(graph: &Graph) -> Result<Vec<Mixture>, PassError> {
                 values.extend(node.outputs.iter().copied());
             }
         }
-        found.push(Mixture { ids, experts, region });
+        found.push(Mixture { ids, aliases, experts, tables, region });
     }
     Ok(found)
 }
@@ -291,7 +314,7 @@ impl Pass for DispatchExperts {
                 return Err(invalid(format!(
                     "--ep {n} must divide the experts ({}) and the (token, choice) pairs ({pairs}) of the mixture routed by {}",
                     mixture.experts,
-                    describe(graph, mixture.ids)
+                    mixture.tables.join(", ")
                 )));
             }
         }
@@ -321,7 +344,8 @@ impl Pass for DispatchExperts {
                 let new = match inside.get(&v) {
                     Some(&d) => d,
                     None if is_pair_value(old, v, pairs) => {
-                        let undispatched = rw.map(v);
+                        let copy_of_ids = mixture.aliases.contains(&v);
+                        let undispatched = rw.map(if copy_of_ids { mixture.ids } else { v });
                         match dispatch.dispatched.get(&undispatched) {
                             Some(&d) => d,
                             None => {
@@ -355,17 +379,6 @@ impl Pass for DispatchExperts {
     }
 }
 
-/// The parameters a router's choices `ids` look up, for messages.
-fn describe(graph: &Graph, ids: ValueId) -> String {
-    let names: Vec<&str> = lookups(graph)
-        .get(&ids)
-        .into_iter()
-        .flatten()
-        .filter_map(|&n| graph.name_of(graph.node(n).inputs[0]))
-        .collect();
-    names.join(", ")
-}
-
 /// Expert parallelism's placement over a data-parallel mesh axis (`--ep`, equal to `--dp`): the
 /// experts' tables split by expert over `axis`, each rank computing the pairs dispatched to
 /// its experts. Set on [`crate::shard::Shard::experts`].
@@ -383,7 +396,7 @@ pub fn expert_tables(graph: &Graph) -> BTreeSet<String> {
     let mut tables = BTreeSet::new();
     for (_, node) in graph.nodes() {
         let (Op::Gather { axis: 0 }, [table, ids]) = (&node.op, &node.inputs[..]) else { continue };
-        let table = through_casts(graph, *table);
+        let table = table_param(graph, *table);
         if autotp_ir::sharding::dispatched_by(graph, *ids).is_some() && graph.params().contains(&table) {
             tables.extend(graph.name_of(table).map(str::to_string));
         }
@@ -391,11 +404,13 @@ pub fn expert_tables(graph: &Graph) -> BTreeSet<String> {
     tables
 }
 
-/// `v` with the casts it was made by peeled off (a parameter's 16-bit copy).
-fn through_casts(graph: &Graph, mut v: ValueId) -> ValueId {
+/// The parameter `v` reads, through the casts (a 16-bit copy), slices and reshapes
+/// (`split-fused`'s halves of a fused gate and up projection) that keep its experts on dim 0;
+/// `v` itself when it reads none.
+fn table_param(graph: &Graph, mut v: ValueId) -> ValueId {
     while let Def::Node(n, _) = graph.value(v).def {
         match graph.node(n).op {
-            Op::Cast { .. } => v = graph.node(n).inputs[0],
+            Op::Cast { .. } | Op::Slice { .. } | Op::Reshape { .. } => v = graph.node(n).inputs[0],
             _ => break,
         }
     }
@@ -416,7 +431,7 @@ impl ExpertParallel {
             .nodes()
             .filter_map(|(_, node)| match (&node.op, &node.inputs[..]) {
                 (Op::Gather { axis: 0 }, [table, ids]) => {
-                    let name = source.name_of(through_casts(source, *table));
+                    let name = source.name_of(table_param(source, *table));
                     name.is_some_and(|n| self.tables.contains(n)).then_some(*ids)
                 }
                 _ => None,
