@@ -34,6 +34,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use autotp_ir::{BinaryOp, Collective, Graph, Mesh, NodeId, Op, Placement, ValueId};
 
+use crate::expert_dispatch::ExpertParallel;
 use crate::shard::{forward_values, Shard};
 use crate::{Pass, PassError};
 
@@ -496,10 +497,7 @@ impl AutoTp {
             split_step = reshapes_for_the_backward(&split_step, seq_len)?;
         }
         let graph = &split_step;
-        let experts = (self.expert_parallel && self.dp > 1).then(|| crate::expert_dispatch::ExpertParallel {
-            axis: 0,
-            tables: crate::expert_dispatch::expert_tables(graph),
-        });
+        let experts = (self.expert_parallel && self.dp > 1).then(|| ExpertParallel::over(graph, 0)).flatten();
         let seeds_for = |explained: &[Explained]| {
             let mut seeds: BTreeMap<String, Vec<Placement>> = BTreeMap::new();
             for name in crate::present_inputs(graph, &self.batch_inputs) {
@@ -510,9 +508,8 @@ impl AutoTp {
                 p[tp_axis] = e.placement;
                 seeds.insert(e.weight.clone(), p);
             }
-            for table in experts.iter().flat_map(|e| &e.tables) {
-                let by_expert = seeds.entry(table.clone()).or_insert_with(|| mesh.replicated());
-                by_expert[0] = Placement::Shard(0);
+            if let Some(experts) = &experts {
+                experts.seed(&mesh, &mut seeds);
             }
             if self.dp > 1 {
                 crate::zero::seed(graph, &mesh, 0, self.zero, &mut seeds);

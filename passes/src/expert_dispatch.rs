@@ -424,6 +424,23 @@ fn is_exchange(op: &Op) -> bool {
 }
 
 impl ExpertParallel {
+    /// Expert parallelism over mesh axis `axis` of `graph` (a training step whose mixtures are
+    /// dispatched): its experts' tables; `None` for a step without any (a pipeline stage of
+    /// dense layers).
+    pub fn over(graph: &Graph, axis: usize) -> Option<ExpertParallel> {
+        let tables = expert_tables(graph);
+        (!tables.is_empty()).then_some(ExpertParallel { axis, tables })
+    }
+
+    /// Adds to `seeds` each experts' table split by expert over the expert axis, over what
+    /// other axes do with it.
+    pub fn seed(&self, mesh: &autotp_ir::Mesh, seeds: &mut BTreeMap<String, Vec<autotp_ir::Placement>>) {
+        for table in &self.tables {
+            let by_expert = seeds.entry(table.clone()).or_insert_with(|| mesh.replicated());
+            by_expert[self.axis] = autotp_ir::Placement::Shard(0);
+        }
+    }
+
     /// The ids (in `source`, the graph being placed) of the dispatched pairs' experts: what the
     /// experts' lookups and their gradients index by.
     pub(crate) fn dispatched_ids(&self, source: &Graph) -> BTreeSet<ValueId> {

@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 
 use autotp_ir::{Graph, Mesh, MeshAxis, Op, Placement, ValueId};
 
-use crate::expert_dispatch::{expert_tables, ExpertParallel};
+use crate::expert_dispatch::ExpertParallel;
 use crate::optimize::trained_by;
 use crate::shard::Shard;
 use crate::{Pass, PassError};
@@ -164,11 +164,9 @@ impl Pass for Zero {
         let mut seeds: BTreeMap<String, Vec<Placement>> = crate::present_inputs(graph, &self.batch_inputs)
             .map(|n| (n.clone(), batch_placement(&mesh, input_rank(graph, n))))
             .collect();
-        let experts = self.expert_parallel.then(|| ExpertParallel { axis: 0, tables: expert_tables(graph) });
-        for table in experts.iter().flat_map(|e| &e.tables) {
-            let mut by_expert = mesh.replicated();
-            by_expert[0] = Placement::Shard(0);
-            seeds.insert(table.clone(), by_expert);
+        let experts = self.expert_parallel.then(|| ExpertParallel::over(graph, 0)).flatten();
+        if let Some(experts) = &experts {
+            experts.seed(&mesh, &mut seeds);
         }
         if self.config.stage > 0 {
             seed(graph, &mesh, 0, self.config, &mut seeds);
