@@ -175,6 +175,22 @@ fn a_checkpoint_of_another_plan_is_refused() {
         std::fs::write(&path, kept).unwrap();
     }
     assert_eq!(std::fs::read(&manifest).unwrap(), intact);
+
+    // Paths a checkpoint names stay inside it: a manifest naming a file up and out, or a
+    // `latest` naming a step directory elsewhere, is refused, naming the file and the path.
+    let text = String::from_utf8(intact.clone()).unwrap();
+    let outside = text.replacen("\"model.safetensors\"", "\"../../model.safetensors\"", 1);
+    assert_ne!(outside, text, "the manifest lists model.safetensors");
+    std::fs::write(&manifest, outside).unwrap();
+    let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt)]));
+    assert!(err.contains("manifest.json: names the file '../../model.safetensors', which climbs out of"), "{err}");
+    std::fs::write(&manifest, &intact).unwrap();
+    let latest = ckpt.join("latest");
+    let kept = std::fs::read(&latest).unwrap();
+    std::fs::write(&latest, "/tmp").unwrap();
+    let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt)]));
+    assert!(err.contains("latest: names the step directory '/tmp', which is an absolute path"), "{err}");
+    std::fs::write(&latest, kept).unwrap();
     success(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt)]));
 }
 

@@ -409,3 +409,71 @@ fn a_closed_stdout_ends_the_command_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}: {stderr}", out.status);
 }
+
+/// A model whose initializer names its external data outside the model's folder (a path up
+/// through `..`, an absolute one, a symbolic link out) is refused with one line naming the
+/// tensor and the location, before anything is read (CVE-2022-25882's rule, as ONNX applies
+/// it); data inside the folder still loads.
+#[test]
+fn external_data_outside_the_model_folder() {
+    let dir = temp_dir("external-data");
+    let secret = dir.join("secret.bin");
+    std::fs::write(&secret, 1.5f32.to_le_bytes()).unwrap();
+    let folder = dir.join("model");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::write(folder.join("inside.bin"), 2.5f32.to_le_bytes()).unwrap();
+    let _ = std::fs::remove_file(folder.join("link.bin"));
+    std::os::unix::fs::symlink(&secret, folder.join("link.bin")).unwrap();
+    let model_with = |location: &str| {
+        use proto::tensor_proto::DataType::Float;
+        let entry = |key: &str, value: &str| proto::StringStringEntryProto { key: key.into(), value: value.into() };
+        let weight = proto::TensorProto {
+            name: "w".into(),
+            dims: vec![1],
+            data_type: Float as i32,
+            data_location: proto::tensor_proto::DataLocation::External as i32,
+            external_data: vec![entry("location", location), entry("offset", "0"), entry("length", "4")],
+            ..Default::default()
+        };
+        let model = proto::ModelProto {
+            ir_version: 8,
+            opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 17 }],
+            graph: Some(proto::GraphProto {
+                name: "external".into(),
+                node: vec![proto::NodeProto {
+                    op_type: "Add".into(),
+                    name: "the_Add".into(),
+                    input: vec!["a".into(), "w".into()],
+                    output: vec!["y".into()],
+                    ..Default::default()
+                }],
+                initializer: vec![weight],
+                input: vec![proto::ValueInfoProto {
+                    name: "a".into(),
+                    r#type: tensor_type(Float, &[1]),
+                    ..Default::default()
+                }],
+                output: vec![proto::ValueInfoProto { name: "y".into(), ..Default::default() }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let path = folder.join("model.onnx");
+        std::fs::write(&path, model.encode_to_vec()).unwrap();
+        path
+    };
+    let climbing = "../../../../../../../../etc/passwd";
+    let absolute = secret.to_str().unwrap().to_string();
+    for (location, why) in
+        [(climbing, "climbs out of"), (absolute.as_str(), "is an absolute path"), ("link.bin", "resolves to")]
+    {
+        let model = model_with(location);
+        let err = fails(&["import", model.to_str().unwrap()]);
+        assert!(err.contains("'w'"), "{err}");
+        assert!(err.contains(&format!("external data location '{location}' {why}")), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+    let model = model_with("inside.bin");
+    let out = Command::new(env!("CARGO_BIN_EXE_autotp")).args(["import", model.to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -11,7 +11,8 @@
 //! - [`step`]: the step's inputs and outputs that the trainer feeds and reads.
 //! - [`plan`]: the compiled training plan (a program per pipeline stage and how to train it)
 //!   and its `.atp` file; [`tensor_file`]: the safetensors files plans and checkpoints use;
-//!   [`weight_files`]: the model's files a plan reads its initial weights from.
+//!   [`weight_files`]: the model's files a plan reads its initial weights from;
+//!   [`folder_paths`]: the paths those files and checkpoints name, kept inside their folder.
 //! - What a plan tells the trainer: [`lr_schedule`] (learning-rate schedules), [`loss_scale`]
 //!   (fp16 loss scalers and their rules), [`offload`] (the optimizer state's file layout).
 //! - [`report`]: a plan's per-rank memory and per-step communication, read off its programs.
@@ -21,6 +22,7 @@
 //! plan read from a file is validated (fingerprint, regions, feeds) before it is returned. This
 //! crate depends on `autotp-kernels` alone among autotp's crates.
 
+pub mod folder_paths;
 pub mod gpu;
 pub mod loss_scale;
 pub mod lr_schedule;

@@ -329,7 +329,9 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
         return Err(checkpoint_error(path, "does not exist or is not a directory"));
     }
     if let Ok(name) = std::fs::read_to_string(path.join(LATEST)) {
-        let named = path.join(name.trim());
+        let named = autotp_program::folder_paths::inside_folder(path, name.trim()).map_err(|why| {
+            checkpoint_error(&path.join(LATEST), format!("names the step directory '{}', which {why}", name.trim()))
+        })?;
         if named.join(MANIFEST).is_file() {
             return Ok(named);
         }
@@ -372,10 +374,9 @@ impl Checkpoint {
             .map_err(|e| checkpoint_error(&manifest_path, format!("the manifest does not parse: {e}")))?;
         let mut files = BTreeMap::new();
         for (file, names) in &manifest.files {
-            if file.contains('/') || file.contains("..") {
-                return Err(checkpoint_error(&dir, format!("the manifest names a file outside it: '{file}'")));
-            }
-            let opened = TensorFile::open(&dir.join(file))?;
+            let path = autotp_program::folder_paths::inside_folder(&dir, file)
+                .map_err(|why| checkpoint_error(&manifest_path, format!("names the file '{file}', which {why}")))?;
+            let opened = TensorFile::open(&path)?;
             if let Some(missing) = names.iter().find(|n| opened.get(n).is_none()) {
                 return Err(checkpoint_error(&dir, format!("{file} lacks the tensor '{missing}' its manifest lists")));
             }

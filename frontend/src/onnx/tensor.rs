@@ -54,7 +54,8 @@ impl ExternalFiles {
         if let Some(b) = self.maps.get(location) {
             return Ok(b.clone());
         }
-        let path = self.dir.join(location);
+        let path = autotp_program::folder_paths::inside_folder(&self.dir, location)
+            .map_err(|why| tensor_error(tensor, format!("external data location '{location}' {why}: refused")))?;
         let file = std::fs::File::open(&path).map_err(|source| FrontendError::Io { path: path.clone(), source })?;
         // SAFETY: the file is mapped read-only; like every mmap user we assume nobody truncates
         // the model while it is being imported.
