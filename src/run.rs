@@ -83,6 +83,10 @@ pub struct RunFlags {
     /// Resume from a checkpoint: a --save directory (its latest) or one step directory.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Skip checking the plan's and the resumed checkpoint's tensors (and the manifest) against
+    /// the CRC-32C they were written with, which reads every byte once when they load.
+    #[arg(long)]
+    no_verify: bool,
     /// Seed of the run's random numbers (a resumed run keeps its checkpoint's).
     #[arg(long)]
     seed: Option<u64>,
@@ -230,7 +234,7 @@ pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
         return crate::job::launch(processes).map(Some);
     }
     let started = Instant::now();
-    let file = PlanFile::open(&args.plan)?;
+    let file = PlanFile::open_checked(&args.plan, !args.flags.no_verify)?;
     let job = crate::job::start(&file.plan, args.flags.comm_timeout)?;
     crate::job::run_in(job.as_ref(), || {
         let weights = file.weights();
@@ -336,7 +340,7 @@ fn resident_bytes() -> Option<u64> {
 /// follows the seed the checkpoint restores), warning where this run's data or seed differs
 /// from the checkpoint's.
 fn resume(trainer: &mut Trainer, flags: &RunFlags, dir: &Path) -> Result<TrainingData> {
-    let checkpoint = Checkpoint::open(dir)?;
+    let checkpoint = Checkpoint::open_checked(dir, !flags.no_verify)?;
     trainer.resume(&checkpoint)?;
     let data = open_data(flags, trainer)?;
     let saved = &checkpoint.manifest.data;

@@ -176,6 +176,25 @@ fn a_checkpoint_of_another_plan_is_refused() {
     }
     assert_eq!(std::fs::read(&manifest).unwrap(), intact);
 
+    // A flipped byte inside a tensor, or in the manifest, is refused, naming the file and the
+    // tensor; --no-verify reads them anyway.
+    let weights = step.join("model.safetensors");
+    let kept = std::fs::read(&weights).unwrap();
+    let mut flipped = kept.clone();
+    *flipped.last_mut().unwrap() ^= 0x10;
+    std::fs::write(&weights, &flipped).unwrap();
+    let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt)]));
+    assert!(err.contains("model.safetensors: is damaged: tensor '") && err.contains("has CRC-32C"), "{err}");
+    success(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt), "--no-verify"]));
+    std::fs::write(&weights, kept).unwrap();
+    let text = String::from_utf8(intact.clone()).unwrap();
+    let renumbered = text.replacen("\"train_steps\": 1", "\"train_steps\": 7", 1);
+    assert_ne!(renumbered, text, "the manifest records train_steps 1");
+    std::fs::write(&manifest, renumbered).unwrap();
+    let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt)]));
+    assert!(err.contains("manifest.json: is damaged: its CRC-32C is"), "{err}");
+    std::fs::write(&manifest, &intact).unwrap();
+
     // Paths a checkpoint names stay inside it: a manifest naming a file up and out, or a
     // `latest` naming a step directory elsewhere, is refused, naming the file and the path.
     let text = String::from_utf8(intact.clone()).unwrap();
@@ -183,6 +202,9 @@ fn a_checkpoint_of_another_plan_is_refused() {
     assert_ne!(outside, text, "the manifest lists model.safetensors");
     std::fs::write(&manifest, outside).unwrap();
     let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt)]));
+    assert!(err.contains("manifest.json: is damaged"), "its checksum catches the change first: {err}");
+    // A manifest rewritten with its checksum (or read with --no-verify) meets the path rule.
+    let err = failure(run(&gpt2, &["--steps", "2", "--resume", s(&ckpt), "--no-verify"]));
     assert!(err.contains("manifest.json: names the file '../../model.safetensors', which climbs out of"), "{err}");
     std::fs::write(&manifest, &intact).unwrap();
     let latest = ckpt.join("latest");

@@ -174,7 +174,27 @@ fn damaged_or_foreign_plans_are_refused() {
     let damaged = dir.join("damaged.atp");
     std::fs::write(&damaged, flipped).unwrap();
     let err = failure(run(&damaged));
+    assert!(err.contains("damaged.atp: is damaged: tensor 'autotp.constant.0.0' has CRC-32C"), "{err}");
+    let unverified = autotp(&["run", s(&damaged), "--data", s(&tokens), "--steps", "1", "--no-verify"]);
+    let err = failure(unverified);
     assert!(err.contains("is damaged: its program does not match the fingerprint"), "{err}");
+
+    // A plan with its weights embedded: a flipped byte of a weight is refused, naming it;
+    // --no-verify trains on it.
+    let embedded = dir.join("embedded.atp");
+    success(autotp(&compile_args(&model, &["--embed-weights", "-o", s(&embedded)])));
+    let mut bytes = std::fs::read(&embedded).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let (weight, entry) = (header.as_object().unwrap().iter())
+        .find(|(name, _)| *name != "__metadata__" && !name.starts_with("autotp.constant."))
+        .expect("an embedded weight");
+    let start = entry["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + header_len + start] ^= 0x01;
+    std::fs::write(&embedded, bytes).unwrap();
+    let err = failure(run(&embedded));
+    assert!(err.contains(&format!("embedded.atp: is damaged: tensor '{weight}' has CRC-32C")), "{err}");
+    success(autotp(&["run", s(&embedded), "--data", s(&tokens), "--steps", "1", "--no-verify"]));
 
     let err = failure(run(&fixture("gpt2", "model.onnx")));
     assert!(err.contains("not a valid safetensors file"), "an ONNX file is not a plan: {err}");

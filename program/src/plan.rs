@@ -562,8 +562,18 @@ pub struct PlanFile {
 }
 
 impl PlanFile {
+    /// Opens the plan at `path`, its tensors checked against their checksums.
     pub fn open(path: &Path) -> Result<PlanFile, ProgramError> {
+        PlanFile::open_checked(path, true)
+    }
+
+    /// Opens the plan at `path`; with `verify`, every tensor it holds (constants, embedded
+    /// weights) checked against the CRC-32C it was written with ([`TensorFile::verify`]).
+    pub fn open_checked(path: &Path, verify: bool) -> Result<PlanFile, ProgramError> {
         let file = TensorFile::open(path)?;
+        if verify {
+            file.verify()?;
+        }
         let bad = |message: String| ProgramError::File { path: path.to_path_buf(), message };
         match file.metadata("autotp.format") {
             Some(FORMAT) => {}

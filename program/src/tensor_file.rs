@@ -104,10 +104,17 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ProgramError> {
     persist(&temporary, path)
 }
 
-/// Writes `tensors` and string `metadata` as one safetensors file, atomically. The layout is
-/// the `safetensors` crate's (tensors by descending alignment, then name; header padded to 8
-/// bytes); the file is streamed, so nothing is copied, and created with the user's umask.
-pub fn write(path: &Path, tensors: &[TensorRef], metadata: BTreeMap<String, String>) -> Result<(), ProgramError> {
+/// The header metadata key of each tensor's CRC-32C (a JSON object of name -> checksum) that
+/// [`write`] records and [`TensorFile::verify`] checks.
+pub const CHECKSUMS_KEY: &str = "autotp.crc32c";
+
+/// Writes `tensors` and string `metadata` as one safetensors file, atomically, with each
+/// tensor's CRC-32C in the header ([`CHECKSUMS_KEY`]). The layout is the `safetensors` crate's
+/// (tensors by descending alignment, then name; header padded to 8 bytes); the file is
+/// streamed, so nothing is copied, and created with the user's umask.
+pub fn write(path: &Path, tensors: &[TensorRef], mut metadata: BTreeMap<String, String>) -> Result<(), ProgramError> {
+    let checksums: BTreeMap<&str, u32> = tensors.iter().map(|t| (t.name.as_str(), crc32c::crc32c(t.bytes))).collect();
+    metadata.insert(CHECKSUMS_KEY.into(), serde_json::to_string(&checksums).expect("numbers serialize"));
     let mut order: Vec<&TensorRef> = tensors.iter().collect();
     order.sort_by(|a, b| to_safetensors(b.dtype).cmp(&to_safetensors(a.dtype)).then(a.name.cmp(&b.name)));
     let mut header = serde_json::Map::new();
@@ -213,6 +220,37 @@ impl TensorFile {
         })
     }
 
+    /// Checks every tensor's bytes against the CRC-32C [`write`] recorded; names the first
+    /// tensor that differs. A file without checksums (one autotp did not write) passes.
+    pub fn verify(&self) -> Result<(), ProgramError> {
+        let Some(recorded) = self.metadata(CHECKSUMS_KEY) else { return Ok(()) };
+        let recorded: BTreeMap<String, u32> = serde_json::from_str(recorded)
+            .map_err(|e| file_error(&self.path, format!("is damaged: its checksums do not parse ({e})")))?;
+        for (name, entry) in &self.tensors {
+            let computed = crc32c::crc32c(&self.map[entry.bytes.clone()]);
+            match recorded.get(name) {
+                Some(&written) if written == computed => {}
+                Some(&written) => {
+                    return Err(file_error(
+                        &self.path,
+                        format!(
+                            "is damaged: tensor '{name}' has CRC-32C {computed:08x}, written {written:08x} \
+                             (--no-verify reads it anyway)"
+                        ),
+                    ))
+                }
+                None => return Err(file_error(&self.path, format!("is damaged: tensor '{name}' has no checksum"))),
+            }
+        }
+        if let Some(missing) = recorded.keys().find(|n| !self.tensors.contains_key(*n)) {
+            return Err(file_error(
+                &self.path,
+                format!("is damaged: it lacks the tensor '{missing}' it was written with"),
+            ));
+        }
+        Ok(())
+    }
+
     /// The tensor `name`, which must have `dtype` and `shape`.
     pub fn expect(&self, name: &str, dtype: DType, shape: &[usize]) -> Result<&[u8], ProgramError> {
         let t = self.get(name).ok_or_else(|| file_error(&self.path, format!("has no tensor '{name}'")))?;
@@ -229,6 +267,26 @@ impl TensorFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flipped_byte_is_found_by_its_tensor_checksum() {
+        let dir = std::env::temp_dir().join(format!("autotp-tensor-file-crc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.safetensors");
+        let (a, b) = ([1u8, 2, 3, 4], [5u8; 8]);
+        let tensors = [
+            TensorRef { name: "a".into(), dtype: DType::U8, shape: vec![4], bytes: &a },
+            TensorRef { name: "b".into(), dtype: DType::U8, shape: vec![8], bytes: &b },
+        ];
+        write(&path, &tensors, BTreeMap::new()).unwrap();
+        TensorFile::open(&path).unwrap().verify().unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        *bytes.last_mut().unwrap() ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+        let err = TensorFile::open(&path).unwrap().verify().unwrap_err().to_string();
+        assert!(err.contains("t.safetensors: is damaged: tensor '") && err.contains("has CRC-32C"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn round_trip_with_metadata() {

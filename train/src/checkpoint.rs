@@ -93,6 +93,16 @@ pub struct Manifest {
     /// optimizer's steps).
     #[serde(default)]
     pub skipped_steps: usize,
+    /// The CRC-32C (hex) of this manifest as written without it ([`manifest_checksum`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
+}
+
+/// The CRC-32C of `manifest` written without its checksum, as hex.
+pub fn manifest_checksum(manifest: &Manifest) -> String {
+    let unsigned = Manifest { checksum: None, ..manifest.clone() };
+    let json = serde_json::to_vec_pretty(&unsigned).expect("a manifest always serializes");
+    format!("{:08x}", crc32c::crc32c(&json))
 }
 
 /// A tensor to save: its bytes, and (for a block of a sharded tensor) where it lies in the
@@ -264,7 +274,8 @@ pub fn commit(
     keep_last: Option<usize>,
 ) -> Result<PathBuf, TrainError> {
     let name = step_dir_name(manifest.step);
-    let json = serde_json::to_vec_pretty(manifest).expect("a manifest always serializes");
+    let signed = Manifest { checksum: Some(manifest_checksum(manifest)), ..manifest.clone() };
+    let json = serde_json::to_vec_pretty(&signed).expect("a manifest always serializes");
     tensor_file::write_atomic(&staging.join(MANIFEST), &json)?;
     tensor_file::sync_dir(staging)?;
 
@@ -358,6 +369,12 @@ impl Checkpoint {
     /// Opens the checkpoint at `path` (a save directory or one step directory) and checks that
     /// every tensor its manifest lists is there.
     pub fn open(path: &Path) -> Result<Checkpoint, TrainError> {
+        Checkpoint::open_checked(path, true)
+    }
+
+    /// [`Checkpoint::open`]; with `verify`, the manifest and every tensor are checked against
+    /// the CRC-32C they were written with, naming the file and tensor that differ.
+    pub fn open_checked(path: &Path, verify: bool) -> Result<Checkpoint, TrainError> {
         let dir = resolve(path)?;
         let manifest_path = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&manifest_path).map_err(io_error(&manifest_path, "read"))?;
@@ -372,11 +389,27 @@ impl Checkpoint {
         }
         let manifest: Manifest = serde_json::from_value(json)
             .map_err(|e| checkpoint_error(&manifest_path, format!("the manifest does not parse: {e}")))?;
+        if verify {
+            if let Some(written) = &manifest.checksum {
+                let computed = manifest_checksum(&manifest);
+                if *written != computed {
+                    return Err(checkpoint_error(
+                        &manifest_path,
+                        format!(
+                            "is damaged: its CRC-32C is {computed}, written {written} (--no-verify reads it anyway)"
+                        ),
+                    ));
+                }
+            }
+        }
         let mut files = BTreeMap::new();
         for (file, names) in &manifest.files {
             let path = autotp_program::folder_paths::inside_folder(&dir, file)
                 .map_err(|why| checkpoint_error(&manifest_path, format!("names the file '{file}', which {why}")))?;
             let opened = TensorFile::open(&path)?;
+            if verify {
+                opened.verify()?;
+            }
             if let Some(missing) = names.iter().find(|n| opened.get(n).is_none()) {
                 return Err(checkpoint_error(&dir, format!("{file} lacks the tensor '{missing}' its manifest lists")));
             }

@@ -263,6 +263,7 @@ impl Trainer {
             blocks: BTreeMap::new(),
             loss_scaler: self.scaler.clone(),
             skipped_steps: self.skipped,
+            checksum: None,
         };
         if self.world_size() > 1 {
             return self.save_shards(dir, &manifest, keep_last);
