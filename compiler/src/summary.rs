@@ -229,19 +229,7 @@ fn context_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
             continue;
         };
         let n = program.mesh[axis].size;
-        let mut sent: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
-        for instruction in &program.instructions {
-            let (Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. }) =
-                instruction
-            else {
-                continue;
-            };
-            if op.axis == axis {
-                let entry = sent.entry(op.kind.name()).or_default();
-                entry.0 += 1;
-                entry.1 += op.kind.bytes_sent(input.len, n);
-            }
-        }
+        let sent = sent_over(program, axis);
         let kinds: Vec<String> = [
             ("all_gather", "all-gathers of keys and values"),
             ("reduce_scatter", "reduce-scatters of their gradients"),
@@ -277,18 +265,7 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
             continue;
         };
         let n = program.mesh[axis].size;
-        let (mut count, mut bytes) = (0, 0);
-        for instruction in &program.instructions {
-            if let Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } =
-                instruction
-            {
-                if op.axis == axis && op.kind.name() == "all_to_all" {
-                    count += 1;
-                    bytes += op.kind.bytes_sent(input.len, n);
-                }
-            }
-        }
-        if count > 0 {
+        if let Some(&(count, bytes)) = sent_over(program, axis).get("all_to_all") {
             let stage = if plan.stages.len() > 1 { format!(", stage {s}") } else { String::new() };
             lines.push(format!(
                 "  expert parallelism{stage}: the experts split by expert over dp={n}; each (token, choice) pair sent \
@@ -299,6 +276,24 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
         }
     }
     lines
+}
+
+/// The collectives of `program` over mesh axis `axis`, by kind: how many, and the bytes they
+/// send per rank per step.
+fn sent_over(program: &autotp_program::Program, axis: usize) -> BTreeMap<&'static str, (usize, usize)> {
+    let size = program.mesh[axis].size;
+    let mut sent: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+    for instruction in &program.instructions {
+        if let Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } = instruction
+        {
+            if op.axis == axis {
+                let entry = sent.entry(op.kind.name()).or_default();
+                entry.0 += 1;
+                entry.1 += op.kind.bytes_sent(input.len, size);
+            }
+        }
+    }
+    sent
 }
 
 /// The summary's line on the validation step (`run --eval-every`): what its arena adds per

@@ -334,11 +334,13 @@ impl Pass for DispatchExperts {
             };
             let mixture = &found[m];
             let pairs = old.ty(mixture.ids).shape[0];
-            if dispatches[m].is_none() {
-                let ids = rw.map(mixture.ids);
-                dispatches[m] = Some(Dispatch::new(rw.graph(), ids, mixture.experts, n)?);
-            }
-            let Some(dispatch) = dispatches[m].as_mut() else { continue };
+            let dispatch = match &mut dispatches[m] {
+                Some(dispatch) => dispatch,
+                empty => {
+                    let ids = rw.map(mixture.ids);
+                    empty.insert(Dispatch::new(rw.graph(), ids, mixture.experts, n)?)
+                }
+            };
             let mut inputs = Vec::with_capacity(node.inputs.len());
             for &v in &node.inputs {
                 let new = match inside.get(&v) {
