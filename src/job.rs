@@ -5,6 +5,10 @@
 //! In a job, every failure ends the whole job: an error is printed by the rank it happened on,
 //! which then calls `MPI_Abort`; a panic does the same (the panic hook); an operation waiting
 //! on the other ranks past `--comm-timeout` ends it from the watchdog.
+//!
+//! A preempting signal (`autotp_train::preemption`) reaches each process from the scheduler
+//! (`srun --signal`) or from mpirun, which forwards SIGUSR1; `--launch` forwards its own
+//! SIGTERM or SIGUSR1 to mpirun as SIGUSR1.
 
 use std::ffi::OsString;
 use std::sync::Arc;
@@ -14,6 +18,7 @@ use anyhow::{bail, Context, Result};
 use autotp_program::plan::TrainingPlan;
 use autotp_runtime::comm::{MpiComm, Topology};
 use autotp_runtime::launch::{discover, Launcher};
+use autotp_train::preemption;
 
 /// The process's job for `plan`: `None` alone, else this rank's communicator, with MPI
 /// initialised and the panic hook installed.
@@ -64,12 +69,15 @@ pub fn start(plan: &TrainingPlan, comm_timeout: f64) -> Result<Option<Arc<MpiCom
 
 /// Runs `body` as this process's part of `job`: when it fails, the job ends (this rank says
 /// why); when it succeeds, MPI finishes.
-pub fn run_in(job: Option<&Arc<MpiComm>>, body: impl FnOnce() -> Result<()>) -> Result<()> {
+pub fn run_in<T>(job: Option<&Arc<MpiComm>>, body: impl FnOnce() -> Result<T>) -> Result<T> {
     let result = body();
     let Some(job) = job else { return result };
     match result {
         Err(e) => job.abort_job(&crate::render(&e)),
-        Ok(()) => Ok(job.finalize()?),
+        Ok(value) => {
+            job.finalize()?;
+            Ok(value)
+        }
     }
 }
 
@@ -105,12 +113,26 @@ pub fn launch(processes: usize) -> Result<std::process::ExitStatus> {
         mpirun.arg("--allow-run-as-root");
     }
     mpirun.arg(exe).args(args);
-    let status = mpirun.status().map_err(|e| match e.kind() {
+    // A scheduler's SIGTERM or SIGUSR1 to this process reaches the ranks as SIGUSR1, which
+    // mpirun forwards to each (a SIGTERM to mpirun itself would end the job after a second).
+    preemption::watch().context("cannot install the handlers of SIGTERM and SIGUSR1")?;
+    let mut job = mpirun.spawn().map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => anyhow::anyhow!(
             "--launch starts the processes with Open MPI's mpirun, which is not installed \
              (Debian: apt-get install openmpi-bin)"
         ),
         _ => anyhow::anyhow!("cannot start mpirun: {e}"),
     })?;
-    Ok(status)
+    let mut forwarded = false;
+    loop {
+        if let Some(status) = job.try_wait().context("cannot wait for mpirun")? {
+            return Ok(status);
+        }
+        if !forwarded && preemption::requested().is_some() {
+            // SAFETY: kill only sends a signal to mpirun, a child of this process.
+            unsafe { libc::kill(job.id() as libc::pid_t, libc::SIGUSR1) };
+            forwarded = true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }

@@ -277,13 +277,13 @@ fn main() -> ExitCode {
         Command::Compile(args) => compile::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Run(args) => match run::run(args) {
-            Ok(Some(launched)) if !launched.success() => {
-                return ExitCode::from(launched.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(1));
-            }
-            Ok(_) => Ok(()),
+            Ok(ending) => return ending.exit_code(),
             Err(e) => Err(e),
         },
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => match train::run(args) {
+            Ok(ending) => return ending.exit_code(),
+            Err(e) => Err(e),
+        },
         Command::Export(args) => export::run(args),
         Command::Data(command) => data::run(command),
         Command::Generate(args) => generate::run(args),

@@ -1,11 +1,13 @@
 //! `autotp run PLAN.atp`: trains a compiled plan over a token file, with a progress bar (step,
 //! loss, tokens/s), a line per `--log-every` steps, metrics as JSON lines, checkpoints
 //! (`--save`, `--save-every`, `--keep-last`) and `--resume`. `--steps N` is the step the run
-//! ends at: a run resumed from step k does steps k+1..=N.
+//! ends at: a run resumed from step k does steps k+1..=N. SIGTERM or SIGUSR1 stops the run
+//! after the step it is in, with a checkpoint and exit status 75 (`autotp_train::preemption`).
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,6 +21,7 @@ use autotp_runtime::gpu::{GemmMath, GpuKind};
 use autotp_train::checkpoint::Checkpoint;
 use autotp_train::data::TokenDtype;
 use autotp_train::dataset::{Split, TrainingData};
+use autotp_train::preemption;
 use autotp_train::tensorboard::EventWriter;
 use autotp_train::trainer::{EvalMetrics, Measured, StepMetrics, Trainer};
 use clap::Args;
@@ -224,14 +227,36 @@ pub struct RunArgs {
     nvme_path: Option<PathBuf>,
 }
 
-/// `autotp run`; returns the exit status of the launched job with `--launch`.
-pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
+/// How `autotp run` or `autotp train` ended, which makes the process's exit status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// Every step up to `--steps` trained.
+    Completed,
+    /// A signal stopped the run after a step and its checkpoint ([`preemption`]).
+    Preempted,
+    /// `--launch` started the job's processes, which ended with this status.
+    Launched(std::process::ExitStatus),
+}
+
+impl Ending {
+    pub fn exit_code(self) -> ExitCode {
+        match self {
+            Ending::Completed => ExitCode::SUCCESS,
+            Ending::Preempted => ExitCode::from(preemption::PREEMPTED_EXIT_CODE),
+            Ending::Launched(status) if status.success() => ExitCode::SUCCESS,
+            Ending::Launched(status) => ExitCode::from(status.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(1)),
+        }
+    }
+}
+
+/// `autotp run`.
+pub fn run(args: &RunArgs) -> Result<Ending> {
     let gpu = args.flags.gpu()?;
     if let Some(metrics) = &args.flags.metrics_out {
         crate::refuse_overwrite(metrics, &args.plan, "the plan being run")?;
     }
     if let Some(processes) = args.launch {
-        return crate::job::launch(processes).map(Some);
+        return crate::job::launch(processes).map(Ending::Launched);
     }
     let started = Instant::now();
     let file = PlanFile::open_checked(&args.plan, !args.flags.no_verify)?;
@@ -244,8 +269,7 @@ pub fn run(args: &RunArgs) -> Result<Option<std::process::ExitStatus>> {
         drop(file);
         tracing::info!(seconds = started.elapsed().as_secs_f64(), plan = %args.plan.display(), "plan loaded");
         train(&mut trainer, &args.flags)
-    })?;
-    Ok(None)
+    })
 }
 
 /// Fault injection for tests: `AUTOTP_PANIC_AT=RANK:STEP` makes the process running rank RANK
@@ -414,10 +438,11 @@ fn open_eval_data(flags: &RunFlags, trainer: &Trainer) -> Result<Option<Training
 }
 
 /// Runs `trainer` to step `flags.steps` over the data, resuming and saving as asked.
-pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
+pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<Ending> {
     if flags.save_every == Some(0) || flags.log_every == 0 {
         bail!("--save-every and --log-every must be at least 1");
     }
+    preemption::watch().context("cannot install the handlers of SIGTERM and SIGUSR1")?;
     if let Some(metrics) = &flags.metrics_out {
         crate::refuse_overwrite(metrics, &flags.data, "the token file being trained on")?;
     }
@@ -435,7 +460,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
         if trainer.reports() {
             println!("already at step {first}, at or past --steps {}: nothing to train", flags.steps);
         }
-        return Ok(());
+        return Ok(Ending::Completed);
     }
     // In a job of processes, rank 0 alone prints and writes metrics.
     let reports = trainer.reports();
@@ -473,6 +498,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
     // before the others.
     let mut idle_shares: Vec<Vec<f64>> = Vec::new();
     let panic_at = panic_at()?;
+    let (mut last, mut ending) = (first, Ending::Completed);
     for step in first..flags.steps {
         if let Some((rank, at)) = panic_at {
             if at == step + 1 && trainer.local_ranks().contains(&rank) {
@@ -542,30 +568,42 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
             let scalars = tensorboard_scalars(&m, tokens_per_second, evaluated.as_ref());
             events.scalars(m.step as u64, &[&scalars[..], &memory, rss.as_slice()].concat())?;
         }
-        if let Some(dir) = &flags.save {
-            if m.step == flags.steps || flags.save_every.is_some_and(|k| m.step % k == 0) {
-                let saved = trainer.save(dir, &data, flags.steps, flags.keep_last)?;
-                if reports {
-                    bar.suspend(|| eprintln!("saved {}", saved.display()));
-                }
+        last = m.step;
+        // Every process takes part in the agreement, at the same steps.
+        let stop = if m.step < flags.steps { trainer.agree_to_stop(preemption::requested())? } else { None };
+        let scheduled = m.step == flags.steps || flags.save_every.is_some_and(|k| m.step % k == 0);
+        if let Some(dir) = flags.save.as_ref().filter(|_| scheduled || stop.is_some()) {
+            let saved = trainer.save(dir, &data, flags.steps, flags.keep_last)?;
+            if reports {
+                bar.suspend(|| eprintln!("saved {}", saved.display()));
             }
+        }
+        if let Some(stop) = stop {
+            if reports {
+                let resume = match &flags.save {
+                    Some(dir) => format!("continue with --resume {}", dir.display()),
+                    None => "no --save, so no checkpoint".to_string(),
+                };
+                bar.suspend(|| eprintln!("{stop}: stopped after step {last}; {resume}"));
+            }
+            ending = Ending::Preempted;
+            break;
         }
     }
     bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     let io = io_before.zip(ProcessIo::now()).map(|(before, after)| after.since(&before));
-    let steps = flags.steps - first;
+    let steps = last - first;
     // Every process of a job takes part in gathering the measured figures.
     // On a GPU the device's own count is worth comparing with the plan even for one rank.
     let on_gpu = DeviceKind::parse(&flags.device) == Some(DeviceKind::Cuda);
     let measured = if trainer.world_size() > 1 || on_gpu { Some(trainer.measured()?) } else { None };
     if !reports {
-        return Ok(());
+        return Ok(ending);
     }
     eprintln!(
-        "trained steps {}..={} in {seconds:.2} s: {:.1} ms per step, {:.0} tokens/s",
+        "trained steps {}..={last} in {seconds:.2} s: {:.1} ms per step, {:.0} tokens/s",
         first + 1,
-        flags.steps,
         seconds * 1e3 / steps as f64,
         (steps * tokens_per_step) as f64 / seconds
     );
@@ -588,7 +626,7 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<()> {
             print!("{}", profile_table(rank, trainer.rank_program(rank), times, steps, seconds));
         }
     }
-    Ok(())
+    Ok(ending)
 }
 
 /// The storage bytes this process read and wrote, from Linux's per-process I/O counters

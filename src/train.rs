@@ -23,7 +23,7 @@ pub struct TrainArgs {
     output: Option<PathBuf>,
 }
 
-pub fn run(args: &TrainArgs) -> Result<()> {
+pub fn run(args: &TrainArgs) -> Result<run::Ending> {
     // Under a launcher every process compiles the same plan (compiling is deterministic); the
     // first alone writes and prints it.
     let gpu = args.run.gpu()?;

@@ -123,3 +123,21 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
     let scale = vb.iter().fold(0f64, |m, y| m.max(y.abs()));
     (diff, scale)
 }
+
+/// The pid of the autotp process that Open MPI started as rank `rank` of the job marked
+/// `marker` (its environment has `AUTOTP_TEST_JOB=marker`), if it runs.
+pub fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
+    let wanted = format!("OMPI_COMM_WORLD_RANK={rank}");
+    let marked = format!("AUTOTP_TEST_JOB={marker}");
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let is_autotp = cmdline.split(|&b| b == 0).next().is_some_and(|exe| exe.ends_with(b"autotp"));
+        let ours = environ.split(|&b| b == 0).any(|v| v == marked.as_bytes());
+        if is_autotp && ours && environ.split(|&b| b == 0).any(|v| v == wanted.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}

@@ -14,6 +14,7 @@
 //!   them; `auto` under `--memory-cap`.
 //! - `offload`: the optimizer's states in host memory outside the arena against keeping them.
 //! - `processes`: ranks as MPI processes against ranks as threads; failures end the job.
+//! - `faults`: a scheduler's preempting signal stops every rank after one step, with a checkpoint.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
 //! - `gpu`: the GPU device's host side on the emulated GPU against the CPU executor.
@@ -38,6 +39,7 @@ mod context_parallel;
 mod data;
 mod deepspeed;
 mod expert_parallel;
+mod faults;
 mod fixtures;
 mod golden;
 mod gpu;

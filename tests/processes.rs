@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{autotp, fixture, losses, repo, scratch, success};
+use crate::common::{autotp, fixture, losses, rank_pid, repo, scratch, success};
 
 const ADAMW: [&str; 8] = ["--lr", "2e-3", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.01"];
 
@@ -208,7 +208,7 @@ fn faulted_run(
     }
     let faulted = Instant::now();
     if let Some(signal) = signal {
-        let pid = rank_pid(&marker, 1);
+        let pid = rank_pid(&marker, 1).expect("the process of rank 1");
         assert!(Command::new("kill").args([signal, &pid.to_string()]).status().unwrap().success());
     }
     let status = loop {
@@ -225,24 +225,6 @@ fn faulted_run(
     let stderr = std::fs::read_to_string(&stderr).unwrap();
     println!("{name}: the job ended in {took:?} with {status}:\n{stderr}");
     (status, stderr, took, save)
-}
-
-/// The pid of the autotp process that Open MPI started as rank `rank` of the job marked
-/// `marker` (their environments say).
-fn rank_pid(marker: &str, rank: usize) -> u32 {
-    let wanted = format!("OMPI_COMM_WORLD_RANK={rank}");
-    let marked = format!("AUTOTP_TEST_JOB={marker}");
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else { continue };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        let is_autotp = cmdline.split(|&b| b == 0).next().is_some_and(|exe| exe.ends_with(b"autotp"));
-        let ours = environ.split(|&b| b == 0).any(|v| v == marked.as_bytes());
-        if is_autotp && ours && environ.split(|&b| b == 0).any(|v| v == wanted.as_bytes()) {
-            return pid;
-        }
-    }
-    panic!("no process of rank {rank}");
 }
 
 /// The previous checkpoint of a job that failed loads, and a run resumes from it.

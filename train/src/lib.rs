@@ -11,6 +11,7 @@
 //!   prefix, a weighted blend), their `--split`, samples shuffled by the seed epoch by epoch.
 //! - [`indexed`]: Megatron-LM's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), written by
 //!   `autotp data prepare`.
+//! - [`preemption`]: SIGTERM and SIGUSR1 as a request to checkpoint and stop after the step.
 //! - [`tensorboard`]: TensorBoard event files of the steps' scalars (`run --tensorboard`).
 //! - [`trace`]: the ranks' timelines as a Chrome/Perfetto trace (`run --trace`).
 //!
@@ -21,6 +22,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod dataset;
 pub mod indexed;
+pub mod preemption;
 pub mod tensorboard;
 pub mod trace;
 pub mod trainer;

@@ -31,6 +31,7 @@ use autotp_runtime::{Executor, HostTensor, RuntimeError};
 
 use crate::data::Batch;
 use crate::dataset::TrainingData;
+use crate::preemption::{Signal, Stop};
 use crate::TrainError;
 
 mod evaluate;
@@ -439,6 +440,18 @@ impl Trainer {
                 Measured { peak: f[0], sent, nccl: f[5] == 1 }
             })
             .collect())
+    }
+
+    /// Whether to stop after this step because a signal asked ([`crate::preemption`]), agreed
+    /// by every process of a job; `local` is this process's own request.
+    pub fn agree_to_stop(&self, local: Option<Signal>) -> Result<Option<Stop>, TrainError> {
+        let Some(job) = &self.processes else {
+            return Ok(local.map(|signal| Stop { signal, rank: None }));
+        };
+        let signal = local.map_or(0, |s| u8::try_from(s.0).unwrap_or(u8::MAX));
+        let all = job.all_gather(&[signal])?;
+        let first = all.iter().position(|&s| s != 0);
+        Ok(first.map(|rank| Stop { signal: Signal(all[rank] as libc::c_int), rank: Some(rank) }))
     }
 
     /// How long a wait on a GPU may last while NCCL collectives are in flight before the
