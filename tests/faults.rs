@@ -1,6 +1,8 @@
 //! Faults a long run meets: a scheduler's preempting signal (a checkpoint after the step, exit
 //! status 75, a bit-identical resume), as threads of one process, as MPI processes that
-//! received it on one rank only, and through `--launch`.
+//! received it on one rank only, and through `--launch`; a full disk or a file-size limit at
+//! a save (one line, the last checkpoint intact, nothing half-written) and at NVMe offload's
+//! allocation.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -8,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use autotp_train::checkpoint::Checkpoint;
 
-use crate::common::{autotp, fixture, losses, rank_pid, repo, scratch, success};
+use crate::common::{autotp, failure, fixture, losses, rank_pid, repo, scratch, success};
 
 const PREEMPTED: i32 = autotp_train::preemption::PREEMPTED_EXIT_CODE as i32;
 
@@ -164,4 +166,96 @@ fn preempt_rank_1(run: Child, metrics: &Path, stderr: &Path) -> (i32, String) {
         std::thread::sleep(Duration::from_millis(20));
     };
     preempt(run, metrics, 3, "-TERM", pid, stderr)
+}
+
+/// A tmpfs mounted for a test (root only), unmounted when dropped.
+struct SmallFilesystem {
+    path: PathBuf,
+}
+
+impl SmallFilesystem {
+    fn mount(path: &Path, size: &str) -> Result<SmallFilesystem, String> {
+        std::fs::create_dir_all(path).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", path.to_str().unwrap()])
+            .output()
+            .map_err(|e| format!("cannot run mount: {e}"))?;
+        match out.status.success() {
+            true => Ok(SmallFilesystem { path: path.to_path_buf() }),
+            false => Err(String::from_utf8_lossy(&out.stderr).trim().to_string()),
+        }
+    }
+}
+
+impl Drop for SmallFilesystem {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.path).status();
+    }
+}
+
+/// `out` is of a run saving every 2 steps into `save` whose save of step 4 failed with `error`:
+/// one line says so, naming the file and the intact checkpoint of step 2, nothing half-written
+/// is left, and a resume of step 2 goes on bit-identically.
+fn save_fails(plan: &Path, save: &Path, out: std::process::Output, error: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    println!("{stderr}");
+    assert!(!out.status.success());
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    let kept = save.join("step-00000002");
+    let want = format!(
+        "error: checkpoint {}: step 4 not saved: cannot write {}/.tmp-step-00000004-",
+        save.display(),
+        save.display()
+    );
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].starts_with(&want), "{stderr}");
+    let intact = format!("rank-00000.safetensors: {error}; --resume takes {}, which is intact", kept.display());
+    assert!(errors[0].ends_with(&intact), "{stderr}");
+    let names: Vec<String> =
+        std::fs::read_dir(save).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.iter().all(|n| !n.starts_with('.')), "a failed save left {names:?}");
+    resumes_bit_identically(plan, save, 2, &[]);
+}
+
+#[test]
+fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
+    let dir = scratch("faults-full-disk");
+    let plan = compile_dp2(&dir);
+    let metrics = dir.join("metrics.jsonl");
+    let saving = |save: &Path| run_args(&plan, 6, &metrics, &["--save", save.to_str().unwrap(), "--save-every", "2"]);
+
+    // A file-size limit (a quota's effect): the second run, resumed from step 2, cannot write.
+    let save = dir.join("limited");
+    success(autotp(&run_args(&plan, 2, &metrics, &["--save", save.to_str().unwrap()])));
+    let resumed = [&saving(&save)[..], &["--resume".to_string(), save.to_str().unwrap().to_string()]].concat();
+    let limited = "trap '' XFSZ; ulimit -f 1024; exec \"$0\" \"$@\"";
+    let out = Command::new("sh").args(["-c", limited, env!("CARGO_BIN_EXE_autotp")]).args(&resumed).output().unwrap();
+    save_fails(&plan, &save, out, "File too large (os error 27)");
+
+    // A filesystem of 3 MiB: step 2's checkpoint (2.1 MB) fits, step 4's does not.
+    let small = match SmallFilesystem::mount(&dir.join("small"), "3m") {
+        Ok(small) => small,
+        Err(why) => {
+            println!("not tested on a full filesystem: a tmpfs cannot be mounted here ({why})");
+            return;
+        }
+    };
+    let save = small.path.join("save");
+    save_fails(&plan, &save, autotp(&saving(&save)), "No space left on device (os error 28)");
+
+    // NVMe offload's files are allocated whole before the first step: one that does not fit
+    // stops the run there, naming it.
+    std::fs::remove_dir_all(&save).unwrap();
+    let nvme = small.path.join("nvme");
+    std::fs::create_dir(&nvme).unwrap();
+    let offloaded = dir.join("nvme.atp");
+    let model = fixture("gpt2", "model.onnx");
+    let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4"];
+    let offload = ["--offload-optimizer", "nvme", "--nvme-path", nvme.to_str().unwrap()];
+    success(autotp(&[&args[..], &offload, &["-o", offloaded.to_str().unwrap()]].concat()));
+    let filler = small.path.join("filler");
+    std::fs::write(&filler, vec![0u8; 2 << 20]).unwrap();
+    let stderr = failure(autotp(&run_args(&offloaded, 2, &metrics, &[])));
+    let want = format!("cannot allocate the offloaded bytes in {}/", nvme.display());
+    assert!(stderr.contains(&want) && stderr.contains("No space left on device"), "{stderr}");
 }

@@ -92,7 +92,7 @@ pub fn persist(temporary: &Path, path: &Path) -> Result<(), ProgramError> {
     if temporary == path {
         return Ok(());
     }
-    std::fs::File::open(temporary).and_then(|f| f.sync_all()).map_err(io_error(temporary, "sync"))?;
+    written_or_removed(std::fs::File::open(temporary).and_then(|f| f.sync_all()), temporary, path)?;
     std::fs::rename(temporary, path).map_err(io_error(path, "write"))?;
     sync_dir(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))
 }
@@ -100,8 +100,23 @@ pub fn persist(temporary: &Path, path: &Path) -> Result<(), ProgramError> {
 /// Writes small bytes (a manifest, a pointer file) atomically.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ProgramError> {
     let temporary = staging_path(path);
-    std::fs::write(&temporary, bytes).map_err(io_error(&temporary, "write"))?;
+    written_or_removed(std::fs::write(&temporary, bytes), &temporary, path)?;
     persist(&temporary, path)
+}
+
+/// The outcome of writing `temporary` on its way to `path`: on failure (a full disk, a
+/// directory gone) the partial file is removed, so that it holds no space, and the error
+/// names `path`.
+fn written_or_removed(written: std::io::Result<()>, temporary: &Path, path: &Path) -> Result<(), ProgramError> {
+    written.map_err(|source| {
+        // The write's error is the one worth reporting; a removal that fails too leaves a
+        // temporary file that the next save of the directory removes. A special file written
+        // in place (`-o /dev/null`) stays.
+        if temporary != path {
+            let _ = std::fs::remove_file(temporary);
+        }
+        ProgramError::Io { action: "write", path: path.to_path_buf(), source }
+    })
 }
 
 /// The header metadata key of each tensor's CRC-32C (a JSON object of name -> checksum) that
@@ -153,7 +168,7 @@ pub fn write(path: &Path, tensors: &[TensorRef], mut metadata: BTreeMap<String, 
         }
         out.flush()
     };
-    write().map_err(io_error(&temporary, "write"))?;
+    written_or_removed(write(), &temporary, path)?;
     persist(&temporary, path)
 }
 

@@ -19,7 +19,10 @@
 //! `step-...`, fsyncs DIR, and only then replaces `latest` (temporary file, fsync, rename). A
 //! process killed at any point leaves `latest` naming a complete checkpoint; the next save
 //! removes the leftovers. Opening DIR follows `latest`, and falls back to the newest complete
-//! step directory if `latest` names one that is gone.
+//! step directory if `latest` names one that is gone. A save that fails (a full disk, a file
+//! too large for a quota, the directory gone) removes its staging directory and stops the run
+//! with one error naming the file, the cause and the checkpoint `--resume` takes instead
+//! ([`abandoned`]).
 //!
 //! Fault injection for tests: with `AUTOTP_CRASH_DURING_CHECKPOINT=N` in the environment, the
 //! save of step N aborts the process after writing the parameters, before the rest.
@@ -195,14 +198,35 @@ pub fn save_files(
             (file.clone(), blocks.iter().map(|b| (b.tensor.name.clone(), b.offsets.clone())).collect())
         })
         .collect();
-    let staging = stage(dir, manifest.step, std::process::id().into())?;
-    for (i, (file, blocks)) in files.iter().enumerate() {
+    let staging =
+        stage(dir, manifest.step, std::process::id().into()).map_err(|e| abandoned(dir, None, manifest.step, e))?;
+    let written = files.iter().enumerate().try_for_each(|(i, (file, blocks))| {
         write_file(&staging, file, blocks)?;
         if i == 0 {
             crash_if_asked(manifest.step, &staging);
         }
+        Ok(())
+    });
+    written
+        .and_then(|()| commit(dir, &staging, &with_layout(manifest, params, &layout), keep_last))
+        .map_err(|e| abandoned(dir, Some(&staging), manifest.step, e))
+}
+
+/// The error of a save of `step` under `dir` that failed with `error` (a full disk, the
+/// directory gone): its staging directory is removed first, so that a full disk gets the space
+/// back, and the message names the checkpoint `--resume` takes instead, which the failed save
+/// left as it was.
+pub fn abandoned(dir: &Path, staging: Option<&Path>, step: usize, error: TrainError) -> TrainError {
+    if let Some(staging) = staging {
+        // Best effort: the save's own error is the one to report, and the next save removes
+        // what is left.
+        let _ = std::fs::remove_dir_all(staging);
     }
-    commit(dir, &staging, &with_layout(manifest, params, &layout), keep_last)
+    let kept = match resolve(dir) {
+        Ok(kept) => format!("--resume takes {}, which is intact", kept.display()),
+        Err(_) => "no earlier checkpoint is there".to_string(),
+    };
+    checkpoint_error(dir, format!("step {step} not saved: {error}; {kept}"))
 }
 
 /// Prepares a save of `step` under `dir` (created if missing, a killed save's leftovers

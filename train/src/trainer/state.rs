@@ -342,21 +342,25 @@ impl Trainer {
         let mut id = (std::process::id() as u64).to_le_bytes();
         job.broadcast(0, &mut id)?;
         let job_id = u64::from_le_bytes(id);
+        let step = manifest.step;
         let staging = if job.rank() == 0 {
-            checkpoint::stage(dir, manifest.step, job_id)?
+            checkpoint::stage(dir, step, job_id).map_err(|e| checkpoint::abandoned(dir, None, step, e))?
         } else {
-            checkpoint::staging_dir(dir, manifest.step, job_id)
+            checkpoint::staging_dir(dir, step, job_id)
         };
         job.barrier()?;
         let (file, blocks) = self.rank_blocks(job.rank())?;
-        checkpoint::write_file(&staging, &file, &saved_blocks(&blocks))?;
-        checkpoint::stop_if_asked(job.rank(), manifest.step);
+        // A rank that cannot write its file ends the job (its error ends it through MPI).
+        checkpoint::write_file(&staging, &file, &saved_blocks(&blocks))
+            .map_err(|e| checkpoint::abandoned(dir, Some(&staging), step, e))?;
+        checkpoint::stop_if_asked(job.rank(), step);
         if job.rank() == 0 {
-            checkpoint::crash_if_asked(manifest.step, &staging);
+            checkpoint::crash_if_asked(step, &staging);
         }
         job.barrier()?;
         let target = if job.rank() == 0 {
-            checkpoint::commit(dir, &staging, &checkpoint::with_layout(manifest, params, &layout), keep_last)?
+            checkpoint::commit(dir, &staging, &checkpoint::with_layout(manifest, params, &layout), keep_last)
+                .map_err(|e| checkpoint::abandoned(dir, Some(&staging), step, e))?
         } else {
             dir.join(checkpoint::step_dir_name(manifest.step))
         };
