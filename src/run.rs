@@ -23,7 +23,7 @@ use autotp_train::data::TokenDtype;
 use autotp_train::dataset::{Split, TrainingData};
 use autotp_train::preemption;
 use autotp_train::tensorboard::EventWriter;
-use autotp_train::trainer::{EvalMetrics, Measured, StepMetrics, Trainer};
+use autotp_train::trainer::{EvalMetrics, Measured, NanPolicy, StepMetrics, Trainer};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -132,6 +132,14 @@ pub struct RunFlags {
     /// communication, pipeline messages, an offloaded optimizer).
     #[arg(long)]
     cuda_graph: bool,
+    /// What a step whose loss or gradients hold an inf or a NaN does: stop (end the run, naming
+    /// the step, the first parameter whose gradient is not finite and the op that first made
+    /// an inf or a NaN; the state stays as before the step) or skip (keep the state, count the
+    /// step, and go on, as mixed precision does). Both need a plan that checks its gradients
+    /// (bf16, or f32 compiled with --finite-check; an f32 plan without stops on a loss that is
+    /// not finite). fp16 plans always skip and lower their loss scale.
+    #[arg(long, default_value = "stop", value_parser = ["stop", "skip"])]
+    nan_policy: String,
 }
 
 /// The seed of a fresh run without `--seed`.
@@ -202,6 +210,8 @@ impl RunFlags {
         if self.cuda_graph {
             trainer.use_cuda_graph()?;
         }
+        let policy = if self.nan_policy == "skip" { NanPolicy::Skip } else { NanPolicy::Stop };
+        trainer.set_nan_policy(policy).context("--nan-policy skip")?;
         Ok(trainer)
     }
 

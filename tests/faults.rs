@@ -2,12 +2,15 @@
 //! status 75, a bit-identical resume), as threads of one process, as MPI processes that
 //! received it on one rank only, and through `--launch`; a full disk or a file-size limit at
 //! a save (one line, the last checkpoint intact, nothing half-written) and at NVMe offload's
-//! allocation.
+//! allocation; a gradient that is not finite (`--nan-policy`: the step, the parameter and the
+//! op named, or the step skipped).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use autotp_kernels::DType;
+use autotp_program::tensor_file::{self, TensorFile, TensorRef};
 use autotp_train::checkpoint::Checkpoint;
 
 use crate::common::{autotp, failure, fixture, losses, rank_pid, repo, scratch, success};
@@ -16,10 +19,15 @@ const PREEMPTED: i32 = autotp_train::preemption::PREEMPTED_EXIT_CODE as i32;
 
 /// Compiles the GPT-2 fixture at dp 2 into `dir`.
 fn compile_dp2(dir: &Path) -> PathBuf {
-    let plan = dir.join("dp2.atp");
+    compile_dp2_with(dir, "dp2", &[])
+}
+
+/// Compiles the GPT-2 fixture at dp 2 with `extra` flags into `dir`/`name`.atp.
+fn compile_dp2_with(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let plan = dir.join(format!("{name}.atp"));
     let model = fixture("gpt2", "model.onnx");
     let args = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--dp", "2"];
-    success(autotp(&[&args[..], &["--lr", "2e-3", "-o", plan.to_str().unwrap()]].concat()));
+    success(autotp(&[&args[..], extra, &["--lr", "2e-3", "-o", plan.to_str().unwrap()]].concat()));
     plan
 }
 
@@ -258,4 +266,85 @@ fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
     let stderr = failure(autotp(&run_args(&offloaded, 2, &metrics, &[])));
     let want = format!("cannot allocate the offloaded bytes in {}/", nvme.display());
     assert!(stderr.contains(&want) && stderr.contains("No space left on device"), "{stderr}");
+}
+
+/// Sets element 0 of `tensor` to +inf in the checkpoint file `file` (its checksums written
+/// anew, as a step that overflowed would have left it).
+fn poison(file: &Path, tensor: &str) {
+    let opened = TensorFile::open(file).unwrap();
+    let mut tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)> = opened
+        .names()
+        .map(|name| {
+            let t = opened.get(name).unwrap();
+            (t.name.clone(), t.dtype, t.shape.clone(), t.bytes.to_vec())
+        })
+        .collect();
+    drop(opened);
+    let poisoned = tensors.iter_mut().find(|t| t.0 == tensor).unwrap_or_else(|| panic!("no '{tensor}'"));
+    poisoned.3[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    let refs: Vec<TensorRef> = (tensors.iter())
+        .map(|(name, dtype, shape, bytes)| TensorRef { name: name.clone(), dtype: *dtype, shape: shape.clone(), bytes })
+        .collect();
+    tensor_file::write(file, &refs, Default::default()).unwrap();
+}
+
+/// `--nan-policy stop` (the default) ends a step whose gradients are not finite with one line
+/// naming the step, the first parameter whose gradient is not finite and the op that made the
+/// first inf, as threads and as processes; the checkpoint of the step before stays the state.
+/// `--nan-policy skip` goes on, every such step's update kept back. A plan compiled without
+/// `--finite-check` stops on the loss and says so, and cannot skip.
+#[test]
+fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
+    let dir = scratch("faults-nan");
+    let ir = dir.join("ir");
+    let plan = compile_dp2_with(&dir, "checked", &["--finite-check", "--dump-ir", ir.to_str().unwrap()]);
+    let (save, metrics) = (dir.join("save"), dir.join("metrics.jsonl"));
+    success(autotp(&run_args(&plan, 2, &metrics, &["--save", save.to_str().unwrap()])));
+    let bias = "m.transformer.h.1.mlp.c_proj.bias";
+    poison(&save.join("step-00000002/rank-00000.safetensors"), bias);
+
+    let unchecked = compile_dp2(&dir);
+    let resume = ["--resume", save.to_str().unwrap()];
+    let stderr = failure(autotp(&run_args(&unchecked, 5, &dir.join("unchecked.jsonl"), &resume)));
+    assert!(stderr.contains("step 3: the loss is NaN; the plan does not check its gradients"), "{stderr}");
+    let skip = ["--resume", save.to_str().unwrap(), "--nan-policy", "skip"];
+    let stderr = failure(autotp(&run_args(&unchecked, 5, &dir.join("unchecked.jsonl"), &skip)));
+    assert!(stderr.contains("--nan-policy skip") && stderr.contains("compile it with --finite-check"), "{stderr}");
+
+    for launch in [&[][..], &["--launch", "2"]] {
+        let resume = [&["--resume", save.to_str().unwrap()][..], launch].concat();
+        let stderr = failure(autotp(&run_args(&plan, 5, &dir.join("stopped.jsonl"), &resume)));
+        println!("{launch:?}:\n{stderr}");
+        let line = stderr.lines().find(|l| l.contains("step 3: ")).unwrap_or_else(|| panic!("{stderr}"));
+        assert!(line.contains("the loss is NaN and the gradients are not all finite"), "{line}");
+        assert!(line.contains("the first parameter whose gradient is not finite is 'm.transformer."), "{line}");
+        // The first inf is the poisoned bias's add, the node the instruction's label names.
+        let node = line.split("the first inf or NaN was written by node ").nth(1).and_then(|r| r.split(' ').next());
+        let node: u32 = node.and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no node in {line}"));
+        assert_eq!(node_reading(&ir, node), ("add".to_string(), bias.to_string()), "{line}");
+        assert!(line.contains("the parameters and optimizer states are those after step 2"), "{line}");
+    }
+
+    // Skipping: the run goes on; no update is applied, so every step is skipped and the bias
+    // saved at the end is the poisoned one.
+    let skipped = dir.join("skipped.jsonl");
+    let resume = ["--resume", save.to_str().unwrap(), "--nan-policy", "skip", "--save", save.to_str().unwrap()];
+    let stderr = success(autotp(&run_args(&plan, 5, &skipped, &resume)));
+    assert!(stderr.is_empty() || !stderr.contains("error"), "{stderr}");
+    let checkpoint = Checkpoint::open(&save).unwrap();
+    assert_eq!((checkpoint.manifest.step, checkpoint.manifest.skipped_steps), (5, 3));
+    let saved = checkpoint.tensor(bias).unwrap();
+    assert_eq!(&saved.bytes[..4], &f32::INFINITY.to_le_bytes());
+}
+
+/// The op of node `index` of the graph `--dump-ir DIR` wrote last (the one codegen lowered),
+/// and the parameter among its inputs.
+fn node_reading(dir: &Path, index: u32) -> (String, String) {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    let text = std::fs::read_to_string(files.last().unwrap()).unwrap();
+    let graph = autotp_ir::text::parse(&text).unwrap();
+    let node = graph.node(autotp_ir::NodeId(index));
+    let param = node.inputs.iter().find(|v| graph.params().contains(v)).and_then(|&v| graph.name_of(v));
+    (node.op.name().to_string(), param.unwrap_or("none").to_string())
 }

@@ -184,6 +184,13 @@ pub struct CompileFlags {
     /// Clip gradients to this global L2 norm.
     #[arg(long)]
     pub grad_clip: Option<f64>,
+    /// Check every step's gradients (whether their sum is finite, DeepSpeed's overflow test)
+    /// and keep the parameters and optimizer states as they were when it is not; `run
+    /// --nan-policy` then ends the run naming the parameter and the op that made the first inf
+    /// or NaN, or skips the step. Always on with --precision bf16 or fp16.
+    #[arg(long)]
+    #[serde(default)]
+    pub finite_check: bool,
     /// Do not train the parameters whose (ONNX initializer) name this regular expression matches
     /// anywhere; anchor it with ^...$ for whole names. Repeatable.
     #[arg(long, value_name = "REGEX")]

@@ -127,6 +127,50 @@ pub struct IndexBlock {
 }
 
 impl Kernel {
+    /// The element type of output `index` when it is a float type (the outputs that can hold
+    /// an inf or a NaN); `None` for an integer or bool output and for a byte copy.
+    pub fn float_output(&self, index: usize) -> Option<DType> {
+        let dtype = match self {
+            Kernel::Copy => return None,
+            Kernel::Binary { op, .. } if op.is_comparison() || op.is_logical() => return None,
+            Kernel::Unary { op, .. } if op.is_logical() => return None,
+            Kernel::Cast { to, .. } => *to,
+            Kernel::TopK { .. } if index == 1 => return None,
+            Kernel::Attention { dtype, .. } if index == 1 => lse_dtype(*dtype),
+            Kernel::Unary { dtype, .. }
+            | Kernel::Binary { dtype, .. }
+            | Kernel::Select { dtype, .. }
+            | Kernel::Reduce { dtype, .. }
+            | Kernel::MatMul { dtype, .. }
+            | Kernel::Transpose { dtype, .. }
+            | Kernel::Slice { dtype, .. }
+            | Kernel::Concat { dtype, .. }
+            | Kernel::Split { dtype, .. }
+            | Kernel::Expand { dtype, .. }
+            | Kernel::Gather { dtype, .. }
+            | Kernel::ScatterAdd { dtype, .. }
+            | Kernel::GatherElements { dtype, .. }
+            | Kernel::GatherNd { dtype, .. }
+            | Kernel::ScatterNd { dtype, .. }
+            | Kernel::ScatterElements { dtype, .. }
+            | Kernel::TopK { dtype, .. }
+            | Kernel::Pad { dtype, .. }
+            | Kernel::CumSum { dtype, .. }
+            | Kernel::Triangle { dtype, .. }
+            | Kernel::Softmax { dtype, .. }
+            | Kernel::LayerNorm { dtype, .. }
+            | Kernel::RmsNorm { dtype, .. }
+            | Kernel::Gelu { dtype, .. }
+            | Kernel::CrossEntropy { dtype, .. }
+            | Kernel::AdamW { dtype, .. }
+            | Kernel::Sgd { dtype, .. }
+            | Kernel::NllLoss { dtype, .. }
+            | Kernel::Attention { dtype, .. }
+            | Kernel::AttentionGrad { dtype, .. } => *dtype,
+        };
+        dtype.is_float().then_some(dtype)
+    }
+
     /// Sets the start of an [`IndexBlock`] kernel's block for the rank at `coords` (its
     /// coordinate on every mesh axis); other kernels are unchanged.
     pub fn place_blocks(&mut self, coords: &[usize]) {

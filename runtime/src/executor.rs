@@ -12,6 +12,7 @@ use crate::clock::{Clock, RankClock, RunTime};
 use crate::comm::Communicator;
 use crate::cpu::{copy_in_parallel, CpuDevice};
 use crate::gpu::{Gpu, GpuDevice};
+use crate::non_finite::NonFiniteTrace;
 use crate::streams::{Stream, StreamSchedule};
 use crate::RuntimeError;
 
@@ -143,6 +144,26 @@ impl Executor {
             Backend::Gpu(gpu) => gpu.enable_profile(instructions)?,
         }
         Ok(())
+    }
+
+    /// Checks every instruction's float outputs for infs and NaNs from the next run on, until
+    /// [`Executor::take_non_finite`] ([`crate::non_finite`]); `false` on a GPU, which does not.
+    pub fn watch_non_finite(&mut self) -> bool {
+        match &mut self.device {
+            Backend::Cpu(cpu) => {
+                cpu.non_finite = Some(NonFiniteTrace::default());
+                true
+            }
+            Backend::Gpu(_) => false,
+        }
+    }
+
+    /// What the runs since [`Executor::watch_non_finite`] found; watching stops.
+    pub fn take_non_finite(&mut self) -> Option<NonFiniteTrace> {
+        match &mut self.device {
+            Backend::Cpu(cpu) => cpu.non_finite.take(),
+            Backend::Gpu(_) => None,
+        }
     }
 
     /// Records a timeline of every run from now on ([`Executor::take_trace`]); CPU ranks only.

@@ -16,7 +16,8 @@
 //!   times its run (`autotp run --clock`); [`profile`]: where a run's step time went, by op
 //!   (`autotp run --profile`); [`trace`]: a timeline of a rank's streams (`autotp run --trace`);
 //!   [`affinity`]: pinning threads to the cores this process may use
-//!   (`autotp run --bind-cores`).
+//!   (`autotp run --bind-cores`); [`non_finite`]: where a step's first inf or NaN came from
+//!   (`--nan-policy stop`).
 //!
 //! This is the only crate that allocates device memory or starts rank threads. It selects no
 //! kernel: it runs what the program names.
@@ -31,6 +32,7 @@ pub mod cuda;
 mod executor;
 pub mod gpu;
 pub mod launch;
+pub mod non_finite;
 pub mod npy;
 pub mod nvme;
 mod optimizer_step;

@@ -46,6 +46,9 @@ pub enum TrainError {
     /// Training cannot go on (an fp16 loss scale at its floor).
     #[error("{0}")]
     Training(String),
+    /// A step's loss or gradients were not finite (`--nan-policy stop`).
+    #[error("step {step}: {message}")]
+    NonFinite { step: usize, message: String },
 }
 
 impl TrainError {

@@ -20,6 +20,7 @@ use autotp_program::{Instruction, Program, Region};
 use crate::clock::RankClock;
 use crate::comm::Communicator;
 use crate::executor::next_seq;
+use crate::non_finite::NonFiniteTrace;
 use crate::optimizer_step::{optimizer_chunks, push_chunks, tensor_update, Bases};
 use crate::streams::{Device, Stream};
 use crate::trace::{Span, TraceClock};
@@ -58,6 +59,8 @@ pub(crate) struct CpuDevice {
     pub(crate) trace: Option<(TraceClock, Vec<Span>)>,
     /// The clock of the run under way.
     pub(crate) clock: Option<RankClock>,
+    /// Where infs and NaNs first appeared, while watching for them ([`crate::non_finite`]).
+    pub(crate) non_finite: Option<NonFiniteTrace>,
 }
 
 /// An event of the CPU device: complete when recorded (compute and peer streams), or when the
@@ -126,6 +129,7 @@ impl CpuDevice {
             issued,
             profile: None,
             trace: None,
+            non_finite: None,
             clock: None,
         })
     }
@@ -212,6 +216,9 @@ impl Device for CpuDevice {
         let region_mut = |r: &Region| unsafe { std::slice::from_raw_parts_mut(bases.at(r), r.len) };
         if let Some(file) = self.param_file.as_mut() {
             file.before(index)?;
+        }
+        if let Some(watch) = self.non_finite.as_mut() {
+            watch.before(program, index, region);
         }
         match instruction {
             Instruction::Kernel { inputs, outputs, .. } if self.attention.contains_key(&index) => {
@@ -325,6 +332,9 @@ impl Device for CpuDevice {
         }
         if let Some(file) = self.param_file.as_mut() {
             file.after(index)?;
+        }
+        if let Some(watch) = self.non_finite.as_mut() {
+            watch.after(program, index, region);
         }
         self.profiled(program, index, stream, started);
         Ok(())

@@ -35,6 +35,7 @@ use crate::preemption::{Signal, Stop};
 use crate::TrainError;
 
 mod evaluate;
+mod non_finite;
 mod state;
 mod timeline;
 
@@ -60,6 +61,19 @@ pub struct StepMetrics {
     pub loss_scale: Option<f64>,
     /// Whether its update was skipped for non-finite gradients (mixed precision).
     pub skipped: bool,
+}
+
+/// What a step does whose loss or gradients hold an inf or a NaN (`--nan-policy`), when no
+/// loss scaler (fp16's, which skips such steps and lowers its scale) decides it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NanPolicy {
+    /// Ends the run, naming the step, the first parameter whose gradient is not finite and
+    /// the instruction that first made an inf or a NaN; the state stays as before the step.
+    #[default]
+    Stop,
+    /// Skips the step's update, as mixed precision does: the step counts, the optimizer's
+    /// step and the schedule do not move.
+    Skip,
 }
 
 /// The program output that is 1 when a step's update was skipped (`passes::optimize::OVERFLOW`).
@@ -111,6 +125,8 @@ pub struct Trainer {
     skipped: usize,
     /// fp16's loss scaler, as it stands.
     scaler: Option<LossScaler>,
+    /// What a step whose loss or gradients are not finite does (without a loss scaler).
+    nan_policy: NanPolicy,
     seed: u64,
 }
 
@@ -220,6 +236,7 @@ impl Trainer {
             completed: 0,
             skipped: 0,
             scaler: None,
+            nan_policy: NanPolicy::Stop,
             seed,
         };
         trainer.scaler = trainer.training.loss_scaler.clone();
@@ -442,6 +459,27 @@ impl Trainer {
             .collect())
     }
 
+    /// What a step whose loss or gradients are not finite does from now on. Skipping needs a
+    /// plan that checks its gradients ([`Trainer::checks_gradients`]).
+    pub fn set_nan_policy(&mut self, policy: NanPolicy) -> Result<(), TrainError> {
+        if policy == NanPolicy::Skip && !self.checks_gradients() {
+            return Err(TrainError::plan(
+                "does not check its gradients, so it cannot skip a step whose gradients are not finite: compile it \
+                 with --finite-check (bf16 and fp16 plans always check)"
+                    .into(),
+            ));
+        }
+        self.nan_policy = policy;
+        Ok(())
+    }
+
+    /// Whether each step checks its gradients and keeps the state when one is not finite
+    /// (the step's `overflow` output): bf16 and fp16 plans, and f32 ones compiled with
+    /// `--finite-check`.
+    pub fn checks_gradients(&self) -> bool {
+        self.stage_program(self.stages() - 1).outputs.iter().any(|slot| slot.name == OVERFLOW_OUTPUT)
+    }
+
     /// Whether to stop after this step because a signal asked ([`crate::preemption`]), agreed
     /// by every process of a job; `local` is this process's own request.
     pub fn agree_to_stop(&self, local: Option<Signal>) -> Result<Option<Stop>, TrainError> {
@@ -584,6 +622,9 @@ impl Trainer {
         let scalars: Vec<(String, f64)> =
             scalar_outputs.iter().zip(&values[1..]).map(|(&i, &v)| (program.outputs[i].name.clone(), v)).collect();
         let skipped = scalars.iter().any(|(name, v)| name == OVERFLOW_OUTPUT && *v != 0.0);
+        if self.scaler.is_none() && self.nan_policy == NanPolicy::Stop && (skipped || !values[0].is_finite()) {
+            return Err(self.stop_on_non_finite(step + 1, values[0], skipped, &feeds));
+        }
         self.skipped += skipped as usize;
         if let Some(scaler) = &mut self.scaler {
             scaler.update(skipped).map_err(|e| TrainError::Training(format!("step {}: {e}", step + 1)))?;
