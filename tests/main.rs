@@ -14,6 +14,7 @@
 //!   them; `auto` under `--memory-cap`.
 //! - `offload`: the optimizer's states in host memory outside the arena against keeping them.
 //! - `processes`: ranks as MPI processes against ranks as threads; failures end the job.
+//! - `fuzz_regressions`: the fuzz targets on their corpora and the inputs that once crashed them.
 //! - `faults`: a scheduler's preempting signal stops every rank after one step, with a checkpoint.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
@@ -41,6 +42,7 @@ mod deepspeed;
 mod expert_parallel;
 mod faults;
 mod fixtures;
+mod fuzz_regressions;
 mod golden;
 mod gpu;
 mod gradients;

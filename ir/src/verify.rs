@@ -106,7 +106,7 @@ fn check_values(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, 
                         names.get(id),
                         format!("is sharded on dim {d} over {}, but has rank {}", axis.name, value.ty.rank()),
                     ),
-                    Some(size) if size % axis.size != 0 => err(
+                    Some(size) if size % axis.size.max(1) != 0 || axis.size == 0 => err(
                         names.get(id),
                         format!(
                             "dim {d} of size {size} is not divisible by mesh axis {} of size {}",

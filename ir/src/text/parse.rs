@@ -465,6 +465,9 @@ impl<'a> Parser<'a> {
                 let name = self.word()?;
                 self.expect_punct('=')?;
                 let size = self.usize()?;
+                if size == 0 {
+                    return Err(self.error_at(format!("mesh axis '{name}' has size 0")));
+                }
                 axes.push(MeshAxis { name, size });
                 if self.eat_punct(']')? {
                     break;

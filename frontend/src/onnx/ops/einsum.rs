@@ -91,6 +91,12 @@ pub(super) fn einsum(imp: &mut Importer, cx: &NodeCx, operands: Vec<Sym>) -> Res
             ellipsis_labels.iter().copied().chain(once).collect()
         }
     };
+    for (i, c) in output.iter().enumerate() {
+        if count(*c) == 0 || output[..i].contains(c) {
+            let why = if count(*c) == 0 { "is in no operand" } else { "appears twice" };
+            return Err(cx.invalid(format!("equation '{equation}': the output's label '{c}' {why}")));
+        }
+    }
     // Sum each operand's labels that neither the other operand nor the output has.
     for k in 0..ops.len() {
         let other: Vec<char> =
