@@ -19,7 +19,7 @@ seconds="${1:-60}"
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(onnx_model ir_text plan_file safetensors checkpoint_manifest deepspeed_config token_file megatron_index)
+  targets=(onnx_model onnx_graph ir_text plan_file safetensors checkpoint_manifest deepspeed_config token_file megatron_index)
 fi
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz
 rustup toolchain list | grep -q nightly || rustup toolchain install nightly --profile minimal

@@ -15,8 +15,9 @@ use std::sync::OnceLock;
 pub type Body = fn(&[u8]);
 
 /// The targets, by name: the directory names under `fuzz/corpus/` and `fuzz/regressions/`.
-pub const TARGETS: [(&str, Body); 8] = [
+pub const TARGETS: [(&str, Body); 9] = [
     ("onnx_model", onnx_model),
+    ("onnx_graph", onnx_graph),
     ("ir_text", ir_text),
     ("plan_file", plan_file),
     ("safetensors", safetensors),
@@ -56,6 +57,151 @@ pub fn onnx_model(data: &[u8]) {
     if let Ok(model) = autotp_frontend::onnx::import_bytes(bytes, &folder.join("model.onnx"), &options) {
         let _ = autotp_ir::verify(&model.graph);
     }
+}
+
+/// A well-formed ONNX model built from the fuzzer's bytes ([`structured_model`]), so that most
+/// inputs get past decoding to shape inference and the converters; imported as
+/// [`onnx_model`] imports one.
+pub fn onnx_graph(data: &[u8]) {
+    let mut unstructured = arbitrary::Unstructured::new(data);
+    if let Ok(model) = structured_model(&mut unstructured) {
+        onnx_model(&prost::Message::encode_to_vec(&model));
+    }
+}
+
+/// The attributes a node may get, with the kinds of value each takes in ONNX.
+const ATTRIBUTES: [(&str, AttributeKind); 16] = [
+    ("axis", AttributeKind::Int),
+    ("axes", AttributeKind::Ints),
+    ("keepdims", AttributeKind::Int),
+    ("perm", AttributeKind::Ints),
+    ("to", AttributeKind::Int),
+    ("alpha", AttributeKind::Float),
+    ("beta", AttributeKind::Float),
+    ("epsilon", AttributeKind::Float),
+    ("transA", AttributeKind::Int),
+    ("transB", AttributeKind::Int),
+    ("group", AttributeKind::Int),
+    ("pads", AttributeKind::Ints),
+    ("strides", AttributeKind::Ints),
+    ("kernel_shape", AttributeKind::Ints),
+    ("equation", AttributeKind::String),
+    ("value", AttributeKind::Tensor),
+];
+
+#[derive(Clone, Copy)]
+enum AttributeKind {
+    Int,
+    Ints,
+    Float,
+    String,
+    Tensor,
+}
+
+/// A small tensor of ONNX type `data_type` (1 f32, 7 i64) and `dims`, its values drawn.
+fn small_tensor(
+    u: &mut arbitrary::Unstructured,
+    name: String,
+    data_type: i32,
+    dims: Vec<i64>,
+) -> arbitrary::Result<autotp_frontend::onnx::proto::TensorProto> {
+    let count = dims.iter().product::<i64>().max(0) as usize;
+    let mut raw = Vec::with_capacity(count * 8);
+    for _ in 0..count {
+        match data_type {
+            1 => raw.extend(f32::from(u.int_in_range(-8i8..=8)?).to_le_bytes()),
+            _ => raw.extend(i64::from(u.int_in_range(-4i8..=8)?).to_le_bytes()),
+        }
+    }
+    Ok(autotp_frontend::onnx::proto::TensorProto { name, data_type, dims, raw_data: raw.into(), ..Default::default() })
+}
+
+/// A graph of 1-3 inputs (f32 or i64, rank 0-3, dims 1-4), 0-2 small initializers and 1-8
+/// nodes of ops autotp imports, each reading values made before it, with 0-3 attributes of the
+/// names those ops take; its last value is the output.
+pub fn structured_model(
+    u: &mut arbitrary::Unstructured,
+) -> arbitrary::Result<autotp_frontend::onnx::proto::ModelProto> {
+    use autotp_frontend::onnx::proto::{
+        tensor_shape_proto, type_proto, AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto,
+        TensorShapeProto, TypeProto, ValueInfoProto,
+    };
+    let dims = |u: &mut arbitrary::Unstructured| -> arbitrary::Result<Vec<i64>> {
+        (0..u.int_in_range(0..=3)?).map(|_| u.int_in_range(1..=4)).collect()
+    };
+    let mut values: Vec<String> = Vec::new();
+    let mut inputs = Vec::new();
+    for i in 0..u.int_in_range(1..=3)? {
+        let name = format!("x{i}");
+        let elem_type = *u.choose(&[1, 7])?;
+        let dim = dims(u)?
+            .into_iter()
+            .map(|d| tensor_shape_proto::Dimension {
+                value: Some(tensor_shape_proto::dimension::Value::DimValue(d)),
+                ..Default::default()
+            })
+            .collect();
+        let tensor = type_proto::Tensor { elem_type, shape: Some(TensorShapeProto { dim }) };
+        let r#type = Some(TypeProto { value: Some(type_proto::Value::TensorType(tensor)), ..Default::default() });
+        inputs.push(ValueInfoProto { name: name.clone(), r#type, ..Default::default() });
+        values.push(name);
+    }
+    let mut initializer = Vec::new();
+    for i in 0..u.int_in_range(0..=2)? {
+        let name = format!("w{i}");
+        let data_type = *u.choose(&[1, 7])?;
+        let shape = dims(u)?;
+        initializer.push(small_tensor(u, name.clone(), data_type, shape)?);
+        values.push(name);
+    }
+    let mut node = Vec::new();
+    for n in 0..u.int_in_range(1..=8)? {
+        let op_type = u.choose(autotp_frontend::onnx::SUPPORTED_OPS)?.to_string();
+        let input = (0..u.int_in_range(1..=3)?).map(|_| u.choose(&values).cloned()).collect::<Result<_, _>>()?;
+        let output: Vec<String> = (0..u.int_in_range(1..=2)?).map(|j| format!("y{n}_{j}")).collect();
+        let mut attribute = Vec::new();
+        for _ in 0..u.int_in_range(0..=3)? {
+            let (name, kind) = *u.choose(&ATTRIBUTES)?;
+            let mut a = AttributeProto { name: name.into(), ..Default::default() };
+            match kind {
+                AttributeKind::Int => (a.r#type, a.i) = (2, u.int_in_range(-3..=4)?),
+                AttributeKind::Ints => {
+                    a.r#type = 7;
+                    a.ints = (0..u.int_in_range(0..=4)?).map(|_| u.int_in_range(-3..=4)).collect::<Result<_, _>>()?;
+                }
+                AttributeKind::Float => (a.r#type, a.f) = (1, f32::from(u.int_in_range(-4i8..=4)?) / 4.0),
+                AttributeKind::String => {
+                    let equation =
+                        *u.choose(&["ij,jk->ik", "bij,bjk->bik", "ii->i", "ij->ji", "...i,i->...", "i,j->ij"])?;
+                    (a.r#type, a.s) = (3, equation.as_bytes().to_vec().into());
+                }
+                AttributeKind::Tensor => {
+                    let data_type = *u.choose(&[1, 7])?;
+                    let shape = dims(u)?;
+                    (a.r#type, a.t) = (4, Some(small_tensor(u, String::new(), data_type, shape)?));
+                }
+            }
+            attribute.push(a);
+        }
+        values.extend(output.iter().cloned());
+        node.push(NodeProto { op_type, name: format!("n{n}"), input, output, attribute, ..Default::default() });
+    }
+    let last = values.last().cloned().unwrap_or_default();
+    let graph = GraphProto {
+        name: "fuzz".into(),
+        node,
+        initializer,
+        input: inputs,
+        output: vec![ValueInfoProto { name: last, ..Default::default() }],
+        ..Default::default()
+    };
+    let version = u.int_in_range(13..=28)?;
+    Ok(ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto { domain: String::new(), version }],
+        graph: Some(graph),
+        ..Default::default()
+    })
 }
 
 /// IR text: what parses verifies without a panic, and prints to text that parses back to a

@@ -288,9 +288,12 @@ impl Op {
     }
 
     /// Output types for the given input types, or why the inputs are invalid (the shape rules,
-    /// by op family: [`crate::shape_rules`]).
+    /// by op family: [`crate::shape_rules`]); every output within autotp's limits
+    /// ([`TensorType::check_limits`]).
     pub fn infer(&self, inputs: &[&TensorType], num_outputs: usize) -> Result<Vec<TensorType>, String> {
-        crate::shape_rules::infer(self, inputs, num_outputs)
+        let outputs = crate::shape_rules::infer(self, inputs, num_outputs)?;
+        outputs.iter().try_for_each(TensorType::check_limits)?;
+        Ok(outputs)
     }
 }
 

@@ -392,6 +392,9 @@ fn movement(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Result<Vec
             expect_arity(inputs, 1, 1)?;
             let t = inputs[0];
             axis_ok(*axis, t.rank())?;
+            if sizes.is_empty() {
+                return Err("has no sizes: a split makes at least one output".into());
+            }
             if sizes.iter().sum::<usize>() != t.shape[*axis] || sizes.len() != num_outputs {
                 return Err(format!(
                     "sizes {sizes:?} do not split dim {axis} of size {} into {num_outputs} outputs",

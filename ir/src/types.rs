@@ -27,6 +27,23 @@ impl TensorType {
         self.shape.iter().product()
     }
 
+    /// Refuses a shape past autotp's limits: more than 64 dims (PyTorch's own limit), or dims
+    /// that, zeros left out, multiply past 2^48 elements (or overflow). Every shape the shape
+    /// rules make and the importer reads passes here, so that no product of dims overflows
+    /// downstream and no rule's work grows with a crafted rank.
+    pub fn check_limits(&self) -> Result<(), String> {
+        const MOST_DIMS: usize = 64;
+        const MOST_ELEMENTS: usize = 1 << 48;
+        if self.shape.len() > MOST_DIMS {
+            return Err(format!("a shape of {} dims; autotp takes at most {MOST_DIMS}", self.shape.len()));
+        }
+        let elements = self.shape.iter().filter(|&&d| d > 0).try_fold(1usize, |n, &d| n.checked_mul(d));
+        match elements {
+            Some(n) if n <= MOST_ELEMENTS => Ok(()),
+            _ => Err(format!("the shape {:?} has more than 2^48 elements", self.shape)),
+        }
+    }
+
     pub fn size_bytes(&self) -> usize {
         self.numel() * self.dtype.size()
     }

@@ -81,7 +81,9 @@ pub fn type_of(t: &TensorProto, name: &str) -> Result<TensorType, FrontendError>
         .iter()
         .map(|&d| usize::try_from(d).map_err(|_| tensor_error(name, format!("negative dimension {d}"))))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(TensorType::new(dtype, shape))
+    let ty = TensorType::new(dtype, shape);
+    ty.check_limits().map_err(|why| tensor_error(name, why))?;
+    Ok(ty)
 }
 
 /// Decodes a tensor, naming it `name` in errors.

@@ -52,7 +52,7 @@ pub(super) fn convert(
         }
         "Range" => {
             let vals: Vec<Tensor> = (0..3)
-                .map(|i| input(imp, cx, i).and_then(|s| constant(cx, &s, i).cloned()))
+                .map(|i| input(imp, cx, i).and_then(|s| constant_scalar(cx, &s, i).cloned()))
                 .collect::<Result<_, _>>()?;
             let (start, limit, delta) = (vals[0].get_f64(0), vals[1].get_f64(0), vals[2].get_f64(0));
             if delta == 0.0 {

@@ -79,11 +79,11 @@ pub(super) fn convert(
         "Dropout" => {
             let x = input(imp, cx, 0)?;
             let ratio = match opt_input(imp, cx, 1)? {
-                Some(r) => constant(cx, &r, 1)?.get_f64(0),
+                Some(r) => constant_scalar(cx, &r, 1)?.get_f64(0),
                 None => 0.5,
             };
             let training = match opt_input(imp, cx, 2)? {
-                Some(t) => constant(cx, &t, 2)?.get_f64(0) != 0.0,
+                Some(t) => constant_scalar(cx, &t, 2)?.get_f64(0) != 0.0,
                 None => false,
             };
             if training && ratio != 0.0 {

@@ -21,7 +21,7 @@ pub(super) fn convert(
         "CumSum" => {
             let x = input(imp, cx, 0)?;
             let axis_sym = input(imp, cx, 1)?;
-            let axis = constant(cx, &axis_sym, 1)?.get_i64(0);
+            let axis = constant_scalar(cx, &axis_sym, 1)?.get_i64(0);
             let axis = norm_axis(cx, axis, imp.ty(&x).rank())?;
             let (exclusive, reverse) = (attr_int(cx, "exclusive", 0) == 1, attr_int(cx, "reverse", 0) == 1);
             one(imp.emit1(cx, Op::CumSum { axis, exclusive, reverse }, &[x])?)
@@ -29,7 +29,7 @@ pub(super) fn convert(
         "TopK" => {
             let x = input(imp, cx, 0)?;
             let k_sym = input(imp, cx, 1)?;
-            let k = constant(cx, &k_sym, 1)?.get_i64(0);
+            let k = constant_scalar(cx, &k_sym, 1)?.get_i64(0);
             let k = usize::try_from(k).map_err(|_| cx.invalid(format!("k = {k} is negative")))?;
             let axis = norm_axis(cx, attr_int(cx, "axis", -1), imp.ty(&x).rank())?;
             // `sorted = 0` leaves the order to the implementation: sorted is one.
@@ -96,7 +96,7 @@ pub(super) fn convert(
             // indices counting from the end (an index outside [-depth, depth) is all off).
             let indices = input(imp, cx, 0)?;
             let depth_sym = input(imp, cx, 1)?;
-            let depth = constant(cx, &depth_sym, 1)?.get_f64(0);
+            let depth = constant_scalar(cx, &depth_sym, 1)?.get_f64(0);
             if !depth.is_finite() || depth < 1.0 {
                 return Err(cx.invalid(format!("depth {depth} is not a positive number")));
             }

@@ -169,6 +169,17 @@ pub(super) fn constant<'s>(cx: &NodeCx, sym: &'s Sym, i: usize) -> Result<&'s Te
     }
 }
 
+/// A constant input that holds one value (a scalar or a one-element tensor: `axis`, `k`,
+/// `depth`...); an empty one is refused.
+pub(super) fn constant_scalar<'s>(cx: &NodeCx, sym: &'s Sym, i: usize) -> Result<&'s Tensor, FrontendError> {
+    let tensor = constant(cx, sym, i)?;
+    if tensor.numel() == 0 {
+        let name = cx.node.input.get(i).cloned().unwrap_or_default();
+        return Err(cx.invalid(format!("input '{name}' is empty where it should hold one value")));
+    }
+    Ok(tensor)
+}
+
 /// A constant integer input (`shape`, `axes`, `pads`...), or `None` when omitted.
 pub(super) fn const_ints(imp: &Importer, cx: &NodeCx, i: usize) -> Result<Option<Vec<i64>>, FrontendError> {
     match opt_input(imp, cx, i)? {

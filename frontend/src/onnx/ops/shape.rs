@@ -217,7 +217,7 @@ pub(super) fn convert_pad(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>, F
     }
     let pads = const_ints(imp, cx, 1)?.ok_or_else(|| cx.invalid("missing pads"))?;
     let value = match opt_input(imp, cx, 2)? {
-        Some(v) => constant(cx, &v, 2)?.get_f64(0),
+        Some(v) => constant_scalar(cx, &v, 2)?.get_f64(0),
         None => 0.0,
     };
     let axes = match const_ints(imp, cx, 3)? {
