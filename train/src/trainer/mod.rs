@@ -782,6 +782,21 @@ enum Programs {
     Evaluation,
 }
 
+/// Every rank's `bytes` in a job of processes, in rank order; the ranks' lengths may differ
+/// (two all-gathers: the lengths, then the bytes padded to the longest).
+fn all_gather_bytes(job: &MpiComm, mut bytes: Vec<u8>) -> Result<Vec<Vec<u8>>, TrainError> {
+    let lengths = job.all_gather(&(bytes.len() as u64).to_le_bytes())?;
+    let lengths: Vec<usize> =
+        (lengths.chunks_exact(8)).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize).collect();
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    if longest == 0 {
+        return Ok(vec![Vec::new(); lengths.len()]);
+    }
+    bytes.resize(longest, 0);
+    let all = job.all_gather(&bytes)?;
+    Ok(all.chunks(longest).zip(lengths).map(|(chunk, length)| chunk[..length].to_vec()).collect())
+}
+
 /// Loads the executors of the ranks this process runs of the `stages` (every rank here, or in a
 /// job of processes its own) on `comm`; returns them and the first one's rank. A GPU rank of a
 /// job loading beside another program on the job's communicator continues its collectives

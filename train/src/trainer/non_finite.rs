@@ -92,14 +92,9 @@ impl Trainer {
         let Some(job) = &self.processes else { return Ok(local) };
         let own: Vec<RankTrace> = local.into_iter().map(RankTrace::from).collect();
         let json = serde_json::to_vec(&own).expect("a trace serializes");
-        let lengths = job.all_gather(&(json.len() as u64).to_le_bytes())?;
-        let longest = (lengths.chunks(8)).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).max();
-        let mut padded = json;
-        padded.resize(longest.unwrap_or(0) as usize, b' ');
-        let all = job.all_gather(&padded)?;
         let mut found = Vec::new();
-        for chunk in all.chunks(padded.len().max(1)) {
-            let traces: Vec<RankTrace> = serde_json::from_slice(chunk)
+        for chunk in super::all_gather_bytes(job, json)? {
+            let traces: Vec<RankTrace> = serde_json::from_slice(&chunk)
                 .map_err(|e| TrainError::Training(format!("a rank's non-finite trace did not parse: {e}")))?;
             found.extend(
                 traces.into_iter().map(|t| (t.rank, NonFiniteTrace { first: t.first, gradients: t.gradients })),

@@ -31,13 +31,7 @@ impl Trainer {
             .collect();
         let Some(job) = &self.processes else { return Ok(local) };
         let [own] = &local[..] else { unreachable!("a process runs one rank") };
-        let mut bytes = spans_to_json(own);
-        let lengths = job.all_gather(&(bytes.len() as u64).to_le_bytes())?;
-        let longest =
-            (lengths.chunks(8)).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).max().unwrap_or(0);
-        bytes.resize(longest as usize, 0);
-        let all = job.all_gather(&bytes)?;
-        (all.chunks(bytes.len().max(1)))
+        (super::all_gather_bytes(job, spans_to_json(own))?.iter())
             .map(|chunk| {
                 spans_from_json(chunk).ok_or_else(|| TrainError::Training("a rank's trace did not parse".into()))
             })
