@@ -37,7 +37,7 @@ seed() {
   esac
 }
 
-(cd fuzz && cargo +nightly fuzz build -s none -O)
+(cd fuzz && cargo +nightly fuzz build -s none -O -a)
 mkdir -p fuzz/work
 printf '%-22s %12s %10s %10s %8s\n' target executions "exec/s" coverage crashes > fuzz/work.summary
 status=0
@@ -46,7 +46,7 @@ for target in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$target" "fuzz/artifacts/$target"
   log="fuzz/work/$target.log"
   set +e
-  (cd fuzz && cargo +nightly fuzz run -s none -O "$target" "work/$target" "corpus/$target" -- \
+  (cd fuzz && cargo +nightly fuzz run -s none -O -a "$target" "work/$target" "corpus/$target" -- \
     -max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10 -max_len=65536 \
     -artifact_prefix="artifacts/$target/" -print_final_stats=1) > "$log" 2>&1
   rc=$?

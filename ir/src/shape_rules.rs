@@ -338,10 +338,12 @@ fn movement(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Result<Vec
         Op::Reshape { shape } => {
             expect_arity(inputs, 1, 1)?;
             let t = inputs[0];
-            if shape.iter().product::<usize>() != t.numel() {
+            let reshaped = TensorType::new(t.dtype, shape.clone());
+            reshaped.check_limits()?;
+            if reshaped.numel() != t.numel() {
                 return Err(format!("cannot reshape {:?} ({} elements) to {shape:?}", t.shape, t.numel()));
             }
-            one(TensorType::new(t.dtype, shape.clone()))
+            one(reshaped)
         }
         Op::Transpose { perm } => {
             expect_arity(inputs, 1, 1)?;

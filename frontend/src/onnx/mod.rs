@@ -376,7 +376,9 @@ fn input_type(input: &proto::ValueInfoProto, options: &ImportOptions) -> Result<
                 }
             }
         }
-        return Ok(TensorType::new(dtype, shape.clone()));
+        let ty = TensorType::new(dtype, shape.clone());
+        ty.check_limits().map_err(err)?;
+        return Ok(ty);
     }
     let mut shape = Vec::with_capacity(declared.len());
     for (i, d) in declared.iter().enumerate() {
@@ -408,7 +410,9 @@ fn input_type(input: &proto::ValueInfoProto, options: &ImportOptions) -> Result<
         };
         shape.push(size);
     }
-    Ok(TensorType::new(dtype, shape))
+    let ty = TensorType::new(dtype, shape);
+    ty.check_limits().map_err(err)?;
+    Ok(ty)
 }
 
 #[cfg(test)]
