@@ -3,7 +3,7 @@
 # a C toolchain (some crates build C), LLVM 19's development files (the kernel generator links
 # LLVM statically; .cargo/config.toml points llvm-sys at /usr/lib/llvm-19) and a Rust toolchain
 # (cargo), Open MPI (the binary loads its library when a job of processes runs; the tests start
-# such jobs with mpirun), and ptxas (the PyPI package nvidia-cuda-nvcc, in a venv under target/)
+# such jobs with mpirun; the cluster test joins network namespaces with iproute2), and ptxas (the PyPI package nvidia-cuda-nvcc, in a venv under target/)
 # for the tests that assemble the plans' PTX. Safe to run repeatedly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,9 @@ command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)
 [ -x /usr/lib/llvm-19/bin/llvm-config ] || need_apt+=(llvm-19-dev libpolly-19-dev)
 command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin)
+# `ip` (network namespaces) and `unshare`: the cluster test's nodes.
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v unshare >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 python3 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
 for header in /usr/include/zstd.h /usr/include/zlib.h /usr/include/libxml2/libxml/parser.h; do

@@ -15,6 +15,8 @@
 //! - `offload`: the optimizer's states in host memory outside the arena against keeping them.
 //! - `processes`: ranks as MPI processes against ranks as threads; failures end the job.
 //! - `fuzz_regressions`: the fuzz targets on their corpora and the inputs that once crashed them.
+//! - `cluster`: one job across four network namespaces as nodes; a cut link, a hung and a
+//!   killed rank; a resume on the nodes left (`scripts/cluster-test.sh`).
 //! - `faults`: a scheduler's preempting signal stops every rank after one step, with a checkpoint.
 //! - `sharding`: the `shard` pass on the fixtures' training steps, run by the SPMD evaluator,
 //!   against the single-device step.
@@ -33,6 +35,7 @@ mod all_to_all;
 mod attention;
 mod checkpoint;
 mod cli;
+mod cluster;
 mod common;
 mod compile;
 mod conformance;

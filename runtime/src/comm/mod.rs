@@ -3,7 +3,7 @@
 //!
 //! - [`LocalComm`] (`local.rs`): ranks as threads of one process, the default;
 //! - [`MpiComm`] (`mpi.rs`): one rank per process, over MPI (Open MPI's library, loaded when a
-//!   run is started by an MPI launcher; `mpi_library.rs`).
+//!   run is started by an MPI launcher; `mpi_library.rs`; which rank stopped a job: `peers.rs`).
 //!
 //! Both place ranks the same way ([`Topology`]): with pipeline stages, the world is `stages`
 //! copies of the mesh (rank = stage x mesh size + mesh rank, the mesh row-major, its last axis
@@ -22,6 +22,7 @@ use crate::RuntimeError;
 mod local;
 mod mpi;
 mod mpi_library;
+mod peers;
 
 pub use local::LocalComm;
 pub use mpi::{MpiComm, MpiError};

@@ -24,7 +24,9 @@
 //! - **Failure**: a rank whose run fails prints why and calls `MPI_Abort`, which ends every
 //!   process ([`MpiComm::abort_job`]; the panic hook does the same). A watchdog thread ends the
 //!   job when one operation has waited longer than the timeout (`--comm-timeout`): a rank that
-//!   stopped or hangs would otherwise block the others forever (MPI has no timeouts).
+//!   stopped or hangs would otherwise block the others forever (MPI has no timeouts). Its one
+//!   line names the ranks that do not answer its probes, and their hosts ([`Peers`]). A rank
+//!   whose `MPI_Abort` does not end it within `ABORT_GRACE` (cut off from `mpirun`) exits.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,6 +36,7 @@ use std::time::{Duration, Instant};
 use autotp_kernels::{DType, Kernel};
 
 use super::mpi_library::{self, Handle, MpiLibrary, Status};
+use super::peers::Peers;
 use super::{
     pack_pieces, place_pieces, slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator,
     Topology,
@@ -82,6 +85,14 @@ struct Watch {
     next_id: u64,
 }
 
+impl Watch {
+    /// The operation waiting longest and for how long, as a probe's answer describes it.
+    fn oldest(&self) -> Option<String> {
+        let (_, what, since) = self.waiting.iter().min_by_key(|(_, _, since)| *since)?;
+        Some(format!("{what} for {:.1} s", since.elapsed().as_secs_f64()))
+    }
+}
+
 /// What a watched operation is, for the watchdog's message (described only if it fires, so
 /// watching costs no formatting on the hot path).
 #[derive(Clone, Copy)]
@@ -125,6 +136,13 @@ impl std::fmt::Display for Waiting {
 /// How many `--comm-timeout`s a barrier waits when no rank on this node is seen stopped or
 /// gone: the other ranks may be writing large checkpoint files.
 const BARRIER_TIMEOUTS: u32 = 20;
+/// How long the watchdog waits for the answers to its probes: a quarter of the timeout, within
+/// these bounds.
+const PROBE_WAIT_MIN: Duration = Duration::from_millis(500);
+const PROBE_WAIT_MAX: Duration = Duration::from_secs(2);
+/// How long a rank that called `MPI_Abort` waits for it to end the process: a rank cut off from
+/// `mpirun` would otherwise wait in it for as long as TCP retransmits.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
 
 const HEADER_BYTES: usize = 24;
 /// The MPI tag of pipeline messages (their own tags travel in the header).
@@ -146,8 +164,8 @@ pub struct MpiComm {
     outbox: Mutex<Outbox>,
     watch: Arc<Mutex<Watch>>,
     timeout: Duration,
-    /// Every rank's host (a hash of its name) and process id, to tell which rank stopped.
-    peers: Vec<(u64, u32)>,
+    /// Every rank's host, process id and probe address, to tell which rank stopped.
+    peers: Peers,
 }
 
 // SAFETY: the handles are Open MPI's communicators, used under MPI_THREAD_MULTIPLE; each axis's
@@ -249,47 +267,18 @@ impl MpiComm {
             outbox: Mutex::new(Outbox::default()),
             watch,
             timeout,
-            peers: Vec::new(),
+            peers: Peers::from_records(&[], rank),
         };
-        let own: Vec<u8> = [host_id(), std::process::id() as u64].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let watched = comm.watch.clone();
+        let own = Peers::start(move || watched.lock().expect("watch").oldest())
+            .map_err(|e| MpiError::Call { call: "a UDP socket for probes", message: e.to_string() })?;
         let mut all = vec![0u8; own.len() * size];
         comm.all_gather_bytes(comm.lib.comm_world, &own, &mut all)
             .map_err(|e| MpiError::Call { call: "MPI_Allgather", message: e.to_string() })?;
-        comm.peers = all
-            .chunks(16)
-            .map(|c| {
-                let host = u64::from_le_bytes(c[..8].try_into().expect("8 bytes"));
-                (host, u64::from_le_bytes(c[8..].try_into().expect("8 bytes")) as u32)
-            })
-            .collect();
+        comm.peers = Peers::from_records(&all, rank);
         let comm = Arc::new(comm);
         comm.start_watchdog();
         Ok(comm)
-    }
-
-    /// What this node can see of the other ranks on it: those stopped (SIGSTOP, a debugger) or
-    /// gone. Ranks on other nodes are not seen.
-    fn local_peer_states(&self) -> Vec<String> {
-        let here = host_id();
-        let mut states = Vec::new();
-        for (rank, &(host, pid)) in self.peers.iter().enumerate() {
-            if rank == self.rank || host != here {
-                continue;
-            }
-            match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-                Err(_) => states.push(format!("rank {rank} (pid {pid}) is gone")),
-                Ok(stat) => {
-                    // The state follows the command name, which is in parentheses.
-                    let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
-                    match state {
-                        Some('T') | Some('t') => states.push(format!("rank {rank} (pid {pid}) is stopped")),
-                        Some('Z') | Some('X') => states.push(format!("rank {rank} (pid {pid}) is gone")),
-                        _ => {}
-                    }
-                }
-            }
-        }
-        states
     }
 
     /// This process's rank.
@@ -317,7 +306,7 @@ impl MpiComm {
     }
 
     /// Waits for every rank. A rank may be writing a large checkpoint, so the barrier waits
-    /// `BARRIER_TIMEOUTS` timeouts unless a rank on this node is seen stopped or gone.
+    /// `BARRIER_TIMEOUTS` timeouts unless a rank is seen stopped or gone or does not answer.
     pub fn barrier(&self) -> Result<(), RuntimeError> {
         let _watched = self.watched(Waiting::Barrier);
         self.call("MPI_Barrier", unsafe { (self.lib.MPI_Barrier)(self.lib.comm_world) })
@@ -467,17 +456,15 @@ impl MpiComm {
                 if stuck.is_empty() {
                     continue;
                 }
-                let seen = comm.local_peer_states();
+                let diagnosis = comm.peers.diagnose((timeout / 4).clamp(PROBE_WAIT_MIN, PROBE_WAIT_MAX));
                 let overdue = stuck.into_iter().find(|(what, waited)| {
-                    !matches!(what, Waiting::Barrier) || !seen.is_empty() || *waited > timeout * BARRIER_TIMEOUTS
+                    !matches!(what, Waiting::Barrier) || diagnosis.unresponsive || *waited > timeout * BARRIER_TIMEOUTS
                 });
                 if let Some((what, waited)) = overdue {
                     let waited = waited.as_secs_f64();
-                    let cause = if seen.is_empty() {
+                    let cause = diagnosis.describe().unwrap_or_else(|| {
                         "a rank stopped, hangs or is far slower; if it is only slow, raise --comm-timeout".to_string()
-                    } else {
-                        seen.join(", ")
-                    };
+                    });
                     comm.abort_job(&format!(
                         "{what} has waited {waited:.1} s for the other ranks (--comm-timeout {} s): {cause}",
                         timeout.as_secs_f64()
@@ -788,6 +775,11 @@ impl Drop for WatchGuard<'_> {
 }
 
 fn abort_world(lib: &MpiLibrary) -> ! {
+    let _ = std::thread::Builder::new().name("autotp-abort".into()).spawn(|| {
+        std::thread::sleep(ABORT_GRACE);
+        // SAFETY: _exit ends the process at once, running nothing of Rust's or MPI's.
+        unsafe { libc::_exit(1) }
+    });
     // SAFETY: MPI is initialised (an MpiComm exists); MPI_Abort may be called from any thread.
     unsafe { (lib.MPI_Abort)(lib.comm_world, 1) };
     // MPI_Abort does not return; if it did, this process must still not go on.
@@ -800,15 +792,4 @@ fn sized(buffer: &mut Vec<u8>, len: usize) -> &mut [u8] {
         buffer.resize(len, 0);
     }
     &mut buffer[..len]
-}
-
-/// This host, as a hash of its name.
-fn host_id() -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut name = [0u8; 256];
-    // SAFETY: gethostname writes at most `name.len()` bytes into it.
-    unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    name.hash(&mut hasher);
-    hasher.finish()
 }
