@@ -132,13 +132,23 @@ fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError
 impl Optimize {
     /// DeepSpeed's overflow test: the sum of every gradient is not finite (x - x is 0 only for
     /// finite x). Returns the boolean `finite` and the `overflow` output (1 or 0 in `dtype`).
+    /// The sums start from the first gradient's, not from a zero constant: where the
+    /// gradients are sharded, their sums are partial and stay partial through the additions, so
+    /// one all-reduce of one scalar totals them all.
     fn finite_check(&self, g: &mut Graph, grads: &[ValueId], dtype: DType) -> Result<(ValueId, ValueId), PassError> {
-        let mut total = constant(g, dtype, 0.0)?;
+        let mut total = None;
         for &grad in grads {
             let axes = (0..g.ty(grad).rank()).collect();
             let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![grad])?;
-            total = add(g, Op::Binary(BinaryOp::Add), vec![total, s])?;
+            total = Some(match total {
+                None => s,
+                Some(sum) => add(g, Op::Binary(BinaryOp::Add), vec![sum, s])?,
+            });
         }
+        let mut total = match total {
+            Some(total) => total,
+            None => constant(g, dtype, 0.0)?,
+        };
         if let Some(stage) = &self.stage {
             total = across_stages(g, stage, total, OVERFLOW_TAG)?;
         }
