@@ -29,6 +29,8 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 autotp="$(realpath "${1:-$repo/target/release/autotp}")"
 work="${2:-$(mktemp -d)}"
 mkdir -p "$work"
+# A resumed run appends to its metrics: none may be left from an earlier run here.
+rm -f "$work"/*.jsonl
 timeout_s=5
 # The most seconds from a fault to mpirun's end: the timeout, the probes, mpirun's own end.
 ended_within=30
@@ -166,4 +168,5 @@ faulted hung 'kill -STOP $(rank3_pid)' "rank 3 (host $(node 4), pid" "does not a
 
 echo "5. rank 3 killed"
 faulted killed 'kill -KILL $(rank3_pid)' "process rank 3" "on node $(node 4)"
+
 echo "cluster-test: passed"

@@ -210,7 +210,8 @@ impl IndexedDataset {
         let bad = |message: &str| invalid(&idx_path, message.to_string());
         let mut at = 0usize;
         let mut take = |n: usize| -> Result<&[u8], DataError> {
-            let bytes = index.get(at..at + n).ok_or_else(|| bad("ends inside its index"))?;
+            let end = at.checked_add(n).ok_or_else(|| bad("ends inside its index"))?;
+            let bytes = index.get(at..end).ok_or_else(|| bad("ends inside its index"))?;
             at += n;
             Ok(bytes)
         };

@@ -76,4 +76,20 @@ mod tests {
         let bad = print(&text(AttentionMask::Causal)).replace("causal", "diagonal");
         assert!(parse(&bad).unwrap_err().to_string().contains("unknown attention mask 'diagonal'"), "{bad}");
     }
+
+    /// A splat makes its constant whole; one past 256 MiB, or a type past the shape limits, is
+    /// refused before anything is allocated.
+    #[test]
+    fn splats_are_made_fast_within_a_limit() {
+        let graph =
+            |ty: &str| format!("graph \"g\" {{\n  %0 = constant splat<1.5> : {ty}\n  output \"out\" = %0\n}}\n");
+        let g = parse(&graph("f32[1024,1024]")).unwrap();
+        let Op::Constant { value } = &g.node(crate::NodeId(0)).op else { panic!("a constant") };
+        assert_eq!(value.bytes().len(), 4 << 20);
+        assert!(value.bytes().chunks(4).all(|c| c == 1.5f32.to_le_bytes()));
+        let big = parse(&graph("i32[4,34444444,2]")).unwrap_err().to_string();
+        assert!(big.contains("holds 1102222208 bytes") && big.contains("at most 268435456"), "{big}");
+        let huge = parse(&graph("i64[1099511627776,1099511627776]")).unwrap_err().to_string();
+        assert!(huge.contains("more than 2^48 elements"), "{huge}");
+    }
 }

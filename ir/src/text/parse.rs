@@ -254,7 +254,9 @@ impl<'a> Parser<'a> {
                 self.expect_punct(',')?;
             }
         }
-        Ok(TensorType::new(dtype, shape))
+        let ty = TensorType::new(dtype, shape);
+        ty.check_limits().map_err(|m| self.error_at(m))?;
+        Ok(ty)
     }
 
     /// `{tp = shard(1), dp = partial(sum)}` after a type, if present.
@@ -542,14 +544,23 @@ fn parse_float(s: &str) -> Option<f64> {
     }
 }
 
+/// The most bytes a constant in IR text may hold once made: a `splat<v>` of a few characters
+/// would otherwise make any size (a larger constant belongs in a parameter).
+const MOST_CONSTANT_BYTES: usize = 256 << 20;
+
 fn constant_tensor(ty: &TensorType, splat: bool, items: &[String]) -> Result<Tensor, String> {
     let count = if splat { 1 } else { ty.numel() };
     if items.len() != count {
         return Err(format!("constant has {} elements, its type {ty} needs {count}", items.len()));
     }
+    if ty.size_bytes() > MOST_CONSTANT_BYTES {
+        return Err(format!(
+            "constant of type {ty} holds {} bytes; IR text takes constants of at most {MOST_CONSTANT_BYTES} (256 MiB)",
+            ty.size_bytes()
+        ));
+    }
     let mut bytes = Vec::with_capacity(ty.size_bytes());
-    for i in 0..ty.numel() {
-        let item = &items[if splat { 0 } else { i }];
+    for item in items {
         let chunk = match ty.dtype {
             DType::Bool => match item.as_str() {
                 "true" => vec![1],
@@ -565,6 +576,9 @@ fn constant_tensor(ty: &TensorType, splat: bool, items: &[String]) -> Result<Ten
             }
         };
         bytes.extend(chunk);
+    }
+    if splat {
+        bytes = bytes.repeat(ty.numel());
     }
     Ok(Tensor::from_aligned(ty.clone(), autotp_kernels::AlignedBuf::from_bytes(&bytes)))
 }

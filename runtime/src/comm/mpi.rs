@@ -470,6 +470,9 @@ impl MpiComm {
                         timeout.as_secs_f64()
                     ));
                 }
+                // A barrier that may still end: probe again later, not at every tick.
+                drop(comm);
+                std::thread::sleep((timeout / 4).max(PROBE_WAIT_MIN * 2));
             })
             .expect("the watchdog thread starts");
     }
