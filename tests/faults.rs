@@ -290,7 +290,7 @@ fn poison(file: &Path, tensor: &str) {
 
 /// `--nan-policy stop` (the default) ends a step whose gradients are not finite with one line
 /// naming the step, the first parameter whose gradient is not finite and the op that made the
-/// first inf, as threads and as processes; the checkpoint of the step before stays the state.
+/// first inf, as threads, as processes and on emulated GPUs; the checkpoint of the step before stays the state.
 /// `--nan-policy skip` goes on, every such step's update kept back. A plan compiled without
 /// `--finite-check` stops on the loss and says so, and cannot skip.
 #[test]
@@ -311,9 +311,15 @@ fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
     let stderr = failure(autotp(&run_args(&unchecked, 5, &dir.join("unchecked.jsonl"), &skip)));
     assert!(stderr.contains("--nan-policy skip") && stderr.contains("compile it with --finite-check"), "{stderr}");
 
-    for launch in [&[][..], &["--launch", "2"]] {
+    // Threads, processes, and the emulated GPU's ranks (whose replay downloads each output).
+    for (launch, gpu) in [(&[][..], false), (&["--launch", "2"], false), (&["--device", "cuda"], true)] {
         let resume = [&["--resume", save.to_str().unwrap()][..], launch].concat();
-        let stderr = failure(autotp(&run_args(&plan, 5, &dir.join("stopped.jsonl"), &resume)));
+        let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+        run.args(run_args(&plan, 5, &dir.join("stopped.jsonl"), &resume));
+        if gpu {
+            run.env("AUTOTP_GPU", "emulated");
+        }
+        let stderr = failure(run.output().unwrap());
         println!("{launch:?}:\n{stderr}");
         let line = stderr.lines().find(|l| l.contains("step 3: ")).unwrap_or_else(|| panic!("{stderr}"));
         assert!(line.contains("the loss is NaN and the gradients are not all finite"), "{line}");
@@ -324,6 +330,13 @@ fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
         assert_eq!(node_reading(&ir, node), ("add".to_string(), bias.to_string()), "{line}");
         assert!(line.contains("the parameters and optimizer states are those after step 2"), "{line}");
     }
+    // Steps replayed as a CUDA graph cannot be looked inside: the line says how to find them.
+    let graph = [&["--resume", save.to_str().unwrap()][..], &["--device", "cuda", "--cuda-graph"]].concat();
+    let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+    run.args(run_args(&plan, 5, &dir.join("graph.jsonl"), &graph)).env("AUTOTP_GPU", "emulated");
+    let stderr = failure(run.output().unwrap());
+    assert!(stderr.contains("step 3: the loss is NaN and the gradients are not all finite"), "{stderr}");
+    assert!(stderr.contains("the parameter and the op that made it are named without --cuda-graph"), "{stderr}");
 
     // Skipping: the run goes on; no update is applied, so every step is skipped and the bias
     // saved at the end is the poisoned one.

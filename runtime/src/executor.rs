@@ -147,22 +147,22 @@ impl Executor {
     }
 
     /// Checks every instruction's float outputs for infs and NaNs from the next run on, until
-    /// [`Executor::take_non_finite`] ([`crate::non_finite`]); `false` on a GPU, which does not.
+    /// [`Executor::take_non_finite`] ([`crate::non_finite`]); `false` on a GPU whose steps run
+    /// as a CUDA graph, which the host cannot look inside.
     pub fn watch_non_finite(&mut self) -> bool {
         match &mut self.device {
-            Backend::Cpu(cpu) => {
-                cpu.non_finite = Some(NonFiniteTrace::default());
-                true
-            }
-            Backend::Gpu(_) => false,
+            Backend::Cpu(cpu) => cpu.non_finite = Some(NonFiniteTrace::default()),
+            Backend::Gpu(gpu) if gpu.steps_one_by_one() => gpu.non_finite = Some(NonFiniteTrace::default()),
+            Backend::Gpu(_) => return false,
         }
+        true
     }
 
     /// What the runs since [`Executor::watch_non_finite`] found; watching stops.
     pub fn take_non_finite(&mut self) -> Option<NonFiniteTrace> {
         match &mut self.device {
             Backend::Cpu(cpu) => cpu.non_finite.take(),
-            Backend::Gpu(_) => None,
+            Backend::Gpu(gpu) => gpu.non_finite.take(),
         }
     }
 

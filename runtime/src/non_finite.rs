@@ -1,11 +1,14 @@
-//! Where a step's infs and NaNs came from: a step replayed on CPU ranks with every instruction's
-//! float outputs checked after it runs ([`crate::Executor::watch_non_finite`]). It finds the
-//! first instruction that wrote an inf or a NaN (its label names the IR node or the fusion)
-//! and the parameters whose gradients were not finite when the optimizer step reached them.
+//! Where a step's infs and NaNs came from: a step replayed with every instruction's float
+//! outputs checked after it runs ([`crate::Executor::watch_non_finite`]), read in place on CPU
+//! ranks and downloaded in the stream's order on GPUs. It finds the first instruction that
+//! wrote an inf or a NaN (its label names the IR node or the fusion) and the parameters whose
+//! gradients were not finite when the optimizer step reached them.
 //! Only `--nan-policy stop` pays for it, once, after a step whose gradients were not finite.
 
 use autotp_kernels::{DType, Kernel};
 use autotp_program::{Instruction, Program, Region};
+
+use crate::RuntimeError;
 
 /// What a watched run of a rank's program found.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -22,10 +25,16 @@ pub struct NonFiniteTrace {
 
 impl NonFiniteTrace {
     /// Records the gradients instruction `index` of `program` is about to apply, if it is an
-    /// optimizer step; `bytes` reads a region of the rank's memory.
-    pub(crate) fn before<'a>(&mut self, program: &Program, index: usize, bytes: impl Fn(&Region) -> &'a [u8]) {
+    /// optimizer step; `non_finite` says whether a region of the rank's memory, of a type,
+    /// holds an inf or a NaN (reading it from the host's memory or downloading it from a GPU).
+    pub(crate) fn before(
+        &mut self,
+        program: &Program,
+        index: usize,
+        mut non_finite: impl FnMut(&Region, DType) -> Result<bool, RuntimeError>,
+    ) -> Result<(), RuntimeError> {
         for (name, gradient, dtype) in gradients(program, index) {
-            if dtype.first_non_finite(bytes(&gradient)).is_some() {
+            if non_finite(&gradient, dtype)? {
                 let overlaps = |r: &Region| r.offset < gradient.end() && gradient.offset < r.end();
                 let made_by = (0..index).rev().find(|&i| program.instructions[i].regions().1.iter().any(overlaps));
                 let made_by = made_by.unwrap_or(index);
@@ -33,16 +42,27 @@ impl NonFiniteTrace {
                 self.gradients.insert(at, (made_by, name));
             }
         }
+        Ok(())
     }
 
-    /// Records instruction `index` if it is the first to have written an inf or a NaN.
-    pub(crate) fn after<'a>(&mut self, program: &Program, index: usize, bytes: impl Fn(&Region) -> &'a [u8]) {
+    /// Records instruction `index` if it is the first to have written an inf or a NaN
+    /// (`non_finite` as in [`NonFiniteTrace::before`]).
+    pub(crate) fn after(
+        &mut self,
+        program: &Program,
+        index: usize,
+        mut non_finite: impl FnMut(&Region, DType) -> Result<bool, RuntimeError>,
+    ) -> Result<(), RuntimeError> {
         if self.first.is_some() {
-            return;
+            return Ok(());
         }
-        if float_outputs(program, index).iter().any(|(region, dtype)| dtype.first_non_finite(bytes(region)).is_some()) {
-            self.first = Some((index, program.instructions[index].label().to_string()));
+        for (region, dtype) in float_outputs(program, index) {
+            if non_finite(&region, dtype)? {
+                self.first = Some((index, program.instructions[index].label().to_string()));
+                return Ok(());
+            }
         }
+        Ok(())
     }
 }
 

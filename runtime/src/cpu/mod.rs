@@ -218,7 +218,7 @@ impl Device for CpuDevice {
             file.before(index)?;
         }
         if let Some(watch) = self.non_finite.as_mut() {
-            watch.before(program, index, region);
+            watch.before(program, index, |r, dtype| Ok(dtype.first_non_finite(region(r)).is_some()))?;
         }
         match instruction {
             Instruction::Kernel { inputs, outputs, .. } if self.attention.contains_key(&index) => {
@@ -334,7 +334,7 @@ impl Device for CpuDevice {
             file.after(index)?;
         }
         if let Some(watch) = self.non_finite.as_mut() {
-            watch.after(program, index, region);
+            watch.after(program, index, |r, dtype| Ok(dtype.first_non_finite(region(r)).is_some()))?;
         }
         self.profiled(program, index, stream, started);
         Ok(())

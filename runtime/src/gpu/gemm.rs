@@ -15,6 +15,9 @@
 //! Which cuBLAS entry runs a call is its [`GemmLayout`]: one product is a plain GEMM, products
 //! at uniform offsets a strided batch (PyTorch's `mm` and `bmm`), others the batched form over
 //! pointer arrays, whose kernels cuBLAS tunes for many small matrices.
+//!
+//! How f32 products are multiplied, in f32 or on TF32 tensor cores (`--tf32`), is a
+//! [`GemmMath`]; [`round_to_tf32`] is the rounding the emulated GPU applies for the latter.
 
 use autotp_kernels::{DType, MatMulDims};
 
@@ -151,6 +154,28 @@ impl GemmCall {
     }
 }
 
+/// How f32 GEMMs multiply.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum GemmMath {
+    /// In f32, as on the CPU (cuBLAS's `CUBLAS_DEFAULT_MATH`): the default, so that an f32 plan
+    /// trains the same model on a GPU as on the CPU.
+    #[default]
+    F32,
+    /// On TF32 tensor cores (`--tf32`, PyTorch's `allow_tf32`): each operand rounded to 10
+    /// mantissa bits (to nearest, ties away from zero, as `cvt.rna.tf32.f32`), products summed
+    /// in f32.
+    Tf32,
+}
+
+/// `x` rounded to TF32 (10 mantissa bits; to nearest, ties away from zero); infinities and
+/// NaNs unchanged.
+pub fn round_to_tf32(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    f32::from_bits(x.to_bits().wrapping_add(1 << 12) & !((1 << 13) - 1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,5 +284,17 @@ mod tests {
         let plain = dims(&[], &[], &[], (4, 4, 4), (false, false));
         assert_eq!(GemmCall::of(DType::I64, &plain), None);
         assert!(GemmCall::of(DType::BF16, &plain).is_some(), "16-bit GEMMs go to cuBLAS");
+    }
+
+    #[test]
+    fn tf32_rounds_to_ten_mantissa_bits_ties_away_from_zero() {
+        let ulp = 2f32.powi(-10);
+        assert_eq!(round_to_tf32(1.0 + ulp / 2.0), 1.0 + ulp, "a tie rounds away from zero");
+        assert_eq!(round_to_tf32(-(1.0 + ulp / 2.0)), -(1.0 + ulp));
+        assert_eq!(round_to_tf32(1.0 + ulp / 2.0 - 2f32.powi(-23)), 1.0, "below the tie");
+        assert_eq!(round_to_tf32(1.0 + ulp), 1.0 + ulp, "representable values stay");
+        assert_eq!(round_to_tf32(f32::MAX), f32::INFINITY, "past the largest TF32 value");
+        assert_eq!(round_to_tf32(f32::NEG_INFINITY), f32::NEG_INFINITY);
+        assert!(round_to_tf32(f32::NAN).is_nan());
     }
 }

@@ -88,6 +88,12 @@ impl GpuDevice {
         Ok(())
     }
 
+    /// Whether the next step issues its instructions one by one (not captured nor replayed as
+    /// a graph), so that the host may look between them.
+    pub(crate) fn steps_one_by_one(&self) -> bool {
+        matches!(self.graph, StepGraph::Off | StepGraph::Warming)
+    }
+
     /// Runs one step of `program` (its inputs uploaded) by `schedule`, with its updates, and
     /// waits for it: issued instruction by instruction, or as the captured graph.
     pub(crate) fn step(

@@ -65,7 +65,7 @@ pub use nccl::{bootstrap, CommPath, Link, Paths};
 use std::sync::Arc;
 
 use autotp_kernels::indexed::{IndexedKernel, IndexedOp};
-use autotp_kernels::{AlignedBuf, Kernel};
+use autotp_kernels::{AlignedBuf, DType, Kernel};
 use autotp_program::gpu::GpuForm;
 
 use crate::clock::RankClock;
@@ -75,6 +75,7 @@ use crate::RuntimeError;
 use autotp_program::{Instruction, Program, Region};
 use collectives::{Copy2d, DeviceStep, NcclCall};
 use gemm::GemmCall;
+pub use gemm::{round_to_tf32, GemmMath};
 
 /// A new allocation holding `bytes`.
 fn upload_new(gpu: &mut dyn Gpu, bytes: &[u8]) -> Result<u64, RuntimeError> {
@@ -96,28 +97,6 @@ pub enum GpuKind {
     Cuda { ordinal: usize, math: GemmMath },
     /// The [`emulated::Emulator`] (tests of the host side).
     Emulated { math: GemmMath },
-}
-
-/// How f32 GEMMs multiply.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub enum GemmMath {
-    /// In f32, as on the CPU (cuBLAS's `CUBLAS_DEFAULT_MATH`): the default, so that an f32 plan
-    /// trains the same model on a GPU as on the CPU.
-    #[default]
-    F32,
-    /// On TF32 tensor cores (`--tf32`, PyTorch's `allow_tf32`): each operand rounded to 10
-    /// mantissa bits (to nearest, ties away from zero, as `cvt.rna.tf32.f32`), products summed
-    /// in f32.
-    Tf32,
-}
-
-/// `x` rounded to TF32 (10 mantissa bits; to nearest, ties away from zero); infinities and
-/// NaNs unchanged.
-pub fn round_to_tf32(x: f32) -> f32 {
-    if !x.is_finite() {
-        return x;
-    }
-    f32::from_bits(x.to_bits().wrapping_add(1 << 12) & !((1 << 13) - 1))
 }
 
 impl GpuKind {
@@ -371,6 +350,8 @@ pub struct GpuDevice {
     /// when its work ends), and the timed events around the instructions of the run under way.
     pub(crate) profile: Option<Vec<std::time::Duration>>,
     timed: Vec<(usize, GpuEvent, GpuEvent)>,
+    /// Where infs and NaNs first appeared, while watching for them ([`crate::non_finite`]).
+    pub(crate) non_finite: Option<crate::non_finite::NonFiniteTrace>,
     /// Aborts the NCCL communicators joined, when a rank fails.
     aborter: Option<Arc<NcclAborter>>,
     /// Aborts them when a wait on the device lasts past `--comm-timeout` (once it is set).
@@ -639,6 +620,7 @@ impl GpuDevice {
             links,
             receive_waits: Vec::new(),
             profile: None,
+            non_finite: None,
             timed: Vec::new(),
             aborter,
             watchdog: None,
@@ -716,6 +698,14 @@ impl Device for GpuDevice {
 
     fn launch(&mut self, program: &Program, index: usize, stream: Stream) -> Result<(), RuntimeError> {
         let before = self.profile.is_some().then(|| self.gpu().record_timed(stream)).transpose()?;
+        let mut watch = self.non_finite.take();
+        // Downloaded in the stream's order: after the work that wrote them.
+        let non_finite = |device: &GpuDevice, region: &Region, dtype: DType| {
+            Ok(dtype.first_non_finite(&device.download_region(stream, region)?).is_some())
+        };
+        if let Some(watch) = watch.as_mut() {
+            watch.before(program, index, |region, dtype| non_finite(self, region, dtype))?;
+        }
         self.launch_instruction(program, index, stream).map_err(|e| match e {
             RuntimeError::Device(message) => RuntimeError::Device(format!(
                 "instruction {index} ({}): {message}",
@@ -723,6 +713,10 @@ impl Device for GpuDevice {
             )),
             other => other,
         })?;
+        if let Some(watch) = watch.as_mut() {
+            watch.after(program, index, |region, dtype| non_finite(self, region, dtype))?;
+        }
+        self.non_finite = watch;
         if let Some(before) = before {
             let after = self.gpu().record_timed(stream)?;
             self.timed.push((index, before, after));
@@ -979,21 +973,4 @@ fn pipeline_links(program: &Program, stage: usize) -> Result<Vec<Link>, RuntimeE
         links.push(link);
     }
     Ok(links)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::round_to_tf32;
-
-    #[test]
-    fn tf32_rounds_to_ten_mantissa_bits_ties_away_from_zero() {
-        let ulp = 2f32.powi(-10);
-        assert_eq!(round_to_tf32(1.0 + ulp / 2.0), 1.0 + ulp, "a tie rounds away from zero");
-        assert_eq!(round_to_tf32(-(1.0 + ulp / 2.0)), -(1.0 + ulp));
-        assert_eq!(round_to_tf32(1.0 + ulp / 2.0 - 2f32.powi(-23)), 1.0, "below the tie");
-        assert_eq!(round_to_tf32(1.0 + ulp), 1.0 + ulp, "representable values stay");
-        assert_eq!(round_to_tf32(f32::MAX), f32::INFINITY, "past the largest TF32 value");
-        assert_eq!(round_to_tf32(f32::NEG_INFINITY), f32::NEG_INFINITY);
-        assert!(round_to_tf32(f32::NAN).is_nan());
-    }
 }

@@ -65,7 +65,7 @@ impl Trainer {
                 );
             }
             None if found.is_empty() => {
-                message += "; the op that made it is found on CPU ranks (resume the last checkpoint with --device cpu)"
+                message += "; the parameter and the op that made it are named without --cuda-graph (resume the last checkpoint without it)"
             }
             None => {}
         }
@@ -78,7 +78,7 @@ impl Trainer {
 
     /// Runs the step of `feeds` again on every rank with each instruction's outputs checked,
     /// and returns what each rank found, by rank (every rank of a job of processes); empty
-    /// when the ranks run on GPUs, which do not check.
+    /// when the ranks' steps run as CUDA graphs, which the host cannot look inside.
     fn replay_watched(&mut self, feeds: &[Vec<HostTensor>]) -> Result<Vec<(usize, NonFiniteTrace)>, TrainError> {
         let watching: Vec<bool> = self.ranks.iter_mut().map(|executor| executor.watch_non_finite()).collect();
         if watching.contains(&false) {
