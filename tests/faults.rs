@@ -328,6 +328,11 @@ fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
         let node = line.split("the first inf or NaN was written by node ").nth(1).and_then(|r| r.split(' ').next());
         let node: u32 = node.and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no node in {line}"));
         assert_eq!(node_reading(&ir, node), ("add".to_string(), bias.to_string()), "{line}");
+        // The label names the node's value as the printed IR does: a line of the dump defines it.
+        let value = line.split(&format!("node {node} (")).nth(1).and_then(|r| r.split(" = add)").next());
+        let value = value.unwrap_or_else(|| panic!("no value in {line}"));
+        let defined = format!("{value} = add ");
+        assert!(last_dump(&ir).lines().any(|l| l.trim_start().starts_with(&defined) && l.contains(bias)), "{line}");
         assert!(line.contains("the parameters and optimizer states are those after step 2"), "{line}");
     }
     // Steps replayed as a CUDA graph cannot be looked inside: the line says how to find them.
@@ -353,11 +358,15 @@ fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
 /// The op of node `index` of the graph `--dump-ir DIR` wrote last (the one codegen lowered),
 /// and the parameter among its inputs.
 fn node_reading(dir: &Path, index: u32) -> (String, String) {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
-    files.sort();
-    let text = std::fs::read_to_string(files.last().unwrap()).unwrap();
-    let graph = autotp_ir::text::parse(&text).unwrap();
+    let graph = autotp_ir::text::parse(&last_dump(dir)).unwrap();
     let node = graph.node(autotp_ir::NodeId(index));
     let param = node.inputs.iter().find(|v| graph.params().contains(v)).and_then(|&v| graph.name_of(v));
     (node.op.name().to_string(), param.unwrap_or("none").to_string())
+}
+
+/// The text of the graph `--dump-ir DIR` wrote last.
+fn last_dump(dir: &Path) -> String {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    std::fs::read_to_string(files.last().unwrap()).unwrap()
 }

@@ -477,6 +477,7 @@ fn lower_placed(
         kernels: Vec::new(),
         start_instruction: vec![usize::MAX; graph.num_nodes()],
         in_fused_group: vec![false; graph.num_nodes()],
+        names: autotp_ir::text::ValueNames::new(graph),
     };
     // Fusion groups that lower to one kernel or optimizer step, by their first node.
     let mut fusion_at: Vec<Option<&autotp_ir::Fusion>> = vec![None; graph.num_nodes()];
@@ -636,6 +637,8 @@ struct Lowering<'g> {
     start_instruction: Vec<usize>,
     /// Nodes a group's kernel or optimizer step computes.
     in_fused_group: Vec<bool>,
+    /// The values' names in the graph's printed text, which instructions' labels use.
+    names: autotp_ir::text::ValueNames,
 }
 
 impl Lowering<'_> {
@@ -779,7 +782,7 @@ impl Lowering<'_> {
             self.regions[out.index()] = self.regions[self.lifetimes.root[out.index()]];
             if node.op == Op::Wait {
                 let Def::Node(start, _) = graph.value(node.inputs[0]).def else { unreachable!("verified") };
-                let label = format!("node {} (wait)", id.index());
+                let label = format!("node {} ({})", id.index(), self.names.node(graph, id));
                 self.instructions.push(Instruction::Wait { start: self.start_instruction[start.index()], label });
             }
             return;
@@ -788,7 +791,7 @@ impl Lowering<'_> {
             self.allocate(o, id.index());
         }
         self.note_peak();
-        let label = format!("node {} ({})", id.index(), node.op.name());
+        let label = format!("node {} ({})", id.index(), self.names.node(graph, id));
         let inputs: Vec<Region> = node.inputs.iter().map(|v| self.region(v)).collect();
         let outputs: Vec<Region> = node.outputs.iter().map(|v| self.region(v)).collect();
         let generated = self.options.kernels == KernelChoice::Generated;

@@ -92,9 +92,10 @@ fn lane_name(stream: Stream) -> &'static str {
     }
 }
 
-/// The IR op of a label `node N (op)`, or the label.
+/// The IR op of a label `node N (%3 = op)` or `fusion F, nodes A..B (fused:...)`, or the label.
 pub fn op_of(label: &str) -> String {
-    label.rsplit_once('(').and_then(|(_, op)| op.strip_suffix(')')).unwrap_or(label).to_string()
+    let within = label.rsplit_once('(').and_then(|(_, op)| op.strip_suffix(')')).unwrap_or(label);
+    within.rsplit_once(" = ").map_or(within, |(_, op)| op).to_string()
 }
 
 fn category(instruction: &Instruction) -> &'static str {
@@ -107,5 +108,18 @@ fn category(instruction: &Instruction) -> &'static str {
         Instruction::Send { .. } => "send",
         Instruction::Recv { .. } => "recv",
         Instruction::OptimizerStep { .. } => "optimizer",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::op_of;
+
+    #[test]
+    fn the_op_of_a_label() {
+        assert_eq!(op_of("node 136 (%201 = add)"), "add");
+        assert_eq!(op_of("node 7 (%3, %4 = split)"), "split");
+        assert_eq!(op_of("fusion f3, nodes 10..14 (fused:add+mul)"), "fused:add+mul");
+        assert_eq!(op_of("memcpy"), "memcpy");
     }
 }

@@ -30,7 +30,7 @@ mod print;
 
 pub use parse::{parse, ParseError};
 pub use print::print;
-pub(crate) use print::ValueNames;
+pub use print::ValueNames;
 
 #[cfg(test)]
 mod tests {

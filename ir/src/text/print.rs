@@ -4,8 +4,8 @@ use std::fmt::Write;
 
 use crate::{AttentionMask, DType, GeluApprox, Graph, NodeId, Op, Placement, Tensor, ValueId};
 
-/// Display names of a graph's values.
-pub(crate) struct ValueNames {
+/// Display names of a graph's values, as the printed text names them (`%embed`, `%12`).
+pub struct ValueNames {
     names: Vec<String>,
 }
 
