@@ -61,7 +61,10 @@ impl Peers {
         std::thread::Builder::new().name("autotp-probes".into()).spawn(move || {
             let mut buffer = [0u8; 64];
             loop {
-                let Ok((len, from)) = socket.recv_from(&mut buffer) else { continue };
+                let Ok((len, from)) = socket.recv_from(&mut buffer) else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
                 // A probe names the rank it asks, which the answer repeats.
                 let Some(asked) = buffer[..len].strip_prefix(PROBE).filter(|asked| asked.len() == 4) else {
                     continue;
