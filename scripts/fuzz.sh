@@ -8,7 +8,8 @@
 # repository (the ONNX conformance models, the golden IR files, fixtures), and grows its own
 # corpus in fuzz/work/TARGET (ignored by git). An input that crashes a target is written to
 # fuzz/artifacts/TARGET/; add it to fuzz/regressions/TARGET/ once fixed, and `cargo test`
-# runs it from then on (tests/fuzz_regressions.rs).
+# runs it from then on (tests/fuzz_regressions.rs). A target with a dictionary
+# (fuzz/TARGET.dict: onnx_model's op types and attribute names) is given it.
 #
 # Limits: an input may not make autotp hold more than 512 MiB at once (-malloc_limit_mb: a
 # size read from a header is checked against the file before it is allocated) nor run longer
@@ -46,9 +47,11 @@ for target in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$target" "fuzz/artifacts/$target"
   log="fuzz/work/$target.log"
   set +e
+  dict=()
+  [ -f "fuzz/$target.dict" ] && dict=(-dict="$target.dict")
   (cd fuzz && cargo +nightly fuzz run -s none -O -a "$target" "work/$target" "corpus/$target" -- \
     -max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10 -max_len=65536 \
-    -artifact_prefix="artifacts/$target/" -print_final_stats=1) > "$log" 2>&1
+    -artifact_prefix="artifacts/$target/" -print_final_stats=1 "${dict[@]}") > "$log" 2>&1
   rc=$?
   set -e
   runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | awk '{print $2}' | tail -1 || true)

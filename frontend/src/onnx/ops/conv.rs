@@ -41,7 +41,7 @@ impl ConvShape {
             .filter(|&g| g > 0)
             .ok_or_else(|| cx.invalid("group must be positive"))?;
         let (in_channels, out_channels) = (x[1], w[0]);
-        if in_channels != w[1] * groups || !out_channels.is_multiple_of(groups) {
+        if w[1].checked_mul(groups) != Some(in_channels) || !out_channels.is_multiple_of(groups) {
             return Err(cx.invalid(format!(
                 "{groups} group(s) do not fit input channels {in_channels} and weight {w:?} (needs C = group x weight dim 1, Cout divisible by group)"
             )));
@@ -63,7 +63,15 @@ impl ConvShape {
             }
         };
         let (strides, dilations) = (per_axis("strides")?, per_axis("dilations")?);
-        let extent: Vec<usize> = (0..spatial).map(|d| dilations[d] * (kernel[d] - 1) + 1).collect();
+        if x[2..].contains(&0) {
+            return Err(cx.invalid(format!("input {x:?} has an empty spatial axis")));
+        }
+        // Attributes may hold any size: the arithmetic on them is checked.
+        let too_large = || cx.invalid(format!("strides, dilations or pads too large for input {x:?}"));
+        let extent = (0..spatial)
+            .map(|d| dilations[d].checked_mul(kernel[d] - 1).and_then(|e| e.checked_add(1)))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(too_large)?;
         let (mut pad_begin, mut pad_end) = (vec![0; spatial], vec![0; spatial]);
         match attr_string(cx, "auto_pad").as_deref().unwrap_or("NOTSET") {
             "NOTSET" => {
@@ -81,7 +89,8 @@ impl ConvShape {
             mode @ ("SAME_UPPER" | "SAME_LOWER") => {
                 for d in 0..spatial {
                     let out = x[2 + d].div_ceil(strides[d]);
-                    let total = ((out - 1) * strides[d] + extent[d]).saturating_sub(x[2 + d]);
+                    let covered = ((out - 1).checked_mul(strides[d])).and_then(|c| c.checked_add(extent[d]));
+                    let total = covered.ok_or_else(too_large)?.saturating_sub(x[2 + d]);
                     let small = total / 2;
                     (pad_begin[d], pad_end[d]) =
                         if mode == "SAME_UPPER" { (small, total - small) } else { (total - small, small) };
@@ -95,7 +104,8 @@ impl ConvShape {
         }
         let mut output = Vec::with_capacity(spatial);
         for d in 0..spatial {
-            let padded = x[2 + d] + pad_begin[d] + pad_end[d];
+            let padded =
+                (x[2 + d].checked_add(pad_begin[d])).and_then(|p| p.checked_add(pad_end[d])).ok_or_else(too_large)?;
             if padded < extent[d] {
                 return Err(cx.invalid(format!(
                     "spatial axis {d}: the padded input ({padded}) is shorter than the dilated kernel ({})",
