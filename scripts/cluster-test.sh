@@ -57,19 +57,25 @@ cleanup() {
   ip link delete "${prefix}br" 2>/dev/null || true
 }
 trap cleanup EXIT
-ip netns add "$(node 1)" 2>/dev/null || skip "cannot make a network namespace"
-ip link add "${prefix}br" type bridge
-ip link set "${prefix}br" up
-for i in $(seq "$nodes"); do
-  n="$(node "$i")"
-  [ "$i" = 1 ] || ip netns add "$n"
-  ip link add "${prefix}v$i" type veth peer name eth0 netns "$n"
-  ip link set "${prefix}v$i" master "${prefix}br" up
-  ip -n "$n" addr add "10.231.0.$i/24" dev eth0
-  ip -n "$n" link set eth0 up
-  ip -n "$n" link set lo up
-done
-ip netns exec "$(node 1)" sh -c 'echo 3 > /proc/sys/net/ipv4/tcp_retries2'
+make_nodes() {
+  # Each step checked: `set -e` does not reach into a function called before `||`.
+  ip link add "${prefix}br" type bridge && ip link set "${prefix}br" up || return 1
+  for i in $(seq "$nodes"); do
+    local n
+    n="$(node "$i")"
+    ip netns add "$n" \
+      && ip link add "${prefix}v$i" type veth peer name eth0 netns "$n" \
+      && ip link set "${prefix}v$i" master "${prefix}br" up \
+      && ip -n "$n" addr add "10.231.0.$i/24" dev eth0 \
+      && ip -n "$n" link set eth0 up \
+      && ip -n "$n" link set lo up || return 1
+  done
+  ip netns exec "$(node 1)" sh -c 'echo 3 > /proc/sys/net/ipv4/tcp_retries2' \
+    && ip netns exec "$(node 1)" unshare --uts true
+}
+# A machine (a container without CAP_SYS_ADMIN or CAP_NET_ADMIN) that cannot make the nodes
+# skips the test; one that can must pass it.
+make_nodes 2>"$work/make-nodes.txt" || skip "cannot make the nodes: $(head -1 "$work/make-nodes.txt")"
 
 # Open MPI's launch agent, called as `agent HOST COMMAND...` (as it would call ssh).
 cat > "$work/agent" <<'EOF'
