@@ -10,12 +10,13 @@
 # rank per node:
 #
 #   1. across the nodes it trains bit for bit as the same plan's ranks as threads;
-#   2. a cut link (node 4's veth down) ends the job within --comm-timeout plus the probes, with
-#      a line naming rank 3 and its host; the last checkpoint stays intact;
-#   3. the job resumes on the two nodes left, as tp 2 (the checkpoint resharded) and follows
-#      the uninterrupted run's losses within 1e-5 relative;
-#   4. a hung rank (SIGSTOP) ends the job the same way;
-#   5. a killed rank ends the job, mpirun naming its rank and node.
+#   2. a hung rank (SIGSTOP) ends the job within --comm-timeout plus the probes, with a line
+#      naming rank 3 and its host;
+#   3. a killed rank ends the job, mpirun naming its rank and node;
+#   4. a cut link (node 4's veth down) ends the job as a hung rank does; the last checkpoint
+#      stays intact;
+#   5. the job resumes on the two nodes left, as tp 2 (the checkpoint resharded) and follows
+#      the uninterrupted run's losses within 1e-5 relative.
 #
 # Exits 0 when every check holds, 77 when namespaces cannot be made here (not root, no `ip`,
 # `unshare` or `mpirun`), 1 at the first check that fails. tests/cluster.rs runs it.
@@ -76,6 +77,16 @@ make_nodes() {
 # A machine (a container without CAP_SYS_ADMIN or CAP_NET_ADMIN) that cannot make the nodes
 # skips the test; one that can must pass it.
 make_nodes 2>"$work/make-nodes.txt" || skip "cannot make the nodes: $(head -1 "$work/make-nodes.txt")"
+# Until every node reaches node 1: a connection to a closed port is refused at once when
+# packets pass, and times out while a new link does not carry them yet.
+for i in $(seq 2 "$nodes"); do
+  for _ in $(seq 20); do
+    rc=0
+    ip netns exec "$(node "$i")" timeout 1 bash -c 'exec 3<>/dev/tcp/10.231.0.1/9' 2>/dev/null || rc=$?
+    [ "$rc" -ne 124 ] && break
+  done
+  [ "$rc" -ne 124 ] || fail "node $i does not reach node 1 over its new link"
+done
 
 # Open MPI's launch agent, called as `agent HOST COMMAND...` (as it would call ssh).
 cat > "$work/agent" <<'EOF'
@@ -150,10 +161,26 @@ faulted() {
   echo "   ended $took s after the fault: $(grep -F -- "$1" "$work/$name.txt" | head -1)"
 }
 
-echo "2. node 4's link cut"
+# What a faulted job left on the nodes (a daemon of a job mpirun gave up on) goes.
+clear_nodes() {
+  for i in $(seq "$nodes"); do
+    ip netns pids "$(node "$i")" | xargs -r kill -9 2>/dev/null || true
+  done
+}
+
+# The link is cut last: a link brought back up may take a moment to carry packets again.
+echo "2. rank 3 hung (SIGSTOP)"
+faulted hung 'kill -STOP $(rank3_pid)' "rank 3 (host $(node 4), pid" "does not answer"
+clear_nodes
+
+echo "3. rank 3 killed"
+faulted killed 'kill -KILL $(rank3_pid)' "process rank 3" "on node $(node 4)"
+clear_nodes
+
+echo "4. node 4's link cut"
 faulted cut "ip link set ${prefix}v4 down" "rank 3 (host $(node 4), pid" "does not answer"
 
-echo "3. the job resumed on the 2 nodes left, as tp 2"
+echo "5. the job resumed on the 2 nodes left, as tp 2"
 step="$(cat "$work/cut/latest")"
 step=$((10#${step#step-}))
 cluster_run 2 "$work/resumed.txt" "$work/tp2.atp" --steps $((step + 6)) --resume "$work/cut" \
@@ -165,15 +192,5 @@ worst="$(paste <(losses "$work/whole.jsonl" | tail -n 6) <(losses "$work/resumed
 awk -v w="$worst" 'BEGIN { exit !(w != "missing" && w + 0 <= 1e-5) }' \
   || fail "the resumed losses differ from the uninterrupted run's: $worst relative"
 echo "   from step $step, 6 steps within $worst relative of the uninterrupted run"
-
-# Node 4 back: its link up, what was left of the cut job gone.
-ip link set "${prefix}v4" up
-ip netns pids "$(node 4)" | xargs -r kill -9 2>/dev/null || true
-
-echo "4. rank 3 hung (SIGSTOP)"
-faulted hung 'kill -STOP $(rank3_pid)' "rank 3 (host $(node 4), pid" "does not answer"
-
-echo "5. rank 3 killed"
-faulted killed 'kill -KILL $(rank3_pid)' "process rank 3" "on node $(node 4)"
 
 echo "cluster-test: passed"
