@@ -235,13 +235,15 @@ fn at_batch_rank(layout: &OperandLayout, batch_rank: usize) -> OperandLayout {
     OperandLayout { batch, ..layout.clone() }
 }
 
-/// What an offloaded multi-tensor step takes over from the nodes after it. Under fp16/bf16's
-/// skipping of non-finite steps every new value is kept by `select(finite, new, old)` (its
+/// What a multi-tensor step takes over from the nodes after it. Where a plan skips the steps
+/// whose gradients are not finite, every new value is kept by `select(finite, new, old)` (its
 /// update), and a 16-bit parameter is `select(finite, cast(new master), old)`, where `old` is
 /// the parameter or, under ZeRO 1/2, this rank's shard of it (a `shard_slice` that the select's
-/// result is all-gathered from): folded, the step runs in place only when `finite` holds, and
-/// writes the 16-bit copy over `old` itself (as DeepSpeed's CPU Adam does), so no kernel reads
-/// the offloaded states but the step.
+/// result is all-gathered from): folded, the step runs in place only when `finite` holds. An
+/// offloaded step also writes the 16-bit copy over `old` itself (as DeepSpeed's CPU Adam does),
+/// so no kernel reads the offloaded states but the step; elsewhere the cast and its select stay
+/// nodes of their own (a GPU's step kernel writes no 16-bit copies), the cast reading the
+/// master that the step left as it was or updated.
 struct GuardedStep {
     guard: ValueId,
     /// The selects and casts the step does the work of.
@@ -253,20 +255,23 @@ struct GuardedStep {
 
 /// The [`GuardedStep`] of each multi-tensor step group (by its first node), when every one of
 /// them folds and no fusion group mixes folded nodes with others; else none.
-fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, GuardedStep> {
+fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion], offloaded: bool) -> HashMap<usize, GuardedStep> {
     let consumers = graph.consumers();
     let updates: HashMap<ValueId, ValueId> = graph.updates().iter().map(|&(target, value)| (value, target)).collect();
-    // `select(guard, value, old)` reading `value`, whose result updates `old`.
-    let kept_by_select = |value: ValueId, old: ValueId| -> Option<(autotp_ir::NodeId, ValueId)> {
-        let select = *consumers[value.index()].iter().find(|&&c| graph.node(c).op == Op::Select)?;
-        let node = graph.node(select);
-        (node.inputs[1] == value && node.inputs[2] == old && updates.get(&node.outputs[0]) == Some(&old))
-            .then_some((select, node.inputs[0]))
-    };
     // A parameter, or a value made before the step starting at node `first`.
     let made_before = |v: ValueId, first: usize| match graph.value(v).def {
         Def::Node(n, _) => n.index() < first && !matches!(graph.node(n).op, Op::Constant { .. }),
         _ => graph.params().contains(&v),
+    };
+    // `select(guard, value, old)` reading `value`, whose result updates `old`, or takes the
+    // place of `old` made before the step starting at `first` (an f32 parameter's shard under
+    // ZeRO 1/2, all-gathered after the step).
+    let kept_by_select = |value: ValueId, old: ValueId, first: usize| -> Option<(autotp_ir::NodeId, ValueId)> {
+        let select = *consumers[value.index()].iter().find(|&&c| graph.node(c).op == Op::Select)?;
+        let node = graph.node(select);
+        let made_here = matches!(graph.value(old).def, Def::Node(..)) && made_before(old, first);
+        let takes_place = updates.get(&node.outputs[0]) == Some(&old) || made_here;
+        (node.inputs[1] == value && node.inputs[2] == old && takes_place).then_some((select, node.inputs[0]))
     };
     let mut guarded = HashMap::new();
     for f in steps {
@@ -276,13 +281,17 @@ fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, 
             let mut copy = None;
             for (j, &new) in node.outputs.iter().enumerate() {
                 let old = replaced_input(node, j);
-                let Some((select, guard)) = kept_by_select(new, old) else { return HashMap::new() };
+                let Some((select, guard)) = kept_by_select(new, old, f.nodes.start) else { return HashMap::new() };
                 let mut expected = 1;
                 if j == 0 {
                     let cast = consumers[new.index()].iter().copied().find(|&c| {
                         matches!(graph.node(c).op, Op::Cast { to: autotp_ir::DType::BF16 | autotp_ir::DType::F16 })
                     });
-                    if let Some(cast) = cast {
+                    if cast.is_some() {
+                        // The new master's other reader: its cast, folded into an offloaded step.
+                        expected = 2;
+                    }
+                    if let Some(cast) = cast.filter(|_| offloaded) {
                         let half = graph.node(cast).outputs[0];
                         let Some(&param_select) = consumers[half.index()].first() else { return HashMap::new() };
                         let select = graph.node(param_select);
@@ -296,7 +305,6 @@ fn guarded_steps(graph: &Graph, steps: &[&autotp_ir::Fusion]) -> HashMap<usize, 
                         }
                         folded.extend([cast, param_select]);
                         copy = Some((select.outputs[0], old));
-                        expected = 2;
                     }
                 }
                 if consumers[new.index()].len() != expected || step_guard.is_some_and(|g| g != guard) {
@@ -515,7 +523,7 @@ struct Lifetimes {
     last_use: Vec<usize>,
     /// The fusion groups that are multi-tensor optimizer steps, by their first node.
     optimizer_steps: HashMap<usize, autotp_kernels::Optimizer>,
-    /// Offloaded steps guarded by the finiteness of the gradients, by their first node.
+    /// Steps guarded by the finiteness of the gradients, by their first node.
     guarded: HashMap<usize, GuardedStep>,
     /// Transposes read by a matmul alone, and how the matmul reads their input in place.
     layouts: HashMap<ValueId, OperandLayout>,
@@ -578,17 +586,16 @@ impl Lifetimes {
     }
 
     /// Finds the fusion groups that are multi-tensor optimizer steps and lets their outputs
-    /// take their inputs' regions; offloaded, guarded by the finiteness of the gradients and in
-    /// place where that folds.
+    /// take their inputs' regions, guarded by the finiteness of the gradients where the plan's
+    /// selects of it fold into the steps.
     fn optimizer_steps_in_place(&mut self, graph: &Graph, options: &LowerOptions) {
         let steps: Vec<(&autotp_ir::Fusion, autotp_kernels::Optimizer)> = (graph.fusions().iter())
             .filter_map(|f| {
                 Some((f, autotp_ir::lower::multi_tensor_optimizer(graph, &f.node_ids().collect::<Vec<_>>())?))
             })
             .collect();
-        if options.offload_optimizer {
-            self.guarded = guarded_steps(graph, &steps.iter().map(|(f, _)| *f).collect::<Vec<_>>());
-        }
+        let fusions: Vec<&autotp_ir::Fusion> = steps.iter().map(|(f, _)| *f).collect();
+        self.guarded = guarded_steps(graph, &fusions, options.offload_optimizer);
         let (root, last_use) = (&mut self.root, &mut self.last_use);
         for (f, optimizer) in steps {
             match self.guarded.get(&f.nodes.start) {
@@ -602,7 +609,10 @@ impl Lifetimes {
                     for &folded in &step.folded {
                         let node = graph.node(folded);
                         let old = if node.op == Op::Select { node.inputs[2] } else { node.outputs[0] };
-                        root[node.outputs[0].index()] = root[old.index()];
+                        let held = root[old.index()];
+                        root[node.outputs[0].index()] = held;
+                        // A shard's region now holds the kept value: it lives as long as that.
+                        last_use[held] = last_use[held].max(last_use[node.outputs[0].index()]);
                     }
                     for &(copy, old) in step.copies.iter().flatten() {
                         let Def::Node(select, _) = graph.value(copy).def else { unreachable!("a select's value") };

@@ -11,10 +11,14 @@
 //! operation is contracted or approximated (`sqrt` and division are IEEE on both targets), so
 //! the generated step is bit-identical to the Rust kernels; the test checks it on x86.
 //!
-//! - x86: `void k(u8** args, i64 begin, i64 end)` with `args = [chunks, scalars...]` runs
-//!   chunks `begin..end` in order, vectors of the host's width and a scalar tail.
-//! - NVPTX: `void k(TensorUpdate* chunks, i64 num_chunks, F* scalars...)`, block `b` takes
-//!   chunks `b, b + gridDim.x, ...`, thread `t` elements `t, t + BLOCK, ...` of each.
+//! - x86: `void k(u8** args, i64 begin, i64 end)` with `args = [chunks, scalars..., guard]`
+//!   runs chunks `begin..end` in order, vectors of the host's width and a scalar tail.
+//! - NVPTX: `void k(TensorUpdate* chunks, i64 num_chunks, F* scalars..., u8* guard)`, block
+//!   `b` takes chunks `b, b + gridDim.x, ...`, thread `t` elements `t, t + BLOCK, ...` of each.
+//!
+//! `guard` is null, or the address of the bool that says whether the step's gradients are all
+//! finite: where it is 0 the kernel returns before it writes anything, so a GPU skips a
+//! non-finite step without the host reading the guard back (and inside a CUDA graph).
 //!
 //! An output not updated in place receives the new values directly (elements are read from the
 //! inputs and written to the outputs), so no copy precedes the step.
@@ -268,6 +272,29 @@ fn update_elements<'ctx>(
     Ok(())
 }
 
+/// Returns from `function` unless `guard` is null or the byte it points at is not 0; the
+/// builder continues in the block where the step runs.
+fn return_unless_guarded<'ctx>(
+    e: &Emitter<'_, 'ctx>,
+    function: FunctionValue<'ctx>,
+    guard: PointerValue<'ctx>,
+) -> Result<(), LlvmError> {
+    let (check, skip, run) = (
+        e.ctx.append_basic_block(function, "guard.check"),
+        e.ctx.append_basic_block(function, "guard.skip"),
+        e.ctx.append_basic_block(function, "guard.run"),
+    );
+    e.b.build_conditional_branch(e.b.build_is_null(guard, "")?, run, check)?;
+    e.b.position_at_end(check);
+    let byte = e.b.build_load(e.ctx.i8_type(), guard, "")?.into_int_value();
+    let finite = e.b.build_int_compare(IntPredicate::NE, byte, e.ctx.i8_type().const_zero(), "")?;
+    e.b.build_conditional_branch(finite, run, skip)?;
+    e.b.position_at_end(skip);
+    e.b.build_return(None)?;
+    e.b.position_at_end(run);
+    Ok(())
+}
+
 /// Checks `kernel`, adds `void symbol(params)` and positions the builder in its entry block.
 fn declare<'ctx>(
     e: &Emitter<'_, 'ctx>,
@@ -281,7 +308,7 @@ fn declare<'ctx>(
     Ok(function)
 }
 
-/// The x86 form: `void k(u8** args, i64 begin, i64 end)`, `args = [chunks, scalars...]`.
+/// The x86 form: `void k(u8** args, i64 begin, i64 end)`, `args = [chunks, scalars..., guard]`.
 pub(crate) fn define_cpu<'ctx>(
     e: &Emitter<'_, 'ctx>,
     symbol: &str,
@@ -293,7 +320,9 @@ pub(crate) fn define_cpu<'ctx>(
     let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
     let (function, begin, end) = (entry.function, entry.begin, entry.end);
     let table = entry.pointer(e, 0)?;
-    let scalars = (1..=kernel.optimizer.num_scalars()).map(|k| entry.pointer(e, k)).collect::<Result<Vec<_>, _>>()?;
+    let num_scalars = kernel.optimizer.num_scalars();
+    let scalars = (1..=num_scalars).map(|k| entry.pointer(e, k)).collect::<Result<Vec<_>, _>>()?;
+    return_unless_guarded(e, function, entry.pointer(e, 1 + num_scalars)?)?;
     let narrow = step_constants(e, function, kernel, &scalars)?;
     let wide = splat_constants(e, &narrow, width)?;
     let one = i64t.const_int(1, false);
@@ -323,7 +352,7 @@ pub(crate) fn define_cpu<'ctx>(
     Ok(function)
 }
 
-/// The NVPTX form: `void k(TensorUpdate* chunks, i64 num_chunks, F* scalars...)`, with
+/// The NVPTX form: `void k(TensorUpdate* chunks, i64 num_chunks, F* scalars..., u8* guard)`, with
 /// `special_register("tid.x")` and so on reading the thread's coordinates.
 pub(crate) fn define_nvptx<'ctx>(
     e: &Emitter<'_, 'ctx>,
@@ -333,12 +362,14 @@ pub(crate) fn define_nvptx<'ctx>(
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
     let (i64t, ptr) = (e.ctx.i64_type(), e.ctx.ptr_type(AddressSpace::default()));
     let mut params: Vec<BasicMetadataTypeEnum> = vec![ptr.into(), i64t.into()];
-    params.extend(std::iter::repeat_n(BasicMetadataTypeEnum::from(ptr), kernel.optimizer.num_scalars()));
+    params.extend(std::iter::repeat_n(BasicMetadataTypeEnum::from(ptr), kernel.optimizer.num_scalars() + 1));
     let function = declare(e, kernel, &kernel.entry_name(), &params)?;
     let table = function.get_nth_param(0).expect("declared").into_pointer_value();
     let num_chunks = function.get_nth_param(1).expect("declared").into_int_value();
-    let scalars: Vec<PointerValue> =
+    let mut scalars: Vec<PointerValue> =
         (2..params.len() as u32).map(|k| function.get_nth_param(k).expect("declared").into_pointer_value()).collect();
+    let guard = scalars.pop().expect("declared");
+    return_unless_guarded(e, function, guard)?;
     let constants = step_constants(e, function, kernel, &scalars)?;
     let (thread, block, blocks) =
         (special_register("tid.x")?, special_register("ctaid.x")?, special_register("nctaid.x")?);

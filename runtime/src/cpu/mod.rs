@@ -518,7 +518,8 @@ fn advise_huge_pages(bytes: &mut [u8]) {
 }
 
 /// Runs the generated multi-tensor kernel `entry` over `chunks` on the current rayon pool,
-/// with the step's `scalars` (learning rate, step: one element of the chunks' dtype each).
+/// with the step's `scalars` (learning rate, step: one element of the chunks' dtype each). The
+/// kernel's guard is null: a CPU rank reads a guarded step's guard itself and skips the step.
 ///
 /// # Safety
 /// `entry` is the compiled step of the chunks' update rule and dtype; the scalars and the
@@ -526,7 +527,9 @@ fn advise_huge_pages(bytes: &mut [u8]) {
 /// allows, and no one else touches them meanwhile.
 pub(crate) unsafe fn run_chunks(entry: CpuKernel, scalars: &[*mut u8], chunks: &[autotp_kernels::optim::TensorUpdate]) {
     use rayon::prelude::*;
-    let args: Vec<*mut u8> = std::iter::once(chunks.as_ptr() as *mut u8).chain(scalars.iter().copied()).collect();
+    let no_guard = std::ptr::null_mut();
+    let args: Vec<*mut u8> =
+        std::iter::once(chunks.as_ptr() as *mut u8).chain(scalars.iter().copied()).chain([no_guard]).collect();
     let shared = Buffers(&args);
     (0..chunks.len()).into_par_iter().for_each(|c| {
         let args = &shared;

@@ -49,9 +49,6 @@ pub(super) fn capture_blocker(program: &Program, prepared: &[Prepared], paths: &
                  that a graph does not hold"
                     .to_string()
             }
-            (Instruction::OptimizerStep { guard: Some(_), .. }, _) => {
-                "reads its guard back (an offloaded optimizer's step)".to_string()
-            }
             (_, Prepared::OptimizerStep(ChunkTable { offloaded: Some(_), .. })) => {
                 "updates offloaded optimizer state on the host".to_string()
             }

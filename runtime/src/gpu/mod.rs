@@ -855,19 +855,22 @@ impl GpuDevice {
                 Ok(())
             }
             Instruction::OptimizerStep { scalars, guard, dtype, tensors, label, .. } => {
-                // A guarded step whose guard is false (non-finite gradients) leaves everything.
-                if let Some(guard) = guard {
+                let Prepared::OptimizerStep(table) = &self.prepared[index] else {
+                    unreachable!("a table per optimizer step, made at load")
+                };
+                // A guarded step whose guard is false (non-finite gradients) leaves everything:
+                // the kernel reads the guard on the device; the host's part of an offloaded
+                // step needs it here.
+                if let (Some(guard), Some(_)) = (guard, &table.offloaded) {
                     if self.download_region(stream, guard)?[0] == 0 {
                         return Ok(());
                     }
                 }
-                let Prepared::OptimizerStep(table) = &self.prepared[index] else {
-                    unreachable!("a table per optimizer step, made at load")
-                };
                 let gpu = self.gpu.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
                 if table.chunks > 0 {
                     let mut args = vec![table.address, table.chunks as u64];
                     args.extend(scalars.iter().map(|r| self.base + r.offset as u64));
+                    args.push(guard.as_ref().map_or(0, |r| self.base + r.offset as u64));
                     gpu.launch(stream, Entry::OptimizerStep(table.rule), table.chunks, &args)?;
                 }
                 let Some(offloaded) = &table.offloaded else { return Ok(()) };
