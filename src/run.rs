@@ -135,9 +135,9 @@ pub struct RunFlags {
     /// What a step whose loss or gradients hold an inf or a NaN does: stop (end the run, naming
     /// the step, the first parameter whose gradient is not finite and the op that first made
     /// an inf or a NaN; the state stays as before the step) or skip (keep the state, count the
-    /// step, and go on, as mixed precision does). Both need a plan that checks its gradients
-    /// (bf16, or f32 compiled with --finite-check; an f32 plan without stops on a loss that is
-    /// not finite). fp16 plans always skip and lower their loss scale.
+    /// step, and go on, as mixed precision does). Both need a plan that checks its gradients,
+    /// as every plan does unless compiled with --no-finite-check (such a plan stops on a loss
+    /// that is not finite). fp16 plans always skip and lower their loss scale.
     #[arg(long, default_value = "stop", value_parser = ["stop", "skip"])]
     nan_policy: String,
 }

@@ -61,8 +61,9 @@ fn context_parallelism_moves_the_keys_and_values_the_formula_says() {
             println!("{arch} cp {n}: all-gathers {ag}, reduce-scatters {rs}, all-reduces {ar} bytes per rank");
             assert_eq!(ag, 2 * key_value, "{arch} cp {n}: all-gathers");
             assert_eq!(rs, 2 * key_value, "{arch} cp {n}: reduce-scatters");
-            let loss = 2 * (n - 1) * 4 / n;
-            assert_eq!(ar, 2 * (n - 1) * params / n + loss, "{arch} cp {n}: all-reduces");
+            // Two one-element all-reduces: the loss and the finite check's flag.
+            let scalars = 2 * (2 * (n - 1) * 4 / n);
+            assert_eq!(ar, 2 * (n - 1) * params / n + scalars, "{arch} cp {n}: all-reduces");
         }
     }
 }

@@ -291,25 +291,31 @@ fn poison(file: &Path, tensor: &str) {
 /// `--nan-policy stop` (the default) ends a step whose gradients are not finite with one line
 /// naming the step, the first parameter whose gradient is not finite and the op that made the
 /// first inf, as threads, as processes and on emulated GPUs; the checkpoint of the step before stays the state.
-/// `--nan-policy skip` goes on, every such step's update kept back. A plan compiled without
-/// `--finite-check` stops on the loss and says so, and cannot skip.
+/// `--nan-policy skip` goes on, every such step's update kept back (on the emulated GPU too,
+/// inside CUDA graph replays). A plan compiled with
+/// `--no-finite-check` stops on the loss and says so, and cannot skip.
 #[test]
 fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
     let dir = scratch("faults-nan");
     let ir = dir.join("ir");
-    let plan = compile_dp2_with(&dir, "checked", &["--finite-check", "--dump-ir", ir.to_str().unwrap()]);
+    let plan = compile_dp2_with(&dir, "checked", &["--dump-ir", ir.to_str().unwrap()]);
     let (save, metrics) = (dir.join("save"), dir.join("metrics.jsonl"));
     success(autotp(&run_args(&plan, 2, &metrics, &["--save", save.to_str().unwrap()])));
     let bias = "m.transformer.h.1.mlp.c_proj.bias";
     poison(&save.join("step-00000002/rank-00000.safetensors"), bias);
 
-    let unchecked = compile_dp2(&dir);
+    let unchecked = compile_dp2_with(&dir, "unchecked", &["--no-finite-check"]);
     let resume = ["--resume", save.to_str().unwrap()];
     let stderr = failure(autotp(&run_args(&unchecked, 5, &dir.join("unchecked.jsonl"), &resume)));
     assert!(stderr.contains("step 3: the loss is NaN; the plan does not check its gradients"), "{stderr}");
     let skip = ["--resume", save.to_str().unwrap(), "--nan-policy", "skip"];
     let stderr = failure(autotp(&run_args(&unchecked, 5, &dir.join("unchecked.jsonl"), &skip)));
-    assert!(stderr.contains("--nan-policy skip") && stderr.contains("compile it with --finite-check"), "{stderr}");
+    assert!(stderr.contains("--nan-policy skip") && stderr.contains("compiled with --no-finite-check"), "{stderr}");
+    let model = fixture("gpt2", "model.onnx");
+    let half = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4", "--precision", "bf16"];
+    let half = [&half[..], &["--no-finite-check", "-o", "/dev/null"]].concat();
+    let stderr = failure(autotp(&half));
+    assert!(stderr.contains("--no-finite-check with --precision bf16: a 16-bit step always checks"), "{stderr}");
 
     // Threads, processes, and the emulated GPU's ranks (whose replay downloads each output).
     for (launch, gpu) in [(&[][..], false), (&["--launch", "2"], false), (&["--device", "cuda"], true)] {
@@ -353,6 +359,17 @@ fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
     assert_eq!((checkpoint.manifest.step, checkpoint.manifest.skipped_steps), (5, 3));
     let saved = checkpoint.tensor(bias).unwrap();
     assert_eq!(&saved.bytes[..4], &f32::INFINITY.to_le_bytes());
+
+    // The same inside CUDA graph replays: the step kernel reads its guard on the device.
+    let graph_save = dir.join("graph-save");
+    let resume = ["--resume", save.to_str().unwrap(), "--nan-policy", "skip", "--save", graph_save.to_str().unwrap()];
+    let skip_in_graph = [&resume[..], &["--device", "cuda", "--cuda-graph"]].concat();
+    let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+    run.args(run_args(&plan, 7, &dir.join("graph-skipped.jsonl"), &skip_in_graph)).env("AUTOTP_GPU", "emulated");
+    success(run.output().unwrap());
+    let checkpoint = Checkpoint::open(&graph_save).unwrap();
+    assert_eq!((checkpoint.manifest.step, checkpoint.manifest.skipped_steps), (7, 5));
+    assert_eq!(&checkpoint.tensor(bias).unwrap().bytes[..4], &f32::INFINITY.to_le_bytes());
 }
 
 /// The op of node `index` of the graph `--dump-ir DIR` wrote last (the one codegen lowered),

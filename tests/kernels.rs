@@ -164,6 +164,7 @@ fn unary_ops_match_the_builtin_kernels() {
             ("ceil", 10.0, 0.0),
             ("round", 10.0, 0.0),
             ("sign", 1.0, 0.0),
+            ("finite_zero", 1.0, 0.0),
         ] {
             let text = format!(
                 "graph \"unary\" {{\n  input %x : f32{shape}\n  %0 = constant splat<{scale:e}> : f32[]\n  \
@@ -171,6 +172,13 @@ fn unary_ops_match_the_builtin_kernels() {
             );
             check(&text, 1, Tolerance::Relative(tol));
         }
+        // exp(100 x) is inf for x above 0.89: finite_zero is NaN there, 0 elsewhere, both ways.
+        let text = format!(
+            "graph \"finite\" {{\n  input %x : f32{shape}\n  %0 = constant splat<100.0> : f32[]\n  \
+             %1 = mul %x, %0 : f32{shape}\n  %2 = exp %1 : f32{shape}\n  %3 = finite_zero %2 : f32{shape}\n  \
+             output \"y\" = %3\n}}\n"
+        );
+        check(&text, 1, EXACT);
     }
 }
 

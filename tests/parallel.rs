@@ -322,7 +322,8 @@ fn a_failing_rank_stops_the_others() {
 /// parameters ((n-1)/n of 4P each); stage 3 gathers parameters in the forward and again in the
 /// backward (only those the backward uses). One saving beyond DeepSpeed's: the position
 /// embedding's gradient is reduced before it is scattered into the table, so only the 32 rows
-/// a 32-token sequence uses travel. A run measures the bytes and the peak the plan states.
+/// a 32-token sequence uses travel. Every stage all-reduces two scalars: the loss and the finite
+/// check's flag. A run measures the bytes and the peak the plan states.
 #[test]
 fn reports_follow_the_zero_formulas() {
     let dir = scratch("parallel-report");
@@ -353,13 +354,13 @@ fn reports_follow_the_zero_formulas() {
         );
         match zero {
             0 => {
-                assert_eq!(comm("all_reduce"), 4 * (p - positions_saved) + 4, "gradients and the loss");
+                assert_eq!(comm("all_reduce"), 4 * (p - positions_saved) + 4 + 4, "gradients, loss, finite check");
                 assert_eq!((comm("reduce_scatter"), comm("all_gather")), (0, 0));
             }
             1 | 2 => {
                 assert_eq!(comm("reduce_scatter"), 4 * p / 2, "zero {zero}");
                 assert_eq!(comm("all_gather"), 4 * p / 2, "zero {zero}");
-                assert_eq!(comm("all_reduce"), 4, "only the loss");
+                assert_eq!(comm("all_reduce"), 4 + 4, "the loss and the finite check's flag");
             }
             _ => {
                 assert_eq!(comm("reduce_scatter"), 4 * p / 2);
@@ -395,7 +396,8 @@ fn reports_follow_the_zero_formulas() {
 /// of a [batch, seq, hidden] activation. The vocabulary split adds one for the embedding's
 /// output and one for the LM head's input gradient (activations too), and the cross-entropy's
 /// two [tokens, 1] all-reduces (sum of exponentials, the label's score) and one all-gather of
-/// each rank's block maxima [tokens, tp]. Nothing else is gathered.
+/// each rank's block maxima [tokens, tp]. One more all-reduce, of one element, totals the
+/// finite check of the gradients. Nothing else is gathered.
 #[test]
 fn tensor_parallel_all_reduces_per_block() {
     let dir = scratch("parallel-tp-count");
@@ -409,7 +411,7 @@ fn tensor_parallel_all_reduces_per_block() {
         ));
         let count = |kind: &str| collectives(&out, kind);
         let layers = 2;
-        assert_eq!(count("all_reduce"), 4 * layers + 2 + 2, "{arch}:\n{out}");
+        assert_eq!(count("all_reduce"), 4 * layers + 2 + 2 + 1, "{arch}:\n{out}");
         assert_eq!((count("all_gather"), count("reduce_scatter")), (1, 0), "{arch}:\n{out}");
         let json = read_report(&report);
         let tokens = 8 * 32;
@@ -418,7 +420,7 @@ fn tensor_parallel_all_reduces_per_block() {
         let all_reduced = sent["all_reduce"].as_u64().unwrap() as usize;
         // At tp=2 a ring all-reduce sends 2(n-1)/n = 1 times its tensor, an all-gather (n-1)
         // times a rank's block.
-        assert_eq!(all_reduced, (4 * layers + 2) * activation + 2 * tokens * 4, "{arch}");
+        assert_eq!(all_reduced, (4 * layers + 2) * activation + 2 * tokens * 4 + 4, "{arch}");
         assert_eq!(sent["all_gather"].as_u64().unwrap() as usize, tokens * 4, "{arch}");
     }
 }
@@ -506,10 +508,10 @@ fn gradient_buckets_merge_reductions() {
         let json = read_report(&report);
         (collectives(&out, kind), json["ranks"][0]["comm_bytes_per_step"][kind].as_u64().unwrap())
     };
-    for (zero, kind, unbucketed) in [("0", "all_reduce", 29), ("2", "reduce_scatter", 28)] {
+    for (zero, kind, unbucketed) in [("0", "all_reduce", 30), ("2", "reduce_scatter", 28)] {
         let (separate, bytes) = compile(zero, "0", kind);
         let (bucketed, bucketed_bytes) = compile(zero, "500000000", kind);
-        assert_eq!(separate, unbucketed, "zero {zero}: one {kind} per gradient (and the loss)");
+        assert_eq!(separate, unbucketed, "zero {zero}: one {kind} per gradient (and the loss and finite check)");
         assert!(bucketed < separate, "zero {zero}: {bucketed} {kind}s with buckets, {separate} without");
         assert_eq!(bucketed_bytes, bytes, "zero {zero}: the same bytes travel");
     }
@@ -838,7 +840,10 @@ fn verify_names_the_first_wrong_gradient() {
         file.weights().into_iter().map(|(name, bytes)| (name, bytes.to_vec())).collect();
     let mut training = file.plan.clone();
     let program = &mut training.stages[0];
-    let start = program.instructions.iter().rposition(|i| matches!(i, Instruction::CollectiveStart { .. })).unwrap();
+    // The last of the activations' (the finite check's one-element sum comes after them).
+    let start = (program.instructions.iter())
+        .rposition(|i| matches!(i, Instruction::CollectiveStart { input, .. } if input.len > 4))
+        .unwrap();
     let wait = program
         .instructions
         .iter()

@@ -184,11 +184,18 @@ pub struct CompileFlags {
     /// Clip gradients to this global L2 norm.
     #[arg(long)]
     pub grad_clip: Option<f64>,
-    /// Check every step's gradients (whether their sum is finite, DeepSpeed's overflow test)
-    /// and keep the parameters and optimizer states as they were when it is not; `run
-    /// --nan-policy` then ends the run naming the parameter and the op that made the first inf
-    /// or NaN, or skips the step. Always on with --precision bf16 or fp16.
-    #[arg(long)]
+    /// Do not check an f32 step's gradients. By default every step checks them (whether their
+    /// sum is finite, DeepSpeed's overflow test, inside the optimizer's own step) and keeps the
+    /// parameters and optimizer states as they were when one is not; `run --nan-policy` then
+    /// ends the run naming the parameter and the op that made the first inf or NaN, or skips
+    /// the step. Without the check a non-finite loss still stops the run, its update applied.
+    /// bf16 and fp16 steps always check.
+    #[arg(long, conflicts_with = "finite_check")]
+    #[serde(default)]
+    pub no_finite_check: bool,
+    /// The default since 2026-11-29 (see --no-finite-check); accepted for the scripts that
+    /// give it.
+    #[arg(long, hide = true)]
     #[serde(default)]
     pub finite_check: bool,
     /// Do not train the parameters whose (ONNX initializer) name this regular expression matches
@@ -477,6 +484,15 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The flag's value: `f32`, `bf16`, `fp16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
     pub fn dtype(self) -> autotp_ir::DType {
         match self {
             Precision::F32 => autotp_ir::DType::F32,

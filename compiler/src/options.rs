@@ -188,6 +188,13 @@ impl CompileOptions {
             OffloadFlag::Cpu | OffloadFlag::Nvme => {}
         }
         let mixed = flags.precision != Precision::F32;
+        if mixed && flags.no_finite_check {
+            refuse!(
+                "--no-finite-check with --precision {}: a 16-bit step always checks its gradients, to skip those \
+                 that overflow",
+                flags.precision.name()
+            );
+        }
         if !mixed && flags.grad_accum_dtype.is_some() {
             refuse!("--grad-accum-dtype applies to --precision bf16 or fp16 (f32 gradients are accumulated in f32)");
         }

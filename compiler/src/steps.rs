@@ -438,7 +438,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     // A checked step keeps the state as it was when a gradient is not finite: the trainer then
     // stops the run or skips the step (`--nan-policy`), or lowers fp16's loss scale.
     let nonfinite = match flags.precision {
-        Precision::F32 if !flags.finite_check => NonFinite::Apply,
+        Precision::F32 if flags.no_finite_check => NonFinite::Apply,
         Precision::F32 | Precision::Bf16 => NonFinite::Skip,
         Precision::Fp16 => NonFinite::SkipScaled,
     };

@@ -141,6 +141,10 @@ fn elementwise_rule(op: &Op, inputs: &[&TensorType], out0: &[usize], current: &[
             matches!(current, [PartialSum, Replicate] | [Replicate, PartialSum])
         }
         Op::Binary(BinaryOp::Div) => matches!(current, [PartialSum, Replicate]),
+        // 0 or NaN: a whole value's is also the partial sum whose ranks each hold it (n times 0
+        // is 0), and the ranks' values of a partial sum add up to NaN exactly when one of the
+        // parts is not finite (its total then is not either, unless the parts' sum overflows).
+        Op::Unary(UnaryOp::FiniteZero) => true,
         _ => false,
     };
     if linear {
@@ -643,6 +647,25 @@ mod tests {
         let (w, x, y) = (t(&[32, 16]), t(&[4, 16, 8]), t(&[4, 32, 8]));
         let swapped = axis_rule(&op, &[&w, &x], &[&y], &[Replicate, Shard(0)], &tp);
         assert_eq!(swapped, AxisRule { inputs: vec![Replicate, Shard(0)], outputs: vec![Shard(0)] });
+    }
+
+    #[test]
+    fn a_finite_zero_is_a_partial_sum_whatever_its_input() {
+        use Placement::*;
+        let op = Op::Unary(UnaryOp::FiniteZero);
+        let tp = MeshAxis { name: "tp".into(), size: 2 };
+        let scalar = t(&[]);
+        let rule = |p: Placement| axis_rule(&op, &[&scalar], &[&scalar], &[p], &tp);
+        // A whole value's 0 or NaN, held by every rank, adds up to the same 0 or NaN.
+        assert_eq!(rule(Replicate), AxisRule { inputs: vec![Replicate], outputs: vec![PartialSum] });
+        assert_eq!(rule(PartialSum), AxisRule { inputs: vec![PartialSum], outputs: vec![PartialSum] });
+        // The sum of a whole and a sharded gradient's flags needs no collective.
+        let add = Op::Binary(BinaryOp::Add);
+        let sum = axis_rule(&add, &[&scalar, &scalar], &[&scalar], &[PartialSum, PartialSum], &tp);
+        assert_eq!(sum.outputs, [PartialSum]);
+        // A sharded tensor's flags stay sharded, as any elementwise op's.
+        let (x, y) = (t(&[4, 8]), t(&[4, 8]));
+        assert_eq!(axis_rule(&op, &[&x], &[&y], &[Shard(1)], &tp).outputs, [Shard(1)]);
     }
 
     #[test]

@@ -44,6 +44,9 @@ fn unary_float<T: num_float::Float>(op: UnaryOp, input: &[T], out: &mut [T]) {
                 a
             }
         }),
+        // The IEEE difference itself (its NaN as the generated kernels make it).
+        #[allow(clippy::eq_op)]
+        FiniteZero => map_unary(input, out, |a| a - a),
         Not => unreachable!("checked by the caller"),
     }
 }

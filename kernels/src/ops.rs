@@ -25,12 +25,14 @@ macro_rules! named_enum {
 }
 
 named_enum!(
-    /// Elementwise functions of one tensor.
+    /// Elementwise functions of one tensor. `finite_zero` is `x - x`: 0 where `x` is finite,
+    /// NaN where it is not (an optimizer step's finite check).
     UnaryOp {
         Neg => "neg", Abs => "abs", Exp => "exp", Log => "log", Sqrt => "sqrt",
         Rsqrt => "rsqrt", Reciprocal => "reciprocal", Tanh => "tanh", Erf => "erf",
         Sigmoid => "sigmoid", Relu => "relu", Sin => "sin", Cos => "cos", Floor => "floor",
         Ceil => "ceil", Round => "round", Sign => "sign", Not => "not", Softplus => "softplus",
+        FiniteZero => "finite_zero",
     }
 );
 

@@ -619,6 +619,8 @@ impl<'a, 'ctx> Emitter<'a, 'ctx> {
             UnaryOp::Erf => math::erf(self, a),
             UnaryOp::Sigmoid => math::sigmoid(self, a),
             UnaryOp::Softplus => math::softplus(self, a),
+            // No fast-math flag lets LLVM fold `x - x` to 0.
+            UnaryOp::FiniteZero => self.fsub(a, a),
             UnaryOp::Relu => self.select(self.fcmp(FloatPredicate::OGT, a, zero)?, a, zero),
             UnaryOp::Floor => self.intrinsic("llvm.floor", &[a]),
             UnaryOp::Ceil => self.intrinsic("llvm.ceil", &[a]),

@@ -43,12 +43,13 @@ pub struct Optimize {
 /// What a step does whose gradients hold an inf or NaN.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum NonFinite {
-    /// Applies the update (f32 training, as PyTorch does).
+    /// Applies the update, as PyTorch does (f32 compiled with `--no-finite-check`).
     #[default]
     Apply,
-    /// Skips the update (bf16): every updated parameter and state keeps its value, and the
-    /// output `overflow` (1 or 0) tells the trainer, which then does not count the step for
-    /// AdamW's bias correction or the learning-rate schedule.
+    /// Skips the update (f32 and bf16): every updated parameter and state keeps its value
+    /// (`select(finite, new, old)`, which codegen folds into the multi-tensor step as its
+    /// guard), and the output `overflow` (1 or 0) tells the trainer, which then stops the run
+    /// or does not count the step for AdamW's bias correction or the learning-rate schedule.
     Skip,
     /// Skips it as `Skip`, the gradients having been scaled by the graph input
     /// [`crate::precision::LOSS_SCALE`] (fp16 loss scaling): they are unscaled here, clipping
@@ -130,19 +131,20 @@ fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError
 }
 
 impl Optimize {
-    /// DeepSpeed's overflow test: the sum of every gradient is not finite (x - x is 0 only for
-    /// finite x). Returns the boolean `finite` and the `overflow` output (1 or 0 in `dtype`).
-    /// The sums start from the first gradient's, not from a zero constant: where the
-    /// gradients are sharded, their sums are partial and stay partial through the additions, so
-    /// one all-reduce of one scalar totals them all.
+    /// DeepSpeed's overflow test: a gradient's sum is not finite. Returns the boolean `finite`
+    /// and the `overflow` output (1 or 0 in `dtype`). Each sum becomes `finite_zero` (0, or
+    /// NaN), and those are added: a sharded gradient's sum is partial, a whole one's is not,
+    /// but `finite_zero` of either is a partial sum (see its sharding rule), so the additions
+    /// stay partial and one all-reduce of one scalar totals them, whatever the layout.
     fn finite_check(&self, g: &mut Graph, grads: &[ValueId], dtype: DType) -> Result<(ValueId, ValueId), PassError> {
         let mut total = None;
         for &grad in grads {
             let axes = (0..g.ty(grad).rank()).collect();
-            let s = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![grad])?;
+            let sum = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![grad])?;
+            let flag = add(g, Op::Unary(UnaryOp::FiniteZero), vec![sum])?;
             total = Some(match total {
-                None => s,
-                Some(sum) => add(g, Op::Binary(BinaryOp::Add), vec![sum, s])?,
+                None => flag,
+                Some(total) => add(g, Op::Binary(BinaryOp::Add), vec![total, flag])?,
             });
         }
         let mut total = match total {
@@ -152,9 +154,8 @@ impl Optimize {
         if let Some(stage) = &self.stage {
             total = across_stages(g, stage, total, OVERFLOW_TAG)?;
         }
-        let nothing = add(g, Op::Binary(BinaryOp::Sub), vec![total, total])?;
         let zero = constant(g, dtype, 0.0)?;
-        let finite = add(g, Op::Binary(BinaryOp::Equal), vec![nothing, zero])?;
+        let finite = add(g, Op::Binary(BinaryOp::Equal), vec![total, zero])?;
         let overflow = add(g, Op::Unary(UnaryOp::Not), vec![finite])?;
         Ok((finite, add(g, Op::Cast { to: dtype }, vec![overflow])?))
     }

@@ -75,7 +75,7 @@ fn unary_vjp(b: &mut B, u: UnaryOp, x0: ValueId, y0: ValueId, d: ValueId) -> Res
             Some(b.un(UnaryOp::Neg, t)?)
         }
         // Piecewise constant: zero gradient almost everywhere.
-        UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign => None,
+        UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign | UnaryOp::FiniteZero => None,
         UnaryOp::Not => None,
     })
 }

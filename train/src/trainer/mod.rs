@@ -464,8 +464,8 @@ impl Trainer {
     pub fn set_nan_policy(&mut self, policy: NanPolicy) -> Result<(), TrainError> {
         if policy == NanPolicy::Skip && !self.checks_gradients() {
             return Err(TrainError::plan(
-                "does not check its gradients, so it cannot skip a step whose gradients are not finite: compile it \
-                 with --finite-check (bf16 and fp16 plans always check)"
+                "does not check its gradients (compiled with --no-finite-check), so it cannot skip a step whose \
+                 gradients are not finite: compile it without that flag"
                     .into(),
             ));
         }
@@ -474,8 +474,8 @@ impl Trainer {
     }
 
     /// Whether each step checks its gradients and keeps the state when one is not finite
-    /// (the step's `overflow` output): bf16 and fp16 plans, and f32 ones compiled with
-    /// `--finite-check`.
+    /// (the step's `overflow` output): every plan but an f32 one compiled with
+    /// `--no-finite-check`.
     pub fn checks_gradients(&self) -> bool {
         self.stage_program(self.stages() - 1).outputs.iter().any(|slot| slot.name == OVERFLOW_OUTPUT)
     }

@@ -3,8 +3,8 @@
 //! the instruction (IR node or fusion) that first wrote an inf or a NaN, found by running the
 //! step again with every output checked ([`autotp_runtime::non_finite`]). The plan's check of
 //! its gradients kept the update back, so the replay starts from the same state, and the state
-//! after the error is the one before the step. A plan that does not check (f32 without
-//! `--finite-check`) stops on a loss that is not finite, its update applied.
+//! after the error is the one before the step. A plan that does not check (f32 compiled with
+//! `--no-finite-check`) stops on a loss that is not finite, its update applied.
 
 use autotp_runtime::non_finite::NonFiniteTrace;
 use autotp_runtime::HostTensor;
@@ -27,8 +27,9 @@ impl Trainer {
             return TrainError::NonFinite {
                 step,
                 message: format!(
-                    "the loss is {loss}; the plan does not check its gradients, so the step's update was applied \
-                     (compile it with --finite-check to keep the state and find the op that made the first inf or NaN)"
+                    "the loss is {loss}; the plan does not check its gradients (compiled with --no-finite-check), so \
+                     the step's update was applied (compile it without that flag to keep the state and find the op \
+                     that made the first inf or NaN)"
                 ),
             };
         }
