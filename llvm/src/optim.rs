@@ -361,15 +361,16 @@ pub(crate) fn define_nvptx<'ctx>(
     threads_per_block: u64,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
     let (i64t, ptr) = (e.ctx.i64_type(), e.ctx.ptr_type(AddressSpace::default()));
+    let num_scalars = kernel.optimizer.num_scalars() as u32;
     let mut params: Vec<BasicMetadataTypeEnum> = vec![ptr.into(), i64t.into()];
-    params.extend(std::iter::repeat_n(BasicMetadataTypeEnum::from(ptr), kernel.optimizer.num_scalars() + 1));
+    // The scalars, then the guard.
+    params.extend(std::iter::repeat_n(BasicMetadataTypeEnum::from(ptr), num_scalars as usize + 1));
     let function = declare(e, kernel, &kernel.entry_name(), &params)?;
-    let table = function.get_nth_param(0).expect("declared").into_pointer_value();
+    let pointer = |k: u32| function.get_nth_param(k).expect("declared").into_pointer_value();
+    let table = pointer(0);
     let num_chunks = function.get_nth_param(1).expect("declared").into_int_value();
-    let mut scalars: Vec<PointerValue> =
-        (2..params.len() as u32).map(|k| function.get_nth_param(k).expect("declared").into_pointer_value()).collect();
-    let guard = scalars.pop().expect("declared");
-    return_unless_guarded(e, function, guard)?;
+    let scalars: Vec<PointerValue> = (2..2 + num_scalars).map(pointer).collect();
+    return_unless_guarded(e, function, pointer(2 + num_scalars))?;
     let constants = step_constants(e, function, kernel, &scalars)?;
     let (thread, block, blocks) =
         (special_register("tid.x")?, special_register("ctaid.x")?, special_register("nctaid.x")?);

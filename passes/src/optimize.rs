@@ -133,23 +133,24 @@ fn add(g: &mut Graph, op: Op, inputs: Vec<ValueId>) -> Result<ValueId, PassError
 impl Optimize {
     /// DeepSpeed's overflow test: a gradient's sum is not finite. Returns the boolean `finite`
     /// and the `overflow` output (1 or 0 in `dtype`). Each sum becomes `finite_zero` (0, or
-    /// NaN), and those are added: a sharded gradient's sum is partial, a whole one's is not,
-    /// but `finite_zero` of either is a partial sum (see its sharding rule), so the additions
-    /// stay partial and one all-reduce of one scalar totals them, whatever the layout.
+    /// NaN), and those are concatenated and summed (one kernel each, however many gradients): a
+    /// sharded gradient's sum is partial, a whole one's is not, but `finite_zero` of either is
+    /// a partial sum (see its sharding rule), so the total stays partial and one all-reduce of
+    /// one scalar totals it, whatever the layout.
     fn finite_check(&self, g: &mut Graph, grads: &[ValueId], dtype: DType) -> Result<(ValueId, ValueId), PassError> {
-        let mut total = None;
+        let mut flags = Vec::with_capacity(grads.len());
         for &grad in grads {
             let axes = (0..g.ty(grad).rank()).collect();
             let sum = add(g, Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false }, vec![grad])?;
             let flag = add(g, Op::Unary(UnaryOp::FiniteZero), vec![sum])?;
-            total = Some(match total {
-                None => flag,
-                Some(total) => add(g, Op::Binary(BinaryOp::Add), vec![total, flag])?,
-            });
+            flags.push(add(g, Op::Reshape { shape: vec![1] }, vec![flag])?);
         }
-        let mut total = match total {
-            Some(total) => total,
-            None => constant(g, dtype, 0.0)?,
+        let mut total = match flags.len() {
+            0 => constant(g, dtype, 0.0)?,
+            _ => {
+                let all = add(g, Op::Concat { axis: 0 }, flags)?;
+                add(g, Op::Reduce { op: ReduceOp::Sum, axes: vec![0], keep_dims: false }, vec![all])?
+            }
         };
         if let Some(stage) = &self.stage {
             total = across_stages(g, stage, total, OVERFLOW_TAG)?;
