@@ -292,8 +292,8 @@ fn poison(file: &Path, tensor: &str) {
 /// naming the step, the first parameter whose gradient is not finite and the op that made the
 /// first inf, as threads, as processes and on emulated GPUs; the checkpoint of the step before stays the state.
 /// `--nan-policy skip` goes on, every such step's update kept back (on the emulated GPU too,
-/// inside CUDA graph replays). A plan compiled with
-/// `--no-finite-check` stops on the loss and says so, and cannot skip.
+/// inside CUDA graph replays). A plan compiled with `--no-finite-check` stops on the loss and
+/// says so, and cannot skip.
 #[test]
 fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
     let dir = scratch("faults-nan");
@@ -343,9 +343,7 @@ fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
     }
     // Steps replayed as a CUDA graph cannot be looked inside: the line says how to find them.
     let graph = [&["--resume", save.to_str().unwrap()][..], &["--device", "cuda", "--cuda-graph"]].concat();
-    let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
-    run.args(run_args(&plan, 5, &dir.join("graph.jsonl"), &graph)).env("AUTOTP_GPU", "emulated");
-    let stderr = failure(run.output().unwrap());
+    let stderr = failure(on_emulated_gpu(&run_args(&plan, 5, &dir.join("graph.jsonl"), &graph)));
     assert!(stderr.contains("step 3: the loss is NaN and the gradients are not all finite"), "{stderr}");
     assert!(stderr.contains("the parameter and the op that made it are named without --cuda-graph"), "{stderr}");
 
@@ -364,12 +362,16 @@ fn a_non_finite_gradient_names_the_step_the_parameter_and_the_op() {
     let graph_save = dir.join("graph-save");
     let resume = ["--resume", save.to_str().unwrap(), "--nan-policy", "skip", "--save", graph_save.to_str().unwrap()];
     let skip_in_graph = [&resume[..], &["--device", "cuda", "--cuda-graph"]].concat();
-    let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
-    run.args(run_args(&plan, 7, &dir.join("graph-skipped.jsonl"), &skip_in_graph)).env("AUTOTP_GPU", "emulated");
-    success(run.output().unwrap());
+    success(on_emulated_gpu(&run_args(&plan, 7, &dir.join("graph-skipped.jsonl"), &skip_in_graph)));
     let checkpoint = Checkpoint::open(&graph_save).unwrap();
     assert_eq!((checkpoint.manifest.step, checkpoint.manifest.skipped_steps), (7, 5));
     assert_eq!(&checkpoint.tensor(bias).unwrap().bytes[..4], &f32::INFINITY.to_le_bytes());
+}
+
+/// autotp with `args`, its GPUs emulated.
+fn on_emulated_gpu(args: &[String]) -> std::process::Output {
+    let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+    run.args(args).env("AUTOTP_GPU", "emulated").output().unwrap()
 }
 
 /// The op of node `index` of the graph `--dump-ir DIR` wrote last (the one codegen lowered),
