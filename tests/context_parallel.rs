@@ -7,7 +7,8 @@
 
 use crate::parallel::{train_model, within_contract};
 
-/// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank.
+/// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank, alone and
+/// with tp, pp, dp and ZeRO.
 #[test]
 fn context_parallelism_trains_like_one_rank() {
     let dir = crate::common::scratch("context-parallel");
@@ -18,6 +19,12 @@ fn context_parallelism_trains_like_one_rank() {
         &["--cp", "2", "--pp", "2", "--grad-accum", "8"],
         &["--cp", "2", "--cp-comm-type", "a2a", "--grad-accum", "8"],
         &["--cp", "2", "--cp-comm-type", "a2a", "--pp", "2", "--grad-accum", "8"],
+        // With dp: the rows that flatten a rank's sequence split over dp, then its tokens over cp.
+        &["--cp", "2", "--dp", "2", "--grad-accum", "4"],
+        &["--cp", "2", "--dp", "2", "--zero", "3", "--grad-accum", "4"],
+        &["--cp", "2", "--dp", "2", "--tp", "2", "--zero", "1", "--grad-accum", "4"],
+        &["--cp", "2", "--dp", "2", "--cp-comm-type", "a2a", "--zero", "2", "--grad-accum", "4"],
+        &["--cp", "2", "--dp", "2", "--pp", "2", "--grad-accum", "4"],
     ];
     for arch in ["llama", "gpt2"] {
         let single = train_model(&dir, arch, "model.onnx", 8, &[]);
@@ -31,14 +38,15 @@ fn context_parallelism_trains_like_one_rank() {
 }
 
 /// One compile of `arch`'s fixture cut to `layers` layers (one sequence of `seq_len` tokens)
-/// over `--cp cp`: rank 0's activation peak, its bytes sent per step by all-reduces,
-/// reduce-scatters and all-gathers, and its parameters' bytes.
-fn compiled(arch: &str, layers: usize, seq_len: usize, cp: usize) -> (i64, [i64; 3], i64) {
+/// a rank) over `--cp cp --dp dp`: rank 0's activation peak, its bytes sent per step by
+/// all-reduces, reduce-scatters and all-gathers, and its parameters' bytes.
+fn compiled(arch: &str, layers: usize, seq_len: usize, cp: usize, dp: usize) -> (i64, [i64; 3], i64) {
     let model = crate::common::fixture(arch, "model.onnx");
     let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", "1"]
         .iter()
         .map(|s| s.to_string())
         .chain(["--seq-len".into(), seq_len.to_string(), "--cp".into(), cp.to_string()])
+        .chain(["--dp".into(), dp.to_string()])
         .collect();
     let plan = crate::common::compile_shapes(&args, layers);
     let report = autotp_program::report::report(&plan);
@@ -49,21 +57,29 @@ fn compiled(arch: &str, layers: usize, seq_len: usize, cp: usize) -> (i64, [i64;
 }
 
 /// Per layer, each rank all-gathers the key and the value (`b x h_kv x s x d` each, f32) and
-/// reduce-scatters their gradients: `2 x 4bh_kv sd x (N-1)/N` bytes sent each way. The weights'
-/// gradients (and the loss) are all-reduced over cp as over dp: `2 (N-1)/N` of their bytes.
+/// reduce-scatters their gradients: `2 x 4bh_kv sd x (N-1)/N` bytes sent each way, with dp as
+/// without (a rank's sequence is its own). The weights' gradients (and the loss) are
+/// all-reduced over cp as over dp: `2 (N-1)/N` of their bytes, and `2 (D-1)/D` more over dp,
+/// except GPT-2's position table: every sequence reads the same rows, so its gradient is
+/// summed over dp before the scatter into the table, on the rank's `s/N` positions.
 #[test]
 fn context_parallelism_moves_the_keys_and_values_the_formula_says() {
-    // (arch, tokens, key/value heads, head dim): GPT-2's position table has 128 rows.
-    for (arch, s, kv_heads, head_dim) in [("llama", 1024i64, 2i64, 16i64), ("gpt2", 128, 4, 16)] {
-        for n in [2i64, 4] {
-            let (_, [ar, rs, ag], params) = compiled(arch, 2, s as usize, n as usize);
+    // (arch, tokens, key/value heads, head dim, position table bytes): GPT-2's position table
+    // has 128 rows of 64.
+    for (arch, s, kv_heads, head_dim, table) in
+        [("llama", 1024i64, 2i64, 16i64, 0i64), ("gpt2", 128, 4, 16, 128 * 64 * 4)]
+    {
+        for (n, d) in [(2i64, 1i64), (4, 1), (2, 2)] {
+            let (_, [ar, rs, ag], params) = compiled(arch, 2, s as usize, n as usize, d as usize);
             let key_value = 2 * 4 * kv_heads * s * head_dim * (n - 1) / n;
-            println!("{arch} cp {n}: all-gathers {ag}, reduce-scatters {rs}, all-reduces {ar} bytes per rank");
-            assert_eq!(ag, 2 * key_value, "{arch} cp {n}: all-gathers");
-            assert_eq!(rs, 2 * key_value, "{arch} cp {n}: reduce-scatters");
-            // Two one-element all-reduces: the loss and the finite check's flag.
-            let scalars = 2 * (2 * (n - 1) * 4 / n);
-            assert_eq!(ar, 2 * (n - 1) * params / n + scalars, "{arch} cp {n}: all-reduces");
+            println!("{arch} cp {n} dp {d}: all-gathers {ag}, reduce-scatters {rs}, all-reduces {ar} bytes per rank");
+            assert_eq!(ag, 2 * key_value, "{arch} cp {n} dp {d}: all-gathers");
+            assert_eq!(rs, 2 * key_value, "{arch} cp {n} dp {d}: reduce-scatters");
+            // `2 (N-1)/N` of `bytes` over an axis of N ranks; on each axis, the gradients and
+            // two one-element all-reduces: the loss and the finite check's flag.
+            let over = |ranks: i64, bytes: i64| 2 * (ranks - 1) * bytes / ranks;
+            let (cp_bytes, dp_bytes) = (over(n, params + 8), over(d, params + 8 - table + table / n));
+            assert_eq!(ar, cp_bytes + dp_bytes, "{arch} cp {n} dp {d}: all-reduces");
         }
     }
 }
@@ -106,7 +122,8 @@ fn ulysses_exchanges_the_heads_the_formula_says() {
 #[test]
 fn context_parallelism_splits_the_activations() {
     for (arch, s, kv_heads, head_dim) in [("llama", 1024i64, 2i64, 16i64)] {
-        let layer = |n: i64| compiled(arch, 2, s as usize, n as usize).0 - compiled(arch, 1, s as usize, n as usize).0;
+        let layer =
+            |n: i64| compiled(arch, 2, s as usize, n as usize, 1).0 - compiled(arch, 1, s as usize, n as usize, 1).0;
         let whole = layer(1);
         for n in [2i64, 4] {
             let split = layer(n);
@@ -151,8 +168,6 @@ fn context_parallelism_is_summarised_and_refused_where_it_cannot_split() {
     assert!(err.contains("--sequence-parallel and --cp both split a sequence's tokens"), "{err}");
     let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "2", "--tp", "2", "--cp-comm-type", "a2a"]);
     assert!(err.contains("--cp-comm-type a2a splits attention's heads over cp: with --tp"), "{err}");
-    let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "2", "--dp", "2"]);
-    assert!(err.contains("--cp 2 with --dp 2: the step flattens its sequences"), "{err}");
     // Heads cp does not divide (Llama's grouped query heads, [1, 2, 2, s, d], at cp 4): Ulysses'
     // attention would run whole on every rank.
     let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "4", "--cp-comm-type", "a2a"]);
@@ -163,23 +178,25 @@ fn context_parallelism_is_summarised_and_refused_where_it_cannot_split() {
 
 /// Context-parallel plans on emulated GPUs (`AUTOTP_GPU=emulated`, the ranks' cp communicator
 /// over the emulated NCCL) train like their CPU ranks: the GPU's attention passes take each
-/// rank's queries at their positions; Ulysses' all-to-alls run on NCCL.
+/// rank's queries at their positions; Ulysses' all-to-alls run on NCCL; with dp, each axis has
+/// its communicator.
 #[test]
 fn context_parallelism_on_emulated_gpus_trains_like_cpu_ranks() {
-    for comm in ["all_gather", "a2a"] {
-        on_emulated_gpus(comm);
+    for (comm, data_parallel) in [("all_gather", &[][..]), ("a2a", &[]), ("all_gather", &["--dp", "2", "--zero", "1"])]
+    {
+        on_emulated_gpus(comm, data_parallel);
     }
 }
 
-fn on_emulated_gpus(comm: &str) {
-    let dir = crate::common::scratch(&format!("context-parallel-gpu-{comm}"));
+fn on_emulated_gpus(comm: &str, data_parallel: &[&str]) {
+    let dir = crate::common::scratch(&format!("context-parallel-gpu-{comm}{}", data_parallel.join("")));
     let model = crate::common::fixture("llama", "model.onnx");
     let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
     let plan = dir.join("cp.atp");
     let m = model.to_str().unwrap();
     let flags = ["--seq-len", "32", "--micro-batch", "1", "--grad-accum", "4", "--cp", "2", "--cp-comm-type", comm];
     crate::common::success(crate::common::autotp(
-        &[&["compile", m][..], &flags, &["-o", plan.to_str().unwrap()]].concat(),
+        &[&["compile", m][..], &flags, data_parallel, &["-o", plan.to_str().unwrap()]].concat(),
     ));
     let run = |device: &str| {
         let metrics = dir.join(format!("{device}.jsonl"));
@@ -194,7 +211,8 @@ fn on_emulated_gpus(comm: &str) {
     let (cpu, _) = run("cpu");
     let (gpu, said) = run("cuda");
     assert!(said.contains("cp over NCCL"), "{said}");
-    let (first, worst) = within_contract(&format!("cp 2 {comm} on emulated GPUs"), &gpu, &cpu);
-    println!("cp 2 {comm} on emulated GPUs: step 1 {first:.2e}, worst {worst:.2e} relative to CPU ranks");
+    let label = format!("cp 2 {comm} {} on emulated GPUs", data_parallel.join(" "));
+    let (first, worst) = within_contract(&label, &gpu, &cpu);
+    println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to CPU ranks");
     assert!(worst <= 1e-6, "{gpu:?} against {cpu:?}");
 }

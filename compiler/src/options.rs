@@ -120,17 +120,6 @@ impl CompileOptions {
                      splits them over one of the two"
                 );
             }
-            // The step flattens its sequences' tokens into rows (the loss, the weights'
-            // gradients): dp's and cp's splits would nest in one dim, which no placement holds.
-            if flags.dp > 1 {
-                refuse!(
-                    "--cp {} with --dp {}: the step flattens its sequences and their tokens into one dim of rows \
-                     (the loss, the weights' gradients), which dp and cp would split together; autotp splits a \
-                     dim over one mesh axis, so --cp runs without --dp for now",
-                    flags.cp,
-                    flags.dp
-                );
-            }
         }
         if let (Some(k), false) = (flags.recompute_layers, flags.recompute == RecomputeFlag::Full) {
             refuse!(
@@ -451,7 +440,7 @@ fn grad_accum(flags: &CompileFlags) -> Result<usize, CompileError> {
 
 /// Refuses the `--ep` layouts autotp does not build yet: expert parallelism splits the
 /// experts over the data-parallel ranks themselves (Megatron's expert-data-parallel size 1),
-/// and context parallelism runs without dp.
+/// and dispatches whole sequences, so not beside context parallelism.
 fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
     if flags.ep == 1 {
         return Ok(());
@@ -467,7 +456,9 @@ fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
     }
     if flags.cp > 1 {
         refuse!(
-            "--ep {} with --cp {}: expert parallelism splits the experts over dp, and --cp runs without --dp for now",
+            "--ep {} with --cp {}: the experts' all-to-alls over dp would take each dp rank's whole sequence, \
+             gathered over cp, on every cp rank (the experts' work repeated cp times); autotp does not dispatch \
+             a cp rank's own tokens yet",
             flags.ep,
             flags.cp
         );

@@ -56,6 +56,15 @@ pub fn local_type(mesh: &Mesh, ty: &TensorType, placements: &[Placement]) -> Ten
     TensorType::new(ty.dtype, local_shape(mesh, &ty.shape, placements))
 }
 
+/// The type the rule along mesh axis `a` decides on: `ty` as one rank of the axes before `a`
+/// holds it. Axes sharding one dim nest in mesh-axis order, so an axis splits the blocks the
+/// axes before it left each rank (dp's sequences, then cp's runs of their tokens, in the rows
+/// that flatten both), and its collectives gather and scatter within those blocks.
+pub fn type_within_outer_axes(mesh: &Mesh, ty: &TensorType, placements: &[Placement], a: usize) -> TensorType {
+    let outer = Mesh { axes: mesh.axes[..a].to_vec() };
+    local_type(&outer, ty, &placements[..a])
+}
+
 /// An op's placements along one mesh axis: what it needs its inputs in, and what it gives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AxisRule {

@@ -94,26 +94,30 @@ fn check_values(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, 
             );
             continue;
         }
-        let sharded_dims: Vec<usize> =
-            value.placements.iter().filter_map(|p| if let Placement::Shard(d) = p { Some(*d) } else { None }).collect();
-        if (1..sharded_dims.len()).any(|i| sharded_dims[..i].contains(&sharded_dims[i])) {
-            err(names.get(id), "is sharded on one dim by two mesh axes".into());
-        }
+        // Axes sharding one dim nest in mesh-axis order: each divides what the ones before left.
+        let mut local = value.ty.shape.clone();
         for (p, axis) in value.placements.iter().zip(&graph.mesh.axes) {
             if let Placement::Shard(d) = p {
-                match value.ty.shape.get(*d) {
+                match local.get_mut(*d) {
                     None => err(
                         names.get(id),
                         format!("is sharded on dim {d} over {}, but has rank {}", axis.name, value.ty.rank()),
                     ),
-                    Some(size) if size % axis.size.max(1) != 0 || axis.size == 0 => err(
-                        names.get(id),
-                        format!(
-                            "dim {d} of size {size} is not divisible by mesh axis {} of size {}",
-                            axis.name, axis.size
-                        ),
-                    ),
-                    Some(_) => {}
+                    Some(size) if *size % axis.size.max(1) != 0 || axis.size == 0 => {
+                        let block = if *size == value.ty.shape[*d] {
+                            String::new()
+                        } else {
+                            format!(" (its block under the mesh axes before, of {})", value.ty.shape[*d])
+                        };
+                        err(
+                            names.get(id),
+                            format!(
+                                "dim {d} of size {size}{block} is not divisible by mesh axis {} of size {}",
+                                axis.name, axis.size
+                            ),
+                        )
+                    }
+                    Some(size) => *size /= axis.size,
                 }
             }
         }
@@ -356,14 +360,18 @@ fn check_placements(graph: &Graph, node: &crate::Node, at: &str, err: &mut impl 
             return;
         }
     }
-    let types: Vec<_> = node.inputs.iter().map(|&v| graph.ty(v)).collect();
-    let out_types: Vec<_> = node.outputs.iter().map(|&v| graph.ty(v)).collect();
     for (a, axis) in graph.mesh.axes.iter().enumerate() {
         let current: Vec<Placement> = node.inputs.iter().map(|&v| graph.value(v).placements[a]).collect();
         let actual: Vec<Placement> = node.outputs.iter().map(|&v| graph.value(v).placements[a]).collect();
         if looks_up_its_own_experts(graph, node, a, &current, &actual) {
             continue;
         }
+        let within = |v: &crate::ValueId| {
+            crate::sharding::type_within_outer_axes(&graph.mesh, graph.ty(*v), &graph.value(*v).placements, a)
+        };
+        let (types, out_types): (Vec<_>, Vec<_>) =
+            (node.inputs.iter().map(within).collect(), node.outputs.iter().map(within).collect());
+        let (types, out_types): (Vec<_>, Vec<_>) = (types.iter().collect(), out_types.iter().collect());
         let rule = crate::sharding::axis_rule(&node.op, &types, &out_types, &current, axis);
         if rule.inputs != current && rounds_before_reduction(graph, node, a) {
             continue;

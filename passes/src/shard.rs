@@ -24,7 +24,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use autotp_ir::sharding::{axis_rule, computes_block, reshard};
+use autotp_ir::sharding::{axis_rule, computes_block, reshard, type_within_outer_axes};
 use autotp_ir::{
     BinaryOp, Collective, Def, Graph, Mesh, NodeId, Op, Placement, ReduceOp, Reduction, Rewriter, Tensor, UnaryOp,
     ValueId,
@@ -222,19 +222,20 @@ struct Placer<'g> {
 impl Placer<'_> {
     /// `v` (a new-graph value) in placement `to` along mesh axis `a`.
     fn reshard(&mut self, v: ValueId, a: usize, to: Placement) -> Result<ValueId, PassError> {
-        // One dim is never sharded by two axes (the blocks would not nest as each axis's
-        // collectives assume): gather it on the other axis first.
+        // Axes sharding one dim nest in mesh-axis order: an axis's collectives gather and
+        // scatter within the blocks the axes before it left a rank, so a dim this axis splits
+        // or gathers is first gathered on the later axes that split it too.
         let mut v = v;
-        if let Placement::Shard(d) = to {
-            for b in (0..self.mesh.axes.len()).filter(|&b| b != a) {
-                if self.rw.graph().value(v).placements[b] == Placement::Shard(d) {
-                    v = self.reshard(v, b, Placement::Replicate)?;
-                }
-            }
-        }
         let from = self.rw.graph().value(v).placements[a];
         if from == to {
             return Ok(v);
+        }
+        for b in a + 1..self.mesh.axes.len() {
+            if let Placement::Shard(d) = self.rw.graph().value(v).placements[b] {
+                if from == Placement::Shard(d) || to == Placement::Shard(d) {
+                    v = self.reshard(v, b, Placement::Replicate)?;
+                }
+            }
         }
         let fresh = self.gather_params_on.is_some() && self.rw.graph().params().contains(&v);
         let regathered = self.in_backward
@@ -457,11 +458,18 @@ fn place(
                     }
                 }
             }
+            // The rule decides on the blocks the axes before this one left a rank (their
+            // placements are settled: the inputs' by the reshards above, the outputs' by the
+            // rules).
             let g = placer.rw.graph();
-            let types: Vec<_> = inputs.iter().map(|&v| g.ty(v).clone()).collect();
+            let types: Vec<_> =
+                inputs.iter().map(|&v| type_within_outer_axes(mesh, g.ty(v), &g.value(v).placements, a)).collect();
             let current: Vec<Placement> = inputs.iter().map(|&v| g.value(v).placements[a]).collect();
             let type_refs: Vec<_> = types.iter().collect();
-            let out_types: Vec<_> = node.outputs.iter().map(|&o| source.ty(o)).collect();
+            let out_types: Vec<_> = (node.outputs.iter().zip(&out_placements))
+                .map(|(&o, placements)| type_within_outer_axes(mesh, source.ty(o), placements, a))
+                .collect();
+            let out_types: Vec<_> = out_types.iter().collect();
             let rule = experts
                 .and_then(|e| e.rule(node, a, axis.size, &dispatched, source))
                 .unwrap_or_else(|| axis_rule(&node.op, &type_refs, &out_types, &current, axis));
