@@ -117,7 +117,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         if args.memory_per_device >= 1 << 30 { ("GiB", (1u64 << 30) as f64) } else { ("MiB", (1u64 << 20) as f64) };
     println!();
     println!(
-        "{:>3} {:>3} {:>2} {:>3} {:>3} {:>8} {:>4} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
+        "{:>3} {:>3} {:>2} {:>3} {:>3} {:>8} {:>4} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
         "#",
         "tp",
         "sp",
@@ -125,6 +125,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         "pp",
         "schedule",
         "dp",
+        "ep",
         "zero",
         "off",
         "mb",
@@ -145,7 +146,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     for (i, c) in fitting.iter().take(args.top).enumerate() {
         let (l, p) = (&c.layout, c.prediction.as_ref().expect("fits"));
         println!(
-            "{:>3} {:>3} {:>2} {:>3} {:>3} {:>8} {:>4} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>10.1}",
+            "{:>3} {:>3} {:>2} {:>3} {:>3} {:>8} {:>4} {:>3} {:>4} {:>4} {:>3} {:>4} {:>9} {:>10.1} {:>12.0} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>10.1}",
             i + 1,
             l.tp,
             if l.sequence_parallel { "sp" } else { "-" },
@@ -153,6 +154,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             l.pp,
             schedule_label(l),
             l.dp,
+            l.ep,
             l.zero,
             match (l.offload_optimizer, l.offload_param) {
                 (_, true) => "o+p",
@@ -179,9 +181,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         let p = best.prediction.as_ref().expect("fits");
         println!();
         println!(
-            "best: compute {:.4} s, tp {:.4} s, cp {:.4} s, pipeline bubble and sends {:.4} s, dp (exposed) {:.4} s per \
-             step",
-            p.compute_seconds, p.tp_seconds, p.cp_seconds, p.pipeline_seconds, p.dp_seconds
+            "best: compute {:.4} s, tp {:.4} s, cp {:.4} s, ep {:.4} s, pipeline bubble and sends {:.4} s, dp (exposed) \
+             {:.4} s per step",
+            p.compute_seconds, p.tp_seconds, p.cp_seconds, p.ep_seconds, p.pipeline_seconds, p.dp_seconds
         );
         if best.layout.offload_optimizer {
             println!(

@@ -101,6 +101,12 @@ fn lookups(graph: &Graph) -> BTreeMap<NodeId, Vec<NodeId>> {
     found
 }
 
+/// Whether `graph` looks experts up by a router's choices: a mixture of experts that `--ep`
+/// can split (the planner's question, asked of the imported model).
+pub fn looks_up_experts(graph: &Graph) -> bool {
+    !lookups(graph).is_empty()
+}
+
 /// Whether `node` computes each row along dim 0 (of `pairs` rows) from the same row of its
 /// per-pair inputs alone; `per_pair(v)` says which inputs are per-pair.
 fn keeps_rows(graph: &Graph, node: &autotp_ir::Node, pairs: usize, per_pair: &dyn Fn(ValueId) -> bool) -> bool {

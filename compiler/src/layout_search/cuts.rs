@@ -12,9 +12,10 @@ pub(super) type Cut = (Layout, usize);
 pub(super) const DP_STAGING_CAP: f64 = 3.0 * 5e8 * 4.0;
 
 /// The cut compiled for a layout's memory and work: its tp, micro-batch and recomputation on
-/// one stage, without dp.
+/// one stage, without dp; with ep, over its ep ranks (the experts split, the pairs exchanged,
+/// a rank's experts' work for every pair that may reach it).
 pub(super) fn search_cut(layout: &Layout) -> Layout {
-    Layout { pp: 1, dp: 1, zero: 0, grad_accum: 1, ..one_chunk(layout) }
+    Layout { pp: 1, dp: layout.ep, zero: 0, grad_accum: 1, ..one_chunk(layout) }
 }
 
 /// `layout` under plain 1F1B, its optimizer on the device: the schedule and the model chunks
@@ -41,6 +42,7 @@ pub(super) fn pipeline_cut(layout: &Layout, layers: usize) -> Option<Layout> {
     (layout.pp > 1 && layers >= 4).then(|| Layout {
         pp: 2,
         dp: 1,
+        ep: 1,
         zero: 0,
         grad_accum: if layout.grad_accum == 1 { 1 } else { PIPELINE_CUT_MICRO_BATCHES },
         ..one_chunk(layout)
@@ -60,6 +62,7 @@ pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout>
         cp: 1,
         pp: 1,
         dp: 2,
+        ep: layout.ep.min(2),
         zero: layout.zero,
         micro_batch,
         grad_accum: if accumulates { 2 } else { 1 },
@@ -79,7 +82,8 @@ pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Lay
     flag("seq-len", request.seq_len.to_string());
     flag("micro-batch", layout.micro_batch.to_string());
     flag("grad-accum", layout.grad_accum.to_string());
-    for (name, value) in [("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp), ("dp", layout.dp)] {
+    for (name, value) in [("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp), ("dp", layout.dp), ("ep", layout.ep)]
+    {
         if value > 1 {
             flag(name, value.to_string());
         }

@@ -40,6 +40,9 @@ pub struct Figures {
     /// Bytes sent once a step by the all-reduces over the context-parallel axis (the weights'
     /// gradients, summed over cp as over dp).
     pub(super) cp_reduce_bytes: f64,
+    /// Bytes sent per micro-batch by expert parallelism's all-to-alls over the dp axis (a cut
+    /// compiled with `--ep`); the data-parallel reductions are the search's own model.
+    pub(super) ep_bytes: f64,
     /// Instructions the program runs (each costs the device's dispatch time).
     pub(super) instructions: f64,
     /// The largest host staging one of its collectives needs.
@@ -51,17 +54,20 @@ impl Figures {
         let m = &program.memory;
         let peaks = phase_peaks(program);
         let (mut gemm_flops, mut gemm_flops_per_row, mut other_bytes, mut tp_bytes) = (0.0, 0.0, 0.0, 0.0);
-        let (mut cp_bytes, mut cp_reduce_bytes) = (0.0, 0.0);
+        let (mut cp_bytes, mut cp_reduce_bytes, mut ep_bytes) = (0.0, 0.0, 0.0);
         let mut staging = 0usize;
         for instruction in &program.instructions {
             match instruction {
                 Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
                     let axis = &program.mesh[op.axis];
                     let sent = op.kind.bytes_sent(input.len, axis.size) as f64;
-                    match (axis.name == autotp_program::mesh::CONTEXT_AXIS, op.kind) {
-                        (true, autotp_program::mesh::Collective::AllReduce) => cp_reduce_bytes += sent,
-                        (true, _) => cp_bytes += sent,
-                        (false, _) => tp_bytes += sent,
+                    use autotp_program::mesh::{Collective, CONTEXT_AXIS, DATA_AXIS};
+                    match (axis.name.as_str(), op.kind) {
+                        (CONTEXT_AXIS, Collective::AllReduce) => cp_reduce_bytes += sent,
+                        (CONTEXT_AXIS, _) => cp_bytes += sent,
+                        (DATA_AXIS, Collective::AllToAll { .. }) => ep_bytes += sent,
+                        (DATA_AXIS, _) => {}
+                        _ => tp_bytes += sent,
                     }
                     staging = staging.max(op.kind.staging_bytes(input.len));
                 }
@@ -92,6 +98,7 @@ impl Figures {
             tp_bytes,
             cp_bytes,
             cp_reduce_bytes,
+            ep_bytes,
             instructions: program.instructions.len() as f64,
             staging: staging as f64,
         }
@@ -113,6 +120,7 @@ impl Figures {
             tp_bytes: f(a.tp_bytes, b.tp_bytes),
             cp_bytes: f(a.cp_bytes, b.cp_bytes),
             cp_reduce_bytes: f(a.cp_reduce_bytes, b.cp_reduce_bytes),
+            ep_bytes: f(a.ep_bytes, b.ep_bytes),
             instructions: f(a.instructions, b.instructions),
             staging: f(a.staging, b.staging),
         }
@@ -143,6 +151,51 @@ pub struct Model {
     pub(super) dp_staging: Option<(Figures, Figures)>,
     /// With pp: the memory of its stages, from cuts of 2 stages.
     pub(super) pipeline: Option<PipelineModel>,
+    /// With ep: a layer's experts, which ZeRO does not shard and dp does not reduce.
+    pub(super) experts: ExpertShare,
+}
+
+/// A layer's experts under expert parallelism, in parameter bytes (zero without): the rank's
+/// own and the other ranks', from the layer's cuts with and without `--ep`; their gradients
+/// and optimizer states are the layer's per parameter byte.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ExpertShare {
+    pub(super) own: f64,
+    pub(super) others: f64,
+    pub(super) grads_per_param: f64,
+    pub(super) optimizer_per_param: f64,
+}
+
+/// A stage's own experts: their parameters', gradients' and optimizer states' bytes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StageExperts {
+    pub(super) params: f64,
+    pub(super) grads: f64,
+    pub(super) optimizer: f64,
+}
+
+impl ExpertShare {
+    /// Of `n` layers from the cuts without ep, and what their own are.
+    fn bytes(&self, n: usize, params: f64) -> StageExperts {
+        let params = n as f64 * params;
+        StageExperts { params, grads: params * self.grads_per_param, optimizer: params * self.optimizer_per_param }
+    }
+
+    /// The rank's experts on a stage of `n` layers.
+    pub(super) fn on_stage(&self, n: usize) -> StageExperts {
+        self.bytes(n, self.own)
+    }
+
+    /// `held` (a stage of `n` layers, every expert) less the other ranks' experts.
+    pub(super) fn without_others(&self, n: usize, held: StageMemory) -> StageMemory {
+        let others = self.bytes(n, self.others);
+        StageMemory {
+            params: held.params - others.params,
+            grads: held.grads - others.grads,
+            optimizer: held.optimizer - others.optimizer,
+            ..held
+        }
+    }
 }
 
 /// The memory of pipeline stages, from the compiler's plans of a cut of 2 stages of 1 and of 2
@@ -240,6 +293,7 @@ impl Model {
             cp_bytes: n * layer.cp_bytes + work * rest.cp_bytes,
             // The gradients reduced are the stage's parameters'.
             cp_reduce_bytes: n * layer.cp_reduce_bytes + share * rest.cp_reduce_bytes,
+            ep_bytes: n * layer.ep_bytes + work * rest.ep_bytes,
             instructions: n * layer.instructions + work * rest.instructions,
             staging: n * layer.staging + rest.staging,
         }

@@ -5,8 +5,11 @@
 //! global batch) x recomputation x pipeline schedule (1F1B, ZB-H1, interleaved 1F1B with 2 or 4
 //! model chunks per stage) x sequence parallelism (with tp; its cuts are compiled with it, so
 //! a layer's activations and traffic are its own) x context parallelism (cp 1, 2, 4, 8 at a
-//! micro-batch of 1, without dp, its all-gather form; compiled with it likewise) for
-//! `--devices` devices, and returns every layout considered:
+//! micro-batch of 1, its all-gather form; compiled with it likewise) x expert parallelism (for a
+//! mixture of experts, ep = dp: a cut compiled over ep ranks gives a rank's experts, its
+//! padded work for every pair that may reach it and its all-to-alls; its difference from the
+//! cut without ep is the other ranks' experts, which ZeRO does not shard and dp does not
+//! reduce, [`figures::ExpertShare`]) for `--devices` devices, and returns every layout considered:
 //! those that fit `--memory-per-device`, fastest first, with the `autotp compile` flags of each,
 //! and why the others were refused. The CLI prints them.
 //!
@@ -71,7 +74,7 @@ pub use predict::{Considered, Layout, MemoryFigures, Prediction};
 use crate::summary::grouped;
 use crate::{CompileError, CompileFlags, CompileOptions, Weights};
 use cuts::{divisors, layout_args, pipeline_cut, pipeline_cuts, search_cut, staging_cut, Cut};
-use figures::{Figures, PipelineModel};
+use figures::{ExpertShare, Figures, PipelineModel};
 
 /// What to search: the `autotp plan` flags.
 #[derive(Clone, Debug)]
@@ -129,6 +132,8 @@ struct ModelShape {
     embedding_fraction: f64,
     /// The hidden size (the embedding table's width).
     hidden: usize,
+    /// Whether it has a mixture of experts, whose experts `--ep` splits.
+    experts: bool,
 }
 
 impl ModelShape {
@@ -163,6 +168,7 @@ impl ModelShape {
             parameters: graph.params().iter().map(|&p| graph.ty(p).numel()).sum(),
             embedding_fraction: if rest_elements == 0 { 0.0 } else { embedding_elements as f64 / rest_elements as f64 },
             hidden: graph.params().iter().find(|p| is_embedding(p)).map_or(0, |&p| graph.ty(p).shape[1]),
+            experts: autotp_passes::expert_dispatch::looks_up_experts(graph),
             numbered,
         })
     }
@@ -199,8 +205,8 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
             Err(e) => c.refused = Some(first_line(&e)),
             Ok(model) => {
                 let key = format!(
-                    "tp {} cp {} micro-batch {} recompute {} zero {}",
-                    c.layout.tp, c.layout.cp, c.layout.micro_batch, c.layout.recompute, c.layout.zero
+                    "tp {} cp {} ep {} micro-batch {} recompute {} zero {}",
+                    c.layout.tp, c.layout.cp, c.layout.ep, c.layout.micro_batch, c.layout.recompute, c.layout.zero
                 );
                 models.insert(key, model);
                 let memory = request.memory_per_device as f64;
@@ -262,7 +268,10 @@ fn enumerate_layouts(
         .into_iter()
         .flat_map(|tp| context_parallel_sizes(request, tp).into_iter().map(move |cp| (tp, cp)))
     {
-        for pp in divisors(request.devices / (tp * cp)) {
+        for (pp, ep) in divisors(request.devices / (tp * cp)).into_iter().flat_map(|pp| {
+            let dp = request.devices / (tp * cp * pp);
+            expert_parallel_sizes(shape, dp).into_iter().map(move |ep| (pp, ep))
+        }) {
             let dp = request.devices / (tp * cp * pp);
             for zero in 0..=3 {
                 for &micro_batch in &request.micro_batches {
@@ -280,6 +289,7 @@ fn enumerate_layouts(
                                 cp,
                                 pp,
                                 dp,
+                                ep,
                                 zero,
                                 micro_batch,
                                 grad_accum: 0,
@@ -295,8 +305,11 @@ fn enumerate_layouts(
                                 Some(format!("tp {tp} is more than a node's {per_node} devices"))
                             } else if pp > layers {
                                 Some(format!("pp {pp} is more stages than the model's {layers} layers"))
-                            } else if cp > 1 && dp > 1 {
-                                Some(format!("cp {cp} with dp {dp}: autotp runs context parallelism without dp"))
+                            } else if ep > 1 && cp > 1 {
+                                Some(format!(
+                                    "ep {ep} with cp {cp}: the experts' all-to-alls would take whole sequences on \
+                                     every cp rank"
+                                ))
                             } else if cp > 1 && micro_batch > 1 {
                                 Some(format!(
                                     "cp {cp} splits one sequence at a time: it needs micro-batch 1, not {micro_batch}"
@@ -328,8 +341,11 @@ fn enumerate_layouts(
                             };
                             if refused.is_none() {
                                 layout.grad_accum = global_batch / (dp * micro_batch);
+                                // With ep, the cut without it too: their difference is the
+                                // other ranks' experts.
                                 let needed = [
                                     Some(search_cut(&layout)),
+                                    (ep > 1).then(|| search_cut(&Layout { ep: 1, ..layout.clone() })),
                                     staging_cut(&layout, smallest_micro_batch),
                                     pipeline_cut(&layout, layers),
                                 ];
@@ -361,6 +377,17 @@ fn enumerate_layouts(
 fn context_parallel_sizes(request: &SearchRequest, tp: usize) -> Vec<usize> {
     let left = request.devices / tp;
     [1, 2, 4, 8].into_iter().filter(|&cp| left.is_multiple_of(cp) && request.seq_len.is_multiple_of(cp)).collect()
+}
+
+/// The expert-parallel sizes searched over `dp` ranks: 1, and for a mixture of experts `dp`
+/// itself (autotp splits the experts over the dp ranks, Megatron's expert-data-parallel size
+/// 1; the compiler refuses a count of experts it does not divide).
+fn expert_parallel_sizes(shape: &ModelShape, dp: usize) -> Vec<usize> {
+    if shape.experts && dp > 1 {
+        vec![1, dp]
+    } else {
+        vec![1]
+    }
 }
 
 /// The pipeline schedules searched for `pp` stages of a model of `layers` layers, with the
@@ -456,6 +483,19 @@ fn model_of(
             })
         }
     };
+    let experts = match layout.ep {
+        1 => ExpertShare::default(),
+        ep => {
+            let (whole, _, _, _) = split(&search_cut(&Layout { ep: 1, ..layout.clone() }), 0)?;
+            let others = whole.params - layer.params;
+            ExpertShare {
+                own: others / (ep - 1) as f64,
+                others,
+                grads_per_param: whole.grads / whole.params,
+                optimizer_per_param: whole.optimizer / whole.params,
+            }
+        }
+    };
     let boundary_per_sequence = (seq_len * shape.hidden * activation_bytes) as f64;
     Ok(Model {
         layer,
@@ -468,6 +508,7 @@ fn model_of(
         tp_staging: two.staging,
         dp_staging,
         pipeline,
+        experts,
     })
 }
 

@@ -17,6 +17,9 @@ pub struct Layout {
     pub cp: usize,
     pub pp: usize,
     pub dp: usize,
+    /// Expert-parallel ranks (`--ep`): a mixture of experts' experts split over the dp ranks
+    /// (1, or dp).
+    pub ep: usize,
     pub zero: usize,
     pub micro_batch: usize,
     pub grad_accum: usize,
@@ -93,6 +96,9 @@ pub struct Prediction {
     /// Context parallelism's gathers of keys and values and scatters of their gradients, per
     /// step (the weights' gradients' reduction over cp is in `dp_seconds`).
     pub cp_seconds: f64,
+    /// Expert parallelism's all-to-alls of the (token, choice) pairs to their experts' ranks
+    /// and back, per step.
+    pub ep_seconds: f64,
     pub pipeline_seconds: f64,
     pub dp_seconds: f64,
     /// The offloaded optimizer step: its gradients down and parameters up over the host link,
@@ -116,6 +122,11 @@ pub struct Considered {
     pub compiled_peak: Option<f64>,
 }
 
+/// The all-to-alls of one layer's mixture per micro-batch (each costs the device's latency):
+/// the hidden states, the experts' ids and the routing weights there and the results back, and
+/// the backward's gradients the other way (Mixtral's export: 7).
+const EP_EXCHANGES_PER_LAYER: f64 = 7.0;
+
 /// A layout's memory and step time, or why it does not fit.
 pub(super) fn predict(
     model: &Model,
@@ -125,7 +136,7 @@ pub(super) fn predict(
     per_node: usize,
     memory: f64,
 ) -> Result<Prediction, String> {
-    let Layout { tp, cp, pp, dp, zero, grad_accum, .. } = *layout;
+    let Layout { tp, cp, pp, dp, ep, zero, grad_accum, .. } = *layout;
     let counts = stage_layers(layers, pp);
     let dpf = dp as f64;
     let boundary = model.boundary;
@@ -133,6 +144,7 @@ pub(super) fn predict(
     let mut slot = 0.0f64;
     let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     let (mut cp_time, mut cp_bytes, mut cp_reduce_bytes) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut ep_time, mut ep_bytes) = (0.0f64, 0.0f64);
     let mut gathered_params = 0.0f64;
     let (mut offload, mut fetch) = (0.0f64, 0.0f64);
     // CPU ranks share the machine's cores: a step takes the work of every rank at the
@@ -145,8 +157,10 @@ pub(super) fn predict(
         let figures = model.stage(n, s == 0, s == pp - 1);
         let in_flight = layout.in_flight(s);
         // A pipeline's stage from its cuts; without them, a slice of the one-stage cuts.
+        let experts = model.experts.on_stage(n);
         let held = match model.pipeline {
-            Some(pipeline) => pipeline.stage(n, s, pp, in_flight, grad_accum as f64),
+            // The pipeline's cuts hold every expert (dp 1): a rank keeps its own.
+            Some(pipeline) => model.experts.without_others(n, pipeline.stage(n, s, pp, in_flight, grad_accum as f64)),
             None => StageMemory {
                 params: figures.params,
                 grads: figures.grads,
@@ -155,16 +169,19 @@ pub(super) fn predict(
                 inputs: 0.0,
             },
         };
-        // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9).
-        let gathered = held.params.min(1e9 * model.param_bytes);
-        let shards = if zero == 3 { held.params / dpf } else { 0.0 };
+        // ZeRO shards over dp what the experts (split over dp already, under ep) leave.
+        let zero_share = |total: f64, expert: f64| (total - expert) / dpf + expert;
+        // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9);
+        // a rank's experts stay its own.
+        let gathered = (held.params - experts.params).min(1e9 * model.param_bytes);
+        let shards = if zero == 3 { (held.params - experts.params) / dpf } else { 0.0 };
         let host_params = if layout.offload_param { shards } else { 0.0 };
-        let params = if zero == 3 { shards - host_params + gathered } else { held.params };
+        let params = if zero == 3 { shards - host_params + gathered + experts.params } else { held.params };
         // autotp reduce-scatters each gradient once it is made whole (no buckets): under ZeRO 2
         // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
         // keeps shards.
-        let grads = if zero == 3 { held.grads / dpf } else { held.grads };
-        let sharded_optimizer = if zero >= 1 { held.optimizer / dpf } else { held.optimizer };
+        let grads = if zero == 3 { zero_share(held.grads, experts.grads) } else { held.grads };
+        let sharded_optimizer = if zero >= 1 { zero_share(held.optimizer, experts.optimizer) } else { held.optimizer };
         // ZeRO's optimizer steps (stages 1 to 3) run on the rank's shards; an offloaded step
         // runs in host memory, in place.
         let (optimizer, transient) = match layout.offload_optimizer {
@@ -175,7 +192,7 @@ pub(super) fn predict(
         let host_optimizer = if layout.offload_optimizer { sharded_optimizer } else { 0.0 };
         let intermediate = if model.pipeline.is_some() {
             // The cut (dp 1) sums whole gradients; from ZeRO 2 a stage sums their shards.
-            let sums = if zero >= 2 && grad_accum > 1 { held.grads * (1.0 - 1.0 / dpf) } else { 0.0 };
+            let sums = if zero >= 2 && grad_accum > 1 { (held.grads - experts.grads) * (1.0 - 1.0 / dpf) } else { 0.0 };
             (grads + held.activations - sums).max(grads + transient)
         } else {
             // The peak of the forward (the micro-batches in flight), of the backward (the
@@ -187,7 +204,7 @@ pub(super) fn predict(
             let accumulated = match (grad_accum > 1, zero >= 2) {
                 (false, _) => 0.0,
                 (true, false) => held.grads,
-                (true, true) => held.grads / dpf,
+                (true, true) => zero_share(held.grads, experts.grads),
             };
             let forward = in_flight * figures.forward + accumulated;
             let backward = (grads + figures.backward).max(figures.forward + model.backward_extra)
@@ -209,10 +226,11 @@ pub(super) fn predict(
         if layout.offload_optimizer {
             // The rank's shard: its gradients down and parameters up; the host reads and writes
             // the states and reads the gradients.
-            let shard = |bytes: f64| if zero >= 1 { bytes / dpf } else { bytes };
+            let shard = |bytes: f64, expert: f64| if zero >= 1 { zero_share(bytes, expert) } else { bytes };
             // Parameters in host memory are updated there, not uploaded after the step.
-            let moved = shard(held.grads) + if layout.offload_param { 0.0 } else { shard(held.params) };
-            let updated = 2.0 * sharded_optimizer + shard(held.grads);
+            let moved = shard(held.grads, experts.grads)
+                + if layout.offload_param { 0.0 } else { shard(held.params, experts.params) };
+            let updated = 2.0 * sharded_optimizer + shard(held.grads, experts.grads);
             offload = offload.max((moved / device.host_link).max(updated / device.host_update_bandwidth));
         }
         if layout.offload_param {
@@ -229,21 +247,30 @@ pub(super) fn predict(
         // Each layer gathers its key and value and scatters their gradients over cp.
         let cp_seconds =
             if cp > 1 { figures.cp_bytes / node_groups(cp, tp) + device.latency * 4.0 * n as f64 } else { 0.0 };
+        // Each layer's mixture sends its pairs to their experts' ranks and back, forward and
+        // backward, over the dp ranks.
+        let ep_seconds = if ep > 1 {
+            figures.ep_bytes / node_groups(dp, tp * cp) + device.latency * EP_EXCHANGES_PER_LAYER * n as f64
+        } else {
+            0.0
+        };
         // A middle stage receives and sends each micro-batch's activation and its gradient, once
         // per model chunk.
         let chunks = layout.virtual_stages as f64;
         let sends =
             if pp > 1 { chunks * (2.0 * boundary / node_groups(pp, tp * cp * dp) + 2.0 * device.latency) } else { 0.0 };
-        let t = work + tp_seconds + cp_seconds + sends;
+        let t = work + tp_seconds + cp_seconds + ep_seconds + sends;
         if t > slot {
-            (slot, compute, tp_time, cp_time) = (t, work, tp_seconds, cp_seconds);
+            (slot, compute, tp_time, cp_time, ep_time) = (t, work, tp_seconds, cp_seconds, ep_seconds);
         }
+        ep_bytes = ep_bytes.max(figures.ep_bytes);
         cp_bytes = cp_bytes.max(figures.cp_bytes);
         cp_reduce_bytes = cp_reduce_bytes.max(figures.cp_reduce_bytes);
         machine_seconds += ranks_per_stage * grad_accum as f64 * t;
-        dp_bytes_max = dp_bytes_max.max(held.grads);
+        // The experts' gradients are summed on their own rank: nothing to reduce over dp.
+        dp_bytes_max = dp_bytes_max.max(held.grads - experts.grads);
         tp_bytes = tp_bytes.max(figures.tp_bytes);
-        gathered_params = gathered_params.max(held.params);
+        gathered_params = gathered_params.max(held.params - experts.params);
     }
     if worst.peak > memory {
         return Err(format!(
@@ -289,12 +316,13 @@ pub(super) fn predict(
         compute_seconds: if device.shared_cores > 0 { machine_seconds } else { micro_batches * compute },
         tp_seconds: micro_batches * tp_time,
         cp_seconds: micro_batches * cp_time,
+        ep_seconds: micro_batches * ep_time,
         pipeline_seconds,
         dp_seconds,
         offload_seconds: offload,
         bubble_fraction,
         memory: worst,
-        comm_bytes: micro_batches * (tp_bytes + cp_bytes)
+        comm_bytes: micro_batches * (tp_bytes + cp_bytes + ep_bytes)
             + cp_reduce_bytes
             + dp_volume
             + if pp > 1 { 2.0 * layout.virtual_stages as f64 * micro_batches * boundary } else { 0.0 },
