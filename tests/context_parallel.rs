@@ -38,15 +38,15 @@ fn context_parallelism_trains_like_one_rank() {
 }
 
 /// One compile of `arch`'s fixture cut to `layers` layers (one sequence of `seq_len` tokens)
-/// a rank) over `--cp cp --dp dp`: rank 0's activation peak, its bytes sent per step by
-/// all-reduces, reduce-scatters and all-gathers, and its parameters' bytes.
-fn compiled(arch: &str, layers: usize, seq_len: usize, cp: usize, dp: usize) -> (i64, [i64; 3], i64) {
+/// a rank) over `--cp cp --dp dp --zero zero`: rank 0's activation peak, its bytes sent per
+/// step by all-reduces, reduce-scatters and all-gathers, and its parameters' bytes.
+fn compiled(arch: &str, layers: usize, seq_len: usize, cp: usize, dp: usize, zero: usize) -> (i64, [i64; 3], i64) {
     let model = crate::common::fixture(arch, "model.onnx");
     let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", "1"]
         .iter()
         .map(|s| s.to_string())
         .chain(["--seq-len".into(), seq_len.to_string(), "--cp".into(), cp.to_string()])
-        .chain(["--dp".into(), dp.to_string()])
+        .chain(["--dp".into(), dp.to_string(), "--zero".into(), zero.to_string()])
         .collect();
     let plan = crate::common::compile_shapes(&args, layers);
     let report = autotp_program::report::report(&plan);
@@ -59,9 +59,11 @@ fn compiled(arch: &str, layers: usize, seq_len: usize, cp: usize, dp: usize) -> 
 /// Per layer, each rank all-gathers the key and the value (`b x h_kv x s x d` each, f32) and
 /// reduce-scatters their gradients: `2 x 4bh_kv sd x (N-1)/N` bytes sent each way, with dp as
 /// without (a rank's sequence is its own). The weights' gradients (and the loss) are
-/// all-reduced over cp as over dp: `2 (N-1)/N` of their bytes, and `2 (D-1)/D` more over dp,
-/// except GPT-2's position table: every sequence reads the same rows, so its gradient is
-/// summed over dp before the scatter into the table, on the rank's `s/N` positions.
+/// all-reduced over cp as over dp: `2 (N-1)/N` of their bytes; with dp, reduce-scattered over
+/// cp, all-reduced over dp and gathered over cp, `2 (N-1)/N + 2 (D-1)/(DN)` (Megatron's one
+/// all-reduce over dp x cp), except GPT-2's position table: every sequence reads the same
+/// rows, so its gradient is summed over dp before the scatter into the table, on the rank's
+/// `s/N` positions.
 #[test]
 fn context_parallelism_moves_the_keys_and_values_the_formula_says() {
     // (arch, tokens, key/value heads, head dim, position table bytes): GPT-2's position table
@@ -70,17 +72,31 @@ fn context_parallelism_moves_the_keys_and_values_the_formula_says() {
         [("llama", 1024i64, 2i64, 16i64, 0i64), ("gpt2", 128, 4, 16, 128 * 64 * 4)]
     {
         for (n, d) in [(2i64, 1i64), (4, 1), (2, 2)] {
-            let (_, [ar, rs, ag], params) = compiled(arch, 2, s as usize, n as usize, d as usize);
+            let (_, [ar, rs, ag], params) = compiled(arch, 2, s as usize, n as usize, d as usize, 0);
             let key_value = 2 * 4 * kv_heads * s * head_dim * (n - 1) / n;
             println!("{arch} cp {n} dp {d}: all-gathers {ag}, reduce-scatters {rs}, all-reduces {ar} bytes per rank");
-            assert_eq!(ag, 2 * key_value, "{arch} cp {n} dp {d}: all-gathers");
-            assert_eq!(rs, 2 * key_value, "{arch} cp {n} dp {d}: reduce-scatters");
-            // `2 (N-1)/N` of `bytes` over an axis of N ranks; on each axis, the gradients and
-            // two one-element all-reduces: the loss and the finite check's flag.
+            // `2 (N-1)/N` of `bytes` all-reduced over an axis of N ranks; on each axis, the
+            // gradients and two one-element all-reduces: the loss and the finite check's flag.
             let over = |ranks: i64, bytes: i64| 2 * (ranks - 1) * bytes / ranks;
-            let (cp_bytes, dp_bytes) = (over(n, params + 8), over(d, params + 8 - table + table / n));
-            assert_eq!(ar, cp_bytes + dp_bytes, "{arch} cp {n} dp {d}: all-reduces");
+            let (all_reduced, scattered) = if d == 1 {
+                (over(n, params + 8), 0)
+            } else {
+                // Each gradient is reduce-scattered over cp, its block all-reduced over dp and
+                // gathered over cp; GPT-2's position table is summed over dp before its
+                // scatter into the table (on the rank's positions) and over cp whole.
+                let rest = params - table;
+                (over(d, rest / n + table / n + 8) + over(n, table + 8), (n - 1) * rest / n)
+            };
+            assert_eq!(ag, 2 * key_value + scattered, "{arch} cp {n} dp {d}: all-gathers");
+            assert_eq!(rs, 2 * key_value + scattered, "{arch} cp {n} dp {d}: reduce-scatters");
+            assert_eq!(ar, all_reduced, "{arch} cp {n} dp {d}: all-reduces");
         }
+        // ZeRO 1 reduce-scatters the gradients over dp first: each rank sums its shard over cp,
+        // `2 (N-1)/N` of `1/D` of their bytes (the scalars as above).
+        let (_, [ar, rs, _], params) = compiled(arch, 2, s as usize, 2, 2, 1);
+        let key_value = 2 * 4 * kv_heads * s * head_dim / 2;
+        assert_eq!(rs, params / 2 + 2 * key_value, "{arch} cp 2 dp 2 ZeRO 1: reduce-scatters");
+        assert_eq!(ar, params / 2 + 8 + 8, "{arch} cp 2 dp 2 ZeRO 1: all-reduces");
     }
 }
 
@@ -122,8 +138,9 @@ fn ulysses_exchanges_the_heads_the_formula_says() {
 #[test]
 fn context_parallelism_splits_the_activations() {
     for (arch, s, kv_heads, head_dim) in [("llama", 1024i64, 2i64, 16i64)] {
-        let layer =
-            |n: i64| compiled(arch, 2, s as usize, n as usize, 1).0 - compiled(arch, 1, s as usize, n as usize, 1).0;
+        let layer = |n: i64| {
+            compiled(arch, 2, s as usize, n as usize, 1, 0).0 - compiled(arch, 1, s as usize, n as usize, 1, 0).0
+        };
         let whole = layer(1);
         for n in [2i64, 4] {
             let split = layer(n);

@@ -73,6 +73,33 @@ fn placement_checks() {
     );
 }
 
+/// Axes sharding one dim nest in mesh order: each must divide the block the axes before it
+/// left, and a rule decides on those blocks (cp splits the tokens of a dp rank's one sequence,
+/// flattened to rows; over the whole two-sequence batch they would not be one block).
+#[test]
+fn nested_placements() {
+    assert_rejects(
+        "graph \"g\" mesh [dp=2, tp=2] {\n param %w : f32[6,8] {dp = shard(0), tp = shard(0)}\n output \"y\" = %w\n}",
+        &[
+            "%w: dim 0 of size 3 (its block under the mesh axes before, of 6) is not divisible by mesh axis tp of size 2",
+            "output \"y\": must be replicated on every mesh axis",
+        ],
+    );
+    let nested = "graph \"g\" mesh [dp=2, cp=2] {\n input %x : f32[2,8,4] {dp = shard(0), cp = shard(1)}\n \
+                  %0 = reshape %x {shape = [16, 4]} : f32[16,4] {dp = shard(0), cp = shard(0)}\n \
+                  %1 = all_gather %0 {axis = cp, dim = 0} : f32[16,4] {dp = shard(0)}\n \
+                  %2 = all_gather %1 {axis = dp, dim = 0} : f32[16,4]\n output \"y\" = %2\n}";
+    let graph = autotp_ir::text::parse(nested).unwrap();
+    autotp_ir::verify(&graph).unwrap();
+    // Both sequences on every dp rank: cp's runs of their tokens are not one block of rows.
+    assert_rejects(
+        "graph \"g\" mesh [dp=2, cp=2] {\n input %x : f32[2,8,4] {cp = shard(1)}\n \
+         %0 = reshape %x {shape = [16, 4]} : f32[16,4] {cp = shard(0)}\n \
+         %1 = all_gather %0 {axis = cp, dim = 0} : f32[16,4]\n output \"y\" = %1\n}",
+        &["%0 = reshape: needs its inputs as [replicate] on mesh axis cp"],
+    );
+}
+
 #[test]
 fn sharding_rule_checks() {
     // A row-parallel matmul gives a partial sum, not a replicated value; an all-reduce takes a

@@ -506,11 +506,13 @@ fn place(
                 // A consumer that takes it by heads (the backward's `out`) takes this one.
                 placer.resharded.insert((placed, a, Placement::Shard(heads)), new);
             }
-            for a in 0..mesh.axes.len() {
-                if let Some(&target) = eager.get(&(old, a)) {
-                    if placer.rw.graph().value(placed).placements[a] == Placement::PartialSum {
-                        placed = placer.reshard(placed, a, target)?;
-                    }
+            // Scatters first: a reduction over another axis then sums the rank's block alone.
+            let targets: Vec<(usize, Placement)> =
+                (0..mesh.axes.len()).filter_map(|a| eager.get(&(old, a)).map(|&t| (a, t))).collect();
+            let scatters = targets.iter().filter(|(_, t)| matches!(t, Placement::Shard(_)));
+            for &(a, target) in scatters.chain(targets.iter().filter(|(_, t)| !matches!(t, Placement::Shard(_)))) {
+                if placer.rw.graph().value(placed).placements[a] == Placement::PartialSum {
+                    placed = placer.reshard(placed, a, target)?;
                 }
             }
             placer.rw.set(old, placed);
@@ -543,7 +545,8 @@ fn place(
 /// its running sums (the left operands of `micro-batches - 1` adds of two partial sums) and each
 /// term is scattered where it is made instead (the scatter is linear: the shards add up to the
 /// sum's shard).
-/// An all-reduce's input is traced back through any linear op; unless that reaches a value
+/// An all-reduce's input is traced back through any linear op but a scatter or slice over
+/// another axis (the block it makes is smaller to reduce); unless that reaches a value
 /// scattered already, the root is all-reduced once instead when it is no bigger than the
 /// reductions it replaces (one all-reduce of a layer's input gradient, not one per use); under
 /// `sequence_parallel`, a hidden state's is reduce-scattered over its tokens instead.
@@ -569,6 +572,14 @@ fn reductions(
             let partial_inputs: Vec<ValueId> = producer.inputs.iter().copied().filter(|&i| partial(i, a)).collect();
             let (&[only], 1) = (&partial_inputs[..], producer.outputs.len()) else { break };
             if matches!(producer.op, Op::Cast { to } if autotp_ir::sharding::widens(placed.ty(only).dtype, to)) {
+                break;
+            }
+            // Nor back past a scatter or slice over another axis (ZeRO's shard of a gradient
+            // over dp, summed over cp too): reduced after it, a rank reduces its block alone.
+            if matches!(
+                producer.op,
+                Op::Collective { kind: Collective::ReduceScatter { .. } | Collective::ShardSlice { .. }, .. }
+            ) {
                 break;
             }
             // A scatter's dim must mean the same at the root: not through a transpose (of a
@@ -663,7 +674,30 @@ fn reductions(
             eager.insert((v, a), Placement::Replicate);
         }
     }
+    hierarchical_over_context(placed, &mut eager);
     eager.into_iter().filter_map(|((v, a), target)| origin.get(&v).map(|&o| ((o, a), target))).collect()
+}
+
+/// A value all-reduced where it is made over both dp and cp (a weight's gradient under ZeRO 0)
+/// is reduce-scattered over cp instead, its block then all-reduced over dp and gathered over cp
+/// where it is read whole: `2 (N-1)/N + 2 (D-1)/(DN)` of its bytes rather than `2 (N-1)/N + 2
+/// (D-1)/D`, what Megatron's one all-reduce over the dp x cp group sends.
+fn hierarchical_over_context(placed: &Graph, eager: &mut BTreeMap<(ValueId, usize), Placement>) {
+    let axis_of = |name: &str| placed.mesh.axes.iter().position(|a| a.name == name);
+    let (Some(cp), Some(dp)) = (axis_of(autotp_ir::CONTEXT_AXIS), axis_of(autotp_ir::DATA_AXIS)) else { return };
+    let n = placed.mesh.axes[cp].size;
+    let both: Vec<ValueId> = (eager.iter())
+        .filter(|&(&(v, a), &target)| {
+            a == cp && target == Placement::Replicate && eager.get(&(v, dp)) == Some(&Placement::Replicate)
+        })
+        .map(|(&(v, _), _)| v)
+        .collect();
+    for v in both {
+        let shape = &placed.ty(v).shape;
+        if let Some(dim) = (0..shape.len()).find(|&d| shape[d].is_multiple_of(n) && shape[d] >= n) {
+            eager.insert((v, cp), Placement::Shard(dim));
+        }
+    }
 }
 
 /// Values a consumer slices that their op could make as just the block, from a first
