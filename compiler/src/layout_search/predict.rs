@@ -284,8 +284,16 @@ pub(super) fn predict(
     let bubble_fraction = layout.bubble_slots() / slots;
     let dp_link = node_groups(dp, tp * cp);
     let ring = 2.0 * (dpf - 1.0) / dpf;
+    // Under cp the weights' gradients are summed over both axes, the later one on blocks: at
+    // ZeRO 0 reduce-scattered over cp first (dp all-reduces 1/cp of them), from ZeRO 1 over dp
+    // first (cp all-reduces the rank's shard).
+    let (dp_share, cp_reduce_bytes) = match (cp > 1 && dp > 1, zero) {
+        (false, _) => (1.0, cp_reduce_bytes),
+        (true, 0) => (1.0 / cp as f64, cp_reduce_bytes),
+        (true, _) => (1.0, cp_reduce_bytes / dpf),
+    };
     let dp_volume = if dp > 1 {
-        let gradient_bytes = dp_bytes_max;
+        let gradient_bytes = dp_share * dp_bytes_max;
         let gathers = if zero == 3 { (2.0 * micro_batches - 1.0) * gathered_params * (dpf - 1.0) / dpf } else { 0.0 };
         // From ZeRO 2 every micro-batch reduce-scatters its gradients.
         let reductions = if zero >= 2 { (micro_batches + 1.0) / 2.0 } else { 1.0 };
