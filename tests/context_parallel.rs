@@ -22,6 +22,7 @@ fn context_parallelism_trains_like_one_rank() {
         // With dp: the rows that flatten a rank's sequence split over dp, then its tokens over cp.
         &["--cp", "2", "--dp", "2", "--grad-accum", "4"],
         &["--cp", "2", "--dp", "2", "--zero", "3", "--grad-accum", "4"],
+        &["--cp", "2", "--dp", "2", "--tp", "2", "--grad-accum", "4"],
         &["--cp", "2", "--dp", "2", "--tp", "2", "--zero", "1", "--grad-accum", "4"],
         &["--cp", "2", "--dp", "2", "--cp-comm-type", "a2a", "--zero", "2", "--grad-accum", "4"],
         &["--cp", "2", "--dp", "2", "--pp", "2", "--grad-accum", "4"],

@@ -693,8 +693,11 @@ fn hierarchical_over_context(placed: &Graph, eager: &mut BTreeMap<(ValueId, usiz
         .map(|(&(v, _), _)| v)
         .collect();
     for v in both {
-        let shape = &placed.ty(v).shape;
-        if let Some(dim) = (0..shape.len()).find(|&d| shape[d].is_multiple_of(n) && shape[d] >= n) {
+        // A dim no other axis splits (tp's, say), which a rank's block divides.
+        let placements = &placed.value(v).placements;
+        let local = autotp_ir::sharding::local_shape(&placed.mesh, &placed.ty(v).shape, placements);
+        let free = |d: usize| !placements.contains(&Placement::Shard(d)) && local[d].is_multiple_of(n) && local[d] >= n;
+        if let Some(dim) = (0..local.len()).find(|&d| free(d)) {
             eager.insert((v, cp), Placement::Shard(dim));
         }
     }
