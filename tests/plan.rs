@@ -201,21 +201,32 @@ fn plan_predicts_the_compilers_memory_of_pipeline_stages() {
             if l["pp"] == 1 {
                 continue;
             }
-            let report = dir.join("report.json");
-            let mut argv: Vec<&str> = vec!["compile", "--report", report.to_str().unwrap()];
-            argv.extend(flags.iter().map(|f| f.as_str().unwrap()));
-            success(autotp(&argv));
-            let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-            let compiled = report["ranks"].as_array().unwrap().iter().map(|r| r["peak_bytes"].as_f64().unwrap());
-            let ratio = c["prediction"]["memory"]["peak"].as_f64().unwrap() / compiled.fold(0.0, f64::max);
-            // ZB-H1's deferred weight gradients and interleaving's model chunks in flight are
-            // extrapolated from a cut compiled under plain 1F1B ([`Layout::in_flight`]): their
-            // band is wider.
-            let band = if l["schedule"] == "1f1b" && l["virtual_stages"] == 1 { 0.8..=1.25 } else { 0.75..=1.4 };
-            assert!(band.contains(&ratio), "{model} {l}: predicted / compiled peak {ratio:.3}");
+            let flags: Vec<&str> = flags.iter().map(|f| f.as_str().unwrap()).collect();
+            let ratio = c["prediction"]["memory"]["peak"].as_f64().unwrap() / compiled_peak(&dir, &flags);
+            assert!(peak_band(l).contains(&ratio), "{model} {l}: predicted / compiled peak {ratio:.3}");
             checked += 1;
         }
         assert!(checked >= 15, "{model}: {checked} pipelined layouts fit");
+    }
+}
+
+/// The largest per-rank peak of `autotp compile FLAGS` (a layout's printed flags), from its
+/// report written in `dir`.
+fn compiled_peak(dir: &std::path::Path, flags: &[&str]) -> f64 {
+    let report = dir.join("report.json");
+    success(autotp(&[&["compile", "--report", report.to_str().unwrap()][..], flags].concat()));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    report["ranks"].as_array().unwrap().iter().map(|r| r["peak_bytes"].as_f64().unwrap()).fold(0.0, f64::max)
+}
+
+/// Where a layout's predicted peak over its compiled one falls: ZB-H1's deferred weight
+/// gradients and interleaving's model chunks in flight are extrapolated from a cut compiled
+/// under plain 1F1B ([`Layout::in_flight`]), so their band is wider.
+fn peak_band(layout: &serde_json::Value) -> std::ops::RangeInclusive<f64> {
+    if layout["schedule"] == "1f1b" && layout["virtual_stages"] == 1 {
+        0.8..=1.25
+    } else {
+        0.75..=1.4
     }
 }
 
@@ -398,16 +409,9 @@ fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
             assert!(memory["params"].as_f64().unwrap() < twin_params, "{l}: {memory} against {twin_memory}");
         }
         assert!(c["prediction"]["ep_seconds"].as_f64().unwrap() > 0.0, "{c}");
-        let report = dir.join("report.json");
-        let argv = [&["compile", "--report", report.to_str().unwrap()][..], &flags].concat();
-        success(autotp(&argv));
-        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-        let compiled = report["ranks"].as_array().unwrap().iter().map(|r| r["peak_bytes"].as_f64().unwrap());
-        let ratio = memory["peak"].as_f64().unwrap() / compiled.fold(0.0, f64::max);
+        let ratio = memory["peak"].as_f64().unwrap() / compiled_peak(&dir, &flags);
         println!("{l}: predicted / compiled peak {ratio:.3}");
-        // As for dense models (above): ZB-H1's deferred chunks are extrapolated.
-        let band = if l["schedule"] == "1f1b" { 0.8..=1.25 } else { 0.75..=1.4 };
-        assert!(band.contains(&ratio), "{l}: predicted / compiled peak {ratio:.3}");
+        assert!(peak_band(l).contains(&ratio), "{l}: predicted / compiled peak {ratio:.3}");
         checked += 1;
     }
     assert!(checked >= 8, "{checked} expert-parallel layouts fit: {printed}");

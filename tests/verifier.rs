@@ -85,12 +85,13 @@ fn nested_placements() {
             "output \"y\": must be replicated on every mesh axis",
         ],
     );
-    let nested = "graph \"g\" mesh [dp=2, cp=2] {\n input %x : f32[2,8,4] {dp = shard(0), cp = shard(1)}\n \
-                  %0 = reshape %x {shape = [16, 4]} : f32[16,4] {dp = shard(0), cp = shard(0)}\n \
-                  %1 = all_gather %0 {axis = cp, dim = 0} : f32[16,4] {dp = shard(0)}\n \
-                  %2 = all_gather %1 {axis = dp, dim = 0} : f32[16,4]\n output \"y\" = %2\n}";
-    let graph = autotp_ir::text::parse(nested).unwrap();
-    autotp_ir::verify(&graph).unwrap();
+    assert_rejects(
+        "graph \"g\" mesh [dp=2, cp=2] {\n input %x : f32[2,8,4] {dp = shard(0), cp = shard(1)}\n \
+         %0 = reshape %x {shape = [16, 4]} : f32[16,4] {dp = shard(0), cp = shard(0)}\n \
+         %1 = all_gather %0 {axis = cp, dim = 0} : f32[16,4] {dp = shard(0)}\n \
+         %2 = all_gather %1 {axis = dp, dim = 0} : f32[16,4]\n output \"y\" = %2\n}",
+        &[],
+    );
     // Both sequences on every dp rank: cp's runs of their tokens are not one block of rows.
     assert_rejects(
         "graph \"g\" mesh [dp=2, cp=2] {\n input %x : f32[2,8,4] {cp = shard(1)}\n \

@@ -175,7 +175,7 @@ pub struct StageExperts {
 }
 
 impl ExpertShare {
-    /// Of `n` layers from the cuts without ep, and what their own are.
+    /// The experts of `n` layers, `params` bytes each, with their gradients and states.
     fn bytes(&self, n: usize, params: f64) -> StageExperts {
         let params = n as f64 * params;
         StageExperts { params, grads: params * self.grads_per_param, optimizer: params * self.optimizer_per_param }

@@ -268,11 +268,10 @@ fn enumerate_layouts(
         .into_iter()
         .flat_map(|tp| context_parallel_sizes(request, tp).into_iter().map(move |cp| (tp, cp)))
     {
-        for (pp, ep) in divisors(request.devices / (tp * cp)).into_iter().flat_map(|pp| {
+        for (pp, dp, ep) in divisors(request.devices / (tp * cp)).into_iter().flat_map(|pp| {
             let dp = request.devices / (tp * cp * pp);
-            expert_parallel_sizes(shape, dp).into_iter().map(move |ep| (pp, ep))
+            expert_parallel_sizes(shape, dp).into_iter().map(move |ep| (pp, dp, ep))
         }) {
-            let dp = request.devices / (tp * cp * pp);
             for zero in 0..=3 {
                 for &micro_batch in &request.micro_batches {
                     for recompute in &request.recompute {

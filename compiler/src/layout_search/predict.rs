@@ -156,8 +156,8 @@ pub(super) fn predict(
     for (s, &n) in counts.iter().enumerate() {
         let figures = model.stage(n, s == 0, s == pp - 1);
         let in_flight = layout.in_flight(s);
-        // A pipeline's stage from its cuts; without them, a slice of the one-stage cuts.
         let experts = model.experts.on_stage(n);
+        // A pipeline's stage from its cuts; without them, a slice of the one-stage cuts.
         let held = match model.pipeline {
             // The pipeline's cuts hold every expert (dp 1): a rank keeps its own.
             Some(pipeline) => model.experts.without_others(n, pipeline.stage(n, s, pp, in_flight, grad_accum as f64)),
@@ -171,6 +171,8 @@ pub(super) fn predict(
         };
         // ZeRO shards over dp what the experts (split over dp already, under ep) leave.
         let zero_share = |total: f64, expert: f64| (total - expert) / dpf + expert;
+        // From stage 1: the optimizer's part of what a rank holds.
+        let stage_share = |total: f64, expert: f64| if zero >= 1 { zero_share(total, expert) } else { total };
         // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9);
         // a rank's experts stay its own.
         let gathered = (held.params - experts.params).min(1e9 * model.param_bytes);
@@ -181,7 +183,7 @@ pub(super) fn predict(
         // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
         // keeps shards.
         let grads = if zero == 3 { zero_share(held.grads, experts.grads) } else { held.grads };
-        let sharded_optimizer = if zero >= 1 { zero_share(held.optimizer, experts.optimizer) } else { held.optimizer };
+        let sharded_optimizer = stage_share(held.optimizer, experts.optimizer);
         // ZeRO's optimizer steps (stages 1 to 3) run on the rank's shards; an offloaded step
         // runs in host memory, in place.
         let (optimizer, transient) = match layout.offload_optimizer {
@@ -225,12 +227,11 @@ pub(super) fn predict(
         }
         if layout.offload_optimizer {
             // The rank's shard: its gradients down and parameters up; the host reads and writes
-            // the states and reads the gradients.
-            let shard = |bytes: f64, expert: f64| if zero >= 1 { zero_share(bytes, expert) } else { bytes };
-            // Parameters in host memory are updated there, not uploaded after the step.
-            let moved = shard(held.grads, experts.grads)
-                + if layout.offload_param { 0.0 } else { shard(held.params, experts.params) };
-            let updated = 2.0 * sharded_optimizer + shard(held.grads, experts.grads);
+            // the states and reads the gradients. Parameters in host memory are updated there,
+            // not uploaded after the step.
+            let moved = stage_share(held.grads, experts.grads)
+                + if layout.offload_param { 0.0 } else { stage_share(held.params, experts.params) };
+            let updated = 2.0 * sharded_optimizer + stage_share(held.grads, experts.grads);
             offload = offload.max((moved / device.host_link).max(updated / device.host_update_bandwidth));
         }
         if layout.offload_param {
