@@ -8,13 +8,14 @@
 use crate::parallel::{train_model, within_contract};
 
 /// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank, alone and
-/// with tp, pp, dp and ZeRO.
+/// with tp, pp, dp and ZeRO; in Megatron's load-balanced order, and in contiguous blocks.
 #[test]
 fn context_parallelism_trains_like_one_rank() {
     let dir = crate::common::scratch("context-parallel");
     let layouts: &[&[&str]] = &[
         &["--cp", "2", "--grad-accum", "8"],
         &["--cp", "4", "--grad-accum", "8"],
+        &["--cp", "4", "--cp-contiguous", "--grad-accum", "8"],
         &["--cp", "2", "--tp", "2", "--grad-accum", "8"],
         &["--cp", "2", "--pp", "2", "--grad-accum", "8"],
         &["--cp", "2", "--cp-comm-type", "a2a", "--grad-accum", "8"],
@@ -132,7 +133,9 @@ fn ulysses_exchanges_the_heads_the_formula_says() {
 
 /// Each rank holds its tokens' activations: a layer holds `1/N` of what it holds on one rank,
 /// and beside it the keys and values gathered from the other ranks for the backward (`2 x
-/// 4bh_kv sd x (N-1)/N` bytes) and the position its queries start at (an i64). The causal mask
+/// 4bh_kv sd x (N-1)/N` bytes) and the positions its two runs of queries start at (i64s). The
+/// keys and values put back in position order for attention replace the gathered ones, and
+/// their gradients' reordering is transient: neither adds to a layer. The causal mask
 /// is the attention op's, at each rank's positions: no `[s, s]` matrix is held. (Llama at 1024
 /// tokens, where the layers' activations make the peak; GPT-2's position table stops at 128,
 /// where the head's logits do.)
@@ -149,7 +152,9 @@ fn context_parallelism_splits_the_activations() {
             println!(
                 "{arch} cp {n}: a layer holds {split} bytes, {whole} on one rank; keys and values gathered {gathered}"
             );
-            assert_eq!(split, whole / n + gathered + 8, "{arch} cp {n}");
+            // Each rank's queries come in two runs (Megatron's load balance), each with its first
+            // position (an i64).
+            assert_eq!(split, whole / n + gathered + 2 * 8, "{arch} cp {n}");
         }
     }
 }
@@ -194,6 +199,37 @@ fn context_parallelism_is_summarised_and_refused_where_it_cannot_split() {
     assert!(err.contains("--cp-comm-type 'ring' is not one of all_gather, a2a"), "{err}");
 }
 
+/// Megatron's load balance is the default: every rank's causal attention covers as many
+/// query-key pairs (the summary's figures: contiguous blocks of 8 of 32 tokens cover 36 to 228).
+/// `--cp-contiguous`, or a sequence that 2 x cp does not divide, keeps contiguous blocks and
+/// says why.
+#[test]
+fn load_balance_evens_the_causal_work() {
+    let model = crate::common::fixture("llama", "model.onnx");
+    let compile = |seq_len: &str, extra: &[&str]| {
+        let base = ["compile", model.to_str().unwrap(), "--seq-len", seq_len, "--micro-batch", "1", "--cp", "4"];
+        crate::common::autotp(&[&base[..], extra, &["-o", "/dev/null"]].concat())
+    };
+    let out = crate::common::success(compile("32", &[]));
+    assert!(
+        out.contains(
+            "load-balanced (Megatron): the sequence in 8 chunks, rank r holding chunks r and 7-r; causal query-key \
+             pairs per rank per sequence and head: 132 each (contiguous blocks: 36 to 228)"
+        ),
+        "{out}"
+    );
+    let out = crate::common::success(compile("32", &["--cp-contiguous"]));
+    assert!(
+        out.contains("contiguous blocks; causal query-key pairs per rank per sequence and head: 36 to 228"),
+        "{out}"
+    );
+    let run = compile("36", &[]);
+    let (out, err) = (String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{err}");
+    assert!(out.contains("contiguous blocks; causal query-key pairs per rank per sequence and head:"), "{out}");
+    assert!(err.contains("not load-balanced: the sequence of 36 tokens does not cut into 2 x cp = 8 chunks"), "{err}");
+}
+
 /// Context-parallel plans on emulated GPUs (`AUTOTP_GPU=emulated`, the ranks' cp communicator
 /// over the emulated NCCL) train like their CPU ranks: the GPU's attention passes take each
 /// rank's queries at their positions; Ulysses' all-to-alls run on NCCL; with dp, each axis has
@@ -233,4 +269,51 @@ fn on_emulated_gpus(comm: &str, data_parallel: &[&str]) {
     let (first, worst) = within_contract(&label, &gpu, &cpu);
     println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to CPU ranks");
     assert!(worst <= 1e-6, "{gpu:?} against {cpu:?}");
+}
+
+/// The load balance keeps the natural order, saying why, where something other than
+/// attention would see the sequence in the balanced order: a value of the sequence all-gathered
+/// over cp for a shift, a table sliced over cp that is not as long as the sequence. A table the
+/// same all along the sequence needs no arranging.
+#[test]
+fn load_balance_keeps_the_natural_order_where_the_order_would_be_seen() {
+    let balance = |text: &str| {
+        let graph = autotp_ir::text::parse(text).expect("parses");
+        autotp_ir::verify(&graph).expect("verifies");
+        autotp_passes::context_balance::load_balance(&graph, 8).expect("rewrites")
+    };
+    let shifted = balance(
+        r#"graph "shift" mesh [cp=2] {
+  input %input_ids : i64[1,8] {cp = shard(1)}
+  param %embed : f32[10,4]
+  %0 = gather %embed, %input_ids {axis = 0} : f32[1,8,4] {cp = shard(1)}
+  %1 = all_gather %0 {axis = cp, dim = 1} : f32[1,8,4]
+  %2 = slice %1 {starts = [0, 1, 0], ends = [1, 8, 4], steps = [1, 1, 1]} : f32[1,7,4]
+  output "y" = %2
+}"#,
+    );
+    let why = shifted.expect_err("a shift sees the order");
+    assert!(why.contains("all_gather (node 1) gathers the gather of node 0 over cp for slice"), "{why}");
+    let table = |values: &str| {
+        format!(
+            r#"graph "table" mesh [cp=2] {{
+  input %input_ids : i64[1,8] {{cp = shard(1)}}
+  param %embed : f32[10,6]
+  %0 = gather %embed, %input_ids {{axis = 0}} : f32[1,8,6] {{cp = shard(1)}}
+  %1 = constant dense<[{values}]> : f32[6]
+  %2 = shard_slice %1 {{axis = cp, dim = 0}} : f32[6] {{cp = shard(0)}}
+  %3 = reduce_sum %2 {{axes = [0], keep_dims = false}} : f32[] {{cp = partial(sum)}}
+  %4 = all_reduce %3 {{axis = cp}} : f32[]
+  output "t" = %4
+}}"#
+        )
+    };
+    let why = balance(&table("1.0, 2.0, 3.0, 4.0, 5.0, 6.0")).expect_err("6 rows are not the sequence");
+    assert!(
+        why.contains("slices the constant of node 1 over cp along a dim of 6, which is not a sequence of 8"),
+        "{why}"
+    );
+    let uniform = balance(&table("0.5, 0.5, 0.5, 0.5, 0.5, 0.5")).expect("a uniform table needs nothing");
+    let printed = autotp_ir::text::print(&uniform);
+    assert_eq!(printed.matches(" gather ").count(), 1, "only the embedding's:\n{printed}");
 }

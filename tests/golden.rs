@@ -57,7 +57,8 @@ fn shard_spec(spec: &str) -> Shard {
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
 /// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
-/// `attention:tp=N` (for a graph tp will split N ways), `fusion` /
+/// `attention:tp=N` (for a graph tp will split N ways), `attention:cp=N[:balanced]`,
+/// `cp-balance:SEQ_LEN`, `fusion` /
 /// `fusion:selective` / `fusion:full` (with recomputation).
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
@@ -79,7 +80,13 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "recognize" => Box::new(Recognize),
         "attention" => Box::new(autotp_passes::attention::FuseAttention {
             tensor_parallel: argument.strip_prefix("tp=").map_or(1, |tp| tp.parse().expect("attention:tp=N")),
-            context_parallel: argument.strip_prefix("cp=").map_or(1, |cp| cp.parse().expect("attention:cp=N")),
+            context_parallel: argument
+                .strip_prefix("cp=")
+                .map_or(1, |cp| cp.trim_end_matches(":balanced").parse().expect("attention:cp=N[:balanced]")),
+            load_balanced: argument.ends_with(":balanced"),
+        }),
+        "cp-balance" => Box::new(autotp_passes::context_balance::LoadBalance {
+            seq_len: argument.parse().expect("cp-balance:SEQ_LEN"),
         }),
         "precision" => {
             let (dtype, scaled) = argument.split_once(':').map_or((argument, false), |(d, s)| (d, s == "scaled"));

@@ -38,13 +38,14 @@ fn relative(a: f64, b: f64) -> f64 {
 
 /// With the learning rate 0 the weights stay the initial ones, and the validation data is the
 /// training data: every validation of batch 0 gives step 1's training loss (batch 0, initial
-/// weights), on one rank, under ZeRO-3, tensor parallelism, pipelines and their products.
+/// weights), on one rank, under ZeRO-3, tensor, context and pipeline parallelism and their
+/// products.
 #[test]
 fn validation_computes_the_training_steps_loss_on_every_layout() {
     let dir = scratch("validation-layouts");
     let corpus = fixture("hf_export", "corpus_megatron");
     let corpus = corpus.to_str().unwrap_or_default();
-    let layouts: [&[&str]; 7] = [
+    let layouts: [&[&str]; 9] = [
         &["--micro-batch", "4"],
         &["--micro-batch", "2", "--dp", "2", "--zero", "3"],
         &["--micro-batch", "4", "--tp", "2"],
@@ -52,6 +53,9 @@ fn validation_computes_the_training_steps_loss_on_every_layout() {
         &["--micro-batch", "2", "--pp", "2", "--grad-accum", "2"],
         &["--micro-batch", "1", "--pp", "2", "--dp", "2", "--zero", "3", "--grad-accum", "2"],
         &["--micro-batch", "2", "--grad-accum", "2", "--precision", "bf16"],
+        // Context parallelism's load balance: the evaluation step's tokens in the same order.
+        &["--micro-batch", "1", "--cp", "2", "--grad-accum", "4"],
+        &["--micro-batch", "1", "--cp", "2", "--dp", "2", "--zero", "1", "--grad-accum", "2"],
     ];
     let eval = ["--lr", "0", "--steps", "2", "--eval-every", "1", "--eval-iters", "1", "--eval-data", corpus];
     let mut first_losses = Vec::new();

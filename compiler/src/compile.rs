@@ -109,7 +109,8 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
     let mut step_seconds = run_steps(&steps, &mut state, &mut observer)?;
     let evaluation = match evaluated {
         Some(graph) => {
-            let (evaluation, seconds) = compile_evaluation(options, &facts, graph, &state.programs);
+            let (evaluation, seconds) =
+                compile_evaluation(options, &facts, graph, &state.programs, state.sequence_order);
             step_seconds.push(("evaluation", seconds));
             evaluation
         }
@@ -143,6 +144,7 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
             padding_rows,
             compile_flags: Some(flags.recorded()),
             zero_stage: flags.zero,
+            sequence_order: state.sequence_order,
             grad_accum: options.grad_accum,
             weight_shapes: origins.shapes,
             weight_parts: origins.parts,
@@ -178,13 +180,14 @@ fn compile_evaluation(
     facts: &ModelFacts,
     graph: Graph,
     training: &[autotp_program::Program],
+    sequence_order: autotp_program::step::SequenceOrder,
 ) -> (Evaluation, f64) {
     let start = Instant::now();
     let placed = |p: &autotp_program::Program| {
         p.params.iter().map(|slot| (slot.name.clone(), slot.placements.clone())).collect()
     };
     let param_placements = training.iter().map(placed).collect();
-    let steps = steps(options, facts, true, Purpose::Evaluate { param_placements });
+    let steps = steps(options, facts, true, Purpose::Evaluate { param_placements, sequence_order });
     let mut state = CompileState::new(graph);
     let mut observer = Observer { dump_dir: None, print_after: &[] };
     let evaluation = match run_steps(&steps, &mut state, &mut observer) {

@@ -58,6 +58,13 @@ pub struct CompileFlags {
     #[arg(long, default_value = "all_gather")]
     #[serde(default = "all_gather")]
     pub cp_comm_type: String,
+    /// Keeps each --cp rank's tokens one contiguous block of the sequence. By default
+    /// all_gather's ranks hold Megatron's load balance instead: the sequence in 2 x cp chunks,
+    /// rank r holding chunks r and 2cp-1-r, so that causal attention gives each the same work
+    /// (the trainer feeds the tokens in that order; needs --seq-len divisible by 2 x cp).
+    #[arg(long)]
+    #[serde(default)]
+    pub cp_contiguous: bool,
     /// Expert-parallel ranks for a mixture of experts (Megatron's
     /// --expert-model-parallel-size): each holds 1/ep of every layer's experts, and each
     /// (token, choice) pair is sent by all-to-all to the rank of its expert and back,
@@ -533,6 +540,7 @@ impl CompileFlags {
         let mut flags = self.clone();
         (flags.dp, flags.cp, flags.tp, flags.pp, flags.zero, flags.ep) = (1, 1, 1, 1, 0, 1);
         flags.cp_comm_type = all_gather();
+        flags.cp_contiguous = false;
         flags.sequence_parallel = false;
         (flags.micro_batch, flags.grad_accum, flags.global_batch) = (global_batch, None, None);
         flags.pp_cuts.clear();

@@ -206,6 +206,13 @@ impl CompileOptions {
         })
     }
 
+    /// Whether context parallelism tries Megatron's load balance (all_gather attention, unless
+    /// `--cp-contiguous`).
+    pub fn cp_load_balance(&self) -> bool {
+        let f = &self.flags;
+        f.cp > 1 && f.cp_comm_type == "all_gather" && !f.cp_contiguous
+    }
+
     /// Whether the step computes in 16 bits (`--precision bf16|fp16`).
     pub fn mixed_precision(&self) -> bool {
         self.flags.precision != Precision::F32

@@ -40,7 +40,7 @@ use autotp_passes::recompute::Recompute;
 use autotp_passes::zero::Zero;
 use autotp_passes::{Pass, PassError, PassManager};
 use autotp_program::plan::{PipelineConfig, RecomputeSummary};
-use autotp_program::step::StepInput;
+use autotp_program::step::{SequenceOrder, StepInput};
 use autotp_program::Program;
 
 use crate::flags::{AttentionFlag, OffloadFlag, Precision};
@@ -61,6 +61,8 @@ pub struct CompileState {
     pub tp_explanations: Vec<Vec<TpExplanation>>,
     /// Each stage's program (from `lower`).
     pub programs: Vec<Program>,
+    /// The order the token inputs hold each sequence in (from `cp-balance`).
+    pub sequence_order: SequenceOrder,
 }
 
 /// One weight as tensor parallelism placed it.
@@ -86,6 +88,7 @@ impl CompileState {
             recompute: None,
             tp_explanations: Vec::new(),
             programs: Vec::new(),
+            sequence_order: SequenceOrder::Natural,
         }
     }
 }
@@ -266,6 +269,47 @@ impl Step for TensorParallel {
     }
 }
 
+/// Megatron's load balance for context parallelism on every stage, or on none: each graph
+/// rewritten to compute its sequences in the balanced order
+/// ([`autotp_passes::context_balance`]). A training compile keeps the natural order where a
+/// stage cannot take the balanced one, and says why; the validation step takes the order its
+/// training step took (`required`).
+struct ContextBalance {
+    seq_len: usize,
+    required: Option<SequenceOrder>,
+}
+
+impl Step for ContextBalance {
+    fn name(&self) -> &'static str {
+        "cp-balance"
+    }
+
+    fn run(&self, state: &mut CompileState) -> Result<(), CompileError> {
+        if self.required == Some(SequenceOrder::Natural) {
+            return Ok(());
+        }
+        let mut balanced = Vec::with_capacity(state.graphs.len());
+        for graph in &state.graphs {
+            match autotp_passes::context_balance::load_balance(graph, self.seq_len)? {
+                Ok(graph) => balanced.push(graph),
+                Err(why) if self.required.is_none() => {
+                    tracing::warn!("context parallelism keeps each rank's tokens contiguous, not load-balanced: {why}");
+                    return Ok(());
+                }
+                Err(why) => {
+                    return Err(CompileError::Options(format!(
+                        "the validation step cannot take the training step's load-balanced sequence order: {why}"
+                    )))
+                }
+            }
+        }
+        let cp = state.graphs[0].mesh.axes.iter().find(|a| a.name == autotp_ir::CONTEXT_AXIS).map_or(1, |a| a.size);
+        state.graphs = balanced;
+        state.sequence_order = SequenceOrder::LoadBalanced { cp };
+        Ok(())
+    }
+}
+
 /// Chooses each stage's recomputation (`--recompute`, `auto` under `--memory-cap`), records
 /// what it saves and costs, and applies it: inside fusion's groups with generated kernels
 /// (`fusion`), as a rewrite of the graph with builtin ones (`recompute`).
@@ -365,16 +409,17 @@ pub enum Purpose {
     /// same stages and parameter blocks), no gradient and no optimizer state. Each stage holds
     /// its parameters as the training programs place them (`param_placements[stage]`, by
     /// name; ZeRO-3 finds what it shards from the optimizer, which this step lacks).
-    Evaluate { param_placements: Vec<BTreeMap<String, Vec<Placement>>> },
+    /// The token inputs are in the training step's `sequence_order`.
+    Evaluate { param_placements: Vec<BTreeMap<String, Vec<Placement>>>, sequence_order: SequenceOrder },
 }
 
 /// The compile's steps for `options`, in order.
 pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, purpose: Purpose) -> Vec<Box<dyn Step>> {
     let flags = &options.flags;
     let train = purpose == Purpose::Train;
-    let param_placements = match purpose {
-        Purpose::Train => Vec::new(),
-        Purpose::Evaluate { param_placements } => param_placements,
+    let (param_placements, required_order) = match purpose {
+        Purpose::Train => (Vec::new(), None),
+        Purpose::Evaluate { param_placements, sequence_order } => (param_placements, Some(sequence_order)),
     };
     let batch_inputs = vec![StepInput::InputIds.name().to_string(), StepInput::Labels.name().to_string()];
     let mut autodiff = Autodiff::new(autotp_passes::loss::LOSS);
@@ -387,6 +432,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
             tensor_parallel: flags.tp,
             // Ulysses' attention sees the whole sequence: its queries start at 0.
             context_parallel: if flags.cp_comm_type == "a2a" { 1 } else { flags.cp },
+            load_balanced: options.cp_load_balance(),
         })));
         steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     }
@@ -474,6 +520,9 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
             expert_parallel: flags.ep > 1,
         };
         steps.push(Box::new(TensorParallel { autotp, explain: flags.explain_tp, param_placements }));
+    }
+    if options.cp_load_balance() {
+        steps.push(Box::new(ContextBalance { seq_len: flags.seq_len, required: required_order }));
     }
     let generated = options.kernels() == autotp_codegen::KernelChoice::Generated;
     let offload_optimizer = train && flags.offload_optimizer != OffloadFlag::None;

@@ -9,6 +9,7 @@ use autotp_program::offload::NvmeOffload;
 use autotp_program::param_file::ParamSwap;
 use autotp_program::plan::{RecomputeSummary, TrainingPlan};
 use autotp_program::report::Report;
+use autotp_program::step::SequenceOrder;
 use autotp_program::{Instruction, Program, HOST_POOL};
 
 /// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`; a
@@ -250,10 +251,40 @@ fn context_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
             t.seq_len,
             t.seq_len / n,
         ));
+        if !sent.contains_key("all_to_all") {
+            lines.push(format!("    {}", causal_work_line(t.sequence_order, t.seq_len, n)));
+        }
         let kinds = if kinds.is_empty() { "none".to_string() } else { kinds.join(", ") };
         lines.push(format!("    over cp, per rank per step (bytes sent): {kinds}"));
     }
     lines
+}
+
+/// How the cp ranks hold each sequence, and the query-key pairs each rank's causal attention
+/// computes per sequence and head, beside what contiguous blocks would give.
+fn causal_work_line(order: SequenceOrder, seq_len: usize, cp: usize) -> String {
+    let pairs = |order: SequenceOrder| order.causal_pairs_per_rank(seq_len, cp).unwrap_or_default();
+    let range = |pairs: &[u64]| {
+        let (low, high) = (pairs.iter().min().copied().unwrap_or(0), pairs.iter().max().copied().unwrap_or(0));
+        if low == high {
+            format!("{} each", grouped(low as usize))
+        } else {
+            format!("{} to {}", grouped(low as usize), grouped(high as usize))
+        }
+    };
+    let contiguous = range(&pairs(SequenceOrder::Natural));
+    match order {
+        SequenceOrder::LoadBalanced { cp } => format!(
+            "load-balanced (Megatron): the sequence in {} chunks, rank r holding chunks r and {}-r; causal \
+             query-key pairs per rank per sequence and head: {} (contiguous blocks: {contiguous})",
+            2 * cp,
+            2 * cp - 1,
+            range(&pairs(order)),
+        ),
+        SequenceOrder::Natural => {
+            format!("contiguous blocks; causal query-key pairs per rank per sequence and head: {contiguous}")
+        }
+    }
 }
 
 /// The summary's line on expert parallelism (`--ep`, over dp), one per stage that exchanges

@@ -268,7 +268,10 @@ impl AttentionFunction {
             crate::Kernel::AttentionGrad { dtype, dims, scale, mask, .. } => (dtype, dims, scale, mask, false),
             _ => return None,
         };
-        let tensor_cores = target == AttentionTarget::Gpu && Self::fits_tensor_cores(*dtype, dims);
+        // The tensor cores' tiles take one run of queries; several (a load-balanced
+        // context-parallel rank's) run a thread per row.
+        let one_run = dims.query_runs.is_none_or(|runs| runs == 1);
+        let tensor_cores = target == AttentionTarget::Gpu && Self::fits_tensor_cores(*dtype, dims) && one_run;
         let joint =
             target == AttentionTarget::Cpu || (tensor_cores && dims.head_dim <= TENSOR_CORE_JOINT_KEY_VALUE_GRAD);
         let passes: &[AttentionPass] = match (forward, joint) {
@@ -280,13 +283,13 @@ impl AttentionFunction {
             AttentionTarget::Cpu => 4,
             AttentionTarget::Gpu => 1,
         };
-        // Generated code takes one run of queries (a context-parallel rank's), at any position.
-        let one_run = dims.query_runs.is_none_or(|runs| runs == 1);
-        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || !dims.is_valid() || !one_run {
+        // Generated code takes a context-parallel rank's runs of queries, at any positions; a
+        // unit of rows lies in one run.
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || !dims.is_valid() {
             return None;
         }
         let function = |pass: AttentionPass| {
-            let len = if pass.over_keys() { dims.kv_len } else { dims.q_len };
+            let len = if pass.over_keys() { dims.kv_len } else { dims.runs().1 };
             let unit_rows = [4, 2, 1].into_iter().find(|&r| r <= max_unit_rows && len.is_multiple_of(r));
             let unit_rows = unit_rows.expect("1 divides");
             let (dtype, dims, scale, mask) = (*dtype, dims.clone(), *scale, *mask);

@@ -58,8 +58,8 @@ pub(crate) struct Buffers<'ctx> {
     pub out: PointerValue<'ctx>,
     pub lse: PointerValue<'ctx>,
     pub d_out: Option<PointerValue<'ctx>>,
-    /// The position of the first query, where the queries are one run that does not start at
-    /// 0 (a context-parallel rank's: [`AttentionDims::query_runs`]); an i64.
+    /// The position of each run's first query, where the queries come in runs that do not
+    /// start at 0 (a context-parallel rank's: [`AttentionDims::query_runs`]); i64s.
     pub query_start: Option<PointerValue<'ctx>>,
     /// The outputs of the backward: dq, dk, dv.
     pub grads: [Option<PointerValue<'ctx>>; 3],
@@ -92,9 +92,18 @@ impl<'ctx> Buffers<'ctx> {
 
     /// The position of the first query (0 without [`Buffers::query_start`]).
     pub(crate) fn first_query<'b>(&self, e: &Emitter<'b, 'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        self.run_start(e, e.ctx.i64_type().const_int(0, false))
+    }
+
+    /// The position of run `run`'s first query (0 without [`Buffers::query_start`]).
+    fn run_start<'b>(&self, e: &Emitter<'b, 'ctx>, run: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
         let i64t = e.ctx.i64_type();
         match self.query_start {
-            Some(start) => Ok(e.b.build_load(i64t, start, "")?.into_int_value()),
+            Some(start) => {
+                // SAFETY (of the generated code): `run` is below the runs the operand holds.
+                let at = unsafe { e.b.build_in_bounds_gep(i64t, start, &[run], "")? };
+                Ok(e.b.build_load(i64t, at, "")?.into_int_value())
+            }
             None => Ok(i64t.const_int(0, false)),
         }
     }
@@ -615,12 +624,24 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
 
     /// The keys query `i` sees: `[lo, hi)`.
     fn keys(&self, i: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
-        mask_keys(self.e, self.f.mask, self.f.dims.kv_len, i, self.buffers.first_query(self.e)?)
+        let (runs, len) = self.f.dims.runs();
+        if runs == 1 {
+            return mask_keys(self.e, self.f.mask, self.f.dims.kv_len, i, self.buffers.first_query(self.e)?);
+        }
+        let b = &self.e.b;
+        let (run, in_run) =
+            (b.build_int_unsigned_div(i, self.int(len), "")?, b.build_int_unsigned_rem(i, self.int(len), "")?);
+        mask_keys(self.e, self.f.mask, self.f.dims.kv_len, in_run, self.buffers.run_start(self.e, run)?)
     }
 
-    /// The queries that see key `j`: `[lo, hi)`.
-    fn queries(&self, j: IntValue<'ctx>) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
-        mask_queries(self.e, self.f.mask, self.f.dims.q_len, j, self.buffers.first_query(self.e)?)
+    /// The queries of run `run` that see key `j`: `[lo, hi)`, counted from the first query of
+    /// all.
+    fn queries(&self, j: IntValue<'ctx>, run: usize) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
+        let (_, len) = self.f.dims.runs();
+        let first = self.buffers.run_start(self.e, self.int(run))?;
+        let (lo, hi) = mask_queries(self.e, self.f.mask, len, j, first)?;
+        let skipped = self.int(run * len);
+        Ok((self.add(lo, skipped)?, self.add(hi, skipped)?))
     }
 
     /// Runs `body` over blocks of `self.block` positions of `[lo, hi)`: the positions, each
@@ -823,7 +844,6 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
     /// each query's vectors loaded once for the unit's keys.
     fn key_value_grad_rows(&self, unit: IntValue<'ctx>) -> Result<(), LlvmError> {
         let (e, dims, dtype) = (self.e, &self.f.dims, self.f.dtype);
-        let d_out = self.buffers.d_out.expect("the backward has d_out");
         let (kb, keys) = self.unit_rows(unit, dims.kv_len)?;
         let rows: Vec<IntValue<'ctx>> = keys.iter().map(|&j| self.kv_row(kb, j)).collect::<Result<_, _>>()?;
         let ks: Vec<Row<'ctx>> = rows
@@ -834,7 +854,6 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
             .iter()
             .map(|&row| self.load_row(self.buffers.v, dtype, row, dims.value_dim))
             .collect::<Result<_, _>>()?;
-        let ranges: Vec<_> = keys.iter().map(|&j| self.queries(j)).collect::<Result<_, _>>()?;
         let (with_dk, with_dv) = match self.f.pass {
             AttentionPass::KeyGrad => (true, false),
             AttentionPass::ValueGrad => (false, true),
@@ -848,41 +867,12 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         let init = vec![e.f32(self.w, 0.0); per_key * rows.len()];
         let done = counted_loop(e, self.function, self.int(0), self.int(group), self.int(1), &init, |g, carried| {
             let b = self.table(self.add(sharing, g)?)?;
-            self.blocks(Self::union(&ranges), carried, |positions, start, carried| {
-                let (mut query_rows, mut qs, mut gs) = (Vec::new(), Vec::new(), Vec::new());
-                for &i in positions {
-                    let query = self.query(b, i)?;
-                    qs.push(self.load_row(self.buffers.q, dtype, query, dims.head_dim)?);
-                    gs.push(self.load_row(d_out, dtype, query, dims.value_dim)?);
-                    query_rows.push(query);
-                }
-                let lse = self.lanes_of(self.buffers.lse, &query_rows)?;
-                let delta = self.lanes_of(self.buffers.delta, &query_rows)?;
-                let mut next = carried.to_vec();
-                for r in 0..rows.len() {
-                    let qk: Vec<_> = qs.iter().map(|q| (q, &ks[r])).collect();
-                    let gv: Vec<_> = gs.iter().map(|g| (g, &vs[r])).collect();
-                    let scores =
-                        self.masked(self.scores(self.dots(&qk)?, b, positions, &[keys[r]])?, start, ranges[r])?;
-                    let p = math::exp(e, e.fsub(scores, lse)?)?;
-                    let (mut dk, mut dv) = (
-                        next[r * per_key..r * per_key + heads].to_vec(),
-                        next[r * per_key + heads..(r + 1) * per_key].to_vec(),
-                    );
-                    if with_dk {
-                        let ds = self.operand(e.fmul(p, e.fsub(self.dots(&gv)?, delta)?)?)?;
-                        for (c, q) in qs.iter().enumerate() {
-                            dk = self.axpy(&dk, self.lane(ds, c)?, q)?;
-                        }
-                    }
-                    let p = self.operand(p)?;
-                    for (c, g) in gs.iter().enumerate().filter(|_| with_dv) {
-                        dv = self.axpy(&dv, self.lane(p, c)?, g)?;
-                    }
-                    next.splice(r * per_key..(r + 1) * per_key, [dk, dv].concat());
-                }
-                Ok(next)
-            })
+            let mut carried = carried.to_vec();
+            for run in 0..dims.runs().0 {
+                let ranges: Vec<_> = keys.iter().map(|&j| self.queries(j, run)).collect::<Result<_, _>>()?;
+                carried = self.key_value_blocks(b, &keys, &ks, &vs, &ranges, (heads, values), &carried)?;
+            }
+            Ok(carried)
         })?;
         let [_, dk_out, dv_out] = self.buffers.grads.map(|g| g.expect("the backward has its gradients"));
         for (r, &row) in rows.iter().enumerate() {
@@ -895,6 +885,60 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
             }
         }
         Ok(())
+    }
+
+    /// [`Self::key_value_grad_rows`]' sums for a unit of keys (`ks`, `vs`) over the blocks of
+    /// queries in `ranges` (one run's) of query head `b`: `dk` (`heads` vectors a key, none
+    /// without) and `dv` (`values`), added to `carried`.
+    #[allow(clippy::too_many_arguments)]
+    fn key_value_blocks(
+        &self,
+        b: IntValue<'ctx>,
+        keys: &[IntValue<'ctx>],
+        ks: &[Row<'ctx>],
+        vs: &[Row<'ctx>],
+        ranges: &[(IntValue<'ctx>, IntValue<'ctx>)],
+        (heads, values): (usize, usize),
+        carried: &[V<'ctx>],
+    ) -> Result<Vec<V<'ctx>>, LlvmError> {
+        let (e, dims, dtype) = (self.e, &self.f.dims, self.f.dtype);
+        let d_out = self.buffers.d_out.expect("the backward has d_out");
+        let (with_dk, with_dv) = (heads > 0, values > 0);
+        let per_key = heads + values;
+        self.blocks(Self::union(ranges), carried, |positions, start, carried| {
+            let (mut query_rows, mut qs, mut gs) = (Vec::new(), Vec::new(), Vec::new());
+            for &i in positions {
+                let query = self.query(b, i)?;
+                qs.push(self.load_row(self.buffers.q, dtype, query, dims.head_dim)?);
+                gs.push(self.load_row(d_out, dtype, query, dims.value_dim)?);
+                query_rows.push(query);
+            }
+            let lse = self.lanes_of(self.buffers.lse, &query_rows)?;
+            let delta = self.lanes_of(self.buffers.delta, &query_rows)?;
+            let mut next = carried.to_vec();
+            for r in 0..keys.len() {
+                let qk: Vec<_> = qs.iter().map(|q| (q, &ks[r])).collect();
+                let gv: Vec<_> = gs.iter().map(|g| (g, &vs[r])).collect();
+                let scores = self.masked(self.scores(self.dots(&qk)?, b, positions, &[keys[r]])?, start, ranges[r])?;
+                let p = math::exp(e, e.fsub(scores, lse)?)?;
+                let (mut dk, mut dv) = (
+                    next[r * per_key..r * per_key + heads].to_vec(),
+                    next[r * per_key + heads..(r + 1) * per_key].to_vec(),
+                );
+                if with_dk {
+                    let ds = self.operand(e.fmul(p, e.fsub(self.dots(&gv)?, delta)?)?)?;
+                    for (c, q) in qs.iter().enumerate() {
+                        dk = self.axpy(&dk, self.lane(ds, c)?, q)?;
+                    }
+                }
+                let p = self.operand(p)?;
+                for (c, g) in gs.iter().enumerate().filter(|_| with_dv) {
+                    dv = self.axpy(&dv, self.lane(p, c)?, g)?;
+                }
+                next.splice(r * per_key..(r + 1) * per_key, [dk, dv].concat());
+            }
+            Ok(next)
+        })
     }
 }
 

@@ -40,16 +40,18 @@ use crate::{Pass, PassError};
 /// some of them does not know: the op takes the queries as that many runs, with their first
 /// positions (`0, S/cp, ..`, an i64 constant) as its last operand, which split with the queries
 /// ([`autotp_kernels::attention::AttentionDims::query_runs`]; on one device the same causal
-/// mask).
+/// mask). With `load_balanced` it takes twice as many runs, one per chunk of Megatron's load
+/// balance (`crate::context_balance` arranges them).
 #[derive(Clone, Copy, Debug)]
 pub struct FuseAttention {
     pub tensor_parallel: usize,
     pub context_parallel: usize,
+    pub load_balanced: bool,
 }
 
 impl Default for FuseAttention {
     fn default() -> FuseAttention {
-        FuseAttention { tensor_parallel: 1, context_parallel: 1 }
+        FuseAttention { tensor_parallel: 1, context_parallel: 1, load_balanced: false }
     }
 }
 
@@ -396,7 +398,9 @@ impl Pass for FuseAttention {
             if let Some(bias) = bias(&mut rw, &f.biases, rank, grouped_key).map_err(&invalid)? {
                 inputs.push(bias);
             }
-            let (runs, q_len) = (self.context_parallel, old.ty(f.q).shape[rank - 2]);
+            let q_len = old.ty(f.q).shape[rank - 2];
+            let chunks = if self.load_balanced { 2 * self.context_parallel } else { self.context_parallel };
+            let runs = if q_len.is_multiple_of(chunks) { chunks } else { self.context_parallel };
             if f.mask.is_positional() && runs > 1 && q_len.is_multiple_of(runs) {
                 let starts: Vec<i64> = (0..runs).map(|r| (r * q_len / runs) as i64).collect();
                 let value = autotp_ir::Tensor::from_i64(vec![runs], &starts);

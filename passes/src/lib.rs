@@ -28,6 +28,7 @@ pub mod accumulate;
 pub mod attention;
 pub mod autodiff;
 pub mod autotp;
+pub mod context_balance;
 mod context_parallel;
 pub mod dce;
 pub mod depth;

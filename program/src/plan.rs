@@ -85,6 +85,9 @@ pub struct TrainingConfig {
     /// The ZeRO stage over the data-parallel ranks.
     #[serde(default)]
     pub zero_stage: u8,
+    /// The order the token inputs hold each sequence in (context parallelism's load balance).
+    #[serde(default)]
+    pub sequence_order: crate::step::SequenceOrder,
     /// Micro-batches per optimizer step on each rank (`--grad-accum`).
     #[serde(default = "one")]
     pub grad_accum: usize,
@@ -312,6 +315,12 @@ impl TrainingPlan {
             return Err(ProgramError::Plan("has no program".into()));
         }
         let t = &self.training;
+        if t.sequence_order.positions(t.seq_len).is_none() {
+            return Err(ProgramError::Plan(format!(
+                "holds its sequences in the order {:?}, which cannot cut a sequence of {} tokens",
+                t.sequence_order, t.seq_len
+            )));
+        }
         let tokens = t.token_shape(t.micro_batch);
         let mut all = Vec::new();
         for program in &self.stages {

@@ -66,6 +66,56 @@ impl StepOutput {
     }
 }
 
+/// The order in which a step's token inputs hold each sequence's positions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SequenceOrder {
+    /// Position by position.
+    #[default]
+    Natural,
+    /// Megatron's load balance for context parallelism over `cp` ranks: the sequence cut into
+    /// `2 cp` chunks, rank `r`'s block of the order holding chunks `r` and `2 cp - 1 - r`, so
+    /// that under a causal mask every rank's queries meet as many keys.
+    LoadBalanced { cp: usize },
+}
+
+impl SequenceOrder {
+    /// The position each slot of a sequence of `seq_len` holds; `None` where the order cannot
+    /// cut it (`seq_len` not a multiple of `2 cp`).
+    pub fn positions(self, seq_len: usize) -> Option<Vec<usize>> {
+        match self {
+            SequenceOrder::Natural => Some((0..seq_len).collect()),
+            SequenceOrder::LoadBalanced { cp } => {
+                let chunks = 2 * cp;
+                if cp == 0 || !seq_len.is_multiple_of(chunks) {
+                    return None;
+                }
+                let chunk = seq_len / chunks;
+                let chunk_at = |slot: usize| if slot.is_multiple_of(2) { slot / 2 } else { chunks - 1 - slot / 2 };
+                Some((0..seq_len).map(|i| chunk_at(i / chunk) * chunk + i % chunk).collect())
+            }
+        }
+    }
+
+    /// `tokens` (whole sequences of `seq_len`, one after another) in this order.
+    pub fn arrange<T: Copy>(self, tokens: &[T], seq_len: usize) -> Option<Vec<T>> {
+        let positions = self.positions(seq_len)?;
+        let sequences = tokens.chunks_exact(seq_len).map(|s| positions.iter().map(move |&p| s[p]));
+        (seq_len > 0 && tokens.len().is_multiple_of(seq_len)).then(|| sequences.flatten().collect())
+    }
+
+    /// Each of the `cp` ranks' query-key pairs under a causal mask, per sequence and head: what
+    /// its attention computes when each rank holds its contiguous block of the order.
+    pub fn causal_pairs_per_rank(self, seq_len: usize, cp: usize) -> Option<Vec<u64>> {
+        let positions = self.positions(seq_len)?;
+        if cp == 0 || !seq_len.is_multiple_of(cp) {
+            return None;
+        }
+        let block = seq_len / cp;
+        Some(positions.chunks(block).map(|queries| queries.iter().map(|&p| p as u64 + 1).sum()).collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +126,20 @@ mod tests {
             assert_eq!(StepInput::from_name(input.name()), Some(input));
         }
         assert_eq!(StepInput::from_name("attention_mask"), None);
+    }
+
+    #[test]
+    fn load_balanced_order_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r() {
+        let order = SequenceOrder::LoadBalanced { cp: 2 };
+        assert_eq!(order.positions(8), Some(vec![0, 1, 6, 7, 2, 3, 4, 5]));
+        assert_eq!(order.positions(6), None);
+        assert_eq!(order.arrange(&[10, 11, 12, 13, 20, 21, 22, 23], 4), Some(vec![10, 13, 11, 12, 20, 23, 21, 22]));
+        assert_eq!(SequenceOrder::Natural.arrange(&[1, 2, 3], 3), Some(vec![1, 2, 3]));
+        // Causal work: 1 + 2 + .. per query. Contiguous blocks of 16 over 4 ranks are unequal;
+        // the balanced order gives every rank the same.
+        let natural = SequenceOrder::Natural.causal_pairs_per_rank(16, 4).unwrap();
+        assert_eq!(natural, vec![10, 26, 42, 58]);
+        let balanced = SequenceOrder::LoadBalanced { cp: 4 }.causal_pairs_per_rank(16, 4).unwrap();
+        assert_eq!(balanced, vec![34, 34, 34, 34]);
     }
 }

@@ -100,12 +100,13 @@ fn check(dtype: DType, dims: AttentionDims, mask: AttentionMask) {
 /// the f64 oracle, 16-bit results within a rounding (gradients on tensor cores within two:
 /// `p` and `ds` are rounded too).
 ///
-/// With [`AttentionDims::query_runs`] (one run), the queries start at position [`QUERY_START`].
+/// With [`AttentionDims::query_runs`], the runs start at [`run_starts`].
 fn check_runs(dtype: DType, dims: AttentionDims, mask: AttentionMask, runs: &[(AttentionTarget, Runner)]) {
     let label = format!("{dtype} {mask:?} {dims:?}");
-    let query_start = dims.query_runs.map(|_| {
-        let mut start = AlignedBuf::zeroed(8);
-        start.as_mut_slice().copy_from_slice(&QUERY_START.to_le_bytes());
+    let query_start = dims.query_runs.map(|runs| {
+        let starts = run_starts(runs);
+        let mut start = AlignedBuf::zeroed(8 * runs);
+        start.as_mut_slice().copy_from_slice(&starts.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>());
         start
     });
     let [q, k, v, bias, out, lse] = dims.numels();
@@ -145,8 +146,15 @@ fn dims(kv_lead: &[usize], len: usize, head_dim: usize, value_dim: usize, bias: 
     AttentionDims { lead: vec![2, 3], kv_lead, q_len: len, kv_len: len, head_dim, value_dim, bias, query_runs: None }
 }
 
-/// Where [`check_runs`]' queries start when they are one run ([`AttentionDims::query_runs`]).
-const QUERY_START: i64 = 45;
+/// Where [`check_runs`]' runs of queries start ([`AttentionDims::query_runs`]): one at 45;
+/// several out of order (a load-balanced context-parallel rank's, and more), 58, 29 or 12, 58,
+/// 29.
+fn run_starts(runs: usize) -> Vec<i64> {
+    match runs {
+        1 => vec![45],
+        _ => (0..runs).map(|r| ((runs - r) * 29 % 75) as i64).collect(),
+    }
+}
 
 /// A context-parallel rank's queries: 30 of them from position 45 over 90 keys, so that the
 /// first keys are seen by every query, the last by none, and a window ends inside the run; on
@@ -163,6 +171,36 @@ fn queries_from_a_position_match_the_builtin_kernel() {
         check(DType::F32, at(16, Some(vec![1, 3, 30, 90])), mask);
         let simulated = [(AttentionTarget::Gpu, Runner::SimulatedBlocks)];
         check_runs(DType::BF16, at(32, None), mask, &simulated);
+    }
+}
+
+/// Queries in runs of 15 (two or three, as a load-balanced context-parallel rank's) at
+/// positions out of order over 90 keys, in units of rows that stay in one run; the tensor
+/// cores' tiles take one run, so 16-bit operands that would take them run a thread per row.
+#[test]
+fn queries_in_runs_match_the_builtin_kernel() {
+    for runs in [2, 3] {
+        let at = |head_dim, bias: Option<Vec<usize>>| AttentionDims {
+            q_len: 15 * runs,
+            kv_len: 90,
+            query_runs: Some(runs),
+            ..dims(&[2, 1], 15 * runs, head_dim, head_dim, bias)
+        };
+        for mask in [AttentionMask::Causal, AttentionMask::SlidingWindow { window: 20 }, AttentionMask::None] {
+            check(DType::F32, at(16, Some(vec![1, 3, 15 * runs, 90])), mask);
+            check(DType::F32, at(12, None), mask);
+        }
+        let simulated = [(AttentionTarget::Gpu, Runner::SimulatedBlocks)];
+        check_runs(DType::BF16, at(32, None), AttentionMask::Causal, &simulated);
+        let kernel = |runs| Kernel::Attention {
+            dtype: DType::BF16,
+            dims: AttentionDims { query_runs: Some(runs), ..at(32, None) },
+            scale: 1.0,
+            mask: AttentionMask::Causal,
+            generated: true,
+        };
+        let on_gpu = |runs| AttentionFunction::of(&kernel(runs), AttentionTarget::Gpu).unwrap()[0].tensor_cores;
+        assert!(on_gpu(1) && !on_gpu(runs));
     }
 }
 

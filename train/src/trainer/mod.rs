@@ -655,10 +655,15 @@ impl Trainer {
     fn rank_feeds(&self, programs: &[autotp_program::Program], inputs: &StepInputs) -> Vec<Vec<HostTensor>> {
         let t = &self.training;
         let tokens = t.global_token_shape();
+        // Each sequence in the plan's order (context parallelism's load balance).
         let ids = |values: &[i64]| HostTensor {
             dtype: DType::I64,
             shape: tokens.clone(),
-            data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            data: (t.sequence_order.arrange(values, t.seq_len))
+                .expect("the order was checked when the plan was loaded")
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
         };
         let scalar = |v: f32| HostTensor { dtype: DType::F32, shape: vec![], data: v.to_le_bytes().to_vec() };
         let global = |feed: StepInput| match feed {
