@@ -6,7 +6,8 @@
 # among the fixtures, the GPU's is held to the training contract against it (1e-5 relative at
 # step 1, 1e-3 at every step). Then a checkpoint written on the GPU
 # is resumed on the CPU and the reverse, each against the uninterrupted CPU run; and parallel
-# plans with their ranks sharing one GPU against the same plans on CPU ranks; and fused
+# plans with their ranks sharing one GPU against the same plans on CPU ranks (context
+# parallelism's load-balanced attention too); and fused
 # attention's GPU passes against the CPU's; a mixture of experts' routing (top-k and
 # scatter-elements kernels) and GPT-J's partial rotary (empty slices, fills); NCCL's calls on a
 # communicator of one rank (bench-comm: a one-GPU machine can check no more of NCCL).
@@ -106,6 +107,19 @@ for layout in "--dp 2 --zero 3" "--tp 2" "--pp 2 --grad-accum 2" "--tp 2 --dp 2 
   run --device cuda --metrics-out "$WORK/layout.cuda.jsonl"
   compare "$WORK/layout.cuda.jsonl" "$WORK/layout.cpu.jsonl" "gpt2 $layout: cuda against cpu"
   grep -h "GPU communication" "$WORK/stderr" || true
+done
+# Context parallelism's load balance, ranks sharing GPU 0: attention takes each rank's two
+# runs of queries (f32, and bf16, where one run would take the tensor cores: a thread per row).
+for flags in "" "--precision bf16"; do
+  plan=$WORK/cp.atp
+  # shellcheck disable=SC2086
+  "$BIN" compile tests/fixtures/llama/model.onnx --seq-len 32 --micro-batch 1 --grad-accum 4 --cp 2 --lr 2e-3 \
+    $flags -o "$plan" > /dev/null
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/cp.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/cp.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
+  tolerance=$TOLERANCE curve=$CURVE_TOLERANCE
+  [[ "$flags" == *bf16* ]] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
+  TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/cp.cuda.jsonl" "$WORK/cp.cpu.jsonl" "llama --cp 2${flags:+ $flags} (load-balanced): cuda against cpu"
 done
 # Mixed precision: 16-bit kernels and cuBLAS's 16-bit GEMMs (f32 sums in another order than the
 # CPU's), against the CPU within TOLERANCE_16.
