@@ -10,7 +10,7 @@ use prost::Message;
 use crate::common::fixture;
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("autotp-cli-{}-{name}", std::process::id()));
+    let dir = crate::common::scratch_file(&format!("cli-{name}"));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }

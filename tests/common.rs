@@ -17,12 +17,35 @@ pub fn bound() -> autotp_frontend::ImportOptions {
     autotp_frontend::ImportOptions { batch: Some(8), seq_len: Some(32), ..Default::default() }
 }
 
+/// This test process's scratch root, `$TMPDIR/autotp-tests/PID`. The first call removes the
+/// roots of earlier test processes that have ended, so runs do not pile up scratch.
+fn scratch_root() -> &'static Path {
+    static ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| {
+        let all = std::env::temp_dir().join("autotp-tests");
+        for entry in std::fs::read_dir(&all).into_iter().flatten().flatten() {
+            let pid = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok());
+            if pid.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let root = all.join(std::process::id().to_string());
+        std::fs::create_dir_all(&root).unwrap();
+        root
+    })
+}
+
 /// A fresh, empty scratch directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("autotp-test-{}-{name}", std::process::id()));
+    let dir = scratch_root().join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// A path for one test's scratch file (not created).
+pub fn scratch_file(name: &str) -> PathBuf {
+    scratch_root().join(name)
 }
 
 /// Runs the `autotp` binary with `args` (paths as strings).

@@ -33,7 +33,7 @@ fn curve_against_pytorch(arch: &str, tokens: &str, micro_batch: usize, flags: &[
     .unwrap();
     let want: Vec<f64> = reference["losses"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     let label = flags.join("");
-    let metrics = std::env::temp_dir().join(format!("autotp-train-{}-{arch}{label}.jsonl", std::process::id()));
+    let metrics = crate::common::scratch_file(&format!("train-{arch}{label}.jsonl"));
     let micro_batch = micro_batch.to_string();
     let out = autotp_train_on(
         arch,
@@ -236,7 +236,7 @@ fn a_hugging_face_export_trains_like_pytorch() {
     assert_eq!(names["m.model.norm.weight"], serde_json::json!(["model.norm.weight"]));
     let curve = std::fs::read_to_string(fixture("hf_export", "curve.json")).unwrap_or_default();
     let want: Vec<f64> = serde_json::from_str(&curve).unwrap_or_default();
-    let metrics = std::env::temp_dir().join(format!("autotp-hf-export-{}.jsonl", std::process::id()));
+    let metrics = crate::common::scratch_file("hf-export.jsonl");
     let tokens = repo().join("tests/fixtures/train/tokens_pad.bin");
     let train = |extra: &[&str]| {
         let mut args = vec!["--micro-batch", "2"];
@@ -332,7 +332,7 @@ fn bad_training_input() {
             .unwrap();
         failure(out)
     };
-    let short = std::env::temp_dir().join(format!("autotp-short-{}.bin", std::process::id()));
+    let short = crate::common::scratch_file("short.bin");
     std::fs::write(&short, [1u8, 0, 2, 0, 3, 0]).unwrap();
     let err = train_on(&short);
     assert!(err.contains("holds 3 tokens, fewer than one window of seq-len + 1 = 33"), "{err}");
@@ -348,7 +348,7 @@ fn bad_training_input() {
 
 #[test]
 fn cosine_schedule_follows_hugging_face() {
-    let metrics = std::env::temp_dir().join(format!("autotp-train-cosine-{}.jsonl", std::process::id()));
+    let metrics = crate::common::scratch_file("train-cosine.jsonl");
     let metrics_path = metrics.to_str().unwrap();
     let schedule =
         ["--micro-batch", "2", "--steps", "6", "--lr", "1e-2", "--lr-schedule", "cosine", "--warmup-steps", "2"];
