@@ -56,6 +56,16 @@ sys.exit(0 if relative[0] <= tol and max(relative) <= curve_tol else 1)
 PY
 }
 
+# Trains plan $1 STEPS steps on the CPU and on the GPU (metrics under $WORK/$2.*) and compares
+# the curves as $3; with $4 = 16 within TOLERANCE_16 (16-bit sums in another order).
+cuda_against_cpu() {
+  local plan=$1 name=$2 label=$3 tolerance=$TOLERANCE curve=$CURVE_TOLERANCE
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/$name.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$name.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
+  [ "${4:-}" = 16 ] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
+  TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/$name.cuda.jsonl" "$WORK/$name.cpu.jsonl" "$label"
+}
+
 # against_pytorch METRICS.jsonl REFERENCE.json LABEL: the training contract against PyTorch's curve.
 against_pytorch() {
   python3 - "$1" "$2" "$3" <<'PY' || status=1
@@ -115,20 +125,14 @@ for flags in "" "--precision bf16"; do
   # shellcheck disable=SC2086
   "$BIN" compile tests/fixtures/llama/model.onnx --seq-len 32 --micro-batch 1 --grad-accum 4 --cp 2 --lr 2e-3 \
     $flags -o "$plan" > /dev/null
-  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/cp.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
-  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/cp.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
-  tolerance=$TOLERANCE curve=$CURVE_TOLERANCE
-  [[ "$flags" == *bf16* ]] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
-  TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/cp.cuda.jsonl" "$WORK/cp.cpu.jsonl" "llama --cp 2${flags:+ $flags} (load-balanced): cuda against cpu"
+  cuda_against_cpu "$plan" cp "llama --cp 2${flags:+ $flags} (load-balanced): cuda against cpu" "$([[ "$flags" == *bf16* ]] && echo 16)"
 done
 # Mixed precision: 16-bit kernels and cuBLAS's 16-bit GEMMs (f32 sums in another order than the
 # CPU's), against the CPU within TOLERANCE_16.
 for precision in bf16 fp16; do
   plan=$WORK/$precision.atp
   "$BIN" compile tests/fixtures/gpt2/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 --precision $precision -o "$plan" > /dev/null
-  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/$precision.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
-  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$precision.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
-  TOLERANCE=${TOLERANCE_16:-2e-3} CURVE_TOLERANCE=${TOLERANCE_16:-2e-3} compare "$WORK/$precision.cuda.jsonl" "$WORK/$precision.cpu.jsonl" "gpt2 $precision: cuda against cpu"
+  cuda_against_cpu "$plan" "$precision" "gpt2 $precision: cuda against cpu" 16
 done
 # Fused attention (the default): the plan's GPU passes (f32: a thread per row; bf16: tiles on
 # tensor cores) against the CPU's x86 passes, one rank, a shared key/value head, tensor
@@ -139,11 +143,7 @@ for case in "llama" "falcon_mqa" "falcon_mqa --tp 2" "gpt2 --precision bf16" "gp
   plan=$WORK/fused.atp
   # shellcheck disable=SC2086
   "$BIN" compile tests/fixtures/$arch/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 $flags -o "$plan" > /dev/null
-  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/fused.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
-  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/fused.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
-  tolerance=$TOLERANCE curve=$CURVE_TOLERANCE
-  [[ "$flags" == *bf16* ]] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
-  TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/fused.cuda.jsonl" "$WORK/fused.cpu.jsonl" "$arch${flags:+ $flags} attention: cuda against cpu"
+  cuda_against_cpu "$plan" fused "$arch${flags:+ $flags} attention: cuda against cpu" "$([[ "$flags" == *bf16* ]] && echo 16)"
 done
 # Every builtin on the GPU: mixtral's router (top-k, scatter-elements) and GPT-J's partial
 # rotary (empty slices and pads).

@@ -97,11 +97,18 @@ impl SequenceOrder {
         }
     }
 
-    /// `tokens` (whole sequences of `seq_len`, one after another) in this order.
-    pub fn arrange<T: Copy>(self, tokens: &[T], seq_len: usize) -> Option<Vec<T>> {
+    /// `tokens` (whole sequences of `seq_len`, one after another) in this order: as they are
+    /// in the natural one.
+    pub fn arrange<T: Copy>(self, tokens: &[T], seq_len: usize) -> Option<std::borrow::Cow<'_, [T]>> {
+        if seq_len == 0 || !tokens.len().is_multiple_of(seq_len) {
+            return None;
+        }
+        if self == SequenceOrder::Natural {
+            return Some(std::borrow::Cow::Borrowed(tokens));
+        }
         let positions = self.positions(seq_len)?;
         let sequences = tokens.chunks_exact(seq_len).map(|s| positions.iter().map(move |&p| s[p]));
-        (seq_len > 0 && tokens.len().is_multiple_of(seq_len)).then(|| sequences.flatten().collect())
+        Some(std::borrow::Cow::Owned(sequences.flatten().collect()))
     }
 
     /// Each of the `cp` ranks' query-key pairs under a causal mask, per sequence and head: what
@@ -133,8 +140,10 @@ mod tests {
         let order = SequenceOrder::LoadBalanced { cp: 2 };
         assert_eq!(order.positions(8), Some(vec![0, 1, 6, 7, 2, 3, 4, 5]));
         assert_eq!(order.positions(6), None);
-        assert_eq!(order.arrange(&[10, 11, 12, 13, 20, 21, 22, 23], 4), Some(vec![10, 13, 11, 12, 20, 23, 21, 22]));
-        assert_eq!(SequenceOrder::Natural.arrange(&[1, 2, 3], 3), Some(vec![1, 2, 3]));
+        let arranged = order.arrange(&[10, 11, 12, 13, 20, 21, 22, 23], 4).map(|a| a.into_owned());
+        assert_eq!(arranged, Some(vec![10, 13, 11, 12, 20, 23, 21, 22]));
+        assert_eq!(SequenceOrder::Natural.arrange(&[1, 2, 3], 3).as_deref(), Some(&[1, 2, 3][..]));
+        assert_eq!(SequenceOrder::Natural.arrange(&[1, 2, 3], 2), None);
         // Causal work: 1 + 2 + .. per query. Contiguous blocks of 16 over 4 ranks are unequal;
         // the balanced order gives every rank the same.
         let natural = SequenceOrder::Natural.causal_pairs_per_rank(16, 4).unwrap();
