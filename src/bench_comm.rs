@@ -384,16 +384,18 @@ fn bus_factor(kind: Collective, n: usize) -> f64 {
     let n = n as f64;
     match kind {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
+        Collective::RingShift { .. } => 1.0,
         _ => (n - 1.0) / n,
     }
 }
 
 /// The collectives `bench-comm` checks and times.
-const KINDS: [Collective; 4] = [
+const KINDS: [Collective; 5] = [
     Collective::AllReduce,
     Collective::AllGather { dim: 0 },
     Collective::ReduceScatter { dim: 0 },
     Collective::AllToAll { split: 0, concat: 1 },
+    Collective::RingShift { dim: 0 },
 ];
 
 /// `kind` over `elements` f32 per rank: a vector, or for an all-to-all `[n, elements / n]`
@@ -454,6 +456,8 @@ impl Buffers {
                     let (from, m) = (i / (elements / n), elements / n);
                     ((from + 1) * ((rank * m + i % m) % 7)) as f32
                 }
+                // The previous rank's block.
+                Collective::RingShift { .. } => (((rank + n - 1) % n + 1) * (i % 7)) as f32,
                 Collective::ShardSlice { .. } => unreachable!("not benchmarked"),
             }
         };

@@ -402,7 +402,7 @@ fn bench_comm_checks_nccl_collectives_on_emulated_gpus() {
             .output()
             .unwrap();
         let out = success(out);
-        for row in ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"] {
+        for row in ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift"] {
             assert!(out.lines().any(|l| l.starts_with(row) && l.contains(" nccl ")), "{ranks} ranks, {row}: {out}");
         }
     }

@@ -605,7 +605,7 @@ fn attention() {
             if bias {
                 inputs.push(case.constant(rng.tensor(&[1, 3, q_len, q_len], -1.0, 1.0)));
             }
-            let node = case.graph.add_node(Op::Attention { scale: 0.7, mask }, inputs, 2).unwrap();
+            let node = case.graph.add_node(Op::Attention { scale: 0.7, mask, kv_block: None }, inputs, 2).unwrap();
             let out = case.graph.node(node).outputs[0];
             output(&mut case, out);
             check(&format!("attention {mask:?} kv heads {kv_heads} bias {bias} q_len {q_len}"), case, &mut rng);

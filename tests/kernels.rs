@@ -635,6 +635,7 @@ fn attention_ptx_assembles_without_spills() {
         value_dim: 64,
         bias: None,
         query_runs: None,
+        key_blocks: None,
     };
     let with_bias = AttentionDims { bias: Some(vec![1, 12, 1024, 1024]), ..dims.clone() };
     let wide =

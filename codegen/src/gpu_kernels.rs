@@ -214,6 +214,7 @@ mod tests {
                 value_dim: 64,
                 bias: None,
                 query_runs: None,
+                key_blocks: None,
             };
             let kernel = Kernel::Attention {
                 dtype: DType::BF16,

@@ -189,9 +189,9 @@ pub fn kernel_for(op: &Op, inputs: &[&TensorType], outputs: &[&TensorType]) -> O
             let (outer, len, inner) = around_axis(&shape(), *axis);
             Kernel::Softmax { dtype, outer, len, inner, log: matches!(op, Op::LogSoftmax { .. }) }
         }
-        Op::Attention { scale, mask } | Op::AttentionGrad { scale, mask } => {
+        Op::Attention { scale, mask, kv_block } | Op::AttentionGrad { scale, mask, kv_block } => {
             let operands = crate::shape_rules::attention_operands(matches!(op, Op::Attention { .. }), inputs);
-            let dims = crate::shape_rules::attention_dims(inputs[0], inputs[1], inputs[2], operands).ok()?;
+            let dims = crate::shape_rules::attention_dims(inputs[0], inputs[1], inputs[2], operands, *kv_block).ok()?;
             let (scale, mask) = (*scale, *mask);
             match op {
                 Op::Attention { .. } => Kernel::Attention { dtype, dims, scale, mask, generated: false },

@@ -119,15 +119,23 @@ pub enum Op {
     /// `v` are 1 where they broadcast), computed without the `[.., Sq, Sk]` scores; `lse`
     /// (`[.., Sq]`, f32, or f64 for f64) is each query's log-sum-exp, from which the backward
     /// recomputes them.
+    ///
+    /// With `kv_block = L` (a context-parallel ring's round: each rank's queries against the
+    /// block of keys it holds), the keys come in blocks of `L` and the queries in as many
+    /// blocks; a block's queries attend only to its own keys, at positions from 0 in the block
+    /// (the run starts give the queries' positions relative to it).
     Attention {
         scale: f64,
         mask: AttentionMask,
+        kv_block: Option<usize>,
     },
     /// `attention_grad q, k, v[, bias], out, lse, d_out {scale, mask} -> dq, dk, dv`: the
-    /// attention's backward (the bias gets no gradient).
+    /// attention's backward (the bias gets no gradient). With `kv_block`, `out` and `lse` are
+    /// the whole attention's (over every block of keys), and the gradients this block's part.
     AttentionGrad {
         scale: f64,
         mask: AttentionMask,
+        kv_block: Option<usize>,
     },
     /// `layer_norm x, scale[, bias]` over the dims from `axis` on.
     LayerNorm {
@@ -168,7 +176,9 @@ pub enum Op {
         reduction: Reduction,
     },
     /// A collective over the ranks of one mesh axis (named). Types are global and unchanged;
-    /// only the value's placement on `axis` changes, as [`Collective::transition`] says.
+    /// only the value's placement on `axis` changes, as [`Collective::transition`] says (but
+    /// for a ring shift, which passes each rank's block to the next: the value rolls by one
+    /// block).
     Collective {
         kind: Collective,
         axis: String,

@@ -71,12 +71,14 @@ pub fn attention_operands<'t>(forward: bool, inputs: &[&'t TensorType]) -> [Opti
     [bias, run_starts]
 }
 
-/// The shapes of `attention q, k, v[, bias][, run_starts]`, or why they do not fit together.
+/// The shapes of `attention q, k, v[, bias][, run_starts] {kv_block}`, or why they do not fit
+/// together.
 pub(crate) fn attention_dims(
     q: &TensorType,
     k: &TensorType,
     v: &TensorType,
     [bias, run_starts]: [Option<&TensorType>; 2],
+    kv_block: Option<usize>,
 ) -> Result<AttentionDims, String> {
     float_only(q)?;
     let rank = q.rank();
@@ -96,6 +98,24 @@ pub(crate) fn attention_dims(
         value_dim: v.shape[lead + 1],
         bias: bias.map(|b| b.shape.clone()),
         query_runs: run_starts.map(TensorType::numel),
+        key_blocks: None,
+    };
+    let dims = match kv_block {
+        None => dims,
+        Some(block) if block > 0 && dims.kv_len.is_multiple_of(block) => {
+            let blocks = dims.kv_len / block;
+            let dims = AttentionDims { key_blocks: Some(blocks), ..dims };
+            if !dims.is_valid() {
+                return Err(format!(
+                    "kv_block = {block}: {blocks} blocks of keys must divide the {} queries and their {} runs, \
+                     without a bias",
+                    dims.q_len,
+                    dims.runs().0
+                ));
+            }
+            dims
+        }
+        Some(block) => return Err(format!("kv_block = {block} must divide the {} keys", dims.kv_len)),
     };
     if let Some(starts) = run_starts.filter(|s| s.rank() != 1 || !dims.is_valid()) {
         return Err(format!(
@@ -125,7 +145,11 @@ fn attention(this: &Op, inputs: &[&TensorType], num_outputs: usize) -> Result<Ve
     if inputs.len() != base + usize::from(with_bias) + usize::from(operands[1].is_some()) {
         return Err("takes at most a float bias and the queries' i64 run starts beyond its operands".into());
     }
-    let dims = attention_dims(inputs[0], inputs[1], inputs[2], operands)?;
+    let kv_block = match this {
+        Op::Attention { kv_block, .. } | Op::AttentionGrad { kv_block, .. } => *kv_block,
+        _ => None,
+    };
+    let dims = attention_dims(inputs[0], inputs[1], inputs[2], operands, kv_block)?;
     let dtype = inputs[0].dtype;
     let mut out = dims.lead.clone();
     out.extend([dims.q_len, dims.value_dim]);

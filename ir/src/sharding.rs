@@ -504,6 +504,9 @@ fn matmul_rule(
 /// which a rank holding some of the queries knows only from the runs' starts
 /// ([`crate::shape_rules::attention_operands`]): with a mask, the queries split with their runs.
 ///
+/// With `kv_block` (a ring's round) the keys and values split with the queries, each rank
+/// holding whole blocks, and their gradients are each rank's block, not a part of a sum.
+///
 /// On the context-parallel axis, queries split over their sequence with a mask and no runs
 /// (DeepSpeed-Ulysses, `--cp-comm-type a2a`) are taken by their heads instead: each rank
 /// attends over the whole sequence for its heads (the shard pass exchanges them all-to-all).
@@ -511,9 +514,9 @@ fn matmul_rule(
 fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], axis: &MeshAxis) -> AxisRule {
     let n = axis.size;
     use Placement::{PartialSum, Replicate, Shard};
-    let (forward, mask) = match op {
-        Op::Attention { mask, .. } => (true, *mask),
-        Op::AttentionGrad { mask, .. } => (false, *mask),
+    let (forward, mask, kv_block) = match op {
+        Op::Attention { mask, kv_block, .. } => (true, *mask, *kv_block),
+        Op::AttentionGrad { mask, kv_block, .. } => (false, *mask, *kv_block),
         _ => unreachable!("attention_rule is called for attention ops"),
     };
     let [bias, run_starts] = crate::shape_rules::attention_operands(forward, inputs);
@@ -530,7 +533,10 @@ fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], axis: 
         Some(starts) => divisible(&starts.shape, 0, n),
         None => !mask.is_positional(),
     };
-    let queries_split = current[0] == Shard(lead) && runs_split && divisible(q, lead, n);
+    // A ring's blocks of queries and keys split together, whole blocks to a rank.
+    let blocks = kv_block.map(|block| inputs[1].shape[lead] / block);
+    let queries_split =
+        current[0] == Shard(lead) && runs_split && divisible(q, lead, n) && blocks.is_none_or(|b| b % n == 0);
     // Ulysses: the first heads dim (after the batch) that the ranks divide.
     let heads = (axis.name == crate::CONTEXT_AXIS && current[0] == Shard(lead) && run_starts.is_none())
         .then(|| (1..lead).find(|&d| divisible(q, d, n)))
@@ -541,13 +547,15 @@ fn attention_rule(op: &Op, inputs: &[&TensorType], current: &[Placement], axis: 
         (None, Some(d)) => d,
         (None, None) => return AxisRule::replicated(inputs.len(), outputs),
     };
-    // The query's rows: a key or value has none when the queries split (it is whole).
+    // The query's rows: a key or value has none when the queries split (it is whole), unless
+    // they come in blocks.
     let follows = |i: usize, t: &TensorType| {
         let keys = (1..3).contains(&i) && d == lead;
-        if t.shape[d] == q[d] && !keys {
-            Shard(d)
-        } else {
-            Replicate
+        match keys {
+            true if blocks.is_some() => Shard(d),
+            true => Replicate,
+            false if t.shape[d] == q[d] => Shard(d),
+            false => Replicate,
         }
     };
     let mut ins: Vec<Placement> =
@@ -698,7 +706,7 @@ mod tests {
         let mask = crate::AttentionMask::Causal;
         let (q, kv, lse) = (t(&[2, 4, 8, 16]), t(&[2, 1, 8, 16]), t(&[2, 4, 8]));
         let tp = MeshAxis { name: "tp".into(), size: 2 };
-        let forward = Op::Attention { scale: 0.25, mask };
+        let forward = Op::Attention { scale: 0.25, mask, kv_block: None };
         let rule = |p: [Placement; 3]| axis_rule(&forward, &[&q, &kv, &kv], &[&q, &lse], &p, &tp);
         // Heads split; the one key/value head stays whole on every rank.
         assert_eq!(
@@ -710,11 +718,39 @@ mod tests {
         assert_eq!(rule([Shard(3), Replicate, Replicate]), AxisRule::replicated(3, 2));
         assert_eq!(rule([PartialSum, Replicate, Replicate]), AxisRule::replicated(3, 2));
         // The shared key/value head's gradients: each rank's part of a sum over the heads.
-        let backward = Op::AttentionGrad { scale: 0.25, mask };
+        let backward = Op::AttentionGrad { scale: 0.25, mask, kv_block: None };
         let ins = [&q, &kv, &kv, &q, &lse, &q];
         let current = [Shard(1), Replicate, Replicate, Shard(1), Shard(1), Shard(1)];
         let r = axis_rule(&backward, &ins, &[&q, &kv, &kv], &current, &tp);
         assert_eq!(r.outputs, [Shard(1), PartialSum, PartialSum]);
+    }
+
+    /// A ring's round (`kv_block`): the queries and keys split together over cp, whole blocks
+    /// to a rank, and the key and value gradients are each rank's block, not a part of a sum.
+    #[test]
+    fn blocked_attention_splits_its_keys_with_its_queries() {
+        use Placement::*;
+        let mask = crate::AttentionMask::Causal;
+        // Four blocks of 4 queries (two runs each) and 2 keys.
+        let (q, kv, lse, starts) =
+            (t(&[1, 2, 16, 8]), t(&[1, 1, 8, 8]), t(&[1, 2, 16]), TensorType::new(DType::I64, vec![8]));
+        let forward = Op::Attention { scale: 0.25, mask, kv_block: Some(2) };
+        let rule = |size: usize| {
+            let cp = MeshAxis { name: crate::CONTEXT_AXIS.into(), size };
+            let current = [Shard(2), Shard(2), Shard(2), Shard(0)];
+            axis_rule(&forward, &[&q, &kv, &kv, &starts], &[&q, &lse], &current, &cp)
+        };
+        assert_eq!(
+            rule(2),
+            AxisRule { inputs: vec![Shard(2), Shard(2), Shard(2), Shard(0)], outputs: vec![Shard(2); 2] }
+        );
+        // Eight ranks divide the queries and their runs, but would cut the blocks.
+        assert_eq!(rule(8), AxisRule::replicated(4, 2));
+        let backward = Op::AttentionGrad { scale: 0.25, mask, kv_block: Some(2) };
+        let cp = MeshAxis { name: crate::CONTEXT_AXIS.into(), size: 4 };
+        let current = [Shard(2), Shard(2), Shard(2), Shard(2), Shard(2), Shard(2), Shard(0)];
+        let r = axis_rule(&backward, &[&q, &kv, &kv, &q, &lse, &q, &starts], &[&q, &kv, &kv], &current, &cp);
+        assert_eq!(r.outputs, [Shard(2), Shard(2), Shard(2)]);
     }
 
     #[test]
@@ -723,7 +759,7 @@ mod tests {
         let (q, kv, lse, bias) = (t(&[2, 4, 8, 16]), t(&[2, 4, 8, 16]), t(&[2, 4, 8]), t(&[2, 1, 8, 8]));
         let cp = MeshAxis { name: "cp".into(), size: 2 };
         let scale = 0.25;
-        let forward = Op::Attention { scale, mask: crate::AttentionMask::None };
+        let forward = Op::Attention { scale, mask: crate::AttentionMask::None, kv_block: None };
         let current = [Shard(2), Shard(2), Shard(2), Replicate];
         let r = axis_rule(&forward, &[&q, &kv, &kv, &bias], &[&q, &lse], &current, &cp);
         // Every rank's queries over the whole key and value; the mask's rows split with them.
@@ -731,14 +767,14 @@ mod tests {
             r,
             AxisRule { inputs: vec![Shard(2), Replicate, Replicate, Shard(2)], outputs: vec![Shard(2), Shard(2)] }
         );
-        let backward = Op::AttentionGrad { scale, mask: crate::AttentionMask::None };
+        let backward = Op::AttentionGrad { scale, mask: crate::AttentionMask::None, kv_block: None };
         let ins = [&q, &kv, &kv, &bias, &q, &lse, &q];
         let current = [Shard(2), Replicate, Replicate, Shard(2), Shard(2), Shard(2), Shard(2)];
         let r = axis_rule(&backward, &ins, &[&q, &kv, &kv], &current, &cp);
         assert_eq!(r.outputs, [Shard(2), PartialSum, PartialSum]);
         // A causal mask is the query's position: the queries split where each rank knows where
         // its queries start (without, Ulysses takes the heads: the next test).
-        let causal = Op::Attention { scale, mask: crate::AttentionMask::Causal };
+        let causal = Op::Attention { scale, mask: crate::AttentionMask::Causal, kv_block: None };
         let starts = TensorType::new(crate::DType::I64, vec![2]);
         let current = [Shard(2), Shard(2), Shard(2), Replicate];
         let r = axis_rule(&causal, &[&q, &kv, &kv, &starts], &[&q, &lse], &current, &cp);
@@ -754,12 +790,12 @@ mod tests {
     fn causal_attention_without_run_starts_runs_on_shards_of_its_heads_over_cp() {
         use Placement::*;
         let (q, kv, lse) = (t(&[1, 4, 8, 16]), t(&[1, 4, 8, 16]), t(&[1, 4, 8]));
-        let causal = Op::Attention { scale: 0.25, mask: crate::AttentionMask::Causal };
+        let causal = Op::Attention { scale: 0.25, mask: crate::AttentionMask::Causal, kv_block: None };
         let tokens = [Shard(2), Shard(2), Shard(2)];
         let cp = MeshAxis { name: "cp".into(), size: 2 };
         let r = axis_rule(&causal, &[&q, &kv, &kv], &[&q, &lse], &tokens, &cp);
         assert_eq!(r, AxisRule { inputs: vec![Shard(1); 3], outputs: vec![Shard(1), Shard(1)] });
-        let backward = Op::AttentionGrad { scale: 0.25, mask: crate::AttentionMask::Causal };
+        let backward = Op::AttentionGrad { scale: 0.25, mask: crate::AttentionMask::Causal, kv_block: None };
         let current = [Shard(2), Shard(2), Shard(2), Shard(2), Shard(2), Shard(2)];
         let r = axis_rule(&backward, &[&q, &kv, &kv, &q, &lse, &q], &[&q, &kv, &kv], &current, &cp);
         assert_eq!(r.outputs, [Shard(1), Shard(1), Shard(1)]);

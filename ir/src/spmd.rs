@@ -141,6 +141,11 @@ fn collective(
                     results[r] = Some(kernel_op(Op::Concat { axis: concat }, &pieces, out_type.clone())?);
                 }
             }
+            Collective::RingShift { .. } => {
+                for (c, &r) in group.iter().enumerate() {
+                    results[r] = Some(members[(c + size - 1) % size].clone());
+                }
+            }
             Collective::ShardSlice { dim } => {
                 for (c, &r) in group.iter().enumerate() {
                     let mut offsets = vec![0; ty.rank()];

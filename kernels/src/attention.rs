@@ -41,14 +41,19 @@ pub enum AttentionMask {
 }
 
 impl AttentionMask {
-    /// The keys the query at position `i` attends to, of `kv_len`.
-    pub fn keys(self, i: usize, kv_len: usize) -> std::ops::Range<usize> {
+    /// The keys the query at position `i` attends to, of `kv_len` at positions `0..kv_len`. A
+    /// query before them all (a ring's block of keys later in the sequence) sees none under a
+    /// positional mask.
+    pub fn keys(self, i: i64, kv_len: usize) -> std::ops::Range<usize> {
+        let kv_len = kv_len as i64;
         let after = i.saturating_add(1);
-        match self {
-            AttentionMask::None => 0..kv_len,
-            AttentionMask::Causal => 0..after.min(kv_len),
-            AttentionMask::SlidingWindow { window } => after.saturating_sub(window).min(kv_len)..after.min(kv_len),
-        }
+        let (lo, hi) = match self {
+            AttentionMask::None => (0, kv_len),
+            AttentionMask::Causal => (0, after),
+            AttentionMask::SlidingWindow { window } => (after.saturating_sub(window as i64), after),
+        };
+        let hi = hi.clamp(0, kv_len);
+        lo.clamp(0, hi) as usize..hi as usize
     }
 
     /// The queries, of `q_len`, that attend to key `j`.
@@ -58,15 +63,16 @@ impl AttentionMask {
 
     /// Of `len` queries at positions `first..first + len`, those (counted from the run's first)
     /// that attend to key `j`.
-    pub fn queries_in_run(self, j: usize, first: usize, len: usize) -> std::ops::Range<usize> {
+    pub fn queries_in_run(self, j: usize, first: i64, len: usize) -> std::ops::Range<usize> {
+        let j = j as i64;
         let (lo, hi) = match self {
-            AttentionMask::None => (0, usize::MAX),
-            AttentionMask::Causal => (j, usize::MAX),
-            AttentionMask::SlidingWindow { window } => (j, j.saturating_add(window)),
+            AttentionMask::None => (i64::MIN, i64::MAX),
+            AttentionMask::Causal => (j, i64::MAX),
+            AttentionMask::SlidingWindow { window } => (j, j.saturating_add(window as i64)),
         };
-        let end = first.saturating_add(len);
+        let end = first.saturating_add(len as i64);
         let lo = lo.clamp(first, end) - first;
-        lo..(hi.clamp(first, end) - first).max(lo)
+        lo as usize..(hi.clamp(first, end) - first).max(lo) as usize
     }
 
     /// Whether the mask depends on where the queries are in the sequence.
@@ -95,6 +101,13 @@ pub struct AttentionDims {
     /// run's first position.
     #[serde(default)]
     pub query_runs: Option<usize>,
+    /// Where the queries and keys come in blocks along the sequence (a context-parallel ring's
+    /// pairs of a rank's queries and the keys it holds): this many equal blocks of each, the
+    /// queries of a block attending only to the keys of the same block, at positions from 0 in
+    /// it (the query runs, which divide among the blocks, say where the queries are). `None`
+    /// is one block.
+    #[serde(default)]
+    pub key_blocks: Option<usize>,
 }
 
 impl AttentionDims {
@@ -136,15 +149,31 @@ impl AttentionDims {
             full.extend([self.q_len, self.kv_len]);
             broadcasts(bias, &full)
         });
+        let blocks = self.blocks();
         let runs_ok = self.query_runs.is_none_or(|runs| runs > 0 && self.q_len.is_multiple_of(runs));
-        broadcasts(&self.kv_lead, &self.lead) && bias_ok && runs_ok && self.head_dim > 0 && self.value_dim > 0
+        let blocks_ok = blocks > 0
+            && self.q_len.is_multiple_of(blocks)
+            && self.kv_len.is_multiple_of(blocks)
+            && self.query_runs.unwrap_or(blocks).is_multiple_of(blocks)
+            && (blocks == 1 || self.bias.is_none());
+        broadcasts(&self.kv_lead, &self.lead)
+            && bias_ok
+            && runs_ok
+            && blocks_ok
+            && self.head_dim > 0
+            && self.value_dim > 0
     }
 
-    /// The runs of queries at consecutive positions and their length: one run of all `q_len`
-    /// without [`Self::query_runs`].
+    /// The runs of queries at consecutive positions and their length: one run per block
+    /// ([`Self::key_blocks`]) from position 0 without [`Self::query_runs`].
     pub fn runs(&self) -> (usize, usize) {
-        let runs = self.query_runs.unwrap_or(1);
+        let runs = self.query_runs.unwrap_or(self.blocks());
         (runs, self.q_len / runs)
+    }
+
+    /// The blocks of queries and keys ([`Self::key_blocks`]; 1 without).
+    pub fn blocks(&self) -> usize {
+        self.key_blocks.unwrap_or(1)
     }
 
     /// For each leading index of the query, the index of its element in a broadcast of leading
@@ -285,7 +314,8 @@ impl AttentionFunction {
         };
         // Generated code takes a context-parallel rank's runs of queries, at any positions; a
         // unit of rows lies in one run.
-        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || !dims.is_valid() {
+        // A ring's blocks are one per rank: several are the reference's global view.
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || !dims.is_valid() || dims.blocks() != 1 {
             return None;
         }
         let function = |pass: AttentionPass| {
@@ -385,7 +415,7 @@ struct Operands<'a> {
     /// Per query batch index, its key/value batch index.
     kv_of: Vec<usize>,
     /// The position of each run's first query ([`AttentionDims::runs`]).
-    run_starts: Vec<usize>,
+    run_starts: Vec<i64>,
 }
 
 impl<'a> Operands<'a> {
@@ -394,7 +424,7 @@ impl<'a> Operands<'a> {
         scale: f64,
         [q, k, v]: [&'a [f64]; 3],
         bias: Option<&'a [f64]>,
-        run_starts: Vec<usize>,
+        run_starts: Vec<i64>,
     ) -> Operands<'a> {
         let bias = bias.zip(dims.bias.as_deref()).map(|(values, shape)| {
             let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
@@ -404,10 +434,31 @@ impl<'a> Operands<'a> {
         Operands { dims, scale, q, k, v, bias, kv_of: dims.kv_of(), run_starts }
     }
 
-    /// The position of query `i` in the sequence.
-    fn position(&self, i: usize) -> usize {
+    /// The position of query `i` in the sequence (in its block's).
+    fn position(&self, i: usize) -> i64 {
         let (_, len) = self.dims.runs();
-        self.run_starts[i / len].saturating_add(i % len)
+        self.run_starts[i / len].saturating_add((i % len) as i64)
+    }
+
+    /// The keys query `i` attends to under `mask`, of its block's.
+    fn keys(&self, mask: AttentionMask, i: usize) -> std::ops::Range<usize> {
+        let blocks = self.dims.blocks();
+        let block_len = self.dims.kv_len / blocks;
+        let first = i / (self.dims.q_len / blocks) * block_len;
+        let keys = mask.keys(self.position(i), block_len);
+        first + keys.start..first + keys.end
+    }
+
+    /// The queries that attend to key `j` under `mask`, run by run (of its block's).
+    fn queries(&self, mask: AttentionMask, j: usize) -> impl Iterator<Item = usize> + '_ {
+        let blocks = self.dims.blocks();
+        let (runs, run_len) = self.dims.runs();
+        let (block_len, runs_per_block) = (self.dims.kv_len / blocks, runs / blocks);
+        let block = j / block_len;
+        let block_runs = block * runs_per_block..(block + 1) * runs_per_block;
+        block_runs.flat_map(move |r| {
+            mask.queries_in_run(j % block_len, self.run_starts[r], run_len).map(move |i| r * run_len + i)
+        })
     }
 
     fn q_row(&self, b: usize, i: usize) -> &[f64] {
@@ -457,18 +508,14 @@ fn store(dtype: DType, values: &[f64], out: &mut [u8]) -> Result<(), KernelError
     Ok(())
 }
 
-/// The position of each run's first query: the last input, with [`AttentionDims::query_runs`].
-fn run_starts(kernel: &'static str, dims: &AttentionDims, inputs: &[&[u8]]) -> Result<Vec<usize>, KernelError> {
-    let Some(runs) = dims.query_runs else { return Ok(vec![0]) };
+/// The position of each run's first query: the last input, with [`AttentionDims::query_runs`]
+/// (else 0 for each block's run).
+fn run_starts(kernel: &'static str, dims: &AttentionDims, inputs: &[&[u8]]) -> Result<Vec<i64>, KernelError> {
+    let Some(runs) = dims.query_runs else { return Ok(vec![0; dims.blocks()]) };
     let starts = inputs.last().map(|b| view::<i64>(b)).filter(|s| s.len() == runs).ok_or_else(|| {
         KernelError::Unsupported { kernel, what: format!("query positions: {runs} run starts (i64) expected") }
     })?;
-    starts
-        .iter()
-        .map(|&s| {
-            usize::try_from(s).map_err(|_| KernelError::Unsupported { kernel, what: format!("query position {s}") })
-        })
-        .collect()
+    Ok(starts.into_owned())
 }
 
 /// `[q, k, v, bias?, run_starts?] -> [out, lse]`.
@@ -493,7 +540,7 @@ pub(crate) fn forward(
     values.par_chunks_mut(dv).zip(log_sums.par_iter_mut()).with_min_len(rows).enumerate().for_each(
         |(row, (o, lse))| {
             let (b, i) = (row / sq, row % sq);
-            let keys = mask.keys(ops.position(i), sk);
+            let keys = ops.keys(mask, i);
             let scores: Vec<f64> = keys.clone().map(|j| ops.score(b, i, j)).collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let log_sum = max + scores.iter().map(|s| (s - max).exp()).sum::<f64>().ln();
@@ -542,7 +589,7 @@ pub(crate) fn backward(
     let mut dq = vec![0f64; dims.batch() * sq * d];
     dq.par_chunks_mut(d).with_min_len(rows_per_task(sk * d)).enumerate().for_each(|(row, dq)| {
         let (b, i) = (row / sq, row % sq);
-        for j in mask.keys(ops.position(i), sk) {
+        for j in ops.keys(mask, i) {
             let (_, ds) = probability_and_ds(b, i, j);
             for (a, &x) in dq.iter_mut().zip(ops.k_row(ops.kv_of[b], j)) {
                 *a += ds * x;
@@ -559,16 +606,10 @@ pub(crate) fn backward(
     let mut dk = vec![0f64; dims.kv_batch() * sk * d];
     let mut dvs = vec![0f64; dims.kv_batch() * sk * dv];
     let rows = rows_per_task(sq * (d + dv));
-    let run_len = dims.runs().1;
-    // The queries that see key `j`, run by run.
-    let queries = |j: usize| {
-        (ops.run_starts.iter().enumerate())
-            .flat_map(move |(r, &first)| mask.queries_in_run(j, first, run_len).map(move |i| r * run_len + i))
-    };
     dk.par_chunks_mut(d).zip(dvs.par_chunks_mut(dv)).with_min_len(rows).enumerate().for_each(|(row, (dk, dv))| {
         let (kb, j) = (row / sk, row % sk);
         for &b in &sharing[kb] {
-            for i in queries(j) {
+            for i in ops.queries(mask, j) {
                 let (p, ds) = probability_and_ds(b, i, j);
                 dk.iter_mut().zip(ops.q_row(b, i)).for_each(|(a, &x)| *a += ds * x);
                 dv.iter_mut().zip(d_out_row(b, i)).for_each(|(a, &x)| *a += p * x);
@@ -595,7 +636,7 @@ mod tests {
         dv: Vec<f64>,
     }
 
-    fn unfused(dims: &AttentionDims, scale: f64, mask: AttentionMask, x: &[Vec<f32>; 5], starts: &[usize]) -> Unfused {
+    fn unfused(dims: &AttentionDims, scale: f64, mask: AttentionMask, x: &[Vec<f32>; 5], starts: &[i64]) -> Unfused {
         let [q, k, v, bias, d_out] = x.clone().map(|t| t.iter().map(|&x| x as f64).collect::<Vec<f64>>());
         let bias = dims.bias.as_ref().map(|_| &bias[..]);
         let ops = Operands::new(dims, scale, [&q, &k, &v], bias, starts.to_vec());
@@ -610,7 +651,10 @@ mod tests {
         for b in 0..dims.batch() {
             let kb = ops.kv_of[b];
             for i in 0..sq {
-                let keys = mask.keys(ops.position(i), sk);
+                let keys = ops.keys(mask, i);
+                if keys.is_empty() {
+                    continue;
+                }
                 let s: Vec<f64> =
                     (0..sk).map(|j| if keys.contains(&j) { ops.score(b, i, j) } else { f64::NEG_INFINITY }).collect();
                 let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -664,9 +708,71 @@ mod tests {
         check_at(dims, mask, &[0]);
     }
 
+    /// Runs the forward and backward kernels (f32) on `x` (q, k, v, d_out) with the queries in
+    /// runs from `starts`: out, lse, dq, dk, dv.
+    fn run_both(dims: &AttentionDims, mask: AttentionMask, x: [&[f32]; 4], starts: &[i64]) -> [Vec<f32>; 5] {
+        let scale = 0.3;
+        let positions: Vec<u8> = starts.iter().flat_map(|s| s.to_le_bytes()).collect();
+        let [q, k, v, d_out] = x.map(bytes);
+        let [_, _, _, _, out, rows] = dims.numels();
+        let (mut o, mut lse) = (vec![0u8; out * 4], vec![0u8; rows * 4]);
+        let fwd = Kernel::Attention { dtype: DType::F32, dims: dims.clone(), scale, mask, generated: false };
+        fwd.run(&[&q, &k, &v, &positions], &mut [&mut o, &mut lse]).unwrap();
+        let bwd = Kernel::AttentionGrad { dtype: DType::F32, dims: dims.clone(), scale, mask, generated: false };
+        let (mut dq, mut dk, mut dv) = (vec![0u8; q.len()], vec![0u8; k.len()], vec![0u8; v.len()]);
+        bwd.run(&[&q, &k, &v, &o, &lse, &d_out, &positions], &mut [&mut dq, &mut dk, &mut dv]).unwrap();
+        [o, lse, dq, dk, dv].map(|b| floats(&b))
+    }
+
+    /// Rows `block` of `blocks` of each `[rows, width]` matrix of `x`.
+    fn block_of(x: &[f32], matrices: usize, rows: usize, width: usize, blocks: usize, block: usize) -> Vec<f32> {
+        let per = rows / blocks;
+        (0..matrices).flat_map(|m| x[(m * rows + block * per) * width..][..per * width].to_vec()).collect()
+    }
+
+    /// A ring's blocks: each block of queries against its own block of keys is the attention of
+    /// those alone, and a query before all of its block's keys (a negative position) sees none:
+    /// its output, log-sum-exp and gradients are 0, -inf and 0.
+    #[test]
+    fn blocks_pair_queries_with_their_own_keys() {
+        let (batch, q_len, kv_len, blocks) = (2, 8, 6, 2);
+        let starts = [-2, 1, 4, -5];
+        for mask in [AttentionMask::None, AttentionMask::Causal, AttentionMask::SlidingWindow { window: 2 }] {
+            let whole = AttentionDims {
+                query_runs: Some(4),
+                key_blocks: Some(blocks),
+                ..dims(&[batch], &[batch], q_len, kv_len, None)
+            };
+            let [q, k, v, _, out, _] = whole.numels();
+            let x = [values(q, 1), values(k, 2), values(v, 3), values(out, 5)];
+            let got = run_both(&whole, mask, [&x[0], &x[1], &x[2], &x[3]], &starts);
+            let one = AttentionDims { query_runs: Some(2), ..dims(&[batch], &[batch], q_len / 2, kv_len / 2, None) };
+            let widths = [5, 5, 3, 3];
+            let lens = [q_len, kv_len, kv_len, q_len];
+            for b in 0..blocks {
+                let part: Vec<Vec<f32>> =
+                    (0..4).map(|t| block_of(&x[t], batch, lens[t], widths[t], blocks, b)).collect();
+                let want = run_both(&one, mask, [&part[0], &part[1], &part[2], &part[3]], &starts[2 * b..2 * b + 2]);
+                // out, lse, dq by query rows; dk, dv by key rows.
+                let shapes = [(q_len, 3), (q_len, 1), (q_len, 5), (kv_len, 5), (kv_len, 3)];
+                for (t, &(rows, width)) in shapes.iter().enumerate() {
+                    let got = block_of(&got[t], batch, rows, width, blocks, b);
+                    for (n, (g, w)) in got.iter().zip(&want[t]).enumerate() {
+                        let same = g == w || (g - w).abs() <= 1e-6 * w.abs().max(1.0);
+                        assert!(same, "{mask:?} output {t} block {b} [{n}]: {g} against {w}");
+                    }
+                }
+            }
+            // Query 0 (position -2) sees no key under a positional mask.
+            if mask.is_positional() {
+                assert_eq!((got[0][0], got[1][0], got[2][0]), (0.0, f32::NEG_INFINITY, 0.0), "{mask:?}");
+            }
+        }
+    }
+
     /// [`check`] with the queries in runs starting at `starts` (one run at 0: the sequence's
     /// first queries, without a positions operand).
-    fn check_at(dims: AttentionDims, mask: AttentionMask, starts: &[usize]) {
+    fn check_at(dims: AttentionDims, mask: AttentionMask, starts: &[i64]) {
         let scale = 0.3;
         let [q, k, v, bias, out, _] = dims.numels();
         let x = [values(q, 1), values(k, 2), values(v, 3), values(bias, 4), values(out, 5)];
@@ -676,7 +782,7 @@ mod tests {
         if dims.bias.is_some() {
             inputs.push(bytes(&x[3]));
         }
-        let positions: Vec<u8> = starts.iter().flat_map(|&s| (s as i64).to_le_bytes()).collect();
+        let positions: Vec<u8> = starts.iter().flat_map(|&s| s.to_le_bytes()).collect();
         if dims.query_runs.is_some() {
             inputs.push(positions.clone());
         }
@@ -705,7 +811,17 @@ mod tests {
 
     fn dims(lead: &[usize], kv_lead: &[usize], q_len: usize, kv_len: usize, bias: Option<Vec<usize>>) -> AttentionDims {
         let (lead, kv_lead) = (lead.to_vec(), kv_lead.to_vec());
-        AttentionDims { lead, kv_lead, q_len, kv_len, head_dim: 5, value_dim: 3, bias, query_runs: None }
+        AttentionDims {
+            lead,
+            kv_lead,
+            q_len,
+            kv_len,
+            head_dim: 5,
+            value_dim: 3,
+            bias,
+            query_runs: None,
+            key_blocks: None,
+        }
     }
 
     use crate::Kernel;
@@ -744,10 +860,16 @@ mod tests {
             for (sq, sk) in [(5, 5), (3, 6), (6, 3)] {
                 for i in 0..sq {
                     for j in 0..sk {
-                        assert_eq!(mask.keys(i, sk).contains(&j), mask.queries(j, sq).contains(&i), "{mask:?} {i} {j}");
-                        let first = 4;
-                        let run = mask.queries_in_run(j, first, sq);
-                        assert_eq!(mask.keys(first + i, sk).contains(&j), run.contains(&i), "{mask:?} {i} {j}");
+                        let at = i as i64;
+                        assert_eq!(
+                            mask.keys(at, sk).contains(&j),
+                            mask.queries(j, sq).contains(&i),
+                            "{mask:?} {i} {j}"
+                        );
+                        for first in [4, -3] {
+                            let run = mask.queries_in_run(j, first, sq);
+                            assert_eq!(mask.keys(first + at, sk).contains(&j), run.contains(&i), "{mask:?} {i} {j}");
+                        }
                     }
                 }
             }

@@ -32,7 +32,7 @@ use autotp_kernels::attention::{
 use autotp_kernels::DType;
 use inkwell::types::VectorType;
 use inkwell::values::{FunctionValue, IntValue, PointerValue};
-use inkwell::{AddressSpace, IntPredicate};
+use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
 
 use crate::emit::{counted_loop, Buffer, Emitter, V};
 use crate::nvptx::special_register;
@@ -120,12 +120,14 @@ pub(crate) fn mask_keys<'ctx>(
 ) -> Result<(IntValue<'ctx>, IntValue<'ctx>), LlvmError> {
     let int = |x: usize| e.ctx.i64_type().const_int(x as u64, false);
     let after = e.b.build_int_add(e.b.build_int_add(i, first, "")?, int(1), "")?;
+    // `after` clamped into `[0, kv_len]` (signed: a query before every key sees none).
+    let hi = int_min(e, int_max(e, after, int(0))?, int(kv_len))?;
     Ok(match mask {
         AttentionMask::None => (int(0), int(kv_len)),
-        AttentionMask::Causal => (int(0), int_min(e, after, int(kv_len))?),
+        AttentionMask::Causal => (int(0), hi),
         AttentionMask::SlidingWindow { window } => {
             let lo = int_max(e, e.b.build_int_sub(after, int(window), "")?, int(0))?;
-            (int_min(e, lo, int(kv_len))?, int_min(e, after, int(kv_len))?)
+            (int_min(e, lo, hi)?, hi)
         }
     })
 }
@@ -736,8 +738,12 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
                 let pairs: Vec<_> = ks.iter().map(|k| (q, k)).collect();
                 let scores = self.masked(self.scores(self.dots(&pairs)?, b, &[queries[r]], keys)?, start, ranges[r])?;
                 let new_max = e.fmax(max, self.tree(scores, |a, b| e.fmax(a, b))?)?;
-                let correction = math::exp(e, e.fsub(max, new_max)?)?;
-                let p = math::exp(e, e.fsub(scores, e.broadcast(new_max, self.block)?)?)?;
+                // A row that has seen only masked keys subtracts 0, not -inf (its exponentials
+                // are 0).
+                let none = e.fcmp(FloatPredicate::OEQ, new_max, e.f32(1, f32::NEG_INFINITY))?;
+                let base = e.select(none, e.f32(1, 0.0), new_max)?;
+                let correction = math::exp(e, e.fsub(max, base)?)?;
+                let p = math::exp(e, e.fsub(scores, e.broadcast(base, self.block)?)?)?;
                 next.extend([new_max, e.fma(sum, correction, self.sum(p)?)?]);
                 next.extend(self.scaled(acc, correction)?);
                 ps.push(p);
@@ -754,7 +760,10 @@ impl<'ctx> Attention<'_, '_, 'ctx> {
         })?;
         for (r, &row) in rows.iter().enumerate() {
             let (max, sum) = (done[r * per_row], done[r * per_row + 1]);
-            let out = self.scaled(&done[r * per_row + 2..(r + 1) * per_row], e.fdiv(e.f32(1, 1.0), sum)?)?;
+            // A row that sees no key (a ring's query before its block of keys) stores 0.
+            let empty = e.fcmp(FloatPredicate::OEQ, sum, e.f32(1, 0.0))?;
+            let inverse = e.select(empty, e.f32(1, 0.0), e.fdiv(e.f32(1, 1.0), sum)?)?;
+            let out = self.scaled(&done[r * per_row + 2..(r + 1) * per_row], inverse)?;
             self.store_row(self.buffers.out, row, dims.value_dim, &out)?;
             self.store(self.buffers.lse, DType::F32, row, e.fadd(max, math::log(e, sum)?)?)?;
         }

@@ -349,7 +349,7 @@ impl<'g> View<'g> {
         let block = rows * cols;
         let fits = values.chunks(block).all(|values| {
             (0..rows).all(|i| {
-                let keys = mask.keys(i, cols);
+                let keys = mask.keys(i as i64, cols);
                 (0..cols).all(|j| {
                     if keys.contains(&j) {
                         values[i * cols + j] == 0.0
@@ -407,7 +407,7 @@ impl Pass for FuseAttention {
                 inputs.push(rw.graph().add(Op::Constant { value }, vec![]).map_err(&invalid)?);
             }
             let g = rw.graph();
-            let op = Op::Attention { scale: f.scale, mask: f.mask };
+            let op = Op::Attention { scale: f.scale, mask: f.mask, kv_block: None };
             let attention = g.add_node(op, inputs, 2).map_err(|m| invalid(format!("attention: {m}")))?;
             let mut out = g.node(attention).outputs[0];
             if f.grouped.is_some() {

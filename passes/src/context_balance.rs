@@ -156,8 +156,8 @@ impl Rewrites {
                         ));
                     }
                 }
-                Collective::AllToAll { .. } => {
-                    return Err(format!("all_to_all (node {}) exchanges {} over cp", id.index(), named(x)));
+                Collective::AllToAll { .. } | Collective::RingShift { .. } => {
+                    return Err(format!("{} (node {}) exchanges {} over cp", node.op.name(), id.index(), named(x)));
                 }
                 Collective::AllReduce | Collective::ReduceScatter { .. } => {}
             }

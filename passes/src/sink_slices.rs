@@ -59,7 +59,9 @@ pub(crate) fn operands_along(
             // Two slices on different axes would only trade places.
             let keeps_dim = match kind {
                 Collective::AllReduce => true,
-                Collective::AllGather { dim: d } | Collective::ReduceScatter { dim: d } => *d != dim,
+                Collective::AllGather { dim: d }
+                | Collective::ReduceScatter { dim: d }
+                | Collective::RingShift { dim: d } => *d != dim,
                 Collective::AllToAll { split, concat } => *split != dim && *concat != dim,
                 Collective::ShardSlice { .. } => false,
             };

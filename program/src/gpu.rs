@@ -246,6 +246,7 @@ mod tests {
             value_dim: 8,
             bias: None,
             query_runs: None,
+            key_blocks: None,
         };
         let (dtype, mask) = (DType::F32, AttentionMask::Causal);
         let kernel = Kernel::Attention { dtype, dims: dims.clone(), scale: 0.5, mask, generated: true };

@@ -57,6 +57,11 @@ pub enum Collective {
     /// rank, sends piece j to rank j, and concatenates the pieces it gets along `concat`, in
     /// rank order (MPI's and torch's all-to-all with equal pieces; `split != concat`).
     AllToAll { split: usize, concat: usize },
+    /// shard(dim) -> shard(dim): each rank sends its block to the next rank along the axis and
+    /// takes the previous one's (the last sends to the first): one step of a ring. Unlike the
+    /// others it changes the global value, which rolls by one block along `dim`; a
+    /// context-parallel ring's rounds pass keys and values on with it (`passes::cp_ring`).
+    RingShift { dim: usize },
 }
 
 impl Collective {
@@ -67,6 +72,7 @@ impl Collective {
             Collective::ReduceScatter { .. } => "reduce_scatter",
             Collective::ShardSlice { .. } => "shard_slice",
             Collective::AllToAll { .. } => "all_to_all",
+            Collective::RingShift { .. } => "ring_shift",
         }
     }
 
@@ -74,9 +80,10 @@ impl Collective {
     pub fn dims(self) -> Vec<(&'static str, usize)> {
         match self {
             Collective::AllReduce => vec![],
-            Collective::AllGather { dim } | Collective::ReduceScatter { dim } | Collective::ShardSlice { dim } => {
-                vec![("dim", dim)]
-            }
+            Collective::AllGather { dim }
+            | Collective::ReduceScatter { dim }
+            | Collective::ShardSlice { dim }
+            | Collective::RingShift { dim } => vec![("dim", dim)],
             Collective::AllToAll { split, concat } => vec![("split", split), ("concat", concat)],
         }
     }
@@ -90,6 +97,7 @@ impl Collective {
             Collective::ReduceScatter { dim } => (PartialSum, Shard(dim)),
             Collective::ShardSlice { dim } => (Replicate, Shard(dim)),
             Collective::AllToAll { split, concat } => (Shard(concat), Shard(split)),
+            Collective::RingShift { dim } => (Shard(dim), Shard(dim)),
         }
     }
 
@@ -98,6 +106,9 @@ impl Collective {
         let mut out = shape.to_vec();
         match self {
             Collective::AllReduce => {}
+            Collective::RingShift { dim } => {
+                out.get(dim)?;
+            }
             Collective::AllGather { dim } => *out.get_mut(dim)? *= n,
             Collective::ReduceScatter { dim } | Collective::ShardSlice { dim } => {
                 let d = out.get_mut(dim)?;
@@ -128,15 +139,18 @@ impl Collective {
             Collective::ShardSlice { .. } => 0,
             // The deposited copy, and the pieces this rank takes from every one.
             Collective::AllToAll { .. } => 2 * bytes,
+            Collective::RingShift { .. } => bytes,
         }
     }
 
     /// Bytes one rank sends for an input of `bytes` over `n` ranks, with ring algorithms:
     /// all-reduce 2(n-1)/n of the buffer, all-gather (n-1) shards, reduce-scatter (n-1)/n;
-    /// all-to-all (n-1)/n (every piece but its own, each sent once).
+    /// all-to-all (n-1)/n (every piece but its own, each sent once); a ring shift its block
+    /// (none on one rank).
     pub fn bytes_sent(self, bytes: usize, n: usize) -> usize {
         let n1 = n.saturating_sub(1);
         match self {
+            Collective::RingShift { .. } => bytes.min(n1 * bytes),
             Collective::AllReduce => 2 * n1 * bytes / n.max(1),
             Collective::AllGather { .. } => n1 * bytes,
             Collective::ReduceScatter { .. } | Collective::AllToAll { .. } => n1 * bytes / n.max(1),
@@ -188,6 +202,9 @@ pub struct CommBytes {
     pub reduce_scatter: usize,
     #[serde(default)]
     pub all_to_all: usize,
+    /// Passed on around a ring (context parallelism's keys and values).
+    #[serde(default)]
+    pub ring_shift: usize,
     /// Sent to other pipeline stages (activations, their gradients, shared weights' gradients).
     #[serde(default)]
     pub send: usize,
@@ -201,6 +218,7 @@ impl CommBytes {
             all_gather: self.all_gather.saturating_sub(earlier.all_gather),
             reduce_scatter: self.reduce_scatter.saturating_sub(earlier.reduce_scatter),
             all_to_all: self.all_to_all.saturating_sub(earlier.all_to_all),
+            ring_shift: self.ring_shift.saturating_sub(earlier.ring_shift),
             send: self.send.saturating_sub(earlier.send),
         }
     }
@@ -212,13 +230,14 @@ impl CommBytes {
             all_gather: self.all_gather + other.all_gather,
             reduce_scatter: self.reduce_scatter + other.reduce_scatter,
             all_to_all: self.all_to_all + other.all_to_all,
+            ring_shift: self.ring_shift + other.ring_shift,
             send: self.send + other.send,
         }
     }
 
     /// Every byte sent, collectives and pipeline messages.
     pub fn total(&self) -> usize {
-        self.all_reduce + self.all_gather + self.reduce_scatter + self.all_to_all + self.send
+        self.all_reduce + self.all_gather + self.reduce_scatter + self.all_to_all + self.ring_shift + self.send
     }
 
     /// Counts `kind` over a group of `n` ranks for an input of `bytes`.
@@ -229,6 +248,7 @@ impl CommBytes {
             Collective::AllGather { .. } => self.all_gather += sent,
             Collective::ReduceScatter { .. } => self.reduce_scatter += sent,
             Collective::AllToAll { .. } => self.all_to_all += sent,
+            Collective::RingShift { .. } => self.ring_shift += sent,
             Collective::ShardSlice { .. } => {}
         }
     }

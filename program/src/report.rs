@@ -132,6 +132,7 @@ pub fn report_of(stages: &[&crate::Program], training: &crate::plan::TrainingCon
         total.all_gather += comm.all_gather * stage_size;
         total.reduce_scatter += comm.reduce_scatter * stage_size;
         total.all_to_all += comm.all_to_all * stage_size;
+        total.ring_shift += comm.ring_shift * stage_size;
         total.send += comm.send * stage_size;
     }
     Report {

@@ -59,10 +59,11 @@ mod tests {
             let t = |shape: &[usize]| TensorType::new(DType::F32, shape.to_vec());
             let (q, k, v) =
                 (g.add_input("q", t(&[2, 4, 3])), g.add_input("k", t(&[1, 4, 3])), g.add_input("v", t(&[1, 4, 2])));
-            let forward = g.add_node(Op::Attention { scale: 0.125, mask }, vec![q, k, v], 2).unwrap();
+            let forward = g.add_node(Op::Attention { scale: 0.125, mask, kv_block: None }, vec![q, k, v], 2).unwrap();
             let [out, lse] = g.node(forward).outputs[..] else { unreachable!() };
-            let backward =
-                g.add_node(Op::AttentionGrad { scale: 0.125, mask }, vec![q, k, v, out, lse, out], 3).unwrap();
+            let backward = g
+                .add_node(Op::AttentionGrad { scale: 0.125, mask, kv_block: None }, vec![q, k, v, out, lse, out], 3)
+                .unwrap();
             for (i, &o) in g.node(backward).outputs.clone().iter().enumerate() {
                 g.add_output(format!("d{i}"), o);
             }

@@ -719,7 +719,7 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
         "wait" => Op::Wait,
         "send" => Op::Send { to: take_usize(a, "to")?, tag: take_usize(a, "tag")? as u64, message: take_message(a)? },
         collective
-            if ["all_reduce", "all_gather", "reduce_scatter", "shard_slice", "all_to_all"]
+            if ["all_reduce", "all_gather", "reduce_scatter", "shard_slice", "all_to_all", "ring_shift"]
                 .contains(&collective.strip_suffix("_start").unwrap_or(collective)) =>
         {
             let start = collective.ends_with("_start");
@@ -730,16 +730,18 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
                 "all_to_all" => {
                     Collective::AllToAll { split: take_usize(a, "split")?, concat: take_usize(a, "concat")? }
                 }
+                "ring_shift" => Collective::RingShift { dim: take_usize(a, "dim")? },
                 _ => Collective::ShardSlice { dim: take_usize(a, "dim")? },
             };
             Op::Collective { kind, axis: take_word(a, "axis")?, start }
         }
         "attention" | "attention_grad" => {
             let (scale, mask) = (take_float(a, "scale")?, take_mask(a)?);
+            let kv_block = if a.contains_key("kv_block") { Some(take_usize(a, "kv_block")?) } else { None };
             if name == "attention" {
-                Op::Attention { scale, mask }
+                Op::Attention { scale, mask, kv_block }
             } else {
-                Op::AttentionGrad { scale, mask }
+                Op::AttentionGrad { scale, mask, kv_block }
             }
         }
         "softmax" => Op::Softmax { axis: take_usize(a, "axis")? },

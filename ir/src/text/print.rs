@@ -154,7 +154,7 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
         | Op::LogSoftmax { axis } => {
             vec![("axis", Attr::Int(*axis as i64))]
         }
-        Op::Attention { scale, mask } | Op::AttentionGrad { scale, mask } => {
+        Op::Attention { scale, mask, kv_block } | Op::AttentionGrad { scale, mask, kv_block } => {
             let mut a = vec![("scale", Attr::Float(*scale))];
             match mask {
                 AttentionMask::None => a.push(("mask", Attr::Word("none".into()))),
@@ -164,6 +164,7 @@ fn attributes(op: &Op) -> Vec<(&'static str, Attr)> {
                     a.push(("window", Attr::Int(*window as i64)));
                 }
             }
+            a.extend(kv_block.map(|block| ("kv_block", Attr::Int(block as i64))));
             a
         }
         Op::AdamW { beta1, beta2, eps, weight_decay } => vec![

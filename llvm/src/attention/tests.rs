@@ -86,7 +86,7 @@ fn both(
 fn assert_close(label: &str, dtype: DType, want: &AlignedBuf, got: &AlignedBuf, tolerance: f32) {
     let (want, got) = (floats(dtype, want), floats(dtype, got));
     for (n, (w, g)) in want.iter().zip(&got).enumerate() {
-        assert!((w - g).abs() <= tolerance * w.abs().max(1.0), "{label}[{n}]: generated {g}, builtin {w}");
+        assert!(w == g || (w - g).abs() <= tolerance * w.abs().max(1.0), "{label}[{n}]: generated {g}, builtin {w}");
     }
 }
 
@@ -143,15 +143,27 @@ fn check_runs(dtype: DType, dims: AttentionDims, mask: AttentionMask, runs: &[(A
 
 fn dims(kv_lead: &[usize], len: usize, head_dim: usize, value_dim: usize, bias: Option<Vec<usize>>) -> AttentionDims {
     let kv_lead = kv_lead.to_vec();
-    AttentionDims { lead: vec![2, 3], kv_lead, q_len: len, kv_len: len, head_dim, value_dim, bias, query_runs: None }
+    AttentionDims {
+        lead: vec![2, 3],
+        kv_lead,
+        q_len: len,
+        kv_len: len,
+        head_dim,
+        value_dim,
+        bias,
+        query_runs: None,
+        key_blocks: None,
+    }
 }
 
 /// Where [`check_runs`]' runs of queries start ([`AttentionDims::query_runs`]): one at 45;
 /// several out of order (a load-balanced context-parallel rank's, and more), 58, 29 or 12, 58,
-/// 29.
+/// 29; four with some before every key (-20, 58, -3, 80).
 fn run_starts(runs: usize) -> Vec<i64> {
     match runs {
         1 => vec![45],
+        // A ring's: positions relative to a block of keys, some before every key.
+        4 => vec![-20, 58, -3, 80],
         _ => (0..runs).map(|r| ((runs - r) * 29 % 75) as i64).collect(),
     }
 }
@@ -179,7 +191,7 @@ fn queries_from_a_position_match_the_builtin_kernel() {
 /// cores' tiles take one run, so 16-bit operands that would take them run a thread per row.
 #[test]
 fn queries_in_runs_match_the_builtin_kernel() {
-    for runs in [2, 3] {
+    for runs in [2, 3, 4] {
         let at = |head_dim, bias: Option<Vec<usize>>| AttentionDims {
             q_len: 15 * runs,
             kv_len: 90,

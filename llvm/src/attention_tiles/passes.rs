@@ -49,7 +49,9 @@ impl<'ctx> Tiles<'_, '_, 'ctx> {
             },
         )?;
         let sum = self.quad_fold(done[1], |x, y| e.fadd(x, y))?;
-        let inverse = e.fdiv(e.f32(2, 1.0), sum)?;
+        // A row that sees no key (a ring's query before its block of keys) stores 0.
+        let empty = e.fcmp(FloatPredicate::OEQ, sum, e.f32(2, 0.0))?;
+        let inverse = e.select(empty, e.f32(2, 0.0), e.fdiv(e.f32(2, 1.0), sum)?)?;
         let lse = e.fadd(done[0], math::log(e, sum)?)?;
         let scale = [e.broadcast(inverse, 2)?, self.shuffle(inverse, inverse, &[1, 1])?];
         self.store_rows(self.ops.out, rows, &done[2..], scale, |r, row| self.store_per_row(self.ops.lse, r, row, lse))

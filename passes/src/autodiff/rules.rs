@@ -458,7 +458,7 @@ pub(super) fn vjp(
         }
         // The backward recomputes the probabilities from the log-sum-exp (FlashAttention-2); the
         // log-sum-exp itself is only ever read by it.
-        Op::Attention { scale, mask } => {
+        Op::Attention { scale, mask, kv_block } => {
             if want.get(3) == Some(&true) {
                 return Err(no_gradient(op, "for its bias (attention is fused only with a bias that needs none)"));
             }
@@ -468,7 +468,7 @@ pub(super) fn vjp(
                 let mut inputs = x[..x.len() - usize::from(run_starts.is_some())].to_vec();
                 inputs.extend([y[0], y[1], d_out]);
                 inputs.extend(run_starts);
-                let grads = b.ops(Op::AttentionGrad { scale: *scale, mask: *mask }, inputs, 3)?;
+                let grads = b.ops(Op::AttentionGrad { scale: *scale, mask: *mask, kv_block: *kv_block }, inputs, 3)?;
                 out[..3].iter_mut().zip(grads).for_each(|(o, g)| *o = Some(g));
             }
         }

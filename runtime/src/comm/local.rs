@@ -224,6 +224,10 @@ impl Communicator for LocalComm {
                 let pieces: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
                 place_pieces(dtype, shape, (split, concat), &pieces, output).map_err(kernel_error)
             }
+            Collective::RingShift { .. } => {
+                output.copy_from_slice(refs[(coord + n - 1) % n]);
+                Ok(())
+            }
             Collective::ShardSlice { .. } => unreachable!("handled above"),
         };
         drop(refs);

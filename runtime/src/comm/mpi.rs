@@ -147,6 +147,9 @@ const ABORT_GRACE: Duration = Duration::from_secs(5);
 const HEADER_BYTES: usize = 24;
 /// The MPI tag of pipeline messages (their own tags travel in the header).
 const PIPELINE_TAG: c_int = 0;
+
+/// The tag of a ring shift's message, on its axis's communicator.
+const RING_TAG: c_int = 1;
 /// The most elements one MPI call takes (its counts are C ints).
 const MAX_COUNT: usize = 1 << 30;
 
@@ -560,6 +563,55 @@ impl MpiComm {
         self.call("MPI_Alltoall", rc)
     }
 
+    /// A ring shift on `comm` (of `n` ranks, this one `coord`): `input` to the next rank,
+    /// the previous one's into `output` (of the same length).
+    fn ring_shift_bytes(
+        &self,
+        comm: Handle,
+        (n, coord): (usize, usize),
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<(), RuntimeError> {
+        if input.len() > i32::MAX as usize {
+            return Err(RuntimeError::Comm(format!(
+                "a ring shift of {} bytes: the MPI backend sends at most 2 GiB in one call",
+                input.len()
+            )));
+        }
+        let (next, previous) = (((coord + 1) % n) as c_int, ((coord + n - 1) % n) as c_int);
+        let mut request: Handle = std::ptr::null_mut();
+        // SAFETY: `input` outlives the send, which completes (Waitall) before this returns;
+        // `output` holds the `input.len()` bytes the receive writes.
+        let rc = unsafe {
+            (self.lib.MPI_Isend)(
+                input.as_ptr().cast(),
+                input.len() as c_int,
+                self.lib.byte,
+                next,
+                RING_TAG,
+                comm,
+                &mut request,
+            )
+        };
+        self.call("MPI_Isend", rc)?;
+        let mut status = Status::default();
+        let received = unsafe {
+            (self.lib.MPI_Recv)(
+                output.as_mut_ptr().cast(),
+                output.len() as c_int,
+                self.lib.byte,
+                previous,
+                RING_TAG,
+                comm,
+                &mut status,
+            )
+        };
+        let mut sent = Status::default();
+        let completed = unsafe { (self.lib.MPI_Waitall)(1, &mut request, &mut sent) };
+        self.call("MPI_Recv", received)?;
+        self.call("MPI_Waitall", completed)
+    }
+
     /// Receives the next pipeline message from `peer` (of `buffer`'s length) into `buffer`.
     fn recv_bytes(&self, peer: c_int, buffer: &mut [u8]) -> Result<(), RuntimeError> {
         let mut status = Status::default();
@@ -641,6 +693,7 @@ impl Communicator for MpiComm {
             Collective::ShardSlice { .. } => 0,
             // The pieces packed to send, and those received.
             Collective::AllToAll { .. } => 2 * input.len(),
+            Collective::RingShift { .. } => 0,
         };
         self.staging_peak.fetch_max(staging, Ordering::SeqCst);
         let _watched = self.watched(Waiting::Collective { rank: self.rank, kind, seq, axis });
@@ -685,6 +738,7 @@ impl Communicator for MpiComm {
                     let pieces: Vec<&[u8]> = received.chunks(input.len() / n).collect();
                     place_pieces(dtype, shape, (split, concat), &pieces, output).map_err(kernel_error)
                 }
+                Collective::RingShift { .. } => self.ring_shift_bytes(group.comm, (n, coord), input, output),
                 Collective::ShardSlice { .. } => unreachable!("handled above"),
             }
         })?;

@@ -26,6 +26,9 @@ pub enum NcclCall {
     /// Piece j (`count` elements) of `send` to rank j, rank i's piece for this one into piece
     /// i of `recv`: grouped sends and receives (NCCL has no all-to-all call).
     AllToAll { send: u64, recv: u64, count: usize, dtype: DType },
+    /// `count` elements at `send` to rank `next`, rank `previous`'s into `recv`: a ring shift
+    /// (a grouped send and receive).
+    RingShift { send: u64, recv: u64, count: usize, dtype: DType, next: usize, previous: usize },
     /// `bytes` bytes at `send` to rank `peer`, whose matching [`NcclCall::Recv`] (its next from
     /// this rank) receives them: a pipeline message.
     Send { send: u64, bytes: usize, peer: usize },
@@ -40,7 +43,7 @@ impl NcclCall {
             NcclCall::Send { send: address, bytes, .. } | NcclCall::Recv { recv: address, bytes, .. } => {
                 vec![(address, bytes)]
             }
-            NcclCall::AllReduce { send, recv, count, dtype } => {
+            NcclCall::AllReduce { send, recv, count, dtype } | NcclCall::RingShift { send, recv, count, dtype, .. } => {
                 vec![(send, count * dtype.size()), (recv, count * dtype.size())]
             }
             NcclCall::AllGather { send, recv, count, dtype } => {
@@ -94,6 +97,11 @@ pub fn device_steps(op: &CollectiveOp, n: usize, coord: usize, at: Operands) -> 
     Some(match op.kind {
         Collective::AllReduce => {
             vec![DeviceStep::Nccl(NcclCall::AllReduce { send: at.input, recv: at.output, count: numel, dtype })]
+        }
+        Collective::RingShift { .. } => {
+            let (next, previous) = ((coord + 1) % n, (coord + n - 1) % n);
+            let (send, recv) = (at.input, at.output);
+            vec![DeviceStep::Nccl(NcclCall::RingShift { send, recv, count: numel, dtype, next, previous })]
         }
         Collective::AllGather { dim } => {
             let (outer, row) = op.rows_along(dim);
@@ -233,9 +241,9 @@ mod tests {
                         .map(|rank| {
                             let DeviceStep::Nccl(call) = steps[rank][s] else { panic!("ranks' steps differ") };
                             let (send, count) = match call {
-                                NcclCall::AllReduce { send, count, .. } | NcclCall::AllGather { send, count, .. } => {
-                                    (send, count)
-                                }
+                                NcclCall::AllReduce { send, count, .. }
+                                | NcclCall::AllGather { send, count, .. }
+                                | NcclCall::RingShift { send, count, .. } => (send, count),
                                 NcclCall::ReduceScatter { send, count, .. }
                                 | NcclCall::AllToAll { send, count, .. } => (send, count * n),
                                 NcclCall::Send { .. } | NcclCall::Recv { .. } => panic!("no collective"),
@@ -260,6 +268,7 @@ mod tests {
                         let (recv, bytes) = match call {
                             NcclCall::AllReduce { recv, .. } => (recv, sum(0..sends[0].len())),
                             NcclCall::AllGather { recv, .. } => (recv, sends.concat()),
+                            NcclCall::RingShift { recv, previous, .. } => (recv, sends[previous].clone()),
                             NcclCall::ReduceScatter { recv, count, .. } => {
                                 let block = count * dtype.size();
                                 (recv, sum(rank * block..(rank + 1) * block))
@@ -292,6 +301,7 @@ mod tests {
                 Collective::AllGather { dim },
                 Collective::ReduceScatter { dim },
                 Collective::ShardSlice { dim },
+                Collective::RingShift { dim },
             ]
             .into_iter()
             .chain(all_to_all.map(move |concat| Collective::AllToAll { split: dim, concat }))

@@ -651,6 +651,16 @@ impl Gpu for CudaGpu {
                     let ended = nccl::group_end();
                     issued.and(ended)
                 }
+                NcclCall::RingShift { send, recv, count, dtype, next, previous } => {
+                    let ty = nccl_type(dtype, false)?;
+                    let count = nccl_count(count, dtype, ty);
+                    nccl::group_start().map_err(|e| RuntimeError::Comm(format!("ncclGroupStart: {e:?}")))?;
+                    let issued = nccl::send(pointer(send), count, ty, next as i32, handle, on)
+                        .and_then(|_| nccl::recv(pointer(recv), count, ty, previous as i32, handle, on));
+                    // The group is closed whatever happened inside it.
+                    let ended = nccl::group_end();
+                    issued.and(ended)
+                }
                 NcclCall::Send { send, bytes, peer } => {
                     nccl::send(pointer(send), bytes, ncclUint8, peer as i32, handle, on)
                 }

@@ -193,7 +193,8 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
         NcclCall::AllReduce { count, dtype, .. }
         | NcclCall::AllGather { count, dtype, .. }
         | NcclCall::ReduceScatter { count, dtype, .. }
-        | NcclCall::AllToAll { count, dtype, .. } => (count, dtype),
+        | NcclCall::AllToAll { count, dtype, .. }
+        | NcclCall::RingShift { count, dtype, .. } => (count, dtype),
         NcclCall::Send { .. } | NcclCall::Recv { .. } => return Err(mismatch()),
     };
     let mut sends = Vec::with_capacity(n);
@@ -201,6 +202,7 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
         let (send, bytes) = match (*call, calls[0]) {
             (NcclCall::AllReduce { send, count: c, dtype: d, .. }, NcclCall::AllReduce { .. })
             | (NcclCall::AllGather { send, count: c, dtype: d, .. }, NcclCall::AllGather { .. })
+            | (NcclCall::RingShift { send, count: c, dtype: d, .. }, NcclCall::RingShift { .. })
                 if (c, d) == (count, dtype) =>
             {
                 (send, c * d.size())
@@ -219,9 +221,11 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
     let whole = match calls[0] {
         NcclCall::AllReduce { .. } => sum(dtype, &sends)?,
         NcclCall::AllGather { .. } => sends.concat(),
-        NcclCall::ReduceScatter { .. } | NcclCall::AllToAll { .. } | NcclCall::Send { .. } | NcclCall::Recv { .. } => {
-            Vec::new()
-        }
+        NcclCall::ReduceScatter { .. }
+        | NcclCall::AllToAll { .. }
+        | NcclCall::RingShift { .. }
+        | NcclCall::Send { .. }
+        | NcclCall::Recv { .. } => Vec::new(),
     };
     for (rank, call) in calls.iter().enumerate() {
         match *call {
@@ -233,6 +237,10 @@ unsafe fn perform(calls: &[NcclCall]) -> Result<(), RuntimeError> {
             NcclCall::AllToAll { recv, .. } => {
                 let pieces: Vec<&[u8]> = sends.iter().map(|s| &s[rank * block..(rank + 1) * block]).collect();
                 write(recv, &pieces.concat());
+            }
+            NcclCall::RingShift { recv, previous, .. } => {
+                let from = sends.get(previous).ok_or_else(mismatch)?;
+                write(recv, from);
             }
             NcclCall::Send { .. } | NcclCall::Recv { .. } => return Err(mismatch()),
         }

@@ -439,6 +439,7 @@ impl Trainer {
             sent.send,
             m.nccl as usize,
             sent.all_to_all,
+            sent.ring_shift,
         ];
         let bytes: Vec<u8> = figures.iter().flat_map(|&f| (f as u64).to_le_bytes()).collect();
         let all = job.all_gather(&bytes)?;
@@ -453,6 +454,7 @@ impl Trainer {
                     reduce_scatter: f[3],
                     send: f[4],
                     all_to_all: f[6],
+                    ring_shift: f[7],
                 };
                 Measured { peak: f[0], sent, nccl: f[5] == 1 }
             })
