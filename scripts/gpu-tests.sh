@@ -7,7 +7,7 @@
 # step 1, 1e-3 at every step). Then a checkpoint written on the GPU
 # is resumed on the CPU and the reverse, each against the uninterrupted CPU run; and parallel
 # plans with their ranks sharing one GPU against the same plans on CPU ranks (context
-# parallelism's load-balanced attention too); and fused
+# parallelism's load-balanced attention and its ring too); and fused
 # attention's GPU passes against the CPU's; a mixture of experts' routing (top-k and
 # scatter-elements kernels) and GPT-J's partial rotary (empty slices, fills); NCCL's calls on a
 # communicator of one rank (bench-comm: a one-GPU machine can check no more of NCCL).
@@ -119,13 +119,16 @@ for layout in "--dp 2 --zero 3" "--tp 2" "--pp 2 --grad-accum 2" "--tp 2 --dp 2 
   grep -h "GPU communication" "$WORK/stderr" || true
 done
 # Context parallelism's load balance, ranks sharing GPU 0: attention takes each rank's two
-# runs of queries (f32, and bf16, where one run would take the tensor cores: a thread per row).
-for flags in "" "--precision bf16"; do
+# runs of queries (f32, and bf16, where one run would take the tensor cores: a thread per row);
+# the ring (p2p) passes keys and values by NCCL's grouped send and receive, and its rounds'
+# attention takes queries before every key of a chunk (bf16 with contiguous blocks: one run, on
+# the tensor cores).
+for flags in "" "--precision bf16" "--cp-comm-type p2p" "--cp-comm-type p2p --cp-contiguous --precision bf16"; do
   plan=$WORK/cp.atp
   # shellcheck disable=SC2086
   "$BIN" compile tests/fixtures/llama/model.onnx --seq-len 32 --micro-batch 1 --grad-accum 4 --cp 2 --lr 2e-3 \
     $flags -o "$plan" > /dev/null
-  cuda_against_cpu "$plan" cp "llama --cp 2${flags:+ $flags} (load-balanced): cuda against cpu" "$([[ "$flags" == *bf16* ]] && echo 16)"
+  cuda_against_cpu "$plan" cp "llama --cp 2${flags:+ $flags}: cuda against cpu" "$([[ "$flags" == *bf16* ]] && echo 16)"
 done
 # Mixed precision: 16-bit kernels and cuBLAS's 16-bit GEMMs (f32 sums in another order than the
 # CPU's), against the CPU within TOLERANCE_16.

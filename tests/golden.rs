@@ -58,7 +58,7 @@ fn shard_spec(spec: &str) -> Shard {
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
 /// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
 /// `attention:tp=N` (for a graph tp will split N ways), `attention:cp=N[:balanced]`,
-/// `cp-balance:SEQ_LEN`, `fusion` /
+/// `cp-balance:SEQ_LEN`, `cp-ring` / `cp-ring:balanced=CP` (the sequence order), `fusion` /
 /// `fusion:selective` / `fusion:full` (with recomputation).
 fn pass_by_name(spec: &str) -> Box<dyn Pass> {
     let (name, argument) = spec.split_once(':').unwrap_or((spec, ""));
@@ -87,6 +87,14 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         }),
         "cp-balance" => Box::new(autotp_passes::context_balance::LoadBalance {
             seq_len: argument.parse().expect("cp-balance:SEQ_LEN"),
+        }),
+        "cp-ring" => Box::new(autotp_passes::cp_ring::RingAttention {
+            order: match argument.strip_prefix("balanced=") {
+                Some(cp) => {
+                    autotp_program::step::SequenceOrder::LoadBalanced { cp: cp.parse().expect("cp-ring:balanced=CP") }
+                }
+                None => autotp_program::step::SequenceOrder::Natural,
+            },
         }),
         "precision" => {
             let (dtype, scaled) = argument.split_once(':').map_or((argument, false), |(d, s)| (d, s == "scaled"));

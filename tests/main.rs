@@ -40,6 +40,7 @@ mod common;
 mod compile;
 mod conformance;
 mod context_parallel;
+mod cp_ring;
 mod data;
 mod deepspeed;
 mod expert_parallel;

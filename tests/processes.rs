@@ -71,6 +71,7 @@ fn processes_train_like_threads() {
         ("llama", "tp2-dp2-zero3", 4, &["--tp", "2", "--dp", "2", "--zero", "3"]),
         ("gpt2", "pp2-zb-h1", 2, &["--pp", "2", "--schedule", "zb-h1", "--grad-accum", "4"]),
         ("gpt2", "tp2-dp2-sequence-parallel", 4, &["--tp", "2", "--dp", "2", "--sequence-parallel"]),
+        ("llama", "cp2-ring", 1, &["--cp", "2", "--cp-comm-type", "p2p", "--grad-accum", "4"]),
     ];
     for &(arch, layout, micro_batch, parallel) in layouts {
         let name = format!("{arch}-{layout}");
@@ -274,15 +275,18 @@ fn a_stopped_process_ends_the_job() {
     resumes(&save);
 }
 
-/// `bench-comm` checks every collective's result (all-to-all included) on every rank: as 2 MPI
-/// processes (and the bootstrap: rank 0's 128 random bytes reach both) and as 3 threads.
+/// `bench-comm` checks every collective's result (all-to-all and ring shift included) on every
+/// rank: as 2 MPI processes (and the bootstrap: rank 0's 128 random bytes reach both) and as 3
+/// threads.
 #[test]
 fn bench_comm_checks_the_collectives() {
     let exe = env!("CARGO_BIN_EXE_autotp");
     let args = ["bench-comm", "--sizes", "1,3", "--iters", "2"];
     let out = success(mpirun().args(["-n", "2", exe]).args(args).output().unwrap());
     assert!(out.contains("bootstrap: rank 0's 128 bytes reached all 2 ranks through MPI"), "{out}");
-    for row in ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "MPI_Allreduce", "overlap (mpi)"] {
+    for row in
+        ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift", "MPI_Allreduce", "overlap (mpi)"]
+    {
         assert!(out.contains(row), "{row}: {out}");
     }
     let out = success(autotp(&["bench-comm", "--ranks", "3", "--sizes", "3", "--iters", "2"]));

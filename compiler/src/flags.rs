@@ -51,7 +51,9 @@ pub struct CompileFlags {
     #[serde(default = "one")]
     pub cp: usize,
     /// How --cp's attention meets the other ranks' tokens (Megatron's --cp-comm-type):
-    /// all_gather (each rank's queries over the keys and values all-gathered) or a2a
+    /// all_gather (each rank's queries over the keys and values all-gathered), p2p (a ring:
+    /// the keys and values passed from rank to rank a block at a time, so that a rank holds
+    /// two blocks of them rather than all; the exchange overlaps the rounds' attention) or a2a
     /// (DeepSpeed-Ulysses: the queries, keys and values exchanged all-to-all so that each rank
     /// attends over the whole sequence for 1/cp of the heads, whose causal work is then even;
     /// needs heads cp divides, and no --tp).
@@ -59,7 +61,7 @@ pub struct CompileFlags {
     #[serde(default = "all_gather")]
     pub cp_comm_type: String,
     /// Keeps each --cp rank's tokens one contiguous block of the sequence. By default
-    /// all_gather's ranks hold Megatron's load balance instead: the sequence in 2 x cp chunks,
+    /// all_gather's and p2p's ranks hold Megatron's load balance instead: the sequence in 2 x cp chunks,
     /// rank r holding chunks r and 2cp-1-r, so that causal attention gives each the same work
     /// (the trainer feeds the tokens in that order; needs --seq-len divisible by 2 x cp).
     #[arg(long)]

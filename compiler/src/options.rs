@@ -91,8 +91,8 @@ impl CompileOptions {
                 flags.tp
             );
         }
-        if !["all_gather", "a2a"].contains(&flags.cp_comm_type.as_str()) {
-            refuse!("--cp-comm-type '{}' is not one of all_gather, a2a", flags.cp_comm_type);
+        if !["all_gather", "p2p", "a2a"].contains(&flags.cp_comm_type.as_str()) {
+            refuse!("--cp-comm-type '{}' is not one of all_gather, p2p, a2a", flags.cp_comm_type);
         }
         if flags.cp_comm_type == "a2a" && flags.tp > 1 {
             refuse!(
@@ -206,11 +206,16 @@ impl CompileOptions {
         })
     }
 
-    /// Whether context parallelism tries Megatron's load balance (all_gather attention, unless
-    /// `--cp-contiguous`).
+    /// Whether context parallelism tries Megatron's load balance (all_gather or p2p attention,
+    /// unless `--cp-contiguous`).
     pub fn cp_load_balance(&self) -> bool {
         let f = &self.flags;
-        f.cp > 1 && f.cp_comm_type == "all_gather" && !f.cp_contiguous
+        f.cp > 1 && f.cp_comm_type != "a2a" && !f.cp_contiguous
+    }
+
+    /// Whether context parallelism computes attention around a ring (`--cp-comm-type p2p`).
+    pub fn cp_ring(&self) -> bool {
+        self.flags.cp > 1 && self.flags.cp_comm_type == "p2p"
     }
 
     /// Whether the step computes in 16 bits (`--precision bf16|fp16`).

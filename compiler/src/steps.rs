@@ -310,6 +310,33 @@ impl Step for ContextBalance {
     }
 }
 
+/// Context parallelism's ring on every stage, or on none ([`autotp_passes::cp_ring`]): a stage
+/// that cannot take it keeps the all-gather, on every stage, and a warning says why.
+struct RingAttention;
+
+impl Step for RingAttention {
+    fn name(&self) -> &'static str {
+        "cp-ring"
+    }
+
+    fn run(&self, state: &mut CompileState) -> Result<(), CompileError> {
+        let mut rings = Vec::with_capacity(state.graphs.len());
+        for graph in &state.graphs {
+            match autotp_passes::cp_ring::ring_attention(graph, state.sequence_order)? {
+                Ok(graph) => rings.push(graph),
+                Err(why) => {
+                    tracing::warn!(
+                        "context parallelism all-gathers attention's keys and values, not around a ring: {why}"
+                    );
+                    return Ok(());
+                }
+            }
+        }
+        state.graphs = rings;
+        Ok(())
+    }
+}
+
 /// Chooses each stage's recomputation (`--recompute`, `auto` under `--memory-cap`), records
 /// what it saves and costs, and applies it: inside fusion's groups with generated kernels
 /// (`fusion`), as a rewrite of the graph with builtin ones (`recompute`).
@@ -523,6 +550,9 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     }
     if options.cp_load_balance() {
         steps.push(Box::new(ContextBalance { seq_len: flags.seq_len, required: required_order }));
+    }
+    if options.cp_ring() {
+        steps.push(Box::new(RingAttention));
     }
     let generated = options.kernels() == autotp_codegen::KernelChoice::Generated;
     let offload_optimizer = train && flags.offload_optimizer != OffloadFlag::None;

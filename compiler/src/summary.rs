@@ -198,10 +198,13 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
     lines.extend(idle_gpu_lines(plan));
     if !p.mesh.is_empty() {
         let c = &rank.comm_bytes_per_step;
-        let all_to_all = match c.all_to_all {
+        let mut all_to_all = match c.all_to_all {
             0 => String::new(),
             bytes => format!(", all-to-all {}", grouped(bytes)),
         };
+        if c.ring_shift > 0 {
+            all_to_all.push_str(&format!(", ring {}", grouped(c.ring_shift)));
+        }
         lines.push(format!(
             "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}{all_to_all}; staging {}; peak {}",
             grouped(c.all_reduce),
@@ -220,8 +223,8 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
 
 /// The summary's lines on context parallelism (`--cp`), one per stage: how each sequence is
 /// split, and the collectives over `cp` per rank per step with the bytes each kind sends:
-/// attention's keys and values all-gathered, their gradients reduce-scattered, the weights'
-/// gradients all-reduced.
+/// attention's keys and values all-gathered (or passed around the ring), their gradients
+/// reduce-scattered, the weights' gradients all-reduced.
 fn context_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
     let t = &plan.training;
     let mut lines = Vec::new();
@@ -235,6 +238,7 @@ fn context_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
             ("all_gather", "all-gathers of keys and values"),
             ("reduce_scatter", "reduce-scatters of their gradients"),
             ("all_to_all", "all-to-alls of attention's operands, results and their gradients"),
+            ("ring_shift", "ring shifts of keys and values, and of their gradients' sums"),
             ("all_reduce", "all-reduces of weight gradients and the loss"),
         ]
         .iter()
@@ -243,6 +247,9 @@ fn context_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
         let stage = if plan.stages.len() > 1 { format!(", stage {s}") } else { String::new() };
         let attention = if sent.contains_key("all_to_all") {
             "attention runs over the whole sequence for 1/cp of the heads, exchanged all-to-all (Ulysses)"
+        } else if sent.contains_key("ring_shift") {
+            "attention takes each rank's queries over the keys and values of one rank at a time, passed around a \
+             ring (two ranks' held at once)"
         } else {
             "attention takes each rank's queries over the keys and values of all"
         };

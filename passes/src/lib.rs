@@ -30,6 +30,7 @@ pub mod autodiff;
 pub mod autotp;
 pub mod context_balance;
 mod context_parallel;
+pub mod cp_ring;
 pub mod dce;
 pub mod depth;
 pub mod expand_norms;

@@ -18,6 +18,9 @@ use crate::PassError;
 /// (its scattered dim moved to the front), so row `r` of the concatenation is rank `r`'s shard
 /// of every member. Fewer, bigger collectives; the same bytes.
 ///
+/// An attention backward's key and value gradients stay reduced alone: context parallelism's
+/// ring ([`crate::cp_ring`]) takes their reduce-scatters' place.
+///
 /// A bucket holds one micro-batch's gradients: it closes before a reduction whose result is
 /// summed into the same value as a member's (the same parameter's gradient of the next
 /// micro-batch, scattered term by term), as DeepSpeed flushes its bucket at the end of each
@@ -91,7 +94,8 @@ fn reduction_buckets(graph: &Graph, bucket_elements: usize) -> Vec<Vec<(usize, u
         // A gradient, partial on the axis and whole on the others; not a scalar (the loss, whose
         // reduction waiting for the gradients' would make the whole backward part of the forward).
         let whole_elsewhere = value.placements.iter().enumerate().all(|(b, p)| b == a || *p == Placement::Replicate)
-            && value.ty.numel() > 1;
+            && value.ty.numel() > 1
+            && !attention_key_gradient(graph, input);
         let elements = value.ty.numel();
         let used = first_use(node.outputs[0], i);
         let sum = summed_into(node.outputs[0]);
@@ -196,4 +200,16 @@ fn emit_bucket(
         rw.set(out, result);
     }
     Ok(())
+}
+
+/// Whether `v` is an attention backward's key or value gradient (arranged by a gather, in the
+/// load-balanced order).
+fn attention_key_gradient(graph: &Graph, v: ValueId) -> bool {
+    let autotp_ir::Def::Node(n, output) = graph.value(v).def else { return false };
+    let node = graph.node(n);
+    match node.op {
+        Op::AttentionGrad { .. } => output > 0,
+        Op::Gather { .. } => attention_key_gradient(graph, node.inputs[0]),
+        _ => false,
+    }
 }
