@@ -238,6 +238,10 @@ fn bench_nccl(ranks: &Ranks, args: &BenchCommArgs) -> Result<()> {
                 Collective::AllGather { .. } => NcclCall::AllGather { send, recv, count: buffers.input.len(), dtype },
                 // Pieces along dim 0 of [n, m], placed along dim 1 of [1, n * m]: contiguous.
                 Collective::AllToAll { .. } => NcclCall::AllToAll { send, recv, count: buffers.input.len() / n, dtype },
+                Collective::RingShift { .. } => {
+                    let (next, previous) = ((rank + 1) % n, (rank + n - 1) % n);
+                    NcclCall::RingShift { send, recv, count: buffers.input.len(), dtype, next, previous }
+                }
                 _ => NcclCall::ReduceScatter { send, recv, count: buffers.output.len(), dtype },
             };
             let mut run = |calls: usize| -> Result<f64> {
@@ -384,7 +388,8 @@ fn bus_factor(kind: Collective, n: usize) -> f64 {
     let n = n as f64;
     match kind {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::RingShift { .. } => 1.0,
+        // Each rank's whole buffer to the next (none on one rank).
+        Collective::RingShift { .. } => (n - 1.0).min(1.0),
         _ => (n - 1.0) / n,
     }
 }

@@ -196,7 +196,7 @@ fn context_parallelism_is_summarised_and_refused_where_it_cannot_split() {
     let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "4", "--cp-comm-type", "a2a"]);
     assert!(err.contains("would run whole on every cp rank: cp=4 divides neither its queries' heads"), "{err}");
     let err = compile(&["--seq-len", "32", "--micro-batch", "1", "--cp", "2", "--cp-comm-type", "ring"]);
-    assert!(err.contains("--cp-comm-type 'ring' is not one of all_gather, a2a"), "{err}");
+    assert!(err.contains("--cp-comm-type 'ring' is not one of all_gather, p2p, a2a"), "{err}");
 }
 
 /// Megatron's load balance is the default: every rank's causal attention covers as many

@@ -24,8 +24,9 @@
 //! sum home. Each round's backward takes the merged output and log-sum-exp, so its
 //! probabilities are the whole attention's. The sums are kept in f32.
 //!
-//! A graph whose attention reads keys not all-gathered over cp, or that has a bias, keeps the
-//! all-gather, and [`ring_attention`] says why.
+//! A graph whose attention reads keys not all-gathered over cp, or that has a bias, or whose
+//! attention is not fused (a model whose scores the `attention` pass does not recognize) keeps
+//! the all-gather, and [`ring_attention`] says why.
 //!
 //! Tests: tests/golden/cp_ring*.ir, tests/context_parallel.rs.
 
@@ -51,7 +52,17 @@ pub fn ring_attention(graph: &Graph, order: SequenceOrder) -> Result<Result<Grap
         Err(why) => return Ok(Err(why)),
     };
     if rings.forward.is_empty() {
-        return Ok(Ok(graph.clone()));
+        let cp = &graph.mesh.axes[axis].name;
+        let gathers = graph.nodes().find(
+            |(_, n)| matches!(&n.op, Op::Collective { kind: Collective::AllGather { .. }, axis: on, .. } if on == cp),
+        );
+        return Ok(match gathers {
+            Some((id, _)) => Err(format!(
+                "no fused attention takes its queries split over cp; the keys are all-gathered (all_gather, node {})",
+                id.index()
+            )),
+            None => Ok(graph.clone()),
+        });
     }
     rings.apply(graph).map(|g| Ok(g.without_dead_code()))
 }
@@ -75,6 +86,9 @@ impl crate::Pass for RingAttention {
 
 /// Where the ranks' queries and keys are: positions of the sequence, by rank.
 struct Layout {
+    /// The sequence's tokens and the query runs over it (attention's operand).
+    seq_len: usize,
+    runs: usize,
     /// The ring's ranks (cp).
     ranks: usize,
     /// Each rank's tokens of a sequence.
@@ -110,7 +124,8 @@ impl Layout {
         let starts = |count: usize| -> Vec<Vec<i64>> {
             (0..ranks).map(|r| (0..count).map(|c| positions[r * block + c * block / count] as i64).collect()).collect()
         };
-        Ok(Layout { ranks, block, chunks, chunk_starts: starts(chunks), run_starts: starts(runs_per_rank) })
+        let (chunk_starts, run_starts) = (starts(chunks), starts(runs_per_rank));
+        Ok(Layout { seq_len, runs, ranks, block, chunks, chunk_starts, run_starts })
     }
 
     /// Round `round`'s query positions relative to chunk `chunk` of the block rank r holds then
@@ -149,6 +164,7 @@ impl Rings {
             backward: BTreeMap::new(),
             replaced: BTreeSet::new(),
         };
+        let mut backward_shards = BTreeMap::new();
         for (id, node) in graph.nodes() {
             let forward = match node.op {
                 Op::Attention { kv_block: None, .. } => true,
@@ -184,8 +200,17 @@ impl Rings {
                     return Err(format!("{} has keys split along their sequence or features beside cp", described()));
                 }
             }
-            let layout = Layout::new(order, graph.ty(q).shape[lead], graph.mesh.axes[axis].size, starts.numel())?;
-            rings.layout = Some(layout);
+            let (seq_len, runs) = (graph.ty(q).shape[lead], starts.numel());
+            match &rings.layout {
+                Some(layout) if (layout.seq_len, layout.runs) != (seq_len, runs) => {
+                    return Err(format!(
+                        "{} attends over another sequence than the graph's first attention",
+                        described()
+                    ));
+                }
+                Some(_) => {}
+                None => rings.layout = Some(Layout::new(order, seq_len, graph.mesh.axes[axis].size, runs)?),
+            }
             if forward {
                 rings.forward.insert(id, [keys, values]);
                 continue;
@@ -202,10 +227,14 @@ impl Rings {
                 rings.replaced.extend(chain);
             }
             rings.backward.insert(id, (made_by, results));
+            backward_shards.insert(id, [keys, values]);
         }
         for (id, (forward, _)) in &rings.backward {
-            if !rings.forward.contains_key(forward) {
-                return Err(format!("attention_grad (node {}) has no attention forward over cp", id.index()));
+            if rings.forward.get(forward) != backward_shards.get(id) {
+                return Err(format!(
+                    "attention_grad (node {}) reads other keys and values than its forward",
+                    id.index()
+                ));
             }
         }
         Ok(rings)
