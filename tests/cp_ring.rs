@@ -20,8 +20,8 @@ fn plan(arch: &str, layers: usize, seq_len: usize, flags: &[&str]) -> autotp_pro
 
 /// 30 AdamW steps of one sequence a rank, 8 sequences a step, against one rank taking the 8 as
 /// one micro-batch: within the contract (1e-5 at step 1, 1e-3 over the steps), for the
-/// load-balanced order and contiguous blocks, and beside tensor, pipeline and data
-/// parallelism. Each plan passes keys and values around the ring (a plan that fell back to
+/// load-balanced order and contiguous blocks, beside tensor, pipeline and data parallelism, and
+/// under `--recompute full`. Each plan passes keys and values around the ring (a plan that fell back to
 /// all-gathering them would pass too, so this is checked).
 #[test]
 fn ring_attention_trains_like_one_rank() {
@@ -32,6 +32,8 @@ fn ring_attention_trains_like_one_rank() {
         &["--cp", "4", "--cp-contiguous", "--grad-accum", "8"],
         &["--cp", "2", "--tp", "2", "--grad-accum", "8"],
         &["--cp", "2", "--pp", "2", "--grad-accum", "8"],
+        // Recomputation keeps the rounds' merged output and log-sum-exp, which the backward reads.
+        &["--cp", "2", "--recompute", "full", "--grad-accum", "8"],
         &["--cp", "2", "--dp", "2", "--zero", "3", "--grad-accum", "4"],
         &["--cp", "2", "--dp", "2", "--tp", "2", "--zero", "1", "--grad-accum", "4"],
     ];

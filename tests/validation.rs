@@ -38,14 +38,14 @@ fn relative(a: f64, b: f64) -> f64 {
 
 /// With the learning rate 0 the weights stay the initial ones, and the validation data is the
 /// training data: every validation of batch 0 gives step 1's training loss (batch 0, initial
-/// weights), on one rank, under ZeRO-3, tensor, context and pipeline parallelism and their
-/// products.
+/// weights), on one rank, under ZeRO-3, tensor, context (all-gathered and around the ring) and
+/// pipeline parallelism and their products.
 #[test]
 fn validation_computes_the_training_steps_loss_on_every_layout() {
     let dir = scratch("validation-layouts");
     let corpus = fixture("hf_export", "corpus_megatron");
     let corpus = corpus.to_str().unwrap_or_default();
-    let layouts: [&[&str]; 9] = [
+    let layouts: [&[&str]; 10] = [
         &["--micro-batch", "4"],
         &["--micro-batch", "2", "--dp", "2", "--zero", "3"],
         &["--micro-batch", "4", "--tp", "2"],
@@ -56,6 +56,8 @@ fn validation_computes_the_training_steps_loss_on_every_layout() {
         // Context parallelism's load balance: the evaluation step's tokens in the same order.
         &["--micro-batch", "1", "--cp", "2", "--grad-accum", "4"],
         &["--micro-batch", "1", "--cp", "2", "--dp", "2", "--zero", "1", "--grad-accum", "2"],
+        // Its ring: the evaluation step's attention around the ring too.
+        &["--micro-batch", "1", "--cp", "2", "--cp-comm-type", "p2p", "--grad-accum", "4"],
     ];
     let eval = ["--lr", "0", "--steps", "2", "--eval-every", "1", "--eval-iters", "1", "--eval-data", corpus];
     let mut first_losses = Vec::new();
