@@ -198,15 +198,14 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
     lines.extend(idle_gpu_lines(plan));
     if !p.mesh.is_empty() {
         let c = &rank.comm_bytes_per_step;
-        let mut all_to_all = match c.all_to_all {
-            0 => String::new(),
-            bytes => format!(", all-to-all {}", grouped(bytes)),
-        };
-        if c.ring_shift > 0 {
-            all_to_all.push_str(&format!(", ring {}", grouped(c.ring_shift)));
-        }
+        // The exchanges only some layouts make: expert and Ulysses all-to-alls, the ring's shifts.
+        let exchanges: String = [(", all-to-all", c.all_to_all), (", ring", c.ring_shift)]
+            .iter()
+            .filter(|&&(_, bytes)| bytes > 0)
+            .map(|&(name, bytes)| format!("{name} {}", grouped(bytes)))
+            .collect();
         lines.push(format!(
-            "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}{all_to_all}; staging {}; peak {}",
+            "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}{exchanges}; staging {}; peak {}",
             grouped(c.all_reduce),
             grouped(c.reduce_scatter),
             grouped(c.all_gather),
