@@ -60,8 +60,10 @@ PY
 # the curves as $3; with $4 = 16 within TOLERANCE_16 (16-bit sums in another order).
 cuda_against_cpu() {
   local plan=$1 name=$2 label=$3 tolerance=$TOLERANCE curve=$CURVE_TOLERANCE
-  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/$name.cpu.jsonl" > /dev/null 2> "$WORK/stderr"
-  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$name.cuda.jsonl" > /dev/null 2> "$WORK/stderr"
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cpu --metrics-out "$WORK/$name.cpu.jsonl" > /dev/null 2> "$WORK/stderr" \
+    || { cat "$WORK/stderr"; status=1; return 0; }
+  "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/$name.cuda.jsonl" > /dev/null 2> "$WORK/stderr" \
+    || { echo "$label: the cuda run failed:"; cat "$WORK/stderr"; status=1; return 0; }
   [ "${4:-}" = 16 ] && tolerance=${TOLERANCE_16:-2e-3} curve=${TOLERANCE_16:-2e-3}
   TOLERANCE=$tolerance CURVE_TOLERANCE=$curve compare "$WORK/$name.cuda.jsonl" "$WORK/$name.cpu.jsonl" "$label"
 }
@@ -84,7 +86,7 @@ for arch in gpt2 llama gpt_neox; do
     --betas 0.9,0.95 --eps 1e-8 --weight-decay 0.01 -o "$plan" > /dev/null
   run() {
     "$BIN" run "$plan" --data "$TOKENS" --log-every "$STEPS" "$@" > /dev/null 2> "$WORK/stderr" \
-      || { cat "$WORK/stderr"; exit 1; }
+      || { cat "$WORK/stderr"; status=1; }
   }
   run --steps "$STEPS" --device cpu --metrics-out "$WORK/$arch.cpu.jsonl"
   run --steps "$STEPS" --device cuda --metrics-out "$WORK/$arch.cuda.jsonl"
@@ -111,7 +113,7 @@ for layout in "--dp 2 --zero 3" "--tp 2" "--pp 2 --grad-accum 2" "--tp 2 --dp 2 
   "$BIN" compile tests/fixtures/gpt2/model.onnx --seq-len 32 --micro-batch 4 --lr 2e-3 $layout -o "$plan" > /dev/null
   run() {
     "$BIN" run "$plan" --data "$TOKENS" --log-every "$STEPS" --steps "$STEPS" "$@" > /dev/null 2> "$WORK/stderr" \
-      || { cat "$WORK/stderr"; exit 1; }
+      || { cat "$WORK/stderr"; status=1; }
   }
   run --device cpu --metrics-out "$WORK/layout.cpu.jsonl"
   run --device cuda --metrics-out "$WORK/layout.cuda.jsonl"
