@@ -376,6 +376,9 @@ pub fn lower_with(graph: &Graph, options: &LowerOptions) -> Result<Program, Code
 /// optimizer steps and the builtin kernels' GPU forms. The architectures compile on threads of
 /// their own (each an LLVM context of its own).
 fn ptx_modules(program: &Program) -> Result<Vec<PtxModule>, CodegenError> {
+    if !program.runs_gpu_kernels() {
+        return Ok(Vec::new());
+    }
     let optimizer_steps = program.optimizer_kernels();
     let entries = autotp_llvm::nvptx::GpuEntries {
         kernels: &program.kernels,
@@ -385,9 +388,6 @@ fn ptx_modules(program: &Program) -> Result<Vec<PtxModule>, CodegenError> {
         attention: &program.gpu_kernels.attention,
         axis: &program.gpu_kernels.axis,
     };
-    if entries.is_empty() {
-        return Ok(Vec::new());
-    }
     let compile = |arch: autotp_llvm::nvptx::Arch| {
         let code = autotp_llvm::nvptx::program_ptx(&entries, arch)?;
         Ok(PtxModule { arch: arch.name().to_string(), code })

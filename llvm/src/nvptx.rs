@@ -126,17 +126,6 @@ pub struct GpuEntries<'a> {
     pub axis: &'a [autotp_kernels::axis::AxisKernel],
 }
 
-impl GpuEntries<'_> {
-    pub fn is_empty(&self) -> bool {
-        self.kernels.is_empty()
-            && self.optimizer_steps.is_empty()
-            && self.movement.is_empty()
-            && self.indexed.is_empty()
-            && self.attention.is_empty()
-            && self.axis.is_empty()
-    }
-}
-
 /// The PTX of `kernels` and `optimizer_steps` for `arch`, kernel `i` as [`entry_name`]`(i)`.
 pub fn ptx(kernels: &[kir::Kernel], optimizer_steps: &[OptimizerKernel], arch: Arch) -> Result<String, LlvmError> {
     program_ptx(&GpuEntries { kernels, optimizer_steps, ..GpuEntries::default() }, arch)

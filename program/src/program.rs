@@ -284,6 +284,19 @@ impl Program {
 
     /// The multi-tensor kernels that the program's optimizer steps need, one per update rule
     /// and dtype, in order of first use.
+    /// Whether a GPU running this program launches any kernel of its PTX: generated kernels,
+    /// optimizer steps or builtin kernels' GPU forms. A program of none (only copies,
+    /// collectives and cuBLAS GEMMs) carries no PTX and needs none.
+    pub fn runs_gpu_kernels(&self) -> bool {
+        let gpu = &self.gpu_kernels;
+        !(self.kernels.is_empty()
+            && gpu.movement.is_empty()
+            && gpu.indexed.is_empty()
+            && gpu.attention.is_empty()
+            && gpu.axis.is_empty()
+            && self.optimizer_kernels().is_empty())
+    }
+
     pub fn optimizer_kernels(&self) -> Vec<OptimizerKernel> {
         let mut kinds = Vec::new();
         for instruction in &self.instructions {
