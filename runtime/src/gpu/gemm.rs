@@ -18,8 +18,19 @@
 //!
 //! How f32 products are multiplied, in f32 or on TF32 tensor cores (`--tf32`), is a
 //! [`GemmMath`]; [`round_to_tf32`] is the rounding the emulated GPU applies for the latter.
+//!
+//! A 16-bit operand whose columns do not start on 16-byte boundaries (a leading dimension that
+//! is not a multiple of 8, as GPT-2's vocabulary of 50,257 makes the language-model head's
+//! logits and their gradient) sends cuBLAS to its unaligned kernels, several times slower on
+//! tensor cores (on an H200, 95 TFLOP/s for the head where aligned products reach hundreds).
+//! Such a call, when it is large, is [`GemmCall::staged`]: each unaligned input copied into a
+//! buffer whose columns are padded to 16 bytes, the product computed there, and an unaligned
+//! output copied back, which costs two passes over the operand (the PyTorch compiler pads these
+//! matmuls for the same reason).
 
 use autotp_kernels::{DType, MatMulDims};
+
+use super::collectives::Copy2d;
 
 /// One cuBLAS `gemmBatched` call (column-major, see the module doc).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -154,6 +165,82 @@ impl GemmCall {
     }
 }
 
+/// The fewest multiply-adds of a call worth staging: below them the copies cost more than the
+/// unaligned kernels lose.
+const STAGING_MIN_PRODUCTS: usize = 1 << 30;
+
+/// One operand of a staged call (see the module doc): cuBLAS's `A` (0), `B` (1) or `C` (2),
+/// stored as `columns` columns of `rows` elements, `ld` apart in the program's region and
+/// `padded_ld` apart in the staging buffer, which it takes from byte `offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedOperand {
+    pub which: usize,
+    pub rows: usize,
+    pub columns: usize,
+    pub ld: usize,
+    pub padded_ld: usize,
+    pub offset: usize,
+}
+
+/// A call computed in a staging buffer: its operands to copy, and the call on the padded copies
+/// (its leading dimensions padded; its product at offset 0 of each staged operand's copy).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagedGemm {
+    pub operands: Vec<StagedOperand>,
+    pub call: GemmCall,
+    /// The staging buffer's bytes the call uses.
+    pub bytes: usize,
+}
+
+impl GemmCall {
+    /// The staged form of this call, where it is a large 16-bit product with an operand whose
+    /// columns are unaligned (see the module doc); `None` otherwise.
+    pub fn staged(&self) -> Option<StagedGemm> {
+        self.staged_from(STAGING_MIN_PRODUCTS)
+    }
+
+    fn staged_from(&self, min_products: usize) -> Option<StagedGemm> {
+        let size = self.dtype.size();
+        let lanes = 16 / size;
+        if size != 2 || self.layout() != GemmLayout::One || self.m * self.n * self.k < min_products {
+            return None;
+        }
+        // Each operand's stored form: (rows, columns, leading dimension).
+        let stored = [
+            if self.transpose_a { (self.k, self.m, self.lda) } else { (self.m, self.k, self.lda) },
+            if self.transpose_b { (self.n, self.k, self.ldb) } else { (self.k, self.n, self.ldb) },
+            (self.m, self.n, self.ldc),
+        ];
+        let mut call = self.clone();
+        let mut operands = Vec::new();
+        let mut bytes = 0;
+        for (which, (rows, columns, ld)) in stored.into_iter().enumerate() {
+            if ld % lanes == 0 || columns == 1 {
+                continue;
+            }
+            let padded_ld = rows.next_multiple_of(lanes);
+            operands.push(StagedOperand { which, rows, columns, ld, padded_ld, offset: bytes });
+            bytes += padded_ld * columns * size;
+            *[&mut call.lda, &mut call.ldb, &mut call.ldc][which] = padded_ld;
+            call.products[0][which] = 0;
+        }
+        (!operands.is_empty()).then_some(StagedGemm { operands, call, bytes })
+    }
+}
+
+impl StagedOperand {
+    /// The copy between the operand at `address` (its first product's element) and its
+    /// padded copy at `staging`; `into_staging` says which way.
+    pub fn copy(&self, size: usize, address: u64, staging: u64, into_staging: bool) -> Copy2d {
+        let (program, padded) = ((address, self.ld * size), (staging + self.offset as u64, self.padded_ld * size));
+        let ((from, from_pitch), (to, to_pitch)) = match into_staging {
+            true => (program, padded),
+            false => (padded, program),
+        };
+        Copy2d { from, from_pitch, to, to_pitch, width: self.rows * size, rows: self.columns }
+    }
+}
+
 /// How f32 GEMMs multiply.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum GemmMath {
@@ -247,6 +334,65 @@ mod tests {
                 assert!((g - w).abs() <= 1e-12 * w.abs().max(1.0), "case {c} ({dims:?}), element {i}: {g} against {w}");
             }
         }
+    }
+
+    /// A staged call computes what the call computes: the unaligned inputs copied into padded
+    /// columns, the product there, the output copied back (copies on 2-byte elements, addresses
+    /// in bytes, as the device does them).
+    #[test]
+    fn staged_calls_compute_the_call_on_padded_copies() {
+        let mut staged_operands = std::collections::BTreeSet::new();
+        for t in [(false, false), (true, false), (false, true), (true, true)] {
+            // A head over an odd vocabulary (13), its input gradient and its weight gradient.
+            for (m, k, n) in [(6, 8, 13), (6, 13, 8), (13, 6, 8)] {
+                let call = GemmCall::of(DType::BF16, &dims(&[], &[], &[], (m, k, n), t)).unwrap();
+                let Some(staged) = call.staged_from(1) else {
+                    assert!([call.lda, call.ldb, call.ldc].iter().all(|ld| ld % 8 == 0), "{call:?} is unaligned");
+                    continue;
+                };
+                assert!(call.staged().is_none(), "a small call is not worth staging");
+                let (rhs, lhs) = (values(k * n, 1), values(m * k, 2));
+                let mut want = vec![0.0; m * n];
+                call.evaluate(&rhs, &lhs, &mut want);
+                // Byte addresses: the operands A (rhs), B (lhs), C at 0 of their own buffers.
+                let mut buffers = [rhs, lhs, vec![f64::NAN; m * n]];
+                let mut staging = vec![f64::NAN; staged.bytes / 2];
+                let copy = |c: Copy2d, from: &[f64], to: &mut [f64]| {
+                    for row in 0..c.rows {
+                        for e in 0..c.width / 2 {
+                            to[(c.to as usize + row * c.to_pitch) / 2 + e] =
+                                from[(c.from as usize + row * c.from_pitch) / 2 + e];
+                        }
+                    }
+                };
+                let staging_at = 1 << 20;
+                let mut views = buffers.clone();
+                for operand in &staged.operands {
+                    staged_operands.insert(operand.which);
+                    assert_eq!(operand.padded_ld % 8, 0);
+                    if operand.which < 2 {
+                        let c = operand.copy(2, 0, staging_at, true);
+                        copy(Copy2d { to: c.to - staging_at, ..c }, &buffers[operand.which], &mut staging);
+                    }
+                }
+                // The staged call reads each staged operand from its copy.
+                for operand in &staged.operands {
+                    views[operand.which] = staging[operand.offset / 2..].to_vec();
+                }
+                let [a, b, mut c] = views;
+                staged.call.evaluate(&a, &b, &mut c);
+                match staged.operands.iter().find(|o| o.which == 2) {
+                    Some(operand) => {
+                        let mut copy_back = operand.copy(2, 0, staging_at, false);
+                        copy_back.from -= staging_at + operand.offset as u64;
+                        copy(copy_back, &c, &mut buffers[2]);
+                    }
+                    None => buffers[2] = c,
+                }
+                assert_eq!(buffers[2], want, "{call:?} staged as {staged:?}");
+            }
+        }
+        assert_eq!(staged_operands.into_iter().collect::<Vec<_>>(), [0, 1, 2], "every operand was staged");
     }
 
     #[test]
