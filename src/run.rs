@@ -97,7 +97,8 @@ pub struct RunFlags {
     #[arg(long, value_name = "N", default_value_t = 1)]
     log_every: usize,
     /// Time every instruction and print, at the end, rank 0's time per step by op and its
-    /// slowest instructions.
+    /// slowest instructions. The run's first step (loading libraries, warming caches) is left
+    /// out where it runs more than one.
     #[arg(long)]
     profile: bool,
     /// Pin each rank's kernel threads to cores of their own (as DeepSpeed's
@@ -482,9 +483,10 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<Ending> {
         Some(dir) if reports => Some(EventWriter::create(dir)?),
         _ => None,
     };
-    if flags.profile {
-        trainer.enable_profile()?;
-    }
+    // The profiled steps: from the run's second, where it has one, so that one-time costs
+    // (cuBLAS loading its kernels on a GPU's first GEMM, page faults) stay out of the table.
+    let profile_from = flags.profile.then(|| if flags.steps > first + 1 { first + 1 } else { first });
+    let mut profiled_seconds = 0.0;
     if let Some(line) = trainer.communication().filter(|_| reports) {
         eprintln!("{line}");
     }
@@ -518,7 +520,13 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<Ending> {
         if traced.as_ref().is_some_and(|(_, steps)| *steps.start() == step + 1) {
             trainer.start_trace().context("--trace")?;
         }
+        if profile_from == Some(step) {
+            trainer.enable_profile()?;
+        }
         let m = trainer.step(&data, flags.steps)?;
+        if profile_from.is_some_and(|from| step >= from) {
+            profiled_seconds += m.seconds;
+        }
         if let Some((path, steps)) = traced.as_ref().filter(|(_, steps)| *steps.end() == m.step) {
             let ranks = trainer.finish_trace()?;
             if reports {
@@ -633,7 +641,8 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<Ending> {
     for stage in 0..trainer.stages() {
         let rank = stage * trainer.stage_size();
         if let Some(times) = trainer.profile(rank) {
-            print!("{}", profile_table(rank, trainer.rank_program(rank), times, steps, seconds));
+            let profiled = (profile_from.unwrap_or(first) + 1)..=last;
+            print!("{}", profile_table(rank, trainer.rank_program(rank), times, profiled, profiled_seconds));
         }
     }
     Ok(ending)
@@ -739,19 +748,27 @@ fn activations_against_plan(touched: &[(usize, usize, usize)]) -> String {
     out
 }
 
-/// A rank's time per step by op, and its slowest instructions.
+/// The slowest instructions a profile lists.
+const PROFILE_SLOWEST: usize = 20;
+
+/// A rank's time per step by op over the profiled `steps`, and its slowest instructions.
 fn profile_table(
     rank: usize,
     program: &autotp_program::Program,
     times: &[std::time::Duration],
-    steps: usize,
+    steps: std::ops::RangeInclusive<usize>,
     seconds: f64,
 ) -> String {
-    let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps.max(1) as f64;
-    let step_ms = seconds * 1e3 / steps.max(1) as f64;
+    let count = steps.clone().count().max(1) as f64;
+    let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / count;
+    let step_ms = seconds * 1e3 / count;
     let rows = autotp_runtime::profile::by_op(program, times);
     let width = rows.iter().map(|row| row.op.len()).max().unwrap_or(0).max(20);
-    let mut out = format!("profile of rank {rank}, {steps} steps ({step_ms:.2} ms per step):\n");
+    let which = match steps.start() == steps.end() {
+        true => format!("step {}", steps.start()),
+        false => format!("steps {}-{}", steps.start(), steps.end()),
+    };
+    let mut out = format!("profile of rank {rank}, {which} ({step_ms:.2} ms per step):\n");
     out += &format!("  {:<width$} {:>12} {:>12} {:>8}\n", "op", "instructions", "ms per step", "share");
     for row in rows {
         let ms = per_step(row.total);
@@ -759,7 +776,7 @@ fn profile_table(
         out += &format!("  {:<width$} {:>12} {:>12.3} {:>7.1}%\n", row.op, row.instructions, ms, share);
     }
     out += "  slowest instructions (ms per step):\n";
-    for (label, time) in autotp_runtime::profile::slowest(program, times, 5) {
+    for (label, time) in autotp_runtime::profile::slowest(program, times, PROFILE_SLOWEST) {
         out += &format!("    {:>8.3}  {label}\n", per_step(time));
     }
     out

@@ -376,13 +376,15 @@ fn cosine_schedule_follows_hugging_face() {
 }
 
 /// `run --profile` prints rank 0's time per step by op (every instruction counted once) and
-/// its slowest instructions.
+/// its slowest instructions, over the steps after the first; a run of one step profiles it.
 #[test]
 fn profile_lists_time_by_op() {
-    let out = autotp_train("gpt2", &["--micro-batch", "4", "--steps", "2", "--profile", "-o", "/dev/null"]);
+    let out = autotp_train("gpt2", &["--micro-batch", "4", "--steps", "3", "--profile", "-o", "/dev/null"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(stdout.contains("profile of rank 0, 2 steps"), "{stdout}");
+    assert!(stdout.contains("profile of rank 0, steps 2-3 ("), "{stdout}");
+    let one = autotp_train("gpt2", &["--micro-batch", "4", "--steps", "1", "--profile", "-o", "/dev/null"]);
+    assert!(String::from_utf8_lossy(&one.stdout).contains("profile of rank 0, step 1 ("), "{one:?}");
     let rows: Vec<(&str, usize)> = stdout
         .lines()
         .filter(|l| l.trim_end().ends_with('%'))
