@@ -237,6 +237,18 @@ impl CudaGpu {
         Ok(gpu)
     }
 
+    /// Sets `fill`'s bytes to zero in `stream`'s order.
+    fn fill_zero_2d(&mut self, stream: Stream, fill: &super::gemm::Fill2d) -> Result<(), RuntimeError> {
+        if fill.rows == 0 || fill.width == 0 {
+            return Ok(());
+        }
+        // SAFETY: the fill lies in the staging buffer, an allocation of this GPU
+        // (`StagedOperand::padding` of a call the buffer was sized for).
+        unsafe { sys::cuMemsetD2D8Async(fill.to, fill.pitch, 0, fill.width, fill.rows, self.stream(stream)) }
+            .result()
+            .map_err(driver("cuMemsetD2D8Async"))
+    }
+
     /// cuBLAS's handle, made on first use in `self.math`'s mode (`CUBLAS_DEFAULT_MATH`, f32
     /// GEMMs in f32, unless `--tf32`); `None`, with one warning, where the library cannot be
     /// loaded.
@@ -447,6 +459,9 @@ impl Gpu for CudaGpu {
         if let Some((staged, staging)) = &staged {
             for operand in &staged.operands {
                 if operand.which < 2 {
+                    for fill in operand.padding(size, *staging) {
+                        self.fill_zero_2d(stream, &fill)?;
+                    }
                     self.copy_2d(stream, &operand.copy(size, addresses[operand.which], *staging, true))?;
                 }
                 addresses[operand.which] = staging + operand.offset as u64;

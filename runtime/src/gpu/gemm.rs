@@ -19,14 +19,15 @@
 //! How f32 products are multiplied, in f32 or on TF32 tensor cores (`--tf32`), is a
 //! [`GemmMath`]; [`round_to_tf32`] is the rounding the emulated GPU applies for the latter.
 //!
-//! A 16-bit operand whose columns do not start on 16-byte boundaries (a leading dimension that
-//! is not a multiple of 8, as GPT-2's vocabulary of 50,257 makes the language-model head's
-//! logits and their gradient) sends cuBLAS to its unaligned kernels, several times slower on
-//! tensor cores (on an H200, 95 TFLOP/s for the head where aligned products reach hundreds).
-//! Such a call, when it is large, is [`GemmCall::staged`]: each unaligned input copied into a
-//! buffer whose columns are padded to 16 bytes, the product computed there, and an unaligned
-//! output copied back, which costs two passes over the operand (the PyTorch compiler pads these
-//! matmuls for the same reason).
+//! A 16-bit call whose operands' contiguous extents or leading dimensions are not multiples of
+//! 16 bytes (GPT-2's vocabulary of 50,257 makes the language-model head's three products so)
+//! sends cuBLAS to its unaligned kernels, several times slower on tensor cores: on an H200,
+//! 90-140 TFLOP/s for the head, where aligned products of its size reach over 300. Padding the
+//! leading dimensions alone mended only the product with an aligned contiguous extent. Such a
+//! call, when it is large, is [`GemmCall::staged`]: m, n and k padded to multiples of 8, each
+//! operand they change copied into (or, the output, out of) a staging buffer of padded columns,
+//! the inputs' padding zeroed (a padded contraction adds its products), which costs two passes
+//! over the operand (the PyTorch compiler pads these matmuls for the same reason).
 
 use autotp_kernels::{DType, MatMulDims};
 
@@ -170,20 +171,32 @@ impl GemmCall {
 const STAGING_MIN_PRODUCTS: usize = 1 << 30;
 
 /// One operand of a staged call (see the module doc): cuBLAS's `A` (0), `B` (1) or `C` (2),
-/// stored as `columns` columns of `rows` elements, `ld` apart in the program's region and
-/// `padded_ld` apart in the staging buffer, which it takes from byte `offset`.
+/// stored as `columns` columns of `rows` elements, `ld` apart, in the program's region, and as
+/// `padded_columns` columns of `padded_rows` (its leading dimension there) in the staging
+/// buffer, from byte `offset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StagedOperand {
     pub which: usize,
     pub rows: usize,
     pub columns: usize,
     pub ld: usize,
-    pub padded_ld: usize,
+    pub padded_rows: usize,
+    pub padded_columns: usize,
     pub offset: usize,
 }
 
+/// Bytes set to zero: `rows` runs of `width` bytes, `pitch` apart, from `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fill2d {
+    pub to: u64,
+    pub pitch: usize,
+    pub width: usize,
+    pub rows: usize,
+}
+
 /// A call computed in a staging buffer: its operands to copy, and the call on the padded copies
-/// (its leading dimensions padded; its product at offset 0 of each staged operand's copy).
+/// (m, n and k padded to 16 bytes; each staged operand's leading dimension its padded rows and
+/// its product at offset 0 of its copy).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StagedGemm {
     pub operands: Vec<StagedOperand>,
@@ -193,8 +206,9 @@ pub struct StagedGemm {
 }
 
 impl GemmCall {
-    /// The staged form of this call, where it is a large 16-bit product with an operand whose
-    /// columns are unaligned (see the module doc); `None` otherwise.
+    /// The staged form of this call, where it is a large 16-bit product with a dimension or a
+    /// leading dimension that is not a multiple of 16 bytes (see the module doc); `None`
+    /// otherwise.
     pub fn staged(&self) -> Option<StagedGemm> {
         self.staged_from(STAGING_MIN_PRODUCTS)
     }
@@ -202,26 +216,32 @@ impl GemmCall {
     fn staged_from(&self, min_products: usize) -> Option<StagedGemm> {
         let size = self.dtype.size();
         let lanes = 16 / size;
-        if size != 2 || self.layout() != GemmLayout::One || self.m * self.n * self.k < min_products {
+        if size != 2
+            || self.layout() != GemmLayout::One
+            || self.m.min(self.n).min(self.k) < lanes
+            || self.m * self.n * self.k < min_products
+        {
             return None;
         }
-        // Each operand's stored form: (rows, columns, leading dimension).
+        let pad = |x: usize| x.next_multiple_of(lanes);
+        let (m, n, k) = (self.m, self.n, self.k);
+        // Each operand's stored (rows, columns) and leading dimension.
         let stored = [
-            if self.transpose_a { (self.k, self.m, self.lda) } else { (self.m, self.k, self.lda) },
-            if self.transpose_b { (self.n, self.k, self.ldb) } else { (self.k, self.n, self.ldb) },
-            (self.m, self.n, self.ldc),
+            (if self.transpose_a { (k, m) } else { (m, k) }, self.lda),
+            (if self.transpose_b { (n, k) } else { (k, n) }, self.ldb),
+            ((m, n), self.ldc),
         ];
-        let mut call = self.clone();
+        let mut call = GemmCall { m: pad(m), n: pad(n), k: pad(k), ..self.clone() };
         let mut operands = Vec::new();
         let mut bytes = 0;
-        for (which, (rows, columns, ld)) in stored.into_iter().enumerate() {
-            if ld % lanes == 0 || columns == 1 {
+        for (which, ((rows, columns), ld)) in stored.into_iter().enumerate() {
+            let (padded_rows, padded_columns) = (pad(rows), pad(columns));
+            if ld % lanes == 0 && rows == padded_rows && columns == padded_columns {
                 continue;
             }
-            let padded_ld = rows.next_multiple_of(lanes);
-            operands.push(StagedOperand { which, rows, columns, ld, padded_ld, offset: bytes });
-            bytes += padded_ld * columns * size;
-            *[&mut call.lda, &mut call.ldb, &mut call.ldc][which] = padded_ld;
+            operands.push(StagedOperand { which, rows, columns, ld, padded_rows, padded_columns, offset: bytes });
+            bytes += padded_rows * padded_columns * size;
+            *[&mut call.lda, &mut call.ldb, &mut call.ldc][which] = padded_rows;
             call.products[0][which] = 0;
         }
         (!operands.is_empty()).then_some(StagedGemm { operands, call, bytes })
@@ -232,12 +252,24 @@ impl StagedOperand {
     /// The copy between the operand at `address` (its first product's element) and its
     /// padded copy at `staging`; `into_staging` says which way.
     pub fn copy(&self, size: usize, address: u64, staging: u64, into_staging: bool) -> Copy2d {
-        let (program, padded) = ((address, self.ld * size), (staging + self.offset as u64, self.padded_ld * size));
+        let (program, padded) = ((address, self.ld * size), (staging + self.offset as u64, self.padded_rows * size));
         let ((from, from_pitch), (to, to_pitch)) = match into_staging {
             true => (program, padded),
             false => (padded, program),
         };
         Copy2d { from, from_pitch, to, to_pitch, width: self.rows * size, rows: self.columns }
+    }
+
+    /// The padding of an input's copy at `staging`, which must be zero (a padded contraction
+    /// adds its products): the rows past `rows` of each column, and the columns past `columns`.
+    pub fn padding(&self, size: usize, staging: u64) -> [Fill2d; 2] {
+        let at = staging + self.offset as u64;
+        let pitch = self.padded_rows * size;
+        let end = (self.padded_columns - self.columns) * pitch;
+        [
+            Fill2d { to: at + (self.rows * size) as u64, pitch, width: pitch - self.rows * size, rows: self.columns },
+            Fill2d { to: at + (self.columns * pitch) as u64, pitch: end, width: end, rows: 1 },
+        ]
     }
 }
 
@@ -336,25 +368,30 @@ mod tests {
         }
     }
 
-    /// A staged call computes what the call computes: the unaligned inputs copied into padded
-    /// columns, the product there, the output copied back (copies on 2-byte elements, addresses
-    /// in bytes, as the device does them).
+    /// A staged call computes what the call computes: the inputs copied into padded columns
+    /// (their padding zeroed, the staging buffer NaN before), the product there, the output
+    /// copied back (copies and fills on 2-byte elements, addresses in bytes, as a device does
+    /// them).
     #[test]
     fn staged_calls_compute_the_call_on_padded_copies() {
         let mut staged_operands = std::collections::BTreeSet::new();
         for t in [(false, false), (true, false), (false, true), (true, true)] {
             // A head over an odd vocabulary (13), its input gradient and its weight gradient.
-            for (m, k, n) in [(6, 8, 13), (6, 13, 8), (13, 6, 8)] {
+            for (m, k, n) in [(16, 8, 13), (16, 13, 8), (13, 16, 8), (16, 8, 16)] {
                 let call = GemmCall::of(DType::BF16, &dims(&[], &[], &[], (m, k, n), t)).unwrap();
                 let Some(staged) = call.staged_from(1) else {
-                    assert!([call.lda, call.ldb, call.ldc].iter().all(|ld| ld % 8 == 0), "{call:?} is unaligned");
+                    let aligned = [call.lda, call.ldb, call.ldc, call.m, call.n, call.k];
+                    assert!(aligned.iter().all(|x| x % 8 == 0), "{call:?} is unaligned");
                     continue;
                 };
                 assert!(call.staged().is_none(), "a small call is not worth staging");
+                assert!([staged.call.m, staged.call.n, staged.call.k].iter().all(|x| x % 8 == 0), "{staged:?}");
                 let (rhs, lhs) = (values(k * n, 1), values(m * k, 2));
                 let mut want = vec![0.0; m * n];
                 call.evaluate(&rhs, &lhs, &mut want);
-                // Byte addresses: the operands A (rhs), B (lhs), C at 0 of their own buffers.
+                // Byte addresses: the operands A (rhs), B (lhs), C at 0 of their own buffers,
+                // the staging buffer at `staging_at`.
+                let staging_at = 1 << 20;
                 let mut buffers = [rhs, lhs, vec![f64::NAN; m * n]];
                 let mut staging = vec![f64::NAN; staged.bytes / 2];
                 let copy = |c: Copy2d, from: &[f64], to: &mut [f64]| {
@@ -365,24 +402,28 @@ mod tests {
                         }
                     }
                 };
-                let staging_at = 1 << 20;
-                let mut views = buffers.clone();
-                for operand in &staged.operands {
+                for operand in staged.operands.iter().filter(|o| o.which < 2) {
                     staged_operands.insert(operand.which);
-                    assert_eq!(operand.padded_ld % 8, 0);
-                    if operand.which < 2 {
-                        let c = operand.copy(2, 0, staging_at, true);
-                        copy(Copy2d { to: c.to - staging_at, ..c }, &buffers[operand.which], &mut staging);
+                    let c = operand.copy(2, 0, staging_at, true);
+                    copy(Copy2d { to: c.to - staging_at, ..c }, &buffers[operand.which], &mut staging);
+                    for fill in operand.padding(2, staging_at) {
+                        for row in 0..fill.rows {
+                            let from = (fill.to - staging_at) as usize + row * fill.pitch;
+                            staging[from / 2..(from + fill.width) / 2].fill(0.0);
+                        }
                     }
                 }
                 // The staged call reads each staged operand from its copy.
+                let mut views = buffers.clone();
                 for operand in &staged.operands {
-                    views[operand.which] = staging[operand.offset / 2..].to_vec();
+                    let len = operand.padded_rows * operand.padded_columns;
+                    views[operand.which] = staging[operand.offset / 2..][..len].to_vec();
                 }
                 let [a, b, mut c] = views;
                 staged.call.evaluate(&a, &b, &mut c);
                 match staged.operands.iter().find(|o| o.which == 2) {
                     Some(operand) => {
+                        staged_operands.insert(2);
                         let mut copy_back = operand.copy(2, 0, staging_at, false);
                         copy_back.from -= staging_at + operand.offset as u64;
                         copy(copy_back, &c, &mut buffers[2]);
