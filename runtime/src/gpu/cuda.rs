@@ -82,8 +82,6 @@ pub struct CudaGpu {
     events: Vec<sys::CUevent>,
     /// cuBLAS's handle once asked for (`Some(None)`: the library is missing).
     blas: Option<Option<cudarc::cublas::sys::cublasHandle_t>>,
-    /// The buffer staged GEMMs compute in (`gemm`'s module doc): address and bytes.
-    staging: Option<(u64, usize)>,
     math: GemmMath,
     /// The device's name and compute capability, for messages.
     pub description: String,
@@ -162,12 +160,11 @@ impl CudaGpu {
                 )))
             }
         };
-        let ptx = program.ptx.iter().find(|m| m.arch == arch);
-        if ptx.is_none() && program.runs_gpu_kernels() {
-            return Err(RuntimeError::Device(format!(
+        let ptx = program.ptx.iter().find(|m| m.arch == arch).ok_or_else(|| {
+            RuntimeError::Device(format!(
                 "{description}: the plan carries no PTX for {arch} (compile it with generated kernels)"
-            )));
-        }
+            ))
+        })?;
         // SAFETY: `device` came from cuDeviceGet; the context is released in `drop`.
         let context = unsafe { result::primary_ctx::retain(device) }.map_err(driver("cuDevicePrimaryCtxRetain"))?;
         // SAFETY: a retained primary context.
@@ -192,7 +189,6 @@ impl CudaGpu {
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
-            staging: None,
             math,
             description,
         };
@@ -200,7 +196,6 @@ impl CudaGpu {
             *stream =
                 result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"))?;
         }
-        let Some(ptx) = ptx else { return Ok(gpu) };
         let image = CString::new(ptx.code.as_str())
             .map_err(|_| RuntimeError::Device(format!("the plan's {arch} PTX holds a NUL byte")))?;
         // SAFETY: a NUL-terminated PTX text, which the driver compiles for the device.
@@ -235,18 +230,6 @@ impl CudaGpu {
             .map(|i| function(gpu.module, autotp_llvm::axis::entry_name(i)))
             .collect::<Result<_, _>>()?;
         Ok(gpu)
-    }
-
-    /// Sets `fill`'s bytes to zero in `stream`'s order.
-    fn fill_zero_2d(&mut self, stream: Stream, fill: &super::gemm::Fill2d) -> Result<(), RuntimeError> {
-        if fill.rows == 0 || fill.width == 0 {
-            return Ok(());
-        }
-        // SAFETY: the fill lies in the staging buffer, an allocation of this GPU
-        // (`StagedOperand::padding` of a call the buffer was sized for).
-        unsafe { sys::cuMemsetD2D8Async(fill.to, fill.pitch, 0, fill.width, fill.rows, self.stream(stream)) }
-            .result()
-            .map_err(driver("cuMemsetD2D8Async"))
     }
 
     /// cuBLAS's handle, made on first use in `self.math`'s mode (`CUBLAS_DEFAULT_MATH`, f32
@@ -418,7 +401,8 @@ impl Gpu for CudaGpu {
         let int = |v: usize| {
             i32::try_from(v).map_err(|_| RuntimeError::Device(format!("a GEMM dimension of {v} exceeds cuBLAS's int")))
         };
-        let (m, n, k) = (int(call.m)?, int(call.n)?, int(call.k)?);
+        let (m, n, k, lda, ldb, ldc) =
+            (int(call.m)?, int(call.n)?, int(call.k)?, int(call.lda)?, int(call.ldb)?, int(call.ldc)?);
         let count = int(call.products.len())?;
         let (ty, compute, one, zero) = match call.dtype {
             DType::F32 => (
@@ -449,27 +433,9 @@ impl Gpu for CudaGpu {
             other => return Err(RuntimeError::Device(format!("cuBLAS GEMM of {other}"))),
         };
         let algorithm = blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
-        let size = call.dtype.size();
-        let first = |which: usize, base: u64| base + (call.products[0][which] * size) as u64;
-        let program_addresses = [first(0, operands.rhs.0), first(1, operands.lhs.0), first(2, operands.out.0)];
-        let mut addresses = program_addresses;
-        // An unaligned 16-bit call computes on padded copies (`gemm`'s module doc).
-        let staged =
-            self.staging.and_then(|(staging, bytes)| call.staged().filter(|s| s.bytes <= bytes).zip(Some(staging)));
-        if let Some((staged, staging)) = &staged {
-            for operand in &staged.operands {
-                if operand.which < 2 {
-                    for fill in operand.padding(size, *staging) {
-                        self.fill_zero_2d(stream, &fill)?;
-                    }
-                    self.copy_2d(stream, &operand.copy(size, addresses[operand.which], *staging, true))?;
-                }
-                addresses[operand.which] = staging + operand.offset as u64;
-            }
-        }
-        let call = staged.as_ref().map_or(call, |(staged, _)| &staged.call);
-        let (lda, ldb, ldc) = (int(call.lda)?, int(call.ldb)?, int(call.ldc)?);
-        let [a, b, c] = addresses.map(|address| address as *mut c_void);
+        let size = call.dtype.size() as u64;
+        let first = |which: usize, base: u64| (base + call.products[0][which] as u64 * size) as *mut c_void;
+        let (a, b, c) = (first(0, operands.rhs.0), first(1, operands.lhs.0), first(2, operands.out.0));
         let (ta, tb) = (op(call.transpose_a), op(call.transpose_b));
         let layout = call.layout();
         // SAFETY: the products lie inside the operands' regions, with the leading dimensions
@@ -526,17 +492,7 @@ impl Gpu for CudaGpu {
                     self.description
                 ))
             })?;
-        if let Some((staged, staging)) = &staged {
-            if let Some(output) = staged.operands.iter().find(|operand| operand.which == 2) {
-                self.copy_2d(stream, &output.copy(size, program_addresses[2], *staging, false))?;
-            }
-        }
         Ok(true)
-    }
-
-    fn reserve_gemm_staging(&mut self, bytes: usize) -> Result<(), RuntimeError> {
-        self.staging = Some((self.alloc(bytes)?, bytes));
-        Ok(())
     }
 
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {

@@ -443,11 +443,6 @@ impl Gpu for Emulator {
         Ok(true)
     }
 
-    /// None: the builtin matmul reads the operands in place.
-    fn reserve_gemm_staging(&mut self, _bytes: usize) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError> {
         if let Some(capture) = &mut self.capturing {
             let event = capture.events.len();

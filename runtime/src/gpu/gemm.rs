@@ -18,20 +18,8 @@
 //!
 //! How f32 products are multiplied, in f32 or on TF32 tensor cores (`--tf32`), is a
 //! [`GemmMath`]; [`round_to_tf32`] is the rounding the emulated GPU applies for the latter.
-//!
-//! A 16-bit call whose operands' contiguous extents or leading dimensions are not multiples of
-//! 16 bytes (GPT-2's vocabulary of 50,257 makes the language-model head's three products so)
-//! sends cuBLAS to its unaligned kernels, several times slower on tensor cores: on an H200,
-//! 90-140 TFLOP/s for the head, where aligned products of its size reach over 300. Padding the
-//! leading dimensions alone mended only the product with an aligned contiguous extent. Such a
-//! call, when it is large, is [`GemmCall::staged`]: m, n and k padded to multiples of 8, each
-//! operand they change copied into (or, the output, out of) a staging buffer of padded columns,
-//! the inputs' padding zeroed (a padded contraction adds its products), which costs two passes
-//! over the operand (the PyTorch compiler pads these matmuls for the same reason).
 
 use autotp_kernels::{DType, MatMulDims};
-
-use super::collectives::Copy2d;
 
 /// One cuBLAS `gemmBatched` call (column-major, see the module doc).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,113 +154,6 @@ impl GemmCall {
     }
 }
 
-/// The fewest multiply-adds of a call worth staging: below them the copies cost more than the
-/// unaligned kernels lose.
-const STAGING_MIN_PRODUCTS: usize = 1 << 30;
-
-/// One operand of a staged call (see the module doc): cuBLAS's `A` (0), `B` (1) or `C` (2),
-/// stored as `columns` columns of `rows` elements, `ld` apart, in the program's region, and as
-/// `padded_columns` columns of `padded_rows` (its leading dimension there) in the staging
-/// buffer, from byte `offset`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StagedOperand {
-    pub which: usize,
-    pub rows: usize,
-    pub columns: usize,
-    pub ld: usize,
-    pub padded_rows: usize,
-    pub padded_columns: usize,
-    pub offset: usize,
-}
-
-/// Bytes set to zero: `rows` runs of `width` bytes, `pitch` apart, from `to`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Fill2d {
-    pub to: u64,
-    pub pitch: usize,
-    pub width: usize,
-    pub rows: usize,
-}
-
-/// A call computed in a staging buffer: its operands to copy, and the call on the padded copies
-/// (m, n and k padded to 16 bytes; each staged operand's leading dimension its padded rows and
-/// its product at offset 0 of its copy).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StagedGemm {
-    pub operands: Vec<StagedOperand>,
-    pub call: GemmCall,
-    /// The staging buffer's bytes the call uses.
-    pub bytes: usize,
-}
-
-impl GemmCall {
-    /// The staged form of this call, where it is a large 16-bit product with a dimension or a
-    /// leading dimension that is not a multiple of 16 bytes (see the module doc); `None`
-    /// otherwise.
-    pub fn staged(&self) -> Option<StagedGemm> {
-        self.staged_from(STAGING_MIN_PRODUCTS)
-    }
-
-    fn staged_from(&self, min_products: usize) -> Option<StagedGemm> {
-        let size = self.dtype.size();
-        let lanes = 16 / size;
-        if size != 2
-            || self.layout() != GemmLayout::One
-            || self.m.min(self.n).min(self.k) < lanes
-            || self.m * self.n * self.k < min_products
-        {
-            return None;
-        }
-        let pad = |x: usize| x.next_multiple_of(lanes);
-        let (m, n, k) = (self.m, self.n, self.k);
-        // Each operand's stored (rows, columns) and leading dimension.
-        let stored = [
-            (if self.transpose_a { (k, m) } else { (m, k) }, self.lda),
-            (if self.transpose_b { (n, k) } else { (k, n) }, self.ldb),
-            ((m, n), self.ldc),
-        ];
-        let mut call = GemmCall { m: pad(m), n: pad(n), k: pad(k), ..self.clone() };
-        let mut operands = Vec::new();
-        let mut bytes = 0;
-        for (which, ((rows, columns), ld)) in stored.into_iter().enumerate() {
-            let (padded_rows, padded_columns) = (pad(rows), pad(columns));
-            if ld % lanes == 0 && rows == padded_rows && columns == padded_columns {
-                continue;
-            }
-            operands.push(StagedOperand { which, rows, columns, ld, padded_rows, padded_columns, offset: bytes });
-            bytes += padded_rows * padded_columns * size;
-            *[&mut call.lda, &mut call.ldb, &mut call.ldc][which] = padded_rows;
-            call.products[0][which] = 0;
-        }
-        (!operands.is_empty()).then_some(StagedGemm { operands, call, bytes })
-    }
-}
-
-impl StagedOperand {
-    /// The copy between the operand at `address` (its first product's element) and its
-    /// padded copy at `staging`; `into_staging` says which way.
-    pub fn copy(&self, size: usize, address: u64, staging: u64, into_staging: bool) -> Copy2d {
-        let (program, padded) = ((address, self.ld * size), (staging + self.offset as u64, self.padded_rows * size));
-        let ((from, from_pitch), (to, to_pitch)) = match into_staging {
-            true => (program, padded),
-            false => (padded, program),
-        };
-        Copy2d { from, from_pitch, to, to_pitch, width: self.rows * size, rows: self.columns }
-    }
-
-    /// The padding of an input's copy at `staging`, which must be zero (a padded contraction
-    /// adds its products): the rows past `rows` of each column, and the columns past `columns`.
-    pub fn padding(&self, size: usize, staging: u64) -> [Fill2d; 2] {
-        let at = staging + self.offset as u64;
-        let pitch = self.padded_rows * size;
-        let end = (self.padded_columns - self.columns) * pitch;
-        [
-            Fill2d { to: at + (self.rows * size) as u64, pitch, width: pitch - self.rows * size, rows: self.columns },
-            Fill2d { to: at + (self.columns * pitch) as u64, pitch: end, width: end, rows: 1 },
-        ]
-    }
-}
-
 /// How f32 GEMMs multiply.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum GemmMath {
@@ -366,74 +247,6 @@ mod tests {
                 assert!((g - w).abs() <= 1e-12 * w.abs().max(1.0), "case {c} ({dims:?}), element {i}: {g} against {w}");
             }
         }
-    }
-
-    /// A staged call computes what the call computes: the inputs copied into padded columns
-    /// (their padding zeroed, the staging buffer NaN before), the product there, the output
-    /// copied back (copies and fills on 2-byte elements, addresses in bytes, as a device does
-    /// them).
-    #[test]
-    fn staged_calls_compute_the_call_on_padded_copies() {
-        let mut staged_operands = std::collections::BTreeSet::new();
-        for t in [(false, false), (true, false), (false, true), (true, true)] {
-            // A head over an odd vocabulary (13), its input gradient and its weight gradient.
-            for (m, k, n) in [(16, 8, 13), (16, 13, 8), (13, 16, 8), (16, 8, 16)] {
-                let call = GemmCall::of(DType::BF16, &dims(&[], &[], &[], (m, k, n), t)).unwrap();
-                let Some(staged) = call.staged_from(1) else {
-                    let aligned = [call.lda, call.ldb, call.ldc, call.m, call.n, call.k];
-                    assert!(aligned.iter().all(|x| x % 8 == 0), "{call:?} is unaligned");
-                    continue;
-                };
-                assert!(call.staged().is_none(), "a small call is not worth staging");
-                assert!([staged.call.m, staged.call.n, staged.call.k].iter().all(|x| x % 8 == 0), "{staged:?}");
-                let (rhs, lhs) = (values(k * n, 1), values(m * k, 2));
-                let mut want = vec![0.0; m * n];
-                call.evaluate(&rhs, &lhs, &mut want);
-                // Byte addresses: the operands A (rhs), B (lhs), C at 0 of their own buffers,
-                // the staging buffer at `staging_at`.
-                let staging_at = 1 << 20;
-                let mut buffers = [rhs, lhs, vec![f64::NAN; m * n]];
-                let mut staging = vec![f64::NAN; staged.bytes / 2];
-                let copy = |c: Copy2d, from: &[f64], to: &mut [f64]| {
-                    for row in 0..c.rows {
-                        for e in 0..c.width / 2 {
-                            to[(c.to as usize + row * c.to_pitch) / 2 + e] =
-                                from[(c.from as usize + row * c.from_pitch) / 2 + e];
-                        }
-                    }
-                };
-                for operand in staged.operands.iter().filter(|o| o.which < 2) {
-                    staged_operands.insert(operand.which);
-                    let c = operand.copy(2, 0, staging_at, true);
-                    copy(Copy2d { to: c.to - staging_at, ..c }, &buffers[operand.which], &mut staging);
-                    for fill in operand.padding(2, staging_at) {
-                        for row in 0..fill.rows {
-                            let from = (fill.to - staging_at) as usize + row * fill.pitch;
-                            staging[from / 2..(from + fill.width) / 2].fill(0.0);
-                        }
-                    }
-                }
-                // The staged call reads each staged operand from its copy.
-                let mut views = buffers.clone();
-                for operand in &staged.operands {
-                    let len = operand.padded_rows * operand.padded_columns;
-                    views[operand.which] = staging[operand.offset / 2..][..len].to_vec();
-                }
-                let [a, b, mut c] = views;
-                staged.call.evaluate(&a, &b, &mut c);
-                match staged.operands.iter().find(|o| o.which == 2) {
-                    Some(operand) => {
-                        staged_operands.insert(2);
-                        let mut copy_back = operand.copy(2, 0, staging_at, false);
-                        copy_back.from -= staging_at + operand.offset as u64;
-                        copy(copy_back, &c, &mut buffers[2]);
-                    }
-                    None => buffers[2] = c,
-                }
-                assert_eq!(buffers[2], want, "{call:?} staged as {staged:?}");
-            }
-        }
-        assert_eq!(staged_operands.into_iter().collect::<Vec<_>>(), [0, 1, 2], "every operand was staged");
     }
 
     #[test]

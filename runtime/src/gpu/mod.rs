@@ -189,11 +189,6 @@ pub trait Gpu: Send {
     /// `Ok(false)` where it has none (the device then runs the matmul on the host).
     fn gemm(&mut self, stream: Stream, call: &GemmCall, operands: &GemmOperands) -> Result<bool, RuntimeError>;
 
-    /// Sets aside `bytes` for the calls [`GemmCall::staged`] stages, the most one of the
-    /// program's calls takes (made at load, so that no step allocates); a GPU that computes
-    /// those calls in place takes none.
-    fn reserve_gemm_staging(&mut self, bytes: usize) -> Result<(), RuntimeError>;
-
     fn record(&mut self, stream: Stream) -> Result<GpuEvent, RuntimeError>;
     fn wait(&mut self, stream: Stream, event: GpuEvent) -> Result<(), RuntimeError>;
 
@@ -604,13 +599,6 @@ impl GpuDevice {
                 }
                 _ => Prepared::Nothing,
             });
-        }
-        let staging = prepared.iter().filter_map(|p| match p {
-            Prepared::Gemm(gemm) => gemm.0.staged().map(|staged| staged.bytes),
-            _ => None,
-        });
-        if let Some(bytes) = staging.max() {
-            gpu.reserve_gemm_staging(bytes)?;
         }
         gpu.synchronize()?;
         let (free_after, _) = gpu.memory()?;
