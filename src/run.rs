@@ -487,6 +487,9 @@ pub fn train(trainer: &mut Trainer, flags: &RunFlags) -> Result<Ending> {
     // (cuBLAS loading its kernels on a GPU's first GEMM, page faults) stay out of the table.
     let profile_from = flags.profile.then(|| if flags.steps > first + 1 { first + 1 } else { first });
     let mut profiled_seconds = 0.0;
+    if DeviceKind::parse(&flags.device) == Some(DeviceKind::Cuda) && reports {
+        warn_of_thread_per_row_attention(trainer);
+    }
     if let Some(line) = trainer.communication().filter(|_| reports) {
         eprintln!("{line}");
     }
@@ -746,6 +749,26 @@ fn activations_against_plan(touched: &[(usize, usize, usize)]) -> String {
         );
     }
     out
+}
+
+/// The fewest keys over which a thread per query row makes fused attention much slower on a
+/// GPU than the unfused products on cuBLAS.
+const THREAD_PER_ROW_ATTENTION_KEYS: usize = 256;
+
+/// Warns where a GPU runs fused attention a thread per query row over long rows.
+fn warn_of_thread_per_row_attention(trainer: &Trainer) {
+    let keys = (0..trainer.stages())
+        .filter_map(|stage| {
+            trainer.rank_program(stage * trainer.stage_size()).gpu_kernels.thread_per_row_attention_keys()
+        })
+        .max();
+    if let Some(keys) = keys.filter(|&keys| keys >= THREAD_PER_ROW_ATTENTION_KEYS) {
+        tracing::warn!(
+            "fused attention runs a GPU thread per query row over {keys} keys (f32, or several query runs: \
+             no tensor-core form), slow on long rows: on an H200, GPT-2 124M's f32 step (8 x 1024) took \
+             1389 ms so against 193 ms compiled with --attention unfused"
+        );
+    }
 }
 
 /// The slowest instructions a profile lists.

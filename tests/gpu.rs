@@ -573,3 +573,32 @@ fn a_gpu_profile_times_every_instruction_on_the_device() -> Result<(), Box<dyn s
     assert!(String::from_utf8_lossy(&out.stderr).contains("drop --cuda-graph to profile"));
     Ok(())
 }
+
+/// `run --device cuda` warns where fused attention runs a thread per query row over long rows
+/// (f32 at 256 keys), and not where its passes take the tensor cores (bf16) or the rows are
+/// short.
+#[test]
+fn long_thread_per_row_attention_on_a_gpu_is_warned_of() {
+    let dir = scratch("emulated-gpu-attention-warning");
+    let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+    let warning = "fused attention runs a GPU thread per query row over";
+    for (name, flags, warned) in [
+        ("f32-256", &["--seq-len", "256"][..], true),
+        ("bf16-256", &["--seq-len", "256", "--precision", "bf16"], false),
+        ("f32-32", &["--seq-len", "32"], false),
+    ] {
+        let (model, plan) = (fixture("llama", "model.onnx"), dir.join(format!("{name}.atp")));
+        let compile =
+            [&["compile", model.to_str().unwrap(), "--micro-batch", "1", "-o", plan.to_str().unwrap()][..], flags];
+        success(autotp(&compile.concat()));
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"))
+            .args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "1"])
+            .args(["--device", "cuda"])
+            .env("AUTOTP_GPU", "emulated")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {stderr}");
+        assert_eq!(stderr.contains(warning), warned, "{name}: {stderr}");
+    }
+}

@@ -73,6 +73,12 @@ impl GpuKernels {
         self.movement.is_empty() && self.indexed.is_empty() && self.attention.is_empty() && self.axis.is_empty()
     }
 
+    /// The most keys a fused-attention pass reads with a GPU thread per query row (no
+    /// tensor-core form: f32, or several query runs a row block), if one does.
+    pub fn thread_per_row_attention_keys(&self) -> Option<usize> {
+        self.attention.iter().filter(|f| !f.tensor_cores).map(|f| f.dims.kv_len).max()
+    }
+
     /// Checks that `form` fits the builtin `kernel` over `inputs` and `outputs` (see the module
     /// doc); the error says how it does not.
     pub fn check_form(

@@ -288,13 +288,7 @@ impl Program {
     /// optimizer steps or builtin kernels' GPU forms. A program of none (only copies,
     /// collectives and cuBLAS GEMMs) carries no PTX and needs none.
     pub fn runs_gpu_kernels(&self) -> bool {
-        let gpu = &self.gpu_kernels;
-        !(self.kernels.is_empty()
-            && gpu.movement.is_empty()
-            && gpu.indexed.is_empty()
-            && gpu.attention.is_empty()
-            && gpu.axis.is_empty()
-            && self.optimizer_kernels().is_empty())
+        !(self.kernels.is_empty() && self.gpu_kernels.is_empty() && self.optimizer_kernels().is_empty())
     }
 
     pub fn optimizer_kernels(&self) -> Vec<OptimizerKernel> {
