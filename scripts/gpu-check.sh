@@ -13,6 +13,19 @@
 #
 #   scripts/gpu-check.sh [AUTOTP_BINARY]   (default target/release/autotp)
 #   env: STEPS (12 for the tests, 20 for the benches)
+#
+# Carrying it to a lent machine (done so on 2026-11-29, 330 s of 900 s of device time): the
+# tracked tree (61 MB) and the stripped binary (71 MB) exceed the 64 MiB a call may carry, so
+# carry the binary compressed and leave the fixtures no check reads out of the working tree for
+# the call (restored with `git checkout -- .` after; commit first):
+#
+#   strip -o .gpu/autotp target/release/autotp && xz -6 .gpu/autotp   # .gpu/ in .git/info/exclude
+#   keep="gpt2 llama gpt_neox falcon_mqa mixtral gptj train"; for d in tests/fixtures/*/; do
+#     case " $keep " in *" $(basename $d) "*) ;; *) rm -rf "$d";; esac; done
+#   rm -rf examples/kjv tests/conformance tests/golden fuzz/corpus
+#
+# and there: python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu/autotp.xz'),
+# open('.gpu/autotp', 'wb'))"; chmod +x .gpu/autotp; scripts/gpu-check.sh .gpu/autotp
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release/autotp}
@@ -33,7 +46,7 @@ done
 # 8 x 12 heads x 1024^2 x 64, forward 2 * 8 * 12 * 1024^2 * 64 FLOP a layer (half of the four
 # products' 4 b h s^2 d), the backward 2.5 times that (FlashAttention's count).
 "$BIN" run "${AUTOTP_BENCH_DIR:-/tmp/autotp-gpu-bench}/gpt2-124m-bf16.atp" --device cuda \
-  --data tests/fixtures/train/tokens.bin --steps 8 --profile | tee /tmp/autotp-profile.txt | head -40
+  --data tests/fixtures/train/tokens.bin --steps 8 --profile | tee /tmp/autotp-profile.txt | head -60
 awk '$1 == "attention" || $1 == "attention_grad" {
   flop = 12 * 2 * 8 * 12 * 1024 * 1024 * 64 * ($1 == "attention" ? 1 : 2.5)
   printf "fused %s: %.3f ms per step, %.1f TFLOP/s\n", $1, $3, flop / ($3 * 1e-3) / 1e12 }' /tmp/autotp-profile.txt
