@@ -211,7 +211,8 @@ impl Arena {
                     stacked[b] = true;
                 }
                 let mut order: Vec<usize> = all.iter().copied().filter(|&b| !stacked[b]).collect();
-                order.sort_by_key(|&b| {
+                // Each block's key once (the keys take powers).
+                order.sort_by_cached_key(|&b| {
                     let block = self.blocks[b];
                     (std::cmp::Reverse(key(block.len, lifetime(&block), block.start)), block.start)
                 });
