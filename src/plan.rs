@@ -150,7 +150,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             i + 1,
             l.tp,
             if l.sequence_parallel { "sp" } else { "-" },
-            l.cp,
+            match l.cp_comm_type.as_str() {
+                "p2p" => format!("{}r", l.cp),
+                _ => l.cp.to_string(),
+            },
             l.pp,
             schedule_label(l),
             l.dp,

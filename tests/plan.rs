@@ -90,8 +90,9 @@ fn plan_ranks_the_layouts_that_fit_and_says_why_the_others_do_not() {
     let layouts = json["layouts"].as_array().unwrap();
     // tp 1, 2, 4, 8 x cp 1, 2, 4, 8 x pp 1, 2, 4, 8 (of those dividing 8; each pipeline under
     // 1F1B and ZB-H1, too few layers to interleave; tp 2 and up without cp with and without
-    // sequence parallelism: 39 meshes) x zero 0-3 x micro-batches 1, 2, 4, 8 x 3 recomputations.
-    assert_eq!(layouts.len(), 39 * 4 * 4 * 3, "{out}");
+    // sequence parallelism: 39 meshes, and the 14 with cp again with its ring) x zero 0-3 x
+    // micro-batches 1, 2, 4, 8 x 3 recomputations.
+    assert_eq!(layouts.len(), (39 + 14) * 4 * 4 * 3, "{out}");
     let refused = |needle: &str| layouts.iter().any(|l| l["refused"].as_str().is_some_and(|r| r.contains(needle)));
     assert!(refused("more stages than the model's 2 layers"), "{out}");
     assert!(refused("out of memory"), "{out}");
@@ -374,6 +375,50 @@ fn plan_splits_a_long_sequence_over_context_parallel_ranks() {
     assert!(step(&verified) < tp_best, "{out}");
     let why = "cp 2 splits one sequence at a time: it needs micro-batch 1, not 2";
     assert!(layouts.iter().any(|l| l["refused"] == why), "{out}");
+}
+
+/// Context parallelism's ring in the search (`--cp-comm-type p2p`, column `cp` "2r"): its cut
+/// is compiled with the ring, so its layout sends the ring's bytes, `2N` blocks a layer more
+/// than the all-gather's (Llama: 2 layers of 2 key/value heads of 16 over 1024 tokens, f32:
+/// blocks of 65,536 bytes at cp 2), its flags name it, and its predicted peak is the compiled
+/// plan's within 3.5%, as the all-gather's is (the whole model is the cut: 2.8% over both).
+#[test]
+fn plan_searches_context_parallelism_around_a_ring() {
+    let model = fixture("llama", "model.onnx");
+    let args = ["--devices", "2", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "1024"];
+    let extra = ["--global-batch", "1", "--recompute", "none", "--micro-batches", "1", "--top", "6"];
+    let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &extra].concat());
+    assert!(out.contains("  2r "), "the ring's row: {out}");
+    let cp2 = |form: &str| {
+        json["layouts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["layout"]["cp"] == 2 && l["layout"]["cp_comm_type"] == form && l["layout"]["pp"] == 1)
+            .unwrap_or_else(|| panic!("a cp 2 {form} layout: {out}"))
+            .clone()
+    };
+    let (gather, ring) = (cp2("all_gather"), cp2("p2p"));
+    let comm = |l: &serde_json::Value| l["prediction"]["comm_bytes"].as_f64().unwrap();
+    assert_eq!(comm(&ring) - comm(&gather), (2 * 2 * 2 * 65_536) as f64, "{ring}\n{gather}");
+    let activations = |l: &serde_json::Value| l["prediction"]["memory"]["activations"].as_f64().unwrap();
+    // The fixture's peak is its head's logits, not attention's keys: the two forms hold alike.
+    assert!((activations(&ring) / activations(&gather) - 1.0).abs() < 1e-3, "{ring}\n{gather}");
+    let flags: Vec<String> = serde_json::from_value(ring["compile_args"].clone()).unwrap();
+    assert!(flags.windows(2).any(|w| w == ["--cp-comm-type", "p2p"]), "{flags:?}");
+    let gather_flags: Vec<String> = serde_json::from_value(gather["compile_args"].clone()).unwrap();
+    assert!(!gather_flags.iter().any(|f| f == "--cp-comm-type"), "{gather_flags:?}");
+    let report = scratch("plan-ring").join("report.json");
+    let compile =
+        [&["compile".to_string()][..], &flags, &["--report".into(), report.to_str().unwrap().into()]].concat();
+    let summary = success(autotp(&compile.iter().map(String::as_str).collect::<Vec<_>>()));
+    assert!(summary.contains("ring"), "{summary}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    let compiled =
+        report["ranks"][0]["peak_bytes"].as_f64().unwrap() - report["ranks"][0]["comm_buffer_bytes"].as_f64().unwrap();
+    let predicted = ring["prediction"]["memory"]["peak"].as_f64().unwrap();
+    // As for the all-gather (12,900,128 predicted against 12,552,960 compiled on 2026-11-29).
+    assert!((compiled - predicted).abs() / compiled < 0.035, "predicted {predicted}, compiled {compiled}");
 }
 
 /// Expert parallelism in the search (the Mixtral fixture on 4 CPU ranks): `--ep` is searched

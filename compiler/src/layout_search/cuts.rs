@@ -60,6 +60,7 @@ pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout>
         tp: layout.tp,
         // The reductions over dp are of whole gradients, which cp leaves whole.
         cp: 1,
+        cp_comm_type: "all_gather".into(),
         pp: 1,
         dp: 2,
         ep: layout.ep.min(2),
@@ -87,6 +88,9 @@ pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Lay
         if value > 1 {
             flag(name, value.to_string());
         }
+    }
+    if layout.cp > 1 && layout.cp_comm_type != "all_gather" {
+        flag("cp-comm-type", layout.cp_comm_type.clone());
     }
     if layout.zero > 0 {
         flag("zero", layout.zero.to_string());

@@ -35,8 +35,10 @@ pub struct Figures {
     /// tp's.
     pub(super) tp_bytes: f64,
     /// Bytes sent per micro-batch over the context-parallel axis: the keys' and values'
-    /// gathers and their gradients' scatters.
+    /// gathers and their gradients' scatters, or the ring's shifts.
     pub(super) cp_bytes: f64,
+    /// The collectives behind `cp_bytes`, each a latency on the step's path.
+    pub(super) cp_exchanges: f64,
     /// Bytes sent once a step by the all-reduces over the context-parallel axis (the weights'
     /// gradients, summed over cp as over dp).
     pub(super) cp_reduce_bytes: f64,
@@ -54,7 +56,7 @@ impl Figures {
         let m = &program.memory;
         let peaks = phase_peaks(program);
         let (mut gemm_flops, mut gemm_flops_per_row, mut other_bytes, mut tp_bytes) = (0.0, 0.0, 0.0, 0.0);
-        let (mut cp_bytes, mut cp_reduce_bytes, mut ep_bytes) = (0.0, 0.0, 0.0);
+        let (mut cp_bytes, mut cp_exchanges, mut cp_reduce_bytes, mut ep_bytes) = (0.0, 0.0, 0.0, 0.0);
         let mut staging = 0usize;
         for instruction in &program.instructions {
             match instruction {
@@ -64,7 +66,11 @@ impl Figures {
                     use autotp_program::mesh::{Collective, CONTEXT_AXIS, DATA_AXIS};
                     match (axis.name.as_str(), op.kind) {
                         (CONTEXT_AXIS, Collective::AllReduce) => cp_reduce_bytes += sent,
-                        (CONTEXT_AXIS, _) => cp_bytes += sent,
+                        (CONTEXT_AXIS, _) => {
+                            cp_bytes += sent;
+                            // A shard's slice sends nothing.
+                            cp_exchanges += if sent > 0.0 { 1.0 } else { 0.0 };
+                        }
                         (DATA_AXIS, Collective::AllToAll { .. }) => ep_bytes += sent,
                         (DATA_AXIS, _) => {}
                         _ => tp_bytes += sent,
@@ -97,6 +103,7 @@ impl Figures {
             other_bytes,
             tp_bytes,
             cp_bytes,
+            cp_exchanges,
             cp_reduce_bytes,
             ep_bytes,
             instructions: program.instructions.len() as f64,
@@ -119,6 +126,7 @@ impl Figures {
             other_bytes: f(a.other_bytes, b.other_bytes),
             tp_bytes: f(a.tp_bytes, b.tp_bytes),
             cp_bytes: f(a.cp_bytes, b.cp_bytes),
+            cp_exchanges: f(a.cp_exchanges, b.cp_exchanges),
             cp_reduce_bytes: f(a.cp_reduce_bytes, b.cp_reduce_bytes),
             ep_bytes: f(a.ep_bytes, b.ep_bytes),
             instructions: f(a.instructions, b.instructions),
@@ -291,6 +299,7 @@ impl Model {
             other_bytes: n * layer.other_bytes + work * rest.other_bytes,
             tp_bytes: n * layer.tp_bytes + work * rest.tp_bytes,
             cp_bytes: n * layer.cp_bytes + work * rest.cp_bytes,
+            cp_exchanges: n * layer.cp_exchanges + work * rest.cp_exchanges,
             // The gradients reduced are the stage's parameters'.
             cp_reduce_bytes: n * layer.cp_reduce_bytes + share * rest.cp_reduce_bytes,
             ep_bytes: n * layer.ep_bytes + work * rest.ep_bytes,

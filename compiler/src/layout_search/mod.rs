@@ -5,7 +5,8 @@
 //! global batch) x recomputation x pipeline schedule (1F1B, ZB-H1, interleaved 1F1B with 2 or 4
 //! model chunks per stage) x sequence parallelism (with tp; its cuts are compiled with it, so
 //! a layer's activations and traffic are its own) x context parallelism (cp 1, 2, 4, 8 at a
-//! micro-batch of 1, its all-gather form; compiled with it likewise) x expert parallelism (for a
+//! micro-batch of 1, in its all-gather form and around its ring, `--cp-comm-type p2p`;
+//! compiled with it likewise) x expert parallelism (for a
 //! mixture of experts, ep = dp: a cut compiled over ep ranks gives a rank's experts, its
 //! padded work for every pair that may reach it and its all-to-alls; its difference from the
 //! cut without ep is the other ranks' experts, which ZeRO does not shard and dp does not
@@ -43,8 +44,9 @@
 //! **Time is a cost model** ([`device::Device`]): GEMM FLOPs at the device's rate (less for GEMMs of
 //! few rows), other kernels' bytes at its memory bandwidth, a dispatch time per instruction,
 //! tp's collectives per micro-batch over the node's link (NVLink, shared memory), cp's gathers
-//! of keys and values and scatters of their gradients per micro-batch and its reduction of the
-//! weights' gradients per step over the link its group spans, the
+//! of keys and values and scatters of their gradients (or the ring's shifts, on the step's path
+//! too: their overlap with the rounds is not modelled) per micro-batch, a latency each, and its
+//! reduction of the weights' gradients per step over the link its group spans, the
 //! pipeline's (micro-batches + stages - 1) slots of its slowest stage (the fill and drain
 //! divided by the model chunks interleaved, a third of it under ZB-H1: [`Layout::bubble_slots`])
 //! and its activation sends (once per model chunk),
@@ -204,9 +206,13 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
         match model_of(&cuts, &c.layout, &shape, smallest_micro_batch, activation_bytes, request.seq_len) {
             Err(e) => c.refused = Some(first_line(&e)),
             Ok(model) => {
+                let cp = match c.layout.cp_comm_type.as_str() {
+                    "p2p" => format!("{} p2p", c.layout.cp),
+                    _ => c.layout.cp.to_string(),
+                };
                 let key = format!(
-                    "tp {} cp {} ep {} micro-batch {} recompute {} zero {}",
-                    c.layout.tp, c.layout.cp, c.layout.ep, c.layout.micro_batch, c.layout.recompute, c.layout.zero
+                    "tp {} cp {cp} ep {} micro-batch {} recompute {} zero {}",
+                    c.layout.tp, c.layout.ep, c.layout.micro_batch, c.layout.recompute, c.layout.zero
                 );
                 models.insert(key, model);
                 let memory = request.memory_per_device as f64;
@@ -264,10 +270,12 @@ fn enumerate_layouts(
     // CPU ranks' host is the memory they run in. (optimizer, parameters)
     let offloads: &[(bool, bool)] =
         if request.device == "cpu" { &[(false, false)] } else { &[(false, false), (true, false), (true, true)] };
-    for (tp, cp) in divisors(request.devices)
-        .into_iter()
-        .flat_map(|tp| context_parallel_sizes(request, tp).into_iter().map(move |cp| (tp, cp)))
-    {
+    for (tp, cp, cp_comm_type) in divisors(request.devices).into_iter().flat_map(|tp| {
+        context_parallel_sizes(request, tp).into_iter().flat_map(move |cp| {
+            let forms: &[&str] = if cp > 1 { &["all_gather", "p2p"] } else { &["all_gather"] };
+            forms.iter().map(move |&form| (tp, cp, form))
+        })
+    }) {
         for (pp, dp, ep) in divisors(request.devices / (tp * cp)).into_iter().flat_map(|pp| {
             let dp = request.devices / (tp * cp * pp);
             expert_parallel_sizes(shape, dp).into_iter().map(move |ep| (pp, dp, ep))
@@ -286,6 +294,7 @@ fn enumerate_layouts(
                             let mut layout = Layout {
                                 tp,
                                 cp,
+                                cp_comm_type: cp_comm_type.to_string(),
                                 pp,
                                 dp,
                                 ep,

@@ -15,6 +15,9 @@ pub struct Layout {
     pub tp: usize,
     /// Context-parallel ranks (`--cp`): each sequence split over them.
     pub cp: usize,
+    /// How attention meets the other cp ranks' keys (`--cp-comm-type`): `all_gather`, or `p2p`
+    /// (passed around a ring); `all_gather` without cp.
+    pub cp_comm_type: String,
     pub pp: usize,
     pub dp: usize,
     /// Expert-parallel ranks (`--ep`): a mixture of experts' experts split over the dp ranks
@@ -245,9 +248,10 @@ pub(super) fn predict(
             + figures.instructions * device.instruction_seconds;
         let tp_seconds =
             if tp > 1 { figures.tp_bytes / node_groups(tp, 1) + device.latency * 4.0 * n as f64 } else { 0.0 };
-        // Each layer gathers its key and value and scatters their gradients over cp.
+        // Each layer gathers its key and value and scatters their gradients over cp, or passes
+        // them around the ring (on the step's path too: the rounds' overlap is not modelled).
         let cp_seconds =
-            if cp > 1 { figures.cp_bytes / node_groups(cp, tp) + device.latency * 4.0 * n as f64 } else { 0.0 };
+            if cp > 1 { figures.cp_bytes / node_groups(cp, tp) + device.latency * figures.cp_exchanges } else { 0.0 };
         // Each layer's mixture sends its pairs to their experts' ranks and back, forward and
         // backward, over the dp ranks.
         let ep_seconds = if ep > 1 {
