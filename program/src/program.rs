@@ -282,8 +282,6 @@ impl Program {
         regions.map(|r| r.end()).max().unwrap_or(0)
     }
 
-    /// The multi-tensor kernels that the program's optimizer steps need, one per update rule
-    /// and dtype, in order of first use.
     /// Whether a GPU running this program launches any kernel of its PTX: generated kernels,
     /// optimizer steps or builtin kernels' GPU forms. A program of none (only copies,
     /// collectives and cuBLAS GEMMs) carries no PTX and needs none.
@@ -291,6 +289,8 @@ impl Program {
         !(self.kernels.is_empty() && self.gpu_kernels.is_empty() && self.optimizer_kernels().is_empty())
     }
 
+    /// The multi-tensor kernels that the program's optimizer steps need, one per update rule
+    /// and dtype, in order of first use.
     pub fn optimizer_kernels(&self) -> Vec<OptimizerKernel> {
         let mut kinds = Vec::new();
         for instruction in &self.instructions {
