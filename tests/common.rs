@@ -53,7 +53,6 @@ pub fn autotp<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_autotp")).args(args).output().unwrap()
 }
 
-/// Asserts that a run succeeded and returns its stdout.
 /// `autotp train` of the tiny exported Llama (tests/fixtures/hf_export) at sequence 16, `args`
 /// added.
 pub fn train_hf_export(args: &[&str]) -> std::process::Output {
@@ -62,6 +61,7 @@ pub fn train_hf_export(args: &[&str]) -> std::process::Output {
     autotp(&[&base[..], args].concat())
 }
 
+/// Asserts that a run succeeded and returns its stdout.
 pub fn success(out: std::process::Output) -> String {
     assert!(out.status.success(), "autotp failed:\n{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()

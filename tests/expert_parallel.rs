@@ -2,33 +2,33 @@
 //! global graph computes the same logits, loss and gradients as the model undispatched; the
 //! Mixtral, DeepSeek-V3 (a shared expert beside the routed ones) and gpt-oss (experts with
 //! biases, each table looked up by its own copy of the choices) fixtures train as one
-//! rank does with their experts split by expert, alone, under ZeRO, with tensor and pipeline
-//! parallelism; checkpoints resume under ep and under dp; each rank holds its experts alone and
-//! sends the bytes the formula says all-to-all.
+//! rank does with their experts split by expert, alone, under ZeRO, with tensor, pipeline and
+//! context parallelism; checkpoints resume under ep and under dp; each rank holds its experts
+//! alone and sends the bytes the formula says all-to-all.
 
 use std::collections::BTreeMap;
 
 use autotp_frontend::ImportOptions;
 use autotp_ir::{Graph, Op, Tensor};
 use autotp_passes::autodiff::{Autodiff, GRAD_PREFIX};
-use autotp_passes::expert_dispatch::DispatchExperts;
+use autotp_passes::expert_dispatch::{DispatchExperts, DispatchLayout};
 use autotp_passes::{Pass, PassManager};
 
 use crate::common::{fixture, losses, max_abs_diff, read_npy, run_plan};
 use crate::parallel::{train_model, within_contract};
 
 /// The fixture `arch`'s training graph (simplified, its loss attached, differentiated), with
-/// its experts dispatched over `ranks` first when there are more than one; and its weights.
-fn training_graph(arch: &str, ranks: usize) -> (Graph, BTreeMap<String, Tensor>) {
+/// its experts dispatched in `layout` first when it has more than one rank; and its weights.
+fn training_graph(arch: &str, layout: DispatchLayout) -> (Graph, BTreeMap<String, Tensor>) {
     let options = ImportOptions { batch: Some(4), seq_len: Some(32), ..ImportOptions::default() };
     let mut model = autotp_frontend::import_onnx(&fixture(arch, "model.onnx"), &options).unwrap();
     PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
     let passes: Vec<Box<dyn Pass>> = vec![
         Box::new(autotp_passes::loss::AttachLoss),
-        Box::new(DispatchExperts { ranks }),
+        Box::new(DispatchExperts { layout }),
         Box::new(Autodiff::new(autotp_passes::loss::LOSS)),
     ];
-    PassManager::new(passes).run(&mut model.graph).unwrap_or_else(|e| panic!("{arch} over {ranks}: {e}"));
+    PassManager::new(passes).run(&mut model.graph).unwrap_or_else(|e| panic!("{arch} in {layout:?}: {e}"));
     (model.graph, model.weights)
 }
 
@@ -41,26 +41,25 @@ fn dispatched_experts_train_as_the_undispatched_model() {
     for arch in ["mixtral", "deepseek_v3", "gpt_oss"] {
         let ids = read_npy(&fixture(arch, "input_ids.npy"));
         let inputs = [ids.clone(), ids];
-        let (reference_graph, weights) = training_graph(arch, 1);
+        let (reference_graph, weights) = training_graph(arch, DispatchExperts::over(1).layout);
         let reference = autotp_ir::eval::eval_graph(&reference_graph, &weights, &inputs).unwrap();
-        for ranks in [2, 4] {
-            let (graph, _) = training_graph(arch, ranks);
+        // Over 2 and 4 ranks, and over 2 with each rank's tokens in 2 context-parallel parts.
+        let layouts = [(2, 1), (4, 1), (2, 2)].map(|(ranks, inner)| DispatchLayout { ranks, outer: 1, inner });
+        for layout in layouts {
+            let (graph, _) = training_graph(arch, layout);
             // Each mixture scatters its pairs into the send buffers and gathers them back: the
             // hidden states, the experts' ids and (Mixtral) the routing weights go out, the
             // pairs' results come back; the backward does the reverse.
-            let scatters = count(&graph, |op| matches!(op, Op::ScatterElements { axis: 1, .. }));
-            let gathers = count(&graph, |op| matches!(op, Op::GatherElements { axis: 1 }));
-            assert!(scatters >= 2 && gathers >= 2, "{arch} over {ranks}: {scatters} scatters, {gathers} gathers");
+            let scatters = count(&graph, |op| matches!(op, Op::ScatterElements { axis: 3, .. }));
+            let gathers = count(&graph, |op| matches!(op, Op::GatherElements { axis: 3 }));
+            assert!(scatters >= 2 && gathers >= 2, "{arch} in {layout:?}: {scatters} scatters, {gathers} gathers");
 
             let outputs = autotp_ir::eval::eval_graph(&graph, &weights, &inputs).unwrap();
             assert_eq!(graph.outputs().len(), reference_graph.outputs().len());
             let mut gradients = 0;
             for (((name, _), got), want) in graph.outputs().iter().zip(&outputs).zip(&reference) {
                 let (diff, scale) = max_abs_diff(got, want);
-                assert!(
-                    diff <= 1e-5 * scale.max(1e-3),
-                    "{arch} over {ranks} ranks: {name} differs by {diff} (max {scale})"
-                );
+                assert!(diff <= 1e-5 * scale.max(1e-3), "{arch} in {layout:?}: {name} differs by {diff} (max {scale})");
                 gradients += name.starts_with(GRAD_PREFIX) as usize;
             }
             assert!(gradients > 10, "{arch}: {gradients} gradients compared");
@@ -72,16 +71,17 @@ fn dispatched_experts_train_as_the_undispatched_model() {
 fn dispatch_refuses_a_model_without_experts_and_an_uneven_split() {
     let options = ImportOptions { batch: Some(4), seq_len: Some(32), ..ImportOptions::default() };
     let mut llama = autotp_frontend::import_onnx(&fixture("llama", "model.onnx"), &options).unwrap();
-    let error = DispatchExperts { ranks: 2 }.run(&mut llama.graph).unwrap_err().to_string();
+    let error = DispatchExperts::over(2).run(&mut llama.graph).unwrap_err().to_string();
     assert!(error.contains("--ep 2") && error.contains("has none"), "{error}");
     let mut mixtral = autotp_frontend::import_onnx(&fixture("mixtral", "model.onnx"), &options).unwrap();
-    let error = DispatchExperts { ranks: 3 }.run(&mut mixtral.graph).unwrap_err().to_string();
+    let error = DispatchExperts::over(3).run(&mut mixtral.graph).unwrap_err().to_string();
     assert!(error.contains("--ep 3 must divide the experts (4)") && error.contains("experts.gate_up_proj"), "{error}");
 }
 
 /// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank: expert
-/// parallelism alone, under ZeRO, with tensor parallelism (the experts split over ep and tp)
-/// and with a pipeline.
+/// parallelism alone, under ZeRO, with tensor parallelism (the experts split over ep and tp),
+/// with a pipeline, and beside context parallelism (each cp rank dispatching its own part of
+/// the sequence; all-gathered keys and values, and around the ring under ZeRO 3).
 #[test]
 fn expert_parallelism_trains_like_one_rank() {
     let dir = crate::common::scratch("expert-parallel");
@@ -94,6 +94,8 @@ fn expert_parallelism_trains_like_one_rank() {
         (4, &["--dp", "2", "--ep", "2", "--tp", "2"]),
         (4, &["--dp", "2", "--ep", "2", "--tp", "2", "--zero", "1"]),
         (2, &["--dp", "2", "--ep", "2", "--pp", "2", "--grad-accum", "2"]),
+        (1, &["--dp", "2", "--ep", "2", "--cp", "2", "--grad-accum", "4"]),
+        (1, &["--dp", "2", "--ep", "2", "--cp", "2", "--cp-comm-type", "p2p", "--zero", "3", "--grad-accum", "4"]),
     ];
     for arch in ["mixtral", "deepseek_v3", "gpt_oss"] {
         let single = train_model(&dir, arch, "model.onnx", 8, &[]);
@@ -135,10 +137,11 @@ fn expert_parallel_checkpoints_resume_under_ep_and_under_dp() {
 }
 
 /// Rank 0's parameter bytes and bytes sent all-to-all per step, for the Mixtral fixture at
-/// micro-batch 4 x seq-len 16 per rank over `flags`.
-fn mixtral_per_rank(flags: &[&str]) -> (usize, usize) {
+/// `micro_batch` sequences of 16 tokens per rank over `flags`.
+fn mixtral_per_rank(micro_batch: usize, flags: &[&str]) -> (usize, usize) {
     let model = fixture("mixtral", "model.onnx");
-    let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", "4", "--seq-len", "16"]
+    let micro_batch = micro_batch.to_string();
+    let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", &micro_batch, "--seq-len", "16"]
         .iter()
         .chain(flags)
         .map(|s| s.to_string())
@@ -150,25 +153,58 @@ fn mixtral_per_rank(flags: &[&str]) -> (usize, usize) {
 
 /// Each rank holds `1/n` of every layer's experts (Mixtral: 4 experts of `[256, 64]` and
 /// `[64, 128]` f32 weights in each of 2 layers) and the rest of the model whole. Per layer each
-/// rank exchanges send buffers of `n x P/n` rows (dropless: room for every pair of its own
-/// with any one destination; `P/n` = 64 tokens x 2 choices) and sends `(n-1)/n` of them: the
-/// forward sends each pair's hidden state, expert id and routing weight (`H + 2` floats) and
-/// gets its result back (`H`); the backward returns the result's gradient (`H`) and sends the
-/// hidden state's and routing weight's (`H + 1`).
+/// rank exchanges send buffers of `n x P_r` rows (dropless: room for every pair of its own
+/// with any one destination; `P_r` its pairs: its tokens x 2 choices) and sends `(n-1)/n` of
+/// them: the forward sends each pair's hidden state, expert id and routing weight (`H + 2`
+/// floats) and gets its result back (`H`); the backward returns the result's gradient (`H`) and
+/// sends the hidden state's and routing weight's (`H + 1`). Beside context parallelism a rank's
+/// tokens are its part of a sequence: `1/cp` of them, and so of the bytes.
 #[test]
 fn expert_parallelism_holds_its_experts_and_exchanges_the_pairs_the_formula_says() {
-    let (hidden, layers, pairs_per_rank) = (64, 2, 64 * 2);
+    let (hidden, layers, choices) = (64, 2, 2);
     let expert_bytes = layers * 4 * (256 * 64 + 64 * 128) * 4;
-    for n in [2usize, 4] {
-        let ranks = n.to_string();
-        let (dp_params, dp_exchanged) = mixtral_per_rank(&["--dp", &ranks]);
-        let (ep_params, exchanged) = mixtral_per_rank(&["--dp", &ranks, "--ep", &ranks]);
-        println!("ep {n}: parameters {ep_params} bytes per rank (dp alone {dp_params}), all-to-all {exchanged}");
+    let floats = (hidden + 2) + hidden + hidden + (hidden + 1);
+    for (n, cp) in [(2usize, 1usize), (4, 1), (2, 2)] {
+        let (ranks, cp_ranks) = (n.to_string(), cp.to_string());
+        // Context parallelism takes one sequence at a time.
+        let micro_batch = if cp > 1 { 1 } else { 4 };
+        let (dp_params, dp_exchanged) = mixtral_per_rank(micro_batch, &["--dp", &ranks, "--cp", &cp_ranks]);
+        let (ep_params, exchanged) =
+            mixtral_per_rank(micro_batch, &["--dp", &ranks, "--ep", &ranks, "--cp", &cp_ranks]);
+        println!(
+            "ep {n} cp {cp}: parameters {ep_params} bytes per rank (dp alone {dp_params}), all-to-all {exchanged}"
+        );
         assert_eq!(dp_exchanged, 0, "dp {n} alone exchanges nothing");
         assert_eq!(dp_params - ep_params, expert_bytes * (n - 1) / n, "ep {n}: each rank holds 1/{n} of the experts");
-        let floats = (hidden + 2) + hidden + hidden + (hidden + 1);
-        assert_eq!(exchanged, layers * (n - 1) * pairs_per_rank * floats * 4, "ep {n}: all-to-all bytes");
+        let pairs_per_rank = micro_batch * 16 / cp * choices;
+        assert_eq!(exchanged, layers * (n - 1) * pairs_per_rank * floats * 4, "ep {n} cp {cp}: all-to-all bytes");
     }
+    // The compile summary says what ep 2 beside cp 2 exchanges, among which ranks: 7
+    // all-to-alls a layer (4 forward, 3 backward) of 16 pairs' 259 floats.
+    let model = fixture("mixtral", "model.onnx");
+    let plan = crate::common::scratch("expert-parallel-summary").join("plan.atp");
+    let summary = crate::common::success(crate::common::autotp(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "1",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--cp",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]));
+    let line = summary.lines().find(|l| l.contains("expert parallelism:")).unwrap_or_default();
+    assert!(
+        line.contains("among the dp ranks of the same part of the sequence (cp=2)")
+            && line.contains("14 all-to-alls per rank per step (33,152 bytes sent"),
+        "{summary}"
+    );
 }
 
 #[test]
@@ -186,8 +222,6 @@ fn expert_parallelism_refuses_layouts_it_does_not_build() {
     assert!(message.contains("--ep 2 splits the experts over the data-parallel ranks: it needs --dp 2"), "{message}");
     let message = compile(&["--dp", "4", "--ep", "2"]);
     assert!(message.contains("--dp 4 would need expert-data-parallel groups"), "{message}");
-    let message = compile(&["--dp", "2", "--ep", "2", "--cp", "2"]);
-    assert!(message.contains("--ep 2 with --cp 2"), "{message}");
     let message = compile_model("llama", &["--dp", "2", "--ep", "2"]);
     assert!(message.contains("this model has none"), "{message}");
 }

@@ -53,7 +53,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep]` or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS[:cp=CP]`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep][:cp=CP]` or
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
 /// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
@@ -110,22 +110,32 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "shard" => Box::new(shard_spec(argument)),
         "split-fused" => Box::new(autotp_passes::split_fused::SplitFused),
         "expand-norms" => Box::new(autotp_passes::expand_norms::ExpandNorms),
-        "expert-dispatch" => Box::new(autotp_passes::expert_dispatch::DispatchExperts {
-            ranks: argument.parse().expect("expert-dispatch:RANKS"),
-        }),
+        "expert-dispatch" => {
+            // expert-dispatch:RANKS[:cp=CP]: each rank's tokens split over CP context ranks.
+            let (ranks, inner) = argument.split_once(":cp=").unwrap_or((argument, "1"));
+            let layout = autotp_passes::expert_dispatch::DispatchLayout {
+                ranks: ranks.parse().expect("expert-dispatch:RANKS[:cp=CP]"),
+                outer: 1,
+                inner: inner.parse().expect("expert-dispatch:RANKS[:cp=CP]"),
+            };
+            Box::new(autotp_passes::expert_dispatch::DispatchExperts { layout })
+        }
         "unmerge-heads" => Box::new(autotp_passes::unmerge_heads::UnmergeHeads),
         "accumulate" => Box::new(autotp_passes::accumulate::Accumulate {
             micro_batches: argument.parse().expect("accumulate:A"),
             batch_inputs: vec!["input_ids".into(), "labels".into()],
         }),
         "zero" => {
+            // A trailing `:cp=CP`: each sequence split over CP context ranks as well.
+            let (argument, cp) = argument.split_once(":cp=").unwrap_or((argument, "1"));
+            let cp = cp.parse().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep][:cp=CP]");
             // A trailing `:ep`: the experts split by expert over dp (`--ep` = `--dp`).
             let (argument, expert_parallel) = match argument.strip_suffix(":ep") {
                 Some(rest) => (rest, true),
                 None => (argument, false),
             };
             let mut parts =
-                argument.split(':').map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep]"));
+                argument.split(':').map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep][:cp=CP]"));
             let (dp, stage) = (parts.next().unwrap(), parts.next().unwrap() as u8);
             let mut config = autotp_passes::zero::ZeroConfig { stage, ..Default::default() };
             if let (Some(bucket), Some(max_live)) = (parts.next(), parts.next()) {
@@ -134,7 +144,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             }
             Box::new(autotp_passes::zero::Zero {
                 dp,
-                cp: 1,
+                cp,
                 config,
                 batch_inputs: vec!["input_ids".into(), "labels".into()],
                 param_placements: Default::default(),

@@ -422,9 +422,10 @@ fn plan_searches_context_parallelism_around_a_ring() {
 }
 
 /// Expert parallelism in the search (the Mixtral fixture on 4 CPU ranks): `--ep` is searched
-/// at dp for a mixture of experts, refused beside cp with why; every expert-parallel layout that
+/// at dp for a mixture of experts, beside cp as well; every expert-parallel layout that
 /// fits compiles with its printed flags to within the bands of dense models' predicted peaks
-/// (on 2026-11-29: 1.00-1.01 without a pipeline, 1.02-1.04 1F1B, 1.23-1.25 ZB-H1), holds less than
+/// (on 2026-11-29: 1.00-1.01 without a pipeline, 0.99-1.07 beside cp, 1.02-1.04 1F1B, 1.23-1.25
+/// ZB-H1), holds less than
 /// its twin without ep (a rank keeps its own experts) and pays its all-to-alls in time.
 #[test]
 fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
@@ -437,9 +438,7 @@ fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
     let printed = success(autotp(&[&["plan"][..], &out, &args, &search].concat()));
     let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let layouts = plan["layouts"].as_array().unwrap();
-    let why = "ep 2 with cp 2: the experts' all-to-alls would take whole sequences on every cp rank";
-    assert!(layouts.iter().any(|c| c["refused"] == why), "{printed}");
-    let mut checked = 0;
+    let (mut checked, mut beside_cp) = (0, 0);
     for c in layouts.iter().filter(|c| c["layout"]["ep"] != 1) {
         let l = &c["layout"];
         assert_eq!(l["ep"], l["dp"], "{c}");
@@ -460,6 +459,7 @@ fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
         println!("{l}: predicted / compiled peak {ratio:.3}");
         assert!(peak_band(l).contains(&ratio), "{l}: predicted / compiled peak {ratio:.3}");
         checked += 1;
+        beside_cp += (l["cp"] != 1) as usize;
     }
-    assert!(checked >= 8, "{checked} expert-parallel layouts fit: {printed}");
+    assert!(checked >= 8 && beside_cp >= 1, "{checked} expert-parallel layouts fit, {beside_cp} beside cp: {printed}");
 }

@@ -451,8 +451,7 @@ fn grad_accum(flags: &CompileFlags) -> Result<usize, CompileError> {
 }
 
 /// Refuses the `--ep` layouts autotp does not build yet: expert parallelism splits the
-/// experts over the data-parallel ranks themselves (Megatron's expert-data-parallel size 1),
-/// and dispatches whole sequences, so not beside context parallelism.
+/// experts over the data-parallel ranks themselves (Megatron's expert-data-parallel size 1).
 fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
     if flags.ep == 1 {
         return Ok(());
@@ -464,15 +463,6 @@ fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
             flags.ep,
             flags.ep,
             flags.dp
-        );
-    }
-    if flags.cp > 1 {
-        refuse!(
-            "--ep {} with --cp {}: the experts' all-to-alls over dp would take each dp rank's whole sequence, \
-             gathered over cp, on every cp rank (the experts' work repeated cp times); autotp does not dispatch \
-             a cp rank's own tokens yet",
-            flags.ep,
-            flags.cp
         );
     }
     Ok(())

@@ -465,7 +465,10 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     }
     steps.push(pass(Box::new(autotp_passes::loss::AttachLoss)));
     if flags.ep > 1 {
-        steps.push(pass(Box::new(autotp_passes::expert_dispatch::DispatchExperts { ranks: flags.ep })));
+        // The experts' ranks are the data-parallel ranks; each sends its own part of a
+        // context-parallel sequence.
+        let layout = autotp_passes::expert_dispatch::DispatchLayout { ranks: flags.ep, outer: 1, inner: flags.cp };
+        steps.push(pass(Box::new(autotp_passes::expert_dispatch::DispatchExperts { layout })));
     }
     if flags.tp > 1 {
         steps.push(pass(Box::new(autotp_passes::split_fused::SplitFused)));

@@ -304,10 +304,15 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
         let n = program.mesh[axis].size;
         if let Some(&(count, bytes)) = sent_over(program, axis).get("all_to_all") {
             let stage = if plan.stages.len() > 1 { format!(", stage {s}") } else { String::new() };
+            let context = program.mesh.iter().find(|a| a.name == autotp_program::mesh::CONTEXT_AXIS);
+            let among = match context {
+                Some(cp) => format!(" among the dp ranks of the same part of the sequence (cp={})", cp.size),
+                None => String::new(),
+            };
             lines.push(format!(
                 "  expert parallelism{stage}: the experts split by expert over dp={n}; each (token, choice) pair sent \
-                 to its expert's rank and back: {count} all-to-alls per rank per step ({} bytes sent; dropless: \
-                 room for every pair of a rank with each destination)",
+                 to its expert's rank{among} and back: {count} all-to-alls per rank per step ({} bytes sent; \
+                 dropless: room for every pair of a rank with each destination)",
                 grouped(bytes)
             ));
         }

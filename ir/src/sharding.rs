@@ -19,13 +19,19 @@ use crate::{
     ValueId,
 };
 
+/// Expert parallelism's exchange of send buffers `[outer, n_src, inner, n_dst, P_s, width]`
+/// between the sources' and the destinations' order (and back): the two rank dims swapped, as
+/// `autotp_passes::expert_dispatch` lays them out. Over a mesh axis splitting dim 1 it is one
+/// all-to-all.
+pub const EXPERT_EXCHANGE: [usize; 6] = [0, 3, 2, 1, 4, 5];
+
 /// The exchange that brought `ids` to their ranks, where `ids` are expert parallelism's
-/// dispatched experts' ids: a cast to i64 of a reshape of the send buffers `[n, n, P/n, 1]`
-/// transposed from the sources' order to the destinations' (`[1, 0, 2, 3]`), as
-/// `autotp_passes::expert_dispatch` makes them. Each destination's rows are the pairs whose
-/// expert it holds, so a lookup by them in a table split by expert over the exchange's axis
-/// reads its own block alone; the verifier accepts such a lookup and its gradient's scatter on
-/// the block (`IndexBlock` kernels), which no rule gives for indices in general.
+/// dispatched experts' ids: a cast to i64 of a reshape of the send buffers in the
+/// destinations' order ([`EXPERT_EXCHANGE`], as many destinations as sources). Each
+/// destination's rows are the pairs whose expert it holds, so a lookup by them in a table split
+/// by expert over the exchange's axis reads its own block alone; the verifier accepts such a
+/// lookup and its gradient's scatter on the block (`IndexBlock` kernels), which no rule gives
+/// for indices in general.
 pub fn dispatched_by(graph: &Graph, ids: ValueId) -> Option<ValueId> {
     let made_by = |v: ValueId| match graph.value(v).def {
         Def::Node(n, _) => Some(graph.node(n)),
@@ -34,8 +40,9 @@ pub fn dispatched_by(graph: &Graph, ids: ValueId) -> Option<ValueId> {
     let cast = made_by(ids).filter(|n| matches!(n.op, Op::Cast { to: DType::I64 }))?;
     let reshape = made_by(cast.inputs[0]).filter(|n| matches!(n.op, Op::Reshape { .. }))?;
     let exchange = made_by(reshape.inputs[0])?;
-    let square = graph.ty(exchange.inputs[0]).shape.get(..2).is_some_and(|d| d[0] == d[1]);
-    (matches!(&exchange.op, Op::Transpose { perm } if perm[..] == [1, 0, 2, 3]) && square).then_some(reshape.inputs[0])
+    let square = graph.ty(exchange.inputs[0]).shape.get(..4).is_some_and(|d| d[1] == d[3]);
+    (matches!(&exchange.op, Op::Transpose { perm } if perm[..] == EXPERT_EXCHANGE) && square)
+        .then_some(reshape.inputs[0])
 }
 
 /// The shape one rank holds of a value of global `shape` with `placements` on `mesh`.

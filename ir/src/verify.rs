@@ -318,8 +318,8 @@ fn rounds_before_reduction(graph: &Graph, node: &crate::Node, a: usize) -> bool 
 
 /// Whether `node` is an expert lookup by dispatched ids (or its gradient's scatter into the
 /// table), placed as expert parallelism runs it on mesh axis `a`: the table, the ids and the
-/// result split alike on their first dim, the ids by destination
-/// ([`crate::sharding::dispatched_by`]).
+/// result split alike on their first dim, the ids by destination (the exchanged buffers'
+/// dim 1, [`crate::sharding::dispatched_by`]).
 fn looks_up_its_own_experts(
     graph: &Graph,
     node: &crate::Node,
@@ -332,7 +332,7 @@ fn looks_up_its_own_experts(
         _ => return false,
     };
     let by_destination = crate::sharding::dispatched_by(graph, ids)
-        .is_some_and(|exchanged| graph.value(exchanged).placements[a] == Placement::Shard(0));
+        .is_some_and(|exchanged| graph.value(exchanged).placements[a] == Placement::Shard(1));
     let split = Placement::Shard(0);
     by_destination && current.iter().chain(actual).all(|p| *p == split)
 }

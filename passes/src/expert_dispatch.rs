@@ -3,18 +3,22 @@
 //!
 //! A batched-experts export looks each (token, choice) pair's expert weights up by expert
 //! (`gather {axis = 0}` of an `[E, ..]` parameter by the router's top-k indices, `[P]` pairs)
-//! and computes every pair's MLP row by row. With `n` ranks holding `E/n` experts each and the
-//! pairs split over the same ranks by their tokens (`P/n` each, batch-major), each rank sends
-//! each pair to the rank holding its expert:
+//! and computes every pair's MLP row by row. With `n` ranks holding `E/n` experts each, the
+//! pairs are split by their tokens (batch-major) over the sources `[outer, n, inner]`
+//! ([`DispatchLayout`]: the ep ranks, and inside each the context-parallel parts of its
+//! sequence), `P_s` each, and each source sends each pair to the rank of its group holding its
+//! expert:
 //!
-//! - `dest = expert / (E/n)` and each pair's `slot` among the pairs its rank sends to the same
-//!   destination (an exclusive running count of a one-hot), so `pos = dest * P/n + slot` is its
-//!   row in its rank's send buffer `[n_dst * P/n, ..]`; dropless, as Megatron's default: a
-//!   destination's block has room for every pair its source holds.
+//! - `dest = expert / (E/n)` and each pair's `slot` among the pairs its source sends to the
+//!   same destination (an exclusive running count of a one-hot), so `pos = dest * P_s + slot`
+//!   is its row in its source's send buffer `[n_dst * P_s, ..]`; dropless, as Megatron's
+//!   default: a destination's block has room for every pair its source holds.
 //! - Every per-pair value entering the computation (the tokens' hidden states, the experts'
-//!   ids, a routing weight) is scattered into the send buffers, `[n_src, n_dst * P/n, ..]`, and
-//!   read in the destinations' order, `[n_dst, n_src, P/n, ..]` flattened to `Q = n * P` rows:
-//!   over a mesh axis that splits the sources on dim 0 this transpose is one all-to-all.
+//!   ids, a routing weight) is scattered into the send buffers, `[outer, n_src, inner, n_dst *
+//!   P_s, ..]`, and read in the destinations' order, `[outer, n_dst, inner, n_src, P_s, ..]`
+//!   ([`EXPERT_EXCHANGE`]) flattened to `Q = n * P` rows: over the mesh axis that splits the
+//!   sources' dim 1 this transpose is one all-to-all among the ranks of the same outer group
+//!   and inner part.
 //! - The computation runs unchanged on the `Q` rows (padding rows are zeros, with expert 0);
 //!   each value leaving it goes back to its pairs by the reverse transpose and a gather at
 //!   `pos`.
@@ -32,14 +36,21 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use autotp_ir::sharding::EXPERT_EXCHANGE;
 use autotp_ir::{BinaryOp, DType, Def, Graph, NodeId, Op, ReduceOp, Rewriter, Tensor, ValueId};
 
 use crate::{Pass, PassError};
 
-/// Moves every mixture of experts' per-pair computation into the dispatched layout of `ranks`
-/// expert-parallel ranks.
+/// Moves every mixture of experts' per-pair computation into the dispatched layout.
 pub struct DispatchExperts {
-    pub ranks: usize,
+    pub layout: DispatchLayout,
+}
+
+impl DispatchExperts {
+    /// Over `ranks` expert-parallel ranks that are all the data ranks (`--ep` = `--dp`, no `--cp`).
+    pub fn over(ranks: usize) -> DispatchExperts {
+        DispatchExperts { layout: DispatchLayout { ranks, outer: 1, inner: 1 } }
+    }
 }
 
 fn invalid(message: String) -> PassError {
@@ -190,14 +201,41 @@ fn mixtures(graph: &Graph) -> Result<Vec<Mixture>, PassError> {
     Ok(found)
 }
 
-/// The dispatch of one mixture's pairs over `ranks`: where each pair goes, and the values
-/// moved so far.
+/// How the pairs' sources lie around the expert-parallel ranks: every data rank holds its own
+/// block of the pairs (batch-major, then by sequence), `P / (outer x ranks x inner)` each, and
+/// exchanges with the `ranks` sources of its group, which differ only in their expert-parallel
+/// coordinate.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DispatchLayout {
+    /// Expert-parallel ranks (`--ep`): each holds `1/ranks` of every mixture's experts.
+    pub ranks: usize,
+    /// Groups of expert-parallel ranks outside them (`--dp / --ep`, Megatron's expert-data-parallel
+    /// size): each group holds every expert and exchanges among its own ranks.
+    pub outer: usize,
+    /// Ranks inside each expert-parallel rank's block of the batch (`--cp`): each holds its own
+    /// part of a sequence and exchanges with the ranks of the same part.
+    pub inner: usize,
+}
+
+impl DispatchLayout {
+    /// The pairs' blocks: `[outer, ranks, inner]`.
+    fn sources(&self) -> [usize; 3] {
+        [self.outer, self.ranks, self.inner]
+    }
+
+    fn source_count(&self) -> usize {
+        self.outer * self.ranks * self.inner
+    }
+}
+
+/// The dispatch of one mixture's pairs: where each pair goes, and the values moved so far.
 struct Dispatch {
-    ranks: usize,
+    layout: DispatchLayout,
     pairs: usize,
-    /// Each pair's row in its rank's send buffer, i64 `[n, P/n, 1]`.
+    /// Each pair's row in its source's send buffer, i64 `[outer, n, inner, P_s, 1]` (`P_s` the
+    /// pairs of a source).
     position: ValueId,
-    /// `position` broadcast to `[n, P/n, width]`, by width.
+    /// `position` broadcast to `[outer, n, inner, P_s, width]`, by width.
     positions: BTreeMap<usize, ValueId>,
     /// Per-pair values (new ids) in the dispatched layout, by their undispatched value.
     dispatched: BTreeMap<ValueId, ValueId>,
@@ -213,23 +251,38 @@ fn constant(g: &mut Graph, value: Tensor) -> Result<ValueId, PassError> {
 
 impl Dispatch {
     /// The positions of the pairs chosen by `ids` (new id, i64 `[P]`) among `experts`.
-    fn new(g: &mut Graph, ids: ValueId, experts: usize, ranks: usize) -> Result<Dispatch, PassError> {
+    fn new(g: &mut Graph, ids: ValueId, experts: usize, layout: DispatchLayout) -> Result<Dispatch, PassError> {
         let pairs = g.ty(ids).shape[0];
-        let per_rank = pairs / ranks;
-        let ids = add(g, Op::Reshape { shape: vec![ranks, per_rank, 1] }, vec![ids])?;
-        let block = constant(g, Tensor::from_i64(vec![], &[(experts / ranks) as i64]))?;
+        let (n, per_source) = (layout.ranks, pairs / layout.source_count());
+        let ids = add(g, Op::Reshape { shape: [&layout.sources()[..], &[per_source, 1]].concat() }, vec![ids])?;
+        let block = constant(g, Tensor::from_i64(vec![], &[(experts / n) as i64]))?;
         let dest = add(g, Op::Binary(BinaryOp::Div), vec![ids, block])?;
-        let ranks_seq = constant(g, Tensor::from_i64(vec![ranks], &(0..ranks as i64).collect::<Vec<_>>()))?;
+        let ranks_seq = constant(g, Tensor::from_i64(vec![n], &(0..n as i64).collect::<Vec<_>>()))?;
         let one_hot = add(g, Op::Binary(BinaryOp::Equal), vec![dest, ranks_seq])?;
         let one_hot = add(g, Op::Cast { to: DType::F32 }, vec![one_hot])?;
-        let before = add(g, Op::CumSum { axis: 1, exclusive: true, reverse: false }, vec![one_hot])?;
+        let before = add(g, Op::CumSum { axis: 3, exclusive: true, reverse: false }, vec![one_hot])?;
         let own = add(g, Op::Binary(BinaryOp::Mul), vec![before, one_hot])?;
-        let slot = add(g, Op::Reduce { op: ReduceOp::Sum, axes: vec![2], keep_dims: true }, vec![own])?;
+        let slot = add(g, Op::Reduce { op: ReduceOp::Sum, axes: vec![4], keep_dims: true }, vec![own])?;
         let slot = add(g, Op::Cast { to: DType::I64 }, vec![slot])?;
-        let stride = constant(g, Tensor::from_i64(vec![], &[per_rank as i64]))?;
+        let stride = constant(g, Tensor::from_i64(vec![], &[per_source as i64]))?;
         let start = add(g, Op::Binary(BinaryOp::Mul), vec![dest, stride])?;
         let position = add(g, Op::Binary(BinaryOp::Add), vec![start, slot])?;
-        Ok(Dispatch { ranks, pairs, position, positions: BTreeMap::new(), dispatched: BTreeMap::new() })
+        Ok(Dispatch { layout, pairs, position, positions: BTreeMap::new(), dispatched: BTreeMap::new() })
+    }
+
+    fn per_source(&self) -> usize {
+        self.pairs / self.layout.source_count()
+    }
+
+    /// `[outer, n, inner]` and then `rest`.
+    fn blocks(&self, rest: &[usize]) -> Vec<usize> {
+        [&self.layout.sources()[..], rest].concat()
+    }
+
+    /// The send buffers of every source with their destinations apart: `[outer, n_src, inner,
+    /// n_dst, P_s, width]`.
+    fn buffers_shape(&self, width: usize) -> Vec<usize> {
+        self.blocks(&[self.layout.ranks, self.per_source(), width])
     }
 
     fn position_for(&mut self, g: &mut Graph, width: usize) -> Result<ValueId, PassError> {
@@ -239,7 +292,7 @@ impl Dispatch {
         if let Some(&p) = self.positions.get(&width) {
             return Ok(p);
         }
-        let shape = vec![self.ranks, self.pairs / self.ranks, width];
+        let shape = self.blocks(&[self.per_source(), width]);
         let p = add(g, Op::Expand { shape }, vec![self.position])?;
         self.positions.insert(width, p);
         Ok(p)
@@ -247,20 +300,20 @@ impl Dispatch {
 
     /// `value` (new id, `[P, ..]`) in the dispatched layout, `[n * P, ..]`.
     fn send(&mut self, g: &mut Graph, value: ValueId) -> Result<ValueId, PassError> {
-        let (n, per_rank) = (self.ranks, self.pairs / self.ranks);
+        let (n, per_source) = (self.layout.ranks, self.per_source());
         let ty = g.ty(value).clone();
         let rest = &ty.shape[1..];
         let width = rest.iter().product::<usize>();
         let float = ty.dtype.is_float();
-        let mut rows = add(g, Op::Reshape { shape: vec![n, per_rank, width] }, vec![value])?;
+        let mut rows = add(g, Op::Reshape { shape: self.blocks(&[per_source, width]) }, vec![value])?;
         if !float {
             // Indices travel as floats (exact below 2^24); scatters move floats.
             rows = add(g, Op::Cast { to: DType::F32 }, vec![rows])?;
         }
         let position = self.position_for(g, width)?;
-        let buffers = add(g, Op::ScatterElements { axis: 1, size: n * per_rank }, vec![position, rows])?;
-        let buffers = add(g, Op::Reshape { shape: vec![n, n, per_rank, width] }, vec![buffers])?;
-        let received = add(g, Op::Transpose { perm: vec![1, 0, 2, 3] }, vec![buffers])?;
+        let buffers = add(g, Op::ScatterElements { axis: 3, size: n * per_source }, vec![position, rows])?;
+        let buffers = add(g, Op::Reshape { shape: self.buffers_shape(width) }, vec![buffers])?;
+        let received = add(g, Op::Transpose { perm: EXPERT_EXCHANGE.to_vec() }, vec![buffers])?;
         let mut shape = vec![n * self.pairs];
         shape.extend(rest);
         let mut out = add(g, Op::Reshape { shape }, vec![received])?;
@@ -272,15 +325,15 @@ impl Dispatch {
 
     /// `value` (new id, dispatched `[n * P, ..]`) back at its pairs, `[P, ..]`.
     fn gather_back(&mut self, g: &mut Graph, value: ValueId) -> Result<ValueId, PassError> {
-        let (n, per_rank) = (self.ranks, self.pairs / self.ranks);
+        let (n, per_source) = (self.layout.ranks, self.per_source());
         let ty = g.ty(value).clone();
         let rest = &ty.shape[1..];
         let width = rest.iter().product::<usize>();
-        let rows = add(g, Op::Reshape { shape: vec![n, n, per_rank, width] }, vec![value])?;
-        let returned = add(g, Op::Transpose { perm: vec![1, 0, 2, 3] }, vec![rows])?;
-        let buffers = add(g, Op::Reshape { shape: vec![n, n * per_rank, width] }, vec![returned])?;
+        let rows = add(g, Op::Reshape { shape: self.buffers_shape(width) }, vec![value])?;
+        let returned = add(g, Op::Transpose { perm: EXPERT_EXCHANGE.to_vec() }, vec![rows])?;
+        let buffers = add(g, Op::Reshape { shape: self.blocks(&[n * per_source, width]) }, vec![returned])?;
         let position = self.position_for(g, width)?;
-        let picked = add(g, Op::GatherElements { axis: 1 }, vec![buffers, position])?;
+        let picked = add(g, Op::GatherElements { axis: 3 }, vec![buffers, position])?;
         let mut shape = vec![self.pairs];
         shape.extend(rest);
         add(g, Op::Reshape { shape }, vec![picked])
@@ -304,7 +357,7 @@ impl Pass for DispatchExperts {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
-        let n = self.ranks;
+        let n = self.layout.ranks;
         if n < 2 {
             return Ok(());
         }
@@ -316,10 +369,18 @@ impl Pass for DispatchExperts {
         }
         for mixture in &found {
             let pairs = graph.ty(mixture.ids).shape[0];
-            if !mixture.experts.is_multiple_of(n) || !pairs.is_multiple_of(n) {
+            if !mixture.experts.is_multiple_of(n) {
                 return Err(invalid(format!(
-                    "--ep {n} must divide the experts ({}) and the (token, choice) pairs ({pairs}) of the mixture routed by {}",
+                    "--ep {n} must divide the experts ({}) of the mixture routed by {}",
                     mixture.experts,
+                    mixture.tables.join(", ")
+                )));
+            }
+            let sources = self.layout.source_count();
+            if !pairs.is_multiple_of(sources) {
+                return Err(invalid(format!(
+                    "the (token, choice) pairs ({pairs}) of the mixture routed by {} do not split evenly over \
+                     the {sources} data ranks that dispatch them",
                     mixture.tables.join(", ")
                 )));
             }
@@ -344,7 +405,7 @@ impl Pass for DispatchExperts {
                 Some(dispatch) => dispatch,
                 empty => {
                     let ids = rw.map(mixture.ids);
-                    empty.insert(Dispatch::new(rw.graph(), ids, mixture.experts, n)?)
+                    empty.insert(Dispatch::new(rw.graph(), ids, mixture.experts, self.layout)?)
                 }
             };
             let mut inputs = Vec::with_capacity(node.inputs.len());
@@ -426,9 +487,9 @@ fn table_param(graph: &Graph, mut v: ValueId) -> ValueId {
 }
 
 /// Whether `op` is the dispatch's change between the sources' and the destinations' order of
-/// the send buffers `[n, n, P/n, width]`.
+/// the send buffers ([`EXPERT_EXCHANGE`]).
 fn is_exchange(op: &Op) -> bool {
-    matches!(op, Op::Transpose { perm } if perm[..] == [1, 0, 2, 3])
+    matches!(op, Op::Transpose { perm } if perm[..] == EXPERT_EXCHANGE)
 }
 
 impl ExpertParallel {
@@ -489,10 +550,10 @@ impl ExpertParallel {
         match (&node.op, &node.inputs[..]) {
             (Op::Gather { axis: 0 }, [_, ids]) if dispatched.contains(ids) => Some(all(2)),
             (Op::ScatterAdd { axis: 0, .. }, [ids, _]) if dispatched.contains(ids) => Some(all(2)),
-            (op, [buffers])
-                if is_exchange(op) && source.ty(*buffers).shape[..2] == [size, size] && !dispatched.is_empty() =>
-            {
-                Some(autotp_ir::sharding::AxisRule { inputs: vec![Shard(1)], outputs: vec![Shard(0)] })
+            (op, [buffers]) if is_exchange(op) && !dispatched.is_empty() => {
+                let shape = &source.ty(*buffers).shape;
+                (shape[1] == size && shape[3] == size)
+                    .then(|| autotp_ir::sharding::AxisRule { inputs: vec![Shard(3)], outputs: vec![Shard(1)] })
             }
             _ => None,
         }

@@ -313,11 +313,6 @@ fn enumerate_layouts(
                                 Some(format!("tp {tp} is more than a node's {per_node} devices"))
                             } else if pp > layers {
                                 Some(format!("pp {pp} is more stages than the model's {layers} layers"))
-                            } else if ep > 1 && cp > 1 {
-                                Some(format!(
-                                    "ep {ep} with cp {cp}: the experts' all-to-alls would take whole sequences on \
-                                     every cp rank"
-                                ))
                             } else if cp > 1 && micro_batch > 1 {
                                 Some(format!(
                                     "cp {cp} splits one sequence at a time: it needs micro-batch 1, not {micro_batch}"
