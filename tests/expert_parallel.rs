@@ -1,4 +1,5 @@
-//! Expert parallelism (`--ep N` with `--dp N`): the token dispatch (`expert-dispatch`) on the
+//! Expert parallelism (`--ep N` with `--dp N`, or `--dp` a multiple of it: groups of N data
+//! ranks, Megatron's expert-data-parallel groups): the token dispatch (`expert-dispatch`) on the
 //! global graph computes the same logits, loss and gradients as the model undispatched; the
 //! Mixtral, DeepSeek-V3 (a shared expert beside the routed ones) and gpt-oss (experts with
 //! biases, each table looked up by its own copy of the choices) fixtures train as one
@@ -80,8 +81,9 @@ fn dispatch_refuses_a_model_without_experts_and_an_uneven_split() {
 
 /// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank: expert
 /// parallelism alone, under ZeRO, with tensor parallelism (the experts split over ep and tp),
-/// with a pipeline, and beside context parallelism (each cp rank dispatching its own part of
-/// the sequence; all-gathered keys and values, and around the ring under ZeRO 3).
+/// with a pipeline, beside context parallelism (each cp rank dispatching its own part of the
+/// sequence; all-gathered keys and values, and around the ring under ZeRO 3), and over groups
+/// of the data-parallel ranks (dp 4 x ep 2: ZeRO's shards over the groups, with a pipeline).
 #[test]
 fn expert_parallelism_trains_like_one_rank() {
     let dir = crate::common::scratch("expert-parallel");
@@ -96,6 +98,9 @@ fn expert_parallelism_trains_like_one_rank() {
         (2, &["--dp", "2", "--ep", "2", "--pp", "2", "--grad-accum", "2"]),
         (1, &["--dp", "2", "--ep", "2", "--cp", "2", "--grad-accum", "4"]),
         (1, &["--dp", "2", "--ep", "2", "--cp", "2", "--cp-comm-type", "p2p", "--zero", "3", "--grad-accum", "4"]),
+        (2, &["--dp", "4", "--ep", "2", "--zero", "1"]),
+        (2, &["--dp", "4", "--ep", "2", "--zero", "3"]),
+        (1, &["--dp", "4", "--ep", "2", "--pp", "2", "--grad-accum", "2"]),
     ];
     for arch in ["mixtral", "deepseek_v3", "gpt_oss"] {
         let single = train_model(&dir, arch, "model.onnx", 8, &[]);
@@ -109,36 +114,43 @@ fn expert_parallelism_trains_like_one_rank() {
 }
 
 /// A checkpoint of an expert-parallel run resumes bit-identically, and under plain data
-/// parallelism (each rank's experts gathered into whole tables) continues the same curve.
+/// parallelism (each rank's experts gathered into whole tables) and over groups of the
+/// data-parallel ranks (dp 4 x ep 2 under ZeRO 1: the experts and the states split anew)
+/// continues the same curve.
 #[test]
 fn expert_parallel_checkpoints_resume_under_ep_and_under_dp() {
     let dir = crate::common::scratch("expert-parallel-checkpoint");
     let model = fixture("mixtral", "model.onnx");
-    let plan = |name: &str, flags: &[&str]| {
+    let plan = |name: &str, micro_batch: &str, flags: &[&str]| {
         let path = dir.join(name);
-        let mut args = vec!["compile", model.to_str().unwrap(), "--seq-len", "16", "--micro-batch", "4"];
+        let mut args = vec!["compile", model.to_str().unwrap(), "--seq-len", "16", "--micro-batch", micro_batch];
         args.extend(flags);
         args.extend(["-o", path.to_str().unwrap()]);
         crate::common::success(crate::common::autotp(&args));
         path
     };
-    let (ep, dp) = (plan("ep.atp", &["--dp", "2", "--ep", "2"]), plan("dp.atp", &["--dp", "2"]));
+    let (ep, dp) = (plan("ep.atp", "4", &["--dp", "2", "--ep", "2"]), plan("dp.atp", "4", &["--dp", "2"]));
+    let groups = plan("groups.atp", "2", &["--dp", "4", "--ep", "2", "--zero", "1"]);
     let (checkpoints, straight) = (dir.join("checkpoints"), dir.join("straight.jsonl"));
     run_plan(&ep, &straight, 6, &[]);
     run_plan(&ep, &dir.join("first.jsonl"), 3, &["--save", checkpoints.to_str().unwrap()]);
-    let (resumed_ep, resumed_dp) = (dir.join("resumed-ep.jsonl"), dir.join("resumed-dp.jsonl"));
-    run_plan(&ep, &resumed_ep, 6, &["--resume", checkpoints.to_str().unwrap()]);
-    run_plan(&dp, &resumed_dp, 6, &["--resume", checkpoints.to_str().unwrap()]);
     let last = |path: &std::path::Path| losses(path).into_iter().map(|(_, l)| l).collect::<Vec<f64>>();
     let want = last(&straight)[3..].to_vec();
-    assert_eq!(last(&resumed_ep), want, "resumed under ep 2");
-    let (_, worst) = within_contract("resumed under dp 2", &last(&resumed_dp), &want);
-    println!("resumed under dp 2: worst {worst:.2e} relative to ep 2 straight");
+    for (label, resumed) in [("ep 2", &ep), ("dp 2", &dp), ("dp 4 x ep 2", &groups)] {
+        let metrics = dir.join(format!("resumed-{}.jsonl", label.replace(' ', "")));
+        run_plan(resumed, &metrics, 6, &["--resume", checkpoints.to_str().unwrap()]);
+        if resumed == &ep {
+            assert_eq!(last(&metrics), want, "resumed under {label}");
+        } else {
+            let (_, worst) = within_contract(&format!("resumed under {label}"), &last(&metrics), &want);
+            println!("resumed under {label}: worst {worst:.2e} relative to ep 2 straight");
+        }
+    }
 }
 
-/// Rank 0's parameter bytes and bytes sent all-to-all per step, for the Mixtral fixture at
-/// `micro_batch` sequences of 16 tokens per rank over `flags`.
-fn mixtral_per_rank(micro_batch: usize, flags: &[&str]) -> (usize, usize) {
+/// Rank 0's parameter and optimizer state bytes and bytes sent all-to-all per step, for the
+/// Mixtral fixture at `micro_batch` sequences of 16 tokens per rank over `flags`.
+fn mixtral_per_rank(micro_batch: usize, flags: &[&str]) -> (usize, usize, usize) {
     let model = fixture("mixtral", "model.onnx");
     let micro_batch = micro_batch.to_string();
     let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", &micro_batch, "--seq-len", "16"]
@@ -148,7 +160,8 @@ fn mixtral_per_rank(micro_batch: usize, flags: &[&str]) -> (usize, usize) {
         .collect();
     let plan = crate::common::compile_shapes(&args, 2);
     let report = autotp_program::report::report(&plan);
-    (plan.stages[0].memory.params_bytes, report.ranks[0].comm_bytes_per_step.all_to_all)
+    let memory = &plan.stages[0].memory;
+    (memory.params_bytes, memory.states_bytes, report.ranks[0].comm_bytes_per_step.all_to_all)
 }
 
 /// Each rank holds `1/n` of every layer's experts (Mixtral: 4 experts of `[256, 64]` and
@@ -158,26 +171,31 @@ fn mixtral_per_rank(micro_batch: usize, flags: &[&str]) -> (usize, usize) {
 /// them: the forward sends each pair's hidden state, expert id and routing weight (`H + 2`
 /// floats) and gets its result back (`H`); the backward returns the result's gradient (`H`) and
 /// sends the hidden state's and routing weight's (`H + 1`). Beside context parallelism a rank's
-/// tokens are its part of a sequence: `1/cp` of them, and so of the bytes.
+/// tokens are its part of a sequence: `1/cp` of them, and so of the bytes. Under ZeRO 1 (AdamW's
+/// two states a parameter) the states are split over dp where ep = dp, the experts' by expert
+/// alone; with `dp / n` groups of `n`, every state over the groups.
 #[test]
 fn expert_parallelism_holds_its_experts_and_exchanges_the_pairs_the_formula_says() {
     let (hidden, layers, choices) = (64, 2, 2);
     let expert_bytes = layers * 4 * (256 * 64 + 64 * 128) * 4;
     let floats = (hidden + 2) + hidden + hidden + (hidden + 1);
-    for (n, cp) in [(2usize, 1usize), (4, 1), (2, 2)] {
-        let (ranks, cp_ranks) = (n.to_string(), cp.to_string());
+    for (dp, n, cp) in [(2usize, 2usize, 1usize), (4, 4, 1), (2, 2, 2), (4, 2, 1)] {
+        let (dp_ranks, ranks, cp_ranks) = (dp.to_string(), n.to_string(), cp.to_string());
         // Context parallelism takes one sequence at a time.
         let micro_batch = if cp > 1 { 1 } else { 4 };
-        let (dp_params, dp_exchanged) = mixtral_per_rank(micro_batch, &["--dp", &ranks, "--cp", &cp_ranks]);
-        let (ep_params, exchanged) =
-            mixtral_per_rank(micro_batch, &["--dp", &ranks, "--ep", &ranks, "--cp", &cp_ranks]);
-        println!(
-            "ep {n} cp {cp}: parameters {ep_params} bytes per rank (dp alone {dp_params}), all-to-all {exchanged}"
-        );
-        assert_eq!(dp_exchanged, 0, "dp {n} alone exchanges nothing");
-        assert_eq!(dp_params - ep_params, expert_bytes * (n - 1) / n, "ep {n}: each rank holds 1/{n} of the experts");
+        let data = ["--dp", &dp_ranks, "--cp", &cp_ranks, "--zero", "1"];
+        let (dp_params, _, dp_exchanged) = mixtral_per_rank(micro_batch, &data);
+        let (ep_params, states, exchanged) = mixtral_per_rank(micro_batch, &[&data[..], &["--ep", &ranks]].concat());
+        let label = format!("dp {dp} ep {n} cp {cp}");
+        println!("{label}: parameters {ep_params} bytes per rank (dp alone {dp_params}), all-to-all {exchanged}");
+        assert_eq!(dp_exchanged, 0, "dp {dp} alone exchanges nothing");
+        assert_eq!(dp_params - ep_params, expert_bytes * (n - 1) / n, "{label}: each rank holds 1/{n} of the experts");
+        let own_experts = expert_bytes / n;
+        let split_states =
+            if dp == n { 2 * ((ep_params - own_experts) / dp + own_experts) } else { 2 * ep_params / (dp / n) };
+        assert_eq!(states, split_states, "{label}: optimizer states under ZeRO 1");
         let pairs_per_rank = micro_batch * 16 / cp * choices;
-        assert_eq!(exchanged, layers * (n - 1) * pairs_per_rank * floats * 4, "ep {n} cp {cp}: all-to-all bytes");
+        assert_eq!(exchanged, layers * (n - 1) * pairs_per_rank * floats * 4, "{label}: all-to-all bytes");
     }
     // The compile summary says what ep 2 beside cp 2 exchanges, among which ranks: 7
     // all-to-alls a layer (4 forward, 3 backward) of 16 pairs' 259 floats.
@@ -219,39 +237,45 @@ fn expert_parallelism_refuses_layouts_it_does_not_build() {
     };
     let compile = |flags: &[&str]| compile_model("mixtral", flags);
     let message = compile(&["--ep", "2"]);
-    assert!(message.contains("--ep 2 splits the experts over the data-parallel ranks: it needs --dp 2"), "{message}");
-    let message = compile(&["--dp", "4", "--ep", "2"]);
-    assert!(message.contains("--dp 4 would need expert-data-parallel groups"), "{message}");
+    assert!(message.contains("--ep 2 splits the experts over groups of 2 data-parallel ranks: it must divide --dp 1"));
+    let message = compile(&["--dp", "6", "--ep", "4"]);
+    assert!(message.contains("it must divide --dp 6"), "{message}");
     let message = compile_model("llama", &["--dp", "2", "--ep", "2"]);
     assert!(message.contains("this model has none"), "{message}");
 }
 
 /// An expert-parallel plan's ranks as MPI processes train bit for bit as its CPU rank threads
-/// do, and on emulated GPUs (the exchanges over the emulated NCCL) within rounding.
+/// do, and on emulated GPUs (the exchanges over the emulated NCCL) within rounding: over dp,
+/// and over groups of it (dp 4 x ep 2 under ZeRO 1: all-to-alls over the ep axis, reductions
+/// over both).
 #[test]
 fn expert_parallel_ranks_as_processes_and_on_emulated_gpus_train_like_threads() {
     let dir = crate::common::scratch("expert-parallel-devices");
-    let plan = dir.join("ep.atp");
     let model = fixture("mixtral", "model.onnx");
-    let compile = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4"];
-    crate::common::success(crate::common::autotp(
-        &[&compile[..], &["--dp", "2", "--ep", "2", "-o", plan.to_str().unwrap()]].concat(),
-    ));
-    let run = |name: &str, extra: &[&str]| {
-        let metrics = dir.join(format!("{name}.jsonl"));
-        let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
-        command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "6"]);
-        command.args(["--metrics-out", metrics.to_str().unwrap()]).args(extra);
-        crate::common::success(command.env("AUTOTP_GPU", "emulated").output().unwrap());
-        losses(&metrics)
-    };
-    let threads = run("threads", &["--device", "cpu"]);
-    assert_eq!(run("processes", &["--device", "cpu", "--launch", "2"]), threads, "ranks as MPI processes");
-    // Within rounding on emulated GPUs: the Mixtral plan without ep differs from its CPU ranks
-    // by the same 1.4e-7 at step 4 (a GPU form that sums in another order).
-    let on_gpus: Vec<f64> = run("emulated-gpus", &["--device", "cuda"]).into_iter().map(|(_, l)| l).collect();
-    let threads: Vec<f64> = threads.into_iter().map(|(_, l)| l).collect();
-    let (first, worst) = within_contract("ranks on emulated GPUs", &on_gpus, &threads);
-    assert!(first == 0.0 && worst < 1e-6, "ranks on emulated GPUs: step 1 {first:.2e}, worst {worst:.2e}");
+    let layouts: [(&str, &str, &[&str]); 2] =
+        [("ep", "4", &["--dp", "2", "--ep", "2"]), ("groups", "2", &["--dp", "4", "--ep", "2", "--zero", "1"])];
+    for (name, micro_batch, flags) in layouts {
+        let plan = dir.join(format!("{name}.atp"));
+        let compile = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", micro_batch];
+        crate::common::success(crate::common::autotp(&[&compile[..], flags, &["-o", plan.to_str().unwrap()]].concat()));
+        let run = |device: &str, extra: &[&str]| {
+            let metrics = dir.join(format!("{name}-{device}.jsonl"));
+            let tokens = crate::common::repo().join("tests/fixtures/train/tokens.bin");
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_autotp"));
+            command.args(["run", plan.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "6"]);
+            command.args(["--metrics-out", metrics.to_str().unwrap()]).args(extra);
+            crate::common::success(command.env("AUTOTP_GPU", "emulated").output().unwrap());
+            losses(&metrics)
+        };
+        let ranks = (flags[1]).to_string();
+        let threads = run("threads", &["--device", "cpu"]);
+        let processes = run("processes", &["--device", "cpu", "--launch", &ranks]);
+        assert_eq!(processes, threads, "{name}: ranks as MPI processes");
+        // Within rounding on emulated GPUs: the Mixtral plan without ep differs from its CPU
+        // ranks by the same 1.4e-7 at step 4 (a GPU form that sums in another order).
+        let on_gpus: Vec<f64> = run("emulated-gpus", &["--device", "cuda"]).into_iter().map(|(_, l)| l).collect();
+        let threads: Vec<f64> = threads.into_iter().map(|(_, l)| l).collect();
+        let (first, worst) = within_contract(&format!("{name} on emulated GPUs"), &on_gpus, &threads);
+        assert!(first == 0.0 && worst < 1e-6, "{name} on emulated GPUs: step 1 {first:.2e}, worst {worst:.2e}");
+    }
 }

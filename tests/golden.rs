@@ -53,7 +53,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS[:cp=CP]`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep][:cp=CP]` or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS[:outer=G][:cp=CP]`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep[=EP]][:cp=CP]` or
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
 /// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
@@ -111,13 +111,19 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "split-fused" => Box::new(autotp_passes::split_fused::SplitFused),
         "expand-norms" => Box::new(autotp_passes::expand_norms::ExpandNorms),
         "expert-dispatch" => {
-            // expert-dispatch:RANKS[:cp=CP]: each rank's tokens split over CP context ranks.
-            let (ranks, inner) = argument.split_once(":cp=").unwrap_or((argument, "1"));
-            let layout = autotp_passes::expert_dispatch::DispatchLayout {
-                ranks: ranks.parse().expect("expert-dispatch:RANKS[:cp=CP]"),
-                outer: 1,
-                inner: inner.parse().expect("expert-dispatch:RANKS[:cp=CP]"),
-            };
+            // expert-dispatch:RANKS[:outer=G][:cp=CP]: G groups of RANKS expert-parallel ranks,
+            // each rank's tokens split over CP context ranks.
+            let usage = "expert-dispatch:RANKS[:outer=G][:cp=CP]";
+            let mut parts = argument.split(':');
+            let ranks = parts.next().and_then(|r| r.parse().ok()).expect(usage);
+            let mut layout = autotp_passes::expert_dispatch::DispatchLayout { ranks, outer: 1, inner: 1 };
+            for part in parts {
+                match part.split_once('=') {
+                    Some(("outer", g)) => layout.outer = g.parse().expect(usage),
+                    Some(("cp", cp)) => layout.inner = cp.parse().expect(usage),
+                    _ => panic!("{usage}"),
+                }
+            }
             Box::new(autotp_passes::expert_dispatch::DispatchExperts { layout })
         }
         "unmerge-heads" => Box::new(autotp_passes::unmerge_heads::UnmergeHeads),
@@ -128,14 +134,18 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "zero" => {
             // A trailing `:cp=CP`: each sequence split over CP context ranks as well.
             let (argument, cp) = argument.split_once(":cp=").unwrap_or((argument, "1"));
-            let cp = cp.parse().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep][:cp=CP]");
-            // A trailing `:ep`: the experts split by expert over dp (`--ep` = `--dp`).
-            let (argument, expert_parallel) = match argument.strip_suffix(":ep") {
-                Some(rest) => (rest, true),
-                None => (argument, false),
+            let cp = cp.parse().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep[=EP]][:cp=CP]");
+            // A trailing `:ep` or `:ep=EP`: the experts split by expert over dp (`--ep` = `--dp`) or
+            // over EP ranks of each group of dp.
+            let (argument, ep) = match argument.rsplit_once(":ep") {
+                Some((rest, ep)) => {
+                    (rest, Some(ep.strip_prefix('=').map(|n| n.parse::<usize>().expect("zero:..:ep=EP"))))
+                }
+                None => (argument, None),
             };
-            let mut parts =
-                argument.split(':').map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep][:cp=CP]"));
+            let mut parts = argument
+                .split(':')
+                .map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep[=EP]][:cp=CP]"));
             let (dp, stage) = (parts.next().unwrap(), parts.next().unwrap() as u8);
             let mut config = autotp_passes::zero::ZeroConfig { stage, ..Default::default() };
             if let (Some(bucket), Some(max_live)) = (parts.next(), parts.next()) {
@@ -148,7 +158,11 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
                 config,
                 batch_inputs: vec!["input_ids".into(), "labels".into()],
                 param_placements: Default::default(),
-                expert_parallel,
+                ep: match ep {
+                    None => 1,
+                    Some(None) => dp,
+                    Some(Some(ep)) => ep,
+                },
             })
         }
         "autotp" => {
@@ -165,7 +179,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
                 replicate_unsplittable: options.contains(&"replicate-unsplittable"),
                 param_placements: Default::default(),
                 sequence_parallel: options.iter().find_map(|o| o.strip_prefix("sp=")?.parse().ok()),
-                expert_parallel: false,
+                ep: 1,
             })
         }
         "autodiff" => {

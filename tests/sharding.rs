@@ -120,7 +120,7 @@ fn data_parallel(dp: usize) -> Zero {
         config: ZeroConfig::default(),
         batch_inputs: vec!["input_ids".into(), "labels".into()],
         param_placements: Default::default(),
-        expert_parallel: false,
+        ep: 1,
     }
 }
 
@@ -158,7 +158,7 @@ fn tensor_and_zero_parallel_steps_match_one_device() {
             batch_inputs: vec!["input_ids".into(), "labels".into()],
             replicate_unsplittable: false,
             sequence_parallel: None,
-            expert_parallel: false,
+            ep: 1,
             param_placements: Default::default(),
         };
         let (loss, tensors) = compare(arch, autotp);
@@ -189,7 +189,7 @@ fn no_rank_holds_the_whole_vocabulary() {
                 batch_inputs,
                 replicate_unsplittable: false,
                 sequence_parallel: None,
-                expert_parallel: false,
+                ep: 1,
                 param_placements: Default::default(),
             }
             .run(&mut graph)
@@ -255,7 +255,7 @@ fn an_indivisible_vocabulary_is_refused() {
             batch_inputs: vec![],
             replicate_unsplittable: false,
             sequence_parallel: None,
-            expert_parallel: false,
+            ep: 1,
             param_placements: Default::default(),
         }),
     ];

@@ -450,16 +450,13 @@ fn grad_accum(flags: &CompileFlags) -> Result<usize, CompileError> {
     }
 }
 
-/// Refuses the `--ep` layouts autotp does not build yet: expert parallelism splits the
-/// experts over the data-parallel ranks themselves (Megatron's expert-data-parallel size 1).
+/// Refuses the `--ep` layouts autotp does not build: expert parallelism splits the experts
+/// over groups of the data-parallel ranks, so `--ep` must divide `--dp`.
 fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
-    if flags.ep == 1 {
-        return Ok(());
-    }
-    if flags.dp != flags.ep {
+    if flags.ep > 1 && !flags.dp.is_multiple_of(flags.ep) {
         refuse!(
-            "--ep {} splits the experts over the data-parallel ranks: it needs --dp {} (--dp {} would need \
-             expert-data-parallel groups, which autotp does not build yet)",
+            "--ep {} splits the experts over groups of {} data-parallel ranks: it must divide --dp {} \
+             (Megatron's expert-data-parallel size is --dp / --ep)",
             flags.ep,
             flags.ep,
             flags.dp

@@ -465,9 +465,13 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     }
     steps.push(pass(Box::new(autotp_passes::loss::AttachLoss)));
     if flags.ep > 1 {
-        // The experts' ranks are the data-parallel ranks; each sends its own part of a
-        // context-parallel sequence.
-        let layout = autotp_passes::expert_dispatch::DispatchLayout { ranks: flags.ep, outer: 1, inner: flags.cp };
+        // The experts' ranks are groups of the data-parallel ranks; each sends its own part of
+        // a context-parallel sequence.
+        let layout = autotp_passes::expert_dispatch::DispatchLayout {
+            ranks: flags.ep,
+            outer: flags.dp / flags.ep,
+            inner: flags.cp,
+        };
         steps.push(pass(Box::new(autotp_passes::expert_dispatch::DispatchExperts { layout })));
     }
     if flags.tp > 1 {
@@ -533,7 +537,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
             config: options.zero,
             batch_inputs: batch_inputs.clone(),
             param_placements: BTreeMap::new(),
-            expert_parallel: flags.ep > 1,
+            ep: flags.ep,
         };
         steps.push(Box::new(DataParallel { zero, param_placements: param_placements.clone() }));
     }
@@ -547,7 +551,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
             replicate_unsplittable: flags.tp_replicate_unsplittable,
             param_placements: BTreeMap::new(),
             sequence_parallel: flags.sequence_parallel.then_some(flags.seq_len),
-            expert_parallel: flags.ep > 1,
+            ep: flags.ep,
         };
         steps.push(Box::new(TensorParallel { autotp, explain: flags.explain_tp, param_placements }));
     }

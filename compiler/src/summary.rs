@@ -293,24 +293,39 @@ fn causal_work_line(order: SequenceOrder, seq_len: usize, cp: usize) -> String {
     }
 }
 
-/// The summary's line on expert parallelism (`--ep`, over dp), one per stage that exchanges
-/// pairs: the exchanges per rank per step and the bytes they send.
+/// The summary's line on expert parallelism (`--ep`, over dp or groups of it), one per stage
+/// that exchanges pairs: the exchanges per rank per step and the bytes they send.
 fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
+    use autotp_program::mesh::{DATA_AXIS, EXPERT_AXIS};
     let mut lines = Vec::new();
     for (s, program) in plan.stages.iter().enumerate() {
-        let Some(axis) = program.mesh.iter().position(|a| a.name == autotp_program::mesh::DATA_AXIS) else {
+        let axis_of = |name: &str| program.mesh.iter().position(|a| a.name == name);
+        let Some(axis) = axis_of(EXPERT_AXIS).or_else(|| axis_of(DATA_AXIS)) else {
             continue;
         };
         let n = program.mesh[axis].size;
+        let over = match axis_of(DATA_AXIS).filter(|&dp| dp != axis) {
+            Some(dp) => {
+                let groups = program.mesh[dp].size;
+                format!(
+                    "ep={n} ranks in each of dp={groups} groups of the data-parallel ranks (the experts' gradients \
+                     summed and their states split over the groups)"
+                )
+            }
+            None => format!("dp={n}"),
+        };
         if let Some(&(count, bytes)) = sent_over(program, axis).get("all_to_all") {
             let stage = if plan.stages.len() > 1 { format!(", stage {s}") } else { String::new() };
             let context = program.mesh.iter().find(|a| a.name == autotp_program::mesh::CONTEXT_AXIS);
             let among = match context {
-                Some(cp) => format!(" among the dp ranks of the same part of the sequence (cp={})", cp.size),
+                Some(cp) => format!(
+                    " among the {} ranks of the same part of the sequence (cp={})",
+                    program.mesh[axis].name, cp.size
+                ),
                 None => String::new(),
             };
             lines.push(format!(
-                "  expert parallelism{stage}: the experts split by expert over dp={n}; each (token, choice) pair sent \
+                "  expert parallelism{stage}: the experts split by expert over {over}; each (token, choice) pair sent \
                  to its expert's rank{among} and back: {count} all-to-alls per rank per step ({} bytes sent; \
                  dropless: room for every pair of a rank with each destination)",
                 grouped(bytes)

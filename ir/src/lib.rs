@@ -37,5 +37,5 @@ pub use autotp_program::mesh::Collective;
 pub use graph::{Def, Fusion, Graph, Node, NodeId, Rewriter, Value, ValueId};
 pub use op::{slice_len, Message, Op};
 pub use tensor::Tensor;
-pub use types::{Mesh, MeshAxis, Placement, TensorType, CONTEXT_AXIS, DATA_AXIS};
+pub use types::{Mesh, MeshAxis, Placement, TensorType, CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS};
 pub use verify::{verify, VerifyError, VerifyErrors};

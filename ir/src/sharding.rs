@@ -91,10 +91,10 @@ impl AxisRule {
 
 /// The placement on `axis` of a pipeline message of `shape`: an activation or gradient (a
 /// `[batch, seq, ..]` hidden state) split like the batch inputs, its batch over the data-parallel
-/// axis and its tokens over the context-parallel one.
+/// axes (dp, and ep where it is an axis of its own) and its tokens over the context-parallel one.
 fn message_placement(message: crate::Message, shape: &[usize], axis: &MeshAxis) -> Placement {
     let dim = match axis.name.as_str() {
-        crate::DATA_AXIS => 0,
+        crate::DATA_AXIS | crate::EXPERT_AXIS => 0,
         crate::CONTEXT_AXIS => 1,
         _ => return Placement::Replicate,
     };

@@ -1,7 +1,7 @@
 //! Tensor types, device meshes and per-value placements.
 
 pub use autotp_kernels::DType;
-pub use autotp_program::mesh::{MeshAxis, Placement, CONTEXT_AXIS, DATA_AXIS};
+pub use autotp_program::mesh::{MeshAxis, Placement, CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS};
 
 /// A static tensor type: element type and shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -34,7 +34,6 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use autotp_ir::{BinaryOp, Collective, Graph, Mesh, NodeId, Op, Placement, ValueId};
 
-use crate::expert_dispatch::ExpertParallel;
 use crate::shard::{forward_values, Shard};
 use crate::{Pass, PassError};
 
@@ -59,9 +58,9 @@ pub struct AutoTp {
     /// Megatron's sequence parallelism (`--sequence-parallel`): the tokens per sequence, whose
     /// hidden states between the blocks are split over tp ([`crate::shard::SequenceParallel`]).
     pub sequence_parallel: Option<usize>,
-    /// Expert parallelism over dp (`--ep` = `--dp`): the experts' tables split by expert over
-    /// dp as well ([`crate::zero::Zero::expert_parallel`]).
-    pub expert_parallel: bool,
+    /// Expert-parallel ranks (1 for none): the experts' tables split by expert over dp or an
+    /// `ep` axis as well ([`crate::zero::Zero::ep`]).
+    pub ep: usize,
 }
 
 /// Why a weight got its placement, for `--explain-tp`.
@@ -450,7 +449,7 @@ impl AutoTp {
     }
 
     fn mesh(&self) -> Mesh {
-        crate::zero::mesh(self.dp, self.cp, self.tp)
+        crate::zero::mesh(self.dp, self.ep, self.cp, self.tp)
     }
 
     /// Splits the planned weights, then the parameters the rules slice, until none is sliced;
@@ -497,7 +496,7 @@ impl AutoTp {
             split_step = reshapes_for_the_backward(&split_step, seq_len)?;
         }
         let graph = &split_step;
-        let experts = (self.expert_parallel && self.dp > 1).then(|| ExpertParallel::over(graph, 0)).flatten();
+        let experts = crate::zero::experts_on(graph, &mesh, self.ep);
         let seeds_for = |explained: &[Explained]| {
             let mut seeds: BTreeMap<String, Vec<Placement>> = BTreeMap::new();
             for name in crate::present_inputs(graph, &self.batch_inputs) {

@@ -448,9 +448,10 @@ impl Pass for DispatchExperts {
     }
 }
 
-/// Expert parallelism's placement over a data-parallel mesh axis (`--ep`, equal to `--dp`): the
-/// experts' tables split by expert over `axis`, each rank computing the pairs dispatched to
-/// its experts. Set on [`crate::shard::Shard::experts`].
+/// Expert parallelism's placement over a data-parallel mesh axis (`dp` where `--ep` equals
+/// `--dp`, else the `ep` axis of each group of dp ranks, [`crate::zero::mesh`]): the experts'
+/// tables split by expert over `axis`, each rank computing the pairs dispatched to its experts.
+/// Set on [`crate::shard::Shard::experts`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExpertParallel {
     pub axis: usize,

@@ -420,7 +420,9 @@ fn place(
             let own = updated_by.get(&id).map_or(&[][..], Vec::as_slice);
             for (v, old) in inputs.iter_mut().zip(&node.inputs) {
                 let g = placer.rw.graph();
-                let expert_table = experts.is_some_and(|e| e.tables.contains(g.name_of(*v).unwrap_or("")));
+                // An experts' table split by expert over the gather's axis is the rank's own.
+                let expert_table =
+                    experts.is_some_and(|e| e.axis == z && e.tables.contains(g.name_of(*v).unwrap_or("")));
                 if g.params().contains(v)
                     && matches!(g.value(*v).placements[z], Placement::Shard(_))
                     && !own.contains(old)
@@ -738,16 +740,17 @@ fn blocks(placed: &Graph, origin: &BTreeMap<ValueId, ValueId>) -> BTreeMap<(Valu
     found
 }
 
-/// Each gradient reduction over the data-parallel axis (a non-scalar float all-reduce or
-/// reduce-scatter there; the loss's sums are scalars) done in `dtype`: every rank casts its
-/// partial sum to `dtype`, the collective sums those, and the sum is cast back.
+/// Each gradient reduction over the data-parallel axes (dp, and ep where it is an axis: a
+/// non-scalar float all-reduce or reduce-scatter there; the loss's sums are scalars) done in
+/// `dtype`: every rank casts its partial sum to `dtype`, the collective sums those, and the sum
+/// is cast back.
 fn reduce_gradients_in(graph: &Graph, dtype: autotp_ir::DType) -> Result<Graph, PassError> {
     let mut rw = Rewriter::new(graph, |_| true);
     for (id, node) in graph.nodes() {
         let reduction = matches!(
             &node.op,
             Op::Collective { kind: Collective::AllReduce | Collective::ReduceScatter { .. }, axis, start: false }
-                if axis == autotp_ir::DATA_AXIS
+                if axis == autotp_ir::DATA_AXIS || axis == autotp_ir::EXPERT_AXIS
         );
         let value = node.inputs.first().map(|&v| graph.value(v)).filter(|_| reduction);
         let Some(value) = value.filter(|v| v.ty.dtype != dtype && v.ty.dtype.is_float() && v.ty.numel() > 1) else {

@@ -22,7 +22,13 @@
 //! With context parallelism (`cp` > 1) the batch inputs are also split over their sequence on a
 //! `cp` axis ([`batch_placement`]); ZeRO shards over `dp` alone.
 //!
-//! Input phase: a training step (after `optimize`). Output: the step on the mesh `[dp, cp]`
+//! With fewer expert-parallel ranks than data-parallel ones (`--ep` below `--dp`), the
+//! data-parallel ranks are `dp / ep` groups of `ep` ([`mesh`]): the batch is split over both
+//! axes, the experts over `ep`, and ZeRO shards over the groups' axis (`dp`, Megatron's
+//! expert-data-parallel group: the ranks that hold the same experts), so every parameter's
+//! states, the experts' too, are split `dp / ep` ways.
+//!
+//! Input phase: a training step (after `optimize`). Output: the step on the mesh `[dp, ep, cp]`
 //! (each axis where it has more than one rank).
 //! Tests: tests/golden/zero_*.ir, tests/parallel.rs.
 
@@ -65,9 +71,10 @@ pub struct Zero {
     /// Parameters' placements decided elsewhere, over ZeRO's: the evaluation step, which has
     /// no optimizer to say what ZeRO-3 shards, holds the blocks its training step holds.
     pub param_placements: BTreeMap<String, Vec<Placement>>,
-    /// Expert parallelism over dp (`--ep` = `--dp`): the experts' tables of the dispatched
-    /// mixtures ([`crate::expert_dispatch`]) split by expert over dp; ZeRO leaves them so.
-    pub expert_parallel: bool,
+    /// Expert-parallel ranks (`--ep`; 1 for none): the experts' tables of the dispatched
+    /// mixtures ([`crate::expert_dispatch`]) split by expert over dp (`ep` = `dp`) or over an
+    /// `ep` axis of their own ([`mesh`]); ZeRO leaves that split.
+    pub ep: usize,
 }
 
 /// Each trainable parameter and its optimizer states, from the graph's optimizer ops.
@@ -81,7 +88,7 @@ fn optimized(graph: &Graph) -> Vec<(ValueId, Vec<ValueId>)> {
 /// are.
 pub fn batch_placement(mesh: &Mesh, rank: usize) -> Vec<Placement> {
     let split = |axis: &MeshAxis| match axis.name.as_str() {
-        autotp_ir::DATA_AXIS => Placement::Shard(0),
+        autotp_ir::DATA_AXIS | autotp_ir::EXPERT_AXIS => Placement::Shard(0),
         autotp_ir::CONTEXT_AXIS => Placement::Shard(rank - 1),
         _ => Placement::Replicate,
     };
@@ -93,11 +100,22 @@ pub(crate) fn input_rank(graph: &Graph, name: &str) -> usize {
     graph.inputs().iter().find(|&&v| graph.name_of(v) == Some(name)).map_or(0, |&v| graph.ty(v).rank())
 }
 
-/// The mesh `[dp, cp, tp]`: each axis where it has more than one rank, in Megatron's order,
-/// tp innermost.
-pub fn mesh(dp: usize, cp: usize, tp: usize) -> Mesh {
-    let axes = [(autotp_ir::DATA_AXIS, dp), (autotp_ir::CONTEXT_AXIS, cp), ("tp", tp)];
+/// The mesh `[dp, ep, cp, tp]`: each axis where it has more than one rank, in Megatron's order,
+/// tp innermost. `ep` is an axis of its own below `dp` ranks, which are then `dp / ep` groups
+/// of `ep` (the `dp` axis has `dp / ep` ranks); with as many, the experts split over dp.
+pub fn mesh(dp: usize, ep: usize, cp: usize, tp: usize) -> Mesh {
+    let (groups, experts) = if ep > 1 && ep < dp { (dp / ep, ep) } else { (dp, 1) };
+    let axes =
+        [(autotp_ir::DATA_AXIS, groups), (autotp_ir::EXPERT_AXIS, experts), (autotp_ir::CONTEXT_AXIS, cp), ("tp", tp)];
     Mesh { axes: axes.iter().filter(|a| a.1 > 1).map(|&(name, size)| MeshAxis { name: name.into(), size }).collect() }
+}
+
+/// Expert parallelism of `ep` ranks on `mesh` (from [`mesh`]) for `graph`: its experts' tables
+/// split over the `ep` axis, or over `dp` where there is none; `None` without `ep` or experts.
+pub fn experts_on(graph: &Graph, mesh: &Mesh, ep: usize) -> Option<ExpertParallel> {
+    let axis_of = |name: &str| mesh.axes.iter().position(|a| a.name == name);
+    let axis = axis_of(autotp_ir::EXPERT_AXIS).or_else(|| axis_of(autotp_ir::DATA_AXIS))?;
+    (ep > 1).then(|| ExpertParallel::over(graph, axis)).flatten()
 }
 
 /// Adds ZeRO's placements on mesh axis `dp_axis` to `seeds` (which may already split
@@ -160,11 +178,11 @@ impl Pass for Zero {
         if self.config.stage > 0 && self.dp < 2 {
             return Err(invalid(format!("--zero {} shards over dp: it needs dp 2 or more", self.config.stage)));
         }
-        let mesh = mesh(self.dp, self.cp, 1);
+        let mesh = mesh(self.dp, self.ep, self.cp, 1);
         let mut seeds: BTreeMap<String, Vec<Placement>> = crate::present_inputs(graph, &self.batch_inputs)
             .map(|n| (n.clone(), batch_placement(&mesh, input_rank(graph, n))))
             .collect();
-        let experts = self.expert_parallel.then(|| ExpertParallel::over(graph, 0)).flatten();
+        let experts = experts_on(graph, &mesh, self.ep);
         if let Some(experts) = &experts {
             experts.seed(&mesh, &mut seeds);
         }

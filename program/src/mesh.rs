@@ -10,6 +10,12 @@ use serde::{Deserialize, Serialize};
 /// them) are split along their dim 0 over it.
 pub const DATA_AXIS: &str = "dp";
 
+/// The name of the expert-parallel mesh axis, where there are fewer expert-parallel ranks than
+/// data-parallel ones (`--ep` below `--dp`): the data-parallel ranks are then `dp / ep` groups
+/// (the `dp` axis: Megatron's expert-data-parallel size) of `ep` ranks (this axis), batch inputs
+/// split along their dim 0 over both, and the experts split over this one.
+pub const EXPERT_AXIS: &str = "ep";
+
 /// The name of the context-parallel mesh axis: batch inputs are split along their dim 1 (the
 /// sequence) over it.
 pub const CONTEXT_AXIS: &str = "cp";

@@ -63,7 +63,7 @@ impl Figures {
                 Instruction::Collective { op, input, .. } | Instruction::CollectiveStart { op, input, .. } => {
                     let axis = &program.mesh[op.axis];
                     let sent = op.kind.bytes_sent(input.len, axis.size) as f64;
-                    use autotp_program::mesh::{Collective, CONTEXT_AXIS, DATA_AXIS};
+                    use autotp_program::mesh::{Collective, CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS};
                     match (axis.name.as_str(), op.kind) {
                         (CONTEXT_AXIS, Collective::AllReduce) => cp_reduce_bytes += sent,
                         (CONTEXT_AXIS, _) => {
@@ -71,8 +71,8 @@ impl Figures {
                             // A shard's slice sends nothing.
                             cp_exchanges += if sent > 0.0 { 1.0 } else { 0.0 };
                         }
-                        (DATA_AXIS, Collective::AllToAll { .. }) => ep_bytes += sent,
-                        (DATA_AXIS, _) => {}
+                        (DATA_AXIS | EXPERT_AXIS, Collective::AllToAll { .. }) => ep_bytes += sent,
+                        (DATA_AXIS | EXPERT_AXIS, _) => {}
                         _ => tp_bytes += sent,
                     }
                     staging = staging.max(op.kind.staging_bytes(input.len));
