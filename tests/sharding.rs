@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use autotp_ir::{DType, Graph, Tensor};
 use autotp_passes::autodiff::Autodiff;
+use autotp_passes::expert_dispatch::{DispatchExperts, DispatchLayout};
 use autotp_passes::loss::{AttachLoss, LOSS};
 use autotp_passes::optimize::{Optimize, Optimizer};
 use autotp_passes::zero::{Zero, ZeroConfig};
@@ -18,17 +19,28 @@ const SEQ: usize = 16;
 
 /// The single-device training step of a fixture and its initial weights.
 fn training_step(arch: &str) -> (Graph, BTreeMap<String, Tensor>) {
-    training_step_with(arch, false)
+    training_step_with(arch, false, None)
 }
 
-/// The step, with fused projections split first (as tensor parallelism compiles it); the
-/// weights are reshaped to the views the step uses.
-fn training_step_with(arch: &str, split_fused: bool) -> (Graph, BTreeMap<String, Tensor>) {
+/// The step, with fused projections split first (as tensor parallelism compiles it) and its
+/// experts' pairs dispatched in `dispatch`; the weights are reshaped to the views the step uses.
+fn training_step_with(
+    arch: &str,
+    split_fused: bool,
+    dispatch: Option<DispatchLayout>,
+) -> (Graph, BTreeMap<String, Tensor>) {
     let options = autotp_frontend::ImportOptions { batch: Some(BATCH), seq_len: Some(SEQ), ..Default::default() };
     let model = autotp_frontend::import_onnx(&fixture(arch, "model.onnx"), &options).unwrap();
     let mut graph = model.graph;
+    if dispatch.is_some() {
+        // As the compiler simplifies first: the experts' lookups are found through it.
+        PassManager::simplify_pipeline().run(&mut graph).unwrap();
+    }
     let mut passes: Vec<Box<dyn Pass>> =
         vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
+    if let Some(layout) = dispatch {
+        passes.push(Box::new(DispatchExperts { layout }));
+    }
     if split_fused {
         passes.push(Box::new(autotp_passes::split_fused::SplitFused));
     }
@@ -74,7 +86,12 @@ fn feed(graph: &Graph, step: usize) -> Vec<Tensor> {
 /// Runs two steps single-device and sharded; returns the worst relative differences of the loss
 /// and of the updated tensors.
 fn compare(arch: &str, shard: impl Pass + 'static) -> (f64, f64) {
-    let (single, weights) = training_step_with(arch, true);
+    compare_dispatched(arch, None, shard)
+}
+
+/// [`compare`], with the experts' pairs dispatched in `dispatch` on both.
+fn compare_dispatched(arch: &str, dispatch: Option<DispatchLayout>, shard: impl Pass + 'static) -> (f64, f64) {
+    let (single, weights) = training_step_with(arch, true, dispatch);
     let mut sharded = single.clone();
     let manager = PassManager::new(vec![Box::new(shard)]);
     manager.run(&mut sharded).unwrap_or_else(|e| panic!("{arch}: {e}"));
@@ -169,6 +186,29 @@ fn tensor_and_zero_parallel_steps_match_one_device() {
     }
 }
 
+/// Expert parallelism over groups of the data-parallel ranks beside tensor parallelism (dp 4 as
+/// 2 groups of ep 2, tp 2): every gradient, however small, through step 1's optimizer moments.
+#[test]
+fn expert_parallel_groups_with_tensor_parallelism_match_one_device() {
+    use autotp_passes::autotp::AutoTp;
+    for arch in ["gpt_oss", "mixtral"] {
+        let autotp = AutoTp {
+            tp: 2,
+            dp: 4,
+            cp: 1,
+            zero: ZeroConfig::default(),
+            batch_inputs: vec!["input_ids".into(), "labels".into()],
+            replicate_unsplittable: false,
+            sequence_parallel: None,
+            ep: 2,
+            param_placements: Default::default(),
+        };
+        let layout = DispatchLayout { ranks: 2, outer: 2, inner: 1 };
+        let (loss, tensors) = compare_dispatched(arch, Some(layout), autotp);
+        println!("{arch} dp 4 ep 2 tp 2: loss {loss:.2e}, parameters and states {tensors:.2e} (worst relative)");
+    }
+}
+
 /// The vocabulary split: on every tensor-parallel rank, each value with a vocabulary-sized dim
 /// (the tables, the logits, the cross-entropy's intermediates, their gradients) holds only its
 /// block of it; only the class-index constants are whole, and they are sliced before use.
@@ -178,7 +218,7 @@ fn no_rank_holds_the_whole_vocabulary() {
     use autotp_passes::autotp::AutoTp;
     for arch in ["gpt2", "llama", "gpt_neox"] {
         for dp in [1, 2] {
-            let (mut graph, _) = training_step_with(arch, true);
+            let (mut graph, _) = training_step_with(arch, true, None);
             let batch_inputs = vec!["input_ids".into(), "labels".into()];
             let zero = ZeroConfig { stage: 1, ..Default::default() };
             AutoTp {
