@@ -382,12 +382,13 @@ fn context_parallel_sizes(request: &SearchRequest, tp: usize) -> Vec<usize> {
     [1, 2, 4, 8].into_iter().filter(|&cp| left.is_multiple_of(cp) && request.seq_len.is_multiple_of(cp)).collect()
 }
 
-/// The expert-parallel sizes searched over `dp` ranks: 1, and for a mixture of experts `dp`
-/// itself (autotp splits the experts over the dp ranks, Megatron's expert-data-parallel size
-/// 1; the compiler refuses a count of experts it does not divide).
+/// The expert-parallel sizes searched over `dp` ranks: 1, and for a mixture of experts every
+/// divisor of `dp` from 2 (the experts split over groups of the dp ranks, Megatron's
+/// expert-data-parallel size `dp / ep`; the compiler refuses a count of experts it does not
+/// divide).
 fn expert_parallel_sizes(shape: &ModelShape, dp: usize) -> Vec<usize> {
-    if shape.experts && dp > 1 {
-        vec![1, dp]
+    if shape.experts {
+        divisors(dp)
     } else {
         vec![1]
     }

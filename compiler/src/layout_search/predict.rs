@@ -21,7 +21,7 @@ pub struct Layout {
     pub pp: usize,
     pub dp: usize,
     /// Expert-parallel ranks (`--ep`): a mixture of experts' experts split over the dp ranks
-    /// (1, or dp).
+    /// (ep = dp) or over each group of ep of them (a divisor of dp; 1 for none).
     pub ep: usize,
     pub zero: usize,
     pub micro_batch: usize,
@@ -142,10 +142,16 @@ pub(super) fn predict(
     let Layout { tp, cp, pp, dp, ep, zero, grad_accum, .. } = *layout;
     let counts = stage_layers(layers, pp);
     let dpf = dp as f64;
+    // With fewer expert-parallel ranks than data-parallel ones, the dp ranks are groups of ep
+    // (the compiler's mesh `[dp / ep, ep]`): ZeRO shards every parameter, the experts too,
+    // over the groups alone, and the experts' gradients are summed over them.
+    let groups = (ep > 1 && ep < dp).then_some((dp / ep) as f64);
+    let zero_ways = groups.unwrap_or(dpf);
     let boundary = model.boundary;
     let mut worst = MemoryFigures::default();
     let mut slot = 0.0f64;
     let (mut tp_time, mut compute, mut dp_bytes_max, mut tp_bytes) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let mut expert_grads_max = 0.0f64;
     let (mut cp_time, mut cp_bytes, mut cp_reduce_bytes) = (0.0f64, 0.0f64, 0.0f64);
     let (mut ep_time, mut ep_bytes) = (0.0f64, 0.0f64);
     let mut gathered_params = 0.0f64;
@@ -172,16 +178,23 @@ pub(super) fn predict(
                 inputs: 0.0,
             },
         };
-        // ZeRO shards over dp what the experts (split over dp already, under ep) leave.
-        let zero_share = |total: f64, expert: f64| (total - expert) / dpf + expert;
+        // ZeRO shards over dp what the experts (split over dp already, under ep) leave; over
+        // groups of ep, everything over the groups.
+        let zero_share = |total: f64, expert: f64| match groups {
+            Some(g) => total / g,
+            None => (total - expert) / dpf + expert,
+        };
+        // What ZeRO 3 gathers: all but a rank's own experts where ep = dp.
+        let gathered_of = |params: f64| if groups.is_some() { params } else { params - experts.params };
         // From stage 1: the optimizer's part of what a rank holds.
         let stage_share = |total: f64, expert: f64| if zero >= 1 { zero_share(total, expert) } else { total };
         // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9);
         // a rank's experts stay its own.
-        let gathered = (held.params - experts.params).min(1e9 * model.param_bytes);
-        let shards = if zero == 3 { (held.params - experts.params) / dpf } else { 0.0 };
+        let gathered = gathered_of(held.params).min(1e9 * model.param_bytes);
+        let shards = if zero == 3 { gathered_of(held.params) / zero_ways } else { 0.0 };
         let host_params = if layout.offload_param { shards } else { 0.0 };
-        let params = if zero == 3 { shards - host_params + gathered + experts.params } else { held.params };
+        let kept = held.params - gathered_of(held.params);
+        let params = if zero == 3 { shards - host_params + gathered + kept } else { held.params };
         // autotp reduce-scatters each gradient once it is made whole (no buckets): under ZeRO 2
         // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
         // keeps shards.
@@ -191,13 +204,17 @@ pub(super) fn predict(
         // runs in host memory, in place.
         let (optimizer, transient) = match layout.offload_optimizer {
             true => (0.0, 0.0),
-            false if zero >= 1 => (sharded_optimizer, figures.optimizer_transient / dpf),
+            false if zero >= 1 => (sharded_optimizer, figures.optimizer_transient / zero_ways),
             false => (sharded_optimizer, figures.optimizer_transient),
         };
         let host_optimizer = if layout.offload_optimizer { sharded_optimizer } else { 0.0 };
         let intermediate = if model.pipeline.is_some() {
             // The cut (dp 1) sums whole gradients; from ZeRO 2 a stage sums their shards.
-            let sums = if zero >= 2 && grad_accum > 1 { (held.grads - experts.grads) * (1.0 - 1.0 / dpf) } else { 0.0 };
+            let sums = match groups {
+                _ if zero < 2 || grad_accum == 1 => 0.0,
+                Some(g) => held.grads * (1.0 - 1.0 / g),
+                None => (held.grads - experts.grads) * (1.0 - 1.0 / dpf),
+            };
             (grads + held.activations - sums).max(grads + transient)
         } else {
             // The peak of the forward (the micro-batches in flight), of the backward (the
@@ -253,9 +270,9 @@ pub(super) fn predict(
         let cp_seconds =
             if cp > 1 { figures.cp_bytes / node_groups(cp, tp) + device.latency * figures.cp_exchanges } else { 0.0 };
         // Each layer's mixture sends its pairs to their experts' ranks and back, forward and
-        // backward, over the dp ranks.
+        // backward, over the ep ranks.
         let ep_seconds = if ep > 1 {
-            figures.ep_bytes / node_groups(dp, tp * cp) + device.latency * EP_EXCHANGES_PER_LAYER * n as f64
+            figures.ep_bytes / node_groups(ep, tp * cp) + device.latency * EP_EXCHANGES_PER_LAYER * n as f64
         } else {
             0.0
         };
@@ -272,10 +289,12 @@ pub(super) fn predict(
         cp_bytes = cp_bytes.max(figures.cp_bytes);
         cp_reduce_bytes = cp_reduce_bytes.max(figures.cp_reduce_bytes);
         machine_seconds += ranks_per_stage * grad_accum as f64 * t;
-        // The experts' gradients are summed on their own rank: nothing to reduce over dp.
+        // The experts' gradients are summed on their own rank: nothing to reduce over dp, but
+        // over the groups of ep.
         dp_bytes_max = dp_bytes_max.max(held.grads - experts.grads);
+        expert_grads_max = expert_grads_max.max(experts.grads);
         tp_bytes = tp_bytes.max(figures.tp_bytes);
-        gathered_params = gathered_params.max(held.params - experts.params);
+        gathered_params = gathered_params.max(gathered_of(held.params));
     }
     if worst.peak > memory {
         return Err(format!(
@@ -299,10 +318,21 @@ pub(super) fn predict(
     };
     let dp_volume = if dp > 1 {
         let gradient_bytes = dp_share * dp_bytes_max;
-        let gathers = if zero == 3 { (2.0 * micro_batches - 1.0) * gathered_params * (dpf - 1.0) / dpf } else { 0.0 };
+        let gathers =
+            if zero == 3 { (2.0 * micro_batches - 1.0) * gathered_params * (zero_ways - 1.0) / zero_ways } else { 0.0 };
         // From ZeRO 2 every micro-batch reduce-scatters its gradients.
         let reductions = if zero >= 2 { (micro_batches + 1.0) / 2.0 } else { 1.0 };
-        reductions * ring * gradient_bytes + gathers
+        // Over groups of ep a gradient is summed over the groups' axis, then over ep (on its
+        // shard from ZeRO 1); the experts' over the groups alone.
+        let (ring, expert_bytes) = match groups {
+            Some(g) => {
+                let within = 2.0 * (ep as f64 - 1.0) / ep as f64;
+                let over_groups = 2.0 * (g - 1.0) / g;
+                (over_groups + if zero >= 1 { within / g } else { within }, over_groups * expert_grads_max)
+            }
+            None => (ring, 0.0),
+        };
+        reductions * (ring * gradient_bytes + expert_bytes) + gathers
     } else {
         0.0
     };
