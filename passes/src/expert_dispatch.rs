@@ -380,7 +380,7 @@ impl Pass for DispatchExperts {
             if !pairs.is_multiple_of(sources) {
                 return Err(invalid(format!(
                     "the (token, choice) pairs ({pairs}) of the mixture routed by {} do not split evenly over \
-                     the {sources} data ranks that dispatch them",
+                     the {sources} ranks that dispatch them (data-parallel x context-parallel)",
                     mixture.tables.join(", ")
                 )));
             }
