@@ -225,6 +225,25 @@ fn expert_parallelism_holds_its_experts_and_exchanges_the_pairs_the_formula_says
     );
 }
 
+/// Over groups of the data-parallel ranks, tensor parallelism splits what it splits over dp
+/// alone: gpt-oss's per-head sink logits follow their heads (their broadcast over the batch is
+/// sliced over ep before tp slices it).
+#[test]
+fn expert_parallel_groups_keep_the_tensor_parallel_splits() {
+    let model = fixture("gpt_oss", "model.onnx");
+    let plan = crate::common::scratch("expert-parallel-groups-tp").join("plan.atp");
+    let explain = |flags: &[&str]| {
+        let compile = ["compile", model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "2", "--tp", "2"];
+        let args = [&compile[..], flags, &["--explain-tp", "-o", plan.to_str().unwrap()]].concat();
+        let out = crate::common::success(crate::common::autotp(&args));
+        out.lines().find(|l| l.contains("layers.0.self_attn.sinks")).unwrap_or_default().to_string()
+    };
+    for flags in [&["--dp", "4"][..], &["--dp", "4", "--ep", "4"], &["--dp", "4", "--ep", "2"]] {
+        let line = explain(flags);
+        assert!(line.contains("shard(0)") && line.contains("attention sinks"), "{flags:?}: {line}");
+    }
+}
+
 #[test]
 fn expert_parallelism_refuses_layouts_it_does_not_build() {
     let plan = crate::common::scratch("expert-parallel-refusals").join("plan.atp");

@@ -711,9 +711,8 @@ fn looks_up_weights(graph: &Graph, mut v: ValueId) -> bool {
 }
 
 /// The parameter `v` is a view of (through transposes, unit-dim reshapes, slices and splits
-/// that keep `dim` whole, broadcasts that keep it, lookups of rows by index and gathers over other mesh
-/// axes), and the parameter
-/// dim that `dim` of `v` is.
+/// that keep `dim` whole, broadcasts that keep it, lookups of rows by index, gathers over other
+/// mesh axes and their slices of other dims), and the parameter dim that `dim` of `v` is.
 pub(crate) fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Option<(ValueId, usize)> {
     for _ in 0..4 {
         if graph.params().contains(&v) {
@@ -738,8 +737,11 @@ pub(crate) fn trace_param(graph: &Graph, mut v: ValueId, mut dim: usize) -> Opti
                 let d = dim.checked_sub(to.len() - from.len())?;
                 (from[d] == to[dim]).then_some(d)?
             }
-            // A copy gathered over another axis (a ZeRO-3 parameter) is still the parameter.
+            // A copy gathered over another axis (a ZeRO-3 parameter) is still the parameter; so
+            // is a block sliced over another axis along another dim (a broadcast parameter's
+            // block of the batch, under groups of ep).
             Op::Collective { kind: Collective::AllGather { .. }, .. } => dim,
+            Op::Collective { kind: Collective::ShardSlice { dim: sliced }, .. } if *sliced != dim => dim,
             // Rows looked up by index (a mixture of experts' weights, by expert): the other
             // dims are the parameter's.
             Op::Gather { axis } => {
