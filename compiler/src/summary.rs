@@ -296,11 +296,11 @@ fn causal_work_line(order: SequenceOrder, seq_len: usize, cp: usize) -> String {
 /// The summary's line on expert parallelism (`--ep`, over dp or groups of it), one per stage
 /// that exchanges pairs: the exchanges per rank per step and the bytes they send.
 fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
-    use autotp_program::mesh::{DATA_AXIS, EXPERT_AXIS};
+    use autotp_program::mesh::{expert_axis, CONTEXT_AXIS, DATA_AXIS};
     let mut lines = Vec::new();
     for (s, program) in plan.stages.iter().enumerate() {
         let axis_of = |name: &str| program.mesh.iter().position(|a| a.name == name);
-        let Some(axis) = axis_of(EXPERT_AXIS).or_else(|| axis_of(DATA_AXIS)) else {
+        let Some(axis) = expert_axis(&program.mesh) else {
             continue;
         };
         let n = program.mesh[axis].size;
@@ -316,11 +316,10 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
         };
         if let Some(&(count, bytes)) = sent_over(program, axis).get("all_to_all") {
             let stage = if plan.stages.len() > 1 { format!(", stage {s}") } else { String::new() };
-            let context = program.mesh.iter().find(|a| a.name == autotp_program::mesh::CONTEXT_AXIS);
-            let among = match context {
+            let among = match axis_of(CONTEXT_AXIS) {
                 Some(cp) => format!(
                     " among the {} ranks of the same part of the sequence (cp={})",
-                    program.mesh[axis].name, cp.size
+                    program.mesh[axis].name, program.mesh[cp].size
                 ),
                 None => String::new(),
             };

@@ -113,8 +113,7 @@ pub fn mesh(dp: usize, ep: usize, cp: usize, tp: usize) -> Mesh {
 /// Expert parallelism of `ep` ranks on `mesh` (from [`mesh`]) for `graph`: its experts' tables
 /// split over the `ep` axis, or over `dp` where there is none; `None` without `ep` or experts.
 pub fn experts_on(graph: &Graph, mesh: &Mesh, ep: usize) -> Option<ExpertParallel> {
-    let axis_of = |name: &str| mesh.axes.iter().position(|a| a.name == name);
-    let axis = axis_of(autotp_ir::EXPERT_AXIS).or_else(|| axis_of(autotp_ir::DATA_AXIS))?;
+    let axis = autotp_program::mesh::expert_axis(&mesh.axes)?;
     (ep > 1).then(|| ExpertParallel::over(graph, axis)).flatten()
 }
 

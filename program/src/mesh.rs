@@ -16,6 +16,13 @@ pub const DATA_AXIS: &str = "dp";
 /// split along their dim 0 over both, and the experts split over this one.
 pub const EXPERT_AXIS: &str = "ep";
 
+/// The axis of `mesh` the experts are split over (`--ep`): `ep` where it is an axis, else `dp`
+/// (`--ep` = `--dp`).
+pub fn expert_axis(mesh: &[MeshAxis]) -> Option<usize> {
+    let axis_of = |name: &str| mesh.iter().position(|a| a.name == name);
+    axis_of(EXPERT_AXIS).or_else(|| axis_of(DATA_AXIS))
+}
+
 /// The name of the context-parallel mesh axis: batch inputs are split along their dim 1 (the
 /// sequence) over it.
 pub const CONTEXT_AXIS: &str = "cp";

@@ -178,23 +178,19 @@ pub(super) fn predict(
                 inputs: 0.0,
             },
         };
-        // ZeRO shards over dp what the experts (split over dp already, under ep) leave; over
-        // groups of ep, everything over the groups.
-        let zero_share = |total: f64, expert: f64| match groups {
-            Some(g) => total / g,
-            None => (total - expert) / dpf + expert,
-        };
-        // What ZeRO 3 gathers: all but a rank's own experts where ep = dp.
-        let gathered_of = |params: f64| if groups.is_some() { params } else { params - experts.params };
+        // What ZeRO leaves whole: a rank's own experts where ep = dp (split over dp already);
+        // over groups of ep it shards them over the groups too.
+        let unsharded = |expert: f64| if groups.is_some() { 0.0 } else { expert };
+        let zero_share = |total: f64, expert: f64| (total - unsharded(expert)) / zero_ways + unsharded(expert);
         // From stage 1: the optimizer's part of what a rank holds.
         let stage_share = |total: f64, expert: f64| if zero >= 1 { zero_share(total, expert) } else { total };
         // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9);
         // a rank's experts stay its own.
-        let gathered = gathered_of(held.params).min(1e9 * model.param_bytes);
-        let shards = if zero == 3 { gathered_of(held.params) / zero_ways } else { 0.0 };
+        let sharded_params = held.params - unsharded(experts.params);
+        let gathered = sharded_params.min(1e9 * model.param_bytes);
+        let shards = if zero == 3 { sharded_params / zero_ways } else { 0.0 };
         let host_params = if layout.offload_param { shards } else { 0.0 };
-        let kept = held.params - gathered_of(held.params);
-        let params = if zero == 3 { shards - host_params + gathered + kept } else { held.params };
+        let params = if zero == 3 { shards - host_params + gathered + unsharded(experts.params) } else { held.params };
         // autotp reduce-scatters each gradient once it is made whole (no buckets): under ZeRO 2
         // the whole gradients are live at the backward's end, ZeRO 3 (gathered layer by layer)
         // keeps shards.
@@ -210,10 +206,10 @@ pub(super) fn predict(
         let host_optimizer = if layout.offload_optimizer { sharded_optimizer } else { 0.0 };
         let intermediate = if model.pipeline.is_some() {
             // The cut (dp 1) sums whole gradients; from ZeRO 2 a stage sums their shards.
-            let sums = match groups {
-                _ if zero < 2 || grad_accum == 1 => 0.0,
-                Some(g) => held.grads * (1.0 - 1.0 / g),
-                None => (held.grads - experts.grads) * (1.0 - 1.0 / dpf),
+            let sums = if zero >= 2 && grad_accum > 1 {
+                (held.grads - unsharded(experts.grads)) * (1.0 - 1.0 / zero_ways)
+            } else {
+                0.0
             };
             (grads + held.activations - sums).max(grads + transient)
         } else {
@@ -294,7 +290,7 @@ pub(super) fn predict(
         dp_bytes_max = dp_bytes_max.max(held.grads - experts.grads);
         expert_grads_max = expert_grads_max.max(experts.grads);
         tp_bytes = tp_bytes.max(figures.tp_bytes);
-        gathered_params = gathered_params.max(gathered_of(held.params));
+        gathered_params = gathered_params.max(sharded_params);
     }
     if worst.peak > memory {
         return Err(format!(
