@@ -172,8 +172,8 @@ fn mixtral_per_rank(micro_batch: usize, flags: &[&str]) -> (usize, usize, usize)
 /// floats) and gets its result back (`H`); the backward returns the result's gradient (`H`) and
 /// sends the hidden state's and routing weight's (`H + 1`). Beside context parallelism a rank's
 /// tokens are its part of a sequence: `1/cp` of them, and so of the bytes. Under ZeRO 1 (AdamW's
-/// two states a parameter) the states are split over dp where ep = dp, the experts' by expert
-/// alone; with `dp / n` groups of `n`, every state over the groups.
+/// two states a parameter) the dense parameters' states are split over all dp ranks and a
+/// rank's experts' over the `dp / n` groups that hold the same experts (none where ep = dp).
 #[test]
 fn expert_parallelism_holds_its_experts_and_exchanges_the_pairs_the_formula_says() {
     let (hidden, layers, choices) = (64, 2, 2);
@@ -191,8 +191,7 @@ fn expert_parallelism_holds_its_experts_and_exchanges_the_pairs_the_formula_says
         assert_eq!(dp_exchanged, 0, "dp {dp} alone exchanges nothing");
         assert_eq!(dp_params - ep_params, expert_bytes * (n - 1) / n, "{label}: each rank holds 1/{n} of the experts");
         let own_experts = expert_bytes / n;
-        let split_states =
-            if dp == n { 2 * ((ep_params - own_experts) / dp + own_experts) } else { 2 * ep_params / (dp / n) };
+        let split_states = 2 * ((ep_params - own_experts) / dp + own_experts / (dp / n));
         assert_eq!(states, split_states, "{label}: optimizer states under ZeRO 1");
         let pairs_per_rank = micro_batch * 16 / cp * choices;
         assert_eq!(exchanged, layers * (n - 1) * pairs_per_rank * floats * 4, "{label}: all-to-all bytes");

@@ -309,7 +309,7 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
                 let groups = program.mesh[dp].size;
                 format!(
                     "ep={n} ranks in each of dp={groups} groups of the data-parallel ranks (the experts' gradients \
-                     summed over the groups, ZeRO's shards taken over them)"
+                     summed over the groups; ZeRO shards the dense parameters over dp x ep, the experts over dp)"
                 )
             }
             None => format!("dp={n}"),

@@ -511,13 +511,13 @@ impl AutoTp {
                 experts.seed(&mesh, &mut seeds);
             }
             if self.dp > 1 {
-                crate::zero::seed(graph, &mesh, 0, self.zero, &mut seeds);
+                crate::zero::seed(graph, &mesh, self.zero, &mut seeds);
             }
             seeds.extend(self.param_placements.clone());
             seeds
         };
         let (gather_params_on, scatter_early) =
-            if self.dp > 1 { crate::zero::shard_options(self.zero.stage, 0) } else { (None, false) };
+            if self.dp > 1 { crate::zero::shard_options(self.zero.stage, &mesh) } else { (Vec::new(), false) };
         let sequence_parallel =
             self.sequence_parallel.map(|seq_len| crate::shard::SequenceParallel { axis: tp_axis, seq_len });
         // Key/value projections with fewer heads than ranks are replicated (found when their
@@ -537,7 +537,7 @@ impl AutoTp {
             Shard {
                 mesh: mesh.clone(),
                 seeds: seeds_for(&explained),
-                gather_params_on,
+                gather_params_on: gather_params_on.clone(),
                 scatter_early,
                 micro_batches: self.zero.micro_batches,
                 bucket_elements: self.zero.reduce_bucket_elements,

@@ -39,10 +39,10 @@ pub struct Shard {
     pub mesh: Mesh,
     /// Placements of graph inputs, parameters and states, by name; the rest are replicated.
     pub seeds: BTreeMap<String, Vec<Placement>>,
-    /// ZeRO stage 3: parameters sharded over this mesh axis are gathered whole on it before
-    /// every use but their own update, anew for each use (the forward's copy is released and the
-    /// backward gathers again).
-    pub gather_params_on: Option<usize>,
+    /// ZeRO stage 3: parameters sharded over these mesh axes (the data-parallel ones) are
+    /// gathered whole on them before every use but their own update, anew for each use (the
+    /// forward's copy is released and the backward gathers again). Empty: none is gathered.
+    pub gather_params_on: Vec<usize>,
     /// Reduce-scatter a gradient into its shard where it is made (ZeRO stage 2 and 3), rather
     /// than at the optimizer, after the whole backward (stage 1 keeps full gradients).
     pub scatter_early: bool,
@@ -77,7 +77,7 @@ impl Shard {
         Shard {
             mesh,
             seeds,
-            gather_params_on: None,
+            gather_params_on: Vec::new(),
             scatter_early: false,
             micro_batches: 1,
             bucket_elements: 0,
@@ -207,7 +207,7 @@ struct Placer<'g> {
     /// New node outputs -> the source values they place.
     origin: BTreeMap<ValueId, ValueId>,
     /// See [`Shard::gather_params_on`].
-    gather_params_on: Option<usize>,
+    gather_params_on: Vec<usize>,
     /// See [`Shard::sequence_parallel`]: a backward node gathers the tokens it reads anew
     /// (sharing the gathers of other backward nodes), so the forward's gathered copy is not
     /// held for it, as Megatron gathers a column-parallel GEMM's input again for its weight's
@@ -237,7 +237,7 @@ impl Placer<'_> {
                 }
             }
         }
-        let fresh = self.gather_params_on.is_some() && self.rw.graph().params().contains(&v);
+        let fresh = !self.gather_params_on.is_empty() && self.rw.graph().params().contains(&v);
         let regathered = self.in_backward
             && from == Placement::Shard(SEQUENCE_DIM)
             && to == Placement::Replicate
@@ -346,12 +346,12 @@ impl Pass for Shard {
         // those right where they are made, so every consumer shares the one reduction (a
         // gradient feeding both a weight's update and the next layer's backward).
         let experts = self.experts.as_ref();
-        let (first, origin) = place(&source, &self.mesh, None, self.gather_params_on, None, experts)?;
+        let (first, origin) = place(&source, &self.mesh, None, &self.gather_params_on, None, experts)?;
         let scatter = self.scatter_early.then_some(self.micro_batches.max(1));
         let eager = reductions(&first, &origin, scatter, self.sequence_parallel);
         let hints = Hints { eager, blocks: blocks(&first, &origin) };
         let (placed, _) =
-            place(&source, &self.mesh, Some(&hints), self.gather_params_on, self.sequence_parallel, experts)?;
+            place(&source, &self.mesh, Some(&hints), &self.gather_params_on, self.sequence_parallel, experts)?;
         let placed = crate::sink_slices::sink_slices(&placed)?;
         let mut bucketed = crate::reduction_buckets::bucket_reductions(&placed, self.bucket_elements)?;
         if let Some(dtype) = self.reduce_dtype {
@@ -382,7 +382,7 @@ fn place(
     source: &Graph,
     mesh: &Mesh,
     hints: Option<&Hints>,
-    gather_params_on: Option<usize>,
+    gather_params_on: &[usize],
     sequence_parallel: Option<SequenceParallel>,
     experts: Option<&ExpertParallel>,
 ) -> Result<(Graph, BTreeMap<ValueId, ValueId>), PassError> {
@@ -396,7 +396,7 @@ fn place(
         resharded: BTreeMap::new(),
         regathered: BTreeMap::new(),
         origin: BTreeMap::new(),
-        gather_params_on,
+        gather_params_on: gather_params_on.to_vec(),
         sequence_parallel,
         in_backward: false,
         exchange_axis: experts.map(|e| e.axis),
@@ -416,7 +416,8 @@ fn place(
     for (id, node) in source.nodes() {
         placer.in_backward = !node.outputs.iter().any(|o| forward[o.index()]);
         let mut inputs: Vec<ValueId> = node.inputs.iter().map(|&v| placer.rw.map(v)).collect();
-        if let Some(z) = gather_params_on.filter(|_| !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. })) {
+        let optimizer = matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. });
+        for &z in gather_params_on.iter().filter(|_| !optimizer) {
             let own = updated_by.get(&id).map_or(&[][..], Vec::as_slice);
             for (v, old) in inputs.iter_mut().zip(&node.inputs) {
                 let g = placer.rw.graph();
@@ -566,8 +567,10 @@ fn reductions(
     // The chain of values from `v` back to where its partial sum is made, through single-output
     // ops with one partial input (keeping the shape and the dims' order when `same_shape`), and
     // not back through a widening cast: the sum is taken in the wider type (mixed precision's
-    // f32 reductions).
-    let trace = |v: ValueId, a: usize, same_shape: bool| {
+    // f32 reductions). `scattering`: the chain of a scatter, which goes back through the
+    // scatters over other axes too (ZeRO over the two data axes, dp and ep, scatters a gradient
+    // over both where it is made).
+    let trace = |v: ValueId, a: usize, same_shape: bool, scattering: bool| {
         let mut chain = vec![v];
         while let autotp_ir::Def::Node(p, _) = placed.value(*chain.last().expect("not empty")).def {
             let producer = placed.node(p);
@@ -578,10 +581,12 @@ fn reductions(
             }
             // Nor back past a scatter or slice over another axis (ZeRO's shard of a gradient
             // over dp, summed over cp too): reduced after it, a rank reduces its block alone.
-            if matches!(
-                producer.op,
-                Op::Collective { kind: Collective::ReduceScatter { .. } | Collective::ShardSlice { .. }, .. }
-            ) {
+            let scatter = match &producer.op {
+                Op::Collective { kind: Collective::ReduceScatter { .. }, .. } => !scattering,
+                Op::Collective { kind: Collective::ShardSlice { .. }, .. } => true,
+                _ => false,
+            };
+            if scatter {
                 break;
             }
             // A scatter's dim must mean the same at the root: not through a transpose (of a
@@ -625,13 +630,13 @@ fn reductions(
     };
     for &(v, a, target) in collectives.iter() {
         let (Placement::Shard(_), Some(micro_batches)) = (target, scatter) else { continue };
-        let mut root = *trace(v, a, true).last().expect("not empty");
+        let mut root = *trace(v, a, true, true).last().expect("not empty");
         let mut roots = Vec::new();
         for _ in 1..micro_batches {
             let Some((sum, term)) = partial_terms(root, a) else { break };
             scattered.insert((root, a));
-            roots.push(*trace(term, a, true).last().expect("not empty"));
-            root = *trace(sum, a, true).last().expect("not empty");
+            roots.push(*trace(term, a, true, true).last().expect("not empty"));
+            root = *trace(sum, a, true, true).last().expect("not empty");
         }
         roots.push(root);
         for root in roots {
@@ -645,7 +650,7 @@ fn reductions(
         if target != Placement::Replicate {
             continue;
         }
-        let chain = trace(v, a, false);
+        let chain = trace(v, a, false, false);
         if chain.iter().any(|&c| scattered.contains(&(c, a))) {
             continue;
         }
@@ -661,7 +666,7 @@ fn reductions(
             sequence_parallel.is_some_and(|sp| sp.axis == a && sp.holds_tokens(placed.ty(v), placed.mesh.axes[a].size))
         };
         let scattered_at: Vec<Option<ValueId>> =
-            reduced.iter().map(|&v| trace(v, a, false).into_iter().rev().find(|&c| holds_tokens(c))).collect();
+            reduced.iter().map(|&v| trace(v, a, false, false).into_iter().rev().find(|&c| holds_tokens(c))).collect();
         if scattered_at.iter().any(Option::is_some) {
             for (&v, at) in reduced.iter().zip(scattered_at) {
                 match at {

@@ -24,9 +24,11 @@
 //!
 //! With fewer expert-parallel ranks than data-parallel ones (`--ep` below `--dp`), the
 //! data-parallel ranks are `dp / ep` groups of `ep` ([`mesh`]): the batch is split over both
-//! axes, the experts over `ep`, and ZeRO shards over the groups' axis (`dp`, Megatron's
-//! expert-data-parallel group: the ranks that hold the same experts), so every parameter's
-//! states, the experts' too, are split `dp / ep` ways.
+//! axes, the experts over `ep`. ZeRO shards as Megatron's distributed optimizer does
+//! ([`seed`]): the dense parameters over both axes (all `dp` ranks), the experts' over the
+//! groups' axis (`dp`, the expert-data-parallel group: the ranks that hold the same experts).
+//! Their gradients are reduce-scattered over both axes, and at stage 3 a dense parameter is
+//! gathered over `ep` (a small block) and then over `dp` ([`schedule_prefetch`]).
 //!
 //! Input phase: a training step (after `optimize`). Output: the step on the mesh `[dp, ep, cp]`
 //! (each axis where it has more than one rank).
@@ -117,35 +119,46 @@ pub fn experts_on(graph: &Graph, mesh: &Mesh, ep: usize) -> Option<ExpertParalle
     (ep > 1).then(|| ExpertParallel::over(graph, axis)).flatten()
 }
 
-/// Adds ZeRO's placements on mesh axis `dp_axis` to `seeds` (which may already split
-/// parameters over other axes): optimizer states from stage 1, parameters at stage 3. A tensor
-/// with no dim that fits stays whole.
-pub fn seed(
-    graph: &Graph,
-    mesh: &Mesh,
-    dp_axis: usize,
-    config: ZeroConfig,
-    seeds: &mut BTreeMap<String, Vec<Placement>>,
-) {
-    let dp = mesh.axes[dp_axis].size;
+/// The data-parallel axes of `mesh` (from [`mesh`]): `dp`, and `ep` where the data-parallel
+/// ranks are groups of expert-parallel ones. ZeRO shards over them together.
+pub fn data_axes(mesh: &Mesh) -> Vec<usize> {
+    let data = |a: &&MeshAxis| a.name == autotp_ir::DATA_AXIS || a.name == autotp_ir::EXPERT_AXIS;
+    mesh.axes.iter().enumerate().filter(|(_, a)| data(a)).map(|(i, _)| i).collect()
+}
+
+/// Adds ZeRO's placements over the data-parallel axes of `mesh` ([`data_axes`]) to `seeds`
+/// (which may already split parameters over other axes): optimizer states from stage 1,
+/// parameters at stage 3. A tensor is split on one dim over every data axis that does not
+/// split it yet, as Megatron's distributed optimizer shards the dense parameters over all the
+/// data-parallel ranks and the experts' (split by expert over `ep`) over the groups
+/// (`dp`); where no dim fits them all, over the first alone that one fits. A tensor with no
+/// dim that fits stays whole.
+pub fn seed(graph: &Graph, mesh: &Mesh, config: ZeroConfig, seeds: &mut BTreeMap<String, Vec<Placement>>) {
     if config.stage == 0 {
         return;
     }
+    let axes = data_axes(mesh);
     for (param, states) in optimized(graph) {
         let name = graph.name_of(param).unwrap_or("").to_string();
         let placements = seeds.get(&name).cloned().unwrap_or_else(|| mesh.replicated());
-        if placements[dp_axis] != Placement::Replicate {
-            // Split over dp already (experts by expert): its states follow it.
-            continue;
-        }
+        let free: Vec<usize> = axes.iter().copied().filter(|&a| placements[a] == Placement::Replicate).collect();
         let shape = &graph.ty(param).shape;
         let local = autotp_ir::sharding::local_shape(mesh, shape, &placements);
         let taken = |d: usize| placements.contains(&Placement::Shard(d));
-        let Some(dim) = (0..shape.len()).find(|&d| local[d].is_multiple_of(dp) && local[d] >= dp && !taken(d)) else {
+        let fits = |over: &[usize]| {
+            let ways: usize = over.iter().map(|&a| mesh.axes[a].size).product();
+            (0..shape.len()).find(|&d| local[d].is_multiple_of(ways) && local[d] >= ways && !taken(d))
+        };
+        let candidates = std::iter::once(free.clone()).chain(free.iter().map(|&a| vec![a]));
+        let Some((over, dim)) =
+            candidates.filter(|over| !over.is_empty()).find_map(|over| Some((over.clone(), fits(&over)?)))
+        else {
             continue;
         };
         let mut sharded = placements.clone();
-        sharded[dp_axis] = Placement::Shard(dim);
+        for a in over {
+            sharded[a] = Placement::Shard(dim);
+        }
         for state in states {
             seeds.insert(graph.name_of(state).unwrap_or("").to_string(), sharded.clone());
         }
@@ -155,10 +168,9 @@ pub fn seed(
     }
 }
 
-/// The `Shard` options of a stage with data parallelism on mesh axis `dp_axis`:
-/// (`gather_params_on`, `scatter_early`).
-pub fn shard_options(stage: u8, dp_axis: usize) -> (Option<usize>, bool) {
-    ((stage == 3).then_some(dp_axis), stage >= 2)
+/// The `Shard` options of a ZeRO stage on `mesh`: (`gather_params_on`, `scatter_early`).
+pub fn shard_options(stage: u8, mesh: &Mesh) -> (Vec<usize>, bool) {
+    (if stage == 3 { data_axes(mesh) } else { Vec::new() }, stage >= 2)
 }
 
 fn invalid(message: String) -> PassError {
@@ -186,10 +198,10 @@ impl Pass for Zero {
             experts.seed(&mesh, &mut seeds);
         }
         if self.config.stage > 0 {
-            seed(graph, &mesh, 0, self.config, &mut seeds);
+            seed(graph, &mesh, self.config, &mut seeds);
         }
         seeds.extend(self.param_placements.clone());
-        let (gather_params_on, scatter_early) = shard_options(self.config.stage, 0);
+        let (gather_params_on, scatter_early) = shard_options(self.config.stage, &mesh);
         Shard {
             mesh,
             seeds,
@@ -226,7 +238,9 @@ impl Default for Prefetch {
 }
 
 /// Turns every gather of a sharded parameter into an asynchronous `all_gather_start` issued
-/// ahead of its use and a `wait` where the gather was: each start goes as early as the budget
+/// ahead of its use and a `wait` where the gather was (a parameter sharded over two data axes
+/// is gathered over the inner one first, on the way, synchronously, and the start is the
+/// gather over the outer one): each start goes as early as the budget
 /// allows (gathers in flight within `bucket_elements`, gathered parameters alive within
 /// `max_live_elements`; a gathered copy is released after its last use), in order, and not
 /// while an earlier copy of the same parameter is alive: as DeepSpeed holds at most one
@@ -236,10 +250,23 @@ impl Default for Prefetch {
 /// use) is refused.
 pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, PassError> {
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
-    let gathers: Vec<usize> = (0..nodes.len())
-        .filter(|&i| {
-            matches!(nodes[i].op, Op::Collective { kind: autotp_ir::Collective::AllGather { .. }, start: false, .. })
-                && graph.params().contains(&nodes[i].inputs[0])
+    let is_gather = |i: usize| {
+        matches!(nodes[i].op, Op::Collective { kind: autotp_ir::Collective::AllGather { .. }, start: false, .. })
+    };
+    // Each parameter gather: its gathers in order, one per data axis it is sharded over (the
+    // inner axis's first, from the parameter; each next from the one before).
+    let consumers = graph.consumers();
+    let gathers: Vec<Vec<usize>> = (0..nodes.len())
+        .filter(|&i| is_gather(i) && graph.params().contains(&nodes[i].inputs[0]))
+        .map(|first| {
+            let mut chain = vec![first];
+            while let [next] = consumers[nodes[*chain.last().expect("one gather")].outputs[0].index()][..] {
+                if !is_gather(next.0 as usize) {
+                    break;
+                }
+                chain.push(next.0 as usize);
+            }
+            chain
         })
         .collect();
     if gathers.is_empty() {
@@ -249,36 +276,44 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
         let value = graph.value(v);
         autotp_ir::sharding::local_shape(&graph.mesh, &value.ty.shape, &value.placements).iter().product::<usize>()
     };
+    let gathered = |j: usize| nodes[*gathers[j].last().expect("one gather")].outputs[0];
     let mut last_use = vec![0usize; graph.num_values()];
     for (i, node) in nodes.iter().enumerate() {
         for v in &node.inputs {
             last_use[v.index()] = i;
         }
     }
-    let elements: Vec<usize> = gathers.iter().map(|&g| local_elements(nodes[g].outputs[0])).collect();
-    let ends: Vec<usize> = gathers.iter().map(|&g| last_use[nodes[g].outputs[0].index()]).collect();
-    let gather_index: BTreeMap<usize, usize> = gathers.iter().enumerate().map(|(j, &g)| (g, j)).collect();
+    let elements: Vec<usize> = (0..gathers.len()).map(|j| local_elements(gathered(j))).collect();
+    let ends: Vec<usize> = (0..gathers.len()).map(|j| last_use[gathered(j).index()]).collect();
+    // Where each gather's copy is used (its last gather's place), and the places of the
+    // gathers before the last, which move with it.
+    let gather_index: BTreeMap<usize, usize> =
+        gathers.iter().enumerate().map(|(j, chain)| (*chain.last().expect("one gather"), j)).collect();
+    let inner: std::collections::BTreeSet<usize> =
+        gathers.iter().flat_map(|chain| chain[..chain.len() - 1].iter().copied()).collect();
     // The previous gather of the same parameter: its copy must be dead before the next starts.
     let mut last_of_param: BTreeMap<ValueId, usize> = BTreeMap::new();
     let previous: Vec<Option<usize>> =
-        gathers.iter().enumerate().map(|(j, &g)| last_of_param.insert(nodes[g].inputs[0], j)).collect();
+        gathers.iter().enumerate().map(|(j, chain)| last_of_param.insert(nodes[chain[0]].inputs[0], j)).collect();
 
     let mut rw = autotp_ir::Rewriter::new(graph, |_| true);
     let mut started: Vec<Option<ValueId>> = vec![None; gathers.len()];
     let (mut next, mut in_flight, mut live) = (0usize, 0usize, 0usize);
+    // Issues gather `j`: the gathers over inner axes as they were (on the way, small), the
+    // last asynchronously.
     let start = |rw: &mut autotp_ir::Rewriter, j: usize| -> Result<ValueId, PassError> {
-        let node = nodes[gathers[j]];
-        let Op::Collective { kind, axis, .. } = &node.op else { unreachable!("a gather") };
-        let op = Op::Collective { kind: *kind, axis: axis.clone(), start: true };
-        let param = rw.map(node.inputs[0]);
-        let g = rw.graph();
-        let placements = g.value(param).placements.clone();
-        let out = crate::add_op("zero", g, op, vec![param])?;
-        let mut out_placements = placements;
-        let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
-        out_placements[a] = Placement::Replicate;
-        g.value_mut(out).placements = out_placements;
-        Ok(out)
+        let mut value = rw.map(nodes[gathers[j][0]].inputs[0]);
+        for (k, &i) in gathers[j].iter().enumerate() {
+            let Op::Collective { kind, axis, .. } = &nodes[i].op else { unreachable!("a gather") };
+            let op = Op::Collective { kind: *kind, axis: axis.clone(), start: k + 1 == gathers[j].len() };
+            let g = rw.graph();
+            let mut placements = g.value(value).placements.clone();
+            value = crate::add_op("zero", g, op, vec![value])?;
+            let a = graph.mesh.axes.iter().position(|x| &x.name == axis).expect("verified axis");
+            placements[a] = Placement::Replicate;
+            g.value_mut(value).placements = placements;
+        }
+        Ok(value)
     };
     for (i, node) in nodes.iter().enumerate() {
         // Issue the next gathers while the budgets allow (at least one in flight).
@@ -294,7 +329,7 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
         }
         if let Some(&j) = gather_index.get(&i) {
             if started[j].is_none() {
-                let name = graph.name_of(node.inputs[0]).unwrap_or("");
+                let name = graph.name_of(nodes[gathers[j][0]].inputs[0]).unwrap_or("");
                 if live + elements[j] > prefetch.max_live_elements {
                     return Err(invalid(format!(
                         "--max-live-params {} cannot hold parameter '{name}' ({} elements gathered) beside the {live} \
@@ -314,7 +349,7 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
             g.value_mut(ready).placements = placements;
             in_flight -= elements[j];
             rw.set(node.outputs[0], ready);
-        } else {
+        } else if !inner.contains(&i) {
             rw.copy_node(autotp_ir::NodeId(i as u32));
         }
         for (j, &end) in ends.iter().enumerate() {

@@ -143,10 +143,11 @@ pub(super) fn predict(
     let counts = stage_layers(layers, pp);
     let dpf = dp as f64;
     // With fewer expert-parallel ranks than data-parallel ones, the dp ranks are groups of ep
-    // (the compiler's mesh `[dp / ep, ep]`): ZeRO shards every parameter, the experts too,
-    // over the groups alone, and the experts' gradients are summed over them.
+    // (the compiler's mesh `[dp / ep, ep]`): ZeRO shards the dense parameters over all dp
+    // ranks and a rank's experts over the groups, and the experts' gradients are summed over
+    // the groups. Where ep = dp a rank's experts are its own alone.
     let groups = (ep > 1 && ep < dp).then_some((dp / ep) as f64);
-    let zero_ways = groups.unwrap_or(dpf);
+    let expert_ways = groups.unwrap_or(1.0);
     let boundary = model.boundary;
     let mut worst = MemoryFigures::default();
     let mut slot = 0.0f64;
@@ -154,7 +155,8 @@ pub(super) fn predict(
     let mut expert_grads_max = 0.0f64;
     let (mut cp_time, mut cp_bytes, mut cp_reduce_bytes) = (0.0f64, 0.0f64, 0.0f64);
     let (mut ep_time, mut ep_bytes) = (0.0f64, 0.0f64);
-    let mut gathered_params = 0.0f64;
+    // The parameters ZeRO 3 gathers on the stage that gathers the most, and the experts' part.
+    let (mut gathered_params, mut gathered_experts) = (0.0f64, 0.0f64);
     let (mut offload, mut fetch) = (0.0f64, 0.0f64);
     // CPU ranks share the machine's cores: a step takes the work of every rank at the
     // machine's rate (a pipeline's idle stages leave their cores to the others).
@@ -179,16 +181,16 @@ pub(super) fn predict(
             },
         };
         // What ZeRO leaves whole: a rank's own experts where ep = dp (split over dp already);
-        // over groups of ep it shards them over the groups too.
+        // over groups of ep it shards them over the groups.
         let unsharded = |expert: f64| if groups.is_some() { 0.0 } else { expert };
-        let zero_share = |total: f64, expert: f64| (total - unsharded(expert)) / zero_ways + unsharded(expert);
+        let zero_share = |total: f64, expert: f64| (total - expert) / dpf + expert / expert_ways;
         // From stage 1: the optimizer's part of what a rank holds.
         let stage_share = |total: f64, expert: f64| if zero >= 1 { zero_share(total, expert) } else { total };
         // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9);
         // a rank's experts stay its own.
         let sharded_params = held.params - unsharded(experts.params);
         let gathered = sharded_params.min(1e9 * model.param_bytes);
-        let shards = if zero == 3 { sharded_params / zero_ways } else { 0.0 };
+        let shards = if zero == 3 { zero_share(held.params, experts.params) - unsharded(experts.params) } else { 0.0 };
         let host_params = if layout.offload_param { shards } else { 0.0 };
         let params = if zero == 3 { shards - host_params + gathered + unsharded(experts.params) } else { held.params };
         // autotp reduce-scatters each gradient once it is made whole (no buckets): under ZeRO 2
@@ -200,17 +202,14 @@ pub(super) fn predict(
         // runs in host memory, in place.
         let (optimizer, transient) = match layout.offload_optimizer {
             true => (0.0, 0.0),
-            false if zero >= 1 => (sharded_optimizer, figures.optimizer_transient / zero_ways),
+            false if zero >= 1 => (sharded_optimizer, figures.optimizer_transient / dpf),
             false => (sharded_optimizer, figures.optimizer_transient),
         };
         let host_optimizer = if layout.offload_optimizer { sharded_optimizer } else { 0.0 };
         let intermediate = if model.pipeline.is_some() {
             // The cut (dp 1) sums whole gradients; from ZeRO 2 a stage sums their shards.
-            let sums = if zero >= 2 && grad_accum > 1 {
-                (held.grads - unsharded(experts.grads)) * (1.0 - 1.0 / zero_ways)
-            } else {
-                0.0
-            };
+            let sums =
+                if zero >= 2 && grad_accum > 1 { held.grads - zero_share(held.grads, experts.grads) } else { 0.0 };
             (grads + held.activations - sums).max(grads + transient)
         } else {
             // The peak of the forward (the micro-batches in flight), of the backward (the
@@ -290,7 +289,9 @@ pub(super) fn predict(
         dp_bytes_max = dp_bytes_max.max(held.grads - experts.grads);
         expert_grads_max = expert_grads_max.max(experts.grads);
         tp_bytes = tp_bytes.max(figures.tp_bytes);
-        gathered_params = gathered_params.max(sharded_params);
+        if sharded_params > gathered_params {
+            (gathered_params, gathered_experts) = (sharded_params, experts.params - unsharded(experts.params));
+        }
     }
     if worst.peak > memory {
         return Err(format!(
@@ -314,17 +315,21 @@ pub(super) fn predict(
     };
     let dp_volume = if dp > 1 {
         let gradient_bytes = dp_share * dp_bytes_max;
-        let gathers =
-            if zero == 3 { (2.0 * micro_batches - 1.0) * gathered_params * (zero_ways - 1.0) / zero_ways } else { 0.0 };
+        // A dense parameter is gathered from all dp ranks (over ep, then over the groups), a
+        // rank's experts from the groups.
+        let gathered = (gathered_params - gathered_experts) * (dpf - 1.0) / dpf
+            + gathered_experts * (expert_ways - 1.0) / expert_ways;
+        let gathers = if zero == 3 { (2.0 * micro_batches - 1.0) * gathered } else { 0.0 };
         // From ZeRO 2 every micro-batch reduce-scatters its gradients.
         let reductions = if zero >= 2 { (micro_batches + 1.0) / 2.0 } else { 1.0 };
-        // Over groups of ep a gradient is summed over the groups' axis, then over ep (on its
-        // shard from ZeRO 1); the experts' over the groups alone.
+        // Over groups of ep a gradient is summed over the groups' axis, then over ep: from ZeRO
+        // 1 reduce-scattered and its update all-gathered over both (a ring over all dp ranks);
+        // the experts' over the groups alone.
         let (ring, expert_bytes) = match groups {
             Some(g) => {
                 let within = 2.0 * (ep as f64 - 1.0) / ep as f64;
                 let over_groups = 2.0 * (g - 1.0) / g;
-                (over_groups + if zero >= 1 { within / g } else { within }, over_groups * expert_grads_max)
+                (if zero >= 1 { ring } else { over_groups + within }, over_groups * expert_grads_max)
             }
             None => (ring, 0.0),
         };
