@@ -878,10 +878,11 @@ fn bubble_table(
     out
 }
 
-/// Each rank's measured peak memory and communication per step beside the plan's.
 /// Each rank's planned and measured peak memory and communication per step. A rank whose
 /// collectives NCCL carried is planned with the device scratch of its strided collectives in
-/// place of the host staging it never holds.
+/// place of the host staging it never holds. An all-to-all sends only what its pieces hold
+/// (expert parallelism: the pairs the routing sends), so each rank that plans one gets a line
+/// of its measured bytes beside the plan's room.
 fn measured_against_plan(trainer: &Trainer, measured: &[Measured], steps: usize) -> String {
     let programs: Vec<&autotp_program::Program> = (0..trainer.stages()).map(|s| trainer.stage_program(s)).collect();
     let planned = autotp_program::report::report_of(&programs, trainer.training());
@@ -903,6 +904,18 @@ fn measured_against_plan(trainer: &Trainer, measured: &[Measured], steps: usize)
             total(&plan.comm_bytes_per_step),
             total(sent) / steps.max(1)
         );
+    }
+    for (rank, Measured { sent, .. }) in measured.iter().enumerate() {
+        let room = planned.ranks[rank].comm_bytes_per_step.all_to_all;
+        if room > 0 {
+            let per_step = sent.all_to_all / steps.max(1);
+            out += &format!(
+                "all-to-all of rank {rank}: {} bytes sent per step, {:.1}% of the plan's room for every pair ({})\n",
+                autotp_compiler::summary::grouped(per_step),
+                100.0 * per_step as f64 / room as f64,
+                autotp_compiler::summary::grouped(room)
+            );
+        }
     }
     out
 }

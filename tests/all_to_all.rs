@@ -90,3 +90,61 @@ fn all_to_all_exchanges_blocks_on_rank_threads() {
         }
     }
 }
+
+/// An all-to-all sends each piece's bytes up to its last element that is not zero, as expert
+/// parallelism's send buffers are filled from the front with the pairs the routing sends and
+/// zeros after: a rank's bytes sent are the filled elements of its pieces for the others (the
+/// result unchanged), for contiguous pieces (split 0) and packed ones (split 2).
+#[test]
+fn all_to_all_sends_what_its_pieces_hold() {
+    // Every 7th element and the last 3 of each row of 12 are zero: pieces end in zeros or not.
+    let values: Vec<f64> =
+        (0..6 * 6 * 12).map(|i| if i % 7 == 0 || i % 12 >= 9 { 0.0 } else { 1.0 + i as f64 }).collect();
+    let x = Tensor::from_f64_values(autotp_ir::DType::F32, vec![6, 6, 12], &values);
+    let doubled: Vec<f64> = values.iter().map(|v| 2.0 * v).collect();
+    for (split, concat) in [(0, 1), (2, 1)] {
+        let n = 3;
+        let text = graph_text(n, split, concat);
+        let graph = autotp_ir::text::parse(&text).unwrap();
+        let program = autotp_codegen::lower_with(&graph, &Default::default()).unwrap();
+        let comm: Arc<dyn Communicator> = LocalComm::new(&[n]);
+        let mut block_shape = x.shape().to_vec();
+        block_shape[concat] /= n;
+        let outputs: Vec<Vec<u8>> = std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..n)
+                .map(|rank| {
+                    let (program, comm, x, shape) = (program.clone(), comm.clone(), &x, block_shape.clone());
+                    scope.spawn(move || {
+                        let mut executor = Executor::for_rank(program, rank, comm).unwrap();
+                        let input =
+                            HostTensor { dtype: autotp_kernels::DType::F32, shape, data: block(x, concat, rank, n) };
+                        executor.run(&[input]).unwrap().remove(0).data
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        let ty = TensorType::new(autotp_ir::DType::F32, vec![6, 6, 12]);
+        for output in outputs {
+            assert_eq!(Tensor::from_bytes(ty.clone(), output.into()).unwrap().to_f64_vec(), doubled);
+        }
+        for rank in 0..n {
+            let held = Tensor::from_bytes(
+                TensorType::new(autotp_ir::DType::F32, block_shape.clone()),
+                block(&x, concat, rank, n).into(),
+            )
+            .unwrap();
+            let filled: usize = (0..n)
+                .filter(|&j| j != rank)
+                .map(|j| {
+                    let piece = block(&held, split, j, n);
+                    let floats: Vec<f32> = piece.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+                    floats.iter().rposition(|&v| v != 0.0).map_or(0, |last| last + 1)
+                })
+                .sum();
+            let whole = (n - 1) * 6 * 6 * 12 / n / n;
+            assert!(filled < whole, "split {split}: some piece ends in zeros");
+            assert_eq!(comm.bytes_sent(rank).all_to_all, 4 * filled, "split {split}, rank {rank}");
+        }
+    }
+}

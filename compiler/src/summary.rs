@@ -325,8 +325,9 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
             };
             lines.push(format!(
                 "  expert parallelism{stage}: the experts split by expert over {over}; each (token, choice) pair sent \
-                 to its expert's rank{among} and back: {count} all-to-alls per rank per step ({} bytes sent; \
-                 dropless: room for every pair of a rank with each destination)",
+                 to its expert's rank{among} and back: {count} all-to-alls per rank per step (at most {} bytes sent; \
+                 dropless: room for every pair of a rank with each destination, of which only the pairs the routing \
+                 sends there go)",
                 grouped(bytes)
             ));
         }

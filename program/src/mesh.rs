@@ -255,7 +255,11 @@ impl CommBytes {
 
     /// Counts `kind` over a group of `n` ranks for an input of `bytes`.
     pub fn count(&mut self, kind: Collective, bytes: usize, n: usize) {
-        let sent = kind.bytes_sent(bytes, n);
+        self.count_sent(kind, kind.bytes_sent(bytes, n));
+    }
+
+    /// Counts `sent` bytes of `kind` (an all-to-all's that sends only its pieces' filled bytes).
+    pub fn count_sent(&mut self, kind: Collective, sent: usize) {
         match kind {
             Collective::AllReduce => self.all_reduce += sent,
             Collective::AllGather { .. } => self.all_gather += sent,

@@ -15,7 +15,8 @@ use std::time::Duration;
 use autotp_kernels::Kernel;
 
 use super::{
-    place_pieces, slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator, Topology,
+    all_to_all_sent, filled_lengths, pack_pieces, place_pieces, slice_for, sum, unexpected_message, Collective,
+    CollectiveOp, CommBytes, Communicator, Topology,
 };
 use crate::RuntimeError;
 
@@ -188,10 +189,25 @@ impl Communicator for LocalComm {
         if let Collective::ShardSlice { dim } = kind {
             return slice_for(dtype, shape, dim, coord, n, input, output).map_err(kernel_error);
         }
+        // An all-to-all sends what its pieces hold ([`filled_lengths`]); the others read it here.
+        let filled = match kind {
+            Collective::AllToAll { split, .. } if shape[..split].iter().product::<usize>() == 1 => {
+                Some(filled_lengths(dtype, n, input))
+            }
+            Collective::AllToAll { split, .. } => {
+                let mut packed = vec![0u8; input.len()];
+                pack_pieces(dtype, shape, split, n, input, &mut packed).map_err(kernel_error)?;
+                Some(filled_lengths(dtype, n, &packed))
+            }
+            _ => None,
+        };
         self.staging_peak[rank].fetch_max(kind.staging_bytes(input.len()), Ordering::SeqCst);
         let group = &self.groups[&(axis, self.topology.group_leader(rank, axis))];
         let inputs = self.rendezvous(group, coord, seq, input)?;
-        self.sent[rank].lock().expect("counters").count(kind, input.len(), n);
+        match &filled {
+            Some(filled) => self.sent[rank].lock().expect("counters").count_sent(kind, all_to_all_sent(filled, coord)),
+            None => self.sent[rank].lock().expect("counters").count(kind, input.len(), n),
+        }
         let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
         let result = match kind {
             Collective::AllGather { dim } => {

@@ -10,7 +10,9 @@
 //! fastest); a collective groups the ranks of a stage that differ only in their coordinate on
 //! its mesh axis, and a pipeline message goes between the same mesh position of two stages.
 //! Both count the bytes each rank would send with ring algorithms ([`CommBytes`]), whatever
-//! algorithm actually runs, so measured and planned communication compare.
+//! algorithm actually runs, so measured and planned communication compare; but an all-to-all
+//! sends only its pieces' filled bytes ([`filled_lengths`]), and counts those: the plan's
+//! figure is its room.
 
 use std::time::Duration;
 
@@ -157,6 +159,28 @@ pub(crate) fn pack_pieces(
         slice_for(dtype, shape, split, j, n, input, out)?;
     }
     Ok(())
+}
+
+/// How many bytes of each packed all-to-all piece (`packed`: `n` pieces one after the other)
+/// hold data: up to its last element with a byte that is not zero. An all-to-all sends each
+/// piece's filled bytes (after its length) and the receiver zeroes the rest, which gives
+/// every rank the bytes the whole pieces would, bit for bit, while the bytes on the wire follow
+/// what the pieces hold. Expert parallelism's send buffers have room for every pair of a rank
+/// with each destination, filled from the front with the pairs the routing sends there and
+/// zeros after (`passes/src/expert_dispatch.rs`), so their filled bytes are the routing's.
+pub(crate) fn filled_lengths(dtype: DType, n: usize, packed: &[u8]) -> Vec<usize> {
+    let element = dtype.size().max(1);
+    packed
+        .chunks(packed.len() / n.max(1))
+        .map(|piece| piece.iter().rposition(|&b| b != 0).map_or(0, |last| (last / element + 1) * element))
+        .collect()
+}
+
+/// The bytes a rank sends in an all-to-all whose pieces hold `filled` bytes
+/// ([`filled_lengths`]): every piece's but its own (the 8-byte lengths sent ahead of them are
+/// not counted, as no collective's headers are).
+pub(crate) fn all_to_all_sent(filled: &[usize], coord: usize) -> usize {
+    filled.iter().enumerate().filter(|&(j, _)| j != coord).map(|(_, &len)| len).sum()
 }
 
 /// An all-to-all's output: the `pieces` received (each a block of `shape` cut along `split`,

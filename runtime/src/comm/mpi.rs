@@ -38,8 +38,8 @@ use autotp_kernels::{DType, Kernel};
 use super::mpi_library::{self, Handle, MpiLibrary, Status};
 use super::peers::Peers;
 use super::{
-    pack_pieces, place_pieces, slice_for, sum, unexpected_message, Collective, CollectiveOp, CommBytes, Communicator,
-    Topology,
+    all_to_all_sent, filled_lengths, pack_pieces, place_pieces, slice_for, sum, unexpected_message, Collective,
+    CollectiveOp, CommBytes, Communicator, Topology,
 };
 use crate::RuntimeError;
 
@@ -563,6 +563,55 @@ impl MpiComm {
         self.call("MPI_Alltoall", rc)
     }
 
+    /// An all-to-all over the `n` ranks of `comm` that sends only the `filled` bytes of each
+    /// piece of `packed` ([`filled_lengths`]): the lengths first (`MPI_Alltoall`), then the
+    /// pieces' filled bytes (`MPI_Alltoallv`), and the rest of each piece in `received` zeroed,
+    /// so `received` is what [`MpiComm::all_to_all_bytes`] gives. Buffers of 2 GiB or more,
+    /// whose offsets MPI's `int`s cannot hold, go whole by that.
+    fn all_to_all_filled(
+        &self,
+        comm: Handle,
+        n: usize,
+        (packed, filled): (&[u8], &[usize]),
+        received: &mut [u8],
+    ) -> Result<(), RuntimeError> {
+        if packed.len() > i32::MAX as usize {
+            return self.all_to_all_bytes(comm, n, packed, received);
+        }
+        let piece = packed.len() / n;
+        let lengths: Vec<u8> = filled.iter().flat_map(|&len| (len as u64).to_le_bytes()).collect();
+        let mut incoming = vec![0u8; lengths.len()];
+        self.all_to_all_bytes(comm, n, &lengths, &mut incoming)?;
+        let incoming: Vec<usize> =
+            incoming.chunks(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize).collect();
+        if let Some(len) = incoming.iter().find(|&&len| len > piece) {
+            return Err(RuntimeError::Comm(format!("an all-to-all piece of {len} bytes announced, over its {piece}")));
+        }
+        let ints = |lengths: &[usize]| lengths.iter().map(|&len| len as c_int).collect::<Vec<c_int>>();
+        let (send_counts, receive_counts) = (ints(filled), ints(&incoming));
+        let offsets: Vec<c_int> = (0..n).map(|j| (j * piece) as c_int).collect();
+        // SAFETY: both buffers hold n pieces of `piece` bytes; every count is at most `piece`
+        // and every offset the start of a piece, as the call reads and writes.
+        let rc = unsafe {
+            (self.lib.MPI_Alltoallv)(
+                packed.as_ptr().cast(),
+                send_counts.as_ptr(),
+                offsets.as_ptr(),
+                self.lib.byte,
+                received.as_mut_ptr().cast(),
+                receive_counts.as_ptr(),
+                offsets.as_ptr(),
+                self.lib.byte,
+                comm,
+            )
+        };
+        self.call("MPI_Alltoallv", rc)?;
+        for (piece, &len) in received.chunks_mut(piece).zip(&incoming) {
+            piece[len..].fill(0);
+        }
+        Ok(())
+    }
+
     /// A ring shift on `comm` (of `n` ranks, this one `coord`): `input` to the next rank,
     /// the previous one's into `output` (of the same length).
     fn ring_shift_bytes(
@@ -697,6 +746,8 @@ impl Communicator for MpiComm {
         };
         self.staging_peak.fetch_max(staging, Ordering::SeqCst);
         let _watched = self.watched(Waiting::Collective { rank: self.rank, kind, seq, axis });
+        // An all-to-all's bytes sent: what its pieces held.
+        let mut sent = None;
         self.in_turn(group, seq, || -> Result<(), RuntimeError> {
             // A sum in coordinate order of every rank's input (16-bit floats).
             let mut gathered = group.gathered.lock().expect("staging");
@@ -734,7 +785,9 @@ impl Communicator for MpiComm {
                     let packed = sized(&mut gathered, input.len());
                     pack_pieces(dtype, shape, split, n, input, packed).map_err(kernel_error)?;
                     let received = sized(&mut received, input.len());
-                    self.all_to_all_bytes(group.comm, n, packed, received)?;
+                    let filled = filled_lengths(dtype, n, packed);
+                    self.all_to_all_filled(group.comm, n, (packed, &filled), received)?;
+                    sent = Some(all_to_all_sent(&filled, coord));
                     let pieces: Vec<&[u8]> = received.chunks(input.len() / n).collect();
                     place_pieces(dtype, shape, (split, concat), &pieces, output).map_err(kernel_error)
                 }
@@ -742,7 +795,10 @@ impl Communicator for MpiComm {
                 Collective::ShardSlice { .. } => unreachable!("handled above"),
             }
         })?;
-        self.sent.lock().expect("counters").count(kind, input.len(), n);
+        match sent {
+            Some(sent) => self.sent.lock().expect("counters").count_sent(kind, sent),
+            None => self.sent.lock().expect("counters").count(kind, input.len(), n),
+        }
         Ok(())
     }
 

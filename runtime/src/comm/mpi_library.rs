@@ -107,6 +107,7 @@ functions! {
     MPI_Test: fn(*mut Handle, *mut c_int, *mut Status);
     MPI_Allgather: fn(*const c_void, c_int, Handle, *mut c_void, c_int, Handle, Handle);
     MPI_Alltoall: fn(*const c_void, c_int, Handle, *mut c_void, c_int, Handle, Handle);
+    MPI_Alltoallv: fn(*const c_void, *const c_int, *const c_int, Handle, *mut c_void, *const c_int, *const c_int, Handle, Handle);
     MPI_Bcast: fn(*mut c_void, c_int, Handle, c_int, Handle);
     MPI_Barrier: fn(Handle);
     MPI_Isend: fn(*const c_void, c_int, Handle, c_int, c_int, Handle, *mut Handle);
