@@ -228,6 +228,22 @@ fn parameters_in_files_train_bit_identically() {
     assert_eq!(std::fs::read_dir(&files).unwrap().count(), 0, "the runs removed their files");
 }
 
+/// With every shard within `--max-in-cpu` (by default DeepSpeed's 1e9 elements), `--offload-param
+/// nvme` keeps them all in host memory: the run makes no file and trains as `cpu` does (it
+/// stopped on "the plan keeps no parameter shard in a file" before 2026-11-30).
+#[test]
+fn parameters_within_max_in_cpu_stay_in_host_memory() {
+    let dir = scratch("param-nvme-in-memory");
+    let files = scratch("param-nvme-in-memory-files");
+    let (kept, nvme) = (dir.join("kept.atp"), dir.join("nvme.atp"));
+    compile(&kept, &[&ZERO3[..], &["--micro-batch", "4", "--offload-param", "cpu"]].concat());
+    let flags = ["--micro-batch", "4", "--offload-param", "nvme", "--nvme-path", files.to_str().unwrap()];
+    let summary = compile(&nvme, &[&ZERO3[..], &flags].concat());
+    assert!(summary.contains("ZeRO-3 shards per rank, in host memory"), "{summary}");
+    assert_eq!(run(&kept, &dir.join("kept.jsonl"), 3, &[]), run(&nvme, &dir.join("nvme.jsonl"), 3, &[]));
+    assert_eq!(std::fs::read_dir(&files).unwrap().count(), 0, "no file");
+}
+
 #[test]
 fn parameters_in_files_resume_bit_identically() {
     let dir = scratch("param-nvme-resume");

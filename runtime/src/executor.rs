@@ -352,7 +352,8 @@ impl Executor {
     }
 
     /// Moves the parameter shards at the end of the host pool into a file under
-    /// `settings.path`, named for `rank` (see [`crate::param_file`]); on the CPU only.
+    /// `settings.path`, named for `rank` (see [`crate::param_file`]); on the CPU only. A plan
+    /// that keeps every shard in host memory (all within `--max-in-cpu`) makes no file.
     pub fn offload_params_to_nvme(
         &mut self,
         settings: &autotp_program::param_file::NvmeParams,
@@ -364,7 +365,7 @@ impl Executor {
         if cpu.param_file.is_some() {
             return Err(RuntimeError::InvalidProgram("the parameters are in a file already".into()));
         }
-        cpu.param_file = Some(crate::param_file::ParamFile::create(&self.program, settings, rank, &mut cpu.host_pool)?);
+        cpu.param_file = crate::param_file::ParamFile::create(&self.program, settings, rank, &mut cpu.host_pool)?;
         Ok(())
     }
 

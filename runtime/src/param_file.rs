@@ -152,16 +152,20 @@ const IO_THREADS: usize = 4;
 
 impl ParamFile {
     /// Creates rank `rank`'s parameter file under `settings.path` for `program`, holding the
-    /// shards' bytes now in `pool` (the rank's host pool), whose pages it then gives back.
+    /// shards' bytes now in `pool` (the rank's host pool), whose pages it then gives back;
+    /// `None` where the plan keeps every shard in host memory (all fit `--max-in-cpu`, as
+    /// DeepSpeed's `max_in_cpu` keeps them).
     pub fn create(
         program: &Program,
         settings: &NvmeParams,
         rank: usize,
         pool: &mut Pages,
-    ) -> Result<ParamFile, RuntimeError> {
-        let swap = ParamSwap::of(program, settings.buffer_count, settings.buffer_size)
+    ) -> Result<Option<ParamFile>, RuntimeError> {
+        let Some(swap) = ParamSwap::of(program, settings.buffer_count, settings.buffer_size)
             .map_err(|e| RuntimeError::InvalidProgram(format!("parameters on NVMe: {e}")))?
-            .ok_or_else(|| RuntimeError::InvalidProgram("the plan keeps no parameter shard in a file".into()))?;
+        else {
+            return Ok(None);
+        };
         let name = format!("autotp-{}-rank{rank}.params", std::process::id());
         let Scratch { file, buffered, direct, path } = Scratch::create(&settings.path, &name, swap.file_bytes)?;
         let cleanup = |error: RuntimeError| {
@@ -195,7 +199,7 @@ impl ParamFile {
             made.io.issue(&made.swap.params, p, |at, len, _| Request::Release { at, len });
         }
         made.io.drain()?;
-        Ok(made)
+        Ok(Some(made))
     }
 
     pub fn status(&self) -> ParamFileStatus<'_> {
