@@ -5,7 +5,8 @@
 //! biases, each table looked up by its own copy of the choices) fixtures train as one
 //! rank does with their experts split by expert, alone, under ZeRO, with tensor, pipeline and
 //! context parallelism; checkpoints resume under ep and under dp; each rank holds its experts
-//! alone and sends the bytes the formula says all-to-all.
+//! alone, has room all-to-all for the bytes the formula says, and sends the pairs the routing
+//! sends (checked on a routing known in advance).
 
 use std::collections::BTreeMap;
 
@@ -308,4 +309,61 @@ fn expert_parallel_ranks_as_processes_and_on_emulated_gpus_train_like_threads() 
         let (first, worst) = within_contract(&format!("{name} on emulated GPUs"), &on_gpus, &threads);
         assert!(first == 0.0 && worst < 1e-6, "{name} on emulated GPUs: step 1 {first:.2e}, worst {worst:.2e}");
     }
+}
+
+/// The bytes each rank sends all-to-all per step (`run`'s "all-to-all of rank R" lines), by rank.
+fn all_to_all_sent(stderr: &str) -> Vec<usize> {
+    let sent = |line: &str| line.split(": ").nth(1)?.split(' ').next()?.replace(',', "").parse().ok();
+    stderr.lines().filter(|l| l.starts_with("all-to-all of rank")).map(|l| sent(l).unwrap()).collect()
+}
+
+/// The all-to-all bytes checked against a routing known in advance: with every router weight
+/// zero, each token's scores tie and the top 2 are experts 0 and 1, both on rank 0 of 2. So
+/// rank 1 sends every one of its `P` pairs' hidden state, expert id and routing weight, and
+/// later their results' gradients (`(H + 2) + H` floats a pair, a layer), rank 0 their results
+/// and the hidden states' and routing weights' gradients (`H + (H + 1)`), and nothing else
+/// moves: not rank 0's pairs, which stay on it, nor any padding. A zero learning rate keeps the
+/// routing for every step.
+#[test]
+fn expert_parallel_all_to_alls_send_what_the_routing_sends() {
+    let dir = crate::common::scratch("expert-parallel-routing");
+    let original = fixture("mixtral", "model.onnx");
+    let (layers, hidden, experts, choices) = (2, 64, 4, 2);
+    let zeros = vec![0u8; experts * hidden * 4];
+    let weights: BTreeMap<String, autotp_frontend::onnx::export::Weight> = (0..layers)
+        .map(|l| {
+            let weight = autotp_frontend::onnx::export::Weight {
+                dtype: autotp_ir::DType::F32,
+                shape: vec![experts, hidden],
+                bytes: &zeros,
+            };
+            (format!("m.model.layers.{l}.mlp.gate.weight"), weight)
+        })
+        .collect();
+    let exported = autotp_frontend::onnx::export::with_weights(&original, &weights, None, "model.onnx.data").unwrap();
+    assert_eq!((exported.replaced, exported.external_data.is_none()), (layers, true));
+    let model = dir.join("tied-router.onnx");
+    std::fs::write(&model, exported.model).unwrap();
+    let plan = dir.join("plan.atp");
+    let (micro_batch, seq_len) = (4, 16);
+    crate::common::success(crate::common::autotp(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--seq-len",
+        &seq_len.to_string(),
+        "--micro-batch",
+        &micro_batch.to_string(),
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--lr",
+        "0",
+        "-o",
+        plan.to_str().unwrap(),
+    ]));
+    let stderr = run_plan(&plan, &dir.join("metrics.jsonl"), 3, &[]);
+    let pairs = micro_batch * seq_len * choices;
+    let bytes = |floats: usize| layers * pairs * floats * 4;
+    assert_eq!(all_to_all_sent(&stderr), [bytes(hidden + 1 + hidden), bytes(hidden + 2 + hidden)], "{stderr}");
 }
