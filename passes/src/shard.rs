@@ -681,31 +681,47 @@ fn reductions(
             eager.insert((v, a), Placement::Replicate);
         }
     }
-    hierarchical_over_context(placed, &mut eager);
+    hierarchical_reductions(placed, &mut eager);
     eager.into_iter().filter_map(|((v, a), target)| origin.get(&v).map(|&o| ((o, a), target))).collect()
 }
 
-/// A value all-reduced where it is made over both dp and cp (a weight's gradient under ZeRO 0)
-/// is reduce-scattered over cp instead, its block then all-reduced over dp and gathered over cp
-/// where it is read whole: `2 (N-1)/N + 2 (D-1)/(DN)` of its bytes rather than `2 (N-1)/N + 2
-/// (D-1)/D`, what Megatron's one all-reduce over the dp x cp group sends.
-fn hierarchical_over_context(placed: &Graph, eager: &mut BTreeMap<(ValueId, usize), Placement>) {
+/// A value all-reduced where it is made over more than one of the data axes (a weight's
+/// gradient under ZeRO 0, over dp and cp, or over the groups of ep: dp and ep) is
+/// reduce-scattered over all of them but one and all-reduced over that one on its block
+/// (ep where it is one, else dp), and gathered back where it is read whole: `2 (N-1)/N` of its
+/// bytes over the `N` ranks in all, what Megatron's one all-reduce over the dp x cp group (or
+/// the data-parallel group) sends, where all-reducing over each axis in turn sends `2 (n-1)/n`
+/// of them for each axis of `n`.
+fn hierarchical_reductions(placed: &Graph, eager: &mut BTreeMap<(ValueId, usize), Placement>) {
     let axis_of = |name: &str| placed.mesh.axes.iter().position(|a| a.name == name);
-    let (Some(cp), Some(dp)) = (axis_of(autotp_ir::CONTEXT_AXIS), axis_of(autotp_ir::DATA_AXIS)) else { return };
-    let n = placed.mesh.axes[cp].size;
-    let both: Vec<ValueId> = (eager.iter())
-        .filter(|&(&(v, a), &target)| {
-            a == cp && target == Placement::Replicate && eager.get(&(v, dp)) == Some(&Placement::Replicate)
-        })
-        .map(|(&(v, _), _)| v)
+    let data_axes: Vec<usize> = [autotp_ir::DATA_AXIS, autotp_ir::EXPERT_AXIS, autotp_ir::CONTEXT_AXIS]
+        .iter()
+        .filter_map(|name| axis_of(name))
         .collect();
-    for v in both {
-        // A dim no other axis splits (tp's, say), which a rank's block divides.
+    let reduced_over = |v: ValueId, eager: &BTreeMap<(ValueId, usize), Placement>| -> Vec<usize> {
+        data_axes.iter().copied().filter(|&a| eager.get(&(v, a)) == Some(&Placement::Replicate)).collect()
+    };
+    let values: BTreeSet<ValueId> = eager.keys().map(|&(v, _)| v).collect();
+    for v in values {
+        let axes = reduced_over(v, eager);
+        if axes.len() < 2 {
+            continue;
+        }
+        // The all-reduce stays on ep where it is one, else on dp.
+        let kept =
+            axes.iter().copied().find(|&a| placed.mesh.axes[a].name == autotp_ir::EXPERT_AXIS).unwrap_or(axes[0]);
         let placements = &placed.value(v).placements;
-        let local = autotp_ir::sharding::local_shape(&placed.mesh, &placed.ty(v).shape, placements);
-        let free = |d: usize| !placements.contains(&Placement::Shard(d)) && local[d].is_multiple_of(n) && local[d] >= n;
-        if let Some(dim) = (0..local.len()).find(|&d| free(d)) {
-            eager.insert((v, cp), Placement::Shard(dim));
+        let mut local = autotp_ir::sharding::local_shape(&placed.mesh, &placed.ty(v).shape, placements);
+        for a in axes.into_iter().filter(|&a| a != kept) {
+            // A dim no other axis splits (tp's, say), which a rank's block (after the scatters
+            // chosen here) divides.
+            let n = placed.mesh.axes[a].size;
+            let free =
+                |d: usize| !placements.contains(&Placement::Shard(d)) && local[d].is_multiple_of(n) && local[d] >= n;
+            if let Some(dim) = (0..local.len()).find(|&d| free(d)) {
+                eager.insert((v, a), Placement::Shard(dim));
+                local[dim] /= n;
+            }
         }
     }
 }

@@ -322,17 +322,10 @@ pub(super) fn predict(
         let gathers = if zero == 3 { (2.0 * micro_batches - 1.0) * gathered } else { 0.0 };
         // From ZeRO 2 every micro-batch reduce-scatters its gradients.
         let reductions = if zero >= 2 { (micro_batches + 1.0) / 2.0 } else { 1.0 };
-        // Over groups of ep a gradient is summed over the groups' axis, then over ep: from ZeRO
-        // 1 reduce-scattered and its update all-gathered over both (a ring over all dp ranks);
-        // the experts' over the groups alone.
-        let (ring, expert_bytes) = match groups {
-            Some(g) => {
-                let within = 2.0 * (ep as f64 - 1.0) / ep as f64;
-                let over_groups = 2.0 * (g - 1.0) / g;
-                (if zero >= 1 { ring } else { over_groups + within }, over_groups * expert_grads_max)
-            }
-            None => (ring, 0.0),
-        };
+        // Over groups of ep a dense gradient is reduce-scattered over the groups and summed over
+        // ep on its block (from ZeRO 1 scattered there too), its sum (or update) all-gathered
+        // back: a ring over all dp ranks; the experts' over the groups alone.
+        let expert_bytes = groups.map_or(0.0, |g| 2.0 * (g - 1.0) / g * expert_grads_max);
         reductions * (ring * gradient_bytes + expert_bytes) + gathers
     } else {
         0.0
