@@ -253,6 +253,12 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
     let is_gather = |i: usize| {
         matches!(nodes[i].op, Op::Collective { kind: autotp_ir::Collective::AllGather { .. }, start: false, .. })
     };
+    // A gather on from a parameter's gather: ZeRO's over the next data axis (dp after ep), not
+    // tensor parallelism's.
+    let gathers_on = |i: usize| {
+        matches!(&nodes[i].op, Op::Collective { kind: autotp_ir::Collective::AllGather { .. }, start: false, axis }
+            if axis == autotp_ir::DATA_AXIS || axis == autotp_ir::EXPERT_AXIS)
+    };
     // Each parameter gather: its gathers in order, one per data axis it is sharded over (the
     // inner axis's first, from the parameter; each next from the one before).
     let consumers = graph.consumers();
@@ -261,7 +267,7 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
         .map(|first| {
             let mut chain = vec![first];
             while let [next] = consumers[nodes[*chain.last().expect("one gather")].outputs[0].index()][..] {
-                if !is_gather(next.0 as usize) {
+                if !gathers_on(next.0 as usize) || !gathers_on(*chain.last().expect("one gather")) {
                     break;
                 }
                 chain.push(next.0 as usize);
