@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::attention::{lse_dtype, AttentionDims, AttentionMask};
 use crate::elementwise::BinaryShapes;
+use crate::grouped::GroupedDims;
 use crate::nn::ClassLossDims;
 use crate::optim::{AdamWConfig, Optimizer, SgdConfig};
 use crate::{BinaryOp, DType, GeluApprox, KernelError, MatMulDims, ReduceOp, ScatterReduction, UnaryOp};
@@ -25,6 +26,9 @@ pub enum Kernel {
     Reduce { op: ReduceOp, dtype: DType, shape: Vec<usize>, axes: Vec<usize> },
     /// `[lhs, rhs] -> [lhs x rhs]`
     MatMul { dtype: DType, dims: MatMulDims },
+    /// A mixture of experts' per-pair products with the experts' matrices read in place, one
+    /// GEMM per expert (`grouped.rs`; the buffers by [`crate::grouped::GroupedForm`]).
+    GroupedMatMul { dtype: DType, index_dtype: DType, dims: Box<GroupedDims> },
     /// `[x] -> [x]` byte copy (reshape, identity).
     Copy,
     /// `[x] -> [transpose(x, perm)]`
@@ -116,7 +120,7 @@ pub enum Kernel {
 /// vocabulary-parallel embedding): indices stay global, and the kernel serves those in
 /// `[start, start + block length)`. Every rank runs the same program, so the program stores
 /// `start` 0 and each rank sets its own with [`Kernel::place_blocks`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct IndexBlock {
     /// The mesh axis whose coordinate picks the block.
     pub mesh_axis: usize,
@@ -142,6 +146,7 @@ impl Kernel {
             | Kernel::Select { dtype, .. }
             | Kernel::Reduce { dtype, .. }
             | Kernel::MatMul { dtype, .. }
+            | Kernel::GroupedMatMul { dtype, .. }
             | Kernel::Transpose { dtype, .. }
             | Kernel::Slice { dtype, .. }
             | Kernel::Concat { dtype, .. }
@@ -180,6 +185,12 @@ impl Kernel {
             let coordinate = coords.get(block.mesh_axis).copied().unwrap_or(0);
             block.start = coordinate * shape[*axis];
         }
+        if let Kernel::GroupedMatMul { dims, .. } = self {
+            let experts = dims.experts;
+            if let Some(block) = &mut dims.block {
+                block.start = coords.get(block.mesh_axis).copied().unwrap_or(0) * experts;
+            }
+        }
     }
 
     /// The rows this kernel's table (gather) or result (scatter-add) holds.
@@ -200,6 +211,7 @@ impl Kernel {
             Kernel::Cast { .. } => "cast",
             Kernel::Reduce { .. } => "reduce",
             Kernel::MatMul { .. } => "matmul",
+            Kernel::GroupedMatMul { .. } => "grouped_matmul",
             Kernel::Copy => "copy",
             Kernel::Transpose { .. } => "transpose",
             Kernel::Slice { .. } => "slice",
@@ -254,6 +266,11 @@ impl Kernel {
                 check.exact(&[bytes(*dtype, shape)], &[kept * dtype.size()])
             }
             Kernel::MatMul { dtype, dims } => check.matmul(*dtype, dims),
+            Kernel::GroupedMatMul { dtype, index_dtype, dims } => {
+                check.require(dims.is_valid())?;
+                let (inputs, output) = dims.buffer_bytes(*dtype, *index_dtype);
+                check.exact(&inputs, &[output])
+            }
             Kernel::Transpose { dtype, shape, perm } => {
                 let mut sorted = perm.clone();
                 sorted.sort_unstable();
@@ -392,7 +409,7 @@ impl Kernel {
             | Kernel::ScatterElements { .. }
             | Kernel::GatherElements { .. }
             | Kernel::RmsNorm { .. } => (2, 1),
-            Kernel::Select { .. } | Kernel::ScatterNd { .. } => (3, 1),
+            Kernel::Select { .. } | Kernel::ScatterNd { .. } | Kernel::GroupedMatMul { .. } => (3, 1),
             Kernel::Concat { shapes, .. } => (shapes.len(), 1),
             Kernel::Split { sizes, .. } => (1, sizes.len()),
             Kernel::TopK { .. } => (1, 2),
@@ -433,6 +450,9 @@ impl Kernel {
                 reduce::reduce(*op, *dtype, shape, axes, inputs[0], outputs[0])
             }
             Kernel::MatMul { dtype, dims } => crate::matmul::matmul(*dtype, dims, inputs[0], inputs[1], outputs[0]),
+            Kernel::GroupedMatMul { dtype, index_dtype, dims } => {
+                crate::grouped::grouped_matmul(*dtype, *index_dtype, dims, &inputs[..3], outputs[0])
+            }
             Kernel::Copy => {
                 if inputs[0].len() != outputs[0].len() {
                     return Err(KernelError::BufferSize { kernel: "copy" });

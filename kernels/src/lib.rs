@@ -18,6 +18,7 @@ pub mod axis;
 mod buffer;
 mod dtype;
 mod elementwise;
+pub mod grouped;
 pub mod indexed;
 pub mod isa;
 mod kernel;

@@ -167,7 +167,7 @@ fn resolve_index(index: i64, bound: usize, kernel: &'static str) -> Result<usize
 }
 
 /// Indices into a dimension of size `bound`, negatives counted from the end, all checked.
-fn resolved_indices(
+pub(crate) fn resolved_indices(
     index_dtype: DType,
     indices: &[u8],
     bound: usize,
@@ -190,7 +190,7 @@ pub(crate) struct Rows {
 
 impl Rows {
     /// The held row that global index `i` names, if this kernel holds it.
-    fn local(&self, i: usize) -> Option<usize> {
+    pub(crate) fn local(&self, i: usize) -> Option<usize> {
         i.checked_sub(self.start).filter(|&l| l < self.len)
     }
 }
