@@ -114,6 +114,64 @@ fn expert_parallelism_trains_like_one_rank() {
     }
 }
 
+/// The experts' per-pair products run as grouped expert GEMMs (`autotp_kernels::grouped`): one
+/// GEMM per expert over the pairs routed to it, its matrix read where it lies. At dp 2 x ep 2,
+/// 8 sequences of 32 tokens a rank, every mixture's lookup of an expert table and the products
+/// that read it (forward and input gradient) and the outer products its gradient sums are
+/// grouped GEMMs (Mixtral and gpt-oss: 2 layers x 2 tables x 3; DeepSeek-V3: 1 layer, its
+/// first is dense), no gather copies a table per pair, and the activations' peak is below one
+/// such copy (1024 pairs x Mixtral's `[256, 64]` f32 matrix), which each lookup made before.
+/// Training matches the builtin kernels' (the gathers, batched matmuls and scatter-adds).
+#[test]
+fn expert_products_run_as_grouped_gemms_without_a_matrix_per_pair() {
+    use autotp_kernels::grouped::GroupedForm;
+    use autotp_kernels::Kernel;
+    use autotp_program::Instruction;
+    let dir = crate::common::scratch("expert-parallel-grouped");
+    let flags = ["--dp", "2", "--ep", "2"];
+    for (arch, grouped_layers) in [("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 1)] {
+        let model = fixture(arch, "model.onnx");
+        let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", "8", "--seq-len", "32"]
+            .iter()
+            .chain(&flags)
+            .map(|s| s.to_string())
+            .collect();
+        let plan = crate::common::compile_shapes(&args, 2);
+        let program = &plan.stages[0];
+        let kernels: Vec<&Kernel> = (program.instructions.iter())
+            .filter_map(|i| match i {
+                Instruction::Kernel { kernel, .. } => Some(kernel),
+                _ => None,
+            })
+            .collect();
+        let forms: Vec<GroupedForm> = (kernels.iter())
+            .filter_map(|k| match k {
+                Kernel::GroupedMatMul { dims, .. } => Some(dims.form),
+                _ => None,
+            })
+            .collect();
+        let scattered = forms.iter().filter(|f| **f == GroupedForm::Scattered).count();
+        assert_eq!((forms.len(), scattered), (grouped_layers * 2 * 3, grouped_layers * 2), "{arch}: {forms:?}");
+        // What gathers remain look up token embeddings or gpt-oss's experts' biases: vectors.
+        for kernel in &kernels {
+            if let Kernel::Gather { data, .. } = kernel {
+                assert!(data.len() == 2, "{arch}: a gather of a {data:?} table per pair remains");
+            }
+        }
+        if arch == "mixtral" {
+            let pairs_per_rank = 2 * 8 * 32 * 2;
+            let one_copy = pairs_per_rank * 256 * 64 * 4;
+            let peak = program.memory.activations_peak_bytes;
+            println!("{arch}: activations peak {peak} bytes, one gathered copy {one_copy}");
+            assert!(peak < one_copy, "{arch}: activations peak {peak} bytes, one gathered copy {one_copy}");
+        }
+        let grouped = train_model(&dir, arch, "model.onnx", 4, &flags);
+        let builtin = train_model(&dir, arch, "model.onnx", 4, &[&flags[..], &["--kernels", "builtin"]].concat());
+        let (first, worst) = within_contract(&format!("{arch} grouped against builtin"), &grouped, &builtin);
+        println!("{arch}: grouped GEMMs against builtin kernels: step 1 {first:.2e}, worst {worst:.2e}");
+    }
+}
+
 /// A checkpoint of an expert-parallel run resumes bit-identically, and under plain data
 /// parallelism (each rank's experts gathered into whole tables) and over groups of the
 /// data-parallel ranks (dp 4 x ep 2 under ZeRO 1: the experts and the states split anew)

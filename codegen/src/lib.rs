@@ -2,10 +2,11 @@
 //!
 //! Each fusion group becomes one generated kernel ([`autotp_kernelgen`]; its internal
 //! values get no region), and each other node one instruction (but reshapes and waits, whose
-//! results share their input's region): a generated kernel where the kernel builder makes one
-//! (with [`KernelChoice::Generated`], the default), else the builtin kernel (chosen by
-//! [`autotp_ir::lower::node_kernel`], the same one the reference evaluator runs), or, for a
-//! collective or a pipeline send/recv, a communication step. A pipeline stage's graph lowers to
+//! results share their input's region, and the transposes, expert lookups and per-pair
+//! products that other kernels read in place: `in_place.rs`): a generated kernel where the
+//! kernel builder makes one (with [`KernelChoice::Generated`], the default), else the builtin
+//! kernel (chosen by [`autotp_ir::lower::node_kernel`], the same one the reference evaluator
+//! runs), or, for a collective or a pipeline send/recv, a communication step. A pipeline stage's graph lowers to
 //! that stage's program. A graph on a mesh lowers to one SPMD program that every
 //! rank runs: all shapes are local (`autotp_ir::sharding::local_type`), and slots record their
 //! global shape and placements so each rank loads and feeds its own block. Values get arena
@@ -13,6 +14,7 @@
 //! compile-time memory report, per rank.
 
 pub mod gpu_kernels;
+mod in_place;
 pub mod memory;
 
 use std::collections::{HashMap, HashSet};
@@ -24,6 +26,7 @@ use autotp_program::{
 };
 
 use autotp_kernels::{Kernel, OperandLayout};
+use in_place::{at_batch_rank, grouped_products, strided_operands, GroupedProducts};
 use memory::{align, Arena};
 
 #[derive(Debug, thiserror::Error)]
@@ -185,54 +188,6 @@ fn update_in_place(graph: &Graph, fusion: &autotp_ir::Fusion, root: &mut [usize]
             last_use[input] = last_use[input].max(last_use[output]);
         }
     }
-}
-
-/// The transposes (by their values) that matmuls read in place through strides, with the
-/// layout they read: a transpose outside fusion groups whose value only matmuls read.
-fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
-    let mut read_otherwise = vec![false; graph.num_values()];
-    for (_, node) in graph.nodes() {
-        if !matches!(node.op, Op::MatMul { .. }) {
-            for v in &node.inputs {
-                read_otherwise[v.index()] = true;
-            }
-        }
-    }
-    for v in graph.outputs().iter().map(|(_, v)| v).chain(graph.updates().iter().flat_map(|(t, v)| [t, v])) {
-        read_otherwise[v.index()] = true;
-    }
-    let fused: HashSet<usize> = graph.fusions().iter().flat_map(|f| f.nodes.clone()).collect();
-    let mut layouts = HashMap::new();
-    for (_, node) in graph.nodes() {
-        if !matches!(node.op, Op::MatMul { .. }) {
-            continue;
-        }
-        for &v in &node.inputs {
-            let Def::Node(t, _) = graph.value(v).def else { continue };
-            let Op::Transpose { perm } = &graph.node(t).op else { continue };
-            if read_otherwise[v.index()] || fused.contains(&t.index()) {
-                continue;
-            }
-            let stored = local(graph, graph.node(t).inputs[0]).shape;
-            let shape = local(graph, v).shape;
-            let stored_strides = autotp_kernels::shape::strides(&stored);
-            let stride = |j: usize| stored_strides[perm[j]];
-            let rank = perm.len();
-            // The operand's own batch dims; each matmul reading it pads them to its batch rank
-            // ([`at_batch_rank`]), as two matmuls of other ranks may read one transpose.
-            let batch = (0..rank - 2).map(|j| if shape[j] == 1 { 0 } else { stride(j) }).collect();
-            layouts.insert(v, OperandLayout { batch, rows: stride(rank - 2), cols: stride(rank - 1) });
-        }
-    }
-    layouts
-}
-
-/// `layout` read by a matmul of `batch_rank` batch dims: the operand's batch dims are the
-/// output's last ones (numpy broadcasting), the leading ones broadcast (stride 0).
-fn at_batch_rank(layout: &OperandLayout, batch_rank: usize) -> OperandLayout {
-    let mut batch = vec![0; batch_rank.saturating_sub(layout.batch.len())];
-    batch.extend(&layout.batch);
-    OperandLayout { batch, ..layout.clone() }
 }
 
 /// What a multi-tensor step takes over from the nodes after it. Where a plan skips the steps
@@ -498,8 +453,8 @@ fn lower_placed(
         if matches!(node.op, Op::Constant { .. }) {
             continue;
         }
-        // A node its group's kernel computes only releases what dies here.
-        if !lowering.in_fused_group[id.index()] {
+        // A node its group's kernel, or a grouped GEMM, computes only releases what dies here.
+        if !lowering.in_fused_group[id.index()] && !lowering.lifetimes.grouped.absorbed.contains(&id) {
             let step = fusion_at[id.index()]
                 .and_then(|f| Some((f, lowering.lifetimes.optimizer_steps.remove(&f.nodes.start)?)));
             if let Some((fusion, optimizer)) = step {
@@ -527,6 +482,8 @@ struct Lifetimes {
     guarded: HashMap<usize, GuardedStep>,
     /// Transposes read by a matmul alone, and how the matmul reads their input in place.
     layouts: HashMap<ValueId, OperandLayout>,
+    /// The grouped expert GEMMs, and the gathers and matmuls whose work they do.
+    grouped: GroupedProducts,
 }
 
 impl Lifetimes {
@@ -567,8 +524,15 @@ impl Lifetimes {
         for v in 0..graph.num_values() {
             last_use[root[v]] = last_use[root[v]].max(last_use[v]);
         }
+        // A grouped GEMM reads the table and vectors of the gathers and products it absorbs.
+        let grouped = if generated { grouped_products(graph, &layouts) } else { GroupedProducts::default() };
+        for (node, (_, inputs)) in &grouped.kernels {
+            for v in inputs {
+                last_use[root[v.index()]] = last_use[root[v.index()]].max(node.index());
+            }
+        }
         let mut lifetimes =
-            Lifetimes { root, last_use, optimizer_steps: HashMap::new(), guarded: HashMap::new(), layouts };
+            Lifetimes { root, last_use, optimizer_steps: HashMap::new(), guarded: HashMap::new(), layouts, grouped };
         if generated {
             lifetimes.optimizer_steps_in_place(graph, options);
         }
@@ -802,8 +766,14 @@ impl Lowering<'_> {
         }
         self.note_peak();
         let label = format!("node {} ({})", id.index(), self.names.node(graph, id));
-        let inputs: Vec<Region> = node.inputs.iter().map(|v| self.region(v)).collect();
         let outputs: Vec<Region> = node.outputs.iter().map(|v| self.region(v)).collect();
+        if let Some((kernel, reads)) = self.lifetimes.grouped.kernels.get(&id) {
+            let inputs = reads.iter().map(|v| self.region(v)).collect();
+            let kernel = kernel.clone();
+            self.instructions.push(Instruction::Kernel { kernel, inputs, outputs, label, gpu: None });
+            return;
+        }
+        let inputs: Vec<Region> = node.inputs.iter().map(|v| self.region(v)).collect();
         let generated = self.options.kernels == KernelChoice::Generated;
         if let Op::Collective { kind, axis, start } = &node.op {
             let input = local(graph, node.inputs[0]);
