@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use autotp_kernels::grouped::GroupedForm;
 use autotp_kernels::Kernel;
 use autotp_program::{Instruction, Program};
 
@@ -82,6 +83,19 @@ impl Figures {
                     let flops = 2.0 * (batch * dims.m * dims.k * dims.n) as f64;
                     gemm_flops += flops;
                     gemm_flops_per_row += flops / dims.m.max(1) as f64;
+                }
+                // Timed at the room, every pair's product (as the all-to-alls are): one GEMM
+                // per expert, of its share of the pairs' rows (gathered) or of the matrix's
+                // rows (scattered).
+                Instruction::Kernel { kernel: Kernel::GroupedMatMul { dims, .. }, .. } => {
+                    let (d, pairs) = (&dims.pair, dims.pairs());
+                    let flops = 2.0 * (pairs * d.m * d.k * d.n) as f64;
+                    let rows = match dims.form {
+                        GroupedForm::Scattered => d.m,
+                        GroupedForm::GatheredLhs | GroupedForm::GatheredRhs => pairs / dims.experts.max(1),
+                    };
+                    gemm_flops += flops;
+                    gemm_flops_per_row += flops / rows.max(1) as f64;
                 }
                 Instruction::Kernel { inputs, outputs, .. } | Instruction::Generated { inputs, outputs, .. } => {
                     other_bytes += inputs.iter().chain(outputs).map(|r| r.len as f64).sum::<f64>();
@@ -276,10 +290,15 @@ impl PipelineModel {
 }
 
 impl Model {
+    /// The part of the rest's parameters (and their gradients and states) on a stage: the
+    /// embedding's on the first, the others on the last.
+    pub(super) fn rest_share(&self, first: bool, last: bool) -> f64 {
+        (if first { self.embedding_fraction } else { 0.0 }) + (if last { 1.0 - self.embedding_fraction } else { 0.0 })
+    }
+
     /// One micro-batch through a stage of `layers` layers, the first and/or the last.
     pub(super) fn stage(&self, layers: usize, first: bool, last: bool) -> Figures {
-        let share = (if first { self.embedding_fraction } else { 0.0 })
-            + (if last { 1.0 - self.embedding_fraction } else { 0.0 });
+        let share = self.rest_share(first, last);
         // Activations, work and traffic of the rest belong to the head's stage (the
         // embedding's gather is a small part); its parameters split by where they are read.
         let work = if last { 1.0 } else { 0.0 };

@@ -231,8 +231,9 @@ pub(super) fn predict(
         };
         let activations = intermediate - grads;
 
+        // The reductions of the stage's gradients: its layers' and its part of the rest's.
         let dp_staging = model.dp_staging.map_or(0.0, |(layer, rest)| {
-            let bytes = n as f64 * layer.staging + rest.staging;
+            let bytes = n as f64 * layer.staging + model.rest_share(s == 0, s == pp - 1) * rest.staging;
             bytes.min(DP_STAGING_CAP.max(layer.staging + rest.staging))
         });
         let staging = model.tp_staging.max(dp_staging);
