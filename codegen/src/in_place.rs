@@ -112,6 +112,9 @@ pub(crate) fn grouped_products(graph: &Graph, layouts: &HashMap<ValueId, Operand
         let products: Option<Vec<(NodeId, Kernel, Vec<ValueId>)>> = (readers.iter())
             .map(|&m| {
                 let reader = graph.node(m);
+                if !matches!(reader.op, Op::MatMul { .. }) {
+                    return None;
+                }
                 let side = reader.inputs.iter().position(|&v| v == gathered)?;
                 let other = reader.inputs[1 - side];
                 let form = if side == 0 { GroupedForm::GatheredLhs } else { GroupedForm::GatheredRhs };
@@ -160,4 +163,62 @@ pub(crate) fn grouped_products(graph: &Graph, layouts: &HashMap<ValueId, Operand
         grouped.kernels.insert(id, (Kernel::GroupedMatMul { dtype, index_dtype, dims: Box::new(dims) }, inputs));
     }
     grouped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The grouped kernels of a graph, by form, and how many gathers of a 3-D table remain.
+    fn lowered(text: &str) -> (Vec<GroupedForm>, usize) {
+        let graph = autotp_ir::text::parse(text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let program = crate::lower(&graph).unwrap();
+        let mut forms = Vec::new();
+        let mut gathers = 0;
+        for instruction in &program.instructions {
+            match instruction {
+                autotp_program::Instruction::Kernel { kernel: Kernel::GroupedMatMul { dims, .. }, .. } => {
+                    forms.push(dims.form)
+                }
+                autotp_program::Instruction::Kernel { kernel: Kernel::Gather { data, .. }, .. } => {
+                    gathers += usize::from(data.len() == 3)
+                }
+                _ => {}
+            }
+        }
+        (forms, gathers)
+    }
+
+    const EXPERTS: &str = "graph \"experts\" {
+  input %ids : i64[6]
+  input %x : f32[6,4,1]
+  input %dy : f32[6,2,1]
+  param %w : f32[3,2,4]
+  %g = gather %w, %ids {axis = 0} : f32[6,2,4]
+  %y = matmul %g, %x : f32[6,2,1]
+  %dx = matmul %g, %dy {transpose_lhs = true} : f32[6,4,1]
+  %p = matmul %dy, %x {transpose_rhs = true} : f32[6,2,4]
+  %dw = scatter_add %ids, %p {axis = 0, size = 3} : f32[3,2,4]
+  output \"y\" = %y
+  output \"dx\" = %dx
+  output \"dw\" = %dw
+}
+";
+
+    /// A lookup read by matmuls alone, and the outer products only a scatter-add reads, become
+    /// grouped GEMMs and no gather of the table remains; a lookup that another op also reads
+    /// (an elementwise op, a select of three inputs) stays a gather, read by batched matmuls.
+    #[test]
+    fn lookups_read_by_matmuls_alone_become_grouped_gemms() {
+        let (forms, gathers) = lowered(EXPERTS);
+        assert_eq!(forms, [GroupedForm::GatheredLhs, GroupedForm::GatheredLhs, GroupedForm::Scattered]);
+        assert_eq!(gathers, 0);
+        for other in ["%n = neg %g : f32[6,2,4]", "%n = select %c, %z, %g : f32[6,2,4]"] {
+            let text = EXPERTS
+                .replace("  param %w", "  input %c : bool[6,2,4]\n  input %z : f32[6,2,4]\n  param %w")
+                .replace("  output \"y\"", &format!("  {other}\n  output \"n\" = %n\n  output \"y\""));
+            let (forms, gathers) = lowered(&text);
+            assert_eq!((forms, gathers), (vec![GroupedForm::Scattered], 1), "{other}");
+        }
+    }
 }
