@@ -27,6 +27,7 @@
 //! Codegen chooses it (`autotp_codegen::in_place`); tests below compare it with the gather,
 //! matmul and scatter-add kernels it replaces.
 
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::movement::{resolved_indices, Rows};
@@ -159,7 +160,9 @@ pub(crate) fn grouped_matmul(
             let (k, matrix) = (d.k, dims.matrix());
             let width = matrix / k.max(1);
             let (vector, product) = (k * size, width * size);
-            // Expert `e`'s matrix read as `k x width` in place: the lhs side transposed.
+            // Expert `e`'s matrix read in place as the `k x width` factor of the stacked
+            // product (`out[q]` as a row is `v[q]^T op(W)^T` where the table is the lhs, `v[q]^T
+            // op(W)` where it is the rhs): its element strides.
             let (row_stride, col_stride) = match (dims.form, d.transpose_lhs, d.transpose_rhs) {
                 (GroupedForm::GatheredLhs, false, _) => (1, k),
                 (GroupedForm::GatheredLhs, true, _) => (d.m, 1),
@@ -167,7 +170,9 @@ pub(crate) fn grouped_matmul(
                 (_, _, true) => (1, k),
             };
             let groups = pairs_by_expert(&ids, rows, |q| !is_zero(&vectors[q * vector..][..vector]));
-            for (e, pairs) in groups.iter().enumerate().filter(|(_, pairs)| !pairs.is_empty()) {
+            // The experts' GEMMs side by side (each threaded itself where it is large), then
+            // their rows put in place.
+            let expert_products = |(e, pairs): (usize, &Vec<usize>)| -> Result<(usize, AlignedBuf), KernelError> {
                 let stack = stacked(vectors, vector, pairs);
                 let mut products = AlignedBuf::zeroed(pairs.len() * product);
                 let gemm = MatMulDims {
@@ -184,7 +189,13 @@ pub(crate) fn grouped_matmul(
                 };
                 let weights = &table[e * matrix * size..][..matrix * size];
                 crate::matmul::matmul(dtype, &gemm, stack.as_slice(), weights, products.as_mut_slice())?;
-                for (row, &q) in products.as_slice().chunks_exact(product.max(1)).zip(pairs) {
+                Ok((e, products))
+            };
+            let computed: Vec<Result<(usize, AlignedBuf), KernelError>> =
+                groups.par_iter().enumerate().filter(|(_, pairs)| !pairs.is_empty()).map(expert_products).collect();
+            for result in computed {
+                let (e, products) = result?;
+                for (row, &q) in products.as_slice().chunks_exact(product.max(1)).zip(&groups[e]) {
                     out[q * product..][..product].copy_from_slice(row);
                 }
             }
@@ -196,7 +207,11 @@ pub(crate) fn grouped_matmul(
             let counts = |q: usize| !is_zero(&lhs[q * left..][..left]) && !is_zero(&rhs[q * right..][..right]);
             let groups = pairs_by_expert(&ids, rows, counts);
             let matrix = dims.matrix() * size;
-            for (e, pairs) in groups.iter().enumerate().filter(|(_, pairs)| !pairs.is_empty()) {
+            // Each expert's sums are its own block of the result.
+            out.par_chunks_mut(matrix.max(1)).zip(groups.par_iter()).try_for_each(|(sums, pairs)| {
+                if pairs.is_empty() {
+                    return Ok(());
+                }
                 let (u, v) = (stacked(lhs, left, pairs), stacked(rhs, right, pairs));
                 // `U^T V`: U stored `[r, m]`, read transposed.
                 let gemm = MatMulDims {
@@ -211,9 +226,8 @@ pub(crate) fn grouped_matmul(
                     lhs_layout: None,
                     rhs_layout: None,
                 };
-                let sums = &mut out[e * matrix..][..matrix];
-                crate::matmul::matmul(dtype, &gemm, u.as_slice(), v.as_slice(), sums)?;
-            }
+                crate::matmul::matmul(dtype, &gemm, u.as_slice(), v.as_slice(), sums)
+            })?;
         }
     }
     Ok(())
