@@ -236,13 +236,8 @@ pub(crate) fn grouped_matmul(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matmul::tests::floats;
     use crate::Kernel;
-
-    fn floats(len: usize, seed: u32) -> Vec<f32> {
-        (0..len as u32)
-            .map(|i| ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 1000) as f32 / 500.0 - 1.0)
-            .collect()
-    }
 
     fn bytes(x: &[f32]) -> AlignedBuf {
         AlignedBuf::from_bytes(bytemuck::cast_slice(x))

@@ -246,10 +246,11 @@ pub(crate) fn matmul(dtype: DType, d: &MatMulDims, lhs: &[u8], rhs: &[u8], out: 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn floats(len: usize, seed: u32) -> Vec<f32> {
+    /// `len` values in [-1, 1), spread by a hash of the index and `seed`.
+    pub(crate) fn floats(len: usize, seed: u32) -> Vec<f32> {
         (0..len as u32)
             .map(|i| ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 1000) as f32 / 500.0 - 1.0)
             .collect()
