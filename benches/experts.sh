@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Mixture-of-experts layouts of the Mixtral fixture (global batch 8 x 32 tokens), one build or
-# two builds side by side: per layout the activations' peak per rank the compile summary
-# prints and the step time (median of each run's steps after the first 5). With two builds
-# they alternate within each round (OLD, NEW, then NEW, OLD in the next), so drift on a shared
-# machine moves both; the table gives each side's median over rounds and NEW/OLD's median.
+# Mixture-of-experts layouts of the Mixtral fixture (global batch 8 x 32 tokens), the experts'
+# products batched (the default: a gathered matrix per pair) and as grouped GEMMs
+# (--moe-grouped-gemm): per layout the activations' peak per rank the compile summary prints
+# and the step time (median of each run's steps after the first 5). The two alternate within
+# each round (batched, grouped, then grouped, batched in the next), so drift on a shared
+# machine moves both; the table gives each side's median over rounds and grouped/batched's.
 #
-#     benches/experts.sh NEW_BINARY [OLD_BINARY]
+#     benches/experts.sh [BINARY]     (default target/release/autotp)
 #     env: ROUNDS (3), STEPS (40), LAYOUTS (a ;-separated list of "micro-batch flags...")
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NEW=$1 OLD=${2:-}
+BINARY=${1:-target/release/autotp}
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-40}
 LAYOUTS=${LAYOUTS:-"8; 4 --dp 2; 4 --dp 2 --ep 2; 2 --dp 4 --ep 4; 2 --dp 4 --ep 2; 2 --dp 4 --ep 2 --zero 3"}
@@ -17,25 +18,24 @@ out=target/bench-experts
 mkdir -p "$out"
 tokens=tests/fixtures/train/tokens.bin
 model=tests/fixtures/mixtral/model.onnx
-sides=(new)
-[ -n "$OLD" ] && sides=(old new)
-binary() { if [ "$1" = new ]; then echo "$NEW"; else echo "$OLD"; fi; }
+sides=(batched grouped)
+grouped_flag() { if [ "$1" = grouped ]; then echo --moe-grouped-gemm; fi; }
 
 IFS=';' read -r -a layouts <<< "$LAYOUTS"
 for i in "${!layouts[@]}"; do
     set -- ${layouts[$i]}
     mb=$1; shift
     for side in "${sides[@]}"; do
-        "$(binary "$side")" compile "$model" --seq-len 32 --micro-batch "$mb" "$@" -o "$out/$i.$side.atp" \
-            > "$out/$i.$side.summary"
+        "$BINARY" compile "$model" --seq-len 32 --micro-batch "$mb" "$@" $(grouped_flag "$side") \
+            -o "$out/$i.$side.atp" > "$out/$i.$side.summary"
     done
 done
 for round in $(seq "$ROUNDS"); do
     order=("${sides[@]}")
-    if [ $((round % 2)) -eq 0 ] && [ ${#sides[@]} -eq 2 ]; then order=(new old); fi
+    if [ $((round % 2)) -eq 0 ]; then order=(grouped batched); fi
     for i in "${!layouts[@]}"; do
         for side in "${order[@]}"; do
-            "$(binary "$side")" run "$out/$i.$side.atp" --data "$tokens" --steps "$STEPS" \
+            "$BINARY" run "$out/$i.$side.atp" --data "$tokens" --steps "$STEPS" \
                 --metrics-out "$out/$i.$side.$round.jsonl" > /dev/null 2>&1
         done
     done
@@ -54,18 +54,14 @@ def peak(i, side):
 def step(i, side, r):
     steps = [json.loads(l) for l in open(f"{out}/{i}.{side}.{r}.jsonl") if '"step_seconds"' in l]
     return statistics.median(s["step_seconds"] for s in steps[5:]) * 1e3
-head = "| layout | " + " | ".join(f"{s}: activations peak | {s}: ms per step" for s in sides)
-if len(sides) == 2:
-    head += " | new/old step (range) |"
-print(head)
-print("|---" * (1 + 2 * len(sides) + (len(sides) == 2)) + "|")
+print("| layout | " + " | ".join(f"{s}: activations peak | {s}: ms per step" for s in sides) + " | grouped/batched step (range) |")
+print("|---" * (2 + 2 * len(sides)) + "|")
 for i, layout in enumerate(layouts):
     mb, *flags = layout.split()
     cells = [f"micro-batch {mb} {' '.join(flags)}".strip()]
     for s in sides:
         cells += [f"{peak(i, s):,} B", f"{statistics.median(step(i, s, r) for r in range(1, rounds + 1)):.1f}"]
-    if len(sides) == 2:
-        ratios = [step(i, "new", r) / step(i, "old", r) for r in range(1, rounds + 1)]
-        cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+    ratios = [step(i, "grouped", r) / step(i, "batched", r) for r in range(1, rounds + 1)]
+    cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
     print("| " + " | ".join(cells) + " |")
 EOF

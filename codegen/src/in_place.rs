@@ -172,7 +172,8 @@ mod tests {
     /// The grouped kernels of a graph, by form, and how many gathers of a 3-D table remain.
     fn lowered(text: &str) -> (Vec<GroupedForm>, usize) {
         let graph = autotp_ir::text::parse(text).unwrap_or_else(|e| panic!("{e}\n{text}"));
-        let program = crate::lower(&graph).unwrap();
+        let options = crate::LowerOptions { grouped_experts: true, ..Default::default() };
+        let program = crate::lower_with(&graph, &options).unwrap();
         let mut forms = Vec::new();
         let mut gathers = 0;
         for instruction in &program.instructions {

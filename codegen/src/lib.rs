@@ -53,6 +53,9 @@ pub struct LowerOptions {
     pub kernels: KernelChoice,
     /// Choose the builtin kernels' GPU forms ([`gpu_kernels`]) for the plan.
     pub gpu_kernels: bool,
+    /// With generated kernels: a mixture of experts' lookups and per-pair products as grouped
+    /// expert GEMMs (`in_place.rs`; `--moe-grouped-gemm`).
+    pub grouped_experts: bool,
     /// Also compile them, the generated kernels and the optimizer steps to PTX for every GPU
     /// architecture plans carry (implies `gpu_kernels`).
     pub ptx: bool,
@@ -525,7 +528,10 @@ impl Lifetimes {
             last_use[root[v]] = last_use[root[v]].max(last_use[v]);
         }
         // A grouped GEMM reads the table and vectors of the gathers and products it absorbs.
-        let grouped = if generated { grouped_products(graph, &layouts) } else { GroupedProducts::default() };
+        let grouped = match generated && options.grouped_experts {
+            true => grouped_products(graph, &layouts),
+            false => GroupedProducts::default(),
+        };
         for (node, (_, inputs)) in &grouped.kernels {
             for v in inputs {
                 last_use[root[v.index()]] = last_use[root[v.index()]].max(node.index());

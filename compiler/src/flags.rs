@@ -243,6 +243,14 @@ pub struct CompileFlags {
     #[arg(long, value_enum, default_value = "fused")]
     #[serde(default)]
     pub attention: AttentionFlag,
+    /// Run a mixture of experts' per-pair products as grouped GEMMs (Megatron's
+    /// --moe-grouped-gemm): one GEMM per expert over the pairs routed to it, its weights read
+    /// where they lie and the padding pairs skipped, instead of a weight matrix gathered per
+    /// pair and matrix-vector products. For CPU ranks: a GPU runs these GEMMs on the host (they
+    /// have no GPU form yet).
+    #[arg(long)]
+    #[serde(default)]
+    pub moe_grouped_gemm: bool,
     /// The parameters' and activations' type: f32, or bf16/fp16 mixed precision (16-bit
     /// weights and activations, CUDA autocast's f32 ops, f32 master weights and moments in the
     /// optimizer, as DeepSpeed's bf16/fp16 modes).

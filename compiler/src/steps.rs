@@ -569,6 +569,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     let measure = autotp_codegen::LowerOptions {
         kernels: options.kernels(),
         gpu_kernels: false,
+        grouped_experts: flags.moe_grouped_gemm,
         ptx: false,
         offload_optimizer,
         offload_params,
@@ -584,6 +585,7 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
     let lower = autotp_codegen::LowerOptions {
         kernels: options.kernels(),
         gpu_kernels: weights_read,
+        grouped_experts: flags.moe_grouped_gemm,
         ptx: generated && weights_read,
         offload_optimizer,
         offload_params,
