@@ -21,7 +21,7 @@ use crate::local;
 /// The transposes (by their values) that matmuls read in place through strides, with the
 /// layout they read: a transpose outside fusion groups whose value only matmuls read.
 pub(crate) fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout> {
-    let mut read_otherwise = vec![false; graph.num_values()];
+    let mut read_otherwise = results(graph);
     for (_, node) in graph.nodes() {
         if !matches!(node.op, Op::MatMul { .. }) {
             for v in &node.inputs {
@@ -29,10 +29,7 @@ pub(crate) fn strided_operands(graph: &Graph) -> HashMap<ValueId, OperandLayout>
             }
         }
     }
-    for v in graph.outputs().iter().map(|(_, v)| v).chain(graph.updates().iter().flat_map(|(t, v)| [t, v])) {
-        read_otherwise[v.index()] = true;
-    }
-    let fused: HashSet<usize> = graph.fusions().iter().flat_map(|f| f.nodes.clone()).collect();
+    let fused = fused_nodes(graph);
     let mut layouts = HashMap::new();
     for (_, node) in graph.nodes() {
         if !matches!(node.op, Op::MatMul { .. }) {
@@ -66,6 +63,20 @@ pub(crate) fn at_batch_rank(layout: &OperandLayout, batch_rank: usize) -> Operan
     OperandLayout { batch, ..layout.clone() }
 }
 
+/// By value: whether it is a graph output, an update or an updated value (read after the step).
+fn results(graph: &Graph) -> Vec<bool> {
+    let mut result = vec![false; graph.num_values()];
+    for v in graph.outputs().iter().map(|(_, v)| v).chain(graph.updates().iter().flat_map(|(t, v)| [t, v])) {
+        result[v.index()] = true;
+    }
+    result
+}
+
+/// The nodes inside fusion groups, by index.
+fn fused_nodes(graph: &Graph) -> HashSet<usize> {
+    graph.fusions().iter().flat_map(|f| f.nodes.clone()).collect()
+}
+
 /// The grouped expert GEMMs of a graph: the nodes whose instruction is one, and the nodes whose
 /// work they do.
 #[derive(Default)]
@@ -92,11 +103,8 @@ fn pair_dims(graph: &Graph, node: &autotp_ir::Node, form: GroupedForm) -> Option
 /// read.
 pub(crate) fn grouped_products(graph: &Graph, layouts: &HashMap<ValueId, OperandLayout>) -> GroupedProducts {
     let consumers = graph.consumers();
-    let mut read_otherwise = vec![false; graph.num_values()];
-    for v in graph.outputs().iter().map(|(_, v)| v).chain(graph.updates().iter().flat_map(|(t, v)| [t, v])) {
-        read_otherwise[v.index()] = true;
-    }
-    let fused: HashSet<usize> = graph.fusions().iter().flat_map(|f| f.nodes.clone()).collect();
+    let read_otherwise = results(graph);
+    let fused = fused_nodes(graph);
     let free = |n: NodeId| !fused.contains(&n.index());
     let mut grouped = GroupedProducts::default();
     for (id, node) in graph.nodes() {

@@ -6,9 +6,9 @@
 //! products that other kernels read in place: `in_place.rs`): a generated kernel where the
 //! kernel builder makes one (with [`KernelChoice::Generated`], the default), else the builtin
 //! kernel (chosen by [`autotp_ir::lower::node_kernel`], the same one the reference evaluator
-//! runs), or, for a collective or a pipeline send/recv, a communication step. A pipeline stage's graph lowers to
-//! that stage's program. A graph on a mesh lowers to one SPMD program that every
-//! rank runs: all shapes are local (`autotp_ir::sharding::local_type`), and slots record their
+//! runs), or, for a collective or a pipeline send/recv, a communication step. A pipeline
+//! stage's graph lowers to that stage's program. A graph on a mesh lowers to one SPMD program
+//! that every rank runs: all shapes are local (`autotp_ir::sharding::local_type`), and slots record their
 //! global shape and placements so each rank loads and feeds its own block. Values get arena
 //! regions from a liveness-based first-fit plan ([`memory`]); the plan's byte counts are the
 //! compile-time memory report, per rank.

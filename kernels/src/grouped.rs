@@ -24,7 +24,7 @@
 //! (gathered) or are skipped (scattered), as the gather and scatter-add do. Every GEMM is
 //! [`crate::matmul`]'s, so every float dtype the matmul kernel takes works here too.
 //!
-//! Codegen chooses it (`autotp_codegen::in_place`); tests below compare it with the gather,
+//! Codegen chooses it under `--moe-grouped-gemm` (`codegen/src/in_place.rs`); tests below compare it with the gather,
 //! matmul and scatter-add kernels it replaces.
 
 use rayon::prelude::*;
