@@ -1,9 +1,10 @@
 //! The GPU forms of a program's builtin kernels ([`autotp_program::gpu::GpuKernels`]), chosen
 //! here once, at compile time: each builtin kernel's data movement as kernel IR
 //! ([`autotp_kernels::kir_movement`]), the gathers and scatter-adds that have an
-//! [`IndexedKernel`] form, fused attention's passes ([`AttentionFunction`]), and top-ks and
-//! scatter-elements ([`AxisKernel`]). Equal kernels (of layers of one shape) are listed once. The plan's
-//! PTX holds them; a GPU runs every other builtin kernel on the host.
+//! [`IndexedKernel`] form, fused attention's passes ([`AttentionFunction`]), top-ks and
+//! scatter-elements ([`AxisKernel`]), and grouped expert GEMMs ([`GroupedKernel`]). Equal
+//! kernels (of layers of one shape) are listed once. The plan's PTX holds them; a GPU runs every
+//! other builtin kernel on the host.
 //!
 //! [`idle_launches`] finds the kernels that would leave a GPU's multiprocessors idle (fewer
 //! blocks than it has, over more than a million elements: a whole-tensor reduction on one
@@ -11,6 +12,7 @@
 
 use autotp_kernels::attention::{AttentionFunction, AttentionTarget};
 use autotp_kernels::axis::AxisKernel;
+use autotp_kernels::grouped::GroupedKernel;
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_program::gpu::{GpuForm, MovementRun};
 use autotp_program::{Instruction, Program};
@@ -28,6 +30,10 @@ pub fn choose_gpu_forms(program: &mut Program) {
         }
         if let Some(axis) = AxisKernel::of(kernel) {
             *gpu = Some(GpuForm::Axis(index_of(&mut table.axis, axis)));
+            continue;
+        }
+        if let Some(grouped) = GroupedKernel::of(kernel) {
+            *gpu = Some(GpuForm::Grouped(index_of(&mut table.grouped, grouped)));
             continue;
         }
         let indexed = IndexedKernel::index_input(kernel)

@@ -345,6 +345,7 @@ fn ptx_modules(program: &Program) -> Result<Vec<PtxModule>, CodegenError> {
         indexed: &program.gpu_kernels.indexed,
         attention: &program.gpu_kernels.attention,
         axis: &program.gpu_kernels.axis,
+        grouped: &program.gpu_kernels.grouped,
     };
     let compile = |arch: autotp_llvm::nvptx::Arch| {
         let code = autotp_llvm::nvptx::program_ptx(&entries, arch)?;

@@ -24,8 +24,9 @@
 //! (gathered) or are skipped (scattered), as the gather and scatter-add do. Every GEMM is
 //! [`crate::matmul`]'s, so every float dtype the matmul kernel takes works here too.
 //!
-//! Codegen chooses it under `--moe-grouped-gemm` (`codegen/src/in_place.rs`); tests below compare it with the gather,
-//! matmul and scatter-add kernels it replaces.
+//! Codegen chooses it (`codegen/src/in_place.rs`) unless `--no-moe-grouped-gemm`; a GPU runs
+//! it as a [`GroupedKernel`]. Tests below compare it with the gather, matmul and scatter-add
+//! kernels it replaces.
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -84,12 +85,31 @@ impl GroupedDims {
     }
 
     /// The elements of one expert's matrix: the table's (gathered) or the result's (scattered).
-    fn matrix(&self) -> usize {
+    pub fn matrix(&self) -> usize {
         let d = &self.pair;
         match self.form {
             GroupedForm::GatheredLhs => d.m * d.k,
             GroupedForm::GatheredRhs => d.k * d.n,
             GroupedForm::Scattered => d.m * d.n,
+        }
+    }
+
+    /// The gathered forms' elements of one pair's product: `m` (table on the left) or `n`.
+    pub fn width(&self) -> usize {
+        self.matrix() / self.pair.k.max(1)
+    }
+
+    /// The gathered forms' expert matrix read in place as the `k x width` factor of a pair's
+    /// product (`out[q]` as a row is `v[q]^T op(W)^T` where the table is the lhs, `v[q]^T op(W)`
+    /// where it is the rhs): the element strides `(row, column)` of factor element `(kk, r)`
+    /// within the expert's matrix.
+    pub fn factor_strides(&self) -> (usize, usize) {
+        let d = &self.pair;
+        match (self.form, d.transpose_lhs, d.transpose_rhs) {
+            (GroupedForm::GatheredLhs, false, _) => (1, d.k),
+            (GroupedForm::GatheredLhs, true, _) => (d.m, 1),
+            (_, _, false) => (d.n, 1),
+            (_, _, true) => (1, d.k),
         }
     }
 
@@ -111,6 +131,73 @@ impl GroupedDims {
             Some(b) => Rows { start: b.start, len: self.experts, global_len: b.global_len },
             None => Rows { start: 0, len: self.experts, global_len: self.experts },
         }
+    }
+}
+
+/// The grouped GEMM as a GPU runs it (`autotp_llvm::grouped` emits it, and describes its work
+/// items and fault words): a thread per output element, each summing its products in order.
+/// The builtin kernel it stands for is `Kernel::GroupedMatMul` of the same fields.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GroupedKernel {
+    /// f32, f64, bf16 or f16 (16-bit values multiplied and summed in f32).
+    pub dtype: DType,
+    /// i64 or i32.
+    pub index_dtype: DType,
+    /// The block's start is the launch's (ranks of one plan share the kernel).
+    pub dims: GroupedDims,
+}
+
+impl GroupedKernel {
+    /// The GPU form of a builtin `kernel`, where it has one.
+    pub fn of(kernel: &crate::Kernel) -> Option<GroupedKernel> {
+        let crate::Kernel::GroupedMatMul { dtype, index_dtype, dims } = kernel else { return None };
+        let supported = matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+            && matches!(index_dtype, DType::I64 | DType::I32)
+            && dims.is_valid();
+        let mut dims = (**dims).clone();
+        if let Some(block) = &mut dims.block {
+            block.start = 0;
+        }
+        supported.then_some(GroupedKernel { dtype: *dtype, index_dtype: *index_dtype, dims })
+    }
+
+    /// The builtin kernel computing the same for the rank whose experts start at `start`.
+    pub fn builtin(&self, start: usize) -> crate::Kernel {
+        let mut dims = self.dims.clone();
+        if let Some(block) = &mut dims.block {
+            block.start = start;
+        }
+        crate::Kernel::GroupedMatMul { dtype: self.dtype, index_dtype: self.index_dtype, dims: Box::new(dims) }
+    }
+
+    /// The first expert a rank's `kernel` holds (0 without a block).
+    pub fn start(kernel: &crate::Kernel) -> usize {
+        match kernel {
+            crate::Kernel::GroupedMatMul { dims, .. } => dims.block.map_or(0, |b| b.start),
+            _ => 0,
+        }
+    }
+
+    /// Its work items, one per thread: an element `(q, r)` of a pair's product (gathered), an
+    /// element `(e, i, j)` of an expert's sum (scattered).
+    pub fn items(&self) -> usize {
+        let d = &self.dims;
+        match d.form {
+            GroupedForm::GatheredLhs | GroupedForm::GatheredRhs => d.pairs() * d.width(),
+            GroupedForm::Scattered => d.experts * d.matrix(),
+        }
+    }
+
+    /// The ids' bound: the experts of the whole table (negative ids count back from it).
+    pub fn global_experts(&self) -> usize {
+        self.dims.rows().global_len
+    }
+
+    /// The byte lengths of its buffers: the builtin kernel's inputs, then its output.
+    pub fn buffer_bytes(&self) -> Vec<usize> {
+        let (mut buffers, out) = self.dims.buffer_bytes(self.dtype, self.index_dtype);
+        buffers.push(out);
+        buffers
     }
 }
 
@@ -157,18 +244,9 @@ pub(crate) fn grouped_matmul(
         GroupedForm::GatheredLhs | GroupedForm::GatheredRhs => {
             let [table, ids, vectors] = inputs else { unreachable!("three inputs, checked") };
             let ids = resolved_indices(index_dtype, ids, rows.global_len, "grouped_matmul")?;
-            let (k, matrix) = (d.k, dims.matrix());
-            let width = matrix / k.max(1);
+            let (k, matrix, width) = (d.k, dims.matrix(), dims.width());
             let (vector, product) = (k * size, width * size);
-            // Expert `e`'s matrix read in place as the `k x width` factor of the stacked
-            // product (`out[q]` as a row is `v[q]^T op(W)^T` where the table is the lhs, `v[q]^T
-            // op(W)` where it is the rhs): its element strides.
-            let (row_stride, col_stride) = match (dims.form, d.transpose_lhs, d.transpose_rhs) {
-                (GroupedForm::GatheredLhs, false, _) => (1, k),
-                (GroupedForm::GatheredLhs, true, _) => (d.m, 1),
-                (_, _, false) => (d.n, 1),
-                (_, _, true) => (1, k),
-            };
+            let (row_stride, col_stride) = dims.factor_strides();
             let groups = pairs_by_expert(&ids, rows, |q| !is_zero(&vectors[q * vector..][..vector]));
             // The experts' GEMMs side by side (each threaded itself where it is large), then
             // their rows put in place.

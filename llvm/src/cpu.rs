@@ -127,6 +127,9 @@ fn build_module<'ctx>(
             Function::Axis(kernel) => {
                 crate::axis::define_cpu(&e, symbol, kernel)?;
             }
+            Function::Grouped(kernel) => {
+                crate::grouped::define_cpu(&e, symbol, kernel)?;
+            }
             Function::SimulatedKernel(kernel) => {
                 kernel.check()?;
                 crate::nvptx::define_simulated(&e, symbol, kernel)?;

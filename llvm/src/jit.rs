@@ -108,6 +108,7 @@ impl Jit {
             Function::OptimizerStep(_)
             | Function::Attention(_)
             | Function::Axis(_)
+            | Function::Grouped(_)
             | Function::SimulatedKernel(_)
             | Function::SimulatedAttention(_) => serde_json::to_vec(&function),
         };

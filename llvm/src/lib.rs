@@ -12,8 +12,8 @@
 //! - [`nvptx`]: CUDA. A plan's kernels as one PTX module per GPU architecture (sm_80, sm_90),
 //!   made when the plan is compiled: rows on blocks, the inner dimension on threads, row
 //!   reductions with warp shuffles. The module also holds the optimizer steps and the builtin
-//!   kernels' GPU forms: data movement, [`indexed`] gathers and scatter-adds, and [`axis`]
-//!   top-k and scatter-elements (a mixture of experts' routing).
+//!   kernels' GPU forms: data movement, [`indexed`] gathers and scatter-adds, [`axis`]
+//!   top-k and scatter-elements (a mixture of experts' routing) and [`grouped`] expert GEMMs.
 //! - [`attention`]: fused attention's forward and backward passes for x86 and NVPTX, an online
 //!   softmax over blocks of keys, never the scores matrix.
 //! - [`optim`]: the multi-tensor optimizer step (AdamW, SGD) over a table of chunks, for both
@@ -27,6 +27,7 @@ pub mod attention_tiles;
 pub mod axis;
 pub mod cpu;
 pub mod emit;
+pub mod grouped;
 pub mod indexed;
 pub mod jit;
 mod lanes;
@@ -48,6 +49,8 @@ pub enum Function<'a> {
     Attention(&'a autotp_kernels::attention::AttentionFunction),
     /// A top-k or scatter-elements in a GPU's form (the emulated GPU runs it here).
     Axis(&'a autotp_kernels::axis::AxisKernel),
+    /// A grouped expert GEMM in a GPU's form (tests compare it with the builtin kernel here).
+    Grouped(&'a autotp_kernels::grouped::GroupedKernel),
     /// A kernel as one thread of a simulated GPU block runs its NVPTX form ([`warp_simulator`];
     /// tests).
     SimulatedKernel(&'a autotp_kernels::kir::Kernel),

@@ -124,6 +124,8 @@ pub struct GpuEntries<'a> {
     pub attention: &'a [autotp_kernels::attention::AttentionFunction],
     /// The top-ks and scatter-elements: entry [`crate::axis::entry_name`]`(i)`.
     pub axis: &'a [autotp_kernels::axis::AxisKernel],
+    /// The grouped expert GEMMs: entry [`crate::grouped::entry_name`]`(i)`.
+    pub grouped: &'a [autotp_kernels::grouped::GroupedKernel],
 }
 
 /// The PTX of `kernels` and `optimizer_steps` for `arch`, kernel `i` as [`entry_name`]`(i)`.
@@ -155,6 +157,10 @@ pub fn program_ptx(entries: &GpuEntries, arch: Arch) -> Result<String, LlvmError
         }
         for (i, kernel) in entries.axis.iter().enumerate() {
             let function = crate::axis::define_nvptx(e, &crate::axis::entry_name(i), kernel)?;
+            mark_kernel(e.ctx, e.module, function)?;
+        }
+        for (i, kernel) in entries.grouped.iter().enumerate() {
+            let function = crate::grouped::define_nvptx(e, &crate::grouped::entry_name(i), kernel)?;
             mark_kernel(e.ctx, e.module, function)?;
         }
         Ok(())

@@ -12,14 +12,17 @@
 //!   (`autotp_llvm::attention` describes its arguments).
 //! - Top-k and scatter-elements (a mixture of experts' routing and its gradient) as
 //!   [`AxisKernel`]s: entry `autotp_axis_<i>` (`autotp_llvm::axis` describes its arguments).
+//! - Grouped expert GEMMs as [`GroupedKernel`]s: entry `autotp_grouped_<i>`
+//!   (`autotp_llvm::grouped` describes its arguments).
 //!
 //! `Program::validate` checks a plan read from a file: movement kernels stay inside their
 //! buffers (`kir::Kernel::check`) and each form fits its instruction ([`GpuKernels::check_form`]:
-//! the buffers a movement run names, the indexed, attention or axis kernel its builtin
+//! the buffers a movement run names, the indexed, attention, axis or grouped kernel its builtin
 //! kernel's).
 
 use autotp_kernels::attention::{AttentionFunction, AttentionTarget};
 use autotp_kernels::axis::AxisKernel;
+use autotp_kernels::grouped::GroupedKernel;
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_kernels::{kir, Kernel};
 use serde::{Deserialize, Serialize};
@@ -39,6 +42,9 @@ pub struct GpuKernels {
     /// The distinct top-ks and scatter-elements.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub axis: Vec<AxisKernel>,
+    /// The distinct grouped expert GEMMs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub grouped: Vec<GroupedKernel>,
 }
 
 /// How a GPU runs one builtin-kernel instruction (`Instruction::Kernel::gpu`).
@@ -55,6 +61,8 @@ pub enum GpuForm {
     Attention(Vec<usize>),
     /// [`GpuKernels::axis`]`[i]` over the instruction's inputs and outputs.
     Axis(usize),
+    /// [`GpuKernels::grouped`]`[i]` over the instruction's inputs and output.
+    Grouped(usize),
 }
 
 /// One launch of a movement kernel for an instruction.
@@ -70,7 +78,11 @@ pub struct MovementRun {
 impl GpuKernels {
     /// Whether there is nothing for a GPU to run.
     pub fn is_empty(&self) -> bool {
-        self.movement.is_empty() && self.indexed.is_empty() && self.attention.is_empty() && self.axis.is_empty()
+        self.movement.is_empty()
+            && self.indexed.is_empty()
+            && self.attention.is_empty()
+            && self.axis.is_empty()
+            && self.grouped.is_empty()
     }
 
     /// The most keys a fused-attention pass reads with a GPU thread per query row (no
@@ -140,6 +152,12 @@ impl GpuKernels {
                 // The buffers fit the builtin kernel (checked before), so they fit its form.
                 if AxisKernel::of(kernel).as_ref() != Some(axis) {
                     return Err(format!("names axis kernel {k}, which is not its {}'s", kernel.name()));
+                }
+            }
+            GpuForm::Grouped(k) => {
+                // The buffers fit the builtin kernel (checked before), so they fit its form.
+                if self.grouped.get(*k).is_none() || GroupedKernel::of(kernel).as_ref() != self.grouped.get(*k) {
+                    return Err(format!("names grouped kernel {k}, which is not its {}'s", kernel.name()));
                 }
             }
         }
@@ -300,5 +318,49 @@ mod tests {
         other.gpu_kernels.axis[0].op = autotp_kernels::axis::AxisOp::TopK { k: 2, largest: false };
         let message = refusal(&other);
         assert!(message.contains("node 0 (topk)") && message.contains("not its topk's"), "{message}");
+    }
+
+    /// A grouped expert GEMM's form names its own grouped kernel, whatever rank's block of
+    /// experts the instruction holds.
+    #[test]
+    fn grouped_forms_name_their_kernel() {
+        use autotp_kernels::grouped::{GroupedDims, GroupedForm};
+        use autotp_kernels::{IndexBlock, MatMulDims};
+        let pair = MatMulDims {
+            batch: vec![3],
+            lhs_batch: vec![3],
+            rhs_batch: vec![3],
+            m: 4,
+            k: 2,
+            n: 1,
+            transpose_lhs: false,
+            transpose_rhs: false,
+            lhs_layout: None,
+            rhs_layout: None,
+        };
+        let block = Some(IndexBlock { mesh_axis: 0, start: 2, global_len: 4 });
+        let dims = GroupedDims { pair, form: GroupedForm::GatheredLhs, experts: 2, block };
+        let kernel = Kernel::GroupedMatMul { dtype: DType::F32, index_dtype: DType::I64, dims: Box::new(dims) };
+        let grouped = GroupedKernel::of(&kernel).unwrap();
+        assert_eq!(grouped.dims.block.map(|b| b.start), Some(0), "the launch gives the block's start");
+        assert_eq!(grouped.builtin(2), kernel);
+        let instruction = Instruction::Kernel {
+            kernel,
+            inputs: vec![region(0, 64), region(64, 24), region(128, 24)],
+            outputs: vec![region(192, 48)],
+            label: "node 0 (grouped)".into(),
+            gpu: Some(GpuForm::Grouped(0)),
+        };
+        let mut program = Program::bare(vec![instruction], vec![], 256);
+        program.gpu_kernels.grouped.push(grouped);
+        program.validate().unwrap();
+
+        let mut missing = program.clone();
+        *form(&mut missing, 0) = GpuForm::Grouped(1);
+        assert!(refusal(&missing).contains("grouped kernel 1, which is not its grouped_matmul's"));
+        let mut other = program.clone();
+        other.gpu_kernels.grouped[0].dims.experts = 4;
+        let message = refusal(&other);
+        assert!(message.contains("node 0 (grouped)") && message.contains("not its grouped_matmul's"), "{message}");
     }
 }

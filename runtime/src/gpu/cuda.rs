@@ -78,6 +78,8 @@ pub struct CudaGpu {
     aborted: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// `GpuKernels::axis`' entries.
     axis: Vec<sys::CUfunction>,
+    /// `GpuKernels::grouped`' entries.
+    grouped: Vec<sys::CUfunction>,
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<sys::CUevent>,
     /// cuBLAS's handle once asked for (`Some(None)`: the library is missing).
@@ -183,6 +185,7 @@ impl CudaGpu {
             indexed: Vec::new(),
             attention: Vec::new(),
             axis: Vec::new(),
+            grouped: Vec::new(),
             graphs: Vec::new(),
             communicators: Vec::new(),
             aborted: Default::default(),
@@ -228,6 +231,9 @@ impl CudaGpu {
             .collect::<Result<_, _>>()?;
         gpu.axis = (0..gpu_kernels.axis.len())
             .map(|i| function(gpu.module, autotp_llvm::axis::entry_name(i)))
+            .collect::<Result<_, _>>()?;
+        gpu.grouped = (0..gpu_kernels.grouped.len())
+            .map(|i| function(gpu.module, autotp_llvm::grouped::entry_name(i)))
             .collect::<Result<_, _>>()?;
         Ok(gpu)
     }
@@ -364,6 +370,7 @@ impl Gpu for CudaGpu {
             Entry::Indexed(i) => (self.indexed.get(i), Some(&1)),
             Entry::Attention(i) => (self.attention.get(i), Some(&1)),
             Entry::Axis(i) => (self.axis.get(i), Some(&1)),
+            Entry::Grouped(i) => (self.grouped.get(i), Some(&1)),
         };
         let (function, parts) =
             function.zip(parts).ok_or_else(|| RuntimeError::Device(format!("the plan has no entry {entry:?}")))?;

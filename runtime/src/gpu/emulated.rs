@@ -3,10 +3,11 @@
 //! Device memory is host memory (a device address is a host address); the program's kernels
 //! are the same kernel IR compiled for x86 (launched over all their rows, as a grid of one block
 //! per row would run them), fused attention's passes and the top-ks and scatter-elements the
-//! same descriptions compiled for x86, gathers and scatter-adds their builtin kernels. Streams
-//! are lazy: an operation is queued and runs only when the host needs its result (a download,
-//! a synchronisation), and then only the operations that result depends on by stream order
-//! and events, in that order. So a result read without the wait or synchronisation that
+//! same descriptions compiled for x86, gathers, scatter-adds and grouped expert GEMMs their
+//! builtin kernels (`autotp_llvm::grouped` tests the latter's GPU form against it). Streams are
+//! lazy: an operation is queued and runs only when the host needs its result (a download, a
+//! synchronisation), and then only the operations that result depends on by stream order and
+//! events, in that order. So a result read without the wait or synchronisation that
 //! orders it after its producer comes out stale, as it may on a GPU, but deterministically.
 
 use std::collections::VecDeque;
@@ -16,6 +17,7 @@ use std::sync::Arc;
 use autotp_kernels::AlignedBuf;
 use autotp_llvm::CpuKernel;
 
+use autotp_kernels::grouped::GroupedKernel;
 use autotp_kernels::indexed::IndexedKernel;
 use autotp_kernels::{DType, Kernel};
 
@@ -57,6 +59,8 @@ pub struct Emulator {
     movement: Vec<CpuKernel>,
     /// The program's gathers and scatter-adds, run by their builtin kernels.
     indexed: Vec<IndexedKernel>,
+    /// The program's grouped expert GEMMs, run by their builtin kernels.
+    grouped: Vec<GroupedKernel>,
     /// Fused attention's passes, compiled for x86 from the GPU's descriptions.
     attention: Vec<CpuKernel>,
     /// Top-ks and scatter-elements, the GPU's code compiled for x86.
@@ -131,6 +135,7 @@ impl Emulator {
             optimizer_steps,
             movement,
             indexed: program.gpu_kernels.indexed.clone(),
+            grouped: program.gpu_kernels.grouped.clone(),
             attention,
             axis,
             queues: Default::default(),
@@ -239,25 +244,59 @@ impl Emulator {
         let &[a, b, out, fault, tag, start] = args else {
             return Err(RuntimeError::Device("emulated GPU: an indexed kernel takes 6 arguments".into()));
         };
-        let kernel = shape.builtin(start as usize);
         let [a_len, b_len, out_len] = shape.buffer_bytes();
-        for (address, len) in [(a, a_len), (b, b_len), (out, out_len), (fault, 16)] {
+        self.launch_builtin(
+            stream,
+            shape.builtin(start as usize),
+            &[(a, a_len), (b, b_len), (out, out_len)],
+            [fault, tag],
+        )
+    }
+
+    fn launch_grouped(&mut self, stream: Stream, entry: usize, args: &[u64]) -> Result<(), RuntimeError> {
+        let form = (self.grouped.get(entry).cloned())
+            .ok_or_else(|| RuntimeError::Device(format!("emulated GPU: no grouped entry {entry}")))?;
+        let &[a, b, c, out, fault, tag, start, items] = args else {
+            return Err(RuntimeError::Device("emulated GPU: a grouped kernel takes 8 arguments".into()));
+        };
+        if items as usize != form.items() {
+            return Err(RuntimeError::Device(format!(
+                "emulated GPU: grouped entry {entry} has {} items",
+                form.items()
+            )));
+        }
+        let buffers: Vec<(u64, usize)> = [a, b, c, out].into_iter().zip(form.buffer_bytes()).collect();
+        self.launch_builtin(stream, form.builtin(start as usize), &buffers, [fault, tag])
+    }
+
+    /// Queues `kernel` over `buffers` (its inputs, then its one output) in place of a GPU form
+    /// that reports an index out of range in the fault words `[fault, tag]` say.
+    fn launch_builtin(
+        &mut self,
+        stream: Stream,
+        kernel: Kernel,
+        buffers: &[(u64, usize)],
+        [fault, tag]: [u64; 2],
+    ) -> Result<(), RuntimeError> {
+        for &(address, len) in buffers.iter().chain(&[(fault, 16)]) {
             self.check(address, len)?;
         }
+        let Some((&(out, out_len), inputs)) = buffers.split_last() else {
+            return Err(RuntimeError::Device("emulated GPU: a builtin kernel without buffers".into()));
+        };
+        let inputs = inputs.to_vec();
         self.counts.launches.fetch_add(1, Ordering::Relaxed);
         self.queue(
             stream,
             Arc::new(move || {
                 // SAFETY: checked to lie in allocations; the device's regions of one
-                // instruction, whose output overlaps neither input.
-                let (a, b, out) = unsafe {
-                    (
-                        std::slice::from_raw_parts(a as *const u8, a_len),
-                        std::slice::from_raw_parts(b as *const u8, b_len),
-                        std::slice::from_raw_parts_mut(out as *mut u8, out_len),
-                    )
-                };
-                match kernel.run(&[a, b], &mut [out]) {
+                // instruction, whose output overlaps none of its inputs.
+                let ins: Vec<&[u8]> = inputs
+                    .iter()
+                    .map(|&(at, len)| unsafe { std::slice::from_raw_parts(at as *const u8, len) })
+                    .collect();
+                let out = unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) };
+                match kernel.run(&ins, &mut [out]) {
                     Ok(()) => Ok(()),
                     Err(autotp_kernels::KernelError::IndexOutOfRange { index, .. }) => {
                         let words = fault as *mut i64;
@@ -365,6 +404,7 @@ impl Gpu for Emulator {
     fn launch(&mut self, stream: Stream, entry: Entry, rows: usize, args: &[u64]) -> Result<(), RuntimeError> {
         let (function, buffers, rows) = match entry {
             Entry::Indexed(i) => return self.launch_indexed(stream, i, args),
+            Entry::Grouped(i) => return self.launch_grouped(stream, i, args),
             // The x86 form takes the same buffers and runs the units it is given (the last
             // argument) as rows.
             Entry::Attention(i) => match args.split_last() {

@@ -21,7 +21,8 @@
 //!   split as movement kernels ([`Entry::Movement`]), a gather or scatter-add (the embedding and
 //!   its gradient) as an [`Entry::Indexed`] kernel ([`autotp_llvm::indexed`]), a top-k or
 //!   scatter-elements (a mixture of experts' routing) as an [`Entry::Axis`] kernel
-//!   ([`autotp_llvm::axis`]); an index out of range lands in fault words after the arena, read
+//!   ([`autotp_llvm::axis`]), a grouped expert GEMM as an [`Entry::Grouped`] kernel
+//!   ([`autotp_llvm::grouped`]); an index out of range lands in fault words after the arena, read
 //!   when the streams are synchronised and reported as the CPU's kernel reports it;
 //! - other builtin kernels (and those matmuls) run on the host: their inputs are
 //!   downloaded when the compute stream reaches them, their outputs uploaded in stream order;
@@ -64,6 +65,7 @@ pub use nccl::{bootstrap, CommPath, Link, Paths};
 
 use std::sync::Arc;
 
+use autotp_kernels::grouped::GroupedKernel;
 use autotp_kernels::indexed::{IndexedKernel, IndexedOp};
 use autotp_kernels::{AlignedBuf, DType, Kernel};
 use autotp_program::gpu::GpuForm;
@@ -130,6 +132,10 @@ pub enum Entry {
     /// launch's tag where it faults, and the number of items ([`autotp_llvm::axis`]); a thread
     /// per item.
     Axis(usize),
+    /// `GpuKernels::grouped[i]`: arguments are the instruction's buffers, the fault words, the
+    /// launch's tag, the rank's first expert and the number of items
+    /// ([`autotp_llvm::grouped`]); a thread per item.
+    Grouped(usize),
 }
 
 /// An NCCL communicator's unique id (`ncclUniqueId`): 128 bytes that one rank makes and the
@@ -275,8 +281,9 @@ enum Prepared {
     /// Fused attention's passes: each entry with the blocks it launches and its arguments (the
     /// last the units).
     Attention(Vec<(usize, usize, Vec<u64>)>),
-    /// A top-k or scatter-elements: its entry and arguments (the last the items).
-    Axis(usize, Vec<u64>),
+    /// A kernel of a thread per item (top-k, scatter-elements, a grouped expert GEMM): its
+    /// entry and arguments (the last the items).
+    Items(Entry, Vec<u64>),
     /// A collective on the device: its steps, and the NCCL communicator of its mesh axis (none
     /// for a shard slice, which meets no one).
     Collective {
@@ -577,7 +584,15 @@ impl GpuDevice {
                         args.extend([fault, fault_sources.len() as u64]);
                     }
                     args.push(form.items() as u64);
-                    Prepared::Axis(*entry, args)
+                    Prepared::Items(Entry::Axis(*entry), args)
+                }
+                Instruction::Kernel { kernel, inputs, outputs, label, gpu: Some(GpuForm::Grouped(entry)) } => {
+                    let form = &gpu_kernels.grouped[*entry];
+                    let mut args: Vec<u64> = inputs.iter().chain(outputs).map(|r| base + r.offset as u64).collect();
+                    fault_sources.push((label.clone(), kernel.name(), form.global_experts()));
+                    args.extend([fault, fault_sources.len() as u64, GroupedKernel::start(kernel) as u64]);
+                    args.push(form.items() as u64);
+                    Prepared::Items(Entry::Grouped(*entry), args)
                 }
                 Instruction::Kernel { kernel: Kernel::MatMul { dtype, dims }, inputs, outputs, .. } => {
                     match GemmCall::of(*dtype, dims) {
@@ -823,10 +838,10 @@ impl GpuDevice {
                         }
                         return Ok(());
                     }
-                    Prepared::Axis(entry, args) => {
+                    Prepared::Items(entry, args) => {
                         let items = *args.last().expect("the items") as usize;
                         let blocks = items.div_ceil(autotp_llvm::nvptx::BLOCK as usize);
-                        return gpu.launch(stream, Entry::Axis(*entry), blocks, args);
+                        return gpu.launch(stream, *entry, blocks, args);
                     }
                     Prepared::Indexed(launch) => {
                         if let Some((address, len)) = launch.zero {
