@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mixture-of-experts layouts of the Mixtral fixture (global batch 8 x 32 tokens), the experts'
-# products batched (the default: a gathered matrix per pair) and as grouped GEMMs
-# (--moe-grouped-gemm): per layout the activations' peak per rank the compile summary prints
+# products batched (--no-moe-grouped-gemm: a gathered matrix per pair) and as grouped GEMMs (the
+# default): per layout the activations' peak per rank the compile summary prints
 # and the step time (median of each run's steps after the first 5). The two alternate within
 # each round (batched, grouped, then grouped, batched in the next), so drift on a shared
 # machine moves both; the table gives each side's median over rounds and grouped/batched's.
@@ -19,7 +19,7 @@ mkdir -p "$out"
 tokens=tests/fixtures/train/tokens.bin
 model=tests/fixtures/mixtral/model.onnx
 sides=(batched grouped)
-grouped_flag() { if [ "$1" = grouped ]; then echo --moe-grouped-gemm; fi; }
+grouped_flag() { if [ "$1" = batched ]; then echo --no-moe-grouped-gemm; fi; }
 
 IFS=';' read -r -a layouts <<< "$LAYOUTS"
 for i in "${!layouts[@]}"; do

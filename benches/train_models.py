@@ -26,7 +26,9 @@ import make_fixtures  # noqa: E402
 
 
 def models():
-    """Name -> (class, config): the five models of issue 15's table."""
+    """Name -> (class, config): the five models of issue 15's table, the Mixtral fixture and a
+    wider Mixtral (8 experts, top-2), exported with Hugging Face's batched experts (the one that
+    traces; see make_fixtures.py)."""
     gpt2 = transformers.GPT2Config
     llama = transformers.LlamaConfig
     quiet = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
@@ -45,11 +47,30 @@ def models():
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
             tie_word_embeddings=False, use_cache=False)),
         "gpt2-124m": (transformers.GPT2LMHeadModel, gpt2(**quiet)),
+        "mixtral-tiny": make_fixtures.family_configs()["mixtral"],
+        "mixtral-256": (transformers.MixtralForCausalLM, mixtral_256()),
     }
 
 
-def model(name):
+def mixtral_256():
+    cfg = transformers.MixtralConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+        tie_word_embeddings=False, router_jitter_noise=0.0, use_cache=False)
+    cfg._experts_implementation = "batched_mm"
+    return cfg
+
+
+# PyTorch's side of a mixture runs Hugging Face's grouped-GEMM experts (torch._grouped_mm), its
+# fastest on the CPU: the batched form the export traces gathers a matrix per pair (25 times
+# slower on mixtral-256).
+PYTORCH_EXPERTS = "grouped_mm"
+
+
+def model(name, experts=None):
     cls, cfg = models()[name]
+    if experts is not None and hasattr(cfg, "_experts_implementation"):
+        cfg._experts_implementation = experts
     return make_fixtures.seeded_model(cls, cfg)
 
 
@@ -66,7 +87,7 @@ def pytorch(name, tokens_path, steps, g, s, threads, out, mode="eager", device="
     torch.backends.cudnn.allow_tf32 = False
     tokens = np.fromfile(tokens_path, dtype="<u2")
     windows = (len(tokens) - 1) // s
-    m = model(name).to(device)
+    m = model(name, experts=PYTORCH_EXPERTS).to(device)
     opt = torch.optim.AdamW(m.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     forward = torch.compile(m) if mode == "compile" else m
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -2,6 +2,8 @@
 # Benchmark: training step time of autotp (release build, generated kernels) against PyTorch CPU
 # eager in the same run, on the five models of issue 15 (benches/train_models.py builds them;
 # the exports go to $WORK, not the repository), same threads, batch, data windows and AdamW.
+# Two mixtures of experts are there to name in MODELS: mixtral-tiny (the fixture) and
+# mixtral-256 (PyTorch's side runs Hugging Face's grouped-GEMM experts).
 # Each round runs every model on both sides in turn; the table gives each side's median step
 # time over rounds (each run's median after WARMUP steps) and the ratio's median and range, so a
 # noisy moment on this shared machine moves one round, not the result.

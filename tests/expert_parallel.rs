@@ -114,22 +114,23 @@ fn expert_parallelism_trains_like_one_rank() {
     }
 }
 
-/// With `--moe-grouped-gemm` the experts' per-pair products run as grouped expert GEMMs
-/// (`autotp_kernels::grouped`): one GEMM per expert over the pairs routed to it, its matrix read
-/// where it lies. At dp 2 x ep 2, 8 sequences of 32 tokens a rank, every mixture's lookup of an expert table and the products
-/// that read it (forward and input gradient) and the outer products its gradient sums are
-/// grouped GEMMs (Mixtral and gpt-oss: 2 layers x 2 tables x 3; DeepSeek-V3: 1 layer, its
-/// first is dense), no gather copies a table per pair, and the activations' peak is below one
-/// such copy (1024 pairs x Mixtral's `[256, 64]` f32 matrix), which each lookup made before.
-/// Training matches the batched form's (the default: the gathers, batched matmuls and
-/// scatter-adds) and the builtin kernels'.
+/// The experts' per-pair products run as grouped expert GEMMs (`autotp_kernels::grouped`; the
+/// default, Megatron's `--moe-grouped-gemm`): one GEMM per expert over the pairs routed to it,
+/// its matrix read where it lies. At dp 2 x ep 2, 8 sequences of 32 tokens a rank, every
+/// mixture's lookup of an expert table and the products that read it (forward and input
+/// gradient) and the outer products its gradient sums are grouped GEMMs (Mixtral and gpt-oss: 2
+/// layers x 2 tables x 3; DeepSeek-V3: 1 layer, its first is dense), no gather copies a table
+/// per pair, and the activations' peak is below one such copy (1024 pairs x Mixtral's `[256,
+/// 64]` f32 matrix), which each lookup made before. Training matches the
+/// batched form's (`--no-moe-grouped-gemm`: the gathers, batched matmuls and scatter-adds) and
+/// the builtin kernels'.
 #[test]
 fn expert_products_run_as_grouped_gemms_without_a_matrix_per_pair() {
     use autotp_kernels::grouped::GroupedForm;
     use autotp_kernels::Kernel;
     use autotp_program::Instruction;
     let dir = crate::common::scratch("expert-parallel-grouped");
-    let flags = ["--dp", "2", "--ep", "2", "--moe-grouped-gemm"];
+    let flags = ["--dp", "2", "--ep", "2"];
     for (arch, grouped_layers) in [("mixtral", 2), ("gpt_oss", 2), ("deepseek_v3", 1)] {
         let model = fixture(arch, "model.onnx");
         let args: Vec<String> = [model.to_str().unwrap(), "--micro-batch", "8", "--seq-len", "32"]
@@ -167,16 +168,20 @@ fn expert_products_run_as_grouped_gemms_without_a_matrix_per_pair() {
             assert!(peak < one_copy, "{arch}: activations peak {peak} bytes, one gathered copy {one_copy}");
         }
         let grouped = train_model(&dir, arch, "model.onnx", 4, &flags);
-        let batched = train_model(&dir, arch, "model.onnx", 4, &flags[..4]);
+        let batched = train_model(&dir, arch, "model.onnx", 4, &[&flags[..], &["--no-moe-grouped-gemm"]].concat());
         let builtin = train_model(&dir, arch, "model.onnx", 4, &[&flags[..], &["--kernels", "builtin"]].concat());
         for (against, curve) in [("batched", &batched), ("builtin", &builtin)] {
             let (first, worst) = within_contract(&format!("{arch} grouped against {against}"), &grouped, curve);
             println!("{arch}: grouped GEMMs against {against} ones: step 1 {first:.2e}, worst {worst:.2e}");
         }
-        let unflagged = crate::common::compile_shapes(&args[..args.len() - 1], 2);
-        let kept = (unflagged.stages[0].instructions.iter())
-            .any(|i| matches!(i, Instruction::Kernel { kernel: Kernel::GroupedMatMul { .. }, .. }));
-        assert!(!kept, "{arch}: without --moe-grouped-gemm the experts' products stay batched");
+        let grouped_count = |extra: &str| {
+            let plan = crate::common::compile_shapes(&[&args[..], &[extra.to_string()]].concat(), 2);
+            (plan.stages[0].instructions.iter())
+                .filter(|i| matches!(i, Instruction::Kernel { kernel: Kernel::GroupedMatMul { .. }, .. }))
+                .count()
+        };
+        assert_eq!(grouped_count("--no-moe-grouped-gemm"), 0, "{arch}: the experts' products stay batched");
+        assert_eq!(grouped_count("--moe-grouped-gemm"), forms.len(), "{arch}: Megatron's flag names the default");
     }
 }
 

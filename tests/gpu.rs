@@ -95,11 +95,13 @@ fn a_plan_on_the_emulated_gpu_trains_like_the_cpu() {
         assert!(moved >= 3, "{arch}: expand, concat and split run as movement kernels ({moved})");
         let indexed = forms.clone().filter(|f| matches!(f, GpuForm::Indexed(_))).count();
         assert!(indexed >= 2, "{arch}: the embedding's gather and scatter-add run on the GPU ({indexed})");
-        let axis = forms.filter(|f| matches!(f, GpuForm::Axis(_))).count();
+        let axis = forms.clone().filter(|f| matches!(f, GpuForm::Axis(_))).count();
+        let grouped = forms.filter(|f| matches!(f, GpuForm::Grouped(_))).count();
         if arch == "mixtral" {
             assert!(axis >= 4, "{arch}: the routers' top-k and its gradient's scatter run on the GPU ({axis})");
+            assert_eq!(grouped, 12, "{arch}: the experts' grouped GEMMs run on the GPU");
         }
-        let launches = generated + moved + indexed + axis;
+        let launches = generated + moved + indexed + axis + grouped;
         assert_eq!(counts.launches.load(Ordering::Relaxed), 3 * launches, "{arch}: launches");
         // With generated kernels nothing inside a step waits for the host: it reads back its
         // outputs, and the gathers' fault words once the streams are done.

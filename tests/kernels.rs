@@ -762,7 +762,8 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
         &["--precision", "fp16", "--dp", "2", "--zero", "2"],
         &["--attention", "fused", "--precision", "bf16"],
     ];
-    let (mut assembled, mut indexed_modules, mut most_registers, mut axis_entries) = (0, 0, 0, 0);
+    let (mut assembled, mut indexed_modules, mut most_registers) = (0, 0, 0);
+    let (mut axis_entries, mut grouped_entries) = (0, 0);
     let routing: [&[&str]; 2] = [&[], &["--precision", "bf16"]];
     for (arch, layouts) in [("gpt2", &layouts[..]), ("llama", &layouts[..]), ("mixtral", &routing[..])] {
         for (l, layout) in layouts.iter().enumerate() {
@@ -782,11 +783,13 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
                 // plan's modules hold; also assembled on their own.
                 let (movement, indexed) = (&program.gpu_kernels.movement, &program.gpu_kernels.indexed);
                 indexed_modules += usize::from(!indexed.is_empty());
-                axis_entries += program.gpu_kernels.axis.len();
+                let (axis, grouped) = (program.gpu_kernels.axis.len(), program.gpu_kernels.grouped.len());
+                (axis_entries, grouped_entries) = (axis_entries + axis, grouped_entries + grouped);
                 for module in &program.ptx {
                     let entries = (0..movement.len()).map(autotp_llvm::nvptx::movement_entry_name);
                     let entries = entries.chain((0..indexed.len()).map(autotp_llvm::indexed::entry_name));
-                    for entry in entries.chain((0..program.gpu_kernels.axis.len()).map(autotp_llvm::axis::entry_name)) {
+                    let entries = entries.chain((0..axis).map(autotp_llvm::axis::entry_name));
+                    for entry in entries.chain((0..grouped).map(autotp_llvm::grouped::entry_name)) {
                         assert!(module.code.contains(&format!(".entry {entry}(")), "{} lacks {entry}", module.arch);
                     }
                 }
@@ -816,4 +819,5 @@ fn fixture_plans_ptx_assembles_with_ptxas() {
     assert!(most_registers > 0 && most_registers < 255, "{most_registers} registers at most");
     assert!(indexed_modules >= 12, "every plan's embedding gathers on the GPU ({indexed_modules} stages)");
     assert!(axis_entries >= 4, "mixtral's top-k and scatter-elements are entries ({axis_entries})");
+    assert!(grouped_entries >= 4, "mixtral's grouped expert GEMMs are entries ({grouped_entries})");
 }

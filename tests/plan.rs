@@ -423,13 +423,12 @@ fn plan_searches_context_parallelism_around_a_ring() {
 
 /// Expert parallelism in the search (the Mixtral fixture on 4 CPU ranks): `--ep` is searched
 /// at every divisor of dp for a mixture of experts (over groups of the dp ranks below dp),
-/// beside cp as well; every expert-parallel layout that
-/// fits compiles with its printed flags to within the bands of dense models' predicted peaks
-/// (on 2026-11-30: 1.00-1.01 without a pipeline, 0.98-1.01 beside cp, 1.00-1.03 over groups,
-/// 1.01-1.02 1F1B, 1.22-1.23 ZB-H1; with the experts' products as grouped GEMMs, whose
-/// smaller activations leave the reductions' staging a larger share, 0.97-1.19 and 1.25-1.32
-/// ZB-H1), holds less than
-/// its twin without ep (a rank keeps its own experts) and pays its all-to-alls in time.
+/// beside cp as well; every expert-parallel layout that fits compiles with its printed flags
+/// to within the bands of dense models' predicted peaks (on 2026-11-30, with the experts'
+/// products as grouped GEMMs: 0.98-1.05 without a pipeline, 0.97-1.11 beside cp, 1.00-1.13
+/// over groups, 1.04-1.19 1F1B, 1.25-1.32 ZB-H1; batched, whose larger activations leave the
+/// reductions' staging a smaller share, 0.98-1.03 and 1.22-1.23 ZB-H1), holds less than its
+/// twin without ep (a rank keeps its own experts) and pays its all-to-alls in time.
 #[test]
 fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
     let dir = scratch("plan-experts");

@@ -243,14 +243,17 @@ pub struct CompileFlags {
     #[arg(long, value_enum, default_value = "fused")]
     #[serde(default)]
     pub attention: AttentionFlag,
-    /// Run a mixture of experts' per-pair products as grouped GEMMs (Megatron's
-    /// --moe-grouped-gemm): one GEMM per expert over the pairs routed to it, its weights read
-    /// where they lie and the padding pairs skipped, instead of a weight matrix gathered per
-    /// pair and matrix-vector products. For CPU ranks: a GPU runs these GEMMs on the host (they
-    /// have no GPU form yet).
-    #[arg(long)]
-    #[serde(default)]
+    /// A mixture of experts' per-pair products run as grouped GEMMs (the default, Megatron's
+    /// --moe-grouped-gemm): one per expert over the pairs routed to it, its weights read where
+    /// they lie and the padding pairs skipped. `--no-moe-grouped-gemm` keeps the export's form:
+    /// a weight matrix gathered per pair and batched matrix-vector products.
+    #[arg(long = "no-moe-grouped-gemm", action = clap::ArgAction::SetFalse, overrides_with = "moe_grouped_gemm_spelled")]
+    #[serde(default = "yes")]
     pub moe_grouped_gemm: bool,
+    /// Megatron's `--moe-grouped-gemm`, accepted: it names the default.
+    #[arg(long = "moe-grouped-gemm", hide = true, overrides_with = "moe_grouped_gemm")]
+    #[serde(skip)]
+    pub moe_grouped_gemm_spelled: bool,
     /// The parameters' and activations' type: f32, or bf16/fp16 mixed precision (16-bit
     /// weights and activations, CUDA autocast's f32 ops, f32 master weights and moments in the
     /// optimizer, as DeepSpeed's bf16/fp16 modes).
@@ -473,6 +476,10 @@ fn two() -> u32 {
 /// Plans written before `--virtual-stages` ran one model chunk per stage.
 fn all_gather() -> String {
     "all_gather".into()
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn one() -> usize {
