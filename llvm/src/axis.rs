@@ -18,12 +18,12 @@
 
 pub use autotp_kernels::axis::{AxisKernel, AxisOp};
 use autotp_kernels::DType;
-use inkwell::types::{BasicMetadataTypeEnum, BasicTypeEnum};
-use inkwell::values::{FunctionValue, IntValue, PointerValue};
-use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
+use inkwell::values::{FunctionValue, IntValue};
+use inkwell::{FloatPredicate, IntPredicate};
 
 use crate::emit::{counted_loop, Emitter, V};
-use crate::nvptx::{if_then, special_register, BLOCK};
+use crate::items::{Items, Signature, Target};
+use crate::nvptx::if_then;
 use crate::LlvmError;
 
 /// The entry point of kernel `index` in a plan's PTX module.
@@ -31,114 +31,31 @@ pub fn entry_name(index: usize) -> String {
     format!("autotp_axis_{index}")
 }
 
-/// The pointer arguments of `kernel`'s entry: its buffers, then the fault words if it faults.
-fn pointer_count(kernel: &AxisKernel) -> usize {
-    kernel.buffer_bytes().len() + usize::from(kernel.faults())
+/// The shape of `kernel`'s entry: its buffers, then the fault words and the launch's tag if
+/// it faults.
+fn signature(kernel: &AxisKernel) -> Signature {
+    let faults = usize::from(kernel.faults());
+    Signature { pointers: kernel.buffer_bytes().len() + faults, words: faults, dtype: kernel.dtype }
 }
 
-/// The x86 form (see the module doc).
-pub(crate) fn define_cpu<'ctx>(
+/// `kernel`'s entry `symbol` for `target` (see the module doc).
+pub(crate) fn define<'ctx>(
     e: &Emitter<'_, 'ctx>,
     symbol: &str,
     kernel: &AxisKernel,
+    target: Target,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
-    let i64t = e.ctx.i64_type();
-    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
-    let (function, begin, end) = (entry.function, entry.begin, entry.end);
-    let pointers = (0..pointer_count(kernel)).map(|n| entry.pointer(e, n)).collect::<Result<_, LlvmError>>()?;
-    let tag = match kernel.faults() {
-        true => entry.word(e, pointer_count(kernel), i64t.into())?.into_int_value(),
-        false => i64t.const_zero(),
-    };
-    let emitter = Axis { e, function, kernel, pointers, tag };
-    counted_loop(e, function, begin, end, i64t.const_int(1, false), &[], |w, _| {
-        emitter.item(w)?;
-        Ok(vec![])
-    })?;
-    e.b.build_return(None)?;
-    Ok(function)
+    crate::items::define(e, symbol, target, signature(kernel), |items, w| Axis { items, kernel }.item(w))
 }
 
-/// The NVPTX form (see the module doc).
-pub(crate) fn define_nvptx<'ctx>(
-    e: &Emitter<'_, 'ctx>,
-    symbol: &str,
-    kernel: &AxisKernel,
-) -> Result<FunctionValue<'ctx>, LlvmError> {
-    let (ptr, i64t) = (e.ctx.ptr_type(AddressSpace::default()), e.ctx.i64_type());
-    let mut params: Vec<BasicMetadataTypeEnum> = vec![ptr.into(); pointer_count(kernel)];
-    if kernel.faults() {
-        params.push(i64t.into());
-    }
-    params.push(i64t.into());
-    let function = e.module.add_function(symbol, e.ctx.void_type().fn_type(&params, false), None);
-    e.b.position_at_end(e.ctx.append_basic_block(function, "entry"));
-    let param = |n: usize| function.get_nth_param(n as u32).expect("declared");
-    let pointers = (0..pointer_count(kernel)).map(|n| param(n).into_pointer_value()).collect();
-    let tag = match kernel.faults() {
-        true => param(pointer_count(kernel)).into_int_value(),
-        false => i64t.const_zero(),
-    };
-    let items = param(params.len() - 1).into_int_value();
-    let block = i64t.const_int(BLOCK as u64, false);
-    let thread = special_register(e, "tid.x")?;
-    let first = e.b.build_int_add(e.b.build_int_mul(special_register(e, "ctaid.x")?, block, "")?, thread, "")?;
-    let stride = e.b.build_int_mul(special_register(e, "nctaid.x")?, block, "")?;
-    let emitter = Axis { e, function, kernel, pointers, tag };
-    counted_loop(e, function, first, items, stride, &[], |w, _| {
-        emitter.item(w)?;
-        Ok(vec![])
-    })?;
-    e.b.build_return(None)?;
-    Ok(function)
+/// One kernel's emitter over its entry's arguments: the builtin kernel's inputs, then its
+/// outputs, then the fault words if it faults; the launch's tag then.
+struct Axis<'x, 'ctx> {
+    items: &'x Items<'x, 'x, 'ctx>,
+    kernel: &'x AxisKernel,
 }
 
-/// One kernel's emitter over its entry's pointers.
-struct Axis<'a, 'b, 'ctx> {
-    e: &'a Emitter<'b, 'ctx>,
-    function: FunctionValue<'ctx>,
-    kernel: &'a AxisKernel,
-    /// The builtin kernel's inputs, then its outputs, then the fault words if it faults.
-    pointers: Vec<PointerValue<'ctx>>,
-    tag: IntValue<'ctx>,
-}
-
-impl<'ctx> Axis<'_, '_, 'ctx> {
-    fn constant(&self, v: usize) -> IntValue<'ctx> {
-        self.e.ctx.i64_type().const_int(v as u64, false)
-    }
-
-    /// The address of element `index` of `buffer`, of `ty`.
-    fn element(
-        &self,
-        buffer: PointerValue<'ctx>,
-        index: IntValue<'ctx>,
-        ty: BasicTypeEnum<'ctx>,
-    ) -> Result<PointerValue<'ctx>, LlvmError> {
-        // SAFETY (of the generated code): every index is inside its buffer by construction of
-        // the item's coordinates (`AxisKernel::buffer_bytes`).
-        Ok(unsafe { self.e.b.build_in_bounds_gep(ty, buffer, &[index], "")? })
-    }
-
-    /// How the kernel's values sit in memory.
-    fn stored(&self) -> BasicTypeEnum<'ctx> {
-        match self.kernel.dtype {
-            DType::F64 => self.e.ctx.f64_type().into(),
-            other => self.e.memory_type(other, 1).get_element_type(),
-        }
-    }
-
-    /// Element `index` of `buffer` as the value compared or summed (16-bit floats widened to
-    /// f32), one lane wide.
-    fn value(&self, buffer: PointerValue<'ctx>, index: IntValue<'ctx>) -> Result<V<'ctx>, LlvmError> {
-        let raw = self.e.b.build_load(self.stored(), self.element(buffer, index, self.stored())?, "")?;
-        let raw = self.e.splat(raw, 1)?;
-        match self.kernel.dtype {
-            DType::F64 | DType::F32 => Ok(raw),
-            other => self.e.widen(other, raw),
-        }
-    }
-
+impl<'ctx> Axis<'_, 'ctx> {
     fn item(&self, w: IntValue<'ctx>) -> Result<(), LlvmError> {
         match self.kernel.op {
             AxisOp::TopK { k, largest } => self.top_k(w, k, largest),
@@ -148,7 +65,7 @@ impl<'ctx> Axis<'_, '_, 'ctx> {
 
     /// Whether `(a, ia)` ranks before `(b, ib)` (see the module doc), one lane wide.
     fn before(&self, largest: bool, a: (V<'ctx>, V<'ctx>), b: (V<'ctx>, V<'ctx>)) -> Result<V<'ctx>, LlvmError> {
-        let e = self.e;
+        let e = self.items.e;
         let (a_nan, b_nan) = (e.fcmp(FloatPredicate::UNO, a.0, a.0)?, e.fcmp(FloatPredicate::UNO, b.0, b.0)?);
         let or = |x: V<'ctx>, y: V<'ctx>| -> Result<V<'ctx>, LlvmError> { Ok(e.b.build_or(x, y, "")?) };
         let and = |x: V<'ctx>, y: V<'ctx>| -> Result<V<'ctx>, LlvmError> { Ok(e.b.build_and(x, y, "")?) };
@@ -164,24 +81,25 @@ impl<'ctx> Axis<'_, '_, 'ctx> {
     }
 
     fn top_k(&self, w: IntValue<'ctx>, k: usize, largest: bool) -> Result<(), LlvmError> {
-        let (e, kernel) = (self.e, self.kernel);
-        let (input, values, indices) = (self.pointers[0], self.pointers[1], self.pointers[2]);
-        let inner = self.constant(kernel.inner);
+        let (items, kernel) = (self.items, self.kernel);
+        let e = items.e;
+        let (input, values, indices) = (items.pointers[0], items.pointers[1], items.pointers[2]);
+        let inner = items.constant(kernel.inner);
         let o = e.b.build_int_unsigned_div(w, inner, "")?;
         let i = e.b.build_int_unsigned_rem(w, inner, "")?;
-        let row = e.b.build_int_add(e.b.build_int_mul(o, self.constant(kernel.len * kernel.inner), "")?, i, "")?;
-        let out_row = e.b.build_int_add(e.b.build_int_mul(o, self.constant(k * kernel.inner), "")?, i, "")?;
+        let row = e.b.build_int_add(e.b.build_int_mul(o, items.constant(kernel.len * kernel.inner), "")?, i, "")?;
+        let out_row = e.b.build_int_add(e.b.build_int_mul(o, items.constant(k * kernel.inner), "")?, i, "")?;
         let at = |base: IntValue<'ctx>, r: IntValue<'ctx>| -> Result<IntValue<'ctx>, LlvmError> {
             Ok(e.b.build_int_add(base, e.b.build_int_mul(r, inner, "")?, "")?)
         };
         // No selection yet: index -1 (the value is never compared then, but is a defined one).
-        let nothing = [self.value(input, row)?.get_type().const_zero(), e.i64(1, -1)];
-        let (zero, one) = (self.constant(0), self.constant(1));
-        counted_loop(e, self.function, zero, self.constant(k), one, &nothing, |j, previous| {
+        let nothing = [items.value(input, row)?.get_type().const_zero(), e.i64(1, -1)];
+        let (zero, one) = (items.constant(0), items.constant(1));
+        counted_loop(e, items.function, zero, items.constant(k), one, &nothing, |j, previous| {
             let first = e.splat(e.b.build_int_compare(IntPredicate::EQ, j, zero, "")?.into(), 1)?;
             let previous = (previous[0], previous[1]);
-            let best = counted_loop(e, self.function, zero, self.constant(kernel.len), one, &nothing, |r, best| {
-                let candidate = (self.value(input, at(row, r)?)?, e.splat(r.into(), 1)?);
+            let best = counted_loop(e, items.function, zero, items.constant(kernel.len), one, &nothing, |r, best| {
+                let candidate = (items.value(input, at(row, r)?)?, e.splat(r.into(), 1)?);
                 let eligible = e.b.build_or(first, self.before(largest, previous, candidate)?, "")?;
                 let unset = e.icmp(IntPredicate::SLT, best[1], e.i64(1, 0))?;
                 let ahead = e.b.build_or(unset, self.before(largest, candidate, (best[0], best[1]))?, "")?;
@@ -189,60 +107,42 @@ impl<'ctx> Axis<'_, '_, 'ctx> {
                 Ok(vec![e.select(take, candidate.0, best[0])?, e.select(take, candidate.1, best[1])?])
             })?;
             let chosen = e.lane(best[1], 0)?.into_int_value();
-            let raw = e.b.build_load(self.stored(), self.element(input, at(row, chosen)?, self.stored())?, "")?;
-            e.b.build_store(self.element(values, at(out_row, j)?, self.stored())?, raw)?;
-            e.b.build_store(self.element(indices, at(out_row, j)?, e.ctx.i64_type().into())?, chosen)?;
+            let raw = e.b.build_load(items.stored(), items.element(input, at(row, chosen)?, items.stored())?, "")?;
+            e.b.build_store(items.element(values, at(out_row, j)?, items.stored())?, raw)?;
+            e.b.build_store(items.element(indices, at(out_row, j)?, e.ctx.i64_type().into())?, chosen)?;
             Ok(best)
         })?;
         Ok(())
     }
 
     fn scatter(&self, w: IntValue<'ctx>, index_dtype: DType) -> Result<(), LlvmError> {
-        let (e, kernel) = (self.e, self.kernel);
+        let (items, kernel) = (self.items, self.kernel);
+        let e = items.e;
         let (index_buffer, updates, out, fault) =
-            (self.pointers[0], self.pointers[1], self.pointers[2], self.pointers[3]);
-        let (inner, out_len) = (self.constant(kernel.inner), self.constant(kernel.out_len));
+            (items.pointers[0], items.pointers[1], items.pointers[2], items.pointers[3]);
+        let (inner, out_len) = (items.constant(kernel.inner), items.constant(kernel.out_len));
         let i = e.b.build_int_unsigned_rem(w, inner, "")?;
         let o_j = e.b.build_int_unsigned_div(w, inner, "")?;
         let j = e.b.build_int_unsigned_rem(o_j, out_len, "")?;
         let o = e.b.build_int_unsigned_div(o_j, out_len, "")?;
-        let column = e.b.build_int_add(e.b.build_int_mul(o, self.constant(kernel.len * kernel.inner), "")?, i, "")?;
-        let index_type = match index_dtype {
-            DType::I32 => e.ctx.i32_type(),
-            _ => e.ctx.i64_type(),
-        };
-        let checks = e.b.build_int_compare(IntPredicate::EQ, j, self.constant(0), "")?;
-        let zero = self.value(updates, column)?.get_type().const_zero();
-        let (start, one) = (self.constant(0), self.constant(1));
-        let sum = counted_loop(e, self.function, start, self.constant(kernel.len), one, &[zero], |r, sum| {
+        let column = e.b.build_int_add(e.b.build_int_mul(o, items.constant(kernel.len * kernel.inner), "")?, i, "")?;
+        let checks = e.b.build_int_compare(IntPredicate::EQ, j, items.constant(0), "")?;
+        let zero = items.value(updates, column)?.get_type().const_zero();
+        let (start, one) = (items.constant(0), items.constant(1));
+        let sum = counted_loop(e, items.function, start, items.constant(kernel.len), one, &[zero], |r, sum| {
             let at = e.b.build_int_add(column, e.b.build_int_mul(r, inner, "")?, "")?;
-            let raw = e.b.build_load(index_type, self.element(index_buffer, at, index_type.into())?, "")?;
-            let raw = e.b.build_int_s_extend_or_bit_cast(raw.into_int_value(), e.ctx.i64_type(), "")?;
-            let negative = e.b.build_int_compare(IntPredicate::SLT, raw, self.constant(0), "")?;
-            let wrapped = e.b.build_int_add(raw, out_len, "")?;
-            let named = e.b.build_select(negative, wrapped, raw, "")?.into_int_value();
-            let invalid = e.b.build_int_compare(IntPredicate::UGE, named, out_len, "")?;
-            if_then(e, self.function, e.b.build_and(invalid, checks, "")?, || self.report(fault, raw))?;
+            let raw = items.index(index_buffer, at, index_dtype)?;
+            let (named, invalid) = items.resolved(raw, kernel.out_len)?;
+            if_then(e, items.function, e.b.build_and(invalid, checks, "")?, || {
+                items.report(fault, raw, items.words[0])
+            })?;
             let same = e.splat(e.b.build_int_compare(IntPredicate::EQ, named, j, "")?.into(), 1)?;
-            let added = e.fadd(sum[0], self.value(updates, at)?)?;
+            let added = e.fadd(sum[0], items.value(updates, at)?)?;
             Ok(vec![e.select(same, added, sum[0])?])
         })?;
         let out_at = e.b.build_int_add(e.b.build_int_mul(o_j, inner, "")?, i, "")?;
-        e.b.build_store(self.element(out, out_at, self.stored())?, e.lane(sum[0], 0)?)?;
+        e.b.build_store(items.element(out, out_at, items.stored())?, e.lane(sum[0], 0)?)?;
         Ok(())
-    }
-
-    /// Stores `index` and the launch's tag in the fault words unless a tag is there already.
-    fn report(&self, fault: PointerValue<'ctx>, index: IntValue<'ctx>) -> Result<(), LlvmError> {
-        let e = self.e;
-        let i64t = e.ctx.i64_type();
-        let tag_at = self.element(fault, self.constant(1), i64t.into())?;
-        let earlier = e.b.build_load(i64t, tag_at, "")?.into_int_value();
-        if_then(e, self.function, e.b.build_int_compare(IntPredicate::EQ, earlier, self.constant(0), "")?, || {
-            e.b.build_store(fault, index)?;
-            e.b.build_store(tag_at, self.tag)?;
-            Ok(())
-        })
     }
 }
 
@@ -284,19 +184,8 @@ mod x86 {
     use autotp_kernels::{AlignedBuf, DType, Kernel};
 
     use super::AxisKernel;
+    use crate::items::tests::bytes;
     use crate::Function;
-
-    /// `values` as `dtype`'s bytes (bf16: the high half of each f32, exact for these values).
-    fn bytes(dtype: DType, values: &[f64]) -> AlignedBuf {
-        let raw: Vec<u8> = match dtype {
-            DType::F64 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::F32 => values.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect(),
-            DType::BF16 => values.iter().flat_map(|&v| (((v as f32).to_bits() >> 16) as u16).to_le_bytes()).collect(),
-            DType::I32 => values.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect(),
-            _ => values.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect(),
-        };
-        AlignedBuf::from_bytes(&raw)
-    }
 
     /// Runs `kernel`'s generated x86 form over `inputs` (items in two calls, as a pool splits
     /// them) and returns its outputs and fault words.

@@ -125,10 +125,10 @@ fn build_module<'ctx>(
                 crate::attention::define_cpu(&e, symbol, attention, target.width)?;
             }
             Function::Axis(kernel) => {
-                crate::axis::define_cpu(&e, symbol, kernel)?;
+                crate::axis::define(&e, symbol, kernel, crate::items::Target::Cpu)?;
             }
             Function::Grouped(kernel) => {
-                crate::grouped::define_cpu(&e, symbol, kernel)?;
+                crate::grouped::define(&e, symbol, kernel, crate::items::Target::Cpu)?;
             }
             Function::SimulatedKernel(kernel) => {
                 kernel.check()?;

@@ -25,13 +25,12 @@
 //! begin, i64 end)` with `args` the same words but `items`, running items `begin..end`.
 
 pub use autotp_kernels::grouped::{GroupedForm, GroupedKernel};
-use autotp_kernels::DType;
-use inkwell::types::{BasicMetadataTypeEnum, BasicTypeEnum};
-use inkwell::values::{FunctionValue, IntValue, PointerValue};
-use inkwell::{AddressSpace, IntPredicate};
+use inkwell::values::{FunctionValue, IntValue};
+use inkwell::IntPredicate;
 
-use crate::emit::{counted_loop, Emitter, V};
-use crate::nvptx::{if_then, special_register, BLOCK};
+use crate::emit::{counted_loop, Emitter};
+use crate::items::{Items, Signature, Target};
+use crate::nvptx::if_then;
 use crate::LlvmError;
 
 /// The entry point of kernel `index` in a plan's PTX module.
@@ -39,138 +38,43 @@ pub fn entry_name(index: usize) -> String {
     format!("autotp_grouped_{index}")
 }
 
-/// The pointer arguments: three inputs, the output, the fault words.
-const POINTERS: usize = 5;
+/// The entry's shape: three inputs, the output and the fault words; the launch's tag and the
+/// rank's first expert.
+fn signature(kernel: &GroupedKernel) -> Signature {
+    Signature { pointers: 5, words: 2, dtype: kernel.dtype }
+}
 
-/// The x86 form (see the module doc).
-pub(crate) fn define_cpu<'ctx>(
+/// `kernel`'s entry `symbol` for `target` (see the module doc).
+pub(crate) fn define<'ctx>(
     e: &Emitter<'_, 'ctx>,
     symbol: &str,
     kernel: &GroupedKernel,
+    target: Target,
 ) -> Result<FunctionValue<'ctx>, LlvmError> {
-    let i64t = e.ctx.i64_type();
-    let entry = crate::cpu::CpuEntry::declare(e, symbol)?;
-    let pointers = (0..POINTERS).map(|n| entry.pointer(e, n)).collect::<Result<Vec<_>, LlvmError>>()?;
-    let tag = entry.word(e, POINTERS, i64t.into())?.into_int_value();
-    let start = entry.word(e, POINTERS + 1, i64t.into())?.into_int_value();
-    let grouped = Grouped { e, function: entry.function, kernel, pointers, tag, start };
-    counted_loop(e, entry.function, entry.begin, entry.end, i64t.const_int(1, false), &[], |w, _| {
-        grouped.item(w)?;
-        Ok(vec![])
-    })?;
-    e.b.build_return(None)?;
-    Ok(entry.function)
+    crate::items::define(e, symbol, target, signature(kernel), |items, w| Grouped { items, kernel }.item(w))
 }
 
-/// The NVPTX form (see the module doc).
-pub(crate) fn define_nvptx<'ctx>(
-    e: &Emitter<'_, 'ctx>,
-    symbol: &str,
-    kernel: &GroupedKernel,
-) -> Result<FunctionValue<'ctx>, LlvmError> {
-    let (ptr, i64t) = (e.ctx.ptr_type(AddressSpace::default()), e.ctx.i64_type());
-    let mut params: Vec<BasicMetadataTypeEnum> = vec![ptr.into(); POINTERS];
-    params.extend([BasicMetadataTypeEnum::from(i64t); 3]);
-    let function = e.module.add_function(symbol, e.ctx.void_type().fn_type(&params, false), None);
-    e.b.position_at_end(e.ctx.append_basic_block(function, "entry"));
-    let param = |n: usize| function.get_nth_param(n as u32).expect("declared");
-    let pointers = (0..POINTERS).map(|n| param(n).into_pointer_value()).collect();
-    let (tag, start, items) =
-        (param(POINTERS).into_int_value(), param(POINTERS + 1).into_int_value(), param(POINTERS + 2).into_int_value());
-    let block = i64t.const_int(BLOCK as u64, false);
-    let thread = special_register(e, "tid.x")?;
-    let first = e.b.build_int_add(e.b.build_int_mul(special_register(e, "ctaid.x")?, block, "")?, thread, "")?;
-    let stride = e.b.build_int_mul(special_register(e, "nctaid.x")?, block, "")?;
-    let grouped = Grouped { e, function, kernel, pointers, tag, start };
-    counted_loop(e, function, first, items, stride, &[], |w, _| {
-        grouped.item(w)?;
-        Ok(vec![])
-    })?;
-    e.b.build_return(None)?;
-    Ok(function)
+/// One kernel's emitter over its entry's arguments (see [`signature`]).
+struct Grouped<'x, 'ctx> {
+    items: &'x Items<'x, 'x, 'ctx>,
+    kernel: &'x GroupedKernel,
 }
 
-/// One kernel's emitter over its entry's arguments.
-struct Grouped<'a, 'b, 'ctx> {
-    e: &'a Emitter<'b, 'ctx>,
-    function: FunctionValue<'ctx>,
-    kernel: &'a GroupedKernel,
-    /// The builtin kernel's three inputs, its output, the fault words.
-    pointers: Vec<PointerValue<'ctx>>,
-    tag: IntValue<'ctx>,
-    /// The first expert the rank holds.
-    start: IntValue<'ctx>,
-}
-
-impl<'ctx> Grouped<'_, '_, 'ctx> {
-    fn constant(&self, v: usize) -> IntValue<'ctx> {
-        self.e.ctx.i64_type().const_int(v as u64, false)
-    }
-
-    /// The address of element `index` of `buffer`, of `ty`.
-    fn element(
-        &self,
-        buffer: PointerValue<'ctx>,
-        index: IntValue<'ctx>,
-        ty: BasicTypeEnum<'ctx>,
-    ) -> Result<PointerValue<'ctx>, LlvmError> {
-        // SAFETY (of the generated code): every index is inside its buffer by construction of
-        // the item's coordinates (`GroupedKernel::buffer_bytes`); a pair's expert is read only
-        // when it is held.
-        Ok(unsafe { self.e.b.build_in_bounds_gep(ty, buffer, &[index], "")? })
-    }
-
-    /// How the kernel's values sit in memory.
-    fn stored(&self) -> BasicTypeEnum<'ctx> {
-        match self.kernel.dtype {
-            DType::F64 => self.e.ctx.f64_type().into(),
-            other => self.e.memory_type(other, 1).get_element_type(),
-        }
-    }
-
-    /// Element `index` of `buffer` as the value summed (16-bit floats widened), one lane wide.
-    fn value(&self, buffer: PointerValue<'ctx>, index: IntValue<'ctx>) -> Result<V<'ctx>, LlvmError> {
-        let raw = self.e.b.build_load(self.stored(), self.element(buffer, index, self.stored())?, "")?;
-        let raw = self.e.splat(raw, 1)?;
-        match self.kernel.dtype {
-            DType::F64 | DType::F32 => Ok(raw),
-            other => self.e.widen(other, raw),
-        }
-    }
-
-    /// Stores `sum` (rounded to a 16-bit type) as element `index` of the output.
-    fn store(&self, index: IntValue<'ctx>, sum: V<'ctx>) -> Result<(), LlvmError> {
-        let stored = match self.kernel.dtype {
-            DType::F64 | DType::F32 => sum,
-            other => self.e.narrow(other, sum)?,
+impl<'ctx> Grouped<'_, 'ctx> {
+    /// Pair `q`'s held expert (from 0 at the rank's first) as an unsigned index, at least the
+    /// experts held where the rank holds none, after reporting an id out of range if `checks`.
+    fn expert(&self, q: IntValue<'ctx>, checks: IntValue<'ctx>) -> Result<IntValue<'ctx>, LlvmError> {
+        let (items, e) = (self.items, self.items.e);
+        let ids = match self.kernel.dims.form {
+            GroupedForm::Scattered => items.pointers[0],
+            _ => items.pointers[1],
         };
-        self.e.b.build_store(self.element(self.pointers[3], index, self.stored())?, self.e.lane(stored, 0)?)?;
-        Ok(())
-    }
-
-    /// Pair `q`'s held expert (from 0 at `start`) as an unsigned index, at least the experts held
-    /// where the rank holds none, after reporting an id out of range if `checks`.
-    fn expert(
-        &self,
-        ids: PointerValue<'ctx>,
-        q: IntValue<'ctx>,
-        checks: IntValue<'ctx>,
-    ) -> Result<IntValue<'ctx>, LlvmError> {
-        let (e, i64t) = (self.e, self.e.ctx.i64_type());
-        let index_type = match self.kernel.index_dtype {
-            DType::I32 => e.ctx.i32_type(),
-            _ => i64t,
-        };
-        let raw = e.b.build_load(index_type, self.element(ids, q, index_type.into())?, "")?;
-        let raw = e.b.build_int_s_extend_or_bit_cast(raw.into_int_value(), i64t, "")?;
-        let global = self.constant(self.kernel.global_experts());
-        let negative = e.b.build_int_compare(IntPredicate::SLT, raw, self.constant(0), "")?;
-        let wrapped = e.b.build_int_add(raw, global, "")?;
-        let named = e.b.build_select(negative, wrapped, raw, "")?.into_int_value();
-        let invalid = e.b.build_int_compare(IntPredicate::UGE, named, global, "")?;
-        if_then(e, self.function, e.b.build_and(invalid, checks, "")?, || self.report(raw))?;
-        // An id out of range is at least `global`, or negative: past every held expert either way.
-        Ok(e.b.build_int_sub(named, self.start, "")?)
+        let raw = items.index(ids, q, self.kernel.index_dtype)?;
+        let (named, invalid) = items.resolved(raw, self.kernel.global_experts())?;
+        let (fault, tag, start) = (items.pointers[4], items.words[0], items.words[1]);
+        if_then(e, items.function, e.b.build_and(invalid, checks, "")?, || items.report(fault, raw, tag))?;
+        // An id out of range names `global` or more, unsigned: past every held expert.
+        Ok(e.b.build_int_sub(named, start, "")?)
     }
 
     fn item(&self, w: IntValue<'ctx>) -> Result<(), LlvmError> {
@@ -181,127 +85,75 @@ impl<'ctx> Grouped<'_, '_, 'ctx> {
     }
 
     fn gathered(&self, w: IntValue<'ctx>) -> Result<(), LlvmError> {
-        let (e, dims) = (self.e, &self.kernel.dims);
-        let [table, ids, vectors] = [self.pointers[0], self.pointers[1], self.pointers[2]];
+        let (items, dims) = (self.items, &self.kernel.dims);
+        let (e, table, vectors) = (items.e, items.pointers[0], items.pointers[2]);
         let (k, width) = (dims.pair.k, dims.width());
         let (row_stride, col_stride) = dims.factor_strides();
-        let q = e.b.build_int_unsigned_div(w, self.constant(width), "")?;
-        let r = e.b.build_int_unsigned_rem(w, self.constant(width), "")?;
-        let first = e.b.build_int_compare(IntPredicate::EQ, r, self.constant(0), "")?;
-        let expert = self.expert(ids, q, first)?;
-        let held = e.b.build_int_compare(IntPredicate::ULT, expert, self.constant(dims.experts), "")?;
-        let zero = self.zero();
-        let sum = self.if_taken(held, zero, || {
-            let matrix = e.b.build_int_mul(expert, self.constant(dims.matrix()), "")?;
-            let column = e.b.build_int_add(matrix, e.b.build_int_mul(r, self.constant(col_stride), "")?, "")?;
-            let vector = e.b.build_int_mul(q, self.constant(k), "")?;
+        let q = e.b.build_int_unsigned_div(w, items.constant(width), "")?;
+        let r = e.b.build_int_unsigned_rem(w, items.constant(width), "")?;
+        let first = e.b.build_int_compare(IntPredicate::EQ, r, items.constant(0), "")?;
+        let expert = self.expert(q, first)?;
+        let held = e.b.build_int_compare(IntPredicate::ULT, expert, items.constant(dims.experts), "")?;
+        let zero = items.zero();
+        let sum = items.if_taken(held, zero, || {
+            let matrix = e.b.build_int_mul(expert, items.constant(dims.matrix()), "")?;
+            let column = e.b.build_int_add(matrix, e.b.build_int_mul(r, items.constant(col_stride), "")?, "")?;
+            let vector = e.b.build_int_mul(q, items.constant(k), "")?;
             let sums = counted_loop(
                 e,
-                self.function,
-                self.constant(0),
-                self.constant(k),
-                self.constant(1),
+                items.function,
+                items.constant(0),
+                items.constant(k),
+                items.constant(1),
                 &[zero],
                 |kk, sum| {
                     let weight_at =
-                        e.b.build_int_add(column, e.b.build_int_mul(kk, self.constant(row_stride), "")?, "")?;
-                    let weight = self.value(table, weight_at)?;
-                    let x = self.value(vectors, e.b.build_int_add(vector, kk, "")?)?;
+                        e.b.build_int_add(column, e.b.build_int_mul(kk, items.constant(row_stride), "")?, "")?;
+                    let weight = items.value(table, weight_at)?;
+                    let x = items.value(vectors, e.b.build_int_add(vector, kk, "")?)?;
                     Ok(vec![e.fma(weight, x, sum[0])?])
                 },
             )?;
             Ok(sums[0])
         })?;
-        self.store(w, sum)
+        items.store(items.pointers[3], w, sum)
     }
 
     fn scattered(&self, w: IntValue<'ctx>) -> Result<(), LlvmError> {
-        let (e, dims) = (self.e, &self.kernel.dims);
-        let [ids, lhs, rhs] = [self.pointers[0], self.pointers[1], self.pointers[2]];
+        let (items, dims) = (self.items, &self.kernel.dims);
+        let (e, lhs, rhs) = (items.e, items.pointers[1], items.pointers[2]);
         let (m, n) = (dims.pair.m, dims.pair.n);
-        let j = e.b.build_int_unsigned_rem(w, self.constant(n), "")?;
-        let expert_i = e.b.build_int_unsigned_div(w, self.constant(n), "")?;
-        let i = e.b.build_int_unsigned_rem(expert_i, self.constant(m), "")?;
-        let own = e.b.build_int_unsigned_div(expert_i, self.constant(m), "")?;
-        let checks = e.b.build_int_compare(IntPredicate::EQ, w, self.constant(0), "")?;
-        let (start, one) = (self.constant(0), self.constant(1));
+        let j = e.b.build_int_unsigned_rem(w, items.constant(n), "")?;
+        let expert_i = e.b.build_int_unsigned_div(w, items.constant(n), "")?;
+        let i = e.b.build_int_unsigned_rem(expert_i, items.constant(m), "")?;
+        let own = e.b.build_int_unsigned_div(expert_i, items.constant(m), "")?;
+        let checks = e.b.build_int_compare(IntPredicate::EQ, w, items.constant(0), "")?;
+        let (start, one) = (items.constant(0), items.constant(1));
         let sums =
-            counted_loop(e, self.function, start, self.constant(dims.pairs()), one, &[self.zero()], |q, sum| {
-                let expert = self.expert(ids, q, checks)?;
+            counted_loop(e, items.function, start, items.constant(dims.pairs()), one, &[items.zero()], |q, sum| {
+                let expert = self.expert(q, checks)?;
                 let same = e.b.build_int_compare(IntPredicate::EQ, expert, own, "")?;
-                let added = self.if_taken(same, sum[0], || {
-                    let u = self.value(lhs, e.b.build_int_add(e.b.build_int_mul(q, self.constant(m), "")?, i, "")?)?;
-                    let v = self.value(rhs, e.b.build_int_add(e.b.build_int_mul(q, self.constant(n), "")?, j, "")?)?;
+                let added = items.if_taken(same, sum[0], || {
+                    let u =
+                        items.value(lhs, e.b.build_int_add(e.b.build_int_mul(q, items.constant(m), "")?, i, "")?)?;
+                    let v =
+                        items.value(rhs, e.b.build_int_add(e.b.build_int_mul(q, items.constant(n), "")?, j, "")?)?;
                     e.fma(u, v, sum[0])
                 })?;
                 Ok(vec![added])
             })?;
-        self.store(w, sums[0])
-    }
-
-    /// 0 in the type summed.
-    fn zero(&self) -> V<'ctx> {
-        match self.kernel.dtype {
-            DType::F64 => self.e.ctx.f64_type().vec_type(1).const_zero(),
-            _ => self.e.f32(1, 0.0),
-        }
-    }
-
-    /// `then()` where `condition` holds, `otherwise` where not, branching around `then`'s work.
-    fn if_taken(
-        &self,
-        condition: IntValue<'ctx>,
-        otherwise: V<'ctx>,
-        then: impl FnOnce() -> Result<V<'ctx>, LlvmError>,
-    ) -> Result<V<'ctx>, LlvmError> {
-        let e = self.e;
-        let before = e.b.get_insert_block().expect("positioned");
-        let taken = e.ctx.append_basic_block(self.function, "taken");
-        let after = e.ctx.append_basic_block(self.function, "joined");
-        e.b.build_conditional_branch(condition, taken, after)?;
-        e.b.position_at_end(taken);
-        let value = then()?;
-        let taken_end = e.b.get_insert_block().expect("positioned");
-        e.b.build_unconditional_branch(after)?;
-        e.b.position_at_end(after);
-        let phi = e.b.build_phi(value.get_type(), "")?;
-        phi.add_incoming(&[(&value, taken_end), (&otherwise, before)]);
-        Ok(phi.as_basic_value().into_vector_value())
-    }
-
-    /// Stores `index` and the launch's tag in the fault words unless a tag is there already.
-    fn report(&self, index: IntValue<'ctx>) -> Result<(), LlvmError> {
-        let (e, fault) = (self.e, self.pointers[4]);
-        let i64t = e.ctx.i64_type();
-        let tag_at = self.element(fault, self.constant(1), i64t.into())?;
-        let earlier = e.b.build_load(i64t, tag_at, "")?.into_int_value();
-        if_then(e, self.function, e.b.build_int_compare(IntPredicate::EQ, earlier, self.constant(0), "")?, || {
-            e.b.build_store(fault, index)?;
-            e.b.build_store(tag_at, self.tag)?;
-            Ok(())
-        })
+        items.store(items.pointers[3], w, sums[0])
     }
 }
 
 #[cfg(test)]
 mod tests {
     use autotp_kernels::grouped::GroupedDims;
-    use autotp_kernels::{AlignedBuf, IndexBlock, Kernel, MatMulDims};
+    use autotp_kernels::{AlignedBuf, DType, IndexBlock, Kernel, MatMulDims};
 
     use super::*;
+    use crate::items::tests::bytes;
     use crate::Function;
-
-    /// `values` as `dtype`'s bytes (bf16: the high half of each f32).
-    fn bytes(dtype: DType, values: &[f64]) -> AlignedBuf {
-        let raw: Vec<u8> = match dtype {
-            DType::F64 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::F32 => values.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect(),
-            DType::BF16 => values.iter().flat_map(|&v| (((v as f32).to_bits() >> 16) as u16).to_le_bytes()).collect(),
-            DType::I32 => values.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect(),
-            _ => values.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect(),
-        };
-        AlignedBuf::from_bytes(&raw)
-    }
 
     fn floats(dtype: DType, buf: &AlignedBuf) -> Vec<f64> {
         let raw = buf.as_slice();

@@ -29,6 +29,7 @@ pub mod cpu;
 pub mod emit;
 pub mod grouped;
 pub mod indexed;
+mod items;
 pub mod jit;
 mod lanes;
 pub mod math;

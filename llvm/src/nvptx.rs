@@ -156,11 +156,12 @@ pub fn program_ptx(entries: &GpuEntries, arch: Arch) -> Result<String, LlvmError
             mark_kernel(e.ctx, e.module, function)?;
         }
         for (i, kernel) in entries.axis.iter().enumerate() {
-            let function = crate::axis::define_nvptx(e, &crate::axis::entry_name(i), kernel)?;
+            let function = crate::axis::define(e, &crate::axis::entry_name(i), kernel, crate::items::Target::Nvptx)?;
             mark_kernel(e.ctx, e.module, function)?;
         }
         for (i, kernel) in entries.grouped.iter().enumerate() {
-            let function = crate::grouped::define_nvptx(e, &crate::grouped::entry_name(i), kernel)?;
+            let function =
+                crate::grouped::define(e, &crate::grouped::entry_name(i), kernel, crate::items::Target::Nvptx)?;
             mark_kernel(e.ctx, e.module, function)?;
         }
         Ok(())
