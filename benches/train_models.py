@@ -69,7 +69,8 @@ PYTORCH_EXPERTS = "grouped_mm"
 
 def model(name, experts=None):
     cls, cfg = models()[name]
-    if experts is not None and hasattr(cfg, "_experts_implementation"):
+    # Only a mixture's config names an experts implementation (the batched one, for the export).
+    if experts is not None and getattr(cfg, "_experts_implementation", None) is not None:
         cfg._experts_implementation = experts
     return make_fixtures.seeded_model(cls, cfg)
 
