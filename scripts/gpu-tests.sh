@@ -9,8 +9,9 @@
 # plans with their ranks sharing one GPU against the same plans on CPU ranks (context
 # parallelism's load-balanced attention and its ring too); and fused
 # attention's GPU passes against the CPU's; a mixture of experts' routing (top-k and
-# scatter-elements kernels) and GPT-J's partial rotary (empty slices, fills); NCCL's calls on a
-# communicator of one rank (bench-comm: a one-GPU machine can check no more of NCCL).
+# scatter-elements kernels) and grouped expert GEMMs (bf16, and a rank's block under ep 2), and
+# GPT-J's partial rotary (empty slices, fills); NCCL's calls on a communicator of one rank
+# (bench-comm: a one-GPU machine can check no more of NCCL).
 #
 #   scripts/gpu-tests.sh [AUTOTP_BINARY]     (default: target/release/autotp, built if missing)
 #   env: STEPS (30), TOLERANCE (1e-5: the first step), CURVE_TOLERANCE (1e-4: every step),
@@ -150,8 +151,8 @@ for case in "llama" "falcon_mqa" "falcon_mqa --tp 2" "gpt2 --precision bf16" "gp
   "$BIN" compile tests/fixtures/$arch/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 $flags -o "$plan" > /dev/null
   cuda_against_cpu "$plan" fused "$arch${flags:+ $flags} attention: cuda against cpu" "$([[ "$flags" == *bf16* ]] && echo 16)"
 done
-# Every builtin on the GPU: mixtral's router (top-k, scatter-elements) and GPT-J's partial
-# rotary (empty slices and pads).
+# Every builtin on the GPU: mixtral's router (top-k, scatter-elements) and grouped expert GEMMs,
+# and GPT-J's partial rotary (empty slices and pads).
 for arch in mixtral gptj; do
   plan=$WORK/$arch-forms.atp
   "$BIN" compile tests/fixtures/$arch/model.onnx --seq-len 32 --micro-batch 8 --lr 2e-3 -o "$plan" > /dev/null
@@ -159,6 +160,13 @@ for arch in mixtral gptj; do
   "$BIN" run "$plan" --data "$TOKENS" --steps "$STEPS" --device cuda --metrics-out "$WORK/forms.cuda.jsonl" > /dev/null 2> "$WORK/stderr" \
     || { cat "$WORK/stderr"; status=1; }
   compare "$WORK/forms.cuda.jsonl" "$WORK/forms.cpu.jsonl" "$arch: cuda against cpu"
+done
+# Grouped expert GEMMs in bf16, and on a rank's block of the experts (--ep 2, ranks sharing GPU 0).
+for flags in "--precision bf16" "--dp 2 --ep 2"; do
+  plan=$WORK/experts.atp
+  # shellcheck disable=SC2086
+  "$BIN" compile tests/fixtures/mixtral/model.onnx --seq-len 32 --micro-batch 4 --lr 2e-3 $flags -o "$plan" > /dev/null
+  cuda_against_cpu "$plan" experts "mixtral $flags: cuda against cpu" "$([[ "$flags" == *bf16* ]] && echo 16)"
 done
 # --cuda-graph: the step captured and replayed against the CPU (f32 and bf16).
 for precision in f32 bf16; do
