@@ -54,7 +54,7 @@ pub struct LowerOptions {
     /// Choose the builtin kernels' GPU forms ([`gpu_kernels`]) for the plan.
     pub gpu_kernels: bool,
     /// With generated kernels: a mixture of experts' lookups and per-pair products as grouped
-    /// expert GEMMs (`in_place.rs`; `--moe-grouped-gemm`).
+    /// expert GEMMs (`in_place.rs`; the compile's default, off under `--no-moe-grouped-gemm`).
     pub grouped_experts: bool,
     /// Also compile them, the generated kernels and the optimizer steps to PTX for every GPU
     /// architecture plans carry (implies `gpu_kernels`).
