@@ -81,8 +81,9 @@ fn dispatch_refuses_a_model_without_experts_and_an_uneven_split() {
 }
 
 /// 30 AdamW steps of a global batch of 8 sequences of 32 tokens, against one rank: expert
-/// parallelism alone, under ZeRO, with tensor parallelism (the experts split over ep and tp),
-/// with a pipeline, beside context parallelism (each cp rank dispatching its own part of the
+/// parallelism alone, under ZeRO, with tensor parallelism (the experts split over ep and tp;
+/// with sequence parallelism, as Megatron asks of ep with tp, also at a batch of one), with a
+/// pipeline, beside context parallelism (each cp rank dispatching its own part of the
 /// sequence; all-gathered keys and values, and around the ring under ZeRO 3), and over groups
 /// of the data-parallel ranks (dp 4 x ep 2: ZeRO's shards over the groups, with a pipeline).
 #[test]
@@ -96,6 +97,8 @@ fn expert_parallelism_trains_like_one_rank() {
         (2, &["--dp", "4", "--ep", "4", "--zero", "3"]),
         (4, &["--dp", "2", "--ep", "2", "--tp", "2"]),
         (4, &["--dp", "2", "--ep", "2", "--tp", "2", "--zero", "1"]),
+        (4, &["--dp", "2", "--ep", "2", "--tp", "2", "--sequence-parallel"]),
+        (1, &["--dp", "2", "--ep", "2", "--tp", "2", "--sequence-parallel", "--grad-accum", "4"]),
         (2, &["--dp", "2", "--ep", "2", "--pp", "2", "--grad-accum", "2"]),
         (1, &["--dp", "2", "--ep", "2", "--cp", "2", "--grad-accum", "4"]),
         (1, &["--dp", "2", "--ep", "2", "--cp", "2", "--cp-comm-type", "p2p", "--zero", "3", "--grad-accum", "4"]),

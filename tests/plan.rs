@@ -423,9 +423,10 @@ fn plan_searches_context_parallelism_around_a_ring() {
 
 /// Expert parallelism in the search (the Mixtral fixture on 4 CPU ranks): `--ep` is searched
 /// at every divisor of dp for a mixture of experts (over groups of the dp ranks below dp),
-/// beside cp as well; every expert-parallel layout that fits compiles with its printed flags
-/// to within the bands of dense models' predicted peaks (on 2026-11-30, with the experts'
-/// products as grouped GEMMs: 0.98-1.05 without a pipeline, 0.97-1.11 beside cp, 1.00-1.13
+/// beside cp and with tp and sequence parallelism as well; every expert-parallel layout that
+/// fits compiles with its printed flags to within the bands of dense models' predicted peaks
+/// (on 2026-11-30, with the experts' products as grouped GEMMs: 0.98-1.06 without a pipeline
+/// (tp 2 with sequence parallelism 0.975-1.058), 0.97-1.11 beside cp, 1.00-1.13
 /// over groups, 1.04-1.19 1F1B, 1.25-1.32 ZB-H1; batched, whose larger activations leave the
 /// reductions' staging a smaller share, 0.98-1.03 and 1.22-1.23 ZB-H1), holds less than its
 /// twin without ep (a rank keeps its own experts) and pays its all-to-alls in time.
@@ -440,7 +441,7 @@ fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
     let printed = success(autotp(&[&["plan"][..], &out, &args, &search].concat()));
     let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let layouts = plan["layouts"].as_array().unwrap();
-    let (mut checked, mut beside_cp, mut in_groups) = (0, 0, 0);
+    let (mut checked, mut beside_cp, mut in_groups, mut with_sp) = (0, 0, 0, 0);
     for c in layouts.iter().filter(|c| c["layout"]["ep"] != 1) {
         let l = &c["layout"];
         let (ep, dp) = (l["ep"].as_u64().unwrap(), l["dp"].as_u64().unwrap());
@@ -464,9 +465,11 @@ fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
         checked += 1;
         beside_cp += (l["cp"] != 1) as usize;
         in_groups += (ep < dp) as usize;
+        with_sp += (l["sequence_parallel"] == true) as usize;
     }
     assert!(
-        checked >= 8 && beside_cp >= 1 && in_groups >= 1,
-        "{checked} expert-parallel layouts fit, {beside_cp} beside cp, {in_groups} over groups of dp: {printed}"
+        checked >= 8 && beside_cp >= 1 && in_groups >= 1 && with_sp >= 1,
+        "{checked} expert-parallel layouts fit, {beside_cp} beside cp, {in_groups} over groups of dp, {with_sp} \
+         with tp and sequence parallelism: {printed}"
     );
 }

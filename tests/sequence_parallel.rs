@@ -13,6 +13,7 @@ fn sequence_parallelism_trains_like_one_rank() {
     let layouts: &[(&str, usize, &[&str])] = &[
         ("model.onnx", 8, &["--tp", "2", "--sequence-parallel"]),
         ("model.onnx", 8, &["--tp", "4", "--sequence-parallel"]),
+        ("model.onnx", 1, &["--tp", "2", "--sequence-parallel", "--grad-accum", "8"]),
         ("model.onnx", 4, &["--tp", "2", "--dp", "2", "--zero", "3", "--sequence-parallel"]),
         ("model_4_layers.onnx", 4, &["--tp", "2", "--pp", "2", "--grad-accum", "2", "--sequence-parallel"]),
     ];
@@ -31,9 +32,17 @@ fn sequence_parallelism_trains_like_one_rank() {
 /// `flags`: rank 0's activation peak, and its bytes sent per step by all-reduces,
 /// reduce-scatters and all-gathers.
 fn compiled(arch: &str, layers: usize, flags: &[&str]) -> (i64, [i64; 3]) {
+    compiled_at(4, arch, layers, flags)
+}
+
+/// [`compiled`] at `micro_batch` sequences.
+fn compiled_at(micro_batch: usize, arch: &str, layers: usize, flags: &[&str]) -> (i64, [i64; 3]) {
     let model = crate::common::fixture(arch, "model.onnx");
-    let mut args: Vec<String> =
-        [model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", "4"].iter().map(|s| s.to_string()).collect();
+    let micro_batch = micro_batch.to_string();
+    let mut args: Vec<String> = [model.to_str().unwrap(), "--seq-len", "32", "--micro-batch", &micro_batch]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     args.extend(flags.iter().map(|s| s.to_string()));
     let plan = crate::common::compile_shapes(&args, layers);
     let report = autotp_program::report::report(&plan);
@@ -86,6 +95,22 @@ fn sequence_parallelism_moves_the_bytes_tensor_parallelism_moves() {
     assert_eq!(rs_tp, 0);
     assert_eq!(ar - norm_gradients + 2 * rs, ar_tp, "all-reduces {ar}, reduce-scatters {rs}");
     assert_eq!(ag - regathers - rs, ag_tp, "all-gathers {ag}, reduce-scatters {rs}");
+}
+
+/// A batch of one sequence is split as a larger batch is: the reshapes that merge its tokens
+/// with the batch (`[1, s, h]` to `[s, h]`, where a split by tokens could follow) gather them as
+/// they must at any other batch, so it sends a quarter of a batch of four's reduce-scatter and
+/// all-gather bytes (rather than gather the tokens again at each GEMM that reads the merge).
+#[test]
+fn a_batch_of_one_moves_a_quarter_of_the_bytes_of_four() {
+    let flags = ["--tp", "2", "--sequence-parallel"];
+    let (_, [_, rs_one, ag_one]) = compiled_at(1, "llama", 2, &flags);
+    let (_, [_, rs_four, ag_four]) = compiled_at(4, "llama", 2, &flags);
+    assert_eq!(
+        (4 * rs_one, 4 * ag_one),
+        (rs_four, ag_four),
+        "reduce-scatters and all-gathers, batch of one and of four"
+    );
 }
 
 /// `--explain-tp` says what sequence parallelism does; it needs tp and tokens tp divides.

@@ -110,6 +110,18 @@ impl SequenceParallel {
             && self.seq_len.is_multiple_of(ranks)
     }
 
+    /// Whether dim [`SEQUENCE_DIM`] of `ty` is the tokens (a hidden state, or a reshape of one
+    /// that keeps its batch and tokens first).
+    pub fn splits_tokens(&self, ty: &autotp_ir::TensorType) -> bool {
+        ty.rank() > SEQUENCE_DIM && ty.shape[SEQUENCE_DIM] == self.seq_len
+    }
+
+    /// Whether reshaping `ty` (see [`Self::splits_tokens`]) to `shape` keeps its batch and
+    /// tokens as its first two dims (splitting the features into heads does).
+    pub fn keeps_tokens(&self, ty: &autotp_ir::TensorType, shape: &[usize]) -> bool {
+        shape.len() > SEQUENCE_DIM && shape[0] == ty.shape[0] && shape[SEQUENCE_DIM] == self.seq_len
+    }
+
     /// Whether gathering dim `dim` of `ty` gathers tokens: a dim of the sequence's length, not
     /// the features (a hidden state's tokens; a replicated key or value projection computed on
     /// each rank's tokens, `[batch, heads, seq, head_dim]`).
@@ -451,12 +463,20 @@ fn place(
             // gradients moves fewer bytes than reducing the table.
             let block = node.outputs.first().is_some_and(|o| blocks.contains_key(&(*o, a)));
             let into_table = block || matches!(node.op, Op::ScatterAdd { .. });
-            if let Some(sp) = sequence_parallel.filter(|sp| sp.axis == a && into_table) {
+            // A reshape that merges the tokens with the batch reads them whole, at every batch:
+            // a batch of one could carry the split into `[tokens, ...]`, but what reads that (an
+            // experts' per-pair vectors, beside ids and weights split by other rules) expects
+            // tokens whole, as a larger batch has them.
+            let merges_tokens = |sp: &SequenceParallel, ty: &autotp_ir::TensorType| match &node.op {
+                Op::Reshape { shape } => sp.splits_tokens(ty) && !sp.keeps_tokens(ty, shape),
+                _ => false,
+            };
+            if let Some(sp) = sequence_parallel.filter(|sp| sp.axis == a) {
                 for v in inputs.iter_mut() {
                     let g = placer.rw.graph();
-                    if g.value(*v).placements[a] == Placement::Shard(SEQUENCE_DIM)
-                        && sp.holds_tokens(g.ty(*v), axis.size)
-                    {
+                    let ty = g.ty(*v);
+                    let split = g.value(*v).placements[a] == Placement::Shard(SEQUENCE_DIM);
+                    if split && ((into_table && sp.holds_tokens(ty, axis.size)) || merges_tokens(&sp, ty)) {
                         *v = placer.reshard(*v, a, Placement::Replicate)?;
                     }
                 }
