@@ -53,7 +53,7 @@ fn shard_spec(spec: &str) -> Shard {
 }
 
 /// A pass from its spelling in a golden file: `name`, `autodiff:freeze=P1,P2`,
-/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS[:outer=G][:cp=CP]`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep[=EP]][:cp=CP]` or
+/// `shard:MESH:SEEDS` (see [`shard_spec`]), `peephole` / `peephole:gemm`, `autotp:TP[:replicate-unsplittable]`, `expert-dispatch:RANKS[:outer=G][:cp=CP]`, `accumulate:A`, `zero:DP:STAGE[:BUCKET:MAX_LIVE[:IN_FLIGHT]][:ep[=EP]][:cp=CP]` or
 /// `optimize` (clipping at 1) / `optimize:noclip` / `optimize:skip` / `optimize:scaled` (clipping,
 /// non-finite steps skipped, gradients unscaled), `precision:bf16|f16[:scaled]`,
 /// `autodiff:scaled` (from the loss scale), `grad-accumulation:DTYPE`, `attention` /
@@ -134,7 +134,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "zero" => {
             // A trailing `:cp=CP`: each sequence split over CP context ranks as well.
             let (argument, cp) = argument.split_once(":cp=").unwrap_or((argument, "1"));
-            let cp = cp.parse().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep[=EP]][:cp=CP]");
+            let cp = cp.parse().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE[:IN_FLIGHT]][:ep[=EP]][:cp=CP]");
             // A trailing `:ep` or `:ep=EP`: the experts split by expert over dp (`--ep` = `--dp`) or
             // over EP ranks of each group of dp.
             let (argument, ep) = match argument.rsplit_once(":ep") {
@@ -145,12 +145,16 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             };
             let mut parts = argument
                 .split(':')
-                .map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE][:ep[=EP]][:cp=CP]"));
+                .map(|p| p.parse::<usize>().expect("zero:DP:STAGE[:BUCKET:MAX_LIVE[:IN_FLIGHT]][:ep[=EP]][:cp=CP]"));
             let (dp, stage) = (parts.next().unwrap(), parts.next().unwrap() as u8);
             let mut config = autotp_passes::zero::ZeroConfig { stage, ..Default::default() };
             if let (Some(bucket), Some(max_live)) = (parts.next(), parts.next()) {
-                config.prefetch =
-                    autotp_passes::zero::Prefetch { bucket_elements: bucket, max_live_elements: max_live };
+                let max_in_flight = parts.next().unwrap_or(usize::MAX);
+                config.prefetch = autotp_passes::zero::Prefetch {
+                    bucket_elements: bucket,
+                    max_live_elements: max_live,
+                    max_in_flight,
+                };
             }
             Box::new(autotp_passes::zero::Zero {
                 dp,

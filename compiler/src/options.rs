@@ -139,15 +139,20 @@ impl CompileOptions {
             refuse!("{flag} applies to --zero 3");
         }
         let defaults = Prefetch::default();
-        let prefetch = Prefetch {
+        let mut prefetch = Prefetch {
             bucket_elements: flags.prefetch_bucket_size.unwrap_or(defaults.bucket_elements),
             max_live_elements: flags.max_live_params.unwrap_or(defaults.max_live_elements),
+            max_in_flight: defaults.max_in_flight,
         };
         if flags.comm_dtype.is_some() && flags.dp < 2 {
             refuse!("--comm-dtype is the type of data-parallel gradient reductions: it needs --dp 2 or more");
         }
         if flags.reduce_bucket_size.is_some() && flags.dp < 2 {
             refuse!("--reduce-bucket-size buckets data-parallel gradient reductions: it needs --dp 2 or more");
+        }
+        let nvme_params = nvme_params(flags)?;
+        if let Some(nvme_params) = &nvme_params {
+            prefetch.max_in_flight = nvme_params.buffer_count;
         }
         let zero = ZeroConfig {
             stage: flags.zero,
@@ -162,7 +167,6 @@ impl CompileOptions {
             refuse!("--zero {} shards over data-parallel ranks: it needs --dp 2 or more", flags.zero);
         }
         let nvme = nvme_offload(flags)?;
-        let nvme_params = nvme_params(flags)?;
         match flags.offload_param {
             OffloadFlag::None => {}
             offload if flags.zero != 3 => refuse!(

@@ -146,12 +146,13 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
             (Some(swap), Some(settings)) => {
                 let in_file = params_in_file_bytes(&plan.stages[s]);
                 format!(
-                    "{} in host memory and {} in a file under {} (at most {} shards, {} bytes, in memory at once, of \
+                    "{} in host memory and {} in a file under {} (at most {} shard{}, {} bytes, in memory at once, of \
                      --buffer-count {}); the file is read {} bytes and written {} bytes per step",
                     grouped(m.offloaded_params_bytes - in_file),
                     grouped(in_file),
                     settings.path.display(),
                     swap.peak_params,
+                    if swap.peak_params == 1 { "" } else { "s" },
                     grouped(swap.peak_bytes),
                     settings.buffer_count,
                     grouped(swap.read_bytes),

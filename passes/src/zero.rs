@@ -228,12 +228,16 @@ pub struct Prefetch {
     pub bucket_elements: usize,
     /// Elements of gathered parameters alive at once (`--max-live-params`).
     pub max_live_elements: usize,
+    /// Parameter gathers in flight at once: `--offload-param nvme`'s `--buffer-count` (each
+    /// holds its shard in one of the buffers from its start to its wait, as DeepSpeed swaps in
+    /// no more shards than it has buffers free), else unbounded.
+    pub max_in_flight: usize,
 }
 
 impl Default for Prefetch {
     /// DeepSpeed's defaults: `stage3_prefetch_bucket_size` 5e7, `stage3_max_live_parameters` 1e9.
     fn default() -> Prefetch {
-        Prefetch { bucket_elements: 50_000_000, max_live_elements: 1_000_000_000 }
+        Prefetch { bucket_elements: 50_000_000, max_live_elements: 1_000_000_000, max_in_flight: usize::MAX }
     }
 }
 
@@ -241,8 +245,8 @@ impl Default for Prefetch {
 /// ahead of its use and a `wait` where the gather was (a parameter sharded over two data axes
 /// is gathered over the inner one first, on the way, synchronously, and the start is the
 /// gather over the outer one): each start goes as early as the budget
-/// allows (gathers in flight within `bucket_elements`, gathered parameters alive within
-/// `max_live_elements`; a gathered copy is released after its last use), in order, and not
+/// allows (gathers in flight within `bucket_elements` and `max_in_flight`, gathered parameters
+/// alive within `max_live_elements`; a gathered copy is released after its last use), in order, and not
 /// while an earlier copy of the same parameter is alive: as DeepSpeed holds at most one
 /// gathered copy of a parameter, so a small model's prefetch does not fetch the next
 /// micro-batch's (or the backward's) copies beside the current ones. A parameter that cannot
@@ -304,7 +308,7 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
 
     let mut rw = autotp_ir::Rewriter::new(graph, |_| true);
     let mut started: Vec<Option<ValueId>> = vec![None; gathers.len()];
-    let (mut next, mut in_flight, mut live) = (0usize, 0usize, 0usize);
+    let (mut next, mut in_flight, mut live, mut gathers_in_flight) = (0usize, 0usize, 0usize, 0usize);
     // Issues gather `j`: the gathers over inner axes as they were (on the way, small), the
     // last asynchronously.
     let start = |rw: &mut autotp_ir::Rewriter, j: usize| -> Result<ValueId, PassError> {
@@ -325,11 +329,13 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
         // Issue the next gathers while the budgets allow (at least one in flight).
         while next < gathers.len()
             && (in_flight == 0 || in_flight + elements[next] <= prefetch.bucket_elements)
+            && gathers_in_flight < prefetch.max_in_flight
             && live + elements[next] <= prefetch.max_live_elements
             && previous[next].is_none_or(|p| ends[p] < i)
         {
             started[next] = Some(start(&mut rw, next)?);
             in_flight += elements[next];
+            gathers_in_flight += 1;
             live += elements[next];
             next += 1;
         }
@@ -346,6 +352,7 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
                 started[j] = Some(start(&mut rw, j)?);
                 live += elements[j];
                 in_flight += elements[j];
+                gathers_in_flight += 1;
                 next = j + 1;
             }
             let pending = started[j].expect("started above");
@@ -354,6 +361,7 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
             let ready = crate::add_op("zero", g, Op::Wait, vec![pending])?;
             g.value_mut(ready).placements = placements;
             in_flight -= elements[j];
+            gathers_in_flight -= 1;
             rw.set(node.outputs[0], ready);
         } else if !inner.contains(&i) {
             rw.copy_node(autotp_ir::NodeId(i as u32));
