@@ -619,7 +619,7 @@ struct Lowering<'g> {
     /// Nodes a group's kernel or optimizer step computes.
     in_fused_group: Vec<bool>,
     /// The values' names in the graph's printed text, which instructions' labels use.
-    names: autotp_ir::text::ValueNames,
+    names: autotp_ir::text::ValueNames<'g>,
 }
 
 impl Lowering<'_> {

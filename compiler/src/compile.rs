@@ -80,11 +80,7 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
         ..Default::default()
     };
     let mut model = match weights {
-        Weights::ShapesOnly { layers: Some(layers) } => {
-            let mut model = imported_for_cuts(&flags.model, &import)?;
-            model.graph = autotp_passes::depth::keep_layers(&model.graph, layers)?;
-            model
-        }
+        Weights::ShapesOnly { layers: Some(layers) } => imported_for_cuts(&flags.model, &import, layers)?,
         _ => autotp_frontend::import_onnx(&flags.model, &import)?,
     };
     check_constant_gathers(&model.graph, flags.seq_len)?;
@@ -99,7 +95,7 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
         frozen: frozen.clone(),
         padding_rows: padding_rows.iter().map(|p| (p.table.clone(), p.row)).collect(),
     };
-    let steps = steps(options, &facts, weights == Weights::Read, Purpose::Train);
+    let steps = steps(options, &facts, weights, Purpose::Train);
     let name = model.graph.name.clone();
     let imported = std::mem::replace(&mut model.graph, Graph::new(name.clone()));
     // A plan that will run validates too; a report needs only the training step.
@@ -187,7 +183,7 @@ fn compile_evaluation(
         p.params.iter().map(|slot| (slot.name.clone(), slot.placements.clone())).collect()
     };
     let param_placements = training.iter().map(placed).collect();
-    let steps = steps(options, facts, true, Purpose::Evaluate { param_placements, sequence_order });
+    let steps = steps(options, facts, Weights::Read, Purpose::Evaluate { param_placements, sequence_order });
     let mut state = CompileState::new(graph);
     let mut observer = Observer { dump_dir: None, print_after: &[] };
     let evaluation = match run_steps(&steps, &mut state, &mut observer) {
@@ -272,18 +268,37 @@ fn weight_part(
     Some((part, bytes))
 }
 
-/// A shapes-only import for a cut of the model: the layout search compiles hundreds of cuts of
-/// one model at a few batch sizes, so each is imported once per process.
-fn imported_for_cuts(path: &Path, options: &ImportOptions) -> Result<Model, CompileError> {
-    type Imports = BTreeMap<(PathBuf, Option<usize>, Option<usize>), Model>;
+/// A shapes-only import of the model cut to its first `layers` layers: the layout search
+/// compiles hundreds of cuts of one model at a few batch sizes and depths, so the model is
+/// imported once per batch size and cut once per depth in a process (a cut of 2 layers is cheap
+/// to copy; the 80 it is cut from are not).
+fn imported_for_cuts(path: &Path, options: &ImportOptions, layers: usize) -> Result<Model, CompileError> {
+    // By path, batch and sequence length, and the layers kept (`None`: the whole model).
+    type Imports = BTreeMap<(PathBuf, Option<usize>, Option<usize>, Option<usize>), Model>;
     static IMPORTS: std::sync::OnceLock<std::sync::Mutex<Imports>> = std::sync::OnceLock::new();
     let imports = IMPORTS.get_or_init(Default::default);
-    let key = (path.to_path_buf(), options.batch, options.seq_len);
-    if let Some(model) = imports.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(&key) {
-        return Ok(model.clone());
+    let cached = |layers: Option<usize>| {
+        let key = (path.to_path_buf(), options.batch, options.seq_len, layers);
+        let model = imports.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(&key).cloned();
+        (key, model)
+    };
+    let keep = |key, model: &Model| {
+        imports.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(key, model.clone());
+    };
+    let (cut_key, cut) = cached(Some(layers));
+    if let Some(cut) = cut {
+        return Ok(cut);
     }
-    let model = autotp_frontend::import_onnx(path, options)?;
-    imports.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(key, model.clone());
+    let mut model = match cached(None) {
+        (_, Some(whole)) => whole,
+        (key, None) => {
+            let whole = autotp_frontend::import_onnx(path, options)?;
+            keep(key, &whole);
+            whole
+        }
+    };
+    model.graph = autotp_passes::depth::keep_layers(&model.graph, layers)?;
+    keep(cut_key, &model);
     Ok(model)
 }
 

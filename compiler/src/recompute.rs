@@ -22,22 +22,26 @@ pub struct Recomputation {
     memory_cap: Option<u64>,
     /// How to lower a stage to measure it (no PTX).
     measure: LowerOptions,
+    /// Whether to measure each stage's activation peak without recomputation for the summary
+    /// ([`RecomputeSummary::activations_peak_without`]).
+    peak_without: bool,
 }
 
 impl Recomputation {
-    pub fn new(options: &CompileOptions, measure: LowerOptions) -> Recomputation {
+    pub fn new(options: &CompileOptions, measure: LowerOptions, peak_without: bool) -> Recomputation {
         let flags = &options.flags;
         Recomputation {
             flag: flags.recompute,
             layers: flags.recompute_layers.map(|k| k as usize),
             memory_cap: flags.memory_cap,
             measure,
+            peak_without,
         }
     }
 
     /// Nothing recomputed (a step without a backward).
     pub fn none(measure: LowerOptions) -> Recomputation {
-        Recomputation { flag: RecomputeFlag::None, layers: None, memory_cap: None, measure }
+        Recomputation { flag: RecomputeFlag::None, layers: None, memory_cap: None, measure, peak_without: false }
     }
 
     /// Whether anything may be recomputed (the plan then records what, and its figures).
@@ -81,10 +85,6 @@ pub fn choose_recompute(
     };
     // What it recomputes, and the activation peak without it (lowered for its memory plan
     // alone).
-    let mut kept = graph.clone();
-    if generated {
-        autotp_passes::fusion::Fusion::default().run(&mut kept)?;
-    }
     // Found as fusion finds them, before its schedule (which may move a backward node that
     // reads only forward values into the forward).
     let blocks = autotp_passes::recompute::blocks(graph, recompute);
@@ -109,8 +109,14 @@ pub fn choose_recompute(
         .collect();
     summary.layers.push(numbers.len());
     summary.layer_inputs.push(input.map_or((0, 0), |v| (graph.ty(v).numel(), graph.ty(v).size_bytes())));
-    let peak = autotp_codegen::lower_with(&kept, &r.measure)?.memory.activations_peak_bytes;
-    summary.activations_peak_without.push(peak);
+    if r.peak_without {
+        let mut kept = graph.clone();
+        if generated {
+            autotp_passes::fusion::Fusion::default().run(&mut kept)?;
+        }
+        let peak = autotp_codegen::lower_with(&kept, &r.measure)?.memory.activations_peak_bytes;
+        summary.activations_peak_without.push(peak);
+    }
     Ok(recompute)
 }
 

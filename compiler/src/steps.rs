@@ -43,6 +43,7 @@ use autotp_program::plan::{PipelineConfig, RecomputeSummary};
 use autotp_program::step::{SequenceOrder, StepInput};
 use autotp_program::Program;
 
+use crate::compile::Weights;
 use crate::flags::{AttentionFlag, OffloadFlag, Precision};
 use crate::recompute::{choose_recompute, Recomputation};
 use crate::{CompileError, CompileOptions};
@@ -441,8 +442,9 @@ pub enum Purpose {
 }
 
 /// The compile's steps for `options`, in order.
-pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, purpose: Purpose) -> Vec<Box<dyn Step>> {
+pub fn steps(options: &CompileOptions, model: &ModelFacts, weights: Weights, purpose: Purpose) -> Vec<Box<dyn Step>> {
     let flags = &options.flags;
+    let weights_read = weights == Weights::Read;
     let train = purpose == Purpose::Train;
     let (param_placements, required_order) = match purpose {
         Purpose::Train => (Vec::new(), None),
@@ -576,7 +578,11 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights_read: bool, p
         max_params_in_cpu,
     };
     // The evaluation step keeps no activation for a backward: nothing to recompute.
-    let recomputation = if train { Recomputation::new(options, measure) } else { Recomputation::none(measure) };
+    // A cut of the model compiled for the layout search is not printed: it skips the summary's
+    // activation peak without recomputation (a second fusion and lowering of the step).
+    let peak_without = !matches!(weights, Weights::ShapesOnly { layers: Some(_) });
+    let recomputation =
+        if train { Recomputation::new(options, measure, peak_without) } else { Recomputation::none(measure) };
     if generated || recomputation.rewrites() {
         steps.push(Box::new(RecomputeAndFuse { recomputation, generated }));
     }

@@ -425,7 +425,13 @@ fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
         lines.push(format!("  memory cap {} per rank: largest arena {}", grouped(cap as usize), grouped(largest)));
     }
     for (s, program) in plan.stages.iter().enumerate() {
-        let (with, without) = (program.memory.activations_peak_bytes, r.activations_peak_without[s]);
+        let with = program.memory.activations_peak_bytes;
+        // A cut of the model the layout search compiled has no figure without recomputation.
+        let without = r.activations_peak_without.get(s).copied();
+        let compared = without.map_or(String::new(), |without| {
+            let change = 100.0 * (with as f64 - without as f64) / without.max(1) as f64;
+            format!(" (without: {}, {change:+.1}%)", grouped(without))
+        });
         let stage = if plan.stages.len() > 1 { format!("stage {s}: ") } else { String::new() };
         let chosen = r.chosen.get(s).map_or(r.mode.as_str(), String::as_str);
         let blocks = r.blocks[s];
@@ -435,11 +441,9 @@ fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
             _ => "layers",
         };
         lines.push(format!(
-            "  recompute {chosen}: {stage}{blocks} {what} per step, +{} FLOPs; activations peak {} (without: {}, {:+.1}%)",
+            "  recompute {chosen}: {stage}{blocks} {what} per step, +{} FLOPs; activations peak {}{compared}",
             grouped(r.flops[s] as usize),
             grouped(with),
-            grouped(without),
-            100.0 * (with as f64 - without as f64) / without.max(1) as f64
         ));
         if blocks == 0 {
             let fused = |i: &Instruction| matches!(i, Instruction::Kernel { kernel: Kernel::Attention { .. }, .. });
@@ -452,6 +456,7 @@ fn recompute_lines(plan: &TrainingPlan, r: &RecomputeSummary) -> Vec<String> {
             }
             continue;
         }
+        let Some(without) = without else { continue };
         let elements = r.probability_elements.get(s).copied().unwrap_or(0);
         let saved = without.saturating_sub(with);
         if let Some(&(sbh, bytes)) = r.layer_inputs.get(s).filter(|i| i.0 > 0) {

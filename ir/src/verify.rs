@@ -129,23 +129,24 @@ fn check_values(graph: &Graph, names: &ValueNames, err: &mut impl FnMut(String, 
 fn check_nodes(graph: &Graph, names: &ValueNames, defined: &mut [bool], err: &mut impl FnMut(String, String)) {
     let placements_ok = graph.values().all(|(_, v)| v.placements.len() == graph.mesh.axes.len());
     for (id, node) in graph.nodes() {
-        let at = names.node(graph, id);
+        // Named only for a message: most nodes have none.
+        let at = || names.node(graph, id);
         let mut inputs_ok = true;
         for (i, v) in node.inputs.iter().enumerate() {
             if v.index() >= graph.num_values() {
-                err(at.clone(), format!("input {i} refers to a value that does not exist"));
+                err(at(), format!("input {i} refers to a value that does not exist"));
                 inputs_ok = false;
             } else if !defined[v.index()] {
-                err(at.clone(), format!("input {i} ({}) is used before it is defined", names.get(*v)));
+                err(at(), format!("input {i} ({}) is used before it is defined", names.get(*v)));
                 inputs_ok = false;
             }
         }
         for (i, &o) in node.outputs.iter().enumerate() {
             if graph.value(o).def != Def::Node(id, i) {
-                err(at.clone(), format!("output {i} ({}) is not defined by this node", names.get(o)));
+                err(at(), format!("output {i} ({}) is not defined by this node", names.get(o)));
             }
             if defined[o.index()] {
-                err(at.clone(), format!("output {i} ({}) is defined twice", names.get(o)));
+                err(at(), format!("output {i} ({}) is defined twice", names.get(o)));
             }
             defined[o.index()] = true;
         }
@@ -154,12 +155,12 @@ fn check_nodes(graph: &Graph, names: &ValueNames, defined: &mut [bool], err: &mu
         }
         let types: Vec<_> = node.inputs.iter().map(|&v| graph.ty(v)).collect();
         match node.op.infer(&types, node.outputs.len()) {
-            Err(message) => err(at, message),
+            Err(message) => err(at(), message),
             Ok(expected) => {
                 let mut types_ok = true;
                 for (i, (want, &o)) in expected.iter().zip(&node.outputs).enumerate() {
                     if graph.ty(o) != want {
-                        err(at.clone(), format!("output {i} has type {} but the op produces {want}", graph.ty(o)));
+                        err(at(), format!("output {i} has type {} but the op produces {want}", graph.ty(o)));
                         types_ok = false;
                     }
                 }
@@ -353,10 +354,10 @@ fn outputs_follow(
         })
 }
 
-fn check_placements(graph: &Graph, node: &crate::Node, at: &str, err: &mut impl FnMut(String, String)) {
+fn check_placements(graph: &Graph, node: &crate::Node, at: &dyn Fn() -> String, err: &mut impl FnMut(String, String)) {
     if let Op::Collective { axis, .. } = &node.op {
         if !graph.mesh.axes.iter().any(|a| &a.name == axis) {
-            err(at.to_string(), format!("names mesh axis '{axis}', which the mesh does not have"));
+            err(at(), format!("names mesh axis '{axis}', which the mesh does not have"));
             return;
         }
     }
@@ -378,13 +379,10 @@ fn check_placements(graph: &Graph, node: &crate::Node, at: &str, err: &mut impl 
         }
         if rule.inputs != current {
             let show: Vec<String> = rule.inputs.iter().map(|p| p.to_string()).collect();
-            err(at.to_string(), format!("needs its inputs as [{}] on mesh axis {}", show.join(", "), axis.name));
+            err(at(), format!("needs its inputs as [{}] on mesh axis {}", show.join(", "), axis.name));
         } else if !outputs_follow(&rule.outputs, &actual, &node.op, &types, &out_types) {
             let show: Vec<String> = rule.outputs.iter().map(|p| p.to_string()).collect();
-            err(
-                at.to_string(),
-                format!("gives [{}] on mesh axis {}, not what its outputs say", show.join(", "), axis.name),
-            );
+            err(at(), format!("gives [{}] on mesh axis {}, not what its outputs say", show.join(", "), axis.name));
         }
     }
 }

@@ -145,9 +145,11 @@ pub struct RecomputeSummary {
     #[serde(default)]
     pub layers: Vec<usize>,
     /// Per stage: attention blocks or layers recomputed per step, their FLOPs, and the activation peak
-    /// the stage would have without recomputation.
+    /// the stage would have without recomputation (none in a cut of the model the layout search
+    /// compiles, which is not printed).
     pub blocks: Vec<usize>,
     pub flops: Vec<u64>,
+    #[serde(default)]
     pub activations_peak_without: Vec<usize>,
     /// Per stage, the elements of one layer's attention probabilities (`a s^2 b`: heads,
     /// sequence squared, batch), for Korthikanti et al.'s `5as^2b` bytes per layer.

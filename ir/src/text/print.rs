@@ -4,29 +4,36 @@ use std::fmt::Write;
 
 use crate::{AttentionMask, DType, GeluApprox, Graph, NodeId, Op, Placement, Tensor, ValueId};
 
-/// Display names of a graph's values, as the printed text names them (`%embed`, `%12`).
-pub struct ValueNames {
-    names: Vec<String>,
+/// Display names of a graph's values, as the printed text names them (`%embed`, `%12`), made
+/// when asked for (the verifier names values only in its messages).
+pub struct ValueNames<'g> {
+    graph: &'g Graph,
+    /// Each unnamed value's number in the text (unused for a named value).
+    numbers: Vec<u32>,
 }
 
-impl ValueNames {
-    pub fn new(graph: &Graph) -> ValueNames {
+impl<'g> ValueNames<'g> {
+    pub fn new(graph: &'g Graph) -> ValueNames<'g> {
         let mut next = 0;
-        let names = graph
+        let numbers = graph
             .values()
-            .map(|(_, v)| match &v.name {
-                Some(name) => format!("%{}", quote_name(name)),
-                None => {
-                    next += 1;
-                    format!("%{}", next - 1)
-                }
+            .map(|(_, v)| {
+                let number = next;
+                next += v.name.is_none() as u32;
+                number
             })
             .collect();
-        ValueNames { names }
+        ValueNames { graph, numbers }
     }
 
     pub fn get(&self, v: ValueId) -> String {
-        self.names.get(v.index()).cloned().unwrap_or_else(|| format!("%<invalid {}>", v.0))
+        match self.numbers.get(v.index()) {
+            None => format!("%<invalid {}>", v.0),
+            Some(number) => match &self.graph.value(v).name {
+                Some(name) => format!("%{}", quote_name(name)),
+                None => format!("%{number}"),
+            },
+        }
     }
 
     /// `%3, %4 = split` — how a node is named in messages.
