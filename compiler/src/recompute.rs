@@ -83,10 +83,8 @@ pub fn choose_recompute(
             fitting_recompute(graph, generated, &r.measure, cap, stage)?
         }
     };
-    // What it recomputes, and the activation peak without it (lowered for its memory plan
-    // alone).
-    // Found as fusion finds them, before its schedule (which may move a backward node that
-    // reads only forward values into the forward).
+    // What it recomputes, found as fusion finds them, before its schedule (which may move a
+    // backward node that reads only forward values into the forward).
     let blocks = autotp_passes::recompute::blocks(graph, recompute);
     summary.chosen.push(recompute_name(recompute));
     summary.blocks.push(blocks.len());
@@ -109,6 +107,7 @@ pub fn choose_recompute(
         .collect();
     summary.layers.push(numbers.len());
     summary.layer_inputs.push(input.map_or((0, 0), |v| (graph.ty(v).numel(), graph.ty(v).size_bytes())));
+    // The activation peak without it, lowered for its memory plan alone.
     if r.peak_without {
         let mut kept = graph.clone();
         if generated {

@@ -149,7 +149,6 @@ pub struct RecomputeSummary {
     /// compiles, which is not printed).
     pub blocks: Vec<usize>,
     pub flops: Vec<u64>,
-    #[serde(default)]
     pub activations_peak_without: Vec<usize>,
     /// Per stage, the elements of one layer's attention probabilities (`a s^2 b`: heads,
     /// sequence squared, batch), for Korthikanti et al.'s `5as^2b` bytes per layer.
