@@ -89,8 +89,16 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let (global_batch, considered) = (result.global_batch, &result.considered);
     let fitting: Vec<&Considered> = result.fitting.iter().map(|&i| &considered[i]).collect();
     let tokens = (global_batch * args.seq_len) as f64;
+    // A model of several kinds of layer says how many of each: "2 like layer 0, 4 like layer 2".
+    let kinds = match &result.layer_kinds[..] {
+        [_] | [] => String::new(),
+        kinds => {
+            let each: Vec<String> = kinds.iter().map(|(count, first)| format!("{count} like layer {first}")).collect();
+            format!(": {}", each.join(", "))
+        }
+    };
     println!(
-        "plan: {} ({} parameters, {layers} layers) on {} {} devices of {} bytes each ({per_node} per node); \
+        "plan: {} ({} parameters, {layers} layers{kinds}) on {} {} devices of {} bytes each ({per_node} per node); \
          global batch {global_batch} x seq-len {} = {tokens} tokens per step; {precision}",
         args.model.display(),
         grouped(result.parameters),
@@ -221,8 +229,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
     }
     if let Some(path) = &args.json {
-        let json = serde_json::json!({"device": device, "layers": layers, "parameters": result.parameters,
-            "global_batch": global_batch, "seq_len": args.seq_len, "precision": precision, "models": result.models, "layouts": considered});
+        let layer_kinds: Vec<serde_json::Value> = (result.layer_kinds.iter())
+            .map(|(count, first)| serde_json::json!({"layers": count, "first": first}))
+            .collect();
+        let json = serde_json::json!({"device": device, "layers": layers, "layer_kinds": layer_kinds,
+            "parameters": result.parameters, "global_batch": global_batch, "seq_len": args.seq_len, "precision": precision, "models": result.models, "layouts": considered});
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }

@@ -80,7 +80,9 @@ pub fn failure(out: std::process::Output) -> String {
 pub fn compile_shapes(args: &[String], layers: usize) -> autotp_program::plan::TrainingPlan {
     let flags = autotp_compiler::CompileFlags::parse_args(args).unwrap();
     let options = autotp_compiler::CompileOptions::from_flags(&flags).unwrap();
-    autotp_compiler::compile(&options, autotp_compiler::Weights::ShapesOnly { layers: Some(layers) }).unwrap().plan
+    autotp_compiler::compile(&options, autotp_compiler::Weights::ShapesOnly { layers: Some((0..layers).collect()) })
+        .unwrap()
+        .plan
 }
 
 /// Runs `plan` to step `steps` over the committed tokens, writing `metrics` (`extra` added);

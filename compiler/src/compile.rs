@@ -17,14 +17,15 @@ use crate::steps::{run_steps, steps, CompileState, ModelFacts, Observer, Purpose
 use crate::{CompileError, CompileOptions};
 
 /// Whether a compile reads the model's weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Weights {
     /// Into the plan: it can be written and trained.
     Read,
     /// Not at all: the model is imported shapes-only ([`ImportOptions::shapes_only`]), for the
     /// memory and communication report (`compile --report` without `-o`, the layout search);
-    /// with `layers`, cut to its first layers ([`autotp_passes::depth`]). No PTX is made.
-    ShapesOnly { layers: Option<usize> },
+    /// with `layers`, cut to the numbered layers at those positions (`[0, 1]`: the first two;
+    /// [`autotp_passes::depth`]). No PTX is made.
+    ShapesOnly { layers: Option<Vec<usize>> },
 }
 
 /// A compiled plan with the model's weights it starts from.
@@ -79,7 +80,7 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
         shapes_only: weights != Weights::Read,
         ..Default::default()
     };
-    let mut model = match weights {
+    let mut model = match &weights {
         Weights::ShapesOnly { layers: Some(layers) } => imported_for_cuts(&flags.model, &import, layers)?,
         _ => autotp_frontend::import_onnx(&flags.model, &import)?,
     };
@@ -95,7 +96,7 @@ pub fn compile(options: &CompileOptions, weights: Weights) -> Result<Compiled, C
         frozen: frozen.clone(),
         padding_rows: padding_rows.iter().map(|p| (p.table.clone(), p.row)).collect(),
     };
-    let steps = steps(options, &facts, weights, Purpose::Train);
+    let steps = steps(options, &facts, &weights, Purpose::Train);
     let name = model.graph.name.clone();
     let imported = std::mem::replace(&mut model.graph, Graph::new(name.clone()));
     // A plan that will run validates too; a report needs only the training step.
@@ -183,7 +184,7 @@ fn compile_evaluation(
         p.params.iter().map(|slot| (slot.name.clone(), slot.placements.clone())).collect()
     };
     let param_placements = training.iter().map(placed).collect();
-    let steps = steps(options, facts, Weights::Read, Purpose::Evaluate { param_placements, sequence_order });
+    let steps = steps(options, facts, &Weights::Read, Purpose::Evaluate { param_placements, sequence_order });
     let mut state = CompileState::new(graph);
     let mut observer = Observer { dump_dir: None, print_after: &[] };
     let evaluation = match run_steps(&steps, &mut state, &mut observer) {
@@ -268,16 +269,16 @@ fn weight_part(
     Some((part, bytes))
 }
 
-/// A shapes-only import of the model cut to its first `layers` layers: the layout search
-/// compiles hundreds of cuts of one model at a few batch sizes and depths, so the model is
-/// imported once per batch size and cut once per depth in a process (a cut of 2 layers is cheap
-/// to copy; the 80 it is cut from are not).
-fn imported_for_cuts(path: &Path, options: &ImportOptions, layers: usize) -> Result<Model, CompileError> {
+/// A shapes-only import of the model cut to the layers at positions `layers`: the layout search
+/// compiles hundreds of cuts of one model at a few batch sizes and sets of layers, so the model
+/// is imported once per batch size and cut once per set in a process (a cut of 2 layers is
+/// cheap to copy; the 80 it is cut from are not).
+fn imported_for_cuts(path: &Path, options: &ImportOptions, layers: &[usize]) -> Result<Model, CompileError> {
     // By path, batch and sequence length, and the layers kept (`None`: the whole model).
-    type Imports = BTreeMap<(PathBuf, Option<usize>, Option<usize>, Option<usize>), Model>;
+    type Imports = BTreeMap<(PathBuf, Option<usize>, Option<usize>, Option<Vec<usize>>), Model>;
     static IMPORTS: std::sync::OnceLock<std::sync::Mutex<Imports>> = std::sync::OnceLock::new();
     let imports = IMPORTS.get_or_init(Default::default);
-    let cached = |layers: Option<usize>| {
+    let cached = |layers: Option<Vec<usize>>| {
         let key = (path.to_path_buf(), options.batch, options.seq_len, layers);
         let model = imports.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(&key).cloned();
         (key, model)
@@ -285,7 +286,7 @@ fn imported_for_cuts(path: &Path, options: &ImportOptions, layers: usize) -> Res
     let keep = |key, model: &Model| {
         imports.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(key, model.clone());
     };
-    let (cut_key, cut) = cached(Some(layers));
+    let (cut_key, cut) = cached(Some(layers.to_vec()));
     if let Some(cut) = cut {
         return Ok(cut);
     }

@@ -442,9 +442,9 @@ pub enum Purpose {
 }
 
 /// The compile's steps for `options`, in order.
-pub fn steps(options: &CompileOptions, model: &ModelFacts, weights: Weights, purpose: Purpose) -> Vec<Box<dyn Step>> {
+pub fn steps(options: &CompileOptions, model: &ModelFacts, weights: &Weights, purpose: Purpose) -> Vec<Box<dyn Step>> {
     let flags = &options.flags;
-    let weights_read = weights == Weights::Read;
+    let weights_read = *weights == Weights::Read;
     let train = purpose == Purpose::Train;
     let (param_placements, required_order) = match purpose {
         Purpose::Train => (Vec::new(), None),

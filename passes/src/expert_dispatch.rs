@@ -112,10 +112,15 @@ fn lookups(graph: &Graph) -> BTreeMap<NodeId, Vec<NodeId>> {
     found
 }
 
-/// Whether `graph` looks experts up by a router's choices: a mixture of experts that `--ep`
-/// can split (the planner's question, asked of the imported model).
-pub fn looks_up_experts(graph: &Graph) -> bool {
-    !lookups(graph).is_empty()
+/// The parameters `graph` looks experts up in by a router's choices (a mixture of experts that
+/// `--ep` can split; none for a dense model): the planner's question, asked of the imported
+/// model, in graph order.
+pub fn routed_tables(graph: &Graph) -> Vec<ValueId> {
+    let mut tables: Vec<ValueId> =
+        lookups(graph).values().flatten().map(|&n| table_param(graph, graph.node(n).inputs[0])).collect();
+    tables.sort();
+    tables.dedup();
+    tables
 }
 
 /// Whether `node` computes each row along dim 0 (of `pairs` rows) from the same row of its

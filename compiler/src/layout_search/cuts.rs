@@ -2,10 +2,12 @@
 //! one stage; a cut of 2 stages for pipelines; dp 2 for the data-parallel staging), how a
 //! pipeline's layers fall on its stages, and a layout as `autotp compile` flags.
 
+use super::kinds::LayerKinds;
 use super::{Layout, SearchRequest};
 
-/// A compiled cut of the model: its layout (one stage) and the layers kept.
-pub(super) type Cut = (Layout, usize);
+/// A compiled cut of the model: its layout and the positions of the layers kept (as many a
+/// stage).
+pub(super) type Cut = (Layout, Vec<usize>);
 
 /// The largest staging of the data-parallel reductions the planner assumes: three copies (a
 /// reduce-scatter's) of DeepSpeed's 5e8-element f32 bucket.
@@ -36,10 +38,11 @@ fn one_chunk(layout: &Layout) -> Layout {
 /// [`PIPELINE_CUT_MICRO_BATCHES`] (with 3, the first stage runs a forward after a backward: the
 /// steady state, where the gradients summed so far live beside the micro-batches in flight).
 /// Other counts of micro-batches differ by those in flight ([`PipelineModel::stage`]): one cut
-/// serves every pp, dp and ZeRO stage. None for a model of fewer than 4 layers (the cut keeps up
-/// to 2 a stage), whose stages are then slices of the one-stage cuts.
-pub(super) fn pipeline_cut(layout: &Layout, layers: usize) -> Option<Layout> {
-    (layout.pp > 1 && layers >= 4).then(|| Layout {
+/// serves every pp, dp and ZeRO stage. None for a model of fewer than 4 layers of its modelled
+/// kind (the cut keeps up to 2 a stage, [`LayerKinds`]), whose stages are then slices of the
+/// one-stage cuts.
+pub(super) fn pipeline_cut(layout: &Layout, kinds: &LayerKinds) -> Option<Layout> {
+    (layout.pp > 1 && kinds.first_modelled(4).is_some()).then(|| Layout {
         pp: 2,
         dp: 1,
         ep: 1,

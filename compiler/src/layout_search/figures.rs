@@ -149,8 +149,9 @@ impl Figures {
     }
 }
 
-/// A model per layer and the rest, at one micro-batch size, from its cuts of 1 and 2 layers.
-#[derive(Clone, Copy, Debug, serde::Serialize)]
+/// A model per layer and the rest, at one micro-batch size, from its cuts of 1 and 2 layers
+/// (of the modelled kind, [`super::kinds`]), and each other kind of layer's difference.
+#[derive(Clone, Debug, serde::Serialize)]
 pub struct Model {
     pub(super) layer: Figures,
     pub(super) rest: Figures,
@@ -175,6 +176,11 @@ pub struct Model {
     pub(super) pipeline: Option<PipelineModel>,
     /// With ep: a layer's experts, which ZeRO does not shard and dp does not reduce.
     pub(super) experts: ExpertShare,
+    /// What a layer of each kind other than the modelled one holds and does beyond a modelled
+    /// layer (a dense layer before a mixture of experts: less), in
+    /// [`super::kinds::LayerKinds::others`]' order; none for a model of one kind.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(super) other_kinds: Vec<Figures>,
 }
 
 /// A layer's experts under expert parallelism, in parameter bytes (zero without): the rank's
@@ -254,9 +260,18 @@ pub struct StageMemory {
 }
 
 impl PipelineModel {
-    /// Stage `s` of `pp` with `layers` layers, `in_flight` micro-batches and `micro_batches`
-    /// in the step.
-    pub(super) fn stage(&self, layers: usize, s: usize, pp: usize, in_flight: f64, micro_batches: f64) -> StageMemory {
+    /// Stage `s` of `pp` with `layers` layers (`other` what those of other kinds hold beyond
+    /// modelled ones, [`Model::other_layers`]), `in_flight` micro-batches and `micro_batches` in
+    /// the step.
+    pub(super) fn stage(
+        &self,
+        layers: usize,
+        other: Figures,
+        s: usize,
+        pp: usize,
+        in_flight: f64,
+        micro_batches: f64,
+    ) -> StageMemory {
         let n = layers as f64;
         let last = s + 1 == pp;
         let (one, more, cut_in_flight) = if last {
@@ -285,7 +300,13 @@ impl PipelineModel {
         }
         // Each micro-batch in flight beyond the cut's keeps its saved activations.
         memory.activations = (memory.activations + (in_flight - cut_in_flight) * n * self.layer_saved).max(0.0);
-        memory
+        StageMemory {
+            params: memory.params + other.params,
+            grads: memory.grads + other.grads,
+            optimizer: memory.optimizer + other.optimizer,
+            activations: (memory.activations + other.before_optimizer).max(0.0),
+            inputs: memory.inputs,
+        }
     }
 }
 
@@ -296,8 +317,22 @@ impl Model {
         (if first { self.embedding_fraction } else { 0.0 }) + (if last { 1.0 - self.embedding_fraction } else { 0.0 })
     }
 
-    /// One micro-batch through a stage of `layers` layers, the first and/or the last.
-    pub(super) fn stage(&self, layers: usize, first: bool, last: bool) -> Figures {
+    /// What the layers of other kinds on a stage (`others[k]` of kind `k`) hold and do beyond as
+    /// many modelled layers.
+    pub(super) fn other_layers(&self, others: &[usize]) -> Figures {
+        (self.other_kinds.iter().zip(others))
+            .fold(Figures::default(), |sum, (kind, &count)| Figures::combine(sum, *kind, |s, k| s + count as f64 * k))
+    }
+
+    /// One micro-batch through a stage of `layers` layers, `others[k]` of them of the other
+    /// kind `k`, the first stage and/or the last.
+    pub(super) fn stage(&self, layers: usize, others: &[usize], first: bool, last: bool) -> Figures {
+        let modelled = self.modelled_stage(layers, first, last);
+        Figures::combine(modelled, self.other_layers(others), |m, o| m + o)
+    }
+
+    /// [`Self::stage`] with every layer of the modelled kind.
+    fn modelled_stage(&self, layers: usize, first: bool, last: bool) -> Figures {
         let share = self.rest_share(first, last);
         // Activations, work and traffic of the rest belong to the head's stage (the
         // embedding's gather is a small part); its parameters split by where they are read.

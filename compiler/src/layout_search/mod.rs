@@ -15,11 +15,13 @@
 //! and why the others were refused. The CLI prints them.
 //!
 //! **Memory and work come from the compiler.** The model is imported shapes-only (its weights
-//! need not exist) and cut to its first layer and to its first two ([`autotp_passes::depth`]);
-//! each cut is compiled for every tp, micro-batch and recomputation searched (one rank of tp,
-//! no dp, no pipeline). Every transformer layer has the same shapes, so the difference of the
-//! two cuts is one layer's exact bytes (parameters, gradients, optimizer state, intermediate
-//! values), GEMM FLOPs and tp traffic, and the rest is the embedding and head. The values'
+//! need not exist) and cut to one layer and to two ([`autotp_passes::depth`]); each cut is
+//! compiled for every tp, micro-batch and recomputation searched (one rank of tp, no dp, no
+//! pipeline). Layers of one kind have the same shapes, so the difference of the two cuts is one
+//! layer's exact bytes (parameters, gradients, optimizer state, intermediate values), GEMM
+//! FLOPs and tp traffic, and the rest is the embedding and head. A model of several kinds of
+//! layer (dense layers before a mixture of experts) is cut from layers of the kind with experts,
+//! and each other kind is measured beside one of them ([`kinds`]). The values'
 //! lifetimes in each compiled program give the peaks of its forward, backward and optimizer
 //! step apart ([`figures::phase_peaks`]). A layout's stage of `n` layers then holds `n` layers' states,
 //! ZeRO's shards of them over dp (stages 1 and 2 the optimizer state, 3 the gradients and
@@ -59,6 +61,7 @@
 mod cuts;
 mod device;
 mod figures;
+mod kinds;
 mod predict;
 
 use std::collections::BTreeMap;
@@ -77,6 +80,7 @@ use crate::summary::grouped;
 use crate::{CompileError, CompileFlags, CompileOptions, Weights};
 use cuts::{divisors, layout_args, pipeline_cut, pipeline_cuts, search_cut, staging_cut, Cut};
 use figures::{ExpertShare, Figures, PipelineModel};
+use kinds::LayerKinds;
 
 /// What to search: the `autotp plan` flags.
 #[derive(Clone, Debug)]
@@ -109,6 +113,9 @@ pub struct SearchResult {
     pub global_batch: usize,
     pub per_node: usize,
     pub layers: usize,
+    /// The model's kinds of layer (more than one where, say, dense layers precede a mixture
+    /// of experts'): each kind's count of layers and its first layer's number, in order.
+    pub layer_kinds: Vec<(usize, u64)>,
     pub parameters: usize,
     /// Every layout, with its prediction or why it was refused.
     pub considered: Vec<Considered>,
@@ -136,6 +143,8 @@ struct ModelShape {
     hidden: usize,
     /// Whether it has a mixture of experts, whose experts `--ep` splits.
     experts: bool,
+    /// Its layers' kinds, and those the cuts keep.
+    kinds: LayerKinds,
 }
 
 impl ModelShape {
@@ -165,12 +174,16 @@ impl ModelShape {
             .sum();
         let embedding_elements: usize =
             graph.params().iter().filter(|p| is_embedding(p)).map(|&p| graph.ty(p).numel()).sum();
+        let expert_layers: Vec<u64> = (autotp_passes::expert_dispatch::routed_tables(graph).into_iter())
+            .filter_map(|t| numbered.number_of(graph.name_of(t)?))
+            .collect();
         Ok(ModelShape {
             layers,
             parameters: graph.params().iter().map(|&p| graph.ty(p).numel()).sum(),
             embedding_fraction: if rest_elements == 0 { 0.0 } else { embedding_elements as f64 / rest_elements as f64 },
             hidden: graph.params().iter().find(|p| is_embedding(p)).map_or(0, |&p| graph.ty(p).shape[1]),
-            experts: autotp_passes::expert_dispatch::looks_up_experts(graph),
+            experts: !expert_layers.is_empty(),
+            kinds: LayerKinds::of(graph, &numbered, &expert_layers),
             numbered,
         })
     }
@@ -199,6 +212,10 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
     let shape = ModelShape::of(request)?;
     let (mut considered, wanted) = enumerate_layouts(request, &shape, per_node, global_batch);
     let cuts = compile_cuts(request, &precision, &shape.numbered, &wanted);
+    let others_on_stages: BTreeMap<(usize, usize), Vec<Vec<usize>>> = (considered.iter())
+        .map(|c| (c.layout.pp, c.layout.virtual_stages))
+        .map(|(pp, v)| ((pp, v), shape.kinds.others_on_stages(pp, v)))
+        .collect();
     let activation_bytes = if precision == "f32" { 4 } else { 2 };
     let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked above");
     let mut models: BTreeMap<String, Model> = BTreeMap::new();
@@ -214,9 +231,9 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
                     "tp {} cp {cp} ep {} micro-batch {} recompute {} zero {}",
                     c.layout.tp, c.layout.ep, c.layout.micro_batch, c.layout.recompute, c.layout.zero
                 );
-                models.insert(key, model);
                 let memory = request.memory_per_device as f64;
-                match predict::predict(&model, &c.layout, shape.layers, &device, per_node, memory) {
+                let others = &others_on_stages[&(c.layout.pp, c.layout.virtual_stages)];
+                match predict::predict(&model, &c.layout, shape.layers, others, &device, per_node, memory) {
                     Ok(p) => {
                         let cuts = pipeline_cuts(&shape.numbered, c.layout.pp * c.layout.virtual_stages, shape.layers);
                         c.compile_args = Some(layout_args(request, &precision, &c.layout, &cuts));
@@ -224,6 +241,7 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
                     }
                     Err(why) => c.refused = Some(why),
                 }
+                models.insert(key, model);
             }
         }
     }
@@ -242,6 +260,9 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
         global_batch,
         per_node,
         layers: shape.layers,
+        layer_kinds: (shape.kinds.summary().into_iter())
+            .map(|(count, first)| (count, shape.numbered.numbers[first]))
+            .collect(),
         parameters: shape.parameters,
         considered,
         fitting,
@@ -261,10 +282,11 @@ fn enumerate_layouts(
     shape: &ModelShape,
     per_node: usize,
     global_batch: usize,
-) -> (Vec<Considered>, Vec<Layout>) {
+) -> (Vec<Considered>, Vec<Cut>) {
     let layers = shape.layers;
     let mut considered: Vec<Considered> = Vec::new();
-    let mut wanted: Vec<Layout> = Vec::new();
+    let mut wanted: Vec<Cut> = Vec::new();
+    let mut seen: std::collections::BTreeSet<Cut> = Default::default();
     let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked by the caller");
     // ZeRO-Offload frees a GPU's memory (the optimizer; with ZeRO-3 its parameter shards too);
     // CPU ranks' host is the memory they run in. (optimizer, parameters)
@@ -334,6 +356,11 @@ fn enumerate_layouts(
                                      divide",
                                     request.seq_len
                                 ))
+                            } else if ep > 1 && !shape.kinds.measured() {
+                                Some(format!(
+                                    "ep {ep}: the search measures a layer of experts from cuts of one and of two such \
+                                     layers, and this model has one (compile the layout for its memory)"
+                                ))
                             } else if schedule == "zb-h1" && *recompute != "none" {
                                 Some(format!(
                                     "ZB-H1 holds each deferred weight-gradient chunk's recomputed layers, which the \
@@ -350,10 +377,19 @@ fn enumerate_layouts(
                                     Some(search_cut(&layout)),
                                     (ep > 1).then(|| search_cut(&Layout { ep: 1, ..layout.clone() })),
                                     staging_cut(&layout, smallest_micro_batch),
-                                    pipeline_cut(&layout, layers),
+                                    pipeline_cut(&layout, &shape.kinds),
                                 ];
-                                for cut in needed.into_iter().flatten() {
-                                    if !wanted.contains(&cut) {
+                                // Each at 1 and 2 layers a stage; the layout's own cut beside
+                                // each other kind of layer too.
+                                let kinds = shape.kinds.others().into_iter().map(|k| shape.kinds.beside_modelled(k));
+                                let cuts = needed.into_iter().flatten().flat_map(|cut| {
+                                    let depths = [1, 2].map(|depth| depth * cut.pp);
+                                    (depths.into_iter().filter_map(|count| shape.kinds.first_modelled(count)))
+                                        .map(move |layers| (cut.clone(), layers))
+                                });
+                                let beside = kinds.map(|layers| (search_cut(&layout), layers));
+                                for cut in cuts.chain(beside) {
+                                    if seen.insert(cut.clone()) {
                                         wanted.push(cut);
                                     }
                                 }
@@ -406,16 +442,15 @@ fn pipeline_schedules(pp: usize, layers: usize) -> Vec<(&'static str, usize)> {
     schedules
 }
 
-/// The figures of each stage of every wanted cut at depths 1 and 2 (layers a stage), compiled
-/// on the machine's cores; a cut the compiler refuses gives its reason.
+/// The figures of each stage of every wanted cut, compiled on the machine's cores; a cut the
+/// compiler refuses gives its reason.
 fn compile_cuts(
     request: &SearchRequest,
     precision: &str,
     numbered: &NumberedLayers,
-    wanted: &[Layout],
+    jobs: &[Cut],
 ) -> BTreeMap<Cut, Result<Vec<Figures>, String>> {
     let cuts: Mutex<BTreeMap<Cut, Result<Vec<Figures>, String>>> = Mutex::default();
-    let jobs: Vec<Cut> = wanted.iter().flat_map(|cut| [1, 2].map(|depth| (cut.clone(), depth))).collect();
     let next = Mutex::new(0usize);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len().max(1));
     std::thread::scope(|scope| {
@@ -427,12 +462,14 @@ fn compile_cuts(
                     *next += 1;
                     job
                 };
-                // `depth` layers a stage.
-                let (layout, depth) = &job;
-                let stage_cuts: Vec<String> =
-                    (1..layout.pp).map(|s| format!("{}.{}", numbered.prefix, numbered.numbers[s * depth])).collect();
+                // An equal share of the layers kept on each stage.
+                let (layout, layers) = &job;
+                let depth = layers.len() / layout.pp;
+                let stage_cuts: Vec<String> = (1..layout.pp)
+                    .map(|s| format!("{}.{}", numbered.prefix, numbered.numbers[layers[s * depth]]))
+                    .collect();
                 let figures =
-                    compile_layout(&layout_args(request, precision, layout, &stage_cuts), Some(layout.pp * depth))
+                    compile_layout(&layout_args(request, precision, layout, &stage_cuts), Some(layers.clone()))
                         .map(|plan| plan.stages.iter().map(Figures::of).collect())
                         .map_err(|e| crate::render_error(&e));
                 cuts.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(job, figures);
@@ -442,8 +479,12 @@ fn compile_cuts(
     cuts.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The plan of `autotp compile ARGS`, shapes-only, cut to `layers` layers when given.
-fn compile_layout(args: &[String], layers: Option<usize>) -> Result<autotp_program::plan::TrainingPlan, CompileError> {
+/// The plan of `autotp compile ARGS`, shapes-only, cut to the layers at positions `layers` when
+/// given.
+fn compile_layout(
+    args: &[String],
+    layers: Option<Vec<usize>>,
+) -> Result<autotp_program::plan::TrainingPlan, CompileError> {
     let options = CompileOptions::from_flags(&CompileFlags::parse_args(args)?)?;
     Ok(crate::compile(&options, Weights::ShapesOnly { layers })?.plan)
 }
@@ -457,19 +498,32 @@ fn model_of(
     activation_bytes: usize,
     seq_len: usize,
 ) -> Result<Model, String> {
-    // A cut's stage: per layer, the rest, and its figures with 1 and 2 layers.
+    let stage_of = |cut: &Layout, layers: Vec<usize>, stage: usize| -> Result<Figures, String> {
+        cuts[&(cut.clone(), layers)].as_ref().map(|stages| stages[stage]).map_err(Clone::clone)
+    };
+    // A cut's stage: per layer, the rest, and its figures with 1 and 2 layers a stage.
     let split = |cut: &Layout, stage: usize| -> Result<(Figures, Figures, Figures, Figures), String> {
-        let stage_of = |depth: usize| cuts[&(cut.clone(), depth)].as_ref().map(|stages| stages[stage]);
-        let (one, two) = (stage_of(1).map_err(Clone::clone)?, stage_of(2).map_err(Clone::clone)?);
+        let depth = |depth: usize| {
+            let layers = shape.kinds.first_modelled(depth * cut.pp).expect("the search's cuts have layers enough");
+            stage_of(cut, layers, stage)
+        };
+        let (one, two) = (depth(1)?, depth(2)?);
         let layer = Figures::combine(two, one, |a, b| a - b);
         Ok((layer, Figures::combine(one, layer, |a, b| a - b), one, two))
     };
     let (layer, rest, _, two) = split(&search_cut(layout), 0)?;
+    let other_kinds = (shape.kinds.others().into_iter())
+        .map(|kind| {
+            Ok(Figures::combine(stage_of(&search_cut(layout), shape.kinds.beside_modelled(kind), 0)?, two, |a, b| {
+                a - b
+            }))
+        })
+        .collect::<Result<Vec<Figures>, String>>()?;
     let dp_staging = match staging_cut(layout, smallest_micro_batch) {
         Some(cut) => split(&cut, 0).map(|(layer, rest, _, _)| Some((layer, rest)))?,
         None => None,
     };
-    let pipeline = match pipeline_cut(layout, shape.layers) {
+    let pipeline = match pipeline_cut(layout, &shape.kinds) {
         None => None,
         Some(cut) => {
             let (first_layer, _, first, _) = split(&cut, 0)?;
@@ -513,6 +567,7 @@ fn model_of(
         dp_staging,
         pipeline,
         experts,
+        other_kinds,
     })
 }
 

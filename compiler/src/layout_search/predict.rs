@@ -135,6 +135,7 @@ pub(super) fn predict(
     model: &Model,
     layout: &Layout,
     layers: usize,
+    others_on_stages: &[Vec<usize>],
     device: &Device,
     per_node: usize,
     memory: f64,
@@ -165,13 +166,19 @@ pub(super) fn predict(
     let node_groups =
         |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
     for (s, &n) in counts.iter().enumerate() {
-        let figures = model.stage(n, s == 0, s == pp - 1);
+        let others = &others_on_stages[s];
+        let figures = model.stage(n, others, s == 0, s == pp - 1);
         let in_flight = layout.in_flight(s);
-        let experts = model.experts.on_stage(n);
+        // The layers of other kinds (a mixture's dense layers) hold no experts.
+        let expert_layers = n.saturating_sub(others.iter().sum());
+        let experts = model.experts.on_stage(expert_layers);
         // A pipeline's stage from its cuts; without them, a slice of the one-stage cuts.
         let held = match model.pipeline {
             // The pipeline's cuts hold every expert (dp 1): a rank keeps its own.
-            Some(pipeline) => model.experts.without_others(n, pipeline.stage(n, s, pp, in_flight, grad_accum as f64)),
+            Some(pipeline) => {
+                let stage = pipeline.stage(n, model.other_layers(others), s, pp, in_flight, grad_accum as f64);
+                model.experts.without_others(expert_layers, stage)
+            }
             None => StageMemory {
                 params: figures.params,
                 grads: figures.grads,
