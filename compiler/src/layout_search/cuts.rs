@@ -55,21 +55,27 @@ pub(super) fn pipeline_cut(layout: &Layout, kinds: &LayerKinds) -> Option<Layout
 /// The micro-batches a pipeline cut of an accumulating layout runs.
 pub(super) const PIPELINE_CUT_MICRO_BATCHES: usize = 3;
 
-/// The cut compiled for a data-parallel layout's staging: dp 2 (dp 4 over groups of 2 ep
-/// ranks) and cp up to 2 at its ZeRO stage, with and without accumulation (reductions bucket
-/// differently), at the smallest micro-batch.
+/// The cut compiled for the staging of a layout's reductions of the weights' gradients over
+/// dp and cp: dp 2 (dp 4 over groups of 2 ep ranks; 1 without dp) and cp up to 2 at its ZeRO
+/// stage, with and without accumulation (reductions bucket differently), at the smallest
+/// micro-batch.
 pub(super) fn staging_cut(layout: &Layout, micro_batch: usize) -> Option<Layout> {
     let accumulates = layout.grad_accum > 1 || layout.pp > 1;
     // A gradient reduced over several data axes (dp, the groups of ep, cp) is reduced in
     // steps, each smaller than one reduction over all: the cut keeps the axes.
     let ep = layout.ep.min(2);
     let groups = layout.ep > 1 && layout.ep < layout.dp;
-    (layout.dp > 1).then(|| Layout {
+    let dp = match layout.dp {
+        1 => 1,
+        _ if groups => 2 * ep,
+        _ => 2,
+    };
+    (layout.dp > 1 || layout.cp > 1).then(|| Layout {
         tp: layout.tp,
         cp: layout.cp.min(2),
         cp_comm_type: "all_gather".into(),
         pp: 1,
-        dp: if groups { 2 * ep } else { 2 },
+        dp,
         ep,
         zero: layout.zero,
         micro_batch,
