@@ -143,3 +143,47 @@ fn gradients_match_pytorch() {
         assert_eq!(compared, expected, "{arch}: compared {compared} gradients, PyTorch has {expected}");
     }
 }
+
+/// DeepSeek-V3 assembles each head's key by assigning its two parts into an empty tensor
+/// (`ScatterND` with every element's coordinates). Past the import's folding limit (at 4 x 160
+/// tokens the indices have 81,920 elements; at 4096 tokens and 128 heads, 268 million) the
+/// indices are ops, not a constant, and the assignments were left as scatters: tensor
+/// parallelism refused to split the heads through them. They are concatenations at any size,
+/// and the first 32 tokens of each sequence still give PyTorch's logits (attention is causal).
+#[test]
+fn keys_assembled_by_assignment_are_concatenations_at_any_length() {
+    let (batch, seq) = (4, 160);
+    let options = ImportOptions { batch: Some(batch), seq_len: Some(seq), ..ImportOptions::default() };
+    let mut model = autotp_frontend::import_onnx(&fixture("deepseek_v3", "model.onnx"), &options).unwrap();
+    let scatters = model.graph.nodes().filter(|(_, n)| matches!(n.op, autotp_ir::Op::ScatterNd { .. })).count();
+    assert_eq!(scatters, 0, "{}", autotp_ir::text::print(&model.graph));
+    autotp_passes::PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
+    let program = autotp_codegen::lower(&model.graph).unwrap();
+    let mut exec = Executor::new(program).unwrap();
+    for (name, t) in &model.weights {
+        exec.load_slot(name, t.bytes()).unwrap();
+    }
+    // The fixture's 32 tokens of each sequence, then 128 more of its own.
+    let ids = read_npy(&fixture("deepseek_v3", "input_ids.npy")).to_i64_vec();
+    let long: Vec<i64> = ids.chunks(32).flat_map(|row| row.iter().cycle().take(seq).copied()).collect();
+    let ids = autotp_ir::Tensor::from_i64(vec![batch, seq], &long);
+    let feed = HostTensor { dtype: ids.dtype(), shape: ids.shape().to_vec(), data: ids.bytes().to_vec() };
+    let out = exec.run(&[feed]).unwrap().remove(0);
+    let logits = autotp_ir::Tensor::from_pod(out.dtype, out.shape, &out.data).to_f64_vec();
+    let reference = read_npy(&fixture("deepseek_v3", "logits.npy"));
+    let vocab = reference.shape()[2];
+    let first_32: Vec<f64> = logits.chunks(seq * vocab).flat_map(|row| row[..32 * vocab].iter().copied()).collect();
+    let prefix = autotp_ir::Tensor::from_f64_values(autotp_ir::DType::F32, vec![batch, 32, vocab], &first_32);
+    let (diff, scale) = max_abs_diff(&prefix, &reference);
+    assert!(diff <= 1e-4 * scale, "max |autotp - torch| = {diff}, reference max {scale}");
+
+    let (length, batch) = (seq.to_string(), batch.to_string());
+    let model = fixture("deepseek_v3", "model.onnx");
+    let report = crate::common::scratch("assembled-keys").join("report.json");
+    let flags = [
+        &["compile", model.to_str().unwrap(), "--seq-len", &length, "--micro-batch", &batch][..],
+        &["--tp", "2", "--report", report.to_str().unwrap()],
+    ]
+    .concat();
+    crate::common::success(crate::common::autotp(&flags));
+}

@@ -1,5 +1,7 @@
 //! Gathers and scatters, top-k and arg-max, cumulative sums, one-hots.
 
+use autotp_ir::ValueId;
+
 use super::shape::slice_axis;
 use super::*;
 
@@ -79,9 +81,13 @@ pub(super) fn convert(
         "ScatterND" => {
             let reduction = scatter_reduction(cx)?;
             let [data, idx, updates] = [input(imp, cx, 0)?, input(imp, cx, 1)?, input(imp, cx, 2)?];
+            let (data_shape, updates_shape) = (imp.ty(&data).shape, imp.ty(&updates).shape);
             let block = match (&idx, reduction) {
                 (Sym::Const(indices), autotp_ir::ScatterReduction::None) => {
-                    assigned_block(indices, &imp.ty(&data).shape, &imp.ty(&updates).shape)
+                    assigned_block(indices, &data_shape, &updates_shape)
+                }
+                (Sym::Value(indices), autotp_ir::ScatterReduction::None) => {
+                    assigned_block_unfolded(&imp.graph, *indices, &data_shape, &updates_shape)
                 }
                 _ => None,
             };
@@ -263,17 +269,7 @@ fn non_negative(imp: &Importer, idx: &Sym) -> bool {
 /// positions), which stays a scatter.
 fn assigned_block(indices: &Tensor, data: &[usize], updates: &[usize]) -> Option<(usize, usize)> {
     let (&depth, positions) = indices.shape().split_last()?;
-    let full_coordinates = depth > 0 && depth <= data.len() && positions.len() == depth;
-    if !full_coordinates || updates.len() != data.len() || positions != &updates[..depth] {
-        return None;
-    }
-    // At most one axis may be narrower than the data's; the others must be whole.
-    let narrow: Vec<usize> = (0..data.len()).filter(|&d| updates[d] != data[d]).collect();
-    let axis = match narrow[..] {
-        [] => 0,
-        [axis] if axis < depth => axis,
-        _ => return None,
-    };
+    let axis = narrow_axis(depth, positions, data, updates)?;
     let values = indices.to_i64_vec();
     let start = usize::try_from(*values.get(axis)?).ok()?;
     if start + updates[axis] > data[axis] {
@@ -295,6 +291,80 @@ fn assigned_block(indices: &Tensor, data: &[usize], updates: &[usize]) -> Option
         }
     }
     Some((axis, start))
+}
+
+/// Of indices of `depth` coordinates at `positions` into `data`, writing `updates`: the axis
+/// the block they may write is narrower than the data on (0 when none is), where every update
+/// has its full coordinates and at most one axis, among the indexed ones, is narrower.
+fn narrow_axis(depth: usize, positions: &[usize], data: &[usize], updates: &[usize]) -> Option<usize> {
+    let full_coordinates = depth > 0 && depth <= data.len() && positions.len() == depth;
+    if !full_coordinates || updates.len() != data.len() || positions != &updates[..depth] {
+        return None;
+    }
+    let narrow: Vec<usize> = (0..data.len()).filter(|&d| updates[d] != data[d]).collect();
+    match narrow[..] {
+        [] => Some(0),
+        [axis] if axis < depth => Some(axis),
+        _ => None,
+    }
+}
+
+/// [`assigned_block`] for indices too large to fold at import (at a real sequence length, as
+/// DeepSeek-V3's keys are assembled: `[1, 128, 4096, 128, 4]`): a concat along the last axis
+/// of one coordinate per indexed axis, each a small constant expanded along every axis but its
+/// own, on which it counts up from the block's start (0 on the whole axes).
+fn assigned_block_unfolded(
+    graph: &autotp_ir::Graph,
+    indices: ValueId,
+    data: &[usize],
+    updates: &[usize],
+) -> Option<(usize, usize)> {
+    let (&depth, positions) = graph.ty(indices).shape.split_last()?;
+    let axis = narrow_axis(depth, positions, data, updates)?;
+    let autotp_ir::Def::Node(concat, _) = graph.value(indices).def else { return None };
+    let concat = graph.node(concat);
+    if concat.op != (Op::Concat { axis: depth }) || concat.inputs.len() != depth {
+        return None;
+    }
+    let starts: Vec<usize> = (concat.inputs.iter().enumerate())
+        .map(|(d, &coordinate)| coordinate_start(graph, coordinate, positions, d))
+        .collect::<Option<_>>()?;
+    let whole_from_zero = starts.iter().enumerate().all(|(d, &start)| d == axis || start == 0);
+    (whole_from_zero && starts[axis] + updates[axis] <= data[axis]).then_some((axis, starts[axis]))
+}
+
+/// Where `coordinate` (`positions` and a trailing 1) is a constant (folded whole, or small and
+/// expanded to `positions`, then reshaped) whose value at every position is its index along
+/// axis `d` plus a start, and does not change along the other axes: that start.
+fn coordinate_start(graph: &autotp_ir::Graph, coordinate: ValueId, positions: &[usize], d: usize) -> Option<usize> {
+    let made_by = |v: ValueId| match graph.value(v).def {
+        autotp_ir::Def::Node(n, _) => Some(graph.node(n)),
+        _ => None,
+    };
+    // A shape with the indices' trailing 1 dropped.
+    let at_positions = |shape: &[usize]| shape.strip_suffix(&[1]).unwrap_or(shape) == positions;
+    let mut node = made_by(coordinate)?;
+    if matches!(node.op, Op::Reshape { .. }) && at_positions(&graph.ty(node.inputs[0]).shape) {
+        node = made_by(node.inputs[0])?;
+    }
+    if matches!(node.op, Op::Expand { .. }) && at_positions(&graph.ty(node.outputs[0]).shape) {
+        node = made_by(node.inputs[0])?;
+    }
+    let Op::Constant { value } = &node.op else { return None };
+    // The constant's shape right-aligned to the positions (each dim theirs or 1).
+    let shape = value.shape();
+    let shape = if shape.len() == positions.len() + 1 { shape.strip_suffix(&[1])? } else { shape };
+    let leading = positions.len().checked_sub(shape.len())?;
+    let aligned: Vec<usize> = std::iter::repeat_n(1, leading).chain(shape.iter().copied()).collect();
+    let broadcasts = aligned.iter().zip(positions).all(|(&a, &p)| a == p || a == 1);
+    if !broadcasts || aligned[d] != positions[d] {
+        return None;
+    }
+    let values = value.to_i64_vec();
+    let start = *values.first()?;
+    let stride: usize = aligned[d + 1..].iter().product();
+    let counts_along_d = values.iter().enumerate().all(|(i, &v)| v == start + ((i / stride) % aligned[d]) as i64);
+    counts_along_d.then(|| usize::try_from(start).ok()).flatten()
 }
 
 /// `data` with its elements `start..start + len` of `axis` replaced by `updates`: the data
@@ -320,4 +390,52 @@ fn assign_block(
         return Ok(pieces.remove(0));
     }
     imp.emit1(cx, Op::Concat { axis }, &pieces)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use autotp_ir::Graph;
+
+    /// The indices of `x[:, :, start:start + n] = u` into `x: [2, 3, 8]`, built as the legacy
+    /// exporter builds them past the folding limit: per axis, a small constant `expand`ed to the
+    /// positions `[2, 3, n]` and reshaped to `[2, 3, n, 1]`, concatenated. `coordinates[d]` is
+    /// axis `d`'s constant (its shape right-aligned to the positions).
+    fn indices(coordinates: [Tensor; 3], n: usize) -> (Graph, ValueId) {
+        let mut g = Graph::new("indices");
+        let positions = vec![2, 3, n];
+        let parts: Vec<ValueId> = (coordinates.into_iter())
+            .map(|c| {
+                let c = g.add(Op::Constant { value: c }, vec![]).unwrap();
+                let expanded = g.add(Op::Expand { shape: positions.clone() }, vec![c]).unwrap();
+                g.add(Op::Reshape { shape: vec![2, 3, n, 1] }, vec![expanded]).unwrap()
+            })
+            .collect();
+        let concat = g.add(Op::Concat { axis: 3 }, parts).unwrap();
+        (g, concat)
+    }
+
+    fn counting(shape: Vec<usize>, start: i64) -> Tensor {
+        let n = shape.iter().product::<usize>() as i64;
+        Tensor::from_i64(shape, &(start..start + n).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn an_assigned_block_is_found_from_unfolded_indices() {
+        let (g, v) = indices([counting(vec![2, 1, 1], 0), counting(vec![3, 1], 0), counting(vec![4], 4)], 4);
+        assert_eq!(assigned_block_unfolded(&g, v, &[2, 3, 8], &[2, 3, 4]), Some((2, 4)));
+        // Past the data's end.
+        let (g, v) = indices([counting(vec![2, 1, 1], 0), counting(vec![3, 1], 0), counting(vec![4], 5)], 4);
+        assert_eq!(assigned_block_unfolded(&g, v, &[2, 3, 8], &[2, 3, 4]), None);
+        // A whole axis written from 1, not 0.
+        let (g, v) = indices([counting(vec![2, 1, 1], 0), counting(vec![3, 1], 1), counting(vec![4], 4)], 4);
+        assert_eq!(assigned_block_unfolded(&g, v, &[2, 4, 8], &[2, 3, 4]), None);
+        // Axis 1's coordinate counting along axis 2: scattered positions stay a scatter.
+        let (g, v) = indices([counting(vec![2, 1, 1], 0), counting(vec![3], 0), counting(vec![3], 5)], 3);
+        assert_eq!(assigned_block_unfolded(&g, v, &[2, 3, 8], &[2, 3, 3]), None);
+        // A coordinate that repeats along its axis.
+        let repeated = Tensor::from_i64(vec![3, 1], &[0, 0, 1]);
+        let (g, v) = indices([counting(vec![2, 1, 1], 0), repeated, counting(vec![4], 4)], 4);
+        assert_eq!(assigned_block_unfolded(&g, v, &[2, 3, 8], &[2, 3, 4]), None);
+    }
 }
