@@ -275,7 +275,7 @@ pub(super) fn predict(
         // Each layer's mixture sends its pairs to their experts' ranks and back, forward and
         // backward, over the ep ranks.
         let ep_seconds = if ep > 1 {
-            figures.ep_bytes / node_groups(ep, tp * cp) + device.latency * EP_EXCHANGES_PER_LAYER * n as f64
+            figures.ep_bytes / node_groups(ep, tp * cp) + device.latency * EP_EXCHANGES_PER_LAYER * expert_layers as f64
         } else {
             0.0
         };
