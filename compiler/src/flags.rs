@@ -121,7 +121,9 @@ pub struct CompileFlags {
     /// With --zero 3, elements of parameter gathers in flight at once [default: 5e7].
     #[arg(long, value_name = "ELEMENTS")]
     pub prefetch_bucket_size: Option<usize>,
-    /// With --zero 3, elements of gathered parameters alive at once [default: 1e9].
+    /// With --zero 3, elements of gathered parameters alive at once beyond which nothing is
+    /// gathered ahead of its use (a parameter is gathered at its use whatever its size) [default:
+    /// 1e9].
     #[arg(long, value_name = "ELEMENTS")]
     pub max_live_params: Option<usize>,
     /// Print each weight the tensor-parallel split places, and why.

@@ -16,8 +16,8 @@
 //! into that shard and its parameter sliced (stages 1-2) or already sharded (stage 3).
 //!
 //! At stage 3 each parameter gather becomes an asynchronous `all_gather_start` issued ahead of
-//! its use within `--prefetch-bucket-size` and `--max-live-params` ([`schedule_prefetch`]), and
-//! a `wait` at the use.
+//! its use within `--prefetch-bucket-size` and `--max-live-params` (or at its use, when they
+//! allow no more: [`schedule_prefetch`]), and a `wait` at the use.
 //!
 //! With context parallelism (`cp` > 1) the batch inputs are also split over their sequence on a
 //! `cp` axis ([`batch_placement`]); ZeRO shards over `dp` alone.
@@ -249,9 +249,10 @@ impl Default for Prefetch {
 /// alive within `max_live_elements`; a gathered copy is released after its last use), in order, and not
 /// while an earlier copy of the same parameter is alive: as DeepSpeed holds at most one
 /// gathered copy of a parameter, so a small model's prefetch does not fetch the next
-/// micro-batch's (or the backward's) copies beside the current ones. A parameter that cannot
-/// be gathered within `max_live_elements` (alone, or beside the gathered parameters alive at its
-/// use) is refused.
+/// micro-batch's (or the backward's) copies beside the current ones. The budgets bound what is
+/// fetched ahead: a parameter not yet started at its use is gathered there whatever they say
+/// (one larger than `max_live_elements` too, as DeepSpeed fetches a module's own parameters),
+/// and nothing more starts until enough gathered copies are released.
 pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, PassError> {
     let nodes: Vec<&autotp_ir::Node> = graph.nodes().map(|(_, n)| n).collect();
     let is_gather = |i: usize| {
@@ -341,14 +342,6 @@ pub fn schedule_prefetch(graph: &Graph, prefetch: Prefetch) -> Result<Graph, Pas
         }
         if let Some(&j) = gather_index.get(&i) {
             if started[j].is_none() {
-                let name = graph.name_of(nodes[gathers[j][0]].inputs[0]).unwrap_or("");
-                if live + elements[j] > prefetch.max_live_elements {
-                    return Err(invalid(format!(
-                        "--max-live-params {} cannot hold parameter '{name}' ({} elements gathered) beside the {live} \
-                         elements of gathered parameters alive at its use",
-                        prefetch.max_live_elements, elements[j]
-                    )));
-                }
                 started[j] = Some(start(&mut rw, j)?);
                 live += elements[j];
                 in_flight += elements[j];
