@@ -50,6 +50,9 @@ pub struct Figures {
     pub(super) instructions: f64,
     /// The largest host staging one of its collectives needs.
     pub(super) staging: f64,
+    /// The bytes of its largest parameter (on a rank of tp): ZeRO 3 gathers it whole at its use,
+    /// past `stage3_max_live_parameters` if need be. [`Figures::combine`] keeps the larger.
+    pub(super) largest_param: f64,
 }
 
 impl Figures {
@@ -122,6 +125,7 @@ impl Figures {
             ep_bytes,
             instructions: program.instructions.len() as f64,
             staging: staging as f64,
+            largest_param: program.params.iter().map(|p| p.region.len).max().unwrap_or(0) as f64,
         }
     }
 
@@ -145,6 +149,7 @@ impl Figures {
             ep_bytes: f(a.ep_bytes, b.ep_bytes),
             instructions: f(a.instructions, b.instructions),
             staging: f(a.staging, b.staging),
+            largest_param: a.largest_param.max(b.largest_param),
         }
     }
 }
@@ -359,6 +364,7 @@ impl Model {
             ep_bytes: n * layer.ep_bytes + work * rest.ep_bytes,
             instructions: n * layer.instructions + work * rest.instructions,
             staging: n * layer.staging + rest.staging,
+            largest_param: layer.largest_param.max(rest.largest_param),
         }
     }
 }

@@ -193,10 +193,11 @@ pub(super) fn predict(
         let zero_share = |total: f64, expert: f64| (total - expert) / dpf + expert / expert_ways;
         // From stage 1: the optimizer's part of what a rank holds.
         let stage_share = |total: f64, expert: f64| if zero >= 1 { zero_share(total, expert) } else { total };
-        // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9);
-        // a rank's experts stay its own.
+        // ZeRO 3 gathers the parameters of the stage, up to `stage3_max_live_parameters` (1e9)
+        // or its largest parameter (gathered at its use whatever the budget); a rank's experts
+        // stay its own.
         let sharded_params = held.params - unsharded(experts.params);
-        let gathered = sharded_params.min(1e9 * model.param_bytes);
+        let gathered = sharded_params.min((1e9 * model.param_bytes).max(figures.largest_param));
         let shards = if zero == 3 { zero_share(held.params, experts.params) - unsharded(experts.params) } else { 0.0 };
         let host_params = if layout.offload_param { shards } else { 0.0 };
         let params = if zero == 3 { shards - host_params + gathered + unsharded(experts.params) } else { held.params };
