@@ -188,13 +188,8 @@ fn plan_predicts_the_compilers_memory_where_the_layout_is_a_cut() {
 fn plan_predicts_the_compilers_memory_of_pipeline_stages() {
     for model in ["llama", "gpt2"] {
         let dir = scratch(&format!("plan-pipeline-{model}"));
-        let path = fixture(model, "model_4_layers.onnx");
-        let json = dir.join("plan.json");
-        let args = ["--devices", "4", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "32"];
         let search = ["--global-batch", "8", "--micro-batches", "1,2", "--recompute", "none,full"];
-        let out = [path.to_str().unwrap(), "--json", json.to_str().unwrap()];
-        success(autotp(&[&["plan"][..], &out, &args, &search].concat()));
-        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let (_, plan) = plan_on_4_cpu_ranks(&dir, &fixture(model, "model_4_layers.onnx"), &search);
         let mut checked = 0;
         for c in plan["layouts"].as_array().unwrap() {
             let l = &c["layout"];
@@ -218,6 +213,16 @@ fn compiled_peak(dir: &std::path::Path, flags: &[&str]) -> f64 {
     success(autotp(&[&["compile", "--report", report.to_str().unwrap()][..], flags].concat()));
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     report["ranks"].as_array().unwrap().iter().map(|r| r["peak_bytes"].as_f64().unwrap()).fold(0.0, f64::max)
+}
+
+/// `autotp plan MODEL` on 4 CPU ranks of 1 GiB at 32 tokens with the `search` flags: what it
+/// printed, and the JSON it wrote in `dir`.
+fn plan_on_4_cpu_ranks(dir: &std::path::Path, model: &std::path::Path, search: &[&str]) -> (String, serde_json::Value) {
+    let json = dir.join("plan.json");
+    let args = ["--devices", "4", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "32"];
+    let out = [model.to_str().unwrap(), "--json", json.to_str().unwrap()];
+    let printed = success(autotp(&[&["plan"][..], &out, &args, search].concat()));
+    (printed, serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap())
 }
 
 /// Where a layout's predicted peak over its compiled one falls: ZB-H1's deferred weight
@@ -280,9 +285,14 @@ fn plan_offloads_the_optimizer_where_nothing_else_fits() {
         assert_eq!(l["layout"]["offload_optimizer"], true, "{l}");
         let (memory, prediction) = (&l["prediction"]["memory"], &l["prediction"]);
         assert_eq!(memory["optimizer"].as_f64(), Some(0.0), "{l}");
-        // f32 masters and two moments of a device's share of the parameters (dp 1: tp x pp
-        // shares; the first and last stages hold the embedding and head besides).
-        let share = 12.0 * 70_553_706_496.0 / 8.0;
+        // f32 masters and two moments of a device's share of the parameters: tp x pp shares,
+        // and ZeRO's over dp (not cp); the first and last stages hold the embedding and head
+        // besides. (ZeRO 3 layouts fit since 2026-11-30: the 1.05e9-element embedding is
+        // gathered past --max-live-params, as DeepSpeed does, rather than refused.)
+        let layout = &l["layout"];
+        let ways = |axis: &str| layout[axis].as_f64().unwrap();
+        let zero_ways = if layout["zero"].as_u64().unwrap() >= 1 { ways("dp") } else { 1.0 };
+        let share = 12.0 * 70_553_706_496.0 / (ways("tp") * ways("pp") * zero_ways);
         let host = memory["host_optimizer"].as_f64().unwrap();
         assert!((0.95 * share..1.25 * share).contains(&host), "{host} bytes of states, {share} a share: {l}");
         let offload = prediction["offload_seconds"].as_f64().unwrap();
@@ -433,13 +443,8 @@ fn plan_searches_context_parallelism_around_a_ring() {
 #[test]
 fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
     let dir = scratch("plan-experts");
-    let path = fixture("mixtral", "model.onnx");
-    let json = dir.join("plan.json");
-    let args = ["--devices", "4", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "32"];
     let search = ["--global-batch", "4", "--micro-batches", "1", "--recompute", "none"];
-    let out = [path.to_str().unwrap(), "--json", json.to_str().unwrap()];
-    let printed = success(autotp(&[&["plan"][..], &out, &args, &search].concat()));
-    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (printed, plan) = plan_on_4_cpu_ranks(&dir, &fixture("mixtral", "model.onnx"), &search);
     let layouts = plan["layouts"].as_array().unwrap();
     let (mut checked, mut beside_cp, mut in_groups, mut with_sp) = (0, 0, 0, 0);
     for c in layouts.iter().filter(|c| c["layout"]["ep"] != 1) {
@@ -485,14 +490,9 @@ fn plan_searches_expert_parallelism_for_a_mixture_of_experts() {
 #[test]
 fn plan_models_dense_layers_before_a_mixture_of_experts() {
     let dir = scratch("plan-mixed-layers");
-    let path = fixture("deepseek_v3", "model_6_layers.onnx");
-    let json = dir.join("plan.json");
-    let args = ["--devices", "4", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "32"];
     let search = ["--global-batch", "4", "--micro-batches", "1", "--recompute", "none"];
-    let out = [path.to_str().unwrap(), "--json", json.to_str().unwrap()];
-    let printed = success(autotp(&[&["plan"][..], &out, &args, &search].concat()));
+    let (printed, plan) = plan_on_4_cpu_ranks(&dir, &fixture("deepseek_v3", "model_6_layers.onnx"), &search);
     assert!(printed.contains("6 layers: 2 like layer 0, 4 like layer 2"), "{printed}");
-    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(plan["layer_kinds"], serde_json::json!([{"layers": 2, "first": 0}, {"layers": 4, "first": 2}]));
     let (mut expert_parallel, mut pipelined, mut both) = (0, 0, 0);
     for c in plan["layouts"].as_array().unwrap() {
@@ -514,8 +514,7 @@ fn plan_models_dense_layers_before_a_mixture_of_experts() {
         "{expert_parallel} ep layouts fit, {pipelined} pipelined, {both} both: {printed}"
     );
 
-    let two_layers = fixture("deepseek_v3", "model.onnx");
-    let printed = success(autotp(&[&["plan", two_layers.to_str().unwrap()][..], &args, &search].concat()));
+    let (printed, _) = plan_on_4_cpu_ranks(&dir, &fixture("deepseek_v3", "model.onnx"), &search);
     assert!(
         printed.contains("ep 2: the search measures a layer of experts from cuts of one and of two such layers"),
         "{printed}"
@@ -530,13 +529,8 @@ fn plan_models_dense_layers_before_a_mixture_of_experts() {
 #[test]
 fn plan_stages_context_parallel_reductions_as_data_parallel_ones() {
     let dir = scratch("plan-cp-staging");
-    let path = fixture("llama", "model_4_layers.onnx");
-    let json = dir.join("plan.json");
-    let args = ["--devices", "4", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "32"];
     let search = ["--global-batch", "4", "--micro-batches", "1", "--recompute", "none"];
-    let out = [path.to_str().unwrap(), "--json", json.to_str().unwrap()];
-    success(autotp(&[&["plan"][..], &out, &args, &search].concat()));
-    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (_, plan) = plan_on_4_cpu_ranks(&dir, &fixture("llama", "model_4_layers.onnx"), &search);
     let mut checked = 0;
     for c in plan["layouts"].as_array().unwrap() {
         let l = &c["layout"];

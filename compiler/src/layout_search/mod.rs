@@ -114,7 +114,7 @@ pub struct SearchResult {
     pub per_node: usize,
     pub layers: usize,
     /// The model's kinds of layer (more than one where, say, dense layers precede a mixture
-    /// of experts'): each kind's count of layers and its first layer's number, in order.
+    /// of experts): each kind's count of layers and its first layer's number, in order.
     pub layer_kinds: Vec<(usize, u64)>,
     pub parameters: usize,
     /// Every layout, with its prediction or why it was refused.
@@ -504,7 +504,8 @@ fn model_of(
     // A cut's stage: per layer, the rest, and its figures with 1 and 2 layers a stage.
     let split = |cut: &Layout, stage: usize| -> Result<(Figures, Figures, Figures, Figures), String> {
         let depth = |depth: usize| {
-            let layers = shape.kinds.first_modelled(depth * cut.pp).expect("the search's cuts have layers enough");
+            let layers = (shape.kinds.first_modelled(depth * cut.pp))
+                .ok_or_else(|| format!("the model has no {} layers of a kind to cut", depth * cut.pp))?;
             stage_of(cut, layers, stage)
         };
         let (one, two) = (depth(1)?, depth(2)?);
