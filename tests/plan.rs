@@ -546,3 +546,30 @@ fn plan_stages_context_parallel_reductions_as_data_parallel_ones() {
     // The all-gather form and the ring.
     assert_eq!(checked, 2);
 }
+
+/// A DeepSeek-V3-shaped export without weights (8 of its layers: 3 dense, 5 of 256 routed
+/// experts; latent attention over 128 heads) planned for 64 H100s at 4096 tokens: its kinds of
+/// layer are told apart; tensor parallelism splits its heads (its keys, assembled by
+/// assignment, are a concat at this length: 2,998 tp layouts were refused before 2026-11-30);
+/// expert-parallel layouts fit; those whose graph would gather every pair's expert matrices
+/// past the IR's limits are refused saying so (dp 64 x ep 8 was printed as the best, and did
+/// not compile); and the best, compiled whole, fits within the band of its prediction (65.8
+/// GiB predicted, 70.0 compiled on 2026-11-30).
+#[test]
+fn plan_lays_out_a_deepseek_v3_shaped_model_on_64_devices() {
+    let model = fixture("plan", "deepseek_v3_8_layers.onnx");
+    let args = ["--devices", "64", "--memory-per-device", "80GiB", "--seq-len", "4096", "--global-batch", "64"];
+    let search = ["--micro-batches", "1", "--recompute", "full", "--verify", "1"];
+    let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &search].concat());
+    assert!(out.contains("8 layers: 3 like layer 0, 5 like layer 3"), "{out}");
+    let layouts = json["layouts"].as_array().unwrap();
+    let fitting = |axis: &str| layouts.iter().filter(|l| l["prediction"].is_object() && l["layout"][axis] != 1).count();
+    assert!(fitting("tp") > 0 && fitting("ep") > 0, "{out}");
+    let past_limits = |why: &str| why.contains("expert matrices") && why.contains("more than 2^48 elements");
+    assert!(layouts.iter().filter_map(|l| l["refused"].as_str()).any(past_limits), "{out}");
+    let verified = layouts.iter().find(|l| l["compiled_peak"].is_number()).expect("the best compiled whole");
+    assert!(verified["prediction"].is_object(), "the best does not fit when compiled: {verified}");
+    let ratio =
+        verified["prediction"]["memory"]["peak"].as_f64().unwrap() / verified["compiled_peak"].as_f64().unwrap();
+    assert!(peak_band(&verified["layout"]).contains(&ratio), "predicted / compiled {ratio:.3}: {verified}");
+}

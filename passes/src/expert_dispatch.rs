@@ -112,15 +112,25 @@ fn lookups(graph: &Graph) -> BTreeMap<NodeId, Vec<NodeId>> {
     found
 }
 
-/// The parameters `graph` looks experts up in by a router's choices (a mixture of experts that
-/// `--ep` can split; none for a dense model): the planner's question, asked of the imported
-/// model, in graph order.
-pub fn routed_tables(graph: &Graph) -> Vec<ValueId> {
-    let mut tables: Vec<ValueId> =
-        lookups(graph).values().flatten().map(|&n| table_param(graph, graph.node(n).inputs[0])).collect();
-    tables.sort();
-    tables.dedup();
-    tables
+/// A lookup of experts' weights by a router's choices: the table (a parameter) and what it
+/// gathers, a row per (token, choice) pair.
+pub struct RoutedLookup {
+    pub table: ValueId,
+    pub gathered: autotp_ir::TensorType,
+}
+
+/// The lookups `graph` makes of experts' weights by a router's choices (a mixture of experts
+/// that `--ep` can split; none for a dense model): the planner's question, asked of the
+/// imported model, in graph order.
+pub fn routed_lookups(graph: &Graph) -> Vec<RoutedLookup> {
+    let mut nodes: Vec<NodeId> = lookups(graph).into_values().flatten().collect();
+    nodes.sort();
+    (nodes.into_iter().map(|n| graph.node(n)))
+        .map(|node| RoutedLookup {
+            table: table_param(graph, node.inputs[0]),
+            gathered: graph.ty(node.outputs[0]).clone(),
+        })
+        .collect()
 }
 
 /// Whether `node` computes each row along dim 0 (of `pairs` rows) from the same row of its

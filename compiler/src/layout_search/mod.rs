@@ -143,6 +143,8 @@ struct ModelShape {
     hidden: usize,
     /// Whether it has a mixture of experts, whose experts `--ep` splits.
     experts: bool,
+    /// Of its lookups of experts' weights by a router's choices, the largest, for one sequence.
+    expert_gather: Option<autotp_ir::TensorType>,
     /// Its layers' kinds, and those the cuts keep.
     kinds: LayerKinds,
 }
@@ -174,18 +176,35 @@ impl ModelShape {
             .sum();
         let embedding_elements: usize =
             graph.params().iter().filter(|p| is_embedding(p)).map(|&p| graph.ty(p).numel()).sum();
-        let expert_layers: Vec<u64> = (autotp_passes::expert_dispatch::routed_tables(graph).into_iter())
-            .filter_map(|t| numbered.number_of(graph.name_of(t)?))
-            .collect();
+        let lookups = autotp_passes::expert_dispatch::routed_lookups(graph);
+        let expert_layers: Vec<u64> =
+            lookups.iter().filter_map(|l| numbered.number_of(graph.name_of(l.table)?)).collect();
+        let expert_gather = lookups.into_iter().map(|l| l.gathered).max_by_key(|t| t.numel());
         Ok(ModelShape {
             layers,
             parameters: graph.params().iter().map(|&p| graph.ty(p).numel()).sum(),
             embedding_fraction: if rest_elements == 0 { 0.0 } else { embedding_elements as f64 / rest_elements as f64 },
             hidden: graph.params().iter().find(|p| is_embedding(p)).map_or(0, |&p| graph.ty(p).shape[1]),
             experts: !expert_layers.is_empty(),
+            expert_gather,
             kinds: LayerKinds::of(graph, &numbered, &expert_layers),
             numbered,
         })
+    }
+
+    /// Why the compiler's graph of `sequences` sequences (a layout's micro-batch x dp, times ep
+    /// for the dispatch's room) cannot hold what the model's lookups of experts gather, if it
+    /// cannot: a batched-experts export gathers each (token, choice) pair's expert matrices.
+    fn experts_past_limits(&self, sequences: usize) -> Option<String> {
+        let gathered = self.expert_gather.as_ref()?;
+        let mut shape = gathered.shape.clone();
+        let pairs = shape.first().map(|&pairs| pairs.saturating_mul(sequences))?;
+        shape[0] = pairs;
+        let why = autotp_ir::TensorType::new(gathered.dtype, shape).check_limits().err()?;
+        Some(format!(
+            "the export gathers each (token, choice) pair's expert matrices, over {sequences} sequences (micro-batch \
+             x dp x ep) at once in the compiler's graph: {why}"
+        ))
     }
 }
 
@@ -356,6 +375,8 @@ fn enumerate_layouts(
                                      divide",
                                     request.seq_len
                                 ))
+                            } else if let Some(why) = shape.experts_past_limits(micro_batch * dp * ep) {
+                                Some(why)
                             } else if ep > 1 && !shape.kinds.measured() {
                                 Some(format!(
                                     "ep {ep}: the search measures a layer of experts from cuts of one and of two such \
