@@ -226,7 +226,8 @@ impl Pass for Zero {
 pub struct Prefetch {
     /// Elements of parameter gathers in flight at once (`--prefetch-bucket-size`).
     pub bucket_elements: usize,
-    /// Elements of gathered parameters alive at once (`--max-live-params`).
+    /// Elements of gathered parameters alive at once beyond which none is gathered ahead of its
+    /// use (`--max-live-params`; a parameter is gathered at its use whatever its size).
     pub max_live_elements: usize,
     /// Parameter gathers in flight at once: `--offload-param nvme`'s `--buffer-count` (each
     /// holds its shard in one of the buffers from its start to its wait, as DeepSpeed swaps in
