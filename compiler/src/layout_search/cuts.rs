@@ -9,6 +9,12 @@ use super::{Layout, SearchRequest};
 /// stage).
 pub(super) type Cut = (Layout, Vec<usize>);
 
+/// `layout`'s cut of `depth` layers a stage: the first of the modelled kind
+/// ([`LayerKinds::first_modelled`]), or `None` where the model has too few.
+pub(super) fn at_depth(kinds: &LayerKinds, layout: &Layout, depth: usize) -> Option<Cut> {
+    Some((layout.clone(), kinds.first_modelled(depth * layout.pp)?))
+}
+
 /// The largest staging of the data-parallel reductions the planner assumes: three copies (a
 /// reduce-scatter's) of DeepSpeed's 5e8-element f32 bucket.
 pub(super) const DP_STAGING_CAP: f64 = 3.0 * 5e8 * 4.0;

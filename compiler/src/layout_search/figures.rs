@@ -329,11 +329,10 @@ impl Model {
             .fold(Figures::default(), |sum, (kind, &count)| Figures::combine(sum, *kind, |s, k| s + count as f64 * k))
     }
 
-    /// One micro-batch through a stage of `layers` layers, `others[k]` of them of the other
-    /// kind `k`, the first stage and/or the last.
-    pub(super) fn stage(&self, layers: usize, others: &[usize], first: bool, last: bool) -> Figures {
-        let modelled = self.modelled_stage(layers, first, last);
-        Figures::combine(modelled, self.other_layers(others), |m, o| m + o)
+    /// One micro-batch through a stage of `layers` layers, the first stage and/or the last;
+    /// `other` what those of other kinds hold and do beyond modelled ones ([`Self::other_layers`]).
+    pub(super) fn stage(&self, layers: usize, other: Figures, first: bool, last: bool) -> Figures {
+        Figures::combine(self.modelled_stage(layers, first, last), other, |m, o| m + o)
     }
 
     /// [`Self::stage`] with every layer of the modelled kind.

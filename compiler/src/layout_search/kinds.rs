@@ -25,10 +25,9 @@ use super::cuts::stage_layers;
 pub(super) struct LayerKinds {
     /// The kind of each layer, in order: kinds are numbered by their first layer.
     of_layer: Vec<usize>,
-    /// The kind the per-layer model is cut from (the first when it has a single layer).
-    modelled: usize,
-    /// Whether the modelled kind has two layers or more: cuts of it alone measure a layer.
-    measured: bool,
+    /// The kind the per-layer model is cut from, where it has two layers or more (cuts of it
+    /// alone measure a layer); `None` cuts the first layers, every layer taken as alike.
+    modelled: Option<usize>,
 }
 
 impl LayerKinds {
@@ -59,9 +58,8 @@ impl LayerKinds {
             (numbered.numbers.iter()).position(|n| expert_layers.contains(n)).map(|position| of_layer[position]);
         // The kind with the most layers, the first among equals.
         let most = (0..kinds.len()).rev().max_by_key(|&k| count(k)).unwrap_or(0);
-        let modelled = with_experts.unwrap_or(most);
-        let measured = count(modelled) >= 2;
-        LayerKinds { of_layer, modelled: if measured { modelled } else { 0 }, measured }
+        let modelled = Some(with_experts.unwrap_or(most)).filter(|&k| count(k) >= 2);
+        LayerKinds { of_layer, modelled }
     }
 
     pub(super) fn layers(&self) -> usize {
@@ -70,37 +68,49 @@ impl LayerKinds {
 
     /// Whether the cuts measure a layer of the modelled kind alone (two or more of it).
     pub(super) fn measured(&self) -> bool {
-        self.measured
+        self.modelled.is_some()
+    }
+
+    fn kind_count(&self) -> usize {
+        self.of_layer.iter().max().map_or(0, |k| k + 1)
+    }
+
+    /// The position of kind `kind`'s first layer.
+    fn first_of(&self, kind: usize) -> usize {
+        self.of_layer.iter().position(|&k| k == kind).unwrap_or(0)
     }
 
     /// The positions of the first `count` layers of the modelled kind (of the model, where it
-    /// has a single layer of that kind), or `None` when there are fewer.
+    /// is not measured), or `None` when there are fewer.
     pub(super) fn first_modelled(&self, count: usize) -> Option<Vec<usize>> {
-        let positions: Vec<usize> = if self.measured {
-            (0..self.layers()).filter(|&p| self.of_layer[p] == self.modelled).take(count).collect()
-        } else {
-            (0..self.layers().min(count)).collect()
+        let positions: Vec<usize> = match self.modelled {
+            Some(kind) => (0..self.layers()).filter(|&p| self.of_layer[p] == kind).take(count).collect(),
+            None => (0..self.layers().min(count)).collect(),
         };
         (positions.len() == count).then_some(positions)
     }
 
     /// The kinds other than the modelled one (none where it is not measured), in order.
-    pub(super) fn others(&self) -> Vec<usize> {
-        let kinds = self.of_layer.iter().max().map_or(0, |k| k + 1);
-        (0..kinds).filter(|&k| self.measured && k != self.modelled).collect()
+    fn others(&self) -> Vec<usize> {
+        self.modelled.map_or(Vec::new(), |modelled| (0..self.kind_count()).filter(|&k| k != modelled).collect())
     }
 
-    /// The cut that measures kind `kind` beside the modelled one: the first modelled layer and
-    /// the kind's first layer, in order.
-    pub(super) fn beside_modelled(&self, kind: usize) -> Vec<usize> {
-        let first = |kind: usize| self.of_layer.iter().position(|&k| k == kind).unwrap_or(0);
-        let mut positions = vec![first(self.modelled), first(kind)];
-        positions.sort();
-        positions
+    /// For each of the other kinds, in order, the cut that measures it beside the modelled one:
+    /// the first modelled layer and the kind's first layer, in order.
+    pub(super) fn other_cuts(&self) -> Vec<Vec<usize>> {
+        let Some(modelled) = self.modelled else { return Vec::new() };
+        (self.others().into_iter())
+            .map(|kind| {
+                let mut positions = vec![self.first_of(modelled), self.first_of(kind)];
+                positions.sort();
+                positions
+            })
+            .collect()
     }
 
     /// Of each pipeline rank's layers (`pp` ranks of `virtual_stages` model chunks each, rank
-    /// `r` holding chunks `r, r + pp, ...`), how many are of each of [`Self::others`]'s kinds.
+    /// `r` holding chunks `r, r + pp, ...`), how many are of each other kind ([`Self::other_cuts`]'
+    /// order).
     pub(super) fn others_on_stages(&self, pp: usize, virtual_stages: usize) -> Vec<Vec<usize>> {
         let others = self.others();
         let mut on_stage = vec![vec![0; others.len()]; pp];
@@ -118,13 +128,7 @@ impl LayerKinds {
 
     /// The number of layers of each kind and its first layer's position, in order of kinds.
     pub(super) fn summary(&self) -> Vec<(usize, usize)> {
-        let kinds = self.of_layer.iter().max().map_or(0, |k| k + 1);
-        (0..kinds)
-            .map(|k| {
-                let count = self.of_layer.iter().filter(|&&o| o == k).count();
-                (count, self.of_layer.iter().position(|&o| o == k).unwrap_or(0))
-            })
-            .collect()
+        (0..self.kind_count()).map(|k| (self.of_layer.iter().filter(|&&o| o == k).count(), self.first_of(k))).collect()
     }
 }
 
@@ -132,20 +136,18 @@ impl LayerKinds {
 mod tests {
     use super::*;
 
-    fn kinds(of_layer: &[usize], modelled: usize) -> LayerKinds {
-        let measured = of_layer.iter().filter(|&&k| k == modelled).count() >= 2;
-        LayerKinds { of_layer: of_layer.to_vec(), modelled, measured }
+    fn kinds(of_layer: &[usize], modelled: Option<usize>) -> LayerKinds {
+        LayerKinds { of_layer: of_layer.to_vec(), modelled }
     }
 
     /// DeepSeek-V3's shape: 3 dense layers, then experts.
     #[test]
     fn dense_layers_first_are_measured_beside_the_experts() {
-        let k = kinds(&[0, 0, 0, 1, 1, 1, 1, 1], 1);
+        let k = kinds(&[0, 0, 0, 1, 1, 1, 1, 1], Some(1));
         assert_eq!(k.first_modelled(2), Some(vec![3, 4]));
         assert_eq!(k.first_modelled(4), Some(vec![3, 4, 5, 6]));
         assert_eq!(k.first_modelled(6), None);
-        assert_eq!(k.others(), vec![0]);
-        assert_eq!(k.beside_modelled(0), vec![0, 3]);
+        assert_eq!(k.other_cuts(), vec![vec![0, 3]]);
         // 2 stages of 4 layers: the first holds the dense layers.
         assert_eq!(k.others_on_stages(2, 1), vec![vec![3], vec![0]]);
         // 2 stages of 2 chunks of 2 layers: rank 0 holds layers 0-1 and 4-5, rank 1 layers 2-3, 6-7.
@@ -156,19 +158,18 @@ mod tests {
     /// One layer of each kind: cut as the first layers, every layer alike.
     #[test]
     fn a_kind_of_one_layer_is_not_measured() {
-        let k = kinds(&[0, 1], 1);
+        let k = kinds(&[0, 1], None);
         assert!(!k.measured());
-        let k = LayerKinds { modelled: 0, ..k };
         assert_eq!(k.first_modelled(2), Some(vec![0, 1]));
         assert_eq!(k.first_modelled(4), None);
-        assert!(k.others().is_empty());
+        assert!(k.other_cuts().is_empty());
         assert_eq!(k.others_on_stages(2, 1), vec![Vec::<usize>::new(); 2]);
     }
 
     #[test]
     fn one_kind_is_cut_as_the_first_layers() {
-        let k = kinds(&[0; 6], 0);
+        let k = kinds(&[0; 6], Some(0));
         assert_eq!(k.first_modelled(4), Some(vec![0, 1, 2, 3]));
-        assert!(k.others().is_empty());
+        assert!(k.other_cuts().is_empty());
     }
 }

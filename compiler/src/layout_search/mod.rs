@@ -78,7 +78,7 @@ pub use predict::{Considered, Layout, MemoryFigures, Prediction};
 
 use crate::summary::grouped;
 use crate::{CompileError, CompileFlags, CompileOptions, Weights};
-use cuts::{divisors, layout_args, pipeline_cut, pipeline_cuts, search_cut, staging_cut, Cut};
+use cuts::{at_depth, divisors, layout_args, pipeline_cut, pipeline_cuts, search_cut, staging_cut, Cut};
 use figures::{ExpertShare, Figures, PipelineModel};
 use kinds::LayerKinds;
 
@@ -141,9 +141,8 @@ struct ModelShape {
     embedding_fraction: f64,
     /// The hidden size (the embedding table's width).
     hidden: usize,
-    /// Whether it has a mixture of experts, whose experts `--ep` splits.
-    experts: bool,
-    /// Of its lookups of experts' weights by a router's choices, the largest, for one sequence.
+    /// Of its lookups of experts' weights by a router's choices, the largest, for one sequence
+    /// (`None` for a model without a mixture of experts, whose experts `--ep` splits).
     expert_gather: Option<autotp_ir::TensorType>,
     /// Its layers' kinds, and those the cuts keep.
     kinds: LayerKinds,
@@ -185,7 +184,6 @@ impl ModelShape {
             parameters: graph.params().iter().map(|&p| graph.ty(p).numel()).sum(),
             embedding_fraction: if rest_elements == 0 { 0.0 } else { embedding_elements as f64 / rest_elements as f64 },
             hidden: graph.params().iter().find(|p| is_embedding(p)).map_or(0, |&p| graph.ty(p).shape[1]),
-            experts: !expert_layers.is_empty(),
             expert_gather,
             kinds: LayerKinds::of(graph, &numbered, &expert_layers),
             numbered,
@@ -402,13 +400,11 @@ fn enumerate_layouts(
                                 ];
                                 // Each at 1 and 2 layers a stage; the layout's own cut beside
                                 // each other kind of layer too.
-                                let kinds = shape.kinds.others().into_iter().map(|k| shape.kinds.beside_modelled(k));
                                 let cuts = needed.into_iter().flatten().flat_map(|cut| {
-                                    let depths = [1, 2].map(|depth| depth * cut.pp);
-                                    (depths.into_iter().filter_map(|count| shape.kinds.first_modelled(count)))
-                                        .map(move |layers| (cut.clone(), layers))
+                                    [1, 2].into_iter().filter_map(move |depth| at_depth(&shape.kinds, &cut, depth))
                                 });
-                                let beside = kinds.map(|layers| (search_cut(&layout), layers));
+                                let beside =
+                                    shape.kinds.other_cuts().into_iter().map(|layers| (search_cut(&layout), layers));
                                 for cut in cuts.chain(beside) {
                                     if seen.insert(cut.clone()) {
                                         wanted.push(cut);
@@ -444,7 +440,7 @@ fn context_parallel_sizes(request: &SearchRequest, tp: usize) -> Vec<usize> {
 /// expert-data-parallel size `dp / ep`; the compiler refuses a count of experts it does not
 /// divide).
 fn expert_parallel_sizes(shape: &ModelShape, dp: usize) -> Vec<usize> {
-    if shape.experts {
+    if shape.expert_gather.is_some() {
         divisors(dp)
     } else {
         vec![1]
@@ -519,27 +515,24 @@ fn model_of(
     activation_bytes: usize,
     seq_len: usize,
 ) -> Result<Model, String> {
-    let stage_of = |cut: &Layout, layers: Vec<usize>, stage: usize| -> Result<Figures, String> {
-        cuts[&(cut.clone(), layers)].as_ref().map(|stages| stages[stage]).map_err(Clone::clone)
+    let stage_of = |cut: &Cut, stage: usize| -> Result<Figures, String> {
+        cuts[cut].as_ref().map(|stages| stages[stage]).map_err(Clone::clone)
     };
     // A cut's stage: per layer, the rest, and its figures with 1 and 2 layers a stage.
     let split = |cut: &Layout, stage: usize| -> Result<(Figures, Figures, Figures, Figures), String> {
         let depth = |depth: usize| {
-            let layers = (shape.kinds.first_modelled(depth * cut.pp))
+            let cut = (at_depth(&shape.kinds, cut, depth))
                 .ok_or_else(|| format!("the model has no {} layers of a kind to cut", depth * cut.pp))?;
-            stage_of(cut, layers, stage)
+            stage_of(&cut, stage)
         };
         let (one, two) = (depth(1)?, depth(2)?);
         let layer = Figures::combine(two, one, |a, b| a - b);
         Ok((layer, Figures::combine(one, layer, |a, b| a - b), one, two))
     };
-    let (layer, rest, _, two) = split(&search_cut(layout), 0)?;
-    let other_kinds = (shape.kinds.others().into_iter())
-        .map(|kind| {
-            Ok(Figures::combine(stage_of(&search_cut(layout), shape.kinds.beside_modelled(kind), 0)?, two, |a, b| {
-                a - b
-            }))
-        })
+    let search = search_cut(layout);
+    let (layer, rest, _, two) = split(&search, 0)?;
+    let other_kinds = (shape.kinds.other_cuts().into_iter())
+        .map(|layers| Ok(Figures::combine(stage_of(&(search.clone(), layers), 0)?, two, |a, b| a - b)))
         .collect::<Result<Vec<Figures>, String>>()?;
     let dp_staging = match staging_cut(layout, smallest_micro_batch) {
         Some(cut) => split(&cut, 0).map(|(layer, rest, _, _)| Some((layer, rest)))?,

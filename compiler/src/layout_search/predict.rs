@@ -167,7 +167,8 @@ pub(super) fn predict(
         |size: usize, stride: usize| if size * stride <= per_node { device.node_link } else { device.network };
     for (s, &n) in counts.iter().enumerate() {
         let others = &others_on_stages[s];
-        let figures = model.stage(n, others, s == 0, s == pp - 1);
+        let other = model.other_layers(others);
+        let figures = model.stage(n, other, s == 0, s == pp - 1);
         let in_flight = layout.in_flight(s);
         // The layers of other kinds (a mixture's dense layers) hold no experts.
         let expert_layers = n.saturating_sub(others.iter().sum());
@@ -176,7 +177,7 @@ pub(super) fn predict(
         let held = match model.pipeline {
             // The pipeline's cuts hold every expert (dp 1): a rank keeps its own.
             Some(pipeline) => {
-                let stage = pipeline.stage(n, model.other_layers(others), s, pp, in_flight, grad_accum as f64);
+                let stage = pipeline.stage(n, other, s, pp, in_flight, grad_accum as f64);
                 model.experts.without_others(expert_layers, stage)
             }
             None => StageMemory {
