@@ -6,8 +6,12 @@
 # each round (batched, grouped, then grouped, batched in the next), so drift on a shared
 # machine moves both; the table gives each side's median over rounds and grouped/batched's.
 #
+# With COMPARE=capacity the two sides are dropless (the default) and an expert capacity
+# (--moe-expert-capacity-factor CAPACITY, 1 by default), both with grouped GEMMs.
+#
 #     benches/experts.sh [BINARY]     (default target/release/autotp)
-#     env: ROUNDS (3), STEPS (40), LAYOUTS (a ;-separated list of "micro-batch flags...")
+#     env: ROUNDS (3), STEPS (40), LAYOUTS (a ;-separated list of "micro-batch flags..."),
+#          COMPARE (grouped or capacity), CAPACITY (1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BINARY=${1:-target/release/autotp}
@@ -18,21 +22,30 @@ out=target/bench-experts
 mkdir -p "$out"
 tokens=tests/fixtures/train/tokens.bin
 model=tests/fixtures/mixtral/model.onnx
-sides=(batched grouped)
-grouped_flag() { if [ "$1" = batched ]; then echo --no-moe-grouped-gemm; fi; }
+case "${COMPARE:-grouped}" in
+    grouped) sides=(batched grouped) ;;
+    capacity) sides=(dropless capacity) ;;
+    *) echo "COMPARE is grouped or capacity" >&2; exit 2 ;;
+esac
+side_flags() {
+    case "$1" in
+        batched) echo --no-moe-grouped-gemm ;;
+        capacity) echo --moe-expert-capacity-factor "${CAPACITY:-1}" ;;
+    esac
+}
 
 IFS=';' read -r -a layouts <<< "$LAYOUTS"
 for i in "${!layouts[@]}"; do
     set -- ${layouts[$i]}
     mb=$1; shift
     for side in "${sides[@]}"; do
-        "$BINARY" compile "$model" --seq-len 32 --micro-batch "$mb" "$@" $(grouped_flag "$side") \
+        "$BINARY" compile "$model" --seq-len 32 --micro-batch "$mb" "$@" $(side_flags "$side") \
             -o "$out/$i.$side.atp" > "$out/$i.$side.summary"
     done
 done
 for round in $(seq "$ROUNDS"); do
     order=("${sides[@]}")
-    if [ $((round % 2)) -eq 0 ]; then order=(grouped batched); fi
+    if [ $((round % 2)) -eq 0 ]; then order=("${sides[1]}" "${sides[0]}"); fi
     for i in "${!layouts[@]}"; do
         for side in "${order[@]}"; do
             "$BINARY" run "$out/$i.$side.atp" --data "$tokens" --steps "$STEPS" \
@@ -54,14 +67,15 @@ def peak(i, side):
 def step(i, side, r):
     steps = [json.loads(l) for l in open(f"{out}/{i}.{side}.{r}.jsonl") if '"step_seconds"' in l]
     return statistics.median(s["step_seconds"] for s in steps[5:]) * 1e3
-print("| layout | " + " | ".join(f"{s}: activations peak | {s}: ms per step" for s in sides) + " | grouped/batched step (range) |")
+print("| layout | " + " | ".join(f"{s}: activations peak | {s}: ms per step" for s in sides)
+      + f" | {sides[1]}/{sides[0]} step (range) |")
 print("|---" * (2 + 2 * len(sides)) + "|")
 for i, layout in enumerate(layouts):
     mb, *flags = layout.split()
     cells = [f"micro-batch {mb} {' '.join(flags)}".strip()]
     for s in sides:
         cells += [f"{peak(i, s):,} B", f"{statistics.median(step(i, s, r) for r in range(1, rounds + 1)):.1f}"]
-    ratios = [step(i, "grouped", r) / step(i, "batched", r) for r in range(1, rounds + 1)]
+    ratios = [step(i, sides[1], r) / step(i, sides[0], r) for r in range(1, rounds + 1)]
     cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
     print("| " + " | ".join(cells) + " |")
 EOF

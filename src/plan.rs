@@ -62,6 +62,10 @@ pub struct PlanArgs {
     /// Write every layout considered, with its figures or why it was refused, as JSON.
     #[arg(long, value_name = "FILE.json")]
     json: Option<PathBuf>,
+    /// Bound each expert's pairs in every layout, as `autotp compile
+    /// --moe-expert-capacity-factor` does (the search never chooses it: it drops pairs).
+    #[arg(long, value_name = "F")]
+    moe_expert_capacity_factor: Option<f64>,
 }
 
 /// Runs the search and prints it.
@@ -83,6 +87,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         node_link_gbps: args.node_link_gbps,
         network_gbps: args.network_gbps,
         verify: args.verify,
+        moe_expert_capacity_factor: args.moe_expert_capacity_factor,
     };
     let result = search(&request)?;
     let (device, precision, layers, per_node) = (&result.device, &result.precision, result.layers, result.per_node);

@@ -27,7 +27,7 @@ fn training_graph(arch: &str, layout: DispatchLayout) -> (Graph, BTreeMap<String
     PassManager::simplify_pipeline().run(&mut model.graph).unwrap();
     let passes: Vec<Box<dyn Pass>> = vec![
         Box::new(autotp_passes::loss::AttachLoss),
-        Box::new(DispatchExperts { layout }),
+        Box::new(DispatchExperts { layout, capacity: None }),
         Box::new(Autodiff::new(autotp_passes::loss::LOSS)),
     ];
     PassManager::new(passes).run(&mut model.graph).unwrap_or_else(|e| panic!("{arch} in {layout:?}: {e}"));
@@ -246,7 +246,9 @@ fn mixtral_per_rank(micro_batch: usize, flags: &[&str]) -> (usize, usize, usize)
 /// them: the forward sends each pair's hidden state, expert id and routing weight (`H + 2`
 /// floats) and gets its result back (`H`); the backward returns the result's gradient (`H`) and
 /// sends the hidden state's and routing weight's (`H + 1`). Beside context parallelism a rank's
-/// tokens are its part of a sequence: `1/cp` of them, and so of the bytes. Under ZeRO 1 (AdamW's
+/// tokens are its part of a sequence: `1/cp` of them, and so of the bytes. With an expert
+/// capacity, a block holds each of the destination's experts' room for each of the rank's
+/// sequences in place of all its pairs. Under ZeRO 1 (AdamW's
 /// two states a parameter) the dense parameters' states are split over all dp ranks and a
 /// rank's experts' over the `dp / n` groups that hold the same experts (none where ep = dp).
 #[test]
@@ -270,6 +272,16 @@ fn expert_parallelism_holds_its_experts_and_exchanges_the_pairs_the_formula_says
         assert_eq!(states, split_states, "{label}: optimizer states under ZeRO 1");
         let pairs_per_rank = micro_batch * 16 / cp * choices;
         assert_eq!(exchanged, layers * (n - 1) * pairs_per_rank * floats * 4, "{label}: all-to-all bytes");
+        if cp == 1 {
+            // A capacity factor of 0.5: each expert's room is ceil(0.5 x 16 x 2 / 4) = 4 of a
+            // sequence's 32 pairs, and a destination's block holds its 4/n experts' rooms for
+            // each of the rank's sequences, in place of all the rank's pairs.
+            let capacity = [&data[..], &["--ep", &ranks, "--moe-expert-capacity-factor", "0.5"]].concat();
+            let (_, _, bounded) = mixtral_per_rank(micro_batch, &capacity);
+            let room = micro_batch * (4 / n) * 4;
+            println!("{label}: all-to-all {bounded} at capacity 0.5");
+            assert_eq!(bounded, layers * (n - 1) * room * floats * 4, "{label}: all-to-all bytes at capacity 0.5");
+        }
     }
     // The compile summary says what ep 2 beside cp 2 exchanges, among which ranks: 7
     // all-to-alls a layer (4 forward, 3 backward) of 16 pairs' 259 floats.
@@ -335,6 +347,16 @@ fn expert_parallelism_refuses_layouts_it_does_not_build() {
     assert!(message.contains("it must divide --dp 6"), "{message}");
     let message = compile_model("llama", &["--dp", "2", "--ep", "2"]);
     assert!(message.contains("this model has none"), "{message}");
+    // A capacity counts each sequence's pairs: it needs a mixture, whole sequences on each rank
+    // and a positive factor; Megatron's default drop policy is not autotp's.
+    let message = compile_model("llama", &["--moe-expert-capacity-factor", "1"]);
+    assert!(message.contains("--moe-expert-capacity-factor 1 is for a mixture of experts"), "{message}");
+    let message = compile(&["--dp", "2", "--ep", "2", "--cp", "2", "--moe-expert-capacity-factor", "1"]);
+    assert!(message.contains("--cp 2 splits each sequence"), "{message}");
+    let message = compile(&["--moe-expert-capacity-factor", "0"]);
+    assert!(message.contains("--moe-expert-capacity-factor 0 must be a positive number"), "{message}");
+    let message = compile(&["--moe-expert-capacity-factor", "1", "--moe-token-drop-policy", "probs"]);
+    assert!(message.contains("'probs'") && message.contains("position"), "{message}");
 }
 
 /// An expert-parallel plan's ranks as MPI processes train bit for bit as its CPU rank threads
@@ -440,4 +462,103 @@ fn expert_parallel_all_to_alls_send_what_the_routing_sends() {
     let pairs = micro_batch * seq_len * choices;
     let bytes = |floats: usize| layers * pairs * floats * 4;
     assert_eq!(all_to_all_sent(&stderr), [bytes(hidden + 1 + hidden), bytes(hidden + 2 + hidden)], "{stderr}");
+}
+
+/// `--moe-expert-capacity-factor` (Megatron's, with its `position` policy, counted per
+/// sequence): on expert_dispatch.ir's mixture (top-2 of 4 experts, 4 tokens in 2 sequences of 2)
+/// with a factor of 1, each expert takes ceil(1 x 2 x 2 / 4) = 1 pair of each sequence, the
+/// first in token order. Both tokens of each sequence are the same, so they choose the same two
+/// experts and the second token's pairs are dropped. The output is what the undispatched model's
+/// per-pair results give with the dropped pairs left out of each token's sum, counted here from
+/// the router's choices on their own; over 2 expert-parallel ranks it is the same.
+#[test]
+fn a_capacity_drops_each_experts_pairs_past_its_room_in_token_order() {
+    use autotp_passes::expert_dispatch::ExpertCapacity;
+    let text = std::fs::read_to_string(crate::common::repo().join("tests/golden/expert_dispatch.ir")).unwrap();
+    let original = autotp_ir::text::parse(text.split_once("# expect:\n").unwrap().0).unwrap();
+    // The choices (the lookups' ids) and the per-pair results (what the sum over choices reads).
+    let ids = (original.nodes()).find(|(_, n)| matches!(n.op, Op::Gather { axis: 0 })).unwrap().1.inputs[1];
+    let sum = original.nodes().find(|(_, n)| matches!(n.op, Op::Reduce { .. })).unwrap().1;
+    let autotp_ir::Def::Node(reshape, _) = original.value(sum.inputs[0]).def else { panic!("the sum reads a reshape") };
+    let per_pair = original.node(reshape).inputs[0];
+    let mut probed = original.clone();
+    probed.add_output("ids", ids);
+    probed.add_output("per_pair", per_pair);
+
+    let x_row = [0.3f32, -1.2, 0.8, -0.5, 0.9, 0.1];
+    let x = Tensor::from_f32(vec![4, 3], &[&x_row[..3], &x_row[..3], &x_row[3..], &x_row[3..]].concat());
+    let weights: BTreeMap<String, Tensor> = (original.params().iter())
+        .map(|&p| {
+            let name = original.name_of(p).unwrap().to_string();
+            let seed = name.len() as u64;
+            (name, crate::common::random_tensor(original.ty(p), seed))
+        })
+        .collect();
+    let probes = autotp_ir::eval::eval_graph(&probed, &weights, std::slice::from_ref(&x)).unwrap();
+    let (choices, results) = (&probes[1], &probes[2]);
+    let (tokens_per_sequence, k, width, room) = (2, 2, 3, 1);
+    let mut taken = BTreeMap::new();
+    let mut want = vec![0f32; 4 * width];
+    let mut dropped = 0;
+    for pair in 0..8 {
+        let (token, expert) = (pair / k, choices.get_f64(pair) as i64);
+        let count = taken.entry((token / tokens_per_sequence, expert)).or_insert(0);
+        *count += 1;
+        if *count > room {
+            dropped += 1;
+            continue;
+        }
+        for j in 0..width {
+            want[token * width + j] += results.get_f64(pair * width + j) as f32;
+        }
+    }
+    assert_eq!(dropped, 4, "the second token of each sequence repeats the first's choices");
+    for ranks in [1, 2] {
+        let mut graph = original.clone();
+        let capacity = Some(ExpertCapacity { sequence: tokens_per_sequence, factor: 1.0 });
+        let layout = DispatchLayout { ranks, outer: 1, inner: 1 };
+        DispatchExperts { layout, capacity }.run(&mut graph).unwrap();
+        let got = autotp_ir::eval::eval_graph(&graph, &weights, std::slice::from_ref(&x)).unwrap();
+        let want = Tensor::from_f32(vec![4, width], &want);
+        let (diff, scale) = max_abs_diff(&got[0], &want);
+        assert!(diff <= 1e-6 * scale.max(1.0), "over {ranks} ranks: {diff} from the kept pairs' sum (max {scale})");
+    }
+}
+
+/// 30 AdamW steps of 8 sequences of 32 tokens with `--moe-expert-capacity-factor 1` (each of
+/// the Mixtral and DeepSeek-V3 fixtures' 4 experts takes 16 of a sequence's 64 (token, choice)
+/// pairs): the same pairs drop in every layout, so every layout trains like one rank with the
+/// same capacity, and the drops change the curve from the dropless one. A factor of 2 (E / k)
+/// gives each expert room for a whole sequence: nothing drops, and it trains like the dropless
+/// model.
+#[test]
+fn expert_capacity_drops_the_same_pairs_in_every_layout() {
+    let dir = crate::common::scratch("expert-capacity");
+    let layouts: &[(usize, &[&str])] = &[
+        (4, &["--dp", "2"]),
+        (4, &["--dp", "2", "--ep", "2"]),
+        (2, &["--dp", "4", "--ep", "4"]),
+        (4, &["--dp", "2", "--ep", "2", "--zero", "3"]),
+        (4, &["--dp", "2", "--ep", "2", "--tp", "2", "--sequence-parallel"]),
+        (2, &["--dp", "2", "--ep", "2", "--pp", "2", "--grad-accum", "2"]),
+        (2, &["--dp", "4", "--ep", "2", "--zero", "1"]),
+    ];
+    let capacity = ["--moe-expert-capacity-factor", "1"];
+    for arch in ["mixtral", "deepseek_v3"] {
+        let dropless = train_model(&dir, arch, "model.onnx", 8, &[]);
+        let single = train_model(&dir, arch, "model.onnx", 8, &capacity);
+        let first_step_change = (single[0] - dropless[0]).abs() / dropless[0].abs();
+        println!("{arch}: capacity 1 against dropless at step 1: {first_step_change:.2e} relative");
+        assert!(first_step_change > 1e-5, "{arch}: a capacity of 1 drops pairs and changes the loss");
+        for &(micro_batch, flags) in layouts {
+            let got = train_model(&dir, arch, "model.onnx", micro_batch, &[&capacity[..], flags].concat());
+            let label = format!("{arch} capacity 1 {}", flags.join(" "));
+            let (first, worst) = within_contract(&label, &got, &single);
+            println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
+        let roomy = ["--moe-expert-capacity-factor", "2", "--dp", "2", "--ep", "2"];
+        let got = train_model(&dir, arch, "model.onnx", 4, &roomy);
+        let (first, worst) = within_contract(&format!("{arch} capacity 2"), &got, &dropless);
+        println!("{arch}: capacity 2 (room for a whole sequence): step 1 {first:.2e}, worst {worst:.2e}");
+    }
 }

@@ -10,7 +10,10 @@
 //! The runner parses and verifies the input, runs the passes, and compares the printed result
 //! with the expectation (a mismatch prints both; `AUTOTP_BLESS=1` rewrites the expectation).
 //! It also runs input and output through the reference evaluator on random data (the SPMD one
-//! for a graph on a mesh): a pass must preserve what the graph computes.
+//! for a graph on a mesh): a pass must preserve what the graph computes. A second line
+//! `# reference: PASSES` compares the output with the input after those passes instead (for
+//! passes that change the model on purpose, as an expert capacity drops pairs: the layout must
+//! compute what one device computes).
 //!
 //! A last pass `pipeline:P:M[:gpipe][:split]` cuts the graph into P stages over M micro-batches
 //! (the backward whole unless `split`); the expectation is the stage graphs, each after a
@@ -111,20 +114,29 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
         "split-fused" => Box::new(autotp_passes::split_fused::SplitFused),
         "expand-norms" => Box::new(autotp_passes::expand_norms::ExpandNorms),
         "expert-dispatch" => {
-            // expert-dispatch:RANKS[:outer=G][:cp=CP]: G groups of RANKS expert-parallel ranks,
-            // each rank's tokens split over CP context ranks.
-            let usage = "expert-dispatch:RANKS[:outer=G][:cp=CP]";
+            // expert-dispatch:RANKS[:outer=G][:cp=CP][:capacity=F/S]: G groups of RANKS
+            // expert-parallel ranks, each rank's tokens split over CP context ranks; each
+            // expert's pairs bounded by capacity factor F, counted per sequence of S tokens.
+            let usage = "expert-dispatch:RANKS[:outer=G][:cp=CP][:capacity=F/S]";
             let mut parts = argument.split(':');
             let ranks = parts.next().and_then(|r| r.parse().ok()).expect(usage);
             let mut layout = autotp_passes::expert_dispatch::DispatchLayout { ranks, outer: 1, inner: 1 };
+            let mut capacity = None;
             for part in parts {
                 match part.split_once('=') {
                     Some(("outer", g)) => layout.outer = g.parse().expect(usage),
                     Some(("cp", cp)) => layout.inner = cp.parse().expect(usage),
+                    Some(("capacity", f_s)) => {
+                        let (factor, sequence) = f_s.split_once('/').expect(usage);
+                        capacity = Some(autotp_passes::expert_dispatch::ExpertCapacity {
+                            factor: factor.parse().expect(usage),
+                            sequence: sequence.parse().expect(usage),
+                        });
+                    }
                     _ => panic!("{usage}"),
                 }
             }
-            Box::new(autotp_passes::expert_dispatch::DispatchExperts { layout })
+            Box::new(autotp_passes::expert_dispatch::DispatchExperts { layout, capacity })
         }
         "unmerge-heads" => Box::new(autotp_passes::unmerge_heads::UnmergeHeads),
         "accumulate" => Box::new(autotp_passes::accumulate::Accumulate {
@@ -246,7 +258,12 @@ fn check(path: &Path) -> Result<(), String> {
     // must agree (a pass may add inputs, such as `labels`, and outputs, such as gradients).
     // Mixed precision changes what is computed by 16-bit rounding (2^-8 relative for bf16).
     let tolerance = if passes_line.contains("precision:") { 5e-2 } else { 1e-5 };
-    let before = run_named(&input_graph, &input_graph)?;
+    let mut reference = input_graph.clone();
+    if let Some(line) = text.lines().nth(1).and_then(|l| l.strip_prefix("# reference:")) {
+        let manager = PassManager::new(line.split_whitespace().map(pass_by_name).collect());
+        manager.run(&mut reference).map_err(|e| format!("reference: {e}"))?;
+    }
+    let before = run_named(&reference, &input_graph)?;
     let after = run_named(&output, &input_graph)?;
     for (name, b) in &before {
         if let Some(a) = after.get(name) {

@@ -555,7 +555,11 @@ fn plan_stages_context_parallel_reductions_as_data_parallel_ones() {
 /// expert-parallel layouts fit; those whose graph would gather every pair's expert matrices
 /// past the IR's limits are refused saying so (dp 64 x ep 8 was printed as the best, and did
 /// not compile); and the best, compiled whole, fits within the band of its prediction (65.8
-/// GiB predicted, 70.0 compiled on 2026-11-30).
+/// GiB predicted, 70.0 compiled on 2026-11-30). With an expert capacity (factor 1) each rank's
+/// expert buffers hold its experts' room, not every pair of the ep ranks: the best layout is
+/// expert-parallel (dp 64 x ep 64 under ZeRO 3 on 2026-11-30: 1.53 s a step against 4.66 s
+/// dropless, 60.7 GiB predicted, 63.6 compiled), no layout splits sequences over cp, and the
+/// best fits within its band.
 #[test]
 fn plan_lays_out_a_deepseek_v3_shaped_model_on_64_devices() {
     let model = fixture("plan", "deepseek_v3_8_layers.onnx");
@@ -573,4 +577,17 @@ fn plan_lays_out_a_deepseek_v3_shaped_model_on_64_devices() {
     let ratio =
         verified["prediction"]["memory"]["peak"].as_f64().unwrap() / verified["compiled_peak"].as_f64().unwrap();
     assert!(peak_band(&verified["layout"]).contains(&ratio), "predicted / compiled {ratio:.3}: {verified}");
+
+    let capacity = ["--moe-expert-capacity-factor", "1"];
+    let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &search, &capacity].concat());
+    let layouts = json["layouts"].as_array().unwrap();
+    assert!(layouts.iter().all(|l| l["layout"]["cp"] == 1), "{out}");
+    let bounded = layouts.iter().find(|l| l["compiled_peak"].is_number()).expect("the best compiled whole");
+    assert!(bounded["layout"]["ep"].as_u64().unwrap() > 1, "the best is not expert-parallel: {bounded}");
+    let step = |layout: &serde_json::Value| layout["prediction"]["step_seconds"].as_f64().unwrap();
+    let (dropless_step, bounded_step) = (step(verified), step(bounded));
+    println!("best step: dropless {dropless_step:.3} s, capacity 1 {bounded_step:.3} s");
+    assert!(bounded_step < 0.5 * dropless_step, "capacity 1: {bounded_step:.3} s, dropless {dropless_step:.3} s");
+    let ratio = bounded["prediction"]["memory"]["peak"].as_f64().unwrap() / bounded["compiled_peak"].as_f64().unwrap();
+    assert!(peak_band(&bounded["layout"]).contains(&ratio), "predicted / compiled {ratio:.3}: {bounded}");
 }

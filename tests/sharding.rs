@@ -39,7 +39,7 @@ fn training_step_with(
     let mut passes: Vec<Box<dyn Pass>> =
         vec![Box::new(autotp_passes::recognize::Recognize), Box::new(autotp_passes::dce::Dce), Box::new(AttachLoss)];
     if let Some(layout) = dispatch {
-        passes.push(Box::new(DispatchExperts { layout }));
+        passes.push(Box::new(DispatchExperts { layout, capacity: None }));
     }
     if split_fused {
         passes.push(Box::new(autotp_passes::split_fused::SplitFused));

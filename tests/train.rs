@@ -27,10 +27,14 @@ fn autotp_train_on(arch: &str, tokens: &str, args: &[&str]) -> std::process::Out
 /// PyTorch's (tests/fixtures/train/<arch>_adamw.json); its relative difference per step and the
 /// compile summary.
 fn curve_against_pytorch(arch: &str, tokens: &str, micro_batch: usize, flags: &[&str]) -> (Vec<f64>, String) {
-    let reference: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(repo().join(format!("tests/fixtures/train/{arch}_adamw.json"))).unwrap(),
-    )
-    .unwrap();
+    curve_against(arch, &format!("{arch}_adamw.json"), tokens, micro_batch, flags)
+}
+
+/// [`curve_against_pytorch`] with PyTorch's curve from tests/fixtures/train/`reference`.
+fn curve_against(arch: &str, reference: &str, tokens: &str, micro_batch: usize, flags: &[&str]) -> (Vec<f64>, String) {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(repo().join("tests/fixtures/train").join(reference)).unwrap())
+            .unwrap();
     let want: Vec<f64> = reference["losses"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     let label = flags.join("");
     let metrics = crate::common::scratch_file(&format!("train-{arch}{label}.jsonl"));
@@ -99,6 +103,23 @@ fn model_families_train_like_pytorch() {
             let (relative, _) = curve_against_pytorch(family, "tokens.bin", micro_batch, layout);
             assert_within_contract(&format!("{family} {}", layout.join(" ")), &relative);
         }
+    }
+}
+
+/// Mixtral with an expert capacity (`--moe-expert-capacity-factor 1`: each expert takes the
+/// first 16 of a sequence's 64 (token, choice) pairs) against PyTorch's curve of the same
+/// capacity (make_training_fixtures.py `with_capacity`), on one rank and over 2 expert-parallel
+/// ranks.
+#[test]
+fn mixtral_with_an_expert_capacity_trains_like_pytorch() {
+    let capacity = ["--moe-expert-capacity-factor", "1"];
+    let layouts: [(usize, &[&str]); 2] = [(8, &[]), (4, &["--dp", "2", "--ep", "2"])];
+    for (micro_batch, layout) in layouts {
+        let flags = [&capacity[..], layout].concat();
+        let (relative, summary) =
+            curve_against("mixtral", "mixtral_capacity_adamw.json", "tokens.bin", micro_batch, &flags);
+        assert!(summary.contains("capacity factor 1"), "{summary}");
+        assert_within_contract(&format!("mixtral {}", flags.join(" ")), &relative);
     }
 }
 

@@ -75,6 +75,22 @@ pub struct CompileFlags {
     #[arg(long, visible_alias = "expert-model-parallel-size", default_value_t = 1)]
     #[serde(default = "one")]
     pub ep: usize,
+    /// Bounds each expert's pairs, as Megatron's --moe-expert-capacity-factor does: of each
+    /// sequence's S x k (token, choice) pairs an expert takes at most ceil(F x S x k / E), the
+    /// first in token order (Megatron's `position` drop policy); the pairs past it are dropped
+    /// (their expert's result is zero). The all-to-alls and the experts' buffers shrink from
+    /// room for every pair a rank holds (dropless, the default) to the capacity: ep / F times
+    /// less. Counted per sequence, one device drops the same pairs as every layout (Megatron
+    /// counts a rank's micro-batch). Not with --cp, which splits sequences.
+    #[arg(long, value_name = "F")]
+    #[serde(default)]
+    pub moe_expert_capacity_factor: Option<f64>,
+    /// Which pairs a capacity drops: `position` (the last in token order, DeepSpeed's and
+    /// Megatron's `position`), the only policy autotp has (Megatron's default, `probs`, drops
+    /// the lowest routing probabilities).
+    #[arg(long, value_enum, default_value = "position")]
+    #[serde(default)]
+    pub moe_token_drop_policy: TokenDropPolicy,
     /// Tensor-parallel ranks: each block's weights are split Megatron-style (found from the
     /// dataflow); world size is dp x tp.
     #[arg(long, visible_alias = "tensor-model-parallel-size", default_value_t = 1)]
@@ -537,6 +553,14 @@ pub enum AttentionFlag {
 }
 
 /// `--kernels`.
+/// `--moe-token-drop-policy`: which pairs past an expert's capacity are dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum TokenDropPolicy {
+    /// The pairs after the first `capacity` of an expert's in token order.
+    #[default]
+    Position,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 pub enum Kernels {
     Generated,

@@ -466,5 +466,17 @@ fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
             flags.dp
         );
     }
+    if let Some(factor) = flags.moe_expert_capacity_factor {
+        if !(factor.is_finite() && factor > 0.0) {
+            refuse!("--moe-expert-capacity-factor {factor} must be a positive number");
+        }
+        if flags.cp > 1 {
+            refuse!(
+                "--moe-expert-capacity-factor counts each sequence's pairs per expert, and --cp {} splits each \
+                 sequence over ranks: give one of them",
+                flags.cp
+            );
+        }
+    }
     Ok(())
 }

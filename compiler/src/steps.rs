@@ -466,15 +466,18 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights: &Weights, pu
         steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     }
     steps.push(pass(Box::new(autotp_passes::loss::AttachLoss)));
-    if flags.ep > 1 {
+    let capacity = (flags.moe_expert_capacity_factor)
+        .map(|factor| autotp_passes::expert_dispatch::ExpertCapacity { sequence: flags.seq_len, factor });
+    if flags.ep > 1 || capacity.is_some() {
         // The experts' ranks are groups of the data-parallel ranks; each sends its own part of
-        // a context-parallel sequence.
+        // a context-parallel sequence. A capacity alone lays the pairs out by expert, each rank
+        // its own source and destination.
         let layout = autotp_passes::expert_dispatch::DispatchLayout {
             ranks: flags.ep,
             outer: flags.dp / flags.ep,
             inner: flags.cp,
         };
-        steps.push(pass(Box::new(autotp_passes::expert_dispatch::DispatchExperts { layout })));
+        steps.push(pass(Box::new(autotp_passes::expert_dispatch::DispatchExperts { layout, capacity })));
     }
     if flags.tp > 1 {
         steps.push(pass(Box::new(autotp_passes::split_fused::SplitFused)));

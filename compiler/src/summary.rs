@@ -295,10 +295,26 @@ fn causal_work_line(order: SequenceOrder, seq_len: usize, cp: usize) -> String {
 }
 
 /// The summary's line on expert parallelism (`--ep`, over dp or groups of it), one per stage
-/// that exchanges pairs: the exchanges per rank per step and the bytes they send.
+/// that exchanges pairs: the exchanges per rank per step and the bytes they send; and on an
+/// expert capacity (`--moe-expert-capacity-factor`), which bounds them.
 fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
     use autotp_program::mesh::{expert_axis, CONTEXT_AXIS, DATA_AXIS};
+    let capacity_factor = (plan.training.compile_flags.as_ref())
+        .and_then(|flags| flags.get("moe_expert_capacity_factor"))
+        .and_then(|factor| factor.as_f64());
+    let room = match capacity_factor {
+        Some(factor) => format!(
+            "capacity factor {factor}: room for each expert's first ceil({factor} x S x k / E) pairs of each sequence, \
+             the pairs past it dropped"
+        ),
+        None => "dropless: room for every pair of a rank with each destination, of which only the pairs the \
+                 routing sends there go"
+            .to_string(),
+    };
     let mut lines = Vec::new();
+    if let (Some(_), None) = (capacity_factor, plan.stages.iter().find_map(|p| expert_axis(&p.mesh))) {
+        lines.push(format!("  experts: {room} (by position in the sequence; every rank holds every expert)"));
+    }
     for (s, program) in plan.stages.iter().enumerate() {
         let axis_of = |name: &str| program.mesh.iter().position(|a| a.name == name);
         let Some(axis) = expert_axis(&program.mesh) else {
@@ -327,8 +343,7 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
             lines.push(format!(
                 "  expert parallelism{stage}: the experts split by expert over {over}; each (token, choice) pair sent \
                  to its expert's rank{among} and back: {count} all-to-alls per rank per step (at most {} bytes sent; \
-                 dropless: room for every pair of a rank with each destination, of which only the pairs the routing \
-                 sends there go)",
+                 {room})",
                 grouped(bytes)
             ));
         }

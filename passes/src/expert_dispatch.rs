@@ -27,12 +27,22 @@
 //! no padding row is read back. Autodiff then differentiates the scatters, transposes and
 //! gathers as it does any other op.
 //!
+//! With an expert capacity ([`ExpertCapacity`], `--moe-expert-capacity-factor`) each expert
+//! takes at most `C` of each sequence's pairs, the first in token order, and the model changes
+//! on purpose: a pair past its expert's room is dropped (its result reads as zeros). The slot
+//! is then the pair's count among its sequence's earlier pairs of the same expert, and a
+//! destination's block holds each of its experts' room for each of the source's sequences,
+//! `pos = dest * room + (sequence * E/n + expert % (E/n)) * C + slot`: `room = sequences x E/n
+//! x C` rows in place of `P_s`, about `F / n` of them. A dropped pair is scattered past the
+//! buffer's end (cut off) and reads zeros back. On one rank (`drop_in_place`) nothing moves:
+//! the values leaving the computation read zeros for the dropped pairs.
+//!
 //! The computation is found from dataflow: it starts at the expert lookups and takes each op
 //! that keeps rows apart along dim 0 (elementwise ops, GEMMs batched or with rows on dim 0,
 //! reshapes, slices, reductions and softmaxes that keep dim 0), reading per-pair values or
 //! values with no pair dim; it ends where an op mixes pairs (the sum over a token's choices).
 //!
-//! Tests: tests/golden/expert_dispatch.ir, tests/expert_parallel.rs.
+//! Tests: tests/golden/expert_dispatch*.ir, tests/expert_parallel.rs.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -44,12 +54,46 @@ use crate::{Pass, PassError};
 /// Moves every mixture of experts' per-pair computation into the dispatched layout.
 pub struct DispatchExperts {
     pub layout: DispatchLayout,
+    /// Each expert's room for a sequence's pairs; `None`: dropless.
+    pub capacity: Option<ExpertCapacity>,
 }
 
 impl DispatchExperts {
-    /// Over `ranks` expert-parallel ranks that are all the data ranks (`--ep` = `--dp`, no `--cp`).
+    /// Over `ranks` expert-parallel ranks that are all the data ranks (`--ep` = `--dp`, no
+    /// `--cp`), dropless.
     pub fn over(ranks: usize) -> DispatchExperts {
-        DispatchExperts { layout: DispatchLayout { ranks, outer: 1, inner: 1 } }
+        DispatchExperts { layout: DispatchLayout { ranks, outer: 1, inner: 1 }, capacity: None }
+    }
+
+    /// The flag that asked for the dispatch, for messages.
+    fn flag(&self) -> String {
+        match self.capacity {
+            Some(capacity) if self.layout.ranks < 2 => format!("--moe-expert-capacity-factor {}", capacity.factor),
+            _ => format!("--ep {}", self.layout.ranks),
+        }
+    }
+}
+
+/// Megatron's `--moe-expert-capacity-factor` with its `position` drop policy, counted per
+/// sequence: each expert takes at most `ceil(factor x S x k / E)` of a sequence's `S x k`
+/// (token, choice) pairs (Megatron's `get_capacity` of a rank's tokens; never fewer than 1 nor
+/// more than `S`, the most a sequence can route to one expert), the first in token order; a
+/// pair past its expert's capacity is dropped: its expert's result reads as zeros and nothing
+/// flows back through it. Counted per sequence, the same pairs drop on one device and in
+/// every layout that keeps sequences whole (Megatron counts a rank's micro-batch, so its drops
+/// change with the layout).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct ExpertCapacity {
+    /// Tokens per sequence.
+    pub sequence: usize,
+    pub factor: f64,
+}
+
+impl ExpertCapacity {
+    /// Each expert's room for one sequence's pairs, where tokens choose `choices` of `experts`.
+    pub fn per_expert(&self, choices: usize, experts: usize) -> usize {
+        let room = (self.factor * (self.sequence * choices) as f64 / experts.max(1) as f64).ceil();
+        (room as usize).clamp(1, self.sequence.max(1))
     }
 }
 
@@ -65,6 +109,8 @@ struct Mixture {
     /// own reshape of the choices).
     aliases: BTreeSet<ValueId>,
     experts: usize,
+    /// The experts each token chooses: the router's top-k.
+    choices: usize,
     /// The tables looked up, for messages.
     tables: Vec<String>,
     region: BTreeSet<NodeId>,
@@ -175,7 +221,12 @@ fn keeps_rows(graph: &Graph, node: &autotp_ir::Node, pairs: usize, per_pair: &dy
 /// that follows them pair by pair.
 fn mixtures(graph: &Graph) -> Result<Vec<Mixture>, PassError> {
     let mut found = Vec::new();
-    for nodes in lookups(graph).into_values() {
+    for (top_k, nodes) in lookups(graph) {
+        // `lookups` keys each group by its top-k: its `k`.
+        let choices = match graph.node(top_k).op {
+            Op::TopK { k, .. } => k,
+            _ => 0,
+        };
         let ids = graph.node(nodes[0]).inputs[1];
         let pairs = graph.ty(ids).shape[0];
         let experts = graph.ty(graph.node(nodes[0]).inputs[0]).shape[0];
@@ -211,7 +262,7 @@ fn mixtures(graph: &Graph) -> Result<Vec<Mixture>, PassError> {
                 values.extend(node.outputs.iter().copied());
             }
         }
-        found.push(Mixture { ids, aliases, experts, tables, region });
+        found.push(Mixture { ids, aliases, experts, choices, tables, region });
     }
     Ok(found)
 }
@@ -247,11 +298,17 @@ impl DispatchLayout {
 struct Dispatch {
     layout: DispatchLayout,
     pairs: usize,
-    /// Each pair's row in its source's send buffer, i64 `[outer, n, inner, P_s, 1]` (`P_s` the
-    /// pairs of a source).
+    /// Rows of a source's send buffer for each destination: its pairs (`P_s`, dropless), or
+    /// with a capacity, each of the destination's experts' room for each of its sequences.
+    room: usize,
+    /// Each pair's row in its source's send buffer, i64 `[outer, n, inner, P_s, 1]`; with a
+    /// capacity, a dropped pair's is the row past the buffer's end, which the send cuts off.
     position: ValueId,
-    /// `position` broadcast to `[outer, n, inner, P_s, width]`, by width.
-    positions: BTreeMap<usize, ValueId>,
+    /// With a capacity: the rows the pairs read their results back from (a dropped pair's is
+    /// row 0) and whether each pair is kept, bool `[outer, n, inner, P_s, 1]`.
+    capacity: Option<(ValueId, ValueId)>,
+    /// Positions broadcast to `[outer, n, inner, P_s, width]`, by (width, whether the send's).
+    positions: BTreeMap<(usize, bool), ValueId>,
     /// Per-pair values (new ids) in the dispatched layout, by their undispatched value.
     dispatched: BTreeMap<ValueId, ValueId>,
 }
@@ -264,29 +321,97 @@ fn constant(g: &mut Graph, value: Tensor) -> Result<ValueId, PassError> {
     add(g, Op::Constant { value }, vec![])
 }
 
+fn scalar(g: &mut Graph, value: i64) -> Result<ValueId, PassError> {
+    constant(g, Tensor::from_i64(vec![], &[value]))
+}
+
+fn binary(g: &mut Graph, op: BinaryOp, a: ValueId, b: ValueId) -> Result<ValueId, PassError> {
+    add(g, Op::Binary(op), vec![a, b])
+}
+
+/// Each element's count of the equal elements before it along `axis` of `ids` (i64, a last
+/// dim of 1), among `0..classes`: an exclusive running count of a one-hot, counted in f32
+/// (exact below 2^24).
+fn slots(g: &mut Graph, ids: ValueId, classes: usize, axis: usize) -> Result<ValueId, PassError> {
+    let class_seq = constant(g, Tensor::from_i64(vec![classes], &(0..classes as i64).collect::<Vec<_>>()))?;
+    let one_hot = binary(g, BinaryOp::Equal, ids, class_seq)?;
+    let one_hot = add(g, Op::Cast { to: DType::F32 }, vec![one_hot])?;
+    let before = add(g, Op::CumSum { axis, exclusive: true, reverse: false }, vec![one_hot])?;
+    let own = binary(g, BinaryOp::Mul, before, one_hot)?;
+    let last = g.ty(own).rank() - 1;
+    let slot = add(g, Op::Reduce { op: ReduceOp::Sum, axes: vec![last], keep_dims: true }, vec![own])?;
+    add(g, Op::Cast { to: DType::I64 }, vec![slot])
+}
+
 impl Dispatch {
-    /// The positions of the pairs chosen by `ids` (new id, i64 `[P]`) among `experts`.
-    fn new(g: &mut Graph, ids: ValueId, experts: usize, layout: DispatchLayout) -> Result<Dispatch, PassError> {
+    /// The positions of the pairs chosen by `ids` (new id, i64 `[P]`) among `experts`: dropless,
+    /// or within `room` ([`Room`]).
+    fn new(
+        g: &mut Graph,
+        ids: ValueId,
+        experts: usize,
+        layout: DispatchLayout,
+        room: Option<Room>,
+    ) -> Result<Dispatch, PassError> {
         let pairs = g.ty(ids).shape[0];
         let (n, per_source) = (layout.ranks, pairs / layout.source_count());
-        let ids = add(g, Op::Reshape { shape: [&layout.sources()[..], &[per_source, 1]].concat() }, vec![ids])?;
-        let block = constant(g, Tensor::from_i64(vec![], &[(experts / n) as i64]))?;
-        let dest = add(g, Op::Binary(BinaryOp::Div), vec![ids, block])?;
-        let ranks_seq = constant(g, Tensor::from_i64(vec![n], &(0..n as i64).collect::<Vec<_>>()))?;
-        let one_hot = add(g, Op::Binary(BinaryOp::Equal), vec![dest, ranks_seq])?;
-        let one_hot = add(g, Op::Cast { to: DType::F32 }, vec![one_hot])?;
-        let before = add(g, Op::CumSum { axis: 3, exclusive: true, reverse: false }, vec![one_hot])?;
-        let own = add(g, Op::Binary(BinaryOp::Mul), vec![before, one_hot])?;
-        let slot = add(g, Op::Reduce { op: ReduceOp::Sum, axes: vec![4], keep_dims: true }, vec![own])?;
-        let slot = add(g, Op::Cast { to: DType::I64 }, vec![slot])?;
-        let stride = constant(g, Tensor::from_i64(vec![], &[per_source as i64]))?;
-        let start = add(g, Op::Binary(BinaryOp::Mul), vec![dest, stride])?;
-        let position = add(g, Op::Binary(BinaryOp::Add), vec![start, slot])?;
-        Ok(Dispatch { layout, pairs, position, positions: BTreeMap::new(), dispatched: BTreeMap::new() })
+        let Some(room) = room else {
+            let ids = add(g, Op::Reshape { shape: [&layout.sources()[..], &[per_source, 1]].concat() }, vec![ids])?;
+            let block = scalar(g, (experts / n) as i64)?;
+            let dest = binary(g, BinaryOp::Div, ids, block)?;
+            let slot = slots(g, dest, n, 3)?;
+            let stride = scalar(g, per_source as i64)?;
+            let start = binary(g, BinaryOp::Mul, dest, stride)?;
+            let position = binary(g, BinaryOp::Add, start, slot)?;
+            let (positions, dispatched) = (BTreeMap::new(), BTreeMap::new());
+            return Ok(Dispatch { layout, pairs, room: per_source, position, capacity: None, positions, dispatched });
+        };
+        // `[outer, n, inner, sequences, S x k, 1]`: a pair's slot among its sequence's pairs of
+        // the same expert, its row `((sequence x E/n) + expert % (E/n)) x C + slot` in its
+        // destination's block.
+        let sequences = per_source / room.per_sequence;
+        let by_sequence = [&layout.sources()[..], &[sequences, room.per_sequence, 1]].concat();
+        let ids = add(g, Op::Reshape { shape: by_sequence }, vec![ids])?;
+        let slot = slots(g, ids, experts, 4)?;
+        let per_expert = scalar(g, room.per_expert as i64)?;
+        let kept = binary(g, BinaryOp::Less, slot, per_expert)?;
+        let block = scalar(g, (experts / n) as i64)?;
+        let dest = binary(g, BinaryOp::Div, ids, block)?;
+        let first_of_dest = binary(g, BinaryOp::Mul, dest, block)?;
+        let own_expert = binary(g, BinaryOp::Sub, ids, first_of_dest)?;
+        let experts_per_rank = (experts / n) as i64;
+        let sequence_start: Vec<i64> = (0..sequences as i64).map(|s| s * experts_per_rank).collect();
+        let sequence_start = constant(g, Tensor::from_i64(vec![sequences, 1, 1], &sequence_start))?;
+        let expert_block = binary(g, BinaryOp::Add, sequence_start, own_expert)?;
+        let expert_start = binary(g, BinaryOp::Mul, expert_block, per_expert)?;
+        let row = binary(g, BinaryOp::Add, expert_start, slot)?;
+        let room_rows = sequences * experts / n * room.per_expert;
+        let stride = scalar(g, room_rows as i64)?;
+        let start = binary(g, BinaryOp::Mul, dest, stride)?;
+        let position = binary(g, BinaryOp::Add, start, row)?;
+        let (past_end, first_row) = (scalar(g, (n * room_rows) as i64)?, scalar(g, 0)?);
+        let sent = add(g, Op::Select, vec![kept, position, past_end])?;
+        let back = add(g, Op::Select, vec![kept, position, first_row])?;
+        let by_pair = [&layout.sources()[..], &[per_source, 1]].concat();
+        let [sent, back, kept] = [sent, back, kept].map(|v| add(g, Op::Reshape { shape: by_pair.clone() }, vec![v]));
+        Ok(Dispatch {
+            layout,
+            pairs,
+            room: room_rows,
+            position: sent?,
+            capacity: Some((back?, kept?)),
+            positions: BTreeMap::new(),
+            dispatched: BTreeMap::new(),
+        })
     }
 
     fn per_source(&self) -> usize {
         self.pairs / self.layout.source_count()
+    }
+
+    /// Rows of the dispatched layout: every destination's block of every source's buffer.
+    fn rows(&self) -> usize {
+        self.layout.ranks * self.room * self.layout.source_count()
     }
 
     /// `[outer, n, inner]` and then `rest`.
@@ -295,27 +420,35 @@ impl Dispatch {
     }
 
     /// The send buffers of every source with their destinations apart: `[outer, n_src, inner,
-    /// n_dst, P_s, width]`.
+    /// n_dst, room, width]`.
     fn buffers_shape(&self, width: usize) -> Vec<usize> {
-        self.blocks(&[self.layout.ranks, self.per_source(), width])
+        self.blocks(&[self.layout.ranks, self.room, width])
     }
 
-    fn position_for(&mut self, g: &mut Graph, width: usize) -> Result<ValueId, PassError> {
+    /// The pairs' rows in the send buffers (`send`) or the rows they read back, broadcast to
+    /// `width`.
+    fn position_for(&mut self, g: &mut Graph, width: usize, send: bool) -> Result<ValueId, PassError> {
+        // Dropless, the pairs read back from the rows they were sent to.
+        let send = send || self.capacity.is_none();
+        let position = match self.capacity {
+            Some((back, _)) if !send => back,
+            _ => self.position,
+        };
         if width == 1 {
-            return Ok(self.position);
+            return Ok(position);
         }
-        if let Some(&p) = self.positions.get(&width) {
+        if let Some(&p) = self.positions.get(&(width, send)) {
             return Ok(p);
         }
         let shape = self.blocks(&[self.per_source(), width]);
-        let p = add(g, Op::Expand { shape }, vec![self.position])?;
-        self.positions.insert(width, p);
+        let p = add(g, Op::Expand { shape }, vec![position])?;
+        self.positions.insert((width, send), p);
         Ok(p)
     }
 
-    /// `value` (new id, `[P, ..]`) in the dispatched layout, `[n * P, ..]`.
+    /// `value` (new id, `[P, ..]`) in the dispatched layout, `[rows, ..]`.
     fn send(&mut self, g: &mut Graph, value: ValueId) -> Result<ValueId, PassError> {
-        let (n, per_source) = (self.layout.ranks, self.per_source());
+        let (n, per_source, room) = (self.layout.ranks, self.per_source(), self.room);
         let ty = g.ty(value).clone();
         let rest = &ty.shape[1..];
         let width = rest.iter().product::<usize>();
@@ -325,11 +458,18 @@ impl Dispatch {
             // Indices travel as floats (exact below 2^24); scatters move floats.
             rows = add(g, Op::Cast { to: DType::F32 }, vec![rows])?;
         }
-        let position = self.position_for(g, width)?;
-        let buffers = add(g, Op::ScatterElements { axis: 3, size: n * per_source }, vec![position, rows])?;
-        let buffers = add(g, Op::Reshape { shape: self.buffers_shape(width) }, vec![buffers])?;
+        let position = self.position_for(g, width, true)?;
+        let mut buffers = if self.capacity.is_some() {
+            // The dropped pairs land on the row past the end, cut off.
+            let buffers = add(g, Op::ScatterElements { axis: 3, size: n * room + 1 }, vec![position, rows])?;
+            let ends = self.blocks(&[n * room, width]).into_iter().map(|d| d as i64).collect();
+            add(g, Op::Slice { starts: vec![0; 5], ends, steps: vec![1; 5] }, vec![buffers])?
+        } else {
+            add(g, Op::ScatterElements { axis: 3, size: n * room }, vec![position, rows])?
+        };
+        buffers = add(g, Op::Reshape { shape: self.buffers_shape(width) }, vec![buffers])?;
         let received = add(g, Op::Transpose { perm: EXPERT_EXCHANGE.to_vec() }, vec![buffers])?;
-        let mut shape = vec![n * self.pairs];
+        let mut shape = vec![self.rows()];
         shape.extend(rest);
         let mut out = add(g, Op::Reshape { shape }, vec![received])?;
         if !float {
@@ -338,21 +478,34 @@ impl Dispatch {
         Ok(out)
     }
 
-    /// `value` (new id, dispatched `[n * P, ..]`) back at its pairs, `[P, ..]`.
+    /// `value` (new id, dispatched `[rows, ..]`) back at its pairs, `[P, ..]`; zeros for the
+    /// dropped pairs.
     fn gather_back(&mut self, g: &mut Graph, value: ValueId) -> Result<ValueId, PassError> {
-        let (n, per_source) = (self.layout.ranks, self.per_source());
+        let (n, room) = (self.layout.ranks, self.room);
         let ty = g.ty(value).clone();
         let rest = &ty.shape[1..];
         let width = rest.iter().product::<usize>();
         let rows = add(g, Op::Reshape { shape: self.buffers_shape(width) }, vec![value])?;
         let returned = add(g, Op::Transpose { perm: EXPERT_EXCHANGE.to_vec() }, vec![rows])?;
-        let buffers = add(g, Op::Reshape { shape: self.blocks(&[n * per_source, width]) }, vec![returned])?;
-        let position = self.position_for(g, width)?;
-        let picked = add(g, Op::GatherElements { axis: 3 }, vec![buffers, position])?;
+        let buffers = add(g, Op::Reshape { shape: self.blocks(&[n * room, width]) }, vec![returned])?;
+        let position = self.position_for(g, width, false)?;
+        let mut picked = add(g, Op::GatherElements { axis: 3 }, vec![buffers, position])?;
+        if let Some((_, kept)) = self.capacity {
+            let zero = constant(g, Tensor::from_f64_values(ty.dtype, vec![], &[0.0]))?;
+            picked = add(g, Op::Select, vec![kept, picked, zero])?;
+        }
         let mut shape = vec![self.pairs];
         shape.extend(rest);
         add(g, Op::Reshape { shape }, vec![picked])
     }
+}
+
+/// A capacity's room ([`ExpertCapacity`]) for one mixture: a sequence's pairs, and each
+/// expert's room among them.
+#[derive(Copy, Clone, Debug)]
+struct Room {
+    per_sequence: usize,
+    per_expert: usize,
 }
 
 /// `op` with its attributes that name dim 0's length (`pairs`) naming `rows` instead.
@@ -373,15 +526,17 @@ impl Pass for DispatchExperts {
 
     fn run(&self, graph: &mut Graph) -> Result<(), PassError> {
         let n = self.layout.ranks;
-        if n < 2 {
+        if n < 2 && self.capacity.is_none() {
             return Ok(());
         }
+        let flag = self.flag();
         let found = mixtures(graph)?;
         if found.is_empty() {
             return Err(invalid(format!(
-                "--ep {n} splits a mixture of experts, and this model has none (no parameter looked up by a router's top-k choices)"
+                "{flag} is for a mixture of experts, and this model has none (no parameter looked up by a router's top-k choices)"
             )));
         }
+        let mut rooms = Vec::with_capacity(found.len());
         for mixture in &found {
             let pairs = graph.ty(mixture.ids).shape[0];
             if !mixture.experts.is_multiple_of(n) {
@@ -399,9 +554,31 @@ impl Pass for DispatchExperts {
                     mixture.tables.join(", ")
                 )));
             }
+            let room = self.capacity.map(|capacity| Room {
+                per_sequence: capacity.sequence * mixture.choices,
+                per_expert: capacity.per_expert(mixture.choices, mixture.experts),
+            });
+            if let Some(room) =
+                room.filter(|r| r.per_sequence == 0 || !(pairs / sources).is_multiple_of(r.per_sequence))
+            {
+                return Err(invalid(format!(
+                    "{flag} counts each sequence's pairs, and the {} (token, choice) pairs of each of the {sources} \
+                     ranks that dispatch the mixture routed by {} are not whole sequences of {} tokens x {} choices",
+                    pairs / sources,
+                    mixture.tables.join(", "),
+                    room.per_sequence / mixture.choices.max(1),
+                    mixture.choices
+                )));
+            }
+            rooms.push(room);
         }
         let region_of: BTreeMap<NodeId, usize> =
             found.iter().enumerate().flat_map(|(i, m)| m.region.iter().map(move |&n| (n, i))).collect();
+        if n < 2 {
+            // Here a capacity gives every mixture its room.
+            let rooms: Vec<Room> = rooms.into_iter().flatten().collect();
+            return drop_in_place(graph, &found, &rooms, &region_of);
+        }
         let old = &*graph;
         let mut rw = Rewriter::new(old, |_| true);
         let mut dispatches: Vec<Option<Dispatch>> = found.iter().map(|_| None).collect();
@@ -420,7 +597,7 @@ impl Pass for DispatchExperts {
                 Some(dispatch) => dispatch,
                 empty => {
                     let ids = rw.map(mixture.ids);
-                    empty.insert(Dispatch::new(rw.graph(), ids, mixture.experts, self.layout)?)
+                    empty.insert(Dispatch::new(rw.graph(), ids, mixture.experts, self.layout, rooms[m])?)
                 }
             };
             let mut inputs = Vec::with_capacity(node.inputs.len());
@@ -443,7 +620,7 @@ impl Pass for DispatchExperts {
                 };
                 inputs.push(new);
             }
-            let op = with_rows(&node.op, pairs, n * pairs);
+            let op = with_rows(&node.op, pairs, dispatch.rows());
             let g = rw.graph();
             let new = g
                 .add_node(op, inputs, node.outputs.len())
@@ -461,6 +638,60 @@ impl Pass for DispatchExperts {
         *graph = rw.finish();
         Ok(())
     }
+}
+
+/// A capacity without expert parallelism: every mixture computes its pairs where they are, and
+/// each value leaving it reads zeros for the pairs past their expert's room (the same pairs as
+/// [`Dispatch`]'s, without the send buffers).
+fn drop_in_place(
+    graph: &mut Graph,
+    found: &[Mixture],
+    rooms: &[Room],
+    region_of: &BTreeMap<NodeId, usize>,
+) -> Result<(), PassError> {
+    let old = &*graph;
+    let mut rw = Rewriter::new(old, |_| true);
+    let consumers = old.consumers();
+    let outputs: BTreeSet<ValueId> = old.outputs().iter().map(|(_, v)| *v).collect();
+    // Each mixture's kept pairs, bool `[P, 1]`, made at its first value that leaves it.
+    let mut kept: Vec<Option<ValueId>> = vec![None; found.len()];
+    for (id, node) in old.nodes() {
+        rw.copy_node(id);
+        let Some(&m) = region_of.get(&id) else { continue };
+        let room = rooms[m];
+        for &o in &node.outputs {
+            let leaves = outputs.contains(&o) || consumers[o.index()].iter().any(|c| region_of.get(c) != Some(&m));
+            if !leaves {
+                continue;
+            }
+            let mixture = &found[m];
+            let pairs = old.ty(mixture.ids).shape[0];
+            let kept = match kept[m] {
+                Some(kept) => kept,
+                None => {
+                    let ids = rw.map(mixture.ids);
+                    let g = rw.graph();
+                    let by_sequence = vec![pairs / room.per_sequence, room.per_sequence, 1];
+                    let ids = add(g, Op::Reshape { shape: by_sequence }, vec![ids])?;
+                    let slot = slots(g, ids, mixture.experts, 1)?;
+                    let per_expert = scalar(g, room.per_expert as i64)?;
+                    let within = binary(g, BinaryOp::Less, slot, per_expert)?;
+                    *kept[m].insert(add(g, Op::Reshape { shape: vec![pairs, 1] }, vec![within])?)
+                }
+            };
+            let value = rw.map(o);
+            let g = rw.graph();
+            let ty = g.ty(value).clone();
+            let mut shape = vec![1; ty.rank().max(1)];
+            shape[0] = pairs;
+            let kept = if g.ty(kept).shape == shape { kept } else { add(g, Op::Reshape { shape }, vec![kept])? };
+            let zero = constant(g, Tensor::from_f64_values(ty.dtype, vec![], &[0.0]))?;
+            let masked = add(g, Op::Select, vec![kept, value, zero])?;
+            rw.set(o, masked);
+        }
+    }
+    *graph = rw.finish();
+    Ok(())
 }
 
 /// Expert parallelism's placement over a data-parallel mesh axis (`dp` where `--ep` equals

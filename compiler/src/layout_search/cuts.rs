@@ -138,6 +138,9 @@ pub(super) fn layout_args(request: &SearchRequest, precision: &str, layout: &Lay
     if layout.sequence_parallel {
         out.push("--sequence-parallel".into());
     }
+    if let Some(factor) = request.moe_expert_capacity_factor {
+        out.extend(["--moe-expert-capacity-factor".into(), factor.to_string()]);
+    }
     out
 }
 

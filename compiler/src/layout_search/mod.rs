@@ -70,6 +70,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use autotp_frontend::ImportOptions;
+use autotp_passes::expert_dispatch::ExpertCapacity;
 use autotp_passes::pipeline::NumberedLayers;
 
 pub use device::Device;
@@ -104,6 +105,9 @@ pub struct SearchRequest {
     pub network_gbps: Option<f64>,
     /// Layouts to compile whole for their exact peak.
     pub verify: usize,
+    /// `--moe-expert-capacity-factor`, in every layout searched (it changes the model, so
+    /// the search does not choose it).
+    pub moe_expert_capacity_factor: Option<f64>,
 }
 
 /// Every layout considered, and what the search knows of the model and the devices.
@@ -141,9 +145,10 @@ struct ModelShape {
     embedding_fraction: f64,
     /// The hidden size (the embedding table's width).
     hidden: usize,
-    /// Of its lookups of experts' weights by a router's choices, the largest, for one sequence
-    /// (`None` for a model without a mixture of experts, whose experts `--ep` splits).
-    expert_gather: Option<autotp_ir::TensorType>,
+    /// Of its lookups of experts' weights by a router's choices, the largest, for one sequence,
+    /// and the experts it chooses among (`None` for a model without a mixture of experts, whose
+    /// experts `--ep` splits).
+    expert_gather: Option<(autotp_ir::TensorType, usize)>,
     /// Its layers' kinds, and those the cuts keep.
     kinds: LayerKinds,
 }
@@ -178,7 +183,9 @@ impl ModelShape {
         let lookups = autotp_passes::expert_dispatch::routed_lookups(graph);
         let expert_layers: Vec<u64> =
             lookups.iter().filter_map(|l| numbered.number_of(graph.name_of(l.table)?)).collect();
-        let expert_gather = lookups.into_iter().map(|l| l.gathered).max_by_key(|t| t.numel());
+        let expert_gather = (lookups.into_iter())
+            .map(|l| (l.gathered, graph.ty(l.table).shape.first().copied().unwrap_or(1)))
+            .max_by_key(|(t, _)| t.numel());
         Ok(ModelShape {
             layers,
             parameters: graph.params().iter().map(|&p| graph.ty(p).numel()).sum(),
@@ -190,18 +197,30 @@ impl ModelShape {
         })
     }
 
-    /// Why the compiler's graph of `sequences` sequences (a layout's micro-batch x dp, times ep
-    /// for the dispatch's room) cannot hold what the model's lookups of experts gather, if it
-    /// cannot: a batched-experts export gathers each (token, choice) pair's expert matrices.
-    fn experts_past_limits(&self, sequences: usize) -> Option<String> {
-        let gathered = self.expert_gather.as_ref()?;
+    /// Why the compiler's graph of `sequences` sequences (a layout's micro-batch x dp) cannot
+    /// hold what the model's lookups of experts gather, if it cannot: a batched-experts export
+    /// gathers each (token, choice) pair's expert matrices, and the dispatch gathers them for
+    /// its rows: room for every pair of the `ep` ranks' sequences on each (dropless), or with
+    /// an expert capacity ([`ExpertCapacity`]) each expert's room for each sequence.
+    fn experts_past_limits(&self, sequences: usize, ep: usize, capacity: Option<ExpertCapacity>) -> Option<String> {
+        let (gathered, experts) = self.expert_gather.as_ref()?;
         let mut shape = gathered.shape.clone();
-        let pairs = shape.first().map(|&pairs| pairs.saturating_mul(sequences))?;
-        shape[0] = pairs;
+        let per_sequence = shape.first().copied()?;
+        let (rows, over) = match capacity {
+            Some(capacity) => {
+                let choices = per_sequence / capacity.sequence.max(1);
+                let rows = sequences.saturating_mul(experts * capacity.per_expert(choices, *experts));
+                (rows, format!("each expert's room for each of {sequences} sequences (micro-batch x dp)"))
+            }
+            None => {
+                let rows = per_sequence.saturating_mul(sequences).saturating_mul(ep);
+                (rows, format!("over {} sequences (micro-batch x dp x ep)", sequences * ep))
+            }
+        };
+        shape[0] = rows;
         let why = autotp_ir::TensorType::new(gathered.dtype, shape).check_limits().err()?;
         Some(format!(
-            "the export gathers each (token, choice) pair's expert matrices, over {sequences} sequences (micro-batch \
-             x dp x ep) at once in the compiler's graph: {why}"
+            "the export gathers each (token, choice) pair's expert matrices, {over} at once in the compiler's graph: {why}"
         ))
     }
 }
@@ -305,6 +324,8 @@ fn enumerate_layouts(
     let mut wanted: Vec<Cut> = Vec::new();
     let mut seen: std::collections::BTreeSet<Cut> = Default::default();
     let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked by the caller");
+    let capacity =
+        (request.moe_expert_capacity_factor).map(|factor| ExpertCapacity { sequence: request.seq_len, factor });
     // ZeRO-Offload frees a GPU's memory (the optimizer; with ZeRO-3 its parameter shards too);
     // CPU ranks' host is the memory they run in. (optimizer, parameters)
     let offloads: &[(bool, bool)] =
@@ -373,7 +394,7 @@ fn enumerate_layouts(
                                      divide",
                                     request.seq_len
                                 ))
-                            } else if let Some(why) = shape.experts_past_limits(micro_batch * dp * ep) {
+                            } else if let Some(why) = shape.experts_past_limits(micro_batch * dp, ep, capacity) {
                                 Some(why)
                             } else if ep > 1 && !shape.kinds.measured() {
                                 Some(format!(
@@ -429,8 +450,12 @@ fn enumerate_layouts(
 
 /// The context-parallel sizes searched beside tensor parallelism of `tp`: 1, and 2, 4 and 8
 /// where they divide the sequence and the devices left (a node's worth: the gathers of keys and
-/// values are on every layer's path).
+/// values are on every layer's path); only 1 with an expert capacity, which counts each
+/// sequence's pairs on one rank.
 fn context_parallel_sizes(request: &SearchRequest, tp: usize) -> Vec<usize> {
+    if request.moe_expert_capacity_factor.is_some() {
+        return vec![1];
+    }
     let left = request.devices / tp;
     [1, 2, 4, 8].into_iter().filter(|&cp| left.is_multiple_of(cp) && request.seq_len.is_multiple_of(cp)).collect()
 }
