@@ -230,6 +230,41 @@ fn load_balance_evens_the_causal_work() {
     assert!(err.contains("not load-balanced: the sequence of 36 tokens does not cut into 2 x cp = 8 chunks"), "{err}");
 }
 
+/// DeepSeek-V3's group-limited routing marks each token's chosen groups by scattering ones
+/// (ScatterElements along the groups). At its real shape over dp 8 (8 sequences of 4096 tokens)
+/// those ones are a broadcast, not a folded constant, and the scatter stayed a ScatterND of
+/// every token's coordinates: gathered over cp and dp to run whole on every rank, and counting
+/// along the global token dim, so cp kept contiguous blocks (2026-11-30). It is a comparison per
+/// token now: each rank marks its own tokens, nothing is gathered over dp, and cp load-balances.
+#[test]
+fn group_limited_routing_at_deepseek_v3_shape_keeps_cp_load_balanced() {
+    use autotp_program::Instruction;
+    let model = crate::common::fixture("plan", "deepseek_v3_8_layers.onnx");
+    let args: Vec<String> =
+        [model.to_str().unwrap(), "--seq-len", "4096", "--micro-batch", "1", "--dp", "8", "--cp", "2"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    // Layer 3: the first of experts.
+    let flags = autotp_compiler::CompileFlags::parse_args(&args).unwrap();
+    let options = autotp_compiler::CompileOptions::from_flags(&flags).unwrap();
+    let plan = autotp_compiler::compile(&options, autotp_compiler::Weights::ShapesOnly { layers: Some(vec![3]) })
+        .unwrap()
+        .plan;
+    assert_eq!(plan.training.sequence_order, autotp_program::step::SequenceOrder::LoadBalanced { cp: 2 });
+    let program = &plan.stages[0];
+    let dp = program.mesh.iter().position(|a| a.name == autotp_program::mesh::DATA_AXIS).unwrap();
+    let gathers_over_dp = (program.instructions.iter())
+        .filter(|i| match i {
+            Instruction::Collective { op, .. } | Instruction::CollectiveStart { op, .. } => {
+                op.axis == dp && op.kind.name() == "all_gather"
+            }
+            _ => false,
+        })
+        .count();
+    assert_eq!(gathers_over_dp, 0, "plain dp gathers nothing");
+}
+
 /// Context-parallel plans on emulated GPUs (`AUTOTP_GPU=emulated`, the ranks' cp communicator
 /// over the emulated NCCL) train like their CPU ranks: the GPU's attention passes take each
 /// rank's queries at their positions; Ulysses' all-to-alls run on NCCL; with dp, each axis has

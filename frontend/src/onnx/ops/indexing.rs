@@ -182,9 +182,9 @@ fn convert_scatter_elements(imp: &mut Importer, cx: &NodeCx) -> Result<Vec<Sym>,
     }
     let non_negative = non_negative(imp, &idx);
     let beside_axis = (0..dt.rank()).all(|d| d == axis || it.shape[d] == dt.shape[d]);
-    if let Sym::Const(u) = &updates {
-        if reduction == autotp_ir::ScatterReduction::None && u.is_splat() && beside_axis && non_negative {
-            return one(scatter_one_value(imp, cx, data, idx, u.get_f64(0), axis)?);
+    if let Some(value) = splat_value(&imp.graph, &updates) {
+        if reduction == autotp_ir::ScatterReduction::None && beside_axis && non_negative {
+            return one(scatter_one_value(imp, cx, data, idx, value, axis)?);
         }
     }
     let idx = if non_negative {
@@ -242,6 +242,25 @@ fn scatter_one_value(
     let chosen = imp.emit1(cx, Op::Binary(BinaryOp::Greater), &[any, half])?;
     let value = Sym::Const(Tensor::full(dt.dtype, vec![], value));
     imp.emit1(cx, Op::Select, &[chosen, value, data])
+}
+
+/// The one value `updates` holds everywhere, where it is a constant of one value or a
+/// broadcast of one (at a real model's size the broadcast is past the import's folding limit
+/// and stays an `expand`).
+fn splat_value(graph: &autotp_ir::Graph, updates: &Sym) -> Option<f64> {
+    let mut v = match updates {
+        Sym::Const(t) => return t.is_splat().then(|| t.get_f64(0)),
+        Sym::Value(v) => *v,
+    };
+    loop {
+        let autotp_ir::Def::Node(n, _) = graph.value(v).def else { return None };
+        let node = graph.node(n);
+        match &node.op {
+            Op::Expand { .. } => v = node.inputs[0],
+            Op::Constant { value } => return value.is_splat().then(|| value.get_f64(0)),
+            _ => return None,
+        }
+    }
 }
 
 /// Whether indices are known not to be negative: constants that are not, or positions that a
@@ -418,6 +437,22 @@ mod tests {
     fn counting(shape: Vec<usize>, start: i64) -> Tensor {
         let n = shape.iter().product::<usize>() as i64;
         Tensor::from_i64(shape, &(start..start + n).collect::<Vec<_>>())
+    }
+
+    /// DeepSeek-V3's group mask scatters ones; at 32768 tokens x 4 groups they are a broadcast
+    /// scalar, not a folded constant, and still one value.
+    #[test]
+    fn a_broadcast_constant_is_one_value() {
+        let mut g = Graph::new("updates");
+        let one = g.add(Op::Constant { value: Tensor::from_f32(vec![], &[1.0]) }, vec![]).unwrap();
+        let ones = g.add(Op::Expand { shape: vec![32768, 4] }, vec![one]).unwrap();
+        assert_eq!(splat_value(&g, &Sym::Value(ones)), Some(1.0));
+        let counting = g.add(Op::Constant { value: Tensor::from_f32(vec![2], &[1.0, 2.0]) }, vec![]).unwrap();
+        let counting = g.add(Op::Expand { shape: vec![32768, 2] }, vec![counting]).unwrap();
+        assert_eq!(splat_value(&g, &Sym::Value(counting)), None);
+        let computed = g.add(Op::Unary(autotp_ir::UnaryOp::Neg), vec![ones]).unwrap();
+        assert_eq!(splat_value(&g, &Sym::Value(computed)), None);
+        assert_eq!(splat_value(&g, &Sym::Const(Tensor::from_f32(vec![3], &[0.5; 3]))), Some(0.5));
     }
 
     #[test]
