@@ -357,6 +357,32 @@ fn expert_parallelism_refuses_layouts_it_does_not_build() {
     assert!(message.contains("--moe-expert-capacity-factor 0 must be a positive number"), "{message}");
     let message = compile(&["--moe-expert-capacity-factor", "1", "--moe-token-drop-policy", "probs"]);
     assert!(message.contains("'probs'") && message.contains("position"), "{message}");
+    // Megatron's other MoE flags: padding to the capacity needs one; the dispatch is all-to-all.
+    let message = compile(&["--moe-pad-expert-input-to-capacity"]);
+    assert!(message.contains("it needs --moe-expert-capacity-factor"), "{message}");
+    let message = compile(&["--dp", "2", "--ep", "2", "--moe-token-dispatcher-type", "allgather"]);
+    assert!(message.contains("'allgather'") && message.contains("alltoall"), "{message}");
+    let plan = crate::common::scratch("expert-parallel-refusals").join("megatron.atp");
+    let model = fixture("mixtral", "model.onnx");
+    crate::common::success(crate::common::autotp(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "2",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--moe-expert-capacity-factor",
+        "1",
+        "--moe-pad-expert-input-to-capacity",
+        "-o",
+        plan.to_str().unwrap(),
+    ]));
 }
 
 /// An expert-parallel plan's ranks as MPI processes train bit for bit as its CPU rank threads

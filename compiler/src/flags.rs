@@ -91,6 +91,15 @@ pub struct CompileFlags {
     #[arg(long, value_enum, default_value = "position")]
     #[serde(default)]
     pub moe_token_drop_policy: TokenDropPolicy,
+    /// Megatron's --moe-pad-expert-input-to-capacity, accepted beside a capacity: autotp's
+    /// experts always take their whole room (static shapes).
+    #[arg(long, hide = true)]
+    #[serde(default)]
+    pub moe_pad_expert_input_to_capacity: bool,
+    /// Megatron's --moe-token-dispatcher-type, accepted as `alltoall`: the dispatch autotp has.
+    #[arg(long, hide = true, value_parser = ["alltoall"])]
+    #[serde(skip)]
+    pub moe_token_dispatcher_type: Option<String>,
     /// Tensor-parallel ranks: each block's weights are split Megatron-style (found from the
     /// dataflow); world size is dp x tp.
     #[arg(long, visible_alias = "tensor-model-parallel-size", default_value_t = 1)]

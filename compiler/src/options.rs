@@ -466,6 +466,12 @@ fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
             flags.dp
         );
     }
+    if flags.moe_pad_expert_input_to_capacity && flags.moe_expert_capacity_factor.is_none() {
+        refuse!(
+            "--moe-pad-expert-input-to-capacity pads each expert's pairs to its capacity: it needs \
+             --moe-expert-capacity-factor, as Megatron's does"
+        );
+    }
     if let Some(factor) = flags.moe_expert_capacity_factor {
         if !(factor.is_finite() && factor > 0.0) {
             refuse!("--moe-expert-capacity-factor {factor} must be a positive number");
