@@ -143,6 +143,18 @@ fn plan_fails_when_no_layout_fits() {
     assert!(written["layouts"].as_array().unwrap().iter().all(|l| l["prediction"].is_null()));
 }
 
+/// An expert capacity that is not a positive number is refused before any cut is compiled.
+#[test]
+fn plan_refuses_a_capacity_that_is_not_a_positive_number() {
+    let model = fixture("mixtral", "model.onnx");
+    for factor in ["0", "-1", "NaN"] {
+        let args = ["--devices", "2", "--memory-per-device", "1GiB", "--device", "cpu", "--seq-len", "16"];
+        let capacity = format!("--moe-expert-capacity-factor={factor}");
+        let err = failure(autotp(&[&["plan", model.to_str().unwrap()][..], &args, &[&capacity]].concat()));
+        assert!(err.contains(&format!("--moe-expert-capacity-factor {factor} must be a positive number")), "{err}");
+    }
+}
+
 /// Where a layout is one of the compiled cuts (the whole 2-layer model, tp 2, no dp or
 /// pipeline), the predicted peak is the compiler's: within the arena's alignment padding.
 #[test]
