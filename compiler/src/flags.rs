@@ -85,9 +85,9 @@ pub struct CompileFlags {
     #[arg(long, value_name = "F")]
     #[serde(default)]
     pub moe_expert_capacity_factor: Option<f64>,
-    /// Which pairs a capacity drops: `position` (the last in token order, DeepSpeed's and
-    /// Megatron's `position`), the only policy autotp has (Megatron's default, `probs`, drops
-    /// the lowest routing probabilities).
+    /// Which pairs a capacity drops: `position`, each expert's last in token order (DeepSpeed's
+    /// and Megatron's `position`), the only policy autotp has (Megatron's default, `probs`,
+    /// drops the lowest routing probabilities).
     #[arg(long, value_enum, default_value = "position")]
     #[serde(default)]
     pub moe_token_drop_policy: TokenDropPolicy,
@@ -561,7 +561,6 @@ pub enum AttentionFlag {
     Unfused,
 }
 
-/// `--kernels`.
 /// `--moe-token-drop-policy`: which pairs past an expert's capacity are dropped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 pub enum TokenDropPolicy {
@@ -570,6 +569,7 @@ pub enum TokenDropPolicy {
     Position,
 }
 
+/// `--kernels`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 pub enum Kernels {
     Generated,

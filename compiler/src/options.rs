@@ -473,8 +473,8 @@ fn expert_parallel(flags: &CompileFlags) -> Result<(), CompileError> {
         );
     }
     if let Some(factor) = flags.moe_expert_capacity_factor {
-        if !(factor.is_finite() && factor > 0.0) {
-            refuse!("--moe-expert-capacity-factor {factor} must be a positive number");
+        if let Some(why) = autotp_passes::expert_dispatch::ExpertCapacity::factor_refused(factor) {
+            refuse!("{why}");
         }
         if flags.cp > 1 {
             refuse!(

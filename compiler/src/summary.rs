@@ -312,7 +312,7 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
             .to_string(),
     };
     let mut lines = Vec::new();
-    if let (Some(_), None) = (capacity_factor, plan.stages.iter().find_map(|p| expert_axis(&p.mesh))) {
+    if capacity_factor.is_some() && plan.stages.iter().all(|p| expert_axis(&p.mesh).is_none()) {
         lines.push(format!("  experts: {room} (by position in the sequence; every rank holds every expert)"));
     }
     for (s, program) in plan.stages.iter().enumerate() {

@@ -90,6 +90,12 @@ pub struct ExpertCapacity {
 }
 
 impl ExpertCapacity {
+    /// Why `factor` is no capacity factor, if it is not: one that is not a positive number.
+    pub fn factor_refused(factor: f64) -> Option<String> {
+        (!(factor.is_finite() && factor > 0.0))
+            .then(|| format!("--moe-expert-capacity-factor {factor} must be a positive number"))
+    }
+
     /// Each expert's room for one sequence's pairs, where tokens choose `choices` of `experts`.
     pub fn per_expert(&self, choices: usize, experts: usize) -> usize {
         let room = (self.factor * (self.sequence * choices) as f64 / experts.max(1) as f64).ceil();

@@ -234,8 +234,8 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, CompileError> {
     if request.micro_batches.is_empty() || request.micro_batches.contains(&0) {
         refuse!("--micro-batches must be at least 1");
     }
-    if let Some(factor) = request.moe_expert_capacity_factor.filter(|f| !(f.is_finite() && *f > 0.0)) {
-        refuse!("--moe-expert-capacity-factor {factor} must be a positive number");
+    if let Some(why) = request.moe_expert_capacity_factor.and_then(ExpertCapacity::factor_refused) {
+        refuse!("{why}");
     }
     let gpu = request.device != "cpu";
     let precision = request.precision.clone().unwrap_or_else(|| if gpu { "bf16" } else { "f32" }.to_string());
