@@ -68,6 +68,27 @@ pub struct PlanArgs {
     moe_expert_capacity_factor: Option<f64>,
 }
 
+/// `--json`: what the search knew of the model and the devices, and every layout considered.
+#[derive(serde::Serialize)]
+struct PlanDocument<'a> {
+    device: &'a autotp_compiler::layout_search::Device,
+    global_batch: usize,
+    layer_kinds: Vec<LayerKind>,
+    layers: usize,
+    layouts: &'a [Considered],
+    models: &'a BTreeMap<String, autotp_compiler::layout_search::Model>,
+    parameters: usize,
+    precision: &'a str,
+    seq_len: usize,
+}
+
+/// A kind of layer in `--json`: its first layer's number and how many layers are of it.
+#[derive(serde::Serialize)]
+struct LayerKind {
+    first: u64,
+    layers: usize,
+}
+
 /// Runs the search and prints it.
 pub fn run(args: &PlanArgs) -> Result<()> {
     if args.devices == 0 || args.seq_len == 0 || args.top == 0 {
@@ -234,13 +255,23 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
     }
     if let Some(path) = &args.json {
-        let layer_kinds: Vec<serde_json::Value> = (result.layer_kinds.iter())
-            .map(|(count, first)| serde_json::json!({"layers": count, "first": first}))
-            .collect();
-        let json = serde_json::json!({"device": device, "layers": layers, "layer_kinds": layer_kinds,
-            "parameters": result.parameters, "global_batch": global_batch, "seq_len": args.seq_len, "precision": precision, "models": result.models, "layouts": considered});
-        std::fs::write(path, serde_json::to_string_pretty(&json)?)
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        let document = PlanDocument {
+            device,
+            global_batch,
+            layer_kinds: result.layer_kinds.iter().map(|&(layers, first)| LayerKind { first, layers }).collect(),
+            layers,
+            layouts: considered,
+            models: &result.models,
+            parameters: result.parameters,
+            precision,
+            seq_len: args.seq_len,
+        };
+        // Written as it is serialised: the 70B search's 128,088 layouts held as one JSON value
+        // took 500 MB.
+        let file = std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?;
+        let mut out = std::io::BufWriter::new(file);
+        serde_json::to_writer_pretty(&mut out, &document)?;
+        std::io::Write::flush(&mut out).with_context(|| format!("cannot write {}", path.display()))?;
     }
     if fitting.is_empty() {
         // A failure to a script too, after the reasons above.
