@@ -242,6 +242,15 @@ fn plan_on_4_cpu_ranks(dir: &std::path::Path, model: &std::path::Path, search: &
     (printed, serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap())
 }
 
+/// The best layout `--verify` compiled whole, which must still fit, and its predicted peak
+/// over its compiled one.
+fn verified_best(layouts: &[serde_json::Value]) -> (&serde_json::Value, f64) {
+    let verified = layouts.iter().find(|l| l["compiled_peak"].is_number()).expect("the best compiled whole");
+    assert!(verified["prediction"].is_object(), "the best does not fit when compiled: {verified}");
+    let predicted = verified["prediction"]["memory"]["peak"].as_f64().unwrap();
+    (verified, predicted / verified["compiled_peak"].as_f64().unwrap())
+}
+
 /// Where a layout's predicted peak over its compiled one falls: ZB-H1's deferred weight
 /// gradients and interleaving's model chunks in flight are extrapolated from a cut compiled
 /// under plain 1F1B ([`Layout::in_flight`]), so their band is wider.
@@ -584,22 +593,18 @@ fn plan_lays_out_a_deepseek_v3_shaped_model_on_64_devices() {
     assert!(fitting("tp") > 0 && fitting("ep") > 0, "{out}");
     let past_limits = |why: &str| why.contains("expert matrices") && why.contains("more than 2^48 elements");
     assert!(layouts.iter().filter_map(|l| l["refused"].as_str()).any(past_limits), "{out}");
-    let verified = layouts.iter().find(|l| l["compiled_peak"].is_number()).expect("the best compiled whole");
-    assert!(verified["prediction"].is_object(), "the best does not fit when compiled: {verified}");
-    let ratio =
-        verified["prediction"]["memory"]["peak"].as_f64().unwrap() / verified["compiled_peak"].as_f64().unwrap();
+    let (verified, ratio) = verified_best(layouts);
     assert!(peak_band(&verified["layout"]).contains(&ratio), "predicted / compiled {ratio:.3}: {verified}");
 
     let capacity = ["--moe-expert-capacity-factor", "1"];
     let (out, json) = plan_json(&[&[model.to_str().unwrap()][..], &args, &search, &capacity].concat());
     let layouts = json["layouts"].as_array().unwrap();
     assert!(layouts.iter().all(|l| l["layout"]["cp"] == 1), "{out}");
-    let bounded = layouts.iter().find(|l| l["compiled_peak"].is_number()).expect("the best compiled whole");
+    let (bounded, ratio) = verified_best(layouts);
     assert!(bounded["layout"]["ep"].as_u64().unwrap() > 1, "the best is not expert-parallel: {bounded}");
     let step = |layout: &serde_json::Value| layout["prediction"]["step_seconds"].as_f64().unwrap();
     let (dropless_step, bounded_step) = (step(verified), step(bounded));
     println!("best step: dropless {dropless_step:.3} s, capacity 1 {bounded_step:.3} s");
     assert!(bounded_step < 0.5 * dropless_step, "capacity 1: {bounded_step:.3} s, dropless {dropless_step:.3} s");
-    let ratio = bounded["prediction"]["memory"]["peak"].as_f64().unwrap() / bounded["compiled_peak"].as_f64().unwrap();
     assert!(peak_band(&bounded["layout"]).contains(&ratio), "predicted / compiled {ratio:.3}: {bounded}");
 }

@@ -300,8 +300,8 @@ fn causal_work_line(order: SequenceOrder, seq_len: usize, cp: usize) -> String {
 fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
     use autotp_program::mesh::{expert_axis, CONTEXT_AXIS, DATA_AXIS};
     let capacity_factor = (plan.training.compile_flags.as_ref())
-        .and_then(|flags| flags.get("moe_expert_capacity_factor"))
-        .and_then(|factor| factor.as_f64());
+        .and_then(|recorded| crate::CompileFlags::from_recorded(recorded).ok())
+        .and_then(|flags| flags.moe_expert_capacity_factor);
     let room = match capacity_factor {
         Some(factor) => format!(
             "capacity factor {factor}: room for each expert's first ceil({factor} x S x k / E) pairs of each sequence, \
