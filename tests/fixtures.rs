@@ -54,6 +54,17 @@ fn logits_match_pytorch() {
     }
 }
 
+/// The Llama fixture in f64 throughout (tests/fixtures/llama_f64) gives PyTorch's f64 logits
+/// to f64's rounding, not f32's.
+#[test]
+fn f64_logits_match_pytorch_to_f64_rounding() {
+    let out = run("llama_f64", "model.onnx", &["input_ids"]);
+    let reference = read_npy(&fixture("llama_f64", "logits.npy"));
+    assert_eq!((out[0].dtype(), reference.dtype()), (autotp_ir::DType::F64, autotp_ir::DType::F64));
+    let (diff, scale) = max_abs_diff(&out[0], &reference);
+    assert!(diff <= 1e-13 * scale, "max |autotp - torch| = {diff:e}, reference max {scale}");
+}
+
 #[test]
 fn loss_matches_pytorch() {
     for arch in ARCHES {

@@ -342,6 +342,31 @@ fn llama_trains_like_pytorch() {
     train_matches_pytorch("llama");
 }
 
+/// An f64 model (tests/fixtures/llama_f64: the Llama fixture in f64 throughout, its norms,
+/// rotary tables and softmax too) on one rank and in four layouts, each within 1e-12 of
+/// PyTorch's f64 curve at every step: where f32's rounding allows 1e-3, f64's leaves no room
+/// for a real difference to hide. Mixed precision refuses it, naming a parameter.
+#[test]
+fn an_f64_model_trains_like_pytorch_to_f64_rounding() {
+    let layouts: [(usize, &[&str]); 5] = [
+        (8, &[]),
+        (8, &["--tp", "2"]),
+        (8, &["--pp", "2"]),
+        (4, &["--dp", "2", "--zero", "3"]),
+        (4, &["--dp", "2", "--tp", "2", "--sequence-parallel"]),
+    ];
+    for (micro_batch, flags) in layouts {
+        let label = format!("llama_f64 {}", flags.join(" "));
+        let (relative, _) = curve_against("llama_f64", "llama_f64_adamw.json", "tokens.bin", micro_batch, flags);
+        let worst = relative.iter().copied().fold(0f64, f64::max);
+        assert!(worst <= 1e-12, "{label}: {worst:.2e} from PyTorch's f64 curve (relative per step: {relative:?})");
+        println!("{label}: 30 steps within {worst:.1e} of PyTorch's f64 curve");
+    }
+    let out = autotp_train("llama_f64", &["--micro-batch", "8", "--steps", "1", "--precision", "bf16"]);
+    let stderr = failure(out);
+    assert!(stderr.contains("'m.model.embed_tokens.weight' is f64"), "{stderr}");
+}
+
 #[test]
 fn bad_training_input() {
     let model = fixture("gpt2", "model.onnx");

@@ -281,9 +281,10 @@ pub struct CompileFlags {
     #[arg(long = "moe-grouped-gemm", hide = true, overrides_with = "moe_grouped_gemm")]
     #[serde(skip)]
     pub moe_grouped_gemm_spelled: bool,
-    /// The parameters' and activations' type: f32, or bf16/fp16 mixed precision (16-bit
-    /// weights and activations, CUDA autocast's f32 ops, f32 master weights and moments in the
-    /// optimizer, as DeepSpeed's bf16/fp16 modes).
+    /// The parameters' and activations' type: f32 (the model's own: an f64 export trains in
+    /// f64), or bf16/fp16 mixed precision of an f32 model (16-bit weights and activations, CUDA
+    /// autocast's f32 ops, f32 master weights and moments in the optimizer, as DeepSpeed's
+    /// bf16/fp16 modes).
     #[arg(long, value_enum, default_value = "f32")]
     #[serde(default)]
     pub precision: Precision,

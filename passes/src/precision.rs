@@ -99,6 +99,13 @@ impl Pass for Precision {
         if !matches!(self.half, DType::BF16 | DType::F16) {
             return Err(invalid(format!("mixed precision is bf16 or f16, not {}", self.half)));
         }
+        if let Some(&wide) = graph.params().iter().find(|&&p| graph.ty(p).dtype == DType::F64) {
+            return Err(invalid(format!(
+                "mixed precision casts an f32 model's parameters, and '{}' is f64: export the model in f32, \
+                 or train it as it is with --precision f32",
+                graph.name_of(wide).unwrap_or("")
+            )));
+        }
         let retyped: BTreeMap<ValueId, Vec<(String, TensorType)>> = (graph.params().iter())
             .filter(|&&p| graph.ty(p).dtype == DType::F32)
             .map(|&p| {

@@ -343,8 +343,14 @@ impl TrainingPlan {
                     .product();
                 let mut rank_tokens = tokens.clone();
                 *rank_tokens.last_mut().expect("token shapes end with the sequence") /= context_split;
-                let (dtype, shape) =
-                    if feed.is_tokens() { (DType::I64, &rank_tokens[..]) } else { (DType::F32, &[][..]) };
+                // A scalar comes in the optimizer's arithmetic type: f64 for an f64 model.
+                let (dtype, shape) = if feed.is_tokens() {
+                    (DType::I64, &rank_tokens[..])
+                } else if slot.dtype == DType::F64 {
+                    (DType::F64, &[][..])
+                } else {
+                    (DType::F32, &[][..])
+                };
                 if slot.dtype != dtype || slot.shape != shape {
                     return Err(ProgramError::Plan(format!(
                         "input '{}' is {}{:?}; the trainer feeds it as {dtype}{shape:?}",
@@ -376,8 +382,8 @@ impl TrainingPlan {
         self.loss_stage()
             .outputs
             .iter()
-            .position(|s| &s.name == name && s.dtype == DType::F32 && s.numel() == 1)
-            .ok_or_else(|| ProgramError::Plan(format!("has no scalar f32 output '{name}' for the loss")))
+            .position(|s| &s.name == name && s.is_float_scalar())
+            .ok_or_else(|| ProgramError::Plan(format!("has no scalar f32 or f64 output '{name}' for the loss")))
     }
 
     /// Every parameter once, with the first stage holding it (a parameter two stages hold,
@@ -465,8 +471,8 @@ impl TrainingPlan {
         }
         let last = programs.last().expect("checked non-empty");
         let name = &self.training.loss_output;
-        if !last.outputs.iter().any(|s| &s.name == name && s.dtype == DType::F32 && s.numel() == 1) {
-            return Err(ProgramError::Plan(format!("'s evaluation program has no scalar f32 output '{name}'")));
+        if !last.outputs.iter().any(|s| &s.name == name && s.is_float_scalar()) {
+            return Err(ProgramError::Plan(format!("'s evaluation program has no scalar f32 or f64 output '{name}'")));
         }
         Ok(())
     }

@@ -56,6 +56,11 @@ impl Slot {
         self.shape.iter().product()
     }
 
+    /// One f32 or f64: a loss, or another scalar the trainer reports.
+    pub fn is_float_scalar(&self) -> bool {
+        self.numel() == 1 && matches!(self.dtype, DType::F32 | DType::F64)
+    }
+
     /// The `(dim, parts, index)` cuts that give a rank at `coords` its block.
     pub fn cuts(&self, mesh: &[MeshAxis], coords: &[usize]) -> Vec<(usize, usize, usize)> {
         self.placements

@@ -16,7 +16,7 @@ use std::time::Instant;
 use autotp_program::plan::Evaluation;
 use autotp_runtime::comm::{Communicator, LocalComm};
 
-use super::{first_f32, load_ranks, Programs, StepInputs, Trainer};
+use super::{load_ranks, scalar_value, Programs, StepInputs, Trainer};
 use crate::dataset::TrainingData;
 use crate::TrainError;
 
@@ -78,7 +78,7 @@ impl Trainer {
             let inputs = StepInputs { batch: &batch, lr: 0.0, step: self.completed + 1, loss_scale };
             let feeds = self.rank_feeds(self.evaluation.programs(), &inputs);
             let outputs = self.run_ranks(Programs::Evaluation, &feeds)?;
-            let mut loss = outputs.map_or(0.0, |outputs| first_f32(&outputs[loss_index]));
+            let mut loss = outputs.map_or(0.0, |outputs| scalar_value(&outputs[loss_index]));
             if let Some(job) = &self.processes {
                 let mut bytes = loss.to_le_bytes().to_vec();
                 job.broadcast(self.reporting_rank(), &mut bytes)?;

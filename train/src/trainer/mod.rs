@@ -605,12 +605,11 @@ impl Trainer {
             runs.iter().map(|r| 1.0 - r.busy().as_secs_f64() / length.max(f64::MIN_POSITIVE)).collect();
         // The loss and the step's other scalars, from the last stage's first rank.
         let program = self.stage_program(self.stages() - 1);
-        let scalar_outputs: Vec<usize> = (0..program.outputs.len())
-            .filter(|&i| program.outputs[i].numel() == 1 && program.outputs[i].dtype == DType::F32)
-            .collect();
+        let scalar_outputs: Vec<usize> =
+            (0..program.outputs.len()).filter(|&i| program.outputs[i].is_float_scalar()).collect();
         let mut values: Vec<f64> = match &outputs {
             Some(outputs) => {
-                let value = |i: usize| first_f32(&outputs[i]);
+                let value = |i: usize| scalar_value(&outputs[i]);
                 std::iter::once(self.loss_index).chain(scalar_outputs.iter().copied()).map(value).collect()
             }
             None => vec![0.0; 1 + scalar_outputs.len()],
@@ -667,26 +666,33 @@ impl Trainer {
                 .flat_map(|v| v.to_le_bytes())
                 .collect(),
         };
-        let scalar = |v: f32| HostTensor { dtype: DType::F32, shape: vec![], data: v.to_le_bytes().to_vec() };
-        let global = |feed: StepInput| match feed {
+        // A scalar in the type its input has: f32, or f64 in an f64 model's optimizer.
+        let scalar = |v: f64, dtype: DType| HostTensor {
+            dtype,
+            shape: vec![],
+            data: if dtype == DType::F64 { v.to_le_bytes().to_vec() } else { (v as f32).to_le_bytes().to_vec() },
+        };
+        let global = |feed: StepInput, dtype: DType| match feed {
             StepInput::InputIds => ids(&inputs.batch.input_ids),
             StepInput::Labels => match t.labels {
                 Labels::NextTokens => ids(&inputs.batch.labels),
                 Labels::InputIds => ids(&inputs.batch.input_ids),
             },
-            StepInput::Lr => scalar(inputs.lr as f32),
-            StepInput::Step => scalar(inputs.step as f32),
-            StepInput::LossScale => scalar(inputs.loss_scale.expect("a loss scale input has a scaler") as f32),
+            StepInput::Lr => scalar(inputs.lr, dtype),
+            StepInput::Step => scalar(inputs.step as f64, dtype),
+            StepInput::LossScale => scalar(inputs.loss_scale.expect("a loss scale input has a scaler"), dtype),
         };
-        let fed: std::collections::BTreeSet<StepInput> =
-            programs.iter().flat_map(|p| &p.inputs).filter_map(|slot| StepInput::from_name(&slot.name)).collect();
-        let globals: BTreeMap<StepInput, HostTensor> = fed.into_iter().map(|feed| (feed, global(feed))).collect();
+        let fed: std::collections::BTreeSet<(StepInput, DType)> = (programs.iter().flat_map(|p| &p.inputs))
+            .filter_map(|slot| StepInput::from_name(&slot.name).map(|feed| (feed, slot.dtype)))
+            .collect();
+        let globals: BTreeMap<(StepInput, DType), HostTensor> =
+            fed.into_iter().map(|(feed, dtype)| ((feed, dtype), global(feed, dtype))).collect();
         self.local_ranks()
             .map(|rank| {
                 (programs[self.topology.stage(rank)].inputs.iter())
                     .map(|slot| {
                         let feed = StepInput::from_name(&slot.name).expect("checked when the plan was loaded");
-                        let g = &globals[&feed];
+                        let g = &globals[&(feed, slot.dtype)];
                         HostTensor {
                             dtype: g.dtype,
                             shape: slot.shape.clone(),
@@ -898,9 +904,12 @@ fn rank_pools(ranks: usize, threads: usize) -> Result<Vec<rayon::ThreadPool>, Tr
         .collect()
 }
 
-/// The first f32 of an output (a scalar's value), as f64.
-fn first_f32(tensor: &HostTensor) -> f64 {
-    f32::from_le_bytes(tensor.data[..4].try_into().expect("a scalar f32 output")) as f64
+/// A scalar f32 or f64 output's value.
+fn scalar_value(tensor: &HostTensor) -> f64 {
+    match tensor.dtype {
+        DType::F64 => f64::from_le_bytes(tensor.data[..8].try_into().expect("a scalar f64 output")),
+        _ => f32::from_le_bytes(tensor.data[..4].try_into().expect("a scalar f32 output")) as f64,
+    }
 }
 
 /// Little-endian f64s.
