@@ -44,8 +44,8 @@ pub struct PrepareArgs {
     #[arg(long)]
     workers: Option<usize>,
     /// The end-of-document token appended to each document: a token of the tokenizer or an id
-    /// [default: `eos_token_id` of the config.json beside the tokenizer, else the tokenizer's
-    /// <|endoftext|>, </s>, <|end_of_text|> or <eos>].
+    /// (default: the `eos_token_id` of the config.json beside the tokenizer, else the
+    /// tokenizer's `<|endoftext|>`, `</s>`, `<|end_of_text|>` or `<eos>`).
     #[arg(long, value_name = "TOKEN|ID", conflicts_with = "no_eod")]
     eod: Option<String>,
     /// Append no end-of-document token.

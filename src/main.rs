@@ -58,7 +58,7 @@ enum Command {
         #[arg(long)]
         simplify: bool,
     },
-    /// Run a model's forward pass on CPU and write every graph output as DIR/<name>.npy.
+    /// Run a model's forward pass on CPU and write every graph output as DIR/NAME.npy.
     Infer {
         /// The ONNX model.
         model: PathBuf,

@@ -604,7 +604,7 @@ impl CompileFlags {
         flags
     }
 
-    /// Flags a plan recorded ([`TrainingConfig::compile_flags`]).
+    /// Flags a plan recorded ([`autotp_program::plan::TrainingConfig::compile_flags`]).
     pub fn from_recorded(value: &serde_json::Value) -> Result<CompileFlags, CompileError> {
         serde_json::from_value(value.clone())
             .map_err(|e| CompileError::Options(format!("the plan's recorded compile flags do not parse: {e}")))

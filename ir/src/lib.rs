@@ -4,7 +4,7 @@
 //!   [`TensorType`]s, a device [`Mesh`] and one [`Placement`] per value and mesh axis.
 //! - [`Op`]: the closed set of operations, each with typed attributes and a shape rule
 //!   (`shape_rules.rs`, by op family).
-//! - [`verify`]: checks every invariant and reports all violations.
+//! - [`mod@verify`]: checks every invariant and reports all violations.
 //! - [`text`]: the deterministic text format; `text::parse(&text::print(g)) == g`.
 //! - [`eval`]: the reference evaluator (constant folding, test oracles) over [`Tensor`]s.
 //! - [`lower::kernel_for`]: the builtin kernel that computes an op; codegen uses it too.

@@ -6,7 +6,7 @@
 //!   [`Refusal`] saying why not. The `fusion` pass asks it whether a group is legal (a group
 //!   is legal exactly when it builds), and codegen asks it for the kernel, so the two cannot
 //!   drift apart.
-//! - [`cross_entropy`]: a cross-entropy loss as its two kernels (per row, then the loss).
+//! - [`mod@cross_entropy`]: a cross-entropy loss as its two kernels (per row, then the loss).
 //! - [`index_rewrite`]: equality saturation (egg) over the kernels' index arithmetic, which
 //!   codegen runs on every kernel before it stores it.
 //! - [`split`]: a whole-tensor reduction as two kernels (partial sums over rows, then their

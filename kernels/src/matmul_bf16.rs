@@ -3,7 +3,7 @@
 //! pairs of bf16 elements exactly and adds both products into 16 f32 sums, twice the
 //! multiply-adds of an f32 FMA per instruction and half its operand bytes. The sums stay in f32
 //! over the whole `k` and are rounded to bf16 once, so a product is within one bf16 ulp of the
-//! f32 GEMM on the same (bf16) inputs that CPUs without the instruction run ([`gemm`] returns
+//! f32 GEMM on the same (bf16) inputs that CPUs without the instruction run ([`gemm()`] returns
 //! `false` there); the instruction treats subnormal inputs and sums as zero.
 //!
 //! Layout (as oneDNN's and llamafile's bf16 kernels): both operands are packed so the

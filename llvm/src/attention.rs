@@ -59,7 +59,7 @@ pub(crate) struct Buffers<'ctx> {
     pub lse: PointerValue<'ctx>,
     pub d_out: Option<PointerValue<'ctx>>,
     /// The position of each run's first query, where the queries come in runs that do not
-    /// start at 0 (a context-parallel rank's: [`AttentionDims::query_runs`]); i64s.
+    /// start at 0 (a context-parallel rank's: [`autotp_kernels::attention::AttentionDims::query_runs`]); i64s.
     pub query_start: Option<PointerValue<'ctx>>,
     /// The outputs of the backward: dq, dk, dv.
     pub grads: [Option<PointerValue<'ctx>>; 3],

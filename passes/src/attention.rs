@@ -39,7 +39,7 @@ use crate::{Pass, PassError};
 /// ways, a causal or sliding-window mask needs each query's position, which a rank holding
 /// some of them does not know: the op takes the queries as that many runs, with their first
 /// positions (`0, S/cp, ..`, an i64 constant) as its last operand, which split with the queries
-/// ([`autotp_kernels::attention::AttentionDims::query_runs`]; on one device the same causal
+/// (the attention kernel's `AttentionDims::query_runs`; on one device the same causal
 /// mask). With `load_balanced` it takes twice as many runs, one per chunk of Megatron's load
 /// balance (`crate::context_balance` arranges them).
 #[derive(Clone, Copy, Debug)]

@@ -120,7 +120,7 @@ fn written_or_removed(written: std::io::Result<()>, temporary: &Path, path: &Pat
 }
 
 /// The header metadata key of each tensor's CRC-32C (a JSON object of name -> checksum) that
-/// [`write`] records and [`TensorFile::verify`] checks.
+/// [`write()`] records and [`TensorFile::verify`] checks.
 pub const CHECKSUMS_KEY: &str = "autotp.crc32c";
 
 /// Writes `tensors` and string `metadata` as one safetensors file, atomically, with each
@@ -235,7 +235,7 @@ impl TensorFile {
         })
     }
 
-    /// Checks every tensor's bytes against the CRC-32C [`write`] recorded; names the first
+    /// Checks every tensor's bytes against the CRC-32C [`write()`] recorded; names the first
     /// tensor that differs. A file without checksums (one autotp did not write) passes.
     pub fn verify(&self) -> Result<(), ProgramError> {
         let Some(recorded) = self.metadata(CHECKSUMS_KEY) else { return Ok(()) };

@@ -43,7 +43,7 @@ fn one_chunk(layout: &Layout) -> Layout {
 /// recomputation, over one micro-batch (nothing accumulated) or, for a layout that accumulates,
 /// [`PIPELINE_CUT_MICRO_BATCHES`] (with 3, the first stage runs a forward after a backward: the
 /// steady state, where the gradients summed so far live beside the micro-batches in flight).
-/// Other counts of micro-batches differ by those in flight ([`PipelineModel::stage`]): one cut
+/// Other counts of micro-batches differ by those in flight ([`super::figures::PipelineModel::stage`]): one cut
 /// serves every pp, dp and ZeRO stage. None for a model of fewer than 4 layers of its modelled
 /// kind (the cut keeps up to 2 a stage, [`LayerKinds`]), whose stages are then slices of the
 /// one-stage cuts.

@@ -29,7 +29,7 @@ pub struct Figures {
     pub(super) inputs: f64,
     pub(super) gemm_flops: f64,
     /// The sum over GEMMs of their FLOPs per output row: a GEMM of few rows runs below the
-    /// device's rate ([`Device::gemm_half_rows`]).
+    /// device's rate ([`super::device::Device::gemm_half_rows`]).
     pub(super) gemm_flops_per_row: f64,
     pub(super) other_bytes: f64,
     /// Bytes sent per micro-batch by the collectives inside the step on axes other than cp:
@@ -232,7 +232,7 @@ impl ExpertShare {
 }
 
 /// The memory of pipeline stages, from the compiler's plans of a cut of 2 stages of 1 and of 2
-/// layers each ([`pipeline_cut`]: with 3 micro-batches the first stage holds 2 in flight, the
+/// layers each ([`super::cuts::pipeline_cut`]: with 3 micro-batches the first stage holds 2 in flight, the
 /// last one). They differ from slices of the one-stage program: the first holds the embedding
 /// (whole under tp) and its gradient's temporaries, a tied embedding is held and its gradient
 /// exchanged on both ends, each micro-batch's gradients are added into sums. More micro-batches

@@ -772,7 +772,7 @@ fn build_op(name: &str, a: &mut BTreeMap<String, Attr>) -> Result<Op, String> {
     })
 }
 
-/// Parses the text format. The result is not verified; call [`crate::verify`] for that.
+/// Parses the text format. The result is not verified; call [`crate::verify()`] for that.
 pub fn parse(text: &str) -> Result<Graph, ParseError> {
     let mut lexer = Lexer { src: text.as_bytes(), pos: 0, line: 1, line_start: 0 };
     let (tok, at) = lexer.next()?;

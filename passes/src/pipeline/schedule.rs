@@ -10,7 +10,7 @@
 //! the orders against the chunks' costs (it is also the proof that no order waits forever).
 //!
 //! Built from the imported graph with its `loss` (before autodiff):
-//! 1. [`partition`](super::partition) cuts the forward pass; stage `s` gets a forward graph of its
+//! 1. [`partition`] cuts the forward pass; stage `s` gets a forward graph of its
 //!    nodes, reading the activation crossing the cut before it as the input `pipe.in` and
 //!    giving the one crossing the cut after it as the output `pipe.out` (the last stage gives
 //!    the loss). Values computed from constants and parameters alone (position ids, masks) are
@@ -269,7 +269,7 @@ pub fn bubble_fraction(stages: usize, virtual_stages: usize, micro_batches: usiz
     (stages - 1) as f64 / (virtual_stages * micro_batches + stages - 1) as f64
 }
 
-/// A stage's work per micro-batch by the partition's cost model ([`time_cost`]).
+/// A stage's work per micro-batch by the partition's cost model ([`super::time_cost`]).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChunkCosts {
     pub forward: u64,

@@ -544,7 +544,7 @@ pub(crate) unsafe fn run_chunks(entry: CpuKernel, scalars: &[*mut u8], chunks: &
 /// arena; then the 16-bit copies of the tile's new masters.
 ///
 /// # Safety
-/// As [`run_chunks`]; `tile` is laid out in `buffer` as [`crate::nvme::Layout`] says.
+/// As [`run_chunks`]; `tile` is laid out in `buffer` as [`autotp_program::offload::Layout`] says.
 #[allow(clippy::too_many_arguments)]
 unsafe fn update_tile(
     entry: CpuKernel,

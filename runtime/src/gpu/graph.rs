@@ -1,6 +1,6 @@
 //! `--cuda-graph`: a device's steps after the first as one CUDA graph. The first step runs as
 //! usual (cuBLAS and NCCL set themselves up outside any capture), the second is captured
-//! ([`Gpu::begin_capture`] ... [`Gpu::end_capture`]) and replayed, and every later step is the
+//! ([`super::Gpu::begin_capture`] ... [`super::Gpu::end_capture`]) and replayed, and every later step is the
 //! replay alone: the host issues one launch per step. A program whose step copies through the
 //! host or waits on it cannot be one graph ([`capture_blocker`]); asking for it is refused.
 

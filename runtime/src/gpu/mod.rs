@@ -367,7 +367,7 @@ pub struct GpuDevice {
     /// instruction that needs the host.
     graph: StepGraph,
     capture_blocker: Option<String>,
-    /// The bytes this rank's NCCL collectives sent, counted as [`CommBytes`] counts them, and
+    /// The bytes this rank's NCCL collectives sent, counted as [`autotp_program::mesh::CommBytes`] counts them, and
     /// those its host communicator sent while the communicators were made.
     pub(crate) nccl_sent: autotp_program::mesh::CommBytes,
     pub(crate) bootstrap_sent: autotp_program::mesh::CommBytes,

@@ -137,7 +137,7 @@ impl Trainer {
         Trainer::build(plan, weights, seed, None, None)
     }
 
-    /// Loads `plan` on GPUs (see [`crate::gpu`]): every rank a thread of this process, each
+    /// Loads `plan` on GPUs (see [`autotp_runtime::gpu`]): every rank a thread of this process, each
     /// with its own streams and arena on the GPU `gpu` names.
     pub fn on_gpu(
         plan: TrainingPlan,
@@ -336,7 +336,7 @@ impl Trainer {
         &self.programs[self.topology.stage(rank)]
     }
 
-    /// Times the ranks' steps by `clock` from now on (see [`crate::clock`]). The CPU clock
+    /// Times the ranks' steps by `clock` from now on (see [`autotp_runtime::clock`]). The CPU clock
     /// times pipeline stages of one rank each, and gives each rank one kernel thread.
     pub fn set_clock(&mut self, clock: Clock) -> Result<(), TrainError> {
         if clock == Clock::Cpu {
