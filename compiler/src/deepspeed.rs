@@ -411,7 +411,8 @@ mod tests {
     /// gives too must agree with the file.
     #[test]
     fn a_deepspeed_config_gives_compile_flags() {
-        let path = std::env::temp_dir().join(format!("autotp-ds-{}.json", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let path = scratch.path().join("ds_config.json");
         let config = serde_json::json!({
             "train_micro_batch_size_per_gpu": 4,
             "gradient_accumulation_steps": 2,
@@ -435,6 +436,5 @@ mod tests {
         };
         let refused = refused.to_string();
         assert!(refused.contains("--zero 3 on the command line contradicts zero_optimization.stage = 2"), "{refused}");
-        std::fs::remove_file(&path).unwrap();
     }
 }

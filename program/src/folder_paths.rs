@@ -51,7 +51,8 @@ mod tests {
 
     #[test]
     fn locations_inside_their_folder_resolve_and_others_are_refused() {
-        let root = std::env::temp_dir().join(format!("autotp-folder-paths-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let root = scratch.path();
         let folder = root.join("model");
         std::fs::create_dir_all(folder.join("weights")).unwrap();
         std::fs::write(folder.join("weights/data.bin"), b"ok").unwrap();
@@ -65,12 +66,11 @@ mod tests {
         assert_eq!(inside_folder(&folder, "../../../../etc/passwd"), Err(climbs.clone()));
         assert_eq!(inside_folder(&folder, "weights/../../secret"), Err(climbs));
         std::os::unix::fs::symlink(root.join("secret"), folder.join("link.bin")).unwrap();
-        std::os::unix::fs::symlink(&root, folder.join("up")).unwrap();
+        std::os::unix::fs::symlink(root, folder.join("up")).unwrap();
         for linked in ["link.bin", "up/secret"] {
             let refused = inside_folder(&folder, linked).unwrap_err();
             assert!(matches!(refused, OutsideFolder::Linked { .. }), "{linked}: {refused:?}");
             assert!(refused.to_string().contains("secret") && refused.to_string().contains("outside"), "{refused}");
         }
-        std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -285,9 +285,8 @@ mod tests {
 
     #[test]
     fn a_flipped_byte_is_found_by_its_tensor_checksum() {
-        let dir = std::env::temp_dir().join(format!("autotp-tensor-file-crc-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("t.safetensors");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
         let (a, b) = ([1u8, 2, 3, 4], [5u8; 8]);
         let tensors = [
             TensorRef { name: "a".into(), dtype: DType::U8, shape: vec![4], bytes: &a },
@@ -300,14 +299,12 @@ mod tests {
         std::fs::write(&path, bytes).unwrap();
         let err = TensorFile::open(&path).unwrap().verify().unwrap_err().to_string();
         assert!(err.contains("t.safetensors: is damaged: tensor '") && err.contains("has CRC-32C"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn round_trip_with_metadata() {
-        let dir = std::env::temp_dir().join(format!("autotp-tensor-file-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("t.safetensors");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
         let a: Vec<u8> = [1f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         let b: Vec<u8> = vec![1, 0, 1];
         let tensors = [

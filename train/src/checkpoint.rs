@@ -594,8 +594,8 @@ mod tests {
     /// blocks it spans, and a block the stored ones do not cover is refused.
     #[test]
     fn blocks_read_across_the_stored_blocks() {
-        let dir = std::env::temp_dir().join(format!("autotp-read-block-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("checkpoint");
         let global: Vec<f32> = (0..24).map(|v| v as f32).collect();
         let columns =
             |first: usize| f32_bytes((0..4).flat_map(|r| (first..first + 3).map(move |c| (r * 6 + c) as f32)));
@@ -616,6 +616,5 @@ mod tests {
         assert_eq!(whole, f32_bytes(global.iter().copied()));
         // Columns 4..7 of a 4 x 7 view: column 6 was never stored.
         assert!(checkpoint.read_block("w", &[4, 7], &[0, 4], &[4, 3], &mut [0u8; 12 * 4]).is_none());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -145,17 +145,19 @@ impl TokenData {
 mod tests {
     use super::*;
 
-    fn write(name: &str, bytes: &[u8]) -> PathBuf {
-        let path = std::env::temp_dir().join(format!("autotp-data-{}-{name}", std::process::id()));
-        std::fs::write(&path, bytes).unwrap();
-        path
+    /// A token file of `bytes`, removed when dropped.
+    fn write(bytes: &[u8]) -> tempfile::NamedTempFile {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut file, bytes).unwrap();
+        file
     }
 
     #[test]
     fn windows_follow_the_contract() {
         // 11 tokens 0..=10, S = 3: W = (11 - 1) / 3 = 3 windows starting at 0, 3, 6.
         let bytes: Vec<u8> = (0u16..11).flat_map(|t| t.to_le_bytes()).collect();
-        let data = TokenData::open(&write("ok", &bytes), TokenDtype::U16, 3).unwrap();
+        let file = write(&bytes);
+        let data = TokenData::open(file.path(), TokenDtype::U16, 3).unwrap();
         assert_eq!((data.tokens(), data.windows()), (11, 3));
         let b0 = data.batch(0, 2);
         assert_eq!(b0.input_ids, vec![0, 1, 2, 3, 4, 5]);
@@ -169,17 +171,18 @@ mod tests {
     #[test]
     fn u32_tokens() {
         let bytes: Vec<u8> = [70000u32, 1, 2, 3].iter().flat_map(|t| t.to_le_bytes()).collect();
-        let data = TokenData::open(&write("u32", &bytes), TokenDtype::U32, 3).unwrap();
+        let file = write(&bytes);
+        let data = TokenData::open(file.path(), TokenDtype::U32, 3).unwrap();
         assert_eq!(data.batch(0, 1).input_ids, vec![70000, 1, 2]);
     }
 
     #[test]
     fn clear_errors() {
         let short: Vec<u8> = (0u16..4).flat_map(|t| t.to_le_bytes()).collect();
-        let err = TokenData::open(&write("short", &short), TokenDtype::U16, 4).err().unwrap().to_string();
+        let err = TokenData::open(write(&short).path(), TokenDtype::U16, 4).err().unwrap().to_string();
         assert!(err.contains("holds 4 tokens, fewer than one window of seq-len + 1 = 5"), "{err}");
         let odd = [0u8; 6];
-        let err = TokenData::open(&write("odd", &odd), TokenDtype::U32, 1).err().unwrap().to_string();
+        let err = TokenData::open(write(&odd).path(), TokenDtype::U32, 1).err().unwrap().to_string();
         assert!(
             err.contains("is 6 bytes, not a whole number of u32 tokens (4 bytes each): is --data-dtype right?"),
             "{err}"

@@ -346,8 +346,8 @@ mod tests {
     use crate::indexed::{IndexedDtype, IndexedWriter};
 
     /// Documents of distinct tokens: document d holds d*100 + 0..len.
-    fn dataset(name: &str, lengths: &[u32]) -> Result<PathBuf, DataError> {
-        let prefix = std::env::temp_dir().join(format!("autotp-dataset-{}-{name}", std::process::id()));
+    fn dataset(dir: &tempfile::TempDir, name: &str, lengths: &[u32]) -> Result<PathBuf, DataError> {
+        let prefix = dir.path().join(name);
         let mut writer = IndexedWriter::create(&prefix, IndexedDtype::U16)?;
         for (d, &len) in lengths.iter().enumerate() {
             writer.add_document(&(0..len).map(|t| d as u32 * 100 + t).collect::<Vec<_>>())?;
@@ -358,7 +358,8 @@ mod tests {
 
     #[test]
     fn samples_cover_each_epoch_once_and_follow_the_seed() -> Result<(), DataError> {
-        let prefix = dataset("epochs", &[7, 3, 12, 5])?;
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dataset(&dir, "epochs", &[7, 3, 12, 5])?;
         let spec = prefix.display().to_string();
         let data = TrainingData::open(&spec, TokenDtype::U16, 4, 1, None, 0)?;
         // 27 tokens: (27 - 1) / 4 = 6 samples of 5 tokens per epoch.
@@ -399,8 +400,9 @@ mod tests {
         );
         assert_eq!(Split::parse("8,2")?.range(1, 10), (8, 10));
         assert!(Split::parse("a,b").is_err() && Split::parse("0,0").is_err());
-        let a = dataset("blend-a", &[40; 10])?;
-        let b = dataset("blend-b", &[40; 10])?;
+        let dir = tempfile::tempdir().unwrap();
+        let a = dataset(&dir, "blend-a", &[40; 10])?;
+        let b = dataset(&dir, "blend-b", &[40; 10])?;
         let spec = format!("0.25 {} 0.75 {}", a.display(), b.display());
         let data = TrainingData::open(&spec, TokenDtype::U16, 8, 0, None, 0)?;
         let TrainingData::Indexed(blend) = &data else { panic!("a blend is indexed data") };

@@ -294,7 +294,8 @@ mod tests {
 
     #[test]
     fn documents_round_trip_in_megatrons_layout() -> Result<(), DataError> {
-        let prefix = std::env::temp_dir().join(format!("autotp-indexed-{}", std::process::id()));
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("indexed");
         let mut writer = IndexedWriter::create(&prefix, IndexedDtype::U16)?;
         writer.add_document(&[5, 6, 7])?;
         writer.add_document(&[])?;
