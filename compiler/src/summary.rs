@@ -15,8 +15,32 @@ use autotp_program::{Instruction, Program, HOST_POOL};
 /// The plan in a few lines: step shape, parameters, memory by category (rank 0's `report`; a
 /// table by stage with a pipeline), kernels, communication.
 pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
+    let mut lines = step_lines(plan);
+    if plan.training.pipeline.is_some() {
+        lines.extend(pipeline_table(plan, report));
+    } else {
+        lines.extend(memory_table(plan, report));
+    }
+    lines.extend(param_offload_lines(plan));
+    if let Some(r) = &plan.training.recompute {
+        lines.extend(recompute_lines(plan, r));
+    }
+    if let Some(nvme) = &plan.training.nvme {
+        lines.extend(nvme_lines(plan, nvme));
+    }
+    lines.push(instructions_line(plan));
+    lines.extend(idle_gpu_lines(plan));
+    lines.extend(communication_line(plan, report));
+    lines.extend(context_parallel_lines(plan));
+    lines.extend(expert_parallel_lines(plan));
+    lines.push(validation_line(&plan.evaluation));
+    lines.push(format!("  fingerprint: {}", plan.fingerprint()));
+    lines.join("\n") + "\n"
+}
+
+/// The plan's model, the step's shape and layout, the parameters and the padding rows.
+fn step_lines(plan: &TrainingPlan) -> Vec<String> {
     let p = &plan.stages[0];
-    let rank = &report.ranks[0];
     let t = &plan.training;
     let params: Vec<&autotp_program::Slot> = plan.params().into_iter().map(|(_, slot)| slot).collect();
     let numel = |slots: &[&autotp_program::Slot]| slots.iter().map(|s| s.numel()).sum::<usize>();
@@ -64,81 +88,101 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
         };
         lines.push(format!("  padding row: {} row {} gets no gradient ({why})", padding.table, padding.row));
     }
-    let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    if let Some(pipeline) = &t.pipeline {
-        let interleaved = if pipeline.virtual_stages > 1 {
-            format!(" x {} model chunks per stage (interleaved)", pipeline.virtual_stages)
-        } else {
-            String::new()
-        };
-        lines.push(format!(
-            "  pipeline: {} stages{interleaved}, {} schedule ({} backward) over {} micro-batches; bubble {} = {:.1}% \
-             of a step",
-            plan.stages.len(),
-            pipeline.schedule,
-            pipeline.backward,
-            t.grad_accum,
-            pipeline.bubble_formula(),
-            100.0 * pipeline.bubble_fraction
-        ));
-        lines.push(format!(
-            "  {:<6} {:>14} {:>7} {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
-            "stage",
-            "forward FLOPs",
-            "idle",
-            "parameters",
-            "optimizer",
-            "activations peak",
-            "arena",
-            "in flight",
-            "sent/step"
-        ));
-        for (s, (program, rank)) in plan.stages.iter().zip(report.ranks.iter().step_by(stage_size)).enumerate() {
-            let m = &program.memory;
-            lines.push(format!(
-                "  {s:<6} {:>14} {:>6.1}% {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
-                grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
-                100.0 * pipeline.planned_idle(s),
-                grouped(m.params_bytes),
-                grouped(m.states_bytes + offloaded_states_bytes(program)),
-                grouped(m.activations_peak_bytes),
-                grouped(m.arena_bytes),
-                rank.micro_batches_in_flight,
-                grouped(rank.comm_bytes_per_step.send)
-            ));
-        }
-        lines.push(
-            "  (bytes per rank of each stage; idle: the share of a step the schedule leaves the stage idle, \
-             by the cost model)"
-                .to_string(),
-        );
+    lines
+}
+
+/// With a pipeline: its schedule and bubble, and a table of each stage's FLOPs, idle share and
+/// bytes per rank.
+fn pipeline_table(plan: &TrainingPlan, report: &Report) -> Vec<String> {
+    let t = &plan.training;
+    let Some(pipeline) = &t.pipeline else { return Vec::new() };
+    let stage_size: usize = plan.stages[0].mesh.iter().map(|a| a.size).product();
+    let mut lines = Vec::new();
+    let interleaved = if pipeline.virtual_stages > 1 {
+        format!(" x {} model chunks per stage (interleaved)", pipeline.virtual_stages)
     } else {
-        let m = &p.memory;
-        let offloaded_label = match t.nvme {
-            Some(_) => "optimizer state offloaded (NVMe file)",
-            None => "optimizer state offloaded (host pool)",
-        };
-        lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
-        let mut rows = vec![("parameters", m.params_bytes)];
-        let in_file = params_in_file_bytes(p);
-        if m.offloaded_params_bytes > in_file {
-            rows.push(("parameters offloaded (host pool)", m.offloaded_params_bytes - in_file));
-        }
-        if in_file > 0 {
-            rows.push(("parameters offloaded (NVMe file)", in_file));
-        }
-        for (what, bytes) in rows.into_iter().chain([
-            ("optimizer state", m.states_bytes),
-            (offloaded_label, offloaded_states_bytes(p)),
-            ("gradients (inside activations)", rank.grads_bytes),
-            ("activations peak (with gradients)", m.activations_peak_bytes),
-            ("inputs", m.inputs_bytes),
-            ("constants", m.constants_bytes),
-            ("total arena", m.arena_bytes),
-        ]) {
-            lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
-        }
+        String::new()
+    };
+    lines.push(format!(
+        "  pipeline: {} stages{interleaved}, {} schedule ({} backward) over {} micro-batches; bubble {} = {:.1}% \
+         of a step",
+        plan.stages.len(),
+        pipeline.schedule,
+        pipeline.backward,
+        t.grad_accum,
+        pipeline.bubble_formula(),
+        100.0 * pipeline.bubble_fraction
+    ));
+    lines.push(format!(
+        "  {:<6} {:>14} {:>7} {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
+        "stage",
+        "forward FLOPs",
+        "idle",
+        "parameters",
+        "optimizer",
+        "activations peak",
+        "arena",
+        "in flight",
+        "sent/step"
+    ));
+    for (s, (program, rank)) in plan.stages.iter().zip(report.ranks.iter().step_by(stage_size)).enumerate() {
+        let m = &program.memory;
+        lines.push(format!(
+            "  {s:<6} {:>14} {:>6.1}% {:>12} {:>14} {:>16} {:>14} {:>10} {:>14}",
+            grouped(pipeline.stage_flops.get(s).copied().unwrap_or(0) as usize),
+            100.0 * pipeline.planned_idle(s),
+            grouped(m.params_bytes),
+            grouped(m.states_bytes + offloaded_states_bytes(program)),
+            grouped(m.activations_peak_bytes),
+            grouped(m.arena_bytes),
+            rank.micro_batches_in_flight,
+            grouped(rank.comm_bytes_per_step.send)
+        ));
     }
+    lines.push(
+        "  (bytes per rank of each stage; idle: the share of a step the schedule leaves the stage idle, \
+         by the cost model)"
+            .to_string(),
+    );
+    lines
+}
+
+/// Without a pipeline: rank 0's memory by category.
+fn memory_table(plan: &TrainingPlan, report: &Report) -> Vec<String> {
+    let (p, rank, t) = (&plan.stages[0], &report.ranks[0], &plan.training);
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let mut lines = Vec::new();
+    let m = &p.memory;
+    let offloaded_label = match t.nvme {
+        Some(_) => "optimizer state offloaded (NVMe file)",
+        None => "optimizer state offloaded (host pool)",
+    };
+    lines.push(format!("  {:<40} {:>15} {:>10}", "memory (per rank)", "bytes", "MiB"));
+    let mut rows = vec![("parameters", m.params_bytes)];
+    let in_file = params_in_file_bytes(p);
+    if m.offloaded_params_bytes > in_file {
+        rows.push(("parameters offloaded (host pool)", m.offloaded_params_bytes - in_file));
+    }
+    if in_file > 0 {
+        rows.push(("parameters offloaded (NVMe file)", in_file));
+    }
+    for (what, bytes) in rows.into_iter().chain([
+        ("optimizer state", m.states_bytes),
+        (offloaded_label, offloaded_states_bytes(p)),
+        ("gradients (inside activations)", rank.grads_bytes),
+        ("activations peak (with gradients)", m.activations_peak_bytes),
+        ("inputs", m.inputs_bytes),
+        ("constants", m.constants_bytes),
+        ("total arena", m.arena_bytes),
+    ]) {
+        lines.push(format!("  {what:<40} {:>15} {:>10.2}", grouped(bytes), mib(bytes)));
+    }
+    lines
+}
+
+/// Each stage's ZeRO-3 parameter offload: where the shards lie and what the step reads.
+fn param_offload_lines(plan: &TrainingPlan) -> Vec<String> {
+    let mut lines = Vec::new();
     for (s, swap) in param_swaps(plan) {
         let m = &plan.stages[s].memory;
         let stage = if plan.stages.len() > 1 { format!(" (stage {s})") } else { String::new() };
@@ -170,12 +214,11 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
             grouped(m.param_fetch_bytes)
         ));
     }
-    if let Some(r) = &plan.training.recompute {
-        lines.extend(recompute_lines(plan, r));
-    }
-    if let Some(nvme) = &plan.training.nvme {
-        lines.extend(nvme_lines(plan, nvme));
-    }
+    lines
+}
+
+/// The instructions by kernel (or collective), most frequent first.
+fn instructions_line(plan: &TrainingPlan) -> String {
     let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
     let instructions = plan.stages.iter().flat_map(|p| p.instructions.iter().map(move |i| (p, i)));
     for (program, instruction) in instructions {
@@ -195,30 +238,30 @@ pub fn summary(plan: &TrainingPlan, report: &Report) -> String {
     by_count.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let listed: Vec<String> = by_count.iter().map(|(k, n)| format!("{k} {n}")).collect();
     let count: usize = plan.stages.iter().map(|p| p.instructions.len()).sum();
-    lines.push(format!("  instructions: {count} ({})", listed.join(", ")));
-    lines.extend(idle_gpu_lines(plan));
-    if !p.mesh.is_empty() {
-        let c = &rank.comm_bytes_per_step;
-        // The exchanges only some layouts make: expert and Ulysses all-to-alls, the ring's shifts.
-        let exchanges: String = [(", all-to-all", c.all_to_all), (", ring", c.ring_shift)]
-            .iter()
-            .filter(|&&(_, bytes)| bytes > 0)
-            .map(|&(name, bytes)| format!("{name} {}", grouped(bytes)))
-            .collect();
-        lines.push(format!(
-            "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}{exchanges}; staging {}; peak {}",
-            grouped(c.all_reduce),
-            grouped(c.reduce_scatter),
-            grouped(c.all_gather),
-            grouped(rank.comm_buffer_bytes),
-            grouped(rank.peak_bytes)
-        ));
+    format!("  instructions: {count} ({})", listed.join(", "))
+}
+
+/// The bytes rank 0 sends per step by collective kind, its staging and peak (none on one rank).
+fn communication_line(plan: &TrainingPlan, report: &Report) -> Option<String> {
+    let rank = &report.ranks[0];
+    if plan.stages[0].mesh.is_empty() {
+        return None;
     }
-    lines.extend(context_parallel_lines(plan));
-    lines.extend(expert_parallel_lines(plan));
-    lines.push(validation_line(&plan.evaluation));
-    lines.push(format!("  fingerprint: {}", plan.fingerprint()));
-    lines.join("\n") + "\n"
+    let c = &rank.comm_bytes_per_step;
+    // The exchanges only some layouts make: expert and Ulysses all-to-alls, the ring's shifts.
+    let exchanges: String = [(", all-to-all", c.all_to_all), (", ring", c.ring_shift)]
+        .iter()
+        .filter(|&&(_, bytes)| bytes > 0)
+        .map(|&(name, bytes)| format!("{name} {}", grouped(bytes)))
+        .collect();
+    Some(format!(
+        "  communication per rank per step (bytes sent): all-reduce {}, reduce-scatter {}, all-gather {}{exchanges}; staging {}; peak {}",
+        grouped(c.all_reduce),
+        grouped(c.reduce_scatter),
+        grouped(c.all_gather),
+        grouped(rank.comm_buffer_bytes),
+        grouped(rank.peak_bytes)
+    ))
 }
 
 /// The summary's lines on context parallelism (`--cp`), one per stage: how each sequence is
