@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use autotp_frontend::ImportOptions;
 use autotp_ir::{Graph, Op, Tensor};
 use autotp_passes::autodiff::{Autodiff, GRAD_PREFIX};
-use autotp_passes::expert_dispatch::{DispatchExperts, DispatchLayout};
+use autotp_passes::expert_dispatch::{DispatchExperts, DispatchLayout, DropPolicy};
 use autotp_passes::{Pass, PassManager};
 
 use crate::common::{fixture, losses, max_abs_diff, read_npy, run_plan};
@@ -347,16 +347,16 @@ fn expert_parallelism_refuses_layouts_it_does_not_build() {
     assert!(message.contains("it must divide --dp 6"), "{message}");
     let message = compile_model("llama", &["--dp", "2", "--ep", "2"]);
     assert!(message.contains("this model has none"), "{message}");
-    // A capacity counts each sequence's pairs: it needs a mixture, whole sequences on each rank
-    // and a positive factor; Megatron's default drop policy is not autotp's.
+    // A capacity counts each sequence's pairs: it needs a mixture, whole sequences on each rank,
+    // a positive factor and one of Megatron's drop policies.
     let message = compile_model("llama", &["--moe-expert-capacity-factor", "1"]);
     assert!(message.contains("--moe-expert-capacity-factor 1 is for a mixture of experts"), "{message}");
     let message = compile(&["--dp", "2", "--ep", "2", "--cp", "2", "--moe-expert-capacity-factor", "1"]);
     assert!(message.contains("--cp 2 splits each sequence"), "{message}");
     let message = compile(&["--moe-expert-capacity-factor", "0"]);
     assert!(message.contains("--moe-expert-capacity-factor 0 must be a positive number"), "{message}");
-    let message = compile(&["--moe-expert-capacity-factor", "1", "--moe-token-drop-policy", "probs"]);
-    assert!(message.contains("'probs'") && message.contains("position"), "{message}");
+    let message = compile(&["--moe-expert-capacity-factor", "1", "--moe-token-drop-policy", "random"]);
+    assert!(message.contains("'random'") && message.contains("position, probs"), "{message}");
     // Megatron's other MoE flags: padding to the capacity needs one; the dispatch is all-to-all.
     let message = compile(&["--moe-pad-expert-input-to-capacity"]);
     assert!(message.contains("it needs --moe-expert-capacity-factor"), "{message}");
@@ -490,8 +490,8 @@ fn expert_parallel_all_to_alls_send_what_the_routing_sends() {
     assert_eq!(all_to_all_sent(&stderr), [bytes(hidden + 1 + hidden), bytes(hidden + 2 + hidden)], "{stderr}");
 }
 
-/// `--moe-expert-capacity-factor` (Megatron's, with its `position` policy, counted per
-/// sequence): on expert_dispatch.ir's mixture (top-2 of 4 experts, 4 tokens in 2 sequences of 2)
+/// `--moe-expert-capacity-factor` (Megatron's, counted per sequence) with its `position`
+/// policy: on expert_dispatch.ir's mixture (top-2 of 4 experts, 4 tokens in 2 sequences of 2)
 /// with a factor of 1, each expert takes ceil(1 x 2 x 2 / 4) = 1 pair of each sequence, the
 /// first in token order. Both tokens of each sequence are the same, so they choose the same two
 /// experts and the second token's pairs are dropped. The output is what the undispatched model's
@@ -499,20 +499,55 @@ fn expert_parallel_all_to_alls_send_what_the_routing_sends() {
 /// the router's choices on their own; over 2 expert-parallel ranks it is the same.
 #[test]
 fn a_capacity_drops_each_experts_pairs_past_its_room_in_token_order() {
+    let x_row = [0.3f32, -1.2, 0.8, -0.5, 0.9, 0.1];
+    let x = [&x_row[..3], &x_row[..3], &x_row[3..], &x_row[3..]].concat();
+    let dropped = capacity_case(&x, DropPolicy::Position);
+    assert_eq!(dropped, [2, 3, 6, 7], "the second token of each sequence repeats the first's choices");
+}
+
+/// The same with Megatron's `probs` policy: of the pairs a sequence routes to an expert, it
+/// keeps the one of the largest routing weight. The two tokens of each sequence differ here and
+/// share an expert, and the pair dropped is not always the later one: the policies differ.
+#[test]
+fn a_probs_capacity_keeps_each_experts_pairs_of_the_largest_weights() {
+    let x = [0.3f32, -1.2, 0.8, 0.9, -0.4, 0.2, -0.5, 0.9, 0.1, 0.7, 0.3, -0.8];
+    let by_weight = capacity_case(&x, DropPolicy::Probability);
+    let by_position = capacity_case(&x, DropPolicy::Position);
+    assert!(!by_weight.is_empty(), "the tokens of a sequence share an expert");
+    assert_ne!(by_weight, by_position, "the policies drop different pairs of this input");
+    println!("dropped by weight {by_weight:?}, by position {by_position:?}");
+    // A mixture whose pairs' results no routing weight multiplies has nothing to rank them by.
+    let text = std::fs::read_to_string(crate::common::repo().join("tests/golden/expert_dispatch.ir")).unwrap();
+    let unweighted = text.split_once("# expect:\n").unwrap().0.replace("%15 = mul %13, %14", "%15 = relu %13");
+    let mut graph = autotp_ir::text::parse(&unweighted).unwrap();
+    let capacity =
+        autotp_passes::expert_dispatch::ExpertCapacity { sequence: 2, factor: 1.0, policy: DropPolicy::Probability };
+    let layout = DispatchLayout { ranks: 2, outer: 1, inner: 1 };
+    let message = DispatchExperts { layout, capacity: Some(capacity) }.run(&mut graph).unwrap_err().to_string();
+    assert!(message.contains("ranks each expert's pairs by their routing weights"), "{message}");
+}
+
+/// Runs expert_dispatch.ir's mixture on `x` (4 tokens of 3, two sequences of two) with a
+/// capacity factor of 1 under `policy`, on one rank and over 2, against its undispatched
+/// per-pair results summed over the pairs the policy keeps, counted here from the router's
+/// choices and weights on their own; returns the dropped pairs.
+fn capacity_case(x: &[f32], policy: DropPolicy) -> Vec<usize> {
     use autotp_passes::expert_dispatch::ExpertCapacity;
     let text = std::fs::read_to_string(crate::common::repo().join("tests/golden/expert_dispatch.ir")).unwrap();
     let original = autotp_ir::text::parse(text.split_once("# expect:\n").unwrap().0).unwrap();
-    // The choices (the lookups' ids) and the per-pair results (what the sum over choices reads).
+    // The choices (the lookups' ids), their weights (the router's top-k values) and the
+    // per-pair results (what the sum over choices reads).
     let ids = (original.nodes()).find(|(_, n)| matches!(n.op, Op::Gather { axis: 0 })).unwrap().1.inputs[1];
+    let top_k = original.nodes().find(|(_, n)| matches!(n.op, Op::TopK { .. })).unwrap().1.outputs[0];
     let sum = original.nodes().find(|(_, n)| matches!(n.op, Op::Reduce { .. })).unwrap().1;
     let autotp_ir::Def::Node(reshape, _) = original.value(sum.inputs[0]).def else { panic!("the sum reads a reshape") };
     let per_pair = original.node(reshape).inputs[0];
     let mut probed = original.clone();
     probed.add_output("ids", ids);
+    probed.add_output("weights", top_k);
     probed.add_output("per_pair", per_pair);
 
-    let x_row = [0.3f32, -1.2, 0.8, -0.5, 0.9, 0.1];
-    let x = Tensor::from_f32(vec![4, 3], &[&x_row[..3], &x_row[..3], &x_row[3..], &x_row[3..]].concat());
+    let x = Tensor::from_f32(vec![4, 3], x);
     let weights: BTreeMap<String, Tensor> = (original.params().iter())
         .map(|&p| {
             let name = original.name_of(p).unwrap().to_string();
@@ -521,34 +556,42 @@ fn a_capacity_drops_each_experts_pairs_past_its_room_in_token_order() {
         })
         .collect();
     let probes = autotp_ir::eval::eval_graph(&probed, &weights, std::slice::from_ref(&x)).unwrap();
-    let (choices, results) = (&probes[1], &probes[2]);
+    let (choices, routing, results) = (&probes[1], &probes[2], &probes[3]);
     let (tokens_per_sequence, k, width, room) = (2, 2, 3, 1);
-    let mut taken = BTreeMap::new();
-    let mut want = vec![0f32; 4 * width];
-    let mut dropped = 0;
+    // Each sequence's pairs of each expert, in the order the policy keeps them.
+    let mut by_expert: BTreeMap<(usize, i64), Vec<usize>> = BTreeMap::new();
     for pair in 0..8 {
         let (token, expert) = (pair / k, choices.get_f64(pair) as i64);
-        let count = taken.entry((token / tokens_per_sequence, expert)).or_insert(0);
-        *count += 1;
-        if *count > room {
-            dropped += 1;
-            continue;
-        }
-        for j in 0..width {
-            want[token * width + j] += results.get_f64(pair * width + j) as f32;
+        by_expert.entry((token / tokens_per_sequence, expert)).or_default().push(pair);
+    }
+    if policy == DropPolicy::Probability {
+        for pairs in by_expert.values_mut() {
+            // Largest weight first; a stable sort keeps token order among equal weights.
+            pairs.sort_by(|&a, &b| routing.get_f64(b).total_cmp(&routing.get_f64(a)));
         }
     }
-    assert_eq!(dropped, 4, "the second token of each sequence repeats the first's choices");
+    let mut dropped: Vec<usize> = by_expert.values().flat_map(|pairs| pairs[room..].to_vec()).collect();
+    dropped.sort();
+    let mut want = vec![0f32; 4 * width];
+    for pair in (0..8).filter(|p| !dropped.contains(p)) {
+        for j in 0..width {
+            want[pair / k * width + j] += results.get_f64(pair * width + j) as f32;
+        }
+    }
     for ranks in [1, 2] {
         let mut graph = original.clone();
-        let capacity = Some(ExpertCapacity { sequence: tokens_per_sequence, factor: 1.0 });
+        let capacity = Some(ExpertCapacity { sequence: tokens_per_sequence, factor: 1.0, policy });
         let layout = DispatchLayout { ranks, outer: 1, inner: 1 };
         DispatchExperts { layout, capacity }.run(&mut graph).unwrap();
         let got = autotp_ir::eval::eval_graph(&graph, &weights, std::slice::from_ref(&x)).unwrap();
         let want = Tensor::from_f32(vec![4, width], &want);
         let (diff, scale) = max_abs_diff(&got[0], &want);
-        assert!(diff <= 1e-6 * scale.max(1.0), "over {ranks} ranks: {diff} from the kept pairs' sum (max {scale})");
+        assert!(
+            diff <= 1e-6 * scale.max(1.0),
+            "{policy:?} over {ranks} ranks: {diff} from the kept pairs' sum (max {scale}; dropped {dropped:?})"
+        );
     }
+    dropped
 }
 
 /// 30 AdamW steps of 8 sequences of 32 tokens with `--moe-expert-capacity-factor 1` (each of
@@ -556,7 +599,8 @@ fn a_capacity_drops_each_experts_pairs_past_its_room_in_token_order() {
 /// pairs): the same pairs drop in every layout, so every layout trains like one rank with the
 /// same capacity, and the drops change the curve from the dropless one. A factor of 2 (E / k)
 /// gives each expert room for a whole sequence: nothing drops, and it trains like the dropless
-/// model.
+/// model. With `--moe-token-drop-policy probs` other pairs drop, again the same in every
+/// layout.
 #[test]
 fn expert_capacity_drops_the_same_pairs_in_every_layout() {
     let dir = crate::common::scratch("expert-capacity");
@@ -586,5 +630,17 @@ fn expert_capacity_drops_the_same_pairs_in_every_layout() {
         let got = train_model(&dir, arch, "model.onnx", 4, &roomy);
         let (first, worst) = within_contract(&format!("{arch} capacity 2"), &got, &dropless);
         println!("{arch}: capacity 2 (room for a whole sequence): step 1 {first:.2e}, worst {worst:.2e}");
+        // Megatron's `probs` policy keeps other pairs, the same in every layout.
+        let probs = [&capacity[..], &["--moe-token-drop-policy", "probs"]].concat();
+        let by_weight = train_model(&dir, arch, "model.onnx", 8, &probs);
+        let change = (by_weight[0] - single[0]).abs() / single[0].abs();
+        println!("{arch}: probs against position at step 1: {change:.2e} relative");
+        assert!(change > 1e-5, "{arch}: the probs policy drops other pairs than the position policy");
+        for &(micro_batch, flags) in &layouts[1..5] {
+            let got = train_model(&dir, arch, "model.onnx", micro_batch, &[&probs[..], flags].concat());
+            let label = format!("{arch} capacity 1 probs {}", flags.join(" "));
+            let (first, worst) = within_contract(&label, &got, &by_weight);
+            println!("{label}: step 1 {first:.2e}, worst {worst:.2e} relative to one rank");
+        }
     }
 }

@@ -117,7 +117,7 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
             // expert-dispatch:RANKS[:outer=G][:cp=CP][:capacity=F/S]: G groups of RANKS
             // expert-parallel ranks, each rank's tokens split over CP context ranks; each
             // expert's pairs bounded by capacity factor F, counted per sequence of S tokens.
-            let usage = "expert-dispatch:RANKS[:outer=G][:cp=CP][:capacity=F/S]";
+            let usage = "expert-dispatch:RANKS[:outer=G][:cp=CP][:capacity=F/S][:probs]";
             let mut parts = argument.split(':');
             let ranks = parts.next().and_then(|r| r.parse().ok()).expect(usage);
             let mut layout = autotp_passes::expert_dispatch::DispatchLayout { ranks, outer: 1, inner: 1 };
@@ -131,7 +131,12 @@ fn pass_by_name(spec: &str) -> Box<dyn Pass> {
                         capacity = Some(autotp_passes::expert_dispatch::ExpertCapacity {
                             factor: factor.parse().expect(usage),
                             sequence: sequence.parse().expect(usage),
+                            policy: Default::default(),
                         });
+                    }
+                    None if part == "probs" => {
+                        let capacity = capacity.as_mut().expect("probs follows the capacity");
+                        capacity.policy = autotp_passes::expert_dispatch::DropPolicy::Probability;
                     }
                     _ => panic!("{usage}"),
                 }

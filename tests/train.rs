@@ -110,16 +110,23 @@ fn model_families_train_like_pytorch() {
 /// first 16 of a sequence's 64 (token, choice) pairs) against PyTorch's curve of the same
 /// capacity (make_training_fixtures.py `with_capacity`), on one rank and over 2 expert-parallel
 /// ranks.
+/// Both drop policies: `position` (the first pairs) and `probs` (the pairs of the largest
+/// routing weights, `mixtral_capacity_probs_adamw.json`).
 #[test]
 fn mixtral_with_an_expert_capacity_trains_like_pytorch() {
-    let capacity = ["--moe-expert-capacity-factor", "1"];
-    let layouts: [(usize, &[&str]); 2] = [(8, &[]), (4, &["--dp", "2", "--ep", "2"])];
-    for (micro_batch, layout) in layouts {
-        let flags = [&capacity[..], layout].concat();
-        let (relative, summary) =
-            curve_against("mixtral", "mixtral_capacity_adamw.json", "tokens.bin", micro_batch, &flags);
-        assert!(summary.contains("capacity factor 1"), "{summary}");
-        assert_within_contract(&format!("mixtral {}", flags.join(" ")), &relative);
+    let policies = [
+        ("position", "mixtral_capacity_adamw.json", "its first"),
+        ("probs", "mixtral_capacity_probs_adamw.json", "those of the largest routing weights"),
+    ];
+    for (policy, reference, kept) in policies {
+        let capacity = ["--moe-expert-capacity-factor", "1", "--moe-token-drop-policy", policy];
+        let layouts: [(usize, &[&str]); 2] = [(8, &[]), (4, &["--dp", "2", "--ep", "2"])];
+        for (micro_batch, layout) in layouts {
+            let flags = [&capacity[..], layout].concat();
+            let (relative, summary) = curve_against("mixtral", reference, "tokens.bin", micro_batch, &flags);
+            assert!(summary.contains("capacity factor 1") && summary.contains(kept), "{summary}");
+            assert_within_contract(&format!("mixtral {}", flags.join(" ")), &relative);
+        }
     }
 }
 

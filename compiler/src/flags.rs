@@ -86,8 +86,9 @@ pub struct CompileFlags {
     #[serde(default)]
     pub moe_expert_capacity_factor: Option<f64>,
     /// Which pairs a capacity drops: `position`, each expert's last in token order (DeepSpeed's
-    /// and Megatron's `position`), the only policy autotp has (Megatron's default, `probs`,
-    /// drops the lowest routing probabilities).
+    /// and Megatron's `position`), or `probs`, those of the smallest routing weights (Megatron's
+    /// `probs`, its default: the weights the router multiplies the experts' results by; equal
+    /// weights keep token order).
     #[arg(long, value_enum, default_value = "position")]
     #[serde(default)]
     pub moe_token_drop_policy: TokenDropPolicy,
@@ -568,6 +569,18 @@ pub enum TokenDropPolicy {
     /// The pairs after the first `capacity` of an expert's in token order.
     #[default]
     Position,
+    /// The pairs after the `capacity` of an expert's largest routing weights.
+    Probs,
+}
+
+impl TokenDropPolicy {
+    /// The expert-dispatch pass's policy.
+    pub fn policy(self) -> autotp_passes::expert_dispatch::DropPolicy {
+        match self {
+            TokenDropPolicy::Position => autotp_passes::expert_dispatch::DropPolicy::Position,
+            TokenDropPolicy::Probs => autotp_passes::expert_dispatch::DropPolicy::Probability,
+        }
+    }
 }
 
 /// `--kernels`.

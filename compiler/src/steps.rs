@@ -466,8 +466,11 @@ pub fn steps(options: &CompileOptions, model: &ModelFacts, weights: &Weights, pu
         steps.push(pass(Box::new(autotp_passes::dce::Dce)));
     }
     steps.push(pass(Box::new(autotp_passes::loss::AttachLoss)));
-    let capacity = (flags.moe_expert_capacity_factor)
-        .map(|factor| autotp_passes::expert_dispatch::ExpertCapacity { sequence: flags.seq_len, factor });
+    let capacity = (flags.moe_expert_capacity_factor).map(|factor| autotp_passes::expert_dispatch::ExpertCapacity {
+        sequence: flags.seq_len,
+        factor,
+        policy: flags.moe_token_drop_policy.policy(),
+    });
     if flags.ep > 1 || capacity.is_some() {
         // The experts' ranks are groups of the data-parallel ranks; each sends its own part of
         // a context-parallel sequence. A capacity alone lays the pairs out by expert, each rank

@@ -342,13 +342,17 @@ fn causal_work_line(order: SequenceOrder, seq_len: usize, cp: usize) -> String {
 /// expert capacity (`--moe-expert-capacity-factor`), which bounds them.
 fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
     use autotp_program::mesh::{expert_axis, CONTEXT_AXIS, DATA_AXIS};
-    let capacity_factor = (plan.training.compile_flags.as_ref())
-        .and_then(|recorded| crate::CompileFlags::from_recorded(recorded).ok())
-        .and_then(|flags| flags.moe_expert_capacity_factor);
+    let flags =
+        (plan.training.compile_flags.as_ref()).and_then(|recorded| crate::CompileFlags::from_recorded(recorded).ok());
+    let capacity_factor = flags.as_ref().and_then(|flags| flags.moe_expert_capacity_factor);
+    let kept = match flags.map(|flags| flags.moe_token_drop_policy) {
+        Some(crate::flags::TokenDropPolicy::Probs) => "those of the largest routing weights",
+        _ => "its first",
+    };
     let room = match capacity_factor {
         Some(factor) => format!(
-            "capacity factor {factor}: room for each expert's first ceil({factor} x S x k / E) pairs of each sequence, \
-             the pairs past it dropped"
+            "capacity factor {factor}: each expert keeps ceil({factor} x S x k / E) of each sequence's pairs, {kept}, \
+             and drops the others"
         ),
         None => "dropless: room for every pair of a rank with each destination, of which only the pairs the \
                  routing sends there go"
@@ -356,7 +360,7 @@ fn expert_parallel_lines(plan: &TrainingPlan) -> Vec<String> {
     };
     let mut lines = Vec::new();
     if capacity_factor.is_some() && plan.stages.iter().all(|p| expert_axis(&p.mesh).is_none()) {
-        lines.push(format!("  experts: {room} (by position in the sequence; every rank holds every expert)"));
+        lines.push(format!("  experts: {room} (every rank holds every expert)"));
     }
     for (s, program) in plan.stages.iter().enumerate() {
         let axis_of = |name: &str| program.mesh.iter().position(|a| a.name == name);

@@ -28,9 +28,11 @@
 //! gathers as it does any other op.
 //!
 //! With an expert capacity ([`ExpertCapacity`], `--moe-expert-capacity-factor`) each expert
-//! takes at most `C` of each sequence's pairs, the first in token order, and the model changes
+//! takes at most `C` of each sequence's pairs, the first in token order ([`DropPolicy`]'s
+//! `Position`) or those of the largest routing weights (`Probability`), and the model changes
 //! on purpose: a pair past its expert's room is dropped (its result reads as zeros). The slot
-//! is then the pair's count among its sequence's earlier pairs of the same expert, and a
+//! is then the pair's count among its sequence's earlier pairs of the same expert (or its
+//! token's rank for the expert by weight, [`Room::ranks_by_weight`]), and a
 //! destination's block holds each of its experts' room for each of the source's sequences,
 //! `pos = dest * room + (sequence * E/n + expert % (E/n)) * C + slot`: `room = sequences x E/n
 //! x C` rows in place of `P_s`, about `F / n` of them. A dropped pair is scattered past the
@@ -42,7 +44,8 @@
 //! reshapes, slices, reductions and softmaxes that keep dim 0), reading per-pair values or
 //! values with no pair dim; it ends where an op mixes pairs (the sum over a token's choices).
 //!
-//! Tests: tests/golden/expert_dispatch*.ir, tests/expert_parallel.rs.
+//! Tests: tests/golden/expert_dispatch*.ir, tests/expert_parallel.rs (capacities: `capacity_case`
+//! and the layouts' curves), tests/train.rs (against PyTorch's curves of both policies).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -74,10 +77,10 @@ impl DispatchExperts {
     }
 }
 
-/// Megatron's `--moe-expert-capacity-factor` with its `position` drop policy, counted per
-/// sequence: each expert takes at most `ceil(factor x S x k / E)` of a sequence's `S x k`
-/// (token, choice) pairs (Megatron's `get_capacity` of a rank's tokens; never fewer than 1 nor
-/// more than `S`, the most a sequence can route to one expert), the first in token order; a
+/// Megatron's `--moe-expert-capacity-factor` with its drop policies, counted per sequence:
+/// each expert takes at most `ceil(factor x S x k / E)` of a sequence's `S x k` (token,
+/// choice) pairs (Megatron's `get_capacity` of a rank's tokens; never fewer than 1 nor more
+/// than `S`, the most a sequence can route to one expert), chosen by `policy`; a
 /// pair past its expert's capacity is dropped: its expert's result reads as zeros and nothing
 /// flows back through it. Counted per sequence, the same pairs drop on one device and in
 /// every layout that keeps sequences whole (Megatron counts a rank's micro-batch, so its drops
@@ -87,6 +90,18 @@ pub struct ExpertCapacity {
     /// Tokens per sequence.
     pub sequence: usize,
     pub factor: f64,
+    pub policy: DropPolicy,
+}
+
+/// Which of a sequence's pairs an expert keeps when more are routed to it than its room.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum DropPolicy {
+    /// The first in token order (Megatron's and DeepSpeed's `position`).
+    #[default]
+    Position,
+    /// Those of the largest routing weights, the weights the router multiplies the experts'
+    /// results by; equal weights keep token order (Megatron's `probs`, its default).
+    Probability,
 }
 
 impl ExpertCapacity {
@@ -120,6 +135,9 @@ struct Mixture {
     /// The tables looked up, for messages.
     tables: Vec<String>,
     region: BTreeSet<NodeId>,
+    /// The routing weights that multiply the pairs' results inside the computation (a value
+    /// of `P` elements in pair order, before any reshape to `[P, 1]`), if it has one.
+    weights: Option<ValueId>,
 }
 
 /// The pairs' count of a per-pair value: its dim 0.
@@ -268,9 +286,44 @@ fn mixtures(graph: &Graph) -> Result<Vec<Mixture>, PassError> {
                 values.extend(node.outputs.iter().copied());
             }
         }
-        found.push(Mixture { ids, aliases, experts, choices, tables, region });
+        let weights = routing_weights(graph, &region, &values, pairs);
+        found.push(Mixture { ids, aliases, experts, choices, tables, region, weights });
     }
     Ok(found)
+}
+
+/// The routing weights of a mixture's computation: the one float per-pair value from outside
+/// it that multiplies a value inside, followed back through its reshapes (a router's `[T, k]`
+/// weights reshaped to `[P, 1]`); `None` when there is no such value, or several.
+fn routing_weights(
+    graph: &Graph,
+    region: &BTreeSet<NodeId>,
+    values: &BTreeSet<ValueId>,
+    pairs: usize,
+) -> Option<ValueId> {
+    let mut found = BTreeSet::new();
+    for &n in region {
+        let node = graph.node(n);
+        if node.op != Op::Binary(BinaryOp::Mul) || !node.inputs.iter().any(|v| values.contains(v)) {
+            continue;
+        }
+        for &v in &node.inputs {
+            let ty = graph.ty(v);
+            if !values.contains(&v) && ty.dtype.is_float() && ty.numel() == pairs && is_pair_value(graph, v, pairs) {
+                found.insert(v);
+            }
+        }
+    }
+    let [weights] = found.into_iter().collect::<Vec<_>>()[..] else { return None };
+    let mut source = weights;
+    while let Def::Node(n, _) = graph.value(source).def {
+        let node = graph.node(n);
+        match node.op {
+            Op::Reshape { .. } if graph.ty(node.inputs[0]).numel() == pairs => source = node.inputs[0],
+            _ => break,
+        }
+    }
+    Some(source)
 }
 
 /// How the pairs' sources lie around the expert-parallel ranks: every data rank holds its own
@@ -355,6 +408,7 @@ impl Dispatch {
     fn new(
         g: &mut Graph,
         ids: ValueId,
+        weights: Option<ValueId>,
         experts: usize,
         layout: DispatchLayout,
         room: Option<Room>,
@@ -377,8 +431,15 @@ impl Dispatch {
         // destination's block.
         let sequences = per_source / room.per_sequence;
         let by_sequence = [&layout.sources()[..], &[sequences, room.per_sequence, 1]].concat();
-        let ids = add(g, Op::Reshape { shape: by_sequence }, vec![ids])?;
-        let slot = slots(g, ids, experts, 4)?;
+        let ranked = match room.policy {
+            DropPolicy::Position => None,
+            DropPolicy::Probability => Some(room.ranks_by_weight(g, ids, weights, experts)?),
+        };
+        let ids = add(g, Op::Reshape { shape: by_sequence.clone() }, vec![ids])?;
+        let slot = match ranked {
+            None => slots(g, ids, experts, 4)?,
+            Some(ranked) => add(g, Op::Reshape { shape: by_sequence }, vec![ranked])?,
+        };
         let per_expert = scalar(g, room.per_expert as i64)?;
         let kept = binary(g, BinaryOp::Less, slot, per_expert)?;
         let block = scalar(g, (experts / n) as i64)?;
@@ -512,6 +573,87 @@ impl Dispatch {
 struct Room {
     per_sequence: usize,
     per_expert: usize,
+    /// The tokens' choices per pair of a sequence: `per_sequence / choices` tokens.
+    choices: usize,
+    policy: DropPolicy,
+}
+
+impl Room {
+    /// Under [`DropPolicy::Probability`], each pair's slot in its expert's room for its
+    /// sequence, i64 `[P]` (`ids`, new id, `P` elements in pair order): per sequence, each
+    /// expert's tokens ranked by the weight of the pair that routes them to it (`weights`, new
+    /// id), largest first, by a top-k over the tokens of `[sequences, S, E]` weights (`-inf`
+    /// where a token does not choose the expert; equal weights keep token order); a pair's
+    /// slot is its token's rank, the room itself when it is not among the first.
+    fn ranks_by_weight(
+        &self,
+        g: &mut Graph,
+        ids: ValueId,
+        weights: Option<ValueId>,
+        experts: usize,
+    ) -> Result<ValueId, PassError> {
+        let Some(weights) = weights else {
+            return Err(invalid(
+                "--moe-token-drop-policy probs ranks each expert's pairs by their routing weights, and a mixture's \
+                 computation multiplies its results by no one per-pair weight"
+                    .into(),
+            ));
+        };
+        let pairs = g.ty(ids).numel();
+        let (sequences, tokens, k) = (pairs / self.per_sequence, self.per_sequence / self.choices, self.choices);
+        let dtype = g.ty(weights).dtype;
+        let by_choice = vec![sequences, tokens, k, 1];
+        let ids = add(g, Op::Reshape { shape: by_choice.clone() }, vec![ids])?;
+        let weights = add(g, Op::Reshape { shape: by_choice }, vec![weights])?;
+        let class_seq = constant(g, Tensor::from_i64(vec![experts], &(0..experts as i64).collect::<Vec<_>>()))?;
+        let chosen = binary(g, BinaryOp::Equal, ids, class_seq)?;
+        let zero = constant(g, Tensor::from_f64_values(dtype, vec![], &[0.0]))?;
+        let chosen_weights = add(g, Op::Select, vec![chosen, weights, zero])?;
+        let by_expert =
+            add(g, Op::Reduce { op: ReduceOp::Sum, axes: vec![2], keep_dims: false }, vec![chosen_weights])?;
+        let chosen = add(g, Op::Cast { to: DType::F32 }, vec![chosen])?;
+        let choices = add(g, Op::Reduce { op: ReduceOp::Sum, axes: vec![2], keep_dims: false }, vec![chosen])?;
+        let none = constant(g, Tensor::from_f64_values(DType::F32, vec![], &[0.0]))?;
+        let routed = binary(g, BinaryOp::Greater, choices, none)?;
+        let unrouted = constant(g, Tensor::from_f64_values(dtype, vec![], &[f64::NEG_INFINITY]))?;
+        let scores = add(g, Op::Select, vec![routed, by_expert, unrouted])?;
+        let room = self.per_expert;
+        let top = g
+            .add_node(Op::TopK { axis: 1, k: room, largest: true }, vec![scores], 2)
+            .map_err(|e| invalid(format!("topk of the routing weights: {e}")))?;
+        let top = g.node(top).outputs[1];
+        // Each kept token's rank + 1 at its place, 0 elsewhere: `[sequences, S, E]`.
+        let ranks: Vec<f64> = (1..=room).map(|r| r as f64).collect();
+        let ranks = constant(g, Tensor::from_f64_values(DType::F32, vec![1, room, 1], &ranks))?;
+        let ranks = add(g, Op::Expand { shape: vec![sequences, room, experts] }, vec![ranks])?;
+        let rank_of = add(g, Op::ScatterElements { axis: 1, size: tokens }, vec![top, ranks])?;
+        let ids = add(g, Op::Reshape { shape: vec![sequences, tokens, k] }, vec![ids])?;
+        let rank = add(g, Op::GatherElements { axis: 2 }, vec![rank_of, ids])?;
+        // Rank 0 (not among the top) becomes the room itself: dropped.
+        let kept = binary(g, BinaryOp::Greater, rank, none)?;
+        let one = constant(g, Tensor::from_f64_values(DType::F32, vec![], &[1.0]))?;
+        let slot = binary(g, BinaryOp::Sub, rank, one)?;
+        let past = constant(g, Tensor::from_f64_values(DType::F32, vec![], &[room as f64]))?;
+        let slot = add(g, Op::Select, vec![kept, slot, past])?;
+        let slot = add(g, Op::Cast { to: DType::I64 }, vec![slot])?;
+        add(g, Op::Reshape { shape: vec![pairs] }, vec![slot])
+    }
+}
+
+/// A mixture's routing weights in the graph being rewritten, where a capacity ranks by them;
+/// they must be made before the mixture's computation starts.
+fn routing_weights_at(rw: &Rewriter, mixture: &Mixture, room: Option<Room>) -> Result<Option<ValueId>, PassError> {
+    if room.is_none_or(|r| r.policy != DropPolicy::Probability) {
+        return Ok(None);
+    }
+    let Some(weights) = mixture.weights else { return Ok(None) };
+    rw.mapped(weights).map(Some).ok_or_else(|| {
+        invalid(format!(
+            "--moe-token-drop-policy probs ranks the pairs of the mixture routed by {} by their routing weights, \
+             which the model computes after its experts' lookups",
+            mixture.tables.join(", ")
+        ))
+    })
 }
 
 /// `op` with its attributes that name dim 0's length (`pairs`) naming `rows` instead.
@@ -563,6 +705,8 @@ impl Pass for DispatchExperts {
             let room = self.capacity.map(|capacity| Room {
                 per_sequence: capacity.sequence * mixture.choices,
                 per_expert: capacity.per_expert(mixture.choices, mixture.experts),
+                choices: mixture.choices,
+                policy: capacity.policy,
             });
             if let Some(room) =
                 room.filter(|r| r.per_sequence == 0 || !(pairs / sources).is_multiple_of(r.per_sequence))
@@ -603,7 +747,8 @@ impl Pass for DispatchExperts {
                 Some(dispatch) => dispatch,
                 empty => {
                     let ids = rw.map(mixture.ids);
-                    empty.insert(Dispatch::new(rw.graph(), ids, mixture.experts, self.layout, rooms[m])?)
+                    let weights = routing_weights_at(&rw, mixture, rooms[m])?;
+                    empty.insert(Dispatch::new(rw.graph(), ids, weights, mixture.experts, self.layout, rooms[m])?)
                 }
             };
             let mut inputs = Vec::with_capacity(node.inputs.len());
@@ -676,10 +821,16 @@ fn drop_in_place(
                 Some(kept) => kept,
                 None => {
                     let ids = rw.map(mixture.ids);
+                    let weights = routing_weights_at(&rw, mixture, Some(room))?;
                     let g = rw.graph();
                     let by_sequence = vec![pairs / room.per_sequence, room.per_sequence, 1];
-                    let ids = add(g, Op::Reshape { shape: by_sequence }, vec![ids])?;
-                    let slot = slots(g, ids, mixture.experts, 1)?;
+                    let slot = match room.policy {
+                        DropPolicy::Position => {
+                            let ids = add(g, Op::Reshape { shape: by_sequence }, vec![ids])?;
+                            slots(g, ids, mixture.experts, 1)?
+                        }
+                        DropPolicy::Probability => room.ranks_by_weight(g, ids, weights, mixture.experts)?,
+                    };
                     let per_expert = scalar(g, room.per_expert as i64)?;
                     let within = binary(g, BinaryOp::Less, slot, per_expert)?;
                     *kept[m].insert(add(g, Op::Reshape { shape: vec![pairs, 1] }, vec![within])?)

@@ -327,8 +327,12 @@ fn enumerate_layouts(
     let mut wanted: Vec<Cut> = Vec::new();
     let mut seen: std::collections::BTreeSet<Cut> = Default::default();
     let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked by the caller");
-    let capacity =
-        (request.moe_expert_capacity_factor).map(|factor| ExpertCapacity { sequence: request.seq_len, factor });
+    // The drop policy changes which pairs drop, not the rows: the search sizes by position.
+    let capacity = (request.moe_expert_capacity_factor).map(|factor| ExpertCapacity {
+        sequence: request.seq_len,
+        factor,
+        policy: Default::default(),
+    });
     // ZeRO-Offload frees a GPU's memory (the optimizer; with ZeRO-3 its parameter shards too);
     // CPU ranks' host is the memory they run in. (optimizer, parameters)
     let offloads: &[(bool, bool)] =
