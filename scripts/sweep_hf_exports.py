@@ -395,6 +395,15 @@ def pytorch_curve(model):
     return contract_curve(model, np.fromfile(TOKENS, dtype=np.uint16), CURVE_G, CURVE_S, CURVE_STEPS)
 
 
+def name_buffers(exported, model, path):
+    """Saves `exported` (the export of `model`) to `path` with its float buffers named in its
+    metadata (`autotp.buffers`), so that autotp does not train what PyTorch does not."""
+    entry = exported.metadata_props.add()
+    initializers = {t.name for t in exported.graph.initializer}
+    entry.key, entry.value = "autotp.buffers", ",".join(buffers_of(model, initializers))
+    onnx.save(exported, path)
+
+
 def annotate_apart(model_type, path):
     """Apart, as the export: names the export's buffers in its metadata (`autotp.buffers`, so
     that autotp does not train them either) and writes PyTorch's curve beside the model
@@ -408,10 +417,7 @@ def annotate_apart(model_type, path):
     def work(stage):
         model = tiny_model(model_type)
         if not annotated:
-            entry = exported.metadata_props.add()
-            initializers = {t.name for t in exported.graph.initializer}
-            entry.key, entry.value = "autotp.buffers", ",".join(buffers_of(model, initializers))
-            onnx.save(exported, path)
+            name_buffers(exported, model, path)
         if not os.path.exists(curve):
             stage[0] = "PyTorch's training"
             with open(curve, "w") as f:
@@ -487,11 +493,7 @@ def f64_check(model_type, path):
                 with torch.no_grad():
                     np.save(logits, Logits(model)(ids).numpy())
                 export_for_training(model, wide, "dynamo" if exporter == "dynamo" else "legacy", opset, ids)
-                exported = onnx.load(wide)
-                entry = exported.metadata_props.add()
-                initializers = {t.name for t in exported.graph.initializer}
-                entry.key, entry.value = "autotp.buffers", ",".join(buffers_of(model, initializers))
-                onnx.save(exported, wide)
+                name_buffers(onnx.load(wide), model, wide)
             if not os.path.exists(curve):
                 stage[0] = "PyTorch's f64 training"
                 with open(curve, "w") as f:

@@ -134,7 +134,13 @@ fn every_fixtures_step_stays_on_the_gpu() {
         for (name, flags) in [("f32", &[][..]), ("bf16", &["--precision", "bf16", "--attention", "fused"][..])] {
             let plan = dir.join(format!("{arch}-{name}.atp"));
             compile(model, &plan, &[&["--micro-batch", "2"][..], flags].concat());
-            let program = PlanFile::open(&plan).unwrap().plan.stages.remove(0);
+            let plan = PlanFile::open(&plan).unwrap().plan;
+            // An f64 model (llama_f64) checks a model's semantics on the CPU; its kernels have
+            // no GPU forms, nor mixed precision.
+            if plan.params().iter().any(|(_, slot)| slot.dtype == DType::F64) {
+                break;
+            }
+            let program = plan.stages.into_iter().next().unwrap();
             for instruction in &program.instructions {
                 let Instruction::Kernel { kernel, gpu: None, label, .. } = instruction else { continue };
                 let on_cublas = match kernel {

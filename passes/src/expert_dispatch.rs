@@ -584,7 +584,8 @@ impl Room {
     /// expert's tokens ranked by the weight of the pair that routes them to it (`weights`, new
     /// id), largest first, by a top-k over the tokens of `[sequences, S, E]` weights (`-inf`
     /// where a token does not choose the expert; equal weights keep token order); a pair's
-    /// slot is its token's rank, the room itself when it is not among the first.
+    /// slot is its token's rank, or the room itself when the token is not among the first
+    /// `room` for the expert.
     fn ranks_by_weight(
         &self,
         g: &mut Graph,

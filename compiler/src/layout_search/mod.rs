@@ -327,7 +327,8 @@ fn enumerate_layouts(
     let mut wanted: Vec<Cut> = Vec::new();
     let mut seen: std::collections::BTreeSet<Cut> = Default::default();
     let smallest_micro_batch = *request.micro_batches.iter().min().expect("checked by the caller");
-    // The drop policy changes which pairs drop, not the rows: the search sizes by position.
+    // The drop policy changes which pairs drop, not the rows: the search sizes by position
+    // (`probs` adds its ranking's `[sequences, S, k, E]` temporaries, which it leaves out).
     let capacity = (request.moe_expert_capacity_factor).map(|factor| ExpertCapacity {
         sequence: request.seq_len,
         factor,
