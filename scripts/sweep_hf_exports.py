@@ -471,11 +471,11 @@ F64_LOGITS_TOLERANCE, F64_TOLERANCE = 1e-12, 1e-9
 
 
 def f64_check(model_type, path):
-    """The training check of the same model in f64 throughout (make_fixtures'
-    float64_throughout: Hugging Face's f32 casts in norms, rotary tables and softmax become f64
-    too), exported as `path` was, against PyTorch's f64 curve (curve-f64.json beside
-    curve.json): the worst relative difference when within F64_TOLERANCE at every step, else
-    how far it is or why it did not run."""
+    """The training check of the same model (the same weights) in f64 throughout
+    (make_fixtures' float64_throughout: Hugging Face's f32 casts in norms, rotary tables and
+    softmax become f64 too), exported as `path` was, against PyTorch's f64 curve
+    (curve-f64.json beside curve.json): the worst relative difference when within
+    F64_TOLERANCE at every step, else how far it is or why it did not run."""
     exporter = os.path.basename(os.path.dirname(path))
     opset = int(os.path.basename(path)[len(exporter):-len(".onnx")])
     wide = path.replace(".onnx", "-f64.onnx")
@@ -486,10 +486,12 @@ def f64_check(model_type, path):
 
     def work(stage):
         ids = torch.from_numpy(np.load(ids_path))
+        # The f32 row's weights (built outside: an f64 default would draw others).
+        model, trained = tiny_model(model_type), tiny_model(model_type)
         with float64_throughout():
+            model, trained = model.double(), trained.double()
             if not os.path.exists(wide):
                 stage[0] = "f64 export"
-                model = tiny_model(model_type).double()
                 with torch.no_grad():
                     np.save(logits, Logits(model)(ids).numpy())
                 export_for_training(model, wide, "dynamo" if exporter == "dynamo" else "legacy", opset, ids)
@@ -497,7 +499,7 @@ def f64_check(model_type, path):
             if not os.path.exists(curve):
                 stage[0] = "PyTorch's f64 training"
                 with open(curve, "w") as f:
-                    json.dump(pytorch_curve(tiny_model(model_type).double()), f)
+                    json.dump(pytorch_curve(trained), f)
     failure = run_apart(work, path + ".failure")
     if failure:
         return failure
